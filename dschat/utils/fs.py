@@ -1,0 +1,64 @@
+"""Crash-safe writes: a reader never sees a half-written file or folder.
+
+Files and folders are written under a temporary name beside their target and renamed into place
+only once complete (``os.replace`` is atomic on POSIX within one filesystem).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+
+    On an exception the temporary file is removed and ``path`` is left as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def _partial_name(path: Path, tag: str) -> Path:
+    return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``path``; on success it takes ``path``'s place.
+
+    A previous folder at ``path`` stays intact until the new one is complete; it is then moved
+    aside and deleted. On an exception the temporary folder is deleted and ``path`` is untouched.
+    A crash can at worst leave hidden ``.<name>.partial-*`` / ``.<name>.old-*`` siblings, never a
+    half-written ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _partial_name(path, "partial")
+    tmp.mkdir()
+    try:
+        yield tmp
+        old = None
+        if path.exists():
+            old = _partial_name(path, "old")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
