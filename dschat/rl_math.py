@@ -54,6 +54,7 @@ __all__ = [
     "dpo_label_mask",
     "DPOOutput",
     "dpo_loss",
+    "causal_lm_loss",
 ]
 
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -619,3 +620,25 @@ def dpo_loss(
 def _check_reward_at(reward_at: str) -> None:
     if reward_at not in _REWARD_AT:
         raise ValueError(f"reward_at must be one of {_REWARD_AT}, got {reward_at!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised fine-tuning
+# ---------------------------------------------------------------------------------------------
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, *, fp32: bool = True) -> torch.Tensor:
+    """Mean next-token cross-entropy; positions labelled -100 are ignored.
+
+    Token t's logits predict label t+1 (the shift every causal LM uses). ``fp32`` upcasts the
+    logits first (upstream's ``--compute_fp32_loss``).
+
+    Shape: logits (B, T, V), labels (B, T) -> scalar.
+    """
+    shift_logits = logits[..., :-1, :]
+    if fp32:
+        shift_logits = shift_logits.float()
+    shift_labels = labels[..., 1:]
+    return torch.nn.functional.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.reshape(-1), ignore_index=-100
+    )

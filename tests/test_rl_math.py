@@ -753,3 +753,20 @@ def test_masked_whiten_zero_mean_unit_variance_over_mask():
     unshifted = rm.masked_whiten(x, mask, shift_mean=False)[mask]
     assert float(unshifted.mean()) == pytest.approx(float(x[mask].mean()), abs=1e-9)
     assert float(unshifted.var()) == pytest.approx(1.0, abs=1e-6)
+
+
+def test_causal_lm_loss_shifts_and_ignores_masked_labels():
+    from dschat.rl_math import causal_lm_loss
+
+    # Vocabulary of 2, uniform logits except position 0 strongly predicts token 1.
+    logits = torch.zeros(1, 3, 2)
+    logits[0, 0] = torch.tensor([0.0, 10.0])
+    labels = torch.tensor([[0, 1, -100]])
+    # Shifted: position 0 predicts label 1 -> -log softmax([0, 10])[1] = log(1 + e^-10);
+    # position 1 predicts -100 -> ignored. Mean over one token.
+    expected = math.log(1 + math.exp(-10.0))
+    assert causal_lm_loss(logits, labels).item() == pytest.approx(expected, abs=1e-6)  # fp32 rounding
+    # The same loss HF models compute for labels=input_ids with -100 on padding.
+    labels2 = torch.tensor([[0, 0, 1]])
+    manual = (math.log(1 + math.exp(10.0)) + math.log(2.0)) / 2  # -log p(0|pos0), -log p(1|pos1)
+    assert causal_lm_loss(logits, labels2).item() == pytest.approx(manual, rel=1e-5)

@@ -1,0 +1,131 @@
+"""Batch collators for steps 2 and 3, the PPO experience splitter, and a sampler-epoch helper.
+
+Step 1 (and the PPO-ptx loader) use ``transformers.default_data_collator``, as upstream.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+__all__ = ["DataCollatorReward", "DataCollatorRLHF", "MiniDataset", "set_epoch_if_distributed"]
+
+
+class DataCollatorReward:
+    """Step 2: stack pairs as ``[chosen_1 .. chosen_B; rejected_1 .. rejected_B]``.
+
+    Input: B phase-2 items ``(c_ids, c_mask, r_ids, r_mask)``, each ``(1, L)``.
+    Returns ``{"input_ids", "attention_mask"}``, each ``(2B, L)``: the reward model splits the batch
+    in half (first half chosen). No labels (upstream).
+    """
+
+    def __call__(self, data: Sequence[Sequence[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {
+            "input_ids": torch.cat([f[0] for f in data] + [f[2] for f in data], dim=0),
+            "attention_mask": torch.cat([f[1] for f in data] + [f[3] for f in data], dim=0),
+        }
+
+
+class DataCollatorRLHF:
+    """Step 3: left-padded prompts exactly ``max_token_len`` wide (upstream's flip trick, DSE #457).
+
+    Items hold *reversed* prompts (``PromptItem``). Right-padding the reversed rows and flipping the
+    batch back yields left-padded, right-aligned prompts, so every generated answer starts at the
+    same column. The tokenizer itself stays right-padded for steps 1-2 (#601).
+
+    Returns ``{"prompt", "prompt_att_mask"}``, each ``(B, max_token_len)`` (wider only if a prompt
+    is longer, which phase-3 filtering prevents). ``inference_tp_size`` is stored but unused, as
+    upstream.
+    """
+
+    def __init__(self, max_token_len: int, inference_tp_size: int = 1) -> None:
+        self.max_token_len = max_token_len
+        self.inference_tp_size = inference_tp_size
+
+    def __call__(self, data: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+        pad_token_id = data[-1][-1]
+        prompt = pad_sequence([f[0] for f in data], padding_value=pad_token_id, batch_first=True)
+        prompt_mask = pad_sequence([f[1] for f in data], padding_value=0, batch_first=True)
+        pad_length = self.max_token_len - prompt.size(-1)
+        if pad_length > 0:
+            prompt = F.pad(prompt, pad=(0, pad_length), mode="constant", value=pad_token_id)
+            prompt_mask = F.pad(prompt_mask, pad=(0, pad_length), mode="constant", value=0)
+        return {"prompt": prompt.flip(1), "prompt_att_mask": prompt_mask.flip(1)}
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, dict):
+        return {k: v[start:stop] for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # NamedTuple: keep its type
+        return type(batch)(*(x[start:stop] for x in batch))
+    if isinstance(batch, (list, tuple)):
+        return [x[start:stop] for x in batch]
+    return batch[start:stop]
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, dict):
+        return len(batch[next(iter(batch))])
+    if isinstance(batch, (list, tuple)):
+        return len(batch[0])
+    return len(batch)
+
+
+class MiniDataset:
+    """Collects ``max_size`` large batches, then splits them into ``small_batch_size`` pieces.
+
+    Step 3 gathers ``generation_batches`` rollouts, then trains on micro-batches of
+    ``per_device_training_batch_size``. A large batch may be a dict (per key), a list/tuple (per
+    element; returned as a list, as upstream), a NamedTuple (kept as its type; upstream's
+    ``type(x) == tuple`` test sliced a NamedTuple's fields instead of its rows) or a tensor.
+    """
+
+    def __init__(self, max_size: int, small_batch_size: int) -> None:
+        self.dataset: list[Any] = []
+        self.max_size = max_size
+        self.small_batch_size = small_batch_size
+
+    def separate(self) -> list[Any]:
+        """Split every stored large batch into small ones, in order; empties the buffer."""
+        small_dataset = []
+        for large_batch in self.dataset:
+            for i in range(0, _batch_size(large_batch), self.small_batch_size):
+                small_dataset.append(_slice(large_batch, i, i + self.small_batch_size))
+        self.free()
+        return small_dataset
+
+    # Upstream's spelling.
+    seperate = separate
+
+    def add(self, data: Any) -> list[Any] | None:
+        """Store ``data``; once ``max_size`` batches are held, return them split (else None)."""
+        if len(self.dataset) >= self.max_size:
+            raise ValueError("The dataset is full but we did not stop it. There is a bug in the code.")
+        self.dataset.append(data)
+        if len(self.dataset) == self.max_size:
+            return self.separate()
+        return None
+
+    def free(self) -> None:
+        self.dataset = []
+
+
+def set_epoch_if_distributed(loader_or_sampler: Any, epoch: int) -> bool:
+    """Call ``set_epoch(epoch)`` on a DataLoader's sampler (or a sampler) if it has one.
+
+    Upstream never calls ``DistributedSampler.set_epoch``, so every epoch visits the data in the same
+    order (bug list §10.3). Step scripts call this at the start of each epoch. Returns whether a
+    sampler took the epoch.
+    """
+    candidates: Iterable[Any] = (
+        loader_or_sampler,
+        getattr(loader_or_sampler, "sampler", None),
+        getattr(getattr(loader_or_sampler, "batch_sampler", None), "sampler", None),
+    )
+    for obj in candidates:
+        if obj is not None and callable(getattr(obj, "set_epoch", None)):
+            obj.set_epoch(epoch)
+            return True
+    return False

@@ -1,0 +1,224 @@
+"""Reading local data files with errors people can act on, and content fingerprints for the cache.
+
+Upstream reads local data only through ``load_from_disk`` (a ``save_to_disk`` folder whose path
+contains a known dataset name) or ``local/jsonfile``; a malformed file surfaces as a pyarrow
+traceback deep inside ``datasets``. Here every JSON / JSON Lines file is parsed with the standard
+library first, so a bad line is reported as ``file:line``, and missing columns name the file.
+
+The parsed rows are turned into an in-memory :class:`datasets.Dataset` (``Dataset.from_list``)
+rather than re-read through ``load_dataset("json", data_files=...)``: same rows, one parse instead
+of two, and no second on-disk Arrow cache under ``~/.cache/huggingface`` keyed by file
+modification time (a second source of staleness next to the one DSE #437 describes).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from dschat.errors import UserError
+
+#: Suffixes of preference-data files (prompt / chosen / rejected columns).
+DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".parquet")
+#: File stems that name the train split and the held-out split in a data folder.
+TRAIN_STEMS: tuple[str, ...] = ("train",)
+EVAL_STEMS: tuple[str, ...] = ("eval", "test", "validation")
+
+__all__ = [
+    "DATA_SUFFIXES",
+    "EVAL_STEMS",
+    "TRAIN_STEMS",
+    "expand",
+    "looks_like_path",
+    "is_save_to_disk_dir",
+    "data_files_in",
+    "split_data_files",
+    "read_records",
+    "records_to_dataset",
+    "check_columns",
+    "sha256_file",
+    "fingerprint_files",
+    "files_under",
+]
+
+
+def expand(path: str | os.PathLike) -> Path:
+    """``~`` expanded, otherwise as given (relative paths stay relative to the current directory)."""
+    return Path(os.path.expanduser(os.fspath(path)))
+
+
+def looks_like_path(name: str) -> bool:
+    """True for names that can only be meant as local paths (not hub ids like ``org/name``)."""
+    return (
+        name.startswith(("/", "./", "../", "~"))
+        or name in (".", "..")
+        or name.lower().endswith(DATA_SUFFIXES + (".txt", ".arrow"))
+    )
+
+
+def is_save_to_disk_dir(path: Path) -> bool:
+    """A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
+    return path.is_dir() and (
+        (path / "dataset_dict.json").is_file()
+        or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+    )
+
+
+def data_files_in(folder: Path, suffixes: Sequence[str] = DATA_SUFFIXES) -> list[Path]:
+    """Data files directly inside ``folder`` (not recursive, hidden files skipped), sorted by name."""
+    return sorted(
+        p for p in folder.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in suffixes
+    )
+
+
+def split_data_files(files: Sequence[Path]) -> dict[str, list[Path]]:
+    """Group a folder's files into ``{"train": [...], "eval": [...]}`` by file stem.
+
+    Files named ``train.*`` form the train split and ``eval.*`` / ``test.*`` / ``validation.*`` the
+    eval split. A folder with no such names is one train-only split (``{"train": all}``). Other files
+    next to split-named ones would be silently dropped, so they are an error.
+    """
+    train = [f for f in files if f.stem.lower() in TRAIN_STEMS]
+    held_out = [f for f in files if f.stem.lower() in EVAL_STEMS]
+    if not train and not held_out:
+        return {"train": list(files)}
+    folder = files[0].parent
+    others = [f.name for f in files if f not in train and f not in held_out]
+    if others:
+        raise UserError(
+            f"{folder} mixes split files (train.*, eval.*/test.*/validation.*) with other data files "
+            f"({', '.join(others)}); rename them to train.* / eval.* or move them out"
+        )
+    if not train:
+        raise UserError(
+            f"{folder} has {', '.join(f.name for f in held_out)} but no train.* file; add one "
+            "(or name the files otherwise to use the folder as one train-only split)"
+        )
+    return {"train": train, "eval": held_out} if held_out else {"train": train}
+
+
+def _check_record(obj: Any, where: str) -> dict:
+    if not isinstance(obj, dict):
+        raise UserError(f"{where}: expected a JSON object with named fields, got {type(obj).__name__}")
+    return obj
+
+
+def _read_json_lines(path: Path, text: str) -> list[tuple[str, dict]]:
+    rows = []
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where}: malformed JSON ({err.msg} at column {err.colno}); fix or remove that line") from None
+        rows.append((where, _check_record(obj, where)))
+    return rows
+
+
+def read_records(path: Path) -> list[tuple[str, dict]]:
+    """Rows of a ``.json`` (a list of objects, or JSON Lines) / ``.jsonl`` / ``.parquet`` file.
+
+    Each row comes with a location (``file:line`` for JSON Lines, ``file item N`` for a JSON list,
+    ``file row N`` for parquet) for error messages. Raises :class:`UserError` for a missing or
+    unreadable file and for malformed JSON, naming the file and line.
+    """
+    if not path.is_file():
+        raise UserError(f"data file {path} does not exist; check the path")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(path)
+        except (OSError, pa.ArrowException) as err:
+            raise UserError(f"{path}: not a readable parquet file ({err}); re-export it") from None
+        return [(f"{path} row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
+    if suffix == ".jsonl":
+        return _read_json_lines(path, text)
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        if err.msg == "Extra data":  # several top-level values: JSON Lines saved as .json
+            return _read_json_lines(path, text)
+        raise UserError(
+            f"{path}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno}); fix the file"
+        ) from None
+    if isinstance(obj, dict):  # one object: a one-row JSON Lines file
+        return [(f"{path}:1", obj)]
+    if not isinstance(obj, list):
+        raise UserError(f"{path}: expected a JSON list of objects (or JSON Lines), got {type(obj).__name__}")
+    return [(f"{path} item {i + 1}", _check_record(o, f"{path} item {i + 1}")) for i, o in enumerate(obj)]
+
+
+def check_columns(
+    rows: Iterable[tuple[str, Mapping[str, Any]]],
+    path: Path,
+    required: Sequence[str],
+    optional: Sequence[str] = (),
+) -> list[dict]:
+    """Keep only the ``required`` + ``optional`` fields of each row, checking they are strings.
+
+    A row missing a required field, or a field that is neither a string nor null, is a
+    :class:`UserError` naming the file, the row and the column. A null value is kept (the adapter
+    returns None for it and the row is skipped, as upstream skips None samples).
+    """
+    out = []
+    names = list(required) + list(optional)
+    for where, row in rows:
+        for col in required:
+            if col not in row:
+                raise UserError(
+                    f"{where}: missing field {col!r} (have {sorted(row)}); every row of {path.name} "
+                    f"needs {', '.join(repr(c) for c in required)}"
+                )
+        for col in names:
+            value = row.get(col)
+            if value is not None and not isinstance(value, str):
+                raise UserError(f"{where}: field {col!r} must be a string or null, got {type(value).__name__}")
+        out.append({col: row.get(col) for col in names})
+    return out
+
+
+def records_to_dataset(records: list[dict], columns: Sequence[str] | None = None) -> Any:
+    """An in-memory :class:`datasets.Dataset` of ``records`` (``columns`` fixes their order)."""
+    from datasets import Dataset
+
+    if not records and columns is not None:
+        return Dataset.from_dict({c: [] for c in columns})
+    return Dataset.from_list(records)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def files_under(folder: Path) -> list[Path]:
+    """Every regular file below ``folder`` (recursive), sorted; hidden names skipped."""
+    out = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        out.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
+    return sorted(out)
+
+
+def fingerprint_files(files: Iterable[Path], base: Path | None = None) -> str:
+    """SHA-256 over (relative name, content SHA-256) of ``files``: changes when any byte does."""
+    h = hashlib.sha256()
+    for f in sorted(files):
+        name = os.path.relpath(f, base) if base is not None else f.name
+        h.update(name.encode("utf-8", "surrogateescape") + b"\0" + sha256_file(f).encode() + b"\n")
+    return h.hexdigest()

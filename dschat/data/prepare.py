@@ -1,0 +1,91 @@
+"""Build (or validate) the tokenised-dataset cache ahead of training.
+
+    python -m dschat.data.prepare --data_path dschat/builtin --train_phase 2 \\
+        --model_name_or_path tiny-llama --data_output_path /tmp/data_files --max_seq_len 512
+
+Useful before a multi-node launch: the step scripts then find the cache and only load it. The
+flags mirror the step scripts', so the cache key matches theirs when the values do (step 1 uses the
+tokenizer's EOS as end-of-conversation token, steps 2 and 3 the literal ``<|endoftext|>``; pass
+``--add_eot_token`` if the step does). Bad input prints one ``error:`` line and exits with code 2
+(``--debug`` shows the traceback).
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Sequence
+
+from dschat.cli.args import add_data_args
+from dschat.data import local_files as lf
+from dschat.errors import UserError, cli_main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dschat.data.prepare",
+        description="Build or validate the tokenised-dataset cache of one training phase.",
+    )
+    add_data_args(parser, phase=1)
+    group = parser.add_argument_group("tokenisation")
+    group.add_argument("--model_name_or_path", type=str, required=True,
+                       help="Model folder, hub id or dschat short name whose tokenizer to use.")
+    group.add_argument("--train_phase", type=int, choices=(1, 2, 3), required=True,
+                       help="1 = SFT, 2 = reward model / DPO, 3 = PPO prompts.")
+    group.add_argument("--max_seq_len", "--max_prompt_seq_len", dest="max_seq_len", type=int, default=512,
+                       help="Sequence length (phases 1-2), or the max prompt length (phase 3; longer "
+                            "prompts are filtered).")
+    group.add_argument("--seed", type=int, default=1234, help="Seed of the data split and shuffles.")
+    group.add_argument("--end_of_conversation_token", type=str, default=None,
+                       help="Appended to every phase-1/2 text. Default: the tokenizer's EOS in phase "
+                            "1 (as step 1), '<|endoftext|>' in phases 2-3 (as steps 2 and 3).")
+    group.add_argument("--add_eot_token", action="store_true",
+                       help="Add --eot_token to the tokenizer as a special token (as the steps' flag).")
+    group.add_argument("--eot_token", type=str, default="<|endoftext|>",
+                       help="The token --add_eot_token adds.")
+    parser.add_argument("--debug", action="store_true", help="Show tracebacks for input errors.")
+    return parser
+
+
+def _check_model_path(name: str) -> None:
+    # A path that cannot exist gets a clear line before transformers is even imported.
+    if lf.looks_like_path(name) and not lf.expand(name).exists():
+        raise UserError(f"--model_name_or_path {name!r} does not exist; pass a model folder, hub id or short name")
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    from dschat.data.raw_datasets import plan_phase_data, resolve_dataset
+    from dschat.data.split import parse_data_split
+
+    # Input checks first, without torch/transformers and without writing anything: names, paths,
+    # the split, then the data itself (parse errors, columns, empty phases).
+    parse_data_split(args.data_split)
+    if args.max_seq_len < 1:
+        raise UserError(f"--max_seq_len must be positive, got {args.max_seq_len}")
+    sft_paths = list(args.sft_only_data_path) if args.train_phase == 1 else []
+    for name in list(args.data_path) + sft_paths:
+        resolve_dataset(name)
+    _check_model_path(args.model_name_or_path)
+    plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
+
+    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(
+        args.model_name_or_path, fast_tokenizer=True,
+        add_special_tokens=args.eot_token if args.add_eot_token else None,
+    )
+    eot = args.end_of_conversation_token
+    if eot is None:
+        eot = tokenizer.eos_token if args.train_phase == 1 else "<|endoftext|>"
+    train, held_out = create_prompt_dataset(
+        -1, args.data_path, args.data_split, args.data_output_path, args.train_phase, args.seed,
+        tokenizer, args.max_seq_len, end_of_conversation_token=eot,
+        sft_only_data_path=args.sft_only_data_path, reload=args.rebuild_data_cache,
+    )
+    extra = f", filtered train={train.filtered} eval={held_out.filtered}" if args.train_phase == 3 else ""
+    print(f"phase {args.train_phase}: train={len(train)} eval={len(held_out)}{extra}; cache {Path(args.data_output_path) / f'traindata_{train.cache_key}.safetensors'}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main(main))

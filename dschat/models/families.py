@@ -1,0 +1,61 @@
+"""Model-family quirks in one table (STYLE habit 7), looked up by ``config.model_type``.
+
+Upstream scatters these as ``if "llama" in path`` / ``if "opt" in path`` checks through the code.
+Here every per-family choice lives in :data:`FAMILIES`; unknown families get :data:`GENERIC`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    # Substring that selects the decoder blocks' Linear layers for LoRA.
+    lora_module_name: str
+    # Config attribute holding the width the value head reads (OPT projects to word_embed_proj_dim).
+    value_head_dim_attr: str = "hidden_size"
+    # Whether DeepSpeed's Hybrid Engine has an inference container for this family (CUDA only).
+    hybrid_engine_container: bool = False
+    # Number of pad-id tokens the tokenizer puts at the start of every text: OPT's BOS is also
+    # its pad after upstream's ``pad = eos`` (DSE #455), which is what --num_padding_at_beginning
+    # counts. Used only for upstream's pad-based end rule when no attention mask is given.
+    num_padding_at_beginning: int = 0
+    # Final layer norm that upstream resets before reward training (DSE #772, BLOOM).
+    reset_final_norm_for_reward: str | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "opt": Family("opt", "decoder.layers.", "word_embed_proj_dim", True, 1),
+    "llama": Family("llama", "layers.", hybrid_engine_container=True),
+    "mistral": Family("mistral", "layers."),
+    "qwen2": Family("qwen2", "layers."),
+    "qwen3": Family("qwen3", "layers."),
+    "gemma": Family("gemma", "layers."),
+    "phi3": Family("phi3", "layers."),
+    "bloom": Family("bloom", "h.", hybrid_engine_container=True, reset_final_norm_for_reward="ln_f"),
+    "gpt2": Family("gpt2", "h.", "n_embd"),
+    "gpt_neox": Family("gpt_neox", "layers.", hybrid_engine_container=True),
+    "gptj": Family("gptj", "h.", "n_embd", hybrid_engine_container=True),
+    "gpt_neo": Family("gpt_neo", "h.", hybrid_engine_container=True),
+    "internlm": Family("internlm", "layers.", hybrid_engine_container=True),
+}
+
+GENERIC = Family("generic", "layers.")
+
+
+def family_of(config_or_model: Any) -> Family:
+    """The :class:`Family` for a config, an HF model, or anything with ``.config``."""
+    config = getattr(config_or_model, "config", config_or_model)
+    return FAMILIES.get(getattr(config, "model_type", ""), GENERIC)
+
+
+def value_head_dim(config: Any) -> int:
+    """Width of the hidden states the reward model's value head reads."""
+    fam = family_of(config)
+    for attr in (fam.value_head_dim_attr, "hidden_size", "n_embd", "d_model"):
+        value = getattr(config, attr, None)
+        if value:
+            return int(value)
+    raise ValueError(f"cannot find the hidden size of a {getattr(config, 'model_type', '?')} config")

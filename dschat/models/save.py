@@ -1,0 +1,151 @@
+"""Saving trained models as real Hugging Face folders, atomically.
+
+A saved causal LM (steps 1, 3 and DPO) is a folder that ``AutoModelForCausalLM.from_pretrained``,
+``AutoTokenizer.from_pretrained`` and ``pipeline("text-generation")`` load as it is: safetensors
+weights, config, generation config, the full tokenizer files and chat template (upstream saved
+``pytorch_model.bin`` + config + bare vocabulary files and relied on a ``_name_or_path`` hack,
+DSE #460/#467). A saved reward model (step 2, the step-3 critic) is the same for its body
+(``AutoModel.from_pretrained`` loads it) plus ``v_head.safetensors``.
+
+Under ZeRO-3 parameters are gathered module by module (all ranks must call :func:`save_hf_model`;
+only rank 0 writes). LoRA factors are fused into the weights of the copy being saved (the live
+model is left as it is, so a mid-training save does not disturb training) and dropped, so the
+folder is a plain model. Persistent buffers are saved too (upstream dropped them, bug §10.23).
+Writing goes through :func:`dschat.utils.fs.atomic_dir`: a crash never leaves a broken folder
+where a good one was.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dschat.utils.fs import atomic_dir
+
+LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def unwrap(model: Any) -> nn.Module:
+    """The plain module inside a DeepSpeed engine (or the module itself)."""
+    return getattr(model, "module", model)
+
+
+def is_lora_layer(module: nn.Module) -> bool:
+    """DeepSpeed Hybrid Engine's LoRA contract: these three attributes on a Linear-like module."""
+    return all(hasattr(module, name) for name in (*LORA_FACTORS, "lora_scaling"))
+
+
+def _fused_copy(module: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    right = local.pop("lora_right_weight")  # (in, r)
+    left = local.pop("lora_left_weight")  # (r, out)
+    if not getattr(module, "fuse_lora", False):
+        weight = local["weight"]
+        delta = module.lora_scaling * (left.t().float() @ right.t().float())  # (out, in)
+        local["weight"] = (weight.float() + delta).to(weight.dtype)
+    return local
+
+
+def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
+    """The full state dict on rank 0 (``None`` on other ranks), on CPU, LoRA fused and dropped.
+
+    Collective under ZeRO-3: every rank must call it.
+    """
+    import deepspeed
+
+    module = unwrap(model)
+    rank = _rank()
+    state: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        params = dict(sub.named_parameters(recurse=False))
+        # A no-op for parameters that are not ZeRO-3 partitioned.
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
+            if rank != 0:
+                continue
+            local = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
+        if is_lora_layer(sub):
+            local = _fused_copy(sub, local)
+        non_persistent = getattr(sub, "_non_persistent_buffers_set", set())
+        for name, buf in sub.named_buffers(recurse=False):
+            if name not in non_persistent and buf is not None:
+                local[name] = buf.detach().to("cpu", copy=True)
+        for name, tensor in local.items():
+            state[f"{prefix}.{name}" if prefix else name] = tensor
+    return state if rank == 0 else None
+
+
+def _set_saved_dtype(config: Any, state: dict[str, torch.Tensor]) -> None:
+    floats = [t.dtype for t in state.values() if t.is_floating_point()]
+    if floats:
+        config.dtype = floats[0]
+
+
+def _write(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Write weights + config (and the value head of a reward model) into ``folder``."""
+    from safetensors.torch import save_file
+
+    from dschat.utils.model.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
+
+    if isinstance(module, RewardModel):
+        body = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("rwtransformer.")}
+        _set_saved_dtype(module.rwtransformer.config, body)
+        module.rwtransformer.save_pretrained(folder, state_dict=body, safe_serialization=True)
+        save_file({VALUE_HEAD_KEY: state[VALUE_HEAD_KEY].contiguous()}, str(folder / VALUE_HEAD_FILE))
+    else:
+        _set_saved_dtype(module.config, state)
+        module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+
+
+def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path) -> Path | None:
+    """Save ``model`` (causal LM or :class:`RewardModel`, possibly a DeepSpeed engine) + tokenizer.
+
+    Collective: all ranks call it; rank 0 writes ``output_dir`` atomically. Returns the folder on
+    rank 0, ``None`` elsewhere.
+    """
+    module = unwrap(model)
+    state = gathered_state_dict(module)
+    output_dir = Path(output_dir)
+    if state is not None:
+        with atomic_dir(output_dir) as tmp:
+            _write(module, state, tmp)
+            tokenizer.save_pretrained(tmp)
+    _barrier()
+    return output_dir if state is not None else None
+
+
+def save_hf_format(model: Any, tokenizer: Any, args: Any, sub_folder: str = "") -> Path | None:
+    """Upstream's name: save into ``args.output_dir/sub_folder``.
+
+    Unlike upstream (rank 0 only, then ``save_zero_three_model`` on all ranks) this one call does
+    everything and must be made on every rank.
+    """
+    return save_hf_model(model, tokenizer, Path(args.output_dir) / sub_folder)
+
+
+def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, zero_stage: int = 0) -> None:
+    """Upstream's name: gather the weights (all ranks) and write them + config into ``save_dir``
+    (rank 0). Files already there (e.g. tokenizer files) are kept; the weights are replaced."""
+    del global_rank, zero_stage  # the rank comes from torch.distributed; gathering is a no-op below ZeRO-3
+    module = unwrap(model)
+    state = gathered_state_dict(module)
+    if state is not None:
+        save_dir = Path(save_dir)
+        with atomic_dir(save_dir) as tmp:
+            if save_dir.is_dir():
+                import shutil
+
+                for item in save_dir.iterdir():
+                    if item.is_file():
+                        shutil.copy2(item, tmp / item.name)
+            _write(module, state, tmp)
+    _barrier()

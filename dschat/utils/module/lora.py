@@ -1,0 +1,349 @@
+"""LoRA as upstream DeepSpeed-Chat implements it (no PEFT), plus an optional 4-bit base (QLoRA).
+
+``LinearLayer_LoRA`` keeps upstream's attribute names, initialisation and fuse formula (reference
+§4.4), because DeepSpeed's Hybrid Engine reads them directly (checked against deepspeed 0.19.8):
+
+* ``maybe_get_lora(p)`` (``deepspeed/module_inject/policy.py``) returns
+  ``[p.lora_right_weight, p.lora_left_weight, p.lora_scaling]`` when ``p`` has
+  ``lora_right_weight``, and ``HybridEngineContainer.fuse_lora`` then does
+  ``W += lora_scaling * left.T @ right.T`` before generation (``-=`` after).
+* The OPT/GPT-J/GPT-Neo/GPT-NeoX/BLOOM containers pass the *module* (``self_attn.q_proj``) as
+  ``p``, but the LLaMA, LLaMA-2 and InternLM containers pass its *weight*
+  (``self_attn.q_proj.weight``). Upstream only set the attributes on the module, so under the
+  Hybrid Engine a LLaMA actor generated with the base weights, without its LoRA delta. Here the
+  three attributes are also attached to the base weight Parameter, so both forms find them.
+
+Shapes: ``weight`` (out, in); ``lora_right_weight`` (in, r); ``lora_left_weight`` (r, out);
+``forward(x)``: (..., in) -> (..., out).
+"""
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any, ContextManager, Iterable, List, Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dschat.errors import UserError
+
+__all__ = [
+    "QUANT_TYPES",
+    "LinearLayer_LoRA",
+    "convert_linear_layer_to_lora",
+    "convert_lora_to_linear_layer",
+    "unfuse_lora",
+    "only_optimize_lora_parameters",
+    "make_model_gradient_checkpointing_compatible",
+    "lora_target_modules_for",
+]
+
+QUANT_TYPES = ("nf4", "fp4")
+
+
+def _z3_params_to_fetch(params: Iterable[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """ZeRO-3 parameters that are partitioned away right now and must be gathered to be read."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in params
+            if p is not None and hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def _gathered(params: Sequence[Optional[torch.Tensor]]) -> ContextManager[Any]:
+    """Gather ZeRO-3 partitioned ``params`` (rank 0's edit wins); a no-op without ZeRO-3."""
+    if not any(p is not None and hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    fetch = _z3_params_to_fetch(params)
+    return deepspeed.zero.GatheredParameters(fetch, modifier_rank=0, enabled=bool(fetch))
+
+
+# --------------------------------------------------------------------------------------- 4-bit base
+
+
+def _import_bnb() -> Any:
+    try:
+        import bitsandbytes as bnb
+    except ImportError as err:  # pragma: no cover - bitsandbytes is a hard dependency of dschat
+        raise UserError(f"QLoRA needs bitsandbytes (pip install 'bitsandbytes>=0.45'): {err}") from err
+    return bnb
+
+
+def _quantize_4bit(weight: torch.Tensor, quant_type: str, blocksize: int) -> nn.Parameter:
+    """``weight`` (out, in) -> a frozen ``bnb.nn.Params4bit`` holding the packed 4-bit codes."""
+    if quant_type not in QUANT_TYPES:
+        raise UserError(f"unknown 4-bit quant type {quant_type!r}; use one of {', '.join(QUANT_TYPES)}")
+    if hasattr(weight, "ds_id"):
+        raise UserError("QLoRA cannot quantize ZeRO-3 partitioned weights; use --zero_stage 0, 1 or 2 "
+                        "with a 4-bit base, or drop the 4-bit option")
+    if not weight.dtype.is_floating_point:
+        raise UserError(f"QLoRA expects a floating-point base weight, got {weight.dtype}; "
+                        "load the model unquantized and let convert_linear_layer_to_lora quantize it")
+    bnb = _import_bnb()
+    # No nested ("double") quantisation of the absmax statistics: it saves ~0.37 bit/param but
+    # complicates the CPU dequantisation path below.
+    packed, state = bnb.functional.quantize_4bit(weight.detach().contiguous(), blocksize=blocksize,
+                                                 compress_statistics=False, quant_type=quant_type)
+    return bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=blocksize,
+                             compress_statistics=False, quant_type=quant_type, bnb_quantized=True)
+
+
+def _dequantize_4bit(weight: torch.Tensor) -> torch.Tensor:
+    """Packed 4-bit ``Params4bit`` -> dense (out, in) tensor in the original dtype.
+
+    bitsandbytes 0.50.2's native CPU kernel mis-scales blocks that straddle a row boundary
+    (``in_features % blocksize != 0``): on a (64, 32) weight its mean error is ~4x the NF4
+    rounding error. That case is decoded here in plain torch (code-book lookup x block absmax),
+    which is what the kernel should compute; every other case goes through bitsandbytes.
+    """
+    bnb = _import_bnb()
+    state = weight.quant_state
+    rows_straddle = state.shape[-1] % state.blocksize != 0
+    if weight.device.type != "cpu" or not rows_straddle:
+        return bnb.functional.dequantize_4bit(weight.data, state)
+    packed = weight.data.reshape(-1)
+    codes = torch.stack((packed >> 4, packed & 0x0F), dim=1).reshape(-1).long()  # high nibble first
+    n = math.prod(state.shape)
+    values = state.code.to(packed.device)[codes][:n]
+    scales = state.absmax.float().repeat_interleave(state.blocksize)[:n]
+    return (values * scales).reshape(state.shape).to(state.dtype)
+
+
+# ----------------------------------------------------------------------------------------- the layer
+
+
+class LinearLayer_LoRA(nn.Module):
+    """``y = x W^T + b + (dropout(x) @ right @ left) * lora_scaling``; ``W`` frozen.
+
+    Reuses the wrapped Linear's own ``weight``/``bias`` Parameters (so state-dict keys and ZeRO-3
+    partitioning carry over). ``lora_scaling`` is stored as ``lora_scaling / lora_dim`` (upstream;
+    with the CLI's fixed ``lora_scaling=1`` the effective alpha/r is 1/r, hence the high LoRA LR).
+    With ``quantize_base="nf4"|"fp4"`` the base weight is stored in 4 bits (bitsandbytes) and
+    dequantised per forward; the LoRA factors stay in the original dtype (QLoRA).
+    """
+
+    def __init__(self,
+                 weight: nn.Parameter,
+                 lora_dim: int = 0,
+                 lora_scaling: float = 1,
+                 lora_droppout: float = 0,
+                 bias: Optional[nn.Parameter] = None,
+                 *,
+                 quantize_base: Optional[str] = None,
+                 quant_blocksize: int = 64) -> None:
+        super().__init__()
+        if lora_dim <= 0:
+            raise UserError(f"LoRA needs lora_dim >= 1, got {lora_dim}; set --lora_dim to a positive rank")
+        # ZeRO-3 leaves an empty placeholder in weight.data; the full shape is in ds_shape.
+        rows, columns = weight.ds_shape if hasattr(weight, "ds_shape") else weight.shape  # (out, in)
+        if quantize_base is not None:
+            weight = _quantize_4bit(weight, quantize_base, quant_blocksize)
+        self.register_parameter("weight", weight)
+        self.register_parameter("bias", bias)
+        self.quantize_base = quantize_base
+
+        # Factors created in fp32 on CPU and initialised there, like upstream (same values for the
+        # same seed); convert_linear_layer_to_lora then moves/casts the module.
+        self.lora_right_weight = nn.Parameter(torch.zeros(columns, lora_dim))  # (in, r): x @ right
+        self.lora_left_weight = nn.Parameter(torch.zeros(lora_dim, rows))     # (r, out)
+        self.lora_scaling = lora_scaling / lora_dim
+        self.lora_dropout: nn.Module = nn.Dropout(lora_droppout) if lora_droppout > 0 else nn.Identity()
+        self.reset_parameters()
+        self.weight.requires_grad = False
+        self.fuse_lora = False
+        self.tag_weight_for_hybrid_engine()
+
+    @property
+    def in_features(self) -> int:
+        return self.lora_right_weight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.lora_left_weight.shape[1]
+
+    @property
+    def is_quantized(self) -> bool:
+        """True while the base weight is stored in 4 bits (fusing dequantises it for good)."""
+        return self.quantize_base is not None
+
+    def reset_parameters(self) -> None:
+        """right ~ kaiming_uniform(a=sqrt(5)) (nn.Linear's init), left = 0: the delta starts at 0."""
+        nn.init.kaiming_uniform_(self.lora_right_weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_left_weight)
+
+    def tag_weight_for_hybrid_engine(self) -> None:
+        """Attach the LoRA triple to the base weight for DeepSpeed's LLaMA-style HE containers.
+
+        Those call ``maybe_get_lora(q_proj.weight)``; see the module docstring. ``copy.deepcopy``
+        drops Parameter attributes, so call this again on a deep-copied model.
+        """
+        if self.is_quantized:
+            return  # the Hybrid Engine cannot fuse into a 4-bit weight anyway
+        self.weight.lora_right_weight = self.lora_right_weight
+        self.weight.lora_left_weight = self.lora_left_weight
+        self.weight.lora_scaling = self.lora_scaling
+
+    def train(self, mode: bool = True) -> "LinearLayer_LoRA":
+        """Standard ``nn.Module.train`` (recurses, returns self).
+
+        Upstream overrode it to toggle only the dropout and return None (reference §10 item 21).
+        """
+        return super().train(mode)
+
+    def eval(self) -> "LinearLayer_LoRA":
+        """``train(False)``; returns self."""
+        return self.train(False)
+
+    def lora_delta(self) -> torch.Tensor:
+        """``lora_scaling * left.T @ right.T`` -- the (out, in) update the Hybrid Engine fuses."""
+        return self.lora_scaling * torch.matmul(self.lora_left_weight.t(), self.lora_right_weight.t())
+
+    def _gather_all(self) -> ContextManager[Any]:
+        return _gathered([self.weight, self.bias, self.lora_left_weight, self.lora_right_weight])
+
+    def _dequantize_base_for_good(self) -> None:
+        """Replace the 4-bit base by its dense dequantisation (needed to fuse and to save)."""
+        # The factors carry the compute dtype (convert casts them to the original weight dtype).
+        dense = _dequantize_4bit(self.weight).to(self.lora_left_weight.dtype)
+        self.weight = nn.Parameter(dense, requires_grad=False)
+        self.quantize_base = None
+        self.tag_weight_for_hybrid_engine()
+
+    @torch.no_grad()
+    def fuse_lora_weight(self) -> None:
+        """``W += lora_scaling * left.T @ right.T``; forward then skips the LoRA branch.
+
+        Gathers ZeRO-3 partitions first. A 4-bit base is dequantised (permanently) before fusing.
+        """
+        if not self.fuse_lora:
+            if self.is_quantized:
+                self._dequantize_base_for_good()
+            with self._gather_all():
+                self.weight.data += self.lora_delta().to(self.weight.dtype)
+        self.fuse_lora = True
+
+    @torch.no_grad()
+    def unfuse_lora_weight(self) -> None:
+        """``W -= lora_scaling * left.T @ right.T`` (undo :meth:`fuse_lora_weight`)."""
+        if self.fuse_lora:
+            with self._gather_all():
+                self.weight.data -= self.lora_delta().to(self.weight.dtype)
+        self.fuse_lora = False
+
+    def _base_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.is_quantized:
+            return _dequantize_4bit(self.weight).to(dtype)
+        return self.weight
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """(..., in) -> (..., out)."""
+        out = F.linear(input, self._base_weight(input.dtype), self.bias)
+        if self.fuse_lora:
+            return out
+        return out + (self.lora_dropout(input) @ self.lora_right_weight @ self.lora_left_weight) * self.lora_scaling
+
+    def extra_repr(self) -> str:
+        quant = f", quantize_base={self.quantize_base}" if self.is_quantized else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"lora_dim={self.lora_right_weight.shape[1]}, lora_scaling={self.lora_scaling}, "
+                f"fused={self.fuse_lora}{quant}")
+
+
+# ---------------------------------------------------------------------------------- model helpers
+
+
+def _lora_layers(model: nn.Module) -> List[LinearLayer_LoRA]:
+    return [m for m in model.modules() if isinstance(m, LinearLayer_LoRA)]
+
+
+def lora_target_modules_for(model: nn.Module) -> str:
+    """Default ``--lora_module_name`` for ``model``'s family.
+
+    Read from the one model-family table (:data:`dschat.models.families.FAMILIES`, STYLE habit 7):
+    OPT ``"decoder.layers."``, LLaMA-style ``"layers."``, BLOOM/GPT-J/GPT-Neo ``"h."``. The values
+    are substrings, not prefixes, so they also match inside upstream's reward wrapper
+    (``rwtransformer.decoder.layers.N...``). A DeepSpeed engine is unwrapped first.
+    """
+    from dschat.models.families import family_of
+
+    return family_of(getattr(model, "module", model)).lora_module_name
+
+
+def convert_linear_layer_to_lora(model: nn.Module,
+                                 part_module_name: Union[str, Sequence[str]],
+                                 lora_dim: int = 0,
+                                 lora_scaling: float = 1,
+                                 lora_droppout: float = 0,
+                                 *,
+                                 quantize_base: Optional[str] = None,
+                                 quant_blocksize: int = 64) -> nn.Module:
+    """Wrap every ``nn.Linear`` whose qualified name contains ``part_module_name`` (or any of a
+    list of substrings) in :class:`LinearLayer_LoRA`, in place; returns ``model``.
+
+    Each new layer is moved to its weight's device and cast to its weight's dtype, as upstream.
+    Unlike upstream, matching nothing is an error (it would silently train nothing with
+    ``--only_optimize_lora``). ``quantize_base="nf4"|"fp4"`` stores the base weights in 4 bits.
+    """
+    patterns = [part_module_name] if isinstance(part_module_name, str) else list(part_module_name)
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, nn.Linear) and any(p in name for p in patterns)]
+    if not names:
+        linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        raise UserError(f"--lora_module_name {patterns} matches no nn.Linear layer; "
+                        f"Linear layers are named like {linears[:3]}")
+    for name in names:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear = getattr(parent, child_name)
+        device, dtype = linear.weight.device, linear.weight.dtype
+        lora = LinearLayer_LoRA(linear.weight, lora_dim, lora_scaling, lora_droppout, linear.bias,
+                                quantize_base=quantize_base, quant_blocksize=quant_blocksize)
+        # A 4-bit (uint8) base is left alone by .to(dtype): only floating tensors are cast.
+        lora = lora.to(device).to(dtype)
+        lora.tag_weight_for_hybrid_engine()
+        setattr(parent, child_name, lora)
+    return model
+
+
+def convert_lora_to_linear_layer(model: nn.Module) -> nn.Module:
+    """Fuse every LoRA layer in place (modules stay ``LinearLayer_LoRA``); returns ``model``.
+
+    After this, ``state_dict()`` minus the ``"lora"`` keys loads into the plain HF model.
+    """
+    for layer in _lora_layers(model):
+        layer.fuse_lora_weight()
+    return model
+
+
+def unfuse_lora(model: nn.Module) -> nn.Module:
+    """Undo :func:`convert_lora_to_linear_layer` (e.g. to keep training after saving)."""
+    for layer in _lora_layers(model):
+        layer.unfuse_lora_weight()
+    return model
+
+
+def only_optimize_lora_parameters(model: nn.Module, force_optimize_params: Sequence[str] = ()) -> nn.Module:
+    """Train only ``lora_right_weight``/``lora_left_weight`` and the exactly-named extras
+    (e.g. ``["v_head.weight"]`` for the reward model, DSE #758); freeze everything else."""
+    for name, param in model.named_parameters():
+        param.requires_grad = ("lora_right_weight" in name or "lora_left_weight" in name
+                               or name in force_optimize_params)
+    return model
+
+
+def make_model_gradient_checkpointing_compatible(model: nn.Module) -> nn.Module:
+    """Make the embedding output require grad so reentrant checkpointing back-propagates to LoRA.
+
+    With frozen embeddings, a reentrant checkpointed block sees no input that requires grad and
+    returns outputs without a graph, so LoRA factors inside it get no gradient (DSE #658).
+    """
+    if hasattr(model, "enable_input_require_grads"):
+        model.enable_input_require_grads()
+    elif hasattr(model, "get_input_embeddings"):
+        def make_inputs_require_grad(module: nn.Module, inputs: Any, output: torch.Tensor) -> None:
+            output.requires_grad_(True)
+
+        model.get_input_embeddings().register_forward_hook(make_inputs_require_grad)
+    return model
