@@ -18,7 +18,7 @@ setup(
     # A real package (upstream's namespace package ships an empty wheel).
     packages=find_packages(include=["dschat", "dschat.*"]),
     package_data={"dschat": ["data/builtin_prefs/*.jsonl", "py.typed"]},
-    include_package_data=True,
+    include_package_data=False,
     install_requires=[
         "torch>=2.1",
         "deepspeed>=0.16,<0.20",

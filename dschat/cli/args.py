@@ -74,3 +74,324 @@ def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._Arg
         help="The number of processes to use for the preprocessing.",
     )
     return group
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared groups of steps 1, 2 and DPO (upstream's names and defaults; per-step defaults passed in)
+# ---------------------------------------------------------------------------------------------
+
+SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+DTYPE_CHOICES = ("fp16", "bf16", "fp32")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("model")
+    group.add_argument(
+        "--model_name_or_path", type=str, required=True,
+        help="Path to pretrained model or model identifier from huggingface.co/models. Also a "
+             "dschat short name: smollm2-135m (embedded SmolLM2-135M-Instruct), tiny-llama, "
+             "tiny-opt, tiny-opt-quirk (tiny random models for tests).",
+    )
+    group.add_argument(
+        "--dropout", type=float, default=None,
+        help="If dropout configured, use it. Otherwise, keep the default dropout configuration of "
+             "the model.",
+    )
+    return group
+
+
+def add_training_args(
+    parser: argparse.ArgumentParser, *, learning_rate: float, max_seq_len: int = 512
+) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("training")
+    group.add_argument("--per_device_train_batch_size", type=int, default=16,
+                       help="Batch size (per device) for the training dataloader.")
+    group.add_argument("--per_device_eval_batch_size", type=int, default=16,
+                       help="Batch size (per device) for the evaluation dataloader.")
+    group.add_argument("--max_seq_len", type=int, default=max_seq_len, help="The maximum sequence length.")
+    group.add_argument("--learning_rate", type=float, default=learning_rate,
+                       help="Initial learning rate (after the potential warmup period) to use.")
+    group.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay to use.")
+    group.add_argument("--num_train_epochs", type=int, default=1,
+                       help="Total number of training epochs to perform.")
+    group.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                       help="Number of updates steps to accumulate before performing a backward/update pass.")
+    group.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULER_TYPES,
+                       help="The scheduler type to use.")
+    group.add_argument("--num_warmup_steps", type=int, default=0,
+                       help="Number of steps for the warmup in the lr scheduler.")
+    group.add_argument("--gradient_checkpointing", action="store_true",
+                       help="Enable HF gradient checkpointing for model.")
+    group.add_argument("--max_train_steps", type=int, default=0,
+                       help="(dschat) Stop after this many optimizer steps (0: no limit). The LR "
+                            "schedule is laid out over the steps actually taken.")
+    return group
+
+
+def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("runtime")
+    group.add_argument("--output_dir", type=str, default=None, help="Where to store the model.")
+    group.add_argument("--seed", type=int, default=seed, help="A seed for reproducible training.")
+    group.add_argument("--local_rank", type=int, default=-1,
+                       help="local_rank for distributed training on gpus (set by the deepspeed launcher).")
+    group.add_argument("--debug", action="store_true",
+                       help="(dschat) Show full tracebacks for input errors instead of one line.")
+    return group
+
+
+def add_precision_args(parser: argparse.ArgumentParser, *, zero_stage: bool = True) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("precision and ZeRO")
+    group.add_argument("--offload", action="store_true", help="Enable ZeRO Offload techniques.")
+    group.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
+                       help="Training data type. fp32 is dschat's addition; on a CPU, fp16 falls back "
+                            "to fp32 with one warning.")
+    if zero_stage:
+        group.add_argument("--zero_stage", type=int, default=0, help="ZeRO optimization stage for Actor model (and clones).")
+    group.add_argument("--compute_fp32_loss", action="store_true",
+                       help="Relevant for low precision dtypes (fp16, bf16, etc.). If specified, loss is "
+                            "calculated in fp32.")
+    return group
+
+
+def add_lora_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("LoRA")
+    group.add_argument("--lora_dim", type=int, default=0, help="If > 0, use LoRA for efficient training.")
+    group.add_argument("--lora_module_name", type=str, default="decoder.layers.",
+                       help="The scope of LoRA (substring of Linear module names; OPT: "
+                            "'decoder.layers.', LLaMA-style models: 'layers.').")
+    group.add_argument("--only_optimize_lora", action="store_true", help="Only optimize the LoRA parameters.")
+    group.add_argument("--lora_learning_rate", type=float, default=5e-4,
+                       help="Initial LoRA learning rate (after the potential warmup period) to use.")
+    return group
+
+
+def add_logging_args(
+    parser: argparse.ArgumentParser, *, tensorboard_path: str, print_loss: bool = False
+) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("logging")
+    group.add_argument("--enable_tensorboard", action="store_true", help="Enable tensorboard logging")
+    group.add_argument("--tensorboard_path", type=str, default=tensorboard_path, help="Path to tensorboard logs")
+    if print_loss:
+        group.add_argument("--print_loss", action="store_true", help="Prints loss at each step.")
+    return group
+
+
+def add_eot_args(parser: argparse.ArgumentParser, *, eot_token_flag: bool) -> argparse._ArgumentGroup:
+    """``--add_eot_token`` (all steps) and ``--eot_token`` (step 1 only, as upstream).
+
+    ``--end_of_conversation_token`` is ours: the text appended to every training conversation.
+    dschat's default is the tokenizer's EOS in every step, so the reward model scores the same
+    token the PPO actor ends its answers with (upstream used the literal "<|endoftext|>" in steps
+    2-3, several tokens for most tokenizers; pass it explicitly to reproduce upstream).
+    """
+    group = parser.add_argument_group("end of conversation")
+    group.add_argument("--add_eot_token", action="store_true",
+                       help="Add <|endoftext|> as additional special token to tokenizer")
+    if eot_token_flag:
+        group.add_argument("--eot_token", type=str, default="<|endoftext|>",
+                           help="Specify the format of the `eot_token`")
+    group.add_argument("--end_of_conversation_token", type=str, default=None,
+                       help="(dschat) Text appended to each training conversation. Default: the "
+                            "tokenizer's EOS. Upstream steps 2-3 used '<|endoftext|>'.")
+    return group
+
+
+def add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
+    """``--deepspeed`` / ``--deepspeed_config`` as every upstream main.py (they are not used to build
+    the config: dschat builds it from the flags, so passing ``--deepspeed_config`` is an error)."""
+    import deepspeed
+
+    deepspeed.add_config_arguments(parser)
+
+
+# ---------------------------------------------------------------------------------------------
+# Step-specific groups
+# ---------------------------------------------------------------------------------------------
+
+
+def add_reward_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("reward model")
+    group.add_argument(
+        "--num_padding_at_beginning", type=int, default=1,
+        help="OPT model has a fixed number (1) of padding tokens at the beginning of the input. We "
+             "did not see this in other models but keep it as an option for now. (dschat reads the "
+             "sequence end from the attention mask; this count is used only when no mask is given.)",
+    )
+    group.add_argument("--eval_interval", type=int, default=0,
+                       help="If > 0, perform evaluation at this interval")
+    group.add_argument("--eval_iters", type=int, default=100,
+                       help="Maximum evaluation iterations (0: the whole held-out split)")
+    return group
+
+
+def add_dpo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("DPO")
+    group.add_argument("--beta", type=float, default=0.1,
+                       help="Temperature parameter for DPO loss, typically something in the range of 0.1 to 0.5. "
+                            "We ignore the reference model as beta -> 0.")
+    group.add_argument("--label_smoothing", type=float, default=0.0,
+                       help="conservative DPO loss, which assumes that preferences are noisy (flipped) with "
+                            "probability label_smoothing")
+    group.add_argument("--offload_reference_model", action="store_true",
+                       help="Enable ZeRO Offload techniques for reference model.")
+    return group
+
+
+# ---------------------------------------------------------------------------------------------
+# Step 3 (PPO)
+# ---------------------------------------------------------------------------------------------
+
+
+def add_step3_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("actor and critic")
+    group.add_argument("--actor_model_name_or_path", type=str, required=True,
+                       help="Path to the step-1 actor (a folder, hub id or dschat short name).")
+    group.add_argument("--critic_model_name_or_path", type=str, required=True,
+                       help="Path to the step-2 reward model output (the critic and reward model start from it).")
+    group.add_argument("--num_padding_at_beginning", type=int, default=1,
+                       help="OPT model has a fixed number (1) of padding tokens at the beginning of the "
+                            "input. Not used in step 3 (as upstream).")
+    group.add_argument("--actor_dropout", type=float, default=None,
+                       help="If actor dropout configured, use it. Otherwise, keep the default dropout "
+                            "configuration of the actor model.")
+    group.add_argument("--critic_dropout", type=float, default=None,
+                       help="If critic dropout configured, use it. Otherwise, keep the default dropout "
+                            "configuration of the critic model.")
+    group.add_argument("--actor_gradient_checkpointing", action="store_true",
+                       help="Enable HF gradient checkpointing for Actor model.")
+    group.add_argument("--critic_gradient_checkpointing", action="store_true",
+                       help="Enable HF gradient checkpointing for Critic model.")
+    return group
+
+
+def add_step3_training_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("PPO training")
+    group.add_argument("--per_device_generation_batch_size", type=int, default=16,
+                       help="Batch size (per device) for the training dataloader and generation purpose.")
+    group.add_argument("--per_device_training_batch_size", type=int, default=16,
+                       help="Mini Batch size (per device) for the training dataloader and training purpose.")
+    group.add_argument("--generation_batches", type=int, default=1,
+                       help="Generate x batches to go to training mode.")
+    group.add_argument("--ppo_epochs", type=int, default=1,
+                       help="For generated data, how many ppo training epochs to run.")
+    group.add_argument("--max_prompt_seq_len", type=int, default=256, help="The maximum sequence length.")
+    group.add_argument("--max_answer_seq_len", type=int, default=256, help="The maximum sequence length.")
+    group.add_argument("--actor_learning_rate", type=float, default=9.65e-6,
+                       help="Initial learning rate (after the potential warmup period) to use.")
+    group.add_argument("--critic_learning_rate", type=float, default=5e-6,
+                       help="Initial learning rate (after the potential warmup period) to use.")
+    group.add_argument("--actor_weight_decay", type=float, default=0.0, help="Weight decay to use.")
+    group.add_argument("--critic_weight_decay", type=float, default=0.0, help="Weight decay to use.")
+    group.add_argument("--num_train_epochs", type=int, default=1,
+                       help="Total number of training epochs to perform.")
+    group.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULER_TYPES,
+                       help="The scheduler type to use.")
+    group.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                       help="Number of updates steps to accumulate before performing a backward/update pass.")
+    group.add_argument("--num_warmup_steps", type=int, default=100,
+                       help="Number of steps for the warmup in the lr scheduler.")
+    return group
+
+
+def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """PPO hyperparameters: upstream hard-coded them in ppo_trainer.py; here each is a flag with
+    upstream's value as default. The opt-in extras beyond upstream say so."""
+    group = parser.add_argument_group("PPO")
+    group.add_argument("--kl_ctl", type=float, default=0.1,
+                       help="(dschat flag, upstream constant) Per-token KL penalty coefficient.")
+    group.add_argument("--clip_reward_value", type=float, default=5.0,
+                       help="(dschat flag, upstream constant) Reward-model scores are clipped to +-this.")
+    group.add_argument("--cliprange", type=float, default=0.2,
+                       help="(dschat flag, upstream constant) PPO ratio clip range.")
+    group.add_argument("--cliprange_value", type=float, default=0.2,
+                       help="(dschat flag, upstream constant) Value clip range of the critic loss.")
+    group.add_argument("--gamma", type=float, default=1.0,
+                       help="(dschat flag, upstream constant) GAE discount.")
+    group.add_argument("--lam", type=float, default=0.95,
+                       help="(dschat flag, upstream constant) GAE lambda.")
+    group.add_argument("--whiten_advantages", action="store_true",
+                       help="(dschat, opt-in) Whiten advantages over the rollout's action tokens.")
+    group.add_argument("--kl_estimator", type=str, default="k1", choices=("k1", "k2", "k3"),
+                       help="(dschat, opt-in) Per-token KL estimator in the reward. k1 is upstream's.")
+    group.add_argument("--reward_at", type=str, default="after_last", choices=("after_last", "last"),
+                       help="(dschat, opt-in) Where the reward-model score is added: upstream's slot "
+                            "after the last answer token ('after_last', DSE #672) or the last real "
+                            "answer token ('last').")
+    group.add_argument("--decoding", type=str, default="sample", choices=("sample", "greedy"),
+                       help="(dschat) Rollout decoding. 'sample' (default) draws answers from the "
+                            "policy, which is what the PPO ratio assumes; 'greedy' reproduces "
+                            "upstream's default for OPT and its saved checkpoints.")
+    group.add_argument("--temperature", type=float, default=1.0, help="(dschat) Sampling temperature.")
+    group.add_argument("--top_k", type=int, default=0, help="(dschat) Top-k sampling (0: off).")
+    group.add_argument("--top_p", type=float, default=1.0, help="(dschat) Nucleus sampling (1.0: off).")
+    group.add_argument("--unsup_coef", type=float, default=27.8,
+                       help="gamma in Equation 2 from InstructGPT paper")
+    group.add_argument("--align_overflow", action="store_true",
+                       help="Align loss scale overflow between actor and critic (fp16 only).")
+    group.add_argument("--enable_ema", action="store_true", help="Enable EMA checkpoint for the model.")
+    return group
+
+
+def add_step3_lora_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("LoRA (actor and critic)")
+    group.add_argument("--actor_lora_dim", type=int, default=0, help="If > 0, use LoRA for efficient training.")
+    group.add_argument("--actor_lora_module_name", type=str, default="decoder.layers.", help="The scope of LoRA.")
+    group.add_argument("--critic_lora_dim", type=int, default=0, help="If > 0, use LoRA for efficient training.")
+    group.add_argument("--critic_lora_module_name", type=str, default="decoder.layers.", help="The scope of LoRA.")
+    group.add_argument("--only_optimize_lora", action="store_true", help="Only optimize the LoRA parameters.")
+    group.add_argument("--actor_lora_learning_rate", type=float, default=5e-4,
+                       help="Initial actor LoRA learning rate (after the potential warmup period) to use.")
+    group.add_argument("--critic_lora_learning_rate", type=float, default=5e-4,
+                       help="Initial critic LoRA learning rate (after the potential warmup period) to use.")
+    group.add_argument("--enable_mixed_precision_lora", action="store_true",
+                       help="Enable Mixed Precision ZeRO++ for training and generation (needs actor LoRA "
+                            "and actor ZeRO-3).")
+    return group
+
+
+def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("DeepSpeed (step 3)")
+    group.add_argument("--enable_hybrid_engine", action="store_true",
+                       help="Enable hybrid engine for actor model to optimize both inference and training "
+                            "through DeepSpeed. dschat falls back to the module's generate (and says why, "
+                            "once) where DeepSpeed has no inference kernels for the model or accelerator.")
+    group.add_argument("--unpin_actor_parameters", action="store_true",
+                       help="Unpin actor's parameters during generation. This makes generation slower "
+                            "but requires less memory.")
+    group.add_argument("--release_inference_cache", action="store_true",
+                       help="Release the memory cache used for inference. This makes generation "
+                            "preparation slower but might increase e2e throughput by using larger batch size.")
+    group.add_argument("--inference_tp_size", type=int, default=1,
+                       help="Tensor-parallelism degree used for the inference-optimization. Please note "
+                            "hybrid-engine need to be enabled when using this feature.")
+    group.add_argument("--tp_gather_partition_size", type=int, default=8,
+                       help="Granularity to bring in layers for TP sharding inside the hybrid engine. Please "
+                            "note hybrid-engine and tp_inference_size > 1 need to be true when using this feature.")
+    group.add_argument("--offload", action="store_true", help="Enable ZeRO Offload techniques.")
+    group.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
+                       help="Training data type. fp32 is dschat's addition; on a CPU, fp16 falls back "
+                            "to fp32 with one warning.")
+    group.add_argument("--offload_reference_model", action="store_true",
+                       help="Enable ZeRO Offload techniques for reference model")
+    group.add_argument("--offload_reward_model", action="store_true",
+                       help="Enable ZeRO Offload techniques for reward model")
+    group.add_argument("--actor_zero_stage", type=int, default=0, help="ZeRO optimization stage for Actor model (and clones).")
+    group.add_argument("--critic_zero_stage", type=int, default=0, help="ZeRO optimization stage for Critic model (and reward).")
+    group.add_argument("--compute_fp32_loss", action="store_true",
+                       help="Relevant for low precision dtypes (fp16, bf16, etc.). If specified, loss is "
+                            "calculated in fp32. This applies for both actor and critic models.")
+    return group
+
+
+def add_step3_logging_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    group = parser.add_argument_group("logging and testing")
+    group.add_argument("--enable_tensorboard", action="store_true", help="Enable tensorboard logging")
+    group.add_argument("--tensorboard_path", type=str, default="step3_tensorboard", help="Path to tensorboard logs")
+    group.add_argument("--print_answers", action="store_true", help="Print prompt and answers during training")
+    group.add_argument("--print_answers_interval", type=int, default=1,
+                       help="If --print_answers enabled, controls the printing interval.")
+    group.add_argument("--enable_test_mode", action="store_true",
+                       help="Enable a testing mode that terminates training based on args.test_stop_step")
+    group.add_argument("--test_stop_step", type=int, default=0,
+                       help="Training non-overflow step at which to terminate training during testing.")
+    return group

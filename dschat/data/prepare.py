@@ -4,8 +4,8 @@
         --model_name_or_path tiny-llama --data_output_path /tmp/data_files --max_seq_len 512
 
 Useful before a multi-node launch: the step scripts then find the cache and only load it. The
-flags mirror the step scripts', so the cache key matches theirs when the values do (step 1 uses the
-tokenizer's EOS as end-of-conversation token, steps 2 and 3 the literal ``<|endoftext|>``; pass
+flags mirror the step scripts', so the cache key matches theirs when the values do (every step
+appends the tokenizer's EOS unless ``--end_of_conversation_token`` says otherwise; pass
 ``--add_eot_token`` if the step does). Bad input prints one ``error:`` line and exits with code 2
 (``--debug`` shows the traceback).
 """
@@ -36,8 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "prompts are filtered).")
     group.add_argument("--seed", type=int, default=1234, help="Seed of the data split and shuffles.")
     group.add_argument("--end_of_conversation_token", type=str, default=None,
-                       help="Appended to every phase-1/2 text. Default: the tokenizer's EOS in phase "
-                            "1 (as step 1), '<|endoftext|>' in phases 2-3 (as steps 2 and 3).")
+                       help="Appended to every phase-1/2 text. Default: the tokenizer's EOS (as the "
+                            "step scripts; upstream's steps 2-3 used '<|endoftext|>').")
     group.add_argument("--add_eot_token", action="store_true",
                        help="Add --eot_token to the tokenizer as a special token (as the steps' flag).")
     group.add_argument("--eot_token", type=str, default="<|endoftext|>",
@@ -75,9 +75,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.model_name_or_path, fast_tokenizer=True,
         add_special_tokens=args.eot_token if args.add_eot_token else None,
     )
-    eot = args.end_of_conversation_token
-    if eot is None:
-        eot = tokenizer.eos_token if args.train_phase == 1 else "<|endoftext|>"
+    # The step scripts' default: the tokenizer's EOS in every phase (see add_eot_args).
+    eot = args.end_of_conversation_token or tokenizer.eos_token
     train, held_out = create_prompt_dataset(
         -1, args.data_path, args.data_split, args.data_output_path, args.train_phase, args.seed,
         tokenizer, args.max_seq_len, end_of_conversation_token=eot,

@@ -1,14 +1,25 @@
-"""Pieces the step scripts share: data loaders, engine construction, evaluation loops, logging.
+"""Pieces the step scripts share: run set-up, data loaders, engine construction, evaluation
+loops, logging, the weight digest.
 
 The step ``main.py`` files wire these together and read top to bottom; the work happens here.
+
+Environment variables read here:
+
+* ``DSCHAT_WEIGHT_DIGEST_DIR``: when set, every rank writes ``<tag>-rank<r>.sha256`` into that
+  folder at the end of training: the SHA-256 of its full (ZeRO-3: gathered) parameters, names,
+  shapes and dtypes included. Data-parallel ranks must end with identical weights; the 2-rank
+  tests compare these files.
 """
 from __future__ import annotations
 
+import argparse
+import hashlib
 import math
 import os
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -41,7 +52,7 @@ def set_random_seed(seed: int | None) -> None:
     set_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device (upstream's manual_seed_all)
 
 
 def make_train_loader(
@@ -67,6 +78,8 @@ def make_train_loader(
 def make_eval_loader(dataset: Dataset, batch_size: int, collate_fn: Callable | None) -> DataLoader:
     """Each rank evaluates its shard of the held-out split (no shuffling, no padding duplicates
     beyond what ``DistributedSampler`` adds to even out ranks)."""
+    if len(dataset) == 0:
+        raise UserError("the held-out (eval) split is empty; use more data or another --data_split")
     if get_world_size() > 1:
         sampler: Any = DistributedSampler(dataset, shuffle=False)
     else:
@@ -226,3 +239,241 @@ def quiet_transformers() -> None:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover - transformers is a hard dependency
         pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Run set-up shared by the step scripts
+# ---------------------------------------------------------------------------------------------
+
+WEIGHT_DIGEST_ENV = "DSCHAT_WEIGHT_DIGEST_DIR"
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Reject contradictory or impossible flags before anything is loaded or written."""
+    if getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None):
+        raise UserError(
+            "--deepspeed_config is not used: dschat builds the DeepSpeed config from the flags "
+            "(--zero_stage, --dtype, --offload, --per_device_train_batch_size, ...); drop it"
+        )
+    if getattr(args, "lora_dim", 0) < 0:
+        raise UserError(f"--lora_dim must be >= 0, got {args.lora_dim}")
+    if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 0) <= 0:
+        raise UserError("--only_optimize_lora needs LoRA layers; also pass --lora_dim > 0 (e.g. --lora_dim 128)")
+    if getattr(args, "zero_stage", 0) not in (0, 1, 2, 3):
+        raise UserError(f"--zero_stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "num_train_epochs", "max_seq_len"):
+        value = getattr(args, name, 1)
+        if value < 1:
+            raise UserError(f"--{name} must be >= 1, got {value}")
+    for name in ("max_train_steps", "num_warmup_steps", "eval_interval", "eval_iters"):
+        value = getattr(args, name, 0)
+        if value < 0:
+            raise UserError(f"--{name} must be >= 0, got {value}")
+    output_dir = getattr(args, "output_dir", None)
+    if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise UserError(f"--output_dir {output_dir} exists and is not a folder; pass a folder path")
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Where this process runs: global rank, world size, device, and the dtype actually used."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dtype: str
+
+
+def setup_run(args: argparse.Namespace) -> RunContext:
+    """Initialise distributed (launcher or plain ``python``), pick the dtype, seed everything.
+
+    On a CPU accelerator an fp16 request trains in fp32 (one warning): upstream recipes run
+    unchanged there.
+    """
+    from dschat.utils.dist import barrier, init_distributed
+    from dschat.utils.ds_utils import resolve_dtype
+
+    quiet_transformers()
+    info = init_distributed()
+    dtype = resolve_dtype(args.dtype)
+    set_random_seed(args.seed)
+    barrier()
+    return RunContext(info.rank, info.local_rank, info.world_size, info.device, dtype)
+
+
+def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str) -> tuple[Any, str]:
+    """The tokenizer and the end-of-conversation text appended to every training sample.
+
+    ``--add_eot_token`` adds ``eot_special_token`` as an additional special token (upstream). The
+    end-of-conversation text is ``--end_of_conversation_token`` if given, else the tokenizer's EOS,
+    in every step: the SFT model learns to stop with the token the reward model scores and the
+    PPO actor ends with (upstream steps 2 / DPO appended the literal "<|endoftext|>", several
+    tokens for most tokenizers, DSE #819 / #927).
+    """
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(
+        args.model_name_or_path, fast_tokenizer=True,
+        add_special_tokens=eot_special_token if args.add_eot_token else None,
+    )
+    eot = args.end_of_conversation_token or tokenizer.eos_token
+    if not eot:
+        raise UserError(
+            f"the tokenizer of {args.model_name_or_path} has no EOS token; pass "
+            "--end_of_conversation_token (e.g. '<|endoftext|>')"
+        )
+    return tokenizer, eot
+
+
+def train_ds_config(args: argparse.Namespace, ctx: RunContext, tb_name: str) -> dict:
+    """The trained engine's DeepSpeed config from the step flags (upstream's tb names)."""
+    from dschat.utils.ds_utils import get_train_ds_config
+
+    return get_train_ds_config(
+        offload=args.offload, dtype=ctx.dtype, stage=args.zero_stage,
+        enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=tb_name,
+        micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        world_size=ctx.world_size,
+    )
+
+
+def plan_optimizer_steps(num_batches: int, epochs: int, gradient_accumulation_steps: int,
+                         max_train_steps: int = 0) -> int:
+    """Optimizer steps the LR schedule is laid out over: upstream's
+    ``epochs * ceil(batches / GA)``, capped by ``--max_train_steps`` when that is > 0."""
+    from dschat.utils.optim import num_update_steps
+
+    steps = num_update_steps(num_batches, epochs, gradient_accumulation_steps)
+    return min(steps, max_train_steps) if max_train_steps > 0 else steps
+
+
+def optim_settings(args: argparse.Namespace, num_training_steps: int) -> OptimSettings:
+    return OptimSettings(
+        lr=args.learning_rate, weight_decay=args.weight_decay, lora_lr=args.lora_learning_rate,
+        offload=args.offload, scheduler=args.lr_scheduler_type, num_warmup_steps=args.num_warmup_steps,
+        num_training_steps=num_training_steps,
+    )
+
+
+def reset_final_norm_for_reward(model: nn.Module, zero_stage: int) -> list[str]:
+    """Reset the body's final layer norm of a fresh reward model where the family asks for it.
+
+    BLOOM's ``ln_f.weight`` has a large variance that makes bf16 reward training unstable, and the
+    norm fed the replaced LM head anyway, so upstream resets it to weight 1 / bias 0 and always
+    trains it (DSE #772; upstream's code had the typo ``rwtranrsformer`` and crashed). Returns the
+    parameter names to force-train (also with ``--only_optimize_lora``).
+    """
+    import deepspeed
+
+    from dschat.models.families import family_of
+
+    norm_name = family_of(model.config).reset_final_norm_for_reward
+    if norm_name is None:
+        return []
+    norm = getattr(model.rwtransformer, norm_name)
+    params = [norm.weight, norm.bias]
+    is_zero3 = zero_stage == 3 and hasattr(norm.weight, "ds_id")
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=is_zero3):
+        if not is_zero3 or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            with torch.no_grad():
+                torch.nn.init.ones_(norm.weight)
+                torch.nn.init.zeros_(norm.bias)
+    return [f"rwtransformer.{norm_name}.weight", f"rwtransformer.{norm_name}.bias"]
+
+
+class OptimizerStepCounter:
+    """Counts micro-steps and optimizer steps (every ``gradient_accumulation_steps`` micro-steps,
+    across epochs, as DeepSpeed does) and knows when ``--max_train_steps`` is reached."""
+
+    def __init__(self, gradient_accumulation_steps: int, max_train_steps: int = 0):
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.max_train_steps = max_train_steps
+        self.micro_steps = 0
+
+    def micro_step(self) -> bool:
+        """Record one micro-step; True when it completed an optimizer step."""
+        self.micro_steps += 1
+        return self.micro_steps % self.gradient_accumulation_steps == 0
+
+    @property
+    def optimizer_steps(self) -> int:
+        return self.micro_steps // self.gradient_accumulation_steps
+
+    @property
+    def done(self) -> bool:
+        return self.max_train_steps > 0 and self.optimizer_steps >= self.max_train_steps
+
+
+class StepTimer:
+    """Wall time of one training micro-step (``time.time`` as upstream; on an accelerator the
+    ``engine.step()`` call ends with a synchronising loss/grad reduction)."""
+
+    def __init__(self) -> None:
+        self.start = time.time()
+
+    def elapsed(self) -> float:
+        return max(time.time() - self.start, 1e-9)
+
+
+@dataclass
+class RunResult:
+    """What a step ``main`` returns when called in-process (tests, notebooks).
+
+    ``evals``: one dict per evaluation (``epoch``, ``step`` and the metrics); ``train_losses``:
+    the loss of every micro-step on this rank; ``engine``: the trained DeepSpeed engine.
+    """
+
+    output_dir: Path | None
+    evals: list[dict] = field(default_factory=list)
+    train_losses: list[float] = field(default_factory=list)
+    optimizer_steps: int = 0
+    engine: Any = None
+    tokenizer: Any = None
+    weight_digest: str | None = None
+
+
+def print_loss_line(epoch: int, step: int, loss: torch.Tensor) -> None:
+    """Upstream's ``--print_loss`` line (every rank prints its own loss)."""
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    print(f"Epoch: {epoch}, Step: {step}, Rank: {rank}, loss = {loss.item()}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Weight digest (data-parallel consistency checks)
+# ---------------------------------------------------------------------------------------------
+
+
+def parameter_digest(model: Any) -> str:
+    """SHA-256 over every parameter's name, shape, dtype and bytes, in ``named_parameters`` order.
+
+    Collective under ZeRO-3 (each parameter is gathered in turn): every rank must call it.
+    """
+    import deepspeed
+
+    module = getattr(model, "module", model)
+    digest = hashlib.sha256()
+    for name, param in module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
+            tensor = param.detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def write_weight_digest(model: Any, tag: str) -> str | None:
+    """If ``$DSCHAT_WEIGHT_DIGEST_DIR`` is set, write this rank's :func:`parameter_digest` to
+    ``<dir>/<tag>-rank<r>.sha256`` and return it (collective: call on every rank)."""
+    folder = os.environ.get(WEIGHT_DIGEST_ENV)
+    if not folder:
+        return None
+    digest = parameter_digest(model)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    from dschat.utils.fs import atomic_file
+
+    with atomic_file(Path(folder) / f"{tag}-rank{rank}.sha256") as tmp:
+        tmp.write_text(digest + "\n", encoding="utf-8")
+    return digest
