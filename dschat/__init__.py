@@ -1,4 +1,10 @@
 """dschat: DeepSpeed-Chat's three-step RLHF pipeline (SFT, reward model, PPO), re-implemented and tested."""
+import logging as _logging
+
 from dschat.version import __version__
+
+# bitsandbytes logs a CPU-kernel warning at import on CPUs without its optional kernels; dschat
+# only uses it for opt-in QLoRA, so keep every step's output free of it.
+_logging.getLogger("bitsandbytes").setLevel(_logging.ERROR)
 
 __all__ = ["__version__"]

@@ -225,3 +225,24 @@ def test_reward_model_rejects_head_mask():
     with pytest.raises(ValueError, match="head_mask"):
         rm.forward_value(torch.tensor([[1, 2]]), head_mask=torch.ones(1))
     assert isinstance(rm, RewardModel)
+
+
+def test_save_keeps_logs_and_open_handles_in_the_output_folder(tmp_path):
+    # Upstream's recipes write training.log and TensorBoard runs into the model's output folder.
+    tok = load_hf_tokenizer("tiny-llama")
+    model = create_hf_model(AutoModelForCausalLM, "tiny-llama", tok)
+    out = tmp_path / "actor"
+    (out / "step1_tensorboard").mkdir(parents=True)
+    (out / "step1_tensorboard" / "events.out").write_text("tb")
+    (out / "model-00001-of-00002.safetensors").write_text("stale shard from an older save")
+    log = open(out / "training.log", "w")  # the launcher's tee keeps this handle open
+    log.write("before save\n")
+    log.flush()
+    save_hf_model(model, tok, out)
+    log.write("after save\n")
+    log.close()
+    assert (out / "training.log").read_text() == "before save\nafter save\n"
+    assert (out / "step1_tensorboard" / "events.out").read_text() == "tb"
+    assert not (out / "model-00001-of-00002.safetensors").exists()  # old model files are replaced
+    assert (out / "model.safetensors").exists()
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) != oct(0o600)

@@ -12,10 +12,12 @@ only rank 0 writes). LoRA factors are fused into the weights of the copy being s
 model is left as it is, so a mid-training save does not disturb training) and dropped, so the
 folder is a plain model. Persistent buffers are saved too (upstream dropped them, bug §10.23).
 Writing goes through :func:`dschat.utils.fs.atomic_dir`: a crash never leaves a broken folder
-where a good one was.
+where a good one was. Files in the folder that are not part of a saved model (``training.log``,
+TensorBoard runs, step 3's ``actor/`` beside ``critic/``) are kept.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,28 @@ from torch import nn
 from dschat.utils.fs import atomic_dir
 
 LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
+
+
+# What a save writes (and so may replace); everything else in an output folder is carried over.
+_WEIGHT_FILES = (
+    r"^(model|pytorch_model|tf_model|flax_model)([-.].*)?\.(safetensors|bin|h5|msgpack)(\.index\.json)?$"
+    r"|^v_head\.safetensors$"
+)
+_WEIGHTS = re.compile(_WEIGHT_FILES)
+_MODEL_ARTIFACTS = re.compile(
+    _WEIGHT_FILES
+    + r"|^(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|merges)\.(json|txt)$"
+    r"|^(chat_template\.(jinja|json)|tokenizer\.model|spiece\.model)$"
+)
+
+
+def is_model_artifact(name: str) -> bool:
+    """True for the files a Hugging Face save (and our value head) writes."""
+    return bool(_MODEL_ARTIFACTS.match(name))
+
+
+def _keep(name: str) -> bool:
+    return not is_model_artifact(name)
 
 
 def _rank() -> int:
@@ -116,7 +140,7 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path) -> Path | 
     state = gathered_state_dict(module)
     output_dir = Path(output_dir)
     if state is not None:
-        with atomic_dir(output_dir) as tmp:
+        with atomic_dir(output_dir, carry_over=_keep) as tmp:
             _write(module, state, tmp)
             tokenizer.save_pretrained(tmp)
     _barrier()
@@ -139,13 +163,7 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
     module = unwrap(model)
     state = gathered_state_dict(module)
     if state is not None:
-        save_dir = Path(save_dir)
-        with atomic_dir(save_dir) as tmp:
-            if save_dir.is_dir():
-                import shutil
-
-                for item in save_dir.iterdir():
-                    if item.is_file():
-                        shutil.copy2(item, tmp / item.name)
+        # Keep everything already there (tokenizer files, logs) except stale weight files.
+        with atomic_dir(save_dir, carry_over=lambda name: not _WEIGHTS.match(name)) as tmp:
             _write(module, state, tmp)
     _barrier()

@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 @contextlib.contextmanager
@@ -45,14 +45,29 @@ def _partial_name(path: Path, tag: str) -> Path:
     return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
 
 
+def _normalise_modes(folder: Path) -> None:
+    """Give everything under ``folder`` the permissions plain ``open``/``mkdir`` would (some
+    writers use ``mkstemp``, which creates 0600 files other users cannot read)."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
 @contextlib.contextmanager
-def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None = None) -> Iterator[Path]:
     """Yield an empty temporary folder beside ``path``; on success it takes ``path``'s place.
 
     A previous folder at ``path`` stays intact until the new one is complete; it is then moved
     aside and deleted. On an exception the temporary folder is deleted and ``path`` is untouched.
     A crash can at worst leave hidden ``.<name>.partial-*`` / ``.<name>.old-*`` siblings, never a
     half-written ``path``.
+
+    ``carry_over(name)`` keeps entries of the previous folder that the new one does not write
+    (a training log, TensorBoard runs): they are moved -- renamed, so open file handles stay valid
+    -- into the new folder just before the swap.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,8 +75,13 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
+        _normalise_modes(tmp)
         old = None
         if path.exists():
+            if carry_over is not None:
+                for entry in path.iterdir():
+                    if carry_over(entry.name) and not (tmp / entry.name).exists():
+                        os.replace(entry, tmp / entry.name)
             old = _partial_name(path, "old")
             os.replace(path, old)
         os.replace(tmp, path)

@@ -1,0 +1,414 @@
+"""Turn a recipe into a ``deepspeed`` command, run it, stream its output to the terminal and a log.
+
+    python -m dschat.launch <step> <recipe-id> [--output_dir DIR] [--zero_stage N] ...
+                            [--num_gpus N] [--hostfile F] [--dry-run] [-- --extra_flag value ...]
+
+The command is an argument list (``deepspeed [launcher options] training/<step>/main.py <flags>``)
+run without a shell (STYLE habit 9). Output is read in raw chunks, so progress bars (``\\r``) show
+live, and written both to the terminal and to ``<output_dir>/training.log`` (upstream's scripts
+redirected everything to the log and showed nothing). The exit code is the step's.
+
+The shell recipes in ``training/*/training_scripts/`` call this module with ``--script-args "$@"``:
+upstream-style positionals (``$1``..``$5``, empty for the default) followed by extra ``main.py`` flags.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping, Sequence
+
+from dschat.errors import UserError, cli_main
+from dschat.recipes import Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
+
+LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, custom wrappers)
+PREFIX = "[dschat.launch]"
+
+# -------------------------------------------------------------------------------------------------
+# Out-of-memory detection and advice (upstream issue list §9.1)
+# -------------------------------------------------------------------------------------------------
+_OOM_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
+    (label, re.compile(pattern, re.IGNORECASE))
+    for label, pattern in (
+        ("CUDA out of memory", r"CUDA out of memory"),
+        ("torch.OutOfMemoryError", r"OutOfMemoryError"),
+        ("CPU allocator failed", r"DefaultCPUAllocator: can't allocate memory"),
+        ("std::bad_alloc", r"std::bad_alloc"),
+        ("MemoryError", r"^\s*MemoryError\b|\bMemoryError:"),
+        ("cannot allocate memory", r"Cannot allocate memory"),
+        ("out of memory", r"\bout of memory\b"),
+        ("a rank was killed (SIGKILL, usually the kernel's out-of-memory killer)", r"exits with return code = -9\b"),
+    )
+)
+# -9 direct, 137 = 128 + SIGKILL from a shell, 247 = the deepspeed launcher's sys.exit(-9).
+_SIGKILL_CODES = (-9, 137, 247)
+
+
+def detect_oom(output_tail: str, returncode: int | None) -> str | None:
+    """Why a failed step looks like an out-of-memory death, or ``None``."""
+    if returncode == 0:
+        return None
+    for label, pattern in _OOM_PATTERNS:
+        if pattern.search(output_tail):
+            return label
+    if returncode in _SIGKILL_CODES:
+        return "the process was killed with SIGKILL (usually the kernel's out-of-memory killer)"
+    return None
+
+
+def oom_advice(step: StepSpec | str, *, cpu: bool = False, e2e: bool = False) -> str:
+    """What to change when ``step`` runs out of memory (upstream's e2e advice plus its issue list)."""
+    spec = step if isinstance(step, StepSpec) else step_spec(step)
+    lines = [f"Step {spec.number} ({spec.title}) ran out of memory. Ways to make it fit:"]
+    if spec.key == "step3":
+        lines += [
+            "  - smaller --per_device_generation_batch_size and --per_device_training_batch_size (keep them "
+            "equal) with more --gradient_accumulation_steps",
+            "  - shorter --max_prompt_seq_len / --max_answer_seq_len",
+            "  - ZeRO-3 for actor and critic (--actor_zero_stage 3 --critic_zero_stage 3"
+            + ("; e2e: --actor-zero-stage 3 --reward-zero-stage 3" if e2e else "") + ")",
+            "  - --actor_gradient_checkpointing --critic_gradient_checkpointing (step 1's "
+            "--gradient_checkpointing does not apply here)",
+            "  - LoRA: --actor_lora_dim 128 --critic_lora_dim 128 --only_optimize_lora",
+            "  - offload: --offload, --offload_reference_model, --offload_reward_model",
+            "  - with the Hybrid Engine: --release_inference_cache, --unpin_actor_parameters",
+            "  - rule of thumb (upstream): actor + critic fit in about (GPU memory in GB / 6) billion parameters",
+        ]
+    else:
+        lines += [
+            "  - smaller --per_device_train_batch_size / --per_device_eval_batch_size with more "
+            "--gradient_accumulation_steps",
+            "  - shorter --max_seq_len",
+            "  - a higher ZeRO stage on multi-GPU setups (--zero_stage 3"
+            + ("; e2e: --actor-zero-stage / --reward-zero-stage" if e2e else "") + ")",
+            "  - --gradient_checkpointing",
+            "  - LoRA: --lora_dim 128 --only_optimize_lora",
+            "  - --offload (optimizer and parameters in CPU memory)",
+        ]
+    if cpu:
+        lines.append("  - on a CPU this is RAM: run one rank (--num_gpus 1) and close other programs")
+    lines.append("Flags can be appended after the recipe's (python -m dschat.launch ... -- --flag value) "
+                 "or changed in configs/.")
+    return "\n".join(lines)
+
+
+# -------------------------------------------------------------------------------------------------
+# The command
+# -------------------------------------------------------------------------------------------------
+def deepspeed_executable() -> list[str]:
+    """The ``deepspeed`` launcher to run: ``$DSCHAT_LAUNCHER`` (split like a shell would), the one
+    beside this Python, the one on ``PATH``, or ``python -m deepspeed.launcher.runner``."""
+    override = os.environ.get(LAUNCHER_ENV)
+    if override:
+        return shlex.split(override)
+    beside = Path(sys.executable).with_name("deepspeed")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return [str(beside)]
+    found = shutil.which("deepspeed")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
+@dataclass
+class LaunchPlan:
+    """Everything needed to run one step: the argv, environment additions and the log file."""
+
+    recipe: Recipe
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)  # defaults: a variable already set wins
+    output_dir: Path | None = None
+    main_py: Path | None = None
+    env_set: dict[str, str] = field(default_factory=dict)  # always set (PYTHONPATH)
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.output_dir / "training.log" if self.output_dir is not None else None
+
+    def command_line(self) -> str:
+        return shlex.join(self.argv)
+
+
+def _flag_value(argv: Sequence[str], name: str) -> str | None:
+    """The value of the last ``--name value`` / ``--name=value`` in ``argv``."""
+    value = None
+    for i, token in enumerate(argv):
+        if token == f"--{name}" and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif token.startswith(f"--{name}="):
+            value = token.split("=", 1)[1]
+    return value
+
+
+def plan(
+    recipe: Recipe,
+    params: Mapping[str, str | None] | None = None,
+    extra: Sequence[str] = (),
+    *,
+    unset: Sequence[str] = (),
+    launcher_overrides: Mapping[str, object] | None = None,
+    kind: str = "deepspeed",
+    repo_root: str | os.PathLike | None = None,
+    require_main: bool = True,
+) -> LaunchPlan:
+    """Build the command for ``recipe``; ``kind`` is ``deepspeed`` (default) or ``python``."""
+    root = find_repo_root(repo_root)
+    main_py = root / recipe.step.main_py
+    if require_main and not main_py.is_file():
+        raise UserError(f"{main_py} does not exist; this checkout has no {recipe.step.title} step script yet")
+    flags = recipe.render(params, extra, unset)
+    if kind == "deepspeed":
+        launcher = recipe.launcher.with_overrides(**dict(launcher_overrides or {}))
+        argv = [*deepspeed_executable(), *launcher.argv(), str(main_py), *flags]
+    elif kind == "python":
+        # Plain `python main.py` (one process, no launcher): what upstream could not do.
+        argv = [sys.executable, str(main_py), *flags]
+    else:
+        raise UserError(f"unknown launcher kind {kind!r}; use deepspeed or python")
+    env = {"PYTHONUNBUFFERED": "1", **recipe.env}
+    # The step scripts import dschat: make it this checkout's, like the checkout's main.py, even when
+    # another copy is installed (the shell recipes do the same).
+    existing = os.environ.get("PYTHONPATH")
+    env_set = {"PYTHONPATH": str(root) + (os.pathsep + existing if existing else "")}
+    out = _flag_value(flags, "output_dir")
+    return LaunchPlan(recipe, argv, env, Path(out) if out else None, main_py, env_set)
+
+
+# -------------------------------------------------------------------------------------------------
+# Running: tee to the terminal and to training.log
+# -------------------------------------------------------------------------------------------------
+class _LogTee:
+    """Writes to ``path`` through one handle opened at the start.
+
+    A step may replace its output folder atomically when it saves (dschat's ``atomic_dir``), which
+    would take an open ``training.log`` with the old folder. The handle keeps the data readable, and
+    :meth:`close` puts the complete log back at ``path`` when the file there is not ours any more.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(path, "w+b")  # noqa: SIM115 - closed in close()
+        self.stat = os.fstat(self.handle.fileno())
+
+    def write(self, data: bytes) -> None:
+        self.handle.write(data)
+        self.handle.flush()
+
+    def close(self) -> None:
+        try:
+            current = os.stat(self.path)
+            ours = os.path.samestat(current, self.stat)
+        except FileNotFoundError:
+            ours = False
+        if not ours:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle.seek(0)
+            with open(self.path, "wb") as fresh:
+                shutil.copyfileobj(self.handle, fresh)
+        self.handle.close()
+
+
+def _terminal_writer() -> Callable[[bytes], None]:
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is not None:
+        def write(data: bytes) -> None:
+            buffer.write(data)
+            buffer.flush()
+    else:  # a text-only stdout (some test harnesses)
+        def write(data: bytes) -> None:
+            sys.stdout.write(data.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+    return write
+
+
+@dataclass
+class LaunchResult:
+    returncode: int
+    seconds: float
+    oom: str | None
+    log_path: Path | None
+    tail: str
+
+
+def run(
+    launch: LaunchPlan,
+    *,
+    sink: Callable[[bytes], None] | None = None,
+    log: bool = True,
+    tail_bytes: int = 64 * 1024,
+) -> LaunchResult:
+    """Run the plan; stream its merged stdout/stderr to ``sink`` (the terminal) and the log.
+
+    Returns the exit code (``128 + signal`` when the process died of a signal, as a shell reports
+    it), the wall time, and an out-of-memory diagnosis when the run failed like one.
+    """
+    sink = sink or _terminal_writer()
+    env = dict(os.environ)
+    for key, value in launch.env.items():
+        env.setdefault(key, value)  # a value the user set wins over the recipe's
+    env.update(launch.env_set)
+    tee = _LogTee(launch.log_path) if log and launch.log_path is not None else None
+    header = f"{PREFIX} {launch.command_line()}\n".encode()
+    sink(header)
+    if tee:
+        tee.write(header)
+    tail = bytearray()
+    start = time.monotonic()
+    proc = subprocess.Popen(launch.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, bufsize=0)
+    assert proc.stdout is not None
+    interrupts = 0
+    try:
+        fd = proc.stdout.fileno()
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                sink(chunk)
+                if tee:
+                    tee.write(chunk)
+                tail += chunk
+                if len(tail) > tail_bytes:
+                    del tail[: len(tail) - tail_bytes]
+            except KeyboardInterrupt:
+                # The child got the same Ctrl-C (same process group) and shuts down; keep draining
+                # its last words. A second Ctrl-C terminates it, a third kills it.
+                interrupts += 1
+                if interrupts == 2:
+                    proc.terminate()
+                elif interrupts > 2:
+                    proc.kill()
+        returncode = proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        if tee:
+            tee.close()
+    if returncode < 0:
+        returncode = 128 - returncode
+    if interrupts and returncode == 0:
+        returncode = 130
+    text = tail.decode("utf-8", errors="replace")
+    return LaunchResult(returncode, time.monotonic() - start, detect_oom(text, returncode),
+                        launch.log_path if tee else None, text)
+
+
+# -------------------------------------------------------------------------------------------------
+# CLI
+# -------------------------------------------------------------------------------------------------
+def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None, list[str]]:
+    """(launcher args, script args or None, extra main.py args after ``--``)."""
+    argv = list(argv)
+    if "--script-args" in argv:
+        i = argv.index("--script-args")
+        return argv[:i], argv[i + 1:], []
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], None, argv[i + 1:]
+    return argv, None, []
+
+
+def _split_script_args(recipe: Recipe, tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Positionals (up to the step's count, stopping at the first ``--flag``) and extra flags."""
+    positionals: list[str] = []
+    rest = list(tokens)
+    while rest and len(positionals) < len(recipe.step.params) and not rest[0].startswith("--"):
+        positionals.append(rest.pop(0))
+    if rest and not rest[0].startswith("--"):
+        split_flag_groups(rest)  # raises the readable "must be flags" error
+    return positionals, rest
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m dschat.launch",
+        description="Run one training step from a recipe in configs/ through the deepspeed launcher.",
+        epilog="Everything after `--` is added to main.py's flags (a flag the recipe also sets is replaced). "
+               "List recipes with: python -m dschat.recipes list",
+    )
+    parser.add_argument("step", help="step1, step2, dpo or step3 (also 1, 2, 3)")
+    parser.add_argument("recipe", help="recipe id, e.g. opt/single_gpu/1.3b or cpu/smollm2-135m")
+    params = parser.add_argument_group("recipe parameters (upstream's positionals; default: the recipe's)")
+    params.add_argument("--output_dir", default=None, help="steps 1, 2, DPO: $1; step 3: $5")
+    params.add_argument("--zero_stage", default=None, help="steps 1, 2, DPO: $2")
+    params.add_argument("--actor_model", default=None, help="step 3: $1, the step-1 output")
+    params.add_argument("--critic_model", default=None, help="step 3: $2, the step-2 output")
+    params.add_argument("--actor_zero_stage", default=None, help="step 3: $3")
+    params.add_argument("--critic_zero_stage", default=None, help="step 3: $4")
+    launch = parser.add_argument_group("launcher (default: the recipe's)")
+    launch.add_argument("--num_gpus", type=int, default=None, help="deepspeed --num_gpus")
+    launch.add_argument("--num_nodes", type=int, default=None, help="deepspeed --num_nodes")
+    launch.add_argument("--hostfile", default=None, help="deepspeed --hostfile (multi-node; default /job/hostfile)")
+    launch.add_argument("--master_port", type=int, default=None, help="deepspeed --master_port")
+    launch.add_argument("--launcher", choices=("deepspeed", "python"), default="deepspeed",
+                        help="'python' runs main.py in this process's interpreter without the launcher")
+    launch.add_argument("--unset", action="append", default=[], metavar="FLAG",
+                        help="drop a recipe flag, e.g. --unset enable_hybrid_engine (repeatable)")
+    launch.add_argument("--no-log", action="store_true", help="do not write OUTPUT/training.log")
+    launch.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    launch.add_argument("--repo-root", default=None, help="the dschat checkout (default: found automatically)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, plan, run; return the step's exit code (2 for bad input via :func:`cli_main`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    own, script_args, extra = _split_argv(argv)
+    args = build_parser().parse_args(own)
+    recipe = get_recipe(args.step, args.recipe, args.repo_root)
+    param_names = recipe.step.params
+    given = {name: getattr(args, name) for name in ("output_dir", "zero_stage", "actor_model", "critic_model",
+                                                      "actor_zero_stage", "critic_zero_stage")}
+    wrong = [name for name, value in given.items() if value is not None and name not in param_names]
+    if wrong:
+        raise UserError(f"{recipe.label} takes {', '.join('--' + p for p in param_names)}, not "
+                        f"{', '.join('--' + w for w in wrong)}")
+    params = {name: given[name] for name in param_names}
+    if script_args is not None:
+        positionals, extra = _split_script_args(recipe, script_args)
+        for name, value in recipe.params_from_positionals(positionals).items():
+            if value:
+                params[name] = value
+    launch = plan(
+        recipe, params, extra, unset=args.unset,
+        launcher_overrides={"num_gpus": args.num_gpus, "num_nodes": args.num_nodes,
+                            "hostfile": args.hostfile, "master_port": args.master_port},
+        kind=args.launcher, repo_root=args.repo_root, require_main=not args.dry_run,
+    )
+    if args.dry_run:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items() if k != "PYTHONUNBUFFERED")
+        print(f"{env} {launch.command_line()}" if env else launch.command_line())
+        return 0
+    result = run(launch, log=not args.no_log)
+    if result.returncode != 0:
+        where = f"; log: {result.log_path}" if result.log_path else ""
+        print(f"{PREFIX} {recipe.step.key} exited with status {result.returncode}{where}", file=sys.stderr)
+        if result.oom:
+            cpu = launch.env.get("DS_ACCELERATOR") == "cpu" or os.environ.get("DS_ACCELERATOR") == "cpu"
+            print(f"{PREFIX} looks like out of memory: {result.oom}\n{oom_advice(recipe.step, cpu=cpu)}",
+                  file=sys.stderr)
+    return result.returncode
+
+
+def _entry(argv: Sequence[str] | None = None) -> int:
+    code: list[int] = [0]
+
+    def wrapped(a: Sequence[str] | None) -> None:
+        code[0] = main(a)
+
+    usage = cli_main(wrapped, argv)
+    return usage if usage else code[0]
+
+
+if __name__ == "__main__":
+    raise SystemExit(_entry())

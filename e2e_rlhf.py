@@ -1,0 +1,530 @@
+#!/usr/bin/env python3
+"""Run the DeepSpeed-Chat pipeline end to end: step 1 (SFT), step 2 (reward model), step 3 (PPO).
+
+Without a GPU, and with no --deployment-type given, this runs the CPU demo: the embedded
+SmolLM2-135M-Instruct on the embedded preference data, then a report comparing the SFT and the
+RLHF actor (``OUTPUT/report.json``, ``OUTPUT/ppo_curves.png``).
+
+Examples (upstream's, corrected so that they run)::
+
+    python e2e_rlhf.py                                    # all steps, default models
+    python e2e_rlhf.py --actor-model 6.7b --deployment-type single_node
+    python e2e_rlhf.py --actor-zero-stage 3 --reward-zero-stage 3
+    python e2e_rlhf.py --step 1 2                         # a subset of the steps
+    python e2e_rlhf.py --step 3 --actor-model 1.3b --reward-model 350m   # reuse steps 1-2 outputs
+    python e2e_rlhf.py --actor-model facebook/opt-350m --reward-model facebook/opt-125m
+    python e2e_rlhf.py --deployment-type multi_node --hostfile /job/hostfile --actor-model 66b
+    python e2e_rlhf.py --deployment-type cpu --actor-model tiny-llama --reward-model tiny-llama
+
+Each step is launched through the ``deepspeed`` launcher with the argument list of a recipe in
+``configs/`` (see ``configs/e2e.yaml`` for how models and deployment types map to recipes); its
+output goes to the terminal and to ``<its output dir>/training.log``. Output folders are upstream's:
+``OUTPUT/actor-models/<actor>``, ``OUTPUT/reward-models/<reward>``, ``OUTPUT/step3-models/<actor>``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shlex
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing: use its dschat
+    sys.path.insert(0, str(ROOT))
+
+from dschat.errors import UserError, cli_main  # noqa: E402
+from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
+from dschat.recipes import Recipe, get_recipe  # noqa: E402
+
+STEP_KEYS = {1: "step1", 2: "step2", 3: "step3"}
+MODEL_TYPE = {1: "actor", 2: "reward", 3: "step3"}  # upstream's output folder prefixes
+OPT_SIZES = ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "30b", "66b", "175b")
+UPSTREAM_ACTOR_SIZES = ("1.3b", "6.7b", "13b", "66b")
+UPSTREAM_REWARD_SIZES = ("350m",)
+TIMINGS_FILE = "e2e_timings.json"
+DEFAULT_HOSTFILE = "/job/hostfile"  # where the deepspeed launcher looks without --hostfile
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+# -------------------------------------------------------------------------------------------------
+# configs/e2e.yaml
+# -------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Deployment:
+    """One --deployment-type: which recipe serves which model."""
+
+    name: str
+    aliases: tuple[str, ...]
+    description: str
+    actor: dict[str, str]
+    reward: dict[str, str]
+    other_actor: str
+    other_reward: str
+    unavailable: dict[str, str]
+    default_actor: str | None = None
+    default_reward: str | None = None
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    deployments: dict[str, Deployment]
+    default_deployment: str
+    default_actor: str
+    default_reward: str
+    report: dict[str, str] = field(default_factory=dict)
+
+    def deployment(self, name: str) -> Deployment:
+        """Resolve a name or alias (``singlenode``, ``multinode``)."""
+        key = name.strip().lower().replace("-", "_")
+        for dep in self.deployments.values():
+            if key == dep.name or key in dep.aliases:
+                return dep
+        raise UserError(f"unknown deployment type {name!r}; use one of: {', '.join(self.choices())}")
+
+    def choices(self) -> list[str]:
+        return [n for dep in self.deployments.values() for n in (dep.name, *dep.aliases)]
+
+
+def load_e2e_config(root: Path = ROOT) -> E2EConfig:
+    """Read and check ``configs/e2e.yaml`` (every recipe it names must exist)."""
+    import yaml
+
+    path = root / "configs" / "e2e.yaml"
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+    deployments = {}
+    for name, raw in data["deployment_types"].items():
+        dep = Deployment(
+            name=name, aliases=tuple(raw.get("aliases", [])), description=raw.get("description", ""),
+            actor=dict(raw.get("actor", {})), reward=dict(raw.get("reward", {})),
+            other_actor=raw["other_actor"], other_reward=raw["other_reward"],
+            unavailable=dict(raw.get("unavailable", {}) or {}),
+            default_actor=raw.get("default_actor"), default_reward=raw.get("default_reward"),
+        )
+        for rid in {*dep.actor.values(), dep.other_actor}:
+            get_recipe("step1", rid, root)
+            get_recipe("step3", rid, root)
+        for rid in {*dep.reward.values(), dep.other_reward}:
+            get_recipe("step2", rid, root)
+        deployments[name] = dep
+    return E2EConfig(deployments, data["default_deployment"], data["default_actor"], data["default_reward"],
+                     dict(data.get("report", {})))
+
+
+# -------------------------------------------------------------------------------------------------
+# Models and recipes
+# -------------------------------------------------------------------------------------------------
+def strip_opt(value: str) -> str:
+    """Upstream's argument type: ``facebook/opt-1.3b`` -> ``1.3b``."""
+    return value.strip().replace("facebook/opt-", "")
+
+
+def model_id(value: str) -> str:
+    """What main.py loads: an OPT size becomes ``facebook/opt-<size>``, anything else is kept."""
+    return f"facebook/opt-{value}" if value in OPT_SIZES else value
+
+
+def model_label(value: str) -> str:
+    """The folder name under actor-models/ etc.: the size for OPT, a readable name otherwise."""
+    if value in OPT_SIZES:
+        return value
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return path.resolve().name
+    return re.sub(r"[^A-Za-z0-9._-]+", "--", value).strip("-") or "model"
+
+
+def _family(model: str) -> Any:
+    """The model family (dschat.models.families) of a model, or None if its config is unreachable."""
+    try:
+        from transformers import AutoConfig
+
+        from dschat.models.families import family_of
+        from dschat.models.registry import resolve_model_path
+
+        return family_of(AutoConfig.from_pretrained(resolve_model_path(model)))
+    except (OSError, ValueError, UserError):
+        return None
+
+
+def _lora_adjustments(recipe: Recipe, model: str, prefix: str = "") -> list[str]:
+    """Flags that adapt a recipe written for OPT to another family (LoRA scope, leading pads)."""
+    fam = _family(model)
+    if fam is None:
+        return []
+    extra: list[str] = []
+    dim = recipe.flag(f"{prefix}lora_dim")
+    if isinstance(dim, str) and dim.isdigit() and int(dim) > 0:
+        current = recipe.flag(f"{prefix}lora_module_name", "decoder.layers.")
+        if current != fam.lora_module_name:
+            extra += [f"--{prefix}lora_module_name", fam.lora_module_name]
+    if not prefix and recipe.has_flag("num_padding_at_beginning"):
+        if recipe.flag("num_padding_at_beginning") != str(fam.num_padding_at_beginning):
+            extra += ["--num_padding_at_beginning", str(fam.num_padding_at_beginning)]
+    return extra
+
+
+@dataclass
+class StepRun:
+    """One step as e2e will launch it."""
+
+    number: int
+    recipe: Recipe
+    params: dict[str, str | None]
+    extra: list[str]
+    output_dir: Path
+    note: str | None = None
+
+
+def choose_recipe(dep: Deployment, step: int, model: str) -> tuple[str, bool]:
+    """(recipe id, whether the model must be substituted) for ``model`` in step ``step``."""
+    table, other, kind = (dep.reward, dep.other_reward, "reward") if step == 2 else (dep.actor, dep.other_actor, "actor")
+    if model in table:
+        return table[model], False
+    if step != 2 and model in dep.unavailable:
+        raise UserError(f"no {dep.name} recipe for a {model} {kind}: {dep.unavailable[model]}")
+    return other, True
+
+
+def output_dir(out: Path, step: int, label: str) -> Path:
+    return out / f"{MODEL_TYPE[step]}-models" / label
+
+
+def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
+    """The three steps' recipes, parameters and output folders for these arguments."""
+    out = Path(args.output_dir)
+    actor_label, reward_label = model_label(args.actor_model), model_label(args.reward_model)
+    dirs = {1: output_dir(out, 1, actor_label), 2: output_dir(out, 2, reward_label), 3: output_dir(out, 3, actor_label)}
+    seed = ["--seed", str(args.seed)] if args.seed is not None else []
+    runs: list[StepRun] = []
+    for number in (1, 2, 3):
+        model = args.reward_model if number == 2 else args.actor_model
+        rid, substitute = choose_recipe(dep, number, model)
+        recipe = get_recipe(STEP_KEYS[number], rid, ROOT)
+        extra: list[str] = []
+        note = None
+        if number in (1, 2):
+            params: dict[str, str | None] = {"output_dir": str(dirs[number]),
+                                             "zero_stage": args.actor_zero_stage if number == 1 else args.reward_zero_stage}
+            if substitute:
+                extra += ["--model_name_or_path", model_id(model)] + _lora_adjustments(recipe, model_id(model))
+                note = (f"no {dep.name} recipe names {model!r}: using recipe {rid} with "
+                        f"--model_name_or_path {model_id(model)}")
+        else:
+            params = {"actor_model": str(dirs[1]), "critic_model": str(dirs[2]),
+                      "actor_zero_stage": args.actor_zero_stage, "critic_zero_stage": args.reward_zero_stage,
+                      "output_dir": str(dirs[3])}
+            if substitute:
+                extra += _lora_adjustments(recipe, model_id(args.actor_model), "actor_")
+                extra += _lora_adjustments(recipe, model_id(args.reward_model), "critic_")
+                note = f"no {dep.name} recipe names {args.actor_model!r}: using recipe {rid}"
+        runs.append(StepRun(number, recipe, params, extra + seed, dirs[number], note))
+    return runs
+
+
+# -------------------------------------------------------------------------------------------------
+# Output checks
+# -------------------------------------------------------------------------------------------------
+def folder_problem(folder: Path, kind: str) -> str | None:
+    """Why ``folder`` is not a usable ``kind`` ('actor' or 'reward') model folder, or None."""
+    if not folder.is_dir():
+        return "the folder does not exist"
+    if not (folder / "config.json").is_file():
+        return "it has no config.json"
+    if not any((folder / name).is_file() for name in WEIGHT_FILES):
+        return "it has no model weights (model.safetensors or pytorch_model.bin)"
+    if kind == "reward" and not (folder / "v_head.safetensors").is_file():
+        return "it has no v_head.safetensors (not a step-2 reward model)"
+    return None
+
+
+def reproduce_command(args: argparse.Namespace, dep: Deployment, step: int) -> str:
+    cmd = ["python", "e2e_rlhf.py", "--step", str(step)]
+    if step == 1:
+        cmd += ["--actor-model", args.actor_model]
+        if args.actor_zero_stage:
+            cmd += ["--actor-zero-stage", args.actor_zero_stage]
+    else:
+        cmd += ["--reward-model", args.reward_model]
+        if args.reward_zero_stage:
+            cmd += ["--reward-zero-stage", args.reward_zero_stage]
+    cmd += ["--deployment-type", dep.name, "--output-dir", str(args.output_dir)]
+    return shlex.join(cmd)
+
+
+def check_inputs_of_step3(args: argparse.Namespace, dep: Deployment, runs: Sequence[StepRun]) -> None:
+    """Step 3 starts only if the step-1 actor and the step-2 reward model are there."""
+    for number, kind, what in ((1, "actor", "the step-1 actor"), (2, "reward", "the step-2 reward model")):
+        folder = runs[number - 1].output_dir
+        problem = folder_problem(folder, kind)
+        if problem:
+            raise UserError(
+                f"step 3 needs {what} in {folder}, but {problem}; produce it with: "
+                f"{reproduce_command(args, dep, number)}"
+            )
+
+
+def check_output_of(run_: StepRun) -> None:
+    kind = {1: "actor", 2: "reward"}.get(run_.number)
+    folder = run_.output_dir / "actor" if run_.number == 3 else run_.output_dir
+    problem = folder_problem(folder, kind or "actor")
+    if problem:
+        raise UserError(
+            f"step {run_.number} exited successfully but its model folder {folder} is not usable ({problem}); "
+            f"see {run_.output_dir / 'training.log'}"
+        )
+
+
+# -------------------------------------------------------------------------------------------------
+# Timing
+# -------------------------------------------------------------------------------------------------
+def hms(seconds: float) -> str:
+    return str(datetime.timedelta(seconds=int(seconds)))
+
+
+def load_timings(out: Path) -> dict[str, float]:
+    try:
+        data = json.loads((out / TIMINGS_FILE).read_text(encoding="utf-8"))
+        return {str(k): float(v) for k, v in data.items()}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def save_timings(out: Path, timings: dict[str, float]) -> None:
+    from dschat.utils.fs import atomic_file
+
+    with atomic_file(out / TIMINGS_FILE) as tmp:
+        tmp.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+
+
+def eta_line(runs: Sequence[StepRun], index: int, speed: float = 1.0, extra_seconds: float = 0.0) -> str | None:
+    """'estimated 0:03:00 for this step, ~0:12:00 left (done around 14:05)' from the recipes' eta_seconds.
+
+    ``speed`` scales the estimates by how the finished steps of this run compared with theirs
+    (1.0 before any step finished); ``extra_seconds`` covers work after the steps (the report).
+    """
+    this = runs[index].recipe.eta_seconds
+    if this is None:
+        return None
+    left = speed * sum(r.recipe.eta_seconds or 0 for r in runs[index:]) + extra_seconds
+    done = (datetime.datetime.now() + datetime.timedelta(seconds=left)).strftime("%H:%M")
+    scaled = f" (x{speed:.1f} from the steps so far)" if abs(speed - 1.0) > 0.05 else ""
+    return (f"estimated {hms(speed * this)} for this step, ~{hms(left)} until the end{scaled} "
+            f"(done around {done})")
+
+
+# -------------------------------------------------------------------------------------------------
+# Main
+# -------------------------------------------------------------------------------------------------
+def gpu_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Run steps 1-3 of DeepSpeed-Chat (SFT, reward model, PPO) with the recipes in configs/.",
+        epilog="Models: upstream's OPT sizes (actor 1.3b, 6.7b, 13b, 66b; reward 350m; other OPT sizes map to "
+               "facebook/opt-<size>), any Hugging Face id, a local folder, or a dschat short name "
+               "(smollm2-135m, tiny-llama, tiny-opt). See configs/e2e.yaml and docs/recipes.md.",
+    )
+    parser.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=(1, 2, 3),
+                        help="Which steps of the ChatGPT example to run")
+    parser.add_argument("--actor-model", type=strip_opt, default=None,
+                        help="Actor (step 1) model: an OPT size, a hub id, a folder or a short name "
+                             f"(default: {config.default_actor}; on CPU: smollm2-135m)")
+    parser.add_argument("--reward-model", type=strip_opt, default=None,
+                        help="Reward (step 2) model, same forms "
+                             f"(default: {config.default_reward}; on CPU: smollm2-135m)")
+    parser.add_argument("--actor-zero-stage", type=str, default="", choices=("", "0", "1", "2", "3"),
+                        help="ZeRO stage for step 1 (Actor) training (and the actor in step 3)")
+    parser.add_argument("--reward-zero-stage", type=str, default="", choices=("", "0", "1", "2", "3"),
+                        help="ZeRO stage for step 2 (Critic) training (and the critic in step 3)")
+    parser.add_argument("--output-dir", type=lambda x: os.path.abspath(x), default="./output",
+                        help="Directory for output of each step")
+    parser.add_argument("--deployment-type", type=str, default=None, metavar="{" + ",".join(config.choices()) + "}",
+                        help="single_gpu, single_node (singlenode), multi_node (multinode: deepspeed launcher "
+                             "with a hostfile) or cpu (default: single_gpu with a GPU, cpu without)")
+    dschat = parser.add_argument_group("dschat additions")
+    dschat.add_argument("--hostfile", default=None, help="deepspeed hostfile for multi_node (default: /job/hostfile)")
+    dschat.add_argument("--num-gpus", type=int, default=None, help="override the recipes' deepspeed --num_gpus")
+    dschat.add_argument("--seed", type=int, default=None, help="pass --seed to every step (and the report)")
+    dschat.add_argument("--report", choices=("auto", "always", "never"), default="auto",
+                        help="evaluate after step 3 (auto: when step 3 trained on dschat/builtin)")
+    dschat.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    args = parser.parse_args(argv)
+    if args.actor_zero_stage != "" or args.reward_zero_stage != "":
+        warnings.warn("Non-default zero stages may result in OOM errors or worse performance.", stacklevel=1)
+    args.step = sorted(set(args.step))
+    return args
+
+
+def pick_deployment(args: argparse.Namespace, config: E2EConfig) -> Deployment:
+    """The deployment type; without a GPU and without --deployment-type, the CPU demo (said once)."""
+    has_gpu = gpu_available()
+    if args.deployment_type is None:
+        if has_gpu or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+            return config.deployment(config.default_deployment)
+        dep = config.deployment("cpu")
+        print(f"No GPU found: running the CPU demo (--deployment-type cpu) with the embedded "
+              f"{args.actor_model or dep.default_actor} and the dschat/builtin data; pass --deployment-type to choose.",
+              flush=True)
+        return dep
+    dep = config.deployment(args.deployment_type)
+    if dep.name != "cpu" and not has_gpu and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu" and not args.dry_run:
+        raise UserError(f"--deployment-type {dep.name} needs a CUDA GPU and none is visible; "
+                        "use --deployment-type cpu (or run on a GPU machine)")
+    return dep
+
+
+def fail_step(run_: StepRun, result: LaunchResult, command: str, e2e_cmd: str) -> int:
+    """Print why a step failed (with memory advice for an OOM) and return the exit code to use."""
+    lines = [
+        f"Step {run_.number} exited with non-zero status {result.returncode}",
+        f"Launch command: {command}",
+        f"Log output: {result.log_path or run_.output_dir / 'training.log'}",
+        f"Recipe: {run_.recipe.step.key} {run_.recipe.id} in {run_.recipe.source}",
+    ]
+    if result.oom:
+        cpu = run_.recipe.env.get("DS_ACCELERATOR") == "cpu"
+        lines += [f"It looks like the step ran out of memory ({result.oom}).", oom_advice(run_.recipe.step, cpu=cpu, e2e=True)]
+    else:
+        lines.append(f"To rerun only this step: {e2e_cmd}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    return result.returncode or 1
+
+
+def should_report(args: argparse.Namespace, runs: Sequence[StepRun]) -> bool:
+    if 3 not in args.step or args.report == "never":
+        return False
+    if args.report == "always":
+        return True
+    data = runs[2].recipe.flag("data_path")
+    values = data if isinstance(data, tuple) else (data,)
+    return "dschat/builtin" in values
+
+
+def run_report(args: argparse.Namespace, runs: Sequence[StepRun], config: E2EConfig, timings: dict[str, float],
+               start: float) -> None:
+    from dschat.eval.report import EvalSettings, build_report, summary_text
+
+    step3 = runs[2].recipe
+    rep = config.report
+
+    def flag(name: str, default: str) -> str:
+        value = step3.flag(name)
+        return value if isinstance(value, str) else default
+
+    settings = EvalSettings(
+        max_prompts=int(rep["max_prompts"]) if rep.get("max_prompts") else None,
+        max_pairs=int(rep["max_pairs"]) if rep.get("max_pairs") else None,
+        batch_size=int(rep.get("batch_size", 16)),
+        # The same answer budget and decoding the PPO rollouts used.
+        max_new_tokens=int(flag("max_answer_seq_len", "256")),
+        max_seq_len=int(runs[1].recipe.flag("max_seq_len") or 512),
+        seed=args.seed if args.seed is not None else int(rep.get("seed", 1234)),
+        do_sample=flag("decoding", "sample") == "sample",
+        temperature=float(flag("temperature", "1.0")),
+        top_k=int(flag("top_k", "0")),
+        top_p=float(flag("top_p", "1.0")),
+    )
+    print("---=== Evaluating: SFT actor vs RLHF actor on held-out prompts ===---", flush=True)
+    report = build_report(
+        runs[0].output_dir, runs[2].output_dir / "actor", runs[1].output_dir, args.output_dir, settings,
+        metrics=runs[2].output_dir / "metrics.jsonl", step_seconds=timings, run_started=start,
+        log=lambda m: print(m, flush=True),
+    )
+    print(summary_text(report), flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    start = time.monotonic()
+    config = load_e2e_config()
+    args = parse_args(argv, config)
+    dep = pick_deployment(args, config)
+    if args.actor_model is None:
+        args.actor_model = dep.default_actor or config.default_actor
+    if args.reward_model is None:
+        args.reward_model = dep.default_reward or config.default_reward
+    runs = build_steps(args, dep)
+    launcher = {"hostfile": args.hostfile, "num_gpus": args.num_gpus}
+    if args.hostfile and dep.name != "multi_node":
+        print(f"note: --hostfile is used with --deployment-type {dep.name} too (deepspeed reads it)", flush=True)
+    if args.hostfile and not Path(args.hostfile).is_file():
+        raise UserError(f"--hostfile {args.hostfile} does not exist; write one line per host: '<host> slots=<gpus>'")
+    if dep.name == "multi_node" and not args.hostfile and not Path(DEFAULT_HOSTFILE).is_file():
+        print(f"note: no --hostfile and no {DEFAULT_HOSTFILE}: the deepspeed launcher will use this machine only",
+              flush=True)
+    out = Path(args.output_dir)
+    timings = load_timings(out)
+    selected = [r for r in runs if r.number in args.step]
+    report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
+    spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
+
+    for index, run_ in enumerate(selected):
+        print(f"---=== Running Step {run_.number} ===---", flush=True)
+        if run_.note:
+            print(f"note: {run_.note}", flush=True)
+        if run_.number == 3 and not args.dry_run:
+            check_inputs_of_step3(args, dep, runs)
+        launch = plan(run_.recipe, run_.params, run_.extra, launcher_overrides=launcher,
+                      repo_root=ROOT, require_main=not args.dry_run)
+        print(f"Step {run_.number} of {selected[-1].number}: {run_.recipe.step.title}, recipe {run_.recipe.id} "
+              f"({run_.recipe.source}); output {run_.output_dir}", flush=True)
+        eta = eta_line(selected, index, spent / estimated if estimated else 1.0, report_eta)
+        if eta:
+            print(eta, flush=True)
+        if args.dry_run:
+            env = " ".join(f"{k}={v}" for k, v in launch.env.items() if k != "PYTHONUNBUFFERED")
+            print((env + " " if env else "") + launch.command_line(), flush=True)
+            continue
+        step_start = time.monotonic()
+        result = run(launch)
+        if result.returncode != 0:
+            return fail_step(run_, result, launch.command_line(), reproduce_command(args, dep, run_.number))
+        check_output_of(run_)
+        seconds = time.monotonic() - step_start
+        if run_.recipe.eta_seconds:
+            spent, estimated = spent + seconds, estimated + run_.recipe.eta_seconds
+        timings[str(run_.number)] = seconds
+        save_timings(out, timings)
+        estimate = f" (estimate {hms(run_.recipe.eta_seconds)})" if run_.recipe.eta_seconds else ""
+        print(f"---=== Finished Step {run_.number} in {hms(seconds)} ===---{estimate}", flush=True)
+
+    if len(args.step) > 1 and not args.dry_run:
+        print(f"---=== Finished Steps {args.step} in {hms(time.monotonic() - start)} ===---", flush=True)
+    if not args.dry_run:
+        if should_report(args, runs):
+            run_report(args, runs, config, timings, start)
+        elif 3 in args.step:
+            print("Evaluate the result with: " + shlex.join([
+                "python", "-m", "dschat.eval.report", "--sft", str(runs[0].output_dir),
+                "--rlhf", str(runs[2].output_dir / "actor"), "--reward", str(runs[1].output_dir),
+                "--out", str(out)]) + "   (the gold judge knows only the dschat/builtin task)", flush=True)
+        if 3 in args.step:
+            print(f"Chat with the RLHF actor: python chat.py --path {runs[2].output_dir / 'actor'}", flush=True)
+    return 0
+
+
+def _entry(argv: Sequence[str] | None = None) -> int:
+    code = [0]
+
+    def wrapped(a: Sequence[str] | None) -> None:
+        code[0] = main(a)
+
+    usage = cli_main(wrapped, argv)
+    return usage if usage else code[0]
+
+
+if __name__ == "__main__":
+    raise SystemExit(_entry())

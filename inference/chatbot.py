@@ -1,0 +1,255 @@
+#!/usr/bin/env python3
+"""Multi-round chat with any actor: a step-1 or step-3 output folder, a hub id, or smollm2-135m.
+
+    python inference/chatbot.py --path output/step3-models/1.3b/actor [--max_new_tokens 128]
+
+Upstream's loop (inference/chatbot.py): ``Enter input (type 'quit' to exit, 'clear' to clean
+memory):``, a ``Round n`` separator before each answer, ``quit`` exits and ``clear`` forgets the
+conversation. The conversation is formatted with the model's chat template when its tokenizer has
+one, else in upstream's ``" Human: ...\\n Assistant: "`` format (what the step scripts train on).
+Differences from upstream, each fixing one of its bugs (§10.19): the model is loaded once (not built
+from its config and then loaded again), on the GPU when there is one and on the CPU otherwise (no
+hard-coded ``cuda:0`` / ``.half()``), the tokenizer comes from the folder itself, tokens are printed
+as they are generated, and the embedding is never shrunk below the checkpoint's size.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # run from a checkout without installing: use its dschat
+    sys.path.insert(0, str(ROOT))
+
+from dschat.errors import UserError, cli_main  # noqa: E402
+
+# bitsandbytes (imported by transformers) warns on AVX-512 CPUs without the optional `kernels`
+# package; that line is noise in an interactive tool.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+PROMPT = "Enter input (type 'quit' to exit, 'clear' to clean memory): "
+HUMAN, ASSISTANT = " Human: ", "\n Assistant: "
+STOP_TEXT = "Human:"  # a model in upstream's format starts the next (hallucinated) turn with it
+
+
+def resolve_chat_folder(path: str) -> str:
+    """The folder (or hub id) to load; a step-3 output root means its ``actor/``.
+
+    Raises :class:`UserError` for a step-2 reward model and for anything that is not a causal LM.
+    """
+    from dschat.models.registry import resolve_model_path
+    from dschat.utils.model.reward_model import value_head_file
+
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").exists() and (folder / "actor" / "config.json").exists():
+        print(f"(using the step-3 actor in {folder / 'actor'})", flush=True)
+        return str(folder / "actor")
+    resolved = resolve_model_path(path)
+    if value_head_file(resolved).exists():
+        raise UserError(
+            f"{path} is a step-2 reward model (it scores answers, it cannot write them); chat with a "
+            "step-1 output or a step-3 actor folder (<step-3 output>/actor) instead"
+        )
+    return resolved
+
+
+def load(path: str, device: str = "auto") -> tuple[Any, Any, Any]:
+    """(model, tokenizer, device) for chatting."""
+    folder = resolve_chat_folder(path)  # before the heavy imports: a bad path fails in a blink
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    config = AutoConfig.from_pretrained(folder)
+    architectures = getattr(config, "architectures", None) or []
+    if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
+        raise UserError(f"{path} holds a {', '.join(architectures)}, not a causal language model; "
+                        "chat with a step-1 or step-3 actor folder")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    # bf16 on a GPU that supports it (fp16 overflows some models; upstream forced .half()), fp32 on CPU.
+    dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else (
+        torch.float16 if dev.type == "cuda" else torch.float32)
+    tokenizer = load_hf_tokenizer(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
+    if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
+        model.resize_token_embeddings(8 * -(-len(tokenizer) // 8))  # a multiple of 8, as in training
+    return model, tokenizer, dev
+
+
+class Conversation:
+    """The running history, in the chat template or in upstream's Human/Assistant text."""
+
+    def __init__(self, tokenizer: Any, fmt: str = "auto"):
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        if fmt == "chat_template" and not has_template:
+            raise UserError("--format chat_template: this tokenizer has no chat template; use --format human_assistant")
+        self.tokenizer = tokenizer
+        self.use_template = has_template if fmt == "auto" else fmt == "chat_template"
+        self.clear()
+
+    def clear(self) -> None:
+        self.messages: list[dict[str, str]] = []
+        self.text = ""
+
+    def prompt_ids(self, user_text: str) -> list[int]:
+        """Token ids of the whole conversation so far plus the new user turn, ready for the reply."""
+        if self.use_template:
+            self.messages.append({"role": "user", "content": user_text})
+            ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # BatchEncoding in some versions
+                ids = ids["input_ids"]
+            return list(ids)
+        self.text += f"{HUMAN}{user_text}{ASSISTANT}"
+        return self.tokenizer(self.text)["input_ids"]
+
+    def add_reply(self, reply: str) -> None:
+        if self.use_template:
+            self.messages.append({"role": "assistant", "content": reply})
+        else:
+            # Upstream kept the generated text followed by a blank line as the next round's history.
+            self.text += reply + "\n\n"
+
+
+class StopAwareStreamer:
+    """Prints decoded text as tokens arrive; in the Human/Assistant format it holds back what could
+    be the start of the next ``Human:`` turn and stops there (upstream cut it after the fact)."""
+
+    def __init__(self, tokenizer: Any, stop_text: str | None, out: Any = None):
+        from transformers import TextStreamer
+
+        self.out = out or sys.stdout
+        self.stop_text = stop_text
+        self.printed = ""
+        self.pending = ""
+        self.stopped = False
+        streamer = self
+
+        class _Streamer(TextStreamer):
+            def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+                streamer.feed(text, stream_end)
+
+        self.streamer = _Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+    def feed(self, text: str, end: bool = False) -> None:
+        if self.stopped:
+            return
+        self.pending += text
+        if self.stop_text and self.stop_text in self.pending:
+            self._emit(self.pending.split(self.stop_text, 1)[0].rstrip())
+            self.pending, self.stopped = "", True
+            return
+        keep = 0
+        if self.stop_text and not end:  # a suffix that may grow into the stop text stays pending
+            for n in range(min(len(self.stop_text) - 1, len(self.pending)), 0, -1):
+                if self.stop_text.startswith(self.pending[-n:]):
+                    keep = n
+                    break
+        self._emit(self.pending[: len(self.pending) - keep])
+        self.pending = self.pending[len(self.pending) - keep:]
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.printed += text
+
+
+def _stopping_criteria(holder: StopAwareStreamer) -> Any:
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class _Stop(StoppingCriteria):
+        def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> bool:
+            return holder.stopped
+
+    return StoppingCriteriaList([_Stop()])
+
+
+def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, user_text: str, args: argparse.Namespace) -> str:
+    """Generate (streaming) the answer to ``user_text``; returns the answer text."""
+    import torch
+
+    ids = conversation.prompt_ids(user_text)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit and len(ids) + args.max_new_tokens > limit:
+        keep = max(1, limit - args.max_new_tokens)
+        print(f"(conversation longer than the model's {limit} positions: keeping its last {keep} tokens; "
+              "type 'clear' to start over)", flush=True)
+        ids = ids[-keep:]
+    streamer = StopAwareStreamer(tokenizer, None if conversation.use_template else STOP_TEXT)
+    kwargs: dict[str, Any] = {"do_sample": args.sample}
+    if args.sample:
+        kwargs.update(temperature=args.temperature, top_p=args.top_p)
+    else:  # clear the model's sampling defaults so greedy decoding does not warn about them
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    input_ids = torch.tensor([ids], device=device)
+    with torch.no_grad():
+        model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=args.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            streamer=streamer.streamer,
+            stopping_criteria=_stopping_criteria(streamer),
+            **kwargs,
+        )
+    streamer.feed("", end=True)
+    print(flush=True)
+    answer = streamer.printed.strip()
+    conversation.add_reply(answer)
+    return answer
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Chat with a trained actor (multi-round, streamed).")
+    parser.add_argument("--path", type=str, required=True,
+                        help="Directory containing trained actor model (a step-1 or step-3 output, a hub id, "
+                             "or smollm2-135m)")
+    parser.add_argument("--max_new_tokens", type=int, default=128, help="Maximum new tokens to generate per response")
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (with --sample)")
+    parser.add_argument("--top_p", type=float, default=0.9, help="nucleus sampling (with --sample)")
+    parser.add_argument("--seed", type=int, default=42, help="random seed (upstream's 42)")
+    parser.add_argument("--format", choices=("auto", "chat_template", "human_assistant"), default="auto",
+                        help="conversation format: the tokenizer's chat template when it has one (auto), or "
+                             "upstream's ' Human: ...\\n Assistant: ' text, which dschat's step scripts train on")
+    parser.add_argument("--device", default="auto", help="auto (GPU when available), cpu, cuda, cuda:1, ...")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 1:
+        raise UserError("--max_new_tokens must be at least 1")
+    model, tokenizer, device = load(args.path, args.device)
+    from transformers import set_seed
+
+    conversation = Conversation(tokenizer, args.format)
+    set_seed(args.seed)
+    num_rounds = 0
+    while True:
+        try:
+            user_text = input(PROMPT)
+        except EOFError:  # end of piped input or Ctrl-D
+            print()
+            break
+        if user_text.strip() == "quit":
+            break
+        if user_text.strip() == "clear":
+            conversation.clear()
+            num_rounds = 0
+            print("(memory cleared)", flush=True)
+            continue
+        num_rounds += 1
+        print("-" * 30 + f" Round {num_rounds} " + "-" * 30, flush=True)
+        reply(model, tokenizer, device, conversation, user_text, args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli_main(main))

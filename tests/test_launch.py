@@ -1,0 +1,286 @@
+"""dschat.launch: the deepspeed command from a recipe, streaming to terminal + training.log, exit
+codes, out-of-memory detection, and the generated shell scripts driven with a fake launcher."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dschat import launch as L
+from dschat import recipes as R
+from dschat.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# A stand-in for a step's main.py: prints its argv, a progress bar with carriage returns, writes to
+# stderr, optionally replaces its --output_dir as dschat's atomic save does, exits with $FAKE_RC.
+FAKE_MAIN = textwrap.dedent(
+    """
+    import json, os, shutil, sys, time
+    argv = sys.argv[1:]
+    print("ARGV " + json.dumps(argv), flush=True)
+    for i in range(3):
+        sys.stderr.write(f"\\rprogress {i}/3"); sys.stderr.flush()
+    sys.stderr.write("\\n")
+    if os.environ.get("FAKE_REPLACE_OUTPUT"):
+        out = argv[argv.index("--output_dir") + 1]
+        os.replace(out, out + ".old"); os.makedirs(out)
+        open(os.path.join(out, "config.json"), "w").write("{}")
+        shutil.rmtree(out + ".old")
+    print(os.environ.get("FAKE_MESSAGE", "done"), flush=True)
+    sys.exit(int(os.environ.get("FAKE_RC", "0")))
+    """
+)
+
+# A stand-in for the deepspeed launcher: records its argv in $FAKE_ARGV_FILE, exits with $FAKE_RC.
+FAKE_LAUNCHER = textwrap.dedent(
+    """
+    import json, os, sys
+    with open(os.environ["FAKE_ARGV_FILE"], "w") as fh:
+        json.dump(sys.argv[1:], fh)
+    print("fake deepspeed launcher", flush=True)
+    sys.exit(int(os.environ.get("FAKE_RC", "0")))
+    """
+)
+
+
+@pytest.fixture
+def fake_root(tmp_path: Path) -> Path:
+    """A checkout with the real configs/ and fake main.py files."""
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "configs", root / "configs")
+    for spec in R.STEPS.values():
+        (root / spec.folder).mkdir(parents=True)
+        (root / spec.main_py).write_text(FAKE_MAIN, encoding="utf-8")
+    R._CACHE.clear()
+    return root
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.data = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        self.data += chunk
+
+
+def test_plan_builds_the_deepspeed_argument_list(fake_root, monkeypatch):
+    monkeypatch.delenv(L.LAUNCHER_ENV, raising=False)
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", fake_root)
+    plan = L.plan(recipe, {"actor_model": "/a", "critic_model": "/c", "output_dir": "/o"}, ["--seed", "7"],
+                  launcher_overrides={"hostfile": "/h", "num_gpus": None}, repo_root=fake_root)
+    assert Path(plan.argv[0]).name in ("deepspeed", sys.executable.split("/")[-1])
+    i = plan.argv.index(str(fake_root / "training/step3_rlhf_finetuning/main.py"))
+    assert plan.argv[1:i] in (["--hostfile", "/h", "--master_port", "12346"],
+                              ["-m", "deepspeed.launcher.runner", "--hostfile", "/h", "--master_port", "12346"])
+    flags = plan.argv[i + 1:]
+    assert flags[:6] == ["--data_path", "Dahoas/rm-static", "--data_split", "2,4,4", "--actor_model_name_or_path", "/a"]
+    assert flags[-2:] == ["--seed", "7"] and flags.count("--seed") == 1
+    assert plan.log_path == Path("/o/training.log")
+    assert plan.env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_plan_without_main_py_is_a_clear_error(tmp_path):
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "configs", root / "configs")
+    (root / "training").mkdir()
+    R._CACHE.clear()
+    recipe = R.get_recipe("step1", "cpu/tiny", root)
+    with pytest.raises(UserError, match="main.py does not exist"):
+        L.plan(recipe, repo_root=root)
+
+
+def test_run_streams_to_terminal_and_log_and_returns_the_exit_code(fake_root, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root)
+    monkeypatch.setenv("FAKE_RC", "3")
+    monkeypatch.setenv("FAKE_MESSAGE", "last words")
+    sink = Sink()
+    result = L.run(plan, sink=sink)
+    assert result.returncode == 3
+    assert result.oom is None
+    log = (out / "training.log").read_bytes()
+    assert log == sink.data  # the same bytes on the terminal and in the log
+    text = sink.data.decode()
+    assert text.startswith("[dschat.launch] ")
+    assert "\rprogress 1/3\rprogress 2/3" in text  # carriage returns pass through (live progress bars)
+    assert "last words" in text
+    argv = json.loads(text.split("ARGV ", 1)[1].splitlines()[0])
+    assert argv == recipe.render({"output_dir": str(out)})
+
+
+def test_recipe_env_is_a_default_not_an_override(fake_root, tmp_path, monkeypatch):
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, kind="python", repo_root=fake_root)
+    monkeypatch.setenv("FAKE_MESSAGE", "x")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    script = "import os; print('ACC', os.environ['DS_ACCELERATOR']); print('PP', os.environ['PYTHONPATH'])"
+    plan.argv = [sys.executable, "-c", script]
+    sink = Sink()
+    L.run(plan, sink=sink, log=False)
+    assert b"ACC cuda" in sink.data
+    # The step's `import dschat` resolves to this checkout first.
+    assert f"PP {fake_root}".encode() in sink.data
+    monkeypatch.delenv("DS_ACCELERATOR")
+    sink = Sink()
+    L.run(plan, sink=sink, log=False)
+    assert b"ACC cpu" in sink.data
+
+
+def test_log_survives_an_output_folder_replaced_by_an_atomic_save(fake_root, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = R.get_recipe("step2", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root)
+    monkeypatch.setenv("FAKE_REPLACE_OUTPUT", "1")
+    monkeypatch.setenv("FAKE_MESSAGE", "after the save")
+    sink = Sink()
+    assert L.run(plan, sink=sink).returncode == 0
+    assert (out / "config.json").is_file()  # the new folder
+    log = (out / "training.log").read_bytes()
+    assert log == sink.data and b"after the save" in log and b"ARGV" in log
+
+
+@pytest.mark.parametrize(
+    ("tail", "code", "expected"),
+    [
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1, "CUDA out of memory"),
+        ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory", 1,
+         "CPU allocator failed"),
+        ("[launch.py:259:sigkill_handler] [...] exits with return code = -9", 247, "a rank was killed"),
+        ("", 137, "SIGKILL"),
+        ("", -9, "SIGKILL"),
+        ("ValueError: bad flag", 1, None),
+        ("CUDA out of memory", 0, None),  # a successful run is never an OOM
+    ],
+)
+def test_detect_oom(tail, code, expected):
+    found = L.detect_oom(tail, code)
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and expected in found
+
+
+def test_run_reports_oom_and_cli_prints_advice(fake_root, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_RC", "1")
+    monkeypatch.setenv("FAKE_MESSAGE", "torch.OutOfMemoryError: CUDA out of memory.")
+    code = L._entry(["--repo-root", str(fake_root), "--launcher", "python", "step3", "cpu/tiny",
+                     "--actor_model", "/a", "--critic_model", "/c", "--output_dir", str(tmp_path / "o")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "looks like out of memory" in err
+    assert "--actor_gradient_checkpointing --critic_gradient_checkpointing" in err
+    assert "--offload_reference_model" in err
+
+
+def test_oom_advice_names_each_steps_flags():
+    assert "--gradient_checkpointing" in L.oom_advice("step1")
+    assert "--lora_dim 128 --only_optimize_lora" in L.oom_advice("step2")
+    step3 = L.oom_advice("step3", cpu=True, e2e=True)
+    assert "--per_device_generation_batch_size" in step3 and "(GPU memory in GB / 6)" in step3
+    assert "--actor-zero-stage 3" in step3 and "RAM" in step3
+
+
+def test_cli_dry_run_and_parameters(fake_root, capsys):
+    code = L._entry(["--repo-root", str(fake_root), "step1", "opt/single_node/1.3b", "--output_dir", "/x",
+                     "--zero_stage", "3", "--num_gpus", "4", "--dry-run", "--", "--learning_rate", "1e-4"])
+    assert code == 0
+    line = capsys.readouterr().out.strip()
+    assert "--num_gpus 4 " in line and "--zero_stage 3" in line and line.endswith("--output_dir /x --learning_rate 1e-4")
+    assert "--learning_rate 9.65e-6" not in line
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(fake_root, capsys):
+    assert L._entry(["--repo-root", str(fake_root), "step1", "no/such", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no step1 recipe 'no/such'") and "\n" not in err
+    assert L._entry(["--repo-root", str(fake_root), "step1", "cpu/tiny", "--actor_model", "x", "--dry-run"]) == 2
+    assert "takes --output_dir, --zero_stage" in capsys.readouterr().err
+
+
+def test_script_args_split_positionals_from_flags(fake_root, capsys):
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "step3", "opt/single_gpu/1.3b", "--script-args",
+                     "/a", "/c", "", "3", "--max_answer_seq_len", "16"])
+    assert code == 0
+    line = capsys.readouterr().out
+    assert "--actor_model_name_or_path /a --critic_model_name_or_path /c --actor_zero_stage 0 --critic_zero_stage 3" in line
+    assert line.strip().endswith("--output_dir ./output --max_answer_seq_len 16")
+
+
+# ------------------------------------------------------------------------------------------------
+# The generated shell scripts, end to end with a fake deepspeed launcher
+# ------------------------------------------------------------------------------------------------
+def _copy_script(fake_root: Path, step: str, rid: str) -> Path:
+    recipe = R.get_recipe(step, rid, ROOT)
+    src = R.script_path(recipe, ROOT)
+    dst = R.script_path(recipe, fake_root)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst)
+    return dst
+
+
+def _run_script(script: Path, args: list[str], tmp_path: Path, rc: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
+    launcher = tmp_path / "fake_deepspeed.py"
+    launcher.write_text(FAKE_LAUNCHER, encoding="utf-8")
+    argv_file = tmp_path / "argv.json"
+    env = dict(os.environ, PYTHON=sys.executable, FAKE_ARGV_FILE=str(argv_file), FAKE_RC=str(rc))
+    env[L.LAUNCHER_ENV] = f"{sys.executable} {launcher}"
+    env.pop("DSCHAT_REPO_ROOT", None)
+    proc = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    recorded = json.loads(argv_file.read_text()) if argv_file.exists() else []
+    return proc, recorded
+
+
+def test_step3_script_passes_upstream_positionals(fake_root, tmp_path):
+    script = _copy_script(fake_root, "step3", "opt/single_node/1.3b")
+    proc, argv = _run_script(script, ["/sft", "/rm", "3", "", "out3", "--actor_lora_dim", "8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    main = str(fake_root / "training/step3_rlhf_finetuning/main.py")
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    expected_flags = recipe.render({"actor_model": "/sft", "critic_model": "/rm", "actor_zero_stage": "3",
+                                    "output_dir": "out3"}, ["--actor_lora_dim", "8"])
+    assert argv == ["--master_port", "12346", main, *expected_flags]
+    assert "--critic_zero_stage" in argv and argv[argv.index("--critic_zero_stage") + 1] == "2"  # '' -> default
+    assert "fake deepspeed launcher" in proc.stdout
+    assert (tmp_path / "out3" / "training.log").read_text().count("fake deepspeed launcher") == 1
+
+
+def test_step1_script_defaults_and_exit_code(fake_root, tmp_path):
+    script = _copy_script(fake_root, "step1", "opt/single_gpu/1.3b")
+    proc, argv = _run_script(script, [], tmp_path, rc=5)
+    assert proc.returncode == 5
+    assert argv[:2] == ["--num_gpus", "1"]
+    assert argv[argv.index("--zero_stage") + 1] == "0" and argv[-2:] == ["--output_dir", "./output"]
+    assert "step1 exited with status 5" in proc.stderr
+
+
+def test_script_with_required_path_missing_fails_in_one_line(fake_root, tmp_path):
+    script = _copy_script(fake_root, "step3", "opt/single_node/30b_lora")
+    proc, argv = _run_script(script, [], tmp_path)
+    assert proc.returncode == 2 and argv == []
+    assert proc.stderr.strip().count("\n") == 0
+    assert "needs actor_model (positional $1, ACTOR_MODEL_PATH)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_real_deepspeed_launcher_streams_and_propagates_exit_code(fake_root, tmp_path, monkeypatch):
+    monkeypatch.delenv(L.LAUNCHER_ENV, raising=False)
+    monkeypatch.setenv("FAKE_RC", "4")
+    monkeypatch.setenv("FAKE_MESSAGE", "rank says bye")
+    out = tmp_path / "o"
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(out)}, launcher_overrides={"master_port": 29611}, repo_root=fake_root)
+    sink = Sink()
+    result = L.run(plan, sink=sink)
+    assert result.returncode == 4
+    text = sink.data.decode()
+    assert "rank says bye" in text and "--local_rank=0" in text  # the launcher really spawned the rank
+    assert (out / "training.log").read_bytes() == sink.data

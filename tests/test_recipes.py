@@ -1,0 +1,330 @@
+"""Launch recipes (configs/*.yaml -> dschat.recipes): loading, validation, rendering, generated scripts.
+
+The literal argv lists below are upstream's scripts (microsoft/DeepSpeedExamples,
+applications/DeepSpeed-Chat/training/*/training_scripts) with their positionals filled in; upstream's
+`--disable_dropout` / `--disable_actor_dropout` are written `--dropout 0.0` / `--actor_dropout 0.0`
+as upstream itself later did.
+"""
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from dschat import recipes as R
+from dschat.errors import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+OPT_DATA = ["Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",
+            "yitingxie/rlhf-reward-datasets"]
+
+EXPECTED_IDS = {
+    "step1": {"opt/single_gpu/1.3b", "opt/single_gpu/6.7b_lora", "opt/single_node/1.3b", "opt/single_node/1.3b_lora",
+              "opt/single_node/6.7b", "opt/single_node/13b", "opt/single_node/30b_lora", "opt/multi_node/66b",
+              "llama2/7b", "llama2/7b_lora", "other_language/chinese", "other_language/japanese",
+              "cpu/smollm2-135m", "cpu/tiny"},
+    "step2": {"opt/single_gpu/350m", "opt/single_node/350m", "opt/multi_node/350m", "llama2/7b", "llama2/7b_lora",
+              "cpu/smollm2-135m", "cpu/tiny"},
+    "dpo": {"opt/single_gpu/350m", "opt/single_node/350m", "opt/multi_node/350m", "llama2/7b", "llama2/7b_lora",
+            "cpu/smollm2-135m", "cpu/tiny"},
+    "step3": {"opt/single_gpu/1.3b", "opt/single_gpu/6.7b_lora", "opt/single_node/1.3b", "opt/single_node/1.3b_lora",
+              "opt/single_node/6.7b", "opt/single_node/13b", "opt/single_node/30b_lora", "opt/multi_node/66b",
+              "llama2/7b", "llama2/7b_lora", "llama2/7b_mixz", "cpu/smollm2-135m", "cpu/tiny"},
+}
+
+
+def test_every_recipe_loads_and_validates():
+    everything = R.load_all(ROOT)
+    assert {k: set(v) for k, v in everything.items()} == EXPECTED_IDS
+    for key, recipes in everything.items():
+        for recipe in recipes.values():
+            assert recipe.flag("output_dir") == "{output_dir}"
+            assert recipe.step.key == key
+            # Every recipe renders with its defaults or names what it needs.
+            try:
+                argv = recipe.render()
+            except UserError as err:
+                assert "actor_model" in str(err) and recipe.defaults["actor_model"] is None
+                continue
+            assert "--deepspeed" in argv
+
+
+def test_step1_single_node_1_3b_upstream_argv():
+    recipe = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    assert recipe.launcher.argv() == []
+    assert recipe.render({"output_dir": "/o", "zero_stage": ""}) == [
+        "--data_path", *OPT_DATA, "--data_split", "2,4,4", "--model_name_or_path", "facebook/opt-1.3b",
+        "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "8", "--max_seq_len", "512",
+        "--learning_rate", "9.65e-6", "--weight_decay", "0.", "--num_train_epochs", "16",
+        "--gradient_accumulation_steps", "1", "--lr_scheduler_type", "cosine", "--num_warmup_steps", "0",
+        "--seed", "1234", "--zero_stage", "2", "--deepspeed", "--enable_tensorboard", "--tensorboard_path", "/o",
+        "--output_dir", "/o",
+    ]
+
+
+def test_step1_single_gpu_upstream_argv_and_positionals():
+    recipe = R.get_recipe("step1", "opt/single_gpu/1.3b", ROOT)
+    assert recipe.launcher.argv() == ["--num_gpus", "1"]
+    params = recipe.params_from_positionals(["out1", "3"])
+    assert recipe.render(params) == [
+        "--model_name_or_path", "facebook/opt-1.3b", "--gradient_accumulation_steps", "8", "--lora_dim", "128",
+        "--zero_stage", "3", "--enable_tensorboard", "--tensorboard_path", "out1", "--deepspeed",
+        "--output_dir", "out1",
+    ]
+    # Empty positionals take upstream's defaults (./output, ZeRO 0).
+    assert recipe.render(recipe.params_from_positionals(["", ""]))[6:9] == ["--zero_stage", "0", "--enable_tensorboard"]
+    assert recipe.render()[-2:] == ["--output_dir", "./output"]
+
+
+def test_step2_single_gpu_upstream_argv():
+    recipe = R.get_recipe("step2", "opt/single_gpu/350m", ROOT)
+    assert recipe.launcher.argv() == ["--num_gpus", "1"]
+    assert recipe.render({"output_dir": "rm"}) == [
+        "--model_name_or_path", "facebook/opt-350m", "--num_padding_at_beginning", "1", "--weight_decay", "0.1",
+        "--dropout", "0.0", "--gradient_accumulation_steps", "4", "--zero_stage", "0", "--enable_tensorboard",
+        "--tensorboard_path", "rm", "--deepspeed", "--output_dir", "rm",
+    ]
+
+
+def test_dpo_single_node_upstream_argv():
+    recipe = R.get_recipe("dpo", "opt/single_node/350m", ROOT)
+    assert recipe.render() == [
+        "--data_path", *OPT_DATA, "--data_split", "2,4,4", "--model_name_or_path", "facebook/opt-350m",
+        "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_seq_len", "512",
+        "--learning_rate", "5e-5", "--weight_decay", "0.1", "--num_train_epochs", "1", "--dropout", "0.0",
+        "--gradient_accumulation_steps", "1", "--lr_scheduler_type", "cosine", "--num_warmup_steps", "0",
+        "--seed", "1234", "--zero_stage", "0", "--deepspeed", "--output_dir", "./output",
+    ]
+
+
+def test_step3_single_node_1_3b_upstream_argv():
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    assert recipe.launcher.argv() == ["--master_port", "12346"]
+    # Upstream's AdamG012/* defaults are upstream-format checkpoints dschat's step 3 refuses: required here.
+    with pytest.raises(UserError, match="needs actor_model"):
+        recipe.render()
+    assert recipe.render({"actor_model": "/sft", "critic_model": "/rm"}) == [
+        "--data_path", "Dahoas/rm-static", "--data_split", "2,4,4",
+        "--actor_model_name_or_path", "/sft",
+        "--critic_model_name_or_path", "/rm",
+        "--num_padding_at_beginning", "1", "--per_device_generation_batch_size", "4",
+        "--per_device_training_batch_size", "4", "--generation_batches", "1", "--ppo_epochs", "1",
+        "--max_answer_seq_len", "256", "--max_prompt_seq_len", "256", "--actor_learning_rate", "9.65e-6",
+        "--critic_learning_rate", "5e-6", "--num_train_epochs", "1", "--lr_scheduler_type", "cosine",
+        "--gradient_accumulation_steps", "1", "--actor_dropout", "0.0", "--num_warmup_steps", "100",
+        "--deepspeed", "--seed", "1234", "--enable_hybrid_engine", "--actor_zero_stage", "2",
+        "--critic_zero_stage", "2", "--enable_ema", "--output_dir", "./output", "--enable_tensorboard",
+        "--tensorboard_path", "./output",
+    ]
+
+
+def test_step3_positionals_in_upstream_order():
+    recipe = R.get_recipe("step3", "opt/single_gpu/1.3b", ROOT)
+    params = recipe.params_from_positionals(["/a", "/c", "3", "", "/out"])
+    assert recipe.render(params) == [
+        "--actor_model_name_or_path", "/a", "--critic_model_name_or_path", "/c", "--actor_zero_stage", "3",
+        "--critic_zero_stage", "0", "--num_padding_at_beginning", "1", "--gradient_accumulation_steps", "2",
+        "--deepspeed", "--actor_lora_dim", "128", "--enable_hybrid_engine", "--actor_gradient_checkpointing",
+        "--actor_dropout", "0.0", "--output_dir", "/out",
+    ]
+
+
+def test_step3_llama2_mixz_upstream_argv():
+    recipe = R.get_recipe("step3", "llama2/7b_mixz", ROOT)
+    assert recipe.script == "llama2/run_llama2_7b_mixz.sh"
+    argv = recipe.render({"actor_model": "A", "critic_model": "C"})
+    assert argv[argv.index("--actor_zero_stage"):] == [
+        "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--enable_mixed_precision_lora",
+        "--actor_lora_dim", "64", "--critic_lora_dim", "64", "--critic_lora_module_name", "layers.",
+        "--actor_lora_module_name", "layers.", "--output_dir", "./output_step3_llama2",
+    ]
+    assert "--enable_hybrid_engine" not in argv
+    assert argv[argv.index("--per_device_generation_batch_size") + 1] == "1"
+    assert "--offload_reference_model" in argv
+
+
+def test_empty_hard_coded_paths_give_a_clear_error():
+    # Upstream's 6.7b / 30b / LoRA step-3 scripts hard-coded `ACTOR_MODEL_PATH=` (empty).
+    for rid in ("opt/single_node/6.7b", "opt/single_node/30b_lora", "opt/single_gpu/6.7b_lora"):
+        recipe = R.get_recipe("step3", rid, ROOT)
+        with pytest.raises(UserError, match=r"needs actor_model \(positional \$1, ACTOR_MODEL_PATH\)"):
+            recipe.render()
+        with pytest.raises(UserError, match=r"needs critic_model \(positional \$2"):
+            recipe.render({"actor_model": "/a", "critic_model": ""})
+
+
+def test_bad_parameters_are_rejected():
+    recipe = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    with pytest.raises(UserError, match="zero_stage must be 0, 1, 2 or 3"):
+        recipe.render({"zero_stage": "4"})
+    with pytest.raises(UserError, match="at most 2 positional values"):
+        recipe.params_from_positionals(["a", "2", "x"])
+    with pytest.raises(UserError, match="no parameter actor_model"):
+        recipe.render({"actor_model": "x"})
+
+
+def test_extra_flags_replace_the_recipes_and_unset_drops():
+    recipe = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    argv = recipe.render({}, ["--learning_rate", "1e-4", "--data_path", "local/jsonfile", "x", "--print_loss"],
+                         unset=["enable_tensorboard"])
+    assert argv.count("--learning_rate") == 1 and argv.count("--data_path") == 1
+    assert argv[-6:] == ["--learning_rate", "1e-4", "--data_path", "local/jsonfile", "x", "--print_loss"]
+    assert "--enable_tensorboard" not in argv and "Dahoas/rm-static" not in argv
+    with pytest.raises(UserError, match="must be flags"):
+        recipe.render({}, ["stray"])
+    with pytest.raises(UserError, match="no flag --nope to unset"):
+        recipe.render({}, unset=["nope"])
+    # --name=value form and negative numbers as values.
+    assert R.split_flag_groups(["--a=1", "--b", "-1", "--c"]) == [("a", ["--a=1"]), ("b", ["--b", "-1"]), ("c", ["--c"])]
+
+
+def test_unknown_recipe_suggests_close_ids():
+    with pytest.raises(UserError, match="did you mean opt/single_node/1.3b"):
+        R.get_recipe("step1", "opt/single_node/1.3", ROOT)
+    # The upstream script path is accepted too.
+    assert R.get_recipe("3", "opt/single_gpu/run_6.7b_lora.sh", ROOT).id == "opt/single_gpu/6.7b_lora"
+    with pytest.raises(UserError, match="unknown step"):
+        R.step_spec("step4")
+
+
+def _write_config(tmp_path: Path, text: str) -> Path:
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "configs", root / "configs")
+    (root / "training").mkdir()
+    (root / "configs" / "step2.yaml").write_text(text, encoding="utf-8")
+    R._CACHE.clear()
+    return root
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("    flags: {seed: 1, output_dir: \"{output_dir}\"}\n", "never used"),
+        ("    flags: {zero_stage: \"{zero}\", output_dir: \"{output_dir}\"}\n", "unknown parameter"),
+        ("    flags: {zero_stage: \"{zero_stage}\", output_dir: x}\n", "output_dir"),
+        ("    flags: {zero_stage: \"{zero_stage}\", offload: false, output_dir: \"{output_dir}\"}\n", "not a value"),
+        ("    flags: {Zero-Stage: \"{zero_stage}\", output_dir: \"{output_dir}\"}\n", "lower_snake_case"),
+    ],
+)
+def test_validation_catches_broken_recipes(tmp_path, body, message):
+    text = ("step: step2\nrecipes:\n  x/y:\n    description: d\n    launcher: {}\n"
+            "    defaults: {output_dir: ./o, zero_stage: 0}\n" + body)
+    root = _write_config(tmp_path, text)
+    with pytest.raises(UserError, match=message):
+        R.load_step_recipes("step2", root)
+
+
+def test_validation_catches_bad_launcher_and_defaults(tmp_path):
+    base = "step: step2\nrecipes:\n  x/y:\n    description: d\n    flags: {zero_stage: \"{zero_stage}\", output_dir: \"{output_dir}\"}\n"
+    root = _write_config(tmp_path, base + "    launcher: {gpus: 1}\n    defaults: {output_dir: ./o, zero_stage: 0}\n")
+    with pytest.raises(UserError, match="unknown launcher options gpus"):
+        R.load_step_recipes("step2", root)
+    root = _write_config(tmp_path / "b", base + "    launcher: {}\n    defaults: {output_dir: ./o}\n")
+    with pytest.raises(UserError, match="defaults must give exactly"):
+        R.load_step_recipes("step2", root)
+
+
+def test_recipe_values_are_kept_as_written():
+    # YAML would read 9.65e-6 as a float and print it back as 9.65e-06; recipes keep the text.
+    recipe = R.get_recipe("step1", "opt/single_node/6.7b", ROOT)
+    assert recipe.flag("learning_rate") == "9.65e-6" and recipe.flag("weight_decay") == "0."
+
+
+def test_upstream_guidance_is_in_the_recipes():
+    single_node = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    assert single_node.flag("weight_decay") == "0." and single_node.flag("num_train_epochs") == "16"
+    assert single_node.flag("dropout") is None  # SFT keeps the model's dropout
+    rm = R.get_recipe("step2", "opt/single_node/350m", ROOT)
+    assert (rm.flag("weight_decay"), rm.flag("dropout"), rm.flag("num_train_epochs")) == ("0.1", "0.0", "1")
+    for rid in ("opt/single_node/1.3b", "cpu/smollm2-135m"):
+        ppo = R.get_recipe("step3", rid, ROOT)
+        assert ppo.flag("actor_dropout") == "0.0" and ppo.flag("enable_ema") is True
+        assert ppo.flag("num_train_epochs") == "1"
+        assert ppo.flag("per_device_generation_batch_size") == ppo.flag("per_device_training_batch_size")
+    upstream = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    assert (upstream.flag("actor_learning_rate"), upstream.flag("critic_learning_rate")) == ("9.65e-6", "5e-6")
+
+
+def test_cpu_recipes_use_the_embedded_model_and_data():
+    for key in ("step1", "step2", "dpo", "step3"):
+        recipe = R.get_recipe(key, "cpu/smollm2-135m", ROOT)
+        assert recipe.flag("data_path") == "dschat/builtin"
+        assert recipe.flag("dtype") == "fp32"
+        assert recipe.env["DS_ACCELERATOR"] == "cpu"
+        assert recipe.eta_seconds and recipe.eta_seconds > 0
+        if key != "step3":
+            assert recipe.flag("model_name_or_path") == "smollm2-135m"
+
+
+# ------------------------------------------------------------------------------------------------
+# Against the real step scripts: every recipe parses with its main.py's own parser.
+# ------------------------------------------------------------------------------------------------
+def _load_main(spec: R.StepSpec):
+    path = ROOT / spec.main_py
+    if not path.is_file():
+        pytest.skip(f"{spec.main_py} does not exist yet")
+    module_spec = importlib.util.spec_from_file_location(f"_dschat_main_{spec.key}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module  # dataclasses in main.py look their module up
+    sys.path.insert(0, str(path.parent))
+    try:
+        module_spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(path.parent))
+    return module
+
+
+@pytest.mark.parametrize("step", ["step1", "step2", "dpo", "step3"])
+def test_every_recipe_parses_with_its_main_py(step):
+    spec = R.step_spec(step)
+    module = _load_main(spec)
+    fill = {"actor_model": "/actor", "critic_model": "/critic"}
+    for recipe in R.load_step_recipes(spec, ROOT).values():
+        params = {k: v for k, v in fill.items() if k in spec.params}
+        argv = recipe.render(params)
+        try:
+            args = module.parse_args(argv)
+        except SystemExit as exc:  # argparse: unknown flag or bad value
+            pytest.fail(f"{step} {recipe.id}: main.py rejects {argv} (exit {exc.code})")
+        assert args.output_dir == recipe.defaults["output_dir"]
+        assert getattr(args, "deepspeed", True) is True
+
+
+# ------------------------------------------------------------------------------------------------
+# Generated shell scripts and READMEs
+# ------------------------------------------------------------------------------------------------
+def test_committed_scripts_match_the_recipes():
+    problems = R.check_generated(ROOT)
+    assert problems == [], "run `python -m dschat.recipes write-scripts`:\n" + "\n".join(problems)
+
+
+def test_check_detects_drift_and_write_repairs_it(tmp_path):
+    root = tmp_path / "repo"
+    shutil.copytree(ROOT / "configs", root / "configs")
+    for spec in R.STEPS.values():
+        shutil.copytree(ROOT / spec.folder / "training_scripts", root / spec.folder / "training_scripts")
+    R._CACHE.clear()
+    assert R.check_generated(root) == []
+    script = root / "training/step1_supervised_finetuning/training_scripts/opt/single_gpu/run_1.3b.sh"
+    script.write_text(script.read_text() + "echo edited\n")
+    stale = root / "training/step3_rlhf_finetuning/training_scripts/opt/run_old.sh"
+    stale.write_text("#!/bin/bash\n# Generated from configs/step3.yaml (old)\n")
+    problems = R.check_generated(root)
+    assert any("out of date" in p and "run_1.3b.sh" in p for p in problems)
+    assert any("not generated" in p and "run_old.sh" in p for p in problems)
+    R.write_generated(root)
+    assert R.check_generated(root) == [] and not stale.exists()
+
+
+def test_script_text_is_a_thin_wrapper():
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    text = R.render_script(recipe)
+    assert "shell=True" not in text
+    assert text.splitlines()[-1] == (
+        'exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step3 opt/single_node/1.3b --script-args "$@"')
+    # Five levels up from training/step3_rlhf_finetuning/training_scripts/opt/single_node/.
+    assert 'dirname "${BASH_SOURCE[0]}")/../../../../.."' in text
+    assert "ACTOR_MODEL_PATH=(required)" in text and "ACTOR_ZERO_STAGE=2" in text

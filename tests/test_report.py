@@ -1,0 +1,159 @@
+"""dschat.eval.report on tiny-model folders: keys, finite numbers, the PNG, and the pieces (KL,
+reward-model accuracy, metrics.jsonl reader) against values worked out independently."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat.errors import UserError
+from dschat.eval import report as rep
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """SFT actor = tiny-llama, RLHF actor = a perturbed copy, reward = a step-2-style folder."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.utils.model.model_utils import create_critic_model
+
+    base = tmp_path_factory.mktemp("report_models")
+    src = resolve_model_path("tiny-llama")
+    tok = load_hf_tokenizer(src)
+    sft = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    save_hf_model(sft, tok, base / "sft")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in sft.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    save_hf_model(sft, tok, base / "step3" / "actor")
+    torch.manual_seed(1)
+    save_hf_model(create_critic_model(src, tok, None), tok, base / "reward")
+    return {"sft": base / "sft", "rlhf": base / "step3" / "actor", "reward": base / "reward", "base": base}
+
+
+def test_report_cli_writes_json_png_and_summary(folders, tmp_path, capsys):
+    metrics = folders["base"] / "step3" / "metrics.jsonl"
+    metrics.write_text("\n".join(json.dumps({"global_step": i, "step": i, "reward": -1 + 0.1 * i,
+                                             "kl_to_ref": 0.01 * i, "response_length": 10 + i}) for i in range(5)))
+    (tmp_path / rep.TIMINGS_FILE).write_text(json.dumps({"1": 10.0, "2": 20.0, "3": 30.0}))
+    rep.main(["--sft", str(folders["sft"]), "--rlhf", str(folders["rlhf"]), "--reward", str(folders["reward"]),
+              "--out", str(tmp_path), "--max_prompts", "6", "--max_pairs", "10", "--max_new_tokens", "8",
+              "--batch_size", "4"])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["steps"] == {"1": {"seconds": 10.0}, "2": {"seconds": 20.0}, "3": {"seconds": 30.0}}
+    assert report["total_seconds"] >= 60.0
+    assert 0 <= report["reward_model"]["heldout_accuracy_vs_gold"] <= 1
+    assert report["reward_model"]["n_pairs"] == 10
+    for actor in ("sft_actor", "rlhf_actor"):
+        for key in ("gold_score", "reward_score", "mean_response_tokens"):
+            assert math.isfinite(report[actor][key]), (actor, key)
+        assert 0 < report[actor]["mean_response_tokens"] <= 8
+    assert math.isfinite(report["rlhf_actor"]["kl_to_sft"]) and report["rlhf_actor"]["kl_to_sft"] != 0.0
+    assert report["settings"]["n_prompts"] == 6
+    assert report["ppo_metrics"]["n_records"] == 5 and report["ppo_metrics"]["last"]["reward"] == pytest.approx(-0.6)
+    assert (tmp_path / "ppo_curves.png").read_bytes()[:8] == PNG_MAGIC
+    out = capsys.readouterr().out
+    assert "dschat report" in out and "gold-judge score" in out and "KL(RLHF || SFT)" in out
+
+
+def test_same_actor_has_zero_kl_and_no_gain(folders, tmp_path):
+    settings = rep.EvalSettings(max_prompts=4, max_pairs=4, max_new_tokens=6, batch_size=4)
+    report = rep.build_report(folders["sft"], folders["sft"], folders["reward"], tmp_path, settings, log=lambda m: None)
+    # The same model with the same seed writes the same answers, and log pi - log pi is exactly 0.
+    assert report["rlhf_actor"]["kl_to_sft"] == 0.0
+    assert report["rlhf_vs_sft"]["gold_score_gain"] == 0.0 and report["rlhf_vs_sft"]["gold_win_rate"] == 0.5
+    assert report["sft_actor"]["reward_score"] == pytest.approx(report["rlhf_actor"]["reward_score"])
+    assert report["ppo_metrics"]["file"] is None  # no metrics.jsonl beside the sft folder
+    assert (tmp_path / "ppo_curves.png").read_bytes()[:8] == PNG_MAGIC  # an empty plot is still written
+
+
+class LengthRewardModel(torch.nn.Module):
+    """A reward model whose end score is the sequence length (values = 1, 2, 3, ... per position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.anchor = torch.nn.Parameter(torch.zeros(1))
+
+    def forward_value(self, input_ids, attention_mask, return_value_only=True):
+        return attention_mask.float().cumsum(-1)
+
+
+def test_pairwise_accuracy_against_an_independent_count():
+    from dschat.gold_judge import gold_score
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("tiny-llama")
+    pairs = rep.heldout_pairs(40)
+    stats = rep.pairwise_accuracy(LengthRewardModel(), tok, pairs, rep.EvalSettings(batch_size=8))
+    # Expected: how often the gold judge's better answer is also the one with more tokens.
+    expected, n = 0, 0
+    for row in pairs:
+        gc, gr = gold_score(row["prompt"], row["chosen"]), gold_score(row["prompt"], row["rejected"])
+        if gc == gr:
+            continue
+        n += 1
+        better, worse = (row["chosen"], row["rejected"]) if gc > gr else (row["rejected"], row["chosen"])
+        length = lambda a: len(tok(row["prompt"] + a + tok.eos_token, max_length=512, truncation=True)["input_ids"])  # noqa: E731
+        expected += length(better) > length(worse)
+    assert stats["n_pairs"] == n
+    assert stats["heldout_accuracy_vs_gold"] == pytest.approx(expected / n)
+    assert stats["dataset_labels_agree_with_gold"] == 1.0  # the builtin labels come from the judge
+
+
+def test_heldout_prompts_are_deduplicated_in_order():
+    prompts = rep.heldout_prompts()
+    assert len(prompts) == len(set(prompts)) == 96
+    assert rep.heldout_prompts(5) == prompts[:5]
+    assert all(p.startswith(" Human: ") and p.endswith(" Assistant:") for p in prompts)
+
+
+def test_read_metrics_is_tolerant(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join([
+        json.dumps({"global_step": 0, "step": 0, "reward": 1.0, "kl_to_ref": 0.0, "response_length": 5}),
+        "",
+        "{not json",
+        json.dumps([1, 2, 3]),
+        json.dumps({"global_step": 1, "average_reward": "2.5", "kl": float("nan"), "response_len": 6}),
+        json.dumps({"global_step": 2, "step": 0, "reward": 3.0, "micro_steps": [{"x": 1}]}),  # epoch 2: step restarts
+        json.dumps({"global_step": 2, "step": 0, "reward": 4.0}),  # a repeated step keeps the last record
+        json.dumps({"note": "no numbers"}),
+        '{"global_step": 3, "reward": 5.0, "kl_to_ref": 0.3',  # cut off by a crash
+    ]))
+    records = rep.read_metrics(path)
+    assert records == [
+        {"step": 0.0, "reward": 1.0, "kl_to_ref": 0.0, "response_length": 5.0},
+        {"step": 1.0, "reward": 2.5, "response_length": 6.0},
+        {"step": 2.0, "reward": 4.0},
+    ]
+    assert rep.read_metrics(tmp_path / "missing.jsonl") == []
+
+
+def test_plot_without_records_still_writes_a_png(tmp_path):
+    png = rep.plot_metrics([], tmp_path / "p.png")
+    assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def test_report_refuses_wrong_folders(folders, tmp_path):
+    with pytest.raises(UserError, match="is a step-2 reward model, not an actor"):
+        rep.load_actor(folders["reward"], torch.device("cpu"))
+    with pytest.raises(UserError, match="no config.json"):
+        rep.load_actor(tmp_path, torch.device("cpu"))
+    with pytest.raises(UserError, match="not a step-2 reward model output"):
+        rep.load_reward(folders["sft"], torch.device("cpu"))
+
+
+def test_json_never_holds_nan(tmp_path):
+    clean = rep._finite({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2.0}})
+    assert clean == {"a": None, "b": [1.0, None], "c": {"d": 2.0}}
+    path = rep.write_report(clean, tmp_path)
+    assert json.loads(path.read_text()) == clean

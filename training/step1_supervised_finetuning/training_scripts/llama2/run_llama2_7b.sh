@@ -1,0 +1,17 @@
+#!/bin/bash
+# Generated from configs/step1.yaml (recipe llama2/7b) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# Llama-2-7b full fine-tuning on one node, ZeRO-3, gradient checkpointing, 4 epochs
+# Re-creates upstream's training/step1_supervised_finetuning/training_scripts/llama2/run_llama2_7b.sh.
+#
+# Usage: bash run_llama2_7b.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: OUTPUT=./output_step1_llama2_7b ZERO_STAGE=3
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# meta-llama/Llama-2-7b-hf is a gated hub model; accept its licence and log in first.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step1 llama2/7b --script-args "$@"

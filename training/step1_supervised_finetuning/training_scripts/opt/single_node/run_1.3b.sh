@@ -1,0 +1,18 @@
+#!/bin/bash
+# Generated from configs/step1.yaml (recipe opt/single_node/1.3b) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-1.3b full fine-tuning on one node (all local GPUs), ZeRO-2, 16 epochs
+# Re-creates upstream's training/step1_supervised_finetuning/training_scripts/opt/single_node/run_1.3b.sh.
+#
+# Usage: bash run_1.3b.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=2
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# SFT guidance: weight decay 0, keep the model's dropout, 16 epochs (perplexity keeps
+# improving).
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step1 opt/single_node/1.3b --script-args "$@"

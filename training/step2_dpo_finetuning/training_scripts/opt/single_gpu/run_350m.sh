@@ -1,0 +1,18 @@
+#!/bin/bash
+# Generated from configs/dpo.yaml (recipe opt/single_gpu/350m) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-350m DPO on one GPU (everything else main.py's defaults)
+# Re-creates upstream's training/step2_dpo_finetuning/training_scripts/opt/single_gpu/run_350m.sh.
+#
+# Usage: bash run_350m.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Upstream sets no learning rate here, so main.py's 1e-3 applies; pass --learning_rate 5e-5 (or
+# smaller) after the positionals for a usable run.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" dpo opt/single_gpu/350m --script-args "$@"

@@ -1,0 +1,15 @@
+#!/bin/bash
+# Generated from configs/dpo.yaml (recipe opt/single_node/350m) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-350m DPO on one node (all local GPUs), lr 5e-5, 1 epoch
+# Re-creates upstream's training/step2_dpo_finetuning/training_scripts/opt/single_node/run_350m.sh.
+#
+# Usage: bash run_350m.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" dpo opt/single_node/350m --script-args "$@"

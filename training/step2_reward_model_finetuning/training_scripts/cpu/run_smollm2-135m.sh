@@ -1,0 +1,17 @@
+#!/bin/bash
+# Generated from configs/step2.yaml (recipe cpu/smollm2-135m) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# CPU demo: SmolLM2-135M-Instruct reward model on dschat/builtin, fp32, one rank
+#
+# Usage: bash run_smollm2-135m.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Reward-model guidance kept: weight decay 0.1, dropout 0, 1 epoch (capped by
+# --max_train_steps).
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step2 cpu/smollm2-135m --script-args "$@"

@@ -1,0 +1,20 @@
+#!/bin/bash
+# Generated from configs/step2.yaml (recipe opt/multi_node/350m) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-350m reward model on several nodes (hostfile), batch 2 per device
+# Re-creates upstream's training/step2_reward_model_finetuning/training_scripts/opt/multi_node/run_350m.sh.
+#
+# Usage: bash run_350m.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Reward-model guidance: weight decay 0.1, dropout 0, 1 epoch.
+#
+# Multi-node: the deepspeed launcher reads the hostfile (default /job/hostfile; pass
+# --hostfile).
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step2 opt/multi_node/350m --script-args "$@"

@@ -1,0 +1,17 @@
+#!/bin/bash
+# Generated from configs/step2.yaml (recipe opt/single_node/350m) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-350m reward model on one node (all local GPUs), lr 5e-5, 1 epoch
+# Re-creates upstream's training/step2_reward_model_finetuning/training_scripts/opt/single_node/run_350m.sh.
+#
+# Usage: bash run_350m.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Reward-model guidance: weight decay 0.1, dropout 0, 1 epoch.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step2 opt/single_node/350m --script-args "$@"

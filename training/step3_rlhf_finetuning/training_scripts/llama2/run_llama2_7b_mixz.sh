@@ -1,0 +1,17 @@
+#!/bin/bash
+# Generated from configs/step3.yaml (recipe llama2/7b_mixz) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# Llama-2-7b with Mixed Precision ZeRO++ LoRA (MixZ++) instead of the Hybrid Engine
+# Re-creates upstream's training/step3_rlhf_finetuning/training_scripts/llama2/run_llama2_7b_mixz.sh.
+#
+# Usage: bash run_llama2_7b_mixz.sh [ACTOR_MODEL_PATH] [CRITIC_MODEL_PATH] [ACTOR_ZERO_STAGE] [CRITIC_ZERO_STAGE] [OUTPUT] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: ACTOR_MODEL_PATH=(required) CRITIC_MODEL_PATH=(required) ACTOR_ZERO_STAGE=3 CRITIC_ZERO_STAGE=3 OUTPUT=./output_step3_llama2
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# --enable_mixed_precision_lora needs actor LoRA and actor ZeRO-3.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step3 llama2/7b_mixz --script-args "$@"

@@ -1,0 +1,21 @@
+#!/bin/bash
+# Generated from configs/step3.yaml (recipe opt/multi_node/66b) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-66b actor on several nodes (hostfile), ZeRO-3/3, actor LoRA 128, HE with inference TP 8
+# Re-creates upstream's training/step3_rlhf_finetuning/training_scripts/opt/multi_node/run_66b.sh.
+#
+# Usage: bash run_66b.sh [ACTOR_MODEL_PATH] [CRITIC_MODEL_PATH] [ACTOR_ZERO_STAGE] [CRITIC_ZERO_STAGE] [OUTPUT] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: ACTOR_MODEL_PATH=(required) CRITIC_MODEL_PATH=(required) ACTOR_ZERO_STAGE=3 CRITIC_ZERO_STAGE=3 OUTPUT=./output
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Multi-node: the deepspeed launcher reads the hostfile (default /job/hostfile; pass
+# --hostfile).
+#
+# --inference_tp_size > 1 is broken upstream (DSE #628, shape mismatch); use 1 if generation
+# fails.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step3 opt/multi_node/66b --script-args "$@"

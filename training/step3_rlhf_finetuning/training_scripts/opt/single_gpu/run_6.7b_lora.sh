@@ -1,0 +1,18 @@
+#!/bin/bash
+# Generated from configs/step3.yaml (recipe opt/single_gpu/6.7b_lora) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-6.7b actor + critic on one GPU, actor LoRA 128 (lr 5e-4), gradient checkpointing, HE
+# Re-creates upstream's training/step3_rlhf_finetuning/training_scripts/opt/single_gpu/run_6.7b_lora.sh.
+#
+# Usage: bash run_6.7b_lora.sh [ACTOR_MODEL_PATH] [CRITIC_MODEL_PATH] [ACTOR_ZERO_STAGE] [CRITIC_ZERO_STAGE] [OUTPUT] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: ACTOR_MODEL_PATH=(required) CRITIC_MODEL_PATH=(required) ACTOR_ZERO_STAGE=0 CRITIC_ZERO_STAGE=0 OUTPUT=./output
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Upstream hard-coded an empty actor and critic path and ZeRO stages 0/0; pass the paths as $1
+# $2.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step3 opt/single_gpu/6.7b_lora --script-args "$@"

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Generated from configs/step3.yaml (recipe opt/single_node/1.3b_lora) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-1.3b actor + critic on one node, ZeRO-2/2, actor LoRA 128, Hybrid Engine
+# Re-creates upstream's training/step3_rlhf_finetuning/training_scripts/opt/single_node/run_1.3b_lora.sh.
+#
+# Usage: bash run_1.3b_lora.sh [ACTOR_MODEL_PATH] [CRITIC_MODEL_PATH] [ACTOR_ZERO_STAGE] [CRITIC_ZERO_STAGE] [OUTPUT] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: ACTOR_MODEL_PATH=(required) CRITIC_MODEL_PATH=(required) ACTOR_ZERO_STAGE=2 CRITIC_ZERO_STAGE=2 OUTPUT=./output
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Upstream hard-coded an empty actor and critic path and ZeRO stages 2/2; pass the paths as $1
+# $2.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step3 opt/single_node/1.3b_lora --script-args "$@"

@@ -1,0 +1,18 @@
+#!/bin/bash
+# Generated from configs/step3.yaml (recipe opt/single_node/30b_lora) by
+# `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
+#
+# OPT-30b actor on one node, ZeRO-3/3, actor LoRA 128 (lr 5e-4), HE
+# Re-creates upstream's training/step3_rlhf_finetuning/training_scripts/opt/single_node/run_30b_lora.sh.
+#
+# Usage: bash run_30b_lora.sh [ACTOR_MODEL_PATH] [CRITIC_MODEL_PATH] [ACTOR_ZERO_STAGE] [CRITIC_ZERO_STAGE] [OUTPUT] [--main_py_flag VALUE ...]
+#   Empty or missing positionals take the defaults: ACTOR_MODEL_PATH=(required) CRITIC_MODEL_PATH=(required) ACTOR_ZERO_STAGE=3 CRITIC_ZERO_STAGE=3 OUTPUT=./output
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Output goes to the terminal and to OUTPUT/training.log.
+#
+# Upstream hard-coded an empty actor and critic path and ZeRO stages 3/3; pass the paths as $1
+# $2.
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step3 opt/single_node/30b_lora --script-args "$@"
