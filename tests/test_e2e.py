@@ -242,9 +242,6 @@ def test_e2e_writes_the_report(tiny_run):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="step 3 does not write <output_dir>/metrics.jsonl yet (the lead wires it: one "
-                                       "JSON object per PPO step with global_step/step, reward, kl_to_ref, "
-                                       "response_length); remove this marker when it does")
 def test_step3_writes_metrics_for_the_ppo_plot(tiny_run):
     from dschat.eval.report import read_metrics
 

@@ -367,6 +367,11 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
     group.add_argument("--tp_gather_partition_size", type=int, default=8,
                        help="Granularity to bring in layers for TP sharding inside the hybrid engine. Please "
                             "note hybrid-engine and tp_inference_size > 1 need to be true when using this feature.")
+    group.add_argument("--zero3_gather_for_generation", type=str, default="auto", choices=("auto", "on", "off"),
+                       help="(dschat) Actor under ZeRO-3 without the Hybrid Engine: gather all its parameters "
+                            "once per rollout instead of layer by layer for every generated token. 'auto' "
+                            "does it when the full model fits in half of the free memory; 'off' saves "
+                            "memory at the cost of speed.")
     group.add_argument("--offload", action="store_true", help="Enable ZeRO Offload techniques.")
     group.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
                        help="Training data type. fp32 is dschat's addition; on a CPU, fp16 falls back "

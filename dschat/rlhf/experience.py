@@ -1,0 +1,139 @@
+"""The PPO experience container and the masks derived from a generated batch.
+
+One rollout batch on one rank is an :class:`Experience`: a typed container with one shape comment per
+field (OpenRLHF's ``Experience``), replacing upstream's string-keyed dict. ``exp["logprobs"]`` and the
+other upstream keys still work for code written against upstream.
+
+Masks come from generation, never from ``ids != pad`` (upstream bug §10.10: with OPT's
+``pad == eos == bos`` that hid the BOS and every EOS, so the actor was never trained to stop). The
+answer of a row is every generated token up to *and including* the first EOS; a row that generated no
+EOS keeps all ``max_answer_seq_len`` tokens.
+
+Index conventions are upstream's (see :mod:`dschat.rl_math`): ``seq`` is ``(B, L)`` with a prompt
+left-padded to exactly ``P`` tokens; per-token tensors are ``(B, T)`` with ``T = L - 1`` and position
+``i`` scoring token ``i + 1``; ``start = P - 1``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS"]
+
+# Upstream's dict keys -> field names.
+UPSTREAM_KEYS: dict[str, str] = {
+    "prompts": "prompts",
+    "logprobs": "logprobs",
+    "ref_logprobs": "ref_logprobs",
+    "value": "values",
+    "rewards": "reward_score",
+    "input_ids": "seq",
+    "attention_mask": "attention_mask",
+}
+
+
+def answer_mask(answers: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+    """1 for every generated token up to and including the first EOS, 0 after it.
+
+    Shape: answers (B, A) generated ids; returns (B, A) int64. With ``eos_token_id=None`` every token
+    is real. Tokens equal to the pad id *before* the first EOS count as real: the model generated them.
+    """
+    if eos_token_id is None:
+        return torch.ones_like(answers, dtype=torch.long)
+    is_eos = (answers == eos_token_id).long()
+    # Number of EOS strictly before each position: 0 up to and including the first EOS.
+    eos_before = is_eos.cumsum(-1) - is_eos
+    return (eos_before == 0).long()
+
+
+@dataclass(frozen=True)
+class SequenceMasks:
+    """Masks of a generated batch. attention_mask / position_ids (B, L); answer_lengths (B,)."""
+
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    answer_lengths: torch.Tensor
+
+
+def sequence_masks(prompt_mask: torch.Tensor, seq: torch.Tensor, eos_token_id: int | None) -> SequenceMasks:
+    """Attention mask, position ids and answer lengths for ``seq = [left-padded prompt | answer]``.
+
+    ``attention_mask`` is the prompt's own mask followed by :func:`answer_mask`; ``position_ids``
+    count real tokens only (``cumsum(mask) - 1``, 0 on padding), the positions ``generate`` used, so
+    left padding does not shift them (upstream passed none, bug §10.9).
+
+    Shape: prompt_mask (B, P), seq (B, L) with L >= P; returns (B, L), (B, L), (B,).
+    """
+    P = prompt_mask.shape[1]
+    answers = answer_mask(seq[:, P:], eos_token_id)
+    attention_mask = torch.cat([prompt_mask.to(answers.dtype).to(seq.device), answers], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return SequenceMasks(attention_mask, position_ids, answers.sum(-1))
+
+
+@dataclass
+class Experience:
+    """One rollout batch on one rank (``B`` rows). Shapes: ``P`` prompt width, ``L`` sequence
+    length, ``T = L - 1``, ``start = P - 1``.
+
+    ``valid`` marks rows kept for training: answers of at most one token are dropped (upstream's
+    ``valid_ans_len <= 1`` rule) by zeroing their ``action_mask`` rather than deleting the row, so
+    every rank keeps the same number of micro-batches (upstream's per-rank batch sizes diverged,
+    bug §10.13). ``advantages`` / ``returns`` / ``loss_normalizer`` are filled in by the trainer
+    before the PPO update (``DeepSpeedPPOTrainer.prepare_rollout``); left ``None`` they are computed
+    per micro-batch as upstream does.
+    """
+
+    prompts: torch.Tensor  # (B, P) prompt ids, left-padded
+    seq: torch.Tensor  # (B, L) prompt + generated answer (+ padding after the first EOS)
+    attention_mask: torch.Tensor  # (B, L) 1 = real token: prompt tokens, answer up to and incl. EOS
+    position_ids: torch.Tensor  # (B, L) cumsum(attention_mask) - 1, 0 on padding
+    action_mask: torch.Tensor  # (B, T) attention_mask[:, 1:] of valid rows, 0 for dropped rows
+    logprobs: torch.Tensor  # (B, T) behaviour log-probs log pi_old(seq[:, 1:]) (actor, eval mode)
+    ref_logprobs: torch.Tensor  # (B, T) reference-model log-probs
+    values: torch.Tensor  # (B, T) critic values (eval mode)
+    reward_score: torch.Tensor  # (B,) reward-model (or reward hook) score of each answer
+    valid: torch.Tensor  # (B,) bool: row trains (answer has more than one token)
+    advantages: torch.Tensor | None = None  # (B, T - start) GAE advantages (maybe whitened)
+    returns: torch.Tensor | None = None  # (B, T - start) advantages + values
+    loss_normalizer: float | None = None  # token count of this micro-batch's optimizer step / (GA x world)
+
+    # ---------------------------------------------------------------- container protocol
+    def __len__(self) -> int:
+        return int(self.seq.shape[0])
+
+    def __getitem__(self, key: str | slice) -> Any:
+        """``exp["logprobs"]`` (upstream keys, see :data:`UPSTREAM_KEYS`) or ``exp[a:b]`` (rows)."""
+        if isinstance(key, slice):
+            return self.rows(key)
+        if key in UPSTREAM_KEYS:
+            return getattr(self, UPSTREAM_KEYS[key])
+        raise KeyError(f"{key!r}: Experience keys are {sorted(UPSTREAM_KEYS)} (or use the fields)")
+
+    def keys(self) -> Iterator[str]:
+        return iter(UPSTREAM_KEYS)
+
+    @property
+    def start(self) -> int:
+        """First log-prob position that scores an answer token (``P - 1``)."""
+        return int(self.prompts.shape[1]) - 1
+
+    def rows(self, index: slice | torch.Tensor) -> "Experience":
+        """The rows ``index`` of every batched tensor (what ``MiniDataset`` splits with)."""
+        changes = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                changes[f.name] = value[index]
+        return replace(self, **changes)
+
+    def to(self, device: torch.device | str) -> "Experience":
+        changes = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                   if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **changes)
+
+    @property
+    def num_valid(self) -> int:
+        return int(self.valid.sum())

@@ -1,0 +1,303 @@
+"""Rollout generation: DeepSpeed's Hybrid Engine where it works, the module's ``generate`` elsewhere.
+
+The trainer calls one object, :class:`RolloutGenerator`, whatever the set-up:
+
+* ``--enable_hybrid_engine`` with a model family that has a DeepSpeed inference container (OPT,
+  LLaMA, BLOOM, GPT-NeoX, ... -- :data:`dschat.models.families.FAMILIES`) on a CUDA accelerator:
+  the actor engine is built as a ``DeepSpeedHybridEngine`` (inference kernels, ZeRO-3 gathering
+  and LoRA fusion done by DeepSpeed). :func:`decide_hybrid_engine` makes that decision *before*
+  ``deepspeed.initialize``, so an unusable Hybrid Engine is never built.
+* Everywhere else (CPU; a family without a container; a Hybrid Engine that fails at run time) the
+  engine is a plain DeepSpeed engine and generation calls ``engine.module.generate`` -- the
+  Hugging Face method. The reason is printed once. Note that with DeepSpeed 0.19.8 calling
+  ``engine.generate`` on a Hybrid Engine that found no inference container raises
+  ``AttributeError: ... '_generate'`` (it only sets ``_generate`` when containers exist); this
+  module never calls ``engine.generate``: DeepSpeed installs its fast path as ``module.generate``.
+
+Without the Hybrid Engine two things upstream's HE did are done here instead:
+
+* **LoRA** layers are fused into their base weights for generation (one matmul per layer instead of
+  three) and unfused afterwards.
+* **ZeRO-3**: Hugging Face ``generate`` under ZeRO-3 all-gathers every layer's weights for every
+  generated token (DSE #764: "ZeRO-3 generation is slow"). When the full model fits in free memory
+  (a simple estimate: full parameter bytes <= half of the free accelerator / host memory;
+  ``--zero3_gather_for_generation on|off`` overrides), all parameters are gathered once per rollout
+  and DeepSpeed's fetch/release hooks are detached for the duration (TRL's
+  ``unwrap_model_for_generation`` does the same), then restored.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, ContextManager, Iterator
+
+import torch
+
+from dschat.utils.dist import print_rank_0
+
+__all__ = [
+    "HybridEngineDecision",
+    "DecodingSettings",
+    "decide_hybrid_engine",
+    "RolloutGenerator",
+    "zero3_full_parameter_bytes",
+]
+
+
+@dataclass(frozen=True)
+class HybridEngineDecision:
+    """Whether the actor's DeepSpeed config enables the Hybrid Engine, and if not, why not."""
+
+    requested: bool
+    enabled: bool
+    reason: str | None = None
+
+
+def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -> HybridEngineDecision:
+    """Enable DeepSpeed's Hybrid Engine only where it can work: a CUDA accelerator and a model
+    family with an inference container (DeepSpeed's HE kernels are CUDA-only; other families crash
+    or produce gibberish under HE, DSE #821/#864, DeepSpeed #4954)."""
+    from dschat.models.families import family_of
+
+    if not requested:
+        return HybridEngineDecision(False, False)
+    family = family_of(model_config)
+    model_type = getattr(model_config, "model_type", "?")
+    if accelerator != "cuda":
+        return HybridEngineDecision(True, False, (
+            f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine needs CUDA inference kernels and the "
+            f"accelerator is {accelerator!r}; generating with the actor module's own generate()"))
+    if not family.hybrid_engine_container:
+        return HybridEngineDecision(True, False, (
+            f"--enable_hybrid_engine: DeepSpeed has no inference container for model type "
+            f"{model_type!r}; generating with the actor module's own generate()"))
+    return HybridEngineDecision(True, True)
+
+
+@dataclass(frozen=True)
+class DecodingSettings:
+    """Rollout decoding (``--decoding``, ``--temperature``, ``--top_k``, ``--top_p``)."""
+
+    decoding: str = "sample"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def sample(self) -> bool:
+        return self.decoding == "sample"
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """Every knob that shapes the token distribution is set explicitly, so a checkpoint's own
+        ``generation_config.json`` (e.g. ``temperature 0.6``, ``repetition_penalty``) cannot change
+        what the PPO ratio assumes about the behaviour policy."""
+        if not self.sample:
+            return {"do_sample": False, "num_beams": 1}
+        return {"do_sample": True, "num_beams": 1, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "repetition_penalty": 1.0}
+
+    @property
+    def logit_temperature(self) -> float:
+        """Divide logits by this when scoring rollouts, so log-probs are those of the sampling
+        distribution (TRL's convention); 1 for greedy decoding."""
+        return self.temperature if self.sample else 1.0
+
+
+def zero3_full_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every parameter at full (unpartitioned) size."""
+    total = 0
+    for p in module.parameters():
+        numel = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
+        total += int(numel) * p.element_size()
+    return total
+
+
+def _free_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _parameter_offload(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter coordinator object that owns the fetch/release hooks."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "parameter_offload"):
+        return optimizer.parameter_offload
+    if optimizer is not None and hasattr(optimizer, "forward_hooks"):
+        return optimizer
+    raise AttributeError("this DeepSpeed engine exposes no ZeRO-3 parameter_offload hooks")
+
+
+@contextmanager
+def _zero3_gathered(engine: Any) -> Iterator[None]:
+    """All parameters gathered once and ZeRO-3's per-module hooks detached, for one ``generate``.
+
+    Collective: every rank must enter. Changes made to the gathered weights (LoRA fusion) are
+    discarded on exit (``modifier_rank=None``), so the partitions come back bit-identical.
+    """
+    import deepspeed
+    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
+
+    offload = _parameter_offload(engine)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for param in iter_params(offload.module, recurse=True):
+            param.ds_active_sub_modules.clear()
+        for hook in list(offload.forward_hooks) + list(offload.backward_hooks):
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)
+
+
+class RolloutGenerator:
+    """Generates answers for a batch of left-padded prompts with the actor engine.
+
+    ``zero3_gather`` is ``"auto"`` (gather when the estimate says it fits), ``"on"`` or ``"off"``;
+    it matters only for an actor under ZeRO-3 without the Hybrid Engine.
+    """
+
+    def __init__(
+        self,
+        actor: Any,
+        tokenizer: Any,
+        *,
+        decision: HybridEngineDecision,
+        decoding: DecodingSettings,
+        max_answer_seq_len: int,
+        zero_stage: int,
+        zero3_gather: str = "auto",
+    ) -> None:
+        self.actor = actor
+        self.tokenizer = tokenizer
+        self.decision = decision
+        self.decoding = decoding
+        self.max_answer_seq_len = max_answer_seq_len
+        self.zero_stage = zero_stage
+        self.zero3_gather = zero3_gather
+        self.synced_gpus = zero_stage == 3  # upstream: every rank steps until all have finished
+        self.fallback_reason: str | None = None
+        self._said: set[str] = set()
+        self.hybrid_engine_active = decision.enabled and bool(getattr(actor, "_inference_containers", None))
+        if decision.reason:
+            self._fallback(decision.reason)
+        elif decision.enabled and not self.hybrid_engine_active:
+            self._fallback("--enable_hybrid_engine: DeepSpeed matched no inference container in this model; "
+                           "generating with the actor module's own generate()")
+        self._gather_decided: bool | None = None
+
+    # ------------------------------------------------------------------ logging once
+    def _say_once(self, message: str) -> None:
+        if message not in self._said:
+            self._said.add(message)
+            print_rank_0(message)
+
+    def _fallback(self, reason: str) -> None:
+        self.fallback_reason = reason
+        self._say_once(reason)
+
+    # ------------------------------------------------------------------ mode switches
+    def eval(self) -> None:
+        """Put the actor in inference mode (the Hybrid Engine swaps in its kernels here)."""
+        if self.hybrid_engine_active:
+            self.actor.eval()
+        else:
+            # A plain ``nn.Module.eval``: no dropout. (After a Hybrid Engine failure, ``actor.eval()``
+            # would swap the inference kernels back in.)
+            self.actor.module.eval()
+
+    def scoring_mode(self) -> None:
+        """After generation: the training-mode forwards (what the PPO update will run), dropout off.
+
+        The Hybrid Engine swaps its inference kernels in on ``eval()``; scoring the rollout with them
+        would give old log-probs from different kernels than the update's (upstream switched back to
+        train mode here, with dropout on, §10.12). ``engine.train()`` restores the training forwards,
+        ``module.eval()`` turns dropout off without swapping kernels back.
+        """
+        if self.hybrid_engine_active:
+            self.actor.train(True)
+        self.actor.module.eval()
+
+    # ------------------------------------------------------------------ generation
+    def _lora_layers(self) -> list[Any]:
+        from dschat.utils.module.lora import LinearLayer_LoRA
+
+        return [m for m in self.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
+
+    def _should_gather(self) -> bool:
+        if self.zero_stage != 3 or self.hybrid_engine_active or self.zero3_gather == "off":
+            return False
+        if self._gather_decided is None:
+            if self.zero3_gather == "on":
+                self._gather_decided = True
+            else:
+                need = zero3_full_parameter_bytes(self.actor.module)
+                device = next(self.actor.module.parameters()).device
+                free = _free_memory_bytes(device)
+                # Same answer on every rank, or ranks would disagree about entering a collective.
+                flag = torch.tensor([1.0 if need <= free // 2 else 0.0], device=device)
+                if torch.distributed.is_initialized():
+                    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+                self._gather_decided = bool(flag.item() > 0)
+            self._say_once(
+                "ZeRO-3 generation: " + ("gathering the actor's parameters once per rollout"
+                                         if self._gather_decided else
+                                         "parameters are fetched layer by layer for each token (full model "
+                                         "does not fit in half the free memory, or --zero3_gather_for_generation off)"))
+        return self._gather_decided
+
+    def _module_generate(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Hugging Face ``generate`` on the actor module, LoRA fused, ZeRO-3 gathered once if allowed."""
+        module = self.actor.module
+        gather: ContextManager[Any] = nullcontext()
+        if self._should_gather():
+            try:
+                _parameter_offload(self.actor)
+                gather = _zero3_gathered(self.actor)
+            except AttributeError as err:
+                self._say_once(f"ZeRO-3 generation: cannot detach DeepSpeed's hooks ({err}); fetching per layer")
+        lora = self._lora_layers()
+        with gather:
+            for layer in lora:
+                layer.fuse_lora_weight()
+            try:
+                # The class method, not ``module.generate``: a Hybrid Engine that failed at run time
+                # leaves its own generate installed on the instance.
+                return type(module).generate(module, prompts, **self._kwargs(mask))
+            finally:
+                for layer in lora:
+                    layer.unfuse_lora_weight()
+
+    def _kwargs(self, mask: torch.Tensor) -> dict[str, Any]:
+        return {
+            "attention_mask": mask,
+            "max_new_tokens": self.max_answer_seq_len,
+            "pad_token_id": self.tokenizer.pad_token_id,
+            "eos_token_id": self.tokenizer.eos_token_id,
+            "synced_gpus": self.synced_gpus,
+            "use_cache": True,
+            **self.decoding.generate_kwargs(),
+        }
+
+    @torch.no_grad()
+    def generate(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """``(B, P)`` left-padded prompts -> ``(B, P + A')`` sequences, ``A' <= max_answer_seq_len``."""
+        if self.hybrid_engine_active:
+            try:
+                # DeepSpeed installed its inference-kernel generate as ``module.generate``.
+                return self.actor.module.generate(prompts, **self._kwargs(mask))
+            except (AttributeError, NotImplementedError, RuntimeError) as err:
+                if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
+                    raise
+                self.hybrid_engine_active = False
+                self._fallback(f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine failed to generate "
+                               f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
+                               "generating with the actor module's own generate() from now on")
+                # Restore the training-mode forwards the Hybrid Engine swapped out, keep dropout off.
+                self.actor.train(True)
+                self.actor.module.eval()
+        return self._module_generate(prompts, mask)

@@ -1,0 +1,468 @@
+"""PPO trainer (upstream's ``dschat/rlhf/ppo_trainer.py``, reference §5.3), corrected.
+
+Upstream's methods keep their names and argument order (``generate_experience``, ``train_rlhf``,
+``train_unsupervised``, ``compute_rewards``, ``actor_loss_fn``, ``critic_loss_fn``,
+``get_advantages_and_returns``, ``get_overflow``, ``train``, ``eval``); the formulas are the pure
+functions of :mod:`dschat.rl_math`, fed with the hyperparameters from the flags (upstream hard-coded
+them). What changed, with the upstream bug each fixes (reference §10):
+
+* Experience passes run in **eval mode** (no dropout; upstream switched back to train mode first,
+  §10.12) with **position ids from the mask** (left padding, §10.9); with ``--compute_fp32_loss`` the
+  training log-probs are fp32 too.
+* Masks come from generation: the answer is every token up to and including the first EOS, so the
+  **EOS is an action** even when ``pad == eos`` (§10.10).
+* Answers of at most one token are **dropped by masking** (their rows stay, with a zero action
+  mask), so ranks keep equal micro-batch counts; if every row on every rank is dropped the step is
+  skipped (upstream asserted on the first step and otherwise re-trained the previous rollout,
+  §10.13 -- stale data that is off-policy once an optimizer step has happened).
+* **Decoding** is configurable; the default samples from the policy (see the step-3 README).
+* **Off-policy guard** (:mod:`dschat.rlhf.guards`): when every optimizer step covers whole rollouts
+  the PPO ratio is exactly 1 and the trainer uses the current log-probs as the old ones (TRL's
+  shortcut); otherwise the ratio is taken against the stored behaviour log-probs. Either way the
+  measured ratio, approx-KL and clip fraction against the stored log-probs are recorded.
+* Losses are normalised over the **whole optimizer step** (token mean over all its micro-batches
+  and ranks, OpenRLHF-style) when each step lies inside one rollout; else per micro-batch as
+  upstream.
+* ``--align_overflow`` works only with fp16 and a DeepSpeed that exposes upstream's external
+  overflow check (§10.14); elsewhere it is refused or a no-op with a warning.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Sequence
+
+import torch
+
+from dschat import rl_math
+from dschat.errors import UserError
+from dschat.rlhf.experience import Experience, sequence_masks
+from dschat.rlhf.guards import BatchPlan, plan_batches
+from dschat.utils.dist import get_rank, get_world_size, print_rank_0
+
+__all__ = [
+    "RewardFn",
+    "MicroStepStats",
+    "RolloutStats",
+    "DeepSpeedPPOTrainer",
+    "DeepSpeedPPOTrainerUnsupervised",
+    "gather_log_probs",
+]
+
+#: A Python reward hook: scores decoded ``(prompts, answers)`` (lists of strings), one float each.
+RewardFn = Callable[[list[str], list[str]], Sequence[float]]
+
+gather_log_probs = rl_math.gather_log_probs  # upstream's module-level name
+
+
+@dataclass
+class MicroStepStats:
+    """Diagnostics of one PPO micro-step (floats). Ratio stats are measured against the rollout's
+    stored behaviour log-probs, whatever the loss used."""
+
+    actor_loss: float
+    critic_loss: float
+    ratio_mean: float
+    ratio_max: float
+    ratio_min: float
+    approx_kl: float
+    clip_frac: float
+    tokens: int
+
+
+@dataclass
+class RolloutStats:
+    """Rollout-level numbers over every rank (floats; ``nan`` when there is nothing to average)."""
+
+    reward: float  # mean reward score of the kept answers
+    kl_to_ref: float  # mean per-token (logp - ref_logp) over answer tokens
+    response_length: float  # mean answer tokens (EOS included) of the kept answers
+    value_explained_variance: float
+    kept: int  # kept answers
+    dropped: int  # answers of <= 1 token
+    micro_steps: list[MicroStepStats] = field(default_factory=list)
+
+
+def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(t)
+    return t.tolist()
+
+
+class DeepSpeedPPOTrainer:
+    """PPO on the engines of a :class:`~dschat.rlhf.rlhf_engine.DeepSpeedRLHFEngine`.
+
+    ``plan`` defaults to :func:`~dschat.rlhf.guards.plan_batches` of ``args``; ``reward_fn`` (a
+    :data:`RewardFn`) replaces the reward model when given.
+    """
+
+    def __init__(self, rlhf_engine: Any, args: Any, *, plan: BatchPlan | None = None,
+                 reward_fn: RewardFn | None = None) -> None:
+        from dschat.data.unsupervised import unsupervised_training_enabled
+
+        self.rlhf_engine = rlhf_engine
+        self.actor_model = rlhf_engine.actor
+        self.critic_model = rlhf_engine.critic
+        self.ref_model = rlhf_engine.ref
+        self.reward_model = rlhf_engine.reward
+        self.generator = rlhf_engine.generator
+        self.tokenizer = rlhf_engine.tokenizer
+        self.args = args
+        self.max_answer_seq_len = args.max_answer_seq_len
+        # Upstream computed the id of the last piece of "<|endoftext|>" here and never used it; the
+        # answer ends at the tokenizer's EOS, which is what generate() stops on.
+        self.end_of_conversation_token_id = self.tokenizer.eos_token_id
+        self.z3_enabled = args.actor_zero_stage == 3
+        self.compute_fp32_loss = args.compute_fp32_loss
+        self.dtype = rlhf_engine.dtype
+        self.reward_fn = reward_fn
+        if self.reward_model is None and reward_fn is None:
+            raise ValueError("DeepSpeedPPOTrainer needs a reward model or a reward_fn")
+        self.plan = plan or plan_batches(args, get_world_size(), ptx=unsupervised_training_enabled(args))
+
+        # Upstream's constants, now flags.
+        self.kl_ctl = args.kl_ctl
+        self.clip_reward_value = args.clip_reward_value
+        self.cliprange = args.cliprange
+        self.cliprange_value = args.cliprange_value
+        self.gamma = args.gamma
+        self.lam = args.lam
+        self.kl_estimator = args.kl_estimator
+        self.reward_at = args.reward_at
+        self.whiten_advantages = args.whiten_advantages
+        self.logit_temperature = self.generator.decoding.logit_temperature
+
+        self.generate_time = 0.0  # last generation call (upstream)
+        self.experience_time = 0.0  # last experience forward passes
+        self.micro_stats: list[MicroStepStats] = []
+        self.align_overflow = bool(args.align_overflow) and self.dtype == "fp16"
+        if self.align_overflow:
+            self._check_align_overflow_support()
+
+    # ================================================================== generation + experience
+    @property
+    def device(self) -> torch.device:
+        return next(self.actor_model.module.parameters()).device
+
+    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+        """Generate answers; print them with ``--print_answers`` (every rank, as upstream)."""
+        seq = self.generator.generate(prompts, mask)
+        if self.args.print_answers and step % self.args.print_answers_interval == 0:
+            ans = seq[:, prompts.shape[1]:]
+            rank = get_rank()
+            print(f"--- prompt --> step={step}, rank={rank}, "
+                  f"{self.tokenizer.batch_decode(prompts, skip_special_tokens=True)}")
+            print(f"--- ans    --> step={step}, rank={rank}, "
+                  f"{self.tokenizer.batch_decode(ans, skip_special_tokens=True)}")
+        return seq
+
+    def _log_probs(self, logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        """(B, L, V) logits -> (B, L - 1) log-probs of ``seq[:, 1:]`` under the sampling distribution."""
+        logits = logits[:, :-1]
+        if self.logit_temperature != 1.0:
+            logits = logits / self.logit_temperature
+        return gather_log_probs(logits, seq[:, 1:], fp32=self.compute_fp32_loss)
+
+    def _decode_for_hook(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
+                         attention_mask: torch.Tensor) -> tuple[list[str], list[str]]:
+        P = prompts.shape[1]
+        prompt_texts = [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
+                        for row, m in zip(prompts, prompt_mask)]
+        answer_texts = [self.tokenizer.decode(row[P:][m[P:].bool()], skip_special_tokens=True)
+                        for row, m in zip(seq, attention_mask)]
+        return prompt_texts, answer_texts
+
+    def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
+                       attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.reward_fn is not None:
+            texts = self._decode_for_hook(prompts, prompt_mask, seq, attention_mask)
+            scores = [float(s) for s in self.reward_fn(*texts)]
+            if len(scores) != seq.shape[0]:
+                raise ValueError(f"reward_fn returned {len(scores)} scores for {seq.shape[0]} answers")
+            return torch.tensor(scores, dtype=torch.float32, device=seq.device)
+        out = self.reward_model.forward_value(seq, attention_mask, position_ids=position_ids,
+                                              prompt_length=prompts.shape[1])
+        return out["chosen_end_scores"].detach().float()
+
+    def _report_dropped(self, prompts: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor, step: int) -> None:
+        if bool(valid.all()):
+            return
+        P = prompts.shape[1]
+        bad = (~valid).nonzero().flatten().tolist()
+        print(f"Dropping too short generated answer: step={step} rank={get_rank()} rows={bad}: "
+              f"answers: {self.tokenizer.batch_decode(seq[bad, P:], skip_special_tokens=False)}")
+
+    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> Experience | None:
+        """Generate one rollout batch and score it. ``None`` when no rank kept any answer.
+
+        Shapes: prompts, mask (B, P) left-padded. Collective (every rank must call it).
+        """
+        self.eval()
+        generate_start = time.time()
+        seq = self._generate_sequence(prompts, mask, step)
+        generate_end = time.time()
+        self.generate_time = generate_end - generate_start
+        self.generator.scoring_mode()  # training forwards, dropout off
+
+        masks = sequence_masks(mask, seq, self.tokenizer.eos_token_id)
+        valid = masks.answer_lengths > 1  # upstream: valid_ans_len <= 1 is dropped
+        self._report_dropped(prompts, seq, valid, step)
+        kept_anywhere = _sum_over_ranks([float(valid.sum())], self.device)[0]
+        if kept_anywhere == 0:
+            print_rank_0(f"All generated results are too short on every rank at step={step}; skipping this "
+                         "step (no experience, no update)")
+            self.experience_time = 0.0
+            return None
+
+        attention_mask, position_ids = masks.attention_mask, masks.position_ids
+        with torch.no_grad():
+            logits = self.actor_model(seq, attention_mask=attention_mask, position_ids=position_ids,
+                                      use_cache=False).logits
+            logprobs = self._log_probs(logits, seq).float()
+            del logits
+            ref_logits = self.ref_model(seq, attention_mask=attention_mask, position_ids=position_ids,
+                                        use_cache=False).logits
+            ref_logprobs = self._log_probs(ref_logits, seq).float()
+            del ref_logits
+            reward_score = self._reward_scores(prompts, mask, seq, attention_mask, position_ids)
+            values = self.critic_model.forward_value(seq, attention_mask, position_ids=position_ids,
+                                                     return_value_only=True).detach()[:, :-1].float()
+        self.experience_time = time.time() - generate_end
+        action_mask = attention_mask[:, 1:] * valid[:, None].to(attention_mask.dtype)
+        return Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, position_ids=position_ids,
+                          action_mask=action_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
+                          reward_score=reward_score, valid=valid)
+
+    # ================================================================== RL math (upstream names)
+    def compute_rewards(self, prompts: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
+                        reward_score: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+        return rl_math.compute_rewards(prompts, log_probs, ref_log_probs, reward_score, action_mask,
+                                       kl_ctl=self.kl_ctl, clip_reward_value=self.clip_reward_value,
+                                       kl_estimator=self.kl_estimator, reward_at=self.reward_at)
+
+    def get_advantages_and_returns(self, values: torch.Tensor, rewards: torch.Tensor,
+                                   start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rl_math.get_advantages_and_returns(values, rewards, start, gamma=self.gamma, lam=self.lam)
+
+    def actor_loss_fn(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                      mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
+        return rl_math.actor_loss_fn(logprobs, old_logprobs, advantages, mask, cliprange=self.cliprange,
+                                     normalizer=normalizer)
+
+    def critic_loss_fn(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                       mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
+        return rl_math.critic_loss_fn(values, old_values, returns, mask, cliprange_value=self.cliprange_value,
+                                      compute_fp32_loss=self.compute_fp32_loss, normalizer=normalizer)
+
+    def _old_values_and_rewards(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upstream's zeroing after ``ends``: (old_values, old_rewards), both (B, T)."""
+        start = exp.start
+        rewards = self.compute_rewards(exp.prompts, exp.logprobs, exp.ref_logprobs, exp.reward_score,
+                                       exp.action_mask)
+        ends = rl_math.sequence_end_indices(exp.action_mask, start, reward_at=self.reward_at)
+        return rl_math.mask_after_ends(exp.values, ends), rl_math.mask_after_ends(rewards, ends)
+
+    # ================================================================== rollout preparation
+    def prepare_rollout(self, exp_dataset: list[Experience]) -> RolloutStats:
+        """Fill in advantages / returns of every micro-batch of a rollout; rollout statistics.
+
+        Advantages depend only on the stored experience, so computing them once per rollout is the
+        same as upstream's per-micro-batch computation, and lets ``--whiten_advantages`` use the
+        statistics of the whole rollout (all micro-batches, all ranks).
+        """
+        per_batch = []
+        sums = [0.0] * 11  # reward, kept, dropped, kl, kl tokens, length, ret, ret^2, res, res^2, tokens
+        for exp in exp_dataset:
+            with torch.no_grad():
+                old_values, old_rewards = self._old_values_and_rewards(exp)
+                advantages, returns = self.get_advantages_and_returns(old_values, old_rewards, exp.start)
+            mask = exp.action_mask[:, exp.start:].bool()
+            per_batch.append((advantages, returns, mask))
+            valid = exp.valid
+            residual = (returns - old_values[:, exp.start:]).float()
+            kl = (exp.logprobs - exp.ref_logprobs)[:, exp.start:]
+            sums = [a + b for a, b in zip(sums, [
+                float(exp.reward_score[valid].float().sum()), float(valid.sum()), float((~valid).sum()),
+                float(rl_math.masked_sum(kl.float(), mask)), float(mask.sum()),
+                float(exp.action_mask[:, exp.start:].sum()),
+                float(rl_math.masked_sum(returns.float(), mask)),
+                float(rl_math.masked_sum(returns.float() ** 2, mask)),
+                float(rl_math.masked_sum(residual, mask)), float(rl_math.masked_sum(residual ** 2, mask)),
+                float(mask.sum()),
+            ])]
+        (reward, kept, dropped, kl_sum, kl_tokens, length, r1, r2, e1, e2, n) = _sum_over_ranks(sums, self.device)
+
+        if self.whiten_advantages:
+            adv_sums = [0.0, 0.0, 0.0]
+            for advantages, _, mask in per_batch:
+                adv_sums[0] += float(rl_math.masked_sum(advantages.float(), mask))
+                adv_sums[1] += float(rl_math.masked_sum(advantages.float() ** 2, mask))
+                adv_sums[2] += float(mask.sum())
+            a1, a2, count = _sum_over_ranks(adv_sums, self.device)
+            mean = a1 / max(count, 1.0)
+            var = max(a2 / max(count, 1.0) - mean ** 2, 0.0) * count / max(count - 1.0, 1.0)  # unbiased
+            per_batch = [((adv - mean) * (var + 1e-8) ** -0.5, ret, mask) for adv, ret, mask in per_batch]
+        for exp, (advantages, returns, _) in zip(exp_dataset, per_batch):
+            exp.advantages, exp.returns = advantages.detach(), returns.detach()
+
+        nan = float("nan")
+        var_returns = r2 / n - (r1 / n) ** 2 if n else nan
+        var_residual = e2 / n - (e1 / n) ** 2 if n else nan
+        explained = 1.0 - var_residual / var_returns if n and var_returns > 0 else nan
+        return RolloutStats(
+            reward=reward / kept if kept else nan, kl_to_ref=kl_sum / kl_tokens if kl_tokens else nan,
+            response_length=length / kept if kept else nan, value_explained_variance=explained,
+            kept=int(kept), dropped=int(dropped),
+        )
+
+    def schedule(self, exp_dataset: list[Experience], unsup_dataset: list[Any] | None) -> list[tuple[int, Experience, Any]]:
+        """The micro-steps of one rollout in training order: ``(ppo_epoch, experience, ptx batch)``.
+
+        Upstream's order: the first PPO epoch in rollout order, then each epoch after an independent
+        ``random.shuffle`` of both lists. With step normalisation each entry carries the token count
+        of its optimizer step (all micro-batches, all ranks) divided by ``GA x world``.
+        """
+        exp_list = list(exp_dataset)
+        unsup_list = list(unsup_dataset) if unsup_dataset is not None else [None] * len(exp_list)
+        steps: list[tuple[int, Experience, Any]] = []
+        for ppo_ep in range(self.args.ppo_epochs):
+            if ppo_ep > 0:
+                random.shuffle(exp_list)
+                random.shuffle(unsup_list)
+            steps.extend((ppo_ep, e, u) for e, u in zip(exp_list, unsup_list))
+        if not self.plan.step_normalizable:
+            return steps
+        ga, world = self.plan.gradient_accumulation_steps, get_world_size()
+        tokens = [float(exp.action_mask[:, exp.start:].sum()) for _, exp, _ in steps]
+        groups = [sum(tokens[i:i + ga]) for i in range(0, len(tokens), ga)]
+        groups = _sum_over_ranks(groups, self.device)
+        return [(ep, replace(exp, loss_normalizer=max(groups[i // ga], 1.0) / (ga * world)), u)
+                for i, (ep, exp, u) in enumerate(steps)]
+
+    # ================================================================== training
+    def train_rlhf(self, inputs: Experience) -> tuple[torch.Tensor, torch.Tensor]:
+        """One PPO micro-step: actor update, then critic update. Returns (actor_loss, critic_loss)."""
+        exp = inputs
+        if not self.actor_model.module.training:
+            self.train()  # an upstream-style caller may go straight from generate_experience
+        start = exp.start
+        mask = exp.action_mask[:, start:]
+        with torch.no_grad():
+            old_values, old_rewards = self._old_values_and_rewards(exp)
+            if exp.advantages is None:
+                advantages, returns = self.get_advantages_and_returns(old_values, old_rewards, start)
+            else:
+                advantages, returns = exp.advantages, exp.returns
+        normalizer = exp.loss_normalizer
+        if normalizer is None and float(mask.sum()) == 0:
+            normalizer = 1.0  # a micro-batch of dropped rows only: zero loss, not 0/0
+
+        batch = {"input_ids": exp.seq, "attention_mask": exp.attention_mask, "position_ids": exp.position_ids}
+        actor_logits = self.actor_model(**batch, use_cache=False).logits
+        actor_log_prob = self._log_probs(actor_logits, exp.seq)[:, start:]
+        del actor_logits
+        stored = exp.logprobs[:, start:]
+        # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,
+        # so use the current log-probs as the old ones (TRL #3493); dropout noise cannot inflate it.
+        old_logprobs = actor_log_prob.detach() if self.plan.on_policy else stored
+        actor_loss = self.actor_loss_fn(actor_log_prob, old_logprobs, advantages, mask, normalizer)
+        policy = rl_math.ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=self.cliprange)
+        self.actor_model.backward(actor_loss)
+        if not self.align_overflow:
+            self.actor_model.step()
+
+        value = self.critic_model.forward_value(**batch, return_value_only=True, use_cache=False)[:, :-1]
+        critic_loss = self.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
+        self.critic_model.backward(critic_loss)
+        if self.align_overflow:
+            self._aligned_steps()
+        self.critic_model.step()
+
+        self.micro_stats.append(MicroStepStats(
+            actor_loss=actor_loss.item(), critic_loss=critic_loss.item(),
+            ratio_mean=float(policy.ratio_mean), ratio_max=float(policy.ratio_max),
+            ratio_min=float(policy.ratio_min), approx_kl=float(policy.approx_kl),
+            clip_frac=float(policy.clip_frac), tokens=int(mask.sum()),
+        ))
+        return actor_loss, critic_loss
+
+    # ---------------------------------------------------------------- fp16 overflow alignment
+    def _check_align_overflow_support(self) -> None:
+        import inspect
+
+        for name, engine in (("actor", self.actor_model), ("critic", self.critic_model)):
+            check = getattr(engine.optimizer, "check_overflow", None)
+            if check is None or "external" not in inspect.signature(check).parameters:
+                raise UserError(
+                    f"--align_overflow needs DeepSpeed's external overflow check "
+                    f"(optimizer.check_overflow(external=True) and optimizer.skip_step), which the {name} "
+                    f"optimizer {type(engine.optimizer).__name__} of this DeepSpeed does not provide; drop "
+                    "--align_overflow (or use bf16)"
+                )
+
+    def _aligned_steps(self) -> None:
+        """Upstream's rule: if either model overflowed, both skip their step (fp16 only)."""
+        actor_overflow = self.actor_model.optimizer.check_overflow(external=True)
+        critic_overflow = self.critic_model.optimizer.check_overflow(external=True)
+        if actor_overflow and not critic_overflow:
+            self.critic_model.optimizer.skip_step = True
+            print_rank_0("OVERFLOW: actor overflow, skipping both actor and critic steps")
+        elif critic_overflow and not actor_overflow:
+            self.actor_model.optimizer.skip_step = True
+            print_rank_0("OVERFLOW: critic overflow, skipping both actor and critic steps")
+        elif actor_overflow and critic_overflow:
+            print_rank_0("OVERFLOW: actor and critic overflow, skipping both actor and critic steps")
+        self.actor_model.step()
+
+    def get_overflow(self) -> tuple[bool, bool]:
+        """(actor, critic) fp16 loss-scale overflow of the last step; never with bf16 / fp32."""
+        if self.dtype != "fp16":
+            return False, False
+        return (bool(getattr(self.actor_model.optimizer, "overflow", False)),
+                bool(getattr(self.critic_model.optimizer, "overflow", False)))
+
+    # ---------------------------------------------------------------- modes
+    def _validate_training_mode(self) -> None:
+        assert self.actor_model.module.training
+        assert self.critic_model.module.training
+
+    def _validate_evaluation_mode(self) -> None:
+        assert not self.actor_model.module.training
+        assert not self.critic_model.module.training
+        assert not self.ref_model.module.training
+        if self.reward_model is not None:
+            assert not self.reward_model.module.training
+
+    def train(self) -> None:
+        self.actor_model.train()
+        self.critic_model.train()
+
+    def eval(self) -> None:
+        self.generator.eval()  # the actor (Hybrid Engine kernels swapped in where active)
+        self.critic_model.eval()
+        self.ref_model.eval()
+        if self.reward_model is not None:
+            self.reward_model.eval()
+
+    # ---------------------------------------------------------------- summaries
+    def pop_micro_stats(self) -> list[MicroStepStats]:
+        stats, self.micro_stats = self.micro_stats, []
+        return stats
+
+
+class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
+    """PPO-ptx (InstructGPT eq. 2): after each PPO micro-step the actor also takes a language-model
+    step on a pretraining batch, weighted by ``unsup_coef``. The actor's gradient accumulation is
+    doubled so the PPO and ptx gradients of a micro-batch land in the same optimizer update."""
+
+    def train_unsupervised(self, inputs: dict[str, torch.Tensor], unsup_coef: float) -> torch.Tensor:
+        self._validate_training_mode()
+        outputs = self.actor_model(**inputs, use_cache=False)
+        loss = outputs.loss
+        if self.compute_fp32_loss:
+            loss = rl_math.causal_lm_loss(outputs.logits, inputs["labels"], fp32=True)
+        self.actor_model.backward(unsup_coef * loss)
+        self.actor_model.step()
+        return loss

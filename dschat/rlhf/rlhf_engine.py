@@ -1,0 +1,241 @@
+"""``DeepSpeedRLHFEngine``: the five DeepSpeed engines of PPO (upstream's ``rlhf_engine.py``, §5.2).
+
+* **actor** -- trainable, from the step-1 checkpoint (LoRA optional), Hybrid Engine where it works;
+* **ref** -- frozen copy of the step-1 checkpoint (the KL anchor);
+* **actor_ema** -- optional (``--enable_ema``), the exponential moving average of the actor;
+* **critic** -- trainable, from the step-2 checkpoint (LoRA optional);
+* **reward** -- frozen, from the same step-2 checkpoint.
+
+Upstream's placement rules: reference and EMA use ZeRO-3 only if the actor does (else stage 0);
+the reward model uses ZeRO-3 only if the critic does. ``--offload_reference_model`` applies to the
+reference *and* the EMA model; the actor/critic optimizers offload with ``--offload``. The actor's
+batch keys use ``gradient_accumulation_steps x 2`` with PPO-ptx (its ``step()`` runs twice per
+micro-batch). Every config comes from the one builder (:func:`ds_config_for`).
+
+Differences from upstream: the Hybrid Engine is only enabled where it can work (see
+:mod:`dschat.rlhf.hybrid_engine`); the EMA model starts as an exact copy of the actor, LoRA
+factors included (upstream's EMA drew its own random LoRA init); with ``--only_optimize_lora`` the
+critic's value head stays trainable, as in step 2 (DSE #758; upstream froze it in step 3).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from dschat.errors import UserError
+from dschat.utils.dist import get_world_size, is_rank_0
+
+__all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
+
+ROLES = ("actor", "ref", "ema", "critic", "reward")
+
+
+def log_init(model_name: str, stime: float | None = None) -> float:
+    """Upstream's 90-column banner: ``[start] Initializing Actor Model [start]`` / ``[end] ...``."""
+    if is_rank_0():
+        tag = "start" if stime is None else "end"
+        suffix = "ing" if stime is None else "ed"
+        duration = "" if stime is None else "(duration: {:.2f}s)".format(time.time() - stime)
+        msg = f"[{tag}] Initializ{suffix} {model_name} Model [{tag}] {duration}"
+        stars = (90 - len(msg)) // 2
+        extra_star = "*" if (90 - len(msg)) % 2 == 1 else ""
+        print("*" * stars + msg + "*" * stars + extra_star, flush=True)
+    return time.time()
+
+
+def ds_config_for(role: str, args: Any, *, dtype: str, hybrid_engine: bool = False,
+                  world_size: int | None = None) -> dict:
+    """The DeepSpeed config of one step-3 engine (``role`` in :data:`ROLES`).
+
+    Stage rules as upstream: ref/EMA ZeRO-3 iff the actor is, reward ZeRO-3 iff the critic is (else
+    stage 0). Micro-batch = ``per_device_training_batch_size``; gradient accumulation = the actor's
+    (doubled with PPO-ptx) for actor/ref/EMA, the plain one for critic/reward.
+    """
+    from dschat.data.unsupervised import unsupervised_training_enabled
+    from dschat.utils.ds_utils import get_eval_ds_config, get_train_ds_config
+
+    ga = args.gradient_accumulation_steps
+    ga_actor = ga * 2 if unsupervised_training_enabled(args) else ga
+    batch = {"micro_batch_size": args.per_device_training_batch_size, "world_size": world_size}
+    if role == "actor":
+        return get_train_ds_config(
+            offload=args.offload, dtype=dtype, stage=args.actor_zero_stage,
+            enable_hybrid_engine=hybrid_engine, inference_tp_size=args.inference_tp_size,
+            release_inference_cache=args.release_inference_cache,
+            pin_parameters=not args.unpin_actor_parameters,
+            tp_gather_partition_size=args.tp_gather_partition_size,
+            max_out_tokens=args.max_prompt_seq_len + args.max_answer_seq_len,
+            enable_tensorboard=args.enable_tensorboard,
+            enable_mixed_precision_lora=args.enable_mixed_precision_lora,
+            tb_path=args.tensorboard_path, tb_name="step3_actor",
+            gradient_accumulation_steps=ga_actor, **batch)
+    if role in ("ref", "ema"):
+        stage = 3 if args.actor_zero_stage == 3 else 0
+        return get_eval_ds_config(args.offload_reference_model, dtype, stage, gradient_accumulation_steps=ga_actor, **batch)
+    if role == "critic":
+        return get_train_ds_config(
+            offload=args.offload, dtype=dtype, stage=args.critic_zero_stage,
+            enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name="step3_critic",
+            gradient_accumulation_steps=ga, **batch)
+    if role == "reward":
+        stage = 3 if args.critic_zero_stage == 3 else 0
+        return get_eval_ds_config(args.offload_reward_model, dtype, stage, gradient_accumulation_steps=ga, **batch)
+    raise ValueError(f"unknown role {role!r}; one of {ROLES}")
+
+
+def _apply_lora(model: Any, role: str, lora_dim: int, module_name: str, only_optimize: bool,
+                force_optimize: tuple[str, ...] = ()) -> Any:
+    """``dschat.training.common.apply_lora`` with step 3's flag names in its error messages."""
+    from dschat.training.common import apply_lora
+
+    try:
+        return apply_lora(model, lora_dim, module_name, only_optimize, force_optimize)
+    except UserError as err:
+        raise UserError(str(err).replace("--lora_module_name", f"--{role}_lora_module_name")) from None
+
+
+class DeepSpeedRLHFEngine:
+    """Builds and holds ``actor``, ``ref``, ``actor_ema`` (or None), ``critic``, ``reward`` engines.
+
+    Upstream's signature. ``with_reward_model=False`` skips the reward engine (``reward`` is None),
+    for runs that score answers with a Python reward hook instead.
+    """
+
+    def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str, tokenizer: Any,
+                 args: Any, num_total_iters: int, *, with_reward_model: bool = True) -> None:
+        from deepspeed.accelerator import get_accelerator
+        from transformers import AutoConfig
+
+        from dschat.models.registry import resolve_model_path
+        from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator, decide_hybrid_engine
+        from dschat.utils.ds_utils import resolve_dtype
+
+        self.args = args
+        self.num_total_iters = num_total_iters
+        self.tokenizer = tokenizer
+        self.dtype = resolve_dtype(args.dtype)
+        self.world_size = get_world_size()
+        actor_config = AutoConfig.from_pretrained(resolve_model_path(actor_model_name_or_path))
+        self.hybrid_engine = decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
+                                                  get_accelerator().device_name())
+
+        self.actor = self._init_actor(actor_model_name_or_path)
+        self.ref = self._init_ref(actor_model_name_or_path)
+        self.actor_ema = self._init_ema(actor_model_name_or_path) if args.enable_ema else None
+        self.critic = self._init_critic(critic_model_name_or_path)
+        self.reward = self._init_reward(critic_model_name_or_path) if with_reward_model else None
+        if args.critic_gradient_checkpointing:
+            # Permanently on for the critic (upstream); the actor's is toggled around training only.
+            self.critic.module.gradient_checkpointing_enable()
+
+        self.generator = RolloutGenerator(
+            self.actor, tokenizer, decision=self.hybrid_engine,
+            decoding=DecodingSettings(args.decoding, args.temperature, args.top_k, args.top_p),
+            max_answer_seq_len=args.max_answer_seq_len, zero_stage=args.actor_zero_stage,
+            zero3_gather=getattr(args, "zero3_gather_for_generation", "auto"),
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _config(self, role: str) -> dict:
+        return ds_config_for(role, self.args, dtype=self.dtype, hybrid_engine=self.hybrid_engine.enabled,
+                             world_size=self.world_size)
+
+    def _optim(self, lr: float, weight_decay: float, lora_lr: float) -> Any:
+        from dschat.training.common import OptimSettings
+
+        return OptimSettings(lr=lr, weight_decay=weight_decay, lora_lr=lora_lr, offload=self.args.offload,
+                             scheduler=self.args.lr_scheduler_type, num_warmup_steps=self.args.num_warmup_steps,
+                             num_training_steps=self.num_total_iters)
+
+    # ------------------------------------------------------------------ the five engines
+    def _init_actor(self, actor_model_name_or_path: str) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        from dschat.training.common import initialize_engine
+        from dschat.utils.model.model_utils import create_hf_model
+
+        stime = log_init("Actor")
+        args = self.args
+        ds_config = self._config("actor")
+        model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
+                                dropout=args.actor_dropout)
+        model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
+        engine = initialize_engine(model, ds_config, self._optim(args.actor_learning_rate, args.actor_weight_decay,
+                                                                 args.actor_lora_learning_rate))
+        if args.enable_mixed_precision_lora:
+            # MixZ++: quantise the frozen (non-LoRA) weights; upstream did this in main.py.
+            if not hasattr(engine.optimizer, "quantize_nontrainable_params"):
+                raise UserError(
+                    f"--enable_mixed_precision_lora: this DeepSpeed's {type(engine.optimizer).__name__} cannot "
+                    "quantise frozen weights (ZeRO++ needs --actor_zero_stage 3 on CUDA); drop the flag")
+            engine.optimizer.quantize_nontrainable_params()
+            if is_rank_0():
+                print("Mixed Precision ZeRO++ enabled")
+        log_init("Actor", stime=stime)
+        return engine
+
+    def _init_ref(self, actor_model_name_or_path: str) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        from dschat.training.common import initialize_engine
+        from dschat.utils.model.model_utils import create_hf_model
+
+        stime = log_init("Ref")
+        ds_config = self._config("ref")
+        model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config)
+        engine = initialize_engine(model, ds_config, None)
+        log_init("Ref", stime=stime)
+        return engine
+
+    def _init_ema(self, actor_model_name_or_path: str) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        from dschat.rlhf.ema import moving_average
+        from dschat.training.common import initialize_engine
+        from dschat.utils.model.model_utils import create_hf_model
+
+        stime = log_init("EMA")
+        args = self.args
+        ds_config = self._config("ema")
+        model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config)
+        # Same LoRA structure as the actor (not only-optimize: the EMA has no optimizer), so the two
+        # parameter lists zip one to one.
+        model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, False)
+        engine = initialize_engine(model, ds_config, None)
+        moving_average(self.actor, engine, beta=0.0)  # start as an exact copy (LoRA factors included)
+        log_init("EMA", stime=stime)
+        return engine
+
+    def _init_critic(self, critic_model_name_or_path: str) -> Any:
+        from dschat.training.common import initialize_engine
+        from dschat.utils.model.model_utils import create_critic_model
+
+        stime = log_init("Critic")
+        args = self.args
+        ds_config = self._config("critic")
+        model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
+                                    num_padding_at_beginning=args.num_padding_at_beginning, rlhf_training=True,
+                                    dropout=args.critic_dropout, zero_stage=args.critic_zero_stage,
+                                    compute_fp32_loss=args.compute_fp32_loss)
+        model = _apply_lora(model, "critic", args.critic_lora_dim, args.critic_lora_module_name,
+                            args.only_optimize_lora, force_optimize=("v_head.weight",))
+        engine = initialize_engine(model, ds_config, self._optim(args.critic_learning_rate, args.critic_weight_decay,
+                                                                 args.critic_lora_learning_rate))
+        log_init("Critic", stime=stime)
+        return engine
+
+    def _init_reward(self, critic_model_name_or_path: str) -> Any:
+        from dschat.training.common import initialize_engine
+        from dschat.utils.model.model_utils import create_critic_model
+
+        stime = log_init("Reward")
+        args = self.args
+        ds_config = self._config("reward")
+        stage = ds_config["zero_optimization"]["stage"]
+        model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
+                                    num_padding_at_beginning=args.num_padding_at_beginning, rlhf_training=True,
+                                    dropout=args.critic_dropout, zero_stage=stage,
+                                    compute_fp32_loss=args.compute_fp32_loss)
+        engine = initialize_engine(model, ds_config, None)
+        log_init("Reward", stime=stime)
+        return engine

@@ -1,0 +1,101 @@
+"""Shared helpers of the step-3 tests (``tests/test_step3_*.py``): critic folders, the step-3
+``main`` module, argument lists and weight comparisons."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+STEP3_DIR = REPO / "training" / "step3_rlhf_finetuning"
+STEP3_MAIN = STEP3_DIR / "main.py"
+
+
+@lru_cache(maxsize=None)
+def step3_main() -> Any:
+    """``training/step3_rlhf_finetuning/main.py`` imported as a module (it is not a package)."""
+    spec = importlib.util.spec_from_file_location("dschat_step3_main", STEP3_MAIN)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_critic_folder(model_name: str, folder: Path, seed: int = 0) -> Path:
+    """A step-2-style output (body + ``v_head.safetensors``) without running step 2."""
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.utils.model.model_utils import create_critic_model
+
+    if (folder / "v_head.safetensors").exists():
+        return folder
+    torch.manual_seed(seed)
+    tokenizer = load_hf_tokenizer(model_name)
+    critic = create_critic_model(model_name, tokenizer, None)
+    save_hf_model(critic, tokenizer, folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def critic_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("step3_critics")
+    return {name: make_critic_folder(name, root / name) for name in ("tiny-opt", "tiny-llama", "tiny-opt-quirk")}
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("step3_data")
+
+
+LORA_MODULES = {"tiny-opt": "decoder.layers.", "tiny-opt-quirk": "decoder.layers.", "tiny-llama": "layers."}
+
+
+def base_argv(model: str, critic: Path, data: Path, *extra: str, steps: int = 2, lr: float = 1e-3) -> list[str]:
+    """A short test-mode run: 4 prompts x 16 tokens, 16-token answers, fp32, constant LR."""
+    return [
+        "--actor_model_name_or_path", model, "--critic_model_name_or_path", str(critic),
+        "--data_path", "dschat/builtin", "--data_output_path", str(data),
+        "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
+        "--max_prompt_seq_len", "16", "--max_answer_seq_len", "16", "--dtype", "fp32",
+        "--enable_test_mode", "--test_stop_step", str(steps),
+        "--num_warmup_steps", "0", "--lr_scheduler_type", "constant",
+        "--actor_learning_rate", str(lr), "--critic_learning_rate", str(lr),
+        "--actor_lora_learning_rate", str(lr * 5), "--critic_lora_learning_rate", str(lr * 5),
+        "--actor_lora_module_name", LORA_MODULES[model], "--critic_lora_module_name", LORA_MODULES[model],
+        *extra,
+    ]
+
+
+def load_state(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``folder`` (weights as saved)."""
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    return state
+
+
+def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest element difference over the tensors both dicts share (a saved copy may add the tied
+    ``lm_head.weight`` that the original folder left out)."""
+    shared = set(a) & set(b)
+    assert len(shared) >= 0.9 * max(len(a), len(b)), sorted(set(a) ^ set(b))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in shared)
+
+
+def subprocess_env() -> dict[str, str]:
+    """This environment without the rendezvous variables an in-process run set (a child reusing
+    them would try to bind the parent's MASTER_PORT)."""
+    rendezvous = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "CROSS_RANK", "CROSS_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in rendezvous}
+    env.update({"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+                "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
+    return env

@@ -1,0 +1,197 @@
+"""Rollout generation: Hybrid Engine decision and fallbacks (never crash, say why once), ZeRO-3
+gather-once generation, LoRA fused for generation; GPU tier: HE on/off greedy equality."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dschat.rlhf.hybrid_engine import DecodingSettings, HybridEngineDecision, RolloutGenerator, decide_hybrid_engine
+
+from step3_support import base_argv, critic_dirs, data_cache, step3_main  # noqa: F401
+
+PROMPTS = torch.tensor([[3, 1, 40, 41], [1, 42, 43, 44]])  # tiny-llama ids: pad 3, bos 1
+PROMPT_MASK = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+
+
+def _engine(model: str, critic_dirs, data_cache, *extra: str):  # noqa: F811
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.utils.dist import init_distributed
+
+    init_distributed()
+    args = step3_main().parse_args(base_argv(model, critic_dirs[model], data_cache, "--decoding", "greedy", *extra))
+    torch.manual_seed(0)
+    return DeepSpeedRLHFEngine(model, str(critic_dirs[model]), load_hf_tokenizer(model), args, 10)
+
+
+def _generate(engine) -> torch.Tensor:
+    engine.generator.eval()
+    return engine.generator.generate(PROMPTS, PROMPT_MASK)
+
+
+# ------------------------------------------------------------------------------------ decision
+
+
+def test_decide_hybrid_engine():
+    opt, mistral = SimpleNamespace(model_type="opt"), SimpleNamespace(model_type="mistral")
+    assert decide_hybrid_engine(False, opt, "cuda") == HybridEngineDecision(False, False)
+    assert decide_hybrid_engine(True, opt, "cuda") == HybridEngineDecision(True, True)
+    cpu = decide_hybrid_engine(True, opt, "cpu")
+    assert not cpu.enabled and "accelerator is 'cpu'" in cpu.reason
+    no_container = decide_hybrid_engine(True, mistral, "cuda")
+    assert not no_container.enabled and "no inference container" in no_container.reason
+
+
+def test_decoding_settings_pin_the_sampling_distribution():
+    assert DecodingSettings("greedy").generate_kwargs() == {"do_sample": False, "num_beams": 1}
+    sample = DecodingSettings("sample", 0.7, 5, 0.9).generate_kwargs()
+    assert sample["do_sample"] and (sample["temperature"], sample["top_k"], sample["top_p"]) == (0.7, 5, 0.9)
+    assert DecodingSettings("sample", 0.7).logit_temperature == 0.7
+    assert DecodingSettings("greedy", 0.7).logit_temperature == 1.0
+
+
+# ------------------------------------------------------------------------------------ fallbacks
+
+
+def test_hybrid_engine_flag_on_cpu_falls_back_and_says_so_once(critic_dirs, data_cache, capsys):  # noqa: F811
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--enable_hybrid_engine")
+    assert not engine.hybrid_engine.enabled
+    assert type(engine.actor).__name__ == "DeepSpeedEngine"
+    first, second = _generate(engine), _generate(engine)
+    assert first.shape == (2, 4 + 16) and torch.equal(first, second)
+    out = capsys.readouterr().out
+    assert out.count("DeepSpeed's Hybrid Engine needs CUDA inference kernels") == 1
+
+
+def test_real_hybrid_engine_without_container_generates_with_the_module(monkeypatch, critic_dirs, data_cache, capsys):  # noqa: F811
+    # Force the HE on for OPT on this CPU: DeepSpeed builds a DeepSpeedHybridEngine that finds no
+    # inference container; its engine.generate raises AttributeError '_generate' (0.19.8).
+    import dschat.rlhf.hybrid_engine as he
+
+    monkeypatch.setattr(he, "decide_hybrid_engine", lambda requested, config, accelerator: he.HybridEngineDecision(True, True))
+    engine = _engine("tiny-opt", critic_dirs, data_cache, "--enable_hybrid_engine")
+    assert type(engine.actor).__name__ == "DeepSpeedHybridEngine"
+    with pytest.raises(AttributeError, match="_generate"):
+        engine.actor.generate(PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=2)
+    seq = _generate(engine)
+    _generate(engine)
+    assert seq.shape[0] == 2
+    assert capsys.readouterr().out.count("matched no inference container") == 1
+
+
+class _FailingHybridEngine:
+    """Stands in for a Hybrid Engine whose inference path breaks at run time."""
+
+    def __init__(self, module):
+        self.module = module
+        self._inference_containers = ["container"]
+        module.generate = self._broken  # DeepSpeed installs its generate on the module instance
+        self.modes: list[str] = []
+
+    def _broken(self, *args, **kwargs):
+        raise AttributeError("'DeepSpeedHybridEngine' object has no attribute '_generate'")
+
+    def eval(self):
+        self.modes.append("eval")
+
+    def train(self, mode=True):
+        self.modes.append(f"train({mode})")
+
+
+def test_hybrid_engine_failure_at_run_time_falls_back_once(capsys):
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("tiny-llama")
+    module = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"))
+    engine = _FailingHybridEngine(module)
+    gen = RolloutGenerator(engine, tok, decision=HybridEngineDecision(True, True),
+                           decoding=DecodingSettings("greedy"), max_answer_seq_len=5, zero_stage=0)
+    assert gen.hybrid_engine_active
+    seq = gen.generate(PROMPTS, PROMPT_MASK)
+    assert seq.shape == (2, 9) and not gen.hybrid_engine_active
+    assert engine.modes == ["train(True)"]  # HE forwards restored before falling back
+    gen.eval()
+    gen.generate(PROMPTS, PROMPT_MASK)
+    assert capsys.readouterr().out.count("Hybrid Engine failed to generate (AttributeError") == 1
+
+
+# ------------------------------------------------------------------------------------ ZeRO-3 and LoRA
+
+
+def test_zero3_gather_once_generates_the_same_tokens_without_per_layer_fetches(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    fetches = {"n": 0}
+    original = PartitionedParameterCoordinator.fetch_sub_module
+
+    def counting(self, *args, **kwargs):
+        fetches["n"] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(PartitionedParameterCoordinator, "fetch_sub_module", counting)
+    reference = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--actor_lora_dim", "4"))
+    results = {}
+    for mode in ("on", "off"):
+        engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_zero_stage", "3",
+                         "--zero3_gather_for_generation", mode, "--actor_lora_dim", "4")
+        before = {n: p.ds_tensor.clone() for n, p in engine.actor.module.named_parameters()}
+        fetches["n"] = 0
+        results[mode] = (_generate(engine), fetches["n"])
+        after = dict(engine.actor.module.named_parameters())
+        # The partitions come back bit-identical (LoRA fusion happened on discarded gathered copies).
+        assert all(torch.equal(before[n], after[n].ds_tensor) for n in before)
+        assert engine.generator.synced_gpus
+    assert results["on"][1] == 0 and results["off"][1] > 100  # per layer, per token
+    assert torch.equal(results["on"][0], results["off"][0])
+    assert torch.equal(results["on"][0], reference)  # same tokens as ZeRO-0
+
+
+def test_lora_is_fused_for_generation_and_unfused_after(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+    from dschat.utils.module.lora import LinearLayer_LoRA
+
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_lora_dim", "4")
+    layers = [m for m in engine.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
+    with torch.no_grad():
+        for layer in layers:  # a non-zero delta, so fusion matters
+            layer.lora_left_weight.normal_(0, 0.5)
+    states = []
+    original = type(engine.actor.module).generate
+
+    def spy(module, *args, **kwargs):
+        states.append(all(layer.fuse_lora for layer in layers))
+        return original(module, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine.actor.module), "generate", spy)
+    fused_seq = _generate(engine)
+    assert states == [True] and not any(layer.fuse_lora for layer in layers)
+    # Greedy tokens with the fused weights equal those of the unfused LoRA forward.
+    monkeypatch.setattr(type(engine.actor.module), "generate", original)
+    with torch.no_grad():
+        unfused = original(engine.actor.module, PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=16,
+                           do_sample=False, pad_token_id=3, eos_token_id=2)
+    assert torch.equal(fused_seq, unfused)
+
+
+# ------------------------------------------------------------------------------------ GPU tier
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["tiny-opt", "tiny-llama"])
+@pytest.mark.parametrize("zero_stage", ["0", "3"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_hybrid_engine_greedy_equals_module_generate(model, zero_stage, dtype, critic_dirs, data_cache):  # noqa: F811
+    """Greedy rollouts with DeepSpeed's Hybrid Engine equal the module's generate (same weights)."""
+    prompts, mask = PROMPTS.cuda(), PROMPT_MASK.cuda()
+    outs = []
+    for he in (False, True):
+        extra = ["--actor_zero_stage", zero_stage, "--dtype", dtype] + (["--enable_hybrid_engine"] if he else [])
+        engine = _engine(model, critic_dirs, data_cache, *extra)
+        assert engine.hybrid_engine.enabled is he
+        engine.generator.eval()
+        outs.append(engine.generator.generate(prompts, mask).cpu())
+    assert torch.equal(outs[0], outs[1])

@@ -1,0 +1,308 @@
+#!/usr/bin/env python
+"""Step 3: RLHF with PPO (actor from step 1, critic and reward model from step 2), optionally PPO-ptx.
+
+Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
+``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
+parse -> checks -> distributed + seed -> tokenizer -> data -> the five engines -> PPO loop -> save.
+See README.md for the flags, the decoding default and the on-policy rule.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from dschat.cli.args import (
+    add_data_args,
+    add_deepspeed_args,
+    add_eot_args,
+    add_ppo_args,
+    add_runtime_args,
+    add_step3_deepspeed_args,
+    add_step3_logging_args,
+    add_step3_lora_args,
+    add_step3_model_args,
+    add_step3_training_args,
+    add_unsupervised_data_args,
+)
+from dschat.errors import UserError, cli_main
+from dschat.utils.dist import print_rank_0
+
+# What --add_eot_token adds (upstream: the literal, as a special token).
+EOT_SPECIAL_TOKEN = "<|endoftext|>"
+DASHES = "-" * 85
+METRICS_FILE = "metrics.jsonl"  # in --output_dir, one line per PPO iteration (docs/metrics.md)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="(Step 3) RLHF training with PPO")
+    add_data_args(parser, phase=3)
+    add_unsupervised_data_args(parser)
+    add_step3_model_args(parser)
+    add_step3_training_args(parser)
+    add_ppo_args(parser)
+    add_step3_lora_args(parser)
+    add_step3_deepspeed_args(parser)
+    add_step3_logging_args(parser)
+    add_runtime_args(parser, seed=1234)  # upstream's None was not reproducible (§10.20)
+    add_eot_args(parser, eot_token_flag=False)
+    add_deepspeed_args(parser)
+    return parser.parse_args(argv)
+
+
+@dataclass
+class Step3Result:
+    """What ``main`` returns in-process: one dict per PPO iteration (see docs/metrics.md for the
+    keys), the micro-step ratio statistics, the saved folder and the engines."""
+
+    output_dir: Path | None = None
+    history: list[dict] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+    on_policy: bool = True
+    rlhf_engine: Any = None
+    trainer: Any = None
+    tokenizer: Any = None
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Bad model paths fail here, before anything is loaded or written."""
+    from dschat.models.registry import resolve_model_path
+    from dschat.utils.model.reward_model import value_head_file
+
+    resolve_model_path(args.actor_model_name_or_path)
+    critic = resolve_model_path(args.critic_model_name_or_path)
+    if not value_head_file(critic).exists():
+        raise UserError(
+            f"--critic_model_name_or_path {args.critic_model_name_or_path!r} is not a step-2 reward model "
+            f"output (no {value_head_file(critic).name}); pass the --output_dir of "
+            "training/step2_reward_model_finetuning/main.py"
+        )
+    if args.output_dir is not None and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        raise UserError(f"--output_dir {args.output_dir} exists and is not a folder; pass a folder path")
+
+
+def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_rank: int) -> tuple[Any, Any, int]:
+    """Prompt loader (phase-3 chunk, left-padded prompts), optional ptx loader, total optimizer steps."""
+    from transformers import default_data_collator
+
+    from dschat.data.collators import DataCollatorRLHF
+    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
+    from dschat.rlhf.guards import num_total_iters
+    from dschat.training.common import make_train_loader
+
+    prompt_train_dataset, _ = create_prompt_dataset(
+        local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
+        args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
+        reload=args.rebuild_data_cache,
+    )
+    if len(prompt_train_dataset) == 0:
+        raise UserError(
+            f"the phase-3 prompt split of {' '.join(args.data_path)} is empty (data_split {args.data_split}, "
+            f"max_prompt_seq_len {args.max_prompt_seq_len}); give phase 3 a share in --data_split or "
+            "raise --max_prompt_seq_len"
+        )
+    collator = DataCollatorRLHF(args.max_prompt_seq_len, args.inference_tp_size)
+    prompt_loader = make_train_loader(prompt_train_dataset, args.per_device_generation_batch_size, collator, args.seed)
+    unsup_loader = None
+    if unsupervised_training_enabled(args):
+        unsup_dataset = get_unsupervised_data(args, tokenizer)
+        unsup_loader = make_train_loader(unsup_dataset, args.per_device_generation_batch_size,
+                                         default_data_collator, args.seed)
+    total_iters = num_total_iters(plan, len(prompt_loader), None if unsup_loader is None else len(unsup_loader),
+                                  args.num_train_epochs)
+    return prompt_loader, unsup_loader, total_iters
+
+
+def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Result:
+    """Run step 3. ``reward_fn(prompts, answers) -> scores`` (decoded strings) replaces the reward
+    model when given (e.g. ``dschat.gold_judge.gold_score`` per pair)."""
+    from deepspeed.accelerator import get_accelerator
+
+    from dschat.data.collators import MiniDataset, set_epoch_if_distributed
+    from dschat.data.unsupervised import unsupervised_training_enabled
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rlhf.ema import moving_average
+    from dschat.rlhf.guards import plan_batches, validate_step3_args
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.training.common import TensorBoardLogger, setup_run, to_device
+    from dschat.utils.dist import get_all_reduce_mean
+    from dschat.utils.ds_utils import resolve_dtype
+    from dschat.utils.perf import print_throughput_step3
+    from dschat.utils.utils import ExponentialMovingAverage
+
+    # ---------------------------------------------------------------- parse and check
+    args = parse_args(argv)
+    warnings = validate_step3_args(args, accelerator=get_accelerator().device_name(), dtype=resolve_dtype(args.dtype))
+    check_paths(args)
+    ptx = unsupervised_training_enabled(args)
+    ctx = setup_run(args)
+    plan = plan_batches(args, ctx.world_size, ptx=ptx)
+    for line in warnings:
+        print_rank_0(line, ctx.rank)
+
+    # ---------------------------------------------------------------- tokenizer and data
+    tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, fast_tokenizer=True,
+                                  add_special_tokens=EOT_SPECIAL_TOKEN if args.add_eot_token else None)
+    prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank)
+
+    # ---------------------------------------------------------------- engines and trainer
+    rlhf_engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer,
+                                      args, num_total_iters, with_reward_model=reward_fn is None)
+    trainer_class = DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer
+    trainer = trainer_class(rlhf_engine, args, plan=plan, reward_fn=reward_fn)
+    exp_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
+    unsup_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
+    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")
+    result = Step3Result(on_policy=plan.on_policy, rlhf_engine=rlhf_engine, trainer=trainer, tokenizer=tokenizer)
+
+    print_rank_0(f"***** Running training (total_iters={num_total_iters}) *****", ctx.rank)
+    print_rank_0(plan.describe(), ctx.rank)
+    if not plan.on_policy:
+        print_rank_0(plan.off_policy_warning(args.cliprange), ctx.rank)
+
+    # ---------------------------------------------------------------- PPO loop
+    ema_reward_score = ExponentialMovingAverage()
+    non_overflow_step_count = 0
+    global_step = 0  # PPO iterations trained, never reset (TensorBoard x-axis; upstream reset per epoch)
+    gen_time = exp_time = 0.0  # summed over the generation batches of the current rollout
+    stop = False
+    for epoch in range(args.num_train_epochs):
+        num_batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
+        print_rank_0(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Generation Batches "
+                     f"{num_batches}", ctx.rank)
+        set_epoch_if_distributed(prompt_loader, epoch)  # a new order each epoch (upstream never called it)
+        if unsup_loader is not None:
+            set_epoch_if_distributed(unsup_loader, epoch)
+        unsup_batches = unsup_loader if unsup_loader is not None else itertools.repeat(None)
+        for step, (batch_prompt, batch_unsup) in enumerate(zip(prompt_loader, unsup_batches)):
+            batch_prompt = to_device(batch_prompt, ctx.device)
+            out = trainer.generate_experience(batch_prompt["prompt"], batch_prompt["prompt_att_mask"], step)
+            gen_time += trainer.generate_time
+            exp_time += trainer.experience_time
+            if out is None:
+                result.skipped_steps.append(step)
+            else:
+                exp_dataset = exp_mini_dataset.add(out)
+                unsup_dataset = unsup_mini_dataset.add(to_device(batch_unsup, ctx.device)) if ptx else None
+                if exp_dataset is not None:
+                    training_start = time.time()
+                    rollout = trainer.prepare_rollout(exp_dataset)
+                    trainer.train()
+                    if args.actor_gradient_checkpointing:
+                        rlhf_engine.actor.module.gradient_checkpointing_enable()
+                    inner_iter, actor_loss_sum, critic_loss_sum, unsup_loss_sum = 0, 0.0, 0.0, 0.0
+                    ppo_ep = 0
+                    for ppo_ep, exp_data, unsup_data in trainer.schedule(exp_dataset, unsup_dataset):
+                        actor_loss, critic_loss = trainer.train_rlhf(exp_data)
+                        actor_loss_sum += actor_loss.item()
+                        critic_loss_sum += critic_loss.item()
+                        if ptx:
+                            unsup_loss_sum += trainer.train_unsupervised(unsup_data, args.unsup_coef).item()
+                        inner_iter += 1
+                        if args.enable_ema:
+                            moving_average(rlhf_engine.actor, rlhf_engine.actor_ema, zero_stage=args.actor_zero_stage)
+                    if args.actor_gradient_checkpointing:
+                        rlhf_engine.actor.module.gradient_checkpointing_disable()  # never during generation
+                    training_time = time.time() - training_start
+                    e2e_time = gen_time + exp_time + training_time
+
+                    print_rank_0(f"Epoch: {epoch} | Step: {step} | PPO Epoch: {ppo_ep + 1} | "
+                                 f"Actor Loss: {actor_loss_sum / inner_iter} | Critic Loss: {critic_loss_sum / inner_iter} | "
+                                 f"Unsupervised Loss: {unsup_loss_sum / inner_iter}", ctx.rank)
+                    print_throughput_step3(rlhf_engine.actor.module, rlhf_engine.critic, args, e2e_time, gen_time,
+                                           training_time, ctx.rank)
+                    # Mean over kept answers of all ranks; the EMA is fed that mean (upstream fed a
+                    # sum over micro-batches, §10.5).
+                    ema_reward = ema_reward_score.update(rollout.reward)
+                    print_rank_0(f"Average reward score: {rollout.reward} | EMA reward score: {ema_reward}", ctx.rank)
+                    print_rank_0(DASHES, ctx.rank)
+
+                    record = _iteration_record(epoch, step, global_step, trainer.pop_micro_stats(), rollout,
+                                               ema_reward, unsup_loss_sum / inner_iter,
+                                               gen_time, exp_time, training_time, get_all_reduce_mean)
+                    result.history.append(record)
+                    tb.scalars(global_step, **_tensorboard_scalars(record))
+                    if args.output_dir is not None and ctx.rank == 0:
+                        _append_metrics(Path(args.output_dir) / METRICS_FILE, record, fresh=global_step == 0)
+                    global_step += 1
+                    gen_time = exp_time = 0.0
+            actor_overflow, critic_overflow = trainer.get_overflow()
+            if not actor_overflow and not critic_overflow:
+                non_overflow_step_count += 1
+            if args.enable_test_mode and non_overflow_step_count == args.test_stop_step:
+                stop = True
+                break
+        if stop:
+            break
+    tb.close()
+
+    # ---------------------------------------------------------------- save
+    if args.output_dir is not None:
+        print_rank_0("saving model ...", ctx.rank)
+        # Collective (ZeRO-3 gathers); LoRA fused in the saved copy; each folder written atomically.
+        save_hf_model(rlhf_engine.actor, tokenizer, Path(args.output_dir) / "actor")
+        save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic")
+        if rlhf_engine.actor_ema is not None:
+            save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema")
+        result.output_dir = Path(args.output_dir)
+    return result
+
+
+def _iteration_record(epoch: int, step: int, global_step: int, micro: list, rollout: Any, ema_reward: float,
+                      unsup_loss: float, gen_time: float, exp_time: float, train_time: float,
+                      all_reduce_mean: Any) -> dict:
+    """One PPO iteration's numbers (rank means of the losses; rollout stats are already global)."""
+    import torch
+
+    n = max(len(micro), 1)
+    local = torch.tensor([sum(m.actor_loss for m in micro) / n, sum(m.critic_loss for m in micro) / n,
+                          sum(m.approx_kl for m in micro) / n, sum(m.clip_frac for m in micro) / n,
+                          sum(m.ratio_mean for m in micro) / n], dtype=torch.float64)
+    actor_loss, critic_loss, approx_kl, clip_frac, ratio_mean = all_reduce_mean(local).tolist()
+    record = {
+        "epoch": epoch, "step": step, "global_step": global_step,
+        "reward": rollout.reward, "ema_reward": ema_reward,
+        "actor_loss": actor_loss, "critic_loss": critic_loss, "unsup_loss": unsup_loss,
+        "approx_kl": approx_kl, "clip_frac": clip_frac, "ratio_mean": ratio_mean,
+        "ratio_max": max((m.ratio_max for m in micro), default=float("nan")),
+        "ratio_min": min((m.ratio_min for m in micro), default=float("nan")),
+        "kl_to_ref": rollout.kl_to_ref, "value_explained_variance": rollout.value_explained_variance,
+        "response_length": rollout.response_length, "kept": rollout.kept, "dropped": rollout.dropped,
+        "time_generation": gen_time, "time_experience": exp_time, "time_training": train_time,
+        "micro_steps": [asdict(m) for m in micro],
+    }
+    return record
+
+
+def _append_metrics(path: Path, record: dict, *, fresh: bool) -> None:
+    """One JSON line per PPO iteration (what the e2e report plots); a new run starts a new file.
+
+    Written as it goes, so a crashed run still leaves the curve up to its last iteration.
+    """
+    import json
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({k: v for k, v in record.items() if k != "micro_steps"}, allow_nan=True)
+    with path.open("w" if fresh else "a", encoding="utf-8") as f:
+        f.write(line + "\n")
+
+
+def _tensorboard_scalars(record: dict) -> dict[str, float]:
+    """The scalar names documented in docs/metrics.md."""
+    keys = ("reward", "ema_reward", "actor_loss", "critic_loss", "unsup_loss", "approx_kl", "clip_frac",
+            "ratio_mean", "ratio_max", "ratio_min", "kl_to_ref", "value_explained_variance", "response_length")
+    scalars = {k: record[k] for k in keys}
+    scalars.update({"dropped_answers": record["dropped"], "time/generation": record["time_generation"],
+                    "time/experience": record["time_experience"], "time/training": record["time_training"]})
+    return scalars
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
