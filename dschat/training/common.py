@@ -19,7 +19,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -166,10 +166,14 @@ def evaluate_perplexity(engine: Any, loader: DataLoader, device: torch.device) -
 
 @dataclass(frozen=True)
 class RewardEval:
+    """Held-out reward-model metrics: mean end scores, accuracy (chosen > rejected), the number
+    of pairs, and the mean pairwise loss (not printed by upstream; tests and TensorBoard use it)."""
+
     chosen: float
     rejected: float
     accuracy: float
     pairs: int
+    loss: float = float("nan")
 
 
 def evaluate_reward(engine: Any, loader: DataLoader, device: torch.device, eval_iters: int | None) -> RewardEval:
@@ -177,10 +181,10 @@ def evaluate_reward(engine: Any, loader: DataLoader, device: torch.device, eval_
 
     ``eval_iters`` caps the number of batches per rank (upstream's ``--eval_iters``); ``None`` or
     0 means the whole split. Counts are summed over ranks, so the numbers are exact, not a mean of
-    per-rank means.
+    per-rank means (upstream averaged per-batch means).
     """
     engine.eval()
-    sums = torch.zeros(4, device=device, dtype=torch.float64)  # correct, pairs, chosen, rejected
+    sums = torch.zeros(5, device=device, dtype=torch.float64)  # correct, pairs, chosen, rejected, loss*pairs
     with torch.no_grad():
         for step, batch in enumerate(loader):
             if eval_iters and step >= eval_iters:
@@ -189,17 +193,17 @@ def evaluate_reward(engine: Any, loader: DataLoader, device: torch.device, eval_
             out = engine(**batch, use_cache=False)
             chosen = out["chosen_mean_scores"].double()
             rejected = out["rejected_mean_scores"].double()
+            pairs = float(chosen.numel())
             sums += torch.stack(
-                [(chosen > rejected).sum(), torch.tensor(float(chosen.numel()), device=device, dtype=torch.float64),
-                 chosen.sum(), rejected.sum()]
+                [(chosen > rejected).sum().double(), torch.tensor(pairs, device=device, dtype=torch.float64),
+                 chosen.sum(), rejected.sum(), out["loss"].double() * pairs]
             )
     engine.train()
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(sums)
-    correct, pairs, chosen_sum, rejected_sum = sums.tolist()
-    pairs_int = int(pairs)
+    correct, pairs, chosen_sum, rejected_sum, loss_sum = sums.tolist()
     denom = max(pairs, 1.0)
-    return RewardEval(chosen_sum / denom, rejected_sum / denom, correct / denom, pairs_int)
+    return RewardEval(chosen_sum / denom, rejected_sum / denom, correct / denom, int(pairs), loss_sum / denom)
 
 
 class TensorBoardLogger:
@@ -423,12 +427,14 @@ class RunResult:
     """What a step ``main`` returns when called in-process (tests, notebooks).
 
     ``evals``: one dict per evaluation (``epoch``, ``step`` and the metrics); ``train_losses``:
-    the loss of every micro-step on this rank; ``engine``: the trained DeepSpeed engine.
+    the loss of every micro-step on this rank; ``step_times``: the wall time of every micro-step
+    (forward, backward, optimizer step) in seconds; ``engine``: the trained DeepSpeed engine.
     """
 
     output_dir: Path | None
     evals: list[dict] = field(default_factory=list)
     train_losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)
     optimizer_steps: int = 0
     engine: Any = None
     tokenizer: Any = None

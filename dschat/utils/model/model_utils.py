@@ -70,7 +70,6 @@ def create_hf_model(
         model = model_class.from_config(model_config)
     else:
         model = model_class.from_pretrained(path, config=model_config, dtype=torch.float32)
-    del dschf
 
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -80,7 +79,10 @@ def create_hf_model(
     new_size = padded_vocab_size(model.config.vocab_size, len(tokenizer))
     if new_size != model.get_input_embeddings().weight.shape[0] or _is_zero3(ds_config):
         # Under ZeRO-3 the local weight shape is partitioned; resize always (a no-op when equal).
+        # dschf must still be alive here: transformers gathers the partitioned embeddings for the
+        # resize only while it sees ZeRO-3 enabled (else: "not enough values to unpack").
         model.resize_token_embeddings(new_size)
+    del dschf
     return model
 
 
@@ -139,7 +141,6 @@ def _load_base_strict(
     model, info = model_class.from_pretrained(
         path, config=model_config, dtype=torch.float32, output_loading_info=True
     )
-    del dschf
     problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
     if problems or info.get("error_msgs"):
         detail = "; ".join(f"{k}: {', '.join(map(str, v[:5]))}{' ...' if len(v) > 5 else ''}" for k, v in problems.items())
@@ -151,6 +152,7 @@ def _load_base_strict(
     model.config.pad_token_id = tokenizer.pad_token_id
     if padded_vocab_size(model.config.vocab_size, len(tokenizer)) != model.config.vocab_size:
         model.resize_token_embeddings(padded_vocab_size(model.config.vocab_size, len(tokenizer)))
+    del dschf  # kept alive through the resize: transformers gathers ZeRO-3 embeddings only then
     return model
 
 

@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Step 1: supervised fine-tuning (SFT) of a causal LM on the prompt + chosen answers.
+
+Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks) and as a plain
+``python main.py ...`` (one process). Reads top to bottom: parse -> distributed + seed ->
+tokenizer -> data -> model (dropout, LoRA) -> engine -> eval -> train -> save. See README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from dschat.cli.args import (
+    add_data_args,
+    add_deepspeed_args,
+    add_eot_args,
+    add_logging_args,
+    add_lora_args,
+    add_model_args,
+    add_precision_args,
+    add_runtime_args,
+    add_training_args,
+)
+from dschat.errors import cli_main
+from dschat.training.common import (
+    OptimizerStepCounter,
+    RunResult,
+    StepTimer,
+    TensorBoardLogger,
+    apply_lora,
+    check_common_args,
+    evaluate_perplexity,
+    initialize_engine,
+    load_step_tokenizer,
+    make_eval_loader,
+    make_train_loader,
+    optim_settings,
+    plan_optimizer_steps,
+    print_loss_line,
+    setup_run,
+    to_device,
+    train_ds_config,
+    write_weight_digest,
+)
+from dschat.utils.dist import print_rank_0
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Finetune a transformers model on a causal language modeling task")
+    add_data_args(parser, phase=1)
+    add_model_args(parser)
+    add_training_args(parser, learning_rate=1e-3)
+    add_runtime_args(parser)
+    add_precision_args(parser)
+    add_lora_args(parser)
+    add_logging_args(parser, tensorboard_path="step1_tensorboard", print_loss=True)
+    add_eot_args(parser, eot_token_flag=True)
+    add_deepspeed_args(parser)
+    args = parser.parse_args(argv)
+    check_common_args(args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> RunResult:
+    from transformers import AutoModelForCausalLM, default_data_collator
+
+    from dschat.data.collators import set_epoch_if_distributed
+    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.models.save import save_hf_model
+    from dschat.utils.model.model_utils import causal_lm_model_to_fp32_loss, create_hf_model
+    from dschat.utils.perf import print_throughput
+
+    args = parse_args(argv)
+    ctx = setup_run(args)
+    tokenizer, end_of_conversation_token = load_step_tokenizer(args, args.eot_token)
+
+    # Data: phase-1 chunk of every dataset (+ the SFT-only ones), cached once for all ranks.
+    train_dataset, eval_dataset = create_prompt_dataset(
+        ctx.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed, tokenizer,
+        args.max_seq_len, end_of_conversation_token=end_of_conversation_token,
+        sft_only_data_path=args.sft_only_data_path, reload=args.rebuild_data_cache,
+    )
+    train_loader = make_train_loader(train_dataset, args.per_device_train_batch_size, default_data_collator, args.seed)
+    eval_loader = make_eval_loader(eval_dataset, args.per_device_eval_batch_size, default_data_collator)
+
+    # Model: dropout override, fp32 loss, LoRA.
+    ds_config = train_ds_config(args, ctx, tb_name="step1_model")
+    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config, dropout=args.dropout)
+    if args.compute_fp32_loss:
+        print_rank_0(f"Using model {model.__class__.__name__} with loss in fp32", ctx.rank)
+        causal_lm_model_to_fp32_loss(model)
+    model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
+
+    num_training_steps = plan_optimizer_steps(
+        len(train_loader), args.num_train_epochs, args.gradient_accumulation_steps, args.max_train_steps)
+    engine = initialize_engine(model, ds_config, optim_settings(args, num_training_steps))
+    if args.gradient_checkpointing:
+        engine.gradient_checkpointing_enable()
+
+    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step1_model_dschat")
+    counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
+    result = RunResult(output_dir=None, tokenizer=tokenizer)
+
+    def evaluate(epoch: int) -> None:
+        print_rank_0(f"***** Evaluating perplexity, Epoch {epoch}/{args.num_train_epochs} *****", ctx.rank)
+        perplexity, eval_loss = evaluate_perplexity(engine, eval_loader, ctx.device)
+        print_rank_0(f"ppl: {perplexity}, loss: {eval_loss}", ctx.rank)
+        result.evals.append({"epoch": epoch, "step": counter.optimizer_steps, "ppl": perplexity, "loss": eval_loss})
+        tb.scalars(counter.optimizer_steps, **{"eval/ppl": perplexity, "eval/loss": eval_loss})
+
+    print_rank_0("***** Running training *****", ctx.rank)
+    evaluate(0)
+    for epoch in range(args.num_train_epochs):
+        print_rank_0(
+            f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
+            ctx.rank)
+        set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
+        engine.train()
+        for step, batch in enumerate(train_loader):
+            timer = StepTimer()
+            batch = to_device(batch, ctx.device)
+            loss = engine(**batch, use_cache=False).loss
+            if args.print_loss:
+                print_loss_line(epoch, step, loss)
+            engine.backward(loss)
+            engine.step()
+            result.train_losses.append(loss.item())
+            result.step_times.append(timer.elapsed())
+            if ctx.rank == 0:
+                print_throughput(engine.module, args, result.step_times[-1], ctx.rank)
+            if counter.micro_step():
+                tb.scalars(counter.optimizer_steps, **{"train/loss": loss.item()})
+                if counter.done:
+                    break
+        evaluate(epoch + 1)
+        engine.tput_timer.update_epoch_count()
+        if counter.done:
+            print_rank_0(f"Reached --max_train_steps {args.max_train_steps}; stopping", ctx.rank)
+            break
+    tb.close()
+
+    result.optimizer_steps = counter.optimizer_steps
+    result.weight_digest = write_weight_digest(engine, "step1")
+    if args.output_dir is not None:
+        print_rank_0("saving the final model ...", ctx.rank)
+        # Collective (ZeRO-3 gathers); LoRA is fused into the saved copy; written atomically.
+        save_hf_model(engine, tokenizer, args.output_dir)
+        result.output_dir = Path(args.output_dir)
+    result.engine = engine
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -1,0 +1,178 @@
+#!/usr/bin/env python
+"""Step 2 alternative: Direct Preference Optimization (DPO) of a causal LM against a frozen copy.
+
+Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks) and as a plain
+``python main.py ...`` (one process). Reads top to bottom: parse -> distributed + seed ->
+tokenizer -> data -> policy (dropout, LoRA) and reference -> engines -> eval -> train -> save.
+See README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from dschat.cli.args import (
+    add_data_args,
+    add_deepspeed_args,
+    add_dpo_args,
+    add_eot_args,
+    add_logging_args,
+    add_lora_args,
+    add_model_args,
+    add_precision_args,
+    add_runtime_args,
+    add_training_args,
+)
+from dschat.errors import cli_main
+from dschat.training.common import (
+    OptimizerStepCounter,
+    RunResult,
+    StepTimer,
+    TensorBoardLogger,
+    apply_lora,
+    check_common_args,
+    initialize_engine,
+    load_step_tokenizer,
+    make_eval_loader,
+    make_train_loader,
+    optim_settings,
+    plan_optimizer_steps,
+    print_loss_line,
+    setup_run,
+    to_device,
+    train_ds_config,
+    write_weight_digest,
+)
+from dschat.training.dpo import dpo_batch, evaluate_dpo
+from dschat.utils.dist import print_rank_0
+
+# What --add_eot_token adds in DPO (upstream: the literal, not a flag).
+EOT_SPECIAL_TOKEN = "<|endoftext|>"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Finetune a transformers model on a causal language modeling task")
+    add_data_args(parser, phase=2)
+    add_model_args(parser)
+    add_training_args(parser, learning_rate=1e-3)
+    add_dpo_args(parser)
+    add_runtime_args(parser)
+    add_precision_args(parser)
+    add_lora_args(parser)
+    add_logging_args(parser, tensorboard_path="step2_tensorboard", print_loss=True)
+    add_eot_args(parser, eot_token_flag=False)
+    add_deepspeed_args(parser)
+    args = parser.parse_args(argv)
+    check_common_args(args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> RunResult:
+    from transformers import AutoModelForCausalLM
+
+    from dschat.data.collators import DataCollatorReward, set_epoch_if_distributed
+    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.models.save import save_hf_model
+    from dschat.utils.ds_utils import get_eval_ds_config
+    from dschat.utils.model.model_utils import create_hf_model
+    from dschat.utils.perf import print_throughput
+
+    args = parse_args(argv)
+    ctx = setup_run(args)
+    tokenizer, end_of_conversation_token = load_step_tokenizer(args, EOT_SPECIAL_TOKEN)
+
+    # Data: the phase-2 chunk, as (chosen, rejected) pairs.
+    train_dataset, eval_dataset = create_prompt_dataset(
+        ctx.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
+        args.max_seq_len, end_of_conversation_token=end_of_conversation_token, reload=args.rebuild_data_cache,
+    )
+    collator = DataCollatorReward()
+    train_loader = make_train_loader(train_dataset, args.per_device_train_batch_size, collator, args.seed)
+    eval_loader = make_eval_loader(eval_dataset, args.per_device_eval_batch_size, collator)
+
+    # Policy (trained) and reference (frozen). The reference is ZeRO-3 only if the policy is, and is
+    # built with the very config it is initialised with (upstream built it without the offload it
+    # then initialised with, reference §10.16).
+    ds_config = train_ds_config(args, ctx, tb_name="step2_model")
+    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config, dropout=args.dropout)
+    ref_ds_config = get_eval_ds_config(
+        args.offload_reference_model, ctx.dtype, 3 if args.zero_stage == 3 else 0,
+        micro_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps, world_size=ctx.world_size,
+    )
+    ref_model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ref_ds_config,
+                                dropout=args.dropout)
+    if args.compute_fp32_loss:
+        print_rank_0(f"Using model {model.__class__.__name__} with loss in fp32", ctx.rank)
+    model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
+
+    num_training_steps = plan_optimizer_steps(
+        len(train_loader), args.num_train_epochs, args.gradient_accumulation_steps, args.max_train_steps)
+    engine = initialize_engine(model, ds_config, optim_settings(args, num_training_steps))
+    ref_engine = initialize_engine(ref_model, ref_ds_config, None)
+    ref_engine.eval()
+    if args.gradient_checkpointing:
+        engine.gradient_checkpointing_enable()
+
+    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step2_dpo_model_dschat")
+    counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
+    result = RunResult(output_dir=None, tokenizer=tokenizer)
+    loss_options = {"beta": args.beta, "label_smoothing": args.label_smoothing, "fp32": args.compute_fp32_loss}
+
+    def evaluate(epoch: int) -> None:
+        print_rank_0(f"***** Evaluating rewards, Epoch {epoch}/{args.num_train_epochs} *****", ctx.rank)
+        scores = evaluate_dpo(engine, ref_engine, eval_loader, ctx.device, **loss_options)
+        print_rank_0(f"chosen: {scores.chosen}, rejected: {scores.rejected}, loss: {scores.loss}", ctx.rank)
+        result.evals.append({"epoch": epoch, "step": counter.optimizer_steps, "chosen": scores.chosen,
+                             "rejected": scores.rejected, "loss": scores.loss, "acc": scores.accuracy,
+                             "pairs": scores.pairs})
+        tb.scalars(counter.optimizer_steps, **{"eval/chosen_reward": scores.chosen,
+                                               "eval/rejected_reward": scores.rejected,
+                                               "eval/loss": scores.loss, "eval/acc": scores.accuracy})
+
+    print_rank_0("***** Running training *****", ctx.rank)
+    evaluate(0)
+    for epoch in range(args.num_train_epochs):
+        print_rank_0(
+            f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
+            ctx.rank)
+        set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
+        engine.train()
+        for step, batch in enumerate(train_loader):
+            timer = StepTimer()
+            batch = to_device(batch, ctx.device)
+            loss = dpo_batch(engine, ref_engine, batch, **loss_options).loss
+            if args.print_loss:
+                print_loss_line(epoch, step, loss)
+            engine.backward(loss)
+            engine.step()
+            result.train_losses.append(loss.item())
+            result.step_times.append(timer.elapsed())
+            if ctx.rank == 0:
+                print_throughput(engine.module, args, result.step_times[-1], ctx.rank)
+            if counter.micro_step():
+                tb.scalars(counter.optimizer_steps, **{"train/loss": loss.item()})
+                if counter.done:
+                    break
+        evaluate(epoch + 1)
+        engine.tput_timer.update_epoch_count()
+        if counter.done:
+            print_rank_0(f"Reached --max_train_steps {args.max_train_steps}; stopping", ctx.rank)
+            break
+    tb.close()
+
+    result.optimizer_steps = counter.optimizer_steps
+    result.weight_digest = write_weight_digest(engine, "dpo")
+    if args.output_dir is not None:
+        print_rank_0("saving the final model ...", ctx.rank)
+        # Collective (ZeRO-3 gathers); LoRA is fused into the saved copy; written atomically.
+        save_hf_model(engine, tokenizer, args.output_dir)
+        result.output_dir = Path(args.output_dir)
+    result.engine = engine
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

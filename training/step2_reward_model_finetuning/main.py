@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Step 2: reward-model training on (prompt, chosen, rejected) pairs with upstream's pairwise loss.
+
+Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks) and as a plain
+``python main.py ...`` (one process). Reads top to bottom: parse -> distributed + seed ->
+tokenizer -> data -> reward model (dropout, final-norm reset, LoRA) -> engine -> eval -> train ->
+save. See README.md.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from dschat.cli.args import (
+    add_data_args,
+    add_deepspeed_args,
+    add_eot_args,
+    add_logging_args,
+    add_lora_args,
+    add_model_args,
+    add_precision_args,
+    add_reward_eval_args,
+    add_runtime_args,
+    add_training_args,
+)
+from dschat.errors import cli_main
+from dschat.training.common import (
+    OptimizerStepCounter,
+    RunResult,
+    StepTimer,
+    TensorBoardLogger,
+    apply_lora,
+    check_common_args,
+    evaluate_reward,
+    initialize_engine,
+    load_step_tokenizer,
+    make_eval_loader,
+    make_train_loader,
+    optim_settings,
+    plan_optimizer_steps,
+    reset_final_norm_for_reward,
+    setup_run,
+    to_device,
+    train_ds_config,
+    write_weight_digest,
+)
+from dschat.utils.dist import print_rank_0
+
+# What --add_eot_token adds in step 2 (upstream: the literal, not a flag).
+EOT_SPECIAL_TOKEN = "<|endoftext|>"
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="Finetune a transformers model on a causal language modeling task")
+    add_data_args(parser, phase=2)
+    add_model_args(parser)
+    add_reward_eval_args(parser)
+    add_training_args(parser, learning_rate=5e-5)
+    add_runtime_args(parser)
+    add_precision_args(parser)
+    add_lora_args(parser)
+    add_logging_args(parser, tensorboard_path="step2_tensorboard")
+    add_eot_args(parser, eot_token_flag=False)
+    add_deepspeed_args(parser)
+    args = parser.parse_args(argv)
+    check_common_args(args)
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> RunResult:
+    from dschat.data.collators import DataCollatorReward, set_epoch_if_distributed
+    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.models.save import save_hf_model
+    from dschat.utils.model.model_utils import create_critic_model
+
+    args = parse_args(argv)
+    ctx = setup_run(args)
+    tokenizer, end_of_conversation_token = load_step_tokenizer(args, EOT_SPECIAL_TOKEN)
+
+    # Data: phase-2 chunk of every dataset, as (chosen, rejected) pairs.
+    train_dataset, eval_dataset = create_prompt_dataset(
+        ctx.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
+        args.max_seq_len, end_of_conversation_token=end_of_conversation_token, reload=args.rebuild_data_cache,
+    )
+    collator = DataCollatorReward()
+    train_loader = make_train_loader(train_dataset, args.per_device_train_batch_size, collator, args.seed)
+    eval_loader = make_eval_loader(eval_dataset, args.per_device_eval_batch_size, collator)
+
+    # Reward model: the pretrained body plus a fresh value head.
+    ds_config = train_ds_config(args, ctx, tb_name="step2_model")
+    rm_model = create_critic_model(
+        args.model_name_or_path, tokenizer, ds_config, args.num_padding_at_beginning, dropout=args.dropout,
+        zero_stage=args.zero_stage, compute_fp32_loss=args.compute_fp32_loss,
+    )
+    force_optimize_params = reset_final_norm_for_reward(rm_model, args.zero_stage)  # BLOOM (DSE #772)
+    if args.lora_dim > 0 and args.only_optimize_lora:
+        # The value head is new: it must train even when only LoRA factors do (DSE #758).
+        force_optimize_params.append("v_head.weight")
+    rm_model = apply_lora(rm_model, args.lora_dim, args.lora_module_name, args.only_optimize_lora,
+                          force_optimize_params)
+
+    num_training_steps = plan_optimizer_steps(
+        len(train_loader), args.num_train_epochs, args.gradient_accumulation_steps, args.max_train_steps)
+    engine = initialize_engine(rm_model, ds_config, optim_settings(args, num_training_steps))
+    if args.gradient_checkpointing:
+        engine.gradient_checkpointing_enable()
+
+    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step2_model_dschat")
+    counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
+    result = RunResult(output_dir=None, tokenizer=tokenizer)
+
+    def evaluate(epoch: int | None) -> tuple[float, float, float]:
+        scores = evaluate_reward(engine, eval_loader, ctx.device, args.eval_iters)
+        result.evals.append({"epoch": epoch, "step": counter.optimizer_steps, "chosen": scores.chosen,
+                             "rejected": scores.rejected, "acc": scores.accuracy, "loss": scores.loss,
+                             "pairs": scores.pairs})
+        tb.scalars(counter.optimizer_steps, **{"eval/chosen_score": scores.chosen,
+                                               "eval/rejected_score": scores.rejected,
+                                               "eval/acc": scores.accuracy, "eval/loss": scores.loss})
+        return scores.chosen, scores.rejected, scores.accuracy
+
+    def evaluate_epoch(epoch: int) -> None:
+        print_rank_0(f"***** Evaluating reward, Epoch {epoch}/{args.num_train_epochs} *****", ctx.rank)
+        chosen, rejected, acc = evaluate(epoch)
+        print_rank_0(
+            f"chosen_last_scores (higher is better) : {chosen}, "
+            f"rejected_last_scores (lower is better) : {rejected}, "
+            f"acc (higher is better) : {acc}", ctx.rank)
+
+    print_rank_0("***** Running training *****", ctx.rank)
+    evaluate_epoch(0)
+    for epoch in range(args.num_train_epochs):
+        print_rank_0(
+            f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
+            ctx.rank)
+        set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
+        engine.train()
+        mean_loss = 0.0
+        for step, batch in enumerate(train_loader):
+            timer = StepTimer()
+            batch = to_device(batch, ctx.device)
+            loss = engine(**batch, use_cache=False)["loss"]
+            engine.backward(loss)
+            engine.step()
+            mean_loss += loss.item()
+            result.train_losses.append(loss.item())
+            result.step_times.append(timer.elapsed())  # not printed: upstream's step 2 has no throughput line
+            if counter.micro_step():
+                total_steps = counter.optimizer_steps
+                tb.scalars(total_steps, **{"train/loss": loss.item()})
+                if args.eval_interval and total_steps % args.eval_interval == 0:
+                    print_rank_0(f"Iter {total_steps}: Evaluating reward", ctx.rank)
+                    chosen, rejected, acc = evaluate(None)
+                    print_rank_0(f"Iter {total_steps}: c_scores: {chosen}, r_scores: {rejected}, "
+                                 f"diff: {chosen - rejected}, acc: {acc}", ctx.rank)
+                    engine.train()
+                if counter.done:
+                    break
+        print_rank_0(f"Epoch {epoch + 1}/{args.num_train_epochs} with loss {mean_loss / (step + 1)}", ctx.rank)
+        evaluate_epoch(epoch + 1)
+        engine.tput_timer.update_epoch_count()
+        if counter.done:
+            print_rank_0(f"Reached --max_train_steps {args.max_train_steps}; stopping", ctx.rank)
+            break
+    tb.close()
+
+    result.optimizer_steps = counter.optimizer_steps
+    result.weight_digest = write_weight_digest(engine, "step2")
+    if args.output_dir is not None:
+        print_rank_0("saving model ...", ctx.rank)
+        # Collective (ZeRO-3 gathers); body as an HF folder + v_head.safetensors; atomic.
+        save_hf_model(engine, tokenizer, args.output_dir)
+        result.output_dir = Path(args.output_dir)
+    result.engine = engine
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))
