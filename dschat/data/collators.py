@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["DataCollatorReward", "DataCollatorRLHF", "MiniDataset", "set_epoch_if_distributed"]
+__all__ = ["DataCollatorReward", "DataCollatorRLHF", "MiniDataset", "drop_padding_columns", "set_epoch_if_distributed"]
 
 
 class DataCollatorReward:
@@ -129,3 +129,26 @@ def set_epoch_if_distributed(loader_or_sampler: Any, epoch: int) -> bool:
             obj.set_epoch(epoch)
             return True
     return False
+
+
+def drop_padding_columns(batch: dict[str, Any], mask_key: str = "attention_mask", side: str = "right") -> dict[str, Any]:
+    """Drop the columns that are padding in every row of a padded batch.
+
+    Upstream pads every SFT / reward batch to ``max_seq_len`` and every step-3 prompt batch to
+    ``max_prompt_seq_len``; columns that are padding in all rows change no real token's output (the
+    attention mask hides them, labels there are -100, positions come from the mask), so dropping them
+    gives the same losses for less compute. ``side`` is where the padding is: "right" (steps 1-2,
+    DPO) or "left" (step-3 prompts). Tensors whose second dimension matches the mask's are sliced.
+    """
+    if side not in ("left", "right"):
+        raise ValueError(f"side must be 'left' or 'right', got {side!r}")
+    mask = batch[mask_key]
+    width = mask.shape[1]
+    real = mask.bool().any(0).nonzero()
+    if real.numel() == 0:
+        return batch
+    keep = slice(0, int(real[-1]) + 1) if side == "right" else slice(int(real[0]), width)
+    return {
+        k: v[:, keep] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width else v
+        for k, v in batch.items()
+    }

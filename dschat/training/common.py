@@ -40,6 +40,17 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     return batch
 
 
+def prepare_batch(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:
+    """A right-padded step-1/2/DPO batch on ``device``, without its all-padding columns.
+
+    Upstream pads every row to ``--max_seq_len``; the dropped columns change no real token's output
+    or loss (see :func:`dschat.data.collators.drop_padding_columns`), only the compute.
+    """
+    from dschat.data.collators import drop_padding_columns
+
+    return drop_padding_columns(to_device(batch, device), side="right")
+
+
 def set_random_seed(seed: int | None) -> None:
     """Seed python, numpy, torch and the accelerator (upstream name; a no-op for ``None``)."""
     if seed is None:
@@ -151,7 +162,7 @@ def evaluate_perplexity(engine: Any, loader: DataLoader, device: torch.device) -
     count = torch.zeros((), device=device)
     with torch.no_grad():
         for batch in loader:
-            batch = to_device(batch, device)
+            batch = prepare_batch(batch, device)
             loss = engine(**batch, use_cache=False).loss
             total += loss.float()
             count += 1
@@ -189,7 +200,7 @@ def evaluate_reward(engine: Any, loader: DataLoader, device: torch.device, eval_
         for step, batch in enumerate(loader):
             if eval_iters and step >= eval_iters:
                 break
-            batch = to_device(batch, device)
+            batch = prepare_batch(batch, device)
             out = engine(**batch, use_cache=False)
             chosen = out["chosen_mean_scores"].double()
             rejected = out["rejected_mean_scores"].double()

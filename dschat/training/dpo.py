@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from dschat.rl_math import DPOOutput, dpo_loss, first_divergence_indices, sequence_log_probs
-from dschat.training.common import to_device
+from dschat.training.common import prepare_batch
 
 
 def dpo_label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +79,7 @@ def evaluate_dpo(policy: Any, reference: Any, loader: DataLoader, device: torch.
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # chosen, rejected, loss, correct, pairs
     with torch.no_grad():
         for batch in loader:
-            out = dpo_batch(policy, reference, to_device(batch, device), beta=beta,
+            out = dpo_batch(policy, reference, prepare_batch(batch, device), beta=beta,
                             label_smoothing=label_smoothing, fp32=fp32).output
             sums += torch.stack([
                 out.chosen_rewards.double().sum(), out.rejected_rewards.double().sum(), out.losses.double().sum(),

@@ -41,7 +41,7 @@ from dschat.training.common import (
     plan_optimizer_steps,
     print_loss_line,
     setup_run,
-    to_device,
+    prepare_batch,
     train_ds_config,
     write_weight_digest,
 )
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
         engine.train()
         for step, batch in enumerate(train_loader):
             timer = StepTimer()
-            batch = to_device(batch, ctx.device)
+            batch = prepare_batch(batch, ctx.device)
             loss = dpo_batch(engine, ref_engine, batch, **loss_options).loss
             if args.print_loss:
                 print_loss_line(epoch, step, loss)

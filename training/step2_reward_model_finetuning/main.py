@@ -42,7 +42,7 @@ from dschat.training.common import (
     plan_optimizer_steps,
     reset_final_norm_for_reward,
     setup_run,
-    to_device,
+    prepare_batch,
     train_ds_config,
     write_weight_digest,
 )
@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
         mean_loss = 0.0
         for step, batch in enumerate(train_loader):
             timer = StepTimer()
-            batch = to_device(batch, ctx.device)
+            batch = prepare_batch(batch, ctx.device)
             loss = engine(**batch, use_cache=False)["loss"]
             engine.backward(loss)
             engine.step()

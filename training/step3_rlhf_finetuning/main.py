@@ -123,7 +123,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     model when given (e.g. ``dschat.gold_judge.gold_score`` per pair)."""
     from deepspeed.accelerator import get_accelerator
 
-    from dschat.data.collators import MiniDataset, set_epoch_if_distributed
+    from dschat.data.collators import MiniDataset, drop_padding_columns, set_epoch_if_distributed
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
@@ -182,7 +182,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
             set_epoch_if_distributed(unsup_loader, epoch)
         unsup_batches = unsup_loader if unsup_loader is not None else itertools.repeat(None)
         for step, (batch_prompt, batch_unsup) in enumerate(zip(prompt_loader, unsup_batches)):
-            batch_prompt = to_device(batch_prompt, ctx.device)
+            # Prompts come left-padded to --max_prompt_seq_len; columns that are padding in every row
+            # change no output (positions come from the mask), so they are dropped before generation.
+            batch_prompt = drop_padding_columns(to_device(batch_prompt, ctx.device), "prompt_att_mask", side="left")
             out = trainer.generate_experience(batch_prompt["prompt"], batch_prompt["prompt_att_mask"], step)
             gen_time += trainer.generate_time
             exp_time += trainer.experience_time
