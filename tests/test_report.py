@@ -11,6 +11,7 @@ import torch
 
 from dschat.errors import UserError
 from dschat.eval import report as rep
+from dschat.gold_judge import GoldBreakdown, gold_score
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -61,8 +62,20 @@ def test_report_cli_writes_json_png_and_summary(folders, tmp_path, capsys):
     assert report["settings"]["n_prompts"] == 6
     assert report["ppo_metrics"]["n_records"] == 5 and report["ppo_metrics"]["last"]["reward"] == pytest.approx(-0.6)
     assert (tmp_path / "ppo_curves.png").read_bytes()[:8] == PNG_MAGIC
+    # Every answer is kept, and its gold score is the judge's verdict on exactly that text.
+    rows = [json.loads(line) for line in (tmp_path / rep.ANSWERS_FILE).read_text().splitlines()]
+    assert len(rows) == 6 and report["answers"] == str(tmp_path / rep.ANSWERS_FILE)
+    for row in rows:
+        assert row["sft_gold"] == gold_score(row["prompt"], row["sft"])
+        assert row["rlhf_gold"] == gold_score(row["prompt"], row["rlhf"])
+    for actor, key in (("sft_actor", "sft_gold"), ("rlhf_actor", "rlhf_gold")):
+        assert report[actor]["gold_score"] == pytest.approx(sum(r[key] for r in rows) / 6)
+        # The components' means add up to the mean score.
+        assert sum(report[actor]["gold_components"].values()) == pytest.approx(report[actor]["gold_score"])
+        assert set(report[actor]["gold_components"]) == set(GoldBreakdown._fields)
     out = capsys.readouterr().out
     assert "dschat report" in out and "gold-judge score" in out and "KL(RLHF || SFT)" in out
+    assert "gold components, RLHF - SFT: relevance " in out
 
 
 def test_same_actor_has_zero_kl_and_no_gain(folders, tmp_path):

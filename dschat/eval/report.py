@@ -36,6 +36,7 @@ from dschat.errors import UserError, cli_main
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "ppo_curves.png"
+ANSWERS_FILE = "report_answers.jsonl"
 METRICS_FILE = "metrics.jsonl"
 TIMINGS_FILE = "e2e_timings.json"
 
@@ -396,15 +397,32 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def _actor_summary(samples: Samples, gold: list[float], rewards: list[float]) -> dict[str, float]:
+def _actor_summary(samples: Samples, gold: list[float], rewards: list[float]) -> dict[str, Any]:
+    from dschat.gold_judge import gold_breakdown
+
     lengths = [len(r) for r in samples.response_ids]
+    parts = [gold_breakdown(p, t) for p, t in zip(samples.prompts, samples.texts)]
     return {
         "gold_score": statistics.fmean(gold),
         "gold_score_std": statistics.pstdev(gold),
+        "gold_components": {name: statistics.fmean(getattr(b, name) for b in parts) for name in parts[0]._fields},
         "reward_score": statistics.fmean(rewards),
         "mean_response_tokens": statistics.fmean(lengths),
         "eos_rate": sum(samples.ended) / len(samples.ended),
     }
+
+
+def write_answers(path: Path, sft: Samples, rlhf: Samples, sft_gold: Sequence[float], rlhf_gold: Sequence[float],
+                  sft_rewards: Sequence[float], rlhf_rewards: Sequence[float]) -> Path:
+    """Every held-out prompt with both actors' answers and their scores, one JSON object per line."""
+    from dschat.utils.fs import atomic_file
+
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        for i, prompt in enumerate(sft.prompts):
+            row = {"prompt": prompt, "sft": sft.texts[i], "rlhf": rlhf.texts[i], "sft_gold": sft_gold[i],
+                   "rlhf_gold": rlhf_gold[i], "sft_reward": sft_rewards[i], "rlhf_reward": rlhf_rewards[i]}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    return path
 
 
 def read_timings(path: str | Path | None) -> dict[str, float]:
@@ -488,6 +506,7 @@ def build_report(
     metrics_path = Path(metrics) if metrics else find_metrics_file(rlhf)
     records = read_metrics(metrics_path) if metrics_path else []
     png = plot_metrics(records, out / PLOT_FILE)
+    answers = write_answers(out / ANSWERS_FILE, sft_samples, rlhf_samples, sft_gold, rlhf_gold, sft_rewards, rlhf_rewards)
 
     eval_seconds = time.monotonic() - start
     steps = {k: {"seconds": (step_seconds or {}).get(k)} for k in ("1", "2", "3")}
@@ -520,6 +539,7 @@ def build_report(
             "last": records[-1] if records else None,
         },
         "plot": str(png),
+        "answers": str(answers),
         "examples": [
             {"prompt": p, "sft": s, "rlhf": r, "sft_gold": sg, "rlhf_gold": rg}
             for p, s, r, sg, rg in list(zip(prompts, sft_samples.texts, rlhf_samples.texts, sft_gold, rlhf_gold))[
@@ -565,6 +585,9 @@ def summary_text(report: dict[str, Any]) -> str:
         f"{num(rlhf['mean_response_tokens'], '.1f'):>12s}"
         f"{num(rlhf['mean_response_tokens'] - sft['mean_response_tokens'], '+.1f'):>10s}",
         f"RLHF beats SFT on the gold judge on {num(gain['gold_win_rate'] * 100, '.0f')}% of prompts (ties count half)",
+        "gold components, RLHF - SFT: " + ", ".join(
+            f"{name} {num(rlhf['gold_components'][name] - value, '+.2f')}"
+            for name, value in sft.get("gold_components", {}).items() if name in rlhf.get("gold_components", {})),
         f"KL(RLHF || SFT): {num(rlhf['kl_to_sft'], '.4f')} nats per answer token, "
         f"{num(rlhf['kl_to_sft_per_response'], '.3f')} per answer",
         f"reward model: {num(rm['heldout_accuracy_vs_gold'] * 100, '.1f')}% held-out accuracy vs the gold judge "
