@@ -91,7 +91,9 @@ def _build(model: str, critic_dirs, data_cache, *extra: str):  # noqa: F811
 
 
 def _fixed_generation(monkeypatch, trainer, seq):
-    monkeypatch.setattr(trainer.generator, "generate", lambda prompts, mask: seq.clone())
+    from dschat.rlhf.hybrid_engine import Rollout
+
+    monkeypatch.setattr(trainer.generator, "rollout", lambda prompts, mask: Rollout(seq.clone(), None))
 
 
 def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(monkeypatch, critic_dirs, data_cache):  # noqa: F811

@@ -195,3 +195,71 @@ def test_hybrid_engine_greedy_equals_module_generate(model, zero_stage, dtype, c
         engine.generator.eval()
         outs.append(engine.generator.generate(prompts, mask).cpu())
     assert torch.equal(outs[0], outs[1])
+
+
+# ------------------------------------------------------------------------------------ rollout log-probs
+
+
+def _forward_logprobs(engine, seq: torch.Tensor, prompt_mask: torch.Tensor, temperature: float) -> torch.Tensor:
+    """The answer tokens' log-probs from one full forward pass, computed independently of the trainer."""
+    from dschat.rlhf.experience import sequence_masks
+
+    masks = sequence_masks(prompt_mask, seq, engine.tokenizer.eos_token_id)
+    module = engine.actor.module
+    with torch.no_grad():
+        logits = module(seq, attention_mask=masks.attention_mask, position_ids=masks.position_ids).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, seq[:, 1:, None]).squeeze(-1)
+    P = prompt_mask.shape[1]
+    return logp[:, P - 1:], masks.attention_mask[:, P:]
+
+
+@pytest.mark.parametrize("model,extra,temperature", [
+    ("tiny-llama", (), 1.0),
+    ("tiny-opt", (), 0.7),
+    ("tiny-llama", ("--actor_lora_dim", "4", "--actor_lora_module_name", "layers."), 0.7),  # LoRA fused for generation
+])
+def test_rollout_keeps_the_log_probs_a_forward_pass_gives(model, extra, temperature, critic_dirs, data_cache):  # noqa: F811
+    from dschat.utils.module.lora import LinearLayer_LoRA
+
+    engine = _engine(model, critic_dirs, data_cache, "--decoding", "sample", "--temperature", str(temperature), *extra)
+    for layer in engine.actor.module.modules():  # non-zero LoRA factors, so fusing them matters
+        if isinstance(layer, LinearLayer_LoRA):
+            torch.nn.init.normal_(layer.lora_left_weight, std=0.5)
+    tok = engine.tokenizer
+    rows = [tok(" Human: Tell me about kites. Assistant:")["input_ids"], tok(" Human: Hi Assistant:")["input_ids"]]
+    width = max(map(len, rows))
+    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    engine.generator.eval()
+    torch.manual_seed(1)
+    rollout = engine.generator.rollout(prompts, mask)
+    assert rollout.logprobs is not None and rollout.logprobs.dtype == torch.float32
+    expected, answer_mask = _forward_logprobs(engine, rollout.sequences, mask, temperature)
+    assert rollout.logprobs.shape == expected.shape
+    kept = answer_mask.bool()
+    assert kept.sum() > 4
+    assert torch.allclose(rollout.logprobs[kept], expected[kept], atol=1e-4), \
+        (rollout.logprobs[kept] - expected[kept]).abs().max()
+    # Turned off (the benchmark's baseline), the same seed gives the same tokens and no log-probs.
+    engine.generator.keep_logprobs = False
+    torch.manual_seed(1)
+    plain = engine.generator.rollout(prompts, mask)
+    assert plain.logprobs is None and torch.equal(plain.sequences, rollout.sequences)
+
+
+def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic_dirs, data_cache):  # noqa: F811
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--decoding", "sample")
+    trainer = DeepSpeedPPOTrainer(engine, engine.args)
+    experiences = []
+    for reuse in (True, False):
+        trainer.reuse_rollout_logprobs = reuse
+        torch.manual_seed(3)
+        experiences.append(trainer.generate_experience(PROMPTS, PROMPT_MASK, step=0))
+    fast, slow = experiences
+    assert torch.equal(fast.seq, slow.seq)
+    start, action = fast.start, fast.action_mask[:, fast.start:].bool()
+    assert action.sum() > 0
+    assert torch.allclose(fast.logprobs[:, start:][action], slow.logprobs[:, start:][action], atol=1e-4)
+    assert torch.equal(fast.ref_logprobs, slow.ref_logprobs) and torch.equal(fast.values, slow.values)

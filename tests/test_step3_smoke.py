@@ -134,20 +134,20 @@ LENGTHS = (3, 9, 5, 14)  # answer lengths forced below, EOS included
 def varied_lengths(monkeypatch):
     """Cut the sampled answers at fixed, different lengths (EOS then padding), so micro-batches hold
     different token counts."""
-    from dschat.rlhf.hybrid_engine import RolloutGenerator
+    from dschat.rlhf.hybrid_engine import Rollout, RolloutGenerator
 
-    original = RolloutGenerator.generate
+    original = RolloutGenerator.rollout
 
-    def generate(self, prompts, mask):
-        seq = original(self, prompts, mask)
+    def rollout(self, prompts, mask):
+        seq = original(self, prompts, mask).sequences
         P = prompts.shape[1]
         for row in range(seq.shape[0]):
             n = LENGTHS[row % len(LENGTHS)]
             seq[row, P + n - 1] = self.tokenizer.eos_token_id
             seq[row, P + n:] = self.tokenizer.pad_token_id
-        return seq
+        return Rollout(seq, None)  # the sampled tokens' log-probs no longer describe the edited answers
 
-    monkeypatch.setattr(RolloutGenerator, "generate", generate)
+    monkeypatch.setattr(RolloutGenerator, "rollout", rollout)
 
 
 def _run(critic_dirs, data_cache, *extra, steps=2, model="tiny-llama"):  # noqa: F811

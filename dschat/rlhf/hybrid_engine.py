@@ -24,12 +24,19 @@ Without the Hybrid Engine two things upstream's HE did are done here instead:
   ``--zero3_gather_for_generation on|off`` overrides), all parameters are gathered once per rollout
   and DeepSpeed's fetch/release hooks are detached for the duration (TRL's
   ``unwrap_model_for_generation`` does the same), then restored.
+
+And one thing neither did: the module path keeps the **log-probs of the generated tokens** (from
+``generate``'s raw logits, divided by the sampling temperature), so the trainer need not run the
+actor over the rollout again for its old log-probs (:class:`Rollout`).
+
+Each fast path is an attribute of :class:`RolloutGenerator` (``keep_logprobs``, ``fuse_lora``) so
+``benchmarks/step3.py`` can turn it off for its baseline.
 """
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator
+from typing import Any, ContextManager, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -154,6 +161,36 @@ def _zero3_gathered(engine: Any) -> Iterator[None]:
             offload._register_deepspeed_module(offload.module)
 
 
+class Rollout(NamedTuple):
+    """One generated batch."""
+
+    sequences: torch.Tensor  # (B, P + A') left-padded prompts, answers, padding after EOS
+    # (B, A') fp32 log-probs of sequences[:, P:] under logits / temperature, as sampled; None when
+    # the generator could not keep them (Hybrid Engine, or turned off).
+    logprobs: torch.Tensor | None
+
+
+def generated_token_logprobs(step_logits: Sequence[torch.Tensor] | None, answer: torch.Tensor,
+                             temperature: float) -> torch.Tensor | None:
+    """Log-probs of ``answer`` (B, A') from ``generate``'s per-step raw logits (A' tensors of (B, V)).
+
+    The same numbers the trainer would get from a forward pass over the sequence (up to the
+    rounding of a KV-cached forward), computed once per step so no (B, A', V) tensor is built.
+    ``None`` when the logits do not cover the answer (then the trainer recomputes them).
+    """
+    if step_logits is None or len(step_logits) != answer.shape[1]:
+        return None
+    columns = []
+    for j, logits in enumerate(step_logits):
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        columns.append(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, j:j + 1]).squeeze(-1))
+    if not columns:
+        return answer.new_zeros((answer.shape[0], 0), dtype=torch.float32)
+    return torch.stack(columns, dim=1)
+
+
 class RolloutGenerator:
     """Generates answers for a batch of left-padded prompts with the actor engine.
 
@@ -189,6 +226,10 @@ class RolloutGenerator:
             self._fallback("--enable_hybrid_engine: DeepSpeed matched no inference container in this model; "
                            "generating with the actor module's own generate()")
         self._gather_decided: bool | None = None
+        # Fast paths, on by default (benchmarks/step3.py turns them off for its baseline).
+        self.keep_logprobs = True  # return the generated tokens' log-probs (module path only)
+        self.fuse_lora = True  # fuse LoRA into the base weights for generation
+        self.extra_generate_kwargs: dict[str, Any] = {}  # e.g. min_new_tokens for a fixed-length benchmark
 
     # ------------------------------------------------------------------ logging once
     def _say_once(self, message: str) -> None:
@@ -250,7 +291,7 @@ class RolloutGenerator:
                                          "does not fit in half the free memory, or --zero3_gather_for_generation off)"))
         return self._gather_decided
 
-    def _module_generate(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _module_generate(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
         """Hugging Face ``generate`` on the actor module, LoRA fused, ZeRO-3 gathered once if allowed."""
         module = self.actor.module
         gather: ContextManager[Any] = nullcontext()
@@ -260,17 +301,26 @@ class RolloutGenerator:
                 gather = _zero3_gathered(self.actor)
             except AttributeError as err:
                 self._say_once(f"ZeRO-3 generation: cannot detach DeepSpeed's hooks ({err}); fetching per layer")
-        lora = self._lora_layers()
+        lora = self._lora_layers() if self.fuse_lora else []
+        kwargs = self._kwargs(mask)
+        if self.keep_logprobs:
+            kwargs.update(return_dict_in_generate=True, output_logits=True)
         with gather:
             for layer in lora:
                 layer.fuse_lora_weight()
             try:
                 # The class method, not ``module.generate``: a Hybrid Engine that failed at run time
                 # leaves its own generate installed on the instance.
-                return type(module).generate(module, prompts, **self._kwargs(mask))
+                out = type(module).generate(module, prompts, **kwargs)
             finally:
                 for layer in lora:
                     layer.unfuse_lora_weight()
+        if not self.keep_logprobs:
+            return Rollout(out, None)
+        seq = out.sequences
+        logprobs = generated_token_logprobs(getattr(out, "logits", None), seq[:, prompts.shape[1]:],
+                                            self.decoding.logit_temperature)
+        return Rollout(seq, logprobs)
 
     def _kwargs(self, mask: torch.Tensor) -> dict[str, Any]:
         return {
@@ -281,15 +331,20 @@ class RolloutGenerator:
             "synced_gpus": self.synced_gpus,
             "use_cache": True,
             **self.decoding.generate_kwargs(),
+            **self.extra_generate_kwargs,
         }
 
-    @torch.no_grad()
     def generate(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """``(B, P)`` left-padded prompts -> ``(B, P + A')`` sequences, ``A' <= max_answer_seq_len``."""
+        return self.rollout(prompts, mask).sequences
+
+    @torch.no_grad()
+    def rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        """Generate answers for ``(B, P)`` left-padded prompts; see :class:`Rollout`."""
         if self.hybrid_engine_active:
             try:
                 # DeepSpeed installed its inference-kernel generate as ``module.generate``.
-                return self.actor.module.generate(prompts, **self._kwargs(mask))
+                return Rollout(self.actor.module.generate(prompts, **self._kwargs(mask)), None)
             except (AttributeError, NotImplementedError, RuntimeError) as err:
                 if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
                     raise

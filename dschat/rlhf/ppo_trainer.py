@@ -23,6 +23,10 @@ them). What changed, with the upstream bug each fixes (reference §10):
 * Losses are normalised over the **whole optimizer step** (token mean over all its micro-batches
   and ranks, OpenRLHF-style) when each step lies inside one rollout; else per micro-batch as
   upstream.
+* The rollout's **old log-probs come from generation** (the sampled tokens' log-probs under the
+  sampling temperature, kept by :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`) instead of a
+  second actor pass over the sequence; where the generator cannot keep them (Hybrid Engine) the
+  actor pass runs as upstream's.
 * ``--align_overflow`` works only with fp16 and a DeepSpeed that exposes upstream's external
   overflow check (§10.14); elsewhere it is refused or a no-op with a warning.
 """
@@ -39,6 +43,7 @@ from dschat import rl_math
 from dschat.errors import UserError
 from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.guards import BatchPlan, plan_batches
+from dschat.rlhf.hybrid_engine import Rollout
 from dschat.utils.dist import get_rank, get_world_size, print_rank_0
 
 __all__ = [
@@ -134,6 +139,9 @@ class DeepSpeedPPOTrainer:
         self.whiten_advantages = args.whiten_advantages
         self.logit_temperature = self.generator.decoding.logit_temperature
 
+        # Fast path, on by default: take the old log-probs from generation instead of a second
+        # forward pass of the actor (benchmarks/step3.py turns it off for its baseline).
+        self.reuse_rollout_logprobs = True
         self.generate_time = 0.0  # last generation call (upstream)
         self.experience_time = 0.0  # last experience forward passes
         self.micro_stats: list[MicroStepStats] = []
@@ -147,8 +155,13 @@ class DeepSpeedPPOTrainer:
         return next(self.actor_model.module.parameters()).device
 
     def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+        """Generate answers (upstream's name; :meth:`_rollout` also returns their log-probs)."""
+        return self._rollout(prompts, mask, step).sequences
+
+    def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> Rollout:
         """Generate answers; print them with ``--print_answers`` (every rank, as upstream)."""
-        seq = self.generator.generate(prompts, mask)
+        rollout = self.generator.rollout(prompts, mask)
+        seq = rollout.sequences
         if self.args.print_answers and step % self.args.print_answers_interval == 0:
             ans = seq[:, prompts.shape[1]:]
             rank = get_rank()
@@ -156,7 +169,7 @@ class DeepSpeedPPOTrainer:
                   f"{self.tokenizer.batch_decode(prompts, skip_special_tokens=True)}")
             print(f"--- ans    --> step={step}, rank={rank}, "
                   f"{self.tokenizer.batch_decode(ans, skip_special_tokens=True)}")
-        return seq
+        return rollout
 
     def _log_probs(self, logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
         """(B, L, V) logits -> (B, L - 1) log-probs of ``seq[:, 1:]`` under the sampling distribution."""
@@ -164,6 +177,19 @@ class DeepSpeedPPOTrainer:
         if self.logit_temperature != 1.0:
             logits = logits / self.logit_temperature
         return gather_log_probs(logits, seq[:, 1:], fp32=self.compute_fp32_loss)
+
+    @staticmethod
+    def _logprobs_from_rollout(answer_logprobs: torch.Tensor, prompt_length: int,
+                               attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, A') log-probs of the generated tokens -> the (B, L - 1) layout of :meth:`_log_probs`.
+
+        Column ``t`` scores ``seq[:, t + 1]``, so the answer's columns start at ``P - 1``. Prompt
+        columns (never used: every consumer slices from ``Experience.start``) and positions after
+        EOS are 0.
+        """
+        out = answer_logprobs.new_zeros((attention_mask.shape[0], attention_mask.shape[1] - 1))
+        out[:, prompt_length - 1:] = answer_logprobs
+        return out * attention_mask[:, 1:].to(out.dtype)
 
     def _decode_for_hook(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                          attention_mask: torch.Tensor) -> tuple[list[str], list[str]]:
@@ -201,7 +227,8 @@ class DeepSpeedPPOTrainer:
         """
         self.eval()
         generate_start = time.time()
-        seq = self._generate_sequence(prompts, mask, step)
+        rollout = self._rollout(prompts, mask, step)
+        seq = rollout.sequences
         generate_end = time.time()
         self.generate_time = generate_end - generate_start
         self.generator.scoring_mode()  # training forwards, dropout off
@@ -218,10 +245,14 @@ class DeepSpeedPPOTrainer:
 
         attention_mask, position_ids = masks.attention_mask, masks.position_ids
         with torch.no_grad():
-            logits = self.actor_model(seq, attention_mask=attention_mask, position_ids=position_ids,
-                                      use_cache=False).logits
-            logprobs = self._log_probs(logits, seq).float()
-            del logits
+            if rollout.logprobs is not None and self.reuse_rollout_logprobs:
+                # The generator kept the sampled tokens' log-probs: no second actor pass.
+                logprobs = self._logprobs_from_rollout(rollout.logprobs, prompts.shape[1], attention_mask)
+            else:
+                logits = self.actor_model(seq, attention_mask=attention_mask, position_ids=position_ids,
+                                          use_cache=False).logits
+                logprobs = self._log_probs(logits, seq).float()
+                del logits
             ref_logits = self.ref_model(seq, attention_mask=attention_mask, position_ids=position_ids,
                                         use_cache=False).logits
             ref_logprobs = self._log_probs(ref_logits, seq).float()
