@@ -439,13 +439,15 @@ class RunResult:
 
     ``evals``: one dict per evaluation (``epoch``, ``step`` and the metrics); ``train_losses``:
     the loss of every micro-step on this rank; ``step_times``: the wall time of every micro-step
-    (forward, backward, optimizer step) in seconds; ``engine``: the trained DeepSpeed engine.
+    (forward, backward, optimizer step) in seconds; ``step_shapes``: the (rows, columns) each
+    micro-step fed the model after padding trimming; ``engine``: the trained DeepSpeed engine.
     """
 
     output_dir: Path | None
     evals: list[dict] = field(default_factory=list)
     train_losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    step_shapes: list[tuple[int, int]] = field(default_factory=list)
     optimizer_steps: int = 0
     engine: Any = None
     tokenizer: Any = None

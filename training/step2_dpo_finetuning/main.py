@@ -143,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
         for step, batch in enumerate(train_loader):
             timer = StepTimer()
             batch = prepare_batch(batch, ctx.device)
+            result.step_shapes.append(tuple(batch["input_ids"].shape))
             loss = dpo_batch(engine, ref_engine, batch, **loss_options).loss
             if args.print_loss:
                 print_loss_line(epoch, step, loss)

@@ -141,6 +141,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
         for step, batch in enumerate(train_loader):
             timer = StepTimer()
             batch = prepare_batch(batch, ctx.device)
+            result.step_shapes.append(tuple(batch["input_ids"].shape))
             loss = engine(**batch, use_cache=False)["loss"]
             engine.backward(loss)
             engine.step()

@@ -1,0 +1,420 @@
+"""Step-3 (PPO) benchmark: dschat's default rollout path against the plain path, in one process.
+
+    python benchmarks/step3.py                                   # CPU: SmolLM2-135M actor and critic, 4 x (64 + 64)
+    python benchmarks/step3.py --actor opt-1.3b --critic opt-350m --prompt_len 256 --answer_len 256 \\
+        --batch 16 --zero_stage 3 --dtype bf16                  # GPU, upstream's protocol, random weights
+
+A fixed PPO workload -- the same prompts, every answer exactly ``--answer_len`` tokens
+(``min_new_tokens``), ``--steps`` PPO iterations after ``--warmup`` -- runs twice on the same
+engines:
+
+* **baseline**: the plain path. Hugging Face ``generate`` on the training engine's module (ZeRO-3
+  parameters fetched layer by layer for every token, LoRA not fused, no Hybrid Engine), prompts
+  left-padded to ``--prompt_len`` as the data pipeline delivers them, and a second actor forward
+  pass over the rollout for the old log-probs. This is what upstream does without its Hybrid Engine.
+* **ours**: the default path of ``training/step3_rlhf_finetuning/main.py``: all-padding prompt
+  columns dropped, the old log-probs kept from generation, LoRA fused and ZeRO-3 gathered once per
+  rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable.
+
+Per phase it prints generation tokens/s, per-token latency and achieved memory bandwidth (parameter
+bytes x decode steps / time, the roofline of memory-bound decoding), experience-pass tokens/s,
+training tokens/s and TFLOP/s (upstream's FLOP formula over the tokens actually processed), end-to-
+end samples/s and peak memory, then ours / baseline. Peaks: the device's data-sheet figures on a
+known GPU, otherwise measured here (a large copy and a large matmul). Results are appended to
+``benchmarks/results.md`` (``--results``) with date, device, versions and the command.
+
+``--actor`` / ``--critic`` take a model folder, a dschat short name, or ``opt-1.3b`` / ``opt-350m``
+(upstream's shapes with random weights, built from the configs, no download; tokenizer from
+``tiny-opt``).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import resource
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+# Upstream's OPT shapes (facebook/opt-1.3b, facebook/opt-350m config.json), built with random weights.
+OPT_SHAPES: dict[str, dict[str, Any]] = {
+    "opt-1.3b": dict(hidden_size=2048, num_hidden_layers=24, ffn_dim=8192, num_attention_heads=32,
+                     word_embed_proj_dim=2048, do_layer_norm_before=True),
+    "opt-350m": dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
+                     word_embed_proj_dim=512, do_layer_norm_before=False),
+}
+# Data-sheet peaks (dense bf16 tensor-core FLOP/s, HBM bytes/s) for the GPUs this project is lent.
+GPU_PEAKS: dict[str, tuple[float, float]] = {
+    "H100": (989e12, 3.35e12),  # H100 SXM5 80GB
+    "H200": (989e12, 4.8e12),
+    "A100": (312e12, 2.0e12),  # A100 SXM4 80GB
+}
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--actor", default="smollm2-135m", help="actor model (folder, short name, opt-1.3b, opt-350m)")
+    p.add_argument("--critic", default=None, help="critic/reward body (default: the actor's model); random value head")
+    p.add_argument("--prompt_len", type=int, default=64, help="--max_prompt_seq_len: prompts are left-padded to it")
+    p.add_argument("--answer_len", type=int, default=64, help="--max_answer_seq_len; every answer has exactly this many tokens")
+    p.add_argument("--batch", type=int, default=4, help="per-device generation = training batch")
+    p.add_argument("--steps", type=int, default=3, help="measured PPO iterations per mode")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured PPO iterations per mode")
+    p.add_argument("--zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="actor and critic ZeRO stage")
+    p.add_argument("--lora_dim", type=int, default=0, help="actor LoRA rank (0: off)")
+    p.add_argument("--hybrid_engine", action="store_true", help="--enable_hybrid_engine for ours")
+    p.add_argument("--dtype", default=None, choices=("fp16", "bf16", "fp32"), help="default: fp32 on CPU, bf16 on GPU")
+    p.add_argument("--modes", default="baseline,ours", help="comma-separated, run in this order")
+    p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
+    p.add_argument("--seed", type=int, default=1234)
+    args = p.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("baseline", "ours") for m in modes):
+        p.error(f"--modes must list baseline and/or ours, got {args.modes!r}")
+    args.modes = modes
+    if min(args.prompt_len, args.answer_len, args.batch, args.steps) < 1 or args.warmup < 0:
+        p.error("--prompt_len, --answer_len, --batch and --steps must be >= 1, --warmup >= 0")
+    return args
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------------
+def materialise(name: str, folder: Path) -> str:
+    """A model folder for ``name``: ``opt-*`` shapes get random weights and tiny-opt's tokenizer."""
+    if name not in OPT_SHAPES:
+        return name
+    from transformers import AutoModelForCausalLM, OPTConfig
+
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    out = folder / name
+    if not (out / "config.json").exists():
+        tokenizer = load_hf_tokenizer("tiny-opt")
+        config = OPTConfig(vocab_size=50272, max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
+                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                           **OPT_SHAPES[name])
+        torch.manual_seed(0)
+        save_hf_model(AutoModelForCausalLM.from_config(config), tokenizer, out)
+    return str(out)
+
+
+def critic_folder(model: str, folder: Path) -> str:
+    """A step-2-style folder (body + random ``v_head``) on ``model``; timing does not depend on weights."""
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.utils.model.model_utils import create_critic_model
+
+    out = folder / "critic"
+    tokenizer = load_hf_tokenizer(model)
+    save_hf_model(create_critic_model(model, tokenizer, None), tokenizer, out)
+    return str(out)
+
+
+# ------------------------------------------------------------------------------------------------
+# Peaks
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Peaks:
+    flops: float  # FLOP/s in the training dtype
+    bandwidth: float  # bytes/s
+    source: str
+
+
+def device_peaks(device: torch.device, dtype: torch.dtype) -> Peaks:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (flops, bw) in GPU_PEAKS.items():
+            if key in name:
+                return Peaks(flops, bw, f"{name}: data sheet, dense bf16 {flops / 1e12:.0f} TFLOP/s, "
+                                        f"HBM {bw / 1e12:.2f} TB/s")
+    # Measured: best of a few large copies (read + write) and large matmuls in the training dtype.
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(); t = time.perf_counter(); dst.copy_(src); sync(); best = min(best, time.perf_counter() - t)
+    bandwidth = 2 * src.numel() * src.element_size() / best
+    del src, dst
+    n = 2048
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    best = float("inf")
+    for _ in range(3):
+        sync(); t = time.perf_counter(); a @ b; sync(); best = min(best, time.perf_counter() - t)
+    flops = 2 * n**3 / best
+    return Peaks(flops, bandwidth, f"measured on this {device.type}: {n}x{n} {str(dtype).replace('torch.', '')} "
+                                   f"matmul {flops / 1e12:.3f} TFLOP/s, 256 MiB copy {bandwidth / 1e9:.1f} GB/s")
+
+
+# ------------------------------------------------------------------------------------------------
+# One mode
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class ModeResult:
+    mode: str
+    gen_s: float = 0.0
+    exp_s: float = 0.0
+    train_s: float = 0.0
+    steps: int = 0
+    prompt_width: list[int] = field(default_factory=list)  # prompt columns fed per step
+    peak_memory_bytes: int = 0
+    memory_note: str = ""
+
+    @property
+    def total_s(self) -> float:
+        return self.gen_s + self.exp_s + self.train_s
+
+
+def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` batches of held-out builtin prompts, left-padded to ``prompt_len`` (as the collator does)."""
+    from dschat.eval.report import heldout_prompts
+
+    texts = heldout_prompts()
+    rows = [tokenizer(t)["input_ids"][-prompt_len:] for t in texts]
+    out = []
+    for i in range(count):
+        chunk = [rows[(i * batch + j) % len(rows)] for j in range(batch)]
+        ids = torch.tensor([[tokenizer.pad_token_id] * (prompt_len - len(r)) + r for r in chunk])
+        mask = torch.tensor([[0] * (prompt_len - len(r)) + [1] * len(r) for r in chunk])
+        out.append((ids, mask))
+    return out
+
+
+def configure(trainer: Any, mode: str, he_available: bool) -> None:
+    ours = mode == "ours"
+    gen = trainer.generator
+    trainer.reuse_rollout_logprobs = ours
+    gen.keep_logprobs = ours
+    gen.fuse_lora = ours
+    gen.zero3_gather = "auto" if ours else "off"
+    gen._gather_decided = None
+    gen.hybrid_engine_active = ours and he_available
+
+
+def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
+             he_available: bool) -> ModeResult:
+    from dschat.data.collators import drop_padding_columns
+
+    configure(trainer, mode, he_available)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    result = ModeResult(mode)
+    for i in range(warmup + steps):
+        prompts, mask = (t.to(device) for t in batches[i])
+        if mode == "ours":
+            trimmed = drop_padding_columns({"prompt": prompts, "prompt_att_mask": mask}, "prompt_att_mask", side="left")
+            prompts, mask = trimmed["prompt"], trimmed["prompt_att_mask"]
+        sync()
+        exp = trainer.generate_experience(prompts, mask, i)
+        sync()
+        t = time.perf_counter()
+        trainer.prepare_rollout([exp])
+        trainer.train()
+        for _, micro, _ in trainer.schedule([exp], None):
+            trainer.train_rlhf(micro)
+        sync()
+        train_s = time.perf_counter() - t
+        if i >= warmup:
+            result.gen_s += trainer.generate_time
+            result.exp_s += trainer.experience_time
+            result.train_s += train_s
+            result.steps += 1
+            result.prompt_width.append(int(prompts.shape[1]))
+        print(f"[{mode}] step {i}{' (warm-up)' if i < warmup else ''}: generation {trainer.generate_time:.2f} s, "
+              f"experience {trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}",
+              flush=True)
+    if device.type == "cuda":
+        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+        result.memory_note = "max allocated in this mode"
+    else:
+        result.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        result.memory_note = "process peak RSS so far"
+    return result
+
+
+# ------------------------------------------------------------------------------------------------
+# Accounting
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class Metrics:
+    gen_tokens_per_s: float
+    gen_ms_per_token: float
+    gen_bandwidth: float  # bytes/s
+    exp_tokens_per_s: float
+    train_tokens_per_s: float
+    train_flops: float  # FLOP/s
+    samples_per_s: float
+    seq_len: float  # mean columns processed per sequence
+
+
+def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: int, actor_config: Any,
+            critic_config: Any, actor_factor: float, critic_factor: float) -> Metrics:
+    """Turn one mode's times into rates. Pure arithmetic (tests/test_benchmarks.py checks it by hand)."""
+    from dschat.utils.perf import calculate_flops
+
+    n = max(r.steps, 1)
+    seq_len = sum(w + answer_len for w in r.prompt_width) / n
+    gen_tokens = batch * answer_len * n
+    seq_tokens = batch * seq_len * n
+    flops = sum(calculate_flops(actor_factor, batch, w + answer_len, actor_config)
+                + calculate_flops(critic_factor, batch, w + answer_len, critic_config) for w in r.prompt_width)
+    return Metrics(
+        gen_tokens_per_s=gen_tokens / r.gen_s,
+        gen_ms_per_token=1000 * r.gen_s / (answer_len * n),
+        gen_bandwidth=actor_param_bytes * answer_len * n / r.gen_s,
+        exp_tokens_per_s=seq_tokens / r.exp_s if r.exp_s > 0 else float("inf"),
+        train_tokens_per_s=seq_tokens / r.train_s,
+        train_flops=flops / r.train_s,
+        samples_per_s=batch * n / r.total_s,
+        seq_len=seq_len,
+    )
+
+
+def table(results: list[ModeResult], metrics: list[Metrics], peaks: Peaks) -> list[str]:
+    head = "| | " + " | ".join(r.mode for r in results) + (" | ours / baseline |" if len(results) == 2 else " |")
+    lines = [head, "|---" * (len(results) + 1 + (len(results) == 2)) + "|"]
+
+    def row(label: str, values: list[float], fmt: str, ratio: str | None) -> None:
+        cells = [format(v, fmt) for v in values]
+        extra = ""
+        if len(values) == 2:
+            base, ours = (values[0], values[1]) if results[0].mode == "baseline" else (values[1], values[0])
+            extra = f" {base / ours if ratio == 'time' else ours / base:.2f}x |" if ratio else " |"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |" + extra)
+
+    row("generation s/step", [r.gen_s / r.steps for r in results], ".2f", "time")
+    row("experience s/step", [r.exp_s / r.steps for r in results], ".2f", "time")
+    row("training s/step", [r.train_s / r.steps for r in results], ".2f", "time")
+    row("end to end s/step", [r.total_s / r.steps for r in results], ".2f", "time")
+    row("end to end samples/s", [m.samples_per_s for m in metrics], ".3f", "rate")
+    row("columns per sequence", [m.seq_len for m in metrics], ".1f", None)
+    row("generation tokens/s", [m.gen_tokens_per_s for m in metrics], ".1f", "rate")
+    row("generation ms/token (per decode step)", [m.gen_ms_per_token for m in metrics], ".1f", None)
+    row("generation GB/s (params x steps / time)", [m.gen_bandwidth / 1e9 for m in metrics], ".2f", None)
+    row("  of peak bandwidth", [100 * m.gen_bandwidth / peaks.bandwidth for m in metrics], ".1f", None)
+    row("experience tokens/s (columns processed)", [m.exp_tokens_per_s for m in metrics], ".1f", None)
+    row("training tokens/s (columns processed)", [m.train_tokens_per_s for m in metrics], ".1f", None)
+    row("training TFLOP/s", [m.train_flops / 1e12 for m in metrics], ".4f", None)
+    row("  of peak FLOP/s", [100 * m.train_flops / peaks.flops for m in metrics], ".1f", None)
+    row("peak memory GiB", [r.peak_memory_bytes / 2**30 for r in results], ".2f", None)
+    return lines
+
+
+def versions() -> str:
+    import deepspeed
+    import transformers
+
+    return f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}"
+
+
+def main(argv: Sequence[str] | None = None) -> list[str]:
+    args = parse_args(argv)
+    from deepspeed.accelerator import get_accelerator
+
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.utils.dist import init_distributed
+    from dschat.utils.perf import bytes_per_parameter, checkpoint_activations_factor, count_parameters
+
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dschat_step3_main", REPO / "training" / "step3_rlhf_finetuning" / "main.py")
+    step3 = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = step3  # its dataclasses look their module up
+    spec.loader.exec_module(step3)
+
+    info = init_distributed()
+    device = info.device
+    on_gpu = get_accelerator().device_name() != "cpu"
+    dtype = args.dtype or ("bf16" if on_gpu else "fp32")
+    torch.manual_seed(args.seed)
+    with tempfile.TemporaryDirectory(prefix="dschat-bench-") as tmp:
+        tmp_path = Path(tmp)
+        actor = materialise(args.actor, tmp_path)
+        critic = critic_folder(materialise(args.critic or args.actor, tmp_path), tmp_path)
+        argv_step3 = [
+            "--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
+            "--data_path", "dschat/builtin", "--data_output_path", str(tmp_path / "data"),
+            "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
+            "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
+            "--actor_zero_stage", str(args.zero_stage), "--critic_zero_stage", str(args.zero_stage),
+            "--dtype", dtype, "--actor_learning_rate", "1e-6", "--critic_learning_rate", "1e-6",
+            "--actor_dropout", "0.0", "--num_warmup_steps", "0", "--seed", str(args.seed),
+        ]
+        if args.lora_dim:
+            from transformers import AutoConfig
+
+            from dschat.models.families import family_of
+            from dschat.models.registry import resolve_model_path
+
+            family = family_of(AutoConfig.from_pretrained(resolve_model_path(actor)))
+            argv_step3 += ["--actor_lora_dim", str(args.lora_dim), "--actor_lora_module_name", family.lora_module_name]
+        if args.hybrid_engine:
+            argv_step3.append("--enable_hybrid_engine")
+        sargs = step3.parse_args(argv_step3)
+        tokenizer = load_hf_tokenizer(actor)
+        engine = DeepSpeedRLHFEngine(actor, critic, tokenizer, sargs, num_total_iters=10_000)
+        trainer = DeepSpeedPPOTrainer(engine, sargs)
+        trainer.generator.extra_generate_kwargs = {"min_new_tokens": args.answer_len}  # fixed workload
+        he_available = trainer.generator.hybrid_engine_active
+        batches = prompt_batches(tokenizer, args.batch, args.prompt_len, args.warmup + args.steps)
+        torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+        peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
+
+        results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available) for mode in args.modes]
+        actor_module, critic_module = engine.actor.module, engine.critic.module
+        actor_factor = checkpoint_activations_factor(False, args.lora_dim, actor_module.config.hidden_size)
+        critic_factor = checkpoint_activations_factor(False, 0, critic_module.config.hidden_size)
+        critic_config = critic_module.config
+        metrics = [account(r, batch=args.batch, answer_len=args.answer_len,
+                           actor_param_bytes=count_parameters(actor_module) * bytes_per_parameter(actor_module),
+                           actor_config=actor_module.config, critic_config=critic_config,
+                           actor_factor=actor_factor, critic_factor=critic_factor) for r in results]
+
+    device_name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
+    command = "python benchmarks/step3.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    lines = [
+        f"### step 3, {datetime.date.today().isoformat()}: {args.actor} actor, {args.critic or args.actor} critic, "
+        f"{args.batch} x ({args.prompt_len} + {args.answer_len}), ZeRO-{args.zero_stage}, {dtype}"
+        + (f", LoRA {args.lora_dim}" if args.lora_dim else "") + (", Hybrid Engine requested" if args.hybrid_engine else ""),
+        "",
+        f"- device: {device_name}; {versions()}",
+        f"- command: `{command}`",
+        f"- {args.steps} measured PPO steps per mode after {args.warmup} warm-up; peaks: {peaks.source}",
+        f"- Hybrid Engine for ours: {'active' if he_available else 'not used'}"
+        + (f" ({trainer.generator.fallback_reason})" if trainer.generator.fallback_reason else ""),
+        f"- memory: {results[0].memory_note}",
+        "",
+        *table(results, metrics, peaks),
+        "",
+    ]
+    print("\n".join(lines), flush=True)
+    if args.results and info.rank == 0:
+        path = Path(args.results)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        new = not path.exists()
+        with open(path, "a", encoding="utf-8") as f:
+            if new:
+                f.write("# Benchmark results\n\nAppended by `benchmarks/*.py`; newest last. See benchmarks/README.md.\n\n")
+            f.write("\n".join(lines) + "\n")
+    return lines
+
+
+if __name__ == "__main__":
+    main()

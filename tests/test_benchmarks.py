@@ -1,0 +1,103 @@
+"""benchmarks/: the step-3 benchmark runs both modes on a tiny model, and its accounting is right."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"dschat_bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step3_accounting_by_hand():
+    bench = _load("step3")
+    # 2 measured steps, prompt widths 10 and 6, answers 4 tokens, batch 2.
+    r = bench.ModeResult("ours", gen_s=2.0, exp_s=1.0, train_s=4.0, steps=2, prompt_width=[10, 6])
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=32)
+    m = bench.account(r, batch=2, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=config,
+                      actor_factor=3.0, critic_factor=3.0)
+    assert m.gen_tokens_per_s == pytest.approx(2 * 4 * 2 / 2.0)  # 16 generated tokens in 2 s
+    assert m.gen_ms_per_token == pytest.approx(1000 * 2.0 / 8)  # 8 decode steps
+    assert m.gen_bandwidth == pytest.approx(1000 * 8 / 2.0)  # the weights are read once per decode step
+    assert m.seq_len == pytest.approx((14 + 10) / 2)
+    assert m.exp_tokens_per_s == pytest.approx(2 * 12 * 2 / 1.0)
+    assert m.train_tokens_per_s == pytest.approx(2 * 12 * 2 / 4.0)
+    assert m.samples_per_s == pytest.approx(4 / 7.0)
+
+    def flops(seq):  # upstream's formula written out: 24 f B s l h^2 (1 + s / 6h + V / 16 l h)
+        return 24 * 3.0 * 2 * seq * 2 * 64 * (1 + seq / 48 + 32 / 256)
+    assert m.train_flops == pytest.approx(2 * (flops(14) + flops(10)) / 4.0)
+
+
+def test_step3_ratio_column_compares_baseline_with_ours():
+    bench = _load("step3")
+    base = bench.ModeResult("baseline", gen_s=4.0, exp_s=2.0, train_s=6.0, steps=2, prompt_width=[8, 8])
+    ours = bench.ModeResult("ours", gen_s=2.0, exp_s=1.0, train_s=3.0, steps=2, prompt_width=[4, 4])
+    config = SimpleNamespace(num_hidden_layers=1, hidden_size=8, vocab_size=16)
+    metrics = [bench.account(r, batch=1, answer_len=2, actor_param_bytes=10, actor_config=config,
+                             critic_config=config, actor_factor=3.0, critic_factor=3.0) for r in (base, ours)]
+    lines = bench.table([base, ours], metrics, bench.Peaks(1e12, 1e9, "test"))
+    e2e = next(line for line in lines if line.startswith("| end to end s/step"))
+    assert e2e == "| end to end s/step | 6.00 | 3.00 | 2.00x |"
+    samples = next(line for line in lines if line.startswith("| end to end samples/s"))
+    assert samples.endswith("| 2.00x |")
+
+
+def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
+    bench = _load("step3")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "2", "--prompt_len", "32", "--answer_len", "6",
+                        "--steps", "1", "--warmup", "0", "--results", str(results)])
+    out = capsys.readouterr().out
+    # Every step generated exactly --answer_len tokens in both modes; ours fed fewer prompt columns.
+    assert "[baseline] step 0: " in out and "[ours] step 0: " in out
+    assert "prompt width 32" in out.split("[ours]")[0]
+    ours_width = int(out.split("[ours] step 0: ")[1].split("prompt width ")[1].split()[0])
+    assert ours_width < 32
+    text = results.read_text()
+    assert text.startswith("# Benchmark results") and "tiny-llama actor" in text and "| end to end s/step |" in text
+    assert "command: `python benchmarks/step3.py --actor tiny-llama" in text
+    assert any(line.startswith("| columns per sequence | 38.0 | ") for line in lines)
+
+
+def test_step12_accounting_by_hand():
+    bench = _load("step12")
+    config = SimpleNamespace(num_hidden_layers=1, hidden_size=8, vocab_size=16)
+    stats = bench.summarise([1.0, 3.0], [(4, 10), (2, 6)], config, 3.0, samples_per_row=0.5)
+    assert stats["median_s"] == 2.0
+    assert stats["samples_per_s"] == pytest.approx((4 + 2) * 0.5 / 4.0)  # step 2: two rows per pair
+    assert stats["columns"] == 8.0
+
+    def flops(rows, cols):  # 24 f B s l h^2 (1 + s / 6h + V / 16 l h)
+        return 24 * 3.0 * rows * cols * 1 * 64 * (1 + cols / 48 + 16 / 128)
+    assert stats["tflops"] == pytest.approx((flops(4, 10) + flops(2, 6)) / 4.0 / 1e12)
+
+
+def test_step12_benchmark_runs_on_a_tiny_model(tmp_path):
+    bench = _load("step12")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--model", "tiny-llama", "--configs", "zero0,zero0+lora", "--lora_dim", "4",
+                        "--batch", "2", "--max_seq_len", "32", "--steps", "1", "--warmup", "0",
+                        "--results", str(results)])
+    rows = [line for line in lines if line.startswith("| step")]
+    assert [r.split(" | ")[1] for r in rows if not r.startswith("| step |")] == [
+        "ZeRO-0", "ZeRO-0 + LoRA 4", "ZeRO-0", "ZeRO-0 + LoRA 4"]
+    assert rows[1].endswith("| 1.00x |")  # the first configuration is the baseline
+    assert "steps 1-2" in results.read_text()
+
+
+def test_step12_rejects_a_bad_configuration(capsys):
+    bench = _load("step12")
+    with pytest.raises(SystemExit) as err:
+        bench.parse_args(["--configs", "zero5"])
+    assert err.value.code == 2 and "bad configuration 'zero5'" in capsys.readouterr().err
