@@ -139,6 +139,22 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
     return group
 
 
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """(dschat) Checkpoints and resume; see :mod:`dschat.training.checkpoint`."""
+    group = parser.add_argument_group("checkpoints and resume (dschat)")
+    group.add_argument("--save_interval", type=int, default=0,
+                       help="(dschat) Save a resumable checkpoint to <output_dir>/checkpoints every N optimizer "
+                            "steps (0: none; upstream saved nothing resumable).")
+    group.add_argument("--keep_checkpoints", type=int, default=2,
+                       help="(dschat) Keep the newest K checkpoints, delete older ones.")
+    group.add_argument("--resume", action="store_true",
+                       help="(dschat) Continue from the newest complete checkpoint in <output_dir>/checkpoints "
+                            "(start from scratch, with a notice, when there is none).")
+    group.add_argument("--resume_from", type=str, default=None,
+                       help="(dschat) Continue from this checkpoint folder (<output_dir>/checkpoints/step_N).")
+    return group
+
+
 def add_precision_args(parser: argparse.ArgumentParser, *, zero_stage: bool = True) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("precision and ZeRO")
     group.add_argument("--offload", action="store_true", help="Enable ZeRO Offload techniques.")

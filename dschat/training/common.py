@@ -83,7 +83,15 @@ def make_train_loader(
         shuffle=shuffle,
         seed=seed,
     )
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                      generator=_loader_generator(seed))
+
+
+def _loader_generator(seed: int) -> torch.Generator:
+    """A DataLoader without its own generator draws a worker base seed from the *global* torch RNG
+    each time it is iterated; with one, iterating leaves the global RNG (dropout) alone, which a
+    resumed run needs to reproduce the uninterrupted one (dschat.training.checkpoint)."""
+    return torch.Generator().manual_seed(seed)
 
 
 def make_eval_loader(dataset: Dataset, batch_size: int, collate_fn: Callable | None) -> DataLoader:
@@ -95,7 +103,8 @@ def make_eval_loader(dataset: Dataset, batch_size: int, collate_fn: Callable | N
         sampler: Any = DistributedSampler(dataset, shuffle=False)
     else:
         sampler = SequentialSampler(dataset)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
+                      generator=_loader_generator(0))
 
 
 @dataclass(frozen=True)
@@ -288,6 +297,9 @@ def check_common_args(args: argparse.Namespace) -> None:
     output_dir = getattr(args, "output_dir", None)
     if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise UserError(f"--output_dir {output_dir} exists and is not a folder; pass a folder path")
+    from dschat.training.checkpoint import check_checkpoint_args
+
+    check_checkpoint_args(args)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dschat.cli.args import (
+    add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
     add_eot_args,
@@ -57,6 +58,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_lora_args(parser)
     add_logging_args(parser, tensorboard_path="step1_tensorboard", print_loss=True)
     add_eot_args(parser, eot_token_flag=True)
+    add_checkpoint_args(parser)
     add_deepspeed_args(parser)
     args = parser.parse_args(argv)
     check_common_args(args)
@@ -69,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.data.collators import set_epoch_if_distributed
     from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.models.save import save_hf_model
+    from dschat.training.checkpoint import Checkpointer, TrainingPosition
     from dschat.utils.model.model_utils import causal_lm_model_to_fp32_loss, create_hf_model
     from dschat.utils.perf import print_throughput
 
@@ -110,15 +113,22 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
         result.evals.append({"epoch": epoch, "step": counter.optimizer_steps, "ppl": perplexity, "loss": eval_loss})
         tb.scalars(counter.optimizer_steps, **{"eval/ppl": perplexity, "eval/loss": eval_loss})
 
+    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
+    resumed = checkpointer.resume(counter)
+
     print_rank_0("***** Running training *****", ctx.rank)
-    evaluate(0)
-    for epoch in range(args.num_train_epochs):
+    if resumed is None:
+        evaluate(0)
+    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
         print_rank_0(
             f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
             ctx.rank)
         set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
         engine.train()
+        skip = checkpointer.batches_done(epoch)
         for step, batch in enumerate(train_loader):
+            if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
+                continue
             timer = StepTimer()
             batch = prepare_batch(batch, ctx.device)
             result.step_shapes.append(tuple(batch["input_ids"].shape))
@@ -133,6 +143,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
                 print_throughput(engine.module, args, result.step_times[-1], ctx.rank)
             if counter.micro_step():
                 tb.scalars(counter.optimizer_steps, **{"train/loss": loss.item()})
+                checkpointer.maybe_save(TrainingPosition(epoch, step + 1, counter.micro_steps, counter.optimizer_steps))
                 if counter.done:
                     break
         evaluate(epoch + 1)

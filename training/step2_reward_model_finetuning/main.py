@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Sequence
 
 from dschat.cli.args import (
+    add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
     add_eot_args,
@@ -63,6 +64,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_lora_args(parser)
     add_logging_args(parser, tensorboard_path="step2_tensorboard")
     add_eot_args(parser, eot_token_flag=False)
+    add_checkpoint_args(parser)
     add_deepspeed_args(parser)
     args = parser.parse_args(argv)
     check_common_args(args)
@@ -129,16 +131,27 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
             f"rejected_last_scores (lower is better) : {rejected}, "
             f"acc (higher is better) : {acc}", ctx.rank)
 
+    from dschat.training.checkpoint import Checkpointer, TrainingPosition
+
+    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
+    resumed = checkpointer.resume(counter)
+
     print_rank_0("***** Running training *****", ctx.rank)
-    evaluate_epoch(0)
-    for epoch in range(args.num_train_epochs):
+    if resumed is None:
+        evaluate_epoch(0)
+    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
         print_rank_0(
             f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
             ctx.rank)
         set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
         engine.train()
         mean_loss = 0.0
+        skip = checkpointer.batches_done(epoch)
+        if skip:
+            mean_loss = float(resumed.extra.get("mean_loss", 0.0))
         for step, batch in enumerate(train_loader):
+            if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
+                continue
             timer = StepTimer()
             batch = prepare_batch(batch, ctx.device)
             result.step_shapes.append(tuple(batch["input_ids"].shape))
@@ -157,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
                     print_rank_0(f"Iter {total_steps}: c_scores: {chosen}, r_scores: {rejected}, "
                                  f"diff: {chosen - rejected}, acc: {acc}", ctx.rank)
                     engine.train()
+                checkpointer.maybe_save(TrainingPosition(epoch, step + 1, counter.micro_steps, counter.optimizer_steps,
+                                                         extra={"mean_loss": mean_loss}))
                 if counter.done:
                     break
         print_rank_0(f"Epoch {epoch + 1}/{args.num_train_epochs} with loss {mean_loss / (step + 1)}", ctx.rank)

@@ -1,0 +1,254 @@
+"""Training checkpoints and exact resume (``--save_interval``, ``--resume``, ``--resume_from``,
+``--keep_checkpoints``).
+
+A checkpoint is a folder ``<output_dir>/checkpoints/step_<N>`` (N = optimizer steps done) holding
+
+* one DeepSpeed checkpoint per trainable engine (``engine.save_checkpoint``: module, optimizer,
+  LR scheduler, loss scaler, under the tag ``<name>``);
+* ``rng_rank<r>.json``: every rank's Python, NumPy, torch (and CUDA) random states, as JSON;
+* ``dschat_checkpoint.json``, written last: the data position (epoch, micro-steps done in that
+  epoch), the step counters and any caller state. A folder without it is incomplete.
+
+Writes go to ``checkpoints/.tmp-step_<N>`` and are renamed into place once every rank has written
+its part, so a kill at any moment leaves the previous checkpoint usable; an incomplete folder is
+ignored on resume with a one-line notice. The data position is exact because the training order is
+a function of (seed, epoch, rank) only (``make_train_loader``): resuming skips the batches already
+trained in that epoch. On a CPU, ZeRO 0 and 2, a resumed run reproduces the uninterrupted run's
+losses bit for bit (``tests/test_checkpoint.py``).
+
+DeepSpeed's own checkpoint files are ``torch.save`` pickles and DeepSpeed loads them with
+``torch.load`` as it always does; only load checkpoints you wrote yourself.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from dschat.errors import UserError
+from dschat.utils.dist import print_rank_0
+
+MARKER = "dschat_checkpoint.json"
+PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+FORMAT_VERSION = 1
+
+
+@dataclass
+class TrainingPosition:
+    """Where training stands after an optimizer step."""
+
+    epoch: int  # the epoch in progress (0-based)
+    epoch_micro_steps: int  # micro-batches of that epoch already trained
+    micro_steps: int  # micro-steps trained in total
+    optimizer_steps: int
+    extra: dict[str, Any] = field(default_factory=dict)  # caller state (JSON)
+
+
+def checkpoint_root(output_dir: str | os.PathLike) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def checkpoint_name(optimizer_steps: int) -> str:
+    return f"{PREFIX}{optimizer_steps:08d}"
+
+
+# ------------------------------------------------------------------------------------------------
+# Random states (JSON, no pickles)
+# ------------------------------------------------------------------------------------------------
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------------------------------------
+# Finding checkpoints
+# ------------------------------------------------------------------------------------------------
+def _steps_of(folder: Path) -> int | None:
+    name = folder.name
+    if not name.startswith(PREFIX) or not name[len(PREFIX):].isdigit():
+        return None
+    return int(name[len(PREFIX):])
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _steps_of(p) is not None and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: _steps_of(p) or 0)
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (
+        p.name.startswith(TMP_PREFIX) or (_steps_of(p) is not None and not (p / MARKER).is_file())))
+
+
+def latest_checkpoint(root: Path, rank: int = 0) -> Path | None:
+    """The newest complete checkpoint; each incomplete one is named in a one-line notice."""
+    for bad in incomplete_checkpoints(root):
+        print_rank_0(f"[checkpoint] ignoring incomplete checkpoint {bad} (a run stopped while writing it)", rank)
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def read_position(folder: Path) -> TrainingPosition:
+    data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    if data.get("format") != FORMAT_VERSION:
+        raise UserError(f"{folder} was written by another dschat checkpoint format ({data.get('format')}); "
+                        "start a new run or use the dschat version that wrote it")
+    return TrainingPosition(**data["position"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Saving and loading
+# ------------------------------------------------------------------------------------------------
+def _barrier() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPosition, *, keep: int,
+                    rank: int, meta: Mapping[str, Any] | None = None) -> Path:
+    """Write a checkpoint of ``engines`` at ``position`` (collective: every rank calls it)."""
+    name = checkpoint_name(position.optimizer_steps)
+    final = root / name
+    tmp = root / f"{TMP_PREFIX}{name}"
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    _barrier()
+    for tag, engine in engines.items():
+        engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
+    (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()), encoding="utf-8")
+    _barrier()
+    if rank == 0:
+        record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
+                  "meta": dict(meta or {})}
+        (tmp / MARKER).write_text(json.dumps(record, indent=2), encoding="utf-8")
+        if final.exists():  # the same step saved again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+        print_rank_0(f"[checkpoint] saved {final}", rank)
+    _barrier()
+    return final
+
+
+def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int) -> TrainingPosition:
+    """Restore ``engines`` and this rank's random states from ``folder``; return the position."""
+    position = read_position(folder)
+    record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    missing = sorted(set(engines) - set(record.get("engines", [])))
+    if missing:
+        raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
+    for tag, engine in engines.items():
+        path, _ = engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
+                                         load_lr_scheduler_states=True)
+        if path is None:
+            raise UserError(f"could not load the '{tag}' state from {folder}; the checkpoint is damaged, "
+                            "pass --resume_from with an older one")
+    rng_file = folder / f"rng_rank{rank}.json"
+    if not rng_file.is_file():
+        raise UserError(f"{folder} has no random state for rank {rank}: it was written with another number of "
+                        "ranks; resume with the same world size")
+    set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")))
+    print_rank_0(f"[checkpoint] resumed from {folder} (epoch {position.epoch}, "
+                 f"{position.optimizer_steps} optimizer steps done)", rank)
+    return position
+
+
+class Checkpointer:
+    """What a step script needs: ``resume()`` once after the engines exist, ``maybe_save()`` after
+    every optimizer step."""
+
+    def __init__(self, args: Any, engines: Mapping[str, Any], rank: int) -> None:
+        self.args = args
+        self.engines = dict(engines)
+        self.rank = rank
+        self.interval = int(getattr(args, "save_interval", 0) or 0)
+        self.keep = int(getattr(args, "keep_checkpoints", 2))
+        self.root = checkpoint_root(args.output_dir) if args.output_dir else None
+        self.position: TrainingPosition | None = None  # where a resumed run picks up
+
+    def resume(self, counter: Any = None) -> TrainingPosition | None:
+        """Load the checkpoint ``--resume`` / ``--resume_from`` name (if any) into the engines and the
+        random generators; set ``counter.micro_steps``. None when starting from scratch."""
+        self.position = self._load()
+        if self.position is not None and counter is not None:
+            counter.micro_steps = self.position.micro_steps
+        return self.position
+
+    def first_epoch(self) -> int:
+        return self.position.epoch if self.position else 0
+
+    def batches_done(self, epoch: int) -> int:
+        """Micro-batches of ``epoch`` trained before the checkpoint (skip them)."""
+        return self.position.epoch_micro_steps if self.position and epoch == self.position.epoch else 0
+
+    def _load(self) -> TrainingPosition | None:
+        source = getattr(self.args, "resume_from", None)
+        if source:
+            folder = Path(source)  # check_checkpoint_args made sure it is complete
+        elif getattr(self.args, "resume", False):
+            folder = latest_checkpoint(self.root, self.rank) if self.root else None
+            if folder is None:
+                print_rank_0(f"[checkpoint] --resume: no complete checkpoint under {self.root}; starting from "
+                             "the beginning", self.rank)
+                return None
+        else:
+            return None
+        return load_checkpoint(folder, self.engines, self.rank)
+
+    def due(self, optimizer_steps: int) -> bool:
+        return self.root is not None and self.interval > 0 and optimizer_steps % self.interval == 0
+
+    def maybe_save(self, position: TrainingPosition) -> Path | None:
+        if not self.due(position.optimizer_steps):
+            return None
+        return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank)
+
+
+def check_checkpoint_args(args: Any) -> None:
+    """Flag contradictions, before anything loads."""
+    if getattr(args, "save_interval", 0) < 0:
+        raise UserError("--save_interval must be >= 0 (0: no checkpoints)")
+    if getattr(args, "keep_checkpoints", 1) < 1:
+        raise UserError("--keep_checkpoints must be >= 1")
+    wants = getattr(args, "save_interval", 0) > 0 or getattr(args, "resume", False)
+    if wants and not args.output_dir:
+        raise UserError("--save_interval and --resume need --output_dir (checkpoints live in <output_dir>/checkpoints)")
+    source = getattr(args, "resume_from", None)
+    if getattr(args, "resume", False) and source:
+        raise UserError("pass either --resume (the newest checkpoint in --output_dir) or --resume_from DIR, not both")
+    if source and not (Path(source) / MARKER).is_file():
+        raise UserError(f"--resume_from {source}: not a complete dschat checkpoint (no {MARKER}); pick a "
+                        "folder <output_dir>/checkpoints/step_N, or --resume for the newest one")

@@ -1,0 +1,140 @@
+"""Checkpoints and exact resume for steps 1, 2 and DPO (--save_interval, --resume, --resume_from,
+--keep_checkpoints): a run interrupted after a checkpoint and resumed reproduces the uninterrupted
+run's losses and final weights bit for bit (CPU, ZeRO 0 and 2); incomplete checkpoints are ignored."""
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import numpy as np
+import pytest
+import torch
+from _step_helpers import PYTHON, STEP_DIRS, base_argv, load_script, run_cli
+from step3_support import load_state, max_abs_diff
+
+from dschat.errors import UserError
+from dschat.training import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+
+class Interrupted(Exception):
+    """Stands in for a crash right after a given optimizer step."""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt_data")
+
+
+def test_random_states_round_trip_through_json():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = json.loads(json.dumps(ckpt.rng_state()))
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
+
+
+def test_latest_checkpoint_skips_incomplete_ones_with_a_notice(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    for steps in (2, 4):
+        folder = root / ckpt.checkpoint_name(steps)
+        folder.mkdir(parents=True)
+        (folder / ckpt.MARKER).write_text("{}")
+    (root / ckpt.checkpoint_name(6)).mkdir()  # no marker: killed before it was complete
+    (root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(8)}").mkdir()  # killed while writing
+    assert ckpt.latest_checkpoint(root) == root / ckpt.checkpoint_name(4)
+    out = capsys.readouterr().out
+    assert out.count("ignoring incomplete checkpoint") == 2 and "step_00000006" in out
+
+
+def _interrupt_after(monkeypatch, optimizer_steps: int) -> None:
+    original = ckpt.Checkpointer.maybe_save
+
+    def maybe_save(self, position):
+        saved = original(self, position)
+        if position.optimizer_steps == optimizer_steps:
+            raise Interrupted
+        return saved
+
+    monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", maybe_save)
+
+
+CASES = {
+    "step1-z0": ("step1", "tiny-llama", ["--zero_stage", "0", "--dropout", "0.1"]),
+    "step1-z2": ("step1", "tiny-opt", ["--zero_stage", "2", "--dropout", "0.1"]),
+    "step2-z0": ("step2", "tiny-llama", ["--zero_stage", "0", "--num_padding_at_beginning", "0", "--eval_iters", "1",
+                                         "--eval_interval", "3"]),
+    "dpo-z2": ("dpo", "tiny-opt", ["--zero_stage", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(case, data_dir, tmp_path, monkeypatch):
+    step, model, extra = CASES[case]
+    main = load_script(step).main
+
+    def argv(out, *more):
+        # batch 2 and 6 steps, gradient accumulation 2: checkpoints every 2 optimizer steps.
+        return base_argv(model, data_dir, *extra, "--gradient_accumulation_steps", "2", "--save_interval", "2",
+                         "--keep_checkpoints", "2", "--output_dir", str(out), *more, batch_size=2)
+
+    full = main(argv(tmp_path / "full"))
+    assert full.optimizer_steps == 6 and len(full.train_losses) == 12
+
+    _interrupt_after(monkeypatch, 4)  # crash right after optimizer step 4 (its checkpoint is written)
+    with pytest.raises(Interrupted):
+        main(argv(tmp_path / "resumed"))
+    monkeypatch.undo()
+    root = tmp_path / "resumed" / "checkpoints"
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002", "step_00000004"]
+    # A half-written newer checkpoint (a kill during a save) is ignored on resume.
+    (root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(6)}").mkdir()
+
+    resumed = main(argv(tmp_path / "resumed", "--resume"))
+    # Micro-steps 9..12 of the uninterrupted run, to the bit.
+    assert resumed.train_losses == full.train_losses[8:]
+    assert resumed.optimizer_steps == 6
+    assert max_abs_diff(load_state(tmp_path / "full"), load_state(tmp_path / "resumed")) == 0.0
+    # --keep_checkpoints 2: only the newest two remain.
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004", "step_00000006"]
+
+
+def test_resume_from_a_named_checkpoint(data_dir, tmp_path):
+    main = load_script("step1").main
+    argv = base_argv("tiny-llama", data_dir, "--save_interval", "3", "--output_dir", str(tmp_path / "a"), batch_size=2)
+    full = main(argv)
+    first = tmp_path / "a" / "checkpoints" / "step_00000003"
+    again = main(base_argv("tiny-llama", data_dir, "--output_dir", str(tmp_path / "b"), "--resume_from", str(first),
+                           batch_size=2))
+    assert again.train_losses == full.train_losses[3:]
+
+
+def test_resume_without_checkpoints_starts_from_scratch(data_dir, tmp_path, capsys):
+    main = load_script("step1").main
+    result = main(base_argv("tiny-llama", data_dir, "--resume", "--output_dir", str(tmp_path / "o"),
+                            max_train_steps=1, batch_size=2))
+    assert result.optimizer_steps == 1 and "no complete checkpoint" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--save_interval", "2"], "need --output_dir"),
+    (["--save_interval", "-1", "--output_dir", "OUT"], "--save_interval must be >= 0"),
+    (["--keep_checkpoints", "0", "--output_dir", "OUT"], "--keep_checkpoints must be >= 1"),
+    (["--resume", "--resume_from", "X", "--output_dir", "OUT"], "either --resume"),
+])
+def test_contradictory_checkpoint_flags_are_refused(flags, message, tmp_path):
+    step1 = load_script("step1")
+    flags = [str(tmp_path / "o") if f == "OUT" else f for f in flags]
+    with pytest.raises(UserError, match=re.escape(message)):
+        step1.parse_args(["--model_name_or_path", "tiny-llama", *flags])
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_exits_2(tmp_path):
+    proc = run_cli([PYTHON, str(STEP_DIRS["step1"] / "main.py"), "--model_name_or_path", "tiny-llama",
+                    "--data_path", "dschat/builtin", "--dtype", "fp32", "--output_dir", str(tmp_path / "o"),
+                    "--data_output_path", str(tmp_path / "d"), "--resume_from", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "not a complete dschat checkpoint" in proc.stderr and "Traceback" not in proc.stderr
