@@ -227,6 +227,18 @@ def reward_positions(
     return torch.clamp(start + n - 1, min=start)
 
 
+def missing_eos_penalty(scores: torch.Tensor, ended: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``scores - penalty`` where the answer never produced EOS (``ended`` False), else ``scores``.
+
+    The reward model only ever scored complete answers (every training text ends with EOS), so its
+    score of an answer cut at the length limit is an extrapolation an actor can exploit by never
+    stopping. Shapes: scores (B,), ended (B,) bool.
+    """
+    if penalty == 0.0:
+        return scores
+    return scores - penalty * (~ended.bool()).to(scores.dtype)
+
+
 def mask_after_ends(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Copy of ``x`` with ``x[i, ends[i]:] = 0`` (upstream zeroes rewards and values after
     ``ends`` before GAE so padding neither earns reward nor bootstraps a value).

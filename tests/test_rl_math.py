@@ -770,3 +770,10 @@ def test_causal_lm_loss_shifts_and_ignores_masked_labels():
     labels2 = torch.tensor([[0, 0, 1]])
     manual = (math.log(1 + math.exp(10.0)) + math.log(2.0)) / 2  # -log p(0|pos0), -log p(1|pos1)
     assert causal_lm_loss(logits, labels2).item() == pytest.approx(manual, rel=1e-5)
+
+
+def test_missing_eos_penalty_by_hand():
+    scores = torch.tensor([1.0, -0.5, 2.0])
+    ended = torch.tensor([True, False, False])
+    assert torch.equal(rm.missing_eos_penalty(scores, ended, 1.5), torch.tensor([1.0, -2.0, 0.5]))
+    assert rm.missing_eos_penalty(scores, ended, 0.0) is scores  # off: untouched

@@ -191,3 +191,16 @@ def test_first_batch_all_short_does_not_crash_the_run(tmp_path, critic_dirs, dat
     assert result.skipped_steps == [0, 1] and result.history == []
     assert "too short on every rank at step=0" in capsys.readouterr().out
     assert (tmp_path / "out" / "actor" / "config.json").exists()
+
+
+def test_missing_eos_penalty_lowers_only_the_cut_answers(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+    trainer, tok = _build("tiny-opt", critic_dirs, data_cache)
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    prompts = torch.tensor([[pad, 20, 21], [22, 23, 24]])
+    prompt_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    seq = torch.cat([prompts, torch.tensor([[30, 31, eos, pad], [32, 33, 34, 35]])], dim=1)  # row 1 never ends
+    _fixed_generation(monkeypatch, trainer, seq)
+    plain = trainer.generate_experience(prompts, prompt_mask, step=0).reward_score
+    trainer.missing_eos_penalty = 2.0
+    penalised = trainer.generate_experience(prompts, prompt_mask, step=0).reward_score
+    assert penalised[0] == plain[0] and penalised[1] == pytest.approx(plain[1] - 2.0)

@@ -317,6 +317,10 @@ def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="(dschat flag, upstream constant) Per-token KL penalty coefficient.")
     group.add_argument("--clip_reward_value", type=float, default=5.0,
                        help="(dschat flag, upstream constant) Reward-model scores are clipped to +-this.")
+    group.add_argument("--missing_eos_penalty", type=float, default=0.0,
+                       help="(dschat) Subtract this from the reward-model score of an answer that ends without "
+                            "EOS (cut at --max_answer_seq_len), as TRL's missing_eos_penalty; 0 (upstream): off. "
+                            "Stops an actor from learning to run on past the point the reward model was trained on.")
     group.add_argument("--cliprange", type=float, default=0.2,
                        help="(dschat flag, upstream constant) PPO ratio clip range.")
     group.add_argument("--cliprange_value", type=float, default=0.2,

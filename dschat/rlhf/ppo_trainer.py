@@ -137,6 +137,7 @@ class DeepSpeedPPOTrainer:
         self.kl_estimator = args.kl_estimator
         self.reward_at = args.reward_at
         self.whiten_advantages = args.whiten_advantages
+        self.missing_eos_penalty = float(getattr(args, "missing_eos_penalty", 0.0) or 0.0)
         self.logit_temperature = self.generator.decoding.logit_temperature
 
         # Fast path, on by default: take the old log-probs from generation instead of a second
@@ -258,6 +259,9 @@ class DeepSpeedPPOTrainer:
             ref_logprobs = self._log_probs(ref_logits, seq).float()
             del ref_logits
             reward_score = self._reward_scores(prompts, mask, seq, attention_mask, position_ids)
+            if self.missing_eos_penalty:
+                ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
+                reward_score = rl_math.missing_eos_penalty(reward_score, ended, self.missing_eos_penalty)
             values = self.critic_model.forward_value(seq, attention_mask, position_ids=position_ids,
                                                      return_value_only=True).detach()[:, :-1].float()
         self.experience_time = time.time() - generate_end
