@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     from dschat.models.families import family_of
     from dschat.models.registry import resolve_model_path
     from dschat.utils.perf import checkpoint_activations_factor
-    from step3 import materialise, versions
+    from step3 import append_results, materialise, versions
 
     on_gpu = get_accelerator().device_name() != "cpu"
     dtype = args.dtype or ("bf16" if on_gpu else "fp32")
@@ -149,12 +149,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     lines.append("")
     print("\n".join(lines), flush=True)
     if args.results:
-        path = Path(args.results)
-        new = not path.exists()
-        with open(path, "a", encoding="utf-8") as f:
-            if new:
-                f.write("# Benchmark results\n\nAppended by `benchmarks/*.py`; newest last. See benchmarks/README.md.\n\n")
-            f.write("\n".join(lines) + "\n")
+        append_results(Path(args.results), lines)
     return lines
 
 

@@ -406,14 +406,18 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     ]
     print("\n".join(lines), flush=True)
     if args.results and info.rank == 0:
-        path = Path(args.results)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        new = not path.exists()
-        with open(path, "a", encoding="utf-8") as f:
-            if new:
-                f.write("# Benchmark results\n\nAppended by `benchmarks/*.py`; newest last. See benchmarks/README.md.\n\n")
-            f.write("\n".join(lines) + "\n")
+        append_results(Path(args.results), lines)
     return lines
+
+
+def append_results(path: Path, lines: Sequence[str]) -> None:
+    """Append one run's section to ``path`` (created with a title when missing)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists()
+    with open(path, "a", encoding="utf-8") as f:
+        if new:
+            f.write("# Benchmark results\n\nAppended by `benchmarks/*.py`; newest last. See benchmarks/README.md.\n\n")
+        f.write("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
