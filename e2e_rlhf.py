@@ -336,7 +336,7 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
         description="Run steps 1-3 of DeepSpeed-Chat (SFT, reward model, PPO) with the recipes in configs/.",
         epilog="Models: upstream's OPT sizes (actor 1.3b, 6.7b, 13b, 66b; reward 350m; other OPT sizes map to "
                "facebook/opt-<size>), any Hugging Face id, a local folder, or a dschat short name "
-               "(smollm2-135m, tiny-llama, tiny-opt). See configs/e2e.yaml and docs/recipes.md.",
+               "(smollm2-135m, tiny-llama, tiny-opt). See configs/e2e.yaml and README.md (Launch recipes).",
     )
     parser.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=(1, 2, 3),
                         help="Which steps of the ChatGPT example to run")
