@@ -250,8 +250,24 @@ def test_rollout_keeps_the_log_probs_a_forward_pass_gives(model, extra, temperat
 def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic_dirs, data_cache):  # noqa: F811
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 
+    from transformers import LogitsProcessor, LogitsProcessorList
+
     engine = _engine("tiny-llama", critic_dirs, data_cache, "--decoding", "sample")
     trainer = DeepSpeedPPOTrainer(engine, engine.args)
+    eos, width = engine.tokenizer.eos_token_id, PROMPTS.shape[1]
+
+    class EndFirstRowEarly(LogitsProcessor):
+        """Row 0 ends with EOS as its 3rd token, row 1 never: a pad slot follows row 0's answer."""
+
+        def __call__(self, input_ids, scores):
+            scores = scores.clone()
+            if input_ids.shape[1] == width + 2:
+                scores[0] = -float("inf")
+                scores[0, eos] = 0.0
+            scores[1, eos] = -float("inf")
+            return scores
+
+    engine.generator.extra_generate_kwargs = {"logits_processor": LogitsProcessorList([EndFirstRowEarly()])}
     experiences = []
     for reuse in (True, False):
         trainer.reuse_rollout_logprobs = reuse
@@ -260,6 +276,11 @@ def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic
     fast, slow = experiences
     assert torch.equal(fast.seq, slow.seq)
     start, action = fast.start, fast.action_mask[:, fast.start:].bool()
-    assert action.sum() > 0
+    assert action[0].sum() == 3 and action[1].sum() == fast.seq.shape[1] - width
     assert torch.allclose(fast.logprobs[:, start:][action], slow.logprobs[:, start:][action], atol=1e-4)
     assert torch.equal(fast.ref_logprobs, slow.ref_logprobs) and torch.equal(fast.values, slow.values)
+    # What the PPO update sees: the per-token rewards, including upstream's reward slot after EOS
+    # (its KL term uses the actor's log-prob of the first pad), and the values.
+    (fast_values, fast_rewards), (slow_values, slow_rewards) = (trainer._old_values_and_rewards(e) for e in experiences)
+    assert torch.allclose(fast_rewards[:, start:], slow_rewards[:, start:], atol=1e-4)
+    assert torch.equal(fast_values, slow_values)

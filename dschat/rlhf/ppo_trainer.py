@@ -185,12 +185,15 @@ class DeepSpeedPPOTrainer:
         """(B, A') log-probs of the generated tokens -> the (B, L - 1) layout of :meth:`_log_probs`.
 
         Column ``t`` scores ``seq[:, t + 1]``, so the answer's columns start at ``P - 1``. Prompt
-        columns (never used: every consumer slices from ``Experience.start``) and positions after
-        EOS are 0.
+        columns are 0 (every consumer slices from ``Experience.start``). Columns after EOS keep
+        generate's values: the first one -- the log-prob of the first pad, predicted from the
+        finished answer -- is upstream's reward slot (``reward_at="after_last"``), whose KL term
+        enters the reward, and it equals a forward pass's (same context). Zeroing it put
+        ``kl_ctl * -log p_ref(pad)`` on every answer that ended, so actors learned never to stop.
         """
         out = answer_logprobs.new_zeros((attention_mask.shape[0], attention_mask.shape[1] - 1))
         out[:, prompt_length - 1:] = answer_logprobs
-        return out * attention_mask[:, 1:].to(out.dtype)
+        return out
 
     def _decode_for_hook(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                          attention_mask: torch.Tensor) -> tuple[list[str], list[str]]:
