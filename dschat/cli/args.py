@@ -152,6 +152,11 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
                             "(start from scratch, with a notice, when there is none).")
     group.add_argument("--resume_from", type=str, default=None,
                        help="(dschat) Continue from this checkpoint folder (<output_dir>/checkpoints/step_N).")
+    group.add_argument("--max_nonfinite_steps", type=int, default=10,
+                       help="(dschat) A micro-step whose loss is NaN/inf on any rank, or an optimizer step with "
+                            "NaN/inf gradients, is skipped and logged; stop with an error naming the last good "
+                            "checkpoint after this many in a row (0: never stop). fp16 loss-scale overflows "
+                            "stay DeepSpeed's and do not count.")
     return group
 
 

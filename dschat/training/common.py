@@ -464,6 +464,7 @@ class RunResult:
     engine: Any = None
     tokenizer: Any = None
     weight_digest: str | None = None
+    skipped_nonfinite: int = 0  # micro-steps and optimizer steps the non-finite guard skipped
 
 
 def print_loss_line(epoch: int, step: int, loss: torch.Tensor) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from dschat.cli.args import (
@@ -30,7 +29,6 @@ from dschat.errors import cli_main
 from dschat.training.common import (
     OptimizerStepCounter,
     RunResult,
-    StepTimer,
     TensorBoardLogger,
     apply_lora,
     check_common_args,
@@ -40,11 +38,8 @@ from dschat.training.common import (
     make_train_loader,
     optim_settings,
     plan_optimizer_steps,
-    print_loss_line,
     setup_run,
-    prepare_batch,
     train_ds_config,
-    write_weight_digest,
 )
 from dschat.training.dpo import dpo_batch, evaluate_dpo
 from dschat.utils.dist import print_rank_0
@@ -74,12 +69,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from transformers import AutoModelForCausalLM
 
-    from dschat.data.collators import DataCollatorReward, set_epoch_if_distributed
+    from dschat.data.collators import DataCollatorReward
     from dschat.data.prompt_dataset import create_prompt_dataset
-    from dschat.models.save import save_hf_model
+    from dschat.training.checkpoint import Checkpointer
+    from dschat.training.loop import finish_run, train_epochs
     from dschat.utils.ds_utils import get_eval_ds_config
     from dschat.utils.model.model_utils import create_hf_model
-    from dschat.utils.perf import print_throughput
 
     args = parse_args(argv)
     ctx = setup_run(args)
@@ -134,57 +129,12 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
                                                "eval/rejected_reward": scores.rejected,
                                                "eval/loss": scores.loss, "eval/acc": scores.accuracy})
 
-    from dschat.training.checkpoint import Checkpointer, TrainingPosition
-
     checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)  # the reference model is frozen
-    resumed = checkpointer.resume(counter)
-
-    print_rank_0("***** Running training *****", ctx.rank)
-    if resumed is None:
-        evaluate(0)
-    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
-        print_rank_0(
-            f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
-            ctx.rank)
-        set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
-        engine.train()
-        skip = checkpointer.batches_done(epoch)
-        for step, batch in enumerate(train_loader):
-            if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
-                continue
-            timer = StepTimer()
-            batch = prepare_batch(batch, ctx.device)
-            result.step_shapes.append(tuple(batch["input_ids"].shape))
-            loss = dpo_batch(engine, ref_engine, batch, **loss_options).loss
-            if args.print_loss:
-                print_loss_line(epoch, step, loss)
-            engine.backward(loss)
-            engine.step()
-            result.train_losses.append(loss.item())
-            result.step_times.append(timer.elapsed())
-            if ctx.rank == 0:
-                print_throughput(engine.module, args, result.step_times[-1], ctx.rank)
-            if counter.micro_step():
-                tb.scalars(counter.optimizer_steps, **{"train/loss": loss.item()})
-                checkpointer.maybe_save(TrainingPosition(epoch, step + 1, counter.micro_steps, counter.optimizer_steps))
-                if counter.done:
-                    break
-        evaluate(epoch + 1)
-        engine.tput_timer.update_epoch_count()
-        if counter.done:
-            print_rank_0(f"Reached --max_train_steps {args.max_train_steps}; stopping", ctx.rank)
-            break
-    tb.close()
-
-    result.optimizer_steps = counter.optimizer_steps
-    result.weight_digest = write_weight_digest(engine, "dpo")
-    if args.output_dir is not None:
-        print_rank_0("saving the final model ...", ctx.rank)
-        # Collective (ZeRO-3 gathers); LoRA is fused into the saved copy; written atomically.
-        save_hf_model(engine, tokenizer, args.output_dir)
-        result.output_dir = Path(args.output_dir)
-    result.engine = engine
-    return result
+    checkpointer.resume(counter)
+    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter, checkpointer=checkpointer,
+                 loss_fn=lambda batch: dpo_batch(engine, ref_engine, batch, **loss_options).loss, evaluate=evaluate,
+                 print_loss=args.print_loss)
+    return finish_run(args, ctx, engine, tokenizer, result, "dpo")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from dschat.cli.args import (
@@ -30,7 +29,6 @@ from dschat.errors import cli_main
 from dschat.training.common import (
     OptimizerStepCounter,
     RunResult,
-    StepTimer,
     TensorBoardLogger,
     apply_lora,
     check_common_args,
@@ -43,9 +41,7 @@ from dschat.training.common import (
     plan_optimizer_steps,
     reset_final_norm_for_reward,
     setup_run,
-    prepare_batch,
     train_ds_config,
-    write_weight_digest,
 )
 from dschat.utils.dist import print_rank_0
 
@@ -72,9 +68,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> RunResult:
-    from dschat.data.collators import DataCollatorReward, set_epoch_if_distributed
+    from dschat.data.collators import DataCollatorReward
     from dschat.data.prompt_dataset import create_prompt_dataset
-    from dschat.models.save import save_hf_model
+    from dschat.training.checkpoint import Checkpointer
+    from dschat.training.loop import finish_run, train_epochs
     from dschat.utils.model.model_utils import create_critic_model
 
     args = parse_args(argv)
@@ -131,66 +128,24 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
             f"rejected_last_scores (lower is better) : {rejected}, "
             f"acc (higher is better) : {acc}", ctx.rank)
 
-    from dschat.training.checkpoint import Checkpointer, TrainingPosition
+    def evaluate_every(total_steps: int) -> None:  # upstream's --eval_interval
+        if args.eval_interval and total_steps % args.eval_interval == 0:
+            print_rank_0(f"Iter {total_steps}: Evaluating reward", ctx.rank)
+            chosen, rejected, acc = evaluate(None)
+            print_rank_0(f"Iter {total_steps}: c_scores: {chosen}, r_scores: {rejected}, "
+                         f"diff: {chosen - rejected}, acc: {acc}", ctx.rank)
+
+    def epoch_loss(epoch: int, mean_loss: float) -> None:
+        print_rank_0(f"Epoch {epoch + 1}/{args.num_train_epochs} with loss {mean_loss}", ctx.rank)
 
     checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
-    resumed = checkpointer.resume(counter)
-
-    print_rank_0("***** Running training *****", ctx.rank)
-    if resumed is None:
-        evaluate_epoch(0)
-    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
-        print_rank_0(
-            f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
-            ctx.rank)
-        set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
-        engine.train()
-        mean_loss = 0.0
-        skip = checkpointer.batches_done(epoch)
-        if skip:
-            mean_loss = float(resumed.extra.get("mean_loss", 0.0))
-        for step, batch in enumerate(train_loader):
-            if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
-                continue
-            timer = StepTimer()
-            batch = prepare_batch(batch, ctx.device)
-            result.step_shapes.append(tuple(batch["input_ids"].shape))
-            loss = engine(**batch, use_cache=False)["loss"]
-            engine.backward(loss)
-            engine.step()
-            mean_loss += loss.item()
-            result.train_losses.append(loss.item())
-            result.step_times.append(timer.elapsed())  # not printed: upstream's step 2 has no throughput line
-            if counter.micro_step():
-                total_steps = counter.optimizer_steps
-                tb.scalars(total_steps, **{"train/loss": loss.item()})
-                if args.eval_interval and total_steps % args.eval_interval == 0:
-                    print_rank_0(f"Iter {total_steps}: Evaluating reward", ctx.rank)
-                    chosen, rejected, acc = evaluate(None)
-                    print_rank_0(f"Iter {total_steps}: c_scores: {chosen}, r_scores: {rejected}, "
-                                 f"diff: {chosen - rejected}, acc: {acc}", ctx.rank)
-                    engine.train()
-                checkpointer.maybe_save(TrainingPosition(epoch, step + 1, counter.micro_steps, counter.optimizer_steps,
-                                                         extra={"mean_loss": mean_loss}))
-                if counter.done:
-                    break
-        print_rank_0(f"Epoch {epoch + 1}/{args.num_train_epochs} with loss {mean_loss / (step + 1)}", ctx.rank)
-        evaluate_epoch(epoch + 1)
-        engine.tput_timer.update_epoch_count()
-        if counter.done:
-            print_rank_0(f"Reached --max_train_steps {args.max_train_steps}; stopping", ctx.rank)
-            break
-    tb.close()
-
-    result.optimizer_steps = counter.optimizer_steps
-    result.weight_digest = write_weight_digest(engine, "step2")
-    if args.output_dir is not None:
-        print_rank_0("saving model ...", ctx.rank)
-        # Collective (ZeRO-3 gathers); body as an HF folder + v_head.safetensors; atomic.
-        save_hf_model(engine, tokenizer, args.output_dir)
-        result.output_dir = Path(args.output_dir)
-    result.engine = engine
-    return result
+    checkpointer.resume(counter)
+    # No throughput line: upstream's step 2 has none (the step times are in the result).
+    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter, checkpointer=checkpointer,
+                 loss_fn=lambda batch: engine(**batch, use_cache=False)["loss"], evaluate=evaluate_epoch,
+                 on_optimizer_step=evaluate_every, on_epoch_end=epoch_loss, print_throughput=False)
+    # The body as an HF folder + v_head.safetensors.
+    return finish_run(args, ctx, engine, tokenizer, result, "step2")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,132 @@
+"""The epoch loop of steps 1, 2 and DPO, and the final save they share.
+
+Each step script builds its engine, then calls :func:`train_epochs` with a ``loss_fn`` (one
+micro-batch -> loss) and an ``evaluate`` callback, then :func:`finish_run`. The loop owns what the
+three have in common: per-epoch sampler order, resume (skipping the micro-batches a checkpoint
+already trained), the non-finite guard, the optimizer-step counter and ``--max_train_steps``,
+checkpoints, the loss / throughput lines and TensorBoard's ``train/loss``.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch.utils.data import DataLoader
+
+from dschat.training.checkpoint import Checkpointer, TrainingPosition, latest_checkpoint
+from dschat.training.common import (
+    OptimizerStepCounter,
+    RunContext,
+    RunResult,
+    StepTimer,
+    TensorBoardLogger,
+    prepare_batch,
+    print_loss_line,
+    write_weight_digest,
+)
+from dschat.training.nonfinite import NonFiniteGuard
+from dschat.utils.dist import print_rank_0
+
+
+def train_epochs(
+    args: argparse.Namespace,
+    ctx: RunContext,
+    engine: Any,
+    train_loader: DataLoader,
+    *,
+    result: RunResult,
+    tb: TensorBoardLogger,
+    counter: OptimizerStepCounter,
+    checkpointer: Checkpointer,
+    loss_fn: Callable[[dict], torch.Tensor],
+    evaluate: Callable[[int], None],
+    on_optimizer_step: Callable[[int], None] | None = None,
+    on_epoch_end: Callable[[int, float], None] | None = None,
+    print_loss: bool = False,
+    print_throughput: bool = True,
+) -> None:
+    """Train ``engine`` for ``--num_train_epochs`` (or ``--max_train_steps``), resuming where
+    ``checkpointer.resume`` left off.
+
+    ``evaluate(epoch)`` runs before training (epoch 0, not on resume) and after each epoch;
+    ``on_optimizer_step(optimizer_steps)`` after every optimizer step (step 2's ``--eval_interval``);
+    ``on_epoch_end(epoch, mean_loss)`` before the epoch's evaluation, with the mean micro-step loss
+    of the epoch (kept across a resume).
+    """
+    from dschat.data.collators import set_epoch_if_distributed
+    from dschat.utils.perf import print_throughput as throughput_line
+
+    resumed = checkpointer.position
+    guard = NonFiniteGuard(args.max_nonfinite_steps, ctx.rank, ctx.device,
+                           last_checkpoint=lambda: latest_checkpoint(checkpointer.root) if checkpointer.root else None)
+    print_rank_0("***** Running training *****", ctx.rank)
+    if resumed is None:
+        evaluate(0)
+    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
+        if counter.done:  # resumed from the run's last checkpoint: only the final save is left
+            break
+        print_rank_0(
+            f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
+            ctx.rank)
+        set_epoch_if_distributed(train_loader, epoch)  # a new order each epoch (upstream never called it)
+        engine.train()
+        skip = checkpointer.batches_done(epoch)
+        loss_sum = float(resumed.extra.get("epoch_loss_sum", 0.0)) if skip and resumed else 0.0
+        trained = int(resumed.extra.get("epoch_trained", skip)) if skip and resumed else 0
+        for step, batch in enumerate(train_loader):
+            if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
+                continue
+            timer = StepTimer()
+            batch = prepare_batch(batch, ctx.device)
+            result.step_shapes.append(tuple(batch["input_ids"].shape))
+            loss = loss_fn(batch)
+            if print_loss:
+                print_loss_line(epoch, step, loss)
+            if not guard.loss_ok(loss, where=f"epoch {epoch} step {step}"):
+                continue
+            engine.backward(loss)
+            if not guard.step(engine, where=f"epoch {epoch} step {step}"):
+                continue
+            loss_sum += loss.item()
+            trained += 1
+            result.train_losses.append(loss.item())
+            result.step_times.append(timer.elapsed())
+            if print_throughput and ctx.rank == 0:
+                throughput_line(engine.module, args, result.step_times[-1], ctx.rank)
+            if counter.micro_step():
+                tb.scalars(counter.optimizer_steps, **{"train/loss": loss.item()})
+                if on_optimizer_step is not None:
+                    on_optimizer_step(counter.optimizer_steps)
+                    engine.train()
+                checkpointer.maybe_save(TrainingPosition(
+                    epoch, step + 1, counter.micro_steps, counter.optimizer_steps,
+                    extra={"epoch_loss_sum": loss_sum, "epoch_trained": trained}))
+                if counter.done:
+                    break
+        if on_epoch_end is not None:
+            on_epoch_end(epoch, loss_sum / max(trained, 1))
+        evaluate(epoch + 1)
+        engine.tput_timer.update_epoch_count()
+        if counter.done:
+            print_rank_0(f"Reached --max_train_steps {args.max_train_steps}; stopping", ctx.rank)
+            break
+    tb.close()
+    result.optimizer_steps = counter.optimizer_steps
+    result.skipped_nonfinite = guard.skipped
+
+
+def finish_run(args: argparse.Namespace, ctx: RunContext, engine: Any, tokenizer: Any, result: RunResult,
+               digest_tag: str) -> RunResult:
+    """The weight digest (2-rank tests), the final Hugging Face folder (collective: ZeRO-3 gathers;
+    LoRA fused into the saved copy; written atomically), and the engine on the result."""
+    from dschat.models.save import save_hf_model
+
+    result.weight_digest = write_weight_digest(engine, digest_tag)
+    if args.output_dir is not None:
+        print_rank_0("saving the final model ...", ctx.rank)
+        save_hf_model(engine, tokenizer, args.output_dir)
+        result.output_dir = Path(args.output_dir)
+    result.engine = engine
+    return result
