@@ -44,6 +44,7 @@ from dschat.errors import UserError
 from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.guards import BatchPlan, plan_batches
 from dschat.rlhf.hybrid_engine import Rollout
+from dschat.training.nonfinite import NonFiniteGuard
 from dschat.utils.dist import get_rank, get_world_size, print_rank_0
 
 __all__ = [
@@ -149,6 +150,9 @@ class DeepSpeedPPOTrainer:
         self.align_overflow = bool(args.align_overflow) and self.dtype == "fp16"
         if self.align_overflow:
             self._check_align_overflow_support()
+        # --max_nonfinite_steps: rollouts and micro-steps with NaN/inf are skipped, counted, logged;
+        # step 3's main points ``last_checkpoint`` at its checkpoints for the stop message.
+        self.nonfinite = NonFiniteGuard(int(getattr(args, "max_nonfinite_steps", 10)), get_rank(), self.device)
 
     # ================================================================== generation + experience
     @property
@@ -269,6 +273,11 @@ class DeepSpeedPPOTrainer:
                                                      return_value_only=True).detach()[:, :-1].float()
         self.experience_time = time.time() - generate_end
         action_mask = attention_mask[:, 1:] * valid[:, None].to(attention_mask.dtype)
+        kept = action_mask.bool()
+        if not self.nonfinite.check(logprobs[kept], ref_logprobs[kept], values[kept], reward_score[valid],
+                                    message=f"non-finite log-probs, values or reward in the rollout of step {step}; "
+                                            "rollout skipped"):
+            return None  # every rank agrees (the check is collective): no experience, no update
         return Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, position_ids=position_ids,
                           action_mask=action_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
                           reward_score=reward_score, valid=valid)
@@ -407,16 +416,25 @@ class DeepSpeedPPOTrainer:
         old_logprobs = actor_log_prob.detach() if self.plan.on_policy else stored
         actor_loss = self.actor_loss_fn(actor_log_prob, old_logprobs, advantages, mask, normalizer)
         policy = rl_math.ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=self.cliprange)
-        self.actor_model.backward(actor_loss)
-        if not self.align_overflow:
-            self.actor_model.step()
+        # A non-finite loss skips that model's backward and step (--max_nonfinite_steps); with more
+        # than one micro-step per optimizer step, its accumulation then continues on the next one.
+        actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
+        if actor_ok:
+            self.actor_model.backward(actor_loss)
+            if not self.align_overflow:
+                self.nonfinite.step(self.actor_model, where="a PPO actor step")
 
         value = self.critic_model.forward_value(**batch, return_value_only=True, use_cache=False)[:, :-1]
         critic_loss = self.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
-        self.critic_model.backward(critic_loss)
-        if self.align_overflow:
-            self._aligned_steps()
-        self.critic_model.step()
+        critic_ok = self.nonfinite.loss_ok(critic_loss, where="a PPO critic micro-step")
+        if critic_ok:
+            self.critic_model.backward(critic_loss)
+        if self.align_overflow:  # fp16: both models step together, DeepSpeed's loss scaler decides
+            if actor_ok and critic_ok:
+                self._aligned_steps()
+                self.critic_model.step()
+        elif critic_ok:
+            self.nonfinite.step(self.critic_model, where="a PPO critic step")
 
         self.micro_stats.append(MicroStepStats(
             actor_loss=actor_loss.item(), critic_loss=critic_loss.item(),
@@ -501,6 +519,7 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
         loss = outputs.loss
         if self.compute_fp32_loss:
             loss = rl_math.causal_lm_loss(outputs.logits, inputs["labels"], fp32=True)
-        self.actor_model.backward(unsup_coef * loss)
-        self.actor_model.step()
+        if self.nonfinite.loss_ok(loss, where="a PPO-ptx micro-step"):
+            self.actor_model.backward(unsup_coef * loss)
+            self.nonfinite.step(self.actor_model, where="a PPO-ptx step")
         return loss

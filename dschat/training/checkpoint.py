@@ -5,6 +5,8 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_<N>`` (N = optimizer st
 
 * one DeepSpeed checkpoint per trainable engine (``engine.save_checkpoint``: module, optimizer,
   LR scheduler, loss scaler, under the tag ``<name>``);
+* ``<name>.safetensors`` per engine kept as weights only (step 3's EMA actor: no optimizer, and
+  DeepSpeed cannot checkpoint an optimizer-less ZeRO-3 engine), gathered under ZeRO-3;
 * ``rng_rank<r>.json``: every rank's Python, NumPy, torch (and CUDA) random states, as JSON;
 * ``dschat_checkpoint.json``, written last: the data position (epoch, micro-steps done in that
   epoch), the step counters and any caller state. A folder without it is incomplete.
@@ -134,9 +136,48 @@ def _barrier() -> None:
         torch.distributed.barrier()
 
 
+def _is_zero3(param: torch.nn.Parameter) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def save_weights(engine: Any, path: Path, rank: int) -> None:
+    """Every parameter of ``engine`` (ZeRO-3: gathered) to one safetensors file, written by rank 0
+    (collective)."""
+    import deepspeed
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for name, param in getattr(engine, "module", engine).named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=_is_zero3(param)):
+            if rank == 0:
+                tensors[name] = param.detach().to("cpu").clone().contiguous()
+    if rank == 0:
+        save_file(tensors, str(path))
+
+
+def load_weights(engine: Any, path: Path, rank: int) -> None:
+    """The inverse of :func:`save_weights` (collective; ZeRO-3: rank 0 writes, DeepSpeed re-partitions)."""
+    import deepspeed
+    from safetensors.torch import load_file
+
+    state = load_file(str(path))
+    module = getattr(engine, "module", engine)
+    names = [name for name, _ in module.named_parameters()]
+    if sorted(names) != sorted(state):
+        raise UserError(f"{path} does not match this model's parameters; resume with the flags that wrote it")
+    for name, param in module.named_parameters():
+        zero3 = _is_zero3(param)
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=zero3):
+            if rank == 0 or not zero3:
+                with torch.no_grad():
+                    param.copy_(state[name].to(param.device, param.dtype))
+
+
 def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPosition, *, keep: int,
-                    rank: int, meta: Mapping[str, Any] | None = None) -> Path:
-    """Write a checkpoint of ``engines`` at ``position`` (collective: every rank calls it)."""
+                    rank: int, meta: Mapping[str, Any] | None = None,
+                    weights_only: Mapping[str, Any] | None = None) -> Path:
+    """Write a checkpoint of ``engines`` (full DeepSpeed state) and ``weights_only`` (parameters)
+    at ``position`` (collective: every rank calls it)."""
     name = checkpoint_name(position.optimizer_steps)
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}"
@@ -147,11 +188,13 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     _barrier()
     for tag, engine in engines.items():
         engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
+    for tag, engine in (weights_only or {}).items():
+        save_weights(engine, tmp / f"{tag}.safetensors", rank)
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()), encoding="utf-8")
     _barrier()
     if rank == 0:
         record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
-                  "meta": dict(meta or {})}
+                  "weights_only": sorted(weights_only or {}), "meta": dict(meta or {})}
         (tmp / MARKER).write_text(json.dumps(record, indent=2), encoding="utf-8")
         if final.exists():  # the same step saved again (e.g. after a resume): replace it
             shutil.rmtree(final)
@@ -163,11 +206,14 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     return final
 
 
-def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int) -> TrainingPosition:
-    """Restore ``engines`` and this rank's random states from ``folder``; return the position."""
+def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
+                    weights_only: Mapping[str, Any] | None = None) -> TrainingPosition:
+    """Restore ``engines``, ``weights_only`` and this rank's random states from ``folder``; return
+    the position."""
     position = read_position(folder)
     record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
     missing = sorted(set(engines) - set(record.get("engines", [])))
+    missing += sorted(set(weights_only or {}) - set(record.get("weights_only", [])))
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
     for tag, engine in engines.items():
@@ -176,6 +222,8 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int) -> Trai
         if path is None:
             raise UserError(f"could not load the '{tag}' state from {folder}; the checkpoint is damaged, "
                             "pass --resume_from with an older one")
+    for tag, engine in (weights_only or {}).items():
+        load_weights(engine, folder / f"{tag}.safetensors", rank)
     rng_file = folder / f"rng_rank{rank}.json"
     if not rng_file.is_file():
         raise UserError(f"{folder} has no random state for rank {rank}: it was written with another number of "
@@ -190,9 +238,11 @@ class Checkpointer:
     """What a step script needs: ``resume()`` once after the engines exist, ``maybe_save()`` after
     every optimizer step."""
 
-    def __init__(self, args: Any, engines: Mapping[str, Any], rank: int) -> None:
+    def __init__(self, args: Any, engines: Mapping[str, Any], rank: int,
+                 weights_only: Mapping[str, Any] | None = None) -> None:
         self.args = args
         self.engines = dict(engines)
+        self.weights_only = dict(weights_only or {})
         self.rank = rank
         self.interval = int(getattr(args, "save_interval", 0) or 0)
         self.keep = int(getattr(args, "keep_checkpoints", 2))
@@ -226,7 +276,7 @@ class Checkpointer:
                 return None
         else:
             return None
-        return load_checkpoint(folder, self.engines, self.rank)
+        return load_checkpoint(folder, self.engines, self.rank, self.weights_only)
 
     def due(self, optimizer_steps: int) -> bool:
         return self.root is not None and self.interval > 0 and optimizer_steps % self.interval == 0
@@ -234,7 +284,8 @@ class Checkpointer:
     def maybe_save(self, position: TrainingPosition) -> Path | None:
         if not self.due(position.optimizer_steps):
             return None
-        return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank)
+        return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
+                               weights_only=self.weights_only)
 
 
 def check_checkpoint_args(args: Any) -> None:
@@ -243,12 +294,25 @@ def check_checkpoint_args(args: Any) -> None:
         raise UserError("--save_interval must be >= 0 (0: no checkpoints)")
     if getattr(args, "keep_checkpoints", 1) < 1:
         raise UserError("--keep_checkpoints must be >= 1")
+    if getattr(args, "max_nonfinite_steps", 0) < 0:
+        raise UserError(f"--max_nonfinite_steps must be >= 0 (0: never stop), got {args.max_nonfinite_steps}")
     wants = getattr(args, "save_interval", 0) > 0 or getattr(args, "resume", False)
     if wants and not args.output_dir:
         raise UserError("--save_interval and --resume need --output_dir (checkpoints live in <output_dir>/checkpoints)")
     source = getattr(args, "resume_from", None)
     if getattr(args, "resume", False) and source:
         raise UserError("pass either --resume (the newest checkpoint in --output_dir) or --resume_from DIR, not both")
+    root = checkpoint_root(args.output_dir) if args.output_dir else None
+    if root is not None and os.environ.get("RANK", "0") == "0":  # one process renames
+        from dschat.models.save import recover_output_dir
+
+        for notice in recover_output_dir(args.output_dir):
+            print(f"[checkpoint] {notice}", flush=True)
+    if root is not None and not getattr(args, "resume", False) and not source and (
+            complete_checkpoints(root) or incomplete_checkpoints(root)):
+        # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
+        raise UserError(f"{root} holds checkpoints of an earlier run; pass --resume to continue that run, or "
+                        f"delete {root} to start over")
     if source and not (Path(source) / MARKER).is_file():
         raise UserError(f"--resume_from {source}: not a complete dschat checkpoint (no {MARKER}); pick a "
                         "folder <output_dir>/checkpoints/step_N, or --resume for the newest one")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dschat.cli.args import (
+    add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
     add_eot_args,
@@ -50,6 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_step3_logging_args(parser)
     add_runtime_args(parser, seed=1234)  # upstream's None was not reproducible (§10.20)
     add_eot_args(parser, eot_token_flag=False)
+    add_checkpoint_args(parser)
     add_deepspeed_args(parser)
     return parser.parse_args(argv)
 
@@ -62,6 +64,7 @@ class Step3Result:
     output_dir: Path | None = None
     history: list[dict] = field(default_factory=list)
     skipped_steps: list[int] = field(default_factory=list)
+    skipped_nonfinite: int = 0  # rollouts and micro-steps the non-finite guard skipped
     on_policy: bool = True
     rlhf_engine: Any = None
     trainer: Any = None
@@ -131,6 +134,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.rlhf.guards import plan_batches, validate_step3_args
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.training.checkpoint import Checkpointer, TrainingPosition, check_checkpoint_args, latest_checkpoint
     from dschat.training.common import TensorBoardLogger, setup_run, to_device
     from dschat.utils.dist import get_all_reduce_mean
     from dschat.utils.ds_utils import resolve_dtype
@@ -140,6 +144,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)
     warnings = validate_step3_args(args, accelerator=get_accelerator().device_name(), dtype=resolve_dtype(args.dtype))
+    check_checkpoint_args(args)
     check_paths(args)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
@@ -167,13 +172,33 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     if not plan.on_policy:
         print_rank_0(plan.off_policy_warning(args.cliprange), ctx.rank)
 
-    # ---------------------------------------------------------------- PPO loop
+    # ---------------------------------------------------------------- resume
+    # A checkpoint is written after a trained PPO iteration (--save_interval counts iterations), when
+    # no rollout is half collected: the trainable engines (actor, critic, EMA), the random states,
+    # the prompt position and the counters below.
     ema_reward_score = ExponentialMovingAverage()
     non_overflow_step_count = 0
     global_step = 0  # PPO iterations trained, never reset (TensorBoard x-axis; upstream reset per epoch)
+    checkpointer = Checkpointer(args, {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}, ctx.rank,
+                                weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema})
+    trainer.nonfinite.last_checkpoint = lambda: latest_checkpoint(checkpointer.root) if checkpointer.root else None
+    resumed = checkpointer.resume()
+    if resumed is not None:
+        global_step = resumed.optimizer_steps
+        non_overflow_step_count = resumed.extra["non_overflow_step_count"]
+        ema_reward_score.ema = resumed.extra["ema_reward"]
+        trainer.nonfinite.consecutive, trainer.nonfinite.skipped = resumed.extra["nonfinite"]
+        if args.output_dir is not None and ctx.rank == 0:
+            _truncate_metrics(Path(args.output_dir) / METRICS_FILE, global_step)
+
+    # ---------------------------------------------------------------- PPO loop
     gen_time = exp_time = 0.0  # summed over the generation batches of the current rollout
-    stop = False
-    for epoch in range(args.num_train_epochs):
+    # Resumed from the checkpoint a test-mode run ended with: only the final save is left.
+    stop = bool(resumed and args.enable_test_mode and non_overflow_step_count >= args.test_stop_step)
+    trained = False
+    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
+        if stop:
+            break
         num_batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
         print_rank_0(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Generation Batches "
                      f"{num_batches}", ctx.rank)
@@ -181,7 +206,10 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
         if unsup_loader is not None:
             set_epoch_if_distributed(unsup_loader, epoch)
         unsup_batches = unsup_loader if unsup_loader is not None else itertools.repeat(None)
+        skip = checkpointer.batches_done(epoch)
         for step, (batch_prompt, batch_unsup) in enumerate(zip(prompt_loader, unsup_batches)):
+            if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
+                continue
             # Prompts come left-padded to --max_prompt_seq_len; columns that are padding in every row
             # change no output (positions come from the mask), so they are dropped before generation.
             batch_prompt = drop_padding_columns(to_device(batch_prompt, ctx.device), "prompt_att_mask", side="left")
@@ -235,15 +263,23 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
                         _append_metrics(Path(args.output_dir) / METRICS_FILE, record, fresh=global_step == 0)
                     global_step += 1
                     gen_time = exp_time = 0.0
+                    trained = True
             actor_overflow, critic_overflow = trainer.get_overflow()
             if not actor_overflow and not critic_overflow:
                 non_overflow_step_count += 1
+            if trained:
+                trained = False
+                checkpointer.maybe_save(TrainingPosition(
+                    epoch, step + 1, 0, global_step,
+                    extra={"non_overflow_step_count": non_overflow_step_count, "ema_reward": ema_reward_score.ema,
+                           "nonfinite": [trainer.nonfinite.consecutive, trainer.nonfinite.skipped]}))
             if args.enable_test_mode and non_overflow_step_count == args.test_stop_step:
                 stop = True
                 break
         if stop:
             break
     tb.close()
+    result.skipped_nonfinite = trainer.nonfinite.skipped
 
     # ---------------------------------------------------------------- save
     if args.output_dir is not None:
@@ -294,6 +330,23 @@ def _append_metrics(path: Path, record: dict, *, fresh: bool) -> None:
     line = json.dumps({k: v for k, v in record.items() if k != "micro_steps"}, allow_nan=True)
     with path.open("w" if fresh else "a", encoding="utf-8") as f:
         f.write(line + "\n")
+
+
+def _truncate_metrics(path: Path, iterations: int) -> None:
+    """On resume: keep the lines of the iterations the checkpoint holds (a killed run may have
+    written more), so the resumed run's lines follow without duplicates."""
+    import json
+
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("global_step", iterations) < iterations:
+                kept.append(line + "\n")
+        except json.JSONDecodeError:  # a line cut by the kill
+            continue
+    path.write_text("".join(kept), encoding="utf-8")
 
 
 def _tensorboard_scalars(record: dict) -> dict[str, float]:
