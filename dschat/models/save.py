@@ -51,6 +51,14 @@ def _keep(name: str) -> bool:
     return not is_model_artifact(name)
 
 
+def recover_output_dir(output_dir: str | Path) -> list[str]:
+    """Repair ``output_dir`` after a kill during :func:`save_hf_model`'s folder swap (see
+    :func:`dschat.utils.fs.recover_dir`): its logs and ``checkpoints/`` are never left hidden."""
+    from dschat.utils.fs import recover_dir
+
+    return recover_dir(output_dir, carry_over=_keep)
+
+
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 

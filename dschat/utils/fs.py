@@ -90,3 +90,41 @@ def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None = None) -> list[str]:
+    """Finish or undo an :func:`atomic_dir` swap that a kill interrupted; return one notice per fix.
+
+    * Killed between moving the old folder aside and renaming the new one into place (no ``path``,
+      an ``.old-*`` sibling): the new folder was complete (the old one is moved aside only then), so
+      the swap is finished; without a new folder the old one is put back.
+    * An unfinished ``.partial-*`` sibling beside an existing ``path``: the entries ``carry_over``
+      had moved into it (logs, ``checkpoints/``) go back into ``path``; the rest is deleted.
+
+    Call it before reading ``path`` (one process at a time: it renames).
+    """
+    path = Path(path)
+    if not path.parent.is_dir():
+        return []
+    notices: list[str] = []
+
+    def siblings(tag: str) -> list[Path]:
+        found = [p for p in path.parent.glob(f".{path.name}.{tag}-*") if p.is_dir()]
+        return sorted(found, key=lambda p: p.stat().st_mtime)
+
+    partials, olds = siblings("partial"), siblings("old")
+    if not path.exists() and (partials or olds):
+        source = partials.pop() if partials else olds.pop()
+        os.replace(source, path)
+        notices.append(f"finished an interrupted save of {path} (from {source.name})")
+    for partial in partials:
+        if carry_over is not None:
+            for entry in partial.iterdir():
+                if carry_over(entry.name) and not (path / entry.name).exists():
+                    os.replace(entry, path / entry.name)
+        shutil.rmtree(partial, ignore_errors=True)
+        notices.append(f"removed the unfinished save {partial.name} beside {path}")
+    for old in olds:
+        shutil.rmtree(old, ignore_errors=True)
+    return notices
+
