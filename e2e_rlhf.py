@@ -271,6 +271,14 @@ def check_inputs_of_step3(args: argparse.Namespace, dep: Deployment, runs: Seque
             )
 
 
+def output_problem(run_: StepRun) -> str | None:
+    """Why ``run_``'s output is not a finished step, or None (final folders are written atomically,
+    so a usable folder is a finished one)."""
+    if run_.number == 3:
+        return folder_problem(run_.output_dir / "actor", "actor") or folder_problem(run_.output_dir / "critic", "reward")
+    return folder_problem(run_.output_dir, "reward" if run_.number == 2 else "actor")
+
+
 def check_output_of(run_: StepRun) -> None:
     kind = {1: "actor", 2: "reward"}.get(run_.number)
     folder = run_.output_dir / "actor" if run_.number == 3 else run_.output_dir
@@ -362,10 +370,18 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
     dschat.add_argument("--report", choices=("auto", "always", "never"), default="auto",
                         help="evaluate after step 3 (auto: when step 3 trained on dschat/builtin)")
     dschat.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    dschat.add_argument("--resume", action="store_true",
+                        help="continue an interrupted run: skip the steps whose model folders are complete, resume "
+                             "the first unfinished one from its newest checkpoint (steps after it run afresh)")
+    dschat.add_argument("--save-interval", type=int, default=None, metavar="N",
+                        help="pass --save_interval N to every step: a resumable checkpoint every N optimizer "
+                             "steps (step 3: PPO iterations)")
     args = parser.parse_args(argv)
     if args.actor_zero_stage != "" or args.reward_zero_stage != "":
         warnings.warn("Non-default zero stages may result in OOM errors or worse performance.", stacklevel=1)
     args.step = sorted(set(args.step))
+    if args.save_interval is not None and args.save_interval < 1:
+        raise UserError(f"--save-interval must be >= 1, got {args.save_interval}")
     return args
 
 
@@ -471,13 +487,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
     spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
 
+    ran_one = False  # --resume: once a step runs, the later ones are stale and run afresh
+    save = ["--save_interval", str(args.save_interval)] if args.save_interval else []
     for index, run_ in enumerate(selected):
+        resume: list[str] = []
+        if args.resume and not ran_one:
+            if output_problem(run_) is None:
+                print(f"---=== Step {run_.number} is complete in {run_.output_dir}; skipping it (--resume) ===---",
+                      flush=True)
+                continue
+            resume = ["--resume"]  # the newest checkpoint in its output folder, or from scratch with a notice
+        ran_one = True
         print(f"---=== Running Step {run_.number} ===---", flush=True)
         if run_.note:
             print(f"note: {run_.note}", flush=True)
         if run_.number == 3 and not args.dry_run:
             check_inputs_of_step3(args, dep, runs)
-        launch = plan(run_.recipe, run_.params, run_.extra, launcher_overrides=launcher,
+        launch = plan(run_.recipe, run_.params, run_.extra + save + resume, launcher_overrides=launcher,
                       repo_root=ROOT, require_main=not args.dry_run)
         print(f"Step {run_.number} of {selected[-1].number}: {run_.recipe.step.title}, recipe {run_.recipe.id} "
               f"({run_.recipe.source}); output {run_.output_dir}", flush=True)

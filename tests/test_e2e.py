@@ -250,3 +250,45 @@ def test_step3_writes_metrics_for_the_ppo_plot(tiny_run):
     records = read_metrics(out / "step3-models/tiny-llama/metrics.jsonl")
     assert len(records) == 2  # cpu/tiny stops after 2 PPO steps
     assert all({"step", "reward", "kl_to_ref", "response_length"} <= set(r) for r in records)
+
+
+def test_resume_skips_finished_steps_and_resumes_the_first_unfinished_one(tmp_path):
+    for folder in ("actor-models/tiny-llama", "reward-models/tiny-llama"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "config.json").write_text("{}")
+        (tmp_path / folder / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "reward-models/tiny-llama/v_head.safetensors").write_bytes(b"x")
+    proc = _e2e("--dry-run", "--resume", "--save-interval", "5", "--deployment-type", "cpu", "--actor-model",
+                "tiny-llama", "--reward-model", "tiny-llama", "--output-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"---=== Step 1 is complete in {tmp_path}/actor-models/tiny-llama; skipping it (--resume) ===---" in proc.stdout
+    assert "Step 2 is complete" in proc.stdout and "---=== Running Step 3 ===---" in proc.stdout
+    command = next(line for line in proc.stdout.splitlines() if "main.py" in line)
+    assert "step3_rlhf_finetuning" in command and command.endswith("--save_interval 5 --resume")
+    # Without step 2's value head, step 2 is the one resumed and step 3 runs afresh after it.
+    (tmp_path / "reward-models/tiny-llama/v_head.safetensors").unlink()
+    proc = _e2e("--dry-run", "--resume", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                "tiny-llama", "--output-dir", str(tmp_path))
+    commands = [line for line in proc.stdout.splitlines() if "main.py" in line]
+    assert len(commands) == 2 and commands[0].endswith("--resume") and not commands[1].endswith("--resume")
+
+
+@pytest.mark.slow
+def test_e2e_resume_after_a_lost_step3(tiny_run, tmp_path):
+    """Steps 1 and 2 done, step 3 lost: --resume skips 1 and 2 and trains step 3 with checkpoints."""
+    import shutil
+
+    out, proc = tiny_run
+    assert proc.returncode == 0
+    for folder in ("actor-models", "reward-models"):
+        shutil.copytree(out / folder, tmp_path / folder)
+    proc = _e2e("--resume", "--save-interval", "1", "--report", "never", "--deployment-type", "cpu", "--actor-model",
+                "tiny-llama", "--reward-model", "tiny-llama", "--output-dir", str(tmp_path),
+                env={"OMP_NUM_THREADS": "2"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Step 1 is complete" in proc.stdout and "Step 2 is complete" in proc.stdout
+    assert "---=== Finished Step 3 in " in proc.stdout
+    log = (tmp_path / "step3-models/tiny-llama/training.log").read_text()
+    assert "--resume: no complete checkpoint under" in log
+    checkpoints = sorted(p.name for p in (tmp_path / "step3-models/tiny-llama/checkpoints").iterdir())
+    assert checkpoints == ["step_00000001", "step_00000002"]
