@@ -143,6 +143,8 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     if resumed is None:
         evaluate(0)
     for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
+        if counter.done:  # resumed from the run's last checkpoint: only the final save is left
+            break
         print_rank_0(
             f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Micro Batches {len(train_loader)}",
             ctx.rank)
