@@ -138,3 +138,16 @@ def test_resume_from_a_folder_that_is_no_checkpoint_exits_2(tmp_path):
                     "--data_output_path", str(tmp_path / "d"), "--resume_from", str(tmp_path)], cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "not a complete dschat checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["step1-z0", "step2-z0", "dpo-z2"])
+def test_resuming_from_the_last_checkpoint_trains_no_further(case, data_dir, tmp_path):
+    # A run killed after its last checkpoint (e.g. during the final model save) has only the save
+    # left; it used to train one more micro-step past --max_train_steps.
+    step, model, extra = CASES[case]
+    main = load_script(step).main
+    argv = base_argv(model, data_dir, *extra, "--save_interval", "2", "--output_dir", str(tmp_path / "o"),
+                     max_train_steps=2, batch_size=2)
+    assert len(main(argv).train_losses) == 2
+    again = main([*argv, "--resume"])
+    assert again.train_losses == [] and again.optimizer_steps == 2
