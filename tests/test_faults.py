@@ -1,7 +1,8 @@
 """Faults, as real processes meet them: step 1 SIGKILLed at a random step, in the middle of a
-checkpoint, in the middle of the final model save, and a two-rank run in which rank 1 dies.
+checkpoint, in the middle of the final model save; step 3 SIGKILLed at a random PPO iteration and
+in the middle of a checkpoint; and a two-rank run in which rank 1 dies.
 
-Every run is a subprocess of the step-1 script. The kills inside a save are placed exactly (not a
+Every run is a subprocess of a step script. The kills inside a save are placed exactly (not a
 timing race) by ``tests/kill_at.py``, which wraps the script and SIGKILLs its own process right
 after a chosen call. After each kill the test checks that the kill happened (exit status -9), what
 is on disk, and that ``--resume`` ends with the weights of a run that was never interrupted, bit
@@ -59,12 +60,12 @@ class Run:
         return "\n".join(line for _, line in self.lines[-40:])
 
 
-def watch(cmd: list[str], *, kill_on: str | None = None, **env: str) -> Run:
+def watch(cmd: list[str], *, kill_on: str | None = None, cwd: Path = STEP_DIRS["step1"], **env: str) -> Run:
     """Run ``cmd`` in the step-1 folder in a process group of its own, reading its output as it
     comes; SIGKILL the process as soon as a line contains ``kill_on``. A run that outlives
     ``RUN_TIMEOUT_S`` has its whole group killed and fails the test."""
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.Popen(cmd, cwd=STEP_DIRS["step1"], env=cli_env(**env), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=cwd, env=cli_env(**env), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     lines: list[tuple[float, str]] = []
 
@@ -264,3 +265,68 @@ def test_a_dying_rank_ends_the_two_rank_run_in_bounded_time(data_dir, tmp_path):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# ------------------------------------------------------------------------------------------ step 3
+PPO_ITERATIONS = 5
+
+
+def run_step3(data_dir: Path, critic: Path, out: Path, *extra: str, kill: str | None = None,
+              kill_on: str | None = None) -> Run:
+    from step3_support import STEP3_DIR, base_argv as step3_argv
+
+    # EMA on and dropout in the actor: every saved state and the random states matter.
+    argv = ["main.py", *step3_argv("tiny-opt", critic, data_dir, "--enable_ema", "--actor_dropout", "0.1",
+                                   "--save_interval", "1", "--output_dir", str(out), *extra, steps=PPO_ITERATIONS)]
+    if kill is None:
+        return watch([PYTHON, *argv], kill_on=kill_on, cwd=STEP3_DIR)
+    return watch([PYTHON, str(KILL_AT), *argv], kill_on=kill_on, cwd=STEP3_DIR, DSCHAT_TEST_KILL=kill)
+
+
+def ppo_steps(run: Run) -> list[int]:
+    return [int(m.group(1)) for m in re.finditer(r"^Epoch: 0 \| Step: (\d+) \| PPO Epoch", run.text, re.M)]
+
+
+def assert_same_step3_weights(out: Path, reference: Path) -> None:
+    for name in ("actor", "critic", "actor_ema"):
+        got, expected = load_file(str(out / name / "model.safetensors")), load_file(str(reference / name / "model.safetensors"))
+        assert all(torch.equal(got[k], expected[k]) for k in expected), f"{name} differs from the uninterrupted run's"
+
+
+@pytest.fixture(scope="module")
+def step3_setup(tmp_path_factory):
+    from step3_support import make_critic_folder
+
+    root = tmp_path_factory.mktemp("faults_step3")
+    critic = make_critic_folder("tiny-opt", root / "critic")
+    data = root / "data"
+    reference = root / "reference"
+    run = run_step3(data, critic, reference)
+    assert run.returncode == 0, run.tail()
+    assert ppo_steps(run) == list(range(PPO_ITERATIONS))
+    return data, critic, reference
+
+
+@pytest.mark.parametrize("how", ["at_a_random_iteration", "while_writing_a_checkpoint"])
+def test_step3_killed_then_resumed_matches_the_uninterrupted_run(how, step3_setup, tmp_path):
+    data, critic, reference = step3_setup
+    out = tmp_path / "out"
+    if how == "at_a_random_iteration":
+        k = random.Random(7).randint(1, PPO_ITERATIONS - 2)
+        killed = run_step3(data, critic, out, kill_on=f"Epoch: 0 | Step: {k} | PPO Epoch")
+    else:  # each checkpoint saves the actor, then the critic: the 3rd call is the 2nd checkpoint's actor
+        killed = run_step3(data, critic, out, kill="checkpoint:3")
+        assert "[fault] rank 0: SIGKILL while writing checkpoint 3" in killed.text
+        partial = ckpt.checkpoint_root(out) / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(2)}"
+        assert partial.is_dir() and not (partial / ckpt.MARKER).exists()
+    assert_killed(killed)
+    assert not (out / "actor").exists()
+    done = len(ppo_steps(killed))
+
+    resumed = run_step3(data, critic, out, "--resume")
+    assert_finished(resumed)
+    start = int(re.search(r"\[checkpoint\] resumed from \S+ \(epoch 0, (\d+) optimizer steps done\)",
+                          resumed.text).group(1))
+    assert 1 <= start <= done
+    assert ppo_steps(resumed) == list(range(start, PPO_ITERATIONS))
+    assert_same_step3_weights(out, reference)
