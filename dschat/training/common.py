@@ -294,6 +294,12 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")
+    from dschat.utils.ds_utils import check_optimizer_offload, check_param_offload
+
+    if getattr(args, "offload", False):
+        check_optimizer_offload(args.zero_stage, "--zero_stage")
+    if getattr(args, "offload_reference_model", False):  # DPO: the reference is ZeRO-3 iff the policy is
+        check_param_offload("--offload_reference_model", args.zero_stage, "--zero_stage")
     output_dir = getattr(args, "output_dir", None)
     if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
         raise UserError(f"--output_dir {output_dir} exists and is not a folder; pass a folder path")
