@@ -98,16 +98,39 @@ def _check_hub_id(name: str) -> None:
         )
 
 
+def check_local_model_path(name_or_path: str) -> None:
+    """The checks of :func:`resolve_model_path` that need neither the hub nor a model build.
+
+    Refuses an empty value, a path-like value that does not exist, a file, and a folder that is
+    not a Hugging Face folder; accepts short names and hub ids unchecked. Cheap: orchestrators
+    (``e2e_rlhf.py``) call it before starting any step.
+    """
+    name = str(name_or_path).strip()
+    if not name:
+        raise UserError(
+            f"empty model path; pass a Hugging Face model folder, a hub id, or one of: {_short_names_list()}")
+    if name in SHORT_NAMES:
+        return
+    local = Path(name).expanduser()
+    if local.is_dir():
+        _check_local_folder(name, local)
+    elif local.exists() and (_looks_like_path(name) or os.sep in name):
+        raise UserError(f"model path {name!r} is a file, not a folder; pass the folder that holds config.json")
+    elif _looks_like_path(name):
+        raise UserError(
+            f"model path {name!r} does not exist; pass a Hugging Face model folder, a hub id, "
+            f"or one of: {_short_names_list()}"
+        )
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map a model flag's value to a loadable folder or hub id; raise :class:`UserError` if it cannot be.
 
     Short names win over a same-named folder in the working directory (write ``./tiny-llama`` for the
     folder). A ``~`` path is returned expanded, since ``from_pretrained`` does not expand it.
     """
+    check_local_model_path(name_or_path)
     name = str(name_or_path).strip()
-    if not name:
-        raise UserError(
-            f"empty model path; pass a Hugging Face model folder, a hub id, or one of: {_short_names_list()}")
     if name in EMBEDDED_NAMES:
         from dschat.models.embedded import materialize_smollm2
 
@@ -116,17 +139,8 @@ def resolve_model_path(name_or_path: str) -> str:
         from dschat.testing.tiny import build_tiny_model
 
         return str(build_tiny_model(name))
-
     local = Path(name).expanduser()
     if local.is_dir():
-        _check_local_folder(name, local)
         return str(local) if name.startswith("~") else name
-    if local.exists() and (_looks_like_path(name) or os.sep in name):
-        raise UserError(f"model path {name!r} is a file, not a folder; pass the folder that holds config.json")
-    if _looks_like_path(name):
-        raise UserError(
-            f"model path {name!r} does not exist; pass a Hugging Face model folder, a hub id, "
-            f"or one of: {_short_names_list()}"
-        )
     _check_hub_id(name)
     return name
