@@ -144,12 +144,10 @@ def model_label(value: str) -> str:
 def _family(model: str) -> Any:
     """The model family (dschat.models.families) of a model, or None if its config is unreachable."""
     try:
-        from transformers import AutoConfig
-
         from dschat.models.families import family_of
-        from dschat.models.registry import resolve_model_path
+        from dschat.models.registry import load_config, resolve_model_path
 
-        return family_of(AutoConfig.from_pretrained(resolve_model_path(model)))
+        return family_of(load_config(resolve_model_path(model)))
     except (OSError, ValueError, UserError):
         return None
 

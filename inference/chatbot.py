@@ -60,11 +60,12 @@ def load(path: str, device: str = "auto") -> tuple[Any, Any, Any]:
     """(model, tokenizer, device) for chatting."""
     folder = resolve_chat_folder(path)  # before the heavy imports: a bad path fails in a blink
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from dschat.models.registry import load_config
     from dschat.models.tokenizer import load_hf_tokenizer
 
-    config = AutoConfig.from_pretrained(folder)
+    config = load_config(folder)
     architectures = getattr(config, "architectures", None) or []
     if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         raise UserError(f"{path} holds a {', '.join(architectures)}, not a causal language model; "
@@ -76,7 +77,7 @@ def load(path: str, device: str = "auto") -> tuple[Any, Any, Any]:
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else (
         torch.float16 if dev.type == "cuda" else torch.float32)
     tokenizer = load_hf_tokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).to(dev).eval()
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(8 * -(-len(tokenizer) // 8))  # a multiple of 8, as in training
     return model, tokenizer, dev

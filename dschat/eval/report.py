@@ -113,14 +113,17 @@ def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.registry import load_config
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.utils.model.reward_model import value_head_file
 
     folder = _check_folder(path, "actor folder")
     if value_head_file(folder).exists():
         raise UserError(f"{folder} is a step-2 reward model, not an actor; pass a step-1 or step-3 actor folder")
+    config = load_config(str(folder))  # refuses a model that needs its own code
     tokenizer = load_hf_tokenizer(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                 trust_remote_code=False).to(device).eval()
     return model, tokenizer
 
 

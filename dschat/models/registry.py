@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from dschat.errors import UserError
 
@@ -96,6 +97,34 @@ def _check_hub_id(name: str) -> None:
             f"offline (HF_HUB_OFFLINE is set); pass a local model folder, unset HF_HUB_OFFLINE to "
             f"download it, or use one of the built-in models: {_short_names_list()}"
         )
+
+
+def custom_code_error(name: str, err: Exception) -> UserError | None:
+    """The :class:`UserError` for transformers refusing a model that needs its own Python code."""
+    if "custom code" not in str(err) and "trust_remote_code" not in str(err):
+        return None
+    return UserError(
+        f"{name} needs Python code shipped with the model (auto_map in its config.json); dschat never runs "
+        "such code (it loads with trust_remote_code=False): use a model whose architecture transformers "
+        "implements, or convert this one to such an architecture"
+    )
+
+
+def load_config(path: str) -> Any:
+    """``AutoConfig.from_pretrained(path)`` without running code from the model folder.
+
+    transformers' default (``trust_remote_code=None``) *asks on stdin* whether to run a model's own
+    code; dschat passes ``False`` everywhere, and a model that needs its code is a :class:`UserError`.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError as err:
+        refused = custom_code_error(path, err)
+        if refused is None:
+            raise
+        raise refused from None
 
 
 def check_local_model_path(name_or_path: str) -> None:
