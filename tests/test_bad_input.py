@@ -263,11 +263,11 @@ def subprocess_runs(fixed: dict[str, str], tmp_path_factory: pytest.TempPathFact
     return {cid: (*results[cid], ws, before) for cid, (_, _, ws, before) in prepared.items()}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, fixed, subprocess_runs, tmp_path, capsys,
-                                                         no_model_loads):
-    if case.subprocess:
-        code, stderr, ws, before = subprocess_runs[case.id]
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.slow] if c.subprocess else [])
+                                  for c in CASES])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, fixed, request, tmp_path, capsys, no_model_loads):
+    if case.subprocess:  # the fixture runs them all at once, only when a subprocess case is selected
+        code, stderr, ws, before = request.getfixturevalue("subprocess_runs")[case.id]
         values = {**fixed, "ws": str(ws), "out": str(ws / "out"), "file": str(ws / "file.txt")}
     else:
         ws = tmp_path / "ws"
@@ -316,6 +316,7 @@ def test_disk_full_while_writing_the_data_cache(tmp_path, capsys, monkeypatch):
     assert not (ws / "out").exists()
 
 
+@pytest.mark.slow
 def test_disk_full_while_saving_keeps_the_previous_model(tmp_path, capsys, monkeypatch):
     """A full disk at the final save: one line, exit 2, and the previous output folder untouched."""
     import dschat.models.save
