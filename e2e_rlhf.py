@@ -40,9 +40,10 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing: use its dschat
     sys.path.insert(0, str(ROOT))
 
-from dschat.errors import UserError, cli_main  # noqa: E402
+from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
 from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
 from dschat.recipes import Recipe, get_recipe  # noqa: E402
+from dschat.utils.fs import check_writable_dir  # noqa: E402
 
 STEP_KEYS = {1: "step1", 2: "step2", 3: "step3"}
 MODEL_TYPE = {1: "actor", 2: "reward", 3: "step3"}  # upstream's output folder prefixes
@@ -144,12 +145,10 @@ def model_label(value: str) -> str:
 def _family(model: str) -> Any:
     """The model family (dschat.models.families) of a model, or None if its config is unreachable."""
     try:
-        from transformers import AutoConfig
-
         from dschat.models.families import family_of
-        from dschat.models.registry import resolve_model_path
+        from dschat.models.registry import load_config, resolve_model_path
 
-        return family_of(AutoConfig.from_pretrained(resolve_model_path(model)))
+        return family_of(load_config(resolve_model_path(model)))
     except (OSError, ValueError, UserError):
         return None
 
@@ -279,6 +278,20 @@ def output_problem(run_: StepRun) -> str | None:
     return folder_problem(run_.output_dir, "reward" if run_.number == 2 else "actor")
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """Bad paths fail before any step starts or any folder is created: the output folder, and the
+    local model folders the selected steps start from (hub ids and short names are the steps' job)."""
+    from dschat.models.registry import check_local_model_path
+
+    check_writable_dir(args.output_dir, "--output-dir")
+    for step, flag, model in ((1, "--actor-model", args.actor_model), (2, "--reward-model", args.reward_model)):
+        if step in args.step:
+            try:
+                check_local_model_path(model_id(model))
+            except UserError as err:
+                raise UserError(f"{flag}: {err}") from None
+
+
 def check_output_of(run_: StepRun) -> None:
     kind = {1: "actor", 2: "reward"}.get(run_.number)
     folder = run_.output_dir / "actor" if run_.number == 3 else run_.output_dir
@@ -405,11 +418,16 @@ def pick_deployment(args: argparse.Namespace, config: E2EConfig) -> Deployment:
 
 def fail_step(run_: StepRun, result: LaunchResult, command: str, e2e_cmd: str) -> int:
     """Print why a step failed (with memory advice for an OOM) and return the exit code to use."""
+    recipe = f"Recipe: {run_.recipe.step.key} {run_.recipe.id} in {run_.recipe.source}"
+    if result.returncode == EXIT_USAGE:  # its one-line error is above, and it kept no log
+        print("\n".join([f"Step {run_.number} refused its input (exit status {EXIT_USAGE}; its error line is "
+                         "above) and wrote nothing", f"Launch command: {command}", recipe]), file=sys.stderr, flush=True)
+        return EXIT_USAGE
     lines = [
         f"Step {run_.number} exited with non-zero status {result.returncode}",
         f"Launch command: {command}",
         f"Log output: {result.log_path or run_.output_dir / 'training.log'}",
-        f"Recipe: {run_.recipe.step.key} {run_.recipe.id} in {run_.recipe.source}",
+        recipe,
     ]
     if result.oom:
         cpu = run_.recipe.env.get("DS_ACCELERATOR") == "cpu"
@@ -472,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.actor_model = dep.default_actor or config.default_actor
     if args.reward_model is None:
         args.reward_model = dep.default_reward or config.default_reward
+    check_inputs(args)
     runs = build_steps(args, dep)
     launcher = {"hostfile": args.hostfile, "num_gpus": args.num_gpus}
     if args.hostfile and dep.name != "multi_node":

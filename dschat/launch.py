@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from dschat.errors import UserError, cli_main
+from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.recipes import Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
+from dschat.utils.fs import check_writable_dir
 
 LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, custom wrappers)
 PREFIX = "[dschat.launch]"
@@ -77,7 +78,8 @@ def oom_advice(step: StepSpec | str, *, cpu: bool = False, e2e: bool = False) ->
             "  - --actor_gradient_checkpointing --critic_gradient_checkpointing (step 1's "
             "--gradient_checkpointing does not apply here)",
             "  - LoRA: --actor_lora_dim 128 --critic_lora_dim 128 --only_optimize_lora",
-            "  - offload: --offload, --offload_reference_model, --offload_reward_model",
+            "  - offload: --offload (needs ZeRO 1-3), --offload_reference_model / --offload_reward_model "
+            "(need the actor / critic at ZeRO-3)",
             "  - with the Hybrid Engine: --release_inference_cache, --unpin_actor_parameters",
             "  - rule of thumb (upstream): actor + critic fit in about (GPU memory in GB / 6) billion parameters",
         ]
@@ -90,7 +92,7 @@ def oom_advice(step: StepSpec | str, *, cpu: bool = False, e2e: bool = False) ->
             + ("; e2e: --actor-zero-stage / --reward-zero-stage" if e2e else "") + ")",
             "  - --gradient_checkpointing",
             "  - LoRA: --lora_dim 128 --only_optimize_lora",
-            "  - --offload (optimizer and parameters in CPU memory)",
+            "  - --offload with --zero_stage 1-3 (optimizer in CPU memory; ZeRO-3: the parameters too)",
         ]
     if cpu:
         lines.append("  - on a CPU this is RAM: run one rank (--num_gpus 1) and close other programs")
@@ -190,10 +192,22 @@ class _LogTee:
     A step may replace its output folder atomically when it saves (dschat's ``atomic_dir``), which
     would take an open ``training.log`` with the old folder. The handle keeps the data readable, and
     :meth:`close` puts the complete log back at ``path`` when the file there is not ours any more.
+
+    A step that refuses its input (exit code 2) has done nothing, so ``close(discard=True)`` leaves
+    the output folder as it was: the previous run's log (moved aside meanwhile) comes back, and
+    folders created for the log are removed.
     """
 
     def __init__(self, path: Path):
         self.path = path
+        self.created = path.parent  # the outermost folder this tee creates (None: none)
+        while not self.created.parent.exists() and self.created.parent != self.created:
+            self.created = self.created.parent
+        if self.created.exists():
+            self.created = None
+        self.previous = path.with_name(f".{path.name}.previous-{os.getpid()}") if path.is_file() else None
+        if self.previous is not None:
+            os.replace(path, self.previous)
         path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = open(path, "w+b")  # noqa: SIM115 - closed in close()
         self.stat = os.fstat(self.handle.fileno())
@@ -202,18 +216,34 @@ class _LogTee:
         self.handle.write(data)
         self.handle.flush()
 
-    def close(self) -> None:
+    def close(self, discard: bool = False) -> None:
         try:
             current = os.stat(self.path)
             ours = os.path.samestat(current, self.stat)
         except FileNotFoundError:
             ours = False
+        if discard:
+            self.handle.close()
+            if ours:
+                self.path.unlink()
+            if self.previous is not None and self.previous.exists():
+                os.replace(self.previous, self.path)
+            folder = self.path.parent
+            while self.created is not None and folder.is_relative_to(self.created):
+                try:
+                    folder.rmdir()  # only if empty: the step may have written there after all
+                except OSError:
+                    break
+                folder = folder.parent
+            return
         if not ours:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.handle.seek(0)
             with open(self.path, "wb") as fresh:
                 shutil.copyfileobj(self.handle, fresh)
         self.handle.close()
+        if self.previous is not None:
+            self.previous.unlink(missing_ok=True)
 
 
 def _terminal_writer() -> Callable[[bytes], None]:
@@ -248,7 +278,8 @@ def run(
     """Run the plan; stream its merged stdout/stderr to ``sink`` (the terminal) and the log.
 
     Returns the exit code (``128 + signal`` when the process died of a signal, as a shell reports
-    it), the wall time, and an out-of-memory diagnosis when the run failed like one.
+    it), the wall time, and an out-of-memory diagnosis when the run failed like one. When the step
+    refuses its input (exit code 2) the log is not kept and the output folder is left as it was.
     """
     sink = sink or _terminal_writer()
     env = dict(os.environ)
@@ -293,14 +324,14 @@ def run(
             proc.wait()
         proc.stdout.close()
         if tee:
-            tee.close()
+            tee.close(discard=proc.returncode == EXIT_USAGE)
     if returncode < 0:
         returncode = 128 - returncode
     if interrupts and returncode == 0:
         returncode = 130
     text = tail.decode("utf-8", errors="replace")
     return LaunchResult(returncode, time.monotonic() - start, detect_oom(text, returncode),
-                        launch.log_path if tee else None, text)
+                        launch.log_path if tee and returncode != EXIT_USAGE else None, text)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -389,6 +420,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items() if k != "PYTHONUNBUFFERED")
         print(f"{env} {launch.command_line()}" if env else launch.command_line())
         return 0
+    if launch.log_path is not None and not args.no_log:
+        check_writable_dir(launch.log_path.parent, "--output_dir")  # before the log creates it
     result = run(launch, log=not args.no_log)
     if result.returncode != 0:
         where = f"; log: {result.log_path}" if result.log_path else ""

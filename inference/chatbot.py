@@ -56,15 +56,22 @@ def resolve_chat_folder(path: str) -> str:
     return resolved
 
 
-def load(path: str, device: str = "auto") -> tuple[Any, Any, Any]:
-    """(model, tokenizer, device) for chatting."""
+def check_format(tokenizer: Any, fmt: str) -> None:
+    """``--format chat_template`` needs a tokenizer with a chat template."""
+    if fmt == "chat_template" and not getattr(tokenizer, "chat_template", None):
+        raise UserError("--format chat_template: this tokenizer has no chat template; use --format human_assistant")
+
+
+def load(path: str, device: str = "auto", fmt: str = "auto") -> tuple[Any, Any, Any]:
+    """(model, tokenizer, device) for chatting; ``fmt`` (``--format``) is checked before the model loads."""
     folder = resolve_chat_folder(path)  # before the heavy imports: a bad path fails in a blink
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    from dschat.models.registry import load_config
     from dschat.models.tokenizer import load_hf_tokenizer
 
-    config = AutoConfig.from_pretrained(folder)
+    config = load_config(folder)
     architectures = getattr(config, "architectures", None) or []
     if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         raise UserError(f"{path} holds a {', '.join(architectures)}, not a causal language model; "
@@ -76,7 +83,8 @@ def load(path: str, device: str = "auto") -> tuple[Any, Any, Any]:
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else (
         torch.float16 if dev.type == "cuda" else torch.float32)
     tokenizer = load_hf_tokenizer(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(dev).eval()
+    check_format(tokenizer, fmt)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).to(dev).eval()
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(8 * -(-len(tokenizer) // 8))  # a multiple of 8, as in training
     return model, tokenizer, dev
@@ -87,8 +95,7 @@ class Conversation:
 
     def __init__(self, tokenizer: Any, fmt: str = "auto"):
         has_template = bool(getattr(tokenizer, "chat_template", None))
-        if fmt == "chat_template" and not has_template:
-            raise UserError("--format chat_template: this tokenizer has no chat template; use --format human_assistant")
+        check_format(tokenizer, fmt)
         self.tokenizer = tokenizer
         self.use_template = has_template if fmt == "auto" else fmt == "chat_template"
         self.clear()
@@ -227,7 +234,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError("--max_new_tokens must be at least 1")
-    model, tokenizer, device = load(args.path, args.device)
+    if args.sample and not args.temperature > 0:
+        raise UserError(f"--temperature must be > 0 with --sample, got {args.temperature}; or drop --sample (greedy)")
+    if args.sample and not 0 < args.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1] with --sample, got {args.top_p}")
+    model, tokenizer, device = load(args.path, args.device, args.format)
     from transformers import set_seed
 
     conversation = Conversation(tokenizer, args.format)

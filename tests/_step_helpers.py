@@ -134,6 +134,8 @@ def cli_env(**extra: str) -> dict[str, str]:
                 "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"})
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(key, None)  # a fresh process group per subprocess
+    # The child imports this checkout's dschat, also where another copy is pip-installed.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
 

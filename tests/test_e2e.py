@@ -185,6 +185,18 @@ def test_failure_without_oom_gives_the_rerun_command(tmp_path):
     assert "To rerun only this step: python e2e_rlhf.py --step 2 --reward-model tiny-llama" in proc.stderr
 
 
+def test_a_step_refusing_its_input_exits_2_and_leaves_no_folder(tmp_path):
+    fake = tmp_path / "fake_deepspeed.py"
+    fake.write_text("import sys; print('error: --some_flag is wrong; pass another', file=sys.stderr); sys.exit(2)\n")
+    out = tmp_path / "out"
+    proc = _e2e("--step", "1", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--output-dir", str(out),
+                env={LAUNCHER_ENV: f"{sys.executable} {fake}"})
+    assert proc.returncode == 2
+    assert "error: --some_flag is wrong" in proc.stdout  # the step's line, streamed
+    assert "Step 1 refused its input (exit status 2" in proc.stderr and "Log output" not in proc.stderr
+    assert not out.exists()  # the folder made for training.log is removed again
+
+
 # ------------------------------------------------------------------------------------------------
 # The real thing on tiny models
 # ------------------------------------------------------------------------------------------------

@@ -67,3 +67,16 @@ def test_nothing_to_recover(tmp_path):
     _old_folder(tmp_path / "out")
     assert fs.recover_dir(tmp_path / "out", carry_over=_keep) == []
     assert fs.recover_dir(tmp_path / "missing") == []
+
+
+def test_an_unfinished_first_save_is_never_moved_into_place(tmp_path, monkeypatch):
+    path = tmp_path / "out"  # no folder yet: the first save, killed while writing
+    monkeypatch.setattr(fs.shutil, "rmtree", lambda *a, **k: None)
+    with pytest.raises(Killed):
+        with fs.atomic_dir(path) as tmp:
+            (tmp / "config.json").write_text("{}")
+            raise Killed
+    monkeypatch.undo()
+    assert not path.exists()
+    assert fs.recover_dir(path) == [f"removed the unfinished save {next(tmp_path.iterdir()).name} beside {path}"]
+    assert list(tmp_path.iterdir()) == []

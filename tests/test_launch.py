@@ -148,6 +148,39 @@ def test_log_survives_an_output_folder_replaced_by_an_atomic_save(fake_root, tmp
     assert log == sink.data and b"after the save" in log and b"ARGV" in log
 
 
+def test_a_step_refusing_its_input_leaves_the_output_folder_as_it_was(fake_root, tmp_path, monkeypatch):
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    monkeypatch.setenv("FAKE_RC", "2")  # the step's exit code for bad input: it wrote nothing
+    monkeypatch.setenv("FAKE_MESSAGE", "error: bad flag")
+    fresh = tmp_path / "new" / "out"
+    result = L.run(L.plan(recipe, {"output_dir": str(fresh)}, kind="python", repo_root=fake_root), sink=Sink())
+    assert result.returncode == 2 and result.log_path is None
+    assert not (tmp_path / "new").exists()  # the folders made for the log are gone again
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    (previous / "training.log").write_text("the previous run's log\n")
+    sink = Sink()
+    result = L.run(L.plan(recipe, {"output_dir": str(previous)}, kind="python", repo_root=fake_root), sink=sink)
+    assert result.returncode == 2 and b"error: bad flag" in sink.data  # shown on the terminal
+    assert sorted(p.name for p in previous.iterdir()) == ["training.log"]
+    assert (previous / "training.log").read_text() == "the previous run's log\n"
+    monkeypatch.setenv("FAKE_RC", "1")  # any other failure keeps the new log, as before
+    assert L.run(L.plan(recipe, {"output_dir": str(previous)}, kind="python", repo_root=fake_root),
+                 sink=Sink()).returncode == 1
+    assert sorted(p.name for p in previous.iterdir()) == ["training.log"]
+    assert "error: bad flag" in (previous / "training.log").read_text()
+
+
+def test_output_dir_under_a_file_is_refused_before_the_log_is_opened(fake_root, tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    code = L._entry(["--repo-root", str(fake_root), "--launcher", "python", "step1", "cpu/tiny",
+                     "--output_dir", str(tmp_path / "file.txt" / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--output_dir {tmp_path / 'file.txt' / 'out'} cannot be created" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "repo"]
+
+
 @pytest.mark.parametrize(
     ("tail", "code", "expected"),
     [

@@ -61,14 +61,16 @@ COVER = {
     # ZeRO-3 actor and critic (reference and reward then ZeRO-3 too), LoRA on both, EMA, actor grad-ckpt
     "z3-lora-ema": ("tiny-llama", ["--actor_zero_stage", "3", "--critic_zero_stage", "3", "--actor_lora_dim", "4",
                                    "--critic_lora_dim", "4", "--enable_ema", "--actor_gradient_checkpointing"]),
-    # pad == eos == bos; ZeRO-2 actor, ZeRO-3 critic, CPU offload (+ reference / reward offload),
-    # only-LoRA actor, EMA, critic grad-ckpt
+    # pad == eos == bos; ZeRO-2 actor, ZeRO-3 critic, CPU offload (+ reward offload: ZeRO-3 like the
+    # critic), only-LoRA actor, EMA, critic grad-ckpt
     "z2-offload-quirk": ("tiny-opt-quirk", ["--actor_zero_stage", "2", "--critic_zero_stage", "3", "--offload",
-                                            "--offload_reference_model", "--offload_reward_model",
+                                            "--offload_reward_model",
                                             "--actor_lora_dim", "4", "--only_optimize_lora", "--enable_ema",
                                             "--critic_gradient_checkpointing"]),
-    # ZeRO-3 actor with offload and PPO-ptx, two generation batches, two PPO epochs (off-policy: warned)
-    "z3-offload-ptx-multi": ("tiny-llama", ["--actor_zero_stage", "3", "--offload", "--unsupervised_dataset_name",
+    # ZeRO-3 actor with offload (+ reference offload: ZeRO-3 like the actor), ZeRO-1 critic (offload needs
+    # ZeRO >= 1), PPO-ptx, two generation batches, two PPO epochs (off-policy: warned)
+    "z3-offload-ptx-multi": ("tiny-llama", ["--actor_zero_stage", "3", "--critic_zero_stage", "1", "--offload",
+                                            "--offload_reference_model", "--unsupervised_dataset_name",
                                             "dschat/builtin", "--generation_batches", "2", "--ppo_epochs", "2"]),
 }
 

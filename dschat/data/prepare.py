@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Sequence
 
 from dschat.cli.args import add_data_args
-from dschat.data import local_files as lf
 from dschat.errors import UserError, cli_main
 
 
@@ -46,16 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_model_path(name: str) -> None:
-    # A path that cannot exist gets a clear line before transformers is even imported.
-    if lf.looks_like_path(name) and not lf.expand(name).exists():
-        raise UserError(f"--model_name_or_path {name!r} does not exist; pass a model folder, hub id or short name")
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     from dschat.data.raw_datasets import plan_phase_data, resolve_dataset
     from dschat.data.split import parse_data_split
+    from dschat.models.registry import check_local_model_path
+    from dschat.utils.fs import check_writable_dir
 
     # Input checks first, without torch/transformers and without writing anything: names, paths,
     # the split, then the data itself (parse errors, columns, empty phases).
@@ -65,7 +60,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     sft_paths = list(args.sft_only_data_path) if args.train_phase == 1 else []
     for name in list(args.data_path) + sft_paths:
         resolve_dataset(name)
-    _check_model_path(args.model_name_or_path)
+    # A model path that cannot work gets a clear line before transformers is even imported.
+    check_local_model_path(args.model_name_or_path)
+    check_writable_dir(args.data_output_path, "--data_output_path")
     plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
 
     from dschat.data.prompt_dataset import create_prompt_dataset

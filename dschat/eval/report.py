@@ -108,19 +108,38 @@ def _check_folder(path: str | Path, what: str) -> Path:
     return folder
 
 
-def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
-    """A causal LM (eval mode) and its tokenizer from a step-1 or step-3 actor folder."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from dschat.models.tokenizer import load_hf_tokenizer
+def _check_actor_folder(path: str | Path) -> Path:
     from dschat.utils.model.reward_model import value_head_file
 
     folder = _check_folder(path, "actor folder")
     if value_head_file(folder).exists():
         raise UserError(f"{folder} is a step-2 reward model, not an actor; pass a step-1 or step-3 actor folder")
+    return folder
+
+
+def _check_reward_folder(path: str | Path) -> Path:
+    from dschat.utils.model.reward_model import value_head_file
+
+    folder = _check_folder(path, "reward-model folder")
+    if not value_head_file(folder).exists():
+        raise UserError(f"reward-model folder {folder} is not a step-2 reward model output (no "
+                        f"{value_head_file(folder).name}); pass the --output_dir of step 2")
+    return folder
+
+
+def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
+    """A causal LM (eval mode) and its tokenizer from a step-1 or step-3 actor folder."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import load_config
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    folder = _check_actor_folder(path)
+    config = load_config(str(folder))  # refuses a model that needs its own code
     tokenizer = load_hf_tokenizer(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                 trust_remote_code=False).to(device).eval()
     return model, tokenizer
 
 
@@ -129,7 +148,7 @@ def load_reward(path: str | Path, device: Any) -> tuple[Any, Any]:
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.utils.model.model_utils import create_critic_model
 
-    folder = _check_folder(path, "reward-model folder")
+    folder = _check_reward_folder(path)
     tokenizer = load_hf_tokenizer(str(folder))
     model = create_critic_model(str(folder), tokenizer, None, rlhf_training=True)
     return model.to(device).eval(), tokenizer
@@ -466,8 +485,15 @@ def build_report(
 
     from dschat.gold_judge import gold_score
 
+    from dschat.utils.fs import check_writable_dir
+
     settings = settings or EvalSettings()
     start = time.monotonic()
+    # Every input is checked before anything is loaded or ``out`` is created.
+    _check_actor_folder(sft)
+    _check_actor_folder(rlhf)
+    _check_reward_folder(reward)
+    check_writable_dir(out, "--out")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     device = pick_device(settings.device)

@@ -202,8 +202,9 @@ def load_from_gguf(gguf: Path) -> tuple[Any, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, trust_remote_code=False)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32,
+                                                 trust_remote_code=False)
     model.eval()
     return model, tokenizer
 
@@ -239,8 +240,8 @@ def _check_round_trip(reference_logits: Any, folder: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, trust_remote_code=False).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
     logits = probe_logits(model, tokenizer)
     if logits.shape != reference_logits.shape or not torch.equal(logits, reference_logits):
         # A transformers upgrade that changes the GGUF conversion or the saved config would land

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from dschat.errors import UserError
 
@@ -98,16 +99,67 @@ def _check_hub_id(name: str) -> None:
         )
 
 
+def custom_code_error(name: str, err: Exception) -> UserError | None:
+    """The :class:`UserError` for transformers refusing a model that needs its own Python code."""
+    if "custom code" not in str(err) and "trust_remote_code" not in str(err):
+        return None
+    return UserError(
+        f"{name} needs Python code shipped with the model (auto_map in its config.json); dschat never runs "
+        "such code (it loads with trust_remote_code=False): use a model whose architecture transformers "
+        "implements, or convert this one to such an architecture"
+    )
+
+
+def load_config(path: str) -> Any:
+    """``AutoConfig.from_pretrained(path)`` without running code from the model folder.
+
+    transformers' default (``trust_remote_code=None``) *asks on stdin* whether to run a model's own
+    code; dschat passes ``False`` everywhere, and a model that needs its code is a :class:`UserError`.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except ValueError as err:
+        refused = custom_code_error(path, err)
+        if refused is None:
+            raise
+        raise refused from None
+
+
+def check_local_model_path(name_or_path: str) -> None:
+    """The checks of :func:`resolve_model_path` that need neither the hub nor a model build.
+
+    Refuses an empty value, a path-like value that does not exist, a file, and a folder that is
+    not a Hugging Face folder; accepts short names and hub ids unchecked. Cheap: orchestrators
+    (``e2e_rlhf.py``) call it before starting any step.
+    """
+    name = str(name_or_path).strip()
+    if not name:
+        raise UserError(
+            f"empty model path; pass a Hugging Face model folder, a hub id, or one of: {_short_names_list()}")
+    if name in SHORT_NAMES:
+        return
+    local = Path(name).expanduser()
+    if local.is_dir():
+        _check_local_folder(name, local)
+    elif local.exists() and (_looks_like_path(name) or os.sep in name):
+        raise UserError(f"model path {name!r} is a file, not a folder; pass the folder that holds config.json")
+    elif _looks_like_path(name):
+        raise UserError(
+            f"model path {name!r} does not exist; pass a Hugging Face model folder, a hub id, "
+            f"or one of: {_short_names_list()}"
+        )
+
+
 def resolve_model_path(name_or_path: str) -> str:
     """Map a model flag's value to a loadable folder or hub id; raise :class:`UserError` if it cannot be.
 
     Short names win over a same-named folder in the working directory (write ``./tiny-llama`` for the
     folder). A ``~`` path is returned expanded, since ``from_pretrained`` does not expand it.
     """
+    check_local_model_path(name_or_path)
     name = str(name_or_path).strip()
-    if not name:
-        raise UserError(
-            f"empty model path; pass a Hugging Face model folder, a hub id, or one of: {_short_names_list()}")
     if name in EMBEDDED_NAMES:
         from dschat.models.embedded import materialize_smollm2
 
@@ -116,17 +168,8 @@ def resolve_model_path(name_or_path: str) -> str:
         from dschat.testing.tiny import build_tiny_model
 
         return str(build_tiny_model(name))
-
     local = Path(name).expanduser()
     if local.is_dir():
-        _check_local_folder(name, local)
         return str(local) if name.startswith("~") else name
-    if local.exists() and (_looks_like_path(name) or os.sep in name):
-        raise UserError(f"model path {name!r} is a file, not a folder; pass the folder that holds config.json")
-    if _looks_like_path(name):
-        raise UserError(
-            f"model path {name!r} does not exist; pass a Hugging Face model folder, a hub id, "
-            f"or one of: {_short_names_list()}"
-        )
     _check_hub_id(name)
     return name

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from dschat.errors import UserError
-from dschat.models.registry import resolve_model_path
+from dschat.models.registry import custom_code_error, resolve_model_path
 
 
 def load_hf_tokenizer(
@@ -29,8 +29,12 @@ def load_hf_tokenizer(
 
     path = resolve_model_path(model_name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=fast_tokenizer)
+        # trust_remote_code=False: never run a tokenizer's own code (transformers' default asks on stdin).
+        tokenizer = AutoTokenizer.from_pretrained(path, use_fast=fast_tokenizer, trust_remote_code=False)
     except (OSError, ValueError) as err:
+        refused = custom_code_error(model_name_or_path, err)
+        if refused is not None:
+            raise refused from None
         raise UserError(
             f"cannot load a tokenizer from {model_name_or_path!r} ({type(err).__name__}: "
             f"{str(err).splitlines()[0] if str(err) else ''}); pass a folder with tokenizer files "

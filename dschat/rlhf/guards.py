@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dschat.errors import UserError
+from dschat.utils.ds_utils import check_optimizer_offload, check_param_offload
 
 __all__ = ["BatchPlan", "plan_batches", "validate_step3_args", "num_total_iters", "OFF_POLICY_WARNING"]
 
@@ -137,8 +138,10 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
     training actually uses (``resolve_dtype``: fp16 becomes fp32 on a CPU). Checks, in the order a
     user would hit them: ZeRO stages, lengths, decoding, Hybrid Engine tensor parallelism (upstream
     asserted), upstream's unsupported ZeRO-2 + HE + offload combination (upstream raised
-    ValueError), mixed-precision LoRA (upstream asserted inside main), ``--align_overflow`` outside
-    fp16 (upstream used fp16-optimizer internals, bug §10.14).
+    ValueError), DeepSpeed's offload rules (``--offload`` needs ZeRO >= 1 for actor and critic; the
+    reference / reward offload needs the actor / critic at ZeRO-3), mixed-precision LoRA (upstream
+    asserted inside main), ``--align_overflow`` outside fp16 (upstream used fp16-optimizer internals,
+    bug §10.14).
     """
     warnings: list[str] = []
     for name in ("actor_zero_stage", "critic_zero_stage"):
@@ -165,6 +168,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
             raise UserError(f"--top_p must be in (0, 1], got {args.top_p}")
         if args.top_k < 0:
             raise UserError(f"--top_k must be >= 0, got {args.top_k}")
+    for name in ("actor_lora_dim", "critic_lora_dim"):
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name} must be >= 0 (0: no LoRA), got {getattr(args, name)}")
     if args.inference_tp_size < 1:
         raise UserError(f"--inference_tp_size must be >= 1, got {args.inference_tp_size}")
     if args.inference_tp_size > 1 and args.actor_zero_stage != 3:
@@ -183,6 +189,16 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
             "without actor LoRA is unsupported due to training instability (as upstream); drop one of "
             "them or add --actor_lora_dim"
         )
+    # DeepSpeed's offload rules (dschat.utils.ds_utils): --offload moves the actor's and the critic's
+    # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
+    # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
+    if args.offload:
+        check_optimizer_offload(args.actor_zero_stage, "--actor_zero_stage")
+        check_optimizer_offload(args.critic_zero_stage, "--critic_zero_stage")
+    if args.offload_reference_model:
+        check_param_offload("--offload_reference_model", args.actor_zero_stage, "--actor_zero_stage")
+    if args.offload_reward_model:
+        check_param_offload("--offload_reward_model", args.critic_zero_stage, "--critic_zero_stage")
     if args.enable_mixed_precision_lora:
         if args.actor_lora_dim <= 0 or args.actor_zero_stage != 3:
             raise UserError(

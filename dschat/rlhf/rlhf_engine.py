@@ -104,9 +104,8 @@ class DeepSpeedRLHFEngine:
     def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str, tokenizer: Any,
                  args: Any, num_total_iters: int, *, with_reward_model: bool = True) -> None:
         from deepspeed.accelerator import get_accelerator
-        from transformers import AutoConfig
 
-        from dschat.models.registry import resolve_model_path
+        from dschat.models.registry import load_config, resolve_model_path
         from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator, decide_hybrid_engine
         from dschat.utils.ds_utils import resolve_dtype
 
@@ -115,7 +114,7 @@ class DeepSpeedRLHFEngine:
         self.tokenizer = tokenizer
         self.dtype = resolve_dtype(args.dtype)
         self.world_size = get_world_size()
-        actor_config = AutoConfig.from_pretrained(resolve_model_path(actor_model_name_or_path))
+        actor_config = load_config(resolve_model_path(actor_model_name_or_path))
         self.hybrid_engine = decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
                                                   get_accelerator().device_name())
 

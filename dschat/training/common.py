@@ -294,12 +294,40 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")
-    output_dir = getattr(args, "output_dir", None)
-    if output_dir is not None and Path(output_dir).exists() and not Path(output_dir).is_dir():
-        raise UserError(f"--output_dir {output_dir} exists and is not a folder; pass a folder path")
+    from dschat.utils.ds_utils import check_optimizer_offload, check_param_offload
+
+    if getattr(args, "offload", False):
+        check_optimizer_offload(args.zero_stage, "--zero_stage")
+    if getattr(args, "offload_reference_model", False):  # DPO: the reference is ZeRO-3 iff the policy is
+        check_param_offload("--offload_reference_model", args.zero_stage, "--zero_stage")
+    check_output_paths(args)
     from dschat.training.checkpoint import check_checkpoint_args
 
     check_checkpoint_args(args)
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """``--output_dir``, ``--data_output_path`` and (when enabled) ``--tensorboard_path`` must be
+    folders this process can create: refused at start-up, not after training (steps 1-3)."""
+    from dschat.utils.fs import check_writable_dir
+
+    for name in ("output_dir", "data_output_path"):
+        if getattr(args, name, None):
+            check_writable_dir(getattr(args, name), f"--{name}")
+    if getattr(args, "enable_tensorboard", False):
+        check_writable_dir(args.tensorboard_path, "--tensorboard_path")
+
+
+def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_name_or_path",)) -> None:
+    """Bad model and dataset paths fail here: before distributed start-up, before anything is loaded
+    or written (the rows themselves are checked when the data is read, still before any model)."""
+    from dschat.data.raw_datasets import resolve_dataset
+    from dschat.models.registry import resolve_model_path
+
+    for flag in model_flags:
+        resolve_model_path(getattr(args, flag))
+    for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
+        resolve_dataset(name)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,8 @@ __all__ = [
     "DTYPES",
     "GLOBAL_BATCH_SIZE",
     "MICRO_BATCH_SIZE",
+    "check_optimizer_offload",
+    "check_param_offload",
     "get_train_ds_config",
     "get_eval_ds_config",
     "resolve_dtype",
@@ -93,6 +95,28 @@ def _dtype_block(dtype: str, *, train: bool) -> Dict[str, Dict[str, Any]]:
     if dtype == "bf16":
         return {"bfloat16": {"enabled": True}}
     return {}
+
+
+def check_optimizer_offload(stage: int, stage_flag: str) -> None:
+    """``--offload`` needs a ZeRO stage: DeepSpeed moves optimizer state to the CPU only under ZeRO
+    1-3; at stage 0 ``DeepSpeedCPUAdam`` meets accelerator parameters and fails at the first step
+    ("CPUAdam param is on cuda:0 and must be 'cpu'")."""
+    if stage == 0:
+        raise UserError(
+            f"--offload needs ZeRO: DeepSpeed offloads the optimizer only under ZeRO stage 1, 2 or 3 (stage 0 "
+            f"fails at the first optimizer step on a GPU); pass {stage_flag} 2 (or 1, 3) or drop --offload"
+        )
+
+
+def check_param_offload(flag: str, stage: int, stage_flag: str) -> None:
+    """Offloading a frozen model (``offload_param``) works only under ZeRO-3; below it DeepSpeed
+    ignores the setting, so the flag would silently keep the whole model on the accelerator."""
+    if stage != 3:
+        raise UserError(
+            f"{flag} needs {stage_flag} 3: DeepSpeed offloads a frozen model's parameters only under ZeRO-3, "
+            f"which this model uses only when {stage_flag} is 3 (at {stage_flag} {stage} the flag would do "
+            f"nothing); pass {stage_flag} 3 or drop {flag}"
+        )
 
 
 def _batch_keys(micro_batch_size: int, gradient_accumulation_steps: int,

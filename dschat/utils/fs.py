@@ -1,17 +1,71 @@
 """Crash-safe writes: a reader never sees a half-written file or folder.
 
 Files and folders are written under a temporary name beside their target and renamed into place
-only once complete (``os.replace`` is atomic on POSIX within one filesystem).
+only once complete (``os.replace`` is atomic on POSIX within one filesystem). A full disk while
+writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says the previous file
+or folder is unchanged. :func:`check_writable_dir` refuses, at start-up, an output folder that
+cannot be created.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator
+
+from dschat.errors import UserError
+
+#: errno values that mean "the disk (or the user's quota) is full".
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
+    """Refuse a folder path that cannot be created or written, before any work starts.
+
+    ``flag`` names the option in the message (``--output_dir``). The folder may not exist yet; its
+    nearest existing ancestor must then be a folder this process can write into. Permission bits
+    are checked with ``os.access`` (as root they do not stop writes, so neither does this check).
+    """
+    target = Path(os.path.expanduser(os.fspath(path)))
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{flag} {path} exists and is not a folder; pass a folder path")
+    ancestor = target
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{flag} {path} cannot be created: {ancestor} is a file, not a folder; "
+                        "pass a path under a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path} cannot be written: no write permission in {ancestor}; "
+                        "pass a folder you can write to")
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """An ``OSError`` with ENOSPC / EDQUOT, or a writer's own error that quotes one (safetensors
+    raises ``SafetensorError("... No space left on device (os error 28) ...")``)."""
+    if isinstance(err, OSError):
+        return err.errno in _DISK_FULL
+    return any(os.strerror(code) in str(err) for code in _DISK_FULL)
+
+
+@contextlib.contextmanager
+def _disk_full_is_a_user_error(path: Path) -> Iterator[None]:
+    """Turn "no space left on device" while writing ``path`` into one line that says what to do."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:
+        if not _is_disk_full(err):
+            raise
+        raise UserError(
+            f"the disk is full (no space left on the device, or the quota is used up) while writing {path}; "
+            f"free some space or write elsewhere, then run again (the previous {path.name}, if any, is unchanged)"
+        ) from err
 
 
 @contextlib.contextmanager
@@ -21,18 +75,19 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     On an exception the temporary file is removed and ``path`` is left as it was.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp_path = Path(tmp)
-    try:
-        yield tmp_path
-        # mkstemp creates 0600 files; give the result the permissions a plain open() would.
-        os.chmod(tmp_path, 0o666 & ~_umask())
-        os.replace(tmp_path, path)
-    finally:
-        if tmp_path.exists():
-            tmp_path.unlink()
+    with _disk_full_is_a_user_error(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
+        tmp_path = Path(tmp)
+        try:
+            yield tmp_path
+            # mkstemp creates 0600 files; give the result the permissions a plain open() would.
+            os.chmod(tmp_path, 0o666 & ~_umask())
+            os.replace(tmp_path, path)
+        finally:
+            if tmp_path.exists():
+                tmp_path.unlink()
 
 
 def _umask() -> int:
@@ -70,26 +125,27 @@ def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None
     -- into the new folder just before the swap.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _partial_name(path, "partial")
-    tmp.mkdir()
-    try:
-        yield tmp
-        _normalise_modes(tmp)
-        old = None
-        if path.exists():
-            if carry_over is not None:
-                for entry in path.iterdir():
-                    if carry_over(entry.name) and not (tmp / entry.name).exists():
-                        os.replace(entry, tmp / entry.name)
-            old = _partial_name(path, "old")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    with _disk_full_is_a_user_error(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _partial_name(path, "partial")
+        tmp.mkdir()
+        try:
+            yield tmp
+            _normalise_modes(tmp)
+            old = None
+            if path.exists():
+                if carry_over is not None:
+                    for entry in path.iterdir():
+                        if carry_over(entry.name) and not (tmp / entry.name).exists():
+                            os.replace(entry, tmp / entry.name)
+                old = _partial_name(path, "old")
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
 
 
 def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None = None) -> list[str]:
@@ -97,7 +153,8 @@ def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | Non
 
     * Killed between moving the old folder aside and renaming the new one into place (no ``path``,
       an ``.old-*`` sibling): the new folder was complete (the old one is moved aside only then), so
-      the swap is finished; without a new folder the old one is put back.
+      the swap is finished; without a new folder the old one is put back. A partial folder with no
+      old one beside it may be unfinished: it is deleted, never moved into place.
     * An unfinished ``.partial-*`` sibling beside an existing ``path``: the entries ``carry_over``
       had moved into it (logs, ``checkpoints/``) go back into ``path``; the rest is deleted.
 
@@ -113,7 +170,7 @@ def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | Non
         return sorted(found, key=lambda p: p.stat().st_mtime)
 
     partials, olds = siblings("partial"), siblings("old")
-    if not path.exists() and (partials or olds):
+    if not path.exists() and olds:  # an old folder aside proves the newest partial one was complete
         source = partials.pop() if partials else olds.pop()
         os.replace(source, path)
         notices.append(f"finished an interrupted save of {path} (from {source.name})")

@@ -30,6 +30,7 @@ from dschat.training.common import (
     TensorBoardLogger,
     apply_lora,
     check_common_args,
+    check_paths,
     evaluate_perplexity,
     initialize_engine,
     load_step_tokenizer,
@@ -69,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.utils.model.model_utils import causal_lm_model_to_fp32_loss, create_hf_model
 
     args = parse_args(argv)
+    check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
     tokenizer, end_of_conversation_token = load_step_tokenizer(args, args.eot_token)
 

@@ -135,11 +135,15 @@ def prompt_eval(args: argparse.Namespace, model_baseline: Any, model_finetuned: 
 def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.registry import resolve_model_path
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.training.common import quiet_transformers
     from dschat.utils.model.model_utils import create_hf_model
 
     args = parse_args(argv)
+    # Both paths are checked before either model loads.
+    resolve_model_path(args.model_name_or_path_baseline)
+    resolve_model_path(args.model_name_or_path_finetune)
     quiet_transformers()
     device = default_device()
     tokenizer = load_hf_tokenizer(args.model_name_or_path_baseline, fast_tokenizer=True,

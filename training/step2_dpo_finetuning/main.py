@@ -32,6 +32,7 @@ from dschat.training.common import (
     TensorBoardLogger,
     apply_lora,
     check_common_args,
+    check_paths,
     initialize_engine,
     load_step_tokenizer,
     make_eval_loader,
@@ -77,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.utils.model.model_utils import create_hf_model
 
     args = parse_args(argv)
+    check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
     tokenizer, end_of_conversation_token = load_step_tokenizer(args, EOT_SPECIAL_TOKEN)
 

@@ -32,6 +32,7 @@ from dschat.training.common import (
     TensorBoardLogger,
     apply_lora,
     check_common_args,
+    check_paths,
     evaluate_reward,
     initialize_engine,
     load_step_tokenizer,
@@ -75,6 +76,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.utils.model.model_utils import create_critic_model
 
     args = parse_args(argv)
+    check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
     tokenizer, end_of_conversation_token = load_step_tokenizer(args, EOT_SPECIAL_TOKEN)
 

@@ -72,11 +72,12 @@ class Step3Result:
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Bad model paths fail here, before anything is loaded or written."""
+    """Bad model, data and output paths fail here, before anything is loaded or written."""
     from dschat.models.registry import resolve_model_path
+    from dschat.training import common
     from dschat.utils.model.reward_model import value_head_file
 
-    resolve_model_path(args.actor_model_name_or_path)
+    common.check_paths(args, ("actor_model_name_or_path",))
     critic = resolve_model_path(args.critic_model_name_or_path)
     if not value_head_file(critic).exists():
         raise UserError(
@@ -84,8 +85,7 @@ def check_paths(args: argparse.Namespace) -> None:
             f"output (no {value_head_file(critic).name}); pass the --output_dir of "
             "training/step2_reward_model_finetuning/main.py"
         )
-    if args.output_dir is not None and Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
-        raise UserError(f"--output_dir {args.output_dir} exists and is not a folder; pass a folder path")
+    common.check_output_paths(args)
 
 
 def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_rank: int) -> tuple[Any, Any, int]:
@@ -98,6 +98,8 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
     from dschat.rlhf.guards import num_total_iters
     from dschat.training.common import make_train_loader
 
+    # PPO-ptx data first: a bad --unsupervised_dataset_name fails before the prompt cache is written.
+    unsup_dataset = get_unsupervised_data(args, tokenizer) if unsupervised_training_enabled(args) else None
     prompt_train_dataset, _ = create_prompt_dataset(
         local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
@@ -112,8 +114,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
     collator = DataCollatorRLHF(args.max_prompt_seq_len, args.inference_tp_size)
     prompt_loader = make_train_loader(prompt_train_dataset, args.per_device_generation_batch_size, collator, args.seed)
     unsup_loader = None
-    if unsupervised_training_enabled(args):
-        unsup_dataset = get_unsupervised_data(args, tokenizer)
+    if unsup_dataset is not None:
         unsup_loader = make_train_loader(unsup_dataset, args.per_device_generation_batch_size,
                                          default_data_collator, args.seed)
     total_iters = num_total_iters(plan, len(prompt_loader), None if unsup_loader is None else len(unsup_loader),

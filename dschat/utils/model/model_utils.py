@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from dschat.errors import UserError
-from dschat.models.registry import resolve_model_path
+from dschat.models.registry import load_config, resolve_model_path
 
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout")
 
@@ -55,10 +55,8 @@ def create_hf_model(
     partitioned (``zero.Init``); it is dropped afterwards so later non-ZeRO-3 models are not built
     partitioned by mistake. ``rlhf_training=True`` builds from the config (weights loaded later).
     """
-    from transformers import AutoConfig
-
     path = resolve_model_path(model_name_or_path)
-    model_config = AutoConfig.from_pretrained(path)
+    model_config = load_config(path)
     configure_dropout(model_config, dropout)
 
     dschf = None
@@ -69,7 +67,7 @@ def create_hf_model(
     if rlhf_training:
         model = model_class.from_config(model_config)
     else:
-        model = model_class.from_pretrained(path, config=model_config, dtype=torch.float32)
+        model = model_class.from_pretrained(path, config=model_config, dtype=torch.float32, trust_remote_code=False)
 
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -129,9 +127,7 @@ def _load_base_strict(
     model_class: Any, path: str, tokenizer: Any, ds_config: dict | None, dropout: float | None
 ) -> nn.Module:
     """``from_pretrained`` that refuses missing / unexpected / mismatched keys."""
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(path)
+    model_config = load_config(path)
     configure_dropout(model_config, dropout)
     dschf = None
     if _is_zero3(ds_config):
@@ -139,7 +135,7 @@ def _load_base_strict(
 
         dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
     model, info = model_class.from_pretrained(
-        path, config=model_config, dtype=torch.float32, output_loading_info=True
+        path, config=model_config, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
     )
     problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
     if problems or info.get("error_msgs"):
