@@ -78,5 +78,6 @@ def test_an_unfinished_first_save_is_never_moved_into_place(tmp_path, monkeypatc
             raise Killed
     monkeypatch.undo()
     assert not path.exists()
-    assert fs.recover_dir(path) == [f"removed the unfinished save {next(tmp_path.iterdir()).name} beside {path}"]
+    [partial] = list(tmp_path.iterdir())
+    assert fs.recover_dir(path) == [f"removed the unfinished save {partial.name} beside {path}"]
     assert list(tmp_path.iterdir()) == []
