@@ -151,3 +151,35 @@ def test_resuming_from_the_last_checkpoint_trains_no_further(case, data_dir, tmp
     assert len(main(argv).train_losses) == 2
     again = main([*argv, "--resume"])
     assert again.train_losses == [] and again.optimizer_steps == 2
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(data_dir, tmp_path):
+    """DeepSpeed would unpickle anything; dschat loads checkpoints with weights_only=True."""
+    main = load_script("step1").main
+    out = tmp_path / "a"
+    main(base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--save_interval", "1", "--output_dir", str(out),
+                   max_train_steps=1, batch_size=2))
+    folder = out / "checkpoints" / "step_00000001"
+    target = next((folder / "model").glob("*optim_states.pt"))
+    marker = tmp_path / "code-ran"
+    state = torch.load(target, weights_only=False)
+    state["payload"] = _RunsCode(str(marker))
+    torch.save(state, target)
+    with pytest.raises(UserError, match="holds objects dschat does not unpickle"):
+        main(base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--output_dir", str(tmp_path / "b"),
+                       "--resume_from", str(folder), max_train_steps=2, batch_size=2))
+    assert not marker.exists()
+
+
+class _RunsCode:
+    """Unpickling this writes a file: what a tampered checkpoint could do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (_touch, (self.path,))
+
+
+def _touch(path: str) -> None:
+    open(path, "w").close()

@@ -18,8 +18,11 @@ a function of (seed, epoch, rank) only (``make_train_loader``): resuming skips t
 trained in that epoch. On a CPU, ZeRO 0 and 2, a resumed run reproduces the uninterrupted run's
 losses bit for bit (``tests/test_checkpoint.py``).
 
-DeepSpeed's own checkpoint files are ``torch.save`` pickles and DeepSpeed loads them with
-``torch.load`` as it always does; only load checkpoints you wrote yourself.
+DeepSpeed's checkpoint files are ``torch.save`` pickles, which DeepSpeed itself loads with
+``torch.load(weights_only=False)`` (any object, any code). :func:`load_checkpoint` swaps in
+:class:`WeightsOnlyCheckpointEngine` for the load: ``weights_only=True`` with three DeepSpeed record
+types allowed (:data:`SAFE_DEEPSPEED_GLOBALS`), so a tampered checkpoint cannot run code; one holding
+anything else is refused with one line.
 """
 from __future__ import annotations
 
@@ -131,6 +134,38 @@ def read_position(folder: Path) -> TrainingPosition:
 # ------------------------------------------------------------------------------------------------
 # Saving and loading
 # ------------------------------------------------------------------------------------------------
+def safe_deepspeed_globals() -> list[Any]:
+    """The non-tensor types DeepSpeed 0.19's checkpoints pickle (ZeRO 0-3, offload, bf16, LoRA): plain
+    records (the loss scaler's numbers, the ZeRO stage enum, a fragment's (numel, start))."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class WeightsOnlyCheckpointEngine:
+    """DeepSpeed's checkpoint engine, loading with ``torch.load(weights_only=True)``."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        import pickle
+
+        with torch.serialization.safe_globals(safe_deepspeed_globals()):
+            try:
+                return torch.load(path, map_location=map_location, weights_only=True)
+            except pickle.UnpicklingError as err:
+                detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), str(err))
+                raise UserError(f"{path} holds objects dschat does not unpickle ({detail.strip()[:200]}); "
+                                "resume only from checkpoints dschat wrote") from None
+
+
+
 def _barrier() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
@@ -217,8 +252,13 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
     for tag, engine in engines.items():
-        path, _ = engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
-                                         load_lr_scheduler_states=True)
+        unsafe = engine.checkpoint_engine
+        engine.checkpoint_engine = WeightsOnlyCheckpointEngine(unsafe)
+        try:
+            path, _ = engine.load_checkpoint(str(folder), tag=tag, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)
+        finally:
+            engine.checkpoint_engine = unsafe
         if path is None:
             raise UserError(f"could not load the '{tag}' state from {folder}; the checkpoint is damaged, "
                             "pass --resume_from with an older one")
