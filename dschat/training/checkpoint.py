@@ -154,13 +154,13 @@ class WeightsOnlyCheckpointEngine:
         return getattr(self._inner, name)
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        import pickle
-
         with torch.serialization.safe_globals(safe_deepspeed_globals()):
             try:
                 return torch.load(path, map_location=map_location, weights_only=True)
-            except pickle.UnpicklingError as err:
-                detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), str(err))
+            except Exception as err:  # torch raises pickle's UnpicklingError
+                detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), None)
+                if detail is None:
+                    raise
                 raise UserError(f"{path} holds objects dschat does not unpickle ({detail.strip()[:200]}); "
                                 "resume only from checkpoints dschat wrote") from None
 
