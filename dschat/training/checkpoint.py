@@ -318,6 +318,10 @@ class Checkpointer:
             return None
         return load_checkpoint(folder, self.engines, self.rank, self.weights_only)
 
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint of this run's ``--output_dir`` (None without one)."""
+        return latest_checkpoint(self.root, self.rank) if self.root else None
+
     def due(self, optimizer_steps: int) -> bool:
         return self.root is not None and self.interval > 0 and optimizer_steps % self.interval == 0
 

@@ -15,7 +15,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.data import DataLoader
 
-from dschat.training.checkpoint import Checkpointer, TrainingPosition, latest_checkpoint
+from dschat.training.checkpoint import Checkpointer, TrainingPosition
 from dschat.training.common import (
     OptimizerStepCounter,
     RunContext,
@@ -39,7 +39,6 @@ def train_epochs(
     result: RunResult,
     tb: TensorBoardLogger,
     counter: OptimizerStepCounter,
-    checkpointer: Checkpointer,
     loss_fn: Callable[[dict], torch.Tensor],
     evaluate: Callable[[int], None],
     on_optimizer_step: Callable[[int], None] | None = None,
@@ -47,8 +46,9 @@ def train_epochs(
     print_loss: bool = False,
     print_throughput: bool = True,
 ) -> None:
-    """Train ``engine`` for ``--num_train_epochs`` (or ``--max_train_steps``), resuming where
-    ``checkpointer.resume`` left off.
+    """Train ``engine`` for ``--num_train_epochs`` (or ``--max_train_steps``), first resuming from
+    the checkpoint ``--resume`` / ``--resume_from`` name, if any (the engine is saved under the tag
+    ``model``; ``counter`` is set to the checkpoint's micro-steps).
 
     ``evaluate(epoch)`` runs before training (epoch 0, not on resume) and after each epoch;
     ``on_optimizer_step(optimizer_steps)`` after every optimizer step (step 2's ``--eval_interval``);
@@ -58,9 +58,9 @@ def train_epochs(
     from dschat.data.collators import set_epoch_if_distributed
     from dschat.utils.perf import print_throughput as throughput_line
 
-    resumed = checkpointer.position
-    guard = NonFiniteGuard(args.max_nonfinite_steps, ctx.rank, ctx.device,
-                           last_checkpoint=lambda: latest_checkpoint(checkpointer.root) if checkpointer.root else None)
+    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
+    resumed = checkpointer.resume(counter)
+    guard = NonFiniteGuard(args.max_nonfinite_steps, ctx.rank, ctx.device, last_checkpoint=checkpointer.latest)
     print_rank_0("***** Running training *****", ctx.rank)
     if resumed is None:
         evaluate(0)

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from dschat.errors import UserError
-from dschat.utils.dist import print_rank_0
+from dschat.utils.dist import get_all_reduce_mean, print_rank_0
 
 
 class TrainingDiverged(UserError):
@@ -32,11 +32,9 @@ class TrainingDiverged(UserError):
 
 
 def _all_ranks_true(flag: bool, device: torch.device | str) -> bool:
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return flag
-    value = torch.tensor([1 if flag else 0], device=device, dtype=torch.int32)
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MIN)
-    return bool(value.item())
+    """True on every rank iff ``flag`` is True on every rank (collective): the mean of 1.0 / 0.0 over
+    the ranks is exactly 1.0 only then."""
+    return get_all_reduce_mean(torch.tensor([1.0 if flag else 0.0], device=device)).item() == 1.0
 
 
 def all_finite(*tensors: torch.Tensor) -> bool:

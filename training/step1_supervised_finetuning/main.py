@@ -65,7 +65,6 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from transformers import AutoModelForCausalLM, default_data_collator
 
     from dschat.data.prompt_dataset import create_prompt_dataset
-    from dschat.training.checkpoint import Checkpointer
     from dschat.training.loop import finish_run, train_epochs
     from dschat.utils.model.model_utils import causal_lm_model_to_fp32_loss, create_hf_model
 
@@ -108,9 +107,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
         result.evals.append({"epoch": epoch, "step": counter.optimizer_steps, "ppl": perplexity, "loss": eval_loss})
         tb.scalars(counter.optimizer_steps, **{"eval/ppl": perplexity, "eval/loss": eval_loss})
 
-    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
-    checkpointer.resume(counter)
-    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter, checkpointer=checkpointer,
+    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
                  loss_fn=lambda batch: engine(**batch, use_cache=False).loss, evaluate=evaluate,
                  print_loss=args.print_loss)
     return finish_run(args, ctx, engine, tokenizer, result, "step1")

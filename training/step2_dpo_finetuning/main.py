@@ -72,7 +72,6 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     from dschat.data.collators import DataCollatorReward
     from dschat.data.prompt_dataset import create_prompt_dataset
-    from dschat.training.checkpoint import Checkpointer
     from dschat.training.loop import finish_run, train_epochs
     from dschat.utils.ds_utils import get_eval_ds_config
     from dschat.utils.model.model_utils import create_hf_model
@@ -131,9 +130,8 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
                                                "eval/rejected_reward": scores.rejected,
                                                "eval/loss": scores.loss, "eval/acc": scores.accuracy})
 
-    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)  # the reference model is frozen
-    checkpointer.resume(counter)
-    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter, checkpointer=checkpointer,
+    # The reference model is frozen: only the policy is checkpointed.
+    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
                  loss_fn=lambda batch: dpo_batch(engine, ref_engine, batch, **loss_options).loss, evaluate=evaluate,
                  print_loss=args.print_loss)
     return finish_run(args, ctx, engine, tokenizer, result, "dpo")

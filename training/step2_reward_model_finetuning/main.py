@@ -71,7 +71,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.data.collators import DataCollatorReward
     from dschat.data.prompt_dataset import create_prompt_dataset
-    from dschat.training.checkpoint import Checkpointer
     from dschat.training.loop import finish_run, train_epochs
     from dschat.utils.model.model_utils import create_critic_model
 
@@ -140,10 +139,8 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     def epoch_loss(epoch: int, mean_loss: float) -> None:
         print_rank_0(f"Epoch {epoch + 1}/{args.num_train_epochs} with loss {mean_loss}", ctx.rank)
 
-    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
-    checkpointer.resume(counter)
     # No throughput line: upstream's step 2 has none (the step times are in the result).
-    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter, checkpointer=checkpointer,
+    train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
                  loss_fn=lambda batch: engine(**batch, use_cache=False)["loss"], evaluate=evaluate_epoch,
                  on_optimizer_step=evaluate_every, on_epoch_end=epoch_loss, print_throughput=False)
     # The body as an HF folder + v_head.safetensors.

@@ -135,7 +135,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.rlhf.guards import plan_batches, validate_step3_args
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-    from dschat.training.checkpoint import Checkpointer, TrainingPosition, check_checkpoint_args, latest_checkpoint
+    from dschat.training.checkpoint import Checkpointer, TrainingPosition, check_checkpoint_args
     from dschat.training.common import TensorBoardLogger, setup_run, to_device
     from dschat.utils.dist import get_all_reduce_mean
     from dschat.utils.ds_utils import resolve_dtype
@@ -182,7 +182,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     global_step = 0  # PPO iterations trained, never reset (TensorBoard x-axis; upstream reset per epoch)
     checkpointer = Checkpointer(args, {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}, ctx.rank,
                                 weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema})
-    trainer.nonfinite.last_checkpoint = lambda: latest_checkpoint(checkpointer.root) if checkpointer.root else None
+    trainer.nonfinite.last_checkpoint = checkpointer.latest
     resumed = checkpointer.resume()
     if resumed is not None:
         global_step = resumed.optimizer_steps
