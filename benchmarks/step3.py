@@ -8,13 +8,15 @@ A fixed PPO workload -- the same prompts, every answer exactly ``--answer_len`` 
 (``min_new_tokens``), ``--steps`` PPO iterations after ``--warmup`` -- runs twice on the same
 engines:
 
-* **baseline**: the plain path. Hugging Face ``generate`` on the training engine's module (ZeRO-3
-  parameters fetched layer by layer for every token, LoRA not fused, no Hybrid Engine), prompts
-  left-padded to ``--prompt_len`` as the data pipeline delivers them, and a second actor forward
-  pass over the rollout for the old log-probs. This is what upstream does without its Hybrid Engine.
+* **baseline**: the plain path. Hugging Face ``generate`` on the training engine's module with the
+  stock kernels (ZeRO-3 parameters fetched layer by layer for every token, LoRA not fused, no Hybrid
+  Engine), prompts left-padded to ``--prompt_len`` as the data pipeline delivers them, and a second
+  actor forward pass over the rollout for the old log-probs. This is what upstream does without its
+  Hybrid Engine.
 * **ours**: the default path of ``training/step3_rlhf_finetuning/main.py``: all-padding prompt
-  columns dropped, the old log-probs kept from generation, LoRA fused and ZeRO-3 gathered once per
-  rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable.
+  columns dropped, the old log-probs kept from generation, dschat's decoding loop with oneDNN decode
+  linears on a CPU (``dschat/rlhf/decoding.py``), LoRA fused and ZeRO-3 gathered once per rollout for
+  generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable.
 
 Per phase it prints generation tokens/s, per-token latency and achieved memory bandwidth (parameter
 bytes x decode steps / time, the roofline of memory-bound decoding), experience-pass tokens/s,
@@ -201,6 +203,8 @@ def configure(trainer: Any, mode: str, he_available: bool) -> None:
     gen.keep_logprobs = ours
     gen.fuse_lora = ours
     gen.zero3_gather = "auto" if ours else "off"
+    gen.generation_loop = "dschat" if ours else "hf"
+    gen.cpu_decode_linear = "onednn" if ours else "off"
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 

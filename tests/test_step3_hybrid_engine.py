@@ -151,30 +151,62 @@ def test_zero3_gather_once_generates_the_same_tokens_without_per_layer_fetches(m
     assert torch.equal(results["on"][0], reference)  # same tokens as ZeRO-0
 
 
-def test_lora_is_fused_for_generation_and_unfused_after(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+@pytest.mark.parametrize("loop", ["dschat", "hf"])
+def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, critic_dirs, data_cache):  # noqa: F811
+    import dschat.rlhf.decoding as decoding
     from dschat.utils.module.lora import LinearLayer_LoRA
 
-    engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_lora_dim", "4")
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_lora_dim", "4", "--generation_loop", loop)
     layers = [m for m in engine.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
     with torch.no_grad():
         for layer in layers:  # a non-zero delta, so fusion matters
             layer.lora_left_weight.normal_(0, 0.5)
     states = []
-    original = type(engine.actor.module).generate
+    # The decoding entry point of each loop: dschat's sample_loop, or the module class's generate.
+    owner, name = (decoding, "sample_loop") if loop == "dschat" else (type(engine.actor.module), "generate")
+    original = getattr(owner, name)
 
-    def spy(module, *args, **kwargs):
+    def spy(*args, **kwargs):
         states.append(all(layer.fuse_lora for layer in layers))
-        return original(module, *args, **kwargs)
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(type(engine.actor.module), "generate", spy)
+    monkeypatch.setattr(owner, name, spy)
     fused_seq = _generate(engine)
     assert states == [True] and not any(layer.fuse_lora for layer in layers)
     # Greedy tokens with the fused weights equal those of the unfused LoRA forward.
-    monkeypatch.setattr(type(engine.actor.module), "generate", original)
+    monkeypatch.setattr(owner, name, original)
     with torch.no_grad():
-        unfused = original(engine.actor.module, PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=16,
-                           do_sample=False, pad_token_id=3, eos_token_id=2)
+        unfused = type(engine.actor.module).generate(engine.actor.module, PROMPTS, attention_mask=PROMPT_MASK,
+                                                     max_new_tokens=16, do_sample=False, pad_token_id=3, eos_token_id=2)
     assert torch.equal(fused_seq, unfused)
+
+
+@pytest.mark.parametrize("extra", [(), ("--actor_lora_dim", "4"), ("--actor_zero_stage", "3")])
+def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic_dirs, data_cache):  # noqa: F811
+    """dschat's loop with oneDNN decode linears (the defaults) gives the plain path's greedy tokens and
+    log-probs (HF generate, stock kernels), before and after the actor's weights change."""
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_learning_rate", "0.05", *extra)
+    gen = engine.generator
+    assert (gen.generation_loop, gen.cpu_decode_linear) == ("dschat", "onednn")
+
+    def fast_and_plain():
+        gen.eval()
+        fast = gen.rollout(PROMPTS, PROMPT_MASK)
+        gen.generation_loop, gen.cpu_decode_linear = "hf", "off"
+        plain = gen.rollout(PROMPTS, PROMPT_MASK)
+        gen.generation_loop, gen.cpu_decode_linear = "dschat", "onednn"
+        assert torch.equal(fast.sequences, plain.sequences)
+        assert torch.allclose(fast.logprobs, plain.logprobs, atol=1e-5)
+        return fast.sequences
+
+    before = fast_and_plain()
+    engine.actor.train()
+    logits = engine.actor(before).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), torch.roll(before, 1, 1)[:, 1:].flatten())
+    engine.actor.backward(loss)
+    engine.actor.step()
+    after = fast_and_plain()
+    assert not torch.equal(after, before)  # the step changed the greedy answer: fresh weights were used
 
 
 # ------------------------------------------------------------------------------------ GPU tier

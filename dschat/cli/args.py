@@ -397,6 +397,16 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "once per rollout instead of layer by layer for every generated token. 'auto' "
                             "does it when the full model fits in half of the free memory; 'off' saves "
                             "memory at the cost of speed.")
+    group.add_argument("--generation_loop", type=str, default="dschat", choices=("dschat", "hf"),
+                       help="(dschat) Without the Hybrid Engine: 'dschat' decodes rollouts with dschat's own "
+                            "sampling loop (dschat/rlhf/decoding.py: the same tokens for a seed as Hugging Face "
+                            "generate, without its per-token bookkeeping); 'hf' calls the module's generate(). "
+                            "generate() is used anyway for an actor under ZeRO-3 whose weights are not gathered.")
+    group.add_argument("--cpu_decode_linear", type=str, default="onednn", choices=("onednn", "off"),
+                       help="(dschat) fp32 actor on a CPU, without the Hybrid Engine: 'onednn' runs the decode "
+                            "steps' linear layers with oneDNN on weights repacked once per rollout (MKL's GEMM "
+                            "is several times slower for a few rows; benchmarks/results.md); costs one extra copy "
+                            "of the actor's weights during generation. 'off': the stock kernels.")
     group.add_argument("--offload", action="store_true", help="Enable ZeRO Offload techniques.")
     group.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
                        help="Training data type. fp32 is dschat's addition; on a CPU, fp16 falls back "

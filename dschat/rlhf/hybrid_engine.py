@@ -25,14 +25,19 @@ Without the Hybrid Engine two things upstream's HE did are done here instead:
   and DeepSpeed's fetch/release hooks are detached for the duration (TRL's
   ``unwrap_model_for_generation`` does the same), then restored.
 
-And one thing neither did: the module path keeps the **log-probs of the generated tokens** (from
-``generate``'s raw logits, divided by the sampling temperature), so the trainer need not run the
-actor over the rollout again for its old log-probs (:class:`Rollout`). The price is that
-``generate`` holds the fp32 logits of every step until it returns: B x A' x V x 4 bytes (16 x 256 x
-50272 x 4 = 0.8 GB for upstream's OPT protocol), freed right after.
+And one thing neither did: the module path keeps the **log-probs of the generated tokens** (the raw
+logits divided by the sampling temperature), so the trainer need not run the actor over the rollout
+again for its old log-probs (:class:`Rollout`). Through ``generate`` (``--generation_loop hf``) the
+price is that it holds the fp32 logits of every step until it returns: B x A' x V x 4 bytes (16 x
+256 x 50272 x 4 = 0.8 GB for upstream's OPT protocol), freed right after; dschat's loop does not.
 
-Each fast path is an attribute of :class:`RolloutGenerator` (``keep_logprobs``, ``fuse_lora``) so
-``benchmarks/step3.py`` can turn it off for its baseline.
+On the module path the decoding itself is dschat's (:mod:`dschat.rlhf.decoding`): its own sampling
+loop instead of ``generate`` (``--generation_loop``; it takes each step's log-probs as it goes, so
+no per-step logits are held), and on a CPU the decode steps' linear layers run with oneDNN on weights
+repacked once per rollout (``--cpu_decode_linear``), which halves a SmolLM2 decode step there.
+
+Each fast path is an attribute of :class:`RolloutGenerator` (``keep_logprobs``, ``fuse_lora``,
+``generation_loop``, ``cpu_decode_linear``) so ``benchmarks/step3.py`` can turn it off for its baseline.
 """
 from __future__ import annotations
 
@@ -210,6 +215,8 @@ class RolloutGenerator:
         max_answer_seq_len: int,
         zero_stage: int,
         zero3_gather: str = "auto",
+        generation_loop: str = "dschat",
+        cpu_decode_linear: str = "onednn",
     ) -> None:
         self.actor = actor
         self.tokenizer = tokenizer
@@ -231,6 +238,8 @@ class RolloutGenerator:
         # Fast paths, on by default (benchmarks/step3.py turns them off for its baseline).
         self.keep_logprobs = True  # return the generated tokens' log-probs (module path only)
         self.fuse_lora = True  # fuse LoRA into the base weights for generation
+        self.generation_loop = generation_loop  # "dschat" (dschat.rlhf.decoding.sample_loop) | "hf" (generate)
+        self.cpu_decode_linear = cpu_decode_linear  # "onednn" | "off": decode-sized linears on a CPU
         self.extra_generate_kwargs: dict[str, Any] = {}  # e.g. min_new_tokens for a fixed-length benchmark
 
     # ------------------------------------------------------------------ logging once
@@ -294,29 +303,73 @@ class RolloutGenerator:
         return self._gather_decided
 
     def _module_generate(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
-        """Hugging Face ``generate`` on the actor module, LoRA fused, ZeRO-3 gathered once if allowed."""
+        """The actor module decodes: LoRA fused, ZeRO-3 gathered once if allowed, dschat's sampling
+        loop or HF ``generate``, decode-sized CPU linears where they apply."""
         module = self.actor.module
         gather: ContextManager[Any] = nullcontext()
+        gathered = False
         if self._should_gather():
             try:
                 _parameter_offload(self.actor)
                 gather = _zero3_gathered(self.actor)
+                gathered = True
             except AttributeError as err:
                 self._say_once(f"ZeRO-3 generation: cannot detach DeepSpeed's hooks ({err}); fetching per layer")
+        # Under ZeRO-3 without the gather, weights exist only inside each layer's forward.
+        materialised = self.zero_stage != 3 or gathered
         lora = self._lora_layers() if self.fuse_lora else []
-        kwargs = self._kwargs(mask)
-        if self.keep_logprobs:
-            kwargs.update(return_dict_in_generate=True, output_logits=True)
         with gather:
             for layer in lora:
                 layer.fuse_lora_weight()
             try:
-                # The class method, not ``module.generate``: a Hybrid Engine that failed at run time
-                # leaves its own generate installed on the instance.
-                out = type(module).generate(module, prompts, **kwargs)
+                with self._decode_kernels(module, prompts.shape[0], materialised):
+                    if self._use_sample_loop(module, materialised):
+                        return self._loop_generate(module, prompts, mask)
+                    return self._hf_generate(module, prompts, mask)
             finally:
                 for layer in lora:
                     layer.unfuse_lora_weight()
+
+    def _use_sample_loop(self, module: Any, materialised: bool) -> bool:
+        """dschat's loop covers the decoding settings and ``min_new_tokens``; anything else passed in
+        ``extra_generate_kwargs`` (a logits processor, ...) goes to HF ``generate``. Without the ZeRO-3
+        gather every rank must keep stepping until all are done (``synced_gpus``): HF ``generate``."""
+        return (self.generation_loop == "dschat" and materialised
+                and not getattr(module.config, "is_encoder_decoder", False)
+                and set(self.extra_generate_kwargs) <= {"min_new_tokens"})
+
+    def _decode_kernels(self, module: Any, rows: int, materialised: bool) -> ContextManager[Any]:
+        """oneDNN decode-sized linears (``--cpu_decode_linear onednn``) where they apply, else nothing."""
+        if self.cpu_decode_linear == "off":
+            return nullcontext()
+        from dschat.rlhf.decoding import onednn_decode_linears, onednn_decode_supported
+
+        why_not = onednn_decode_supported(module) if materialised else "ZeRO-3 parameters are not gathered"
+        if why_not is None:
+            need = sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() == 2)
+            if need > _free_memory_bytes(torch.device("cpu")) // 2:
+                why_not = "a packed copy of the actor's weights does not fit in half the free memory"
+        if why_not is not None:
+            if next(module.parameters()).device.type == "cpu":  # on an accelerator it is simply not for it
+                self._say_once(f"--cpu_decode_linear onednn: not used ({why_not})")
+            return nullcontext()
+        return onednn_decode_linears(module, rows)
+
+    def _loop_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        from dschat.rlhf.decoding import sample_loop
+
+        return sample_loop(module, prompts, mask, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
+                           min_new_tokens=int(self.extra_generate_kwargs.get("min_new_tokens", 0)),
+                           eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                           keep_logprobs=self.keep_logprobs)
+
+    def _hf_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        kwargs = self._kwargs(mask)
+        if self.keep_logprobs:
+            kwargs.update(return_dict_in_generate=True, output_logits=True)
+        # The class method, not ``module.generate``: a Hybrid Engine that failed at run time leaves
+        # its own generate installed on the instance.
+        out = type(module).generate(module, prompts, **kwargs)
         if not self.keep_logprobs:
             return Rollout(out, None)
         seq = out.sequences

@@ -132,6 +132,8 @@ class DeepSpeedRLHFEngine:
             decoding=DecodingSettings(args.decoding, args.temperature, args.top_k, args.top_p),
             max_answer_seq_len=args.max_answer_seq_len, zero_stage=args.actor_zero_stage,
             zero3_gather=getattr(args, "zero3_gather_for_generation", "auto"),
+            generation_loop=getattr(args, "generation_loop", "dschat"),
+            cpu_decode_linear=getattr(args, "cpu_decode_linear", "onednn"),
         )
 
     # ------------------------------------------------------------------ helpers
