@@ -11,8 +11,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
-import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -35,8 +34,6 @@ from dschat.utils.dist import print_rank_0
 
 # What --add_eot_token adds (upstream: the literal, as a special token).
 EOT_SPECIAL_TOKEN = "<|endoftext|>"
-DASHES = "-" * 85
-METRICS_FILE = "metrics.jsonl"  # in --output_dir, one line per PPO iteration (docs/metrics.md)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -131,16 +128,13 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.rlhf.ema import moving_average
     from dschat.rlhf.guards import plan_batches, validate_step3_args
+    from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-    from dschat.training.checkpoint import Checkpointer, TrainingPosition, check_checkpoint_args
+    from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.common import TensorBoardLogger, setup_run, to_device
-    from dschat.utils.dist import get_all_reduce_mean
     from dschat.utils.ds_utils import resolve_dtype
-    from dschat.utils.perf import print_throughput_step3
-    from dschat.utils.utils import ExponentialMovingAverage
 
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)
@@ -176,27 +170,19 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     # ---------------------------------------------------------------- resume
     # A checkpoint is written after a trained PPO iteration (--save_interval counts iterations), when
     # no rollout is half collected: the trainable engines (actor, critic, EMA), the random states,
-    # the prompt position and the counters below.
-    ema_reward_score = ExponentialMovingAverage()
-    non_overflow_step_count = 0
-    global_step = 0  # PPO iterations trained, never reset (TensorBoard x-axis; upstream reset per epoch)
+    # the prompt position and the PPO counters.
     checkpointer = Checkpointer(args, {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}, ctx.rank,
                                 weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema})
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     resumed = checkpointer.resume()
-    if resumed is not None:
-        global_step = resumed.optimizer_steps
-        non_overflow_step_count = resumed.extra["non_overflow_step_count"]
-        ema_reward_score.ema = resumed.extra["ema_reward"]
-        trainer.nonfinite.consecutive, trainer.nonfinite.skipped = resumed.extra["nonfinite"]
-        if args.output_dir is not None and ctx.rank == 0:
-            _truncate_metrics(Path(args.output_dir) / METRICS_FILE, global_step)
+    counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
+    if resumed is not None and args.output_dir is not None and ctx.rank == 0:
+        truncate_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step)
 
     # ---------------------------------------------------------------- PPO loop
     gen_time = exp_time = 0.0  # summed over the generation batches of the current rollout
     # Resumed from the checkpoint a test-mode run ended with: only the final save is left.
-    stop = bool(resumed and args.enable_test_mode and non_overflow_step_count >= args.test_stop_step)
-    trained = False
+    stop = bool(resumed and args.enable_test_mode and counters.non_overflow_step_count >= args.test_stop_step)
     for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
         if stop:
             break
@@ -217,68 +203,23 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
             out = trainer.generate_experience(batch_prompt["prompt"], batch_prompt["prompt_att_mask"], step)
             gen_time += trainer.generate_time
             exp_time += trainer.experience_time
+            exp_dataset = unsup_dataset = None
             if out is None:
                 result.skipped_steps.append(step)
             else:
                 exp_dataset = exp_mini_dataset.add(out)
                 unsup_dataset = unsup_mini_dataset.add(to_device(batch_unsup, ctx.device)) if ptx else None
-                if exp_dataset is not None:
-                    training_start = time.time()
-                    rollout = trainer.prepare_rollout(exp_dataset)
-                    trainer.train()
-                    if args.actor_gradient_checkpointing:
-                        rlhf_engine.actor.module.gradient_checkpointing_enable()
-                    inner_iter, actor_loss_sum, critic_loss_sum, unsup_loss_sum = 0, 0.0, 0.0, 0.0
-                    ppo_ep = 0
-                    for ppo_ep, exp_data, unsup_data in trainer.schedule(exp_dataset, unsup_dataset):
-                        actor_loss, critic_loss = trainer.train_rlhf(exp_data)
-                        actor_loss_sum += actor_loss.item()
-                        critic_loss_sum += critic_loss.item()
-                        if ptx:
-                            unsup_loss_sum += trainer.train_unsupervised(unsup_data, args.unsup_coef).item()
-                        inner_iter += 1
-                        if args.enable_ema:
-                            moving_average(rlhf_engine.actor, rlhf_engine.actor_ema, zero_stage=args.actor_zero_stage)
-                    if args.actor_gradient_checkpointing:
-                        rlhf_engine.actor.module.gradient_checkpointing_disable()  # never during generation
-                    training_time = time.time() - training_start
-                    e2e_time = gen_time + exp_time + training_time
-
-                    print_rank_0(f"Epoch: {epoch} | Step: {step} | PPO Epoch: {ppo_ep + 1} | "
-                                 f"Actor Loss: {actor_loss_sum / inner_iter} | Critic Loss: {critic_loss_sum / inner_iter} | "
-                                 f"Unsupervised Loss: {unsup_loss_sum / inner_iter}", ctx.rank)
-                    print_throughput_step3(rlhf_engine.actor.module, rlhf_engine.critic, args, e2e_time, gen_time,
-                                           training_time, ctx.rank)
-                    # Mean over kept answers of all ranks; the EMA is fed that mean (upstream fed a
-                    # sum over micro-batches, §10.5).
-                    ema_reward = ema_reward_score.update(rollout.reward)
-                    print_rank_0(f"Average reward score: {rollout.reward} | EMA reward score: {ema_reward}", ctx.rank)
-                    print_rank_0(DASHES, ctx.rank)
-
-                    record = _iteration_record(epoch, step, global_step, trainer.pop_micro_stats(), rollout,
-                                               ema_reward, unsup_loss_sum / inner_iter,
-                                               gen_time, exp_time, training_time, get_all_reduce_mean)
-                    result.history.append(record)
-                    tb.scalars(global_step, **_tensorboard_scalars(record))
-                    if args.output_dir is not None and ctx.rank == 0:
-                        _append_metrics(Path(args.output_dir) / METRICS_FILE, record, fresh=global_step == 0)
-                    global_step += 1
-                    gen_time = exp_time = 0.0
-                    trained = True
-            actor_overflow, critic_overflow = trainer.get_overflow()
-            if not actor_overflow and not critic_overflow:
-                non_overflow_step_count += 1
-            if trained:
-                trained = False
-                checkpointer.maybe_save(TrainingPosition(
-                    epoch, step + 1, 0, global_step,
-                    extra={"non_overflow_step_count": non_overflow_step_count, "ema_reward": ema_reward_score.ema,
-                           "nonfinite": [trainer.nonfinite.consecutive, trainer.nonfinite.skipped]}))
-            if args.enable_test_mode and non_overflow_step_count == args.test_stop_step:
+            if exp_dataset is not None:  # a whole rollout collected: one PPO iteration
+                iteration = train_iteration(trainer, args, exp_dataset, unsup_dataset)
+                result.history.append(log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step,
+                                                    gen_time=gen_time, exp_time=exp_time, rank=ctx.rank, tb=tb))
+                gen_time = exp_time = 0.0
+            counters.count_overflow(trainer)
+            if exp_dataset is not None:
+                checkpointer.maybe_save(counters.position(epoch, step + 1, trainer.nonfinite))
+            if args.enable_test_mode and counters.non_overflow_step_count == args.test_stop_step:
                 stop = True
                 break
-        if stop:
-            break
     tb.close()
     result.skipped_nonfinite = trainer.nonfinite.skipped
 
@@ -292,72 +233,6 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
             save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema")
         result.output_dir = Path(args.output_dir)
     return result
-
-
-def _iteration_record(epoch: int, step: int, global_step: int, micro: list, rollout: Any, ema_reward: float,
-                      unsup_loss: float, gen_time: float, exp_time: float, train_time: float,
-                      all_reduce_mean: Any) -> dict:
-    """One PPO iteration's numbers (rank means of the losses; rollout stats are already global)."""
-    import torch
-
-    n = max(len(micro), 1)
-    local = torch.tensor([sum(m.actor_loss for m in micro) / n, sum(m.critic_loss for m in micro) / n,
-                          sum(m.approx_kl for m in micro) / n, sum(m.clip_frac for m in micro) / n,
-                          sum(m.ratio_mean for m in micro) / n], dtype=torch.float64)
-    actor_loss, critic_loss, approx_kl, clip_frac, ratio_mean = all_reduce_mean(local).tolist()
-    record = {
-        "epoch": epoch, "step": step, "global_step": global_step,
-        "reward": rollout.reward, "ema_reward": ema_reward,
-        "actor_loss": actor_loss, "critic_loss": critic_loss, "unsup_loss": unsup_loss,
-        "approx_kl": approx_kl, "clip_frac": clip_frac, "ratio_mean": ratio_mean,
-        "ratio_max": max((m.ratio_max for m in micro), default=float("nan")),
-        "ratio_min": min((m.ratio_min for m in micro), default=float("nan")),
-        "kl_to_ref": rollout.kl_to_ref, "value_explained_variance": rollout.value_explained_variance,
-        "response_length": rollout.response_length, "kept": rollout.kept, "dropped": rollout.dropped,
-        "time_generation": gen_time, "time_experience": exp_time, "time_training": train_time,
-        "micro_steps": [asdict(m) for m in micro],
-    }
-    return record
-
-
-def _append_metrics(path: Path, record: dict, *, fresh: bool) -> None:
-    """One JSON line per PPO iteration (what the e2e report plots); a new run starts a new file.
-
-    Written as it goes, so a crashed run still leaves the curve up to its last iteration.
-    """
-    import json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({k: v for k, v in record.items() if k != "micro_steps"}, allow_nan=True)
-    with path.open("w" if fresh else "a", encoding="utf-8") as f:
-        f.write(line + "\n")
-
-
-def _truncate_metrics(path: Path, iterations: int) -> None:
-    """On resume: keep the lines of the iterations the checkpoint holds (a killed run may have
-    written more), so the resumed run's lines follow without duplicates."""
-    import json
-
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            if json.loads(line).get("global_step", iterations) < iterations:
-                kept.append(line + "\n")
-        except json.JSONDecodeError:  # a line cut by the kill
-            continue
-    path.write_text("".join(kept), encoding="utf-8")
-
-
-def _tensorboard_scalars(record: dict) -> dict[str, float]:
-    """The scalar names documented in docs/metrics.md."""
-    keys = ("reward", "ema_reward", "actor_loss", "critic_loss", "unsup_loss", "approx_kl", "clip_frac",
-            "ratio_mean", "ratio_max", "ratio_min", "kl_to_ref", "value_explained_variance", "response_length")
-    scalars = {k: record[k] for k in keys}
-    scalars.update({"dropped_answers": record["dropped"], "time/generation": record["time_generation"],
-                    "time/experience": record["time_experience"], "time/training": record["time_training"]})
-    return scalars
 
 
 if __name__ == "__main__":
