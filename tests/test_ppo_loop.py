@@ -1,0 +1,88 @@
+"""dschat.rlhf.ppo_loop's bookkeeping: the counters a step-3 checkpoint carries, the metrics file on
+resume, and the per-iteration record (the PPO iteration itself runs in test_step3_*.py)."""
+from __future__ import annotations
+
+import json
+import math
+
+from dschat.rlhf.ppo_loop import PPOCounters, append_metrics, iteration_record, tensorboard_scalars, truncate_metrics
+from dschat.rlhf.ppo_trainer import MicroStepStats, RolloutStats
+from dschat.training.checkpoint import TrainingPosition
+from dschat.training.nonfinite import NonFiniteGuard
+
+
+def test_counters_survive_a_checkpoint_record_through_json():
+    guard = NonFiniteGuard(10, rank=0, device="cpu")
+    guard.consecutive, guard.skipped = 2, 5
+    counters = PPOCounters(global_step=7, non_overflow_step_count=9)
+    counters.ema_reward.update(1.0)
+    counters.ema_reward.update(3.0)  # 0.9 * 1 + 0.1 * 3
+    position = counters.position(epoch=1, batches_done=4, nonfinite=guard)
+    assert (position.epoch, position.epoch_micro_steps, position.optimizer_steps) == (1, 4, 7)
+
+    # What the checkpoint file holds is JSON; restore from a copy that went through it.
+    stored = TrainingPosition(**json.loads(json.dumps(position.__dict__)))
+    fresh = NonFiniteGuard(10, rank=0, device="cpu")
+    restored = PPOCounters.restore(stored, fresh)
+    assert restored.global_step == 7 and restored.non_overflow_step_count == 9
+    assert math.isclose(restored.ema_reward.ema, 1.2)
+    assert (fresh.consecutive, fresh.skipped) == (2, 5)
+    # The restored EMA goes on from the stored value, not from the next reward alone.
+    assert math.isclose(restored.ema_reward.update(2.2), 0.9 * 1.2 + 0.1 * 2.2)
+
+
+def test_counters_before_the_first_reward_restore_an_empty_ema():
+    guard = NonFiniteGuard(0, rank=0, device="cpu")
+    position = PPOCounters().position(0, 0, guard)
+    restored = PPOCounters.restore(TrainingPosition(**json.loads(json.dumps(position.__dict__))), guard)
+    assert restored.ema_reward.ema is None and restored.ema_reward.update(4.0) == 4.0
+
+
+class _FakeTrainer:
+    def __init__(self, overflow):
+        self.overflow = overflow
+
+    def get_overflow(self):
+        return self.overflow
+
+
+def test_overflow_counting_follows_upstream():
+    counters = PPOCounters()
+    for overflow in [(False, False), (True, False), (False, True), (False, False)]:
+        counters.count_overflow(_FakeTrainer(overflow))
+    assert counters.non_overflow_step_count == 2
+
+
+def _record(global_step):
+    micro = [MicroStepStats(actor_loss=1.0, critic_loss=2.0, ratio_mean=1.0, ratio_max=1.5, ratio_min=0.5,
+                            approx_kl=0.01, clip_frac=0.1, tokens=10),
+             MicroStepStats(actor_loss=3.0, critic_loss=4.0, ratio_mean=1.0, ratio_max=1.2, ratio_min=0.7,
+                            approx_kl=0.03, clip_frac=0.3, tokens=12)]
+    rollout = RolloutStats(reward=0.5, kl_to_ref=0.02, response_length=11.0, value_explained_variance=0.1,
+                           kept=4, dropped=0)
+    return iteration_record(0, global_step, global_step, micro, rollout, 0.4, 0.0, 1.0, 2.0, 3.0)
+
+
+def test_iteration_record_means_and_extremes():
+    record = _record(0)
+    assert record["actor_loss"] == 2.0 and record["critic_loss"] == 3.0
+    assert math.isclose(record["approx_kl"], 0.02) and math.isclose(record["clip_frac"], 0.2)
+    assert record["ratio_max"] == 1.5 and record["ratio_min"] == 0.5
+    scalars = tensorboard_scalars(record)
+    assert scalars["time/training"] == 3.0 and scalars["dropped_answers"] == 0 and "micro_steps" not in scalars
+
+
+def test_metrics_file_on_resume_keeps_the_checkpointed_iterations_only(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    for step in range(5):
+        append_metrics(path, _record(step), fresh=step == 0)
+    with path.open("a", encoding="utf-8") as f:
+        f.write('{"global_step": 5, "rew')  # the line a kill cut
+    truncate_metrics(path, 3)
+    lines = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+    assert [line["global_step"] for line in lines] == [0, 1, 2]
+    assert "micro_steps" not in lines[0]
+    append_metrics(path, _record(3), fresh=False)
+    assert [json.loads(x)["global_step"] for x in path.read_text(encoding="utf-8").splitlines()] == [0, 1, 2, 3]
+    truncate_metrics(tmp_path / "absent.jsonl", 3)  # nothing to do, no error
+    assert not (tmp_path / "absent.jsonl").exists()
