@@ -95,6 +95,9 @@ def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
     """
     import deepspeed
 
+    from dschat.utils.ds_utils import release_zero3_prefetch
+
+    release_zero3_prefetch(model)
     module = unwrap(model)
     rank = _rank()
     state: dict[str, torch.Tensor] = {}
@@ -145,7 +148,7 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path) -> Path | 
     rank 0, ``None`` elsewhere.
     """
     module = unwrap(model)
-    state = gathered_state_dict(module)
+    state = gathered_state_dict(model)
     output_dir = Path(output_dir)
     if state is not None:
         with atomic_dir(output_dir, carry_over=_keep) as tmp:
@@ -169,7 +172,7 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
     (rank 0). Files already there (e.g. tokenizer files) are kept; the weights are replaced."""
     del global_rank, zero_stage  # the rank comes from torch.distributed; gathering is a no-op below ZeRO-3
     module = unwrap(model)
-    state = gathered_state_dict(module)
+    state = gathered_state_dict(model)
     if state is not None:
         # Keep everything already there (tokenizer files, logs) except stale weight files.
         with atomic_dir(save_dir, carry_over=lambda name: not _WEIGHTS.match(name)) as tmp:

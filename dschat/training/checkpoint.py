@@ -39,6 +39,7 @@ import torch
 
 from dschat.errors import UserError
 from dschat.utils.dist import print_rank_0
+from dschat.utils.ds_utils import release_zero3_prefetch
 
 MARKER = "dschat_checkpoint.json"
 PREFIX = "step_"
@@ -181,6 +182,7 @@ def save_weights(engine: Any, path: Path, rank: int) -> None:
     import deepspeed
     from safetensors.torch import save_file
 
+    release_zero3_prefetch(engine)
     tensors = {}
     for name, param in getattr(engine, "module", engine).named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=_is_zero3(param)):
@@ -196,6 +198,7 @@ def load_weights(engine: Any, path: Path, rank: int) -> None:
     from safetensors.torch import load_file
 
     state = load_file(str(path))
+    release_zero3_prefetch(engine)
     module = getattr(engine, "module", engine)
     names = [name for name, _ in module.named_parameters()]
     if sorted(names) != sorted(state):

@@ -513,6 +513,9 @@ def parameter_digest(model: Any) -> str:
     """
     import deepspeed
 
+    from dschat.utils.ds_utils import release_zero3_prefetch
+
+    release_zero3_prefetch(model)
     module = getattr(model, "module", model)
     digest = hashlib.sha256()
     for name, param in module.named_parameters():
