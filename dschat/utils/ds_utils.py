@@ -236,10 +236,10 @@ def get_eval_ds_config(offload: bool,
 def release_zero3_prefetch(model: Any) -> None:
     """Call before gathering a ZeRO-3 engine's parameters outside a forward or backward pass (saving,
     checkpointing, digests): waits for the parameters DeepSpeed's prefetcher still has in flight and
-    partitions every parameter again. After an evaluation loop the prefetcher has already started
-    fetching the next forward's first layers; ``GatheredParameters`` then fails with "Cannot partition
-    a param in flight" (seen on SmolLM2; tiny test models keep every parameter persistent, so they
-    never prefetch). A no-op for plain modules and below ZeRO-3. Call it on every rank at the same
+    partitions every parameter again. After step 1's evaluation loop on SmolLM2 some prefetched
+    parameters were still in flight, and ``GatheredParameters`` failed with "Cannot partition a param
+    in flight" (the tiny test models keep most of their small parameters resident and never showed
+    it). A no-op for plain modules and below ZeRO-3. Call it on every rank at the same
     point (it waits on all-gathers every rank issued), as the gathering after it requires anyway."""
     partitioned = getattr(model, "zero_optimization_partition_weights", None)
     if callable(partitioned) and partitioned():
