@@ -20,8 +20,8 @@ losses bit for bit (``tests/test_checkpoint.py``).
 
 DeepSpeed's checkpoint files are ``torch.save`` pickles, which DeepSpeed itself loads with
 ``torch.load(weights_only=False)`` (any object, any code). :func:`load_checkpoint` swaps in
-:class:`WeightsOnlyCheckpointEngine` for the load: ``weights_only=True`` with three DeepSpeed record
-types allowed (:data:`SAFE_DEEPSPEED_GLOBALS`), so a tampered checkpoint cannot run code; one holding
+:class:`WeightsOnlyCheckpointEngine` for the load: ``weights_only=True`` with four DeepSpeed record
+types allowed (:func:`safe_deepspeed_globals`), so a tampered checkpoint cannot run code; one holding
 anything else is refused with one line.
 """
 from __future__ import annotations
@@ -164,7 +164,6 @@ class WeightsOnlyCheckpointEngine:
                     raise
                 raise UserError(f"{path} holds objects dschat does not unpickle ({detail.strip()[:200]}); "
                                 "resume only from checkpoints dschat wrote") from None
-
 
 
 def _barrier() -> None:
