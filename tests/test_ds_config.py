@@ -239,10 +239,21 @@ def test_init_distributed_single_process_and_idempotent(dist_info, capsys):
     x = torch.tensor([1.0, 3.0])
     assert torch.equal(dist_utils.get_all_reduce_mean(x), torch.tensor([1.0, 3.0]))
     assert torch.equal(x, torch.tensor([1.0, 3.0]))  # the caller's tensor is not reduced in place
+    assert dist_utils.collective_device(x) == torch.device("cpu")  # gloo reduces host tensors
     dist_utils.barrier()
     dist_utils.print_rank_0("hello")
     dist_utils.print_rank_0("explicit", rank=0)
     assert capsys.readouterr().out == "hello\nexplicit\n"
+
+
+def test_host_tensors_go_through_the_gpu_under_nccl(monkeypatch):
+    # NCCL refuses host tensors ("No backend type associated with device type cpu"): a PPO step's
+    # loss means are host tensors, and the first GPU run of step 3 failed there.
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert dist_utils.collective_device(torch.zeros(2)) == torch.device("cuda", 2)
+    on_gpu = torch.empty(2, device="meta")
+    assert dist_utils.collective_device(on_gpu) == torch.device("meta")
 
 
 # ---------------------------------------------------------------------------- real CPU engines

@@ -35,9 +35,19 @@ def _generate(engine) -> torch.Tensor:
 
 
 def test_decide_hybrid_engine():
+    import transformers
+
+    import dschat.rlhf.hybrid_engine as he
+
     opt, mistral = SimpleNamespace(model_type="opt"), SimpleNamespace(model_type="mistral")
     assert decide_hybrid_engine(False, opt, "cuda") == HybridEngineDecision(False, False)
-    assert decide_hybrid_engine(True, opt, "cuda") == HybridEngineDecision(True, True)
+    if int(transformers.__version__.split(".")[0]) >= 5:  # every decoder is handed Cache objects
+        cache = decide_hybrid_engine(True, opt, "cuda")
+        assert not cache.enabled and "OPTDecoderLayer passes Cache objects" in cache.reason
+        assert "LlamaDecoderLayer" in decide_hybrid_engine(True, SimpleNamespace(model_type="llama"), "cuda").reason
+    with pytest.MonkeyPatch.context() as mp:  # a transformers whose OPT layer keeps tuple caches
+        mp.setattr(he, "cache_object_decoder_layer", lambda model_type: None)
+        assert decide_hybrid_engine(True, opt, "cuda") == HybridEngineDecision(True, True)
     cpu = decide_hybrid_engine(True, opt, "cpu")
     assert not cpu.enabled and "accelerator is 'cpu'" in cpu.reason
     no_container = decide_hybrid_engine(True, mistral, "cuda")
@@ -217,15 +227,27 @@ def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic
 @pytest.mark.parametrize("zero_stage", ["0", "3"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_hybrid_engine_greedy_equals_module_generate(model, zero_stage, dtype, critic_dirs, data_cache):  # noqa: F811
-    """Greedy rollouts with DeepSpeed's Hybrid Engine equal the module's generate (same weights)."""
+    """Greedy rollouts with --enable_hybrid_engine equal the module path's (same weights).
+
+    Where DeepSpeed's Hybrid Engine can run the model's decoder layers it must really generate (a
+    run-time failure would have fallen back to the module). Where it cannot -- every family under
+    transformers 5, whose layers are handed Cache objects -- the flag must be declined before the
+    engine is built (an H100 run aborted the process in DeepSpeed's LLaMA kernels), say why, and
+    still give the same tokens."""
     prompts, mask = PROMPTS.cuda(), PROMPT_MASK.cuda()
     outs = []
     for he in (False, True):
         extra = ["--actor_zero_stage", zero_stage, "--dtype", dtype] + (["--enable_hybrid_engine"] if he else [])
         engine = _engine(model, critic_dirs, data_cache, *extra)
-        assert engine.hybrid_engine.enabled is he
+        decision = engine.hybrid_engine
+        assert decision.requested is he
         engine.generator.eval()
         outs.append(engine.generator.generate(prompts, mask).cpu())
+        if decision.enabled:
+            assert engine.generator.hybrid_engine_active, engine.generator.fallback_reason
+        elif he:
+            assert "passes Cache objects" in decision.reason, decision.reason
+            assert type(engine.actor).__name__ == "DeepSpeedEngine"  # no Hybrid Engine was built
     assert torch.equal(outs[0], outs[1])
 
 

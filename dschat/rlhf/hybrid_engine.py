@@ -53,6 +53,7 @@ __all__ = [
     "HybridEngineDecision",
     "DecodingSettings",
     "decide_hybrid_engine",
+    "cache_object_decoder_layer",
     "RolloutGenerator",
     "zero3_full_parameter_bytes",
 ]
@@ -85,7 +86,48 @@ def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -
         return HybridEngineDecision(True, False, (
             f"--enable_hybrid_engine: DeepSpeed has no inference container for model type "
             f"{model_type!r}; generating with the actor module's own generate()"))
+    layer = cache_object_decoder_layer(model_type)
+    if layer is not None:
+        import transformers
+
+        return HybridEngineDecision(True, False, (
+            f"--enable_hybrid_engine: DeepSpeed's inference layers keep the legacy tuple KV cache, and "
+            f"transformers {transformers.__version__}'s {layer} passes Cache objects (DeepSpeed itself keeps "
+            f"OPT off its Hybrid Engine for this reason; for LLaMA it fails to generate or aborts the "
+            f"process); generating with the actor module: ZeRO-3 gathered once, LoRA fused"))
     return HybridEngineDecision(True, True)
+
+
+def cache_object_decoder_layer(model_type: str) -> str | None:
+    """The name of ``model_type``'s transformers decoder layer if it is handed Cache objects, else None:
+    always from transformers 5 on (tuple caches were removed), before that when its ``forward`` takes
+    ``past_key_values`` / ``cache_position`` (DeepSpeed's own test for OPT).
+
+    DeepSpeed's injected inference layers implement only the tuple ``layer_past`` contract.
+    DeepSpeed 0.19.8 checks this for OPT and then builds no container (so ``engine.generate`` has
+    nothing to run); for LLaMA it does not check, and on an H100 with transformers 5 its kernels
+    failed with a shape error or aborted the whole process inside ``softmax_context``, which no
+    fallback can catch. Hence this check is made before the engine is built.
+    """
+    import importlib
+    import inspect
+
+    try:
+        modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    except ImportError:
+        return None
+    import transformers
+
+    layers = [cls for name, cls in vars(modeling).items()
+              if inspect.isclass(cls) and issubclass(cls, torch.nn.Module) and cls.__module__ == modeling.__name__
+              and name.endswith(("DecoderLayer", "Layer", "Block"))]
+    if not layers:
+        return None
+    layer = min(layers, key=lambda cls: (not cls.__name__.endswith("DecoderLayer"), cls.__name__))
+    params = inspect.signature(layer.forward).parameters
+    if int(transformers.__version__.split(".")[0]) >= 5 or "past_key_values" in params or "cache_position" in params:
+        return layer.__name__
+    return None
 
 
 @dataclass(frozen=True)
@@ -400,8 +442,8 @@ class RolloutGenerator:
             try:
                 # DeepSpeed installed its inference-kernel generate as ``module.generate``.
                 return Rollout(self.actor.module.generate(prompts, **self._kwargs(mask)), None)
-            except (AttributeError, NotImplementedError, RuntimeError) as err:
-                if isinstance(err, RuntimeError) and "out of memory" in str(err).lower():
+            except Exception as err:  # noqa: BLE001 -- any failure of DeepSpeed's kernels: fall back, say why
+                if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
                     raise
                 self.hybrid_engine_active = False
                 self._fallback(f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine failed to generate "

@@ -21,6 +21,7 @@ __all__ = [
     "is_rank_0",
     "print_rank_0",
     "get_all_reduce_mean",
+    "collective_device",
     "get_world_size",
     "get_rank",
     "barrier",
@@ -120,13 +121,23 @@ def print_rank_0(msg: object, rank: Optional[int] = None) -> None:
 def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Mean of ``tensor`` over all ranks; the tensor itself without a process group.
 
-    Unlike upstream this reduces a copy, so the caller's tensor is not summed in place.
+    Unlike upstream this reduces a copy, so the caller's tensor is not summed in place, and a host
+    tensor may be passed under NCCL (the copy goes through the GPU and the result comes back to the
+    caller's device).
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return tensor
-    reduced = tensor.detach().clone()
+    reduced = tensor.detach().to(collective_device(tensor), copy=True)
     torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
-    return reduced / torch.distributed.get_world_size()
+    return (reduced / torch.distributed.get_world_size()).to(tensor.device)
+
+
+def collective_device(tensor: torch.Tensor) -> torch.device:
+    """Where ``tensor`` must be for a collective: NCCL reduces only CUDA tensors ("No backend type
+    associated with device type cpu"), gloo both."""
+    if tensor.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensor.device
 
 
 def barrier() -> None:

@@ -55,7 +55,12 @@ class RewardModel(nn.Module):
         super().__init__()
         self.config = base_model.config
         self.num_padding_at_beginning = num_padding_at_beginning
-        self.v_head = nn.Linear(value_head_dim(self.config), 1, bias=False)
+        # In the body's dtype: a body built under ZeRO-3 (zero.Init) already holds fp16/bf16 weights
+        # that DeepSpeed will not cast, and its ZeRO-3 optimizer refuses trainable parameters of
+        # mixed dtypes (an AssertionError in ``defragment``, seen at fp16/bf16 on a GPU).
+        body_dtype = next(base_model.parameters()).dtype
+        self.v_head = nn.Linear(value_head_dim(self.config), 1, bias=False,
+                                dtype=body_dtype if body_dtype.is_floating_point else None)
         self.rwtransformer = base_model
         self.PAD_ID = tokenizer.pad_token_id
         self.compute_fp32_loss = compute_fp32_loss

@@ -155,13 +155,15 @@ class LinearLayer_LoRA(nn.Module):
         self.fuse_lora = False
         self.tag_weight_for_hybrid_engine()
 
+    # From the full shapes: under ZeRO-3 a partitioned parameter's ``shape`` is (0,) and the real one
+    # is ``ds_shape`` (DeepSpeed's inference containers read these on a ZeRO-3 model).
     @property
     def in_features(self) -> int:
-        return self.lora_right_weight.shape[0]
+        return getattr(self.lora_right_weight, "ds_shape", self.lora_right_weight.shape)[0]
 
     @property
     def out_features(self) -> int:
-        return self.lora_left_weight.shape[1]
+        return getattr(self.lora_left_weight, "ds_shape", self.lora_left_weight.shape)[1]
 
     @property
     def is_quantized(self) -> bool:
