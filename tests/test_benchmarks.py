@@ -101,3 +101,13 @@ def test_step12_rejects_a_bad_configuration(capsys):
     with pytest.raises(SystemExit) as err:
         bench.parse_args(["--configs", "zero5"])
     assert err.value.code == 2 and "bad configuration 'zero5'" in capsys.readouterr().err
+
+
+def test_gpu_roofline_flops_by_hand_and_smoke_run(capsys):
+    roofline = _load("gpu_roofline")
+    # 10 parameters, 2 layers of width 4, 3 sequences of 5 tokens: 6*10*15 + 12*2*4*5*5*3
+    assert roofline.train_flops(10, 2, 4, 3, 5) == 900 + 7200
+    assert roofline.share(float("nan")) == "n/a" and roofline.share(0.25) == "25.0%"
+    roofline.main(["--model", "tiny-opt", "--batch", "2", "--prompt_len", "8", "--answer_len", "4"])
+    out = capsys.readouterr().out
+    assert "decode, eager (dschat loop): " in out and "training, bare model fwd+bwd float32 at 2 x 12: " in out
