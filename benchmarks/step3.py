@@ -78,6 +78,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hybrid_engine", action="store_true", help="--enable_hybrid_engine for ours")
     p.add_argument("--dtype", default=None, choices=("fp16", "bf16", "fp32"), help="default: fp32 on CPU, bf16 on GPU")
     p.add_argument("--modes", default="baseline,ours", help="comma-separated, run in this order")
+    p.add_argument("--ours_generation_loop", default="dschat", choices=("dschat", "hf", "graphs"),
+                   help="--generation_loop for ours (graphs: static cache + CUDA graphs, opt-in)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
@@ -196,24 +198,24 @@ def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> l
     return out
 
 
-def configure(trainer: Any, mode: str, he_available: bool) -> None:
+def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "dschat") -> None:
     ours = mode == "ours"
     gen = trainer.generator
     trainer.reuse_rollout_logprobs = ours
     gen.keep_logprobs = ours
     gen.fuse_lora = ours
     gen.zero3_gather = "auto" if ours else "off"
-    gen.generation_loop = "dschat" if ours else "hf"
+    gen.generation_loop = ours_loop if ours else "hf"
     gen.cpu_decode_linear = "onednn" if ours else "off"
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 
 
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
-             he_available: bool) -> ModeResult:
+             he_available: bool, ours_loop: str = "dschat") -> ModeResult:
     from dschat.data.collators import drop_padding_columns
 
-    configure(trainer, mode, he_available)
+    configure(trainer, mode, he_available, ours_loop)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -381,7 +383,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
 
-        results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available) for mode in args.modes]
+        results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
+                            args.ours_generation_loop) for mode in args.modes]
         actor_module, critic_module = engine.actor.module, engine.critic.module
         actor_factor = checkpoint_activations_factor(False, args.lora_dim, actor_module.config.hidden_size)
         critic_factor = checkpoint_activations_factor(False, 0, critic_module.config.hidden_size)
@@ -401,7 +404,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         f"- device: {device_name}; {versions()}",
         f"- command: `{command}`",
         f"- {args.steps} measured PPO steps per mode after {args.warmup} warm-up; peaks: {peaks.source}",
-        f"- Hybrid Engine for ours: {'active' if he_available else 'not used'}"
+        f"- Hybrid Engine for ours: {'active' if he_available else 'not used'}; ours' generation loop: "
+        f"{args.ours_generation_loop}"
         + (f" ({trainer.generator.fallback_reason})" if trainer.generator.fallback_reason else ""),
         f"- memory: {results[0].memory_note}",
         "",

@@ -338,3 +338,34 @@ def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic
     (fast_values, fast_rewards), (slow_values, slow_rewards) = (trainer._old_values_and_rewards(e) for e in experiences)
     assert torch.allclose(fast_rewards[:, start:], slow_rewards[:, start:], atol=1e-4)
     assert torch.equal(fast_values, slow_values)
+
+
+# ------------------------------------------------------------------------------------ --generation_loop graphs
+
+
+def test_graphs_loop_on_a_cpu_says_why_once_and_decodes_with_dschats_loop(critic_dirs, data_cache, capsys):  # noqa: F811
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "graphs")
+    first = _generate(engine)
+    assert engine.generator.generation_loop == "dschat"
+    assert torch.equal(first, _generate(engine))
+    assert capsys.readouterr().out.count("--generation_loop graphs: not used (CUDA graphs need a CUDA device") == 1
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
+def test_graphs_loop_gives_the_tokens_and_log_probs_of_generate(model, critic_dirs, data_cache):  # noqa: F811
+    """The static-cache path, compiled (on a CPU: inductor without CUDA graphs), with prompts padded
+    to the next multiple of 64: greedy tokens equal HF generate's on the unpadded prompts, and the
+    kept log-probs equal those of one forward pass over the rollout."""
+    plain = _engine(model, critic_dirs, data_cache, "--generation_loop", "hf")
+    expected = _generate(plain)
+    engine = _engine(model, critic_dirs, data_cache, "--generation_loop", "graphs")
+    engine.generator.graph_devices = ("cuda", "cpu")  # compile on this CPU (no graphs, same program)
+    for _ in range(2):  # the second rollout reuses the compiled step
+        engine.generator.eval()
+        rollout = engine.generator.rollout(PROMPTS, PROMPT_MASK)
+        assert engine.generator.generation_loop == "graphs"
+        assert hasattr(engine.actor.module, "_compiled_call")  # generate took the compiled decode step
+        assert torch.equal(rollout.sequences, expected), (rollout.sequences, expected)
+    logp, answer_mask = _forward_logprobs(engine, rollout.sequences, PROMPT_MASK, 1.0)
+    kept = answer_mask.bool()
+    assert torch.allclose(rollout.logprobs[kept], logp[kept], atol=1e-4)
