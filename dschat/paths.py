@@ -1,8 +1,13 @@
-"""Where dschat keeps things it builds once: the embedded model, tiny test models."""
+"""Where dschat keeps things it builds once (the embedded model, tiny test models), and the names of
+files that one part writes and another reads."""
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+# Step 3 writes it in --output_dir, one JSON line per PPO iteration (docs/metrics.md); the e2e report
+# reads it.
+METRICS_FILE = "metrics.jsonl"
 
 
 def cache_dir() -> Path:

@@ -33,11 +33,11 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 from dschat.errors import UserError, cli_main
+from dschat.paths import METRICS_FILE
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "ppo_curves.png"
 ANSWERS_FILE = "report_answers.jsonl"
-METRICS_FILE = "metrics.jsonl"
 TIMINGS_FILE = "e2e_timings.json"
 
 # Names accepted for each plotted field of metrics.jsonl (the first is the documented one).

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dschat.paths import METRICS_FILE
 from dschat.rlhf.ema import moving_average
 from dschat.rlhf.ppo_trainer import MicroStepStats, RolloutStats
 from dschat.training.checkpoint import TrainingPosition
@@ -27,7 +28,6 @@ from dschat.utils.utils import ExponentialMovingAverage
 __all__ = ["METRICS_FILE", "IterationResult", "PPOCounters", "log_iteration", "train_iteration",
            "truncate_metrics"]
 
-METRICS_FILE = "metrics.jsonl"  # in --output_dir, one line per PPO iteration (docs/metrics.md)
 DASHES = "-" * 85
 
 
