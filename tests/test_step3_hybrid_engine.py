@@ -351,14 +351,18 @@ def test_graphs_loop_on_a_cpu_says_why_once_and_decodes_with_dschats_loop(critic
     assert capsys.readouterr().out.count("--generation_loop graphs: not used (CUDA graphs need a CUDA device") == 1
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
-def test_graphs_loop_gives_the_tokens_and_log_probs_of_generate(model, critic_dirs, data_cache):  # noqa: F811
+@pytest.mark.parametrize("model,extra", [
+    ("tiny-llama", ()),
+    ("tiny-opt", ()),
+    ("tiny-llama", ("--actor_zero_stage", "3", "--actor_lora_dim", "4")),  # gathered once, LoRA fused
+])
+def test_graphs_loop_gives_the_tokens_and_log_probs_of_generate(model, extra, critic_dirs, data_cache):  # noqa: F811
     """The static-cache path, compiled (on a CPU: inductor without CUDA graphs), with prompts padded
     to the next multiple of 64: greedy tokens equal HF generate's on the unpadded prompts, and the
     kept log-probs equal those of one forward pass over the rollout."""
-    plain = _engine(model, critic_dirs, data_cache, "--generation_loop", "hf")
+    plain = _engine(model, critic_dirs, data_cache, "--generation_loop", "hf", *extra)
     expected = _generate(plain)
-    engine = _engine(model, critic_dirs, data_cache, "--generation_loop", "graphs")
+    engine = _engine(model, critic_dirs, data_cache, "--generation_loop", "graphs", *extra)
     engine.generator.graph_devices = ("cuda", "cpu")  # compile on this CPU (no graphs, same program)
     for _ in range(2):  # the second rollout reuses the compiled step
         engine.generator.eval()
