@@ -373,3 +373,18 @@ def test_graphs_loop_gives_the_tokens_and_log_probs_of_generate(model, extra, cr
     logp, answer_mask = _forward_logprobs(engine, rollout.sequences, PROMPT_MASK, 1.0)
     kept = answer_mask.bool()
     assert torch.allclose(rollout.logprobs[kept], logp[kept], atol=1e-4)
+
+
+def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cache, capsys):  # noqa: F811
+    expected = _generate(_engine("tiny-llama", critic_dirs, data_cache))
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "graphs")
+    engine.generator.graph_devices = ("cuda", "cpu")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor could not lower this\nsecond line")
+
+    monkeypatch.setattr(engine.generator, "_graph_generate", broken)
+    assert torch.equal(_generate(engine), expected) and torch.equal(_generate(engine), expected)
+    assert engine.generator.generation_loop == "dschat"
+    out = capsys.readouterr().out
+    assert out.count("--generation_loop graphs failed (RuntimeError: inductor could not lower this)") == 1

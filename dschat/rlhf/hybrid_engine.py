@@ -375,7 +375,15 @@ class RolloutGenerator:
                 layer.fuse_lora_weight()
             try:
                 if self._use_graphs(module, materialised):
-                    return self._graph_generate(module, prompts, mask)
+                    try:
+                        return self._graph_generate(module, prompts, mask)
+                    except Exception as err:  # noqa: BLE001 -- opt-in path: fall back, say why, once
+                        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+                            raise
+                        self.generation_loop = "dschat"
+                        first_line = str(err).splitlines()[0] if str(err) else ""
+                        self._say_once(f"--generation_loop graphs failed ({type(err).__name__}: {first_line[:200]}); "
+                                       "decoding with dschat's loop from now on")
                 with self._decode_kernels(module, prompts.shape[0], materialised):
                     if self._use_sample_loop(module, materialised):
                         return self._loop_generate(module, prompts, mask)
