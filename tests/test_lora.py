@@ -81,6 +81,18 @@ def test_layer_reuses_linear_params_shapes_init_and_scaling():
     assert list(dict(layer.named_parameters())) == ["weight", "bias", "lora_right_weight", "lora_left_weight"]
 
 
+def test_features_read_the_full_shape_of_zero3_partitioned_factors():
+    layer = LinearLayer_LoRA(nn.Linear(8, 6).weight, lora_dim=4)
+    assert (layer.in_features, layer.out_features) == (8, 6)
+    # What ZeRO-3 leaves: an empty local tensor, the full shape in ds_shape (DeepSpeed's inference
+    # containers read in/out features from a partitioned model).
+    for name, full in (("lora_right_weight", (8, 4)), ("lora_left_weight", (4, 6))):
+        param = getattr(layer, name)
+        param.data = torch.empty(0)
+        param.ds_shape = torch.Size(full)
+    assert (layer.in_features, layer.out_features) == (8, 6)
+
+
 def test_layer_rejects_nonpositive_rank():
     with pytest.raises(UserError, match="lora_dim"):
         LinearLayer_LoRA(nn.Linear(4, 4).weight, lora_dim=0)

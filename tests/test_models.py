@@ -101,6 +101,14 @@ def test_reward_end_scores_use_last_real_token_even_when_eos_is_pad():
     assert torch.equal(fv["chosen_end_scores"], values[[0, 1, 2, 3], [4, 3, 3, 5]])
 
 
+def test_value_head_takes_the_body_dtype():
+    # A body built under ZeRO-3 is already bf16/fp16 and DeepSpeed will not cast the head: its ZeRO-3
+    # optimizer asserted on the mixed dtypes (seen on a GPU).
+    body = AutoModel.from_pretrained(build_tiny_model("tiny-llama"), dtype=torch.bfloat16)
+    rm = RewardModel(body, load_hf_tokenizer("tiny-llama"))
+    assert rm.v_head.weight.dtype == torch.bfloat16
+
+
 def test_positions_from_left_padded_mask():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 0]])
     assert positions_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 3]]

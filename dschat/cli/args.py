@@ -405,7 +405,8 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "(torch.compile mode reduce-overhead; prompts left-padded to a multiple of 64 so "
                             "one graph serves every rollout; compiles on the first rollout): 4x faster per "
                             "decode step than 'dschat' for a bare OPT-1.3B on an H100, not yet measured in "
-                            "full rollouts, hence not the default; on a CPU, or if it fails, it says so once and uses 'dschat'. "
+                            "full rollouts, hence not the default; on a CPU, or if it fails, it says so "
+                            "once and uses 'dschat'. "
                             "generate() is used anyway for an actor under ZeRO-3 whose weights are not gathered.")
     group.add_argument("--cpu_decode_linear", type=str, default="onednn", choices=("onednn", "off"),
                        help="(dschat) fp32 actor on a CPU, without the Hybrid Engine: 'onednn' runs the decode "

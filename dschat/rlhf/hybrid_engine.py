@@ -99,7 +99,7 @@ def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -
             f"--enable_hybrid_engine: DeepSpeed's inference layers keep the legacy tuple KV cache, and "
             f"transformers {transformers.__version__}'s {layer} passes Cache objects (DeepSpeed itself keeps "
             f"OPT off its Hybrid Engine for this reason; for LLaMA it fails to generate or aborts the "
-            f"process); generating with the actor module: ZeRO-3 gathered once, LoRA fused"))
+            f"process); generating with the actor module instead"))
     return HybridEngineDecision(True, True)
 
 
