@@ -64,6 +64,9 @@ GPU_PEAKS: dict[str, tuple[float, float]] = {
 }
 
 
+MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--actor", default="smollm2-135m", help="actor model (folder, short name, opt-1.3b, opt-350m)")
@@ -77,15 +80,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lora_dim", type=int, default=0, help="actor LoRA rank (0: off)")
     p.add_argument("--hybrid_engine", action="store_true", help="--enable_hybrid_engine for ours")
     p.add_argument("--dtype", default=None, choices=("fp16", "bf16", "fp32"), help="default: fp32 on CPU, bf16 on GPU")
-    p.add_argument("--modes", default="baseline,ours", help="comma-separated, run in this order")
+    p.add_argument("--modes", default="baseline,ours",
+                   help="comma-separated, run in this order: baseline, ours, and ours without one fast path "
+                        "(ours-no-fuse: LoRA not fused for generation; ours-no-gather: ZeRO-3 weights fetched "
+                        "per layer and token, which also means HF generate instead of dschat's loop)")
     p.add_argument("--ours_generation_loop", default="dschat", choices=("dschat", "hf", "graphs"),
                    help="--generation_loop for ours (graphs: static cache + CUDA graphs, opt-in)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("baseline", "ours") for m in modes):
-        p.error(f"--modes must list baseline and/or ours, got {args.modes!r}")
+    if not modes or any(m not in MODES for m in modes):
+        p.error(f"--modes must list some of {', '.join(MODES)}, got {args.modes!r}")
     args.modes = modes
     if min(args.prompt_len, args.answer_len, args.batch, args.steps) < 1 or args.warmup < 0:
         p.error("--prompt_len, --answer_len, --batch and --steps must be >= 1, --warmup >= 0")
@@ -199,12 +205,12 @@ def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> l
 
 
 def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "dschat") -> None:
-    ours = mode == "ours"
+    ours = mode.startswith("ours")  # ours, or ours without one fast path (an ablation)
     gen = trainer.generator
     trainer.reuse_rollout_logprobs = ours
     gen.keep_logprobs = ours
-    gen.fuse_lora = ours
-    gen.zero3_gather = "auto" if ours else "off"
+    gen.fuse_lora = ours and mode != "ours-no-fuse"
+    gen.zero3_gather = "auto" if ours and mode != "ours-no-gather" else "off"
     gen.generation_loop = ours_loop if ours else "hf"
     gen.cpu_decode_linear = "onednn" if ours else "off"
     gen._gather_decided = None
@@ -222,7 +228,7 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
     result = ModeResult(mode)
     for i in range(warmup + steps):
         prompts, mask = (t.to(device) for t in batches[i])
-        if mode == "ours":
+        if mode.startswith("ours"):
             trimmed = drop_padding_columns({"prompt": prompts, "prompt_att_mask": mask}, "prompt_att_mask", side="left")
             prompts, mask = trimmed["prompt"], trimmed["prompt_att_mask"]
         sync()
@@ -292,13 +298,14 @@ def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: in
 
 
 def table(results: list[ModeResult], metrics: list[Metrics], peaks: Peaks) -> list[str]:
-    head = "| | " + " | ".join(r.mode for r in results) + (" | ours / baseline |" if len(results) == 2 else " |")
-    lines = [head, "|---" * (len(results) + 1 + (len(results) == 2)) + "|"]
+    compare = len(results) == 2 and {r.mode for r in results} == {"baseline", "ours"}
+    head = "| | " + " | ".join(r.mode for r in results) + (" | ours / baseline |" if compare else " |")
+    lines = [head, "|---" * (len(results) + 1 + compare) + "|"]
 
     def row(label: str, values: list[float], fmt: str, ratio: str | None) -> None:
         cells = [format(v, fmt) for v in values]
         extra = ""
-        if len(values) == 2:
+        if compare:
             base, ours = (values[0], values[1]) if results[0].mode == "baseline" else (values[1], values[0])
             extra = f" {base / ours if ratio == 'time' else ours / base:.2f}x |" if ratio else " |"
         lines.append(f"| {label} | " + " | ".join(cells) + " |" + extra)
@@ -422,9 +429,12 @@ def append_results(path: Path, lines: Sequence[str]) -> None:
     """Append one run's section to ``path`` (created with a title when missing)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     new = not path.exists()
+    text = "" if new else path.read_text(encoding="utf-8")
     with open(path, "a", encoding="utf-8") as f:
         if new:
             f.write("# Benchmark results\n\nAppended by `benchmarks/*.py`; newest last. See benchmarks/README.md.\n\n")
+        elif not text.endswith("\n\n"):  # a hand-written reading above may end without a blank line
+            f.write("\n" if text.endswith("\n") else "\n\n")
         f.write("\n".join(lines) + "\n")
 
 

@@ -53,6 +53,36 @@ def test_step3_ratio_column_compares_baseline_with_ours():
     assert samples.endswith("| 2.00x |")
 
 
+def test_results_sections_are_separated_by_a_blank_line(tmp_path):
+    bench = _load("step3")
+    path = tmp_path / "results.md"
+    bench.append_results(path, ["### one", "", "body"])
+    path.write_text(path.read_text() + "A reading written by hand, no blank line after it.\n")
+    bench.append_results(path, ["### two"])
+    text = path.read_text()
+    assert text.startswith("# Benchmark results") and "after it.\n\n### two\n" in text
+
+
+def test_step3_ablation_modes_configure_one_path_off_and_print_no_ratio():
+    bench = _load("step3")
+    assert bench.parse_args(["--modes", "ours,ours-no-fuse,ours-no-gather"]).modes == [
+        "ours", "ours-no-fuse", "ours-no-gather"]
+    gen = SimpleNamespace()
+    trainer = SimpleNamespace(generator=gen)
+    bench.configure(trainer, "ours-no-fuse", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.keep_logprobs, trainer.reuse_rollout_logprobs) == (False, "auto", True, True)
+    bench.configure(trainer, "ours-no-gather", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "off", "dschat")
+    results = [bench.ModeResult(m, gen_s=2.0, exp_s=1.0, train_s=3.0, steps=1, prompt_width=[4])
+               for m in ("ours", "ours-no-fuse")]
+    config = SimpleNamespace(num_hidden_layers=1, hidden_size=8, vocab_size=16)
+    metrics = [bench.account(r, batch=1, answer_len=2, actor_param_bytes=10, actor_config=config,
+                             critic_config=config, actor_factor=3.0, critic_factor=3.0) for r in results]
+    lines = bench.table(results, metrics, bench.Peaks(1e12, 1e9, "test"))
+    assert lines[0] == "| | ours | ours-no-fuse |"
+    assert next(line for line in lines if line.startswith("| end to end s/step")) == "| end to end s/step | 6.00 | 6.00 |"
+
+
 def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
     bench = _load("step3")
     results = tmp_path / "results.md"
