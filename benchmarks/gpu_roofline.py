@@ -31,7 +31,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from step3 import GPU_PEAKS, OPT_SHAPES  # noqa: E402
+from step3 import OPT_SHAPES, datasheet_peaks  # noqa: E402
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -161,7 +161,7 @@ def main(argv=None) -> None:
     model = build(args.model, device, dtype)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    peak_flops, peak_bw = next((v for k, v in GPU_PEAKS.items() if k in name), (float("nan"), float("nan")))
+    peak_flops, peak_bw = datasheet_peaks(name) or (float("nan"), float("nan"))
     roofline_ms = param_bytes / peak_bw * 1e3
     prompts = torch.randint(3, min(50000, model.config.vocab_size), (args.batch, args.prompt_len), device=device)
     mask = torch.ones_like(prompts)

@@ -143,13 +143,19 @@ class Peaks:
     source: str
 
 
+def datasheet_peaks(device_name: str) -> tuple[float, float] | None:
+    """(dense bf16 FLOP/s, HBM bytes/s) of a GPU in :data:`GPU_PEAKS` by its name, else None."""
+    return next((peaks for key, peaks in GPU_PEAKS.items() if key in device_name), None)
+
+
 def device_peaks(device: torch.device, dtype: torch.dtype) -> Peaks:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        for key, (flops, bw) in GPU_PEAKS.items():
-            if key in name:
-                return Peaks(flops, bw, f"{name}: data sheet, dense bf16 {flops / 1e12:.0f} TFLOP/s, "
-                                        f"HBM {bw / 1e12:.2f} TB/s")
+        known = datasheet_peaks(name)
+        if known is not None:
+            flops, bw = known
+            return Peaks(flops, bw, f"{name}: data sheet, dense bf16 {flops / 1e12:.0f} TFLOP/s, "
+                                    f"HBM {bw / 1e12:.2f} TB/s")
     # Measured: best of a few large copies (read + write) and large matmuls in the training dtype.
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB

@@ -20,7 +20,8 @@ module (each has a flag; ``benchmarks/step3.py`` turns both off for its baseline
   log-probs taken at each step (generate keeps every step's (B, V) logits until it returns), and an
   inverse-CDF draw (:func:`draw`) instead of ``torch.multinomial``, which costs 5 ms per step here.
 
-``torch.compile`` with a static KV cache was measured and is not used: see benchmarks/README.md.
+``torch.compile`` with a static KV cache was measured on a CPU and is not used there (see
+benchmarks/README.md); on CUDA it is the opt-in ``--generation_loop graphs`` of ``RolloutGenerator``.
 """
 from __future__ import annotations
 

@@ -173,6 +173,18 @@ def zero3_full_parameter_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def _is_out_of_memory(err: BaseException) -> bool:
+    """Out of memory is never a reason to fall back to another decoding path: it is re-raised."""
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+
+
+def _one_line(err: BaseException, limit: int | None = None) -> str:
+    """``Type: first line of the message`` (cut to ``limit`` characters), for a fallback notice."""
+    text = str(err)
+    first = text.splitlines()[0] if text else ""
+    return f"{type(err).__name__}: {first[:limit]}"
+
+
 def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -378,11 +390,10 @@ class RolloutGenerator:
                     try:
                         return self._graph_generate(module, prompts, mask)
                     except Exception as err:  # noqa: BLE001 -- opt-in path: fall back, say why, once
-                        if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+                        if _is_out_of_memory(err):
                             raise
                         self.generation_loop = "dschat"
-                        first_line = str(err).splitlines()[0] if str(err) else ""
-                        self._say_once(f"--generation_loop graphs failed ({type(err).__name__}: {first_line[:200]}); "
+                        self._say_once(f"--generation_loop graphs failed ({_one_line(err, 200)}); "
                                        "decoding with dschat's loop from now on")
                 with self._decode_kernels(module, prompts.shape[0], materialised):
                     if self._use_sample_loop(module, materialised):
@@ -428,17 +439,9 @@ class RolloutGenerator:
         if extra:
             prompts = torch.cat([prompts.new_full((B, extra), self.tokenizer.pad_token_id), prompts], dim=1)
             mask = torch.cat([mask.new_zeros((B, extra)), mask.to(prompts.device)], dim=1)
-        kwargs = self._kwargs(mask)
-        kwargs.update(cache_implementation="static", compile_config=self._graph_compile_config)
-        if self.keep_logprobs:
-            kwargs.update(return_dict_in_generate=True, output_logits=True)
-        out = type(module).generate(module, prompts, **kwargs)
-        seq = out.sequences if self.keep_logprobs else out
-        logprobs = None
-        if self.keep_logprobs:
-            logprobs = generated_token_logprobs(getattr(out, "logits", None), seq[:, P + extra:],
-                                                self.decoding.logit_temperature)
-        return Rollout(seq[:, extra:], logprobs)
+        rollout = self._hf_generate(module, prompts, mask, cache_implementation="static",
+                                    compile_config=self._graph_compile_config)
+        return Rollout(rollout.sequences[:, extra:], rollout.logprobs)
 
     def _use_sample_loop(self, module: Any, materialised: bool) -> bool:
         """dschat's loop covers the decoding settings and ``min_new_tokens``; anything else passed in
@@ -473,8 +476,8 @@ class RolloutGenerator:
                            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                            keep_logprobs=self.keep_logprobs)
 
-    def _hf_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
-        kwargs = self._kwargs(mask)
+    def _hf_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor, **generate_kwargs: Any) -> Rollout:
+        kwargs = {**self._kwargs(mask), **generate_kwargs}
         if self.keep_logprobs:
             kwargs.update(return_dict_in_generate=True, output_logits=True)
         # The class method, not ``module.generate``: a Hybrid Engine that failed at run time leaves
@@ -511,12 +514,11 @@ class RolloutGenerator:
                 # DeepSpeed installed its inference-kernel generate as ``module.generate``.
                 return Rollout(self.actor.module.generate(prompts, **self._kwargs(mask)), None)
             except Exception as err:  # noqa: BLE001 -- any failure of DeepSpeed's kernels: fall back, say why
-                if isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower():
+                if _is_out_of_memory(err):
                     raise
                 self.hybrid_engine_active = False
                 self._fallback(f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine failed to generate "
-                               f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); "
-                               "generating with the actor module's own generate() from now on")
+                               f"({_one_line(err)}); generating with the actor module's own generate() from now on")
                 # Restore the training-mode forwards the Hybrid Engine swapped out, keep dropout off.
                 self.actor.train(True)
                 self.actor.module.eval()
