@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dschat.utils.dist import barrier
 from dschat.utils.fs import atomic_dir
 
 LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
@@ -61,11 +62,6 @@ def recover_output_dir(output_dir: str | Path) -> list[str]:
 
 def _rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
 
 
 def unwrap(model: Any) -> nn.Module:
@@ -154,7 +150,7 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path) -> Path | 
         with atomic_dir(output_dir, carry_over=_keep) as tmp:
             _write(module, state, tmp)
             tokenizer.save_pretrained(tmp)
-    _barrier()
+    barrier()
     return output_dir if state is not None else None
 
 
@@ -177,4 +173,4 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
         # Keep everything already there (tokenizer files, logs) except stale weight files.
         with atomic_dir(save_dir, carry_over=lambda name: not _WEIGHTS.match(name)) as tmp:
             _write(module, state, tmp)
-    _barrier()
+    barrier()

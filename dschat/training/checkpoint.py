@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from dschat.errors import UserError
-from dschat.utils.dist import print_rank_0
+from dschat.utils.dist import barrier, print_rank_0
 from dschat.utils.ds_utils import release_zero3_prefetch
 
 MARKER = "dschat_checkpoint.json"
@@ -166,11 +166,6 @@ class WeightsOnlyCheckpointEngine:
                                 "resume only from checkpoints dschat wrote") from None
 
 
-def _barrier() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-
-
 def _is_zero3(param: torch.nn.Parameter) -> bool:
     return hasattr(param, "ds_id")
 
@@ -222,13 +217,13 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     for tag, engine in engines.items():
         engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
     for tag, engine in (weights_only or {}).items():
         save_weights(engine, tmp / f"{tag}.safetensors", rank)
     (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()), encoding="utf-8")
-    _barrier()
+    barrier()
     if rank == 0:
         record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
                   "weights_only": sorted(weights_only or {}), "meta": dict(meta or {})}
@@ -239,7 +234,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         print_rank_0(f"[checkpoint] saved {final}", rank)
-    _barrier()
+    barrier()
     return final
 
 
