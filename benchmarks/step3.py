@@ -64,7 +64,7 @@ GPU_PEAKS: dict[str, tuple[float, float]] = {
 }
 
 
-MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather")
+MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-graphs")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -83,7 +83,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="baseline,ours",
                    help="comma-separated, run in this order: baseline, ours, and ours without one fast path "
                         "(ours-no-fuse: LoRA not fused for generation; ours-no-gather: ZeRO-3 weights fetched "
-                        "per layer and token, which also means HF generate instead of dschat's loop)")
+                        "per layer and token, which also means HF generate instead of dschat's loop), or ours "
+                        "with --generation_loop graphs (ours-graphs). With two modes a last column gives the "
+                        "second's speed-up over the first")
     p.add_argument("--ours_generation_loop", default="dschat", choices=("dschat", "hf", "graphs"),
                    help="--generation_loop for ours (graphs: static cache + CUDA graphs, opt-in)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
@@ -189,6 +191,7 @@ class ModeResult:
     prompt_width: list[int] = field(default_factory=list)  # prompt columns fed per step
     peak_memory_bytes: int = 0
     memory_note: str = ""
+    generation_loop: str = ""  # the loop the mode decoded with at its end (after any fallback)
 
     @property
     def total_s(self) -> float:
@@ -217,7 +220,7 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "dsc
     gen.keep_logprobs = ours
     gen.fuse_lora = ours and mode != "ours-no-fuse"
     gen.zero3_gather = "auto" if ours and mode != "ours-no-gather" else "off"
-    gen.generation_loop = ours_loop if ours else "hf"
+    gen.generation_loop = ("graphs" if mode == "ours-graphs" else ours_loop) if ours else "hf"
     gen.cpu_decode_linear = "onednn" if ours else "off"
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
@@ -256,6 +259,7 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         print(f"[{mode}] step {i}{' (warm-up)' if i < warmup else ''}: generation {trainer.generate_time:.2f} s, "
               f"experience {trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}",
               flush=True)
+    result.generation_loop = trainer.generator.generation_loop
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
         result.memory_note = "max allocated in this mode"
@@ -304,16 +308,19 @@ def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: in
 
 
 def table(results: list[ModeResult], metrics: list[Metrics], peaks: Peaks) -> list[str]:
-    compare = len(results) == 2 and {r.mode for r in results} == {"baseline", "ours"}
-    head = "| | " + " | ".join(r.mode for r in results) + (" | ours / baseline |" if compare else " |")
+    """One column per mode; with exactly two modes a last column holds the second's speed-up over the
+    first (time first / time second, rate second / rate first): ``ours / baseline`` by default."""
+    compare = len(results) == 2
+    head = "| | " + " | ".join(r.mode for r in results)
+    head += f" | {results[1].mode} / {results[0].mode} |" if compare else " |"
     lines = [head, "|---" * (len(results) + 1 + compare) + "|"]
 
     def row(label: str, values: list[float], fmt: str, ratio: str | None) -> None:
         cells = [format(v, fmt) for v in values]
         extra = ""
         if compare:
-            base, ours = (values[0], values[1]) if results[0].mode == "baseline" else (values[1], values[0])
-            extra = f" {base / ours if ratio == 'time' else ours / base:.2f}x |" if ratio else " |"
+            first, second = values
+            extra = f" {first / second if ratio == 'time' else second / first:.2f}x |" if ratio else " |"
         lines.append(f"| {label} | " + " | ".join(cells) + " |" + extra)
 
     row("generation s/step", [r.gen_s / r.steps for r in results], ".2f", "time")
@@ -417,9 +424,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         f"- device: {device_name}; {versions()}",
         f"- command: `{command}`",
         f"- {args.steps} measured PPO steps per mode after {args.warmup} warm-up; peaks: {peaks.source}",
-        f"- Hybrid Engine for ours: {'active' if he_available else 'not used'}; ours' generation loop: "
-        f"{args.ours_generation_loop}"
-        + (f" ({trainer.generator.fallback_reason})" if trainer.generator.fallback_reason else ""),
+        f"- Hybrid Engine for ours: {'active' if he_available else 'not used'}"
+        + (f" ({trainer.generator.fallback_reason})" if trainer.generator.fallback_reason else "")
+        + "; generation loop per mode (at its end, after any fallback): "
+        + ", ".join(f"{r.mode} {r.generation_loop}" for r in results),
         f"- memory: {results[0].memory_note}",
         "",
         *table(results, metrics, peaks),

@@ -63,24 +63,47 @@ def test_results_sections_are_separated_by_a_blank_line(tmp_path):
     assert text.startswith("# Benchmark results") and "after it.\n\n### two\n" in text
 
 
-def test_step3_ablation_modes_configure_one_path_off_and_print_no_ratio():
+def test_step3_ablation_modes_configure_one_path_off_and_ratio_only_for_two_modes():
     bench = _load("step3")
-    assert bench.parse_args(["--modes", "ours,ours-no-fuse,ours-no-gather"]).modes == [
-        "ours", "ours-no-fuse", "ours-no-gather"]
+    assert bench.parse_args(["--modes", "ours,ours-no-fuse,ours-no-gather,ours-graphs"]).modes == [
+        "ours", "ours-no-fuse", "ours-no-gather", "ours-graphs"]
     gen = SimpleNamespace()
     trainer = SimpleNamespace(generator=gen)
     bench.configure(trainer, "ours-no-fuse", False)
     assert (gen.fuse_lora, gen.zero3_gather, gen.keep_logprobs, trainer.reuse_rollout_logprobs) == (False, "auto", True, True)
     bench.configure(trainer, "ours-no-gather", False)
     assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "off", "dschat")
-    results = [bench.ModeResult(m, gen_s=2.0, exp_s=1.0, train_s=3.0, steps=1, prompt_width=[4])
-               for m in ("ours", "ours-no-fuse")]
+    bench.configure(trainer, "ours-graphs", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "auto", "graphs")
+    bench.configure(trainer, "ours", False, ours_loop="graphs")
+    assert gen.generation_loop == "graphs"
+    bench.configure(trainer, "baseline", False, ours_loop="graphs")
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (False, "off", "hf")
+
+    def times(mode, gen_s):
+        return bench.ModeResult(mode, gen_s=gen_s, exp_s=1.0, train_s=3.0, steps=1, prompt_width=[4])
     config = SimpleNamespace(num_hidden_layers=1, hidden_size=8, vocab_size=16)
-    metrics = [bench.account(r, batch=1, answer_len=2, actor_param_bytes=10, actor_config=config,
-                             critic_config=config, actor_factor=3.0, critic_factor=3.0) for r in results]
-    lines = bench.table(results, metrics, bench.Peaks(1e12, 1e9, "test"))
-    assert lines[0] == "| | ours | ours-no-fuse |"
-    assert next(line for line in lines if line.startswith("| end to end s/step")) == "| end to end s/step | 6.00 | 6.00 |"
+
+    def lines_for(results):
+        metrics = [bench.account(r, batch=1, answer_len=2, actor_param_bytes=10, actor_config=config,
+                                 critic_config=config, actor_factor=3.0, critic_factor=3.0) for r in results]
+        return bench.table(results, metrics, bench.Peaks(1e12, 1e9, "test"))
+
+    def row(lines, label):
+        return next(line for line in lines if line.startswith(f"| {label} |"))
+    # Two modes: the second's speed-up over the first, in the order given (times: first / second).
+    lines = lines_for([times("ours", 4.0), times("ours-graphs", 1.0)])
+    assert lines[0] == "| | ours | ours-graphs | ours-graphs / ours |"
+    assert row(lines, "generation s/step") == "| generation s/step | 4.00 | 1.00 | 4.00x |"
+    assert row(lines, "end to end s/step") == "| end to end s/step | 8.00 | 5.00 | 1.60x |"
+    assert row(lines, "generation tokens/s") == "| generation tokens/s | 0.5 | 2.0 | 4.00x |"
+    lines = lines_for([times("ours", 1.0), times("baseline", 4.0)])
+    assert lines[0] == "| | ours | baseline | baseline / ours |"
+    assert row(lines, "generation s/step") == "| generation s/step | 1.00 | 4.00 | 0.25x |"
+    # Three modes: no ratio column.
+    lines = lines_for([times("ours", 2.0), times("ours-no-fuse", 2.0), times("ours-no-gather", 3.0)])
+    assert lines[0] == "| | ours | ours-no-fuse | ours-no-gather |"
+    assert row(lines, "end to end s/step") == "| end to end s/step | 6.00 | 6.00 | 7.00 |"
 
 
 def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
@@ -98,6 +121,18 @@ def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
     assert text.startswith("# Benchmark results") and "tiny-llama actor" in text and "| end to end s/step |" in text
     assert "command: `python benchmarks/step3.py --actor tiny-llama" in text
     assert any(line.startswith("| columns per sequence | 38.0 | ") for line in lines)
+
+
+def test_step3_graphs_mode_on_a_cpu_says_it_decoded_with_dschats_loop(tmp_path, capsys):
+    # CUDA graphs need a CUDA device: on a CPU ours-graphs falls back, and the results say so.
+    bench = _load("step3")
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "2", "--prompt_len", "16", "--answer_len", "4",
+                        "--steps", "1", "--warmup", "0", "--modes", "ours,ours-graphs", "--results", ""])
+    out = capsys.readouterr().out
+    assert "--generation_loop graphs: not used (CUDA graphs need a CUDA device" in out
+    assert any(line.endswith("generation loop per mode (at its end, after any fallback): ours dschat, "
+                             "ours-graphs dschat") for line in lines)
+    assert lines[lines.index("| | ours | ours-graphs | ours-graphs / ours |") + 1].count("|---") == 4
 
 
 def test_step12_accounting_by_hand():
