@@ -73,8 +73,17 @@ def test_report_cli_writes_json_png_and_summary(folders, tmp_path, capsys):
         # The components' means add up to the mean score.
         assert sum(report[actor]["gold_components"].values()) == pytest.approx(report[actor]["gold_score"])
         assert set(report[actor]["gold_components"]) == set(GoldBreakdown._fields)
+    # The reward model's correlation with the judge over all 12 answers, against the standard library's.
+    import statistics
+
+    rewards = [r["sft_reward"] for r in rows] + [r["rlhf_reward"] for r in rows]
+    golds = [r["sft_gold"] for r in rows] + [r["rlhf_gold"] for r in rows]
+    r_gold = report["reward_model"]["gold_correlation_on_answers"]
+    assert len(set(golds)) > 1  # the judge tells these answers apart, so r is defined
+    assert r_gold == pytest.approx(statistics.correlation(rewards, golds))
     out = capsys.readouterr().out
     assert "dschat report" in out and "gold-judge score" in out and "KL(RLHF || SFT)" in out
+    assert "on the actors' own answers its scores correlate r = " in out
     assert "gold components, RLHF - SFT: relevance " in out
 
 
@@ -120,6 +129,15 @@ def test_pairwise_accuracy_against_an_independent_count():
     assert stats["n_pairs"] == n
     assert stats["heldout_accuracy_vs_gold"] == pytest.approx(expected / n)
     assert stats["dataset_labels_agree_with_gold"] == 1.0  # the builtin labels come from the judge
+
+
+def test_pearson_by_hand():
+    # x = 1, 2, 3; y = 2, 4, 5: means 2 and 11/3; sxy = 3, sxx = 2, syy = 14/3 -> 3 / sqrt(28/3).
+    assert rep.pearson([1, 2, 3], [2, 4, 5]) == pytest.approx(3 / math.sqrt(28 / 3))
+    assert rep.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert rep.pearson([1, 2, 3], [7, 7, 7]) is None and rep.pearson([1.0], [2.0]) is None
+    with pytest.raises(ValueError):
+        rep.pearson([1, 2], [1, 2, 3])
 
 
 def test_heldout_prompts_are_deduplicated_in_order():

@@ -10,6 +10,9 @@ embedded data, independent of any model) and by the step-2 reward model. Also me
 
 - the reward model's held-out accuracy on the eval split's chosen/rejected pairs, with the gold
   judge deciding which answer is better;
+- how well the reward model tracks the judge on the actors' own answers (Pearson r between its
+  scores and the gold scores over both actors' answers): PPO optimises the reward model, so it can
+  raise the gold score only as far as this holds;
 - mean response length in tokens (EOS included when emitted);
 - the KL of the RLHF actor to the SFT actor: the mean over answer tokens of
   ``log pi_rlhf(a_t) - log pi_sft(a_t)`` on the RLHF actor's own samples (a Monte-Carlo estimate of
@@ -328,6 +331,22 @@ def pairwise_accuracy(
     }
 
 
+def pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Pearson correlation of two equal-length samples; ``None`` when it is undefined (fewer than two
+    points, or either sample constant)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"pearson: {len(xs)} against {len(ys)} values")
+    if len(xs) < 2:
+        return None
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx = sum((x - mx) ** 2 for x in xs)
+    syy = sum((y - my) ** 2 for y in ys)
+    if sxx == 0 or syy == 0:
+        return None
+    return sxy / math.sqrt(sxx * syy)
+
+
 # -------------------------------------------------------------------------------------------------
 # PPO metrics (step 3's metrics.jsonl) and the plot
 # -------------------------------------------------------------------------------------------------
@@ -528,6 +547,9 @@ def build_report(
     sft_gold = [gold_score(p, t) for p, t in zip(sft_samples.prompts, sft_samples.texts)]
     rlhf_gold = [gold_score(p, t) for p, t in zip(rlhf_samples.prompts, rlhf_samples.texts)]
     wins = sum((r > s) + 0.5 * (r == s) for r, s in zip(rlhf_gold, sft_gold)) / len(prompts)
+    # How well the reward model tracks the judge on the actors' own answers (not the dataset's): PPO
+    # can raise the gold score only as far as this holds.
+    rm_stats["gold_correlation_on_answers"] = pearson(sft_rewards + rlhf_rewards, sft_gold + rlhf_gold)
 
     metrics_path = Path(metrics) if metrics else find_metrics_file(rlhf)
     records = read_metrics(metrics_path) if metrics_path else []
@@ -617,7 +639,8 @@ def summary_text(report: dict[str, Any]) -> str:
         f"KL(RLHF || SFT): {num(rlhf['kl_to_sft'], '.4f')} nats per answer token, "
         f"{num(rlhf['kl_to_sft_per_response'], '.3f')} per answer",
         f"reward model: {num(rm['heldout_accuracy_vs_gold'] * 100, '.1f')}% held-out accuracy vs the gold judge "
-        f"({rm['n_pairs']} pairs)",
+        f"({rm['n_pairs']} pairs); on the actors' own answers its scores correlate "
+        f"r = {num(rm.get('gold_correlation_on_answers'), '.2f')} with the gold judge",
         f"wall time: {steps}; evaluation {_fmt_seconds(report.get('eval_seconds'))}; "
         f"total {_fmt_seconds(report.get('total_seconds'))}",
         f"report: {Path(report['plot']).parent / REPORT_FILE}; PPO curves: {report['plot']}",
