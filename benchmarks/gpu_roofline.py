@@ -31,19 +31,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from step3 import OPT_SHAPES, datasheet_peaks  # noqa: E402
+from step3 import OPT_SHAPES, datasheet_peaks, opt_config  # noqa: E402
 
 
 def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """``opt-1.3b`` / ``opt-350m``: upstream's shapes with random weights; else a dschat model name or folder."""
-    from transformers import AutoModelForCausalLM, OPTConfig
+    from transformers import AutoModelForCausalLM
 
     if name not in OPT_SHAPES:
         from dschat.models.registry import resolve_model_path
 
         return AutoModelForCausalLM.from_pretrained(resolve_model_path(name), dtype=dtype).to(device).eval()
-    config = OPTConfig(vocab_size=50272, max_position_embeddings=2048, pad_token_id=1, bos_token_id=2,
-                       eos_token_id=2, **OPT_SHAPES[name])
+    config = opt_config(name, pad_token_id=1, bos_token_id=2, eos_token_id=2)
     torch.manual_seed(0)
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()

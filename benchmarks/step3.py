@@ -103,11 +103,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------
 # Models
 # ------------------------------------------------------------------------------------------------
+def opt_config(name: str, pad_token_id: int, bos_token_id: int, eos_token_id: int) -> Any:
+    """The ``OPTConfig`` of ``opt-1.3b`` / ``opt-350m`` (:data:`OPT_SHAPES`, OPT's vocabulary and positions)."""
+    from transformers import OPTConfig
+
+    return OPTConfig(vocab_size=50272, max_position_embeddings=2048, pad_token_id=pad_token_id,
+                     bos_token_id=bos_token_id, eos_token_id=eos_token_id, **OPT_SHAPES[name])
+
+
 def materialise(name: str, folder: Path) -> str:
     """A model folder for ``name``: ``opt-*`` shapes get random weights and tiny-opt's tokenizer."""
     if name not in OPT_SHAPES:
         return name
-    from transformers import AutoModelForCausalLM, OPTConfig
+    from transformers import AutoModelForCausalLM
 
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
@@ -115,9 +123,7 @@ def materialise(name: str, folder: Path) -> str:
     out = folder / name
     if not (out / "config.json").exists():
         tokenizer = load_hf_tokenizer("tiny-opt")
-        config = OPTConfig(vocab_size=50272, max_position_embeddings=2048, pad_token_id=tokenizer.pad_token_id,
-                           bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                           **OPT_SHAPES[name])
+        config = opt_config(name, tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
         torch.manual_seed(0)
         save_hf_model(AutoModelForCausalLM.from_config(config), tokenizer, out)
     return str(out)

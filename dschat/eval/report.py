@@ -332,19 +332,14 @@ def pairwise_accuracy(
 
 
 def pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
-    """Pearson correlation of two equal-length samples; ``None`` when it is undefined (fewer than two
-    points, or either sample constant)."""
+    """Pearson correlation of two equal-length samples (``statistics.correlation``); ``None`` when it
+    is undefined (fewer than two points, or either sample constant)."""
     if len(xs) != len(ys):
         raise ValueError(f"pearson: {len(xs)} against {len(ys)} values")
-    if len(xs) < 2:
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
         return None
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    if sxx == 0 or syy == 0:
-        return None
-    return sxy / math.sqrt(sxx * syy)
 
 
 # -------------------------------------------------------------------------------------------------
