@@ -21,7 +21,7 @@ estimators, ``normalizer``) is opt-in.
 """
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -68,17 +68,20 @@ _REWARD_AT = ("after_last", "last")
 # Log-probs
 # --------------------------------------------------------------------------------------------
 def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, fp32: bool = False) -> torch.Tensor:
-    """Log-probability of each label under ``softmax(logits)``.
+    """Log-probability of each label under ``softmax(logits)``: upstream's
+    ``log_softmax(logits).gather(labels)``.
 
-    Computed as ``logits[label] - logsumexp(logits)``, which equals upstream's
-    ``log_softmax(logits).gather(labels)`` without materialising a second ``(B, T, V)`` tensor.
+    fp32/fp64 logits: ``logits[label] - logsumexp(logits)`` in their own dtype, without
+    materialising a second ``(B, T, V)`` tensor.
 
-    With ``fp32=True`` (what upstream's ``--compute_fp32_loss`` asks for) half-precision logits are
-    upcast to float32 one batch row at a time, so the extra memory is one ``(T, V)`` fp32 copy
-    instead of ``(B, T, V)``, and the result is float32. With ``fp32=False`` the arithmetic stays
-    in ``logits.dtype``, as upstream does without the flag; there the result can differ from
-    upstream's log_softmax-then-gather by the rounding of one low-precision subtraction.
-    fp32/fp64 logits are never down- or upcast.
+    fp16/bf16 logits (with or without ``fp32``, upstream's ``--compute_fp32_loss``): the
+    log-sum-exp and the subtraction run in float32, one batch row at a time, and the result is
+    float32. Subtracting a low-precision log-sum-exp (about 20-30 for a 32k vocabulary, where bf16's
+    step is 0.125) from a low-precision logit would be off by up to ~0.07 nats per token, which
+    made the reference model's log-probs disagree with the rollout's fp32 ones (a KL penalty at
+    initialisation). The backward is written out (``softmax`` recomputed row by row from the saved
+    logits and the (B, T) log-sum-exp), so neither pass keeps a ``(B, T, V)`` float32 copy: the
+    peak extra memory is one row's ``(T, V)`` float32 logits.
 
     Shape: logits (B, T, V), labels (B, T) integer ids in ``[0, V)``; returns (B, T).
     """
@@ -87,16 +90,40 @@ def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, fp32: bool =
             f"gather_log_probs: logits {tuple(logits.shape)} and labels {tuple(labels.shape)} "
             "must agree on every dim but the last; pass logits[:, :-1] with labels seq[:, 1:]"
         )
+    del fp32  # half precision is always computed in float32 (see above); kept for upstream callers
     index = labels.long().unsqueeze(-1)
-    if not fp32 or logits.dtype in (torch.float32, torch.float64):
+    if logits.dtype in (torch.float32, torch.float64) or not logits.dtype.is_floating_point:
         picked = logits.gather(-1, index).squeeze(-1)
         return picked - torch.logsumexp(logits, dim=-1)
-    # Half precision upcast row by row: peak extra memory is one row's fp32 logits.
-    rows = []
-    for row_logits, row_index in zip(logits, index):
-        row32 = row_logits.float()  # (T, V)
-        rows.append(row32.gather(-1, row_index).squeeze(-1) - torch.logsumexp(row32, dim=-1))
-    return torch.stack(rows)
+    return _HalfLogProbs.apply(logits, index)
+
+
+class _HalfLogProbs(torch.autograd.Function):
+    """``log_softmax(logits.float()).gather(index)`` for fp16/bf16 ``logits``, row by row.
+
+    Forward: per batch row, ``logsumexp`` over the row's float32 copy. Backward:
+    ``d logits = g * (onehot(index) - softmax(logits))``, the softmax recomputed per row from the
+    saved (already alive) low-precision logits and the float32 log-sum-exp.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        lse = torch.stack([torch.logsumexp(row.float(), dim=-1) for row in logits])  # (B, T) fp32
+        picked = logits.gather(-1, index).squeeze(-1).float()
+        ctx.save_for_backward(logits, index, lse)
+        return picked - lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        logits, index, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for b in range(logits.shape[0]):
+            g = grad[b].float().unsqueeze(-1)  # (T, 1)
+            row = torch.exp(logits[b].float() - lse[b].unsqueeze(-1)).mul_(-g)  # -g * softmax
+            row.scatter_add_(-1, index[b], g)
+            grad_logits[b] = row
+        return grad_logits, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -214,7 +241,11 @@ def reward_positions(
 
     * ``"after_last"`` (upstream): the last element of ``rewards[j, start:ends[j]]``, i.e.
       ``min(start + n, T - 1)``: the slot of the first pad after the answer (one past the last
-      action token, DSE PR #672), or the last answer slot when the answer has no pad.
+      action token, DSE PR #672), or the last answer slot when the answer has no pad. Decoding
+      stops when every row has ended, so the row that ended last has its EOS in the last column and
+      no pad after it: its score lands on its EOS slot, one slot earlier than the other rows' (with
+      upstream's ``ids != pad`` masks the EOS of OPT was not an action, so every row was scored on
+      its EOS slot). ``"last"`` has no such exception.
     * ``"last"`` (opt-in): ``start + n - 1``, the last real action token (``start`` if ``n == 0``).
 
     Shape: action_mask (B, T); returns (B,) int64.

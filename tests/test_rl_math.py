@@ -46,19 +46,36 @@ class TestGatherLogProbs:
         expected = F.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
         torch.testing.assert_close(rm.gather_log_probs(logits, labels), expected)
 
-    def test_fp32_flag_upcasts_half_precision(self):
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    @pytest.mark.parametrize("fp32", [False, True])
+    def test_half_precision_is_computed_in_fp32(self, dtype, fp32):
+        # V = 32000 makes logsumexp ~ 10-13, where bf16's step is 0.0625: a low-precision
+        # subtraction (or upstream's bf16 log_softmax output) is off by up to ~0.03-0.07 nats.
         g = torch.Generator().manual_seed(1)
-        logits = (torch.randn(2, 4, 50, generator=g) * 8).bfloat16()
-        labels = torch.randint(0, 50, (2, 4), generator=g)
-        # Reference in fp64 from the very same bf16 values (bf16 -> fp64 is exact).
+        logits = (torch.randn(2, 5, 32000, generator=g) * 3).to(dtype)
+        labels = torch.randint(0, 32000, (2, 5), generator=g)
+        # Reference in fp64 from the very same low-precision values (the upcast is exact).
         expected = F.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1)
-        out32 = rm.gather_log_probs(logits, labels, fp32=True)
-        assert out32.dtype == torch.float32
-        torch.testing.assert_close(out32.double(), expected, atol=1e-5, rtol=0)
-        out16 = rm.gather_log_probs(logits, labels)  # upstream default: stays in bf16
-        assert out16.dtype == torch.bfloat16
-        # bf16 keeps ~3 significant digits: the upcast result must be the more accurate one.
-        assert (out16.double() - expected).abs().max() > (out32.double() - expected).abs().max()
+        out = rm.gather_log_probs(logits, labels, fp32=fp32)
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_half_precision_gradient(self, dtype):
+        # d/dlogits of sum_t w_t log p(label_t) = w_t (onehot - softmax), on a non-contiguous view
+        # (the trainer passes logits[:, :-1]); rounding of the gradient to ``dtype`` only.
+        g = torch.Generator().manual_seed(2)
+        full = (torch.randn(2, 6, 300, generator=g) * 3).to(dtype).requires_grad_()
+        labels = torch.randint(0, 300, (2, 5), generator=g)
+        weights = torch.randn(2, 5, generator=g)
+        (rm.gather_log_probs(full[:, :-1], labels) * weights).sum().backward()
+        ref = full.detach().double().requires_grad_()
+        lp = F.log_softmax(ref[:, :-1], -1).gather(-1, labels[..., None]).squeeze(-1)
+        (lp * weights.double()).sum().backward()
+        assert full.grad.dtype == dtype
+        assert torch.all(full.grad[:, -1] == 0)  # the dropped last position gets no gradient
+        step = {torch.bfloat16: 2**-7, torch.float16: 2**-10}[dtype]  # relative rounding of the grad
+        torch.testing.assert_close(full.grad.double(), ref.grad, atol=step * ref.grad.abs().max().item(), rtol=0)
 
     def test_shape_mismatch_is_a_readable_error(self):
         with pytest.raises(ValueError, match="logits\\[:, :-1\\]"):

@@ -37,6 +37,38 @@ def test_moving_average_moves_bf16_weights():
     assert abs(float(ema.weight[0, 0].detach()) - expected) < 0.01
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_moving_average_closes_a_small_gap_in_half_precision(dtype):
+    # A 2% gap: 0.008 x 0.02 = 1.6e-4 per update is far below the rounding step at 1.0 (bf16 0.0078,
+    # fp16 0.00098), so averaging into the half-precision weights never moved them. After 500
+    # updates the gap is 0.02 x 0.992^500 = 3.6e-4: the EMA is 1.02 to within a rounding step.
+    actor, ema = nn.Linear(8, 8).to(dtype), nn.Linear(8, 8).to(dtype)
+    with torch.no_grad():
+        ema.weight.fill_(1.0)
+        actor.weight.fill_(1.02)
+    for _ in range(500):
+        moving_average(actor, ema)
+    step = {torch.bfloat16: 2 ** -7, torch.float16: 2 ** -10}[dtype]
+    target = float(actor.weight[0, 0])  # 1.02 rounded to dtype
+    assert abs(float(ema.weight[0, 0]) - target) <= step
+
+
+def test_half_precision_ema_follows_weights_written_outside_it():
+    # The fp32 shadow must never override weights set by someone else (a checkpoint load, a copy).
+    actor, ema = nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4).to(torch.bfloat16)
+    with torch.no_grad():
+        actor.weight.fill_(2.0)
+        ema.weight.fill_(1.0)
+    moving_average(actor, ema)  # shadow created
+    with torch.no_grad():
+        ema.weight.fill_(-3.0)  # e.g. Checkpointer.resume loading the EMA's saved weights
+    moving_average(actor, ema)
+    expected = 0.992 * -3.0 + 0.008 * 2.0
+    assert abs(float(ema.weight[0, 0]) - expected) < 0.02
+    moving_average(actor, ema, beta=0.0)  # an exact copy drops the shadow
+    assert torch.equal(ema.weight, actor.weight)
+
+
 def test_zero3_ema_update_is_kept_for_partitioned_and_persistent_params(critic_dirs, data_cache):  # noqa: F811
     import deepspeed
 

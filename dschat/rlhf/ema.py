@@ -11,8 +11,15 @@ Two things differ from upstream (``dschat/utils/utils.py::moving_average``):
   parameters are averaged shard by shard (actor and EMA are partitioned identically: same shapes,
   same world), which needs no communication at all; if the shards do not line up, the EMA parameter
   is gathered with ``modifier_rank=0`` so the update is kept.
-* The average is computed in fp32 and cast back: in bf16, ``(1 - 0.992) * delta`` is below the
-  rounding step of most weights and the EMA would never move.
+* An fp16/bf16 EMA keeps an fp32 shadow of its weights (of this rank's shard under ZeRO-3) and
+  averages into that: ``(1 - 0.992) * gap`` is below the rounding step of a half-precision weight
+  unless the gap exceeds ~60 steps (~24% of the weight in bf16, ~3% in fp16), so averaging into the
+  low-precision weights, even in fp32 arithmetic, left them where they started (upstream's EMA
+  stayed at the SFT weights, DSE #547). The weights are the shadow rounded after every update. Cost:
+  4 bytes per EMA parameter (divided by the world size under ZeRO-3), with ``--enable_ema`` only. The
+  shadow is rebuilt from the weights whenever they no longer match it (a copy with ``beta=0``, a
+  checkpoint loaded into the EMA), so it never overrides them; a resumed run restarts it from the
+  saved half-precision weights.
 """
 from __future__ import annotations
 
@@ -40,10 +47,24 @@ def _is_available(param: torch.Tensor) -> bool:
     return getattr(param, "ds_status", None) == ZeroParamStatus.AVAILABLE
 
 
-def _lerp_(target: torch.Tensor, source: torch.Tensor, beta: float) -> None:
-    """``target <- beta * target + (1 - beta) * source`` in fp32, in place."""
-    mixed = torch.lerp(source.to(device=target.device, dtype=torch.float32), target.float(), beta)
-    target.copy_(mixed.to(target.dtype))
+_SHADOW = "_dschat_ema_fp32"  # attribute of the EMA parameter holding the fp32 shadow of ``target``
+
+
+def _lerp_(target: torch.Tensor, source: torch.Tensor, beta: float, holder: Any) -> None:
+    """``target <- beta * target + (1 - beta) * source`` in fp32, in place. A half-precision
+    ``target`` is averaged through its fp32 shadow, kept on ``holder`` (module docstring)."""
+    source32 = source.to(device=target.device, dtype=torch.float32)
+    if target.dtype in (torch.float32, torch.float64) or beta == 0.0:
+        target.copy_(torch.lerp(source32, target.float(), beta).to(target.dtype))
+        if hasattr(holder, _SHADOW):
+            delattr(holder, _SHADOW)  # a copy: the weights are exact, a shadow would be stale
+        return
+    shadow = getattr(holder, _SHADOW, None)
+    if shadow is None or shadow.shape != target.shape or not torch.equal(shadow.to(target.dtype), target):
+        shadow = target.float()  # first update, or the weights were changed outside this function
+    shadow = torch.lerp(source32, shadow, beta)
+    setattr(holder, _SHADOW, shadow)
+    target.copy_(shadow.to(target.dtype))
 
 
 @torch.no_grad()
@@ -65,21 +86,21 @@ def moving_average(model: Any, model_ema: Any, beta: float = EMA_BETA, device: A
     for param, ema in zip(params, ema_params):
         if _is_partitioned(param) and _is_partitioned(ema) and param.ds_tensor.numel() == ema.ds_tensor.numel():
             # Same full shape and world -> the same flat slice lives on this rank in both.
-            _lerp_(ema.ds_tensor.data, param.ds_tensor.data, beta)
+            _lerp_(ema.ds_tensor.data, param.ds_tensor.data, beta, ema.ds_tensor)
             if _is_available(ema) and ema.data.data_ptr() != ema.ds_tensor.data_ptr():
                 # A persistent (small) parameter also keeps its full copy resident; it is what a
                 # forward pass or a save reads, so update it too (same arithmetic, same result).
                 import deepspeed
 
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=not _is_available(param)):
-                    _lerp_(ema.data, param.data, beta)
+                    _lerp_(ema.data, param.data, beta, ema)
         elif _is_partitioned(param) or _is_partitioned(ema):
             import deepspeed
 
             with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=_is_partitioned(param)):
                 with deepspeed.zero.GatheredParameters([ema], modifier_rank=0, enabled=_is_partitioned(ema)):
-                    _lerp_(ema.data, param.data, beta)
+                    _lerp_(ema.data, param.data, beta, ema)
         else:
             if param.shape != ema.shape:
                 raise ValueError(f"moving_average: shape {tuple(param.shape)} vs EMA {tuple(ema.shape)}")
-            _lerp_(ema.data, param.data, beta)
+            _lerp_(ema.data, param.data, beta, ema)
