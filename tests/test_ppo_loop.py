@@ -66,10 +66,27 @@ def _record(global_step):
 def test_iteration_record_means_and_extremes():
     record = _record(0)
     assert record["actor_loss"] == 2.0 and record["critic_loss"] == 3.0
-    assert math.isclose(record["approx_kl"], 0.02) and math.isclose(record["clip_frac"], 0.2)
+    # Token-weighted: (0.01 x 10 + 0.03 x 12) / 22 = 0.46 / 22; (0.1 x 10 + 0.3 x 12) / 22 = 4.6 / 22.
+    assert math.isclose(record["approx_kl"], 0.46 / 22) and math.isclose(record["clip_frac"], 4.6 / 22)
     assert record["ratio_max"] == 1.5 and record["ratio_min"] == 0.5
     scalars = tensorboard_scalars(record)
     assert scalars["time/training"] == 3.0 and scalars["dropped_answers"] == 0 and "micro_steps" not in scalars
+
+
+def test_a_micro_step_without_tokens_does_not_make_the_means_nan():
+    # A micro-batch whose answers were all dropped: ppo_policy_stats gives nan means and -inf/inf extremes.
+    empty = MicroStepStats(actor_loss=0.0, critic_loss=0.0, ratio_mean=math.nan, ratio_max=-math.inf,
+                           ratio_min=math.inf, approx_kl=math.nan, clip_frac=math.nan, tokens=0)
+    full = MicroStepStats(actor_loss=1.0, critic_loss=2.0, ratio_mean=1.1, ratio_max=1.5, ratio_min=0.5,
+                          approx_kl=0.01, clip_frac=0.1, tokens=10)
+    rollout = RolloutStats(reward=0.5, kl_to_ref=0.02, response_length=11.0, value_explained_variance=0.1,
+                           kept=2, dropped=2)
+    record = iteration_record(0, 0, 0, [empty, full], rollout, 0.4, 0.0, 1.0, 2.0, 3.0)
+    assert record["approx_kl"] == 0.01 and record["clip_frac"] == 0.1 and record["ratio_mean"] == 1.1
+    assert record["ratio_max"] == 1.5 and record["ratio_min"] == 0.5
+    assert record["actor_loss"] == 0.5  # losses stay plain means over micro-steps
+    only_empty = iteration_record(0, 0, 0, [empty], rollout, 0.4, 0.0, 1.0, 2.0, 3.0)
+    assert all(math.isnan(only_empty[k]) for k in ("approx_kl", "clip_frac", "ratio_mean", "ratio_max", "ratio_min"))
 
 
 def test_metrics_file_on_resume_keeps_the_checkpointed_iterations_only(tmp_path):

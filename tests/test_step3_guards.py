@@ -7,6 +7,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from dschat.errors import UserError
 from dschat.rlhf.guards import BatchPlan, num_total_iters, plan_batches, validate_step3_args
@@ -57,8 +58,18 @@ def test_plan_refuses_a_rollout_that_does_not_split():
                            per_device_training_batch_size=4, ppo_epochs=1, gradient_accumulation_steps=1)
     with pytest.raises(UserError, match="does not split into micro-batches"):
         plan_batches(args, world_size=1)
-    args.generation_batches = 2  # 12 rows: splits into 3
-    assert plan_batches(args, world_size=1).micro_batches_per_rollout == 3
+    # Two generation batches make 12 rows, but MiniDataset splits each generation batch on its own
+    # (as upstream): 4 + 2 and 4 + 2, i.e. 4 micro-batches with two short ones, not 3. Refused too.
+    from dschat.data.collators import MiniDataset
+
+    mini = MiniDataset(2, 4)
+    mini.add(torch.zeros(6, 1))
+    assert [len(b) for b in mini.add(torch.zeros(6, 1))] == [4, 2, 4, 2]
+    args.generation_batches = 2
+    with pytest.raises(UserError, match="does not split into micro-batches"):
+        plan_batches(args, world_size=1)
+    args.per_device_training_batch_size = 3  # 6 = 2 x 3: fine, 2 micro-batches per generation batch
+    assert plan_batches(args, world_size=1).micro_batches_per_rollout == 4
 
 
 def test_plan_ptx_doubles_actor_accumulation_and_step_normalisation_rule():
@@ -132,7 +143,7 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, critic_dirs,
         # Critic path is a plain model folder, not a step-2 output.
         (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"].parent / "nope")], "does not exist"),
         (["--critic_model_name_or_path", "tiny-opt"], "is not a step-2 reward model output"),
-        # A rollout of 6 rows cannot split into micro-batches of 4.
+        # A generation batch of 6 rows cannot split into micro-batches of 4.
         (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"]), "--per_device_generation_batch_size", "6",
           "--per_device_training_batch_size", "4"], "does not split into micro-batches"),
         (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"]), "--inference_tp_size", "2"],
@@ -170,3 +181,62 @@ def test_engine_configs_follow_upstream_stage_rules(actor_stage, critic_stage):
     assert cfg["actor"]["hybrid_engine"]["enabled"] and cfg["actor"]["hybrid_engine"]["max_out_tokens"] == 96
     assert not cfg["critic"]["hybrid_engine"]["enabled"] and "hybrid_engine" not in cfg["ref"]
     assert cfg["actor"]["tensorboard"]["job_name"] == "step3_actor_tensorboard"
+
+
+# ------------------------------------------------------------------------------------ upstream-style args
+
+
+def _dschat_only_flags() -> set[str]:
+    """Step-3 flags dschat added (their help says so): an upstream main.py does not define them."""
+    import argparse
+
+    from dschat.cli import args as cli
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in (cli.add_step3_model_args, cli.add_step3_training_args, cli.add_ppo_args, cli.add_step3_lora_args,
+                cli.add_step3_deepspeed_args, cli.add_step3_logging_args, cli.add_checkpoint_args):
+        add(parser)
+    return {a.dest for a in parser._actions if (a.help or "").startswith("(dschat")}
+
+
+def test_engine_and_trainer_read_dschat_flags_only_through_step3_flag():
+    # DeepSpeedRLHFEngine and DeepSpeedPPOTrainer get the Namespace of whoever calls them; one built
+    # by an upstream-style main.py lacks dschat's flags, so a plain `args.<dschat flag>` would raise
+    # AttributeError (after all five models loaded).
+    import ast
+
+    from step3_support import REPO
+
+    dschat_only = _dschat_only_flags()
+    assert {"kl_ctl", "decoding", "generation_loop", "max_nonfinite_steps"} <= dschat_only
+    for rel in ("dschat/rlhf/rlhf_engine.py", "dschat/rlhf/ppo_trainer.py", "dschat/rlhf/hybrid_engine.py"):
+        tree = ast.parse((REPO / rel).read_text())
+        read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name) and node.value.id == "args"}
+        assert not read & dschat_only, (rel, sorted(read & dschat_only))
+
+
+def test_step3_flag_falls_back_to_the_flag_default():
+    from types import SimpleNamespace
+
+    from dschat.cli.args import step3_flag
+
+    upstream_style = SimpleNamespace(actor_zero_stage=3)
+    assert step3_flag(upstream_style, "actor_zero_stage") == 3
+    assert step3_flag(upstream_style, "kl_ctl") == 0.1 and step3_flag(upstream_style, "decoding") == "sample"
+    assert step3_flag(upstream_style, "max_nonfinite_steps") == 10
+    assert step3_flag(SimpleNamespace(kl_ctl=0.5), "kl_ctl") == 0.5
+
+
+def test_upstream_debug_helpers(capsys):
+    # A 2-parameter model: weights [3, 4] and bias [12] -> L2 norm sqrt(9 + 16 + 144) = 13.
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, get_model_norm, print_all_ranks
+
+    layer = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[3.0, 4.0]]))
+        layer.bias.fill_(12.0)
+    assert get_model_norm(layer) == pytest.approx(13.0)
+    print_all_ranks("tag", 13.0, 0)
+    assert capsys.readouterr().out.strip() == "tag [13.0]"
+    assert callable(DeepSpeedPPOTrainer.dump_model_norms)

@@ -191,6 +191,63 @@ def test_off_policy_configuration_is_detected_and_its_ratio_measured(critic_dirs
     assert second["approx_kl"] > 0
 
 
+def _six_prompts(folder: Path) -> Path:
+    """A local dataset whose phase-3 split has 6 prompts: gen batches of 4 leave a short batch of 2."""
+    import json
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for split, n in (("train", 6), ("eval", 2)):
+        rows = [{"prompt": f" Human: Say {w}. Assistant:", "chosen": f" {w}.", "rejected": " No."}
+                for w in ("one", "two", "three", "four", "five", "six")[:n]]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def _short_batch_run(critic_dirs, data_cache, tmp_path):  # noqa: F811
+    # 4-prompt rollouts as 2 micro-batches of 2 with GA 2 (on-policy), 2 epochs of 6 prompts.
+    argv = base_argv("tiny-llama", critic_dirs["tiny-llama"], data_cache, "--actor_dropout", "0.0",
+                     "--critic_dropout", "0.0", "--per_device_training_batch_size", "2",
+                     "--gradient_accumulation_steps", "2", "--num_train_epochs", "2", steps=100)
+    argv[argv.index("--data_path") + 1] = str(_six_prompts(tmp_path / "six"))
+    return step3_main().main([*argv, "--data_split", "0,0,1"])
+
+
+def test_a_short_last_batch_is_dropped_so_steps_never_straddle_rollouts(tmp_path, critic_dirs, data_cache):  # noqa: F811
+    result = _short_batch_run(critic_dirs, data_cache, tmp_path)
+    # The 2-prompt batch of each epoch is dropped: one 2-micro-step rollout, one optimizer step per epoch.
+    assert len(result.history) == 2
+    assert result.rlhf_engine.actor.global_steps == 2 and result.rlhf_engine.actor.micro_steps == 4
+    for m in (m for record in result.history for m in record["micro_steps"]):
+        assert abs(m["ratio_max"] - 1) < 1e-6 and abs(m["ratio_min"] - 1) < 1e-6
+
+
+def test_a_rollout_after_a_shifted_step_is_trained_against_its_stored_log_probs(
+        monkeypatch, tmp_path, critic_dirs, data_cache, capsys):  # noqa: F811
+    # Keep the short batch (as before the fix): epoch 0's 1-micro-step rollout shifts every later
+    # optimizer step by one, so epoch 1's first rollout has a step between its two micro-steps.
+    from dschat.rlhf.guards import BatchPlan
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+
+    monkeypatch.setattr(BatchPlan, "drop_short_batches", property(lambda self: False))
+    shortcut = []  # per micro-step: were the old log-probs the current ones, detached?
+    original = DeepSpeedPPOTrainer.actor_loss_fn
+
+    def actor_loss_fn(self, logprobs, old_logprobs, *args, **kwargs):
+        shortcut.append(bool(torch.equal(logprobs.detach(), old_logprobs)))
+        return original(self, logprobs, old_logprobs, *args, **kwargs)
+
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "actor_loss_fn", actor_loss_fn)
+    result = _short_batch_run(critic_dirs, data_cache, tmp_path)
+    assert [len(r["micro_steps"]) for r in result.history] == [2, 1, 2, 1]
+    # Steps after micro-steps 2, 4 and 6 (of 6): epoch 1's first rollout has one between its two
+    # micro-steps, so its second is trained against the stored log-probs (the actor moved).
+    assert shortcut == [True, True, True, True, False, True]
+    second = result.history[2]["micro_steps"][1]
+    assert max(abs(second["ratio_max"] - 1), abs(second["ratio_min"] - 1)) > 1e-4
+    # And the step normaliser, which assumes steps start with a rollout, is given up (said once).
+    assert capsys.readouterr().out.count("optimizer steps no longer start with a rollout") == 1
+
+
 # ------------------------------------------------------------------------------------ learning
 
 

@@ -6,6 +6,7 @@ Each ``add_*_args(parser, ...)`` adds one argument group. Names, defaults and he
 from __future__ import annotations
 
 import argparse
+import functools
 
 __all__ = ["add_data_args", "add_unsupervised_data_args"]
 
@@ -441,3 +442,24 @@ def add_step3_logging_args(parser: argparse.ArgumentParser) -> argparse._Argumen
     group.add_argument("--test_stop_step", type=int, default=0,
                        help="Training non-overflow step at which to terminate training during testing.")
     return group
+
+
+# ---------------------------------------------------------------------------------------------
+# Upstream-style callers
+# ---------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _step3_defaults() -> dict[str, object]:
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in (add_step3_model_args, add_step3_training_args, add_ppo_args, add_step3_lora_args,
+                add_step3_deepspeed_args, add_step3_logging_args, add_checkpoint_args):
+        add(parser)
+    return {action.dest: action.default for action in parser._actions}
+
+
+def step3_flag(args: argparse.Namespace, name: str) -> object:
+    """``args.<name>``, or the step-3 default of that flag when ``args`` lacks it: code written
+    against upstream parses upstream's flags only, and hands that Namespace to
+    ``DeepSpeedRLHFEngine`` / ``DeepSpeedPPOTrainer``; dschat's own flags then take their defaults."""
+    if hasattr(args, name):
+        return getattr(args, name)
+    return _step3_defaults()[name]

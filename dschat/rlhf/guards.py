@@ -80,6 +80,15 @@ class BatchPlan:
         return self.micro_steps_per_rollout % self.gradient_accumulation_steps == 0
 
     @property
+    def drop_short_batches(self) -> bool:
+        """Whether the prompt loaders drop each rank's last, short batch. With several micro-batches
+        per generation batch, a short one would make a rollout of fewer micro-steps, and every later
+        optimizer step would straddle two rollouts (its first micro-batches trained with the on-policy
+        shortcut after the policy moved, its token normaliser wrong). With one micro-batch per
+        generation batch a short batch is still one micro-step, so nothing is dropped (as upstream)."""
+        return self.generation_batch_size > self.training_batch_size
+
+    @property
     def optimizer_steps_per_rollout(self) -> float:
         return self.micro_steps_per_rollout / self.gradient_accumulation_steps
 
@@ -113,20 +122,20 @@ def plan_batches(args: Any, world_size: int, *, ptx: bool = False) -> BatchPlan:
     """Derive the :class:`BatchPlan` from the step-3 flags; refuse a rollout that does not split.
 
     Upstream's ``MiniDataset`` silently made a short last micro-batch (and its ``num_total_iters``
-    counted fractional micro-batches); here a rollout must split exactly.
+    counted fractional micro-batches); here every generation batch must split exactly.
     """
     gen_bs = _positive("per_device_generation_batch_size", args.per_device_generation_batch_size)
     gen_batches = _positive("generation_batches", args.generation_batches)
     train_bs = _positive("per_device_training_batch_size", args.per_device_training_batch_size)
     epochs = _positive("ppo_epochs", args.ppo_epochs)
     ga = _positive("gradient_accumulation_steps", args.gradient_accumulation_steps)
-    rollout = gen_bs * gen_batches
-    if rollout % train_bs != 0:
+    if gen_bs % train_bs != 0:
+        # MiniDataset splits each generation batch on its own (as upstream), so a generation batch
+        # that does not split would leave a short micro-batch in every one of them.
         raise UserError(
-            f"a rollout of per_device_generation_batch_size x generation_batches = {gen_bs} x {gen_batches} "
-            f"= {rollout} rows does not split into micro-batches of per_device_training_batch_size "
-            f"{train_bs}; make the training batch size divide {rollout} (recommended: equal to the "
-            "generation batch size)"
+            f"a generation batch of per_device_generation_batch_size {gen_bs} prompts does not split into "
+            f"micro-batches of per_device_training_batch_size {train_bs}; make the training batch size "
+            f"divide {gen_bs} (recommended: equal to the generation batch size)"
         )
     return BatchPlan(gen_bs, gen_batches, train_bs, epochs, ga, ga * 2 if ptx else ga, world_size, ptx)
 

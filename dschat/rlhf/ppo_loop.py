@@ -139,19 +139,29 @@ def log_iteration(trainer: Any, args: Any, counters: PPOCounters, it: IterationR
 def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroStepStats], rollout: RolloutStats,
                      ema_reward: float, unsup_loss: float, gen_time: float, exp_time: float,
                      train_time: float) -> dict:
-    """One PPO iteration's numbers (rank means of the losses; rollout stats are already global)."""
+    """One PPO iteration's numbers: rank means of the losses; token-weighted means of the ratio
+    statistics over every micro-step of every rank (a micro-step whose answers were all dropped has
+    no tokens and no ratio: it counts for nothing instead of making the means ``nan``); rollout stats
+    are already global."""
     n = max(len(micro), 1)
-    local = torch.tensor([sum(m.actor_loss for m in micro) / n, sum(m.critic_loss for m in micro) / n,
-                          sum(m.approx_kl for m in micro) / n, sum(m.clip_frac for m in micro) / n,
-                          sum(m.ratio_mean for m in micro) / n], dtype=torch.float64)
-    actor_loss, critic_loss, approx_kl, clip_frac, ratio_mean = get_all_reduce_mean(local).tolist()
+    scored = [m for m in micro if m.tokens > 0]
+    local = torch.tensor([sum(m.actor_loss for m in micro) / n, sum(m.critic_loss for m in micro) / n],
+                         dtype=torch.float64)
+    actor_loss, critic_loss = get_all_reduce_mean(local).tolist()
+    sums = torch.tensor([sum(m.approx_kl * m.tokens for m in scored), sum(m.clip_frac * m.tokens for m in scored),
+                         sum(m.ratio_mean * m.tokens for m in scored), sum(m.tokens for m in scored)],
+                        dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums)
+    kl_sum, clip_sum, ratio_sum, tokens = sums.tolist()
+    approx_kl, clip_frac, ratio_mean = ((x / tokens if tokens else float("nan")) for x in (kl_sum, clip_sum, ratio_sum))
     return {
         "epoch": epoch, "step": step, "global_step": global_step,
         "reward": rollout.reward, "ema_reward": ema_reward,
         "actor_loss": actor_loss, "critic_loss": critic_loss, "unsup_loss": unsup_loss,
         "approx_kl": approx_kl, "clip_frac": clip_frac, "ratio_mean": ratio_mean,
-        "ratio_max": max((m.ratio_max for m in micro), default=float("nan")),
-        "ratio_min": min((m.ratio_min for m in micro), default=float("nan")),
+        "ratio_max": max((m.ratio_max for m in scored), default=float("nan")),
+        "ratio_min": min((m.ratio_min for m in scored), default=float("nan")),
         "kl_to_ref": rollout.kl_to_ref, "value_explained_variance": rollout.value_explained_variance,
         "response_length": rollout.response_length, "kept": rollout.kept, "dropped": rollout.dropped,
         "time_generation": gen_time, "time_experience": exp_time, "time_training": train_time,

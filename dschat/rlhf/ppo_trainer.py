@@ -7,8 +7,9 @@ functions of :mod:`dschat.rl_math`, fed with the hyperparameters from the flags 
 them). What changed, with the upstream bug each fixes (reference §10):
 
 * Experience passes run in **eval mode** (no dropout; upstream switched back to train mode first,
-  §10.12) with **position ids from the mask** (left padding, §10.9); with ``--compute_fp32_loss`` the
-  training log-probs are fp32 too.
+  §10.12) with **position ids from the mask** (left padding, §10.9); log-probs from fp16/bf16 logits
+  are computed in fp32 (``rl_math.gather_log_probs``), like the ones kept from generation, so the
+  reference's and the rollout's agree to fp32 rounding (upstream's bf16 ``log_softmax``: ~0.07 nats).
 * Masks come from generation: the answer is every token up to and including the first EOS, so the
   **EOS is an action** even when ``pad == eos`` (§10.10).
 * Answers of at most one token are **dropped by masking** (their rows stay, with a zero action
@@ -40,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from dschat import rl_math
+from dschat.cli.args import step3_flag
 from dschat.errors import UserError
 from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.guards import BatchPlan, plan_batches
@@ -54,12 +56,41 @@ __all__ = [
     "DeepSpeedPPOTrainer",
     "DeepSpeedPPOTrainerUnsupervised",
     "gather_log_probs",
+    "get_model_norm",
+    "print_all_ranks",
 ]
 
 #: A Python reward hook: scores decoded ``(prompts, answers)`` (lists of strings), one float each.
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
 
 gather_log_probs = rl_math.gather_log_probs  # upstream's module-level name
+
+
+def print_all_ranks(tag: str, value: float, rank: int) -> None:
+    """Upstream's debugging helper: rank 0 prints ``tag`` and every rank's ``value`` (a collective)."""
+    world = get_world_size()
+    values = torch.zeros(world, dtype=torch.float64)
+    values[rank] = float(value)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(values)
+    if rank <= 0:
+        print(f"{tag} {values.tolist()}")
+
+
+def get_model_norm(model: Any) -> float:
+    """L2 norm over all of ``model``'s parameters (upstream's debugging helper). Under ZeRO-3 each
+    parameter is gathered in turn, so every rank must call it."""
+    import deepspeed
+
+    from dschat.utils.ds_utils import release_zero3_prefetch
+
+    release_zero3_prefetch(model)  # no parameter may still be in flight before gathering
+    total = 0.0
+    with torch.no_grad():
+        for param in model.parameters():
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
+                total += float(param.detach().float().pow(2).sum())
+    return total ** 0.5
 
 
 @dataclass
@@ -128,17 +159,17 @@ class DeepSpeedPPOTrainer:
             raise ValueError("DeepSpeedPPOTrainer needs a reward model or a reward_fn")
         self.plan = plan or plan_batches(args, get_world_size(), ptx=unsupervised_training_enabled(args))
 
-        # Upstream's constants, now flags.
-        self.kl_ctl = args.kl_ctl
-        self.clip_reward_value = args.clip_reward_value
-        self.cliprange = args.cliprange
-        self.cliprange_value = args.cliprange_value
-        self.gamma = args.gamma
-        self.lam = args.lam
-        self.kl_estimator = args.kl_estimator
-        self.reward_at = args.reward_at
-        self.whiten_advantages = args.whiten_advantages
-        self.missing_eos_penalty = float(getattr(args, "missing_eos_penalty", 0.0) or 0.0)
+        # Upstream's constants, now flags; an upstream-style Namespace without them gets their defaults.
+        self.kl_ctl = step3_flag(args, "kl_ctl")
+        self.clip_reward_value = step3_flag(args, "clip_reward_value")
+        self.cliprange = step3_flag(args, "cliprange")
+        self.cliprange_value = step3_flag(args, "cliprange_value")
+        self.gamma = step3_flag(args, "gamma")
+        self.lam = step3_flag(args, "lam")
+        self.kl_estimator = step3_flag(args, "kl_estimator")
+        self.reward_at = step3_flag(args, "reward_at")
+        self.whiten_advantages = step3_flag(args, "whiten_advantages")
+        self.missing_eos_penalty = float(step3_flag(args, "missing_eos_penalty") or 0.0)
         self.logit_temperature = self.generator.decoding.logit_temperature
 
         # Fast path, on by default: take the old log-probs from generation instead of a second
@@ -147,12 +178,14 @@ class DeepSpeedPPOTrainer:
         self.generate_time = 0.0  # last generation call (upstream)
         self.experience_time = 0.0  # last experience forward passes
         self.micro_stats: list[MicroStepStats] = []
+        self._rollout_actor_steps: int | None = None  # set by prepare_rollout
+        self._said_unaligned = False
         self.align_overflow = bool(args.align_overflow) and self.dtype == "fp16"
         if self.align_overflow:
             self._check_align_overflow_support()
         # --max_nonfinite_steps: rollouts and micro-steps with NaN/inf are skipped, counted, logged;
         # step 3's main points ``last_checkpoint`` at its checkpoints for the stop message.
-        self.nonfinite = NonFiniteGuard(int(getattr(args, "max_nonfinite_steps", 10)), get_rank(), self.device)
+        self.nonfinite = NonFiniteGuard(int(step3_flag(args, "max_nonfinite_steps")), get_rank(), self.device)
 
     # ================================================================== generation + experience
     @property
@@ -319,6 +352,9 @@ class DeepSpeedPPOTrainer:
         same as upstream's per-micro-batch computation, and lets ``--whiten_advantages`` use the
         statistics of the whole rollout (all micro-batches, all ranks).
         """
+        # The actor's optimizer steps so far: the on-policy shortcut of train_rlhf holds only while
+        # no step has happened since this rollout was generated.
+        self._rollout_actor_steps = getattr(self.actor_model, "global_steps", None)
         per_batch = []
         sums = [0.0] * 11  # reward, kept, dropped, kl, kl tokens, length, ret, ret^2, res, res^2, tokens
         for exp in exp_dataset:
@@ -369,7 +405,10 @@ class DeepSpeedPPOTrainer:
 
         Upstream's order: the first PPO epoch in rollout order, then each epoch after an independent
         ``random.shuffle`` of both lists. With step normalisation each entry carries the token count
-        of its optimizer step (all micro-batches, all ranks) divided by ``GA x world``.
+        of its optimizer step (all micro-batches, all ranks) divided by ``GA x world``: DeepSpeed divides
+        each backward by its GA and averages over ranks, so the step's gradient is the token mean over
+        the step. With PPO-ptx the actor's GA is ``2 x GA`` (PPO and ptx backward passes), so its PPO
+        gradient is half that, weighted against the ptx loss as upstream's.
         """
         exp_list = list(exp_dataset)
         unsup_list = list(unsup_dataset) if unsup_dataset is not None else [None] * len(exp_list)
@@ -379,7 +418,7 @@ class DeepSpeedPPOTrainer:
                 random.shuffle(exp_list)
                 random.shuffle(unsup_list)
             steps.extend((ppo_ep, e, u) for e, u in zip(exp_list, unsup_list))
-        if not self.plan.step_normalizable:
+        if not self.plan.step_normalizable or not self._at_optimizer_step_start():
             return steps
         ga, world = self.plan.gradient_accumulation_steps, get_world_size()
         tokens = [float(exp.action_mask[:, exp.start:].sum()) for _, exp, _ in steps]
@@ -387,6 +426,29 @@ class DeepSpeedPPOTrainer:
         groups = _sum_over_ranks(groups, self.device)
         return [(ep, replace(exp, loss_normalizer=max(groups[i // ga], 1.0) / (ga * world)), u)
                 for i, (ep, exp, u) in enumerate(steps)]
+
+    def _at_optimizer_step_start(self) -> bool:
+        """Whether actor and critic are at the start of an optimizer step (DeepSpeed's micro-step
+        counters), as the step normaliser of :meth:`schedule` assumes. A micro-step the non-finite
+        guard skipped shifts every later step by one; the normaliser then falls back to upstream's
+        per-micro-batch token mean (said once)."""
+        for engine, ga in ((self.actor_model, self.plan.gradient_accumulation_steps_actor),
+                           (self.critic_model, self.plan.gradient_accumulation_steps)):
+            micro_steps = getattr(engine, "micro_steps", None)
+            if isinstance(micro_steps, int) and micro_steps % ga != 0:
+                if not self._said_unaligned:
+                    print_rank_0("NOTE: optimizer steps no longer start with a rollout (a skipped micro-step "
+                                 "shifted them); losses are now per-micro-batch token means, as upstream's")
+                    self._said_unaligned = True
+                return False
+        return True
+
+    def _policy_unchanged_since_rollout(self) -> bool:
+        """No actor optimizer step since :meth:`prepare_rollout` (True for a caller that never
+        called it: the batch plan's word is then all there is)."""
+        before = self._rollout_actor_steps
+        now = getattr(self.actor_model, "global_steps", None)
+        return before is None or now is None or now == before
 
     # ================================================================== training
     def train_rlhf(self, inputs: Experience) -> tuple[torch.Tensor, torch.Tensor]:
@@ -413,7 +475,9 @@ class DeepSpeedPPOTrainer:
         stored = exp.logprobs[:, start:]
         # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,
         # so use the current log-probs as the old ones (TRL #3493); dropout noise cannot inflate it.
-        old_logprobs = actor_log_prob.detach() if self.plan.on_policy else stored
+        # Checked, not assumed: once the actor has stepped since the rollout, the stored ones.
+        on_policy = self.plan.on_policy and self._policy_unchanged_since_rollout()
+        old_logprobs = actor_log_prob.detach() if on_policy else stored
         actor_loss = self.actor_loss_fn(actor_log_prob, old_logprobs, advantages, mask, normalizer)
         policy = rl_math.ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=self.cliprange)
         # A non-finite loss skips that model's backward and step (--max_nonfinite_steps); with more
@@ -471,6 +535,16 @@ class DeepSpeedPPOTrainer:
         elif actor_overflow and critic_overflow:
             print_rank_0("OVERFLOW: actor and critic overflow, skipping both actor and critic steps")
         self.actor_model.step()
+
+    def dump_model_norms(self, tag: str) -> None:
+        """Upstream's debugging helper: every rank's parameter norm of the four models, printed by
+        rank 0 (a collective: call it on every rank)."""
+        rank = get_rank()
+        models = {"actor": self.actor_model, "ref": self.ref_model, "critic": self.critic_model,
+                  "reward": self.reward_model}
+        for name, model in models.items():
+            if model is not None:
+                print_all_ranks(f"{tag} {name}_model_norm", get_model_norm(model), rank)
 
     def get_overflow(self) -> tuple[bool, bool]:
         """(actor, critic) fp16 loss-scale overflow of the last step; never with bf16 / fp32."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from dschat.cli.args import step3_flag
 from dschat.errors import UserError
 from dschat.utils.dist import get_world_size, is_rank_0
 
@@ -129,11 +130,11 @@ class DeepSpeedRLHFEngine:
 
         self.generator = RolloutGenerator(
             self.actor, tokenizer, decision=self.hybrid_engine,
-            decoding=DecodingSettings(args.decoding, args.temperature, args.top_k, args.top_p),
+            decoding=DecodingSettings(*(step3_flag(args, name) for name in ("decoding", "temperature", "top_k", "top_p"))),
             max_answer_seq_len=args.max_answer_seq_len, zero_stage=args.actor_zero_stage,
-            zero3_gather=getattr(args, "zero3_gather_for_generation", "auto"),
-            generation_loop=getattr(args, "generation_loop", "dschat"),
-            cpu_decode_linear=getattr(args, "cpu_decode_linear", "onednn"),
+            zero3_gather=step3_flag(args, "zero3_gather_for_generation"),
+            generation_loop=step3_flag(args, "generation_loop"),
+            cpu_decode_linear=step3_flag(args, "cpu_decode_linear"),
         )
 
     # ------------------------------------------------------------------ helpers

@@ -67,12 +67,14 @@ def set_random_seed(seed: int | None) -> None:
 
 
 def make_train_loader(
-    dataset: Dataset, batch_size: int, collate_fn: Callable | None, seed: int, *, shuffle: bool = True
+    dataset: Dataset, batch_size: int, collate_fn: Callable | None, seed: int, *, shuffle: bool = True,
+    drop_last: bool = False,
 ) -> DataLoader:
     """A loader with a seeded ``DistributedSampler`` (also for one process).
 
     One sampler type everywhere makes the order a function of (seed, epoch, rank) only; callers
-    must call ``set_epoch`` each epoch (upstream never did, bug §10.3).
+    must call ``set_epoch`` each epoch (upstream never did, bug §10.3). ``drop_last`` drops each
+    rank's last, short batch (step 3 does when a short rollout would shift its optimizer steps).
     """
     if len(dataset) == 0:
         raise UserError("the training split is empty; check --data_path and --data_split")
@@ -84,7 +86,7 @@ def make_train_loader(
         seed=seed,
     )
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
-                      generator=_loader_generator(seed))
+                      generator=_loader_generator(seed), drop_last=drop_last)
 
 
 def _loader_generator(seed: int) -> torch.Generator:

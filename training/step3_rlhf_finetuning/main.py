@@ -109,11 +109,21 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
             "raise --max_prompt_seq_len"
         )
     collator = DataCollatorRLHF(args.max_prompt_seq_len, args.inference_tp_size)
-    prompt_loader = make_train_loader(prompt_train_dataset, args.per_device_generation_batch_size, collator, args.seed)
+    drop_last = plan.drop_short_batches  # a short rollout would shift every later optimizer step
+    prompt_loader = make_train_loader(prompt_train_dataset, args.per_device_generation_batch_size, collator,
+                                      args.seed, drop_last=drop_last)
     unsup_loader = None
     if unsup_dataset is not None:
         unsup_loader = make_train_loader(unsup_dataset, args.per_device_generation_batch_size,
-                                         default_data_collator, args.seed)
+                                         default_data_collator, args.seed, drop_last=drop_last)
+    for name, loader in (("phase-3 prompt", prompt_loader), ("PPO-ptx", unsup_loader)):
+        if loader is not None and len(loader) == 0:
+            raise UserError(
+                f"the {name} data has fewer than per_device_generation_batch_size "
+                f"{args.per_device_generation_batch_size} rows per rank, and a short batch is dropped when "
+                f"it splits into several micro-batches of {args.per_device_training_batch_size}; use more "
+                "data or smaller batch sizes"
+            )
     total_iters = num_total_iters(plan, len(prompt_loader), None if unsup_loader is None else len(unsup_loader),
                                   args.num_train_epochs)
     return prompt_loader, unsup_loader, total_iters
