@@ -6,6 +6,7 @@ import json
 import pytest
 from datasets import Dataset, DatasetDict
 
+from dschat.data import local_files as lf
 from dschat.data import raw_datasets as rd
 from dschat.data.split import get_shuffle_idx
 from dschat.errors import UserError
@@ -203,7 +204,26 @@ def test_dispatch_order_and_names():
     assert rd.match_adapter("dschat/builtin") is rd.BuiltinDataset
     assert rd.match_adapter("nope/nothing") is None
     hub = rd.resolve_dataset("stanfordnlp/SHP")
+    assert (hub.name, hub.adapter, hub.files, hub.hub) == ("stanfordnlp/SHP", rd.StanfordnlpSHPDataset, (), True)
+    # Keyed by name only (as upstream): a cache hit needs no hub load (see test_data_prompt_dataset).
     assert hub.fingerprint() == {"name": "stanfordnlp/SHP", "adapter": "StanfordnlpSHPDataset", "content_sha256": None}
+
+
+def fake_hub(monkeypatch, tmp_path):
+    """Serve every hub name from ``tmp_path/hub`` (a data folder ``load_dataset`` reads like a hub
+    repo); returns that folder and a list of the names loaded."""
+    import datasets
+
+    real = datasets.load_dataset
+    source = tmp_path / "hub"
+    loaded = []
+
+    def load_dataset(name, *args, **kwargs):
+        loaded.append(name)
+        return real(str(source), cache_dir=str(tmp_path / "hf-cache"))
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return source, loaded
 
 
 def test_unknown_dataset_lists_supported_names():
@@ -367,3 +387,88 @@ def test_missing_parquet_column(tmp_path):
     pq.write_table(pa.Table.from_pylist([{"prompt": "p", "answer": "a"}]), tmp_path / "x.parquet")
     with pytest.raises(UserError, match=r"x.parquet row 1: missing field 'chosen'"):
         rd.get_raw_dataset(str(tmp_path / "x.parquet"), "/unused", 1, -1)
+
+
+def test_json_lines_keep_unicode_line_separators_inside_strings(tmp_path):
+    # U+2028 / U+2029 / U+0085 are legal raw characters in JSON strings (json.dumps(ensure_ascii=
+    # False) writes them raw); str.splitlines() would cut those rows in two.
+    rows = pref_rows(3)
+    rows[0]["prompt"] = " Human: hi\u2028there Assistant:"
+    rows[1]["chosen"] = " a\x85b\u2029c"
+    text = "\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n"  # Windows line ends
+    for name in ("rows.jsonl", "rows.json"):  # .json: JSON Lines saved as .json
+        path = tmp_path / name
+        path.write_bytes(text.encode("utf-8"))
+        records = lf.read_records(path)
+        assert [r for _, r in records] == rows
+        assert [where for where, _ in records] == [f"{path}:{i}" for i in (1, 2, 3)]
+    # Line numbers still count "\n" lines only.
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(rows[0], ensure_ascii=False) + "\n\n" + '{"prompt": "x\u2028y", "chosen": \n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"bad.jsonl:3: malformed JSON"):
+        lf.read_records(bad)
+
+
+def test_malformed_json_message_reads_once(tmp_path):
+    # json's own message ends in "at" here ("Unterminated string starting at"): no "at at".
+    for name in ("bad.jsonl", "bad.json"):
+        path = tmp_path / name
+        path.write_text('{"prompt": "never closed}', encoding="utf-8")
+        with pytest.raises(UserError) as err:
+            lf.read_records(path)
+        assert "(Unterminated string starting at column 12)" in str(err.value)
+    path.write_text('{"prompt": }\n', encoding="utf-8")
+    with pytest.raises(UserError, match=r"\(Expecting value at column 12\)"):
+        lf.read_records(path)
+
+
+# --- local copies of hub datasets: the same row checks as local preference files ----------------
+
+
+def rm_static_copy(tmp_path, bad_row):
+    folder = tmp_path / "Dahoas" / "rm-static"
+    rows = [dict(HH) for _ in range(4)]
+    rows[1] = bad_row
+    write_jsonl(folder / "train.jsonl", rows)
+    write_jsonl(folder / "test.jsonl", [HH] * 2)
+    return folder
+
+
+@pytest.mark.parametrize("bad_row,message", [
+    ({"prompt": HH["prompt"], "chosen": " ok"}, r"train.jsonl:2: missing field 'rejected'"),
+    ({**HH, "chosen": None}, r"train.jsonl:2: field 'chosen' is null; every row of train.jsonl needs a value"),
+    ({**HH, "chosen": 5}, r"train.jsonl:2: field 'chosen' must be a string, got int"),
+])
+def test_local_copy_of_a_hub_dataset_checks_rows(tmp_path, bad_row, message):
+    folder = rm_static_copy(tmp_path, bad_row)
+    with pytest.raises(UserError, match=message):
+        rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+
+
+def test_local_copy_with_structured_columns(tmp_path):
+    # Only the adapter's text columns must be strings; the others keep their JSON types.
+    row = {"question": {"full_text": "Why?"}, "answer_0": "A [1].", "answer_1": "B", "score_0": 1.0,
+           "score_1": -1.0, "extra": "dropped"}
+    folder = tmp_path / "openai" / "webgpt_comparisons"
+    write_jsonl(folder / "train.jsonl", [row] * 10)
+    adapter = rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+    sample = adapter.get_train_data()[0]
+    assert sorted(sample) == sorted(rd.OpenaiWebgptcomparisonsDataset.required_columns)
+    assert adapter.get_prompt_and_chosen(sample) == " Human: Why? Assistant: A."
+    # A field whose type changes from row to row cannot form a table: one line naming the file.
+    write_jsonl(folder / "train.jsonl", [row, {**row, "question": "Why?"}])
+    with pytest.raises(UserError, match=r"cannot combine the rows of .*train.jsonl"):
+        rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+
+
+def test_local_copy_nulls_where_the_adapter_skips_them(tmp_path):
+    # Zhihu-KOL's methods return None for a null field (the row is skipped), so a null is allowed.
+    folder = tmp_path / "wangrui6" / "Zhihu-KOL"
+    rows = [{"INSTRUCTION": "问?", "RESPONSE": "答。"}, {"INSTRUCTION": "问?", "RESPONSE": None}]
+    write_jsonl(folder / "train.jsonl", rows * 5)
+    adapter = rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+    texts_ = [adapter.get_prompt_and_chosen(s) for s in adapter.raw_datasets["train"]]
+    assert texts_.count(None) == 5
+    write_jsonl(folder / "train.jsonl", [{"INSTRUCTION": "问?", "RESPONSE": 3}])
+    with pytest.raises(UserError, match=r"field 'RESPONSE' must be a string or null, got int"):
+        rd.get_raw_dataset(str(folder), "/unused", 1, -1)

@@ -349,6 +349,135 @@ def test_error_mid_build_leaves_no_cache_files(tmp_path, monkeypatch):
     assert len(cache_names(out)) == 3
 
 
+def test_failed_rebuild_keeps_the_previous_cache(tmp_path, monkeypatch):
+    # A full disk while writing the eval file of a rebuild: the message says the previous files are
+    # unchanged, and they are (upstream-style unlinking would have deleted all three).
+    import errno
+    import os
+
+    import safetensors.torch
+
+    tok = make_tokenizer()
+    path = write_jsonl(tmp_path / "p.jsonl", pref_rows(30))
+    out = tmp_path / "cache"
+    first, _ = create_prompt_dataset(-1, [str(path)], "2,4,4", str(out), 1, 1234, tok, 32)
+    before = {name: (out / name).read_bytes() for name in cache_names(out)}
+    assert len(before) == 3
+    real_save = safetensors.torch.save_file
+    calls = []
+
+    def eval_file_fails(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(safetensors.torch, "save_file", eval_file_fails)
+    with pytest.raises(UserError, match=r"the disk is full .*\(the previous files there, if any, are unchanged\)"):
+        create_prompt_dataset(0, [str(path)], "2,4,4", str(out), 1, 1234, tok, 32, reload=True)
+    assert files_in(out) == sorted([*before, f".lock_{first.cache_key}"])  # no temp file either
+    assert {name: (out / name).read_bytes() for name in before} == before
+    monkeypatch.undo()
+    counter = BuildCounter(monkeypatch)
+    again, _ = create_prompt_dataset(-1, [str(path)], "2,4,4", str(out), 1, 1234, tok, 32)
+    assert counter.calls == 0 and ids_of(again) == ids_of(first)  # still a valid cache
+
+
+def test_upstream_five_argument_prompt_dataset():
+    # Upstream builds PromptDataset(prompt, chosen, reject, pad_token_id, train_phase); rows it
+    # tokenised with padding="max_length" all have max_seq_len tokens, so items pad to that.
+    tok = make_tokenizer()
+    texts = [r["prompt"] + r["chosen"] + EOT for r in pref_rows(3)]
+    enc = tok(texts, max_length=24, padding="max_length", truncation=True)
+    rows = pd.TokenRows.from_lists(enc["input_ids"], enc["attention_mask"])
+    ds = pd.PromptDataset(None, rows, rows, tok.pad_token_id, 2)
+    assert ds.max_seq_len == 24 and len(ds) == 3
+    assert ds[1].chosen_ids.tolist() == [enc["input_ids"][1]] and ds[1].rejected_mask.tolist() == [enc["attention_mask"][1]]
+    # Unpadded rows: every item is padded to the longest, so a batch stacks.
+    enc = tok(texts[:2] + [" Human: hi? Assistant: yes."])
+    ds = pd.PromptDataset(None, pd.TokenRows.from_lists(enc["input_ids"], enc["attention_mask"]), None, tok.pad_token_id, 1)
+    assert {ds[i]["input_ids"].numel() for i in range(3)} == {max(len(x) for x in enc["input_ids"])}
+    with pytest.raises(TypeError, match="TokenRows.from_lists"):
+        pd.PromptDataset(None, [{"input_ids": torch.ones(1, 4)}], None, 0, 1)
+
+
+def test_hub_dataset_cache_hit_does_not_load_the_hub(tmp_path, monkeypatch):
+    # Keyed by name (as upstream): a node with the tokenised cache needs neither the network nor the
+    # Hugging Face cache. The price: a new hub revision is served from the old cache until
+    # --rebuild_data_cache (README "Data").
+    from test_data_adapters import HH, fake_hub
+
+    source, loaded = fake_hub(monkeypatch, tmp_path)
+    write_jsonl(source / "train.jsonl", [{**HH, "chosen": f" Hello {i}!"} for i in range(30)])
+    write_jsonl(source / "test.jsonl", [HH] * 10)
+    counter = BuildCounter(monkeypatch)
+    tok = make_tokenizer()
+    out = str(tmp_path / "cache")
+    first, _ = create_prompt_dataset(-1, ["Dahoas/rm-static"], "2,4,4", out, 1, 1234, tok, 32)
+    write_jsonl(source / "train.jsonl", [{**HH, "chosen": f" Bye {i}!"} for i in range(30)])  # "new revision"
+    again, _ = create_prompt_dataset(-1, ["Dahoas/rm-static"], "2,4,4", out, 1, 1234, tok, 32)
+    assert counter.calls == 1 and again.cache_key == first.cache_key and loaded == ["Dahoas/rm-static"]
+    rebuilt, _ = create_prompt_dataset(-1, ["Dahoas/rm-static"], "2,4,4", out, 1, 1234, tok, 32, reload=True)
+    assert counter.calls == 2 and tok.decode(rebuilt[0]["input_ids"]).count("Bye") == 1
+
+
+TWO_RANK_SCRIPT = textwrap.dedent(
+    """
+    import datetime, sys
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.errors import UserError
+    rank, port, tok_dir, out = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    print("CALL1", flush=True)
+    try:  # every prompt is longer than 3 tokens: only the building rank (local rank 0) can tell
+        create_prompt_dataset(rank, ["dschat/builtin"], "2,4,4", out, 3, 1234, tok, 3, reload=True)
+        print("RESULT returned", flush=True)
+    except UserError as err:
+        print("RESULT UserError:", err, flush=True)
+    print("CALL2", flush=True)
+    train, held_out = create_prompt_dataset(rank, ["dschat/builtin"], "2,4,4", out, 3, 1234, tok, 64, reload=True)
+    print("RESULT2", len(train), len(held_out), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    """
+)
+
+
+@pytest.mark.slow
+def test_reload_error_on_the_building_rank_reaches_every_rank(tmp_path):
+    # Upstream-style barrier(): local rank 0 raised, rank 1 waited until gloo said "Connection closed
+    # by peer" (NCCL: a hang). Now both raise the same UserError and the group stays usable.
+    import socket
+
+    tok_dir = save_tokenizer(tmp_path / "tok")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", TWO_RANK_SCRIPT, str(rank), str(port), str(tok_dir), str(tmp_path / "cache")],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+        )
+        for rank in range(2)
+    ]
+    outputs = [p.communicate(timeout=240) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs
+    results = []
+    for stdout, _ in outputs:
+        call1 = stdout[stdout.index("CALL1"):stdout.index("CALL2")]
+        results.append([line for line in call1.splitlines() if line.startswith("RESULT")])
+        assert [line for line in stdout.splitlines() if line.startswith("RESULT2")]
+    assert results[0] == results[1] and len(results[0]) == 1
+    assert results[0][0].startswith("RESULT UserError:") and "longer than max_seq_len=3" in results[0][0]
+    rank1_call1 = outputs[1][0][outputs[1][0].index("CALL1"):outputs[1][0].index("CALL2")]
+    assert "Creating prompt dataset" not in rank1_call1  # rank 1 learnt it from rank 0, did not build
+    assert outputs[0][0].count("RESULT2") == outputs[1][0].count("RESULT2") == 1
+
+
 RACE_SCRIPT = textwrap.dedent(
     """
     import hashlib, os, sys, time

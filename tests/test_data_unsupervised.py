@@ -78,5 +78,54 @@ def test_bad_sources(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
         get_unsupervised_data(ptx_args(tmp_path / "missing.txt"), tok)
     path = write_jsonl(tmp_path / "n.jsonl", [{"n": 1}, {"n": 2}])
-    with pytest.raises(UserError, match="not strings"):
+    with pytest.raises(UserError, match=r"n.jsonl:1: the text field 'n' has type int"):
         get_unsupervised_data(ptx_args(path), tok)
+    DatasetDict({"train": Dataset.from_dict({"n": [1, 2]})}).save_to_disk(str(tmp_path / "ints"))
+    with pytest.raises(UserError, match="not strings"):
+        get_unsupervised_data(ptx_args(tmp_path / "ints"), tok)
+
+
+@pytest.mark.parametrize("rows,message", [
+    ([{"text": "the cat"}, {"text": None}], r"t.jsonl:2: the text field 'text' is null"),
+    ([{"text": "the cat"}, {"body": "x"}], r"t.jsonl:2: the text field 'text' is missing"),
+    ([{"text": "the cat"}, {"text": 3}], r"t.jsonl:2: the text field 'text' has type int"),
+])
+def test_text_that_is_not_a_string_names_file_and_row(tmp_path, rows, message):
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    with pytest.raises(UserError, match=message):
+        get_unsupervised_data(ptx_args(path), make_tokenizer())
+
+
+def test_null_text_in_a_save_to_disk_folder(tmp_path):
+    DatasetDict({"train": Dataset.from_dict({"text": ["a", "b", None, None]})}).save_to_disk(str(tmp_path / "d"))
+    with pytest.raises(UserError, match=r"row 3 of the train split has no text \(null in column 'text'; 2 such rows\)"):
+        get_unsupervised_data(ptx_args(tmp_path / "d"), make_tokenizer())
+
+
+def test_every_block_is_full_so_the_collator_stacks_them(tmp_path):
+    # 1010 lines: datasets maps 1000 texts at a time, and the last 10 lines alone are shorter than
+    # a block. Upstream kept them as a short last block, which default_data_collator cannot stack
+    # with the full ones (a ValueError in step 3).
+    from torch.utils.data import DataLoader
+    from transformers import default_data_collator
+
+    tok = make_tokenizer()
+    path = tmp_path / "ptx.txt"
+    path.write_text("".join(f"the cat is happy and the dog is sad {i}\n" for i in range(1010)), encoding="utf-8")
+    ds = get_unsupervised_data(ptx_args(path, 256, 256), tok)
+    assert len(ds) > 1 and {len(ids) for ids in ds["input_ids"]} == {512}
+    batch = default_data_collator([ds[len(ds) - 2], ds[len(ds) - 1]])
+    assert batch["input_ids"].shape == batch["labels"].shape == (2, 512)
+    assert sum(b["input_ids"].shape[0] for b in DataLoader(ds, batch_size=4, collate_fn=default_data_collator)) == len(ds)
+
+
+def test_no_batch_fills_a_block_groups_the_whole_split(tmp_path):
+    # Every batch of 1000 one-word texts is shorter than a block, but the split is not: grouping the
+    # split at once gives full blocks (upstream: one short block per batch, of different lengths).
+    tok = make_tokenizer()
+    texts = ["hello"] * 2500
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
+    per_text = len(tok("hello")["input_ids"])
+    block = 1000 * per_text + 10  # one batch of 1000 texts is just short of a block
+    ds = get_unsupervised_data(ptx_args(path, block - 5, 5), tok)
+    assert ds["input_ids"] == expected_blocks(tok, texts, block) and len(ds) == 2500 * per_text // block

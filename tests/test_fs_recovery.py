@@ -81,3 +81,34 @@ def test_an_unfinished_first_save_is_never_moved_into_place(tmp_path, monkeypatc
     [partial] = list(tmp_path.iterdir())
     assert fs.recover_dir(path) == [f"removed the unfinished save {partial.name} beside {path}"]
     assert list(tmp_path.iterdir()) == []
+
+
+# --- atomic_files: a set of files replaced together (the tokenised-data cache) -------------------
+
+
+def test_atomic_files_replace_all_in_order_or_none(tmp_path, monkeypatch):
+    import errno
+
+    from dschat.errors import UserError
+
+    names = ["train.bin", "eval.bin", "meta.json"]
+    for name in names:
+        (tmp_path / name).write_text(f"old {name}")
+    # A full disk while the second file is written: every previous file stays, no temp file is left.
+    with pytest.raises(UserError, match=r"while writing .*\(the previous files there, if any, are unchanged\)"):
+        with fs.atomic_files([tmp_path / n for n in names]) as tmps:
+            tmps[0].write_text("new")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    assert all((tmp_path / n).read_text() == f"old {n}" for n in names)
+    # Success: all replaced, in the order given (the file marking the set complete last).
+    order = []
+    real_replace = os.replace
+    monkeypatch.setattr(fs.os, "replace", lambda src, dst: (order.append(os.path.basename(dst)), real_replace(src, dst)))
+    with fs.atomic_files([tmp_path / n for n in names]) as tmps:
+        for tmp, n in zip(tmps, names):
+            tmp.write_text(f"new {n}")
+    assert order == names
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names)
+    assert all((tmp_path / n).read_text() == f"new {n}" for n in names)
+    assert oct((tmp_path / "meta.json").stat().st_mode & 0o777) == oct(0o666 & ~fs._umask())

@@ -106,16 +106,26 @@ def _check_record(obj: Any, where: str) -> dict:
     return obj
 
 
+def _json_error(err: json.JSONDecodeError) -> str:
+    """``"Expecting value at column 5"``; some messages already end in "at" ("Unterminated string
+    starting at"), which must not become "at at"."""
+    return f"{err.msg}{'' if err.msg.endswith(' at') else ' at'} column {err.colno}"
+
+
 def _read_json_lines(path: Path, text: str) -> list[tuple[str, dict]]:
+    # Lines end at "\n" only (JSON Lines; a "\r" before it is dropped): str.splitlines() would also
+    # split at U+2028 / U+2029 / U+0085 and other separators that are legal raw characters inside
+    # JSON strings (json.dumps(ensure_ascii=False) writes them raw), breaking valid rows in two.
     rows = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
+    for lineno, line in enumerate(text.split("\n"), start=1):
+        line = line.removesuffix("\r")
         if not line.strip():
             continue
         where = f"{path}:{lineno}"
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"{where}: malformed JSON ({err.msg} at column {err.colno}); fix or remove that line") from None
+            raise UserError(f"{where}: malformed JSON ({_json_error(err)}); fix or remove that line") from None
         rows.append((where, _check_record(obj, where)))
     return rows
 
@@ -151,7 +161,7 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
         if err.msg == "Extra data":  # several top-level values: JSON Lines saved as .json
             return _read_json_lines(path, text)
         raise UserError(
-            f"{path}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno}); fix the file"
+            f"{path}:{err.lineno}: malformed JSON ({_json_error(err)}); fix the file"
         ) from None
     if isinstance(obj, dict):  # one object: a one-row JSON Lines file
         return [(f"{path}:1", obj)]
@@ -165,15 +175,21 @@ def check_columns(
     path: Path,
     required: Sequence[str],
     optional: Sequence[str] = (),
+    *,
+    text: Sequence[str] | None = None,
+    nullable: bool = True,
 ) -> list[dict]:
-    """Keep only the ``required`` + ``optional`` fields of each row, checking they are strings.
+    """Keep only the ``required`` + ``optional`` fields of each row, checking their values.
 
-    A row missing a required field, or a field that is neither a string nor null, is a
-    :class:`UserError` naming the file, the row and the column. A null value is kept (the adapter
-    returns None for it and the row is skipped, as upstream skips None samples).
+    A row missing a required field, or a ``text`` field (default: every field) that is neither a
+    string nor null, is a :class:`UserError` naming the file, the row and the column. A null value
+    is kept (the adapter returns None for it and the row is skipped, as upstream skips None
+    samples); with ``nullable=False`` (an adapter that cannot skip such a row) it is an error too,
+    in any required or text field.
     """
     out = []
     names = list(required) + list(optional)
+    text_names = names if text is None else list(text)
     for where, row in rows:
         for col in required:
             if col not in row:
@@ -183,19 +199,41 @@ def check_columns(
                 )
         for col in names:
             value = row.get(col)
-            if value is not None and not isinstance(value, str):
-                raise UserError(f"{where}: field {col!r} must be a string or null, got {type(value).__name__}")
+            if value is None:
+                if not nullable and (col in required or col in text_names):
+                    raise UserError(
+                        f"{where}: field {col!r} is null; every row of {path.name} needs a value there "
+                        "(fill it in or remove the row)"
+                    )
+                continue
+            if col in text_names and not isinstance(value, str):
+                kinds = "a string or null" if nullable else "a string"
+                raise UserError(f"{where}: field {col!r} must be {kinds}, got {type(value).__name__}")
         out.append({col: row.get(col) for col in names})
     return out
 
 
-def records_to_dataset(records: list[dict], columns: Sequence[str] | None = None) -> Any:
-    """An in-memory :class:`datasets.Dataset` of ``records`` (``columns`` fixes their order)."""
+def records_to_dataset(records: list[dict], columns: Sequence[str] | None = None, source: Any = None) -> Any:
+    """An in-memory :class:`datasets.Dataset` of ``records`` (``columns`` fixes their order).
+
+    Rows whose fields change type from row to row cannot form one Arrow table; with ``source``
+    (the file or folder they came from) that is a :class:`UserError` naming it.
+    """
+    import pyarrow as pa
     from datasets import Dataset
 
-    if not records and columns is not None:
-        return Dataset.from_dict({c: [] for c in columns})
-    return Dataset.from_list(records)
+    try:
+        if not records and columns is not None:
+            return Dataset.from_dict({c: [] for c in columns})
+        return Dataset.from_list(records)
+    except (TypeError, ValueError, pa.ArrowException) as err:
+        if source is None:
+            raise
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise UserError(
+            f"cannot combine the rows of {source} into one table ({first}); give every row the same "
+            "fields, each with one type in every row"
+        ) from None
 
 
 def sha256_file(path: Path) -> str:

@@ -24,14 +24,16 @@ The cache, and how it fixes upstream (DSE #437, #558, #822, #416; bug list §10.
   upstream used only ``name_or_path``), the sft-only datasets and a format version.
 * Files are ``traindata_{key}.safetensors``, ``evaldata_{key}.safetensors`` and ``meta_{key}.json``:
   token ids stored flat with row offsets, no pickles (upstream ``torch.save``-d whole ``Subset``
-  objects, fragile across versions and unsafe to load). Every file is written atomically, the meta
-  file last, so a reader never sees a partial cache, and a failed build leaves nothing behind.
+  objects, fragile across versions and unsafe to load). The files are written under temporary
+  names and renamed into place together, the meta file last, so a reader never sees a partial
+  cache, and a failed build or rebuild leaves nothing behind and any previous cache untouched.
 * Building happens once under a ``filelock.FileLock`` in ``output_path``: each process takes it; the
   first builds, the others then find the files and load them. This replaces upstream's per-node
   local-rank-0 build + ``uint8`` all-reduce (which wrapped to 0 at 256 ranks) and makes a shared
   ``--data_output_path`` safe.
-* ``reload=True`` (``--rebuild_data_cache``) rebuilds on processes with ``local_rank <= 0``, then
-  waits at ``torch.distributed.barrier()`` when a process group is up.
+* ``reload=True`` (``--rebuild_data_cache``) rebuilds on processes with ``local_rank <= 0``; when a
+  process group is up every rank then waits for them, and an error in a build (say, every prompt
+  too long) is raised on every rank, a :class:`UserError` with the same message.
 """
 from __future__ import annotations
 
@@ -60,7 +62,7 @@ from dschat.data.raw_datasets import (
 )
 from dschat.data.split import get_shuffle_idx, parse_data_split
 from dschat.errors import UserError
-from dschat.utils.fs import atomic_file
+from dschat.utils.fs import atomic_files
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
 FORMAT_VERSION = 1
@@ -193,8 +195,11 @@ class PromptDataset(Dataset):
 
     Upstream's positional arguments (``prompt_dataset``, ``chosen_dataset``, ``reject_dataset``,
     ``pad_token_id``, ``train_phase``) are kept, holding :class:`TokenRows` instead of lists of
-    ``BatchEncoding``. ``max_seq_len`` / ``padding_side`` say how phase-1/2 rows are padded on read;
-    ``filtered`` counts phase-3 prompts dropped for length.
+    ``BatchEncoding``, so upstream's five-argument call works. ``max_seq_len`` / ``padding_side``
+    say how phase-1/2 rows are padded on read; ``max_seq_len=None`` (the default) pads to the
+    longest chosen/rejected row, which for rows tokenised as upstream did (``padding="max_length"``)
+    is their common length, i.e. upstream's items. ``filtered`` counts phase-3 prompts dropped for
+    length.
     """
 
     def __init__(
@@ -205,18 +210,28 @@ class PromptDataset(Dataset):
         pad_token_id: int | None,
         train_phase: int,
         *,
-        max_seq_len: int,
+        max_seq_len: int | None = None,
         padding_side: str = "right",
         filtered: int = 0,
     ) -> None:
         super().__init__()
         if train_phase not in (1, 2, 3):
             raise ValueError(f"train_phase must be 1, 2 or 3, got {train_phase}")
+        given = {"prompt_dataset": prompt_dataset, "chosen_dataset": chosen_dataset, "reject_dataset": reject_dataset}
+        for name, rows in given.items():
+            if rows is not None and not isinstance(rows, TokenRows):
+                raise TypeError(
+                    f"PromptDataset's {name} must be TokenRows or None, got {type(rows).__name__}; build it "
+                    "from unpadded token lists with TokenRows.from_lists(ids, masks)"
+                )
         self.prompt_dataset = prompt_dataset if prompt_dataset is not None else TokenRows.empty()
         self.chosen_dataset = chosen_dataset if chosen_dataset is not None else TokenRows.empty()
         self.reject_dataset = reject_dataset if reject_dataset is not None else TokenRows.empty()
         self.pad_token_id = pad_token_id
         self.train_phase = train_phase
+        if max_seq_len is None:
+            lengths = [int(rows.lengths().max()) for rows in (self.chosen_dataset, self.reject_dataset) if len(rows)]
+            max_seq_len = max(lengths, default=0)
         self.max_seq_len = max_seq_len
         self.padding_side = padding_side
         self.filtered = filtered
@@ -487,15 +502,13 @@ def cache_files(output_path: str | os.PathLike, key: str) -> _CacheFiles:
     )
 
 
-def _umask_mode() -> int:
-    # atomic_file's temp files are 0600 (mkstemp); a cache shared by several users/ranks should
-    # get the permissions a plain open() would give.
-    mask = os.umask(0)
-    os.umask(mask)
-    return 0o666 & ~mask
-
-
 def _write_cache(files: _CacheFiles, key: str, fields: dict, train: PromptDataset, held_out: PromptDataset, stats: list) -> None:
+    """Write the three files under temporary names, then rename them into place, meta last.
+
+    A failure at any point (a full disk while writing the eval file, say) removes the temporary
+    files and leaves a previous cache for this key exactly as it was (``--rebuild_data_cache``
+    never destroys the files it fails to replace), or no files at all.
+    """
     from safetensors.torch import save_file
 
     meta = {
@@ -511,19 +524,11 @@ def _write_cache(files: _CacheFiles, key: str, fields: dict, train: PromptDatase
         "key_fields": fields,
     }
     st_meta = {"format": "dschat-prompt-dataset", "format_version": str(FORMAT_VERSION), "key": key}
-    mode = _umask_mode()
-    try:
-        for path, ds in ((files.train, train), (files.eval, held_out)):
-            with atomic_file(path) as tmp:
-                save_file({k: v.contiguous() for k, v in ds.tensors().items()}, str(tmp), metadata=st_meta)
-                os.chmod(tmp, mode)
-        with atomic_file(files.meta) as tmp:  # last: its presence marks a complete cache
-            tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
-            os.chmod(tmp, mode)
-    except BaseException:
-        for path in files.all():
-            path.unlink(missing_ok=True)
-        raise
+    # The meta file goes last: its presence marks a complete cache.
+    with atomic_files((files.train, files.eval, files.meta)) as (train_tmp, eval_tmp, meta_tmp):
+        for tmp, ds in ((train_tmp, train), (eval_tmp, held_out)):
+            save_file({k: v.contiguous() for k, v in ds.tensors().items()}, str(tmp), metadata=st_meta)
+        meta_tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
 
 
 def _load_cache(files: _CacheFiles, key: str) -> tuple[PromptDataset, PromptDataset] | None:
@@ -618,6 +623,31 @@ def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
+def _share_build_outcome(failure: Exception | None) -> None:
+    """Wait for every rank (a collective, like the barrier it replaces) and fail on all of them if a
+    building rank failed.
+
+    Under ``reload`` only local rank 0 builds; an error there that the other ranks cannot see
+    (e.g. every prompt longer than ``max_prompt_seq_len``, found only while tokenising) used to leave
+    them waiting at ``barrier()`` until gloo reported "Connection closed by peer" or NCCL hung. Now
+    a :class:`UserError` is raised with the same message on every rank; any other error is re-raised
+    where it happened and reported as a ``RuntimeError`` naming that rank elsewhere.
+    """
+    outcome = None
+    if failure is not None:
+        outcome = (isinstance(failure, UserError), type(failure).__name__, str(failure))
+    outcomes: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(outcomes, outcome)
+    if failure is not None:
+        raise failure
+    for rank, reported in enumerate(outcomes):
+        if reported is not None:
+            is_user_error, kind, message = reported
+            if is_user_error:
+                raise UserError(message)
+            raise RuntimeError(f"rank {rank} failed to build the data cache ({kind}: {message}); see its log")
+
+
 def create_prompt_dataset(
     local_rank: int,
     data_path: Sequence[str] | str,
@@ -672,13 +702,18 @@ def create_prompt_dataset(
     if reload:
         # Every rank validates, so bad input fails everywhere instead of leaving ranks at the barrier.
         plan = plan_phase_data(data_path, sft_paths, data_split, train_phase, seed, output_path, local_rank)
-        result = None
+        result, failure = None, None
         if local_rank <= 0:
-            os.makedirs(output_path, exist_ok=True)
-            with _locked(files.lock):
-                result = build(plan)
+            try:
+                os.makedirs(output_path, exist_ok=True)
+                with _locked(files.lock):
+                    result = build(plan)
+            except Exception as err:  # re-raised below, on every rank
+                if not _distributed():
+                    raise
+                failure = err
         if _distributed():
-            torch.distributed.barrier()
+            _share_build_outcome(failure)  # the barrier, telling every rank how the builds went
         if result is not None:
             return keyed(result)
 

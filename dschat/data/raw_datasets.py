@@ -54,13 +54,13 @@ def _column_names(split: Any) -> list[str] | None:
     return list(names) if names is not None else None
 
 
-def _load_hub(name: str, *args: Any) -> Any:
+def _load_hub(name: str) -> Any:
     """``datasets.load_dataset(name)`` with failures turned into one actionable line."""
     from datasets import load_dataset
     from datasets.exceptions import DatasetsError
 
     try:
-        return load_dataset(name, *args)
+        return load_dataset(name)
     except (OSError, ValueError, DatasetsError) as err:
         first = str(err).splitlines()[0] if str(err) else ""
         raise UserError(
@@ -70,8 +70,13 @@ def _load_hub(name: str, *args: Any) -> Any:
         ) from None
 
 
-def _load_local_copy(path: Path, dataset_name: str) -> Any:
-    """A local copy of a hub dataset: a ``save_to_disk`` folder (upstream), or split-named files."""
+def _load_local_copy(path: Path, dataset_name: str, adapter: type["PromptRawDataset"]) -> Any:
+    """A local copy of a hub dataset: a ``save_to_disk`` folder (upstream), or split-named files.
+
+    Rows of files are checked against ``adapter``'s columns as local preference files are (a
+    missing field, a null the adapter cannot skip, a non-string text field: one line naming the
+    file and row) and keep only those columns.
+    """
     if lf.is_save_to_disk_dir(path):
         from datasets import load_from_disk
 
@@ -93,10 +98,16 @@ def _load_local_copy(path: Path, dataset_name: str) -> Any:
     by_split: dict[str, list[Path]] = {}
     for f in files:
         by_split.setdefault(f.stem if len(files) > 1 else "train", []).append(f)
+    required = adapter.required_columns
     out = {}
     for split, split_files in by_split.items():
-        records = [row for f in split_files for _, row in lf.read_records(f)]
-        out[split] = lf.records_to_dataset(records)
+        records = []
+        for f in split_files:
+            records.extend(lf.check_columns(
+                lf.read_records(f), f, required, text=adapter.text_columns, nullable=adapter.skips_null_rows,
+            ))
+        source = split_files[0] if len(split_files) == 1 else path
+        out[split] = lf.records_to_dataset(records, required, source=source)
     return DatasetDict(out)
 
 
@@ -125,6 +136,11 @@ class PromptRawDataset:
     eval_split: str | None = "test"
     #: Top-level columns the text methods read.
     required_columns: ClassVar[tuple[str, ...]] = ()
+    #: Those of them that hold text (None: all of them); checked in rows of local JSON/parquet copies.
+    text_columns: ClassVar[tuple[str, ...] | None] = None
+    #: True if every text method returns None (the row is skipped) for a null in a required column;
+    #: otherwise a null there is refused when a local copy is read.
+    skips_null_rows: ClassVar[bool] = False
     #: False for single-answer datasets (no rejected response: unusable for phase 2).
     has_rejected: bool = True
     #: Name passed to ``load_dataset`` when it differs from the ``--data_path`` entry (mkqa).
@@ -152,7 +168,7 @@ class PromptRawDataset:
     def _load(self, dataset_name: str) -> Any:
         path = lf.expand(dataset_name)
         if path.exists():
-            return _load_local_copy(path, dataset_name)
+            return _load_local_copy(path, dataset_name, type(self))
         if dataset_name == "local/jsonfile":
             return None  # LocalJsonFileDataset loads its own files (upstream)
         return _load_hub(self.hub_name or dataset_name)
@@ -340,6 +356,7 @@ class OpenaiWebgptcomparisonsDataset(PromptRawDataset):
     dataset_name_clean = "openai_webgpt_comparisons"
     eval_split = None
     required_columns = ("question", "answer_0", "answer_1", "score_0", "score_1")
+    text_columns = ("answer_0", "answer_1")
 
     @staticmethod
     def _answer(sample: Sample, chosen: bool) -> str:
@@ -370,6 +387,7 @@ class StanfordnlpSHPDataset(PromptRawDataset):
     dataset_name_clean = "stanfordnlp_SHP"
     eval_split = "validation"
     required_columns = ("history", "human_ref_A", "human_ref_B", "labels")
+    text_columns = ("history", "human_ref_A", "human_ref_B")
 
     @staticmethod
     def _answer(sample: Sample, chosen: bool) -> str:
@@ -398,6 +416,7 @@ class PvduySharegptalpacaoavicunaformatDataset(_SingleAnswerDataset):
     dataset_name = "pvduy/sharegpt_alpaca_oa_vicuna_format"
     dataset_name_clean = "pvduy_sharegpt_alpaca_oa_vicuna_format"
     required_columns = ("prompt", "label")
+    skips_null_rows = True
 
     @staticmethod
     def _prompt(sample: Sample) -> str | None:
@@ -522,6 +541,7 @@ class Wangrui6ZhihuKOLDataset(_SingleAnswerDataset):
     dataset_name_clean = "wangrui6_Zhihu_KOL"
     eval_split = None
     required_columns = ("INSTRUCTION", "RESPONSE")
+    skips_null_rows = True
 
     def get_prompt(self, sample: Sample) -> str | None:
         if sample["INSTRUCTION"] is not None:
@@ -554,6 +574,7 @@ class CohereMiraclzhqueries2212Dataset(PromptRawDataset):
     dataset_name_clean = "Cohere_miracl_zh_queries_22_12"
     eval_split = "dev"
     required_columns = ("query", "positive_passages", "negative_passages")
+    text_columns = ("query",)
 
     def get_prompt(self, sample: Sample) -> str:
         return _human(sample["query"])
@@ -582,6 +603,8 @@ class HelloSimpleAIHC3ChineseDataset(_SingleAnswerDataset):
     dataset_name_clean = "Hello_SimpleAI_HC3_Chinese"
     eval_split = None
     required_columns = ("question", "human_answers")
+    text_columns = ("question",)
+    skips_null_rows = True
 
     @staticmethod
     def _answer(sample: Sample) -> str | None:
@@ -611,6 +634,7 @@ class _MkqaDataset(_SingleAnswerDataset):
     eval_split = None
     hub_name = "mkqa"
     required_columns = ("queries", "answers")
+    text_columns = ()
     lang: ClassVar[str] = ""
 
     def _question(self, sample: Sample) -> str | None:
@@ -681,6 +705,7 @@ class LmqgQagjaquadDataset(_SingleAnswerDataset):
     dataset_name_clean = "lmqg_qag_jaquad"
     eval_split = "validation"
     required_columns = ("questions", "paragraph")
+    text_columns = ("paragraph",)
 
     def get_prompt(self, sample: Sample) -> str:
         return _human(sample["questions"][0])
@@ -878,11 +903,15 @@ class DatasetSource:
     adapter: type[PromptRawDataset]
     files: tuple[Path, ...] = field(default=())
     base: Path | None = None
+    #: Loaded from the Hugging Face hub (no local copy).
+    hub: bool = False
 
     def fingerprint(self) -> dict[str, Any]:
         """Identity for the cache key: name, adapter, and a SHA-256 of any local file contents.
 
-        Hub datasets are identified by name only (as upstream): the hub is versioned elsewhere.
+        Hub datasets are identified by name only (as upstream), so a cached build is used without
+        loading the hub data (a node with the tokenised cache needs neither the network nor the
+        Hugging Face cache); after a new hub revision, rebuild with ``--rebuild_data_cache``.
         """
         content = lf.fingerprint_files(self.files, self.base) if self.files else None
         return {"name": self.name, "adapter": self.adapter.__name__, "content_sha256": content}
@@ -915,7 +944,7 @@ def resolve_dataset(dataset_name: str) -> DatasetSource:
                 return DatasetSource(name, adapter, tuple(files), path if path.is_dir() else path.parent)
             if lf.looks_like_path(name):  # e.g. /data/Dahoas/rm-static: a local copy that is not there
                 raise UserError(f"data path {name!r} does not exist; check --data_path (or pass the hub name)")
-            return DatasetSource(name, adapter)
+            return DatasetSource(name, adapter, hub=True)
     if name == BUILTIN_NAME:
         files = builtin_files()
         return DatasetSource(name, BuiltinDataset, tuple(files), files[0].parent)

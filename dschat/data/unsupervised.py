@@ -33,29 +33,59 @@ def unsupervised_training_enabled(args: Any) -> bool:
     return bool(getattr(args, "unsupervised_dataset_name", None))
 
 
-def _read_text_file(path: Path) -> list[dict]:
+def _read_text_file(path: Path) -> list[tuple[str, dict]]:
+    """``(file:line, {"text": line})`` for every non-empty line.
+
+    Lines end at "\\n" (``read_text`` turns "\\r\\n" into it), not at the other separators
+    ``str.splitlines`` knows (U+2028, U+0085, ...), as for JSON Lines.
+    """
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
-    return [{"text": line} for line in lines if line.strip()]
+    return [(f"{path}:{i}", {"text": line}) for i, line in enumerate(lines, start=1) if line.strip()]
+
+
+def _text_column(names: list[str]) -> str:
+    """Upstream's rule: ``"text"`` if there is such a column, else the first column."""
+    return "text" if "text" in names or not names else names[0]
+
+
+def _check_texts(rows: list[tuple[str, dict]], files: list[Path]) -> list[dict]:
+    """Every row's text field (the column :func:`_text_column` picks, as the ``Dataset`` built from
+    these rows will have it) must be a string: a null or missing one would be a ``TypeError``
+    inside the tokenizer, deep in ``datasets.map``."""
+    if not rows:
+        return []
+    column = _text_column(list(rows[0][1]))
+    for where, row in rows:
+        value = row.get(column)
+        if not isinstance(value, str):
+            if column not in row:
+                got = "is missing"
+            else:
+                got = "is null" if value is None else f"has type {type(value).__name__}"
+            raise UserError(
+                f"{where}: the text field {column!r} {got}; every row of "
+                f"{', '.join(f.name for f in files)} needs a string there (fix or remove the row)"
+            )
+    return [row for _, row in rows]
 
 
 def _read_files(files: list[Path]) -> Any:
     from datasets import DatasetDict
 
-    records: list[dict] = []
+    rows: list[tuple[str, dict]] = []
     for f in files:
         if f.suffix.lower() == ".txt":
-            records.extend(_read_text_file(f))
+            rows.extend(_read_text_file(f))
         else:
-            records.extend(row for _, row in lf.read_records(f))
-    if not records:
+            rows.extend(lf.read_records(f))
+    if not rows:
         raise UserError(f"no text rows in {', '.join(str(f) for f in files)}; add some text")
-    try:
-        return DatasetDict({"train": lf.records_to_dataset(records)})
-    except (TypeError, ValueError) as err:  # pyarrow: rows whose fields change type
-        raise UserError(f"cannot combine the rows of {files[0].parent}: {err}; give every row the same fields") from None
+    records = _check_texts(rows, files)
+    source = files[0] if len(files) == 1 else files[0].parent
+    return DatasetDict({"train": lf.records_to_dataset(records, source=source)})
 
 
 def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
@@ -109,25 +139,67 @@ def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
         ) from None
 
 
+def _group_texts(examples: dict, block_size: int, keep_short: bool) -> dict:
+    """Concatenate a map batch's token lists and cut them into ``block_size`` chunks (HF ``run_clm``).
+
+    The remainder is dropped. A batch shorter than one block gives no block, unless ``keep_short``:
+    then it is one shorter block (upstream, which does so for every such batch).
+    """
+    concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
+    total_length = len(concatenated["input_ids"])
+    if total_length >= block_size or not keep_short:
+        total_length = (total_length // block_size) * block_size
+    result = {
+        k: [t[i:i + block_size] for i in range(0, total_length, block_size)]
+        for k, t in concatenated.items()
+    }
+    result["labels"] = result["input_ids"].copy()
+    return result
+
+
+def _check_no_null_texts(train: Any, column: str, name: str) -> None:
+    """A null in the text column (hub / save_to_disk data) would be a TypeError in the tokenizer."""
+    import pyarrow.compute as pc
+
+    values = train.data.column(column)
+    if values.null_count:
+        row = pc.index(pc.is_null(values), True).as_py() + 1
+        raise UserError(
+            f"unsupervised dataset {name!r}: row {row} of the train split has no text (null in column "
+            f"{column!r}; {values.null_count} such rows); drop or fill them"
+        )
+
+
 def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     """Tokenised, grouped PPO-ptx blocks (upstream); a ``datasets.Dataset`` of
-    ``input_ids`` / ``attention_mask`` / ``labels`` lists, ``block_size`` tokens each (the last
-    block of a map batch of 1000 texts drops its remainder, as upstream).
+    ``input_ids`` / ``attention_mask`` / ``labels`` lists, all exactly ``block_size`` tokens long.
+
+    Texts are grouped per map batch of 1000 texts, as upstream, and each batch drops its remainder.
+    Upstream kept a batch shorter than one block as one shorter block, so a last batch of a few
+    texts gave a block that ``default_data_collator`` cannot stack with the others (a crash in
+    step 3); here such blocks are dropped. Only when no batch holds a full block is the whole split
+    grouped at once: a split shorter than one block then gives that one shorter block (upstream's
+    result; a single block always stacks), a longer one gives full blocks.
 
     Reads ``args.unsupervised_dataset_name``, ``args.unsupervised_dataset_config_name`` (optional),
     ``args.preprocessing_num_workers``, ``args.max_prompt_seq_len``, ``args.max_answer_seq_len``.
     """
-    raw = load_unsupervised_raw(args.unsupervised_dataset_name, getattr(args, "unsupervised_dataset_config_name", None))
+    name = args.unsupervised_dataset_name
+    raw = load_unsupervised_raw(name, getattr(args, "unsupervised_dataset_config_name", None))
     if "train" not in raw:
-        raise UserError(f"unsupervised dataset {args.unsupervised_dataset_name!r} has no 'train' split (has {list(raw)})")
+        raise UserError(f"unsupervised dataset {name!r} has no 'train' split (has {list(raw)})")
+    from datasets import DatasetDict
+
+    raw = DatasetDict({"train": raw["train"]})  # the only split used (upstream tokenised them all)
     column_names = raw["train"].column_names
-    text_column_name = "text" if "text" in column_names else column_names[0]
+    text_column_name = _text_column(column_names)
     feature = raw["train"].features[text_column_name]
     if getattr(feature, "dtype", None) not in ("string", "large_string"):
         raise UserError(
-            f"unsupervised dataset {args.unsupervised_dataset_name!r}: the text column {text_column_name!r} "
+            f"unsupervised dataset {name!r}: the text column {text_column_name!r} "
             f"holds {feature}, not strings; name the column 'text'"
         )
+    _check_no_null_texts(raw["train"], text_column_name, name)
     num_proc = getattr(args, "preprocessing_num_workers", None)
 
     def tokenize_function(examples: dict) -> Any:
@@ -142,26 +214,25 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
         desc="Running tokenizer on dataset",
     )
     block_size = args.max_prompt_seq_len + args.max_answer_seq_len
-
-    def group_texts(examples: dict) -> dict:
-        # Concatenate all texts of the batch, then cut into block_size chunks; the remainder is
-        # dropped when there is at least one full block (upstream / HF run_clm).
-        concatenated = {k: list(chain(*examples[k])) for k in examples.keys()}
-        total_length = len(concatenated[list(examples.keys())[0]])
-        if total_length >= block_size:
-            total_length = (total_length // block_size) * block_size
-        result = {
-            k: [t[i:i + block_size] for i in range(0, total_length, block_size)]
-            for k, t in concatenated.items()
-        }
-        result["labels"] = result["input_ids"].copy()
-        return result
-
     lm_datasets = tokenized_datasets.map(
-        group_texts,
+        _group_texts,
         batched=True,
         num_proc=num_proc,
+        fn_kwargs={"block_size": block_size, "keep_short": False},
         load_from_cache_file=True,
         desc=f"Grouping texts in chunks of {block_size}",
     )
+    if len(lm_datasets["train"]) == 0:
+        # No batch of 1000 texts filled a block: group the whole split as one batch (one process,
+        # so one remainder at most), keeping it as one shorter block if that is all there is.
+        lm_datasets = tokenized_datasets.map(
+            _group_texts,
+            batched=True,
+            batch_size=None,
+            fn_kwargs={"block_size": block_size, "keep_short": True},
+            load_from_cache_file=True,
+            desc=f"Grouping all texts in chunks of {block_size}",
+        )
+    if len(lm_datasets["train"]) == 0:
+        raise UserError(f"unsupervised dataset {name!r} gives no tokens; give it some text")
     return lm_datasets["train"]

@@ -3,8 +3,8 @@
 Files and folders are written under a temporary name beside their target and renamed into place
 only once complete (``os.replace`` is atomic on POSIX within one filesystem). A full disk while
 writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says the previous file
-or folder is unchanged. :func:`check_writable_dir` refuses, at start-up, an output folder that
-cannot be created.
+or folder is unchanged. :func:`atomic_files` does the same for a set of files replaced together.
+:func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from dschat.errors import UserError
 
@@ -53,8 +53,11 @@ def _is_disk_full(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def _disk_full_is_a_user_error(path: Path) -> Iterator[None]:
-    """Turn "no space left on device" while writing ``path`` into one line that says what to do."""
+def _disk_full_is_a_user_error(path: Path, kept: str | None = None) -> Iterator[None]:
+    """Turn "no space left on device" while writing ``path`` into one line that says what to do.
+
+    ``kept`` says what is left as it was (default: "the previous <name>, if any, is unchanged").
+    """
     try:
         yield
     except UserError:
@@ -62,9 +65,10 @@ def _disk_full_is_a_user_error(path: Path) -> Iterator[None]:
     except Exception as err:
         if not _is_disk_full(err):
             raise
+        kept = kept or f"the previous {path.name}, if any, is unchanged"
         raise UserError(
             f"the disk is full (no space left on the device, or the quota is used up) while writing {path}; "
-            f"free some space or write elsewhere, then run again (the previous {path.name}, if any, is unchanged)"
+            f"free some space or write elsewhere, then run again ({kept})"
         ) from err
 
 
@@ -88,6 +92,36 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
         finally:
             if tmp_path.exists():
                 tmp_path.unlink()
+
+
+@contextlib.contextmanager
+def atomic_files(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+    """Like :func:`atomic_file` for a set of files that belong together (a data cache).
+
+    Yields one temporary path beside each of ``paths``. Only once the body has written them all
+    do they replace ``paths``, in the order given: put last the file whose presence marks the set
+    complete. On an exception (a full disk while writing the second file, say) every temporary
+    file is removed and every one of ``paths`` is left as it was, previous versions included.
+    """
+    targets = [Path(p) for p in paths]
+    folder = targets[0].parent
+    with _disk_full_is_a_user_error(folder, kept="the previous files there, if any, are unchanged"):
+        tmps: list[Path] = []
+        try:
+            for path in targets:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+                os.close(fd)
+                tmps.append(Path(tmp))
+            yield list(tmps)
+            mode = 0o666 & ~_umask()  # mkstemp creates 0600 files; give what a plain open() would
+            for tmp in tmps:
+                os.chmod(tmp, mode)
+            for tmp, path in zip(tmps, targets):
+                os.replace(tmp, path)
+        finally:
+            for tmp in tmps:
+                tmp.unlink(missing_ok=True)  # gone already once renamed
 
 
 def _umask() -> int:
