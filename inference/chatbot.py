@@ -6,7 +6,10 @@
 Upstream's loop (inference/chatbot.py): ``Enter input (type 'quit' to exit, 'clear' to clean
 memory):``, a ``Round n`` separator before each answer, ``quit`` exits and ``clear`` forgets the
 conversation. The conversation is formatted with the model's chat template when its tokenizer has
-one, else in upstream's ``" Human: ...\\n Assistant: "`` format (what the step scripts train on).
+one, else in the text format of dschat's data adapters and built-in dataset (upstream's convention,
+what the step scripts train on): ``" Human: <question> Assistant:"``, the answer following with its
+leading space. Upstream's chatbot sent ``" Human: ...\\n Assistant: "`` (a newline and a trailing
+space no training text has).
 Differences from upstream, each fixing one of its bugs (§10.19): the model is loaded once (not built
 from its config and then loaded again), on the GPU when there is one and on the CPU otherwise (no
 hard-coded ``cuda:0`` / ``.half()``), the tokenizer comes from the folder itself, tokens are printed
@@ -31,7 +34,9 @@ from dschat.errors import UserError, cli_main  # noqa: E402
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 PROMPT = "Enter input (type 'quit' to exit, 'clear' to clean memory): "
-HUMAN, ASSISTANT = " Human: ", "\n Assistant: "
+# dschat.data.raw_datasets' convention: a prompt is " Human: " + question + " Assistant:" and the
+# answer that follows starts with a space; a conversation is the turns one after the other.
+HUMAN, ASSISTANT = " Human: ", " Assistant:"
 STOP_TEXT = "Human:"  # a model in upstream's format starts the next (hallucinated) turn with it
 
 
@@ -91,7 +96,13 @@ def load(path: str, device: str = "auto", fmt: str = "auto") -> tuple[Any, Any, 
 
 
 class Conversation:
-    """The running history, in the chat template or in upstream's Human/Assistant text."""
+    """The running history, in the chat template or in the Human/Assistant text of the training data.
+
+    In the latter, ``text`` after two rounds is ``" Human: q1 Assistant: a1 Human: q2 Assistant:"``:
+    each prompt exactly as the data adapters write one (``" Human: " + q + " Assistant:"``, no newline,
+    no trailing space), each answer after it with its leading space, as in a training text
+    (``prompt + " " + answer``), and the next turn's own leading space separating the turns.
+    """
 
     def __init__(self, tokenizer: Any, fmt: str = "auto"):
         has_template = bool(getattr(tokenizer, "chat_template", None))
@@ -119,8 +130,8 @@ class Conversation:
         if self.use_template:
             self.messages.append({"role": "assistant", "content": reply})
         else:
-            # Upstream kept the generated text followed by a blank line as the next round's history.
-            self.text += reply + "\n\n"
+            # As the answer follows the prompt in training texts: one space (the reply was stripped).
+            self.text += " " + reply
 
 
 class StopAwareStreamer:
@@ -225,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=42, help="random seed (upstream's 42)")
     parser.add_argument("--format", choices=("auto", "chat_template", "human_assistant"), default="auto",
                         help="conversation format: the tokenizer's chat template when it has one (auto), or "
-                             "upstream's ' Human: ...\\n Assistant: ' text, which dschat's step scripts train on")
+                             "the ' Human: ... Assistant:' text that dschat's step scripts train on")
     parser.add_argument("--device", default="auto", help="auto (GPU when available), cpu, cuda, cuda:1, ...")
     return parser
 

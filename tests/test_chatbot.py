@@ -71,17 +71,42 @@ def test_step3_output_root_means_its_actor(tmp_path):
     assert C.resolve_chat_folder(str(tmp_path)) == str(tmp_path / "actor")
 
 
-def test_human_assistant_history_is_upstreams_format():
+def test_human_assistant_history_is_the_training_format():
     from dschat.models.tokenizer import load_hf_tokenizer
 
     conv = C.Conversation(load_hf_tokenizer("tiny-llama"))
     assert not conv.use_template  # the tiny tokenizer has no chat template
     conv.prompt_ids("Hi")
+    assert conv.text == " Human: Hi Assistant:"
     conv.add_reply("Hello!")
     conv.prompt_ids("Bye")
-    assert conv.text == " Human: Hi\n Assistant: Hello!\n\n Human: Bye\n Assistant: "
+    # Turns one after the other, each answer after its prompt with one space, as in a training text.
+    assert conv.text == " Human: Hi Assistant: Hello! Human: Bye Assistant:"
     conv.clear()
     assert conv.text == ""
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
+def test_human_assistant_prompt_tokens_are_those_of_a_training_prompt(model):
+    """The chatbot's prompt is a prompt of the built-in dataset (upstream's adapters' format), token for
+    token, and a training text (prompt + answer) starts with exactly those tokens."""
+    import json
+
+    from dschat.data.raw_datasets import builtin_files
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(model)
+    train_file = next(f for f in builtin_files() if f.name.startswith("train"))
+    row = json.loads(train_file.read_text().splitlines()[0])
+    prompt = row["prompt"]  # " Human: <question> Assistant:"
+    question = prompt[len(" Human: "):-len(" Assistant:")]
+    assert prompt == " Human: " + question + " Assistant:"
+    conv = C.Conversation(tok, "human_assistant")
+    ids = conv.prompt_ids(question)
+    assert conv.text == prompt
+    assert ids == tok(prompt)["input_ids"]
+    training_text = tok(prompt + row["chosen"])["input_ids"]
+    assert training_text[: len(ids)] == ids  # no "\n" or trailing-space token the training data never has
 
 
 def test_chat_template_is_used_when_the_tokenizer_has_one():

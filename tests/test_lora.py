@@ -120,7 +120,7 @@ def test_fused_equals_unfused_and_unfuse_restores_weight():
     torch.testing.assert_close(layer(x), unfused)
     layer.unfuse_lora_weight()
     assert not layer.fuse_lora
-    torch.testing.assert_close(layer.weight, w0, rtol=0, atol=1e-6)
+    assert torch.equal(layer.weight, w0)  # bit for bit (tests/test_lora_exact.py: every dtype, many rounds)
     torch.testing.assert_close(layer(x), unfused)
 
 
@@ -448,6 +448,39 @@ def test_qlora_fuse_gives_dense_weight_and_plain_checkpoint():
     plain.load_state_dict(state, strict=True)
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, before, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_qlora_unfused_model_saves_a_dense_checkpoint_in_the_compute_dtype(tmp_path, dtype):
+    """Saving adds the LoRA delta to the *dequantised* base (not to the packed uint8 codes, which
+    crashed), in the compute dtype; the live 4-bit model is left as it was."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    path = resolve_model_path("tiny-llama")
+    tok = load_hf_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    convert_linear_layer_to_lora(model, "layers.", lora_dim=4, quantize_base="nf4")
+    randomize_lora(model)
+    q = model.model.layers[0].self_attn.q_proj
+    codes = q.weight.detach().clone()
+    delta = q.lora_scaling * (q.lora_left_weight.t().float() @ q.lora_right_weight.t().float())
+    expected_q = (q.dense_weight().float() + delta).to(dtype)
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    with torch.no_grad():
+        expected = model(ids).logits.float()
+    save_hf_model(model, tok, tmp_path / "out")
+    assert q.is_quantized and not q.fuse_lora and torch.equal(q.weight, codes)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    saved_q = loaded.model.layers[0].self_attn.q_proj.weight
+    assert saved_q.dtype == dtype and torch.equal(saved_q, expected_q)
+    with torch.no_grad():
+        logits = loaded(ids).logits.float()
+    rel = ((logits - expected).norm() / expected.norm()).item()
+    assert rel < (1e-5 if dtype == torch.float32 else 3e-2), rel  # bf16: its rounding in every layer
 
 
 def test_qlora_trains_lora_only():

@@ -388,3 +388,182 @@ def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cach
     assert engine.generator.generation_loop == "dschat"
     out = capsys.readouterr().out
     assert out.count("--generation_loop graphs failed (RuntimeError: inductor could not lower this)") == 1
+
+
+# ------------------------------------------------------------------------------------ exact LoRA unfuse
+
+
+def _base_weights(layers) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """Per LoRA layer: (full base weight, ZeRO-3 partition or None), copied."""
+    import deepspeed
+
+    out = []
+    for layer in layers:
+        w = layer.weight
+        zero3 = hasattr(w, "ds_id")
+        with deepspeed.zero.GatheredParameters([w], modifier_rank=None, enabled=zero3):
+            full = w.detach().clone()
+        out.append((full, w.ds_tensor.detach().clone() if zero3 else None))
+    return out
+
+
+@pytest.mark.parametrize("dtype,zero_stage,gather,persistence", [
+    ("fp32", "0", "auto", None),
+    ("bf16", "0", "auto", None),
+    ("fp32", "3", "on", None),  # tiny weights stay gathered (persistent): the gathered tensor is the partition
+    ("bf16", "3", "on", 0),  # every weight partitioned, gathered once per rollout
+    ("bf16", "3", "off", 0),  # fetched per layer and token: not fused
+])
+def test_rollouts_leave_the_frozen_lora_base_weights_bit_identical(dtype, zero_stage, gather, persistence, monkeypatch,
+                                                                  critic_dirs, data_cache):  # noqa: F811
+    """Fusing LoRA for every rollout and unfusing after, with LoRA factors that change between rollouts
+    (as training changes them), leaves every frozen base weight -- and under ZeRO-3 its partition --
+    bit for bit as it was. Upstream's add-then-subtract moved ~27% of the bf16 entries in 5 rollouts
+    (on one rank under ZeRO-3 too: the "gathered" tensor there is the partition itself)."""
+    import deepspeed
+
+    import dschat.utils.ds_utils as ds_utils
+    from dschat.utils.module.lora import LinearLayer_LoRA
+
+    if persistence is not None:  # partition even the tiny test weights
+        original = ds_utils.get_train_ds_config
+
+        def config(*args, **kwargs):
+            cfg = original(*args, **kwargs)
+            cfg["zero_optimization"]["stage3_param_persistence_threshold"] = persistence
+            return cfg
+
+        monkeypatch.setattr(ds_utils, "get_train_ds_config", config)
+    fused = {"n": 0}
+    real_fuse = LinearLayer_LoRA.fuse_lora_weight
+
+    def counting_fuse(self):
+        fused["n"] += 1
+        return real_fuse(self)
+
+    monkeypatch.setattr(LinearLayer_LoRA, "fuse_lora_weight", counting_fuse)
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--dtype", dtype, "--actor_lora_dim", "4",
+                     "--actor_zero_stage", zero_stage, "--zero3_gather_for_generation", gather)
+    module = engine.actor.module
+    layers = [m for m in module.modules() if isinstance(m, LinearLayer_LoRA)]
+    assert layers and hasattr(layers[0].weight, "ds_id") == (zero_stage == "3")
+
+    def change_lora(std: float) -> None:  # what an optimizer step does to the factors, on every rank
+        for layer in layers:
+            factors = [layer.lora_left_weight, layer.lora_right_weight]
+            with deepspeed.zero.GatheredParameters(factors, modifier_rank=0, enabled=zero_stage == "3"):
+                with torch.no_grad():
+                    layer.lora_left_weight.add_(torch.randn_like(layer.lora_left_weight) * std)
+                    layer.lora_right_weight.add_(torch.randn_like(layer.lora_right_weight) * std * 0.1)
+
+    change_lora(0.05)  # a trained-looking delta (left starts at zero)
+    before = _base_weights(layers)
+    for i in range(6):
+        engine.generator.eval()
+        rollout = engine.generator.rollout(PROMPTS, PROMPT_MASK)
+        if dtype == "fp32" and i in (0, 5):  # the fused weights gave the LoRA model's tokens (in bf16 the
+            # fused weight is W + delta rounded to bf16, which moves the logits enough to change them)
+            with torch.no_grad():
+                unfused = type(module).generate(module, PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=16,
+                                                do_sample=False, pad_token_id=3, eos_token_id=2,
+                                                synced_gpus=zero_stage == "3")
+            assert torch.equal(rollout.sequences, unfused)
+        change_lora(0.01)
+    assert not any(layer.fuse_lora for layer in layers)
+    assert (fused["n"] > 0) == (gather != "off")  # per-layer ZeRO-3 fetching leaves LoRA unfused
+    for (w0, p0), (w1, p1) in zip(before, _base_weights(layers)):
+        assert torch.equal(w0, w1)
+        assert p0 is None or torch.equal(p0, p1)
+
+
+class _PlainEngine:
+    """What RolloutGenerator uses of a DeepSpeed engine (``.module``), around a plain module."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+def test_a_checkpoints_generation_config_does_not_shape_the_rollouts():
+    """A generation_config.json with repetition_penalty / no_repeat_ngram_size: HF generate (and the
+    Hybrid Engine's, which calls it) decode with the rollout settings only, like dschat's loop."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama")).eval()
+    model.generation_config.repetition_penalty = 1.5
+    model.generation_config.no_repeat_ngram_size = 2
+    theirs = model.generation_config
+    gen = RolloutGenerator(_PlainEngine(model), tok, decision=HybridEngineDecision(False, False),
+                           decoding=DecodingSettings("greedy"), max_answer_seq_len=24, zero_stage=0)
+    rollouts = {}
+    for loop in ("dschat", "hf"):
+        gen.generation_loop = loop
+        rollouts[loop] = gen.rollout(PROMPTS, PROMPT_MASK)
+    assert torch.equal(rollouts["hf"].sequences, rollouts["dschat"].sequences)
+    assert torch.allclose(rollouts["hf"].logprobs, rollouts["dschat"].logprobs, atol=1e-5)
+    assert model.generation_config is theirs and theirs.repetition_penalty == 1.5  # put back
+    # The checkpoint's settings do change this model's greedy answer (so the test can fail).
+    with torch.no_grad():
+        penalised = model.generate(PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=24, do_sample=False,
+                                   pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert not torch.equal(penalised, rollouts["dschat"].sequences)
+
+    # The Hybrid Engine path: DeepSpeed's generate, installed on the module, reads the same attribute.
+    seen = []
+
+    def hybrid_engine_generate(prompts, **kwargs):
+        seen.append(model.generation_config)
+        return type(model).generate(model, prompts, **kwargs)
+
+    he = _PlainEngine(model)
+    he._inference_containers = ["container"]
+    model.generate = hybrid_engine_generate
+    he_gen = RolloutGenerator(he, tok, decision=HybridEngineDecision(True, True),
+                              decoding=DecodingSettings("greedy"), max_answer_seq_len=24, zero_stage=0)
+    assert he_gen.hybrid_engine_active
+    assert torch.equal(he_gen.rollout(PROMPTS, PROMPT_MASK).sequences, rollouts["dschat"].sequences)
+    assert seen[0].repetition_penalty is None and seen[0].no_repeat_ngram_size is None
+    assert seen[0].eos_token_id == theirs.eos_token_id and model.generation_config is theirs
+
+
+def test_decoding_settings_generation_config_holds_only_the_rollout_settings():
+    from transformers import GenerationConfig
+
+    model_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 7], pad_token_id=3, temperature=0.6,
+                                    top_p=0.9, repetition_penalty=1.3, min_p=0.1, typical_p=0.5)
+    cfg = DecodingSettings("sample", 0.7, 5, 0.95).generation_config(model_config)
+    assert (cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id) == (1, [2, 7], 3)
+    assert (cfg.do_sample, cfg.temperature, cfg.top_k, cfg.top_p) == (True, 0.7, 5, 0.95)
+    assert cfg.min_p is None and cfg.typical_p is None and cfg.repetition_penalty == 1.0
+    greedy = DecodingSettings("greedy").generation_config(None)
+    assert greedy.do_sample is False and greedy.temperature is None and greedy.eos_token_id is None
+
+
+def test_rollouts_leave_4bit_lora_layers_unfused_and_quantized():
+    """Fusing a QLoRA layer needs its dense weight (for good, or for every layer at once): rollouts run
+    those layers unfused instead, and give the LoRA model's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.utils.module.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
+
+    tok = load_hf_tokenizer("tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama")).eval()
+    convert_linear_layer_to_lora(model, "layers.", 4, quantize_base="nf4")
+    layers = [m for m in model.modules() if isinstance(m, LinearLayer_LoRA)]
+    for layer in layers:
+        torch.nn.init.normal_(layer.lora_left_weight, std=0.5)
+    codes = [layer.weight.detach().clone() for layer in layers]
+    gen = RolloutGenerator(_PlainEngine(model), tok, decision=HybridEngineDecision(False, False),
+                           decoding=DecodingSettings("greedy"), max_answer_seq_len=8, zero_stage=0)
+    seq = gen.generate(PROMPTS, PROMPT_MASK)
+    assert all(layer.is_quantized and not layer.fuse_lora for layer in layers)
+    assert all(torch.equal(layer.weight, c) for layer, c in zip(layers, codes))
+    with torch.no_grad():
+        expected = type(model).generate(model, PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=8, do_sample=False,
+                                        pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert torch.equal(seq, expected)

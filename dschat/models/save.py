@@ -10,7 +10,8 @@ DSE #460/#467). A saved reward model (step 2, the step-3 critic) is the same for
 Under ZeRO-3 parameters are gathered module by module (all ranks must call :func:`save_hf_model`;
 only rank 0 writes). LoRA factors are fused into the weights of the copy being saved (the live
 model is left as it is, so a mid-training save does not disturb training) and dropped, so the
-folder is a plain model. Persistent buffers are saved too (upstream dropped them, bug §10.23).
+folder is a plain model; a 4-bit (QLoRA) base is saved dequantised, in the compute dtype.
+Persistent buffers are saved too (upstream dropped them, bug §10.23).
 Writing goes through :func:`dschat.utils.fs.atomic_dir`: a crash never leaves a broken folder
 where a good one was. Files in the folder that are not part of a saved model (``training.log``,
 TensorBoard runs, step 3's ``actor/`` beside ``critic/``) are kept.
@@ -75,8 +76,16 @@ def is_lora_layer(module: nn.Module) -> bool:
 
 
 def _fused_copy(module: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``local`` (CPU copies of ``module``'s parameters) with the LoRA delta added to ``weight`` (unless
+    the layer is fused already) and the factors dropped.
+
+    A 4-bit (QLoRA) base is stored as packed uint8 codes: it is dequantised first (the layer's own
+    dequantisation, what its forward uses) and saved dense in the compute dtype, the LoRA factors'.
+    """
     right = local.pop("lora_right_weight")  # (in, r)
     left = local.pop("lora_left_weight")  # (r, out)
+    if getattr(module, "is_quantized", False):
+        local["weight"] = module.dense_weight().detach().to("cpu", copy=True)
     if not getattr(module, "fuse_lora", False):
         weight = local["weight"]
         delta = module.lora_scaling * (left.t().float() @ right.t().float())  # (out, in)

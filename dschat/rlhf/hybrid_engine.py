@@ -17,7 +17,10 @@ The trainer calls one object, :class:`RolloutGenerator`, whatever the set-up:
 Without the Hybrid Engine two things upstream's HE did are done here instead:
 
 * **LoRA** layers are fused into their base weights for generation (one matmul per layer instead of
-  three) and unfused afterwards.
+  three) and unfused afterwards, which puts the frozen base weights back bit for bit
+  (:meth:`~dschat.utils.module.lora.LinearLayer_LoRA.fuse_lora_weight`). Not fused: 4-bit (QLoRA)
+  layers, and every layer when ZeRO-3 weights are fetched layer by layer (see
+  :meth:`RolloutGenerator._layers_to_fuse`).
 * **ZeRO-3**: Hugging Face ``generate`` under ZeRO-3 all-gathers every layer's weights for every
   generated token (DSE #764: "ZeRO-3 generation is slow"). When the full model fits in free memory
   (a simple estimate: full parameter bytes <= half of the free accelerator / host memory;
@@ -149,13 +152,29 @@ class DecodingSettings:
         return self.decoding == "sample"
 
     def generate_kwargs(self) -> dict[str, Any]:
-        """Every knob that shapes the token distribution is set explicitly, so a checkpoint's own
-        ``generation_config.json`` (e.g. ``temperature 0.6``, ``repetition_penalty``) cannot change
-        what the PPO ratio assumes about the behaviour policy."""
+        """These settings as ``generate`` keyword arguments. They override only the knobs they name:
+        ``generate`` still fills every other one (``repetition_penalty``, ``no_repeat_ngram_size``,
+        ``min_p``, ``typical_p``, ``bad_words_ids``, ...) from the model's ``generation_config``, so
+        :class:`RolloutGenerator` also swaps that for :meth:`generation_config` during the call."""
         if not self.sample:
             return {"do_sample": False, "num_beams": 1}
         return {"do_sample": True, "num_beams": 1, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "repetition_penalty": 1.0}
+
+    def generation_config(self, model_config: Any = None) -> Any:
+        """A fresh ``GenerationConfig`` with these decoding settings and nothing else but the special-token
+        ids (pad / bos / eos / decoder start) of ``model_config``, the model's own generation config.
+
+        A checkpoint's ``generation_config.json`` (``temperature 0.6``, ``repetition_penalty``,
+        ``no_repeat_ngram_size``, ``min_p``, ...) must not shape the rollouts: the PPO ratio assumes the
+        answers were drawn from ``softmax(logits / temperature)`` with top-k / top-p only, which is what
+        dschat's own loop (:func:`dschat.rlhf.decoding.sample_loop`) draws from and what the log-probs
+        are computed under."""
+        from transformers import GenerationConfig
+
+        ids = {name: getattr(model_config, name, None)
+               for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")}
+        return GenerationConfig(**{k: v for k, v in ids.items() if v is not None}, **self.generate_kwargs())
 
     @property
     def logit_temperature(self) -> float:
@@ -208,8 +227,12 @@ def _parameter_offload(engine: Any) -> Any:
 def _zero3_gathered(engine: Any) -> Iterator[None]:
     """All parameters gathered once and ZeRO-3's per-module hooks detached, for one ``generate``.
 
-    Collective: every rank must enter. Changes made to the gathered weights (LoRA fusion) are
-    discarded on exit (``modifier_rank=None``), so the partitions come back bit-identical.
+    Collective: every rank must enter. Nothing may be written into the gathered tensors: with one rank
+    they are the partitions themselves (DeepSpeed's ``_no_gather_coalesced`` returns a view of
+    ``ds_tensor``), so an in-place edit would outlive the gather whatever ``modifier_rank`` says. LoRA
+    fusion inside it swaps each base weight's ``.data`` for a new tensor and puts the gathered one back
+    before the exit (:meth:`~dschat.utils.module.lora.LinearLayer_LoRA.fuse_lora_weight`), so the
+    partitions come back bit-identical; on exit the gathered copies are released (``modifier_rank=None``).
     """
     import deepspeed
     from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
@@ -344,6 +367,32 @@ class RolloutGenerator:
 
         return [m for m in self.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
 
+    def _layers_to_fuse(self, materialised: bool) -> list[Any]:
+        """The LoRA layers to fuse for this rollout (each holds one extra copy of its weight while fused).
+
+        * None when ZeRO-3 weights are not materialised (fetched layer by layer for every token): the
+          fused weight would have to be written into the partitions, with a saved copy of each one
+          (the whole weight on one rank) -- memory this path is taken to save, for a gain that the
+          per-token all-gathers swamp. The unfused LoRA branch gives the same policy.
+        * Not 4-bit (QLoRA) layers: fusing needs their dense weight, and keeping it for every layer
+          during generation costs the memory the 4-bit base saves (and would leave them dense for
+          good). They run unfused: correct, just slower.
+        """
+        if not self.fuse_lora or not materialised:
+            return []
+        return [layer for layer in self._lora_layers() if not layer.is_quantized]
+
+    @contextmanager
+    def _decoding_only_generation_config(self, module: Any) -> Iterator[None]:
+        """Inside, ``module.generation_config`` is :meth:`DecodingSettings.generation_config` (the model's
+        own is put back after): ``generate`` fills every knob not passed to it from that attribute."""
+        original = getattr(module, "generation_config", None)
+        module.generation_config = self.decoding.generation_config(original)
+        try:
+            yield
+        finally:
+            module.generation_config = original
+
     def _should_gather(self) -> bool:
         if self.zero_stage != 3 or self.hybrid_engine_active or self.zero3_gather == "off":
             return False
@@ -381,7 +430,7 @@ class RolloutGenerator:
                 self._say_once(f"ZeRO-3 generation: cannot detach DeepSpeed's hooks ({err}); fetching per layer")
         # Under ZeRO-3 without the gather, weights exist only inside each layer's forward.
         materialised = self.zero_stage != 3 or gathered
-        lora = self._lora_layers() if self.fuse_lora else []
+        lora = self._layers_to_fuse(materialised)
         with gather:
             for layer in lora:
                 layer.fuse_lora_weight()
@@ -482,7 +531,8 @@ class RolloutGenerator:
             kwargs.update(return_dict_in_generate=True, output_logits=True)
         # The class method, not ``module.generate``: a Hybrid Engine that failed at run time leaves
         # its own generate installed on the instance.
-        out = type(module).generate(module, prompts, **kwargs)
+        with self._decoding_only_generation_config(module):
+            out = type(module).generate(module, prompts, **kwargs)
         if not self.keep_logprobs:
             return Rollout(out, None)
         seq = out.sequences
@@ -512,7 +562,8 @@ class RolloutGenerator:
         if self.hybrid_engine_active:
             try:
                 # DeepSpeed installed its inference-kernel generate as ``module.generate``.
-                return Rollout(self.actor.module.generate(prompts, **self._kwargs(mask)), None)
+                with self._decoding_only_generation_config(self.actor.module):
+                    return Rollout(self.actor.module.generate(prompts, **self._kwargs(mask)), None)
             except Exception as err:  # noqa: BLE001 -- any failure of DeepSpeed's kernels: fall back, say why
                 if _is_out_of_memory(err):
                     raise

@@ -6,7 +6,9 @@
 * ``maybe_get_lora(p)`` (``deepspeed/module_inject/policy.py``) returns
   ``[p.lora_right_weight, p.lora_left_weight, p.lora_scaling]`` when ``p`` has
   ``lora_right_weight``, and ``HybridEngineContainer.fuse_lora`` then does
-  ``W += lora_scaling * left.T @ right.T`` before generation (``-=`` after).
+  ``W += lora_scaling * left.T @ right.T`` before generation (``-=`` after, which rounds twice and
+  does not give ``W`` back exactly; dschat's own :meth:`LinearLayer_LoRA.fuse_lora_weight` keeps
+  ``W`` and puts it back bit for bit).
 * The OPT/GPT-J/GPT-Neo/GPT-NeoX/BLOOM containers pass the *module* (``self_attn.q_proj``) as
   ``p``, but the LLaMA, LLaMA-2 and InternLM containers pass its *weight*
   (``self_attn.q_proj.weight``). Upstream only set the attributes on the module, so under the
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import math
 from contextlib import nullcontext
-from typing import Any, ContextManager, Iterable, List, Optional, Sequence, Union
+from typing import Any, ContextManager, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +52,43 @@ def _z3_params_to_fetch(params: Iterable[Optional[torch.Tensor]]) -> List[torch.
             if p is not None and hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
 
 
-def _gathered(params: Sequence[Optional[torch.Tensor]]) -> ContextManager[Any]:
-    """Gather ZeRO-3 partitioned ``params`` (rank 0's edit wins); a no-op without ZeRO-3."""
-    if not any(p is not None and hasattr(p, "ds_id") for p in params):
+def _gathered_to_read(params: Sequence[Optional[torch.Tensor]]) -> ContextManager[Any]:
+    """Gather the ZeRO-3 partitioned ``params`` to read them (nothing is written back); a no-op for
+    parameters that are not partitioned away."""
+    fetch = _z3_params_to_fetch(params)
+    if not fetch:
         return nullcontext()
     import deepspeed
 
-    fetch = _z3_params_to_fetch(params)
-    return deepspeed.zero.GatheredParameters(fetch, modifier_rank=0, enabled=bool(fetch))
+    return deepspeed.zero.GatheredParameters(fetch, modifier_rank=None)
+
+
+def _in_zero3_gather(param: torch.Tensor) -> Optional[bool]:
+    """True while ``param`` is held gathered by an open ``deepspeed.zero.GatheredParameters``; None
+    with a DeepSpeed that does not count those contexts (before 0.19)."""
+    from deepspeed.runtime.zero import partition_parameters
+
+    attr = getattr(partition_parameters, "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", None)
+    return None if attr is None else getattr(param, attr, 0) > 0
+
+
+def _zero3_available(param: torch.Tensor) -> bool:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
+
+
+class _Unfused(NamedTuple):
+    """What :meth:`LinearLayer_LoRA.fuse_lora_weight` kept to undo itself bit for bit.
+
+    ``weight``: the base weight's own ``.data`` tensor, put back by ``unfuse`` (swap mode), or None.
+    ``partitions``: in partition mode, ``(tensor, saved copy)`` pairs -- the ZeRO-3 partition (and
+    its ZeRO++ hierarchical secondary copy where there is one) and their values before the fused
+    weight was written into them.
+    """
+
+    weight: Optional[torch.Tensor]
+    partitions: Tuple[Tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 # --------------------------------------------------------------------------------------- 4-bit base
@@ -153,6 +184,7 @@ class LinearLayer_LoRA(nn.Module):
         self.reset_parameters()
         self.weight.requires_grad = False
         self.fuse_lora = False
+        self._unfused: Optional[_Unfused] = None  # set while fused: what unfuse_lora_weight puts back
         self.tag_weight_for_hybrid_engine()
 
     # From the full shapes: under ZeRO-3 a partitioned parameter's ``shape`` is (0,) and the real one
@@ -167,7 +199,7 @@ class LinearLayer_LoRA(nn.Module):
 
     @property
     def is_quantized(self) -> bool:
-        """True while the base weight is stored in 4 bits (fusing dequantises it for good)."""
+        """True while the base weight is stored in 4 bits (an explicit fuse dequantises it for good)."""
         return self.quantize_base is not None
 
     def reset_parameters(self) -> None:
@@ -202,36 +234,118 @@ class LinearLayer_LoRA(nn.Module):
         """``lora_scaling * left.T @ right.T`` -- the (out, in) update the Hybrid Engine fuses."""
         return self.lora_scaling * torch.matmul(self.lora_left_weight.t(), self.lora_right_weight.t())
 
-    def _gather_all(self) -> ContextManager[Any]:
-        return _gathered([self.weight, self.bias, self.lora_left_weight, self.lora_right_weight])
-
     def _dequantize_base_for_good(self) -> None:
-        """Replace the 4-bit base by its dense dequantisation (needed to fuse and to save)."""
-        # The factors carry the compute dtype (convert casts them to the original weight dtype).
-        dense = _dequantize_4bit(self.weight).to(self.lora_left_weight.dtype)
-        self.weight = nn.Parameter(dense, requires_grad=False)
+        """Replace the 4-bit base by its dense dequantisation (what an explicit fuse needs)."""
+        self.weight = nn.Parameter(self.dense_weight(), requires_grad=False)
         self.quantize_base = None
         self.tag_weight_for_hybrid_engine()
 
+    def dense_weight(self) -> torch.Tensor:
+        """The base weight (out, in) as a dense tensor: dequantised from 4 bits into the compute dtype
+        (the LoRA factors' dtype; convert casts them to the original weight dtype) when it is stored
+        quantized, else the weight's own data (gather it first under ZeRO-3)."""
+        if self.is_quantized:
+            return _dequantize_4bit(self.weight).to(self.lora_left_weight.dtype)
+        return self.weight.data
+
+    def _fused_value(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight + lora_scaling * left.T @ right.T`` as a new tensor of ``weight``'s dtype, summed in
+        fp32 and rounded once (the factors must be readable: gathered under ZeRO-3)."""
+        delta = self.lora_scaling * torch.matmul(self.lora_left_weight.t().float(), self.lora_right_weight.t().float())
+        return (weight.float() + delta).to(weight.dtype)
+
     @torch.no_grad()
     def fuse_lora_weight(self) -> None:
-        """``W += lora_scaling * left.T @ right.T``; forward then skips the LoRA branch.
+        """Make the base weight ``W + lora_scaling * left.T @ right.T``; forward then skips the LoRA branch.
 
-        Gathers ZeRO-3 partitions first. A 4-bit base is dequantised (permanently) before fusing.
+        Exactly undone by :meth:`unfuse_lora_weight`: ``W``'s own values are never overwritten, so a
+        fuse / unfuse pair around every rollout leaves the frozen base weight bit-identical, in any
+        dtype. (Adding the delta in place and subtracting it again rounds twice: in bf16 one round trip
+        changed 1.4% of a 256 x 256 layer's entries, and with LoRA factors that change between rollouts,
+        as in training, 27% of a tiny actor's LoRA base weights had moved after five rollouts.) Two modes:
+
+        * **swap** (no ZeRO-3, or a ZeRO-3 weight held gathered by an open
+          ``deepspeed.zero.GatheredParameters``, as :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`
+          does): ``weight.data`` is pointed at a new tensor ``W + delta`` and the original tensor is
+          kept, to be put back. The cost is one extra weight per layer while fused. It is a swap, not
+          an in-place write, because on a single rank DeepSpeed's "gathered" ZeRO-3 tensor *is* the
+          partition (``_no_gather_coalesced``), so writes into it would outlive the gather. Under
+          ZeRO-3, unfuse inside the same gather.
+        * **partition** (a ZeRO-3 weight that is partitioned away): the fused weight must live in the
+          partition, since every forward re-gathers it from there. The partition (1/world of the
+          weight, the whole weight on one rank -- unavoidable: the fused and the original values must
+          both exist) is copied first, ``W + delta`` is written through a ``GatheredParameters`` with
+          ``modifier_rank=0``, and unfuse copies the saved partition back (no collective).
+
+        A 4-bit base is dequantised first, for good: unfuse restores the dense weight, not the 4-bit
+        one (a rollout leaves 4-bit layers unfused instead).
         """
-        if not self.fuse_lora:
-            if self.is_quantized:
-                self._dequantize_base_for_good()
-            with self._gather_all():
-                self.weight.data += self.lora_delta().to(self.weight.dtype)
+        if self.fuse_lora:
+            return
+        if self.is_quantized:
+            self._dequantize_base_for_good()
+        weight = self.weight
+        zero3 = hasattr(weight, "ds_id")
+        if zero3:
+            held = _in_zero3_gather(weight)
+            if held is None:  # no count of gather contexts: a gathered weight is taken to be held by one
+                held = _zero3_available(weight)
+        with _gathered_to_read([self.lora_left_weight, self.lora_right_weight]):
+            if not zero3 or held:
+                self._unfused = _Unfused(weight.data)
+                weight.data = self._fused_value(weight.data)
+            else:
+                self._unfused = _Unfused(None, self._save_partitions(weight))
+                import deepspeed
+
+                with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
+                    weight.data = self._fused_value(weight.data)
         self.fuse_lora = True
+
+    @staticmethod
+    def _save_partitions(weight: torch.Tensor) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
+        """Copies of everything DeepSpeed keeps of a partitioned ZeRO-3 ``weight``."""
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
+
+        part = weight.ds_tensor
+        if getattr(part, "final_location", None) == OffloadDeviceEnum.nvme:
+            raise UserError("cannot fuse LoRA into ZeRO-3 weights offloaded to NVMe (the partition is swapped "
+                            "out); keep the LoRA layers unfused, or offload parameters to the CPU instead")
+        secondary = getattr(weight, "ds_secondary_tensor", None)  # ZeRO++ hierarchical partition
+        if any(hasattr(t, "ds_quant_scale") for t in (part, secondary)):
+            # DeepSpeed would copy the fused floats into the int8 codes as they are.
+            raise UserError("cannot fuse LoRA into ZeRO++ quantized frozen weights (--enable_mixed_precision_lora) "
+                            "while they are partitioned; fuse inside deepspeed.zero.GatheredParameters, or keep "
+                            "the LoRA layers unfused")
+        return tuple((t, t.detach().clone()) for t in (part, secondary) if t is not None)
 
     @torch.no_grad()
     def unfuse_lora_weight(self) -> None:
-        """``W -= lora_scaling * left.T @ right.T`` (undo :meth:`fuse_lora_weight`)."""
-        if self.fuse_lora:
-            with self._gather_all():
-                self.weight.data -= self.lora_delta().to(self.weight.dtype)
+        """Put back the base weight :meth:`fuse_lora_weight` kept, bit for bit."""
+        if not self.fuse_lora:
+            return
+        weight, saved = self.weight, getattr(self, "_unfused", None)
+        if saved is None:
+            raise RuntimeError("unfuse_lora_weight: this layer is marked fused but holds no unfused weight "
+                               "(was fuse_lora set by hand?)")
+        if hasattr(weight, "ds_id"):
+            available = _zero3_available(weight)
+            if saved.weight is not None and not available:
+                raise RuntimeError("unfuse_lora_weight: the ZeRO-3 gather that held this weight at fuse_lora_weight "
+                                   "has ended; call fuse_lora_weight and unfuse_lora_weight inside the same "
+                                   "deepspeed.zero.GatheredParameters")
+            if saved.weight is None and available:
+                if _in_zero3_gather(weight):
+                    raise RuntimeError("unfuse_lora_weight: this weight was fused while partitioned and is now held "
+                                       "by a deepspeed.zero.GatheredParameters; unfuse outside that gather")
+                # Gathered since (a forward fetched it; small weights stay resident): drop the fused
+                # full copy, the next forward gathers the restored partitions.
+                weight.partition()
+        if saved.weight is not None:
+            weight.data = saved.weight
+        for tensor, copy in saved.partitions:
+            tensor.data.copy_(copy)
+        self._unfused = None
         self.fuse_lora = False
 
     def _base_weight(self, dtype: torch.dtype) -> torch.Tensor:
