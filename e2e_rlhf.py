@@ -53,6 +53,7 @@ UPSTREAM_REWARD_SIZES = ("350m",)
 TIMINGS_FILE = "e2e_timings.json"
 DEFAULT_HOSTFILE = "/job/hostfile"  # where the deepspeed launcher looks without --hostfile
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+REWARD_FILES = ("v_head.safetensors", "pytorch_model.bin")  # dschat's / upstream's step-2 output
 
 
 # -------------------------------------------------------------------------------------------------
@@ -239,8 +240,11 @@ def folder_problem(folder: Path, kind: str) -> str | None:
         return "it has no config.json"
     if not any((folder / name).is_file() for name in WEIGHT_FILES):
         return "it has no model weights (model.safetensors or pytorch_model.bin)"
-    if kind == "reward" and not (folder / "v_head.safetensors").is_file():
-        return "it has no v_head.safetensors (not a step-2 reward model)"
+    # A reward model is dschat's (v_head.safetensors beside the body) or upstream DeepSpeed-Chat's
+    # (pytorch_model.bin holding body and value head; step 3 checks its keys).
+    if kind == "reward" and not any((folder / name).is_file() for name in REWARD_FILES):
+        return ("it has neither v_head.safetensors (a dschat step-2 output) nor pytorch_model.bin (an upstream "
+                "DeepSpeed-Chat step-2 output): not a step-2 reward model")
     return None
 
 

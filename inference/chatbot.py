@@ -46,14 +46,14 @@ def resolve_chat_folder(path: str) -> str:
     Raises :class:`UserError` for a step-2 reward model and for anything that is not a causal LM.
     """
     from dschat.models.registry import resolve_model_path
-    from dschat.utils.model.reward_model import value_head_file
+    from dschat.utils.model.reward_model import is_reward_model_folder
 
     folder = Path(path).expanduser()
     if folder.is_dir() and not (folder / "config.json").exists() and (folder / "actor" / "config.json").exists():
         print(f"(using the step-3 actor in {folder / 'actor'})", flush=True)
         return str(folder / "actor")
     resolved = resolve_model_path(path)
-    if value_head_file(resolved).exists():
+    if Path(resolved).is_dir() and is_reward_model_folder(resolved):
         raise UserError(
             f"{path} is a step-2 reward model (it scores answers, it cannot write them); chat with a "
             "step-1 output or a step-3 actor folder (<step-3 output>/actor) instead"

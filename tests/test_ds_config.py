@@ -167,6 +167,27 @@ def test_world_size_defaults_to_env_without_process_group(monkeypatch):
     assert get_eval_ds_config(False, "fp32", micro_batch_size=2)["train_batch_size"] == 2
 
 
+def test_upstream_style_call_gets_upstream_placeholders(monkeypatch):
+    # Upstream's callers pass no batch size and overwrite the two keys afterwards (reference §4.6).
+    monkeypatch.setenv("WORLD_SIZE", "8")  # not used: the placeholders are literal, as upstream's dict
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    train = get_train_ds_config(False, "bf16", 3, True, 2)
+    evaluation = get_eval_ds_config(True, "fp16", 3)
+    for cfg in (train, evaluation):
+        assert (cfg["train_batch_size"], cfg["train_micro_batch_size_per_gpu"]) == (32, 4)
+        assert (ds_utils.GLOBAL_BATCH_SIZE, ds_utils.MICRO_BATCH_SIZE) == (32, 4)
+    # Everything else is what the computed call gives, and so is the result once the caller overwrites.
+    computed = get_train_ds_config(False, "bf16", 3, True, 2, micro_batch_size=2, gradient_accumulation_steps=4,
+                                   world_size=8)
+    train["train_micro_batch_size_per_gpu"] = 2
+    train["train_batch_size"] = 2 * 8 * 4
+    _assert_same_dict(train, computed)
+    with pytest.raises(TypeError, match="need micro_batch_size"):
+        get_train_ds_config(False, "fp32", gradient_accumulation_steps=2)
+    with pytest.raises(TypeError, match="need micro_batch_size"):
+        get_eval_ds_config(False, "fp32", world_size=2)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(dtype="fp8", micro_batch_size=1), "unknown dtype"),
     (dict(dtype="fp32", micro_batch_size=0), "micro_batch_size"),

@@ -112,21 +112,20 @@ def _check_folder(path: str | Path, what: str) -> Path:
 
 
 def _check_actor_folder(path: str | Path) -> Path:
-    from dschat.utils.model.reward_model import value_head_file
+    from dschat.utils.model.reward_model import is_reward_model_folder
 
     folder = _check_folder(path, "actor folder")
-    if value_head_file(folder).exists():
+    if is_reward_model_folder(folder):
         raise UserError(f"{folder} is a step-2 reward model, not an actor; pass a step-1 or step-3 actor folder")
     return folder
 
 
 def _check_reward_folder(path: str | Path) -> Path:
-    from dschat.utils.model.reward_model import value_head_file
+    from dschat.utils.model.reward_model import is_reward_model_folder, not_a_critic_message
 
     folder = _check_folder(path, "reward-model folder")
-    if not value_head_file(folder).exists():
-        raise UserError(f"reward-model folder {folder} is not a step-2 reward model output (no "
-                        f"{value_head_file(folder).name}); pass the --output_dir of step 2")
+    if not is_reward_model_folder(folder):
+        raise UserError(not_a_critic_message(str(folder), "--reward"))
     return folder
 
 

@@ -2,7 +2,11 @@
 
 Upstream (``load_hf_tokenizer``) re-reads the tokenizer named in ``config.json['_name_or_path']``
 because its checkpoints did not save tokenizer files (DSE #460, #467). We save full tokenizer
-folders, so a folder is loaded as it is.
+folders, so a folder is loaded as it is. A folder without ``tokenizer.json`` and
+``tokenizer_config.json`` -- an upstream output, which holds bare vocabulary files
+(``save_vocabulary``) -- is loaded upstream's way, from its ``_name_or_path``: the bare files
+would give the tokenizer class's default special tokens (``<|endoftext|>`` and no BOS for OPT's
+GPT-2 vocabulary, where the model uses ``</s>``).
 
 Pad policy. Upstream sets ``pad = eos`` and then derives masks with ``ids != pad``, which makes
 every EOS (and OPT's BOS, which is the same id) invisible: the SFT model never learns to stop and
@@ -13,10 +17,76 @@ lengths (step 3). So ``pad == eos`` is harmless, and token ids match upstream's.
 """
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, Sequence
 
 from dschat.errors import UserError
 from dschat.models.registry import custom_code_error, resolve_model_path
+
+# Either makes a folder's tokenizer complete (special tokens included); without both, a folder
+# holds at most bare vocabulary files.
+FULL_TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json")
+_MAX_REDIRECTS = 8  # a step-3 actor names its step-1 folder, which names the base model, ...
+
+
+def _name_or_path_of(path: str) -> str | None:
+    """The ``_name_or_path`` of a local folder that has no full tokenizer files, else None."""
+    folder = Path(path)
+    if not folder.is_dir() or any((folder / name).is_file() for name in FULL_TOKENIZER_FILES):
+        return None
+    try:
+        name = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(name, str) or not name.strip():
+        return None
+    if Path(name).expanduser().exists() and Path(name).expanduser().resolve() == folder.resolve():
+        return None  # names itself: nothing else to load
+    return name.strip()
+
+
+def _first_line(err: Exception) -> str:
+    return str(err).splitlines()[0] if str(err) else ""
+
+
+def _copy_files_error(folder: str, original: str, why: str) -> UserError:
+    return UserError(
+        f"{folder} has no tokenizer.json or tokenizer_config.json (an upstream DeepSpeed-Chat output saves "
+        f"only the vocabulary), and the tokenizer its config.json names in _name_or_path, {original!r}, cannot "
+        f"be loaded ({why}); copy the original model's tokenizer files (tokenizer.json, tokenizer_config.json, "
+        f"special_tokens_map.json) into {folder}"
+    )
+
+
+def _tokenizer_source(resolved: str) -> str:
+    """The folder or hub id to load the tokenizer from: ``resolved`` itself, or, for an upstream
+    output without tokenizer files, the model its ``_name_or_path`` names (followed as far as it
+    leads: a step-3 actor names its step-1 folder, which names the base model)."""
+    from dschat.models.registry import TOKENIZER_FILES
+    from dschat.utils.dist import print_rank_0
+
+    path = resolved
+    seen = {str(Path(path).resolve())}
+    while (original := _name_or_path_of(path)) is not None:
+        try:
+            target = resolve_model_path(original)
+        except UserError as err:
+            raise _copy_files_error(path, original, str(err)) from None
+        if str(Path(target).resolve()) in seen or len(seen) > _MAX_REDIRECTS:
+            raise _copy_files_error(path, original, "its _name_or_path entries lead in a circle or through more than "
+                                    f"{_MAX_REDIRECTS} folders")
+        print_rank_0(f"{path} has no tokenizer files (an upstream DeepSpeed-Chat output): loading the tokenizer "
+                     f"of {original}, named by its config.json _name_or_path")
+        seen.add(str(Path(target).resolve()))
+        path = target
+    folder = Path(path)
+    if (folder.is_dir() and not any((folder / name).is_file() for name in FULL_TOKENIZER_FILES)
+            and any((folder / name).is_file() for name in TOKENIZER_FILES)):
+        print_rank_0(f"warning: {path} has only vocabulary files (no tokenizer.json or tokenizer_config.json): "
+                     "its special tokens are the tokenizer class's defaults, which may not be the model's; copy "
+                     "the original tokenizer files into it if they differ")
+    return path
 
 
 def load_hf_tokenizer(
@@ -27,7 +97,8 @@ def load_hf_tokenizer(
     """Load a right-padded tokenizer for ``model_name_or_path`` (folder, hub id or short name)."""
     from transformers import AutoTokenizer
 
-    path = resolve_model_path(model_name_or_path)
+    resolved = resolve_model_path(model_name_or_path)
+    path = _tokenizer_source(resolved)
     try:
         # trust_remote_code=False: never run a tokenizer's own code (transformers' default asks on stdin).
         tokenizer = AutoTokenizer.from_pretrained(path, use_fast=fast_tokenizer, trust_remote_code=False)
@@ -35,9 +106,11 @@ def load_hf_tokenizer(
         refused = custom_code_error(model_name_or_path, err)
         if refused is not None:
             raise refused from None
+        if path != resolved:
+            raise _copy_files_error(resolved, path, f"{type(err).__name__}: {_first_line(err)}") from err
         raise UserError(
             f"cannot load a tokenizer from {model_name_or_path!r} ({type(err).__name__}: "
-            f"{str(err).splitlines()[0] if str(err) else ''}); pass a folder with tokenizer files "
+            f"{_first_line(err)}); pass a folder with tokenizer files "
             "(tokenizer.json or tokenizer_config.json)"
         ) from err
     if tokenizer.pad_token is None:

@@ -4,7 +4,10 @@ Dict contents and key order follow upstream's ``dschat/utils/ds_utils.py`` exact
 §4.6), with two differences:
 
 * the batch keys are computed here, once, from ``micro_batch_size``, ``gradient_accumulation_steps``
-  and the world size; upstream returned placeholders (32 / 4) that its callers overwrote six times;
+  and the world size; upstream returned placeholders (32 / 4) that its callers overwrote six times.
+  Code written against upstream may still leave ``micro_batch_size`` out and set both keys
+  afterwards: it then gets upstream's placeholders exactly (``GLOBAL_BATCH_SIZE`` /
+  ``MICRO_BATCH_SIZE``);
 * ``dtype="fp32"`` is accepted and emits no fp16/bf16 block (upstream raised ``NameError``).
 
 Callers pick the dtype with :func:`resolve_dtype` first (fp16 is not available on a CPU
@@ -35,8 +38,8 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# Upstream's module constants, kept for import compatibility only: the builders below never use
-# them, because the batch keys are always computed from the caller's arguments.
+# Upstream's module constants: the batch keys the builders emit when the caller leaves
+# ``micro_batch_size`` out (upstream's callers always overwrote them afterwards).
 GLOBAL_BATCH_SIZE = 32
 MICRO_BATCH_SIZE = 4
 
@@ -119,9 +122,18 @@ def check_param_offload(flag: str, stage: int, stage_flag: str) -> None:
         )
 
 
-def _batch_keys(micro_batch_size: int, gradient_accumulation_steps: int,
+def _batch_keys(micro_batch_size: Optional[int], gradient_accumulation_steps: int,
                 world_size: Optional[int]) -> Dict[str, int]:
-    """``train_batch_size = micro * world * GA`` -- the one place it is computed."""
+    """``train_batch_size = micro * world * GA`` -- the one place it is computed.
+
+    ``micro_batch_size=None`` (an upstream-style call) gives upstream's literal placeholders, which
+    such a caller overwrites; asking for accumulation or a world size without it is a mistake.
+    """
+    if micro_batch_size is None:
+        if gradient_accumulation_steps != 1 or world_size is not None:
+            raise TypeError("gradient_accumulation_steps and world_size need micro_batch_size: the batch keys "
+                            "are computed from all three")
+        return {"train_batch_size": GLOBAL_BATCH_SIZE, "train_micro_batch_size_per_gpu": MICRO_BATCH_SIZE}
     if world_size is None:
         world_size = get_world_size()
     for name, value in (("micro_batch_size", micro_batch_size),
@@ -149,19 +161,22 @@ def get_train_ds_config(offload: bool,
                         tb_path: str = "",
                         tb_name: str = "",
                         *,
-                        micro_batch_size: int,
+                        micro_batch_size: Optional[int] = None,
                         gradient_accumulation_steps: int = 1,
                         world_size: Optional[int] = None,
                         gradient_clipping: float = 1.0) -> Dict[str, Any]:
     """DeepSpeed config for a trained engine (SFT / RM / DPO model, PPO actor and critic).
 
-    Positional arguments are upstream's. ``world_size=None`` means the initialised process group's
-    size, else ``$WORLD_SIZE``, else 1. With ``enable_mixed_precision_lora`` (ZeRO++ quantised
-    frozen weights) and a world size different from the node's device count, the hierarchical
-    partition size is set to the device count, as upstream does.
+    Positional arguments are upstream's. ``train_batch_size = micro_batch_size * world_size *
+    gradient_accumulation_steps``; ``world_size=None`` means the initialised process group's size,
+    else ``$WORLD_SIZE``, else 1. Without ``micro_batch_size`` (upstream's call) the batch keys are
+    upstream's placeholders, 32 and 4, for the caller to overwrite. With
+    ``enable_mixed_precision_lora`` (ZeRO++ quantised frozen weights) and a world size different
+    from the node's device count, the hierarchical partition size is set to the device count, as
+    upstream does.
     """
-    world_size = get_world_size() if world_size is None else world_size
     batch = _batch_keys(micro_batch_size, gradient_accumulation_steps, world_size)
+    world_size = get_world_size() if world_size is None else world_size
     device = "cpu" if offload else "none"
     zero_opt_dict: Dict[str, Any] = {
         "stage": stage,
@@ -206,13 +221,14 @@ def get_eval_ds_config(offload: bool,
                        dtype: str,
                        stage: int = 0,
                        *,
-                       micro_batch_size: int,
+                       micro_batch_size: Optional[int] = None,
                        gradient_accumulation_steps: int = 1,
                        world_size: Optional[int] = None) -> Dict[str, Any]:
     """DeepSpeed config for a frozen engine (PPO reference, EMA, reward model).
 
     No optimizer, hybrid-engine or tensorboard block; the batch keys still matter because
-    DeepSpeed validates them at ``initialize`` time.
+    DeepSpeed validates them at ``initialize`` time (computed as in :func:`get_train_ds_config`,
+    upstream's placeholders without ``micro_batch_size``).
     """
     batch = _batch_keys(micro_batch_size, gradient_accumulation_steps, world_size)
     device = "cpu" if offload else "none"

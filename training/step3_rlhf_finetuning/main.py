@@ -69,19 +69,20 @@ class Step3Result:
 
 
 def check_paths(args: argparse.Namespace) -> None:
-    """Bad model, data and output paths fail here, before anything is loaded or written."""
+    """Bad model, data and output paths fail here, before anything is loaded or written. The critic
+    folder may be dschat's step-2 output (``v_head.safetensors``) or upstream DeepSpeed-Chat's
+    (``pytorch_model.bin`` with the value head inside; its keys are checked, memory-mapped)."""
     from dschat.models.registry import resolve_model_path
     from dschat.training import common
-    from dschat.utils.model.reward_model import value_head_file
+    from dschat.utils.model.reward_model import check_upstream_critic, critic_format, not_a_critic_message
 
     common.check_paths(args, ("actor_model_name_or_path",))
     critic = resolve_model_path(args.critic_model_name_or_path)
-    if not value_head_file(critic).exists():
-        raise UserError(
-            f"--critic_model_name_or_path {args.critic_model_name_or_path!r} is not a step-2 reward model "
-            f"output (no {value_head_file(critic).name}); pass the --output_dir of "
-            "training/step2_reward_model_finetuning/main.py"
-        )
+    fmt = critic_format(critic)
+    if fmt is None:
+        raise UserError(not_a_critic_message(args.critic_model_name_or_path, "--critic_model_name_or_path"))
+    if fmt == "upstream":
+        check_upstream_critic(critic)
     common.check_output_paths(args)
 
 

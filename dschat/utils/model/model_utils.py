@@ -3,15 +3,18 @@
 Differences from upstream (each fixes a reported problem):
 - ``model.config.pad_token_id`` is the tokenizer's pad id (upstream forced eos, DSE #719).
 - The vocabulary is padded up to a multiple of 8 but never shrunk below the checkpoint's size.
-- A step-3 critic/reward path must be a step-2 output: missing or unexpected keys fail loudly
-  (upstream's loader swallowed them, so a wrong path trained a random critic, bug §10.7).
+- A step-3 critic/reward path must be a step-2 output -- dschat's (safetensors body +
+  ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): missing
+  or unexpected keys fail loudly (upstream's loader swallowed them, so a wrong path trained a
+  random critic, bug §10.7).
 """
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -98,45 +101,83 @@ def create_critic_model(
 
     ``rlhf_training=False`` (step 2): the body comes from any causal-LM or base-model folder and the
     value head is fresh. ``rlhf_training=True`` (step 3, ``rw_eval.py``): the folder must be a step-2
-    output; body and value head are loaded with strict key checking.
+    output, in dschat's format (body folder + ``v_head.safetensors``) or upstream DeepSpeed-Chat's
+    (``pytorch_model.bin`` with ``rwtransformer.*`` and ``v_head.weight``); body and value head are
+    loaded with strict key checking in both. ``zero_stage`` is upstream's argument; the ZeRO-3
+    build follows ``ds_config``.
     """
     from transformers import AutoModel
 
-    from dschat.utils.model.reward_model import RewardModel, load_value_head, value_head_file
+    from dschat.utils.model.reward_model import (
+        RewardModel,
+        copy_value_head,
+        critic_format,
+        load_upstream_state,
+        load_value_head,
+        not_a_critic_message,
+        split_upstream_state,
+    )
 
     path = resolve_model_path(model_name_or_path)
     start = time.time()
-    if rlhf_training:
-        if not value_head_file(path).exists():
-            raise UserError(
-                f"critic/reward path {model_name_or_path!r} is not a step-2 reward model output "
-                f"(no {value_head_file(path).name}); pass the --output_dir of "
-                "training/step2_reward_model_finetuning/main.py"
-            )
+    fmt = critic_format(path) if rlhf_training else None
+    if rlhf_training and fmt is None:
+        raise UserError(not_a_critic_message(model_name_or_path))
+    head = None
+    if fmt == "upstream":
+        body_state, head = split_upstream_state(load_upstream_state(path), path)
+        base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, state_dict=body_state)
+        del body_state
+    elif fmt == "dschat":
         base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout)
     else:
         base = create_hf_model(AutoModel, path, tokenizer, ds_config, False, dropout)
     critic = RewardModel(base, tokenizer, num_padding_at_beginning, compute_fp32_loss)
-    if rlhf_training:
+    if fmt == "dschat":
         load_value_head(critic, path)
+    elif fmt == "upstream":
+        copy_value_head(critic, head, path)
     print(f">Creating critic model from {model_name_or_path} took {time.time() - start:.2f} seconds")
     return critic
 
 
 def _load_base_strict(
-    model_class: Any, path: str, tokenizer: Any, ds_config: dict | None, dropout: float | None
+    model_class: Any,
+    path: str,
+    tokenizer: Any,
+    ds_config: dict | None,
+    dropout: float | None,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> nn.Module:
-    """``from_pretrained`` that refuses missing / unexpected / mismatched keys."""
+    """``from_pretrained`` that refuses missing / unexpected / mismatched keys.
+
+    With ``state_dict`` (an upstream critic's body, prefix stripped) the weights come from it and
+    only ``config.json`` from ``path``; its keys are checked on every rank before anything is
+    loaded (:func:`_check_body_state`), because under ZeRO-3 transformers reports neither
+    unexpected keys nor, except on rank 0, shape mismatches.
+    """
     model_config = load_config(path)
     configure_dropout(model_config, dropout)
+    if state_dict is not None:
+        from transformers import MODEL_MAPPING
+
+        # transformers takes a state dict only without a model path, so the concrete class is needed.
+        model_class = MODEL_MAPPING[type(model_config)]
+        state_dict = _check_body_state(model_class, model_config, state_dict, path)
     dschf = None
     if _is_zero3(ds_config):
         from transformers.integrations import HfDeepSpeedConfig
 
         dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
-    model, info = model_class.from_pretrained(
-        path, config=model_config, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
-    )
+    if state_dict is None:
+        model, info = model_class.from_pretrained(
+            path, config=model_config, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
+        )
+    else:
+        model, info = model_class.from_pretrained(
+            None, config=model_config, state_dict=state_dict, dtype=torch.float32, output_loading_info=True,
+            trust_remote_code=False,
+        )
     problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
     if problems or info.get("error_msgs"):
         detail = "; ".join(f"{k}: {', '.join(map(str, v[:5]))}{' ...' if len(v) > 5 else ''}" for k, v in problems.items())
@@ -150,6 +191,120 @@ def _load_base_strict(
         model.resize_token_embeddings(padded_vocab_size(model.config.vocab_size, len(tokenizer)))
     del dschf  # kept alive through the resize: transformers gathers ZeRO-3 embeddings only then
     return model
+
+
+def _check_body_state(
+    model_class: Any, model_config: Any, state_dict: dict[str, torch.Tensor], path: str
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` minus the keys transformers itself ignores; a :class:`UserError` for any
+    missing, unexpected or wrongly shaped key.
+
+    The expected keys and shapes come from the model built on the meta device (no memory, same
+    answer on every rank). Ignored as transformers ignores them: the model's
+    ``_keys_to_ignore_on_load_unexpected`` / ``_on_load_missing`` patterns, and the buffers older
+    transformers saved (``rotary_emb.inv_freq``, ``position_ids``) that are no longer persistent.
+    """
+    with torch.device("meta"):
+        reference = model_class(model_config)
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    ignore_unexpected = set(reference._keys_to_ignore_on_load_unexpected or ()) | {
+        r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
+    ignore_missing = set(reference._keys_to_ignore_on_load_missing or ())
+    tied = set(getattr(reference, "all_tied_weights_keys", None) or ())
+    del reference
+
+    def matches(key: str, patterns: set[str]) -> bool:
+        return any(re.search(p, key) for p in patterns)
+
+    state = {k: v for k, v in state_dict.items() if k in expected or not matches(k, ignore_unexpected)}
+    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(k for k in set(expected) - set(state) if k not in tied and not matches(k, ignore_missing))
+    mismatched = sorted(f"{k} {tuple(state[k].shape)} vs {expected[k]}" for k in set(state) & set(expected)
+                        if tuple(state[k].shape) != expected[k])
+    problems = [f"{name}: {first_keys(keys)}" for name, keys in
+                (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched)) if keys]
+    if problems:
+        raise UserError(
+            f"{Path(path) / 'pytorch_model.bin'} does not match the {model_config.model_type} model its config.json "
+            f"describes (rwtransformer.* keys {'; '.join(problems)}); pass the step-2 output folder this run "
+            "should continue from"
+        )
+    return state
+
+
+def first_keys(keys: list[str], n: int = 5) -> str:
+    """The first ``n`` keys for an error line, and how many there are in all."""
+    return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+class LoadReport(NamedTuple):
+    """What :func:`load_state_dict_into_model` found (all empty after a clean load)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    error_msgs: list[str]  # shape mismatches
+
+
+def load_state_dict_into_model(
+    model_to_load: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    start_prefix: str = "",
+    zero_stage: int = 0,
+    *,
+    strict: bool = True,
+) -> LoadReport:
+    """Upstream's ZeRO-3-aware loader (``dschat.utils.utils.load_state_dict_into_model``), made strict.
+
+    The state dict's keys are ``start_prefix`` + the model's ``state_dict()`` keys. Under ZeRO-3
+    (``zero_stage == 3``, or parameters that are already partitioned) each module's own
+    parameters are gathered with ``GatheredParameters(modifier_rank=0)`` and loaded on rank 0, one
+    module at a time, as upstream does (DSE #675); buffers, which ZeRO-3 does not partition, are
+    loaded on every rank. Missing, unexpected and wrongly shaped keys are found on every rank before
+    anything is loaded: with ``strict`` (the default) they raise one :class:`UserError` and nothing
+    is loaded; with ``strict=False`` the matching keys are loaded and the rest is returned.
+    Upstream ignored them all (its bug §10.7: a wrong critic path trained a random critic).
+    """
+    expected = {start_prefix + k: tuple(getattr(v, "ds_shape", v.shape))
+                for k, v in model_to_load.state_dict(keep_vars=True).items()}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong = sorted(k for k in set(state_dict) & set(expected) if tuple(state_dict[k].shape) != expected[k])
+    report = LoadReport(missing, unexpected,
+                        [f"size mismatch for {k}: {tuple(state_dict[k].shape)} in the checkpoint, "
+                         f"{expected[k]} in the model" for k in wrong])
+    if strict and (missing or unexpected or wrong):
+        problems = [f"{name}: {first_keys(keys)}" for name, keys in
+                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+        raise UserError(
+            f"state dict does not match {type(model_to_load).__name__} ({'; '.join(problems)}); "
+            "pass the checkpoint that belongs to this model"
+        )
+    loadable = {k: v for k, v in state_dict.items() if k in expected and k not in wrong}
+    partitioned = zero_stage == 3 or any(hasattr(p, "ds_id") for p in model_to_load.parameters())
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def load(module: nn.Module, prefix: str) -> None:
+        params = [p for name, p in module.named_parameters(prefix=prefix[:-1], recurse=False) if name in loadable]
+        buffers = [b for name, b in module.named_buffers(prefix=prefix[:-1], recurse=False) if name in loadable]
+        if params or buffers:
+            # strict=False here: keys of other modules are in the dict, and the checks above are ours.
+            args = (loadable, prefix, {}, False, [], [], [])
+            if partitioned and params:
+                import deepspeed
+
+                # Every rank gathers; rank 0's values are broadcast when the context exits. Other
+                # ranks load too only when the module has buffers (kept whole on every rank).
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                    if rank == 0 or buffers:
+                        module._load_from_state_dict(*args)
+            else:
+                module._load_from_state_dict(*args)
+        for name, child in module._modules.items():
+            if child is not None:
+                load(child, prefix + name + ".")
+
+    load(model_to_load, start_prefix)
+    return report
 
 
 def causal_lm_model_to_fp32_loss(model: nn.Module) -> None:

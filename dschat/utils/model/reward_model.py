@@ -10,9 +10,15 @@ mask, so an EOS that shares the pad id is still part of the sequence and is the 
 (upstream bug §10.10: its step-2 RM scored the token before EOS only when EOS != pad). Upstream's
 pad rule -- with ``num_padding_at_beginning`` in its upstream meaning -- is used only when no
 attention mask is passed.
+
+Two folder formats are read (``critic_format``): dschat's (a Hugging Face body folder plus
+``v_head.safetensors``, what step 2 writes) and upstream DeepSpeed-Chat's (one
+``pytorch_model.bin`` holding the whole RewardModel state dict: ``rwtransformer.*`` body keys and
+``v_head.weight``, LoRA fused).
 """
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -20,14 +26,101 @@ import torch
 from torch import nn
 
 from dschat import rl_math
+from dschat.errors import UserError
 from dschat.models.families import value_head_dim
 
 VALUE_HEAD_FILE = "v_head.safetensors"
 VALUE_HEAD_KEY = "v_head.weight"
+# Upstream's step-2 output: torch.save(RewardModel.state_dict()) (save_hf_format, reference §4.7).
+UPSTREAM_WEIGHTS_FILE = "pytorch_model.bin"
+BODY_PREFIX = "rwtransformer."
 
 
 def value_head_file(folder: str | Path) -> Path:
     return Path(folder) / VALUE_HEAD_FILE
+
+
+def critic_format(folder: str | Path) -> str | None:
+    """``"dschat"`` (``v_head.safetensors`` beside the body), ``"upstream"`` (DeepSpeed-Chat's
+    ``pytorch_model.bin`` with the value head inside) or None (not a step-2 output)."""
+    if value_head_file(folder).is_file():
+        return "dschat"
+    if (Path(folder) / UPSTREAM_WEIGHTS_FILE).is_file():
+        return "upstream"
+    return None
+
+
+def not_a_critic_message(name: str, flag: str | None = None) -> str:
+    """The one line for a folder that holds neither format."""
+    what = f"{flag} {name!r}" if flag else f"critic/reward path {name!r}"
+    return (
+        f"{what} is not a step-2 reward model output: it has neither {VALUE_HEAD_FILE} (a dschat step-2 "
+        f"output) nor {UPSTREAM_WEIGHTS_FILE} (an upstream DeepSpeed-Chat step-2 output); pass the "
+        "--output_dir of training/step2_reward_model_finetuning/main.py"
+    )
+
+
+def load_upstream_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """``pytorch_model.bin`` of an upstream step-2 folder, tensors only (``weights_only=True``).
+
+    Memory-mapped when the file is in torch's zip format (every torch >= 1.6 save), so reading
+    it on each rank, or only for its keys, costs little.
+    """
+    file = Path(folder) / UPSTREAM_WEIGHTS_FILE
+    mmap = zipfile.is_zipfile(file)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # noqa: BLE001 - a pickle with objects other than tensors, a damaged file
+        reason = str(err).splitlines()[0] if str(err) else ""
+        raise UserError(
+            f"cannot read {file} as a tensor state dict ({type(err).__name__}: {reason}); "
+            "pass an upstream DeepSpeed-Chat step-2 output (torch.save of the reward model's state_dict)"
+        ) from err
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{file} is not a state dict of tensors; pass an upstream DeepSpeed-Chat step-2 output")
+    return state
+
+
+def split_upstream_state(
+    state: dict[str, torch.Tensor], where: str | Path
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``rwtransformer.*`` keys (prefix stripped) and ``v_head.weight`` of an upstream state dict.
+
+    Every key must be one of the two; anything else (a step-1 causal LM's ``model.*`` /
+    ``lm_head.weight``, left-over LoRA factors) is a :class:`UserError` naming the keys.
+    """
+    from dschat.utils.model.model_utils import first_keys
+
+    stray = sorted(k for k in state if k != VALUE_HEAD_KEY and not k.startswith(BODY_PREFIX))
+    if stray or VALUE_HEAD_KEY not in state:
+        problem = (f"keys that are neither {VALUE_HEAD_KEY} nor {BODY_PREFIX}*: {first_keys(stray)}" if stray
+                   else f"no {VALUE_HEAD_KEY}")
+        hint = " (a step-1 causal LM, not a reward model?)" if "lm_head.weight" in state else ""
+        raise UserError(
+            f"{Path(where) / UPSTREAM_WEIGHTS_FILE} is not an upstream step-2 reward model{hint}: it has {problem}; "
+            "pass the --output_dir of upstream's or dschat's step 2"
+        )
+    body = {k[len(BODY_PREFIX):]: v for k, v in state.items() if k.startswith(BODY_PREFIX)}
+    return body, state[VALUE_HEAD_KEY]
+
+
+def is_reward_model_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` is a step-2 output, dschat's or upstream's. An upstream step-1 folder has a
+    ``pytorch_model.bin`` too: its keys (memory-mapped) tell the two apart."""
+    fmt = critic_format(folder)
+    if fmt != "upstream":
+        return fmt == "dschat"
+    from dschat.errors import UserError
+
+    try:
+        return VALUE_HEAD_KEY in load_upstream_state(folder)
+    except UserError:
+        return False
+
+
+def check_upstream_critic(folder: str | Path) -> None:
+    """Cheap check of an upstream-format critic folder (keys only, the file memory-mapped)."""
+    split_upstream_state(load_upstream_state(folder), folder)
 
 
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -164,10 +257,8 @@ class RewardModel(nn.Module):
 
 
 def load_value_head(model: RewardModel, folder: str | Path) -> None:
-    """Load ``v_head.weight`` from a step-2 folder, refusing any other key or shape."""
+    """Load ``v_head.weight`` from a dschat step-2 folder, refusing any other key or shape."""
     from safetensors.torch import load_file
-
-    from dschat.errors import UserError
 
     state = load_file(str(value_head_file(folder)))
     if set(state) != {VALUE_HEAD_KEY}:
@@ -175,7 +266,11 @@ def load_value_head(model: RewardModel, folder: str | Path) -> None:
             f"{value_head_file(folder)} holds keys {sorted(state)}, expected ['{VALUE_HEAD_KEY}']; "
             "pass a folder written by step 2"
         )
-    weight = state[VALUE_HEAD_KEY]
+    copy_value_head(model, state[VALUE_HEAD_KEY], folder)
+
+
+def copy_value_head(model: RewardModel, weight: torch.Tensor, folder: str | Path) -> None:
+    """Copy a saved ``v_head.weight`` into ``model`` (a plain, not yet partitioned, Linear)."""
     if tuple(weight.shape) != tuple(model.v_head.weight.shape):
         raise UserError(
             f"value head in {folder} has shape {tuple(weight.shape)}, the model needs "

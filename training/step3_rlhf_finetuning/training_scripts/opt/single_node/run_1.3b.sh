@@ -14,9 +14,10 @@
 # EMA on.
 #
 # Upstream defaulted $1 / $2 to its public checkpoints AdamG012/chat-opt-1.3b-sft-deepspeed and
-# AdamG012/chat-opt-350m-reward-deepspeed. They are in upstream's format (no tokenizer files,
-# the value head inside pytorch_model.bin), which dschat's step 3 refuses, so here both paths
-# are required: pass your step-1 and step-2 output folders.
+# AdamG012/chat-opt-350m-reward-deepspeed on the hub. dschat reads upstream's folder format, but
+# a critic must be a local folder (no hub download), so here both paths are required: pass your
+# step-1 and step-2 output folders, or local copies of those two checkpoints (huggingface-cli
+# download <id> --local-dir DIR).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
