@@ -214,25 +214,16 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
         desc="Running tokenizer on dataset",
     )
     block_size = args.max_prompt_seq_len + args.max_answer_seq_len
-    lm_datasets = tokenized_datasets.map(
-        _group_texts,
-        batched=True,
-        num_proc=num_proc,
-        fn_kwargs={"block_size": block_size, "keep_short": False},
-        load_from_cache_file=True,
-        desc=f"Grouping texts in chunks of {block_size}",
-    )
+
+    def group(keep_short: bool, desc: str, **map_kwargs: Any) -> Any:
+        return tokenized_datasets.map(_group_texts, batched=True, load_from_cache_file=True, desc=desc,
+                                      fn_kwargs={"block_size": block_size, "keep_short": keep_short}, **map_kwargs)
+
+    lm_datasets = group(False, f"Grouping texts in chunks of {block_size}", num_proc=num_proc)
     if len(lm_datasets["train"]) == 0:
         # No batch of 1000 texts filled a block: group the whole split as one batch (one process,
         # so one remainder at most), keeping it as one shorter block if that is all there is.
-        lm_datasets = tokenized_datasets.map(
-            _group_texts,
-            batched=True,
-            batch_size=None,
-            fn_kwargs={"block_size": block_size, "keep_short": True},
-            load_from_cache_file=True,
-            desc=f"Grouping all texts in chunks of {block_size}",
-        )
+        lm_datasets = group(True, f"Grouping all texts in chunks of {block_size}", batch_size=None)
     if len(lm_datasets["train"]) == 0:
         raise UserError(f"unsupervised dataset {name!r} gives no tokens; give it some text")
     return lm_datasets["train"]
