@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
 from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
+from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
 from dschat.recipes import Recipe, get_recipe  # noqa: E402
 from dschat.utils.fs import check_writable_dir  # noqa: E402
 
@@ -53,7 +54,7 @@ UPSTREAM_REWARD_SIZES = ("350m",)
 TIMINGS_FILE = "e2e_timings.json"
 DEFAULT_HOSTFILE = "/job/hostfile"  # where the deepspeed launcher looks without --hostfile
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
-REWARD_FILES = ("v_head.safetensors", "pytorch_model.bin")  # dschat's / upstream's step-2 output
+REWARD_FILES = (VALUE_HEAD_FILE, UPSTREAM_WEIGHTS_FILE)  # dschat's / upstream's step-2 output
 
 
 # -------------------------------------------------------------------------------------------------
@@ -243,8 +244,8 @@ def folder_problem(folder: Path, kind: str) -> str | None:
     # A reward model is dschat's (v_head.safetensors beside the body) or upstream DeepSpeed-Chat's
     # (pytorch_model.bin holding body and value head; step 3 checks its keys).
     if kind == "reward" and not any((folder / name).is_file() for name in REWARD_FILES):
-        return ("it has neither v_head.safetensors (a dschat step-2 output) nor pytorch_model.bin (an upstream "
-                "DeepSpeed-Chat step-2 output): not a step-2 reward model")
+        return (f"it has neither {VALUE_HEAD_FILE} (a dschat step-2 output) nor {UPSTREAM_WEIGHTS_FILE} (an "
+                "upstream DeepSpeed-Chat step-2 output): not a step-2 reward model")
     return None
 
 

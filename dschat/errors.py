@@ -22,6 +22,12 @@ class UserError(Exception):
         super().__init__(" ".join(str(message).split()))
 
 
+def first_line(err: BaseException) -> str:
+    """The first line of ``err``'s message ("" when it has none), for an error line that quotes it."""
+    text = str(err)
+    return text.splitlines()[0] if text else ""
+
+
 def debug_requested(argv: Sequence[str] | None = None) -> bool:
     argv = sys.argv[1:] if argv is None else argv
     return "--debug" in argv or os.environ.get("DSCHAT_DEBUG", "") not in ("", "0")

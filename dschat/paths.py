@@ -8,6 +8,11 @@ from pathlib import Path
 # Step 3 writes it in --output_dir, one JSON line per PPO iteration (docs/metrics.md); the e2e report
 # reads it.
 METRICS_FILE = "metrics.jsonl"
+# A step-2 output: dschat writes its reward model's value head beside the body; upstream
+# DeepSpeed-Chat wrote the whole reward model (body and head) into one pickle. Step 3, e2e and the
+# report read both.
+VALUE_HEAD_FILE = "v_head.safetensors"
+UPSTREAM_WEIGHTS_FILE = "pytorch_model.bin"
 
 
 def cache_dir() -> Path:

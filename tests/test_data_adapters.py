@@ -204,7 +204,7 @@ def test_dispatch_order_and_names():
     assert rd.match_adapter("dschat/builtin") is rd.BuiltinDataset
     assert rd.match_adapter("nope/nothing") is None
     hub = rd.resolve_dataset("stanfordnlp/SHP")
-    assert (hub.name, hub.adapter, hub.files, hub.hub) == ("stanfordnlp/SHP", rd.StanfordnlpSHPDataset, (), True)
+    assert (hub.name, hub.adapter, hub.files) == ("stanfordnlp/SHP", rd.StanfordnlpSHPDataset, ())
     # Keyed by name only (as upstream): a cache hit needs no hub load (see test_data_prompt_dataset).
     assert hub.fingerprint() == {"name": "stanfordnlp/SHP", "adapter": "StanfordnlpSHPDataset", "content_sha256": None}
 

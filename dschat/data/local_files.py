@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 
 #: Suffixes of preference-data files (prompt / chosen / rejected columns).
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".parquet")
@@ -229,7 +229,7 @@ def records_to_dataset(records: list[dict], columns: Sequence[str] | None = None
     except (TypeError, ValueError, pa.ArrowException) as err:
         if source is None:
             raise
-        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        first = first_line(err) or type(err).__name__
         raise UserError(
             f"cannot combine the rows of {source} into one table ({first}); give every row the same "
             "fields, each with one type in every row"

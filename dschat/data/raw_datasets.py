@@ -31,7 +31,7 @@ from typing import Any, ClassVar, Mapping, Sequence
 
 from dschat.data import local_files as lf
 from dschat.data.split import get_raw_dataset_split_index
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 
 Sample = Mapping[str, Any]
 
@@ -62,7 +62,7 @@ def _load_hub(name: str) -> Any:
     try:
         return load_dataset(name)
     except (OSError, ValueError, DatasetsError) as err:
-        first = str(err).splitlines()[0] if str(err) else ""
+        first = first_line(err)
         raise UserError(
             f"cannot load dataset {name!r} from the Hugging Face hub ({type(err).__name__}: {first}); "
             "check the network (and HF_HUB_OFFLINE / HF_DATASETS_OFFLINE), or pass a local copy: a "
@@ -903,8 +903,6 @@ class DatasetSource:
     adapter: type[PromptRawDataset]
     files: tuple[Path, ...] = field(default=())
     base: Path | None = None
-    #: Loaded from the Hugging Face hub (no local copy).
-    hub: bool = False
 
     def fingerprint(self) -> dict[str, Any]:
         """Identity for the cache key: name, adapter, and a SHA-256 of any local file contents.
@@ -944,7 +942,7 @@ def resolve_dataset(dataset_name: str) -> DatasetSource:
                 return DatasetSource(name, adapter, tuple(files), path if path.is_dir() else path.parent)
             if lf.looks_like_path(name):  # e.g. /data/Dahoas/rm-static: a local copy that is not there
                 raise UserError(f"data path {name!r} does not exist; check --data_path (or pass the hub name)")
-            return DatasetSource(name, adapter, hub=True)
+            return DatasetSource(name, adapter)
     if name == BUILTIN_NAME:
         files = builtin_files()
         return DatasetSource(name, BuiltinDataset, tuple(files), files[0].parent)

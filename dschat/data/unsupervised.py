@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.data import local_files as lf
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 
 TEXT_SUFFIXES: tuple[str, ...] = lf.DATA_SUFFIXES + (".txt",)
 
@@ -132,7 +132,7 @@ def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
     try:
         return load_dataset(name, config)
     except (OSError, ValueError, DatasetsError) as err:
-        first = str(err).splitlines()[0] if str(err) else ""
+        first = first_line(err)
         raise UserError(
             f"cannot load unsupervised dataset {name!r} (config {config!r}) ({type(err).__name__}: {first}); "
             "check the name and network, or pass a local text/JSON file or save_to_disk folder"

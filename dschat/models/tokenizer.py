@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 from dschat.models.registry import custom_code_error, resolve_model_path
 
 # Either makes a folder's tokenizer complete (special tokens included); without both, a folder
@@ -44,10 +44,6 @@ def _name_or_path_of(path: str) -> str | None:
     if Path(name).expanduser().exists() and Path(name).expanduser().resolve() == folder.resolve():
         return None  # names itself: nothing else to load
     return name.strip()
-
-
-def _first_line(err: Exception) -> str:
-    return str(err).splitlines()[0] if str(err) else ""
 
 
 def _copy_files_error(folder: str, original: str, why: str) -> UserError:
@@ -107,10 +103,10 @@ def load_hf_tokenizer(
         if refused is not None:
             raise refused from None
         if path != resolved:
-            raise _copy_files_error(resolved, path, f"{type(err).__name__}: {_first_line(err)}") from err
+            raise _copy_files_error(resolved, path, f"{type(err).__name__}: {first_line(err)}") from err
         raise UserError(
             f"cannot load a tokenizer from {model_name_or_path!r} ({type(err).__name__}: "
-            f"{_first_line(err)}); pass a folder with tokenizer files "
+            f"{first_line(err)}); pass a folder with tokenizer files "
             "(tokenizer.json or tokenizer_config.json)"
         ) from err
     if tokenizer.pad_token is None:

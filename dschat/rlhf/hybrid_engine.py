@@ -55,6 +55,7 @@ from typing import Any, ContextManager, Iterator, NamedTuple, Sequence
 
 import torch
 
+from dschat.errors import first_line
 from dschat.utils.dist import print_rank_0
 
 __all__ = [
@@ -199,9 +200,7 @@ def _is_out_of_memory(err: BaseException) -> bool:
 
 def _one_line(err: BaseException, limit: int | None = None) -> str:
     """``Type: first line of the message`` (cut to ``limit`` characters), for a fallback notice."""
-    text = str(err)
-    first = text.splitlines()[0] if text else ""
-    return f"{type(err).__name__}: {first[:limit]}"
+    return f"{type(err).__name__}: {first_line(err)[:limit]}"
 
 
 def _free_memory_bytes(device: torch.device) -> int:

@@ -80,17 +80,9 @@ def print_all_ranks(tag: str, value: float, rank: int) -> None:
 def get_model_norm(model: Any) -> float:
     """L2 norm over all of ``model``'s parameters (upstream's debugging helper). Under ZeRO-3 each
     parameter is gathered in turn, so every rank must call it."""
-    import deepspeed
+    from dschat.utils.ds_utils import gathered_parameters
 
-    from dschat.utils.ds_utils import release_zero3_prefetch
-
-    release_zero3_prefetch(model)  # no parameter may still be in flight before gathering
-    total = 0.0
-    with torch.no_grad():
-        for param in model.parameters():
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
-                total += float(param.detach().float().pow(2).sum())
-    return total ** 0.5
+    return sum(float(param.float().pow(2).sum()) for _, param in gathered_parameters(model)) ** 0.5
 
 
 @dataclass

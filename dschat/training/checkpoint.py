@@ -39,7 +39,7 @@ import torch
 
 from dschat.errors import UserError
 from dschat.utils.dist import barrier, print_rank_0
-from dschat.utils.ds_utils import release_zero3_prefetch
+from dschat.utils.ds_utils import gathered_parameters, release_zero3_prefetch
 
 MARKER = "dschat_checkpoint.json"
 PREFIX = "step_"
@@ -173,15 +173,12 @@ def _is_zero3(param: torch.nn.Parameter) -> bool:
 def save_weights(engine: Any, path: Path, rank: int) -> None:
     """Every parameter of ``engine`` (ZeRO-3: gathered) to one safetensors file, written by rank 0
     (collective)."""
-    import deepspeed
     from safetensors.torch import save_file
 
-    release_zero3_prefetch(engine)
     tensors = {}
-    for name, param in getattr(engine, "module", engine).named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=_is_zero3(param)):
-            if rank == 0:
-                tensors[name] = param.detach().to("cpu").clone().contiguous()
+    for name, param in gathered_parameters(engine):
+        if rank == 0:
+            tensors[name] = param.to("cpu").clone().contiguous()
     if rank == 0:
         save_file(tensors, str(path))
 

@@ -513,16 +513,11 @@ def parameter_digest(model: Any) -> str:
 
     Collective under ZeRO-3 (each parameter is gathered in turn): every rank must call it.
     """
-    import deepspeed
+    from dschat.utils.ds_utils import gathered_parameters
 
-    from dschat.utils.ds_utils import release_zero3_prefetch
-
-    release_zero3_prefetch(model)
-    module = getattr(model, "module", model)
     digest = hashlib.sha256()
-    for name, param in module.named_parameters():
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
-            tensor = param.detach().to("cpu").contiguous()
+    for name, param in gathered_parameters(model):
+        tensor = param.to("cpu").contiguous()
         digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
         digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -17,7 +17,7 @@ produces the same dict on every machine.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -260,3 +260,16 @@ def release_zero3_prefetch(model: Any) -> None:
     partitioned = getattr(model, "zero_optimization_partition_weights", None)
     if callable(partitioned) and partitioned():
         model.empty_partition_cache()
+
+
+def gathered_parameters(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` for every parameter of ``model`` (an engine or a module), each whole:
+    under ZeRO-3 one parameter at a time is gathered (read-only, ``modifier_rank=None``) for as long
+    as the loop body holds it, so copy what must outlive the step. Collective under ZeRO-3: every
+    rank must run the loop to its end."""
+    import deepspeed
+
+    release_zero3_prefetch(model)
+    for name, param in getattr(model, "module", model).named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=hasattr(param, "ds_id")):
+            yield name, param.detach()

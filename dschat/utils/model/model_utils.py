@@ -221,8 +221,7 @@ def _check_body_state(
     missing = sorted(k for k in set(expected) - set(state) if k not in tied and not matches(k, ignore_missing))
     mismatched = sorted(f"{k} {tuple(state[k].shape)} vs {expected[k]}" for k in set(state) & set(expected)
                         if tuple(state[k].shape) != expected[k])
-    problems = [f"{name}: {first_keys(keys)}" for name, keys in
-                (("missing", missing), ("unexpected", unexpected), ("wrong shape", mismatched)) if keys]
+    problems = key_problems(missing, unexpected, mismatched)
     if problems:
         raise UserError(
             f"{Path(path) / 'pytorch_model.bin'} does not match the {model_config.model_type} model its config.json "
@@ -235,6 +234,12 @@ def _check_body_state(
 def first_keys(keys: list[str], n: int = 5) -> str:
     """The first ``n`` keys for an error line, and how many there are in all."""
     return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
+def key_problems(missing: list[str], unexpected: list[str], wrong_shape: list[str]) -> list[str]:
+    """``"missing: a, b"``-style parts of a key-mismatch error line, for the non-empty lists only."""
+    return [f"{name}: {first_keys(keys)}" for name, keys in
+            (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)) if keys]
 
 
 class LoadReport(NamedTuple):
@@ -273,8 +278,7 @@ def load_state_dict_into_model(
                         [f"size mismatch for {k}: {tuple(state_dict[k].shape)} in the checkpoint, "
                          f"{expected[k]} in the model" for k in wrong])
     if strict and (missing or unexpected or wrong):
-        problems = [f"{name}: {first_keys(keys)}" for name, keys in
-                    (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong)) if keys]
+        problems = key_problems(missing, unexpected, wrong)
         raise UserError(
             f"state dict does not match {type(model_to_load).__name__} ({'; '.join(problems)}); "
             "pass the checkpoint that belongs to this model"

@@ -26,13 +26,13 @@ import torch
 from torch import nn
 
 from dschat import rl_math
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 from dschat.models.families import value_head_dim
+from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE
 
-VALUE_HEAD_FILE = "v_head.safetensors"
 VALUE_HEAD_KEY = "v_head.weight"
-# Upstream's step-2 output: torch.save(RewardModel.state_dict()) (save_hf_format, reference §4.7).
-UPSTREAM_WEIGHTS_FILE = "pytorch_model.bin"
+# Upstream's step-2 output, UPSTREAM_WEIGHTS_FILE: torch.save(RewardModel.state_dict()) (save_hf_format,
+# reference §4.7).
 BODY_PREFIX = "rwtransformer."
 
 
@@ -71,7 +71,7 @@ def load_upstream_state(folder: str | Path) -> dict[str, torch.Tensor]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - a pickle with objects other than tensors, a damaged file
-        reason = str(err).splitlines()[0] if str(err) else ""
+        reason = first_line(err)
         raise UserError(
             f"cannot read {file} as a tensor state dict ({type(err).__name__}: {reason}); "
             "pass an upstream DeepSpeed-Chat step-2 output (torch.save of the reward model's state_dict)"
@@ -110,8 +110,6 @@ def is_reward_model_folder(folder: str | Path) -> bool:
     fmt = critic_format(folder)
     if fmt != "upstream":
         return fmt == "dschat"
-    from dschat.errors import UserError
-
     try:
         return VALUE_HEAD_KEY in load_upstream_state(folder)
     except UserError:
