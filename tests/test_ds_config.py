@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -275,6 +276,37 @@ def test_host_tensors_go_through_the_gpu_under_nccl(monkeypatch):
     assert dist_utils.collective_device(torch.zeros(2)) == torch.device("cuda", 2)
     on_gpu = torch.empty(2, device="meta")
     assert dist_utils.collective_device(on_gpu) == torch.device("meta")
+
+
+def test_no_collective_is_handed_a_host_tensor_directly():
+    """A tensor made without ``device=`` is on the host, which NCCL refuses: such tensors must go
+    through ``dschat.utils.dist`` (all_reduce_sum / get_all_reduce_mean copy them to the GPU). This
+    slipped through twice (a PPO step's loss means, then its ratio statistics), and CPU tests cannot
+    see it (gloo takes host tensors), so the source is checked: within a function, a name handed to
+    ``torch.distributed.all_reduce`` must not be bound to ``torch.tensor/zeros/...(...)`` without
+    ``device=``."""
+    import ast
+
+    makers = {"tensor", "zeros", "ones", "empty", "full", "zeros_like", "arange"}
+    root = Path(dist_utils.__file__).resolve().parents[1]
+    problems = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "dist.py" and path.parent.name == "utils":
+            continue
+        tree = ast.parse(path.read_text())
+        for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            host_names = set()
+            for node in ast.walk(func):
+                if (isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+                        and isinstance(node.value.func, ast.Attribute) and node.value.func.attr in makers
+                        and not any(k.arg == "device" for k in node.value.keywords)):
+                    host_names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(func):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr in ("all_reduce", "broadcast", "all_gather") and node.args
+                        and isinstance(node.args[0], ast.Name) and node.args[0].id in host_names):
+                    problems.append(f"{path.relative_to(root)}:{node.lineno} {func.name}: {node.args[0].id}")
+    assert not problems, problems
 
 
 # ---------------------------------------------------------------------------- real CPU engines

@@ -21,7 +21,7 @@ from dschat.rlhf.ema import moving_average
 from dschat.rlhf.ppo_trainer import MicroStepStats, RolloutStats
 from dschat.training.checkpoint import TrainingPosition
 from dschat.training.nonfinite import NonFiniteGuard
-from dschat.utils.dist import get_all_reduce_mean, print_rank_0
+from dschat.utils.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
 from dschat.utils.perf import print_throughput_step3
 from dschat.utils.utils import ExponentialMovingAverage
 
@@ -151,9 +151,7 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
     sums = torch.tensor([sum(m.approx_kl * m.tokens for m in scored), sum(m.clip_frac * m.tokens for m in scored),
                          sum(m.ratio_mean * m.tokens for m in scored), sum(m.tokens for m in scored)],
                         dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(sums)
-    kl_sum, clip_sum, ratio_sum, tokens = sums.tolist()
+    kl_sum, clip_sum, ratio_sum, tokens = all_reduce_sum(sums).tolist()  # a host tensor: NCCL needs the copy
     approx_kl, clip_frac, ratio_mean = ((x / tokens if tokens else float("nan")) for x in (kl_sum, clip_sum, ratio_sum))
     return {
         "epoch": epoch, "step": step, "global_step": global_step,

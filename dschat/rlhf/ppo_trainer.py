@@ -47,7 +47,7 @@ from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.guards import BatchPlan, plan_batches
 from dschat.rlhf.hybrid_engine import Rollout
 from dschat.training.nonfinite import NonFiniteGuard
-from dschat.utils.dist import get_rank, get_world_size, print_rank_0
+from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
 
 __all__ = [
     "RewardFn",
@@ -71,8 +71,7 @@ def print_all_ranks(tag: str, value: float, rank: int) -> None:
     world = get_world_size()
     values = torch.zeros(world, dtype=torch.float64)
     values[rank] = float(value)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(values)
+    values = all_reduce_sum(values)
     if rank <= 0:
         print(f"{tag} {values.tolist()}")
 

@@ -127,9 +127,17 @@ def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return tensor
+    return all_reduce_sum(tensor) / torch.distributed.get_world_size()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all ranks, as a new tensor on the caller's device (a host tensor goes
+    through the GPU under NCCL); the tensor itself without a process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensor
     reduced = tensor.detach().to(collective_device(tensor), copy=True)
     torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
-    return (reduced / torch.distributed.get_world_size()).to(tensor.device)
+    return reduced.to(tensor.device)
 
 
 def collective_device(tensor: torch.Tensor) -> torch.device:
