@@ -14,9 +14,10 @@ engines:
   actor forward pass over the rollout for the old log-probs. This is what upstream does without its
   Hybrid Engine.
 * **ours**: the default path of ``training/step3_rlhf_finetuning/main.py``: all-padding prompt
-  columns dropped, the old log-probs kept from generation, dschat's decoding loop with oneDNN decode
-  linears on a CPU (``dschat/rlhf/decoding.py``), LoRA fused and ZeRO-3 gathered once per rollout for
-  generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable.
+  columns dropped, the old log-probs kept from generation, ``--generation_loop auto`` (on CUDA:
+  ``generate`` with a static KV cache and CUDA graphs; elsewhere dschat's decoding loop, with oneDNN
+  decode linears on a CPU, ``dschat/rlhf/decoding.py``), LoRA fused and ZeRO-3 gathered once per
+  rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable.
 
 Per phase it prints generation tokens/s, per-token latency and achieved memory bandwidth (parameter
 bytes x decode steps / time, the roofline of memory-bound decoding), experience-pass tokens/s,
@@ -64,7 +65,7 @@ GPU_PEAKS: dict[str, tuple[float, float]] = {
 }
 
 
-MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-graphs")
+MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -83,11 +84,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--modes", default="baseline,ours",
                    help="comma-separated, run in this order: baseline, ours, and ours without one fast path "
                         "(ours-no-fuse: LoRA not fused for generation; ours-no-gather: ZeRO-3 weights fetched "
-                        "per layer and token, which also means HF generate instead of dschat's loop), or ours "
-                        "with --generation_loop graphs (ours-graphs). With two modes a last column gives the "
-                        "second's speed-up over the first")
-    p.add_argument("--ours_generation_loop", default="dschat", choices=("dschat", "hf", "graphs"),
-                   help="--generation_loop for ours (graphs: static cache + CUDA graphs, opt-in)")
+                        "per layer and token, which also means HF generate instead of dschat's loop; "
+                        "ours-no-graphs: --generation_loop dschat), or ours with --generation_loop graphs "
+                        "(ours-graphs). With two modes a last column gives the second's speed-up over the first")
+    p.add_argument("--ours_generation_loop", default="auto", choices=("auto", "dschat", "hf", "graphs"),
+                   help="--generation_loop for ours (auto: CUDA graphs on CUDA, dschat's loop elsewhere)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
@@ -197,7 +198,7 @@ class ModeResult:
     prompt_width: list[int] = field(default_factory=list)  # prompt columns fed per step
     peak_memory_bytes: int = 0
     memory_note: str = ""
-    generation_loop: str = ""  # the loop the mode decoded with at its end (after any fallback)
+    generation_loop: str = ""  # what the mode's last rollout decoded with (RolloutGenerator.last_loop)
 
     @property
     def total_s(self) -> float:
@@ -219,21 +220,22 @@ def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> l
     return out
 
 
-def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "dschat") -> None:
+def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "auto") -> None:
     ours = mode.startswith("ours")  # ours, or ours without one fast path (an ablation)
     gen = trainer.generator
     trainer.reuse_rollout_logprobs = ours
     gen.keep_logprobs = ours
     gen.fuse_lora = ours and mode != "ours-no-fuse"
     gen.zero3_gather = "auto" if ours and mode != "ours-no-gather" else "off"
-    gen.generation_loop = ("graphs" if mode == "ours-graphs" else ours_loop) if ours else "hf"
+    loops = {"ours-graphs": "graphs", "ours-no-graphs": "dschat"}
+    gen.generation_loop = loops.get(mode, ours_loop) if ours else "hf"
     gen.cpu_decode_linear = "onednn" if ours else "off"
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 
 
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
-             he_available: bool, ours_loop: str = "dschat") -> ModeResult:
+             he_available: bool, ours_loop: str = "auto") -> ModeResult:
     from dschat.data.collators import drop_padding_columns
 
     configure(trainer, mode, he_available, ours_loop)
@@ -265,7 +267,7 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         print(f"[{mode}] step {i}{' (warm-up)' if i < warmup else ''}: generation {trainer.generate_time:.2f} s, "
               f"experience {trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}",
               flush=True)
-    result.generation_loop = trainer.generator.generation_loop
+    result.generation_loop = trainer.generator.last_loop or ""
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
         result.memory_note = "max allocated in this mode"
@@ -432,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         f"- {args.steps} measured PPO steps per mode after {args.warmup} warm-up; peaks: {peaks.source}",
         f"- Hybrid Engine for ours: {'active' if he_available else 'not used'}"
         + (f" ({trainer.generator.fallback_reason})" if trainer.generator.fallback_reason else "")
-        + "; generation loop per mode (at its end, after any fallback): "
+        + "; generation loop per mode (its last rollout): "
         + ", ".join(f"{r.mode} {r.generation_loop}" for r in results),
         f"- memory: {results[0].memory_note}",
         "",

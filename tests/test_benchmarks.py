@@ -65,14 +65,19 @@ def test_results_sections_are_separated_by_a_blank_line(tmp_path):
 
 def test_step3_ablation_modes_configure_one_path_off_and_ratio_only_for_two_modes():
     bench = _load("step3")
-    assert bench.parse_args(["--modes", "ours,ours-no-fuse,ours-no-gather,ours-graphs"]).modes == [
-        "ours", "ours-no-fuse", "ours-no-gather", "ours-graphs"]
+    assert bench.parse_args(["--modes", "ours,ours-no-fuse,ours-no-gather,ours-no-graphs,ours-graphs"]).modes == [
+        "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs"]
+    assert bench.parse_args([]).ours_generation_loop == "auto"
     gen = SimpleNamespace()
     trainer = SimpleNamespace(generator=gen)
     bench.configure(trainer, "ours-no-fuse", False)
     assert (gen.fuse_lora, gen.zero3_gather, gen.keep_logprobs, trainer.reuse_rollout_logprobs) == (False, "auto", True, True)
     bench.configure(trainer, "ours-no-gather", False)
-    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "off", "dschat")
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "off", "auto")
+    bench.configure(trainer, "ours-no-graphs", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "auto", "dschat")
+    bench.configure(trainer, "ours", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "auto", "auto")
     bench.configure(trainer, "ours-graphs", False)
     assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "auto", "graphs")
     bench.configure(trainer, "ours", False, ours_loop="graphs")
@@ -130,7 +135,7 @@ def test_step3_graphs_mode_on_a_cpu_says_it_decoded_with_dschats_loop(tmp_path, 
                         "--steps", "1", "--warmup", "0", "--modes", "ours,ours-graphs", "--results", ""])
     out = capsys.readouterr().out
     assert "--generation_loop graphs: not used (CUDA graphs need a CUDA device" in out
-    assert any(line.endswith("generation loop per mode (at its end, after any fallback): ours dschat, "
+    assert any(line.endswith("generation loop per mode (its last rollout): ours dschat, "
                              "ours-graphs dschat") for line in lines)
     assert lines[lines.index("| | ours | ours-graphs | ours-graphs / ours |") + 1].count("|---") == 4
 

@@ -193,18 +193,19 @@ def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, criti
 
 @pytest.mark.parametrize("extra", [(), ("--actor_lora_dim", "4"), ("--actor_zero_stage", "3")])
 def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic_dirs, data_cache):  # noqa: F811
-    """dschat's loop with oneDNN decode linears (the defaults) gives the plain path's greedy tokens and
-    log-probs (HF generate, stock kernels), before and after the actor's weights change."""
+    """dschat's loop with oneDNN decode linears (the defaults on a CPU) gives the plain path's greedy
+    tokens and log-probs (HF generate, stock kernels), before and after the actor's weights change."""
     engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_learning_rate", "0.05", *extra)
     gen = engine.generator
-    assert (gen.generation_loop, gen.cpu_decode_linear) == ("dschat", "onednn")
+    assert (gen.generation_loop, gen.cpu_decode_linear) == ("auto", "onednn")
 
     def fast_and_plain():
         gen.eval()
         fast = gen.rollout(PROMPTS, PROMPT_MASK)
+        assert gen.last_loop == "dschat"
         gen.generation_loop, gen.cpu_decode_linear = "hf", "off"
         plain = gen.rollout(PROMPTS, PROMPT_MASK)
-        gen.generation_loop, gen.cpu_decode_linear = "dschat", "onednn"
+        gen.generation_loop, gen.cpu_decode_linear = "auto", "onednn"
         assert torch.equal(fast.sequences, plain.sequences)
         assert torch.allclose(fast.logprobs, plain.logprobs, atol=1e-5)
         return fast.sequences
@@ -237,7 +238,8 @@ def test_hybrid_engine_greedy_equals_module_generate(model, zero_stage, dtype, c
     prompts, mask = PROMPTS.cuda(), PROMPT_MASK.cuda()
     outs = []
     for he in (False, True):
-        extra = ["--actor_zero_stage", zero_stage, "--dtype", dtype] + (["--enable_hybrid_engine"] if he else [])
+        extra = ["--actor_zero_stage", zero_stage, "--dtype", dtype, "--generation_loop", "dschat"]
+        extra += ["--enable_hybrid_engine"] if he else []
         engine = _engine(model, critic_dirs, data_cache, *extra)
         decision = engine.hybrid_engine
         assert decision.requested is he
@@ -387,7 +389,81 @@ def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cach
     assert torch.equal(_generate(engine), expected) and torch.equal(_generate(engine), expected)
     assert engine.generator.generation_loop == "dschat"
     out = capsys.readouterr().out
-    assert out.count("--generation_loop graphs failed (RuntimeError: inductor could not lower this)") == 1
+    assert out.count("--generation_loop graphs: CUDA graphs failed (RuntimeError: inductor could not lower this)") == 1
+
+
+def test_auto_loop_on_a_cpu_is_dschats_loop_without_a_word(critic_dirs, data_cache, capsys):  # noqa: F811
+    """The default: CUDA graphs do not apply on a CPU, so dschat's loop decodes, and nothing is said
+    (an explicit --generation_loop graphs says why not, above)."""
+    engine = _engine("tiny-llama", critic_dirs, data_cache)
+    assert engine.generator.generation_loop == "auto"
+    expected = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "dschat"))
+    assert torch.equal(_generate(engine), expected)
+    assert (engine.generator.generation_loop, engine.generator.last_loop) == ("auto", "dschat")
+    assert "--generation_loop" not in capsys.readouterr().out
+
+
+def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetched(critic_dirs, data_cache, capsys):  # noqa: F811
+    """With this CPU counted as a graphs device, ``auto`` compiles (the path it takes on CUDA), and
+    gives generate's greedy tokens; with ZeRO-3 weights fetched per layer it takes generate, silently."""
+    expected = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "hf"))
+    engine = _engine("tiny-llama", critic_dirs, data_cache)
+    engine.generator.graph_devices = ("cuda", "cpu")
+    assert torch.equal(_generate(engine), expected)
+    assert (engine.generator.generation_loop, engine.generator.last_loop) == ("auto", "graphs")
+    assert hasattr(engine.actor.module, "_compiled_call")
+
+    fetched = _engine("tiny-llama", critic_dirs, data_cache, "--actor_zero_stage", "3",
+                      "--zero3_gather_for_generation", "off")
+    fetched.generator.graph_devices = ("cuda", "cpu")
+    assert torch.equal(_generate(fetched), expected)
+    assert (fetched.generator.generation_loop, fetched.generator.last_loop) == ("auto", "hf")
+    assert "--generation_loop" not in capsys.readouterr().out
+
+
+def test_auto_loop_graphs_failure_falls_back_once(monkeypatch, critic_dirs, data_cache, capsys):  # noqa: F811
+    expected = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "dschat"))
+    engine = _engine("tiny-llama", critic_dirs, data_cache)
+    engine.generator.graph_devices = ("cuda", "cpu")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no triton for this device")
+
+    monkeypatch.setattr(engine.generator, "_graph_generate", broken)
+    assert torch.equal(_generate(engine), expected) and torch.equal(_generate(engine), expected)
+    assert (engine.generator.generation_loop, engine.generator.last_loop) == ("dschat", "dschat")
+    out = capsys.readouterr().out
+    assert out.count("--generation_loop auto: CUDA graphs failed (RuntimeError: no triton for this device)") == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["tiny-opt", "tiny-llama"])
+@pytest.mark.parametrize("zero_stage", ["0", "3"])
+def test_graphs_on_cuda_give_generates_tokens_and_log_probs(model, zero_stage, critic_dirs, data_cache):  # noqa: F811
+    """The default loop on CUDA really captures CUDA graphs (no cudagraph skips), keeps doing so for
+    a second rollout, and in fp32 gives the greedy tokens of eager generate and the log-probs of one
+    forward pass over the rollout. (ZeRO-3: gathered once per rollout.)"""
+    from torch._dynamo.utils import counters
+
+    from _step_helpers import require_cuda_accelerator
+
+    require_cuda_accelerator()
+    prompts, mask = PROMPTS.cuda(), PROMPT_MASK.cuda()
+    extra = ("--actor_zero_stage", zero_stage, "--dtype", "fp32")
+    plain = _engine(model, critic_dirs, data_cache, "--generation_loop", "hf", *extra)
+    plain.generator.eval()
+    expected = plain.generator.generate(prompts, mask)
+    engine = _engine(model, critic_dirs, data_cache, *extra)
+    skips_before = counters["inductor"]["cudagraph_skips"]
+    for _ in range(2):
+        engine.generator.eval()
+        rollout = engine.generator.rollout(prompts, mask)
+        assert engine.generator.last_loop == "graphs", engine.generator.generation_loop
+        assert torch.equal(rollout.sequences, expected), (rollout.sequences, expected)
+    assert counters["inductor"]["cudagraph_skips"] == skips_before
+    logp, answer_mask = _forward_logprobs(engine, rollout.sequences, mask, 1.0)
+    kept = answer_mask.bool()
+    assert torch.allclose(rollout.logprobs[kept], logp[kept], atol=1e-3), (rollout.logprobs[kept] - logp[kept]).abs().max()
 
 
 # ------------------------------------------------------------------------------------ exact LoRA unfuse

@@ -21,7 +21,7 @@ module (each has a flag; ``benchmarks/step3.py`` turns both off for its baseline
   inverse-CDF draw (:func:`draw`) instead of ``torch.multinomial``, which costs 5 ms per step here.
 
 ``torch.compile`` with a static KV cache was measured on a CPU and is not used there (see
-benchmarks/README.md); on CUDA it is the opt-in ``--generation_loop graphs`` of ``RolloutGenerator``.
+benchmarks/README.md); on CUDA it is ``RolloutGenerator``'s ``graphs`` loop, the default there.
 """
 from __future__ import annotations
 

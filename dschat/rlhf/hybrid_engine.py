@@ -39,10 +39,12 @@ loop instead of ``generate`` (``--generation_loop``; it takes each step's log-pr
 no per-step logits are held), and on a CPU the decode steps' linear layers run with oneDNN on weights
 repacked once per rollout (``--cpu_decode_linear``), which halves a SmolLM2 decode step there.
 
-``--generation_loop graphs`` (CUDA, opt-in) decodes with ``generate``, a static KV cache and CUDA graphs
-(``torch.compile(mode="reduce-overhead")``), prompts left-padded to a multiple of 64 so one captured
-graph serves every rollout; for a bare OPT-1.3B on an H100 a decode step took 4.9 ms against 19.4 ms
-with dschat's eager loop, which spends most of its step launching kernels (``benchmarks/README.md``).
+On CUDA the default ``--generation_loop auto`` decodes with ``generate``, a static KV cache and CUDA
+graphs (``torch.compile(mode="reduce-overhead")``; ``graphs``), prompts left-padded to a multiple of 64
+so one captured graph serves the rollouts of a prompt width: upstream's OPT-1.3B protocol on an H100
+generates 2.7-3.0x faster than with dschat's eager loop, which spends most of its step launching
+kernels (``benchmarks/results.md``). Where graphs do not apply (a CPU, ZeRO-3 weights fetched per
+layer, encoder-decoders) ``auto`` is dschat's loop, without a word; an explicit ``graphs`` says why.
 
 Each fast path is an attribute of :class:`RolloutGenerator` (``keep_logprobs``, ``fuse_lora``,
 ``generation_loop``, ``cpu_decode_linear``) so ``benchmarks/step3.py`` can turn it off for its baseline.
@@ -296,7 +298,7 @@ class RolloutGenerator:
         max_answer_seq_len: int,
         zero_stage: int,
         zero3_gather: str = "auto",
-        generation_loop: str = "dschat",
+        generation_loop: str = "auto",
         cpu_decode_linear: str = "onednn",
     ) -> None:
         self.actor = actor
@@ -319,9 +321,10 @@ class RolloutGenerator:
         # Fast paths, on by default (benchmarks/step3.py turns them off for its baseline).
         self.keep_logprobs = True  # return the generated tokens' log-probs (module path only)
         self.fuse_lora = True  # fuse LoRA into the base weights for generation
-        # "dschat" (dschat.rlhf.decoding.sample_loop) | "hf" (generate) | "graphs" (generate, static cache,
-        # CUDA graphs)
+        # "auto" ("graphs" where it applies, else "dschat") | "dschat" (dschat.rlhf.decoding.sample_loop)
+        # | "hf" (generate) | "graphs" (generate, static cache, CUDA graphs)
         self.generation_loop = generation_loop
+        self.last_loop: str | None = None  # what the last rollout decoded with: hybrid-engine|graphs|dschat|hf
         self.graph_devices: tuple[str, ...] = ("cuda",)  # where "graphs" applies (tests add "cpu")
         self.graph_prompt_multiple = 64  # prompts are left-padded to a multiple of this for "graphs"
         self._graph_compile_config: Any = None
@@ -436,25 +439,30 @@ class RolloutGenerator:
             try:
                 if self._use_graphs(module, materialised):
                     try:
+                        self.last_loop = "graphs"
                         return self._graph_generate(module, prompts, mask)
-                    except Exception as err:  # noqa: BLE001 -- opt-in path: fall back, say why, once
+                    except Exception as err:  # noqa: BLE001 -- a compiler failure: fall back, say why, once
                         if _is_out_of_memory(err):
                             raise
+                        flag = self.generation_loop
                         self.generation_loop = "dschat"
-                        self._say_once(f"--generation_loop graphs failed ({_one_line(err, 200)}); "
+                        self._say_once(f"--generation_loop {flag}: CUDA graphs failed ({_one_line(err, 200)}); "
                                        "decoding with dschat's loop from now on")
                 with self._decode_kernels(module, prompts.shape[0], materialised):
                     if self._use_sample_loop(module, materialised):
+                        self.last_loop = "dschat"
                         return self._loop_generate(module, prompts, mask)
+                    self.last_loop = "hf"
                     return self._hf_generate(module, prompts, mask)
             finally:
                 for layer in lora:
                     layer.unfuse_lora_weight()
 
     def _use_graphs(self, module: Any, materialised: bool) -> bool:
-        """``--generation_loop graphs`` where it applies: weights resident (CUDA graphs cannot capture
-        ZeRO-3's per-layer fetches) and an accelerator in ``graph_devices``; else once why not."""
-        if self.generation_loop != "graphs":
+        """CUDA graphs where they apply: weights resident (graphs cannot capture ZeRO-3's per-layer
+        fetches), an accelerator in ``graph_devices``, a decoder-only model. ``auto`` otherwise decodes
+        with dschat's loop for this rollout; an explicit ``graphs`` says once why not and gives up."""
+        if self.generation_loop not in ("auto", "graphs"):
             return False
         device = next(module.parameters()).device.type
         why_not = None
@@ -465,8 +473,9 @@ class RolloutGenerator:
         elif getattr(module.config, "is_encoder_decoder", False):
             why_not = "encoder-decoder models are not supported"
         if why_not is not None:
-            self._say_once(f"--generation_loop graphs: not used ({why_not}); decoding with dschat's loop")
-            self.generation_loop = "dschat"
+            if self.generation_loop == "graphs":
+                self._say_once(f"--generation_loop graphs: not used ({why_not}); decoding with dschat's loop")
+                self.generation_loop = "dschat"
             return False
         return True
 
@@ -487,15 +496,18 @@ class RolloutGenerator:
         if extra:
             prompts = torch.cat([prompts.new_full((B, extra), self.tokenizer.pad_token_id), prompts], dim=1)
             mask = torch.cat([mask.new_zeros((B, extra)), mask.to(prompts.device)], dim=1)
+        # The weights are resident (never fetched inside the forward), so no rank needs the others to
+        # keep stepping: no ``synced_gpus``, and a rank whose compile failed (dschat's loop, no
+        # collectives) cannot leave the others waiting.
         rollout = self._hf_generate(module, prompts, mask, cache_implementation="static",
-                                    compile_config=self._graph_compile_config)
+                                    compile_config=self._graph_compile_config, synced_gpus=False)
         return Rollout(rollout.sequences[:, extra:], rollout.logprobs)
 
     def _use_sample_loop(self, module: Any, materialised: bool) -> bool:
         """dschat's loop covers the decoding settings and ``min_new_tokens``; anything else passed in
         ``extra_generate_kwargs`` (a logits processor, ...) goes to HF ``generate``. Without the ZeRO-3
         gather every rank must keep stepping until all are done (``synced_gpus``): HF ``generate``."""
-        return (self.generation_loop == "dschat" and materialised
+        return (self.generation_loop in ("auto", "dschat") and materialised
                 and not getattr(module.config, "is_encoder_decoder", False)
                 and set(self.extra_generate_kwargs) <= {"min_new_tokens"})
 
@@ -561,6 +573,7 @@ class RolloutGenerator:
         if self.hybrid_engine_active:
             try:
                 # DeepSpeed installed its inference-kernel generate as ``module.generate``.
+                self.last_loop = "hybrid-engine"
                 with self._decoding_only_generation_config(self.actor.module):
                     return Rollout(self.actor.module.generate(prompts, **self._kwargs(mask)), None)
             except Exception as err:  # noqa: BLE001 -- any failure of DeepSpeed's kernels: fall back, say why
