@@ -78,25 +78,14 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
 
     On an exception the temporary file is removed and ``path`` is left as it was.
     """
-    path = Path(path)
-    with _disk_full_is_a_user_error(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        os.close(fd)
-        tmp_path = Path(tmp)
-        try:
-            yield tmp_path
-            # mkstemp creates 0600 files; give the result the permissions a plain open() would.
-            os.chmod(tmp_path, 0o666 & ~_umask())
-            os.replace(tmp_path, path)
-        finally:
-            if tmp_path.exists():
-                tmp_path.unlink()
+    with atomic_files([path]) as (tmp,):
+        yield tmp
 
 
 @contextlib.contextmanager
 def atomic_files(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
-    """Like :func:`atomic_file` for a set of files that belong together (a data cache).
+    """Replace a set of files that belong together (a data cache) at once; :func:`atomic_file` is
+    the one-file case.
 
     Yields one temporary path beside each of ``paths``. Only once the body has written them all
     do they replace ``paths``, in the order given: put last the file whose presence marks the set
@@ -104,8 +93,10 @@ def atomic_files(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
     file is removed and every one of ``paths`` is left as it was, previous versions included.
     """
     targets = [Path(p) for p in paths]
-    folder = targets[0].parent
-    with _disk_full_is_a_user_error(folder, kept="the previous files there, if any, are unchanged"):
+    # A full disk: one file is named with its previous version, a set by its folder.
+    disk_full = (_disk_full_is_a_user_error(targets[0]) if len(targets) == 1 else
+                 _disk_full_is_a_user_error(targets[0].parent, kept="the previous files there, if any, are unchanged"))
+    with disk_full:
         tmps: list[Path] = []
         try:
             for path in targets:

@@ -21,6 +21,7 @@ from torch import nn
 
 from dschat.errors import UserError
 from dschat.models.registry import load_config, resolve_model_path
+from dschat.paths import UPSTREAM_WEIGHTS_FILE
 
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout")
 
@@ -224,7 +225,7 @@ def _check_body_state(
     problems = key_problems(missing, unexpected, mismatched)
     if problems:
         raise UserError(
-            f"{Path(path) / 'pytorch_model.bin'} does not match the {model_config.model_type} model its config.json "
+            f"{Path(path) / UPSTREAM_WEIGHTS_FILE} does not match the {model_config.model_type} model its config.json "
             f"describes (rwtransformer.* keys {'; '.join(problems)}); pass the step-2 output folder this run "
             "should continue from"
         )
