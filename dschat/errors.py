@@ -28,6 +28,11 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+def first_keys(keys: list[str], n: int = 5) -> str:
+    """The first ``n`` keys for an error line (a state-dict key mismatch), and how many there are in all."""
+    return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
+
+
 def debug_requested(argv: Sequence[str] | None = None) -> bool:
     argv = sys.argv[1:] if argv is None else argv
     return "--debug" in argv or os.environ.get("DSCHAT_DEBUG", "") not in ("", "0")

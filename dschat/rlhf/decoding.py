@@ -28,14 +28,73 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import Any, Iterator, NamedTuple
 
 import torch
 from torch import nn
 
-from dschat.rlhf.hybrid_engine import DecodingSettings, Rollout
 
-__all__ = ["draw", "next_token_scores", "onednn_decode_linears", "onednn_decode_supported", "sample_loop"]
+__all__ = ["DecodingSettings", "Rollout", "draw", "next_token_scores", "onednn_decode_linears",
+           "onednn_decode_supported", "sample_loop"]
+
+
+# ------------------------------------------------------------------------------------------------
+# What a rollout is decoded with, and what it gives back
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodingSettings:
+    """Rollout decoding (``--decoding``, ``--temperature``, ``--top_k``, ``--top_p``)."""
+
+    decoding: str = "sample"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def sample(self) -> bool:
+        return self.decoding == "sample"
+
+    def generate_kwargs(self) -> dict[str, Any]:
+        """These settings as ``generate`` keyword arguments. They override only the knobs they name:
+        ``generate`` still fills every other one (``repetition_penalty``, ``no_repeat_ngram_size``,
+        ``min_p``, ``typical_p``, ``bad_words_ids``, ...) from the model's ``generation_config``, so
+        :class:`RolloutGenerator` also swaps that for :meth:`generation_config` during the call."""
+        if not self.sample:
+            return {"do_sample": False, "num_beams": 1}
+        return {"do_sample": True, "num_beams": 1, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "repetition_penalty": 1.0}
+
+    def generation_config(self, model_config: Any = None) -> Any:
+        """A fresh ``GenerationConfig`` with these decoding settings and nothing else but the special-token
+        ids (pad / bos / eos / decoder start) of ``model_config``, the model's own generation config.
+
+        A checkpoint's ``generation_config.json`` (``temperature 0.6``, ``repetition_penalty``,
+        ``no_repeat_ngram_size``, ``min_p``, ...) must not shape the rollouts: the PPO ratio assumes the
+        answers were drawn from ``softmax(logits / temperature)`` with top-k / top-p only, which is what
+        dschat's own loop (:func:`dschat.rlhf.decoding.sample_loop`) draws from and what the log-probs
+        are computed under."""
+        from transformers import GenerationConfig
+
+        ids = {name: getattr(model_config, name, None)
+               for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")}
+        return GenerationConfig(**{k: v for k, v in ids.items() if v is not None}, **self.generate_kwargs())
+
+    @property
+    def logit_temperature(self) -> float:
+        """Divide logits by this when scoring rollouts, so log-probs are those of the sampling
+        distribution (TRL's convention); 1 for greedy decoding."""
+        return self.temperature if self.sample else 1.0
+
+
+class Rollout(NamedTuple):
+    """One generated batch."""
+
+    sequences: torch.Tensor  # (B, P + A') left-padded prompts, answers, padding after EOS
+    # (B, A') fp32 log-probs of sequences[:, P:] under logits / temperature, as sampled; None when
+    # the generator could not keep them (Hybrid Engine, or turned off).
+    logprobs: torch.Tensor | None
+
 
 
 # ------------------------------------------------------------------------------------------------

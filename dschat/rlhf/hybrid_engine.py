@@ -53,11 +53,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, NamedTuple, Sequence
+from typing import Any, ContextManager, Iterator, Sequence
 
 import torch
 
 from dschat.errors import first_line
+from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them
+from dschat.rlhf.decoding import DecodingSettings, Rollout
 from dschat.utils.dist import print_rank_0
 
 __all__ = [
@@ -141,51 +143,6 @@ def cache_object_decoder_layer(model_type: str) -> str | None:
     return None
 
 
-@dataclass(frozen=True)
-class DecodingSettings:
-    """Rollout decoding (``--decoding``, ``--temperature``, ``--top_k``, ``--top_p``)."""
-
-    decoding: str = "sample"
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    @property
-    def sample(self) -> bool:
-        return self.decoding == "sample"
-
-    def generate_kwargs(self) -> dict[str, Any]:
-        """These settings as ``generate`` keyword arguments. They override only the knobs they name:
-        ``generate`` still fills every other one (``repetition_penalty``, ``no_repeat_ngram_size``,
-        ``min_p``, ``typical_p``, ``bad_words_ids``, ...) from the model's ``generation_config``, so
-        :class:`RolloutGenerator` also swaps that for :meth:`generation_config` during the call."""
-        if not self.sample:
-            return {"do_sample": False, "num_beams": 1}
-        return {"do_sample": True, "num_beams": 1, "temperature": self.temperature, "top_k": self.top_k,
-                "top_p": self.top_p, "repetition_penalty": 1.0}
-
-    def generation_config(self, model_config: Any = None) -> Any:
-        """A fresh ``GenerationConfig`` with these decoding settings and nothing else but the special-token
-        ids (pad / bos / eos / decoder start) of ``model_config``, the model's own generation config.
-
-        A checkpoint's ``generation_config.json`` (``temperature 0.6``, ``repetition_penalty``,
-        ``no_repeat_ngram_size``, ``min_p``, ...) must not shape the rollouts: the PPO ratio assumes the
-        answers were drawn from ``softmax(logits / temperature)`` with top-k / top-p only, which is what
-        dschat's own loop (:func:`dschat.rlhf.decoding.sample_loop`) draws from and what the log-probs
-        are computed under."""
-        from transformers import GenerationConfig
-
-        ids = {name: getattr(model_config, name, None)
-               for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")}
-        return GenerationConfig(**{k: v for k, v in ids.items() if v is not None}, **self.generate_kwargs())
-
-    @property
-    def logit_temperature(self) -> float:
-        """Divide logits by this when scoring rollouts, so log-probs are those of the sampling
-        distribution (TRL's convention); 1 for greedy decoding."""
-        return self.temperature if self.sample else 1.0
-
-
 def zero3_full_parameter_bytes(module: torch.nn.Module) -> int:
     """Bytes of every parameter at full (unpartitioned) size."""
     total = 0
@@ -249,15 +206,6 @@ def _zero3_gathered(engine: Any) -> Iterator[None]:
             yield
         finally:
             offload._register_deepspeed_module(offload.module)
-
-
-class Rollout(NamedTuple):
-    """One generated batch."""
-
-    sequences: torch.Tensor  # (B, P + A') left-padded prompts, answers, padding after EOS
-    # (B, A') fp32 log-probs of sequences[:, P:] under logits / temperature, as sampled; None when
-    # the generator could not keep them (Hybrid Engine, or turned off).
-    logprobs: torch.Tensor | None
 
 
 def generated_token_logprobs(step_logits: Sequence[torch.Tensor] | None, answer: torch.Tensor,
@@ -515,9 +463,8 @@ class RolloutGenerator:
         """oneDNN decode-sized linears (``--cpu_decode_linear onednn``) where they apply, else nothing."""
         if self.cpu_decode_linear == "off":
             return nullcontext()
-        from dschat.rlhf.decoding import onednn_decode_linears, onednn_decode_supported
 
-        why_not = onednn_decode_supported(module) if materialised else "ZeRO-3 parameters are not gathered"
+        why_not = decoding_loop.onednn_decode_supported(module) if materialised else "ZeRO-3 parameters are not gathered"
         if why_not is None:
             need = sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() == 2)
             if need > _free_memory_bytes(torch.device("cpu")) // 2:
@@ -526,12 +473,11 @@ class RolloutGenerator:
             if next(module.parameters()).device.type == "cpu":  # on an accelerator it is simply not for it
                 self._say_once(f"--cpu_decode_linear onednn: not used ({why_not})")
             return nullcontext()
-        return onednn_decode_linears(module, rows)
+        return decoding_loop.onednn_decode_linears(module, rows)
 
     def _loop_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
-        from dschat.rlhf.decoding import sample_loop
 
-        return sample_loop(module, prompts, mask, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
+        return decoding_loop.sample_loop(module, prompts, mask, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
                            min_new_tokens=int(self.extra_generate_kwargs.get("min_new_tokens", 0)),
                            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                            keep_logprobs=self.keep_logprobs)

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from dschat.errors import UserError
+from dschat.errors import UserError, first_keys
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.paths import UPSTREAM_WEIGHTS_FILE
 
@@ -230,11 +230,6 @@ def _check_body_state(
             "should continue from"
         )
     return state
-
-
-def first_keys(keys: list[str], n: int = 5) -> str:
-    """The first ``n`` keys for an error line, and how many there are in all."""
-    return ", ".join(keys[:n]) + (f" ... ({len(keys)} in all)" if len(keys) > n else "")
 
 
 def key_problems(missing: list[str], unexpected: list[str], wrong_shape: list[str]) -> list[str]:

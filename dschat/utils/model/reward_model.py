@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dschat import rl_math
-from dschat.errors import UserError, first_line
+from dschat.errors import UserError, first_keys, first_line
 from dschat.models.families import value_head_dim
 from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE
 
@@ -89,7 +89,6 @@ def split_upstream_state(
     Every key must be one of the two; anything else (a step-1 causal LM's ``model.*`` /
     ``lm_head.weight``, left-over LoRA factors) is a :class:`UserError` naming the keys.
     """
-    from dschat.utils.model.model_utils import first_keys
 
     stray = sorted(k for k in state if k != VALUE_HEAD_KEY and not k.startswith(BODY_PREFIX))
     if stray or VALUE_HEAD_KEY not in state:
