@@ -1,7 +1,7 @@
 """Build (or validate) the tokenised-dataset cache ahead of training.
 
     python -m dschat.data.prepare --data_path dschat/builtin --train_phase 2 \\
-        --model_name_or_path tiny-llama --data_output_path /tmp/data_files --max_seq_len 512
+        --model_name_or_path tiny-llama --max_seq_len 512
 
 Useful before a multi-node launch: the step scripts then find the cache and only load it. The
 flags mirror the step scripts', so the cache key matches theirs when the values do (every step
@@ -50,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from dschat.data.raw_datasets import plan_phase_data, resolve_dataset
     from dschat.data.split import parse_data_split
     from dschat.models.registry import check_local_model_path
+    from dschat.data.prompt_dataset import check_data_output_path
     from dschat.utils.fs import check_writable_dir
 
     # Input checks first, without torch/transformers and without writing anything: names, paths,
@@ -63,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A model path that cannot work gets a clear line before transformers is even imported.
     check_local_model_path(args.model_name_or_path)
     check_writable_dir(args.data_output_path, "--data_output_path")
+    check_data_output_path(args.data_output_path)
     plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
 
     from dschat.data.prompt_dataset import create_prompt_dataset
