@@ -70,7 +70,7 @@ def untrusted_reason(path: str | os.PathLike) -> str | None:
     info = os.stat(path)
     me = os.geteuid()
     if info.st_uid != me:
-        return f"it belongs to {_user_name(info.st_uid)}, not to you ({_user_name(me)})"
+        return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
     if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         who = "its group and others" if info.st_mode & stat.S_IWGRP and info.st_mode & stat.S_IWOTH else (
             "its group" if info.st_mode & stat.S_IWGRP else "other users")
