@@ -50,7 +50,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     from dschat.data.raw_datasets import plan_phase_data, resolve_dataset
     from dschat.data.split import parse_data_split
     from dschat.models.registry import check_local_model_path
-    from dschat.data.prompt_dataset import check_data_output_path
     from dschat.utils.fs import check_writable_dir
 
     # Input checks first, without torch/transformers and without writing anything: names, paths,
@@ -64,11 +63,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     # A model path that cannot work gets a clear line before transformers is even imported.
     check_local_model_path(args.model_name_or_path)
     check_writable_dir(args.data_output_path, "--data_output_path")
-    check_data_output_path(args.data_output_path)
     plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
 
-    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.data.prompt_dataset import check_data_output_path, create_prompt_dataset
     from dschat.models.tokenizer import load_hf_tokenizer
+
+    check_data_output_path(args.data_output_path)  # a folder another user could write: before the tokenizer
 
     tokenizer = load_hf_tokenizer(
         args.model_name_or_path, fast_tokenizer=True,
