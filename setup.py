@@ -20,7 +20,7 @@ setup(
     package_data={"dschat": ["data/builtin_prefs/*.jsonl", "py.typed"]},
     include_package_data=False,
     install_requires=[
-        "torch>=2.1",
+        "torch>=2.6",  # weights_only=True cannot be bypassed from 2.6 (CVE-2025-32434)
         "deepspeed>=0.16,<0.20",
         "transformers>=5.0,<6",
         "datasets>=3.0",
@@ -31,7 +31,7 @@ setup(
         "safetensors>=0.4",
         "tokenizers>=0.20",
         "numpy>=1.24",
-        "filelock>=3.12",
+        "filelock>=3.20.1",  # no symlink truncation of the lock path (CVE-2025-68146)
         "tensorboard>=2.14",
         "tqdm>=4.60",
         "matplotlib>=3.7",

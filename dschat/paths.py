@@ -23,3 +23,12 @@ def cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "dschat"
+
+
+def data_cache_dir() -> Path:
+    """``cache_dir()/data_files``: the default ``--data_output_path``, private to the user.
+
+    Upstream's default, ``/tmp/data_files``, was one folder shared by every user of the machine:
+    another account could plant the cache files a run then trained on.
+    """
+    return cache_dir() / "data_files"

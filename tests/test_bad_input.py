@@ -10,6 +10,7 @@ stderr), all at once in a module fixture to keep the file fast. Each case must f
 model loads: a case that needs a model to be detected is a bug in the CLI's start-up checks.
 
 Placeholders in argv: ``{ws}`` the workspace, ``{out}`` = ``{ws}/out``, ``{file}`` = ``{ws}/file.txt``,
+``{shared}`` = ``{ws}/shared``, a folder anyone can write to (mode 0777, as a planted one),
 ``{inputs}`` the malformed data files below, ``{critic}`` a step-2 style reward-model folder,
 ``{tiny}`` the tiny-opt model folder. Unit tests of the same checks live next to their modules
 (``test_data_adapters``, ``test_step3_guards``, ...); this file proves each reaches the user cleanly.
@@ -98,6 +99,8 @@ CASES = [
          "--tensorboard_path {file}/tb cannot be created"),
     Case("step1/data-cache-under-a-file", "step1", ("--data_output_path", "{file}/cache"),
          "--data_output_path {file}/cache cannot be created"),
+    Case("step1/data-cache-others-can-write", "step1", ("--data_output_path", "{shared}"),
+         "--data_output_path {shared} is not safe to read on a shared machine: its group and others can write"),
     # ---- step 2 (reward model)
     Case("step2/offload-without-zero", "step2", ("--offload", "--zero_stage", "0"), "--offload needs ZeRO",
          subprocess=True, good_output=True),
@@ -152,6 +155,8 @@ CASES = [
          good_output=True),
     Case("report/out-under-a-file", "report", ("--out", "{file}/report"), "--out {file}/report cannot be created"),
     Case("prepare/cache-under-a-file", "prepare", ("--data_output_path", "{file}/cache"), "cannot be created"),
+    Case("prepare/cache-others-can-write", "prepare", ("--data_output_path", "{shared}"),
+         "--data_output_path {shared} is not safe to read"),
 ]
 
 
@@ -202,10 +207,12 @@ def no_model_loads(monkeypatch: pytest.MonkeyPatch) -> None:
 def _workspace(root: Path, case: Case) -> dict[str, str]:
     root.mkdir(parents=True, exist_ok=True)
     (root / "file.txt").write_text("a regular file\n")
+    (root / "shared").mkdir()
+    (root / "shared").chmod(0o777)  # what a folder another user planted in /tmp looks like
     if case.good_output:
         (root / "out").mkdir()
         (root / "out" / "sentinel.txt").write_text("a previous good output\n")
-    return {"ws": str(root), "out": str(root / "out"), "file": str(root / "file.txt")}
+    return {"ws": str(root), "out": str(root / "out"), "file": str(root / "file.txt"), "shared": str(root / "shared")}
 
 
 def _argv(case: Case, values: dict[str, str]) -> list[str]:
@@ -268,7 +275,8 @@ def subprocess_runs(fixed: dict[str, str], tmp_path_factory: pytest.TempPathFact
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(case, fixed, request, tmp_path, capsys, no_model_loads):
     if case.subprocess:  # the fixture runs them all at once, only when a subprocess case is selected
         code, stderr, ws, before = request.getfixturevalue("subprocess_runs")[case.id]
-        values = {**fixed, "ws": str(ws), "out": str(ws / "out"), "file": str(ws / "file.txt")}
+        values = {**fixed, "ws": str(ws), "out": str(ws / "out"), "file": str(ws / "file.txt"),
+                  "shared": str(ws / "shared")}
     else:
         ws = tmp_path / "ws"
         values = {**fixed, **_workspace(ws, case)}

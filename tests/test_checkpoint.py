@@ -4,8 +4,10 @@ run's losses and final weights bit for bit (CPU, ZeRO 0 and 2); incomplete check
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -13,7 +15,7 @@ import torch
 from _step_helpers import PYTHON, STEP_DIRS, base_argv, load_script, run_cli
 from step3_support import load_state, max_abs_diff
 
-from dschat.errors import UserError
+from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
@@ -153,22 +155,53 @@ def test_resuming_from_the_last_checkpoint_trains_no_further(case, data_dir, tmp
     assert again.train_losses == [] and again.optimizer_steps == 2
 
 
-def test_a_checkpoint_that_would_run_code_is_refused(data_dir, tmp_path):
-    """DeepSpeed would unpickle anything; dschat loads checkpoints with weights_only=True."""
-    main = load_script("step1").main
-    out = tmp_path / "a"
-    main(base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--save_interval", "1", "--output_dir", str(out),
-                   max_train_steps=1, batch_size=2))
-    folder = out / "checkpoints" / "step_00000001"
-    target = next((folder / "model").glob("*optim_states.pt"))
+@pytest.fixture(scope="module")
+def saved_checkpoint(data_dir, tmp_path_factory):
+    """A real step-1 checkpoint (ZeRO 2, one optimizer step) to tamper with."""
+    out = tmp_path_factory.mktemp("tamper") / "a"
+    load_script("step1").main(base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--save_interval", "1",
+                                        "--output_dir", str(out), max_train_steps=1, batch_size=2))
+    return out / "checkpoints" / "step_00000001"
+
+
+@pytest.mark.parametrize("target,payload", [
+    # The model states: a function from a module torch blocks by name, which torch 2.13 words as
+    # "unsupported GLOBAL os.makedirs whose module os is blocked" (it used to be a traceback, exit 1).
+    ("mp_rank_00_model_states.pt", "blocked-module"),
+    # The optimizer states: a function torch refuses as "Unsupported global".
+    ("*optim_states.pt", "not-allowed-global"),
+])
+def test_a_checkpoint_that_would_run_code_is_one_line_exit_2(target, payload, saved_checkpoint, data_dir, tmp_path,
+                                                               capsys):
+    """DeepSpeed would unpickle anything; dschat loads checkpoints with weights_only=True, and a
+    tampered file is one error line naming it, whatever torch's wording."""
+    folder = tmp_path / "step_00000001"
+    shutil.copytree(saved_checkpoint, folder)
+    victim = next((folder / "model").glob(target))
     marker = tmp_path / "code-ran"
-    state = torch.load(target, weights_only=False)
-    state["payload"] = _RunsCode(str(marker))
-    torch.save(state, target)
-    with pytest.raises(UserError, match="holds objects dschat does not unpickle"):
-        main(base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--output_dir", str(tmp_path / "b"),
-                       "--resume_from", str(folder), max_train_steps=2, batch_size=2))
+    state = torch.load(victim, weights_only=False)  # the attacker's side: the file is ours
+    state["payload"] = _MakesFolder(str(marker)) if payload == "blocked-module" else _RunsCode(str(marker))
+    torch.save(state, victim)
+    main = load_script("step1").main
+    capsys.readouterr()
+    code = cli_main(main, base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--output_dir", str(tmp_path / "b"),
+                                    "--resume_from", str(folder), max_train_steps=2, batch_size=2))
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{victim} holds objects dschat does not unpickle" in errors[0], err[-3000:]
+    assert "resume only from checkpoints dschat wrote" in errors[0]
     assert not marker.exists()
+
+
+class _MakesFolder:
+    """Unpickling this creates a folder: ``os.makedirs``, in a module torch blocks by name."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
 
 
 class _RunsCode:

@@ -106,15 +106,17 @@ def parse(phase, *argv):
     return parser.parse_args(list(argv))
 
 
-def test_data_flags_defaults_per_step():
+def test_data_flags_defaults_per_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    private = str(tmp_path / "cache" / "data_files")  # upstream: /tmp/data_files, shared by every user
     one = parse(1)
     assert one.data_path == ["Dahoas/rm-static"] and one.data_split == "2,4,4"
-    assert one.sft_only_data_path == [] and one.data_output_path == "/tmp/data_files/"
+    assert one.sft_only_data_path == [] and one.data_output_path == private
     assert one.rebuild_data_cache is False
     two = parse(2)
-    assert not hasattr(two, "sft_only_data_path") and two.data_output_path == "/tmp/data_files/"
+    assert not hasattr(two, "sft_only_data_path") and two.data_output_path == private
     three = parse(3)
-    assert three.data_output_path == "/tmp/data_files"  # upstream step 3: no trailing slash
+    assert three.data_output_path == private
     assert parse(1, "--data_path", "a", "b", "--sft_only_data_path", "c").data_path == ["a", "b"]
     with pytest.raises(SystemExit):
         parse(3, "--sft_only_data_path", "x")

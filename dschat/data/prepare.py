@@ -1,7 +1,7 @@
 """Build (or validate) the tokenised-dataset cache ahead of training.
 
     python -m dschat.data.prepare --data_path dschat/builtin --train_phase 2 \\
-        --model_name_or_path tiny-llama --data_output_path /tmp/data_files --max_seq_len 512
+        --model_name_or_path tiny-llama --max_seq_len 512
 
 Useful before a multi-node launch: the step scripts then find the cache and only load it. The
 flags mirror the step scripts', so the cache key matches theirs when the values do (every step
@@ -65,8 +65,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_writable_dir(args.data_output_path, "--data_output_path")
     plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
 
-    from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.data.prompt_dataset import check_data_output_path, create_prompt_dataset
     from dschat.models.tokenizer import load_hf_tokenizer
+
+    check_data_output_path(args.data_output_path)  # a folder another user could write: before the tokenizer
 
     tokenizer = load_hf_tokenizer(
         args.model_name_or_path, fast_tokenizer=True,

@@ -29,8 +29,13 @@ The cache, and how it fixes upstream (DSE #437, #558, #822, #416; bug list §10.
   cache, and a failed build or rebuild leaves nothing behind and any previous cache untouched.
 * Building happens once under a ``filelock.FileLock`` in ``output_path``: each process takes it; the
   first builds, the others then find the files and load them. This replaces upstream's per-node
-  local-rank-0 build + ``uint8`` all-reduce (which wrapped to 0 at 256 ranks) and makes a shared
-  ``--data_output_path`` safe.
+  local-rank-0 build + ``uint8`` all-reduce (which wrapped to 0 at 256 ranks) and makes a
+  ``--data_output_path`` shared by ranks and nodes safe.
+* The folder is the user's own (default :func:`~dschat.paths.data_cache_dir`, created 0700; upstream
+  used ``/tmp/data_files``, shared by every user) and the files are 0600. A folder, cache file or
+  lock that another account owns, or that group or others can write to, is never read: the run
+  stops with one line naming it (:func:`check_data_output_path`), since the key is deterministic
+  and anyone able to write there could plant the data a run trains on.
 * ``reload=True`` (``--rebuild_data_cache``) rebuilds on processes with ``local_rank <= 0``; when a
   process group is up every rank then waits for them, and an error in a build (say, every prompt
   too long) is raised on every rank, a :class:`UserError` with the same message.
@@ -62,7 +67,7 @@ from dschat.data.raw_datasets import (
 )
 from dschat.data.split import get_shuffle_idx, parse_data_split
 from dschat.errors import UserError
-from dschat.utils.fs import atomic_files
+from dschat.utils.fs import atomic_files, check_trusted, make_private_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
 FORMAT_VERSION = 1
@@ -84,6 +89,7 @@ __all__ = [
     "tokenizer_fingerprint",
     "cache_key",
     "cache_files",
+    "check_data_output_path",
 ]
 
 
@@ -502,6 +508,27 @@ def cache_files(output_path: str | os.PathLike, key: str) -> _CacheFiles:
     )
 
 
+#: How to get out of an untrusted cache: said in every refusal.
+UNTRUSTED_FIX = ("pass a --data_output_path folder of your own that only you can write to (the default, "
+                 "dschat's per-user cache, is one), or remove the other user's files and run chmod go-w on yours")
+
+
+def check_data_output_path(output_path: str | os.PathLike) -> None:
+    """Refuse (one line) an existing ``--data_output_path`` that is not this user's, or that group or
+    others can write to: files there could have been planted. A missing folder passes (it is
+    created private)."""
+    if os.path.lexists(output_path):
+        check_trusted(output_path, "--data_output_path", UNTRUSTED_FIX)
+
+
+def _private_folder(output_path: str | os.PathLike) -> None:
+    """Create ``output_path`` 0700 if needed, then require it to be a folder this user may trust."""
+    make_private_dir(output_path)
+    if not os.path.isdir(output_path):
+        raise UserError(f"--data_output_path {output_path} is not a folder; pass a folder path")
+    check_data_output_path(output_path)
+
+
 def _write_cache(files: _CacheFiles, key: str, fields: dict, train: PromptDataset, held_out: PromptDataset, stats: list) -> None:
     """Write the three files under temporary names, then rename them into place, meta last.
 
@@ -525,16 +552,22 @@ def _write_cache(files: _CacheFiles, key: str, fields: dict, train: PromptDatase
     }
     st_meta = {"format": "dschat-prompt-dataset", "format_version": str(FORMAT_VERSION), "key": key}
     # The meta file goes last: its presence marks a complete cache.
-    with atomic_files((files.train, files.eval, files.meta)) as (train_tmp, eval_tmp, meta_tmp):
+    # 0600: tokenised data is as private as the text it came from.
+    with atomic_files((files.train, files.eval, files.meta), mode=0o600) as (train_tmp, eval_tmp, meta_tmp):
         for tmp, ds in ((train_tmp, train), (eval_tmp, held_out)):
             save_file({k: v.contiguous() for k, v in ds.tensors().items()}, str(tmp), metadata=st_meta)
         meta_tmp.write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
 
 
 def _load_cache(files: _CacheFiles, key: str) -> tuple[PromptDataset, PromptDataset] | None:
-    """The cached pair, or None if absent, incomplete, or written by another format version."""
+    """The cached pair, or None if absent, incomplete, or written by another format version.
+
+    A file of the set that is not this user's, or that others can write to, is refused (one line).
+    """
     if not all(p.is_file() for p in files.all()):
         return None
+    for path in files.all():
+        check_trusted(path, "data cache file", UNTRUSTED_FIX)
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -602,17 +635,31 @@ def _build_datasets(
     return train, held_out, stats
 
 
+def _acquire(lock: Any, path: Path, timeout: float) -> None:
+    """``lock.acquire(timeout)``; a lock file this user cannot open is one line, not a traceback."""
+    try:
+        lock.acquire(timeout=timeout)
+    except PermissionError as err:
+        raise UserError(f"cannot take the data-cache lock {path} ({err.strerror}): another user's file or "
+                        f"folder; {UNTRUSTED_FIX}") from err
+
+
 @contextlib.contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    """Hold ``filelock.FileLock(path)``, saying so when another process has it (a build is running)."""
+    """Hold ``filelock.FileLock(path)``, saying so when another process has it (a build is running).
+
+    A lock file left by another account is refused (one line) rather than shared.
+    """
     from filelock import FileLock, Timeout
 
-    lock = FileLock(str(path))
+    if os.path.lexists(path):
+        check_trusted(path, "data-cache lock", UNTRUSTED_FIX)
+    lock = FileLock(str(path), mode=0o600)
     try:
-        lock.acquire(timeout=0)
+        _acquire(lock, path, timeout=0)
     except Timeout:
         print(f"Waiting for another process to finish building the data cache (lock {path})", flush=True)
-        lock.acquire()
+        _acquire(lock, path, timeout=-1)
     try:
         yield
     finally:
@@ -687,6 +734,7 @@ def create_prompt_dataset(
     fields = _key_fields(sources, sft_sources, proportions, train_phase, seed, tokenizer, max_seq_len, end_of_conversation_token)
     key = cache_key(fields)
     files = cache_files(output_path, key)
+    check_data_output_path(output_path)  # before reading anything there
 
     def build(plan: PhasePlan) -> tuple[PromptDataset, PromptDataset]:
         train, held_out, stats = _build_datasets(
@@ -705,7 +753,7 @@ def create_prompt_dataset(
         result, failure = None, None
         if local_rank <= 0:
             try:
-                os.makedirs(output_path, exist_ok=True)
+                _private_folder(output_path)
                 with _locked(files.lock):
                     result = build(plan)
             except Exception as err:  # re-raised below, on every rank
@@ -722,7 +770,7 @@ def create_prompt_dataset(
         return keyed(cached)
     # Validate and load the raw data before creating anything on disk: bad input leaves no files.
     plan = plan_phase_data(data_path, sft_paths, data_split, train_phase, seed, output_path, local_rank)
-    os.makedirs(output_path, exist_ok=True)
+    _private_folder(output_path)
     with _locked(files.lock):
         cached = _load_cache(files, key)  # another process may have built it while we waited
         if cached is not None:

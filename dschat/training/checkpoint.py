@@ -22,16 +22,19 @@ DeepSpeed's checkpoint files are ``torch.save`` pickles, which DeepSpeed itself 
 ``torch.load(weights_only=False)`` (any object, any code). :func:`load_checkpoint` swaps in
 :class:`WeightsOnlyCheckpointEngine` for the load: ``weights_only=True`` with four DeepSpeed record
 types allowed (:func:`safe_deepspeed_globals`), so a tampered checkpoint cannot run code; one holding
-anything else is refused with one line.
+anything else, or a damaged file, is refused with one line naming the file (exit code 2).
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
 import shutil
+import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from pickle import UnpicklingError  # the error type only: nothing here unpickles
 from typing import Any, Mapping
 
 import numpy as np
@@ -145,6 +148,23 @@ def safe_deepspeed_globals() -> list[Any]:
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
+#: What loading a damaged or foreign file raises besides UnpicklingError: a truncated pickle
+#: (EOFError), a broken zip (torch's RuntimeError "PytorchStreamReader failed", zipfile's
+#: BadZipFile), odd records (ValueError, TypeError), a file gone missing (OSError).
+_UNREADABLE = (EOFError, RuntimeError, zipfile.BadZipFile, ValueError, TypeError, OSError)
+
+
+def _load_error_detail(err: BaseException) -> str:
+    """The informative line of a ``torch.load`` error: the one naming the refused global or
+    opcode when there is one (torch puts advice first), else the first line; at most 200
+    characters, without terminal colour codes."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).splitlines()]
+    lines = [line for line in lines if line]
+    detail = next((line for line in lines if "global" in line.lower() or "unsupported" in line.lower()),
+                  lines[0] if lines else "no message")
+    return detail[:200]
+
+
 class WeightsOnlyCheckpointEngine:
     """DeepSpeed's checkpoint engine, loading with ``torch.load(weights_only=True)``."""
 
@@ -155,15 +175,24 @@ class WeightsOnlyCheckpointEngine:
         return getattr(self._inner, name)
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        """``torch.load(path, weights_only=True)``; a file that does not load is one line naming it.
+
+        Caught by exception type, not by message: torch words its refusals differently across
+        versions and cases ("Unsupported global: GLOBAL x", "unsupported GLOBAL posix.system whose
+        module posix is blocked", "Unsupported operand 103"); the message only picks the wording.
+        """
         with torch.serialization.safe_globals(safe_deepspeed_globals()):
             try:
                 return torch.load(path, map_location=map_location, weights_only=True)
-            except Exception as err:  # torch raises pickle's UnpicklingError
-                detail = next((line for line in str(err).splitlines() if "Unsupported global" in line), None)
-                if detail is None:
-                    raise
-                raise UserError(f"{path} holds objects dschat does not unpickle ({detail.strip()[:200]}); "
-                                "resume only from checkpoints dschat wrote") from None
+            except torch.OutOfMemoryError:
+                raise  # a real out-of-memory (a RuntimeError too), not a bad file
+            except (UnpicklingError, *_UNREADABLE) as err:
+                detail = _load_error_detail(err)
+                if isinstance(err, UnpicklingError) and "global" in detail.lower():  # a refused object
+                    raise UserError(f"{path} holds objects dschat does not unpickle ({detail}); resume only "
+                                    "from checkpoints dschat wrote") from None
+                raise UserError(f"cannot read {path} ({type(err).__name__}: {detail}); the checkpoint is "
+                                "damaged or was not written by dschat: pass --resume_from with another one") from None
 
 
 def _is_zero3(param: torch.nn.Parameter) -> bool:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
+from dschat.data.prompt_dataset import check_data_output_path
 from dschat.errors import UserError
 from dschat.utils.dist import get_all_reduce_mean, get_world_size
 
@@ -310,12 +311,15 @@ def check_common_args(args: argparse.Namespace) -> None:
 
 def check_output_paths(args: argparse.Namespace) -> None:
     """``--output_dir``, ``--data_output_path`` and (when enabled) ``--tensorboard_path`` must be
-    folders this process can create: refused at start-up, not after training (steps 1-3)."""
+    folders this process can create, and a data cache folder one this user may trust: refused at
+    start-up, not after training (steps 1-3)."""
     from dschat.utils.fs import check_writable_dir
 
     for name in ("output_dir", "data_output_path"):
         if getattr(args, name, None):
             check_writable_dir(getattr(args, name), f"--{name}")
+    if getattr(args, "data_output_path", None):
+        check_data_output_path(args.data_output_path)
     if getattr(args, "enable_tensorboard", False):
         check_writable_dir(args.tensorboard_path, "--tensorboard_path")
 

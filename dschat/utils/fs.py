@@ -5,13 +5,20 @@ only once complete (``os.replace`` is atomic on POSIX within one filesystem). A 
 writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says the previous file
 or folder is unchanged. :func:`atomic_files` does the same for a set of files replaced together.
 :func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
+
+On a shared machine a file or folder is trusted only when this user owns it and nobody else can
+write to it (:func:`untrusted_reason`, :func:`is_trusted`, :func:`check_trusted`): a cache, lock or
+leftover folder that another account could have planted or edited is never read.
+:func:`make_private_dir` creates folders only their owner can enter (0700).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
 import os
+import pwd
 import shutil
+import stat
 import tempfile
 import uuid
 from pathlib import Path
@@ -42,6 +49,73 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path} cannot be written: no write permission in {ancestor}; "
                         "pass a folder you can write to")
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:  # a uid with no passwd entry (a container, a deleted account)
+        return f"uid {uid}"
+
+
+def untrusted_reason(path: str | os.PathLike) -> str | None:
+    """Why ``path`` must not be trusted on a shared machine, or ``None`` when it may be.
+
+    Trusted means: owned by this process's effective user, and not writable by its group or by
+    others. The owner is what counts, not what ``os.access`` says: root can read and write
+    anything, yet must still not trust a file another account planted. A symlink is judged by its
+    target (``os.stat`` follows it), which is what a reader opens. Raises ``FileNotFoundError``
+    when ``path`` does not exist.
+    """
+    info = os.stat(path)
+    me = os.geteuid()
+    if info.st_uid != me:
+        return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "its group and others" if info.st_mode & stat.S_IWGRP and info.st_mode & stat.S_IWOTH else (
+            "its group" if info.st_mode & stat.S_IWGRP else "other users")
+        return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def is_trusted(path: str | os.PathLike) -> bool:
+    """True when ``path`` exists, this user owns it and nobody else can write to it."""
+    try:
+        return untrusted_reason(path) is None
+    except FileNotFoundError:
+        return False
+
+
+def check_trusted(path: str | os.PathLike, what: str, fix: str) -> None:
+    """Refuse ``path`` with one line unless this user owns it and nobody else can write to it.
+
+    ``what`` names the path in the message ("--data_output_path", "data cache file"); ``fix`` says
+    what to do ("pass a folder of your own"). See :func:`untrusted_reason`.
+    """
+    reason = untrusted_reason(path)
+    if reason is not None:
+        raise UserError(f"{what} {path} is not safe to read on a shared machine: {reason}; {fix}")
+
+
+def make_private_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` and its missing parents as folders only their owner can enter (0700).
+
+    Folders that exist already are left as they are (check them with :func:`check_trusted`);
+    another process creating the same folder at the same time is fine.
+    """
+    target = Path(os.path.expanduser(os.fspath(path)))
+    missing = []
+    folder = target
+    while not folder.is_dir() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made by another rank meanwhile, or a file: the caller's checks name it
+        os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask; this is exact
+    return target
 
 
 def _is_disk_full(err: BaseException) -> bool:
@@ -83,7 +157,7 @@ def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
 
 
 @contextlib.contextmanager
-def atomic_files(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
+def atomic_files(paths: Sequence[str | os.PathLike], mode: int | None = None) -> Iterator[list[Path]]:
     """Replace a set of files that belong together (a data cache) at once; :func:`atomic_file` is
     the one-file case.
 
@@ -91,6 +165,7 @@ def atomic_files(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
     do they replace ``paths``, in the order given: put last the file whose presence marks the set
     complete. On an exception (a full disk while writing the second file, say) every temporary
     file is removed and every one of ``paths`` is left as it was, previous versions included.
+    The files get ``mode`` (0600: private), by default what a plain ``open()`` would give.
     """
     targets = [Path(p) for p in paths]
     # A full disk: one file is named with its previous version, a set by its folder.
@@ -105,7 +180,8 @@ def atomic_files(paths: Sequence[str | os.PathLike]) -> Iterator[list[Path]]:
                 os.close(fd)
                 tmps.append(Path(tmp))
             yield list(tmps)
-            mode = 0o666 & ~_umask()  # mkstemp creates 0600 files; give what a plain open() would
+            if mode is None:
+                mode = 0o666 & ~_umask()  # mkstemp creates 0600 files; give what a plain open() would
             for tmp in tmps:
                 os.chmod(tmp, mode)
             for tmp, path in zip(tmps, targets):
