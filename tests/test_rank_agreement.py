@@ -157,7 +157,7 @@ def test_a_folder_only_rank_0_sees_stops_every_rank_at_start_up(runs):
     first, second = _outcome(runs, "node_local_start")
     assert first == second, "every rank prints the same line"
     assert first["error"].startswith(f"rank 1 on host {HOST} cannot see the checkpoint folder ")
-    assert "--output_dir must be a folder that every node sees" in first["error"]
+    assert "--output_dir (and --resume_from) must be a folder that every node sees" in first["error"]
 
 
 def test_a_commit_that_a_rank_cannot_see_is_never_complete(runs):
@@ -174,7 +174,7 @@ def test_ranks_that_would_resume_from_different_steps_stop_before_loading(runs):
     assert first == second
     assert first["error"].startswith(
         f"the ranks would resume from different checkpoints (rank 0 on host {HOST}: step_00000002, "
-        f"rank 1 on host {HOST}: none); --output_dir must be a folder that every node sees")
+        f"rank 1 on host {HOST}: none); --output_dir (and --resume_from) must be a folder that every node sees")
 
 
 def test_every_rank_prunes_its_own_leftovers_and_shared_ones_once(runs):

@@ -35,6 +35,7 @@ anything else is refused with one line.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -58,8 +59,9 @@ TMP_PREFIX = ".tmp-"
 PROBE_PREFIX = f"{TMP_PREFIX}visible-"  # a file rank 0 drops for the other ranks to look for
 FORMAT_VERSION = 1
 # What a rank that cannot see rank 0's folder is told to do.
-SHARED_OUTPUT_FIX = ("--output_dir must be a folder that every node sees (the same path on a shared file system); "
-                     "dschat does not write DeepSpeed's node-local checkpoints (checkpoint.use_node_local_storage)")
+SHARED_OUTPUT_FIX = ("--output_dir (and --resume_from) must be a folder that every node sees (the same path on a "
+                     "shared file system); dschat does not write DeepSpeed's node-local checkpoints "
+                     "(checkpoint.use_node_local_storage)")
 
 
 @dataclass
@@ -246,10 +248,25 @@ def prepare_checkpoint_root(args: Any, rank: int) -> None:
     for notice in prune_leftovers(root, run_tag):
         print(f"[checkpoint] {notice}", flush=True)
     barrier()  # no rank looks for rank 0's probe before every rank has pruned
-    if wants_checkpoints(args):
+    if wants_checkpoints(args) and get_world_size() > 1:
+        made = _missing_ancestors(root) if rank == 0 else []
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-        refuse_unless_shared(root, rank, "the checkpoint folder")
+        try:
+            refuse_unless_shared(root, rank, "the checkpoint folder")
+        finally:
+            for folder in made:  # a run stopped later by bad input leaves no empty folders behind
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
+
+def _missing_ancestors(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,7 +403,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         os.replace(tmp, final)
     barrier()
     # Each rank looks for its own files where rank 0 committed them, as its own node sees that folder.
-    seen = all((final / path.relative_to(tmp)).is_file() for path in written)
+    seen = all((final / path.relative_to(tmp)).is_file() for path in written if path.is_relative_to(tmp))
     try:
         refuse_unless_all(seen, f"cannot see the files it wrote for the checkpoint in {final} after rank 0 "
                                 "renamed the folder they were written in")
