@@ -254,6 +254,7 @@ def test_output_dir_flag_resolves_a_symlink_once(tmp_path, monkeypatch):
     args = load_script("step1").parse_args(["--model_name_or_path", "tiny-llama", "--output_dir",
                                             str(tmp_path / "out")])
     assert args.output_dir == str(tmp_path / "big" / "out")
+    assert fs.resolve_output_dir(f"{tmp_path / 'out'}/") == str(tmp_path / "big" / "out")
     monkeypatch.setenv(fs.RANK_OUTPUT_ROOT_ENV, str(tmp_path / "nodes"))  # the test hook: one root per rank
     monkeypatch.setenv("RANK", "1")
     assert fs.resolve_output_dir(str(tmp_path / "out")) == str(tmp_path / "nodes" / "rank1" / "out")

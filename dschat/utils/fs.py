@@ -62,7 +62,7 @@ def resolve_output_dir(value: str) -> str:
     if test_root:
         name = os.path.basename(os.path.normpath(value))
         value = os.path.join(test_root, f"rank{os.environ.get('RANK', '0')}", name)
-    return os.path.realpath(value) if os.path.islink(value) else value
+    return os.path.realpath(value) if os.path.islink(os.path.normpath(value)) else value  # "link/" too
 
 
 def _through_link(path: Path) -> Path:
