@@ -9,6 +9,7 @@ import argparse
 import functools
 
 from dschat.paths import data_cache_dir
+from dschat.utils.fs import resolve_output_dir
 
 __all__ = ["add_data_args", "add_unsupervised_data_args"]
 
@@ -138,7 +139,9 @@ def add_training_args(
 
 def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("runtime")
-    group.add_argument("--output_dir", type=str, default=None, help="Where to store the model.")
+    group.add_argument("--output_dir", type=resolve_output_dir, default=None,
+                       help="Where to store the model. A symlink is followed: the output lands where it points "
+                            "and the link stays. On many nodes, a folder every node shares (README).")
     group.add_argument("--seed", type=int, default=seed, help="A seed for reproducible training.")
     group.add_argument("--local_rank", type=int, default=-1,
                        help="local_rank for distributed training on gpus (set by the deepspeed launcher).")

@@ -13,7 +13,16 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_<N>`` (N = optimizer st
 
 Writes go to ``checkpoints/.tmp-step_<N>`` and are renamed into place once every rank has written
 its part, so a kill at any moment leaves the previous checkpoint usable; an incomplete folder is
-ignored on resume with a one-line notice. The data position is exact because the training order is
+ignored on resume with a one-line notice.
+
+Every rank agrees (collectives, :func:`dschat.utils.dist.gather_ints`): a checkpoint is complete
+(its marker written) only once every rank has found the files it wrote in the renamed folder, as
+seen from its own node; on ``--resume`` the ranks compare the step they would load before anything
+is loaded. A rank that cannot see the folder rank 0 writes (``--output_dir`` on node-local storage)
+stops every rank with one line naming it and its host (exit 2), at start-up
+(:func:`prepare_checkpoint_root`) and at every save. Leftover ``.tmp-*`` folders are pruned at
+start-up by every rank in its own view; a rename claims each one first, so ranks sharing the folder
+never delete the same leftover twice. The data position is exact because the training order is
 a function of (seed, epoch, rank) only (``make_train_loader``): resuming skips the batches already
 trained in that epoch. On a CPU, ZeRO 0 and 2, a resumed run reproduces the uninterrupted run's
 losses bit for bit (``tests/test_checkpoint.py``).
@@ -26,10 +35,12 @@ anything else, or a damaged file, is refused with one line naming the file (exit
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import re
+import secrets
 import shutil
 import zipfile
 from dataclasses import asdict, dataclass, field
@@ -41,13 +52,19 @@ import numpy as np
 import torch
 
 from dschat.errors import UserError
-from dschat.utils.dist import barrier, print_rank_0
+from dschat.utils.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
 from dschat.utils.ds_utils import gathered_parameters, release_zero3_prefetch
+from dschat.utils.fs import atomic_file
 
 MARKER = "dschat_checkpoint.json"
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+PROBE_PREFIX = f"{TMP_PREFIX}visible-"  # a file rank 0 drops for the other ranks to look for
 FORMAT_VERSION = 1
+# What a rank that cannot see rank 0's folder is told to do.
+SHARED_OUTPUT_FIX = ("--output_dir (and --resume_from) must be a folder that every node sees (the same path on a "
+                     "shared file system); dschat does not write DeepSpeed's node-local checkpoints "
+                     "(checkpoint.use_node_local_storage)")
 
 
 @dataclass
@@ -133,6 +150,126 @@ def read_position(folder: Path) -> TrainingPosition:
         raise UserError(f"{folder} was written by another dschat checkpoint format ({data.get('format')}); "
                         "start a new run or use the dschat version that wrote it")
     return TrainingPosition(**data["position"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Rank agreement (collective: every rank calls these, in the same order)
+# ------------------------------------------------------------------------------------------------
+def refuse_unless_all(ok: bool, problem: str, fix: str = SHARED_OUTPUT_FIX) -> None:
+    """Stop every rank with the same one line when ``ok`` is False on any rank.
+
+    ``problem`` says what the first failing rank could not do ("cannot see ..."); the line names
+    that rank and its host, and how many others failed with it.
+    """
+    failed = [rank for rank, (flag,) in enumerate(gather_ints([0 if ok else 1])) if flag]
+    if not failed:
+        return
+    hosts = gather_hosts()  # every rank is here: the flags above are the same on all of them
+    first = failed[0]
+    more = f" (and {len(failed) - 1} more rank{'s' if len(failed) > 2 else ''})" if len(failed) > 1 else ""
+    raise UserError(f"rank {first} on host {hosts[first]}{more} {problem}; {fix}")
+
+
+def _share_probe(folder: Path, rank: int) -> Path:
+    """Rank 0 drops an empty file with a fresh random name into ``folder``; every rank gets its path
+    (collective). A stale folder or file of the same name cannot pass for it."""
+    token = secrets.randbits(62) if rank == 0 else 0
+    if rank == 0:
+        (folder / f"{PROBE_PREFIX}{token:x}").touch()
+    token = gather_ints([token])[0][0]  # rank 0 wrote the file before it sent the name
+    return folder / f"{PROBE_PREFIX}{token:x}"
+
+
+def refuse_unless_shared(folder: Path, rank: int, what: str) -> None:
+    """Every rank must see ``folder`` as rank 0 does (the same folder, not a namesake on its own
+    node); otherwise every rank stops with one line (collective; ``folder`` exists on rank 0)."""
+    if get_world_size() == 1:
+        return
+    probe = _share_probe(folder, rank)
+    try:
+        refuse_unless_all(probe.is_file(), f"cannot see {what} {folder} that rank 0 made")
+    finally:
+        barrier()
+        if rank == 0:
+            probe.unlink(missing_ok=True)
+
+
+def prune_leftovers(root: Path, run_tag: str) -> list[str]:
+    """Delete the ``.tmp-*`` leftovers of stopped saves under ``root`` as this rank sees it; return
+    one notice per unfinished checkpoint deleted.
+
+    Every rank calls it (node-local folders have leftovers too), with the same ``run_tag``. A rank
+    first claims a leftover by renaming it to ``.tmp-pruning-<run_tag>-<own suffix>``, which the
+    other ranks of this run pass over: on a shared file system exactly one rank deletes each.
+    """
+    if not root.is_dir():
+        return []
+    ours = f"{TMP_PREFIX}pruning-{run_tag}-"
+    notices = []
+    for leftover in sorted(root.glob(f"{TMP_PREFIX}*")):
+        if leftover.name.startswith(ours):
+            continue  # claimed by another rank of this run
+        claimed = root / f"{ours}{secrets.token_hex(6)}"
+        try:
+            os.replace(leftover, claimed)
+        except FileNotFoundError:  # another rank claimed it first
+            continue
+        if claimed.is_dir() and not claimed.is_symlink():
+            shutil.rmtree(claimed, ignore_errors=True)
+        else:
+            claimed.unlink(missing_ok=True)
+        if not leftover.name.startswith((PROBE_PREFIX, f"{TMP_PREFIX}pruning-")):
+            notices.append(f"ignoring incomplete checkpoint {leftover} (a run stopped while writing it); "
+                           "removed it")
+    return notices
+
+
+def wants_checkpoints(args: Any) -> bool:
+    return bool(getattr(args, "save_interval", 0) > 0 or getattr(args, "resume", False)
+                or getattr(args, "resume_from", None))
+
+
+def prepare_checkpoint_root(args: Any, rank: int) -> None:
+    """Start-up checks of ``<output_dir>/checkpoints`` that need every rank's view (collective, right
+    after the process group starts, before any model loads).
+
+    * A fresh run (no ``--resume`` / ``--resume_from``) refuses a folder with checkpoints of an
+      earlier run, seen by any rank.
+    * Each rank prunes the ``.tmp-*`` leftovers it sees (:func:`prune_leftovers`).
+    * With checkpoints to write or resume, every rank must see the folder rank 0 sees.
+    """
+    if not args.output_dir:
+        return
+    root = checkpoint_root(args.output_dir)
+    fresh = not getattr(args, "resume", False) and not getattr(args, "resume_from", None)
+    # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
+    earlier = fresh and bool(complete_checkpoints(root) or [
+        p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX)])
+    refuse_unless_all(not earlier, f"found checkpoints of an earlier run in {root}",
+                      f"pass --resume to continue that run, or delete {root} on every node to start over")
+    run_tag = f"{gather_ints([secrets.randbits(62) if rank == 0 else 0])[0][0]:x}"
+    for notice in prune_leftovers(root, run_tag):
+        print(f"[checkpoint] {notice}", flush=True)
+    barrier()  # no rank looks for rank 0's probe before every rank has pruned
+    if wants_checkpoints(args) and get_world_size() > 1:
+        made = _missing_ancestors(root) if rank == 0 else []
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+        try:
+            refuse_unless_shared(root, rank, "the checkpoint folder")
+        finally:
+            for folder in made:  # a run stopped later by bad input leaves no empty folders behind
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+
+
+def _missing_ancestors(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, innermost first."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,11 +368,45 @@ def load_weights(engine: Any, path: Path, rank: int) -> None:
                     param.copy_(state[name].to(param.device, param.dtype))
 
 
+class RecordingCheckpointEngine:
+    """DeepSpeed's checkpoint engine, noting the path of every file this rank saves (so that the rank
+    can look for them after the commit)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.saved: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def save(self, state_dict: Any, path: str) -> Any:
+        self.saved.append(str(path))
+        return self._inner.save(state_dict, path)
+
+
+def _save_engine(engine: Any, folder: Path, tag: str) -> list[Path]:
+    """``engine.save_checkpoint`` into ``folder``; the files this rank wrote (collective)."""
+    inner = engine.checkpoint_engine
+    recorder = RecordingCheckpointEngine(inner)
+    engine.checkpoint_engine = recorder
+    try:
+        engine.save_checkpoint(str(folder), tag=tag, save_latest=False)
+    finally:
+        engine.checkpoint_engine = inner
+    return [Path(path) for path in recorder.saved]
+
+
 def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPosition, *, keep: int,
                     rank: int, meta: Mapping[str, Any] | None = None,
                     weights_only: Mapping[str, Any] | None = None) -> Path:
     """Write a checkpoint of ``engines`` (full DeepSpeed state) and ``weights_only`` (parameters)
-    at ``position`` (collective: every rank calls it)."""
+    at ``position`` (collective: every rank calls it).
+
+    Rank 0 creates the temporary folder; every rank checks it sees that folder before writing
+    into it, and that its own files are in the folder rank 0 renamed into place before rank 0
+    marks the checkpoint complete. A rank that cannot stops every rank (one line, exit 2) and the
+    checkpoint is left incomplete.
+    """
     name = checkpoint_name(position.optimizer_steps)
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}"
@@ -243,20 +414,37 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    barrier()
+    refuse_unless_shared(tmp, rank, "the new checkpoint folder")
+    written: list[Path] = []
     for tag, engine in engines.items():
-        engine.save_checkpoint(str(tmp), tag=tag, save_latest=False)
+        written += _save_engine(engine, tmp, tag)
     for tag, engine in (weights_only or {}).items():
         save_weights(engine, tmp / f"{tag}.safetensors", rank)
-    (tmp / f"rng_rank{rank}.json").write_text(json.dumps(rng_state()), encoding="utf-8")
+        if rank == 0:
+            written.append(tmp / f"{tag}.safetensors")
+    rng_file = tmp / f"rng_rank{rank}.json"
+    rng_file.write_text(json.dumps(rng_state()), encoding="utf-8")
+    written.append(rng_file)
     barrier()
     if rank == 0:
-        record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
-                  "weights_only": sorted(weights_only or {}), "meta": dict(meta or {})}
-        (tmp / MARKER).write_text(json.dumps(record, indent=2), encoding="utf-8")
         if final.exists():  # the same step saved again (e.g. after a resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
+    barrier()
+    # Each rank looks for its own files where rank 0 committed them, as its own node sees that folder.
+    seen = all((final / path.relative_to(tmp)).is_file() for path in written if path.is_relative_to(tmp))
+    try:
+        refuse_unless_all(seen, f"cannot see the files it wrote for the checkpoint in {final} after rank 0 "
+                                "renamed the folder they were written in")
+    except UserError:
+        if rank == 0:  # never complete: put it back under its temporary name (pruned at the next start)
+            os.replace(final, tmp)
+        raise
+    if rank == 0:
+        record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
+                  "weights_only": sorted(weights_only or {}), "meta": dict(meta or {})}
+        with atomic_file(final / MARKER) as marker:
+            marker.write_text(json.dumps(record, indent=2), encoding="utf-8")
         for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
             shutil.rmtree(old, ignore_errors=True)
         print_rank_0(f"[checkpoint] saved {final}", rank)
@@ -297,6 +485,19 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
     return position
 
 
+def agree_on_resume(folder: Path | None) -> None:
+    """The ranks compare the checkpoint each would resume from (``None``: none) before any of them
+    loads anything; a difference stops every rank with one line (collective)."""
+    steps = _steps_of(folder) if folder is not None and (folder / MARKER).is_file() else None
+    seen = [row[0] for row in gather_ints([-1 if steps is None else steps])]
+    if len(set(seen)) == 1:
+        return
+    hosts = gather_hosts()
+    views = ", ".join(f"rank {r} on host {hosts[r]}: {'none' if step < 0 else checkpoint_name(step)}"
+                      for r, step in enumerate(seen))
+    raise UserError(f"the ranks would resume from different checkpoints ({views}); {SHARED_OUTPUT_FIX}")
+
+
 class Checkpointer:
     """What a step script needs: ``resume()`` once after the engines exist, ``maybe_save()`` after
     every optimizer step."""
@@ -330,14 +531,15 @@ class Checkpointer:
     def _load(self) -> TrainingPosition | None:
         source = getattr(self.args, "resume_from", None)
         if source:
-            folder = Path(source)  # check_checkpoint_args made sure it is complete
+            folder: Path | None = Path(source)
         elif getattr(self.args, "resume", False):
             folder = latest_checkpoint(self.root, self.rank) if self.root else None
-            if folder is None:
-                print_rank_0(f"[checkpoint] --resume: no complete checkpoint under {self.root}; starting from "
-                             "the beginning", self.rank)
-                return None
         else:
+            return None
+        agree_on_resume(folder)
+        if folder is None:
+            print_rank_0(f"[checkpoint] --resume: no complete checkpoint under {self.root}; starting from "
+                         "the beginning", self.rank)
             return None
         return load_checkpoint(folder, self.engines, self.rank, self.weights_only)
 
@@ -369,17 +571,12 @@ def check_checkpoint_args(args: Any) -> None:
     source = getattr(args, "resume_from", None)
     if getattr(args, "resume", False) and source:
         raise UserError("pass either --resume (the newest checkpoint in --output_dir) or --resume_from DIR, not both")
-    root = checkpoint_root(args.output_dir) if args.output_dir else None
-    if root is not None and os.environ.get("RANK", "0") == "0":  # one process renames
+    first = os.environ.get("RANK", "0") == "0"  # the other ranks' views are compared after start-up
+    if args.output_dir and first:  # one process renames
         from dschat.models.save import recover_output_dir
 
         for notice in recover_output_dir(args.output_dir):
             print(f"[checkpoint] {notice}", flush=True)
-    if root is not None and not getattr(args, "resume", False) and not source and (
-            complete_checkpoints(root) or incomplete_checkpoints(root)):
-        # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
-        raise UserError(f"{root} holds checkpoints of an earlier run; pass --resume to continue that run, or "
-                        f"delete {root} to start over")
-    if source and not (Path(source) / MARKER).is_file():
+    if source and first and not (Path(source) / MARKER).is_file():
         raise UserError(f"--resume_from {source}: not a complete dschat checkpoint (no {MARKER}); pick a "
                         "folder <output_dir>/checkpoints/step_N, or --resume for the newest one")

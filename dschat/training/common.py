@@ -353,11 +353,13 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     On a CPU accelerator an fp16 request trains in fp32 (one warning): upstream recipes run
     unchanged there.
     """
+    from dschat.training.checkpoint import prepare_checkpoint_root
     from dschat.utils.dist import barrier, init_distributed
     from dschat.utils.ds_utils import resolve_dtype
 
     quiet_transformers()
     info = init_distributed()
+    prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
     dtype = resolve_dtype(args.dtype)
     set_random_seed(args.seed)
     barrier()

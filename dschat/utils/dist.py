@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed
@@ -25,6 +25,8 @@ __all__ = [
     "get_world_size",
     "get_rank",
     "barrier",
+    "gather_ints",
+    "gather_hosts",
 ]
 
 # Environment variables set by every launcher we support (deepspeed, torchrun).
@@ -152,3 +154,26 @@ def barrier() -> None:
     """``torch.distributed.barrier()`` when a process group exists; otherwise nothing to wait for."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
+
+
+def gather_ints(values: Sequence[int]) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on every rank), indexed by rank (collective).
+
+    A sum of a table that is zero but for each rank's own row: plain tensors, no pickled objects
+    (``all_gather_object`` would unpickle what other processes send). Without a process group:
+    ``[values]``.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [list(values)]
+    table = torch.zeros(torch.distributed.get_world_size(), len(values), dtype=torch.int64)
+    table[torch.distributed.get_rank()] = torch.tensor(list(values), dtype=torch.int64)
+    return all_reduce_sum(table).tolist()
+
+
+_HOST_BYTES = 64
+
+
+def gather_hosts() -> list[str]:
+    """Every rank's host name (its first 64 bytes), indexed by rank (collective)."""
+    name = socket.gethostname().encode("utf-8", "replace")[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in gather_ints(list(name))]

@@ -10,6 +10,17 @@ On a shared machine a file or folder is trusted only when this user owns it and 
 write to it (:func:`untrusted_reason`, :func:`is_trusted`, :func:`check_trusted`): a cache, lock or
 leftover folder that another account could have planted or edited is never read.
 :func:`make_private_dir` creates folders only their owner can enter (0700).
+
+A folder that :func:`atomic_dir` completes carries :data:`SAVED_MARKER`; :func:`recover_dir` moves
+leftovers into place only when they carry it and belong to this user alone (:func:`owned_privately`),
+so a folder another local user planted beside ``--output_dir`` is never adopted. A symlinked target
+is written through (:func:`resolve_output_dir`): the link stays and the data lands where it points.
+
+Environment variables read here:
+
+* ``DSCHAT_TEST_RANK_OUTPUT_ROOT`` (tests only): when set, :func:`resolve_output_dir` gives every
+  rank its own ``--output_dir`` under ``<root>/rank<RANK>/``, so that two ranks on one machine see
+  each other's files as two nodes with node-local storage would (none of them).
 """
 from __future__ import annotations
 
@@ -28,6 +39,36 @@ from dschat.errors import UserError
 
 #: errno values that mean "the disk (or the user's quota) is full".
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+#: Written into an :func:`atomic_dir` folder once its content is complete, before it is swapped in.
+SAVED_MARKER = ".dschat-saved"
+#: Test hook: one output root per rank (simulates node-local storage on one machine). Tests only.
+RANK_OUTPUT_ROOT_ENV = "DSCHAT_TEST_RANK_OUTPUT_ROOT"
+
+
+def owned_privately(path: str | os.PathLike) -> bool:
+    """:func:`is_trusted`, and not a symlink: a leftover folder is adopted only when it is the user's
+    own folder itself, never a link (whose target :func:`is_trusted` would judge instead)."""
+    return not os.path.islink(path) and is_trusted(path)
+
+
+def resolve_output_dir(value: str) -> str:
+    """``--output_dir`` as every step uses it (resolved once, at parsing, before anything is written).
+
+    A symlink is replaced by the path it points to: a save swaps the folder in place
+    (:func:`atomic_dir`), and renaming the link would leave the output on the link's file system and
+    the link dangling beside it. The link itself stays. Under :data:`RANK_OUTPUT_ROOT_ENV` (tests
+    only) each rank gets its own folder ``<root>/rank<RANK>/<name>``.
+    """
+    test_root = os.environ.get(RANK_OUTPUT_ROOT_ENV)
+    if test_root:
+        name = os.path.basename(os.path.normpath(value))
+        value = os.path.join(test_root, f"rank{os.environ.get('RANK', '0')}", name)
+    return os.path.realpath(value) if os.path.islink(os.path.normpath(value)) else value  # "link/" too
+
+
+def _through_link(path: Path) -> Path:
+    """``path``, or the folder it points to when it is a symlink (the link must stay a link)."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
@@ -197,6 +238,16 @@ def _umask() -> int:
     return mask
 
 
+def _mark_saved(folder: Path) -> None:
+    """Mark ``folder`` complete; neither it nor the marker is writable by group or others, so
+    :func:`recover_dir` can tell it from a folder someone else planted."""
+    marker = folder / SAVED_MARKER
+    marker.write_text("complete: written by dschat's atomic_dir\n", encoding="utf-8")
+    mask = _umask()
+    os.chmod(marker, 0o644 & ~mask)
+    os.chmod(folder, 0o755 & ~mask)
+
+
 def _partial_name(path: Path, tag: str) -> Path:
     return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
 
@@ -224,8 +275,11 @@ def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None
     ``carry_over(name)`` keeps entries of the previous folder that the new one does not write
     (a training log, TensorBoard runs): they are moved -- renamed, so open file handles stay valid
     -- into the new folder just before the swap.
+
+    The complete folder carries :data:`SAVED_MARKER` (written before anything is carried over) and
+    is writable by its owner only. A symlinked ``path`` is written through: the link stays.
     """
-    path = Path(path)
+    path = _through_link(Path(path))
     with _disk_full_is_a_user_error(path):
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = _partial_name(path, "partial")
@@ -233,6 +287,7 @@ def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None
         try:
             yield tmp
             _normalise_modes(tmp)
+            _mark_saved(tmp)
             old = None
             if path.exists():
                 if carry_over is not None:
@@ -249,40 +304,65 @@ def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None
                 shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _is_saved(folder: Path) -> bool:
+    """``folder`` was completed by :func:`atomic_dir` (its marker is there, and is this user's alone)."""
+    marker = folder / SAVED_MARKER
+    return owned_privately(marker) and marker.is_file()
+
+
 def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None = None) -> list[str]:
     """Finish or undo an :func:`atomic_dir` swap that a kill interrupted; return one notice per fix.
 
-    * Killed between moving the old folder aside and renaming the new one into place (no ``path``,
-      an ``.old-*`` sibling): the new folder was complete (the old one is moved aside only then), so
-      the swap is finished; without a new folder the old one is put back. A partial folder with no
-      old one beside it may be unfinished: it is deleted, never moved into place.
-    * An unfinished ``.partial-*`` sibling beside an existing ``path``: the entries ``carry_over``
-      had moved into it (logs, ``checkpoints/``) go back into ``path``; the rest is deleted.
+    Only leftovers (``.<name>.partial-*`` / ``.<name>.old-*`` beside ``path``) that this user owns and
+    nobody else can write to are touched (:func:`owned_privately`); any other one is left alone,
+    with a notice: on a shared machine it may be another user's plant (a poisoned checkpoint).
+
+    * No ``path`` (killed between moving the old folder aside and renaming the new one into place,
+      or before a first save was renamed): the newest leftover that carries :data:`SAVED_MARKER` --
+      a complete new folder first, else the old one -- takes its place. One without the marker is
+      never moved into place: an unfinished partial folder is deleted, an old one kept, with a notice.
+    * A complete ``.partial-*`` sibling beside an existing ``path`` (killed while carrying entries
+      over): the entries ``carry_over`` had moved into it (logs, ``checkpoints/``) go back into
+      ``path``; the rest is deleted. An unfinished one held nothing carried over and is deleted.
 
     Call it before reading ``path`` (one process at a time: it renames).
     """
-    path = Path(path)
+    path = _through_link(Path(path))
     if not path.parent.is_dir():
         return []
     notices: list[str] = []
 
     def siblings(tag: str) -> list[Path]:
-        found = [p for p in path.parent.glob(f".{path.name}.{tag}-*") if p.is_dir()]
+        found = []
+        for candidate in path.parent.glob(f".{path.name}.{tag}-*"):
+            if not (candidate.is_dir() or candidate.is_symlink()):
+                continue
+            if owned_privately(candidate) and candidate.is_dir():
+                found.append(candidate)
+            else:
+                notices.append(f"left {candidate} alone: it is not a folder that only you own and can write "
+                               "to, so it was not written by your dschat run; delete it if it is yours")
         return sorted(found, key=lambda p: p.stat().st_mtime)
 
     partials, olds = siblings("partial"), siblings("old")
-    if not path.exists() and olds:  # an old folder aside proves the newest partial one was complete
-        source = partials.pop() if partials else olds.pop()
-        os.replace(source, path)
-        notices.append(f"finished an interrupted save of {path} (from {source.name})")
+    if not path.exists():
+        source = next((p for p in reversed(partials) if _is_saved(p)), None) or next(
+            (p for p in reversed(olds) if _is_saved(p)), None)
+        if source is not None:
+            os.replace(source, path)
+            (partials if source in partials else olds).remove(source)
+            notices.append(f"finished an interrupted save of {path} (from {source.name})")
     for partial in partials:
-        if carry_over is not None:
+        if carry_over is not None and path.is_dir() and _is_saved(partial):
             for entry in partial.iterdir():
                 if carry_over(entry.name) and not (path / entry.name).exists():
                     os.replace(entry, path / entry.name)
         shutil.rmtree(partial, ignore_errors=True)
         notices.append(f"removed the unfinished save {partial.name} beside {path}")
     for old in olds:
-        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            notices.append(f"left {old} alone: it has no dschat completion marker ({SAVED_MARKER}); "
+                           f"rename it to {path} if it holds the output you want back")
     return notices
-
