@@ -93,6 +93,11 @@ CASES = [
          "expected a JSON object with named fields"),
     Case("step1/phase-share-zero", "step1", ("--data_split", "0,5,5"), "gives phase 1 0 of its"),
     Case("step1/too-few-rows", "step1", ("--data_path", "{inputs}/one_row.jsonl"), "phase 1 eval split is empty"),
+    # A save_to_disk copy saved with 0 rows answers as an empty JSON Lines file does (datasets' own
+    # load_from_disk fails on it with an IndexError); any other failure reading a copy is one line.
+    Case("step1/empty-save-to-disk", "step1", ("--data_path", "{inputs}/empty_saved"), "train split is empty"),
+    Case("step1/damaged-save-to-disk", "step1", ("--data_path", "{inputs}/damaged_saved"),
+         "cannot read the save_to_disk folder {inputs}/damaged_saved"),
     Case("step1/offload-without-zero", "step1", ("--offload",), "--offload needs ZeRO"),
     Case("step1/tensorboard-under-a-file", "step1", ("--enable_tensorboard", "--tensorboard_path", "{file}/tb"),
          "--tensorboard_path {file}/tb cannot be created"),
@@ -107,6 +112,8 @@ CASES = [
          "field 'rejected' must be a string or null, got list"),
     Case("step2/data-split-two-parts", "step2", ("--data_split", "1,2"), "has 2 proportion(s), expected 3"),
     Case("step2/output-is-a-file", "step2", ("--output_dir", "{file}"), "exists and is not a folder"),
+    Case("step2/empty-save-to-disk-under-a-hub-name", "step2", ("--data_path", "{inputs}/Dahoas/rm-static"),
+         "'Dahoas/rm-static', phase 2, train split is empty"),
     # ---- DPO
     Case("dpo/reference-offload-without-zero3", "dpo", ("--offload_reference_model", "--zero_stage", "2"),
          "--offload_reference_model needs --zero_stage 3", subprocess=True),
@@ -130,6 +137,11 @@ CASES = [
     Case("step3/phase-share-zero", "step3", ("--data_split", "5,5,0"), "gives phase 3 0 of its", good_output=True),
     Case("step3/data-not-json", "step3", ("--data_path", "{inputs}/not_json.jsonl"), "malformed JSON"),
     Case("step3/ptx-data-missing", "step3", ("--unsupervised_dataset_name", "{ws}/missing.txt"), "does not exist"),
+    Case("step3/empty-save-to-disk", "step3", ("--data_path", "{inputs}/empty_saved"), "phase 3, train split is empty"),
+    Case("step3/ptx-empty-save-to-disk", "step3", ("--unsupervised_dataset_name", "{inputs}/empty_saved"),
+         "its train split is empty"),
+    Case("step3/ptx-damaged-save-to-disk", "step3", ("--unsupervised_dataset_name", "{inputs}/damaged_saved"),
+         "cannot read the save_to_disk folder {inputs}/damaged_saved"),
     # ---- e2e_rlhf.py
     Case("e2e/actor-model-missing", "e2e", ("--step", "1", "--actor-model", "./no/such/model"),
          "--actor-model: model path './no/such/model' does not exist", subprocess=True),
@@ -175,7 +187,23 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "no_rejected.jsonl").write_text(_rows(20, rejected=None))
     (folder / "rejected_list.jsonl").write_text(_rows(20, rejected=["a", "b"]))
     (folder / "one_row.jsonl").write_text(_rows(1))
+    _save_to_disk_copies(folder)
     return folder
+
+
+def _save_to_disk_copies(folder: Path) -> None:
+    """``DatasetDict.save_to_disk`` copies: with 0 rows (as a folder, and under a hub name), and one
+    whose Arrow file is damaged."""
+    from datasets import Dataset, DatasetDict, Features, Value
+
+    features = Features({c: Value("string") for c in ("prompt", "chosen", "rejected")})
+    empty = Dataset.from_dict({c: [] for c in features}, features=features)
+    for name in ("empty_saved", "Dahoas/rm-static"):
+        DatasetDict({"train": empty, "test": empty}).save_to_disk(str(folder / name))
+    rows = Dataset.from_dict({c: ["text"] * 20 for c in features}, features=features)
+    DatasetDict({"train": rows}).save_to_disk(str(folder / "damaged_saved"))
+    for arrow in (folder / "damaged_saved" / "train").glob("*.arrow"):
+        arrow.write_bytes(arrow.read_bytes()[:40])
 
 
 @pytest.fixture(scope="module")
