@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import functools
 
+from dschat.paths import SAVE_FORMATS
+
 __all__ = ["add_data_args", "add_unsupervised_data_args"]
 
 # ---------------------------------------------------------------------------------------------
@@ -132,6 +134,11 @@ def add_training_args(
 def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("runtime")
     group.add_argument("--output_dir", type=str, default=None, help="Where to store the model.")
+    group.add_argument("--save_format", choices=SAVE_FORMATS, default="safetensors",
+                       help="(dschat) Weight files of the saved model: safetensors (model.safetensors; a reward "
+                            "model's value head in v_head.safetensors), bin (upstream's layout: pytorch_model.bin, a "
+                            "plain tensor state dict; a reward model's body and value head in one file), or both. "
+                            "Every dschat reader takes either.")
     group.add_argument("--seed", type=int, default=seed, help="A seed for reproducible training.")
     group.add_argument("--local_rank", type=int, default=-1,
                        help="local_rank for distributed training on gpus (set by the deepspeed launcher).")

@@ -237,11 +237,13 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     # ---------------------------------------------------------------- save
     if args.output_dir is not None:
         print_rank_0("saving model ...", ctx.rank)
-        # Collective (ZeRO-3 gathers); LoRA fused in the saved copy; each folder written atomically.
-        save_hf_model(rlhf_engine.actor, tokenizer, Path(args.output_dir) / "actor")
-        save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic")
+        # Collective (ZeRO-3 gathers); LoRA fused in the saved copy; each folder written atomically, in
+        # --save_format (upstream's test looks for pytorch_model.bin in actor/ and critic/).
+        save_hf_model(rlhf_engine.actor, tokenizer, Path(args.output_dir) / "actor", args.save_format)
+        save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic", args.save_format)
         if rlhf_engine.actor_ema is not None:
-            save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema")
+            save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema",
+                          args.save_format)
         result.output_dir = Path(args.output_dir)
     return result
 
