@@ -42,7 +42,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
 from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
-from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
+from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
 from dschat.recipes import Recipe, get_recipe  # noqa: E402
 from dschat.utils.fs import check_writable_dir  # noqa: E402
 
@@ -203,7 +203,9 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
     out = Path(args.output_dir)
     actor_label, reward_label = model_label(args.actor_model), model_label(args.reward_model)
     dirs = {1: output_dir(out, 1, actor_label), 2: output_dir(out, 2, reward_label), 3: output_dir(out, 3, actor_label)}
-    seed = ["--seed", str(args.seed)] if args.seed is not None else []
+    # Flags e2e passes to every step.
+    every_step = ["--seed", str(args.seed)] if args.seed is not None else []
+    every_step += ["--save_format", args.save_format] if args.save_format is not None else []
     runs: list[StepRun] = []
     for number in (1, 2, 3):
         model = args.reward_model if number == 2 else args.actor_model
@@ -226,7 +228,7 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
                 extra += _lora_adjustments(recipe, model_id(args.actor_model), "actor_")
                 extra += _lora_adjustments(recipe, model_id(args.reward_model), "critic_")
                 note = f"no {dep.name} recipe names {args.actor_model!r}: using recipe {rid}"
-        runs.append(StepRun(number, recipe, params, extra + seed, dirs[number], note))
+        runs.append(StepRun(number, recipe, params, extra + every_step, dirs[number], note))
     return runs
 
 
@@ -260,6 +262,8 @@ def reproduce_command(args: argparse.Namespace, dep: Deployment, step: int) -> s
         if args.reward_zero_stage:
             cmd += ["--reward-zero-stage", args.reward_zero_stage]
     cmd += ["--deployment-type", dep.name, "--output-dir", str(args.output_dir)]
+    if args.save_format is not None:
+        cmd += ["--save-format", args.save_format]
     return shlex.join(cmd)
 
 
@@ -391,6 +395,9 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
     dschat.add_argument("--resume", action="store_true",
                         help="continue an interrupted run: skip the steps whose model folders are complete, resume "
                              "the first unfinished one from its newest checkpoint (steps after it run afresh)")
+    dschat.add_argument("--save-format", choices=SAVE_FORMATS, default=None,
+                        help="pass --save_format to every step: the weight files of each step's model, safetensors "
+                             "(the steps' default), bin (upstream's pytorch_model.bin layout) or both")
     dschat.add_argument("--save-interval", type=int, default=None, metavar="N",
                         help="pass --save_interval N to every step: a resumable checkpoint every N optimizer "
                              "steps (step 3: PPO iterations)")

@@ -13,6 +13,10 @@ METRICS_FILE = "metrics.jsonl"
 # report read both.
 VALUE_HEAD_FILE = "v_head.safetensors"
 UPSTREAM_WEIGHTS_FILE = "pytorch_model.bin"
+# --save_format: how a step writes its final model's weights. safetensors (dschat's default, with
+# v_head.safetensors beside a reward model's body), bin (upstream's UPSTREAM_WEIGHTS_FILE, a reward
+# model's body and value head in one file), or both. Every reader takes either.
+SAVE_FORMATS = ("safetensors", "bin", "both")
 
 
 def cache_dir() -> Path:

@@ -127,6 +127,36 @@ def assert_reward_folder_matches(result: Any) -> None:
     torch.testing.assert_close(reloaded.v_head.weight.float(), v_head)
 
 
+def assert_saved_in_format(folder: Path, save_format: str) -> None:
+    """``folder`` holds the weight files ``--save_format`` names and no others: ``bin`` is upstream's
+    ``pytorch_model.bin`` (a plain tensor state dict, read with ``weights_only=True``; a reward
+    model's ``rwtransformer.*`` body and ``v_head.weight`` in it), ``both`` holds the same tensors
+    in both formats."""
+    from safetensors.torch import load_file
+
+    bin_file, safetensors_files = folder / "pytorch_model.bin", sorted(folder.glob("*.safetensors"))
+    assert bin_file.is_file() == (save_format != "safetensors"), sorted(p.name for p in folder.iterdir())
+    assert bool(safetensors_files) == (save_format != "bin"), sorted(p.name for p in folder.iterdir())
+    if save_format == "safetensors":
+        return
+    state = torch.load(bin_file, map_location="cpu", weights_only=True)
+    assert isinstance(state, dict) and all(isinstance(v, torch.Tensor) for v in state.values())
+    assert not any("lora" in k for k in state)  # fused and dropped, as upstream
+    reward_model = (folder / "v_head.safetensors").is_file() or "v_head.weight" in state
+    if reward_model:
+        assert "v_head.weight" in state and all(k == "v_head.weight" or k.startswith("rwtransformer.")
+                                                for k in state)
+    if save_format == "both":
+        other: dict[str, torch.Tensor] = {}
+        for file in safetensors_files:
+            other.update(load_file(str(file)))
+        if reward_model:
+            other = {k if k == "v_head.weight" else f"rwtransformer.{k}": v for k, v in other.items()}
+        assert set(other) <= set(state)  # the bin may also hold a tied lm_head.weight
+        for key, value in other.items():
+            assert torch.equal(state[key], value), key
+
+
 def cli_env(**extra: str) -> dict[str, str]:
     """Environment for subprocess runs: CPU DeepSpeed, no hub, one thread per rank."""
     env = dict(os.environ)

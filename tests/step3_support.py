@@ -73,12 +73,16 @@ def base_argv(model: str, critic: Path, data: Path, *extra: str, steps: int = 2,
 
 
 def load_state(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the safetensors files in ``folder`` (weights as saved)."""
+    """Every tensor of the safetensors files in ``folder`` (weights as saved), or of its
+    ``pytorch_model.bin`` when it has none (a reward model's body keys without their prefix)."""
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for file in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(file)))
+    if not state and (folder / "pytorch_model.bin").is_file():  # --save_format bin (upstream's layout)
+        saved = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        state = {k.removeprefix("rwtransformer."): v for k, v in saved.items()}  # a reward model's body keys
     return state
 
 

@@ -12,8 +12,10 @@ model loads: a case that needs a model to be detected is a bug in the CLI's star
 Placeholders in argv: ``{ws}`` the workspace, ``{out}`` = ``{ws}/out``, ``{file}`` = ``{ws}/file.txt``,
 ``{shared}`` = ``{ws}/shared``, a folder anyone can write to (mode 0777, as a planted one),
 ``{inputs}`` the malformed data files below, ``{critic}`` a step-2 style reward-model folder,
-``{tiny}`` the tiny-opt model folder. Unit tests of the same checks live next to their modules
-(``test_data_adapters``, ``test_step3_guards``, ...); this file proves each reaches the user cleanly.
+``{tiny}`` the tiny-opt model folder, ``{critic_llama}`` / ``{critic_quirk}`` step-2 style folders of
+tiny-llama / tiny-opt-quirk (tokenizers other than step 3's tiny-opt actor's). Unit tests of the
+same checks live next to their modules (``test_data_adapters``, ``test_step3_guards``, ...); this
+file proves each reaches the user cleanly.
 """
 from __future__ import annotations
 
@@ -94,6 +96,11 @@ CASES = [
          "expected a JSON object with named fields"),
     Case("step1/phase-share-zero", "step1", ("--data_split", "0,5,5"), "gives phase 1 0 of its"),
     Case("step1/too-few-rows", "step1", ("--data_path", "{inputs}/one_row.jsonl"), "phase 1 eval split is empty"),
+    # A save_to_disk copy saved with 0 rows answers as an empty JSON Lines file does (datasets' own
+    # load_from_disk fails on it with an IndexError); any other failure reading a copy is one line.
+    Case("step1/empty-save-to-disk", "step1", ("--data_path", "{inputs}/empty_saved"), "train split is empty"),
+    Case("step1/damaged-save-to-disk", "step1", ("--data_path", "{inputs}/damaged_saved"),
+         "cannot read the save_to_disk folder {inputs}/damaged_saved"),
     Case("step1/offload-without-zero", "step1", ("--offload",), "--offload needs ZeRO"),
     Case("step1/tensorboard-under-a-file", "step1", ("--enable_tensorboard", "--tensorboard_path", "{file}/tb"),
          "--tensorboard_path {file}/tb cannot be created"),
@@ -110,6 +117,8 @@ CASES = [
          "field 'rejected' must be a string or null, got list"),
     Case("step2/data-split-two-parts", "step2", ("--data_split", "1,2"), "has 2 proportion(s), expected 3"),
     Case("step2/output-is-a-file", "step2", ("--output_dir", "{file}"), "exists and is not a folder"),
+    Case("step2/empty-save-to-disk-under-a-hub-name", "step2", ("--data_path", "{inputs}/Dahoas/rm-static"),
+         "'Dahoas/rm-static', phase 2, train split is empty"),
     # ---- DPO
     Case("dpo/reference-offload-without-zero3", "dpo", ("--offload_reference_model", "--zero_stage", "2"),
          "--offload_reference_model needs --zero_stage 3", subprocess=True),
@@ -129,10 +138,24 @@ CASES = [
     Case("step3/actor-path-missing", "step3", ("--actor_model_name_or_path", "{ws}/no-actor"), "does not exist"),
     Case("step3/critic-is-a-plain-model", "step3", ("--critic_model_name_or_path", "{tiny}"),
          "is not a step-2 reward model output"),
+    # The critic / reward model must have been trained with the actor's tokenizer (checked before any
+    # engine is built): the size, the ids of the same size, and the special ids.
+    Case("step3/critic-tokenizer-smaller", "step3", ("--add_eot_token",),
+         "the tokenizers of tiny-opt and of the critic/reward model {critic} differ (vocabulary size 1001 vs 1000)",
+         good_output=True),
+    Case("step3/critic-tokenizer-other-ids", "step3", ("--critic_model_name_or_path", "{critic_llama}"),
+         "differ (vocabulary: 3 of 1000 tokens have other ids (e.g. '<s>': 0 vs 1); bos id 2 vs 1; pad id 1 vs 3)"),
+    Case("step3/critic-tokenizer-other-pad", "step3", ("--critic_model_name_or_path", "{critic_quirk}"),
+         "differ (pad id 1 vs 2)"),
     Case("step3/output-under-a-file", "step3", ("--output_dir", "{file}/out"), "cannot be created"),
     Case("step3/phase-share-zero", "step3", ("--data_split", "5,5,0"), "gives phase 3 0 of its", good_output=True),
     Case("step3/data-not-json", "step3", ("--data_path", "{inputs}/not_json.jsonl"), "malformed JSON"),
     Case("step3/ptx-data-missing", "step3", ("--unsupervised_dataset_name", "{ws}/missing.txt"), "does not exist"),
+    Case("step3/empty-save-to-disk", "step3", ("--data_path", "{inputs}/empty_saved"), "phase 3, train split is empty"),
+    Case("step3/ptx-empty-save-to-disk", "step3", ("--unsupervised_dataset_name", "{inputs}/empty_saved"),
+         "its train split is empty"),
+    Case("step3/ptx-damaged-save-to-disk", "step3", ("--unsupervised_dataset_name", "{inputs}/damaged_saved"),
+         "cannot read the save_to_disk folder {inputs}/damaged_saved"),
     # ---- e2e_rlhf.py
     Case("e2e/actor-model-missing", "e2e", ("--step", "1", "--actor-model", "./no/such/model"),
          "--actor-model: model path './no/such/model' does not exist", subprocess=True),
@@ -180,7 +203,23 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "no_rejected.jsonl").write_text(_rows(20, rejected=None))
     (folder / "rejected_list.jsonl").write_text(_rows(20, rejected=["a", "b"]))
     (folder / "one_row.jsonl").write_text(_rows(1))
+    _save_to_disk_copies(folder)
     return folder
+
+
+def _save_to_disk_copies(folder: Path) -> None:
+    """``DatasetDict.save_to_disk`` copies: with 0 rows (as a folder, and under a hub name), and one
+    whose Arrow file is damaged."""
+    from datasets import Dataset, DatasetDict, Features, Value
+
+    features = Features({c: Value("string") for c in ("prompt", "chosen", "rejected")})
+    empty = Dataset.from_dict({c: [] for c in features}, features=features)
+    for name in ("empty_saved", "Dahoas/rm-static"):
+        DatasetDict({"train": empty, "test": empty}).save_to_disk(str(folder / name))
+    rows = Dataset.from_dict({c: ["text"] * 20 for c in features}, features=features)
+    DatasetDict({"train": rows}).save_to_disk(str(folder / "damaged_saved"))
+    for arrow in (folder / "damaged_saved" / "train").glob("*.arrow"):
+        arrow.write_bytes(arrow.read_bytes()[:40])
 
 
 @pytest.fixture(scope="module")
@@ -188,9 +227,11 @@ def fixed(inputs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     """The placeholders that do not change per case."""
     from dschat.models.registry import resolve_model_path
 
-    critic = make_critic_folder("tiny-opt", tmp_path_factory.mktemp("critic") / "tiny-opt")
+    critics = {name: str(make_critic_folder(name, tmp_path_factory.mktemp("critic") / name))
+               for name in ("tiny-opt", "tiny-llama", "tiny-opt-quirk")}
     resolve_model_path("tiny-llama")  # built once here: the cases themselves must build no model
-    return {"inputs": str(inputs), "critic": str(critic), "tiny": resolve_model_path("tiny-opt")}
+    return {"inputs": str(inputs), "critic": critics["tiny-opt"], "critic_llama": critics["tiny-llama"],
+            "critic_quirk": critics["tiny-opt-quirk"], "tiny": resolve_model_path("tiny-opt")}
 
 
 @pytest.fixture

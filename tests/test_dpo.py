@@ -9,6 +9,7 @@ import torch
 from _step_helpers import (
     assert_causal_folder_matches,
     assert_finite,
+    assert_saved_in_format,
     base_argv,
     load_script,
 )
@@ -28,7 +29,8 @@ def data_dir(tmp_path_factory):
 
 CASES = {
     "llama-z0": ("tiny-llama", ["--zero_stage", "0"]),
-    "opt-z2-lora": ("tiny-opt", ["--zero_stage", "2", "--lora_dim", "8", "--lora_module_name", "decoder.layers."]),
+    "opt-z2-lora-both": ("tiny-opt", ["--zero_stage", "2", "--lora_dim", "8", "--lora_module_name", "decoder.layers.",
+                                      "--save_format", "both"]),
     "quirk-z3-offload-ref": ("tiny-opt-quirk", ["--zero_stage", "3", "--offload_reference_model"]),
 }
 
@@ -51,6 +53,7 @@ def test_dpo_trains_saves_and_reloads(dpo, data_dir, tmp_path, case, capsys):
     assert before["pairs"] == after["pairs"] == 120  # the whole held-out chunk, not the last batch
     assert "***** Evaluating rewards, Epoch 0/1 *****" in log and "chosen: 0.0, rejected: 0.0, loss: " in log
     assert "Model Parameters: " in log and "saving the final model ..." in log
+    assert_saved_in_format(out, extra[extra.index("--save_format") + 1] if "--save_format" in extra else "safetensors")
     assert_causal_folder_matches(result, model)
 
 

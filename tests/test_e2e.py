@@ -85,6 +85,33 @@ def test_output_folders_and_step3_inputs_are_upstreams(config, tmp_path):
     assert all(r.note is None and r.extra == [] for r in runs)
 
 
+def _step_parser(step: int):
+    """``parse_args`` of training/step<step>/main.py."""
+    from _step_helpers import load_script
+    from step3_support import step3_main
+
+    return step3_main().parse_args if step == 3 else load_script(f"step{step}").parse_args
+
+
+def test_save_format_reaches_every_step(config, tmp_path):
+    """--save-format bin is passed to all three steps, whose main.py parse it (upstream's test looks
+    for pytorch_model.bin); without it the steps keep their default, safetensors."""
+    args = _args(config, "--actor-model", "1.3b", "--reward-model", "350m", "--output-dir", str(tmp_path),
+                 "--save-format", "bin")
+    runs = E.build_steps(args, config.deployment("single_node"))
+    for run_ in runs:
+        argv = run_.recipe.render(run_.params, run_.extra)
+        assert argv[-2:] == ["--save_format", "bin"]
+        assert _step_parser(run_.number)(argv).save_format == "bin"
+    assert "--save-format bin" in E.reproduce_command(args, config.deployment("single_node"), 1)
+    args = _args(config, "--actor-model", "1.3b", "--reward-model", "350m", "--output-dir", str(tmp_path))
+    for run_ in E.build_steps(args, config.deployment("single_node")):
+        argv = run_.recipe.render(run_.params, run_.extra)
+        assert "--save_format" not in argv and _step_parser(run_.number)(argv).save_format == "safetensors"
+    with pytest.raises(SystemExit):
+        _args(config, "--save-format", "pickle")
+
+
 def test_any_model_uses_the_generic_recipe_with_family_fixes(config, tmp_path):
     from dschat.models.registry import resolve_model_path
 

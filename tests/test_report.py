@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -172,6 +173,45 @@ def test_read_metrics_is_tolerant(tmp_path):
 def test_plot_without_records_still_writes_a_png(tmp_path):
     png = rep.plot_metrics([], tmp_path / "p.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
+
+
+def _steps(n: int, **columns: Any) -> list[dict[str, float]]:
+    """``n`` records; each column is a function of the step index."""
+    return [{"step": float(i), **{k: float(f(i)) for k, f in columns.items()}} for i in range(n)]
+
+
+PLOT_CASES = {
+    # A tiny-model run: rewards near 1, a KL that dips below 0 by 1e-4, a constant length.
+    "tiny run": _steps(2, reward=lambda i: 0.725 + 0.125 * i, kl_to_ref=lambda i: -1.5e-4 * i,
+                       response_length=lambda i: 16),
+    "long run, wide tick labels": _steps(300, reward=lambda i: -123.456789 - 0.0012345 * i,
+                                         kl_to_ref=lambda i: -1e-5 * i, response_length=lambda i: 100 + i),
+    "large values": _steps(30, reward=lambda i: -2.5e12 + 1e9 * i, kl_to_ref=lambda i: 1e-9 * i,
+                           response_length=lambda i: 1e5 + i),
+    "one column": _steps(1, reward=lambda i: 1.0),
+    "no records": [],
+}
+
+
+@pytest.mark.parametrize("font_size", [10, 14], ids=["default-font", "font-14"])
+@pytest.mark.parametrize("case", list(PLOT_CASES))
+def test_every_label_of_the_ppo_plot_lies_inside_the_figure(case, font_size):
+    """Issue: the top panel's y label ran past the figure's left edge. After drawing, every panel's
+    tight box (tick labels, offset text, axis labels, in-panel text) and the title lie inside."""
+    import matplotlib
+
+    with matplotlib.rc_context({"font.size": font_size}):
+        fig = rep.metrics_figure(PLOT_CASES[case])
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        frame = fig.bbox
+        boxes = {f"panel {ax.get_ylabel()!r}": ax.get_tightbbox(renderer) for ax in fig.axes}
+        boxes["title"] = fig._suptitle.get_window_extent(renderer)
+    for name, box in boxes.items():
+        assert box.x0 >= frame.x0 and box.y0 >= frame.y0, (name, box.bounds, frame.bounds)
+        assert box.x1 <= frame.x1 and box.y1 <= frame.y1, (name, box.bounds, frame.bounds)
+    assert [ax.get_ylabel() for ax in fig.axes] == ["reward-model score", "KL to reference",
+                                                   "response length (tokens)"]
 
 
 def test_report_refuses_wrong_folders(folders, tmp_path):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _step_helpers import assert_saved_in_format
 
 from step3_support import (  # noqa: F401
     STEP3_MAIN,
@@ -58,15 +59,17 @@ COVER = {
     # ZeRO-0, full fine-tuning, PPO-ptx, TensorBoard, --print_answers, HE flag (CPU fallback)
     "z0-ptx-tb": ("tiny-opt", ["--unsupervised_dataset_name", "dschat/builtin", "--unsup_coef", "0.5",
                                "--enable_tensorboard", "--print_answers", "--enable_hybrid_engine"]),
-    # ZeRO-3 actor and critic (reference and reward then ZeRO-3 too), LoRA on both, EMA, actor grad-ckpt
+    # ZeRO-3 actor and critic (reference and reward then ZeRO-3 too), LoRA on both, EMA, actor grad-ckpt;
+    # saved in both formats (upstream's test asserts pytorch_model.bin in actor/ and critic/)
     "z3-lora-ema": ("tiny-llama", ["--actor_zero_stage", "3", "--critic_zero_stage", "3", "--actor_lora_dim", "4",
-                                   "--critic_lora_dim", "4", "--enable_ema", "--actor_gradient_checkpointing"]),
+                                   "--critic_lora_dim", "4", "--enable_ema", "--actor_gradient_checkpointing",
+                                   "--save_format", "both"]),
     # pad == eos == bos; ZeRO-2 actor, ZeRO-3 critic, CPU offload (+ reward offload: ZeRO-3 like the
-    # critic), only-LoRA actor, EMA, critic grad-ckpt
+    # critic), only-LoRA actor, EMA, critic grad-ckpt; saved in upstream's layout only (pytorch_model.bin)
     "z2-offload-quirk": ("tiny-opt-quirk", ["--actor_zero_stage", "2", "--critic_zero_stage", "3", "--offload",
                                             "--offload_reward_model",
                                             "--actor_lora_dim", "4", "--only_optimize_lora", "--enable_ema",
-                                            "--critic_gradient_checkpointing"]),
+                                            "--critic_gradient_checkpointing", "--save_format", "bin"]),
     # ZeRO-3 actor with offload (+ reference offload: ZeRO-3 like the actor), ZeRO-1 critic (offload needs
     # ZeRO >= 1), PPO-ptx, two generation batches, two PPO epochs (off-policy: warned)
     "z3-offload-ptx-multi": ("tiny-llama", ["--actor_zero_stage", "3", "--critic_zero_stage", "1", "--offload",
@@ -105,6 +108,9 @@ def test_smoke_cover(name, tmp_path, critic_dirs, data_cache, capsys):  # noqa: 
         assert 0 < max_abs_diff(initial_actor, load_state(out / "actor_ema")) < actor_change
     else:
         assert not (out / "actor_ema").exists()
+    save_format = extra[extra.index("--save_format") + 1] if "--save_format" in extra else "safetensors"
+    for sub in ("actor", "critic", "actor_ema") if ema else ("actor", "critic"):
+        assert_saved_in_format(out / sub, save_format)
     _assert_reloads(out, model, ema)
     from dschat.eval.report import read_metrics
 

@@ -59,10 +59,14 @@ def write_upstream_critic(name: str, folder: Path, seed: int = 0, state_edit=Non
     return critic, tokenizer
 
 
-def write_upstream_actor(name: str, folder: Path, name_or_path: str | None = None):
+def write_upstream_actor(name: str, folder: Path, name_or_path: str | None = None, vocab_rows: int | None = None):
+    """An upstream step-1 folder; ``vocab_rows`` gives its embeddings that many rows (the rows beyond
+    the tokenizer initialised like the others, so the actor samples their ids as often)."""
     tokenizer = load_hf_tokenizer(name)
     torch.manual_seed(1)
     actor = create_hf_model(AutoModelForCausalLM, name, tokenizer).eval()
+    if vocab_rows is not None:
+        actor.resize_token_embeddings(vocab_rows)
     with torch.no_grad():
         actor.lm_head.weight.add_(0.01 * torch.randn_like(actor.lm_head.weight))  # differ from the base
     folder.mkdir(parents=True)
@@ -371,19 +375,42 @@ def test_e2e_accepts_an_upstream_reward_folder(upstream_opt_critic, tmp_path):
 
 
 @pytest.mark.slow
-def test_step3_runs_from_upstream_step1_and_step2_folders(tmp_path, upstream_opt_critic):
-    """Step 3 as a user switching from upstream runs it: both inputs in upstream's format."""
-    from step3_support import base_argv, step3_main
+def test_step3_runs_from_upstream_step1_and_step2_folders(tmp_path, upstream_opt_critic, capsys):
+    """Step 3 as a user switching from upstream runs it: both inputs in upstream's format, the actor
+    with more embedding rows than the critic (found on an H100: an OPT-1.3B actor's 50272 rows, an
+    upstream critic resized to 552; the actor sampled ids the critic has no row for). Every model is
+    resized to the tokenizer's length rounded up to 8, as upstream does, and one line says so."""
+    from step3_support import base_argv, load_state, step3_main
 
     actor_dir = tmp_path / "actor-models" / "opt"
-    write_upstream_actor("tiny-opt", actor_dir)
+    _, tokenizer = write_upstream_actor("tiny-opt", actor_dir, vocab_rows=2048)  # the critic has 1000
+    rows = 8 * -(-len(tokenizer) // 8)
     argv = base_argv("tiny-opt", upstream_opt_critic[0], tmp_path / "data", "--output_dir", str(tmp_path / "out"),
                      steps=1)
     argv[argv.index("--actor_model_name_or_path") + 1] = str(actor_dir)
     result = step3_main().main(argv)
+    assert (f"note: the models' embeddings differ in size (actor 2048, critic/reward model 1000 rows); every model "
+            f"is resized to the tokenizer's length rounded up to 8 ({rows} rows)") in capsys.readouterr().out
     assert len(result.history) == 1 and all(torch.isfinite(torch.tensor(v)) for v in
                                             (result.history[0]["actor_loss"], result.history[0]["critic_loss"]))
+    engine = result.rlhf_engine
+    bodies = [getattr(m.module, "rwtransformer", m.module) for m in (engine.actor, engine.ref, engine.critic, engine.reward)]
+    assert [body.get_input_embeddings().weight.shape[0] for body in bodies] == [rows] * 4
     assert (tmp_path / "out" / "critic" / "v_head.safetensors").is_file()  # dschat writes its own format
+    assert load_state(tmp_path / "out" / "actor")["model.decoder.embed_tokens.weight"].shape[0] == rows
+
+
+def test_aligned_vocab_rows_only_when_the_models_differ():
+    from types import SimpleNamespace
+
+    from dschat.utils.model.model_utils import aligned_vocab_rows
+
+    tokenizer = [None] * 545  # only its length is read
+    same = {"actor": SimpleNamespace(vocab_size=548), "critic": SimpleNamespace(vocab_size=552)}  # both pad to 552
+    assert aligned_vocab_rows(tokenizer, same) == (None, None)
+    rows, note = aligned_vocab_rows(tokenizer, {"actor": SimpleNamespace(vocab_size=50272),
+                                                "critic": SimpleNamespace(vocab_size=552)})
+    assert rows == 552 and "(actor 50272, critic 552 rows)" in note and "(552 rows), as upstream does" in note
 
 
 # ----------------------------------------------------------------------------- evaluation scripts

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 
-from dschat.paths import data_cache_dir
+from dschat.paths import SAVE_FORMATS, data_cache_dir
 from dschat.utils.fs import resolve_output_dir
 
 __all__ = ["add_data_args", "add_unsupervised_data_args"]
@@ -142,6 +142,11 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
     group.add_argument("--output_dir", type=resolve_output_dir, default=None,
                        help="Where to store the model. A symlink is followed: the output lands where it points "
                             "and the link stays. On many nodes, a folder every node shares (README).")
+    group.add_argument("--save_format", choices=SAVE_FORMATS, default="safetensors",
+                       help="(dschat) Weight files of the saved model: safetensors (model.safetensors; a reward "
+                            "model's value head in v_head.safetensors), bin (upstream's layout: pytorch_model.bin, a "
+                            "plain tensor state dict; a reward model's body and value head in one file), or both. "
+                            "Every dschat reader takes either.")
     group.add_argument("--seed", type=int, default=seed, help="A seed for reproducible training.")
     group.add_argument("--local_rank", type=int, default=-1,
                        help="local_rank for distributed training on gpus (set by the deepspeed launcher).")

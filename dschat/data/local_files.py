@@ -33,6 +33,7 @@ __all__ = [
     "expand",
     "looks_like_path",
     "is_save_to_disk_dir",
+    "load_save_to_disk",
     "data_files_in",
     "split_data_files",
     "read_records",
@@ -64,6 +65,44 @@ def is_save_to_disk_dir(path: Path) -> bool:
         (path / "dataset_dict.json").is_file()
         or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
     )
+
+
+def _load_saved_split(folder: Path) -> Any:
+    """One ``Dataset.save_to_disk`` folder; a split saved with 0 rows becomes an empty ``Dataset``.
+
+    ``save_to_disk`` writes no Arrow file for a 0-row split, and ``load_from_disk`` then fails with
+    an ``IndexError`` inside ``concat_tables``; the saved features (``dataset_info.json``) give the
+    empty split its columns, so the schema checks and the "split is empty" answers apply to it.
+    """
+    from datasets import Dataset, DatasetInfo
+
+    state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
+    if state.get("_data_files"):
+        return Dataset.load_from_disk(str(folder))
+    features = DatasetInfo.from_directory(str(folder)).features
+    if features is None:
+        return Dataset.from_dict({})
+    return Dataset.from_dict({name: [] for name in features}, features=features)
+
+
+def load_save_to_disk(path: Path) -> dict[str, Any]:
+    """The splits of a ``save_to_disk`` folder: ``{split: Dataset}``, ``{"train": ds}`` for a single
+    saved ``Dataset``. Splits saved with 0 rows are empty datasets (see :func:`_load_saved_split`).
+
+    Any failure while reading the folder is one :class:`UserError` naming it and the problem.
+    """
+    try:
+        if (path / "dataset_dict.json").is_file():
+            # What DatasetDict.load_from_disk does, one split at a time.
+            names = json.loads((path / "dataset_dict.json").read_text(encoding="utf-8"))["splits"]
+            return {str(name): _load_saved_split(path / str(name)) for name in names}
+        return {"train": _load_saved_split(path)}
+    except Exception as err:  # noqa: BLE001 - whatever datasets/pyarrow/json raise here is about this folder
+        first = first_line(err) or "no message"
+        raise UserError(
+            f"cannot read the save_to_disk folder {path} ({type(err).__name__}: {first}); re-save it with "
+            "Dataset.save_to_disk / DatasetDict.save_to_disk, or pass the data as .json/.jsonl/.parquet files"
+        ) from None
 
 
 def data_files_in(folder: Path, suffixes: Sequence[str] = DATA_SUFFIXES) -> list[Path]:

@@ -78,14 +78,8 @@ def _load_local_copy(path: Path, dataset_name: str, adapter: type["PromptRawData
     file and row) and keep only those columns.
     """
     if lf.is_save_to_disk_dir(path):
-        from datasets import load_from_disk
-
-        try:
-            loaded = load_from_disk(str(path))
-        except (OSError, ValueError) as err:
-            raise UserError(f"cannot read the save_to_disk folder {path} ({err}); re-save it") from None
         # A single saved Dataset is its train split (upstream indexed it by split name and crashed).
-        return loaded if hasattr(loaded, "keys") else {"train": loaded}
+        return lf.load_save_to_disk(path)
     # Beyond upstream: train.jsonl / test.jsonl ... (any of our data suffixes), or one file.
     files = [path] if path.is_file() else (lf.data_files_in(path) if path.is_dir() else [])
     if not files or any(f.suffix.lower() not in lf.DATA_SUFFIXES for f in files):
@@ -796,13 +790,7 @@ class LocalPreferenceDataset(PromptRawDataset):
 
     @staticmethod
     def _read_disk(path: Path) -> dict[str, Any]:
-        from datasets import load_from_disk
-
-        try:
-            loaded = load_from_disk(str(path))
-        except (OSError, ValueError) as err:
-            raise UserError(f"cannot read the save_to_disk folder {path} ({err}); re-save it") from None
-        splits = dict(loaded.items()) if hasattr(loaded, "items") else {"train": loaded}
+        splits = lf.load_save_to_disk(path)
         if "train" not in splits:
             if len(splits) != 1:
                 raise UserError(f"save_to_disk folder {path} has splits {sorted(splits)} but no 'train' split")

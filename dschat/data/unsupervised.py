@@ -102,13 +102,7 @@ def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
     path = lf.expand(name)
     if path.exists():
         if lf.is_save_to_disk_dir(path):
-            from datasets import load_from_disk
-
-            try:
-                loaded = load_from_disk(str(path))
-            except (OSError, ValueError) as err:
-                raise UserError(f"cannot read the save_to_disk folder {path} ({err}); re-save it") from None
-            splits = dict(loaded.items()) if hasattr(loaded, "items") else {"train": loaded}
+            splits = lf.load_save_to_disk(path)
             if "train" not in splits:
                 raise UserError(f"save_to_disk folder {path} has no 'train' split (has {sorted(splits)})")
             from datasets import DatasetDict
@@ -190,6 +184,11 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
         raise UserError(f"unsupervised dataset {name!r} has no 'train' split (has {list(raw)})")
     from datasets import DatasetDict
 
+    if len(raw["train"]) == 0:  # e.g. a save_to_disk copy saved with 0 rows
+        raise UserError(
+            f"unsupervised dataset {name!r}: its train split is empty (0 rows); add some text or drop "
+            "--unsupervised_dataset_name"
+        )
     raw = DatasetDict({"train": raw["train"]})  # the only split used (upstream tokenised them all)
     column_names = raw["train"].column_names
     text_column_name = _text_column(column_names)

@@ -388,14 +388,16 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return [by_step[k] for k in sorted(by_step)]
 
 
-def plot_metrics(records: Sequence[dict[str, float]], png: str | Path, title: str = "PPO (step 3)") -> Path:
-    """Reward, KL to the reference and response length against PPO step, one panel each."""
+def metrics_figure(records: Sequence[dict[str, float]], title: str = "PPO (step 3)") -> Any:
+    """The figure of :func:`plot_metrics`: reward, KL to the reference and response length against
+    PPO step, one panel each (a matplotlib ``Figure`` on an Agg canvas)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    png = Path(png)
-    png.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=(7, 8), dpi=100)
+    # Constrained layout places the titles, tick labels and axis labels at every draw (savefig
+    # included), once their sizes are known, so every label stays inside the figure.
+    fig = Figure(figsize=(7, 8), dpi=100, layout="constrained")
+    fig.get_layout_engine().set(w_pad=0.1, h_pad=0.1)  # inches of margin around every panel
     FigureCanvasAgg(fig)
     panels = (("reward", "reward-model score"), ("kl_to_ref", "KL to reference"), ("response_length", "response length (tokens)"))
     axes = fig.subplots(len(panels), 1, sharex=True)
@@ -410,8 +412,14 @@ def plot_metrics(records: Sequence[dict[str, float]], png: str | Path, title: st
         ax.grid(True, alpha=0.3)
     axes[-1].set_xlabel("PPO step")
     fig.suptitle(title if records else f"{title}: no metrics.jsonl records")
-    fig.tight_layout()
-    fig.savefig(png)
+    return fig
+
+
+def plot_metrics(records: Sequence[dict[str, float]], png: str | Path, title: str = "PPO (step 3)") -> Path:
+    """Write :func:`metrics_figure` to ``png``."""
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    metrics_figure(records, title).savefig(png)
     return png
 
 

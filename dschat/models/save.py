@@ -5,7 +5,9 @@ A saved causal LM (steps 1, 3 and DPO) is a folder that ``AutoModelForCausalLM.f
 weights, config, generation config, the full tokenizer files and chat template (upstream saved
 ``pytorch_model.bin`` + config + bare vocabulary files and relied on a ``_name_or_path`` hack,
 DSE #460/#467). A saved reward model (step 2, the step-3 critic) is the same for its body
-(``AutoModel.from_pretrained`` loads it) plus ``v_head.safetensors``.
+(``AutoModel.from_pretrained`` loads it) plus ``v_head.safetensors``. ``--save_format bin`` writes
+upstream's layout instead (``pytorch_model.bin``, a reward model's body and value head in one file),
+``both`` both; every dschat reader takes either.
 
 Under ZeRO-3 parameters are gathered module by module (all ranks must call :func:`save_hf_model`;
 only rank 0 writes). LoRA factors are fused into the weights of the copy being saved (the live
@@ -25,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.utils.dist import barrier
 from dschat.utils.fs import atomic_dir
 
@@ -146,18 +149,44 @@ def _write(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> N
         module.save_pretrained(folder, state_dict=state, safe_serialization=True)
 
 
-def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path) -> Path | None:
+def _write_upstream_bin(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """Upstream's ``save_hf_format`` layout: the whole state dict (a reward model's ``rwtransformer.*``
+    body and ``v_head.weight`` together) in ``pytorch_model.bin``, beside ``config.json`` (and
+    ``generation_config.json`` for a causal LM).
+
+    The file holds tensors only, so ``torch.load(..., weights_only=True)`` reads it, as transformers
+    and dschat's upstream-critic reader do.
+    """
+    from dschat.utils.model.reward_model import RewardModel
+
+    hf_model = module.rwtransformer if isinstance(module, RewardModel) else module
+    _set_saved_dtype(hf_model.config, state)
+    # What save_pretrained writes besides the weights.
+    hf_model.config.architectures = [type(hf_model).__name__]
+    hf_model.config.save_pretrained(folder)
+    if hf_model.can_generate():
+        hf_model.generation_config.save_pretrained(folder)
+    torch.save({k: v.contiguous() for k, v in state.items()}, folder / UPSTREAM_WEIGHTS_FILE)
+
+
+def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_format: str = "safetensors") -> Path | None:
     """Save ``model`` (causal LM or :class:`RewardModel`, possibly a DeepSpeed engine) + tokenizer.
 
-    Collective: all ranks call it; rank 0 writes ``output_dir`` atomically. Returns the folder on
-    rank 0, ``None`` elsewhere.
+    ``save_format`` (``--save_format``): ``safetensors``, ``bin`` (upstream's ``pytorch_model.bin``)
+    or ``both``. Collective: all ranks call it; rank 0 writes ``output_dir`` atomically. Returns the
+    folder on rank 0, ``None`` elsewhere.
     """
+    if save_format not in SAVE_FORMATS:  # before the collective gather, on every rank
+        raise ValueError(f"save_format must be one of {SAVE_FORMATS}, got {save_format!r}")
     module = unwrap(model)
     state = gathered_state_dict(model)
     output_dir = Path(output_dir)
     if state is not None:
         with atomic_dir(output_dir, carry_over=_keep) as tmp:
-            _write(module, state, tmp)
+            if save_format != "bin":
+                _write(module, state, tmp)
+            if save_format != "safetensors":
+                _write_upstream_bin(module, state, tmp)
             tokenizer.save_pretrained(tmp)
     barrier()
     return output_dir if state is not None else None
@@ -169,7 +198,8 @@ def save_hf_format(model: Any, tokenizer: Any, args: Any, sub_folder: str = "") 
     Unlike upstream (rank 0 only, then ``save_zero_three_model`` on all ranks) this one call does
     everything and must be made on every rank.
     """
-    return save_hf_model(model, tokenizer, Path(args.output_dir) / sub_folder)
+    return save_hf_model(model, tokenizer, Path(args.output_dir) / sub_folder,
+                         getattr(args, "save_format", "safetensors"))
 
 
 def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, zero_stage: int = 0) -> None:

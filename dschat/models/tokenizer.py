@@ -123,5 +123,42 @@ def load_hf_tokenizer(
     return tokenizer
 
 
+def tokenizer_differences(a: Any, b: Any) -> list[str]:
+    """What differs between two tokenizers as a model sees them: the vocabulary (every token's id)
+    and the bos / eos / pad ids. Empty when a model trained on one reads the other's ids rightly."""
+    vocab_a, vocab_b = a.get_vocab(), b.get_vocab()
+    out = []
+    if len(vocab_a) != len(vocab_b):
+        out.append(f"vocabulary size {len(vocab_a)} vs {len(vocab_b)}")
+    else:
+        moved = sorted((i, t) for t, i in vocab_a.items() if vocab_b.get(t) != i)
+        if moved:
+            i, token = moved[0]
+            out.append(f"vocabulary: {len(moved)} of {len(vocab_a)} tokens have other ids (e.g. {token!r}: "
+                       f"{i} vs {vocab_b.get(token)})")
+    for name in ("bos", "eos", "pad"):
+        id_a, id_b = getattr(a, f"{name}_token_id"), getattr(b, f"{name}_token_id")
+        if id_a != id_b:
+            out.append(f"{name} id {id_a} vs {id_b}")
+    return out
+
+
+def check_same_tokenizer(tokenizer: Any, model_path: str, other_path: str, role: str) -> None:
+    """Refuse, with one line naming both folders and what differs, when the tokenizer saved with
+    ``other_path`` (loaded as :func:`load_hf_tokenizer` loads it) is not ``tokenizer``, the one
+    ``model_path``'s model is run with: the ``role`` model would read token ids it never learned."""
+    try:
+        other = load_hf_tokenizer(other_path)
+    except UserError as err:
+        raise UserError(f"cannot compare the tokenizer of the {role} with {model_path}'s: {err}") from None
+    differences = tokenizer_differences(tokenizer, other)
+    if differences:
+        raise UserError(
+            f"the tokenizers of {model_path} and of the {role} {other_path} differ ({'; '.join(differences)}), "
+            f"so the {role} would read token ids it never learned; train the {role} (step 2) from a model "
+            "with the actor's tokenizer, with the same --add_eot_token choice as this run"
+        )
+
+
 # Upstream's older name.
 get_tokenizer = load_hf_tokenizer

@@ -109,6 +109,7 @@ class DeepSpeedRLHFEngine:
         from dschat.models.registry import load_config, resolve_model_path
         from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator, decide_hybrid_engine
         from dschat.utils.ds_utils import resolve_dtype
+        from dschat.utils.model.model_utils import aligned_vocab_rows
 
         self.args = args
         self.num_total_iters = num_total_iters
@@ -116,6 +117,11 @@ class DeepSpeedRLHFEngine:
         self.dtype = resolve_dtype(args.dtype)
         self.world_size = get_world_size()
         actor_config = load_config(resolve_model_path(actor_model_name_or_path))
+        # The critic and the reward model read the ids the actor samples: one embedding size for all.
+        critic_config = load_config(resolve_model_path(critic_model_name_or_path))
+        self.vocab_rows, note = aligned_vocab_rows(tokenizer, {"actor": actor_config, "critic/reward model": critic_config})
+        if note and is_rank_0():
+            print(note, flush=True)
         self.hybrid_engine = decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
                                                   get_accelerator().device_name())
 
@@ -160,7 +166,7 @@ class DeepSpeedRLHFEngine:
         args = self.args
         ds_config = self._config("actor")
         model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
-                                dropout=args.actor_dropout)
+                                dropout=args.actor_dropout, vocab_rows=self.vocab_rows)
         model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
         engine = initialize_engine(model, ds_config, self._optim(args.actor_learning_rate, args.actor_weight_decay,
                                                                  args.actor_lora_learning_rate))
@@ -184,7 +190,8 @@ class DeepSpeedRLHFEngine:
 
         stime = log_init("Ref")
         ds_config = self._config("ref")
-        model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config)
+        model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
+                                vocab_rows=self.vocab_rows)
         engine = initialize_engine(model, ds_config, None)
         log_init("Ref", stime=stime)
         return engine
@@ -199,7 +206,8 @@ class DeepSpeedRLHFEngine:
         stime = log_init("EMA")
         args = self.args
         ds_config = self._config("ema")
-        model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config)
+        model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
+                                vocab_rows=self.vocab_rows)
         # Same LoRA structure as the actor (not only-optimize: the EMA has no optimizer), so the two
         # parameter lists zip one to one.
         model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, False)
@@ -218,7 +226,7 @@ class DeepSpeedRLHFEngine:
         model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
                                     num_padding_at_beginning=args.num_padding_at_beginning, rlhf_training=True,
                                     dropout=args.critic_dropout, zero_stage=args.critic_zero_stage,
-                                    compute_fp32_loss=args.compute_fp32_loss)
+                                    compute_fp32_loss=args.compute_fp32_loss, vocab_rows=self.vocab_rows)
         model = _apply_lora(model, "critic", args.critic_lora_dim, args.critic_lora_module_name,
                             args.only_optimize_lora, force_optimize=("v_head.weight",))
         engine = initialize_engine(model, ds_config, self._optim(args.critic_learning_rate, args.critic_weight_decay,
@@ -237,7 +245,7 @@ class DeepSpeedRLHFEngine:
         model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
                                     num_padding_at_beginning=args.num_padding_at_beginning, rlhf_training=True,
                                     dropout=args.critic_dropout, zero_stage=stage,
-                                    compute_fp32_loss=args.compute_fp32_loss)
+                                    compute_fp32_loss=args.compute_fp32_loss, vocab_rows=self.vocab_rows)
         engine = initialize_engine(model, ds_config, None)
         log_init("Reward", stime=stime)
         return engine

@@ -126,7 +126,7 @@ def finish_run(args: argparse.Namespace, ctx: RunContext, engine: Any, tokenizer
     result.weight_digest = write_weight_digest(engine, digest_tag)
     if args.output_dir is not None:
         print_rank_0("saving the final model ...", ctx.rank)
-        save_hf_model(engine, tokenizer, args.output_dir)
+        save_hf_model(engine, tokenizer, args.output_dir, args.save_format)
         result.output_dir = Path(args.output_dir)
     result.engine = engine
     return result

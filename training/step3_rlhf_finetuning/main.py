@@ -3,7 +3,7 @@
 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
-parse -> checks -> distributed + seed -> tokenizer -> data -> the five engines -> PPO loop -> save.
+parse -> checks -> distributed + seed -> tokenizers -> data -> the five engines -> PPO loop -> save.
 See README.md for the flags, the decoding default and the on-policy rule.
 """
 from __future__ import annotations
@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.data.collators import MiniDataset, drop_padding_columns, set_epoch_if_distributed
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
-    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
     from dschat.rlhf.guards import plan_batches, validate_step3_args
     from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
@@ -161,6 +161,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     # ---------------------------------------------------------------- tokenizer and data
     tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, fast_tokenizer=True,
                                   add_special_tokens=EOT_SPECIAL_TOKEN if args.add_eot_token else None)
+    # The critic and the reward model score the actor's token ids: their step-2 tokenizer must be the same.
+    check_same_tokenizer(tokenizer, args.actor_model_name_or_path, args.critic_model_name_or_path,
+                         "critic/reward model")
     prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank)
 
     # ---------------------------------------------------------------- engines and trainer
@@ -237,11 +240,13 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     # ---------------------------------------------------------------- save
     if args.output_dir is not None:
         print_rank_0("saving model ...", ctx.rank)
-        # Collective (ZeRO-3 gathers); LoRA fused in the saved copy; each folder written atomically.
-        save_hf_model(rlhf_engine.actor, tokenizer, Path(args.output_dir) / "actor")
-        save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic")
+        # Collective (ZeRO-3 gathers); LoRA fused in the saved copy; each folder written atomically, in
+        # --save_format (upstream's test looks for pytorch_model.bin in actor/ and critic/).
+        save_hf_model(rlhf_engine.actor, tokenizer, Path(args.output_dir) / "actor", args.save_format)
+        save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic", args.save_format)
         if rlhf_engine.actor_ema is not None:
-            save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema")
+            save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema",
+                          args.save_format)
         result.output_dir = Path(args.output_dir)
     return result
 

@@ -2,7 +2,9 @@
 
 Differences from upstream (each fixes a reported problem):
 - ``model.config.pad_token_id`` is the tokenizer's pad id (upstream forced eos, DSE #719).
-- The vocabulary is padded up to a multiple of 8 but never shrunk below the checkpoint's size.
+- The vocabulary is padded up to a multiple of 8 but never shrunk below the checkpoint's size --
+  except in step 3 when the models' sizes differ: then all are resized to the tokenizer's length
+  rounded up to 8, as upstream resizes every model (:func:`aligned_vocab_rows`).
 - A step-3 critic/reward path must be a step-2 output -- dschat's (safetensors body +
   ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): missing
   or unexpected keys fail loudly (upstream's loader swallowed them, so a wrong path trained a
@@ -41,6 +43,27 @@ def padded_vocab_size(config_vocab_size: int, tokenizer_len: int, multiple: int 
     return int(multiple * math.ceil(max(config_vocab_size, tokenizer_len) / multiple))
 
 
+def aligned_vocab_rows(tokenizer: Any, configs: dict[str, Any]) -> tuple[int | None, str | None]:
+    """Embedding rows for models that must read each other's token ids (step 3's actor, reference,
+    critic and reward model), and the line that says so; ``(None, None)`` when they agree.
+
+    ``configs`` maps a name for the message to a model config. Each model alone would keep its
+    :func:`padded_vocab_size`, so models whose checkpoints differ in size (an actor with 50272 rows,
+    an upstream critic resized to 552) would keep different ones, and the actor would sample ids the
+    critic has no row for: a device-side assert on CUDA, an ``IndexError`` on a CPU. Then every model
+    is resized as upstream resizes them all: to the tokenizer's length rounded up to 8.
+    """
+    rows = {name: padded_vocab_size(config.vocab_size, len(tokenizer)) for name, config in configs.items()}
+    if len(set(rows.values())) <= 1:
+        return None, None
+    target = padded_vocab_size(0, len(tokenizer))
+    sizes = ", ".join(f"{name} {n}" for name, n in rows.items())
+    return target, (
+        f"note: the models' embeddings differ in size ({sizes} rows); every model is resized to the tokenizer's "
+        f"length rounded up to 8 ({target} rows), as upstream does, so the actor samples only ids every model reads"
+    )
+
+
 def _is_zero3(ds_config: dict | None) -> bool:
     return bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
 
@@ -52,12 +75,16 @@ def create_hf_model(
     ds_config: dict | None = None,
     rlhf_training: bool = False,
     dropout: float | None = None,
+    *,
+    vocab_rows: int | None = None,
 ) -> nn.Module:
     """Build an HF model (``AutoModelForCausalLM`` or ``AutoModel``) as upstream does.
 
     Under ZeRO-3 an ``HfDeepSpeedConfig`` is alive during construction so weights are created
     partitioned (``zero.Init``); it is dropped afterwards so later non-ZeRO-3 models are not built
     partitioned by mistake. ``rlhf_training=True`` builds from the config (weights loaded later).
+    ``vocab_rows`` (:func:`aligned_vocab_rows`) sets the embedding rows instead of
+    :func:`padded_vocab_size`.
     """
     path = resolve_model_path(model_name_or_path)
     model_config = load_config(path)
@@ -78,7 +105,7 @@ def create_hf_model(
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.pad_token_id = tokenizer.pad_token_id
-    new_size = padded_vocab_size(model.config.vocab_size, len(tokenizer))
+    new_size = vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer))
     if new_size != model.get_input_embeddings().weight.shape[0] or _is_zero3(ds_config):
         # Under ZeRO-3 the local weight shape is partitioned; resize always (a no-op when equal).
         # dschf must still be alive here: transformers gathers the partitioned embeddings for the
@@ -97,8 +124,10 @@ def create_critic_model(
     dropout: float | None = None,
     zero_stage: int = 0,
     compute_fp32_loss: bool = False,
+    *,
+    vocab_rows: int | None = None,
 ) -> nn.Module:
-    """A :class:`RewardModel` around ``AutoModel``.
+    """A :class:`RewardModel` around ``AutoModel``; ``vocab_rows`` as in :func:`create_hf_model`.
 
     ``rlhf_training=False`` (step 2): the body comes from any causal-LM or base-model folder and the
     value head is fresh. ``rlhf_training=True`` (step 3, ``rw_eval.py``): the folder must be a step-2
@@ -127,12 +156,13 @@ def create_critic_model(
     head = None
     if fmt == "upstream":
         body_state, head = split_upstream_state(load_upstream_state(path), path)
-        base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, state_dict=body_state)
+        base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, state_dict=body_state,
+                                 vocab_rows=vocab_rows)
         del body_state
     elif fmt == "dschat":
-        base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout)
+        base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, vocab_rows=vocab_rows)
     else:
-        base = create_hf_model(AutoModel, path, tokenizer, ds_config, False, dropout)
+        base = create_hf_model(AutoModel, path, tokenizer, ds_config, False, dropout, vocab_rows=vocab_rows)
     critic = RewardModel(base, tokenizer, num_padding_at_beginning, compute_fp32_loss)
     if fmt == "dschat":
         load_value_head(critic, path)
@@ -149,8 +179,10 @@ def _load_base_strict(
     ds_config: dict | None,
     dropout: float | None,
     state_dict: dict[str, torch.Tensor] | None = None,
+    vocab_rows: int | None = None,
 ) -> nn.Module:
-    """``from_pretrained`` that refuses missing / unexpected / mismatched keys.
+    """``from_pretrained`` that refuses missing / unexpected / mismatched keys; then the embeddings
+    get ``vocab_rows`` rows (default: :func:`padded_vocab_size`).
 
     With ``state_dict`` (an upstream critic's body, prefix stripped) the weights come from it and
     only ``config.json`` from ``path``; its keys are checked on every rank before anything is
@@ -188,8 +220,9 @@ def _load_base_strict(
         )
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
-    if padded_vocab_size(model.config.vocab_size, len(tokenizer)) != model.config.vocab_size:
-        model.resize_token_embeddings(padded_vocab_size(model.config.vocab_size, len(tokenizer)))
+    new_size = vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer))
+    if new_size != model.config.vocab_size:
+        model.resize_token_embeddings(new_size)
     del dschf  # kept alive through the resize: transformers gathers ZeRO-3 embeddings only then
     return model
 
