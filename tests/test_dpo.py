@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from _step_helpers import (
+    assert_causal_adapter_matches,
     assert_causal_folder_matches,
     assert_finite,
     base_argv,
@@ -52,6 +53,9 @@ def test_dpo_trains_saves_and_reloads(dpo, data_dir, tmp_path, case, capsys):
     assert "***** Evaluating rewards, Epoch 0/1 *****" in log and "chosen: 0.0, rejected: 0.0, loss: " in log
     assert "Model Parameters: " in log and "saving the final model ..." in log
     assert_causal_folder_matches(result, model)
+    assert (out / "lora_adapter").is_dir() == ("--lora_dim" in extra)
+    if "--lora_dim" in extra:  # OPT with its tied embeddings trained too: modules_to_save
+        assert_causal_adapter_matches(out, model)
 
 
 def test_label_mask_by_hand():
