@@ -95,7 +95,8 @@ def test_reward_model_adapter_applies_to_the_body_with_the_value_head_beside(tmp
     folder = out / "lora_adapter"
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config["task_type"] == "FEATURE_EXTRACTION" and (folder / "v_head.safetensors").is_file()
-    assert "base_model.model.layers.0.self_attn.q_proj.lora_A.weight" in load_file(str(folder / "adapter_model.safetensors"))
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    assert "base_model.model.layers.0.self_attn.q_proj.lora_A.weight" in tensors  # keys of the body, no "model."
     batch = tok(PROBE, padding=True, return_tensors="pt")
 
     # The README's recipe: PEFT on the base's body, then the value head at the last token.

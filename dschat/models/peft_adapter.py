@@ -137,7 +137,8 @@ def _lora_alpha(scaling: float, rank: int) -> float | int:
     return alpha
 
 
-def _shortest_names(selected: Iterable[str], all_names: Sequence[str], matches: Callable[[str, str], bool]) -> list[str]:
+def _shortest_names(selected: Iterable[str], all_names: Sequence[str],
+                    matches: Callable[[str, str], bool]) -> list[str]:
     """``selected`` module names as PEFT should be told them: their last parts (``q_proj``) when, by
     PEFT's ``matches(name, entry)`` rule, those select exactly ``selected`` among ``all_names``, else
     the full names."""
@@ -447,7 +448,8 @@ def _outside_body(model: nn.Module, path: str) -> bool:
     """Whether ``path`` is a causal LM's head (``lm_head``) seen from its body ``model``: what
     ``AutoModel.from_pretrained`` of a causal-LM folder drops too."""
     prefix = getattr(model, "base_model_prefix", "")
-    return bool(prefix) and not isinstance(getattr(model, prefix, None), nn.Module) and not path.startswith(prefix + ".")
+    is_body = bool(prefix) and not isinstance(getattr(model, prefix, None), nn.Module)
+    return is_body and not path.startswith(prefix + ".")
 
 
 def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tensor]) -> tuple[
