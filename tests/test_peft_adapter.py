@@ -118,6 +118,20 @@ def test_reward_model_adapter_applies_to_the_body_with_the_value_head_beside(tmp
     torch.testing.assert_close(got[real], expected[real], rtol=0, atol=1e-5)
 
 
+def test_a_step1_adapter_starts_a_reward_model_body(tmp_path):
+    """Step 2 from step 1's adapter: the causal LM's LoRA (and trained modules) land in the AutoModel body
+    (``model.`` dropped from the keys, ``lm_head`` left out, as AutoModel drops it from the merged folder)."""
+    model, tok = _lora_model("tiny-opt", only_lora=False)
+    out = save_hf_model(model, tok, tmp_path / "sft")
+    critic = create_critic_model(str(out / "lora_adapter"), tok, None).eval()
+    body = AutoModel.from_pretrained(out, dtype=torch.float32).eval()
+    batch = tok(PROBE, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        expected = body(**batch).last_hidden_state
+        got = critic.rwtransformer(**batch).last_hidden_state
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
 def test_a_peft_made_adapter_merges_as_peft_merges_it(tmp_path):
     """An adapter peft wrote (rsLoRA, an alpha pattern, no tokenizer files) loads as PEFT's merge_and_unload."""
     base = resolve_model_path("tiny-opt")
