@@ -256,7 +256,7 @@ _CARD = """# LoRA adapter ({task})
 
 Written by dschat beside the merged model in `..` (same weights as base + this adapter).
 
-- base model: `{base}`
+- base model: `{base}`{base_note}
 - rank {r}, lora_alpha {alpha} (scaling {scaling}), target modules: {targets}
 - also saved: {extra}
 
@@ -275,7 +275,6 @@ tokenizer = AutoTokenizer.from_pretrained("{folder}")"""
 _REWARD_CODE = """from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModel
-import torch
 
 body = PeftModel.from_pretrained(AutoModel.from_pretrained("{base}"), "{folder}")
 v_head = load_file("{folder}/v_head.safetensors")["v_head.weight"]  # (1, hidden)
@@ -284,17 +283,22 @@ values = body(input_ids=ids, attention_mask=mask).last_hidden_state @ v_head.T  
 # or, with dschat: create_critic_model("{folder}", tokenizer, None, rlhf_training=True)"""
 
 
-def _card(export: AdapterExport, folder_name: str) -> str:
+def _card(export: AdapterExport) -> str:
+    """The adapter folder's README.md: what it holds and how to load it."""
     s = export.settings
     extra = ", ".join(filter(None, [
         f"modules {s['modules_to_save']}" if s["modules_to_save"] else "",
         "the LoRA layers' biases" if s["bias"] == "lora_only" else "",
         "the value head (v_head.safetensors)" if export.value_head is not None else "",
-    ])) or "nothing else (LoRA factors only; servable with vLLM --enable-lora)"
+    ])) or "nothing else (LoRA factors only: the form LoRA servers such as vLLM load)"
+    # A LoRA trained on a merged adapter: that adapter is the base, to merge into its own base first.
+    base_note = (" (itself a LoRA adapter: load it merged, PeftModel.from_pretrained(its base, it)"
+                 ".merge_and_unload(), as its README shows)"
+                 if s["base_model_name_or_path"] and is_adapter_folder(s["base_model_name_or_path"]) else "")
     code = (_REWARD_CODE if export.value_head is not None else _CAUSAL_CODE).format(
-        base=s["base_model_name_or_path"], folder=folder_name)
+        base=s["base_model_name_or_path"], folder="path/to/lora_adapter")
     return _CARD.format(task="reward model body" if export.value_head is not None else "causal LM",
-                        base=s["base_model_name_or_path"], r=s["r"], alpha=s["lora_alpha"],
+                        base=s["base_model_name_or_path"], base_note=base_note, r=s["r"], alpha=s["lora_alpha"],
                         scaling=s["lora_alpha"] / s["r"], targets=", ".join(s["target_modules"]),
                         extra=extra, code=code)
 
@@ -315,7 +319,7 @@ def write_lora_adapter(export: AdapterExport, folder: str | Path, tokenizer: Any
         save_file({VALUE_HEAD_KEY: export.value_head}, str(folder / VALUE_HEAD_FILE))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
-    (folder / "README.md").write_text(_card(export, str(folder.name)), encoding="utf-8")
+    (folder / "README.md").write_text(_card(export), encoding="utf-8")
     return folder
 
 
