@@ -19,22 +19,25 @@ setup(
     packages=find_packages(include=["dschat", "dschat.*"]),
     package_data={"dschat": ["data/builtin_prefs/*.jsonl", "py.typed"]},
     include_package_data=False,
+    # Each entry: what imports it. dschat's own imports, or a library's import for a feature dschat uses
+    # (an optional dependency of that library, so dschat must declare it). Transitive requirements of
+    # these (tqdm, packaging, ...) are their business and not repeated here.
     install_requires=[
-        "torch>=2.6",  # weights_only=True cannot be bypassed from 2.6 (CVE-2025-32434)
-        "deepspeed>=0.16,<0.20",
-        "transformers>=5.0,<6",
-        "datasets>=3.0",
-        "peft>=0.13",
-        "accelerate>=1.0",
-        "bitsandbytes>=0.45",
-        "gguf>=0.10",
-        "safetensors>=0.4",
-        "tokenizers>=0.20",
-        "numpy>=1.24",
-        "filelock>=3.20.1",  # no symlink truncation of the lock path (CVE-2025-68146)
-        "tensorboard>=2.14",
-        "tqdm>=4.60",
-        "matplotlib>=3.7",
+        "torch>=2.6",  # dschat (everywhere); weights_only=True cannot be bypassed from 2.6 (CVE-2025-32434)
+        "deepspeed>=0.16,<0.20",  # dschat (engines, ZeRO, launcher)
+        "transformers>=5.0,<6",  # dschat (models, tokenizers, schedulers)
+        "datasets>=3.0",  # dschat (dschat/data: hub and local datasets)
+        "peft>=0.13",  # dschat (dschat/models/peft_adapter.py: LoraConfig of exported and loaded LoRA adapters)
+        "accelerate>=1.0",  # transformers' HfDeepSpeedConfig, which dschat uses to build ZeRO-3 models partitioned
+        "bitsandbytes>=0.45",  # dschat (dschat/utils/module/lora.py: the 4-bit QLoRA base)
+        "gguf>=0.10",  # transformers' GGUF reader, which dschat uses to unpack the embedded SmolLM2
+        "safetensors>=0.4",  # dschat (saved models, adapters, data caches)
+        "tokenizers>=0.20",  # dschat (dschat/testing/tiny.py: the tiny models' BPE)
+        "huggingface_hub>=1.0",  # dschat (dschat/models/registry.py: hub ids, the offline cache)
+        "numpy>=1.24",  # dschat (data splits, checkpointed random states)
+        "filelock>=3.20.1",  # dschat (data cache, tiny/embedded model builds); no symlink truncation of the lock path (CVE-2025-68146)
+        "tensorboard>=2.14",  # torch.utils.tensorboard, which dschat uses for --enable_tensorboard
+        "matplotlib>=3.7",  # dschat (dschat/eval/report.py: the report's plot)
     ],
     extras_require={
         "test": ["pytest>=8"],

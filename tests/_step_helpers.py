@@ -8,6 +8,7 @@ against the folder it saved.
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import os
 import subprocess
@@ -97,6 +98,73 @@ def assert_causal_folder_matches(result: Any, start_model: str) -> None:
     changed = [k for k, v in saved.state_dict().items()
                if k in before and v.shape == before[k].shape and not torch.equal(v, before[k])]
     assert changed, "training changed no weight"
+
+
+def _peft_causal_lm(path: Path) -> Any:
+    """The causal LM at ``path`` as PEFT builds it: a model folder, or an adapter folder merged into its
+    base (``merge_and_unload``, recursively)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if (path / "config.json").is_file():
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+    return PeftModel.from_pretrained(_peft_causal_lm(Path(base)), str(path)).merge_and_unload()
+
+
+def assert_causal_adapter_matches(folder: Path, base: str | Path) -> None:
+    """``folder``'s LoRA as a PEFT adapter (``folder/lora_adapter``): ``PeftModel.from_pretrained`` on
+    the model it names as its base (``base``; an adapter there is merged into its own base first) gives
+    the merged model's logits within 1e-5 (fp32, CPU), and given back as a model path dschat loads
+    that model too."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.utils.model.model_utils import create_hf_model
+
+    adapter = folder / "lora_adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    base_folder = Path(resolve_model_path(str(base))).resolve()
+    assert config["base_model_name_or_path"] == str(base_folder), config
+    tokenizer = load_hf_tokenizer(str(adapter))
+    batch = tokenizer(PROBE_TEXTS, padding=True, return_tensors="pt")
+    merged = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with_peft = PeftModel.from_pretrained(_peft_causal_lm(base_folder), str(adapter)).eval()
+    back = create_hf_model(AutoModelForCausalLM, str(adapter), tokenizer).eval()
+    with torch.no_grad():
+        expected = merged(**batch).logits
+        torch.testing.assert_close(with_peft(**batch).logits, expected, rtol=0, atol=1e-5)
+        torch.testing.assert_close(back(**batch).logits, expected, rtol=0, atol=1e-5)
+
+
+def assert_reward_adapter_matches(folder: Path) -> None:
+    """A reward model's adapter (``folder/lora_adapter``, value head beside it), given back as a
+    critic path, scores like the merged reward model in ``folder``; under PEFT, its body with the value
+    head gives the same values."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.utils.model.model_utils import create_critic_model
+
+    adapter = folder / "lora_adapter"
+    config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
+    tokenizer = load_hf_tokenizer(str(adapter))
+    batch = pair_batch(tokenizer)
+    real = batch["attention_mask"].bool()
+    merged = create_critic_model(str(folder), tokenizer, None, rlhf_training=True).eval()
+    back = create_critic_model(str(adapter), tokenizer, None, rlhf_training=True).eval()
+    body = PeftModel.from_pretrained(AutoModel.from_pretrained(config["base_model_name_or_path"], dtype=torch.float32),
+                                     str(adapter)).eval()
+    v_head = load_file(str(adapter / "v_head.safetensors"))["v_head.weight"]
+    with torch.no_grad():
+        expected = merged.forward_value(**batch, return_value_only=True)
+        torch.testing.assert_close(back.forward_value(**batch, return_value_only=True), expected, rtol=0, atol=1e-5)
+        values = (body(**batch).last_hidden_state @ v_head.T).squeeze(-1)
+        torch.testing.assert_close(values[real], expected[real], rtol=0, atol=1e-5)
 
 
 def pair_batch(tokenizer: Any, eot: str | None = None) -> dict[str, torch.Tensor]:

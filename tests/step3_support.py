@@ -48,6 +48,35 @@ def critic_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: make_critic_folder(name, root / name) for name in ("tiny-opt", "tiny-llama", "tiny-opt-quirk")}
 
 
+def make_lora_inputs(model_name: str, root: Path, seed: int = 0) -> dict[str, Path]:
+    """A LoRA actor and a LoRA critic saved by dschat (merged folder + ``lora_adapter/``), their
+    factors moved off zero as after training, without running steps 1 and 2."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.utils.model.model_utils import create_critic_model, create_hf_model
+    from dschat.utils.module.lora import convert_linear_layer_to_lora
+
+    torch.manual_seed(seed)
+    tokenizer = load_hf_tokenizer(model_name)
+    folders = {}
+    for role, model in (("actor", create_hf_model(AutoModelForCausalLM, model_name, tokenizer)),
+                        ("critic", create_critic_model(model_name, tokenizer, None))):
+        model = convert_linear_layer_to_lora(model, LORA_MODULES[model_name], 4)
+        with torch.no_grad():
+            for module in model.modules():
+                if hasattr(module, "lora_left_weight"):
+                    module.lora_left_weight.normal_(std=0.05)
+        folders[role] = save_hf_model(model, tokenizer, root / role)
+    return folders
+
+
+@pytest.fixture(scope="session")
+def lora_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return make_lora_inputs("tiny-opt-quirk", tmp_path_factory.mktemp("step3_lora_inputs"))
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("step3_data")
@@ -56,10 +85,12 @@ def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 LORA_MODULES = {"tiny-opt": "decoder.layers.", "tiny-opt-quirk": "decoder.layers.", "tiny-llama": "layers."}
 
 
-def base_argv(model: str, critic: Path, data: Path, *extra: str, steps: int = 2, lr: float = 1e-3) -> list[str]:
-    """A short test-mode run: 4 prompts x 16 tokens, 16-token answers, fp32, constant LR."""
+def base_argv(model: str, critic: Path, data: Path, *extra: str, steps: int = 2, lr: float = 1e-3,
+              actor: str | Path | None = None) -> list[str]:
+    """A short test-mode run: 4 prompts x 16 tokens, 16-token answers, fp32, constant LR. The actor is
+    ``model`` unless ``actor`` names another path of that family (a LoRA adapter folder)."""
     return [
-        "--actor_model_name_or_path", model, "--critic_model_name_or_path", str(critic),
+        "--actor_model_name_or_path", str(actor or model), "--critic_model_name_or_path", str(critic),
         "--data_path", "dschat/builtin", "--data_output_path", str(data),
         "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4",
         "--max_prompt_seq_len", "16", "--max_answer_seq_len", "16", "--dtype", "fp32",

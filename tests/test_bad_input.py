@@ -85,6 +85,8 @@ CASES = [
     Case("step1/model-path-is-a-file", "step1", ("--model_name_or_path", "{file}"), "is a file, not a folder"),
     Case("step1/model-folder-without-config", "step1", ("--model_name_or_path", "{inputs}"),
          "not a Hugging Face model folder"),
+    Case("step1/adapter-not-lora", "step1", ("--model_name_or_path", "{inputs}/ia3_adapter"),
+         "is a PEFT IA3 adapter; dschat loads LoRA adapters only"),
     Case("step1/data-path-missing", "step1", ("--data_path", "{ws}/missing.jsonl"), "does not exist",
          good_output=True),
     Case("step1/data-not-json", "step1", ("--data_path", "{inputs}/not_json.jsonl"), "not_json.jsonl:1: malformed JSON"),
@@ -148,6 +150,8 @@ CASES = [
     Case("step3/critic-tokenizer-other-pad", "step3", ("--critic_model_name_or_path", "{critic_quirk}"),
          "differ (pad id 1 vs 2)"),
     Case("step3/output-under-a-file", "step3", ("--output_dir", "{file}/out"), "cannot be created"),
+    Case("step3/adapter-base-not-cached", "step3", ("--actor_model_name_or_path", "{inputs}/offline_adapter"),
+         "LoRA adapter of base model 'nobody-dschat/no-such-model', which cannot be loaded here"),
     Case("step3/phase-share-zero", "step3", ("--data_split", "5,5,0"), "gives phase 3 0 of its", good_output=True),
     Case("step3/data-not-json", "step3", ("--data_path", "{inputs}/not_json.jsonl"), "malformed JSON"),
     Case("step3/ptx-data-missing", "step3", ("--unsupervised_dataset_name", "{ws}/missing.txt"), "does not exist"),
@@ -204,6 +208,13 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "rejected_list.jsonl").write_text(_rows(20, rejected=["a", "b"]))
     (folder / "one_row.jsonl").write_text(_rows(1))
     _save_to_disk_copies(folder)
+    # PEFT adapter folders: one not LoRA, one whose base is not in the (offline) hub cache.
+    for name, kind, base in (("ia3_adapter", "IA3", "tiny-llama"),
+                             ("offline_adapter", "LORA", "nobody-dschat/no-such-model")):
+        (folder / name).mkdir()
+        config = {"peft_type": kind, "base_model_name_or_path": base}
+        (folder / name / "adapter_config.json").write_text(json.dumps(config))
+        (folder / name / "adapter_model.safetensors").write_bytes(b"")
     return folder
 
 

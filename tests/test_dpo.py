@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 from _step_helpers import (
+    assert_causal_adapter_matches,
     assert_causal_folder_matches,
     assert_finite,
     assert_saved_in_format,
@@ -55,6 +56,9 @@ def test_dpo_trains_saves_and_reloads(dpo, data_dir, tmp_path, case, capsys):
     assert "Model Parameters: " in log and "saving the final model ..." in log
     assert_saved_in_format(out, extra[extra.index("--save_format") + 1] if "--save_format" in extra else "safetensors")
     assert_causal_folder_matches(result, model)
+    assert (out / "lora_adapter").is_dir() == ("--lora_dim" in extra)
+    if "--lora_dim" in extra:  # OPT with its tied embeddings trained too: modules_to_save
+        assert_causal_adapter_matches(out, model)
 
 
 def test_label_mask_by_hand():

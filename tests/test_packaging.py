@@ -119,3 +119,41 @@ def test_editable_install_imports_from_the_checkout(tmp_path):
     )
     location, rows = _import_probe({"PYTHONPATH": ""}, python=python, code=LIGHT_PROBE)
     assert Path(location).is_relative_to(REPO) and rows >= 300
+
+
+# Declared dependencies dschat does not import itself: the library module that imports each, for a
+# feature dschat uses (optional dependencies of those libraries, so dschat declares them).
+IMPORTED_BY_A_LIBRARY = {
+    "accelerate": "transformers/integrations/deepspeed.py",  # HfDeepSpeedConfig: ZeRO-3 model builds
+    "gguf": "transformers/modeling_gguf_pytorch_utils.py",  # the embedded SmolLM2's GGUF
+    "tensorboard": "torch/utils/tensorboard/__init__.py",  # --enable_tensorboard
+}
+
+
+def _install_requires() -> list[tuple[str, str]]:
+    """``(distribution, comment)`` for every install_requires entry of setup.py."""
+    text = (REPO / "setup.py").read_text(encoding="utf-8")
+    block = text[text.index("install_requires=["):text.index("],", text.index("install_requires=["))]
+    return re.findall(r'^\s*"([A-Za-z0-9_.-]+)[^"]*",[ \t]*(?:#[ \t]*(.*))?$', block, re.M)
+
+
+def _imported_in(folder: Path, module: str) -> bool:
+    pattern = re.compile(rf"^\s*(import|from)\s+{re.escape(module)}\b", re.M)
+    return any(pattern.search(path.read_text(encoding="utf-8")) for path in folder.rglob("*.py"))
+
+
+def test_every_declared_dependency_is_imported_and_says_by_what():
+    import importlib.util
+
+    requires = _install_requires()
+    assert len(requires) >= 10 and "tqdm" not in dict(requires)
+    site = Path(importlib.util.find_spec("transformers").origin).parents[1]
+    for dist, comment in requires:
+        module = dist.replace("-", "_")
+        assert comment, f"setup.py: say beside {dist} what imports it"
+        if module in IMPORTED_BY_A_LIBRARY:
+            library_file = site / IMPORTED_BY_A_LIBRARY[module]
+            assert re.search(rf"^\s*(import|from)\s+{module}\b", library_file.read_text(encoding="utf-8"), re.M), dist
+            assert not comment.startswith("dschat"), (dist, comment)
+        else:
+            assert comment.startswith("dschat") and _imported_in(REPO / "dschat", module), (dist, comment)

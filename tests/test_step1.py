@@ -6,6 +6,7 @@ import pytest
 from _step_helpers import (
     PYTHON,
     STEP_DIRS,
+    assert_causal_adapter_matches,
     assert_causal_folder_matches,
     assert_finite,
     assert_low_precision_folder_loads,
@@ -56,6 +57,10 @@ def test_sft_trains_saves_and_reloads(step1, data_dir, tmp_path, case):
     assert result.output_dir == out and (out / "config.json").is_file()
     assert_saved_in_format(out, extra[extra.index("--save_format") + 1] if "--save_format" in extra else "safetensors")
     assert_causal_folder_matches(result, model)
+    if "--lora_dim" in extra:  # the LoRA as a PEFT adapter too (gathered under ZeRO-3 in llama-z3-lora)
+        assert_causal_adapter_matches(out, model)
+    else:
+        assert not (out / "lora_adapter").exists()
 
 
 def test_sft_log_lines_tensorboard_and_epochs(step1, data_dir, tmp_path, capsys):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from _step_helpers import (
     assert_finite,
+    assert_reward_adapter_matches,
     assert_reward_folder_matches,
     assert_saved_in_format,
     base_argv,
@@ -59,6 +60,9 @@ def test_reward_model_trains_saves_and_reloads(step2, data_dir, tmp_path, case):
     assert (out / "v_head.safetensors").is_file() == (save_format != "bin")
     assert_saved_in_format(out, save_format)
     assert_reward_folder_matches(result)
+    assert (out / "lora_adapter").is_dir() == ("--lora_dim" in extra)
+    if "--lora_dim" in extra:  # the body's LoRA as a PEFT adapter, the value head beside it
+        assert_reward_adapter_matches(out)
     if "--only_optimize_lora" in extra:
         # The fresh value head trains even when only LoRA factors do (DSE #758).
         module = result.engine.module

@@ -3,6 +3,7 @@ the on-policy ratio, step-normalised losses, off-policy detection, a toy run who
 reward rises, and a 2-rank DeepSpeed launch."""
 from __future__ import annotations
 
+import json
 import math
 import socket
 import subprocess
@@ -10,14 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _step_helpers import assert_saved_in_format
+from _step_helpers import assert_causal_adapter_matches, assert_reward_adapter_matches, assert_saved_in_format
 
+from dschat.models.registry import resolve_model_path
 from step3_support import (  # noqa: F401
     STEP3_MAIN,
     base_argv,
     critic_dirs,
     data_cache,
     load_state,
+    lora_inputs,
     max_abs_diff,
     step3_main,
     subprocess_env,
@@ -36,8 +39,6 @@ def one_thread():
 
 
 def _initial_actor(model: str) -> dict[str, torch.Tensor]:
-    from dschat.models.registry import resolve_model_path
-
     return load_state(Path(resolve_model_path(model)))
 
 
@@ -65,7 +66,9 @@ COVER = {
                                    "--critic_lora_dim", "4", "--enable_ema", "--actor_gradient_checkpointing",
                                    "--save_format", "both"]),
     # pad == eos == bos; ZeRO-2 actor, ZeRO-3 critic, CPU offload (+ reward offload: ZeRO-3 like the
-    # critic), only-LoRA actor, EMA, critic grad-ckpt; saved in upstream's layout only (pytorch_model.bin)
+    # critic), only-LoRA actor, EMA, critic grad-ckpt; saved in upstream's layout only (pytorch_model.bin);
+    # actor and critic given as dschat's PEFT LoRA adapters (merged into their bases on load, the
+    # critic's and reward's under ZeRO-3)
     "z2-offload-quirk": ("tiny-opt-quirk", ["--actor_zero_stage", "2", "--critic_zero_stage", "3", "--offload",
                                             "--offload_reward_model",
                                             "--actor_lora_dim", "4", "--only_optimize_lora", "--enable_ema",
@@ -78,12 +81,21 @@ COVER = {
 }
 
 
+FROM_ADAPTERS = {"z2-offload-quirk"}
+
+
 @pytest.mark.parametrize("name", list(COVER))
-def test_smoke_cover(name, tmp_path, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_smoke_cover(name, tmp_path, critic_dirs, lora_inputs, data_cache, capsys):  # noqa: F811
     model, extra = COVER[name]
     out = tmp_path / "out"
-    argv = base_argv(model, critic_dirs[model], data_cache, *extra, "--output_dir", str(out),
-                     "--tensorboard_path", str(tmp_path / "tb"))
+    # The starting actor and critic: merged folders, or, given as adapters, what those merge into.
+    start_actor, start_critic = Path(resolve_model_path(model)), critic_dirs[model]
+    actor = critic = None
+    if name in FROM_ADAPTERS:
+        start_actor, start_critic = lora_inputs["actor"], lora_inputs["critic"]
+        actor, critic = start_actor / "lora_adapter", start_critic / "lora_adapter"
+    argv = base_argv(model, critic or start_critic, data_cache, *extra, "--output_dir", str(out),
+                     "--tensorboard_path", str(tmp_path / "tb"), actor=actor)
     result = step3_main().main(argv)
     logs = capsys.readouterr().out
 
@@ -99,10 +111,10 @@ def test_smoke_cover(name, tmp_path, critic_dirs, data_cache, capsys):  # noqa: 
     assert "-" * 85 in logs and "End-to-End => Latency" in logs and "Initialized Critic Model" in logs
 
     # Weights moved, outputs reload; the EMA moved less than the actor.
-    initial_actor = _initial_actor(model)
+    initial_actor = load_state(start_actor)
     actor_change = max_abs_diff(initial_actor, load_state(out / "actor"))
     assert actor_change > 0
-    assert max_abs_diff(load_state(critic_dirs[model]), load_state(out / "critic")) > 0
+    assert max_abs_diff(load_state(start_critic), load_state(out / "critic")) > 0
     ema = "--enable_ema" in extra
     if ema:
         assert 0 < max_abs_diff(initial_actor, load_state(out / "actor_ema")) < actor_change
@@ -112,6 +124,18 @@ def test_smoke_cover(name, tmp_path, critic_dirs, data_cache, capsys):  # noqa: 
     for sub in ("actor", "critic", "actor_ema") if ema else ("actor", "critic"):
         assert_saved_in_format(out / sub, save_format)
     _assert_reloads(out, model, ema)
+    # Each LoRA model's PEFT adapter is the merged model (ZeRO-3 gathered in z3-lora-ema); one trained on
+    # an adapter names that adapter as its base, and dschat loads the chain.
+    for sub in ("actor", "actor_ema") if ema else ("actor",):
+        assert (out / sub / "lora_adapter").is_dir() == ("--actor_lora_dim" in extra)
+        if "--actor_lora_dim" in extra:
+            assert_causal_adapter_matches(out / sub, actor or start_actor)
+            config = json.loads((out / sub / "lora_adapter" / "adapter_config.json").read_text())
+            # Only the factors trained (the EMA averaged only them): the form LoRA servers accept.
+            assert (config["modules_to_save"] is None) == ("--only_optimize_lora" in extra), (sub, config)
+    assert (out / "critic" / "lora_adapter").is_dir() == ("--critic_lora_dim" in extra)
+    if "--critic_lora_dim" in extra:
+        assert_reward_adapter_matches(out / "critic")
     from dschat.eval.report import read_metrics
 
     curve = read_metrics(out / "metrics.jsonl")  # one line per PPO iteration, for the e2e report

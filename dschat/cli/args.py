@@ -99,7 +99,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--model_name_or_path", type=str, required=True,
         help="Path to pretrained model or model identifier from huggingface.co/models. Also a "
              "dschat short name: smollm2-135m (embedded SmolLM2-135M-Instruct), tiny-llama, "
-             "tiny-opt, tiny-opt-quirk (tiny random models for tests).",
+             "tiny-opt, tiny-opt-quirk (tiny random models for tests), or a PEFT LoRA adapter folder "
+             "(its base model, the adapter merged).",
     )
     group.add_argument(
         "--dropout", type=float, default=None,
@@ -192,11 +193,16 @@ def add_precision_args(parser: argparse.ArgumentParser, *, zero_stage: bool = Tr
 
 def add_lora_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("LoRA")
-    group.add_argument("--lora_dim", type=int, default=0, help="If > 0, use LoRA for efficient training.")
+    group.add_argument("--lora_dim", type=int, default=0,
+                       help="If > 0, use LoRA for efficient training. (dschat) The output folder then also "
+                            "holds the LoRA as a PEFT adapter, in lora_adapter/.")
     group.add_argument("--lora_module_name", type=str, default="decoder.layers.",
                        help="The scope of LoRA (substring of Linear module names; OPT: "
                             "'decoder.layers.', LLaMA-style models: 'layers.').")
-    group.add_argument("--only_optimize_lora", action="store_true", help="Only optimize the LoRA parameters.")
+    group.add_argument("--only_optimize_lora", action="store_true",
+                       help="Only optimize the LoRA parameters. (dschat) Without it the other parameters train "
+                            "too and the PEFT adapter carries them (modules_to_save), which LoRA servers such "
+                            "as vLLM do not load.")
     group.add_argument("--lora_learning_rate", type=float, default=5e-4,
                        help="Initial LoRA learning rate (after the potential warmup period) to use.")
     return group
@@ -282,9 +288,11 @@ def add_dpo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def add_step3_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("actor and critic")
     group.add_argument("--actor_model_name_or_path", type=str, required=True,
-                       help="Path to the step-1 actor (a folder, hub id or dschat short name).")
+                       help="Path to the step-1 actor (a folder, hub id, dschat short name, or PEFT LoRA "
+                            "adapter folder: its base model, the adapter merged).")
     group.add_argument("--critic_model_name_or_path", type=str, required=True,
-                       help="Path to the step-2 reward model output (the critic and reward model start from it).")
+                       help="Path to the step-2 reward model output (the critic and reward model start from it), "
+                            "or its lora_adapter/ folder (the adapter merged into its base, its value head).")
     group.add_argument("--num_padding_at_beginning", type=int, default=1,
                        help="OPT model has a fixed number (1) of padding tokens at the beginning of the "
                             "input. Not used in step 3 (as upstream).")
@@ -375,9 +383,13 @@ def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 def add_step3_lora_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("LoRA (actor and critic)")
-    group.add_argument("--actor_lora_dim", type=int, default=0, help="If > 0, use LoRA for efficient training.")
+    group.add_argument("--actor_lora_dim", type=int, default=0,
+                       help="If > 0, use LoRA for efficient training. (dschat) actor/ and actor_ema/ then also "
+                            "hold the LoRA as a PEFT adapter, in lora_adapter/.")
     group.add_argument("--actor_lora_module_name", type=str, default="decoder.layers.", help="The scope of LoRA.")
-    group.add_argument("--critic_lora_dim", type=int, default=0, help="If > 0, use LoRA for efficient training.")
+    group.add_argument("--critic_lora_dim", type=int, default=0,
+                       help="If > 0, use LoRA for efficient training. (dschat) critic/lora_adapter/ then holds "
+                            "the LoRA as a PEFT adapter, the value head beside it.")
     group.add_argument("--critic_lora_module_name", type=str, default="decoder.layers.", help="The scope of LoRA.")
     group.add_argument("--only_optimize_lora", action="store_true", help="Only optimize the LoRA parameters.")
     group.add_argument("--actor_lora_learning_rate", type=float, default=5e-4,

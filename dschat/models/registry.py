@@ -7,6 +7,8 @@ mistakes into one readable :class:`UserError` up front instead of a hub tracebac
 - a short name (``smollm2-135m``, ``tiny-llama``, ``tiny-opt``, ``tiny-opt-quirk``) is built once into
   the dschat cache and its folder returned;
 - an existing local folder is returned as it is (if it looks like a Hugging Face folder);
+- a PEFT LoRA adapter folder (``adapter_config.json``) is returned as it is once its kind and its base
+  model check out (:mod:`dschat.models.peft_adapter` loads the base and merges the adapter);
 - a path-like string that does not exist is an error (``from_pretrained`` would try the hub with it);
 - anything else is a hub id, returned as it is; with the hub offline it must already be cached.
 
@@ -38,6 +40,9 @@ SHORT_NAME_HELP: dict[str, str] = {
 TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                                     "vocab.json", "vocab.txt", "merges.txt", "spiece.model")
 
+# What makes a folder a PEFT adapter (read by dschat.models.peft_adapter).
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+
 _PATH_PREFIXES: tuple[str, ...] = ("/", "./", "../", "~", ".\\", "..\\")
 # huggingface_hub's truthy spellings for HF_HUB_OFFLINE.
 _TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
@@ -65,14 +70,22 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(_PATH_PREFIXES) or name in (".", "..")
 
 
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """A PEFT adapter folder: ``adapter_config.json`` and no ``config.json`` (a folder with both is a
+    model, loaded as one)."""
+    folder = Path(path)
+    return (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / "config.json").is_file()
+
+
 def _check_local_folder(name: str, folder: Path) -> None:
-    if (folder / "config.json").is_file():
+    if (folder / "config.json").is_file() or is_adapter_folder(folder):
         return
     if any((folder / f).is_file() for f in TOKENIZER_FILES):
         return  # a tokenizer-only folder is fine for --tokenizer-like uses
     raise UserError(
-        f"{name} is not a Hugging Face model folder (no config.json); pass a folder written by "
-        f"save_pretrained (or a dschat checkpoint), a hub id, or one of: {_short_names_list()}"
+        f"{name} is not a Hugging Face model folder (no config.json) nor a PEFT adapter folder (no "
+        f"{ADAPTER_CONFIG_FILE}); pass a folder written by save_pretrained (or a dschat checkpoint), a hub id, "
+        f"or one of: {_short_names_list()}"
     )
 
 
@@ -115,9 +128,14 @@ def load_config(path: str) -> Any:
 
     transformers' default (``trust_remote_code=None``) *asks on stdin* whether to run a model's own
     code; dschat passes ``False`` everywhere, and a model that needs its code is a :class:`UserError`.
+    A PEFT adapter folder has its base model's config (merging the adapter changes no config).
     """
     from transformers import AutoConfig
 
+    if is_adapter_folder(path):
+        from dschat.models.peft_adapter import read_adapter
+
+        return load_config(resolve_model_path(read_adapter(path).base))
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
     except ValueError as err:
@@ -143,6 +161,8 @@ def check_local_model_path(name_or_path: str) -> None:
     local = Path(name).expanduser()
     if local.is_dir():
         _check_local_folder(name, local)
+        if is_adapter_folder(local):
+            _check_adapter(local, check_local_model_path)
     elif local.exists() and (_looks_like_path(name) or os.sep in name):
         raise UserError(f"model path {name!r} is a file, not a folder; pass the folder that holds config.json")
     elif _looks_like_path(name):
@@ -170,6 +190,16 @@ def resolve_model_path(name_or_path: str) -> str:
         return str(build_tiny_model(name))
     local = Path(name).expanduser()
     if local.is_dir():
+        if is_adapter_folder(local):
+            _check_adapter(local, resolve_model_path)
         return str(local) if name.startswith("~") else name
     _check_hub_id(name)
     return name
+
+
+def _check_adapter(folder: Path, check_base: Any) -> None:
+    """Refuse an adapter dschat cannot load (not LoRA, no safetensors weights) or whose base model
+    ``check_base`` refuses (one line naming the base)."""
+    from dschat.models.peft_adapter import check_adapter  # imports torch: only when an adapter is given
+
+    check_adapter(folder, check_base)

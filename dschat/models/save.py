@@ -14,6 +14,8 @@ only rank 0 writes). LoRA factors are fused into the weights of the copy being s
 model is left as it is, so a mid-training save does not disturb training) and dropped, so the
 folder is a plain model; a 4-bit (QLoRA) base is saved dequantised, in the compute dtype.
 Persistent buffers are saved too (upstream dropped them, bug §10.23).
+A model with LoRA layers also gets its LoRA as a PEFT adapter in ``lora_adapter/``
+(:mod:`dschat.models.peft_adapter`), written in the same atomic swap.
 Writing goes through :func:`dschat.utils.fs.atomic_dir`: a crash never leaves a broken folder
 where a good one was. Files in the folder that are not part of a saved model (``training.log``,
 TensorBoard runs, step 3's ``actor/`` beside ``critic/``) are kept.
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_lora_adapter
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.utils.dist import barrier
 from dschat.utils.fs import atomic_dir
@@ -48,8 +51,8 @@ _MODEL_ARTIFACTS = re.compile(
 
 
 def is_model_artifact(name: str) -> bool:
-    """True for the files a Hugging Face save (and our value head) writes."""
-    return bool(_MODEL_ARTIFACTS.match(name))
+    """True for the files a Hugging Face save (and our value head, and LoRA adapter) writes."""
+    return bool(_MODEL_ARTIFACTS.match(name)) or name == ADAPTER_DIR
 
 
 def _keep(name: str) -> bool:
@@ -170,7 +173,8 @@ def _write_upstream_bin(module: nn.Module, state: dict[str, torch.Tensor], folde
 
 
 def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_format: str = "safetensors") -> Path | None:
-    """Save ``model`` (causal LM or :class:`RewardModel`, possibly a DeepSpeed engine) + tokenizer.
+    """Save ``model`` (causal LM or :class:`RewardModel`, possibly a DeepSpeed engine) + tokenizer, and
+    a LoRA model's PEFT adapter in ``lora_adapter/``.
 
     ``save_format`` (``--save_format``): ``safetensors``, ``bin`` (upstream's ``pytorch_model.bin``)
     or ``both``. Collective: all ranks call it; rank 0 writes ``output_dir`` atomically. Returns the
@@ -180,6 +184,7 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
         raise ValueError(f"save_format must be one of {SAVE_FORMATS}, got {save_format!r}")
     module = unwrap(model)
     state = gathered_state_dict(model)
+    adapter = gather_lora_adapter(model)  # collective too; None without LoRA layers
     output_dir = Path(output_dir)
     if state is not None:
         with atomic_dir(output_dir, carry_over=_keep) as tmp:
@@ -188,6 +193,8 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
             if save_format != "safetensors":
                 _write_upstream_bin(module, state, tmp)
             tokenizer.save_pretrained(tmp)
+            if adapter is not None:
+                write_lora_adapter(adapter, tmp / ADAPTER_DIR, tokenizer)
     barrier()
     return output_dir if state is not None else None
 

@@ -2,7 +2,8 @@
 
 Upstream (``load_hf_tokenizer``) re-reads the tokenizer named in ``config.json['_name_or_path']``
 because its checkpoints did not save tokenizer files (DSE #460, #467). We save full tokenizer
-folders, so a folder is loaded as it is. A folder without ``tokenizer.json`` and
+folders, so a folder is loaded as it is (a PEFT adapter folder without tokenizer files: its base
+model's tokenizer). A folder without ``tokenizer.json`` and
 ``tokenizer_config.json`` -- an upstream output, which holds bare vocabulary files
 (``save_vocabulary``) -- is loaded upstream's way, from its ``_name_or_path``: the bare files
 would give the tokenizer class's default special tokens (``<|endoftext|>`` and no BOS for OPT's
@@ -59,10 +60,14 @@ def _tokenizer_source(resolved: str) -> str:
     """The folder or hub id to load the tokenizer from: ``resolved`` itself, or, for an upstream
     output without tokenizer files, the model its ``_name_or_path`` names (followed as far as it
     leads: a step-3 actor names its step-1 folder, which names the base model)."""
-    from dschat.models.registry import TOKENIZER_FILES
+    from dschat.models.registry import TOKENIZER_FILES, is_adapter_folder
     from dschat.utils.dist import print_rank_0
 
     path = resolved
+    while is_adapter_folder(path) and not any((Path(path) / name).is_file() for name in FULL_TOKENIZER_FILES):
+        from dschat.models.peft_adapter import read_adapter  # imports torch: only for an adapter folder
+
+        path = resolve_model_path(read_adapter(path).base)  # a PEFT adapter without a tokenizer: its base's
     seen = {str(Path(path).resolve())}
     while (original := _name_or_path_of(path)) is not None:
         try:

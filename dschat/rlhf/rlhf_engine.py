@@ -208,9 +208,10 @@ class DeepSpeedRLHFEngine:
         ds_config = self._config("ema")
         model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
                                 vocab_rows=self.vocab_rows)
-        # Same LoRA structure as the actor (not only-optimize: the EMA has no optimizer), so the two
-        # parameter lists zip one to one.
-        model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, False)
+        # Same LoRA structure as the actor, so the two parameter lists zip one to one. The EMA has no
+        # optimizer: requires_grad mirrors the actor's only to mark what the averaging moves (what its
+        # saved PEFT adapter must hold); lerp(x, x) == x leaves the actor's frozen weights exact.
+        model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
         engine = initialize_engine(model, ds_config, None)
         moving_average(self.actor, engine, beta=0.0)  # start as an exact copy (LoRA factors included)
         log_init("EMA", stime=stime)

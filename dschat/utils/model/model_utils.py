@@ -5,6 +5,8 @@ Differences from upstream (each fixes a reported problem):
 - The vocabulary is padded up to a multiple of 8 but never shrunk below the checkpoint's size --
   except in step 3 when the models' sizes differ: then all are resized to the tokenizer's length
   rounded up to 8, as upstream resizes every model (:func:`aligned_vocab_rows`).
+- A model path may be a PEFT LoRA adapter folder (dschat's ``lora_adapter/`` or any other): its base
+  model is built and the adapter merged into it (:mod:`dschat.models.peft_adapter`).
 - A step-3 critic/reward path must be a step-2 output -- dschat's (safetensors body +
   ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): missing
   or unexpected keys fail loudly (upstream's loader swallowed them, so a wrong path trained a
@@ -22,7 +24,8 @@ import torch
 from torch import nn
 
 from dschat.errors import UserError, first_keys
-from dschat.models.registry import load_config, resolve_model_path
+from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
+from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.paths import UPSTREAM_WEIGHTS_FILE
 
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout")
@@ -87,6 +90,8 @@ def create_hf_model(
     :func:`padded_vocab_size`.
     """
     path = resolve_model_path(model_name_or_path)
+    if is_adapter_folder(path):
+        return _adapter_model(model_class, path, tokenizer, ds_config, rlhf_training, dropout, vocab_rows)
     model_config = load_config(path)
     configure_dropout(model_config, dropout)
 
@@ -112,6 +117,18 @@ def create_hf_model(
         # resize only while it sees ZeRO-3 enabled (else: "not enough values to unpack").
         model.resize_token_embeddings(new_size)
     del dschf
+    return model
+
+
+def _adapter_model(model_class: Any, folder: str, tokenizer: Any, ds_config: dict | None, rlhf_training: bool,
+                   dropout: float | None, vocab_rows: int | None = None) -> nn.Module:
+    """The base model a LoRA adapter folder names, built by :func:`create_hf_model`, with the adapter merged."""
+    adapter = read_adapter(folder)
+    model = create_hf_model(model_class, adapter.base, tokenizer, ds_config, rlhf_training, dropout,
+                            vocab_rows=vocab_rows)
+    merge_lora_adapter(model, adapter)
+    # What a LoRA trained on top of this model was trained on (its exported adapter's base): the adapter folder.
+    model.config._name_or_path = str(Path(folder).resolve())
     return model
 
 
@@ -150,6 +167,9 @@ def create_critic_model(
 
     path = resolve_model_path(model_name_or_path)
     start = time.time()
+    if is_adapter_folder(path):
+        return _adapter_critic(path, tokenizer, ds_config, num_padding_at_beginning, rlhf_training, dropout,
+                               zero_stage, compute_fp32_loss)
     fmt = critic_format(path) if rlhf_training else None
     if rlhf_training and fmt is None:
         raise UserError(not_a_critic_message(model_name_or_path))
@@ -158,6 +178,7 @@ def create_critic_model(
         body_state, head = split_upstream_state(load_upstream_state(path), path)
         base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, state_dict=body_state,
                                  vocab_rows=vocab_rows)
+        base.config._name_or_path = path  # built from a state dict: name the folder (a LoRA adapter's base)
         del body_state
     elif fmt == "dschat":
         base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, vocab_rows=vocab_rows)
@@ -169,6 +190,28 @@ def create_critic_model(
     elif fmt == "upstream":
         copy_value_head(critic, head, path)
     print(f">Creating critic model from {model_name_or_path} took {time.time() - start:.2f} seconds")
+    return critic
+
+
+def _adapter_critic(folder: str, tokenizer: Any, ds_config: dict | None, num_padding_at_beginning: int,
+                    rlhf_training: bool, dropout: float | None, zero_stage: int, compute_fp32_loss: bool) -> nn.Module:
+    """A reward model from a LoRA adapter folder: the base it names (a step-2 output, or a model whose body
+    gets a fresh value head), the adapter merged into the body, and the value head saved beside the adapter
+    (dschat's export of a reward model) when there is one -- required for ``rlhf_training``."""
+    from dschat.utils.model.reward_model import critic_format, load_value_head, not_a_critic_message, value_head_file
+
+    adapter = read_adapter(folder)
+    has_head = value_head_file(folder).is_file()
+    if rlhf_training and not has_head:
+        raise UserError(not_a_critic_message(folder))
+    base_is_critic = critic_format(resolve_model_path(adapter.base)) is not None
+    critic = create_critic_model(adapter.base, tokenizer, ds_config, num_padding_at_beginning,
+                                 rlhf_training=base_is_critic, dropout=dropout, zero_stage=zero_stage,
+                                 compute_fp32_loss=compute_fp32_loss)
+    merge_lora_adapter(critic.rwtransformer, adapter)
+    if has_head:
+        load_value_head(critic, folder)
+    critic.rwtransformer.config._name_or_path = str(Path(folder).resolve())
     return critic
 
 

@@ -1,0 +1,539 @@
+"""LoRA adapters in Hugging Face PEFT's format: written beside every LoRA save, read back as a model path.
+
+**Export.** dschat trains LoRA as upstream does (:class:`~dschat.utils.module.lora.LinearLayer_LoRA`,
+``y = x W^T + (x @ right @ left) * lora_scaling``) and saves the merged model where upstream does.
+:func:`gather_lora_adapter` + :func:`write_lora_adapter` add the same update as a PEFT adapter in
+``lora_adapter/`` inside that folder (``adapter_config.json`` + ``adapter_model.safetensors``, what
+``peft.PeftModel.from_pretrained(base, folder)``, vLLM and the hub read):
+
+* factors: PEFT's layer adds ``lora_B(lora_A(x)) * scaling`` with ``lora_A.weight`` (r, in) and
+  ``lora_B.weight`` (out, r), so ``lora_A.weight = right.T`` and ``lora_B.weight = left.T``, under PEFT's
+  keys ``base_model.model.<module path>.lora_A.weight`` (the adapter name left out, as PEFT saves);
+* scaling: dschat's ``lora_scaling`` attribute is upstream's ``lora_scaling / lora_dim`` (1/r from the
+  CLI), PEFT's is ``lora_alpha / r``: so ``lora_alpha = lora_scaling * r`` (1 from the CLI);
+* ``target_modules``: the LoRA layers, by their last name (``q_proj``) when that selects exactly them;
+* what else the run trained: without ``--only_optimize_lora`` upstream's LoRA trains every parameter but
+  the wrapped weights (embeddings, norms, biases, ``lm_head``). LoRA layers' biases go in as PEFT's
+  ``bias="lora_only"`` (``<path>.base_layer.bias``), other modules as ``modules_to_save``, so that base +
+  adapter is the merged model. With ``--only_optimize_lora`` the adapter holds the factors alone, the
+  form LoRA servers (vLLM) accept;
+* ``base_model_name_or_path``: what the LoRA model was loaded from (``config._name_or_path``, local
+  folders made absolute); a reward model's adapter applies to its body (``AutoModel``) and its value
+  head is saved beside it as ``v_head.safetensors``.
+
+Under ZeRO-3 the factors and trained parameters are gathered module by module (every rank calls);
+rank 0 writes, inside :func:`dschat.models.save.save_hf_model`'s atomic folder swap.
+
+**Import.** A model flag naming an adapter folder loads the base model it names and merges the adapter
+into the weights (``W += scaling * B @ A``, PEFT's ``merge_and_unload``), module by module so that ZeRO-3
+partitioned weights are gathered one at a time; ``modules_to_save`` and bias tensors replace the base's.
+Only LoRA is accepted, in safetensors, and only the variants that merge into plain weights.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+from dschat.errors import UserError, first_line
+from dschat.models.registry import ADAPTER_CONFIG_FILE, is_adapter_folder
+from dschat.paths import VALUE_HEAD_FILE
+from dschat.utils.model.reward_model import VALUE_HEAD_KEY
+
+__all__ = [
+    "ADAPTER_DIR",
+    "ADAPTER_WEIGHTS_FILE",
+    "AdapterExport",
+    "LoraAdapter",
+    "check_adapter",
+    "gather_lora_adapter",
+    "is_adapter_folder",
+    "merge_lora_adapter",
+    "read_adapter",
+    "write_lora_adapter",
+]
+
+#: The adapter's folder inside a saved model's folder.
+ADAPTER_DIR = "lora_adapter"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLED_WEIGHTS_FILE = "adapter_model.bin"
+#: PEFT's key prefix: the PeftModel's ``base_model`` (the LoRA tuner) and its ``model`` (the base).
+KEY_PREFIX = "base_model.model."
+_FACTOR_KEY = re.compile(r"(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
+
+# adapter_config.json entries whose (truthy) value makes a LoRA that does not merge into plain weights.
+_UNMERGEABLE = {
+    "use_dora": "DoRA (a learned magnitude per output)",
+    "lora_bias": "LoRA with a bias on lora_B",
+    "layer_replication": "layer replication (it changes the model's layers)",
+    "alora_invocation_tokens": "activated LoRA (it applies only after its invocation tokens)",
+    "use_qalora": "QA-LoRA",
+    "trainable_token_indices": "trainable token embeddings",
+    "target_parameters": "LoRA on raw parameters",
+}
+
+
+# ------------------------------------------------------------------------------------------ export
+
+
+@dataclass(frozen=True)
+class AdapterExport:
+    """What :func:`gather_lora_adapter` collects on rank 0.
+
+    ``settings``: ``peft.LoraConfig`` keyword arguments. ``tensors``: PEFT key -> CPU tensor.
+    ``value_head``: a reward model's ``v_head.weight`` (1, hidden), else None.
+    """
+
+    settings: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    value_head: torch.Tensor | None
+
+
+def _is_lora_layer(module: nn.Module) -> bool:
+    """DeepSpeed Hybrid Engine's LoRA contract, as :func:`dschat.models.save.is_lora_layer` reads it."""
+    return all(hasattr(module, name) for name in ("lora_right_weight", "lora_left_weight", "lora_scaling"))
+
+
+def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape, also while ZeRO-3 has partitioned it away (``ds_shape``)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def _gathered(params: Sequence[torch.Tensor], modifier_rank: int | None = None) -> AbstractContextManager[Any]:
+    """Gather ZeRO-3 partitioned ``params`` (all ranks must enter); a no-op for plain tensors."""
+    if not any(hasattr(p, "ds_id") for p in params):
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank)
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _cpu(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def _lora_alpha(scaling: float, rank: int) -> float | int:
+    """PEFT's ``lora_alpha`` for a dschat layer's ``lora_scaling`` attribute (upstream's ``lora_scaling /
+    lora_dim``): the ``lora_scaling`` argument back, chosen among ``scaling * r`` and its roundings so that
+    PEFT's ``alpha / r`` gives the attribute back bit for bit (``1/49 * 49`` is 0.9999999999999999)."""
+    alpha = scaling * rank
+    for candidate in (round(alpha), round(alpha, 12), alpha, math.nextafter(alpha, math.inf),
+                      math.nextafter(alpha, -math.inf)):
+        if candidate / rank == scaling:
+            return int(candidate) if float(candidate).is_integer() else float(candidate)
+    return alpha
+
+
+def _shortest_names(selected: Iterable[str], all_names: Sequence[str],
+                    matches: Callable[[str, str], bool]) -> list[str]:
+    """``selected`` module names as PEFT should be told them: their last parts (``q_proj``) when, by
+    PEFT's ``matches(name, entry)`` rule, those select exactly ``selected`` among ``all_names``, else
+    the full names."""
+    selected = sorted(set(selected))
+    short = sorted({name.rsplit(".", 1)[-1] for name in selected})
+    if {name for name in all_names if any(matches(name, s) for s in short)} == set(selected):
+        return short
+    return selected
+
+
+def _is_target(name: str, entry: str) -> bool:  # PEFT's target_modules rule for a list
+    return name == entry or name.endswith("." + entry)
+
+
+def _is_module_to_save(name: str, entry: str) -> bool:  # PEFT's modules_to_save rule (a plain suffix)
+    return name.endswith(entry)
+
+
+def _base_name(config: Any) -> str:
+    """The model the LoRA was trained on: ``config._name_or_path``, a local folder made absolute."""
+    name = str(getattr(config, "_name_or_path", "") or "")
+    local = Path(name).expanduser()
+    return str(local.resolve()) if name and local.is_dir() else name
+
+
+def _plain_module_names(body: nn.Module, layers: dict[str, nn.Module]) -> list[str]:
+    """``body``'s module names as the plain Hugging Face model has them (LoRA layers' own children --
+    their dropout -- do not exist there)."""
+    return [name for name, _ in body.named_modules()
+            if not any(name.startswith(layer + ".") for layer in layers)]
+
+
+def _settings(body: nn.Module, layers: dict[str, nn.Module], extra: list[str], lora_biases: bool,
+              reward: bool) -> dict[str, Any]:
+    """``peft.LoraConfig`` arguments reproducing dschat's LoRA layers (rank, scaling, dropout, targets)."""
+    ranks = {name: _full_shape(layer.lora_right_weight)[1] for name, layer in layers.items()}  # (in, r)
+    alphas = {name: _lora_alpha(float(layer.lora_scaling), ranks[name]) for name, layer in layers.items()}
+    rank = Counter(ranks.values()).most_common(1)[0][0]
+    alpha = Counter(alphas.values()).most_common(1)[0][0]
+    dropouts = [layer.lora_dropout.p for layer in layers.values() if isinstance(layer.lora_dropout, nn.Dropout)]
+    names = _plain_module_names(body, layers)
+    embeddings = body.get_input_embeddings().weight
+    # A trained embedding tied to lm_head (OPT): PEFT keeps the two saved copies tied on load and merge.
+    tied = bool(getattr(body.config, "tie_word_embeddings", False)) and any(
+        p is embeddings for name in extra for p in body.get_submodule(name).parameters(recurse=False))
+    return {
+        "r": rank,
+        "lora_alpha": alpha,
+        # Layers converted with another rank or scaling (dschat's CLI gives all the same): PEFT's patterns,
+        # keyed by the full module name.
+        "rank_pattern": {n: r for n, r in ranks.items() if r != rank},
+        "alpha_pattern": {n: a for n, a in alphas.items() if a != alpha},
+        "target_modules": _shortest_names(layers, names, _is_target),
+        "modules_to_save": _shortest_names(extra, names, _is_module_to_save) if extra else None,
+        "bias": "lora_only" if lora_biases else "none",
+        "ensure_weight_tying": tied,
+        "lora_dropout": dropouts[0] if dropouts else 0.0,
+        "base_model_name_or_path": _base_name(body.config),
+        # A reward model's adapter is its body's: an AutoModel, PEFT's feature-extraction task.
+        "task_type": "FEATURE_EXTRACTION" if reward else "CAUSAL_LM",
+        "inference_mode": True,
+    }
+
+
+def gather_lora_adapter(model: Any) -> AdapterExport | None:
+    """The LoRA factors (and what else trained) of ``model`` as a PEFT adapter, on rank 0.
+
+    ``model``: a causal LM or :class:`~dschat.utils.model.reward_model.RewardModel`, or a DeepSpeed
+    engine around one. None without LoRA layers, and on ranks other than 0. Collective under ZeRO-3:
+    every rank must call it.
+    """
+    from dschat.utils.ds_utils import release_zero3_prefetch
+
+    module = getattr(model, "module", model)
+    body = getattr(module, "rwtransformer", module)  # a reward model: the adapter is its body's
+    reward = body is not module
+    layers = {name: sub for name, sub in body.named_modules() if _is_lora_layer(sub)}
+    if not layers:
+        return None
+    release_zero3_prefetch(model)
+    rank0 = _rank() == 0
+    tensors: dict[str, torch.Tensor] = {}
+    extra: list[str] = []  # modules other than LoRA layers with trained parameters: PEFT's modules_to_save
+    lora_biases = False
+    for name, sub in body.named_modules():
+        if name in layers:
+            bias = sub.bias if sub.bias is not None and sub.bias.requires_grad else None
+            lora_biases = lora_biases or bias is not None
+            with _gathered([p for p in (sub.lora_right_weight, sub.lora_left_weight, bias) if p is not None]):
+                if rank0:
+                    tensors[f"{KEY_PREFIX}{name}.lora_A.weight"] = _cpu(sub.lora_right_weight.t())  # (r, in)
+                    tensors[f"{KEY_PREFIX}{name}.lora_B.weight"] = _cpu(sub.lora_left_weight.t())  # (out, r)
+                    if bias is not None:
+                        tensors[f"{KEY_PREFIX}{name}.base_layer.bias"] = _cpu(bias)
+            continue
+        if any(name.startswith(layer + ".") for layer in layers):
+            continue  # a LoRA layer's dropout
+        own = dict(sub.named_parameters(recurse=False))  # a tied lm_head lists the shared weight here too
+        if not any(p.requires_grad for p in own.values()):
+            continue
+        extra.append(name)
+        with _gathered(list(own.values())):
+            if rank0:
+                tensors.update({f"{KEY_PREFIX}{name}.{p_name}": _cpu(p) for p_name, p in own.items()})
+    value_head = None
+    if reward:
+        with _gathered([module.v_head.weight]):
+            value_head = _cpu(module.v_head.weight) if rank0 else None
+    if not rank0:
+        return None
+    return AdapterExport(_settings(body, layers, extra, lora_biases, reward), tensors, value_head)
+
+
+_CARD = """# LoRA adapter ({task})
+
+Written by dschat beside the merged model in `..` (same weights as base + this adapter).
+
+- base model: `{base}`{base_note}
+- rank {r}, lora_alpha {alpha} (scaling {scaling}), target modules: {targets}
+- also saved: {extra}
+
+```python
+{code}
+```
+"""
+
+_CAUSAL_CODE = """from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+base = AutoModelForCausalLM.from_pretrained("{base}")
+model = PeftModel.from_pretrained(base, "{folder}")  # .merge_and_unload() for a plain model
+tokenizer = AutoTokenizer.from_pretrained("{folder}")"""
+
+_REWARD_CODE = """from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModel
+
+body = PeftModel.from_pretrained(AutoModel.from_pretrained("{base}"), "{folder}")
+v_head = load_file("{folder}/v_head.safetensors")["v_head.weight"]  # (1, hidden)
+# score of a sequence: the value at its last token
+values = body(input_ids=ids, attention_mask=mask).last_hidden_state @ v_head.T  # (batch, len, 1)
+# or, with dschat: create_critic_model("{folder}", tokenizer, None, rlhf_training=True)"""
+
+
+def _card(export: AdapterExport) -> str:
+    """The adapter folder's README.md: what it holds and how to load it."""
+    s = export.settings
+    extra = ", ".join(filter(None, [
+        f"modules {s['modules_to_save']}" if s["modules_to_save"] else "",
+        "the LoRA layers' biases" if s["bias"] == "lora_only" else "",
+        "the value head (v_head.safetensors)" if export.value_head is not None else "",
+    ])) or "nothing else (LoRA factors only: the form LoRA servers such as vLLM load)"
+    # A LoRA trained on a merged adapter: that adapter is the base, to merge into its own base first.
+    base_note = (" (itself a LoRA adapter: load it merged, PeftModel.from_pretrained(its base, it)"
+                 ".merge_and_unload(), as its README shows)"
+                 if s["base_model_name_or_path"] and is_adapter_folder(s["base_model_name_or_path"]) else "")
+    code = (_REWARD_CODE if export.value_head is not None else _CAUSAL_CODE).format(
+        base=s["base_model_name_or_path"], folder="path/to/lora_adapter")
+    return _CARD.format(task="reward model body" if export.value_head is not None else "causal LM",
+                        base=s["base_model_name_or_path"], base_note=base_note, r=s["r"], alpha=s["lora_alpha"],
+                        scaling=s["lora_alpha"] / s["r"], targets=", ".join(s["target_modules"]),
+                        extra=extra, code=code)
+
+
+def write_lora_adapter(export: AdapterExport, folder: str | Path, tokenizer: Any = None) -> Path:
+    """Write ``export`` into the new folder ``folder`` (call it inside an atomic folder write): the
+    config through ``peft.LoraConfig`` (PEFT's own schema and version), the tensors in safetensors,
+    a reward model's value head, the tokenizer and a short README."""
+    from peft import LoraConfig  # ~3 s to import: paid by LoRA saves and adapter loads only
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    known = {field.name for field in dataclasses.fields(LoraConfig)}  # older peft lacks ensure_weight_tying
+    LoraConfig(**{k: v for k, v in export.settings.items() if k in known}).save_pretrained(str(folder))
+    save_file(export.tensors, str(folder / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    if export.value_head is not None:
+        save_file({VALUE_HEAD_KEY: export.value_head}, str(folder / VALUE_HEAD_FILE))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    (folder / "README.md").write_text(_card(export), encoding="utf-8")
+    return folder
+
+
+# ------------------------------------------------------------------------------------------ import
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A PEFT LoRA adapter folder, checked by :func:`read_adapter`.
+
+    ``base``: its ``base_model_name_or_path`` as written (a folder, hub id or short name; may itself be
+    an adapter folder). ``config``: ``adapter_config.json`` as read.
+    """
+
+    folder: Path
+    base: str
+    config: dict[str, Any]
+
+    @property
+    def weights_file(self) -> Path:
+        return self.folder / ADAPTER_WEIGHTS_FILE
+
+    @property
+    def value_head_file(self) -> Path | None:
+        """``v_head.safetensors`` beside a reward model's adapter, else None."""
+        file = self.folder / VALUE_HEAD_FILE
+        return file if file.is_file() else None
+
+
+def read_adapter(folder: str | Path) -> LoraAdapter:
+    """Read and check the adapter folder ``folder``: LoRA, mergeable, safetensors weights, a base named.
+
+    Anything else is one :class:`UserError` line (the CLIs exit with code 2).
+    """
+    folder = Path(folder)
+    config_file = folder / ADAPTER_CONFIG_FILE
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot read {config_file} ({type(err).__name__}: {first_line(err)}); "
+                        "pass a PEFT adapter folder written by save_pretrained") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{config_file} is not a JSON object; pass a PEFT adapter folder written by save_pretrained")
+    kind = config.get("peft_type")
+    if str(kind).upper() != "LORA":
+        raise UserError(f"{folder} is a PEFT {kind or 'unknown-kind'} adapter; dschat loads LoRA adapters only: "
+                        "pass a LoRA adapter or a full model folder (peft's merge_and_unload + save_pretrained "
+                        "makes one, for methods that merge)")
+    unmergeable = [what for key, what in _UNMERGEABLE.items() if config.get(key)]
+    if unmergeable:
+        raise UserError(f"{folder} is a LoRA variant dschat does not merge ({', '.join(unmergeable)}); pass a "
+                        "full model folder (peft's merge_and_unload + save_pretrained makes one)")
+    if not (folder / ADAPTER_WEIGHTS_FILE).is_file():
+        found = " (it has the pickled adapter_model.bin, which dschat does not unpickle)" if (
+            folder / _PICKLED_WEIGHTS_FILE).is_file() else ""
+        raise UserError(f"{folder} has no {ADAPTER_WEIGHTS_FILE}{found}; save the adapter in safetensors "
+                        "(PeftModel.save_pretrained(folder, safe_serialization=True)) and pass that folder")
+    base = config.get("base_model_name_or_path")
+    if not isinstance(base, str) or not base.strip():
+        raise UserError(f"{config_file} names no base model (base_model_name_or_path is empty); set it to the "
+                        "folder or hub id of the model the adapter was trained on")
+    return LoraAdapter(folder, base.strip(), config)
+
+
+# Adapter folders whose base is being checked right now: a chain that leads back is refused.
+_CHECKING: list[Path] = []
+
+
+def check_adapter(folder: str | Path, check_base: Callable[[str], Any]) -> None:
+    """:func:`read_adapter` plus ``check_base(base)`` (the registry's check or resolution of a model
+    path); a base it refuses becomes one line naming the base."""
+    folder = Path(folder)
+    key = folder.resolve()
+    if key in _CHECKING:
+        raise UserError(f"{folder}'s base_model_name_or_path leads back to {folder}; point it at the model "
+                        "the adapter was trained on")
+    adapter = read_adapter(folder)
+    _CHECKING.append(key)
+    try:
+        check_base(adapter.base)
+    except UserError as err:
+        raise UserError(f"{folder} is a LoRA adapter of base model {adapter.base!r}, which cannot be loaded "
+                        f"here: {err}") from None
+    finally:
+        _CHECKING.pop()
+
+
+def _lora_config(adapter: LoraAdapter) -> Any:
+    """``adapter_config.json`` as a ``peft.LoraConfig``: absent entries take PEFT's defaults, entries this
+    peft does not know (a newer one wrote them) are left out, as ``LoraConfig.from_pretrained`` does."""
+    from peft import LoraConfig  # ~3 s to import: paid by LoRA saves and adapter loads only
+
+    known = {field.name for field in dataclasses.fields(LoraConfig) if field.init}
+    try:
+        return LoraConfig(**{k: v for k, v in adapter.config.items() if k in known})
+    except (TypeError, ValueError) as err:
+        raise UserError(f"{adapter.folder / ADAPTER_CONFIG_FILE} is not a LoRA config peft accepts "
+                        f"({type(err).__name__}: {first_line(err)}); pass a folder written by "
+                        "PeftModel.save_pretrained") from None
+
+
+def _scaling(config: Any, module: str, rank: int) -> float:
+    """PEFT's ``scaling`` of one layer: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), alpha from
+    ``alpha_pattern`` by PEFT's rule (the pattern matches the module name's end)."""
+    alpha = config.lora_alpha
+    for pattern, value in (config.alpha_pattern or {}).items():
+        if re.match(rf"(.*\.)?({pattern})$", module):
+            alpha = value
+            break
+    return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+
+
+def _locate(model: nn.Module, path: str, names: set[str]) -> str | None:
+    """``path`` (a module path of the model the adapter was made on) in ``model``: as it is, with the
+    body's prefix added (a body adapter on a causal LM) or removed (a causal-LM adapter on a body);
+    None where it is not in ``model``."""
+    if path in names:
+        return path
+    prefix = getattr(model, "base_model_prefix", "")
+    if prefix and isinstance(getattr(model, prefix, None), nn.Module):
+        candidate = f"{prefix}.{path}"
+    elif prefix and path.startswith(prefix + "."):
+        candidate = path[len(prefix) + 1:]
+    else:
+        return None
+    return candidate if candidate in names else None
+
+
+def _outside_body(model: nn.Module, path: str) -> bool:
+    """Whether ``path`` is a causal LM's head (``lm_head``) seen from its body ``model``: what
+    ``AutoModel.from_pretrained`` of a causal-LM folder drops too."""
+    prefix = getattr(model, "base_model_prefix", "")
+    is_body = bool(prefix) and not isinstance(getattr(model, prefix, None), nn.Module)
+    return is_body and not path.startswith(prefix + ".")
+
+
+def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tensor]) -> tuple[
+        list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, float, bool]], list[tuple[nn.Parameter, torch.Tensor]]]:
+    """Check every adapter tensor against ``model`` (before anything is changed: the same error on every
+    rank) and pair it with its target: ``(weight, A, B, scaling, fan_in_fan_out)`` per LoRA layer and
+    ``(parameter, value)`` per replaced parameter."""
+    config = _lora_config(adapter)
+    names = {name for name, _ in model.named_modules()}
+    where = adapter.weights_file
+
+    def refuse(problem: str) -> UserError:
+        return UserError(f"{where} does not fit the base model {adapter.base!r}: {problem}; pass the base model "
+                         "the adapter was trained on (base_model_name_or_path)")
+
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
+    for key, value in tensors.items():
+        if not key.startswith(KEY_PREFIX):
+            raise refuse(f"key {key!r} is not a PEFT key ({KEY_PREFIX}...)")
+        rest = key[len(KEY_PREFIX):]
+        factor = _FACTOR_KEY.fullmatch(rest)
+        if factor is None and ".lora_" in rest:
+            raise UserError(f"{where} holds {key!r}, a LoRA tensor dschat does not merge (LoRA on embeddings or "
+                            "convolutions, or a DoRA magnitude); pass a full model folder (peft's merge_and_unload "
+                            "+ save_pretrained makes one)")
+        if factor:
+            module_path, param_name = factor["module"], ""
+        else:  # a whole parameter: modules_to_save, or a LoRA layer's bias (PEFT names it base_layer.bias)
+            module_path, _, param_name = rest.replace(".base_layer.", ".").rpartition(".")
+        located = _locate(model, module_path, names)
+        if located is None:
+            if _outside_body(model, module_path):
+                continue  # the LM head of a causal-LM adapter, loaded into a reward model's body
+            raise refuse(f"it has {key!r} and the model has no module {module_path!r}")
+        target = model.get_submodule(located)
+        if factor:
+            factors.setdefault(located, {})[factor["which"]] = value
+            continue
+        param = getattr(target, param_name, None)
+        if not isinstance(param, nn.Parameter):
+            raise refuse(f"it has {key!r} and {located!r} has no parameter {param_name!r}")
+        if _full_shape(param) != tuple(value.shape):
+            raise refuse(f"{key!r} has shape {tuple(value.shape)}, the model's {_full_shape(param)}")
+        replaced.append((param, value))
+    merges = []
+    for located, pair in factors.items():
+        if set(pair) != {"A", "B"}:
+            raise refuse(f"{located} has lora_{''.join(pair)} without its partner")
+        a, b = pair["A"], pair["B"]  # (r, in), (out, r)
+        weight = getattr(model.get_submodule(located), "weight", None)
+        delta_shape = (b.shape[0], a.shape[1])
+        expected = delta_shape[::-1] if config.fan_in_fan_out else delta_shape
+        if not isinstance(weight, nn.Parameter) or a.shape[0] != b.shape[1] or _full_shape(weight) != expected:
+            raise refuse(f"the LoRA factors of {located} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit "
+                         f"its weight {_full_shape(weight) if weight is not None else None}")
+        merges.append((weight, a, b, _scaling(config, located, a.shape[0]), bool(config.fan_in_fan_out)))
+    return merges, replaced
+
+
+@torch.no_grad()
+def merge_lora_adapter(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
+    """Merge ``adapter`` into ``model`` (a causal LM or a body) in place; returns ``model``.
+
+    The result is PEFT's ``PeftModel.from_pretrained(model, folder).merge_and_unload()``: every LoRA
+    layer's weight becomes ``W + scaling * B @ A`` (summed in fp32, rounded once to W's dtype), and
+    ``modules_to_save`` / bias tensors replace the model's. Under ZeRO-3 each weight is gathered alone
+    and rank 0's result is kept (every rank must call).
+    """
+    from safetensors.torch import load_file
+
+    merges, replaced = _plan(model, adapter, load_file(str(adapter.weights_file)))
+    for weight, a, b, scaling, fan_in_fan_out in merges:
+        with _gathered([weight], modifier_rank=0):
+            delta = (b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)) * scaling  # (out, in)
+            if fan_in_fan_out:  # GPT-2's Conv1D keeps its weight as (in, out)
+                delta = delta.t()
+            weight.data.copy_((weight.data.float() + delta).to(weight.dtype))
+    for param, value in replaced:
+        with _gathered([param], modifier_rank=0):
+            param.data.copy_(value.to(param.device, param.dtype))
+    return model
+
