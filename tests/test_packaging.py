@@ -130,7 +130,7 @@ IMPORTED_BY_A_LIBRARY = {
 }
 
 
-def _install_requires() -> list[tuple[str, str]]:
+def _install_requires_commented() -> list[tuple[str, str]]:
     """``(distribution, comment)`` for every install_requires entry of setup.py."""
     text = (REPO / "setup.py").read_text(encoding="utf-8")
     block = text[text.index("install_requires=["):text.index("],", text.index("install_requires=["))]
@@ -145,7 +145,7 @@ def _imported_in(folder: Path, module: str) -> bool:
 def test_every_declared_dependency_is_imported_and_says_by_what():
     import importlib.util
 
-    requires = _install_requires()
+    requires = _install_requires_commented()
     assert len(requires) >= 10 and "tqdm" not in dict(requires)
     site = Path(importlib.util.find_spec("transformers").origin).parents[1]
     for dist, comment in requires:
