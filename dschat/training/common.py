@@ -349,11 +349,11 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     On a CPU accelerator an fp16 request trains in fp32 (one warning): upstream recipes run
     unchanged there.
     """
-    from dschat.utils.dist import barrier, init_distributed
+    from dschat.utils.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
     from dschat.utils.ds_utils import resolve_dtype
 
     quiet_transformers()
-    info = init_distributed()
+    info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
     dtype = resolve_dtype(args.dtype)
     set_random_seed(args.seed)
     barrier()
