@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import grp
 import os
+import pwd
 import re
 import shlex
 from dataclasses import dataclass, field
@@ -84,34 +86,68 @@ def _is_repo_root(path: Path) -> bool:
     return (path / "configs" / "step1.yaml").is_file() and (path / "training").is_dir()
 
 
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether group ``gid`` is ``uid``'s own (a user-private group: same name, no other member), as
+    Debian/Ubuntu give every user, whose default umask 002 makes a clone group-writable."""
+    try:
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:  # an id without a name here (e.g. from another machine's NFS)
+        return False
+    return group.gr_gid == user.pw_gid and group.gr_name == user.pw_name and set(group.gr_mem) <= {user.pw_name}
+
+
+def untrusted_reason(path: Path, uid: int | None = None) -> str | None:
+    """Why a checkout at ``path`` must not be run (its owner or its permissions), or ``None``.
+
+    Its ``configs/`` and ``training/.../main.py`` decide what runs, so the folder must belong to this
+    user (or root, who can change anything anyway) and be writable by nobody else: otherwise another
+    account could plant or swap them. Group write is fine for the user's private group.
+    """
+    uid = os.geteuid() if uid is None else uid
+    info = os.stat(path)
+    if info.st_uid not in (uid, 0):
+        return f"is owned by uid {info.st_uid}, not by you (uid {uid})"
+    writable = [who for who, bit in (("group", 0o020), ("others", 0o002)) if info.st_mode & bit]
+    if writable == ["group"] and _private_group(info.st_gid, uid):
+        writable = []
+    if writable:
+        return f"is writable by {' and '.join(writable)} (mode {info.st_mode & 0o777:o})"
+    return None
+
+
+def _checked_root(label: str, path: Path) -> Path:
+    reason = untrusted_reason(path)
+    if reason:
+        raise UserError(f"{label} {path} {reason}; a checkout that others can change could run their code: "
+                        f"use your own clone, or chmod go-w {path}")
+    return path
+
+
 def find_repo_root(explicit: str | os.PathLike | None = None) -> Path:
     """The checkout that holds ``configs/`` and ``training/``.
 
-    Tried in order: ``explicit`` (the shell scripts pass their own checkout), ``$DSCHAT_REPO_ROOT``,
-    the checkout this package was imported from (editable installs), then the working directory and
-    its parents (a non-editable install run from a checkout, as the README's quickstart does).
+    Only places the user chose are searched, in order: ``explicit`` (``--repo-root``; the shell
+    scripts pass their own checkout), ``$DSCHAT_REPO_ROOT``, the checkout this package was imported
+    from (an editable install, or ``PYTHONPATH`` pointing at a checkout), and the working directory
+    itself. Its parents are not searched: a folder such as ``/tmp`` that others can write to could
+    hold a planted checkout. The checkout must be the user's and writable by nobody else
+    (:func:`untrusted_reason`).
     """
-    candidates: list[tuple[str, Path]] = []
-    if explicit:
-        candidates.append(("--repo-root", Path(explicit)))
-    env = os.environ.get("DSCHAT_REPO_ROOT")
-    if env:
-        candidates.append(("DSCHAT_REPO_ROOT", Path(env)))
-    if explicit or env:
-        label, path = candidates[0]
-        path = path.expanduser().resolve()
-        if not _is_repo_root(path):
-            raise UserError(f"{label} {path} is not a dschat checkout (no configs/step1.yaml and training/)")
-        return path
-    here = Path(__file__).resolve().parent.parent
-    search = [here, *Path.cwd().resolve().parents]
-    search.insert(1, Path.cwd().resolve())
-    for path in search:
+    for label, value in (("--repo-root", explicit), ("DSCHAT_REPO_ROOT", os.environ.get("DSCHAT_REPO_ROOT"))):
+        if value:
+            path = Path(value).expanduser().resolve()
+            if not _is_repo_root(path):
+                raise UserError(f"{label} {path} is not a dschat checkout (no configs/step1.yaml and training/)")
+            return _checked_root(label, path)
+    package_checkout = Path(__file__).resolve().parent.parent
+    for label, path in (("the checkout dschat was imported from", package_checkout),
+                        ("the working directory", Path.cwd().resolve())):
         if _is_repo_root(path):
-            return path
+            return _checked_root(label, path)
     raise UserError(
-        "cannot find the dschat checkout (a folder with configs/ and training/); run from the "
-        "checkout, or pass --repo-root / set DSCHAT_REPO_ROOT"
+        "cannot find the dschat checkout (a folder with configs/ and training/): dschat looks in the "
+        "checkout it was imported from and in the working directory only; run from the checkout, or pass "
+        "--repo-root / set DSCHAT_REPO_ROOT"
     )
 
 
@@ -127,7 +163,7 @@ _RECIPE_KEYS = frozenset(
     {"upstream", "description", "notes", "launcher", "env", "defaults", "flags", "script", "eta_seconds"}
 )
 _LAUNCHER_INT_KEYS = ("num_gpus", "num_nodes", "master_port")
-_LAUNCHER_STR_KEYS = ("hostfile", "include", "exclude")
+_LAUNCHER_STR_KEYS = ("hostfile", "master_addr", "include", "exclude")
 _TRUE = "true"
 
 
@@ -141,11 +177,12 @@ class Launcher:
     master_port: int | None = None
     include: str | None = None
     exclude: str | None = None
+    master_addr: str | None = None
 
     def argv(self) -> list[str]:
         """``--num_gpus 1 --master_port 12346 ...`` in a fixed order."""
         out: list[str] = []
-        for name in ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_port"):
+        for name in ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_addr", "master_port"):
             value = getattr(self, name)
             if value is not None:
                 out += [f"--{name}", str(value)]
@@ -535,7 +572,8 @@ def render_script(recipe: Recipe) -> str:
         "#",
         f"# Usage: bash {name} {usage_args} [--main_py_flag VALUE ...]",
         f"#   Empty or missing positionals take the defaults: {defaults}",
-        "#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).",
+        "#   Flags after the positionals are added to main.py's (one given there replaces the recipe's),",
+        "#   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.",
         "#   Output goes to the terminal and to OUTPUT/training.log.",
     ]
     for note in recipe.notes:
