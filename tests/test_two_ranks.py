@@ -3,15 +3,12 @@ identical weights on both ranks, seen through ``DSCHAT_WEIGHT_DIGEST_DIR`` (each
 SHA-256 of its parameters at the end of training)."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from _step_helpers import STEP_DIRS, base_argv, run_cli
+from _step_helpers import STEP_DIRS, base_argv, deepspeed_cmd, run_cli
 
 pytestmark = pytest.mark.slow
-
-DEEPSPEED = shutil.which("deepspeed") or str(Path(__import__("sys").executable).with_name("deepspeed"))
 
 
 @pytest.mark.parametrize("step,tag,model,extra", [
@@ -23,7 +20,7 @@ def test_two_ranks_end_with_identical_weights(tmp_path, step, tag, model, extra)
     out = tmp_path / "out"
     argv = base_argv(model, tmp_path / "data", *extra, "--zero_stage", "2", "--output_dir", str(out),
                      max_train_steps=3)
-    proc = run_cli([DEEPSPEED, "--num_gpus", "2", "main.py", *argv], cwd=STEP_DIRS[step],
+    proc = run_cli(deepspeed_cmd("main.py", *argv), cwd=STEP_DIRS[step],
                    DSCHAT_WEIGHT_DIGEST_DIR=str(digests))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     rank0 = (digests / f"{tag}-rank0.sha256").read_text().strip()
