@@ -24,7 +24,9 @@ import datetime
 import os
 import shutil
 import socket
+import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -32,7 +34,7 @@ from typing import Optional
 import torch
 import torch.distributed
 
-from dschat.errors import UserError
+from dschat.errors import EXIT_USAGE, UserError
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
 
 __all__ = [
@@ -135,6 +137,26 @@ def _rendezvous_error(err: Exception, rank: int, world_size: int, addr: str, por
                      "(launcher options --master_addr / --master_port)")
 
 
+def _watchdog(rendezvous: datetime.timedelta, message: str) -> threading.Timer:
+    """Stop the process with ``message`` (one line, exit code 2) when the rendezvous outlives its
+    timeout by a grace period.
+
+    Torch bounds each wait by the timeout, except one: a client connected to a port where some other
+    program listens waits for the store's greeting forever (seen: until that program exited). Nothing
+    can be unwound from inside that C++ call, so the process ends here.
+    """
+    grace = max(5.0, min(30.0, rendezvous.total_seconds()))
+
+    def fire() -> None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        os._exit(EXIT_USAGE)
+
+    timer = threading.Timer(rendezvous.total_seconds() + grace, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def _collective_timeout(rendezvous: datetime.timedelta) -> datetime.timedelta:
     from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes, default 10
 
@@ -190,13 +212,19 @@ def _init_ranks(deepspeed: object, dist_backend: Optional[str], rendezvous: date
 
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
-    if rank != 0 and port.isdigit():
-        _wait_for_master(addr, int(port), rank, rendezvous)
+    watchdog = _watchdog(rendezvous, f"rank {rank} on {socket.gethostname()}: no rendezvous at {addr}:{port} within "
+                         f"{_duration(rendezvous)} (--dist_timeout): the program answering there is not this job's "
+                         "rank 0 (another job holds the port?) or a peer hangs; pass a free --master_port to the "
+                         "launcher, and stop this job's ranks left on other hosts")
     try:
+        if rank != 0 and port.isdigit():
+            _wait_for_master(addr, int(port), rank, rendezvous)
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=rendezvous)  # type: ignore[attr-defined]
         torch.distributed.barrier()  # NCCL connects here; every rank has joined after it
     except torch.distributed.DistError as err:
         raise _rendezvous_error(err, rank, world_size, addr, port, rendezvous) from None
+    finally:
+        watchdog.cancel()
     collective = _collective_timeout(rendezvous)
     if collective != rendezvous:
         distributed_c10d._set_pg_timeout(collective)
