@@ -33,6 +33,7 @@ from typing import Optional
 
 import torch
 import torch.distributed
+from torch.distributed import distributed_c10d
 
 from dschat.errors import EXIT_USAGE, UserError
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
@@ -176,22 +177,23 @@ def init_distributed(dist_backend: Optional[str] = None,
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    if timeout_minutes <= 0:
+        raise UserError(f"--dist_timeout must be > 0 minutes, got {timeout_minutes:g}")
+    rendezvous = datetime.timedelta(minutes=timeout_minutes)
     _ensure_single_process_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
-    if timeout_minutes <= 0:
-        raise UserError(f"--dist_timeout must be > 0 minutes, got {timeout_minutes:g}")
-    rendezvous = datetime.timedelta(minutes=timeout_minutes)
     if torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
     elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous))
     elif int(os.environ["WORLD_SIZE"]) == 1:
-        if "GLOO_SOCKET_IFNAME" not in os.environ and _loopback_interface():
+        loopback = _loopback_interface()
+        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
             # gloo opens a listener for peers even alone; one process has none, so loopback only.
-            os.environ["GLOO_SOCKET_IFNAME"] = _loopback_interface() or ""
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
         deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
                                    init_method=_private_file_store(), rank=0, world_size=1,
                                    timeout=_collective_timeout(rendezvous))
@@ -208,8 +210,6 @@ def init_distributed(dist_backend: Optional[str] = None,
 def _init_ranks(deepspeed: object, dist_backend: Optional[str], rendezvous: datetime.timedelta) -> None:
     """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous``, then give the
     collectives their longer timeout."""
-    from torch.distributed import distributed_c10d
-
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
     watchdog = _watchdog(rendezvous, f"rank {rank} on {socket.gethostname()}: no rendezvous at {addr}:{port} within "
