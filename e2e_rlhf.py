@@ -42,6 +42,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
 from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
+from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
 from dschat.recipes import Recipe, get_recipe  # noqa: E402
 from dschat.utils.fs import check_writable_dir  # noqa: E402
@@ -52,7 +53,6 @@ OPT_SIZES = ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "30b", "66b", "175b"
 UPSTREAM_ACTOR_SIZES = ("1.3b", "6.7b", "13b", "66b")
 UPSTREAM_REWARD_SIZES = ("350m",)
 TIMINGS_FILE = "e2e_timings.json"
-DEFAULT_HOSTFILE = "/job/hostfile"  # where the deepspeed launcher looks without --hostfile
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 REWARD_FILES = (VALUE_HEAD_FILE, UPSTREAM_WEIGHTS_FILE)  # dschat's / upstream's step-2 output
 
@@ -386,8 +386,18 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
                         help="single_gpu, single_node (singlenode), multi_node (multinode: deepspeed launcher "
                              "with a hostfile) or cpu (default: single_gpu with a GPU, cpu without)")
     dschat = parser.add_argument_group("dschat additions")
-    dschat.add_argument("--hostfile", default=None, help="deepspeed hostfile for multi_node (default: /job/hostfile)")
-    dschat.add_argument("--num-gpus", type=int, default=None, help="override the recipes' deepspeed --num_gpus")
+    launch = parser.add_argument_group("launcher (dschat additions; passed to the deepspeed launcher of every step)")
+    launch.add_argument("--hostfile", default=None, help="deepspeed hostfile for multi_node (default: /job/hostfile)")
+    launch.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, default=None,
+                        help="override the recipes' deepspeed --num_gpus (GPUs per node)")
+    launch.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=None,
+                        help="deepspeed --num_nodes: the first N hosts of the hostfile")
+    launch.add_argument("--master-addr", "--master_addr", dest="master_addr", default=None,
+                        help="deepspeed --master_addr: an address of the first host that the others reach (default: "
+                             "the launcher asks the first host with `hostname -I`)")
+    launch.add_argument("--master-port", "--master_port", dest="master_port", type=int, default=None,
+                        help="deepspeed --master_port (default: a free port on one node; on several nodes the "
+                             "recipe's port or 29500, which must be free on the first host)")
     dschat.add_argument("--seed", type=int, default=None, help="pass --seed to every step (and the report)")
     dschat.add_argument("--report", choices=("auto", "always", "never"), default="auto",
                         help="evaluate after step 3 (auto: when step 3 trained on dschat/builtin)")
@@ -504,7 +514,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.reward_model = dep.default_reward or config.default_reward
     check_inputs(args)
     runs = build_steps(args, dep)
-    launcher = {"hostfile": args.hostfile, "num_gpus": args.num_gpus}
+    launcher = {"hostfile": args.hostfile, "num_gpus": args.num_gpus, "num_nodes": args.num_nodes,
+                "master_addr": args.master_addr, "master_port": args.master_port}
     if args.hostfile and dep.name != "multi_node":
         print(f"note: --hostfile is used with --deployment-type {dep.name} too (deepspeed reads it)", flush=True)
     if args.hostfile and not Path(args.hostfile).is_file():

@@ -26,7 +26,20 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main
-from dschat.recipes import Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
+from dschat.multinode import (
+    DEFAULT_MASTER_PORT,
+    ENV_FILE_VAR,
+    Hosts,
+    check_master_port,
+    check_remote_safe,
+    flag_values,
+    free_port,
+    launch_hosts,
+    rank_env,
+    rank_env_additions,
+    write_rank_env_file,
+)
+from dschat.recipes import Launcher, Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
 from dschat.utils.fs import check_writable_dir
 
 LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, custom wrappers)
@@ -129,6 +142,10 @@ class LaunchPlan:
     output_dir: Path | None = None
     main_py: Path | None = None
     env_set: dict[str, str] = field(default_factory=dict)  # always set (PYTHONPATH)
+    hosts: Hosts | None = None  # None: no launcher (kind "python")
+    # Multi-node: variables the remote ranks need that no .deepspeed_env of the user sets; run()
+    # writes them into the launch's own copy of that file.
+    rank_env: dict[str, str] = field(default_factory=dict)
 
     @property
     def log_path(self) -> Path | None:
@@ -149,6 +166,34 @@ def _flag_value(argv: Sequence[str], name: str) -> str | None:
     return value
 
 
+LAUNCHER_FLAGS = ("hostfile", "master_addr", "master_port", "num_nodes", "num_gpus")  # taken from script args
+
+
+def resolve_launcher(recipe: Recipe, overrides: Mapping[str, object] | None) -> tuple[Launcher, Hosts]:
+    """The launcher options for ``recipe`` with the user's ``overrides``, and the hosts they select.
+
+    A single-node launch without a ``--master_port`` from the user gets a free port (as ``torchrun
+    --standalone``): the launcher's default 29500, or a recipe's fixed port, may be held by another
+    job on the machine. A multi-node launch keeps the given port, the recipe's or 29500, because
+    every host must agree on it; when the first host is this machine, the port is checked here.
+    """
+    overrides = dict(overrides or {})
+    launcher = recipe.launcher.with_overrides(**overrides)
+    hosts = launch_hosts(launcher.hostfile, launcher.num_nodes, launcher.include, launcher.exclude)
+    given = overrides.get("master_port")
+    if given is None and not hosts.multi_node:
+        return launcher.with_overrides(master_port=free_port()), hosts
+    if given is not None:
+        source = "--master_port"
+    elif launcher.master_port is not None:
+        source = f"{recipe.label}'s launcher port"
+    else:
+        source = "the launcher's default"
+    port = launcher.master_port if launcher.master_port is not None else DEFAULT_MASTER_PORT
+    check_master_port(port, hosts, source)
+    return launcher, hosts
+
+
 def plan(
     recipe: Recipe,
     params: Mapping[str, str | None] | None = None,
@@ -160,27 +205,40 @@ def plan(
     repo_root: str | os.PathLike | None = None,
     require_main: bool = True,
 ) -> LaunchPlan:
-    """Build the command for ``recipe``; ``kind`` is ``deepspeed`` (default) or ``python``."""
+    """Build the command for ``recipe``; ``kind`` is ``deepspeed`` (default) or ``python``.
+
+    ``launcher_overrides`` are the user's launcher options (``None``: not given). A multi-node
+    launch is refused when a value would reach the remote shell unquoted
+    (:func:`dschat.multinode.check_remote_safe`).
+    """
     root = find_repo_root(repo_root)
     main_py = root / recipe.step.main_py
     if require_main and not main_py.is_file():
         raise UserError(f"{main_py} does not exist; this checkout has no {recipe.step.title} step script yet")
     flags = recipe.render(params, extra, unset)
-    if kind == "deepspeed":
-        launcher = recipe.launcher.with_overrides(**dict(launcher_overrides or {}))
-        argv = [*deepspeed_executable(), *launcher.argv(), str(main_py), *flags]
-    elif kind == "python":
-        # Plain `python main.py` (one process, no launcher): what upstream could not do.
-        argv = [sys.executable, str(main_py), *flags]
-    else:
-        raise UserError(f"unknown launcher kind {kind!r}; use deepspeed or python")
     env = {"PYTHONUNBUFFERED": "1", **recipe.env}
     # The step scripts import dschat: make it this checkout's, like the checkout's main.py, even when
     # another copy is installed (the shell recipes do the same).
     existing = os.environ.get("PYTHONPATH")
     env_set = {"PYTHONPATH": str(root) + (os.pathsep + existing if existing else "")}
+    hosts = None
+    needed: dict[str, str] = {}
+    if kind == "deepspeed":
+        launcher, hosts = resolve_launcher(recipe, launcher_overrides)
+        argv = [*deepspeed_executable(), *launcher.argv(), str(main_py), *flags]
+        if hosts.multi_node:
+            # PDSH's remote command: "export K=V; ...; cd <cwd>; <python> -u -m deepspeed.launcher.launch
+            # ... <main.py> <flags>", one shell string.
+            check_remote_safe([("the working directory", os.getcwd()), ("the step script", str(main_py)),
+                               ("PYTHONPATH", env_set["PYTHONPATH"]), *flag_values(flags)])
+            needed = rank_env_additions(rank_env(os.environ, env), os.environ, os.getcwd())
+    elif kind == "python":
+        # Plain `python main.py` (one process, no launcher): what upstream could not do.
+        argv = [sys.executable, str(main_py), *flags]
+    else:
+        raise UserError(f"unknown launcher kind {kind!r}; use deepspeed or python")
     out = _flag_value(flags, "output_dir")
-    return LaunchPlan(recipe, argv, env, Path(out) if out else None, main_py, env_set)
+    return LaunchPlan(recipe, argv, env, Path(out) if out else None, main_py, env_set, hosts, needed)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -286,8 +344,14 @@ def run(
     for key, value in launch.env.items():
         env.setdefault(key, value)  # a value the user set wins over the recipe's
     env.update(launch.env_set)
+    env_file = write_rank_env_file(launch.rank_env, os.environ, os.getcwd()) if launch.rank_env else None
+    if env_file is not None:
+        env[ENV_FILE_VAR] = str(env_file)  # absolute: DeepSpeed reads it instead of ~/ and ./.deepspeed_env
     tee = _LogTee(launch.log_path) if log and launch.log_path is not None else None
     header = f"{PREFIX} {launch.command_line()}\n".encode()
+    if env_file is not None:
+        header += (f"{PREFIX} the ranks on other hosts get {', '.join(launch.rank_env)} through "
+                   f"{env_file} ({ENV_FILE_VAR})\n").encode()
     sink(header)
     if tee:
         tee.write(header)
@@ -325,6 +389,8 @@ def run(
         proc.stdout.close()
         if tee:
             tee.close(discard=proc.returncode == EXIT_USAGE)
+        if env_file is not None:
+            shutil.rmtree(env_file.parent, ignore_errors=True)
     if returncode < 0:
         returncode = 128 - returncode
     if interrupts and returncode == 0:
@@ -349,6 +415,29 @@ def _split_argv(argv: Sequence[str]) -> tuple[list[str], list[str] | None, list[
     return argv, None, []
 
 
+def _take_launcher_flags(tokens: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Pull ``--hostfile F``, ``--master_addr A``, ``--master_port P``, ``--num_nodes N`` and
+    ``--num_gpus N`` (also ``--name=value``) out of a shell script's arguments: they are the
+    launcher's, the rest is for ``main.py`` (which has no flag of those names)."""
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    tokens = list(tokens)
+    i = 0
+    while i < len(tokens):
+        name, eq, value = tokens[i].partition("=")
+        if name.startswith("--") and name[2:] in LAUNCHER_FLAGS:
+            if not eq:
+                if i + 1 >= len(tokens) or tokens[i + 1].startswith("--"):
+                    raise UserError(f"{name} needs a value")
+                value = tokens[i + 1]
+                i += 1
+            found[name[2:]] = value
+        else:
+            rest.append(tokens[i])
+        i += 1
+    return found, rest
+
+
 def _split_script_args(recipe: Recipe, tokens: Sequence[str]) -> tuple[list[str], list[str]]:
     """Positionals (up to the step's count, stopping at the first ``--flag``) and extra flags."""
     positionals: list[str] = []
@@ -358,6 +447,20 @@ def _split_script_args(recipe: Recipe, tokens: Sequence[str]) -> tuple[list[str]
     if rest and not rest[0].startswith("--"):
         split_flag_groups(rest)  # raises the readable "must be flags" error
     return positionals, rest
+
+
+def _launcher_values(found: Mapping[str, str]) -> dict[str, object]:
+    """Launcher flags given as text (a shell script's arguments) with their types."""
+    out: dict[str, object] = {}
+    for name, value in found.items():
+        if name in ("master_port", "num_nodes", "num_gpus"):
+            try:
+                out[name] = int(value)
+            except ValueError:
+                raise UserError(f"--{name} must be an integer, got {value!r}") from None
+        else:
+            out[name] = value
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -380,7 +483,12 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--num_gpus", type=int, default=None, help="deepspeed --num_gpus")
     launch.add_argument("--num_nodes", type=int, default=None, help="deepspeed --num_nodes")
     launch.add_argument("--hostfile", default=None, help="deepspeed --hostfile (multi-node; default /job/hostfile)")
-    launch.add_argument("--master_port", type=int, default=None, help="deepspeed --master_port")
+    launch.add_argument("--master_port", type=int, default=None,
+                        help="deepspeed --master_port (default: a free port on one node; on several nodes the "
+                             "recipe's port or 29500, which must be free on the first host)")
+    launch.add_argument("--master_addr", default=None,
+                        help="deepspeed --master_addr: the first host's address that the others reach (default: "
+                             "the launcher asks the first host with `hostname -I` and takes the first address)")
     launch.add_argument("--launcher", choices=("deepspeed", "python"), default="deepspeed",
                         help="'python' runs main.py in this process's interpreter without the launcher")
     launch.add_argument("--unset", action="append", default=[], metavar="FLAG",
@@ -405,17 +513,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise UserError(f"{recipe.label} takes {', '.join('--' + p for p in param_names)}, not "
                         f"{', '.join('--' + w for w in wrong)}")
     params = {name: given[name] for name in param_names}
+    launcher: dict[str, object] = {"num_gpus": args.num_gpus, "num_nodes": args.num_nodes, "hostfile": args.hostfile,
+                                   "master_addr": args.master_addr, "master_port": args.master_port}
     if script_args is not None:
+        script_launcher, script_args = _take_launcher_flags(script_args)
+        launcher.update(_launcher_values(script_launcher))
         positionals, extra = _split_script_args(recipe, script_args)
         for name, value in recipe.params_from_positionals(positionals).items():
             if value:
                 params[name] = value
-    launch = plan(
-        recipe, params, extra, unset=args.unset,
-        launcher_overrides={"num_gpus": args.num_gpus, "num_nodes": args.num_nodes,
-                            "hostfile": args.hostfile, "master_port": args.master_port},
-        kind=args.launcher, repo_root=args.repo_root, require_main=not args.dry_run,
-    )
+    launch = plan(recipe, params, extra, unset=args.unset, launcher_overrides=launcher, kind=args.launcher,
+                  repo_root=args.repo_root, require_main=not args.dry_run)
     if args.dry_run:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in launch.env.items() if k != "PYTHONUNBUFFERED")
         print(f"{env} {launch.command_line()}" if env else launch.command_line())

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence, Union
 
 from dschat.errors import UserError, cli_main
+from dschat.utils.fs import untrusted_reason
 
 # -------------------------------------------------------------------------------------------------
 # Steps
@@ -84,34 +85,41 @@ def _is_repo_root(path: Path) -> bool:
     return (path / "configs" / "step1.yaml").is_file() and (path / "training").is_dir()
 
 
+def _checked_root(label: str, path: Path) -> Path:
+    # The checkout's configs/ and training/.../main.py decide what runs: it must be the user's (or
+    # root's, for a system-wide install) and writable by nobody else.
+    reason = untrusted_reason(path, root_may_own=True)
+    if reason:
+        raise UserError(f"{label} {path} is not safe to run: {reason}; a checkout that others can change could run their code: "
+                        f"use your own clone, or chmod go-w {path}")
+    return path
+
+
 def find_repo_root(explicit: str | os.PathLike | None = None) -> Path:
     """The checkout that holds ``configs/`` and ``training/``.
 
-    Tried in order: ``explicit`` (the shell scripts pass their own checkout), ``$DSCHAT_REPO_ROOT``,
-    the checkout this package was imported from (editable installs), then the working directory and
-    its parents (a non-editable install run from a checkout, as the README's quickstart does).
+    Only places the user chose are searched, in order: ``explicit`` (``--repo-root``; the shell
+    scripts pass their own checkout), ``$DSCHAT_REPO_ROOT``, the checkout this package was imported
+    from (an editable install, or ``PYTHONPATH`` pointing at a checkout), and the working directory
+    itself. Its parents are not searched: a folder such as ``/tmp`` that others can write to could
+    hold a planted checkout. The checkout must be the user's and writable by nobody else
+    (:func:`dschat.utils.fs.untrusted_reason`).
     """
-    candidates: list[tuple[str, Path]] = []
-    if explicit:
-        candidates.append(("--repo-root", Path(explicit)))
-    env = os.environ.get("DSCHAT_REPO_ROOT")
-    if env:
-        candidates.append(("DSCHAT_REPO_ROOT", Path(env)))
-    if explicit or env:
-        label, path = candidates[0]
-        path = path.expanduser().resolve()
-        if not _is_repo_root(path):
-            raise UserError(f"{label} {path} is not a dschat checkout (no configs/step1.yaml and training/)")
-        return path
-    here = Path(__file__).resolve().parent.parent
-    search = [here, *Path.cwd().resolve().parents]
-    search.insert(1, Path.cwd().resolve())
-    for path in search:
+    for label, value in (("--repo-root", explicit), ("DSCHAT_REPO_ROOT", os.environ.get("DSCHAT_REPO_ROOT"))):
+        if value:
+            path = Path(value).expanduser().resolve()
+            if not _is_repo_root(path):
+                raise UserError(f"{label} {path} is not a dschat checkout (no configs/step1.yaml and training/)")
+            return _checked_root(label, path)
+    package_checkout = Path(__file__).resolve().parent.parent
+    for label, path in (("the checkout dschat was imported from", package_checkout),
+                        ("the working directory", Path.cwd().resolve())):
         if _is_repo_root(path):
-            return path
+            return _checked_root(label, path)
     raise UserError(
-        "cannot find the dschat checkout (a folder with configs/ and training/); run from the "
-        "checkout, or pass --repo-root / set DSCHAT_REPO_ROOT"
+        "cannot find the dschat checkout (a folder with configs/ and training/): dschat looks in the "
+        "checkout it was imported from and in the working directory only; run from the checkout, or pass "
+        "--repo-root / set DSCHAT_REPO_ROOT"
     )
 
 
@@ -127,7 +135,7 @@ _RECIPE_KEYS = frozenset(
     {"upstream", "description", "notes", "launcher", "env", "defaults", "flags", "script", "eta_seconds"}
 )
 _LAUNCHER_INT_KEYS = ("num_gpus", "num_nodes", "master_port")
-_LAUNCHER_STR_KEYS = ("hostfile", "include", "exclude")
+_LAUNCHER_STR_KEYS = ("hostfile", "master_addr", "include", "exclude")
 _TRUE = "true"
 
 
@@ -141,11 +149,12 @@ class Launcher:
     master_port: int | None = None
     include: str | None = None
     exclude: str | None = None
+    master_addr: str | None = None
 
     def argv(self) -> list[str]:
         """``--num_gpus 1 --master_port 12346 ...`` in a fixed order."""
         out: list[str] = []
-        for name in ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_port"):
+        for name in ("hostfile", "include", "exclude", "num_nodes", "num_gpus", "master_addr", "master_port"):
             value = getattr(self, name)
             if value is not None:
                 out += [f"--{name}", str(value)]
@@ -535,7 +544,8 @@ def render_script(recipe: Recipe) -> str:
         "#",
         f"# Usage: bash {name} {usage_args} [--main_py_flag VALUE ...]",
         f"#   Empty or missing positionals take the defaults: {defaults}",
-        "#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).",
+        "#   Flags after the positionals are added to main.py's (one given there replaces the recipe's),",
+        "#   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.",
         "#   Output goes to the terminal and to OUTPUT/training.log.",
     ]
     for note in recipe.notes:

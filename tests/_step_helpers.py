@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,7 @@ STEP_DIRS = {
     "dpo": REPO / "training" / "step2_dpo_finetuning",
 }
 PYTHON = sys.executable
+DEEPSPEED = shutil.which("deepspeed") or str(Path(PYTHON).with_name("deepspeed"))
 
 # Two short conversations in the training data's format, of different lengths (so padding shows).
 PROBE_TEXTS = [
@@ -236,6 +238,19 @@ def cli_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
     env.update(extra)
     return env
+
+
+def free_port() -> int:
+    """A port nobody listens on (the OS picks it), for a launch of several ranks on this machine."""
+    from dschat.multinode import free_port as pick
+
+    return pick()
+
+
+def deepspeed_cmd(*args: str, num_gpus: int = 2) -> list[str]:
+    """``deepspeed --master_port <free> --num_gpus N ARGS``: never the launcher's fixed default 29500,
+    which another job (or another test run) on the machine may hold."""
+    return [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(num_gpus), *args]
 
 
 def run_cli(args: Sequence[str], cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:

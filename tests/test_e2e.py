@@ -331,3 +331,49 @@ def test_e2e_resume_after_a_lost_step3(tiny_run, tmp_path):
     assert "--resume: no complete checkpoint under" in log
     checkpoints = sorted(p.name for p in (tmp_path / "step3-models/tiny-llama/checkpoints").iterdir())
     assert checkpoints == ["step_00000001", "step_00000002"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher options: a free port on one node, hostfile / master address / port / nodes for several
+# ------------------------------------------------------------------------------------------------
+def _dry_run_commands(capsys, *argv: str) -> list[list[str]]:
+    import shlex
+
+    assert E._entry(["--dry-run", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                     "tiny-llama", *argv]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "main.py" in line]
+    assert len(lines) == 3
+    return [shlex.split(line) for line in lines]
+
+
+def test_e2e_single_node_steps_take_free_ports(tmp_path, capsys, monkeypatch):
+    from dschat import multinode as M
+
+    monkeypatch.setattr(M, "DEFAULT_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    for argv in _dry_run_commands(capsys, "--output-dir", str(tmp_path)):
+        port = int(argv[argv.index("--master_port") + 1])
+        assert port != 29500 and M.port_is_free(port)
+    fixed = M.free_port()
+    for argv in _dry_run_commands(capsys, "--output-dir", str(tmp_path), "--master_port", str(fixed)):
+        assert argv[argv.index("--master_port") + 1] == str(fixed)
+
+
+def test_e2e_passes_every_launcher_option_and_keeps_them_out_of_main_py(tmp_path, capsys, monkeypatch):
+    from dschat import multinode as M
+
+    monkeypatch.setattr(M, "DEFAULT_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1.invalid slots=1\nnode2.invalid slots=1\n")
+    for argv in _dry_run_commands(capsys, "--output-dir", str(tmp_path), "--hostfile", str(hostfile),
+                                  "--master_addr", "10.0.0.7", "--master-port", "29777", "--num_nodes", "2",
+                                  "--num_gpus", "1"):
+        main = next(i for i, token in enumerate(argv) if token.endswith("main.py"))
+        assert argv[main - 10:main] == ["--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "1",
+                                        "--master_addr", "10.0.0.7", "--master_port", "29777"]
+        assert not {"--hostfile", "--master_addr", "--master_port", "--num_nodes"} & set(argv[main:])
+    # On several nodes a value that the remote shell would interpret is refused before any step runs.
+    bad = tmp_path / "out$(id)"
+    assert E._entry(["--dry-run", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--output-dir", str(bad),
+                     "--hostfile", str(hostfile)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds '$()'" in err and not bad.exists()

@@ -10,12 +10,14 @@ from __future__ import annotations
 import importlib.util
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from dschat import recipes as R
 from dschat.errors import UserError
+from dschat.utils import fs
 
 ROOT = Path(__file__).resolve().parent.parent
 OPT_DATA = ["Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",
@@ -328,3 +330,95 @@ def test_script_text_is_a_thin_wrapper():
     # Five levels up from training/step3_rlhf_finetuning/training_scripts/opt/single_node/.
     assert 'dirname "${BASH_SOURCE[0]}")/../../../../.."' in text
     assert "ACTOR_MODEL_PATH=(required)" in text and "ACTOR_ZERO_STAGE=2" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# Which checkout runs: only places the user chose, owned by the user, writable by nobody else
+# ------------------------------------------------------------------------------------------------
+def _fake_checkout(path: Path) -> Path:
+    (path / "configs").mkdir(parents=True)
+    shutil.copy2(ROOT / "configs" / "step1.yaml", path / "configs" / "step1.yaml")
+    (path / "training").mkdir()
+    return path
+
+
+def test_the_working_directorys_parents_are_not_searched(tmp_path, monkeypatch):
+    # A checkout planted in a parent (such as /tmp) of where the user works is not used, when dschat
+    # is installed without -e (its package is not in a checkout).
+    planted = _fake_checkout(tmp_path / "shared")
+    (planted / "project").mkdir()
+    monkeypatch.chdir(planted / "project")
+    monkeypatch.delenv("DSCHAT_REPO_ROOT", raising=False)
+    monkeypatch.setattr(R, "__file__", str(tmp_path / "site-packages" / "dschat" / "recipes.py"))
+    with pytest.raises(UserError, match="looks in the checkout it was imported from and in the working directory only"):
+        R.find_repo_root()
+    monkeypatch.chdir(planted)  # the working directory itself is a place the user chose
+    assert R.find_repo_root() == planted.resolve()
+    monkeypatch.setattr(R, "__file__", str(ROOT / "dschat" / "recipes.py"))
+    assert R.find_repo_root() == ROOT  # the checkout the package comes from goes first
+
+
+def test_a_checkout_others_can_write_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    checkout = _fake_checkout(tmp_path / "repo")
+    monkeypatch.delenv("DSCHAT_REPO_ROOT", raising=False)
+    checkout.chmod(0o757)
+    with pytest.raises(UserError, match=r"--repo-root .* is not safe to run: other users can write to it \(mode 0757\).*chmod go-w"):
+        R.find_repo_root(checkout)
+    monkeypatch.setenv("DSCHAT_REPO_ROOT", str(checkout))
+    assert R.cli_main(R.main, ["list"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "DSCHAT_REPO_ROOT" in err and "other users can write to it" in err
+    checkout.chmod(0o775)  # group-writable: refused unless the group is the user's private one
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: False)
+    with pytest.raises(UserError, match="its group can write to it"):
+        R.find_repo_root(checkout)
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: True)
+    assert R.find_repo_root(checkout) == checkout.resolve()
+    checkout.chmod(0o755)
+    assert R.find_repo_root(checkout) == checkout.resolve()
+
+
+def test_a_checkout_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    import os
+
+    checkout = _fake_checkout(tmp_path / "repo").resolve()
+    real_stat = os.stat
+
+    def stat(path, *args, **kwargs):
+        info = real_stat(path, *args, **kwargs)
+        if Path(path) == checkout:  # as if another account had made it
+            info = os.stat_result((info.st_mode, info.st_ino, info.st_dev, info.st_nlink, 4242, info.st_gid,
+                                   info.st_size, info.st_atime, info.st_mtime, info.st_ctime))
+        return info
+
+    monkeypatch.setattr(os, "stat", stat)
+    with pytest.raises(UserError, match=f"--repo-root {checkout} is not safe to run: it belongs to uid 4242, not to you"):
+        R.find_repo_root(checkout)
+
+
+def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
+    """Run as uid 65534 (setpriv) against a checkout owned by uid 65533: refused, one line, exit 2."""
+    import os
+    import subprocess
+
+    setpriv = shutil.which("setpriv")
+    if os.geteuid() != 0 or setpriv is None:
+        pytest.skip("needs root and setpriv to act as two users (running as uid "
+                    f"{os.geteuid()}, setpriv {'found' if setpriv else 'missing'})")
+    base = Path(tempfile.mkdtemp(prefix="dschat-owner-"))  # readable by the other uid, unlike tmp_path
+    try:
+        base.chmod(0o755)
+        checkout = _fake_checkout(base / "repo")
+        for path in (checkout, *checkout.rglob("*")):
+            os.chown(path, 65533, 65533)
+        code = ("import sys; sys.path.insert(0, %r); from dschat import recipes; "
+                "raise SystemExit(recipes.cli_main(recipes.main, ['--repo-root', %r, 'validate']))" % (str(ROOT), str(checkout)))
+        proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
+                              capture_output=True, text=True, timeout=60, cwd="/")
+        if "Permission denied" in proc.stderr and "dschat" not in proc.stderr:
+            pytest.skip(f"uid 65534 cannot read this checkout or Python: {proc.stderr.strip()[:200]}")
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.count("\n") == 1
+        assert f"--repo-root {checkout} is owned by uid 65533, not by you (uid 65534)" in proc.stderr
+    finally:
+        shutil.rmtree(base)

@@ -74,13 +74,37 @@ def test_own_folder_and_file_are_trusted(tmp_path):
 
 @pytest.mark.parametrize("mode,who", [(0o770, "its group can write"), (0o707, "other users can write"),
                                       (0o777, "its group and others can write")])
-def test_writable_by_group_or_others_is_not_trusted(tmp_path, mode, who):
+def test_writable_by_group_or_others_is_not_trusted(tmp_path, monkeypatch, mode, who):
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: False)  # a group others belong to
     folder = tmp_path / "shared"
     folder.mkdir()
     folder.chmod(mode)
     assert who in fs.untrusted_reason(folder)
     with pytest.raises(UserError, match=f"--x {folder} is not safe to read on a shared machine: {who} .*; do this"):
         fs.check_trusted(folder, "--x", "do this")
+
+
+def test_group_write_is_fine_when_the_group_is_the_users_private_one(tmp_path, monkeypatch):
+    # Debian/Ubuntu give every user a private group and umask 002: a clone or cache folder is 0775.
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    folder.chmod(0o775)
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: gid == folder.stat().st_gid and uid == os.geteuid())
+    assert fs.untrusted_reason(folder) is None
+    folder.chmod(0o777)  # others too: never
+    assert "its group and others can write" in fs.untrusted_reason(folder)
+
+
+def test_a_private_group_has_no_other_member():
+    import grp
+    import pwd
+
+    me = pwd.getpwuid(os.geteuid())
+    group = grp.getgrgid(me.pw_gid)
+    others = set(group.gr_mem) - {me.pw_name} or any(
+        u.pw_gid == me.pw_gid and u.pw_uid != me.pw_uid for u in pwd.getpwall())
+    assert fs._private_group(me.pw_gid, me.pw_uid) == (group.gr_name == me.pw_name and not others)
+    assert not fs._private_group(me.pw_gid, 4242)  # nobody's group is another uid's private one
 
 
 def test_another_owner_is_not_trusted_even_when_this_process_can_write(tmp_path, monkeypatch):

@@ -5,18 +5,15 @@ With one output folder per rank (``DSCHAT_TEST_RANK_OUTPUT_ROOT``: node-local st
 a run that checkpoints stops at start-up, on both ranks, with one line."""
 from __future__ import annotations
 
-import shutil
 import socket
 from pathlib import Path
 
 import pytest
-from _step_helpers import STEP_DIRS, base_argv, run_cli
+from _step_helpers import STEP_DIRS, base_argv, deepspeed_cmd, run_cli
 
 from dschat.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
-
-DEEPSPEED = shutil.which("deepspeed") or str(Path(__import__("sys").executable).with_name("deepspeed"))
 
 
 @pytest.mark.parametrize("step,tag,model,extra", [
@@ -28,7 +25,7 @@ def test_two_ranks_end_with_identical_weights(tmp_path, step, tag, model, extra)
     out = tmp_path / "out"
     argv = base_argv(model, tmp_path / "data", *extra, "--zero_stage", "2", "--output_dir", str(out),
                      "--save_interval", "3", max_train_steps=3)
-    proc = run_cli([DEEPSPEED, "--num_gpus", "2", "main.py", *argv], cwd=STEP_DIRS[step],
+    proc = run_cli(deepspeed_cmd("main.py", *argv), cwd=STEP_DIRS[step],
                    DSCHAT_WEIGHT_DIGEST_DIR=str(digests))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     rank0 = (digests / f"{tag}-rank0.sha256").read_text().strip()
@@ -57,7 +54,7 @@ def test_two_ranks_end_with_identical_weights(tmp_path, step, tag, model, extra)
 def test_output_only_one_node_sees_stops_every_rank_with_one_line(tmp_path):
     argv = base_argv("tiny-llama", tmp_path / "data", "--zero_stage", "2", "--output_dir", str(tmp_path / "out"),
                      "--save_interval", "1", max_train_steps=1)
-    proc = run_cli([DEEPSPEED, "--num_gpus", "2", "main.py", *argv], cwd=STEP_DIRS["step1"],
+    proc = run_cli(deepspeed_cmd("main.py", *argv), cwd=STEP_DIRS["step1"],
                    DSCHAT_TEST_RANK_OUTPUT_ROOT=str(tmp_path / "nodes"))
     assert proc.returncode == 2, (proc.stdout[-3000:], proc.stderr[-3000:])
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -324,15 +324,12 @@ torch.save({"values": values, "zeroed": zeroed}, f"{out}/rank{info.rank}.pt")
 
 @pytest.mark.slow
 def test_two_zero3_ranks_load_the_upstream_critic(tmp_path, upstream_opt_critic):
-    import shutil
-
-    from _step_helpers import PYTHON, run_cli
+    from _step_helpers import deepspeed_cmd, run_cli
 
     folder, critic, tokenizer = upstream_opt_critic
     script = tmp_path / "load_critic.py"
     script.write_text(TWO_RANK_SCRIPT)
-    deepspeed_cli = shutil.which("deepspeed") or str(Path(PYTHON).with_name("deepspeed"))
-    proc = run_cli([deepspeed_cli, "--num_gpus", "2", str(script), str(folder), str(tmp_path)], cwd=tmp_path)
+    proc = run_cli(deepspeed_cmd(str(script), str(folder), str(tmp_path)), cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     expected = _values(critic, tokenizer)
     for rank in (0, 1):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 
+from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
 from dschat.paths import SAVE_FORMATS, data_cache_dir
 from dschat.utils.fs import resolve_output_dir
 
@@ -153,6 +154,11 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
                        help="local_rank for distributed training on gpus (set by the deepspeed launcher).")
     group.add_argument("--debug", action="store_true",
                        help="(dschat) Show full tracebacks for input errors instead of one line.")
+    group.add_argument("--dist_timeout", type=float, default=DEFAULT_DIST_TIMEOUT_MINUTES, metavar="MINUTES",
+                       help="(dschat) How long the ranks wait for each other at start-up (the rendezvous at "
+                            "MASTER_ADDR:MASTER_PORT); a rank whose peers never come stops with one line naming "
+                            "them. Collectives later wait this long or DeepSpeed's DEEPSPEED_TIMEOUT (default "
+                            "10 minutes), whichever is longer. Fractions allowed.")
     return group
 
 

@@ -354,11 +354,11 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     unchanged there.
     """
     from dschat.training.checkpoint import prepare_checkpoint_root
-    from dschat.utils.dist import barrier, init_distributed
+    from dschat.utils.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
     from dschat.utils.ds_utils import resolve_dtype
 
     quiet_transformers()
-    info = init_distributed()
+    info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
     dtype = resolve_dtype(args.dtype)
     set_random_seed(args.seed)

@@ -4,16 +4,39 @@ Upstream's step scripts only worked under the ``deepspeed`` launcher: run as ``p
 either went looking for MPI or called ``torch.distributed.get_rank()`` before any process group
 existed (reference §10 item 20). :func:`init_distributed` fills in a one-process rendezvous when
 no launcher did, so the same ``main.py`` runs both ways.
+
+The rendezvous:
+
+* One process (plain ``python main.py``, or a launcher with one rank) meets itself through a file
+  store in a private temporary folder: no port is opened for it (torch's default store listens on
+  every interface), and a busy port cannot stop it.
+* Several ranks meet at ``MASTER_ADDR:MASTER_PORT`` as the launcher set them, waiting at most
+  ``--dist_timeout`` minutes. A rank whose peers never come stops with one line naming the address,
+  the port and what to do, instead of waiting for torch's timeout with a C++ traceback. Collectives
+  after start-up wait as long as DeepSpeed's default (``DEEPSPEED_TIMEOUT``, 10 minutes) or
+  ``--dist_timeout`` if that is longer: one rank may legitimately work alone for minutes (building
+  the data cache, writing a large model) while the others wait.
 """
 from __future__ import annotations
 
+import atexit
+import datetime
 import os
+import shutil
 import socket
+import sys
+import tempfile
+import threading
+import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.distributed
+from torch.distributed import distributed_c10d
+
+from dschat.errors import EXIT_USAGE, UserError
+from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
 
 __all__ = [
     "DistInfo",
@@ -27,6 +50,7 @@ __all__ = [
     "barrier",
     "gather_ints",
     "gather_hosts",
+    "DEFAULT_DIST_TIMEOUT_MINUTES",
 ]
 
 # Environment variables set by every launcher we support (deepspeed, torchrun).
@@ -48,47 +72,165 @@ class DistInfo:
     device: torch.device
 
 
-def _free_port() -> int:
-    """An unused TCP port on localhost (bind to port 0 and let the OS choose)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def _ensure_single_process_env() -> None:
-    """Set a one-process rendezvous when no launcher (deepspeed, torchrun, MPI) set one."""
+    """Set a one-process rank environment when no launcher (deepspeed, torchrun, MPI) set one.
+
+    No ``MASTER_ADDR``/``MASTER_PORT``: a one-process run meets itself through a file store.
+    """
     if any(k in os.environ for k in _LAUNCHER_ENV) or any(k in os.environ for k in _MPI_ENV):
         return
     os.environ["RANK"] = "0"
     os.environ["WORLD_SIZE"] = "1"
     os.environ["LOCAL_RANK"] = "0"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def init_distributed(dist_backend: Optional[str] = None) -> DistInfo:
+def _private_file_store() -> str:
+    """``file://`` URL of a store file in a new folder only this user can enter (removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="dschat-store-")  # mode 0700
+    atexit.register(shutil.rmtree, folder, True)
+    return f"file://{folder}/store"
+
+
+def _loopback_interface() -> Optional[str]:
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def _duration(timeout: datetime.timedelta) -> str:
+    seconds = timeout.total_seconds()
+    return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:g} min"
+
+
+def _wait_for_master(addr: str, port: int, rank: int, timeout: datetime.timedelta) -> None:
+    """Wait until rank 0's store accepts connections, or raise the one-line error.
+
+    Torch's own client would wait as long, but print C++ retry logs and a traceback on the way.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"rank {rank} on {socket.gethostname()} waited {_duration(timeout)} (--dist_timeout) for rank 0 at "
+                    f"{addr}:{port} and nobody answered: rank 0 did not start or failed (see the first host's "
+                    f"output), or {addr} is not an address of the first host that this host can reach; pass "
+                    "--master_addr / --master_port to the launcher, or a longer --dist_timeout"
+                ) from None
+            time.sleep(0.5)
+
+
+def _rendezvous_error(err: Exception, rank: int, world_size: int, addr: str, port: str,
+                      timeout: datetime.timedelta) -> UserError:
+    text = " ".join(str(err).split())
+    host = socket.gethostname()
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return UserError(f"rank 0 on {host} cannot listen on port {port} (address already in use): another job "
+                         "holds it; pass a free --master_port to the launcher")
+    if rank == 0 and "waiting for clients" in text:
+        return UserError(f"rank 0 on {host} waited {_duration(timeout)} (--dist_timeout) at {addr}:{port} for the "
+                         f"{world_size - 1} other rank(s) and not all came ({text}): a host failed to start its "
+                         "ranks (see its output) or cannot reach this address; pass the launcher --master_addr "
+                         "with an address the other hosts reach (and --master_port if that port is filtered), or "
+                         "a longer --dist_timeout")
+    return UserError(f"rank {rank} on {host}: the rendezvous at {addr}:{port} failed within {_duration(timeout)} "
+                     f"(--dist_timeout): {text}; check that every host started and reaches {addr}:{port} "
+                     "(launcher options --master_addr / --master_port)")
+
+
+def _watchdog(rendezvous: datetime.timedelta, message: str) -> threading.Timer:
+    """Stop the process with ``message`` (one line, exit code 2) when the rendezvous outlives its
+    timeout by a grace period.
+
+    Torch bounds each wait by the timeout, except one: a client connected to a port where some other
+    program listens waits for the store's greeting forever (seen: until that program exited). Nothing
+    can be unwound from inside that C++ call, so the process ends here.
+    """
+    grace = max(5.0, min(30.0, rendezvous.total_seconds()))
+
+    def fire() -> None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        os._exit(EXIT_USAGE)
+
+    timer = threading.Timer(rendezvous.total_seconds() + grace, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _collective_timeout(rendezvous: datetime.timedelta) -> datetime.timedelta:
+    from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes, default 10
+
+    return max(rendezvous, default_pg_timeout)
+
+
+def init_distributed(dist_backend: Optional[str] = None,
+                     timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> DistInfo:
     """Initialise DeepSpeed's process group (idempotent) and return this rank's :class:`DistInfo`.
 
     Works under the ``deepspeed`` launcher, torchrun, and as a plain ``python main.py`` (one
-    process, a free local port). On CUDA the current device is set to ``LOCAL_RANK`` *before* the
-    NCCL group is created, as upstream's ``get_accelerator().set_device(args.local_rank)`` did.
+    process, a private file store). On CUDA the current device is set to ``LOCAL_RANK`` *before*
+    the NCCL group is created, as upstream's ``get_accelerator().set_device(args.local_rank)`` did.
+    ``timeout_minutes`` (``--dist_timeout``) bounds the wait for the other ranks at start-up; see
+    the module docstring. Raises :class:`UserError` (one line) when they do not come.
     """
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    if timeout_minutes <= 0:
+        raise UserError(f"--dist_timeout must be > 0 minutes, got {timeout_minutes:g}")
+    rendezvous = datetime.timedelta(minutes=timeout_minutes)
     _ensure_single_process_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
-    # deepspeed.init_distributed is itself a no-op when its backend is already up.
-    deepspeed.init_distributed(dist_backend=dist_backend)
+    if torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
+    elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
+        deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous))
+    elif int(os.environ["WORLD_SIZE"]) == 1:
+        loopback = _loopback_interface()
+        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo opens a listener for peers even alone; one process has none, so loopback only.
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+        deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
+                                   init_method=_private_file_store(), rank=0, world_size=1,
+                                   timeout=_collective_timeout(rendezvous))
+    else:
+        _init_ranks(deepspeed, dist_backend, rendezvous)
     return DistInfo(
         rank=torch.distributed.get_rank(),
         local_rank=local_rank,
         world_size=torch.distributed.get_world_size(),
         device=torch.device(accelerator.device_name(local_rank)),
     )
+
+
+def _init_ranks(deepspeed: object, dist_backend: Optional[str], rendezvous: datetime.timedelta) -> None:
+    """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous``, then give the
+    collectives their longer timeout."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+    watchdog = _watchdog(rendezvous, f"rank {rank} on {socket.gethostname()}: no rendezvous at {addr}:{port} within "
+                         f"{_duration(rendezvous)} (--dist_timeout): the program answering there is not this job's "
+                         "rank 0 (another job holds the port?) or a peer hangs; pass a free --master_port to the "
+                         "launcher, and stop this job's ranks left on other hosts")
+    try:
+        if rank != 0 and port.isdigit():
+            _wait_for_master(addr, int(port), rank, rendezvous)
+        deepspeed.init_distributed(dist_backend=dist_backend, timeout=rendezvous)  # type: ignore[attr-defined]
+        torch.distributed.barrier()  # NCCL connects here; every rank has joined after it
+    except torch.distributed.DistError as err:
+        raise _rendezvous_error(err, rank, world_size, addr, port, rendezvous) from None
+    finally:
+        watchdog.cancel()
+    collective = _collective_timeout(rendezvous)
+    if collective != rendezvous:
+        distributed_c10d._set_pg_timeout(collective)
+        distributed_c10d._get_default_store().set_timeout(collective)
 
 
 def get_world_size() -> int:

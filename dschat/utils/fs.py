@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import os
 import pwd
 import shutil
@@ -99,22 +100,39 @@ def _user_name(uid: int) -> str:
         return f"uid {uid}"
 
 
-def untrusted_reason(path: str | os.PathLike) -> str | None:
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether group ``gid`` is ``uid``'s own: a user-private group (the user's primary group, of the
+    user's name, with no other member and no other account's primary group), as Debian and Ubuntu give
+    every user, whose default umask 002 makes the user's files group-writable."""
+    try:
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:  # an id without a name here (e.g. from another machine's NFS)
+        return False
+    if group.gr_gid != user.pw_gid or group.gr_name != user.pw_name or set(group.gr_mem) - {user.pw_name}:
+        return False
+    return all(other.pw_gid != gid or other.pw_uid == uid for other in pwd.getpwall())
+
+
+def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
     """Why ``path`` must not be trusted on a shared machine, or ``None`` when it may be.
 
-    Trusted means: owned by this process's effective user, and not writable by its group or by
-    others. The owner is what counts, not what ``os.access`` says: root can read and write
-    anything, yet must still not trust a file another account planted. A symlink is judged by its
-    target (``os.stat`` follows it), which is what a reader opens. Raises ``FileNotFoundError``
-    when ``path`` does not exist.
+    Trusted means: owned by this process's effective user (or by root, with ``root_may_own``: a
+    system-wide install root could change anyway), and writable by nobody else -- group write is
+    fine when the group is the user's private one (:func:`_private_group`). The owner is what
+    counts, not what ``os.access`` says: root can read and write anything, yet must still not trust
+    a file another account planted. A symlink is judged by its target (``os.stat`` follows it),
+    which is what a reader opens. Raises ``FileNotFoundError`` when ``path`` does not exist.
     """
     info = os.stat(path)
     me = os.geteuid()
-    if info.st_uid != me:
+    if info.st_uid != me and not (root_may_own and info.st_uid == 0):
         return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
-    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        who = "its group and others" if info.st_mode & stat.S_IWGRP and info.st_mode & stat.S_IWOTH else (
-            "its group" if info.st_mode & stat.S_IWGRP else "other users")
+    writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable == stat.S_IWGRP and _private_group(info.st_gid, me):
+        writable = 0
+    if writable:
+        who = "its group and others" if writable == stat.S_IWGRP | stat.S_IWOTH else (
+            "its group" if writable == stat.S_IWGRP else "other users")
         return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
     return None
 

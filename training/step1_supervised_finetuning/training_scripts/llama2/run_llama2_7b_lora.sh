@@ -7,7 +7,8 @@
 #
 # Usage: bash run_llama2_7b_lora.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
 #   Empty or missing positionals take the defaults: OUTPUT=./output_step1_llama2_7b_lora ZERO_STAGE=3
-#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's),
+#   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.
 #   Output goes to the terminal and to OUTPUT/training.log.
 #
 # meta-llama/Llama-2-7b-hf is a gated hub model; accept its licence and log in first.

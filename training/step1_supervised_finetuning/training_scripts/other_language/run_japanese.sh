@@ -7,7 +7,8 @@
 #
 # Usage: bash run_japanese.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
 #   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=2
-#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's),
+#   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.
 #   Output goes to the terminal and to OUTPUT/training.log.
 #
 # The Japanese data mostly has one response and no rejected one, so only step 1 is run and all

@@ -6,7 +6,8 @@
 #
 # Usage: bash run_tiny.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
 #   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
-#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's),
+#   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.
 #   Output goes to the terminal and to OUTPUT/training.log.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"

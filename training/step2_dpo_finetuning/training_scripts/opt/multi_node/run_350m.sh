@@ -7,11 +7,13 @@
 #
 # Usage: bash run_350m.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
 #   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
-#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's),
+#   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.
 #   Output goes to the terminal and to OUTPUT/training.log.
 #
 # Multi-node: the deepspeed launcher reads the hostfile (default /job/hostfile; pass
-# --hostfile).
+# --hostfile). Pass --master_addr when the first host's first `hostname -I` address is not the
+# one the others reach, --master_port when the port is taken there.
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

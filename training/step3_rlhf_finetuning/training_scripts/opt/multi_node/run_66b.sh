@@ -7,11 +7,13 @@
 #
 # Usage: bash run_66b.sh [ACTOR_MODEL_PATH] [CRITIC_MODEL_PATH] [ACTOR_ZERO_STAGE] [CRITIC_ZERO_STAGE] [OUTPUT] [--main_py_flag VALUE ...]
 #   Empty or missing positionals take the defaults: ACTOR_MODEL_PATH=(required) CRITIC_MODEL_PATH=(required) ACTOR_ZERO_STAGE=3 CRITIC_ZERO_STAGE=3 OUTPUT=./output
-#   Flags after the positionals are added to main.py's (one given there replaces the recipe's).
+#   Flags after the positionals are added to main.py's (one given there replaces the recipe's),
+#   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.
 #   Output goes to the terminal and to OUTPUT/training.log.
 #
 # Multi-node: the deepspeed launcher reads the hostfile (default /job/hostfile; pass
-# --hostfile).
+# --hostfile). Pass --master_addr when the first host's first `hostname -I` address is not the
+# one the others reach, --master_port when the port is taken there.
 #
 # --inference_tp_size > 1 is broken upstream (DSE #628, shape mismatch); use 1 if generation
 # fails.

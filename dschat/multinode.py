@@ -1,0 +1,300 @@
+"""What a launch needs to know about its hosts before the ``deepspeed`` launcher starts.
+
+* Which hosts it runs on (:func:`launch_hosts`), read from the hostfile as the launcher reads it,
+  so a single-node launch can take a free master port (:func:`free_port`, as ``torchrun
+  --standalone`` does) while a multi-node one keeps the port every host agrees on.
+* Whether the master port can be bound on this machine (:func:`check_master_port`).
+* Values that survive DeepSpeed's PDSH runner (:func:`check_remote_safe`): it joins the remote
+  command into one shell string and quotes only values with spaces, so ``$(...)`` in a flag value
+  would run on every node.
+* The environment of remote ranks (:func:`rank_env_file`): the PDSH runner forwards only a few
+  variable families (``PYTHON*``, ``NCCL*``, ...) and the lines of ``.deepspeed_env``; dschat writes
+  the variables ranks need into a private copy of that file, leaving the user's own alone.
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+from dschat.errors import UserError
+
+DEFAULT_HOSTFILE = "/job/hostfile"  # where the deepspeed launcher looks without --hostfile
+DEFAULT_MASTER_PORT = 29500  # the deepspeed launcher's (torch's) default
+DEFAULT_DIST_TIMEOUT_MINUTES = 5.0  # --dist_timeout: how long ranks wait for each other at start-up
+ENV_FILE_VAR = "DS_ENV_FILE"  # DeepSpeed reads os.path.join(<home or cwd>, $DS_ENV_FILE)
+ENV_FILE_NAME = ".deepspeed_env"
+
+# Variables the step scripts (or libraries they use) read, which DeepSpeed does not forward to remote
+# ranks by itself. PYTHON* (PYTHONPATH, PYTHONUNBUFFERED) and the accelerator's family (NCCL* on
+# CUDA) are forwarded by DeepSpeed already.
+RANK_ENV_NAMES = frozenset({
+    "DS_ACCELERATOR", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM", "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME",
+    "DEEPSPEED_TIMEOUT", "CUDA_LAUNCH_BLOCKING",
+})
+RANK_ENV_PREFIXES = ("DSCHAT_", "HF_", "TRANSFORMERS_")
+LOCAL_ONLY_ENV = frozenset({"DSCHAT_LAUNCHER"})  # read by dschat.launch on the first host only
+# Forwarded by DeepSpeed's runner itself (its EXPORT_ENVS and the CUDA accelerator's NCCL family).
+DEEPSPEED_FORWARDS = ("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL")
+# Never forwarded: the PDSH runner puts every forwarded variable on the ssh command line, which any
+# user of a host can read in the process list (HF_TOKEN: log in on each node instead).
+_SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY$|^KEY", re.IGNORECASE)
+
+# A value the remote shell reads as one literal word: letters, digits, space (DeepSpeed double-quotes
+# values with spaces) and punctuation that no shell expands. '%' is left out: pdsh substitutes %h/%n.
+_SAFE_CHARS = re.compile(r"[\w ,./:=@+^-]*")
+
+
+@dataclass(frozen=True)
+class Hosts:
+    """The hosts a launch will run on: ``names`` in hostfile order (``["localhost"]`` without one)."""
+
+    names: tuple[str, ...]
+    hostfile: str | None  # the hostfile that was read, None when there is none
+
+    @property
+    def multi_node(self) -> bool:
+        return len(self.names) > 1
+
+
+def read_hostfile(path: str | os.PathLike) -> list[str]:
+    """Host names of a DeepSpeed hostfile (``<host> slots=<n>`` lines; ``#`` comments, blank lines)."""
+    hosts: list[str] = []
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read hostfile {path} ({err.__class__.__name__}); write one line per host: "
+                        "'<host> slots=<gpus>'") from None
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"^(\S+)\s+slots=(\d+)", line)
+        if not match:
+            raise UserError(f"hostfile {path} has a bad line {line!r}; write one line per host: '<host> slots=<gpus>'")
+        hosts.append(match.group(1))
+    if not hosts:
+        raise UserError(f"hostfile {path} lists no host; write one line per host: '<host> slots=<gpus>'")
+    return hosts
+
+
+def _filter_hosts(hosts: list[str], include: str | None, exclude: str | None) -> list[str]:
+    """DeepSpeed's ``--include``/``--exclude`` (``host1@host2:0,1``), at host granularity."""
+    if include:
+        wanted = {spec.split(":", 1)[0] for spec in include.split("@") if spec}
+        hosts = [h for h in hosts if h in wanted]
+    if exclude:
+        # Only a host named without slots is dropped whole; "host:0" keeps the host's other slots.
+        dropped = {spec for spec in exclude.split("@") if spec and ":" not in spec}
+        hosts = [h for h in hosts if h not in dropped]
+    return hosts
+
+
+def launch_hosts(hostfile: str | None, num_nodes: int | None = None, include: str | None = None,
+                 exclude: str | None = None) -> Hosts:
+    """The hosts the deepspeed launcher will use, decided as its ``runner.main`` does: the hostfile
+    (``/job/hostfile`` by default) if it exists, filtered by ``--include``/``--exclude``, then its
+    first ``--num_nodes``; no hostfile means this machine only."""
+    path = hostfile or DEFAULT_HOSTFILE
+    if not os.path.isfile(path):
+        if num_nodes is not None and num_nodes > 1:
+            where = f"--hostfile {hostfile} does not exist" if hostfile else f"no --hostfile and no {DEFAULT_HOSTFILE}"
+            raise UserError(f"--num_nodes {num_nodes} needs a hostfile listing the nodes, but {where}; write "
+                            "one line per host: '<host> slots=<gpus>'")
+        if hostfile:
+            raise UserError(f"--hostfile {hostfile} does not exist; write one line per host: '<host> slots=<gpus>'")
+        return Hosts(("localhost",), None)
+    hosts = _filter_hosts(read_hostfile(path), include, exclude)
+    if num_nodes is not None and num_nodes > 0:
+        if num_nodes > len(hosts):
+            raise UserError(f"--num_nodes {num_nodes} but hostfile {path} lists {len(hosts)} usable host(s)")
+        hosts = hosts[:num_nodes]
+    if not hosts:
+        raise UserError(f"--include/--exclude leave no host of hostfile {path}")
+    return Hosts(tuple(hosts), path)
+
+
+# -------------------------------------------------------------------------------------------------
+# Ports
+# -------------------------------------------------------------------------------------------------
+def free_port() -> int:
+    """A TCP port nobody listens on here, chosen by the OS (``torchrun --standalone`` does the same).
+
+    Bound on every interface, as the rendezvous store of rank 0 will be. Another process may take it
+    before rank 0 does; the window is the launcher's start-up, as for torchrun.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("", 0))
+        return int(sock.getsockname()[1])
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a listening socket can be bound to ``port`` on every interface of this machine."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        # Like the rendezvous store's server socket: a port in TIME_WAIT is reusable, one with a
+        # listener is not.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` (a hostfile name) is the machine dschat runs on."""
+    if host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    if address.startswith("127."):
+        return True
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.bind((address, 0))  # only an address of one of this machine's interfaces binds
+        return True
+    except OSError:
+        return False
+
+
+def check_master_port(port: int, hosts: Hosts, given: str) -> None:
+    """Refuse ``port`` when rank 0's host is this machine and something already listens on it.
+
+    ``given`` says where the port came from (``--master_port``, ``the recipe``, ``the launcher's
+    default``). A first host elsewhere cannot be checked from here.
+    """
+    if not 0 < port < 65536:
+        raise UserError(f"--master_port {port} is not a TCP port (1-65535)")
+    first = hosts.names[0]
+    if not is_this_machine(first):
+        return
+    if not port_is_free(port):
+        where = f"{first} (the first host, this machine)" if hosts.multi_node else "this machine"
+        raise UserError(f"master port {port} ({given}) is already in use on {where}; pass a free one, e.g. "
+                        f"--master_port {free_port()}")
+
+
+# -------------------------------------------------------------------------------------------------
+# What goes through the remote shell
+# -------------------------------------------------------------------------------------------------
+def unsafe_chars(value: str) -> str:
+    """The characters of ``value`` that a shell would not read literally ('' when there are none)."""
+    if _SAFE_CHARS.fullmatch(value):
+        return ""
+    return "".join(sorted({c for c in value if not _SAFE_CHARS.fullmatch(c)}))
+
+
+def check_remote_safe(items: Iterable[tuple[str, str]]) -> None:
+    """Refuse values that DeepSpeed's PDSH runner would hand to the remote shell unquoted.
+
+    ``items`` are ``(what, value)`` pairs: ``what`` names the value in the message (a flag, a path,
+    a variable). The runner quotes only values with spaces, and in double quotes, where ``$``,
+    backquotes and backslashes still act; so a ``--output_dir`` holding ``$(...)`` runs a command on
+    every node (upstream has the same hole).
+    """
+    for what, value in items:
+        bad = unsafe_chars(value)
+        if bad:
+            raise UserError(
+                f"{what} {value!r} holds {bad!r}, which the remote shell of a multi-node launch would "
+                "interpret (DeepSpeed's PDSH runner does not quote it); use a value of letters, digits, "
+                "spaces and _,./:=@+- (rename the path, or set the value in a file the step reads)"
+            )
+
+
+def flag_values(argv: Sequence[str]) -> list[tuple[str, str]]:
+    """``(flag, value)`` pairs of a ``main.py`` argv, naming each token by the flag it belongs to."""
+    out: list[tuple[str, str]] = []
+    flag = "main.py argument"
+    for token in argv:
+        if token.startswith("--"):
+            name, eq, value = token.partition("=")
+            flag = name
+            out.append((f"flag {name}", name))
+            if eq:
+                out.append((name, value))
+        else:
+            out.append((flag, token))
+    return out
+
+
+# -------------------------------------------------------------------------------------------------
+# Environment of remote ranks
+# -------------------------------------------------------------------------------------------------
+def rank_env(environ: Mapping[str, str], recipe_env: Mapping[str, str]) -> dict[str, str]:
+    """Variables the remote ranks need: the recipe's (a value already set here wins, as on the first
+    host) and the user's among :data:`RANK_ENV_NAMES` / :data:`RANK_ENV_PREFIXES`, secrets left out."""
+    out = {k: v for k, v in environ.items()
+           if (k in RANK_ENV_NAMES or k.startswith(RANK_ENV_PREFIXES)) and k not in LOCAL_ONLY_ENV
+           and not _SECRET_NAME.search(k)}
+    for key, value in recipe_env.items():
+        if not key.startswith(DEEPSPEED_FORWARDS):
+            out.setdefault(key, environ.get(key, value))
+    return dict(sorted(out.items()))
+
+
+def user_env_files(environ: Mapping[str, str], cwd: str | os.PathLike) -> list[Path]:
+    """The ``.deepspeed_env`` files the launcher would read by itself, in its order (home, then the
+    working directory; a later line wins)."""
+    name = environ.get(ENV_FILE_VAR, ENV_FILE_NAME)
+    home = Path(environ.get("HOME") or os.path.expanduser("~"))
+    found: list[Path] = []
+    for folder in (home, Path(cwd)):
+        path = folder / name
+        if path.is_file() and path.resolve() not in [p.resolve() for p in found]:
+            found.append(path)
+    return found
+
+
+def _read_env_lines(path: Path) -> dict[str, str]:
+    values: dict[str, str] = {}
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        key, eq, value = line.partition("=")
+        if not eq or not key.strip():
+            raise UserError(f"{path} line {number} is not NAME=VALUE; DeepSpeed's launcher would stop on it")
+        values[key.strip()] = value.strip()
+    return values
+
+
+def _user_env_values(environ: Mapping[str, str], cwd: str | os.PathLike) -> dict[str, str]:
+    merged: dict[str, str] = {}
+    for path in user_env_files(environ, cwd):
+        merged.update(_read_env_lines(path))
+    return merged
+
+
+def rank_env_additions(needed: Mapping[str, str], environ: Mapping[str, str],
+                       cwd: str | os.PathLike) -> dict[str, str]:
+    """The variables of ``needed`` that no ``.deepspeed_env`` of the user sets (theirs win: they are
+    what the user chose for the remote ranks). Values the remote shell would interpret are refused
+    (:func:`check_remote_safe`): DeepSpeed puts each line into the remote command as ``export K=V``."""
+    own = _user_env_values(environ, cwd)
+    added = {k: v for k, v in needed.items() if k not in own}
+    check_remote_safe((f"environment variable {k} (forwarded to the ranks on other hosts)", v)
+                      for k, v in added.items())
+    return added
+
+
+def write_rank_env_file(added: Mapping[str, str], environ: Mapping[str, str], cwd: str | os.PathLike) -> Path:
+    """Write the launch's ``.deepspeed_env`` into a new private folder and return it.
+
+    It holds the user's own files' variables as DeepSpeed reads them (unchecked: what they chose to
+    expand remotely is theirs), then ``added``. Point ``DS_ENV_FILE`` at it (an absolute path) and the launcher reads it
+    instead of ``~/.deepspeed_env`` and ``./.deepspeed_env``, which stay untouched. The caller
+    removes the folder after the launch.
+    """
+    merged = {**_user_env_values(environ, cwd), **added}
+    folder = Path(tempfile.mkdtemp(prefix="dschat-launch-"))  # 0700, ours
+    path = folder / ENV_FILE_NAME
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as handle:
+        handle.writelines(f"{k}={v}\n" for k, v in merged.items())
+    return path
