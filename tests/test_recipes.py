@@ -419,6 +419,6 @@ def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
             pytest.skip(f"uid 65534 cannot read this checkout or Python: {proc.stderr.strip()[:200]}")
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1
-        assert f"--repo-root {checkout} is owned by uid 65533, not by you (uid 65534)" in proc.stderr
+        assert f"--repo-root {checkout} is not safe to run: it belongs to uid 65533, not to you (uid 65534)" in proc.stderr
     finally:
         shutil.rmtree(base)

@@ -238,7 +238,7 @@ def prepare_checkpoint_root(args: Any, rank: int) -> None:
     * Each rank prunes the ``.tmp-*`` leftovers it sees (:func:`prune_leftovers`).
     * With checkpoints to write or resume, every rank must see the folder rank 0 sees.
     """
-    if not args.output_dir:
+    if not getattr(args, "output_dir", None):  # an upstream-style Namespace may lack it
         return
     root = checkpoint_root(args.output_dir)
     fresh = not getattr(args, "resume", False) and not getattr(args, "resume_from", None)
