@@ -92,11 +92,13 @@ def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
     env.pop("GLOO_SOCKET_IFNAME", None)
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", PROBE % {"minutes": TIMEOUT_MINUTES}], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=300)
     took = time.monotonic() - start
     assert proc.returncode == 2, proc.stderr[-3000:]  # the watchdog's exit code, the last case
     cases = _cases(proc.stderr)
-    limit = TIMEOUT_MINUTES * 60 + 5  # torch's store rounds its wait up to whole seconds
+    # The wait must end near --dist_timeout (3 s), not at torch's 30 minutes; the margin is for torch's
+    # store rounding its wait up to whole seconds and for a busy machine (CI shares its cores).
+    limit = TIMEOUT_MINUTES * 60 + 20
     for case, expected in (
         ("rank1-alone", "rank 1 on {host} waited 3 s (--dist_timeout) for rank 0 at 127.0.0.1:"),
         ("rank0-alone", "rank 0 on {host} waited 3 s (--dist_timeout) at 127.0.0.1:"),
@@ -111,7 +113,7 @@ def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
     errors = [line for line in last.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and "no rendezvous at 127.0.0.1:" in errors[0] and "--master_port" in errors[0]
     assert "Traceback" not in last
-    assert took < 60  # imports + 3 cases of ~3 s + the watchdog's 3 s + 5 s grace, on a busy machine
+    assert took < 150  # imports + 3 cases of ~3 s + the watchdog's 3 s + 5 s grace, on a busy machine
     result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
     assert result["world_size"] == 1
     # torch's default store would listen on every interface (00000000) at MASTER_PORT.
