@@ -614,11 +614,16 @@ def expected_generated_files(root: str | os.PathLike | None = None) -> dict[Path
 
 
 def _stale_scripts(base: Path, expected: Mapping[Path, str]) -> list[Path]:
+    """Scripts under ``training_scripts/`` that no recipe generates. A hand-written script that a
+    recipe names as its ``upstream`` path is not one: it keeps upstream's interface (the step-3
+    sweep's ``run_single.sh`` and its 11 positionals) and runs that recipe's generated script."""
+    wrappers = {base / recipe.upstream for recipes in load_all(base).values() for recipe in recipes.values()
+                if recipe.upstream}
     stale = []
     for spec in STEPS.values():
         folder = base / spec.folder / "training_scripts"
         for path in sorted(folder.rglob("*.sh")) if folder.is_dir() else []:
-            if path not in expected:
+            if path not in expected and path not in wrappers:
                 stale.append(path)
     return stale
 

@@ -33,6 +33,7 @@ EXPECTED_IDS = {
     "dpo": {"opt/single_gpu/350m", "opt/single_node/350m", "opt/multi_node/350m", "llama2/7b", "llama2/7b_lora",
             "cpu/smollm2-135m", "cpu/tiny"},
     "step3": {"opt/single_gpu/1.3b", "opt/single_gpu/6.7b_lora", "opt/single_node/1.3b", "opt/single_node/1.3b_lora",
+              "opt/single_node/sweep",
               "opt/single_node/6.7b", "opt/single_node/13b", "opt/single_node/30b_lora", "opt/multi_node/66b",
               "llama2/7b", "llama2/7b_lora", "llama2/7b_mixz", "cpu/smollm2-135m", "cpu/tiny"},
 }
@@ -422,3 +423,47 @@ def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
         assert f"--repo-root {checkout} is not safe to run: it belongs to uid 65533, not to you (uid 65534)" in proc.stderr
     finally:
         shutil.rmtree(base)
+
+
+# ------------------------------------------------------------------------------------------------
+# Upstream's step-3 test matrix: its sweep/run_single.sh with 11 positionals
+# ------------------------------------------------------------------------------------------------
+SWEEP = ROOT / "training/step3_rlhf_finetuning/training_scripts/opt/single_node/sweep/run_single.sh"
+
+
+def _sweep_command(tmp_path: Path, *positionals: str) -> list[str]:
+    """The main.py command line run_single.sh launches (dschat.launch --dry-run prints it)."""
+    import os
+    import subprocess
+
+    dry = tmp_path / "python-dry-run"  # the scripts' $PYTHON: dschat.launch, with --dry-run added
+    dry.write_text(f'#!/bin/bash\nexec {sys.executable} "$1" "$2" --dry-run "${{@:3}}"\n')
+    dry.chmod(0o755)
+    env = {**os.environ, "PYTHON": str(dry), "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(["bash", str(SWEEP), *positionals], cwd=SWEEP.parents[4], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    line = next(ln for ln in proc.stdout.splitlines() if "main.py" in ln)
+    return line.split()
+
+
+def test_upstream_sweep_script_takes_its_eleven_positionals(tmp_path):
+    # As upstream's tests/test_training.py calls it (zero3, he, offload, lora), from the step-3 folder.
+    cmd = _sweep_command(tmp_path, "/m/actor", "/m/critic", "3", "3", "true", "true", "true", "false",
+                         "z3_he_true_offload_true_lora_true", "true", "5")
+    flags = " ".join(cmd[cmd.index(next(c for c in cmd if c.endswith("main.py"))) + 1:])
+    for expected in ("--actor_model_name_or_path /m/actor", "--critic_model_name_or_path /m/critic",
+                     "--actor_zero_stage 3", "--critic_zero_stage 3", "--output_dir z3_he_true_offload_true_lora_true",
+                     "--save_format both", "--enable_hybrid_engine", "--offload", "--actor_lora_dim 128",
+                     "--actor_lora_module_name decoder.layers.", "--enable_test_mode", "--test_stop_step 5",
+                     "--data_path Dahoas/rm-static", "--per_device_training_batch_size 4", "--seed 1234"):
+        assert expected in flags, (expected, flags)
+    assert "--enable_mixed_precision_lora" not in flags
+    # Every switch off; an empty zero stage is 2; flags after the positionals reach main.py.
+    cmd = _sweep_command(tmp_path, "/m/actor", "/m/critic", "", "", "false", "false", "false", "true", "out",
+                         "false", "5", "--max_answer_seq_len", "8")
+    flags = " ".join(cmd)
+    assert "--actor_zero_stage 2" in flags and "--actor_lora_dim 0" in flags and "--enable_mixed_precision_lora" in flags
+    assert "--max_answer_seq_len 8" in flags and "--max_answer_seq_len 256" not in flags
+    for absent in ("--enable_hybrid_engine", "--offload ", "--enable_test_mode", "decoder.layers."):
+        assert absent not in flags + " ", absent
