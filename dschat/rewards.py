@@ -129,6 +129,9 @@ class RewardFunction:
     name: str
     fn: Callable[..., Any] = field(repr=False)
     weight: float = 1.0
+    # False for step 3's in-process ``main(argv, reward_fn=...)`` hook, whose non-finite scores the
+    # non-finite guard handles (that rollout is skipped and counted, --max_nonfinite_steps).
+    require_finite: bool = True
 
     def __call__(self, prompts: Sequence[str], answers: Sequence[str],
                  columns: Mapping[str, Sequence[Any]] | None = None) -> list[float]:
@@ -176,7 +179,7 @@ class RewardFunction:
                 score = float(value)
             except (TypeError, ValueError):
                 score = float("nan")
-            if not math.isfinite(score):
+            if self.require_finite and not math.isfinite(score):
                 raise UserError(f"reward function {self.name} returned {value!r} for row {i} (prompt "
                                 f"{_excerpt(prompts[i])}, answer {_excerpt(answers[i])}); scores must be finite "
                                 "numbers")
