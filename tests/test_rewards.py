@@ -110,3 +110,31 @@ class TestMix:
         torch.testing.assert_close(mix.score(PROMPTS, ANSWERS, None), torch.tensor([0.2, 0.3, 0.1]))
         with pytest.raises(ValueError, match="no model scores"):
             RewardMix(model_weight=1.0).score(PROMPTS, ANSWERS, None)
+
+
+def test_prompt_columns_of_the_builtin_data(tmp_path):
+    """Each phase-3 prompt's other fields, looked up from a left-padded batch of its token ids."""
+    from dschat.data import builtin
+    from dschat.data.prompt_columns import load_prompt_columns
+    from dschat.errors import UserError
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("tiny-opt")
+    columns = load_prompt_columns(["dschat/builtin"], "2,4,4", 1234, str(tmp_path), -1, tok)
+    # The embedded data asks each prompt several times with different answer pairs; a repeated prompt
+    # gets its first row's fields (in phase-3 order), so the lookup is one of that prompt's rows.
+    pairs = {}
+    every = builtin.read_rows("train") + builtin.read_rows("eval")
+    for r, key in zip(every, tok([r["prompt"] for r in every])["input_ids"]):
+        pairs.setdefault(tuple(key), set()).add((r["chosen"], r["rejected"]))
+    ids = [list(key) for key in list(columns.rows)[:2]]
+    width = max(map(len, ids)) + 2
+    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+    texts = [tok.decode(r) for r in ids]
+    got = columns.for_batch(prompts, mask, texts)
+    assert "chosen" in got and "rejected" in got and "prompt" not in got
+    for i, row in enumerate(ids):
+        assert (got["chosen"][i], got["rejected"][i]) in pairs[tuple(row)]
+    with pytest.raises(UserError, match=r"is not in the phase-3 data"):
+        columns.for_batch(prompts[:, -3:], mask[:, -3:], texts)

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from dschat.data.prompt_dataset import TOKENIZE_BATCH
 from dschat.data.raw_datasets import get_raw_dataset, select_phase_rows
 from dschat.errors import UserError
 
@@ -54,12 +55,11 @@ def load_prompt_columns(data_path: Sequence[str], data_split: str, seed: int | N
     for name in data_path:
         raw = get_raw_dataset(name, output_path, seed, local_rank)
         sel = select_phase_rows(raw, data_split, 3, seed, output_path, local_rank)
-        for part in (sel.train, sel.eval):
-            for sample in part:
-                prompt = raw.get_prompt(sample)
-                if prompt is None:
-                    continue
-                key = tuple(tokenizer(prompt)["input_ids"])
-                if key not in rows:
-                    rows[key] = {k: v for k, v in dict(sample).items() if k != PROMPT_FIELD}
+        samples = [dict(sample) for part in (sel.train, sel.eval) for sample in part]
+        prompts = [(raw.get_prompt(sample), sample) for sample in samples]
+        prompts = [(p, sample) for p, sample in prompts if p is not None]
+        for start in range(0, len(prompts), TOKENIZE_BATCH):  # batched, as the phase-3 cache tokenises
+            chunk = prompts[start:start + TOKENIZE_BATCH]
+            for ids, (_, sample) in zip(tokenizer([p for p, _ in chunk])["input_ids"], chunk):
+                rows.setdefault(tuple(ids), {k: v for k, v in sample.items() if k != PROMPT_FIELD})
     return PromptColumns(rows)

@@ -28,6 +28,12 @@ them). What changed, with the upstream bug each fixes (reference §10):
   sampling temperature, kept by :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`) instead of a
   second actor pass over the sequence; where the generator cannot keep them (Hybrid Engine) the
   actor pass runs as upstream's.
+* **Beyond PPO** (``--algorithm``, :mod:`dschat.rlhf.algorithm`): GRPO, RLOO, REINFORCE++ and ReMax
+  run on the same trainer without a critic engine (``critic_model`` is None). Their advantages come
+  from :mod:`dschat.rl_algorithms`: per answer from a whole generation batch (groups of
+  ``--num_generations`` consecutive rows) in :meth:`generate_experience`, or per token (REINFORCE++)
+  in :meth:`prepare_rollout`. Rewards are a :class:`~dschat.rewards.RewardMix` of the reward model
+  and ``--reward_fn`` functions. PPO's path is unchanged when none of this is asked for.
 * ``--align_overflow`` works only with fp16 and a DeepSpeed that exposes upstream's external
   overflow check (§10.14); elsewhere it is refused or a no-op with a warning.
 """
