@@ -15,6 +15,7 @@ from step3_support import base_argv, critic_dirs, data_cache, load_state, max_ab
 from dschat import rl_algorithms
 from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
 from dschat.errors import EXIT_USAGE, cli_main
+from dschat.models.registry import resolve_model_path
 from dschat.rlhf.algorithm import resolve_algorithm
 from dschat.training import checkpoint as ckpt
 
@@ -133,7 +134,7 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):  # 
     assert ("Initializing Reward" in logs) == with_rm
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == (
         ["actor", "actor_ema"] if "--enable_ema" in extra else ["actor"])
-    initial = load_state(Path(__import__("dschat.models.registry", fromlist=["x"]).resolve_model_path(model)))
+    initial = load_state(Path(resolve_model_path(model)))
     assert max_abs_diff(initial, load_state(out / "actor")) > 0
     if "--enable_ema" in extra:
         assert 0 < max_abs_diff(initial, load_state(out / "actor_ema"))
