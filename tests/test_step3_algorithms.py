@@ -1,7 +1,7 @@
 """Step 3 with the critic-free algorithms and reward functions, end to end on tiny models (CPU).
 
-One short run per algorithm, spread over ZeRO 0 / 3, LoRA, EMA, PPO-ptx, reward model and reward
-functions (not a full product: CI time); group statistics over whole groups whatever the micro-batch;
+One short run per algorithm, spread over ZeRO 0 / 3 with and without LoRA, EMA, PPO-ptx, reward model
+and reward functions (not a full product: CI time; the group and resume runs add ZeRO 0 without LoRA); group statistics over whole groups whatever the micro-batch;
 exact resume of a critic-free run; reward functions that fail at run time; the flag rules."""
 from __future__ import annotations
 
@@ -95,14 +95,14 @@ COVER = {
                                                   "--actor_zero_stage", "3", "--actor_lora_dim", "4", "--enable_ema",
                                                   "--reward_fn", "dschat.rewards:gold",
                                                   "--reward_fn", "reward_fixtures:length"]),
-    # RLOO, ZeRO-0, reward model and a column-reading function combined, PPO-ptx, TIS
-    "rloo-z0-rm+fn-ptx-tis": ("tiny-opt", True, ["--algorithm", "rloo", "--num_generations", "2",
+    # RLOO, ZeRO-0 with actor LoRA, reward model and a column-reading function combined, PPO-ptx, TIS
+    "rloo-z0-lora-rm+fn-ptx-tis": ("tiny-opt", True, ["--algorithm", "rloo", "--num_generations", "2", "--actor_lora_dim", "4",
                                                  "--reward_fn", "reward_fixtures:chosen_overlap",
                                                  "--reward_fn_weight", "2.0", "--reward_model_weight", "1.0",
                                                  "--unsupervised_dataset_name", "dschat/builtin", "--unsup_coef", "0.5",
                                                  "--tis_cap", "2.0"]),
-    # REINFORCE++ on the reward model, ZeRO-2 actor (reference stage 0), two micro-batches per rollout
-    "reinforce_pp-z2-rm": ("tiny-llama", True, ["--algorithm", "reinforce_pp", "--actor_zero_stage", "2",
+    # REINFORCE++ on the reward model, ZeRO-3 actor without LoRA, two micro-batches per rollout
+    "reinforce_pp-z3-rm": ("tiny-llama", True, ["--algorithm", "reinforce_pp", "--actor_zero_stage", "3",
                                                 "--per_device_training_batch_size", "2",
                                                 "--gradient_accumulation_steps", "2"]),
     # ReMax, ZeRO-3 actor and reward model (critic stage 3 is the reward model's), LoRA, Dr.GRPO-style sums
@@ -218,3 +218,18 @@ def test_a_failing_reward_function_stops_the_run_with_one_line(spec, message, tm
                           "--output_dir", str(out), "--save_interval", "1"), capsys)
     assert message in line
     assert not out.exists() or not any(out.iterdir())  # nothing half-written
+
+
+@pytest.mark.slow
+def test_the_non_finite_guard_skips_a_critic_free_rollout(data_cache, capsys):  # noqa: F811
+    """main's Python hook keeps the guard's rule for every algorithm: a NaN reward skips that rollout."""
+    calls = []
+
+    def reward_fn(prompts, answers):
+        calls.append(len(answers))
+        return [float("nan") if len(calls) == 2 else 0.1 * len(a.split()) for a in answers]
+
+    result = step3_main().main(_argv("tiny-opt", None, data_cache, "--algorithm", "rloo", "--num_generations", "2",
+                                     steps=3), reward_fn=reward_fn)
+    assert result.skipped_nonfinite == 1 and len(result.history) == 2
+    assert "non-finite log-probs, values or reward in the rollout of step 1; rollout skipped" in capsys.readouterr().out
