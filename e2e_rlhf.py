@@ -15,6 +15,8 @@ Examples (upstream's, corrected so that they run)::
     python e2e_rlhf.py --actor-model facebook/opt-350m --reward-model facebook/opt-125m
     python e2e_rlhf.py --deployment-type multi_node --hostfile /job/hostfile --actor-model 66b
     python e2e_rlhf.py --deployment-type cpu --actor-model tiny-llama --reward-model tiny-llama
+    python e2e_rlhf.py --algorithm grpo                   # step 3 with GRPO (4 answers per prompt)
+    python e2e_rlhf.py --algorithm grpo --reward-fn dschat.rewards:gold   # the RLVR demo (see README)
 
 Each step is launched through the ``deepspeed`` launcher with the argument list of a recipe in
 ``configs/`` (see ``configs/e2e.yaml`` for how models and deployment types map to recipes); its
@@ -40,6 +42,7 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing: use its dschat
     sys.path.insert(0, str(ROOT))
 
+from dschat.cli.args import ALGORITHM_CHOICES  # noqa: E402
 from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
 from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
@@ -228,8 +231,34 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
                 extra += _lora_adjustments(recipe, model_id(args.actor_model), "actor_")
                 extra += _lora_adjustments(recipe, model_id(args.reward_model), "critic_")
                 note = f"no {dep.name} recipe names {args.actor_model!r}: using recipe {rid}"
+            extra += step3_algorithm_flags(args)
         runs.append(StepRun(number, recipe, params, extra + every_step, dirs[number], note))
     return runs
+
+
+#: --num-generations when --algorithm needs groups and none is given.
+DEFAULT_NUM_GENERATIONS = 4
+#: The reward function that is the embedded data's own judge: training on it is the RLVR demo.
+GOLD_REWARD_FN = "dschat.rewards:gold"
+
+
+def critic_free(args: argparse.Namespace) -> bool:
+    return args.algorithm not in (None, "ppo")
+
+
+def step3_algorithm_flags(args: argparse.Namespace) -> list[str]:
+    """Step 3's --algorithm, --num_generations and --reward_fn flags from e2e's options."""
+    flags: list[str] = []
+    if args.algorithm is not None:
+        flags += ["--algorithm", args.algorithm]
+    k = args.num_generations
+    if k is None and args.algorithm in ("grpo", "rloo"):
+        k = DEFAULT_NUM_GENERATIONS
+    if k is not None:
+        flags += ["--num_generations", str(k)]
+    for spec in args.reward_fn or []:
+        flags += ["--reward_fn", spec]
+    return flags
 
 
 # -------------------------------------------------------------------------------------------------
@@ -283,6 +312,8 @@ def output_problem(run_: StepRun) -> str | None:
     """Why ``run_``'s output is not a finished step, or None (final folders are written atomically,
     so a usable folder is a finished one)."""
     if run_.number == 3:
+        if "--algorithm" in run_.extra and run_.extra[run_.extra.index("--algorithm") + 1] != "ppo":
+            return folder_problem(run_.output_dir / "actor", "actor")  # critic-free: no critic folder
         return folder_problem(run_.output_dir / "actor", "actor") or folder_problem(run_.output_dir / "critic", "reward")
     return folder_problem(run_.output_dir, "reward" if run_.number == 2 else "actor")
 
@@ -411,6 +442,15 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
     dschat.add_argument("--save-interval", type=int, default=None, metavar="N",
                         help="pass --save_interval N to every step: a resumable checkpoint every N optimizer "
                              "steps (step 3: PPO iterations)")
+    dschat.add_argument("--algorithm", choices=ALGORITHM_CHOICES, default=None,
+                        help="step 3's algorithm (default: the recipe's, PPO); grpo, rloo, reinforce_pp and remax "
+                             "train no critic (docs/algorithms.md)")
+    dschat.add_argument("--num-generations", type=int, default=None, metavar="K",
+                        help=f"answers per prompt in step 3 (default {DEFAULT_NUM_GENERATIONS} for grpo and rloo, "
+                             "else 1); must divide the recipe's per_device_generation_batch_size")
+    dschat.add_argument("--reward-fn", action="append", default=None, metavar="MODULE:FUNCTION",
+                        help="pass --reward_fn to step 3 (repeatable); it then replaces the reward model. "
+                             f"{GOLD_REWARD_FN} is the RLVR demo: step 3 optimises the judge that grades it")
     args = parser.parse_args(argv)
     if args.actor_zero_stage != "" or args.reward_zero_stage != "":
         warnings.warn("Non-default zero stages may result in OOM errors or worse performance.", stacklevel=1)
@@ -495,6 +535,9 @@ def run_report(args: argparse.Namespace, runs: Sequence[StepRun], config: E2ECon
         top_p=float(flag("top_p", "1.0")),
     )
     print("---=== Evaluating: SFT actor vs RLHF actor on held-out prompts ===---", flush=True)
+    if GOLD_REWARD_FN in (args.reward_fn or []):
+        print(f"note: RLVR demo -- step 3 was trained on the gold judge itself (--reward-fn {GOLD_REWARD_FN}); the "
+              "gold gain below is how well it optimised its own reward, not an independent judgement", flush=True)
     report = build_report(
         runs[0].output_dir, runs[2].output_dir / "actor", runs[1].output_dir, args.output_dir, settings,
         metrics=runs[2].output_dir / "metrics.jsonl", step_seconds=timings, run_started=start,

@@ -26,6 +26,11 @@ end samples/s and peak memory, then ours / baseline. Peaks: the device's data-sh
 known GPU, otherwise measured here (a large copy and a large matmul). Results are appended to
 ``benchmarks/results.md`` (``--results``) with date, device, versions and the command.
 
+``--algorithm grpo|rloo|reinforce_pp|remax`` (with ``--num_generations K``) runs the same workload --
+``--batch`` sequences a step, ``--batch / K`` prompts each answered ``K`` times -- without a critic;
+run it beside a PPO run (two processes: the CPU peak is the process's) to measure what the critic
+costs.
+
 ``--actor`` / ``--critic`` take a model folder, a dschat short name, or ``opt-1.3b`` / ``opt-350m``
 (upstream's shapes with random weights, built from the configs, no download; tokenizer from
 ``tiny-opt``).
@@ -89,6 +94,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(ours-graphs). With two modes a last column gives the second's speed-up over the first")
     p.add_argument("--ours_generation_loop", default="auto", choices=("auto", "dschat", "hf", "graphs"),
                    help="--generation_loop for ours (auto: CUDA graphs on CUDA, dschat's loop elsewhere)")
+    p.add_argument("--algorithm", default="ppo", choices=("ppo", "grpo", "rloo", "reinforce_pp", "remax"),
+                   help="step 3's --algorithm (the critic-free ones build no critic)")
+    p.add_argument("--num_generations", type=int, default=1,
+                   help="answers per prompt (--num_generations); must divide --batch")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
     p.add_argument("--seed", type=int, default=1234)
     args = p.parse_args(argv)
@@ -98,6 +107,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.modes = modes
     if min(args.prompt_len, args.answer_len, args.batch, args.steps) < 1 or args.warmup < 0:
         p.error("--prompt_len, --answer_len, --batch and --steps must be >= 1, --warmup >= 0")
+    if args.num_generations < 1 or args.batch % args.num_generations:
+        p.error(f"--num_generations {args.num_generations} must divide --batch {args.batch}")
     return args
 
 
@@ -302,7 +313,8 @@ def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: in
     gen_tokens = batch * answer_len * n
     seq_tokens = batch * seq_len * n
     flops = sum(calculate_flops(actor_factor, batch, w + answer_len, actor_config)
-                + calculate_flops(critic_factor, batch, w + answer_len, critic_config) for w in r.prompt_width)
+                + (calculate_flops(critic_factor, batch, w + answer_len, critic_config) if critic_config is not None
+                   else 0.0) for w in r.prompt_width)
     return Metrics(
         gen_tokens_per_s=gen_tokens / r.gen_s,
         gen_ms_per_token=1000 * r.gen_s / (answer_len * n),
@@ -390,6 +402,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             "--actor_zero_stage", str(args.zero_stage), "--critic_zero_stage", str(args.zero_stage),
             "--dtype", dtype, "--actor_learning_rate", "1e-6", "--critic_learning_rate", "1e-6",
             "--actor_dropout", "0.0", "--num_warmup_steps", "0", "--seed", str(args.seed),
+            "--algorithm", args.algorithm, "--num_generations", str(args.num_generations),
         ]
         if args.lora_dim:
             from transformers import AutoConfig
@@ -403,20 +416,25 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             argv_step3.append("--enable_hybrid_engine")
         sargs = step3.parse_args(argv_step3)
         tokenizer = load_hf_tokenizer(actor)
-        engine = DeepSpeedRLHFEngine(actor, critic, tokenizer, sargs, num_total_iters=10_000)
+        engine = DeepSpeedRLHFEngine(actor, critic, tokenizer, sargs, num_total_iters=10_000,
+                                     with_critic=args.algorithm == "ppo")
         trainer = DeepSpeedPPOTrainer(engine, sargs)
         trainer.generator.extra_generate_kwargs = {"min_new_tokens": args.answer_len}  # fixed workload
         he_available = trainer.generator.hybrid_engine_active
-        batches = prompt_batches(tokenizer, args.batch, args.prompt_len, args.warmup + args.steps)
+        # batch / K prompts a step; the trainer answers each K times.
+        batches = prompt_batches(tokenizer, args.batch // args.num_generations, args.prompt_len,
+                                 args.warmup + args.steps)
         torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
 
         results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
                             args.ours_generation_loop) for mode in args.modes]
-        actor_module, critic_module = engine.actor.module, engine.critic.module
+        actor_module = engine.actor.module
+        critic_module = engine.critic.module if engine.critic is not None else None
         actor_factor = checkpoint_activations_factor(False, args.lora_dim, actor_module.config.hidden_size)
-        critic_factor = checkpoint_activations_factor(False, 0, critic_module.config.hidden_size)
-        critic_config = critic_module.config
+        critic_factor = (checkpoint_activations_factor(False, 0, critic_module.config.hidden_size)
+                         if critic_module is not None else 0.0)
+        critic_config = critic_module.config if critic_module is not None else None
         metrics = [account(r, batch=args.batch, answer_len=args.answer_len,
                            actor_param_bytes=count_parameters(actor_module) * bytes_per_parameter(actor_module),
                            actor_config=actor_module.config, critic_config=critic_config,
@@ -427,7 +445,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     lines = [
         f"### step 3, {datetime.date.today().isoformat()}: {args.actor} actor, {args.critic or args.actor} critic, "
         f"{args.batch} x ({args.prompt_len} + {args.answer_len}), ZeRO-{args.zero_stage}, {dtype}"
-        + (f", LoRA {args.lora_dim}" if args.lora_dim else "") + (", Hybrid Engine requested" if args.hybrid_engine else ""),
+        + (f", LoRA {args.lora_dim}" if args.lora_dim else "") + (", Hybrid Engine requested" if args.hybrid_engine else "")
+        + (f", algorithm {args.algorithm} (K = {args.num_generations}, no critic)" if args.algorithm != "ppo" else ""),
         "",
         f"- device: {device_name}; {versions()}",
         f"- command: `{command}`",

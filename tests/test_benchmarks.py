@@ -181,3 +181,14 @@ def test_gpu_roofline_flops_by_hand_and_smoke_run(capsys):
     roofline.main(["--model", "tiny-opt", "--batch", "2", "--prompt_len", "8", "--answer_len", "4"])
     out = capsys.readouterr().out
     assert "decode, eager (dschat loop): " in out and "training, bare model fwd+bwd float32 at 2 x 12: " in out
+
+
+def test_step3_benchmark_grpo_runs_without_a_critic(tmp_path, capsys):
+    bench = _load("step3")
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "4", "--prompt_len", "16", "--answer_len", "4",
+                        "--steps", "1", "--warmup", "0", "--modes", "ours", "--algorithm", "grpo",
+                        "--num_generations", "2", "--results", ""])
+    assert "algorithm grpo (K = 2, no critic)" in lines[0]
+    assert any(line.startswith("| training TFLOP/s |") for line in lines)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batch", "4", "--num_generations", "3"])

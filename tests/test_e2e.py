@@ -377,3 +377,42 @@ def test_e2e_passes_every_launcher_option_and_keeps_them_out_of_main_py(tmp_path
                      "--hostfile", str(hostfile)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "holds '$()'" in err and not bad.exists()
+
+
+def test_algorithm_and_reward_functions_pass_through_to_step3(config, tmp_path):
+    models = ("--actor-model", "smollm2-135m", "--reward-model", "smollm2-135m", "--output-dir", str(tmp_path))
+    args = _args(config, *models, "--algorithm", "grpo", "--reward-fn", "dschat.rewards:gold")
+    runs = E.build_steps(args, config.deployment("cpu"))
+    assert runs[2].extra == ["--algorithm", "grpo", "--num_generations", "4", "--reward_fn", "dschat.rewards:gold"]
+    assert runs[0].extra == [] and runs[1].extra == []
+    args = _args(config, *models, "--algorithm", "remax", "--num-generations", "2")
+    assert E.build_steps(args, config.deployment("cpu"))[2].extra == ["--algorithm", "remax", "--num_generations", "2"]
+    # A finished critic-free step 3 has an actor and no critic.
+    run3 = E.build_steps(args, config.deployment("cpu"))[2]
+    (run3.output_dir / "actor").mkdir(parents=True)
+    (run3.output_dir / "actor" / "config.json").write_text("{}")
+    (run3.output_dir / "actor" / "model.safetensors").write_bytes(b"x")
+    assert E.output_problem(run3) is None
+    assert E.output_problem(E.build_steps(_args(config, *models), config.deployment("cpu"))[2])  # PPO: no critic
+
+
+@pytest.mark.slow
+def test_e2e_grpo_rlvr_step3_and_its_report(tiny_run, tmp_path):
+    """Steps 1 and 2 reused; step 3 with GRPO on the gold judge (the RLVR demo), then the report against
+    the SFT actor, labelled as RLVR."""
+    import shutil
+
+    out, proc = tiny_run
+    assert proc.returncode == 0
+    for folder in ("actor-models", "reward-models"):
+        shutil.copytree(out / folder, tmp_path / folder)
+    proc = _e2e("--step", "3", "--algorithm", "grpo", "--num-generations", "2", "--reward-fn", "dschat.rewards:gold",
+                "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+                "--output-dir", str(tmp_path), env={"OMP_NUM_THREADS": "2"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--algorithm grpo --num_generations 2 --reward_fn dschat.rewards:gold" in proc.stdout
+    step3 = tmp_path / "step3-models/tiny-llama"
+    assert (step3 / "actor/config.json").is_file() and not (step3 / "critic").exists()
+    assert "note: RLVR demo -- step 3 was trained on the gold judge itself" in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"sft_actor", "rlhf_actor", "rlhf_vs_sft"} <= set(report)

@@ -92,6 +92,10 @@ def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._Arg
 
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 DTYPE_CHOICES = ("fp16", "bf16", "fp32")
+# Step 3's algorithms and loss aggregations (dschat.rl_algorithms.ALGORITHMS / LOSS_AGGREGATIONS; a
+# test keeps them equal: this module imports nothing of dschat's).
+ALGORITHM_CHOICES = ("ppo", "grpo", "rloo", "reinforce_pp", "remax")
+LOSS_AGGREGATION_CHOICES = ("token", "sequence", "token_sum")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -296,9 +300,11 @@ def add_step3_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument("--actor_model_name_or_path", type=str, required=True,
                        help="Path to the step-1 actor (a folder, hub id, dschat short name, or PEFT LoRA "
                             "adapter folder: its base model, the adapter merged).")
-    group.add_argument("--critic_model_name_or_path", type=str, required=True,
+    group.add_argument("--critic_model_name_or_path", type=str, default=None,
                        help="Path to the step-2 reward model output (the critic and reward model start from it), "
-                            "or its lora_adapter/ folder (the adapter merged into its base, its value head).")
+                            "or its lora_adapter/ folder (the adapter merged into its base, its value head). "
+                            "Required for --algorithm ppo and whenever the reward model scores answers; a "
+                            "critic-free algorithm scored by --reward_fn alone needs none.")
     group.add_argument("--num_padding_at_beginning", type=int, default=1,
                        help="OPT model has a fixed number (1) of padding tokens at the beginning of the "
                             "input. Not used in step 3 (as upstream).")
@@ -366,8 +372,9 @@ def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="(dschat flag, upstream constant) GAE lambda.")
     group.add_argument("--whiten_advantages", action="store_true",
                        help="(dschat, opt-in) Whiten advantages over the rollout's action tokens.")
-    group.add_argument("--kl_estimator", type=str, default="k1", choices=("k1", "k2", "k3"),
-                       help="(dschat, opt-in) Per-token KL estimator in the reward. k1 is upstream's.")
+    group.add_argument("--kl_estimator", type=str, default="auto", choices=("auto", "k1", "k2", "k3"),
+                       help="(dschat) Per-token KL estimator (docs/algorithms.md). 'auto': k1 (upstream's) when "
+                            "the KL is in the reward, k3 when it is a loss term (GRPO).")
     group.add_argument("--reward_at", type=str, default="after_last", choices=("after_last", "last"),
                        help="(dschat, opt-in) Where the reward-model score is added: upstream's slot "
                             "after the last answer token ('after_last', DSE #672) or the last real "
@@ -384,6 +391,47 @@ def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--align_overflow", action="store_true",
                        help="Align loss scale overflow between actor and critic (fp16 only).")
     group.add_argument("--enable_ema", action="store_true", help="Enable EMA checkpoint for the model.")
+    return group
+
+
+def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """(dschat) Step 3's algorithm and reward sources beyond upstream's PPO; docs/algorithms.md has
+    each formula with its paper. Every default keeps upstream's PPO."""
+    group = parser.add_argument_group("algorithm and rewards (dschat)")
+    group.add_argument("--algorithm", type=str, default="ppo", choices=ALGORITHM_CHOICES,
+                       help="(dschat) ppo (default, upstream's: actor + critic, GAE); the critic-free grpo (group-"
+                            "normalised advantages), rloo (leave-one-out baseline), reinforce_pp (REINFORCE++: KL "
+                            "in per-token rewards, batch-whitened returns) and remax (greedy answer as baseline) "
+                            "build, load and save no critic.")
+    group.add_argument("--num_generations", type=int, default=1,
+                       help="(dschat) Answers sampled per prompt (the group, K). A generation batch of "
+                            "--per_device_generation_batch_size rows holds that many / K prompts, each K times; "
+                            "K must divide it. grpo and rloo need K >= 2.")
+    group.add_argument("--dr_grpo", action="store_true",
+                       help="(dschat) With --algorithm grpo: Dr.GRPO, advantages not divided by the group's std "
+                            "and the 'token_sum' loss aggregation (unless --loss_aggregation says otherwise).")
+    group.add_argument("--loss_aggregation", type=str, default="auto", choices=("auto",) + LOSS_AGGREGATION_CHOICES,
+                       help="(dschat) How token losses make the step's loss: 'token' (mean over every token of the "
+                            "step: PPO's), 'sequence' (mean over answers of each answer's token mean: GRPO's paper), "
+                            "'token_sum' (each answer's token sum / --max_answer_seq_len, mean over answers: "
+                            "Dr.GRPO). 'auto': sequence for grpo, token_sum for --dr_grpo, token otherwise.")
+    group.add_argument("--kl_in_reward", type=str, default="auto", choices=("auto", "on", "off"),
+                       help="(dschat) 'on': -kl_ctl x KL enters the reward (PPO, RLOO, REINFORCE++, ReMax); 'off': "
+                            "kl_ctl x KL is a loss term on the actor's current log-probs (GRPO). 'auto': off for "
+                            "grpo, on otherwise. --kl_ctl is the coefficient either way (0: no KL).")
+    group.add_argument("--tis_cap", type=float, default=0.0,
+                       help="(dschat) Truncated importance sampling: weight each token's loss by min(pi_train / "
+                            "pi_rollout, tis_cap), correcting the gap between the decoder that generated the "
+                            "rollout and the training forward. 0 (default): off.")
+    group.add_argument("--reward_fn", type=str, action="append", default=None, metavar="MODULE:FUNCTION",
+                       help="(dschat) A reward function fn(prompts, answers, **columns) -> list[float] (columns: "
+                            "the prompt's other dataset fields). Repeatable; built-ins dschat.rewards:gold (the "
+                            "embedded data's gold judge) and dschat.rewards:math_exact_match (column 'answer').")
+    group.add_argument("--reward_fn_weight", type=float, action="append", default=None,
+                       help="(dschat) Weight of each --reward_fn, in order (default 1.0 each).")
+    group.add_argument("--reward_model_weight", type=float, default=None,
+                       help="(dschat) Weight of the reward model's score in the reward. Default: 1.0 without "
+                            "--reward_fn, 0 (no reward model loaded) with it; give it to combine both.")
     return group
 
 
@@ -484,7 +532,7 @@ def add_step3_logging_args(parser: argparse.ArgumentParser) -> argparse._Argumen
 @functools.lru_cache(maxsize=None)
 def _step3_defaults() -> dict[str, object]:
     parser = argparse.ArgumentParser(add_help=False)
-    for add in (add_step3_model_args, add_step3_training_args, add_ppo_args, add_step3_lora_args,
+    for add in (add_step3_model_args, add_step3_training_args, add_ppo_args, add_algorithm_args, add_step3_lora_args,
                 add_step3_deepspeed_args, add_step3_logging_args, add_checkpoint_args):
         add(parser)
     return {action.dest: action.default for action in parser._actions}

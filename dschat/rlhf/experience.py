@@ -98,7 +98,8 @@ class Experience:
     valid: torch.Tensor  # (B,) bool: row trains (answer has more than one token)
     advantages: torch.Tensor | None = None  # (B, T - start) GAE advantages (maybe whitened)
     returns: torch.Tensor | None = None  # (B, T - start) advantages + values
-    loss_normalizer: float | None = None  # token count of this micro-batch's optimizer step / (GA x world)
+    loss_normalizer: float | None = None  # token (or answer) count of this micro-batch's optimizer step / (GA x world)
+    sequence_advantages: torch.Tensor | None = None  # (B,) GRPO / RLOO / ReMax advantage of each answer
 
     # ---------------------------------------------------------------- container protocol
     def __len__(self) -> int:

@@ -153,6 +153,10 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
                         dtype=torch.float64)
     kl_sum, clip_sum, ratio_sum, tokens = all_reduce_sum(sums).tolist()  # a host tensor: NCCL needs the copy
     approx_kl, clip_frac, ratio_mean = ((x / tokens if tokens else float("nan")) for x in (kl_sum, clip_sum, ratio_sum))
+    # The rollout decoder's log-prob gap to the training forward, over the micro-steps that measured it.
+    gapped = [m for m in scored if m.logprob_gap == m.logprob_gap]
+    gap_sum, gap_tokens = all_reduce_sum(torch.tensor([sum(m.logprob_gap * m.tokens for m in gapped),
+                                                       sum(m.tokens for m in gapped)], dtype=torch.float64)).tolist()
     return {
         "epoch": epoch, "step": step, "global_step": global_step,
         "reward": rollout.reward, "ema_reward": ema_reward,
@@ -160,6 +164,7 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
         "approx_kl": approx_kl, "clip_frac": clip_frac, "ratio_mean": ratio_mean,
         "ratio_max": max((m.ratio_max for m in scored), default=float("nan")),
         "ratio_min": min((m.ratio_min for m in scored), default=float("nan")),
+        "logprob_gap": gap_sum / gap_tokens if gap_tokens else float("nan"),
         "kl_to_ref": rollout.kl_to_ref, "value_explained_variance": rollout.value_explained_variance,
         "response_length": rollout.response_length, "kept": rollout.kept, "dropped": rollout.dropped,
         "time_generation": gen_time, "time_experience": exp_time, "time_training": train_time,

@@ -28,6 +28,12 @@ them). What changed, with the upstream bug each fixes (reference §10):
   sampling temperature, kept by :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`) instead of a
   second actor pass over the sequence; where the generator cannot keep them (Hybrid Engine) the
   actor pass runs as upstream's.
+* **Beyond PPO** (``--algorithm``, :mod:`dschat.rlhf.algorithm`): GRPO, RLOO, REINFORCE++ and ReMax
+  run on the same trainer without a critic engine (``critic_model`` is None). Their advantages come
+  from :mod:`dschat.rl_algorithms`: per answer from a whole generation batch (groups of
+  ``--num_generations`` consecutive rows) in :meth:`generate_experience`, or per token (REINFORCE++)
+  in :meth:`prepare_rollout`. Rewards are a :class:`~dschat.rewards.RewardMix` of the reward model
+  and ``--reward_fn`` functions. PPO's path is unchanged when none of this is asked for.
 * ``--align_overflow`` works only with fp16 and a DeepSpeed that exposes upstream's external
   overflow check (§10.14); elsewhere it is refused or a no-op with a warning.
 """
@@ -40,9 +46,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from dschat import rl_math
+from dschat import rl_algorithms, rl_math
 from dschat.cli.args import step3_flag
+from dschat.data.prompt_columns import PromptColumns
 from dschat.errors import UserError
+from dschat.rewards import RewardFunction, RewardMix
+from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
 from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.guards import BatchPlan, plan_batches
 from dschat.rlhf.hybrid_engine import Rollout
@@ -97,6 +106,9 @@ class MicroStepStats:
     approx_kl: float
     clip_frac: float
     tokens: int
+    # Mean |log pi_train - log pi_rollout| over the tokens: the rollout decoder's gap to the training
+    # forward, measured while the policy has not moved since the rollout (else nan).
+    logprob_gap: float = float("nan")
 
 
 @dataclass
@@ -120,14 +132,18 @@ def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
 
 
 class DeepSpeedPPOTrainer:
-    """PPO on the engines of a :class:`~dschat.rlhf.rlhf_engine.DeepSpeedRLHFEngine`.
+    """PPO -- and the critic-free algorithms of ``--algorithm`` -- on the engines of a
+    :class:`~dschat.rlhf.rlhf_engine.DeepSpeedRLHFEngine` (whose ``critic`` is None for those).
 
-    ``plan`` defaults to :func:`~dschat.rlhf.guards.plan_batches` of ``args``; ``reward_fn`` (a
-    :data:`RewardFn`) replaces the reward model when given.
+    ``plan`` defaults to :func:`~dschat.rlhf.guards.plan_batches` of ``args``. The reward is
+    ``reward_mix`` (:class:`~dschat.rewards.RewardMix`: reward model and ``--reward_fn`` functions by
+    weight); a bare ``reward_fn`` (a :data:`RewardFn`) replaces the reward model, as before.
+    ``prompt_columns`` gives reward functions the dataset fields beside each prompt.
     """
 
     def __init__(self, rlhf_engine: Any, args: Any, *, plan: BatchPlan | None = None,
-                 reward_fn: RewardFn | None = None) -> None:
+                 reward_fn: RewardFn | None = None, reward_mix: RewardMix | None = None,
+                 prompt_columns: PromptColumns | None = None) -> None:
         from dschat.data.unsupervised import unsupervised_training_enabled
 
         self.rlhf_engine = rlhf_engine
@@ -146,8 +162,16 @@ class DeepSpeedPPOTrainer:
         self.compute_fp32_loss = args.compute_fp32_loss
         self.dtype = rlhf_engine.dtype
         self.reward_fn = reward_fn
-        if self.reward_model is None and reward_fn is None:
+        if reward_mix is None:
+            reward_mix = (RewardMix((RewardFunction("reward_fn", reward_fn, require_finite=False),), model_weight=0.0)
+                          if reward_fn is not None else RewardMix())
+        self.reward_mix = reward_mix
+        self.prompt_columns = prompt_columns
+        if reward_mix.uses_model and self.reward_model is None:
             raise ValueError("DeepSpeedPPOTrainer needs a reward model or a reward_fn")
+        self.settings: AlgorithmSettings = resolve_algorithm(args)
+        if self.settings.critic and self.critic_model is None:
+            raise ValueError(f"--algorithm {self.settings.algorithm} needs a critic engine")
         self.plan = plan or plan_batches(args, get_world_size(), ptx=unsupervised_training_enabled(args))
 
         # Upstream's constants, now flags; an upstream-style Namespace without them gets their defaults.
@@ -157,9 +181,9 @@ class DeepSpeedPPOTrainer:
         self.cliprange_value = step3_flag(args, "cliprange_value")
         self.gamma = step3_flag(args, "gamma")
         self.lam = step3_flag(args, "lam")
-        self.kl_estimator = step3_flag(args, "kl_estimator")
+        self.kl_estimator = self.settings.kl_estimator
         self.reward_at = step3_flag(args, "reward_at")
-        self.whiten_advantages = step3_flag(args, "whiten_advantages")
+        self.whiten_advantages = self.settings.whiten_advantages
         self.missing_eos_penalty = float(step3_flag(args, "missing_eos_penalty") or 0.0)
         self.logit_temperature = self.generator.decoding.logit_temperature
 
@@ -171,7 +195,8 @@ class DeepSpeedPPOTrainer:
         self.micro_stats: list[MicroStepStats] = []
         self._rollout_actor_steps: int | None = None  # set by prepare_rollout
         self._said_unaligned = False
-        self.align_overflow = bool(args.align_overflow) and self.dtype == "fp16"
+        # Critic-free: there is no second model to align with; the actor steps on its own.
+        self.align_overflow = bool(args.align_overflow) and self.dtype == "fp16" and self.critic_model is not None
         if self.align_overflow:
             self._check_align_overflow_support()
         # --max_nonfinite_steps: rollouts and micro-steps with NaN/inf are skipped, counted, logged;
@@ -234,15 +259,63 @@ class DeepSpeedPPOTrainer:
 
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                        attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.reward_fn is not None:
+        """(B,) reward of each answer: the reward model's score and the reward functions, by weight."""
+        mix = self.reward_mix
+        model_scores = None
+        if mix.uses_model:
+            out = self.reward_model.forward_value(seq, attention_mask, position_ids=position_ids,
+                                                  prompt_length=prompts.shape[1])
+            model_scores = out["chosen_end_scores"].detach().float()
+            if not mix.functions and mix.model_weight == 1.0:
+                return model_scores  # upstream's reward, untouched
+        failure: UserError | None = None
+        scores = torch.zeros(seq.shape[0], dtype=torch.float32, device=seq.device)
+        try:
             texts = self._decode_for_hook(prompts, prompt_mask, seq, attention_mask)
-            scores = [float(s) for s in self.reward_fn(*texts)]
-            if len(scores) != seq.shape[0]:
-                raise ValueError(f"reward_fn returned {len(scores)} scores for {seq.shape[0]} answers")
-            return torch.tensor(scores, dtype=torch.float32, device=seq.device)
-        out = self.reward_model.forward_value(seq, attention_mask, position_ids=position_ids,
-                                              prompt_length=prompts.shape[1])
-        return out["chosen_end_scores"].detach().float()
+            columns = (self.prompt_columns.for_batch(prompts, prompt_mask, texts[0])
+                       if self.prompt_columns is not None else None)
+            scores = mix.score(*texts, columns, model_scores).to(seq.device)
+        except UserError as err:
+            failure = err
+        # Every rank learns of a failure on any rank, so none is left waiting in a collective.
+        if _sum_over_ranks([0.0 if failure is None else 1.0], self.device)[0] > 0:
+            raise failure or UserError("a reward function failed on another rank (its line is in that rank's log)")
+        return scores
+
+    def _greedy_baseline(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """ReMax's baseline: the reward of the greedy answer to each prompt. Shape: prompts (B, P); (B,)."""
+        sampling = self.generator.decoding
+        self.generator.decoding = replace(sampling, decoding="greedy")
+        try:
+            seq = self.generator.rollout(prompts, mask).sequences
+        finally:
+            self.generator.decoding = sampling
+        masks = sequence_masks(mask, seq, self.tokenizer.eos_token_id)
+        with torch.no_grad():
+            scores = self._reward_scores(prompts, mask, seq, masks.attention_mask, masks.position_ids)
+        if self.missing_eos_penalty:
+            ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
+            scores = rl_math.missing_eos_penalty(scores, ended, self.missing_eos_penalty)
+        return scores
+
+    def _sequence_advantages(self, reward_score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                             action_mask: torch.Tensor, start: int,
+                             greedy_scores: torch.Tensor | None) -> torch.Tensor | None:
+        """(B,) advantages of GRPO / RLOO / ReMax from a whole generation batch (whole groups), or
+        None for the algorithms whose advantages are per token (PPO, REINFORCE++)."""
+        settings = self.settings
+        if settings.algorithm not in ("grpo", "rloo", "remax"):
+            return None
+        scores = torch.clamp(reward_score.float(), -self.clip_reward_value, self.clip_reward_value)
+        if settings.kl_in_reward and self.kl_ctl:
+            scores = scores - self.kl_ctl * rl_algorithms.sequence_kl(
+                logprobs[:, start:], ref_logprobs[:, start:], action_mask[:, start:], estimator=self.kl_estimator)
+        if settings.algorithm == "grpo":
+            return rl_algorithms.grpo_advantages(scores, settings.num_generations, scale_by_std=settings.scale_by_std)
+        if settings.algorithm == "rloo":
+            return rl_algorithms.rloo_advantages(scores, settings.num_generations)
+        baseline = torch.clamp(greedy_scores.float(), -self.clip_reward_value, self.clip_reward_value)
+        return rl_algorithms.remax_advantages(scores, baseline)
 
     def _report_dropped(self, prompts: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor, step: int) -> None:
         if bool(valid.all()):
@@ -259,6 +332,14 @@ class DeepSpeedPPOTrainer:
         """
         self.eval()
         generate_start = time.time()
+        greedy_scores = None
+        k = self.settings.num_generations
+        if self.settings.algorithm == "remax":
+            # One greedy answer per prompt (before the repeat), its reward repeated over the group.
+            greedy_scores = self._greedy_baseline(prompts, mask).repeat_interleave(k)
+        if k > 1:
+            # The group: each prompt K times in consecutive rows (rl_algorithms' layout).
+            prompts, mask = prompts.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
         rollout = self._rollout(prompts, mask, step)
         seq = rollout.sequences
         generate_end = time.time()
@@ -293,8 +374,11 @@ class DeepSpeedPPOTrainer:
             if self.missing_eos_penalty:
                 ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
                 reward_score = rl_math.missing_eos_penalty(reward_score, ended, self.missing_eos_penalty)
-            values = self.critic_model.forward_value(seq, attention_mask, position_ids=position_ids,
-                                                     return_value_only=True).detach()[:, :-1].float()
+            if self.critic_model is not None:
+                values = self.critic_model.forward_value(seq, attention_mask, position_ids=position_ids,
+                                                         return_value_only=True).detach()[:, :-1].float()
+            else:  # critic-free: no value model; zeros keep the container's shape
+                values = torch.zeros_like(logprobs)
         self.experience_time = time.time() - generate_end
         action_mask = attention_mask[:, 1:] * valid[:, None].to(attention_mask.dtype)
         kept = action_mask.bool()
@@ -302,15 +386,19 @@ class DeepSpeedPPOTrainer:
                                     message=f"non-finite log-probs, values or reward in the rollout of step {step}; "
                                             "rollout skipped"):
             return None  # every rank agrees (the check is collective): no experience, no update
+        sequence_advantages = self._sequence_advantages(reward_score, logprobs, ref_logprobs, action_mask,
+                                                        prompts.shape[1] - 1, greedy_scores)
         return Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, position_ids=position_ids,
                           action_mask=action_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
-                          reward_score=reward_score, valid=valid)
+                          reward_score=reward_score, valid=valid, sequence_advantages=sequence_advantages)
 
     # ================================================================== RL math (upstream names)
     def compute_rewards(self, prompts: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,
                         reward_score: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
+        # With the KL as a loss term (GRPO's), the rewards hold the score alone.
+        kl_ctl = self.kl_ctl if self.settings.kl_in_reward else 0.0
         return rl_math.compute_rewards(prompts, log_probs, ref_log_probs, reward_score, action_mask,
-                                       kl_ctl=self.kl_ctl, clip_reward_value=self.clip_reward_value,
+                                       kl_ctl=kl_ctl, clip_reward_value=self.clip_reward_value,
                                        kl_estimator=self.kl_estimator, reward_at=self.reward_at)
 
     def get_advantages_and_returns(self, values: torch.Tensor, rewards: torch.Tensor,
@@ -351,7 +439,10 @@ class DeepSpeedPPOTrainer:
         for exp in exp_dataset:
             with torch.no_grad():
                 old_values, old_rewards = self._old_values_and_rewards(exp)
-                advantages, returns = self.get_advantages_and_returns(old_values, old_rewards, exp.start)
+                if self.critic_model is not None:
+                    advantages, returns = self.get_advantages_and_returns(old_values, old_rewards, exp.start)
+                else:
+                    advantages = returns = self._critic_free_advantages(exp, old_rewards)
             mask = exp.action_mask[:, exp.start:].bool()
             per_batch.append((advantages, returns, mask))
             valid = exp.valid
@@ -384,12 +475,29 @@ class DeepSpeedPPOTrainer:
         nan = float("nan")
         var_returns = r2 / n - (r1 / n) ** 2 if n else nan
         var_residual = e2 / n - (e1 / n) ** 2 if n else nan
-        explained = 1.0 - var_residual / var_returns if n and var_returns > 0 else nan
+        explained = 1.0 - var_residual / var_returns if n and var_returns > 0 and self.critic_model is not None else nan
         return RolloutStats(
             reward=reward / kept if kept else nan, kl_to_ref=kl_sum / kl_tokens if kl_tokens else nan,
             response_length=length / kept if kept else nan, value_explained_variance=explained,
             kept=int(kept), dropped=int(dropped),
         )
+
+    def _critic_free_advantages(self, exp: Experience, rewards: torch.Tensor) -> torch.Tensor:
+        """(B, T - start) token advantages without a critic: REINFORCE++'s returns-to-go of the
+        KL-penalised per-token rewards (whitened later, over the rollout), or each answer's sequence
+        advantage on all of its tokens (GRPO, RLOO, ReMax)."""
+        mask = exp.action_mask[:, exp.start:]
+        if exp.sequence_advantages is None:  # REINFORCE++: rewards are upstream's, zeroed after the end
+            return rl_algorithms.returns_to_go(rewards, exp.start, gamma=self.gamma) * mask
+        return rl_algorithms.token_advantages(exp.sequence_advantages, mask)
+
+    def _step_count(self, exp: Experience) -> float:
+        """What this micro-batch adds to its optimizer step's loss normaliser: tokens ('token'
+        aggregation) or answers with tokens ('sequence', 'token_sum')."""
+        mask = exp.action_mask[:, exp.start:]
+        if self.settings.loss_aggregation == "token":
+            return float(mask.sum())
+        return float((mask.sum(1) > 0).sum())
 
     def schedule(self, exp_dataset: list[Experience], unsup_dataset: list[Any] | None) -> list[tuple[int, Experience, Any]]:
         """The micro-steps of one rollout in training order: ``(ppo_epoch, experience, ptx batch)``.
@@ -412,7 +520,7 @@ class DeepSpeedPPOTrainer:
         if not self.plan.step_normalizable or not self._at_optimizer_step_start():
             return steps
         ga, world = self.plan.gradient_accumulation_steps, get_world_size()
-        tokens = [float(exp.action_mask[:, exp.start:].sum()) for _, exp, _ in steps]
+        tokens = [self._step_count(exp) for _, exp, _ in steps]
         groups = [sum(tokens[i:i + ga]) for i in range(0, len(tokens), ga)]
         groups = _sum_over_ranks(groups, self.device)
         return [(ep, replace(exp, loss_normalizer=max(groups[i // ga], 1.0) / (ga * world)), u)
@@ -425,6 +533,8 @@ class DeepSpeedPPOTrainer:
         per-micro-batch token mean (said once)."""
         for engine, ga in ((self.actor_model, self.plan.gradient_accumulation_steps_actor),
                            (self.critic_model, self.plan.gradient_accumulation_steps)):
+            if engine is None:  # critic-free
+                continue
             micro_steps = getattr(engine, "micro_steps", None)
             if isinstance(micro_steps, int) and micro_steps % ga != 0:
                 if not self._said_unaligned:
@@ -451,7 +561,9 @@ class DeepSpeedPPOTrainer:
         mask = exp.action_mask[:, start:]
         with torch.no_grad():
             old_values, old_rewards = self._old_values_and_rewards(exp)
-            if exp.advantages is None:
+            if exp.advantages is None and self.critic_model is None:
+                advantages = returns = self._critic_free_advantages(exp, old_rewards)
+            elif exp.advantages is None:
                 advantages, returns = self.get_advantages_and_returns(old_values, old_rewards, start)
             else:
                 advantages, returns = exp.advantages, exp.returns
@@ -467,10 +579,16 @@ class DeepSpeedPPOTrainer:
         # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,
         # so use the current log-probs as the old ones (TRL #3493); dropout noise cannot inflate it.
         # Checked, not assumed: once the actor has stepped since the rollout, the stored ones.
-        on_policy = self.plan.on_policy and self._policy_unchanged_since_rollout()
+        unchanged = self._policy_unchanged_since_rollout()
+        on_policy = self.plan.on_policy and unchanged
         old_logprobs = actor_log_prob.detach() if on_policy else stored
-        actor_loss = self.actor_loss_fn(actor_log_prob, old_logprobs, advantages, mask, normalizer)
+        if self.settings.upstream_ppo_loss:
+            actor_loss = self.actor_loss_fn(actor_log_prob, old_logprobs, advantages, mask, normalizer)
+        else:
+            actor_loss = self._actor_loss(actor_log_prob, old_logprobs, advantages, exp, normalizer, on_policy)
         policy = rl_math.ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=self.cliprange)
+        gap = (float(rl_math.masked_mean((actor_log_prob.detach() - stored).abs().float(), mask))
+               if unchanged and float(mask.sum()) > 0 else float("nan"))
         # A non-finite loss skips that model's backward and step (--max_nonfinite_steps); with more
         # than one micro-step per optimizer step, its accumulation then continues on the next one.
         actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
@@ -479,6 +597,9 @@ class DeepSpeedPPOTrainer:
             if not self.align_overflow:
                 self.nonfinite.step(self.actor_model, where="a PPO actor step")
 
+        if self.critic_model is None:  # critic-free: the actor's step is the whole update
+            self.micro_stats.append(self._micro_stats(actor_loss, float("nan"), policy, mask, gap))
+            return actor_loss, torch.tensor(float("nan"))
         value = self.critic_model.forward_value(**batch, return_value_only=True, use_cache=False)[:, :-1]
         critic_loss = self.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
         critic_ok = self.nonfinite.loss_ok(critic_loss, where="a PPO critic micro-step")
@@ -491,13 +612,37 @@ class DeepSpeedPPOTrainer:
         elif critic_ok:
             self.nonfinite.step(self.critic_model, where="a PPO critic step")
 
-        self.micro_stats.append(MicroStepStats(
-            actor_loss=actor_loss.item(), critic_loss=critic_loss.item(),
+        self.micro_stats.append(self._micro_stats(actor_loss, critic_loss.item(), policy, mask, gap))
+        return actor_loss, critic_loss
+
+    @staticmethod
+    def _micro_stats(actor_loss: torch.Tensor, critic_loss: float, policy: rl_math.PolicyStats,
+                     mask: torch.Tensor, gap: float) -> MicroStepStats:
+        return MicroStepStats(
+            actor_loss=actor_loss.item(), critic_loss=critic_loss,
             ratio_mean=float(policy.ratio_mean), ratio_max=float(policy.ratio_max),
             ratio_min=float(policy.ratio_min), approx_kl=float(policy.approx_kl),
-            clip_frac=float(policy.clip_frac), tokens=int(mask.sum()),
-        ))
-        return actor_loss, critic_loss
+            clip_frac=float(policy.clip_frac), tokens=int(mask.sum()), logprob_gap=gap,
+        )
+
+    def _actor_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                    exp: Experience, normalizer: float | None, on_policy: bool) -> torch.Tensor:
+        """The actor loss beyond upstream's PPO (rl_algorithms): the clipped surrogate per token, times
+        the truncated importance weights (--tis_cap), plus kl_ctl x KL when the KL is a loss term,
+        aggregated by --loss_aggregation. Shapes: (B, T - start)."""
+        start = exp.start
+        mask = exp.action_mask[:, start:].to(logprobs.dtype)
+        per_token = rl_algorithms.policy_loss_per_token(logprobs, old_logprobs, advantages, mask,
+                                                        cliprange=self.cliprange)
+        if self.settings.tis_cap and on_policy:
+            # pi_train(old) is the current forward (the policy has not moved): w = min(pi_train / pi_rollout, C).
+            # Off-policy the ratio is already taken against the rollout's log-probs (nothing to add).
+            per_token = per_token * rl_algorithms.tis_weights(logprobs, exp.logprobs[:, start:], self.settings.tis_cap)
+        if not self.settings.kl_in_reward and self.kl_ctl:
+            kl = rl_math.kl_penalty(logprobs.float(), exp.ref_logprobs[:, start:].float(), estimator=self.kl_estimator)
+            per_token = per_token + self.kl_ctl * kl * mask
+        return rl_algorithms.aggregate_loss(per_token, mask, self.settings.loss_aggregation, normalizer=normalizer,
+                                            max_len=self.max_answer_seq_len)
 
     # ---------------------------------------------------------------- fp16 overflow alignment
     def _check_align_overflow_support(self) -> None:
@@ -541,28 +686,31 @@ class DeepSpeedPPOTrainer:
         """(actor, critic) fp16 loss-scale overflow of the last step; never with bf16 / fp32."""
         if self.dtype != "fp16":
             return False, False
+        critic = self.critic_model
         return (bool(getattr(self.actor_model.optimizer, "overflow", False)),
-                bool(getattr(self.critic_model.optimizer, "overflow", False)))
+                critic is not None and bool(getattr(critic.optimizer, "overflow", False)))
 
     # ---------------------------------------------------------------- modes
     def _validate_training_mode(self) -> None:
         assert self.actor_model.module.training
-        assert self.critic_model.module.training
+        assert self.critic_model is None or self.critic_model.module.training
 
     def _validate_evaluation_mode(self) -> None:
         assert not self.actor_model.module.training
-        assert not self.critic_model.module.training
+        assert self.critic_model is None or not self.critic_model.module.training
         assert not self.ref_model.module.training
         if self.reward_model is not None:
             assert not self.reward_model.module.training
 
     def train(self) -> None:
         self.actor_model.train()
-        self.critic_model.train()
+        if self.critic_model is not None:
+            self.critic_model.train()
 
     def eval(self) -> None:
         self.generator.eval()  # the actor (Hybrid Engine kernels swapped in where active)
-        self.critic_model.eval()
+        if self.critic_model is not None:
+            self.critic_model.eval()
         self.ref_model.eval()
         if self.reward_model is not None:
             self.reward_model.eval()

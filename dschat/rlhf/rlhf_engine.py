@@ -99,11 +99,12 @@ class DeepSpeedRLHFEngine:
     """Builds and holds ``actor``, ``ref``, ``actor_ema`` (or None), ``critic``, ``reward`` engines.
 
     Upstream's signature. ``with_reward_model=False`` skips the reward engine (``reward`` is None),
-    for runs that score answers with a Python reward hook instead.
+    for runs that score answers with reward functions only; ``with_critic=False`` skips the critic
+    (``critic`` is None), for the critic-free algorithms.
     """
 
-    def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str, tokenizer: Any,
-                 args: Any, num_total_iters: int, *, with_reward_model: bool = True) -> None:
+    def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str | None, tokenizer: Any,
+                 args: Any, num_total_iters: int, *, with_reward_model: bool = True, with_critic: bool = True) -> None:
         from deepspeed.accelerator import get_accelerator
 
         from dschat.models.registry import load_config, resolve_model_path
@@ -117,9 +118,12 @@ class DeepSpeedRLHFEngine:
         self.dtype = resolve_dtype(args.dtype)
         self.world_size = get_world_size()
         actor_config = load_config(resolve_model_path(actor_model_name_or_path))
-        # The critic and the reward model read the ids the actor samples: one embedding size for all.
-        critic_config = load_config(resolve_model_path(critic_model_name_or_path))
-        self.vocab_rows, note = aligned_vocab_rows(tokenizer, {"actor": actor_config, "critic/reward model": critic_config})
+        # The critic and the reward model read the ids the actor samples: one embedding size for all
+        # (a critic-free run scored by reward functions alone loads neither).
+        configs = {"actor": actor_config}
+        if with_critic or with_reward_model:
+            configs["critic/reward model"] = load_config(resolve_model_path(critic_model_name_or_path))
+        self.vocab_rows, note = aligned_vocab_rows(tokenizer, configs)
         if note and is_rank_0():
             print(note, flush=True)
         self.hybrid_engine = decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
@@ -128,9 +132,9 @@ class DeepSpeedRLHFEngine:
         self.actor = self._init_actor(actor_model_name_or_path)
         self.ref = self._init_ref(actor_model_name_or_path)
         self.actor_ema = self._init_ema(actor_model_name_or_path) if args.enable_ema else None
-        self.critic = self._init_critic(critic_model_name_or_path)
+        self.critic = self._init_critic(critic_model_name_or_path) if with_critic else None
         self.reward = self._init_reward(critic_model_name_or_path) if with_reward_model else None
-        if args.critic_gradient_checkpointing:
+        if args.critic_gradient_checkpointing and self.critic is not None:
             # Permanently on for the critic (upstream); the actor's is toggled around training only.
             self.critic.module.gradient_checkpointing_enable()
 

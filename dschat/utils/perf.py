@@ -215,11 +215,12 @@ def throughput_stats_step3(
     actor_samples = rl_samples * (2 if ptx else 1)  # PPO-ptx trains the actor on as many ptx rows
 
     _, actor_hidden, _ = get_hf_configs(actor_config)
-    _, critic_hidden, _ = get_hf_configs(critic_config)
     actor_factor = checkpoint_activations_factor(actor_gradient_checkpointing, actor_lora_dim, actor_hidden)
-    critic_factor = checkpoint_activations_factor(critic_gradient_checkpointing, critic_lora_dim, critic_hidden)
-    train_flops = (calculate_flops(actor_factor, actor_samples, seq_length, actor_config)
-                   + calculate_flops(critic_factor, rl_samples, seq_length, critic_config))
+    train_flops = calculate_flops(actor_factor, actor_samples, seq_length, actor_config)
+    if critic_config is not None:  # None: a critic-free algorithm trains the actor only
+        _, critic_hidden, _ = get_hf_configs(critic_config)
+        critic_factor = checkpoint_activations_factor(critic_gradient_checkpointing, critic_lora_dim, critic_hidden)
+        train_flops += calculate_flops(critic_factor, rl_samples, seq_length, critic_config)
     train_tflops = train_flops / (train_time * world_size * 1e12)
 
     # Generation: one forward pass over the full sequence per generated batch (upstream's estimate,
@@ -263,7 +264,8 @@ def print_throughput_step3(
 ) -> Step3ThroughputStats | None:
     """Print upstream's four step-3 lines on rank <= 0 (upstream's signature).
 
-    ``actor_model`` / ``critic_model``: modules or DeepSpeed engines (unwrapped here). ``args``
+    ``actor_model`` / ``critic_model``: modules or DeepSpeed engines (unwrapped here); ``critic_model``
+    is None for a critic-free algorithm. ``args``
     needs step 3's batch, length, gradient-checkpointing and LoRA flags and
     ``unsupervised_dataset_name``. ``gen_exp_time`` must be the generation time summed over the
     iteration's ``generation_batches`` rollouts.
@@ -273,8 +275,8 @@ def print_throughput_step3(
     actor = getattr(actor_model, "module", actor_model)
     critic = getattr(critic_model, "module", critic_model)
     stats = throughput_stats_step3(
-        actor.config, critic.config,
-        actor_params=count_parameters(actor), critic_params=count_parameters(critic),
+        actor.config, None if critic is None else critic.config,
+        actor_params=count_parameters(actor), critic_params=0 if critic is None else count_parameters(critic),
         actor_bytes_per_param=bytes_per_parameter(actor), world_size=_world_size(),
         per_device_generation_batch_size=args.per_device_generation_batch_size,
         generation_batches=int(getattr(args, "generation_batches", 1)),

@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""Step 3: RLHF with PPO (actor from step 1, critic and reward model from step 2), optionally PPO-ptx.
+"""Step 3: RLHF with PPO (actor from step 1, critic and reward model from step 2), optionally PPO-ptx;
+or a critic-free algorithm (``--algorithm grpo|rloo|reinforce_pp|remax``), with reward functions
+(``--reward_fn``) beside or instead of the reward model.
 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
-parse -> checks -> distributed + seed -> tokenizers -> data -> the five engines -> PPO loop -> save.
+parse -> checks -> distributed + seed -> tokenizers -> data -> the engines -> PPO loop -> save.
 See README.md for the flags, the decoding default and the on-policy rule.
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dschat.cli.args import (
+    add_algorithm_args,
     add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
@@ -30,6 +33,8 @@ from dschat.cli.args import (
     add_unsupervised_data_args,
 )
 from dschat.errors import UserError, cli_main
+from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
+from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
 from dschat.utils.dist import print_rank_0
 
 # What --add_eot_token adds (upstream: the literal, as a special token).
@@ -43,6 +48,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_step3_model_args(parser)
     add_step3_training_args(parser)
     add_ppo_args(parser)
+    add_algorithm_args(parser)
     add_step3_lora_args(parser)
     add_step3_deepspeed_args(parser)
     add_step3_logging_args(parser)
@@ -68,15 +74,42 @@ class Step3Result:
     tokenizer: Any = None
 
 
-def check_paths(args: argparse.Namespace) -> None:
+def reward_mix(args: argparse.Namespace, reward_fn: Any = None) -> RewardMix:
+    """The reward: ``--reward_fn`` functions (and ``main``'s Python ``reward_fn``) with their weights,
+    and the reward model's weight (default 1 without functions, 0 -- not loaded -- with them)."""
+    functions = load_reward_functions(args.reward_fn or [], args.reward_fn_weight)
+    if reward_fn is not None:
+        functions.append(RewardFunction("reward_fn", reward_fn, require_finite=False))
+    weight = args.reward_model_weight
+    if weight is None:
+        weight = 0.0 if functions else 1.0
+    if not functions and weight == 0.0:
+        raise UserError("--reward_model_weight 0 without --reward_fn leaves nothing to score the answers; give a "
+                        "--reward_fn or a non-zero --reward_model_weight")
+    return RewardMix(tuple(functions), float(weight))
+
+
+def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = None,
+                mix: RewardMix | None = None) -> None:
     """Bad model, data and output paths fail here, before anything is loaded or written. The critic
     folder may be dschat's step-2 output (``v_head.safetensors``) or upstream DeepSpeed-Chat's
-    (``pytorch_model.bin`` with the value head inside; its keys are checked, memory-mapped)."""
+    (``pytorch_model.bin`` with the value head inside; its keys are checked, memory-mapped). It is
+    needed for PPO's critic and for the reward model; a critic-free run scored by functions alone
+    needs none."""
     from dschat.models.registry import resolve_model_path
     from dschat.training import common
     from dschat.utils.model.reward_model import check_upstream_critic, critic_format, not_a_critic_message
 
     common.check_paths(args, ("actor_model_name_or_path",))
+    needs_critic = settings is None or settings.critic
+    needs_reward_model = mix is None or mix.uses_model
+    if args.critic_model_name_or_path is None:
+        if needs_critic or needs_reward_model:
+            role = (f"--algorithm {settings.algorithm if settings else 'ppo'}'s critic" if needs_critic
+                    else "the reward model (--reward_model_weight is not 0)")
+            raise UserError(f"--critic_model_name_or_path is required for {role}: give the step-2 output folder")
+        common.check_output_paths(args)
+        return
     critic = resolve_model_path(args.critic_model_name_or_path)
     fmt = critic_format(critic)
     if fmt is None:
@@ -86,8 +119,11 @@ def check_paths(args: argparse.Namespace) -> None:
     common.check_output_paths(args)
 
 
-def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_rank: int) -> tuple[Any, Any, int]:
-    """Prompt loader (phase-3 chunk, left-padded prompts), optional ptx loader, total optimizer steps."""
+def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_rank: int,
+                    num_generations: int = 1) -> tuple[Any, Any, int]:
+    """Prompt loader (phase-3 chunk, left-padded prompts; ``per_device_generation_batch_size /
+    num_generations`` prompts a batch, each repeated by the trainer), optional ptx loader, total
+    optimizer steps."""
     from transformers import default_data_collator
 
     from dschat.data.collators import DataCollatorRLHF
@@ -111,8 +147,8 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
         )
     collator = DataCollatorRLHF(args.max_prompt_seq_len, args.inference_tp_size)
     drop_last = plan.drop_short_batches  # a short rollout would shift every later optimizer step
-    prompt_loader = make_train_loader(prompt_train_dataset, args.per_device_generation_batch_size, collator,
-                                      args.seed, drop_last=drop_last)
+    prompt_loader = make_train_loader(prompt_train_dataset, args.per_device_generation_batch_size // num_generations,
+                                      collator, args.seed, drop_last=drop_last)
     unsup_loader = None
     if unsup_dataset is not None:
         unsup_loader = make_train_loader(unsup_dataset, args.per_device_generation_batch_size,
@@ -131,11 +167,12 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
 
 
 def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Result:
-    """Run step 3. ``reward_fn(prompts, answers) -> scores`` (decoded strings) replaces the reward
-    model when given (e.g. ``dschat.gold_judge.gold_score`` per pair)."""
+    """Run step 3. ``reward_fn(prompts, answers) -> scores`` (decoded strings) is a reward function
+    like ``--reward_fn``'s: it replaces the reward model unless ``--reward_model_weight`` is given."""
     from deepspeed.accelerator import get_accelerator
 
     from dschat.data.collators import MiniDataset, drop_padding_columns, set_epoch_if_distributed
+    from dschat.data.prompt_columns import load_prompt_columns
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
@@ -151,26 +188,35 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     args = parse_args(argv)
     warnings = validate_step3_args(args, accelerator=get_accelerator().device_name(), dtype=resolve_dtype(args.dtype))
     check_checkpoint_args(args)
-    check_paths(args)
+    settings = resolve_algorithm(args)
+    mix = reward_mix(args, reward_fn)
+    check_paths(args, settings, mix)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
     plan = plan_batches(args, ctx.world_size, ptx=ptx)
     for line in warnings:
         print_rank_0(line, ctx.rank)
+    print_rank_0(settings.describe(), ctx.rank)
+    print_rank_0(mix.describe(), ctx.rank)
 
     # ---------------------------------------------------------------- tokenizer and data
     tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, fast_tokenizer=True,
                                   add_special_tokens=EOT_SPECIAL_TOKEN if args.add_eot_token else None)
     # The critic and the reward model score the actor's token ids: their step-2 tokenizer must be the same.
-    check_same_tokenizer(tokenizer, args.actor_model_name_or_path, args.critic_model_name_or_path,
-                         "critic/reward model")
-    prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank)
+    if args.critic_model_name_or_path is not None:  # a critic-free run scored by functions alone has none
+        check_same_tokenizer(tokenizer, args.actor_model_name_or_path, args.critic_model_name_or_path,
+                             "critic/reward model")
+    prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank,
+                                                                   settings.num_generations)
+    columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
+                                   tokenizer) if mix.functions else None)
 
     # ---------------------------------------------------------------- engines and trainer
     rlhf_engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer,
-                                      args, num_total_iters, with_reward_model=reward_fn is None)
+                                      args, num_total_iters, with_reward_model=mix.uses_model,
+                                      with_critic=settings.critic)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer
-    trainer = trainer_class(rlhf_engine, args, plan=plan, reward_fn=reward_fn)
+    trainer = trainer_class(rlhf_engine, args, plan=plan, reward_mix=mix, prompt_columns=columns)
     exp_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
     unsup_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")
@@ -183,9 +229,10 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
 
     # ---------------------------------------------------------------- resume
     # A checkpoint is written after a trained PPO iteration (--save_interval counts iterations), when
-    # no rollout is half collected: the trainable engines (actor, critic, EMA), the random states,
-    # the prompt position and the PPO counters.
-    checkpointer = Checkpointer(args, {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}, ctx.rank,
+    # no rollout is half collected: the trainable engines (actor, critic unless critic-free, EMA), the
+    # random states, the prompt position and the PPO counters.
+    trainable = {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}
+    checkpointer = Checkpointer(args, {k: v for k, v in trainable.items() if v is not None}, ctx.rank,
                                 weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema})
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     resumed = checkpointer.resume()
@@ -243,7 +290,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
         # Collective (ZeRO-3 gathers); LoRA fused in the saved copy; each folder written atomically, in
         # --save_format (upstream's test looks for pytorch_model.bin in actor/ and critic/).
         save_hf_model(rlhf_engine.actor, tokenizer, Path(args.output_dir) / "actor", args.save_format)
-        save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic", args.save_format)
+        if rlhf_engine.critic is not None:  # critic-free algorithms have none to save
+            save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic", args.save_format)
         if rlhf_engine.actor_ema is not None:
             save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema",
                           args.save_format)

@@ -1,0 +1,140 @@
+"""Reward functions (dschat.rewards): loading by spec, columns, validation, weights, built-ins."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import reward_fixtures
+from dschat.errors import EXIT_USAGE, UserError, cli_main
+from dschat.gold_judge import gold_score
+from dschat.rewards import (RewardFunction, RewardMix, final_number, gold, load_reward_function,
+                            load_reward_functions, math_exact_match)
+
+PROMPTS = ["Human: q0 Assistant:", "Human: q1 Assistant:", "Human: q2 Assistant:"]
+ANSWERS = ["one two", "fine boom here", "x"]
+
+
+class TestLoading:
+    def test_builtin_specs(self):
+        assert load_reward_function("dschat.rewards:gold").fn is gold
+        f = load_reward_function("dschat.rewards:math_exact_match", 0.5)
+        assert (f.name, f.weight) == ("dschat.rewards:math_exact_match", 0.5)
+
+    @pytest.mark.parametrize("spec, words", [
+        ("no_such_module_xyz:fn", "cannot import module 'no_such_module_xyz'"),
+        ("dschat.rewards:no_such_fn", "has no attribute 'no_such_fn'"),
+        ("dschat.rewards", "not of the form module.path:function"),
+        ("reward_fixtures:NOT_CALLABLE", "not a function"),
+    ])
+    def test_bad_spec_is_one_line_exit_2(self, spec, words, capsys):
+        with pytest.raises(UserError, match=words):
+            load_reward_function(spec)
+        assert cli_main(lambda argv: load_reward_function(spec), []) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: --reward_fn")
+
+    def test_weights_one_per_function_or_none(self):
+        fns = load_reward_functions(["dschat.rewards:gold", "reward_fixtures:length"], [2.0, -1.0])
+        assert [f.weight for f in fns] == [2.0, -1.0]
+        assert [f.weight for f in load_reward_functions(["dschat.rewards:gold"])] == [1.0]
+        with pytest.raises(UserError, match="1 --reward_fn_weight for 2 --reward_fn"):
+            load_reward_functions(["dschat.rewards:gold", "reward_fixtures:length"], [2.0])
+
+
+class TestCalling:
+    def test_columns_given_as_the_function_accepts(self):
+        cols = {"chosen": ["one", "fine here", "y"], "rejected": ["a", "b", "c"]}
+        # Takes **columns: gets all of them.
+        load_reward_function("reward_fixtures:seen_columns")(PROMPTS, ANSWERS, cols)
+        assert reward_fixtures.seen_columns.last == ["chosen", "rejected"]
+        # Names `chosen` only: "one two" has 1 of 2 words in "one" -> 0.5; "fine boom here" 2/3; "x" 0.
+        got = load_reward_function("reward_fixtures:chosen_overlap")(PROMPTS, ANSWERS, cols)
+        assert got == pytest.approx([0.5, 2 / 3, 0.0])
+        # Takes no columns: called with two arguments.
+        assert load_reward_function("reward_fixtures:length")(PROMPTS, ANSWERS, cols) == [0.2, 0.3, 0.1]
+
+    def test_raising_function_names_the_row(self):
+        f = load_reward_function("reward_fixtures:raises_on_boom")
+        with pytest.raises(UserError) as err:
+            f(PROMPTS, ANSWERS)
+        msg = str(err.value)
+        assert "reward function reward_fixtures:raises_on_boom raised RuntimeError: cannot score this" in msg
+        assert "on row 1 (prompt 'Human: q1 Assistant:', answer 'fine boom here')" in msg
+        assert "\n" not in msg
+
+    def test_wrong_length(self):
+        with pytest.raises(UserError, match="reward_fixtures:one_short returned 2 scores for 3 answers"):
+            load_reward_function("reward_fixtures:one_short")(PROMPTS, ANSWERS)
+
+    def test_non_finite_names_the_row(self):
+        with pytest.raises(UserError, match=r"reward_fixtures:nan_on_last returned nan for row 2 .*answer 'x'"):
+            load_reward_function("reward_fixtures:nan_on_last")(PROMPTS, ANSWERS)
+        bad_type = RewardFunction("t:none", lambda p, a: [None] * len(a))
+        with pytest.raises(UserError, match="returned None for row 0"):
+            bad_type(PROMPTS, ANSWERS)
+
+
+class TestBuiltins:
+    def test_gold_is_the_gold_judge(self):
+        p = "Human: Tell me about volcanoes. Assistant:"
+        answers = ["Volcanoes are mountains where lava erupts, and I hope you enjoy learning about them!", "ugh"]
+        assert gold([p, p], answers) == [gold_score(p, answers[0]), gold_score(p, answers[1])]
+
+    @pytest.mark.parametrize("text, number", [
+        ("so the total is 1,234.50 apples", "1234.5"), ("#### 42", "42"), ("7.0", "7"),
+        ("step 3 gives 5 then #### -12", "-12"), ("no digits", None), ("-0", "0"),
+    ])
+    def test_final_number(self, text, number):
+        assert final_number(text) == number
+
+    def test_math_exact_match(self):
+        refs = ["Natalia sold 48/2 = 24 clips.\n#### 72", "5", "3"]
+        answers = ["She sold 72 clips in all.", "The answer is 5.0", "It is 4"]
+        assert math_exact_match(PROMPTS, answers, answer=refs) == [1.0, 1.0, 0.0]
+        with pytest.raises(UserError, match="column 'answer', which the prompt data lacks"):
+            load_reward_function("dschat.rewards:math_exact_match")(PROMPTS, answers, {"chosen": refs})
+
+
+class TestMix:
+    def test_weighted_sum(self):
+        # 2 x model + (-1) x length: model [1, 0, -1], length [0.2, 0.3, 0.1]
+        # -> [2 - 0.2, 0 - 0.3, -2 - 0.1] = [1.8, -0.3, -2.1].
+        mix = RewardMix((load_reward_function("reward_fixtures:length", -1.0),), model_weight=2.0)
+        got = mix.score(PROMPTS, ANSWERS, None, torch.tensor([1.0, 0.0, -1.0]))
+        torch.testing.assert_close(got, torch.tensor([1.8, -0.3, -2.1]))
+        assert mix.describe() == "reward = 2 x reward model + -1 x reward_fixtures:length"
+
+    def test_functions_alone(self):
+        mix = RewardMix((load_reward_function("reward_fixtures:length"),), model_weight=0.0)
+        assert not mix.uses_model
+        torch.testing.assert_close(mix.score(PROMPTS, ANSWERS, None), torch.tensor([0.2, 0.3, 0.1]))
+        with pytest.raises(ValueError, match="no model scores"):
+            RewardMix(model_weight=1.0).score(PROMPTS, ANSWERS, None)
+
+
+def test_prompt_columns_of_the_builtin_data(tmp_path):
+    """Each phase-3 prompt's other fields, looked up from a left-padded batch of its token ids."""
+    from dschat.data import builtin
+    from dschat.data.prompt_columns import load_prompt_columns
+    from dschat.errors import UserError
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("tiny-opt")
+    columns = load_prompt_columns(["dschat/builtin"], "2,4,4", 1234, str(tmp_path), -1, tok)
+    # The embedded data asks each prompt several times with different answer pairs; a repeated prompt
+    # gets its first row's fields (in phase-3 order), so the lookup is one of that prompt's rows.
+    pairs = {}
+    every = builtin.read_rows("train") + builtin.read_rows("eval")
+    for r, key in zip(every, tok([r["prompt"] for r in every])["input_ids"]):
+        pairs.setdefault(tuple(key), set()).add((r["chosen"], r["rejected"]))
+    ids = [list(key) for key in list(columns.rows)[:2]]
+    width = max(map(len, ids)) + 2
+    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+    texts = [tok.decode(r) for r in ids]
+    got = columns.for_batch(prompts, mask, texts)
+    assert "chosen" in got and "rejected" in got and "prompt" not in got
+    for i, row in enumerate(ids):
+        assert (got["chosen"][i], got["rejected"][i]) in pairs[tuple(row)]
+    with pytest.raises(UserError, match=r"is not in the phase-3 data"):
+        columns.for_batch(prompts[:, -3:], mask[:, -3:], texts)
