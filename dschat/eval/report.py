@@ -373,7 +373,7 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
             raw = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if not isinstance(raw, dict):
+        if not isinstance(raw, dict) or raw.get("kind") == "eval":  # held-out evaluations: read_eval_records
             continue
         record: dict[str, float] = {}
         for name, aliases in METRIC_ALIASES.items():
