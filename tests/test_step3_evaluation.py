@@ -295,3 +295,33 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, data_cache
     assert sorted(p.name for p in (out / "best").iterdir()) == ["actor", "best.json"]  # no critic, no EMA
     assert (out / "actor").is_dir()  # the final save still happened
     assert "evaluations took" in logs and "of step-3 wall time" in logs
+
+
+# ------------------------------------------------------------------------------------ the report
+
+def test_report_draws_the_evaluation_curves_and_names_the_alarm(tmp_path, capsys):
+    """``--curves_only``: both figures from a metrics.jsonl alone; the training curves ignore the
+    evaluation records, the summary names the best step and the alarm."""
+    from dschat.eval import report
+
+    alarm = {"step": 4, "since": 0, "judge": "gold", "proxy_change": 0.8, "proxy_se": 0.1, "judge_change": -0.6,
+             "judge_se": 0.2, "sigmas": 2.0, "best_step": 2}
+    lines = [{"global_step": 0, "reward": 1.0, "kl_to_ref": 0.0, "response_length": 30.0}]
+    for step, proxy, gold in ((0, 1.0, 1.5), (2, 1.4, 1.7), (4, 1.8, 1.1)):
+        lines.append({"kind": "eval", "global_step": step, "proxy": proxy, "proxy_se": 0.1, "judges": {"gold": gold},
+                      "judges_se": {"gold": 0.2}, "kl_to_ref": 0.01 * step, "response_length": 30.0 + step,
+                      "eos_rate": 1.0, "entropy": 2.0, "best_step": 2 if step else 0,
+                      "alarm": alarm if step == 4 else None})
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert report.read_metrics(metrics) == [{"step": 0.0, "reward": 1.0, "kl_to_ref": 0.0, "response_length": 30.0}]
+    assert [r["global_step"] for r in ev.read_eval_records(metrics)] == [0, 2, 4]
+    report.main(["--curves_only", "--metrics", str(metrics), "--out", str(tmp_path / "rep")])
+    out = capsys.readouterr().out
+    assert (tmp_path / "rep" / report.EVAL_PLOT_FILE).stat().st_size > 0
+    assert (tmp_path / "rep" / report.PLOT_FILE).stat().st_size > 0
+    assert "best evaluation: step 2" in out and "OVER-OPTIMIZATION alarm at step 4" in out and "judge gold -0.600" in out
+    assert "step 0 proxy 1.000, gold 1.500 -> step 4 proxy 1.800, gold 1.100" in out
+    with pytest.raises(Exception, match="--sft, --rlhf, --reward required"):
+        report.main(["--out", str(tmp_path / "rep")])
