@@ -5,7 +5,8 @@ or a critic-free algorithm (``--algorithm grpo|rloo|reinforce_pp|remax``), with 
 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
-parse -> checks -> distributed + seed -> tokenizer -> data -> the engines -> PPO loop -> save.
+parse -> checks -> distributed + seed -> tokenizer -> data -> the engines -> PPO loop (with the held-out
+evaluation of ``--eval_interval``, dschat/rlhf/evaluation.py) -> save.
 See README.md for the flags, the decoding default and the on-policy rule.
 """
 from __future__ import annotations
@@ -180,8 +181,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.guards import plan_batches, validate_step3_args
-    from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
+    from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
