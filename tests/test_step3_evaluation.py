@@ -269,9 +269,11 @@ def test_resume_reproduces_the_evaluation_records_and_the_best_checkpoint(ppo_ru
 
 
 @pytest.mark.slow
-def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, data_cache, monkeypatch, capsys):  # noqa: F811
-    """GRPO scored by a reward function, judged by a column-reading function, best by the proxy; the
-    alarm (forced at step 2: its rule is tested above) ends the run there with everything saved."""
+def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dirs, data_cache, monkeypatch,  # noqa: F811
+                                                            capsys):
+    """GRPO scored by a reward function, judged by a column-reading function and a reward-model
+    folder, best by the proxy; the alarm (forced at step 2: its rule is tested above) ends the run
+    there with everything saved."""
     real = ev.overoptimization_alarm
 
     def fires_at_two(series, **kw):
@@ -283,12 +285,14 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, data_cache
     out = tmp_path / "out"
     result = step3_main().main(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "1", "--eval_prompts",
                                      "5", "--eval_judge", "reward_fixtures:chosen_overlap", "--save_best_by", "proxy",
-                                     "--stop_on_overoptimization"))
+                                     "--eval_judge", str(critic_dirs["tiny-opt"]), "--stop_on_overoptimization"))
     logs = capsys.readouterr().out
     assert len(result.history) == 2 and [r["global_step"] for r in result.evaluations] == [0, 1, 2]
     assert "[eval] OVER-OPTIMIZATION at step 2" in logs and "--stop_on_overoptimization: ending the run at step 2" in logs
     assert result.evaluations[-1]["alarm"]["step"] == 2
     assert all(0.0 <= s <= 1.0 for r in result.evaluations for s in r["per_prompt"]["reward_fixtures:chosen_overlap"])
+    rm_scores = [r["per_prompt"][str(critic_dirs["tiny-opt"])] for r in result.evaluations]
+    assert all(len(x) == 5 and all(math.isfinite(v) for v in x) for x in rm_scores) and len({tuple(x) for x in rm_scores}) > 1
     proxies = [r["proxy"] for r in result.evaluations]
     info = json.loads((out / "best" / "best.json").read_text())
     assert (info["by"], info["step"]) == ("proxy", proxies.index(max(proxies)))
