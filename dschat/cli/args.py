@@ -435,6 +435,32 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     return group
 
 
+def add_step3_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """(dschat) Step 3's held-out evaluation, over-optimization alarm and best checkpoint
+    (:mod:`dschat.rlhf.evaluation`); README "Did step 3 work?"."""
+    group = parser.add_argument_group("held-out evaluation (dschat)")
+    group.add_argument("--eval_interval", type=int, default=0,
+                       help="If > 0, evaluate the actor on held-out prompts before the first PPO step and every this "
+                            "many PPO steps (0: off, as upstream). Uses the phase-3 eval split of --data_path, never "
+                            "trained on; evaluation changes nothing in training.")
+    group.add_argument("--eval_prompts", type=int, default=16,
+                       help="(dschat) Held-out prompts per evaluation (the first K distinct prompts of the eval split, "
+                            "the same every time), answered with the rollout's decoding from a fixed seed.")
+    group.add_argument("--eval_judge", type=str, action="append", default=None, metavar="JUDGE",
+                       help="(dschat) An independent judge of the held-out answers, never trained on (repeatable): "
+                            "'gold' (the embedded data's gold judge, --data_path dschat/builtin only), a "
+                            "module.path:function reward function, or a step-2 reward-model folder.")
+    group.add_argument("--eval_alarm_sigmas", type=float, default=2.0,
+                       help="(dschat) Over-optimization alarm: the proxy rose while a judge fell by more than this "
+                            "many paired standard errors (over the same prompts) since two evaluations before.")
+    group.add_argument("--stop_on_overoptimization", action="store_true",
+                       help="(dschat) End the run cleanly when the over-optimization alarm fires (default: warn only).")
+    group.add_argument("--save_best_by", type=str, default=None, choices=("judge", "proxy", "none"),
+                       help="(dschat) Keep the actor (and critic, EMA) of the best evaluation in <output_dir>/best, by "
+                            "the first --eval_judge or by the proxy. Default: judge when a judge is given, else none.")
+    return group
+
+
 def add_step3_lora_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("LoRA (actor and critic)")
     group.add_argument("--actor_lora_dim", type=int, default=0,

@@ -20,7 +20,11 @@ embedded data, independent of any model) and by the step-2 reward model. Also me
 - wall time per step (from ``e2e_rlhf.py``'s timings file).
 
 Writes ``OUT/report.json`` and ``OUT/ppo_curves.png`` (reward, KL to the reference and response
-length over PPO steps, read from step 3's ``metrics.jsonl``) and prints a summary.
+length over PPO steps, read from step 3's ``metrics.jsonl``) and prints a summary. When step 3 ran
+its held-out evaluation (``--eval_interval``), ``OUT/eval_curves.png`` shows it on one figure -- proxy,
+judges, KL, answer length and entropy against the PPO step, the best evaluation and the
+over-optimization alarm marked -- and the report says which step was best and whether the alarm fired.
+``--curves_only`` draws the two figures from a ``metrics.jsonl`` alone, without any model.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from dschat.paths import METRICS_FILE
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "ppo_curves.png"
+EVAL_PLOT_FILE = "eval_curves.png"
 ANSWERS_FILE = "report_answers.jsonl"
 TIMINGS_FILE = "e2e_timings.json"
 
@@ -373,7 +378,7 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
             raw = json.loads(line)
         except json.JSONDecodeError:
             continue
-        if not isinstance(raw, dict):
+        if not isinstance(raw, dict) or raw.get("kind") == "eval":  # held-out evaluations: read_eval_records
             continue
         record: dict[str, float] = {}
         for name, aliases in METRIC_ALIASES.items():
@@ -421,6 +426,109 @@ def plot_metrics(records: Sequence[dict[str, float]], png: str | Path, title: st
     png.parent.mkdir(parents=True, exist_ok=True)
     metrics_figure(records, title).savefig(png)
     return png
+
+
+def plot_evaluation(records: Sequence[dict[str, Any]], png: str | Path,
+                    title: str = "Held-out evaluation (step 3)") -> Path:
+    """Step 3's held-out evaluations (``metrics.jsonl`` records of kind ``eval``) on one figure: the
+    proxy and each judge (mean, +-1 standard error), KL to the reference, answer length and token
+    entropy against the PPO step; the best evaluation (green) and the first over-optimization alarm
+    (red) marked on every panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    png = Path(png)
+    png.parent.mkdir(parents=True, exist_ok=True)
+    judges = sorted({name for r in records for name in (r.get("judges") or {})})
+    panels: list[tuple[str, list[tuple[str, str | None, str | None]]]] = [
+        ("proxy (trained on)", [("proxy", "proxy", "proxy_se")])]
+    panels += [(f"judge: {name}", [(name, f"judges.{name}", f"judges_se.{name}")]) for name in judges]
+    panels += [("KL to reference", [("kl", "kl_to_ref", None)]), ("answer length (tokens)", [("len", "response_length", None)]),
+               ("token entropy (nats)", [("ent", "entropy", None)])]
+
+    def value(record: dict[str, Any], key: str | None) -> float | None:
+        if key is None:
+            return None
+        head, _, tail = key.partition(".")
+        got = record.get(head)
+        return _number(got.get(tail) if tail and isinstance(got, dict) else got)
+
+    fig = Figure(figsize=(7, 2.0 * len(panels) + 1), dpi=100)
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    steps = [r.get("global_step", i) for i, r in enumerate(records)]
+    best = next((r.get("best_step") for r in reversed(records) if r.get("best_step") is not None), None)
+    alarm = next((r["alarm"] for r in records if r.get("alarm")), None)
+    for ax, (label, series) in zip(axes, panels):
+        for _, key, se_key in series:
+            points = [(x, value(r, key), value(r, se_key)) for x, r in zip(steps, records) if value(r, key) is not None]
+            if points:
+                xs, ys, ses = zip(*points)
+                ax.plot(xs, ys, marker="o", markersize=3, linewidth=1.2)
+                if all(e is not None for e in ses):
+                    ax.fill_between(xs, [y - e for y, e in zip(ys, ses)], [y + e for y, e in zip(ys, ses)], alpha=0.2)
+            else:
+                ax.text(0.5, 0.5, f"no '{key}' in the records", ha="center", va="center", transform=ax.transAxes)
+        if best is not None:
+            ax.axvline(best, color="tab:green", linestyle="--", linewidth=1, label=f"best (step {best})")
+        if alarm is not None:
+            ax.axvline(alarm["step"], color="tab:red", linewidth=1.2, label=f"alarm (step {alarm['step']})")
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(True, alpha=0.3)
+    if best is not None or alarm is not None:
+        axes[0].legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("PPO step")
+    fig.suptitle(title if records else f"{title}: no evaluation records")
+    fig.tight_layout()
+    fig.savefig(png)
+    return png
+
+
+def evaluation_summary(records: Sequence[dict[str, Any]], best_file: Path | None = None) -> dict[str, Any] | None:
+    """What the report says about step 3's held-out evaluation: steps, first and last scores, the
+    best evaluation (``best/best.json`` when there is one) and the first alarm. None without records."""
+    if not records:
+        return None
+    keys = ("global_step", "proxy", "judges", "kl_to_ref", "response_length", "eos_rate", "entropy")
+    best = None
+    if best_file is not None and best_file.is_file():
+        try:
+            best = json.loads(best_file.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            best = None
+    alarms = [r["alarm"] for r in records if r.get("alarm")]
+    return {
+        "n": len(records), "steps": [r.get("global_step") for r in records],
+        "first": {k: records[0].get(k) for k in keys}, "last": {k: records[-1].get(k) for k in keys},
+        "best": best or ({"step": records[-1].get("best_step")} if records[-1].get("best_step") is not None else None),
+        "alarm": alarms[0] if alarms else None, "alarms": len(alarms),
+        "eval_share": records[-1].get("eval_share"),
+    }
+
+
+def evaluation_lines(summary: dict[str, Any] | None) -> list[str]:
+    """The evaluation's lines of the printed summary."""
+    if not summary:
+        return []
+
+    def scores(part: dict[str, Any]) -> str:
+        judges = ", ".join(f"{k} {v:.3f}" for k, v in (part.get("judges") or {}).items())
+        return f"proxy {part['proxy']:.3f}" + (f", {judges}" if judges else "")
+
+    first, last = summary["first"], summary["last"]
+    lines = [f"held-out evaluation ({summary['n']} evaluations, steps {summary['steps'][0]}-{summary['steps'][-1]}): "
+             f"step {first['global_step']} {scores(first)} -> step {last['global_step']} {scores(last)}"]
+    best = summary.get("best")
+    if best:
+        detail = f" by {best['by']} ({best['score']:.3f})" if "by" in best else ""
+        lines.append(f"best evaluation: step {best['step']}{detail}; its models are in <step-3 output>/best")
+    alarm = summary.get("alarm")
+    if alarm:
+        lines.append(f"OVER-OPTIMIZATION alarm at step {alarm['step']}: proxy {alarm['proxy_change']:+.3f} while judge "
+                     f"{alarm['judge']} {alarm['judge_change']:+.3f} (SE {alarm['judge_se']:.3f}) since step {alarm['since']}")
+    else:
+        lines.append("no over-optimization alarm")
+    return lines
 
 
 # -------------------------------------------------------------------------------------------------
@@ -556,6 +664,7 @@ def build_report(
     metrics_path = Path(metrics) if metrics else find_metrics_file(rlhf)
     records = read_metrics(metrics_path) if metrics_path else []
     png = plot_metrics(records, out / PLOT_FILE)
+    evaluation = _evaluation_part(metrics_path, out)
     answers = write_answers(out / ANSWERS_FILE, sft_samples, rlhf_samples, sft_gold, rlhf_gold, sft_rewards, rlhf_rewards)
 
     eval_seconds = time.monotonic() - start
@@ -589,6 +698,7 @@ def build_report(
             "last": records[-1] if records else None,
         },
         "plot": str(png),
+        "evaluation": evaluation,
         "answers": str(answers),
         "examples": [
             {"prompt": p, "sft": s, "rlhf": r, "sft_gold": sg, "rlhf_gold": rg}
@@ -649,7 +759,38 @@ def summary_text(report: dict[str, Any]) -> str:
     ]
     if report["ppo_metrics"]["file"] is None:
         lines.append("(no metrics.jsonl from step 3: the PPO-curve plot is empty)")
+    lines += evaluation_lines(report.get("evaluation"))
+    if report.get("evaluation"):
+        lines.append(f"held-out evaluation curves: {report['evaluation']['plot']}")
     return "\n".join(lines)
+
+
+def _evaluation_part(metrics_path: Path | None, out: Path) -> dict[str, Any] | None:
+    """Step 3's evaluation records (if any) as a figure in ``out`` and a summary (with its path)."""
+    from dschat.rlhf.evaluation import BEST_DIR, BEST_FILE, read_eval_records
+
+    records = read_eval_records(metrics_path) if metrics_path else []
+    if not records:
+        return None
+    summary = evaluation_summary(records, metrics_path.parent / BEST_DIR / BEST_FILE)
+    summary["plot"] = str(plot_evaluation(records, out / EVAL_PLOT_FILE))
+    return summary
+
+
+def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
+    """``--curves_only``: the PPO and evaluation figures of a ``metrics.jsonl``, and the evaluation's lines."""
+    from dschat.utils.fs import check_writable_dir
+
+    metrics = Path(metrics)
+    if not metrics.is_file():
+        raise UserError(f"--metrics {metrics} does not exist; pass step 3's <output_dir>/{METRICS_FILE}")
+    check_writable_dir(out, "--out")
+    png = plot_metrics(read_metrics(metrics), Path(out) / PLOT_FILE)
+    evaluation = _evaluation_part(metrics, Path(out))
+    lines = [f"PPO curves: {png}"] + evaluation_lines(evaluation)
+    if evaluation:
+        lines.append(f"held-out evaluation curves: {evaluation['plot']}")
+    return lines
 
 
 # -------------------------------------------------------------------------------------------------
@@ -662,9 +803,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare the SFT and RLHF actors on held-out prompts (gold judge + reward model), "
                     "measure the reward model's held-out accuracy, plot the PPO curves.",
     )
-    parser.add_argument("--sft", required=True, help="step-1 output folder (the SFT actor)")
-    parser.add_argument("--rlhf", required=True, help="step-3 actor folder (<step-3 output>/actor)")
-    parser.add_argument("--reward", required=True, help="step-2 output folder (the reward model)")
+    parser.add_argument("--sft", help="step-1 output folder (the SFT actor); required unless --curves_only")
+    parser.add_argument("--rlhf", help="step-3 actor folder (<step-3 output>/actor); required unless --curves_only")
+    parser.add_argument("--reward", help="step-2 output folder (the reward model); required unless --curves_only")
+    parser.add_argument("--curves_only", action="store_true",
+                        help="only draw the PPO and held-out evaluation curves of --metrics into --out (no model)")
     parser.add_argument("--out", required=True, help="folder for report.json and ppo_curves.png")
     parser.add_argument("--metrics", default=None, help="step 3's metrics.jsonl (default: next to the actor folder)")
     parser.add_argument("--timings", default=None,
@@ -687,6 +830,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     # bitsandbytes (imported by transformers) warns on AVX-512 CPUs without the optional `kernels`.
     logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     args = build_parser().parse_args(argv)
+    if args.curves_only:
+        if not args.metrics:
+            raise UserError("--curves_only draws from a metrics file: give --metrics <step-3 output>/metrics.jsonl")
+        print("\n".join(curves_only(args.metrics, args.out)))
+        return
+    missing = [f"--{name}" for name in ("sft", "rlhf", "reward") if not getattr(args, name)]
+    if missing:
+        raise UserError(f"{', '.join(missing)} required (or --curves_only with --metrics)")
     for name in ("max_prompts", "max_pairs", "batch_size", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:

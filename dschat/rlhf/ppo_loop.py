@@ -131,7 +131,9 @@ def log_iteration(trainer: Any, args: Any, counters: PPOCounters, it: IterationR
                               it.unsup_loss, gen_time, exp_time, it.training_time)
     tb.scalars(counters.global_step, **tensorboard_scalars(record))
     if args.output_dir is not None and rank == 0:
-        append_metrics(Path(args.output_dir) / METRICS_FILE, record, fresh=counters.global_step == 0)
+        # With --eval_interval the evaluation before the first step has started the file already.
+        fresh = counters.global_step == 0 and not getattr(args, "eval_interval", 0)
+        append_metrics(Path(args.output_dir) / METRICS_FILE, record, fresh=fresh)
     counters.global_step += 1
     return record
 
@@ -195,13 +197,16 @@ def append_metrics(path: Path, record: dict, *, fresh: bool) -> None:
 
 def truncate_metrics(path: Path, iterations: int) -> None:
     """On resume: keep the lines of the iterations the checkpoint holds (a killed run may have
-    written more), so the resumed run's lines follow without duplicates."""
+    written more), so the resumed run's lines follow without duplicates. An evaluation record
+    (``"kind": "eval"``) at step N was made before checkpoint N: kept with it."""
     if not path.is_file():
         return
     kept = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
-            if json.loads(line).get("global_step", iterations) < iterations:
+            record = json.loads(line)
+            limit = iterations + 1 if record.get("kind") == "eval" else iterations
+            if record.get("global_step", iterations) < limit:
                 kept.append(line + "\n")
         except json.JSONDecodeError:  # a line cut by the kill
             continue

@@ -5,7 +5,8 @@ or a critic-free algorithm (``--algorithm grpo|rloo|reinforce_pp|remax``), with 
 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
-parse -> checks -> distributed + seed -> tokenizers -> data -> the engines -> PPO loop -> save.
+parse -> checks -> distributed + seed -> tokenizers -> data -> the engines -> PPO loop (with the held-out
+evaluation of ``--eval_interval``, dschat/rlhf/evaluation.py) -> save.
 See README.md for the flags, the decoding default and the on-policy rule.
 """
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dschat.cli.args import (
     add_ppo_args,
     add_runtime_args,
     add_step3_deepspeed_args,
+    add_step3_eval_args,
     add_step3_logging_args,
     add_step3_lora_args,
     add_step3_model_args,
@@ -52,6 +54,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_step3_lora_args(parser)
     add_step3_deepspeed_args(parser)
     add_step3_logging_args(parser)
+    add_step3_eval_args(parser)
     add_runtime_args(parser, seed=1234)  # upstream's None was not reproducible (§10.20)
     add_eot_args(parser, eot_token_flag=False)
     add_checkpoint_args(parser)
@@ -72,6 +75,7 @@ class Step3Result:
     rlhf_engine: Any = None
     trainer: Any = None
     tokenizer: Any = None
+    evaluations: list[dict] = field(default_factory=list)  # held-out evaluation records (--eval_interval)
 
 
 def reward_mix(args: argparse.Namespace, reward_fn: Any = None) -> RewardMix:
@@ -177,6 +181,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
     from dschat.rlhf.guards import plan_batches, validate_step3_args
+    from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
     from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
@@ -191,6 +196,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     settings = resolve_algorithm(args)
     mix = reward_mix(args, reward_fn)
     check_paths(args, settings, mix)
+    judges = check_eval_args(args)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
     plan = plan_batches(args, ctx.world_size, ptx=ptx)
@@ -210,6 +216,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
                                                                    settings.num_generations)
     columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
                                    tokenizer) if mix.functions else None)
+    eval_items = heldout_prompt_items(args, tokenizer, ctx.local_rank) if args.eval_interval else []
 
     # ---------------------------------------------------------------- engines and trainer
     rlhf_engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer,
@@ -220,7 +227,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     exp_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
     unsup_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")
-    result = Step3Result(on_policy=plan.on_policy, rlhf_engine=rlhf_engine, trainer=trainer, tokenizer=tokenizer)
+    evaluation = StepThreeEvaluation(args, trainer, eval_items, judges, tb=tb, rank=ctx.rank, world_size=ctx.world_size)
+    result = Step3Result(on_policy=plan.on_policy, rlhf_engine=rlhf_engine, trainer=trainer, tokenizer=tokenizer,
+                         evaluations=evaluation.records)
 
     print_rank_0(f"***** Running training (total_iters={num_total_iters}) *****", ctx.rank)
     print_rank_0(plan.describe(), ctx.rank)
@@ -239,11 +248,14 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
     if resumed is not None and args.output_dir is not None and ctx.rank == 0:
         truncate_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step)
+    evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
 
     # ---------------------------------------------------------------- PPO loop
     gen_time = exp_time = 0.0  # summed over the generation batches of the current rollout
     # Resumed from the checkpoint a test-mode run ended with: only the final save is left.
     stop = bool(resumed and args.enable_test_mode and counters.non_overflow_step_count >= args.test_stop_step)
+    stop = stop or evaluation.should_stop
+    evaluation.maybe_evaluate(counters.global_step)  # before the first PPO step
     for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
         if stop:
             break
@@ -275,12 +287,15 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
                 result.history.append(log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step,
                                                     gen_time=gen_time, exp_time=exp_time, rank=ctx.rank, tb=tb))
                 gen_time = exp_time = 0.0
+                evaluation.maybe_evaluate(counters.global_step, epoch)
             counters.count_overflow(trainer)
             if exp_dataset is not None:
-                checkpointer.maybe_save(counters.position(epoch, step + 1, trainer.nonfinite))
-            if args.enable_test_mode and counters.non_overflow_step_count == args.test_stop_step:
+                checkpointer.maybe_save(evaluation.attach(counters.position(epoch, step + 1, trainer.nonfinite)))
+            if (args.enable_test_mode and counters.non_overflow_step_count == args.test_stop_step
+                    or evaluation.should_stop):
                 stop = True
                 break
+    evaluation.finish()
     tb.close()
     result.skipped_nonfinite = trainer.nonfinite.skipped
 

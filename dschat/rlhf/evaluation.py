@@ -1,0 +1,702 @@
+"""Did step 3 work? Held-out evaluation during training, the over-optimization alarm, the best checkpoint.
+
+With ``--eval_interval N`` (0, the default, turns it off as upstream) the actor answers the same
+``--eval_prompts K`` held-out prompts -- the first K distinct prompts of the phase-3 *eval* split of
+the prompt data, which step 3 never trains on -- once before the first PPO step and after every N
+PPO steps. Decoding is the rollout's (``--decoding``, ``--temperature``, ...) drawn from a fixed seed
+inside a forked random state, so every evaluation sees the same random numbers (paired comparisons
+between evaluations) and training sees exactly the random numbers it would without evaluation.
+
+Each evaluation scores the answers by
+
+* the **proxy**: what the run optimises -- the reward model and the ``--reward_fn`` functions, by
+  their weights (:class:`~dschat.rewards.RewardMix`);
+* the **judges** (``--eval_judge``, repeatable, never trained on): ``gold`` (the embedded data's gold
+  judge; refused on other data), a ``module:function`` reward function (loaded by
+  :func:`dschat.rewards.load_reward_function`) or a step-2 reward-model folder;
+* KL to the reference (mean over answer tokens of ``log pi - log pi_ref``, the k1 estimate), mean
+  answer length (tokens, EOS included), EOS rate and the actor's token entropy (mean over answer
+  tokens of the entropy of the sampling distribution ``softmax(logits / temperature)``).
+
+**Over-optimization alarm** (:func:`overoptimization_alarm`, a pure function of the evaluation series):
+between the newest evaluation and the one ``window`` evaluations earlier, the proxy's mean rose
+while a judge's mean fell by more than ``sigmas`` paired standard errors (the standard error of the
+per-prompt differences over the same K prompts: the judge's own evaluation noise). It prints one
+line; ``--stop_on_overoptimization`` ends the run there, cleanly.
+
+**Best checkpoint** (``--save_best_by judge|proxy|none``): whenever an evaluation beats every earlier
+one (by the first judge, or the proxy), the actor -- and the critic and the EMA actor where the run
+has them -- are saved to ``<output_dir>/best/`` with ``best.json`` (step and scores), atomically as a
+whole (:func:`dschat.utils.fs.atomic_dir`; each model by :func:`dschat.models.save.save_hf_model`).
+
+One JSON record per evaluation (``"kind": "eval"``) goes to ``metrics.jsonl``; the history, the best
+evaluation and the alarm travel in step 3's checkpoints, so a resumed run continues them.
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import statistics
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, ContextManager, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from dschat.errors import UserError
+from dschat.paths import METRICS_FILE
+from dschat.rewards import RewardFunction, load_reward_function
+from dschat.utils.dist import all_reduce_sum, barrier, print_rank_0
+
+__all__ = [
+    "BEST_DIR",
+    "BEST_FILE",
+    "EVAL_KIND",
+    "Alarm",
+    "EvalPoint",
+    "Judge",
+    "StepThreeEvaluation",
+    "best_index",
+    "check_eval_args",
+    "heldout_prompt_items",
+    "overoptimization_alarm",
+    "paired_change",
+    "resolve_judges",
+    "token_entropy",
+]
+
+#: ``<output_dir>/best``: the best evaluation's models; ``best.json`` inside says which step and why.
+BEST_DIR = "best"
+BEST_FILE = "best.json"
+#: The ``kind`` of an evaluation record in ``metrics.jsonl`` (training records have none).
+EVAL_KIND = "eval"
+#: ``--eval_judge gold``: the built-in gold judge (dschat.rewards:gold).
+GOLD = "gold"
+GOLD_SPEC = "dschat.rewards:gold"
+#: Added to --seed for the evaluation's decoding: a stream of its own, the same at every evaluation.
+EVAL_SEED_OFFSET = 104729
+
+
+# ================================================================================================
+# Pure statistics: paired changes, the alarm, the best evaluation
+# ================================================================================================
+@dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation's per-prompt scores, the same prompts in the same order at every evaluation."""
+
+    step: int  # PPO steps trained before it
+    proxy: tuple[float, ...]
+    judges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def mean(self, series: str) -> float:
+        """The mean of ``"proxy"`` or of a judge's scores."""
+        values = self.proxy if series == "proxy" else self.judges[series]
+        return statistics.fmean(values)
+
+
+def paired_change(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of ``after[i] - before[i]`` over the same prompts.
+
+    The standard error is ``stdev(d) / sqrt(n)`` (sample standard deviation); ``inf`` with fewer than
+    two prompts (no noise estimate: nothing can be called significant).
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired_change: {len(before)} scores before, {len(after)} after; the same prompts are needed")
+    diffs = [b - a for a, b in zip(before, after)]
+    if not diffs:
+        raise ValueError("paired_change: no scores")
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, math.inf
+    return mean, statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """A fired over-optimization alarm: between evaluation steps ``since`` and ``step`` the proxy's
+    mean rose by ``proxy_change`` while ``judge``'s fell by ``-judge_change``, beyond ``sigmas``
+    paired standard errors (``judge_se``)."""
+
+    step: int
+    since: int
+    judge: str
+    proxy_change: float
+    proxy_se: float
+    judge_change: float
+    judge_se: float
+    sigmas: float
+    best_step: int | None = None
+
+    def line(self, best_where: str | None = None) -> str:
+        """The one printed line."""
+        best = ("no best checkpoint kept" if self.best_step is None else
+                f"the best evaluation was step {self.best_step}" + (f" ({best_where})" if best_where else ""))
+        return (f"[eval] OVER-OPTIMIZATION at step {self.step}: since step {self.since} the proxy rose "
+                f"{self.proxy_change:+.4f} (SE {self.proxy_se:.4f}) while judge {self.judge} fell "
+                f"{self.judge_change:+.4f} (SE {self.judge_se:.4f}, beyond {self.sigmas:g} SE); {best}")
+
+
+def overoptimization_alarm(series: Sequence[EvalPoint], *, window: int = 2, sigmas: float = 2.0,
+                           best_step: int | None = None) -> Alarm | None:
+    """The alarm on an evaluation series (oldest first), or None.
+
+    Compares the newest evaluation with the one ``window`` evaluations before it (the first one
+    while there are fewer): it fires for the first judge whose mean fell by more than ``sigmas``
+    paired standard errors while the proxy's mean rose. ``best_step`` is only carried into the
+    :class:`Alarm` for its line.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if len(series) < 2:
+        return None
+    newest = series[-1]
+    earlier = series[max(0, len(series) - 1 - window)]
+    proxy_change, proxy_se = paired_change(earlier.proxy, newest.proxy)
+    if not proxy_change > 0:
+        return None
+    for name, scores in newest.judges.items():
+        if name not in earlier.judges:
+            continue
+        change, se = paired_change(earlier.judges[name], scores)
+        if change < 0 and -change > sigmas * se:
+            return Alarm(newest.step, earlier.step, name, proxy_change, proxy_se, change, se, sigmas, best_step)
+    return None
+
+
+def best_index(series: Sequence[EvalPoint], by: str) -> int | None:
+    """Index of the evaluation with the highest mean of ``by`` (``"proxy"`` or a judge's name); the
+    earliest on ties; None for an empty series."""
+    best = None
+    for i, point in enumerate(series):
+        if best is None or point.mean(by) > series[best].mean(by):
+            best = i
+    return best
+
+
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy (nats) of ``softmax(logits)`` per position, computed in fp32. Shape: (..., V) -> (...)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+# ================================================================================================
+# Flags and judges (checked before any model is loaded)
+# ================================================================================================
+@dataclass(frozen=True)
+class Judge:
+    """One ``--eval_judge``: a reward function (``fn``) or a reward-model folder (``folder``)."""
+
+    name: str
+    fn: RewardFunction | None = None
+    folder: Path | None = None
+
+
+def _is_builtin_data(data_path: Sequence[str]) -> bool:
+    from dschat.data.raw_datasets import BUILTIN_NAME
+
+    return bool(data_path) and all(p == BUILTIN_NAME for p in data_path)
+
+
+def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge]:
+    """The ``--eval_judge`` values as :class:`Judge` objects: ``gold``, ``module:function`` or a
+    reward-model folder. A bad value is one :class:`UserError` line; no model is loaded here."""
+    from dschat.models.registry import resolve_model_path
+    from dschat.utils.model.reward_model import is_reward_model_folder, not_a_critic_message
+
+    judges: list[Judge] = []
+    for spec in specs:
+        if spec in (GOLD, GOLD_SPEC):
+            if not _is_builtin_data(data_path):
+                raise UserError(f"--eval_judge {spec}: the gold judge scores the embedded data only (--data_path "
+                                f"dschat/builtin), not {' '.join(data_path)}; give a module:function or a reward-model "
+                                "folder as judge")
+            judges.append(Judge(GOLD, fn=load_reward_function(GOLD_SPEC)))
+        elif Path(spec).expanduser().is_dir():
+            folder = Path(resolve_model_path(str(Path(spec).expanduser())))
+            if not is_reward_model_folder(folder):
+                raise UserError(not_a_critic_message(spec, "--eval_judge"))
+            judges.append(Judge(str(spec), folder=folder))
+        elif ":" in spec:
+            try:
+                fn = load_reward_function(spec)
+            except UserError as err:  # the loader's lines name --reward_fn, its usual flag
+                raise UserError(str(err).replace("--reward_fn", "--eval_judge")) from None
+            judges.append(Judge(spec, fn=fn))
+        else:
+            raise UserError(f"--eval_judge {spec!r} is neither 'gold', a module.path:function nor a reward-model "
+                            "folder; give one of those")
+    names = [j.name for j in judges]
+    if len(set(names)) != len(names):
+        raise UserError(f"--eval_judge given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    return judges
+
+
+def check_eval_args(args: Any) -> list[Judge]:
+    """Evaluation flag rules (before anything loads) and the resolved judges; resolves
+    ``args.save_best_by``'s default in place: ``judge`` with a judge and an ``--output_dir``, else ``none``."""
+    interval, prompts = int(args.eval_interval), int(args.eval_prompts)
+    judges_given = list(args.eval_judge or [])
+    if interval < 0:
+        raise UserError(f"--eval_interval must be >= 0 (0: no evaluation), got {interval}")
+    if interval == 0:
+        extras = [flag for flag, on in (("--eval_judge", bool(judges_given)),
+                                        ("--stop_on_overoptimization", args.stop_on_overoptimization),
+                                        ("--save_best_by", args.save_best_by not in (None, "none"))) if on]
+        if extras:
+            raise UserError(f"{', '.join(extras)} need(s) the held-out evaluation: give --eval_interval N (> 0)")
+        args.save_best_by = "none"
+        return []
+    if prompts < 1:
+        raise UserError(f"--eval_prompts must be >= 1, got {prompts}")
+    if not args.eval_alarm_sigmas > 0:
+        raise UserError(f"--eval_alarm_sigmas must be > 0, got {args.eval_alarm_sigmas}")
+    judges = resolve_judges(judges_given, args.data_path)
+    if args.stop_on_overoptimization and not judges:
+        raise UserError("--stop_on_overoptimization: the alarm compares the proxy with a judge; give --eval_judge")
+    if args.save_best_by is None:
+        args.save_best_by = "judge" if judges and args.output_dir else "none"
+    if args.save_best_by == "judge" and not judges:
+        raise UserError("--save_best_by judge needs a judge: give --eval_judge (or --save_best_by proxy|none)")
+    if args.save_best_by != "none" and not args.output_dir:
+        raise UserError(f"--save_best_by {args.save_best_by} keeps the best models in <output_dir>/{BEST_DIR}; "
+                        "give --output_dir (or --save_best_by none)")
+    return judges
+
+
+def heldout_prompt_items(args: Any, tokenizer: Any, local_rank: int) -> list[Any]:
+    """The first ``--eval_prompts`` distinct prompts of the phase-3 eval split (the tokenised cache
+    step 3 already built), in the dataset's fixed order. None there is one :class:`UserError` line."""
+    from dschat.data.prompt_dataset import create_prompt_dataset
+
+    _, held_out = create_prompt_dataset(
+        local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
+        args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
+    )
+    items, seen = [], set()
+    for i in range(len(held_out)):
+        item = held_out[i]
+        key = tuple(item[0][item[1].bool()].tolist())
+        if key in seen:
+            continue
+        seen.add(key)
+        items.append(item)
+        if len(items) == args.eval_prompts:
+            break
+    if not items:
+        raise UserError(
+            f"--eval_interval {args.eval_interval}: the phase-3 eval split of {' '.join(args.data_path)} has no "
+            f"held-out prompts (data_split {args.data_split}, max_prompt_seq_len {args.max_prompt_seq_len}); add an "
+            "eval.*/test.* file or rows to the data, or drop --eval_interval"
+        )
+    if len(items) < args.eval_prompts:
+        print_rank_0(f"[eval] only {len(items)} distinct held-out prompts (--eval_prompts {args.eval_prompts}); "
+                     "evaluating on those")
+    return items
+
+
+# ================================================================================================
+# The evaluation during training
+# ================================================================================================
+@dataclass
+class _Rows:
+    """Per-prompt results of one evaluation on this rank (index = position among the K prompts)."""
+
+    index: list[int] = field(default_factory=list)
+    proxy: list[float] = field(default_factory=list)
+    judges: dict[str, list[float]] = field(default_factory=dict)
+    kl: list[float] = field(default_factory=list)  # summed over the answer's tokens
+    entropy: list[float] = field(default_factory=list)  # summed over the answer's tokens
+    tokens: list[int] = field(default_factory=list)
+    ended: list[bool] = field(default_factory=list)
+
+
+class StepThreeEvaluation:
+    """What step 3's ``main`` calls: :meth:`maybe_evaluate` after every PPO step (and before the
+    first), :meth:`attach` on each checkpoint position, :meth:`restore` on resume, :meth:`finish`.
+
+    Disabled (every method a no-op) when ``--eval_interval`` is 0.
+    """
+
+    def __init__(self, args: Any, trainer: Any = None, prompt_items: Sequence[Any] = (),
+                 judges: Sequence[Judge] = (), *, tb: Any = None, rank: int = 0, world_size: int = 1) -> None:
+        self.args = args
+        self.enabled = bool(args.eval_interval) and trainer is not None
+        self.interval = int(args.eval_interval)
+        self.trainer = trainer
+        self.items = list(prompt_items)
+        self.judges = list(judges)
+        self.tb = tb
+        self.rank, self.world_size = rank, world_size
+        self.window, self.sigmas = 2, float(getattr(args, "eval_alarm_sigmas", 2.0))
+        self.save_best_by = getattr(args, "save_best_by", "none") or "none"
+        self.output_dir = Path(args.output_dir) if args.output_dir else None
+        self.history: list[EvalPoint] = []
+        self.best: dict[str, Any] | None = None  # {"step", "by", "score"}
+        self.alarms: list[dict[str, Any]] = []
+        self.records: list[dict[str, Any]] = []  # the evaluations made by this process
+        self.should_stop = False
+        self.eval_seconds = 0.0
+        self.save_seconds = 0.0
+        self.started = time.time()
+        self._columns: Any = None
+        self._judge_models: dict[str, tuple[Any, Any]] = {}
+        if not self.enabled:
+            return
+        self._columns = trainer.prompt_columns
+        if self._columns is None and any(j.fn is not None for j in self.judges):
+            from dschat.data.prompt_columns import load_prompt_columns
+
+            self._columns = load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path,
+                                                args.local_rank, trainer.tokenizer)
+        for judge in self.judges:
+            if judge.folder is not None:
+                from dschat.eval.report import load_reward
+
+                self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
+        if self.save_best_by != "none" and self.output_dir is not None and rank == 0:
+            from dschat.utils.fs import recover_dir
+
+            for notice in recover_dir(self.output_dir / BEST_DIR):
+                print(f"[eval] {notice}", flush=True)
+        print_rank_0(f"[eval] held-out evaluation every {self.interval} PPO steps and before the first: "
+                     f"{len(self.items)} prompts, judges: {', '.join(j.name for j in self.judges) or 'none'}; "
+                     f"best checkpoint by {self._best_series() or 'none'}", rank)
+
+    # ------------------------------------------------------------------ state (checkpoints)
+    def state(self) -> dict[str, Any]:
+        """JSON state for a checkpoint: the series, the best evaluation, the alarms, the timings."""
+        return {"history": [{"step": p.step, "proxy": list(p.proxy), "judges": {k: list(v) for k, v in p.judges.items()}}
+                            for p in self.history],
+                "best": self.best, "alarms": self.alarms,
+                "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started]}
+
+    def attach(self, position: Any) -> Any:
+        """``position`` (a :class:`~dschat.training.checkpoint.TrainingPosition`) carrying this state."""
+        if self.enabled:
+            position.extra["evaluation"] = self.state()
+        return position
+
+    def restore(self, position: Any) -> None:
+        """Continue the series, best evaluation and alarms of the checkpoint a run resumes from."""
+        if not self.enabled or position is None:
+            return
+        state = position.extra.get("evaluation")
+        if not state:
+            return
+        self.history = [EvalPoint(p["step"], tuple(p["proxy"]), {k: tuple(v) for k, v in p["judges"].items()})
+                        for p in state["history"]]
+        self.best, self.alarms = state["best"], list(state["alarms"])
+        self.should_stop = bool(self.alarms) and bool(self.args.stop_on_overoptimization)
+        self.eval_seconds, self.save_seconds, wall = state["seconds"]
+        self.started = time.time() - wall
+
+    # ------------------------------------------------------------------ the evaluation
+    def maybe_evaluate(self, global_step: int, epoch: int = 0) -> dict[str, Any] | None:
+        """Evaluate when ``global_step`` (PPO steps trained) is 0 or a multiple of ``--eval_interval``
+        and was not evaluated yet (a resumed run). Collective. Returns the record, else None."""
+        if not self.enabled or global_step % self.interval != 0:
+            return None
+        if self.history and self.history[-1].step >= global_step:
+            return None
+        start = time.time()
+        rows = self._gathered(self._evaluate_shard())
+        point = EvalPoint(global_step, tuple(rows.proxy), {k: tuple(v) for k, v in rows.judges.items()})
+        self.history.append(point)
+        seconds = time.time() - start
+        self.eval_seconds += seconds
+        best_now = self._update_best(point, rows)
+        alarm = overoptimization_alarm(self.history, window=self.window, sigmas=self.sigmas,
+                                       best_step=None if self.best is None else self.best["step"])
+        record = self._record(point, rows, epoch, seconds, alarm, best_now)
+        self._log(record, alarm)
+        self.records.append(record)
+        if alarm is not None:
+            self.alarms.append(asdict(alarm))
+            if self.args.stop_on_overoptimization:
+                self.should_stop = True
+                print_rank_0(f"[eval] --stop_on_overoptimization: ending the run at step {global_step} (the best "
+                             f"checkpoint is in {self._best_where()})", self.rank)
+        return record
+
+    def _shard(self) -> list[tuple[int, Any]]:
+        """This rank's ``(index, item)`` rows: a contiguous share of the K prompts, padded with
+        repeats (index -1, not counted) to the same number of whole generation batches on every rank
+        (generation and the forward passes are collective under ZeRO-3)."""
+        n = len(self.items)
+        share = -(-n // self.world_size)
+        batch = self.args.per_device_generation_batch_size
+        padded = -(-share // batch) * batch
+        out = []
+        for j in range(padded):
+            i = self.rank * share + j
+            real = j < share and i < n
+            out.append((i if real else -1, self.items[i % n]))
+        return out
+
+    def _forked_random(self) -> ContextManager[Any]:
+        """Torch (CPU and the current CUDA device) random states forked for the evaluation."""
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+        return torch.random.fork_rng(devices=devices)
+
+    def _evaluate_shard(self) -> _Rows:
+        from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
+        from dschat.training.common import to_device
+
+        trainer, args = self.trainer, self.args
+        actor_was_training = trainer.actor_model.module.training
+        py_state, np_state = random.getstate(), np.random.get_state()
+        collator = DataCollatorRLHF(args.max_prompt_seq_len, args.inference_tp_size)
+        rows = _Rows(judges={j.name: [] for j in self.judges})
+        shard = self._shard()
+        batch_size = args.per_device_generation_batch_size
+        try:
+            with self._forked_random():
+                torch.manual_seed(int(args.seed) + EVAL_SEED_OFFSET + self.rank)
+                trainer.eval()
+                for start in range(0, len(shard), batch_size):
+                    chunk = shard[start:start + batch_size]
+                    batch = to_device(collator([item for _, item in chunk]), trainer.device)
+                    batch = drop_padding_columns(batch, "prompt_att_mask", side="left")
+                    self._score_batch(batch["prompt"], batch["prompt_att_mask"], [i for i, _ in chunk], rows)
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
+            if actor_was_training:
+                trainer.train()
+        return rows
+
+    @torch.no_grad()
+    def _score_batch(self, prompts: torch.Tensor, mask: torch.Tensor, index: list[int], rows: _Rows) -> None:
+        """Generate, then score one batch of prompts. Shapes: prompts, mask (B, P) left-padded."""
+        from dschat.rlhf.experience import sequence_masks
+
+        trainer = self.trainer
+        eos = trainer.tokenizer.eos_token_id
+        seq = trainer.generator.rollout(prompts, mask).sequences  # (B, L)
+        trainer.generator.scoring_mode()
+        masks = sequence_masks(mask, seq, eos)
+        att, pos = masks.attention_mask, masks.position_ids
+        P = prompts.shape[1]
+        logits = trainer.actor_model(seq, attention_mask=att, position_ids=pos, use_cache=False).logits
+        logprobs = trainer._log_probs(logits, seq)[:, P - 1:].float()  # (B, A')
+        temperature = trainer.logit_temperature
+        scaled = logits[:, P - 1:-1] / temperature if temperature != 1.0 else logits[:, P - 1:-1]
+        entropy = token_entropy(scaled)  # (B, A')
+        del logits, scaled
+        ref_logits = trainer.ref_model(seq, attention_mask=att, position_ids=pos, use_cache=False).logits
+        ref_logprobs = trainer._log_probs(ref_logits, seq)[:, P - 1:].float()
+        del ref_logits
+        proxy = trainer._reward_scores(prompts, mask, seq, att, pos).float()
+        answer_mask = att[:, P:].float()  # (B, A')
+        texts = trainer._decode_for_hook(prompts, mask, seq, att)
+        judged = self._judge(prompts, mask, seq, att, texts)
+        ended = (seq[:, P:] == eos).any(-1)
+        keep = [k for k, i in enumerate(index) if i >= 0]
+        kl = ((logprobs - ref_logprobs) * answer_mask).sum(-1)
+        ent = (entropy * answer_mask).sum(-1)
+        for k in keep:
+            rows.index.append(index[k])
+            rows.proxy.append(float(proxy[k]))
+            rows.kl.append(float(kl[k]))
+            rows.entropy.append(float(ent[k]))
+            rows.tokens.append(int(answer_mask[k].sum()))
+            rows.ended.append(bool(ended[k]))
+            for name, scores in judged.items():
+                rows.judges[name].append(float(scores[k]))
+
+    def _judge(self, prompts: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, att: torch.Tensor,
+               texts: tuple[list[str], list[str]]) -> dict[str, list[float]]:
+        """Every judge's score per answer. A judge's failure on any rank stops every rank with its line."""
+        failure: UserError | None = None
+        out: dict[str, list[float]] = {}
+        try:
+            columns = None
+            if self._columns is not None and any(j.fn is not None for j in self.judges):
+                columns = self._columns.for_batch(prompts, mask, texts[0])
+            for judge in self.judges:
+                if judge.fn is not None:
+                    out[judge.name] = judge.fn(texts[0], texts[1], columns)
+                else:
+                    out[judge.name] = self._reward_model_scores(judge.name, prompts, mask, seq, att, texts)
+        except UserError as err:
+            failure = UserError(f"--eval_judge: {err}")
+        failed = float(all_reduce_sum(torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64))[0])
+        if failed > 0:
+            raise failure or UserError("--eval_judge: a judge failed on another rank (its line is in that rank's log)")
+        return out
+
+    def _reward_model_scores(self, name: str, prompts: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor,
+                             att: torch.Tensor, texts: tuple[list[str], list[str]]) -> list[float]:
+        """A reward-model judge's end scores, on the generated ids when its vocabulary is the actor's,
+        else on the re-tokenised text (:func:`dschat.eval.report.reward_scores`)."""
+        from dschat.eval.report import Samples, reward_scores
+
+        model, tokenizer = self._judge_models[name]
+        P = prompts.shape[1]
+        eos = self.trainer.tokenizer.eos_token_id
+        samples = Samples([], [], [], [], [])
+        for i in range(seq.shape[0]):
+            answer = seq[i, P:][att[i, P:].bool()].tolist()
+            samples.prompts.append(texts[0][i])
+            samples.prompt_ids.append(prompts[i][mask[i].bool()].tolist())
+            samples.response_ids.append(answer)
+            samples.texts.append(texts[1][i])
+            samples.ended.append(bool(answer) and answer[-1] == eos)
+        return reward_scores(model, tokenizer, samples, self.trainer.tokenizer, len(samples.prompts))
+
+    def _gathered(self, rows: _Rows) -> _Rows:
+        """Every rank's rows, ordered by prompt index (the same on every rank)."""
+        parts = [rows]
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
+            parts = [None] * self.world_size  # type: ignore[list-item]
+            torch.distributed.all_gather_object(parts, asdict(rows))
+            parts = [_Rows(**p) for p in parts]  # type: ignore[arg-type]
+        order = sorted((i, p, k) for p in range(len(parts)) for k, i in enumerate(parts[p].index))
+        out = _Rows(judges={j.name: [] for j in self.judges})
+        for i, p, k in order:
+            part = parts[p]
+            out.index.append(i)
+            out.proxy.append(part.proxy[k])
+            out.kl.append(part.kl[k])
+            out.entropy.append(part.entropy[k])
+            out.tokens.append(part.tokens[k])
+            out.ended.append(part.ended[k])
+            for name in out.judges:
+                out.judges[name].append(part.judges[name][k])
+        return out
+
+    # ------------------------------------------------------------------ best checkpoint
+    def _best_series(self) -> str | None:
+        if self.save_best_by == "judge":
+            return self.judges[0].name
+        return "proxy" if self.save_best_by == "proxy" else None
+
+    def _best_where(self) -> str:
+        if self.best is None or self.output_dir is None:
+            return "nowhere (--save_best_by none)"
+        return f"{self.output_dir / BEST_DIR} (step {self.best['step']})"
+
+    def _update_best(self, point: EvalPoint, rows: _Rows) -> bool:
+        series = self._best_series()
+        if series is None:
+            return False
+        score = point.mean(series)
+        if self.best is not None and not score > self.best["score"]:
+            return False
+        self.best = {"step": point.step, "by": series, "score": score}
+        start = time.time()
+        info = {"step": point.step, "by": series, "score": score, "proxy": point.mean("proxy"),
+                "judges": {name: point.mean(name) for name in point.judges},
+                "kl_to_ref": _ratio(sum(rows.kl), sum(rows.tokens))}
+        save_best(self.output_dir, self._best_models(), self.trainer.tokenizer, info, self.rank)
+        self.save_seconds += time.time() - start
+        return True
+
+    def _best_models(self) -> dict[str, Any]:
+        engine = self.trainer.rlhf_engine
+        models = {"actor": engine.actor, "critic": engine.critic, "actor_ema": engine.actor_ema}
+        return {k: v for k, v in models.items() if v is not None}
+
+    # ------------------------------------------------------------------ records and lines
+    def _record(self, point: EvalPoint, rows: _Rows, epoch: int, seconds: float, alarm: Alarm | None,
+                best_now: bool) -> dict[str, Any]:
+        n = len(rows.proxy)
+        tokens = sum(rows.tokens)
+        wall = time.time() - self.started
+        record: dict[str, Any] = {
+            "kind": EVAL_KIND, "global_step": point.step, "epoch": epoch, "prompts": n,
+            "proxy": point.mean("proxy"), "proxy_se": _se(rows.proxy),
+            "judges": {name: point.mean(name) for name in point.judges},
+            "judges_se": {name: _se(values) for name, values in rows.judges.items()},
+            "kl_to_ref": _ratio(sum(rows.kl), tokens), "response_length": tokens / n if n else math.nan,
+            "eos_rate": sum(rows.ended) / n if n else math.nan, "entropy": _ratio(sum(rows.entropy), tokens),
+            "best_step": None if self.best is None else self.best["step"], "new_best": best_now,
+            "alarm": None if alarm is None else asdict(alarm),
+            "seconds": seconds, "eval_share": (self.eval_seconds + self.save_seconds) / wall if wall > 0 else 0.0,
+            "per_prompt": {"proxy": list(rows.proxy), **{k: list(v) for k, v in rows.judges.items()}},
+        }
+        return record
+
+    def _log(self, record: dict[str, Any], alarm: Alarm | None) -> None:
+        judges = " | ".join(f"{name} {value:.4f} (SE {record['judges_se'][name]:.4f})"
+                            for name, value in record["judges"].items())
+        best = f" | new best ({self._best_series()})" if record["new_best"] else ""
+        print_rank_0(f"[eval] step {record['global_step']}: proxy {record['proxy']:.4f} (SE {record['proxy_se']:.4f})"
+                     + (f" | {judges}" if judges else "")
+                     + f" | KL {record['kl_to_ref']:.4f} | length {record['response_length']:.1f} | EOS "
+                       f"{record['eos_rate']:.0%} | entropy {record['entropy']:.3f} | {record['seconds']:.1f} s, "
+                       f"evaluation {record['eval_share']:.1%} of the wall time so far{best}", self.rank)
+        if alarm is not None:
+            print_rank_0(alarm.line(self._best_where() if self.best is not None else None), self.rank)
+        if self.tb is not None:
+            scalars = {f"eval/{k}": record[k] for k in ("proxy", "kl_to_ref", "response_length", "eos_rate", "entropy")}
+            scalars.update({f"eval/judge/{name}": value for name, value in record["judges"].items()})
+            self.tb.scalars(record["global_step"], **scalars)
+        if self.output_dir is not None and self.rank == 0:
+            path = self.output_dir / METRICS_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = record["global_step"] == 0 and not path.exists()
+            with path.open("w" if fresh else "a", encoding="utf-8") as f:
+                f.write(json.dumps(record, allow_nan=True) + "\n")
+
+    def finish(self) -> str | None:
+        """The closing line: evaluation's measured share of the step-3 wall time (and the alarm)."""
+        if not self.enabled:
+            return None
+        wall = time.time() - self.started
+        share = (self.eval_seconds + self.save_seconds) / wall if wall > 0 else 0.0
+        line = (f"[eval] {len(self.history)} evaluations took {self.eval_seconds:.1f} s and best-checkpoint saves "
+                f"{self.save_seconds:.1f} s of {wall:.1f} s of step-3 wall time ({share:.1%})")
+        if share > 0.10:
+            line += "; above 10 %: raise --eval_interval or lower --eval_prompts"
+        if self.alarms:
+            first = self.alarms[0]
+            line += f"; over-optimization alarm first at step {first['step']} (judge {first['judge']})"
+        if self.best is not None:
+            line += f"; best evaluation: step {self.best['step']} by {self.best['by']} ({self.best['score']:.4f})"
+        print_rank_0(line, self.rank)
+        return line
+
+
+def _se(values: Sequence[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def save_best(output_dir: Path, models: Mapping[str, Any], tokenizer: Any, info: Mapping[str, Any], rank: int) -> None:
+    """``<output_dir>/best/<name>`` for each model and ``best.json``, replaced as one folder (collective:
+    every rank gathers under ZeRO-3; rank 0 writes)."""
+    from dschat.models.save import save_hf_model
+    from dschat.utils.fs import atomic_dir
+
+    target = output_dir / BEST_DIR
+    swap: ContextManager[Any] = atomic_dir(target) if rank == 0 else nullcontext(target)
+    with swap as folder:
+        for name, model in models.items():
+            save_hf_model(model, tokenizer, Path(folder) / name)
+        if rank == 0:
+            (Path(folder) / BEST_FILE).write_text(json.dumps(dict(info), indent=2) + "\n", encoding="utf-8")
+    barrier()
+
+
+def read_eval_records(path: str | Path, keep: Callable[[dict], bool] | None = None) -> list[dict[str, Any]]:
+    """The evaluation records of a ``metrics.jsonl`` (``"kind": "eval"``), by step; unreadable lines skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == EVAL_KIND and (keep is None or keep(record)):
+            by_step[int(record.get("global_step", 0))] = record
+    return [by_step[k] for k in sorted(by_step)]
