@@ -19,6 +19,7 @@ from dschat.errors import EXIT_USAGE, cli_main
 from dschat.rlhf import evaluation as ev
 from dschat.rlhf.evaluation import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change, token_entropy
 from dschat.training import checkpoint as ckpt
+from dschat.utils import fs
 
 
 @pytest.fixture(autouse=True, scope="module")  # module: before the module-scoped runs (same float sums)
@@ -224,7 +225,9 @@ def test_ppo_evaluation_records_and_best_checkpoint(ppo_runs):
     best = records[golds.index(max(golds))]
     info = json.loads((out / "best" / "best.json").read_text())
     assert (info["step"], info["by"], info["score"]) == (best["global_step"], "gold", best["judges"]["gold"])
-    assert sorted(p.name for p in (out / "best").iterdir()) == ["actor", "actor_ema", "best.json", "critic"]
+    # The folder is written atomically, so it carries the completion marker of dschat.utils.fs too.
+    assert sorted(p.name for p in (out / "best").iterdir()) == sorted([
+        "actor", "actor_ema", "best.json", "critic", fs.SAVED_MARKER])
     assert records[-1]["best_step"] == best["global_step"]
     if best["global_step"] == 0:  # the best is the actor before training: the step-1 weights themselves
         from dschat.models.registry import resolve_model_path
@@ -296,7 +299,7 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dir
     proxies = [r["proxy"] for r in result.evaluations]
     info = json.loads((out / "best" / "best.json").read_text())
     assert (info["by"], info["step"]) == ("proxy", proxies.index(max(proxies)))
-    assert sorted(p.name for p in (out / "best").iterdir()) == ["actor", "best.json"]  # no critic, no EMA
+    assert sorted(p.name for p in (out / "best").iterdir()) == sorted(["actor", "best.json", fs.SAVED_MARKER])  # no critic, no EMA
     assert (out / "actor").is_dir()  # the final save still happened
     assert "evaluations took" in logs and "of step-3 wall time" in logs
 
