@@ -4,7 +4,7 @@
                             [--num_gpus N] [--hostfile F] [--dry-run] [-- --extra_flag value ...]
 
 The command is an argument list (``deepspeed [launcher options] training/<step>/main.py <flags>``)
-run without a shell (STYLE habit 9). Output is read in raw chunks, so progress bars (``\\r``) show
+run without a shell. Output is read in raw chunks, so progress bars (``\\r``) show
 live, and written both to the terminal and to ``<output_dir>/training.log`` (upstream's scripts
 redirected everything to the log and showed nothing). The exit code is the step's.
 
@@ -46,7 +46,7 @@ LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, cu
 PREFIX = "[dschat.launch]"
 
 # -------------------------------------------------------------------------------------------------
-# Out-of-memory detection and advice (upstream issue list §9.1)
+# Out-of-memory detection and advice (step 3's most reported upstream problem: DSE #368, #378, #410)
 # -------------------------------------------------------------------------------------------------
 _OOM_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (label, re.compile(pattern, re.IGNORECASE))

@@ -61,7 +61,7 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 def grpo_advantages(rewards: torch.Tensor, group_size: int, *, scale_by_std: bool = True,
                     eps: float = 1e-6) -> torch.Tensor:
-    """GRPO's outcome advantage (Shao et al. 2024, DeepSeekMath, eq. 3 / §4.1.2)::
+    """GRPO's outcome advantage (Shao et al. 2024, DeepSeekMath, eq. 3, section 4.1.2)::
 
         A_i = (r_i - mean(r_group)) / (std(r_group) + eps)
 

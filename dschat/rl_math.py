@@ -171,7 +171,7 @@ def masked_whiten(
 
     ``(x - mean) / sqrt(var + eps)``; with ``shift_mean=False`` the mean is added back (only the
     scale changes, as for rewards in TRL). Upstream DeepSpeed-Chat never whitens; this is for
-    opt-in advantage whitening (upstream-dschat.md §10, item 11). Entries outside the mask are
+    opt-in advantage whitening. Entries outside the mask are
     transformed too but do not influence the statistics.
 
     Shape: x, mask (B, T); returns (B, T).

@@ -10,7 +10,7 @@ one, else in the text format of dschat's data adapters and built-in dataset (ups
 what the step scripts train on): ``" Human: <question> Assistant:"``, the answer following with its
 leading space. Upstream's chatbot sent ``" Human: ...\\n Assistant: "`` (a newline and a trailing
 space no training text has).
-Differences from upstream, each fixing one of its bugs (§10.19): the model is loaded once (not built
+Differences from upstream, each fixing one of its bugs: the model is loaded once (not built
 from its config and then loaded again), on the GPU when there is one and on the CPU otherwise (no
 hard-coded ``cuda:0`` / ``.half()``), the tokenizer comes from the folder itself, tokens are printed
 as they are generated, and the embedding is never shrunk below the checkpoint's size.

@@ -169,7 +169,7 @@ def test_world_size_defaults_to_env_without_process_group(monkeypatch):
 
 
 def test_upstream_style_call_gets_upstream_placeholders(monkeypatch):
-    # Upstream's callers pass no batch size and overwrite the two keys afterwards (reference §4.6).
+    # Upstream's callers pass no batch size and overwrite the two keys afterwards.
     monkeypatch.setenv("WORLD_SIZE", "8")  # not used: the placeholders are literal, as upstream's dict
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     train = get_train_ds_config(False, "bf16", 3, True, 2)

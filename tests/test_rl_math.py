@@ -1,4 +1,4 @@
-"""Tests for dschat.rl_math, three ways (STYLE.md habit 2):
+"""Tests for dschat.rl_math, three ways:
 
 1. small cases worked out by hand (the arithmetic is in the comments);
 2. the vectorised code against slow plain-Python references that mirror upstream's loops;

@@ -113,7 +113,7 @@ def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(m
     assert exp.logprobs.shape == exp.ref_logprobs.shape == exp.values.shape == (3, 7)
     assert exp.reward_score.shape == (3,)
 
-    # Eval mode: no dropout (actor_dropout 0.5), so scoring twice gives the same log-probs (§10.12),
+    # Eval mode: no dropout (actor_dropout 0.5), so scoring twice gives the same log-probs,
     # and the explicit positions give the same numbers as a hand-made forward.
     again = trainer.generate_experience(prompts, prompt_mask, step=1)
     assert torch.equal(exp.logprobs, again.logprobs)
@@ -139,7 +139,7 @@ def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(m
 
 def test_every_forward_gets_mask_derived_positions(monkeypatch, critic_dirs, data_cache):  # noqa: F811
     # RoPE models are shift-invariant, but models with learned absolute positions are not: each
-    # experience and training forward must receive cumsum(mask) - 1 (upstream passed none, §10.9).
+    # experience and training forward must receive cumsum(mask) - 1 (upstream passed none).
     trainer, tok = _build("tiny-llama", critic_dirs, data_cache, "--actor_dropout", "0.0")
     pad, bos, eos = tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
     prompts = torch.tensor([[pad, pad, bos, 40, 41], [bos, 40, 41, 42, 43]])

@@ -123,7 +123,7 @@ def test_valid_flag_combinations_pass_and_align_overflow_warns_outside_fp16():
 
 
 def test_seed_default_is_reproducible():
-    assert _args().seed == 1234  # upstream's None was not reproducible (§10.20)
+    assert _args().seed == 1234  # upstream's None was not reproducible
 
 
 # ------------------------------------------------------------------------------------ CLI

@@ -116,7 +116,7 @@ def set_epoch_if_distributed(loader_or_sampler: Any, epoch: int) -> bool:
     """Call ``set_epoch(epoch)`` on a DataLoader's sampler (or a sampler) if it has one.
 
     Upstream never calls ``DistributedSampler.set_epoch``, so every epoch visits the data in the same
-    order (bug list §10.3). Step scripts call this at the start of each epoch. Returns whether a
+    order. Step scripts call this at the start of each epoch. Returns whether a
     sampler took the epoch.
     """
     candidates: Iterable[Any] = (

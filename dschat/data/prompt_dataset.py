@@ -14,7 +14,7 @@ Tokenisation follows upstream's ``create_dataset_split`` exactly (DSE ``data_uti
 Texts are tokenised in batches (fast), unpadded; padding is added when an item is read. The tensors
 are identical to upstream's one-call-per-sample ``padding="max_length"`` tokenisation (tested).
 
-The cache, and how it fixes upstream (DSE #437, #558, #822, #416; bug list §10.6):
+The cache, and how it fixes upstream (DSE #437, #558, #822, #416):
 
 * The key is a SHA-256 over a canonical JSON of everything that changes the content: each
   dataset's name, adapter and a SHA-256 of its local files (upstream keyed on the *name*, so an

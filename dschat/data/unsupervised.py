@@ -11,8 +11,8 @@ them (``.txt``: one text per non-empty line; a folder with ``train.*`` files use
 present, else the first column (upstream).
 
 Upstream enabled ptx only when both ``--unsupervised_dataset_name`` and
-``--unsupervised_dataset_config_name`` were set, so config-less datasets could not be used (bug list
-§10.22); :func:`unsupervised_training_enabled` needs the name only.
+``--unsupervised_dataset_config_name`` were set, so config-less datasets could not be used (an upstream
+bug); :func:`unsupervised_training_enabled` needs the name only.
 """
 from __future__ import annotations
 

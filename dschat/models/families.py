@@ -1,4 +1,4 @@
-"""Model-family quirks in one table (STYLE habit 7), looked up by ``config.model_type``.
+"""Model-family quirks in one table, looked up by ``config.model_type``.
 
 Upstream scatters these as ``if "llama" in path`` / ``if "opt" in path`` checks through the code.
 Here every per-family choice lives in :data:`FAMILIES`; unknown families get :data:`GENERIC`.

@@ -11,7 +11,7 @@ GPT-2 vocabulary, where the model uses ``</s>``).
 
 Pad policy. Upstream sets ``pad = eos`` and then derives masks with ``ids != pad``, which makes
 every EOS (and OPT's BOS, which is the same id) invisible: the SFT model never learns to stop and
-the PPO actor never receives gradient for emitting EOS (upstream bug list §10.10). dschat keeps the
+the PPO actor never receives gradient for emitting EOS (an upstream bug). dschat keeps the
 tokenizer's own pad token, falls back to ``pad = eos`` only when there is none (as upstream), and
 never derives a mask from the pad id: masks come from the tokenizer (steps 1-2) and from generation
 lengths (step 3). So ``pad == eos`` is harmless, and token ids match upstream's.

@@ -1,4 +1,4 @@
-"""Exponential moving average of the actor's weights (upstream's ``moving_average``, §5.4).
+"""Exponential moving average of the actor's weights (upstream's ``moving_average``).
 
 ``ema <- beta * ema + (1 - beta) * actor`` with ``beta = 0.992``, after every PPO micro-batch; the
 result is saved as ``actor_ema/``.

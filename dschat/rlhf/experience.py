@@ -4,7 +4,7 @@ One rollout batch on one rank is an :class:`Experience`: a typed container with 
 field (OpenRLHF's ``Experience``), replacing upstream's string-keyed dict. ``exp["logprobs"]`` and the
 other upstream keys still work for code written against upstream.
 
-Masks come from generation, never from ``ids != pad`` (upstream bug §10.10: with OPT's
+Masks come from generation, never from ``ids != pad`` (an upstream bug: with OPT's
 ``pad == eos == bos`` that hid the BOS and every EOS, so the actor was never trained to stop). The
 answer of a row is every generated token up to *and including* the first EOS; a row that generated no
 EOS keeps all ``max_answer_seq_len`` tokens.
@@ -62,7 +62,7 @@ def sequence_masks(prompt_mask: torch.Tensor, seq: torch.Tensor, eos_token_id: i
 
     ``attention_mask`` is the prompt's own mask followed by :func:`answer_mask`; ``position_ids``
     count real tokens only (``cumsum(mask) - 1``, 0 on padding), the positions ``generate`` used, so
-    left padding does not shift them (upstream passed none, bug §10.9).
+    left padding does not shift them (upstream passed none).
 
     Shape: prompt_mask (B, P), seq (B, L) with L >= P; returns (B, L), (B, L), (B,).
     """
@@ -80,8 +80,7 @@ class Experience:
 
     ``valid`` marks rows kept for training: answers of at most one token are dropped (upstream's
     ``valid_ans_len <= 1`` rule) by zeroing their ``action_mask`` rather than deleting the row, so
-    every rank keeps the same number of micro-batches (upstream's per-rank batch sizes diverged,
-    bug §10.13). ``advantages`` / ``returns`` / ``loss_normalizer`` are filled in by the trainer
+    every rank keeps the same number of micro-batches (upstream's per-rank batch sizes diverged). ``advantages`` / ``returns`` / ``loss_normalizer`` are filled in by the trainer
     before the PPO update (``DeepSpeedPPOTrainer.prepare_rollout``); left ``None`` they are computed
     per micro-batch as upstream does.
     """

@@ -1,7 +1,7 @@
 """Step-3 start-up checks: the batch arithmetic of one PPO iteration, and contradictory flags.
 
 Upstream's README warns that PPO "diverges" unless ``per_device_generation_batch_size ==
-per_device_training_batch_size`` and ``ppo_epochs == generation_batches == 1`` (reference §5.5).
+per_device_training_batch_size`` and ``ppo_epochs == generation_batches == 1``.
 The underlying rule, which TRL made explicit (PR #3493), is about *when optimizer steps happen*:
 
 * one rollout is ``per_device_generation_batch_size x generation_batches`` prompts per rank, and is
@@ -149,8 +149,8 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
     asserted), upstream's unsupported ZeRO-2 + HE + offload combination (upstream raised
     ValueError), DeepSpeed's offload rules (``--offload`` needs ZeRO >= 1 for actor and critic; the
     reference / reward offload needs the actor / critic at ZeRO-3), mixed-precision LoRA (upstream
-    asserted inside main), ``--align_overflow`` outside fp16 (upstream used fp16-optimizer internals,
-    bug §10.14).
+    asserted inside main), ``--align_overflow`` outside fp16 (upstream used fp16-optimizer
+    internals).
     """
     warnings: list[str] = []
     for name in ("actor_zero_stage", "critic_zero_stage"):

@@ -122,7 +122,7 @@ def log_iteration(trainer: Any, args: Any, counters: PPOCounters, it: IterationR
     print_throughput_step3(engine.actor.module, engine.critic, args, gen_time + exp_time + it.training_time,
                            gen_time, it.training_time, rank)
     # Mean over kept answers of all ranks; the EMA is fed that mean (upstream fed a sum over
-    # micro-batches, §10.5).
+    # micro-batches).
     ema_reward = counters.ema_reward.update(it.rollout.reward)
     print_rank_0(f"Average reward score: {it.rollout.reward} | EMA reward score: {ema_reward}", rank)
     print_rank_0(DASHES, rank)

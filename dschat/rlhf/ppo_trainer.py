@@ -1,21 +1,21 @@
-"""PPO trainer (upstream's ``dschat/rlhf/ppo_trainer.py``, reference §5.3), corrected.
+"""PPO trainer (upstream's ``dschat/rlhf/ppo_trainer.py``), corrected.
 
 Upstream's methods keep their names and argument order (``generate_experience``, ``train_rlhf``,
 ``train_unsupervised``, ``compute_rewards``, ``actor_loss_fn``, ``critic_loss_fn``,
 ``get_advantages_and_returns``, ``get_overflow``, ``train``, ``eval``); the formulas are the pure
 functions of :mod:`dschat.rl_math`, fed with the hyperparameters from the flags (upstream hard-coded
-them). What changed, with the upstream bug each fixes (reference §10):
+them). What changed, with the upstream bug each fixes:
 
-* Experience passes run in **eval mode** (no dropout; upstream switched back to train mode first,
-  §10.12) with **position ids from the mask** (left padding, §10.9); log-probs from fp16/bf16 logits
+* Experience passes run in **eval mode** (no dropout; upstream switched back to train mode first)
+  with **position ids from the mask** (left padding; upstream passed none); log-probs from fp16/bf16 logits
   are computed in fp32 (``rl_math.gather_log_probs``), like the ones kept from generation, so the
   reference's and the rollout's agree to fp32 rounding (upstream's bf16 ``log_softmax``: ~0.07 nats).
 * Masks come from generation: the answer is every token up to and including the first EOS, so the
-  **EOS is an action** even when ``pad == eos`` (§10.10).
+  **EOS is an action** even when ``pad == eos`` (upstream's ``ids != pad`` masked it out).
 * Answers of at most one token are **dropped by masking** (their rows stay, with a zero action
   mask), so ranks keep equal micro-batch counts; if every row on every rank is dropped the step is
-  skipped (upstream asserted on the first step and otherwise re-trained the previous rollout,
-  §10.13 -- stale data that is off-policy once an optimizer step has happened).
+  skipped (upstream asserted on the first step and otherwise re-trained the previous rollout:
+  stale data that is off-policy once an optimizer step has happened).
 * **Decoding** is configurable; the default samples from the policy (see the step-3 README).
 * **Off-policy guard** (:mod:`dschat.rlhf.guards`): when every optimizer step covers whole rollouts
   the PPO ratio is exactly 1 and the trainer uses the current log-probs as the old ones (TRL's
@@ -35,7 +35,7 @@ them). What changed, with the upstream bug each fixes (reference §10):
   in :meth:`prepare_rollout`. Rewards are a :class:`~dschat.rewards.RewardMix` of the reward model
   and ``--reward_fn`` functions. PPO's path is unchanged when none of this is asked for.
 * ``--align_overflow`` works only with fp16 and a DeepSpeed that exposes upstream's external
-  overflow check (§10.14); elsewhere it is refused or a no-op with a warning.
+  overflow check (fp16-optimizer internals); elsewhere it is refused or a no-op with a warning.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``DeepSpeedRLHFEngine``: the five DeepSpeed engines of PPO (upstream's ``rlhf_engine.py``, §5.2).
+"""``DeepSpeedRLHFEngine``: the five DeepSpeed engines of PPO (upstream's ``rlhf_engine.py``).
 
 * **actor** -- trainable, from the step-1 checkpoint (LoRA optional), Hybrid Engine where it works;
 * **ref** -- frozen copy of the step-1 checkpoint (the KL anchor);

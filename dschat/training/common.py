@@ -74,7 +74,7 @@ def make_train_loader(
     """A loader with a seeded ``DistributedSampler`` (also for one process).
 
     One sampler type everywhere makes the order a function of (seed, epoch, rank) only; callers
-    must call ``set_epoch`` each epoch (upstream never did, bug §10.3). ``drop_last`` drops each
+    must call ``set_epoch`` each epoch (upstream never did, so every epoch repeated the same order). ``drop_last`` drops each
     rank's last, short batch (step 3 does when a short rollout would shift its optimizer steps).
     """
     if len(dataset) == 0:
@@ -231,7 +231,7 @@ def evaluate_reward(engine: Any, loader: DataLoader, device: torch.device, eval_
 
 class TensorBoardLogger:
     """Rank-0 TensorBoard scalars with a global step that never resets across epochs
-    (upstream used the per-epoch step, bug §10.5)."""
+    (upstream used the per-epoch step, so each epoch overwrote the last)."""
 
     def __init__(self, enabled: bool, path: str, name: str):
         self.writer = None

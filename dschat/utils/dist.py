@@ -2,7 +2,7 @@
 
 Upstream's step scripts only worked under the ``deepspeed`` launcher: run as ``python main.py`` they
 either went looking for MPI or called ``torch.distributed.get_rank()`` before any process group
-existed (reference §10 item 20). :func:`init_distributed` fills in a one-process rendezvous when
+existed. :func:`init_distributed` fills in a one-process rendezvous when
 no launcher did, so the same ``main.py`` runs both ways.
 
 The rendezvous:

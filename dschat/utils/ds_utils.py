@@ -1,7 +1,7 @@
 """The one DeepSpeed config builder, for every role (actor, reference, EMA, critic, reward).
 
-Dict contents and key order follow upstream's ``dschat/utils/ds_utils.py`` exactly (reference
-§4.6), with two differences:
+Dict contents and key order follow upstream's ``dschat/utils/ds_utils.py`` exactly,
+with two differences:
 
 * the batch keys are computed here, once, from ``micro_batch_size``, ``gradient_accumulation_steps``
   and the world size; upstream returned placeholders (32 / 4) that its callers overwrote six times.

@@ -1,6 +1,6 @@
 """Optimizer parameter groups, the Adam(W) choice, the LR scheduler and the step count.
 
-Upstream (reference §4.5) builds ``FusedAdam`` or, with ``--offload``, ``DeepSpeedCPUAdam`` over
+Upstream builds ``FusedAdam`` or, with ``--offload``, ``DeepSpeedCPUAdam`` over
 three parameter groups, with ``betas=(0.9, 0.95)`` and every other Adam default. Both DeepSpeed
 optimizers default to *decoupled* weight decay (``FusedAdam(adam_w_mode=True)``,
 ``DeepSpeedCPUAdam(adamw_mode=True)``), i.e. AdamW::

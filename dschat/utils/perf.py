@@ -10,7 +10,7 @@ gradient), ``B`` sequences of ``s`` tokens, ``L`` layers, hidden size ``h`` and 
 
 The numbers are computed by pure functions (:func:`throughput_stats`, :func:`throughput_stats_step3`)
 that tests check by hand; :func:`print_throughput` / :func:`print_throughput_step3` only format
-them with upstream's exact lines. Upstream arithmetic bugs fixed here (reference §7, §10.4):
+them with upstream's exact lines. Upstream arithmetic bugs fixed here:
 
 * steps 1 / 2 / DPO: FLOPs are computed for the *per-device* batch, so per-GPU TFLOPs divide by the
   time only (upstream also divided by the world size, under-reporting by that factor);

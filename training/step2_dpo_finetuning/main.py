@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     # Policy (trained) and reference (frozen). The reference is ZeRO-3 only if the policy is, and is
     # built with the very config it is initialised with (upstream built it without the offload it
-    # then initialised with, reference §10.16).
+    # then initialised with).
     ds_config = train_ds_config(args, ctx, tb_name="step2_model")
     model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config, dropout=args.dropout)
     ref_ds_config = get_eval_ds_config(

@@ -55,7 +55,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add_step3_deepspeed_args(parser)
     add_step3_logging_args(parser)
     add_step3_eval_args(parser)
-    add_runtime_args(parser, seed=1234)  # upstream's None was not reproducible (§10.20)
+    add_runtime_args(parser, seed=1234)  # upstream's None was not reproducible
     add_eot_args(parser, eot_token_flag=False)
     add_checkpoint_args(parser)
     add_deepspeed_args(parser)

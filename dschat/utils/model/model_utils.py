@@ -10,7 +10,7 @@ Differences from upstream (each fixes a reported problem):
 - A step-3 critic/reward path must be a step-2 output -- dschat's (safetensors body +
   ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): missing
   or unexpected keys fail loudly (upstream's loader swallowed them, so a wrong path trained a
-  random critic, bug §10.7).
+  random critic).
 """
 from __future__ import annotations
 
@@ -339,7 +339,7 @@ def load_state_dict_into_model(
     loaded on every rank. Missing, unexpected and wrongly shaped keys are found on every rank before
     anything is loaded: with ``strict`` (the default) they raise one :class:`UserError` and nothing
     is loaded; with ``strict=False`` the matching keys are loaded and the rest is returned.
-    Upstream ignored them all (its bug §10.7: a wrong critic path trained a random critic).
+    Upstream ignored them all (a wrong critic path trained a random critic).
     """
     expected = {start_prefix + k: tuple(getattr(v, "ds_shape", v.shape))
                 for k, v in model_to_load.state_dict(keep_vars=True).items()}

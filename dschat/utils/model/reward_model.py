@@ -7,7 +7,7 @@ one; the score of a sequence is the value at its last token.
 Where upstream finds "the last token" by searching for the pad id (skipping
 ``num_padding_at_beginning`` leading pads, OPT's BOS == pad), dschat reads it from the attention
 mask, so an EOS that shares the pad id is still part of the sequence and is the scored token
-(upstream bug §10.10: its step-2 RM scored the token before EOS only when EOS != pad). Upstream's
+(an upstream bug: its step-2 RM scored the token before EOS only when EOS != pad). Upstream's
 pad rule -- with ``num_padding_at_beginning`` in its upstream meaning -- is used only when no
 attention mask is passed.
 
@@ -31,8 +31,7 @@ from dschat.models.families import value_head_dim
 from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE
 
 VALUE_HEAD_KEY = "v_head.weight"
-# Upstream's step-2 output, UPSTREAM_WEIGHTS_FILE: torch.save(RewardModel.state_dict()) (save_hf_format,
-# reference §4.7).
+# Upstream's step-2 output, UPSTREAM_WEIGHTS_FILE: torch.save(RewardModel.state_dict()) (save_hf_format).
 BODY_PREFIX = "rwtransformer."
 
 

@@ -1,7 +1,7 @@
 """LoRA as upstream DeepSpeed-Chat implements it (no PEFT), plus an optional 4-bit base (QLoRA).
 
-``LinearLayer_LoRA`` keeps upstream's attribute names, initialisation and fuse formula (reference
-§4.4), because DeepSpeed's Hybrid Engine reads them directly (checked against deepspeed 0.19.8):
+``LinearLayer_LoRA`` keeps upstream's attribute names, initialisation and fuse formula,
+because DeepSpeed's Hybrid Engine reads them directly (checked against deepspeed 0.19.8):
 
 * ``maybe_get_lora(p)`` (``deepspeed/module_inject/policy.py``) returns
   ``[p.lora_right_weight, p.lora_left_weight, p.lora_scaling]`` when ``p`` has
@@ -222,7 +222,7 @@ class LinearLayer_LoRA(nn.Module):
     def train(self, mode: bool = True) -> "LinearLayer_LoRA":
         """Standard ``nn.Module.train`` (recurses, returns self).
 
-        Upstream overrode it to toggle only the dropout and return None (reference §10 item 21).
+        Upstream overrode it to toggle only the dropout and return None.
         """
         return super().train(mode)
 
@@ -377,7 +377,7 @@ def _lora_layers(model: nn.Module) -> List[LinearLayer_LoRA]:
 def lora_target_modules_for(model: nn.Module) -> str:
     """Default ``--lora_module_name`` for ``model``'s family.
 
-    Read from the one model-family table (:data:`dschat.models.families.FAMILIES`, STYLE habit 7):
+    Read from the one model-family table (:data:`dschat.models.families.FAMILIES`):
     OPT ``"decoder.layers."``, LLaMA-style ``"layers."``, BLOOM/GPT-J/GPT-Neo ``"h."``. The values
     are substrings, not prefixes, so they also match inside upstream's reward wrapper
     (``rwtransformer.decoder.layers.N...``). A DeepSpeed engine is unwrapped first.
