@@ -48,7 +48,7 @@ from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
 from dschat.recipes import Recipe, get_recipe  # noqa: E402
-from dschat.utils.fs import check_writable_dir  # noqa: E402
+from dschat.runtime.fs import check_writable_dir  # noqa: E402
 
 STEP_KEYS = {1: "step1", 2: "step2", 3: "step3"}
 MODEL_TYPE = {1: "actor", 2: "reward", 3: "step3"}  # upstream's output folder prefixes
@@ -359,7 +359,7 @@ def load_timings(out: Path) -> dict[str, float]:
 
 
 def save_timings(out: Path, timings: dict[str, float]) -> None:
-    from dschat.utils.fs import atomic_file
+    from dschat.runtime.fs import atomic_file
 
     with atomic_file(out / TIMINGS_FILE) as tmp:
         tmp.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")

@@ -70,7 +70,7 @@ def load_step(name: str) -> Any:
 
 def step_flops(shapes: Sequence[tuple[int, int]], config: Any, factor: float) -> list[float]:
     """Upstream's training FLOPs of each step, over the rows and columns it fed the model."""
-    from dschat.utils.perf import calculate_flops
+    from dschat.runtime.perf import calculate_flops
 
     return [calculate_flops(factor, rows, cols, config) for rows, cols in shapes]
 
@@ -95,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
     from dschat.models.families import family_of
     from dschat.models.registry import resolve_model_path
-    from dschat.utils.perf import checkpoint_activations_factor
+    from dschat.runtime.perf import checkpoint_activations_factor
     from step3 import append_results, materialise, versions
 
     on_gpu = get_accelerator().device_name() != "cpu"

@@ -306,7 +306,7 @@ class Metrics:
 def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: int, actor_config: Any,
             critic_config: Any, actor_factor: float, critic_factor: float) -> Metrics:
     """Turn one mode's times into rates. Pure arithmetic (tests/test_benchmarks.py checks it by hand)."""
-    from dschat.utils.perf import calculate_flops
+    from dschat.runtime.perf import calculate_flops
 
     n = max(r.steps, 1)
     seq_len = sum(w + answer_len for w in r.prompt_width) / n
@@ -375,8 +375,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-    from dschat.utils.dist import init_distributed
-    from dschat.utils.perf import bytes_per_parameter, checkpoint_activations_factor, count_parameters
+    from dschat.runtime.dist import init_distributed
+    from dschat.runtime.perf import bytes_per_parameter, checkpoint_activations_factor, count_parameters
 
     import importlib.util
 

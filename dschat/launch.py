@@ -40,7 +40,7 @@ from dschat.multinode import (
     write_rank_env_file,
 )
 from dschat.recipes import Launcher, Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
-from dschat.utils.fs import check_writable_dir
+from dschat.runtime.fs import check_writable_dir
 
 LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, custom wrappers)
 PREFIX = "[dschat.launch]"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence, Union
 
 from dschat.errors import UserError, cli_main
-from dschat.utils.fs import untrusted_reason
+from dschat.runtime.fs import untrusted_reason
 
 # -------------------------------------------------------------------------------------------------
 # Steps
@@ -103,7 +103,7 @@ def find_repo_root(explicit: str | os.PathLike | None = None) -> Path:
     from (an editable install, or ``PYTHONPATH`` pointing at a checkout), and the working directory
     itself. Its parents are not searched: a folder such as ``/tmp`` that others can write to could
     hold a planted checkout. The checkout must be the user's and writable by nobody else
-    (:func:`dschat.utils.fs.untrusted_reason`).
+    (:func:`dschat.runtime.fs.untrusted_reason`).
     """
     for label, value in (("--repo-root", explicit), ("DSCHAT_REPO_ROOT", os.environ.get("DSCHAT_REPO_ROOT"))):
         if value:

@@ -10,9 +10,9 @@ import torch
 from transformers import OPTConfig, OPTForCausalLM
 
 from dschat.errors import UserError
-from dschat.utils import dist as dist_utils
-from dschat.utils import ds_utils
-from dschat.utils.ds_utils import get_eval_ds_config, get_train_ds_config, resolve_dtype, torch_dtype_of
+from dschat.runtime import dist as dist_utils
+from dschat.runtime import ds_config as ds_utils
+from dschat.runtime.ds_config import get_eval_ds_config, get_train_ds_config, resolve_dtype, torch_dtype_of
 
 
 def _assert_same_dict(got: dict, expected: dict) -> None:
@@ -205,12 +205,12 @@ def test_bad_config_inputs_are_user_errors(kwargs, match):
 
 def test_resolve_dtype_on_cpu_warns_once(monkeypatch, caplog):
     monkeypatch.setattr(ds_utils, "_warned_fp16_on_cpu", False)
-    with caplog.at_level(logging.WARNING, logger="dschat.utils.ds_utils"):
+    with caplog.at_level(logging.WARNING, logger="dschat.runtime.ds_config"):
         assert resolve_dtype("fp16") == "fp32"
         assert resolve_dtype("fp16") == "fp32"
         assert resolve_dtype("bf16") == "bf16"
         assert resolve_dtype("fp32") == "fp32"
-    warnings = [r.getMessage() for r in caplog.records if r.name == "dschat.utils.ds_utils"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "dschat.runtime.ds_config"]
     assert warnings == ["dtype fp16 is not supported on the CPU accelerator; training in fp32 instead"]
 
 
@@ -280,7 +280,7 @@ def test_host_tensors_go_through_the_gpu_under_nccl(monkeypatch):
 
 def test_no_collective_is_handed_a_host_tensor_directly():
     """A tensor made without ``device=`` is on the host, which NCCL refuses: such tensors must go
-    through ``dschat.utils.dist`` (all_reduce_sum / get_all_reduce_mean copy them to the GPU). This
+    through ``dschat.runtime.dist`` (all_reduce_sum / get_all_reduce_mean copy them to the GPU). This
     slipped through twice (a PPO step's loss means, then its ratio statistics), and CPU tests cannot
     see it (gloo takes host tensors), so the source is checked: within a function, a name handed to
     ``torch.distributed.all_reduce`` must not be bound to ``torch.tensor/zeros/...(...)`` without
@@ -331,7 +331,7 @@ def test_config_initialises_engine_and_trains_one_step(dist_info, stage, dtype):
     import deepspeed
 
     from dschat.utils.module.lora import convert_linear_layer_to_lora
-    from dschat.utils.optim import create_optimizer, create_scheduler, get_optimizer_grouped_parameters
+    from dschat.runtime.optim import create_optimizer, create_scheduler, get_optimizer_grouped_parameters
 
     cfg = get_train_ds_config(False, resolve_dtype(dtype), stage, micro_batch_size=2)  # fp16 -> fp32 on CPU
     model = convert_linear_layer_to_lora(tiny_opt(), "decoder.layers.", lora_dim=4)
@@ -370,7 +370,7 @@ def test_zero3_partitioned_lora_fuses_under_gather(dist_info):
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     from dschat.utils.module.lora import convert_linear_layer_to_lora, convert_lora_to_linear_layer
-    from dschat.utils.optim import create_optimizer, get_optimizer_grouped_parameters
+    from dschat.runtime.optim import create_optimizer, get_optimizer_grouped_parameters
 
     cfg = get_train_ds_config(False, "fp32", 3, micro_batch_size=2)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even tiny weights
@@ -402,7 +402,7 @@ def test_qlora_model_trains_under_zero2(dist_info, dtype):
     import deepspeed
 
     from dschat.utils.module.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
-    from dschat.utils.optim import create_optimizer, get_optimizer_grouped_parameters
+    from dschat.runtime.optim import create_optimizer, get_optimizer_grouped_parameters
 
     model = convert_linear_layer_to_lora(tiny_opt(), "decoder.layers.", lora_dim=4, quantize_base="nf4")
     only_optimize_lora_parameters(model)

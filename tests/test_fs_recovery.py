@@ -1,4 +1,4 @@
-"""dschat.utils.fs.recover_dir: a kill at any point of atomic_dir's folder swap leaves, after
+"""dschat.runtime.fs.recover_dir: a kill at any point of atomic_dir's folder swap leaves, after
 recovery, either the old or the new complete folder at its path, with the carried-over entries
 (logs, checkpoints/) inside it, never hidden in a sibling. Leftovers another user planted (or that
 others can write to, or without dschat's completion marker) are left alone; a symlinked output
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dschat.utils import fs
+from dschat.runtime import fs
 
 
 class Killed(BaseException):

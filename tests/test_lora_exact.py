@@ -93,7 +93,7 @@ def test_unfuse_without_a_kept_weight_is_an_error():
 
 @pytest.fixture(scope="module")
 def dist_info():
-    from dschat.utils.dist import init_distributed
+    from dschat.runtime.dist import init_distributed
 
     return init_distributed()
 
@@ -116,7 +116,7 @@ def test_zero3_weights_fused_while_partitioned_come_back_bit_identical(dist_info
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from dschat.utils.ds_utils import get_eval_ds_config
+    from dschat.runtime.ds_config import get_eval_ds_config
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     cfg = get_eval_ds_config(False, dtype, 3, micro_batch_size=2)

@@ -7,9 +7,9 @@ from torch import nn
 from transformers import OPTConfig, OPTForCausalLM
 
 from dschat.errors import UserError
-from dschat.utils import optim as optim_mod
+from dschat.runtime import optim as optim_mod
 from dschat.utils.module.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
-from dschat.utils.optim import (
+from dschat.runtime.optim import (
     create_optimizer,
     create_scheduler,
     get_optimizer_grouped_parameters,
@@ -157,8 +157,8 @@ def test_offload_uses_deepspeed_cpu_adam_under_zero2():
     import deepspeed
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-    from dschat.utils.dist import init_distributed
-    from dschat.utils.ds_utils import get_train_ds_config
+    from dschat.runtime.dist import init_distributed
+    from dschat.runtime.ds_config import get_train_ds_config
 
     init_distributed()
     # Same math as FusedAdam / AdamW on the hand-made tensor.

@@ -221,8 +221,8 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 from dschat.models.save import save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.utils.dist import init_distributed
-from dschat.utils.ds_utils import get_eval_ds_config
+from dschat.runtime.dist import init_distributed
+from dschat.runtime.ds_config import get_eval_ds_config
 from dschat.utils.model.model_utils import create_hf_model
 from dschat.utils.module.lora import convert_linear_layer_to_lora
 adapter, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]

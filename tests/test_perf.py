@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dschat.utils import perf
+from dschat.runtime import perf
 
 
 def cfg(layers: int, hidden: int, vocab: int) -> SimpleNamespace:

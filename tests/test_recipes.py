@@ -17,7 +17,7 @@ import pytest
 
 from dschat import recipes as R
 from dschat.errors import UserError
-from dschat.utils import fs
+from dschat.runtime import fs
 
 ROOT = Path(__file__).resolve().parent.parent
 OPT_DATA = ["Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",

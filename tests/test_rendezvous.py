@@ -1,4 +1,4 @@
-"""How ranks meet (dschat.utils.dist.init_distributed): a one-process run opens no port on any
+"""How ranks meet (dschat.runtime.dist.init_distributed): a one-process run opens no port on any
 network interface; a rank whose peers never come stops within --dist_timeout with one line naming
 the master address and port; a busy master port is one line too. Every step script has the flag."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ TIMEOUT_MINUTES = 0.05  # 3 s
 PROBE = r"""
 import json, os, socket, sys, time
 from dschat.errors import cli_main
-from dschat.utils import dist
+from dschat.runtime import dist
 
 def attempt(case, rank, port):
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -122,7 +122,7 @@ def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
 
 def test_every_step_takes_dist_timeout_and_setup_run_passes_it(monkeypatch):
     from dschat.training import common
-    from dschat.utils import dist
+    from dschat.runtime import dist
 
     seen: list[float] = []
 

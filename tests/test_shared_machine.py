@@ -1,5 +1,5 @@
 """Safe on a shared machine: a folder, cache file or lock is trusted only when this user owns it and
-nobody else can write to it (dschat.utils.fs), and the tokenised-data cache is private by default.
+nobody else can write to it (dschat.runtime.fs), and the tokenised-data cache is private by default.
 
 Another account is simulated two ways: a folder group or others can write to, or ``os.stat`` reporting
 another owner for one path (the suite may run as one user). Where the tests run as root and
@@ -22,7 +22,7 @@ from dschat.data import prompt_dataset as pd
 from dschat.data.prompt_dataset import cache_files, create_prompt_dataset
 from dschat.errors import UserError
 from dschat.paths import data_cache_dir
-from dschat.utils import fs
+from dschat.runtime import fs
 from test_data_common import make_tokenizer, pref_rows, write_jsonl
 
 OTHER_UID = 65534  # "nobody"

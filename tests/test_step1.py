@@ -170,7 +170,7 @@ def test_sft_low_precision_on_gpu(step1, data_dir, tmp_path, dtype, zero_stage, 
 def test_zero3_save_after_evaluation_on_a_real_model(step1, data_dir, tmp_path):
     """SmolLM2 at ZeRO-3: after the epoch's evaluation DeepSpeed's prefetcher still had parameters in
     flight, and gathering them for the final save failed ("Cannot partition a param in flight"; this
-    test failed so with ``dschat.utils.ds_utils.release_zero3_prefetch`` patched to a no-op). The
+    test failed so with ``dschat.runtime.zero3.release_zero3_prefetch`` patched to a no-op). The
     tiny models never showed it: ZeRO-3 keeps most of their small parameters resident."""
     out = tmp_path / "out"
     result = step1.main(base_argv("smollm2-135m", data_dir, "--zero_stage", "3", "--output_dir", str(out),

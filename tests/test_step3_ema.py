@@ -74,7 +74,7 @@ def test_zero3_ema_update_is_kept_for_partitioned_and_persistent_params(critic_d
 
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-    from dschat.utils.dist import init_distributed
+    from dschat.runtime.dist import init_distributed
 
     init_distributed()
     args = step3_main().parse_args(base_argv("tiny-llama", critic_dirs["tiny-llama"], data_cache,

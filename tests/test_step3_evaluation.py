@@ -19,7 +19,7 @@ from dschat.errors import EXIT_USAGE, cli_main
 from dschat.rlhf import evaluation as ev
 from dschat.rlhf.evaluation import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change, token_entropy
 from dschat.training import checkpoint as ckpt
-from dschat.utils import fs
+from dschat.runtime import fs
 
 
 @pytest.fixture(autouse=True, scope="module")  # module: before the module-scoped runs (same float sums)
@@ -225,7 +225,7 @@ def test_ppo_evaluation_records_and_best_checkpoint(ppo_runs):
     best = records[golds.index(max(golds))]
     info = json.loads((out / "best" / "best.json").read_text())
     assert (info["step"], info["by"], info["score"]) == (best["global_step"], "gold", best["judges"]["gold"])
-    # The folder is written atomically, so it carries the completion marker of dschat.utils.fs too.
+    # The folder is written atomically, so it carries the completion marker of dschat.runtime.fs too.
     assert sorted(p.name for p in (out / "best").iterdir()) == sorted([
         "actor", "actor_ema", "best.json", "critic", fs.SAVED_MARKER])
     assert records[-1]["best_step"] == best["global_step"]

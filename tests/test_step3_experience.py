@@ -80,7 +80,7 @@ def _build(model: str, critic_dirs, data_cache, *extra: str):  # noqa: F811
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-    from dschat.utils.dist import init_distributed
+    from dschat.runtime.dist import init_distributed
 
     init_distributed()
     args = step3_main().parse_args(base_argv(model, critic_dirs[model], data_cache, *extra))

@@ -18,7 +18,7 @@ PROMPT_MASK = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
 def _engine(model: str, critic_dirs, data_cache, *extra: str):  # noqa: F811
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-    from dschat.utils.dist import init_distributed
+    from dschat.runtime.dist import init_distributed
 
     init_distributed()
     args = step3_main().parse_args(base_argv(model, critic_dirs[model], data_cache, "--decoding", "greedy", *extra))
@@ -498,7 +498,7 @@ def test_rollouts_leave_the_frozen_lora_base_weights_bit_identical(dtype, zero_s
     (on one rank under ZeRO-3 too: the "gathered" tensor there is the partition itself)."""
     import deepspeed
 
-    import dschat.utils.ds_utils as ds_utils
+    import dschat.runtime.ds_config as ds_utils
     from dschat.utils.module.lora import LinearLayer_LoRA
 
     if persistence is not None:  # partition even the tiny test weights

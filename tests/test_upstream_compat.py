@@ -149,7 +149,7 @@ def test_upstream_step1_folder_loads_as_actor(tmp_path):
 def test_upstream_step1_folder_loads_partitioned_under_zero3(tmp_path):
     import deepspeed
 
-    from dschat.utils.dist import init_distributed
+    from dschat.runtime.dist import init_distributed
     from dschat.utils.ds_utils import get_eval_ds_config
 
     init_distributed()
@@ -278,7 +278,7 @@ def test_dschat_value_head_file_wins_over_a_stray_bin(tmp_path):
 def test_zero3_upstream_critic_is_built_partitioned_and_scores_the_same(upstream_opt_critic):
     import deepspeed
 
-    from dschat.utils.dist import init_distributed
+    from dschat.runtime.dist import init_distributed
     from dschat.utils.ds_utils import get_eval_ds_config
 
     init_distributed()
@@ -299,7 +299,7 @@ def test_zero3_upstream_critic_is_built_partitioned_and_scores_the_same(upstream
 TWO_RANK_SCRIPT = """
 import sys, torch, deepspeed
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.utils.dist import init_distributed
+from dschat.runtime.dist import init_distributed
 from dschat.utils.ds_utils import get_eval_ds_config
 from dschat.utils.model.model_utils import create_critic_model, load_state_dict_into_model
 folder, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
@@ -513,7 +513,7 @@ def test_load_state_dict_into_model_with_prefix():
 def test_load_state_dict_into_model_under_zero3():
     import deepspeed
 
-    from dschat.utils.dist import init_distributed
+    from dschat.runtime.dist import init_distributed
     from dschat.utils.ds_utils import get_eval_ds_config
     from dschat.utils.utils import load_state_dict_into_model
 

@@ -10,7 +10,7 @@ import functools
 
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
 from dschat.paths import SAVE_FORMATS, data_cache_dir
-from dschat.utils.fs import resolve_output_dir
+from dschat.runtime.fs import resolve_output_dir
 
 __all__ = ["add_data_args", "add_unsupervised_data_args"]
 

@@ -483,7 +483,7 @@ def generate(
 
 
 def write(out_dir: Path, rows: dict[str, list[dict]]) -> None:
-    from dschat.utils.fs import atomic_file
+    from dschat.runtime.fs import atomic_file
 
     for split, split_rows in rows.items():
         with atomic_file(out_dir / f"{split}.jsonl") as tmp:

@@ -50,7 +50,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from dschat.data.raw_datasets import plan_phase_data, resolve_dataset
     from dschat.data.split import parse_data_split
     from dschat.models.registry import check_local_model_path
-    from dschat.utils.fs import check_writable_dir
+    from dschat.runtime.fs import check_writable_dir
 
     # Input checks first, without torch/transformers and without writing anything: names, paths,
     # the split, then the data itself (parse errors, columns, empty phases).

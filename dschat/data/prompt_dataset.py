@@ -67,7 +67,7 @@ from dschat.data.raw_datasets import (
 )
 from dschat.data.split import get_shuffle_idx, parse_data_split
 from dschat.errors import UserError
-from dschat.utils.fs import atomic_files, check_trusted, make_private_dir
+from dschat.runtime.fs import atomic_files, check_trusted, make_private_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
 FORMAT_VERSION = 1

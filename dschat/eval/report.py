@@ -563,7 +563,7 @@ def _actor_summary(samples: Samples, gold: list[float], rewards: list[float]) ->
 def write_answers(path: Path, sft: Samples, rlhf: Samples, sft_gold: Sequence[float], rlhf_gold: Sequence[float],
                   sft_rewards: Sequence[float], rlhf_rewards: Sequence[float]) -> Path:
     """Every held-out prompt with both actors' answers and their scores, one JSON object per line."""
-    from dschat.utils.fs import atomic_file
+    from dschat.runtime.fs import atomic_file
 
     with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for i, prompt in enumerate(sft.prompts):
@@ -614,7 +614,7 @@ def build_report(
 
     from dschat.gold_judge import gold_score
 
-    from dschat.utils.fs import check_writable_dir
+    from dschat.runtime.fs import check_writable_dir
 
     settings = settings or EvalSettings()
     start = time.monotonic()
@@ -713,7 +713,7 @@ def build_report(
 
 
 def write_report(report: dict[str, Any], out: str | Path) -> Path:
-    from dschat.utils.fs import atomic_file
+    from dschat.runtime.fs import atomic_file
 
     path = Path(out) / REPORT_FILE
     with atomic_file(path) as tmp:
@@ -779,7 +779,7 @@ def _evaluation_part(metrics_path: Path | None, out: Path) -> dict[str, Any] | N
 
 def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
     """``--curves_only``: the PPO and evaluation figures of a ``metrics.jsonl``, and the evaluation's lines."""
-    from dschat.utils.fs import check_writable_dir
+    from dschat.runtime.fs import check_writable_dir
 
     metrics = Path(metrics)
     if not metrics.is_file():

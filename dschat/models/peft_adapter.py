@@ -36,7 +36,6 @@ import json
 import math
 import re
 from collections import Counter
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
@@ -47,6 +46,7 @@ from torch import nn
 from dschat.errors import UserError, first_line
 from dschat.models.registry import ADAPTER_CONFIG_FILE, is_adapter_folder
 from dschat.paths import VALUE_HEAD_FILE
+from dschat.runtime.zero3 import full_shape, gathered
 from dschat.utils.model.reward_model import VALUE_HEAD_KEY
 
 __all__ = [
@@ -101,20 +101,6 @@ class AdapterExport:
 def _is_lora_layer(module: nn.Module) -> bool:
     """DeepSpeed Hybrid Engine's LoRA contract, as :func:`dschat.models.save.is_lora_layer` reads it."""
     return all(hasattr(module, name) for name in ("lora_right_weight", "lora_left_weight", "lora_scaling"))
-
-
-def _full_shape(param: torch.Tensor) -> tuple[int, ...]:
-    """A parameter's shape, also while ZeRO-3 has partitioned it away (``ds_shape``)."""
-    return tuple(getattr(param, "ds_shape", param.shape))
-
-
-def _gathered(params: Sequence[torch.Tensor], modifier_rank: int | None = None) -> AbstractContextManager[Any]:
-    """Gather ZeRO-3 partitioned ``params`` (all ranks must enter); a no-op for plain tensors."""
-    if not any(hasattr(p, "ds_id") for p in params):
-        return nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank)
 
 
 def _rank() -> int:
@@ -174,7 +160,7 @@ def _plain_module_names(body: nn.Module, layers: dict[str, nn.Module]) -> list[s
 def _settings(body: nn.Module, layers: dict[str, nn.Module], extra: list[str], lora_biases: bool,
               reward: bool) -> dict[str, Any]:
     """``peft.LoraConfig`` arguments reproducing dschat's LoRA layers (rank, scaling, dropout, targets)."""
-    ranks = {name: _full_shape(layer.lora_right_weight)[1] for name, layer in layers.items()}  # (in, r)
+    ranks = {name: full_shape(layer.lora_right_weight)[1] for name, layer in layers.items()}  # (in, r)
     alphas = {name: _lora_alpha(float(layer.lora_scaling), ranks[name]) for name, layer in layers.items()}
     rank = Counter(ranks.values()).most_common(1)[0][0]
     alpha = Counter(alphas.values()).most_common(1)[0][0]
@@ -210,7 +196,7 @@ def gather_lora_adapter(model: Any) -> AdapterExport | None:
     engine around one. None without LoRA layers, and on ranks other than 0. Collective under ZeRO-3:
     every rank must call it.
     """
-    from dschat.utils.ds_utils import release_zero3_prefetch
+    from dschat.runtime.zero3 import release_zero3_prefetch
 
     module = getattr(model, "module", model)
     body = getattr(module, "rwtransformer", module)  # a reward model: the adapter is its body's
@@ -227,7 +213,7 @@ def gather_lora_adapter(model: Any) -> AdapterExport | None:
         if name in layers:
             bias = sub.bias if sub.bias is not None and sub.bias.requires_grad else None
             lora_biases = lora_biases or bias is not None
-            with _gathered([p for p in (sub.lora_right_weight, sub.lora_left_weight, bias) if p is not None]):
+            with gathered([p for p in (sub.lora_right_weight, sub.lora_left_weight, bias) if p is not None]):
                 if rank0:
                     tensors[f"{KEY_PREFIX}{name}.lora_A.weight"] = _cpu(sub.lora_right_weight.t())  # (r, in)
                     tensors[f"{KEY_PREFIX}{name}.lora_B.weight"] = _cpu(sub.lora_left_weight.t())  # (out, r)
@@ -240,12 +226,12 @@ def gather_lora_adapter(model: Any) -> AdapterExport | None:
         if not any(p.requires_grad for p in own.values()):
             continue
         extra.append(name)
-        with _gathered(list(own.values())):
+        with gathered(list(own.values())):
             if rank0:
                 tensors.update({f"{KEY_PREFIX}{name}.{p_name}": _cpu(p) for p_name, p in own.items()})
     value_head = None
     if reward:
-        with _gathered([module.v_head.weight]):
+        with gathered([module.v_head.weight]):
             value_head = _cpu(module.v_head.weight) if rank0 else None
     if not rank0:
         return None
@@ -496,8 +482,8 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         param = getattr(target, param_name, None)
         if not isinstance(param, nn.Parameter):
             raise refuse(f"it has {key!r} and {located!r} has no parameter {param_name!r}")
-        if _full_shape(param) != tuple(value.shape):
-            raise refuse(f"{key!r} has shape {tuple(value.shape)}, the model's {_full_shape(param)}")
+        if full_shape(param) != tuple(value.shape):
+            raise refuse(f"{key!r} has shape {tuple(value.shape)}, the model's {full_shape(param)}")
         replaced.append((param, value))
     merges = []
     for located, pair in factors.items():
@@ -507,9 +493,9 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         weight = getattr(model.get_submodule(located), "weight", None)
         delta_shape = (b.shape[0], a.shape[1])
         expected = delta_shape[::-1] if config.fan_in_fan_out else delta_shape
-        if not isinstance(weight, nn.Parameter) or a.shape[0] != b.shape[1] or _full_shape(weight) != expected:
+        if not isinstance(weight, nn.Parameter) or a.shape[0] != b.shape[1] or full_shape(weight) != expected:
             raise refuse(f"the LoRA factors of {located} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit "
-                         f"its weight {_full_shape(weight) if weight is not None else None}")
+                         f"its weight {full_shape(weight) if weight is not None else None}")
         merges.append((weight, a, b, _scaling(config, located, a.shape[0]), bool(config.fan_in_fan_out)))
     return merges, replaced
 
@@ -527,13 +513,13 @@ def merge_lora_adapter(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
 
     merges, replaced = _plan(model, adapter, load_file(str(adapter.weights_file)))
     for weight, a, b, scaling, fan_in_fan_out in merges:
-        with _gathered([weight], modifier_rank=0):
+        with gathered([weight], modifier_rank=0):
             delta = (b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)) * scaling  # (out, in)
             if fan_in_fan_out:  # GPT-2's Conv1D keeps its weight as (in, out)
                 delta = delta.t()
             weight.data.copy_((weight.data.float() + delta).to(weight.dtype))
     for param, value in replaced:
-        with _gathered([param], modifier_rank=0):
+        with gathered([param], modifier_rank=0):
             param.data.copy_(value.to(param.device, param.dtype))
     return model
 

@@ -16,7 +16,7 @@ folder is a plain model; a 4-bit (QLoRA) base is saved dequantised, in the compu
 Persistent buffers are saved too (upstream's ZeRO-3 save gathered parameters only).
 A model with LoRA layers also gets its LoRA as a PEFT adapter in ``lora_adapter/``
 (:mod:`dschat.models.peft_adapter`), written in the same atomic swap.
-Writing goes through :func:`dschat.utils.fs.atomic_dir`: a crash never leaves a broken folder
+Writing goes through :func:`dschat.runtime.fs.atomic_dir`: a crash never leaves a broken folder
 where a good one was. Files in the folder that are not part of a saved model (``training.log``,
 TensorBoard runs, step 3's ``actor/`` beside ``critic/``) are kept.
 """
@@ -31,8 +31,8 @@ from torch import nn
 
 from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_lora_adapter
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
-from dschat.utils.dist import barrier
-from dschat.utils.fs import atomic_dir
+from dschat.runtime.dist import barrier
+from dschat.runtime.fs import atomic_dir
 
 LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
 
@@ -61,8 +61,8 @@ def _keep(name: str) -> bool:
 
 def recover_output_dir(output_dir: str | Path) -> list[str]:
     """Repair ``output_dir`` after a kill during :func:`save_hf_model`'s folder swap (see
-    :func:`dschat.utils.fs.recover_dir`): its logs and ``checkpoints/`` are never left hidden."""
-    from dschat.utils.fs import recover_dir
+    :func:`dschat.runtime.fs.recover_dir`): its logs and ``checkpoints/`` are never left hidden."""
+    from dschat.runtime.fs import recover_dir
 
     return recover_dir(output_dir, carry_over=_keep)
 
@@ -106,7 +106,7 @@ def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
     """
     import deepspeed
 
-    from dschat.utils.ds_utils import release_zero3_prefetch
+    from dschat.runtime.zero3 import release_zero3_prefetch
 
     release_zero3_prefetch(model)
     module = unwrap(model)

@@ -61,7 +61,7 @@ def _tokenizer_source(resolved: str) -> str:
     output without tokenizer files, the model its ``_name_or_path`` names (followed as far as it
     leads: a step-3 actor names its step-1 folder, which names the base model)."""
     from dschat.models.registry import TOKENIZER_FILES, is_adapter_folder
-    from dschat.utils.dist import print_rank_0
+    from dschat.runtime.dist import print_rank_0
 
     path = resolved
     while is_adapter_folder(path) and not any((Path(path) / name).is_file() for name in FULL_TOKENIZER_FILES):

@@ -25,8 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import deepspeed
 import torch
 from torch import nn
+
+from dschat.runtime.zero3 import is_available, is_partitioned
 
 __all__ = ["EMA_BETA", "moving_average"]
 
@@ -35,16 +38,6 @@ EMA_BETA = 0.992
 
 def _module(model: Any) -> nn.Module:
     return getattr(model, "module", model)
-
-
-def _is_partitioned(param: torch.Tensor) -> bool:
-    return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
-
-
-def _is_available(param: torch.Tensor) -> bool:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return getattr(param, "ds_status", None) == ZeroParamStatus.AVAILABLE
 
 
 _SHADOW = "_dschat_ema_fp32"  # attribute of the EMA parameter holding the fp32 shadow of ``target``
@@ -84,21 +77,17 @@ def moving_average(model: Any, model_ema: Any, beta: float = EMA_BETA, device: A
             "they must be built the same way (same model, same LoRA conversion)"
         )
     for param, ema in zip(params, ema_params):
-        if _is_partitioned(param) and _is_partitioned(ema) and param.ds_tensor.numel() == ema.ds_tensor.numel():
+        if is_partitioned(param) and is_partitioned(ema) and param.ds_tensor.numel() == ema.ds_tensor.numel():
             # Same full shape and world -> the same flat slice lives on this rank in both.
             _lerp_(ema.ds_tensor.data, param.ds_tensor.data, beta, ema.ds_tensor)
-            if _is_available(ema) and ema.data.data_ptr() != ema.ds_tensor.data_ptr():
+            if is_available(ema) and ema.data.data_ptr() != ema.ds_tensor.data_ptr():
                 # A persistent (small) parameter also keeps its full copy resident; it is what a
                 # forward pass or a save reads, so update it too (same arithmetic, same result).
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=not _is_available(param)):
+                with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=not is_available(param)):
                     _lerp_(ema.data, param.data, beta, ema)
-        elif _is_partitioned(param) or _is_partitioned(ema):
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=_is_partitioned(param)):
-                with deepspeed.zero.GatheredParameters([ema], modifier_rank=0, enabled=_is_partitioned(ema)):
+        elif is_partitioned(param) or is_partitioned(ema):
+            with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=is_partitioned(param)):
+                with deepspeed.zero.GatheredParameters([ema], modifier_rank=0, enabled=is_partitioned(ema)):
                     _lerp_(ema.data, param.data, beta, ema)
         else:
             if param.shape != ema.shape:

@@ -27,7 +27,7 @@ line; ``--stop_on_overoptimization`` ends the run there, cleanly.
 **Best checkpoint** (``--save_best_by judge|proxy|none``): whenever an evaluation beats every earlier
 one (by the first judge, or the proxy), the actor -- and the critic and the EMA actor where the run
 has them -- are saved to ``<output_dir>/best/`` with ``best.json`` (step and scores), atomically as a
-whole (:func:`dschat.utils.fs.atomic_dir`; each model by :func:`dschat.models.save.save_hf_model`).
+whole (:func:`dschat.runtime.fs.atomic_dir`; each model by :func:`dschat.models.save.save_hf_model`).
 
 One JSON record per evaluation (``"kind": "eval"``) goes to ``metrics.jsonl``; the history, the best
 evaluation and the alarm travel in step 3's checkpoints, so a resumed run continues them.
@@ -50,7 +50,7 @@ import torch
 from dschat.errors import UserError
 from dschat.paths import METRICS_FILE
 from dschat.rewards import RewardFunction, load_reward_function
-from dschat.utils.dist import all_reduce_sum, barrier, print_rank_0
+from dschat.runtime.dist import all_reduce_sum, barrier, print_rank_0
 
 __all__ = [
     "BEST_DIR",
@@ -358,7 +358,7 @@ class StepThreeEvaluation:
 
                 self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
         if self.save_best_by != "none" and self.output_dir is not None and rank == 0:
-            from dschat.utils.fs import recover_dir
+            from dschat.runtime.fs import recover_dir
 
             for notice in recover_dir(self.output_dir / BEST_DIR):
                 print(f"[eval] {notice}", flush=True)
@@ -674,7 +674,7 @@ def save_best(output_dir: Path, models: Mapping[str, Any], tokenizer: Any, info:
     """``<output_dir>/best/<name>`` for each model and ``best.json``, replaced as one folder (collective:
     every rank gathers under ZeRO-3; rank 0 writes)."""
     from dschat.models.save import save_hf_model
-    from dschat.utils.fs import atomic_dir
+    from dschat.runtime.fs import atomic_dir
 
     target = output_dir / BEST_DIR
     swap: ContextManager[Any] = atomic_dir(target) if rank == 0 else nullcontext(target)

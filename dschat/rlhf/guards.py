@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.utils.ds_utils import check_optimizer_offload, check_param_offload
+from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
 
 __all__ = ["BatchPlan", "plan_batches", "validate_step3_args", "num_total_iters", "OFF_POLICY_WARNING"]
 
@@ -198,7 +198,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
             "without actor LoRA is unsupported due to training instability (as upstream); drop one of "
             "them or add --actor_lora_dim"
         )
-    # DeepSpeed's offload rules (dschat.utils.ds_utils): --offload moves the actor's and the critic's
+    # DeepSpeed's offload rules (dschat.runtime.ds_config): --offload moves the actor's and the critic's
     # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
     # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
     if args.offload:

@@ -60,7 +60,7 @@ import torch
 from dschat.errors import first_line
 from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them
 from dschat.rlhf.decoding import DecodingSettings, Rollout
-from dschat.utils.dist import print_rank_0
+from dschat.runtime.dist import print_rank_0
 
 __all__ = [
     "HybridEngineDecision",

@@ -56,7 +56,7 @@ from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.guards import BatchPlan, plan_batches
 from dschat.rlhf.hybrid_engine import Rollout
 from dschat.training.nonfinite import NonFiniteGuard
-from dschat.utils.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
+from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
 
 __all__ = [
     "RewardFn",
@@ -88,7 +88,7 @@ def print_all_ranks(tag: str, value: float, rank: int) -> None:
 def get_model_norm(model: Any) -> float:
     """L2 norm over all of ``model``'s parameters (upstream's debugging helper). Under ZeRO-3 each
     parameter is gathered in turn, so every rank must call it."""
-    from dschat.utils.ds_utils import gathered_parameters
+    from dschat.runtime.zero3 import gathered_parameters
 
     return sum(float(param.float().pow(2).sum()) for _, param in gathered_parameters(model)) ** 0.5
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from dschat.cli.args import step3_flag
 from dschat.errors import UserError
-from dschat.utils.dist import get_world_size, is_rank_0
+from dschat.runtime.dist import get_world_size, is_rank_0
 
 __all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
 
@@ -53,7 +53,7 @@ def ds_config_for(role: str, args: Any, *, dtype: str, hybrid_engine: bool = Fal
     (doubled with PPO-ptx) for actor/ref/EMA, the plain one for critic/reward.
     """
     from dschat.data.unsupervised import unsupervised_training_enabled
-    from dschat.utils.ds_utils import get_eval_ds_config, get_train_ds_config
+    from dschat.runtime.ds_config import get_eval_ds_config, get_train_ds_config
 
     ga = args.gradient_accumulation_steps
     ga_actor = ga * 2 if unsupervised_training_enabled(args) else ga
@@ -109,7 +109,7 @@ class DeepSpeedRLHFEngine:
 
         from dschat.models.registry import load_config, resolve_model_path
         from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator, decide_hybrid_engine
-        from dschat.utils.ds_utils import resolve_dtype
+        from dschat.runtime.ds_config import resolve_dtype
         from dschat.utils.model.model_utils import aligned_vocab_rows
 
         self.args = args

@@ -32,7 +32,7 @@ from typing import Any
 
 from dschat.errors import UserError
 from dschat.paths import cache_dir
-from dschat.utils.fs import atomic_dir, atomic_file
+from dschat.runtime.fs import atomic_dir, atomic_file
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ Writes go to ``checkpoints/.tmp-step_<N>`` and are renamed into place once every
 its part, so a kill at any moment leaves the previous checkpoint usable; an incomplete folder is
 ignored on resume with a one-line notice.
 
-Every rank agrees (collectives, :func:`dschat.utils.dist.gather_ints`): a checkpoint is complete
+Every rank agrees (collectives, :func:`dschat.runtime.dist.gather_ints`): a checkpoint is complete
 (its marker written) only once every rank has found the files it wrote in the renamed folder, as
 seen from its own node; on ``--resume`` the ranks compare the step they would load before anything
 is loaded. A rank that cannot see the folder rank 0 writes (``--output_dir`` on node-local storage)
@@ -52,9 +52,9 @@ import numpy as np
 import torch
 
 from dschat.errors import UserError
-from dschat.utils.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
-from dschat.utils.ds_utils import gathered_parameters, release_zero3_prefetch
-from dschat.utils.fs import atomic_file
+from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
+from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
+from dschat.runtime.fs import atomic_file
 
 MARKER = "dschat_checkpoint.json"
 PREFIX = "step_"
@@ -332,10 +332,6 @@ class WeightsOnlyCheckpointEngine:
                                 "damaged or was not written by dschat: pass --resume_from with another one") from None
 
 
-def _is_zero3(param: torch.nn.Parameter) -> bool:
-    return hasattr(param, "ds_id")
-
-
 def save_weights(engine: Any, path: Path, rank: int) -> None:
     """Every parameter of ``engine`` (ZeRO-3: gathered) to one safetensors file, written by rank 0
     (collective)."""
@@ -361,7 +357,7 @@ def load_weights(engine: Any, path: Path, rank: int) -> None:
     if sorted(names) != sorted(state):
         raise UserError(f"{path} does not match this model's parameters; resume with the flags that wrote it")
     for name, param in module.named_parameters():
-        zero3 = _is_zero3(param)
+        zero3 = is_zero3_param(param)
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=zero3):
             if rank == 0 or not zero3:
                 with torch.no_grad():

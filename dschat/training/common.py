@@ -27,7 +27,8 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sequential
 
 from dschat.data.prompt_dataset import check_data_output_path
 from dschat.errors import UserError
-from dschat.utils.dist import get_all_reduce_mean, get_world_size
+from dschat.runtime.dist import get_all_reduce_mean, get_world_size
+from dschat.runtime.zero3 import is_zero3_param
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
@@ -125,7 +126,7 @@ def initialize_engine(model: nn.Module, ds_config: dict, optim: OptimSettings | 
     """``deepspeed.initialize`` with upstream's optimizer and scheduler (or none, for frozen models)."""
     import deepspeed
 
-    from dschat.utils.optim import create_optimizer, create_scheduler, get_optimizer_grouped_parameters
+    from dschat.runtime.optim import create_optimizer, create_scheduler, get_optimizer_grouped_parameters
 
     if optim is None:
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
@@ -297,7 +298,7 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")
-    from dschat.utils.ds_utils import check_optimizer_offload, check_param_offload
+    from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
 
     if getattr(args, "offload", False):
         check_optimizer_offload(args.zero_stage, "--zero_stage")
@@ -313,7 +314,7 @@ def check_output_paths(args: argparse.Namespace) -> None:
     """``--output_dir``, ``--data_output_path`` and (when enabled) ``--tensorboard_path`` must be
     folders this process can create, and a data cache folder one this user may trust: refused at
     start-up, not after training (steps 1-3)."""
-    from dschat.utils.fs import check_writable_dir
+    from dschat.runtime.fs import check_writable_dir
 
     for name in ("output_dir", "data_output_path"):
         if getattr(args, name, None):
@@ -354,8 +355,8 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     unchanged there.
     """
     from dschat.training.checkpoint import prepare_checkpoint_root
-    from dschat.utils.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
-    from dschat.utils.ds_utils import resolve_dtype
+    from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
+    from dschat.runtime.ds_config import resolve_dtype
 
     quiet_transformers()
     info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
@@ -392,7 +393,7 @@ def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str) -> tup
 
 def train_ds_config(args: argparse.Namespace, ctx: RunContext, tb_name: str) -> dict:
     """The trained engine's DeepSpeed config from the step flags (upstream's tb names)."""
-    from dschat.utils.ds_utils import get_train_ds_config
+    from dschat.runtime.ds_config import get_train_ds_config
 
     return get_train_ds_config(
         offload=args.offload, dtype=ctx.dtype, stage=args.zero_stage,
@@ -407,7 +408,7 @@ def plan_optimizer_steps(num_batches: int, epochs: int, gradient_accumulation_st
                          max_train_steps: int = 0) -> int:
     """Optimizer steps the LR schedule is laid out over: upstream's
     ``epochs * ceil(batches / GA)``, capped by ``--max_train_steps`` when that is > 0."""
-    from dschat.utils.optim import num_update_steps
+    from dschat.runtime.optim import num_update_steps
 
     steps = num_update_steps(num_batches, epochs, gradient_accumulation_steps)
     return min(steps, max_train_steps) if max_train_steps > 0 else steps
@@ -438,7 +439,7 @@ def reset_final_norm_for_reward(model: nn.Module, zero_stage: int) -> list[str]:
         return []
     norm = getattr(model.rwtransformer, norm_name)
     params = [norm.weight, norm.bias]
-    is_zero3 = zero_stage == 3 and hasattr(norm.weight, "ds_id")
+    is_zero3 = zero_stage == 3 and is_zero3_param(norm.weight)
     with deepspeed.zero.GatheredParameters(params, modifier_rank=0, enabled=is_zero3):
         if not is_zero3 or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
             with torch.no_grad():
@@ -519,7 +520,7 @@ def parameter_digest(model: Any) -> str:
 
     Collective under ZeRO-3 (each parameter is gathered in turn): every rank must call it.
     """
-    from dschat.utils.ds_utils import gathered_parameters
+    from dschat.runtime.zero3 import gathered_parameters
 
     digest = hashlib.sha256()
     for name, param in gathered_parameters(model):
@@ -538,7 +539,7 @@ def write_weight_digest(model: Any, tag: str) -> str | None:
     digest = parameter_digest(model)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     Path(folder).mkdir(parents=True, exist_ok=True)
-    from dschat.utils.fs import atomic_file
+    from dschat.runtime.fs import atomic_file
 
     with atomic_file(Path(folder) / f"{tag}-rank{rank}.sha256") as tmp:
         tmp.write_text(digest + "\n", encoding="utf-8")

@@ -27,7 +27,7 @@ from dschat.training.common import (
     write_weight_digest,
 )
 from dschat.training.nonfinite import NonFiniteGuard
-from dschat.utils.dist import print_rank_0
+from dschat.runtime.dist import print_rank_0
 
 
 def train_epochs(
@@ -56,7 +56,7 @@ def train_epochs(
     of the epoch (kept across a resume).
     """
     from dschat.data.collators import set_epoch_if_distributed
-    from dschat.utils.perf import print_throughput as throughput_line
+    from dschat.runtime.perf import print_throughput as throughput_line
 
     checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
     resumed = checkpointer.resume(counter)

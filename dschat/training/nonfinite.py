@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 
 from dschat.errors import UserError
-from dschat.utils.dist import get_all_reduce_mean, print_rank_0
+from dschat.runtime.dist import get_all_reduce_mean, print_rank_0
 
 
 class TrainingDiverged(UserError):

@@ -41,7 +41,7 @@ from dschat.training.common import (
     setup_run,
     train_ds_config,
 )
-from dschat.utils.dist import print_rank_0
+from dschat.runtime.dist import print_rank_0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

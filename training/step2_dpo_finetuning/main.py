@@ -43,7 +43,7 @@ from dschat.training.common import (
     train_ds_config,
 )
 from dschat.training.dpo import dpo_batch, evaluate_dpo
-from dschat.utils.dist import print_rank_0
+from dschat.runtime.dist import print_rank_0
 
 # What --add_eot_token adds in DPO (upstream: the literal, not a flag).
 EOT_SPECIAL_TOKEN = "<|endoftext|>"
@@ -73,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.data.collators import DataCollatorReward
     from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.training.loop import finish_run, train_epochs
-    from dschat.utils.ds_utils import get_eval_ds_config
+    from dschat.runtime.ds_config import get_eval_ds_config
     from dschat.utils.model.model_utils import create_hf_model
 
     args = parse_args(argv)

@@ -44,7 +44,7 @@ from dschat.training.common import (
     setup_run,
     train_ds_config,
 )
-from dschat.utils.dist import print_rank_0
+from dschat.runtime.dist import print_rank_0
 
 # What --add_eot_token adds in step 2 (upstream: the literal, not a flag).
 EOT_SPECIAL_TOKEN = "<|endoftext|>"

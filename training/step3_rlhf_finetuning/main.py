@@ -37,7 +37,7 @@ from dschat.cli.args import (
 from dschat.errors import UserError, cli_main
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
 from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
-from dschat.utils.dist import print_rank_0
+from dschat.runtime.dist import print_rank_0
 
 # What --add_eot_token adds (upstream: the literal, as a special token).
 EOT_SPECIAL_TOKEN = "<|endoftext|>"
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.common import TensorBoardLogger, setup_run, to_device
-    from dschat.utils.ds_utils import resolve_dtype
+    from dschat.runtime.ds_config import resolve_dtype
 
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)

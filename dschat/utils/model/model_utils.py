@@ -27,6 +27,7 @@ from dschat.errors import UserError, first_keys
 from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
 from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.paths import UPSTREAM_WEIGHTS_FILE
+from dschat.runtime.zero3 import any_zero3, full_shape
 
 DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout")
 
@@ -341,7 +342,7 @@ def load_state_dict_into_model(
     is loaded; with ``strict=False`` the matching keys are loaded and the rest is returned.
     Upstream ignored them all (a wrong critic path trained a random critic).
     """
-    expected = {start_prefix + k: tuple(getattr(v, "ds_shape", v.shape))
+    expected = {start_prefix + k: full_shape(v)
                 for k, v in model_to_load.state_dict(keep_vars=True).items()}
     missing = sorted(set(expected) - set(state_dict))
     unexpected = sorted(set(state_dict) - set(expected))
@@ -356,7 +357,7 @@ def load_state_dict_into_model(
             "pass the checkpoint that belongs to this model"
         )
     loadable = {k: v for k, v in state_dict.items() if k in expected and k not in wrong}
-    partitioned = zero_stage == 3 or any(hasattr(p, "ds_id") for p in model_to_load.parameters())
+    partitioned = zero_stage == 3 or any_zero3(model_to_load.parameters())
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
     def load(module: nn.Module, prefix: str) -> None:

@@ -21,14 +21,14 @@ Shapes: ``weight`` (out, in); ``lora_right_weight`` (in, r); ``lora_left_weight`
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
-from typing import Any, ContextManager, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dschat.errors import UserError
+from dschat.runtime.zero3 import full_shape, gathered_to_read, in_zero3_gather, is_resident, is_zero3_param
 
 __all__ = [
     "QUANT_TYPES",
@@ -42,40 +42,6 @@ __all__ = [
 ]
 
 QUANT_TYPES = ("nf4", "fp4")
-
-
-def _z3_params_to_fetch(params: Iterable[Optional[torch.Tensor]]) -> List[torch.Tensor]:
-    """ZeRO-3 parameters that are partitioned away right now and must be gathered to be read."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return [p for p in params
-            if p is not None and hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-
-
-def _gathered_to_read(params: Sequence[Optional[torch.Tensor]]) -> ContextManager[Any]:
-    """Gather the ZeRO-3 partitioned ``params`` to read them (nothing is written back); a no-op for
-    parameters that are not partitioned away."""
-    fetch = _z3_params_to_fetch(params)
-    if not fetch:
-        return nullcontext()
-    import deepspeed
-
-    return deepspeed.zero.GatheredParameters(fetch, modifier_rank=None)
-
-
-def _in_zero3_gather(param: torch.Tensor) -> Optional[bool]:
-    """True while ``param`` is held gathered by an open ``deepspeed.zero.GatheredParameters``; None
-    with a DeepSpeed that does not count those contexts (before 0.19)."""
-    from deepspeed.runtime.zero import partition_parameters
-
-    attr = getattr(partition_parameters, "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", None)
-    return None if attr is None else getattr(param, attr, 0) > 0
-
-
-def _zero3_available(param: torch.Tensor) -> bool:
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
-
-    return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
 
 
 class _Unfused(NamedTuple):
@@ -106,7 +72,7 @@ def _quantize_4bit(weight: torch.Tensor, quant_type: str, blocksize: int) -> nn.
     """``weight`` (out, in) -> a frozen ``bnb.nn.Params4bit`` holding the packed 4-bit codes."""
     if quant_type not in QUANT_TYPES:
         raise UserError(f"unknown 4-bit quant type {quant_type!r}; use one of {', '.join(QUANT_TYPES)}")
-    if hasattr(weight, "ds_id"):
+    if is_zero3_param(weight):
         raise UserError("QLoRA cannot quantize ZeRO-3 partitioned weights; use --zero_stage 0, 1 or 2 "
                         "with a 4-bit base, or drop the 4-bit option")
     if not weight.dtype.is_floating_point:
@@ -168,7 +134,7 @@ class LinearLayer_LoRA(nn.Module):
         if lora_dim <= 0:
             raise UserError(f"LoRA needs lora_dim >= 1, got {lora_dim}; set --lora_dim to a positive rank")
         # ZeRO-3 leaves an empty placeholder in weight.data; the full shape is in ds_shape.
-        rows, columns = weight.ds_shape if hasattr(weight, "ds_shape") else weight.shape  # (out, in)
+        rows, columns = full_shape(weight)  # (out, in)
         if quantize_base is not None:
             weight = _quantize_4bit(weight, quantize_base, quant_blocksize)
         self.register_parameter("weight", weight)
@@ -191,11 +157,11 @@ class LinearLayer_LoRA(nn.Module):
     # is ``ds_shape`` (DeepSpeed's inference containers read these on a ZeRO-3 model).
     @property
     def in_features(self) -> int:
-        return getattr(self.lora_right_weight, "ds_shape", self.lora_right_weight.shape)[0]
+        return full_shape(self.lora_right_weight)[0]
 
     @property
     def out_features(self) -> int:
-        return getattr(self.lora_left_weight, "ds_shape", self.lora_left_weight.shape)[1]
+        return full_shape(self.lora_left_weight)[1]
 
     @property
     def is_quantized(self) -> bool:
@@ -285,12 +251,12 @@ class LinearLayer_LoRA(nn.Module):
         if self.is_quantized:
             self._dequantize_base_for_good()
         weight = self.weight
-        zero3 = hasattr(weight, "ds_id")
+        zero3 = is_zero3_param(weight)
         if zero3:
-            held = _in_zero3_gather(weight)
+            held = in_zero3_gather(weight)
             if held is None:  # no count of gather contexts: a gathered weight is taken to be held by one
-                held = _zero3_available(weight)
-        with _gathered_to_read([self.lora_left_weight, self.lora_right_weight]):
+                held = is_resident(weight)
+        with gathered_to_read([self.lora_left_weight, self.lora_right_weight]):
             if not zero3 or held:
                 self._unfused = _Unfused(weight.data)
                 weight.data = self._fused_value(weight.data)
@@ -328,14 +294,14 @@ class LinearLayer_LoRA(nn.Module):
         if saved is None:
             raise RuntimeError("unfuse_lora_weight: this layer is marked fused but holds no unfused weight "
                                "(was fuse_lora set by hand?)")
-        if hasattr(weight, "ds_id"):
-            available = _zero3_available(weight)
+        if is_zero3_param(weight):
+            available = is_resident(weight)
             if saved.weight is not None and not available:
                 raise RuntimeError("unfuse_lora_weight: the ZeRO-3 gather that held this weight at fuse_lora_weight "
                                    "has ended; call fuse_lora_weight and unfuse_lora_weight inside the same "
                                    "deepspeed.zero.GatheredParameters")
             if saved.weight is None and available:
-                if _in_zero3_gather(weight):
+                if in_zero3_gather(weight):
                     raise RuntimeError("unfuse_lora_weight: this weight was fused while partitioned and is now held "
                                        "by a deepspeed.zero.GatheredParameters; unfuse outside that gather")
                 # Gathered since (a forward fetched it; small weights stay resident): drop the fused

@@ -1,0 +1,2 @@
+"""The ground floor: distributed set-up, crash-safe files, DeepSpeed configs, optimizers, ZeRO-3
+parameter helpers, throughput numbers and running averages. Imports nothing of dschat above it."""

@@ -1,0 +1,322 @@
+"""Process-group set-up and rank helpers shared by the three step scripts.
+
+Upstream's step scripts only worked under the ``deepspeed`` launcher: run as ``python main.py`` they
+either went looking for MPI or called ``torch.distributed.get_rank()`` before any process group
+existed. :func:`init_distributed` fills in a one-process rendezvous when
+no launcher did, so the same ``main.py`` runs both ways.
+
+The rendezvous:
+
+* One process (plain ``python main.py``, or a launcher with one rank) meets itself through a file
+  store in a private temporary folder: no port is opened for it (torch's default store listens on
+  every interface), and a busy port cannot stop it.
+* Several ranks meet at ``MASTER_ADDR:MASTER_PORT`` as the launcher set them, waiting at most
+  ``--dist_timeout`` minutes. A rank whose peers never come stops with one line naming the address,
+  the port and what to do, instead of waiting for torch's timeout with a C++ traceback. Collectives
+  after start-up wait as long as DeepSpeed's default (``DEEPSPEED_TIMEOUT``, 10 minutes) or
+  ``--dist_timeout`` if that is longer: one rank may legitimately work alone for minutes (building
+  the data cache, writing a large model) while the others wait.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed
+from torch.distributed import distributed_c10d
+
+from dschat.errors import EXIT_USAGE, UserError
+from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
+
+__all__ = [
+    "DistInfo",
+    "init_distributed",
+    "is_rank_0",
+    "print_rank_0",
+    "get_all_reduce_mean",
+    "all_reduce_sum",
+    "collective_device",
+    "get_world_size",
+    "get_rank",
+    "barrier",
+    "gather_ints",
+    "gather_hosts",
+    "DEFAULT_DIST_TIMEOUT_MINUTES",
+]
+
+# Environment variables set by every launcher we support (deepspeed, torchrun).
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE")
+# Set by mpirun / PMI launchers; DeepSpeed's own MPI discovery handles those, so leave them alone.
+_MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job.
+
+    ``device`` is the accelerator device of this rank (``cuda:<local_rank>`` or ``cpu``).
+    """
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def _ensure_single_process_env() -> None:
+    """Set a one-process rank environment when no launcher (deepspeed, torchrun, MPI) set one.
+
+    No ``MASTER_ADDR``/``MASTER_PORT``: a one-process run meets itself through a file store.
+    """
+    if any(k in os.environ for k in _LAUNCHER_ENV) or any(k in os.environ for k in _MPI_ENV):
+        return
+    os.environ["RANK"] = "0"
+    os.environ["WORLD_SIZE"] = "1"
+    os.environ["LOCAL_RANK"] = "0"
+
+
+def _private_file_store() -> str:
+    """``file://`` URL of a store file in a new folder only this user can enter (removed at exit)."""
+    folder = tempfile.mkdtemp(prefix="dschat-store-")  # mode 0700
+    atexit.register(shutil.rmtree, folder, True)
+    return f"file://{folder}/store"
+
+
+def _loopback_interface() -> Optional[str]:
+    names = [name for _, name in socket.if_nameindex()] if hasattr(socket, "if_nameindex") else []
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+def _duration(timeout: datetime.timedelta) -> str:
+    seconds = timeout.total_seconds()
+    return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:g} min"
+
+
+def _wait_for_master(addr: str, port: int, rank: int, timeout: datetime.timedelta) -> None:
+    """Wait until rank 0's store accepts connections, or raise the one-line error.
+
+    Torch's own client would wait as long, but print C++ retry logs and a traceback on the way.
+    """
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        try:
+            with socket.create_connection((addr, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise UserError(
+                    f"rank {rank} on {socket.gethostname()} waited {_duration(timeout)} (--dist_timeout) for rank 0 at "
+                    f"{addr}:{port} and nobody answered: rank 0 did not start or failed (see the first host's "
+                    f"output), or {addr} is not an address of the first host that this host can reach; pass "
+                    "--master_addr / --master_port to the launcher, or a longer --dist_timeout"
+                ) from None
+            time.sleep(0.5)
+
+
+def _rendezvous_error(err: Exception, rank: int, world_size: int, addr: str, port: str,
+                      timeout: datetime.timedelta) -> UserError:
+    text = " ".join(str(err).split())
+    host = socket.gethostname()
+    if "EADDRINUSE" in text or "address already in use" in text.lower():
+        return UserError(f"rank 0 on {host} cannot listen on port {port} (address already in use): another job "
+                         "holds it; pass a free --master_port to the launcher")
+    if rank == 0 and "waiting for clients" in text:
+        return UserError(f"rank 0 on {host} waited {_duration(timeout)} (--dist_timeout) at {addr}:{port} for the "
+                         f"{world_size - 1} other rank(s) and not all came ({text}): a host failed to start its "
+                         "ranks (see its output) or cannot reach this address; pass the launcher --master_addr "
+                         "with an address the other hosts reach (and --master_port if that port is filtered), or "
+                         "a longer --dist_timeout")
+    return UserError(f"rank {rank} on {host}: the rendezvous at {addr}:{port} failed within {_duration(timeout)} "
+                     f"(--dist_timeout): {text}; check that every host started and reaches {addr}:{port} "
+                     "(launcher options --master_addr / --master_port)")
+
+
+def _watchdog(rendezvous: datetime.timedelta, message: str) -> threading.Timer:
+    """Stop the process with ``message`` (one line, exit code 2) when the rendezvous outlives its
+    timeout by a grace period.
+
+    Torch bounds each wait by the timeout, except one: a client connected to a port where some other
+    program listens waits for the store's greeting forever (seen: until that program exited). Nothing
+    can be unwound from inside that C++ call, so the process ends here.
+    """
+    grace = max(5.0, min(30.0, rendezvous.total_seconds()))
+
+    def fire() -> None:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+        os._exit(EXIT_USAGE)
+
+    timer = threading.Timer(rendezvous.total_seconds() + grace, fire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _collective_timeout(rendezvous: datetime.timedelta) -> datetime.timedelta:
+    from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes, default 10
+
+    return max(rendezvous, default_pg_timeout)
+
+
+def init_distributed(dist_backend: Optional[str] = None,
+                     timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> DistInfo:
+    """Initialise DeepSpeed's process group (idempotent) and return this rank's :class:`DistInfo`.
+
+    Works under the ``deepspeed`` launcher, torchrun, and as a plain ``python main.py`` (one
+    process, a private file store). On CUDA the current device is set to ``LOCAL_RANK`` *before*
+    the NCCL group is created, as upstream's ``get_accelerator().set_device(args.local_rank)`` did.
+    ``timeout_minutes`` (``--dist_timeout``) bounds the wait for the other ranks at start-up; see
+    the module docstring. Raises :class:`UserError` (one line) when they do not come.
+    """
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if timeout_minutes <= 0:
+        raise UserError(f"--dist_timeout must be > 0 minutes, got {timeout_minutes:g}")
+    rendezvous = datetime.timedelta(minutes=timeout_minutes)
+    _ensure_single_process_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+    if torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
+    elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
+        deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous))
+    elif int(os.environ["WORLD_SIZE"]) == 1:
+        loopback = _loopback_interface()
+        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+            # gloo opens a listener for peers even alone; one process has none, so loopback only.
+            os.environ["GLOO_SOCKET_IFNAME"] = loopback
+        deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
+                                   init_method=_private_file_store(), rank=0, world_size=1,
+                                   timeout=_collective_timeout(rendezvous))
+    else:
+        _init_ranks(deepspeed, dist_backend, rendezvous)
+    return DistInfo(
+        rank=torch.distributed.get_rank(),
+        local_rank=local_rank,
+        world_size=torch.distributed.get_world_size(),
+        device=torch.device(accelerator.device_name(local_rank)),
+    )
+
+
+def _init_ranks(deepspeed: object, dist_backend: Optional[str], rendezvous: datetime.timedelta) -> None:
+    """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous``, then give the
+    collectives their longer timeout."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
+    watchdog = _watchdog(rendezvous, f"rank {rank} on {socket.gethostname()}: no rendezvous at {addr}:{port} within "
+                         f"{_duration(rendezvous)} (--dist_timeout): the program answering there is not this job's "
+                         "rank 0 (another job holds the port?) or a peer hangs; pass a free --master_port to the "
+                         "launcher, and stop this job's ranks left on other hosts")
+    try:
+        if rank != 0 and port.isdigit():
+            _wait_for_master(addr, int(port), rank, rendezvous)
+        deepspeed.init_distributed(dist_backend=dist_backend, timeout=rendezvous)  # type: ignore[attr-defined]
+        torch.distributed.barrier()  # NCCL connects here; every rank has joined after it
+    except torch.distributed.DistError as err:
+        raise _rendezvous_error(err, rank, world_size, addr, port, rendezvous) from None
+    finally:
+        watchdog.cancel()
+    collective = _collective_timeout(rendezvous)
+    if collective != rendezvous:
+        distributed_c10d._set_pg_timeout(collective)
+        distributed_c10d._get_default_store().set_timeout(collective)
+
+
+def get_world_size() -> int:
+    """World size of the initialised group, else ``$WORLD_SIZE``, else 1."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def get_rank() -> int:
+    """Global rank of the initialised group, else ``$RANK``, else 0."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return int(os.environ.get("RANK", "0"))
+
+
+def is_rank_0() -> bool:
+    """True on global rank 0, and in a process with no process group."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return True
+
+
+def print_rank_0(msg: object, rank: Optional[int] = None) -> None:
+    """Print on rank 0 only (upstream semantics: an explicit ``rank <= 0`` always prints)."""
+    if rank is not None and rank <= 0:
+        print(msg)
+    elif is_rank_0():
+        print(msg)
+
+
+def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
+    """Mean of ``tensor`` over all ranks; the tensor itself without a process group.
+
+    Unlike upstream this reduces a copy, so the caller's tensor is not summed in place, and a host
+    tensor may be passed under NCCL (the copy goes through the GPU and the result comes back to the
+    caller's device).
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensor
+    return all_reduce_sum(tensor) / torch.distributed.get_world_size()
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum of ``tensor`` over all ranks, as a new tensor on the caller's device (a host tensor goes
+    through the GPU under NCCL); the tensor itself without a process group."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensor
+    reduced = tensor.detach().to(collective_device(tensor), copy=True)
+    torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.SUM)
+    return reduced.to(tensor.device)
+
+
+def collective_device(tensor: torch.Tensor) -> torch.device:
+    """Where ``tensor`` must be for a collective: NCCL reduces only CUDA tensors ("No backend type
+    associated with device type cpu"), gloo both."""
+    if tensor.device.type == "cpu" and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensor.device
+
+
+def barrier() -> None:
+    """``torch.distributed.barrier()`` when a process group exists; otherwise nothing to wait for."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def gather_ints(values: Sequence[int]) -> list[list[int]]:
+    """Every rank's ``values`` (the same count on every rank), indexed by rank (collective).
+
+    A sum of a table that is zero but for each rank's own row: plain tensors, no pickled objects
+    (``all_gather_object`` would unpickle what other processes send). Without a process group:
+    ``[values]``.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [list(values)]
+    table = torch.zeros(torch.distributed.get_world_size(), len(values), dtype=torch.int64)
+    table[torch.distributed.get_rank()] = torch.tensor(list(values), dtype=torch.int64)
+    return all_reduce_sum(table).tolist()
+
+
+_HOST_BYTES = 64
+
+
+def gather_hosts() -> list[str]:
+    """Every rank's host name (its first 64 bytes), indexed by rank (collective)."""
+    name = socket.gethostname().encode("utf-8", "replace")[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
+    return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in gather_ints(list(name))]

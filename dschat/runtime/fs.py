@@ -1,0 +1,402 @@
+"""Crash-safe writes: a reader never sees a half-written file or folder.
+
+Files and folders are written under a temporary name beside their target and renamed into place
+only once complete (``os.replace`` is atomic on POSIX within one filesystem). A full disk while
+writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says the previous file
+or folder is unchanged. :func:`atomic_files` does the same for a set of files replaced together.
+:func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
+
+On a shared machine a file or folder is trusted only when this user owns it and nobody else can
+write to it (:func:`untrusted_reason`, :func:`is_trusted`, :func:`check_trusted`): a cache, lock or
+leftover folder that another account could have planted or edited is never read.
+:func:`make_private_dir` creates folders only their owner can enter (0700).
+
+A folder that :func:`atomic_dir` completes carries :data:`SAVED_MARKER`; :func:`recover_dir` moves
+leftovers into place only when they carry it and belong to this user alone (:func:`owned_privately`),
+so a folder another local user planted beside ``--output_dir`` is never adopted. A symlinked target
+is written through (:func:`resolve_output_dir`): the link stays and the data lands where it points.
+
+Environment variables read here:
+
+* ``DSCHAT_TEST_RANK_OUTPUT_ROOT`` (tests only): when set, :func:`resolve_output_dir` gives every
+  rank its own ``--output_dir`` under ``<root>/rank<RANK>/``, so that two ranks on one machine see
+  each other's files as two nodes with node-local storage would (none of them).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import grp
+import os
+import pwd
+import shutil
+import stat
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from dschat.errors import UserError
+
+__all__ = [
+    "SAVED_MARKER",
+    "RANK_OUTPUT_ROOT_ENV",
+    "owned_privately",
+    "resolve_output_dir",
+    "check_writable_dir",
+    "untrusted_reason",
+    "is_trusted",
+    "check_trusted",
+    "make_private_dir",
+    "atomic_file",
+    "atomic_files",
+    "atomic_dir",
+    "recover_dir",
+]
+
+#: errno values that mean "the disk (or the user's quota) is full".
+_DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+#: Written into an :func:`atomic_dir` folder once its content is complete, before it is swapped in.
+SAVED_MARKER = ".dschat-saved"
+#: Test hook: one output root per rank (simulates node-local storage on one machine). Tests only.
+RANK_OUTPUT_ROOT_ENV = "DSCHAT_TEST_RANK_OUTPUT_ROOT"
+
+
+def owned_privately(path: str | os.PathLike) -> bool:
+    """:func:`is_trusted`, and not a symlink: a leftover folder is adopted only when it is the user's
+    own folder itself, never a link (whose target :func:`is_trusted` would judge instead)."""
+    return not os.path.islink(path) and is_trusted(path)
+
+
+def resolve_output_dir(value: str) -> str:
+    """``--output_dir`` as every step uses it (resolved once, at parsing, before anything is written).
+
+    A symlink is replaced by the path it points to: a save swaps the folder in place
+    (:func:`atomic_dir`), and renaming the link would leave the output on the link's file system and
+    the link dangling beside it. The link itself stays. Under :data:`RANK_OUTPUT_ROOT_ENV` (tests
+    only) each rank gets its own folder ``<root>/rank<RANK>/<name>``.
+    """
+    test_root = os.environ.get(RANK_OUTPUT_ROOT_ENV)
+    if test_root:
+        name = os.path.basename(os.path.normpath(value))
+        value = os.path.join(test_root, f"rank{os.environ.get('RANK', '0')}", name)
+    return os.path.realpath(value) if os.path.islink(os.path.normpath(value)) else value  # "link/" too
+
+
+def _through_link(path: Path) -> Path:
+    """``path``, or the folder it points to when it is a symlink (the link must stay a link)."""
+    return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
+    """Refuse a folder path that cannot be created or written, before any work starts.
+
+    ``flag`` names the option in the message (``--output_dir``). The folder may not exist yet; its
+    nearest existing ancestor must then be a folder this process can write into. Permission bits
+    are checked with ``os.access`` (as root they do not stop writes, so neither does this check).
+    """
+    target = Path(os.path.expanduser(os.fspath(path)))
+    if target.exists() and not target.is_dir():
+        raise UserError(f"{flag} {path} exists and is not a folder; pass a folder path")
+    ancestor = target
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UserError(f"{flag} {path} cannot be created: {ancestor} is a file, not a folder; "
+                        "pass a path under a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise UserError(f"{flag} {path} cannot be written: no write permission in {ancestor}; "
+                        "pass a folder you can write to")
+
+
+def _user_name(uid: int) -> str:
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:  # a uid with no passwd entry (a container, a deleted account)
+        return f"uid {uid}"
+
+
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether group ``gid`` is ``uid``'s own: a user-private group (the user's primary group, of the
+    user's name, with no other member and no other account's primary group), as Debian and Ubuntu give
+    every user, whose default umask 002 makes the user's files group-writable."""
+    try:
+        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:  # an id without a name here (e.g. from another machine's NFS)
+        return False
+    if group.gr_gid != user.pw_gid or group.gr_name != user.pw_name or set(group.gr_mem) - {user.pw_name}:
+        return False
+    return all(other.pw_gid != gid or other.pw_uid == uid for other in pwd.getpwall())
+
+
+def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
+    """Why ``path`` must not be trusted on a shared machine, or ``None`` when it may be.
+
+    Trusted means: owned by this process's effective user (or by root, with ``root_may_own``: a
+    system-wide install root could change anyway), and writable by nobody else -- group write is
+    fine when the group is the user's private one (:func:`_private_group`). The owner is what
+    counts, not what ``os.access`` says: root can read and write anything, yet must still not trust
+    a file another account planted. A symlink is judged by its target (``os.stat`` follows it),
+    which is what a reader opens. Raises ``FileNotFoundError`` when ``path`` does not exist.
+    """
+    info = os.stat(path)
+    me = os.geteuid()
+    if info.st_uid != me and not (root_may_own and info.st_uid == 0):
+        return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
+    writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable == stat.S_IWGRP and _private_group(info.st_gid, me):
+        writable = 0
+    if writable:
+        who = "its group and others" if writable == stat.S_IWGRP | stat.S_IWOTH else (
+            "its group" if writable == stat.S_IWGRP else "other users")
+        return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
+    return None
+
+
+def is_trusted(path: str | os.PathLike) -> bool:
+    """True when ``path`` exists, this user owns it and nobody else can write to it."""
+    try:
+        return untrusted_reason(path) is None
+    except FileNotFoundError:
+        return False
+
+
+def check_trusted(path: str | os.PathLike, what: str, fix: str) -> None:
+    """Refuse ``path`` with one line unless this user owns it and nobody else can write to it.
+
+    ``what`` names the path in the message ("--data_output_path", "data cache file"); ``fix`` says
+    what to do ("pass a folder of your own"). See :func:`untrusted_reason`.
+    """
+    reason = untrusted_reason(path)
+    if reason is not None:
+        raise UserError(f"{what} {path} is not safe to read on a shared machine: {reason}; {fix}")
+
+
+def make_private_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` and its missing parents as folders only their owner can enter (0700).
+
+    Folders that exist already are left as they are (check them with :func:`check_trusted`);
+    another process creating the same folder at the same time is fine.
+    """
+    target = Path(os.path.expanduser(os.fspath(path)))
+    missing = []
+    folder = target
+    while not folder.is_dir() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    for folder in reversed(missing):
+        try:
+            folder.mkdir(mode=0o700)
+        except FileExistsError:
+            continue  # made by another rank meanwhile, or a file: the caller's checks name it
+        os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask; this is exact
+    return target
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    """An ``OSError`` with ENOSPC / EDQUOT, or a writer's own error that quotes one (safetensors
+    raises ``SafetensorError("... No space left on device (os error 28) ...")``)."""
+    if isinstance(err, OSError):
+        return err.errno in _DISK_FULL
+    return any(os.strerror(code) in str(err) for code in _DISK_FULL)
+
+
+@contextlib.contextmanager
+def _disk_full_is_a_user_error(path: Path, kept: str | None = None) -> Iterator[None]:
+    """Turn "no space left on device" while writing ``path`` into one line that says what to do.
+
+    ``kept`` says what is left as it was (default: "the previous <name>, if any, is unchanged").
+    """
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:
+        if not _is_disk_full(err):
+            raise
+        kept = kept or f"the previous {path.name}, if any, is unchanged"
+        raise UserError(
+            f"the disk is full (no space left on the device, or the quota is used up) while writing {path}; "
+            f"free some space or write elsewhere, then run again ({kept})"
+        ) from err
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
+
+    On an exception the temporary file is removed and ``path`` is left as it was.
+    """
+    with atomic_files([path]) as (tmp,):
+        yield tmp
+
+
+@contextlib.contextmanager
+def atomic_files(paths: Sequence[str | os.PathLike], mode: int | None = None) -> Iterator[list[Path]]:
+    """Replace a set of files that belong together (a data cache) at once; :func:`atomic_file` is
+    the one-file case.
+
+    Yields one temporary path beside each of ``paths``. Only once the body has written them all
+    do they replace ``paths``, in the order given: put last the file whose presence marks the set
+    complete. On an exception (a full disk while writing the second file, say) every temporary
+    file is removed and every one of ``paths`` is left as it was, previous versions included.
+    The files get ``mode`` (0600: private), by default what a plain ``open()`` would give.
+    """
+    targets = [Path(p) for p in paths]
+    # A full disk: one file is named with its previous version, a set by its folder.
+    disk_full = (_disk_full_is_a_user_error(targets[0]) if len(targets) == 1 else
+                 _disk_full_is_a_user_error(targets[0].parent, kept="the previous files there, if any, are unchanged"))
+    with disk_full:
+        tmps: list[Path] = []
+        try:
+            for path in targets:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+                os.close(fd)
+                tmps.append(Path(tmp))
+            yield list(tmps)
+            if mode is None:
+                mode = 0o666 & ~_umask()  # mkstemp creates 0600 files; give what a plain open() would
+            for tmp in tmps:
+                os.chmod(tmp, mode)
+            for tmp, path in zip(tmps, targets):
+                os.replace(tmp, path)
+        finally:
+            for tmp in tmps:
+                tmp.unlink(missing_ok=True)  # gone already once renamed
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _mark_saved(folder: Path) -> None:
+    """Mark ``folder`` complete; neither it nor the marker is writable by group or others, so
+    :func:`recover_dir` can tell it from a folder someone else planted."""
+    marker = folder / SAVED_MARKER
+    marker.write_text("complete: written by dschat's atomic_dir\n", encoding="utf-8")
+    mask = _umask()
+    os.chmod(marker, 0o644 & ~mask)
+    os.chmod(folder, 0o755 & ~mask)
+
+
+def _partial_name(path: Path, tag: str) -> Path:
+    return path.with_name(f".{path.name}.{tag}-{uuid.uuid4().hex[:8]}")
+
+
+def _normalise_modes(folder: Path) -> None:
+    """Give everything under ``folder`` the permissions plain ``open``/``mkdir`` would (some
+    writers use ``mkstemp``, which creates 0600 files other users cannot read)."""
+    mask = _umask()
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None = None) -> Iterator[Path]:
+    """Yield an empty temporary folder beside ``path``; on success it takes ``path``'s place.
+
+    A previous folder at ``path`` stays intact until the new one is complete; it is then moved
+    aside and deleted. On an exception the temporary folder is deleted and ``path`` is untouched.
+    A crash can at worst leave hidden ``.<name>.partial-*`` / ``.<name>.old-*`` siblings, never a
+    half-written ``path``.
+
+    ``carry_over(name)`` keeps entries of the previous folder that the new one does not write
+    (a training log, TensorBoard runs): they are moved -- renamed, so open file handles stay valid
+    -- into the new folder just before the swap.
+
+    The complete folder carries :data:`SAVED_MARKER` (written before anything is carried over) and
+    is writable by its owner only. A symlinked ``path`` is written through: the link stays.
+    """
+    path = _through_link(Path(path))
+    with _disk_full_is_a_user_error(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = _partial_name(path, "partial")
+        tmp.mkdir()
+        try:
+            yield tmp
+            _normalise_modes(tmp)
+            _mark_saved(tmp)
+            old = None
+            if path.exists():
+                if carry_over is not None:
+                    for entry in path.iterdir():
+                        if carry_over(entry.name) and not (tmp / entry.name).exists():
+                            os.replace(entry, tmp / entry.name)
+                old = _partial_name(path, "old")
+                os.replace(path, old)
+            os.replace(tmp, path)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _is_saved(folder: Path) -> bool:
+    """``folder`` was completed by :func:`atomic_dir` (its marker is there, and is this user's alone)."""
+    marker = folder / SAVED_MARKER
+    return owned_privately(marker) and marker.is_file()
+
+
+def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None = None) -> list[str]:
+    """Finish or undo an :func:`atomic_dir` swap that a kill interrupted; return one notice per fix.
+
+    Only leftovers (``.<name>.partial-*`` / ``.<name>.old-*`` beside ``path``) that this user owns and
+    nobody else can write to are touched (:func:`owned_privately`); any other one is left alone,
+    with a notice: on a shared machine it may be another user's plant (a poisoned checkpoint).
+
+    * No ``path`` (killed between moving the old folder aside and renaming the new one into place,
+      or before a first save was renamed): the newest leftover that carries :data:`SAVED_MARKER` --
+      a complete new folder first, else the old one -- takes its place. One without the marker is
+      never moved into place: an unfinished partial folder is deleted, an old one kept, with a notice.
+    * A complete ``.partial-*`` sibling beside an existing ``path`` (killed while carrying entries
+      over): the entries ``carry_over`` had moved into it (logs, ``checkpoints/``) go back into
+      ``path``; the rest is deleted. An unfinished one held nothing carried over and is deleted.
+
+    Call it before reading ``path`` (one process at a time: it renames).
+    """
+    path = _through_link(Path(path))
+    if not path.parent.is_dir():
+        return []
+    notices: list[str] = []
+
+    def siblings(tag: str) -> list[Path]:
+        found = []
+        for candidate in path.parent.glob(f".{path.name}.{tag}-*"):
+            if not (candidate.is_dir() or candidate.is_symlink()):
+                continue
+            if owned_privately(candidate) and candidate.is_dir():
+                found.append(candidate)
+            else:
+                notices.append(f"left {candidate} alone: it is not a folder that only you own and can write "
+                               "to, so it was not written by your dschat run; delete it if it is yours")
+        return sorted(found, key=lambda p: p.stat().st_mtime)
+
+    partials, olds = siblings("partial"), siblings("old")
+    if not path.exists():
+        source = next((p for p in reversed(partials) if _is_saved(p)), None) or next(
+            (p for p in reversed(olds) if _is_saved(p)), None)
+        if source is not None:
+            os.replace(source, path)
+            (partials if source in partials else olds).remove(source)
+            notices.append(f"finished an interrupted save of {path} (from {source.name})")
+    for partial in partials:
+        if carry_over is not None and path.is_dir() and _is_saved(partial):
+            for entry in partial.iterdir():
+                if carry_over(entry.name) and not (path / entry.name).exists():
+                    os.replace(entry, path / entry.name)
+        shutil.rmtree(partial, ignore_errors=True)
+        notices.append(f"removed the unfinished save {partial.name} beside {path}")
+    for old in olds:
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            notices.append(f"left {old} alone: it has no dschat completion marker ({SAVED_MARKER}); "
+                           f"rename it to {path} if it holds the output you want back")
+    return notices

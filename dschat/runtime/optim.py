@@ -1,0 +1,123 @@
+"""Optimizer parameter groups, the Adam(W) choice, the LR scheduler and the step count.
+
+Upstream builds ``FusedAdam`` or, with ``--offload``, ``DeepSpeedCPUAdam`` over
+three parameter groups, with ``betas=(0.9, 0.95)`` and every other Adam default. Both DeepSpeed
+optimizers default to *decoupled* weight decay (``FusedAdam(adam_w_mode=True)``,
+``DeepSpeedCPUAdam(adamw_mode=True)``), i.e. AdamW::
+
+    m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g^2
+    p = p - lr * (m/(1-b1^t) / (sqrt(v/(1-b2^t)) + eps) + wd * p)
+
+``FusedAdam`` needs a CUDA-like accelerator (its kernel is compiled with the CUDA toolchain), so
+on the CPU accelerator without offload :func:`create_optimizer` uses ``torch.optim.AdamW``, whose
+update is the same formula (decay applied as ``p *= 1 - lr*wd`` before the Adam step; the Adam
+step does not depend on ``p``, so the order does not matter).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from dschat.errors import UserError
+
+__all__ = [
+    "NO_DECAY_NAME_LIST",
+    "LORA_NAME_LIST",
+    "SCHEDULER_TYPES",
+    "get_optimizer_grouped_parameters",
+    "create_optimizer",
+    "create_scheduler",
+    "num_update_steps",
+]
+
+# Upstream's defaults, matched as lower-cased substrings of parameter names.
+NO_DECAY_NAME_LIST = ["bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight"]
+LORA_NAME_LIST = ["lora_right_weight", "lora_left_weight"]
+# The choices of upstream's --lr_scheduler_type flag.
+SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
+                   "constant_with_warmup")
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    lowered = name.lower()
+    return any(p in lowered for p in patterns)
+
+
+def get_optimizer_grouped_parameters(
+    model: nn.Module,
+    weight_decay: float,
+    lora_lr: float = 5e-4,
+    no_decay_name_list: Sequence[str] = tuple(NO_DECAY_NAME_LIST),
+    lora_name_list: Sequence[str] = tuple(LORA_NAME_LIST),
+) -> List[Dict[str, Any]]:
+    """Upstream's three parameter groups over the *trainable* parameters, empty ones dropped.
+
+    1. not no-decay, not LoRA -> ``weight_decay``;
+    2. LoRA (and not no-decay) -> ``weight_decay`` with ``lr=lora_lr``;
+    3. no-decay (bias, norms; LoRA or not) -> ``weight_decay=0.0``.
+
+    Empty groups are removed because DeepSpeed's ZeRO optimizers fail on them (DSE #755, #756).
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if not _matches(n, no_decay_name_list) and not _matches(n, lora_name_list)]
+    lora = [p for n, p in named if not _matches(n, no_decay_name_list) and _matches(n, lora_name_list)]
+    no_decay = [p for n, p in named if _matches(n, no_decay_name_list)]
+    groups: List[Dict[str, Any]] = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": lora, "weight_decay": weight_decay, "lr": lora_lr},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _accelerator_name() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
+
+
+def create_optimizer(param_groups: List[Dict[str, Any]] | Iterable[nn.Parameter], *, lr: float,
+                     offload: bool, betas: Tuple[float, float] = (0.9, 0.95)) -> torch.optim.Optimizer:
+    """Upstream's optimizer choice, with a CPU fallback.
+
+    * ``offload`` -> ``DeepSpeedCPUAdam`` (required by ZeRO's CPU optimizer offload);
+    * accelerator other than CPU -> ``FusedAdam``;
+    * CPU accelerator, no offload -> ``torch.optim.AdamW`` (``FusedAdam`` needs CUDA), same math.
+
+    ``eps`` is 1e-8 and decay is decoupled in all three; per-group ``weight_decay``/``lr`` win.
+    """
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(param_groups, lr=lr, betas=betas)
+    if _accelerator_name() != "cpu":
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(param_groups, lr=lr, betas=betas)
+    # FusedAdam's defaults: eps=1e-8, weight_decay=0 (groups set their own), adam_w_mode=True.
+    return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=1e-8, weight_decay=0.0)
+
+
+def create_scheduler(name: str, optimizer: torch.optim.Optimizer, num_warmup_steps: int,
+                     num_training_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """``transformers.get_scheduler(name, optimizer, num_warmup_steps, num_training_steps)``."""
+    from transformers import get_scheduler
+
+    if name not in SCHEDULER_TYPES:
+        raise UserError(f"unknown --lr_scheduler_type {name!r}; use one of {', '.join(SCHEDULER_TYPES)}")
+    if num_warmup_steps < 0 or num_training_steps < 1:
+        raise UserError(f"need num_warmup_steps >= 0 and num_training_steps >= 1, got "
+                        f"{num_warmup_steps} and {num_training_steps}; check --num_warmup_steps and the data size")
+    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
+                         num_training_steps=num_training_steps)
+
+
+def num_update_steps(num_batches: int, epochs: int, grad_accum: int) -> int:
+    """Optimizer steps of steps 1-2: ``epochs * ceil(num_batches / grad_accum)`` (upstream's formula)."""
+    if num_batches < 0 or epochs < 0 or grad_accum < 1:
+        raise UserError(f"need num_batches >= 0, epochs >= 0 and gradient_accumulation_steps >= 1, got "
+                        f"{num_batches}, {epochs}, {grad_accum}")
+    return epochs * math.ceil(num_batches / grad_accum)

@@ -1,0 +1,122 @@
+"""The one set of ZeRO-3 parameter predicates and gathers.
+
+ZeRO-3 replaces each parameter's data by an empty placeholder and marks it with DeepSpeed's
+attributes: ``ds_id`` (partitioned by ZeRO-3 at all), ``ds_tensor`` (this rank's partition),
+``ds_shape`` / ``ds_numel`` (the whole parameter's shape and size) and ``ds_status`` (whether the
+whole parameter is gathered right now). Every module that has to tell a partitioned parameter from a
+plain one asks here, so the attribute names are read in one place.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import deepspeed
+import torch
+from deepspeed.runtime.zero import partition_parameters
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+__all__ = [
+    "is_zero3_param",
+    "is_partitioned",
+    "is_available",
+    "is_resident",
+    "any_zero3",
+    "full_shape",
+    "full_numel",
+    "params_to_fetch",
+    "gathered",
+    "gathered_to_read",
+    "in_zero3_gather",
+    "release_zero3_prefetch",
+    "gathered_parameters",
+]
+
+
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """Whether ZeRO-3 manages ``param`` (it carries a ``ds_id``), gathered right now or not."""
+    return hasattr(param, "ds_id")
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter whose partition (``ds_tensor``) exists: the EMA reads and writes it directly."""
+    return hasattr(param, "ds_id") and hasattr(param, "ds_tensor")
+
+
+def is_available(param: torch.Tensor) -> bool:
+    """Gathered and complete right now (``ds_status == AVAILABLE``); False for plain tensors."""
+    return getattr(param, "ds_status", None) == ZeroParamStatus.AVAILABLE
+
+
+def is_resident(param: torch.Tensor) -> bool:
+    """A ZeRO-3 parameter whose whole data is present or on its way (``AVAILABLE`` or ``INFLIGHT``):
+    anything but partitioned away."""
+    return param.ds_status != ZeroParamStatus.NOT_AVAILABLE
+
+
+def any_zero3(params: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``params`` is managed by ZeRO-3 (the model was built or wrapped at stage 3)."""
+    return any(hasattr(p, "ds_id") for p in params)
+
+
+def full_shape(param: torch.Tensor) -> Tuple[int, ...]:
+    """A parameter's shape, also while ZeRO-3 has partitioned it away (``ds_shape``)."""
+    return tuple(getattr(param, "ds_shape", param.shape))
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """A parameter's element count, also while ZeRO-3 has partitioned it away (``ds_numel``)."""
+    return param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+
+
+def params_to_fetch(params: Iterable[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+    """ZeRO-3 parameters that are partitioned away right now and must be gathered to be read."""
+    return [p for p in params
+            if p is not None and hasattr(p, "ds_id") and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
+
+
+def gathered(params: Sequence[torch.Tensor], modifier_rank: Optional[int] = None) -> AbstractContextManager[Any]:
+    """Gather ZeRO-3 partitioned ``params`` (all ranks must enter); a no-op for plain tensors."""
+    if not any_zero3(params):
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=modifier_rank)
+
+
+def gathered_to_read(params: Sequence[Optional[torch.Tensor]]) -> AbstractContextManager[Any]:
+    """Gather the ZeRO-3 partitioned ``params`` to read them (nothing is written back); a no-op for
+    parameters that are not partitioned away."""
+    fetch = params_to_fetch(params)
+    if not fetch:
+        return nullcontext()
+    return deepspeed.zero.GatheredParameters(fetch, modifier_rank=None)
+
+
+def in_zero3_gather(param: torch.Tensor) -> Optional[bool]:
+    """True while ``param`` is held gathered by an open ``deepspeed.zero.GatheredParameters``; None
+    with a DeepSpeed that does not count those contexts (before 0.19)."""
+    attr = getattr(partition_parameters, "DS_Z3_GATHERED_PARAM_CONTEXT_DEPTH_ATTR", None)
+    return None if attr is None else getattr(param, attr, 0) > 0
+
+
+def release_zero3_prefetch(model: Any) -> None:
+    """Call before gathering a ZeRO-3 engine's parameters outside a forward or backward pass (saving,
+    checkpointing, digests): waits for the parameters DeepSpeed's prefetcher still has in flight and
+    partitions every parameter again. After step 1's evaluation loop on SmolLM2 some prefetched
+    parameters were still in flight, and ``GatheredParameters`` failed with "Cannot partition a param
+    in flight" (the tiny test models keep most of their small parameters resident and never showed
+    it). A no-op for plain modules and below ZeRO-3. Call it on every rank at the same
+    point (it waits on all-gathers every rank issued), as the gathering after it requires anyway."""
+    partitioned = getattr(model, "zero_optimization_partition_weights", None)
+    if callable(partitioned) and partitioned():
+        model.empty_partition_cache()
+
+
+def gathered_parameters(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
+    """``(name, parameter)`` for every parameter of ``model`` (an engine or a module), each whole:
+    under ZeRO-3 one parameter at a time is gathered (read-only, ``modifier_rank=None``) for as long
+    as the loop body holds it, so copy what must outlive the step. Collective under ZeRO-3: every
+    rank must run the loop to its end."""
+    release_zero3_prefetch(model)
+    for name, param in getattr(model, "module", model).named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=is_zero3_param(param)):
+            yield name, param.detach()
