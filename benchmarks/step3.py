@@ -143,9 +143,9 @@ def materialise(name: str, folder: Path) -> str:
 
 def critic_folder(model: str, folder: Path) -> str:
     """A step-2-style folder (body + random ``v_head``) on ``model``; timing does not depend on weights."""
+    from dschat.models.build import create_critic_model
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     out = folder / "critic"
     tokenizer = load_hf_tokenizer(model)

@@ -17,6 +17,9 @@ UPSTREAM_WEIGHTS_FILE = "pytorch_model.bin"
 # v_head.safetensors beside a reward model's body), bin (upstream's UPSTREAM_WEIGHTS_FILE, a reward
 # model's body and value head in one file), or both. Every reader takes either.
 SAVE_FORMATS = ("safetensors", "bin", "both")
+# The embedded preference dataset's ``train.jsonl`` / ``eval.jsonl`` (shipped inside the package):
+# written by dschat.data.builtin, read by it and, as its tokenizer corpus, by dschat.models.tiny.
+BUILTIN_DATA_DIR = Path(__file__).parent / "data" / "builtin_prefs"
 
 
 def cache_dir() -> Path:

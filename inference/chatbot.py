@@ -46,7 +46,7 @@ def resolve_chat_folder(path: str) -> str:
     Raises :class:`UserError` for a step-2 reward model and for anything that is not a causal LM.
     """
     from dschat.models.registry import resolve_model_path
-    from dschat.utils.model.reward_model import is_reward_model_folder
+    from dschat.models.reward_model import is_reward_model_folder
 
     folder = Path(path).expanduser()
     if folder.is_dir() and not (folder / "config.json").exists() and (folder / "actor" / "config.json").exists():

@@ -122,9 +122,9 @@ def assert_causal_adapter_matches(folder: Path, base: str | Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.build import create_hf_model
     from dschat.models.registry import resolve_model_path
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_hf_model
 
     adapter = folder / "lora_adapter"
     config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
@@ -149,8 +149,8 @@ def assert_reward_adapter_matches(folder: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoModel
 
+    from dschat.models.build import create_critic_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     adapter = folder / "lora_adapter"
     config = json.loads((adapter / "adapter_config.json").read_text(encoding="utf-8"))
@@ -179,8 +179,8 @@ def pair_batch(tokenizer: Any, eot: str | None = None) -> dict[str, torch.Tensor
 
 def assert_reward_folder_matches(result: Any) -> None:
     """``create_critic_model(..., rlhf_training=True)`` on the saved folder scores like the engine."""
+    from dschat.models.build import create_critic_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     tokenizer = load_hf_tokenizer(str(result.output_dir))
     reloaded = create_critic_model(str(result.output_dir), tokenizer, None, rlhf_training=True).eval()

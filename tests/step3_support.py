@@ -29,9 +29,9 @@ def step3_main() -> Any:
 
 def make_critic_folder(model_name: str, folder: Path, seed: int = 0) -> Path:
     """A step-2-style output (body + ``v_head.safetensors``) without running step 2."""
+    from dschat.models.build import create_critic_model
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     if (folder / "v_head.safetensors").exists():
         return folder
@@ -53,10 +53,10 @@ def make_lora_inputs(model_name: str, root: Path, seed: int = 0) -> dict[str, Pa
     factors moved off zero as after training, without running steps 1 and 2."""
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.build import create_critic_model, create_hf_model
+    from dschat.models.lora import convert_linear_layer_to_lora
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model, create_hf_model
-    from dschat.utils.module.lora import convert_linear_layer_to_lora
 
     torch.manual_seed(seed)
     tokenizer = load_hf_tokenizer(model_name)

@@ -51,10 +51,10 @@ def test_bad_path_is_one_line_and_exit_2(tmp_path):
 
 
 def test_reward_model_folder_is_refused_in_one_line(tmp_path):
+    from dschat.models.build import create_critic_model
     from dschat.models.registry import resolve_model_path
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     src = resolve_model_path("tiny-llama")
     tok = load_hf_tokenizer(src)

@@ -330,7 +330,7 @@ def _gathered_copy(params):
 def test_config_initialises_engine_and_trains_one_step(dist_info, stage, dtype):
     import deepspeed
 
-    from dschat.utils.module.lora import convert_linear_layer_to_lora
+    from dschat.models.lora import convert_linear_layer_to_lora
     from dschat.runtime.optim import create_optimizer, create_scheduler, get_optimizer_grouped_parameters
 
     cfg = get_train_ds_config(False, resolve_dtype(dtype), stage, micro_batch_size=2)  # fp16 -> fp32 on CPU
@@ -369,7 +369,7 @@ def test_zero3_partitioned_lora_fuses_under_gather(dist_info):
     import deepspeed
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    from dschat.utils.module.lora import convert_linear_layer_to_lora, convert_lora_to_linear_layer
+    from dschat.models.lora import convert_linear_layer_to_lora, convert_lora_to_linear_layer
     from dschat.runtime.optim import create_optimizer, get_optimizer_grouped_parameters
 
     cfg = get_train_ds_config(False, "fp32", 3, micro_batch_size=2)
@@ -401,7 +401,7 @@ def test_qlora_model_trains_under_zero2(dist_info, dtype):
     """A 4-bit (uint8, frozen) base passes through ZeRO-2 untouched; only LoRA factors train."""
     import deepspeed
 
-    from dschat.utils.module.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
+    from dschat.models.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
     from dschat.runtime.optim import create_optimizer, get_optimizer_grouped_parameters
 
     model = convert_linear_layer_to_lora(tiny_opt(), "decoder.layers.", lora_dim=4, quantize_base="nf4")

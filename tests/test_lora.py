@@ -1,4 +1,4 @@
-"""LoRA (dschat.utils.module.lora): upstream-compatible math, conversion, Hybrid-Engine contract, QLoRA."""
+"""LoRA (dschat.models.lora): upstream-compatible math, conversion, Hybrid-Engine contract, QLoRA."""
 from __future__ import annotations
 
 import copy
@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 
 from dschat.errors import UserError
-from dschat.utils.module.lora import (
+from dschat.models.lora import (
     LinearLayer_LoRA,
     convert_linear_layer_to_lora,
     convert_lora_to_linear_layer,
@@ -422,7 +422,7 @@ def test_qlora_layer_forward_backward_on_cpu():
 
 def test_qlora_dequantises_rows_that_straddle_blocks_correctly():
     """in_features=32 < blocksize 64: bitsandbytes 0.50.2's CPU kernel mis-scales this case."""
-    from dschat.utils.module.lora import _dequantize_4bit, _quantize_4bit
+    from dschat.models.lora import _dequantize_4bit, _quantize_4bit
 
     torch.manual_seed(0)
     for shape in [(64, 32), (48, 96), (32, 64)]:

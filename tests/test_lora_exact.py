@@ -1,4 +1,4 @@
-"""LoRA fuse / unfuse puts the frozen base weight back bit for bit (dschat.utils.module.lora).
+"""LoRA fuse / unfuse puts the frozen base weight back bit for bit (dschat.models.lora).
 
 Step 3 fuses the actor's LoRA factors into their base weights for every rollout and unfuses them
 after. Adding the delta in place and subtracting it again rounds twice; in bf16 one rollout moved
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from dschat.utils.module.lora import (
+from dschat.models.lora import (
     LinearLayer_LoRA,
     convert_linear_layer_to_lora,
     convert_lora_to_linear_layer,

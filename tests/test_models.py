@@ -5,15 +5,15 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
 from dschat.errors import UserError
 from dschat.models.save import gathered_state_dict, save_hf_model
+from dschat.models.tiny import build_tiny_model
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.testing.tiny import build_tiny_model
-from dschat.utils.model.model_utils import (
+from dschat.models.build import (
     configure_dropout,
     create_critic_model,
     create_hf_model,
     padded_vocab_size,
 )
-from dschat.utils.model.reward_model import RewardModel, last_token_index, positions_from_mask
+from dschat.models.reward_model import RewardModel, last_token_index, positions_from_mask
 
 
 @pytest.mark.parametrize(
@@ -147,7 +147,7 @@ def test_saved_causal_lm_reloads_with_identical_logits(tmp_path):
 
 
 def test_lora_is_fused_into_the_saved_weights(tmp_path):
-    from dschat.utils.module.lora import convert_linear_layer_to_lora
+    from dschat.models.lora import convert_linear_layer_to_lora
 
     tok = load_hf_tokenizer("tiny-opt")
     model = create_hf_model(AutoModelForCausalLM, "tiny-opt", tok)

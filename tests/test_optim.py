@@ -7,8 +7,8 @@ from torch import nn
 from transformers import OPTConfig, OPTForCausalLM
 
 from dschat.errors import UserError
+from dschat.models.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
 from dschat.runtime import optim as optim_mod
-from dschat.utils.module.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
 from dschat.runtime.optim import (
     create_optimizer,
     create_scheduler,

@@ -16,11 +16,11 @@ from transformers import AutoModel, AutoModelForCausalLM
 
 from dschat.errors import UserError
 from dschat.models import peft_adapter
+from dschat.models.build import create_critic_model, create_hf_model
+from dschat.models.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
 from dschat.models.registry import resolve_model_path
 from dschat.models.save import save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.utils.model.model_utils import create_critic_model, create_hf_model
-from dschat.utils.module.lora import convert_linear_layer_to_lora, only_optimize_lora_parameters
 
 PROBE = [" Human: Tell me about owls. Assistant: Owls hunt at night.", " Human: Hi Assistant: Hello"]
 LORA_MODULES = {"tiny-opt": "decoder.layers.", "tiny-llama": "layers."}
@@ -219,12 +219,12 @@ TWO_RANK_SCRIPT = """
 import sys, torch, deepspeed
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
+from dschat.models.build import create_hf_model
+from dschat.models.lora import convert_linear_layer_to_lora
 from dschat.models.save import save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.runtime.dist import init_distributed
 from dschat.runtime.ds_config import get_eval_ds_config
-from dschat.utils.model.model_utils import create_hf_model
-from dschat.utils.module.lora import convert_linear_layer_to_lora
 adapter, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
 info = init_distributed()
 tokenizer = load_hf_tokenizer(adapter)

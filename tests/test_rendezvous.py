@@ -121,8 +121,8 @@ def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
 
 
 def test_every_step_takes_dist_timeout_and_setup_run_passes_it(monkeypatch):
-    from dschat.training import common
     from dschat.runtime import dist
+    from dschat.training import common
 
     seen: list[float] = []
 

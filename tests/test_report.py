@@ -22,10 +22,10 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     """SFT actor = tiny-llama, RLHF actor = a perturbed copy, reward = a step-2-style folder."""
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.build import create_critic_model
     from dschat.models.registry import resolve_model_path
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     base = tmp_path_factory.mktemp("report_models")
     src = resolve_model_path("tiny-llama")

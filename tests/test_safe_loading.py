@@ -108,9 +108,9 @@ def _loaders():
     import torch
 
     from dschat.eval import report
+    from dschat.models.build import create_critic_model, create_hf_model
     from dschat.models.registry import load_config
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model, create_hf_model
 
     sys.path.insert(0, str(REPO / "inference"))
     import chatbot

@@ -91,8 +91,8 @@ def test_reward_model_beats_chance_and_agrees_with_gold_judge(step2, data_dir, t
     model orders fresh held-out pairs (in random order) the way the gold judge does."""
     from dschat.data.builtin import split_file
     from dschat.gold_judge import gold_prefers
+    from dschat.models.build import create_critic_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     out = tmp_path / "rm"
     result = step2.main(base_argv("tiny-llama", data_dir, "--learning_rate", "1e-3", "--num_padding_at_beginning", "0",
@@ -128,8 +128,8 @@ def test_bloom_final_norm_is_reset_and_force_trained():
     """DSE #772 without upstream's ``rwtranrsformer`` typo; a no-op for other families."""
     from transformers import BloomConfig, BloomModel, LlamaConfig, LlamaModel
 
+    from dschat.models.reward_model import RewardModel
     from dschat.training.common import reset_final_norm_for_reward
-    from dschat.utils.model.reward_model import RewardModel
 
     class Tok:
         pad_token_id = 3
@@ -162,8 +162,8 @@ def test_only_optimize_lora_needs_lora_dim(step2, data_dir):
 @pytest.mark.parametrize("zero_stage,lora", [("2", False), ("3", True)])
 def test_reward_model_low_precision_on_gpu(step2, data_dir, tmp_path, dtype, zero_stage, lora):
     require_cuda_accelerator()
+    from dschat.models.build import create_critic_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     extra = ["--zero_stage", zero_stage, "--dtype", dtype, "--learning_rate", "1e-3", "--num_padding_at_beginning", "0"]
     if lora:

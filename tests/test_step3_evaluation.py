@@ -18,8 +18,8 @@ from step3_support import base_argv, critic_dirs, data_cache, load_state, max_ab
 from dschat.errors import EXIT_USAGE, cli_main
 from dschat.rlhf import evaluation as ev
 from dschat.rlhf.evaluation import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change, token_entropy
-from dschat.training import checkpoint as ckpt
 from dschat.runtime import fs
+from dschat.training import checkpoint as ckpt
 
 
 @pytest.fixture(autouse=True, scope="module")  # module: before the module-scoped runs (same float sums)

@@ -164,7 +164,7 @@ def test_zero3_gather_once_generates_the_same_tokens_without_per_layer_fetches(m
 @pytest.mark.parametrize("loop", ["dschat", "hf"])
 def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, critic_dirs, data_cache):  # noqa: F811
     import dschat.rlhf.decoding as decoding
-    from dschat.utils.module.lora import LinearLayer_LoRA
+    from dschat.models.lora import LinearLayer_LoRA
 
     engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_lora_dim", "4", "--generation_loop", loop)
     layers = [m for m in engine.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
@@ -275,7 +275,7 @@ def _forward_logprobs(engine, seq: torch.Tensor, prompt_mask: torch.Tensor, temp
     ("tiny-llama", ("--actor_lora_dim", "4", "--actor_lora_module_name", "layers."), 0.7),  # LoRA fused for generation
 ])
 def test_rollout_keeps_the_log_probs_a_forward_pass_gives(model, extra, temperature, critic_dirs, data_cache):  # noqa: F811
-    from dschat.utils.module.lora import LinearLayer_LoRA
+    from dschat.models.lora import LinearLayer_LoRA
 
     engine = _engine(model, critic_dirs, data_cache, "--decoding", "sample", "--temperature", str(temperature), *extra)
     for layer in engine.actor.module.modules():  # non-zero LoRA factors, so fusing them matters
@@ -499,7 +499,7 @@ def test_rollouts_leave_the_frozen_lora_base_weights_bit_identical(dtype, zero_s
     import deepspeed
 
     import dschat.runtime.ds_config as ds_utils
-    from dschat.utils.module.lora import LinearLayer_LoRA
+    from dschat.models.lora import LinearLayer_LoRA
 
     if persistence is not None:  # partition even the tiny test weights
         original = ds_utils.get_train_ds_config
@@ -623,9 +623,9 @@ def test_rollouts_leave_4bit_lora_layers_unfused_and_quantized():
     those layers unfused instead, and give the LoRA model's tokens."""
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
     from dschat.models.registry import resolve_model_path
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.module.lora import LinearLayer_LoRA, convert_linear_layer_to_lora
 
     tok = load_hf_tokenizer("tiny-llama")
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama")).eval()

@@ -45,8 +45,8 @@ def _initial_actor(model: str) -> dict[str, torch.Tensor]:
 def _assert_reloads(out: Path, model: str, ema: bool) -> None:
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.build import create_critic_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     for sub in ("actor", "actor_ema") if ema else ("actor",):
         AutoModelForCausalLM.from_pretrained(out / sub)

@@ -1,4 +1,4 @@
-"""Tiny random-weight test models (dschat.testing.tiny) and model-path resolution (dschat.models.registry)."""
+"""Tiny random-weight test models (dschat.models.tiny) and model-path resolution (dschat.models.registry)."""
 from __future__ import annotations
 
 import json
@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dschat.errors import UserError
 from dschat.models import registry
+from dschat.models import tiny
 from dschat.models.registry import SHORT_NAMES, resolve_model_path, short_names_help
-from dschat.testing import tiny
-from dschat.testing.tiny import MARKER_FILE, TINY_NAMES, build_tiny_model
+from dschat.models.tiny import MARKER_FILE, TINY_NAMES, build_tiny_model
 
 # Everything a folder must hold for AutoModelForCausalLM / AutoTokenizer and for the cache check.
 EXPECTED_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
@@ -29,7 +29,7 @@ BUILD_SCRIPT = """
 import logging, sys
 from pathlib import Path
 logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s")
-from dschat.testing.tiny import build_tiny_model
+from dschat.models.tiny import build_tiny_model
 for name in sys.argv[2:]:
     print("RESULT", build_tiny_model(name, Path(sys.argv[1])), flush=True)
 """

@@ -18,8 +18,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from dschat.errors import UserError
+from dschat.models.tiny import build_tiny_model
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.testing.tiny import build_tiny_model
 from dschat.utils.model.model_utils import create_critic_model, create_hf_model
 
 TEXTS = [" Human: Tell me about owls. Assistant: Owls hunt at night.", " Human: hi Assistant: bye"]

@@ -21,6 +21,7 @@ import random
 from pathlib import Path
 
 from dschat.gold_judge import gold_score
+from dschat.paths import BUILTIN_DATA_DIR
 
 NAME = "dschat/builtin"
 SPLITS = ("train", "eval")
@@ -32,7 +33,7 @@ MIN_MARGIN = 0.5
 
 def data_dir() -> Path:
     """Folder holding ``train.jsonl`` and ``eval.jsonl`` (shipped inside the package)."""
-    return Path(__file__).parent / "builtin_prefs"
+    return BUILTIN_DATA_DIR
 
 
 def split_file(split: str) -> Path:

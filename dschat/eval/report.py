@@ -117,7 +117,7 @@ def _check_folder(path: str | Path, what: str) -> Path:
 
 
 def _check_actor_folder(path: str | Path) -> Path:
-    from dschat.utils.model.reward_model import is_reward_model_folder
+    from dschat.models.reward_model import is_reward_model_folder
 
     folder = _check_folder(path, "actor folder")
     if is_reward_model_folder(folder):
@@ -126,7 +126,7 @@ def _check_actor_folder(path: str | Path) -> Path:
 
 
 def _check_reward_folder(path: str | Path) -> Path:
-    from dschat.utils.model.reward_model import is_reward_model_folder, not_a_critic_message
+    from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message
 
     folder = _check_folder(path, "reward-model folder")
     if not is_reward_model_folder(folder):
@@ -152,8 +152,8 @@ def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
 
 def load_reward(path: str | Path, device: Any) -> tuple[Any, Any]:
     """The step-2 reward model (strict load: body + value head) and its tokenizer."""
+    from dschat.models.build import create_critic_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     folder = _check_reward_folder(path)
     tokenizer = load_hf_tokenizer(str(folder))
@@ -287,7 +287,7 @@ def score_sequences(reward_model: Any, rows: Sequence[Sequence[int]], pad_id: in
     """End score (value at the last real token) of each token sequence."""
     import torch
 
-    from dschat.utils.model.reward_model import last_token_index
+    from dschat.models.reward_model import last_token_index
 
     device = next(reward_model.parameters()).device
     scores: list[float] = []

@@ -1,6 +1,6 @@
 """LoRA adapters in Hugging Face PEFT's format: written beside every LoRA save, read back as a model path.
 
-**Export.** dschat trains LoRA as upstream does (:class:`~dschat.utils.module.lora.LinearLayer_LoRA`,
+**Export.** dschat trains LoRA as upstream does (:class:`~dschat.models.lora.LinearLayer_LoRA`,
 ``y = x W^T + (x @ right @ left) * lora_scaling``) and saves the merged model where upstream does.
 :func:`gather_lora_adapter` + :func:`write_lora_adapter` add the same update as a PEFT adapter in
 ``lora_adapter/`` inside that folder (``adapter_config.json`` + ``adapter_model.safetensors``, what
@@ -45,9 +45,9 @@ from torch import nn
 
 from dschat.errors import UserError, first_line
 from dschat.models.registry import ADAPTER_CONFIG_FILE, is_adapter_folder
+from dschat.models.reward_model import VALUE_HEAD_KEY
 from dschat.paths import VALUE_HEAD_FILE
 from dschat.runtime.zero3 import full_shape, gathered
-from dschat.utils.model.reward_model import VALUE_HEAD_KEY
 
 __all__ = [
     "ADAPTER_DIR",
@@ -192,7 +192,7 @@ def _settings(body: nn.Module, layers: dict[str, nn.Module], extra: list[str], l
 def gather_lora_adapter(model: Any) -> AdapterExport | None:
     """The LoRA factors (and what else trained) of ``model`` as a PEFT adapter, on rank 0.
 
-    ``model``: a causal LM or :class:`~dschat.utils.model.reward_model.RewardModel`, or a DeepSpeed
+    ``model``: a causal LM or :class:`~dschat.models.reward_model.RewardModel`, or a DeepSpeed
     engine around one. None without LoRA layers, and on ranks other than 0. Collective under ZeRO-3:
     every rank must call it.
     """

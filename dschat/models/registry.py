@@ -24,7 +24,7 @@ from typing import Any
 from dschat.errors import UserError
 
 EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
-# Same names as dschat.testing.tiny.TINY_NAMES (kept literal here so that importing the registry
+# Same names as dschat.models.tiny.TINY_NAMES (kept literal here so that importing the registry
 # does not import the tiny-model builder).
 TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-opt", "tiny-opt-quirk")
 SHORT_NAMES: tuple[str, ...] = EMBEDDED_NAMES + TINY_MODEL_NAMES
@@ -185,7 +185,7 @@ def resolve_model_path(name_or_path: str) -> str:
 
         return str(materialize_smollm2())
     if name in TINY_MODEL_NAMES:
-        from dschat.testing.tiny import build_tiny_model
+        from dschat.models.tiny import build_tiny_model
 
         return str(build_tiny_model(name))
     local = Path(name).expanduser()

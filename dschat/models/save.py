@@ -140,7 +140,7 @@ def _write(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> N
     """Write weights + config (and the value head of a reward model) into ``folder``."""
     from safetensors.torch import save_file
 
-    from dschat.utils.model.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
+    from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
 
     if isinstance(module, RewardModel):
         body = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("rwtransformer.")}
@@ -160,7 +160,7 @@ def _write_upstream_bin(module: nn.Module, state: dict[str, torch.Tensor], folde
     The file holds tensors only, so ``torch.load(..., weights_only=True)`` reads it, as transformers
     and dschat's upstream-critic reader do.
     """
-    from dschat.utils.model.reward_model import RewardModel
+    from dschat.models.reward_model import RewardModel
 
     hf_model = module.rwtransformer if isinstance(module, RewardModel) else module
     _set_saved_dtype(hf_model.config, state)

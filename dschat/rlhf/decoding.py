@@ -114,7 +114,7 @@ def onednn_decode_supported(module: nn.Module) -> str | None:
 
 def _decode_linear_layers(module: nn.Module) -> list[nn.Module]:
     """The layers whose forward is exactly ``F.linear(x, weight, bias)`` with materialised weights."""
-    from dschat.utils.module.lora import LinearLayer_LoRA
+    from dschat.models.lora import LinearLayer_LoRA
 
     layers = []
     for m in module.modules():

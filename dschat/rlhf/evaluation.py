@@ -205,7 +205,7 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge
     """The ``--eval_judge`` values as :class:`Judge` objects: ``gold``, ``module:function`` or a
     reward-model folder. A bad value is one :class:`UserError` line; no model is loaded here."""
     from dschat.models.registry import resolve_model_path
-    from dschat.utils.model.reward_model import is_reward_model_folder, not_a_critic_message
+    from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message
 
     judges: list[Judge] = []
     for spec in specs:

@@ -313,7 +313,7 @@ class RolloutGenerator:
 
     # ------------------------------------------------------------------ generation
     def _lora_layers(self) -> list[Any]:
-        from dschat.utils.module.lora import LinearLayer_LoRA
+        from dschat.models.lora import LinearLayer_LoRA
 
         return [m for m in self.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
 

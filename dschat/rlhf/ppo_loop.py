@@ -19,11 +19,11 @@ import torch
 from dschat.paths import METRICS_FILE
 from dschat.rlhf.ema import moving_average
 from dschat.rlhf.ppo_trainer import MicroStepStats, RolloutStats
-from dschat.training.checkpoint import TrainingPosition
-from dschat.training.nonfinite import NonFiniteGuard
+from dschat.runtime.averages import ExponentialMovingAverage
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
 from dschat.runtime.perf import print_throughput_step3
-from dschat.runtime.averages import ExponentialMovingAverage
+from dschat.training.checkpoint import TrainingPosition
+from dschat.training.nonfinite import NonFiniteGuard
 
 __all__ = ["METRICS_FILE", "IterationResult", "PPOCounters", "log_iteration", "train_iteration",
            "truncate_metrics"]

@@ -55,8 +55,8 @@ from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
 from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.guards import BatchPlan, plan_batches
 from dschat.rlhf.hybrid_engine import Rollout
-from dschat.training.nonfinite import NonFiniteGuard
 from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
+from dschat.training.nonfinite import NonFiniteGuard
 
 __all__ = [
     "RewardFn",

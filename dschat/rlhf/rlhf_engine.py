@@ -107,10 +107,10 @@ class DeepSpeedRLHFEngine:
                  args: Any, num_total_iters: int, *, with_reward_model: bool = True, with_critic: bool = True) -> None:
         from deepspeed.accelerator import get_accelerator
 
+        from dschat.models.build import aligned_vocab_rows
         from dschat.models.registry import load_config, resolve_model_path
         from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator, decide_hybrid_engine
         from dschat.runtime.ds_config import resolve_dtype
-        from dschat.utils.model.model_utils import aligned_vocab_rows
 
         self.args = args
         self.num_total_iters = num_total_iters
@@ -163,8 +163,8 @@ class DeepSpeedRLHFEngine:
     def _init_actor(self, actor_model_name_or_path: str) -> Any:
         from transformers import AutoModelForCausalLM
 
+        from dschat.models.build import create_hf_model
         from dschat.training.common import initialize_engine
-        from dschat.utils.model.model_utils import create_hf_model
 
         stime = log_init("Actor")
         args = self.args
@@ -189,8 +189,8 @@ class DeepSpeedRLHFEngine:
     def _init_ref(self, actor_model_name_or_path: str) -> Any:
         from transformers import AutoModelForCausalLM
 
+        from dschat.models.build import create_hf_model
         from dschat.training.common import initialize_engine
-        from dschat.utils.model.model_utils import create_hf_model
 
         stime = log_init("Ref")
         ds_config = self._config("ref")
@@ -203,9 +203,9 @@ class DeepSpeedRLHFEngine:
     def _init_ema(self, actor_model_name_or_path: str) -> Any:
         from transformers import AutoModelForCausalLM
 
+        from dschat.models.build import create_hf_model
         from dschat.rlhf.ema import moving_average
         from dschat.training.common import initialize_engine
-        from dschat.utils.model.model_utils import create_hf_model
 
         stime = log_init("EMA")
         args = self.args
@@ -222,8 +222,8 @@ class DeepSpeedRLHFEngine:
         return engine
 
     def _init_critic(self, critic_model_name_or_path: str) -> Any:
+        from dschat.models.build import create_critic_model
         from dschat.training.common import initialize_engine
-        from dschat.utils.model.model_utils import create_critic_model
 
         stime = log_init("Critic")
         args = self.args
@@ -240,8 +240,8 @@ class DeepSpeedRLHFEngine:
         return engine
 
     def _init_reward(self, critic_model_name_or_path: str) -> Any:
+        from dschat.models.build import create_critic_model
         from dschat.training.common import initialize_engine
-        from dschat.utils.model.model_utils import create_critic_model
 
         stime = log_init("Reward")
         args = self.args

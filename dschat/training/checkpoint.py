@@ -53,8 +53,8 @@ import torch
 
 from dschat.errors import UserError
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
-from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.runtime.fs import atomic_file
+from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 
 MARKER = "dschat_checkpoint.json"
 PREFIX = "step_"

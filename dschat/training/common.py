@@ -146,7 +146,7 @@ def apply_lora(
 ) -> nn.Module:
     """Upstream's LoRA wiring, refusing a module filter that matches nothing."""
     from dschat.models.families import family_of
-    from dschat.utils.module.lora import (
+    from dschat.models.lora import (
         convert_linear_layer_to_lora,
         make_model_gradient_checkpointing_compatible,
         only_optimize_lora_parameters,
@@ -354,9 +354,9 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     On a CPU accelerator an fp16 request trains in fp32 (one warning): upstream recipes run
     unchanged there.
     """
-    from dschat.training.checkpoint import prepare_checkpoint_root
     from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
     from dschat.runtime.ds_config import resolve_dtype
+    from dschat.training.checkpoint import prepare_checkpoint_root
 
     quiet_transformers()
     info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))

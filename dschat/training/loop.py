@@ -26,8 +26,8 @@ from dschat.training.common import (
     print_loss_line,
     write_weight_digest,
 )
-from dschat.training.nonfinite import NonFiniteGuard
 from dschat.runtime.dist import print_rank_0
+from dschat.training.nonfinite import NonFiniteGuard
 
 
 def train_epochs(

@@ -2,7 +2,7 @@
 
 The implementations live where they belong (``dschat.runtime.dist``, ``dschat.training.common``,
 ``dschat.models.tokenizer``, ``dschat.runtime.optim``, ``dschat.models.save``, ``dschat.rlhf.ema``,
-``dschat.utils.model.model_utils``); this module keeps ``from dschat.utils.utils import
+``dschat.models.build``); this module keeps ``from dschat.utils.utils import
 print_rank_0, ...`` working for code written against upstream. The two small running-average
 classes live in :mod:`dschat.runtime.averages`.
 
@@ -13,14 +13,14 @@ matching keys and get the others back in the returned report.
 """
 from __future__ import annotations
 
+from dschat.models.build import load_state_dict_into_model
 from dschat.models.save import save_hf_format, save_zero_three_model
 from dschat.models.tokenizer import get_tokenizer, load_hf_tokenizer
 from dschat.rlhf.ema import moving_average
 from dschat.runtime.averages import ExponentialMovingAverage, MovingAverage
-from dschat.training.common import set_random_seed, to_device
 from dschat.runtime.dist import get_all_reduce_mean, is_rank_0, print_rank_0
-from dschat.utils.model.model_utils import load_state_dict_into_model
 from dschat.runtime.optim import get_optimizer_grouped_parameters
+from dschat.training.common import set_random_seed, to_device
 
 __all__ = [
     "print_rank_0",

@@ -65,8 +65,8 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from transformers import AutoModelForCausalLM, default_data_collator
 
     from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.models.build import causal_lm_model_to_fp32_loss, create_hf_model
     from dschat.training.loop import finish_run, train_epochs
-    from dschat.utils.model.model_utils import causal_lm_model_to_fp32_loss, create_hf_model
 
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds

@@ -135,10 +135,10 @@ def prompt_eval(args: argparse.Namespace, model_baseline: Any, model_finetuned: 
 def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     from transformers import AutoModelForCausalLM
 
+    from dschat.models.build import create_hf_model
     from dschat.models.registry import resolve_model_path
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.training.common import quiet_transformers
-    from dschat.utils.model.model_utils import create_hf_model
 
     args = parse_args(argv)
     # Both paths are checked before either model loads.

@@ -42,8 +42,8 @@ from dschat.training.common import (
     setup_run,
     train_ds_config,
 )
-from dschat.training.dpo import dpo_batch, evaluate_dpo
 from dschat.runtime.dist import print_rank_0
+from dschat.training.dpo import dpo_batch, evaluate_dpo
 
 # What --add_eot_token adds in DPO (upstream: the literal, not a flag).
 EOT_SPECIAL_TOKEN = "<|endoftext|>"
@@ -72,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     from dschat.data.collators import DataCollatorReward
     from dschat.data.prompt_dataset import create_prompt_dataset
-    from dschat.training.loop import finish_run, train_epochs
+    from dschat.models.build import create_hf_model
     from dschat.runtime.ds_config import get_eval_ds_config
-    from dschat.utils.model.model_utils import create_hf_model
+    from dschat.training.loop import finish_run, train_epochs
 
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds

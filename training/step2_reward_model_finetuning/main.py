@@ -71,8 +71,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.data.collators import DataCollatorReward
     from dschat.data.prompt_dataset import create_prompt_dataset
+    from dschat.models.build import create_critic_model
     from dschat.training.loop import finish_run, train_epochs
-    from dschat.utils.model.model_utils import create_critic_model
 
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds

@@ -76,8 +76,8 @@ def load_stuff(model_name_or_path: str, num_padding_at_beginning: int,
 
     Upstream also forced ``pad = eos`` here; dschat keeps the tokenizer's pad, as step 2 did.
     """
+    from dschat.models.build import create_critic_model
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.utils.model.model_utils import create_critic_model
 
     tokenizer = load_hf_tokenizer(model_name_or_path, fast_tokenizer=True,
                                   add_special_tokens=additional_special_tokens)

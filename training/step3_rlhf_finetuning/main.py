@@ -101,8 +101,8 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     needed for PPO's critic and for the reward model; a critic-free run scored by functions alone
     needs none."""
     from dschat.models.registry import resolve_model_path
+    from dschat.models.reward_model import check_upstream_critic, critic_format, not_a_critic_message
     from dschat.training import common
-    from dschat.utils.model.reward_model import check_upstream_critic, critic_format, not_a_critic_message
 
     common.check_paths(args, ("actor_model_name_or_path",))
     needs_critic = settings is None or settings.critic
@@ -180,14 +180,14 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
-    from dschat.rlhf.guards import plan_batches, validate_step3_args
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
+    from dschat.rlhf.guards import plan_batches, validate_step3_args
     from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.common import TensorBoardLogger, setup_run, to_device
-    from dschat.runtime.ds_config import resolve_dtype
 
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)

@@ -1,0 +1,421 @@
+"""Model builders with upstream's names: ``create_hf_model``, ``create_critic_model``.
+
+Differences from upstream (each fixes a reported problem):
+- ``model.config.pad_token_id`` is the tokenizer's pad id (upstream forced eos, DSE #719).
+- The vocabulary is padded up to a multiple of 8 but never shrunk below the checkpoint's size --
+  except in step 3 when the models' sizes differ: then all are resized to the tokenizer's length
+  rounded up to 8, as upstream resizes every model (:func:`aligned_vocab_rows`).
+- A model path may be a PEFT LoRA adapter folder (dschat's ``lora_adapter/`` or any other): its base
+  model is built and the adapter merged into it (:mod:`dschat.models.peft_adapter`).
+- A step-3 critic/reward path must be a step-2 output -- dschat's (safetensors body +
+  ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): missing
+  or unexpected keys fail loudly (upstream's loader swallowed them, so a wrong path trained a
+  random critic).
+"""
+from __future__ import annotations
+
+import math
+import re
+import time
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from dschat.errors import UserError, first_keys
+from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
+from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
+from dschat.paths import UPSTREAM_WEIGHTS_FILE
+from dschat.runtime.zero3 import any_zero3, full_shape
+
+__all__ = [
+    "DROPOUT_KEYS",
+    "configure_dropout",
+    "padded_vocab_size",
+    "aligned_vocab_rows",
+    "create_hf_model",
+    "create_critic_model",
+    "key_problems",
+    "LoadReport",
+    "load_state_dict_into_model",
+    "causal_lm_model_to_fp32_loss",
+    "model_dir_exists",
+]
+
+DROPOUT_KEYS = ("dropout", "attention_dropout", "hidden_dropout", "activation_dropout")
+
+
+def configure_dropout(model_config: Any, dropout: float | None) -> None:
+    """Override every dropout probability the config has (upstream's ``--dropout``)."""
+    if dropout is None:
+        return
+    for key in DROPOUT_KEYS:
+        if hasattr(model_config, key):
+            print(f"Setting model_config.{key} to {dropout}")
+            setattr(model_config, key, dropout)
+
+
+def padded_vocab_size(config_vocab_size: int, tokenizer_len: int, multiple: int = 8) -> int:
+    """Embedding rows: a multiple of 8 that covers the tokenizer, never below the checkpoint's."""
+    return int(multiple * math.ceil(max(config_vocab_size, tokenizer_len) / multiple))
+
+
+def aligned_vocab_rows(tokenizer: Any, configs: dict[str, Any]) -> tuple[int | None, str | None]:
+    """Embedding rows for models that must read each other's token ids (step 3's actor, reference,
+    critic and reward model), and the line that says so; ``(None, None)`` when they agree.
+
+    ``configs`` maps a name for the message to a model config. Each model alone would keep its
+    :func:`padded_vocab_size`, so models whose checkpoints differ in size (an actor with 50272 rows,
+    an upstream critic resized to 552) would keep different ones, and the actor would sample ids the
+    critic has no row for: a device-side assert on CUDA, an ``IndexError`` on a CPU. Then every model
+    is resized as upstream resizes them all: to the tokenizer's length rounded up to 8.
+    """
+    rows = {name: padded_vocab_size(config.vocab_size, len(tokenizer)) for name, config in configs.items()}
+    if len(set(rows.values())) <= 1:
+        return None, None
+    target = padded_vocab_size(0, len(tokenizer))
+    sizes = ", ".join(f"{name} {n}" for name, n in rows.items())
+    return target, (
+        f"note: the models' embeddings differ in size ({sizes} rows); every model is resized to the tokenizer's "
+        f"length rounded up to 8 ({target} rows), as upstream does, so the actor samples only ids every model reads"
+    )
+
+
+def _is_zero3(ds_config: dict | None) -> bool:
+    return bool(ds_config) and ds_config.get("zero_optimization", {}).get("stage") == 3
+
+
+def create_hf_model(
+    model_class: Any,
+    model_name_or_path: str,
+    tokenizer: Any,
+    ds_config: dict | None = None,
+    rlhf_training: bool = False,
+    dropout: float | None = None,
+    *,
+    vocab_rows: int | None = None,
+) -> nn.Module:
+    """Build an HF model (``AutoModelForCausalLM`` or ``AutoModel``) as upstream does.
+
+    Under ZeRO-3 an ``HfDeepSpeedConfig`` is alive during construction so weights are created
+    partitioned (``zero.Init``); it is dropped afterwards so later non-ZeRO-3 models are not built
+    partitioned by mistake. ``rlhf_training=True`` builds from the config (weights loaded later).
+    ``vocab_rows`` (:func:`aligned_vocab_rows`) sets the embedding rows instead of
+    :func:`padded_vocab_size`.
+    """
+    path = resolve_model_path(model_name_or_path)
+    if is_adapter_folder(path):
+        return _adapter_model(model_class, path, tokenizer, ds_config, rlhf_training, dropout, vocab_rows)
+    model_config = load_config(path)
+    configure_dropout(model_config, dropout)
+
+    dschf = None
+    if _is_zero3(ds_config):
+        from transformers.integrations import HfDeepSpeedConfig
+
+        dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
+    if rlhf_training:
+        model = model_class.from_config(model_config)
+    else:
+        model = model_class.from_pretrained(path, config=model_config, dtype=torch.float32, trust_remote_code=False)
+
+    model.config.end_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.pad_token_id = tokenizer.pad_token_id
+    new_size = vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer))
+    if new_size != model.get_input_embeddings().weight.shape[0] or _is_zero3(ds_config):
+        # Under ZeRO-3 the local weight shape is partitioned; resize always (a no-op when equal).
+        # dschf must still be alive here: transformers gathers the partitioned embeddings for the
+        # resize only while it sees ZeRO-3 enabled (else: "not enough values to unpack").
+        model.resize_token_embeddings(new_size)
+    del dschf
+    return model
+
+
+def _adapter_model(model_class: Any, folder: str, tokenizer: Any, ds_config: dict | None, rlhf_training: bool,
+                   dropout: float | None, vocab_rows: int | None = None) -> nn.Module:
+    """The base model a LoRA adapter folder names, built by :func:`create_hf_model`, with the adapter merged."""
+    adapter = read_adapter(folder)
+    model = create_hf_model(model_class, adapter.base, tokenizer, ds_config, rlhf_training, dropout,
+                            vocab_rows=vocab_rows)
+    merge_lora_adapter(model, adapter)
+    # What a LoRA trained on top of this model was trained on (its exported adapter's base): the adapter folder.
+    model.config._name_or_path = str(Path(folder).resolve())
+    return model
+
+
+def create_critic_model(
+    model_name_or_path: str,
+    tokenizer: Any,
+    ds_config: dict | None,
+    num_padding_at_beginning: int = 0,
+    rlhf_training: bool = False,
+    dropout: float | None = None,
+    zero_stage: int = 0,
+    compute_fp32_loss: bool = False,
+    *,
+    vocab_rows: int | None = None,
+) -> nn.Module:
+    """A :class:`RewardModel` around ``AutoModel``; ``vocab_rows`` as in :func:`create_hf_model`.
+
+    ``rlhf_training=False`` (step 2): the body comes from any causal-LM or base-model folder and the
+    value head is fresh. ``rlhf_training=True`` (step 3, ``rw_eval.py``): the folder must be a step-2
+    output, in dschat's format (body folder + ``v_head.safetensors``) or upstream DeepSpeed-Chat's
+    (``pytorch_model.bin`` with ``rwtransformer.*`` and ``v_head.weight``); body and value head are
+    loaded with strict key checking in both. ``zero_stage`` is upstream's argument; the ZeRO-3
+    build follows ``ds_config``.
+    """
+    from transformers import AutoModel
+
+    from dschat.models.reward_model import (
+        RewardModel,
+        copy_value_head,
+        critic_format,
+        load_upstream_state,
+        load_value_head,
+        not_a_critic_message,
+        split_upstream_state,
+    )
+
+    path = resolve_model_path(model_name_or_path)
+    start = time.time()
+    if is_adapter_folder(path):
+        return _adapter_critic(path, tokenizer, ds_config, num_padding_at_beginning, rlhf_training, dropout,
+                               zero_stage, compute_fp32_loss)
+    fmt = critic_format(path) if rlhf_training else None
+    if rlhf_training and fmt is None:
+        raise UserError(not_a_critic_message(model_name_or_path))
+    head = None
+    if fmt == "upstream":
+        body_state, head = split_upstream_state(load_upstream_state(path), path)
+        base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, state_dict=body_state,
+                                 vocab_rows=vocab_rows)
+        base.config._name_or_path = path  # built from a state dict: name the folder (a LoRA adapter's base)
+        del body_state
+    elif fmt == "dschat":
+        base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, vocab_rows=vocab_rows)
+    else:
+        base = create_hf_model(AutoModel, path, tokenizer, ds_config, False, dropout, vocab_rows=vocab_rows)
+    critic = RewardModel(base, tokenizer, num_padding_at_beginning, compute_fp32_loss)
+    if fmt == "dschat":
+        load_value_head(critic, path)
+    elif fmt == "upstream":
+        copy_value_head(critic, head, path)
+    print(f">Creating critic model from {model_name_or_path} took {time.time() - start:.2f} seconds")
+    return critic
+
+
+def _adapter_critic(folder: str, tokenizer: Any, ds_config: dict | None, num_padding_at_beginning: int,
+                    rlhf_training: bool, dropout: float | None, zero_stage: int, compute_fp32_loss: bool) -> nn.Module:
+    """A reward model from a LoRA adapter folder: the base it names (a step-2 output, or a model whose body
+    gets a fresh value head), the adapter merged into the body, and the value head saved beside the adapter
+    (dschat's export of a reward model) when there is one -- required for ``rlhf_training``."""
+    from dschat.models.reward_model import critic_format, load_value_head, not_a_critic_message, value_head_file
+
+    adapter = read_adapter(folder)
+    has_head = value_head_file(folder).is_file()
+    if rlhf_training and not has_head:
+        raise UserError(not_a_critic_message(folder))
+    base_is_critic = critic_format(resolve_model_path(adapter.base)) is not None
+    critic = create_critic_model(adapter.base, tokenizer, ds_config, num_padding_at_beginning,
+                                 rlhf_training=base_is_critic, dropout=dropout, zero_stage=zero_stage,
+                                 compute_fp32_loss=compute_fp32_loss)
+    merge_lora_adapter(critic.rwtransformer, adapter)
+    if has_head:
+        load_value_head(critic, folder)
+    critic.rwtransformer.config._name_or_path = str(Path(folder).resolve())
+    return critic
+
+
+def _load_base_strict(
+    model_class: Any,
+    path: str,
+    tokenizer: Any,
+    ds_config: dict | None,
+    dropout: float | None,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    vocab_rows: int | None = None,
+) -> nn.Module:
+    """``from_pretrained`` that refuses missing / unexpected / mismatched keys; then the embeddings
+    get ``vocab_rows`` rows (default: :func:`padded_vocab_size`).
+
+    With ``state_dict`` (an upstream critic's body, prefix stripped) the weights come from it and
+    only ``config.json`` from ``path``; its keys are checked on every rank before anything is
+    loaded (:func:`_check_body_state`), because under ZeRO-3 transformers reports neither
+    unexpected keys nor, except on rank 0, shape mismatches.
+    """
+    model_config = load_config(path)
+    configure_dropout(model_config, dropout)
+    if state_dict is not None:
+        from transformers import MODEL_MAPPING
+
+        # transformers takes a state dict only without a model path, so the concrete class is needed.
+        model_class = MODEL_MAPPING[type(model_config)]
+        state_dict = _check_body_state(model_class, model_config, state_dict, path)
+    dschf = None
+    if _is_zero3(ds_config):
+        from transformers.integrations import HfDeepSpeedConfig
+
+        dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
+    if state_dict is None:
+        model, info = model_class.from_pretrained(
+            path, config=model_config, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
+        )
+    else:
+        model, info = model_class.from_pretrained(
+            None, config=model_config, state_dict=state_dict, dtype=torch.float32, output_loading_info=True,
+            trust_remote_code=False,
+        )
+    problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+    if problems or info.get("error_msgs"):
+        detail = "; ".join(f"{k}: {', '.join(map(str, v[:5]))}{' ...' if len(v) > 5 else ''}" for k, v in problems.items())
+        raise UserError(
+            f"checkpoint {path!r} does not match its model ({detail or info['error_msgs']}); "
+            "pass the step-2 output folder this run should continue from"
+        )
+    model.config.end_token_id = tokenizer.eos_token_id
+    model.config.pad_token_id = tokenizer.pad_token_id
+    new_size = vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer))
+    if new_size != model.config.vocab_size:
+        model.resize_token_embeddings(new_size)
+    del dschf  # kept alive through the resize: transformers gathers ZeRO-3 embeddings only then
+    return model
+
+
+def _check_body_state(
+    model_class: Any, model_config: Any, state_dict: dict[str, torch.Tensor], path: str
+) -> dict[str, torch.Tensor]:
+    """``state_dict`` minus the keys transformers itself ignores; a :class:`UserError` for any
+    missing, unexpected or wrongly shaped key.
+
+    The expected keys and shapes come from the model built on the meta device (no memory, same
+    answer on every rank). Ignored as transformers ignores them: the model's
+    ``_keys_to_ignore_on_load_unexpected`` / ``_on_load_missing`` patterns, and the buffers older
+    transformers saved (``rotary_emb.inv_freq``, ``position_ids``) that are no longer persistent.
+    """
+    with torch.device("meta"):
+        reference = model_class(model_config)
+    expected = {k: tuple(v.shape) for k, v in reference.state_dict().items()}
+    ignore_unexpected = set(reference._keys_to_ignore_on_load_unexpected or ()) | {
+        r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"}
+    ignore_missing = set(reference._keys_to_ignore_on_load_missing or ())
+    tied = set(getattr(reference, "all_tied_weights_keys", None) or ())
+    del reference
+
+    def matches(key: str, patterns: set[str]) -> bool:
+        return any(re.search(p, key) for p in patterns)
+
+    state = {k: v for k, v in state_dict.items() if k in expected or not matches(k, ignore_unexpected)}
+    unexpected = sorted(set(state) - set(expected))
+    missing = sorted(k for k in set(expected) - set(state) if k not in tied and not matches(k, ignore_missing))
+    mismatched = sorted(f"{k} {tuple(state[k].shape)} vs {expected[k]}" for k in set(state) & set(expected)
+                        if tuple(state[k].shape) != expected[k])
+    problems = key_problems(missing, unexpected, mismatched)
+    if problems:
+        raise UserError(
+            f"{Path(path) / UPSTREAM_WEIGHTS_FILE} does not match the {model_config.model_type} model its config.json "
+            f"describes (rwtransformer.* keys {'; '.join(problems)}); pass the step-2 output folder this run "
+            "should continue from"
+        )
+    return state
+
+
+def key_problems(missing: list[str], unexpected: list[str], wrong_shape: list[str]) -> list[str]:
+    """``"missing: a, b"``-style parts of a key-mismatch error line, for the non-empty lists only."""
+    return [f"{name}: {first_keys(keys)}" for name, keys in
+            (("missing", missing), ("unexpected", unexpected), ("wrong shape", wrong_shape)) if keys]
+
+
+class LoadReport(NamedTuple):
+    """What :func:`load_state_dict_into_model` found (all empty after a clean load)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    error_msgs: list[str]  # shape mismatches
+
+
+def load_state_dict_into_model(
+    model_to_load: nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    start_prefix: str = "",
+    zero_stage: int = 0,
+    *,
+    strict: bool = True,
+) -> LoadReport:
+    """Upstream's ZeRO-3-aware loader (``dschat.utils.utils.load_state_dict_into_model``), made strict.
+
+    The state dict's keys are ``start_prefix`` + the model's ``state_dict()`` keys. Under ZeRO-3
+    (``zero_stage == 3``, or parameters that are already partitioned) each module's own
+    parameters are gathered with ``GatheredParameters(modifier_rank=0)`` and loaded on rank 0, one
+    module at a time, as upstream does (DSE #675); buffers, which ZeRO-3 does not partition, are
+    loaded on every rank. Missing, unexpected and wrongly shaped keys are found on every rank before
+    anything is loaded: with ``strict`` (the default) they raise one :class:`UserError` and nothing
+    is loaded; with ``strict=False`` the matching keys are loaded and the rest is returned.
+    Upstream ignored them all (a wrong critic path trained a random critic).
+    """
+    expected = {start_prefix + k: full_shape(v)
+                for k, v in model_to_load.state_dict(keep_vars=True).items()}
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    wrong = sorted(k for k in set(state_dict) & set(expected) if tuple(state_dict[k].shape) != expected[k])
+    report = LoadReport(missing, unexpected,
+                        [f"size mismatch for {k}: {tuple(state_dict[k].shape)} in the checkpoint, "
+                         f"{expected[k]} in the model" for k in wrong])
+    if strict and (missing or unexpected or wrong):
+        problems = key_problems(missing, unexpected, wrong)
+        raise UserError(
+            f"state dict does not match {type(model_to_load).__name__} ({'; '.join(problems)}); "
+            "pass the checkpoint that belongs to this model"
+        )
+    loadable = {k: v for k, v in state_dict.items() if k in expected and k not in wrong}
+    partitioned = zero_stage == 3 or any_zero3(model_to_load.parameters())
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    def load(module: nn.Module, prefix: str) -> None:
+        params = [p for name, p in module.named_parameters(prefix=prefix[:-1], recurse=False) if name in loadable]
+        buffers = [b for name, b in module.named_buffers(prefix=prefix[:-1], recurse=False) if name in loadable]
+        if params or buffers:
+            # strict=False here: keys of other modules are in the dict, and the checks above are ours.
+            args = (loadable, prefix, {}, False, [], [], [])
+            if partitioned and params:
+                import deepspeed
+
+                # Every rank gathers; rank 0's values are broadcast when the context exits. Other
+                # ranks load too only when the module has buffers (kept whole on every rank).
+                with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+                    if rank == 0 or buffers:
+                        module._load_from_state_dict(*args)
+            else:
+                module._load_from_state_dict(*args)
+        for name, child in module._modules.items():
+            if child is not None:
+                load(child, prefix + name + ".")
+
+    load(model_to_load, start_prefix)
+    return report
+
+
+def causal_lm_model_to_fp32_loss(model: nn.Module) -> None:
+    """Make ``model(...).loss`` a shifted cross-entropy computed on fp32 logits (upstream name).
+
+    transformers >= 4.46 already upcasts logits in its loss; this keeps upstream's explicit
+    behaviour for ``--compute_fp32_loss`` whatever the model does.
+    """
+    from dschat.rl_math import causal_lm_loss
+
+    original_forward = model.forward
+
+    def forward(*args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:
+        output = original_forward(*args, **kwargs)
+        if labels is not None:
+            output.loss = causal_lm_loss(output.logits, labels, fp32=True)
+        return output
+
+    model.forward = forward  # type: ignore[method-assign]
+
+
+def model_dir_exists(path: str | Path) -> bool:
+    return Path(path).is_dir() and (Path(path) / "config.json").exists()

@@ -1,0 +1,294 @@
+"""``RewardModel``: a transformer body plus a scalar value head, scored at the sequence end.
+
+As upstream: ``v_head`` (hidden -> 1, no bias) reads every position; step 2 trains it with the
+pairwise loss from the first token where chosen and rejected differ to the end of the longer
+one; the score of a sequence is the value at its last token.
+
+Where upstream finds "the last token" by searching for the pad id (skipping
+``num_padding_at_beginning`` leading pads, OPT's BOS == pad), dschat reads it from the attention
+mask, so an EOS that shares the pad id is still part of the sequence and is the scored token
+(an upstream bug: its step-2 RM scored the token before EOS only when EOS != pad). Upstream's
+pad rule -- with ``num_padding_at_beginning`` in its upstream meaning -- is used only when no
+attention mask is passed.
+
+Two folder formats are read (``critic_format``): dschat's (a Hugging Face body folder plus
+``v_head.safetensors``, what step 2 writes) and upstream DeepSpeed-Chat's (one
+``pytorch_model.bin`` holding the whole RewardModel state dict: ``rwtransformer.*`` body keys and
+``v_head.weight``, LoRA fused).
+"""
+from __future__ import annotations
+
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from dschat import rl_math
+from dschat.errors import UserError, first_keys, first_line
+from dschat.models.families import value_head_dim
+from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE
+
+__all__ = [
+    "VALUE_HEAD_FILE",
+    "VALUE_HEAD_KEY",
+    "BODY_PREFIX",
+    "value_head_file",
+    "critic_format",
+    "not_a_critic_message",
+    "load_upstream_state",
+    "split_upstream_state",
+    "is_reward_model_folder",
+    "check_upstream_critic",
+    "positions_from_mask",
+    "last_token_index",
+    "RewardModel",
+    "load_value_head",
+    "copy_value_head",
+]
+
+VALUE_HEAD_KEY = "v_head.weight"
+# Upstream's step-2 output, UPSTREAM_WEIGHTS_FILE: torch.save(RewardModel.state_dict()) (save_hf_format).
+BODY_PREFIX = "rwtransformer."
+
+
+def value_head_file(folder: str | Path) -> Path:
+    return Path(folder) / VALUE_HEAD_FILE
+
+
+def critic_format(folder: str | Path) -> str | None:
+    """``"dschat"`` (``v_head.safetensors`` beside the body), ``"upstream"`` (DeepSpeed-Chat's
+    ``pytorch_model.bin`` with the value head inside) or None (not a step-2 output)."""
+    if value_head_file(folder).is_file():
+        return "dschat"
+    if (Path(folder) / UPSTREAM_WEIGHTS_FILE).is_file():
+        return "upstream"
+    return None
+
+
+def not_a_critic_message(name: str, flag: str | None = None) -> str:
+    """The one line for a folder that holds neither format."""
+    what = f"{flag} {name!r}" if flag else f"critic/reward path {name!r}"
+    return (
+        f"{what} is not a step-2 reward model output: it has neither {VALUE_HEAD_FILE} (a dschat step-2 "
+        f"output) nor {UPSTREAM_WEIGHTS_FILE} (an upstream DeepSpeed-Chat step-2 output); pass the "
+        "--output_dir of training/step2_reward_model_finetuning/main.py"
+    )
+
+
+def load_upstream_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """``pytorch_model.bin`` of an upstream step-2 folder, tensors only (``weights_only=True``).
+
+    Memory-mapped when the file is in torch's zip format (every torch >= 1.6 save), so reading
+    it on each rank, or only for its keys, costs little.
+    """
+    file = Path(folder) / UPSTREAM_WEIGHTS_FILE
+    mmap = zipfile.is_zipfile(file)
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as err:  # noqa: BLE001 - a pickle with objects other than tensors, a damaged file
+        reason = first_line(err)
+        raise UserError(
+            f"cannot read {file} as a tensor state dict ({type(err).__name__}: {reason}); "
+            "pass an upstream DeepSpeed-Chat step-2 output (torch.save of the reward model's state_dict)"
+        ) from err
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise UserError(f"{file} is not a state dict of tensors; pass an upstream DeepSpeed-Chat step-2 output")
+    return state
+
+
+def split_upstream_state(
+    state: dict[str, torch.Tensor], where: str | Path
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``rwtransformer.*`` keys (prefix stripped) and ``v_head.weight`` of an upstream state dict.
+
+    Every key must be one of the two; anything else (a step-1 causal LM's ``model.*`` /
+    ``lm_head.weight``, left-over LoRA factors) is a :class:`UserError` naming the keys.
+    """
+
+    stray = sorted(k for k in state if k != VALUE_HEAD_KEY and not k.startswith(BODY_PREFIX))
+    if stray or VALUE_HEAD_KEY not in state:
+        problem = (f"keys that are neither {VALUE_HEAD_KEY} nor {BODY_PREFIX}*: {first_keys(stray)}" if stray
+                   else f"no {VALUE_HEAD_KEY}")
+        hint = " (a step-1 causal LM, not a reward model?)" if "lm_head.weight" in state else ""
+        raise UserError(
+            f"{Path(where) / UPSTREAM_WEIGHTS_FILE} is not an upstream step-2 reward model{hint}: it has {problem}; "
+            "pass the --output_dir of upstream's or dschat's step 2"
+        )
+    body = {k[len(BODY_PREFIX):]: v for k, v in state.items() if k.startswith(BODY_PREFIX)}
+    return body, state[VALUE_HEAD_KEY]
+
+
+def is_reward_model_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` is a step-2 output, dschat's or upstream's. An upstream step-1 folder has a
+    ``pytorch_model.bin`` too: its keys (memory-mapped) tell the two apart."""
+    fmt = critic_format(folder)
+    if fmt != "upstream":
+        return fmt == "dschat"
+    try:
+        return VALUE_HEAD_KEY in load_upstream_state(folder)
+    except UserError:
+        return False
+
+
+def check_upstream_critic(folder: str | Path) -> None:
+    """Cheap check of an upstream-format critic folder (keys only, the file memory-mapped)."""
+    split_upstream_state(load_upstream_state(folder), folder)
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that count only real tokens, so left padding does not shift positions.
+
+    Shape: (B, T) -> (B, T). Padding positions get 0 (they are masked anyway).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the right-most real token of each row. Shape: (B, T) -> (B,)."""
+    positions = torch.arange(attention_mask.shape[-1], device=attention_mask.device)
+    return (attention_mask.long() * positions).argmax(-1)
+
+
+class RewardModel(nn.Module):
+    def __init__(
+        self,
+        base_model: nn.Module,
+        tokenizer: Any,
+        num_padding_at_beginning: int = 0,
+        compute_fp32_loss: bool = False,
+    ):
+        super().__init__()
+        self.config = base_model.config
+        self.num_padding_at_beginning = num_padding_at_beginning
+        # In the body's dtype: a body built under ZeRO-3 (zero.Init) already holds fp16/bf16 weights
+        # that DeepSpeed will not cast, and its ZeRO-3 optimizer refuses trainable parameters of
+        # mixed dtypes (an AssertionError in ``defragment``, seen at fp16/bf16 on a GPU).
+        body_dtype = next(base_model.parameters()).dtype
+        self.v_head = nn.Linear(value_head_dim(self.config), 1, bias=False,
+                                dtype=body_dtype if body_dtype.is_floating_point else None)
+        self.rwtransformer = base_model
+        self.PAD_ID = tokenizer.pad_token_id
+        self.compute_fp32_loss = compute_fp32_loss
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        self.rwtransformer.gradient_checkpointing_enable(**kwargs)
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.rwtransformer.gradient_checkpointing_disable()
+
+    def _values(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None,
+        past_key_values: Any,
+        inputs_embeds: torch.Tensor | None,
+        use_cache: bool,
+    ) -> torch.Tensor:
+        if position_ids is None and attention_mask is not None:
+            position_ids = positions_from_mask(attention_mask)
+        kwargs: dict[str, Any] = {"attention_mask": attention_mask, "position_ids": position_ids, "use_cache": use_cache}
+        if past_key_values is not None:
+            kwargs["past_key_values"] = past_key_values
+        if inputs_embeds is not None:
+            kwargs["inputs_embeds"] = inputs_embeds
+        else:
+            kwargs["input_ids"] = input_ids
+        hidden = self.rwtransformer(**kwargs)[0]  # (B, T, H)
+        return self.v_head(hidden).squeeze(-1)  # (B, T)
+
+    def _ends(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        """One past the last scored token of each row (upstream's ``c_ind``)."""
+        if attention_mask is not None:
+            return last_token_index(attention_mask) + 1
+        return rl_math.upstream_end_indices(input_ids, self.PAD_ID, self.num_padding_at_beginning)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        head_mask: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool = False,
+    ) -> dict[str, torch.Tensor]:
+        """Pairwise loss on a batch ``[chosen_1..B; rejected_1..B]`` (DataCollatorReward's layout).
+
+        Returns ``loss`` and the end scores ``chosen_mean_scores`` / ``rejected_mean_scores``
+        (upstream's names: they are the values at the last token, not means).
+        """
+        if head_mask is not None:
+            raise ValueError("head_mask is not supported by transformers >= 5 models")
+        values = self._values(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache)
+        if self.compute_fp32_loss:
+            values = values.float()
+        bs = input_ids.shape[0] // 2
+        ends = self._ends(input_ids, attention_mask)
+        result = rl_math.pairwise_reward_loss(
+            values[:bs], values[bs:], input_ids[:bs], input_ids[bs:], ends[:bs], ends[bs:]
+        )
+        return {
+            "loss": result.loss,
+            "chosen_mean_scores": result.chosen_end_scores,
+            "rejected_mean_scores": result.rejected_end_scores,
+        }
+
+    def forward_value(
+        self,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        position_ids: torch.Tensor | None = None,
+        head_mask: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        return_value_only: bool = False,
+        prompt_length: int = 0,
+        use_cache: bool = False,
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Per-token values (B, T), and with ``return_value_only=False`` the end scores (B,).
+
+        The end score is the value at the last real token after ``prompt_length`` (with a mask:
+        the right-most unmasked position; without: upstream's first-pad rule).
+        """
+        if head_mask is not None:
+            raise ValueError("head_mask is not supported by transformers >= 5 models")
+        values = self._values(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache)
+        if return_value_only:
+            return values
+        if prompt_length <= 1:
+            raise ValueError(f"prompt_length must be > 1 (got {prompt_length}), as upstream asserts")
+        if attention_mask is not None:
+            end = last_token_index(attention_mask)
+        else:
+            # Upstream: the first pad at or after the prompt ends the answer (else the row end).
+            answer = input_ids[:, prompt_length:]
+            end = prompt_length + rl_math.upstream_end_indices(answer, self.PAD_ID, 0) - 1
+        chosen_end_scores = values.gather(1, end.unsqueeze(1)).squeeze(1)
+        return {"values": values, "chosen_end_scores": chosen_end_scores}
+
+
+def load_value_head(model: RewardModel, folder: str | Path) -> None:
+    """Load ``v_head.weight`` from a dschat step-2 folder, refusing any other key or shape."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(value_head_file(folder)))
+    if set(state) != {VALUE_HEAD_KEY}:
+        raise UserError(
+            f"{value_head_file(folder)} holds keys {sorted(state)}, expected ['{VALUE_HEAD_KEY}']; "
+            "pass a folder written by step 2"
+        )
+    copy_value_head(model, state[VALUE_HEAD_KEY], folder)
+
+
+def copy_value_head(model: RewardModel, weight: torch.Tensor, folder: str | Path) -> None:
+    """Copy a saved ``v_head.weight`` into ``model`` (a plain, not yet partitioned, Linear)."""
+    if tuple(weight.shape) != tuple(model.v_head.weight.shape):
+        raise UserError(
+            f"value head in {folder} has shape {tuple(weight.shape)}, the model needs "
+            f"{tuple(model.v_head.weight.shape)}; the critic folder belongs to a different model"
+        )
+    with torch.no_grad():
+        model.v_head.weight.copy_(weight.to(model.v_head.weight.dtype))
