@@ -17,6 +17,14 @@ UPSTREAM_WEIGHTS_FILE = "pytorch_model.bin"
 # v_head.safetensors beside a reward model's body), bin (upstream's UPSTREAM_WEIGHTS_FILE, a reward
 # model's body and value head in one file), or both. Every reader takes either.
 SAVE_FORMATS = ("safetensors", "bin", "both")
+# A PEFT adapter folder (written by save_pretrained, and by every dschat LoRA save in lora_adapter/)
+# holds this file and no config.json; dschat.models.registry resolves it, dschat.models.peft_adapter
+# reads and writes it.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+# Step 3's --save_best_by: the best models so far in <output_dir>/BEST_DIR, described by BEST_FILE
+# (dschat.rlhf.evaluation writes them, the report reads them).
+BEST_DIR = "best"
+BEST_FILE = "best.json"
 # The embedded preference dataset's ``train.jsonl`` / ``eval.jsonl`` (shipped inside the package):
 # written by dschat.data.builtin, read by it and, as its tokenizer corpus, by dschat.models.tiny.
 BUILTIN_DATA_DIR = Path(__file__).parent / "data" / "builtin_prefs"
@@ -39,3 +47,10 @@ def data_cache_dir() -> Path:
     another account could plant the cache files a run then trained on.
     """
     return cache_dir() / "data_files"
+
+
+def is_adapter_folder(path: str | os.PathLike) -> bool:
+    """A PEFT adapter folder: ``adapter_config.json`` and no ``config.json`` (a folder with both is a
+    model, loaded as one)."""
+    folder = Path(path)
+    return (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / "config.json").is_file()

@@ -37,10 +37,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from dschat.errors import UserError, cli_main
-from dschat.paths import METRICS_FILE
+from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
+
+# The "kind" of step 3's held-out evaluation records in metrics.jsonl (dschat.rlhf.evaluation writes them).
+EVAL_KIND = "eval"
 
 REPORT_FILE = "report.json"
 PLOT_FILE = "ppo_curves.png"
@@ -357,6 +360,22 @@ def _number(value: Any) -> float | None:
     except (TypeError, ValueError):
         return None
     return number if math.isfinite(number) else None
+
+
+def read_eval_records(path: str | Path, keep: Callable[[dict], bool] | None = None) -> list[dict[str, Any]]:
+    """The evaluation records of a ``metrics.jsonl`` (``"kind": "eval"``), by step; unreadable lines skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == EVAL_KIND and (keep is None or keep(record)):
+            by_step[int(record.get("global_step", 0))] = record
+    return [by_step[k] for k in sorted(by_step)]
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
@@ -767,8 +786,6 @@ def summary_text(report: dict[str, Any]) -> str:
 
 def _evaluation_part(metrics_path: Path | None, out: Path) -> dict[str, Any] | None:
     """Step 3's evaluation records (if any) as a figure in ``out`` and a summary (with its path)."""
-    from dschat.rlhf.evaluation import BEST_DIR, BEST_FILE, read_eval_records
-
     records = read_eval_records(metrics_path) if metrics_path else []
     if not records:
         return None

@@ -44,9 +44,8 @@ import torch
 from torch import nn
 
 from dschat.errors import UserError, first_line
-from dschat.models.registry import ADAPTER_CONFIG_FILE, is_adapter_folder
 from dschat.models.reward_model import VALUE_HEAD_KEY
-from dschat.paths import VALUE_HEAD_FILE
+from dschat.paths import ADAPTER_CONFIG_FILE, VALUE_HEAD_FILE, is_adapter_folder
 from dschat.runtime.zero3 import full_shape, gathered
 
 __all__ = [

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
+from dschat.paths import ADAPTER_CONFIG_FILE, is_adapter_folder
 
 EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
 # Same names as dschat.models.tiny.TINY_NAMES (kept literal here so that importing the registry
@@ -41,7 +42,6 @@ TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json", "
                                     "vocab.json", "vocab.txt", "merges.txt", "spiece.model")
 
 # What makes a folder a PEFT adapter (read by dschat.models.peft_adapter).
-ADAPTER_CONFIG_FILE = "adapter_config.json"
 
 _PATH_PREFIXES: tuple[str, ...] = ("/", "./", "../", "~", ".\\", "..\\")
 # huggingface_hub's truthy spellings for HF_HUB_OFFLINE.
@@ -68,13 +68,6 @@ def hub_offline() -> bool:
 
 def _looks_like_path(name: str) -> bool:
     return name.startswith(_PATH_PREFIXES) or name in (".", "..")
-
-
-def is_adapter_folder(path: str | os.PathLike) -> bool:
-    """A PEFT adapter folder: ``adapter_config.json`` and no ``config.json`` (a folder with both is a
-    model, loaded as one)."""
-    folder = Path(path)
-    return (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / "config.json").is_file()
 
 
 def _check_local_folder(name: str, folder: Path) -> None:

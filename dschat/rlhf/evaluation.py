@@ -42,13 +42,14 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Mapping, Sequence
+from typing import Any, ContextManager, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from dschat.errors import UserError
-from dschat.paths import METRICS_FILE
+from dschat.eval.report import EVAL_KIND, Samples, load_reward, read_eval_records, reward_scores
+from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.rewards import RewardFunction, load_reward_function
 from dschat.runtime.dist import all_reduce_sum, barrier, print_rank_0
 
@@ -65,15 +66,13 @@ __all__ = [
     "heldout_prompt_items",
     "overoptimization_alarm",
     "paired_change",
+    "read_eval_records",
     "resolve_judges",
     "token_entropy",
 ]
 
 #: ``<output_dir>/best``: the best evaluation's models; ``best.json`` inside says which step and why.
-BEST_DIR = "best"
-BEST_FILE = "best.json"
 #: The ``kind`` of an evaluation record in ``metrics.jsonl`` (training records have none).
-EVAL_KIND = "eval"
 #: ``--eval_judge gold``: the built-in gold judge (dschat.rewards:gold).
 GOLD = "gold"
 GOLD_SPEC = "dschat.rewards:gold"
@@ -354,8 +353,6 @@ class StepThreeEvaluation:
                                                 args.local_rank, trainer.tokenizer)
         for judge in self.judges:
             if judge.folder is not None:
-                from dschat.eval.report import load_reward
-
                 self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
         if self.save_best_by != "none" and self.output_dir is not None and rank == 0:
             from dschat.runtime.fs import recover_dir
@@ -533,8 +530,6 @@ class StepThreeEvaluation:
                              att: torch.Tensor, texts: tuple[list[str], list[str]]) -> list[float]:
         """A reward-model judge's end scores, on the generated ids when its vocabulary is the actor's,
         else on the re-tokenised text (:func:`dschat.eval.report.reward_scores`)."""
-        from dschat.eval.report import Samples, reward_scores
-
         model, tokenizer = self._judge_models[name]
         P = prompts.shape[1]
         eos = self.trainer.tokenizer.eos_token_id
@@ -684,19 +679,3 @@ def save_best(output_dir: Path, models: Mapping[str, Any], tokenizer: Any, info:
         if rank == 0:
             (Path(folder) / BEST_FILE).write_text(json.dumps(dict(info), indent=2) + "\n", encoding="utf-8")
     barrier()
-
-
-def read_eval_records(path: str | Path, keep: Callable[[dict], bool] | None = None) -> list[dict[str, Any]]:
-    """The evaluation records of a ``metrics.jsonl`` (``"kind": "eval"``), by step; unreadable lines skipped."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    by_step: dict[int, dict[str, Any]] = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict) and record.get("kind") == EVAL_KIND and (keep is None or keep(record)):
-            by_step[int(record.get("global_step", 0))] = record
-    return [by_step[k] for k in sorted(by_step)]
