@@ -29,10 +29,10 @@ setup(
         "datasets>=3.0",  # dschat (dschat/data: hub and local datasets)
         "peft>=0.13",  # dschat (dschat/models/peft_adapter.py: LoraConfig of exported and loaded LoRA adapters)
         "accelerate>=1.0",  # transformers' HfDeepSpeedConfig, which dschat uses to build ZeRO-3 models partitioned
-        "bitsandbytes>=0.45",  # dschat (dschat/utils/module/lora.py: the 4-bit QLoRA base)
+        "bitsandbytes>=0.45",  # dschat (dschat/models/lora.py: the 4-bit QLoRA base)
         "gguf>=0.10",  # transformers' GGUF reader, which dschat uses to unpack the embedded SmolLM2
         "safetensors>=0.4",  # dschat (saved models, adapters, data caches)
-        "tokenizers>=0.20",  # dschat (dschat/testing/tiny.py: the tiny models' BPE)
+        "tokenizers>=0.20",  # dschat (dschat/models/tiny.py: the tiny models' BPE)
         "huggingface_hub>=1.0",  # dschat (dschat/models/registry.py: hub ids, the offline cache)
         "numpy>=1.24",  # dschat (data splits, checkpointed random states)
         "filelock>=3.20.1",  # dschat (data cache, tiny/embedded model builds); no symlink truncation of the lock path (CVE-2025-68146)

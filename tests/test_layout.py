@@ -213,3 +213,11 @@ def test_e_function_level_imports_only_go_down():
     assert FUNCTION_LEVEL_IMPORTS <= MAX_FUNCTION_LEVEL_IMPORTS, (
         f"{FUNCTION_LEVEL_IMPORTS} imports inside functions (cap {MAX_FUNCTION_LEVEL_IMPORTS}): put the new one at "
         "the top of its module, or measure its import-time cost and say so in a comment")
+
+
+def test_design_doc_lists_every_module():
+    design = (PKG.parent / "docs" / "DESIGN.md").read_text(encoding="utf-8")
+    missing = sorted(str(p.relative_to(PKG.parent)) for m, p in MODULES.items()
+                     if p.name != "__init__.py" and _unit(m) not in ALIAS_UNITS and m != "dschat.version"
+                     and f"`{p.relative_to(PKG.parent)}`" not in design)
+    assert not missing, f"docs/DESIGN.md has no line for {missing}"
