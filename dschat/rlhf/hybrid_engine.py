@@ -59,7 +59,9 @@ import torch
 
 from dschat.errors import first_line
 from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them
+from dschat.models.decoder import unsupported_reason
 from dschat.rlhf.decoding import DecodingSettings, Rollout
+from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.utils.dist import print_rank_0
 
 __all__ = [
@@ -77,34 +79,41 @@ class HybridEngineDecision:
     """Whether the actor's DeepSpeed config enables the Hybrid Engine, and if not, why not."""
 
     requested: bool
-    enabled: bool
+    enabled: bool  # DeepSpeed's Hybrid Engine is built (families dschat's engine does not cover)
     reason: str | None = None
+    dschat_engine: bool = False  # dschat's own Hybrid Engine decodes the rollouts (dschat.rlhf.rollout_engine)
 
 
 def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -> HybridEngineDecision:
-    """Enable DeepSpeed's Hybrid Engine only where it can work: a CUDA accelerator and a model
-    family with an inference container (DeepSpeed's HE kernels are CUDA-only; other families crash
-    or produce gibberish under HE, DSE #821/#864, DeepSpeed #4954)."""
+    """``--enable_hybrid_engine``: dschat's own Hybrid Engine for the families its decode model covers
+    (:data:`dschat.models.decoder.LAYOUTS`), on any accelerator. For other families, DeepSpeed's
+    Hybrid Engine only where it can work: a CUDA accelerator and a model family with an inference
+    container (DeepSpeed's HE kernels are CUDA-only; other families crash or produce gibberish under
+    HE, DSE #821/#864, DeepSpeed #4954)."""
     from dschat.models.families import family_of
 
     if not requested:
         return HybridEngineDecision(False, False)
+    why_not_dschat = unsupported_reason(model_config)
+    if why_not_dschat is None:
+        return HybridEngineDecision(True, False, dschat_engine=True)
     family = family_of(model_config)
     model_type = getattr(model_config, "model_type", "?")
+    not_ours = f"--enable_hybrid_engine: dschat's Hybrid Engine does not cover this model ({why_not_dschat}), and "
     if accelerator != "cuda":
         return HybridEngineDecision(True, False, (
-            f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine needs CUDA inference kernels and the "
+            f"{not_ours}DeepSpeed's Hybrid Engine needs CUDA inference kernels and the "
             f"accelerator is {accelerator!r}; generating with the actor module's own generate()"))
     if not family.hybrid_engine_container:
         return HybridEngineDecision(True, False, (
-            f"--enable_hybrid_engine: DeepSpeed has no inference container for model type "
+            f"{not_ours}DeepSpeed has no inference container for model type "
             f"{model_type!r}; generating with the actor module's own generate()"))
     layer = cache_object_decoder_layer(model_type)
     if layer is not None:
         import transformers
 
         return HybridEngineDecision(True, False, (
-            f"--enable_hybrid_engine: DeepSpeed's inference layers keep the legacy tuple KV cache, and "
+            f"{not_ours}DeepSpeed's inference layers keep the legacy tuple KV cache, and "
             f"transformers {transformers.__version__}'s {layer} passes Cache objects (DeepSpeed itself keeps "
             f"OPT off its Hybrid Engine for this reason; for LLaMA it fails to generate or aborts the "
             f"process); generating with the actor module instead"))
@@ -248,6 +257,7 @@ class RolloutGenerator:
         zero3_gather: str = "auto",
         generation_loop: str = "auto",
         cpu_decode_linear: str = "onednn",
+        release_inference_cache: bool = False,
     ) -> None:
         self.actor = actor
         self.tokenizer = tokenizer
@@ -278,6 +288,12 @@ class RolloutGenerator:
         self._graph_compile_config: Any = None
         self.cpu_decode_linear = cpu_decode_linear  # "onednn" | "off": decode-sized linears on a CPU
         self.extra_generate_kwargs: dict[str, Any] = {}  # e.g. min_new_tokens for a fixed-length benchmark
+        # dschat's Hybrid Engine (dschat.rlhf.rollout_engine): --enable_hybrid_engine for a family its
+        # decode model covers (benchmarks/step3.py's ours-he mode sets it too).
+        self.use_dschat_engine = decision.dschat_engine
+        self.release_inference_cache = release_inference_cache  # free its KV cache and weight buffers after each rollout
+        self.engine: DschatHybridEngine | None = None
+        self._summary_said = False
 
     # ------------------------------------------------------------------ logging once
     def _say_once(self, message: str) -> None:
@@ -516,6 +532,81 @@ class RolloutGenerator:
     @torch.no_grad()
     def rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
         """Generate answers for ``(B, P)`` left-padded prompts; see :class:`Rollout`."""
+        rollout = self._rollout(prompts, mask)
+        if not self._summary_said:
+            self._summary_said = True
+            print_rank_0(self.summary_line())
+        return rollout
+
+    def summary_line(self) -> str:
+        """One line naming what decoded the last rollout: the engine, the layout, the dtype and the
+        inference tensor-parallel degree (1: every rank decodes its own prompts)."""
+        module = self.actor.module
+        dtype = str(next(module.parameters()).dtype).replace("torch.", "")
+        model_type = getattr(module.config, "model_type", "?")
+        if self.last_loop == "dschat-he" and self.engine is not None:
+            what = self.engine.summary(next(module.parameters()).dtype, next(module.parameters()).device)
+        else:
+            what = {"graphs": "graphs (Hugging Face generate, static KV cache, CUDA graphs)",
+                    "dschat": "dschat loop (dschat.rlhf.decoding.sample_loop on the training module)",
+                    "hf": "hf (the training module's generate)",
+                    "hybrid-engine": "DeepSpeed's Hybrid Engine"}.get(self.last_loop or "", str(self.last_loop))
+            what += f", layout {model_type} (the training module's)"
+            what += f", dtype {dtype}"
+        return f"Rollouts: {what}, inference TP degree 1"
+
+    # ------------------------------------------------------------------ dschat's Hybrid Engine
+    def _engine_why_not(self) -> str | None:
+        """None when dschat's Hybrid Engine can decode this rollout, else why not (one line)."""
+        if set(self.extra_generate_kwargs) - {"min_new_tokens"}:
+            return f"{sorted(self.extra_generate_kwargs)} need Hugging Face generate()"
+        if self.zero_stage == 3 and not self._should_gather():
+            return ("the actor's ZeRO-3 weights are fetched layer by layer (the full model does not fit in half "
+                    "the free memory, or --zero3_gather_for_generation off), so no inference copy fits either")
+        if any(layer.is_quantized for layer in self._lora_layers()):
+            return "the actor has 4-bit (QLoRA) base weights"
+        return None
+
+    @contextmanager
+    def _materialised(self) -> Iterator[None]:
+        """The actor's full, LoRA-fused weights inside: ZeRO-3 gathered once, every LoRA layer fused
+        (and unfused again on exit, bit for bit)."""
+        with _zero3_gathered(self.actor) if self.zero_stage == 3 else nullcontext():
+            layers = self._lora_layers()
+            for layer in layers:
+                layer.fuse_lora_weight()
+            try:
+                yield
+            finally:
+                for layer in layers:
+                    layer.unfuse_lora_weight()
+
+    def _engine_rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        module = self.actor.module
+        if self.engine is None:
+            self.engine = DschatHybridEngine(
+                module.config, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
+        self.last_loop = "dschat-he"
+        return self.engine.rollout(module, prompts, mask, materialise=self._materialised(),
+                                   min_new_tokens=int(self.extra_generate_kwargs.get("min_new_tokens", 0)),
+                                   keep_logprobs=self.keep_logprobs)
+
+    def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        if self.use_dschat_engine:
+            why_not = self._engine_why_not()
+            if why_not is None:
+                try:
+                    return self._engine_rollout(prompts, mask)
+                except Exception as err:  # noqa: BLE001 -- a compiler or kernel failure: fall back, say why, once
+                    if _is_out_of_memory(err):
+                        raise
+                    self.use_dschat_engine = False
+                    self._say_once(f"{ENGINE_NAME} failed ({_one_line(err, 200)}); decoding with the training "
+                                   "module from now on")
+            else:
+                self._say_once(f"{ENGINE_NAME}: not used ({why_not}); decoding with the training module")
         if self.hybrid_engine_active:
             try:
                 # DeepSpeed installed its inference-kernel generate as ``module.generate``.
