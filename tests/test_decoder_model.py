@@ -189,3 +189,22 @@ def test_families_outside_the_table_keep_the_module_path_with_a_reason():
     dynamic = T.LlamaConfig(**_COMMON, rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0})
     assert "changes its frequencies" in unsupported_reason(dynamic)
     assert unsupported_reason(tiny_config("llama")) is None
+
+
+def test_the_decode_step_compiles_as_one_graph_once_for_every_prompt_width():
+    """What CUDA graphs need, checked on a CPU with Dynamo (``aot_eager``: tracing without a compiler):
+    the decode step is one graph (``fullgraph``), gives the eager tokens and log-probs, and a rollout
+    with another prompt width compiles nothing new (the cache capacity and the weights stay put)."""
+    model, (ids, mask) = _model("qwen2"), _prompts()
+    eager = _engine(model.config, n=32).rollout(model, ids, mask, min_new_tokens=32)
+    engine = _engine(model.config, n=32, compile_step=True)
+    engine.compile_options = {"backend": "aot_eager", "dynamic": False}
+    torch._dynamo.reset()
+    try:
+        compiled = engine.rollout(model, ids, mask, min_new_tokens=32)
+        engine.rollout(model, ids[:, 2:], mask[:, 2:], min_new_tokens=32)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(compiled.sequences, eager.sequences)
+    assert (compiled.logprobs - eager.logprobs).abs().max() < 1e-5
+    assert engine.compiles_per_rollout == [1, 0] and engine.cache_allocations == 1

@@ -249,11 +249,13 @@ def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, criti
 
 @pytest.mark.parametrize("extra", [(), ("--actor_lora_dim", "4"), ("--actor_zero_stage", "3")])
 def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic_dirs, data_cache):  # noqa: F811
-    """dschat's loop with oneDNN decode linears (the defaults on a CPU) gives the plain path's greedy
-    tokens and log-probs (HF generate, stock kernels), before and after the actor's weights change."""
-    engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_learning_rate", "0.05", *extra)
+    """dschat's loop with oneDNN decode linears (--generation_loop dschat on a CPU) gives the plain
+    path's greedy tokens and log-probs (HF generate, stock kernels), before and after the actor's
+    weights change."""
+    engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_learning_rate", "0.05",
+                     "--generation_loop", "dschat", *extra)
     gen = engine.generator
-    assert (gen.generation_loop, gen.cpu_decode_linear) == ("auto", "onednn")
+    assert (gen.generation_loop, gen.cpu_decode_linear) == ("dschat", "onednn")
 
     def fast_and_plain():
         gen.eval()
@@ -261,7 +263,7 @@ def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic
         assert gen.last_loop == "dschat"
         gen.generation_loop, gen.cpu_decode_linear = "hf", "off"
         plain = gen.rollout(PROMPTS, PROMPT_MASK)
-        gen.generation_loop, gen.cpu_decode_linear = "auto", "onednn"
+        gen.generation_loop, gen.cpu_decode_linear = "dschat", "onednn"
         assert torch.equal(fast.sequences, plain.sequences)
         assert torch.allclose(fast.logprobs, plain.logprobs, atol=1e-5)
         return fast.sequences
@@ -484,15 +486,21 @@ def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cach
     assert out.count("--generation_loop graphs: CUDA graphs failed (RuntimeError: inductor could not lower this)") == 1
 
 
-def test_auto_loop_on_a_cpu_is_dschats_loop_without_a_word(critic_dirs, data_cache, capsys):  # noqa: F811
-    """The default: CUDA graphs do not apply on a CPU, so dschat's loop decodes, and nothing is said
-    (an explicit --generation_loop graphs says why not, above)."""
+def test_auto_loop_on_a_cpu_is_dschats_hybrid_engine_without_a_word(critic_dirs, data_cache, capsys):  # noqa: F811
+    """The default: on a CPU ``auto`` decodes with dschat's Hybrid Engine (as exact as dschat's loop and
+    faster there, benchmarks/results.md), and says nothing but the one rollout summary line; with an
+    explicit --generation_loop dschat, dschat's loop decodes."""
     engine = _engine("tiny-llama", critic_dirs, data_cache)
-    assert engine.generator.generation_loop == "auto"
-    expected = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "dschat"))
-    assert torch.equal(_generate(engine), expected)
-    assert (engine.generator.generation_loop, engine.generator.last_loop) == ("auto", "dschat")
-    assert "--generation_loop" not in capsys.readouterr().out
+    assert engine.generator.generation_loop == "auto" and not engine.generator.use_dschat_engine
+    loop = _engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "dschat")
+    expected = _generate(loop)
+    assert loop.generator.last_loop == "dschat"
+    assert torch.equal(_generate(engine), expected) and torch.equal(_generate(engine), expected)
+    assert (engine.generator.generation_loop, engine.generator.last_loop) == ("auto", "dschat-he")
+    out = capsys.readouterr().out
+    assert "--generation_loop" not in out and "dschat Hybrid Engine:" not in out
+    assert out.count("Rollouts: dschat Hybrid Engine (eager decode step), layout llama (fused qkv, gate_up") == 1
+    assert out.count("Rollouts: dschat loop (dschat.rlhf.decoding.sample_loop") == 1
 
 
 def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetched(critic_dirs, data_cache, capsys):  # noqa: F811

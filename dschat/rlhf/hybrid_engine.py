@@ -1,9 +1,16 @@
-"""Rollout generation: DeepSpeed's Hybrid Engine where it works, the module's ``generate`` elsewhere.
+"""Rollout generation: dschat's Hybrid Engine, DeepSpeed's where it works, the module's ``generate`` elsewhere.
 
 The trainer calls one object, :class:`RolloutGenerator`, whatever the set-up:
 
-* ``--enable_hybrid_engine`` with a model family that has a DeepSpeed inference container (OPT,
-  LLaMA, BLOOM, GPT-NeoX, ... -- :data:`dschat.models.families.FAMILIES`) on a CUDA accelerator:
+* ``--enable_hybrid_engine`` with a family dschat's decode model covers (Llama, Mistral, Qwen2/3,
+  Phi-3, Gemma, OPT, GPT-NeoX -- :data:`dschat.models.decoder.LAYOUTS`), on any accelerator, and
+  ``--generation_loop auto`` on a CPU: **dschat's Hybrid Engine**
+  (:class:`dschat.rlhf.rollout_engine.DschatHybridEngine`): the weights, gathered and LoRA-fused as
+  below, are copied into an inference layout, and dschat's own decode forward samples the rollout.
+  Where it cannot run (4-bit LoRA bases, ZeRO-3 weights fetched per layer, logits processors; a compile
+  failure on CUDA) the module path below decodes, saying why once when the flag asked for it.
+* ``--enable_hybrid_engine`` with another family that has a DeepSpeed inference container (BLOOM,
+  GPT-J, ... -- :data:`dschat.models.families.FAMILIES`) on a CUDA accelerator:
   the actor engine is built as a ``DeepSpeedHybridEngine`` (inference kernels, ZeRO-3 gathering
   and LoRA fusion done by DeepSpeed). :func:`decide_hybrid_engine` makes that decision *before*
   ``deepspeed.initialize``, so an unusable Hybrid Engine is never built.
@@ -61,7 +68,7 @@ from dschat.errors import first_line
 from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them
 from dschat.models.decoder import unsupported_reason
 from dschat.rlhf.decoding import DecodingSettings, Rollout
-from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine
+from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine, rollout_summary_line
 from dschat.utils.dist import print_rank_0
 
 __all__ = [
@@ -289,8 +296,11 @@ class RolloutGenerator:
         self.cpu_decode_linear = cpu_decode_linear  # "onednn" | "off": decode-sized linears on a CPU
         self.extra_generate_kwargs: dict[str, Any] = {}  # e.g. min_new_tokens for a fixed-length benchmark
         # dschat's Hybrid Engine (dschat.rlhf.rollout_engine): --enable_hybrid_engine for a family its
-        # decode model covers (benchmarks/step3.py's ours-he mode sets it too).
+        # decode model covers (benchmarks/step3.py's ours-he mode sets it too) ...
         self.use_dschat_engine = decision.dschat_engine
+        # ... and --generation_loop auto on these devices (a CPU: as exact as dschat's loop and faster,
+        # benchmarks/results.md; CUDA keeps "graphs" until the engine is measured there).
+        self.auto_engine_devices: tuple[str, ...] = ("cpu",)
         self.release_inference_cache = release_inference_cache  # free its KV cache and weight buffers after each rollout
         self.engine: DschatHybridEngine | None = None
         self._summary_said = False
@@ -539,21 +549,8 @@ class RolloutGenerator:
         return rollout
 
     def summary_line(self) -> str:
-        """One line naming what decoded the last rollout: the engine, the layout, the dtype and the
-        inference tensor-parallel degree (1: every rank decodes its own prompts)."""
-        module = self.actor.module
-        dtype = str(next(module.parameters()).dtype).replace("torch.", "")
-        model_type = getattr(module.config, "model_type", "?")
-        if self.last_loop == "dschat-he" and self.engine is not None:
-            what = self.engine.summary(next(module.parameters()).dtype, next(module.parameters()).device)
-        else:
-            what = {"graphs": "graphs (Hugging Face generate, static KV cache, CUDA graphs)",
-                    "dschat": "dschat loop (dschat.rlhf.decoding.sample_loop on the training module)",
-                    "hf": "hf (the training module's generate)",
-                    "hybrid-engine": "DeepSpeed's Hybrid Engine"}.get(self.last_loop or "", str(self.last_loop))
-            what += f", layout {model_type} (the training module's)"
-            what += f", dtype {dtype}"
-        return f"Rollouts: {what}, inference TP degree 1"
+        """One line naming what decoded the last rollout (:func:`rollout_summary_line`)."""
+        return rollout_summary_line(self.last_loop, self.engine, self.actor.module)
 
     # ------------------------------------------------------------------ dschat's Hybrid Engine
     def _engine_why_not(self) -> str | None:
@@ -593,19 +590,33 @@ class RolloutGenerator:
                                    min_new_tokens=int(self.extra_generate_kwargs.get("min_new_tokens", 0)),
                                    keep_logprobs=self.keep_logprobs)
 
+    def _auto_engine(self) -> bool:
+        """``--generation_loop auto`` takes dschat's Hybrid Engine: a device in ``auto_engine_devices``
+        (and not one where ``auto`` means CUDA graphs), a family its decode model covers."""
+        if self.generation_loop != "auto" or self.hybrid_engine_active:
+            return False
+        device = next(self.actor.module.parameters()).device.type
+        if device not in self.auto_engine_devices or device in self.graph_devices:
+            return False
+        return unsupported_reason(self.actor.module.config) is None
+
     def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
-        if self.use_dschat_engine:
+        asked = self.use_dschat_engine  # --enable_hybrid_engine: say why when it cannot be used
+        if asked or self._auto_engine():
             why_not = self._engine_why_not()
             if why_not is None:
                 try:
                     return self._engine_rollout(prompts, mask)
-                except Exception as err:  # noqa: BLE001 -- a compiler or kernel failure: fall back, say why, once
-                    if _is_out_of_memory(err):
+                except Exception as err:  # noqa: BLE001 -- a compiler failure: fall back, say why, once
+                    # Only where the step is compiled (CUDA); eagerly, an error is a bug or bad weights
+                    # (non-finite logits), which the module path would raise as well.
+                    if _is_out_of_memory(err) or self.engine is None or not self.engine.compiled_on(prompts.device):
                         raise
                     self.use_dschat_engine = False
+                    self.auto_engine_devices = ()
                     self._say_once(f"{ENGINE_NAME} failed ({_one_line(err, 200)}); decoding with the training "
                                    "module from now on")
-            else:
+            elif asked:
                 self._say_once(f"{ENGINE_NAME}: not used ({why_not}); decoding with the training module")
         if self.hybrid_engine_active:
             try:

@@ -32,9 +32,27 @@ from torch._dynamo.utils import counters
 from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name
 from dschat.rlhf.decoding import DecodingSettings, Rollout, draw, next_token_scores
 
-__all__ = ["DschatHybridEngine", "ENGINE_NAME"]
+__all__ = ["DschatHybridEngine", "ENGINE_NAME", "rollout_summary_line"]
 
 ENGINE_NAME = "dschat Hybrid Engine"
+
+
+_MODULE_PATHS = {"graphs": "graphs (Hugging Face generate, static KV cache, CUDA graphs)",
+                 "dschat": "dschat loop (dschat.rlhf.decoding.sample_loop on the training module)",
+                 "hf": "hf (the training module's generate)",
+                 "hybrid-engine": "DeepSpeed's Hybrid Engine"}
+
+
+def rollout_summary_line(loop: str | None, engine: "DschatHybridEngine | None", module: nn.Module) -> str:
+    """One line naming what decoded a rollout (``loop``: ``RolloutGenerator.last_loop``): the engine,
+    the layout, the dtype and the inference tensor-parallel degree (1: each rank decodes its own prompts)."""
+    param = next(module.parameters())
+    if loop == "dschat-he" and engine is not None:
+        what = engine.summary(param.dtype, param.device)
+    else:
+        what = (f"{_MODULE_PATHS.get(loop or '', str(loop))}, layout {getattr(module.config, 'model_type', '?')} "
+                f"(the training module's), dtype {str(param.dtype).replace('torch.', '')}")
+    return f"Rollouts: {what}, inference TP degree 1"
 
 
 def _cuda_graph_count(device: torch.device) -> int:
@@ -61,6 +79,8 @@ class DschatHybridEngine:
         self.release_cache = release_cache
         self.cpu_decode_linear = cpu_decode_linear
         self.compile_step = compile_step  # None: on CUDA only
+        # torch.compile's options for the decode step (tests trace it on a CPU with {"backend": "aot_eager"}).
+        self.compile_options: dict[str, Any] = {"mode": "reduce-overhead"}
         self.cache_multiple = cache_multiple
         self.cache: StaticKVCache | None = None
         self._step: Any = None  # the compiled decode step (CUDA)
@@ -92,6 +112,10 @@ class DschatHybridEngine:
 
     def _compiled(self, device: torch.device) -> bool:
         return self.compile_step if self.compile_step is not None else device.type == "cuda"
+
+    def compiled_on(self, device: torch.device) -> bool:
+        """Whether the decode step is compiled on ``device`` (CUDA unless ``compile_step`` says otherwise)."""
+        return self._compiled(device)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()
@@ -140,7 +164,7 @@ class DschatHybridEngine:
             for t in [*weights.tensors(), *self.cache.keys, *self.cache.values, self.cache.key_valid]:
                 torch._dynamo.mark_static_address(t)  # refreshed in place: a captured graph reads them directly
             if self._step is None:
-                self._step = torch.compile(self.model.step, mode="reduce-overhead", fullgraph=True)
+                self._step = torch.compile(self.model.step, fullgraph=True, **self.compile_options)
         elif device.type == "cpu" and self.cpu_decode_linear == "onednn" and self._onednn_usable(dtype):
             self.model.pack_for_cpu(B)
         self.cache.start(mask)
