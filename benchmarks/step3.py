@@ -70,12 +70,23 @@ GPU_PEAKS: dict[str, tuple[float, float]] = {
 }
 
 
-MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs")
+# A Llama-3.2-1B-shaped actor (meta-llama/Llama-3.2-1B config.json), random weights, tiny-llama's tokenizer.
+LLAMA_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                     rms_norm_eps=1e-5, tie_word_embeddings=True,
+                     rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                      "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                      "original_max_position_embeddings": 8192}),
+}
+
+MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs", "ours-he")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--actor", default="smollm2-135m", help="actor model (folder, short name, opt-1.3b, opt-350m)")
+    p.add_argument("--actor", default="smollm2-135m",
+                   help="actor model (folder, short name, opt-1.3b, opt-350m, llama-1b)")
     p.add_argument("--critic", default=None, help="critic/reward body (default: the actor's model); random value head")
     p.add_argument("--prompt_len", type=int, default=64, help="--max_prompt_seq_len: prompts are left-padded to it")
     p.add_argument("--answer_len", type=int, default=64, help="--max_answer_seq_len; every answer has exactly this many tokens")
@@ -91,7 +102,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(ours-no-fuse: LoRA not fused for generation; ours-no-gather: ZeRO-3 weights fetched "
                         "per layer and token, which also means HF generate instead of dschat's loop; "
                         "ours-no-graphs: --generation_loop dschat), or ours with --generation_loop graphs "
-                        "(ours-graphs). With two modes a last column gives the second's speed-up over the first")
+                        "(ours-graphs), or ours decoding with dschat's Hybrid Engine (ours-he, what "
+                        "--enable_hybrid_engine selects). With two modes a last column gives the second's "
+                        "speed-up over the first")
+    p.add_argument("--release_inference_cache", action="store_true",
+                   help="--release_inference_cache for ours: dschat's Hybrid Engine frees its KV cache and weight "
+                        "copy after each rollout")
     p.add_argument("--ours_generation_loop", default="auto", choices=("auto", "dschat", "hf", "graphs"),
                    help="--generation_loop for ours (auto: CUDA graphs on CUDA, dschat's loop elsewhere)")
     p.add_argument("--algorithm", default="ppo", choices=("ppo", "grpo", "rloo", "reinforce_pp", "remax"),
@@ -123,9 +139,18 @@ def opt_config(name: str, pad_token_id: int, bos_token_id: int, eos_token_id: in
                      bos_token_id=bos_token_id, eos_token_id=eos_token_id, **OPT_SHAPES[name])
 
 
+def llama_config(name: str, pad_token_id: int, bos_token_id: int, eos_token_id: int) -> Any:
+    """The ``LlamaConfig`` of ``llama-1b`` (:data:`LLAMA_SHAPES`)."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                       **LLAMA_SHAPES[name])
+
+
 def materialise(name: str, folder: Path) -> str:
-    """A model folder for ``name``: ``opt-*`` shapes get random weights and tiny-opt's tokenizer."""
-    if name not in OPT_SHAPES:
+    """A model folder for ``name``: ``opt-*`` / ``llama-1b`` shapes get random weights and tiny-opt's /
+    tiny-llama's tokenizer (every id of which is inside the shape's vocabulary)."""
+    if name not in OPT_SHAPES and name not in LLAMA_SHAPES:
         return name
     from transformers import AutoModelForCausalLM
 
@@ -134,8 +159,9 @@ def materialise(name: str, folder: Path) -> str:
 
     out = folder / name
     if not (out / "config.json").exists():
-        tokenizer = load_hf_tokenizer("tiny-opt")
-        config = opt_config(name, tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
+        tokenizer = load_hf_tokenizer("tiny-opt" if name in OPT_SHAPES else "tiny-llama")
+        build = opt_config if name in OPT_SHAPES else llama_config
+        config = build(name, tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id)
         torch.manual_seed(0)
         save_hf_model(AutoModelForCausalLM.from_config(config), tokenizer, out)
     return str(out)
@@ -231,9 +257,12 @@ def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> l
     return out
 
 
-def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "auto") -> None:
+def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "auto", dschat_he: bool = False) -> None:
+    """Set the generator's fast paths for ``mode``; ``dschat_he``: plain ``ours`` was asked for dschat's
+    Hybrid Engine (``--hybrid_engine``), which ``ours-he`` always takes."""
     ours = mode.startswith("ours")  # ours, or ours without one fast path (an ablation)
     gen = trainer.generator
+    gen.use_dschat_engine = mode == "ours-he" or (mode == "ours" and dschat_he)
     trainer.reuse_rollout_logprobs = ours
     gen.keep_logprobs = ours
     gen.fuse_lora = ours and mode != "ours-no-fuse"
@@ -246,10 +275,10 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
 
 
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
-             he_available: bool, ours_loop: str = "auto") -> ModeResult:
+             he_available: bool, ours_loop: str = "auto", dschat_he: bool = False) -> ModeResult:
     from dschat.data.collators import drop_padding_columns
 
-    configure(trainer, mode, he_available, ours_loop)
+    configure(trainer, mode, he_available, ours_loop, dschat_he)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -414,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             argv_step3 += ["--actor_lora_dim", str(args.lora_dim), "--actor_lora_module_name", family.lora_module_name]
         if args.hybrid_engine:
             argv_step3.append("--enable_hybrid_engine")
+        if args.release_inference_cache:
+            argv_step3.append("--release_inference_cache")
         sargs = step3.parse_args(argv_step3)
         tokenizer = load_hf_tokenizer(actor)
         engine = DeepSpeedRLHFEngine(actor, critic, tokenizer, sargs, num_total_iters=10_000,
@@ -421,6 +452,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         trainer = DeepSpeedPPOTrainer(engine, sargs)
         trainer.generator.extra_generate_kwargs = {"min_new_tokens": args.answer_len}  # fixed workload
         he_available = trainer.generator.hybrid_engine_active
+        dschat_he = trainer.generator.use_dschat_engine
         # batch / K prompts a step; the trainer answers each K times.
         batches = prompt_batches(tokenizer, args.batch // args.num_generations, args.prompt_len,
                                  args.warmup + args.steps)
@@ -428,7 +460,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
 
         results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
-                            args.ours_generation_loop) for mode in args.modes]
+                            args.ours_generation_loop, dschat_he) for mode in args.modes]
+        he_engine = trainer.generator.engine
         actor_module = engine.actor.module
         critic_module = engine.critic.module if engine.critic is not None else None
         actor_factor = checkpoint_activations_factor(False, args.lora_dim, actor_module.config.hidden_size)
@@ -456,6 +489,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         + "; generation loop per mode (its last rollout): "
         + ", ".join(f"{r.mode} {r.generation_loop}" for r in results),
         f"- memory: {results[0].memory_note}",
+        *([f"- dschat Hybrid Engine: {he_engine.rollouts} rollouts, compiles per rollout "
+           f"{he_engine.compiles_per_rollout or 'n/a (eager)'}, CUDA graphs captured {he_engine.captures}, weight "
+           f"buffers allocated {he_engine.weight_allocations}x, KV cache {he_engine.cache_allocations}x"
+           + (", --release_inference_cache" if args.release_inference_cache else "")] if he_engine else []),
         "",
         *table(results, metrics, peaks),
         "",

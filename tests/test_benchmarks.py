@@ -84,6 +84,17 @@ def test_step3_ablation_modes_configure_one_path_off_and_ratio_only_for_two_mode
     assert gen.generation_loop == "graphs"
     bench.configure(trainer, "baseline", False, ours_loop="graphs")
     assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (False, "off", "hf")
+    assert not gen.use_dschat_engine
+    bench.configure(trainer, "ours-he", False)  # dschat's Hybrid Engine (--enable_hybrid_engine)
+    assert (gen.use_dschat_engine, gen.fuse_lora, gen.zero3_gather, gen.keep_logprobs) == (True, True, "auto", True)
+    bench.configure(trainer, "ours", False)
+    assert not gen.use_dschat_engine
+    bench.configure(trainer, "ours", False, dschat_he=True)  # --hybrid_engine
+    assert gen.use_dschat_engine
+    llama = bench.llama_config("llama-1b", 0, 1, 2)  # Llama-3.2-1B's shape: 1.24 B parameters
+    E, L, V = llama.hidden_size, llama.num_hidden_layers, llama.vocab_size
+    per_layer = E * (E + 2 * llama.num_key_value_heads * llama.head_dim) + E * E + 3 * E * llama.intermediate_size
+    assert round((V * E + L * per_layer) / 1e9, 2) == 1.24 and llama.rope_parameters["rope_type"] == "llama3"
 
     def times(mode, gen_s):
         return bench.ModeResult(mode, gen_s=gen_s, exp_s=1.0, train_s=3.0, steps=1, prompt_width=[4])
@@ -129,13 +140,14 @@ def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
 
 
 def test_step3_graphs_mode_on_a_cpu_says_it_decoded_with_dschats_loop(tmp_path, capsys):
-    # CUDA graphs need a CUDA device: on a CPU ours-graphs falls back, and the results say so.
+    # CUDA graphs need a CUDA device: on a CPU ours-graphs falls back, and the results say so (ours, the
+    # default on a CPU, decodes with dschat's Hybrid Engine).
     bench = _load("step3")
     lines = bench.main(["--actor", "tiny-llama", "--batch", "2", "--prompt_len", "16", "--answer_len", "4",
                         "--steps", "1", "--warmup", "0", "--modes", "ours,ours-graphs", "--results", ""])
     out = capsys.readouterr().out
     assert "--generation_loop graphs: not used (CUDA graphs need a CUDA device" in out
-    assert any(line.endswith("generation loop per mode (its last rollout): ours dschat, "
+    assert any(line.endswith("generation loop per mode (its last rollout): ours dschat-he, "
                              "ours-graphs dschat") for line in lines)
     assert lines[lines.index("| | ours | ours-graphs | ours-graphs / ours |") + 1].count("|---") == 4
 
@@ -192,3 +204,13 @@ def test_step3_benchmark_grpo_runs_without_a_critic(tmp_path, capsys):
     assert any(line.startswith("| training TFLOP/s |") for line in lines)
     with pytest.raises(SystemExit):
         bench.parse_args(["--batch", "4", "--num_generations", "3"])
+
+
+def test_decode_benchmark_compares_dschats_loop_with_its_hybrid_engine(tmp_path):
+    bench = _load("decode")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--model", "tiny-llama", "--new_tokens", "6", "--warmup", "0", "--repeats", "1",
+                        "--results", str(results)])
+    assert any(line.endswith("greedy tokens of the two modes equal") for line in lines)
+    assert [line.split(" |")[0] for line in lines if line.startswith(("| loop", "| engine"))] == ["| loop", "| engine"]
+    assert "command: `python benchmarks/decode.py --model tiny-llama" in results.read_text()

@@ -486,8 +486,8 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
     group = parser.add_argument_group("DeepSpeed (step 3)")
     group.add_argument("--enable_hybrid_engine", action="store_true",
                        help="Enable hybrid engine for actor model to optimize both inference and training "
-                            "through DeepSpeed. dschat falls back to the module's generate (and says why, "
-                            "once) where DeepSpeed has no inference kernels for the model or accelerator.")
+                            "(dschat: its own Hybrid Engine, dschat/rlhf/rollout_engine.py, for Llama, Mistral, Qwen2/3, "
+                            "Phi-3, Gemma, OPT, GPT-NeoX; other models fall back to the module, saying why once).")
     group.add_argument("--unpin_actor_parameters", action="store_true",
                        help="Unpin actor's parameters during generation. This makes generation slower "
                             "but requires less memory.")

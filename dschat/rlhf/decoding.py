@@ -29,13 +29,13 @@ import functools
 import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
 
 
-__all__ = ["DecodingSettings", "Rollout", "draw", "next_token_scores", "onednn_decode_linears",
+__all__ = ["DecodingSettings", "Rollout", "generated_token_logprobs", "draw", "next_token_scores", "onednn_decode_linears",
            "onednn_decode_supported", "sample_loop"]
 
 
@@ -95,6 +95,27 @@ class Rollout(NamedTuple):
     # the generator could not keep them (Hybrid Engine, or turned off).
     logprobs: torch.Tensor | None
 
+
+
+def generated_token_logprobs(step_logits: Sequence[torch.Tensor] | None, answer: torch.Tensor,
+                             temperature: float) -> torch.Tensor | None:
+    """Log-probs of ``answer`` (B, A') from ``generate``'s per-step raw logits (A' tensors of (B, V)).
+
+    The same numbers the trainer would get from a forward pass over the sequence (up to the
+    rounding of a KV-cached forward), computed once per step so no (B, A', V) tensor is built.
+    ``None`` when the logits do not cover the answer (then the trainer recomputes them).
+    """
+    if step_logits is None or len(step_logits) != answer.shape[1]:
+        return None
+    columns = []
+    for j, logits in enumerate(step_logits):
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        columns.append(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, j:j + 1]).squeeze(-1))
+    if not columns:
+        return answer.new_zeros((answer.shape[0], 0), dtype=torch.float32)
+    return torch.stack(columns, dim=1)
 
 
 # ------------------------------------------------------------------------------------------------

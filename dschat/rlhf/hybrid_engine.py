@@ -1,9 +1,16 @@
-"""Rollout generation: DeepSpeed's Hybrid Engine where it works, the module's ``generate`` elsewhere.
+"""Rollout generation: dschat's Hybrid Engine, DeepSpeed's where it works, the module's ``generate`` elsewhere.
 
 The trainer calls one object, :class:`RolloutGenerator`, whatever the set-up:
 
-* ``--enable_hybrid_engine`` with a model family that has a DeepSpeed inference container (OPT,
-  LLaMA, BLOOM, GPT-NeoX, ... -- :data:`dschat.models.families.FAMILIES`) on a CUDA accelerator:
+* ``--enable_hybrid_engine`` with a family dschat's decode model covers (Llama, Mistral, Qwen2/3,
+  Phi-3, Gemma, OPT, GPT-NeoX -- :data:`dschat.models.decoder.LAYOUTS`), on any accelerator, and
+  ``--generation_loop auto`` on a CPU: **dschat's Hybrid Engine**
+  (:class:`dschat.rlhf.rollout_engine.DschatHybridEngine`): the weights, gathered and LoRA-fused as
+  below, are copied into an inference layout, and dschat's own decode forward samples the rollout.
+  Where it cannot run (4-bit LoRA bases, ZeRO-3 weights fetched per layer, logits processors; a compile
+  failure on CUDA) the module path below decodes, saying why once when the flag asked for it.
+* ``--enable_hybrid_engine`` with another family that has a DeepSpeed inference container (BLOOM,
+  GPT-J, ... -- :data:`dschat.models.families.FAMILIES`) on a CUDA accelerator:
   the actor engine is built as a ``DeepSpeedHybridEngine`` (inference kernels, ZeRO-3 gathering
   and LoRA fusion done by DeepSpeed). :func:`decide_hybrid_engine` makes that decision *before*
   ``deepspeed.initialize``, so an unusable Hybrid Engine is never built.
@@ -18,7 +25,7 @@ Without the Hybrid Engine two things upstream's HE did are done here instead:
 
 * **LoRA** layers are fused into their base weights for generation (one matmul per layer instead of
   three) and unfused afterwards, which puts the frozen base weights back bit for bit
-  (:meth:`~dschat.utils.module.lora.LinearLayer_LoRA.fuse_lora_weight`). Not fused: 4-bit (QLoRA)
+  (:meth:`~dschat.models.lora.LinearLayer_LoRA.fuse_lora_weight`). Not fused: 4-bit (QLoRA)
   layers, and every layer when ZeRO-3 weights are fetched layer by layer (see
   :meth:`RolloutGenerator._layers_to_fuse`).
 * **ZeRO-3**: Hugging Face ``generate`` under ZeRO-3 all-gathers every layer's weights for every
@@ -53,14 +60,18 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, ContextManager, Iterator, Sequence
+from typing import Any, ContextManager, Iterator
 
 import torch
 
 from dschat.errors import first_line
 from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them
-from dschat.rlhf.decoding import DecodingSettings, Rollout
+from dschat.models.decoder import unsupported_reason
+from dschat.rlhf.decoding import DecodingSettings, Rollout, generated_token_logprobs
+from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine, rollout_summary_line
 from dschat.runtime.dist import print_rank_0
+from dschat.runtime.zero3 import full_parameter_bytes as zero3_full_parameter_bytes
+from dschat.runtime.zero3 import gathered_without_hooks, parameter_offload
 
 __all__ = [
     "HybridEngineDecision",
@@ -77,34 +88,41 @@ class HybridEngineDecision:
     """Whether the actor's DeepSpeed config enables the Hybrid Engine, and if not, why not."""
 
     requested: bool
-    enabled: bool
+    enabled: bool  # DeepSpeed's Hybrid Engine is built (families dschat's engine does not cover)
     reason: str | None = None
+    dschat_engine: bool = False  # dschat's own Hybrid Engine decodes the rollouts (dschat.rlhf.rollout_engine)
 
 
 def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -> HybridEngineDecision:
-    """Enable DeepSpeed's Hybrid Engine only where it can work: a CUDA accelerator and a model
-    family with an inference container (DeepSpeed's HE kernels are CUDA-only; other families crash
-    or produce gibberish under HE, DSE #821/#864, DeepSpeed #4954)."""
+    """``--enable_hybrid_engine``: dschat's own Hybrid Engine for the families its decode model covers
+    (:data:`dschat.models.decoder.LAYOUTS`), on any accelerator. For other families, DeepSpeed's
+    Hybrid Engine only where it can work: a CUDA accelerator and a model family with an inference
+    container (DeepSpeed's HE kernels are CUDA-only; other families crash or produce gibberish under
+    HE, DSE #821/#864, DeepSpeed #4954)."""
     from dschat.models.families import family_of
 
     if not requested:
         return HybridEngineDecision(False, False)
+    why_not_dschat = unsupported_reason(model_config)
+    if why_not_dschat is None:
+        return HybridEngineDecision(True, False, dschat_engine=True)
     family = family_of(model_config)
     model_type = getattr(model_config, "model_type", "?")
+    not_ours = f"--enable_hybrid_engine: dschat's Hybrid Engine does not cover this model ({why_not_dschat}), and "
     if accelerator != "cuda":
         return HybridEngineDecision(True, False, (
-            f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine needs CUDA inference kernels and the "
+            f"{not_ours}DeepSpeed's Hybrid Engine needs CUDA inference kernels and the "
             f"accelerator is {accelerator!r}; generating with the actor module's own generate()"))
     if not family.hybrid_engine_container:
         return HybridEngineDecision(True, False, (
-            f"--enable_hybrid_engine: DeepSpeed has no inference container for model type "
+            f"{not_ours}DeepSpeed has no inference container for model type "
             f"{model_type!r}; generating with the actor module's own generate()"))
     layer = cache_object_decoder_layer(model_type)
     if layer is not None:
         import transformers
 
         return HybridEngineDecision(True, False, (
-            f"--enable_hybrid_engine: DeepSpeed's inference layers keep the legacy tuple KV cache, and "
+            f"{not_ours}DeepSpeed's inference layers keep the legacy tuple KV cache, and "
             f"transformers {transformers.__version__}'s {layer} passes Cache objects (DeepSpeed itself keeps "
             f"OPT off its Hybrid Engine for this reason; for LLaMA it fails to generate or aborts the "
             f"process); generating with the actor module instead"))
@@ -143,15 +161,6 @@ def cache_object_decoder_layer(model_type: str) -> str | None:
     return None
 
 
-def zero3_full_parameter_bytes(module: torch.nn.Module) -> int:
-    """Bytes of every parameter at full (unpartitioned) size."""
-    total = 0
-    for p in module.parameters():
-        numel = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-        total += int(numel) * p.element_size()
-    return total
-
-
 def _is_out_of_memory(err: BaseException) -> bool:
     """Out of memory is never a reason to fall back to another decoding path: it is re-raised."""
     return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
@@ -169,64 +178,6 @@ def _free_memory_bytes(device: torch.device) -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
-
-
-def _parameter_offload(engine: Any) -> Any:
-    """DeepSpeed's ZeRO-3 parameter coordinator object that owns the fetch/release hooks."""
-    optimizer = getattr(engine, "optimizer", None)
-    if optimizer is not None and hasattr(optimizer, "parameter_offload"):
-        return optimizer.parameter_offload
-    if optimizer is not None and hasattr(optimizer, "forward_hooks"):
-        return optimizer
-    raise AttributeError("this DeepSpeed engine exposes no ZeRO-3 parameter_offload hooks")
-
-
-@contextmanager
-def _zero3_gathered(engine: Any) -> Iterator[None]:
-    """All parameters gathered once and ZeRO-3's per-module hooks detached, for one ``generate``.
-
-    Collective: every rank must enter. Nothing may be written into the gathered tensors: with one rank
-    they are the partitions themselves (DeepSpeed's ``_no_gather_coalesced`` returns a view of
-    ``ds_tensor``), so an in-place edit would outlive the gather whatever ``modifier_rank`` says. LoRA
-    fusion inside it swaps each base weight's ``.data`` for a new tensor and puts the gathered one back
-    before the exit (:meth:`~dschat.utils.module.lora.LinearLayer_LoRA.fuse_lora_weight`), so the
-    partitions come back bit-identical; on exit the gathered copies are released (``modifier_rank=None``).
-    """
-    import deepspeed
-    from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
-
-    offload = _parameter_offload(engine)
-    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
-        for param in iter_params(offload.module, recurse=True):
-            param.ds_active_sub_modules.clear()
-        for hook in list(offload.forward_hooks) + list(offload.backward_hooks):
-            hook.remove()
-        offload.forward_hooks, offload.backward_hooks = [], []
-        try:
-            yield
-        finally:
-            offload._register_deepspeed_module(offload.module)
-
-
-def generated_token_logprobs(step_logits: Sequence[torch.Tensor] | None, answer: torch.Tensor,
-                             temperature: float) -> torch.Tensor | None:
-    """Log-probs of ``answer`` (B, A') from ``generate``'s per-step raw logits (A' tensors of (B, V)).
-
-    The same numbers the trainer would get from a forward pass over the sequence (up to the
-    rounding of a KV-cached forward), computed once per step so no (B, A', V) tensor is built.
-    ``None`` when the logits do not cover the answer (then the trainer recomputes them).
-    """
-    if step_logits is None or len(step_logits) != answer.shape[1]:
-        return None
-    columns = []
-    for j, logits in enumerate(step_logits):
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        columns.append(torch.log_softmax(logits, dim=-1).gather(-1, answer[:, j:j + 1]).squeeze(-1))
-    if not columns:
-        return answer.new_zeros((answer.shape[0], 0), dtype=torch.float32)
-    return torch.stack(columns, dim=1)
 
 
 class RolloutGenerator:
@@ -248,6 +199,7 @@ class RolloutGenerator:
         zero3_gather: str = "auto",
         generation_loop: str = "auto",
         cpu_decode_linear: str = "onednn",
+        release_inference_cache: bool = False,
     ) -> None:
         self.actor = actor
         self.tokenizer = tokenizer
@@ -278,6 +230,15 @@ class RolloutGenerator:
         self._graph_compile_config: Any = None
         self.cpu_decode_linear = cpu_decode_linear  # "onednn" | "off": decode-sized linears on a CPU
         self.extra_generate_kwargs: dict[str, Any] = {}  # e.g. min_new_tokens for a fixed-length benchmark
+        # dschat's Hybrid Engine (dschat.rlhf.rollout_engine): --enable_hybrid_engine for a family its
+        # decode model covers (benchmarks/step3.py's ours-he mode sets it too) ...
+        self.use_dschat_engine = decision.dschat_engine
+        # ... and --generation_loop auto on these devices (a CPU: as exact as dschat's loop and faster,
+        # benchmarks/results.md; CUDA keeps "graphs" until the engine is measured there).
+        self.auto_engine_devices: tuple[str, ...] = ("cpu",)
+        self.release_inference_cache = release_inference_cache  # free its KV cache and weight buffers after each rollout
+        self.engine: DschatHybridEngine | None = None
+        self._summary_said = False
 
     # ------------------------------------------------------------------ logging once
     def _say_once(self, message: str) -> None:
@@ -304,7 +265,7 @@ class RolloutGenerator:
 
         The Hybrid Engine swaps its inference kernels in on ``eval()``; scoring the rollout with them
         would give old log-probs from different kernels than the update's (upstream switched back to
-        train mode here, with dropout on, §10.12). ``engine.train()`` restores the training forwards,
+        train mode here, with dropout on). ``engine.train()`` restores the training forwards,
         ``module.eval()`` turns dropout off without swapping kernels back.
         """
         if self.hybrid_engine_active:
@@ -373,8 +334,8 @@ class RolloutGenerator:
         gathered = False
         if self._should_gather():
             try:
-                _parameter_offload(self.actor)
-                gather = _zero3_gathered(self.actor)
+                parameter_offload(self.actor)
+                gather = gathered_without_hooks(self.actor)
                 gathered = True
             except AttributeError as err:
                 self._say_once(f"ZeRO-3 generation: cannot detach DeepSpeed's hooks ({err}); fetching per layer")
@@ -516,6 +477,82 @@ class RolloutGenerator:
     @torch.no_grad()
     def rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
         """Generate answers for ``(B, P)`` left-padded prompts; see :class:`Rollout`."""
+        rollout = self._rollout(prompts, mask)
+        if not self._summary_said:
+            self._summary_said = True
+            print_rank_0(self.summary_line())
+        return rollout
+
+    def summary_line(self) -> str:
+        """One line naming what decoded the last rollout (:func:`rollout_summary_line`)."""
+        return rollout_summary_line(self.last_loop, self.engine, self.actor.module)
+
+    # ------------------------------------------------------------------ dschat's Hybrid Engine
+    def _engine_why_not(self) -> str | None:
+        """None when dschat's Hybrid Engine can decode this rollout, else why not (one line)."""
+        if set(self.extra_generate_kwargs) - {"min_new_tokens"}:
+            return f"{sorted(self.extra_generate_kwargs)} need Hugging Face generate()"
+        if self.zero_stage == 3 and not self._should_gather():
+            return ("the actor's ZeRO-3 weights are fetched layer by layer (the full model does not fit in half "
+                    "the free memory, or --zero3_gather_for_generation off), so no inference copy fits either")
+        if any(layer.is_quantized for layer in self._lora_layers()):
+            return "the actor has 4-bit (QLoRA) base weights"
+        return None
+
+    @contextmanager
+    def _materialised(self) -> Iterator[None]:
+        """The actor's full, LoRA-fused weights inside: ZeRO-3 gathered once, every LoRA layer fused
+        (and unfused again on exit, bit for bit)."""
+        with gathered_without_hooks(self.actor) if self.zero_stage == 3 else nullcontext():
+            layers = self._lora_layers()
+            for layer in layers:
+                layer.fuse_lora_weight()
+            try:
+                yield
+            finally:
+                for layer in layers:
+                    layer.unfuse_lora_weight()
+
+    def _engine_rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        module = self.actor.module
+        if self.engine is None:
+            self.engine = DschatHybridEngine(
+                module.config, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
+        self.last_loop = "dschat-he"
+        return self.engine.rollout(module, prompts, mask, materialise=self._materialised(),
+                                   min_new_tokens=int(self.extra_generate_kwargs.get("min_new_tokens", 0)),
+                                   keep_logprobs=self.keep_logprobs)
+
+    def _auto_engine(self) -> bool:
+        """``--generation_loop auto`` takes dschat's Hybrid Engine: a device in ``auto_engine_devices``
+        (and not one where ``auto`` means CUDA graphs), a family its decode model covers."""
+        if self.generation_loop != "auto" or self.hybrid_engine_active:
+            return False
+        device = next(self.actor.module.parameters()).device.type
+        if device not in self.auto_engine_devices or device in self.graph_devices:
+            return False
+        return unsupported_reason(self.actor.module.config) is None
+
+    def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+        asked = self.use_dschat_engine  # --enable_hybrid_engine: say why when it cannot be used
+        if asked or self._auto_engine():
+            why_not = self._engine_why_not()
+            if why_not is None:
+                try:
+                    return self._engine_rollout(prompts, mask)
+                except Exception as err:  # noqa: BLE001 -- a compiler failure: fall back, say why, once
+                    # Only where the step is compiled (CUDA); eagerly, an error is a bug or bad weights
+                    # (non-finite logits), which the module path would raise as well.
+                    if _is_out_of_memory(err) or self.engine is None or not self.engine.compiled_on(prompts.device):
+                        raise
+                    self.use_dschat_engine = False
+                    self.auto_engine_devices = ()
+                    self._say_once(f"{ENGINE_NAME} failed ({_one_line(err, 200)}); decoding with the training "
+                                   "module from now on")
+            elif asked:
+                self._say_once(f"{ENGINE_NAME}: not used ({why_not}); decoding with the training module")
         if self.hybrid_engine_active:
             try:
                 # DeepSpeed installed its inference-kernel generate as ``module.generate``.

@@ -145,6 +145,7 @@ class DeepSpeedRLHFEngine:
             zero3_gather=step3_flag(args, "zero3_gather_for_generation"),
             generation_loop=step3_flag(args, "generation_loop"),
             cpu_decode_linear=step3_flag(args, "cpu_decode_linear"),
+            release_inference_cache=args.release_inference_cache,
         )
 
     # ------------------------------------------------------------------ helpers

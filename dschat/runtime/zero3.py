@@ -8,13 +8,14 @@ plain one asks here, so the attribute names are read in one place.
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import deepspeed
 import torch
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 
 __all__ = [
     "is_zero3_param",
@@ -30,6 +31,9 @@ __all__ = [
     "in_zero3_gather",
     "release_zero3_prefetch",
     "gathered_parameters",
+    "full_parameter_bytes",
+    "parameter_offload",
+    "gathered_without_hooks",
 ]
 
 
@@ -120,3 +124,42 @@ def gathered_parameters(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
     for name, param in getattr(model, "module", model).named_parameters():
         with deepspeed.zero.GatheredParameters([param], modifier_rank=None, enabled=is_zero3_param(param)):
             yield name, param.detach()
+
+
+def full_parameter_bytes(module: torch.nn.Module) -> int:
+    """Bytes of every parameter of ``module`` at full (unpartitioned) size."""
+    return sum(full_numel(p) * p.element_size() for p in module.parameters())
+
+
+def parameter_offload(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter coordinator object that owns the fetch/release hooks."""
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None and hasattr(optimizer, "parameter_offload"):
+        return optimizer.parameter_offload
+    if optimizer is not None and hasattr(optimizer, "forward_hooks"):
+        return optimizer
+    raise AttributeError("this DeepSpeed engine exposes no ZeRO-3 parameter_offload hooks")
+
+
+@contextmanager
+def gathered_without_hooks(engine: Any) -> Iterator[None]:
+    """All parameters gathered once and ZeRO-3's per-module hooks detached, for one rollout.
+
+    Collective: every rank must enter. Nothing may be written into the gathered tensors: with one rank
+    they are the partitions themselves (DeepSpeed's ``_no_gather_coalesced`` returns a view of
+    ``ds_tensor``), so an in-place edit would outlive the gather whatever ``modifier_rank`` says. LoRA
+    fusion inside it swaps each base weight's ``.data`` for a new tensor and puts the gathered one back
+    before the exit (:meth:`~dschat.models.lora.LinearLayer_LoRA.fuse_lora_weight`), so the
+    partitions come back bit-identical; on exit the gathered copies are released (``modifier_rank=None``).
+    """
+    offload = parameter_offload(engine)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        for param in iter_params(offload.module, recurse=True):
+            param.ds_active_sub_modules.clear()
+        for hook in list(offload.forward_hooks) + list(offload.backward_hooks):
+            hook.remove()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload._register_deepspeed_module(offload.module)

@@ -1,0 +1,220 @@
+"""dschat's Hybrid Engine: weights in, prompts in, a :class:`~dschat.rlhf.decoding.Rollout` out.
+
+:class:`DschatHybridEngine` decodes rollouts with dschat's own decode model
+(:mod:`dschat.models.decoder`): at each rollout the actor's current weights are copied, in place,
+into an inference layout (q/k/v and gate/up fused, contiguous, in the rollout dtype, no DeepSpeed
+hooks), the prompt is prefilled into a static KV cache, and tokens are drawn one decode step at a
+time with the sampling of dschat's loop (:func:`dschat.rlhf.decoding.next_token_scores`,
+:func:`~dschat.rlhf.decoding.draw`), keeping each token's log-prob for the old-log-prob shortcut.
+
+* On CUDA the decode step is compiled (``torch.compile(mode="reduce-overhead")``: CUDA graphs). Its
+  shapes do not depend on the prompt width (the cache has a fixed capacity, the write column is a
+  tensor), and the weights and cache keep their addresses from rollout to rollout, so it is compiled
+  and captured once; :attr:`DschatHybridEngine.compiles` and ``captures`` count both.
+* On a CPU it runs eagerly in fp32, attending only to the filled cache columns, with its B-row
+  matmuls on oneDNN-packed weights (``cpu_decode_linear="onednn"``), as dschat's CPU loop does.
+* ``release_cache`` (``--release_inference_cache``) frees the KV cache and the weight buffers after
+  each rollout; the next one allocates (and, on CUDA, captures) again.
+
+The caller materialises the weights while :meth:`DschatHybridEngine.rollout` refreshes from them
+(``materialise``: the ZeRO-3 gather and LoRA fusion of
+:class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`); decoding itself needs nothing of the module.
+"""
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+
+from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name
+from dschat.rlhf.decoding import DecodingSettings, Rollout, draw, next_token_scores
+
+__all__ = ["DschatHybridEngine", "ENGINE_NAME", "rollout_summary_line"]
+
+ENGINE_NAME = "dschat Hybrid Engine"
+
+
+_MODULE_PATHS = {"graphs": "graphs (Hugging Face generate, static KV cache, CUDA graphs)",
+                 "dschat": "dschat loop (dschat.rlhf.decoding.sample_loop on the training module)",
+                 "hf": "hf (the training module's generate)",
+                 "hybrid-engine": "DeepSpeed's Hybrid Engine"}
+
+
+def rollout_summary_line(loop: str | None, engine: "DschatHybridEngine | None", module: nn.Module) -> str:
+    """One line naming what decoded a rollout (``loop``: ``RolloutGenerator.last_loop``): the engine,
+    the layout, the dtype and the inference tensor-parallel degree (1: each rank decodes its own prompts)."""
+    param = next(module.parameters())
+    if loop == "dschat-he" and engine is not None:
+        what = engine.summary(param.dtype, param.device)
+    else:
+        what = (f"{_MODULE_PATHS.get(loop or '', str(loop))}, layout {getattr(module.config, 'model_type', '?')} "
+                f"(the training module's), dtype {str(param.dtype).replace('torch.', '')}")
+    return f"Rollouts: {what}, inference TP degree 1"
+
+
+def _cuda_graph_count(device: torch.device) -> int:
+    """CUDA graphs recorded so far on ``device`` by torch.compile's graph trees (0 if none)."""
+    from torch._inductor import cudagraph_trees
+
+    manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
+    if manager is None:
+        return 0
+    # itertools.count has no getter; its repr is "count(N)" with N the next graph id.
+    return int(repr(manager.graph_counter)[len("count("):-1])
+
+
+class DschatHybridEngine:
+    """Rollouts of one actor (one model config) with dschat's decode model; see the module docstring."""
+
+    def __init__(self, config: Any, *, decoding: DecodingSettings, max_new_tokens: int, eos_token_id: int,
+                 pad_token_id: int, release_cache: bool = False, cpu_decode_linear: str = "onednn",
+                 compile_step: bool | None = None, cache_multiple: int = 64) -> None:
+        self.model = DecodeModel(config)
+        self.decoding = decoding
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
+        self.release_cache = release_cache
+        self.cpu_decode_linear = cpu_decode_linear
+        self.compile_step = compile_step  # None: on CUDA only
+        # torch.compile's options for the decode step (tests trace it on a CPU with {"backend": "aot_eager"}).
+        self.compile_options: dict[str, Any] = {"mode": "reduce-overhead"}
+        self.cache_multiple = cache_multiple
+        self.cache: StaticKVCache | None = None
+        self._step: Any = None  # the compiled decode step (CUDA)
+        self.rollouts = 0
+        self.compiles = 0  # graphs Dynamo compiled during this engine's rollouts
+        self.captures = 0  # CUDA graphs recorded during them
+        self.cache_allocations = 0
+        self.compiles_per_rollout: list[int] = []
+
+    # ------------------------------------------------------------------ state
+    @property
+    def spec(self) -> Any:
+        return self.model.spec
+
+    @property
+    def weight_allocations(self) -> int:
+        return self.model.weights.allocations
+
+    def summary(self, dtype: torch.dtype, device: torch.device) -> str:
+        how = "compiled decode step, CUDA graphs" if self._compiled(device) else "eager decode step"
+        return (f"{ENGINE_NAME} ({how}), layout {layout_name(self.spec)}, "
+                f"dtype {str(dtype).replace('torch.', '')}")
+
+    def release(self) -> None:
+        """Free the KV cache and the inference weights (``--release_inference_cache``)."""
+        self.model.weights.release()
+        self.model.unpack()
+        self.cache = None
+
+    def _compiled(self, device: torch.device) -> bool:
+        return self.compile_step if self.compile_step is not None else device.type == "cuda"
+
+    def compiled_on(self, device: torch.device) -> bool:
+        """Whether the decode step is compiled on ``device`` (CUDA unless ``compile_step`` says otherwise)."""
+        return self._compiled(device)
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def refresh(self, module: nn.Module) -> None:
+        """Copy ``module``'s current (materialised) weights into the inference layout, in place."""
+        param = next(module.parameters())
+        self.model.weights.refresh(module, param.dtype, param.device)
+
+    # ------------------------------------------------------------------ the one call
+    @torch.no_grad()
+    def rollout(self, module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
+                materialise: AbstractContextManager[Any] | None = None, min_new_tokens: int = 0,
+                keep_logprobs: bool = True) -> Rollout:
+        """Refresh the weights from ``module`` (inside ``materialise``), then decode ``(B, P)``
+        left-padded prompts as :func:`dschat.rlhf.decoding.sample_loop` does."""
+        graphs_before = compiled_before = 0
+        device = prompts.device
+        if self._compiled(device):
+            compiled_before = counters["stats"]["unique_graphs"]
+            graphs_before = _cuda_graph_count(device) if device.type == "cuda" else 0
+        with materialise if materialise is not None else nullcontext():
+            self.refresh(module)
+        try:
+            return self.decode(prompts, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs)
+        finally:
+            self.rollouts += 1
+            if self._compiled(device):
+                new = counters["stats"]["unique_graphs"] - compiled_before
+                self.compiles += new
+                self.compiles_per_rollout.append(new)
+                if device.type == "cuda":
+                    self.captures += _cuda_graph_count(device) - graphs_before
+            if self.release_cache:
+                self.release()
+
+    # ------------------------------------------------------------------ decoding
+    def _prepare(self, prompts: torch.Tensor, mask: torch.Tensor) -> StaticKVCache:
+        B, P = prompts.shape
+        weights = self.model.weights
+        dtype, device = weights.embed.dtype, weights.embed.device
+        if self.cache is None or not self.cache.fits(B, P + self.max_new_tokens, dtype, device):
+            capacity = StaticKVCache.capacity_for(P + self.max_new_tokens, self.cache_multiple)
+            self.cache = StaticKVCache(self.spec, B, capacity, dtype, device)
+            self.cache_allocations += 1
+        if self._compiled(device):
+            for t in [*weights.tensors(), *self.cache.keys, *self.cache.values, self.cache.key_valid]:
+                torch._dynamo.mark_static_address(t)  # refreshed in place: a captured graph reads them directly
+            if self._step is None:
+                self._step = torch.compile(self.model.step, fullgraph=True, **self.compile_options)
+        elif device.type == "cpu" and self.cpu_decode_linear == "onednn" and self._onednn_usable(dtype):
+            self.model.pack_for_cpu(B)
+        self.cache.start(mask)
+        return self.cache
+
+    @staticmethod
+    def _onednn_usable(dtype: torch.dtype) -> bool:
+        return torch.backends.mkldnn.is_available() and dtype == torch.float32
+
+    def _decode_step(self, token: torch.Tensor, position: torch.Tensor, index: int, cache: StaticKVCache) -> torch.Tensor:
+        column = torch.full((1,), index, dtype=torch.long, device=token.device)
+        if self._step is not None and self._compiled(token.device):
+            return self._step(token, position, column, cache, cache.capacity)
+        return self.model.step(token, position, column, cache, index + 1)
+
+    def decode(self, prompts: torch.Tensor, mask: torch.Tensor, *, min_new_tokens: int = 0,
+               keep_logprobs: bool = True) -> Rollout:
+        """Decode with the current inference weights: the semantics of
+        :func:`~dschat.rlhf.decoding.sample_loop` (positions from the mask, the same logits
+        processing, EOS then padding, log-probs under ``logits / logit_temperature``)."""
+        B, P = prompts.shape
+        mask = mask.to(prompts.device)
+        cache = self._prepare(prompts, mask)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, P)
+        try:
+            logits = self.model.prefill(prompts, positions, cache).float()  # (B, V)
+            position = positions[:, -1]  # (B,)
+            unfinished = torch.ones(B, dtype=torch.bool, device=prompts.device)
+            pad = torch.full((B,), self.pad_token_id, dtype=prompts.dtype, device=prompts.device)
+            tokens: list[torch.Tensor] = []
+            logprobs: list[torch.Tensor] = []
+            settings, temperature = self.decoding, self.decoding.logit_temperature
+            for t in range(self.max_new_tokens):
+                scores = next_token_scores(logits, settings, self.eos_token_id, suppress_eos=t < min_new_tokens)
+                token = draw(torch.softmax(scores, dim=-1)) if settings.sample else torch.argmax(scores, dim=-1)
+                token = torch.where(unfinished, token, pad)  # (B,)
+                if keep_logprobs:
+                    scaled = logits / temperature if temperature != 1.0 else logits
+                    logprobs.append(torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1))
+                tokens.append(token)
+                unfinished &= token != self.eos_token_id
+                if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
+                    break
+                position = position + 1
+                logits = self._decode_step(token, position, P + t, cache).float()
+        finally:
+            self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
+        answer = torch.stack(tokens, dim=1) if tokens else prompts.new_zeros((B, 0))
+        seq = torch.cat([prompts, answer], dim=1)
+        if not keep_logprobs:
+            return Rollout(seq, None)
+        kept = torch.stack(logprobs, dim=1) if logprobs else torch.zeros((B, 0), device=prompts.device)
+        return Rollout(seq, kept)
