@@ -141,13 +141,13 @@ def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
 
 def test_step3_graphs_mode_on_a_cpu_says_it_decoded_with_dschats_loop(tmp_path, capsys):
     # CUDA graphs need a CUDA device: on a CPU ours-graphs falls back, and the results say so (ours, the
-    # default on a CPU, decodes with dschat's Hybrid Engine).
+    # default on a CPU, decodes with dschat's loop too).
     bench = _load("step3")
     lines = bench.main(["--actor", "tiny-llama", "--batch", "2", "--prompt_len", "16", "--answer_len", "4",
                         "--steps", "1", "--warmup", "0", "--modes", "ours,ours-graphs", "--results", ""])
     out = capsys.readouterr().out
     assert "--generation_loop graphs: not used (CUDA graphs need a CUDA device" in out
-    assert any(line.endswith("generation loop per mode (its last rollout): ours dschat-he, "
+    assert any(line.endswith("generation loop per mode (its last rollout): ours dschat, "
                              "ours-graphs dschat") for line in lines)
     assert lines[lines.index("| | ours | ours-graphs | ours-graphs / ours |") + 1].count("|---") == 4
 
