@@ -134,3 +134,23 @@ def subprocess_env() -> dict[str, str]:
     env.update({"DS_ACCELERATOR": "cpu", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"})
     return env
+
+
+class Interrupted(Exception):
+    """Stands in for a crash right after a checkpoint."""
+
+
+def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, optimizer_steps: int = 2) -> None:
+    """Make step 3 raise :class:`Interrupted` right after it saves the checkpoint of ``optimizer_steps``
+    (``monkeypatch.undo()`` lets the resumed run save as usual)."""
+    from dschat.training import checkpoint as ckpt
+
+    original = ckpt.Checkpointer.maybe_save
+
+    def crash(self: Any, position: Any) -> Any:
+        saved = original(self, position)
+        if position.optimizer_steps == optimizer_steps:
+            raise Interrupted
+        return saved
+
+    monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", crash)

@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from step3_support import base_argv, critic_dirs, data_cache, load_state, max_abs_diff, step3_main  # noqa: F401
+from step3_support import (  # noqa: F401
+    Interrupted,
+    base_argv,
+    crash_after_checkpoint,
+    critic_dirs,
+    data_cache,
+    load_state,
+    max_abs_diff,
+    step3_main,
+)
 
 from dschat import rl_algorithms
 from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
@@ -181,18 +190,7 @@ def test_interrupted_and_resumed_grpo_matches_the_uninterrupted_run(tmp_path, da
     full = main(argv(tmp_path / "full"))
     assert len(full.history) == 4
 
-    class Interrupted(Exception):
-        pass
-
-    original = ckpt.Checkpointer.maybe_save
-
-    def crash_after_second(self, position):
-        saved = original(self, position)
-        if position.optimizer_steps == 2:
-            raise Interrupted
-        return saved
-
-    monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", crash_after_second)
+    crash_after_checkpoint(monkeypatch, optimizer_steps=2)
     with pytest.raises(Interrupted):
         main(argv(tmp_path / "resumed"))
     monkeypatch.undo()

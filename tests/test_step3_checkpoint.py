@@ -8,17 +8,22 @@ import json
 import math
 
 import pytest
-from step3_support import base_argv, critic_dirs, data_cache, load_state, max_abs_diff, step3_main  # noqa: F401
+from step3_support import (  # noqa: F401
+    Interrupted,
+    base_argv,
+    crash_after_checkpoint,
+    critic_dirs,
+    data_cache,
+    load_state,
+    max_abs_diff,
+    step3_main,
+)
 
 from dschat.training import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
 
 COMPARED = ("actor_loss", "critic_loss", "reward", "kl_to_ref", "ema_reward", "response_length")
-
-
-class Interrupted(Exception):
-    """Stands in for a crash right after a checkpoint."""
 
 
 CASES = {
@@ -47,15 +52,7 @@ def test_interrupted_and_resumed_ppo_matches_the_uninterrupted_run(case, tmp_pat
     iterations = len(full.history)
     assert iterations >= 3
 
-    original = ckpt.Checkpointer.maybe_save
-
-    def crash_after_second(self, position):
-        saved = original(self, position)
-        if position.optimizer_steps == 2:
-            raise Interrupted
-        return saved
-
-    monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", crash_after_second)
+    crash_after_checkpoint(monkeypatch, optimizer_steps=2)
     with pytest.raises(Interrupted):
         main(argv(tmp_path / "resumed"))
     monkeypatch.undo()

@@ -13,13 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from step3_support import base_argv, critic_dirs, data_cache, load_state, max_abs_diff, step3_main  # noqa: F401
+from step3_support import (  # noqa: F401
+    Interrupted,
+    base_argv,
+    crash_after_checkpoint,
+    critic_dirs,
+    data_cache,
+    load_state,
+    max_abs_diff,
+    step3_main,
+)
 
 from dschat.errors import EXIT_USAGE, cli_main
 from dschat.rlhf import evaluation as ev
 from dschat.rlhf.evaluation import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change, token_entropy
 from dschat.runtime import fs
-from dschat.training import checkpoint as ckpt
 
 
 @pytest.fixture(autouse=True, scope="module")  # module: before the module-scoped runs (same float sums)
@@ -242,18 +250,7 @@ def test_resume_reproduces_the_evaluation_records_and_the_best_checkpoint(ppo_ru
     uninterrupted run's."""
     root, argv, evaluated = ppo_runs["root"], ppo_runs["argv"], ppo_runs["evaluated"]
     main = step3_main().main
-    original = ckpt.Checkpointer.maybe_save
-
-    class Interrupted(Exception):
-        pass
-
-    def crash_after_second(self, position):
-        saved = original(self, position)
-        if position.optimizer_steps == 2:
-            raise Interrupted
-        return saved
-
-    monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", crash_after_second)
+    crash_after_checkpoint(monkeypatch, optimizer_steps=2)
     with pytest.raises(Interrupted):
         main(argv(root / "resumed", *evaluated))
     monkeypatch.undo()

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 
-__all__ = ["DecodingSettings", "Rollout", "generated_token_logprobs", "draw", "next_token_scores", "onednn_decode_linears",
+__all__ = ["DecodingSettings", "Rollout", "generated_token_logprobs", "loop_rollout", "draw", "next_token_scores", "onednn_decode_linears",
            "onednn_decode_supported", "sample_loop"]
 
 
@@ -228,6 +228,19 @@ def _forward_kwargs(module: nn.Module) -> set[str]:
 
 
 @torch.no_grad()
+def loop_rollout(prompts: torch.Tensor, tokens: Sequence[torch.Tensor],
+                 logprobs: Sequence[torch.Tensor] | None) -> Rollout:
+    """The :class:`Rollout` of a decoding loop: the ``(B, P)`` prompts followed by the A' sampled
+    columns ``tokens`` (each ``(B,)``), with their per-token log-probs (each ``(B,)``) unless ``None``."""
+    rows = prompts.shape[0]
+    answer = torch.stack(list(tokens), dim=1) if tokens else prompts.new_zeros((rows, 0))
+    seq = torch.cat([prompts, answer], dim=1)  # (B, P + A')
+    if logprobs is None:
+        return Rollout(seq, None)
+    kept = torch.stack(list(logprobs), dim=1) if logprobs else torch.zeros((rows, 0), device=prompts.device)
+    return Rollout(seq, kept)
+
+
 def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *, decoding: DecodingSettings,
                 max_new_tokens: int, eos_token_id: int, pad_token_id: int, min_new_tokens: int = 0,
                 keep_logprobs: bool = True, sampler: str = "inverse_cdf") -> Rollout:
@@ -287,9 +300,4 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
         out = module(input_ids=token[:, None], attention_mask=mask, past_key_values=cache, **step_kwargs)
         logits = out.logits[:, -1].float()
         del out
-    answer = torch.stack(tokens, dim=1) if tokens else prompts.new_zeros((B, 0))
-    seq = torch.cat([prompts, answer], dim=1)
-    if not keep_logprobs:
-        return Rollout(seq, None)
-    kept = torch.stack(logprobs, dim=1) if logprobs else torch.zeros((B, 0), device=prompts.device)
-    return Rollout(seq, kept)
+    return loop_rollout(prompts, tokens, logprobs if keep_logprobs else None)

@@ -30,7 +30,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name
-from dschat.rlhf.decoding import DecodingSettings, Rollout, draw, next_token_scores
+from dschat.rlhf.decoding import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
 
 __all__ = ["DschatHybridEngine", "ENGINE_NAME", "rollout_summary_line"]
 
@@ -212,9 +212,4 @@ class DschatHybridEngine:
                 logits = self._decode_step(token, position, P + t, cache).float()
         finally:
             self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
-        answer = torch.stack(tokens, dim=1) if tokens else prompts.new_zeros((B, 0))
-        seq = torch.cat([prompts, answer], dim=1)
-        if not keep_logprobs:
-            return Rollout(seq, None)
-        kept = torch.stack(logprobs, dim=1) if logprobs else torch.zeros((B, 0), device=prompts.device)
-        return Rollout(seq, kept)
+        return loop_rollout(prompts, tokens, logprobs if keep_logprobs else None)
