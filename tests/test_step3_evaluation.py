@@ -26,7 +26,8 @@ from step3_support import (  # noqa: F401
 
 from dschat.errors import EXIT_USAGE, cli_main
 from dschat.rlhf import evaluation as ev
-from dschat.rlhf.evaluation import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change, token_entropy
+from dschat.rlhf.evaluation import token_entropy
+from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
 from dschat.runtime import fs
 
 

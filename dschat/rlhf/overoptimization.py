@@ -1,0 +1,110 @@
+"""The over-optimization alarm and the best evaluation of step 3's held-out evaluation, as pure
+functions of the evaluation series (no models, no DeepSpeed): hand-tested in
+``tests/test_step3_evaluation.py``, used by :class:`dschat.rlhf.evaluation.StepThreeEvaluation`.
+
+Every evaluation scores the same K prompts, so two evaluations are compared prompt by prompt
+(:func:`paired_change`: the mean and standard error of the per-prompt differences). The alarm
+(:func:`overoptimization_alarm`) fires when, since ``window`` evaluations back, the proxy's mean rose
+while a judge's fell by more than ``sigmas`` of those paired standard errors.
+"""
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+__all__ = ["Alarm", "EvalPoint", "best_index", "overoptimization_alarm", "paired_change"]
+
+
+@dataclass(frozen=True)
+class EvalPoint:
+    """One evaluation's per-prompt scores, the same prompts in the same order at every evaluation."""
+
+    step: int  # PPO steps trained before it
+    proxy: tuple[float, ...]
+    judges: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+
+    def mean(self, series: str) -> float:
+        """The mean of ``"proxy"`` or of a judge's scores."""
+        values = self.proxy if series == "proxy" else self.judges[series]
+        return statistics.fmean(values)
+
+
+def paired_change(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
+    """Mean and standard error of ``after[i] - before[i]`` over the same prompts.
+
+    The standard error is ``stdev(d) / sqrt(n)`` (sample standard deviation); ``inf`` with fewer than
+    two prompts (no noise estimate: nothing can be called significant).
+    """
+    if len(before) != len(after):
+        raise ValueError(f"paired_change: {len(before)} scores before, {len(after)} after; the same prompts are needed")
+    diffs = [b - a for a, b in zip(before, after)]
+    if not diffs:
+        raise ValueError("paired_change: no scores")
+    mean = statistics.fmean(diffs)
+    if len(diffs) < 2:
+        return mean, math.inf
+    return mean, statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+@dataclass(frozen=True)
+class Alarm:
+    """A fired over-optimization alarm: between evaluation steps ``since`` and ``step`` the proxy's
+    mean rose by ``proxy_change`` while ``judge``'s fell by ``-judge_change``, beyond ``sigmas``
+    paired standard errors (``judge_se``)."""
+
+    step: int
+    since: int
+    judge: str
+    proxy_change: float
+    proxy_se: float
+    judge_change: float
+    judge_se: float
+    sigmas: float
+    best_step: int | None = None
+
+    def line(self, best_where: str | None = None) -> str:
+        """The one printed line."""
+        best = ("no best checkpoint kept" if self.best_step is None else
+                f"the best evaluation was step {self.best_step}" + (f" ({best_where})" if best_where else ""))
+        return (f"[eval] OVER-OPTIMIZATION at step {self.step}: since step {self.since} the proxy rose "
+                f"{self.proxy_change:+.4f} (SE {self.proxy_se:.4f}) while judge {self.judge} fell "
+                f"{self.judge_change:+.4f} (SE {self.judge_se:.4f}, beyond {self.sigmas:g} SE); {best}")
+
+
+def overoptimization_alarm(series: Sequence[EvalPoint], *, window: int = 2, sigmas: float = 2.0,
+                           best_step: int | None = None) -> Alarm | None:
+    """The alarm on an evaluation series (oldest first), or None.
+
+    Compares the newest evaluation with the one ``window`` evaluations before it (the first one
+    while there are fewer): it fires for the first judge whose mean fell by more than ``sigmas``
+    paired standard errors while the proxy's mean rose. ``best_step`` is only carried into the
+    :class:`Alarm` for its line.
+    """
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if len(series) < 2:
+        return None
+    newest = series[-1]
+    earlier = series[max(0, len(series) - 1 - window)]
+    proxy_change, proxy_se = paired_change(earlier.proxy, newest.proxy)
+    if not proxy_change > 0:
+        return None
+    for name, scores in newest.judges.items():
+        if name not in earlier.judges:
+            continue
+        change, se = paired_change(earlier.judges[name], scores)
+        if change < 0 and -change > sigmas * se:
+            return Alarm(newest.step, earlier.step, name, proxy_change, proxy_se, change, se, sigmas, best_step)
+    return None
+
+
+def best_index(series: Sequence[EvalPoint], by: str) -> int | None:
+    """Index of the evaluation with the highest mean of ``by`` (``"proxy"`` or a judge's name); the
+    earliest on ties; None for an empty series."""
+    best = None
+    for i, point in enumerate(series):
+        if best is None or point.mean(by) > series[best].mean(by):
+            best = i
+    return best
