@@ -154,3 +154,13 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, optimizer_steps: int
         return saved
 
     monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", crash)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and the 2 CPU cores are shared (autouse in the test
+    modules that import it)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

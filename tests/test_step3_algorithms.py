@@ -18,6 +18,7 @@ from step3_support import (  # noqa: F401
     data_cache,
     load_state,
     max_abs_diff,
+    one_thread,
     step3_main,
 )
 
@@ -27,14 +28,6 @@ from dschat.errors import EXIT_USAGE, cli_main
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.algorithm import resolve_algorithm
 from dschat.training import checkpoint as ckpt
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _argv(model, critic, data, *extra, steps=2):

@@ -22,20 +22,12 @@ from step3_support import (  # noqa: F401
     load_state,
     lora_inputs,
     max_abs_diff,
+    one_thread,
     step3_main,
     subprocess_env,
 )
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the 2 CPU cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _initial_actor(model: str) -> dict[str, torch.Tensor]:
