@@ -412,12 +412,16 @@ def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
         checkout = _fake_checkout(base / "repo")
         for path in (checkout, *checkout.rglob("*")):
             os.chown(path, 65533, 65533)
+        # The code under test, where uid 65534 can read it: this checkout may sit in a private folder
+        # (a clone under `mktemp -d` is 0700), which the other user cannot enter.
+        package = base / "code"
+        shutil.copytree(ROOT / "dschat", package / "dschat", ignore=shutil.ignore_patterns("__pycache__"))
         code = ("import sys; sys.path.insert(0, %r); from dschat import recipes; "
-                "raise SystemExit(recipes.cli_main(recipes.main, ['--repo-root', %r, 'validate']))" % (str(ROOT), str(checkout)))
+                "raise SystemExit(recipes.cli_main(recipes.main, ['--repo-root', %r, 'validate']))" % (str(package), str(checkout)))
         proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
                               capture_output=True, text=True, timeout=60, cwd="/")
         if "Permission denied" in proc.stderr and "dschat" not in proc.stderr:
-            pytest.skip(f"uid 65534 cannot read this checkout or Python: {proc.stderr.strip()[:200]}")
+            pytest.skip(f"uid 65534 cannot read this Python or its packages: {proc.stderr.strip()[:200]}")
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.count("\n") == 1
         assert f"--repo-root {checkout} is not safe to run: it belongs to uid 65533, not to you (uid 65534)" in proc.stderr
