@@ -8,6 +8,7 @@ from datasets import Dataset, DatasetDict
 
 from dschat.data import local_files as lf
 from dschat.data import raw_datasets as rd
+from dschat.data.adapters import local as local_adapters
 from dschat.data.split import get_shuffle_idx
 from dschat.errors import UserError
 from test_data_common import pref_rows, write_json, write_jsonl
@@ -331,7 +332,7 @@ def test_local_jsonfile_from_current_directory(tmp_path, monkeypatch):
 
 def test_local_jsonfile_missing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(rd, "_source_root", lambda: tmp_path / "no-checkout")
+    monkeypatch.setattr(local_adapters, "_source_root", lambda: tmp_path / "no-checkout")
     with pytest.raises(UserError, match="data/train.json and data/eval.json"):
         rd.resolve_dataset("local/jsonfile")
 

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from dschat.data import prompt_dataset as pd
+from dschat.data import tokenization
 from dschat.data.prompt_dataset import PairItem, PromptItem, create_dataset, create_dataset_split, create_prompt_dataset
 from dschat.data.raw_datasets import LocalPreferenceDataset
 from dschat.data.split import get_shuffle_idx
@@ -340,7 +341,7 @@ def test_error_mid_build_leaves_no_cache_files(tmp_path, monkeypatch):
         raise RuntimeError("tokenizer crashed")
 
     monkeypatch.setattr(safetensors.torch, "save_file", real_save)
-    monkeypatch.setattr(pd, "_tokenize", tokenizer_crash)
+    monkeypatch.setattr(tokenization, "_tokenize", tokenizer_crash)
     with pytest.raises(RuntimeError, match="tokenizer crashed"):
         create_prompt_dataset(-1, [str(path)], "2,4,4", str(out), 2, 1234, tok, 32)
     assert cache_names(out) == []

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from dschat.data import prompt_dataset as pd
+from dschat.data import cache as data_cache
 from dschat.data.prompt_dataset import cache_files, create_prompt_dataset
 from dschat.errors import UserError
 from dschat.paths import data_cache_dir
@@ -188,7 +188,7 @@ def test_the_planted_cache_is_a_real_threat(victim, tmp_path, monkeypatch):
     shared /tmp/data_files held pickles, the same plant ran code)."""
     folder = tmp_path / "data_files"
     shutil.copytree(victim["plant"], folder)
-    monkeypatch.setattr(pd, "check_trusted", lambda *args: None)
+    monkeypatch.setattr(data_cache, "check_trusted", lambda *args: None)
     train, _ = run_victim(victim, folder)
     assert "PLANTED answer" in decoded_first_row(victim, train)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from dschat.gold_judge import gold_score
 from dschat.paths import BUILTIN_DATA_DIR
+from dschat.runtime.fs import atomic_file
 
 NAME = "dschat/builtin"
 SPLITS = ("train", "eval")
@@ -484,8 +485,6 @@ def generate(
 
 
 def write(out_dir: Path, rows: dict[str, list[dict]]) -> None:
-    from dschat.runtime.fs import atomic_file
-
     for split, split_rows in rows.items():
         with atomic_file(out_dir / f"{split}.jsonl") as tmp:
             with open(tmp, "w", encoding="utf-8") as fh:

@@ -74,6 +74,8 @@ def _load_saved_split(folder: Path) -> Any:
     an ``IndexError`` inside ``concat_tables``; the saved features (``dataset_info.json``) give the
     empty split its columns, so the schema checks and the "split is empty" answers apply to it.
     """
+    # lazy: datasets costs 1.0 s at import (python -X importtime); every step imports this module,
+    # and a cached build reads no raw data
     from datasets import Dataset, DatasetInfo
 
     state = json.loads((folder / "state.json").read_text(encoding="utf-8"))
@@ -180,6 +182,7 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
         raise UserError(f"data file {path} does not exist; check the path")
     suffix = path.suffix.lower()
     if suffix == ".parquet":
+        # lazy: pyarrow.parquet costs 0.18 s at import (python -X importtime); only parquet files need it
         import pyarrow as pa
         import pyarrow.parquet as pq
 
@@ -258,6 +261,7 @@ def records_to_dataset(records: list[dict], columns: Sequence[str] | None = None
     Rows whose fields change type from row to row cannot form one Arrow table; with ``source``
     (the file or folder they came from) that is a :class:`UserError` naming it.
     """
+    # lazy: datasets (with pyarrow) costs 1.0 s at import; see _load_saved_split
     import pyarrow as pa
     from datasets import Dataset
 

@@ -16,7 +16,13 @@ from pathlib import Path
 from typing import Sequence
 
 from dschat.cli.args import add_data_args
+from dschat.data.dispatch import resolve_dataset
+from dschat.data.phases import plan_phase_data
+from dschat.data.split import parse_data_split
 from dschat.errors import UserError, cli_main
+from dschat.models.registry import check_local_model_path
+from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.runtime.fs import check_writable_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,11 +53,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from dschat.data.raw_datasets import plan_phase_data, resolve_dataset
-    from dschat.data.split import parse_data_split
-    from dschat.models.registry import check_local_model_path
-    from dschat.runtime.fs import check_writable_dir
-
     # Input checks first, without torch/transformers and without writing anything: names, paths,
     # the split, then the data itself (parse errors, columns, empty phases).
     parse_data_split(args.data_split)
@@ -65,8 +66,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_writable_dir(args.data_output_path, "--data_output_path")
     plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
 
+    # lazy: torch costs 1.3 s at import (python -X importtime); bad input is refused above without it
     from dschat.data.prompt_dataset import check_data_output_path, create_prompt_dataset
-    from dschat.models.tokenizer import load_hf_tokenizer
 
     check_data_output_path(args.data_output_path)  # a folder another user could write: before the tokenizer
 

@@ -11,8 +11,9 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from dschat.data.prompt_dataset import TOKENIZE_BATCH
-from dschat.data.raw_datasets import get_raw_dataset, select_phase_rows
+from dschat.data.dispatch import get_raw_dataset
+from dschat.data.phases import select_phase_rows
+from dschat.data.tokenization import TOKENIZE_BATCH
 from dschat.errors import UserError
 
 __all__ = ["PromptColumns", "load_prompt_columns"]

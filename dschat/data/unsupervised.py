@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.data import local_files as lf
+from dschat.data.adapters.local import BUILTIN_NAME, builtin_files
 from dschat.errors import UserError, first_line
 
 TEXT_SUFFIXES: tuple[str, ...] = lf.DATA_SUFFIXES + (".txt",)
@@ -72,9 +73,16 @@ def _check_texts(rows: list[tuple[str, dict]], files: list[Path]) -> list[dict]:
     return [row for _, row in rows]
 
 
-def _read_files(files: list[Path]) -> Any:
+def _train_only(train: Any) -> Any:
+    """``DatasetDict({"train": train})``."""
+    # lazy: datasets costs 1.0 s at import (python -X importtime); step 3 imports this module for
+    # unsupervised_training_enabled, and a run without PPO-ptx on a cached prompt set never needs it.
     from datasets import DatasetDict
 
+    return DatasetDict({"train": train})
+
+
+def _read_files(files: list[Path]) -> Any:
     rows: list[tuple[str, dict]] = []
     for f in files:
         if f.suffix.lower() == ".txt":
@@ -85,29 +93,23 @@ def _read_files(files: list[Path]) -> Any:
         raise UserError(f"no text rows in {', '.join(str(f) for f in files)}; add some text")
     records = _check_texts(rows, files)
     source = files[0] if len(files) == 1 else files[0].parent
-    return DatasetDict({"train": lf.records_to_dataset(records, source=source)})
+    return _train_only(lf.records_to_dataset(records, source=source))
 
 
 def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
     """The raw ``DatasetDict`` (with a ``train`` split) for ``--unsupervised_dataset_name``."""
-    from dschat.data.raw_datasets import BUILTIN_NAME, builtin_files
-
     if name == BUILTIN_NAME:
-        from datasets import DatasetDict
-
         train_file = builtin_files()[0]
         rows = lf.check_columns(lf.read_records(train_file), train_file, ("prompt", "chosen"))
         texts = [r["prompt"] + r["chosen"] for r in rows if r["prompt"] is not None and r["chosen"] is not None]
-        return DatasetDict({"train": lf.records_to_dataset([{"text": t} for t in texts], ["text"])})
+        return _train_only(lf.records_to_dataset([{"text": t} for t in texts], ["text"]))
     path = lf.expand(name)
     if path.exists():
         if lf.is_save_to_disk_dir(path):
             splits = lf.load_save_to_disk(path)
             if "train" not in splits:
                 raise UserError(f"save_to_disk folder {path} has no 'train' split (has {sorted(splits)})")
-            from datasets import DatasetDict
-
-            return DatasetDict({"train": splits["train"]})
+            return _train_only(splits["train"])
         files = [path] if path.is_file() else lf.data_files_in(path, TEXT_SUFFIXES)
         if path.is_dir():
             train_files = [f for f in files if f.stem.lower() in lf.TRAIN_STEMS]
@@ -120,6 +122,7 @@ def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
         return _read_files(files)
     if lf.looks_like_path(name):
         raise UserError(f"--unsupervised_dataset_name {name!r} does not exist; check the path")
+    # lazy: datasets costs 1.0 s at import (see _train_only)
     from datasets import load_dataset
     from datasets.exceptions import DatasetsError
 
@@ -153,6 +156,7 @@ def _group_texts(examples: dict, block_size: int, keep_short: bool) -> dict:
 
 def _check_no_null_texts(train: Any, column: str, name: str) -> None:
     """A null in the text column (hub / save_to_disk data) would be a TypeError in the tokenizer."""
+    # lazy: pyarrow.compute costs 0.2 s at import (python -X importtime); only hub / save_to_disk data reach here
     import pyarrow.compute as pc
 
     values = train.data.column(column)
@@ -182,14 +186,12 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     raw = load_unsupervised_raw(name, getattr(args, "unsupervised_dataset_config_name", None))
     if "train" not in raw:
         raise UserError(f"unsupervised dataset {name!r} has no 'train' split (has {list(raw)})")
-    from datasets import DatasetDict
-
     if len(raw["train"]) == 0:  # e.g. a save_to_disk copy saved with 0 rows
         raise UserError(
             f"unsupervised dataset {name!r}: its train split is empty (0 rows); add some text or drop "
             "--unsupervised_dataset_name"
         )
-    raw = DatasetDict({"train": raw["train"]})  # the only split used (upstream tokenised them all)
+    raw = _train_only(raw["train"])  # the only split used (upstream tokenised them all)
     column_names = raw["train"].column_names
     text_column_name = _text_column(column_names)
     feature = raw["train"].features[text_column_name]

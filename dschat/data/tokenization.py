@@ -1,0 +1,133 @@
+"""Per-phase tokenisation of raw rows into a :class:`~dschat.data.token_dataset.PromptDataset`.
+
+Tokenisation follows upstream's ``create_dataset_split`` exactly (DSE ``data_utils.py``):
+
+* phase 1: ``prompt_and_chosen + eot``, truncated and padded to ``max_seq_len``; items are
+  ``{"input_ids", "attention_mask", "labels"}`` (1-D) with ``labels = -100`` on padding only:
+  prompt tokens are trained on, as upstream (DSE #301/#357).
+* phase 2: ``prompt_and_chosen + eot`` and ``prompt_and_rejected + eot``, each ``[1, max_seq_len]``;
+  a row is kept only if both texts exist.
+* phase 3: ``get_prompt`` tokenised without truncation; prompts longer than ``max_seq_len`` (the
+  max prompt length) are dropped and counted in ``filtered`` (DSE #782); items hold the prompt
+  *flipped* so :class:`~dschat.data.collators.DataCollatorRLHF` can left-pad by right-padding (#457).
+
+Texts are tokenised in batches (fast), unpadded; padding is added when an item is read. The tensors
+are identical to upstream's one-call-per-sample ``padding="max_length"`` tokenisation (tested).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from dschat.data.adapters.base import PromptRawDataset
+from dschat.data.dispatch import get_raw_dataset
+from dschat.data.phases import PhaseRows, empty_phase, select_phase_rows
+from dschat.data.token_dataset import PromptDataset, TokenRows
+from dschat.errors import UserError
+
+#: Texts per tokenizer call.
+TOKENIZE_BATCH = 1024
+
+
+def _tokenize(tokenizer: Any, texts: Sequence[str], max_length: int | None) -> TokenRows:
+    """Batched tokenisation; with ``max_length``, truncated to it (padding is added on read)."""
+    ids: list[list[int]] = []
+    masks: list[list[int]] = []
+    for start in range(0, len(texts), TOKENIZE_BATCH):
+        batch = list(texts[start:start + TOKENIZE_BATCH])
+        if max_length is None:
+            enc = tokenizer(batch)
+        else:
+            enc = tokenizer(batch, max_length=max_length, truncation=True)
+        ids.extend(enc["input_ids"])
+        masks.extend(enc["attention_mask"])
+    return TokenRows.from_lists(ids, masks)
+
+
+def _check_pad(tokenizer: Any) -> int:
+    if tokenizer.pad_token_id is None:
+        raise UserError(
+            "the tokenizer has no pad token; load it with dschat.models.tokenizer.load_hf_tokenizer "
+            "(which sets one) or set tokenizer.pad_token"
+        )
+    return int(tokenizer.pad_token_id)
+
+
+def create_dataset_split(
+    current_dataset: Iterable[Any],
+    raw_dataset: PromptRawDataset,
+    train_phase: int,
+    tokenizer: Any,
+    end_of_conversation_token: str,
+    max_seq_len: int,
+) -> PromptDataset:
+    """Tokenise one split of one dataset for ``train_phase`` (upstream's function, batched)."""
+    padding_side = getattr(tokenizer, "padding_side", "right")
+    filtered = 0
+    if train_phase == 1:
+        texts = [t + end_of_conversation_token for t in map(raw_dataset.get_prompt_and_chosen, current_dataset) if t is not None]
+        chosen = _tokenize(tokenizer, texts, max_seq_len) if texts else TokenRows.empty()
+        result = PromptDataset(None, chosen, None, _check_pad(tokenizer), 1, max_seq_len=max_seq_len, padding_side=padding_side)
+        print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)}")
+    elif train_phase == 2:
+        chosen_texts, rejected_texts = [], []
+        for sample in current_dataset:
+            chosen_sentence = raw_dataset.get_prompt_and_chosen(sample)
+            reject_sentence = raw_dataset.get_prompt_and_rejected(sample)
+            if chosen_sentence is not None and reject_sentence is not None:
+                chosen_texts.append(chosen_sentence + end_of_conversation_token)
+                rejected_texts.append(reject_sentence + end_of_conversation_token)
+        chosen = _tokenize(tokenizer, chosen_texts, max_seq_len) if chosen_texts else TokenRows.empty()
+        rejected = _tokenize(tokenizer, rejected_texts, max_seq_len) if rejected_texts else TokenRows.empty()
+        result = PromptDataset(None, chosen, rejected, _check_pad(tokenizer), 2, max_seq_len=max_seq_len, padding_side=padding_side)
+        print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)}")
+    elif train_phase == 3:
+        prompts = [p for p in map(raw_dataset.get_prompt, current_dataset) if p is not None]
+        rows = _tokenize(tokenizer, prompts, None) if prompts else TokenRows.empty()
+        keep = (rows.lengths() <= max_seq_len).nonzero().flatten()
+        filtered = len(rows) - keep.numel()
+        result = PromptDataset(
+            rows.take(keep), None, None, _check_pad(tokenizer), 3,
+            max_seq_len=max_seq_len, padding_side=padding_side, filtered=filtered,
+        )
+        print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)} filtered={filtered}")
+    else:
+        raise UserError(f"train_phase must be 1, 2 or 3, got {train_phase}")
+    return result
+
+
+def create_dataset(
+    local_rank: int,
+    dataset_name: str,
+    data_split: str,
+    output_path: str,
+    train_phase: int,
+    seed: int | None,
+    tokenizer: Any,
+    end_of_conversation_token: str,
+    max_seq_len: int,
+    rebuild: bool = False,
+) -> tuple[PromptDataset, PromptDataset]:
+    """Tokenised (train, eval) rows of one dataset for ``train_phase`` (upstream's function)."""
+    del rebuild  # upstream's .npy index rebuild flag; indices are computed in memory
+    raw = get_raw_dataset(dataset_name, output_path, seed, local_rank)
+    sel = select_phase_rows(raw, data_split, train_phase, seed, output_path, local_rank)
+    return tokenize_selection(sel, train_phase, tokenizer, end_of_conversation_token, max_seq_len)
+
+
+def tokenize_selection(
+    sel: PhaseRows, train_phase: int, tokenizer: Any, eot: str, max_seq_len: int,
+) -> tuple[PromptDataset, PromptDataset]:
+    """(train, eval) of one dataset's selected rows; an empty split is refused or warned about (:func:`empty_phase`)."""
+    out = []
+    for split, rows in (("train", sel.train), ("eval", sel.eval)):
+        ds = create_dataset_split(rows, sel.raw, train_phase, tokenizer, eot, max_seq_len)
+        if len(ds) == 0 and len(rows) > 0:
+            if train_phase == 3:
+                why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens or empty"
+                fix = "raise --max_prompt_seq_len or use shorter prompts"
+            else:
+                why = f"none of its {len(rows)} rows has the texts phase {train_phase} needs"
+                fix = "check the prompt/chosen/rejected fields"
+            empty_phase(sel.raw, split, train_phase, why, fix)
+        out.append(ds)
+    return out[0], out[1]
