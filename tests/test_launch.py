@@ -15,6 +15,7 @@ import pytest
 from dschat import launch as L
 from dschat import multinode as M
 from dschat import recipes as R
+from dschat.recipes import loading as recipe_loading
 from dschat.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +70,7 @@ def fake_root(tmp_path: Path) -> Path:
     for spec in R.STEPS.values():
         (root / spec.folder).mkdir(parents=True)
         (root / spec.main_py).write_text(FAKE_MAIN, encoding="utf-8")
-    R._CACHE.clear()
+    recipe_loading._CACHE.clear()
     return root
 
 
@@ -110,7 +111,7 @@ def test_plan_without_main_py_is_a_clear_error(tmp_path):
     root = tmp_path / "repo"
     shutil.copytree(ROOT / "configs", root / "configs")
     (root / "training").mkdir()
-    R._CACHE.clear()
+    recipe_loading._CACHE.clear()
     recipe = R.get_recipe("step1", "cpu/tiny", root)
     with pytest.raises(UserError, match="main.py does not exist"):
         L.plan(recipe, repo_root=root)

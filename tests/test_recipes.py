@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from dschat import recipes as R
-from dschat.errors import UserError
+from dschat.errors import UserError, cli_main
+from dschat.recipes import loading as recipe_loading
 from dschat.runtime import fs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -198,7 +199,7 @@ def _write_config(tmp_path: Path, text: str) -> Path:
     shutil.copytree(ROOT / "configs", root / "configs")
     (root / "training").mkdir()
     (root / "configs" / "step2.yaml").write_text(text, encoding="utf-8")
-    R._CACHE.clear()
+    recipe_loading._CACHE.clear()
     return root
 
 
@@ -309,7 +310,7 @@ def test_check_detects_drift_and_write_repairs_it(tmp_path):
     shutil.copytree(ROOT / "configs", root / "configs")
     for spec in R.STEPS.values():
         shutil.copytree(ROOT / spec.folder / "training_scripts", root / spec.folder / "training_scripts")
-    R._CACHE.clear()
+    recipe_loading._CACHE.clear()
     assert R.check_generated(root) == []
     script = root / "training/step1_supervised_finetuning/training_scripts/opt/single_gpu/run_1.3b.sh"
     script.write_text(script.read_text() + "echo edited\n")
@@ -350,12 +351,12 @@ def test_the_working_directorys_parents_are_not_searched(tmp_path, monkeypatch):
     (planted / "project").mkdir()
     monkeypatch.chdir(planted / "project")
     monkeypatch.delenv("DSCHAT_REPO_ROOT", raising=False)
-    monkeypatch.setattr(R, "__file__", str(tmp_path / "site-packages" / "dschat" / "recipes.py"))
+    monkeypatch.setattr(recipe_loading, "__file__", str(tmp_path / "site-packages" / "dschat" / "recipes" / "loading.py"))
     with pytest.raises(UserError, match="looks in the checkout it was imported from and in the working directory only"):
         R.find_repo_root()
     monkeypatch.chdir(planted)  # the working directory itself is a place the user chose
     assert R.find_repo_root() == planted.resolve()
-    monkeypatch.setattr(R, "__file__", str(ROOT / "dschat" / "recipes.py"))
+    monkeypatch.setattr(recipe_loading, "__file__", str(ROOT / "dschat" / "recipes" / "loading.py"))
     assert R.find_repo_root() == ROOT  # the checkout the package comes from goes first
 
 
@@ -366,7 +367,7 @@ def test_a_checkout_others_can_write_is_refused_in_one_line(tmp_path, monkeypatc
     with pytest.raises(UserError, match=r"--repo-root .* is not safe to run: other users can write to it \(mode 0757\).*chmod go-w"):
         R.find_repo_root(checkout)
     monkeypatch.setenv("DSCHAT_REPO_ROOT", str(checkout))
-    assert R.cli_main(R.main, ["list"]) == 2
+    assert cli_main(R.main, ["list"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DSCHAT_REPO_ROOT" in err and "other users can write to it" in err
     checkout.chmod(0o775)  # group-writable: refused unless the group is the user's private one
@@ -416,8 +417,8 @@ def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
         # (a clone under `mktemp -d` is 0700), which the other user cannot enter.
         package = base / "code"
         shutil.copytree(ROOT / "dschat", package / "dschat", ignore=shutil.ignore_patterns("__pycache__"))
-        code = ("import sys; sys.path.insert(0, %r); from dschat import recipes; "
-                "raise SystemExit(recipes.cli_main(recipes.main, ['--repo-root', %r, 'validate']))" % (str(package), str(checkout)))
+        code = ("import sys; sys.path.insert(0, %r); from dschat import recipes; from dschat.errors import cli_main; "
+                "raise SystemExit(cli_main(recipes.main, ['--repo-root', %r, 'validate']))" % (str(package), str(checkout)))
         proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
                               capture_output=True, text=True, timeout=60, cwd="/")
         if "Permission denied" in proc.stderr and "dschat" not in proc.stderr:
