@@ -40,7 +40,6 @@ ALIAS_UNITS = ("utils", "testing")
 # was written; each is to be split (see docs/DESIGN.md), and none may grow past the size it had then.
 SOFT_CAP = 600
 OVER_CAP = {
-    "dschat/eval/report.py": 875,  # scoring, plots, metrics reading, the summary, the CLI
     "dschat/rlhf/ppo_trainer.py": 738,  # experience making, schedule, update, overflow
     "dschat/rl_math.py": 687,  # PPO / GAE math and its helpers
 }

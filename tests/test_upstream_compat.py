@@ -536,7 +536,7 @@ def test_load_state_dict_into_model_under_zero3():
 def test_reward_and_actor_folders_are_told_apart_in_both_formats(tmp_path):
     # Upstream's step-1 and step-2 folders both hold pytorch_model.bin; only the keys differ. The
     # chatbot and the report's --actor / --reward checks must tell them apart.
-    from dschat.eval import report
+    from dschat.eval import scoring
     from dschat.utils.model.reward_model import is_reward_model_folder
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
@@ -546,12 +546,12 @@ def test_reward_and_actor_folders_are_told_apart_in_both_formats(tmp_path):
     write_upstream_critic("tiny-opt", critic)
     write_upstream_actor("tiny-opt", actor)
     assert is_reward_model_folder(critic) and not is_reward_model_folder(actor)
-    assert report._check_reward_folder(critic) == Path(critic)
-    assert report._check_actor_folder(actor) == Path(actor)
+    assert scoring.check_reward_folder(critic) == Path(critic)
+    assert scoring.check_actor_folder(actor) == Path(actor)
     with pytest.raises(UserError, match="is not a step-2 reward model output"):
-        report._check_reward_folder(actor)
+        scoring.check_reward_folder(actor)
     with pytest.raises(UserError, match="is a step-2 reward model"):
-        report._check_actor_folder(critic)
+        scoring.check_actor_folder(critic)
     with pytest.raises(UserError, match="is a step-2 reward model"):
         chatbot.resolve_chat_folder(str(critic))
     assert chatbot.resolve_chat_folder(str(actor)) == str(actor)

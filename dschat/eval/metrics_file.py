@@ -1,0 +1,94 @@
+"""Reading step 3's ``metrics.jsonl``: the per-step PPO records and the held-out evaluation records.
+
+Tolerant of what a crash or a rename leaves: blank, truncated or non-object lines and non-finite
+values are skipped.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+from dschat.paths import METRICS_FILE
+
+# The "kind" of step 3's held-out evaluation records in metrics.jsonl (dschat.rlhf.evaluation writes them).
+EVAL_KIND = "eval"
+
+# Names accepted for each plotted field of metrics.jsonl (the first is the documented one).
+METRIC_ALIASES: dict[str, tuple[str, ...]] = {
+    # global_step first: step 3's per-epoch "step" restarts every epoch.
+    "step": ("global_step", "step", "ppo_step", "iteration"),
+    "reward": ("reward", "average_reward", "reward_score", "mean_reward", "reward_mean"),
+    "kl_to_ref": ("kl_to_ref", "kl_ref", "ref_kl", "kl", "mean_kl"),
+    "response_length": ("response_length", "mean_response_length", "response_len", "answer_length"),
+}
+
+
+def finite_number(value: Any) -> float | None:
+    if isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def read_eval_records(path: str | Path, keep: Callable[[dict], bool] | None = None) -> list[dict[str, Any]]:
+    """The evaluation records of a ``metrics.jsonl`` (``"kind": "eval"``), by step; unreadable lines skipped."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    by_step: dict[int, dict[str, Any]] = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict) and record.get("kind") == EVAL_KIND and (keep is None or keep(record)):
+            by_step[int(record.get("global_step", 0))] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """Per-PPO-step records from ``metrics.jsonl``, tolerant of what a crash or a rename leaves.
+
+    Reads ``global_step`` (else ``step``), ``reward``, ``kl_to_ref`` and ``response_length`` (or an
+    alias in :data:`METRIC_ALIASES`); other keys are ignored. Blank, truncated or non-object lines and non-finite values are skipped;
+    a missing step is the line's position; a repeated step keeps its last record. Sorted by step.
+    """
+    path = Path(path)
+    if not path.is_file():
+        return []
+    by_step: dict[float, dict[str, float]] = {}
+    for index, line in enumerate(path.read_text(encoding="utf-8", errors="replace").splitlines()):
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if not isinstance(raw, dict) or raw.get("kind") == "eval":  # held-out evaluations: read_eval_records
+            continue
+        record: dict[str, float] = {}
+        for name, aliases in METRIC_ALIASES.items():
+            for alias in aliases:
+                value = finite_number(raw.get(alias))
+                if value is not None:
+                    record[name] = value
+                    break
+        record.setdefault("step", float(index))
+        if len(record) > 1:
+            by_step[record["step"]] = record
+    return [by_step[k] for k in sorted(by_step)]
+
+
+def find_metrics_file(rlhf: str | Path) -> Path | None:
+    """Step 3 writes ``metrics.jsonl`` in its --output_dir, the parent of ``actor/``."""
+    rlhf = Path(rlhf)
+    for candidate in (rlhf.parent / METRICS_FILE, rlhf / METRICS_FILE):
+        if candidate.is_file():
+            return candidate
+    return None

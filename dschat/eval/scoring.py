@@ -1,0 +1,253 @@
+"""The models under evaluation: loading the actors and the reward model, answering the held-out
+prompts, per-token log-probs, reward scores, and the reward model's held-out accuracy.
+
+Both actors answer with the same decoding settings and the same random stream (seeded sampling;
+greedy with ``--greedy``). Token ids are scored as step 3 scores them (right-padded, the value at
+the last real token).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+from dschat.errors import UserError
+from dschat.eval.heldout import EvalSettings
+from dschat.gold_judge import gold_score
+from dschat.models.build import create_critic_model
+from dschat.models.registry import load_config
+from dschat.models.reward_model import is_reward_model_folder, last_token_index, not_a_critic_message
+from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.rl_math import gather_log_probs
+
+
+# -------------------------------------------------------------------------------------------------
+# Models
+# -------------------------------------------------------------------------------------------------
+def pick_device(name: str = "auto") -> Any:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _check_folder(path: str | Path, what: str) -> Path:
+    folder = Path(path).expanduser()
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{what} {folder} is not a model folder (no config.json); pass the step's --output_dir")
+    return folder
+
+
+def check_actor_folder(path: str | Path) -> Path:
+    """``path`` as a model folder that is an actor (step 1 or 3), not a step-2 reward model."""
+    folder = _check_folder(path, "actor folder")
+    if is_reward_model_folder(folder):
+        raise UserError(f"{folder} is a step-2 reward model, not an actor; pass a step-1 or step-3 actor folder")
+    return folder
+
+
+def check_reward_folder(path: str | Path) -> Path:
+    """``path`` as a step-2 reward-model folder."""
+    folder = _check_folder(path, "reward-model folder")
+    if not is_reward_model_folder(folder):
+        raise UserError(not_a_critic_message(str(folder), "--reward"))
+    return folder
+
+
+def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
+    """A causal LM (eval mode) and its tokenizer from a step-1 or step-3 actor folder."""
+    folder = check_actor_folder(path)
+    config = load_config(str(folder))  # refuses a model that needs its own code
+    tokenizer = load_hf_tokenizer(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
+                                                 trust_remote_code=False).to(device).eval()
+    return model, tokenizer
+
+
+def load_reward(path: str | Path, device: Any) -> tuple[Any, Any]:
+    """The step-2 reward model (strict load: body + value head) and its tokenizer."""
+    folder = check_reward_folder(path)
+    tokenizer = load_hf_tokenizer(str(folder))
+    model = create_critic_model(str(folder), tokenizer, None, rlhf_training=True)
+    return model.to(device).eval(), tokenizer
+
+
+def empty_cache(device: Any) -> None:
+    """Give the memory of deleted models back to the GPU (nothing to do on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def _pad(rows: Sequence[Sequence[int]], pad_id: int, left: bool) -> tuple[Any, Any]:
+    """(ids, attention_mask) tensors, padded on the left (generation) or right (scoring)."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if not row:
+            continue
+        sl = slice(width - len(row), width) if left else slice(0, len(row))
+        ids[i, sl] = torch.tensor(row, dtype=torch.long)
+        mask[i, sl] = 1
+    return ids, mask
+
+
+# -------------------------------------------------------------------------------------------------
+# Generation, log-probs, reward scores
+# -------------------------------------------------------------------------------------------------
+@dataclass
+class Samples:
+    """One actor's answers. ``response_ids`` stop at (and include) the first EOS."""
+
+    prompts: list[str]
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    texts: list[str]
+    ended: list[bool]  # the answer ended with EOS (not cut at max_new_tokens)
+
+
+def generate(model: Any, tokenizer: Any, prompts: Sequence[str], settings: EvalSettings) -> Samples:
+    """Answer every prompt with ``settings``' decoding, seeded so both actors see the same randomness."""
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    config = GenerationConfig(
+        max_new_tokens=settings.max_new_tokens,
+        do_sample=settings.do_sample,
+        temperature=settings.temperature if settings.do_sample else None,
+        top_k=settings.top_k if settings.do_sample else None,
+        top_p=settings.top_p if settings.do_sample else None,
+        eos_token_id=eos,
+        pad_token_id=pad,
+    )
+    device = next(model.parameters()).device
+    torch.manual_seed(settings.seed)  # the same random stream for every actor evaluated
+    out = Samples([], [], [], [], [])
+    for chunk in _batches(list(prompts), settings.batch_size):
+        # Phase-3 prompts are tokenised without truncation (dschat.data.prompt_dataset) and left-padded.
+        rows = [tokenizer(p)["input_ids"] for p in chunk]
+        ids, mask = _pad(rows, pad, left=True)
+        with torch.no_grad():
+            generated = model.generate(
+                input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config
+            )
+        for prompt, row, gen in zip(chunk, rows, generated[:, ids.shape[1]:].tolist()):
+            answer: list[int] = []
+            ended = False
+            for token in gen:
+                answer.append(token)
+                if token == eos:
+                    ended = True
+                    break
+            if not ended:  # drop right padding after an early stop of other rows
+                while answer and answer[-1] == pad and pad != eos:
+                    answer.pop()
+            out.prompts.append(prompt)
+            out.prompt_ids.append(list(row))
+            out.response_ids.append(answer)
+            out.texts.append(tokenizer.decode(answer, skip_special_tokens=True))
+            out.ended.append(ended)
+    return out
+
+
+def response_logprobs(model: Any, samples: Samples, batch_size: int, pad_id: int) -> list[list[float]]:
+    """log pi(a_t | prefix) of every answer token of ``samples`` under ``model``."""
+
+    device = next(model.parameters()).device
+    result: list[list[float]] = []
+    pairs = list(zip(samples.prompt_ids, samples.response_ids))
+    for chunk in _batches(pairs, batch_size):
+        rows = [p + r for p, r in chunk]
+        ids, mask = _pad(rows, pad_id, left=False)
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.no_grad():
+            # Right padding: the default positions 0..len-1 are the real ones (no position_ids,
+            # which some families' forward does not take).
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            logp = gather_log_probs(logits[:, :-1].float(), ids[:, 1:])  # (B, T-1): logp of token t+1
+        for i, (prompt, answer) in enumerate(chunk):
+            start = len(prompt) - 1  # position predicting the first answer token
+            result.append(logp[i, start : start + len(answer)].tolist())
+    return result
+
+
+def reward_scores(
+    reward_model: Any, reward_tokenizer: Any, samples: Samples, actor_tokenizer: Any, batch_size: int
+) -> list[float]:
+    """The reward model's end score of each (prompt, answer), scored on the generated token ids as
+    step 3 does when the tokenizers agree, else on the re-tokenised text."""
+    same_vocab = reward_tokenizer.get_vocab() == actor_tokenizer.get_vocab()
+    rows = []
+    for prompt, p_ids, r_ids, text, ended in zip(
+        samples.prompts, samples.prompt_ids, samples.response_ids, samples.texts, samples.ended
+    ):
+        if same_vocab:
+            rows.append(p_ids + r_ids)
+        else:
+            suffix = reward_tokenizer.eos_token if ended and reward_tokenizer.eos_token else ""
+            rows.append(reward_tokenizer(prompt + text + suffix)["input_ids"])
+    return score_sequences(reward_model, rows, reward_tokenizer.pad_token_id, batch_size)
+
+
+def score_sequences(reward_model: Any, rows: Sequence[Sequence[int]], pad_id: int, batch_size: int) -> list[float]:
+    """End score (value at the last real token) of each token sequence."""
+
+    device = next(reward_model.parameters()).device
+    scores: list[float] = []
+    for chunk in _batches(list(rows), batch_size):
+        ids, mask = _pad(chunk, pad_id, left=False)
+        ids, mask = ids.to(device), mask.to(device)
+        with torch.no_grad():
+            values = reward_model.forward_value(input_ids=ids, attention_mask=mask, return_value_only=True)
+        end = last_token_index(mask)
+        scores += values.float().gather(1, end.unsqueeze(1)).squeeze(1).tolist()
+    return scores
+
+
+def pairwise_accuracy(
+    reward_model: Any, tokenizer: Any, pairs: Sequence[dict], settings: EvalSettings
+) -> dict[str, float | int]:
+    """Held-out accuracy of the reward model, with the gold judge deciding which answer is better.
+
+    Texts are built as step 2 builds them: ``prompt + answer + EOS`` (dschat's default end of
+    conversation), truncated at ``max_seq_len``. Pairs the judge scores equal are skipped.
+    """
+    texts, labels, agree = [], [], 0
+    for row in pairs:
+        gold_c, gold_r = gold_score(row["prompt"], row["chosen"]), gold_score(row["prompt"], row["rejected"])
+        if gold_c == gold_r:
+            continue
+        agree += gold_c > gold_r
+        labels.append(gold_c > gold_r)  # True: the dataset's "chosen" is the judge's better answer
+        eot = tokenizer.eos_token or ""
+        for answer in (row["chosen"], row["rejected"]):
+            texts.append(tokenizer(row["prompt"] + answer + eot, max_length=settings.max_seq_len, truncation=True)["input_ids"])
+    if not labels:
+        raise UserError("no held-out pair has distinct gold-judge scores; nothing to measure the reward model on")
+    scores = score_sequences(reward_model, texts, tokenizer.pad_token_id, settings.batch_size)
+    chosen, rejected = scores[0::2], scores[1::2]
+    correct = sum((c > r) == label for c, r, label in zip(chosen, rejected, labels))
+    return {
+        "heldout_accuracy_vs_gold": correct / len(labels),
+        "n_pairs": len(labels),
+        "dataset_labels_agree_with_gold": agree / len(labels),
+        "mean_chosen_score": statistics.fmean(chosen),
+        "mean_rejected_score": statistics.fmean(rejected),
+    }
+
+
+def pearson(xs: Sequence[float], ys: Sequence[float]) -> float | None:
+    """Pearson correlation of two equal-length samples (``statistics.correlation``); ``None`` when it
+    is undefined (fewer than two points, or either sample constant)."""
+    if len(xs) != len(ys):
+        raise ValueError(f"pearson: {len(xs)} against {len(ys)} values")
+    try:
+        return statistics.correlation(xs, ys)
+    except statistics.StatisticsError:
+        return None
