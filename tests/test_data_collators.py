@@ -1,4 +1,4 @@
-"""Collators, the left-padding flip trick and MiniDataset, against tensors written out by hand."""
+"""Collators, the left-padding flip trick and RolloutBuffer (upstream's MiniDataset), against tensors written out by hand."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, MiniDataset, set_epoch_if_distributed
+from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, MiniDataset, RolloutBuffer, set_epoch_if_distributed
 from dschat.data.prompt_dataset import PairItem, PromptDataset, PromptItem, TokenRows
 from test_data_common import make_tokenizer
 
@@ -60,7 +60,8 @@ class Exp(NamedTuple):
 
 
 def test_mini_dataset_splits_every_kind_of_batch():
-    mini = MiniDataset(max_size=2, small_batch_size=2)
+    assert MiniDataset is RolloutBuffer  # upstream's name still works
+    mini = RolloutBuffer(max_size=2, small_batch_size=2)
     first = {"x": T([0, 1, 2]), "y": T([[0], [1], [2]])}
     assert mini.add(first) is None
     out = mini.add({"x": T([3, 4]), "y": T([[3], [4]])})
@@ -69,7 +70,7 @@ def test_mini_dataset_splits_every_kind_of_batch():
     assert [o["y"].tolist() for o in out] == [[[0], [1]], [[2]], [[3], [4]]]
     assert mini.dataset == []  # freed
 
-    mini = MiniDataset(1, 2)
+    mini = RolloutBuffer(1, 2)
     out = mini.add([T([1, 2, 3]), T([4, 5, 6])])  # list -> per-element slices
     assert [[t.tolist() for t in o] for o in out] == [[[1, 2], [4, 5]], [[3], [6]]]
     out = mini.add((T([1, 2, 3]),))  # tuple -> list, as upstream
@@ -78,7 +79,7 @@ def test_mini_dataset_splits_every_kind_of_batch():
     assert isinstance(out[0], Exp) and out[0].a.tolist() == [1, 2] and out[1].b.tolist() == [6]
     out = mini.add(T([[1], [2], [3]]))  # tensor
     assert [o.tolist() for o in out] == [[[1], [2]], [[3]]]
-    out = MiniDataset(1, 2).add([[None] * 4])  # step 3 without ptx adds [[None] * batch]
+    out = RolloutBuffer(1, 2).add([[None] * 4])  # step 3 without ptx adds [[None] * batch]
     assert out == [[[None, None]], [[None, None]]]
 
 

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
-__all__ = ["DataCollatorReward", "DataCollatorRLHF", "MiniDataset", "drop_padding_columns", "set_epoch_if_distributed"]
+__all__ = [
+    "DataCollatorReward", "DataCollatorRLHF", "RolloutBuffer", "MiniDataset", "drop_padding_columns", "set_epoch_if_distributed",
+]
 
 
 class DataCollatorReward:
@@ -73,8 +75,9 @@ def _batch_size(batch: Any) -> int:
     return len(batch)
 
 
-class MiniDataset:
-    """Collects ``max_size`` large batches, then splits them into ``small_batch_size`` pieces.
+class RolloutBuffer:
+    """Holds the generation batches of one rollout (``max_size`` of them), then splits them into
+    micro-batches of ``small_batch_size`` rows (upstream's ``MiniDataset``).
 
     Step 3 gathers ``generation_batches`` rollouts, then trains on micro-batches of
     ``per_device_training_batch_size``. A large batch may be a dict (per key), a list/tuple (per
@@ -110,6 +113,10 @@ class MiniDataset:
 
     def free(self) -> None:
         self.dataset = []
+
+
+#: Upstream's name (``utils/data/data_utils.py``).
+MiniDataset = RolloutBuffer
 
 
 def set_epoch_if_distributed(loader_or_sampler: Any, epoch: int) -> bool:
