@@ -37,7 +37,7 @@ setup(
         "numpy>=1.24",  # dschat (data splits, checkpointed random states)
         "filelock>=3.20.1",  # dschat (data cache, tiny/embedded model builds); no symlink truncation of the lock path (CVE-2025-68146)
         "tensorboard>=2.14",  # torch.utils.tensorboard, which dschat uses for --enable_tensorboard
-        "matplotlib>=3.7",  # dschat (dschat/eval/report.py: the report's plot)
+        "matplotlib>=3.7",  # dschat (dschat/eval/plots.py: the report's figures)
     ],
     extras_require={
         "test": ["pytest>=8"],
