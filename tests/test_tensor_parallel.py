@@ -13,6 +13,7 @@ import transformers as T
 from test_decoder_model import EOS, FAMILIES, PAD, _model, _prompts, tiny_config
 
 from dschat.errors import UserError
+from dschat.runtime import dist
 from dschat.models.decoder.tensor_parallel import (
     ShardedDecodeModel,
     combine_greedy_stats,
@@ -289,3 +290,19 @@ def test_summary_line_names_the_tp_degree():
 def test_a_sharded_model_refuses_heads_that_do_not_split():
     with pytest.raises(ValueError, match="do not divide by 3"):
         ShardedDecodeModel(tiny_config("llama"), ThreadGroup(_Meeting(3), 0))
+
+
+def test_groups_are_contiguous_ranks_on_one_host(monkeypatch):
+    made = []
+    monkeypatch.setattr(dist, "get_world_size", lambda: 4)
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    monkeypatch.setattr(dist.torch.distributed, "new_group", lambda ranks: made.append(ranks) or f"pg{ranks}")
+    monkeypatch.setattr(dist, "gather_hosts", lambda: ["a", "a", "b", "b"])
+    group = dist.tensor_parallel_group(2)
+    assert made == [[0, 1], [2, 3]]  # every rank makes every group, in the same order
+    assert (group.size, group.index, group.ranks, group.group) == (2, 1, (2, 3), "pg[2, 3]")
+    monkeypatch.setattr(dist, "gather_hosts", lambda: ["a", "b", "b", "b"])
+    with pytest.raises(UserError, match=r"ranks 0-1 span hosts \['a', 'b'\].*a multiple of 2 ranks"):
+        dist.tensor_parallel_group(2)
+    with pytest.raises(UserError, match="does not divide the world size 4"):
+        dist.tensor_parallel_group(3)
