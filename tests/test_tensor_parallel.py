@@ -5,6 +5,7 @@ every family's tiny random config. Real ranks (gloo, ZeRO-3, LoRA) are in test_t
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -13,9 +14,11 @@ import transformers as T
 from test_decoder_model import EOS, FAMILIES, PAD, _model, _prompts, tiny_config
 
 from dschat.errors import UserError
+from dschat.models.decoder import decoder_spec
 from dschat.runtime import dist
 from dschat.models.decoder.tensor_parallel import (
     ShardedDecodeModel,
+    ShardedInferenceWeights,
     combine_greedy_stats,
     greedy_shard_stats,
     padded_vocab,
@@ -306,3 +309,19 @@ def test_groups_are_contiguous_ranks_on_one_host(monkeypatch):
         dist.tensor_parallel_group(2)
     with pytest.raises(UserError, match="does not divide the world size 4"):
         dist.tensor_parallel_group(3)
+
+
+def test_tp_gather_partition_size_sets_the_layers_gathered_at_a_time():
+    """--tp_gather_partition_size: the refresh asks for the top weights, then that many layers at once."""
+    config = tiny_config("opt")
+    config.num_hidden_layers = 5
+    model = T.AutoModelForCausalLM.from_config(config)
+    asked: list[int] = []
+
+    def gather(modules):
+        asked.append(len(modules))
+        return nullcontext()
+
+    weights = ShardedInferenceWeights(decoder_spec(config), 2, 0)
+    weights.refresh(model, torch.float32, torch.device("cpu"), gather, layers_per_gather=2)
+    assert asked[1:] == [2, 2, 1] and len(weights.layers) == 5  # after the embeddings, norms and head
