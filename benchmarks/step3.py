@@ -43,12 +43,14 @@ import os
 import platform
 import resource
 import shlex
+import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -80,7 +82,7 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
                                       "original_max_position_embeddings": 8192}),
 }
 
-MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs", "ours-he")
+MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs", "ours-he", "ours-tp")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -103,8 +105,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "per layer and token, which also means HF generate instead of dschat's loop; "
                         "ours-no-graphs: --generation_loop dschat), or ours with --generation_loop graphs "
                         "(ours-graphs), or ours decoding with dschat's Hybrid Engine (ours-he, what "
-                        "--enable_hybrid_engine selects). With two modes a last column gives the second's "
+                        "--enable_hybrid_engine selects), or ours-he over tensor-parallel groups of "
+                        "--inference_tp_size ranks (ours-tp). With two modes a last column gives the second's "
                         "speed-up over the first")
+    p.add_argument("--inference_tp_size", type=int, default=1,
+                   help="--inference_tp_size for the ours-tp mode: launch the benchmark on N x k ranks "
+                        "(deepspeed --num_gpus ...); needs --zero_stage 3 and --hybrid_engine. The other modes "
+                        "decode with TP degree 1 on the same ranks")
     p.add_argument("--release_inference_cache", action="store_true",
                    help="--release_inference_cache for ours: dschat's Hybrid Engine frees its KV cache and weight "
                         "copy after each rollout")
@@ -116,6 +123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="answers per prompt (--num_generations); must divide --batch")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (ranks read LOCAL_RANK)")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
@@ -123,6 +131,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.modes = modes
     if min(args.prompt_len, args.answer_len, args.batch, args.steps) < 1 or args.warmup < 0:
         p.error("--prompt_len, --answer_len, --batch and --steps must be >= 1, --warmup >= 0")
+    if ("ours-tp" in modes) != (args.inference_tp_size > 1) or (args.inference_tp_size > 1 and (
+            args.zero_stage != 3 or not args.hybrid_engine)):
+        p.error("--modes ours-tp and --inference_tp_size N > 1 go together, with --zero_stage 3 and --hybrid_engine")
     if args.num_generations < 1 or args.batch % args.num_generations:
         p.error(f"--num_generations {args.num_generations} must divide --batch {args.batch}")
     return args
@@ -257,12 +268,15 @@ def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> l
     return out
 
 
-def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "auto", dschat_he: bool = False) -> None:
+def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "auto", dschat_he: bool = False,
+              tp_size: int = 1) -> None:
     """Set the generator's fast paths for ``mode``; ``dschat_he``: plain ``ours`` was asked for dschat's
-    Hybrid Engine (``--hybrid_engine``), which ``ours-he`` always takes."""
+    Hybrid Engine (``--hybrid_engine``), which ``ours-he`` and ``ours-tp`` (over groups of ``tp_size``
+    ranks) always take."""
     ours = mode.startswith("ours")  # ours, or ours without one fast path (an ablation)
     gen = trainer.generator
-    gen.use_dschat_engine = mode == "ours-he" or (mode == "ours" and dschat_he)
+    gen.use_dschat_engine = mode in ("ours-he", "ours-tp") or (mode == "ours" and dschat_he)
+    gen.inference_tp_size = tp_size if mode == "ours-tp" else 1
     trainer.reuse_rollout_logprobs = ours
     gen.keep_logprobs = ours
     gen.fuse_lora = ours and mode != "ours-no-fuse"
@@ -275,10 +289,10 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
 
 
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
-             he_available: bool, ours_loop: str = "auto", dschat_he: bool = False) -> ModeResult:
+             he_available: bool, ours_loop: str = "auto", dschat_he: bool = False, tp_size: int = 1) -> ModeResult:
     from dschat.data.collators import drop_padding_columns
 
-    configure(trainer, mode, he_available, ours_loop, dschat_he)
+    configure(trainer, mode, he_available, ours_loop, dschat_he, tp_size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -404,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-    from dschat.runtime.dist import init_distributed
+    from dschat.runtime.dist import barrier, init_distributed
     from dschat.runtime.perf import bytes_per_parameter, checkpoint_activations_factor, count_parameters
 
     import importlib.util
@@ -419,10 +433,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     on_gpu = get_accelerator().device_name() != "cpu"
     dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory(prefix="dschat-bench-") as tmp:
-        tmp_path = Path(tmp)
+    with shared_temporary_directory(info.rank, info.world_size) as tmp_path:
         actor = materialise(args.actor, tmp_path)
         critic = critic_folder(materialise(args.critic or args.actor, tmp_path), tmp_path)
+        barrier()  # rank 0 wrote the folders
         argv_step3 = [
             "--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
             "--data_path", "dschat/builtin", "--data_output_path", str(tmp_path / "data"),
@@ -445,6 +459,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             argv_step3.append("--enable_hybrid_engine")
         if args.release_inference_cache:
             argv_step3.append("--release_inference_cache")
+        argv_step3 += ["--inference_tp_size", str(args.inference_tp_size)]
         sargs = step3.parse_args(argv_step3)
         tokenizer = load_hf_tokenizer(actor)
         engine = DeepSpeedRLHFEngine(actor, critic, tokenizer, sargs, num_total_iters=10_000,
@@ -460,7 +475,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
 
         results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
-                            args.ours_generation_loop, dschat_he) for mode in args.modes]
+                            args.ours_generation_loop, dschat_he, args.inference_tp_size) for mode in args.modes]
         he_engine = trainer.generator.engine
         actor_module = engine.actor.module
         critic_module = engine.critic.module if engine.critic is not None else None
@@ -474,12 +489,16 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                            actor_factor=actor_factor, critic_factor=critic_factor) for r in results]
 
     device_name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
-    command = "python benchmarks/step3.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    given = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--local_rank")]
+    launcher = f"deepspeed --num_gpus {info.world_size} " if info.world_size > 1 else "python "
+    command = f"{launcher}benchmarks/step3.py " + " ".join(shlex.quote(a) for a in given)
     lines = [
         f"### step 3, {datetime.date.today().isoformat()}: {args.actor} actor, {args.critic or args.actor} critic, "
         f"{args.batch} x ({args.prompt_len} + {args.answer_len}), ZeRO-{args.zero_stage}, {dtype}"
         + (f", LoRA {args.lora_dim}" if args.lora_dim else "") + (", Hybrid Engine requested" if args.hybrid_engine else "")
-        + (f", algorithm {args.algorithm} (K = {args.num_generations}, no critic)" if args.algorithm != "ppo" else ""),
+        + (f", algorithm {args.algorithm} (K = {args.num_generations}, no critic)" if args.algorithm != "ppo" else "")
+        + (f", inference TP {args.inference_tp_size} over {info.world_size} ranks (per-rank figures)"
+           if args.inference_tp_size > 1 else ""),
         "",
         f"- device: {device_name}; {versions()}",
         f"- command: `{command}`",
@@ -491,7 +510,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         f"- memory: {results[0].memory_note}",
         *([f"- dschat Hybrid Engine: {he_engine.rollouts} rollouts, compiles per rollout "
            f"{he_engine.compiles_per_rollout or 'n/a (eager)'}, CUDA graphs captured {he_engine.captures}, weight "
-           f"buffers allocated {he_engine.weight_allocations}x, KV cache {he_engine.cache_allocations}x"
+           f"buffers allocated {he_engine.weight_allocations}x, KV cache {he_engine.cache_allocations}x, "
+           f"TP degree {he_engine.tp_size} (the last mode's engine)"
            + (", --release_inference_cache" if args.release_inference_cache else "")] if he_engine else []),
         "",
         *table(results, metrics, peaks),
@@ -501,6 +521,27 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     if args.results and info.rank == 0:
         append_results(Path(args.results), lines)
     return lines
+
+
+@contextmanager
+def shared_temporary_directory(rank: int, world_size: int) -> Iterator[Path]:
+    """A new private folder that every rank sees (rank 0 makes it, the others learn its name through
+    a collective: no pickles), removed by rank 0 when all are done. One rank: a TemporaryDirectory."""
+    from dschat.runtime.dist import barrier, gather_ints
+
+    if world_size == 1:
+        with tempfile.TemporaryDirectory(prefix="dschat-bench-") as tmp:
+            yield Path(tmp)
+        return
+    name = tempfile.mkdtemp(prefix="dschat-bench-").encode() if rank == 0 else b""
+    table = gather_ints(list(name.ljust(4096, b"\0")))
+    path = Path(bytes(table[0]).rstrip(b"\0").decode())
+    try:
+        yield path
+    finally:
+        barrier()
+        if rank == 0:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def append_results(path: Path, lines: Sequence[str]) -> None:

@@ -214,3 +214,21 @@ def test_decode_benchmark_compares_dschats_loop_with_its_hybrid_engine(tmp_path)
     assert any(line.endswith("greedy tokens of the two modes equal") for line in lines)
     assert [line.split(" |")[0] for line in lines if line.startswith(("| loop", "| engine"))] == ["| loop", "| engine"]
     assert "command: `python benchmarks/decode.py --model tiny-llama" in results.read_text()
+
+
+def test_step3_tp_mode_decodes_over_the_group_and_needs_its_flags():
+    """``ours-tp``: dschat's Hybrid Engine over --inference_tp_size ranks; the other modes at TP 1. (A
+    2-rank CPU run of it is recorded in benchmarks/results.md.)"""
+    bench = _load("step3")
+    gen = SimpleNamespace()
+    trainer = SimpleNamespace(generator=gen)
+    bench.configure(trainer, "ours-tp", False, tp_size=2)
+    assert gen.use_dschat_engine and gen.inference_tp_size == 2
+    bench.configure(trainer, "ours-he", False, tp_size=2)
+    assert gen.use_dschat_engine and gen.inference_tp_size == 1
+    flags = ["--zero_stage", "3", "--hybrid_engine"]
+    assert bench.parse_args(["--modes", "ours-he,ours-tp", "--inference_tp_size", "2", *flags]).inference_tp_size == 2
+    for bad in (["--modes", "ours-tp", *flags], ["--modes", "ours-tp", "--inference_tp_size", "2", "--hybrid_engine"],
+                ["--modes", "ours-he", "--inference_tp_size", "2", *flags]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

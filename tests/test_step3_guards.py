@@ -148,6 +148,8 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, critic_dirs,
           "--per_device_training_batch_size", "4"], "does not split into micro-batches"),
         (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"]), "--inference_tp_size", "2"],
          "needs --actor_zero_stage 3"),
+        (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"]), "--inference_tp_size", "2",
+          "--actor_zero_stage", "3", "--enable_hybrid_engine"], "does not divide the world size 1"),
     ]
     for extra, message in cases:
         proc = _run_cli(common + extra, tmp_path)

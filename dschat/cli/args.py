@@ -496,10 +496,13 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "preparation slower but might increase e2e throughput by using larger batch size.")
     group.add_argument("--inference_tp_size", type=int, default=1,
                        help="Tensor-parallelism degree used for the inference-optimization. Please note "
-                            "hybrid-engine need to be enabled when using this feature.")
+                            "hybrid-engine need to be enabled when using this feature. dschat: its Hybrid Engine "
+                            "decodes over groups of this many contiguous ranks of one node (actor ZeRO-3), each "
+                            "holding 1/N of the weights; docs/inference_tensor_parallel.md.")
     group.add_argument("--tp_gather_partition_size", type=int, default=8,
                        help="Granularity to bring in layers for TP sharding inside the hybrid engine. Please "
-                            "note hybrid-engine and tp_inference_size > 1 need to be true when using this feature.")
+                            "note hybrid-engine and tp_inference_size > 1 need to be true when using this feature. "
+                            "dschat: ZeRO-3 layers gathered at a time while each rank copies out its shard.")
     group.add_argument("--zero3_gather_for_generation", type=str, default="auto", choices=("auto", "on", "off"),
                        help="(dschat) Actor under ZeRO-3 without the Hybrid Engine: gather all its parameters "
                             "once per rollout instead of layer by layer for every generated token. 'auto' "

@@ -33,6 +33,9 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
+from transformers import DynamicCache, GenerationConfig
+
+from dschat.models.lora import LinearLayer_LoRA
 
 
 __all__ = ["DecodingSettings", "Rollout", "generated_token_logprobs", "loop_rollout", "draw", "next_token_scores", "onednn_decode_linears",
@@ -74,8 +77,6 @@ class DecodingSettings:
         answers were drawn from ``softmax(logits / temperature)`` with top-k / top-p only, which is what
         dschat's own loop (:func:`dschat.rlhf.decoding.sample_loop`) draws from and what the log-probs
         are computed under."""
-        from transformers import GenerationConfig
-
         ids = {name: getattr(model_config, name, None)
                for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id")}
         return GenerationConfig(**{k: v for k, v in ids.items() if v is not None}, **self.generate_kwargs())
@@ -135,8 +136,6 @@ def onednn_decode_supported(module: nn.Module) -> str | None:
 
 def _decode_linear_layers(module: nn.Module) -> list[nn.Module]:
     """The layers whose forward is exactly ``F.linear(x, weight, bias)`` with materialised weights."""
-    from dschat.models.lora import LinearLayer_LoRA
-
     layers = []
     for m in module.modules():
         # Exactly nn.Linear: subclasses (bitsandbytes' 4-bit Linear, ...) have their own forward.
@@ -256,8 +255,6 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
     of the tokens under ``logits / decoding.logit_temperature`` (what :func:`generated_token_logprobs`
     computes from generate's logits).
     """
-    from transformers import DynamicCache
-
     B, P = prompts.shape
     accepted = _forward_kwargs(module)
     mask = mask.to(prompts.device)

@@ -58,20 +58,28 @@ Each fast path is an attribute of :class:`RolloutGenerator` (``keep_logprobs``, 
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator
 
+import psutil
 import torch
+import transformers
+from transformers import CompileConfig
 
 from dschat.errors import first_line
-from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them
 from dschat.models.decoder import unsupported_reason
+from dschat.models.families import family_of
+from dschat.models.lora import LinearLayer_LoRA
+from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them
 from dschat.rlhf.decoding import DecodingSettings, Rollout, generated_token_logprobs
 from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine, rollout_summary_line
-from dschat.runtime.dist import print_rank_0
+from dschat.rlhf.tensor_parallel import TensorParallelHybridEngine, materialised_part
+from dschat.runtime.dist import TensorParallelGroup, print_rank_0, tensor_parallel_group
 from dschat.runtime.zero3 import full_parameter_bytes as zero3_full_parameter_bytes
-from dschat.runtime.zero3 import gathered_without_hooks, parameter_offload
+from dschat.runtime.zero3 import gathered_without_hooks, parameter_offload, release_zero3_prefetch
 
 __all__ = [
     "HybridEngineDecision",
@@ -99,8 +107,6 @@ def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -
     Hybrid Engine only where it can work: a CUDA accelerator and a model family with an inference
     container (DeepSpeed's HE kernels are CUDA-only; other families crash or produce gibberish under
     HE, DSE #821/#864, DeepSpeed #4954)."""
-    from dschat.models.families import family_of
-
     if not requested:
         return HybridEngineDecision(False, False)
     why_not_dschat = unsupported_reason(model_config)
@@ -119,8 +125,6 @@ def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -
             f"{model_type!r}; generating with the actor module's own generate()"))
     layer = cache_object_decoder_layer(model_type)
     if layer is not None:
-        import transformers
-
         return HybridEngineDecision(True, False, (
             f"{not_ours}DeepSpeed's inference layers keep the legacy tuple KV cache, and "
             f"transformers {transformers.__version__}'s {layer} passes Cache objects (DeepSpeed itself keeps "
@@ -140,15 +144,10 @@ def cache_object_decoder_layer(model_type: str) -> str | None:
     failed with a shape error or aborted the whole process inside ``softmax_context``, which no
     fallback can catch. Hence this check is made before the engine is built.
     """
-    import importlib
-    import inspect
-
     try:
         modeling = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
     except ImportError:
         return None
-    import transformers
-
     layers = [cls for name, cls in vars(modeling).items()
               if inspect.isclass(cls) and issubclass(cls, torch.nn.Module) and cls.__module__ == modeling.__name__
               and name.endswith(("DecoderLayer", "Layer", "Block"))]
@@ -175,8 +174,6 @@ def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    import psutil
-
     return int(psutil.virtual_memory().available)
 
 
@@ -200,6 +197,8 @@ class RolloutGenerator:
         generation_loop: str = "auto",
         cpu_decode_linear: str = "onednn",
         release_inference_cache: bool = False,
+        inference_tp_size: int = 1,
+        tp_gather_partition_size: int = 8,
     ) -> None:
         self.actor = actor
         self.tokenizer = tokenizer
@@ -241,6 +240,12 @@ class RolloutGenerator:
         self.release_inference_cache = release_inference_cache  # free its KV cache and weight buffers after each rollout
         self.engine: DschatHybridEngine | None = None
         self._summary_said = False
+        # --inference_tp_size N: dschat's Hybrid Engine decodes over groups of N ranks (dschat.rlhf.tensor_parallel),
+        # gathering --tp_gather_partition_size ZeRO-3 layers at a time. The groups are made here (collective).
+        self.inference_tp_size = inference_tp_size
+        self.tp_gather_partition_size = tp_gather_partition_size
+        self.tp_group: TensorParallelGroup | None = (tensor_parallel_group(inference_tp_size)
+                                                     if inference_tp_size > 1 else None)
 
     # ------------------------------------------------------------------ logging once
     def _say_once(self, message: str) -> None:
@@ -276,8 +281,6 @@ class RolloutGenerator:
 
     # ------------------------------------------------------------------ generation
     def _lora_layers(self) -> list[Any]:
-        from dschat.models.lora import LinearLayer_LoRA
-
         return [m for m in self.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
 
     def _layers_to_fuse(self, materialised: bool) -> list[Any]:
@@ -396,8 +399,6 @@ class RolloutGenerator:
         of ``graph_prompt_multiple`` so the cache, and with it the captured graph, keeps one shape
         from rollout to rollout (the trimmed prompt width varies); the extra columns are padding
         (masked, position ids from the mask), and are cut off again before returning."""
-        from transformers import CompileConfig
-
         if self._graph_compile_config is None:  # one object: generate recompiles when the config changes
             self._graph_compile_config = CompileConfig(mode="reduce-overhead")
             if "cpu" in self.graph_devices:
@@ -494,7 +495,7 @@ class RolloutGenerator:
         """None when dschat's Hybrid Engine can decode this rollout, else why not (one line)."""
         if set(self.extra_generate_kwargs) - {"min_new_tokens"}:
             return f"{sorted(self.extra_generate_kwargs)} need Hugging Face generate()"
-        if self.zero_stage == 3 and not self._should_gather():
+        if self.zero_stage == 3 and not self._tensor_parallel() and not self._should_gather():
             return ("the actor's ZeRO-3 weights are fetched layer by layer (the full model does not fit in half "
                     "the free memory, or --zero3_gather_for_generation off), so no inference copy fits either")
         if any(layer.is_quantized for layer in self._lora_layers()):
@@ -515,17 +516,33 @@ class RolloutGenerator:
                 for layer in layers:
                     layer.unfuse_lora_weight()
 
+    def _tensor_parallel(self) -> bool:
+        """Whether this rollout decodes over the tensor-parallel group (``inference_tp_size`` > 1)."""
+        return self.tp_group is not None and self.inference_tp_size > 1
+
     def _engine_rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
         module = self.actor.module
-        if self.engine is None:
+        min_new_tokens = int(self.extra_generate_kwargs.get("min_new_tokens", 0))
+        if self._tensor_parallel():
+            if not isinstance(self.engine, TensorParallelHybridEngine):
+                self.engine = TensorParallelHybridEngine(
+                    module.config, self.tp_group, layers_per_gather=self.tp_gather_partition_size,
+                    decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
+                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                    release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
+            self.last_loop = "dschat-he"
+            if self.zero_stage == 3:
+                release_zero3_prefetch(self.actor)  # nothing may still be in flight when gathering outside a forward
+            return self.engine.rollout(module, prompts, mask, gather=materialised_part,
+                                       min_new_tokens=min_new_tokens, keep_logprobs=self.keep_logprobs)
+        if self.engine is None or isinstance(self.engine, TensorParallelHybridEngine):
             self.engine = DschatHybridEngine(
                 module.config, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                 release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
         self.last_loop = "dschat-he"
         return self.engine.rollout(module, prompts, mask, materialise=self._materialised(),
-                                   min_new_tokens=int(self.extra_generate_kwargs.get("min_new_tokens", 0)),
-                                   keep_logprobs=self.keep_logprobs)
+                                   min_new_tokens=min_new_tokens, keep_logprobs=self.keep_logprobs)
 
     def _auto_engine(self) -> bool:
         """``--generation_loop auto`` takes dschat's Hybrid Engine: a device in ``auto_engine_devices``

@@ -110,6 +110,7 @@ class DeepSpeedRLHFEngine:
         from dschat.models.build import aligned_vocab_rows
         from dschat.models.registry import load_config, resolve_model_path
         from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator, decide_hybrid_engine
+        from dschat.rlhf.tensor_parallel import check_inference_tp
         from dschat.runtime.ds_config import resolve_dtype
 
         self.args = args
@@ -128,6 +129,7 @@ class DeepSpeedRLHFEngine:
             print(note, flush=True)
         self.hybrid_engine = decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
                                                   get_accelerator().device_name())
+        check_inference_tp(args.inference_tp_size, actor_config, self.world_size, args.enable_hybrid_engine)
 
         self.actor = self._init_actor(actor_model_name_or_path)
         self.ref = self._init_ref(actor_model_name_or_path)
@@ -146,6 +148,7 @@ class DeepSpeedRLHFEngine:
             generation_loop=step3_flag(args, "generation_loop"),
             cpu_decode_linear=step3_flag(args, "cpu_decode_linear"),
             release_inference_cache=args.release_inference_cache,
+            inference_tp_size=args.inference_tp_size, tp_gather_partition_size=args.tp_gather_partition_size,
         )
 
     # ------------------------------------------------------------------ helpers

@@ -45,18 +45,21 @@ _MODULE_PATHS = {"graphs": "graphs (Hugging Face generate, static KV cache, CUDA
 
 def rollout_summary_line(loop: str | None, engine: "DschatHybridEngine | None", module: nn.Module) -> str:
     """One line naming what decoded a rollout (``loop``: ``RolloutGenerator.last_loop``): the engine,
-    the layout, the dtype and the inference tensor-parallel degree (1: each rank decodes its own prompts)."""
+    the layout, the dtype and the inference tensor-parallel degree (1: each rank decodes its own prompts;
+    N: groups of N ranks decode their prompts together, each holding 1/N of the weights)."""
     param = next(module.parameters())
+    degree = 1
     if loop == "dschat-he" and engine is not None:
-        what = engine.summary(param.dtype, param.device)
+        what, degree = engine.summary(param.dtype, param.device), engine.tp_size
     else:
         what = (f"{_MODULE_PATHS.get(loop or '', str(loop))}, layout {getattr(module.config, 'model_type', '?')} "
                 f"(the training module's), dtype {str(param.dtype).replace('torch.', '')}")
-    return f"Rollouts: {what}, inference TP degree 1"
+    return f"Rollouts: {what}, inference TP degree {degree}"
 
 
 def _cuda_graph_count(device: torch.device) -> int:
     """CUDA graphs recorded so far on ``device`` by torch.compile's graph trees (0 if none)."""
+    # lazy: torch._inductor costs 2.5 s at import (measured on this project's CPU), and only CUDA runs need it
     from torch._inductor import cudagraph_trees
 
     manager = cudagraph_trees.get_manager(device.index or 0, create_if_none_exists=False)
@@ -72,7 +75,7 @@ class DschatHybridEngine:
     def __init__(self, config: Any, *, decoding: DecodingSettings, max_new_tokens: int, eos_token_id: int,
                  pad_token_id: int, release_cache: bool = False, cpu_decode_linear: str = "onednn",
                  compile_step: bool | None = None, cache_multiple: int = 64) -> None:
-        self.model = DecodeModel(config)
+        self.model = self._decode_model(config)
         self.decoding = decoding
         self.max_new_tokens = max_new_tokens
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
@@ -89,6 +92,11 @@ class DschatHybridEngine:
         self.captures = 0  # CUDA graphs recorded during them
         self.cache_allocations = 0
         self.compiles_per_rollout: list[int] = []
+
+    tp_size = 1  # ranks that decode one batch together (dschat.rlhf.tensor_parallel: more)
+
+    def _decode_model(self, config: Any) -> DecodeModel:
+        return DecodeModel(config)
 
     # ------------------------------------------------------------------ state
     @property
@@ -180,6 +188,22 @@ class DschatHybridEngine:
             return self._step(token, position, column, cache, cache.capacity)
         return self.model.step(token, position, column, cache, index + 1)
 
+    def _draw(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B, V) processed scores -> (B,) tokens: a draw from their softmax, or the argmax (greedy)."""
+        return draw(torch.softmax(scores, dim=-1)) if self.decoding.sample else torch.argmax(scores, dim=-1)
+
+    def _select(self, logits: torch.Tensor, suppress_eos: bool, unfinished: torch.Tensor, pad: torch.Tensor,
+                keep_logprobs: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One step's (B, V) fp32 logits -> the (B,) tokens (``pad`` where a row has ended) and, with
+        ``keep_logprobs``, their (B,) log-probs under ``logits / logit_temperature``."""
+        settings, temperature = self.decoding, self.decoding.logit_temperature
+        scores = next_token_scores(logits, settings, self.eos_token_id, suppress_eos=suppress_eos)
+        token = torch.where(unfinished, self._draw(scores), pad)  # (B,)
+        if not keep_logprobs:
+            return token, None
+        scaled = logits / temperature if temperature != 1.0 else logits
+        return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
+
     def decode(self, prompts: torch.Tensor, mask: torch.Tensor, *, min_new_tokens: int = 0,
                keep_logprobs: bool = True) -> Rollout:
         """Decode with the current inference weights: the semantics of
@@ -196,14 +220,10 @@ class DschatHybridEngine:
             pad = torch.full((B,), self.pad_token_id, dtype=prompts.dtype, device=prompts.device)
             tokens: list[torch.Tensor] = []
             logprobs: list[torch.Tensor] = []
-            settings, temperature = self.decoding, self.decoding.logit_temperature
             for t in range(self.max_new_tokens):
-                scores = next_token_scores(logits, settings, self.eos_token_id, suppress_eos=t < min_new_tokens)
-                token = draw(torch.softmax(scores, dim=-1)) if settings.sample else torch.argmax(scores, dim=-1)
-                token = torch.where(unfinished, token, pad)  # (B,)
-                if keep_logprobs:
-                    scaled = logits / temperature if temperature != 1.0 else logits
-                    logprobs.append(torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1))
+                token, logprob = self._select(logits, t < min_new_tokens, unfinished, pad, keep_logprobs)  # (B,) each
+                if logprob is not None:
+                    logprobs.append(logprob)
                 tokens.append(token)
                 unfinished &= token != self.eos_token_id
                 if t == self.max_new_tokens - 1 or not bool(unfinished.any()):

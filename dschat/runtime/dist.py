@@ -51,6 +51,8 @@ __all__ = [
     "barrier",
     "gather_ints",
     "gather_hosts",
+    "TensorParallelGroup",
+    "tensor_parallel_group",
     "DEFAULT_DIST_TIMEOUT_MINUTES",
 ]
 
@@ -320,3 +322,60 @@ def gather_hosts() -> list[str]:
     """Every rank's host name (its first 64 bytes), indexed by rank (collective)."""
     name = socket.gethostname().encode("utf-8", "replace")[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
     return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in gather_ints(list(name))]
+
+
+# ------------------------------------------------------------------------------------------------
+# Inference tensor parallelism (--inference_tp_size)
+# ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """This rank's group of ``size`` contiguous ranks for tensor-parallel generation: ``index`` is the
+    rank's place in it, ``ranks`` the global ranks, ``group`` torch's process group. The three
+    collectives the decode model needs are methods, so a test can stand in a simulated group."""
+
+    size: int
+    index: int
+    ranks: tuple[int, ...]
+    group: object
+
+    def all_reduce_sum_(self, tensor: torch.Tensor) -> None:
+        """Sum ``tensor`` over the group, in place (the row-parallel projections' partial sums)."""
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=self.group)
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every member's ``tensor`` (the same shape on each), in group order."""
+        out = [torch.empty_like(tensor) for _ in range(self.size)]
+        torch.distributed.all_gather(out, tensor.contiguous(), group=self.group)
+        return out
+
+    def broadcast_(self, tensor: torch.Tensor, src_index: int = 0) -> None:
+        """Overwrite ``tensor`` with member ``src_index``'s, in place."""
+        torch.distributed.broadcast(tensor, src=self.ranks[src_index], group=self.group)
+
+
+def tensor_parallel_group(size: int) -> TensorParallelGroup:
+    """Split the world into groups of ``size`` contiguous ranks and return this rank's (collective:
+    every rank must call it, once, with the same ``size``).
+
+    Contiguous ranks share a node under the DeepSpeed launcher and torchrun (ranks are numbered node
+    by node), so a group's all-reduces stay on the node's links; the host names are compared to make
+    sure, and a group that spans hosts is refused with one line.
+    """
+    world, rank = get_world_size(), get_rank()
+    if size < 1 or world % size:
+        raise UserError(f"--inference_tp_size {size} does not divide the world size {world}: launch a multiple of "
+                        f"{size} ranks or use an --inference_tp_size that divides {world}")
+    hosts = gather_hosts()
+    groups = [tuple(range(start, start + size)) for start in range(0, world, size)]
+    for ranks in groups:
+        if len({hosts[r] for r in ranks}) > 1:
+            raise UserError(f"--inference_tp_size {size}: ranks {ranks[0]}-{ranks[-1]} span hosts "
+                            f"{sorted({hosts[r] for r in ranks})}; a tensor-parallel group must sit within one node "
+                            f"(its all-reduces run every layer): give each node a multiple of {size} ranks")
+    mine = None
+    for ranks in groups:
+        group = torch.distributed.new_group(list(ranks))  # every rank creates every group, in the same order
+        if rank in ranks:
+            mine = TensorParallelGroup(size, ranks.index(rank), ranks, group)
+    assert mine is not None
+    return mine

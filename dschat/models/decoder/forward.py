@@ -51,6 +51,15 @@ class DecodeModel:
             return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
         return F.linear(x, w, b)
 
+    def _row_linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        """The attention output and MLP down projections. One rank: :meth:`_linear`; a tensor-parallel
+        shard (:class:`~dschat.models.decoder.tensor_parallel.ShardedDecodeModel`) sums partial products."""
+        return self._linear(x, w, b)
+
+    def _token_embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) ids -> (B, T, E_in); a tensor-parallel shard looks up its vocabulary rows only."""
+        return F.embedding(tokens, self.weights.embed)
+
     def _norm(self, x: torch.Tensor, w: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor:
         kind, eps = self.spec.layout.norm, self.spec.norm_eps
         if kind == "layer":
@@ -64,7 +73,7 @@ class DecodeModel:
     def _embed(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """(B, T) ids and positions -> (B, T, E)."""
         w = self.weights
-        x = F.embedding(tokens, w.embed)  # (B, T, E_in)
+        x = self._token_embedding(tokens)  # (B, T, E_in)
         if self.embed_scale is not None:
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         if w.project_in is not None:
@@ -108,14 +117,14 @@ class DecodeModel:
             cache.values[i].index_copy_(2, index, v)
             k, v = cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len]  # (B, Hkv, L, D)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)  # (B, H, T, D)
-        return self._linear(out.transpose(1, 2).reshape(B, T, spec.q_rows), lw.o_w, lw.o_b)
+        return self._row_linear(out.transpose(1, 2).reshape(B, T, spec.q_rows), lw.o_w, lw.o_b)
 
     def _mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:
         up = self._linear(h, lw.up_w, lw.up_b)  # (B, T, 2I) gated, (B, T, I) plain
         if self.spec.layout.gated:
             gate, up = up.chunk(2, dim=-1)
-            return self._linear(self.act(gate) * up, lw.down_w, lw.down_b)
-        return self._linear(self.act(up), lw.down_w, lw.down_b)
+            return self._row_linear(self.act(gate) * up, lw.down_w, lw.down_b)
+        return self._row_linear(self.act(up), lw.down_w, lw.down_b)
 
     def _layers(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, cache: StaticKVCache,
                 masks: list[torch.Tensor], index: torch.Tensor | None, kv_len: int) -> torch.Tensor:
