@@ -45,7 +45,6 @@ OVER_CAP = {
     "dschat/data/prompt_dataset.py": 778,  # tokenisation and the dataset, plus the locked cache
     "dschat/rlhf/ppo_trainer.py": 738,  # experience making, schedule, update, overflow
     "dschat/recipes.py": 717,  # recipe tables, resolution and the generated scripts
-    "dschat/rl_math.py": 687,  # PPO / GAE math and its helpers
 }
 
 # (e) Imports inside functions hide a module's dependencies. Most of those left avoid an import-time
