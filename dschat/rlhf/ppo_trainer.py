@@ -124,13 +124,6 @@ class RolloutStats:
     micro_steps: list[MicroStepStats] = field(default_factory=list)
 
 
-def _sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=device)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(t)
-    return t.tolist()
-
-
 class DeepSpeedPPOTrainer:
     """PPO -- and the critic-free algorithms of ``--algorithm`` -- on the engines of a
     :class:`~dschat.rlhf.rlhf_engine.DeepSpeedRLHFEngine` (whose ``critic`` is None for those).
@@ -208,6 +201,10 @@ class DeepSpeedPPOTrainer:
     def device(self) -> torch.device:
         return next(self.actor_model.module.parameters()).device
 
+    def _over_ranks(self, values: list[float]) -> list[float]:
+        """``values`` summed over every rank, in float64 (one all-reduce; a collective)."""
+        return all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=self.device)).tolist()
+
     def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
         """Generate answers (upstream's name; :meth:`_rollout` also returns their log-probs)."""
         return self._rollout(prompts, mask, step).sequences
@@ -278,7 +275,7 @@ class DeepSpeedPPOTrainer:
         except UserError as err:
             failure = err
         # Every rank learns of a failure on any rank, so none is left waiting in a collective.
-        if _sum_over_ranks([0.0 if failure is None else 1.0], self.device)[0] > 0:
+        if self._over_ranks([0.0 if failure is None else 1.0])[0] > 0:
             raise failure or UserError("a reward function failed on another rank (its line is in that rank's log)")
         return scores
 
@@ -349,7 +346,7 @@ class DeepSpeedPPOTrainer:
         masks = sequence_masks(mask, seq, self.tokenizer.eos_token_id)
         valid = masks.answer_lengths > 1  # upstream: valid_ans_len <= 1 is dropped
         self._report_dropped(prompts, seq, valid, step)
-        kept_anywhere = _sum_over_ranks([float(valid.sum())], self.device)[0]
+        kept_anywhere = self._over_ranks([float(valid.sum())])[0]
         if kept_anywhere == 0:
             print_rank_0(f"All generated results are too short on every rank at step={step}; skipping this "
                          "step (no experience, no update)")
@@ -435,7 +432,7 @@ class DeepSpeedPPOTrainer:
         # no step has happened since this rollout was generated.
         self._rollout_actor_steps = getattr(self.actor_model, "global_steps", None)
         per_batch = []
-        sums = [0.0] * 11  # reward, kept, dropped, kl, kl tokens, length, ret, ret^2, res, res^2, tokens
+        sums = [0.0] * 11  # reward, kept, dropped, kl, kl tokens, length, returns' moments and residuals'
         for exp in exp_dataset:
             with torch.no_grad():
                 old_values, old_rewards = self._old_values_and_rewards(exp)
@@ -446,36 +443,29 @@ class DeepSpeedPPOTrainer:
             mask = exp.action_mask[:, exp.start:].bool()
             per_batch.append((advantages, returns, mask))
             valid = exp.valid
-            residual = (returns - old_values[:, exp.start:]).float()
             kl = (exp.logprobs - exp.ref_logprobs)[:, exp.start:]
+            ret = rl_math.Moments.of(returns.float(), mask)
+            res = rl_math.Moments.of((returns - old_values[:, exp.start:]).float(), mask)
             sums = [a + b for a, b in zip(sums, [
                 float(exp.reward_score[valid].float().sum()), float(valid.sum()), float((~valid).sum()),
                 float(rl_math.masked_sum(kl.float(), mask)), float(mask.sum()),
                 float(exp.action_mask[:, exp.start:].sum()),
-                float(rl_math.masked_sum(returns.float(), mask)),
-                float(rl_math.masked_sum(returns.float() ** 2, mask)),
-                float(rl_math.masked_sum(residual, mask)), float(rl_math.masked_sum(residual ** 2, mask)),
-                float(mask.sum()),
+                ret.total, ret.total_sq, res.total, res.total_sq, ret.count,
             ])]
-        (reward, kept, dropped, kl_sum, kl_tokens, length, r1, r2, e1, e2, n) = _sum_over_ranks(sums, self.device)
+        (reward, kept, dropped, kl_sum, kl_tokens, length, r1, r2, e1, e2, n) = self._over_ranks(sums)
 
-        if self.whiten_advantages:
-            adv_sums = [0.0, 0.0, 0.0]
+        if self.whiten_advantages:  # with the moments of the whole rollout: every micro-batch, every rank
+            moments = rl_math.Moments(0.0, 0.0, 0.0)
             for advantages, _, mask in per_batch:
-                adv_sums[0] += float(rl_math.masked_sum(advantages.float(), mask))
-                adv_sums[1] += float(rl_math.masked_sum(advantages.float() ** 2, mask))
-                adv_sums[2] += float(mask.sum())
-            a1, a2, count = _sum_over_ranks(adv_sums, self.device)
-            mean = a1 / max(count, 1.0)
-            var = max(a2 / max(count, 1.0) - mean ** 2, 0.0) * count / max(count - 1.0, 1.0)  # unbiased
-            per_batch = [((adv - mean) * (var + 1e-8) ** -0.5, ret, mask) for adv, ret, mask in per_batch]
+                moments = moments.plus(rl_math.Moments.of(advantages.float(), mask))
+            moments = rl_math.Moments(*self._over_ranks(list(moments)))
+            per_batch = [(rl_math.masked_whiten(adv, mask, moments=moments), ret, mask) for adv, ret, mask in per_batch]
         for exp, (advantages, returns, _) in zip(exp_dataset, per_batch):
             exp.advantages, exp.returns = advantages.detach(), returns.detach()
 
         nan = float("nan")
-        var_returns = r2 / n - (r1 / n) ** 2 if n else nan
-        var_residual = e2 / n - (e1 / n) ** 2 if n else nan
-        explained = 1.0 - var_residual / var_returns if n and var_returns > 0 and self.critic_model is not None else nan
+        explained = (rl_math.explained_variance_from_moments(rl_math.Moments(r1, r2, n), rl_math.Moments(e1, e2, n))
+                     if self.critic_model is not None else nan)
         return RolloutStats(
             reward=reward / kept if kept else nan, kl_to_ref=kl_sum / kl_tokens if kl_tokens else nan,
             response_length=length / kept if kept else nan, value_explained_variance=explained,
@@ -522,7 +512,7 @@ class DeepSpeedPPOTrainer:
         ga, world = self.plan.gradient_accumulation_steps, get_world_size()
         tokens = [self._step_count(exp) for _, exp, _ in steps]
         groups = [sum(tokens[i:i + ga]) for i in range(0, len(tokens), ga)]
-        groups = _sum_over_ranks(groups, self.device)
+        groups = self._over_ranks(groups)
         return [(ep, replace(exp, loss_normalizer=max(groups[i // ga], 1.0) / (ga * world)), u)
                 for i, (ep, exp, u) in enumerate(steps)]
 
