@@ -414,11 +414,20 @@ class DeepSpeedPPOTrainer:
 
     def _old_values_and_rewards(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's zeroing after ``ends``: (old_values, old_rewards), both (B, T)."""
-        start = exp.start
+        return self._old_values(exp), self._old_rewards(exp)
+
+    def _ends(self, exp: Experience) -> torch.Tensor:
+        return rl_math.sequence_end_indices(exp.action_mask, exp.start, reward_at=self.reward_at)
+
+    def _old_values(self, exp: Experience) -> torch.Tensor:
+        """The rollout's critic values, zeroed after ``ends`` (B, T): GAE's and the clipped value loss's."""
+        return rl_math.mask_after_ends(exp.values, self._ends(exp))
+
+    def _old_rewards(self, exp: Experience) -> torch.Tensor:
+        """The per-token rewards (:meth:`compute_rewards`), zeroed after ``ends`` (B, T)."""
         rewards = self.compute_rewards(exp.prompts, exp.logprobs, exp.ref_logprobs, exp.reward_score,
                                        exp.action_mask)
-        ends = rl_math.sequence_end_indices(exp.action_mask, start, reward_at=self.reward_at)
-        return rl_math.mask_after_ends(exp.values, ends), rl_math.mask_after_ends(rewards, ends)
+        return rl_math.mask_after_ends(rewards, self._ends(exp))
 
     # ================================================================== rollout preparation
     def prepare_rollout(self, exp_dataset: list[Experience]) -> RolloutStats:
@@ -550,13 +559,13 @@ class DeepSpeedPPOTrainer:
         start = exp.start
         mask = exp.action_mask[:, start:]
         with torch.no_grad():
-            old_values, old_rewards = self._old_values_and_rewards(exp)
-            if exp.advantages is None and self.critic_model is None:
-                advantages = returns = self._critic_free_advantages(exp, old_rewards)
-            elif exp.advantages is None:
-                advantages, returns = self.get_advantages_and_returns(old_values, old_rewards, start)
-            else:
+            old_values = self._old_values(exp)  # the value loss clips around them
+            if exp.advantages is not None:  # stored by prepare_rollout (the step-3 loop always calls it)
                 advantages, returns = exp.advantages, exp.returns
+            elif self.critic_model is None:  # an upstream-style caller: per micro-batch, as upstream
+                advantages = returns = self._critic_free_advantages(exp, self._old_rewards(exp))
+            else:
+                advantages, returns = self.get_advantages_and_returns(old_values, self._old_rewards(exp), start)
         normalizer = exp.loss_normalizer
         if normalizer is None and float(mask.sum()) == 0:
             normalizer = 1.0  # a micro-batch of dropped rows only: zero loss, not 0/0
