@@ -9,7 +9,7 @@ them). Making experience (generation, scoring, advantages) is the base class,
 micro-steps, the actor and critic steps, fp16 overflow alignment and upstream's debugging helpers.
 What changed in the update, with the upstream bug each fixes:
 
-* **Off-policy guard** (:mod:`dschat.rlhf.guards`): when every optimizer step covers whole rollouts
+* **Off-policy guard** (:mod:`dschat.rlhf.batch_plan`): when every optimizer step covers whole rollouts
   the PPO ratio is exactly 1 and the trainer uses the current log-probs as the old ones (TRL's
   shortcut); otherwise the ratio is taken against the stored behaviour log-probs. Either way the
   measured ratio, approx-KL and clip fraction against the stored log-probs are recorded.
@@ -38,7 +38,7 @@ from dschat.errors import UserError
 from dschat.rewards import RewardMix
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
-from dschat.rlhf.guards import BatchPlan, plan_batches
+from dschat.rlhf.batch_plan import BatchPlan, plan_batches
 from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
 from dschat.runtime.zero3 import gathered_parameters
 
@@ -96,7 +96,7 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
     :meth:`generate_experience` and :meth:`prepare_rollout` (:class:`ExperienceMaker`), then
     :meth:`schedule` and one :meth:`train_rlhf` per micro-step.
 
-    ``plan`` defaults to :func:`~dschat.rlhf.guards.plan_batches` of ``args``; ``reward_fn``,
+    ``plan`` defaults to :func:`~dschat.rlhf.batch_plan.plan_batches` of ``args``; ``reward_fn``,
     ``reward_mix`` and ``prompt_columns`` are :class:`ExperienceMaker`'s.
     """
 

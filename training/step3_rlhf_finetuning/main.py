@@ -133,7 +133,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
     from dschat.data.collators import DataCollatorRLHF
     from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
-    from dschat.rlhf.guards import num_total_iters
+    from dschat.rlhf.batch_plan import num_total_iters
     from dschat.training.common import make_train_loader
 
     # PPO-ptx data first: a bad --unsupervised_dataset_name fails before the prompt cache is written.
@@ -181,7 +181,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
-    from dschat.rlhf.guards import plan_batches, validate_step3_args
+    from dschat.rlhf.batch_plan import plan_batches
+    from dschat.rlhf.guards import validate_step3_args
     from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
