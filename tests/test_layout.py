@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure math, the gold judge, flags, recipes
     ("models", "rl_algorithms", "rewards"),  # 4: model builders, critic-free math, reward functions
     ("data",),  # 5: datasets, tokenisation, cache, collators
-    ("training", "eval"),  # 6: steps 1-2 machinery, checkpoints; the end-of-run report
+    ("training", "eval"),  # 6: the training loops (steps 1-2, the PPO epoch loop), checkpoints; the report
     ("rlhf",),  # 7: step 3
     ("launch",),  # 8: the launcher (entry point)
     ("utils", "testing"),  # 9: alias modules only (rule c)
@@ -49,7 +49,7 @@ OVER_CAP = {
 # (e) Imports inside functions hide a module's dependencies. Most of those left avoid an import-time
 # cost for light entry points (the launcher, --help, the recipes, the tokenizer loader import no
 # torch / transformers / matplotlib); others are plain leftovers. The number may only go down.
-MAX_FUNCTION_LEVEL_IMPORTS = 205
+MAX_FUNCTION_LEVEL_IMPORTS = 197
 
 
 def _modules() -> dict[str, Path]:
