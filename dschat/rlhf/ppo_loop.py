@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from dschat.paths import METRICS_FILE
-from dschat.rlhf.ema import moving_average
+from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf.experience_maker import RolloutStats
 from dschat.rlhf.ppo_trainer import MicroStepStats
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0

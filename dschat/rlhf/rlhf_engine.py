@@ -30,7 +30,7 @@ from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
-from dschat.rlhf.ema import moving_average
+from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf import hybrid_engine
 from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator
 from dschat.runtime.dist import get_world_size, is_rank_0
