@@ -29,7 +29,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure math, the gold judge, flags, recipes
     ("models", "rl_algorithms", "rewards"),  # 4: model builders, critic-free math, reward functions
     ("data",),  # 5: datasets, tokenisation, cache, collators
-    ("training", "eval"),  # 6: steps 1-2 machinery, checkpoints; the end-of-run report
+    ("training", "eval"),  # 6: the training loops (steps 1-2, the PPO epoch loop), checkpoints; the report
     ("rlhf",),  # 7: step 3
     ("launch",),  # 8: the launcher (entry point)
     ("utils", "testing"),  # 9: alias modules only (rule c)
@@ -40,14 +40,12 @@ ALIAS_UNITS = ("utils", "testing")
 # was written; each is to be split (see docs/DESIGN.md), and none may grow past the size it had then.
 SOFT_CAP = 600
 OVER_CAP = {
-    "dschat/rlhf/ppo_trainer.py": 738,  # experience making, schedule, update, overflow
-    "dschat/rl_math.py": 687,  # PPO / GAE math and its helpers
 }
 
 # (e) Imports inside functions hide a module's dependencies. Most of those left avoid an import-time
 # cost for light entry points (the launcher, --help, the recipes, the tokenizer loader import no
 # torch / transformers / matplotlib); others are plain leftovers. The number may only go down.
-MAX_FUNCTION_LEVEL_IMPORTS = 151
+MAX_FUNCTION_LEVEL_IMPORTS = 121
 
 
 def _modules() -> dict[str, Path]:

@@ -96,7 +96,7 @@ def test_wheel_is_not_empty_and_imports(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for required in (
         "dschat/__init__.py",
-        "dschat/rl_math.py",
+        "dschat/rl_math/ppo.py",  # a subpackage of dschat
         "dschat/utils/data/data_utils.py",
         "dschat/data/builtin_prefs/train.jsonl",
         "dschat/data/builtin_prefs/eval.jsonl",

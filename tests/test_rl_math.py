@@ -772,6 +772,39 @@ def test_masked_whiten_zero_mean_unit_variance_over_mask():
     assert float(unshifted.var()) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_moments_of_micro_batches_give_the_statistics_of_the_whole_rollout():
+    # The trainer whitens and scores a rollout of micro-batches of different widths (two generation
+    # batches), on several ranks, from Moments added up over them: the same as over the whole batch.
+    g = torch.Generator().manual_seed(5)
+    parts = [(torch.randn(3, w, generator=g, dtype=torch.float64), torch.rand(3, w, generator=g) > 0.3)
+             for w in (7, 4)]
+    values = [torch.randn(x.shape, generator=g, dtype=torch.float64) for x, _ in parts]
+    flat_x = torch.cat([x[m] for x, m in parts])
+    flat_v = torch.cat([v[m] for v, (_, m) in zip(values, parts)])
+    ones = torch.ones_like(flat_x, dtype=torch.bool)
+    moments = rm.Moments(0.0, 0.0, 0.0)
+    for x, mask in parts:
+        moments = moments.plus(rm.Moments.of(x, mask))
+    assert moments.count == ones.sum() and moments.mean == pytest.approx(float(flat_x.mean()), abs=1e-12)
+    assert moments.var() == pytest.approx(float(flat_x.var()), abs=1e-12)  # unbiased
+    whole = rm.masked_whiten(flat_x, ones)
+    split = torch.cat([rm.masked_whiten(x, m, moments=moments)[m] for x, m in parts])
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
+    # The trainer's formula before it used masked_whiten, bit for bit.
+    mean = moments.total / max(moments.count, 1.0)
+    var = max(moments.total_sq / max(moments.count, 1.0) - mean ** 2, 0.0) * moments.count / max(moments.count - 1.0, 1.0)
+    x, m = parts[0]
+    assert torch.equal(rm.masked_whiten(x, m, moments=moments), (x - mean) * (var + 1e-8) ** -0.5)
+    # Explained variance from the returns' and residuals' moments == over the concatenated tokens.
+    residual = rm.Moments(0.0, 0.0, 0.0)
+    for (x, mask), v in zip(parts, values):
+        residual = residual.plus(rm.Moments.of(x - v, mask))
+    expected = 1.0 - float((flat_x - flat_v).var(unbiased=False)) / float(flat_x.var(unbiased=False))
+    assert rm.explained_variance_from_moments(moments, residual) == pytest.approx(expected, abs=1e-12)
+    assert float(rm.explained_variance(flat_v, flat_x, ones)) == pytest.approx(expected, abs=1e-6)  # float32
+    assert math.isnan(rm.explained_variance_from_moments(rm.Moments(0.0, 0.0, 0.0), residual))
+
+
 def test_causal_lm_loss_shifts_and_ignores_masked_labels():
     from dschat.rl_math import causal_lm_loss
 

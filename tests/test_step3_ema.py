@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from dschat.rlhf.ema import EMA_BETA, moving_average
+from dschat.rlhf.actor_ema import EMA_BETA, moving_average
 
 from step3_support import base_argv, critic_dirs, data_cache, step3_main  # noqa: F401
 

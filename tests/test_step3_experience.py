@@ -204,3 +204,24 @@ def test_missing_eos_penalty_lowers_only_the_cut_answers(monkeypatch, critic_dir
     trainer.missing_eos_penalty = 2.0
     penalised = trainer.generate_experience(prompts, prompt_mask, step=0).reward_score
     assert penalised[0] == plain[0] and penalised[1] == pytest.approx(plain[1] - 2.0)
+
+
+def test_train_rlhf_uses_the_stored_advantages_without_recomputing_rewards(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+    # prepare_rollout stores advantages and returns; a micro-step then needs only the old values (the
+    # value loss clips around them): the per-token rewards are computed once per rollout, not again.
+    trainer, tok = _build("tiny-opt", critic_dirs, data_cache)
+    eos = tok.eos_token_id
+    prompts = torch.tensor([[1, 2, 40, 41], [2, 42, 43, 44]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    _fixed_generation(monkeypatch, trainer, torch.cat([prompts, torch.tensor([[50, 51, eos], [55, 56, 57]])], dim=1))
+    exp = trainer.generate_experience(prompts, prompt_mask, step=0)
+    calls = []
+    compute_rewards = trainer.compute_rewards
+    monkeypatch.setattr(trainer, "compute_rewards", lambda *a: calls.append(1) or compute_rewards(*a))
+    trainer.prepare_rollout([exp])
+    assert len(calls) == 1
+    trainer.train_rlhf(exp)
+    assert len(calls) == 1
+    # An upstream-style caller (no prepare_rollout) still gets them per micro-batch.
+    trainer.train_rlhf(trainer.generate_experience(prompts, prompt_mask, step=1))
+    assert len(calls) == 2

@@ -28,7 +28,7 @@ UPSTREAM_KEYS: dict[str, str] = {
     "logprobs": "logprobs",
     "ref_logprobs": "ref_logprobs",
     "value": "values",
-    "rewards": "reward_score",
+    "rewards": "reward_score",  # each answer's score (not the per-token rewards of compute_rewards)
     "input_ids": "seq",
     "attention_mask": "attention_mask",
 }
@@ -93,7 +93,9 @@ class Experience:
     logprobs: torch.Tensor  # (B, T) behaviour log-probs log pi_old(seq[:, 1:]) (actor, eval mode)
     ref_logprobs: torch.Tensor  # (B, T) reference-model log-probs
     values: torch.Tensor  # (B, T) critic values (eval mode)
-    reward_score: torch.Tensor  # (B,) reward-model (or reward hook) score of each answer
+    # (B,) each answer's score: the reward mix (reward model and --reward_fn functions, by weight), less
+    # --missing_eos_penalty for an answer cut before its EOS; not clipped, no KL (upstream's key "rewards")
+    reward_score: torch.Tensor
     valid: torch.Tensor  # (B,) bool: row trains (answer has more than one token)
     advantages: torch.Tensor | None = None  # (B, T - start) GAE advantages (maybe whitened)
     returns: torch.Tensor | None = None  # (B, T - start) advantages + values
@@ -121,7 +123,7 @@ class Experience:
         return int(self.prompts.shape[1]) - 1
 
     def rows(self, index: slice | torch.Tensor) -> "Experience":
-        """The rows ``index`` of every batched tensor (what ``MiniDataset`` splits with)."""
+        """The rows ``index`` of every batched tensor (what ``RolloutBuffer`` splits with)."""
         changes = {}
         for f in fields(self):
             value = getattr(self, f.name)

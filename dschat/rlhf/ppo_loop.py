@@ -1,70 +1,35 @@
-"""One PPO iteration of step 3, and what it logs and checkpoints.
+"""One PPO iteration of step 3, and what it logs.
 
-``training/step3_rlhf_finetuning/main.py`` collects experience batch by batch; once a rollout is
-complete (``--generation_batches`` batches) it calls :func:`train_iteration` (``--ppo_epochs`` passes
-of actor step, critic step and optional PPO-ptx step per micro-batch, the EMA actor after each) and
-:func:`log_iteration` (upstream's log lines, the throughput lines, TensorBoard, ``metrics.jsonl``).
-:class:`PPOCounters` is the state besides the engines that a step-3 checkpoint carries.
+The PPO epoch loop (:func:`dschat.training.loop.train_ppo_epochs`) collects experience batch by
+batch; once a rollout is complete (``--generation_batches`` batches) step 3's ``main`` has it call
+:func:`train_iteration` (``--ppo_epochs`` passes of actor step, critic step and optional PPO-ptx step
+per micro-batch, the EMA actor after each) and :func:`log_iteration` (upstream's log lines, the
+throughput lines, TensorBoard, ``metrics.jsonl``). :class:`~dschat.training.loop.PPOCounters`, the
+state besides the engines that a step-3 checkpoint carries, lives beside the loop and is re-exported
+here.
 """
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from dschat.paths import METRICS_FILE
-from dschat.rlhf.ema import moving_average
-from dschat.rlhf.ppo_trainer import MicroStepStats, RolloutStats
-from dschat.runtime.averages import ExponentialMovingAverage
+from dschat.rlhf.actor_ema import moving_average
+from dschat.rlhf.experience_maker import RolloutStats
+from dschat.rlhf.ppo_trainer import MicroStepStats
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
 from dschat.runtime.perf import print_throughput_step3
-from dschat.training.checkpoint import TrainingPosition
-from dschat.training.nonfinite import NonFiniteGuard
+from dschat.training.loop import PPOCounters
 
 __all__ = ["METRICS_FILE", "IterationResult", "PPOCounters", "log_iteration", "train_iteration",
            "truncate_metrics"]
 
 DASHES = "-" * 85
-
-
-# ------------------------------------------------------------------------------------------------
-# Counters (checkpointed)
-# ------------------------------------------------------------------------------------------------
-@dataclass
-class PPOCounters:
-    """Step 3's state besides the engines and the data position; a checkpoint carries it in
-    ``TrainingPosition.extra`` (with the non-finite guard's counts)."""
-
-    global_step: int = 0  # PPO iterations trained, never reset (TensorBoard x-axis; upstream reset per epoch)
-    non_overflow_step_count: int = 0  # generation batches without an fp16 overflow (--test_stop_step)
-    ema_reward: ExponentialMovingAverage = field(default_factory=ExponentialMovingAverage)
-
-    def position(self, epoch: int, batches_done: int, nonfinite: NonFiniteGuard) -> TrainingPosition:
-        """The checkpoint record after ``batches_done`` generation batches of ``epoch``."""
-        return TrainingPosition(epoch, batches_done, 0, self.global_step, extra={
-            "non_overflow_step_count": self.non_overflow_step_count,
-            "ema_reward": self.ema_reward.ema,
-            "nonfinite": [nonfinite.consecutive, nonfinite.skipped],
-        })
-
-    @classmethod
-    def restore(cls, position: TrainingPosition, nonfinite: NonFiniteGuard) -> "PPOCounters":
-        """The inverse of :meth:`position` (sets the guard's counts in place)."""
-        counters = cls(global_step=position.optimizer_steps,
-                       non_overflow_step_count=position.extra["non_overflow_step_count"])
-        counters.ema_reward.ema = position.extra["ema_reward"]
-        nonfinite.consecutive, nonfinite.skipped = position.extra["nonfinite"]
-        return counters
-
-    def count_overflow(self, trainer: Any) -> None:
-        """After each generation batch, as upstream: count it unless actor or critic overflowed."""
-        actor_overflow, critic_overflow = trainer.get_overflow()
-        if not actor_overflow and not critic_overflow:
-            self.non_overflow_step_count += 1
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,9 +22,22 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from deepspeed.accelerator import get_accelerator
+from transformers import AutoModelForCausalLM
+
 from dschat.cli.args import step3_flag
+from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
+from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
+from dschat.models.registry import load_config, resolve_model_path
+from dschat.rlhf.actor_ema import moving_average
+from dschat.rlhf import hybrid_engine
+from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator
+from dschat.rlhf.tensor_parallel import check_inference_tp
 from dschat.runtime.dist import get_world_size, is_rank_0
+from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
+from dschat.runtime.ds_config import resolve_dtype
+from dschat.training.common import OptimSettings, apply_lora, initialize_engine
 
 __all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
 
@@ -52,14 +65,11 @@ def ds_config_for(role: str, args: Any, *, dtype: str, hybrid_engine: bool = Fal
     stage 0). Micro-batch = ``per_device_training_batch_size``; gradient accumulation = the actor's
     (doubled with PPO-ptx) for actor/ref/EMA, the plain one for critic/reward.
     """
-    from dschat.data.unsupervised import unsupervised_training_enabled
-    from dschat.runtime.ds_config import get_eval_ds_config, get_train_ds_config
-
     ga = args.gradient_accumulation_steps
     ga_actor = ga * 2 if unsupervised_training_enabled(args) else ga
     batch = {"micro_batch_size": args.per_device_training_batch_size, "world_size": world_size}
     if role == "actor":
-        return get_train_ds_config(
+        return ds_utils.get_train_ds_config(
             offload=args.offload, dtype=dtype, stage=args.actor_zero_stage,
             enable_hybrid_engine=hybrid_engine, inference_tp_size=args.inference_tp_size,
             release_inference_cache=args.release_inference_cache,
@@ -72,23 +82,21 @@ def ds_config_for(role: str, args: Any, *, dtype: str, hybrid_engine: bool = Fal
             gradient_accumulation_steps=ga_actor, **batch)
     if role in ("ref", "ema"):
         stage = 3 if args.actor_zero_stage == 3 else 0
-        return get_eval_ds_config(args.offload_reference_model, dtype, stage, gradient_accumulation_steps=ga_actor, **batch)
+        return ds_utils.get_eval_ds_config(args.offload_reference_model, dtype, stage, gradient_accumulation_steps=ga_actor, **batch)
     if role == "critic":
-        return get_train_ds_config(
+        return ds_utils.get_train_ds_config(
             offload=args.offload, dtype=dtype, stage=args.critic_zero_stage,
             enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name="step3_critic",
             gradient_accumulation_steps=ga, **batch)
     if role == "reward":
         stage = 3 if args.critic_zero_stage == 3 else 0
-        return get_eval_ds_config(args.offload_reward_model, dtype, stage, gradient_accumulation_steps=ga, **batch)
+        return ds_utils.get_eval_ds_config(args.offload_reward_model, dtype, stage, gradient_accumulation_steps=ga, **batch)
     raise ValueError(f"unknown role {role!r}; one of {ROLES}")
 
 
 def _apply_lora(model: Any, role: str, lora_dim: int, module_name: str, only_optimize: bool,
                 force_optimize: tuple[str, ...] = ()) -> Any:
     """``dschat.training.common.apply_lora`` with step 3's flag names in its error messages."""
-    from dschat.training.common import apply_lora
-
     try:
         return apply_lora(model, lora_dim, module_name, only_optimize, force_optimize)
     except UserError as err:
@@ -105,14 +113,6 @@ class DeepSpeedRLHFEngine:
 
     def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str | None, tokenizer: Any,
                  args: Any, num_total_iters: int, *, with_reward_model: bool = True, with_critic: bool = True) -> None:
-        from deepspeed.accelerator import get_accelerator
-
-        from dschat.models.build import aligned_vocab_rows
-        from dschat.models.registry import load_config, resolve_model_path
-        from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator, decide_hybrid_engine
-        from dschat.rlhf.tensor_parallel import check_inference_tp
-        from dschat.runtime.ds_config import resolve_dtype
-
         self.args = args
         self.num_total_iters = num_total_iters
         self.tokenizer = tokenizer
@@ -127,8 +127,8 @@ class DeepSpeedRLHFEngine:
         self.vocab_rows, note = aligned_vocab_rows(tokenizer, configs)
         if note and is_rank_0():
             print(note, flush=True)
-        self.hybrid_engine = decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
-                                                  get_accelerator().device_name())
+        self.hybrid_engine = hybrid_engine.decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
+                                                                get_accelerator().device_name())
         check_inference_tp(args.inference_tp_size, actor_config, self.world_size, args.enable_hybrid_engine)
 
         self.actor = self._init_actor(actor_model_name_or_path)
@@ -157,19 +157,12 @@ class DeepSpeedRLHFEngine:
                              world_size=self.world_size)
 
     def _optim(self, lr: float, weight_decay: float, lora_lr: float) -> Any:
-        from dschat.training.common import OptimSettings
-
         return OptimSettings(lr=lr, weight_decay=weight_decay, lora_lr=lora_lr, offload=self.args.offload,
                              scheduler=self.args.lr_scheduler_type, num_warmup_steps=self.args.num_warmup_steps,
                              num_training_steps=self.num_total_iters)
 
     # ------------------------------------------------------------------ the five engines
     def _init_actor(self, actor_model_name_or_path: str) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        from dschat.models.build import create_hf_model
-        from dschat.training.common import initialize_engine
-
         stime = log_init("Actor")
         args = self.args
         ds_config = self._config("actor")
@@ -191,11 +184,6 @@ class DeepSpeedRLHFEngine:
         return engine
 
     def _init_ref(self, actor_model_name_or_path: str) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        from dschat.models.build import create_hf_model
-        from dschat.training.common import initialize_engine
-
         stime = log_init("Ref")
         ds_config = self._config("ref")
         model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
@@ -205,12 +193,6 @@ class DeepSpeedRLHFEngine:
         return engine
 
     def _init_ema(self, actor_model_name_or_path: str) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        from dschat.models.build import create_hf_model
-        from dschat.rlhf.ema import moving_average
-        from dschat.training.common import initialize_engine
-
         stime = log_init("EMA")
         args = self.args
         ds_config = self._config("ema")
@@ -226,9 +208,6 @@ class DeepSpeedRLHFEngine:
         return engine
 
     def _init_critic(self, critic_model_name_or_path: str) -> Any:
-        from dschat.models.build import create_critic_model
-        from dschat.training.common import initialize_engine
-
         stime = log_init("Critic")
         args = self.args
         ds_config = self._config("critic")
@@ -244,9 +223,6 @@ class DeepSpeedRLHFEngine:
         return engine
 
     def _init_reward(self, critic_model_name_or_path: str) -> Any:
-        from dschat.models.build import create_critic_model
-        from dschat.training.common import initialize_engine
-
         stime = log_init("Reward")
         args = self.args
         ds_config = self._config("reward")

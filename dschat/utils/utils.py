@@ -1,7 +1,7 @@
 """Upstream's import path ``dschat.utils.utils``: its public helper names, re-exported.
 
 The implementations live where they belong (``dschat.runtime.dist``, ``dschat.training.common``,
-``dschat.models.tokenizer``, ``dschat.runtime.optim``, ``dschat.models.save``, ``dschat.rlhf.ema``,
+``dschat.models.tokenizer``, ``dschat.runtime.optim``, ``dschat.models.save``, ``dschat.rlhf.actor_ema``,
 ``dschat.models.build``); this module keeps ``from dschat.utils.utils import
 print_rank_0, ...`` working for code written against upstream. The two small running-average
 classes live in :mod:`dschat.runtime.averages`.
@@ -16,7 +16,7 @@ from __future__ import annotations
 from dschat.models.build import load_state_dict_into_model
 from dschat.models.save import save_hf_format, save_zero_three_model
 from dschat.models.tokenizer import get_tokenizer, load_hf_tokenizer
-from dschat.rlhf.ema import moving_average
+from dschat.rlhf.actor_ema import moving_average
 from dschat.runtime.averages import ExponentialMovingAverage, MovingAverage
 from dschat.runtime.dist import get_all_reduce_mean, is_rank_0, print_rank_0
 from dschat.runtime.optim import get_optimizer_grouped_parameters

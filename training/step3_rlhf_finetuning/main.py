@@ -12,7 +12,6 @@ See README.md for the flags, the decoding default and the on-policy rule.
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -133,7 +132,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
     from dschat.data.collators import DataCollatorRLHF
     from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
-    from dschat.rlhf.guards import num_total_iters
+    from dschat.rlhf.batch_plan import num_total_iters
     from dschat.training.common import make_train_loader
 
     # PPO-ptx data first: a bad --unsupervised_dataset_name fails before the prompt cache is written.
@@ -175,19 +174,20 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     like ``--reward_fn``'s: it replaces the reward model unless ``--reward_model_weight`` is given."""
     from deepspeed.accelerator import get_accelerator
 
-    from dschat.data.collators import MiniDataset, drop_padding_columns, set_epoch_if_distributed
     from dschat.data.prompt_columns import load_prompt_columns
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
-    from dschat.rlhf.guards import plan_batches, validate_step3_args
-    from dschat.rlhf.ppo_loop import METRICS_FILE, PPOCounters, log_iteration, train_iteration, truncate_metrics
+    from dschat.rlhf.batch_plan import plan_batches
+    from dschat.rlhf.guards import validate_step3_args
+    from dschat.rlhf.ppo_loop import METRICS_FILE, log_iteration, train_iteration, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
-    from dschat.training.common import TensorBoardLogger, setup_run, to_device
+    from dschat.training.common import TensorBoardLogger, setup_run
+    from dschat.training.loop import PPOCounters, train_ppo_epochs
 
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)
@@ -224,8 +224,6 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
                                       with_critic=settings.critic)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer
     trainer = trainer_class(rlhf_engine, args, plan=plan, reward_mix=mix, prompt_columns=columns)
-    exp_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
-    unsup_mini_dataset = MiniDataset(args.generation_batches, args.per_device_training_batch_size)
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")
     evaluation = StepThreeEvaluation(args, trainer, eval_items, judges, tb=tb, rank=ctx.rank, world_size=ctx.world_size)
     result = Step3Result(on_policy=plan.on_policy, rlhf_engine=rlhf_engine, trainer=trainer, tokenizer=tokenizer,
@@ -251,50 +249,16 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
 
     # ---------------------------------------------------------------- PPO loop
-    gen_time = exp_time = 0.0  # summed over the generation batches of the current rollout
-    # Resumed from the checkpoint a test-mode run ended with: only the final save is left.
-    stop = bool(resumed and args.enable_test_mode and counters.non_overflow_step_count >= args.test_stop_step)
-    stop = stop or evaluation.should_stop
-    evaluation.maybe_evaluate(counters.global_step)  # before the first PPO step
-    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
-        if stop:
-            break
-        num_batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
-        print_rank_0(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Generation Batches "
-                     f"{num_batches}", ctx.rank)
-        set_epoch_if_distributed(prompt_loader, epoch)  # a new order each epoch (upstream never called it)
-        if unsup_loader is not None:
-            set_epoch_if_distributed(unsup_loader, epoch)
-        unsup_batches = unsup_loader if unsup_loader is not None else itertools.repeat(None)
-        skip = checkpointer.batches_done(epoch)
-        for step, (batch_prompt, batch_unsup) in enumerate(zip(prompt_loader, unsup_batches)):
-            if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
-                continue
-            # Prompts come left-padded to --max_prompt_seq_len; columns that are padding in every row
-            # change no output (positions come from the mask), so they are dropped before generation.
-            batch_prompt = drop_padding_columns(to_device(batch_prompt, ctx.device), "prompt_att_mask", side="left")
-            out = trainer.generate_experience(batch_prompt["prompt"], batch_prompt["prompt_att_mask"], step)
-            gen_time += trainer.generate_time
-            exp_time += trainer.experience_time
-            exp_dataset = unsup_dataset = None
-            if out is None:
-                result.skipped_steps.append(step)
-            else:
-                exp_dataset = exp_mini_dataset.add(out)
-                unsup_dataset = unsup_mini_dataset.add(to_device(batch_unsup, ctx.device)) if ptx else None
-            if exp_dataset is not None:  # a whole rollout collected: one PPO iteration
-                iteration = train_iteration(trainer, args, exp_dataset, unsup_dataset)
-                result.history.append(log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step,
-                                                    gen_time=gen_time, exp_time=exp_time, rank=ctx.rank, tb=tb))
-                gen_time = exp_time = 0.0
-                evaluation.maybe_evaluate(counters.global_step, epoch)
-            counters.count_overflow(trainer)
-            if exp_dataset is not None:
-                checkpointer.maybe_save(evaluation.attach(counters.position(epoch, step + 1, trainer.nonfinite)))
-            if (args.enable_test_mode and counters.non_overflow_step_count == args.test_stop_step
-                    or evaluation.should_stop):
-                stop = True
-                break
+    def ppo_iteration(exp_dataset: list, unsup_dataset: list | None, *, epoch: int, step: int, gen_time: float,
+                      exp_time: float) -> dict:
+        """One collected rollout: advantages, the PPO epochs, then the log lines and metrics record."""
+        iteration = train_iteration(trainer, args, exp_dataset, unsup_dataset)
+        return log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step, gen_time=gen_time,
+                             exp_time=exp_time, rank=ctx.rank, tb=tb)
+
+    train_ppo_epochs(args, ctx, trainer, prompt_loader, unsup_loader, checkpointer=checkpointer, counters=counters,
+                     evaluation=evaluation, ppo_iteration=ppo_iteration, resumed=resumed is not None,
+                     history=result.history, skipped_steps=result.skipped_steps)
     evaluation.finish()
     tb.close()
     result.skipped_nonfinite = trainer.nonfinite.skipped

@@ -1,0 +1,294 @@
+"""PPO's math for step 3: the KL penalty, per-token rewards, GAE, the clipped actor and critic
+losses, and the policy-ratio diagnostics (upstream's ``DeepSpeedPPOTrainer`` formulas as pure
+functions; index conventions in :mod:`dschat.rl_math`)."""
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+
+from dschat.rl_math.stats import masked_mean
+
+__all__ = ["KLEstimator", "RewardAt", "kl_penalty", "sequence_end_indices", "reward_positions", "missing_eos_penalty",
+           "mask_after_ends", "compute_rewards", "get_advantages_and_returns", "actor_loss_fn", "critic_loss_fn",
+           "PolicyStats", "ppo_policy_stats"]
+
+KLEstimator = Literal["k1", "k2", "k3"]
+RewardAt = Literal["after_last", "last"]
+
+_KL_ESTIMATORS = ("k1", "k2", "k3")
+_REWARD_AT = ("after_last", "last")
+
+
+def kl_penalty(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, *, estimator: KLEstimator = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of ``KL(pi || pi_ref)`` from tokens sampled from ``pi`` (the actor).
+
+    With ``d = logprobs - ref_logprobs = log(pi(x) / pi_ref(x))`` (Schulman, "Approximating KL
+    Divergence", 2020):
+
+    * ``"k1"``: ``d``. Unbiased, since ``KL = E_pi[log pi/pi_ref]`` by definition; high variance and
+      negative for individual tokens. Upstream's (only) estimator.
+    * ``"k2"``: ``0.5 * d**2``. Biased (its expectation is not the KL, only close to it when the
+      two policies are close), always >= 0, low variance.
+    * ``"k3"``: ``exp(-d) - 1 + d`` i.e. ``(r - 1) - log r`` with ``r = pi_ref/pi``. Unbiased,
+      because ``E_pi[pi_ref/pi] = 1`` makes the ``r - 1`` term a zero-mean control variate; always
+      >= 0 and lower variance than k1.
+
+    Shape: logprobs, ref_logprobs (B, T); returns (B, T).
+    """
+    d = logprobs - ref_logprobs
+    if estimator == "k1":
+        return d
+    if estimator == "k2":
+        return 0.5 * d.square()
+    if estimator == "k3":
+        return torch.expm1(-d) + d
+    raise ValueError(f"kl_penalty: estimator must be one of {_KL_ESTIMATORS}, got {estimator!r}")
+
+
+def sequence_end_indices(
+    action_mask: torch.Tensor, start: int, *, reward_at: RewardAt = "after_last"
+) -> torch.Tensor:
+    """Exclusive end of each answer's reward span, in log-prob positions.
+
+    ``"after_last"`` gives upstream's ``ends = start + n + 1`` (it can be ``T + 1`` for an answer
+    that fills ``max_answer_seq_len``); rewards and values from ``ends`` on are zeroed in
+    ``train_rlhf``. ``"last"`` gives ``max(start + n, start + 1)``: one past the last real action
+    token, so nothing after the scored token takes part in GAE.
+
+    Shape: action_mask (B, T); returns (B,) int64.
+    """
+    _check_reward_at(reward_at)
+    n = action_mask[:, start:].long().sum(1)
+    if reward_at == "after_last":
+        return start + n + 1
+    return torch.clamp(start + n, min=start + 1)
+
+
+def reward_positions(
+    action_mask: torch.Tensor, start: int, *, reward_at: RewardAt = "after_last"
+) -> torch.Tensor:
+    """Position in ``rewards`` (B, T) where the clipped reward-model score is added.
+
+    * ``"after_last"`` (upstream): the last element of ``rewards[j, start:ends[j]]``, i.e.
+      ``min(start + n, T - 1)``: the slot of the first pad after the answer (one past the last
+      action token, DSE PR #672), or the last answer slot when the answer has no pad. Decoding
+      stops when every row has ended, so the row that ended last has its EOS in the last column and
+      no pad after it: its score lands on its EOS slot, one slot earlier than the other rows' (with
+      upstream's ``ids != pad`` masks the EOS of OPT was not an action, so every row was scored on
+      its EOS slot). ``"last"`` has no such exception.
+    * ``"last"`` (opt-in): ``start + n - 1``, the last real action token (``start`` if ``n == 0``).
+
+    Shape: action_mask (B, T); returns (B,) int64.
+    """
+    _check_reward_at(reward_at)
+    T = action_mask.shape[1]
+    n = action_mask[:, start:].long().sum(1)
+    if reward_at == "after_last":
+        return torch.clamp(start + n, max=T - 1)
+    return torch.clamp(start + n - 1, min=start)
+
+
+def missing_eos_penalty(scores: torch.Tensor, ended: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``scores - penalty`` where the answer never produced EOS (``ended`` False), else ``scores``.
+
+    The reward model only ever scored complete answers (every training text ends with EOS), so its
+    score of an answer cut at the length limit is an extrapolation an actor can exploit by never
+    stopping. Shapes: scores (B,), ended (B,) bool.
+    """
+    if penalty == 0.0:
+        return scores
+    return scores - penalty * (~ended.bool()).to(scores.dtype)
+
+
+def mask_after_ends(x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """Copy of ``x`` with ``x[i, ends[i]:] = 0`` (upstream zeroes rewards and values after
+    ``ends`` before GAE so padding neither earns reward nor bootstraps a value).
+
+    Upstream does this in place on ``values``, which aliases the ``old_values`` later used by the
+    critic loss; callers should pass the returned tensor as ``old_values`` to get the same result.
+
+    Shape: x (B, T), ends (B,); returns (B, T).
+    """
+    positions = torch.arange(x.shape[1], device=x.device)
+    return x.masked_fill(positions[None, :] >= ends[:, None].to(x.device), 0)
+
+
+def compute_rewards(
+    prompts: torch.Tensor,
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    reward_score: torch.Tensor,
+    action_mask: torch.Tensor,
+    *,
+    kl_ctl: float = 0.1,
+    clip_reward_value: float = 5.0,
+    kl_estimator: KLEstimator = "k1",
+    reward_at: RewardAt = "after_last",
+) -> torch.Tensor:
+    """Per-token PPO rewards: ``-kl_ctl * KL`` everywhere, plus the clipped RM score at one slot.
+
+    Upstream's ``DeepSpeedPPOTrainer.compute_rewards`` by default: the KL term covers the whole
+    ``T`` length (prompt positions too; GAE ignores them), ``start = P - 1``, and
+    ``clamp(reward_score, -clip_reward_value, clip_reward_value)`` is added at
+    ``reward_positions(action_mask, start, reward_at=reward_at)``. Rewards after ``ends`` are
+    *not* zeroed here (upstream does that in ``train_rlhf``): use ``mask_after_ends`` with
+    ``sequence_end_indices``.
+
+    Shape: prompts (B, P) (only P is used), log_probs / ref_log_probs / action_mask (B, T),
+    reward_score (B,); returns (B, T) in log_probs' dtype.
+    """
+    if log_probs.shape != ref_log_probs.shape or log_probs.shape != action_mask.shape:
+        raise ValueError(
+            f"compute_rewards: log_probs {tuple(log_probs.shape)}, ref_log_probs "
+            f"{tuple(ref_log_probs.shape)} and action_mask {tuple(action_mask.shape)} must match; "
+            "action_mask is attention_mask[:, 1:]"
+        )
+    start = prompts.shape[1] - 1
+    rewards = -kl_ctl * kl_penalty(log_probs, ref_log_probs, estimator=kl_estimator)
+    score = torch.clamp(reward_score, -clip_reward_value, clip_reward_value).to(rewards.dtype)
+    where = reward_positions(action_mask, start, reward_at=reward_at).to(rewards.device)
+    return rewards.scatter_add(1, where[:, None], score[:, None])
+
+
+def get_advantages_and_returns(
+    values: torch.Tensor,
+    rewards: torch.Tensor,
+    start: int,
+    *,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over positions ``[start, T)`` (upstream's trlX-style GAE).
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` with ``V_T = 0``, and
+    ``A_t = delta_t + gamma * lam * A_{t+1}``; ``returns = A + V[:, start:]``. The scan runs over
+    time, batched over rows, with upstream's operation order (so results match bit for bit).
+    No whitening (upstream has none; see ``masked_whiten``).
+
+    Shape: values, rewards (B, T); returns advantages (B, T - start) detached, and
+    returns (B, T - start).
+    """
+    length = rewards.shape[-1]
+    lastgaelam: torch.Tensor | float = 0.0
+    advantages_reversed = []
+    for t in reversed(range(start, length)):
+        nextvalues = values[:, t + 1] if t < length - 1 else 0.0
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = delta + gamma * lam * lastgaelam
+        advantages_reversed.append(lastgaelam)
+    advantages = torch.stack(advantages_reversed[::-1], dim=1)
+    returns = advantages + values[:, start:]
+    return advantages.detach(), returns
+
+
+# --------------------------------------------------------------------------------------------
+# PPO losses and diagnostics
+# --------------------------------------------------------------------------------------------
+def _normalise(
+    total: torch.Tensor, mask: torch.Tensor, normalizer: float | torch.Tensor | None
+) -> torch.Tensor:
+    """``total / mask.sum()`` (upstream), or ``total / normalizer`` when one is given."""
+    return total / (mask.sum() if normalizer is None else normalizer)
+
+
+def actor_loss_fn(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cliprange: float = 0.2,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PPO clipped surrogate loss (upstream's ``actor_loss_fn``).
+
+    ``log_ratio = (logprobs - old_logprobs) * mask`` is masked *before* ``exp`` so padding cannot
+    overflow; the loss is ``sum(max(-A * r, -A * clamp(r, 1 - c, 1 + c)) * mask) / normalizer``.
+
+    ``normalizer=None`` divides by ``mask.sum()`` (upstream: a per-micro-batch token mean). Pass
+    the token count of the whole optimizer step instead and the micro-batch losses *sum* to the
+    full-batch loss. DeepSpeed's engine divides each micro-batch loss by
+    ``gradient_accumulation_steps`` and averages gradients over ranks, so the step's gradient is
+    the full-batch token mean when ``normalizer = total_tokens / (gradient_accumulation_steps *
+    world_size)``.
+
+    Shape: logprobs, old_logprobs, advantages, mask (B, T - start); returns ().
+    """
+    log_ratio = (logprobs - old_logprobs) * mask
+    ratio = torch.exp(log_ratio)
+    pg_loss1 = -advantages * ratio
+    pg_loss2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return _normalise(torch.sum(torch.max(pg_loss1, pg_loss2) * mask), mask, normalizer)
+
+
+def critic_loss_fn(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    cliprange_value: float = 0.2,
+    compute_fp32_loss: bool = False,
+    normalizer: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Clipped value loss (upstream's ``critic_loss_fn``).
+
+    ``v_clip = clamp(values, old - c, old + c)``;
+    ``0.5 * sum(max((v - R)**2, (v_clip - R)**2) * mask) / normalizer``. With
+    ``compute_fp32_loss`` the values are cast to float32 after clipping (DSE #501). ``normalizer``
+    as in ``actor_loss_fn``.
+
+    Shape: values, old_values, returns, mask (B, T - start); returns ().
+    """
+    values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    if compute_fp32_loss:
+        values = values.float()
+        values_clipped = values_clipped.float()
+    vf_loss1 = (values - returns) ** 2
+    vf_loss2 = (values_clipped - returns) ** 2
+    return 0.5 * _normalise(torch.sum(torch.max(vf_loss1, vf_loss2) * mask), mask, normalizer)
+
+
+class PolicyStats(NamedTuple):
+    """Diagnostics of one PPO update over the masked tokens (0-dim detached tensors).
+
+    ``approx_kl`` is CleanRL's ``losses/approx_kl``: the k3 estimator ``mean((r - 1) - log r)`` with
+    ``r = pi_new / pi_old`` on tokens sampled from ``pi_old``. ``clip_frac`` is the fraction of
+    tokens with ``|r - 1| > cliprange``.
+    """
+
+    ratio_mean: torch.Tensor
+    ratio_max: torch.Tensor
+    ratio_min: torch.Tensor
+    approx_kl: torch.Tensor
+    clip_frac: torch.Tensor
+
+
+@torch.no_grad()
+def ppo_policy_stats(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, *, cliprange: float = 0.2
+) -> PolicyStats:
+    """Ratio statistics, approximate KL and clip fraction over the masked tokens.
+
+    Shape: logprobs, old_logprobs, mask (B, T - start); returns a ``PolicyStats`` of scalars.
+    """
+    keep = mask.bool()
+    log_ratio = torch.where(keep, (logprobs - old_logprobs).float(), 0.0)
+    ratio = torch.exp(log_ratio)
+    inf = torch.tensor(float("inf"), device=ratio.device)
+    return PolicyStats(
+        ratio_mean=masked_mean(ratio, keep),
+        ratio_max=torch.where(keep, ratio, -inf).max(),
+        ratio_min=torch.where(keep, ratio, inf).min(),
+        approx_kl=masked_mean((ratio - 1.0) - log_ratio, keep),
+        clip_frac=masked_mean(((ratio - 1.0).abs() > cliprange).float(), keep),
+    )
+
+
+def _check_reward_at(reward_at: str) -> None:
+    if reward_at not in _REWARD_AT:
+        raise ValueError(f"reward_at must be one of {_REWARD_AT}, got {reward_at!r}")
+
