@@ -252,6 +252,8 @@ def add_eot_args(parser: argparse.ArgumentParser, *, eot_token_flag: bool) -> ar
 def add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     """``--deepspeed`` / ``--deepspeed_config`` as every upstream main.py (they are not used to build
     the config: dschat builds it from the flags, so passing ``--deepspeed_config`` is an error)."""
+    # lazy: deepspeed (with torch) costs 1.6 s CPU at import (python -X importtime), and e2e_rlhf.py
+    # --help imports this module without needing it.
     import deepspeed
 
     deepspeed.add_config_arguments(parser)

@@ -81,7 +81,8 @@ def check_eval_args(args: Any) -> list[Judge]:
                                         ("--stop_on_overoptimization", args.stop_on_overoptimization),
                                         ("--save_best_by", args.save_best_by not in (None, "none"))) if on]
         if extras:
-            raise UserError(f"{', '.join(extras)} need(s) the held-out evaluation: give --eval_interval N (> 0) or auto")
+            raise UserError(f"{', '.join(extras)} need(s) the held-out evaluation: give --eval_interval N (> 0) "
+                            "or auto")
         args.save_best_by = "none"
         return []
     if prompts < 1:
