@@ -145,11 +145,15 @@ def test_auto_interval_by_hand():
     assert auto_interval(40.0, 30.0, 100) == 13 and eval_share(40.0, 30.0, 100, 13) == pytest.approx(320 / 3320)
     # Too short a run for 10 %: evaluate before the first step and after the last.
     assert auto_interval(40.0, 30.0, 10) == 10
+    # Later: 200 s of evaluations spent by step 50 of 100; k = 50 // N more of 40 s fit in 10 % when
+    # (200 + 40 k) x 9 <= 3000, i.e. k <= 3: the smallest N with 50 // N <= 3 is 13 (50 // 12 = 4).
+    assert auto_interval(40.0, 30.0, 100, since=50, spent=200.0) == 13
+    assert eval_share(40.0, 30.0, 100, 13, since=50, spent=200.0) == pytest.approx(320 / 3320)
 
 
-def test_auto_interval_is_chosen_after_the_first_ppo_step(monkeypatch):
-    """A fake clock: evaluations take 1 s, PPO steps 5 s, the run plans 20 steps: after step 1 the
-    interval is 2, and the evaluations are at steps 0, 2, 4, ... (the state carries the interval)."""
+def _auto_run(monkeypatch, step_seconds, planned=20):
+    """``--eval_interval auto`` on a fake clock: evaluations take 1 s, PPO step i ``step_seconds[i]``;
+    returns the evaluated steps, the measured share and the evaluation."""
     from types import SimpleNamespace
 
     now = [0.0]
@@ -162,18 +166,33 @@ def test_auto_interval_is_chosen_after_the_first_ppo_step(monkeypatch):
 
     monkeypatch.setattr(ev.StepThreeEvaluation, "_evaluate_shard", evaluate)
     plan = SimpleNamespace(optimizer_steps_per_rollout=1.0)
-    trainer = SimpleNamespace(prompt_columns=None, plan=plan, rlhf_engine=SimpleNamespace(num_total_iters=20))
+    trainer = SimpleNamespace(prompt_columns=None, plan=plan, rlhf_engine=SimpleNamespace(num_total_iters=planned))
     args = SimpleNamespace(eval_interval="auto", eval_alarm_sigmas=2.0, save_best_by="none", output_dir=None,
                            enable_test_mode=False, stop_on_overoptimization=False)
     evaluation = ev.StepThreeEvaluation(args, trainer, ["a", "b"], [])
     made = []
-    for step in range(7):
+    for step in range(planned + 1):
         if step:
-            now[0] += 5.0  # a PPO step
+            now[0] += step_seconds[step - 1]  # a PPO step
         if evaluation.maybe_evaluate(step) is not None:
             made.append(step)
-    assert evaluation.interval == 2 and made == [0, 2, 4, 6]
-    assert evaluation.state()["interval"] == 2
+    return made, evaluation.eval_seconds / now[0], evaluation
+
+
+def test_auto_interval_schedules_evaluations_within_a_tenth_of_the_wall_time(monkeypatch):
+    # Steady costs (E = 1 s, S = 5 s, 20 steps): every 2 steps, 11 evaluations, 9.9 %.
+    made, share, evaluation = _auto_run(monkeypatch, [5.0] * 20)
+    assert made == list(range(0, 21, 2)) and share == pytest.approx(11 / 111)
+    assert evaluation.state()["next_step"] is None  # scheduled once the step after the last one is timed
+    # A first step slowed by warm-up (20 s, then 2 s) is not timed: at step 2, (1 + 20 // N) / (1 +
+    # 20 // N + 40) <= 10 % first holds at N = 6; at step 7, (2 + 14 // N) / (... + 40) at N = 5; at
+    # step 17 one more (the last step's) is over 10 % by the estimate, and is made: a run ends evaluated.
+    made, share, _ = _auto_run(monkeypatch, [20.0] + [2.0] * 19)
+    assert made == [0, 6, 11, 16, 20] and share <= 0.10
+    # Steps that slow down (2 s, then 10 s after step 6): the next evaluations move apart.
+    made, share, _ = _auto_run(monkeypatch, [2.0] * 6 + [10.0] * 14)
+    gaps = [b - a for a, b in zip(made, made[1:])]
+    assert gaps == sorted(gaps, reverse=True) and gaps[0] > gaps[-1] and share <= 0.10
 
 
 # ------------------------------------------------------------------------------------ bad input

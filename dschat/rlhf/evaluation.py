@@ -9,7 +9,7 @@ between evaluations) and training sees exactly the random numbers it would witho
 The prompts are cut into generation batches dealt round robin to the ranks, each batch seeded by its
 number (:func:`eval_batches`), and the scores are gathered on every rank: one rank and several answer
 alike, and every rank takes the same best-checkpoint and alarm decisions (rank 0 writes).
-``--eval_interval auto`` chooses N after the first PPO step from the measured costs, so that
+``--eval_interval auto`` schedules each next evaluation from the costs measured so far, so that
 evaluation takes at most 10 % of the step-3 wall time (:mod:`dschat.rlhf.eval_cost`).
 
 Each evaluation scores the answers by
@@ -148,9 +148,12 @@ class StepThreeEvaluation:
                  judges: Sequence[Judge] = (), *, tb: Any = None, rank: int = 0, world_size: int = 1) -> None:
         self.args = args
         self.enabled = bool(args.eval_interval) and trainer is not None
-        # None until --eval_interval auto has timed an evaluation and the PPO step after it.
-        self.interval: int | None = None if args.eval_interval == EVAL_INTERVAL_AUTO else int(args.eval_interval)
-        self._mark: tuple[float, int, float] | None = None  # auto: the last evaluation's (end, step, seconds)
+        self.auto = args.eval_interval == EVAL_INTERVAL_AUTO
+        self.interval = 0 if self.auto else int(args.eval_interval)  # auto: the last one chosen
+        self.next_step: int | None = None  # auto: the next evaluation's step, once chosen
+        # auto: PPO-step time measured between the calls of maybe_evaluate (evaluations excluded).
+        self._mark: tuple[float, int] | None = None
+        self._step_seconds, self._steps_timed, self._warmed_up = 0.0, 0, False
         self.trainer = trainer
         self.items = list(prompt_items)
         self.judges = list(judges)
@@ -181,8 +184,8 @@ class StepThreeEvaluation:
         if self.save_best_by != "none" and self.output_dir is not None and rank == 0:
             for notice in recover_dir(self.output_dir / BEST_DIR):
                 print(f"[eval] {notice}", flush=True)
-        every = (f"every {self.interval} PPO steps" if self.interval is not None
-                 else "every N PPO steps (--eval_interval auto: N chosen after the first step)")
+        every = ("every N PPO steps (--eval_interval auto: N chosen from the measured costs)" if self.auto
+                 else f"every {self.interval} PPO steps")
         print_rank_0(f"[eval] held-out evaluation {every} and before the first: "
                      f"{len(self.items)} prompts, judges: {', '.join(j.name for j in self.judges) or 'none'}; "
                      f"best checkpoint by {self._best_series() or 'none'}", rank)
@@ -192,7 +195,7 @@ class StepThreeEvaluation:
         """JSON state for a checkpoint: the series, the best evaluation, the alarms, the timings."""
         return {"history": [{"step": p.step, "proxy": list(p.proxy), "judges": {k: list(v) for k, v in p.judges.items()}}
                             for p in self.history],
-                "best": self.best, "alarms": self.alarms, "interval": self.interval,
+                "best": self.best, "alarms": self.alarms, "next_step": self.next_step,
                 "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started]}
 
     def attach(self, position: Any) -> Any:
@@ -213,21 +216,23 @@ class StepThreeEvaluation:
         self.best, self.alarms = state["best"], list(state["alarms"])
         self.should_stop = bool(self.alarms) and bool(self.args.stop_on_overoptimization)
         self.eval_seconds, self.save_seconds, wall = state["seconds"]
-        if self.interval is None:  # auto: the interval the interrupted run chose
-            self.interval = state.get("interval")
+        self.next_step = state.get("next_step")  # auto: the evaluation the interrupted run scheduled
         self.started = time.time() - wall
 
     # ------------------------------------------------------------------ the evaluation
     def maybe_evaluate(self, global_step: int, epoch: int = 0) -> dict[str, Any] | None:
         """Evaluate when ``global_step`` (PPO steps trained) is 0 or a multiple of ``--eval_interval``
-        and was not evaluated yet (a resumed run). Collective. Returns the record, else None."""
+        (``auto``: the first call, then the step :meth:`_schedule` chose) and was not evaluated yet (a
+        resumed run). Collective. Returns the record, else None."""
         if not self.enabled:
             return None
-        if self.interval is None and self.history:  # auto: chosen after the PPO step that follows the first
-            self.interval = self._choose_interval(global_step)
-            if self.interval is None:
+        if self.auto:
+            self._time_steps(global_step)
+            if self.history and self.next_step is None:
+                self.next_step = self._schedule(global_step)
+            if self.history and (self.next_step is None or global_step < self.next_step):
                 return None
-        if self.interval is not None and global_step % self.interval != 0:
+        elif global_step % self.interval != 0:
             return None
         if self.history and self.history[-1].step >= global_step:
             return None
@@ -249,29 +254,41 @@ class StepThreeEvaluation:
                 self.should_stop = True
                 print_rank_0(f"[eval] --stop_on_overoptimization: ending the run at step {global_step} (the best "
                              f"checkpoint is in {self._best_where()})", self.rank)
-        self._mark = (time.time(), global_step, time.time() - start)  # the cost includes the best-model save
+        self.next_step, self._mark = None, (time.time(), global_step)  # auto: scheduled after the next step
         return record
 
-    def _choose_interval(self, global_step: int) -> int | None:
-        """``--eval_interval auto``, after the first PPO step that follows this process's first
-        evaluation: N from that evaluation's time and the step's (rank 0's, so every rank agrees)."""
-        if self._mark is None or global_step <= self._mark[1]:  # resumed: time the next step first
-            mean = (self.eval_seconds + self.save_seconds) / max(len(self.history), 1)
-            self._mark = (time.time(), global_step, mean)
+    def _time_steps(self, global_step: int) -> None:
+        """``--eval_interval auto``: add the PPO steps since the last call (or evaluation) to the timing;
+        the first PPO step of the process is left out (warm-up: first allocations, the first optimizer step)."""
+        now = time.time()
+        if self._mark is not None and global_step > self._mark[1]:
+            if self._warmed_up:
+                self._step_seconds += now - self._mark[0]
+                self._steps_timed += global_step - self._mark[1]
+            self._warmed_up = True
+        self._mark = (now, global_step)
+
+    def _schedule(self, global_step: int) -> int | None:
+        """``--eval_interval auto``: the next evaluation's step, from the mean costs measured so far
+        (None until a PPO step is timed); rank 0's choice, so that every rank agrees."""
+        if not self._steps_timed:
             return None
-        end, step, eval_seconds = self._mark
-        step_seconds = (time.time() - end) / (global_step - step)
+        last = self.history[-1].step
+        spent = self.eval_seconds + self.save_seconds
+        eval_seconds, step_seconds = spent / len(self.history), self._step_seconds / self._steps_timed
         planned = planned_ppo_steps(self.args, self.trainer)
-        mine = torch.tensor([auto_interval(eval_seconds, step_seconds, planned) if self.rank == 0 else 0],
-                            dtype=torch.float64)
-        interval = int(all_reduce_sum(mine)[0])
-        share = eval_share(eval_seconds, step_seconds, planned or interval, interval)
-        over = (f"; above {MAX_EVAL_SHARE:.0%} even so: lower --eval_prompts or run more steps"
-                if share > MAX_EVAL_SHARE else "")
-        print_rank_0(f"[eval] --eval_interval auto: an evaluation took {eval_seconds:.1f} s and a PPO step "
-                     f"{step_seconds:.1f} s; evaluating every {interval} PPO steps, about {share:.1%} of the wall "
-                     f"time of {planned or 'the'} planned PPO steps{over}", self.rank)
-        return interval
+        chosen = auto_interval(eval_seconds, step_seconds, planned, since=last, spent=spent) if self.rank == 0 else 0
+        interval = int(all_reduce_sum(torch.tensor([chosen], dtype=torch.float64))[0])
+        if interval != self.interval:
+            self.interval = interval
+            share = eval_share(eval_seconds, step_seconds, planned or last + interval, interval, since=last,
+                               spent=spent)
+            over = f"; above {MAX_EVAL_SHARE:.0%} even so: lower --eval_prompts" if share > MAX_EVAL_SHARE else ""
+            print_rank_0(f"[eval] --eval_interval auto: an evaluation takes {eval_seconds:.1f} s and a PPO step "
+                         f"{step_seconds:.1f} s (means so far): evaluating every {interval} PPO steps from step "
+                         f"{last}, about {share:.1%} of the wall time of {planned or 'the'} planned PPO steps{over}",
+                         self.rank)
+        return last + interval
 
     def _forked_random(self) -> ContextManager[Any]:
         """Torch (CPU and the current CUDA device) random states forked for the evaluation."""
@@ -480,7 +497,7 @@ class StepThreeEvaluation:
         line = (f"[eval] {len(self.history)} evaluations took {self.eval_seconds:.1f} s and best-checkpoint saves "
                 f"{self.save_seconds:.1f} s of {wall:.1f} s of step-3 wall time ({share:.1%})")
         if share > MAX_EVAL_SHARE:
-            fix = ("lower --eval_prompts or run more steps" if self.args.eval_interval == EVAL_INTERVAL_AUTO
+            fix = ("lower --eval_prompts or run more steps" if self.auto
                    else "raise --eval_interval (or give auto) or lower --eval_prompts")
             line += f"; above {MAX_EVAL_SHARE:.0%}: {fix}"
         if self.alarms:
