@@ -23,8 +23,6 @@ from typing import Any, NamedTuple
 import deepspeed
 import torch
 from torch import nn
-from transformers import MODEL_MAPPING, AutoModel
-from transformers.integrations import HfDeepSpeedConfig
 
 from dschat.errors import UserError, first_keys
 from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
@@ -123,6 +121,9 @@ def create_hf_model(
         return _adapter_model(model_class, path, tokenizer, ds_config, rlhf_training, dropout, vocab_rows)
     model_config = load_config(path)
     configure_dropout(model_config, dropout)
+    # lazy (here and below): transformers (with accelerate) costs 1.0 s CPU at import (python -X
+    # importtime), and step 2's --help imports this module without it.
+    from transformers.integrations import HfDeepSpeedConfig
 
     dschf = None
     if _is_zero3(ds_config):
@@ -180,6 +181,8 @@ def create_critic_model(
     loaded with strict key checking in both. ``zero_stage`` is upstream's argument; the ZeRO-3
     build follows ``ds_config``.
     """
+    from transformers import AutoModel  # lazy: see create_hf_model
+
     path = resolve_model_path(model_name_or_path)
     start = time.time()
     if is_adapter_folder(path):
@@ -245,6 +248,9 @@ def _load_base_strict(
     loaded (:func:`_check_body_state`), because under ZeRO-3 transformers reports neither
     unexpected keys nor, except on rank 0, shape mismatches.
     """
+    from transformers import MODEL_MAPPING  # lazy: see create_hf_model
+    from transformers.integrations import HfDeepSpeedConfig
+
     model_config = load_config(path)
     configure_dropout(model_config, dropout)
     if state_dict is not None:

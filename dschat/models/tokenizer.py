@@ -22,8 +22,6 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from transformers import AutoTokenizer
-
 from dschat.errors import UserError, first_line
 from dschat.models.registry import TOKENIZER_FILES, custom_code_error, is_adapter_folder, resolve_model_path
 from dschat.runtime.dist import print_rank_0
@@ -98,6 +96,10 @@ def load_hf_tokenizer(
     add_special_tokens: str | Sequence[str] | None = None,
 ) -> Any:
     """Load a right-padded tokenizer for ``model_name_or_path`` (folder, hub id or short name)."""
+    # lazy: transformers' tokenizer classes cost 0.3 s CPU at import (python -X importtime), and the
+    # step scripts import this module before parsing --help.
+    from transformers import AutoTokenizer
+
     resolved = resolve_model_path(model_name_or_path)
     path = _tokenizer_source(resolved)
     try:

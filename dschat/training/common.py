@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
-from transformers.utils import logging as hf_logging
 
 from dschat.data.collators import drop_padding_columns
 from dschat.data.prompt_dataset import check_data_output_path
@@ -40,7 +39,6 @@ from dschat.models.lora import (
     only_optimize_lora_parameters,
 )
 from dschat.models.registry import resolve_model_path
-from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.runtime.dist import (
     DEFAULT_DIST_TIMEOUT_MINUTES,
     barrier,
@@ -277,6 +275,10 @@ def cycle_batches(loader: DataLoader) -> Iterator[Any]:
 def quiet_transformers() -> None:
     """Silence per-load progress bars; keep warnings."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # lazy: transformers costs 0.75 s CPU at import (python -X importtime), and step 2's --help,
+    # which imports this module, never needs it.
+    from transformers.utils import logging as hf_logging
+
     hf_logging.disable_progress_bar()
 
 
@@ -374,6 +376,10 @@ def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str) -> tup
     PPO actor ends with (upstream steps 2 / DPO appended the literal "<|endoftext|>", several
     tokens for most tokenizers, DSE #819 / #927).
     """
+    # lazy: it imports transformers' tokenizers (0.4 s CPU at import, python -X importtime), which
+    # step 2's --help, importing this module, never needs.
+    from dschat.models.tokenizer import load_hf_tokenizer
+
     tokenizer = load_hf_tokenizer(
         args.model_name_or_path, fast_tokenizer=True,
         add_special_tokens=eot_special_token if args.add_eot_token else None,
