@@ -313,6 +313,11 @@ def test_ppo_evaluation_records_and_best_checkpoint(ppo_runs):
         assert len(r["per_prompt"]["proxy"]) == len(r["per_prompt"]["gold"]) == 6
         assert r["judges"]["gold"] == pytest.approx(sum(r["per_prompt"]["gold"]) / 6)
     assert records[0]["kl_to_ref"] == pytest.approx(0.0, abs=1e-5)  # the actor is the reference before step 1
+    # --eval_interval auto plans over the run's PPO steps: --test_stop_step 4 (one generation batch a step).
+    from dschat.rlhf.eval_cost import planned_ppo_steps
+
+    trainer = ppo_runs["with"].trainer
+    assert planned_ppo_steps(trainer.args, trainer) == 4
     # metrics.jsonl: the evaluation records interleaved with the training ones, in order.
     lines = _eval_lines(out)
     assert [(x.get("kind", "train"), x["global_step"]) for x in lines] == [
