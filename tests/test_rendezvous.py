@@ -130,8 +130,8 @@ def test_every_step_takes_dist_timeout_and_setup_run_passes_it(monkeypatch):
         seen.append(timeout_minutes)
         return dist.DistInfo(0, 0, 1, common.torch.device("cpu"))
 
-    monkeypatch.setattr(dist, "init_distributed", fake_init)
-    monkeypatch.setattr(dist, "barrier", lambda: None)
+    monkeypatch.setattr(common, "init_distributed", fake_init)  # setup_run's names (imported at its top)
+    monkeypatch.setattr(common, "barrier", lambda: None)
     for step in ("step1", "step2", "dpo"):
         args = load_script(step).parse_args(["--model_name_or_path", "tiny-llama", "--dist_timeout", "0.5"])
         assert args.dist_timeout == 0.5

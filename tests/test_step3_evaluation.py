@@ -4,16 +4,19 @@ The alarm's rule on hand-made series; the flag rules and bad judges (one line, e
 written); tiny-model runs: PPO with evaluation against the same run without it (identical training),
 its records and best checkpoint, an interrupted and resumed run reproducing both (and, up to the
 interruption, a second fresh run with the same seed reproducing the records), and a critic-free run
-stopped by the alarm."""
+stopped by the alarm; two ranks against one."""
 from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from _step_helpers import deepspeed_cmd
 from step3_support import (  # noqa: F401
+    STEP3_MAIN,
     Interrupted,
     base_argv,
     crash_after_checkpoint,
@@ -22,9 +25,11 @@ from step3_support import (  # noqa: F401
     load_state,
     max_abs_diff,
     step3_main,
+    subprocess_env,
 )
 
 from dschat.errors import EXIT_USAGE, cli_main
+from dschat.models.registry import resolve_model_path
 from dschat.rlhf import evaluation as ev
 from dschat.rlhf.evaluation import token_entropy
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
@@ -104,6 +109,90 @@ def test_best_index_and_token_entropy():
     uniform = torch.zeros(2, 3, 8)
     assert torch.allclose(token_entropy(uniform), torch.full((2, 3), math.log(8)))
     assert float(token_entropy(torch.tensor([0.0, -1e9]))) == pytest.approx(0.0, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------ ranks and cost
+
+def test_eval_batches_are_the_same_for_any_number_of_ranks():
+    # 6 prompts in batches of 4: batch 0 = prompts 0-3, batch 1 = 4, 5 and repeats of 0, 1 (uncounted).
+    one = [(0, [(0, 0), (1, 1), (2, 2), (3, 3)]), (1, [(4, 4), (5, 5), (-1, 0), (-1, 1)])]
+    assert ev.eval_batches(6, 4, 0, 1) == one
+    assert ev.eval_batches(6, 4, 0, 2) == one[:1] and ev.eval_batches(6, 4, 1, 2) == one[1:]
+    # A third rank has no batch of its own: it repeats batch 0, counting nothing (ZeRO-3 collectives).
+    assert ev.eval_batches(6, 4, 2, 3) == [(2, [(-1, 0), (-1, 1), (-1, 2), (-1, 3)])]
+    for n, size in ((1, 4), (5, 2), (16, 8), (17, 8)):
+        full = ev.eval_batches(n, size, 0, 1)
+        for world in (2, 3, 4):
+            shares = [ev.eval_batches(n, size, rank, world) for rank in range(world)]
+            assert len({len(share) for share in shares}) == 1  # the same number of batches on every rank
+            real = sorted(b for share in shares for b in share if b[0] < len(full))
+            assert real == full  # the same batches, with the same numbers (seeds)
+            counted = sorted(i for share in shares for _, rows in share for i, _ in rows if i >= 0)
+            assert counted == list(range(n))
+
+
+def test_auto_interval_by_hand():
+    from dschat.rlhf.eval_cost import auto_interval, eval_share
+
+    # E = 1 s, S = 5 s, 20 steps: N = 2 gives 11 evaluations, 11 / (11 + 100) = 9.9 %; N = 1 gives 17.4 %.
+    assert eval_share(1.0, 5.0, 20, 2) == pytest.approx(11 / 111)
+    assert auto_interval(1.0, 5.0, 20) == 2
+    # Without a planned length, the long-run share E / (N S + E) <= 10 %: N >= 9 E / S = 1.8.
+    assert auto_interval(1.0, 5.0, None) == 2
+    # E = 40 s, S = 30 s (the CPU demo's shape): N >= 12 over a long run; over 100 steps
+    # 9 x 40 x (100 // N + 1) <= 100 x 30 fails at N = 12 (9 evaluations) and holds at 13 (8, 9.6 %).
+    assert auto_interval(40.0, 30.0, None) == 12
+    assert auto_interval(40.0, 30.0, 100) == 13 and eval_share(40.0, 30.0, 100, 13) == pytest.approx(320 / 3320)
+    # Too short a run for 10 %: evaluate before the first step and after the last.
+    assert auto_interval(40.0, 30.0, 10) == 10
+    # Later: 200 s of evaluations spent by step 50 of 100; k = 50 // N more of 40 s fit in 10 % when
+    # (200 + 40 k) x 9 <= 3000, i.e. k <= 3: the smallest N with 50 // N <= 3 is 13 (50 // 12 = 4).
+    assert auto_interval(40.0, 30.0, 100, since=50, spent=200.0) == 13
+    assert eval_share(40.0, 30.0, 100, 13, since=50, spent=200.0) == pytest.approx(320 / 3320)
+
+
+def _auto_run(monkeypatch, step_seconds, planned=20):
+    """``--eval_interval auto`` on a fake clock: evaluations take 1 s, PPO step i ``step_seconds[i]``;
+    returns the evaluated steps, the measured share and the evaluation."""
+    from types import SimpleNamespace
+
+    now = [0.0]
+    monkeypatch.setattr(ev, "time", SimpleNamespace(time=lambda: now[0]))
+
+    def evaluate(self):
+        now[0] += 1.0
+        return ev._Rows(index=[0, 1], proxy=[1.0, 2.0], kl=[0.0, 0.0], entropy=[1.0, 1.0], tokens=[3, 3],
+                        ended=[True, True])
+
+    monkeypatch.setattr(ev.StepThreeEvaluation, "_evaluate_shard", evaluate)
+    plan = SimpleNamespace(optimizer_steps_per_rollout=1.0)
+    trainer = SimpleNamespace(prompt_columns=None, plan=plan, rlhf_engine=SimpleNamespace(num_total_iters=planned))
+    args = SimpleNamespace(eval_interval="auto", eval_alarm_sigmas=2.0, save_best_by="none", output_dir=None,
+                           enable_test_mode=False, stop_on_overoptimization=False)
+    evaluation = ev.StepThreeEvaluation(args, trainer, ["a", "b"], [])
+    made = []
+    for step in range(planned + 1):
+        if step:
+            now[0] += step_seconds[step - 1]  # a PPO step
+        if evaluation.maybe_evaluate(step) is not None:
+            made.append(step)
+    return made, evaluation.eval_seconds / now[0], evaluation
+
+
+def test_auto_interval_schedules_evaluations_within_a_tenth_of_the_wall_time(monkeypatch):
+    # Steady costs (E = 1 s, S = 5 s, 20 steps): every 2 steps, 11 evaluations, 9.9 %.
+    made, share, evaluation = _auto_run(monkeypatch, [5.0] * 20)
+    assert made == list(range(0, 21, 2)) and share == pytest.approx(11 / 111)
+    assert evaluation.state()["next_step"] is None  # scheduled once the step after the last one is timed
+    # A first step slowed by warm-up (20 s, then 2 s) is not timed: at step 2, (1 + 20 // N) / (1 +
+    # 20 // N + 40) <= 10 % first holds at N = 6; at step 7, (2 + 14 // N) / (... + 40) at N = 5; at
+    # step 17 one more (the last step's) is over 10 % by the estimate, and is made: a run ends evaluated.
+    made, share, _ = _auto_run(monkeypatch, [20.0] + [2.0] * 19)
+    assert made == [0, 6, 11, 16, 20] and share <= 0.10
+    # Steps that slow down (2 s, then 10 s after step 6): the next evaluations move apart.
+    made, share, _ = _auto_run(monkeypatch, [2.0] * 6 + [10.0] * 14)
+    gaps = [b - a for a, b in zip(made, made[1:])]
+    assert gaps == sorted(gaps, reverse=True) and gaps[0] > gaps[-1] and share <= 0.10
 
 
 # ------------------------------------------------------------------------------------ bad input
@@ -224,6 +313,11 @@ def test_ppo_evaluation_records_and_best_checkpoint(ppo_runs):
         assert len(r["per_prompt"]["proxy"]) == len(r["per_prompt"]["gold"]) == 6
         assert r["judges"]["gold"] == pytest.approx(sum(r["per_prompt"]["gold"]) / 6)
     assert records[0]["kl_to_ref"] == pytest.approx(0.0, abs=1e-5)  # the actor is the reference before step 1
+    # --eval_interval auto plans over the run's PPO steps: --test_stop_step 4 (one generation batch a step).
+    from dschat.rlhf.eval_cost import planned_ppo_steps
+
+    trainer = ppo_runs["with"].trainer
+    assert planned_ppo_steps(trainer.args, trainer) == 4
     # metrics.jsonl: the evaluation records interleaved with the training ones, in order.
     lines = _eval_lines(out)
     assert [(x.get("kind", "train"), x["global_step"]) for x in lines] == [
@@ -239,8 +333,6 @@ def test_ppo_evaluation_records_and_best_checkpoint(ppo_runs):
         "actor", "actor_ema", "best.json", "critic", fs.SAVED_MARKER])
     assert records[-1]["best_step"] == best["global_step"]
     if best["global_step"] == 0:  # the best is the actor before training: the step-1 weights themselves
-        from dschat.models.registry import resolve_model_path
-
         assert max_abs_diff(load_state(Path(resolve_model_path("tiny-opt"))), load_state(out / "best" / "actor")) == 0.0
 
 
@@ -300,6 +392,38 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dir
     assert sorted(p.name for p in (out / "best").iterdir()) == sorted(["actor", "best.json", fs.SAVED_MARKER])  # no critic, no EMA
     assert (out / "actor").is_dir()  # the final save still happened
     assert "evaluations took" in logs and "of step-3 wall time" in logs
+
+
+@pytest.mark.slow
+def test_two_ranks_zero2_with_evaluation(ppo_runs, tmp_path):
+    """Two CPU ranks under the DeepSpeed launcher (ZeRO-2), evaluated as ``ppo_runs`` is: the run
+    finishes and saves, trains on both ranks, and its evaluation before the first step equals the
+    one-rank run's record for record (the same batches, seeded alike, gathered on every rank). Later
+    records differ only because two ranks train on other prompts than one. Rank 0 alone prints,
+    writes metrics.jsonl and writes best/ (nothing left behind beside it)."""
+    out = tmp_path / "out"
+    argv = ppo_runs["argv"](out, *ppo_runs["evaluated"][:6], "--actor_zero_stage", "2", "--critic_zero_stage", "2")
+    argv[argv.index("--test_stop_step") + 1] = "2"
+    proc = subprocess.run(deepspeed_cmd(str(STEP3_MAIN), *argv), cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("Average reward score") == 2  # rank 0 only, two iterations
+    assert "Batch Size: 8" in proc.stdout  # 4 rows on each of the 2 ranks
+    assert max_abs_diff(load_state(Path(resolve_model_path("tiny-opt"))), load_state(out / "actor")) > 0
+    assert (out / "critic" / "v_head.safetensors").exists()
+    lines = _eval_lines(out)
+    assert [(x.get("kind", "train"), x["global_step"]) for x in lines] == [
+        ("eval", 0), ("train", 0), ("train", 1), ("eval", 2)]
+    assert proc.stdout.count("[eval] step ") == 2
+    records = [x for x in lines if x.get("kind") == "eval"]
+    assert _untimed(records[:1]) == _untimed(ppo_runs["with"].evaluations[:1])
+    assert records[1]["prompts"] == 6 and len(records[1]["per_prompt"]["gold"]) == 6
+    golds = [r["judges"]["gold"] for r in records]
+    info = json.loads((out / "best" / "best.json").read_text())
+    assert (info["step"], info["score"]) == (2 * golds.index(max(golds)), max(golds))
+    assert sorted(p.name for p in (out / "best").iterdir()) == sorted([
+        "actor", "actor_ema", "best.json", "critic", fs.SAVED_MARKER])
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no partial or old copies
 
 
 # ------------------------------------------------------------------------------------ the report

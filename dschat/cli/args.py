@@ -252,6 +252,8 @@ def add_eot_args(parser: argparse.ArgumentParser, *, eot_token_flag: bool) -> ar
 def add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     """``--deepspeed`` / ``--deepspeed_config`` as every upstream main.py (they are not used to build
     the config: dschat builds it from the flags, so passing ``--deepspeed_config`` is an error)."""
+    # lazy: deepspeed (with torch) costs 1.6 s CPU at import (python -X importtime), and e2e_rlhf.py
+    # --help imports this module without needing it.
     import deepspeed
 
     deepspeed.add_config_arguments(parser)
@@ -435,17 +437,28 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     return group
 
 
+#: ``--eval_interval auto``: the interval is chosen from the measured cost (dschat.rlhf.eval_cost).
+EVAL_INTERVAL_AUTO = "auto"
+
+
+def eval_interval(value: str) -> int | str:
+    """``--eval_interval``'s type: an integer or ``auto``."""
+    return EVAL_INTERVAL_AUTO if value == EVAL_INTERVAL_AUTO else int(value)
+
+
 def add_step3_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """(dschat) Step 3's held-out evaluation, over-optimization alarm and best checkpoint
     (:mod:`dschat.rlhf.evaluation`); README "Did step 3 work?"."""
     group = parser.add_argument_group("held-out evaluation (dschat)")
-    group.add_argument("--eval_interval", type=int, default=0,
+    group.add_argument("--eval_interval", type=eval_interval, default=0, metavar="N|auto",
                        help="If > 0, evaluate the actor on held-out prompts before the first PPO step and every this "
                             "many PPO steps (0: off, as upstream). Uses the phase-3 eval split of --data_path, never "
-                            "trained on; evaluation changes nothing in training.")
+                            "trained on; evaluation changes nothing in training. (dschat) 'auto': N is chosen after "
+                            "the first PPO step, from the measured cost of an evaluation and of a PPO step, so that "
+                            "evaluation takes at most 10%% of the step-3 wall time; the log states the measured share.")
     group.add_argument("--eval_prompts", type=int, default=16,
-                       help="(dschat) Held-out prompts per evaluation (the first K distinct prompts of the eval split, "
-                            "the same every time), answered with the rollout's decoding from a fixed seed.")
+                       help="(dschat) Held-out prompts per evaluation (default 16: the first K distinct prompts of the "
+                            "eval split, the same every time), answered with the rollout's decoding from a fixed seed.")
     group.add_argument("--eval_judge", type=str, action="append", default=None, metavar="JUDGE",
                        help="(dschat) An independent judge of the held-out answers, never trained on (repeatable): "
                             "'gold' (the embedded data's gold judge, --data_path dschat/builtin only), a "

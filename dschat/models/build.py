@@ -20,13 +20,25 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import deepspeed
 import torch
 from torch import nn
 
 from dschat.errors import UserError, first_keys
 from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
 from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
+from dschat.models.reward_model import (
+    RewardModel,
+    copy_value_head,
+    critic_format,
+    load_upstream_state,
+    load_value_head,
+    not_a_critic_message,
+    split_upstream_state,
+    value_head_file,
+)
 from dschat.paths import UPSTREAM_WEIGHTS_FILE
+from dschat.rl_math import causal_lm_loss
 from dschat.runtime.zero3 import any_zero3, full_shape
 
 __all__ = [
@@ -109,11 +121,12 @@ def create_hf_model(
         return _adapter_model(model_class, path, tokenizer, ds_config, rlhf_training, dropout, vocab_rows)
     model_config = load_config(path)
     configure_dropout(model_config, dropout)
+    # lazy (here and below): transformers (with accelerate) costs 1.0 s CPU at import (python -X
+    # importtime), and step 2's --help imports this module without it.
+    from transformers.integrations import HfDeepSpeedConfig
 
     dschf = None
     if _is_zero3(ds_config):
-        from transformers.integrations import HfDeepSpeedConfig
-
         dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
     if rlhf_training:
         model = model_class.from_config(model_config)
@@ -168,17 +181,7 @@ def create_critic_model(
     loaded with strict key checking in both. ``zero_stage`` is upstream's argument; the ZeRO-3
     build follows ``ds_config``.
     """
-    from transformers import AutoModel
-
-    from dschat.models.reward_model import (
-        RewardModel,
-        copy_value_head,
-        critic_format,
-        load_upstream_state,
-        load_value_head,
-        not_a_critic_message,
-        split_upstream_state,
-    )
+    from transformers import AutoModel  # lazy: see create_hf_model
 
     path = resolve_model_path(model_name_or_path)
     start = time.time()
@@ -213,8 +216,6 @@ def _adapter_critic(folder: str, tokenizer: Any, ds_config: dict | None, num_pad
     """A reward model from a LoRA adapter folder: the base it names (a step-2 output, or a model whose body
     gets a fresh value head), the adapter merged into the body, and the value head saved beside the adapter
     (dschat's export of a reward model) when there is one -- required for ``rlhf_training``."""
-    from dschat.models.reward_model import critic_format, load_value_head, not_a_critic_message, value_head_file
-
     adapter = read_adapter(folder)
     has_head = value_head_file(folder).is_file()
     if rlhf_training and not has_head:
@@ -247,18 +248,17 @@ def _load_base_strict(
     loaded (:func:`_check_body_state`), because under ZeRO-3 transformers reports neither
     unexpected keys nor, except on rank 0, shape mismatches.
     """
+    from transformers import MODEL_MAPPING  # lazy: see create_hf_model
+    from transformers.integrations import HfDeepSpeedConfig
+
     model_config = load_config(path)
     configure_dropout(model_config, dropout)
     if state_dict is not None:
-        from transformers import MODEL_MAPPING
-
         # transformers takes a state dict only without a model path, so the concrete class is needed.
         model_class = MODEL_MAPPING[type(model_config)]
         state_dict = _check_body_state(model_class, model_config, state_dict, path)
     dschf = None
     if _is_zero3(ds_config):
-        from transformers.integrations import HfDeepSpeedConfig
-
         dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
     if state_dict is None:
         model, info = model_class.from_pretrained(
@@ -381,8 +381,6 @@ def load_state_dict_into_model(
             # strict=False here: keys of other modules are in the dict, and the checks above are ours.
             args = (loadable, prefix, {}, False, [], [], [])
             if partitioned and params:
-                import deepspeed
-
                 # Every rank gathers; rank 0's values are broadcast when the context exits. Other
                 # ranks load too only when the module has buffers (kept whole on every rank).
                 with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
@@ -404,8 +402,6 @@ def causal_lm_model_to_fp32_loss(model: nn.Module) -> None:
     transformers >= 4.46 already upcasts logits in its loss; this keeps upstream's explicit
     behaviour for ``--compute_fp32_loss`` whatever the model does.
     """
-    from dschat.rl_math import causal_lm_loss
-
     original_forward = model.forward
 
     def forward(*args: Any, labels: torch.Tensor | None = None, **kwargs: Any) -> Any:

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from dschat.errors import UserError
 from dschat.paths import cache_dir
 from dschat.runtime.fs import atomic_dir, atomic_file
@@ -222,6 +224,8 @@ def read_provenance(folder: Path) -> dict[str, Any] | None:
 
 def load_from_gguf(gguf: Path) -> tuple[Any, Any]:
     """Load ``(model, tokenizer)`` straight from the GGUF (fp32, de-quantised; ~20 s on CPU)."""
+    # lazy (here and below): torch and transformers cost 1.8 s CPU at import (python -X importtime);
+    # dschat.models.registry imports this module, and chat.py / e2e_rlhf.py check paths through it.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -303,8 +307,6 @@ def materialize_smollm2(dest: Path | None = None) -> Path:
     ``dest`` into an :func:`atomic_dir`, so concurrent callers (several ranks, two CLIs) wait for a
     single build and never see a half-written folder.
     """
-    from filelock import FileLock
-
     dest = Path(dest).expanduser() if dest is not None else default_dest()
     if read_provenance(dest) is not None:
         return dest

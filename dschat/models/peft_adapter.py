@@ -41,12 +41,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dschat.errors import UserError, first_line
 from dschat.models.reward_model import VALUE_HEAD_KEY
 from dschat.paths import ADAPTER_CONFIG_FILE, VALUE_HEAD_FILE, is_adapter_folder
-from dschat.runtime.zero3 import full_shape, gathered
+from dschat.runtime.zero3 import full_shape, gathered, release_zero3_prefetch
 
 __all__ = [
     "ADAPTER_DIR",
@@ -195,8 +196,6 @@ def gather_lora_adapter(model: Any) -> AdapterExport | None:
     engine around one. None without LoRA layers, and on ranks other than 0. Collective under ZeRO-3:
     every rank must call it.
     """
-    from dschat.runtime.zero3 import release_zero3_prefetch
-
     module = getattr(model, "module", model)
     body = getattr(module, "rwtransformer", module)  # a reward model: the adapter is its body's
     reward = body is not module
@@ -292,9 +291,7 @@ def write_lora_adapter(export: AdapterExport, folder: str | Path, tokenizer: Any
     """Write ``export`` into the new folder ``folder`` (call it inside an atomic folder write): the
     config through ``peft.LoraConfig`` (PEFT's own schema and version), the tensors in safetensors,
     a reward model's value head, the tokenizer and a short README."""
-    from peft import LoraConfig  # ~3 s to import: paid by LoRA saves and adapter loads only
-    from safetensors.torch import save_file
-
+    from peft import LoraConfig  # lazy: 3.2 s CPU at import (python -X importtime); LoRA saves and adapter loads only
     folder = Path(folder)
     folder.mkdir(parents=True)
     known = {field.name for field in dataclasses.fields(LoraConfig)}  # older peft lacks ensure_weight_tying
@@ -395,7 +392,7 @@ def check_adapter(folder: str | Path, check_base: Callable[[str], Any]) -> None:
 def _lora_config(adapter: LoraAdapter) -> Any:
     """``adapter_config.json`` as a ``peft.LoraConfig``: absent entries take PEFT's defaults, entries this
     peft does not know (a newer one wrote them) are left out, as ``LoraConfig.from_pretrained`` does."""
-    from peft import LoraConfig  # ~3 s to import: paid by LoRA saves and adapter loads only
+    from peft import LoraConfig  # lazy: 3.2 s CPU at import (python -X importtime); LoRA saves and adapter loads only
 
     known = {field.name for field in dataclasses.fields(LoraConfig) if field.init}
     try:
@@ -508,8 +505,6 @@ def merge_lora_adapter(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
     ``modules_to_save`` / bias tensors replace the model's. Under ZeRO-3 each weight is gathered alone
     and rank 0's result is kept (every rank must call).
     """
-    from safetensors.torch import load_file
-
     merges, replaced = _plan(model, adapter, load_file(str(adapter.weights_file)))
     for weight, a, b, scaling, fan_in_fan_out in merges:
         with gathered([weight], modifier_rank=0):

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
+from dschat.models.embedded import materialize_smollm2
+from dschat.models.tiny import build_tiny_model
 from dschat.paths import ADAPTER_CONFIG_FILE, is_adapter_folder
 
 EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
@@ -83,6 +85,8 @@ def _check_local_folder(name: str, folder: Path) -> None:
 
 
 def _check_hub_id(name: str) -> None:
+    # lazy: huggingface_hub's cache helpers import httpx: +0.13 s CPU, 0.3 s wall (python -X importtime),
+    # which chat.py's and e2e_rlhf.py's checks of a local folder do not need.
     from huggingface_hub import try_to_load_from_cache
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -123,9 +127,12 @@ def load_config(path: str) -> Any:
     code; dschat passes ``False`` everywhere, and a model that needs its code is a :class:`UserError`.
     A PEFT adapter folder has its base model's config (merging the adapter changes no config).
     """
+    # lazy: transformers costs 0.5 s CPU at import (python -X importtime); chat.py and e2e_rlhf.py
+    # import this module to check a path before (or without) loading any model.
     from transformers import AutoConfig
 
     if is_adapter_folder(path):
+        # lazy: torch and deepspeed, 1.7 s CPU at import, only for an adapter folder (as above)
         from dschat.models.peft_adapter import read_adapter
 
         return load_config(resolve_model_path(read_adapter(path).base))
@@ -174,12 +181,8 @@ def resolve_model_path(name_or_path: str) -> str:
     check_local_model_path(name_or_path)
     name = str(name_or_path).strip()
     if name in EMBEDDED_NAMES:
-        from dschat.models.embedded import materialize_smollm2
-
         return str(materialize_smollm2())
     if name in TINY_MODEL_NAMES:
-        from dschat.models.tiny import build_tiny_model
-
         return str(build_tiny_model(name))
     local = Path(name).expanduser()
     if local.is_dir():
@@ -193,6 +196,8 @@ def resolve_model_path(name_or_path: str) -> str:
 def _check_adapter(folder: Path, check_base: Any) -> None:
     """Refuse an adapter dschat cannot load (not LoRA, no safetensors weights) or whose base model
     ``check_base`` refuses (one line naming the base)."""
-    from dschat.models.peft_adapter import check_adapter  # imports torch: only when an adapter is given
+    # lazy: torch and deepspeed, 1.7 s CPU at import (python -X importtime), only when an adapter is
+    # given: chat.py and e2e_rlhf.py check paths through this module before loading anything.
+    from dschat.models.peft_adapter import check_adapter
 
     check_adapter(folder, check_base)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from dschat import rl_math
@@ -272,8 +273,6 @@ class RewardModel(nn.Module):
 
 def load_value_head(model: RewardModel, folder: str | Path) -> None:
     """Load ``v_head.weight`` from a dschat step-2 folder, refusing any other key or shape."""
-    from safetensors.torch import load_file
-
     state = load_file(str(value_head_file(folder)))
     if set(state) != {VALUE_HEAD_KEY}:
         raise UserError(

@@ -26,13 +26,17 @@ import re
 from pathlib import Path
 from typing import Any
 
+import deepspeed
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_lora_adapter
+from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.runtime.dist import barrier
-from dschat.runtime.fs import atomic_dir
+from dschat.runtime.fs import atomic_dir, recover_dir
+from dschat.runtime.zero3 import release_zero3_prefetch
 
 LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
 
@@ -62,8 +66,6 @@ def _keep(name: str) -> bool:
 def recover_output_dir(output_dir: str | Path) -> list[str]:
     """Repair ``output_dir`` after a kill during :func:`save_hf_model`'s folder swap (see
     :func:`dschat.runtime.fs.recover_dir`): its logs and ``checkpoints/`` are never left hidden."""
-    from dschat.runtime.fs import recover_dir
-
     return recover_dir(output_dir, carry_over=_keep)
 
 
@@ -104,10 +106,6 @@ def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
 
     Collective under ZeRO-3: every rank must call it.
     """
-    import deepspeed
-
-    from dschat.runtime.zero3 import release_zero3_prefetch
-
     release_zero3_prefetch(model)
     module = unwrap(model)
     rank = _rank()
@@ -138,10 +136,6 @@ def _set_saved_dtype(config: Any, state: dict[str, torch.Tensor]) -> None:
 
 def _write(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:
     """Write weights + config (and the value head of a reward model) into ``folder``."""
-    from safetensors.torch import save_file
-
-    from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
-
     if isinstance(module, RewardModel):
         body = {k.split(".", 1)[1]: v for k, v in state.items() if k.startswith("rwtransformer.")}
         _set_saved_dtype(module.rwtransformer.config, body)
@@ -160,8 +154,6 @@ def _write_upstream_bin(module: nn.Module, state: dict[str, torch.Tensor], folde
     The file holds tensors only, so ``torch.load(..., weights_only=True)`` reads it, as transformers
     and dschat's upstream-critic reader do.
     """
-    from dschat.models.reward_model import RewardModel
-
     hf_model = module.rwtransformer if isinstance(module, RewardModel) else module
     _set_saved_dtype(hf_model.config, state)
     # What save_pretrained writes besides the weights.

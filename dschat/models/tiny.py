@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock
+
 from dschat.errors import UserError
 from dschat.paths import BUILTIN_DATA_DIR, cache_dir
 from dschat.runtime.fs import atomic_dir, atomic_file
@@ -128,6 +130,8 @@ def train_tokenizer(spec: TinySpec, texts: list[str]) -> Any:
     Byte-level, like OPT's GPT-2 BPE, so any text round-trips and ``<unk>`` is never produced. The
     post-processor prepends BOS to every sequence, as the OPT and LLaMA tokenizers do.
     """
+    # lazy (here and in _make_model): torch and transformers cost 1.8 s CPU at import (python -X
+    # importtime); dschat.models.registry imports this module, and chat.py / e2e_rlhf.py check paths through it.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -214,8 +218,6 @@ def build_tiny_model(name: str, root: Path | None = None, texts: list[str] | Non
     """
     if name not in SPECS:
         raise UserError(f"unknown tiny model {name!r}; choose one of: {', '.join(TINY_NAMES)}")
-    from filelock import FileLock
-
     root = Path(root).expanduser() if root is not None else default_root()
     folder = root / name
     texts = corpus_texts() if texts is None else texts

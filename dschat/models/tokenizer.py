@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from dschat.errors import UserError, first_line
-from dschat.models.registry import custom_code_error, resolve_model_path
+from dschat.models.registry import TOKENIZER_FILES, custom_code_error, is_adapter_folder, resolve_model_path
+from dschat.runtime.dist import print_rank_0
 
 # Either makes a folder's tokenizer complete (special tokens included); without both, a folder
 # holds at most bare vocabulary files.
@@ -60,12 +61,11 @@ def _tokenizer_source(resolved: str) -> str:
     """The folder or hub id to load the tokenizer from: ``resolved`` itself, or, for an upstream
     output without tokenizer files, the model its ``_name_or_path`` names (followed as far as it
     leads: a step-3 actor names its step-1 folder, which names the base model)."""
-    from dschat.models.registry import TOKENIZER_FILES, is_adapter_folder
-    from dschat.runtime.dist import print_rank_0
-
     path = resolved
     while is_adapter_folder(path) and not any((Path(path) / name).is_file() for name in FULL_TOKENIZER_FILES):
-        from dschat.models.peft_adapter import read_adapter  # imports torch: only for an adapter folder
+        # lazy: it imports deepspeed, +0.4 s CPU at import (python -X importtime), which chat.py and
+        # the data preparation never need but for an adapter folder.
+        from dschat.models.peft_adapter import read_adapter
 
         path = resolve_model_path(read_adapter(path).base)  # a PEFT adapter without a tokenizer: its base's
     seen = {str(Path(path).resolve())}
@@ -96,6 +96,8 @@ def load_hf_tokenizer(
     add_special_tokens: str | Sequence[str] | None = None,
 ) -> Any:
     """Load a right-padded tokenizer for ``model_name_or_path`` (folder, hub id or short name)."""
+    # lazy: transformers' tokenizer classes cost 0.3 s CPU at import (python -X importtime), and the
+    # step scripts import this module before parsing --help.
     from transformers import AutoTokenizer
 
     resolved = resolve_model_path(model_name_or_path)

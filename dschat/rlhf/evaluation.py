@@ -6,6 +6,11 @@ the prompt data, which step 3 never trains on -- once before the first PPO step 
 PPO steps. Decoding is the rollout's (``--decoding``, ``--temperature``, ...) drawn from a fixed seed
 inside a forked random state, so every evaluation sees the same random numbers (paired comparisons
 between evaluations) and training sees exactly the random numbers it would without evaluation.
+The prompts are cut into generation batches dealt round robin to the ranks, each batch seeded by its
+number (:func:`eval_batches`), and the scores are gathered on every rank: one rank and several answer
+alike, and every rank takes the same best-checkpoint and alarm decisions (rank 0 writes).
+``--eval_interval auto`` schedules each next evaluation from the costs measured so far, so that
+evaluation takes at most 10 % of the step-3 wall time (:mod:`dschat.rlhf.eval_cost`).
 
 Each evaluation scores the answers by
 
@@ -47,12 +52,20 @@ from typing import Any, ContextManager, Mapping, Sequence
 import numpy as np
 import torch
 
+from dschat.cli.args import EVAL_INTERVAL_AUTO
+from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
+from dschat.data.prompt_columns import load_prompt_columns
 from dschat.errors import UserError
 from dschat.eval.report import EVAL_KIND, Samples, load_reward, read_eval_records, reward_scores
+from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
+from dschat.rlhf.eval_cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
+from dschat.rlhf.eval_setup import Judge, check_eval_args, heldout_prompt_items, resolve_judges
+from dschat.rlhf.experience import sequence_masks
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
-from dschat.rewards import RewardFunction, load_reward_function
 from dschat.runtime.dist import all_reduce_sum, barrier, print_rank_0
+from dschat.runtime.fs import atomic_dir, recover_dir
+from dschat.training.common import to_device
 
 __all__ = [
     "BEST_DIR",
@@ -64,6 +77,7 @@ __all__ = [
     "StepThreeEvaluation",
     "best_index",
     "check_eval_args",
+    "eval_batches",
     "heldout_prompt_items",
     "overoptimization_alarm",
     "paired_change",
@@ -74,9 +88,6 @@ __all__ = [
 
 #: ``<output_dir>/best``: the best evaluation's models; ``best.json`` inside says which step and why.
 #: The ``kind`` of an evaluation record in ``metrics.jsonl`` (training records have none).
-#: ``--eval_judge gold``: the built-in gold judge (dschat.rewards:gold).
-GOLD = "gold"
-GOLD_SPEC = "dschat.rewards:gold"
 #: Added to --seed for the evaluation's decoding: a stream of its own, the same at every evaluation.
 EVAL_SEED_OFFSET = 104729
 
@@ -88,123 +99,31 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 
 # ================================================================================================
-# Flags and judges (checked before any model is loaded)
-# ================================================================================================
-@dataclass(frozen=True)
-class Judge:
-    """One ``--eval_judge``: a reward function (``fn``) or a reward-model folder (``folder``)."""
-
-    name: str
-    fn: RewardFunction | None = None
-    folder: Path | None = None
-
-
-def _is_builtin_data(data_path: Sequence[str]) -> bool:
-    from dschat.data.raw_datasets import BUILTIN_NAME
-
-    return bool(data_path) and all(p == BUILTIN_NAME for p in data_path)
-
-
-def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge]:
-    """The ``--eval_judge`` values as :class:`Judge` objects: ``gold``, ``module:function`` or a
-    reward-model folder. A bad value is one :class:`UserError` line; no model is loaded here."""
-    from dschat.models.registry import resolve_model_path
-    from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message
-
-    judges: list[Judge] = []
-    for spec in specs:
-        if spec in (GOLD, GOLD_SPEC):
-            if not _is_builtin_data(data_path):
-                raise UserError(f"--eval_judge {spec}: the gold judge scores the embedded data only (--data_path "
-                                f"dschat/builtin), not {' '.join(data_path)}; give a module:function or a reward-model "
-                                "folder as judge")
-            judges.append(Judge(GOLD, fn=load_reward_function(GOLD_SPEC)))
-        elif Path(spec).expanduser().is_dir():
-            folder = Path(resolve_model_path(str(Path(spec).expanduser())))
-            if not is_reward_model_folder(folder):
-                raise UserError(not_a_critic_message(spec, "--eval_judge"))
-            judges.append(Judge(str(spec), folder=folder))
-        elif ":" in spec:
-            try:
-                fn = load_reward_function(spec)
-            except UserError as err:  # the loader's lines name --reward_fn, its usual flag
-                raise UserError(str(err).replace("--reward_fn", "--eval_judge")) from None
-            judges.append(Judge(spec, fn=fn))
-        else:
-            raise UserError(f"--eval_judge {spec!r} is neither 'gold', a module.path:function nor a reward-model "
-                            "folder; give one of those")
-    names = [j.name for j in judges]
-    if len(set(names)) != len(names):
-        raise UserError(f"--eval_judge given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
-    return judges
-
-
-def check_eval_args(args: Any) -> list[Judge]:
-    """Evaluation flag rules (before anything loads) and the resolved judges; resolves
-    ``args.save_best_by``'s default in place: ``judge`` with a judge and an ``--output_dir``, else ``none``."""
-    interval, prompts = int(args.eval_interval), int(args.eval_prompts)
-    judges_given = list(args.eval_judge or [])
-    if interval < 0:
-        raise UserError(f"--eval_interval must be >= 0 (0: no evaluation), got {interval}")
-    if interval == 0:
-        extras = [flag for flag, on in (("--eval_judge", bool(judges_given)),
-                                        ("--stop_on_overoptimization", args.stop_on_overoptimization),
-                                        ("--save_best_by", args.save_best_by not in (None, "none"))) if on]
-        if extras:
-            raise UserError(f"{', '.join(extras)} need(s) the held-out evaluation: give --eval_interval N (> 0)")
-        args.save_best_by = "none"
-        return []
-    if prompts < 1:
-        raise UserError(f"--eval_prompts must be >= 1, got {prompts}")
-    if not args.eval_alarm_sigmas > 0:
-        raise UserError(f"--eval_alarm_sigmas must be > 0, got {args.eval_alarm_sigmas}")
-    judges = resolve_judges(judges_given, args.data_path)
-    if args.stop_on_overoptimization and not judges:
-        raise UserError("--stop_on_overoptimization: the alarm compares the proxy with a judge; give --eval_judge")
-    if args.save_best_by is None:
-        args.save_best_by = "judge" if judges and args.output_dir else "none"
-    if args.save_best_by == "judge" and not judges:
-        raise UserError("--save_best_by judge needs a judge: give --eval_judge (or --save_best_by proxy|none)")
-    if args.save_best_by != "none" and not args.output_dir:
-        raise UserError(f"--save_best_by {args.save_best_by} keeps the best models in <output_dir>/{BEST_DIR}; "
-                        "give --output_dir (or --save_best_by none)")
-    return judges
-
-
-def heldout_prompt_items(args: Any, tokenizer: Any, local_rank: int) -> list[Any]:
-    """The first ``--eval_prompts`` distinct prompts of the phase-3 eval split (the tokenised cache
-    step 3 already built), in the dataset's fixed order. None there is one :class:`UserError` line."""
-    from dschat.data.prompt_dataset import create_prompt_dataset
-
-    _, held_out = create_prompt_dataset(
-        local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
-        args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
-    )
-    items, seen = [], set()
-    for i in range(len(held_out)):
-        item = held_out[i]
-        key = tuple(item[0][item[1].bool()].tolist())
-        if key in seen:
-            continue
-        seen.add(key)
-        items.append(item)
-        if len(items) == args.eval_prompts:
-            break
-    if not items:
-        raise UserError(
-            f"--eval_interval {args.eval_interval}: the phase-3 eval split of {' '.join(args.data_path)} has no "
-            f"held-out prompts (data_split {args.data_split}, max_prompt_seq_len {args.max_prompt_seq_len}); add an "
-            "eval.*/test.* file or rows to the data, or drop --eval_interval"
-        )
-    if len(items) < args.eval_prompts:
-        print_rank_0(f"[eval] only {len(items)} distinct held-out prompts (--eval_prompts {args.eval_prompts}); "
-                     "evaluating on those")
-    return items
-
-
-# ================================================================================================
 # The evaluation during training
 # ================================================================================================
+def eval_batches(n: int, batch_size: int, rank: int, world_size: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """This rank's generation batches of one evaluation of ``n`` prompts: ``(batch number, rows)``,
+    each row ``(index, position)``: the prompt at ``position`` of the K, counted as ``index`` or not
+    counted when ``index`` is -1 (a repeat that fills a batch).
+
+    The K prompts are cut into ``ceil(K / batch_size)`` batches of ``batch_size``, the last one topped
+    up with repeats of the first prompts, and dealt round robin: batch ``b`` goes to rank
+    ``b % world_size``. Each batch, and the seed it is decoded with (its number), is the same for any
+    number of ranks, so one rank and several give the same answers. Every rank gets the same number
+    of batches (a rank short of one repeats batch 0, not counted): generation and the forward
+    passes are collective under ZeRO-3.
+    """
+    count = -(-n // batch_size)
+    per_rank = -(-count // world_size)
+    out = []
+    for k in range(per_rank):
+        number = rank + k * world_size
+        first = number * batch_size if number < count else 0
+        rows = [(i if number < count and i < n else -1, i % n) for i in range(first, first + batch_size)]
+        out.append((number, rows))
+    return out
+
+
 @dataclass
 class _Rows:
     """Per-prompt results of one evaluation on this rank (index = position among the K prompts)."""
@@ -229,7 +148,12 @@ class StepThreeEvaluation:
                  judges: Sequence[Judge] = (), *, tb: Any = None, rank: int = 0, world_size: int = 1) -> None:
         self.args = args
         self.enabled = bool(args.eval_interval) and trainer is not None
-        self.interval = int(args.eval_interval)
+        self.auto = args.eval_interval == EVAL_INTERVAL_AUTO
+        self.interval = 0 if self.auto else int(args.eval_interval)  # auto: the last one chosen
+        self.next_step: int | None = None  # auto: the next evaluation's step, once chosen
+        # auto: PPO-step time measured between the calls of maybe_evaluate (evaluations excluded).
+        self._mark: tuple[float, int] | None = None
+        self._step_seconds, self._steps_timed, self._warmed_up = 0.0, 0, False
         self.trainer = trainer
         self.items = list(prompt_items)
         self.judges = list(judges)
@@ -252,19 +176,17 @@ class StepThreeEvaluation:
             return
         self._columns = trainer.prompt_columns
         if self._columns is None and any(j.fn is not None for j in self.judges):
-            from dschat.data.prompt_columns import load_prompt_columns
-
             self._columns = load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path,
                                                 args.local_rank, trainer.tokenizer)
         for judge in self.judges:
             if judge.folder is not None:
                 self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
         if self.save_best_by != "none" and self.output_dir is not None and rank == 0:
-            from dschat.runtime.fs import recover_dir
-
             for notice in recover_dir(self.output_dir / BEST_DIR):
                 print(f"[eval] {notice}", flush=True)
-        print_rank_0(f"[eval] held-out evaluation every {self.interval} PPO steps and before the first: "
+        every = ("every N PPO steps (--eval_interval auto: N chosen from the measured costs)" if self.auto
+                 else f"every {self.interval} PPO steps")
+        print_rank_0(f"[eval] held-out evaluation {every} and before the first: "
                      f"{len(self.items)} prompts, judges: {', '.join(j.name for j in self.judges) or 'none'}; "
                      f"best checkpoint by {self._best_series() or 'none'}", rank)
 
@@ -273,7 +195,7 @@ class StepThreeEvaluation:
         """JSON state for a checkpoint: the series, the best evaluation, the alarms, the timings."""
         return {"history": [{"step": p.step, "proxy": list(p.proxy), "judges": {k: list(v) for k, v in p.judges.items()}}
                             for p in self.history],
-                "best": self.best, "alarms": self.alarms,
+                "best": self.best, "alarms": self.alarms, "next_step": self.next_step,
                 "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started]}
 
     def attach(self, position: Any) -> Any:
@@ -294,13 +216,23 @@ class StepThreeEvaluation:
         self.best, self.alarms = state["best"], list(state["alarms"])
         self.should_stop = bool(self.alarms) and bool(self.args.stop_on_overoptimization)
         self.eval_seconds, self.save_seconds, wall = state["seconds"]
+        self.next_step = state.get("next_step")  # auto: the evaluation the interrupted run scheduled
         self.started = time.time() - wall
 
     # ------------------------------------------------------------------ the evaluation
     def maybe_evaluate(self, global_step: int, epoch: int = 0) -> dict[str, Any] | None:
         """Evaluate when ``global_step`` (PPO steps trained) is 0 or a multiple of ``--eval_interval``
-        and was not evaluated yet (a resumed run). Collective. Returns the record, else None."""
-        if not self.enabled or global_step % self.interval != 0:
+        (``auto``: the first call, then the step :meth:`_schedule` chose) and was not evaluated yet (a
+        resumed run). Collective. Returns the record, else None."""
+        if not self.enabled:
+            return None
+        if self.auto:
+            self._time_steps(global_step)
+            if self.history and self.next_step is None:
+                self.next_step = self._schedule(global_step)
+            if self.history and (self.next_step is None or global_step < self.next_step):
+                return None
+        elif global_step % self.interval != 0:
             return None
         if self.history and self.history[-1].step >= global_step:
             return None
@@ -322,22 +254,41 @@ class StepThreeEvaluation:
                 self.should_stop = True
                 print_rank_0(f"[eval] --stop_on_overoptimization: ending the run at step {global_step} (the best "
                              f"checkpoint is in {self._best_where()})", self.rank)
+        self.next_step, self._mark = None, (time.time(), global_step)  # auto: scheduled after the next step
         return record
 
-    def _shard(self) -> list[tuple[int, Any]]:
-        """This rank's ``(index, item)`` rows: a contiguous share of the K prompts, padded with
-        repeats (index -1, not counted) to the same number of whole generation batches on every rank
-        (generation and the forward passes are collective under ZeRO-3)."""
-        n = len(self.items)
-        share = -(-n // self.world_size)
-        batch = self.args.per_device_generation_batch_size
-        padded = -(-share // batch) * batch
-        out = []
-        for j in range(padded):
-            i = self.rank * share + j
-            real = j < share and i < n
-            out.append((i if real else -1, self.items[i % n]))
-        return out
+    def _time_steps(self, global_step: int) -> None:
+        """``--eval_interval auto``: add the PPO steps since the last call (or evaluation) to the timing;
+        the first PPO step of the process is left out (warm-up: first allocations, the first optimizer step)."""
+        now = time.time()
+        if self._mark is not None and global_step > self._mark[1]:
+            if self._warmed_up:
+                self._step_seconds += now - self._mark[0]
+                self._steps_timed += global_step - self._mark[1]
+            self._warmed_up = True
+        self._mark = (now, global_step)
+
+    def _schedule(self, global_step: int) -> int | None:
+        """``--eval_interval auto``: the next evaluation's step, from the mean costs measured so far
+        (None until a PPO step is timed); rank 0's choice, so that every rank agrees."""
+        if not self._steps_timed:
+            return None
+        last = self.history[-1].step
+        spent = self.eval_seconds + self.save_seconds
+        eval_seconds, step_seconds = spent / len(self.history), self._step_seconds / self._steps_timed
+        planned = planned_ppo_steps(self.args, self.trainer)
+        chosen = auto_interval(eval_seconds, step_seconds, planned, since=last, spent=spent) if self.rank == 0 else 0
+        interval = int(all_reduce_sum(torch.tensor([chosen], dtype=torch.float64))[0])
+        if interval != self.interval:
+            self.interval = interval
+            share = eval_share(eval_seconds, step_seconds, planned or last + interval, interval, since=last,
+                               spent=spent)
+            over = f"; above {MAX_EVAL_SHARE:.0%} even so: lower --eval_prompts" if share > MAX_EVAL_SHARE else ""
+            print_rank_0(f"[eval] --eval_interval auto: an evaluation takes {eval_seconds:.1f} s and a PPO step "
+                         f"{step_seconds:.1f} s (means so far): evaluating every {interval} PPO steps from step "
+                         f"{last}, about {share:.1%} of the wall time of {planned or 'the'} planned PPO steps{over}",
+                         self.rank)
+        return last + interval
 
     def _forked_random(self) -> ContextManager[Any]:
         """Torch (CPU and the current CUDA device) random states forked for the evaluation."""
@@ -345,23 +296,19 @@ class StepThreeEvaluation:
         return torch.random.fork_rng(devices=devices)
 
     def _evaluate_shard(self) -> _Rows:
-        from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
-        from dschat.training.common import to_device
-
         trainer, args = self.trainer, self.args
         actor_was_training = trainer.actor_model.module.training
         py_state, np_state = random.getstate(), np.random.get_state()
         collator = DataCollatorRLHF(args.max_prompt_seq_len, args.inference_tp_size)
         rows = _Rows(judges={j.name: [] for j in self.judges})
-        shard = self._shard()
-        batch_size = args.per_device_generation_batch_size
+        batches = eval_batches(len(self.items), args.per_device_generation_batch_size, self.rank, self.world_size)
         try:
             with self._forked_random():
-                torch.manual_seed(int(args.seed) + EVAL_SEED_OFFSET + self.rank)
                 trainer.eval()
-                for start in range(0, len(shard), batch_size):
-                    chunk = shard[start:start + batch_size]
-                    batch = to_device(collator([item for _, item in chunk]), trainer.device)
+                for number, chunk in batches:
+                    # Seeded by the batch's number: its random numbers do not depend on the rank count.
+                    torch.manual_seed(int(args.seed) + EVAL_SEED_OFFSET + number)
+                    batch = to_device(collator([self.items[at] for _, at in chunk]), trainer.device)
                     batch = drop_padding_columns(batch, "prompt_att_mask", side="left")
                     self._score_batch(batch["prompt"], batch["prompt_att_mask"], [i for i, _ in chunk], rows)
         finally:
@@ -374,8 +321,6 @@ class StepThreeEvaluation:
     @torch.no_grad()
     def _score_batch(self, prompts: torch.Tensor, mask: torch.Tensor, index: list[int], rows: _Rows) -> None:
         """Generate, then score one batch of prompts. Shapes: prompts, mask (B, P) left-padded."""
-        from dschat.rlhf.experience import sequence_masks
-
         trainer = self.trainer
         eos = trainer.tokenizer.eos_token_id
         seq = trainer.generator.rollout(prompts, mask).sequences  # (B, L)
@@ -551,8 +496,10 @@ class StepThreeEvaluation:
         share = (self.eval_seconds + self.save_seconds) / wall if wall > 0 else 0.0
         line = (f"[eval] {len(self.history)} evaluations took {self.eval_seconds:.1f} s and best-checkpoint saves "
                 f"{self.save_seconds:.1f} s of {wall:.1f} s of step-3 wall time ({share:.1%})")
-        if share > 0.10:
-            line += "; above 10 %: raise --eval_interval or lower --eval_prompts"
+        if share > MAX_EVAL_SHARE:
+            fix = ("lower --eval_prompts or run more steps" if self.auto
+                   else "raise --eval_interval (or give auto) or lower --eval_prompts")
+            line += f"; above {MAX_EVAL_SHARE:.0%}: {fix}"
         if self.alarms:
             first = self.alarms[0]
             line += f"; over-optimization alarm first at step {first['step']} (judge {first['judge']})"
@@ -573,9 +520,6 @@ def _ratio(a: float, b: float) -> float:
 def save_best(output_dir: Path, models: Mapping[str, Any], tokenizer: Any, info: Mapping[str, Any], rank: int) -> None:
     """``<output_dir>/best/<name>`` for each model and ``best.json``, replaced as one folder (collective:
     every rank gathers under ZeRO-3; rank 0 writes)."""
-    from dschat.models.save import save_hf_model
-    from dschat.runtime.fs import atomic_dir
-
     target = output_dir / BEST_DIR
     swap: ContextManager[Any] = atomic_dir(target) if rank == 0 else nullcontext(target)
     with swap as folder:

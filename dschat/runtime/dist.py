@@ -164,6 +164,8 @@ def _watchdog(rendezvous: datetime.timedelta, message: str) -> threading.Timer:
 
 
 def _collective_timeout(rendezvous: datetime.timedelta) -> datetime.timedelta:
+    # lazy (here and in init_distributed): deepspeed costs 0.3 s CPU at import after torch (python -X
+    # importtime); chat.py imports this module through dschat.models.tokenizer and never starts DeepSpeed.
     from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes, default 10
 
     return max(rendezvous, default_pg_timeout)
@@ -179,7 +181,7 @@ def init_distributed(dist_backend: Optional[str] = None,
     ``timeout_minutes`` (``--dist_timeout``) bounds the wait for the other ranks at start-up; see
     the module docstring. Raises :class:`UserError` (one line) when they do not come.
     """
-    import deepspeed
+    import deepspeed  # lazy: see _collective_timeout
     from deepspeed.accelerator import get_accelerator
 
     if timeout_minutes <= 0:

@@ -20,6 +20,7 @@ import logging
 from typing import Any, Dict, Optional
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 from dschat.errors import UserError
 from dschat.runtime.dist import get_world_size
@@ -56,15 +57,11 @@ def _check_dtype(dtype: str) -> str:
 
 
 def _accelerator_name() -> str:
-    from deepspeed.accelerator import get_accelerator
-
     return get_accelerator().device_name()
 
 
 def _device_count() -> int:
     """Accelerator devices on this node (a seam so tests can pin it)."""
-    from deepspeed.accelerator import get_accelerator
-
     return int(get_accelerator().device_count())
 
 

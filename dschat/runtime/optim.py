@@ -19,6 +19,8 @@ import math
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from torch import nn
 
 from dschat.errors import UserError
@@ -74,8 +76,6 @@ def get_optimizer_grouped_parameters(
 
 
 def _accelerator_name() -> str:
-    from deepspeed.accelerator import get_accelerator
-
     return get_accelerator().device_name()
 
 
@@ -90,12 +90,8 @@ def create_optimizer(param_groups: List[Dict[str, Any]] | Iterable[nn.Parameter]
     ``eps`` is 1e-8 and decay is decoupled in all three; per-group ``weight_decay``/``lr`` win.
     """
     if offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-
         return DeepSpeedCPUAdam(param_groups, lr=lr, betas=betas)
     if _accelerator_name() != "cpu":
-        from deepspeed.ops.adam import FusedAdam
-
         return FusedAdam(param_groups, lr=lr, betas=betas)
     # FusedAdam's defaults: eps=1e-8, weight_decay=0 (groups set their own), adam_w_mode=True.
     return torch.optim.AdamW(param_groups, lr=lr, betas=betas, eps=1e-8, weight_decay=0.0)
@@ -104,6 +100,8 @@ def create_optimizer(param_groups: List[Dict[str, Any]] | Iterable[nn.Parameter]
 def create_scheduler(name: str, optimizer: torch.optim.Optimizer, num_warmup_steps: int,
                      num_training_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
     """``transformers.get_scheduler(name, optimizer, num_warmup_steps, num_training_steps)``."""
+    # lazy: transformers.optimization imports peft and bitsandbytes, +3.2 s CPU at import (python -X
+    # importtime), which --help must not pay.
     from transformers import get_scheduler
 
     if name not in SCHEDULER_TYPES:

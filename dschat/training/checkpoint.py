@@ -48,10 +48,16 @@ from pathlib import Path
 from pickle import UnpicklingError  # the error type only: nothing here unpickles
 from typing import Any, Mapping
 
+import deepspeed
 import numpy as np
 import torch
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+from deepspeed.runtime.zero.config import ZeroStageEnum
+from deepspeed.utils.tensor_fragment import fragment_address
+from safetensors.torch import load_file, save_file
 
 from dschat.errors import UserError
+from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
 from dschat.runtime.fs import atomic_file
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
@@ -278,10 +284,6 @@ def _missing_ancestors(path: Path) -> list[Path]:
 def safe_deepspeed_globals() -> list[Any]:
     """The non-tensor types DeepSpeed 0.19's checkpoints pickle (ZeRO 0-3, offload, bf16, LoRA): plain
     records (the loss scaler's numbers, the ZeRO stage enum, a fragment's (numel, start))."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
@@ -335,8 +337,6 @@ class WeightsOnlyCheckpointEngine:
 def save_weights(engine: Any, path: Path, rank: int) -> None:
     """Every parameter of ``engine`` (ZeRO-3: gathered) to one safetensors file, written by rank 0
     (collective)."""
-    from safetensors.torch import save_file
-
     tensors = {}
     for name, param in gathered_parameters(engine):
         if rank == 0:
@@ -347,9 +347,6 @@ def save_weights(engine: Any, path: Path, rank: int) -> None:
 
 def load_weights(engine: Any, path: Path, rank: int) -> None:
     """The inverse of :func:`save_weights` (collective; ZeRO-3: rank 0 writes, DeepSpeed re-partitions)."""
-    import deepspeed
-    from safetensors.torch import load_file
-
     state = load_file(str(path))
     release_zero3_prefetch(engine)
     module = getattr(engine, "module", engine)
@@ -569,8 +566,6 @@ def check_checkpoint_args(args: Any) -> None:
         raise UserError("pass either --resume (the newest checkpoint in --output_dir) or --resume_from DIR, not both")
     first = os.environ.get("RANK", "0") == "0"  # the other ranks' views are compared after start-up
     if args.output_dir and first:  # one process renames
-        from dschat.models.save import recover_output_dir
-
         for notice in recover_output_dir(args.output_dir):
             print(f"[checkpoint] {notice}", flush=True)
     if source and first and not (Path(source) / MARKER).is_file():

@@ -16,19 +16,46 @@ import argparse
 import hashlib
 import math
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+import deepspeed
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
+from dschat.data.collators import drop_padding_columns
 from dschat.data.prompt_dataset import check_data_output_path
+from dschat.data.raw_datasets import resolve_dataset
 from dschat.errors import UserError
-from dschat.runtime.dist import get_all_reduce_mean, get_world_size
-from dschat.runtime.zero3 import is_zero3_param
+from dschat.models.families import family_of
+from dschat.models.lora import (
+    convert_linear_layer_to_lora,
+    make_model_gradient_checkpointing_compatible,
+    only_optimize_lora_parameters,
+)
+from dschat.models.registry import resolve_model_path
+from dschat.runtime.dist import (
+    DEFAULT_DIST_TIMEOUT_MINUTES,
+    barrier,
+    get_all_reduce_mean,
+    get_world_size,
+    init_distributed,
+)
+from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, get_train_ds_config, resolve_dtype
+from dschat.runtime.fs import atomic_file, check_writable_dir
+from dschat.runtime.optim import (
+    create_optimizer,
+    create_scheduler,
+    get_optimizer_grouped_parameters,
+    num_update_steps,
+)
+from dschat.runtime.zero3 import gathered_parameters, is_zero3_param
+from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
 
 
 def to_device(batch: Any, device: torch.device | str) -> Any:
@@ -48,8 +75,6 @@ def prepare_batch(batch: dict[str, Any], device: torch.device | str) -> dict[str
     Upstream pads every row to ``--max_seq_len``; the dropped columns change no real token's output
     or loss (see :func:`dschat.data.collators.drop_padding_columns`), only the compute.
     """
-    from dschat.data.collators import drop_padding_columns
-
     return drop_padding_columns(to_device(batch, device), side="right")
 
 
@@ -57,9 +82,8 @@ def set_random_seed(seed: int | None) -> None:
     """Seed python, numpy, torch and the accelerator (upstream name; a no-op for ``None``)."""
     if seed is None:
         return
-    import random
-
-    import numpy as np
+    # lazy: transformers.set_seed lives in transformers.trainer_utils, which imports peft and
+    # bitsandbytes: +3.2 s CPU at import (python -X importtime), which --help must not pay.
     from transformers import set_seed
 
     set_seed(seed)
@@ -124,10 +148,6 @@ class OptimSettings:
 
 def initialize_engine(model: nn.Module, ds_config: dict, optim: OptimSettings | None) -> Any:
     """``deepspeed.initialize`` with upstream's optimizer and scheduler (or none, for frozen models)."""
-    import deepspeed
-
-    from dschat.runtime.optim import create_optimizer, create_scheduler, get_optimizer_grouped_parameters
-
     if optim is None:
         engine, *_ = deepspeed.initialize(model=model, config=ds_config)
         return engine
@@ -145,13 +165,6 @@ def apply_lora(
     force_optimize_params: Iterable[str] = (),
 ) -> nn.Module:
     """Upstream's LoRA wiring, refusing a module filter that matches nothing."""
-    from dschat.models.families import family_of
-    from dschat.models.lora import (
-        convert_linear_layer_to_lora,
-        make_model_gradient_checkpointing_compatible,
-        only_optimize_lora_parameters,
-    )
-
     if lora_dim <= 0:
         return model
     model = convert_linear_layer_to_lora(model, lora_module_name, lora_dim)
@@ -237,6 +250,7 @@ class TensorBoardLogger:
     def __init__(self, enabled: bool, path: str, name: str):
         self.writer = None
         if enabled and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+            # lazy: the tensorboard package is optional (needed with --enable_tensorboard only), +0.07 s
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(Path(path) / name))
@@ -261,12 +275,11 @@ def cycle_batches(loader: DataLoader) -> Iterator[Any]:
 def quiet_transformers() -> None:
     """Silence per-load progress bars; keep warnings."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from transformers.utils import logging as hf_logging
+    # lazy: transformers costs 0.75 s CPU at import (python -X importtime), and step 2's --help,
+    # which imports this module, never needs it.
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover - transformers is a hard dependency
-        pass
+    hf_logging.disable_progress_bar()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -298,15 +311,11 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")
-    from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
-
     if getattr(args, "offload", False):
         check_optimizer_offload(args.zero_stage, "--zero_stage")
     if getattr(args, "offload_reference_model", False):  # DPO: the reference is ZeRO-3 iff the policy is
         check_param_offload("--offload_reference_model", args.zero_stage, "--zero_stage")
     check_output_paths(args)
-    from dschat.training.checkpoint import check_checkpoint_args
-
     check_checkpoint_args(args)
 
 
@@ -314,8 +323,6 @@ def check_output_paths(args: argparse.Namespace) -> None:
     """``--output_dir``, ``--data_output_path`` and (when enabled) ``--tensorboard_path`` must be
     folders this process can create, and a data cache folder one this user may trust: refused at
     start-up, not after training (steps 1-3)."""
-    from dschat.runtime.fs import check_writable_dir
-
     for name in ("output_dir", "data_output_path"):
         if getattr(args, name, None):
             check_writable_dir(getattr(args, name), f"--{name}")
@@ -328,9 +335,6 @@ def check_output_paths(args: argparse.Namespace) -> None:
 def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_name_or_path",)) -> None:
     """Bad model and dataset paths fail here: before distributed start-up, before anything is loaded
     or written (the rows themselves are checked when the data is read, still before any model)."""
-    from dschat.data.raw_datasets import resolve_dataset
-    from dschat.models.registry import resolve_model_path
-
     for flag in model_flags:
         resolve_model_path(getattr(args, flag))
     for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
@@ -354,10 +358,6 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     On a CPU accelerator an fp16 request trains in fp32 (one warning): upstream recipes run
     unchanged there.
     """
-    from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
-    from dschat.runtime.ds_config import resolve_dtype
-    from dschat.training.checkpoint import prepare_checkpoint_root
-
     quiet_transformers()
     info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
@@ -376,6 +376,8 @@ def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str) -> tup
     PPO actor ends with (upstream steps 2 / DPO appended the literal "<|endoftext|>", several
     tokens for most tokenizers, DSE #819 / #927).
     """
+    # lazy: it imports transformers' tokenizers (0.4 s CPU at import, python -X importtime), which
+    # step 2's --help, importing this module, never needs.
     from dschat.models.tokenizer import load_hf_tokenizer
 
     tokenizer = load_hf_tokenizer(
@@ -393,8 +395,6 @@ def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str) -> tup
 
 def train_ds_config(args: argparse.Namespace, ctx: RunContext, tb_name: str) -> dict:
     """The trained engine's DeepSpeed config from the step flags (upstream's tb names)."""
-    from dschat.runtime.ds_config import get_train_ds_config
-
     return get_train_ds_config(
         offload=args.offload, dtype=ctx.dtype, stage=args.zero_stage,
         enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=tb_name,
@@ -408,8 +408,6 @@ def plan_optimizer_steps(num_batches: int, epochs: int, gradient_accumulation_st
                          max_train_steps: int = 0) -> int:
     """Optimizer steps the LR schedule is laid out over: upstream's
     ``epochs * ceil(batches / GA)``, capped by ``--max_train_steps`` when that is > 0."""
-    from dschat.runtime.optim import num_update_steps
-
     steps = num_update_steps(num_batches, epochs, gradient_accumulation_steps)
     return min(steps, max_train_steps) if max_train_steps > 0 else steps
 
@@ -430,10 +428,6 @@ def reset_final_norm_for_reward(model: nn.Module, zero_stage: int) -> list[str]:
     trains it (DSE #772; upstream's code had the typo ``rwtranrsformer`` and crashed). Returns the
     parameter names to force-train (also with ``--only_optimize_lora``).
     """
-    import deepspeed
-
-    from dschat.models.families import family_of
-
     norm_name = family_of(model.config).reset_final_norm_for_reward
     if norm_name is None:
         return []
@@ -520,8 +514,6 @@ def parameter_digest(model: Any) -> str:
 
     Collective under ZeRO-3 (each parameter is gathered in turn): every rank must call it.
     """
-    from dschat.runtime.zero3 import gathered_parameters
-
     digest = hashlib.sha256()
     for name, param in gathered_parameters(model):
         tensor = param.to("cpu").contiguous()
@@ -539,8 +531,6 @@ def write_weight_digest(model: Any, tag: str) -> str | None:
     digest = parameter_digest(model)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     Path(folder).mkdir(parents=True, exist_ok=True)
-    from dschat.runtime.fs import atomic_file
-
     with atomic_file(Path(folder) / f"{tag}-rank{rank}.sha256") as tmp:
         tmp.write_text(digest + "\n", encoding="utf-8")
     return digest

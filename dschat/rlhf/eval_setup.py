@@ -1,0 +1,131 @@
+"""Step 3's held-out evaluation, before any model loads: the ``--eval_*`` flag rules, the judges
+(``--eval_judge``) and the held-out prompts (:mod:`dschat.rlhf.evaluation` runs the evaluation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from dschat.cli.args import EVAL_INTERVAL_AUTO
+from dschat.data.prompt_dataset import create_prompt_dataset
+from dschat.data.raw_datasets import BUILTIN_NAME
+from dschat.errors import UserError
+from dschat.models.registry import resolve_model_path
+from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message
+from dschat.paths import BEST_DIR
+from dschat.rewards import RewardFunction, load_reward_function
+from dschat.runtime.dist import print_rank_0
+
+__all__ = ["GOLD", "GOLD_SPEC", "Judge", "check_eval_args", "heldout_prompt_items", "resolve_judges"]
+
+#: ``--eval_judge gold``: the built-in gold judge (dschat.rewards:gold).
+GOLD = "gold"
+GOLD_SPEC = "dschat.rewards:gold"
+
+
+@dataclass(frozen=True)
+class Judge:
+    """One ``--eval_judge``: a reward function (``fn``) or a reward-model folder (``folder``)."""
+
+    name: str
+    fn: RewardFunction | None = None
+    folder: Path | None = None
+
+
+def _is_builtin_data(data_path: Sequence[str]) -> bool:
+    return bool(data_path) and all(p == BUILTIN_NAME for p in data_path)
+
+
+def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge]:
+    """The ``--eval_judge`` values as :class:`Judge` objects: ``gold``, ``module:function`` or a
+    reward-model folder. A bad value is one :class:`UserError` line; no model is loaded here."""
+    judges: list[Judge] = []
+    for spec in specs:
+        if spec in (GOLD, GOLD_SPEC):
+            if not _is_builtin_data(data_path):
+                raise UserError(f"--eval_judge {spec}: the gold judge scores the embedded data only (--data_path "
+                                f"dschat/builtin), not {' '.join(data_path)}; give a module:function or a reward-model "
+                                "folder as judge")
+            judges.append(Judge(GOLD, fn=load_reward_function(GOLD_SPEC)))
+        elif Path(spec).expanduser().is_dir():
+            folder = Path(resolve_model_path(str(Path(spec).expanduser())))
+            if not is_reward_model_folder(folder):
+                raise UserError(not_a_critic_message(spec, "--eval_judge"))
+            judges.append(Judge(str(spec), folder=folder))
+        elif ":" in spec:
+            try:
+                fn = load_reward_function(spec)
+            except UserError as err:  # the loader's lines name --reward_fn, its usual flag
+                raise UserError(str(err).replace("--reward_fn", "--eval_judge")) from None
+            judges.append(Judge(spec, fn=fn))
+        else:
+            raise UserError(f"--eval_judge {spec!r} is neither 'gold', a module.path:function nor a reward-model "
+                            "folder; give one of those")
+    names = [j.name for j in judges]
+    if len(set(names)) != len(names):
+        raise UserError(f"--eval_judge given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    return judges
+
+
+def check_eval_args(args: Any) -> list[Judge]:
+    """Evaluation flag rules (before anything loads) and the resolved judges; resolves
+    ``args.save_best_by``'s default in place: ``judge`` with a judge and an ``--output_dir``, else ``none``."""
+    auto = args.eval_interval == EVAL_INTERVAL_AUTO
+    interval, prompts = 1 if auto else int(args.eval_interval), int(args.eval_prompts)
+    judges_given = list(args.eval_judge or [])
+    if interval < 0:
+        raise UserError(f"--eval_interval must be >= 0 (0: no evaluation), got {interval}")
+    if interval == 0:
+        extras = [flag for flag, on in (("--eval_judge", bool(judges_given)),
+                                        ("--stop_on_overoptimization", args.stop_on_overoptimization),
+                                        ("--save_best_by", args.save_best_by not in (None, "none"))) if on]
+        if extras:
+            raise UserError(f"{', '.join(extras)} need(s) the held-out evaluation: give --eval_interval N (> 0) "
+                            "or auto")
+        args.save_best_by = "none"
+        return []
+    if prompts < 1:
+        raise UserError(f"--eval_prompts must be >= 1, got {prompts}")
+    if not args.eval_alarm_sigmas > 0:
+        raise UserError(f"--eval_alarm_sigmas must be > 0, got {args.eval_alarm_sigmas}")
+    judges = resolve_judges(judges_given, args.data_path)
+    if args.stop_on_overoptimization and not judges:
+        raise UserError("--stop_on_overoptimization: the alarm compares the proxy with a judge; give --eval_judge")
+    if args.save_best_by is None:
+        args.save_best_by = "judge" if judges and args.output_dir else "none"
+    if args.save_best_by == "judge" and not judges:
+        raise UserError("--save_best_by judge needs a judge: give --eval_judge (or --save_best_by proxy|none)")
+    if args.save_best_by != "none" and not args.output_dir:
+        raise UserError(f"--save_best_by {args.save_best_by} keeps the best models in <output_dir>/{BEST_DIR}; "
+                        "give --output_dir (or --save_best_by none)")
+    return judges
+
+
+def heldout_prompt_items(args: Any, tokenizer: Any, local_rank: int) -> list[Any]:
+    """The first ``--eval_prompts`` distinct prompts of the phase-3 eval split (the tokenised cache
+    step 3 already built), in the dataset's fixed order. None there is one :class:`UserError` line."""
+    _, held_out = create_prompt_dataset(
+        local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
+        args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
+    )
+    items, seen = [], set()
+    for i in range(len(held_out)):
+        item = held_out[i]
+        key = tuple(item[0][item[1].bool()].tolist())
+        if key in seen:
+            continue
+        seen.add(key)
+        items.append(item)
+        if len(items) == args.eval_prompts:
+            break
+    if not items:
+        raise UserError(
+            f"--eval_interval {args.eval_interval}: the phase-3 eval split of {' '.join(args.data_path)} has no "
+            f"held-out prompts (data_split {args.data_split}, max_prompt_seq_len {args.max_prompt_seq_len}); add an "
+            "eval.*/test.* file or rows to the data, or drop --eval_interval"
+        )
+    if len(items) < args.eval_prompts:
+        print_rank_0(f"[eval] only {len(items)} distinct held-out prompts (--eval_prompts {args.eval_prompts}); "
+                     "evaluating on those")
+    return items
