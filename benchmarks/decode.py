@@ -65,7 +65,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def prompts_for(tokenizer: Any, batch: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    from dschat.eval.report import heldout_prompts
+    from dschat.eval.heldout import heldout_prompts
 
     rows = [tokenizer(t)["input_ids"] for t in heldout_prompts()[:batch]]
     width = max(map(len, rows))

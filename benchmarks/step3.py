@@ -255,7 +255,7 @@ class ModeResult:
 
 def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``count`` batches of held-out builtin prompts, left-padded to ``prompt_len`` (as the collator does)."""
-    from dschat.eval.report import heldout_prompts
+    from dschat.eval.heldout import heldout_prompts
 
     texts = heldout_prompts()
     rows = [tokenizer(t)["input_ids"][-prompt_len:] for t in texts]

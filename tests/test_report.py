@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dschat.errors import UserError
+from dschat.eval import plots, scoring
 from dschat.eval import report as rep
 from dschat.gold_judge import GoldBreakdown, gold_score
 
@@ -116,7 +117,7 @@ def test_pairwise_accuracy_against_an_independent_count():
 
     tok = load_hf_tokenizer("tiny-llama")
     pairs = rep.heldout_pairs(40)
-    stats = rep.pairwise_accuracy(LengthRewardModel(), tok, pairs, rep.EvalSettings(batch_size=8))
+    stats = scoring.pairwise_accuracy(LengthRewardModel(), tok, pairs, rep.EvalSettings(batch_size=8))
     # Expected: how often the gold judge's better answer is also the one with more tokens.
     expected, n = 0, 0
     for row in pairs:
@@ -134,11 +135,11 @@ def test_pairwise_accuracy_against_an_independent_count():
 
 def test_pearson_by_hand():
     # x = 1, 2, 3; y = 2, 4, 5: means 2 and 11/3; sxy = 3, sxx = 2, syy = 14/3 -> 3 / sqrt(28/3).
-    assert rep.pearson([1, 2, 3], [2, 4, 5]) == pytest.approx(3 / math.sqrt(28 / 3))
-    assert rep.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
-    assert rep.pearson([1, 2, 3], [7, 7, 7]) is None and rep.pearson([1.0], [2.0]) is None
+    assert scoring.pearson([1, 2, 3], [2, 4, 5]) == pytest.approx(3 / math.sqrt(28 / 3))
+    assert scoring.pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert scoring.pearson([1, 2, 3], [7, 7, 7]) is None and scoring.pearson([1.0], [2.0]) is None
     with pytest.raises(ValueError):
-        rep.pearson([1, 2], [1, 2, 3])
+        scoring.pearson([1, 2], [1, 2, 3])
 
 
 def test_heldout_prompts_are_deduplicated_in_order():
@@ -171,7 +172,7 @@ def test_read_metrics_is_tolerant(tmp_path):
 
 
 def test_plot_without_records_still_writes_a_png(tmp_path):
-    png = rep.plot_metrics([], tmp_path / "p.png")
+    png = plots.plot_metrics([], tmp_path / "p.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
@@ -201,7 +202,7 @@ def test_every_label_of_the_ppo_plot_lies_inside_the_figure(case, font_size):
     import matplotlib
 
     with matplotlib.rc_context({"font.size": font_size}):
-        fig = rep.metrics_figure(PLOT_CASES[case])
+        fig = plots.metrics_figure(PLOT_CASES[case])
         fig.canvas.draw()
         renderer = fig.canvas.get_renderer()
         frame = fig.bbox
@@ -216,11 +217,11 @@ def test_every_label_of_the_ppo_plot_lies_inside_the_figure(case, font_size):
 
 def test_report_refuses_wrong_folders(folders, tmp_path):
     with pytest.raises(UserError, match="is a step-2 reward model, not an actor"):
-        rep.load_actor(folders["reward"], torch.device("cpu"))
+        scoring.load_actor(folders["reward"], torch.device("cpu"))
     with pytest.raises(UserError, match="no config.json"):
-        rep.load_actor(tmp_path, torch.device("cpu"))
+        scoring.load_actor(tmp_path, torch.device("cpu"))
     with pytest.raises(UserError, match="not a step-2 reward model output"):
-        rep.load_reward(folders["sft"], torch.device("cpu"))
+        scoring.load_reward(folders["sft"], torch.device("cpu"))
 
 
 def test_json_never_holds_nan(tmp_path):

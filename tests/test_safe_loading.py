@@ -107,7 +107,7 @@ def custom_code_model(tmp_path: Path) -> tuple[Path, Path]:
 def _loaders():
     import torch
 
-    from dschat.eval import report
+    from dschat.eval import scoring
     from dschat.models.build import create_critic_model, create_hf_model
     from dschat.models.registry import load_config
     from dschat.models.tokenizer import load_hf_tokenizer
@@ -128,7 +128,7 @@ def _loaders():
         "create_hf_model": causal_lm,
         "create_critic_model": lambda path: create_critic_model(path, load_hf_tokenizer("tiny-llama"), None),
         "chatbot.load": lambda path: chatbot.load(path, "cpu"),
-        "report.load_actor": lambda path: report.load_actor(path, torch.device("cpu")),
+        "scoring.load_actor": lambda path: scoring.load_actor(path, torch.device("cpu")),
     }
 
 

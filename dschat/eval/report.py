@@ -66,35 +66,12 @@ EVAL_PLOT_FILE = "eval_curves.png"
 ANSWERS_FILE = "report_answers.jsonl"
 TIMINGS_FILE = "e2e_timings.json"
 
-# The names that moved to dschat.eval.scoring and dschat.eval.plots, still importable from here.
-_SCORING_NAMES = frozenset({
-    "pick_device", "load_actor", "load_reward", "Samples", "generate", "response_logprobs", "reward_scores",
-    "score_sequences", "pairwise_accuracy", "pearson",
-})
-_PLOT_NAMES = frozenset({"metrics_figure", "plot_metrics", "plot_evaluation"})
-
 __all__ = [
     "EVAL_KIND", "METRIC_ALIASES", "REPORT_FILE", "PLOT_FILE", "EVAL_PLOT_FILE", "ANSWERS_FILE", "TIMINGS_FILE",
     "EvalSettings", "heldout_prompts", "heldout_pairs", "read_eval_records", "read_metrics", "find_metrics_file",
-    *sorted(_SCORING_NAMES), *sorted(_PLOT_NAMES),
     "evaluation_summary", "evaluation_lines", "write_answers", "read_timings", "build_report", "write_report",
     "summary_text", "curves_only", "build_parser", "main",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    """The scoring and plotting names, imported on first use (PEP 562)."""
-    # lazy: dschat.eval.scoring imports torch, transformers and deepspeed (3 s, python -X importtime) and
-    # dschat.eval.plots matplotlib (0.5 s); --help and bad arguments pay neither, --curves_only no torch.
-    if name in _SCORING_NAMES:
-        from dschat.eval import scoring
-
-        return getattr(scoring, name)
-    if name in _PLOT_NAMES:
-        from dschat.eval import plots
-
-        return getattr(plots, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -212,7 +189,8 @@ def build_report(
     ``total_seconds`` is the time since ``run_started`` (a ``time.monotonic()`` value; e2e passes
     its own start) or, run alone, the known step times plus this evaluation.
     """
-    # lazy: see __getattr__ (the models need torch, the figures matplotlib)
+    # lazy: dschat.eval.scoring imports torch, transformers and deepspeed (3 s, python -X importtime) and
+    # dschat.eval.plots matplotlib (0.5 s); --help and bad arguments pay neither.
     from dschat.eval import plots, scoring
 
     settings = settings or EvalSettings()
@@ -363,7 +341,7 @@ def summary_text(report: dict[str, Any]) -> str:
 
 def _evaluation_part(metrics_path: Path | None, out: Path) -> dict[str, Any] | None:
     """Step 3's evaluation records (if any) as a figure in ``out`` and a summary (with its path)."""
-    # lazy: see __getattr__ (matplotlib)
+    # lazy: dschat.eval.plots imports matplotlib (0.5 s); --help and bad arguments do not pay it
     from dschat.eval import plots
 
     records = read_eval_records(metrics_path) if metrics_path else []
@@ -376,7 +354,7 @@ def _evaluation_part(metrics_path: Path | None, out: Path) -> dict[str, Any] | N
 
 def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
     """``--curves_only``: the PPO and evaluation figures of a ``metrics.jsonl``, and the evaluation's lines."""
-    # lazy: see __getattr__ (matplotlib, no torch)
+    # lazy: matplotlib only (0.5 s), and --curves_only needs no torch
     from dschat.eval import plots
 
     metrics = Path(metrics)

@@ -56,7 +56,8 @@ from dschat.cli.args import EVAL_INTERVAL_AUTO
 from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
 from dschat.data.prompt_columns import load_prompt_columns
 from dschat.errors import UserError
-from dschat.eval.report import EVAL_KIND, Samples, load_reward, read_eval_records, reward_scores
+from dschat.eval.metrics_file import EVAL_KIND, read_eval_records
+from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.rlhf.eval_cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
