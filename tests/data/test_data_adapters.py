@@ -11,7 +11,8 @@ from dschat.data import raw_datasets as rd
 from dschat.data.adapters import local as local_adapters
 from dschat.data.split import get_shuffle_idx
 from dschat.errors import UserError
-from test_data_common import pref_rows, write_json, write_jsonl
+
+from helpers.data import pref_rows, write_json, write_jsonl
 
 
 def dd(**splits) -> DatasetDict:

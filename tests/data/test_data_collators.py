@@ -10,7 +10,8 @@ from torch.utils.data.distributed import DistributedSampler
 
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, MiniDataset, RolloutBuffer, set_epoch_if_distributed
 from dschat.data.prompt_dataset import PairItem, PromptDataset, PromptItem, TokenRows
-from test_data_common import make_tokenizer
+
+from helpers.data import make_tokenizer
 
 T = torch.tensor
 

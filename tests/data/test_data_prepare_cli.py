@@ -7,7 +7,8 @@ import json
 import pytest
 
 from dschat.cli.args import add_data_args, add_unsupervised_data_args
-from test_data_common import files_in, pref_rows, run_prepare, save_tokenizer, write_jsonl
+
+from helpers.data import files_in, pref_rows, run_prepare, save_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")

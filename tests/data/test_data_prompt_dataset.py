@@ -16,7 +16,8 @@ from dschat.data.prompt_dataset import PairItem, PromptItem, create_dataset, cre
 from dschat.data.raw_datasets import LocalPreferenceDataset
 from dschat.data.split import get_shuffle_idx
 from dschat.errors import UserError
-from test_data_common import files_in, make_tokenizer, pref_rows, save_tokenizer, subprocess_env, write_jsonl
+
+from helpers.data import files_in, make_tokenizer, pref_rows, save_tokenizer, subprocess_env, write_json, write_jsonl
 
 EOT = "<|endoftext|>"
 
@@ -529,7 +530,6 @@ def test_local_jsonfile_and_parquet_through_the_cache(tmp_path, monkeypatch):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from test_data_common import write_json
 
     counter = BuildCounter(monkeypatch)
     tok = make_tokenizer()

@@ -9,7 +9,8 @@ from datasets import Dataset, DatasetDict
 
 from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
 from dschat.errors import UserError
-from test_data_common import make_tokenizer, write_jsonl
+
+from helpers.data import make_tokenizer, write_jsonl
 
 
 def ptx_args(name, prompt_len=3, answer_len=2, config=None):

@@ -33,9 +33,12 @@ from typing import Any
 
 import pytest
 
-from _step_helpers import PYTHON, REPO, cli_env
 from dschat.errors import EXIT_USAGE, cli_main
-from step3_support import make_critic_folder
+
+from helpers import PYTHON, REPO
+from helpers.step3 import make_critic_folder
+from helpers.steps import cli_env
+
 
 STEP1 = REPO / "training" / "step1_supervised_finetuning"
 STEP2 = REPO / "training" / "step2_reward_model_finetuning"

@@ -5,12 +5,12 @@ import io
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "inference"))
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "inference"))
 import chatbot as C  # noqa: E402
 
 from dschat.errors import UserError  # noqa: E402
@@ -18,7 +18,7 @@ from dschat.errors import UserError  # noqa: E402
 
 def _chat(script: str, args: list[str], stdin: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
-    return subprocess.run([sys.executable, str(ROOT / script), *args], input=stdin, env=env,
+    return subprocess.run([sys.executable, str(REPO / script), *args], input=stdin, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from helpers import REPO
+from helpers.step3 import step3_main
+from helpers.steps import load_script
+
+sys.path.insert(0, str(REPO))
 import e2e_rlhf as E  # noqa: E402
 
 from dschat.errors import UserError  # noqa: E402
@@ -31,7 +34,7 @@ def _args(config: E.E2EConfig, *argv: str):
 
 def _e2e(*argv: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     full_env = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, str(ROOT / "e2e_rlhf.py"), *argv], env=full_env,
+    return subprocess.run([sys.executable, str(REPO / "e2e_rlhf.py"), *argv], env=full_env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,8 +90,6 @@ def test_output_folders_and_step3_inputs_are_upstreams(config, tmp_path):
 
 def _step_parser(step: int):
     """``parse_args`` of training/step<step>/main.py."""
-    from _step_helpers import load_script
-    from step3_support import step3_main
 
     return step3_main().parse_args if step == 3 else load_script(f"step{step}").parse_args
 
@@ -227,13 +228,13 @@ def test_a_step_refusing_its_input_exits_2_and_leaves_no_folder(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # The real thing on tiny models
 # ------------------------------------------------------------------------------------------------
-STEP_SCRIPTS = [ROOT / f"training/{d}/main.py" for d in
+STEP_SCRIPTS = [REPO / f"training/{d}/main.py" for d in
                 ("step1_supervised_finetuning", "step2_reward_model_finetuning", "step3_rlhf_finetuning")]
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
-    missing = [str(p.relative_to(ROOT)) for p in STEP_SCRIPTS if not p.is_file()]
+    missing = [str(p.relative_to(REPO)) for p in STEP_SCRIPTS if not p.is_file()]
     if missing:
         pytest.skip(f"cannot run the pipeline yet: {', '.join(missing)} missing")
     out = tmp_path_factory.mktemp("e2e_tiny")

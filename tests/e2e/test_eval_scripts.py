@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _step_helpers import PYTHON, STEP_DIRS, base_argv, load_script, run_cli
+
+from helpers import PYTHON
+from helpers.steps import STEP_DIRS, base_argv, load_script, run_cli
 
 pytestmark = pytest.mark.slow
 

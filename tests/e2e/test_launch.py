@@ -18,7 +18,8 @@ from dschat import recipes as R
 from dschat.recipes import loading as recipe_loading
 from dschat.errors import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO
+
 
 # A stand-in for a step's main.py: prints its argv, a progress bar with carriage returns, writes to
 # stderr, optionally replaces its --output_dir as dschat's atomic save does, exits with $FAKE_RC.
@@ -66,7 +67,7 @@ def no_job_hostfile(tmp_path: Path, monkeypatch) -> None:
 def fake_root(tmp_path: Path) -> Path:
     """A checkout with the real configs/ and fake main.py files."""
     root = tmp_path / "repo"
-    shutil.copytree(ROOT / "configs", root / "configs")
+    shutil.copytree(REPO / "configs", root / "configs")
     for spec in R.STEPS.values():
         (root / spec.folder).mkdir(parents=True)
         (root / spec.main_py).write_text(FAKE_MAIN, encoding="utf-8")
@@ -109,7 +110,7 @@ def test_plan_builds_the_deepspeed_argument_list(fake_root, tmp_path, monkeypatc
 
 def test_plan_without_main_py_is_a_clear_error(tmp_path):
     root = tmp_path / "repo"
-    shutil.copytree(ROOT / "configs", root / "configs")
+    shutil.copytree(REPO / "configs", root / "configs")
     (root / "training").mkdir()
     recipe_loading._CACHE.clear()
     recipe = R.get_recipe("step1", "cpu/tiny", root)
@@ -273,8 +274,8 @@ def test_script_args_split_positionals_from_flags(fake_root, capsys):
 # The generated shell scripts, end to end with a fake deepspeed launcher
 # ------------------------------------------------------------------------------------------------
 def _copy_script(fake_root: Path, step: str, rid: str) -> Path:
-    recipe = R.get_recipe(step, rid, ROOT)
-    src = R.script_path(recipe, ROOT)
+    recipe = R.get_recipe(step, rid, REPO)
+    src = R.script_path(recipe, REPO)
     dst = R.script_path(recipe, fake_root)
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src, dst)
@@ -298,7 +299,7 @@ def test_step3_script_passes_upstream_positionals(fake_root, tmp_path):
     proc, argv = _run_script(script, ["/sft", "/rm", "3", "", "out3", "--actor_lora_dim", "8"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     main = str(fake_root / "training/step3_rlhf_finetuning/main.py")
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
     expected_flags = recipe.render({"actor_model": "/sft", "critic_model": "/rm", "actor_zero_stage": "3",
                                     "output_dir": "out3"}, ["--actor_lora_dim", "8"])
     assert argv[:1] == ["--master_port"] and argv[2:] == [main, *expected_flags]
@@ -418,7 +419,7 @@ def test_multi_node_script_takes_launcher_flags_and_passes_the_rest_to_main_py(f
                                       "--learning_rate", "1e-5"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     main = str(fake_root / "training/step1_supervised_finetuning/main.py")
-    recipe = R.get_recipe("step1", "opt/multi_node/66b", ROOT)
+    recipe = R.get_recipe("step1", "opt/multi_node/66b", REPO)
     assert argv == ["--hostfile", hostfile, "--num_nodes", "2", "--num_gpus", "1", "--master_addr", "10.0.0.7",
                     "--master_port", "29777", main, *recipe.render({"output_dir": "out"}, ["--learning_rate", "1e-5"])]
 

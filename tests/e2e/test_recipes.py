@@ -20,7 +20,8 @@ from dschat.errors import UserError, cli_main
 from dschat.recipes import loading as recipe_loading
 from dschat.runtime import fs
 
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO
+
 OPT_DATA = ["Dahoas/rm-static", "Dahoas/full-hh-rlhf", "Dahoas/synthetic-instruct-gptj-pairwise",
             "yitingxie/rlhf-reward-datasets"]
 
@@ -41,7 +42,7 @@ EXPECTED_IDS = {
 
 
 def test_every_recipe_loads_and_validates():
-    everything = R.load_all(ROOT)
+    everything = R.load_all(REPO)
     assert {k: set(v) for k, v in everything.items()} == EXPECTED_IDS
     for key, recipes in everything.items():
         for recipe in recipes.values():
@@ -57,7 +58,7 @@ def test_every_recipe_loads_and_validates():
 
 
 def test_step1_single_node_1_3b_upstream_argv():
-    recipe = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    recipe = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
     assert recipe.launcher.argv() == []
     assert recipe.render({"output_dir": "/o", "zero_stage": ""}) == [
         "--data_path", *OPT_DATA, "--data_split", "2,4,4", "--model_name_or_path", "facebook/opt-1.3b",
@@ -70,7 +71,7 @@ def test_step1_single_node_1_3b_upstream_argv():
 
 
 def test_step1_single_gpu_upstream_argv_and_positionals():
-    recipe = R.get_recipe("step1", "opt/single_gpu/1.3b", ROOT)
+    recipe = R.get_recipe("step1", "opt/single_gpu/1.3b", REPO)
     assert recipe.launcher.argv() == ["--num_gpus", "1"]
     params = recipe.params_from_positionals(["out1", "3"])
     assert recipe.render(params) == [
@@ -84,7 +85,7 @@ def test_step1_single_gpu_upstream_argv_and_positionals():
 
 
 def test_step2_single_gpu_upstream_argv():
-    recipe = R.get_recipe("step2", "opt/single_gpu/350m", ROOT)
+    recipe = R.get_recipe("step2", "opt/single_gpu/350m", REPO)
     assert recipe.launcher.argv() == ["--num_gpus", "1"]
     assert recipe.render({"output_dir": "rm"}) == [
         "--model_name_or_path", "facebook/opt-350m", "--num_padding_at_beginning", "1", "--weight_decay", "0.1",
@@ -94,7 +95,7 @@ def test_step2_single_gpu_upstream_argv():
 
 
 def test_dpo_single_node_upstream_argv():
-    recipe = R.get_recipe("dpo", "opt/single_node/350m", ROOT)
+    recipe = R.get_recipe("dpo", "opt/single_node/350m", REPO)
     assert recipe.render() == [
         "--data_path", *OPT_DATA, "--data_split", "2,4,4", "--model_name_or_path", "facebook/opt-350m",
         "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_seq_len", "512",
@@ -105,7 +106,7 @@ def test_dpo_single_node_upstream_argv():
 
 
 def test_step3_single_node_1_3b_upstream_argv():
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
     assert recipe.launcher.argv() == ["--master_port", "12346"]
     # Upstream's AdamG012/* defaults are upstream-format checkpoints dschat's step 3 refuses: required here.
     with pytest.raises(UserError, match="needs actor_model"):
@@ -126,7 +127,7 @@ def test_step3_single_node_1_3b_upstream_argv():
 
 
 def test_step3_positionals_in_upstream_order():
-    recipe = R.get_recipe("step3", "opt/single_gpu/1.3b", ROOT)
+    recipe = R.get_recipe("step3", "opt/single_gpu/1.3b", REPO)
     params = recipe.params_from_positionals(["/a", "/c", "3", "", "/out"])
     assert recipe.render(params) == [
         "--actor_model_name_or_path", "/a", "--critic_model_name_or_path", "/c", "--actor_zero_stage", "3",
@@ -137,7 +138,7 @@ def test_step3_positionals_in_upstream_order():
 
 
 def test_step3_llama2_mixz_upstream_argv():
-    recipe = R.get_recipe("step3", "llama2/7b_mixz", ROOT)
+    recipe = R.get_recipe("step3", "llama2/7b_mixz", REPO)
     assert recipe.script == "llama2/run_llama2_7b_mixz.sh"
     argv = recipe.render({"actor_model": "A", "critic_model": "C"})
     assert argv[argv.index("--actor_zero_stage"):] == [
@@ -153,7 +154,7 @@ def test_step3_llama2_mixz_upstream_argv():
 def test_empty_hard_coded_paths_give_a_clear_error():
     # Upstream's 6.7b / 30b / LoRA step-3 scripts hard-coded `ACTOR_MODEL_PATH=` (empty).
     for rid in ("opt/single_node/6.7b", "opt/single_node/30b_lora", "opt/single_gpu/6.7b_lora"):
-        recipe = R.get_recipe("step3", rid, ROOT)
+        recipe = R.get_recipe("step3", rid, REPO)
         with pytest.raises(UserError, match=r"needs actor_model \(positional \$1, ACTOR_MODEL_PATH\)"):
             recipe.render()
         with pytest.raises(UserError, match=r"needs critic_model \(positional \$2"):
@@ -161,7 +162,7 @@ def test_empty_hard_coded_paths_give_a_clear_error():
 
 
 def test_bad_parameters_are_rejected():
-    recipe = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    recipe = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
     with pytest.raises(UserError, match="zero_stage must be 0, 1, 2 or 3"):
         recipe.render({"zero_stage": "4"})
     with pytest.raises(UserError, match="at most 2 positional values"):
@@ -171,7 +172,7 @@ def test_bad_parameters_are_rejected():
 
 
 def test_extra_flags_replace_the_recipes_and_unset_drops():
-    recipe = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    recipe = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
     argv = recipe.render({}, ["--learning_rate", "1e-4", "--data_path", "local/jsonfile", "x", "--print_loss"],
                          unset=["enable_tensorboard"])
     assert argv.count("--learning_rate") == 1 and argv.count("--data_path") == 1
@@ -187,16 +188,16 @@ def test_extra_flags_replace_the_recipes_and_unset_drops():
 
 def test_unknown_recipe_suggests_close_ids():
     with pytest.raises(UserError, match="did you mean opt/single_node/1.3b"):
-        R.get_recipe("step1", "opt/single_node/1.3", ROOT)
+        R.get_recipe("step1", "opt/single_node/1.3", REPO)
     # The upstream script path is accepted too.
-    assert R.get_recipe("3", "opt/single_gpu/run_6.7b_lora.sh", ROOT).id == "opt/single_gpu/6.7b_lora"
+    assert R.get_recipe("3", "opt/single_gpu/run_6.7b_lora.sh", REPO).id == "opt/single_gpu/6.7b_lora"
     with pytest.raises(UserError, match="unknown step"):
         R.step_spec("step4")
 
 
 def _write_config(tmp_path: Path, text: str) -> Path:
     root = tmp_path / "repo"
-    shutil.copytree(ROOT / "configs", root / "configs")
+    shutil.copytree(REPO / "configs", root / "configs")
     (root / "training").mkdir()
     (root / "configs" / "step2.yaml").write_text(text, encoding="utf-8")
     recipe_loading._CACHE.clear()
@@ -233,28 +234,28 @@ def test_validation_catches_bad_launcher_and_defaults(tmp_path):
 
 def test_recipe_values_are_kept_as_written():
     # YAML would read 9.65e-6 as a float and print it back as 9.65e-06; recipes keep the text.
-    recipe = R.get_recipe("step1", "opt/single_node/6.7b", ROOT)
+    recipe = R.get_recipe("step1", "opt/single_node/6.7b", REPO)
     assert recipe.flag("learning_rate") == "9.65e-6" and recipe.flag("weight_decay") == "0."
 
 
 def test_upstream_guidance_is_in_the_recipes():
-    single_node = R.get_recipe("step1", "opt/single_node/1.3b", ROOT)
+    single_node = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
     assert single_node.flag("weight_decay") == "0." and single_node.flag("num_train_epochs") == "16"
     assert single_node.flag("dropout") is None  # SFT keeps the model's dropout
-    rm = R.get_recipe("step2", "opt/single_node/350m", ROOT)
+    rm = R.get_recipe("step2", "opt/single_node/350m", REPO)
     assert (rm.flag("weight_decay"), rm.flag("dropout"), rm.flag("num_train_epochs")) == ("0.1", "0.0", "1")
     for rid in ("opt/single_node/1.3b", "cpu/smollm2-135m"):
-        ppo = R.get_recipe("step3", rid, ROOT)
+        ppo = R.get_recipe("step3", rid, REPO)
         assert ppo.flag("actor_dropout") == "0.0" and ppo.flag("enable_ema") is True
         assert ppo.flag("num_train_epochs") == "1"
         assert ppo.flag("per_device_generation_batch_size") == ppo.flag("per_device_training_batch_size")
-    upstream = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    upstream = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
     assert (upstream.flag("actor_learning_rate"), upstream.flag("critic_learning_rate")) == ("9.65e-6", "5e-6")
 
 
 def test_cpu_recipes_use_the_embedded_model_and_data():
     for key in ("step1", "step2", "dpo", "step3"):
-        recipe = R.get_recipe(key, "cpu/smollm2-135m", ROOT)
+        recipe = R.get_recipe(key, "cpu/smollm2-135m", REPO)
         assert recipe.flag("data_path") == "dschat/builtin"
         assert recipe.flag("dtype") == "fp32"
         assert recipe.env["DS_ACCELERATOR"] == "cpu"
@@ -267,7 +268,7 @@ def test_cpu_recipes_use_the_embedded_model_and_data():
 # Against the real step scripts: every recipe parses with its main.py's own parser.
 # ------------------------------------------------------------------------------------------------
 def _load_main(spec: R.StepSpec):
-    path = ROOT / spec.main_py
+    path = REPO / spec.main_py
     if not path.is_file():
         pytest.skip(f"{spec.main_py} does not exist yet")
     module_spec = importlib.util.spec_from_file_location(f"_dschat_main_{spec.key}", path)
@@ -286,7 +287,7 @@ def test_every_recipe_parses_with_its_main_py(step):
     spec = R.step_spec(step)
     module = _load_main(spec)
     fill = {"actor_model": "/actor", "critic_model": "/critic"}
-    for recipe in R.load_step_recipes(spec, ROOT).values():
+    for recipe in R.load_step_recipes(spec, REPO).values():
         params = {k: v for k, v in fill.items() if k in spec.params}
         argv = recipe.render(params)
         try:
@@ -301,15 +302,15 @@ def test_every_recipe_parses_with_its_main_py(step):
 # Generated shell scripts and READMEs
 # ------------------------------------------------------------------------------------------------
 def test_committed_scripts_match_the_recipes():
-    problems = R.check_generated(ROOT)
+    problems = R.check_generated(REPO)
     assert problems == [], "run `python -m dschat.recipes write-scripts`:\n" + "\n".join(problems)
 
 
 def test_check_detects_drift_and_write_repairs_it(tmp_path):
     root = tmp_path / "repo"
-    shutil.copytree(ROOT / "configs", root / "configs")
+    shutil.copytree(REPO / "configs", root / "configs")
     for spec in R.STEPS.values():
-        shutil.copytree(ROOT / spec.folder / "training_scripts", root / spec.folder / "training_scripts")
+        shutil.copytree(REPO / spec.folder / "training_scripts", root / spec.folder / "training_scripts")
     recipe_loading._CACHE.clear()
     assert R.check_generated(root) == []
     script = root / "training/step1_supervised_finetuning/training_scripts/opt/single_gpu/run_1.3b.sh"
@@ -324,7 +325,7 @@ def test_check_detects_drift_and_write_repairs_it(tmp_path):
 
 
 def test_script_text_is_a_thin_wrapper():
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", ROOT)
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
     text = R.render_script(recipe)
     assert "shell=True" not in text
     assert text.splitlines()[-1] == (
@@ -339,7 +340,7 @@ def test_script_text_is_a_thin_wrapper():
 # ------------------------------------------------------------------------------------------------
 def _fake_checkout(path: Path) -> Path:
     (path / "configs").mkdir(parents=True)
-    shutil.copy2(ROOT / "configs" / "step1.yaml", path / "configs" / "step1.yaml")
+    shutil.copy2(REPO / "configs" / "step1.yaml", path / "configs" / "step1.yaml")
     (path / "training").mkdir()
     return path
 
@@ -356,8 +357,8 @@ def test_the_working_directorys_parents_are_not_searched(tmp_path, monkeypatch):
         R.find_repo_root()
     monkeypatch.chdir(planted)  # the working directory itself is a place the user chose
     assert R.find_repo_root() == planted.resolve()
-    monkeypatch.setattr(recipe_loading, "__file__", str(ROOT / "dschat" / "recipes" / "loading.py"))
-    assert R.find_repo_root() == ROOT  # the checkout the package comes from goes first
+    monkeypatch.setattr(recipe_loading, "__file__", str(REPO / "dschat" / "recipes" / "loading.py"))
+    assert R.find_repo_root() == REPO  # the checkout the package comes from goes first
 
 
 def test_a_checkout_others_can_write_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
@@ -416,7 +417,7 @@ def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
         # The code under test, where uid 65534 can read it: this checkout may sit in a private folder
         # (a clone under `mktemp -d` is 0700), which the other user cannot enter.
         package = base / "code"
-        shutil.copytree(ROOT / "dschat", package / "dschat", ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(REPO / "dschat", package / "dschat", ignore=shutil.ignore_patterns("__pycache__"))
         code = ("import sys; sys.path.insert(0, %r); from dschat import recipes; from dschat.errors import cli_main; "
                 "raise SystemExit(cli_main(recipes.main, ['--repo-root', %r, 'validate']))" % (str(package), str(checkout)))
         proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
@@ -433,7 +434,7 @@ def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
 # ------------------------------------------------------------------------------------------------
 # Upstream's step-3 test matrix: its sweep/run_single.sh with 11 positionals
 # ------------------------------------------------------------------------------------------------
-SWEEP = ROOT / "training/step3_rlhf_finetuning/training_scripts/opt/single_node/sweep/run_single.sh"
+SWEEP = REPO / "training/step3_rlhf_finetuning/training_scripts/opt/single_node/sweep/run_single.sh"
 
 
 def _sweep_command(tmp_path: Path, *positionals: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Shared helpers for the data tests (no tests here): a small real tokenizer, rows, file writers.
+"""Helpers of the data tests (``tests/data/``): a small real tokenizer, rows, file writers.
 
 The tokenizer is a byte-level BPE trained in memory on a fixed corpus, wrapped in
 ``PreTrainedTokenizerFast`` with BOS prepended (like LLaMA/OPT), so truncation, padding and special
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 WORDS = (
     "the a cat dog bird fish tree river mountain city house garden book story song music water fire "

@@ -1,5 +1,6 @@
-"""Shared helpers of the step-3 tests (``tests/test_step3_*.py``): critic folders, the step-3
-``main`` module, argument lists and weight comparisons."""
+"""Helpers of the step-3 tests (``tests/rlhf/test_step3_*.py`` and others): critic folders, the
+step-3 ``main`` module, argument lists and weight comparisons. The fixtures built on them
+(``critic_dirs``, ``lora_inputs``, ``data_cache``, ``one_thread``) are in ``tests/conftest.py``."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 STEP3_DIR = REPO / "training" / "step3_rlhf_finetuning"
 STEP3_MAIN = STEP3_DIR / "main.py"
 
@@ -42,12 +44,6 @@ def make_critic_folder(model_name: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-@pytest.fixture(scope="session")
-def critic_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("step3_critics")
-    return {name: make_critic_folder(name, root / name) for name in ("tiny-opt", "tiny-llama", "tiny-opt-quirk")}
-
-
 def make_lora_inputs(model_name: str, root: Path, seed: int = 0) -> dict[str, Path]:
     """A LoRA actor and a LoRA critic saved by dschat (merged folder + ``lora_adapter/``), their
     factors moved off zero as after training, without running steps 1 and 2."""
@@ -70,16 +66,6 @@ def make_lora_inputs(model_name: str, root: Path, seed: int = 0) -> dict[str, Pa
                     module.lora_left_weight.normal_(std=0.05)
         folders[role] = save_hf_model(model, tokenizer, root / role)
     return folders
-
-
-@pytest.fixture(scope="session")
-def lora_inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_lora_inputs("tiny-opt-quirk", tmp_path_factory.mktemp("step3_lora_inputs"))
-
-
-@pytest.fixture(scope="session")
-def data_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("step3_data")
 
 
 LORA_MODULES = {"tiny-opt": "decoder.layers.", "tiny-opt-quirk": "decoder.layers.", "tiny-llama": "layers."}
@@ -154,13 +140,3 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, optimizer_steps: int
         return saved
 
     monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", crash)
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest on one thread, and the 2 CPU cores are shared (autouse in the test
-    modules that import it)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)

@@ -1,4 +1,4 @@
-"""Shared helpers of the step-script tests (test_step1/2, test_dpo, test_two_ranks, test_eval_scripts).
+"""Helpers of the step-script tests (training/test_step1/2, test_dpo, test_two_ranks, e2e/test_eval_scripts).
 
 The step scripts live in ``training/<step>/main.py`` (upstream's layout), outside the package, so
 they are imported from their files. Each ``main(argv)`` returns a
@@ -20,13 +20,13 @@ from typing import Any, Sequence
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import PYTHON, REPO
+
 STEP_DIRS = {
     "step1": REPO / "training" / "step1_supervised_finetuning",
     "step2": REPO / "training" / "step2_reward_model_finetuning",
     "dpo": REPO / "training" / "step2_dpo_finetuning",
 }
-PYTHON = sys.executable
 DEEPSPEED = shutil.which("deepspeed") or str(Path(PYTHON).with_name("deepspeed"))
 
 # Two short conversations in the training data's format, of different lengths (so padding shows).

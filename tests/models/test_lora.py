@@ -120,7 +120,7 @@ def test_fused_equals_unfused_and_unfuse_restores_weight():
     torch.testing.assert_close(layer(x), unfused)
     layer.unfuse_lora_weight()
     assert not layer.fuse_lora
-    assert torch.equal(layer.weight, w0)  # bit for bit (tests/test_lora_exact.py: every dtype, many rounds)
+    assert torch.equal(layer.weight, w0)  # bit for bit (tests/models/test_lora_exact.py: every dtype, many rounds)
     torch.testing.assert_close(layer(x), unfused)
 
 

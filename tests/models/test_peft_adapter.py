@@ -1,7 +1,7 @@
 """LoRA adapters in PEFT's format (dschat/models/peft_adapter.py): the export beside every LoRA save
 (factors transposed into PEFT's orientation, lora_alpha reproducing dschat's scaling, what else trained),
 equality with ``peft.PeftModel`` on tiny OPT and LLaMA models, adapters given back as model paths
-(dschat's and peft's own), and the adapters dschat refuses. The step runs (tests/test_step1.py,
+(dschat's and peft's own), and the adapters dschat refuses. The step runs (tests/training/test_step1.py,
 test_step2.py, test_dpo.py, test_step3_smoke.py) check the same on trained models, under ZeRO-3 too."""
 from __future__ import annotations
 
@@ -21,6 +21,9 @@ from dschat.models.lora import convert_linear_layer_to_lora, only_optimize_lora_
 from dschat.models.registry import resolve_model_path
 from dschat.models.save import save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
+
+from helpers import PYTHON
+from helpers.steps import assert_causal_adapter_matches, run_cli
 
 PROBE = [" Human: Tell me about owls. Assistant: Owls hunt at night.", " Human: Hi Assistant: Hello"]
 LORA_MODULES = {"tiny-opt": "decoder.layers.", "tiny-llama": "layers."}
@@ -253,7 +256,6 @@ def test_two_zero3_ranks_merge_an_adapter_and_export_one(tmp_path):
     LoRA on top exported from factors partitioned over both ranks."""
     import shutil
 
-    from _step_helpers import PYTHON, assert_causal_adapter_matches, run_cli
 
     model, tok = _lora_model("tiny-opt", only_lora=False)
     adapter = save_hf_model(model, tok, tmp_path / "in") / "lora_adapter"

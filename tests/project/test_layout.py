@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-PKG = Path(__file__).resolve().parents[1] / "dschat"
+from helpers import REPO
+
+PKG = REPO / "dschat"
 
 # Units (a package under dschat/, a top-level module, or "dschat" itself for the package's
 # __init__), lowest floor first. A unit may import its own modules and the units of lower floors.

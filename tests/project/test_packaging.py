@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 
 def _readme_command(marker: str) -> str:

@@ -22,6 +22,10 @@ from dschat.models.tiny import build_tiny_model
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.utils.model.model_utils import create_critic_model, create_hf_model
 
+from helpers import PYTHON, REPO
+from helpers.step3 import base_argv, load_state, step3_main
+from helpers.steps import deepspeed_cmd, load_script, run_cli
+
 TEXTS = [" Human: Tell me about owls. Assistant: Owls hunt at night.", " Human: hi Assistant: bye"]
 
 
@@ -324,8 +328,6 @@ torch.save({"values": values, "zeroed": zeroed}, f"{out}/rank{info.rank}.pt")
 
 @pytest.mark.slow
 def test_two_zero3_ranks_load_the_upstream_critic(tmp_path, upstream_opt_critic):
-    from _step_helpers import deepspeed_cmd, run_cli
-
     folder, critic, tokenizer = upstream_opt_critic
     script = tmp_path / "load_critic.py"
     script.write_text(TWO_RANK_SCRIPT)
@@ -342,8 +344,6 @@ def test_two_zero3_ranks_load_the_upstream_critic(tmp_path, upstream_opt_critic)
 
 
 def test_step3_check_paths_accepts_either_format_and_names_both(tmp_path, upstream_opt_critic):
-    from step3_support import base_argv, step3_main
-
     main = step3_main()
     args = main.parse_args(base_argv("tiny-opt", upstream_opt_critic[0], tmp_path / "data",
                                      "--output_dir", str(tmp_path / "out")))
@@ -361,7 +361,7 @@ def test_step3_check_paths_accepts_either_format_and_names_both(tmp_path, upstre
 
 
 def test_e2e_accepts_an_upstream_reward_folder(upstream_opt_critic, tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(REPO))
     import e2e_rlhf as E
 
     assert E.folder_problem(upstream_opt_critic[0], "reward") is None
@@ -377,7 +377,6 @@ def test_step3_runs_from_upstream_step1_and_step2_folders(tmp_path, upstream_opt
     with more embedding rows than the critic (found on an H100: an OPT-1.3B actor's 50272 rows, an
     upstream critic resized to 552; the actor sampled ids the critic has no row for). Every model is
     resized to the tokenizer's length rounded up to 8, as upstream does, and one line says so."""
-    from step3_support import base_argv, load_state, step3_main
 
     actor_dir = tmp_path / "actor-models" / "opt"
     _, tokenizer = write_upstream_actor("tiny-opt", actor_dir, vocab_rows=2048)  # the critic has 1000
@@ -414,8 +413,6 @@ def test_aligned_vocab_rows_only_when_the_models_differ():
 
 
 def test_rw_eval_scores_an_upstream_folder_like_the_dschat_save_of_the_same_model(tmp_path, upstream_opt_critic):
-    from _step_helpers import load_script
-
     from dschat.models.save import save_hf_model
 
     folder, critic, tokenizer = upstream_opt_critic
@@ -433,15 +430,12 @@ def test_rw_eval_scores_an_upstream_folder_like_the_dschat_save_of_the_same_mode
 def test_evaluation_scripts_print_usage_without_paths(script, usage):
     import subprocess
 
-    repo = Path(__file__).resolve().parents[1]
-    proc = subprocess.run(["bash", str(repo / script)], capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and f"usage: bash {repo / script} {usage}" in proc.stderr
+    proc = subprocess.run(["bash", str(REPO / script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and f"usage: bash {REPO / script} {usage}" in proc.stderr
 
 
 @pytest.mark.slow
 def test_evaluation_scripts_run_the_eval_programs(tmp_path, upstream_opt_critic):
-    from _step_helpers import PYTHON, REPO, run_cli
-
     actor = tmp_path / "actor"
     write_upstream_actor("tiny-opt", actor)
     scripts = REPO / "training"
@@ -539,7 +533,7 @@ def test_reward_and_actor_folders_are_told_apart_in_both_formats(tmp_path):
     from dschat.eval import scoring
     from dschat.utils.model.reward_model import is_reward_model_folder
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "inference"))
+    sys.path.insert(0, str(REPO / "inference"))
     import chatbot
 
     critic, actor = tmp_path / "critic", tmp_path / "actor"

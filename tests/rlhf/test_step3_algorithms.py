@@ -10,17 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from step3_support import (  # noqa: F401
-    Interrupted,
-    base_argv,
-    crash_after_checkpoint,
-    critic_dirs,
-    data_cache,
-    load_state,
-    max_abs_diff,
-    one_thread,
-    step3_main,
-)
 
 from dschat import rl_algorithms
 from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
@@ -28,6 +17,10 @@ from dschat.errors import EXIT_USAGE, cli_main
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.algorithm import resolve_algorithm
 from dschat.training import checkpoint as ckpt
+
+from helpers.step3 import Interrupted, base_argv, crash_after_checkpoint, load_state, max_abs_diff, step3_main
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # every test: tiny models on one thread
 
 
 def _argv(model, critic, data, *extra, steps=2):
@@ -82,7 +75,7 @@ def _run_cli(argv, capsys):
     (("--loss_aggregation", "sequence"), "--loss_aggregation sequence is for the critic-free"),
     (("--tis_cap", "-1"), "--tis_cap must be >= 0"),
 ])
-def test_flag_rules_refused_before_any_model(extra, message, tmp_path, data_cache, capsys):  # noqa: F811
+def test_flag_rules_refused_before_any_model(extra, message, tmp_path, data_cache, capsys):
     line = _run_cli(_argv("tiny-opt", None, data_cache, "--output_dir", str(tmp_path / "out"), *extra), capsys)
     assert message in line
     assert not (tmp_path / "out").exists()
@@ -116,7 +109,7 @@ COVER = {
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(COVER))
-def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
     model, with_rm, extra = COVER[name]
     out = tmp_path / "out"
     result = step3_main().main(_argv(model, critic_dirs[model] if with_rm else None, data_cache, *extra,
@@ -147,7 +140,7 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):  # 
 
 
 @pytest.mark.slow
-def test_groups_are_whole_whatever_the_micro_batch(data_cache, monkeypatch):  # noqa: F811
+def test_groups_are_whole_whatever_the_micro_batch(data_cache, monkeypatch):
     """GRPO with K = 4 in a generation batch of 4 trained as two micro-batches of 2: each micro-batch
     carries the advantages of the whole group (they sum to 0 over the group, not per micro-batch)."""
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
@@ -172,7 +165,7 @@ def test_groups_are_whole_whatever_the_micro_batch(data_cache, monkeypatch):  # 
 
 
 @pytest.mark.slow
-def test_interrupted_and_resumed_grpo_matches_the_uninterrupted_run(tmp_path, data_cache, monkeypatch):  # noqa: F811
+def test_interrupted_and_resumed_grpo_matches_the_uninterrupted_run(tmp_path, data_cache, monkeypatch):
     main = step3_main().main
 
     def argv(out, *more):
@@ -203,7 +196,7 @@ def test_interrupted_and_resumed_grpo_matches_the_uninterrupted_run(tmp_path, da
     ("reward_fixtures:one_short", "reward function reward_fixtures:one_short returned 3 scores for 4 answers"),
     ("reward_fixtures:nan_on_last", "reward function reward_fixtures:nan_on_last returned nan for row 3"),
 ])
-def test_a_failing_reward_function_stops_the_run_with_one_line(spec, message, tmp_path, data_cache, capsys):  # noqa: F811
+def test_a_failing_reward_function_stops_the_run_with_one_line(spec, message, tmp_path, data_cache, capsys):
     out = tmp_path / "out"
     line = _run_cli(_argv("tiny-opt", None, data_cache, "--algorithm", "reinforce_pp", "--reward_fn", spec,
                           "--output_dir", str(out), "--save_interval", "1"), capsys)
@@ -212,7 +205,7 @@ def test_a_failing_reward_function_stops_the_run_with_one_line(spec, message, tm
 
 
 @pytest.mark.slow
-def test_the_non_finite_guard_skips_a_critic_free_rollout(data_cache, capsys):  # noqa: F811
+def test_the_non_finite_guard_skips_a_critic_free_rollout(data_cache, capsys):
     """main's Python hook keeps the guard's rule for every algorithm: a NaN reward skips that rollout."""
     calls = []
 

@@ -8,18 +8,10 @@ import json
 import math
 
 import pytest
-from step3_support import (  # noqa: F401
-    Interrupted,
-    base_argv,
-    crash_after_checkpoint,
-    critic_dirs,
-    data_cache,
-    load_state,
-    max_abs_diff,
-    step3_main,
-)
 
 from dschat.training import checkpoint as ckpt
+
+from helpers.step3 import Interrupted, base_argv, crash_after_checkpoint, load_state, max_abs_diff, step3_main
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +31,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_interrupted_and_resumed_ppo_matches_the_uninterrupted_run(case, tmp_path, critic_dirs, data_cache,  # noqa: F811
+def test_interrupted_and_resumed_ppo_matches_the_uninterrupted_run(case, tmp_path, critic_dirs, data_cache,
                                                                    monkeypatch):
     model, extra = CASES[case]
     main = step3_main().main
@@ -77,7 +69,7 @@ def test_interrupted_and_resumed_ppo_matches_the_uninterrupted_run(case, tmp_pat
     assert max_abs_diff(load_state(tmp_path / "full" / "actor"), load_state(tmp_path / "resumed" / "actor")) == 0.0
 
 
-def test_a_rollout_with_a_nan_reward_is_skipped(tmp_path, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_a_rollout_with_a_nan_reward_is_skipped(tmp_path, critic_dirs, data_cache, capsys):
     calls = []
 
     def reward_fn(prompts, answers):

@@ -7,7 +7,7 @@ from torch import nn
 
 from dschat.rlhf.actor_ema import EMA_BETA, moving_average
 
-from step3_support import base_argv, critic_dirs, data_cache, step3_main  # noqa: F401
+from helpers.step3 import base_argv, step3_main
 
 
 def test_moving_average_formula_and_copy():
@@ -69,7 +69,7 @@ def test_half_precision_ema_follows_weights_written_outside_it():
     assert torch.equal(ema.weight, actor.weight)
 
 
-def test_zero3_ema_update_is_kept_for_partitioned_and_persistent_params(critic_dirs, data_cache):  # noqa: F811
+def test_zero3_ema_update_is_kept_for_partitioned_and_persistent_params(critic_dirs, data_cache):
     import deepspeed
 
     from dschat.models.tokenizer import load_hf_tokenizer

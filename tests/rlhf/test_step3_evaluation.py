@@ -13,22 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from step3_support import (  # noqa: F401
-    Interrupted,
-    base_argv,
-    crash_after_checkpoint,
-    critic_dirs,
-    data_cache,
-    load_state,
-    max_abs_diff,
-    step3_main,
-)
 
 from dschat.errors import EXIT_USAGE, cli_main
 from dschat.rlhf import evaluation as ev
 from dschat.rlhf.evaluation import token_entropy
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
 from dschat.runtime import fs
+
+from helpers.step3 import Interrupted, base_argv, crash_after_checkpoint, load_state, max_abs_diff, step3_main
 
 
 @pytest.fixture(autouse=True, scope="module")  # module: before the module-scoped runs (same float sums)
@@ -147,7 +139,7 @@ def _train_only_file(folder: Path) -> Path:
     ("train-only", "has no held-out prompts"),
     ("gold-elsewhere", "the gold judge scores the embedded data only"),
 ])
-def test_bad_evaluation_input_is_one_line_and_writes_nothing(extra, message, tmp_path, data_cache, capsys):  # noqa: F811
+def test_bad_evaluation_input_is_one_line_and_writes_nothing(extra, message, tmp_path, data_cache, capsys):
     out = tmp_path / "out"
     argv = _argv(data_cache, "--output_dir", str(out))
     if isinstance(extra, str):  # the data itself: a file without held-out rows for phase 3
@@ -162,7 +154,7 @@ def test_bad_evaluation_input_is_one_line_and_writes_nothing(extra, message, tmp
     ("reward_fixtures:always_raises", "--eval_judge: reward function reward_fixtures:always_raises raised KeyError"),
     ("reward_fixtures:one_short", "reward function reward_fixtures:one_short returned 3 scores for 4 answers"),
 ])
-def test_a_failing_judge_stops_the_run_before_anything_is_written(judge, message, tmp_path, data_cache, capsys):  # noqa: F811
+def test_a_failing_judge_stops_the_run_before_anything_is_written(judge, message, tmp_path, data_cache, capsys):
     out = tmp_path / "out"
     line = _run_cli(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "2", "--eval_prompts", "4",
                           "--eval_judge", judge), capsys)
@@ -186,7 +178,7 @@ def _eval_lines(out: Path):
 
 
 @pytest.fixture(scope="module")
-def ppo_runs(tmp_path_factory, critic_dirs, data_cache):  # noqa: F811
+def ppo_runs(tmp_path_factory, critic_dirs, data_cache):
     """Tiny OPT PPO with EMA, 4 steps: evaluated every 2 steps (gold judge, best by gold) and not."""
     root = tmp_path_factory.mktemp("eval_runs")
     main = step3_main().main
@@ -270,7 +262,7 @@ def test_resume_reproduces_the_evaluation_records_and_the_best_checkpoint(ppo_ru
 
 
 @pytest.mark.slow
-def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dirs, data_cache, monkeypatch,  # noqa: F811
+def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dirs, data_cache, monkeypatch,
                                                             capsys):
     """GRPO scored by a reward function, judged by a column-reading function and a reward-model
     folder, best by the proxy; the alarm (forced at step 2: its rule is tested above) ends the run

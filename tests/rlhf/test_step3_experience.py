@@ -8,7 +8,7 @@ import torch
 from dschat.data.collators import MiniDataset
 from dschat.rlhf.experience import Experience, answer_mask, sequence_masks
 
-from step3_support import base_argv, critic_dirs, data_cache, step3_main  # noqa: F401
+from helpers.step3 import base_argv, step3_main
 
 Q = 2  # tiny-opt-quirk: bos == eos == pad == 2
 
@@ -76,7 +76,7 @@ def test_experience_upstream_keys_rows_and_minidataset_split():
 # ---------------------------------------------------------------------------------- with models
 
 
-def _build(model: str, critic_dirs, data_cache, *extra: str):  # noqa: F811
+def _build(model: str, critic_dirs, data_cache, *extra: str):
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
@@ -96,7 +96,7 @@ def _fixed_generation(monkeypatch, trainer, seq):
     monkeypatch.setattr(trainer.generator, "rollout", lambda prompts, mask: Rollout(seq.clone(), None))
 
 
-def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(monkeypatch, critic_dirs, data_cache):
     trainer, tok = _build("tiny-opt-quirk", critic_dirs, data_cache, "--actor_dropout", "0.5")
     assert tok.pad_token_id == tok.eos_token_id == tok.bos_token_id == Q
     prompts = torch.tensor([[Q, Q, 20, 21], [Q, 22, 23, 24], [Q, 25, 26, 27]])
@@ -137,7 +137,7 @@ def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(m
     assert bonus_last.nonzero().flatten().tolist() == [start + 2]  # the EOS position
 
 
-def test_every_forward_gets_mask_derived_positions(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+def test_every_forward_gets_mask_derived_positions(monkeypatch, critic_dirs, data_cache):
     # RoPE models are shift-invariant, but models with learned absolute positions are not: each
     # experience and training forward must receive cumsum(mask) - 1 (upstream passed none).
     trainer, tok = _build("tiny-llama", critic_dirs, data_cache, "--actor_dropout", "0.0")
@@ -168,7 +168,7 @@ def _spy(forward, seen):
     return wrapped
 
 
-def test_all_short_answers_on_every_rank_skip_the_step(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+def test_all_short_answers_on_every_rank_skip_the_step(monkeypatch, critic_dirs, data_cache):
     trainer, tok = _build("tiny-opt", critic_dirs, data_cache)
     eos = tok.eos_token_id
     prompts = torch.tensor([[1, 2, 40, 41], [2, 42, 43, 44]])
@@ -183,7 +183,7 @@ def test_all_short_answers_on_every_rank_skip_the_step(monkeypatch, critic_dirs,
 
 
 @pytest.mark.slow
-def test_first_batch_all_short_does_not_crash_the_run(tmp_path, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_first_batch_all_short_does_not_crash_the_run(tmp_path, critic_dirs, data_cache, capsys):
     # One-token answers everywhere: every step is skipped, the run still finishes and saves.
     argv = base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--max_answer_seq_len", "1",
                      "--output_dir", str(tmp_path / "out"))
@@ -193,7 +193,7 @@ def test_first_batch_all_short_does_not_crash_the_run(tmp_path, critic_dirs, dat
     assert (tmp_path / "out" / "actor" / "config.json").exists()
 
 
-def test_missing_eos_penalty_lowers_only_the_cut_answers(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+def test_missing_eos_penalty_lowers_only_the_cut_answers(monkeypatch, critic_dirs, data_cache):
     trainer, tok = _build("tiny-opt", critic_dirs, data_cache)
     eos, pad = tok.eos_token_id, tok.pad_token_id
     prompts = torch.tensor([[pad, 20, 21], [22, 23, 24]])
@@ -206,7 +206,7 @@ def test_missing_eos_penalty_lowers_only_the_cut_answers(monkeypatch, critic_dir
     assert penalised[0] == plain[0] and penalised[1] == pytest.approx(plain[1] - 2.0)
 
 
-def test_train_rlhf_uses_the_stored_advantages_without_recomputing_rewards(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+def test_train_rlhf_uses_the_stored_advantages_without_recomputing_rewards(monkeypatch, critic_dirs, data_cache):
     # prepare_rollout stores advantages and returns; a micro-step then needs only the old values (the
     # value loss clips around them): the per-token rewards are computed once per rollout, not again.
     trainer, tok = _build("tiny-opt", critic_dirs, data_cache)

@@ -12,7 +12,8 @@ import torch
 from dschat.errors import UserError
 from dschat.rlhf.guards import BatchPlan, num_total_iters, plan_batches, validate_step3_args
 
-from step3_support import STEP3_MAIN, critic_dirs, data_cache, step3_main, subprocess_env  # noqa: F401
+from helpers import REPO
+from helpers.step3 import STEP3_MAIN, step3_main, subprocess_env
 
 
 def _args(**overrides):
@@ -135,7 +136,7 @@ def _run_cli(argv, cwd):
 
 
 @pytest.mark.slow
-def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, critic_dirs, data_cache):  # noqa: F811
+def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, critic_dirs, data_cache):
     out = tmp_path / "out"
     common = ["--actor_model_name_or_path", "tiny-opt", "--data_path", "dschat/builtin",
               "--data_output_path", str(data_cache), "--output_dir", str(out)]
@@ -207,7 +208,6 @@ def test_engine_and_trainer_read_dschat_flags_only_through_step3_flag():
     # AttributeError (after all five models loaded).
     import ast
 
-    from step3_support import REPO
 
     dschat_only = _dschat_only_flags()
     assert {"kl_ctl", "decoding", "generation_loop", "max_nonfinite_steps"} <= dschat_only

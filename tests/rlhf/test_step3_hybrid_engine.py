@@ -9,13 +9,14 @@ import torch
 
 from dschat.rlhf.hybrid_engine import DecodingSettings, HybridEngineDecision, RolloutGenerator, decide_hybrid_engine
 
-from step3_support import base_argv, critic_dirs, data_cache, step3_main  # noqa: F401
+from helpers.step3 import base_argv, step3_main
+from helpers.steps import require_cuda_accelerator
 
 PROMPTS = torch.tensor([[3, 1, 40, 41], [1, 42, 43, 44]])  # tiny-llama ids: pad 3, bos 1
 PROMPT_MASK = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
 
 
-def _engine(model: str, critic_dirs, data_cache, *extra: str):  # noqa: F811
+def _engine(model: str, critic_dirs, data_cache, *extra: str):
     from dschat.models.tokenizer import load_hf_tokenizer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.dist import init_distributed
@@ -78,7 +79,7 @@ def test_decoding_settings_pin_the_sampling_distribution():
     ("tiny-llama", ("--actor_zero_stage", "3")),
     ("tiny-opt", ("--actor_zero_stage", "3", "--actor_lora_dim", "4")),
 ])
-def test_enable_hybrid_engine_decodes_with_dschats_engine(model, extra, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_enable_hybrid_engine_decodes_with_dschats_engine(model, extra, critic_dirs, data_cache, capsys):
     """--enable_hybrid_engine on a covered family: dschat's Hybrid Engine gives the greedy tokens of the
     module's generate and the log-probs of a training forward, under ZeRO-0 and ZeRO-3 (gathered once),
     with LoRA (fused into the copy, unfused after), before and after an optimizer step -- whose new
@@ -131,7 +132,7 @@ def test_enable_hybrid_engine_decodes_with_dschats_engine(model, extra, critic_d
         assert capsys.readouterr().out.count("dschat Hybrid Engine: not used (the actor's ZeRO-3 weights are fetched") == 1
 
 
-def test_real_hybrid_engine_without_container_generates_with_the_module(monkeypatch, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_real_hybrid_engine_without_container_generates_with_the_module(monkeypatch, critic_dirs, data_cache, capsys):
     # Force the HE on for OPT on this CPU: DeepSpeed builds a DeepSpeedHybridEngine that finds no
     # inference container; its engine.generate raises AttributeError '_generate' (0.19.8).
     import dschat.rlhf.hybrid_engine as he
@@ -189,7 +190,7 @@ def test_hybrid_engine_failure_at_run_time_falls_back_once(capsys):
 # ------------------------------------------------------------------------------------ ZeRO-3 and LoRA
 
 
-def test_zero3_gather_once_generates_the_same_tokens_without_per_layer_fetches(monkeypatch, critic_dirs, data_cache):  # noqa: F811
+def test_zero3_gather_once_generates_the_same_tokens_without_per_layer_fetches(monkeypatch, critic_dirs, data_cache):
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
 
     fetches = {"n": 0}
@@ -218,7 +219,7 @@ def test_zero3_gather_once_generates_the_same_tokens_without_per_layer_fetches(m
 
 
 @pytest.mark.parametrize("loop", ["dschat", "hf"])
-def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, critic_dirs, data_cache):  # noqa: F811
+def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, critic_dirs, data_cache):
     import dschat.rlhf.decoding as decoding
     from dschat.models.lora import LinearLayer_LoRA
 
@@ -248,7 +249,7 @@ def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, criti
 
 
 @pytest.mark.parametrize("extra", [(), ("--actor_lora_dim", "4"), ("--actor_zero_stage", "3")])
-def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic_dirs, data_cache):  # noqa: F811
+def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic_dirs, data_cache):
     """dschat's loop with oneDNN decode linears (--generation_loop dschat on a CPU) gives the plain
     path's greedy tokens and log-probs (HF generate, stock kernels), before and after the actor's
     weights change."""
@@ -284,11 +285,10 @@ def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny-opt", "tiny-llama"])
 @pytest.mark.parametrize("zero_stage", ["0", "3"])
-def test_dschat_hybrid_engine_on_cuda_compiles_once_and_is_exact_in_fp32(model, zero_stage, critic_dirs, data_cache):  # noqa: F811
+def test_dschat_hybrid_engine_on_cuda_compiles_once_and_is_exact_in_fp32(model, zero_stage, critic_dirs, data_cache):
     """On CUDA the engine's decode step is compiled with CUDA graphs: in fp32 it gives the module's
     greedy tokens and a forward pass's log-probs, and rollouts after the first (ZeRO-3: weights
     gathered anew each time; a different prompt width) neither recompile nor re-capture."""
-    from _step_helpers import require_cuda_accelerator
 
     require_cuda_accelerator()
     engine = _engine(model, critic_dirs, data_cache, "--enable_hybrid_engine", "--actor_zero_stage", zero_stage,
@@ -315,11 +315,10 @@ def test_dschat_hybrid_engine_on_cuda_compiles_once_and_is_exact_in_fp32(model, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny-opt", "tiny-llama"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_dschat_hybrid_engine_low_precision_agreement_is_measured(model, dtype, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_dschat_hybrid_engine_low_precision_agreement_is_measured(model, dtype, critic_dirs, data_cache, capsys):
     """In bf16/fp16 the engine's rounding differs from the training forward's: measure (and print) the
     share of greedy answer tokens equal to the module's generate before the first difference, and
     the largest gap between the kept log-probs and a training forward over the same rollout."""
-    from _step_helpers import require_cuda_accelerator
 
     require_cuda_accelerator()
     engine = _engine(model, critic_dirs, data_cache, "--enable_hybrid_engine", "--actor_zero_stage", "3",
@@ -368,7 +367,7 @@ def _forward_logprobs(engine, seq: torch.Tensor, prompt_mask: torch.Tensor, temp
     ("tiny-opt", (), 0.7),
     ("tiny-llama", ("--actor_lora_dim", "4", "--actor_lora_module_name", "layers."), 0.7),  # LoRA fused for generation
 ])
-def test_rollout_keeps_the_log_probs_a_forward_pass_gives(model, extra, temperature, critic_dirs, data_cache):  # noqa: F811
+def test_rollout_keeps_the_log_probs_a_forward_pass_gives(model, extra, temperature, critic_dirs, data_cache):
     from dschat.models.lora import LinearLayer_LoRA
 
     engine = _engine(model, critic_dirs, data_cache, "--decoding", "sample", "--temperature", str(temperature), *extra)
@@ -397,7 +396,7 @@ def test_rollout_keeps_the_log_probs_a_forward_pass_gives(model, extra, temperat
     assert plain.logprobs is None and torch.equal(plain.sequences, rollout.sequences)
 
 
-def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic_dirs, data_cache):  # noqa: F811
+def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic_dirs, data_cache):
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -439,7 +438,7 @@ def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic
 # ------------------------------------------------------------------------------------ --generation_loop graphs
 
 
-def test_graphs_loop_on_a_cpu_says_why_once_and_decodes_with_dschats_loop(critic_dirs, data_cache, capsys):  # noqa: F811
+def test_graphs_loop_on_a_cpu_says_why_once_and_decodes_with_dschats_loop(critic_dirs, data_cache, capsys):
     engine = _engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "graphs")
     first = _generate(engine)
     assert engine.generator.generation_loop == "dschat"
@@ -452,7 +451,7 @@ def test_graphs_loop_on_a_cpu_says_why_once_and_decodes_with_dschats_loop(critic
     ("tiny-opt", ()),
     ("tiny-llama", ("--actor_zero_stage", "3", "--actor_lora_dim", "4")),  # gathered once, LoRA fused
 ])
-def test_graphs_loop_gives_the_tokens_and_log_probs_of_generate(model, extra, critic_dirs, data_cache):  # noqa: F811
+def test_graphs_loop_gives_the_tokens_and_log_probs_of_generate(model, extra, critic_dirs, data_cache):
     """The static-cache path, compiled (on a CPU: inductor without CUDA graphs), with prompts padded
     to the next multiple of 64: greedy tokens equal HF generate's on the unpadded prompts, and the
     kept log-probs equal those of one forward pass over the rollout."""
@@ -471,7 +470,7 @@ def test_graphs_loop_gives_the_tokens_and_log_probs_of_generate(model, extra, cr
     assert torch.allclose(rollout.logprobs[kept], logp[kept], atol=1e-4)
 
 
-def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cache, capsys):
     expected = _generate(_engine("tiny-llama", critic_dirs, data_cache))
     engine = _engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "graphs")
     engine.generator.graph_devices = ("cuda", "cpu")
@@ -486,7 +485,7 @@ def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cach
     assert out.count("--generation_loop graphs: CUDA graphs failed (RuntimeError: inductor could not lower this)") == 1
 
 
-def test_auto_loop_on_a_cpu_is_dschats_loop_and_the_engine_where_auto_takes_it(critic_dirs, data_cache, capsys):  # noqa: F811
+def test_auto_loop_on_a_cpu_is_dschats_loop_and_the_engine_where_auto_takes_it(critic_dirs, data_cache, capsys):
     """The default on a CPU: ``auto`` decodes with dschat's loop (the CPU demo's figures were measured
     with it). On a device in ``auto_engine_devices`` (none by default), ``auto`` takes dschat's Hybrid
     Engine instead, with the same tokens, and says nothing but the one rollout summary line."""
@@ -505,7 +504,7 @@ def test_auto_loop_on_a_cpu_is_dschats_loop_and_the_engine_where_auto_takes_it(c
     assert out.count("Rollouts: dschat loop (dschat.rlhf.decoding.sample_loop") == 1
 
 
-def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetched(critic_dirs, data_cache, capsys):  # noqa: F811
+def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetched(critic_dirs, data_cache, capsys):
     """With this CPU counted as a graphs device, ``auto`` compiles (the path it takes on CUDA), and
     gives generate's greedy tokens; with ZeRO-3 weights fetched per layer it takes generate, silently."""
     expected = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "hf"))
@@ -523,7 +522,7 @@ def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetch
     assert "--generation_loop" not in capsys.readouterr().out
 
 
-def test_auto_loop_graphs_failure_falls_back_once(monkeypatch, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_auto_loop_graphs_failure_falls_back_once(monkeypatch, critic_dirs, data_cache, capsys):
     expected = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "dschat"))
     engine = _engine("tiny-llama", critic_dirs, data_cache)
     engine.generator.graph_devices = ("cuda", "cpu")
@@ -541,13 +540,12 @@ def test_auto_loop_graphs_failure_falls_back_once(monkeypatch, critic_dirs, data
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["tiny-opt", "tiny-llama"])
 @pytest.mark.parametrize("zero_stage", ["0", "3"])
-def test_graphs_on_cuda_give_generates_tokens_and_log_probs(model, zero_stage, critic_dirs, data_cache):  # noqa: F811
+def test_graphs_on_cuda_give_generates_tokens_and_log_probs(model, zero_stage, critic_dirs, data_cache):
     """The default loop on CUDA really captures CUDA graphs (no cudagraph skips), keeps doing so for
     a second rollout, and in fp32 gives the greedy tokens of eager generate and the log-probs of one
     forward pass over the rollout. (ZeRO-3: gathered once per rollout.)"""
     from torch._dynamo.utils import counters
 
-    from _step_helpers import require_cuda_accelerator
 
     require_cuda_accelerator()
     prompts, mask = PROMPTS.cuda(), PROMPT_MASK.cuda()
@@ -593,7 +591,7 @@ def _base_weights(layers) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     ("bf16", "3", "off", 0),  # fetched per layer and token: not fused
 ])
 def test_rollouts_leave_the_frozen_lora_base_weights_bit_identical(dtype, zero_stage, gather, persistence, monkeypatch,
-                                                                  critic_dirs, data_cache):  # noqa: F811
+                                                                  critic_dirs, data_cache):
     """Fusing LoRA for every rollout and unfusing after, with LoRA factors that change between rollouts
     (as training changes them), leaves every frozen base weight -- and under ZeRO-3 its partition --
     bit for bit as it was. Upstream's add-then-subtract moved ~27% of the bf16 entries in 5 rollouts

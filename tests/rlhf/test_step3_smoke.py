@@ -11,23 +11,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from _step_helpers import assert_causal_adapter_matches, assert_reward_adapter_matches, assert_saved_in_format
 
 from dschat.models.registry import resolve_model_path
-from step3_support import (  # noqa: F401
-    STEP3_MAIN,
-    base_argv,
-    critic_dirs,
-    data_cache,
-    load_state,
-    lora_inputs,
-    max_abs_diff,
-    one_thread,
-    step3_main,
-    subprocess_env,
+
+from helpers.step3 import STEP3_MAIN, base_argv, load_state, max_abs_diff, step3_main, subprocess_env
+from helpers.steps import (
+    assert_causal_adapter_matches,
+    assert_reward_adapter_matches,
+    assert_saved_in_format,
+    require_cuda_accelerator,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 
 def _initial_actor(model: str) -> dict[str, torch.Tensor]:
@@ -77,7 +72,7 @@ FROM_ADAPTERS = {"z2-offload-quirk"}
 
 
 @pytest.mark.parametrize("name", list(COVER))
-def test_smoke_cover(name, tmp_path, critic_dirs, lora_inputs, data_cache, capsys):  # noqa: F811
+def test_smoke_cover(name, tmp_path, critic_dirs, lora_inputs, data_cache, capsys):
     model, extra = COVER[name]
     out = tmp_path / "out"
     # The starting actor and critic: merged folders, or, given as adapters, what those merge into.
@@ -175,14 +170,14 @@ def varied_lengths(monkeypatch):
     monkeypatch.setattr(RolloutGenerator, "rollout", rollout)
 
 
-def _run(critic_dirs, data_cache, *extra, steps=2, model="tiny-llama"):  # noqa: F811
+def _run(critic_dirs, data_cache, *extra, steps=2, model="tiny-llama"):
     argv = base_argv(model, critic_dirs[model], data_cache, "--actor_dropout", "0.0",
                      "--critic_dropout", "0.0", *extra, steps=steps)
     return step3_main().main(argv)
 
 
 def test_on_policy_ratio_is_one_and_step_normalised_losses_equal_one_micro_batch(
-        varied_lengths, critic_dirs, data_cache):  # noqa: F811
+        varied_lengths, critic_dirs, data_cache):
     # Recommended shape with accumulation: 4-row rollouts, 2 micro-batches of 2, GA 2 -> on-policy.
     split = _run(critic_dirs, data_cache, "--per_device_training_batch_size", "2",
                  "--gradient_accumulation_steps", "2")
@@ -202,7 +197,7 @@ def test_on_policy_ratio_is_one_and_step_normalised_losses_equal_one_micro_batch
         assert accumulated == pytest.approx(first[key], rel=1e-4, abs=1e-6), key
 
 
-def test_off_policy_configuration_is_detected_and_its_ratio_measured(critic_dirs, data_cache, capsys):  # noqa: F811
+def test_off_policy_configuration_is_detected_and_its_ratio_measured(critic_dirs, data_cache, capsys):
     # 4-row rollouts trained as 2 micro-batches with a step after each: the second is off-policy.
     result = _run(critic_dirs, data_cache, "--per_device_training_batch_size", "2", steps=1)
     logs = capsys.readouterr().out
@@ -226,7 +221,7 @@ def _six_prompts(folder: Path) -> Path:
     return folder
 
 
-def _short_batch_run(critic_dirs, data_cache, tmp_path):  # noqa: F811
+def _short_batch_run(critic_dirs, data_cache, tmp_path):
     # 4-prompt rollouts as 2 micro-batches of 2 with GA 2 (on-policy), 2 epochs of 6 prompts.
     argv = base_argv("tiny-llama", critic_dirs["tiny-llama"], data_cache, "--actor_dropout", "0.0",
                      "--critic_dropout", "0.0", "--per_device_training_batch_size", "2",
@@ -235,7 +230,7 @@ def _short_batch_run(critic_dirs, data_cache, tmp_path):  # noqa: F811
     return step3_main().main([*argv, "--data_split", "0,0,1"])
 
 
-def test_a_short_last_batch_is_dropped_so_steps_never_straddle_rollouts(tmp_path, critic_dirs, data_cache):  # noqa: F811
+def test_a_short_last_batch_is_dropped_so_steps_never_straddle_rollouts(tmp_path, critic_dirs, data_cache):
     result = _short_batch_run(critic_dirs, data_cache, tmp_path)
     # The 2-prompt batch of each epoch is dropped: one 2-micro-step rollout, one optimizer step per epoch.
     assert len(result.history) == 2
@@ -245,7 +240,7 @@ def test_a_short_last_batch_is_dropped_so_steps_never_straddle_rollouts(tmp_path
 
 
 def test_a_rollout_after_a_shifted_step_is_trained_against_its_stored_log_probs(
-        monkeypatch, tmp_path, critic_dirs, data_cache, capsys):  # noqa: F811
+        monkeypatch, tmp_path, critic_dirs, data_cache, capsys):
     # Keep the short batch (as before the fix): epoch 0's 1-micro-step rollout shifts every later
     # optimizer step by one, so epoch 1's first rollout has a step between its two micro-steps.
     from dschat.rlhf.guards import BatchPlan
@@ -274,7 +269,7 @@ def test_a_rollout_after_a_shifted_step_is_trained_against_its_stored_log_probs(
 # ------------------------------------------------------------------------------------ learning
 
 
-def test_gold_judge_reward_rises(critic_dirs, data_cache):  # noqa: F811
+def test_gold_judge_reward_rises(critic_dirs, data_cache):
     """A tiny OPT actor trained against the gold judge (reward hook) with a high LR: 8-token answers
     start short of words (length penalty) and learn to be wordier within 40 PPO steps."""
     from dschat.gold_judge import gold_score
@@ -301,7 +296,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_zero2_finishes_and_saves(tmp_path, critic_dirs, data_cache):  # noqa: F811
+def test_two_ranks_zero2_finishes_and_saves(tmp_path, critic_dirs, data_cache):
     import shutil
 
     launcher = shutil.which("deepspeed") or str(Path(__import__("sys").executable).parent / "deepspeed")
@@ -332,11 +327,10 @@ GPU_COVER = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("name", list(GPU_COVER))
-def test_step3_low_precision_on_gpu(name, dtype, tmp_path, critic_dirs, data_cache, capsys):  # noqa: F811
+def test_step3_low_precision_on_gpu(name, dtype, tmp_path, critic_dirs, data_cache, capsys):
     """fp16 and bf16 PPO on a GPU: finite losses, actor and critic moved, outputs reload;
     --enable_hybrid_engine either generated or said once why not. (--align_overflow is refused with
     DeepSpeed 0.19.8: none of its fp16 optimizers has upstream's external overflow check.)"""
-    from _step_helpers import require_cuda_accelerator
 
     require_cuda_accelerator()
     model, extra = GPU_COVER[name]

@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from step3_support import STEP3_MAIN, base_argv, critic_dirs, data_cache, subprocess_env  # noqa: F401
+
+from helpers.step3 import STEP3_MAIN, base_argv, subprocess_env
 
 pytestmark = pytest.mark.slow
 
@@ -92,7 +93,7 @@ def test_two_ranks_tp2_rollouts_equal_tp1_for_llama_and_opt_with_and_without_lor
     assert proc.stdout.count("TP-OK ") == 8, proc.stdout[-3000:]  # 2 models x LoRA off/on x 2 ranks (lines may interleave)
 
 
-def test_step3_with_inference_tp_size_2_trains_and_saves(tmp_path, critic_dirs, data_cache):  # noqa: F811
+def test_step3_with_inference_tp_size_2_trains_and_saves(tmp_path, critic_dirs, data_cache):
     out = tmp_path / "out"
     argv = base_argv("tiny-llama", critic_dirs["tiny-llama"], data_cache, "--actor_zero_stage", "3",
                      "--critic_zero_stage", "3", "--enable_hybrid_engine", "--inference_tp_size", "2",

@@ -15,6 +15,8 @@ import pytest
 
 from dschat.runtime import fs
 
+from helpers.steps import load_script
+
 
 class Killed(BaseException):
     """Stands in for SIGKILL; ``_kill_at`` disables the cleanup a dead process would not run."""
@@ -247,8 +249,6 @@ def test_a_symlinked_output_folder_is_written_through(tmp_path):
 
 
 def test_output_dir_flag_resolves_a_symlink_once(tmp_path, monkeypatch):
-    from _step_helpers import load_script
-
     (tmp_path / "big" / "out").mkdir(parents=True)
     (tmp_path / "out").symlink_to(tmp_path / "big" / "out")
     args = load_script("step1").parse_args(["--model_name_or_path", "tiny-llama", "--output_dir",

@@ -12,7 +12,9 @@ from argparse import Namespace
 from pathlib import Path
 
 import pytest
-from _step_helpers import REPO, cli_env, load_script
+
+from helpers import REPO
+from helpers.steps import cli_env, load_script
 
 TIMEOUT_MINUTES = 0.05  # 3 s
 # Runs in a fresh process: each case tries to start a 2-rank group alone, then a 1-process run

@@ -19,7 +19,8 @@ import pytest
 
 from dschat.errors import UserError
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 SOURCES = [REPO / "e2e_rlhf.py", REPO / "chat.py",
            *sorted((REPO / "dschat").rglob("*.py")), *sorted((REPO / "training").rglob("*.py")),
            *sorted((REPO / "inference").rglob("*.py"))]

@@ -23,7 +23,8 @@ from dschat.data.prompt_dataset import cache_files, create_prompt_dataset
 from dschat.errors import UserError
 from dschat.paths import data_cache_dir
 from dschat.runtime import fs
-from test_data_common import make_tokenizer, pref_rows, write_jsonl
+
+from helpers.data import make_tokenizer, pref_rows, write_jsonl
 
 OTHER_UID = 65534  # "nobody"
 SETPRIV = shutil.which("setpriv")

@@ -12,11 +12,13 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from _step_helpers import PYTHON, STEP_DIRS, base_argv, load_script, run_cli
-from step3_support import load_state, max_abs_diff
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.training import checkpoint as ckpt
+
+from helpers import PYTHON
+from helpers.step3 import load_state, max_abs_diff
+from helpers.steps import STEP_DIRS, base_argv, load_script, run_cli
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from _step_helpers import (
+
+from helpers.steps import (
     assert_causal_adapter_matches,
     assert_causal_folder_matches,
     assert_finite,

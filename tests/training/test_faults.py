@@ -3,7 +3,7 @@ checkpoint, in the middle of the final model save; step 3 SIGKILLed at a random 
 in the middle of a checkpoint; and a two-rank run in which rank 1 dies.
 
 Every run is a subprocess of a step script. The kills inside a save are placed exactly (not a
-timing race) by ``tests/kill_at.py``, which wraps the script and SIGKILLs its own process right
+timing race) by ``tests/fixtures/kill_at.py``, which wraps the script and SIGKILLs its own process right
 after a chosen call. After each kill the test checks that the kill happened (exit status -9), what
 is on disk, and that ``--resume`` ends with the weights of a run that was never interrupted, bit
 for bit (exact on a CPU with ZeRO 0 and 2, see ``dschat/training/checkpoint.py``).
@@ -25,15 +25,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from _step_helpers import PYTHON, REPO, STEP_DIRS, base_argv, cli_env
 from safetensors.torch import load_file
 
 from dschat.models.save import is_model_artifact
 from dschat.training import checkpoint as ckpt
 
+from helpers import FIXTURES, PYTHON, REPO
+from helpers.step3 import STEP3_DIR, base_argv as step3_argv, make_critic_folder
+from helpers.steps import STEP_DIRS, base_argv, cli_env
+
 pytestmark = pytest.mark.slow
 
-KILL_AT = REPO / "tests" / "kill_at.py"
+KILL_AT = FIXTURES / "kill_at.py"
 DEEPSPEED = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
 STEPS = 8  # optimizer steps of every run (gradient accumulation 1: one micro-step each)
 RUN_TIMEOUT_S = 300  # no run may hang the test suite
@@ -273,8 +276,6 @@ PPO_ITERATIONS = 5
 
 def run_step3(data_dir: Path, critic: Path, out: Path, *extra: str, kill: str | None = None,
               kill_on: str | None = None) -> Run:
-    from step3_support import STEP3_DIR, base_argv as step3_argv
-
     # EMA on and dropout in the actor: every saved state and the random states matter.
     argv = ["main.py", *step3_argv("tiny-opt", critic, data_dir, "--enable_ema", "--actor_dropout", "0.1",
                                    "--save_interval", "1", "--output_dir", str(out), *extra, steps=PPO_ITERATIONS)]
@@ -295,8 +296,6 @@ def assert_same_step3_weights(out: Path, reference: Path) -> None:
 
 @pytest.fixture(scope="module")
 def step3_setup(tmp_path_factory):
-    from step3_support import make_critic_folder
-
     root = tmp_path_factory.mktemp("faults_step3")
     critic = make_critic_folder("tiny-opt", root / "critic")
     data = root / "data"

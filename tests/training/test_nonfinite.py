@@ -7,9 +7,10 @@ import math
 
 import pytest
 import torch
-from _step_helpers import base_argv, load_script
 
 from dschat.training.nonfinite import TrainingDiverged
+
+from helpers.steps import base_argv, load_script
 
 pytestmark = pytest.mark.slow
 

@@ -3,7 +3,8 @@ lines and TensorBoard, a plain ``python main.py`` run, and bad input through the
 from __future__ import annotations
 
 import pytest
-from _step_helpers import (
+
+from helpers.steps import (
     PYTHON,
     STEP_DIRS,
     assert_causal_adapter_matches,

@@ -8,7 +8,8 @@ import random
 
 import pytest
 import torch
-from _step_helpers import (
+
+from helpers.steps import (
     assert_finite,
     assert_reward_adapter_matches,
     assert_reward_folder_matches,

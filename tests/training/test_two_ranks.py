@@ -9,9 +9,10 @@ import socket
 from pathlib import Path
 
 import pytest
-from _step_helpers import STEP_DIRS, base_argv, deepspeed_cmd, run_cli
 
 from dschat.training import checkpoint as ckpt
+
+from helpers.steps import STEP_DIRS, base_argv, deepspeed_cmd, run_cli
 
 pytestmark = pytest.mark.slow
 
