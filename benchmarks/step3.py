@@ -348,7 +348,7 @@ class Metrics:
 
 def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: int, actor_config: Any,
             critic_config: Any, actor_factor: float, critic_factor: float) -> Metrics:
-    """Turn one mode's times into rates. Pure arithmetic (tests/test_benchmarks.py checks it by hand)."""
+    """Turn one mode's times into rates. Pure arithmetic (tests/e2e/test_benchmarks.py checks it by hand)."""
     from dschat.runtime.perf import calculate_flops
 
     n = max(r.steps, 1)

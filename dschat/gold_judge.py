@@ -17,7 +17,7 @@ of six components (see :func:`gold_breakdown`)::
 
 so scores lie in [-4.5, 3.0]. Length alone is not rewarded: beyond a minimum, more words earn
 nothing and rambling is penalised; in the embedded dataset the longer answer is the chosen one in
-about half of the pairs (``tests/test_builtin_dataset.py`` pins this).
+about half of the pairs (``tests/data/test_builtin_dataset.py`` pins this).
 
 The components are lexical on purpose: a 135M-parameter reward model learns them from a few
 hundred pairs on a CPU, and a PPO actor can move them in minutes, which is what the CPU demo needs.
@@ -28,7 +28,7 @@ import re
 from typing import NamedTuple
 
 # Words that carry no topic: question scaffolding and function words. Every prompt template of
-# the embedded dataset uses only these besides its topic (tests/test_builtin_dataset.py checks).
+# the embedded dataset uses only these besides its topic (tests/data/test_builtin_dataset.py checks).
 STOPWORDS = frozenset(
     """
     a about all also an and any anything are as ask asking at be because been before but by can

@@ -5,7 +5,7 @@ PPO's own math (GAE, the clipped losses, the KL-penalised rewards) is in :mod:`d
 this module reuses it and follows its index conventions (``(B, T)`` per-token tensors, position
 ``i`` scoring token ``i + 1``; callers slice from ``start = P - 1``). Each formula is written in
 ``docs/algorithms.md`` next to its paper, and pinned by hand-computed cases in
-``tests/test_rl_algorithms.py``.
+``tests/rlhf/test_rl_algorithms.py``.
 
 Groups: a generation batch holds each prompt ``K`` times in a row (``--num_generations K``), so a
 group is ``K`` consecutive rows and ``rewards.view(-1, K)`` has one group per row. Advantages that

@@ -51,7 +51,7 @@ def read_rows(split: str) -> list[dict]:
 
 # --------------------------------------------------------------------------------------------
 # The grammar. Facts mention their topic word, so an on-topic answer is "relevant" to the judge;
-# facts never contain a warm or rude marker (tests/test_builtin_dataset.py checks both).
+# facts never contain a warm or rude marker (tests/data/test_builtin_dataset.py checks both).
 # --------------------------------------------------------------------------------------------
 TOPICS: dict[str, tuple[str, ...]] = {
     "volcanoes": (

@@ -1,7 +1,7 @@
 """Pure RL math for DeepSpeed-Chat's three steps: torch only, no DeepSpeed, no transformers.
 
 Everything here is a small function of tensors (no state, no ``args``), so each formula can be
-read next to upstream's and pinned by a test (``tests/test_rl_math.py``). Hyperparameters are
+read next to upstream's and pinned by a test (``tests/rlhf/test_rl_math.py``). Hyperparameters are
 keyword arguments whose defaults are upstream's hard-coded values (``ppo_trainer.py``:
 ``kl_ctl=0.1, clip_reward_value=5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95``;
 DPO ``beta=0.1, label_smoothing=0.0``). The topics are modules of this package, and every name is

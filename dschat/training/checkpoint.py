@@ -25,7 +25,7 @@ start-up by every rank in its own view; a rename claims each one first, so ranks
 never delete the same leftover twice. The data position is exact because the training order is
 a function of (seed, epoch, rank) only (``make_train_loader``): resuming skips the batches already
 trained in that epoch. On a CPU, ZeRO 0 and 2, a resumed run reproduces the uninterrupted run's
-losses bit for bit (``tests/test_checkpoint.py``).
+losses bit for bit (``tests/training/test_checkpoint.py``).
 
 DeepSpeed's checkpoint files are ``torch.save`` pickles, which DeepSpeed itself loads with
 ``torch.load(weights_only=False)`` (any object, any code). :func:`load_checkpoint` swaps in

@@ -1,0 +1,132 @@
+"""``python -m dschat.data.prepare`` end to end, bad input included; and the shared data flags."""
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from dschat.cli.args import add_data_args, add_unsupervised_data_args
+
+from helpers.data import files_in, pref_rows, run_prepare, save_tokenizer, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return save_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def args_for(tok_dir, out, *data, phase=1, split="2,4,4", extra=()):
+    return ["--data_path", *data, "--data_split", split, "--data_output_path", str(out),
+            "--model_name_or_path", str(tok_dir), "--train_phase", str(phase), "--max_seq_len", "64", *extra]
+
+
+def assert_one_line_error(result, *needles, out=None):
+    assert result.returncode == 2, (result.stdout, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    if out is not None:
+        assert files_in(out) == []
+
+
+def test_prepare_builds_then_hits(tok_dir, tmp_path, capsys):
+    # In-process (the subprocess tests below cover the `python -m` entry point).
+    from dschat.data.prepare import main
+    from dschat.errors import cli_main
+
+    out = tmp_path / "cache"
+    assert cli_main(main, args_for(tok_dir, out, "dschat/builtin", phase=3)) == 0
+    first = capsys.readouterr().out
+    assert "Creating prompt dataset" in first
+    summary = first.strip().splitlines()[-1]
+    # builtin: 3000 train / 300 eval rows; "2,4,4" gives phase 3 1200 / 120 of them.
+    assert summary.startswith("phase 3: train=1200 eval=120, filtered train=0 eval=0; cache ")
+    meta = [n for n in files_in(out) if n.startswith("meta_")]
+    assert len(meta) == 1 and json.loads((out / meta[0]).read_text())["train"]["size"] == 1200
+    assert cli_main(main, args_for(tok_dir, out, "dschat/builtin", phase=3)) == 0
+    second = capsys.readouterr().out
+    assert "Creating prompt dataset" not in second and second.strip().splitlines()[-1] == summary
+    # --rebuild_data_cache rebuilds.
+    assert cli_main(main, args_for(tok_dir, out, "dschat/builtin", phase=3, extra=["--rebuild_data_cache"])) == 0
+    assert "Creating prompt dataset" in capsys.readouterr().out
+
+
+def test_unknown_dataset(tok_dir, tmp_path):
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", "someone/unknown"))
+    assert_one_line_error(result, "unknown dataset 'someone/unknown'", "Dahoas/rm-static", "dschat/builtin", out=tmp_path / "cache")
+
+
+def test_unknown_dataset_debug_shows_traceback(tok_dir, tmp_path):
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", "someone/unknown", extra=["--debug"]))
+    assert result.returncode != 0 and "Traceback" in result.stderr and "UserError" in result.stderr
+
+
+def test_missing_file(tok_dir, tmp_path):
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", str(tmp_path / "nope.jsonl")))
+    assert_one_line_error(result, "nope.jsonl", "does not exist", out=tmp_path / "cache")
+
+
+def test_malformed_json(tok_dir, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(pref_rows(1)[0]) + "\n{not json}\n", encoding="utf-8")
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", str(bad)))
+    assert_one_line_error(result, f"{bad}:2: malformed JSON", out=tmp_path / "cache")
+
+
+def test_missing_fields(tok_dir, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"prompt": "p", "answer": "a"}])
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", str(path)))
+    assert_one_line_error(result, f"{path}:1: missing field 'chosen'", out=tmp_path / "cache")
+
+
+def test_empty_phase(tok_dir, tmp_path):
+    path = write_jsonl(tmp_path / "rows.jsonl", pref_rows(30))
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", str(path), phase=2, split="10,0,0"))
+    assert_one_line_error(result, "phase 2, train split is empty", "rows.jsonl", out=tmp_path / "cache")
+
+
+def test_bad_data_split(tok_dir, tmp_path):
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", "dschat/builtin", split="1,2"))
+    assert_one_line_error(result, "--data_split '1,2'", out=tmp_path / "cache")
+
+
+def test_missing_model_path(tmp_path):
+    result = run_prepare(args_for(tmp_path / "no-model", tmp_path / "cache", "dschat/builtin"))
+    assert_one_line_error(result, "no-model", "does not exist", out=tmp_path / "cache")
+
+
+# --- flags -----------------------------------------------------------------------------------
+
+
+def parse(phase, *argv):
+    parser = argparse.ArgumentParser()
+    add_data_args(parser, phase=phase)
+    return parser.parse_args(list(argv))
+
+
+def test_data_flags_defaults_per_step(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    private = str(tmp_path / "cache" / "data_files")  # upstream: /tmp/data_files, shared by every user
+    one = parse(1)
+    assert one.data_path == ["Dahoas/rm-static"] and one.data_split == "2,4,4"
+    assert one.sft_only_data_path == [] and one.data_output_path == private
+    assert one.rebuild_data_cache is False
+    two = parse(2)
+    assert not hasattr(two, "sft_only_data_path") and two.data_output_path == private
+    three = parse(3)
+    assert three.data_output_path == private
+    assert parse(1, "--data_path", "a", "b", "--sft_only_data_path", "c").data_path == ["a", "b"]
+    with pytest.raises(SystemExit):
+        parse(3, "--sft_only_data_path", "x")
+
+
+def test_unsupervised_flags():
+    parser = argparse.ArgumentParser()
+    add_unsupervised_data_args(parser)
+    args = parser.parse_args([])
+    assert (args.unsupervised_dataset_name, args.unsupervised_dataset_config_name, args.preprocessing_num_workers) == (None, None, None)
+    help_text = parser.format_help()
+    assert "--unsupervised_dataset_name" in help_text and "%" not in help_text.replace("%%", "")

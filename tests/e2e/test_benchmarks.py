@@ -1,0 +1,233 @@
+"""benchmarks/: the step-3 benchmark runs both modes on a tiny model, and its accounting is right."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import REPO
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"dschat_bench_{name}", REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_step3_accounting_by_hand():
+    bench = _load("step3")
+    # 2 measured steps, prompt widths 10 and 6, answers 4 tokens, batch 2.
+    r = bench.ModeResult("ours", gen_s=2.0, exp_s=1.0, train_s=4.0, steps=2, prompt_width=[10, 6])
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=32)
+    m = bench.account(r, batch=2, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=config,
+                      actor_factor=3.0, critic_factor=3.0)
+    assert m.gen_tokens_per_s == pytest.approx(2 * 4 * 2 / 2.0)  # 16 generated tokens in 2 s
+    assert m.gen_ms_per_token == pytest.approx(1000 * 2.0 / 8)  # 8 decode steps
+    assert m.gen_bandwidth == pytest.approx(1000 * 8 / 2.0)  # the weights are read once per decode step
+    assert m.seq_len == pytest.approx((14 + 10) / 2)
+    assert m.exp_tokens_per_s == pytest.approx(2 * 12 * 2 / 1.0)
+    assert m.train_tokens_per_s == pytest.approx(2 * 12 * 2 / 4.0)
+    assert m.samples_per_s == pytest.approx(4 / 7.0)
+
+    def flops(seq):  # upstream's formula written out: 24 f B s l h^2 (1 + s / 6h + V / 16 l h)
+        return 24 * 3.0 * 2 * seq * 2 * 64 * (1 + seq / 48 + 32 / 256)
+    assert m.train_flops == pytest.approx(2 * (flops(14) + flops(10)) / 4.0)
+
+
+def test_step3_ratio_column_compares_baseline_with_ours():
+    bench = _load("step3")
+    base = bench.ModeResult("baseline", gen_s=4.0, exp_s=2.0, train_s=6.0, steps=2, prompt_width=[8, 8])
+    ours = bench.ModeResult("ours", gen_s=2.0, exp_s=1.0, train_s=3.0, steps=2, prompt_width=[4, 4])
+    config = SimpleNamespace(num_hidden_layers=1, hidden_size=8, vocab_size=16)
+    metrics = [bench.account(r, batch=1, answer_len=2, actor_param_bytes=10, actor_config=config,
+                             critic_config=config, actor_factor=3.0, critic_factor=3.0) for r in (base, ours)]
+    lines = bench.table([base, ours], metrics, bench.Peaks(1e12, 1e9, "test"))
+    e2e = next(line for line in lines if line.startswith("| end to end s/step"))
+    assert e2e == "| end to end s/step | 6.00 | 3.00 | 2.00x |"
+    samples = next(line for line in lines if line.startswith("| end to end samples/s"))
+    assert samples.endswith("| 2.00x |")
+
+
+def test_results_sections_are_separated_by_a_blank_line(tmp_path):
+    bench = _load("step3")
+    path = tmp_path / "results.md"
+    bench.append_results(path, ["### one", "", "body"])
+    path.write_text(path.read_text() + "A reading written by hand, no blank line after it.\n")
+    bench.append_results(path, ["### two"])
+    text = path.read_text()
+    assert text.startswith("# Benchmark results") and "after it.\n\n### two\n" in text
+
+
+def test_step3_ablation_modes_configure_one_path_off_and_ratio_only_for_two_modes():
+    bench = _load("step3")
+    assert bench.parse_args(["--modes", "ours,ours-no-fuse,ours-no-gather,ours-no-graphs,ours-graphs"]).modes == [
+        "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs"]
+    assert bench.parse_args([]).ours_generation_loop == "auto"
+    gen = SimpleNamespace()
+    trainer = SimpleNamespace(generator=gen)
+    bench.configure(trainer, "ours-no-fuse", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.keep_logprobs, trainer.reuse_rollout_logprobs) == (False, "auto", True, True)
+    bench.configure(trainer, "ours-no-gather", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "off", "auto")
+    bench.configure(trainer, "ours-no-graphs", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "auto", "dschat")
+    bench.configure(trainer, "ours", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "auto", "auto")
+    bench.configure(trainer, "ours-graphs", False)
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (True, "auto", "graphs")
+    bench.configure(trainer, "ours", False, ours_loop="graphs")
+    assert gen.generation_loop == "graphs"
+    bench.configure(trainer, "baseline", False, ours_loop="graphs")
+    assert (gen.fuse_lora, gen.zero3_gather, gen.generation_loop) == (False, "off", "hf")
+    assert not gen.use_dschat_engine
+    bench.configure(trainer, "ours-he", False)  # dschat's Hybrid Engine (--enable_hybrid_engine)
+    assert (gen.use_dschat_engine, gen.fuse_lora, gen.zero3_gather, gen.keep_logprobs) == (True, True, "auto", True)
+    bench.configure(trainer, "ours", False)
+    assert not gen.use_dschat_engine
+    bench.configure(trainer, "ours", False, dschat_he=True)  # --hybrid_engine
+    assert gen.use_dschat_engine
+    llama = bench.llama_config("llama-1b", 0, 1, 2)  # Llama-3.2-1B's shape: 1.24 B parameters
+    E, L, V = llama.hidden_size, llama.num_hidden_layers, llama.vocab_size
+    per_layer = E * (E + 2 * llama.num_key_value_heads * llama.head_dim) + E * E + 3 * E * llama.intermediate_size
+    assert round((V * E + L * per_layer) / 1e9, 2) == 1.24 and llama.rope_parameters["rope_type"] == "llama3"
+
+    def times(mode, gen_s):
+        return bench.ModeResult(mode, gen_s=gen_s, exp_s=1.0, train_s=3.0, steps=1, prompt_width=[4])
+    config = SimpleNamespace(num_hidden_layers=1, hidden_size=8, vocab_size=16)
+
+    def lines_for(results):
+        metrics = [bench.account(r, batch=1, answer_len=2, actor_param_bytes=10, actor_config=config,
+                                 critic_config=config, actor_factor=3.0, critic_factor=3.0) for r in results]
+        return bench.table(results, metrics, bench.Peaks(1e12, 1e9, "test"))
+
+    def row(lines, label):
+        return next(line for line in lines if line.startswith(f"| {label} |"))
+    # Two modes: the second's speed-up over the first, in the order given (times: first / second).
+    lines = lines_for([times("ours", 4.0), times("ours-graphs", 1.0)])
+    assert lines[0] == "| | ours | ours-graphs | ours-graphs / ours |"
+    assert row(lines, "generation s/step") == "| generation s/step | 4.00 | 1.00 | 4.00x |"
+    assert row(lines, "end to end s/step") == "| end to end s/step | 8.00 | 5.00 | 1.60x |"
+    assert row(lines, "generation tokens/s") == "| generation tokens/s | 0.5 | 2.0 | 4.00x |"
+    lines = lines_for([times("ours", 1.0), times("baseline", 4.0)])
+    assert lines[0] == "| | ours | baseline | baseline / ours |"
+    assert row(lines, "generation s/step") == "| generation s/step | 1.00 | 4.00 | 0.25x |"
+    # Three modes: no ratio column.
+    lines = lines_for([times("ours", 2.0), times("ours-no-fuse", 2.0), times("ours-no-gather", 3.0)])
+    assert lines[0] == "| | ours | ours-no-fuse | ours-no-gather |"
+    assert row(lines, "end to end s/step") == "| end to end s/step | 6.00 | 6.00 | 7.00 |"
+
+
+def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
+    bench = _load("step3")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "2", "--prompt_len", "32", "--answer_len", "6",
+                        "--steps", "1", "--warmup", "0", "--results", str(results)])
+    out = capsys.readouterr().out
+    # Every step generated exactly --answer_len tokens in both modes; ours fed fewer prompt columns.
+    assert "[baseline] step 0: " in out and "[ours] step 0: " in out
+    assert "prompt width 32" in out.split("[ours]")[0]
+    ours_width = int(out.split("[ours] step 0: ")[1].split("prompt width ")[1].split()[0])
+    assert ours_width < 32
+    text = results.read_text()
+    assert text.startswith("# Benchmark results") and "tiny-llama actor" in text and "| end to end s/step |" in text
+    assert "command: `python benchmarks/step3.py --actor tiny-llama" in text
+    assert any(line.startswith("| columns per sequence | 38.0 | ") for line in lines)
+
+
+def test_step3_graphs_mode_on_a_cpu_says_it_decoded_with_dschats_loop(tmp_path, capsys):
+    # CUDA graphs need a CUDA device: on a CPU ours-graphs falls back, and the results say so (ours, the
+    # default on a CPU, decodes with dschat's loop too).
+    bench = _load("step3")
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "2", "--prompt_len", "16", "--answer_len", "4",
+                        "--steps", "1", "--warmup", "0", "--modes", "ours,ours-graphs", "--results", ""])
+    out = capsys.readouterr().out
+    assert "--generation_loop graphs: not used (CUDA graphs need a CUDA device" in out
+    assert any(line.endswith("generation loop per mode (its last rollout): ours dschat, "
+                             "ours-graphs dschat") for line in lines)
+    assert lines[lines.index("| | ours | ours-graphs | ours-graphs / ours |") + 1].count("|---") == 4
+
+
+def test_step12_accounting_by_hand():
+    bench = _load("step12")
+    config = SimpleNamespace(num_hidden_layers=1, hidden_size=8, vocab_size=16)
+    stats = bench.summarise([1.0, 3.0], [(4, 10), (2, 6)], config, 3.0, samples_per_row=0.5)
+    assert stats["median_s"] == 2.0
+    assert stats["samples_per_s"] == pytest.approx((4 + 2) * 0.5 / 4.0)  # step 2: two rows per pair
+    assert stats["columns"] == 8.0
+
+    def flops(rows, cols):  # 24 f B s l h^2 (1 + s / 6h + V / 16 l h)
+        return 24 * 3.0 * rows * cols * 1 * 64 * (1 + cols / 48 + 16 / 128)
+    assert stats["tflops"] == pytest.approx((flops(4, 10) + flops(2, 6)) / 4.0 / 1e12)
+
+
+def test_step12_benchmark_runs_on_a_tiny_model(tmp_path):
+    bench = _load("step12")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--model", "tiny-llama", "--configs", "zero0,zero0+lora", "--lora_dim", "4",
+                        "--batch", "2", "--max_seq_len", "32", "--steps", "1", "--warmup", "0",
+                        "--results", str(results)])
+    rows = [line for line in lines if line.startswith("| step")]
+    assert [r.split(" | ")[1] for r in rows if not r.startswith("| step |")] == [
+        "ZeRO-0", "ZeRO-0 + LoRA 4", "ZeRO-0", "ZeRO-0 + LoRA 4"]
+    assert rows[1].endswith("| 1.00x |")  # the first configuration is the baseline
+    assert "steps 1-2" in results.read_text()
+
+
+def test_step12_rejects_a_bad_configuration(capsys):
+    bench = _load("step12")
+    with pytest.raises(SystemExit) as err:
+        bench.parse_args(["--configs", "zero5"])
+    assert err.value.code == 2 and "bad configuration 'zero5'" in capsys.readouterr().err
+
+
+def test_gpu_roofline_flops_by_hand_and_smoke_run(capsys):
+    roofline = _load("gpu_roofline")
+    # 10 parameters, 2 layers of width 4, 3 sequences of 5 tokens: 6*10*15 + 12*2*4*5*5*3
+    assert roofline.train_flops(10, 2, 4, 3, 5) == 900 + 7200
+    assert roofline.share(float("nan")) == "n/a" and roofline.share(0.25) == "25.0%"
+    roofline.main(["--model", "tiny-opt", "--batch", "2", "--prompt_len", "8", "--answer_len", "4"])
+    out = capsys.readouterr().out
+    assert "decode, eager (dschat loop): " in out and "training, bare model fwd+bwd float32 at 2 x 12: " in out
+
+
+def test_step3_benchmark_grpo_runs_without_a_critic(tmp_path, capsys):
+    bench = _load("step3")
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "4", "--prompt_len", "16", "--answer_len", "4",
+                        "--steps", "1", "--warmup", "0", "--modes", "ours", "--algorithm", "grpo",
+                        "--num_generations", "2", "--results", ""])
+    assert "algorithm grpo (K = 2, no critic)" in lines[0]
+    assert any(line.startswith("| training TFLOP/s |") for line in lines)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--batch", "4", "--num_generations", "3"])
+
+
+def test_decode_benchmark_compares_dschats_loop_with_its_hybrid_engine(tmp_path):
+    bench = _load("decode")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--model", "tiny-llama", "--new_tokens", "6", "--warmup", "0", "--repeats", "1",
+                        "--results", str(results)])
+    assert any(line.endswith("greedy tokens of the two modes equal") for line in lines)
+    assert [line.split(" |")[0] for line in lines if line.startswith(("| loop", "| engine"))] == ["| loop", "| engine"]
+    assert "command: `python benchmarks/decode.py --model tiny-llama" in results.read_text()
+
+
+def test_step3_tp_mode_decodes_over_the_group_and_needs_its_flags():
+    """``ours-tp``: dschat's Hybrid Engine over --inference_tp_size ranks; the other modes at TP 1. (A
+    2-rank CPU run of it is recorded in benchmarks/results.md.)"""
+    bench = _load("step3")
+    gen = SimpleNamespace()
+    trainer = SimpleNamespace(generator=gen)
+    bench.configure(trainer, "ours-tp", False, tp_size=2)
+    assert gen.use_dschat_engine and gen.inference_tp_size == 2
+    bench.configure(trainer, "ours-he", False, tp_size=2)
+    assert gen.use_dschat_engine and gen.inference_tp_size == 1
+    flags = ["--zero_stage", "3", "--hybrid_engine"]
+    assert bench.parse_args(["--modes", "ours-he,ours-tp", "--inference_tp_size", "2", *flags]).inference_tp_size == 2
+    for bad in (["--modes", "ours-tp", *flags], ["--modes", "ours-tp", "--inference_tp_size", "2", "--hybrid_engine"],
+                ["--modes", "ours-he", "--inference_tp_size", "2", *flags]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)

@@ -1,0 +1,155 @@
+"""The chat CLI (inference/chatbot.py, chat.py) driven through stdin, plus its formatting pieces."""
+from __future__ import annotations
+
+import io
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "inference"))
+import chatbot as C  # noqa: E402
+
+from dschat.errors import UserError  # noqa: E402
+
+
+def _chat(script: str, args: list[str], stdin: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run([sys.executable, str(REPO / script), *args], input=stdin, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_two_rounds_clear_and_quit_on_a_tiny_model():
+    proc = _chat("inference/chatbot.py", ["--path", "tiny-llama", "--max_new_tokens", "6"],
+                 "Tell me about owls.\nAnd penguins?\nclear\nWhat about chess?\nquit\nnever read\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert out.count(C.PROMPT) == 5  # four inputs, then quit
+    round1 = "-" * 30 + " Round 1 " + "-" * 30
+    round2 = "-" * 30 + " Round 2 " + "-" * 30
+    assert out.count(round1) == 2 and out.count(round2) == 1  # clear restarts the count
+    assert out.index(round1) < out.index(round2) < out.index("(memory cleared)") < out.rindex(round1)
+    # Something was generated after each separator.
+    for chunk in out.split(round1)[1:] + out.split(round2)[1:]:
+        answer = chunk.split(C.PROMPT)[0]
+        assert answer.strip(), out
+
+
+def test_chat_py_wraps_the_chatbot_and_ends_on_eof():
+    proc = _chat("chat.py", ["--path", "tiny-opt", "--max_new_tokens", "4", "--sample", "--seed", "3"], "hello\n")
+    assert proc.returncode == 0, proc.stderr
+    assert "-" * 30 + " Round 1 " + "-" * 30 in proc.stdout
+
+
+def test_bad_path_is_one_line_and_exit_2(tmp_path):
+    proc = _chat("inference/chatbot.py", ["--path", str(tmp_path / "nothing")], "")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: model path") and proc.stderr.strip().count("\n") == 0
+
+
+def test_reward_model_folder_is_refused_in_one_line(tmp_path):
+    from dschat.models.build import create_critic_model
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    src = resolve_model_path("tiny-llama")
+    tok = load_hf_tokenizer(src)
+    save_hf_model(create_critic_model(src, tok, None), tok, tmp_path / "rm")
+    proc = _chat("chat.py", ["--path", str(tmp_path / "rm")], "hi\n")
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and "is a step-2 reward model" in err
+
+
+def test_step3_output_root_means_its_actor(tmp_path):
+    (tmp_path / "actor").mkdir()
+    (tmp_path / "actor" / "config.json").write_text("{}")
+    assert C.resolve_chat_folder(str(tmp_path)) == str(tmp_path / "actor")
+
+
+def test_human_assistant_history_is_the_training_format():
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    conv = C.Conversation(load_hf_tokenizer("tiny-llama"))
+    assert not conv.use_template  # the tiny tokenizer has no chat template
+    conv.prompt_ids("Hi")
+    assert conv.text == " Human: Hi Assistant:"
+    conv.add_reply("Hello!")
+    conv.prompt_ids("Bye")
+    # Turns one after the other, each answer after its prompt with one space, as in a training text.
+    assert conv.text == " Human: Hi Assistant: Hello! Human: Bye Assistant:"
+    conv.clear()
+    assert conv.text == ""
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
+def test_human_assistant_prompt_tokens_are_those_of_a_training_prompt(model):
+    """The chatbot's prompt is a prompt of the built-in dataset (upstream's adapters' format), token for
+    token, and a training text (prompt + answer) starts with exactly those tokens."""
+    import json
+
+    from dschat.data.raw_datasets import builtin_files
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer(model)
+    train_file = next(f for f in builtin_files() if f.name.startswith("train"))
+    row = json.loads(train_file.read_text().splitlines()[0])
+    prompt = row["prompt"]  # " Human: <question> Assistant:"
+    question = prompt[len(" Human: "):-len(" Assistant:")]
+    assert prompt == " Human: " + question + " Assistant:"
+    conv = C.Conversation(tok, "human_assistant")
+    ids = conv.prompt_ids(question)
+    assert conv.text == prompt
+    assert ids == tok(prompt)["input_ids"]
+    training_text = tok(prompt + row["chosen"])["input_ids"]
+    assert training_text[: len(ids)] == ids  # no "\n" or trailing-space token the training data never has
+
+
+def test_chat_template_is_used_when_the_tokenizer_has_one():
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("smollm2-135m")
+    conv = C.Conversation(tok)
+    assert conv.use_template
+    ids = conv.prompt_ids("Hi")
+    conv.add_reply("Hello!")
+    ids2 = conv.prompt_ids("Bye")
+    text = tok.decode(ids2)
+    assert "Hi" in text and "Hello!" in text and text.rstrip().endswith("assistant")
+    assert ids2[: len(ids) - 3] == ids[: len(ids) - 3]  # the history is a prefix
+    forced = C.Conversation(tok, "human_assistant")
+    assert not forced.use_template
+    with pytest.raises(UserError, match="no chat template"):
+        C.Conversation(load_hf_tokenizer("tiny-llama"), "chat_template")
+
+
+def test_streamer_holds_back_and_stops_at_the_next_human_turn():
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    out = io.StringIO()
+    streamer = C.StopAwareStreamer(load_hf_tokenizer("tiny-llama"), C.STOP_TEXT, out)
+    streamer.feed("Owls hunt at night. H")
+    assert out.getvalue() == "Owls hunt at night. "  # "H" may start "Human:"
+    streamer.feed("uma")
+    assert out.getvalue() == "Owls hunt at night. "
+    streamer.feed("n: and you?")
+    assert streamer.stopped and out.getvalue() == "Owls hunt at night. "  # nothing of "Human:" printed
+    streamer.feed("more")
+    assert out.getvalue() == "Owls hunt at night. "
+    plain = C.StopAwareStreamer(load_hf_tokenizer("tiny-llama"), C.STOP_TEXT, io.StringIO())
+    plain.feed("How are you? H")
+    plain.feed("", end=True)  # at the end nothing is held back
+    assert plain.printed == "How are you? H"
+
+
+@pytest.mark.slow
+def test_smollm2_answers_through_stdin():
+    proc = _chat("inference/chatbot.py", ["--path", "smollm2-135m", "--max_new_tokens", "8"],
+                 "What is a volcano?\nquit\n", timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    answer = proc.stdout.split(" Round 1 " + "-" * 30, 1)[1].split(C.PROMPT)[0]
+    assert len(answer.strip()) > 0

@@ -1,0 +1,419 @@
+"""e2e_rlhf.py: deployment types and aliases, model -> recipe mapping, output checks, OOM advice, and
+the whole pipeline on tiny models (steps 1, 2, 3 and the report) through the real step scripts."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+from helpers.step3 import step3_main
+from helpers.steps import load_script
+
+sys.path.insert(0, str(REPO))
+import e2e_rlhf as E  # noqa: E402
+
+from dschat.errors import UserError  # noqa: E402
+from dschat.launch import LAUNCHER_ENV  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def config() -> E.E2EConfig:
+    return E.load_e2e_config()
+
+
+def _args(config: E.E2EConfig, *argv: str):
+    args = E.parse_args(list(argv), config)
+    return args
+
+
+def _e2e(*argv: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, str(REPO / "e2e_rlhf.py"), *argv], env=full_env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_deployment_types_and_aliases(config):
+    assert config.deployment("single_gpu").name == "single_gpu"
+    assert config.deployment("singlenode").name == "single_node"
+    assert config.deployment("single_node").name == "single_node"
+    assert config.deployment("multinode").name == "multi_node"
+    assert config.deployment("multi-node").name == "multi_node"
+    assert config.deployment("cpu").name == "cpu"
+    with pytest.raises(UserError, match="unknown deployment type 'two_gpus'"):
+        config.deployment("two_gpus")
+    assert set(config.choices()) == {"single_gpu", "single_node", "singlenode", "multi_node", "multinode", "cpu"}
+
+
+def test_upstream_sizes_map_to_upstream_recipes(config):
+    expected = {
+        ("single_gpu", 1, "1.3b"): "opt/single_gpu/1.3b", ("single_gpu", 1, "6.7b"): "opt/single_gpu/6.7b_lora",
+        ("single_node", 1, "13b"): "opt/single_node/13b", ("multi_node", 3, "66b"): "opt/multi_node/66b",
+        ("single_gpu", 2, "350m"): "opt/single_gpu/350m", ("multi_node", 2, "350m"): "opt/multi_node/350m",
+        ("cpu", 1, "smollm2-135m"): "cpu/smollm2-135m", ("cpu", 3, "tiny-llama"): "cpu/tiny",
+    }
+    for (dep, step, model), rid in expected.items():
+        assert E.choose_recipe(config.deployment(dep), step, model) == (rid, False)
+    with pytest.raises(UserError, match="use --deployment-type multi_node"):
+        E.choose_recipe(config.deployment("single_node"), 1, "66b")
+
+
+def test_reward_model_choices_bug_is_fixed(config):
+    # Upstream's choices=("350m") is a string: "35" or "0m" passed as if they were 350m.
+    args = _args(config, "--reward-model", "facebook/opt-350m", "--deployment-type", "single_gpu")
+    assert args.reward_model == "350m"
+    assert E.choose_recipe(config.deployment("single_gpu"), 2, "350m") == ("opt/single_gpu/350m", False)
+    assert E.choose_recipe(config.deployment("single_gpu"), 2, "35") == ("opt/single_gpu/350m", True)
+    assert E.model_id("35") == "35" and E.model_id("125m") == "facebook/opt-125m"
+
+
+def test_output_folders_and_step3_inputs_are_upstreams(config, tmp_path):
+    with pytest.warns(UserWarning, match="Non-default zero stages"):  # upstream's warning
+        args = _args(config, "--actor-model", "1.3b", "--reward-model", "350m", "--output-dir", str(tmp_path),
+                     "--actor-zero-stage", "3", "--reward-zero-stage", "2")
+    runs = E.build_steps(args, config.deployment("single_gpu"))
+    assert [r.output_dir for r in runs] == [tmp_path / "actor-models/1.3b", tmp_path / "reward-models/350m",
+                                           tmp_path / "step3-models/1.3b"]
+    assert runs[0].params == {"output_dir": str(tmp_path / "actor-models/1.3b"), "zero_stage": "3"}
+    assert runs[1].params["zero_stage"] == "2"
+    assert runs[2].params == {"actor_model": str(tmp_path / "actor-models/1.3b"),
+                              "critic_model": str(tmp_path / "reward-models/350m"),
+                              "actor_zero_stage": "3", "critic_zero_stage": "2",
+                              "output_dir": str(tmp_path / "step3-models/1.3b")}
+    assert all(r.note is None and r.extra == [] for r in runs)
+
+
+def _step_parser(step: int):
+    """``parse_args`` of training/step<step>/main.py."""
+
+    return step3_main().parse_args if step == 3 else load_script(f"step{step}").parse_args
+
+
+def test_save_format_reaches_every_step(config, tmp_path):
+    """--save-format bin is passed to all three steps, whose main.py parse it (upstream's test looks
+    for pytorch_model.bin); without it the steps keep their default, safetensors."""
+    args = _args(config, "--actor-model", "1.3b", "--reward-model", "350m", "--output-dir", str(tmp_path),
+                 "--save-format", "bin")
+    runs = E.build_steps(args, config.deployment("single_node"))
+    for run_ in runs:
+        argv = run_.recipe.render(run_.params, run_.extra)
+        assert argv[-2:] == ["--save_format", "bin"]
+        assert _step_parser(run_.number)(argv).save_format == "bin"
+    assert "--save-format bin" in E.reproduce_command(args, config.deployment("single_node"), 1)
+    args = _args(config, "--actor-model", "1.3b", "--reward-model", "350m", "--output-dir", str(tmp_path))
+    for run_ in E.build_steps(args, config.deployment("single_node")):
+        argv = run_.recipe.render(run_.params, run_.extra)
+        assert "--save_format" not in argv and _step_parser(run_.number)(argv).save_format == "safetensors"
+    with pytest.raises(SystemExit):
+        _args(config, "--save-format", "pickle")
+
+
+def test_any_model_uses_the_generic_recipe_with_family_fixes(config, tmp_path):
+    from dschat.models.registry import resolve_model_path
+
+    llama = resolve_model_path("tiny-llama")  # a local LLaMA folder, like a user's own model
+    args = _args(config, "--actor-model", llama, "--reward-model", llama, "--output-dir", str(tmp_path), "--seed", "9")
+    runs = E.build_steps(args, config.deployment("single_gpu"))
+    assert runs[0].recipe.id == "opt/single_gpu/1.3b" and "no single_gpu recipe names" in runs[0].note
+    # The OPT recipe's LoRA would match no LLaMA module: the family table supplies "layers.".
+    assert runs[0].extra == ["--model_name_or_path", llama, "--lora_module_name", "layers.", "--seed", "9"]
+    assert runs[1].extra == ["--model_name_or_path", llama, "--num_padding_at_beginning", "0", "--seed", "9"]
+    assert runs[2].extra == ["--actor_lora_module_name", "layers.", "--seed", "9"]
+    assert runs[0].output_dir == tmp_path / "actor-models" / Path(llama).name
+
+
+def test_dry_run_without_gpu_picks_the_cpu_demo_and_says_so(tmp_path):
+    proc = _e2e("--dry-run", "--output-dir", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("No GPU found: running the CPU demo (--deployment-type cpu)")
+    assert sum(line.startswith("No GPU found") for line in lines) == 1
+    for n in (1, 2, 3):
+        assert f"---=== Running Step {n} ===---" in lines
+    commands = [line for line in lines if "main.py" in line]
+    assert len(commands) == 3 and all(c.startswith("DS_ACCELERATOR=cpu ") for c in commands)
+    assert f"--model_name_or_path smollm2-135m" in commands[0]
+    assert f"--critic_model_name_or_path {tmp_path}/reward-models/smollm2-135m" in commands[2]
+    assert "estimated" in proc.stdout
+
+
+def test_gpu_deployment_without_gpu_is_refused(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    proc = _e2e("--deployment-type", "single_gpu", "--output-dir", str(tmp_path), env={"DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("error: --deployment-type single_gpu needs a CUDA GPU")
+
+
+def test_missing_step_outputs_name_the_folder_and_the_command(tmp_path):
+    proc = _e2e("--step", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                "tiny-llama", "--output-dir", str(tmp_path))
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0
+    assert f"step 3 needs the step-1 actor in {tmp_path}/actor-models/tiny-llama" in err
+    assert (f"python e2e_rlhf.py --step 1 --actor-model tiny-llama --deployment-type cpu --output-dir {tmp_path}"
+            in err)
+    # With step 1's folder in place, the step-2 folder is the one named.
+    actor = tmp_path / "actor-models/tiny-llama"
+    actor.mkdir(parents=True)
+    (actor / "config.json").write_text("{}")
+    (actor / "model.safetensors").write_bytes(b"x")
+    proc = _e2e("--step", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                "tiny-llama", "--output-dir", str(tmp_path))
+    assert proc.returncode == 2
+    assert f"the step-2 reward model in {tmp_path}/reward-models/tiny-llama" in proc.stderr
+    assert "python e2e_rlhf.py --step 2 --reward-model tiny-llama" in proc.stderr
+
+
+def test_folder_problem_checks_weights_and_value_head(tmp_path):
+    assert E.folder_problem(tmp_path / "nope", "actor") == "the folder does not exist"
+    (tmp_path / "config.json").write_text("{}")
+    assert "no model weights" in E.folder_problem(tmp_path, "actor")
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    assert E.folder_problem(tmp_path, "actor") is None
+    assert "v_head.safetensors" in E.folder_problem(tmp_path, "reward")  # upstream checked pytorch_model.bin only
+
+
+def test_simulated_oom_gives_memory_advice(tmp_path):
+    fake = tmp_path / "fake_deepspeed.py"
+    fake.write_text(textwrap.dedent("""
+        import sys
+        print("Traceback (most recent call last):")
+        print("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 20.00 MiB", flush=True)
+        sys.exit(1)
+    """))
+    proc = _e2e("--step", "1", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--output-dir", str(tmp_path),
+                env={LAUNCHER_ENV: f"{sys.executable} {fake}"})
+    assert proc.returncode == 1
+    assert "---=== Running Step 1 ===---" in proc.stdout
+    assert "CUDA out of memory" in proc.stdout  # streamed
+    err = proc.stderr
+    assert "Step 1 exited with non-zero status 1" in err
+    assert "It looks like the step ran out of memory (CUDA out of memory)" in err
+    assert "--gradient_checkpointing" in err and "--actor-zero-stage / --reward-zero-stage" in err
+    assert (tmp_path / "actor-models/tiny-llama/training.log").read_text().count("CUDA out of memory") == 1
+    assert "Finished Step 1" not in proc.stdout
+
+
+def test_failure_without_oom_gives_the_rerun_command(tmp_path):
+    fake = tmp_path / "fake_deepspeed.py"
+    fake.write_text("import sys; print('ValueError: something else'); sys.exit(3)\n")
+    proc = _e2e("--step", "2", "--deployment-type", "cpu", "--reward-model", "tiny-llama", "--output-dir", str(tmp_path),
+                env={LAUNCHER_ENV: f"{sys.executable} {fake}"})
+    assert proc.returncode == 3
+    assert "ran out of memory" not in proc.stderr
+    assert "To rerun only this step: python e2e_rlhf.py --step 2 --reward-model tiny-llama" in proc.stderr
+
+
+def test_a_step_refusing_its_input_exits_2_and_leaves_no_folder(tmp_path):
+    fake = tmp_path / "fake_deepspeed.py"
+    fake.write_text("import sys; print('error: --some_flag is wrong; pass another', file=sys.stderr); sys.exit(2)\n")
+    out = tmp_path / "out"
+    proc = _e2e("--step", "1", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--output-dir", str(out),
+                env={LAUNCHER_ENV: f"{sys.executable} {fake}"})
+    assert proc.returncode == 2
+    assert "error: --some_flag is wrong" in proc.stdout  # the step's line, streamed
+    assert "Step 1 refused its input (exit status 2" in proc.stderr and "Log output" not in proc.stderr
+    assert not out.exists()  # the folder made for training.log is removed again
+
+
+# ------------------------------------------------------------------------------------------------
+# The real thing on tiny models
+# ------------------------------------------------------------------------------------------------
+STEP_SCRIPTS = [REPO / f"training/{d}/main.py" for d in
+                ("step1_supervised_finetuning", "step2_reward_model_finetuning", "step3_rlhf_finetuning")]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    missing = [str(p.relative_to(REPO)) for p in STEP_SCRIPTS if not p.is_file()]
+    if missing:
+        pytest.skip(f"cannot run the pipeline yet: {', '.join(missing)} missing")
+    out = tmp_path_factory.mktemp("e2e_tiny")
+    proc = _e2e("--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+                "--output-dir", str(out), env={"OMP_NUM_THREADS": "2"}, timeout=900)
+    return out, proc
+
+
+@pytest.mark.slow
+def test_e2e_runs_all_three_steps_on_tiny_models(tiny_run):
+    out, proc = tiny_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for n in (1, 2, 3):
+        assert f"---=== Running Step {n} ===---" in lines
+        assert any(line.startswith(f"---=== Finished Step {n} in 0:") for line in lines)
+    assert any(line.startswith("---=== Finished Steps [1, 2, 3] in ") for line in lines)
+    for folder in ("actor-models/tiny-llama", "reward-models/tiny-llama", "step3-models/tiny-llama/actor",
+                   "step3-models/tiny-llama/critic", "step3-models/tiny-llama/actor_ema"):
+        assert (out / folder / "config.json").is_file(), folder
+    assert (out / "reward-models/tiny-llama/v_head.safetensors").is_file()
+    for folder in ("actor-models/tiny-llama", "reward-models/tiny-llama", "step3-models/tiny-llama"):
+        log = (out / folder / "training.log").read_text()
+        assert log.startswith("[dschat.launch] ") and "main.py" in log.splitlines()[0]
+    timings = json.loads((out / "e2e_timings.json").read_text())
+    assert set(timings) == {"1", "2", "3"} and all(v > 0 for v in timings.values())
+
+
+@pytest.mark.slow
+def test_e2e_writes_the_report(tiny_run):
+    import math
+
+    out, proc = tiny_run
+    assert proc.returncode == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["total_seconds"] > sum(report["steps"][k]["seconds"] for k in ("1", "2", "3")) > 0
+    assert 0.0 <= report["reward_model"]["heldout_accuracy_vs_gold"] <= 1.0
+    for actor in ("sft_actor", "rlhf_actor"):
+        for key in ("gold_score", "reward_score", "mean_response_tokens"):
+            assert math.isfinite(report[actor][key])
+    assert math.isfinite(report["rlhf_actor"]["kl_to_sft"])
+    assert (out / "ppo_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "==================== dschat report ====================" in proc.stdout
+    assert "Chat with the RLHF actor: python chat.py --path" in proc.stdout
+
+
+@pytest.mark.slow
+def test_step3_writes_metrics_for_the_ppo_plot(tiny_run):
+    from dschat.eval.report import read_metrics
+
+    out, proc = tiny_run
+    assert proc.returncode == 0
+    records = read_metrics(out / "step3-models/tiny-llama/metrics.jsonl")
+    assert len(records) == 2  # cpu/tiny stops after 2 PPO steps
+    assert all({"step", "reward", "kl_to_ref", "response_length"} <= set(r) for r in records)
+
+
+def test_resume_skips_finished_steps_and_resumes_the_first_unfinished_one(tmp_path):
+    for folder in ("actor-models/tiny-llama", "reward-models/tiny-llama"):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "config.json").write_text("{}")
+        (tmp_path / folder / "model.safetensors").write_bytes(b"x")
+    (tmp_path / "reward-models/tiny-llama/v_head.safetensors").write_bytes(b"x")
+    proc = _e2e("--dry-run", "--resume", "--save-interval", "5", "--deployment-type", "cpu", "--actor-model",
+                "tiny-llama", "--reward-model", "tiny-llama", "--output-dir", str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert f"---=== Step 1 is complete in {tmp_path}/actor-models/tiny-llama; skipping it (--resume) ===---" in proc.stdout
+    assert "Step 2 is complete" in proc.stdout and "---=== Running Step 3 ===---" in proc.stdout
+    command = next(line for line in proc.stdout.splitlines() if "main.py" in line)
+    assert "step3_rlhf_finetuning" in command and command.endswith("--save_interval 5 --resume")
+    # Without step 2's value head, step 2 is the one resumed and step 3 runs afresh after it.
+    (tmp_path / "reward-models/tiny-llama/v_head.safetensors").unlink()
+    proc = _e2e("--dry-run", "--resume", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                "tiny-llama", "--output-dir", str(tmp_path))
+    commands = [line for line in proc.stdout.splitlines() if "main.py" in line]
+    assert len(commands) == 2 and commands[0].endswith("--resume") and not commands[1].endswith("--resume")
+
+
+@pytest.mark.slow
+def test_e2e_resume_after_a_lost_step3(tiny_run, tmp_path):
+    """Steps 1 and 2 done, step 3 lost: --resume skips 1 and 2 and trains step 3 with checkpoints."""
+    import shutil
+
+    out, proc = tiny_run
+    assert proc.returncode == 0
+    for folder in ("actor-models", "reward-models"):
+        shutil.copytree(out / folder, tmp_path / folder)
+    proc = _e2e("--resume", "--save-interval", "1", "--report", "never", "--deployment-type", "cpu", "--actor-model",
+                "tiny-llama", "--reward-model", "tiny-llama", "--output-dir", str(tmp_path),
+                env={"OMP_NUM_THREADS": "2"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Step 1 is complete" in proc.stdout and "Step 2 is complete" in proc.stdout
+    assert "---=== Finished Step 3 in " in proc.stdout
+    log = (tmp_path / "step3-models/tiny-llama/training.log").read_text()
+    assert "--resume: no complete checkpoint under" in log
+    checkpoints = sorted(p.name for p in (tmp_path / "step3-models/tiny-llama/checkpoints").iterdir())
+    assert checkpoints == ["step_00000001", "step_00000002"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Launcher options: a free port on one node, hostfile / master address / port / nodes for several
+# ------------------------------------------------------------------------------------------------
+def _dry_run_commands(capsys, *argv: str) -> list[list[str]]:
+    import shlex
+
+    assert E._entry(["--dry-run", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                     "tiny-llama", *argv]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "main.py" in line]
+    assert len(lines) == 3
+    return [shlex.split(line) for line in lines]
+
+
+def test_e2e_single_node_steps_take_free_ports(tmp_path, capsys, monkeypatch):
+    from dschat import multinode as M
+
+    monkeypatch.setattr(M, "DEFAULT_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    for argv in _dry_run_commands(capsys, "--output-dir", str(tmp_path)):
+        port = int(argv[argv.index("--master_port") + 1])
+        assert port != 29500 and M.port_is_free(port)
+    fixed = M.free_port()
+    for argv in _dry_run_commands(capsys, "--output-dir", str(tmp_path), "--master_port", str(fixed)):
+        assert argv[argv.index("--master_port") + 1] == str(fixed)
+
+
+def test_e2e_passes_every_launcher_option_and_keeps_them_out_of_main_py(tmp_path, capsys, monkeypatch):
+    from dschat import multinode as M
+
+    monkeypatch.setattr(M, "DEFAULT_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node1.invalid slots=1\nnode2.invalid slots=1\n")
+    for argv in _dry_run_commands(capsys, "--output-dir", str(tmp_path), "--hostfile", str(hostfile),
+                                  "--master_addr", "10.0.0.7", "--master-port", "29777", "--num_nodes", "2",
+                                  "--num_gpus", "1"):
+        main = next(i for i, token in enumerate(argv) if token.endswith("main.py"))
+        assert argv[main - 10:main] == ["--hostfile", str(hostfile), "--num_nodes", "2", "--num_gpus", "1",
+                                        "--master_addr", "10.0.0.7", "--master_port", "29777"]
+        assert not {"--hostfile", "--master_addr", "--master_port", "--num_nodes"} & set(argv[main:])
+    # On several nodes a value that the remote shell would interpret is refused before any step runs.
+    bad = tmp_path / "out$(id)"
+    assert E._entry(["--dry-run", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--output-dir", str(bad),
+                     "--hostfile", str(hostfile)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds '$()'" in err and not bad.exists()
+
+
+def test_algorithm_and_reward_functions_pass_through_to_step3(config, tmp_path):
+    models = ("--actor-model", "smollm2-135m", "--reward-model", "smollm2-135m", "--output-dir", str(tmp_path))
+    args = _args(config, *models, "--algorithm", "grpo", "--reward-fn", "dschat.rewards:gold")
+    runs = E.build_steps(args, config.deployment("cpu"))
+    assert runs[2].extra == ["--algorithm", "grpo", "--num_generations", "4", "--reward_fn", "dschat.rewards:gold"]
+    assert runs[0].extra == [] and runs[1].extra == []
+    args = _args(config, *models, "--algorithm", "remax", "--num-generations", "2")
+    assert E.build_steps(args, config.deployment("cpu"))[2].extra == ["--algorithm", "remax", "--num_generations", "2"]
+    # A finished critic-free step 3 has an actor and no critic.
+    run3 = E.build_steps(args, config.deployment("cpu"))[2]
+    (run3.output_dir / "actor").mkdir(parents=True)
+    (run3.output_dir / "actor" / "config.json").write_text("{}")
+    (run3.output_dir / "actor" / "model.safetensors").write_bytes(b"x")
+    assert E.output_problem(run3) is None
+    assert E.output_problem(E.build_steps(_args(config, *models), config.deployment("cpu"))[2])  # PPO: no critic
+
+
+@pytest.mark.slow
+def test_e2e_grpo_rlvr_step3_and_its_report(tiny_run, tmp_path):
+    """Steps 1 and 2 reused; step 3 with GRPO on the gold judge (the RLVR demo), then the report against
+    the SFT actor, labelled as RLVR."""
+    import shutil
+
+    out, proc = tiny_run
+    assert proc.returncode == 0
+    for folder in ("actor-models", "reward-models"):
+        shutil.copytree(out / folder, tmp_path / folder)
+    proc = _e2e("--step", "3", "--algorithm", "grpo", "--num-generations", "2", "--reward-fn", "dschat.rewards:gold",
+                "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+                "--output-dir", str(tmp_path), env={"OMP_NUM_THREADS": "2"}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "--algorithm grpo --num_generations 2 --reward_fn dschat.rewards:gold" in proc.stdout
+    step3 = tmp_path / "step3-models/tiny-llama"
+    assert (step3 / "actor/config.json").is_file() and not (step3 / "critic").exists()
+    assert "note: RLVR demo -- step 3 was trained on the gold judge itself" in proc.stdout
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert {"sft_actor", "rlhf_actor", "rlhf_vs_sft"} <= set(report)

@@ -1,0 +1,88 @@
+"""prompt_eval.py and rw_eval.py on tiny models: upstream's output blocks, greedy decoding, and a
+reward-model evaluation that really loads the trained weights (deterministic, unlike upstream's)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import PYTHON
+from helpers.steps import STEP_DIRS, base_argv, load_script, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture(scope="module")
+def sft_folder(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft") / "out"
+    load_script("step1").main(base_argv("tiny-llama", data_dir, "--output_dir", str(out), max_train_steps=3))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reward_run(data_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("rm") / "out"
+    return load_script("step2").main(base_argv("tiny-opt-quirk", data_dir, "--learning_rate", "1e-3",
+                                               "--output_dir", str(out), max_train_steps=6))
+
+
+def test_prompt_eval_prints_upstream_blocks_greedily(sft_folder, capsys):
+    prompt_eval = load_script("step1", "prompt_eval")
+    argv = ["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", str(sft_folder),
+            "--max_new_tokens", "6"]
+    results = prompt_eval.main(argv)
+    out = capsys.readouterr().out
+    assert len(results) == 6
+    assert out.count("==========Baseline: Greedy=========") == 6
+    assert out.count("==========finetune: Greedy=========") == 6
+    assert out.count("====================prompt end=============================") == 6
+    assert results[0].prompt == "Human: Please tell me about Microsoft in a few sentence? Assistant:"
+    for r in results:
+        assert r.baseline[0].startswith(r.prompt) and r.finetune[0].startswith(r.prompt)
+    assert any(r.baseline != r.finetune for r in results)  # the fine-tuned weights are really used
+    # Greedy: the same answers on a second run.
+    again = prompt_eval.main(argv)
+    assert [r.finetune for r in again] == [r.finetune for r in results]
+
+
+def test_prompt_eval_other_languages(sft_folder, capsys):
+    prompt_eval = load_script("step1", "prompt_eval")
+    results = prompt_eval.main(["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune",
+                                str(sft_folder), "--max_new_tokens", "2", "--language", "Japanese"])
+    assert results[0].prompt == "Human: マイクロソフトについて簡単に教えてください。 Assistant:"
+    assert "鳥が冬に南に移動するのはなぜですか" in capsys.readouterr().out
+
+
+def test_rw_eval_scores_the_trained_model_deterministically(reward_run, capsys):
+    rw_eval = load_script("step2", "rw_eval")
+    argv = ["--model_name_or_path", str(reward_run.output_dir), "--max_seq_len", "128"]
+    first = rw_eval.main(argv)
+    second = rw_eval.main(argv)
+    out = capsys.readouterr().out
+    assert out.count("==================Eval result============================") == 4
+    assert out.count("=============Scores (higher, better)========================") == 4
+    assert "good_ans score:  " in out and "bad_ans score:  " in out
+    assert [(s.good_score, s.bad_score) for s in first] == [(s.good_score, s.bad_score) for s in second]
+
+    # The scores are the trained engine's, not a random value head's.
+    tokenizer = reward_run.tokenizer
+    engine = reward_run.engine
+    engine.eval()
+    for s, good, bad in zip(first, rw_eval.GOOD_ANSWERS, rw_eval.BAD_ANSWERS):
+        batch = rw_eval.prepare_datapair(s.prompt, good, bad, tokenizer, 128, tokenizer.eos_token)
+        with torch.no_grad():
+            expected = engine(**batch)
+        assert s.good_score == pytest.approx(expected["chosen_mean_scores"].item(), abs=1e-5)
+        assert s.bad_score == pytest.approx(expected["rejected_mean_scores"].item(), abs=1e-5)
+    engine.train()
+
+
+def test_rw_eval_refuses_a_folder_that_is_not_a_reward_model(sft_folder):
+    proc = run_cli([PYTHON, "rw_eval.py", "--model_name_or_path", str(sft_folder)], cwd=STEP_DIRS["step2"])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "not a step-2 reward model output" in errors[0]

@@ -1,0 +1,486 @@
+"""dschat.launch: the deepspeed command from a recipe, streaming to terminal + training.log, exit
+codes, out-of-memory detection, and the generated shell scripts driven with a fake launcher."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dschat import launch as L
+from dschat import multinode as M
+from dschat import recipes as R
+from dschat.recipes import loading as recipe_loading
+from dschat.errors import UserError
+
+from helpers import REPO
+
+
+# A stand-in for a step's main.py: prints its argv, a progress bar with carriage returns, writes to
+# stderr, optionally replaces its --output_dir as dschat's atomic save does, exits with $FAKE_RC.
+FAKE_MAIN = textwrap.dedent(
+    """
+    import json, os, shutil, sys, time
+    argv = sys.argv[1:]
+    print("ARGV " + json.dumps(argv), flush=True)
+    for i in range(3):
+        sys.stderr.write(f"\\rprogress {i}/3"); sys.stderr.flush()
+    sys.stderr.write("\\n")
+    if os.environ.get("FAKE_REPLACE_OUTPUT"):
+        out = argv[argv.index("--output_dir") + 1]
+        os.replace(out, out + ".old"); os.makedirs(out)
+        open(os.path.join(out, "config.json"), "w").write("{}")
+        shutil.rmtree(out + ".old")
+    print(os.environ.get("FAKE_MESSAGE", "done"), flush=True)
+    sys.exit(int(os.environ.get("FAKE_RC", "0")))
+    """
+)
+
+# A stand-in for the deepspeed launcher: records its argv in $FAKE_ARGV_FILE (and the .deepspeed_env
+# that $DS_ENV_FILE names, as the real one would read it, in $FAKE_ARGV_FILE.env), exits with $FAKE_RC.
+FAKE_LAUNCHER = textwrap.dedent(
+    """
+    import json, os, sys
+    with open(os.environ["FAKE_ARGV_FILE"], "w") as fh:
+        json.dump(sys.argv[1:], fh)
+    if os.environ.get("DS_ENV_FILE"):
+        with open(os.environ["DS_ENV_FILE"]) as src, open(os.environ["FAKE_ARGV_FILE"] + ".env", "w") as dst:
+            dst.write(src.read())
+    print("fake deepspeed launcher", flush=True)
+    sys.exit(int(os.environ.get("FAKE_RC", "0")))
+    """
+)
+
+
+@pytest.fixture(autouse=True)
+def no_job_hostfile(tmp_path: Path, monkeypatch) -> None:
+    """A /job/hostfile on the test machine would make every launch multi-node."""
+    monkeypatch.setattr(M, "DEFAULT_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+
+
+@pytest.fixture
+def fake_root(tmp_path: Path) -> Path:
+    """A checkout with the real configs/ and fake main.py files."""
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "configs", root / "configs")
+    for spec in R.STEPS.values():
+        (root / spec.folder).mkdir(parents=True)
+        (root / spec.main_py).write_text(FAKE_MAIN, encoding="utf-8")
+    recipe_loading._CACHE.clear()
+    return root
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.data = b""
+
+    def __call__(self, chunk: bytes) -> None:
+        self.data += chunk
+
+
+def _hostfile(tmp_path: Path, *hosts: str) -> str:
+    path = tmp_path / "hostfile"
+    path.write_text("# two nodes\n" + "".join(f"{h} slots=1\n" for h in hosts), encoding="utf-8")
+    return str(path)
+
+
+def test_plan_builds_the_deepspeed_argument_list(fake_root, tmp_path, monkeypatch):
+    monkeypatch.delenv(L.LAUNCHER_ENV, raising=False)
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", fake_root)
+    hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+    plan = L.plan(recipe, {"actor_model": "/a", "critic_model": "/c", "output_dir": "/o"}, ["--seed", "7"],
+                  launcher_overrides={"hostfile": hostfile, "num_gpus": None}, repo_root=fake_root)
+    assert Path(plan.argv[0]).name in ("deepspeed", sys.executable.split("/")[-1])
+    i = plan.argv.index(str(fake_root / "training/step3_rlhf_finetuning/main.py"))
+    # Several nodes keep the recipe's port: every host must agree on it.
+    assert plan.argv[1:i] in (["--hostfile", hostfile, "--master_port", "12346"],
+                              ["-m", "deepspeed.launcher.runner", "--hostfile", hostfile, "--master_port", "12346"])
+    assert plan.hosts.names == ("node1.invalid", "node2.invalid")
+    flags = plan.argv[i + 1:]
+    assert flags[:6] == ["--data_path", "Dahoas/rm-static", "--data_split", "2,4,4", "--actor_model_name_or_path", "/a"]
+    assert flags[-2:] == ["--seed", "7"] and flags.count("--seed") == 1
+    assert plan.log_path == Path("/o/training.log")
+    assert plan.env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_plan_without_main_py_is_a_clear_error(tmp_path):
+    root = tmp_path / "repo"
+    shutil.copytree(REPO / "configs", root / "configs")
+    (root / "training").mkdir()
+    recipe_loading._CACHE.clear()
+    recipe = R.get_recipe("step1", "cpu/tiny", root)
+    with pytest.raises(UserError, match="main.py does not exist"):
+        L.plan(recipe, repo_root=root)
+
+
+def test_run_streams_to_terminal_and_log_and_returns_the_exit_code(fake_root, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root)
+    monkeypatch.setenv("FAKE_RC", "3")
+    monkeypatch.setenv("FAKE_MESSAGE", "last words")
+    sink = Sink()
+    result = L.run(plan, sink=sink)
+    assert result.returncode == 3
+    assert result.oom is None
+    log = (out / "training.log").read_bytes()
+    assert log == sink.data  # the same bytes on the terminal and in the log
+    text = sink.data.decode()
+    assert text.startswith("[dschat.launch] ")
+    assert "\rprogress 1/3\rprogress 2/3" in text  # carriage returns pass through (live progress bars)
+    assert "last words" in text
+    argv = json.loads(text.split("ARGV ", 1)[1].splitlines()[0])
+    assert argv == recipe.render({"output_dir": str(out)})
+
+
+def test_recipe_env_is_a_default_not_an_override(fake_root, tmp_path, monkeypatch):
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, kind="python", repo_root=fake_root)
+    monkeypatch.setenv("FAKE_MESSAGE", "x")
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    script = "import os; print('ACC', os.environ['DS_ACCELERATOR']); print('PP', os.environ['PYTHONPATH'])"
+    plan.argv = [sys.executable, "-c", script]
+    sink = Sink()
+    L.run(plan, sink=sink, log=False)
+    assert b"ACC cuda" in sink.data
+    # The step's `import dschat` resolves to this checkout first.
+    assert f"PP {fake_root}".encode() in sink.data
+    monkeypatch.delenv("DS_ACCELERATOR")
+    sink = Sink()
+    L.run(plan, sink=sink, log=False)
+    assert b"ACC cpu" in sink.data
+
+
+def test_log_survives_an_output_folder_replaced_by_an_atomic_save(fake_root, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    recipe = R.get_recipe("step2", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root)
+    monkeypatch.setenv("FAKE_REPLACE_OUTPUT", "1")
+    monkeypatch.setenv("FAKE_MESSAGE", "after the save")
+    sink = Sink()
+    assert L.run(plan, sink=sink).returncode == 0
+    assert (out / "config.json").is_file()  # the new folder
+    log = (out / "training.log").read_bytes()
+    assert log == sink.data and b"after the save" in log and b"ARGV" in log
+
+
+def test_a_step_refusing_its_input_leaves_the_output_folder_as_it_was(fake_root, tmp_path, monkeypatch):
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    monkeypatch.setenv("FAKE_RC", "2")  # the step's exit code for bad input: it wrote nothing
+    monkeypatch.setenv("FAKE_MESSAGE", "error: bad flag")
+    fresh = tmp_path / "new" / "out"
+    result = L.run(L.plan(recipe, {"output_dir": str(fresh)}, kind="python", repo_root=fake_root), sink=Sink())
+    assert result.returncode == 2 and result.log_path is None
+    assert not (tmp_path / "new").exists()  # the folders made for the log are gone again
+    previous = tmp_path / "previous"
+    previous.mkdir()
+    (previous / "training.log").write_text("the previous run's log\n")
+    sink = Sink()
+    result = L.run(L.plan(recipe, {"output_dir": str(previous)}, kind="python", repo_root=fake_root), sink=sink)
+    assert result.returncode == 2 and b"error: bad flag" in sink.data  # shown on the terminal
+    assert sorted(p.name for p in previous.iterdir()) == ["training.log"]
+    assert (previous / "training.log").read_text() == "the previous run's log\n"
+    monkeypatch.setenv("FAKE_RC", "1")  # any other failure keeps the new log, as before
+    assert L.run(L.plan(recipe, {"output_dir": str(previous)}, kind="python", repo_root=fake_root),
+                 sink=Sink()).returncode == 1
+    assert sorted(p.name for p in previous.iterdir()) == ["training.log"]
+    assert "error: bad flag" in (previous / "training.log").read_text()
+
+
+def test_output_dir_under_a_file_is_refused_before_the_log_is_opened(fake_root, tmp_path, capsys):
+    (tmp_path / "file.txt").write_text("x")
+    code = L._entry(["--repo-root", str(fake_root), "--launcher", "python", "step1", "cpu/tiny",
+                     "--output_dir", str(tmp_path / "file.txt" / "out")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--output_dir {tmp_path / 'file.txt' / 'out'} cannot be created" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt", "repo"]
+
+
+@pytest.mark.parametrize(
+    ("tail", "code", "expected"),
+    [
+        ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", 1, "CUDA out of memory"),
+        ("RuntimeError: [enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory", 1,
+         "CPU allocator failed"),
+        ("[launch.py:259:sigkill_handler] [...] exits with return code = -9", 247, "a rank was killed"),
+        ("", 137, "SIGKILL"),
+        ("", -9, "SIGKILL"),
+        ("ValueError: bad flag", 1, None),
+        ("CUDA out of memory", 0, None),  # a successful run is never an OOM
+    ],
+)
+def test_detect_oom(tail, code, expected):
+    found = L.detect_oom(tail, code)
+    if expected is None:
+        assert found is None
+    else:
+        assert found is not None and expected in found
+
+
+def test_run_reports_oom_and_cli_prints_advice(fake_root, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAKE_RC", "1")
+    monkeypatch.setenv("FAKE_MESSAGE", "torch.OutOfMemoryError: CUDA out of memory.")
+    code = L._entry(["--repo-root", str(fake_root), "--launcher", "python", "step3", "cpu/tiny",
+                     "--actor_model", "/a", "--critic_model", "/c", "--output_dir", str(tmp_path / "o")])
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "looks like out of memory" in err
+    assert "--actor_gradient_checkpointing --critic_gradient_checkpointing" in err
+    assert "--offload_reference_model" in err
+
+
+def test_oom_advice_names_each_steps_flags():
+    assert "--gradient_checkpointing" in L.oom_advice("step1")
+    assert "--lora_dim 128 --only_optimize_lora" in L.oom_advice("step2")
+    step3 = L.oom_advice("step3", cpu=True, e2e=True)
+    assert "--per_device_generation_batch_size" in step3 and "(GPU memory in GB / 6)" in step3
+    assert "--actor-zero-stage 3" in step3 and "RAM" in step3
+
+
+def test_cli_dry_run_and_parameters(fake_root, capsys):
+    code = L._entry(["--repo-root", str(fake_root), "step1", "opt/single_node/1.3b", "--output_dir", "/x",
+                     "--zero_stage", "3", "--num_gpus", "4", "--dry-run", "--", "--learning_rate", "1e-4"])
+    assert code == 0
+    line = capsys.readouterr().out.strip()
+    assert "--num_gpus 4 " in line and "--zero_stage 3" in line and line.endswith("--output_dir /x --learning_rate 1e-4")
+    assert "--learning_rate 9.65e-6" not in line
+
+
+def test_cli_bad_input_is_one_line_and_exit_2(fake_root, capsys):
+    assert L._entry(["--repo-root", str(fake_root), "step1", "no/such", "--dry-run"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: no step1 recipe 'no/such'") and "\n" not in err
+    assert L._entry(["--repo-root", str(fake_root), "step1", "cpu/tiny", "--actor_model", "x", "--dry-run"]) == 2
+    assert "takes --output_dir, --zero_stage" in capsys.readouterr().err
+
+
+def test_script_args_split_positionals_from_flags(fake_root, capsys):
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "step3", "opt/single_gpu/1.3b", "--script-args",
+                     "/a", "/c", "", "3", "--max_answer_seq_len", "16"])
+    assert code == 0
+    line = capsys.readouterr().out
+    assert "--actor_model_name_or_path /a --critic_model_name_or_path /c --actor_zero_stage 0 --critic_zero_stage 3" in line
+    assert line.strip().endswith("--output_dir ./output --max_answer_seq_len 16")
+
+
+# ------------------------------------------------------------------------------------------------
+# The generated shell scripts, end to end with a fake deepspeed launcher
+# ------------------------------------------------------------------------------------------------
+def _copy_script(fake_root: Path, step: str, rid: str) -> Path:
+    recipe = R.get_recipe(step, rid, REPO)
+    src = R.script_path(recipe, REPO)
+    dst = R.script_path(recipe, fake_root)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(src, dst)
+    return dst
+
+
+def _run_script(script: Path, args: list[str], tmp_path: Path, rc: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
+    launcher = tmp_path / "fake_deepspeed.py"
+    launcher.write_text(FAKE_LAUNCHER, encoding="utf-8")
+    argv_file = tmp_path / "argv.json"
+    env = dict(os.environ, PYTHON=sys.executable, FAKE_ARGV_FILE=str(argv_file), FAKE_RC=str(rc))
+    env[L.LAUNCHER_ENV] = f"{sys.executable} {launcher}"
+    env.pop("DSCHAT_REPO_ROOT", None)
+    proc = subprocess.run(["bash", str(script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    recorded = json.loads(argv_file.read_text()) if argv_file.exists() else []
+    return proc, recorded
+
+
+def test_step3_script_passes_upstream_positionals(fake_root, tmp_path):
+    script = _copy_script(fake_root, "step3", "opt/single_node/1.3b")
+    proc, argv = _run_script(script, ["/sft", "/rm", "3", "", "out3", "--actor_lora_dim", "8"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    main = str(fake_root / "training/step3_rlhf_finetuning/main.py")
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
+    expected_flags = recipe.render({"actor_model": "/sft", "critic_model": "/rm", "actor_zero_stage": "3",
+                                    "output_dir": "out3"}, ["--actor_lora_dim", "8"])
+    assert argv[:1] == ["--master_port"] and argv[2:] == [main, *expected_flags]
+    # One node: a free port rather than the recipe's 12346, which a second run would also take.
+    assert argv[1] != "12346" and M.port_is_free(int(argv[1]))
+    assert "--critic_zero_stage" in argv and argv[argv.index("--critic_zero_stage") + 1] == "2"  # '' -> default
+    assert "fake deepspeed launcher" in proc.stdout
+    assert (tmp_path / "out3" / "training.log").read_text().count("fake deepspeed launcher") == 1
+
+
+def test_step1_script_defaults_and_exit_code(fake_root, tmp_path):
+    script = _copy_script(fake_root, "step1", "opt/single_gpu/1.3b")
+    proc, argv = _run_script(script, [], tmp_path, rc=5)
+    assert proc.returncode == 5
+    assert argv[:3] == ["--num_gpus", "1", "--master_port"]
+    assert argv[argv.index("--zero_stage") + 1] == "0" and argv[-2:] == ["--output_dir", "./output"]
+    assert "step1 exited with status 5" in proc.stderr
+
+
+def test_script_with_required_path_missing_fails_in_one_line(fake_root, tmp_path):
+    script = _copy_script(fake_root, "step3", "opt/single_node/30b_lora")
+    proc, argv = _run_script(script, [], tmp_path)
+    assert proc.returncode == 2 and argv == []
+    assert proc.stderr.strip().count("\n") == 0
+    assert "needs actor_model (positional $1, ACTOR_MODEL_PATH)" in proc.stderr
+
+
+@pytest.mark.slow
+def test_real_deepspeed_launcher_streams_and_propagates_exit_code(fake_root, tmp_path, monkeypatch):
+    monkeypatch.delenv(L.LAUNCHER_ENV, raising=False)
+    monkeypatch.setenv("FAKE_RC", "4")
+    monkeypatch.setenv("FAKE_MESSAGE", "rank says bye")
+    out = tmp_path / "o"
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(out)}, repo_root=fake_root)  # a free port: nothing fixed
+    sink = Sink()
+    result = L.run(plan, sink=sink)
+    assert result.returncode == 4
+    text = sink.data.decode()
+    assert "rank says bye" in text and "--local_rank=0" in text  # the launcher really spawned the rank
+    assert (out / "training.log").read_bytes() == sink.data
+
+
+# ------------------------------------------------------------------------------------------------
+# Master port, hosts, multi-node safety (issues: a busy port; many nodes; multi-node command lines)
+# ------------------------------------------------------------------------------------------------
+def _port_of(argv: list[str]) -> int:
+    return int(argv[argv.index("--master_port") + 1])
+
+
+@pytest.fixture
+def busy_port():
+    """A port something listens on, on every interface (as another job's rendezvous store would)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_single_node_launch_takes_a_free_port_unless_one_is_given(fake_root, busy_port):
+    for step, rid, params in (("step1", "cpu/tiny", {}), ("step3", "opt/single_node/1.3b",
+                                                          {"actor_model": "/a", "critic_model": "/c"})):
+        recipe = R.get_recipe(step, rid, fake_root)
+        first = _port_of(L.plan(recipe, params, repo_root=fake_root).argv)
+        second = _port_of(L.plan(recipe, params, repo_root=fake_root).argv)
+        assert M.port_is_free(first) and first not in (29500, 12346, busy_port)
+        assert first != second or M.port_is_free(first)  # chosen afresh by the OS each time
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    free = M.free_port()
+    assert _port_of(L.plan(recipe, launcher_overrides={"master_port": free}, repo_root=fake_root).argv) == free
+
+
+def test_a_busy_master_port_is_refused_in_one_line_naming_a_free_one(fake_root, tmp_path, busy_port, capsys):
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "step1", "cpu/tiny", "--master_port", str(busy_port)])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"master port {busy_port} (--master_port) is already in use on this machine" in err
+    suggested = int(err.rsplit("--master_port ", 1)[1].split()[0])
+    assert M.port_is_free(suggested)
+    # Several nodes with this machine first: its port is checked too (the recipe's or 29500 otherwise).
+    hostfile = _hostfile(tmp_path, "localhost", "node2.invalid")
+    with pytest.raises(UserError, match=f"master port {busy_port} .* on localhost"):
+        L.plan(R.get_recipe("step1", "cpu/tiny", fake_root), launcher_overrides={"hostfile": hostfile,
+               "master_port": busy_port}, repo_root=fake_root)
+    # A first host elsewhere cannot be checked from here: the port is passed on as given.
+    hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+    plan = L.plan(R.get_recipe("step1", "cpu/tiny", fake_root), launcher_overrides={"hostfile": hostfile,
+                  "master_port": busy_port}, repo_root=fake_root)
+    assert _port_of(plan.argv) == busy_port
+
+
+def test_hosts_are_read_as_the_deepspeed_launcher_reads_them(tmp_path):
+    hostfile = _hostfile(tmp_path, "a", "b", "c")
+    assert M.launch_hosts(hostfile).names == ("a", "b", "c")
+    assert M.launch_hosts(hostfile, num_nodes=1).multi_node is False
+    assert M.launch_hosts(hostfile, include="b:0,1@c").names == ("b", "c")
+    assert M.launch_hosts(hostfile, exclude="a@b:1").names == ("b", "c")
+    assert M.launch_hosts(None).names == ("localhost",)  # no /job/hostfile: this machine
+    with pytest.raises(UserError, match="--num_nodes 2 needs a hostfile"):
+        M.launch_hosts(None, num_nodes=2)
+    with pytest.raises(UserError, match="--num_nodes 4 but hostfile .* lists 3"):
+        M.launch_hosts(hostfile, num_nodes=4)
+    with pytest.raises(UserError, match="does not exist"):
+        M.launch_hosts(str(tmp_path / "missing"))
+    (tmp_path / "bad").write_text("a slots=1\nb\n")
+    with pytest.raises(UserError, match="bad line 'b'"):
+        M.launch_hosts(str(tmp_path / "bad"))
+
+
+def test_multi_node_script_takes_launcher_flags_and_passes_the_rest_to_main_py(fake_root, tmp_path):
+    script = _copy_script(fake_root, "step1", "opt/multi_node/66b")
+    hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+    proc, argv = _run_script(script, ["out", "", "--hostfile", hostfile, "--master_addr", "10.0.0.7",
+                                      "--master_port=29777", "--num_nodes", "2", "--num_gpus", "1",
+                                      "--learning_rate", "1e-5"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    main = str(fake_root / "training/step1_supervised_finetuning/main.py")
+    recipe = R.get_recipe("step1", "opt/multi_node/66b", REPO)
+    assert argv == ["--hostfile", hostfile, "--num_nodes", "2", "--num_gpus", "1", "--master_addr", "10.0.0.7",
+                    "--master_port", "29777", main, *recipe.render({"output_dir": "out"}, ["--learning_rate", "1e-5"])]
+
+
+def test_launch_cli_takes_master_addr(fake_root, tmp_path, capsys):
+    hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+    assert L._entry(["--repo-root", str(fake_root), "--dry-run", "step2", "opt/multi_node/350m", "--hostfile",
+                     hostfile, "--master_addr", "10.0.0.7", "--master_port", "29777", "--num_nodes", "2"]) == 0
+    line = capsys.readouterr().out
+    assert f"--hostfile {hostfile} --num_nodes 2 --master_addr 10.0.0.7 --master_port 29777 " in line
+
+
+@pytest.mark.parametrize("value", ["/data/$(touch /tmp/pwned)", "/data/`id`", "out;id", "a|b", "x%n", "a\nb"])
+def test_multi_node_launch_refuses_shell_metacharacters(fake_root, tmp_path, value, capsys):
+    hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "--hostfile", hostfile, "step1",
+                     "opt/multi_node/66b", "--output_dir", value])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: --output_dir {value!r} holds ")
+    # The same value on one node is an argument-list element: no shell sees it.
+    assert L._entry(["--repo-root", str(fake_root), "--dry-run", "step1", "opt/single_node/1.3b",
+                     "--output_dir", value]) == 0
+
+
+def test_multi_node_ranks_get_the_recipe_environment_through_a_private_deepspeed_env(fake_root, tmp_path,
+                                                                                     monkeypatch):
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_DEBUG=INFO\n")
+    (work / ".deepspeed_env").write_text("OMP_NUM_THREADS=4\n")
+    before = {p: p.read_bytes() for p in (home / ".deepspeed_env", work / ".deepspeed_env")}
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the user's own file wins for the ranks elsewhere
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")  # never on a command line
+    monkeypatch.setenv("FAKE_ARGV_FILE", str(tmp_path / "argv.json"))
+    monkeypatch.setenv(L.LAUNCHER_ENV, f"{sys.executable} {tmp_path / 'fake.py'}")
+    (tmp_path / "fake.py").write_text(FAKE_LAUNCHER)
+    hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)  # env: DS_ACCELERATOR=cpu
+    plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": hostfile},
+                  repo_root=fake_root)
+    assert plan.rank_env["DS_ACCELERATOR"] == "cpu" and "OMP_NUM_THREADS" not in plan.rank_env
+    sink = Sink()
+    assert L.run(plan, sink=sink, log=False).returncode == 0
+    lines = (tmp_path / "argv.json.env").read_text().splitlines()
+    assert lines[:2] == ["NCCL_DEBUG=INFO", "OMP_NUM_THREADS=4"]
+    assert {"DS_ACCELERATOR=cpu", "HF_HUB_OFFLINE=1"} <= set(lines)
+    assert not any("hf_secret" in line for line in lines)
+    assert b"the ranks on other hosts get " in sink.data and b"DS_ACCELERATOR" in sink.data
+    assert {p: p.read_bytes() for p in before} == before  # the user's files are untouched
+    written = Path(sink.data.decode().split(" through ", 1)[1].split()[0])
+    assert written.name == ".deepspeed_env" and not written.parent.exists()  # removed after the launch
+    # A value the remote shell would run is refused before anything starts.
+    monkeypatch.setenv("DSCHAT_CACHE_DIR", "/c/$(id)")
+    with pytest.raises(UserError, match="environment variable DSCHAT_CACHE_DIR .* holds"):
+        L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": hostfile},
+               repo_root=fake_root)
+    # One node: the environment is inherited, nothing is written.
+    assert L.plan(recipe, {"output_dir": str(tmp_path / "o")}, repo_root=fake_root).rank_env == {}

@@ -1,0 +1,219 @@
+"""Step 3 with the critic-free algorithms and reward functions, end to end on tiny models (CPU).
+
+One short run per algorithm, spread over ZeRO 0 / 3 with and without LoRA, EMA, PPO-ptx, reward model
+and reward functions (not a full product: CI time; the group and resume runs add ZeRO 0 without LoRA); group statistics over whole groups whatever the micro-batch;
+exact resume of a critic-free run; reward functions that fail at run time; the flag rules."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat import rl_algorithms
+from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
+from dschat.errors import EXIT_USAGE, cli_main
+from dschat.models.registry import resolve_model_path
+from dschat.rlhf.algorithm import resolve_algorithm
+from dschat.training import checkpoint as ckpt
+
+from helpers.step3 import Interrupted, base_argv, crash_after_checkpoint, load_state, max_abs_diff, step3_main
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # every test: tiny models on one thread
+
+
+def _argv(model, critic, data, *extra, steps=2):
+    argv = base_argv(model, critic or Path("unused"), data, *extra, steps=steps)
+    if critic is None:  # a critic-free run scored by functions only: no step-2 folder at all
+        i = argv.index("--critic_model_name_or_path")
+        del argv[i:i + 2]
+    return argv
+
+
+# ------------------------------------------------------------------------------------ flag rules
+
+
+def _settings(*extra):
+    return resolve_algorithm(step3_main().parse_args(["--actor_model_name_or_path", "a", *extra]))
+
+
+def test_flag_choices_match_the_math_module():
+    assert ALGORITHM_CHOICES == rl_algorithms.ALGORITHMS
+    assert LOSS_AGGREGATION_CHOICES == rl_algorithms.LOSS_AGGREGATIONS
+
+
+def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
+    ppo = _settings()
+    assert (ppo.algorithm, ppo.critic, ppo.kl_in_reward, ppo.kl_estimator, ppo.loss_aggregation) == (
+        "ppo", True, True, "k1", "token")
+    assert ppo.upstream_ppo_loss and not ppo.whiten_advantages and ppo.num_generations == 1
+    grpo = _settings("--algorithm", "grpo", "--num_generations", "4")
+    assert (grpo.critic, grpo.kl_in_reward, grpo.kl_estimator, grpo.loss_aggregation, grpo.scale_by_std) == (
+        False, False, "k3", "sequence", True)
+    dr = _settings("--algorithm", "grpo", "--num_generations", "4", "--dr_grpo")
+    assert (dr.loss_aggregation, dr.scale_by_std) == ("token_sum", False)
+    rpp = _settings("--algorithm", "reinforce_pp")
+    assert (rpp.kl_in_reward, rpp.kl_estimator, rpp.whiten_advantages, rpp.loss_aggregation) == (True, "k1", True, "token")
+    assert not _settings("--tis_cap", "2").upstream_ppo_loss
+
+
+def _run_cli(argv, capsys):
+    capsys.readouterr()
+    code = cli_main(step3_main().main, argv)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert code == EXIT_USAGE and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    ((), "--critic_model_name_or_path is required for --algorithm ppo's critic"),
+    (("--algorithm", "grpo", "--num_generations", "2"), "required for the reward model"),
+    (("--algorithm", "grpo", "--num_generations", "2", "--reward_model_weight", "0"), "leaves nothing to score"),
+    (("--algorithm", "ppo", "--kl_in_reward", "off"), "--algorithm ppo keeps the KL in the reward"),
+    (("--loss_aggregation", "sequence"), "--loss_aggregation sequence is for the critic-free"),
+    (("--tis_cap", "-1"), "--tis_cap must be >= 0"),
+])
+def test_flag_rules_refused_before_any_model(extra, message, tmp_path, data_cache, capsys):
+    line = _run_cli(_argv("tiny-opt", None, data_cache, "--output_dir", str(tmp_path / "out"), *extra), capsys)
+    assert message in line
+    assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------ the runs
+
+COVER = {
+    # GRPO, ZeRO-3 actor with LoRA and EMA, scored by functions only (no step-2 folder at all): the gold
+    # judge (flat on a tiny model's babble) and answer length
+    "grpo-z3-lora-ema-fn": ("tiny-llama", False, ["--algorithm", "grpo", "--num_generations", "2",
+                                                  "--actor_zero_stage", "3", "--actor_lora_dim", "4", "--enable_ema",
+                                                  "--reward_fn", "dschat.rewards:gold",
+                                                  "--reward_fn", "reward_fixtures:length"]),
+    # RLOO, ZeRO-0 with actor LoRA, reward model and a column-reading function combined, PPO-ptx, TIS
+    "rloo-z0-lora-rm+fn-ptx-tis": ("tiny-opt", True, ["--algorithm", "rloo", "--num_generations", "2", "--actor_lora_dim", "4",
+                                                 "--reward_fn", "reward_fixtures:chosen_overlap",
+                                                 "--reward_fn_weight", "2.0", "--reward_model_weight", "1.0",
+                                                 "--unsupervised_dataset_name", "dschat/builtin", "--unsup_coef", "0.5",
+                                                 "--tis_cap", "2.0"]),
+    # REINFORCE++ on the reward model, ZeRO-3 actor without LoRA, two micro-batches per rollout
+    "reinforce_pp-z3-rm": ("tiny-llama", True, ["--algorithm", "reinforce_pp", "--actor_zero_stage", "3",
+                                                "--per_device_training_batch_size", "2",
+                                                "--gradient_accumulation_steps", "2"]),
+    # ReMax, ZeRO-3 actor and reward model (critic stage 3 is the reward model's), LoRA, Dr.GRPO-style sums
+    "remax-z3-lora-rm": ("tiny-opt", True, ["--algorithm", "remax", "--num_generations", "2", "--actor_zero_stage",
+                                            "3", "--critic_zero_stage", "3", "--actor_lora_dim", "4",
+                                            "--loss_aggregation", "token_sum"]),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(COVER))
+def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
+    model, with_rm, extra = COVER[name]
+    out = tmp_path / "out"
+    result = step3_main().main(_argv(model, critic_dirs[model] if with_rm else None, data_cache, *extra,
+                                     "--output_dir", str(out)))
+    logs = capsys.readouterr().out
+    algorithm = extra[extra.index("--algorithm") + 1]
+
+    assert len(result.history) == 2
+    for record in result.history:
+        for key in ("actor_loss", "reward", "kl_to_ref", "response_length", "logprob_gap"):
+            assert math.isfinite(record[key]), (key, record)
+        assert math.isnan(record["critic_loss"]) and math.isnan(record["value_explained_variance"])
+    assert f"algorithm {algorithm}:" in logs and "no critic" in logs
+    # No critic engine, built, checkpointed or saved; the reward model only when it scores.
+    assert result.rlhf_engine.critic is None and "Initializing Critic" not in logs
+    assert (result.rlhf_engine.reward is not None) == with_rm
+    assert ("Initializing Reward" in logs) == with_rm
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == (
+        ["actor", "actor_ema"] if "--enable_ema" in extra else ["actor"])
+    initial = load_state(Path(resolve_model_path(model)))
+    assert max_abs_diff(initial, load_state(out / "actor")) > 0
+    if "--enable_ema" in extra:
+        assert 0 < max_abs_diff(initial, load_state(out / "actor_ema"))
+    if "--unsupervised_dataset_name" in extra:
+        assert all(r["unsup_loss"] > 0 for r in result.history)
+    if "--reward_fn" in extra and with_rm:
+        assert "reward = 1 x reward model + 2 x reward_fixtures:chosen_overlap" in logs
+
+
+@pytest.mark.slow
+def test_groups_are_whole_whatever_the_micro_batch(data_cache, monkeypatch):
+    """GRPO with K = 4 in a generation batch of 4 trained as two micro-batches of 2: each micro-batch
+    carries the advantages of the whole group (they sum to 0 over the group, not per micro-batch)."""
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+
+    seen = []
+    original = DeepSpeedPPOTrainer.train_rlhf
+
+    def spy(self, exp):
+        seen.append((exp.reward_score.clone(), exp.sequence_advantages.clone()))
+        return original(self, exp)
+
+    monkeypatch.setattr(DeepSpeedPPOTrainer, "train_rlhf", spy)
+    step3_main().main(_argv("tiny-opt", None, data_cache, "--algorithm", "grpo", "--num_generations", "4",
+                            "--dr_grpo", "--per_device_training_batch_size", "2", "--gradient_accumulation_steps",
+                            "2", "--reward_fn", "reward_fixtures:length", "--kl_ctl", "0", steps=1))
+    assert len(seen) == 2  # two micro-batches of one rollout
+    rewards = torch.cat([r for r, _ in seen])
+    advantages = torch.cat([a for _, a in seen])
+    torch.testing.assert_close(advantages, rewards - rewards.mean())  # Dr.GRPO over the group of 4
+    # ... which differs from centring each micro-batch on its own (the case would catch a split group).
+    assert not torch.allclose(advantages, torch.cat([r - r.mean() for r, _ in seen]))
+
+
+@pytest.mark.slow
+def test_interrupted_and_resumed_grpo_matches_the_uninterrupted_run(tmp_path, data_cache, monkeypatch):
+    main = step3_main().main
+
+    def argv(out, *more):
+        return _argv("tiny-opt", None, data_cache, "--algorithm", "grpo", "--num_generations", "2", "--enable_ema",
+                     "--actor_dropout", "0.1", "--reward_fn", "reward_fixtures:length", "--save_interval", "1",
+                     "--output_dir", str(out), *more, steps=4)
+
+    full = main(argv(tmp_path / "full"))
+    assert len(full.history) == 4
+
+    crash_after_checkpoint(monkeypatch, optimizer_steps=2)
+    with pytest.raises(Interrupted):
+        main(argv(tmp_path / "resumed"))
+    monkeypatch.undo()
+    step = ckpt.complete_checkpoints(tmp_path / "resumed" / "checkpoints")[-1]
+    assert not any("critic" in p.name for p in step.rglob("*"))  # no critic state in the checkpoint
+    resumed = main(argv(tmp_path / "resumed", "--resume"))
+    keys = ("actor_loss", "reward", "kl_to_ref", "ema_reward", "response_length")
+    assert [{k: r[k] for k in keys} for r in full.history[2:]] == [{k: r[k] for k in keys} for r in resumed.history]
+    for name in ("actor", "actor_ema"):
+        assert max_abs_diff(load_state(tmp_path / "full" / name), load_state(tmp_path / "resumed" / name)) == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec, message", [
+    ("reward_fixtures:always_raises", "reward function reward_fixtures:always_raises raised KeyError: 'reference' "
+                                      "on row 0"),
+    ("reward_fixtures:one_short", "reward function reward_fixtures:one_short returned 3 scores for 4 answers"),
+    ("reward_fixtures:nan_on_last", "reward function reward_fixtures:nan_on_last returned nan for row 3"),
+])
+def test_a_failing_reward_function_stops_the_run_with_one_line(spec, message, tmp_path, data_cache, capsys):
+    out = tmp_path / "out"
+    line = _run_cli(_argv("tiny-opt", None, data_cache, "--algorithm", "reinforce_pp", "--reward_fn", spec,
+                          "--output_dir", str(out), "--save_interval", "1"), capsys)
+    assert message in line
+    assert not out.exists() or not any(out.iterdir())  # nothing half-written
+
+
+@pytest.mark.slow
+def test_the_non_finite_guard_skips_a_critic_free_rollout(data_cache, capsys):
+    """main's Python hook keeps the guard's rule for every algorithm: a NaN reward skips that rollout."""
+    calls = []
+
+    def reward_fn(prompts, answers):
+        calls.append(len(answers))
+        return [float("nan") if len(calls) == 2 else 0.1 * len(a.split()) for a in answers]
+
+    result = step3_main().main(_argv("tiny-opt", None, data_cache, "--algorithm", "rloo", "--num_generations", "2",
+                                     steps=3), reward_fn=reward_fn)
+    assert result.skipped_nonfinite == 1 and len(result.history) == 2
+    assert "non-finite log-probs, values or reward in the rollout of step 1; rollout skipped" in capsys.readouterr().out

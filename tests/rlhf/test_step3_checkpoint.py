@@ -1,0 +1,83 @@
+"""Step-3 checkpoints and exact resume (--save_interval counts PPO iterations): a run stopped after
+a checkpoint and resumed reproduces the uninterrupted run's losses, rewards and final actor, critic
+and EMA weights bit for bit (CPU, ZeRO 0 and 2); and the non-finite guard skips a rollout whose
+reward is NaN."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from dschat.training import checkpoint as ckpt
+
+from helpers.step3 import Interrupted, base_argv, crash_after_checkpoint, load_state, max_abs_diff, step3_main
+
+pytestmark = pytest.mark.slow
+
+COMPARED = ("actor_loss", "critic_loss", "reward", "kl_to_ref", "ema_reward", "response_length")
+
+
+CASES = {
+    # sampling, dropout in the actor and critic (random states matter), EMA
+    "z0-ema": ("tiny-opt", ["--enable_ema", "--actor_dropout", "0.1", "--critic_dropout", "0.1"]),
+    # ZeRO-2 actor and critic, two PPO epochs over two generation batches (Python's shuffle state)
+    "z2-multi": ("tiny-llama", ["--actor_zero_stage", "2", "--critic_zero_stage", "2", "--generation_batches", "2",
+                                "--ppo_epochs", "2", "--per_device_training_batch_size", "2"]),
+    # ZeRO-3 actor (reference and EMA then ZeRO-3 too) and critic, LoRA on the actor
+    "z3-lora-ema": ("tiny-llama", ["--actor_zero_stage", "3", "--critic_zero_stage", "3", "--actor_lora_dim", "4",
+                                   "--enable_ema"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interrupted_and_resumed_ppo_matches_the_uninterrupted_run(case, tmp_path, critic_dirs, data_cache,
+                                                                   monkeypatch):
+    model, extra = CASES[case]
+    main = step3_main().main
+
+    def argv(out, *more):
+        return base_argv(model, critic_dirs[model], data_cache, *extra, "--save_interval", "1",
+                         "--output_dir", str(out), *more, steps=6)
+
+    full = main(argv(tmp_path / "full"))
+    iterations = len(full.history)
+    assert iterations >= 3
+
+    crash_after_checkpoint(monkeypatch, optimizer_steps=2)
+    with pytest.raises(Interrupted):
+        main(argv(tmp_path / "resumed"))
+    monkeypatch.undo()
+    root = tmp_path / "resumed" / "checkpoints"
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000001", "step_00000002"]
+    # A line the killed run wrote past its checkpoint is dropped on resume (no duplicate iterations).
+    with (tmp_path / "resumed" / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"global_step": 2, "reward": 123.0}) + "\n")
+
+    resumed = main(argv(tmp_path / "resumed", "--resume"))
+    assert len(resumed.history) == iterations - 2
+    for a, b in zip(full.history[2:], resumed.history):
+        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}
+        assert a["global_step"] == b["global_step"]
+    for name in ("actor", "critic") + (("actor_ema",) if "--enable_ema" in extra else ()):
+        assert max_abs_diff(load_state(tmp_path / "full" / name), load_state(tmp_path / "resumed" / name)) == 0.0, name
+    lines = [json.loads(x) for x in (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["global_step"] for r in lines] == list(range(iterations))
+    # Resumed from the last checkpoint (e.g. killed during the final save): nothing left to train.
+    again = main(argv(tmp_path / "resumed", "--resume"))
+    assert again.history == []
+    assert max_abs_diff(load_state(tmp_path / "full" / "actor"), load_state(tmp_path / "resumed" / "actor")) == 0.0
+
+
+def test_a_rollout_with_a_nan_reward_is_skipped(tmp_path, critic_dirs, data_cache, capsys):
+    calls = []
+
+    def reward_fn(prompts, answers):
+        calls.append(len(answers))
+        return [float("nan") if len(calls) == 2 else 0.1 * len(a.split()) for a in answers]
+
+    result = step3_main().main(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, steps=3),
+                               reward_fn=reward_fn)
+    assert result.skipped_nonfinite == 1 and len(result.history) == 2
+    assert all(math.isfinite(r["actor_loss"]) and math.isfinite(r["reward"]) for r in result.history)
+    assert "non-finite log-probs, values or reward in the rollout of step 1; rollout skipped" in capsys.readouterr().out

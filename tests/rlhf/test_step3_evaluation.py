@@ -1,0 +1,455 @@
+"""Step 3's held-out evaluation (--eval_interval), the over-optimization alarm and the best checkpoint.
+
+The alarm's rule on hand-made series; the flag rules and bad judges (one line, exit 2, nothing
+written); tiny-model runs: PPO with evaluation against the same run without it (identical training),
+its records and best checkpoint, an interrupted and resumed run reproducing both (and, up to the
+interruption, a second fresh run with the same seed reproducing the records), and a critic-free run
+stopped by the alarm; two ranks against one."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from dschat.errors import EXIT_USAGE, cli_main
+from dschat.models.registry import resolve_model_path
+from dschat.rlhf import evaluation as ev
+from dschat.rlhf.evaluation import token_entropy
+from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
+from dschat.runtime import fs
+
+from helpers.step3 import (
+    STEP3_MAIN,
+    Interrupted,
+    base_argv,
+    crash_after_checkpoint,
+    load_state,
+    max_abs_diff,
+    step3_main,
+    subprocess_env,
+)
+from helpers.steps import deepspeed_cmd
+
+
+@pytest.fixture(autouse=True, scope="module")  # module: before the module-scoped runs (same float sums)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------ the rule
+
+def test_paired_change_by_hand():
+    # differences 1, 2, 3: mean 2, sample sd 1, SE 1 / sqrt(3)
+    mean, se = paired_change([0.0, 0.0, 0.0], [1.0, 2.0, 3.0])
+    assert mean == pytest.approx(2.0) and se == pytest.approx(1 / math.sqrt(3))
+    assert paired_change([1.0], [0.0]) == (-1.0, math.inf)  # one prompt: no noise estimate
+    with pytest.raises(ValueError):
+        paired_change([1.0, 2.0], [1.0])
+
+
+def _series(proxies, judges):
+    """Evaluations at steps 0, 10, 20, ... from per-prompt proxy and judge scores."""
+    return [EvalPoint(10 * i, tuple(p), {"gold": tuple(j)}) for i, (p, j) in enumerate(zip(proxies, judges))]
+
+
+BASE = [0.0, 1.0, 2.0, 3.0]
+
+
+def test_alarm_fires_when_the_proxy_rises_and_the_judge_falls_beyond_its_noise():
+    # Judge differences -1.0, -1.1, -0.9, -1.0 against two evaluations back: mean -1.0, SE 0.041; proxy +0.5.
+    series = _series([BASE, BASE, [x + 0.5 for x in BASE]],
+                     [BASE, BASE, [x + d for x, d in zip(BASE, (-1.0, -1.1, -0.9, -1.0))]])
+    alarm = overoptimization_alarm(series, best_step=10)
+    assert isinstance(alarm, Alarm)
+    assert (alarm.step, alarm.since, alarm.judge, alarm.best_step) == (20, 0, "gold", 10)
+    assert alarm.proxy_change == pytest.approx(0.5) and alarm.judge_change == pytest.approx(-1.0)
+    assert alarm.judge_se == pytest.approx(math.sqrt(0.02 / 3) / 2)
+    assert "OVER-OPTIMIZATION at step 20" in alarm.line() and "judge gold fell -1.0000" in alarm.line()
+
+
+def test_alarm_silent_when_both_rise():
+    series = _series([BASE, [x + 0.5 for x in BASE]], [BASE, [x + 0.3 for x in BASE]])
+    assert overoptimization_alarm(series) is None
+
+
+def test_alarm_silent_when_the_judge_falls_within_its_noise():
+    # Differences -1, +1, -1, +0.6: mean -0.1, SE 0.5 -> within 2 SE (and within 1 SE).
+    series = _series([BASE, [x + 0.5 for x in BASE]], [BASE, [x + d for x, d in zip(BASE, (-1, 1, -1, 0.6))]])
+    assert overoptimization_alarm(series) is None
+    assert overoptimization_alarm(series, sigmas=0.1) is not None  # the same fall, a looser threshold
+
+
+def test_alarm_silent_when_the_proxy_does_not_rise_and_with_one_evaluation():
+    series = _series([BASE, [x - 0.1 for x in BASE]], [BASE, [x - 2 for x in BASE]])
+    assert overoptimization_alarm(series) is None
+    assert overoptimization_alarm(series[:1]) is None
+
+
+def test_alarm_compares_with_the_evaluation_window_steps_back():
+    # The judge fell from step 0 to 10, then stayed: against two back (step 10 at step 30) no fall.
+    falls = [x - 1 for x in BASE]
+    series = _series([BASE, [x + 1 for x in BASE], [x + 2 for x in BASE], [x + 3 for x in BASE]],
+                     [BASE, falls, falls, falls])
+    assert overoptimization_alarm(series[:3]) is not None  # step 20 vs step 0
+    assert overoptimization_alarm(series) is None  # step 30 vs step 10
+    assert overoptimization_alarm(series, window=3) is not None  # step 30 vs step 0
+
+
+def test_best_index_and_token_entropy():
+    series = _series([[1.0], [3.0], [3.0]], [[0.0], [2.0], [1.0]])
+    assert best_index(series, "proxy") == 1 and best_index(series, "gold") == 1 and best_index([], "gold") is None
+    uniform = torch.zeros(2, 3, 8)
+    assert torch.allclose(token_entropy(uniform), torch.full((2, 3), math.log(8)))
+    assert float(token_entropy(torch.tensor([0.0, -1e9]))) == pytest.approx(0.0, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------ ranks and cost
+
+def test_eval_batches_are_the_same_for_any_number_of_ranks():
+    # 6 prompts in batches of 4: batch 0 = prompts 0-3, batch 1 = 4, 5 and repeats of 0, 1 (uncounted).
+    one = [(0, [(0, 0), (1, 1), (2, 2), (3, 3)]), (1, [(4, 4), (5, 5), (-1, 0), (-1, 1)])]
+    assert ev.eval_batches(6, 4, 0, 1) == one
+    assert ev.eval_batches(6, 4, 0, 2) == one[:1] and ev.eval_batches(6, 4, 1, 2) == one[1:]
+    # A third rank has no batch of its own: it repeats batch 0, counting nothing (ZeRO-3 collectives).
+    assert ev.eval_batches(6, 4, 2, 3) == [(2, [(-1, 0), (-1, 1), (-1, 2), (-1, 3)])]
+    for n, size in ((1, 4), (5, 2), (16, 8), (17, 8)):
+        full = ev.eval_batches(n, size, 0, 1)
+        for world in (2, 3, 4):
+            shares = [ev.eval_batches(n, size, rank, world) for rank in range(world)]
+            assert len({len(share) for share in shares}) == 1  # the same number of batches on every rank
+            real = sorted(b for share in shares for b in share if b[0] < len(full))
+            assert real == full  # the same batches, with the same numbers (seeds)
+            counted = sorted(i for share in shares for _, rows in share for i, _ in rows if i >= 0)
+            assert counted == list(range(n))
+
+
+def test_auto_interval_by_hand():
+    from dschat.rlhf.eval_cost import auto_interval, eval_share
+
+    # E = 1 s, S = 5 s, 20 steps: N = 2 gives 11 evaluations, 11 / (11 + 100) = 9.9 %; N = 1 gives 17.4 %.
+    assert eval_share(1.0, 5.0, 20, 2) == pytest.approx(11 / 111)
+    assert auto_interval(1.0, 5.0, 20) == 2
+    # Without a planned length, the long-run share E / (N S + E) <= 10 %: N >= 9 E / S = 1.8.
+    assert auto_interval(1.0, 5.0, None) == 2
+    # E = 40 s, S = 30 s (the CPU demo's shape): N >= 12 over a long run; over 100 steps
+    # 9 x 40 x (100 // N + 1) <= 100 x 30 fails at N = 12 (9 evaluations) and holds at 13 (8, 9.6 %).
+    assert auto_interval(40.0, 30.0, None) == 12
+    assert auto_interval(40.0, 30.0, 100) == 13 and eval_share(40.0, 30.0, 100, 13) == pytest.approx(320 / 3320)
+    # Too short a run for 10 %: evaluate before the first step and after the last.
+    assert auto_interval(40.0, 30.0, 10) == 10
+    # Later: 200 s of evaluations spent by step 50 of 100; k = 50 // N more of 40 s fit in 10 % when
+    # (200 + 40 k) x 9 <= 3000, i.e. k <= 3: the smallest N with 50 // N <= 3 is 13 (50 // 12 = 4).
+    assert auto_interval(40.0, 30.0, 100, since=50, spent=200.0) == 13
+    assert eval_share(40.0, 30.0, 100, 13, since=50, spent=200.0) == pytest.approx(320 / 3320)
+
+
+def _auto_run(monkeypatch, step_seconds, planned=20):
+    """``--eval_interval auto`` on a fake clock: evaluations take 1 s, PPO step i ``step_seconds[i]``;
+    returns the evaluated steps, the measured share and the evaluation."""
+    from types import SimpleNamespace
+
+    now = [0.0]
+    monkeypatch.setattr(ev, "time", SimpleNamespace(time=lambda: now[0]))
+
+    def evaluate(self):
+        now[0] += 1.0
+        return ev._Rows(index=[0, 1], proxy=[1.0, 2.0], kl=[0.0, 0.0], entropy=[1.0, 1.0], tokens=[3, 3],
+                        ended=[True, True])
+
+    monkeypatch.setattr(ev.StepThreeEvaluation, "_evaluate_shard", evaluate)
+    plan = SimpleNamespace(optimizer_steps_per_rollout=1.0)
+    trainer = SimpleNamespace(prompt_columns=None, plan=plan, rlhf_engine=SimpleNamespace(num_total_iters=planned))
+    args = SimpleNamespace(eval_interval="auto", eval_alarm_sigmas=2.0, save_best_by="none", output_dir=None,
+                           enable_test_mode=False, stop_on_overoptimization=False)
+    evaluation = ev.StepThreeEvaluation(args, trainer, ["a", "b"], [])
+    made = []
+    for step in range(planned + 1):
+        if step:
+            now[0] += step_seconds[step - 1]  # a PPO step
+        if evaluation.maybe_evaluate(step) is not None:
+            made.append(step)
+    return made, evaluation.eval_seconds / now[0], evaluation
+
+
+def test_auto_interval_schedules_evaluations_within_a_tenth_of_the_wall_time(monkeypatch):
+    # Steady costs (E = 1 s, S = 5 s, 20 steps): every 2 steps, 11 evaluations, 9.9 %.
+    made, share, evaluation = _auto_run(monkeypatch, [5.0] * 20)
+    assert made == list(range(0, 21, 2)) and share == pytest.approx(11 / 111)
+    assert evaluation.state()["next_step"] is None  # scheduled once the step after the last one is timed
+    # A first step slowed by warm-up (20 s, then 2 s) is not timed: at step 2, (1 + 20 // N) / (1 +
+    # 20 // N + 40) <= 10 % first holds at N = 6; at step 7, (2 + 14 // N) / (... + 40) at N = 5; at
+    # step 17 one more (the last step's) is over 10 % by the estimate, and is made: a run ends evaluated.
+    made, share, _ = _auto_run(monkeypatch, [20.0] + [2.0] * 19)
+    assert made == [0, 6, 11, 16, 20] and share <= 0.10
+    # Steps that slow down (2 s, then 10 s after step 6): the next evaluations move apart.
+    made, share, _ = _auto_run(monkeypatch, [2.0] * 6 + [10.0] * 14)
+    gaps = [b - a for a, b in zip(made, made[1:])]
+    assert gaps == sorted(gaps, reverse=True) and gaps[0] > gaps[-1] and share <= 0.10
+
+
+# ------------------------------------------------------------------------------------ bad input
+
+def _argv(data, *extra, critic=None, steps=4, model="tiny-opt"):
+    argv = base_argv(model, critic or Path("unused"), data, *extra, steps=steps)
+    if critic is None:  # critic-free, scored by a reward function: no step-2 folder
+        i = argv.index("--critic_model_name_or_path")
+        del argv[i:i + 2]
+        argv += ["--algorithm", "grpo", "--num_generations", "2", "--reward_fn", "reward_fixtures:length"]
+    return argv
+
+
+def _run_cli(argv, capsys):
+    capsys.readouterr()
+    code = cli_main(step3_main().main, argv)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert code == EXIT_USAGE and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
+
+
+def _train_only_file(folder: Path) -> Path:
+    """12 rows of the embedded data in one file: its 9:1 held-out share gives phase 3 no eval rows."""
+    from dschat.data.builtin import read_rows
+
+    path = folder / "prefs.jsonl"
+    path.write_text("".join(json.dumps({k: r[k] for k in ("prompt", "chosen", "rejected")}) + "\n"
+                            for r in read_rows("train")[:12]))
+    return path
+
+
+@pytest.mark.parametrize("extra, message", [
+    (("--eval_interval", "2", "--eval_judge", "nonsense"), "--eval_judge 'nonsense' is neither 'gold'"),
+    (("--eval_interval", "2", "--eval_judge", "no_such_module_xyz:fn"), "--eval_judge no_such_module_xyz:fn: cannot import"),
+    (("--eval_interval", "2", "--eval_judge", "reward_fixtures:NOT_CALLABLE"), "is a int, not a function"),
+    (("--eval_judge", "gold"), "--eval_judge need(s) the held-out evaluation"),
+    (("--eval_interval", "2", "--save_best_by", "judge"), "--save_best_by judge needs a judge"),
+    (("--eval_interval", "2", "--stop_on_overoptimization"), "give --eval_judge"),
+    (("--eval_interval", "-1",), "--eval_interval must be >= 0"),
+    ("train-only", "has no held-out prompts"),
+    ("gold-elsewhere", "the gold judge scores the embedded data only"),
+])
+def test_bad_evaluation_input_is_one_line_and_writes_nothing(extra, message, tmp_path, data_cache, capsys):
+    out = tmp_path / "out"
+    argv = _argv(data_cache, "--output_dir", str(out))
+    if isinstance(extra, str):  # the data itself: a file without held-out rows for phase 3
+        argv[argv.index("--data_path") + 1] = str(_train_only_file(tmp_path))
+        extra = ("--eval_interval", "2") + (("--eval_judge", "gold") if extra == "gold-elsewhere" else ())
+    assert message in _run_cli(argv + list(extra), capsys)
+    assert not out.exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("judge, message", [
+    ("reward_fixtures:always_raises", "--eval_judge: reward function reward_fixtures:always_raises raised KeyError"),
+    ("reward_fixtures:one_short", "reward function reward_fixtures:one_short returned 3 scores for 4 answers"),
+])
+def test_a_failing_judge_stops_the_run_before_anything_is_written(judge, message, tmp_path, data_cache, capsys):
+    out = tmp_path / "out"
+    line = _run_cli(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "2", "--eval_prompts", "4",
+                          "--eval_judge", judge), capsys)
+    assert message in line
+    assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ runs
+
+TIMING = ("seconds", "eval_share")
+TRAINING = ("actor_loss", "critic_loss", "reward", "ema_reward", "kl_to_ref", "response_length", "approx_kl",
+            "ratio_mean", "clip_frac", "kept", "dropped", "global_step")
+
+
+def _untimed(records):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in records]
+
+
+def _eval_lines(out: Path):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def ppo_runs(tmp_path_factory, critic_dirs, data_cache):
+    """Tiny OPT PPO with EMA, 4 steps: evaluated every 2 steps (gold judge, best by gold) and not."""
+    root = tmp_path_factory.mktemp("eval_runs")
+    main = step3_main().main
+
+    def argv(out, *more):
+        return base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--enable_ema", "--actor_dropout", "0.1",
+                         "--output_dir", str(out), *more, steps=4)
+
+    evaluated = ("--eval_interval", "2", "--eval_prompts", "6", "--eval_judge", "gold", "--save_interval", "1")
+    return {"argv": argv, "evaluated": evaluated, "root": root,
+            "with": main(argv(root / "with", *evaluated)), "without": main(argv(root / "without"))}
+
+
+@pytest.mark.slow
+def test_evaluation_changes_nothing_in_training(ppo_runs):
+    a, b = ppo_runs["with"], ppo_runs["without"]
+    assert len(a.history) == len(b.history) == 4
+    for x, y in zip(a.history, b.history):
+        assert {k: x[k] for k in TRAINING} == {k: y[k] for k in TRAINING}
+    root = ppo_runs["root"]
+    for name in ("actor", "critic", "actor_ema"):
+        assert max_abs_diff(load_state(root / "with" / name), load_state(root / "without" / name)) == 0.0, name
+    assert b.evaluations == [] and not (root / "without" / "best").exists()
+
+
+@pytest.mark.slow
+def test_ppo_evaluation_records_and_best_checkpoint(ppo_runs):
+    out = ppo_runs["root"] / "with"
+    records = ppo_runs["with"].evaluations
+    assert [r["global_step"] for r in records] == [0, 2, 4]
+    for r in records:
+        assert r["kind"] == "eval" and r["prompts"] == 6 and set(r["judges"]) == {"gold"}
+        for key in ("proxy", "proxy_se", "response_length", "eos_rate", "entropy", "kl_to_ref"):
+            assert math.isfinite(r[key]), (key, r)
+        assert len(r["per_prompt"]["proxy"]) == len(r["per_prompt"]["gold"]) == 6
+        assert r["judges"]["gold"] == pytest.approx(sum(r["per_prompt"]["gold"]) / 6)
+    assert records[0]["kl_to_ref"] == pytest.approx(0.0, abs=1e-5)  # the actor is the reference before step 1
+    # --eval_interval auto plans over the run's PPO steps: --test_stop_step 4 (one generation batch a step).
+    from dschat.rlhf.eval_cost import planned_ppo_steps
+
+    trainer = ppo_runs["with"].trainer
+    assert planned_ppo_steps(trainer.args, trainer) == 4
+    # metrics.jsonl: the evaluation records interleaved with the training ones, in order.
+    lines = _eval_lines(out)
+    assert [(x.get("kind", "train"), x["global_step"]) for x in lines] == [
+        ("eval", 0), ("train", 0), ("train", 1), ("eval", 2), ("train", 2), ("train", 3), ("eval", 4)]
+    assert _untimed([x for x in lines if x.get("kind") == "eval"]) == _untimed(records)
+    # The best evaluation by gold (the earliest on ties), its models and its record.
+    golds = [r["judges"]["gold"] for r in records]
+    best = records[golds.index(max(golds))]
+    info = json.loads((out / "best" / "best.json").read_text())
+    assert (info["step"], info["by"], info["score"]) == (best["global_step"], "gold", best["judges"]["gold"])
+    # The folder is written atomically, so it carries the completion marker of dschat.runtime.fs too.
+    assert sorted(p.name for p in (out / "best").iterdir()) == sorted([
+        "actor", "actor_ema", "best.json", "critic", fs.SAVED_MARKER])
+    assert records[-1]["best_step"] == best["global_step"]
+    if best["global_step"] == 0:  # the best is the actor before training: the step-1 weights themselves
+        assert max_abs_diff(load_state(Path(resolve_model_path("tiny-opt"))), load_state(out / "best" / "actor")) == 0.0
+
+
+@pytest.mark.slow
+def test_resume_reproduces_the_evaluation_records_and_the_best_checkpoint(ppo_runs, monkeypatch):
+    """Interrupted after the checkpoint of step 2 (a fresh run with the same seed: its records so far
+    are the first run's), then resumed: the records, the best checkpoint and the file are the
+    uninterrupted run's."""
+    root, argv, evaluated = ppo_runs["root"], ppo_runs["argv"], ppo_runs["evaluated"]
+    main = step3_main().main
+    crash_after_checkpoint(monkeypatch, optimizer_steps=2)
+    with pytest.raises(Interrupted):
+        main(argv(root / "resumed", *evaluated))
+    monkeypatch.undo()
+    full = ppo_runs["with"].evaluations
+    first = [x for x in _eval_lines(root / "resumed") if x.get("kind") == "eval"]
+    assert _untimed(first) == _untimed(full[:2])  # same seed, same records (determinism)
+    resumed = main(argv(root / "resumed", *evaluated, "--resume"))
+    assert _untimed(resumed.evaluations) == _untimed(full[2:])
+    lines, want = _eval_lines(root / "resumed"), _eval_lines(root / "with")
+    assert [(x.get("kind"), x["global_step"]) for x in lines] == [(x.get("kind"), x["global_step"]) for x in want]
+    assert _untimed(x for x in lines if x.get("kind")) == _untimed(x for x in want if x.get("kind"))
+    assert (json.loads((root / "resumed" / "best" / "best.json").read_text())
+            == json.loads((root / "with" / "best" / "best.json").read_text()))
+    for name in ("actor", "critic", "actor_ema"):
+        assert max_abs_diff(load_state(root / "with" / "best" / name), load_state(root / "resumed" / "best" / name)) == 0.0
+
+
+@pytest.mark.slow
+def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dirs, data_cache, monkeypatch,
+                                                            capsys):
+    """GRPO scored by a reward function, judged by a column-reading function and a reward-model
+    folder, best by the proxy; the alarm (forced at step 2: its rule is tested above) ends the run
+    there with everything saved."""
+    real = ev.overoptimization_alarm
+
+    def fires_at_two(series, **kw):
+        if series[-1].step == 2:
+            return Alarm(2, 0, "reward_fixtures:chosen_overlap", 0.5, 0.1, -0.5, 0.1, 2.0, kw.get("best_step"))
+        return real(series, **kw)
+
+    monkeypatch.setattr(ev, "overoptimization_alarm", fires_at_two)
+    out = tmp_path / "out"
+    result = step3_main().main(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "1", "--eval_prompts",
+                                     "5", "--eval_judge", "reward_fixtures:chosen_overlap", "--save_best_by", "proxy",
+                                     "--eval_judge", str(critic_dirs["tiny-opt"]), "--stop_on_overoptimization"))
+    logs = capsys.readouterr().out
+    assert len(result.history) == 2 and [r["global_step"] for r in result.evaluations] == [0, 1, 2]
+    assert "[eval] OVER-OPTIMIZATION at step 2" in logs and "--stop_on_overoptimization: ending the run at step 2" in logs
+    assert result.evaluations[-1]["alarm"]["step"] == 2
+    assert all(0.0 <= s <= 1.0 for r in result.evaluations for s in r["per_prompt"]["reward_fixtures:chosen_overlap"])
+    rm_scores = [r["per_prompt"][str(critic_dirs["tiny-opt"])] for r in result.evaluations]
+    assert all(len(x) == 5 and all(math.isfinite(v) for v in x) for x in rm_scores) and len({tuple(x) for x in rm_scores}) > 1
+    proxies = [r["proxy"] for r in result.evaluations]
+    info = json.loads((out / "best" / "best.json").read_text())
+    assert (info["by"], info["step"]) == ("proxy", proxies.index(max(proxies)))
+    assert sorted(p.name for p in (out / "best").iterdir()) == sorted(["actor", "best.json", fs.SAVED_MARKER])  # no critic, no EMA
+    assert (out / "actor").is_dir()  # the final save still happened
+    assert "evaluations took" in logs and "of step-3 wall time" in logs
+
+
+@pytest.mark.slow
+def test_two_ranks_zero2_with_evaluation(ppo_runs, tmp_path):
+    """Two CPU ranks under the DeepSpeed launcher (ZeRO-2), evaluated as ``ppo_runs`` is: the run
+    finishes and saves, trains on both ranks, and its evaluation before the first step equals the
+    one-rank run's record for record (the same batches, seeded alike, gathered on every rank). Later
+    records differ only because two ranks train on other prompts than one. Rank 0 alone prints,
+    writes metrics.jsonl and writes best/ (nothing left behind beside it)."""
+    out = tmp_path / "out"
+    argv = ppo_runs["argv"](out, *ppo_runs["evaluated"][:6], "--actor_zero_stage", "2", "--critic_zero_stage", "2")
+    argv[argv.index("--test_stop_step") + 1] = "2"
+    proc = subprocess.run(deepspeed_cmd(str(STEP3_MAIN), *argv), cwd=tmp_path, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("Average reward score") == 2  # rank 0 only, two iterations
+    assert "Batch Size: 8" in proc.stdout  # 4 rows on each of the 2 ranks
+    assert max_abs_diff(load_state(Path(resolve_model_path("tiny-opt"))), load_state(out / "actor")) > 0
+    assert (out / "critic" / "v_head.safetensors").exists()
+    lines = _eval_lines(out)
+    assert [(x.get("kind", "train"), x["global_step"]) for x in lines] == [
+        ("eval", 0), ("train", 0), ("train", 1), ("eval", 2)]
+    assert proc.stdout.count("[eval] step ") == 2
+    records = [x for x in lines if x.get("kind") == "eval"]
+    assert _untimed(records[:1]) == _untimed(ppo_runs["with"].evaluations[:1])
+    assert records[1]["prompts"] == 6 and len(records[1]["per_prompt"]["gold"]) == 6
+    golds = [r["judges"]["gold"] for r in records]
+    info = json.loads((out / "best" / "best.json").read_text())
+    assert (info["step"], info["score"]) == (2 * golds.index(max(golds)), max(golds))
+    assert sorted(p.name for p in (out / "best").iterdir()) == sorted([
+        "actor", "actor_ema", "best.json", "critic", fs.SAVED_MARKER])
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".")]  # no partial or old copies
+
+
+# ------------------------------------------------------------------------------------ the report
+
+def test_report_draws_the_evaluation_curves_and_names_the_alarm(tmp_path, capsys):
+    """``--curves_only``: both figures from a metrics.jsonl alone; the training curves ignore the
+    evaluation records, the summary names the best step and the alarm."""
+    from dschat.eval import report
+
+    alarm = {"step": 4, "since": 0, "judge": "gold", "proxy_change": 0.8, "proxy_se": 0.1, "judge_change": -0.6,
+             "judge_se": 0.2, "sigmas": 2.0, "best_step": 2}
+    lines = [{"global_step": 0, "reward": 1.0, "kl_to_ref": 0.0, "response_length": 30.0}]
+    for step, proxy, gold in ((0, 1.0, 1.5), (2, 1.4, 1.7), (4, 1.8, 1.1)):
+        lines.append({"kind": "eval", "global_step": step, "proxy": proxy, "proxy_se": 0.1, "judges": {"gold": gold},
+                      "judges_se": {"gold": 0.2}, "kl_to_ref": 0.01 * step, "response_length": 30.0 + step,
+                      "eos_rate": 1.0, "entropy": 2.0, "best_step": 2 if step else 0,
+                      "alarm": alarm if step == 4 else None})
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    metrics.parent.mkdir()
+    metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    assert report.read_metrics(metrics) == [{"step": 0.0, "reward": 1.0, "kl_to_ref": 0.0, "response_length": 30.0}]
+    assert [r["global_step"] for r in ev.read_eval_records(metrics)] == [0, 2, 4]
+    report.main(["--curves_only", "--metrics", str(metrics), "--out", str(tmp_path / "rep")])
+    out = capsys.readouterr().out
+    assert (tmp_path / "rep" / report.EVAL_PLOT_FILE).stat().st_size > 0
+    assert (tmp_path / "rep" / report.PLOT_FILE).stat().st_size > 0
+    assert "best evaluation: step 2" in out and "OVER-OPTIMIZATION alarm at step 4" in out and "judge gold -0.600" in out
+    assert "step 0 proxy 1.000, gold 1.500 -> step 4 proxy 1.800, gold 1.100" in out
+    with pytest.raises(Exception, match="--sft, --rlhf, --reward required"):
+        report.main(["--out", str(tmp_path / "rep")])

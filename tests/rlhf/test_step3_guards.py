@@ -1,0 +1,244 @@
+"""Step-3 start-up guards: batch arithmetic, the on-policy rule, contradictory flags (pure, fast),
+and the CLI's one-line exit-2 errors (subprocesses)."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dschat.errors import UserError
+from dschat.rlhf.guards import BatchPlan, num_total_iters, plan_batches, validate_step3_args
+
+from helpers import REPO
+from helpers.step3 import STEP3_MAIN, step3_main, subprocess_env
+
+
+def _args(**overrides):
+    """Step-3 defaults from the real parser, with overrides."""
+    argv = ["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c"]
+    args = step3_main().parse_args(argv)
+    for key, value in overrides.items():
+        setattr(args, key, value)
+    return args
+
+
+# ------------------------------------------------------------------------------------ batch plan
+
+
+@pytest.mark.parametrize(
+    "gen_bs, gen_batches, train_bs, epochs, ga, micro, on_policy",
+    [
+        (16, 1, 16, 1, 1, 1, True),  # upstream's recommended setting
+        (4, 1, 2, 1, 2, 2, True),  # 2 micro-batches, both accumulated into one step
+        (4, 1, 2, 1, 1, 2, False),  # step after the first half of the rollout
+        (4, 2, 4, 1, 2, 2, True),  # two generation batches, one step
+        (4, 2, 4, 1, 1, 2, False),
+        (4, 1, 4, 2, 1, 1, False),  # second PPO epoch runs after a step
+        (4, 1, 4, 2, 2, 1, True),
+        (4, 1, 4, 1, 3, 1, True),  # a step spans three rollouts: still on-policy
+        (8, 1, 2, 1, 2, 4, False),
+    ],
+)
+def test_plan_on_policy_rule(gen_bs, gen_batches, train_bs, epochs, ga, micro, on_policy):
+    args = SimpleNamespace(per_device_generation_batch_size=gen_bs, generation_batches=gen_batches,
+                           per_device_training_batch_size=train_bs, ppo_epochs=epochs,
+                           gradient_accumulation_steps=ga)
+    plan = plan_batches(args, world_size=1)
+    assert plan.micro_batches_per_rollout == micro
+    assert plan.on_policy is on_policy
+    # on-policy <=> GA is a multiple of (micro-batches per rollout x ppo epochs)
+    assert plan.on_policy == (ga % (micro * epochs) == 0)
+    assert ("on-policy" if on_policy else "OFF-POLICY") in plan.describe()
+
+
+def test_plan_refuses_a_rollout_that_does_not_split():
+    args = SimpleNamespace(per_device_generation_batch_size=6, generation_batches=1,
+                           per_device_training_batch_size=4, ppo_epochs=1, gradient_accumulation_steps=1)
+    with pytest.raises(UserError, match="does not split into micro-batches"):
+        plan_batches(args, world_size=1)
+    # Two generation batches make 12 rows, but MiniDataset splits each generation batch on its own
+    # (as upstream): 4 + 2 and 4 + 2, i.e. 4 micro-batches with two short ones, not 3. Refused too.
+    from dschat.data.collators import MiniDataset
+
+    mini = MiniDataset(2, 4)
+    mini.add(torch.zeros(6, 1))
+    assert [len(b) for b in mini.add(torch.zeros(6, 1))] == [4, 2, 4, 2]
+    args.generation_batches = 2
+    with pytest.raises(UserError, match="does not split into micro-batches"):
+        plan_batches(args, world_size=1)
+    args.per_device_training_batch_size = 3  # 6 = 2 x 3: fine, 2 micro-batches per generation batch
+    assert plan_batches(args, world_size=1).micro_batches_per_rollout == 4
+
+
+def test_plan_ptx_doubles_actor_accumulation_and_step_normalisation_rule():
+    args = SimpleNamespace(per_device_generation_batch_size=4, generation_batches=1,
+                           per_device_training_batch_size=2, ppo_epochs=1, gradient_accumulation_steps=2)
+    plan = plan_batches(args, world_size=2, ptx=True)
+    assert plan.gradient_accumulation_steps_actor == 4
+    assert plan.step_normalizable and plan.on_policy
+    assert not BatchPlan(4, 1, 2, 1, 3, 3, 1, False).step_normalizable  # a step straddles rollouts
+
+
+def test_num_total_iters_upstream_formula():
+    plan = BatchPlan(16, 1, 8, 2, 4, 4, 1, False)
+    # 100 batches x (16/8) x 2 epochs / GA 4 = 100 optimizer steps, per train epoch
+    assert num_total_iters(plan, 100, None, 1) == 100
+    assert num_total_iters(plan, 100, 50, 2) == 100  # ptx loader shorter: min(100, 50) x 2 epochs
+    assert num_total_iters(BatchPlan(4, 1, 4, 1, 8, 8, 1, False), 3, None, 1) == 1  # rounded up, >= 1
+
+
+# ------------------------------------------------------------------------------------ flags
+
+
+@pytest.mark.parametrize(
+    "overrides, accelerator, message",
+    [
+        ({"inference_tp_size": 2}, "cuda", "needs --actor_zero_stage 3"),
+        ({"actor_zero_stage": 4}, "cpu", "must be 0, 1, 2 or 3"),
+        ({"actor_zero_stage": 2, "critic_zero_stage": 2, "enable_hybrid_engine": True, "offload": True},
+         "cuda", "unsupported due to training instability"),
+        ({"enable_mixed_precision_lora": True}, "cuda", "needs actor LoRA and ZeRO-3"),
+        ({"enable_mixed_precision_lora": True, "actor_lora_dim": 8, "actor_zero_stage": 3}, "cpu",
+         "CUDA quantisation kernels"),
+        ({"only_optimize_lora": True}, "cpu", "needs --actor_lora_dim"),
+        ({"temperature": 0.0}, "cpu", "--temperature must be > 0"),
+        ({"top_p": 0.0}, "cpu", "--top_p"),
+        ({"max_prompt_seq_len": 1}, "cpu", "--max_prompt_seq_len must be >= 2"),
+        ({"deepspeed_config": "ds.json"}, "cpu", "--deepspeed_config is not used"),
+    ],
+)
+def test_contradictory_flags_are_refused(overrides, accelerator, message):
+    with pytest.raises(UserError, match=message):
+        validate_step3_args(_args(**overrides), accelerator=accelerator, dtype="fp32")
+
+
+def test_valid_flag_combinations_pass_and_align_overflow_warns_outside_fp16():
+    assert validate_step3_args(_args(), accelerator="cpu", dtype="fp32") == []
+    assert validate_step3_args(_args(inference_tp_size=2, actor_zero_stage=3), accelerator="cuda", dtype="fp16") == []
+    warnings = validate_step3_args(_args(align_overflow=True), accelerator="cpu", dtype="fp32")
+    assert len(warnings) == 1 and "no effect" in warnings[0]
+    assert validate_step3_args(_args(align_overflow=True), accelerator="cuda", dtype="fp16") == []
+
+
+def test_seed_default_is_reproducible():
+    assert _args().seed == 1234  # upstream's None was not reproducible
+
+
+# ------------------------------------------------------------------------------------ CLI
+
+
+def _run_cli(argv, cwd):
+    return subprocess.run([sys.executable, str(STEP3_MAIN), *argv], cwd=cwd, env=subprocess_env(),
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.slow
+def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, critic_dirs, data_cache):
+    out = tmp_path / "out"
+    common = ["--actor_model_name_or_path", "tiny-opt", "--data_path", "dschat/builtin",
+              "--data_output_path", str(data_cache), "--output_dir", str(out)]
+    cases = [
+        # Critic path is a plain model folder, not a step-2 output.
+        (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"].parent / "nope")], "does not exist"),
+        (["--critic_model_name_or_path", "tiny-opt"], "is not a step-2 reward model output"),
+        # A generation batch of 6 rows cannot split into micro-batches of 4.
+        (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"]), "--per_device_generation_batch_size", "6",
+          "--per_device_training_batch_size", "4"], "does not split into micro-batches"),
+        (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"]), "--inference_tp_size", "2"],
+         "needs --actor_zero_stage 3"),
+        (["--critic_model_name_or_path", str(critic_dirs["tiny-opt"]), "--inference_tp_size", "2",
+          "--actor_zero_stage", "3", "--enable_hybrid_engine"], "does not divide the world size 1"),
+    ]
+    for extra, message in cases:
+        proc = _run_cli(common + extra, tmp_path)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        error_lines = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert len(error_lines) == 1 and message in error_lines[0], proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr
+        assert not out.exists()
+
+
+# ------------------------------------------------------------------------------------ DeepSpeed configs
+
+
+@pytest.mark.parametrize("actor_stage, critic_stage", [(0, 0), (2, 3), (3, 0), (3, 3)])
+def test_engine_configs_follow_upstream_stage_rules(actor_stage, critic_stage):
+    from dschat.rlhf.rlhf_engine import ds_config_for
+
+    args = _args(actor_zero_stage=actor_stage, critic_zero_stage=critic_stage, per_device_training_batch_size=4,
+                 gradient_accumulation_steps=3, offload=True, offload_reference_model=True,
+                 unsupervised_dataset_name="dschat/builtin", max_prompt_seq_len=64, max_answer_seq_len=32)
+    cfg = {role: ds_config_for(role, args, dtype="bf16", hybrid_engine=True, world_size=2)
+           for role in ("actor", "ref", "ema", "critic", "reward")}
+    stage = {role: c["zero_optimization"]["stage"] for role, c in cfg.items()}
+    assert stage == {"actor": actor_stage, "ref": 3 if actor_stage == 3 else 0, "ema": 3 if actor_stage == 3 else 0,
+                     "critic": critic_stage, "reward": 3 if critic_stage == 3 else 0}
+    # PPO-ptx doubles the actor's (and its clones') accumulation: 4 x 2 ranks x (3 x 2).
+    assert [cfg[r]["train_batch_size"] for r in ("actor", "ref", "ema", "critic", "reward")] == [48, 48, 48, 24, 24]
+    assert all(c["train_micro_batch_size_per_gpu"] == 4 and "bfloat16" in c for c in cfg.values())
+    offload = {role: c["zero_optimization"]["offload_param"]["device"] for role, c in cfg.items()}
+    assert offload == {"actor": "cpu", "ref": "cpu", "ema": "cpu", "critic": "cpu", "reward": "none"}
+    assert cfg["actor"]["hybrid_engine"]["enabled"] and cfg["actor"]["hybrid_engine"]["max_out_tokens"] == 96
+    assert not cfg["critic"]["hybrid_engine"]["enabled"] and "hybrid_engine" not in cfg["ref"]
+    assert cfg["actor"]["tensorboard"]["job_name"] == "step3_actor_tensorboard"
+
+
+# ------------------------------------------------------------------------------------ upstream-style args
+
+
+def _dschat_only_flags() -> set[str]:
+    """Step-3 flags dschat added (their help says so): an upstream main.py does not define them."""
+    import argparse
+
+    from dschat.cli import args as cli
+
+    parser = argparse.ArgumentParser(add_help=False)
+    for add in (cli.add_step3_model_args, cli.add_step3_training_args, cli.add_ppo_args, cli.add_step3_lora_args,
+                cli.add_step3_deepspeed_args, cli.add_step3_logging_args, cli.add_checkpoint_args):
+        add(parser)
+    return {a.dest for a in parser._actions if (a.help or "").startswith("(dschat")}
+
+
+def test_engine_and_trainer_read_dschat_flags_only_through_step3_flag():
+    # DeepSpeedRLHFEngine and DeepSpeedPPOTrainer get the Namespace of whoever calls them; one built
+    # by an upstream-style main.py lacks dschat's flags, so a plain `args.<dschat flag>` would raise
+    # AttributeError (after all five models loaded).
+    import ast
+
+
+    dschat_only = _dschat_only_flags()
+    assert {"kl_ctl", "decoding", "generation_loop", "max_nonfinite_steps"} <= dschat_only
+    for rel in ("dschat/rlhf/rlhf_engine.py", "dschat/rlhf/ppo_trainer.py", "dschat/rlhf/hybrid_engine.py"):
+        tree = ast.parse((REPO / rel).read_text())
+        read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name) and node.value.id == "args"}
+        assert not read & dschat_only, (rel, sorted(read & dschat_only))
+
+
+def test_step3_flag_falls_back_to_the_flag_default():
+    from types import SimpleNamespace
+
+    from dschat.cli.args import step3_flag
+
+    upstream_style = SimpleNamespace(actor_zero_stage=3)
+    assert step3_flag(upstream_style, "actor_zero_stage") == 3
+    assert step3_flag(upstream_style, "kl_ctl") == 0.1 and step3_flag(upstream_style, "decoding") == "sample"
+    assert step3_flag(upstream_style, "max_nonfinite_steps") == 10
+    assert step3_flag(SimpleNamespace(kl_ctl=0.5), "kl_ctl") == 0.5
+
+
+def test_upstream_debug_helpers(capsys):
+    # A 2-parameter model: weights [3, 4] and bias [12] -> L2 norm sqrt(9 + 16 + 144) = 13.
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, get_model_norm, print_all_ranks
+
+    layer = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        layer.weight.copy_(torch.tensor([[3.0, 4.0]]))
+        layer.bias.fill_(12.0)
+    assert get_model_norm(layer) == pytest.approx(13.0)
+    print_all_ranks("tag", 13.0, 0)
+    assert capsys.readouterr().out.strip() == "tag [13.0]"
+    assert callable(DeepSpeedPPOTrainer.dump_model_norms)

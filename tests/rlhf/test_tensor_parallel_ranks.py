@@ -1,0 +1,108 @@
+"""Inference tensor parallelism on two real ranks (DeepSpeed launcher, gloo, ZeRO-3 with every weight
+partitioned): one launch checks tiny Llama and OPT actors, with and without LoRA, through
+``RolloutGenerator`` -- TP 2 greedy tokens and per-token log-probs equal TP 1's, the shards hold less
+than the whole copy, the ZeRO-3 partitions come back bit for bit, the summary line names the degree --
+and one step-3 run with ``--inference_tp_size 2`` trains and saves."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers.step3 import STEP3_MAIN, base_argv, subprocess_env
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = r'''
+import deepspeed
+import torch
+from transformers import AutoModelForCausalLM
+
+from dschat.models.build import create_hf_model
+from dschat.models.lora import convert_linear_layer_to_lora
+from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.rlhf.hybrid_engine import DecodingSettings, HybridEngineDecision, RolloutGenerator
+from dschat.runtime.dist import init_distributed
+from dschat.runtime.ds_config import get_eval_ds_config
+
+info = init_distributed()
+for name, lora_modules in (("tiny-llama", "layers."), ("tiny-opt", "decoder.layers.")):
+    for lora in (0, 4):
+        tokenizer = load_hf_tokenizer(name)
+        ds_config = get_eval_ds_config(False, "fp32", 3, micro_batch_size=2)
+        ds_config["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # partition even tiny weights
+        torch.manual_seed(0)  # the same model and LoRA factors on both ranks
+        model = create_hf_model(AutoModelForCausalLM, name, tokenizer, ds_config)
+        if lora:
+            model = convert_linear_layer_to_lora(model, lora_modules, lora)
+            with torch.no_grad():
+                for module in model.modules():
+                    if hasattr(module, "lora_left_weight"):
+                        module.lora_left_weight.normal_(std=0.05)
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+        engine.module.eval()
+        partitions = [p.ds_tensor.clone() for p in engine.module.parameters()]
+        # Each rank its own prompts: rank 0 three rows of 6 columns, rank 1 two of 4.
+        texts = (["Human: hello there", "Human: what is", "Human: a"] if info.rank == 0 else ["Human: hi", "Human: ok"])
+        ids = [tokenizer(t)["input_ids"][-6:] for t in texts]
+        width = 6 if info.rank == 0 else 4
+        prompts = torch.tensor([[tokenizer.pad_token_id] * (width - len(r)) + r[-width:] for r in ids])
+        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r[-width:]) for r in ids])
+        gen = RolloutGenerator(engine, tokenizer, decision=HybridEngineDecision(True, False, dschat_engine=True),
+                               decoding=DecodingSettings("greedy"), max_answer_seq_len=8, zero_stage=3,
+                               inference_tp_size=2, tp_gather_partition_size=1)
+        gen.extra_generate_kwargs = {"min_new_tokens": 2}
+        tp = gen.rollout(prompts, mask)
+        tp_line, shard = gen.summary_line(), gen.engine.model.weights
+        gen.inference_tp_size = 1  # the same generator, TP 1: each rank decodes its own prompts
+        one = gen.rollout(prompts, mask)
+        assert torch.equal(tp.sequences, one.sequences), (name, lora, tp.sequences, one.sequences)
+        assert tp.sequences.shape[1] > width + 2, tp.sequences
+        torch.testing.assert_close(tp.logprobs, one.logprobs, rtol=0, atol=2e-5)
+        whole = gen.engine.model.weights
+        halves = [(getattr(a, n).shape[d], getattr(b, n).shape[d]) for a, b in zip(shard.layers, whole.layers)
+                  for n, d in (("qkv_w", 0), ("up_w", 0), ("o_w", 1), ("down_w", 1))]
+        assert all(2 * part == full for part, full in halves), halves  # each rank holds half of every matrix
+        assert 2 * shard.lm_head.shape[0] == whole.lm_head.shape[0] and shard.nbytes() < whole.nbytes()
+        assert all(torch.equal(a, p.ds_tensor) for a, p in zip(partitions, engine.module.parameters()))
+        assert "inference TP degree 2" in tp_line and "tensor-parallel over ranks 0-1" in tp_line, tp_line
+        assert gen.summary_line().endswith("inference TP degree 1")
+        print(f"TP-OK {name} lora={lora} rank={info.rank} shard {shard.nbytes()} of {whole.nbytes()} bytes | {tp_line}", flush=True)
+'''
+
+
+def _launcher() -> str:
+    return shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
+
+
+def _free_port() -> int:
+    from dschat.multinode import free_port
+
+    return free_port()
+
+
+def test_two_ranks_tp2_rollouts_equal_tp1_for_llama_and_opt_with_and_without_lora(tmp_path):
+    script = tmp_path / "tp_ranks.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([_launcher(), "--master_port", str(_free_port()), "--num_gpus", "2", str(script)],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TP-OK ") == 8, proc.stdout[-3000:]  # 2 models x LoRA off/on x 2 ranks (lines may interleave)
+
+
+def test_step3_with_inference_tp_size_2_trains_and_saves(tmp_path, critic_dirs, data_cache):
+    out = tmp_path / "out"
+    argv = base_argv("tiny-llama", critic_dirs["tiny-llama"], data_cache, "--actor_zero_stage", "3",
+                     "--critic_zero_stage", "3", "--enable_hybrid_engine", "--inference_tp_size", "2",
+                     "--tp_gather_partition_size", "1", "--release_inference_cache", "--actor_lora_dim", "4",
+                     "--output_dir", str(out), steps=1)
+    proc = subprocess.run([_launcher(), "--num_gpus", "2", "--master_port", str(_free_port()), str(STEP3_MAIN), *argv],
+                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = [line for line in proc.stdout.splitlines() if line.startswith("Rollouts: ")]
+    assert len(summary) == 1 and summary[0].endswith("inference TP degree 2"), proc.stdout[-3000:]
+    assert proc.stdout.count("Average reward score") == 1
+    assert (out / "actor" / "config.json").exists() and (out / "critic" / "v_head.safetensors").exists()

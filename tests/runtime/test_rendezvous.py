@@ -1,0 +1,157 @@
+"""How ranks meet (dschat.runtime.dist.init_distributed): a one-process run opens no port on any
+network interface; a rank whose peers never come stops within --dist_timeout with one line naming
+the master address and port; a busy master port is one line too. Every step script has the flag."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+
+from helpers import REPO
+from helpers.steps import cli_env, load_script
+
+TIMEOUT_MINUTES = 0.05  # 3 s
+# Runs in a fresh process: each case tries to start a 2-rank group alone, then a 1-process run
+# starts and reports the addresses its sockets listen on (from /proc/net/tcp*).
+PROBE = r"""
+import json, os, socket, sys, time
+from dschat.errors import cli_main
+from dschat.runtime import dist
+
+def attempt(case, rank, port):
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    print(f"--- {case}", file=sys.stderr, flush=True)
+    start = time.monotonic()
+    code = cli_main(lambda argv: dist.init_distributed(timeout_minutes=%(minutes)r), [])
+    print(f"=== {case} {code} {time.monotonic() - start:.1f}", file=sys.stderr, flush=True)
+
+def unused_port():
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+attempt("rank1-alone", 1, unused_port())   # rank 0 never comes
+attempt("rank0-alone", 0, unused_port())   # rank 1 never comes
+holder = socket.socket(); holder.bind(("", 0)); holder.listen()
+attempt("port-busy", 0, holder.getsockname()[1])
+holder.close()
+
+for key in ("MASTER_ADDR", "MASTER_PORT"):
+    os.environ.pop(key)
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+info = dist.init_distributed()
+dist.barrier()
+inodes = set()
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        continue
+    if target.startswith("socket:["):
+        inodes.add(target[8:-1])
+listening = []
+for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+    for line in open(table).read().splitlines()[1:]:
+        fields = line.split()
+        if fields[9] in inodes and fields[3] == "0A":  # state LISTEN
+            listening.append(fields[1].split(":")[0])
+print(json.dumps({"world_size": info.world_size, "listening": listening}), flush=True)
+
+# Last: a program that accepts connections but is no rendezvous store holds the port. Torch's client
+# would wait for its greeting until that program exits; dschat's watchdog ends the process.
+import torch.distributed
+torch.distributed.destroy_process_group()
+mute = socket.socket(); mute.bind(("127.0.0.1", 0)); mute.listen()
+attempt("port-held-by-another-program", 1, mute.getsockname()[1])
+"""
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc/net/tcp* write them
+
+
+def _cases(stderr: str) -> dict[str, tuple[int, float, list[str]]]:
+    out: dict[str, tuple[int, float, list[str]]] = {}
+    lines: list[str] = []
+    for line in stderr.splitlines():
+        if line.startswith("--- "):
+            lines = []
+        elif line.startswith("=== "):
+            _, case, code, seconds = line.split()
+            out[case] = (int(code), float(seconds), lines)
+        else:
+            lines.append(line)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="reads listening sockets from Linux's /proc/net/tcp")
+def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
+    env = cli_env()
+    env.pop("GLOO_SOCKET_IFNAME", None)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", PROBE % {"minutes": TIMEOUT_MINUTES}], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    took = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-3000:]  # the watchdog's exit code, the last case
+    cases = _cases(proc.stderr)
+    # The wait must end near --dist_timeout (3 s), not at torch's 30 minutes; the margin is for torch's
+    # store rounding its wait up to whole seconds and for a busy machine (CI shares its cores).
+    limit = TIMEOUT_MINUTES * 60 + 20
+    for case, expected in (
+        ("rank1-alone", "rank 1 on {host} waited 3 s (--dist_timeout) for rank 0 at 127.0.0.1:"),
+        ("rank0-alone", "rank 0 on {host} waited 3 s (--dist_timeout) at 127.0.0.1:"),
+        ("port-busy", "rank 0 on {host} cannot listen on port"),
+    ):
+        code, seconds, lines = cases[case]
+        errors = [line for line in lines if not line.startswith("[20")]  # DeepSpeed's own log lines
+        assert code == 2 and seconds < limit, (case, code, seconds, lines)
+        assert len(errors) == 1 and errors[0].startswith("error: " + expected.format(host=os.uname().nodename)), (case, lines)
+        assert "--master_port" in errors[0]
+    last = proc.stderr.split("--- port-held-by-another-program\n", 1)[1]
+    errors = [line for line in last.splitlines() if line.startswith("error:")]
+    assert errors == [errors[0]] and "no rendezvous at 127.0.0.1:" in errors[0] and "--master_port" in errors[0]
+    assert "Traceback" not in last
+    assert took < 150  # imports + 3 cases of ~3 s + the watchdog's 3 s + 5 s grace, on a busy machine
+    result = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("{")))
+    assert result["world_size"] == 1
+    # torch's default store would listen on every interface (00000000) at MASTER_PORT.
+    assert set(result["listening"]) <= LOOPBACK, result
+
+
+def test_every_step_takes_dist_timeout_and_setup_run_passes_it(monkeypatch):
+    from dschat.runtime import dist
+    from dschat.training import common
+
+    seen: list[float] = []
+
+    def fake_init(dist_backend=None, timeout_minutes=dist.DEFAULT_DIST_TIMEOUT_MINUTES):
+        seen.append(timeout_minutes)
+        return dist.DistInfo(0, 0, 1, common.torch.device("cpu"))
+
+    monkeypatch.setattr(common, "init_distributed", fake_init)  # setup_run's names (imported at its top)
+    monkeypatch.setattr(common, "barrier", lambda: None)
+    for step in ("step1", "step2", "dpo"):
+        args = load_script(step).parse_args(["--model_name_or_path", "tiny-llama", "--dist_timeout", "0.5"])
+        assert args.dist_timeout == 0.5
+    step3 = _load_step3()
+    args = step3.parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c"])
+    assert args.dist_timeout == dist.DEFAULT_DIST_TIMEOUT_MINUTES == 5.0
+    common.setup_run(Namespace(dtype="fp32", seed=1, dist_timeout=0.5))
+    common.setup_run(Namespace(dtype="fp32", seed=1))  # an upstream-style Namespace: the default
+    assert seen == [0.5, 5.0]
+
+
+def _load_step3():
+    import importlib.util
+
+    path = REPO / "training" / "step3_rlhf_finetuning" / "main.py"
+    spec = importlib.util.spec_from_file_location("dschat_script_step3_rendezvous", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+

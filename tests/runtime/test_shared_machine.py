@@ -1,0 +1,269 @@
+"""Safe on a shared machine: a folder, cache file or lock is trusted only when this user owns it and
+nobody else can write to it (dschat.runtime.fs), and the tokenised-data cache is private by default.
+
+Another account is simulated two ways: a folder group or others can write to, or ``os.stat`` reporting
+another owner for one path (the suite may run as one user). Where the tests run as root and
+``setpriv`` exists, a real second uid (65534, "nobody") plants the files as well. Root can read and
+write anything, so there it is the ownership check that must refuse.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from dschat.data import cache as data_cache
+from dschat.data.prompt_dataset import cache_files, create_prompt_dataset
+from dschat.errors import UserError
+from dschat.paths import data_cache_dir
+from dschat.runtime import fs
+
+from helpers.data import make_tokenizer, pref_rows, write_jsonl
+
+OTHER_UID = 65534  # "nobody"
+SETPRIV = shutil.which("setpriv")
+needs_second_uid = pytest.mark.skipif(
+    os.geteuid() != 0 or SETPRIV is None,
+    reason="planting files as a real second user needs root and setpriv (util-linux); the simulated cases cover it",
+)
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another uid (chown) needs root; "
+                                "the simulated cases cover it")
+
+
+def mode_of(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def fake_owner(monkeypatch: pytest.MonkeyPatch, *paths: Path, uid: int = OTHER_UID) -> None:
+    """Make ``os.stat`` report ``uid`` as the owner of ``paths`` (another account's files)."""
+    real = os.stat
+    targets = {os.fspath(p) for p in paths}
+
+    def stat_(path, *args, **kwargs):
+        info = real(path, *args, **kwargs)
+        if isinstance(path, (str, os.PathLike)) and os.fspath(path) in targets:
+            fields = list(info)
+            fields[stat.ST_UID] = uid
+            return os.stat_result(fields)
+        return info
+
+    monkeypatch.setattr(os, "stat", stat_)
+
+
+def as_other_user(script: str) -> None:
+    """Run ``sh -c script`` as uid/gid 65534 with no supplementary groups."""
+    subprocess.run([SETPRIV, f"--reuid={OTHER_UID}", f"--regid={OTHER_UID}", "--clear-groups", "sh", "-c", script],
+                   check=True, capture_output=True, timeout=60)
+
+
+# ------------------------------------------------------------------------------------------------ the helper
+
+
+def test_own_folder_and_file_are_trusted(tmp_path):
+    (tmp_path / "f").write_text("x")
+    (tmp_path / "f").chmod(0o644)
+    assert fs.untrusted_reason(tmp_path) is None and fs.is_trusted(tmp_path / "f")
+    fs.check_trusted(tmp_path / "f", "file", "fix it")  # no error
+    assert not fs.is_trusted(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("mode,who", [(0o770, "its group can write"), (0o707, "other users can write"),
+                                      (0o777, "its group and others can write")])
+def test_writable_by_group_or_others_is_not_trusted(tmp_path, monkeypatch, mode, who):
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: False)  # a group others belong to
+    folder = tmp_path / "shared"
+    folder.mkdir()
+    folder.chmod(mode)
+    assert who in fs.untrusted_reason(folder)
+    with pytest.raises(UserError, match=f"--x {folder} is not safe to read on a shared machine: {who} .*; do this"):
+        fs.check_trusted(folder, "--x", "do this")
+
+
+def test_group_write_is_fine_when_the_group_is_the_users_private_one(tmp_path, monkeypatch):
+    # Debian/Ubuntu give every user a private group and umask 002: a clone or cache folder is 0775.
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    folder.chmod(0o775)
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: gid == folder.stat().st_gid and uid == os.geteuid())
+    assert fs.untrusted_reason(folder) is None
+    folder.chmod(0o777)  # others too: never
+    assert "its group and others can write" in fs.untrusted_reason(folder)
+
+
+def test_a_private_group_has_no_other_member():
+    import grp
+    import pwd
+
+    me = pwd.getpwuid(os.geteuid())
+    group = grp.getgrgid(me.pw_gid)
+    others = set(group.gr_mem) - {me.pw_name} or any(
+        u.pw_gid == me.pw_gid and u.pw_uid != me.pw_uid for u in pwd.getpwall())
+    assert fs._private_group(me.pw_gid, me.pw_uid) == (group.gr_name == me.pw_name and not others)
+    assert not fs._private_group(me.pw_gid, 4242)  # nobody's group is another uid's private one
+
+
+def test_another_owner_is_not_trusted_even_when_this_process_can_write(tmp_path, monkeypatch):
+    target = tmp_path / "planted"
+    target.write_text("x")
+    target.chmod(0o600)
+    fake_owner(monkeypatch, target)
+    assert os.access(target, os.W_OK)  # permissions alone would let it through
+    assert f"uid {OTHER_UID}), not to you" in fs.untrusted_reason(target)
+    assert not fs.is_trusted(target)
+
+
+def test_a_symlink_is_judged_by_its_target(tmp_path):
+    target = tmp_path / "open"
+    target.mkdir()
+    target.chmod(0o777)
+    (tmp_path / "link").symlink_to(target)
+    assert not fs.is_trusted(tmp_path / "link")
+
+
+def test_make_private_dir_creates_0700_folders_whatever_the_umask(tmp_path):
+    (tmp_path / "existing").mkdir(mode=0o755)
+    old = os.umask(0)
+    try:
+        made = fs.make_private_dir(tmp_path / "existing" / "a" / "b")
+        fs.make_private_dir(made)  # again: a no-op
+    finally:
+        os.umask(old)
+    assert made.is_dir() and mode_of(made) == mode_of(made.parent) == 0o700
+    assert mode_of(tmp_path / "existing") == 0o755  # folders that exist are left as they are
+
+
+# ------------------------------------------------------------------------------------------------ the data cache
+
+
+@pytest.fixture(scope="module")
+def victim(tmp_path_factory) -> dict:
+    """The victim's data and tokenizer, and a planted cache for the victim's key (the attacker's text)."""
+    root = tmp_path_factory.mktemp("victim")
+    tok = make_tokenizer()
+    data = write_jsonl(root / "victim.jsonl", pref_rows(30))
+    attacker_rows = [{**row, "chosen": " PLANTED answer."} for row in pref_rows(30)]
+    attacker_data = write_jsonl(root / "attacker.jsonl", attacker_rows)
+    # The key is deterministic: anyone can compute the victim's from the same inputs.
+    victim_key = create_prompt_dataset(-1, [str(data)], "2,4,4", str(root / "keys"), 1, 1234, tok, 32)[0].cache_key
+    planted = create_prompt_dataset(-1, [str(attacker_data)], "2,4,4", str(root / "built"), 1, 1234, tok, 32)[0]
+    plant = root / "plant"
+    plant.mkdir()
+    source, target = cache_files(root / "built", planted.cache_key), cache_files(plant, victim_key)
+    for src, dst in zip(source.all(), target.all()):
+        shutil.copy(src, dst)
+    meta = json.loads(target.meta.read_text())
+    target.meta.write_text(json.dumps({**meta, "key": victim_key}))
+    for path in target.all():
+        path.chmod(0o644)
+    return {"tok": tok, "data": data, "plant": plant, "key": victim_key}
+
+
+def run_victim(victim: dict, output_path: Path):
+    return create_prompt_dataset(-1, [str(victim["data"])], "2,4,4", str(output_path), 1, 1234, victim["tok"], 32)
+
+
+def decoded_first_row(victim: dict, train) -> str:
+    return victim["tok"].decode(train[0]["input_ids"], skip_special_tokens=True)
+
+
+def test_default_cache_folder_is_private_and_files_are_0600(victim, tmp_path, monkeypatch):
+    monkeypatch.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "home" / "cache"))
+    (tmp_path / "home").mkdir()
+    train, _ = run_victim(victim, data_cache_dir())
+    folder = tmp_path / "home" / "cache" / "data_files"
+    assert data_cache_dir() == folder and mode_of(folder) == mode_of(folder.parent) == 0o700
+    files = cache_files(folder, train.cache_key)
+    assert {p.name: mode_of(p) for p in (*files.all(), files.lock)} == {
+        p.name: 0o600 for p in (*files.all(), files.lock)}
+    assert "PLANTED" not in decoded_first_row(victim, train)
+
+
+def test_the_planted_cache_is_a_real_threat(victim, tmp_path, monkeypatch):
+    """Without the trust checks the victim trains on the attacker's text (as upstream, where the
+    shared /tmp/data_files held pickles, the same plant ran code)."""
+    folder = tmp_path / "data_files"
+    shutil.copytree(victim["plant"], folder)
+    monkeypatch.setattr(data_cache, "check_trusted", lambda *args: None)
+    train, _ = run_victim(victim, folder)
+    assert "PLANTED answer" in decoded_first_row(victim, train)
+
+
+def test_a_cache_folder_others_can_write_to_is_refused(victim, tmp_path):
+    folder = tmp_path / "data_files"
+    shutil.copytree(victim["plant"], folder)
+    folder.chmod(0o777)  # how it looks when another user made it in /tmp for everyone
+    before = sorted(p.name for p in folder.iterdir())
+    with pytest.raises(UserError, match=f"--data_output_path {folder} is not safe to read .* others can write"):
+        run_victim(victim, folder)
+    assert sorted(p.name for p in folder.iterdir()) == before  # nothing read, nothing written
+
+
+def test_a_cache_file_of_another_owner_is_refused(victim, tmp_path, monkeypatch):
+    folder = tmp_path / "data_files"
+    shutil.copytree(victim["plant"], folder)
+    planted = cache_files(folder, victim["key"]).train
+    fake_owner(monkeypatch, planted)
+    with pytest.raises(UserError, match=f"data cache file {planted} is not safe to read .* belongs to .*uid 65534"):
+        run_victim(victim, folder)
+
+
+def test_a_lock_of_another_owner_is_one_line(victim, tmp_path, monkeypatch):
+    folder = tmp_path / "data_files"
+    folder.mkdir(mode=0o700)
+    lock = cache_files(folder, victim["key"]).lock
+    lock.write_text("")
+    fake_owner(monkeypatch, lock)
+    with pytest.raises(UserError, match=f"data-cache lock {lock} is not safe to read .* belongs to .*uid 65534"):
+        run_victim(victim, folder)
+    assert sorted(p.name for p in folder.iterdir()) == [lock.name]
+
+
+def test_a_lock_that_cannot_be_opened_is_one_line(victim, tmp_path, monkeypatch):
+    """Not root: another user's lock file (0644) cannot be opened for writing; filelock raises
+    PermissionError, which used to be a traceback."""
+    from filelock import FileLock
+
+    def denied(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(self.lock_file))
+
+    monkeypatch.setattr(FileLock, "acquire", denied)
+    with pytest.raises(UserError, match="cannot take the data-cache lock .*Permission denied.*another user's"):
+        run_victim(victim, tmp_path / "data_files")
+
+
+@pytest.fixture
+def sticky_tmp():
+    """A folder like /tmp (1777) that both users can reach."""
+    folder = Path(tempfile.mkdtemp(prefix="dschat-shared-", dir="/tmp"))
+    folder.chmod(0o1777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@needs_second_uid
+def test_a_folder_another_user_planted_is_refused(victim, sticky_tmp):
+    plant = sticky_tmp / "plant"
+    shutil.copytree(victim["plant"], plant)
+    plant.chmod(0o755)
+    folder = sticky_tmp / "data_files"  # upstream's default, /tmp/data_files, made by the attacker
+    as_other_user(f"mkdir -m 755 {folder} && cp {plant}/* {folder}/")
+    assert folder.stat().st_uid == OTHER_UID
+    with pytest.raises(UserError, match=f"--data_output_path {folder} is not safe .* belongs to .*uid 65534"):
+        run_victim(victim, folder)
+
+
+@needs_root
+def test_a_file_another_user_owns_is_refused_even_by_root(victim, tmp_path):
+    folder = tmp_path / "data_files"
+    shutil.copytree(victim["plant"], folder)
+    folder.chmod(0o700)
+    planted = cache_files(folder, victim["key"]).meta
+    os.chown(planted, OTHER_UID, OTHER_UID)
+    with pytest.raises(UserError, match=f"data cache file {planted} is not safe .* belongs to .*uid 65534"):
+        run_victim(victim, folder)

@@ -1,0 +1,220 @@
+"""Checkpoints and exact resume for steps 1, 2 and DPO (--save_interval, --resume, --resume_from,
+--keep_checkpoints): a run interrupted after a checkpoint and resumed reproduces the uninterrupted
+run's losses and final weights bit for bit (CPU, ZeRO 0 and 2); incomplete checkpoints are ignored."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dschat.errors import EXIT_USAGE, UserError, cli_main
+from dschat.training import checkpoint as ckpt
+
+from helpers import PYTHON
+from helpers.step3 import load_state, max_abs_diff
+from helpers.steps import STEP_DIRS, base_argv, load_script, run_cli
+
+pytestmark = pytest.mark.slow
+
+
+class Interrupted(Exception):
+    """Stands in for a crash right after a given optimizer step."""
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt_data")
+
+
+def test_random_states_round_trip_through_json():
+    random.seed(1), np.random.seed(2), torch.manual_seed(3)
+    state = json.loads(json.dumps(ckpt.rng_state()))
+    first = (random.random(), np.random.rand(), torch.rand(3))
+    ckpt.set_rng_state(state)
+    again = (random.random(), np.random.rand(), torch.rand(3))
+    assert first[0] == again[0] and first[1] == again[1] and torch.equal(first[2], again[2])
+
+
+def test_latest_checkpoint_skips_incomplete_ones_with_a_notice(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    for steps in (2, 4):
+        folder = root / ckpt.checkpoint_name(steps)
+        folder.mkdir(parents=True)
+        (folder / ckpt.MARKER).write_text("{}")
+    (root / ckpt.checkpoint_name(6)).mkdir()  # no marker: killed before it was complete
+    (root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(8)}").mkdir()  # killed while writing
+    assert ckpt.latest_checkpoint(root) == root / ckpt.checkpoint_name(4)
+    out = capsys.readouterr().out
+    assert out.count("ignoring incomplete checkpoint") == 2 and "step_00000006" in out
+
+
+def _interrupt_after(monkeypatch, optimizer_steps: int) -> None:
+    original = ckpt.Checkpointer.maybe_save
+
+    def maybe_save(self, position):
+        saved = original(self, position)
+        if position.optimizer_steps == optimizer_steps:
+            raise Interrupted
+        return saved
+
+    monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", maybe_save)
+
+
+CASES = {
+    "step1-z0": ("step1", "tiny-llama", ["--zero_stage", "0", "--dropout", "0.1"]),
+    "step1-z2": ("step1", "tiny-opt", ["--zero_stage", "2", "--dropout", "0.1"]),
+    "step2-z0": ("step2", "tiny-llama", ["--zero_stage", "0", "--num_padding_at_beginning", "0", "--eval_iters", "1",
+                                         "--eval_interval", "3"]),
+    "dpo-z2": ("dpo", "tiny-opt", ["--zero_stage", "2"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_interrupted_and_resumed_run_matches_the_uninterrupted_one(case, data_dir, tmp_path, monkeypatch):
+    step, model, extra = CASES[case]
+    main = load_script(step).main
+
+    def argv(out, *more):
+        # batch 2 and 6 steps, gradient accumulation 2: checkpoints every 2 optimizer steps.
+        return base_argv(model, data_dir, *extra, "--gradient_accumulation_steps", "2", "--save_interval", "2",
+                         "--keep_checkpoints", "2", "--output_dir", str(out), *more, batch_size=2)
+
+    full = main(argv(tmp_path / "full"))
+    assert full.optimizer_steps == 6 and len(full.train_losses) == 12
+
+    _interrupt_after(monkeypatch, 4)  # crash right after optimizer step 4 (its checkpoint is written)
+    with pytest.raises(Interrupted):
+        main(argv(tmp_path / "resumed"))
+    monkeypatch.undo()
+    root = tmp_path / "resumed" / "checkpoints"
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000002", "step_00000004"]
+    # A half-written newer checkpoint (a kill during a save) is ignored on resume.
+    (root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(6)}").mkdir()
+
+    resumed = main(argv(tmp_path / "resumed", "--resume"))
+    # Micro-steps 9..12 of the uninterrupted run, to the bit.
+    assert resumed.train_losses == full.train_losses[8:]
+    assert resumed.optimizer_steps == 6
+    assert max_abs_diff(load_state(tmp_path / "full"), load_state(tmp_path / "resumed")) == 0.0
+    # --keep_checkpoints 2: only the newest two remain.
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004", "step_00000006"]
+
+
+def test_resume_from_a_named_checkpoint(data_dir, tmp_path):
+    main = load_script("step1").main
+    argv = base_argv("tiny-llama", data_dir, "--save_interval", "3", "--output_dir", str(tmp_path / "a"), batch_size=2)
+    full = main(argv)
+    first = tmp_path / "a" / "checkpoints" / "step_00000003"
+    again = main(base_argv("tiny-llama", data_dir, "--output_dir", str(tmp_path / "b"), "--resume_from", str(first),
+                           batch_size=2))
+    assert again.train_losses == full.train_losses[3:]
+
+
+def test_resume_without_checkpoints_starts_from_scratch(data_dir, tmp_path, capsys):
+    main = load_script("step1").main
+    result = main(base_argv("tiny-llama", data_dir, "--resume", "--output_dir", str(tmp_path / "o"),
+                            max_train_steps=1, batch_size=2))
+    assert result.optimizer_steps == 1 and "no complete checkpoint" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--save_interval", "2"], "need --output_dir"),
+    (["--save_interval", "-1", "--output_dir", "OUT"], "--save_interval must be >= 0"),
+    (["--keep_checkpoints", "0", "--output_dir", "OUT"], "--keep_checkpoints must be >= 1"),
+    (["--resume", "--resume_from", "X", "--output_dir", "OUT"], "either --resume"),
+])
+def test_contradictory_checkpoint_flags_are_refused(flags, message, tmp_path):
+    step1 = load_script("step1")
+    flags = [str(tmp_path / "o") if f == "OUT" else f for f in flags]
+    with pytest.raises(UserError, match=re.escape(message)):
+        step1.parse_args(["--model_name_or_path", "tiny-llama", *flags])
+
+
+def test_resume_from_a_folder_that_is_no_checkpoint_exits_2(tmp_path):
+    proc = run_cli([PYTHON, str(STEP_DIRS["step1"] / "main.py"), "--model_name_or_path", "tiny-llama",
+                    "--data_path", "dschat/builtin", "--dtype", "fp32", "--output_dir", str(tmp_path / "o"),
+                    "--data_output_path", str(tmp_path / "d"), "--resume_from", str(tmp_path)], cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert "not a complete dschat checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("case", ["step1-z0", "step2-z0", "dpo-z2"])
+def test_resuming_from_the_last_checkpoint_trains_no_further(case, data_dir, tmp_path):
+    # A run killed after its last checkpoint (e.g. during the final model save) has only the save
+    # left; it used to train one more micro-step past --max_train_steps.
+    step, model, extra = CASES[case]
+    main = load_script(step).main
+    argv = base_argv(model, data_dir, *extra, "--save_interval", "2", "--output_dir", str(tmp_path / "o"),
+                     max_train_steps=2, batch_size=2)
+    assert len(main(argv).train_losses) == 2
+    again = main([*argv, "--resume"])
+    assert again.train_losses == [] and again.optimizer_steps == 2
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(data_dir, tmp_path_factory):
+    """A real step-1 checkpoint (ZeRO 2, one optimizer step) to tamper with."""
+    out = tmp_path_factory.mktemp("tamper") / "a"
+    load_script("step1").main(base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--save_interval", "1",
+                                        "--output_dir", str(out), max_train_steps=1, batch_size=2))
+    return out / "checkpoints" / "step_00000001"
+
+
+@pytest.mark.parametrize("target,payload", [
+    # The model states: a function from a module torch blocks by name, which torch 2.13 words as
+    # "unsupported GLOBAL os.makedirs whose module os is blocked" (it used to be a traceback, exit 1).
+    ("mp_rank_00_model_states.pt", "blocked-module"),
+    # The optimizer states: a function torch refuses as "Unsupported global".
+    ("*optim_states.pt", "not-allowed-global"),
+])
+def test_a_checkpoint_that_would_run_code_is_one_line_exit_2(target, payload, saved_checkpoint, data_dir, tmp_path,
+                                                               capsys):
+    """DeepSpeed would unpickle anything; dschat loads checkpoints with weights_only=True, and a
+    tampered file is one error line naming it, whatever torch's wording."""
+    folder = tmp_path / "step_00000001"
+    shutil.copytree(saved_checkpoint, folder)
+    victim = next((folder / "model").glob(target))
+    marker = tmp_path / "code-ran"
+    state = torch.load(victim, weights_only=False)  # the attacker's side: the file is ours
+    state["payload"] = _MakesFolder(str(marker)) if payload == "blocked-module" else _RunsCode(str(marker))
+    torch.save(state, victim)
+    main = load_script("step1").main
+    capsys.readouterr()
+    code = cli_main(main, base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--output_dir", str(tmp_path / "b"),
+                                    "--resume_from", str(folder), max_train_steps=2, batch_size=2))
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err, err[-3000:]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and f"{victim} holds objects dschat does not unpickle" in errors[0], err[-3000:]
+    assert "resume only from checkpoints dschat wrote" in errors[0]
+    assert not marker.exists()
+
+
+class _MakesFolder:
+    """Unpickling this creates a folder: ``os.makedirs``, in a module torch blocks by name."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.makedirs, (self.path,))
+
+
+class _RunsCode:
+    """Unpickling this writes a file: what a tampered checkpoint could do."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (_touch, (self.path,))
+
+
+def _touch(path: str) -> None:
+    open(path, "w").close()

@@ -1,0 +1,89 @@
+"""The non-finite guard (--max_nonfinite_steps) in real step-1 runs: a NaN loss or NaN gradients
+skip the step (counted, logged, weights stay finite), and too many in a row stop the run with one
+line naming the last good checkpoint."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dschat.training.nonfinite import TrainingDiverged
+
+from helpers.steps import base_argv, load_script
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("nonfinite_data")
+
+
+def _poison_engine(monkeypatch, step1, *, nan_loss_at=(), nan_grad_at=()):
+    """Wrap step 1's ``initialize_engine``: training forward number k (1-based) in ``nan_loss_at``
+    returns a NaN loss; backward number k in ``nan_grad_at`` turns one weight's gradient into NaN
+    while the loss stays finite."""
+    original = step1.initialize_engine
+    calls = {"forward": 0, "backward": 0}
+
+    def initialize_engine(model, ds_config, optim):
+        engine = original(model, ds_config, optim)
+
+        def poison_loss(module, inputs, output):
+            if not module.training:
+                return output
+            calls["forward"] += 1
+            if calls["forward"] in nan_loss_at:
+                output.loss = output.loss * float("nan")
+            return output
+
+        def poison_grad(grad):
+            calls["backward"] += 1
+            return grad * float("nan") if calls["backward"] in nan_grad_at else grad
+
+        engine.module.register_forward_hook(poison_loss)
+        next(p for p in engine.module.parameters() if p.requires_grad).register_hook(poison_grad)
+        return engine
+
+    monkeypatch.setattr(step1, "initialize_engine", initialize_engine)
+    return calls
+
+
+def _weights_finite(engine) -> bool:
+    return all(bool(torch.isfinite(p.detach()).all()) for p in engine.module.parameters())
+
+
+def test_a_nan_loss_skips_that_micro_step(data_dir, tmp_path, monkeypatch, capsys):
+    step1 = load_script("step1")
+    _poison_engine(monkeypatch, step1, nan_loss_at=(3,))
+    result = step1.main(base_argv("tiny-llama", data_dir, "--zero_stage", "0", max_train_steps=4, batch_size=2))
+    assert result.skipped_nonfinite == 1
+    assert result.optimizer_steps == 4 and len(result.train_losses) == 4  # the skipped batch is not counted
+    assert all(math.isfinite(x) for x in result.train_losses) and _weights_finite(result.engine)
+    assert "[non-finite] non-finite loss at epoch 0 step 2; micro-step skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("zero_stage", ["0", "2"])
+def test_nan_gradients_skip_the_optimizer_step(zero_stage, data_dir, tmp_path, monkeypatch, capsys):
+    step1 = load_script("step1")
+    _poison_engine(monkeypatch, step1, nan_grad_at=(2,))
+    result = step1.main(base_argv("tiny-llama", data_dir, "--zero_stage", zero_stage, max_train_steps=4,
+                                  batch_size=2))
+    assert result.skipped_nonfinite == 1
+    assert all(math.isfinite(x) for x in result.train_losses)
+    assert _weights_finite(result.engine)  # without the guard, ZeRO 0 fp32 writes NaN into every weight
+    assert "non-finite gradients at epoch 0 step 1; optimizer step skipped" in capsys.readouterr().out
+
+
+def test_too_many_in_a_row_stop_the_run_naming_the_last_checkpoint(data_dir, tmp_path, monkeypatch):
+    step1 = load_script("step1")
+    _poison_engine(monkeypatch, step1, nan_loss_at=range(4, 100))  # broken from the 4th micro-step on
+    out = tmp_path / "out"
+    with pytest.raises(TrainingDiverged) as err:
+        step1.main(base_argv("tiny-llama", data_dir, "--save_interval", "1", "--max_nonfinite_steps", "3",
+                             "--output_dir", str(out), max_train_steps=8, batch_size=2))
+    message = str(err.value)
+    assert "3 steps in a row had NaN/inf loss or gradients" in message
+    assert f"--resume_from {out / 'checkpoints' / 'step_00000003'}" in message
+    assert not (out / "model.safetensors").exists()  # no final model from a diverged run
