@@ -15,8 +15,8 @@
 # --hostfile). Pass --master_addr when the first host's first `hostname -I` address is not the
 # one the others reach, --master_port when the port is taken there.
 #
-# --inference_tp_size > 1 is broken upstream (DSE #628, shape mismatch); use 1 if generation
-# fails.
+# --inference_tp_size > 1 is broken upstream (DSE #628, shape mismatch); dschat's Hybrid Engine
+# implements it (docs/inference_tensor_parallel.md).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

@@ -11,8 +11,8 @@
 #   except --hostfile, --master_addr, --master_port, --num_nodes and --num_gpus: the launcher's.
 #   Output goes to the terminal and to OUTPUT/training.log.
 #
-# --inference_tp_size > 1 is broken upstream (DSE #628, shape mismatch); use 1 if generation
-# fails.
+# --inference_tp_size > 1 is broken upstream (DSE #628, shape mismatch); dschat's Hybrid Engine
+# implements it (docs/inference_tensor_parallel.md).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
