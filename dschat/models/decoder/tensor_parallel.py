@@ -33,7 +33,7 @@ from torch import nn
 
 from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.layouts import DecoderSpec, decoder_spec
-from dschat.models.decoder.weights import InferenceWeights, LayerWeights, _Copier, _get, _neox_qkv, _param
+from dschat.models.decoder.weights import InferenceWeights, _Copier, _get, _param
 
 __all__ = ["Collectives", "shard_rows", "shard_columns", "split_blocks", "padded_vocab", "vocab_shard", "kv_heads_per_member",
            "tp_unsupported_reason", "greedy_shard_stats", "combine_greedy_stats", "ShardedInferenceWeights",
@@ -237,43 +237,21 @@ class ShardedInferenceWeights(InferenceWeights):
         for start in range(0, len(blocks), max(1, layers_per_gather)):
             chunk = blocks[start:start + max(1, layers_per_gather)]
             with gather(chunk):
-                layers += [self._layer_shard(c, block, old[start + j] if old else None) for j, block in enumerate(chunk)]
+                layers += [self._layer(c, block, old[start + j] if old else None) for j, block in enumerate(chunk)]
         self.layers = layers
         if allocate:
             self.allocations += 1
 
-    def _layer_shard(self, c: _Copier, block: nn.Module, old: LayerWeights | None) -> LayerWeights:
-        spec, lay, n, r = self.spec, self.spec.layout, self.size, self.index
-        attn_norm, mlp_norm = _get(block, lay.attn_norm), _get(block, lay.mlp_norm)
-        qkv = [_get(block, p) for p in lay.qkv]
-        up = [_get(block, p) for p in lay.up]
-        o, down = _get(block, lay.o), _get(block, lay.down)
-        qkv_w = [_param(m, "weight") for m in qkv]
-        qkv_b = [_param(m, "bias") for m in qkv]
-        if lay.qkv_interleaved:
-            qkv_w, qkv_b = [_neox_qkv(qkv_w[0], spec)], [_neox_qkv(qkv_b[0], spec)]
-        qkv_sizes = (spec.q_rows, spec.kv_rows, spec.kv_rows)
-        up_w = [_param(m, "weight") for m in up]
-        up_b = [_param(m, "bias") for m in up]
-        width = sum(p.shape[0] for p in up_w) // (2 if lay.gated else 1)
-        up_sizes = (width, width) if lay.gated else (width,)
-        q_norm = _param(_get(block, lay.q_norm), "weight") if lay.q_norm else None
-        k_norm = _param(_get(block, lay.k_norm), "weight") if lay.k_norm else None
-        o_w, down_w = _param(o, "weight"), _param(down, "weight")
-        keep = old if old is not None else LayerWeights(*([None] * 12))
-        return LayerWeights(
-            attn_norm_w=c.one(keep.attn_norm_w, _param(attn_norm, "weight")),
-            attn_norm_b=c.one(keep.attn_norm_b, _param(attn_norm, "bias")),
-            qkv_w=c.rows(keep.qkv_w, _shard_blocks(qkv_w, qkv_sizes, n, r, spec.num_kv_heads)),
-            qkv_b=c.rows(keep.qkv_b, _shard_blocks(qkv_b, qkv_sizes, n, r, spec.num_kv_heads)),
-            o_w=c.one(keep.o_w, shard_columns(o_w, n, r)), o_b=c.one(keep.o_b, _param(o, "bias")),
-            mlp_norm_w=c.one(keep.mlp_norm_w, _param(mlp_norm, "weight")),
-            mlp_norm_b=c.one(keep.mlp_norm_b, _param(mlp_norm, "bias")),
-            up_w=c.rows(keep.up_w, _shard_blocks(up_w, up_sizes, n, r)),
-            up_b=c.rows(keep.up_b, _shard_blocks(up_b, up_sizes, n, r)),
-            down_w=c.one(keep.down_w, shard_columns(down_w, n, r)), down_b=c.one(keep.down_b, _param(down, "bias")),
-            q_norm_w=c.one(keep.q_norm_w, q_norm), k_norm_w=c.one(keep.k_norm_w, k_norm),
-        )
+    def _qkv_part(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        spec = self.spec
+        return _shard_blocks(parts, (spec.q_rows, spec.kv_rows, spec.kv_rows), self.size, self.index, spec.num_kv_heads)
+
+    def _up_part(self, parts: list[torch.Tensor | None], weights: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        width = sum(p.shape[0] for p in weights) // (2 if self.spec.layout.gated else 1)
+        return _shard_blocks(parts, (width, width) if self.spec.layout.gated else (width,), self.size, self.index)
+
+    def _input_part(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        return shard_columns(weight, self.size, self.index)
 
 
 class ShardedDecodeModel(DecodeModel):

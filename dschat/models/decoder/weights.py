@@ -173,18 +173,31 @@ class InferenceWeights:
         qkv_b = [_param(m, "bias") for m in qkv]
         if lay.qkv_interleaved:
             qkv_w, qkv_b = [_neox_qkv(qkv_w[0], spec)], [_neox_qkv(qkv_b[0], spec)]
+        up_w = [_param(m, "weight") for m in up]
+        up_b = [_param(m, "bias") for m in up]
         q_norm = _param(_get(block, lay.q_norm), "weight") if lay.q_norm else None
         k_norm = _param(_get(block, lay.k_norm), "weight") if lay.k_norm else None
         keep = old if old is not None else LayerWeights(*([None] * 12))
         return LayerWeights(
             attn_norm_w=c.one(keep.attn_norm_w, _param(attn_norm, "weight")),
             attn_norm_b=c.one(keep.attn_norm_b, _param(attn_norm, "bias")),
-            qkv_w=c.rows(keep.qkv_w, qkv_w), qkv_b=c.rows(keep.qkv_b, qkv_b),
-            o_w=c.one(keep.o_w, _param(o, "weight")), o_b=c.one(keep.o_b, _param(o, "bias")),
+            qkv_w=c.rows(keep.qkv_w, self._qkv_part(qkv_w)), qkv_b=c.rows(keep.qkv_b, self._qkv_part(qkv_b)),
+            o_w=c.one(keep.o_w, self._input_part(_param(o, "weight"))), o_b=c.one(keep.o_b, _param(o, "bias")),
             mlp_norm_w=c.one(keep.mlp_norm_w, _param(mlp_norm, "weight")),
             mlp_norm_b=c.one(keep.mlp_norm_b, _param(mlp_norm, "bias")),
-            up_w=c.rows(keep.up_w, [_param(m, "weight") for m in up]),
-            up_b=c.rows(keep.up_b, [_param(m, "bias") for m in up]),
-            down_w=c.one(keep.down_w, _param(down, "weight")), down_b=c.one(keep.down_b, _param(down, "bias")),
+            up_w=c.rows(keep.up_w, self._up_part(up_w, up_w)), up_b=c.rows(keep.up_b, self._up_part(up_b, up_w)),
+            down_w=c.one(keep.down_w, self._input_part(_param(down, "weight"))),
+            down_b=c.one(keep.down_b, _param(down, "bias")),
             q_norm_w=c.one(keep.q_norm_w, q_norm), k_norm_w=c.one(keep.k_norm_w, k_norm),
         )
+
+    # The part of each projection this object keeps: the whole of it here; a tensor-parallel member
+    # (models/decoder/tensor_parallel.py) keeps its rows of q/k/v and gate/up, its columns of o/down.
+    def _qkv_part(self, parts: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return parts
+
+    def _up_part(self, parts: list[torch.Tensor | None], weights: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        return parts
+
+    def _input_part(self, weight: torch.Tensor | None) -> torch.Tensor | None:
+        return weight
