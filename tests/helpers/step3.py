@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from dschat.errors import EXIT_USAGE, cli_main
+
 from helpers import REPO
 
 STEP3_DIR = REPO / "training" / "step3_rlhf_finetuning"
@@ -109,6 +111,17 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
     shared = set(a) & set(b)
     assert len(shared) >= 0.9 * max(len(a), len(b)), sorted(set(a) ^ set(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in shared)
+
+
+def refused_in_process(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Step 3's ``main`` run in-process on a command line it must refuse: exit 2, one ``error:``
+    line and no traceback. Returns that line."""
+    capsys.readouterr()
+    code = cli_main(step3_main().main, argv)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert code == EXIT_USAGE and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+    return lines[0]
 
 
 def subprocess_env() -> dict[str, str]:

@@ -13,12 +13,19 @@ import torch
 
 from dschat import rl_algorithms
 from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
-from dschat.errors import EXIT_USAGE, cli_main
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.algorithm import resolve_algorithm
 from dschat.training import checkpoint as ckpt
 
-from helpers.step3 import Interrupted, base_argv, crash_after_checkpoint, load_state, max_abs_diff, step3_main
+from helpers.step3 import (
+    Interrupted,
+    base_argv,
+    crash_after_checkpoint,
+    load_state,
+    max_abs_diff,
+    refused_in_process,
+    step3_main,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # every test: tiny models on one thread
 
@@ -58,15 +65,6 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     assert not _settings("--tis_cap", "2").upstream_ppo_loss
 
 
-def _run_cli(argv, capsys):
-    capsys.readouterr()
-    code = cli_main(step3_main().main, argv)
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("error: ")]
-    assert code == EXIT_USAGE and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    return lines[0]
-
-
 @pytest.mark.parametrize("extra, message", [
     ((), "--critic_model_name_or_path is required for --algorithm ppo's critic"),
     (("--algorithm", "grpo", "--num_generations", "2"), "required for the reward model"),
@@ -76,7 +74,7 @@ def _run_cli(argv, capsys):
     (("--tis_cap", "-1"), "--tis_cap must be >= 0"),
 ])
 def test_flag_rules_refused_before_any_model(extra, message, tmp_path, data_cache, capsys):
-    line = _run_cli(_argv("tiny-opt", None, data_cache, "--output_dir", str(tmp_path / "out"), *extra), capsys)
+    line = refused_in_process(_argv("tiny-opt", None, data_cache, "--output_dir", str(tmp_path / "out"), *extra), capsys)
     assert message in line
     assert not (tmp_path / "out").exists()
 
@@ -198,7 +196,7 @@ def test_interrupted_and_resumed_grpo_matches_the_uninterrupted_run(tmp_path, da
 ])
 def test_a_failing_reward_function_stops_the_run_with_one_line(spec, message, tmp_path, data_cache, capsys):
     out = tmp_path / "out"
-    line = _run_cli(_argv("tiny-opt", None, data_cache, "--algorithm", "reinforce_pp", "--reward_fn", spec,
+    line = refused_in_process(_argv("tiny-opt", None, data_cache, "--algorithm", "reinforce_pp", "--reward_fn", spec,
                           "--output_dir", str(out), "--save_interval", "1"), capsys)
     assert message in line
     assert not out.exists() or not any(out.iterdir())  # nothing half-written

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat.errors import EXIT_USAGE, cli_main
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf import evaluation as ev
 from dschat.rlhf.evaluation import token_entropy
@@ -29,6 +28,7 @@ from helpers.step3 import (
     crash_after_checkpoint,
     load_state,
     max_abs_diff,
+    refused_in_process,
     step3_main,
     subprocess_env,
 )
@@ -205,15 +205,6 @@ def _argv(data, *extra, critic=None, steps=4, model="tiny-opt"):
     return argv
 
 
-def _run_cli(argv, capsys):
-    capsys.readouterr()
-    code = cli_main(step3_main().main, argv)
-    err = capsys.readouterr().err
-    lines = [x for x in err.splitlines() if x.startswith("error: ")]
-    assert code == EXIT_USAGE and len(lines) == 1 and "Traceback" not in err, err[-2000:]
-    return lines[0]
-
-
 def _train_only_file(folder: Path) -> Path:
     """12 rows of the embedded data in one file: its 9:1 held-out share gives phase 3 no eval rows."""
     from dschat.data.builtin import read_rows
@@ -241,7 +232,7 @@ def test_bad_evaluation_input_is_one_line_and_writes_nothing(extra, message, tmp
     if isinstance(extra, str):  # the data itself: a file without held-out rows for phase 3
         argv[argv.index("--data_path") + 1] = str(_train_only_file(tmp_path))
         extra = ("--eval_interval", "2") + (("--eval_judge", "gold") if extra == "gold-elsewhere" else ())
-    assert message in _run_cli(argv + list(extra), capsys)
+    assert message in refused_in_process(argv + list(extra), capsys)
     assert not out.exists()
 
 
@@ -252,7 +243,7 @@ def test_bad_evaluation_input_is_one_line_and_writes_nothing(extra, message, tmp
 ])
 def test_a_failing_judge_stops_the_run_before_anything_is_written(judge, message, tmp_path, data_cache, capsys):
     out = tmp_path / "out"
-    line = _run_cli(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "2", "--eval_prompts", "4",
+    line = refused_in_process(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "2", "--eval_prompts", "4",
                           "--eval_judge", judge), capsys)
     assert message in line
     assert not out.exists()
