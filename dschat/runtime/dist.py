@@ -29,6 +29,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -45,6 +46,7 @@ __all__ = [
     "print_rank_0",
     "get_all_reduce_mean",
     "all_reduce_sum",
+    "unlink_shm_allreduce_buffer",
     "collective_device",
     "get_world_size",
     "get_rank",
@@ -204,14 +206,40 @@ def init_distributed(dist_backend: Optional[str] = None,
         deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
                                    init_method=_private_file_store(), rank=0, world_size=1,
                                    timeout=_collective_timeout(rendezvous))
+        if accelerator.device_name() == "cpu":
+            unlink_shm_allreduce_buffer(0)
     else:
         _init_ranks(deepspeed, dist_backend, rendezvous)
+        if accelerator.device_name() == "cpu":
+            unlink_shm_allreduce_buffer(int(os.environ["RANK"]))
     return DistInfo(
         rank=torch.distributed.get_rank(),
         local_rank=local_rank,
         world_size=torch.distributed.get_world_size(),
         device=torch.device(accelerator.device_name(local_rank)),
     )
+
+
+SHM_DIR = Path("/dev/shm")
+
+
+def unlink_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
+    """Remove the name of this rank's buffer of DeepSpeed's CPU shared-memory all-reduce.
+
+    When every rank of a CPU job is on one machine (the launcher's ``LOCAL_SIZE`` equals the world
+    size), DeepSpeed creates ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
+    in ``/dev/shm`` (69 MB a rank) and never removes it: every run on another port left its buffers
+    behind, in memory, until the machine filled (13 GB seen on a shared machine). Call this once every
+    rank has opened every buffer (after the start-up barrier: DeepSpeed's init returns only then);
+    the mappings live on until the processes exit, only the names go. Returns whether one was removed.
+    """
+    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+    try:
+        (shm_dir / name).unlink()
+    except FileNotFoundError:  # no shared-memory all-reduce here (ranks on several hosts, or a GPU)
+        return False
+    return True
 
 
 def _init_ranks(deepspeed: object, dist_backend: Optional[str], rendezvous: datetime.timedelta) -> None:

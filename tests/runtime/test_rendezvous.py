@@ -155,3 +155,20 @@ def _load_step3():
     spec.loader.exec_module(module)
     return module
 
+
+
+def test_the_shared_memory_all_reduce_buffer_name_is_removed(monkeypatch, tmp_path):
+    """DeepSpeed names each CPU rank's all-reduce buffer by user, master address, port and rank and
+    never removes it; dschat removes its own rank's name after start-up, and nobody else's."""
+    from dschat.runtime import dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "31234")
+    mine = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_31234_1"
+    other_rank = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_31234_0"
+    other_job = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_29500_1"
+    for path in (mine, other_rank, other_job):
+        path.write_bytes(b"x")
+    assert dist.unlink_shm_allreduce_buffer(1, shm_dir=tmp_path)
+    assert not mine.exists() and other_rank.exists() and other_job.exists()
+    assert not dist.unlink_shm_allreduce_buffer(1, shm_dir=tmp_path)  # gone already: nothing to do

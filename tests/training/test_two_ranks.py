@@ -5,6 +5,7 @@ With one output folder per rank (``DSCHAT_TEST_RANK_OUTPUT_ROOT``: node-local st
 a run that checkpoints stops at start-up, on both ranks, with one line."""
 from __future__ import annotations
 
+import os
 import socket
 from pathlib import Path
 
@@ -26,9 +27,12 @@ def test_two_ranks_end_with_identical_weights(tmp_path, step, tag, model, extra)
     out = tmp_path / "out"
     argv = base_argv(model, tmp_path / "data", *extra, "--zero_stage", "2", "--output_dir", str(out),
                      "--save_interval", "3", max_train_steps=3)
-    proc = run_cli(deepspeed_cmd("main.py", *argv), cwd=STEP_DIRS[step],
-                   DSCHAT_WEIGHT_DIGEST_DIR=str(digests))
+    cmd = deepspeed_cmd("main.py", *argv)
+    proc = run_cli(cmd, cwd=STEP_DIRS[step], DSCHAT_WEIGHT_DIGEST_DIR=str(digests))
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    # DeepSpeed's CPU shared-memory all-reduce buffers (69 MB a rank) are not left in /dev/shm.
+    port = cmd[cmd.index("--master_port") + 1]
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
     rank0 = (digests / f"{tag}-rank0.sha256").read_text().strip()
     rank1 = (digests / f"{tag}-rank1.sha256").read_text().strip()
     assert len(rank0) == 64 and rank0 == rank1
