@@ -20,6 +20,10 @@
 #
 # The run stops after --test_stop_step PPO steps (main.py's test mode) because one epoch over
 # the builtin prompts would take hours on a CPU.
+#
+# Held-out evaluation (README, 'Did step 3 work?') at steps 0, 10 and 20 on 8 prompts, judged by
+# the gold judge, which only judges dschat/builtin: with another --data_path also pass another
+# --eval_judge (a module:function reward or a reward-model folder).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
