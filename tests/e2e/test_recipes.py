@@ -267,7 +267,7 @@ def test_cpu_recipes_use_the_embedded_model_and_data():
 def test_cpu_demo_watches_step3_with_the_gold_judge():
     """The demo's step 3 evaluates held-out prompts before the first step, midway and at the last
     PPO step (issue 27), with the gold judge of the embedded data, and keeps no best/ copy."""
-    ppo = R.get_recipe("step3", "cpu/smollm2-135m", ROOT)
+    ppo = R.get_recipe("step3", "cpu/smollm2-135m", REPO)
     interval, steps = int(ppo.flag("eval_interval")), int(ppo.flag("test_stop_step"))
     assert 0 < interval < steps and steps % interval == 0
     assert ppo.flag("eval_judge") == "gold" and ppo.flag("save_best_by") == "none"
