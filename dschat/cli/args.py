@@ -450,12 +450,14 @@ def add_step3_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     """(dschat) Step 3's held-out evaluation, over-optimization alarm and best checkpoint
     (:mod:`dschat.rlhf.evaluation`); README "Did step 3 work?"."""
     group = parser.add_argument_group("held-out evaluation (dschat)")
-    group.add_argument("--eval_interval", type=eval_interval, default=0, metavar="N|auto",
+    group.add_argument("--eval_interval", type=eval_interval, default=None, metavar="N|auto",
                        help="If > 0, evaluate the actor on held-out prompts before the first PPO step and every this "
                             "many PPO steps (0: off, as upstream). Uses the phase-3 eval split of --data_path, never "
                             "trained on; evaluation changes nothing in training. (dschat) 'auto': N is chosen after "
                             "the first PPO step, from the measured cost of an evaluation and of a PPO step, so that "
-                            "evaluation takes at most 10%% of the step-3 wall time; the log states the measured share.")
+                            "evaluation takes at most 10%% of the step-3 wall time; the log states the measured share. "
+                            "Default: auto when --eval_judge, --save_best_by or --stop_on_overoptimization is given, "
+                            "else 0 (off, upstream's default).")
     group.add_argument("--eval_prompts", type=int, default=16,
                        help="(dschat) Held-out prompts per evaluation (default 16: the first K distinct prompts of the "
                             "eval split, the same every time), answered with the rollout's decoding from a fixed seed.")

@@ -70,7 +70,12 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge
 
 def check_eval_args(args: Any) -> list[Judge]:
     """Evaluation flag rules (before anything loads) and the resolved judges; resolves
-    ``args.save_best_by``'s default in place: ``judge`` with a judge and an ``--output_dir``, else ``none``."""
+    ``args.save_best_by``'s default in place: ``judge`` with a judge and an ``--output_dir``, else ``none``;
+    and ``args.eval_interval``'s: ``auto`` when an evaluation flag asks for the evaluation, else 0 (off, as
+    upstream)."""
+    if args.eval_interval is None:
+        wanted = bool(args.eval_judge) or args.stop_on_overoptimization or args.save_best_by not in (None, "none")
+        args.eval_interval = EVAL_INTERVAL_AUTO if wanted else 0
     auto = args.eval_interval == EVAL_INTERVAL_AUTO
     interval, prompts = 1 if auto else int(args.eval_interval), int(args.eval_prompts)
     judges_given = list(args.eval_judge or [])

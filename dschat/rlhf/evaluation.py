@@ -1,6 +1,7 @@
 """Did step 3 work? Held-out evaluation during training, the over-optimization alarm, the best checkpoint.
 
-With ``--eval_interval N`` (0, the default, turns it off as upstream) the actor answers the same
+With ``--eval_interval N`` (0 turns it off, upstream's default; left out, it is ``auto`` when a judge,
+``--save_best_by`` or ``--stop_on_overoptimization`` asks for the evaluation, else 0) the actor answers the same
 ``--eval_prompts K`` held-out prompts -- the first K distinct prompts of the phase-3 *eval* split of
 the prompt data, which step 3 never trains on -- once before the first PPO step and after every N
 PPO steps. Decoding is the rollout's (``--decoding``, ``--temperature``, ...) drawn from a fixed seed
@@ -150,7 +151,7 @@ class StepThreeEvaluation:
         self.args = args
         self.enabled = bool(args.eval_interval) and trainer is not None
         self.auto = args.eval_interval == EVAL_INTERVAL_AUTO
-        self.interval = 0 if self.auto else int(args.eval_interval)  # auto: the last one chosen
+        self.interval = 0 if self.auto else int(args.eval_interval or 0)  # auto: the last one chosen
         self.next_step: int | None = None  # auto: the next evaluation's step, once chosen
         # auto: PPO-step time measured between the calls of maybe_evaluate (evaluations excluded).
         self._mark: tuple[float, int] | None = None

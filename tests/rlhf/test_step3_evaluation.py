@@ -130,6 +130,25 @@ def test_eval_batches_are_the_same_for_any_number_of_ranks():
             assert counted == list(range(n))
 
 
+@pytest.mark.parametrize("given, interval", [
+    ((), 0),  # upstream's default: no evaluation
+    (("--eval_judge", "gold"), "auto"),  # a judge asks for the evaluation: its interval keeps it at <= 10 %
+    (("--save_best_by", "proxy"), "auto"),
+    (("--eval_judge", "gold", "--eval_interval", "5"), 5),  # a given interval stays
+    (("--eval_interval", "0"), 0),
+])
+def test_eval_interval_default_follows_the_evaluation_flags(given, interval):
+    from dschat.cli.args import EVAL_INTERVAL_AUTO
+    from dschat.rlhf.eval_setup import check_eval_args
+    args = step3_main().parse_args(["--data_path", "dschat/builtin", "--actor_model_name_or_path", "a",
+                       "--critic_model_name_or_path", "c", "--output_dir", "out", *given])
+    if "--eval_interval" not in given:
+        assert args.eval_interval is None  # left out: decided by check_eval_args
+    judges = check_eval_args(args)
+    assert args.eval_interval == (EVAL_INTERVAL_AUTO if interval == "auto" else interval)
+    assert [j.name for j in judges] == (["gold"] if "gold" in given else [])
+
+
 def test_auto_interval_by_hand():
     from dschat.rlhf.eval_cost import auto_interval, eval_share
 
@@ -219,7 +238,7 @@ def _train_only_file(folder: Path) -> Path:
     (("--eval_interval", "2", "--eval_judge", "nonsense"), "--eval_judge 'nonsense' is neither 'gold'"),
     (("--eval_interval", "2", "--eval_judge", "no_such_module_xyz:fn"), "--eval_judge no_such_module_xyz:fn: cannot import"),
     (("--eval_interval", "2", "--eval_judge", "reward_fixtures:NOT_CALLABLE"), "is a int, not a function"),
-    (("--eval_judge", "gold"), "--eval_judge need(s) the held-out evaluation"),
+    (("--eval_interval", "0", "--eval_judge", "gold"), "--eval_judge need(s) the held-out evaluation"),
     (("--eval_interval", "2", "--save_best_by", "judge"), "--save_best_by judge needs a judge"),
     (("--eval_interval", "2", "--stop_on_overoptimization"), "give --eval_judge"),
     (("--eval_interval", "-1",), "--eval_interval must be >= 0"),
