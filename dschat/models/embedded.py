@@ -238,6 +238,7 @@ def load_from_gguf(gguf: Path) -> tuple[Any, Any]:
 
 def probe_logits(model: Any, tokenizer: Any) -> Any:
     """Logits of ``model`` on a fixed chat-formatted probe, shape ``(1, T, vocab)``."""
+    # lazy: see load_from_gguf (torch and transformers, 1.8 s CPU at import)
     import torch
 
     text = tokenizer.apply_chat_template(PROBE_MESSAGES, tokenize=False, add_generation_prompt=True)
@@ -264,6 +265,7 @@ def _save_as_hf_folder(model: Any, tokenizer: Any, folder: Path) -> None:
 
 def _check_round_trip(reference_logits: Any, folder: Path) -> None:
     """Reload ``folder`` without ``gguf_file`` and require identical logits on the probe."""
+    # lazy: see load_from_gguf (torch and transformers, 1.8 s CPU at import)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -277,6 +279,7 @@ def _check_round_trip(reference_logits: Any, folder: Path) -> None:
 
 
 def _build(source: GgufSource, digest: str, folder: Path) -> None:
+    # lazy: see load_from_gguf (torch and transformers, 1.8 s CPU at import)
     import transformers
 
     model, tokenizer = load_from_gguf(source.path)

@@ -169,6 +169,7 @@ def _round_up(n: int, multiple: int = 8) -> int:
 
 
 def _make_model(spec: TinySpec, tokenizer: Any) -> Any:
+    # lazy: see train_tokenizer (torch and transformers, 1.8 s CPU at import)
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
 

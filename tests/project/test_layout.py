@@ -7,7 +7,8 @@ drift from the code:
 (c) ``dschat/utils`` and ``dschat/testing`` are upstream / earlier import paths only: no definitions,
     and nothing else inside dschat imports them;
 (d) a line cap per module, with today's larger modules named as explicit exceptions that may not grow;
-(e) function-level imports: a ratchet on their number (it may only go down).
+(e) function-level imports: a ratchet on their number (it may only go down), and each one has a comment
+    saying why ("lazy: <measured import-time cost>", or an optional package).
 """
 from __future__ import annotations
 
@@ -208,6 +209,39 @@ def test_e_function_level_imports_only_go_down():
     assert FUNCTION_LEVEL_IMPORTS <= MAX_FUNCTION_LEVEL_IMPORTS, (
         f"{FUNCTION_LEVEL_IMPORTS} imports inside functions (cap {MAX_FUNCTION_LEVEL_IMPORTS}): put the new one at "
         "the top of its module, or measure its import-time cost and say so in a comment")
+
+
+def _reason_for(lines: list[str], node: ast.stmt) -> str:
+    """The comments that say why a function-level import is there: on the lines of the run of imports
+    it belongs to, on the line just above that run when it is code ending in a comment (``try:  #
+    lazy: ...``), and in the comment lines above the run."""
+    comments = []
+    j = node.lineno - 1
+    while j >= 0 and (j == node.lineno - 1 or lines[j].lstrip().startswith(("import ", "from "))):
+        if "#" in lines[j]:
+            comments.append(lines[j].split("#", 1)[1])
+        j -= 1  # the same run of imports
+    if j >= 0 and "#" in lines[j] and not lines[j].lstrip().startswith("#"):
+        comments.append(lines[j].split("#", 1)[1])
+    while j >= 0 and lines[j].lstrip().startswith("#"):
+        comments.append(lines[j].lstrip()[1:])
+        j -= 1
+    return " ".join(comments)
+
+
+def test_e_every_function_level_import_says_why():
+    """Rule (e): an import inside a function is there for a measured import-time cost (or an optional
+    package), and a comment beside it says so; "see f" points at the comment that measured it."""
+    unexplained = []
+    for path in MODULES.values():
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for node, in_function in _imports(ast.parse(text)):
+            reason = _reason_for(lines, node) if in_function else "module level"
+            if not any(word in reason for word in ("lazy", "optional", "module level")):
+                unexplained.append(f"{path.relative_to(PKG.parent)}:{node.lineno}")
+    assert not unexplained, ("imports inside functions without a comment saying why (lazy: <measured cost>): "
+                             + ", ".join(sorted(unexplained)))
 
 
 def test_design_doc_lists_every_module():
