@@ -53,6 +53,7 @@ from dschat.eval.metrics_file import (
     read_eval_records,
     read_metrics,
 )
+from dschat.eval.paired import paired_change
 from dschat.gold_judge import gold_breakdown, gold_score
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.runtime.fs import atomic_file, check_writable_dir
@@ -264,6 +265,8 @@ def build_report(
         },
         "rlhf_vs_sft": {
             "gold_score_gain": statistics.fmean(rlhf_gold) - statistics.fmean(sft_gold),
+            # the paired standard error of that gain over the same prompts (the noise of the comparison)
+            "gold_score_gain_se": paired_change(sft_gold, rlhf_gold)[1],
             "gold_win_rate": wins,
             "reward_score_gain": statistics.fmean(rlhf_rewards) - statistics.fmean(sft_rewards),
         },
@@ -299,6 +302,15 @@ def _fmt_seconds(seconds: float | None) -> str:
     return str(datetime.timedelta(seconds=int(seconds))) if seconds is not None else "n/a"
 
 
+def _in_standard_errors(gain: dict[str, Any]) -> str:
+    """The gold gain in units of its paired standard error, or "n/a" (a report written before the SE
+    was recorded, one prompt, or answers scored identically)."""
+    se = gain.get("gold_score_gain_se")
+    if not isinstance(se, (int, float)) or not (math.isfinite(se) and se > 0):
+        return "n/a"
+    return f"{gain['gold_score_gain'] / se:+.1f}"
+
+
 def summary_text(report: dict[str, Any]) -> str:
     """A human summary of ``report`` (what e2e_rlhf.py prints at the end)."""
     sft, rlhf, rm, gain = report["sft_actor"], report["rlhf_actor"], report["reward_model"], report["rlhf_vs_sft"]
@@ -318,7 +330,8 @@ def summary_text(report: dict[str, Any]) -> str:
         f"{'mean response tokens':24s}{num(sft['mean_response_tokens'], '.1f'):>12s}"
         f"{num(rlhf['mean_response_tokens'], '.1f'):>12s}"
         f"{num(rlhf['mean_response_tokens'] - sft['mean_response_tokens'], '+.1f'):>10s}",
-        f"RLHF beats SFT on the gold judge on {num(gain['gold_win_rate'] * 100, '.0f')}% of prompts (ties count half)",
+        f"gold gain {num(gain['gold_score_gain'])} ({_in_standard_errors(gain)} paired standard errors); RLHF beats SFT "
+        f"on the gold judge on {num(gain['gold_win_rate'] * 100, '.0f')}% of prompts (ties count half)",
         "gold components, RLHF - SFT: " + ", ".join(
             f"{name} {num(rlhf['gold_components'][name] - value, '+.2f')}"
             for name, value in sft.get("gold_components", {}).items() if name in rlhf.get("gold_components", {})),

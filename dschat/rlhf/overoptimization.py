@@ -3,16 +3,17 @@ functions of the evaluation series (no models, no DeepSpeed): hand-tested in
 ``tests/rlhf/test_step3_evaluation.py``, used by :class:`dschat.rlhf.evaluation.StepThreeEvaluation`.
 
 Every evaluation scores the same K prompts, so two evaluations are compared prompt by prompt
-(:func:`paired_change`: the mean and standard error of the per-prompt differences). The alarm
+(:func:`~dschat.eval.paired.paired_change`: the mean and standard error of the per-prompt differences). The alarm
 (:func:`overoptimization_alarm`) fires when, since ``window`` evaluations back, the proxy's mean rose
 while a judge's fell by more than ``sigmas`` of those paired standard errors.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
+
+from dschat.eval.paired import paired_change
 
 __all__ = ["Alarm", "EvalPoint", "best_index", "overoptimization_alarm", "paired_change"]
 
@@ -29,23 +30,6 @@ class EvalPoint:
         """The mean of ``"proxy"`` or of a judge's scores."""
         values = self.proxy if series == "proxy" else self.judges[series]
         return statistics.fmean(values)
-
-
-def paired_change(before: Sequence[float], after: Sequence[float]) -> tuple[float, float]:
-    """Mean and standard error of ``after[i] - before[i]`` over the same prompts.
-
-    The standard error is ``stdev(d) / sqrt(n)`` (sample standard deviation); ``inf`` with fewer than
-    two prompts (no noise estimate: nothing can be called significant).
-    """
-    if len(before) != len(after):
-        raise ValueError(f"paired_change: {len(before)} scores before, {len(after)} after; the same prompts are needed")
-    diffs = [b - a for a, b in zip(before, after)]
-    if not diffs:
-        raise ValueError("paired_change: no scores")
-    mean = statistics.fmean(diffs)
-    if len(diffs) < 2:
-        return mean, math.inf
-    return mean, statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
 @dataclass(frozen=True)

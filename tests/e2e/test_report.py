@@ -83,10 +83,18 @@ def test_report_cli_writes_json_png_and_summary(folders, tmp_path, capsys):
     r_gold = report["reward_model"]["gold_correlation_on_answers"]
     assert len(set(golds)) > 1  # the judge tells these answers apart, so r is defined
     assert r_gold == pytest.approx(statistics.correlation(rewards, golds))
+    # The gain's paired standard error over the same 6 prompts, by hand from the saved answers.
+    diffs = [r["rlhf_gold"] - r["sft_gold"] for r in rows]
+    gain = report["rlhf_vs_sft"]
+    assert gain["gold_score_gain"] == pytest.approx(statistics.fmean(diffs))
+    expected_se = statistics.stdev(diffs) / math.sqrt(6)
+    assert gain["gold_score_gain_se"] == pytest.approx(expected_se)
     out = capsys.readouterr().out
     assert "dschat report" in out and "gold-judge score" in out and "KL(RLHF || SFT)" in out
     assert "on the actors' own answers its scores correlate r = " in out
     assert "gold components, RLHF - SFT: relevance " in out
+    in_se = f"{gain['gold_score_gain'] / expected_se:+.1f}" if expected_se > 0 else "n/a"
+    assert f"({in_se} paired standard errors)" in out
 
 
 def test_same_actor_has_zero_kl_and_no_gain(folders, tmp_path):
@@ -95,6 +103,8 @@ def test_same_actor_has_zero_kl_and_no_gain(folders, tmp_path):
     # The same model with the same seed writes the same answers, and log pi - log pi is exactly 0.
     assert report["rlhf_actor"]["kl_to_sft"] == 0.0
     assert report["rlhf_vs_sft"]["gold_score_gain"] == 0.0 and report["rlhf_vs_sft"]["gold_win_rate"] == 0.5
+    assert report["rlhf_vs_sft"]["gold_score_gain_se"] == 0.0  # identical answers: no noise
+    assert "(n/a paired standard errors)" in rep.summary_text(report)
     assert report["sft_actor"]["reward_score"] == pytest.approx(report["rlhf_actor"]["reward_score"])
     assert report["ppo_metrics"]["file"] is None  # no metrics.jsonl beside the sft folder
     assert (tmp_path / "ppo_curves.png").read_bytes()[:8] == PNG_MAGIC  # an empty plot is still written
