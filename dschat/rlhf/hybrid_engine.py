@@ -530,6 +530,7 @@ class RolloutGenerator:
                     decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
                     eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                     release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
+            self.engine.decoding = self.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
             self.last_loop = "dschat-he"
             if self.zero_stage == 3:
                 release_zero3_prefetch(self.actor)  # nothing may still be in flight when gathering outside a forward
@@ -540,6 +541,7 @@ class RolloutGenerator:
                 module.config, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                 release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
+        self.engine.decoding = self.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
         self.last_loop = "dschat-he"
         return self.engine.rollout(module, prompts, mask, materialise=self._materialised(),
                                    min_new_tokens=min_new_tokens, keep_logprobs=self.keep_logprobs)

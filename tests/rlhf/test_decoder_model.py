@@ -134,6 +134,36 @@ def test_seeded_sampling_is_reproducible_and_keeps_the_sampling_log_probs():
     assert gap < 1e-4, gap
 
 
+def test_a_greedy_rollout_between_sampled_ones_leaves_the_generator_sampling():
+    """ReMax's baseline switches the generator to greedy for one rollout and back; the engine, built at
+    the first rollout, must decode every later rollout with the generator's settings of that call (it
+    kept the greedy ones it was built with, so every sampled answer was the baseline's)."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from dschat.rlhf.hybrid_engine import HybridEngineDecision, RolloutGenerator
+
+    model, (ids, mask) = _model("llama"), _prompts()
+    generator = RolloutGenerator(SimpleNamespace(module=model), SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
+                                 decision=HybridEngineDecision(True, False, dschat_engine=True),
+                                 decoding=DecodingSettings("sample", temperature=1.0), max_answer_seq_len=8,
+                                 zero_stage=0, cpu_decode_linear="off")
+    sampling = generator.decoding
+    generator.decoding = replace(sampling, decoding="greedy")  # as ExperienceMaker._greedy_baseline
+    greedy = generator.rollout(ids, mask).sequences
+    generator.decoding = sampling
+    assert generator.last_loop == "dschat-he"
+    sampled = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        sampled.append(generator.rollout(ids, mask))
+    assert generator.engine.decoding == sampling
+    assert not torch.equal(sampled[0].sequences, sampled[1].sequences)
+    assert not all(torch.equal(run.sequences, greedy) for run in sampled)
+    gap = (sampled[0].logprobs - _forward_logprobs(model, sampled[0].sequences, mask, 1.0)).abs().max()
+    assert gap < 1e-4, gap
+
+
 def test_weights_are_refreshed_in_place_and_released_on_request():
     model, (ids, mask) = _model("phi3"), _prompts()
     engine = _engine(model.config, n=8)
