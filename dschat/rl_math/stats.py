@@ -93,13 +93,18 @@ def masked_whiten(
     ``(x - mean) / sqrt(var + eps)``; with ``shift_mean=False`` the mean is added back (only the
     scale changes, as for rewards in TRL). Upstream DeepSpeed-Chat never whitens; this is for
     opt-in advantage whitening. Entries outside the mask are transformed too but do not influence
-    the statistics. ``moments`` replaces ``x``'s own: the trainer passes those of the whole rollout
-    (every micro-batch, every rank) to whiten each micro-batch alike. No entries: mean 0, variance 0.
+    the statistics. Without ``moments`` the statistics are ``x``'s own, in two passes (mean, then the
+    mean squared deviation: no cancellation when the mean is large beside the spread; an empty mask
+    gives ``nan``). ``moments`` replaces them: the trainer passes those of the whole rollout (every
+    micro-batch, every rank) to whiten each micro-batch alike; moments without entries give mean 0,
+    variance 0.
 
     Shape: x, mask (B, T); returns (B, T).
     """
-    moments = Moments.of(x, mask) if moments is None else moments
-    mean, var = moments.mean, moments.var(unbiased=True)
+    if moments is None:
+        mean, var = masked_mean(x, mask), masked_var(x, mask, unbiased=True)
+    else:
+        mean, var = moments.mean, moments.var(unbiased=True)
     whitened = (x - mean) * (var + eps) ** -0.5
     if not shift_mean:
         whitened = whitened + mean
@@ -122,10 +127,13 @@ def explained_variance_from_moments(returns: Moments, residual: Moments) -> floa
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``1 - Var[returns - values] / Var[returns]`` over the masked tokens (CleanRL's
     ``losses/explained_variance``): 1 is a perfect critic, 0 no better than a constant, negative
-    worse. ``nan`` when the returns have zero variance. The moments are taken in float32.
+    worse. ``nan`` when the returns have zero variance or no token is masked in. The variances are
+    taken in float32, in two passes (no cancellation when the mean is large beside the spread).
 
     Shape: values, returns, mask (B, T - start); returns ().
     """
-    moments = explained_variance_from_moments(Moments.of(returns.float(), mask),
-                                              Moments.of((returns - values).float(), mask))
-    return torch.tensor(moments, device=values.device)
+    returns = returns.float()
+    var_returns = masked_var(returns, mask, unbiased=False)
+    if not var_returns > 0:
+        return torch.tensor(float("nan"), device=values.device)
+    return 1.0 - masked_var(returns - values.float(), mask, unbiased=False) / var_returns

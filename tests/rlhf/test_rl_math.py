@@ -772,6 +772,22 @@ def test_masked_whiten_zero_mean_unit_variance_over_mask():
     assert float(unshifted.var()) == pytest.approx(1.0, abs=1e-6)
 
 
+def test_whitening_and_explained_variance_of_one_tensor_do_not_cancel_in_float32():
+    # A mean large beside the spread: E[x^2] - mean^2 in float32 loses the variance (whitened std 0.09
+    # instead of 1); the two-pass statistics keep it. An empty mask is nan, not a scaled-up x.
+    g = torch.Generator().manual_seed(7)
+    x = 1000 + 0.01 * torch.randn(4, 64, generator=g)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    assert float(rm.masked_whiten(x, mask).std()) == pytest.approx(1.0, abs=1e-3)
+    returns = 1000 + 0.01 * torch.randn(4, 64, generator=g)
+    values = returns + 0.001 * torch.randn(4, 64, generator=g)
+    expected = 1 - float((returns - values).double().var(unbiased=False) / returns.double().var(unbiased=False))
+    assert float(rm.explained_variance(values, returns, mask)) == pytest.approx(expected, abs=1e-3)
+    empty = torch.zeros_like(mask)
+    assert torch.isnan(rm.masked_whiten(x, empty)).all()
+    assert torch.isnan(rm.explained_variance(values, returns, empty))
+
+
 def test_moments_of_micro_batches_give_the_statistics_of_the_whole_rollout():
     # The trainer whitens and scores a rollout of micro-batches of different widths (two generation
     # batches), on several ranks, from Moments added up over them: the same as over the whole batch.
