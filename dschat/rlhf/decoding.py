@@ -38,7 +38,7 @@ from transformers import DynamicCache, GenerationConfig
 from dschat.models.lora import LinearLayer_LoRA
 
 
-__all__ = ["DecodingSettings", "Rollout", "generated_token_logprobs", "loop_rollout", "draw", "next_token_scores", "onednn_decode_linears",
+__all__ = ["DecodingSettings", "Rollout", "generated_token_logprobs", "loop_rollout", "check_probability_sums", "draw", "next_token_scores", "onednn_decode_linears",
            "onednn_decode_supported", "sample_loop"]
 
 
@@ -200,6 +200,12 @@ def next_token_scores(logits: torch.Tensor, decoding: DecodingSettings, eos_toke
     return scores
 
 
+def check_probability_sums(total: torch.Tensor) -> None:
+    """Refuse rows whose probabilities do not sum to a finite positive number (non-finite logits)."""
+    if not bool(torch.isfinite(total).all() and (total > 0).all()):
+        raise ValueError("probability tensor contains inf, nan or sums to 0 (the actor's logits are not finite)")
+
+
 def draw(probs: torch.Tensor, sampler: str = "inverse_cdf") -> torch.Tensor:
     """One token per row from ``probs`` (B, V) -> (B,).
 
@@ -214,8 +220,7 @@ def draw(probs: torch.Tensor, sampler: str = "inverse_cdf") -> torch.Tensor:
         raise ValueError(f"sampler must be 'inverse_cdf' or 'multinomial', got {sampler!r}")
     cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # (B, V)
     total = cdf[:, -1:]  # (B, 1)
-    if not bool(torch.isfinite(total).all() and (total > 0).all()):
-        raise ValueError("probability tensor contains inf, nan or sums to 0 (the actor's logits are not finite)")
+    check_probability_sums(total)
     u = torch.rand(total.shape, dtype=torch.float64, device=probs.device) * total
     # Strictly below the total, so the first entry of the running sum above u is a token with p > 0.
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))

@@ -43,7 +43,7 @@ from dschat.models.decoder.tensor_parallel import (
     tp_unsupported_reason,
 )
 from dschat.models.lora import LinearLayer_LoRA
-from dschat.rlhf.decoding import Rollout
+from dschat.rlhf.decoding import Rollout, check_probability_sums
 from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.runtime.zero3 import gathered
 
@@ -180,8 +180,8 @@ class TensorParallelHybridEngine(DschatHybridEngine):
         collective), decode the group's prompts together, return this member's rows."""
         param = next(module.parameters())
         batch = group_batch(self.group, prompts, mask, self.pad_token_id)
-        self.model.weights.refresh(module, param.dtype, param.device, gather, self.layers_per_gather)
-        try:
+        try:  # a failed refresh releases the buffers too
+            self.model.weights.refresh(module, param.dtype, param.device, gather, self.layers_per_gather)
             rollout = self.decode(batch.prompts, batch.mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs)
         finally:
             self.rollouts += 1
@@ -207,7 +207,10 @@ class TensorParallelHybridEngine(DschatHybridEngine):
 
     def _draw(self, scores: torch.Tensor) -> torch.Tensor:
         """Member 0 draws (its random stream, as if it decoded the group's batch alone) and sends its
-        tokens to the others, so members with different random states never disagree."""
+        tokens to the others, so members with different random states never disagree. ``scores`` are the
+        same on every member, so every member refuses non-finite ones together (none is left waiting
+        in the broadcast for a member 0 that raised)."""
+        check_probability_sums(torch.softmax(scores, dim=-1).sum(-1, dtype=torch.float64))
         if self.group.index == 0:
             token = super()._draw(scores)
         else:

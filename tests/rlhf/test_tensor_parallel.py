@@ -239,6 +239,32 @@ def test_tp2_sampling_draws_member_0s_tokens_and_keeps_their_log_probs():
     assert torch.equal(second.sequences[:, 5:], alone.sequences[2:3, 7:7 + second.sequences.shape[1] - 5])
 
 
+def test_non_finite_logits_stop_every_member_at_once():
+    """Sampling with non-finite logits: every member raises the same error (the gathered scores are the
+    same everywhere); none is left in member 0's broadcast until the collective times out."""
+    model = _model("llama")
+    with torch.no_grad():
+        model.lm_head.weight[3, 0] = float("nan")
+    meeting, outcome = _Meeting(2), {}
+    meeting.barrier = threading.Barrier(2, timeout=20)  # a real group is never aborted for the others
+
+    def member(i: int) -> None:
+        engine = TensorParallelHybridEngine(model.config, ThreadGroup(meeting, i), decoding=DecodingSettings("sample"),
+                                            max_new_tokens=4, eos_token_id=EOS, pad_token_id=PAD)
+        try:
+            engine.rollout(model, *_member_prompts(i))
+            outcome[i] = "returned"
+        except BaseException as err:  # noqa: BLE001 -- what each member ended with
+            outcome[i] = type(err).__name__
+
+    threads = [threading.Thread(target=member, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert outcome == {0: "ValueError", 1: "ValueError"}
+
+
 def test_an_odd_vocabulary_is_padded_and_never_sampled():
     config = tiny_config("llama")
     config.vocab_size = 95  # rows 95 (padding, logit -inf) on member 1
