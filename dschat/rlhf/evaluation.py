@@ -9,7 +9,8 @@ inside a forked random state, so every evaluation sees the same random numbers (
 between evaluations) and training sees exactly the random numbers it would without evaluation.
 The prompts are cut into generation batches dealt round robin to the ranks, each batch seeded by its
 number (:func:`eval_batches`), and the scores are gathered on every rank: one rank and several answer
-alike, and every rank takes the same best-checkpoint and alarm decisions (rank 0 writes).
+alike (with sampled decoding, unless an inference TP group decodes: see :func:`eval_batches`), and
+every rank takes the same best-checkpoint and alarm decisions (rank 0 writes).
 ``--eval_interval auto`` schedules each next evaluation from the costs measured so far, so that
 evaluation takes at most 10 % of the step-3 wall time (:mod:`dschat.rlhf.eval_cost`).
 
@@ -111,7 +112,10 @@ def eval_batches(n: int, batch_size: int, rank: int, world_size: int) -> list[tu
     The K prompts are cut into ``ceil(K / batch_size)`` batches of ``batch_size``, the last one topped
     up with repeats of the first prompts, and dealt round robin: batch ``b`` goes to rank
     ``b % world_size``. Each batch, and the seed it is decoded with (its number), is the same for any
-    number of ranks, so one rank and several give the same answers. Every rank gets the same number
+    number of ranks, so one rank and several give the same answers -- except with sampled decoding
+    over an inference TP group (``--inference_tp_size`` > 1), where the group's first member draws
+    every row of the group's batches from its own random stream: those answers depend on the TP
+    degree (evaluations of one run still share their random numbers, so they stay paired). Every rank gets the same number
     of batches (a rank short of one repeats batch 0, not counted): generation and the forward
     passes are collective under ZeRO-3.
     """
