@@ -55,13 +55,15 @@ def auto_interval(eval_seconds: float, step_seconds: float, steps: int | None, *
 
 def planned_ppo_steps(args: Any, trainer: Any) -> int | None:
     """The PPO steps (iterations) this run plans: the LR schedule's optimizer steps over the
-    optimizer steps per rollout, at most ``--test_stop_step / --generation_batches`` in test mode;
+    optimizer steps per rollout, rounded down, at most ``--test_stop_step / --generation_batches`` in test mode;
     None when the trainer does not say."""
     engine, plan = getattr(trainer, "rlhf_engine", None), getattr(trainer, "plan", None)
     total = getattr(engine, "num_total_iters", None)
     if total is None or plan is None:
         return None
-    steps = max(1, round(total / plan.optimizer_steps_per_rollout))
+    # Rounded down: a rollout needs all of its --generation_batches prompt batches, and the schedule's
+    # count (upstream's formula, rounded up) counts the batches of an unfinished last rollout too.
+    steps = max(1, math.floor(total / plan.optimizer_steps_per_rollout + 1e-9))
     if getattr(args, "enable_test_mode", False):
         steps = min(steps, max(1, int(args.test_stop_step) // int(args.generation_batches)))
     return steps

@@ -149,6 +149,23 @@ def test_eval_interval_default_follows_the_evaluation_flags(given, interval):
     assert [j.name for j in judges] == (["gold"] if "gold" in given else [])
 
 
+def test_planned_ppo_steps_count_only_whole_rollouts():
+    from types import SimpleNamespace
+
+    from dschat.rlhf.eval_cost import planned_ppo_steps
+
+    def planned(total, per_rollout, **args):
+        trainer = SimpleNamespace(rlhf_engine=SimpleNamespace(num_total_iters=total),
+                                  plan=SimpleNamespace(optimizer_steps_per_rollout=per_rollout))
+        return planned_ppo_steps(SimpleNamespace(enable_test_mode=False, **args), trainer)
+
+    # 3 prompt batches, --generation_batches 2, one optimizer step a batch: the schedule counts 3 steps,
+    # but only one rollout of 2 batches is made (the third batch waits for a partner that never comes).
+    assert planned(3, 2.0) == 1
+    assert planned(4, 2.0) == 2 and planned(20, 1.0) == 20 and planned(1, 4.0) == 1
+    assert planned_ppo_steps(SimpleNamespace(), SimpleNamespace()) is None
+
+
 def test_auto_interval_by_hand():
     from dschat.rlhf.eval_cost import auto_interval, eval_share
 
