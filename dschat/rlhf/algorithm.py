@@ -8,6 +8,7 @@ upstream-style Namespace without these flags gets upstream's PPO.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,6 +67,11 @@ def resolve_algorithm(args: Any) -> AlgorithmSettings:
         raise UserError(f"--num_generations {k} does not divide --per_device_generation_batch_size {gen_bs}: a "
                         "generation batch holds whole groups of K answers to a prompt; make the batch a multiple "
                         f"of {k}")
+    if algorithm in (*GROUP_ALGORITHMS, "remax") and (step3_flag(args, "decoding") == "greedy"
+                                                       or step3_flag(args, "top_k") == 1):
+        compared = "the K answers to a prompt" if algorithm in GROUP_ALGORITHMS else "the answer with the greedy one"
+        raise UserError(f"--algorithm {algorithm} compares {compared}, which greedy decoding (--decoding greedy or "
+                        "--top_k 1) makes identical: every advantage would be 0; use --decoding sample")
     dr_grpo = bool(step3_flag(args, "dr_grpo"))
     if dr_grpo and algorithm != "grpo":
         raise UserError(f"--dr_grpo is a GRPO variant; use it with --algorithm grpo (not {algorithm})")
@@ -87,7 +93,7 @@ def resolve_algorithm(args: Any) -> AlgorithmSettings:
                         f"{aggregation} is for the critic-free algorithms")
 
     tis_cap = float(step3_flag(args, "tis_cap"))
-    if tis_cap < 0:
-        raise UserError(f"--tis_cap must be >= 0 (0: off), got {tis_cap}")
+    if not (math.isfinite(tis_cap) and tis_cap >= 0):
+        raise UserError(f"--tis_cap must be a finite number >= 0 (0: off), got {tis_cap}")
     whiten = bool(step3_flag(args, "whiten_advantages")) or algorithm == "reinforce_pp"
     return AlgorithmSettings(algorithm, k, kl_in_reward, estimator, aggregation, not dr_grpo, whiten, tis_cap)

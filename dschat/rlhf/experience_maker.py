@@ -313,7 +313,10 @@ class ExperienceMaker:
         self.experience_time = time.time() - generate_end
         action_mask = attention_mask[:, 1:] * valid[:, None].to(attention_mask.dtype)
         kept = action_mask.bool()
-        if not self.nonfinite.check(logprobs[kept], ref_logprobs[kept], values[kept], reward_score[valid],
+        # Every row's reward, dropped ones too (a group's statistics and a masked-by-multiplying loss
+        # would carry their nan), and ReMax's greedy baseline.
+        baseline = () if greedy_scores is None else (greedy_scores,)
+        if not self.nonfinite.check(logprobs[kept], ref_logprobs[kept], values[kept], reward_score, *baseline,
                                     message=f"non-finite log-probs, values or reward in the rollout of step {step}; "
                                             "rollout skipped"):
             return None  # every rank agrees (the check is collective): no experience, no update

@@ -263,7 +263,11 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
             # Off-policy the ratio is already taken against the rollout's log-probs (nothing to add).
             per_token = per_token * rl_algorithms.tis_weights(logprobs, exp.logprobs[:, start:], self.settings.tis_cap)
         if not self.settings.kl_in_reward and self.kl_ctl:
-            kl = rl_math.kl_penalty(logprobs.float(), exp.ref_logprobs[:, start:].float(), estimator=self.kl_estimator)
+            ref = exp.ref_logprobs[:, start:].float()
+            # Outside the answer the KL is 0 before it is computed: the log-probs of padding after EOS can
+            # be far apart, and k3's exp would overflow there (inf * 0 in the mask, a nan gradient).
+            current = torch.where(mask.bool(), logprobs.float(), ref)
+            kl = rl_math.kl_penalty(current, ref, estimator=self.kl_estimator)
             per_token = per_token + self.kl_ctl * kl * mask
         return rl_algorithms.aggregate_loss(per_token, mask, self.settings.loss_aggregation, normalizer=normalizer,
                                             max_len=self.max_answer_seq_len)

@@ -164,3 +164,29 @@ class TestLosses:
     def test_token_advantages(self):
         _close(ra.token_advantages(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 0]])),
                [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]])
+
+
+def test_kl_loss_term_ignores_padding_log_probs_that_would_overflow():
+    """GRPO's k3 KL as a loss term: a pad position after EOS whose log-probs are 100 nats apart adds
+    nothing (before, exp(100) overflowed to inf, inf * 0 made the loss and its gradient nan)."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.algorithm import AlgorithmSettings
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+
+    trainer = object.__new__(DeepSpeedPPOTrainer)
+    trainer.settings = AlgorithmSettings("grpo", 2, False, "k3", "token", True, False, 0.0)
+    trainer.kl_ctl, trainer.kl_estimator, trainer.cliprange, trainer.max_answer_seq_len = 0.1, "k3", 0.2, 3
+    # prompt width 2 (start 1); 3 answer positions, the last one padding after EOS
+    action_mask = torch.tensor([[0, 1, 1, 0]])
+    ref = torch.tensor([[0.0, -1.0, -2.0, 0.0]])
+    exp = SimpleNamespace(start=1, action_mask=action_mask, ref_logprobs=ref, logprobs=ref.clone(),
+                          prompts=torch.zeros(1, 2))
+    logprobs = torch.tensor([[-1.2, -1.9, -100.0]], requires_grad=True)
+    loss = trainer._actor_loss(logprobs, logprobs.detach(), torch.tensor([[1.0, 1.0, 1.0]]), exp, None, True)
+    assert torch.isfinite(loss)
+    loss.backward()
+    assert torch.isfinite(logprobs.grad).all() and logprobs.grad[0, 2] == 0
+    # the two answer tokens: -A * ratio (ratio 1) + 0.1 * k3, k3 = exp(r) - r - 1 with r = ref - logprob
+    k3 = [math.exp(r) - r - 1 for r in (-1.0 + 1.2, -2.0 + 1.9)]
+    assert float(loss.detach()) == pytest.approx(sum(-1.0 + 0.1 * k for k in k3) / 2, rel=1e-5)

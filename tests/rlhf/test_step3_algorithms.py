@@ -71,7 +71,13 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     (("--algorithm", "grpo", "--num_generations", "2", "--reward_model_weight", "0"), "leaves nothing to score"),
     (("--algorithm", "ppo", "--kl_in_reward", "off"), "--algorithm ppo keeps the KL in the reward"),
     (("--loss_aggregation", "sequence"), "--loss_aggregation sequence is for the critic-free"),
-    (("--tis_cap", "-1"), "--tis_cap must be >= 0"),
+    (("--tis_cap", "-1"), "--tis_cap must be a finite number >= 0"),
+    (("--tis_cap", "nan"), "--tis_cap must be a finite number >= 0"),
+    (("--algorithm", "grpo", "--num_generations", "2", "--decoding", "greedy"),
+     "--algorithm grpo compares the K answers to a prompt, which greedy decoding"),
+    (("--algorithm", "rloo", "--num_generations", "2", "--top_k", "1"), "every advantage would be 0"),
+    (("--algorithm", "remax", "--decoding", "greedy"), "--algorithm remax compares the answer with the greedy one"),
+    (("--reward_model_weight", "inf"), "--reward_model_weight must be a finite number"),
 ])
 def test_flag_rules_refused_before_any_model(extra, message, tmp_path, data_cache, capsys):
     line = refused_in_process(_argv("tiny-opt", None, data_cache, "--output_dir", str(tmp_path / "out"), *extra), capsys)

@@ -81,3 +81,34 @@ def test_a_rollout_with_a_nan_reward_is_skipped(tmp_path, critic_dirs, data_cach
     assert result.skipped_nonfinite == 1 and len(result.history) == 2
     assert all(math.isfinite(r["actor_loss"]) and math.isfinite(r["reward"]) for r in result.history)
     assert "non-finite log-probs, values or reward in the rollout of step 1; rollout skipped" in capsys.readouterr().out
+
+
+
+def test_a_nan_reward_on_a_dropped_answer_skips_the_rollout_too(monkeypatch, tmp_path, critic_dirs, data_cache, capsys):
+    """GRPO: a nan score on an answer dropped as too short still enters its group's mean (every answer
+    of the group would get a nan advantage), so the rollout is skipped as for a kept answer's nan."""
+    from dschat.rlhf import experience_maker
+    from dschat.rlhf.experience import SequenceMasks, sequence_masks
+
+    calls = []
+
+    def masks_with_row_0_dropped_in_the_second_rollout(prompt_mask, seq, eos):
+        masks = sequence_masks(prompt_mask, seq, eos)
+        if len(calls) == 1:  # the second rollout (calls counts the reward function's calls so far)
+            lengths = masks.answer_lengths.clone()
+            lengths[0] = 1
+            return SequenceMasks(masks.attention_mask, masks.position_ids, lengths)
+        return masks
+
+    def reward_fn(prompts, answers):
+        calls.append(len(answers))
+        return [float("nan") if len(calls) == 2 and i == 0 else 0.1 * len(a.split()) for i, a in enumerate(answers)]
+
+    monkeypatch.setattr(experience_maker, "sequence_masks", masks_with_row_0_dropped_in_the_second_rollout)
+    result = step3_main().main(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--algorithm", "grpo",
+                                         "--num_generations", "2", steps=3), reward_fn=reward_fn)
+    out = capsys.readouterr().out
+    assert "Dropping too short generated answer: step=1" in out
+    assert "non-finite log-probs, values or reward in the rollout of step 1; rollout skipped" in out
+    assert result.skipped_nonfinite == 1 and len(result.history) == 2
+    assert all(math.isfinite(r["actor_loss"]) for r in result.history)

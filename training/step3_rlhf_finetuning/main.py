@@ -12,6 +12,7 @@ See README.md for the flags, the decoding default and the on-policy rule.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,8 @@ def reward_mix(args: argparse.Namespace, reward_fn: Any = None) -> RewardMix:
     weight = args.reward_model_weight
     if weight is None:
         weight = 0.0 if functions else 1.0
+    if not math.isfinite(weight):
+        raise UserError(f"--reward_model_weight must be a finite number, got {weight}")
     if not functions and weight == 0.0:
         raise UserError("--reward_model_weight 0 without --reward_fn leaves nothing to score the answers; give a "
                         "--reward_fn or a non-zero --reward_model_weight")
