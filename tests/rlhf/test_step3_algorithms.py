@@ -78,6 +78,9 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     (("--algorithm", "rloo", "--num_generations", "2", "--top_k", "1"), "every advantage would be 0"),
     (("--algorithm", "remax", "--decoding", "greedy"), "--algorithm remax compares the answer with the greedy one"),
     (("--reward_model_weight", "inf"), "--reward_model_weight must be a finite number"),
+    (("--algorithm", "grpo", "--num_generations", "4", "--reward_fn", "dschat.rewards:gold",
+      "--per_device_generation_batch_size", "4096", "--per_device_training_batch_size", "4"),
+     "fewer than 1024 (per_device_generation_batch_size 4096 / num_generations 4) rows per rank"),
 ])
 def test_flag_rules_refused_before_any_model(extra, message, tmp_path, data_cache, capsys):
     line = refused_in_process(_argv("tiny-opt", None, data_cache, "--output_dir", str(tmp_path / "out"), *extra), capsys)

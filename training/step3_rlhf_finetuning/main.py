@@ -159,11 +159,14 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
     if unsup_dataset is not None:
         unsup_loader = make_train_loader(unsup_dataset, args.per_device_generation_batch_size,
                                          default_data_collator, args.seed, drop_last=drop_last)
-    for name, loader in (("phase-3 prompt", prompt_loader), ("PPO-ptx", unsup_loader)):
+    for name, loader, per_batch in (("phase-3 prompt", prompt_loader, args.per_device_generation_batch_size // num_generations),
+                                    ("PPO-ptx", unsup_loader, args.per_device_generation_batch_size)):
         if loader is not None and len(loader) == 0:
+            rows = (f"{per_batch} (per_device_generation_batch_size {args.per_device_generation_batch_size} / "
+                    f"num_generations {num_generations})" if per_batch != args.per_device_generation_batch_size
+                    else f"per_device_generation_batch_size {per_batch}")
             raise UserError(
-                f"the {name} data has fewer than per_device_generation_batch_size "
-                f"{args.per_device_generation_batch_size} rows per rank, and a short batch is dropped when "
+                f"the {name} data has fewer than {rows} rows per rank, and a short batch is dropped when "
                 f"it splits into several micro-batches of {args.per_device_training_batch_size}; use more "
                 "data or smaller batch sizes"
             )
