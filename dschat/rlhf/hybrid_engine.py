@@ -523,26 +523,25 @@ class RolloutGenerator:
     def _engine_rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
         module = self.actor.module
         min_new_tokens = int(self.extra_generate_kwargs.get("min_new_tokens", 0))
-        if self._tensor_parallel():
-            if not isinstance(self.engine, TensorParallelHybridEngine):
-                self.engine = TensorParallelHybridEngine(
-                    module.config, self.tp_group, layers_per_gather=self.tp_gather_partition_size,
-                    decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
-                    eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
-                    release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
-            self.engine.decoding = self.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
-            self.last_loop = "dschat-he"
-            if self.zero_stage == 3:
-                release_zero3_prefetch(self.actor)  # nothing may still be in flight when gathering outside a forward
-            return self.engine.rollout(module, prompts, mask, gather=materialised_part,
-                                       min_new_tokens=min_new_tokens, keep_logprobs=self.keep_logprobs)
-        if self.engine is None or isinstance(self.engine, TensorParallelHybridEngine):
+        tensor_parallel = self._tensor_parallel()
+        if tensor_parallel and not isinstance(self.engine, TensorParallelHybridEngine):
+            self.engine = TensorParallelHybridEngine(
+                module.config, self.tp_group, layers_per_gather=self.tp_gather_partition_size,
+                decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
+                eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
+                release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
+        elif not tensor_parallel and (self.engine is None or isinstance(self.engine, TensorParallelHybridEngine)):
             self.engine = DschatHybridEngine(
                 module.config, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
                 eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                 release_cache=self.release_inference_cache, cpu_decode_linear=self.cpu_decode_linear)
         self.engine.decoding = self.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
         self.last_loop = "dschat-he"
+        if tensor_parallel:
+            if self.zero_stage == 3:
+                release_zero3_prefetch(self.actor)  # nothing may still be in flight when gathering outside a forward
+            return self.engine.rollout(module, prompts, mask, gather=materialised_part,
+                                       min_new_tokens=min_new_tokens, keep_logprobs=self.keep_logprobs)
         return self.engine.rollout(module, prompts, mask, materialise=self._materialised(),
                                    min_new_tokens=min_new_tokens, keep_logprobs=self.keep_logprobs)
 

@@ -43,7 +43,7 @@ from dschat.models.decoder.tensor_parallel import (
     tp_unsupported_reason,
 )
 from dschat.models.lora import LinearLayer_LoRA
-from dschat.rlhf.decoding import Rollout, check_probability_sums
+from dschat.rlhf.decoding import Rollout, check_probability_sums, draw
 from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.runtime.zero3 import gathered
 
@@ -209,10 +209,12 @@ class TensorParallelHybridEngine(DschatHybridEngine):
         """Member 0 draws (its random stream, as if it decoded the group's batch alone) and sends its
         tokens to the others, so members with different random states never disagree. ``scores`` are the
         same on every member, so every member refuses non-finite ones together (none is left waiting
-        in the broadcast for a member 0 that raised)."""
-        check_probability_sums(torch.softmax(scores, dim=-1).sum(-1, dtype=torch.float64))
+        in the broadcast for a member 0 that raised). Only sampling reaches here: greedy decoding combines
+        the shards' statistics in :meth:`_select`."""
+        probs = torch.softmax(scores, dim=-1)  # once: checked on every member, drawn from on member 0
+        check_probability_sums(probs.sum(-1, dtype=torch.float64))
         if self.group.index == 0:
-            token = super()._draw(scores)
+            token = draw(probs)
         else:
             token = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
         self.group.broadcast_(token, 0)
