@@ -349,6 +349,13 @@ def add_step3_training_args(parser: argparse.ArgumentParser) -> argparse._Argume
                        help="Number of updates steps to accumulate before performing a backward/update pass.")
     group.add_argument("--num_warmup_steps", type=int, default=100,
                        help="Number of steps for the warmup in the lr scheduler.")
+    group.add_argument("--sequence_packing", type=str, default="auto", choices=("auto", "on", "off"),
+                       help="(dschat) Run step 3's scoring passes and PPO update on packed rows: each rollout "
+                            "row's real tokens end to end, no padding computed, sequences kept apart by the "
+                            "attention mask (dschat/models/packing.py); the same results up to floating-point "
+                            "reordering. 'auto' (default): every model whose family and attention (SDPA, eager) "
+                            "support it, the rest padded, named once in the log; 'on': refuse a model that "
+                            "cannot; 'off': padded rows, as upstream.")
     return group
 
 

@@ -24,25 +24,30 @@ class Family:
     num_padding_at_beginning: int = 0
     # Final layer norm that upstream resets before reward training (DSE #772, BLOOM).
     reset_final_norm_for_reward: str | None = None
+    # How packed rows (--sequence_packing, models/packing.py) are kept apart: "positions" (the family's
+    # mask builder reads packed position ids), "mask" (it is given the block-diagonal mask) or None
+    # (padded layout: positions from the mask, such as ALiBi, or not checked).
+    sequence_packing: str | None = "positions"
 
 
 FAMILIES: dict[str, Family] = {
-    "opt": Family("opt", "decoder.layers.", "word_embed_proj_dim", True, 1),
+    "opt": Family("opt", "decoder.layers.", "word_embed_proj_dim", True, 1, sequence_packing="mask"),
     "llama": Family("llama", "layers.", hybrid_engine_container=True),
     "mistral": Family("mistral", "layers."),
     "qwen2": Family("qwen2", "layers."),
     "qwen3": Family("qwen3", "layers."),
     "gemma": Family("gemma", "layers."),
     "phi3": Family("phi3", "layers."),
-    "bloom": Family("bloom", "h.", hybrid_engine_container=True, reset_final_norm_for_reward="ln_f"),
+    "bloom": Family("bloom", "h.", hybrid_engine_container=True, reset_final_norm_for_reward="ln_f",
+                    sequence_packing=None),
     "gpt2": Family("gpt2", "h.", "n_embd"),
     "gpt_neox": Family("gpt_neox", "layers.", hybrid_engine_container=True),
     "gptj": Family("gptj", "h.", "n_embd", hybrid_engine_container=True),
     "gpt_neo": Family("gpt_neo", "h.", hybrid_engine_container=True),
-    "internlm": Family("internlm", "layers.", hybrid_engine_container=True),
+    "internlm": Family("internlm", "layers.", hybrid_engine_container=True, sequence_packing=None),
 }
 
-GENERIC = Family("generic", "layers.")
+GENERIC = Family("generic", "layers.", sequence_packing=None)
 
 
 def family_of(config_or_model: Any) -> Family:

@@ -48,6 +48,8 @@ from dschat.rewards import RewardFunction, RewardMix
 from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
 from dschat.rlhf.decoding import Rollout
 from dschat.rlhf.experience import Experience, sequence_masks
+from dschat.rlhf.packed_passes import (pack_batch, resolve_sequence_packing, reward_end_scores, shifted_log_probs,
+                                       token_log_probs, token_values)
 from dschat.runtime.dist import all_reduce_sum, get_rank, print_rank_0
 from dschat.training.nonfinite import NonFiniteGuard
 
@@ -118,6 +120,10 @@ class ExperienceMaker:
         self.whiten_advantages = self.settings.whiten_advantages
         self.missing_eos_penalty = float(step3_flag(args, "missing_eos_penalty") or 0.0)
         self.logit_temperature = self.generator.decoding.logit_temperature
+        # --sequence_packing: which models run their passes over a rollout on packed rows.
+        self.packing = resolve_sequence_packing(str(step3_flag(args, "sequence_packing")), {
+            "actor": self.actor_model, "reference": self.ref_model, "critic": self.critic_model,
+            "reward": self.reward_model if self.reward_mix.uses_model else None})
 
         # Fast path, on by default: take the old log-probs from generation instead of a second
         # forward pass of the actor (benchmarks/step3.py turns it off for its baseline).
@@ -158,10 +164,20 @@ class ExperienceMaker:
 
     def _log_probs(self, logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
         """(B, L, V) logits -> (B, L - 1) log-probs of ``seq[:, 1:]`` under the sampling distribution."""
-        logits = logits[:, :-1]
-        if self.logit_temperature != 1.0:
-            logits = logits / self.logit_temperature
-        return rl_math.gather_log_probs(logits, seq[:, 1:], fp32=self.compute_fp32_loss)
+        return shifted_log_probs(logits, seq, temperature=self.logit_temperature, fp32=self.compute_fp32_loss)
+
+    def _token_log_probs(self, name: str, model: Any, seq: torch.Tensor, attention_mask: torch.Tensor,
+                         position_ids: torch.Tensor, packed: Any) -> torch.Tensor:
+        """(B, L - 1) log-probs of ``seq[:, 1:]`` under ``model`` at the sampling temperature, on the
+        batch's packed rows where the model ``name`` packs (:mod:`~dschat.rlhf.packed_passes`)."""
+        return token_log_probs(model, seq, attention_mask, position_ids, packed if self.packing.get(name) else None,
+                               temperature=self.logit_temperature, fp32=self.compute_fp32_loss)
+
+    def _token_values(self, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      packed: Any) -> torch.Tensor:
+        """(B, L) the critic's per-token values, on packed rows where the critic packs."""
+        return token_values(self.critic_model, seq, attention_mask, position_ids,
+                            packed if self.packing.get("critic") else None)
 
     @staticmethod
     def _logprobs_from_rollout(answer_logprobs: torch.Tensor, prompt_length: int,
@@ -188,15 +204,20 @@ class ExperienceMaker:
                         for row, m in zip(seq, attention_mask)]
         return prompt_texts, answer_texts
 
+    def _packed(self, name: str, seq: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        """The packed rows of a batch for the model ``name``, or None where it runs padded."""
+        return pack_batch(seq, attention_mask, self.packing.get(name, False))
+
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
-                       attention_mask: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """(B,) reward of each answer: the reward model's score and the reward functions, by weight."""
+                       attention_mask: torch.Tensor, position_ids: torch.Tensor, packed: Any = None) -> torch.Tensor:
+        """(B,) reward of each answer: the reward model's score and the reward functions, by weight.
+        ``packed``: the batch's packed rows (the reward model runs padded without them)."""
         mix = self.reward_mix
         model_scores = None
         if mix.uses_model:
-            out = self.reward_model.forward_value(seq, attention_mask, position_ids=position_ids,
-                                                  prompt_length=prompts.shape[1])
-            model_scores = out["chosen_end_scores"].detach().float()
+            model_scores = reward_end_scores(self.reward_model, seq, attention_mask, position_ids,
+                                             packed if self.packing.get("reward") else None,
+                                             prompts.shape[1]).detach().float()
             if not mix.functions and mix.model_weight == 1.0:
                 return model_scores  # upstream's reward, untouched
         failure: UserError | None = None
@@ -223,7 +244,8 @@ class ExperienceMaker:
             self.generator.decoding = sampling
         masks = sequence_masks(mask, seq, self.tokenizer.eos_token_id)
         with torch.no_grad():
-            scores = self._reward_scores(prompts, mask, seq, masks.attention_mask, masks.position_ids)
+            scores = self._reward_scores(prompts, mask, seq, masks.attention_mask, masks.position_ids,
+                                         self._packed("reward", seq, masks.attention_mask))
         if self.missing_eos_penalty:
             ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
             scores = rl_math.missing_eos_penalty(scores, ended, self.missing_eos_penalty)
@@ -288,26 +310,22 @@ class ExperienceMaker:
             return None
 
         attention_mask, position_ids = masks.attention_mask, masks.position_ids
+        packed = pack_batch(seq, attention_mask, any(self.packing.values()))  # one packing for every pass
         with torch.no_grad():
             if rollout.logprobs is not None and self.reuse_rollout_logprobs:
                 # The generator kept the sampled tokens' log-probs: no second actor pass.
                 logprobs = self._logprobs_from_rollout(rollout.logprobs, prompts.shape[1], attention_mask)
             else:
-                logits = self.actor_model(seq, attention_mask=attention_mask, position_ids=position_ids,
-                                          use_cache=False).logits
-                logprobs = self._log_probs(logits, seq).float()
-                del logits
-            ref_logits = self.ref_model(seq, attention_mask=attention_mask, position_ids=position_ids,
-                                        use_cache=False).logits
-            ref_logprobs = self._log_probs(ref_logits, seq).float()
-            del ref_logits
-            reward_score = self._reward_scores(prompts, mask, seq, attention_mask, position_ids)
+                logprobs = self._token_log_probs("actor", self.actor_model, seq, attention_mask, position_ids,
+                                                 packed).float()
+            ref_logprobs = self._token_log_probs("reference", self.ref_model, seq, attention_mask, position_ids,
+                                                 packed).float()
+            reward_score = self._reward_scores(prompts, mask, seq, attention_mask, position_ids, packed)
             if self.missing_eos_penalty:
                 ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
                 reward_score = rl_math.missing_eos_penalty(reward_score, ended, self.missing_eos_penalty)
             if self.critic_model is not None:
-                values = self.critic_model.forward_value(seq, attention_mask, position_ids=position_ids,
-                                                         return_value_only=True).detach()[:, :-1].float()
+                values = self._token_values(seq, attention_mask, position_ids, packed).detach()[:, :-1].float()
             else:  # critic-free: no value model; zeros keep the container's shape
                 values = torch.zeros_like(logprobs)
         self.experience_time = time.time() - generate_end

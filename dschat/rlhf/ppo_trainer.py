@@ -39,6 +39,7 @@ from dschat.rewards import RewardMix
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.batch_plan import BatchPlan, plan_batches
+from dschat.rlhf.packed_passes import pack_batch
 from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
 from dschat.runtime.zero3 import gathered_parameters
 
@@ -195,10 +196,9 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
         if normalizer is None and float(mask.sum()) == 0:
             normalizer = 1.0  # a micro-batch of dropped rows only: zero loss, not 0/0
 
-        batch = {"input_ids": exp.seq, "attention_mask": exp.attention_mask, "position_ids": exp.position_ids}
-        actor_logits = self.actor_model(**batch, use_cache=False).logits
-        actor_log_prob = self._log_probs(actor_logits, exp.seq)[:, start:]
-        del actor_logits
+        batch = (exp.seq, exp.attention_mask, exp.position_ids)
+        packed = pack_batch(exp.seq, exp.attention_mask, self.packing["actor"] or self.packing.get("critic", False))
+        actor_log_prob = self._token_log_probs("actor", self.actor_model, *batch, packed)[:, start:]
         stored = exp.logprobs[:, start:]
         # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,
         # so use the current log-probs as the old ones (TRL #3493); dropout noise cannot inflate it.
@@ -224,7 +224,7 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
         if self.critic_model is None:  # critic-free: the actor's step is the whole update
             self.micro_stats.append(self._micro_stats(actor_loss, float("nan"), policy, mask, gap))
             return actor_loss, torch.tensor(float("nan"))
-        value = self.critic_model.forward_value(**batch, return_value_only=True, use_cache=False)[:, :-1]
+        value = self._token_values(*batch, packed)[:, :-1]
         critic_loss = self.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
         critic_ok = self.nonfinite.loss_ok(critic_loss, where="a PPO critic micro-step")
         if critic_ok:

@@ -122,7 +122,9 @@ def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(m
     with torch.no_grad():
         logits = actor(seq, attention_mask=exp.attention_mask, position_ids=exp.position_ids).logits
     manual = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, seq[:, 1:, None]).squeeze(-1)
-    assert torch.allclose(exp.logprobs, manual, atol=1e-5)
+    # Every column a real token predicts from (packed rows leave the padding columns 0).
+    real = exp.attention_mask[:, :-1].bool()
+    assert torch.allclose(exp.logprobs[real], manual[real], atol=1e-5)
 
     # Reward placement (upstream default): one slot after the last action token; "last": on the EOS.
     rewards = trainer.compute_rewards(exp.prompts, exp.logprobs, exp.ref_logprobs, exp.reward_score, exp.action_mask)
@@ -139,8 +141,9 @@ def test_quirk_experience_keeps_eos_in_action_mask_and_drops_one_token_answers(m
 
 def test_every_forward_gets_mask_derived_positions(monkeypatch, critic_dirs, data_cache):
     # RoPE models are shift-invariant, but models with learned absolute positions are not: each
-    # experience and training forward must receive cumsum(mask) - 1 (upstream passed none).
-    trainer, tok = _build("tiny-llama", critic_dirs, data_cache, "--actor_dropout", "0.0")
+    # experience and training forward must receive cumsum(mask) - 1 (upstream passed none). Padded
+    # rows here; packed rows are tests/rlhf/test_sequence_packing.py's.
+    trainer, tok = _build("tiny-llama", critic_dirs, data_cache, "--actor_dropout", "0.0", "--sequence_packing", "off")
     pad, bos, eos = tok.pad_token_id, tok.bos_token_id, tok.eos_token_id
     prompts = torch.tensor([[pad, pad, bos, 40, 41], [bos, 40, 41, 42, 43]])
     prompt_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])

@@ -1,0 +1,171 @@
+"""Sequence packing: the real tokens of a padded batch laid end to end in fewer rows, so that a
+forward pass computes no padding (step 3's scoring passes and PPO update, ``--sequence_packing``).
+
+A step-3 rollout batch ``(B, L)`` is a left-padded prompt, the answer, and padding after the answer's
+EOS; in the CPU demo about half of its columns are padding. :func:`pack_rows` puts each row's real
+tokens (one contiguous run per row) into rows of at most ``L`` columns, longest first, each into the
+first row with room (first-fit decreasing). Position ids restart at 0 for every sequence, and the
+attention keeps the sequences apart:
+
+* ``"positions"`` -- the family's own mask builder (transformers' ``masking_utils``) finds packed
+  sequences from the position ids when no 2-D mask is given;
+* ``"mask"`` -- OPT's mask builder ignores the position ids, so it is given the block-diagonal causal
+  mask that transformers' own ``create_causal_mask`` builds from them (4-D masks are used as given);
+* ``None`` -- the padded layout is kept (:func:`packing_unsupported_reason` says why in one line):
+  families whose positions come from the mask (ALiBi) or that are not in :data:`~dschat.models.families.FAMILIES`,
+  and attention kernels other than SDPA and eager.
+
+A row never gets longer than the padded batch's, so no attention costs more than the padded one.
+The results at real tokens are the padded pass's up to floating-point reordering (measured in
+``tests/models/test_packing.py``: at most a few 1e-6 in fp32 logits with SDPA, exactly equal with
+eager attention); filler slots at the end of a packed row form a sequence of their own and are
+dropped by :meth:`PackedRows.unpack`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers.masking_utils import create_causal_mask
+
+from dschat.models.families import family_of
+
+__all__ = ["PackedRows", "pack_rows", "packing_mode", "packing_unsupported_reason", "packed_model_inputs"]
+
+#: Attention implementations whose masks keep packed sequences apart (checked by the tests).
+PACKING_ATTENTION = ("sdpa", "eager")
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """A padded ``(B, L)`` batch packed into ``(R, W)`` with ``R <= B``, ``W <= L``.
+
+    ``source[r, w]`` is the flat index ``b * L + c`` of the padded token that slot ``(r, w)`` holds,
+    or -1 for a filler slot; :meth:`gather` and :meth:`unpack` move tensors between the layouts.
+    """
+
+    input_ids: torch.Tensor  # (R, W) packed ids; filler slots hold the first padded id
+    position_ids: torch.Tensor  # (R, W) 0, 1, ... within each sequence (and within each row's filler)
+    source: torch.Tensor  # (R, W) int64 flat padded index of each slot, -1 for filler
+    shape: tuple[int, int]  # (B, L) of the padded batch
+
+    @property
+    def real(self) -> torch.Tensor:
+        """(R, W) bool: the slot holds a real token."""
+        return self.source >= 0
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.real.sum())
+
+    def gather(self, padded: torch.Tensor) -> torch.Tensor:
+        """(B, L, ...) in the padded layout -> (R, W, ...) in the packed one (filler slots: the value
+        at padded index 0, which nothing reads)."""
+        B, L = self.shape
+        flat = padded.reshape(B * L, *padded.shape[2:])
+        return flat[self.source.clamp(min=0)]
+
+    def unpack(self, packed: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+        """(R, W, ...) in the packed layout -> (B, L, ...), ``fill`` where the padded batch has
+        padding. Differentiable in ``packed``."""
+        B, L = self.shape
+        real = self.real
+        out = packed.new_full((B * L, *packed.shape[2:]), fill)
+        out = out.index_put((self.source[real],), packed[real])
+        return out.reshape(B, L, *packed.shape[2:])
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows | None:
+    """Pack a padded batch (shapes (B, L)); None when some row's real tokens are not one contiguous
+    run (the caller keeps the padded layout). Deterministic: rows by decreasing length (ties by
+    index), each into the first packed row with room for it."""
+    B, L = input_ids.shape
+    mask = attention_mask.bool()
+    lengths = mask.sum(-1)
+    first = mask.long().argmax(-1)
+    cols = torch.arange(L, device=mask.device)
+    contiguous = mask == ((cols >= first[:, None]) & (cols < (first + lengths)[:, None]))
+    if not bool(contiguous.all()):
+        return None
+    lengths_list, first_list = lengths.tolist(), first.tolist()
+    bins: list[list[int]] = []  # per packed row: [used, b, b, ...]
+    for b in sorted(range(B), key=lambda i: (-lengths_list[i], i)):
+        n = lengths_list[b]
+        if n == 0:
+            continue
+        for row in bins:
+            if row[0] + n <= L:
+                row.append(b)
+                row[0] += n
+                break
+        else:
+            bins.append([n, b])
+    R = max(len(bins), 1)
+    W = max((row[0] for row in bins), default=1)
+    source = torch.full((R, W), -1, dtype=torch.long)
+    positions = torch.zeros((R, W), dtype=torch.long)
+    for r, row in enumerate(bins):
+        offset = 0
+        for b in row[1:]:
+            n = lengths_list[b]
+            source[r, offset:offset + n] = b * L + first_list[b] + torch.arange(n)
+            positions[r, offset:offset + n] = torch.arange(n)
+            offset += n
+        positions[r, offset:] = torch.arange(W - offset)  # filler: a sequence of its own
+    source = source.to(input_ids.device)
+    packed = PackedRows(input_ids=input_ids.new_zeros((R, W)), position_ids=positions.to(input_ids.device),
+                        source=source, shape=(B, L))
+    return PackedRows(input_ids=packed.gather(input_ids), position_ids=packed.position_ids, source=source,
+                      shape=(B, L))
+
+
+def _unwrap(model: Any) -> Any:
+    """The ``nn.Module`` inside a DeepSpeed engine (or the module itself)."""
+    inner = getattr(model, "module", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
+def _config(model: Any) -> Any:
+    return getattr(_unwrap(model), "config", None)
+
+
+def packing_unsupported_reason(model: Any) -> str | None:
+    """None when ``model`` (an HF model, a ``RewardModel`` or a DeepSpeed engine of one) computes
+    packed rows correctly, else one line saying why not."""
+    config = _config(model)
+    if config is None:
+        return f"{type(_unwrap(model)).__name__} has no Hugging Face config"
+    family = family_of(config)
+    model_type = getattr(config, "model_type", "?")
+    if family.sequence_packing is None:
+        return f"model type {model_type!r} keeps the padded layout (no packed-sequence attention checked for it)"
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in PACKING_ATTENTION:
+        return (f"attention implementation {attention!r} keeps the padded layout (packing is checked with "
+                f"{' and '.join(PACKING_ATTENTION)})")
+    return None
+
+
+def packing_mode(model: Any) -> str | None:
+    """How ``model`` is told where packed sequences start: "positions", "mask" or None (padded)."""
+    if packing_unsupported_reason(model) is not None:
+        return None
+    return family_of(_config(model)).sequence_packing
+
+
+def packed_model_inputs(packed: PackedRows, model: Any) -> dict[str, Any]:
+    """The forward keyword arguments of ``packed`` for ``model`` (whose :func:`packing_mode` is not
+    None): ids and position ids, and for "mask" families the block-diagonal causal mask."""
+    mode = packing_mode(model)
+    if mode is None:
+        raise ValueError(f"sequence packing does not apply: {packing_unsupported_reason(model)}")
+    attention_mask = None
+    if mode == "mask":
+        module = _unwrap(model)
+        dtype = next(module.parameters()).dtype
+        R, W = packed.input_ids.shape
+        shape_only = torch.empty((R, W, 0), dtype=dtype, device=packed.input_ids.device)
+        attention_mask = create_causal_mask(config=_config(model), inputs_embeds=shape_only, attention_mask=None,
+                                            past_key_values=None, position_ids=packed.position_ids)
+    return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": attention_mask}

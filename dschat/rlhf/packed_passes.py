@@ -1,0 +1,101 @@
+"""Step 3's forward passes over a rollout batch -- the scoring passes (reference, reward model,
+critic, and the actor where generation kept no log-probs) and the PPO update's actor and critic
+passes -- on packed rows or on the padded batch (``--sequence_packing``, :mod:`dschat.models.packing`).
+
+Both layouts give the same per-token results in the padded ``(B, L)`` / ``(B, L - 1)`` layout that
+:class:`~dschat.rlhf.experience.Experience` keeps, at every real token, including the log-prob of
+the first pad after a finished answer (the KL term of upstream's ``reward_at="after_last"`` slot).
+Padding columns hold 0 on the packed path (the padded pass computes values there that nothing
+reads: every consumer masks them).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from dschat import rl_math
+from dschat.errors import UserError
+from dschat.models.packing import PackedRows, pack_rows, packed_model_inputs, packing_unsupported_reason
+from dschat.models.reward_model import last_token_index
+from dschat.runtime.dist import print_rank_0
+
+__all__ = ["resolve_sequence_packing", "pack_batch", "shifted_log_probs", "token_log_probs", "token_values",
+           "reward_end_scores"]
+
+SETTINGS = ("auto", "on", "off")
+
+
+def resolve_sequence_packing(setting: str, models: Mapping[str, Any]) -> dict[str, bool]:
+    """Which of ``models`` (name -> engine, None for an absent one) run packed, and one printed line.
+
+    'auto' packs every model that can; 'on' refuses a model that cannot (one line, exit 2); 'off'
+    packs none.
+    """
+    if setting not in SETTINGS:
+        raise UserError(f"--sequence_packing {setting!r} is not one of {', '.join(SETTINGS)}")
+    reasons = {name: packing_unsupported_reason(model) for name, model in models.items() if model is not None}
+    if setting == "off":
+        print_rank_0("Sequence packing: off (--sequence_packing off): scoring and training passes run on padded rows")
+        return {name: False for name in reasons}
+    refused = {name: why for name, why in reasons.items() if why is not None}
+    if setting == "on" and refused:
+        name, why = next(iter(refused.items()))
+        raise UserError(f"--sequence_packing on: the {name} model cannot run packed rows: {why}; "
+                        "use --sequence_packing auto (packs the models that can) or off")
+    packed = [name for name, why in reasons.items() if why is None]
+    line = f"Sequence packing: {', '.join(packed) if packed else 'no model'} on packed rows"
+    if refused:
+        line += "; padded rows for " + "; ".join(f"{name} ({why})" for name, why in refused.items())
+    print_rank_0(line)
+    return {name: why is None for name, why in reasons.items()}
+
+
+def pack_batch(seq: torch.Tensor, attention_mask: torch.Tensor, enabled: bool) -> PackedRows | None:
+    """The packed rows of a rollout batch (B, L), or None for the padded layout."""
+    return pack_rows(seq, attention_mask) if enabled else None
+
+
+def shifted_log_probs(logits: torch.Tensor, seq: torch.Tensor, *, temperature: float = 1.0,
+                      fp32: bool = False) -> torch.Tensor:
+    """(B, L, V) logits of a padded batch -> (B, L - 1) log-probs of ``seq[:, 1:]`` at ``temperature``."""
+    logits = logits[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    return rl_math.gather_log_probs(logits, seq[:, 1:], fp32=fp32)
+
+
+def token_log_probs(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                    packed: PackedRows | None, *, temperature: float = 1.0, fp32: bool = False) -> torch.Tensor:
+    """(B, L - 1) log-probs of ``seq[:, 1:]`` under ``model``'s logits divided by ``temperature``
+    (column ``t`` scores token ``t + 1``); packed when ``packed`` is given, with gradients."""
+    if packed is None:
+        logits = model(seq, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
+        return shifted_log_probs(logits, seq, temperature=temperature, fp32=fp32)
+    logits = model(**packed_model_inputs(packed, model), use_cache=False).logits  # (R, W, V)
+    if temperature != 1.0:
+        logits = logits / temperature
+    # Each slot's target is the padded batch's next token (a pad after a finished answer); the last
+    # column's wraps around, and is dropped below.
+    targets = packed.gather(torch.roll(seq, -1, dims=1))
+    return packed.unpack(rl_math.gather_log_probs(logits, targets, fp32=fp32))[:, :-1]
+
+
+def token_values(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                 packed: PackedRows | None) -> torch.Tensor:
+    """(B, L) per-token values of a ``RewardModel`` (critic or reward model), with gradients."""
+    if packed is None:
+        return model.forward_value(seq, attention_mask, position_ids=position_ids, return_value_only=True,
+                                   use_cache=False)
+    values = model.forward_value(**packed_model_inputs(packed, model), return_value_only=True, use_cache=False)
+    return packed.unpack(values)
+
+
+def reward_end_scores(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
+    """(B,) the reward model's score of each answer: its value at the row's last real token."""
+    if packed is None:
+        out = model.forward_value(seq, attention_mask, position_ids=position_ids, prompt_length=prompt_length)
+        return out["chosen_end_scores"]
+    values = token_values(model, seq, attention_mask, position_ids, packed)
+    return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)

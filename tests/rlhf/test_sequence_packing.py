@@ -1,0 +1,196 @@
+"""Sequence packing (``--sequence_packing``, dschat/models/packing.py, dschat/rlhf/packed_passes.py):
+the layout maths, every supported family's packed forward against its padded one (SDPA and eager,
+fp32 on a CPU), and step 3's experience and PPO update on packed rows against padded rows."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers as T
+
+from dschat.errors import UserError
+from dschat.models.packing import pack_rows, packed_model_inputs, packing_mode, packing_unsupported_reason
+from dschat.models.reward_model import RewardModel
+from dschat.rlhf.experience import sequence_masks
+from dschat.runtime.zero3 import gathered_parameters
+from dschat.rlhf.packed_passes import (reward_end_scores, resolve_sequence_packing, token_log_probs,
+                                       token_values)
+
+from test_decoder_model import FAMILIES, _model
+from test_step3_experience import _build, _fixed_generation
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _batch(V: int = 96, seed: int = 3) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """5 rows of 24 columns: left-padded prompts of 3-8 tokens, answers of 1-16 tokens (one fills
+    the row, one is cut short), padding after them; (ids, attention mask, position ids)."""
+    g = torch.Generator().manual_seed(seed)
+    P, A = 8, 16
+    ids = torch.randint(3, V, (5, P + A), generator=g)
+    mask = torch.zeros(5, P + A, dtype=torch.long)
+    for b, (prompt, answer) in enumerate([(8, 16), (3, 5), (5, 1), (8, 2), (4, 11)]):
+        mask[b, P - prompt:P + answer] = 1
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids.masked_fill(mask == 0, 0), mask, positions
+
+
+# ------------------------------------------------------------------------------ the layout
+
+
+def test_pack_rows_first_fit_decreasing_and_round_trip():
+    ids, mask, _ = _batch()
+    packed = pack_rows(ids, mask)
+    lengths = mask.sum(1).tolist()
+    assert lengths == [24, 8, 6, 10, 15]
+    # Longest first, each into the first row with room: [24], [15, 8], [10, 6].
+    assert packed.input_ids.shape == (3, 24)
+    assert packed.real.sum(1).tolist() == [24, 23, 16]
+    assert packed.real_tokens == sum(lengths)
+    # Every real token exactly once, in order within its row, positions restarting at 0.
+    assert sorted(packed.source[packed.real].tolist()) == mask.flatten().nonzero().flatten().tolist()
+    row1 = packed.position_ids[1].tolist()
+    assert row1 == list(range(15)) + list(range(8)) + [0]  # the last slot: a filler sequence
+    assert torch.equal(packed.input_ids[packed.real], ids.flatten()[packed.source[packed.real]])
+    # gather then unpack gives the padded tensor back at real tokens, the fill elsewhere.
+    values = torch.randn(5, 24, 3)
+    back = packed.unpack(packed.gather(values), fill=-7.0)
+    assert torch.equal(back[mask.bool()], values[mask.bool()])
+    assert (back[~mask.bool()] == -7.0).all()
+    # Deterministic.
+    again = pack_rows(ids, mask)
+    assert torch.equal(again.source, packed.source) and torch.equal(again.position_ids, packed.position_ids)
+
+
+def test_unpack_is_differentiable_and_non_contiguous_rows_are_not_packed():
+    ids, mask, _ = _batch()
+    packed = pack_rows(ids, mask)
+    x = torch.randn(*packed.input_ids.shape, requires_grad=True)
+    (packed.unpack(x) * 2).sum().backward()
+    assert torch.equal(x.grad, 2.0 * packed.real.float())
+    holed = mask.clone()
+    holed[0, 5] = 0  # a hole inside a row: no single run to pack
+    assert pack_rows(ids, holed) is None
+    empty = torch.zeros_like(mask)
+    empty[:, :2] = 1
+    empty[1] = 0  # a row without tokens takes no slot
+    assert pack_rows(ids, empty).real_tokens == 8
+
+
+# ------------------------------------------------------------------------------ every family
+
+
+def _reward_model(causal_lm) -> RewardModel:
+    torch.manual_seed(1)
+    return RewardModel(causal_lm.base_model, SimpleNamespace(pad_token_id=0)).eval()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_packed_log_probs_and_values_equal_the_padded_ones(name, attention):
+    model = _model(name)
+    model.config._attn_implementation = attention
+    assert packing_mode(model) == ("mask" if name.startswith("opt") else "positions")
+    critic = _reward_model(model)
+    ids, mask, positions = _batch()
+    packed = pack_rows(ids, mask)
+    # Columns read downstream: every real token's, which includes the first pad after a finished
+    # answer (upstream's reward slot).
+    real = mask[:, :-1].bool()
+    with torch.no_grad():
+        for temperature in (1.0, 0.7):
+            padded = token_log_probs(model, ids, mask, positions, None, temperature=temperature)
+            ours = token_log_probs(model, ids, mask, positions, packed, temperature=temperature)
+            assert (ours[real] - padded[real]).abs().max() < 2e-5
+            assert (ours[~real] == 0).all()
+        padded_values = token_values(critic, ids, mask, positions, None)
+        assert (token_values(critic, ids, mask, positions, packed) - padded_values)[mask.bool()].abs().max() < 2e-5
+        scores = reward_end_scores(critic, ids, mask, positions, packed, prompt_length=8)
+        assert torch.allclose(scores, reward_end_scores(critic, ids, mask, positions, None, prompt_length=8),
+                              atol=2e-5)
+        if attention == "eager":  # the same sums in the same order: equal to the bit
+            assert torch.equal(ours[real], padded[real])
+
+
+def test_packed_training_gradients_equal_the_padded_ones():
+    model = _model("llama").train()
+    ids, mask, positions = _batch()
+    packed = pack_rows(ids, mask)
+    grads = []
+    for layout in (None, packed):
+        model.zero_grad()
+        token_log_probs(model, ids, mask, positions, layout)[mask[:, 1:].bool()].sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert (grads[0] - grads[1]).abs().max() < 1e-4 * grads[0].abs().max()
+
+
+def test_packing_refuses_what_it_cannot_run():
+    bloom = T.AutoModelForCausalLM.from_config(T.BloomConfig(vocab_size=96, hidden_size=64, n_layer=1, n_head=4))
+    assert "'bloom'" in packing_unsupported_reason(bloom)
+    assert packing_mode(bloom) is None
+    with pytest.raises(ValueError, match="does not apply"):
+        packed_model_inputs(pack_rows(*_batch()[:2]), bloom)
+    flash = _model("llama")
+    flash.config._attn_implementation = "flash_attention_2"
+    assert "flash_attention_2" in packing_unsupported_reason(flash)
+    assert "no Hugging Face config" in packing_unsupported_reason(torch.nn.Linear(2, 2))
+    llama = _model("llama")
+    assert resolve_sequence_packing("auto", {"actor": llama, "reward": bloom, "critic": None}) == {
+        "actor": True, "reward": False}
+    assert resolve_sequence_packing("off", {"actor": llama}) == {"actor": False}
+    with pytest.raises(UserError, match=r"--sequence_packing on: the reward model cannot run packed rows: .*'bloom'"):
+        resolve_sequence_packing("on", {"actor": llama, "reward": bloom})
+
+
+def test_sliding_windows_still_apply_inside_packed_rows():
+    # Mistral's window of 8 inside rows of up to 24 tokens: packed equals padded (the family test),
+    # and the window matters there, so that equality is not the window being ignored by both.
+    model = _model("mistral")
+    assert model.config.sliding_window == 8
+    ids, mask, positions = _batch()
+    real = mask[:, :-1].bool()
+    with torch.no_grad():
+        windowed = token_log_probs(model, ids, mask, positions, pack_rows(ids, mask))
+        model.config.sliding_window = None
+        full = token_log_probs(model, ids, mask, positions, pack_rows(ids, mask))
+    assert (windowed[real] - full[real]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ step 3
+
+
+@pytest.mark.parametrize("model, extra", [
+    ("tiny-llama", ()), ("tiny-opt", ()),
+    ("tiny-llama", ("--actor_zero_stage", "3", "--critic_zero_stage", "3", "--actor_lora_dim", "4",
+                    "--critic_lora_dim", "4")),
+], ids=["llama", "opt", "llama-zero3-lora"])
+def test_step3_experience_and_update_on_packed_rows_equal_the_padded_ones(model, extra, monkeypatch, critic_dirs,
+                                                                          data_cache, capsys):
+    runs = {}
+    for setting in ("off", "auto"):
+        trainer, tok = _build(model, critic_dirs, data_cache, "--actor_dropout", "0.0", "--critic_dropout", "0.0",
+                              "--sequence_packing", setting, *extra)
+        pad, eos = tok.pad_token_id, tok.eos_token_id
+        prompts = torch.tensor([[pad, pad, 40, 41, 42], [43, 44, 45, 46, 47], [pad, 48, 49, 50, 51]])
+        prompt_mask = (prompts != pad).long()
+        answers = torch.tensor([[52, 53, eos, pad, pad, pad], [54, 55, 56, 57, 58, 59], [60, eos, pad, pad, pad, pad]])
+        seq = torch.cat([prompts, answers], dim=1)
+        _fixed_generation(monkeypatch, trainer, seq)
+        trainer.reuse_rollout_logprobs = False  # the actor's scoring pass too
+        exp = trainer.generate_experience(prompts, prompt_mask, step=0)
+        trainer.prepare_rollout([exp])
+        trainer.train()
+        actor_loss, critic_loss = trainer.train_rlhf(exp)
+        weights = torch.cat([p.flatten().clone() for engine in (trainer.actor_model, trainer.critic_model)
+                             for _, p in gathered_parameters(engine)])
+        runs[setting] = (exp, actor_loss.item(), critic_loss.item(), weights)
+    assert "Sequence packing: actor, reference, critic, reward on packed rows" in capsys.readouterr().out
+    (padded, a0, c0, w0), (packed, a1, c1, w1) = runs["off"], runs["auto"]
+    real = padded.attention_mask[:, :-1].bool()
+    for field in ("logprobs", "ref_logprobs", "values"):
+        assert (getattr(packed, field) - getattr(padded, field))[real].abs().max() < 2e-5, field
+    assert torch.allclose(packed.reward_score, padded.reward_score, atol=2e-5)
+    assert torch.allclose(packed.advantages, padded.advantages, atol=1e-4)
+    assert a1 == pytest.approx(a0, abs=1e-5) and c1 == pytest.approx(c0, abs=1e-5)
+    assert w0.numel() == w1.numel() > 30_000 and (w1 - w0).abs().max() < 1e-5  # the same optimizer steps
