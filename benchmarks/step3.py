@@ -17,7 +17,10 @@ engines:
   columns dropped, the old log-probs kept from generation, ``--generation_loop auto`` (on CUDA:
   ``generate`` with a static KV cache and CUDA graphs; elsewhere dschat's decoding loop, with oneDNN
   decode linears on a CPU, ``dschat/rlhf/decoding.py``), LoRA fused and ZeRO-3 gathered once per
-  rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable.
+  rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable, and the
+  scoring passes and training on packed rows (``--sequence_packing auto``; the baseline's are padded).
+  ``--answer_spread`` cuts the answers to varied lengths, as a trained actor's end, so that the
+  padding packing removes is there to remove.
 
 Per phase it prints generation tokens/s, per-token latency and achieved memory bandwidth (parameter
 bytes x decode steps / time, the roofline of memory-bound decoding), experience-pass tokens/s,
@@ -82,7 +85,8 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
                                       "original_max_position_embeddings": 8192}),
 }
 
-MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-graphs", "ours-he", "ours-tp")
+MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-no-pack", "ours-graphs", "ours-he",
+         "ours-tp")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -92,6 +96,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--critic", default=None, help="critic/reward body (default: the actor's model); random value head")
     p.add_argument("--prompt_len", type=int, default=64, help="--max_prompt_seq_len: prompts are left-padded to it")
     p.add_argument("--answer_len", type=int, default=64, help="--max_answer_seq_len; every answer has exactly this many tokens")
+    p.add_argument("--answer_spread", type=float, default=0.0,
+                   help="0 (default): every answer is --answer_len tokens. F in (0, 1]: each answer is cut after "
+                        "generation at a length drawn uniformly from [(1 - F) x --answer_len, --answer_len] (the "
+                        "same lengths in every mode), ending in EOS with padding after it, as a trained actor's "
+                        "answers end: what the scoring passes and training see in a real run (sequence packing "
+                        "acts on that padding)")
     p.add_argument("--batch", type=int, default=4, help="per-device generation = training batch")
     p.add_argument("--steps", type=int, default=3, help="measured PPO iterations per mode")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured PPO iterations per mode")
@@ -103,7 +113,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated, run in this order: baseline, ours, and ours without one fast path "
                         "(ours-no-fuse: LoRA not fused for generation; ours-no-gather: ZeRO-3 weights fetched "
                         "per layer and token, which also means HF generate instead of dschat's loop; "
-                        "ours-no-graphs: --generation_loop dschat), or ours with --generation_loop graphs "
+                        "ours-no-graphs: --generation_loop dschat; ours-no-pack: --sequence_packing off), or "
+                        "ours with --generation_loop graphs "
                         "(ours-graphs), or ours decoding with dschat's Hybrid Engine (ours-he, what "
                         "--enable_hybrid_engine selects), or ours-he over tensor-parallel groups of "
                         "--inference_tp_size ranks (ours-tp). With two modes a last column gives the second's "
@@ -125,6 +136,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (ranks read LOCAL_RANK)")
     args = p.parse_args(argv)
+    if not 0.0 <= args.answer_spread <= 1.0:
+        p.error(f"--answer_spread must be within [0, 1], got {args.answer_spread}")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not modes or any(m not in MODES for m in modes):
         p.error(f"--modes must list some of {', '.join(MODES)}, got {args.modes!r}")
@@ -268,6 +281,28 @@ def prompt_batches(tokenizer: Any, batch: int, prompt_len: int, count: int) -> l
     return out
 
 
+def answer_lengths(batch: int, answer_len: int, spread: float, step: int, seed: int) -> torch.Tensor | None:
+    """(batch,) answer lengths of one step under ``--answer_spread`` (None: every answer full length);
+    the same in every mode."""
+    if spread <= 0:
+        return None
+    shortest = max(2, int(round((1.0 - spread) * answer_len)))
+    g = torch.Generator().manual_seed(seed * 1000 + step)
+    return torch.randint(shortest, answer_len + 1, (batch,), generator=g)
+
+
+def cut_answers(rollout: Any, prompt_width: int, lengths: torch.Tensor, eos: int, pad: int) -> Any:
+    """``rollout`` with answer ``i`` ending in EOS at token ``lengths[i]`` and padding after it (the
+    rollout's log-probs kept: the columns after an EOS are read by nothing but the reward slot)."""
+    seq = rollout.sequences.clone()
+    answer = seq[:, prompt_width:]
+    cols = torch.arange(answer.shape[1], device=seq.device)[None, :]
+    n = lengths.to(seq.device)[:, None]
+    answer = torch.where(cols == n - 1, torch.full_like(answer, eos), answer)
+    seq[:, prompt_width:] = torch.where(cols >= n, torch.full_like(answer, pad), answer)
+    return type(rollout)(seq, rollout.logprobs)
+
+
 def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "auto", dschat_he: bool = False,
               tp_size: int = 1) -> None:
     """Set the generator's fast paths for ``mode``; ``dschat_he``: plain ``ours`` was asked for dschat's
@@ -284,15 +319,23 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     loops = {"ours-graphs": "graphs", "ours-no-graphs": "dschat"}
     gen.generation_loop = loops.get(mode, ours_loop) if ours else "hf"
     gen.cpu_decode_linear = "onednn" if ours else "off"
+    # --sequence_packing: the models the trainer resolved as able to pack, in ours; none in the baseline.
+    supported = getattr(trainer, "packing_supported", None)
+    if supported is None:
+        supported = trainer.packing_supported = dict(getattr(trainer, "packing", {}))
+    trainer.packing = {name: ok and ours and mode != "ours-no-pack" for name, ok in supported.items()}
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 
 
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
-             he_available: bool, ours_loop: str = "auto", dschat_he: bool = False, tp_size: int = 1) -> ModeResult:
+             he_available: bool, ours_loop: str = "auto", dschat_he: bool = False, tp_size: int = 1,
+             answer_spread: float = 0.0, seed: int = 0) -> ModeResult:
     from dschat.data.collators import drop_padding_columns
 
     configure(trainer, mode, he_available, ours_loop, dschat_he, tp_size)
+    generator = trainer.generator
+    rollout = type(generator).rollout.__get__(generator)  # the class's method, not a previous mode's cut
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -302,6 +345,12 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         if mode.startswith("ours"):
             trimmed = drop_padding_columns({"prompt": prompts, "prompt_att_mask": mask}, "prompt_att_mask", side="left")
             prompts, mask = trimmed["prompt"], trimmed["prompt_att_mask"]
+        lengths = answer_lengths(prompts.shape[0] * trainer.settings.num_generations, trainer.max_answer_seq_len,
+                                 answer_spread, i, seed)
+        if lengths is not None:
+            tokenizer = trainer.tokenizer
+            generator.rollout = lambda p, m, _n=lengths: cut_answers(rollout(p, m), p.shape[1], _n,
+                                                                    tokenizer.eos_token_id, tokenizer.pad_token_id)
         sync()
         exp = trainer.generate_experience(prompts, mask, i)
         sync()
@@ -322,6 +371,7 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
               f"experience {trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}",
               flush=True)
     result.generation_loop = trainer.generator.last_loop or ""
+    generator.__dict__.pop("rollout", None)  # the class's rollout again
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
         result.memory_note = "max allocated in this mode"
@@ -475,7 +525,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
 
         results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
-                            args.ours_generation_loop, dschat_he, args.inference_tp_size) for mode in args.modes]
+                            args.ours_generation_loop, dschat_he, args.inference_tp_size, args.answer_spread,
+                            args.seed) for mode in args.modes]
         he_engine = trainer.generator.engine
         actor_module = engine.actor.module
         critic_module = engine.critic.module if engine.critic is not None else None
@@ -498,7 +549,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         + (f", LoRA {args.lora_dim}" if args.lora_dim else "") + (", Hybrid Engine requested" if args.hybrid_engine else "")
         + (f", algorithm {args.algorithm} (K = {args.num_generations}, no critic)" if args.algorithm != "ppo" else "")
         + (f", inference TP {args.inference_tp_size} over {info.world_size} ranks (per-rank figures)"
-           if args.inference_tp_size > 1 else ""),
+           if args.inference_tp_size > 1 else "")
+        + (f", answers cut to {1 - args.answer_spread:.0%}-100 % of {args.answer_len} tokens" if args.answer_spread else ""),
         "",
         f"- device: {device_name}; {versions()}",
         f"- command: `{command}`",
@@ -507,6 +559,9 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         + (f" ({trainer.generator.fallback_reason})" if trainer.generator.fallback_reason else "")
         + "; generation loop per mode (its last rollout): "
         + ", ".join(f"{r.mode} {r.generation_loop}" for r in results),
+        f"- sequence packing in ours: {', '.join(n for n, ok in trainer.packing_supported.items() if ok) or 'none'}"
+        + (f" (padded: {', '.join(n for n, ok in trainer.packing_supported.items() if not ok)})"
+           if not all(trainer.packing_supported.values()) else ""),
         f"- memory: {results[0].memory_note}",
         *([f"- dschat Hybrid Engine: {he_engine.rollouts} rollouts, compiles per rollout "
            f"{he_engine.compiles_per_rollout or 'n/a (eager)'}, CUDA graphs captured {he_engine.captures}, weight "

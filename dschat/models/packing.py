@@ -2,9 +2,9 @@
 forward pass computes no padding (step 3's scoring passes and PPO update, ``--sequence_packing``).
 
 A step-3 rollout batch ``(B, L)`` is a left-padded prompt, the answer, and padding after the answer's
-EOS; in the CPU demo about half of its columns are padding. :func:`pack_rows` puts each row's real
-tokens (one contiguous run per row) into rows of at most ``L`` columns, longest first, each into the
-first row with room (first-fit decreasing). Position ids restart at 0 for every sequence, and the
+EOS; in the CPU demo about a third of its columns are padding. :func:`pack_rows` puts each row's real
+tokens (one contiguous run per row) end to end into as few rows as hold them
+(:data:`PACKED_ROW_TOKENS` each at most). Position ids restart at 0 for every sequence, and the
 attention keeps the sequences apart:
 
 * ``"positions"`` -- the family's own mask builder (transformers' ``masking_utils``) finds packed
@@ -15,9 +15,8 @@ attention keeps the sequences apart:
   families whose positions come from the mask (ALiBi) or that are not in :data:`~dschat.models.families.FAMILIES`,
   and attention kernels other than SDPA and eager.
 
-A row never gets longer than the padded batch's, so no attention costs more than the padded one.
 The results at real tokens are the padded pass's up to floating-point reordering (measured in
-``tests/models/test_packing.py``: at most a few 1e-6 in fp32 logits with SDPA, exactly equal with
+``tests/rlhf/test_sequence_packing.py``: at most a few 1e-6 in fp32 logits with SDPA, exactly equal with
 eager attention); filler slots at the end of a packed row form a sequence of their own and are
 dropped by :meth:`PackedRows.unpack`.
 """
@@ -31,10 +30,19 @@ from transformers.masking_utils import create_causal_mask
 
 from dschat.models.families import family_of
 
-__all__ = ["PackedRows", "pack_rows", "packing_mode", "packing_unsupported_reason", "packed_model_inputs"]
+__all__ = ["PACKED_ROW_TOKENS", "PackedRows", "pack_rows", "packing_mode", "packing_unsupported_reason",
+           "packed_model_inputs"]
 
 #: Attention implementations whose masks keep packed sequences apart (checked by the tests).
 PACKING_ATTENTION = ("sdpa", "eager")
+
+#: Tokens a packed row holds at most (or the padded width, when that is larger). Attention over a
+#: packed row is computed densely under its block mask, so its cost per token grows with the row's
+#: width; relative to a decoder layer's matmuls it is about ``width / (6 x hidden)``. At 1024 and
+#: the hidden sizes step 3 trains (576 and up) that stays under the padding it saves, while every
+#: short-sequence batch (the CPU demo's 8 x ~45 tokens) becomes one row with no filler, which ran
+#: faster there than rows of the padded width (benchmarks/README.md, "Sequence packing").
+PACKED_ROW_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -76,10 +84,42 @@ class PackedRows:
         return out.reshape(B, L, *packed.shape[2:])
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows | None:
+def _first_fit(order: list[int], lengths: list[int], capacity: int) -> list[list[int]]:
+    """Rows (lists of row indices) of at most ``capacity`` tokens, each taking the first with room."""
+    rows: list[list[int]] = []
+    loads: list[int] = []
+    for b in order:
+        for r, load in enumerate(loads):
+            if load + lengths[b] <= capacity:
+                rows[r].append(b)
+                loads[r] += lengths[b]
+                break
+        else:
+            rows.append([b])
+            loads.append(lengths[b])
+    return rows
+
+
+def _balanced(order: list[int], lengths: list[int], count: int) -> list[list[int]]:
+    """``count`` rows, each sequence (longest first) to the least-filled row: even widths."""
+    rows: list[list[int]] = [[] for _ in range(count)]
+    loads = [0] * count
+    for b in order:
+        r = loads.index(min(loads))
+        rows[r].append(b)
+        loads[r] += lengths[b]
+    return rows
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int | None = None) -> PackedRows | None:
     """Pack a padded batch (shapes (B, L)); None when some row's real tokens are not one contiguous
-    run (the caller keeps the padded layout). Deterministic: rows by decreasing length (ties by
-    index), each into the first packed row with room for it."""
+    run (the caller keeps the padded layout).
+
+    The packed rows hold at most ``max(width, L)`` tokens each (default ``width``:
+    :data:`PACKED_ROW_TOKENS`): as few rows as first-fit decreasing needs at that width, then the
+    sequences spread evenly over them (longest first, each to the least-filled row) when that makes
+    the rows narrower, so that little filler is left. Deterministic (ties by row index).
+    """
     B, L = input_ids.shape
     mask = attention_mask.bool()
     lengths = mask.sum(-1)
@@ -89,18 +129,16 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRo
     if not bool(contiguous.all()):
         return None
     lengths_list, first_list = lengths.tolist(), first.tolist()
-    bins: list[list[int]] = []  # per packed row: [used, b, b, ...]
-    for b in sorted(range(B), key=lambda i: (-lengths_list[i], i)):
-        n = lengths_list[b]
-        if n == 0:
-            continue
-        for row in bins:
-            if row[0] + n <= L:
-                row.append(b)
-                row[0] += n
-                break
-        else:
-            bins.append([n, b])
+    order = sorted((b for b in range(B) if lengths_list[b] > 0), key=lambda i: (-lengths_list[i], i))
+    rows = _first_fit(order, lengths_list, max(int(width or PACKED_ROW_TOKENS), L))
+    even = _balanced(order, lengths_list, len(rows))
+
+    def widest(layout: list[list[int]]) -> int:
+        return max((sum(lengths_list[b] for b in row) for row in layout), default=1)
+
+    if widest(even) < widest(rows):
+        rows = even
+    bins = [[sum(lengths_list[b] for b in row), *row] for row in rows]  # per packed row: [used, b, b, ...]
     R = max(len(bins), 1)
     W = max((row[0] for row in bins), default=1)
     source = torch.full((R, W), -1, dtype=torch.long)

@@ -138,6 +138,41 @@ def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
     assert any(line.startswith("| columns per sequence | 38.0 | ") for line in lines)
 
 
+def test_step3_answer_spread_cuts_by_hand_and_packing_is_ours_only():
+    import torch
+
+    from dschat.rlhf.decoding import Rollout
+
+    bench = _load("step3")
+    assert bench.answer_lengths(4, 10, 0.0, step=0, seed=1) is None
+    lengths = bench.answer_lengths(64, 10, 0.5, step=3, seed=1)
+    assert lengths.min() >= 5 and lengths.max() <= 10 and len(set(lengths.tolist())) > 3
+    assert torch.equal(lengths, bench.answer_lengths(64, 10, 0.5, step=3, seed=1))  # the same in every mode
+    rollout = Rollout(torch.arange(14).reshape(2, 7), torch.zeros(2, 4))
+    cut = bench.cut_answers(rollout, 3, torch.tensor([2, 4]), eos=99, pad=-1)
+    assert cut.sequences.tolist() == [[0, 1, 2, 3, 99, -1, -1], [7, 8, 9, 10, 11, 12, 99]]
+    assert cut.logprobs is rollout.logprobs
+    trainer = SimpleNamespace(generator=SimpleNamespace(), packing={"actor": True, "reward": False})
+    bench.configure(trainer, "ours", False)
+    assert trainer.packing == {"actor": True, "reward": False}
+    bench.configure(trainer, "ours-no-pack", False)
+    assert trainer.packing == {"actor": False, "reward": False}
+    bench.configure(trainer, "baseline", False)
+    assert trainer.packing == {"actor": False, "reward": False}
+    bench.configure(trainer, "ours-he", False)
+    assert trainer.packing == {"actor": True, "reward": False}
+
+
+def test_step3_benchmark_with_answer_spread_runs_ours_packed_and_unpacked(tmp_path, capsys):
+    bench = _load("step3")
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "3", "--prompt_len", "16", "--answer_len", "8",
+                        "--answer_spread", "0.75", "--steps", "1", "--warmup", "0", "--modes", "ours-no-pack,ours",
+                        "--results", ""])
+    assert "answers cut to 25%-100 % of 8 tokens" in lines[0]
+    assert "- sequence packing in ours: actor, reference, critic, reward" in lines
+    assert lines[lines.index("| | ours-no-pack | ours | ours / ours-no-pack |") + 1].count("|---") == 4
+
+
 def test_step3_graphs_mode_on_a_cpu_says_it_decoded_with_dschats_loop(tmp_path, capsys):
     # CUDA graphs need a CUDA device: on a CPU ours-graphs falls back, and the results say so (ours, the
     # default on a CPU, decodes with dschat's loop too).
