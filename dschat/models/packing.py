@@ -30,18 +30,18 @@ from transformers.masking_utils import create_causal_mask
 
 from dschat.models.families import family_of
 
-__all__ = ["PACKED_ROW_TOKENS", "PackedRows", "pack_rows", "packing_mode", "packing_unsupported_reason",
-           "packed_model_inputs"]
+__all__ = ["PACKED_ROW_TOKENS", "PackedRows", "pack_rows", "attention_span", "layout_cost", "packing_mode",
+           "packing_unsupported_reason", "packed_model_inputs"]
 
 #: Attention implementations whose masks keep packed sequences apart (checked by the tests).
 PACKING_ATTENTION = ("sdpa", "eager")
 
 #: Tokens a packed row holds at most (or the padded width, when that is larger). Attention over a
 #: packed row is computed densely under its block mask, so its cost per token grows with the row's
-#: width; relative to a decoder layer's matmuls it is about ``width / (6 x hidden)``. At 1024 and
-#: the hidden sizes step 3 trains (576 and up) that stays under the padding it saves, while every
-#: short-sequence batch (the CPU demo's 8 x ~45 tokens) becomes one row with no filler, which ran
-#: faster there than rows of the padded width (benchmarks/README.md, "Sequence packing").
+#: width (:func:`layout_cost`); :func:`pack_rows` weighs that against the padding and filler a
+#: layout computes, and keeps the padded batch when no layout is cheaper. Every short-sequence
+#: batch (the CPU demo's 8 x ~46 tokens) becomes one row with no filler, which ran faster there
+#: than rows of the padded width (benchmarks/README.md, "Sequence packing").
 PACKED_ROW_TOKENS = 1024
 
 
@@ -111,14 +111,47 @@ def _balanced(order: list[int], lengths: list[int], count: int) -> list[list[int
     return rows
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int | None = None) -> PackedRows | None:
-    """Pack a padded batch (shapes (B, L)); None when some row's real tokens are not one contiguous
-    run (the caller keeps the padded layout).
+def attention_span(model: Any) -> int | None:
+    """The row width whose dense attention costs about as much as a token's matmuls in one decoder
+    layer: ``2 x hidden + MLP width`` (per token, the projections and the MLP take about
+    ``4 h^2 + 2 h f`` multiply-adds, attention over a row of ``W`` tokens about ``2 W h``). ``model``:
+    a model, an engine or a config; None when its config does not give the hidden size."""
+    config = _config(model) if not hasattr(model, "model_type") else model
+    hidden = next((getattr(config, a) for a in ("hidden_size", "n_embd", "d_model")
+                   if isinstance(getattr(config, a, None), int)), None)
+    if not hidden:
+        return None
+    mlp = next((getattr(config, a) for a in ("intermediate_size", "ffn_dim", "n_inner")
+                if isinstance(getattr(config, a, None), int)), 4 * hidden)
+    return 2 * hidden + mlp
 
-    The packed rows hold at most ``max(width, L)`` tokens each (default ``width``:
-    :data:`PACKED_ROW_TOKENS`): as few rows as first-fit decreasing needs at that width, then the
-    sequences spread evenly over them (longest first, each to the least-filled row) when that makes
-    the rows narrower, so that little filler is left. Deterministic (ties by row index).
+
+def layout_cost(rows: int, width: int, span: int | None) -> float:
+    """The relative cost of a forward over ``rows x width`` slots with dense attention over each row
+    (:func:`attention_span`; None counts slots only)."""
+    return rows * width * (1.0 + width / span) if span else float(rows * width)
+
+
+def _layout(order: list[int], lengths: list[int], capacity: int) -> tuple[list[list[int]], int]:
+    """Rows of at most ``capacity`` tokens, as few as first-fit decreasing needs, then spread evenly
+    over that many rows when that is narrower; with the widest row's width."""
+    def widest(layout: list[list[int]]) -> int:
+        return max((sum(lengths[b] for b in row) for row in layout), default=1)
+
+    rows = _first_fit(order, lengths, capacity)
+    even = _balanced(order, lengths, len(rows))
+    return (even, widest(even)) if widest(even) < widest(rows) else (rows, widest(rows))
+
+
+def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_width: int | None = None,
+              span: int | None = None) -> PackedRows | None:
+    """Pack a padded batch (shapes (B, L)), or None to keep it padded: when some row's real tokens
+    are not one contiguous run, or when no packed layout costs less than the padded batch.
+
+    Layouts are tried at row widths ``L, 2L, 4L, ...`` up to ``max(max_width, L)`` (default
+    :data:`PACKED_ROW_TOKENS`): at each, as few rows as first-fit decreasing needs, the sequences
+    spread evenly over them when that narrows the rows; the cheapest by :func:`layout_cost` with
+    ``span`` (:func:`attention_span` of the model) is taken. Deterministic (ties by row index).
     """
     B, L = input_ids.shape
     mask = attention_mask.bool()
@@ -130,14 +163,20 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, width: int 
         return None
     lengths_list, first_list = lengths.tolist(), first.tolist()
     order = sorted((b for b in range(B) if lengths_list[b] > 0), key=lambda i: (-lengths_list[i], i))
-    rows = _first_fit(order, lengths_list, max(int(width or PACKED_ROW_TOKENS), L))
-    even = _balanced(order, lengths_list, len(rows))
-
-    def widest(layout: list[list[int]]) -> int:
-        return max((sum(lengths_list[b] for b in row) for row in layout), default=1)
-
-    if widest(even) < widest(rows):
-        rows = even
+    limit = max(int(max_width or PACKED_ROW_TOKENS), L)
+    best: tuple[float, list[list[int]]] | None = None
+    capacity = L
+    while True:
+        layout, width = _layout(order, lengths_list, capacity)
+        cost = layout_cost(max(len(layout), 1), width, span)
+        if best is None or cost < best[0]:
+            best = (cost, layout)
+        if capacity >= limit:
+            break
+        capacity = min(2 * capacity, limit)
+    if best[0] >= layout_cost(B, L, span):
+        return None
+    rows = best[1]
     bins = [[sum(lengths_list[b] for b in row), *row] for row in rows]  # per packed row: [used, b, b, ...]
     R = max(len(bins), 1)
     W = max((row[0] for row in bins), default=1)

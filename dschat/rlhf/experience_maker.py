@@ -44,6 +44,7 @@ from dschat import rl_algorithms, rl_math
 from dschat.cli.args import step3_flag
 from dschat.data.prompt_columns import PromptColumns
 from dschat.errors import UserError
+from dschat.models.packing import attention_span
 from dschat.rewards import RewardFunction, RewardMix
 from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
 from dschat.rlhf.decoding import Rollout
@@ -124,6 +125,9 @@ class ExperienceMaker:
         self.packing = resolve_sequence_packing(str(step3_flag(args, "sequence_packing")), {
             "actor": self.actor_model, "reference": self.ref_model, "critic": self.critic_model,
             "reward": self.reward_model if self.reward_mix.uses_model else None})
+        # The actor's shape weighs a packed layout's attention against the padding it saves (every
+        # model scores the same packed rows).
+        self.packing_span = attention_span(self.actor_model)
 
         # Fast path, on by default: take the old log-probs from generation instead of a second
         # forward pass of the actor (benchmarks/step3.py turns it off for its baseline).
@@ -206,7 +210,7 @@ class ExperienceMaker:
 
     def _packed(self, name: str, seq: torch.Tensor, attention_mask: torch.Tensor) -> Any:
         """The packed rows of a batch for the model ``name``, or None where it runs padded."""
-        return pack_batch(seq, attention_mask, self.packing.get(name, False))
+        return pack_batch(seq, attention_mask, self.packing.get(name, False), self.packing_span)
 
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                        attention_mask: torch.Tensor, position_ids: torch.Tensor, packed: Any = None) -> torch.Tensor:
@@ -310,7 +314,7 @@ class ExperienceMaker:
             return None
 
         attention_mask, position_ids = masks.attention_mask, masks.position_ids
-        packed = pack_batch(seq, attention_mask, any(self.packing.values()))  # one packing for every pass
+        packed = pack_batch(seq, attention_mask, any(self.packing.values()), self.packing_span)  # for every pass
         with torch.no_grad():
             if rollout.logprobs is not None and self.reuse_rollout_logprobs:
                 # The generator kept the sampled tokens' log-probs: no second actor pass.

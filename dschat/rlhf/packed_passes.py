@@ -51,9 +51,11 @@ def resolve_sequence_packing(setting: str, models: Mapping[str, Any]) -> dict[st
     return {name: why is None for name, why in reasons.items()}
 
 
-def pack_batch(seq: torch.Tensor, attention_mask: torch.Tensor, enabled: bool) -> PackedRows | None:
-    """The packed rows of a rollout batch (B, L), or None for the padded layout."""
-    return pack_rows(seq, attention_mask) if enabled else None
+def pack_batch(seq: torch.Tensor, attention_mask: torch.Tensor, enabled: bool,
+               span: int | None = None) -> PackedRows | None:
+    """The packed rows of a rollout batch (B, L), or None for the padded layout (not ``enabled``, or
+    no packed layout cheaper for a model of :func:`~dschat.models.packing.attention_span` ``span``)."""
+    return pack_rows(seq, attention_mask, span=span) if enabled else None
 
 
 def shifted_log_probs(logits: torch.Tensor, seq: torch.Tensor, *, temperature: float = 1.0,

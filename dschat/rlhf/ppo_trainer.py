@@ -197,7 +197,8 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
             normalizer = 1.0  # a micro-batch of dropped rows only: zero loss, not 0/0
 
         batch = (exp.seq, exp.attention_mask, exp.position_ids)
-        packed = pack_batch(exp.seq, exp.attention_mask, self.packing["actor"] or self.packing.get("critic", False))
+        packed = pack_batch(exp.seq, exp.attention_mask, self.packing["actor"] or self.packing.get("critic", False),
+                            self.packing_span)
         actor_log_prob = self._token_log_probs("actor", self.actor_model, *batch, packed)[:, start:]
         stored = exp.logprobs[:, start:]
         # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,

@@ -10,8 +10,8 @@ import torch
 import transformers as T
 
 from dschat.errors import UserError
-from dschat.models.packing import (PACKED_ROW_TOKENS, pack_rows, packed_model_inputs, packing_mode,
-                                  packing_unsupported_reason)
+from dschat.models.packing import (PACKED_ROW_TOKENS, attention_span, layout_cost, pack_rows, packed_model_inputs,
+                                  packing_mode, packing_unsupported_reason)
 from dschat.models.reward_model import RewardModel
 from dschat.rlhf.experience import sequence_masks
 from dschat.runtime.zero3 import gathered_parameters
@@ -48,7 +48,7 @@ def test_pack_rows_layout_and_round_trip():
     assert PACKED_ROW_TOKENS == 1024 and pack_rows(ids, mask).input_ids.shape == (1, 63)
     # At a width of 24: first-fit decreasing gives [24], [15, 8], [10, 6]; spreading them evenly would
     # not make the rows narrower (24, 21, 18), so that layout stays.
-    packed = pack_rows(ids, mask, width=24)
+    packed = pack_rows(ids, mask, max_width=24)
     assert packed.input_ids.shape == (3, 24)
     assert packed.real.sum(1).tolist() == [24, 23, 16]
     assert packed.real_tokens == sum(lengths)
@@ -63,10 +63,31 @@ def test_pack_rows_layout_and_round_trip():
     assert torch.equal(back[mask.bool()], values[mask.bool()])
     assert (back[~mask.bool()] == -7.0).all()
     # A width below the padded one counts as the padded one.
-    assert torch.equal(pack_rows(ids, mask, width=5).source, packed.source)
+    assert torch.equal(pack_rows(ids, mask, max_width=5).source, packed.source)
     # Deterministic.
-    again = pack_rows(ids, mask, width=24)
+    again = pack_rows(ids, mask, max_width=24)
     assert torch.equal(again.source, packed.source) and torch.equal(again.position_ids, packed.position_ids)
+
+
+def test_pack_rows_keeps_the_padded_batch_when_no_layout_is_cheaper():
+    # Full rows: nothing to remove, and one wide row would only add attention.
+    mask = torch.ones(4, 10, dtype=torch.long)
+    assert pack_rows(torch.arange(40).reshape(4, 10), mask) is None
+    # Lengths 10, 10, 10, 9 in 10 columns: by slots alone one row of 39 is cheaper than 4 x 10, but
+    # where attention costs as much as the matmuls at a width of 20 (span 20) it is not: 39 x (1 +
+    # 39 / 20) = 115 against 40 x (1 + 10 / 20) = 60, and rows of 10 save nothing.
+    mask[3, 0] = 0
+    ids = torch.arange(40).reshape(4, 10)
+    assert pack_rows(ids, mask).input_ids.shape == (1, 39)
+    assert layout_cost(1, 39, 20) == pytest.approx(39 * (1 + 39 / 20)) and layout_cost(4, 10, None) == 40
+    assert pack_rows(ids, mask, span=20) is None
+    # A wide model (span 2 x 576 + 1536 for SmolLM2's shape) packs the CPU demo's short rows into one.
+    smollm2 = SimpleNamespace(model_type="llama", hidden_size=576, intermediate_size=1536)
+    assert attention_span(smollm2) == 2688
+    ids, mask, _ = _batch()
+    assert pack_rows(ids, mask, span=2688).input_ids.shape == (1, 63)
+    opt = SimpleNamespace(model_type="opt", hidden_size=2048, ffn_dim=8192)
+    assert attention_span(opt) == 12288 and attention_span(SimpleNamespace(model_type="x")) is None
 
 
 def test_pack_rows_spreads_sequences_evenly_when_that_narrows_the_rows():
@@ -75,7 +96,7 @@ def test_pack_rows_spreads_sequences_evenly_when_that_narrows_the_rows():
     mask = torch.zeros(5, 12, dtype=torch.long)
     for b, n in enumerate([10, 9, 8, 7, 6]):
         mask[b, 12 - n:] = 1
-    packed = pack_rows(torch.arange(60).reshape(5, 12), mask, width=20)
+    packed = pack_rows(torch.arange(60).reshape(5, 12), mask, max_width=20)
     assert packed.input_ids.shape == (3, 15)
     assert packed.real.sum(1).tolist() == [10, 15, 15]
     assert sorted(packed.source[packed.real].tolist()) == mask.flatten().nonzero().flatten().tolist()
@@ -129,6 +150,34 @@ def test_packed_log_probs_and_values_equal_the_padded_ones(name, attention):
                               atol=2e-5)
         if attention == "eager":  # the same sums in the same order: equal to the bit
             assert torch.equal(ours[real], padded[real])
+
+
+_OTHER_FAMILIES = {  # packed by their position ids too; not in dschat's decode model (no tiny_config there)
+    "gpt2": lambda: T.GPT2Config(vocab_size=96, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=1,
+                                 eos_token_id=2),
+    "gptj": lambda: T.GPTJConfig(vocab_size=96, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
+                                 bos_token_id=1, eos_token_id=2),
+    "gpt_neo": lambda: T.GPTNeoConfig(vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, window_size=8,
+                                      attention_types=[[["global", "local"], 1]], max_position_embeddings=64,
+                                      bos_token_id=1, eos_token_id=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OTHER_FAMILIES))
+def test_other_families_pack_by_their_position_ids(name):
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(_OTHER_FAMILIES[name]()).eval()
+    assert packing_mode(model) == "positions", model.config._attn_implementation
+    critic = _reward_model(model)
+    ids, mask, positions = _batch()
+    packed = pack_rows(ids, mask)
+    real = mask[:, :-1].bool()
+    with torch.no_grad():
+        ours = token_log_probs(model, ids, mask, positions, packed)
+        padded = token_log_probs(model, ids, mask, positions, None)
+        assert (ours[real] - padded[real]).abs().max() < 2e-5
+        values = token_values(critic, ids, mask, positions, packed) - token_values(critic, ids, mask, positions, None)
+        assert values[mask.bool()].abs().max() < 2e-5
 
 
 def test_packed_training_gradients_equal_the_padded_ones():
@@ -197,6 +246,9 @@ def test_step3_experience_and_update_on_packed_rows_equal_the_padded_ones(model,
         _fixed_generation(monkeypatch, trainer, seq)
         trainer.reuse_rollout_logprobs = False  # the actor's scoring pass too
         exp = trainer.generate_experience(prompts, prompt_mask, step=0)
+        packed = trainer._packed("actor", seq, exp.attention_mask)
+        assert (packed is None) == (setting == "off")  # 23 real tokens of 33: one packed row
+        assert setting == "off" or packed.input_ids.shape == (1, 23)
         trainer.prepare_rollout([exp])
         trainer.train()
         actor_loss, critic_loss = trainer.train_rlhf(exp)
