@@ -7,7 +7,8 @@ A reward function scores decoded answers, one float each::
 ``columns`` holds the other fields of each answer's dataset row, one list per column aligned with
 ``prompts`` (e.g. ``answer=["#### 42", ...]`` for a math set, ``chosen=[...]`` for the embedded
 data). A function receives the columns it can take: all of them if it has ``**kwargs``, else those
-named among its keyword parameters, so a plain ``fn(prompts, answers)`` works too.
+named among its keyword parameters, so a plain ``fn(prompts, answers)`` works too. A column named
+like the function's first two parameters is not passed (it would collide with them).
 
 What goes wrong is the user's to fix, so it stops the run with one line (:class:`UserError`, exit
 code 2) that names the function and the row: an unimportable spec, a function that raises, returns
@@ -107,16 +108,18 @@ def math_exact_match(prompts: list[str], answers: list[str], **columns: Sequence
 # ------------------------------------------------------------------------------------------------
 # Loading and calling
 # ------------------------------------------------------------------------------------------------
-def _accepted_columns(fn: Callable[..., Any]) -> bool | frozenset[str]:
-    """True if ``fn`` takes ``**kwargs``; else the names it takes by keyword (after the first two)."""
+def _accepted_columns(fn: Callable[..., Any]) -> tuple[bool | frozenset[str], frozenset[str]]:
+    """(True if ``fn`` takes ``**kwargs``, else the names it takes by keyword after the first two;
+    the names of its first two parameters, which a column must not take: prompts and answers)."""
     try:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # a builtin without a signature: give it no columns
-        return frozenset()
+        return frozenset(), frozenset()
+    taken = frozenset(p.name for p in params[:2] if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-        return True
+        return True, taken
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return frozenset(p.name for p in params[2:] if p.kind in keyword)
+    return frozenset(p.name for p in params[2:] if p.kind in keyword), taken
 
 
 @dataclass(frozen=True)
@@ -142,8 +145,10 @@ class RewardFunction:
         for key, values in given.items():
             if len(values) != len(answers):
                 raise ValueError(f"column {key!r} has {len(values)} values for {len(answers)} answers")
-        accepted = _accepted_columns(self.fn)
-        kwargs = given if accepted is True else {k: v for k, v in given.items() if k in accepted}
+        accepted, taken = _accepted_columns(self.fn)
+        # A column named like the first two parameters (a dataset's "prompts" column for
+        # fn(prompts, answers, **kw)) would collide with them: it is not passed.
+        kwargs = {k: v for k, v in given.items() if k not in taken and (accepted is True or k in accepted)}
         try:
             raw = self.fn(prompts, answers, **{k: list(v) for k, v in kwargs.items()})
         except UserError:

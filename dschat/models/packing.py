@@ -39,15 +39,16 @@ PACKING_ATTENTION = ("sdpa", "eager")
 #: Tokens a packed row holds at most (or the padded width, when that is larger). Attention over a
 #: packed row is computed densely under its block mask, so its cost per token grows with the row's
 #: width (:func:`layout_cost`); :func:`pack_rows` weighs that against the padding and filler a
-#: layout computes, and keeps the padded batch when no layout is cheaper. Every short-sequence
-#: batch (the CPU demo's 8 x ~46 tokens) becomes one row with no filler, which ran faster there
-#: than rows of the padded width (benchmarks/README.md, "Sequence packing").
+#: layout computes, and keeps the padded batch when no layout is cheaper. On the CPU demo's
+#: batches (8 x ~46 tokens) it picks 2-4 rows of 90-200 tokens, measured faster there than one row
+#: and than rows of the padded width (``benchmarks/packing.py``; benchmarks/README.md).
 PACKED_ROW_TOKENS = 1024
 
 
 @dataclass(frozen=True)
 class PackedRows:
-    """A padded ``(B, L)`` batch packed into ``(R, W)`` with ``R <= B``, ``W <= L``.
+    """A padded ``(B, L)`` batch packed into ``(R, W)``: ``R <= B`` rows of ``W`` slots (at most
+    ``max(L, PACKED_ROW_TOKENS)``), each a few whole sequences end to end, then filler.
 
     ``source[r, w]`` is the flat index ``b * L + c`` of the padded token that slot ``(r, w)`` holds,
     or -1 for a filler slot; :meth:`gather` and :meth:`unpack` move tensors between the layouts.

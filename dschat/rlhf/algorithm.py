@@ -46,6 +46,11 @@ class AlgorithmSettings:
         """One line for the start-up log."""
         kl = "in the reward" if self.kl_in_reward else "as a loss term"
         extra = f", TIS cap {self.tis_cap:g}" if self.tis_cap else ""
+        if not self.kl_in_reward and self.kl_estimator == "k1":
+            # d/dtheta of (log pi - log pi_ref) is the score function, whose mean over the policy's own
+            # samples is 0: as a loss term k1 pulls nowhere on average (k3's gradient is KL's).
+            extra += ("; WARNING: the k1 estimator as a loss term has zero expected gradient on-policy, so it does "
+                      "not hold the actor near the reference: use --kl_estimator k3 (the default here) or k2")
         return (f"algorithm {self.algorithm}: {self.num_generations} answer(s) per prompt, KL ({self.kl_estimator}) "
                 f"{kl}, loss aggregation {self.loss_aggregation}"
                 f"{', no critic' if not self.critic else ''}{extra}")

@@ -206,12 +206,10 @@ def init_distributed(dist_backend: Optional[str] = None,
         deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
                                    init_method=_private_file_store(), rank=0, world_size=1,
                                    timeout=_collective_timeout(rendezvous))
-        if accelerator.device_name() == "cpu":
-            unlink_shm_allreduce_buffer(0)
     else:
         _init_ranks(deepspeed, dist_backend, rendezvous)
-        if accelerator.device_name() == "cpu":
-            unlink_shm_allreduce_buffer(int(os.environ["RANK"]))
+    if accelerator.device_name() == "cpu":  # every branch, MPI and an existing group included
+        unlink_shm_allreduce_buffer(torch.distributed.get_rank())
     return DistInfo(
         rank=torch.distributed.get_rank(),
         local_rank=local_rank,

@@ -173,6 +173,19 @@ def test_step3_benchmark_with_answer_spread_runs_ours_packed_and_unpacked(tmp_pa
     assert lines[lines.index("| | ours-no-pack | ours | ours / ours-no-pack |") + 1].count("|---") == 4
 
 
+def test_packing_benchmark_times_every_layout_on_a_tiny_model(tmp_path):
+    bench = _load("packing")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--model", "tiny-llama", "--batch", "4", "--answer_len", "12", "--batches", "2",
+                        "--results", str(results)])
+    rows = {line.split(" | ")[0][2:]: line for line in lines if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"layout", *bench.LAYOUTS}
+    assert rows["padded"].endswith("| 1.00x |")
+    slots = {name: float(rows[name].split(" | ")[1]) for name in bench.LAYOUTS}
+    assert slots["fewest-slots"] <= slots["chosen"] <= slots["padded"]
+    assert "command: `python benchmarks/packing.py --model tiny-llama" in results.read_text()
+
+
 def test_step3_graphs_mode_on_a_cpu_says_it_decoded_with_dschats_loop(tmp_path, capsys):
     # CUDA graphs need a CUDA device: on a CPU ours-graphs falls back, and the results say so (ours, the
     # default on a CPU, decodes with dschat's loop too).

@@ -52,6 +52,10 @@ class TestCalling:
         assert got == pytest.approx([0.5, 2 / 3, 0.0])
         # Takes no columns: called with two arguments.
         assert load_reward_function("reward_fixtures:length")(PROMPTS, ANSWERS, cols) == [0.2, 0.3, 0.1]
+        # A dataset column named like the first two parameters is not passed: it would collide.
+        clash = {**cols, "prompts": ["p"] * 3, "answers": ["a"] * 3}
+        load_reward_function("reward_fixtures:seen_columns")(PROMPTS, ANSWERS, clash)
+        assert reward_fixtures.seen_columns.last == ["chosen", "rejected"]
 
     def test_raising_function_names_the_row(self):
         f = load_reward_function("reward_fixtures:raises_on_boom")

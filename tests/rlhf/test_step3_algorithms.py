@@ -63,6 +63,10 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     rpp = _settings("--algorithm", "reinforce_pp")
     assert (rpp.kl_in_reward, rpp.kl_estimator, rpp.whiten_advantages, rpp.loss_aggregation) == (True, "k1", True, "token")
     assert not _settings("--tis_cap", "2").upstream_ppo_loss
+    # k1 as a loss term is accepted, with a warning in the start-up line; k3 (the default there) is not warned.
+    k1 = _settings("--algorithm", "grpo", "--num_generations", "4", "--kl_estimator", "k1")
+    assert "WARNING: the k1 estimator as a loss term has zero expected gradient" in k1.describe()
+    assert "WARNING" not in grpo.describe() and "WARNING" not in ppo.describe()
 
 
 @pytest.mark.parametrize("extra, message", [
