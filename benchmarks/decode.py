@@ -40,7 +40,7 @@ from dschat.rlhf.decoding import DecodingSettings, onednn_decode_linears, onednn
 from dschat.rlhf.rollout_engine import DschatHybridEngine  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from step3 import append_results  # noqa: E402  (one results format for every benchmark)
+from step3 import publish  # noqa: E402  (one results format for every benchmark)
 
 MODES = ("loop", "engine")
 
@@ -182,10 +182,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         *(f"| {m} | {t:.3f} | {b:.3f} | {s:.1f} | {f:.1f} |" for m, t, b, s, f in rows),
         "",
     ]
-    print("\n".join(lines), flush=True)
-    if args.results:
-        append_results(Path(args.results), lines)
-    return lines
+    return publish(lines, args.results)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from dschat.models.packing import attention_span, pack_rows  # noqa: E402
 from dschat.rlhf.packed_passes import token_log_probs  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-from step3 import append_results, prompt_batches  # noqa: E402  (one results format for every benchmark)
+from step3 import prompt_batches, publish  # noqa: E402  (one results format for every benchmark)
 
 LAYOUTS = ("padded", "chosen", "fewest-slots", "padded-width")
 
@@ -144,10 +144,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
           f"{base / (sum(cpu[name]) / n):.2f}x |" for name in LAYOUTS),
         "",
     ]
-    print("\n".join(lines), flush=True)
-    if args.results:
-        append_results(Path(args.results), lines)
-    return lines
+    return publish(lines, args.results)
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     from dschat.models.families import family_of
     from dschat.models.registry import resolve_model_path
     from dschat.runtime.perf import checkpoint_activations_factor
-    from step3 import append_results, materialise, versions
+    from step3 import materialise, publish, versions
 
     on_gpu = get_accelerator().device_name() != "cpu"
     dtype = args.dtype or ("bf16" if on_gpu else "fp32")
@@ -147,10 +147,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         lines.append(f"| {step} | {name} | {s['median_s']:.2f} | {s['samples_per_s']:.2f} | {s['tflops']:.4f} | "
                      f"{s['columns']:.1f} | {s['samples_per_s'] / base[step]['samples_per_s']:.2f}x |")
     lines.append("")
-    print("\n".join(lines), flush=True)
-    if args.results:
-        append_results(Path(args.results), lines)
-    return lines
+    return publish(lines, args.results)
 
 
 if __name__ == "__main__":

@@ -572,10 +572,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         *table(results, metrics, peaks),
         "",
     ]
-    print("\n".join(lines), flush=True)
-    if args.results and info.rank == 0:
-        append_results(Path(args.results), lines)
-    return lines
+    return publish(lines, args.results, write=info.rank == 0)
 
 
 @contextmanager
@@ -597,6 +594,14 @@ def shared_temporary_directory(rank: int, world_size: int) -> Iterator[Path]:
         barrier()
         if rank == 0:
             shutil.rmtree(path, ignore_errors=True)
+
+
+def publish(lines: list[str], results: str, write: bool = True) -> list[str]:
+    """Print one run's section and append it to ``results`` (unless '' or not ``write``); return it."""
+    print("\n".join(lines), flush=True)
+    if results and write:
+        append_results(Path(results), lines)
+    return lines
 
 
 def append_results(path: Path, lines: Sequence[str]) -> None:
