@@ -292,8 +292,9 @@ def answer_lengths(batch: int, answer_len: int, spread: float, step: int, seed: 
 
 
 def cut_answers(rollout: Any, prompt_width: int, lengths: torch.Tensor, eos: int, pad: int) -> Any:
-    """``rollout`` with answer ``i`` ending in EOS at token ``lengths[i]`` and padding after it (the
-    rollout's log-probs kept: the columns after an EOS are read by nothing but the reward slot)."""
+    """``rollout`` with answer ``i`` ending in EOS at token ``lengths[i]`` and padding after it. The
+    rollout's log-probs are kept as they were, so the EOS column and the reward slot hold the log-probs
+    of the tokens replaced: the step's KL and reward figures are off, its timings are not."""
     seq = rollout.sequences.clone()
     answer = seq[:, prompt_width:]
     cols = torch.arange(answer.shape[1], device=seq.device)[None, :]
@@ -349,8 +350,13 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
                                  answer_spread, i, seed)
         if lengths is not None:
             tokenizer = trainer.tokenizer
-            generator.rollout = lambda p, m, _n=lengths: cut_answers(rollout(p, m), p.shape[1], _n,
-                                                                    tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+            def cut_rollout(p: torch.Tensor, m: torch.Tensor, _n: torch.Tensor = lengths) -> Any:
+                out = rollout(p, m)
+                if p.shape[0] != _n.shape[0]:  # ReMax's greedy baseline: one answer per prompt, left whole
+                    return out
+                return cut_answers(out, p.shape[1], _n, tokenizer.eos_token_id, tokenizer.pad_token_id)
+            generator.rollout = cut_rollout
         sync()
         exp = trainer.generate_experience(prompts, mask, i)
         sync()

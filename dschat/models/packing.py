@@ -17,8 +17,8 @@ attention keeps the sequences apart:
 
 The results at real tokens are the padded pass's up to floating-point reordering (measured in
 ``tests/rlhf/test_sequence_packing.py``: at most a few 1e-6 in fp32 logits with SDPA, exactly equal with
-eager attention); filler slots at the end of a packed row form a sequence of their own and are
-dropped by :meth:`PackedRows.unpack`.
+eager attention); filler slots at the end of a packed row (position 0 each) are one-token
+sequences of their own, dropped by :meth:`PackedRows.unpack`.
 """
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ class PackedRows:
     """
 
     input_ids: torch.Tensor  # (R, W) packed ids; filler slots hold the first padded id
-    position_ids: torch.Tensor  # (R, W) 0, 1, ... within each sequence (and within each row's filler)
+    position_ids: torch.Tensor  # (R, W) 0, 1, ... within each sequence; 0 on filler
     source: torch.Tensor  # (R, W) int64 flat padded index of each slot, -1 for filler
     shape: tuple[int, int]  # (B, L) of the padded batch
 
@@ -182,6 +182,8 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_widt
     R = max(len(bins), 1)
     W = max((row[0] for row in bins), default=1)
     source = torch.full((R, W), -1, dtype=torch.long)
+    # Filler keeps position 0: each filler slot is a one-token sequence of its own, and no position
+    # exceeds the padded batch's (learned position tables, dynamic RoPE's largest position).
     positions = torch.zeros((R, W), dtype=torch.long)
     for r, row in enumerate(bins):
         offset = 0
@@ -190,7 +192,6 @@ def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor, *, max_widt
             source[r, offset:offset + n] = b * L + first_list[b] + torch.arange(n)
             positions[r, offset:offset + n] = torch.arange(n)
             offset += n
-        positions[r, offset:] = torch.arange(W - offset)  # filler: a sequence of its own
     source = source.to(input_ids.device)
     packed = PackedRows(input_ids=input_ids.new_zeros((R, W)), position_ids=positions.to(input_ids.device),
                         source=source, shape=(B, L))
@@ -214,6 +215,11 @@ def packing_unsupported_reason(model: Any) -> str | None:
     config = _config(model)
     if config is None:
         return f"{type(_unwrap(model)).__name__} has no Hugging Face config"
+    body = _unwrap(model)
+    body = getattr(body, "rwtransformer", body)  # a RewardModel's body
+    if not type(body).__module__.startswith("transformers.models."):
+        return (f"{type(body).__name__} is not a transformers model class (remote code or a wrapper: its forward "
+                "may not read packed position ids)")
     family = family_of(config)
     model_type = getattr(config, "model_type", "?")
     if family.sequence_packing is None:
@@ -234,7 +240,8 @@ def packing_mode(model: Any) -> str | None:
 
 def packed_model_inputs(packed: PackedRows, model: Any) -> dict[str, Any]:
     """The forward keyword arguments of ``packed`` for ``model`` (whose :func:`packing_mode` is not
-    None): ids and position ids, and for "mask" families the block-diagonal causal mask."""
+    None): ids, position ids and ``use_cache=False``, and for "mask" families the block-diagonal
+    causal mask."""
     mode = packing_mode(model)
     if mode is None:
         raise ValueError(f"sequence packing does not apply: {packing_unsupported_reason(model)}")
@@ -246,4 +253,6 @@ def packed_model_inputs(packed: PackedRows, model: Any) -> dict[str, Any]:
         shape_only = torch.empty((R, W, 0), dtype=dtype, device=packed.input_ids.device)
         attention_mask = create_causal_mask(config=_config(model), inputs_embeds=shape_only, attention_mask=None,
                                             past_key_values=None, position_ids=packed.position_ids)
-    return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": attention_mask}
+    # use_cache=False: with a cache, transformers builds the mask without looking for packed sequences.
+    return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": attention_mask,
+            "use_cache": False}

@@ -74,7 +74,7 @@ def token_log_probs(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor,
     if packed is None:
         logits = model(seq, attention_mask=attention_mask, position_ids=position_ids, use_cache=False).logits
         return shifted_log_probs(logits, seq, temperature=temperature, fp32=fp32)
-    logits = model(**packed_model_inputs(packed, model), use_cache=False).logits  # (R, W, V)
+    logits = model(**packed_model_inputs(packed, model)).logits  # (R, W, V)
     if temperature != 1.0:
         logits = logits / temperature
     # Each slot's target is the padded batch's next token (a pad after a finished answer); the last
@@ -89,7 +89,7 @@ def token_values(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, po
     if packed is None:
         return model.forward_value(seq, attention_mask, position_ids=position_ids, return_value_only=True,
                                    use_cache=False)
-    values = model.forward_value(**packed_model_inputs(packed, model), return_value_only=True, use_cache=False)
+    values = model.forward_value(**packed_model_inputs(packed, model), return_value_only=True)
     return packed.unpack(values)
 
 

@@ -18,7 +18,7 @@ from dschat.runtime.zero3 import gathered_parameters
 from dschat.rlhf.packed_passes import (reward_end_scores, resolve_sequence_packing, token_log_probs,
                                        token_values)
 
-from test_decoder_model import FAMILIES, _model
+from test_decoder_model import FAMILIES, _model, tiny_config
 from test_step3_experience import _build, _fixed_generation
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -99,6 +99,8 @@ def test_pack_rows_spreads_sequences_evenly_when_that_narrows_the_rows():
     packed = pack_rows(torch.arange(60).reshape(5, 12), mask, max_width=20)
     assert packed.input_ids.shape == (3, 15)
     assert packed.real.sum(1).tolist() == [10, 15, 15]
+    # Filler keeps position 0: one-token sequences of their own, no position past the padded batch's.
+    assert packed.position_ids[0].tolist() == list(range(10)) + [0] * 5
     assert sorted(packed.source[packed.real].tolist()) == mask.flatten().nonzero().flatten().tolist()
 
 
@@ -198,6 +200,12 @@ def test_packing_refuses_what_it_cannot_run():
     assert packing_mode(bloom) is None
     with pytest.raises(ValueError, match="does not apply"):
         packed_model_inputs(pack_rows(*_batch()[:2]), bloom)
+    class RemoteCodeLlama(T.LlamaForCausalLM):  # what trust_remote_code loads: not transformers' own class
+        pass
+    remote = RemoteCodeLlama(tiny_config("llama"))
+    assert "RemoteCodeLlama is not a transformers model class" in packing_unsupported_reason(remote)
+    llama_inputs = packed_model_inputs(pack_rows(*_batch()[:2]), _model("llama"))
+    assert llama_inputs["use_cache"] is False and llama_inputs["attention_mask"] is None
     flash = _model("llama")
     flash.config._attn_implementation = "flash_attention_2"
     assert "flash_attention_2" in packing_unsupported_reason(flash)
