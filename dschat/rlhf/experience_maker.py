@@ -174,14 +174,13 @@ class ExperienceMaker:
                          position_ids: torch.Tensor, packed: Any) -> torch.Tensor:
         """(B, L - 1) log-probs of ``seq[:, 1:]`` under ``model`` at the sampling temperature, on the
         batch's packed rows where the model ``name`` packs (:mod:`~dschat.rlhf.packed_passes`)."""
-        return token_log_probs(model, seq, attention_mask, position_ids, packed if self.packing.get(name) else None,
+        return token_log_probs(model, seq, attention_mask, position_ids, self._layout_for(name, packed),
                                temperature=self.logit_temperature, fp32=self.compute_fp32_loss)
 
     def _token_values(self, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                       packed: Any) -> torch.Tensor:
         """(B, L) the critic's per-token values, on packed rows where the critic packs."""
-        return token_values(self.critic_model, seq, attention_mask, position_ids,
-                            packed if self.packing.get("critic") else None)
+        return token_values(self.critic_model, seq, attention_mask, position_ids, self._layout_for("critic", packed))
 
     @staticmethod
     def _logprobs_from_rollout(answer_logprobs: torch.Tensor, prompt_length: int,
@@ -208,9 +207,15 @@ class ExperienceMaker:
                         for row, m in zip(seq, attention_mask)]
         return prompt_texts, answer_texts
 
-    def _packed(self, name: str, seq: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-        """The packed rows of a batch for the model ``name``, or None where it runs padded."""
-        return pack_batch(seq, attention_mask, self.packing.get(name, False), self.packing_span)
+    def _packed(self, seq: torch.Tensor, attention_mask: torch.Tensor, *names: str) -> Any:
+        """The packed rows of a batch for the passes of the models ``names`` (default: every model's),
+        or None where none of them packs."""
+        enabled = any(self.packing.get(name, False) for name in names or tuple(self.packing))
+        return pack_batch(seq, attention_mask, enabled, self.packing_span)
+
+    def _layout_for(self, name: str, packed: Any) -> Any:
+        """``packed`` for the model ``name`` if it packs, else None (its pass runs padded)."""
+        return packed if self.packing.get(name) else None
 
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                        attention_mask: torch.Tensor, position_ids: torch.Tensor, packed: Any = None) -> torch.Tensor:
@@ -220,7 +225,7 @@ class ExperienceMaker:
         model_scores = None
         if mix.uses_model:
             model_scores = reward_end_scores(self.reward_model, seq, attention_mask, position_ids,
-                                             packed if self.packing.get("reward") else None,
+                                             self._layout_for("reward", packed),
                                              prompts.shape[1]).detach().float()
             if not mix.functions and mix.model_weight == 1.0:
                 return model_scores  # upstream's reward, untouched
@@ -249,7 +254,7 @@ class ExperienceMaker:
         masks = sequence_masks(mask, seq, self.tokenizer.eos_token_id)
         with torch.no_grad():
             scores = self._reward_scores(prompts, mask, seq, masks.attention_mask, masks.position_ids,
-                                         self._packed("reward", seq, masks.attention_mask))
+                                         self._packed(seq, masks.attention_mask, "reward"))
         if self.missing_eos_penalty:
             ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
             scores = rl_math.missing_eos_penalty(scores, ended, self.missing_eos_penalty)
@@ -314,7 +319,7 @@ class ExperienceMaker:
             return None
 
         attention_mask, position_ids = masks.attention_mask, masks.position_ids
-        packed = pack_batch(seq, attention_mask, any(self.packing.values()), self.packing_span)  # for every pass
+        packed = self._packed(seq, attention_mask)  # one packing for every pass
         with torch.no_grad():
             if rollout.logprobs is not None and self.reuse_rollout_logprobs:
                 # The generator kept the sampled tokens' log-probs: no second actor pass.

@@ -39,7 +39,6 @@ from dschat.rewards import RewardMix
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.batch_plan import BatchPlan, plan_batches
-from dschat.rlhf.packed_passes import pack_batch
 from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
 from dschat.runtime.zero3 import gathered_parameters
 
@@ -197,8 +196,7 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
             normalizer = 1.0  # a micro-batch of dropped rows only: zero loss, not 0/0
 
         batch = (exp.seq, exp.attention_mask, exp.position_ids)
-        packed = pack_batch(exp.seq, exp.attention_mask, self.packing["actor"] or self.packing.get("critic", False),
-                            self.packing_span)
+        packed = self._packed(exp.seq, exp.attention_mask, "actor", "critic")
         actor_log_prob = self._token_log_probs("actor", self.actor_model, *batch, packed)[:, start:]
         stored = exp.logprobs[:, start:]
         # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,

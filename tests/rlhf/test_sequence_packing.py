@@ -254,7 +254,7 @@ def test_step3_experience_and_update_on_packed_rows_equal_the_padded_ones(model,
         _fixed_generation(monkeypatch, trainer, seq)
         trainer.reuse_rollout_logprobs = False  # the actor's scoring pass too
         exp = trainer.generate_experience(prompts, prompt_mask, step=0)
-        packed = trainer._packed("actor", seq, exp.attention_mask)
+        packed = trainer._packed(seq, exp.attention_mask, "actor")
         assert (packed is None) == (setting == "off")  # 23 real tokens of 33: one packed row
         assert setting == "off" or packed.input_ids.shape == (1, 23)
         trainer.prepare_rollout([exp])
