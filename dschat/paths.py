@@ -28,6 +28,9 @@ BEST_FILE = "best.json"
 # The embedded preference dataset's ``train.jsonl`` / ``eval.jsonl`` (shipped inside the package):
 # written by dschat.data.builtin, read by it and, as its tokenizer corpus, by dschat.models.tiny.
 BUILTIN_DATA_DIR = Path(__file__).parent / "data" / "builtin_prefs"
+# ``dschat/builtin-samples``: gold-labelled pairs of an SFT actor's own answers (the CPU demo's step 2
+# reads them beside dschat/builtin), written by dschat.eval.sample_pairs.
+BUILTIN_SAMPLES_DIR = BUILTIN_DATA_DIR / "samples"
 
 
 def cache_dir() -> Path:

@@ -21,7 +21,7 @@ import random
 from pathlib import Path
 
 from dschat.gold_judge import gold_score
-from dschat.paths import BUILTIN_DATA_DIR
+from dschat.paths import BUILTIN_DATA_DIR, BUILTIN_SAMPLES_DIR
 from dschat.runtime.fs import atomic_file
 
 NAME = "dschat/builtin"
@@ -37,15 +37,21 @@ def data_dir() -> Path:
     return BUILTIN_DATA_DIR
 
 
-def split_file(split: str) -> Path:
+def samples_dir() -> Path:
+    """Folder of ``dschat/builtin-samples`` (pairs of an SFT actor's answers; dschat.eval.sample_pairs)."""
+    return BUILTIN_SAMPLES_DIR
+
+
+def split_file(split: str, folder: Path | None = None) -> Path:
     if split not in SPLITS:
         raise ValueError(f"builtin dataset split must be one of {SPLITS}, not {split!r}")
-    return data_dir() / f"{split}.jsonl"
+    return (folder or data_dir()) / f"{split}.jsonl"
 
 
-def read_rows(split: str) -> list[dict]:
-    """The rows of one split as dicts with ``prompt``, ``chosen``, ``rejected``."""
-    text = split_file(split).read_text(encoding="utf-8")
+def read_rows(split: str, folder: Path | None = None) -> list[dict]:
+    """The rows of one split (of ``folder``, default this dataset's) as dicts with ``prompt``,
+    ``chosen``, ``rejected``."""
+    text = split_file(split, folder).read_text(encoding="utf-8")
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 

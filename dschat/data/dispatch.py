@@ -15,7 +15,9 @@ from dschat.data import local_files as lf
 from dschat.data.adapters.base import PromptRawDataset
 from dschat.data.adapters.local import (
     BUILTIN_NAME,
+    BUILTIN_SAMPLES_NAME,
     BuiltinDataset,
+    builtin_folders,
     LocalJsonFileDataset,
     LocalPreferenceDataset,
     builtin_files,
@@ -62,7 +64,7 @@ DATASET_TABLE: tuple[tuple[str, type[PromptRawDataset]], ...] = (
 )
 
 LOCAL_FORMS = (
-    f"{BUILTIN_NAME} (embedded), local/jsonfile (data/train.json + data/eval.json), a .json/.jsonl/"
+    f"{BUILTIN_NAME} and {BUILTIN_SAMPLES_NAME} (embedded), local/jsonfile (data/train.json + data/eval.json), a .json/.jsonl/"
     ".parquet file or a folder of them with prompt/chosen[/rejected] columns (train.* + eval.*/test.*/"
     "validation.* for both splits), or a save_to_disk folder with those columns"
 )
@@ -93,7 +95,7 @@ def match_adapter(dataset_name: str) -> type[PromptRawDataset] | None:
     for needle, adapter in DATASET_TABLE:
         if needle in dataset_name:
             return adapter
-    if dataset_name == BUILTIN_NAME:
+    if dataset_name in builtin_folders():
         return BuiltinDataset
     return None
 
@@ -116,8 +118,8 @@ def resolve_dataset(dataset_name: str) -> DatasetSource:
             if lf.looks_like_path(name):  # e.g. /data/Dahoas/rm-static: a local copy that is not there
                 raise UserError(f"data path {name!r} does not exist; check --data_path (or pass the hub name)")
             return DatasetSource(name, adapter)
-    if name == BUILTIN_NAME:
-        files = builtin_files()
+    if name in builtin_folders():
+        files = builtin_files(name)
         return DatasetSource(name, BuiltinDataset, tuple(files), files[0].parent)
     path = lf.expand(name)
     if path.exists():

@@ -20,6 +20,9 @@ from dschat.errors import UserError
 
 #: The ``--data_path`` entry of the embedded dataset.
 BUILTIN_NAME = "dschat/builtin"
+#: The ``--data_path`` entry of the embedded pairs of an SFT actor's own answers (the CPU demo's
+#: step 2 reads them beside ``dschat/builtin``; :mod:`dschat.eval.sample_pairs`).
+BUILTIN_SAMPLES_NAME = "dschat/builtin-samples"
 
 # ---------------------------------------------------------------------------------------------
 # Upstream's local JSON files
@@ -218,21 +221,26 @@ class LocalPreferenceDataset(PromptRawDataset):
         return sample["prompt"] + sample["rejected"]
 
 
-def builtin_files() -> list[Path]:
-    """``dschat/data/builtin_prefs/{train,eval}.jsonl``; a UserError if the package lacks them."""
-    folder = Path(builtin.data_dir())
+def builtin_folders() -> dict[str, Path]:
+    """The embedded datasets: ``--data_path`` entry -> folder of its ``train.jsonl`` + ``eval.jsonl``."""
+    return {BUILTIN_NAME: Path(builtin.data_dir()), BUILTIN_SAMPLES_NAME: Path(builtin.samples_dir())}
+
+
+def builtin_files(name: str = BUILTIN_NAME) -> list[Path]:
+    """``train.jsonl`` and ``eval.jsonl`` of an embedded dataset; a UserError if the package lacks them."""
+    folder = builtin_folders()[name]
     files = [folder / "train.jsonl", folder / "eval.jsonl"]
     missing = [str(f) for f in files if not f.is_file()]
     if missing:
         raise UserError(
-            f"the builtin dataset files are missing ({', '.join(missing)}); reinstall dschat "
-            "(the wheel ships dschat/data/builtin_prefs/*.jsonl)"
+            f"the files of {name} are missing ({', '.join(missing)}); reinstall dschat "
+            "(the wheel ships dschat/data/builtin_prefs/)"
         )
     return files
 
 
 class BuiltinDataset(LocalPreferenceDataset):
-    """``dschat/builtin``: the preference set embedded in the package (train.jsonl + eval.jsonl)."""
+    """An embedded preference set (``dschat/builtin`` or ``dschat/builtin-samples``): train.jsonl + eval.jsonl."""
 
     def __init__(
         self,
@@ -243,7 +251,7 @@ class BuiltinDataset(LocalPreferenceDataset):
         raw_datasets: Any = None,
     ) -> None:
         if raw_datasets is None:
-            train, held_out = builtin_files()
+            train, held_out = builtin_files(dataset_name)
             raw_datasets = self.read_groups({"train": [train], "eval": [held_out]})
         super().__init__(output_path, seed, local_rank, dataset_name, raw_datasets=raw_datasets)
-        self.dataset_name_clean = "dschat_builtin"
+        self.dataset_name_clean = dataset_name.replace("/", "_").replace("-", "_")
