@@ -27,6 +27,9 @@ from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
 from dschat.data.builtin import MIN_MARGIN, read_rows, samples_dir, write
+from dschat.errors import UserError, cli_main
+from dschat.eval import scoring
+from dschat.eval.heldout import EvalSettings
 from dschat.gold_judge import gold_score
 
 DEFAULT_DRAWS = 4
@@ -85,9 +88,6 @@ def split_by_prompt(rows: Sequence[Mapping[str, str]], eval_prompts: int, seed: 
 def sample_answers(actor: str | Path, prompts: Sequence[str], *, draws: int, seed: int, temperature: float,
                    max_new_tokens: int, batch_size: int = 32, device: str = "auto") -> list[dict[str, str]]:
     """``draws`` seeded samples of the actor's answer to every prompt (the report's decoding)."""
-    from dschat.eval import scoring  # torch and transformers: only when sampling
-    from dschat.eval.heldout import EvalSettings
-
     model, tokenizer = scoring.load_actor(actor, scoring.pick_device(device))
     answers = []
     for draw in range(draws):
@@ -119,9 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    from dschat.eval.scoring import check_actor_folder
-
-    check_actor_folder(args.actor)
+    for name in ("draws", "max_new_tokens", "pairs_per_prompt"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1")
+    if args.eval_prompts < 0:
+        raise UserError("--eval_prompts must be 0 or more")
+    scoring.check_actor_folder(args.actor)
     answers = sample_answers(args.actor, train_prompts(), draws=args.draws, seed=args.seed,
                              temperature=args.temperature, max_new_tokens=args.max_new_tokens, device=args.device)
     rows = split_by_prompt(make_pairs(answers, per_prompt=args.pairs_per_prompt), args.eval_prompts)
@@ -132,4 +135,4 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli_main(main))
