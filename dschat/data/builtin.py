@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dschat.gold_judge import gold_score
 from dschat.paths import BUILTIN_DATA_DIR, BUILTIN_SAMPLES_DIR
-from dschat.runtime.fs import atomic_file
+from dschat.runtime.fs import atomic_files
 
 NAME = "dschat/builtin"
 SPLITS = ("train", "eval")
@@ -491,8 +491,9 @@ def generate(
 
 
 def write(out_dir: Path, rows: dict[str, list[dict]]) -> None:
-    for split, split_rows in rows.items():
-        with atomic_file(out_dir / f"{split}.jsonl") as tmp:
+    """One ``<split>.jsonl`` per split, replaced together: on a failure no file changes."""
+    with atomic_files([out_dir / f"{split}.jsonl" for split in rows]) as tmps:
+        for tmp, split_rows in zip(tmps, rows.values()):
             with open(tmp, "w", encoding="utf-8") as fh:
                 for row in split_rows:
                     fh.write(json.dumps(row, ensure_ascii=False) + "\n")

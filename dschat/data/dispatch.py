@@ -17,10 +17,10 @@ from dschat.data.adapters.local import (
     BUILTIN_NAME,
     BUILTIN_SAMPLES_NAME,
     BuiltinDataset,
-    builtin_folders,
     LocalJsonFileDataset,
     LocalPreferenceDataset,
     builtin_files,
+    builtin_folders,
     find_local_jsonfile_dir,
 )
 from dschat.data.adapters.upstream import (

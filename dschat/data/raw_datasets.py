@@ -9,10 +9,12 @@ each phase in :mod:`dschat.data.phases`. Code written against upstream's ``raw_d
 from dschat.data.adapters.base import PREF_OPTIONAL, PREF_REQUIRED, PromptRawDataset, Sample
 from dschat.data.adapters.local import (
     BUILTIN_NAME,
+    BUILTIN_SAMPLES_NAME,
     BuiltinDataset,
     LocalJsonFileDataset,
     LocalPreferenceDataset,
     builtin_files,
+    builtin_folders,
     find_local_jsonfile_dir,
 )
 from dschat.data.adapters.upstream import (
@@ -76,11 +78,13 @@ __all__ = [
     # Also importable here, as before the split (used by dschat's own modules and tests):
     "ADAPTERS",
     "BUILTIN_NAME",
+    "BUILTIN_SAMPLES_NAME",
     "LOCAL_FORMS",
     "PREF_OPTIONAL",
     "PREF_REQUIRED",
     "Sample",
     "builtin_files",
+    "builtin_folders",
     "empty_phase",
     "require_eval",
 ]

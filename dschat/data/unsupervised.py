@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.data import local_files as lf
-from dschat.data.adapters.local import BUILTIN_NAME, builtin_files
+from dschat.data.adapters.local import builtin_files, builtin_folders
 from dschat.errors import UserError, first_line
 
 TEXT_SUFFIXES: tuple[str, ...] = lf.DATA_SUFFIXES + (".txt",)
@@ -98,8 +98,8 @@ def _read_files(files: list[Path]) -> Any:
 
 def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
     """The raw ``DatasetDict`` (with a ``train`` split) for ``--unsupervised_dataset_name``."""
-    if name == BUILTIN_NAME:
-        train_file = builtin_files()[0]
+    if name in builtin_folders():
+        train_file = builtin_files(name)[0]
         rows = lf.check_columns(lf.read_records(train_file), train_file, ("prompt", "chosen"))
         texts = [r["prompt"] + r["chosen"] for r in rows if r["prompt"] is not None and r["chosen"] is not None]
         return _train_only(lf.records_to_dataset([{"text": t} for t in texts], ["text"]))

@@ -31,6 +31,7 @@ from dschat.errors import UserError, cli_main
 from dschat.eval import scoring
 from dschat.eval.heldout import EvalSettings
 from dschat.gold_judge import gold_score
+from dschat.runtime.fs import check_writable_dir
 
 DEFAULT_DRAWS = 4
 DEFAULT_SEED = 500  # the shipped files: draws seeded 500-503
@@ -124,11 +125,20 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise UserError(f"--{name} must be at least 1")
     if args.eval_prompts < 0:
         raise UserError("--eval_prompts must be 0 or more")
+    if not args.temperature > 0:
+        raise UserError(f"--temperature must be above 0 (got {args.temperature}): the answers are sampled")
+    check_writable_dir(args.out, "--out")
     scoring.check_actor_folder(args.actor)
     answers = sample_answers(args.actor, train_prompts(), draws=args.draws, seed=args.seed,
                              temperature=args.temperature, max_new_tokens=args.max_new_tokens, device=args.device)
     rows = split_by_prompt(make_pairs(answers, per_prompt=args.pairs_per_prompt), args.eval_prompts)
-    args.out.mkdir(parents=True, exist_ok=True)
+    empty = [split for split, split_rows in rows.items() if not split_rows]
+    if empty:
+        raise UserError(
+            f"no {' or '.join(empty)} pairs: the judge separated too few of the {len(answers)} answers by "
+            f"{MIN_MARGIN}, or --eval_prompts {args.eval_prompts} holds out every prompt; nothing written. "
+            "Sample more (--draws) or hold out fewer prompts"
+        )
     write(args.out, rows)
     for split, split_rows in rows.items():
         print(f"wrote {len(split_rows)} {split} pairs to {args.out / (split + '.jsonl')}")

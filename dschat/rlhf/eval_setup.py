@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from dschat.cli.args import EVAL_INTERVAL_AUTO
 from dschat.data.prompt_dataset import create_prompt_dataset
-from dschat.data.raw_datasets import BUILTIN_NAME
+from dschat.data.raw_datasets import builtin_folders
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message
@@ -34,7 +34,8 @@ class Judge:
 
 
 def _is_builtin_data(data_path: Sequence[str]) -> bool:
-    return bool(data_path) and all(p == BUILTIN_NAME for p in data_path)
+    # dschat/builtin-samples asks dschat/builtin's train prompts: the gold judge judges both.
+    return bool(data_path) and all(p in builtin_folders() for p in data_path)
 
 
 def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge]:
@@ -45,7 +46,7 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge
         if spec in (GOLD, GOLD_SPEC):
             if not _is_builtin_data(data_path):
                 raise UserError(f"--eval_judge {spec}: the gold judge scores the embedded data only (--data_path "
-                                f"dschat/builtin), not {' '.join(data_path)}; give a module:function or a reward-model "
+                                f"dschat/builtin or dschat/builtin-samples), not {' '.join(data_path)}; give a module:function or a reward-model "
                                 "folder as judge")
             judges.append(Judge(GOLD, fn=load_reward_function(GOLD_SPEC)))
         elif Path(spec).expanduser().is_dir():

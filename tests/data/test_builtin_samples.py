@@ -27,12 +27,11 @@ def test_sizes_fields_and_text_convention(rows):
 
 
 def test_every_label_agrees_with_the_gold_judge(rows):
-    for split_rows in rows.values():
-        for row in split_rows:
-            margin = gold_judge.gold_score(row["prompt"], row["chosen"]) - gold_judge.gold_score(
-                row["prompt"], row["rejected"]
-            )
-            assert margin >= builtin.MIN_MARGIN, row
+    def margin(row):
+        return gold_judge.gold_score(row["prompt"], row["chosen"]) - gold_judge.gold_score(row["prompt"], row["rejected"])
+
+    worst = min((r for split_rows in rows.values() for r in split_rows), key=margin)
+    assert margin(worst) >= builtin.MIN_MARGIN, worst
 
 
 def test_prompts_are_train_prompts_only(rows):
@@ -87,7 +86,7 @@ def test_the_dataset_name_resolves_and_loads():
     samples = get_raw_dataset(BUILTIN_SAMPLES_NAME, "/unused", 1234, 0)
     plain = get_raw_dataset(BUILTIN_NAME, "/unused", 1234, 0)
     # A cache name of its own, so the two datasets never share a tokenised cache entry.
-    assert samples.dataset_name_clean == "dschat_builtin_samples" != plain.dataset_name_clean
+    assert (samples.dataset_name_clean, plain.dataset_name_clean) == ("dschat_builtin_samples", "dschat_builtin")
     first = samples.get_train_data()[0]
     assert samples.get_prompt_and_chosen(first) == first["prompt"] + first["chosen"]
     assert len(samples.get_train_data()) == len(builtin.read_rows("train", builtin.samples_dir()))
@@ -113,13 +112,47 @@ def test_the_script_writes_labelled_pairs_from_a_real_actor(tmp_path, monkeypatc
         assert margin >= builtin.MIN_MARGIN
 
 
+def test_step3_helpers_know_both_embedded_names():
+    from dschat.data.unsupervised import load_unsupervised_raw
+    from dschat.rlhf.eval_setup import resolve_judges
+
+    judges = resolve_judges(["gold"], [BUILTIN_NAME, BUILTIN_SAMPLES_NAME])
+    assert [j.name for j in judges] == ["gold"]
+    texts = load_unsupervised_raw(BUILTIN_SAMPLES_NAME)["train"]["text"]
+    first = builtin.read_rows("train", builtin.samples_dir())[0]
+    assert texts[0] == first["prompt"] + first["chosen"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--actor", "/nonexistent/actor"], "/nonexistent/actor"),
     (["--actor", "x", "--draws", "0"], "--draws must be at least 1"),
     (["--actor", "x", "--eval_prompts", "-1"], "--eval_prompts must be 0 or more"),
+    (["--actor", "x", "--temperature", "0"], "--temperature must be above 0"),
 ])
 def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsys):
     assert sample_pairs.cli_main(sample_pairs.main, argv + ["--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
-    assert not (tmp_path / "o").exists()
+
+
+def test_an_out_that_is_a_file_is_refused_before_sampling(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(sample_pairs, "sample_answers", lambda *a, **k: pytest.fail("sampled before checking --out"))
+    out = tmp_path / "file"
+    out.write_text("mine")
+    argv = ["--actor", str(resolve_model_path("tiny-llama")), "--out", str(out)]
+    assert sample_pairs.cli_main(sample_pairs.main, argv) == 2
+    assert "--out" in capsys.readouterr().err and out.read_text() == "mine"
+
+
+def test_no_pairs_for_a_split_writes_nothing(tmp_path, monkeypatch, capsys):
+    prompts = sample_pairs.train_prompts()[:6]
+    monkeypatch.setattr(sample_pairs, "train_prompts", lambda: prompts)
+    out = tmp_path / "samples"
+    out.mkdir()
+    (out / "train.jsonl").write_text("old\n")
+    argv = ["--actor", str(resolve_model_path("tiny-llama")), "--out", str(out), "--draws", "3",
+            "--max_new_tokens", "12", "--eval_prompts", "6", "--device", "cpu"]  # every prompt held out
+    assert sample_pairs.cli_main(sample_pairs.main, argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
+    assert err.startswith("error: no train pairs") and "nothing written" in err
+    assert sorted(p.name for p in out.iterdir()) == ["train.jsonl"] and (out / "train.jsonl").read_text() == "old\n"

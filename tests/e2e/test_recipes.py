@@ -256,7 +256,9 @@ def test_upstream_guidance_is_in_the_recipes():
 def test_cpu_recipes_use_the_embedded_model_and_data():
     for key in ("step1", "step2", "dpo", "step3"):
         recipe = R.get_recipe(key, "cpu/smollm2-135m", REPO)
-        assert recipe.flag("data_path") == "dschat/builtin"
+        # Step 2 also reads the pairs of an SFT actor's own answers (dschat/builtin-samples).
+        expected = ("dschat/builtin", "dschat/builtin-samples") if key == "step2" else "dschat/builtin"
+        assert recipe.flag("data_path") == expected
         assert recipe.flag("dtype") == "fp32"
         assert recipe.env["DS_ACCELERATOR"] == "cpu"
         assert recipe.eta_seconds and recipe.eta_seconds > 0

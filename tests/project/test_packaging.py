@@ -100,6 +100,8 @@ def test_wheel_is_not_empty_and_imports(tmp_path):
         "dschat/utils/data/data_utils.py",
         "dschat/data/builtin_prefs/train.jsonl",
         "dschat/data/builtin_prefs/eval.jsonl",
+        "dschat/data/builtin_prefs/samples/train.jsonl",
+        "dschat/data/builtin_prefs/samples/eval.jsonl",
     ):
         assert required in names, required
     target = tmp_path / "site"

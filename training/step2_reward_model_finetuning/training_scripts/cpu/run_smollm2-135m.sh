@@ -2,7 +2,8 @@
 # Generated from configs/step2.yaml (recipe cpu/smollm2-135m) by
 # `python -m dschat.recipes write-scripts`: edit the recipe, not this file.
 #
-# CPU demo: SmolLM2-135M-Instruct reward model on dschat/builtin, fp32, one rank
+# CPU demo: SmolLM2-135M-Instruct reward model on dschat/builtin and dschat/builtin-samples,
+# fp32, one rank
 #
 # Usage: bash run_smollm2-135m.sh [OUTPUT] [ZERO_STAGE] [--main_py_flag VALUE ...]
 #   Empty or missing positionals take the defaults: OUTPUT=./output ZERO_STAGE=0
@@ -12,6 +13,11 @@
 #
 # Reward-model guidance kept: weight decay 0.1, dropout 0, 1 epoch (capped by
 # --max_train_steps).
+#
+# Pairs: dschat/builtin's grammar pairs and dschat/builtin-samples, gold-labelled pairs of an
+# SFT actor's own answers (InstructGPT's comparisons). With 80 steps they raised seed 7's
+# accuracy vs gold from 81.7 % to 84.3 % (300 held-out pairs) and its correlation with the judge
+# on SFT answers from 0.39 to 0.47 (docs/demo_experiments.md).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
