@@ -120,11 +120,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    for name in ("draws", "max_new_tokens", "pairs_per_prompt"):
+    # eval.jsonl must hold pairs too: the dataset's held-out split (step 2's evaluation) reads it.
+    for name in ("draws", "max_new_tokens", "pairs_per_prompt", "eval_prompts"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1")
-    if args.eval_prompts < 0:
-        raise UserError("--eval_prompts must be 0 or more")
     if not args.temperature > 0:
         raise UserError(f"--temperature must be above 0 (got {args.temperature}): the answers are sampled")
     check_writable_dir(args.out, "--out")

@@ -126,7 +126,7 @@ def test_step3_helpers_know_both_embedded_names():
 @pytest.mark.parametrize("argv, message", [
     (["--actor", "/nonexistent/actor"], "/nonexistent/actor"),
     (["--actor", "x", "--draws", "0"], "--draws must be at least 1"),
-    (["--actor", "x", "--eval_prompts", "-1"], "--eval_prompts must be 0 or more"),
+    (["--actor", "x", "--eval_prompts", "0"], "--eval_prompts must be at least 1"),
     (["--actor", "x", "--temperature", "0"], "--temperature must be above 0"),
 ])
 def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsys):
