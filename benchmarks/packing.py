@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from dschat.models.packing import attention_span, pack_rows  # noqa: E402
+from dschat.models.reward_model import positions_from_mask  # noqa: E402
 from dschat.rlhf.packed_passes import token_log_probs  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -72,7 +73,7 @@ def rollout_batch(prompts: torch.Tensor, prompt_mask: torch.Tensor, answer_len: 
     answers = torch.where(cols == lengths[:, None] - 1, eos, torch.where(cols >= lengths[:, None], pad, answers))
     ids = torch.cat([prompts, answers], dim=1)
     mask = torch.cat([prompt_mask, (cols < lengths[:, None]).long()], dim=1)
-    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+    return ids, mask, positions_from_mask(mask)
 
 
 def layouts(ids: torch.Tensor, mask: torch.Tensor, span: int | None) -> dict[str, Any]:

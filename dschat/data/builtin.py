@@ -55,6 +55,12 @@ def read_rows(split: str, folder: Path | None = None) -> list[dict]:
     return [json.loads(line) for line in text.splitlines() if line.strip()]
 
 
+def distinct_prompts(split: str) -> list[str]:
+    """The distinct prompts of one split of ``dschat/builtin``, in first-appearance order (the files
+    are shuffled)."""
+    return list(dict.fromkeys(row["prompt"] for row in read_rows(split)))
+
+
 # --------------------------------------------------------------------------------------------
 # The grammar. Facts mention their topic word, so an on-topic answer is "relevant" to the judge;
 # facts never contain a warm or rude marker (tests/data/test_builtin_dataset.py checks both).

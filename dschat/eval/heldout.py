@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dschat.data.builtin import read_rows
+from dschat.data.builtin import distinct_prompts, read_rows
 
 @dataclass
 class EvalSettings:
@@ -26,10 +26,7 @@ class EvalSettings:
 
 def heldout_prompts(limit: int | None = None) -> list[str]:
     """Distinct prompts of the builtin eval split, in first-appearance order (the file is shuffled)."""
-    seen: dict[str, None] = {}
-    for row in read_rows("eval"):
-        seen.setdefault(row["prompt"], None)
-    prompts = list(seen)
+    prompts = distinct_prompts("eval")
     return prompts[:limit] if limit else prompts
 
 

@@ -26,7 +26,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from dschat.data.builtin import MIN_MARGIN, read_rows, samples_dir, write
+from dschat.data.builtin import MIN_MARGIN, distinct_prompts, samples_dir, write
 from dschat.errors import UserError, cli_main
 from dschat.eval import scoring
 from dschat.eval.heldout import EvalSettings
@@ -43,10 +43,7 @@ DEFAULT_EVAL_PROMPTS = 40
 
 def train_prompts() -> list[str]:
     """Distinct prompts of ``dschat/builtin``'s train split, in first-appearance order."""
-    seen: dict[str, None] = {}
-    for row in read_rows("train"):
-        seen.setdefault(row["prompt"], None)
-    return list(seen)
+    return distinct_prompts("train")
 
 
 def make_pairs(
