@@ -272,10 +272,12 @@ def add_reward_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
              "did not see this in other models but keep it as an option for now. (dschat reads the "
              "sequence end from the attention mask; this count is used only when no mask is given.)",
     )
-    group.add_argument("--eval_interval", type=int, default=0,
-                       help="If > 0, perform evaluation at this interval")
+    group.add_argument("--eval_interval", type=int, default=0, help="If > 0, perform evaluation at this interval")
     group.add_argument("--eval_iters", type=int, default=100,
                        help="Maximum evaluation iterations (0: the whole held-out split)")
+    group.add_argument("--freeze_layers", type=int, default=0, metavar="N",
+                       help="dschat flag: freeze the embeddings and the N lowest transformer blocks (no gradients "
+                            "or optimizer state; the backward stops at block N); 0 (default) trains all, as upstream")
     return group
 
 

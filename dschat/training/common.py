@@ -307,7 +307,7 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 1)
         if value < 1:
             raise UserError(f"--{name} must be >= 1, got {value}")
-    for name in ("max_train_steps", "num_warmup_steps", "eval_interval", "eval_iters"):
+    for name in ("max_train_steps", "num_warmup_steps", "eval_interval", "eval_iters", "freeze_layers"):
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")

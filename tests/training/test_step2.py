@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -146,6 +147,38 @@ def test_bloom_final_norm_is_reset_and_force_trained():
     llama = LlamaModel(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                                    num_attention_heads=2))
     assert reset_final_norm_for_reward(RewardModel(llama, Tok()), zero_stage=0) == []
+
+
+@pytest.mark.parametrize("zero_stage", ["0", "3"])
+def test_freeze_layers_keeps_the_lower_layers_and_trains_the_rest(step2, data_dir, tmp_path, capsys, zero_stage):
+    """--freeze_layers 1 (a dschat flag): the saved body's embeddings and lowest block equal the starting
+    checkpoint's, the blocks above and the value head trained."""
+    from safetensors.torch import load_file
+
+    from dschat.models.registry import resolve_model_path
+
+    out = tmp_path / "rm"
+    step2.main(base_argv("tiny-llama", data_dir, "--freeze_layers", "1", "--zero_stage", zero_stage,
+                         "--learning_rate", "1e-2", "--num_padding_at_beginning", "0", "--output_dir", str(out),
+                         max_train_steps=3))
+    assert "--freeze_layers 1: the embeddings and the 1 lowest blocks are frozen" in capsys.readouterr().out
+    start = load_file(str(Path(resolve_model_path("tiny-llama")) / "model.safetensors"))
+    saved = load_file(str(out / "model.safetensors"))
+    frozen = [k for k in saved if k.startswith(("embed_tokens.", "layers.0."))]
+    trained = [k for k in saved if k.startswith("layers.1.") and "norm" not in k]
+    assert frozen and trained
+    start = {k.removeprefix("model."): v for k, v in start.items()}
+    for key in frozen:
+        assert torch.equal(saved[key], start[key]), key
+    for key in trained:
+        assert not torch.equal(saved[key], start[key]), key
+
+
+def test_freeze_layers_must_not_be_negative(step2, data_dir):
+    from dschat.errors import UserError
+
+    with pytest.raises(UserError, match="--freeze_layers must be >= 0, got -1"):
+        step2.main(base_argv("tiny-llama", data_dir, "--freeze_layers", "-1"))
 
 
 def test_only_optimize_lora_needs_lora_dim(step2, data_dir):

@@ -3,7 +3,7 @@
 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks) and as a plain
 ``python main.py ...`` (one process). Reads top to bottom: parse -> distributed + seed ->
-tokenizer -> data -> reward model (dropout, final-norm reset, LoRA) -> engine -> eval -> train ->
+tokenizer -> data -> reward model (dropout, final-norm reset, LoRA, frozen layers) -> engine -> eval -> train ->
 save. See README.md.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dschat.cli.args import (
     add_training_args,
 )
 from dschat.errors import cli_main
+from dschat.models.freeze import freeze_lower_layers
 from dschat.training.common import (
     OptimizerStepCounter,
     RunResult,
@@ -100,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
         force_optimize_params.append("v_head.weight")
     rm_model = apply_lora(rm_model, args.lora_dim, args.lora_module_name, args.only_optimize_lora,
                           force_optimize_params)
+    if args.freeze_layers:
+        frozen = freeze_lower_layers(rm_model.rwtransformer, args.freeze_layers)
+        print_rank_0(f"--freeze_layers {args.freeze_layers}: the embeddings and the {args.freeze_layers} lowest "
+                     f"blocks are frozen ({len(frozen)} tensors)", ctx.rank)
 
     num_training_steps = plan_optimizer_steps(
         len(train_loader), args.num_train_epochs, args.gradient_accumulation_steps, args.max_train_steps)
