@@ -345,6 +345,23 @@ def save_weights(engine: Any, path: Path, rank: int) -> None:
         save_file(tensors, str(path))
 
 
+def trainable_names(engine: Any) -> list[str]:
+    """The names of the parameters ``engine`` trains (its optimizer's state follows them)."""
+    module = getattr(engine, "module", engine)
+    return [name for name, param in module.named_parameters() if param.requires_grad]
+
+
+def _check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose engines trained other parameters than this run's do (its optimizer
+    state would not fit); checkpoints written before the record existed are not checked."""
+    for tag, names in record.get("trainable", {}).items():
+        now = trainable_names(engines[tag]) if tag in engines else names
+        if names != now:
+            raise UserError(f"{folder}: its '{tag}' trained {len(names)} parameter tensors, this run trains {len(now)}; "
+                            "the flags that choose what trains (--freeze_layers, --lora_dim, --only_optimize_lora, "
+                            "--actor_lora_dim, ...) differ from the run that wrote it: resume with its flags")
+
+
 def load_weights(engine: Any, path: Path, rank: int) -> None:
     """The inverse of :func:`save_weights` (collective; ZeRO-3: rank 0 writes, DeepSpeed re-partitions)."""
     state = load_file(str(path))
@@ -435,7 +452,8 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         raise
     if rank == 0:
         record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
-                  "weights_only": sorted(weights_only or {}), "meta": dict(meta or {})}
+                  "weights_only": sorted(weights_only or {}), "meta": dict(meta or {}),
+                  "trainable": {tag: trainable_names(engine) for tag, engine in engines.items()}}
         with atomic_file(final / MARKER) as marker:
             marker.write_text(json.dumps(record, indent=2), encoding="utf-8")
         for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
@@ -455,6 +473,7 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
     missing += sorted(set(weights_only or {}) - set(record.get("weights_only", [])))
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
+    _check_trainable(folder, record, engines)
     for tag, engine in engines.items():
         unsafe = engine.checkpoint_engine
         engine.checkpoint_engine = WeightsOnlyCheckpointEngine(unsafe)

@@ -136,6 +136,26 @@ def test_contradictory_checkpoint_flags_are_refused(flags, message, tmp_path):
         step1.parse_args(["--model_name_or_path", "tiny-llama", *flags])
 
 
+def test_resuming_with_other_trainable_parameters_is_one_line_exit_2(data_dir, tmp_path):
+    """A checkpoint of a step-2 run with --freeze_layers 1, resumed without it: the optimizer state
+    would not fit (torch raised a ValueError traceback, exit 1); one line names the flags instead. With
+    the same flags it resumes."""
+    out = tmp_path / "o"
+    argv = base_argv("tiny-llama", tmp_path / "d", "--num_padding_at_beginning", "0", "--save_interval", "1",
+                     "--output_dir", str(out), max_train_steps=1, batch_size=2)
+    load_script("step2").main([*argv, "--freeze_layers", "1"])
+    record = json.loads((out / "checkpoints" / "step_00000001" / ckpt.MARKER).read_text())
+    assert not any(name.startswith("rwtransformer.layers.0.") for name in record["trainable"]["model"])
+    resumed = argv[:argv.index("--max_train_steps") + 1] + ["2"] + argv[argv.index("--max_train_steps") + 2:]
+    proc = run_cli([PYTHON, str(STEP_DIRS["step2"] / "main.py"), *resumed, "--resume"], cwd=tmp_path)
+    assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "trained 11 parameter tensors, this run trains 21" in errors[0], errors
+    assert "--freeze_layers" in errors[0] and "Traceback" not in proc.stderr
+    again = load_script("step2").main([*resumed, "--resume", "--freeze_layers", "1"])
+    assert again.optimizer_steps == 2 and len(again.train_losses) == 1
+
+
 def test_resume_from_a_folder_that_is_no_checkpoint_exits_2(tmp_path):
     proc = run_cli([PYTHON, str(STEP_DIRS["step1"] / "main.py"), "--model_name_or_path", "tiny-llama",
                     "--data_path", "dschat/builtin", "--dtype", "fp32", "--output_dir", str(tmp_path / "o"),
