@@ -29,13 +29,13 @@ _BELOW_BLOCKS = ("wpe", "project_in")
 def transformer_blocks(body: nn.Module) -> tuple[str, nn.ModuleList]:
     """The name and the ``nn.ModuleList`` of ``body``'s transformer blocks, found by the family's
     block path (``layers``, ``decoder.layers``, ``h``)."""
-    path = family_of(body).lora_module_name
+    path = family_of(body).lora_module_name.rstrip(".")
     for name, module in body.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) and (name + ".").endswith(path):
+        if isinstance(module, nn.ModuleList) and len(module) and (name == path or name.endswith("." + path)):
             return name, module
     model_type = getattr(getattr(body, "config", None), "model_type", type(body).__name__)
     raise UserError(f"--freeze_layers: cannot find the transformer blocks of this {model_type} model "
-                    f"(no module list named like {path.rstrip('.')!r}); pass --freeze_layers 0")
+                    f"(no module list named {path!r}); pass --freeze_layers 0")
 
 
 def _below_blocks(name: str) -> bool:

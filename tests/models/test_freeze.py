@@ -97,3 +97,27 @@ def test_zero_freezes_nothing_and_bad_counts_are_one_line():
     with pytest.raises(UserError, match="--freeze_layers must be 0 or more"):
         freeze_lower_layers(body, -1)
     assert all(p.requires_grad for p in body.parameters())  # refused before anything was frozen
+
+
+def test_the_blocks_are_the_family_path_not_any_list_ending_like_it():
+    """GPT-2's blocks are ``h``: a module list named ``branch`` (ends in "h") registered before them is
+    not taken for them."""
+    body = _bodies()["gpt2"]
+    body.branch = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    body._modules = {"branch": body._modules.pop("branch"), **body._modules}  # first in named_modules()
+    assert next(name for name, m in body.named_modules() if isinstance(m, torch.nn.ModuleList)) == "branch"
+    name, blocks = transformer_blocks(body)
+    assert name == "h" and blocks is body.h
+
+
+def test_a_model_without_the_family_block_list_is_one_line():
+    class Odd(torch.nn.Module):
+        config = type("Config", (), {"model_type": "odd"})()
+
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+    with pytest.raises(UserError, match=r"cannot find the transformer blocks of this odd model \(no module list "
+                                        r"named 'layers'\); pass --freeze_layers 0"):
+        freeze_lower_layers(Odd(), 1)
