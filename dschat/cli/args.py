@@ -276,8 +276,8 @@ def add_reward_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument("--eval_iters", type=int, default=100,
                        help="Maximum evaluation iterations (0: the whole held-out split)")
     group.add_argument("--freeze_layers", type=int, default=0, metavar="N",
-                       help="dschat flag: freeze the embeddings and the N lowest transformer blocks (no gradients "
-                            "or optimizer state; the backward stops at block N); 0 (default) trains all, as upstream")
+                       help="(dschat) freeze the embeddings and the N lowest transformer blocks (no gradients or "
+                            "optimizer state; the backward stops at block N); 0 (default) trains all, as upstream")
     return group
 
 

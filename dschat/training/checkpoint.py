@@ -345,21 +345,26 @@ def save_weights(engine: Any, path: Path, rank: int) -> None:
         save_file(tensors, str(path))
 
 
-def trainable_names(engine: Any) -> list[str]:
-    """The names of the parameters ``engine`` trains (its optimizer's state follows them)."""
+def trainable_parameters(engine: Any) -> list[str]:
+    """``"name [shape]"`` of every parameter ``engine`` trains (its optimizer's state follows them;
+    ZeRO-3: the full shape, not the partition's)."""
     module = getattr(engine, "module", engine)
-    return [name for name, param in module.named_parameters() if param.requires_grad]
+    return [f"{name} {list(getattr(param, 'ds_shape', param.shape))}"
+            for name, param in module.named_parameters() if param.requires_grad]
 
 
 def _check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[str, Any]) -> None:
     """Refuse a checkpoint whose engines trained other parameters than this run's do (its optimizer
     state would not fit); checkpoints written before the record existed are not checked."""
-    for tag, names in record.get("trainable", {}).items():
-        now = trainable_names(engines[tag]) if tag in engines else names
-        if names != now:
-            raise UserError(f"{folder}: its '{tag}' trained {len(names)} parameter tensors, this run trains {len(now)}; "
-                            "the flags that choose what trains (--freeze_layers, --lora_dim, --only_optimize_lora, "
-                            "--actor_lora_dim, ...) differ from the run that wrote it: resume with its flags")
+    for tag, saved in record.get("trainable", {}).items():
+        now = trainable_parameters(engines[tag]) if tag in engines else saved
+        if saved != now:
+            first = next((f"{a} there, {b} here" for a, b in zip(saved, now) if a != b), None)
+            if first is None:  # one list starts the other
+                first = f"{saved[len(now)]} there only" if len(saved) > len(now) else f"{now[len(saved)]} here only"
+            raise UserError(f"{folder}: its '{tag}' trained {len(saved)} parameter tensors, this run trains {len(now)} "
+                            f"(first difference: {first}); the flags that choose what trains (--freeze_layers, LoRA "
+                            "flags) differ from the run that wrote it: resume with its flags")
 
 
 def load_weights(engine: Any, path: Path, rank: int) -> None:
@@ -453,7 +458,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     if rank == 0:
         record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
                   "weights_only": sorted(weights_only or {}), "meta": dict(meta or {}),
-                  "trainable": {tag: trainable_names(engine) for tag, engine in engines.items()}}
+                  "trainable": {tag: trainable_parameters(engine) for tag, engine in engines.items()}}
         with atomic_file(final / MARKER) as marker:
             marker.write_text(json.dumps(record, indent=2), encoding="utf-8")
         for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:

@@ -21,7 +21,7 @@ from transformers import (
 )
 
 from dschat.errors import UserError
-from dschat.models.freeze import freeze_lower_layers, transformer_blocks
+from dschat.models.freeze import freeze_lower_layers, release_input_gradients, transformer_blocks
 
 LAYERS = 3
 
@@ -78,13 +78,24 @@ def test_the_backward_pass_stops_at_the_first_trainable_block(family, frozen):
             assert param.grad is not None and torch.count_nonzero(param.grad) > 0, name
 
 
-def test_frozen_layers_with_gradient_checkpointing_still_train_the_blocks_above():
+@pytest.mark.parametrize("release", [False, True])
+def test_with_gradient_checkpointing_the_backward_still_stops_at_the_first_trainable_block(release):
+    """Turning checkpointing on makes transformers mark the embeddings' output as needing a gradient,
+    which sends the backward through the frozen blocks; release_input_gradients takes the mark off, and
+    the blocks above still train."""
     body = _bodies()["llama"]
     freeze_lower_layers(body, 1)
     body.gradient_checkpointing_enable()
+    if release:
+        release_input_gradients(body)
+    _, blocks = transformer_blocks(body)
+    seen = []
+    blocks[1].register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args[0] if args else kwargs["hidden_states"]).requires_grad),
+        with_kwargs=True)
     body.train()
     body(input_ids=torch.tensor([[5, 9, 11, 3]])).last_hidden_state.sum().backward()
-    _, blocks = transformer_blocks(body)
+    assert seen == [not release]
     assert all(p.grad is not None for i in (1, 2) for p in blocks[i].parameters())
     assert all(p.grad is None for p in blocks[0].parameters())
 

@@ -188,6 +188,7 @@ print("backend:", torch.distributed.get_backend(), flush=True)
 """
 
 
+@pytest.mark.slow
 def test_the_gloo_group_is_destroyed_before_the_program_exits():
     """Torch asks for the group to be destroyed before exit; a 2-rank CPU job left it to the
     interpreter's teardown and once died there ("terminate called without an active exception")."""

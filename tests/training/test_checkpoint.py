@@ -145,15 +145,30 @@ def test_resuming_with_other_trainable_parameters_is_one_line_exit_2(data_dir, t
                      "--output_dir", str(out), max_train_steps=1, batch_size=2)
     load_script("step2").main([*argv, "--freeze_layers", "1"])
     record = json.loads((out / "checkpoints" / "step_00000001" / ckpt.MARKER).read_text())
-    assert not any(name.startswith("rwtransformer.layers.0.") for name in record["trainable"]["model"])
+    assert not any(entry.startswith("rwtransformer.layers.0.") for entry in record["trainable"]["model"])
+    assert "rwtransformer.layers.1.mlp.up_proj.weight [" in " ".join(record["trainable"]["model"])
     resumed = argv[:argv.index("--max_train_steps") + 1] + ["2"] + argv[argv.index("--max_train_steps") + 2:]
     proc = run_cli([PYTHON, str(STEP_DIRS["step2"] / "main.py"), *resumed, "--resume"], cwd=tmp_path)
     assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "trained 11 parameter tensors, this run trains 21" in errors[0], errors
+    assert len(errors) == 1 and "trained 11 parameter tensors, this run trains 21 (first difference: " in errors[0], errors
     assert "--freeze_layers" in errors[0] and "Traceback" not in proc.stderr
     again = load_script("step2").main([*resumed, "--resume", "--freeze_layers", "1"])
     assert again.optimizer_steps == 2 and len(again.train_losses) == 1
+
+
+def test_resuming_with_another_lora_rank_is_one_line_exit_2(data_dir, tmp_path):
+    """Same parameter names, other shapes (--lora_dim 4 written, 8 asked): refused by the shapes."""
+    out = tmp_path / "o"
+    argv = base_argv("tiny-llama", tmp_path / "d", "--lora_dim", "4", "--lora_module_name", "layers.",
+                     "--save_interval", "1", "--output_dir", str(out), max_train_steps=1, batch_size=2)
+    load_script("step1").main(argv)
+    argv[argv.index("--lora_dim") + 1] = "8"
+    argv[argv.index("--max_train_steps") + 1] = "2"
+    proc = run_cli([PYTHON, str(STEP_DIRS["step1"] / "main.py"), *argv, "--resume"], cwd=tmp_path)
+    assert proc.returncode == EXIT_USAGE, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "lora_right_weight [" in errors[0] and "Traceback" not in proc.stderr, errors
 
 
 def test_resume_from_a_folder_that_is_no_checkpoint_exits_2(tmp_path):

@@ -149,16 +149,17 @@ def test_bloom_final_norm_is_reset_and_force_trained():
     assert reset_final_norm_for_reward(RewardModel(llama, Tok()), zero_stage=0) == []
 
 
-@pytest.mark.parametrize("zero_stage", ["0", "3"])
-def test_freeze_layers_keeps_the_lower_layers_and_trains_the_rest(step2, data_dir, tmp_path, capsys, zero_stage):
+@pytest.mark.parametrize("zero_stage,extra", [("0", []), ("3", ["--gradient_checkpointing"])])
+def test_freeze_layers_keeps_the_lower_layers_and_trains_the_rest(step2, data_dir, tmp_path, capsys, zero_stage,
+                                                                   extra):
     """--freeze_layers 1 (a dschat flag): the saved body's embeddings and lowest block equal the starting
-    checkpoint's, the blocks above and the value head trained."""
+    checkpoint's, the blocks above trained (with activation checkpointing too)."""
     from safetensors.torch import load_file
 
     from dschat.models.registry import resolve_model_path
 
     out = tmp_path / "rm"
-    step2.main(base_argv("tiny-llama", data_dir, "--freeze_layers", "1", "--zero_stage", zero_stage,
+    step2.main(base_argv("tiny-llama", data_dir, "--freeze_layers", "1", "--zero_stage", zero_stage, *extra,
                          "--learning_rate", "1e-2", "--num_padding_at_beginning", "0", "--output_dir", str(out),
                          max_train_steps=3))
     assert "--freeze_layers 1: the embeddings and the 1 lowest blocks are frozen" in capsys.readouterr().out

@@ -26,7 +26,7 @@ from dschat.cli.args import (
     add_training_args,
 )
 from dschat.errors import cli_main
-from dschat.models.freeze import freeze_lower_layers
+from dschat.models.freeze import freeze_lower_layers, release_input_gradients
 from dschat.training.common import (
     OptimizerStepCounter,
     RunResult,
@@ -111,6 +111,8 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     engine = initialize_engine(rm_model, ds_config, optim_settings(args, num_training_steps))
     if args.gradient_checkpointing:
         engine.gradient_checkpointing_enable()
+        if args.freeze_layers:
+            release_input_gradients(rm_model.rwtransformer)
 
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step2_model_dschat")
     counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
