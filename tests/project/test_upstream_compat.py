@@ -304,6 +304,7 @@ TWO_RANK_SCRIPT = """
 import sys, torch, deepspeed
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.runtime.dist import init_distributed
+from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.utils.ds_utils import get_eval_ds_config
 from dschat.utils.model.model_utils import create_critic_model, load_state_dict_into_model
 folder, out = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]
@@ -323,6 +324,12 @@ load_state_dict_into_model(engine.module, {k: torch.zeros_like(v) for k, v in st
 with torch.no_grad():
     zeroed = engine.module.forward_value(batch.input_ids, attention_mask=batch.attention_mask, return_value_only=True)
 torch.save({"values": values, "zeroed": zeroed}, f"{out}/rank{info.rank}.pt")
+# End as the step scripts do: no all-gather of DeepSpeed's prefetcher left in flight, both ranks done,
+# the group destroyed. Ending right after the forward, this job twice died at exit in CI ("terminate
+# called without an active exception", exit 250) after writing its results.
+release_zero3_prefetch(engine)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 """ % (TEXTS,)
 
 
