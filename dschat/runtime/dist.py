@@ -42,6 +42,7 @@ from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
 __all__ = [
     "DistInfo",
     "init_distributed",
+    "destroy_gloo_group",
     "is_rank_0",
     "print_rank_0",
     "get_all_reduce_mean",
@@ -194,7 +195,8 @@ def init_distributed(dist_backend: Optional[str] = None,
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
-    if torch.distributed.is_initialized():
+    created = not torch.distributed.is_initialized()
+    if not created:
         deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
     elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous))
@@ -210,12 +212,29 @@ def init_distributed(dist_backend: Optional[str] = None,
         _init_ranks(deepspeed, dist_backend, rendezvous)
     if accelerator.device_name() == "cpu":  # every branch, MPI and an existing group included
         unlink_shm_allreduce_buffer(torch.distributed.get_rank())
+    if created and torch.distributed.get_backend() == "gloo":
+        atexit.register(destroy_gloo_group)
     return DistInfo(
         rank=torch.distributed.get_rank(),
         local_rank=local_rank,
         world_size=torch.distributed.get_world_size(),
         device=torch.device(accelerator.device_name(local_rank)),
     )
+
+
+def destroy_gloo_group() -> None:
+    """Destroy the gloo process group :func:`init_distributed` created; registered to run at exit.
+
+    Torch asks for the group to be destroyed before the program exits. Left to the interpreter's
+    teardown, gloo's worker threads can still hold work objects whose tensors reach back into Python,
+    and the rank aborts with "terminate called without an active exception" (exit code 250) after its
+    work is done: seen in 2-rank CPU tests, after a clean finish and after a one-line error (exit 2).
+    This runs before the one-process store's folder is removed (atexit runs in
+    reverse order of registration). NCCL groups are left as before: destroying one while a peer hangs
+    in a collective could block the exit.
+    """
+    if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+        torch.distributed.destroy_process_group()
 
 
 SHM_DIR = Path("/dev/shm")

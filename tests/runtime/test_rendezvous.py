@@ -172,3 +172,27 @@ def test_the_shared_memory_all_reduce_buffer_name_is_removed(monkeypatch, tmp_pa
     assert dist.unlink_shm_allreduce_buffer(1, shm_dir=tmp_path)
     assert not mine.exists() and other_rank.exists() and other_job.exists()
     assert not dist.unlink_shm_allreduce_buffer(1, shm_dir=tmp_path)  # gone already: nothing to do
+
+
+# A hook registered before init_distributed runs after dschat's own exit hook (atexit is last in,
+# first out): by then the gloo group must be gone.
+AT_EXIT = r"""
+import atexit, os, torch.distributed
+from dschat.runtime import dist
+atexit.register(lambda: print("group alive at exit:", torch.distributed.is_initialized(), flush=True))
+for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    os.environ.pop(key, None)
+info = dist.init_distributed()
+dist.barrier()
+print("backend:", torch.distributed.get_backend(), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_the_gloo_group_is_destroyed_before_the_program_exits():
+    """Torch asks for the group to be destroyed before exit; a 2-rank CPU job left it to the
+    interpreter's teardown and once died there ("terminate called without an active exception")."""
+    proc = subprocess.run([sys.executable, "-c", AT_EXIT], cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "backend: gloo" in proc.stdout and "group alive at exit: False" in proc.stdout, proc.stdout
