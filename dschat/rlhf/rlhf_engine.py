@@ -37,6 +37,7 @@ from dschat.rlhf.tensor_parallel import check_inference_tp
 from dschat.runtime.dist import get_world_size, is_rank_0
 from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
 from dschat.runtime.ds_config import resolve_dtype
+from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.training.common import OptimSettings, apply_lora, initialize_engine
 
 __all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
@@ -152,6 +153,14 @@ class DeepSpeedRLHFEngine:
         )
 
     # ------------------------------------------------------------------ helpers
+    def release_prefetch(self) -> None:
+        """Leave no ZeRO-3 parameter of any engine in flight (the end of a run: the group is destroyed
+        at exit, and the reference and reward engines are never saved, which would release theirs).
+        Collective: every rank calls it."""
+        for engine in (self.actor, self.ref, self.actor_ema, self.critic, self.reward):
+            if engine is not None:
+                release_zero3_prefetch(engine)
+
     def _config(self, role: str) -> dict:
         return ds_config_for(role, self.args, dtype=self.dtype, hybrid_engine=self.hybrid_engine.enabled,
                              world_size=self.world_size)

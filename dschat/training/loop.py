@@ -30,6 +30,7 @@ from dschat.models.save import save_hf_model
 from dschat.runtime.averages import ExponentialMovingAverage
 from dschat.runtime.dist import print_rank_0
 from dschat.runtime.perf import print_throughput as throughput_line
+from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.training.checkpoint import Checkpointer, TrainingPosition
 from dschat.training.common import (
     OptimizerStepCounter,
@@ -134,12 +135,16 @@ def train_epochs(
 def finish_run(args: argparse.Namespace, ctx: RunContext, engine: Any, tokenizer: Any, result: RunResult,
                digest_tag: str) -> RunResult:
     """The weight digest (2-rank tests), the final Hugging Face folder (collective: ZeRO-3 gathers;
-    LoRA fused into the saved copy; written atomically), and the engine on the result."""
+    LoRA fused into the saved copy; written atomically), no ZeRO-3 parameter left in flight, and the
+    engine on the result. Collective: every rank calls it."""
     result.weight_digest = write_weight_digest(engine, digest_tag)
     if args.output_dir is not None:
         print_rank_0("saving the final model ...", ctx.rank)
         save_hf_model(engine, tokenizer, args.output_dir, args.save_format)
         result.output_dir = Path(args.output_dir)
+    # Saving released them already; without a save, a ZeRO-3 run would end with the last evaluation's
+    # prefetched parameters still in flight when the process group is destroyed at exit.
+    release_zero3_prefetch(engine)
     result.engine = engine
     return result
 

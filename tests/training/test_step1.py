@@ -179,3 +179,17 @@ def test_zero3_save_after_evaluation_on_a_real_model(step1, data_dir, tmp_path):
                                   batch_size=2))
     assert result.optimizer_steps == 2 and (out / "model.safetensors").is_file()
     assert_causal_folder_matches(result, "smollm2-135m")
+
+
+def test_zero3_run_without_output_dir_ends_with_no_parameter_in_flight(step1, data_dir):
+    """Without --output_dir nothing is saved, so nothing released the last evaluation's prefetched
+    parameters: the run ended with some in flight, as the process group was destroyed at exit (this
+    test failed so before ``finish_run`` released them)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    result = step1.main(base_argv("smollm2-135m", data_dir, "--zero_stage", "3", "--per_device_eval_batch_size", "4",
+                                  max_train_steps=2, max_seq_len=64, batch_size=2))
+    assert result.output_dir is None and result.optimizer_steps == 2
+    in_flight = [name for name, param in result.engine.module.named_parameters()
+                 if param.ds_status == ZeroParamStatus.INFLIGHT]
+    assert not in_flight, in_flight

@@ -268,6 +268,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     evaluation.finish()
     tb.close()
     result.skipped_nonfinite = trainer.nonfinite.skipped
+    rlhf_engine.release_prefetch()  # nothing in flight at exit, saved or not
 
     # ---------------------------------------------------------------- save
     if args.output_dir is not None:
