@@ -74,6 +74,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.models.build import create_hf_model
     from dschat.runtime.ds_config import get_eval_ds_config
+    from dschat.runtime.zero3 import release_zero3_prefetch
     from dschat.training.loop import finish_run, train_epochs
 
     args = parse_args(argv)
@@ -134,6 +135,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
                  loss_fn=lambda batch: dpo_batch(engine, ref_engine, batch, **loss_options).loss, evaluate=evaluate,
                  print_loss=args.print_loss)
+    release_zero3_prefetch(ref_engine)  # never saved: nothing of its last forward left in flight at exit
     return finish_run(args, ctx, engine, tokenizer, result, "dpo")
 
 

@@ -21,12 +21,13 @@
 #
 # Frozen layers (--freeze_layers 15) make a step ~40 % cheaper. 130 such steps instead of 80
 # full ones: accuracy on 300 held-out pairs 83.3 -> 87.7 % (seed 2) and 83.3 -> 85.3 % (seed
-# 42); r on seed 7's SFT answers 0.50 -> 0.53 and 0.42 -> 0.45. Over five full runs every seed
-# gained at least +0.26 at 3.1 paired SE (docs/demo_experiments.md).
+# 42); r on seed 7's SFT answers 0.50 -> 0.53 and 0.42 -> 0.45. Over five full runs with 130
+# steps every seed gained at least +0.26 at 3.1 paired SE (docs/demo_experiments.md).
 #
 # 170 steps instead of 130 raised seed 7's accuracy (84.7 -> 86.7 % of 300 held-out pairs) and
 # its r with the judge on its run's answers (0.42 -> 0.47, step 2 alone); step 2 of seed 1234's
-# whole run took 6:33 (docs/demo_experiments.md).
+# whole run took 6:23-6:33, and over five full runs every seed gained at least +0.59 at 7.4
+# paired SE (docs/demo_experiments.md).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
