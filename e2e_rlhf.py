@@ -525,6 +525,7 @@ def run_report(args: argparse.Namespace, runs: Sequence[StepRun], config: E2ECon
         max_prompts=int(rep["max_prompts"]) if rep.get("max_prompts") else None,
         max_pairs=int(rep["max_pairs"]) if rep.get("max_pairs") else None,
         batch_size=int(rep.get("batch_size", 16)),
+        generation_batch_size=int(rep["generation_batch_size"]) if rep.get("generation_batch_size") else None,
         # The same answer budget and decoding the PPO rollouts used.
         max_new_tokens=int(flag("max_answer_seq_len", "256")),
         max_seq_len=int(runs[1].recipe.flag("max_seq_len") or 512),

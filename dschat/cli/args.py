@@ -107,11 +107,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
              "tiny-opt, tiny-opt-quirk (tiny random models for tests), or a PEFT LoRA adapter folder "
              "(its base model, the adapter merged).",
     )
-    group.add_argument(
-        "--dropout", type=float, default=None,
-        help="If dropout configured, use it. Otherwise, keep the default dropout configuration of "
-             "the model.",
-    )
+    group.add_argument("--dropout", type=float, default=None,
+                       help="If dropout configured, use it. Otherwise, keep the default dropout configuration of the model.")
     return group
 
 
@@ -127,16 +124,14 @@ def add_training_args(
     group.add_argument("--learning_rate", type=float, default=learning_rate,
                        help="Initial learning rate (after the potential warmup period) to use.")
     group.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay to use.")
-    group.add_argument("--num_train_epochs", type=int, default=1,
-                       help="Total number of training epochs to perform.")
+    group.add_argument("--num_train_epochs", type=int, default=1, help="Total number of training epochs to perform.")
     group.add_argument("--gradient_accumulation_steps", type=int, default=1,
                        help="Number of updates steps to accumulate before performing a backward/update pass.")
     group.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULER_TYPES,
                        help="The scheduler type to use.")
     group.add_argument("--num_warmup_steps", type=int, default=0,
                        help="Number of steps for the warmup in the lr scheduler.")
-    group.add_argument("--gradient_checkpointing", action="store_true",
-                       help="Enable HF gradient checkpointing for model.")
+    group.add_argument("--gradient_checkpointing", action="store_true", help="Enable HF gradient checkpointing for model.")
     group.add_argument("--max_train_steps", type=int, default=0,
                        help="(dschat) Stop after this many optimizer steps (0: no limit). The LR "
                             "schedule is laid out over the steps actually taken.")
@@ -156,8 +151,7 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
     group.add_argument("--seed", type=int, default=seed, help="A seed for reproducible training.")
     group.add_argument("--local_rank", type=int, default=-1,
                        help="local_rank for distributed training on gpus (set by the deepspeed launcher).")
-    group.add_argument("--debug", action="store_true",
-                       help="(dschat) Show full tracebacks for input errors instead of one line.")
+    group.add_argument("--debug", action="store_true", help="(dschat) Show full tracebacks for input errors instead of one line.")
     group.add_argument("--dist_timeout", type=float, default=DEFAULT_DIST_TIMEOUT_MINUTES, metavar="MINUTES",
                        help="(dschat) How long the ranks wait for each other at start-up (the rendezvous at "
                             "MASTER_ADDR:MASTER_PORT); a rank whose peers never come stops with one line naming "
@@ -172,8 +166,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument("--save_interval", type=int, default=0,
                        help="(dschat) Save a resumable checkpoint to <output_dir>/checkpoints every N optimizer "
                             "steps (0: none; upstream saved nothing resumable).")
-    group.add_argument("--keep_checkpoints", type=int, default=2,
-                       help="(dschat) Keep the newest K checkpoints, delete older ones.")
+    group.add_argument("--keep_checkpoints", type=int, default=2, help="(dschat) Keep the newest K checkpoints, delete older ones.")
     group.add_argument("--resume", action="store_true",
                        help="(dschat) Continue from the newest complete checkpoint in <output_dir>/checkpoints "
                             "(start from scratch, with a notice, when there is none).")
@@ -278,6 +271,8 @@ def add_reward_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument("--freeze_layers", type=int, default=0, metavar="N",
                        help="(dschat) freeze the embeddings and the N lowest transformer blocks (no gradients or "
                             "optimizer state; the backward stops at block N); 0 (default) trains all, as upstream")
+    add_sequence_packing_arg(group, "the reward model's training passes",
+                             "the real tokens of each pair batch (and the padding its loss reads)")
     return group
 
 
@@ -351,14 +346,18 @@ def add_step3_training_args(parser: argparse.ArgumentParser) -> argparse._Argume
                        help="Number of updates steps to accumulate before performing a backward/update pass.")
     group.add_argument("--num_warmup_steps", type=int, default=100,
                        help="Number of steps for the warmup in the lr scheduler.")
-    group.add_argument("--sequence_packing", type=str, default="auto", choices=("auto", "on", "off"),
-                       help="(dschat) Run step 3's scoring passes and PPO update on packed rows: each rollout "
-                            "row's real tokens end to end, no padding computed, sequences kept apart by the "
-                            "attention mask (dschat/models/packing.py); the same results up to floating-point "
-                            "reordering. 'auto' (default): every model whose family and attention (SDPA, eager) "
-                            "support it, the rest padded, named once in the log; 'on': refuse a model that "
-                            "cannot; 'off': padded rows, as upstream.")
+    add_sequence_packing_arg(group, "step 3's scoring passes and PPO update", "each rollout row's real tokens")
     return group
+
+
+def add_sequence_packing_arg(group: argparse._ArgumentGroup, passes: str, rows: str) -> None:
+    """``--sequence_packing`` (steps 2 and 3): ``passes`` run on packed rows of ``rows`` end to end."""
+    group.add_argument("--sequence_packing", type=str, default="auto", choices=("auto", "on", "off"),
+                       help=f"(dschat) Run {passes} on packed rows: {rows} end to end, no padding computed, "
+                            "sequences kept apart by the attention mask (dschat/models/packing.py); the same results "
+                            "up to floating-point reordering. 'auto' (default): every model whose family and "
+                            "attention (SDPA, eager) support it, the rest padded, named once in the log; 'on': "
+                            "refuse a model that cannot; 'off': padded rows, as upstream.")
 
 
 def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -12,7 +12,8 @@ class EvalSettings:
 
     max_prompts: int | None = None  # None: all 96 distinct held-out prompts
     max_pairs: int | None = None  # None: all 300 held-out pairs
-    batch_size: int = 16
+    batch_size: int = 16  # scoring batch, and the generation batch unless generation_batch_size is set
+    generation_batch_size: int | None = None
     max_new_tokens: int = 64
     max_seq_len: int = 512  # truncation of the reward model's pair texts, as step 2
     seed: int = 1234

@@ -403,7 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"e2e timings JSON for the per-step wall times (default: OUT/{TIMINGS_FILE})")
     parser.add_argument("--max_prompts", type=int, default=d.max_prompts, help="held-out prompts (default: all 96)")
     parser.add_argument("--max_pairs", type=int, default=d.max_pairs, help="held-out pairs (default: all 300)")
-    parser.add_argument("--batch_size", type=int, default=d.batch_size, help="generation and scoring batch")
+    parser.add_argument("--batch_size", type=int, default=d.batch_size, help="scoring batch (and generation's)")
+    parser.add_argument("--generation_batch_size", type=int, default=d.generation_batch_size,
+                        help="generation batch (default: --batch_size); on a CPU, decoding many prompts at once "
+                             "is faster, scoring is not")
     parser.add_argument("--max_new_tokens", type=int, default=d.max_new_tokens, help="answer length limit")
     parser.add_argument("--max_seq_len", type=int, default=d.max_seq_len, help="truncation of pair texts (as step 2)")
     parser.add_argument("--seed", type=int, default=d.seed, help="sampling seed (the same for both actors)")
@@ -427,12 +430,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     missing = [f"--{name}" for name in ("sft", "rlhf", "reward") if not getattr(args, name)]
     if missing:
         raise UserError(f"{', '.join(missing)} required (or --curves_only with --metrics)")
-    for name in ("max_prompts", "max_pairs", "batch_size", "max_new_tokens"):
+    for name in ("max_prompts", "max_pairs", "batch_size", "generation_batch_size", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name} must be at least 1")
     settings = EvalSettings(
         max_prompts=args.max_prompts, max_pairs=args.max_pairs, batch_size=args.batch_size,
+        generation_batch_size=args.generation_batch_size,
         max_new_tokens=args.max_new_tokens, max_seq_len=args.max_seq_len, seed=args.seed,
         do_sample=not args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         device=args.device,

@@ -129,7 +129,7 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str], settings: EvalS
     device = next(model.parameters()).device
     torch.manual_seed(settings.seed)  # the same random stream for every actor evaluated
     out = Samples([], [], [], [], [])
-    for chunk in _batches(list(prompts), settings.batch_size):
+    for chunk in _batches(list(prompts), settings.generation_batch_size or settings.batch_size):
         # Phase-3 prompts are tokenised without truncation (dschat.data.prompt_dataset) and left-padded.
         rows = [tokenizer(p)["input_ids"] for p in chunk]
         ids, mask = _pad(rows, pad, left=True)

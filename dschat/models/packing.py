@@ -23,15 +23,19 @@ sequences of their own, dropped by :meth:`PackedRows.unpack`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from transformers.masking_utils import create_causal_mask
 
+from dschat.errors import UserError
 from dschat.models.families import family_of
+from dschat.runtime.dist import print_rank_0
 
 __all__ = ["PACKED_ROW_TOKENS", "PackedRows", "pack_rows", "attention_span", "layout_cost", "packing_mode",
-           "packing_unsupported_reason", "packed_model_inputs"]
+           "packing_unsupported_reason", "packed_model_inputs", "resolve_sequence_packing", "padded_pass_inputs"]
+
+SETTINGS = ("auto", "on", "off")
 
 #: Attention implementations whose masks keep packed sequences apart (checked by the tests).
 PACKING_ATTENTION = ("sdpa", "eager")
@@ -256,3 +260,76 @@ def packed_model_inputs(packed: PackedRows, model: Any) -> dict[str, Any]:
     # use_cache=False: with a cache, transformers builds the mask without looking for packed sequences.
     return {"input_ids": packed.input_ids, "position_ids": packed.position_ids, "attention_mask": attention_mask,
             "use_cache": False}
+
+
+def resolve_sequence_packing(setting: str, models: Mapping[str, Any]) -> dict[str, bool]:
+    """Which of ``models`` (name -> engine, None for an absent one) run packed, and one printed line.
+
+    'auto' packs every model that can; 'on' refuses a model that cannot (one line, exit 2); 'off'
+    packs none.
+    """
+    if setting not in SETTINGS:
+        raise UserError(f"--sequence_packing {setting!r} is not one of {', '.join(SETTINGS)}")
+    reasons = {name: packing_unsupported_reason(model) for name, model in models.items() if model is not None}
+    if setting == "off":
+        print_rank_0("Sequence packing: off (--sequence_packing off): every forward pass runs on padded rows")
+        return {name: False for name in reasons}
+    refused = {name: why for name, why in reasons.items() if why is not None}
+    if setting == "on" and refused:
+        name, why = next(iter(refused.items()))
+        raise UserError(f"--sequence_packing on: the {name} model cannot run packed rows: {why}; "
+                        "use --sequence_packing auto (packs the models that can) or off")
+    packed = [name for name, why in reasons.items() if why is None]
+    line = f"Sequence packing: {', '.join(packed) if packed else 'no model'} on packed rows"
+    if refused:
+        line += "; padded rows for " + "; ".join(f"{name} ({why})" for name, why in refused.items())
+    print_rank_0(line)
+    return {name: why is None for name, why in reasons.items()}
+
+
+def _attention_window(config: Any) -> int | None:
+    """The smallest local-attention window ``config`` declares (Mistral's ``sliding_window``,
+    GPT-Neo's ``window_size``), or None."""
+    windows = [getattr(config, a, None) for a in ("sliding_window", "window_size")]
+    return min((w for w in windows if isinstance(w, int) and w > 0), default=None)
+
+
+def padded_pass_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, compute: torch.Tensor, model: Any,
+                       ) -> tuple[PackedRows, dict[str, Any]] | None:
+    """Pack the ``compute`` columns of a right-padded batch (B, L), padding columns among them, so
+    that the forward gives at each what the padded pass gives there: positions counted on
+    ``attention_mask`` (``cumsum - 1``, padding at its row's last real position), and every query,
+    a padding one too, attending only to the real tokens before it in its own row.
+
+    For losses that read the model's output at some padding (step 2's pairwise loss reads the
+    shorter answer's padding up to the longer one's end, DSE #316). ``compute`` (B, L) must mark a
+    contiguous run from column 0 in each row. Returns the packing and the forward's keyword
+    arguments (an explicit 4-D mask for either packing mode), or None to keep the padded pass: no
+    cheaper layout, or a local-attention window narrower than ``L`` (the explicit mask would not
+    apply it).
+    """
+    config = _config(model)
+    B, L = input_ids.shape
+    window = _attention_window(config)
+    if packing_mode(model) is None or (window is not None and window < L):
+        return None
+    packed = pack_rows(input_ids, compute, span=attention_span(config))
+    if packed is None:
+        return None
+    real = packed.real
+    positions = packed.gather((attention_mask.long().cumsum(-1) - 1).clamp(min=0))
+    # Keys: the real tokens, and each filler slot for itself (a query that sees no key gives NaN).
+    visible = (packed.gather(attention_mask).bool() & real) | ~real
+    slots = torch.arange(real.numel(), device=real.device).view(real.shape)
+    sequence = torch.where(real, packed.source // L, -1 - slots)  # filler: a sequence of its own
+
+    def same_sequence(batch_idx: Any, head_idx: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return sequence[batch_idx, q_idx] == sequence[batch_idx, kv_idx]
+
+    module = _unwrap(model)
+    R, W = packed.input_ids.shape
+    shape_only = torch.empty((R, W, 0), dtype=next(module.parameters()).dtype, device=input_ids.device)
+    mask = create_causal_mask(config=config, inputs_embeds=shape_only, attention_mask=visible.long(),
+                              past_key_values=None, position_ids=None, and_mask_function=same_sequence)
+    return packed, {"input_ids": packed.input_ids, "position_ids": positions, "attention_mask": mask,
+                    "use_cache": False}

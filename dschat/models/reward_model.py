@@ -29,6 +29,7 @@ from torch import nn
 from dschat import rl_math
 from dschat.errors import UserError, first_keys, first_line
 from dschat.models.families import value_head_dim
+from dschat.models.packing import padded_pass_inputs
 from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE
 
 __all__ = [
@@ -224,6 +225,10 @@ class RewardModel(nn.Module):
         if head_mask is not None:
             raise ValueError("head_mask is not supported by transformers >= 5 models")
         values = self._values(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache)
+        return self._pair_loss(values, input_ids, attention_mask)
+
+    def _pair_loss(self, values: torch.Tensor, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if self.compute_fp32_loss:
             values = values.float()
         bs = input_ids.shape[0] // 2
@@ -236,6 +241,30 @@ class RewardModel(nn.Module):
             "chosen_mean_scores": result.chosen_end_scores,
             "rejected_mean_scores": result.rejected_end_scores,
         }
+
+    def packed_pair_forward(self, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """:meth:`forward`'s loss and scores of a right-padded ``[chosen; rejected]`` batch (2B, L),
+        computed on packed rows (``--sequence_packing`` in step 2): each row's real tokens and the
+        padding the loss reads (to the end of the longer answer of its pair, DSE #316) end to end,
+        with the padded pass's positions and attention (:func:`~dschat.models.packing.padded_pass_inputs`),
+        so the results are :meth:`forward`'s up to floating-point reordering. None where packing does
+        not apply to this batch (left padding, or no cheaper layout): call :meth:`forward`.
+        """
+        B2, L = input_ids.shape
+        if not bool(attention_mask[:, 0].all()):
+            return None
+        ends = last_token_index(attention_mask) + 1
+        bs = B2 // 2
+        identical = ~(input_ids[:bs] != input_ids[bs:]).any(-1)  # read to the row end (pairwise_reward_loss)
+        pair_end = torch.where(identical, torch.full_like(ends[:bs], L), torch.maximum(ends[:bs], ends[bs:]))
+        compute = torch.arange(L, device=input_ids.device) < pair_end.repeat(2)[:, None]
+        found = padded_pass_inputs(input_ids, attention_mask, compute, self)
+        if found is None:
+            return None
+        packed, inputs = found
+        values = packed.unpack(self.v_head(self.rwtransformer(**inputs)[0]).squeeze(-1))
+        return self._pair_loss(values, input_ids, attention_mask)
 
     def forward_value(
         self,

@@ -10,45 +10,16 @@ reads: every consumer masks them).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from dschat import rl_math
-from dschat.errors import UserError
-from dschat.models.packing import PackedRows, pack_rows, packed_model_inputs, packing_unsupported_reason
+from dschat.models.packing import PackedRows, pack_rows, packed_model_inputs, resolve_sequence_packing
 from dschat.models.reward_model import last_token_index
-from dschat.runtime.dist import print_rank_0
 
 __all__ = ["resolve_sequence_packing", "pack_batch", "shifted_log_probs", "token_log_probs", "token_values",
            "reward_end_scores"]
-
-SETTINGS = ("auto", "on", "off")
-
-
-def resolve_sequence_packing(setting: str, models: Mapping[str, Any]) -> dict[str, bool]:
-    """Which of ``models`` (name -> engine, None for an absent one) run packed, and one printed line.
-
-    'auto' packs every model that can; 'on' refuses a model that cannot (one line, exit 2); 'off'
-    packs none.
-    """
-    if setting not in SETTINGS:
-        raise UserError(f"--sequence_packing {setting!r} is not one of {', '.join(SETTINGS)}")
-    reasons = {name: packing_unsupported_reason(model) for name, model in models.items() if model is not None}
-    if setting == "off":
-        print_rank_0("Sequence packing: off (--sequence_packing off): scoring and training passes run on padded rows")
-        return {name: False for name in reasons}
-    refused = {name: why for name, why in reasons.items() if why is not None}
-    if setting == "on" and refused:
-        name, why = next(iter(refused.items()))
-        raise UserError(f"--sequence_packing on: the {name} model cannot run packed rows: {why}; "
-                        "use --sequence_packing auto (packs the models that can) or off")
-    packed = [name for name, why in reasons.items() if why is None]
-    line = f"Sequence packing: {', '.join(packed) if packed else 'no model'} on packed rows"
-    if refused:
-        line += "; padded rows for " + "; ".join(f"{name} ({why})" for name, why in refused.items())
-    print_rank_0(line)
-    return {name: why is None for name, why in reasons.items()}
 
 
 def pack_batch(seq: torch.Tensor, attention_mask: torch.Tensor, enabled: bool,

@@ -121,6 +121,25 @@ class LengthRewardModel(torch.nn.Module):
         return attention_mask.float().cumsum(-1)
 
 
+def test_generation_batch_size_sets_the_decoding_batch_only(folders, monkeypatch):
+    """--generation_batch_size: the prompts decode in batches of that size, scoring keeps --batch_size;
+    each answer is the one its prompt gets alone (greedy), whatever the batch."""
+    model, tok = scoring.load_actor(folders["sft"], torch.device("cpu"))
+    prompts = rep.heldout_prompts(5)
+    batches = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda **kw: batches.append(kw["input_ids"].shape[0]) or generate(**kw))
+    settings = rep.EvalSettings(batch_size=2, generation_batch_size=4, max_new_tokens=6, do_sample=False)
+    together = scoring.generate(model, tok, prompts, settings)
+    assert batches == [4, 1]
+    alone = scoring.generate(model, tok, prompts, rep.EvalSettings(batch_size=1, max_new_tokens=6, do_sample=False))
+    assert batches[2:] == [1] * 5  # unset: --batch_size
+    assert together.response_ids == alone.response_ids
+    with pytest.raises(UserError, match="--generation_batch_size must be at least 1"):
+        rep.main(["--sft", str(folders["sft"]), "--rlhf", str(folders["rlhf"]), "--reward", str(folders["reward"]),
+                  "--out", "unused", "--generation_batch_size", "0"])
+
+
 def test_pairwise_accuracy_against_an_independent_count():
     from dschat.gold_judge import gold_score
     from dschat.models.tokenizer import load_hf_tokenizer

@@ -1,6 +1,7 @@
 """Sequence packing (``--sequence_packing``, dschat/models/packing.py, dschat/rlhf/packed_passes.py):
 the layout maths, every supported family's packed forward against its padded one (SDPA and eager,
-fp32 on a CPU), and step 3's experience and PPO update on packed rows against padded rows."""
+fp32 on a CPU), step 2's pairwise loss, and step 3's experience and PPO update on packed rows
+against padded rows."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -230,6 +231,62 @@ def test_sliding_windows_still_apply_inside_packed_rows():
         model.config.sliding_window = None
         full = token_log_probs(model, ids, mask, positions, pack_rows(ids, mask))
     assert (windowed[real] - full[real]).abs().max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ step 2
+
+
+def _pairs() -> tuple[torch.Tensor, torch.Tensor]:
+    """3 right-padded pairs of 20 columns, [chosen x 3; rejected x 3]: a 4-token shared prompt, then
+    chosen longer (10 vs 6), rejected longer (5 vs 12), and an identical pair (7), whose loss reads
+    to the end of the row."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(3, 96, (6, 20), generator=g)
+    ids[3:, :4] = ids[:3, :4]
+    ids[5] = ids[2]
+    mask = torch.zeros(6, 20, dtype=torch.long)
+    for row, n in enumerate([10, 5, 7, 6, 12, 7]):
+        mask[row, :n] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step2_packed_pair_loss_equals_the_padded_one(name, attention):
+    """The pairwise loss reads the shorter answer's padding up to the longer one's end (DSE #316):
+    the packed pass computes those slots too, with the padded pass's positions and attention."""
+    critic = _reward_model(_model(name))
+    critic.config._attn_implementation = attention
+    ids, mask = _pairs()
+    if name in ("mistral", "qwen2"):  # windows of 8 < 20 columns: an explicit mask would not apply them
+        assert critic.packed_pair_forward(ids, mask) is None
+        return
+    results = []
+    for packed in (False, True):
+        critic.zero_grad()
+        out = critic.packed_pair_forward(ids, mask) if packed else critic(input_ids=ids, attention_mask=mask)
+        out["loss"].backward()
+        grads = torch.cat([p.grad.flatten() for p in critic.parameters() if p.grad is not None])
+        results.append((out, grads))
+    (padded, g0), (ours, g1) = results
+    for key in ("loss", "chosen_mean_scores", "rejected_mean_scores"):
+        assert torch.allclose(ours[key], padded[key], atol=2e-5), key
+    assert (g0 - g1).abs().max() < 1e-4 * g0.abs().max()
+    # The padding the loss reads matters: scoring it as 0 (what a plain packing of the real tokens
+    # would give) changes the loss.
+    with torch.no_grad():
+        values = critic.forward_value(ids, mask, return_value_only=True).masked_fill(mask == 0, 0.0)
+        assert abs(float(critic._pair_loss(values, ids, mask)["loss"]) - float(padded["loss"])) > 1e-3
+
+
+def test_step2_packing_falls_back_to_the_padded_pass():
+    critic = _reward_model(_model("llama"))
+    ids, mask = _pairs()
+    assert critic.packed_pair_forward(ids.flip(1), mask.flip(1)) is None  # left padding
+    full = torch.ones_like(mask)
+    assert critic.packed_pair_forward(ids, full) is None  # nothing to remove: no cheaper layout
+    bloom = T.AutoModelForCausalLM.from_config(T.BloomConfig(vocab_size=96, hidden_size=64, n_layer=1, n_head=4))
+    assert _reward_model(bloom).packed_pair_forward(ids, mask) is None  # positions from the mask (ALiBi)
 
 
 # ------------------------------------------------------------------------------ step 3

@@ -175,6 +175,42 @@ def test_freeze_layers_keeps_the_lower_layers_and_trains_the_rest(step2, data_di
         assert not torch.equal(saved[key], start[key]), key
 
 
+@pytest.mark.parametrize("model,extra", [
+    ("tiny-llama", ["--zero_stage", "0", "--freeze_layers", "1"]),
+    ("tiny-opt", ["--zero_stage", "3", "--gradient_checkpointing"]),
+], ids=["llama-frozen", "opt-zero3"])
+def test_sequence_packing_trains_as_the_padded_pass(step2, data_dir, monkeypatch, capsys, model, extra):
+    """--sequence_packing auto (default) against off: the batches packed, the same losses and
+    weights up to floating-point reordering."""
+    from dschat.models.reward_model import RewardModel
+    from dschat.runtime.zero3 import gathered_parameters
+
+    packed_batches = []
+    original = RewardModel.packed_pair_forward
+
+    def counting(self, *args):
+        out = original(self, *args)
+        packed_batches.append(out is not None)
+        return out
+
+    monkeypatch.setattr(RewardModel, "packed_pair_forward", counting)
+    runs = {}
+    for setting in ("off", "auto"):
+        result = step2.main(base_argv(model, data_dir, *extra, "--sequence_packing", setting, "--dropout", "0.0",
+                                      "--learning_rate", "1e-3", "--num_padding_at_beginning", "0",
+                                      "--eval_iters", "1", max_train_steps=4, max_seq_len=128))
+        runs[setting] = (result.train_losses, {n: p.clone() for n, p in gathered_parameters(result.engine)})
+    out = capsys.readouterr().out
+    assert "Sequence packing: off (--sequence_packing off)" in out and "Sequence packing: reward on packed rows" in out
+    # off never calls it; auto packs every batch with a cheaper layout (3 of these 4)
+    assert len(packed_batches) == 4 and sum(packed_batches) >= 2, packed_batches
+    (l0, w0), (l1, w1) = runs["off"], runs["auto"]
+    assert l0 == pytest.approx(l1, abs=1e-4)
+    # OPT's final-norm bias shifts every value alike, which the pairwise loss cancels: its gradient
+    # is 0 in exact arithmetic and rounding noise of either order, which Adam scales to lr-sized steps.
+    assert {n for n in w0 if (w0[n] - w1[n]).abs().max() > 1e-4} <= {"rwtransformer.decoder.final_layer_norm.bias"}
+
+
 def test_freeze_layers_must_not_be_negative(step2, data_dir):
     from dschat.errors import UserError
 
