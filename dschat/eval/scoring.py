@@ -86,6 +86,13 @@ def _batches(items: Sequence[Any], size: int) -> Iterable[Sequence[Any]]:
         yield items[start : start + size]
 
 
+def _by_length(lengths: Sequence[int], size: int) -> Iterable[list[int]]:
+    """Batches of indices, shortest first: scoring batches of similar lengths pad (and compute) little.
+    Each row's result does not depend on its batch (right padding, masked)."""
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return (order[start : start + size] for start in range(0, len(order), size))
+
+
 def _pad(rows: Sequence[Sequence[int]], pad_id: int, left: bool) -> tuple[Any, Any]:
     """(ids, attention_mask) tensors, padded on the left (generation) or right (scoring)."""
     width = max(len(r) for r in rows)
@@ -160,20 +167,20 @@ def response_logprobs(model: Any, samples: Samples, batch_size: int, pad_id: int
     """log pi(a_t | prefix) of every answer token of ``samples`` under ``model``."""
 
     device = next(model.parameters()).device
-    result: list[list[float]] = []
     pairs = list(zip(samples.prompt_ids, samples.response_ids))
-    for chunk in _batches(pairs, batch_size):
-        rows = [p + r for p, r in chunk]
-        ids, mask = _pad(rows, pad_id, left=False)
+    result: list[list[float]] = [[] for _ in pairs]
+    for chunk in _by_length([len(p) + len(r) for p, r in pairs], batch_size):
+        ids, mask = _pad([pairs[i][0] + pairs[i][1] for i in chunk], pad_id, left=False)
         ids, mask = ids.to(device), mask.to(device)
         with torch.no_grad():
             # Right padding: the default positions 0..len-1 are the real ones (no position_ids,
             # which some families' forward does not take).
             logits = model(input_ids=ids, attention_mask=mask).logits
             logp = gather_log_probs(logits[:, :-1].float(), ids[:, 1:])  # (B, T-1): logp of token t+1
-        for i, (prompt, answer) in enumerate(chunk):
+        for row, i in enumerate(chunk):
+            prompt, answer = pairs[i]
             start = len(prompt) - 1  # position predicting the first answer token
-            result.append(logp[i, start : start + len(answer)].tolist())
+            result[i] = logp[row, start : start + len(answer)].tolist()
     return result
 
 
@@ -199,14 +206,15 @@ def score_sequences(reward_model: Any, rows: Sequence[Sequence[int]], pad_id: in
     """End score (value at the last real token) of each token sequence."""
 
     device = next(reward_model.parameters()).device
-    scores: list[float] = []
-    for chunk in _batches(list(rows), batch_size):
-        ids, mask = _pad(chunk, pad_id, left=False)
+    scores: list[float] = [0.0] * len(rows)
+    for chunk in _by_length([len(r) for r in rows], batch_size):
+        ids, mask = _pad([rows[i] for i in chunk], pad_id, left=False)
         ids, mask = ids.to(device), mask.to(device)
         with torch.no_grad():
             values = reward_model.forward_value(input_ids=ids, attention_mask=mask, return_value_only=True)
         end = last_token_index(mask)
-        scores += values.float().gather(1, end.unsqueeze(1)).squeeze(1).tolist()
+        for i, score in zip(chunk, values.float().gather(1, end.unsqueeze(1)).squeeze(1).tolist()):
+            scores[i] = score
     return scores
 
 

@@ -140,6 +140,24 @@ def test_generation_batch_size_sets_the_decoding_batch_only(folders, monkeypatch
                   "--out", "unused", "--generation_batch_size", "0"])
 
 
+def test_scoring_in_batches_by_length_keeps_each_row_its_own_result(folders):
+    """Log-probs and reward scores are computed in batches of similar lengths: each row's result is
+    the one it gets alone, in the caller's order."""
+    model, tok = scoring.load_actor(folders["sft"], torch.device("cpu"))
+    samples = scoring.generate(model, tok, rep.heldout_prompts(7), rep.EvalSettings(max_new_tokens=8, seed=3))
+    assert len({len(p) + len(r) for p, r in zip(samples.prompt_ids, samples.response_ids)}) > 2
+    rm, rm_tok = scoring.load_reward(folders["reward"], torch.device("cpu"))
+    batched = (scoring.response_logprobs(model, samples, 3, tok.pad_token_id),
+               scoring.reward_scores(rm, rm_tok, samples, tok, 3))
+    alone = (scoring.response_logprobs(model, samples, 1, tok.pad_token_id),
+             scoring.reward_scores(rm, rm_tok, samples, tok, 1))
+    assert [len(row) for row in batched[0]] == [len(r) for r in samples.response_ids]
+    for got, want in zip(batched[0], alone[0]):
+        assert got == pytest.approx(want, abs=1e-5)
+    assert batched[1] == pytest.approx(alone[1], abs=1e-5)
+    assert len(set(alone[1])) == len(alone[1])  # distinct scores: a mix-up would show
+
+
 def test_pairwise_accuracy_against_an_independent_count():
     from dschat.gold_judge import gold_score
     from dschat.models.tokenizer import load_hf_tokenizer
