@@ -216,14 +216,23 @@ class RewardModel(nn.Module):
         head_mask: Any = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool = False,
+        sequence_packing: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Pairwise loss on a batch ``[chosen_1..B; rejected_1..B]`` (DataCollatorReward's layout).
 
         Returns ``loss`` and the end scores ``chosen_mean_scores`` / ``rejected_mean_scores``
-        (upstream's names: they are the values at the last token, not means).
+        (upstream's names: they are the values at the last token, not means). ``sequence_packing``
+        (dschat, step 2's ``--sequence_packing``): computed on packed rows where
+        :meth:`packed_pair_forward` applies to the batch. Either way the pass runs through this
+        forward and the same submodules in the same order, which ZeRO-3 needs of every rank.
         """
         if head_mask is not None:
             raise ValueError("head_mask is not supported by transformers >= 5 models")
+        if sequence_packing and attention_mask is not None and input_ids is not None and past_key_values is None \
+                and position_ids is None and inputs_embeds is None:
+            packed = self.packed_pair_forward(input_ids, attention_mask)
+            if packed is not None:
+                return packed
         values = self._values(input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache)
         return self._pair_loss(values, input_ids, attention_mask)
 
@@ -249,7 +258,8 @@ class RewardModel(nn.Module):
         padding the loss reads (to the end of the longer answer of its pair, DSE #316) end to end,
         with the padded pass's positions and attention (:func:`~dschat.models.packing.padded_pass_inputs`),
         so the results are :meth:`forward`'s up to floating-point reordering. None where packing does
-        not apply to this batch (left padding, or no cheaper layout): call :meth:`forward`.
+        not apply to this batch (left padding, or no cheaper layout). Training calls it through
+        ``forward(..., sequence_packing=True)``, which falls back to the padded pass.
         """
         B2, L = input_ids.shape
         if not bool(attention_mask[:, 0].all()):

@@ -261,10 +261,11 @@ def test_step2_packed_pair_loss_equals_the_padded_one(name, attention):
     if name in ("mistral", "qwen2"):  # windows of 8 < 20 columns: an explicit mask would not apply them
         assert critic.packed_pair_forward(ids, mask) is None
         return
+    assert critic.packed_pair_forward(ids, mask) is not None
     results = []
     for packed in (False, True):
         critic.zero_grad()
-        out = critic.packed_pair_forward(ids, mask) if packed else critic(input_ids=ids, attention_mask=mask)
+        out = critic(input_ids=ids, attention_mask=mask, sequence_packing=packed)
         out["loss"].backward()
         grads = torch.cat([p.grad.flatten() for p in critic.parameters() if p.grad is not None])
         results.append((out, grads))
@@ -283,6 +284,9 @@ def test_step2_packing_falls_back_to_the_padded_pass():
     critic = _reward_model(_model("llama"))
     ids, mask = _pairs()
     assert critic.packed_pair_forward(ids.flip(1), mask.flip(1)) is None  # left padding
+    # forward(sequence_packing=True) then runs the padded pass
+    left = critic(input_ids=ids.flip(1), attention_mask=mask.flip(1), sequence_packing=True)["loss"]
+    assert torch.equal(left, critic(input_ids=ids.flip(1), attention_mask=mask.flip(1))["loss"])
     full = torch.ones_like(mask)
     assert critic.packed_pair_forward(ids, full) is None  # nothing to remove: no cheaper layout
     bloom = T.AutoModelForCausalLM.from_config(T.BloomConfig(vocab_size=96, hidden_size=64, n_layer=1, n_head=4))

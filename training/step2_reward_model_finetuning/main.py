@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 from dschat.cli.args import (
     add_checkpoint_args,
@@ -117,11 +117,6 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     # --sequence_packing: each batch's real tokens (and the padding the loss reads) end to end.
     packing = resolve_sequence_packing(args.sequence_packing, {"reward": engine})["reward"]
-
-    def pair_loss(batch: dict) -> Any:
-        out = engine.packed_pair_forward(batch["input_ids"], batch["attention_mask"]) if packing else None
-        return (out if out is not None else engine(**batch, use_cache=False))["loss"]
-
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step2_model_dschat")
     counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
     result = RunResult(output_dir=None, tokenizer=tokenizer)
@@ -156,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     # No throughput line: upstream's step 2 has none (the step times are in the result).
     train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
-                 loss_fn=pair_loss, evaluate=evaluate_epoch,
+                 loss_fn=lambda batch: engine(**batch, use_cache=False, sequence_packing=packing)["loss"],
+                 evaluate=evaluate_epoch,
                  on_optimizer_step=evaluate_every, on_epoch_end=epoch_loss, print_throughput=False)
     # The body as an HF folder + v_head.safetensors.
     return finish_run(args, ctx, engine, tokenizer, result, "step2")
