@@ -28,6 +28,10 @@
 # its r with the judge on its run's answers (0.42 -> 0.47, step 2 alone); step 2 of seed 1234's
 # whole run took 6:23-6:33, and over five full runs every seed gained at least +0.59 at 7.4
 # paired SE (docs/demo_experiments.md).
+#
+# Packed rows (--sequence_packing auto, step 2's default since 2026-11-28): each batch's pairs
+# in one row without the padding its loss does not read; the same losses up to rounding. Step 2
+# of seed 1234's whole run: 5:39 (6:23-6:33 padded).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
