@@ -272,7 +272,7 @@ def add_reward_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
                        help="(dschat) freeze the embeddings and the N lowest transformer blocks (no gradients or "
                             "optimizer state; the backward stops at block N); 0 (default) trains all, as upstream")
     add_sequence_packing_arg(group, "the reward model's training passes",
-                             "the real tokens of each pair batch (and the padding its loss reads)")
+                             "each row's real tokens and the padding its loss reads, no other padding computed")
     return group
 
 
@@ -346,18 +346,19 @@ def add_step3_training_args(parser: argparse.ArgumentParser) -> argparse._Argume
                        help="Number of updates steps to accumulate before performing a backward/update pass.")
     group.add_argument("--num_warmup_steps", type=int, default=100,
                        help="Number of steps for the warmup in the lr scheduler.")
-    add_sequence_packing_arg(group, "step 3's scoring passes and PPO update", "each rollout row's real tokens")
+    add_sequence_packing_arg(group, "step 3's scoring passes and PPO update",
+                             "each rollout row's real tokens, no padding computed")
     return group
 
 
 def add_sequence_packing_arg(group: argparse._ArgumentGroup, passes: str, rows: str) -> None:
     """``--sequence_packing`` (steps 2 and 3): ``passes`` run on packed rows of ``rows`` end to end."""
     group.add_argument("--sequence_packing", type=str, default="auto", choices=("auto", "on", "off"),
-                       help=f"(dschat) Run {passes} on packed rows: {rows} end to end, no padding computed, "
-                            "sequences kept apart by the attention mask (dschat/models/packing.py); the same results "
-                            "up to floating-point reordering. 'auto' (default): every model whose family and "
-                            "attention (SDPA, eager) support it, the rest padded, named once in the log; 'on': "
-                            "refuse a model that cannot; 'off': padded rows, as upstream.")
+                       help=f"(dschat) Run {passes} on packed rows: {rows}; sequences kept apart by the "
+                            "attention mask (dschat/models/packing.py); the same results up to floating-point "
+                            "reordering; a batch with no cheaper layout stays padded. 'auto' (default): every model "
+                            "whose family and attention (SDPA, eager) support it, the rest padded, named once in the "
+                            "log; 'on': refuse a model that cannot; 'off': padded rows, as upstream.")
 
 
 def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:

@@ -1,5 +1,7 @@
 """Sequence packing: the real tokens of a padded batch laid end to end in fewer rows, so that a
 forward pass computes no padding (step 3's scoring passes and PPO update, ``--sequence_packing``).
+Step 2's pairwise loss also reads some padding; :func:`padded_pass_inputs` packs that with the real
+tokens and gives every slot the padded pass's position and attention through an explicit mask.
 
 A step-3 rollout batch ``(B, L)`` is a left-padded prompt, the answer, and padding after the answer's
 EOS; in the CPU demo about a third of its columns are padding. :func:`pack_rows` puts each row's real
@@ -33,7 +35,8 @@ from dschat.models.families import family_of
 from dschat.runtime.dist import print_rank_0
 
 __all__ = ["PACKED_ROW_TOKENS", "PackedRows", "pack_rows", "attention_span", "layout_cost", "packing_mode",
-           "packing_unsupported_reason", "packed_model_inputs", "resolve_sequence_packing", "padded_pass_inputs"]
+           "packing_unsupported_reason", "packed_model_inputs", "resolve_sequence_packing", "attention_window",
+           "padded_pass_inputs"]
 
 SETTINGS = ("auto", "on", "off")
 
@@ -287,7 +290,7 @@ def resolve_sequence_packing(setting: str, models: Mapping[str, Any]) -> dict[st
     return {name: why is None for name, why in reasons.items()}
 
 
-def _attention_window(config: Any) -> int | None:
+def attention_window(config: Any) -> int | None:
     """The smallest local-attention window ``config`` declares (Mistral's ``sliding_window``,
     GPT-Neo's ``window_size``), or None."""
     windows = [getattr(config, a, None) for a in ("sliding_window", "window_size")]
@@ -310,7 +313,7 @@ def padded_pass_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
     """
     config = _config(model)
     B, L = input_ids.shape
-    window = _attention_window(config)
+    window = attention_window(config)
     if packing_mode(model) is None or (window is not None and window < L):
         return None
     packed = pack_rows(input_ids, compute, span=attention_span(config))

@@ -250,17 +250,13 @@ def _pairs() -> tuple[torch.Tensor, torch.Tensor]:
     return ids.masked_fill(mask == 0, 0), mask
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
-@pytest.mark.parametrize("name", FAMILIES)
-def test_step2_packed_pair_loss_equals_the_padded_one(name, attention):
+def _check_step2_packed_pair_loss(critic: RewardModel, windowed: str | None) -> None:
     """The pairwise loss reads the shorter answer's padding up to the longer one's end (DSE #316):
     the packed pass computes those slots too, with the padded pass's positions and attention."""
-    critic = _reward_model(_model(name))
-    critic.config._attn_implementation = attention
     ids, mask = _pairs()
-    if name in ("mistral", "qwen2"):  # windows of 8 < 20 columns: an explicit mask would not apply them
+    if windowed is not None:  # a window of 8 < 20 columns: an explicit mask would not apply it
         assert critic.packed_pair_forward(ids, mask) is None
-        return
+        setattr(critic.config, windowed, 64)  # wider than the batch: packed
     assert critic.packed_pair_forward(ids, mask) is not None
     results = []
     for packed in (False, True):
@@ -278,6 +274,21 @@ def test_step2_packed_pair_loss_equals_the_padded_one(name, attention):
     with torch.no_grad():
         values = critic.forward_value(ids, mask, return_value_only=True).masked_fill(mask == 0, 0.0)
         assert abs(float(critic._pair_loss(values, ids, mask)["loss"]) - float(padded["loss"])) > 1e-3
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_step2_packed_pair_loss_equals_the_padded_one(name, attention):
+    critic = _reward_model(_model(name))
+    critic.config._attn_implementation = attention
+    _check_step2_packed_pair_loss(critic, "sliding_window" if name in ("mistral", "qwen2") else None)
+
+
+@pytest.mark.parametrize("name", sorted(_OTHER_FAMILIES))
+def test_step2_packed_pair_loss_on_other_families(name):
+    torch.manual_seed(0)
+    critic = _reward_model(T.AutoModelForCausalLM.from_config(_OTHER_FAMILIES[name]()))
+    _check_step2_packed_pair_loss(critic, "window_size" if name == "gpt_neo" else None)
 
 
 def test_step2_packing_falls_back_to_the_padded_pass():

@@ -27,7 +27,7 @@ from dschat.cli.args import (
 )
 from dschat.errors import cli_main
 from dschat.models.freeze import freeze_lower_layers, release_input_gradients
-from dschat.models.packing import resolve_sequence_packing
+from dschat.models.packing import attention_window, resolve_sequence_packing
 from dschat.training.common import (
     OptimizerStepCounter,
     RunResult,
@@ -117,6 +117,10 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     # --sequence_packing: each batch's real tokens (and the padding the loss reads) end to end.
     packing = resolve_sequence_packing(args.sequence_packing, {"reward": engine})["reward"]
+    window = attention_window(rm_model.config)
+    if packing and window is not None and window < args.max_seq_len:
+        print_rank_0(f"Sequence packing: batches wider than the model's local-attention window ({window} tokens) "
+                     "run padded (the packed pass's explicit mask would not apply the window)", ctx.rank)
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step2_model_dschat")
     counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
     result = RunResult(output_dir=None, tokenizer=tokenizer)

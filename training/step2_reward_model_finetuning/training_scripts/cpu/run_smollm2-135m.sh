@@ -30,8 +30,8 @@
 # paired SE (docs/demo_experiments.md).
 #
 # Packed rows (--sequence_packing auto, step 2's default since 2026-11-28): each batch's pairs
-# in one row without the padding its loss does not read; the same losses up to rounding. Step 2
-# of seed 1234's whole run: 5:39 (6:23-6:33 padded).
+# in a few rows without the padding its loss does not read; the same losses up to rounding. Step
+# 2 of seed 1234's whole run: 5:39 (6:23-6:33 padded).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
