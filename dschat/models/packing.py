@@ -297,12 +297,12 @@ def attention_window(config: Any) -> int | None:
     return min((w for w in windows if isinstance(w, int) and w > 0), default=None)
 
 
-def padded_pass_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, compute: torch.Tensor, model: Any,
-                       ) -> tuple[PackedRows, dict[str, Any]] | None:
+def padded_pass_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       compute: torch.Tensor, model: Any) -> tuple[PackedRows, dict[str, Any]] | None:
     """Pack the ``compute`` columns of a right-padded batch (B, L), padding columns among them, so
-    that the forward gives at each what the padded pass gives there: positions counted on
-    ``attention_mask`` (``cumsum - 1``, padding at its row's last real position), and every query,
-    a padding one too, attending only to the real tokens before it in its own row.
+    that the forward gives at each what the padded pass gives there: the padded pass's
+    ``position_ids`` (B, L), and every query, a padding one too, attending only to the real tokens
+    before it in its own row.
 
     For losses that read the model's output at some padding (step 2's pairwise loss reads the
     shorter answer's padding up to the longer one's end, DSE #316). ``compute`` (B, L) must mark a
@@ -320,7 +320,7 @@ def padded_pass_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, co
     if packed is None:
         return None
     real = packed.real
-    positions = packed.gather((attention_mask.long().cumsum(-1) - 1).clamp(min=0))
+    positions = packed.gather(position_ids)
     # Keys: the real tokens, and each filler slot for itself (a query that sees no key gives NaN).
     visible = (packed.gather(attention_mask).bool() & real) | ~real
     slots = torch.arange(real.numel(), device=real.device).view(real.shape)

@@ -261,15 +261,13 @@ class RewardModel(nn.Module):
         not apply to this batch (left padding, or no cheaper layout). Training calls it through
         ``forward(..., sequence_packing=True)``, which falls back to the padded pass.
         """
-        B2, L = input_ids.shape
         if not bool(attention_mask[:, 0].all()):
             return None
-        ends = last_token_index(attention_mask) + 1
-        bs = B2 // 2
-        identical = ~(input_ids[:bs] != input_ids[bs:]).any(-1)  # read to the row end (pairwise_reward_loss)
-        pair_end = torch.where(identical, torch.full_like(ends[:bs], L), torch.maximum(ends[:bs], ends[bs:]))
-        compute = torch.arange(L, device=input_ids.device) < pair_end.repeat(2)[:, None]
-        found = padded_pass_inputs(input_ids, attention_mask, compute, self)
+        bs = input_ids.shape[0] // 2
+        ends = self._ends(input_ids, attention_mask)
+        pair_end = rl_math.pairwise_read_ends(input_ids[:bs], input_ids[bs:], ends[:bs], ends[bs:])
+        compute = torch.arange(input_ids.shape[1], device=input_ids.device) < pair_end.repeat(2)[:, None]
+        found = padded_pass_inputs(input_ids, positions_from_mask(attention_mask), attention_mask, compute, self)
         if found is None:
             return None
         packed, inputs = found

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from dschat.rl_math.stats import masked_sum
 
 __all__ = ["reward_end_indices", "upstream_end_indices", "first_divergence_indices", "PairwiseLossOutput",
-           "pairwise_reward_loss", "dpo_label_mask", "DPOOutput", "dpo_loss"]
+           "pairwise_read_ends", "pairwise_reward_loss", "dpo_label_mask", "DPOOutput", "dpo_loss"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -71,6 +71,17 @@ class PairwiseLossOutput(NamedTuple):
     rejected_end_scores: torch.Tensor
 
 
+def pairwise_read_ends(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_end: torch.Tensor,
+                       rejected_end: torch.Tensor) -> torch.Tensor:
+    """One past the last position :func:`pairwise_reward_loss` reads in each pair: the longer side's
+    end (so the shorter side's padding is read, DSE #316), or the row end ``L`` for an identical
+    pair. Shape: *_ids (B, L), *_end (B,) -> (B,) on the ends' device."""
+    L = chosen_ids.shape[1]
+    identical = ~(chosen_ids != rejected_ids).any(-1).to(chosen_end.device)
+    c_end, r_end = chosen_end.long(), rejected_end.long()
+    return torch.where(identical, torch.full_like(c_end, L), torch.maximum(c_end, r_end))
+
+
 def pairwise_reward_loss(
     chosen_values: torch.Tensor,
     rejected_values: torch.Tensor,
@@ -108,7 +119,7 @@ def pairwise_reward_loss(
         )
     c_end = chosen_end.to(device).long()
     r_end = torch.where(identical.to(device), c_end, rejected_end.to(device).long())
-    end = torch.where(identical.to(device), torch.full_like(c_end, L), torch.maximum(c_end, r_end))
+    end = pairwise_read_ends(chosen_ids, rejected_ids, c_end, r_end)
 
     c, r = chosen_values, rejected_values
     if compute_fp32_loss:
