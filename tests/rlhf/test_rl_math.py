@@ -660,6 +660,14 @@ def _random_pairs(seed: int, B: int = 24, L: int = 14, opt_style: bool = False):
     return chosen_values, rejected_values, chosen_ids, rejected_ids, pad
 
 
+def test_pairwise_read_ends_by_hand():
+    # Pairs of 6 columns: chosen ends 5 / rejected 3 (the longer end, 5); 2 / 4 (4); identical (the row end, 6).
+    chosen = torch.tensor([[1, 2, 3, 4, 5, 0], [1, 2, 0, 0, 0, 0], [1, 2, 3, 0, 0, 0]])
+    rejected = torch.tensor([[1, 2, 9, 0, 0, 0], [1, 7, 8, 9, 0, 0], [1, 2, 3, 0, 0, 0]])
+    ends = rm.pairwise_read_ends(chosen, rejected, torch.tensor([5, 2, 3]), torch.tensor([3, 4, 3]))
+    assert ends.tolist() == [5, 4, 6]
+
+
 @pytest.mark.parametrize("seed, opt_style", [(s, o) for s in range(4) for o in (False, True)])
 def test_pairwise_loss_matches_upstream_loop(seed, opt_style):
     cv, rv, cid, rid, pad = _random_pairs(seed, opt_style=opt_style)
