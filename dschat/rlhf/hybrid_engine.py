@@ -539,7 +539,7 @@ class RolloutGenerator:
         self.last_loop = "dschat-he"
         if tensor_parallel:
             if self.zero_stage == 3:
-                release_zero3_prefetch(self.actor)  # nothing may still be in flight when gathering outside a forward
+                release_zero3_prefetch(self.actor, collect=False)  # nothing may be in flight when gathering outside a pass
             return self.engine.rollout(module, prompts, mask, gather=materialised_part,
                                        min_new_tokens=min_new_tokens, keep_logprobs=self.keep_logprobs)
         return self.engine.rollout(module, prompts, mask, materialise=self._materialised(),

@@ -38,6 +38,7 @@ from dschat.runtime.dist import get_world_size, is_rank_0
 from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
 from dschat.runtime.ds_config import resolve_dtype
 from dschat.runtime.zero3 import release_zero3_prefetch
+from dschat.runtime.zero3_trace import begin_passes_with_dschats_rule
 from dschat.training.common import OptimSettings, apply_lora, initialize_engine
 
 __all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
@@ -189,6 +190,7 @@ class DeepSpeedRLHFEngine:
             engine.optimizer.quantize_nontrainable_params()
             if is_rank_0():
                 print("Mixed Precision ZeRO++ enabled")
+        begin_passes_with_dschats_rule(engine)  # ZeRO-3: generation passes do not cut the training trace short
         log_init("Actor", stime=stime)
         return engine
 
@@ -228,6 +230,7 @@ class DeepSpeedRLHFEngine:
                             args.only_optimize_lora, force_optimize=("v_head.weight",))
         engine = initialize_engine(model, ds_config, self._optim(args.critic_learning_rate, args.critic_weight_decay,
                                                                  args.critic_lora_learning_rate))
+        begin_passes_with_dschats_rule(engine)  # ZeRO-3: scoring passes do not cut the training trace short
         log_init("Critic", stime=stime)
         return engine
 

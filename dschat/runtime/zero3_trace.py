@@ -1,0 +1,80 @@
+"""ZeRO-3's prefetch trace across step 3's passes.
+
+Under ZeRO-3 DeepSpeed records the order in which one pass (a forward, and the backward after it)
+fetches the modules' parameters, and from the next pass on all-gathers the parameters of the modules
+ahead of the one running (``stage3_prefetch_bucket_size``), overlapping the communication with the
+compute. A pass that leaves the recorded order (a module the trace does not expect, or more modules
+than it holds) invalidates the trace: that pass and the next fetch every module on demand, and the
+pass after them is recorded afresh. A pass begins where DeepSpeed's hook on the root module's forward
+resets the trace's cursor.
+
+Step 3 alternates passes without a backward (generation, the scoring passes) with training passes.
+Left to DeepSpeed, two things kept a trained engine's trace from ever covering a training pass:
+
+* A pass without a backward recorded right after an invalidation gives a trace that ends where the
+  training pass's backward begins, so every training backward invalidated it again, and the next pass
+  without a backward recorded the same short trace: the actor's backward never prefetched.
+* The critic's and the reward model's passes (``forward_value``) do not go through the root module's
+  call, so no pass ever began for DeepSpeed: their trace was never recorded and nothing was prefetched.
+
+:func:`begin_zero3_pass` begins a pass the way DeepSpeed's hook does, except that a trained engine
+whose trace is invalid waits for a pass with gradients to record it, so the trace it records covers
+the forward and the backward and a pass without a backward follows its first part.
+:func:`begin_passes_with_dschats_rule` puts that rule in place of DeepSpeed's hook on a trained
+engine's root module; :mod:`dschat.rlhf.packed_passes` begins each ``forward_value`` pass with it.
+(The rollout's gather keeps the trace too: :func:`~dschat.runtime.zero3.gathered_without_hooks`.)
+Everything here is a no-op below ZeRO-3 and for plain modules.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dschat.runtime.zero3 import parameter_offload
+
+__all__ = ["begin_zero3_pass", "begin_passes_with_dschats_rule", "trains_under_zero3"]
+
+
+def _offload(engine: Any) -> Any:
+    """DeepSpeed's ZeRO-3 parameter offload of ``engine``, or None (below ZeRO-3, a plain module)."""
+    try:
+        return parameter_offload(engine)
+    except AttributeError:
+        return None
+
+
+def trains_under_zero3(engine: Any) -> bool:
+    """Whether ``engine`` is a ZeRO-3 engine with an optimizer (its passes have backwards); an
+    inference engine's offload is the optimizer slot itself."""
+    optimizer = getattr(engine, "optimizer", None)
+    return optimizer is not None and hasattr(optimizer, "parameter_offload")
+
+
+def _begin(coordinator: Any, trains: bool) -> None:
+    if trains and not torch.is_grad_enabled() and coordinator.is_invalid_trace():
+        return  # record at the next pass with a backward, not this one
+    coordinator.reset_step()
+
+
+def begin_zero3_pass(engine: Any) -> None:
+    """Begin one pass of ``engine`` for ZeRO-3's trace (see the module's docstring); call it right
+    before a pass that does not go through the root module's call, on every rank alike."""
+    offload = _offload(engine)
+    if offload is not None:
+        _begin(offload.get_param_coordinator(), trains_under_zero3(engine))
+
+
+def begin_passes_with_dschats_rule(engine: Any) -> None:
+    """Replace DeepSpeed's pass-start hook on a trained ZeRO-3 engine's root module by one that
+    begins passes with :func:`begin_zero3_pass`'s rule (DeepSpeed's handle is kept on the offload, so
+    its own teardown removes this one)."""
+    offload = _offload(engine)
+    if offload is None or not trains_under_zero3(engine):
+        return
+
+    def start_of_pass(module: torch.nn.Module, args: Any) -> None:
+        _begin(offload.get_param_coordinator(), True)
+
+    offload.fwd_pre_hook.remove()
+    offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_pass)

@@ -1,0 +1,127 @@
+"""ZeRO-3's prefetch trace across step 3's passes (dschat/runtime/zero3_trace.py): after the first
+PPO steps every ZeRO-3 engine holds a complete trace, nothing invalidates it again, and the actor
+keeps its module ids through the rollout's gather; hooks_detached puts hooks back where they were."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers.step3 import base_argv, step3_main
+
+PROMPTS = torch.tensor([[3, 1, 40, 41], [1, 42, 43, 44]])  # tiny-llama ids: pad 3, bos 1
+PROMPT_MASK = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+
+
+# ------------------------------------------------------------------------------------ hooks_detached
+
+
+def test_hooks_detached_takes_the_hooks_out_and_puts_them_back_in_their_places():
+    from dschat.runtime.zero3 import hooks_detached
+
+    calls: list[str] = []
+    module = torch.nn.Linear(2, 2)
+
+    def hook(name: str):
+        return lambda *args, **kwargs: calls.append(name)
+
+    first = module.register_forward_pre_hook(hook("first"))
+    other = module.register_forward_pre_hook(hook("other"))
+    last = module.register_forward_pre_hook(hook("last"), with_kwargs=True)
+    post = module.register_forward_hook(hook("post"), always_call=True)
+    with hooks_detached([first, last, post]):
+        module(torch.ones(1, 2))
+        assert calls == ["other"]
+        module.register_forward_pre_hook(hook("new"))
+    calls.clear()
+    module(torch.ones(1, 2))
+    assert calls == ["first", "other", "last", "new", "post"]
+    # The same handles still remove their hooks (ids and the kwargs / always-call tables kept).
+    for handle in (first, last, post, other):
+        handle.remove()
+    calls.clear()
+    module(torch.ones(1, 2))
+    assert calls == ["new"]
+    assert not module._forward_pre_hooks_with_kwargs and not module._forward_hooks_always_called
+
+
+# ------------------------------------------------------------------------------------ PPO steps
+
+
+def _trainer(critic_dirs, data_cache, *extra: str):
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.runtime.dist import init_distributed
+
+    init_distributed()
+    args = step3_main().parse_args(base_argv("tiny-llama", critic_dirs["tiny-llama"], data_cache,
+                                             "--actor_zero_stage", "3", "--critic_zero_stage", "3", *extra))
+    torch.manual_seed(0)
+    engine = DeepSpeedRLHFEngine("tiny-llama", str(critic_dirs["tiny-llama"]), load_hf_tokenizer("tiny-llama"),
+                                 args, 10)
+    return DeepSpeedPPOTrainer(engine, args)
+
+
+def _coordinators(trainer) -> dict[str, object]:
+    from dschat.runtime.zero3 import parameter_offload
+
+    engines = {"actor": trainer.actor_model, "critic": trainer.critic_model, "ref": trainer.ref_model,
+               "reward": trainer.reward_model}
+    return {role: parameter_offload(e).get_param_coordinator() for role, e in engines.items()}
+
+
+@pytest.mark.parametrize("extra", [
+    (),                                                   # gathered once for generation, dschat's loop
+    ("--zero3_gather_for_generation", "off"),             # fetched per layer for every token (HF generate)
+    ("--actor_lora_dim", "4", "--enable_hybrid_engine"),  # LoRA fused into dschat's Hybrid Engine
+    ("--sequence_packing", "off", "--actor_gradient_checkpointing", "--critic_gradient_checkpointing"),
+], ids=["gather", "per-layer", "lora-hybrid-engine", "padded-checkpointing"])
+def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(extra, monkeypatch, critic_dirs,
+                                                                             data_cache):
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    trainer = _trainer(critic_dirs, data_cache, *extra)
+    coordinators = _coordinators(trainer)
+    role_of = {id(c): role for role, c in coordinators.items()}
+    invalidated: list[tuple[int, str]] = []
+    original = PartitionedParameterCoordinator._invalidate_trace
+    step = {"i": 0}
+
+    def counting(self):
+        invalidated.append((step["i"], role_of.get(id(self), "other")))
+        return original(self)
+
+    monkeypatch.setattr(PartitionedParameterCoordinator, "_invalidate_trace", counting)
+    actor_ids = [m.ds_id for m in trainer.actor_model.module.modules()]
+    complete_at_training: list[tuple[int, str, bool]] = []
+    for i in range(5):
+        step["i"] = i
+        exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, i)
+        trainer.prepare_rollout([exp])
+        trainer.train()
+        for _, micro, _ in trainer.schedule([exp], None):
+            complete_at_training += [(i, role, coordinators[role].is_complete_trace()) for role in ("actor", "critic")]
+            trainer.train_rlhf(micro)
+        trainer.eval()
+    # The first steps record (one invalidation each where a trace starts empty); from step 2 on, no
+    # pass leaves the recorded order -- generation included -- and training prefetches from a trace.
+    assert [(i, role) for i, role in invalidated if i >= 2] == []
+    assert all(done for i, _, done in complete_at_training if i >= 2), complete_at_training
+    assert all(c.is_complete_trace() for c in coordinators.values())
+    # The actor's modules keep their ids through the rollout's gather (DeepSpeed's re-registration
+    # renumbered them every rollout).
+    assert [m.ds_id for m in trainer.actor_model.module.modules()] == actor_ids
+
+
+def test_a_trained_engine_records_its_trace_at_a_pass_with_a_backward(critic_dirs, data_cache):
+    from dschat.runtime.zero3_trace import begin_zero3_pass
+
+    trainer = _trainer(critic_dirs, data_cache)
+    critic = _coordinators(trainer)["critic"]
+    assert critic.is_invalid_trace()  # as DeepSpeed builds it
+    with torch.no_grad():
+        begin_zero3_pass(trainer.critic_model)  # a scoring pass: the trace stays invalid ...
+    assert critic.is_invalid_trace()
+    begin_zero3_pass(trainer.reward_model)      # (an inference engine records at any pass)
+    begin_zero3_pass(trainer.critic_model)      # ... and a pass with gradients records it
+    assert critic.is_record_trace()
