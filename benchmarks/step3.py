@@ -23,9 +23,10 @@ engines:
   padding packing removes is there to remove.
 
 Per phase it prints generation tokens/s, per-token latency and achieved memory bandwidth (parameter
-bytes x decode steps / time, the roofline of memory-bound decoding), experience-pass tokens/s,
-training tokens/s and TFLOP/s (upstream's FLOP formula over the tokens actually processed), end-to-
-end samples/s and peak memory, then ours / baseline. Peaks: the device's data-sheet figures on a
+bytes x decode steps / time, the roofline of memory-bound decoding), experience-pass tokens/s and
+TFLOP/s (forward passes), training tokens/s and TFLOP/s (upstream's FLOP formula over the tokens
+actually processed) and the time in the optimizer steps, end-to-end samples/s, peak memory and, under
+ZeRO-3, the prefetch-trace invalidations per step, then ours / baseline. Peaks: the device's data-sheet figures on a
 known GPU, otherwise measured here (a large copy and a large matmul). Results are appended to
 ``benchmarks/results.md`` (``--results``) with date, device, versions and the command.
 
@@ -255,7 +256,10 @@ class ModeResult:
     gen_s: float = 0.0
     exp_s: float = 0.0
     train_s: float = 0.0
+    optimizer_s: float = 0.0  # of train_s: inside the actor's and the critic's engine.step()
     steps: int = 0
+    scoring_passes: tuple[int, int] = (1, 2)  # per step: actor-shaped (reference; actor), critic-shaped passes
+    trace_invalidations: int = -1  # ZeRO-3 prefetch-trace invalidations in the measured steps (-1: not ZeRO-3)
     prompt_width: list[int] = field(default_factory=list)  # prompt columns fed per step
     peak_memory_bytes: int = 0
     memory_note: str = ""
@@ -329,6 +333,26 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     gen.hybrid_engine_active = ours and he_available
 
 
+TRACE_INVALIDATIONS = {"n": 0, "counting": False}
+
+
+def count_trace_invalidations() -> None:
+    """Count every invalidation of a ZeRO-3 prefetch trace (any engine) in :data:`TRACE_INVALIDATIONS`:
+    an invalidated trace means passes that fetch every module on demand, without prefetching."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
+
+    if TRACE_INVALIDATIONS["counting"]:
+        return
+    original = PartitionedParameterCoordinator._invalidate_trace
+
+    def counting(self: Any) -> None:
+        TRACE_INVALIDATIONS["n"] += 1
+        original(self)
+
+    PartitionedParameterCoordinator._invalidate_trace = counting
+    TRACE_INVALIDATIONS["counting"] = True
+
+
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
              he_available: bool, ours_loop: str = "auto", dschat_he: bool = False, tp_size: int = 1,
              answer_spread: float = 0.0, seed: int = 0) -> ModeResult:
@@ -341,6 +365,22 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     result = ModeResult(mode)
+    engines = [e for e in (trainer.actor_model, getattr(trainer, "critic_model", None)) if e is not None]
+    step_time = {"s": 0.0}
+
+    def timed_step(step: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            sync(); t = time.perf_counter()
+            out = step(*args, **kwargs)
+            sync(); step_time["s"] += time.perf_counter() - t
+            return out
+        return run
+
+    for engine in engines:
+        engine.step = timed_step(engine.step)  # an instance attribute over DeepSpeed's method, for this mode
+    reward_passes = int(getattr(trainer, "reward_model", None) is not None)
+    critic_passes = int(getattr(trainer, "critic_model", None) is not None)
+    result.scoring_passes = (1 + (not trainer.reuse_rollout_logprobs), reward_passes + critic_passes)
     for i in range(warmup + steps):
         prompts, mask = (t.to(device) for t in batches[i])
         if mode.startswith("ours"):
@@ -357,6 +397,9 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
                     return out
                 return cut_answers(out, p.shape[1], _n, tokenizer.eos_token_id, tokenizer.pad_token_id)
             generator.rollout = cut_rollout
+        if i == warmup:
+            step_time["s"] = 0.0
+            invalidations_before = TRACE_INVALIDATIONS["n"]
         sync()
         exp = trainer.generate_experience(prompts, mask, i)
         sync()
@@ -376,6 +419,11 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         print(f"[{mode}] step {i}{' (warm-up)' if i < warmup else ''}: generation {trainer.generate_time:.2f} s, "
               f"experience {trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}",
               flush=True)
+    for engine in engines:
+        del engine.step  # DeepSpeed's method again
+    result.optimizer_s = step_time["s"]
+    if TRACE_INVALIDATIONS["counting"]:
+        result.trace_invalidations = TRACE_INVALIDATIONS["n"] - invalidations_before
     result.generation_loop = trainer.generator.last_loop or ""
     generator.__dict__.pop("rollout", None)  # the class's rollout again
     if device.type == "cuda":
@@ -398,13 +446,16 @@ class Metrics:
     exp_tokens_per_s: float
     train_tokens_per_s: float
     train_flops: float  # FLOP/s
+    exp_flops: float  # FLOP/s of the scoring passes (forward only)
     samples_per_s: float
     seq_len: float  # mean columns processed per sequence
 
 
 def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: int, actor_config: Any,
-            critic_config: Any, actor_factor: float, critic_factor: float) -> Metrics:
-    """Turn one mode's times into rates. Pure arithmetic (tests/e2e/test_benchmarks.py checks it by hand)."""
+            critic_config: Any, actor_factor: float, critic_factor: float, reward_config: Any = None) -> Metrics:
+    """Turn one mode's times into rates. Pure arithmetic (tests/e2e/test_benchmarks.py checks it by hand).
+    ``reward_config``: the reward model's shape where there is no critic (the critic's is the reward
+    model's in this benchmark)."""
     from dschat.runtime.perf import calculate_flops
 
     n = max(r.steps, 1)
@@ -414,6 +465,11 @@ def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: in
     flops = sum(calculate_flops(actor_factor, batch, w + answer_len, actor_config)
                 + (calculate_flops(critic_factor, batch, w + answer_len, critic_config) if critic_config is not None
                    else 0.0) for w in r.prompt_width)
+    # Scoring: forward passes only (factor 1) over the same columns, reward_config shaping the reward model.
+    actor_passes, critic_shaped = r.scoring_passes
+    exp_flops = sum(actor_passes * calculate_flops(1.0, batch, w + answer_len, actor_config)
+                    + critic_shaped * calculate_flops(1.0, batch, w + answer_len, reward_config or critic_config)
+                    for w in r.prompt_width) if (reward_config or critic_config) is not None else 0.0
     return Metrics(
         gen_tokens_per_s=gen_tokens / r.gen_s,
         gen_ms_per_token=1000 * r.gen_s / (answer_len * n),
@@ -421,6 +477,7 @@ def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: in
         exp_tokens_per_s=seq_tokens / r.exp_s if r.exp_s > 0 else float("inf"),
         train_tokens_per_s=seq_tokens / r.train_s,
         train_flops=flops / r.train_s,
+        exp_flops=exp_flops / r.exp_s if r.exp_s > 0 else 0.0,
         samples_per_s=batch * n / r.total_s,
         seq_len=seq_len,
     )
@@ -439,12 +496,14 @@ def table(results: list[ModeResult], metrics: list[Metrics], peaks: Peaks) -> li
         extra = ""
         if compare:
             first, second = values
-            extra = f" {first / second if ratio == 'time' else second / first:.2f}x |" if ratio else " |"
+            num, den = (first, second) if ratio == "time" else (second, first)
+            extra = (f" {num / den:.2f}x |" if den else " n/a |") if ratio else " |"
         lines.append(f"| {label} | " + " | ".join(cells) + " |" + extra)
 
     row("generation s/step", [r.gen_s / r.steps for r in results], ".2f", "time")
     row("experience s/step", [r.exp_s / r.steps for r in results], ".2f", "time")
     row("training s/step", [r.train_s / r.steps for r in results], ".2f", "time")
+    row("  of which optimizer steps s/step", [r.optimizer_s / r.steps for r in results], ".2f", "time")
     row("end to end s/step", [r.total_s / r.steps for r in results], ".2f", "time")
     row("end to end samples/s", [m.samples_per_s for m in metrics], ".3f", "rate")
     row("columns per sequence", [m.seq_len for m in metrics], ".1f", None)
@@ -453,10 +512,14 @@ def table(results: list[ModeResult], metrics: list[Metrics], peaks: Peaks) -> li
     row("generation GB/s (params x steps / time)", [m.gen_bandwidth / 1e9 for m in metrics], ".2f", None)
     row("  of peak bandwidth", [100 * m.gen_bandwidth / peaks.bandwidth for m in metrics], ".1f", None)
     row("experience tokens/s (columns processed)", [m.exp_tokens_per_s for m in metrics], ".1f", None)
+    row("experience TFLOP/s (forward passes)", [m.exp_flops / 1e12 for m in metrics], ".4f", None)
+    row("  of peak FLOP/s", [100 * m.exp_flops / peaks.flops for m in metrics], ".1f", None)
     row("training tokens/s (columns processed)", [m.train_tokens_per_s for m in metrics], ".1f", None)
     row("training TFLOP/s", [m.train_flops / 1e12 for m in metrics], ".4f", None)
     row("  of peak FLOP/s", [100 * m.train_flops / peaks.flops for m in metrics], ".1f", None)
     row("peak memory GiB", [r.peak_memory_bytes / 2**30 for r in results], ".2f", None)
+    if all(r.trace_invalidations >= 0 for r in results):
+        row("ZeRO-3 trace invalidations / step", [r.trace_invalidations / r.steps for r in results], ".1f", None)
     return lines
 
 
@@ -530,6 +593,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
 
+        if args.zero_stage == 3:
+            count_trace_invalidations()
         results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
                             args.ours_generation_loop, dschat_he, args.inference_tp_size, args.answer_spread,
                             args.seed) for mode in args.modes]
@@ -540,10 +605,12 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         critic_factor = (checkpoint_activations_factor(False, 0, critic_module.config.hidden_size)
                          if critic_module is not None else 0.0)
         critic_config = critic_module.config if critic_module is not None else None
+        reward_module = engine.reward.module if engine.reward is not None else None
         metrics = [account(r, batch=args.batch, answer_len=args.answer_len,
                            actor_param_bytes=count_parameters(actor_module) * bytes_per_parameter(actor_module),
                            actor_config=actor_module.config, critic_config=critic_config,
-                           actor_factor=actor_factor, critic_factor=critic_factor) for r in results]
+                           actor_factor=actor_factor, critic_factor=critic_factor,
+                           reward_config=reward_module.config if reward_module is not None else None) for r in results]
 
     device_name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--local_rank")]

@@ -36,6 +36,17 @@ def test_step3_accounting_by_hand():
     def flops(seq):  # upstream's formula written out: 24 f B s l h^2 (1 + s / 6h + V / 16 l h)
         return 24 * 3.0 * 2 * seq * 2 * 64 * (1 + seq / 48 + 32 / 256)
     assert m.train_flops == pytest.approx(2 * (flops(14) + flops(10)) / 4.0)
+    # Scoring: forward passes only (a third of a training pass each): by default the reference and
+    # two critic-shaped passes (reward model, critic); the baseline adds the actor's.
+    assert m.exp_flops == pytest.approx(3 * (flops(14) + flops(10)) / 3 / 1.0)
+    r.scoring_passes = (2, 1)
+    wide = SimpleNamespace(num_hidden_layers=2, hidden_size=16, vocab_size=32)
+    m = bench.account(r, batch=2, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=None,
+                      actor_factor=3.0, critic_factor=3.0, reward_config=wide)
+
+    def flops_wide(seq):
+        return 24 * 1.0 * 2 * seq * 2 * 256 * (1 + seq / 96 + 32 / 512)
+    assert m.exp_flops == pytest.approx(sum(2 * flops(s) / 3 + flops_wide(s) for s in (14, 10)) / 1.0)
 
 
 def test_step3_ratio_column_compares_baseline_with_ours():
@@ -279,3 +290,25 @@ def test_step3_tp_mode_decodes_over_the_group_and_needs_its_flags():
                 ["--modes", "ours-he", "--inference_tp_size", "2", *flags]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_gpu_session_runs_the_benchmark_with_flags_it_takes(tmp_path):
+    """`bash .ci/gpu session` is written here and run only on a lent GPU: its commands, printed by a
+    dry run, must at least be ones the benchmark accepts (every item, in its order)."""
+    import os
+    import shlex
+    import subprocess
+
+    bench = _load("step3")
+    env = {**os.environ, "DRY_RUN": "1", "LOG_DIR": str(tmp_path), "SESSION_S": "100000"}
+    out = subprocess.run(["bash", str(REPO / ".ci" / "gpu"), "session"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    commands = [line.split("): ", 1)[1] for line in out.splitlines() if "benchmarks/step3.py" in line and "): " in line]
+    assert len(commands) >= 3, out
+    for command in commands:
+        words = shlex.split(command)
+        argv = words[words.index("_") + 1:] if "_" in words else words[words.index("benchmarks/step3.py") + 1:]
+        args = bench.parse_args(argv)
+        assert (args.prompt_len, args.answer_len, args.batch, args.dtype) == (256, 256, 16, "bf16")
+        assert args.results == str(tmp_path / "results-gpu.md")
+    assert "skipped" not in out.replace("no .pre-tp/", "")  # with time to spare, only the absent pre-TP tree is
