@@ -4,8 +4,8 @@ Under ZeRO-3 DeepSpeed records the order in which one pass (a forward, and the b
 fetches the modules' parameters, and from the next pass on all-gathers the parameters of the modules
 ahead of the one running (``stage3_prefetch_bucket_size``), overlapping the communication with the
 compute. A pass that leaves the recorded order (a module the trace does not expect, or more modules
-than it holds) invalidates the trace: that pass and the next fetch every module on demand, and the
-pass after them is recorded afresh. A pass begins where DeepSpeed's hook on the root module's forward
+than it holds) invalidates the trace: that pass and the next fetch every module on demand (the next
+one is recorded afresh), and prefetching resumes with the pass after them. A pass begins where DeepSpeed's hook on the root module's forward
 resets the trace's cursor.
 
 Step 3 alternates passes without a backward (generation, the scoring passes) with training passes.
@@ -33,7 +33,7 @@ import torch
 
 from dschat.runtime.zero3 import parameter_offload
 
-__all__ = ["begin_zero3_pass", "begin_passes_with_dschats_rule", "trains_under_zero3"]
+__all__ = ["begin_zero3_pass", "begin_passes_with_dschats_rule"]
 
 
 def _offload(engine: Any) -> Any:
@@ -44,7 +44,7 @@ def _offload(engine: Any) -> Any:
         return None
 
 
-def trains_under_zero3(engine: Any) -> bool:
+def _trains(engine: Any) -> bool:
     """Whether ``engine`` is a ZeRO-3 engine with an optimizer (its passes have backwards); an
     inference engine's offload is the optimizer slot itself."""
     optimizer = getattr(engine, "optimizer", None)
@@ -62,7 +62,7 @@ def begin_zero3_pass(engine: Any) -> None:
     before a pass that does not go through the root module's call, on every rank alike."""
     offload = _offload(engine)
     if offload is not None:
-        _begin(offload.get_param_coordinator(), trains_under_zero3(engine))
+        _begin(offload.get_param_coordinator(), _trains(engine))
 
 
 def begin_passes_with_dschats_rule(engine: Any) -> None:
@@ -70,7 +70,7 @@ def begin_passes_with_dschats_rule(engine: Any) -> None:
     begins passes with :func:`begin_zero3_pass`'s rule (DeepSpeed's handle is kept on the offload, so
     its own teardown removes this one)."""
     offload = _offload(engine)
-    if offload is None or not trains_under_zero3(engine):
+    if offload is None or not _trains(engine):
         return
 
     def start_of_pass(module: torch.nn.Module, args: Any) -> None:
