@@ -380,7 +380,14 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         engine.step = timed_step(engine.step)  # an instance attribute over DeepSpeed's method, for this mode
     reward_passes = int(getattr(trainer, "reward_model", None) is not None)
     critic_passes = int(getattr(trainer, "critic_model", None) is not None)
-    result.scoring_passes = (1 + (not trainer.reuse_rollout_logprobs), reward_passes + critic_passes)
+    # Actor-shaped scoring passes as they happen (the reference's, and the actor's where the rollout
+    # kept no log-probs), counted in the last measured step.
+    actor_shaped = {"n": 0}
+    token_log_probs = trainer._token_log_probs
+
+    def counted(name: str, *args: Any, **kwargs: Any) -> Any:
+        actor_shaped["n"] += 1
+        return token_log_probs(name, *args, **kwargs)
     for i in range(warmup + steps):
         prompts, mask = (t.to(device) for t in batches[i])
         if mode.startswith("ours"):
@@ -401,7 +408,11 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
             step_time["s"] = 0.0
             invalidations_before = TRACE_INVALIDATIONS["n"]
         sync()
+        actor_shaped["n"] = 0
+        trainer._token_log_probs = counted
         exp = trainer.generate_experience(prompts, mask, i)
+        del trainer._token_log_probs
+        result.scoring_passes = (actor_shaped["n"], reward_passes + critic_passes)
         sync()
         t = time.perf_counter()
         trainer.prepare_rollout([exp])

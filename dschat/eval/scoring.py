@@ -23,7 +23,7 @@ from dschat.models.registry import load_config
 from dschat.models.reward_model import is_reward_model_folder, last_token_index, not_a_critic_message
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.rl_math import gather_log_probs
-from dschat.runtime.zero3_trace import begin_zero3_pass
+from dschat.runtime.zero3_trace import zero3_pass
 
 
 # -------------------------------------------------------------------------------------------------
@@ -211,8 +211,7 @@ def score_sequences(reward_model: Any, rows: Sequence[Sequence[int]], pad_id: in
     for chunk in _by_length([len(r) for r in rows], batch_size):
         ids, mask = _pad([rows[i] for i in chunk], pad_id, left=False)
         ids, mask = ids.to(device), mask.to(device)
-        with torch.no_grad():
-            begin_zero3_pass(reward_model)  # a ZeRO-3 engine's pass, for its prefetch trace
+        with torch.no_grad(), zero3_pass(reward_model):  # a ZeRO-3 engine's pass, for its prefetch trace
             values = reward_model.forward_value(input_ids=ids, attention_mask=mask, return_value_only=True)
         end = last_token_index(mask)
         for i, score in zip(chunk, values.float().gather(1, end.unsqueeze(1)).squeeze(1).tolist()):

@@ -17,7 +17,7 @@ import torch
 from dschat import rl_math
 from dschat.models.packing import PackedRows, pack_rows, packed_model_inputs, resolve_sequence_packing
 from dschat.models.reward_model import last_token_index
-from dschat.runtime.zero3_trace import begin_zero3_pass
+from dschat.runtime.zero3_trace import zero3_pass
 
 __all__ = ["resolve_sequence_packing", "pack_batch", "shifted_log_probs", "token_log_probs", "token_values",
            "reward_end_scores"]
@@ -58,11 +58,11 @@ def token_log_probs(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor,
 def token_values(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  packed: PackedRows | None) -> torch.Tensor:
     """(B, L) per-token values of a ``RewardModel`` (critic or reward model), with gradients."""
-    begin_zero3_pass(model)  # forward_value is no call of the root module: begin ZeRO-3's pass here
-    if packed is None:
-        return model.forward_value(seq, attention_mask, position_ids=position_ids, return_value_only=True,
-                                   use_cache=False)
-    values = model.forward_value(**packed_model_inputs(packed, model), return_value_only=True)
+    with zero3_pass(model):  # forward_value is no call of the root module: one ZeRO-3 pass here
+        if packed is None:
+            return model.forward_value(seq, attention_mask, position_ids=position_ids, return_value_only=True,
+                                       use_cache=False)
+        values = model.forward_value(**packed_model_inputs(packed, model), return_value_only=True)
     return packed.unpack(values)
 
 
@@ -70,8 +70,8 @@ def reward_end_scores(model: Any, seq: torch.Tensor, attention_mask: torch.Tenso
                       packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
     """(B,) the reward model's score of each answer: its value at the row's last real token."""
     if packed is None:
-        begin_zero3_pass(model)
-        out = model.forward_value(seq, attention_mask, position_ids=position_ids, prompt_length=prompt_length)
+        with zero3_pass(model):
+            out = model.forward_value(seq, attention_mask, position_ids=position_ids, prompt_length=prompt_length)
         return out["chosen_end_scores"]
     values = token_values(model, seq, attention_mask, position_ids, packed)
     return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)

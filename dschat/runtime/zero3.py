@@ -159,7 +159,7 @@ def gathered_without_hooks(engine: Any) -> Iterator[None]:
     before the exit (:meth:`~dschat.models.lora.LinearLayer_LoRA.fuse_lora_weight`), so the
     partitions come back bit-identical; on exit the gathered copies are released (``modifier_rank=None``).
 
-    The hooks -- each module's fetch/release hooks and the pass-start hook on the root -- are taken
+    The hooks -- each module's fetch/release hooks and the pass hooks on the root -- are taken
     out of their modules' hook tables and put back in their places on exit, the same hook objects. So
     DeepSpeed's module ids and its prefetch trace of the training pass outlive the rollout: removing
     the hooks and registering them again (``_register_deepspeed_module``) renumbers every module and
@@ -170,7 +170,8 @@ def gathered_without_hooks(engine: Any) -> Iterator[None]:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         for param in iter_params(offload.module, recurse=True):
             param.ds_active_sub_modules.clear()
-        with hooks_detached([*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]):
+        ends = [offload.dschat_pass_end_hook] if hasattr(offload, "dschat_pass_end_hook") else []  # zero3_trace's
+        with hooks_detached([*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook, *ends]):
             yield
 
 

@@ -17,23 +17,27 @@ Left to DeepSpeed, two things kept a trained engine's trace from ever covering a
 * The critic's and the reward model's passes (``forward_value``) do not go through the root module's
   call, so no pass ever began for DeepSpeed: their trace was never recorded and nothing was prefetched.
 
-:func:`begin_zero3_pass` begins a pass the way DeepSpeed's hook does, except that a trained engine
-whose trace is invalid waits for a pass with gradients to record it, so the trace it records covers
-the forward and the backward and a pass without a backward follows its first part.
-:func:`begin_passes_with_dschats_rule` puts that rule in place of DeepSpeed's hook on a trained
-engine's root module; :mod:`dschat.rlhf.packed_passes` begins each ``forward_value`` pass with it.
+:func:`zero3_pass` begins a pass the way DeepSpeed's hook does, except that a trained engine whose
+trace is invalid waits for a pass with gradients to record it, so the trace it records covers the
+forward and the backward and a pass without a backward follows its first part. Such a pass ends by
+partitioning again what the trace kept gathered for the backward it will not run.
+:func:`begin_passes_with_dschats_rule` puts those rules on a trained engine's root module, in place of
+DeepSpeed's hook; :mod:`dschat.rlhf.packed_passes` wraps each ``forward_value`` pass in :func:`zero3_pass`.
 (The rollout's gather keeps the trace too: :func:`~dschat.runtime.zero3.gathered_without_hooks`.)
 Everything here is a no-op below ZeRO-3 and for plain modules.
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
+from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 
 from dschat.runtime.zero3 import parameter_offload
 
-__all__ = ["begin_zero3_pass", "begin_passes_with_dschats_rule"]
+__all__ = ["zero3_pass", "begin_passes_with_dschats_rule"]
 
 
 def _offload(engine: Any) -> Any:
@@ -57,18 +61,40 @@ def _begin(coordinator: Any, trains: bool) -> None:
     coordinator.reset_step()
 
 
-def begin_zero3_pass(engine: Any) -> None:
-    """Begin one pass of ``engine`` for ZeRO-3's trace (see the module's docstring); call it right
-    before a pass that does not go through the root module's call, on every rank alike."""
+def _end(offload: Any, trains: bool) -> None:
+    """After a trained engine's pass without gradients: partition again what its trace kept gathered
+    for the backward (DeepSpeed keeps a parameter whose next use is within ``stage3_max_reuse_distance``,
+    1e9 elements by default), which this pass will never run. Left, the critic stayed whole from its
+    scoring pass through the actor's training, and an actor fetched layer by layer stayed whole across
+    its decode steps. Persistent parameters stay, as DeepSpeed keeps them."""
+    coordinator = offload.get_param_coordinator()
+    if not trains or torch.is_grad_enabled() or not coordinator.is_complete_trace():
+        return
+    coordinator._clean_inflight_param_registry()  # wait for the prefetches still in flight, release them
+    for param in iter_params(offload.module, recurse=True):
+        if param.ds_status == ZeroParamStatus.AVAILABLE and not param.ds_persist and not param.ds_active_sub_modules:
+            param.partition()
+
+
+@contextmanager
+def zero3_pass(engine: Any) -> Iterator[None]:
+    """One pass of ``engine`` for ZeRO-3's trace (see the module's docstring), around a pass that
+    does not go through the root module's call (``forward_value``); on every rank alike."""
     offload = _offload(engine)
-    if offload is not None:
-        _begin(offload.get_param_coordinator(), _trains(engine))
+    if offload is None:
+        yield
+        return
+    trains = _trains(engine)
+    _begin(offload.get_param_coordinator(), trains)
+    yield
+    _end(offload, trains)
 
 
 def begin_passes_with_dschats_rule(engine: Any) -> None:
-    """Replace DeepSpeed's pass-start hook on a trained ZeRO-3 engine's root module by one that
-    begins passes with :func:`begin_zero3_pass`'s rule (DeepSpeed's handle is kept on the offload, so
-    its own teardown removes this one)."""
+    """Put the rules of :func:`zero3_pass` on a trained ZeRO-3 engine's root module: its pass-start
+    hook replaces DeepSpeed's, first in the root's hooks as DeepSpeed's was (the handle is kept on the
+    offload, so DeepSpeed's own teardown removes it), and a pass-end hook joins it
+    (``offload.dschat_pass_end_hook``; the rollout's gather detaches both)."""
     offload = _offload(engine)
     if offload is None or not _trains(engine):
         return
@@ -76,5 +102,9 @@ def begin_passes_with_dschats_rule(engine: Any) -> None:
     def start_of_pass(module: torch.nn.Module, args: Any) -> None:
         _begin(offload.get_param_coordinator(), True)
 
+    def end_of_pass(module: torch.nn.Module, args: Any, output: Any) -> None:
+        _end(offload, True)
+
     offload.fwd_pre_hook.remove()
-    offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_pass)
+    offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_pass, prepend=True)
+    offload.dschat_pass_end_hook = offload.module.register_forward_hook(end_of_pass)

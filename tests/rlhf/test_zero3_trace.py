@@ -1,5 +1,5 @@
 """ZeRO-3's prefetch trace across step 3's passes (dschat/runtime/zero3_trace.py): after the first
-PPO steps every ZeRO-3 engine holds a complete trace, nothing invalidates it again, and the actor
+PPO step every ZeRO-3 engine holds a complete trace, nothing invalidates it, and the actor
 keeps its module ids through the rollout's gather; hooks_detached puts hooks back where they were."""
 from __future__ import annotations
 
@@ -62,6 +62,12 @@ def _trainer(critic_dirs, data_cache, *extra: str):
     return DeepSpeedPPOTrainer(engine, args)
 
 
+def _whole_non_persistent(engine) -> int:
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return sum(1 for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
+
+
 def _coordinators(trainer) -> dict[str, object]:
     from dschat.runtime.zero3 import parameter_offload
 
@@ -94,19 +100,25 @@ def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(ext
     monkeypatch.setattr(PartitionedParameterCoordinator, "_invalidate_trace", counting)
     actor_ids = [m.ds_id for m in trainer.actor_model.module.modules()]
     complete_at_training: list[tuple[int, str, bool]] = []
+    left_whole: list[tuple[int, str, int]] = []
     for i in range(5):
         step["i"] = i
         exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, i)
+        # Passes without a backward (generation, scoring) leave nothing gathered that is not persistent.
+        left_whole += [(i, role, n) for role, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model))
+                       if (n := _whole_non_persistent(engine))]
         trainer.prepare_rollout([exp])
         trainer.train()
         for _, micro, _ in trainer.schedule([exp], None):
             complete_at_training += [(i, role, coordinators[role].is_complete_trace()) for role in ("actor", "critic")]
             trainer.train_rlhf(micro)
         trainer.eval()
-    # The first steps record (one invalidation each where a trace starts empty); from step 2 on, no
-    # pass leaves the recorded order -- generation included -- and training prefetches from a trace.
-    assert [(i, role) for i, role in invalidated if i >= 2] == []
+    # The first training pass records each trained engine's trace (DeepSpeed starts them invalid) and
+    # the second step's passes complete it as they begin; no pass ever leaves the recorded order --
+    # generation included -- and from the third step the trace is complete before training begins.
+    assert invalidated == []
     assert all(done for i, _, done in complete_at_training if i >= 2), complete_at_training
+    assert left_whole == []
     assert all(c.is_complete_trace() for c in coordinators.values())
     # The actor's modules keep their ids through the rollout's gather (DeepSpeed's re-registration
     # renumbered them every rollout).
@@ -114,14 +126,18 @@ def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(ext
 
 
 def test_a_trained_engine_records_its_trace_at_a_pass_with_a_backward(critic_dirs, data_cache):
-    from dschat.runtime.zero3_trace import begin_zero3_pass
+    from dschat.runtime.zero3 import parameter_offload
+    from dschat.runtime.zero3_trace import zero3_pass
 
     trainer = _trainer(critic_dirs, data_cache)
     critic = _coordinators(trainer)["critic"]
     assert critic.is_invalid_trace()  # as DeepSpeed builds it
-    with torch.no_grad():
-        begin_zero3_pass(trainer.critic_model)  # a scoring pass: the trace stays invalid ...
+    with torch.no_grad(), zero3_pass(trainer.critic_model):  # a scoring pass: the trace stays invalid ...
+        pass
     assert critic.is_invalid_trace()
-    begin_zero3_pass(trainer.reward_model)      # (an inference engine records at any pass)
-    begin_zero3_pass(trainer.critic_model)      # ... and a pass with gradients records it
-    assert critic.is_record_trace()
+    with zero3_pass(trainer.critic_model):  # ... and a pass with gradients records it
+        assert critic.is_record_trace()
+    # The pass-start hook is the root's first, as DeepSpeed's was: a pass begins before the root's fetch.
+    for engine in (trainer.actor_model, trainer.critic_model):
+        offload = parameter_offload(engine)
+        assert next(iter(offload.module._forward_pre_hooks)) == offload.fwd_pre_hook.id
