@@ -66,7 +66,8 @@ def _end(offload: Any, trains: bool) -> None:
     for the backward (DeepSpeed keeps a parameter whose next use is within ``stage3_max_reuse_distance``,
     1e9 elements by default), which this pass will never run. Left, the critic stayed whole from its
     scoring pass through the actor's training, and an actor fetched layer by layer stayed whole across
-    its decode steps. Persistent parameters stay, as DeepSpeed keeps them."""
+    its decode steps. Persistent parameters stay, as DeepSpeed keeps them; DeepSpeed's count of
+    gathered elements, which these partitions leave high, is reset as the next pass begins."""
     coordinator = offload.get_param_coordinator()
     if not trains or torch.is_grad_enabled() or not coordinator.is_complete_trace():
         return
