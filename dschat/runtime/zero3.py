@@ -170,8 +170,7 @@ def gathered_without_hooks(engine: Any) -> Iterator[None]:
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         for param in iter_params(offload.module, recurse=True):
             param.ds_active_sub_modules.clear()
-        ends = [offload.dschat_pass_end_hook] if hasattr(offload, "dschat_pass_end_hook") else []  # zero3_trace's
-        with hooks_detached([*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook, *ends]):
+        with hooks_detached([*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]):
             yield
 
 

@@ -93,9 +93,9 @@ def zero3_pass(engine: Any) -> Iterator[None]:
 
 def begin_passes_with_dschats_rule(engine: Any) -> None:
     """Put the rules of :func:`zero3_pass` on a trained ZeRO-3 engine's root module: its pass-start
-    hook replaces DeepSpeed's, first in the root's hooks as DeepSpeed's was (the handle is kept on the
-    offload, so DeepSpeed's own teardown removes it), and a pass-end hook joins it
-    (``offload.dschat_pass_end_hook``; the rollout's gather detaches both)."""
+    hook replaces DeepSpeed's, first in the root's hooks as DeepSpeed's was, and a pass-end hook joins
+    DeepSpeed's forward hooks. Both handles sit where DeepSpeed keeps its own (``fwd_pre_hook``,
+    ``forward_hooks``), so its teardown removes them and the rollout's gather detaches them."""
     offload = _offload(engine)
     if offload is None or not _trains(engine):
         return
@@ -108,4 +108,4 @@ def begin_passes_with_dschats_rule(engine: Any) -> None:
 
     offload.fwd_pre_hook.remove()
     offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_pass, prepend=True)
-    offload.dschat_pass_end_hook = offload.module.register_forward_hook(end_of_pass)
+    offload.forward_hooks.append(offload.module.register_forward_hook(end_of_pass))
