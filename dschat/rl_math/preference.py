@@ -59,6 +59,14 @@ def first_divergence_indices(a: torch.Tensor, b: torch.Tensor, *, if_identical: 
     return torch.where(differ.any(-1), first, torch.full_like(first, if_identical))
 
 
+def identical_pairs(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor) -> torch.Tensor:
+    """Which pairs have the same ids on both sides (upstream scores those with its own rule).
+
+    Shape: *_ids (B, L); returns (B,) bool.
+    """
+    return ~(chosen_ids != rejected_ids).any(-1)
+
+
 class PairwiseLossOutput(NamedTuple):
     """Result of ``pairwise_reward_loss``.
 
@@ -77,7 +85,7 @@ def pairwise_read_ends(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, cho
     end (so the shorter side's padding is read, DSE #316), or the row end ``L`` for an identical
     pair. Shape: *_ids (B, L), *_end (B,) -> (B,) on the ends' device."""
     L = chosen_ids.shape[1]
-    identical = ~(chosen_ids != rejected_ids).any(-1).to(chosen_end.device)
+    identical = identical_pairs(chosen_ids, rejected_ids).to(chosen_end.device)
     c_end, r_end = chosen_end.long(), rejected_end.long()
     return torch.where(identical, torch.full_like(c_end, L), torch.maximum(c_end, r_end))
 
@@ -110,7 +118,7 @@ def pairwise_reward_loss(
     """
     B, L = chosen_ids.shape
     device = chosen_values.device
-    identical = ~(chosen_ids != rejected_ids).any(-1)  # (B,)
+    identical = identical_pairs(chosen_ids, rejected_ids)
     divergence = first_divergence_indices(chosen_ids, rejected_ids, if_identical=L - 1).to(device)
     if bool((divergence == 0).any()):
         raise ValueError(

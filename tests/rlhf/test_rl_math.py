@@ -666,6 +666,9 @@ def test_pairwise_read_ends_by_hand():
     rejected = torch.tensor([[1, 2, 9, 0, 0, 0], [1, 7, 8, 9, 0, 0], [1, 2, 3, 0, 0, 0]])
     ends = rm.pairwise_read_ends(chosen, rejected, torch.tensor([5, 2, 3]), torch.tensor([3, 4, 3]))
     assert ends.tolist() == [5, 4, 6]
+    from dschat.rl_math.preference import identical_pairs
+
+    assert identical_pairs(chosen, rejected).tolist() == [False, False, True]
 
 
 @pytest.mark.parametrize("seed, opt_style", [(s, o) for s in range(4) for o in (False, True)])
