@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gzip
 import os
 import platform
 import resource
@@ -51,7 +52,7 @@ import shutil
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -133,6 +134,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="step 3's --algorithm (the critic-free ones build no critic)")
     p.add_argument("--num_generations", type=int, default=1,
                    help="answers per prompt (--num_generations); must divide --batch")
+    p.add_argument("--profile", action="store_true",
+                   help="after the measured steps, one more step per mode with its scoring passes and its training "
+                        "under torch.profiler (not counted in the figures): per phase, wall time, kernel time and "
+                        "launches (CUDA), time in operators, and the operators that took longest, added to the "
+                        "results")
+    p.add_argument("--trace_dir", default="",
+                   help="with --profile: write each mode's profiled training phase here as a gzipped Chrome trace "
+                        "(<mode>-training.json.gz; open it in Perfetto or chrome://tracing)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (ranks read LOCAL_RANK)")
@@ -148,6 +157,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if ("ours-tp" in modes) != (args.inference_tp_size > 1) or (args.inference_tp_size > 1 and (
             args.zero_stage != 3 or not args.hybrid_engine)):
         p.error("--modes ours-tp and --inference_tp_size N > 1 go together, with --zero_stage 3 and --hybrid_engine")
+    if args.trace_dir and not args.profile:
+        p.error("--trace_dir writes the traces of --profile: add --profile")
     if args.num_generations < 1 or args.batch % args.num_generations:
         p.error(f"--num_generations {args.num_generations} must divide --batch {args.batch}")
     return args
@@ -248,6 +259,129 @@ def device_peaks(device: torch.device, dtype: torch.dtype) -> Peaks:
 
 
 # ------------------------------------------------------------------------------------------------
+# Profile (--profile)
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class PhaseProfile:
+    """One profiled phase: wall seconds, and from torch.profiler the kernels' time and launches (CUDA;
+    0 elsewhere), the time spent inside operators on the host, and the longest operators."""
+    phase: str
+    wall_s: float
+    kernel_s: float
+    kernels: int
+    host_op_s: float
+    top_device: list[tuple[str, float, int]]  # (kernel, seconds, calls), longest first
+    top_host: list[tuple[str, float, int]]  # (operator, self seconds on the host, calls), longest first
+    spans: list[tuple[str, float, int]] = field(default_factory=list)  # (annotated range, host seconds, calls)
+
+
+def summarise_profile(phase: str, wall_s: float, averages: Sequence[Any], top: int = 6) -> PhaseProfile:
+    """A :class:`PhaseProfile` from ``torch.profiler``'s ``key_averages()``: kernels are the events on
+    the CUDA device (their self time is their run time); host time is the operators' self CPU time;
+    user annotations (``record_function`` ranges: :func:`annotated`'s, the optimizers') are spans, by
+    their whole host time. Pure arithmetic, checked by hand in tests."""
+    device = [a for a in averages if str(a.device_type).endswith("CUDA") and not a.is_user_annotation]
+    host = [a for a in averages if str(a.device_type).endswith("CPU") and not a.is_user_annotation]
+    ranges = sorted((a for a in averages if str(a.device_type).endswith("CPU") and a.is_user_annotation),
+                    key=lambda a: -a.cpu_time_total)
+    by_device = sorted(device, key=lambda a: -a.self_device_time_total)[:top]
+    by_host = sorted(host, key=lambda a: -a.self_cpu_time_total)[:top]
+    return PhaseProfile(
+        phase, wall_s,
+        kernel_s=sum(a.self_device_time_total for a in device) / 1e6,
+        kernels=sum(a.count for a in device),
+        host_op_s=sum(a.self_cpu_time_total for a in host) / 1e6,
+        top_device=[(a.key, a.self_device_time_total / 1e6, a.count) for a in by_device],
+        top_host=[(a.key, a.self_cpu_time_total / 1e6, a.count) for a in by_host],
+        spans=[(a.key, a.cpu_time_total / 1e6, a.count) for a in ranges[:top + 2]],
+    )
+
+
+class PhaseProfiler:
+    """torch.profiler over stretches of one step, one :class:`PhaseProfile` per ``start`` / ``stop``."""
+
+    def __init__(self, device: torch.device, sync: Any) -> None:
+        from torch.profiler import ProfilerActivity
+
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.sync = sync
+        self.phases: list[PhaseProfile] = []
+        self._prof: Any = None
+        self._t = 0.0
+
+    def start(self) -> None:
+        from torch.profiler import profile
+
+        self.sync()
+        self._prof = profile(activities=self.activities)
+        self._prof.start()
+        self._t = time.perf_counter()
+
+    def stop(self, phase: str, trace: Path | None = None) -> None:
+        self.sync()
+        wall = time.perf_counter() - self._t
+        self._prof.stop()
+        self.phases.append(summarise_profile(phase, wall, self._prof.key_averages()))
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                raw = Path(tmp) / "trace.json"
+                self._prof.export_chrome_trace(str(raw))
+                with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+                    shutil.copyfileobj(src, dst)
+        self._prof = None
+
+
+@contextmanager
+def annotated(trainer: Any) -> Iterator[None]:
+    """Name the training's parts for the profiler: the actor's and the critic's forward passes
+    (``_token_log_probs`` / ``_token_values``), and each engine's ``backward`` and ``step``."""
+    from torch.profiler import record_function
+
+    def named(label: str, fn: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return fn(*args, **kwargs)
+        return run
+
+    owners = [(trainer, "_token_log_probs", "actor forward"), (trainer, "_token_values", "critic forward")]
+    for name in ("actor", "critic"):
+        engine = getattr(trainer, f"{name}_model", None)
+        if engine is not None:
+            owners += [(engine, "backward", f"{name} backward"), (engine, "step", f"{name} optimizer step")]
+    owners = [(obj, attr, label) for obj, attr, label in owners if hasattr(obj, attr)]
+    kept = [(obj, attr, obj.__dict__.get(attr)) for obj, attr, _ in owners]
+    for obj, attr, label in owners:
+        setattr(obj, attr, named(label, getattr(obj, attr)))
+    try:
+        yield
+    finally:
+        for obj, attr, before in kept:
+            if before is None:
+                del obj.__dict__[attr]
+            else:
+                setattr(obj, attr, before)
+
+
+def profile_lines(results: Sequence[ModeResult]) -> list[str]:
+    """The results' lines for ``--profile``: one per mode and phase."""
+    lines = []
+    for r in results:
+        for ph in r.profile:
+            kernels = (f"kernels {ph.kernel_s:.3f} s ({100 * ph.kernel_s / ph.wall_s:.0f} % of wall), "
+                       f"{ph.kernels} launches; " if ph.kernels else "")
+            head = (f"- {r.mode}, {ph.phase}: wall {ph.wall_s:.3f} s; {kernels}host time in operators "
+                    f"{ph.host_op_s:.3f} s")
+            named = [("host time in ranges", ph.spans)] if ph.spans else []
+            named += [("longest kernels", ph.top_device)] if ph.top_device else []
+            named += [("longest operators on the host (self time)", ph.top_host)]
+            parts = [f"{what}: " + ", ".join(f"`{name[:60]}` {sec:.3f} s x{calls}" for name, sec, calls in items)
+                     for what, items in named]
+            lines.append(head + "; " + "; ".join(parts))
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
 # One mode
 # ------------------------------------------------------------------------------------------------
 @dataclass
@@ -264,6 +398,9 @@ class ModeResult:
     peak_memory_bytes: int = 0
     memory_note: str = ""
     generation_loop: str = ""  # what the mode's last rollout decoded with (RolloutGenerator.last_loop)
+    device_mallocs: int = -1  # CUDA: the caching allocator's device allocations in the measured steps (-1: not CUDA)
+    alloc_retries: int = -1  # CUDA: allocations that freed the cache and retried (memory pressure)
+    profile: list[PhaseProfile] = field(default_factory=list)  # --profile: the extra step's phases
 
     @property
     def total_s(self) -> float:
@@ -355,7 +492,10 @@ def count_trace_invalidations() -> None:
 
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
              he_available: bool, ours_loop: str = "auto", dschat_he: bool = False, tp_size: int = 1,
-             answer_spread: float = 0.0, seed: int = 0) -> ModeResult:
+             answer_spread: float = 0.0, seed: int = 0, profile: bool = False, trace_dir: str = "") -> ModeResult:
+    """``warmup`` + ``steps`` PPO steps of ``mode`` (the figures: the last ``steps``), then with ``profile``
+    one more step whose scoring passes and training run under torch.profiler (``batches`` holds one
+    batch more for it)."""
     from dschat.data.collators import drop_padding_columns
 
     configure(trainer, mode, he_available, ours_loop, dschat_he, tp_size)
@@ -388,62 +528,99 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
     def counted(name: str, *args: Any, **kwargs: Any) -> Any:
         actor_shaped["n"] += 1
         return token_log_probs(name, *args, **kwargs)
-    for i in range(warmup + steps):
+
+    def one_step(i: int, profiler: PhaseProfiler | None = None) -> float:
+        """PPO step ``i`` on ``batches[i]``; its training seconds. With ``profiler``, the scoring passes
+        (from the rollout's end) and the training are profiled as two phases."""
         prompts, mask = (t.to(device) for t in batches[i])
         if mode.startswith("ours"):
             trimmed = drop_padding_columns({"prompt": prompts, "prompt_att_mask": mask}, "prompt_att_mask", side="left")
             prompts, mask = trimmed["prompt"], trimmed["prompt_att_mask"]
         lengths = answer_lengths(prompts.shape[0] * trainer.settings.num_generations, trainer.max_answer_seq_len,
                                  answer_spread, i, seed)
+        generate = rollout
         if lengths is not None:
             tokenizer = trainer.tokenizer
 
-            def cut_rollout(p: torch.Tensor, m: torch.Tensor, _n: torch.Tensor = lengths) -> Any:
+            def generate(p: torch.Tensor, m: torch.Tensor, _n: torch.Tensor = lengths) -> Any:
                 out = rollout(p, m)
                 if p.shape[0] != _n.shape[0]:  # ReMax's greedy baseline: one answer per prompt, left whole
                     return out
                 return cut_answers(out, p.shape[1], _n, tokenizer.eos_token_id, tokenizer.pad_token_id)
-            generator.rollout = cut_rollout
-        if i == warmup:
-            step_time["s"] = 0.0
-            invalidations_before = TRACE_INVALIDATIONS["n"]
+        if profiler is not None:
+            unprofiled = generate
+
+            def generate(p: torch.Tensor, m: torch.Tensor) -> Any:  # scoring is profiled from here on
+                out = unprofiled(p, m)
+                profiler.start()
+                return out
+        generator.rollout = generate
         sync()
         actor_shaped["n"] = 0
         trainer._token_log_probs = counted
         exp = trainer.generate_experience(prompts, mask, i)
         del trainer._token_log_probs
         result.scoring_passes = (actor_shaped["n"], reward_passes + critic_passes)
+        if profiler is not None:
+            profiler.stop("scoring")
+            profiler.start()
         sync()
         t = time.perf_counter()
-        trainer.prepare_rollout([exp])
-        trainer.train()
-        for _, micro, _ in trainer.schedule([exp], None):
-            trainer.train_rlhf(micro)
-        sync()
+        with annotated(trainer) if profiler is not None else nullcontext():
+            trainer.prepare_rollout([exp])
+            trainer.train()
+            for _, micro, _ in trainer.schedule([exp], None):
+                trainer.train_rlhf(micro)
+            sync()
         train_s = time.perf_counter() - t
-        if i >= warmup:
+        if profiler is not None:
+            profiler.stop("training", trace=Path(trace_dir) / f"{mode}-training.json.gz" if trace_dir else None)
+        label = " (warm-up)" if i < warmup else " (profiled)" if profiler is not None else ""
+        print(f"[{mode}] step {i}{label}: generation {trainer.generate_time:.2f} s, experience "
+              f"{trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}", flush=True)
+        if warmup <= i < warmup + steps:
             result.gen_s += trainer.generate_time
             result.exp_s += trainer.experience_time
             result.train_s += train_s
             result.steps += 1
             result.prompt_width.append(int(prompts.shape[1]))
-        print(f"[{mode}] step {i}{' (warm-up)' if i < warmup else ''}: generation {trainer.generate_time:.2f} s, "
-              f"experience {trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}",
-              flush=True)
+        return train_s
+
+    for i in range(warmup + steps):
+        if i == warmup:
+            step_time["s"] = 0.0
+            invalidations_before = TRACE_INVALIDATIONS["n"]
+            allocator_before = allocator_counts(device)
+        one_step(i)
     for engine in engines:
         del engine.step  # DeepSpeed's method again
     result.optimizer_s = step_time["s"]
     if TRACE_INVALIDATIONS["counting"]:
         result.trace_invalidations = TRACE_INVALIDATIONS["n"] - invalidations_before
+    if allocator_before is not None:
+        result.device_mallocs, result.alloc_retries = (
+            after - before for after, before in zip(allocator_counts(device), allocator_before))
     result.generation_loop = trainer.generator.last_loop or ""
-    generator.__dict__.pop("rollout", None)  # the class's rollout again
     if device.type == "cuda":
         result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
         result.memory_note = "max allocated in this mode"
     else:
         result.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         result.memory_note = "process peak RSS so far"
+    if profile:
+        profiler = PhaseProfiler(device, sync)
+        one_step(warmup + steps, profiler)
+        result.profile = profiler.phases
+    generator.__dict__.pop("rollout", None)  # the class's rollout again
     return result
+
+
+def allocator_counts(device: torch.device) -> tuple[int, int] | None:
+    """(device allocations, retries) of CUDA's caching allocator so far; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_device_alloc", 0)), int(stats.get("num_alloc_retries", 0))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -529,6 +706,9 @@ def table(results: list[ModeResult], metrics: list[Metrics], peaks: Peaks) -> li
     row("training TFLOP/s", [m.train_flops / 1e12 for m in metrics], ".4f", None)
     row("  of peak FLOP/s", [100 * m.train_flops / peaks.flops for m in metrics], ".1f", None)
     row("peak memory GiB", [r.peak_memory_bytes / 2**30 for r in results], ".2f", None)
+    if all(r.device_mallocs >= 0 for r in results):
+        row("CUDA allocator: device allocations / step", [r.device_mallocs / r.steps for r in results], ".1f", None)
+        row("CUDA allocator: retries (cache freed) / step", [r.alloc_retries / r.steps for r in results], ".1f", None)
     if all(r.trace_invalidations >= 0 for r in results):
         row("ZeRO-3 trace invalidations / step", [r.trace_invalidations / r.steps for r in results], ".1f", None)
     return lines
@@ -600,7 +780,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         dschat_he = trainer.generator.use_dschat_engine
         # batch / K prompts a step; the trainer answers each K times.
         batches = prompt_batches(tokenizer, args.batch // args.num_generations, args.prompt_len,
-                                 args.warmup + args.steps)
+                                 args.warmup + args.steps + args.profile)
         torch_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
         peaks = device_peaks(device, torch_dtype if on_gpu else torch.float32)
 
@@ -608,7 +788,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
             count_trace_invalidations()
         results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
                             args.ours_generation_loop, dschat_he, args.inference_tp_size, args.answer_spread,
-                            args.seed) for mode in args.modes]
+                            args.seed, args.profile, args.trace_dir) for mode in args.modes]
         he_engine = trainer.generator.engine
         actor_module = engine.actor.module
         critic_module = engine.critic.module if engine.critic is not None else None
@@ -655,6 +835,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         "",
         *table(results, metrics, peaks),
         "",
+        *([f"Profile of one more step per mode (torch.profiler; not in the figures above): the scoring "
+           f"passes and the training"
+           + (f"; traces of the training in {args.trace_dir}" if args.trace_dir else ""), "",
+           *profile_lines(results), ""] if args.profile else []),
     ]
     return publish(lines, args.results, write=info.rank == 0)
 

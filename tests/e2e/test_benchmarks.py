@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -147,6 +148,91 @@ def test_step3_benchmark_runs_both_modes_on_a_tiny_model(tmp_path, capsys):
     assert text.startswith("# Benchmark results") and "tiny-llama actor" in text and "| end to end s/step |" in text
     assert "command: `python benchmarks/step3.py --actor tiny-llama" in text
     assert any(line.startswith("| columns per sequence | 38.0 | ") for line in lines)
+
+
+def test_step3_profile_summary_by_hand():
+    bench = _load("step3")
+
+    def avg(key, device, count, self_cpu=0.0, cpu=0.0, self_dev=0.0, annotation=False):
+        return SimpleNamespace(key=key, device_type=f"DeviceType.{device}", count=count, self_cpu_time_total=self_cpu,
+                               cpu_time_total=cpu, self_device_time_total=self_dev, is_user_annotation=annotation)
+    averages = [
+        avg("aten::mm", "CPU", 4, self_cpu=300.0, cpu=900.0, self_dev=2000.0),  # device time of its kernels: not summed
+        avg("aten::add", "CPU", 10, self_cpu=500.0, cpu=500.0),
+        avg("gemm_kernel", "CUDA", 4, self_dev=2000.0),
+        avg("elementwise", "CUDA", 10, self_dev=1000.0),
+        avg("actor backward", "CPU", 1, self_cpu=50.0, cpu=4000.0, annotation=True),
+        avg("actor backward", "CUDA", 1, self_dev=9000.0, annotation=True),  # a GPU range: neither kernel nor span
+    ]
+    ph = bench.summarise_profile("training", 0.01, averages, top=1)
+    assert (ph.kernel_s, ph.kernels, ph.host_op_s) == (pytest.approx(0.003), 14, pytest.approx(0.0008))
+    assert ph.top_device == [("gemm_kernel", pytest.approx(0.002), 4)]
+    assert ph.top_host == [("aten::add", pytest.approx(0.0005), 10)]
+    assert ph.spans == [("actor backward", pytest.approx(0.004), 1)]
+    r = bench.ModeResult("ours", profile=[ph])
+    (line,) = bench.profile_lines([r])
+    assert line == ("- ours, training: wall 0.010 s; kernels 0.003 s (30 % of wall), 14 launches; host time in "
+                    "operators 0.001 s; host time in ranges: `actor backward` 0.004 s x1; longest kernels: "
+                    "`gemm_kernel` 0.002 s x4; longest operators on the host (self time): `aten::add` 0.001 s x10")
+    # On a CPU: no kernels, so no kernel figures.
+    cpu = bench.summarise_profile("scoring", 0.5, averages[:2])
+    assert (cpu.kernel_s, cpu.kernels, cpu.top_device, cpu.spans) == (0.0, 0, [], [])
+    assert "kernels" not in bench.profile_lines([bench.ModeResult("baseline", profile=[cpu])])[0]
+
+
+def test_step3_annotated_names_the_training_parts_and_puts_everything_back():
+    import torch
+    from torch.profiler import profile
+
+    bench = _load("step3")
+
+    class Engine:
+        def backward(self, loss):
+            return loss * 2
+
+        def step(self):
+            return "stepped"
+
+    class Trainer:
+        def _token_log_probs(self, x):
+            return x + 1
+
+    trainer, timed = Trainer(), Engine()
+    trainer.actor_model, trainer.critic_model = Engine(), timed
+    timed.step = lambda: "timed"  # an instance attribute already there (the benchmark's optimizer timer)
+    with profile() as prof:
+        with bench.annotated(trainer):
+            assert trainer._token_log_probs(torch.ones(1)).item() == 2.0
+            assert trainer.actor_model.backward(torch.ones(1)).item() == 2.0
+            assert (trainer.actor_model.step(), timed.step()) == ("stepped", "timed")
+    names = {e.key for e in prof.key_averages() if e.is_user_annotation}
+    assert {"actor forward", "actor backward", "actor optimizer step", "critic optimizer step"} <= names
+    assert "_token_log_probs" not in vars(trainer) and vars(trainer.actor_model) == {}
+    assert timed.step() == "timed" and "backward" not in vars(timed)
+
+
+def test_step3_benchmark_profiles_one_more_step_and_writes_traces(tmp_path, capsys):
+    import gzip
+    import json
+
+    bench = _load("step3")
+    lines = bench.main(["--actor", "tiny-llama", "--batch", "2", "--prompt_len", "16", "--answer_len", "4",
+                        "--steps", "1", "--warmup", "0", "--profile", "--trace_dir", str(tmp_path / "traces"),
+                        "--results", ""])
+    out = capsys.readouterr().out
+    # The profiled step comes after the measured ones and is not in their figures.
+    assert "[baseline] step 1 (profiled): " in out and "[ours] step 1 (profiled): " in out
+    assert "| generation s/step |" in "\n".join(lines)
+    profiled = [line for line in lines if line.startswith("- baseline, ") or line.startswith("- ours, ")]
+    assert [line.split(":")[0] for line in profiled] == ["- baseline, scoring", "- baseline, training",
+                                                         "- ours, scoring", "- ours, training"]
+    assert all("longest operators on the host (self time): `aten::" in line for line in profiled)
+    assert all("`actor backward`" in line and "`critic optimizer step`" in line for line in profiled[1::2])
+    for mode in ("baseline", "ours"):
+        trace = json.loads(gzip.decompress((tmp_path / "traces" / f"{mode}-training.json.gz").read_bytes()))
+        assert any(e.get("name") == "actor backward" for e in trace["traceEvents"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--trace_dir", str(tmp_path)])
 
 
 def test_step3_answer_spread_cuts_by_hand_and_packing_is_ours_only():
@@ -311,5 +397,11 @@ def test_gpu_session_runs_the_benchmark_with_flags_it_takes(tmp_path):
         args = bench.parse_args(argv)
         assert (args.prompt_len, args.answer_len, args.batch, args.dtype) == (256, 256, 16, "bf16")
         assert args.results == str(tmp_path / "results-gpu.md")
+        if "_" in words:  # the tree before inference TP: its benchmark has no --profile
+            assert "--profile" not in argv
+        elif args.profile:  # each item traces into its own folder (what comes back: 2 folders down)
+            assert Path(args.trace_dir).parent == tmp_path
+    traced = [shlex.split(c)[shlex.split(c).index("--trace_dir") + 1] for c in commands if "--trace_dir" in c]
+    assert len(traced) == len(set(traced)) == 2
     # With time to spare nothing is skipped, but the TP-1 item where the pre-TP tree is absent (a clone).
     assert [line for line in out.splitlines() if "skipped" in line and "no .pre-tp/" not in line] == []
