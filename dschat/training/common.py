@@ -48,6 +48,7 @@ from dschat.runtime.dist import (
 )
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, get_train_ds_config, resolve_dtype
 from dschat.runtime.fs import atomic_file, check_writable_dir
+from dschat.runtime.grad_reduction import reduce_gradients_in_place_on_one_rank
 from dschat.runtime.optim import (
     create_optimizer,
     create_scheduler,
@@ -157,6 +158,7 @@ def initialize_engine(model: nn.Module, ds_config: dict, optim: OptimSettings | 
     optimizer = create_optimizer(groups, lr=optim.lr, offload=optim.offload)
     scheduler = create_scheduler(optim.scheduler, optimizer, optim.num_warmup_steps, max(1, optim.num_training_steps))
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config)
+    reduce_gradients_in_place_on_one_rank(engine)  # ZeRO-0 on one rank: the same numbers, no flat copies
     return engine
 
 
