@@ -50,6 +50,19 @@ def _poison_engine(monkeypatch, step1, *, nan_loss_at=(), nan_grad_at=()):
     return calls
 
 
+def test_all_finite_by_hand():
+    from dschat.training.nonfinite import all_finite
+
+    nan, inf = float("nan"), float("inf")
+    big = torch.full((4,), 3e38)  # finite, though its sum of squares overflows
+    assert all_finite() and all_finite(torch.tensor(2.0), big, torch.zeros(3, dtype=torch.bfloat16))
+    for bad in (nan, inf, -inf):
+        tensor = torch.zeros(100_003)
+        tensor[77_777] = bad
+        assert not all_finite(torch.ones(2), tensor)
+        assert not all_finite(torch.tensor([bad], dtype=torch.bfloat16), big)
+
+
 def _weights_finite(engine) -> bool:
     return all(bool(torch.isfinite(p.detach()).all()) for p in engine.module.parameters())
 
