@@ -310,9 +310,13 @@ class PhaseProfiler:
         self._t = 0.0
 
     def start(self) -> None:
+        """Begin a phase; a phase begun and not stopped is dropped (a step with two rollouts, such as
+        ReMax's: its scoring begins after the last)."""
         from torch.profiler import profile
 
         self.sync()
+        if self._prof is not None:
+            self._prof.stop()
         self._prof = profile(activities=self.activities)
         self._prof.start()
         self._t = time.perf_counter()

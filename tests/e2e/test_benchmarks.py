@@ -211,6 +211,21 @@ def test_step3_annotated_names_the_training_parts_and_puts_everything_back():
     assert timed.step() == "timed" and "backward" not in vars(timed)
 
 
+def test_step3_phase_profiler_drops_a_phase_begun_again():
+    import torch
+
+    bench = _load("step3")
+    profiler = bench.PhaseProfiler(torch.device("cpu"), lambda: None)
+    profiler.start()
+    torch.ones(3).exp()  # a first rollout's end: dropped
+    profiler.start()
+    torch.ones(4).neg()
+    profiler.stop("scoring")
+    (phase,) = profiler.phases
+    names = {name for name, _, _ in phase.top_host}
+    assert phase.phase == "scoring" and "aten::neg" in names and "aten::exp" not in names
+
+
 def test_step3_benchmark_profiles_one_more_step_and_writes_traces(tmp_path, capsys):
     import gzip
     import json
