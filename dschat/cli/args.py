@@ -44,10 +44,8 @@ def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._A
              "phase 3.",
     )
     if phase == 1:
-        group.add_argument(
-            "--sft_only_data_path", nargs="*", default=[],
-            help="Path to the dataset for only using in SFT phase.",
-        )
+        group.add_argument("--sft_only_data_path", nargs="*", default=[],
+                           help="Path to the dataset for only using in SFT phase.")
     group.add_argument(
         "--data_output_path", type=str, default=str(data_cache_dir()),
         help="Where to store the data-related files such as the tokenised-dataset cache. May be "
@@ -58,31 +56,23 @@ def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._A
              "upstream's /tmp/data_files was shared by every user of the machine. A folder or "
              "cache file that is not yours, or that others can write to, is refused.",
     )
-    group.add_argument(
-        "--rebuild_data_cache", action="store_true",
-        help="(dschat) Rebuild the tokenised-dataset cache even if a matching one exists. The cache "
-             "key already covers file contents, tokenizer, split, lengths and eot token.",
-    )
+    group.add_argument("--rebuild_data_cache", action="store_true",
+                       help="(dschat) Rebuild the tokenised-dataset cache even if a matching one exists. The "
+                            "cache key already covers file contents, tokenizer, split, lengths and eot token.")
     return group
 
 
 def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Step 3's PPO-ptx data flags (``--unsup_coef`` belongs to the PPO group)."""
     group = parser.add_argument_group("unsupervised data (PPO-ptx)")
-    group.add_argument(
-        "--unsupervised_dataset_name", type=str, default=None,
-        help="The name of the dataset to use (via the datasets library). Also: a local "
-             "save_to_disk folder, .json/.jsonl/.parquet/.txt file(s), or dschat/builtin. Setting it "
-             "enables PPO-ptx (upstream also required a config name).",
-    )
-    group.add_argument(
-        "--unsupervised_dataset_config_name", type=str, default=None,
-        help="The configuration name of the dataset to use (via the datasets library).",
-    )
-    group.add_argument(
-        "--preprocessing_num_workers", type=int, default=None,
-        help="The number of processes to use for the preprocessing.",
-    )
+    group.add_argument("--unsupervised_dataset_name", type=str, default=None,
+                       help="The name of the dataset to use (via the datasets library). Also: a local "
+                            "save_to_disk folder, .json/.jsonl/.parquet/.txt file(s), or dschat/builtin. "
+                            "Setting it enables PPO-ptx (upstream also required a config name).")
+    group.add_argument("--unsupervised_dataset_config_name", type=str, default=None,
+                       help="The configuration name of the dataset to use (via the datasets library).")
+    group.add_argument("--preprocessing_num_workers", type=int, default=None,
+                       help="The number of processes to use for the preprocessing.")
     return group
 
 
@@ -532,6 +522,12 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "once per rollout instead of layer by layer for every generated token. 'auto' "
                             "does it when the full model fits in half of the free memory; 'off' saves "
                             "memory at the cost of speed.")
+    group.add_argument("--zero3_gather_for_scoring", type=str, default="auto", choices=("auto", "on", "off"),
+                       help="(dschat) Models under ZeRO-3 (reference, reward model, critic, and the actor where "
+                            "generation kept no log-probs): gather each one's parameters once for its scoring pass "
+                            "over a rollout, without ZeRO-3's per-module hooks, instead of fetching them module "
+                            "by module. 'auto' does it for a model whose full size fits in half of the free "
+                            "memory; 'off' saves memory at the cost of speed.")
     group.add_argument("--generation_loop", type=str, default="auto", choices=("auto", "dschat", "hf", "graphs"),
                        help="(dschat) Without the Hybrid Engine: 'dschat' decodes rollouts with dschat's own "
                             "sampling loop (dschat/rlhf/decoding.py: the same tokens for a seed as Hugging Face "

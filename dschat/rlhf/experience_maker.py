@@ -51,6 +51,7 @@ from dschat.rlhf.decoding import Rollout
 from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.packed_passes import (pack_batch, resolve_sequence_packing, reward_end_scores, shifted_log_probs,
                                        token_log_probs, token_values)
+from dschat.rlhf.scoring_gather import ScoringGather
 from dschat.runtime.dist import all_reduce_sum, get_rank, print_rank_0
 from dschat.training.nonfinite import NonFiniteGuard
 
@@ -128,6 +129,8 @@ class ExperienceMaker:
         # The actor's shape weighs a packed layout's attention against the padding it saves (every
         # model scores the same packed rows).
         self.packing_span = attention_span(self.actor_model)
+        # --zero3_gather_for_scoring: a ZeRO-3 model's scoring pass on its whole parameters, without hooks.
+        self.scoring_gather = ScoringGather(str(step3_flag(args, "zero3_gather_for_scoring")))
 
         # Fast path, on by default: take the old log-probs from generation instead of a second
         # forward pass of the actor (benchmarks/step3.py turns it off for its baseline).
@@ -224,9 +227,10 @@ class ExperienceMaker:
         mix = self.reward_mix
         model_scores = None
         if mix.uses_model:
-            model_scores = reward_end_scores(self.reward_model, seq, attention_mask, position_ids,
-                                             self._layout_for("reward", packed),
-                                             prompts.shape[1]).detach().float()
+            with self.scoring_gather("reward model", self.reward_model):
+                model_scores = reward_end_scores(self.reward_model, seq, attention_mask, position_ids,
+                                                 self._layout_for("reward", packed),
+                                                 prompts.shape[1]).detach().float()
             if not mix.functions and mix.model_weight == 1.0:
                 return model_scores  # upstream's reward, untouched
         failure: UserError | None = None
@@ -325,16 +329,19 @@ class ExperienceMaker:
                 # The generator kept the sampled tokens' log-probs: no second actor pass.
                 logprobs = self._logprobs_from_rollout(rollout.logprobs, prompts.shape[1], attention_mask)
             else:
-                logprobs = self._token_log_probs("actor", self.actor_model, seq, attention_mask, position_ids,
-                                                 packed).float()
-            ref_logprobs = self._token_log_probs("reference", self.ref_model, seq, attention_mask, position_ids,
-                                                 packed).float()
+                with self.scoring_gather("actor", self.actor_model):
+                    logprobs = self._token_log_probs("actor", self.actor_model, seq, attention_mask, position_ids,
+                                                     packed).float()
+            with self.scoring_gather("reference", self.ref_model):
+                ref_logprobs = self._token_log_probs("reference", self.ref_model, seq, attention_mask,
+                                                     position_ids, packed).float()
             reward_score = self._reward_scores(prompts, mask, seq, attention_mask, position_ids, packed)
             if self.missing_eos_penalty:
                 ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
                 reward_score = rl_math.missing_eos_penalty(reward_score, ended, self.missing_eos_penalty)
             if self.critic_model is not None:
-                values = self._token_values(seq, attention_mask, position_ids, packed).detach()[:, :-1].float()
+                with self.scoring_gather("critic", self.critic_model):
+                    values = self._token_values(seq, attention_mask, position_ids, packed).detach()[:, :-1].float()
             else:  # critic-free: no value model; zeros keep the container's shape
                 values = torch.zeros_like(logprobs)
         self.experience_time = time.time() - generate_end

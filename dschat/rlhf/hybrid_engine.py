@@ -64,7 +64,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ContextManager, Iterator
 
-import psutil
 import torch
 import transformers
 from transformers import CompileConfig
@@ -79,7 +78,8 @@ from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine, rollout_
 from dschat.rlhf.tensor_parallel import TensorParallelHybridEngine, materialised_part
 from dschat.runtime.dist import TensorParallelGroup, print_rank_0, tensor_parallel_group
 from dschat.runtime.zero3 import full_parameter_bytes as zero3_full_parameter_bytes
-from dschat.runtime.zero3 import gathered_without_hooks, parameter_offload, release_zero3_prefetch
+from dschat.runtime.zero3 import (fits_gathered, free_memory_bytes, gathered_without_hooks, parameter_offload,
+                                  release_zero3_prefetch)
 
 __all__ = [
     "HybridEngineDecision",
@@ -168,13 +168,6 @@ def _is_out_of_memory(err: BaseException) -> bool:
 def _one_line(err: BaseException, limit: int | None = None) -> str:
     """``Type: first line of the message`` (cut to ``limit`` characters), for a fallback notice."""
     return f"{type(err).__name__}: {first_line(err)[:limit]}"
-
-
-def _free_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    return int(psutil.virtual_memory().available)
 
 
 class RolloutGenerator:
@@ -316,14 +309,7 @@ class RolloutGenerator:
             if self.zero3_gather == "on":
                 self._gather_decided = True
             else:
-                need = zero3_full_parameter_bytes(self.actor.module)
-                device = next(self.actor.module.parameters()).device
-                free = _free_memory_bytes(device)
-                # Same answer on every rank, or ranks would disagree about entering a collective.
-                flag = torch.tensor([1.0 if need <= free // 2 else 0.0], device=device)
-                if torch.distributed.is_initialized():
-                    torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
-                self._gather_decided = bool(flag.item() > 0)
+                self._gather_decided = fits_gathered(self.actor.module)  # the same answer on every rank
             self._say_once(
                 "ZeRO-3 generation: " + ("gathering the actor's parameters once per rollout"
                                          if self._gather_decided else
@@ -431,7 +417,7 @@ class RolloutGenerator:
         why_not = decoding_loop.onednn_decode_supported(module) if materialised else "ZeRO-3 parameters are not gathered"
         if why_not is None:
             need = sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() == 2)
-            if need > _free_memory_bytes(torch.device("cpu")) // 2:
+            if need > free_memory_bytes(torch.device("cpu")) // 2:
                 why_not = "a packed copy of the actor's weights does not fit in half the free memory"
         if why_not is not None:
             if next(module.parameters()).device.type == "cpu":  # on an accelerator it is simply not for it

@@ -8,10 +8,12 @@ plain one asks here, so the attribute names are read in one place.
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import deepspeed
+import psutil
 import torch
 from deepspeed.runtime.zero import partition_parameters
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
@@ -33,8 +35,11 @@ __all__ = [
     "release_zero3_prefetch",
     "gathered_parameters",
     "full_parameter_bytes",
+    "free_memory_bytes",
+    "fits_gathered",
     "parameter_offload",
     "gathered_without_hooks",
+    "gathered_whole",
     "hooks_detached",
 ]
 
@@ -138,6 +143,26 @@ def full_parameter_bytes(module: torch.nn.Module) -> int:
     return sum(full_numel(p) * p.element_size() for p in module.parameters())
 
 
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: the GPU's, or the host's available memory for a CPU."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+def fits_gathered(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s parameters at full size fit in half of its device's free memory, on every
+    rank: collective (one all-reduce) where a process group is up, so that every rank gives the same
+    answer and enters the same gathers."""
+    device = next(module.parameters()).device
+    flag = torch.tensor([1.0 if full_parameter_bytes(module) <= free_memory_bytes(device) // 2 else 0.0],
+                        device=device)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item() > 0)
+
+
 def parameter_offload(engine: Any) -> Any:
     """DeepSpeed's ZeRO-3 parameter coordinator object that owns the fetch/release hooks."""
     optimizer = getattr(engine, "optimizer", None)
@@ -171,7 +196,24 @@ def gathered_without_hooks(engine: Any) -> Iterator[None]:
         for param in iter_params(offload.module, recurse=True):
             param.ds_active_sub_modules.clear()
         with hooks_detached([*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]):
-            yield
+            _GATHERED_WHOLE.add(offload)
+            try:
+                yield
+            finally:
+                _GATHERED_WHOLE.discard(offload)
+
+
+# The parameter offloads (one per ZeRO-3 engine) inside gathered_without_hooks right now.
+_GATHERED_WHOLE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def gathered_whole(engine: Any) -> bool:
+    """Whether ``engine`` is inside :func:`gathered_without_hooks`: its passes are plain module calls
+    on whole parameters, nothing for ZeRO-3's trace to see."""
+    try:
+        return parameter_offload(engine) in _GATHERED_WHOLE
+    except AttributeError:
+        return False
 
 
 @contextmanager

@@ -23,7 +23,8 @@ forward and the backward and a pass without a backward follows its first part. S
 partitioning again what the trace kept gathered for the backward it will not run.
 :func:`begin_passes_with_dschats_rule` puts those rules on a trained engine's root module, in place of
 DeepSpeed's hook; :mod:`dschat.rlhf.packed_passes` wraps each ``forward_value`` pass in :func:`zero3_pass`.
-(The rollout's gather keeps the trace too: :func:`~dschat.runtime.zero3.gathered_without_hooks`.)
+(The rollout's gather keeps the trace too: :func:`~dschat.runtime.zero3.gathered_without_hooks`;
+a pass inside that gather, such as a scoring pass of a model gathered whole, is no ZeRO-3 pass.)
 Everything here is a no-op below ZeRO-3 and for plain modules.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 
-from dschat.runtime.zero3 import parameter_offload
+from dschat.runtime.zero3 import gathered_whole, parameter_offload
 
 __all__ = ["zero3_pass", "begin_passes_with_dschats_rule"]
 
@@ -82,7 +83,7 @@ def zero3_pass(engine: Any) -> Iterator[None]:
     """One pass of ``engine`` for ZeRO-3's trace (see the module's docstring), around a pass that
     does not go through the root module's call (``forward_value``); on every rank alike."""
     offload = _offload(engine)
-    if offload is None:
+    if offload is None or gathered_whole(engine):  # whole and unhooked: nothing for the trace to see
         yield
         return
     trains = _trains(engine)

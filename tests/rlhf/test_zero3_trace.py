@@ -1,7 +1,10 @@
 """ZeRO-3's prefetch trace across step 3's passes (dschat/runtime/zero3_trace.py): after the first
 PPO step every ZeRO-3 engine holds a complete trace, nothing invalidates it, and the actor
-keeps its module ids through the rollout's gather; hooks_detached puts hooks back where they were."""
+keeps its module ids through the rollout's gather; hooks_detached puts hooks back where they were.
+Scoring passes on whole models (dschat/rlhf/scoring_gather.py) give the same experience."""
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -81,7 +84,8 @@ def _coordinators(trainer) -> dict[str, object]:
     ("--zero3_gather_for_generation", "off"),             # fetched per layer for every token (HF generate)
     ("--actor_lora_dim", "4", "--enable_hybrid_engine"),  # LoRA fused into dschat's Hybrid Engine
     ("--sequence_packing", "off", "--actor_gradient_checkpointing", "--critic_gradient_checkpointing"),
-], ids=["gather", "per-layer", "lora-hybrid-engine", "padded-checkpointing"])
+    ("--zero3_gather_for_scoring", "off"),                # scoring passes fetch module by module too
+], ids=["gather", "per-layer", "lora-hybrid-engine", "padded-checkpointing", "scoring-per-module"])
 def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(extra, monkeypatch, critic_dirs,
                                                                              data_cache):
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
@@ -105,7 +109,8 @@ def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(ext
         step["i"] = i
         exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, i)
         # Passes without a backward (generation, scoring) leave nothing gathered that is not persistent.
-        left_whole += [(i, role, n) for role, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model))
+        left_whole += [(i, role, n) for role, engine in (("actor", trainer.actor_model), ("critic", trainer.critic_model),
+                                                         ("ref", trainer.ref_model), ("reward", trainer.reward_model))
                        if (n := _whole_non_persistent(engine))]
         trainer.prepare_rollout([exp])
         trainer.train()
@@ -119,7 +124,11 @@ def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(ext
     assert invalidated == []
     assert all(done for i, _, done in complete_at_training if i >= 2), complete_at_training
     assert left_whole == []
-    assert all(c.is_complete_trace() for c in coordinators.values())
+    assert coordinators["actor"].is_complete_trace() and coordinators["critic"].is_complete_trace()
+    # The frozen models' passes are scoring passes only: gathered whole (the default), they never run
+    # DeepSpeed's hooks, so their traces are never recorded; fetched module by module, they are.
+    scoring_hooked = "--zero3_gather_for_scoring" in extra
+    assert all(coordinators[role].is_complete_trace() is scoring_hooked for role in ("ref", "reward"))
     # The actor's modules keep their ids through the rollout's gather (DeepSpeed's re-registration
     # renumbered them every rollout).
     assert [m.ds_id for m in trainer.actor_model.module.modules()] == actor_ids
@@ -141,3 +150,41 @@ def test_a_trained_engine_records_its_trace_at_a_pass_with_a_backward(critic_dir
     for engine in (trainer.actor_model, trainer.critic_model):
         offload = parameter_offload(engine)
         assert next(iter(offload.module._forward_pre_hooks)) == offload.fwd_pre_hook.id
+
+
+# ------------------------------------------------------------------------------------ scoring gathered
+
+
+@pytest.mark.parametrize("extra", [(), ("--critic_lora_dim", "4", "--sequence_packing", "off")],
+                         ids=["packed", "padded-critic-lora"])
+def test_scoring_passes_on_whole_models_give_the_same_experience(extra, critic_dirs, data_cache, capsys,
+                                                                  monkeypatch):
+    from dschat.rlhf import scoring_gather
+    from dschat.runtime.zero3 import gathered_whole, gathered_without_hooks
+
+    trainer = _trainer(critic_dirs, data_cache, *extra)
+    trainer.reuse_rollout_logprobs = False  # the actor's scoring pass too
+    roles = {id(trainer.actor_model): "actor", id(trainer.ref_model): "ref", id(trainer.critic_model): "critic",
+             id(trainer.reward_model): "reward"}
+    gathered_for: list[str] = []
+
+    @contextmanager
+    def recording(engine):
+        with gathered_without_hooks(engine):
+            assert gathered_whole(engine)
+            gathered_for.append(roles[id(engine)])
+            yield
+
+    monkeypatch.setattr(scoring_gather, "gathered_without_hooks", recording)
+    experiences = {}
+    for setting in ("auto", "off"):
+        trainer.scoring_gather = scoring_gather.ScoringGather(setting)
+        gathered_for.clear()
+        torch.manual_seed(7)
+        experiences[setting] = trainer.generate_experience(PROMPTS, PROMPT_MASK, 0)
+        assert gathered_for == (["actor", "ref", "reward", "critic"] if setting == "auto" else [])
+    gathered, fetched = experiences["auto"], experiences["off"]
+    for field in ("seq", "logprobs", "ref_logprobs", "values", "reward_score"):
+        assert torch.equal(getattr(gathered, field), getattr(fetched, field)), field
+    assert not any(gathered_whole(e) for e in (trainer.actor_model, trainer.ref_model, trainer.critic_model))
+    assert "ZeRO-3 scoring: the reference's parameters gathered once per scoring pass" in capsys.readouterr().out
