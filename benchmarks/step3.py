@@ -17,8 +17,9 @@ engines:
   columns dropped, the old log-probs kept from generation, ``--generation_loop auto`` (on CUDA:
   ``generate`` with a static KV cache and CUDA graphs; elsewhere dschat's decoding loop, with oneDNN
   decode linears on a CPU, ``dschat/rlhf/decoding.py``), LoRA fused and ZeRO-3 gathered once per
-  rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable, and the
-  scoring passes and training on packed rows (``--sequence_packing auto``; the baseline's are padded).
+  rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable, the scoring
+  passes and training on packed rows (``--sequence_packing auto``; the baseline's are padded), and
+  under ZeRO-3 each scoring pass on its model gathered once (``--zero3_gather_for_scoring auto``).
   ``--answer_spread`` cuts the answers to varied lengths, as a trained actor's end, so that the
   padding packing removes is there to remove.
 
@@ -87,8 +88,8 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
                                       "original_max_position_embeddings": 8192}),
 }
 
-MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-no-pack", "ours-graphs", "ours-he",
-         "ours-tp")
+MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-no-pack", "ours-no-score-gather",
+         "ours-graphs", "ours-he", "ours-tp")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -115,7 +116,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated, run in this order: baseline, ours, and ours without one fast path "
                         "(ours-no-fuse: LoRA not fused for generation; ours-no-gather: ZeRO-3 weights fetched "
                         "per layer and token, which also means HF generate instead of dschat's loop; "
-                        "ours-no-graphs: --generation_loop dschat; ours-no-pack: --sequence_packing off), or "
+                        "ours-no-graphs: --generation_loop dschat; ours-no-pack: --sequence_packing off; "
+                        "ours-no-score-gather: --zero3_gather_for_scoring off), or "
                         "ours with --generation_loop graphs "
                         "(ours-graphs), or ours decoding with dschat's Hybrid Engine (ours-he, what "
                         "--enable_hybrid_engine selects), or ours-he over tensor-parallel groups of "
@@ -454,6 +456,8 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     """Set the generator's fast paths for ``mode``; ``dschat_he``: plain ``ours`` was asked for dschat's
     Hybrid Engine (``--hybrid_engine``), which ``ours-he`` and ``ours-tp`` (over groups of ``tp_size``
     ranks) always take."""
+    from dschat.rlhf.scoring_gather import ScoringGather
+
     ours = mode.startswith("ours")  # ours, or ours without one fast path (an ablation)
     gen = trainer.generator
     gen.use_dschat_engine = mode in ("ours-he", "ours-tp") or (mode == "ours" and dschat_he)
@@ -470,6 +474,8 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     if supported is None:
         supported = trainer.packing_supported = dict(getattr(trainer, "packing", {}))
     trainer.packing = {name: ok and ours and mode != "ours-no-pack" for name, ok in supported.items()}
+    # --zero3_gather_for_scoring: ours gathers each ZeRO-3 model once for its scoring pass; the baseline does not.
+    trainer.scoring_gather = ScoringGather("auto" if ours and mode != "ours-no-score-gather" else "off")
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 
