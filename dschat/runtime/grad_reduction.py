@@ -9,8 +9,8 @@ whole round trip does to the numbers is only:
 * a trainable parameter without a gradient gets a zero gradient (the optimizer then steps it: Adam's
   moments decay, and weight decay applies);
 * each gradient is rounded to the communication dtype where that differs from the gradient's own
-  (DeepSpeed's BF16 optimizer, with ``data_types.grad_accum_dtype`` fp32: fp32 gradients, bf16
-  communication; dschat's configs accumulate in the training dtype, where the cast is exact).
+  (at ZeRO-0 DeepSpeed communicates in the training dtype, the gradients' own, so the cast is exact
+  in every config dschat builds; a ``communication_data_type`` narrower than the gradients would round).
 
 :func:`reduce_on_one_rank` does exactly those two things in place, per tensor, and nothing else, so
 training is bit for bit the same. It saves two copies of every gradient, the flat buffers (up to 5e8
@@ -19,7 +19,9 @@ call. On a 2-core CPU the flat copies took 0.2-0.7 s of each backward of a 135M 
 (``benchmarks/step3.py --profile``).
 
 It applies only where it is that identity: one rank in the data-parallel group, no pipeline,
-sequence or expert parallelism, no sparse gradients, and no gradient pre-division factor (``mul_(1/f)``
+sequence or expert parallelism (nor AutoEP's tensor-parallel folding), an optimizer that reduces the
+model's own gradients (not DeepSpeed's BF16 optimizer with its fp32 copies, which stage 0 builds only
+with pipeline parallelism), no sparse gradients, and no gradient pre-division factor (``mul_(1/f)``
 then ``mul_(f)`` rounds). Everywhere else DeepSpeed's own reduction runs.
 """
 from __future__ import annotations
@@ -39,6 +41,8 @@ def one_rank_reduction_applies(engine: Any) -> bool:
             and getattr(engine, "sequence_parallel_size", 1) == 1
             and not engine.pipeline_parallelism
             and not engine.has_moe_layers
+            and getattr(engine, "_autoep_folding_spec", None) is None
+            and not hasattr(engine.optimizer, "get_grads_for_reduction")  # the BF16 optimizer's fp32 copies
             and engine.gradient_predivide_factor() == 1.0
             and not (hasattr(engine, "is_deepcompile_active") and engine.is_deepcompile_active()))
 
@@ -52,16 +56,13 @@ def reduce_on_one_rank(engine: Any, deepspeeds: Any) -> None:
         optimizer.set_gradient_accumulation_boundary(engine.is_gradient_accumulation_boundary())
     if not engine.is_gradient_accumulation_boundary():
         return
-    if hasattr(optimizer, "get_grads_for_reduction"):  # DeepSpeed's BF16 optimizer: its fp32 gradients
-        grads = list(optimizer.get_grads_for_reduction()[0])
-    else:
-        grads = []
-        for param in engine.module.parameters():
-            if not param.requires_grad or param.numel() == 0:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
-            grads.append(param.grad)
+    grads = []
+    for param in engine.module.parameters():
+        if not param.requires_grad or param.numel() == 0:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros(param.size(), dtype=param.dtype, device=param.device)
+        grads.append(param.grad)
     if any(g.is_sparse for g in grads):
         deepspeeds()
         return

@@ -60,16 +60,18 @@ def test_training_is_bit_for_bit_deepspeeds(dtype, accumulation):
     assert not torch.equal(ours["unused"], torch.ones(8))
 
 
-def test_bf16_gradients_are_rounded_to_the_communication_dtype_at_the_boundary_only():
-    fp32_grad = torch.tensor([1.0 + 2.0 ** -12, 3.0])  # the first is not a bf16 value
-    optimizer = SimpleNamespace(get_grads_for_reduction=lambda: ([fp32_grad], {}))
-    engine = SimpleNamespace(optimizer=optimizer, communication_data_type=torch.bfloat16,
-                             is_gradient_accumulation_boundary=lambda: False)
+def test_gradients_are_rounded_to_a_narrower_communication_dtype_at_the_boundary_only():
+    param = nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([1.0 + 2.0 ** -12, 3.0])  # the first is not a bf16 value
+    frozen, missing = nn.Parameter(torch.zeros(2), requires_grad=False), nn.Parameter(torch.zeros(3))
+    engine = SimpleNamespace(optimizer=SimpleNamespace(), module=SimpleNamespace(parameters=lambda: [param, frozen, missing]),
+                             communication_data_type=torch.bfloat16, is_gradient_accumulation_boundary=lambda: False)
     reduce_on_one_rank(engine, deepspeeds=None)
-    assert fp32_grad.tolist() == [1.0 + 2.0 ** -12, 3.0]  # mid-accumulation: untouched
+    assert param.grad.tolist() == [1.0 + 2.0 ** -12, 3.0] and missing.grad is None  # mid-accumulation: untouched
     engine.is_gradient_accumulation_boundary = lambda: True
     reduce_on_one_rank(engine, deepspeeds=None)
-    assert fp32_grad.dtype == torch.float32 and fp32_grad.tolist() == [1.0, 3.0]
+    assert param.grad.dtype == torch.float32 and param.grad.tolist() == [1.0, 3.0]
+    assert frozen.grad is None and missing.grad.tolist() == [0.0, 0.0, 0.0]
 
 
 def test_sparse_gradients_go_to_deepspeeds_reduction():
@@ -83,9 +85,11 @@ def test_sparse_gradients_go_to_deepspeeds_reduction():
 
 
 @pytest.mark.parametrize("change", [
-    {}, {"stage": 1}, {"dp": 2}, {"predivide": 2.0}, {"moe": True}, {"pipeline": True}, {"optimizer": None}])
+    {}, {"stage": 1}, {"dp": 2}, {"predivide": 2.0}, {"moe": True}, {"pipeline": True}, {"optimizer": None},
+    {"optimizer": SimpleNamespace(get_grads_for_reduction=list)}, {"autoep": object()}])
 def test_applies_only_where_it_is_deepspeeds_reduction_exactly(change):
     engine = SimpleNamespace(
+        _autoep_folding_spec=change.get("autoep"),
         optimizer=change.get("optimizer", object()), zero_optimization_stage=lambda: change.get("stage", 0),
         dp_world_size=change.get("dp", 1), seq_dp_world_size=1, sequence_parallel_size=1,
         pipeline_parallelism=change.get("pipeline", False), has_moe_layers=change.get("moe", False),
