@@ -527,7 +527,8 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "generation kept no log-probs): gather each one's parameters once for its scoring pass "
                             "over a rollout, without ZeRO-3's per-module hooks, instead of fetching them module "
                             "by module. 'auto' does it for a model whose full size fits in half of the free "
-                            "memory; 'off' saves memory at the cost of speed.")
+                            "memory and whose parameters are not offloaded; 'off' saves memory at the cost of "
+                            "speed.")
     group.add_argument("--generation_loop", type=str, default="auto", choices=("auto", "dschat", "hf", "graphs"),
                        help="(dschat) Without the Hybrid Engine: 'dschat' decodes rollouts with dschat's own "
                             "sampling loop (dschat/rlhf/decoding.py: the same tokens for a seed as Hugging Face "

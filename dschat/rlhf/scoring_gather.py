@@ -8,9 +8,10 @@ of a 24-layer model spent three times the host time of the same pass at ZeRO-0
 :func:`~dschat.runtime.zero3.gathered_without_hooks`, as the rollout runs the actor: all its
 parameters gathered at once, the hooks set aside (the same ones put back, so its prefetch trace and
 module ids survive), then released. Where a model does not fit in half of the free memory
-(:func:`~dschat.runtime.zero3.fits_gathered`, decided once per model, the same on every rank), its
-passes fetch module by module as before. The numbers are the same either way: the same weights
-enter the same forward.
+(:func:`~dschat.runtime.zero3.fits_gathered`, decided once per model, the same on every rank), or
+whose parameters ZeRO-3 offloads (``--offload_reference_model`` and the like: the user keeps them off
+the accelerator; ``on`` gathers them anyway), its passes fetch module by module as before. The
+numbers are the same either way: the same weights enter the same forward.
 """
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ from dschat.runtime.dist import print_rank_0
 from dschat.runtime.zero3 import fits_gathered, gathered_without_hooks, parameter_offload
 
 __all__ = ["ScoringGather"]
+
+
+def _params_offloaded(engine: Any) -> bool:
+    """Whether ZeRO-3 keeps ``engine``'s parameters off the accelerator (``offload_param``: the
+    ``--offload_reference_model`` / ``--offload_reward_model`` / ``--offload`` configs)."""
+    getter = getattr(engine, "zero_offload_param", None)
+    config = getter() if callable(getter) else None
+    return config is not None and getattr(config, "device", "none") != "none"
 
 
 def _zero3_engine(engine: Any) -> bool:
@@ -37,8 +46,8 @@ def _zero3_engine(engine: Any) -> bool:
 class ScoringGather:
     """``gather(name, engine)``: the context a scoring pass of ``engine`` (the model ``name``) runs in.
 
-    ``setting`` is ``--zero3_gather_for_scoring``: ``"auto"`` (gather where the model fits), ``"on"``
-    or ``"off"``. Collective where it gathers: every rank must score the same models.
+    ``setting`` is ``--zero3_gather_for_scoring``: ``"auto"`` (gather where the model fits and is not
+    offloaded), ``"on"`` or ``"off"``. Collective where it gathers: every rank must score the same models.
     """
 
     def __init__(self, setting: str = "auto") -> None:
@@ -51,8 +60,14 @@ class ScoringGather:
         if self.setting == "off" or engine is None or not _zero3_engine(engine):
             return nullcontext()
         if name not in self.decided:
-            self.decided[name] = self.setting == "on" or fits_gathered(engine.module)
+            if self.setting == "on":
+                self.decided[name], why_not = True, ""
+            elif _params_offloaded(engine):  # the user asked to keep it off the accelerator
+                self.decided[name], why_not = False, "its parameters are offloaded; --zero3_gather_for_scoring on gathers them"
+            else:
+                self.decided[name] = fits_gathered(engine.module)
+                why_not = "the full model does not fit in half the free memory"
             print_rank_0(f"ZeRO-3 scoring: the {name}'s parameters "
                          + ("gathered once per scoring pass" if self.decided[name] else
-                            "fetched module by module (the full model does not fit in half the free memory)"))
+                            f"fetched module by module ({why_not})"))
         return gathered_without_hooks(engine) if self.decided[name] else nullcontext()

@@ -188,3 +188,27 @@ def test_scoring_passes_on_whole_models_give_the_same_experience(extra, critic_d
         assert torch.equal(getattr(gathered, field), getattr(fetched, field)), field
     assert not any(gathered_whole(e) for e in (trainer.actor_model, trainer.ref_model, trainer.critic_model))
     assert "ZeRO-3 scoring: the reference's parameters gathered once per scoring pass" in capsys.readouterr().out
+
+
+def test_scoring_gather_leaves_offloaded_models_where_the_user_put_them(monkeypatch, capsys):
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from dschat.rlhf import scoring_gather
+
+    monkeypatch.setattr(scoring_gather, "_zero3_engine", lambda engine: True)
+    monkeypatch.setattr(scoring_gather, "fits_gathered", lambda module: True)
+    entered: list[object] = []
+    monkeypatch.setattr(scoring_gather, "gathered_without_hooks", lambda engine: entered.append(engine) or nullcontext())
+    offloaded = SimpleNamespace(module=None, zero_offload_param=lambda: SimpleNamespace(device="cpu"))
+    resident = SimpleNamespace(module=None, zero_offload_param=lambda: SimpleNamespace(device="none"))
+    auto = scoring_gather.ScoringGather("auto")
+    for name, engine in (("reference", offloaded), ("reward model", resident), ("reference", offloaded)):
+        with auto(name, engine):
+            pass
+    assert entered == [resident]
+    with scoring_gather.ScoringGather("on")("reference", offloaded):
+        pass
+    assert entered == [resident, offloaded]
+    out = capsys.readouterr().out
+    assert out.count("the reference's parameters fetched module by module (its parameters are offloaded") == 1
