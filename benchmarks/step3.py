@@ -137,13 +137,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num_generations", type=int, default=1,
                    help="answers per prompt (--num_generations); must divide --batch")
     p.add_argument("--profile", action="store_true",
-                   help="after the measured steps, one more step per mode with its scoring passes and its training "
-                        "under torch.profiler (not counted in the figures): per phase, wall time, kernel time and "
+                   help="after every mode's measured steps, one more step per mode with its scoring passes and its "
+                        "training under torch.profiler (not counted in the figures): per phase, wall time, kernel time and "
                         "launches (CUDA), time in operators, and the operators that took longest, added to the "
                         "results")
     p.add_argument("--trace_dir", default="",
                    help="with --profile: write each mode's profiled training phase here as a gzipped Chrome trace "
-                        "(<mode>-training.json.gz; open it in Perfetto or chrome://tracing)")
+                        "(<mode>-training.json.gz, <mode>-<position>-training.json.gz for a mode listed twice; "
+                        "rank 0's; open it in Perfetto or chrome://tracing)")
     p.add_argument("--results", default=str(REPO / "benchmarks" / "results.md"), help="append the results here ('' : don't)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher (ranks read LOCAL_RANK)")
@@ -369,6 +370,13 @@ def annotated(trainer: Any) -> Iterator[None]:
                 setattr(obj, attr, before)
 
 
+def trace_path(trace_dir: str, modes: Sequence[str], k: int) -> Path:
+    """``--trace_dir``'s file for the ``k``-th of ``modes``: ``<mode>-training.json.gz``, with the
+    mode's position where it is listed twice."""
+    mode = modes[k]
+    return Path(trace_dir) / (f"{mode}-training.json.gz" if modes.count(mode) == 1 else f"{mode}-{k + 1}-training.json.gz")
+
+
 def profile_lines(results: Sequence[ModeResult]) -> list[str]:
     """The results' lines for ``--profile``: one per mode and phase."""
     lines = []
@@ -502,10 +510,12 @@ def count_trace_invalidations() -> None:
 
 def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, device: torch.device,
              he_available: bool, ours_loop: str = "auto", dschat_he: bool = False, tp_size: int = 1,
-             answer_spread: float = 0.0, seed: int = 0, profile: bool = False, trace_dir: str = "") -> ModeResult:
-    """``warmup`` + ``steps`` PPO steps of ``mode`` (the figures: the last ``steps``), then with ``profile``
-    one more step whose scoring passes and training run under torch.profiler (``batches`` holds one
-    batch more for it)."""
+             answer_spread: float = 0.0, seed: int = 0, profile_only: bool = False,
+             trace: Path | None = None) -> ModeResult:
+    """``warmup`` + ``steps`` PPO steps of ``mode`` (the figures: the last ``steps``). With
+    ``profile_only``, instead, one step on the batch after those (``batches`` holds it) whose scoring
+    passes and training run under torch.profiler (its training written to ``trace`` as a gzipped
+    Chrome trace where given): the result holds only ``profile``."""
     from dschat.data.collators import drop_padding_columns
 
     configure(trainer, mode, he_available, ours_loop, dschat_he, tp_size)
@@ -584,7 +594,7 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
             sync()
         train_s = time.perf_counter() - t
         if profiler is not None:
-            profiler.stop("training", trace=Path(trace_dir) / f"{mode}-training.json.gz" if trace_dir else None)
+            profiler.stop("training", trace=trace)
         label = " (warm-up)" if i < warmup else " (profiled)" if profiler is not None else ""
         print(f"[{mode}] step {i}{label}: generation {trainer.generate_time:.2f} s, experience "
               f"{trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}", flush=True)
@@ -596,6 +606,14 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
             result.prompt_width.append(int(prompts.shape[1]))
         return train_s
 
+    if profile_only:
+        profiler = PhaseProfiler(device, sync)
+        one_step(warmup + steps, profiler)
+        result.profile = profiler.phases
+        for engine in engines:
+            del engine.step
+        generator.__dict__.pop("rollout", None)
+        return result
     for i in range(warmup + steps):
         if i == warmup:
             step_time["s"] = 0.0
@@ -617,10 +635,6 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
     else:
         result.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         result.memory_note = "process peak RSS so far"
-    if profile:
-        profiler = PhaseProfiler(device, sync)
-        one_step(warmup + steps, profiler)
-        result.profile = profiler.phases
     generator.__dict__.pop("rollout", None)  # the class's rollout again
     return result
 
@@ -796,9 +810,16 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
 
         if args.zero_stage == 3:
             count_trace_invalidations()
-        results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
-                            args.ours_generation_loop, dschat_he, args.inference_tp_size, args.answer_spread,
-                            args.seed, args.profile, args.trace_dir) for mode in args.modes]
+        common = (args.ours_generation_loop, dschat_he, args.inference_tp_size, args.answer_spread, args.seed)
+        results = [run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available, *common)
+                   for mode in args.modes]
+        # Profiled steps only after every mode's measured ones: on CUDA the profiler leaves its layer
+        # loaded, which would slow the modes measured after it.
+        if args.profile:
+            for k, (mode, result) in enumerate(zip(args.modes, results)):
+                trace = trace_path(args.trace_dir, args.modes, k) if args.trace_dir and info.rank == 0 else None
+                result.profile = run_mode(trainer, batches, mode, args.steps, args.warmup, device, he_available,
+                                          *common, profile_only=True, trace=trace).profile
         he_engine = trainer.generator.engine
         actor_module = engine.actor.module
         critic_module = engine.critic.module if engine.critic is not None else None
@@ -845,8 +866,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         "",
         *table(results, metrics, peaks),
         "",
-        *([f"Profile of one more step per mode (torch.profiler; not in the figures above): the scoring "
-           f"passes and the training"
+        *([f"Profile of one more step per mode, after every mode's measured steps (torch.profiler; not "
+           f"in the figures above): the scoring passes and the training"
            + (f"; traces of the training in {args.trace_dir}" if args.trace_dir else ""), "",
            *profile_lines(results), ""] if args.profile else []),
     ]

@@ -235,8 +235,8 @@ def test_step3_benchmark_profiles_one_more_step_and_writes_traces(tmp_path, caps
                         "--steps", "1", "--warmup", "0", "--profile", "--trace_dir", str(tmp_path / "traces"),
                         "--results", ""])
     out = capsys.readouterr().out
-    # The profiled step comes after the measured ones and is not in their figures.
-    assert "[baseline] step 1 (profiled): " in out and "[ours] step 1 (profiled): " in out
+    # The profiled steps come after every mode's measured ones and are not in their figures.
+    assert out.index("[ours] step 0: ") < out.index("[baseline] step 1 (profiled): ") < out.index("[ours] step 1 (profiled): ")
     assert "| generation s/step |" in "\n".join(lines)
     profiled = [line for line in lines if line.startswith("- baseline, ") or line.startswith("- ours, ")]
     assert [line.split(":")[0] for line in profiled] == ["- baseline, scoring", "- baseline, training",
@@ -248,6 +248,9 @@ def test_step3_benchmark_profiles_one_more_step_and_writes_traces(tmp_path, caps
         assert any(e.get("name") == "actor backward" for e in trace["traceEvents"])
     with pytest.raises(SystemExit):
         bench.parse_args(["--trace_dir", str(tmp_path)])
+    # A mode listed twice traces each of its runs.
+    assert [bench.trace_path("d", ["ours", "baseline", "ours"], k).name for k in range(3)] == [
+        "ours-1-training.json.gz", "baseline-training.json.gz", "ours-3-training.json.gz"]
 
 
 def test_step3_answer_spread_cuts_by_hand_and_packing_is_ours_only():
