@@ -19,7 +19,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from dschat.runtime.dist import print_rank_0
-from dschat.runtime.zero3 import fits_gathered, gathered_without_hooks, parameter_offload
+from dschat.runtime.zero3 import fits_gathered, gathered_without_hooks, zero3_offload
 
 __all__ = ["ScoringGather"]
 
@@ -30,17 +30,6 @@ def _params_offloaded(engine: Any) -> bool:
     getter = getattr(engine, "zero_offload_param", None)
     config = getter() if callable(getter) else None
     return config is not None and getattr(config, "device", "none") != "none"
-
-
-def _zero3_engine(engine: Any) -> bool:
-    partitioned = getattr(engine, "zero_optimization_partition_weights", None)
-    if not (callable(partitioned) and partitioned()):
-        return False
-    try:
-        parameter_offload(engine)
-    except AttributeError:
-        return False
-    return True
 
 
 class ScoringGather:
@@ -57,7 +46,7 @@ class ScoringGather:
         self.decided: dict[str, bool] = {}
 
     def __call__(self, name: str, engine: Any) -> AbstractContextManager[Any]:
-        if self.setting == "off" or engine is None or not _zero3_engine(engine):
+        if self.setting == "off" or engine is None or zero3_offload(engine) is None:
             return nullcontext()
         if name not in self.decided:
             if self.setting == "on":

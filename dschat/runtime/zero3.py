@@ -38,6 +38,7 @@ __all__ = [
     "free_memory_bytes",
     "fits_gathered",
     "parameter_offload",
+    "zero3_offload",
     "gathered_without_hooks",
     "gathered_whole",
     "hooks_detached",
@@ -173,6 +174,14 @@ def parameter_offload(engine: Any) -> Any:
     raise AttributeError("this DeepSpeed engine exposes no ZeRO-3 parameter_offload hooks")
 
 
+def zero3_offload(engine: Any) -> Any:
+    """:func:`parameter_offload` of a ZeRO-3 engine, or None: below ZeRO-3, and for a plain module."""
+    try:
+        return parameter_offload(engine)
+    except AttributeError:
+        return None
+
+
 @contextmanager
 def gathered_without_hooks(engine: Any) -> Iterator[None]:
     """All parameters gathered once and ZeRO-3's hooks detached, for one rollout.
@@ -210,10 +219,8 @@ _GATHERED_WHOLE: "weakref.WeakSet[Any]" = weakref.WeakSet()
 def gathered_whole(engine: Any) -> bool:
     """Whether ``engine`` is inside :func:`gathered_without_hooks`: its passes are plain module calls
     on whole parameters, nothing for ZeRO-3's trace to see."""
-    try:
-        return parameter_offload(engine) in _GATHERED_WHOLE
-    except AttributeError:
-        return False
+    offload = zero3_offload(engine)
+    return offload is not None and offload in _GATHERED_WHOLE
 
 
 @contextmanager

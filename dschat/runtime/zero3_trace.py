@@ -36,17 +36,9 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 
-from dschat.runtime.zero3 import gathered_whole, parameter_offload
+from dschat.runtime.zero3 import gathered_whole, zero3_offload
 
 __all__ = ["zero3_pass", "begin_passes_with_dschats_rule"]
-
-
-def _offload(engine: Any) -> Any:
-    """DeepSpeed's ZeRO-3 parameter offload of ``engine``, or None (below ZeRO-3, a plain module)."""
-    try:
-        return parameter_offload(engine)
-    except AttributeError:
-        return None
 
 
 def _trains(engine: Any) -> bool:
@@ -82,7 +74,7 @@ def _end(offload: Any, trains: bool) -> None:
 def zero3_pass(engine: Any) -> Iterator[None]:
     """One pass of ``engine`` for ZeRO-3's trace (see the module's docstring), around a pass that
     does not go through the root module's call (``forward_value``); on every rank alike."""
-    offload = _offload(engine)
+    offload = zero3_offload(engine)
     if offload is None or gathered_whole(engine):  # whole and unhooked: nothing for the trace to see
         yield
         return
@@ -97,7 +89,7 @@ def begin_passes_with_dschats_rule(engine: Any) -> None:
     hook replaces DeepSpeed's, first in the root's hooks as DeepSpeed's was, and a pass-end hook joins
     DeepSpeed's forward hooks. Both handles sit where DeepSpeed keeps its own (``fwd_pre_hook``,
     ``forward_hooks``), so its teardown removes them and the rollout's gather detaches them."""
-    offload = _offload(engine)
+    offload = zero3_offload(engine)
     if offload is None or not _trains(engine):
         return
 

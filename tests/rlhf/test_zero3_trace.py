@@ -196,7 +196,7 @@ def test_scoring_gather_leaves_offloaded_models_where_the_user_put_them(monkeypa
 
     from dschat.rlhf import scoring_gather
 
-    monkeypatch.setattr(scoring_gather, "_zero3_engine", lambda engine: True)
+    monkeypatch.setattr(scoring_gather, "zero3_offload", lambda engine: object())  # any ZeRO-3 engine
     monkeypatch.setattr(scoring_gather, "fits_gathered", lambda module: True)
     entered: list[object] = []
     monkeypatch.setattr(scoring_gather, "gathered_without_hooks", lambda engine: entered.append(engine) or nullcontext())
