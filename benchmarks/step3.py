@@ -549,8 +549,8 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         actor_shaped["n"] += 1
         return token_log_probs(name, *args, **kwargs)
 
-    def one_step(i: int, profiler: PhaseProfiler | None = None) -> float:
-        """PPO step ``i`` on ``batches[i]``; its training seconds. With ``profiler``, the scoring passes
+    def one_step(i: int, profiler: PhaseProfiler | None = None) -> None:
+        """PPO step ``i`` on ``batches[i]``, added to ``result`` if measured. With ``profiler``, the scoring passes
         (from the rollout's end) and the training are profiled as two phases."""
         prompts, mask = (t.to(device) for t in batches[i])
         if mode.startswith("ours"):
@@ -604,7 +604,6 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
             result.train_s += train_s
             result.steps += 1
             result.prompt_width.append(int(prompts.shape[1]))
-        return train_s
 
     if profile_only:
         profiler = PhaseProfiler(device, sync)
