@@ -241,7 +241,10 @@ def test_step3_benchmark_profiles_one_more_step_and_writes_traces(tmp_path, caps
     profiled = [line for line in lines if line.startswith("- baseline, ") or line.startswith("- ours, ")]
     assert [line.split(":")[0] for line in profiled] == ["- baseline, scoring", "- baseline, training",
                                                          "- ours, scoring", "- ours, training"]
-    assert all("longest operators on the host (self time): `aten::" in line for line in profiled)
+    # The host's longest operators are named (which comes first depends on the machine's load: on a
+    # busy one a gloo all-reduce can outlast every ATen operator of these tiny models).
+    tops = [line.split("longest operators on the host (self time): ")[1] for line in profiled]
+    assert all(top.startswith("`") and "`aten::" in top for top in tops)
     assert all("`actor backward`" in line and "`critic optimizer step`" in line for line in profiled[1::2])
     for mode in ("baseline", "ours"):
         trace = json.loads(gzip.decompress((tmp_path / "traces" / f"{mode}-training.json.gz").read_bytes()))
