@@ -89,7 +89,7 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-no-pack", "ours-no-score-gather",
-         "ours-graphs", "ours-he", "ours-tp")
+         "ours-no-train-gather", "ours-graphs", "ours-he", "ours-tp")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -117,7 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "(ours-no-fuse: LoRA not fused for generation; ours-no-gather: ZeRO-3 weights fetched "
                         "per layer and token, which also means HF generate instead of dschat's loop; "
                         "ours-no-graphs: --generation_loop dschat; ours-no-pack: --sequence_packing off; "
-                        "ours-no-score-gather: --zero3_gather_for_scoring off), or "
+                        "ours-no-score-gather: --zero3_gather_for_scoring off; ours-no-train-gather: "
+                        "--zero3_gather_for_training off), or "
                         "ours with --generation_loop graphs "
                         "(ours-graphs), or ours decoding with dschat's Hybrid Engine (ours-he, what "
                         "--enable_hybrid_engine selects), or ours-he over tensor-parallel groups of "
@@ -465,6 +466,7 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     Hybrid Engine (``--hybrid_engine``), which ``ours-he`` and ``ours-tp`` (over groups of ``tp_size``
     ranks) always take."""
     from dschat.rlhf.scoring_gather import ScoringGather
+    from dschat.rlhf.training_gather import TrainingGather
 
     ours = mode.startswith("ours")  # ours, or ours without one fast path (an ablation)
     gen = trainer.generator
@@ -484,6 +486,8 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     trainer.packing = {name: ok and ours and mode != "ours-no-pack" for name, ok in supported.items()}
     # --zero3_gather_for_scoring: ours gathers each ZeRO-3 model once for its scoring pass; the baseline does not.
     trainer.scoring_gather = ScoringGather("auto" if ours and mode != "ours-no-score-gather" else "off")
+    # --zero3_gather_for_training: ours trains each ZeRO-3 model gathered whole on one rank; the baseline does not.
+    trainer.training_gather = TrainingGather("auto" if ours and mode != "ours-no-train-gather" else "off")
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 

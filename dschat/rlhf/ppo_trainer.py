@@ -39,6 +39,7 @@ from dschat.rewards import RewardMix
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.batch_plan import BatchPlan, plan_batches
+from dschat.rlhf.training_gather import TrainingGather
 from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
 from dschat.runtime.zero3 import gathered_parameters
 
@@ -109,6 +110,8 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
         self.cliprange_value = step3_flag(args, "cliprange_value")
         self.micro_stats: list[MicroStepStats] = []
         self._said_unaligned = False
+        # --zero3_gather_for_training: a ZeRO-3 model's forward and backward on its whole parameters, without hooks.
+        self.training_gather = TrainingGather(str(step3_flag(args, "zero3_gather_for_training")))
         # Critic-free: there is no second model to align with; the actor steps on its own.
         self.align_overflow = bool(args.align_overflow) and self.dtype == "fp16" and self.critic_model is not None
         if self.align_overflow:
@@ -197,37 +200,39 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
 
         batch = (exp.seq, exp.attention_mask, exp.position_ids)
         packed = self._packed(exp.seq, exp.attention_mask, "actor", "critic")
-        actor_log_prob = self._token_log_probs("actor", self.actor_model, *batch, packed)[:, start:]
         stored = exp.logprobs[:, start:]
         # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,
         # so use the current log-probs as the old ones (TRL #3493); dropout noise cannot inflate it.
         # Checked, not assumed: once the actor has stepped since the rollout, the stored ones.
         unchanged = self._policy_unchanged_since_rollout()
         on_policy = self.plan.on_policy and unchanged
-        old_logprobs = actor_log_prob.detach() if on_policy else stored
-        if self.settings.upstream_ppo_loss:
-            actor_loss = self.actor_loss_fn(actor_log_prob, old_logprobs, advantages, mask, normalizer)
-        else:
-            actor_loss = self._actor_loss(actor_log_prob, old_logprobs, advantages, exp, normalizer, on_policy)
+        # A non-finite loss skips that model's backward and step (--max_nonfinite_steps); with more
+        # than one micro-step per optimizer step, its accumulation then continues on the next one.
+        with self.training_gather("actor", self.actor_model):  # forward and backward; the step after it
+            actor_log_prob = self._token_log_probs("actor", self.actor_model, *batch, packed)[:, start:]
+            old_logprobs = actor_log_prob.detach() if on_policy else stored
+            if self.settings.upstream_ppo_loss:
+                actor_loss = self.actor_loss_fn(actor_log_prob, old_logprobs, advantages, mask, normalizer)
+            else:
+                actor_loss = self._actor_loss(actor_log_prob, old_logprobs, advantages, exp, normalizer, on_policy)
+            actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
+            if actor_ok:
+                self.actor_model.backward(actor_loss)
         policy = rl_math.ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=self.cliprange)
         gap = (float(rl_math.masked_mean((actor_log_prob.detach() - stored).abs().float(), mask))
                if unchanged and float(mask.sum()) > 0 else float("nan"))
-        # A non-finite loss skips that model's backward and step (--max_nonfinite_steps); with more
-        # than one micro-step per optimizer step, its accumulation then continues on the next one.
-        actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
-        if actor_ok:
-            self.actor_model.backward(actor_loss)
-            if not self.align_overflow:
-                self.nonfinite.step(self.actor_model, where="a PPO actor step")
+        if actor_ok and not self.align_overflow:
+            self.nonfinite.step(self.actor_model, where="a PPO actor step")
 
         if self.critic_model is None:  # critic-free: the actor's step is the whole update
             self.micro_stats.append(self._micro_stats(actor_loss, float("nan"), policy, mask, gap))
             return actor_loss, torch.tensor(float("nan"))
-        value = self._token_values(*batch, packed)[:, :-1]
-        critic_loss = self.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
-        critic_ok = self.nonfinite.loss_ok(critic_loss, where="a PPO critic micro-step")
-        if critic_ok:
-            self.critic_model.backward(critic_loss)
+        with self.training_gather("critic", self.critic_model):
+            value = self._token_values(*batch, packed)[:, :-1]
+            critic_loss = self.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
+            critic_ok = self.nonfinite.loss_ok(critic_loss, where="a PPO critic micro-step")
+            if critic_ok:
+                self.critic_model.backward(critic_loss)
         if self.align_overflow:  # fp16: both models step together, DeepSpeed's loss scaler decides
             if actor_ok and critic_ok:
                 self._aligned_steps()
@@ -356,11 +361,14 @@ class DeepSpeedPPOTrainerUnsupervised(DeepSpeedPPOTrainer):
 
     def train_unsupervised(self, inputs: dict[str, torch.Tensor], unsup_coef: float) -> torch.Tensor:
         self._validate_training_mode()
-        outputs = self.actor_model(**inputs, use_cache=False)
-        loss = outputs.loss
-        if self.compute_fp32_loss:
-            loss = rl_math.causal_lm_loss(outputs.logits, inputs["labels"], fp32=True)
-        if self.nonfinite.loss_ok(loss, where="a PPO-ptx micro-step"):
-            self.actor_model.backward(unsup_coef * loss)
+        with self.training_gather("actor", self.actor_model):
+            outputs = self.actor_model(**inputs, use_cache=False)
+            loss = outputs.loss
+            if self.compute_fp32_loss:
+                loss = rl_math.causal_lm_loss(outputs.logits, inputs["labels"], fp32=True)
+            ok = self.nonfinite.loss_ok(loss, where="a PPO-ptx micro-step")
+            if ok:
+                self.actor_model.backward(unsup_coef * loss)
+        if ok:
             self.nonfinite.step(self.actor_model, where="a PPO-ptx step")
         return loss

@@ -19,17 +19,9 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from dschat.runtime.dist import print_rank_0
-from dschat.runtime.zero3 import fits_gathered, gathered_without_hooks, zero3_offload
+from dschat.runtime.zero3 import fits_gathered, gathered_without_hooks, params_offloaded, zero3_offload
 
 __all__ = ["ScoringGather"]
-
-
-def _params_offloaded(engine: Any) -> bool:
-    """Whether ZeRO-3 keeps ``engine``'s parameters off the accelerator (``offload_param``: the
-    ``--offload_reference_model`` / ``--offload_reward_model`` / ``--offload`` configs)."""
-    getter = getattr(engine, "zero_offload_param", None)
-    config = getter() if callable(getter) else None
-    return config is not None and getattr(config, "device", "none") != "none"
 
 
 class ScoringGather:
@@ -51,7 +43,7 @@ class ScoringGather:
         if name not in self.decided:
             if self.setting == "on":
                 self.decided[name], why_not = True, ""
-            elif _params_offloaded(engine):  # the user asked to keep it off the accelerator
+            elif params_offloaded(engine):  # the user asked to keep it off the accelerator
                 self.decided[name], why_not = False, "its parameters are offloaded; --zero3_gather_for_scoring on gathers them"
             else:
                 self.decided[name] = fits_gathered(engine.module)

@@ -39,8 +39,12 @@ __all__ = [
     "fits_gathered",
     "parameter_offload",
     "zero3_offload",
+    "params_offloaded",
+    "whole_partitions",
     "gathered_without_hooks",
     "gathered_whole",
+    "mark_trained_whole",
+    "trained_whole",
     "hooks_detached",
 ]
 
@@ -182,6 +186,24 @@ def zero3_offload(engine: Any) -> Any:
         return None
 
 
+def params_offloaded(engine: Any) -> bool:
+    """Whether ZeRO-3 keeps ``engine``'s parameters off the accelerator (``offload_param``: the
+    ``--offload_reference_model`` / ``--offload_reward_model`` / ``--offload`` configs)."""
+    getter = getattr(engine, "zero_offload_param", None)
+    config = getter() if callable(getter) else None
+    return config is not None and getattr(config, "device", "none") != "none"
+
+
+def whole_partitions(engine: Any) -> bool:
+    """Whether every ZeRO-3 partition of ``engine`` is its whole parameter (one rank in each
+    parameter's partition group): gathering then makes each parameter a view of its partition
+    (DeepSpeed's ``_no_gather_coalesced``), which costs no memory where the parameters are not offloaded."""
+    groups = {id(p.ds_process_group): p.ds_process_group for p in engine.module.parameters() if hasattr(p, "ds_id")}
+    if not torch.distributed.is_initialized():
+        return True
+    return all(torch.distributed.get_world_size(group) == 1 for group in groups.values())
+
+
 @contextmanager
 def gathered_without_hooks(engine: Any) -> Iterator[None]:
     """All parameters gathered once and ZeRO-3's hooks detached, for one rollout.
@@ -221,6 +243,25 @@ def gathered_whole(engine: Any) -> bool:
     on whole parameters, nothing for ZeRO-3's trace to see."""
     offload = zero3_offload(engine)
     return offload is not None and offload in _GATHERED_WHOLE
+
+
+# The parameter offloads of trained ZeRO-3 engines whose training passes run gathered whole.
+_TRAINED_WHOLE: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def mark_trained_whole(engine: Any, whole: bool = True) -> None:
+    """Record that ``engine``'s training passes (forward and backward) run inside
+    :func:`gathered_without_hooks` (``whole=False``: no longer): its passes through ZeRO-3's hooks are
+    then all without gradients, as a frozen model's (:mod:`~dschat.runtime.zero3_trace`)."""
+    offload = zero3_offload(engine)
+    if offload is not None:
+        (_TRAINED_WHOLE.add if whole else _TRAINED_WHOLE.discard)(offload)
+
+
+def trained_whole(engine: Any) -> bool:
+    """Whether :func:`mark_trained_whole` marked ``engine``."""
+    offload = zero3_offload(engine)
+    return offload is not None and offload in _TRAINED_WHOLE
 
 
 @contextmanager

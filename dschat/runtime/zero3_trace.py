@@ -24,7 +24,9 @@ partitioning again what the trace kept gathered for the backward it will not run
 :func:`begin_passes_with_dschats_rule` puts those rules on a trained engine's root module, in place of
 DeepSpeed's hook; :mod:`dschat.rlhf.packed_passes` wraps each ``forward_value`` pass in :func:`zero3_pass`.
 (The rollout's gather keeps the trace too: :func:`~dschat.runtime.zero3.gathered_without_hooks`;
-a pass inside that gather, such as a scoring pass of a model gathered whole, is no ZeRO-3 pass.)
+a pass inside that gather, such as a scoring pass of a model gathered whole, is no ZeRO-3 pass. An
+engine whose training passes run gathered whole, ``--zero3_gather_for_training``, is ruled as a
+frozen one: its passes through the hooks have no backward.)
 Everything here is a no-op below ZeRO-3 and for plain modules.
 """
 from __future__ import annotations
@@ -36,16 +38,18 @@ import torch
 from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 from deepspeed.runtime.zero.partitioned_param_coordinator import iter_params
 
-from dschat.runtime.zero3 import gathered_whole, zero3_offload
+from dschat.runtime.zero3 import gathered_whole, trained_whole, zero3_offload
 
 __all__ = ["zero3_pass", "begin_passes_with_dschats_rule"]
 
 
 def _trains(engine: Any) -> bool:
-    """Whether ``engine`` is a ZeRO-3 engine with an optimizer (its passes have backwards); an
-    inference engine's offload is the optimizer slot itself."""
+    """Whether ``engine`` is a ZeRO-3 engine with an optimizer whose training passes run through
+    ZeRO-3's hooks (its hooked passes have backwards); an inference engine's offload is the optimizer
+    slot itself, and an engine trained gathered whole (:func:`~dschat.runtime.zero3.mark_trained_whole`)
+    runs only passes without gradients through them."""
     optimizer = getattr(engine, "optimizer", None)
-    return optimizer is not None and hasattr(optimizer, "parameter_offload")
+    return optimizer is not None and hasattr(optimizer, "parameter_offload") and not trained_whole(engine)
 
 
 def _begin(coordinator: Any, trains: bool) -> None:
@@ -94,10 +98,10 @@ def begin_passes_with_dschats_rule(engine: Any) -> None:
         return
 
     def start_of_pass(module: torch.nn.Module, args: Any) -> None:
-        _begin(offload.get_param_coordinator(), True)
+        _begin(offload.get_param_coordinator(), _trains(engine))
 
     def end_of_pass(module: torch.nn.Module, args: Any, output: Any) -> None:
-        _end(offload, True)
+        _end(offload, _trains(engine))
 
     offload.fwd_pre_hook.remove()
     offload.fwd_pre_hook = offload.module.register_forward_pre_hook(start_of_pass, prepend=True)

@@ -79,13 +79,18 @@ def _coordinators(trainer) -> dict[str, object]:
     return {role: parameter_offload(e).get_param_coordinator() for role, e in engines.items()}
 
 
+HOOKED_TRAINING = ("--zero3_gather_for_training", "off")  # the training passes through ZeRO-3's hooks
+
+
 @pytest.mark.parametrize("extra", [
-    (),                                                   # gathered once for generation, dschat's loop
-    ("--zero3_gather_for_generation", "off"),             # fetched per layer for every token (HF generate)
-    ("--actor_lora_dim", "4", "--enable_hybrid_engine"),  # LoRA fused into dschat's Hybrid Engine
-    ("--sequence_packing", "off", "--actor_gradient_checkpointing", "--critic_gradient_checkpointing"),
-    ("--zero3_gather_for_scoring", "off"),                # scoring passes fetch module by module too
-], ids=["gather", "per-layer", "lora-hybrid-engine", "padded-checkpointing", "scoring-per-module"])
+    HOOKED_TRAINING,                                      # gathered once for generation, dschat's loop
+    ("--zero3_gather_for_generation", "off", *HOOKED_TRAINING),  # fetched per layer for every token (HF generate)
+    ("--actor_lora_dim", "4", "--enable_hybrid_engine", *HOOKED_TRAINING),  # LoRA fused into dschat's Hybrid Engine
+    ("--sequence_packing", "off", "--actor_gradient_checkpointing", "--critic_gradient_checkpointing", *HOOKED_TRAINING),
+    ("--zero3_gather_for_scoring", "off", *HOOKED_TRAINING),  # scoring passes fetch module by module too
+    ("--zero3_gather_for_generation", "off"),             # training gathered whole: the hooked passes are the decode steps'
+], ids=["gather", "per-layer", "lora-hybrid-engine", "padded-checkpointing", "scoring-per-module",
+        "per-layer-training-gathered"])
 def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(extra, monkeypatch, critic_dirs,
                                                                              data_cache):
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator
@@ -122,9 +127,13 @@ def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(ext
     # the second step's passes complete it as they begin; no pass ever leaves the recorded order --
     # generation included -- and from the third step the trace is complete before training begins.
     assert invalidated == []
-    assert all(done for i, _, done in complete_at_training if i >= 2), complete_at_training
     assert left_whole == []
-    assert coordinators["actor"].is_complete_trace() and coordinators["critic"].is_complete_trace()
+    if "--zero3_gather_for_training" in extra:
+        assert all(done for i, _, done in complete_at_training if i >= 2), complete_at_training
+        assert coordinators["actor"].is_complete_trace() and coordinators["critic"].is_complete_trace()
+    else:  # trained gathered whole: the critic's passes never run the hooks; the actor's decode steps
+        # record its trace as a frozen model's passes do (no backward to wait for) and keep it
+        assert coordinators["actor"].is_complete_trace() and not coordinators["critic"].is_complete_trace()
     # The frozen models' passes are scoring passes only: gathered whole (the default), they never run
     # DeepSpeed's hooks, so their traces are never recorded; fetched module by module, they are.
     scoring_hooked = "--zero3_gather_for_scoring" in extra

@@ -1,0 +1,134 @@
+"""ZeRO-3 training passes on whole models (dschat/rlhf/training_gather.py, ``--zero3_gather_for_training``):
+the actor's and the critic's forward and backward run on their gathered parameters without ZeRO-3's
+hooks, and train as the hooked passes do."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from test_zero3_trace import PROMPT_MASK, PROMPTS, _trainer, _whole_non_persistent
+
+
+def _train(trainer, steps: int = 3) -> tuple[list[tuple[float, float]], list[dict[str, torch.Tensor]]]:
+    """PPO steps of ``trainer``: the micro-steps' losses, and the gradients each optimizer step takes."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from dschat.runtime.zero3 import gathered_whole
+
+    grads: list[dict[str, torch.Tensor]] = []
+    step = trainer.nonfinite.step
+
+    def recording_step(engine, **kwargs):
+        grads.append({name: safe_get_full_grad(param).clone() for name, param in engine.module.named_parameters()
+                      if param.requires_grad})
+        return step(engine, **kwargs)
+
+    trainer.nonfinite.step = recording_step
+    losses = []
+    for i in range(steps):
+        torch.manual_seed(100 + i)
+        exp = trainer.generate_experience(PROMPTS, PROMPT_MASK, i)
+        trainer.prepare_rollout([exp])
+        trainer.train()
+        for _, micro, _ in trainer.schedule([exp], None):
+            actor_loss, critic_loss = trainer.train_rlhf(micro)
+            losses.append((actor_loss.item(), critic_loss.item()))
+            for engine in (trainer.actor_model, trainer.critic_model):  # released before each optimizer step
+                assert not gathered_whole(engine) and _whole_non_persistent(engine) == 0
+        trainer.eval()
+    return losses, grads
+
+
+@pytest.mark.parametrize("extra", [
+    (),
+    ("--actor_lora_dim", "4", "--actor_gradient_checkpointing", "--critic_gradient_checkpointing"),
+    ("--sequence_packing", "off", "--gradient_accumulation_steps", "2"),
+], ids=["packed", "lora-checkpointing", "padded-accumulation"])
+def test_training_on_whole_models_trains_as_the_hooked_passes(extra, critic_dirs, data_cache, capsys, monkeypatch):
+    from dschat.rlhf import training_gather
+    from dschat.runtime.zero3 import gathered_whole, gathered_without_hooks
+
+    runs = {}
+    for setting in ("auto", "off"):
+        trainer = _trainer(critic_dirs, data_cache, "--zero3_gather_for_training", setting, *extra)
+        roles = {id(trainer.actor_model): "actor", id(trainer.critic_model): "critic"}
+        gathered_for: list[str] = []
+
+        @contextmanager
+        def recording(engine):
+            with gathered_without_hooks(engine):
+                assert gathered_whole(engine)
+                gathered_for.append(roles[id(engine)])
+                yield
+
+        monkeypatch.setattr(training_gather, "gathered_without_hooks", recording)
+        runs[setting] = _train(trainer)
+        micro_steps = len(runs[setting][0])
+        assert gathered_for == (["actor", "critic"] * micro_steps if setting == "auto" else [])
+    (gathered_losses, gathered), (hooked_losses, hooked) = runs["auto"], runs["off"]
+    # The first micro-step's forward passes are the same to the bit (the same weights, the same
+    # forward). The backward adds the same gradient contributions, some grouped differently (ZeRO-3's
+    # hooks wrap each module's inputs and outputs in identity autograd nodes), so the first optimizer
+    # steps' gradients agree to fp32 rounding, and the losses that follow, after Adam's steps, closely.
+    assert gathered_losses[0] == hooked_losses[0]
+    assert len(gathered) == len(hooked) and gathered[0].keys() == hooked[0].keys()
+    for first_gathered, first_hooked in zip(gathered[:2], hooked[:2]):  # the actor's and the critic's first
+        for name, grad in first_gathered.items():
+            scale = float(first_hooked[name].abs().max())
+            torch.testing.assert_close(grad, first_hooked[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
+    torch.testing.assert_close(torch.tensor(gathered_losses), torch.tensor(hooked_losses), rtol=1e-4, atol=1e-6)
+    out = capsys.readouterr().out
+    assert "ZeRO-3 training: the actor's parameters gathered once per forward and backward" in out
+    assert "ZeRO-3 training: the critic's parameters fetched module by module (--zero3_gather_for_training off)" in out
+
+
+def test_auto_gathers_only_where_it_costs_no_memory(monkeypatch, capsys):
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    from dschat.rlhf import training_gather
+
+    monkeypatch.setattr(training_gather, "zero3_offload", lambda engine: object())  # any ZeRO-3 engine
+    monkeypatch.setattr(training_gather, "mark_trained_whole", lambda engine, whole: None)
+    entered: list[object] = []
+    monkeypatch.setattr(training_gather, "gathered_without_hooks", lambda engine: entered.append(engine) or nullcontext())
+    one_rank = SimpleNamespace(zero_offload_param=lambda: SimpleNamespace(device="none"), ranks=1)
+    two_ranks = SimpleNamespace(zero_offload_param=lambda: SimpleNamespace(device="none"), ranks=2)
+    offloaded = SimpleNamespace(zero_offload_param=lambda: SimpleNamespace(device="cpu"), ranks=1)
+    monkeypatch.setattr(training_gather, "whole_partitions", lambda engine: engine.ranks == 1)
+    auto = training_gather.TrainingGather("auto")
+    for name, engine in (("actor", one_rank), ("critic", two_ranks), ("reward", offloaded), ("actor", one_rank)):
+        with auto(name, engine):
+            pass
+    assert entered == [one_rank, one_rank]
+    with training_gather.TrainingGather("on")("critic", two_ranks):
+        pass
+    assert entered[-1] is two_ranks
+    with training_gather.TrainingGather("off")("actor", one_rank):
+        pass
+    assert len(entered) == 3
+    out = capsys.readouterr().out
+    assert out.count("the actor's parameters gathered once per forward and backward") == 1
+    assert "the critic's parameters fetched module by module (it is partitioned over more than one rank" in out
+    assert "the reward's parameters fetched module by module (its parameters are offloaded" in out
+    with pytest.raises(ValueError, match="--zero3_gather_for_training must be auto, on or off"):
+        training_gather.TrainingGather("yes")
+
+
+def test_an_engine_trained_whole_records_its_trace_at_passes_without_gradients(critic_dirs, data_cache):
+    from dschat.runtime.zero3 import mark_trained_whole, parameter_offload, trained_whole, whole_partitions
+    from dschat.runtime.zero3_trace import zero3_pass
+
+    trainer = _trainer(critic_dirs, data_cache)
+    critic = parameter_offload(trainer.critic_model).get_param_coordinator()
+    assert whole_partitions(trainer.critic_model) and not trained_whole(trainer.critic_model)
+    with torch.no_grad(), zero3_pass(trainer.critic_model):  # hooked training to come: wait for its backward
+        pass
+    assert critic.is_invalid_trace()
+    mark_trained_whole(trainer.critic_model)  # its training passes run gathered: this pass is all there is
+    with torch.no_grad(), zero3_pass(trainer.critic_model):
+        assert critic.is_record_trace()
+    mark_trained_whole(trainer.critic_model, False)
+    assert not trained_whole(trainer.critic_model)
