@@ -89,7 +89,7 @@ LLAMA_SHAPES: dict[str, dict[str, Any]] = {
 }
 
 MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs", "ours-no-pack", "ours-no-score-gather",
-         "ours-no-train-gather", "ours-graphs", "ours-he", "ours-tp")
+         "ours-no-train-gather", "ours-hooked", "ours-graphs", "ours-he", "ours-tp")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -107,7 +107,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "acts on that padding)")
     p.add_argument("--batch", type=int, default=4, help="per-device generation = training batch")
     p.add_argument("--steps", type=int, default=3, help="measured PPO iterations per mode")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured PPO iterations per mode")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured PPO iterations per mode (use 2 where a mode trains through ZeRO-3's hooks: "
+                        "DeepSpeed works out its release plan once, at the first step with a complete trace)")
     p.add_argument("--zero_stage", type=int, default=0, choices=(0, 1, 2, 3), help="actor and critic ZeRO stage")
     p.add_argument("--lora_dim", type=int, default=0, help="actor LoRA rank (0: off)")
     p.add_argument("--hybrid_engine", action="store_true", help="--enable_hybrid_engine for ours")
@@ -118,7 +120,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "per layer and token, which also means HF generate instead of dschat's loop; "
                         "ours-no-graphs: --generation_loop dschat; ours-no-pack: --sequence_packing off; "
                         "ours-no-score-gather: --zero3_gather_for_scoring off; ours-no-train-gather: "
-                        "--zero3_gather_for_training off), or "
+                        "--zero3_gather_for_training off; ours-hooked: both off), or "
                         "ours with --generation_loop graphs "
                         "(ours-graphs), or ours decoding with dschat's Hybrid Engine (ours-he, what "
                         "--enable_hybrid_engine selects), or ours-he over tensor-parallel groups of "
@@ -485,9 +487,9 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
         supported = trainer.packing_supported = dict(getattr(trainer, "packing", {}))
     trainer.packing = {name: ok and ours and mode != "ours-no-pack" for name, ok in supported.items()}
     # --zero3_gather_for_scoring: ours gathers each ZeRO-3 model once for its scoring pass; the baseline does not.
-    trainer.scoring_gather = ScoringGather("auto" if ours and mode != "ours-no-score-gather" else "off")
+    trainer.scoring_gather = ScoringGather("auto" if ours and mode not in ("ours-no-score-gather", "ours-hooked") else "off")
     # --zero3_gather_for_training: ours trains each ZeRO-3 model gathered whole on one rank; the baseline does not.
-    trainer.training_gather = TrainingGather("auto" if ours and mode != "ours-no-train-gather" else "off")
+    trainer.training_gather = TrainingGather("auto" if ours and mode not in ("ours-no-train-gather", "ours-hooked") else "off")
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 

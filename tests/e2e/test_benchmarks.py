@@ -102,6 +102,14 @@ def test_step3_ablation_modes_configure_one_path_off_and_ratio_only_for_two_mode
     assert not gen.use_dschat_engine
     bench.configure(trainer, "ours", False, dschat_he=True)  # --hybrid_engine
     assert gen.use_dschat_engine
+    # The ZeRO-3 gathers of the scoring and the training passes: ours' default, off one by one or both.
+    gathers = {}
+    for mode in ("ours", "ours-no-score-gather", "ours-no-train-gather", "ours-hooked", "baseline"):
+        bench.configure(trainer, mode, False)
+        gathers[mode] = (trainer.scoring_gather.setting, trainer.training_gather.setting)
+    assert gathers == {"ours": ("auto", "auto"), "ours-no-score-gather": ("off", "auto"),
+                       "ours-no-train-gather": ("auto", "off"), "ours-hooked": ("off", "off"),
+                       "baseline": ("off", "off")}
     llama = bench.llama_config("llama-1b", 0, 1, 2)  # Llama-3.2-1B's shape: 1.24 B parameters
     E, L, V = llama.hidden_size, llama.num_hidden_layers, llama.vocab_size
     per_layer = E * (E + 2 * llama.num_key_value_heads * llama.head_dim) + E * E + 3 * E * llama.intermediate_size
