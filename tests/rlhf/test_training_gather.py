@@ -132,3 +132,58 @@ def test_an_engine_trained_whole_records_its_trace_at_passes_without_gradients(c
         assert critic.is_record_trace()
     mark_trained_whole(trainer.critic_model, False)
     assert not trained_whole(trainer.critic_model)
+
+
+def test_offloaded_zero3_engines_keep_their_hooks_under_auto(critic_dirs, data_cache, capsys):
+    """``--offload`` (ZeRO-3 keeps the parameters off the accelerator): ``auto`` leaves actor and critic
+    to ZeRO-3's hooks, which fetch one module at a time, and the PPO step trains."""
+    from dschat.runtime.zero3 import params_offloaded, trained_whole
+
+    trainer = _trainer(critic_dirs, data_cache, "--offload")
+    assert params_offloaded(trainer.actor_model) and params_offloaded(trainer.critic_model)
+    losses, _ = _train(trainer, steps=1)
+    assert all(torch.isfinite(torch.tensor(pair)).all() for pair in losses)
+    assert not trained_whole(trainer.actor_model) and trainer.training_gather.decided == {"actor": False, "critic": False}
+    assert "ZeRO-3 training: the critic's parameters fetched module by module (its parameters are offloaded" in capsys.readouterr().out
+
+
+def test_the_ptx_step_trains_on_the_whole_actor_as_the_hooked_one(critic_dirs, data_cache):
+    """PPO-ptx's language-model step (``train_unsupervised``) runs on the gathered actor too: the same
+    loss, gradients within fp32 rounding of the hooked pass's."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainerUnsupervised
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.runtime.dist import init_distributed
+    from helpers.step3 import base_argv, step3_main
+
+    init_distributed()
+    ids = torch.tensor([[1, 40, 41, 42, 43, 44], [1, 45, 46, 47, 48, 3]])
+    batch = {"input_ids": ids, "attention_mask": (ids != 3).long(), "labels": torch.where(ids == 3, -100, ids)}
+    runs = {}
+    for setting in ("auto", "off"):
+        args = step3_main().parse_args(base_argv(
+            "tiny-llama", critic_dirs["tiny-llama"], data_cache, "--actor_zero_stage", "3", "--critic_zero_stage", "3",
+            "--unsupervised_dataset_name", "dschat/builtin", "--unsup_coef", "0.5",
+            "--zero3_gather_for_training", setting))
+        torch.manual_seed(0)
+        engine = DeepSpeedRLHFEngine("tiny-llama", str(critic_dirs["tiny-llama"]), load_hf_tokenizer("tiny-llama"),
+                                     args, 10)
+        trainer = DeepSpeedPPOTrainerUnsupervised(engine, args)
+        grads = {}
+        step = trainer.nonfinite.step
+
+        def recording_step(model, **kwargs):
+            grads.update({n: safe_get_full_grad(p).clone() for n, p in model.module.named_parameters() if p.requires_grad})
+            return step(model, **kwargs)
+
+        trainer.nonfinite.step = recording_step
+        trainer.train()
+        loss = trainer.train_unsupervised(batch, 0.5).item()
+        runs[setting] = (loss, grads, trainer.training_gather.decided)
+    (loss, grads, decided), (hooked_loss, hooked_grads, _) = runs["auto"], runs["off"]
+    assert decided == {"actor": True} and loss == hooked_loss and grads.keys() == hooked_grads.keys()
+    for name, grad in grads.items():
+        scale = float(hooked_grads[name].abs().max())
+        torch.testing.assert_close(grad, hooked_grads[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
