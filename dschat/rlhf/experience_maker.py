@@ -51,7 +51,7 @@ from dschat.rlhf.decoding import Rollout
 from dschat.rlhf.experience import Experience, sequence_masks
 from dschat.rlhf.packed_passes import (pack_batch, resolve_sequence_packing, reward_end_scores, shifted_log_probs,
                                        token_log_probs, token_values)
-from dschat.rlhf.scoring_gather import ScoringGather
+from dschat.rlhf.zero3_gathers import ScoringGather
 from dschat.runtime.dist import all_reduce_sum, get_rank, print_rank_0
 from dschat.training.nonfinite import NonFiniteGuard
 

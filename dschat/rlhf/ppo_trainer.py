@@ -39,7 +39,7 @@ from dschat.rewards import RewardMix
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.batch_plan import BatchPlan, plan_batches
-from dschat.rlhf.training_gather import TrainingGather
+from dschat.rlhf.zero3_gathers import TrainingGather
 from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size, print_rank_0
 from dschat.runtime.zero3 import gathered_parameters
 

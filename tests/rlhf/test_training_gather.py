@@ -1,14 +1,12 @@
-"""ZeRO-3 training passes on whole models (dschat/rlhf/training_gather.py, ``--zero3_gather_for_training``):
+"""ZeRO-3 training passes on whole models (dschat/rlhf/zero3_gathers.py, ``--zero3_gather_for_training``):
 the actor's and the critic's forward and backward run on their gathered parameters without ZeRO-3's
 hooks, and train as the hooked passes do."""
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
-from test_zero3_trace import PROMPT_MASK, PROMPTS, _trainer, _whole_non_persistent
+from test_zero3_trace import PROMPT_MASK, PROMPTS, _trainer, _whole_non_persistent, recording_gathers
 
 
 def _train(trainer, steps: int = 3) -> tuple[list[tuple[float, float]], list[dict[str, torch.Tensor]]]:
@@ -47,26 +45,16 @@ def _train(trainer, steps: int = 3) -> tuple[list[tuple[float, float]], list[dic
     ("--sequence_packing", "off", "--gradient_accumulation_steps", "2"),
 ], ids=["packed", "lora-checkpointing", "padded-accumulation"])
 def test_training_on_whole_models_trains_as_the_hooked_passes(extra, critic_dirs, data_cache, capsys, monkeypatch):
-    from dschat.rlhf import training_gather
-    from dschat.runtime.zero3 import gathered_whole, gathered_without_hooks
-
     runs = {}
     for setting in ("auto", "off"):
         trainer = _trainer(critic_dirs, data_cache, "--zero3_gather_for_training", setting, *extra)
-        roles = {id(trainer.actor_model): "actor", id(trainer.critic_model): "critic"}
-        gathered_for: list[str] = []
-
-        @contextmanager
-        def recording(engine):
-            with gathered_without_hooks(engine):
-                assert gathered_whole(engine)
-                gathered_for.append(roles[id(engine)])
-                yield
-
-        monkeypatch.setattr(training_gather, "gathered_without_hooks", recording)
+        gathered_for = recording_gathers(monkeypatch, {id(trainer.actor_model): "actor", id(trainer.ref_model): "ref",
+                                                       id(trainer.critic_model): "critic", id(trainer.reward_model): "reward"})
         runs[setting] = _train(trainer)
-        micro_steps = len(runs[setting][0])
-        assert gathered_for == (["actor", "critic"] * micro_steps if setting == "auto" else [])
+        # Each of the 3 rollouts' scoring passes gathers the critic (the actor's log-probs come from
+        # generation); each micro-step's training passes gather the actor and the critic.
+        micro_steps = len(runs[setting][0]) if setting == "auto" else 0
+        assert (gathered_for.count("actor"), gathered_for.count("critic")) == (micro_steps, 3 + micro_steps)
     (gathered_losses, gathered), (hooked_losses, hooked) = runs["auto"], runs["off"]
     # The first micro-step's forward passes are the same to the bit (the same weights, the same
     # forward). The backward adds the same gradient contributions, some grouped differently (ZeRO-3's
@@ -88,7 +76,7 @@ def test_auto_gathers_only_where_it_costs_no_memory(monkeypatch, capsys):
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from dschat.rlhf import training_gather
+    from dschat.rlhf import zero3_gathers as training_gather
 
     monkeypatch.setattr(training_gather, "zero3_offload", lambda engine: object())  # any ZeRO-3 engine
     monkeypatch.setattr(training_gather, "mark_trained_whole", lambda engine, whole: None)

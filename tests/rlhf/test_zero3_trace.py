@@ -1,7 +1,7 @@
 """ZeRO-3's prefetch trace across step 3's passes (dschat/runtime/zero3_trace.py): after the first
 PPO step every ZeRO-3 engine holds a complete trace, nothing invalidates it, and the actor
 keeps its module ids through the rollout's gather; hooks_detached puts hooks back where they were.
-Scoring passes on whole models (dschat/rlhf/scoring_gather.py) give the same experience."""
+Scoring passes on whole models (dschat/rlhf/zero3_gathers.py) give the same experience."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -69,6 +69,25 @@ def _whole_non_persistent(engine) -> int:
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     return sum(1 for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
+
+
+def recording_gathers(monkeypatch, roles: dict[int, str]) -> list[str]:
+    """Route the whole-model gathers of dschat/rlhf/zero3_gathers.py through a recorder; returns the
+    list it fills with the role of each model gathered (``roles``: engine id -> role), in order."""
+    from dschat.rlhf import zero3_gathers
+    from dschat.runtime.zero3 import gathered_whole, gathered_without_hooks
+
+    gathered_for: list[str] = []
+
+    @contextmanager
+    def recording(engine):
+        with gathered_without_hooks(engine):
+            assert gathered_whole(engine)
+            gathered_for.append(roles[id(engine)])
+            yield
+
+    monkeypatch.setattr(zero3_gathers, "gathered_without_hooks", recording)
+    return gathered_for
 
 
 def _coordinators(trainer) -> dict[str, object]:
@@ -168,26 +187,16 @@ def test_a_trained_engine_records_its_trace_at_a_pass_with_a_backward(critic_dir
                          ids=["packed", "padded-critic-lora"])
 def test_scoring_passes_on_whole_models_give_the_same_experience(extra, critic_dirs, data_cache, capsys,
                                                                   monkeypatch):
-    from dschat.rlhf import scoring_gather
-    from dschat.runtime.zero3 import gathered_whole, gathered_without_hooks
+    from dschat.rlhf.zero3_gathers import ScoringGather
+    from dschat.runtime.zero3 import gathered_whole
 
     trainer = _trainer(critic_dirs, data_cache, *extra)
     trainer.reuse_rollout_logprobs = False  # the actor's scoring pass too
-    roles = {id(trainer.actor_model): "actor", id(trainer.ref_model): "ref", id(trainer.critic_model): "critic",
-             id(trainer.reward_model): "reward"}
-    gathered_for: list[str] = []
-
-    @contextmanager
-    def recording(engine):
-        with gathered_without_hooks(engine):
-            assert gathered_whole(engine)
-            gathered_for.append(roles[id(engine)])
-            yield
-
-    monkeypatch.setattr(scoring_gather, "gathered_without_hooks", recording)
+    gathered_for = recording_gathers(monkeypatch, {id(trainer.actor_model): "actor", id(trainer.ref_model): "ref",
+                                                   id(trainer.critic_model): "critic", id(trainer.reward_model): "reward"})
     experiences = {}
     for setting in ("auto", "off"):
-        trainer.scoring_gather = scoring_gather.ScoringGather(setting)
+        trainer.scoring_gather = ScoringGather(setting)
         gathered_for.clear()
         torch.manual_seed(7)
         experiences[setting] = trainer.generate_experience(PROMPTS, PROMPT_MASK, 0)
@@ -203,7 +212,7 @@ def test_scoring_gather_leaves_offloaded_models_where_the_user_put_them(monkeypa
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from dschat.rlhf import scoring_gather
+    from dschat.rlhf import zero3_gathers as scoring_gather
 
     monkeypatch.setattr(scoring_gather, "zero3_offload", lambda engine: object())  # any ZeRO-3 engine
     monkeypatch.setattr(scoring_gather, "fits_gathered", lambda module: True)
