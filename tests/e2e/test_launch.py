@@ -242,6 +242,7 @@ def test_oom_advice_names_each_steps_flags():
     step3 = L.oom_advice("step3", cpu=True, e2e=True)
     assert "--per_device_generation_batch_size" in step3 and "(GPU memory in GB / 6)" in step3
     assert "--actor-zero-stage 3" in step3 and "RAM" in step3
+    assert "--zero3_gather_for_scoring off" in step3 and "--zero3_gather_for_scoring" not in L.oom_advice("step1")
 
 
 def test_cli_dry_run_and_parameters(fake_root, capsys):
