@@ -38,7 +38,9 @@ costs.
 
 ``--actor`` / ``--critic`` take a model folder, a dschat short name, or ``opt-1.3b`` / ``opt-350m``
 (upstream's shapes with random weights, built from the configs, no download; tokenizer from
-``tiny-opt``).
+``tiny-opt``). ``opt-1.3b-thin`` / ``opt-350m-thin`` keep those models' 24 layers and layer-norm
+placement at hidden size 64 and a 1024-id vocabulary: on a CPU their host work (hooks, launches,
+bookkeeping) is most of a step, as a GPU's is more nearly.
 """
 from __future__ import annotations
 
@@ -69,6 +71,11 @@ OPT_SHAPES: dict[str, dict[str, Any]] = {
                      word_embed_proj_dim=2048, do_layer_norm_before=True),
     "opt-350m": dict(hidden_size=1024, num_hidden_layers=24, ffn_dim=4096, num_attention_heads=16,
                      word_embed_proj_dim=512, do_layer_norm_before=False),
+    # The same layers, thin (hidden 64, 4 heads, a 1024-id vocabulary): a CPU stand-in for a GPU's host work.
+    "opt-1.3b-thin": dict(hidden_size=64, num_hidden_layers=24, ffn_dim=256, num_attention_heads=4,
+                          word_embed_proj_dim=64, do_layer_norm_before=True, vocab_size=1024),
+    "opt-350m-thin": dict(hidden_size=64, num_hidden_layers=24, ffn_dim=256, num_attention_heads=4,
+                          word_embed_proj_dim=32, do_layer_norm_before=False, vocab_size=1024),
 }
 # Data-sheet peaks (dense bf16 tensor-core FLOP/s, HBM bytes/s) for the GPUs this project is lent.
 GPU_PEAKS: dict[str, tuple[float, float]] = {
@@ -95,7 +102,7 @@ MODES = ("baseline", "ours", "ours-no-fuse", "ours-no-gather", "ours-no-graphs",
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--actor", default="smollm2-135m",
-                   help="actor model (folder, short name, opt-1.3b, opt-350m, llama-1b)")
+                   help="actor model (folder, short name, opt-1.3b, opt-350m, their -thin twins, llama-1b)")
     p.add_argument("--critic", default=None, help="critic/reward body (default: the actor's model); random value head")
     p.add_argument("--prompt_len", type=int, default=64, help="--max_prompt_seq_len: prompts are left-padded to it")
     p.add_argument("--answer_len", type=int, default=64, help="--max_answer_seq_len; every answer has exactly this many tokens")
@@ -174,11 +181,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 # Models
 # ------------------------------------------------------------------------------------------------
 def opt_config(name: str, pad_token_id: int, bos_token_id: int, eos_token_id: int) -> Any:
-    """The ``OPTConfig`` of ``opt-1.3b`` / ``opt-350m`` (:data:`OPT_SHAPES`, OPT's vocabulary and positions)."""
+    """The ``OPTConfig`` of ``opt-1.3b`` / ``opt-350m`` and their thin twins (:data:`OPT_SHAPES`; OPT's vocabulary,
+    unless the shape says otherwise, and positions)."""
     from transformers import OPTConfig
 
-    return OPTConfig(vocab_size=50272, max_position_embeddings=2048, pad_token_id=pad_token_id,
-                     bos_token_id=bos_token_id, eos_token_id=eos_token_id, **OPT_SHAPES[name])
+    return OPTConfig(**{"vocab_size": 50272, "max_position_embeddings": 2048, "pad_token_id": pad_token_id,
+                        "bos_token_id": bos_token_id, "eos_token_id": eos_token_id, **OPT_SHAPES[name]})
 
 
 def llama_config(name: str, pad_token_id: int, bos_token_id: int, eos_token_id: int) -> Any:
@@ -488,7 +496,9 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     # --zero3_gather_for_scoring: ours gathers each ZeRO-3 model once for its scoring pass; the baseline does not.
     trainer.scoring_gather = ScoringGather("auto" if ours and mode not in ("ours-no-score-gather", "ours-hooked") else "off")
     # --zero3_gather_for_training: ours trains each ZeRO-3 model gathered whole on one rank; the baseline does not.
-    trainer.training_gather = TrainingGather("auto" if ours and mode not in ("ours-no-train-gather", "ours-hooked") else "off")
+    trainer.training_gather = TrainingGather("auto" if ours and mode not in ("ours-no-train-gather", "ours-hooked") else "off",
+                                             {"actor": getattr(trainer, "actor_model", None),
+                                              "critic": getattr(trainer, "critic_model", None)})
     gen._gather_decided = None
     gen.hybrid_engine_active = ours and he_available
 

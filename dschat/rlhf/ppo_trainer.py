@@ -111,7 +111,8 @@ class DeepSpeedPPOTrainer(ExperienceMaker):
         self.micro_stats: list[MicroStepStats] = []
         self._said_unaligned = False
         # --zero3_gather_for_training: a ZeRO-3 model's forward and backward on its whole parameters, without hooks.
-        self.training_gather = TrainingGather(str(step3_flag(args, "zero3_gather_for_training")))
+        self.training_gather = TrainingGather(str(step3_flag(args, "zero3_gather_for_training")),
+                                              {"actor": self.actor_model, "critic": self.critic_model})
         # Critic-free: there is no second model to align with; the actor steps on its own.
         self.align_overflow = bool(args.align_overflow) and self.dtype == "fp16" and self.critic_model is not None
         if self.align_overflow:

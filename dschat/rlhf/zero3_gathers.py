@@ -20,7 +20,8 @@ gathers every ZeRO-3 model, ``off`` none, and ``auto`` never a model whose param
 * :class:`TrainingGather`: the actor's and the critic's forward and backward of a micro-step, released
   before the optimizer step. Gradients still reach ZeRO-3 through its per-parameter hooks, which reduce
   and partition them as before. ``auto`` gathers where it costs no memory: one data-parallel rank
-  (:func:`~dschat.runtime.zero3.whole_partitions`: a gathered parameter is a view of its partition);
+  (:func:`~dschat.runtime.zero3.whole_partitions`: a gathered parameter is a view of its partition)
+  and no partition stored quantized;
   ``on`` also across ranks, each then holding the whole model through the backward. The forward is the
   same, to the bit; ZeRO-3's hooks wrap each module's inputs and outputs in identity autograd nodes,
   which groups some sums of gradient contributions differently, so gradients agree with the hooked
@@ -37,6 +38,7 @@ from dschat.runtime.zero3 import (
     gathered_without_hooks,
     mark_trained_whole,
     params_offloaded,
+    quantized_partitions,
     whole_partitions,
     zero3_offload,
 )
@@ -66,9 +68,12 @@ class WholeModelGather:
         raise NotImplementedError
 
     def decide(self, name: str, engine: Any) -> bool:
-        """Whether the passes of ``engine`` (the model ``name``) run gathered; said once per model."""
-        if self.setting != "auto":
-            gather, why_not = self.setting == "on", f"--{self.flag} off"
+        """Whether the passes of ``engine`` (the model ``name``) run gathered; said once per model
+        (nothing is said for ``off``: the user chose the hooks)."""
+        if self.setting == "off":
+            return False
+        if self.setting == "on":
+            gather, why_not = True, ""
         elif params_offloaded(engine):
             gather, why_not = False, f"its parameters are offloaded; --{self.flag} on gathers them"
         else:
@@ -99,15 +104,26 @@ class ScoringGather(WholeModelGather):
 
 class TrainingGather(WholeModelGather):
     """The actor's or the critic's forward and backward of a micro-step (``--zero3_gather_for_training``);
-    ``auto``: one data-parallel rank. A model it gathers is marked
-    (:func:`~dschat.runtime.zero3.mark_trained_whole`), so ZeRO-3's trace rules its hooked passes as a
-    frozen model's; one it leaves to the hooks is unmarked."""
+    ``auto``: one data-parallel rank, and no partition stored quantized (MixZ++'s frozen weights, which a
+    gather would dequantize all at once). ``models`` (name -> engine) are decided at once, as the trainer
+    is built: a model it gathers is marked (:func:`~dschat.runtime.zero3.mark_trained_whole`), so
+    ZeRO-3's trace rules its hooked passes (a rollout's, before any training) as a frozen model's; one
+    it leaves to the hooks is unmarked. Deciding needs no collective."""
 
     flag = "zero3_gather_for_training"
     passes = "training"
     gathered = "gathered once per forward and backward"
 
+    def __init__(self, setting: str = "auto", models: dict[str, Any] | None = None) -> None:
+        super().__init__(setting)
+        for name, engine in (models or {}).items():
+            if engine is not None and zero3_offload(engine) is not None:
+                self.decided[name] = self.decide(name, engine)
+
     def auto_gathers(self, engine: Any) -> tuple[bool, str]:
+        if quantized_partitions(engine):
+            return False, (f"its frozen weights are stored quantized; --{self.flag} on dequantizes them all "
+                           "at once")
         return whole_partitions(engine), (f"it is partitioned over more than one rank; --{self.flag} on gathers "
                                           "it whole, at the memory of a full copy")
 

@@ -41,6 +41,7 @@ __all__ = [
     "zero3_offload",
     "params_offloaded",
     "whole_partitions",
+    "quantized_partitions",
     "gathered_without_hooks",
     "gathered_whole",
     "mark_trained_whole",
@@ -204,9 +205,16 @@ def whole_partitions(engine: Any) -> bool:
     return all(torch.distributed.get_world_size(group) == 1 for group in groups.values())
 
 
+def quantized_partitions(engine: Any) -> bool:
+    """Whether ZeRO-3 stores any of ``engine``'s partitions quantized (``zero_quantized_nontrainable_weights``,
+    MixZ++'s frozen weights): gathering those dequantizes each into a new tensor at full precision."""
+    return any(hasattr(getattr(p, "ds_tensor", None), "ds_quant_scale") for p in engine.module.parameters())
+
+
 @contextmanager
 def gathered_without_hooks(engine: Any) -> Iterator[None]:
-    """All parameters gathered once and ZeRO-3's hooks detached, for one rollout.
+    """All parameters gathered once and ZeRO-3's hooks detached, for one rollout, scoring pass or
+    training pass (forward and backward).
 
     Collective: every rank must enter. Nothing may be written into the gathered tensors: with one rank
     they are the partitions themselves (DeepSpeed's ``_no_gather_coalesced`` returns a view of

@@ -110,6 +110,11 @@ def test_step3_ablation_modes_configure_one_path_off_and_ratio_only_for_two_mode
     assert gathers == {"ours": ("auto", "auto"), "ours-no-score-gather": ("off", "auto"),
                        "ours-no-train-gather": ("auto", "off"), "ours-hooked": ("off", "off"),
                        "baseline": ("off", "off")}
+    # The thin twins keep OPT-1.3B's / OPT-350m's layers and layer-norm placement, at hidden 64 and 1024 ids.
+    for name in ("opt-1.3b", "opt-350m"):
+        full, thin = bench.opt_config(name, 1, 2, 2), bench.opt_config(f"{name}-thin", 1, 2, 2)
+        assert (full.vocab_size, thin.vocab_size, thin.hidden_size) == (50272, 1024, 64)
+        assert (thin.num_hidden_layers, thin.do_layer_norm_before) == (full.num_hidden_layers, full.do_layer_norm_before)
     llama = bench.llama_config("llama-1b", 0, 1, 2)  # Llama-3.2-1B's shape: 1.24 B parameters
     E, L, V = llama.hidden_size, llama.num_hidden_layers, llama.vocab_size
     per_layer = E * (E + 2 * llama.num_key_value_heads * llama.head_dim) + E * E + 3 * E * llama.intermediate_size

@@ -19,8 +19,9 @@ def _train(trainer, steps: int = 3) -> tuple[list[tuple[float, float]], list[dic
     step = trainer.nonfinite.step
 
     def recording_step(engine, **kwargs):
-        grads.append({name: safe_get_full_grad(param).clone() for name, param in engine.module.named_parameters()
-                      if param.requires_grad})
+        if engine.is_gradient_accumulation_boundary():  # the micro-steps' gradients summed: what the optimizer takes
+            grads.append({name: safe_get_full_grad(param).clone() for name, param in engine.module.named_parameters()
+                          if param.requires_grad})
         return step(engine, **kwargs)
 
     trainer.nonfinite.step = recording_step
@@ -69,7 +70,9 @@ def test_training_on_whole_models_trains_as_the_hooked_passes(extra, critic_dirs
     torch.testing.assert_close(torch.tensor(gathered_losses), torch.tensor(hooked_losses), rtol=1e-4, atol=1e-6)
     out = capsys.readouterr().out
     assert "ZeRO-3 training: the actor's parameters gathered once per forward and backward" in out
-    assert "ZeRO-3 training: the critic's parameters fetched module by module (--zero3_gather_for_training off)" in out
+    # Said once per model as the trainer is built, and nothing for 'off' (the user chose the hooks).
+    assert out.count("ZeRO-3 training: the critic's parameters gathered once per forward and backward") == 1
+    assert "ZeRO-3 training: the critic's parameters fetched" not in out
 
 
 def test_auto_gathers_only_where_it_costs_no_memory(monkeypatch, capsys):
@@ -82,12 +85,17 @@ def test_auto_gathers_only_where_it_costs_no_memory(monkeypatch, capsys):
     monkeypatch.setattr(training_gather, "mark_trained_whole", lambda engine, whole: None)
     entered: list[object] = []
     monkeypatch.setattr(training_gather, "gathered_without_hooks", lambda engine: entered.append(engine) or nullcontext())
-    one_rank = SimpleNamespace(zero_offload_param=lambda: SimpleNamespace(device="none"), ranks=1)
-    two_ranks = SimpleNamespace(zero_offload_param=lambda: SimpleNamespace(device="none"), ranks=2)
-    offloaded = SimpleNamespace(zero_offload_param=lambda: SimpleNamespace(device="cpu"), ranks=1)
+    resident = SimpleNamespace(device="none")
+    one_rank = SimpleNamespace(zero_offload_param=lambda: resident, ranks=1, quantized=False)
+    two_ranks = SimpleNamespace(zero_offload_param=lambda: resident, ranks=2, quantized=False)
+    offloaded = SimpleNamespace(zero_offload_param=lambda: SimpleNamespace(device="cpu"), ranks=1, quantized=False)
+    quantized = SimpleNamespace(zero_offload_param=lambda: resident, ranks=1, quantized=True)  # MixZ++
     monkeypatch.setattr(training_gather, "whole_partitions", lambda engine: engine.ranks == 1)
-    auto = training_gather.TrainingGather("auto")
-    for name, engine in (("actor", one_rank), ("critic", two_ranks), ("reward", offloaded), ("actor", one_rank)):
+    monkeypatch.setattr(training_gather, "quantized_partitions", lambda engine: engine.quantized)
+    auto = training_gather.TrainingGather("auto", {"actor": one_rank, "critic": None})  # decided as it is built
+    assert auto.decided == {"actor": True}
+    for name, engine in (("actor", one_rank), ("critic", two_ranks), ("reward", offloaded), ("base", quantized),
+                         ("actor", one_rank)):
         with auto(name, engine):
             pass
     assert entered == [one_rank, one_rank]
@@ -101,6 +109,7 @@ def test_auto_gathers_only_where_it_costs_no_memory(monkeypatch, capsys):
     assert out.count("the actor's parameters gathered once per forward and backward") == 1
     assert "the critic's parameters fetched module by module (it is partitioned over more than one rank" in out
     assert "the reward's parameters fetched module by module (its parameters are offloaded" in out
+    assert "the base's parameters fetched module by module (its frozen weights are stored quantized" in out
     with pytest.raises(ValueError, match="--zero3_gather_for_training must be auto, on or off"):
         training_gather.TrainingGather("yes")
 
@@ -109,7 +118,9 @@ def test_an_engine_trained_whole_records_its_trace_at_passes_without_gradients(c
     from dschat.runtime.zero3 import mark_trained_whole, parameter_offload, trained_whole, whole_partitions
     from dschat.runtime.zero3_trace import zero3_pass
 
-    trainer = _trainer(critic_dirs, data_cache)
+    trainer = _trainer(critic_dirs, data_cache)  # auto, one rank: both trained models marked as it is built
+    assert trained_whole(trainer.actor_model) and trained_whole(trainer.critic_model)
+    trainer = _trainer(critic_dirs, data_cache, "--zero3_gather_for_training", "off")
     critic = parameter_offload(trainer.critic_model).get_param_coordinator()
     assert whole_partitions(trainer.critic_model) and not trained_whole(trainer.critic_model)
     with torch.no_grad(), zero3_pass(trainer.critic_model):  # hooked training to come: wait for its backward
@@ -120,6 +131,19 @@ def test_an_engine_trained_whole_records_its_trace_at_passes_without_gradients(c
         assert critic.is_record_trace()
     mark_trained_whole(trainer.critic_model, False)
     assert not trained_whole(trainer.critic_model)
+
+
+def test_quantized_partitions_reads_mixzs_quantized_storage():
+    from types import SimpleNamespace
+
+    from dschat.runtime.zero3 import quantized_partitions
+
+    module = torch.nn.Linear(2, 2)
+    module.weight.ds_tensor = torch.zeros(4)
+    engine = SimpleNamespace(module=module)
+    assert not quantized_partitions(engine)  # the bias is no ZeRO-3 parameter at all, the weight's partition plain
+    module.weight.ds_tensor.ds_quant_scale = torch.ones(1)
+    assert quantized_partitions(engine)
 
 
 def test_offloaded_zero3_engines_keep_their_hooks_under_auto(critic_dirs, data_cache, capsys):
@@ -171,7 +195,91 @@ def test_the_ptx_step_trains_on_the_whole_actor_as_the_hooked_one(critic_dirs, d
         loss = trainer.train_unsupervised(batch, 0.5).item()
         runs[setting] = (loss, grads, trainer.training_gather.decided)
     (loss, grads, decided), (hooked_loss, hooked_grads, _) = runs["auto"], runs["off"]
-    assert decided == {"actor": True} and loss == hooked_loss and grads.keys() == hooked_grads.keys()
+    assert decided == {"actor": True, "critic": True} and loss == hooked_loss and grads.keys() == hooked_grads.keys()
     for name, grad in grads.items():
         scale = float(hooked_grads[name].abs().max())
         torch.testing.assert_close(grad, hooked_grads[name], rtol=1e-5, atol=1e-6 * scale, msg=name)
+
+
+TWO_RANKS = r'''
+import os
+import sys
+
+import torch
+from deepspeed.utils import safe_get_full_grad
+
+sys.path.insert(0, os.environ["DSCHAT_TESTS"])
+from helpers.step3 import base_argv, step3_main
+
+from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+from dschat.rlhf.zero3_gathers import TrainingGather
+from dschat.runtime.dist import init_distributed
+from dschat.runtime.zero3 import gathered_whole, whole_partitions
+
+info = init_distributed()
+critic, data = os.environ["CRITIC"], os.environ["DATA"]
+prompts = torch.tensor([[3, 1, 40, 41], [1, 42, 43, 44]]) + info.rank  # each rank its own prompts
+mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+runs = {}
+for setting in ("on", "off"):
+    args = step3_main().parse_args(base_argv("tiny-llama", critic, data, "--actor_zero_stage", "3", "--critic_zero_stage",
+                                             "3", "--gradient_accumulation_steps", "2", "--zero3_gather_for_training",
+                                             setting))
+    torch.manual_seed(0)
+    trainer = DeepSpeedPPOTrainer(DeepSpeedRLHFEngine("tiny-llama", critic, load_hf_tokenizer("tiny-llama"), args, 10), args)
+    if setting == "off":  # two ranks: auto keeps the hooks too
+        assert not whole_partitions(trainer.actor_model)
+        assert TrainingGather("auto", {"actor": trainer.actor_model}).decided == {"actor": False}
+    grads, losses, step = [], [], trainer.nonfinite.step
+
+    def recording_step(engine, **kwargs):
+        if engine.is_gradient_accumulation_boundary():
+            grads.append({n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters() if p.requires_grad})
+        return step(engine, **kwargs)
+
+    trainer.nonfinite.step = recording_step
+    for i in range(4):  # one micro-step a rollout: two optimizer steps of each model
+        torch.manual_seed(100 + i)
+        exp = trainer.generate_experience(prompts, mask, i)
+        trainer.prepare_rollout([exp])
+        trainer.train()
+        for _, micro, _ in trainer.schedule([exp], None):
+            losses.append([loss.item() for loss in trainer.train_rlhf(micro)])
+            assert not gathered_whole(trainer.actor_model) and not gathered_whole(trainer.critic_model)
+        trainer.eval()
+    runs[setting] = (grads, losses, trainer.training_gather.decided)
+(grads, losses, decided), (hooked_grads, hooked_losses, _) = runs["on"], runs["off"]
+assert decided == {"actor": True, "critic": True} and losses[0] == hooked_losses[0]
+assert len(grads) == len(hooked_grads) == 4, len(grads)  # actor and critic, two optimizer steps
+for ours, theirs in zip(grads[:2], hooked_grads[:2]):  # the first steps' (the second's start from other weights)
+    for name, grad in ours.items():
+        torch.testing.assert_close(grad, theirs[name], rtol=1e-5, atol=1e-6 * float(theirs[name].abs().max()))
+torch.testing.assert_close(torch.tensor(losses), torch.tensor(hooked_losses), rtol=1e-4, atol=1e-6)
+print(f"TWO-RANKS-OK rank {info.rank}", flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_on_trains_across_two_ranks_as_the_hooked_passes(tmp_path, critic_dirs, data_cache):
+    """Two real ranks (DeepSpeed launcher, gloo): ``auto`` keeps ZeRO-3's hooks (each rank would hold a
+    full copy); ``on`` gathers, and its optimizer steps' gradients, reduced over the ranks, agree with
+    the hooked passes' to fp32 rounding."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from dschat.multinode import free_port
+    from helpers.step3 import subprocess_env
+
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    launcher = shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
+    env = {**subprocess_env(), "DSCHAT_TESTS": str(Path(__file__).resolve().parents[1]),
+           "CRITIC": str(critic_dirs["tiny-llama"]), "DATA": str(data_cache)}
+    proc = subprocess.run([launcher, "--master_port", str(free_port()), "--num_gpus", "2", str(script)], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TWO-RANKS-OK") == 2, proc.stdout[-3000:]

@@ -166,7 +166,7 @@ def test_a_trained_engine_records_its_trace_at_a_pass_with_a_backward(critic_dir
     from dschat.runtime.zero3 import parameter_offload
     from dschat.runtime.zero3_trace import zero3_pass
 
-    trainer = _trainer(critic_dirs, data_cache)
+    trainer = _trainer(critic_dirs, data_cache, *HOOKED_TRAINING)
     critic = _coordinators(trainer)["critic"]
     assert critic.is_invalid_trace()  # as DeepSpeed builds it
     with torch.no_grad(), zero3_pass(trainer.critic_model):  # a scoring pass: the trace stays invalid ...
