@@ -530,8 +530,8 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
     group.add_argument("--zero3_gather_for_training", type=str, default="auto", choices=("auto", "on", "off"),
                        help="(dschat) Actor and critic under ZeRO-3: each micro-step's forward and backward on the "
                             "whole model gathered once, without ZeRO-3's per-module hooks. 'auto': one data-parallel "
-                            "rank, parameters not offloaded (no extra memory); 'on': also across ranks (a full copy "
-                            "through the backward); 'off': ZeRO-3's hooks, bit for bit DeepSpeed's gradients.")
+                            "rank, parameters neither offloaded nor quantized (no extra memory); 'on': also across "
+                            "ranks (a full copy through the backward); 'off': ZeRO-3's hooks, DeepSpeed's gradients.")
     group.add_argument("--generation_loop", type=str, default="auto", choices=("auto", "dschat", "hf", "graphs"),
                        help="(dschat) Without the Hybrid Engine: 'dschat' decodes rollouts with dschat's own "
                             "sampling loop (dschat/rlhf/decoding.py: the same tokens for a seed as Hugging Face "
