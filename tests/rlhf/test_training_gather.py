@@ -202,6 +202,7 @@ def test_the_ptx_step_trains_on_the_whole_actor_as_the_hooked_one(critic_dirs, d
 
 
 TWO_RANKS = r'''
+import gc
 import os
 import sys
 
@@ -215,7 +216,7 @@ from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
 from dschat.rlhf.zero3_gathers import TrainingGather
-from dschat.runtime.dist import init_distributed
+from dschat.runtime.dist import destroy_gloo_group, init_distributed
 from dschat.runtime.zero3 import gathered_whole, whole_partitions
 
 info = init_distributed()
@@ -258,6 +259,12 @@ for ours, theirs in zip(grads[:2], hooked_grads[:2]):  # the first steps' (the s
         torch.testing.assert_close(grad, theirs[name], rtol=1e-5, atol=1e-6 * float(theirs[name].abs().max()))
 torch.testing.assert_close(torch.tensor(losses), torch.tensor(hooked_losses), rtol=1e-4, atol=1e-6)
 print(f"TWO-RANKS-OK rank {info.rank}", flush=True)
+# Drop the engines (and the gloo work their tensors keep) before the group goes: left to the
+# interpreter's teardown, a rank once aborted after finishing ("terminate called without an active exception").
+del trainer, runs, grads, hooked_grads
+gc.collect()
+torch.distributed.barrier()
+destroy_gloo_group()
 '''
 
 
