@@ -620,37 +620,36 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
             result.steps += 1
             result.prompt_width.append(int(prompts.shape[1]))
 
-    if profile_only:
-        profiler = PhaseProfiler(device, sync)
-        one_step(warmup + steps, profiler)
-        result.profile = profiler.phases
-        for engine in engines:
-            del engine.step
-        generator.__dict__.pop("rollout", None)
+    try:
+        if profile_only:
+            profiler = PhaseProfiler(device, sync)
+            one_step(warmup + steps, profiler)
+            result.profile = profiler.phases
+            return result
+        for i in range(warmup + steps):
+            if i == warmup:
+                step_time["s"] = 0.0
+                invalidations_before = TRACE_INVALIDATIONS["n"]
+                allocator_before = allocator_counts(device)
+            one_step(i)
+        result.optimizer_s = step_time["s"]
+        if TRACE_INVALIDATIONS["counting"]:
+            result.trace_invalidations = TRACE_INVALIDATIONS["n"] - invalidations_before
+        if allocator_before is not None:
+            result.device_mallocs, result.alloc_retries = (
+                after - before for after, before in zip(allocator_counts(device), allocator_before))
+        result.generation_loop = trainer.generator.last_loop or ""
+        if device.type == "cuda":
+            result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
+            result.memory_note = "max allocated in this mode"
+        else:
+            result.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+            result.memory_note = "process peak RSS so far"
         return result
-    for i in range(warmup + steps):
-        if i == warmup:
-            step_time["s"] = 0.0
-            invalidations_before = TRACE_INVALIDATIONS["n"]
-            allocator_before = allocator_counts(device)
-        one_step(i)
-    for engine in engines:
-        del engine.step  # DeepSpeed's method again
-    result.optimizer_s = step_time["s"]
-    if TRACE_INVALIDATIONS["counting"]:
-        result.trace_invalidations = TRACE_INVALIDATIONS["n"] - invalidations_before
-    if allocator_before is not None:
-        result.device_mallocs, result.alloc_retries = (
-            after - before for after, before in zip(allocator_counts(device), allocator_before))
-    result.generation_loop = trainer.generator.last_loop or ""
-    if device.type == "cuda":
-        result.peak_memory_bytes = torch.cuda.max_memory_allocated(device)
-        result.memory_note = "max allocated in this mode"
-    else:
-        result.peak_memory_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        result.memory_note = "process peak RSS so far"
-    generator.__dict__.pop("rollout", None)  # the class's rollout again
-    return result
+    finally:
+        for engine in engines:
+            del engine.step  # DeepSpeed's method again
+        generator.__dict__.pop("rollout", None)  # the class's rollout again
 
 
 def allocator_counts(device: torch.device) -> tuple[int, int] | None:
