@@ -199,9 +199,9 @@ def whole_partitions(engine: Any) -> bool:
     """Whether every ZeRO-3 partition of ``engine`` is its whole parameter (one rank in each
     parameter's partition group): gathering then makes each parameter a view of its partition
     (DeepSpeed's ``_no_gather_coalesced``), which costs no memory where the parameters are not offloaded."""
-    groups = {id(p.ds_process_group): p.ds_process_group for p in engine.module.parameters() if hasattr(p, "ds_id")}
     if not torch.distributed.is_initialized():
         return True
+    groups = {id(p.ds_process_group): p.ds_process_group for p in engine.module.parameters() if hasattr(p, "ds_id")}
     return all(torch.distributed.get_world_size(group) == 1 for group in groups.values())
 
 
