@@ -97,6 +97,9 @@ def decode_graphs(model, prompts, mask, answer_len: int, device: torch.device) -
     """Wall ms per decode step with a static cache and CUDA graphs (torch.compile reduce-overhead)."""
     from transformers import CompileConfig
 
+    from dschat.runtime.compile_cache import use_private_compile_cache
+
+    use_private_compile_cache()  # as step 3 does: not torch's default, /tmp/torchinductor_<user>
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=1, eos_token_id=2,
                   cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
 

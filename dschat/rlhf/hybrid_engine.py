@@ -68,7 +68,7 @@ import torch
 import transformers
 from transformers import CompileConfig
 
-from dschat.errors import first_line
+from dschat.errors import UserError, first_line
 from dschat.models.decoder import unsupported_reason
 from dschat.models.families import family_of
 from dschat.models.lora import LinearLayer_LoRA
@@ -76,6 +76,7 @@ from dschat.rlhf import decoding as decoding_loop  # its functions called throug
 from dschat.rlhf.decoding import DecodingSettings, Rollout, generated_token_logprobs
 from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine, rollout_summary_line
 from dschat.rlhf.tensor_parallel import TensorParallelHybridEngine, materialised_part
+from dschat.runtime.compile_cache import use_private_compile_cache
 from dschat.runtime.dist import TensorParallelGroup, print_rank_0, tensor_parallel_group
 from dschat.runtime.zero3 import full_parameter_bytes as zero3_full_parameter_bytes
 from dschat.runtime.zero3 import (fits_gathered, free_memory_bytes, gathered_without_hooks, parameter_offload,
@@ -160,9 +161,11 @@ def cache_object_decoder_layer(model_type: str) -> str | None:
     return None
 
 
-def _is_out_of_memory(err: BaseException) -> bool:
-    """Out of memory is never a reason to fall back to another decoding path: it is re-raised."""
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in str(err).lower()
+def _not_a_fallback(err: BaseException) -> bool:
+    """Out of memory is never a reason to fall back to another decoding path, nor is a user error (a
+    compile cache folder that is not the user's own): both are re-raised."""
+    return (isinstance(err, (torch.OutOfMemoryError, UserError))
+            or "out of memory" in str(err).lower())
 
 
 def _one_line(err: BaseException, limit: int | None = None) -> str:
@@ -342,7 +345,7 @@ class RolloutGenerator:
                         self.last_loop = "graphs"
                         return self._graph_generate(module, prompts, mask)
                     except Exception as err:  # noqa: BLE001 -- a compiler failure: fall back, say why, once
-                        if _is_out_of_memory(err):
+                        if _not_a_fallback(err):
                             raise
                         flag = self.generation_loop
                         self.generation_loop = "dschat"
@@ -386,6 +389,7 @@ class RolloutGenerator:
         from rollout to rollout (the trimmed prompt width varies); the extra columns are padding
         (masked, position ids from the mask), and are cut off again before returning."""
         if self._graph_compile_config is None:  # one object: generate recompiles when the config changes
+            use_private_compile_cache()  # not torch's default, /tmp/torchinductor_<user>
             self._graph_compile_config = CompileConfig(mode="reduce-overhead")
             if "cpu" in self.graph_devices:
                 self._graph_compile_config._compile_all_devices = True
@@ -551,7 +555,7 @@ class RolloutGenerator:
                 except Exception as err:  # noqa: BLE001 -- a compiler failure: fall back, say why, once
                     # Only where the step is compiled (CUDA); eagerly, an error is a bug or bad weights
                     # (non-finite logits), which the module path would raise as well.
-                    if _is_out_of_memory(err) or self.engine is None or not self.engine.compiled_on(prompts.device):
+                    if _not_a_fallback(err) or self.engine is None or not self.engine.compiled_on(prompts.device):
                         raise
                     self.use_dschat_engine = False
                     self.auto_engine_devices = ()
@@ -566,7 +570,7 @@ class RolloutGenerator:
                 with self._decoding_only_generation_config(self.actor.module):
                     return Rollout(self.actor.module.generate(prompts, **self._kwargs(mask)), None)
             except Exception as err:  # noqa: BLE001 -- any failure of DeepSpeed's kernels: fall back, say why
-                if _is_out_of_memory(err):
+                if _not_a_fallback(err):
                     raise
                 self.hybrid_engine_active = False
                 self._fallback(f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine failed to generate "

@@ -31,6 +31,7 @@ from torch._dynamo.utils import counters
 
 from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name
 from dschat.rlhf.decoding import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.runtime.compile_cache import use_private_compile_cache
 
 __all__ = ["DschatHybridEngine", "ENGINE_NAME", "rollout_summary_line"]
 
@@ -172,6 +173,7 @@ class DschatHybridEngine:
             for t in [*weights.tensors(), *self.cache.keys, *self.cache.values, self.cache.key_valid]:
                 torch._dynamo.mark_static_address(t)  # refreshed in place: a captured graph reads them directly
             if self._step is None:
+                use_private_compile_cache()  # not torch's default, /tmp/torchinductor_<user>
                 self._step = torch.compile(self.model.step, fullgraph=True, **self.compile_options)
         elif device.type == "cpu" and self.cpu_decode_linear == "onednn" and self._onednn_usable(dtype):
             self.model.pack_for_cpu(B)

@@ -164,6 +164,31 @@ def test_a_greedy_rollout_between_sampled_ones_leaves_the_generator_sampling():
     assert gap < 1e-4, gap
 
 
+def test_a_compile_cache_others_can_write_to_stops_the_rollout_before_compiling(monkeypatch, tmp_path):
+    """Before the decode step is compiled, torch.compile's cache must be a folder of the user's own
+    (dschat.runtime.compile_cache); one others can write to is a user error the generator re-raises,
+    not a compiler failure it falls back from."""
+    from types import SimpleNamespace
+
+    from dschat.errors import UserError
+    from dschat.rlhf.hybrid_engine import HybridEngineDecision, RolloutGenerator
+
+    model, (ids, mask) = _model("llama"), _prompts()
+    generator = RolloutGenerator(SimpleNamespace(module=model), SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
+                                 decision=HybridEngineDecision(True, False, dschat_engine=True),
+                                 decoding=DecodingSettings("greedy"), max_answer_seq_len=8, zero_stage=0,
+                                 cpu_decode_linear="off")
+    generator.rollout(ids, mask)  # builds the engine; eager on a CPU
+    planted = tmp_path / "torchinductor_victim"
+    planted.mkdir()
+    planted.chmod(0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(planted))
+    generator.engine.compile_step = True  # as on CUDA
+    with pytest.raises(UserError, match="TORCHINDUCTOR_CACHE_DIR .* its group and others can write"):
+        generator.rollout(ids, mask)
+    assert generator.use_dschat_engine and generator.engine._step is None and not any(planted.iterdir())
+
+
 def test_weights_are_refreshed_in_place_and_released_on_request():
     model, (ids, mask) = _model("phi3"), _prompts()
     engine = _engine(model.config, n=8)

@@ -2,11 +2,13 @@
 gather-once generation, LoRA fused for generation; GPU tier: HE on/off greedy equality."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dschat.errors import UserError
 from dschat.rlhf.hybrid_engine import DecodingSettings, HybridEngineDecision, RolloutGenerator, decide_hybrid_engine
 
 from helpers.step3 import base_argv, step3_main
@@ -504,13 +506,21 @@ def test_auto_loop_on_a_cpu_is_dschats_loop_and_the_engine_where_auto_takes_it(c
     assert out.count("Rollouts: dschat loop (dschat.rlhf.decoding.sample_loop") == 1
 
 
-def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetched(critic_dirs, data_cache, capsys):
+def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetched(critic_dirs, data_cache, capsys,
+                                                                                   monkeypatch, tmp_path):
     """With this CPU counted as a graphs device, ``auto`` compiles (the path it takes on CUDA), and
-    gives generate's greedy tokens; with ZeRO-3 weights fetched per layer it takes generate, silently."""
+    gives generate's greedy tokens; with ZeRO-3 weights fetched per layer it takes generate, silently.
+    The compile writes its cache into dschat's private folder, not torch's /tmp default."""
     expected = _generate(_engine("tiny-llama", critic_dirs, data_cache, "--generation_loop", "hf"))
     engine = _engine("tiny-llama", critic_dirs, data_cache)
     engine.generator.graph_devices = ("cuda", "cpu")
-    assert torch.equal(_generate(engine), expected)
+    with monkeypatch.context() as env:
+        env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch's default: set at its import
+        env.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "cache"))  # read at the first compile
+        assert torch.equal(_generate(engine), expected)
+        compiled = tmp_path / "cache" / "torch-compile"
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled) and compiled.stat().st_mode & 0o077 == 0
+    assert any(compiled.rglob("*.py")), "inductor wrote its generated code elsewhere"
     assert (engine.generator.generation_loop, engine.generator.last_loop) == ("auto", "graphs")
     assert hasattr(engine.actor.module, "_compiled_call")
 
@@ -520,6 +530,21 @@ def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetch
     assert torch.equal(_generate(fetched), expected)
     assert (fetched.generator.generation_loop, fetched.generator.last_loop) == ("auto", "hf")
     assert "--generation_loop" not in capsys.readouterr().out
+
+
+def test_a_compile_cache_another_account_can_write_to_is_refused_not_fallen_back_from(critic_dirs, data_cache,
+                                                                                     monkeypatch, tmp_path):
+    """A TORCHINDUCTOR_CACHE_DIR others can write to is a user error (one line, exit 2), not a compiler
+    failure to fall back from: the rollout stops before anything is compiled."""
+    planted = tmp_path / "torchinductor_victim"
+    planted.mkdir()
+    planted.chmod(0o777)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(planted))
+    engine = _engine("tiny-llama", critic_dirs, data_cache)
+    engine.generator.graph_devices = ("cuda", "cpu")
+    with pytest.raises(UserError, match="TORCHINDUCTOR_CACHE_DIR .* is not safe to read on a shared machine"):
+        _generate(engine)
+    assert engine.generator.generation_loop == "auto" and not any(planted.iterdir())
 
 
 def test_auto_loop_graphs_failure_falls_back_once(monkeypatch, critic_dirs, data_cache, capsys):

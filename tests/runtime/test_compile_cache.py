@@ -1,0 +1,93 @@
+"""torch.compile's cache is a folder of the user's own (dschat.runtime.compile_cache): torch's default,
+``/tmp/torchinductor_<user>``, is a folder another account can create first and fill with code a compile
+loads. Step 3's compiles are checked to write where this module points (tests/rlhf/test_step3_hybrid_engine.py)."""
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch._inductor.config as inductor_config
+from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+from dschat.errors import UserError
+from dschat.runtime.compile_cache import COMPILE_CACHE_ENV, compile_cache_dir, use_private_compile_cache
+
+
+@pytest.fixture
+def clean_env(monkeypatch, tmp_path) -> Iterator[Path]:
+    """No cache variable set, dschat's cache under ``tmp_path/cache``; inductor's header switch restored."""
+    for var in COMPILE_CACHE_ENV:
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    with inductor_config.patch(cpp_cache_precompile_headers=inductor_config.cpp_cache_precompile_headers):
+        yield tmp_path / "cache"
+
+
+def test_the_default_is_a_private_folder_in_dschats_cache_and_inductor_uses_it(clean_env):
+    folder = use_private_compile_cache()
+    assert folder == compile_cache_dir() == clean_env / "torch-compile"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folder)
+    assert Path(inductor_cache_dir()) == folder  # where inductor writes and reads its files
+    assert use_private_compile_cache() == folder  # a second call changes nothing
+
+
+def test_torchs_own_default_in_the_variable_is_replaced(clean_env, monkeypatch):
+    """torch writes its /tmp default into TORCHINDUCTOR_CACHE_DIR when torch._dynamo is imported: that
+    is not the user naming a folder."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", default_cache_dir())
+    assert use_private_compile_cache() == clean_env / "torch-compile"
+    assert Path(inductor_cache_dir()) == clean_env / "torch-compile"
+
+
+@pytest.mark.parametrize("var", COMPILE_CACHE_ENV)
+def test_a_named_folder_others_can_write_to_is_refused_in_one_line(clean_env, tmp_path, monkeypatch, var):
+    planted = tmp_path / "torchinductor_victim"
+    planted.mkdir()
+    planted.chmod(0o777)  # how /tmp/torchinductor_<user> looks when another account made it first
+    monkeypatch.setenv(var, str(planted))
+    with pytest.raises(UserError) as err:
+        use_private_compile_cache()
+    message = str(err.value)
+    assert message.startswith(f"{var} {planted} is not safe to read on a shared machine: its group and others can write")
+    assert "point it at a folder of your own, or unset it" in message and "\n" not in message
+
+
+def test_a_named_folder_of_ones_own_or_not_yet_made_is_kept(clean_env, tmp_path, monkeypatch):
+    own = tmp_path / "own"
+    own.mkdir(mode=0o700)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(own))
+    assert use_private_compile_cache() == own
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "later"))  # torch creates it
+    assert use_private_compile_cache() == tmp_path / "later"
+    assert not (tmp_path / "later").exists() and not clean_env.exists()
+
+
+def test_dschats_cache_folder_itself_must_be_the_users_own(clean_env):
+    (clean_env / "torch-compile").mkdir(parents=True)
+    (clean_env / "torch-compile").chmod(0o777)  # DSCHAT_CACHE_DIR on a shared disk, made by another
+    with pytest.raises(UserError, match="torch.compile's cache folder .* its group and others can write"):
+        use_private_compile_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_headers_are_not_precompiled_into_a_default_folder_another_account_made(clean_env, tmp_path, monkeypatch):
+    """torch 2.13 precompiles C++ headers under its /tmp default whatever the variable says."""
+    shared_tmp = tmp_path / "tmp"
+    shared_tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(shared_tmp))  # torch's default is <tempdir>/torchinductor_<user>
+    inductor_config.cpp_cache_precompile_headers = True
+    use_private_compile_cache()  # the default folder does not exist: nobody's own yet
+    assert inductor_config.cpp_cache_precompile_headers is False
+    inductor_config.cpp_cache_precompile_headers = True
+    Path(default_cache_dir()).mkdir(mode=0o700)
+    use_private_compile_cache()  # the user's own: headers stay on
+    assert inductor_config.cpp_cache_precompile_headers is True
+    Path(default_cache_dir()).chmod(0o777)
+    use_private_compile_cache()
+    assert inductor_config.cpp_cache_precompile_headers is False
