@@ -439,3 +439,47 @@ def test_gpu_session_runs_the_benchmark_with_flags_it_takes(tmp_path):
     assert len(traced) == len(set(traced)) == 2
     # With time to spare nothing is skipped, but the TP-1 item where the pre-TP tree is absent (a clone).
     assert [line for line in out.splitlines() if "skipped" in line and "no .pre-tp/" not in line] == []
+
+
+def test_gpu_tier_installs_the_carried_wheels_inside_the_checkout_and_again_when_they_change(tmp_path):
+    """`.ci/gpu` puts the wheels carried in .whl/ first on PYTHONPATH: they go into the checkout's own
+    .gpu-site/ (a /tmp folder could have been made and filled by another account), once per set of wheels."""
+    import os
+    import shutil
+    import subprocess
+    import zipfile
+
+    repo = tmp_path / "repo"
+    (repo / ".ci").mkdir(parents=True)
+    shutil.copy(REPO / ".ci" / "gpu", repo / ".ci" / "gpu")
+    (repo / ".whl").mkdir()
+
+    def wheel(version: str) -> None:
+        for old in (repo / ".whl").glob("*.whl"):
+            old.unlink()
+        info = f"dschat_probe-{version}.dist-info"
+        with zipfile.ZipFile(repo / ".whl" / f"dschat_probe-{version}-py3-none-any.whl", "w") as z:
+            z.writestr("dschat_probe/__init__.py", f"VERSION = {version!r}\n")
+            z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: dschat-probe\nVersion: {version}\n")
+            z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: hand\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+            z.writestr(f"{info}/RECORD", "")
+
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}", "LOG_DIR": str(tmp_path / "logs")}
+    site = repo / ".gpu-site"
+
+    def setup() -> str:
+        run = subprocess.run(["bash", str(repo / ".ci" / "gpu"), "setup"], cwd=repo, env=env, capture_output=True,
+                             text=True, timeout=300)
+        return run.stdout + run.stderr
+
+    wheel("1.0")
+    assert f"carried wheels: installed in {site}\n" in setup()
+    assert (site / "dschat_probe" / "__init__.py").read_text() == "VERSION = '1.0'\n"
+    marker = (site / ".dschat-installed").read_text()
+    (site / "dschat_probe" / "kept.txt").write_text("")  # the same wheels: nothing reinstalled
+    setup()
+    assert (site / "dschat_probe" / "kept.txt").exists()
+    wheel("2.0")
+    setup()
+    assert (site / "dschat_probe" / "__init__.py").read_text() == "VERSION = '2.0'\n"
+    assert not (site / "dschat_probe-1.0.dist-info").exists() and (site / ".dschat-installed").read_text() != marker
