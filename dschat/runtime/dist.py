@@ -38,6 +38,7 @@ from torch.distributed import distributed_c10d
 
 from dschat.errors import EXIT_USAGE, UserError
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
+from dschat.runtime.fs import owned_privately, untrusted_reason
 
 __all__ = [
     "DistInfo",
@@ -47,6 +48,7 @@ __all__ = [
     "print_rank_0",
     "get_all_reduce_mean",
     "all_reduce_sum",
+    "claim_shm_allreduce_buffer",
     "unlink_shm_allreduce_buffer",
     "collective_device",
     "get_world_size",
@@ -196,20 +198,28 @@ def init_distributed(dist_backend: Optional[str] = None,
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
     created = not torch.distributed.is_initialized()
-    if not created:
-        deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
-    elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
-        deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous))
-    elif int(os.environ["WORLD_SIZE"]) == 1:
-        loopback = _loopback_interface()
-        if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
-            # gloo opens a listener for peers even alone; one process has none, so loopback only.
-            os.environ["GLOO_SOCKET_IFNAME"] = loopback
-        deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
-                                   init_method=_private_file_store(), rank=0, world_size=1,
-                                   timeout=_collective_timeout(rendezvous))
-    else:
-        _init_ranks(deepspeed, dist_backend, rendezvous)
+    # The CPU all-reduce buffer's name, made before DeepSpeed's (an MPI launch sets RANK only later).
+    claimed = (created and accelerator.device_name() == "cpu" and "RANK" in os.environ
+               and _shm_all_reduce_expected() and claim_shm_allreduce_buffer(int(os.environ["RANK"])))
+    try:
+        if not created:
+            deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
+        elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
+            deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous))
+        elif int(os.environ["WORLD_SIZE"]) == 1:
+            loopback = _loopback_interface()
+            if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
+                # gloo opens a listener for peers even alone; one process has none, so loopback only.
+                os.environ["GLOO_SOCKET_IFNAME"] = loopback
+            deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
+                                       init_method=_private_file_store(), rank=0, world_size=1,
+                                       timeout=_collective_timeout(rendezvous))
+        else:
+            _init_ranks(deepspeed, dist_backend, rendezvous)
+    except BaseException:
+        if claimed:
+            unlink_shm_allreduce_buffer(int(os.environ["RANK"]))
+        raise
     if accelerator.device_name() == "cpu":  # every branch, MPI and an existing group included
         unlink_shm_allreduce_buffer(torch.distributed.get_rank())
     if created and torch.distributed.get_backend() == "gloo":
@@ -240,6 +250,45 @@ def destroy_gloo_group() -> None:
 SHM_DIR = Path("/dev/shm")
 
 
+def _shm_buffer_name(rank: int) -> str:
+    """DeepSpeed's name for ``rank``'s CPU all-reduce buffer in ``/dev/shm`` (``shm.cpp``)."""
+    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
+
+
+def _shm_all_reduce_expected() -> bool:
+    """DeepSpeed's rule (``shm_interface.cpp``): the shared-memory all-reduce runs when the launcher's
+    ``LOCAL_SIZE`` equals the world size (every rank on this machine; plain ``python`` sets neither)."""
+    local = os.environ.get("LOCAL_SIZE", "")
+    return local.isdigit() and local == os.environ.get("WORLD_SIZE")
+
+
+def claim_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
+    """Create this rank's buffer name of DeepSpeed's CPU shared-memory all-reduce before DeepSpeed
+    does, a file only this user can open; returns whether this call made it.
+
+    DeepSpeed opens its own name with ``O_CREAT`` (no ``O_EXCL``) and the other ranks' names as soon
+    as they exist, never asking who made them. The names are predictable (user id, master address and
+    port, rank) and anyone may create files in ``/dev/shm``, so a file another account made first
+    would carry every all-reduce of the job, for that account to read and rewrite (the gradients
+    included). Called before the rendezvous, so every rank's name is its own before any rank maps one
+    (DeepSpeed maps them after it). An existing name is kept only when it is this user's own file
+    and nobody else can write to it (a killed run's leftover on the same port, which DeepSpeed reuses
+    as before); anything else is a :class:`UserError`.
+    """
+    path = shm_dir / _shm_buffer_name(rank)
+    try:
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600))
+        return True
+    except FileExistsError:
+        if owned_privately(path):
+            return False
+        reason = "it is a symbolic link" if path.is_symlink() else untrusted_reason(path)
+        raise UserError(f"{path}, DeepSpeed's shared-memory all-reduce buffer for rank {rank} of this job, is "
+                        f"not safe to use on a shared machine: {reason}; pass the launcher another "
+                        "--master_port") from None
+
+
 def unlink_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
     """Remove the name of this rank's buffer of DeepSpeed's CPU shared-memory all-reduce.
 
@@ -250,10 +299,8 @@ def unlink_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
     rank has opened every buffer (after the start-up barrier: DeepSpeed's init returns only then);
     the mappings live on until the processes exit, only the names go. Returns whether one was removed.
     """
-    name = (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
     try:
-        (shm_dir / name).unlink()
+        (shm_dir / _shm_buffer_name(rank)).unlink()
     except FileNotFoundError:  # no shared-memory all-reduce here (ranks on several hosts, or a GPU)
         return False
     return True

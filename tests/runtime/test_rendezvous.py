@@ -174,6 +174,70 @@ def test_the_shared_memory_all_reduce_buffer_name_is_removed(monkeypatch, tmp_pa
     assert not dist.unlink_shm_allreduce_buffer(1, shm_dir=tmp_path)  # gone already: nothing to do
 
 
+def test_a_buffer_name_is_claimed_once_and_only_the_users_own_leftover_is_kept(monkeypatch, tmp_path):
+    from dschat.errors import UserError
+    from dschat.runtime import dist
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "31235")
+    name = tmp_path / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_31235_0"
+    assert dist.claim_shm_allreduce_buffer(0, shm_dir=tmp_path)
+    assert name.stat().st_size == 0 and name.stat().st_mode & 0o077 == 0
+    assert not dist.claim_shm_allreduce_buffer(0, shm_dir=tmp_path)  # the user's own leftover: DeepSpeed reuses it
+    name.chmod(0o666)  # as another account would leave it, for all to write
+    with pytest.raises(UserError, match=r"all-reduce buffer for rank 0 of this job, is not safe .* its group and "
+                                        r"others can write to it .*; pass the launcher another --master_port"):
+        dist.claim_shm_allreduce_buffer(0, shm_dir=tmp_path)
+    name.unlink()
+    name.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(UserError, match="it is a symbolic link"):
+        dist.claim_shm_allreduce_buffer(0, shm_dir=tmp_path)
+    assert not (tmp_path / "elsewhere").exists()
+
+
+# One rank as the deepspeed launcher starts it (LOCAL_SIZE = WORLD_SIZE: DeepSpeed's CPU all-reduce
+# maps /dev/shm buffers), with a buffer name planted first, writable by all.
+PLANTED_SHM = r"""
+import os, sys
+from pathlib import Path
+name = Path("/dev/shm") / f"deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{os.environ['MASTER_PORT']}_0"
+name.touch(); name.chmod(0o666)
+try:
+    if sys.argv[1] == "deepspeed":
+        import tempfile, deepspeed
+        deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False, rank=0, world_size=1,
+                                   init_method=f"file://{tempfile.mkdtemp()}/store")
+    else:
+        from dschat.errors import UserError
+        from dschat.runtime import dist
+        try:
+            dist.init_distributed()
+        except UserError as err:
+            print("error:", err)
+    print("planted file size:", name.stat().st_size, flush=True)
+finally:
+    name.unlink()
+"""
+
+
+@pytest.mark.slow
+def test_deepspeed_maps_a_planted_all_reduce_buffer_and_dschat_refuses_it():
+    """DeepSpeed opens a /dev/shm name another account made first and writes its all-reduce workspace
+    into it (the threat); dschat's start-up refuses that name in one line before DeepSpeed runs."""
+    from helpers.steps import free_port
+
+    env = cli_env(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(free_port()))
+    runs = {who: subprocess.run([sys.executable, "-c", PLANTED_SHM, who], cwd=REPO, env=env, capture_output=True,
+                                text=True, timeout=600) for who in ("deepspeed", "dschat")}
+    for run in runs.values():
+        assert run.returncode == 0, run.stderr[-3000:]
+    size = int(runs["deepspeed"].stdout.split("planted file size: ")[1].split()[0])
+    assert size > 1_000_000, runs["deepspeed"].stdout  # DeepSpeed's workspace, in a file others can read and write
+    assert "all-reduce buffer for rank 0 of this job, is not safe to use on a shared machine" in runs["dschat"].stdout
+    assert "planted file size: 0" in runs["dschat"].stdout, runs["dschat"].stdout
+
+
 # A hook registered before init_distributed runs after dschat's own exit hook (atexit is last in,
 # first out): by then the gloo group must be gone.
 AT_EXIT = r"""
