@@ -33,6 +33,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from step3 import OPT_SHAPES, datasheet_peaks, opt_config  # noqa: E402
 
+from dschat.errors import UserError, cli_main  # noqa: E402
+
 
 def build(name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     """``opt-1.3b`` / ``opt-350m``: upstream's shapes with random weights; else a dschat model name or folder."""
@@ -183,6 +185,8 @@ def main(argv=None) -> None:
     if device.type == "cuda" and not args.skip_compile:
         try:
             graphs = decode_graphs(model, prompts, mask, args.answer_len, device)
+        except UserError:  # an unsafe compile cache folder: one line, exit 2
+            raise
         except Exception as err:  # noqa: BLE001 -- report and finish: the other numbers stand
             print(f"decode, static cache + CUDA graphs: failed ({type(err).__name__}: {str(err)[:300]})")
         else:
@@ -191,4 +195,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(cli_main(main))

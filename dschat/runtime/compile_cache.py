@@ -11,14 +11,14 @@ so before its first compile :func:`use_private_compile_cache` points the cache a
 user's own, as every cache dschat reads (:func:`dschat.runtime.fs.check_trusted`). A cache in the
 user's home also outlives ``/tmp``'s clean-ups, so a later run compiles from it.
 
-Two things of torch 2.13 stay in its ``/tmp`` default whatever the variable says, with their paths
-fixed at import: precompiled C++ headers (for C++ kernels, a CPU's, and cpp_wrapper mode), which are
-turned off (``torch._inductor.config.cpp_cache_precompile_headers``) unless that folder is the
-user's own; and Dynamo's precompile cache, used only with ``TORCH_CACHING_PRECOMPILE=1``.
+torch 2.13 keeps two things in its ``/tmp`` default whatever the variable says, their paths fixed
+at import: precompiled C++ headers (for C++ kernels, a CPU's, and cpp_wrapper mode), turned off here
+(``torch._inductor.config.cpp_cache_precompile_headers``) unless that folder is the user's own; and
+the pad-mm benchmark memo, used only with ``TORCHINDUCTOR_ENABLE_CACHING_MODULE=1`` (off by default).
 
 Environment variables read here: ``TORCHINDUCTOR_CACHE_DIR`` (set when absent, or when it holds
-torch's own default, which torch writes there at import) and ``TRITON_CACHE_DIR`` (only checked:
-inductor keeps Triton's cache inside its own when it is absent).
+torch's own default, which torch writes there at import) and ``TRITON_CACHE_DIR`` (checked, not set:
+inductor keeps Triton's cache inside its own folder when it is absent).
 """
 from __future__ import annotations
 
@@ -46,27 +46,26 @@ def compile_cache_dir() -> Path:
 def use_private_compile_cache() -> Path:
     """Make sure ``torch.compile`` reads and writes its cache only in folders of the user's own.
 
-    A folder named by ``TORCHINDUCTOR_CACHE_DIR`` or ``TRITON_CACHE_DIR`` that exists must belong to
-    the user and be writable by nobody else (else a :class:`~dschat.errors.UserError`, one line); one
-    that does not exist yet torch creates. When ``TORCHINDUCTOR_CACHE_DIR`` is unset or holds torch's
-    own ``/tmp`` default, it is set to :func:`compile_cache_dir`, created 0700 and checked the same
-    way (``DSCHAT_CACHE_DIR`` may name a shared folder). Returns inductor's folder. Call it before a
-    compile: torch reads the variable at each cache access.
+    Inductor's folder is ``TORCHINDUCTOR_CACHE_DIR`` when the user set it, else :func:`compile_cache_dir`
+    (the variable also holds torch's own ``/tmp`` default once ``torch._dynamo`` is imported: that is
+    replaced). A missing folder is created 0700; an existing one must belong to the user and be
+    writable by nobody else (else a :class:`~dschat.errors.UserError`, one line). A ``TRITON_CACHE_DIR``
+    outside it is held to the same rule (inside it, torch set it to its own subfolder). Sets the
+    variable and returns the folder. Call it before a compile: torch reads the variable at each access.
     """
     torch_default = default_cache_dir()
-    named = {var: os.environ.get(var) for var in COMPILE_CACHE_ENV}
-    if named["TORCHINDUCTOR_CACHE_DIR"] == torch_default:
-        named["TORCHINDUCTOR_CACHE_DIR"] = None  # what torch set at import, not the user's choice
-    for var, value in named.items():
-        if value and os.path.exists(value):
-            check_trusted(value, var, "point it at a folder of your own, or unset it (dschat then uses "
-                                      f"{compile_cache_dir()})")
+    named = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if named == torch_default:
+        named = None  # what torch set at import, not the user's choice
+    folder = Path(named) if named else compile_cache_dir()
+    fix = (f"point it at a folder of your own, or unset it (dschat then uses {compile_cache_dir()})" if named else
+           "set DSCHAT_CACHE_DIR or TORCHINDUCTOR_CACHE_DIR to a folder of your own")
+    check_trusted(make_private_dir(folder), "TORCHINDUCTOR_CACHE_DIR" if named else "torch.compile's cache folder", fix)
+    triton = os.environ.get("TRITON_CACHE_DIR")
+    if triton and not Path(triton).resolve().is_relative_to(folder.resolve()):
+        check_trusted(make_private_dir(triton), "TRITON_CACHE_DIR",
+                      "point it at a folder of your own, or unset it (inductor then keeps it inside its own)")
     if not is_trusted(torch_default):
         inductor_config.cpp_cache_precompile_headers = False  # read from <torch_default>/precompiled_headers
-    if named["TORCHINDUCTOR_CACHE_DIR"]:
-        return Path(named["TORCHINDUCTOR_CACHE_DIR"])
-    folder = make_private_dir(compile_cache_dir())
-    check_trusted(folder, "torch.compile's cache folder", "set DSCHAT_CACHE_DIR or TORCHINDUCTOR_CACHE_DIR "
-                                                          "to a folder of your own")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder

@@ -274,19 +274,25 @@ def claim_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
     included). Called before the rendezvous, so every rank's name is its own before any rank maps one
     (DeepSpeed maps them after it). An existing name is kept only when it is this user's own file
     and nobody else can write to it (a killed run's leftover on the same port, which DeepSpeed reuses
-    as before); anything else is a :class:`UserError`.
+    as before); anything else is a :class:`UserError`. Where no name can be made and none exists (no
+    ``/dev/shm``), nothing is done: DeepSpeed cannot make one either. A rank killed before the
+    rendezvous ends (the launcher's SIGTERM, the rendezvous watchdog) can leave its empty name behind,
+    the user's own, reused on that port.
     """
     path = shm_dir / _shm_buffer_name(rank)
     try:
         os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600))
         return True
     except FileExistsError:
-        if owned_privately(path):
+        pass
+    except OSError:
+        if not os.path.lexists(path):
             return False
-        reason = "it is a symbolic link" if path.is_symlink() else untrusted_reason(path)
-        raise UserError(f"{path}, DeepSpeed's shared-memory all-reduce buffer for rank {rank} of this job, is "
-                        f"not safe to use on a shared machine: {reason}; pass the launcher another "
-                        "--master_port") from None
+    if owned_privately(path):
+        return False
+    reason = "it is a symbolic link" if path.is_symlink() else untrusted_reason(path)
+    raise UserError(f"{path}, DeepSpeed's shared-memory all-reduce buffer for rank {rank} of this job, is not "
+                    f"safe to use on a shared machine: {reason}; pass the launcher another --master_port")
 
 
 def unlink_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:

@@ -58,14 +58,27 @@ def test_a_named_folder_others_can_write_to_is_refused_in_one_line(clean_env, tm
     assert "point it at a folder of your own, or unset it" in message and "\n" not in message
 
 
-def test_a_named_folder_of_ones_own_or_not_yet_made_is_kept(clean_env, tmp_path, monkeypatch):
+def test_a_named_folder_of_ones_own_is_kept_and_a_missing_one_made_private(clean_env, tmp_path, monkeypatch):
     own = tmp_path / "own"
-    own.mkdir(mode=0o700)
+    own.mkdir(mode=0o755)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(own))
-    assert use_private_compile_cache() == own
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "later"))  # torch creates it
-    assert use_private_compile_cache() == tmp_path / "later"
-    assert not (tmp_path / "later").exists() and not clean_env.exists()
+    assert use_private_compile_cache() == own and stat.S_IMODE(own.stat().st_mode) == 0o755
+    later = tmp_path / "later" / "cache"  # torch would make it with the umask, where another could come first
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(later))
+    assert use_private_compile_cache() == later
+    assert stat.S_IMODE(later.stat().st_mode) == stat.S_IMODE(later.parent.stat().st_mode) == 0o700
+    assert not clean_env.exists()
+
+
+def test_tritons_folder_inside_inductors_is_not_held_to_the_rule_twice(clean_env, monkeypatch):
+    """After a compile inductor sets TRITON_CACHE_DIR to a subfolder it made with the umask (group-writable
+    under umask 002): a second call, say a benchmark's next mode, must not refuse it."""
+    folder = use_private_compile_cache()
+    triton = folder / "triton" / "0"
+    triton.mkdir(parents=True)
+    triton.chmod(0o777)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(triton))
+    assert use_private_compile_cache() == folder
 
 
 def test_dschats_cache_folder_itself_must_be_the_users_own(clean_env):

@@ -193,6 +193,7 @@ def test_a_buffer_name_is_claimed_once_and_only_the_users_own_leftover_is_kept(m
     with pytest.raises(UserError, match="it is a symbolic link"):
         dist.claim_shm_allreduce_buffer(0, shm_dir=tmp_path)
     assert not (tmp_path / "elsewhere").exists()
+    assert not dist.claim_shm_allreduce_buffer(0, shm_dir=tmp_path / "no-shm")  # no /dev/shm: DeepSpeed makes none
 
 
 # One rank as the deepspeed launcher starts it (LOCAL_SIZE = WORLD_SIZE: DeepSpeed's CPU all-reduce
