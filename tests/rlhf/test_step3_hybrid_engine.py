@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._inductor.utils import clear_caches as clear_inductor_caches
 
 from dschat.errors import UserError
 from dschat.rlhf.hybrid_engine import DecodingSettings, HybridEngineDecision, RolloutGenerator, decide_hybrid_engine
@@ -517,6 +518,8 @@ def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetch
     with monkeypatch.context() as env:
         env.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)  # torch's default: set at its import
         env.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "cache"))  # read at the first compile
+        torch._dynamo.reset()  # as a process's first compile: no graph an earlier test compiled is served
+        clear_inductor_caches()  # from memory instead of the cache folder
         assert torch.equal(_generate(engine), expected)
         compiled = tmp_path / "cache" / "torch-compile"
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(compiled) and compiled.stat().st_mode & 0o077 == 0
