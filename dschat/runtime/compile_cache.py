@@ -29,6 +29,7 @@ from pathlib import Path
 import torch._inductor.config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
+from dschat.errors import UserError
 from dschat.paths import cache_dir
 from dschat.runtime.fs import check_trusted, is_trusted, make_private_dir
 
@@ -60,12 +61,23 @@ def use_private_compile_cache() -> Path:
     folder = Path(named) if named else compile_cache_dir()
     fix = (f"point it at a folder of your own, or unset it (dschat then uses {compile_cache_dir()})" if named else
            "set DSCHAT_CACHE_DIR or TORCHINDUCTOR_CACHE_DIR to a folder of your own")
-    check_trusted(make_private_dir(folder), "TORCHINDUCTOR_CACHE_DIR" if named else "torch.compile's cache folder", fix)
+    _private_folder(folder, "TORCHINDUCTOR_CACHE_DIR" if named else "torch.compile's cache folder", fix)
     triton = os.environ.get("TRITON_CACHE_DIR")
     if triton and not Path(triton).resolve().is_relative_to(folder.resolve()):
-        check_trusted(make_private_dir(triton), "TRITON_CACHE_DIR",
-                      "point it at a folder of your own, or unset it (inductor then keeps it inside its own)")
+        _private_folder(Path(triton), "TRITON_CACHE_DIR",
+                        "point it at a folder of your own, or unset it (inductor then keeps it inside its own)")
     if not is_trusted(torch_default):
         inductor_config.cpp_cache_precompile_headers = False  # read from <torch_default>/precompiled_headers
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder
+
+
+def _private_folder(folder: Path, what: str, fix: str) -> None:
+    """``folder`` made 0700 when missing, and refused unless it is the user's own (one line each)."""
+    try:
+        make_private_dir(folder)
+    except OSError as err:  # a read-only home, a file on the way
+        raise UserError(f"{what} {folder} cannot be created ({err.strerror or err}); {fix}") from None
+    if not folder.is_dir():
+        raise UserError(f"{what} {folder} is not a folder; {fix}")
+    check_trusted(folder, what, fix)

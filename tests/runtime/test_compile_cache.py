@@ -104,3 +104,16 @@ def test_headers_are_not_precompiled_into_a_default_folder_another_account_made(
     Path(default_cache_dir()).chmod(0o777)
     use_private_compile_cache()
     assert inductor_config.cpp_cache_precompile_headers is False
+
+
+def test_a_folder_that_cannot_be_made_is_one_line(clean_env, tmp_path, monkeypatch):
+    """Not a traceback, nor (on the rollout's paths) a compile failure to fall back from."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(UserError, match=r"^TORCHINDUCTOR_CACHE_DIR .*/file is not a folder; point it at"):
+        use_private_compile_cache()
+    monkeypatch.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "file" / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    with pytest.raises(UserError, match=r"^torch.compile's cache folder .* cannot be created \(Not a directory\); "
+                                        "set DSCHAT_CACHE_DIR"):
+        use_private_compile_cache()
