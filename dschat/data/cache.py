@@ -41,7 +41,7 @@ from safetensors import SafetensorError
 from dschat.data.dispatch import DatasetSource
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.errors import UserError
-from dschat.runtime.fs import atomic_files, check_trusted, make_private_dir
+from dschat.runtime.fs import atomic_files, check_trusted, make_trusted_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
 FORMAT_VERSION = 1
@@ -154,10 +154,7 @@ def check_data_output_path(output_path: str | os.PathLike) -> None:
 
 def private_folder(output_path: str | os.PathLike) -> None:
     """Create ``output_path`` 0700 if needed, then require it to be a folder this user may trust."""
-    make_private_dir(output_path)
-    if not os.path.isdir(output_path):
-        raise UserError(f"--data_output_path {output_path} is not a folder; pass a folder path")
-    check_data_output_path(output_path)
+    make_trusted_dir(output_path, "--data_output_path", UNTRUSTED_FIX, not_a_folder_fix="pass a folder path")
 
 
 def write_cache(files: CacheFiles, key: str, fields: dict, train: PromptDataset, held_out: PromptDataset, stats: list) -> None:

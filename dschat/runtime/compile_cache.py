@@ -31,7 +31,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from dschat.errors import UserError
 from dschat.paths import cache_dir
-from dschat.runtime.fs import check_trusted, is_trusted, make_private_dir
+from dschat.runtime.fs import is_trusted, make_trusted_dir
 
 __all__ = ["COMPILE_CACHE_ENV", "compile_cache_dir", "use_private_compile_cache"]
 
@@ -75,9 +75,6 @@ def use_private_compile_cache() -> Path:
 def _private_folder(folder: Path, what: str, fix: str) -> None:
     """``folder`` made 0700 when missing, and refused unless it is the user's own (one line each)."""
     try:
-        make_private_dir(folder)
+        make_trusted_dir(folder, what, fix)
     except OSError as err:  # a read-only home, a file on the way
         raise UserError(f"{what} {folder} cannot be created ({err.strerror or err}); {fix}") from None
-    if not folder.is_dir():
-        raise UserError(f"{what} {folder} is not a folder; {fix}")
-    check_trusted(folder, what, fix)

@@ -9,7 +9,8 @@ or folder is unchanged. :func:`atomic_files` does the same for a set of files re
 On a shared machine a file or folder is trusted only when this user owns it and nobody else can
 write to it (:func:`untrusted_reason`, :func:`is_trusted`, :func:`check_trusted`): a cache, lock or
 leftover folder that another account could have planted or edited is never read.
-:func:`make_private_dir` creates folders only their owner can enter (0700).
+:func:`make_private_dir` creates folders only their owner can enter (0700); :func:`make_trusted_dir`
+also refuses one that exists and is not the user's own.
 
 A folder that :func:`atomic_dir` completes carries :data:`SAVED_MARKER`; :func:`recover_dir` moves
 leftovers into place only when they carry it and belong to this user alone (:func:`owned_privately`),
@@ -48,6 +49,7 @@ __all__ = [
     "is_trusted",
     "check_trusted",
     "make_private_dir",
+    "make_trusted_dir",
     "atomic_file",
     "atomic_files",
     "atomic_dir",
@@ -190,6 +192,17 @@ def make_private_dir(path: str | os.PathLike) -> Path:
         except FileExistsError:
             continue  # made by another rank meanwhile, or a file: the caller's checks name it
         os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask; this is exact
+    return target
+
+
+def make_trusted_dir(path: str | os.PathLike, what: str, fix: str, not_a_folder_fix: str | None = None) -> Path:
+    """:func:`make_private_dir`, then refuse ``path`` in one line unless it is a folder this user may
+    trust (:func:`check_trusted`, with ``what`` and ``fix``); a path that is not a folder is told
+    ``not_a_folder_fix`` (default ``fix``). Returns the folder."""
+    target = make_private_dir(path)
+    if not target.is_dir():
+        raise UserError(f"{what} {path} is not a folder; {not_a_folder_fix or fix}")
+    check_trusted(target, what, fix)
     return target
 
 
