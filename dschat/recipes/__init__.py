@@ -7,11 +7,13 @@ flags of one step's ``main.py``, with a few positional parameters (upstream's ``
 
 One module per idea: the steps (:mod:`.steps`), a recipe and the argv it renders (:mod:`.recipe`),
 finding the checkout and loading its recipes (:mod:`.loading`), the generated shell scripts and
-READMEs (:mod:`.scripts`) and a small CLI (:mod:`.cli`, ``python -m dschat.recipes``: ``list``,
-``show``, ``validate``, ``write-scripts`` / ``check-scripts``). Their public names are importable
+READMEs (:mod:`.scripts`), ``docs/flags.md`` (:mod:`.flags_doc`, with upstream's flag names in
+:mod:`.upstream_flags`) and a small CLI (:mod:`.cli`, ``python -m dschat.recipes``: ``list``,
+``show``, ``validate``, ``write-scripts`` / ``check-scripts``, ``write-flags-doc`` / ``check-flags-doc``). Their public names are importable
 from here.
 """
 from dschat.recipes.cli import main
+from dschat.recipes.flags_doc import check_flags_doc, parser_of, render_flags_doc, step_parser, write_flags_doc
 from dschat.recipes.loading import find_repo_root, get_recipe, load_all, load_step_recipes
 from dschat.recipes.recipe import FlagValue, Launcher, Recipe, split_flag_groups
 from dschat.recipes.scripts import (
@@ -23,6 +25,7 @@ from dschat.recipes.scripts import (
     script_path,
     write_generated,
 )
+from dschat.recipes.upstream_flags import UPSTREAM_DEFAULTS, UPSTREAM_FLAGS
 from dschat.recipes.steps import (
     PARAMS_1_2,
     PARAMS_3,
@@ -58,5 +61,12 @@ __all__ = [
     "expected_generated_files",
     "check_generated",
     "write_generated",
+    "parser_of",
+    "step_parser",
+    "render_flags_doc",
+    "check_flags_doc",
+    "write_flags_doc",
+    "UPSTREAM_FLAGS",
+    "UPSTREAM_DEFAULTS",
     "main",
 ]

@@ -1,9 +1,10 @@
-"""``python -m dschat.recipes``: list, show, validate and generate launch recipes."""
+"""``python -m dschat.recipes``: list, show, validate and generate launch recipes; generate docs/flags.md."""
 from __future__ import annotations
 
 import argparse
 from typing import Sequence
 
+from dschat.recipes.flags_doc import FLAGS_DOC, check_flags_doc, write_flags_doc
 from dschat.recipes.loading import find_repo_root, get_recipe, load_all, load_step_recipes
 from dschat.recipes.scripts import check_generated, write_generated
 from dschat.recipes.steps import STEPS, step_spec
@@ -23,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     sub.add_parser("validate", help="load and validate every recipe")
     sub.add_parser("write-scripts", help="(re)write training/*/training_scripts from configs/")
     sub.add_parser("check-scripts", help="exit 1 if the committed scripts differ from configs/")
+    sub.add_parser("write-flags-doc", help=f"(re)write {FLAGS_DOC} from the step scripts' parsers")
+    sub.add_parser("check-flags-doc", help=f"exit 1 if {FLAGS_DOC} differs from the step scripts' parsers")
     args = parser.parse_args(argv)
 
     if args.command == "list":
@@ -50,3 +53,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if problems:
             raise SystemExit(1)
         print("training_scripts are in sync with configs/")
+    elif args.command == "write-flags-doc":
+        path = write_flags_doc(args.repo_root)
+        print(f"wrote {path.relative_to(find_repo_root(args.repo_root))}")
+    elif args.command == "check-flags-doc":
+        problems = check_flags_doc(args.repo_root)
+        for line in problems:
+            print(line)
+        if problems:
+            raise SystemExit(1)
+        print(f"{FLAGS_DOC} is in sync with the step scripts")
