@@ -75,7 +75,7 @@ __all__ = [
     "PhasePlan",
     "select_phase_rows",
     "plan_phase_data",
-    # Also importable here, as before the split (used by dschat's own modules and tests):
+    # Also importable here (dschat's own modules and tests import them from this module):
     "ADAPTERS",
     "BUILTIN_NAME",
     "BUILTIN_SAMPLES_NAME",

@@ -9,7 +9,7 @@ Tokenisation follows upstream's ``create_dataset_split`` exactly (DSE ``data_uti
   a row is kept only if both texts exist.
 * phase 3: ``get_prompt`` tokenised without truncation; prompts longer than ``max_seq_len`` (the
   max prompt length) are dropped and counted in ``filtered`` (DSE #782); items hold the prompt
-  *flipped* so :class:`~dschat.data.collators.DataCollatorRLHF` can left-pad by right-padding (#457).
+  *flipped* so :class:`~dschat.data.collators.DataCollatorRLHF` can left-pad by right-padding (DSE #457).
 
 Texts are tokenised in batches (fast), unpadded; padding is added when an item is read. The tensors
 are identical to upstream's one-call-per-sample ``padding="max_length"`` tokenisation (tested).

