@@ -122,9 +122,8 @@ MiniDataset = RolloutBuffer
 def set_epoch_if_distributed(loader_or_sampler: Any, epoch: int) -> bool:
     """Call ``set_epoch(epoch)`` on a DataLoader's sampler (or a sampler) if it has one.
 
-    Upstream never calls ``DistributedSampler.set_epoch``, so every epoch visits the data in the same
-    order. Step scripts call this at the start of each epoch. Returns whether a
-    sampler took the epoch.
+    Step scripts call this at the start of each epoch, so each epoch has its own order (upstream never
+    called it: docs/upstream.md#data-cache). Returns whether a sampler took the epoch.
     """
     candidates: Iterable[Any] = (
         loader_or_sampler,

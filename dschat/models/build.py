@@ -1,16 +1,15 @@
 """Model builders with upstream's names: ``create_hf_model``, ``create_critic_model``.
 
-Differences from upstream (each fixes a reported problem):
-- ``model.config.pad_token_id`` is the tokenizer's pad id (upstream forced eos, DSE #719).
+Contracts (the differences from upstream: docs/upstream.md):
+- ``model.config.pad_token_id`` is the tokenizer's pad id.
 - The vocabulary is padded up to a multiple of 8 but never shrunk below the checkpoint's size --
   except in step 3 when the models' sizes differ: then all are resized to the tokenizer's length
-  rounded up to 8, as upstream resizes every model (:func:`aligned_vocab_rows`).
+  rounded up to 8 (:func:`aligned_vocab_rows`).
 - A model path may be a PEFT LoRA adapter folder (dschat's ``lora_adapter/`` or any other): its base
   model is built and the adapter merged into it (:mod:`dschat.models.peft_adapter`).
 - A step-3 critic/reward path must be a step-2 output -- dschat's (safetensors body +
-  ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): missing
-  or unexpected keys fail loudly (upstream's loader swallowed them, so a wrong path trained a
-  random critic).
+  ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): a
+  missing, unexpected or wrongly shaped key is one :class:`~dschat.errors.UserError`.
 """
 from __future__ import annotations
 
@@ -354,7 +353,7 @@ def load_state_dict_into_model(
     loaded on every rank. Missing, unexpected and wrongly shaped keys are found on every rank before
     anything is loaded: with ``strict`` (the default) they raise one :class:`UserError` and nothing
     is loaded; with ``strict=False`` the matching keys are loaded and the rest is returned.
-    Upstream ignored them all (a wrong critic path trained a random critic).
+    Upstream ignored them all: docs/upstream.md#upstreams-checkpoints-load.
     """
     expected = {start_prefix + k: full_shape(v)
                 for k, v in model_to_load.state_dict(keep_vars=True).items()}

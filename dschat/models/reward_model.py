@@ -4,12 +4,10 @@ As upstream: ``v_head`` (hidden -> 1, no bias) reads every position; step 2 trai
 pairwise loss from the first token where chosen and rejected differ to the end of the longer
 one; the score of a sequence is the value at its last token.
 
-Where upstream finds "the last token" by searching for the pad id (skipping
-``num_padding_at_beginning`` leading pads, OPT's BOS == pad), dschat reads it from the attention
-mask, so an EOS that shares the pad id is still part of the sequence and is the scored token
-(an upstream bug: its step-2 RM scored the token before EOS only when EOS != pad). Upstream's
-pad rule -- with ``num_padding_at_beginning`` in its upstream meaning -- is used only when no
-attention mask is passed.
+The last token is the right-most position of the attention mask, so an EOS that shares the pad id
+is part of the sequence and is the scored token. Without an attention mask the last token is found
+by upstream's pad rule: skip ``num_padding_at_beginning`` leading pads, the first pad after them
+ends the sequence. Upstream always used the pad rule: docs/upstream.md#pad-and-eos.
 
 Two folder formats are read (``critic_format``): dschat's (a Hugging Face body folder plus
 ``v_head.safetensors``, what step 2 writes) and upstream DeepSpeed-Chat's (one

@@ -194,8 +194,8 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
 def save_hf_format(model: Any, tokenizer: Any, args: Any, sub_folder: str = "") -> Path | None:
     """Upstream's name: save into ``args.output_dir/sub_folder``.
 
-    Unlike upstream (rank 0 only, then ``save_zero_three_model`` on all ranks) this one call does
-    everything and must be made on every rank.
+    This one call does everything and must be made on every rank (upstream's was rank 0's only:
+    docs/upstream.md#step-1-sft).
     """
     return save_hf_model(model, tokenizer, Path(args.output_dir) / sub_folder,
                          getattr(args, "save_format", "safetensors"))

@@ -9,12 +9,10 @@ model's tokenizer). A folder without ``tokenizer.json`` and
 would give the tokenizer class's default special tokens (``<|endoftext|>`` and no BOS for OPT's
 GPT-2 vocabulary, where the model uses ``</s>``).
 
-Pad policy. Upstream sets ``pad = eos`` and then derives masks with ``ids != pad``, which makes
-every EOS (and OPT's BOS, which is the same id) invisible: the SFT model never learns to stop and
-the PPO actor never receives gradient for emitting EOS (an upstream bug). dschat keeps the
-tokenizer's own pad token, falls back to ``pad = eos`` only when there is none (as upstream), and
-never derives a mask from the pad id: masks come from the tokenizer (steps 1-2) and from generation
-lengths (step 3). So ``pad == eos`` is harmless, and token ids match upstream's.
+Pad policy. The tokenizer keeps its own pad token; ``pad = eos`` only when it has none (as
+upstream). No mask is derived from the pad id: masks come from the tokenizer (steps 1-2) and from
+generation lengths (step 3), so ``pad == eos`` hides no EOS, and token ids match upstream's.
+Upstream's ``ids != pad`` masks: docs/upstream.md#pad-and-eos.
 """
 from __future__ import annotations
 

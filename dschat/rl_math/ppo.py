@@ -76,9 +76,8 @@ def reward_positions(
       ``min(start + n, T - 1)``: the slot of the first pad after the answer (one past the last
       action token, DSE PR #672), or the last answer slot when the answer has no pad. Decoding
       stops when every row has ended, so the row that ended last has its EOS in the last column and
-      no pad after it: its score lands on its EOS slot, one slot earlier than the other rows' (with
-      upstream's ``ids != pad`` masks the EOS of OPT was not an action, so every row was scored on
-      its EOS slot). ``"last"`` has no such exception.
+      no pad after it: its score lands on its EOS slot, one slot earlier than the other rows'
+      (docs/upstream.md#pad-and-eos). ``"last"`` has no such exception.
     * ``"last"`` (opt-in): ``start + n - 1``, the last real action token (``start`` if ``n == 0``).
 
     Shape: action_mask (B, T); returns (B,) int64.

@@ -10,18 +10,15 @@ gradient), ``B`` sequences of ``s`` tokens, ``L`` layers, hidden size ``h`` and 
 
 The numbers are computed by pure functions (:func:`throughput_stats`, :func:`throughput_stats_step3`)
 that tests check by hand; :func:`print_throughput` / :func:`print_throughput_step3` only format
-them with upstream's exact lines. Upstream arithmetic bugs fixed here:
+them with upstream's exact lines (its arithmetic fixed: docs/upstream.md#throughput-lines):
 
 * steps 1 / 2 / DPO: FLOPs are computed for the *per-device* batch, so per-GPU TFLOPs divide by the
-  time only (upstream also divided by the world size, under-reporting by that factor);
-* step 3: ``gen_bs * ... * gpus * 1 if ptx is None else 2`` parsed as ``(...) if ... else 2``, so
-  with PPO-ptx the batch was exactly 2; here ptx doubles the *actor's* trained samples only (the
-  critic never trains on ptx batches);
-* step 3: bytes per parameter come from the actor's actual parameter dtype (bf16 = 2; upstream
-  read ``config.torch_dtype`` and printed ``BW: -1`` for bf16 or a string dtype);
+  time only;
+* step 3: with PPO-ptx the *actor's* trained samples are doubled (the critic never trains on ptx
+  batches);
+* step 3: bytes per parameter come from the actor's actual parameter dtype (bf16 = 2);
 * step 3: ``gen_exp_time`` is the generation time summed over all ``generation_batches`` (the
-  caller measures it; upstream passed the last batch's time only), so generation TFLOPs and
-  per-token latency count every generated batch.
+  caller measures it), so generation TFLOPs and per-token latency count every generated batch.
 """
 from __future__ import annotations
 

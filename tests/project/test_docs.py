@@ -251,7 +251,8 @@ def test_a_misspelt_flag_is_caught():
 # Paths quoted in the code
 # ---------------------------------------------------------------------------------------------
 _QUOTED_PATH = re.compile(
-    r"(?<![\w/.])((?:tests|docs|benchmarks|dschat|training|configs|inference|\.ci)/[\w./*-]*\w\.(?:py|md|yaml|json|sh|png))")
+    r"(?<![\w/.])((?:tests|docs|benchmarks|dschat|training|configs|inference|\.ci)/[\w./*-]*\w\.(?:py|md|yaml|json|sh|png))"
+    r"(?:#([\w-]+))?")
 # Stale paths in modules being edited elsewhere right now; each must be fixed at its source, and this
 # entry dropped then (the test below fails once a listed path resolves).
 STALE_ELSEWHERE = {
@@ -260,13 +261,16 @@ STALE_ELSEWHERE = {
 
 
 def missing_paths(rel: str, text: str) -> list[tuple[str, str]]:
-    """(file, path) for each repository path quoted in ``text`` that matches no file."""
+    """(file, path) for each repository path quoted in ``text`` that matches no file, or whose
+    ``#anchor`` names no heading of that markdown file."""
     out = []
-    for path in _QUOTED_PATH.findall(text):
+    for path, anchor in _QUOTED_PATH.findall(text):
         if "..." in path or "{" in path:
             continue
         if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
             out.append((rel, path))
+        elif anchor and path.endswith(".md") and anchor not in anchors((REPO / path).read_text(encoding="utf-8")):
+            out.append((rel, f"{path}#{anchor}"))
     return out
 
 
@@ -280,8 +284,10 @@ def test_paths_quoted_in_the_code_exist():
 
 
 def test_a_missing_quoted_path_is_caught():
-    text = "tested in ``tests/rlhf/test_no_such.py``; see docs/flags.md and tests/rlhf/test_tensor_parallel*.py"
-    assert missing_paths("x.py", text) == [("x.py", "tests/rlhf/test_no_such.py")]
+    text = ("tested in ``tests/rlhf/test_no_such.py``; see docs/flags.md and tests/rlhf/test_tensor_parallel*.py; "
+            "docs/upstream.md#pad-and-eos, docs/upstream.md#no-such-heading")
+    assert missing_paths("x.py", text) == [("x.py", "tests/rlhf/test_no_such.py"),
+                                           ("x.py", "docs/upstream.md#no-such-heading")]
 
 
 # ---------------------------------------------------------------------------------------------
