@@ -8,11 +8,8 @@ boundary after the first, so the *first* chunk absorbs it. Rows are assigned thr
 ``numpy.random.RandomState(seed)`` permutation, so a given seed yields the same chunks in steps 1, 2
 and 3 and the phases train on disjoint rows.
 
-Fix over upstream: upstream cached each chunk as ``{output_path}/{name}_seed{seed}_{split}_{data_split}_{i}.npy``
-and reused the file whenever it existed. The file name ignores the data size, so a dataset that grew
-or shrank silently kept its old index (stale rows, or indices past the end; DSE #437/#558 threads).
-The permutation of N integers costs milliseconds, so dschat computes the index in memory every time
-and writes no index files.
+The index is computed in memory every time; no index file is written or read, so it cannot go stale
+when a dataset changes size (upstream's ``.npy`` index cache: docs/upstream.md#data-splits).
 """
 from __future__ import annotations
 
@@ -59,11 +56,10 @@ def split_boundaries(proportions: Sequence[float], data_size: int) -> list[int]:
     Example (N = 5, ``"1,1"``): ``round(2.5) = 2`` twice (banker's rounding) gives ``[0, 2, 4]``;
     the shortfall ``4 - 5 = -1`` is subtracted from every boundary after the first: ``[0, 3, 5]``.
 
-    Fix over upstream: when rounding *over*-allocates by more rows than the first chunk holds (tiny N
-    with a small first share, e.g. N = 3, ``"0,1,1"``: ``[0, 0, 2, 4]`` becomes ``[0, -1, 1, 3]``),
-    upstream's negative boundary made Python slices overlap, so phases shared rows. Here the excess
-    that the first chunk cannot absorb is taken from the following chunks in order (``[0, 0, 1, 3]``).
-    Whenever upstream's boundaries are valid they are returned unchanged.
+    When rounding *over*-allocates by more rows than the first chunk holds (tiny N with a small first
+    share, e.g. N = 3, ``"0,1,1"``: upstream's ``[0, -1, 1, 3]``, whose overlapping slices share rows),
+    the excess that the first chunk cannot absorb is taken from the following chunks in order
+    (``[0, 0, 1, 3]``). Whenever upstream's boundaries are valid they are returned unchanged.
     """
     total = float(sum(proportions))
     sizes = [int(round((p / total) * float(data_size))) for p in proportions]

@@ -10,9 +10,8 @@ them (``.txt``: one text per non-empty line; a folder with ``train.*`` files use
 ``dschat/builtin`` (texts = prompt + chosen of its train split). The text column is ``"text"`` if
 present, else the first column (upstream).
 
-Upstream enabled ptx only when both ``--unsupervised_dataset_name`` and
-``--unsupervised_dataset_config_name`` were set, so config-less datasets could not be used (an upstream
-bug); :func:`unsupervised_training_enabled` needs the name only.
+PPO-ptx is on when ``--unsupervised_dataset_name`` is set (:func:`unsupervised_training_enabled`); the
+config name is optional (upstream required both: docs/upstream.md#ppo-ptx-text).
 """
 from __future__ import annotations
 
@@ -172,12 +171,11 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     """Tokenised, grouped PPO-ptx blocks (upstream); a ``datasets.Dataset`` of
     ``input_ids`` / ``attention_mask`` / ``labels`` lists, all exactly ``block_size`` tokens long.
 
-    Texts are grouped per map batch of 1000 texts, as upstream, and each batch drops its remainder.
-    Upstream kept a batch shorter than one block as one shorter block, so a last batch of a few
-    texts gave a block that ``default_data_collator`` cannot stack with the others (a crash in
-    step 3); here such blocks are dropped. Only when no batch holds a full block is the whole split
-    grouped at once: a split shorter than one block then gives that one shorter block (upstream's
-    result; a single block always stacks), a longer one gives full blocks.
+    Texts are grouped per map batch of 1000 texts, as upstream, and each batch drops its remainder,
+    so every block is full and ``default_data_collator`` stacks them (upstream's short blocks:
+    docs/upstream.md#ppo-ptx-text). Only when no batch holds a full block is the whole split grouped
+    at once: a split shorter than one block then gives that one shorter block (a single block always
+    stacks), a longer one gives full blocks.
 
     Reads ``args.unsupervised_dataset_name``, ``args.unsupervised_dataset_config_name`` (optional),
     ``args.preprocessing_num_workers``, ``args.max_prompt_seq_len``, ``args.max_answer_seq_len``.

@@ -1,14 +1,13 @@
 """The one DeepSpeed config builder, for every role (actor, reference, EMA, critic, reward).
 
-Dict contents and key order follow upstream's ``dschat/utils/ds_utils.py`` exactly,
-with two differences:
+Dict contents and key order follow upstream's ``dschat/utils/ds_utils.py`` exactly, except
+(docs/upstream.md#deepspeed-config):
 
 * the batch keys are computed here, once, from ``micro_batch_size``, ``gradient_accumulation_steps``
-  and the world size; upstream returned placeholders (32 / 4) that its callers overwrote six times.
-  Code written against upstream may still leave ``micro_batch_size`` out and set both keys
-  afterwards: it then gets upstream's placeholders exactly (``GLOBAL_BATCH_SIZE`` /
+  and the world size. A call that leaves ``micro_batch_size`` out (code written against upstream,
+  which sets both keys afterwards) gets upstream's placeholders exactly (``GLOBAL_BATCH_SIZE`` /
   ``MICRO_BATCH_SIZE``);
-* ``dtype="fp32"`` is accepted and emits no fp16/bf16 block (upstream raised ``NameError``).
+* ``dtype="fp32"`` is accepted and emits no fp16/bf16 block.
 
 Callers pick the dtype with :func:`resolve_dtype` first (fp16 is not available on a CPU
 accelerator); the builders themselves never change the dtype they are given, so the same call
