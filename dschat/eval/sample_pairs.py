@@ -9,8 +9,8 @@ labeller (here the gold judge; the answer it scores higher by at least
 :data:`dschat.data.builtin.MIN_MARGIN` is ``chosen``).
 
 The shipped files were made from the CPU recipe's step-1 actor trained with ``--seed 3``, a seed
-the README's table does not measure, on the prompts of ``dschat/builtin``'s train split only, so the
-held-out prompts stay unseen. Regenerate (about 10 minutes on 2 CPU cores)::
+the demo's table (docs/getting-started.md) does not measure, on the prompts of ``dschat/builtin``'s train split only, so the
+held-out prompts stay unseen. Regenerate (its time: benchmarks/results.md)::
 
     python e2e_rlhf.py --step 1 --seed 3 --output-dir /tmp/s3
     python -m dschat.eval.sample_pairs --actor /tmp/s3/actor-models/smollm2-135m \\
