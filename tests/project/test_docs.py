@@ -320,3 +320,33 @@ def test_flags_doc_marks_origins():
     assert re.search(r"^\| `--kl_ctl` \| `0.1` \| dschat \|", step3, re.M)
     assert re.search(r"^\| `--actor_learning_rate` \| `9.65e-06` \| upstream \|", step3, re.M)
     assert re.search(r"^\| `--seed` \| `1234` \| upstream \(default was `None`", step3, re.M)
+
+
+# ---------------------------------------------------------------------------------------------
+# The docstring policy (docs/contributing.md): no history, no issue numbers of this project
+# ---------------------------------------------------------------------------------------------
+_HISTORY = re.compile(r"before this change|as before the split|\bissue #?\d+", re.I)
+# In modules being edited elsewhere right now; drop an entry once its text is gone.
+HISTORY_ELSEWHERE = {
+    ("dschat/data/prompt_dataset.py", "as before the split"),
+}
+
+
+def history_phrases(rel: str, text: str) -> list[tuple[str, str]]:
+    """(file, phrase) for each story of past code or project issue number in ``text``."""
+    return [(rel, m.group(0)) for m in _HISTORY.finditer(text)]
+
+
+def test_code_holds_no_history_or_issue_numbers():
+    files = sorted((REPO / "dschat").rglob("*.py"))
+    found = {h for f in files for h in history_phrases(str(f.relative_to(REPO)), f.read_text(encoding="utf-8"))}
+    assert not found - HISTORY_ELSEWHERE, ("history or issue numbers belong in commit messages: "
+                                           + ", ".join(f"{p!r} in {f}" for f, p in sorted(found - HISTORY_ELSEWHERE)))
+    gone = HISTORY_ELSEWHERE - found
+    assert not gone, f"fixed, drop them from HISTORY_ELSEWHERE: {sorted(gone)}"
+
+
+def test_history_and_issue_numbers_are_caught():
+    text = ("Before this change it was slow (issue 21; issue #6). Upstream's DSE #437/#558, DS #4788 and "
+            "TRL PR #3493 may be cited.")
+    assert [p for _, p in history_phrases("x.py", text)] == ["Before this change", "issue 21", "issue #6"]
