@@ -432,11 +432,13 @@ class StepThreeEvaluation:
         return f"{self.output_dir / BEST_DIR} (step {self.best['step']})"
 
     def _update_best(self, point: EvalPoint, rows: _Rows) -> bool:
+        """Save ``best/`` when ``point`` beats every earlier evaluation. A non-finite mean never does, and a
+        best score that is not finite (a checkpoint's) is beaten by any finite one."""
         series = self._best_series()
-        if series is None:
+        if series is None or not point.finite(series):
             return False
         score = point.mean(series)
-        if self.best is not None and not score > self.best["score"]:
+        if self.best is not None and _finite(self.best["score"]) and not score > self.best["score"]:
             return False
         self.best = {"step": point.step, "by": series, "score": score}
         start = time.time()
@@ -483,6 +485,12 @@ class StepThreeEvaluation:
                        f"evaluation {record['eval_share']:.1%} of the wall time so far{best}", self.rank)
         if alarm is not None:
             print_rank_0(alarm.line(self._best_where() if self.best is not None else None), self.rank)
+        means = {"proxy": record["proxy"], **{f"judge {k}": v for k, v in record["judges"].items()}}
+        bad = [f"{name} {value}" for name, value in means.items() if not _finite(value)]
+        if bad:
+            print_rank_0(f"[eval] step {record['global_step']}: the mean of {', '.join(bad)} is not finite (a score "
+                         "was NaN or inf): this evaluation counts neither for the best checkpoint nor for the "
+                         "over-optimization alarm", self.rank)
         if self.tb is not None:
             scalars = {f"eval/{k}": record[k] for k in ("proxy", "kl_to_ref", "response_length", "eos_rate", "entropy")}
             scalars.update({f"eval/judge/{name}": value for name, value in record["judges"].items()})
@@ -515,8 +523,16 @@ class StepThreeEvaluation:
         return line
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _se(values: Sequence[float]) -> float:
-    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    """Standard error of the mean; NaN for fewer than two values or a non-finite one (``statistics.stdev``
+    raises on inf)."""
+    if len(values) < 2 or not all(math.isfinite(v) for v in values):
+        return math.nan
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def _ratio(a: float, b: float) -> float:
