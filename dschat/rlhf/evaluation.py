@@ -66,7 +66,7 @@ from dschat.rlhf.eval_cost import MAX_EVAL_SHARE, auto_interval, eval_share, pla
 from dschat.rlhf.eval_setup import Judge, check_eval_args, heldout_prompt_items, resolve_judges
 from dschat.rlhf.experience import sequence_masks
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
-from dschat.runtime.dist import all_reduce_sum, barrier, print_rank_0
+from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
 from dschat.runtime.fs import atomic_dir, recover_dir
 from dschat.training.common import to_device
 
@@ -400,12 +400,10 @@ class StepThreeEvaluation:
         return reward_scores(model, tokenizer, samples, self.trainer.tokenizer, len(samples.prompts))
 
     def _gathered(self, rows: _Rows) -> _Rows:
-        """Every rank's rows, ordered by prompt index (the same on every rank)."""
+        """Every rank's rows, ordered by prompt index (the same on every rank); collective (gather_json)."""
         parts = [rows]
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
-            parts = [None] * self.world_size  # type: ignore[list-item]
-            torch.distributed.all_gather_object(parts, asdict(rows))
-            parts = [_Rows(**p) for p in parts]  # type: ignore[arg-type]
+            parts = [_Rows(**p) for p in gather_json(asdict(rows))]  # type: ignore[arg-type] -- JSON, no pickles
         order = sorted((i, p, k) for p in range(len(parts)) for k, i in enumerate(parts[p].index))
         out = _Rows(judges={j.name: [] for j in self.judges})
         for i, p, k in order:
