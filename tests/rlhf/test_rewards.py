@@ -161,6 +161,8 @@ class TestUntrustedResults:
             load_reward_function("reward_fixtures:returns_string")(PROMPTS[:2], ANSWERS[:2])
         with pytest.raises(UserError, match="returned bytes"):
             RewardFunction("t:bytes", lambda p, a: b"\x01\x02")(PROMPTS[:2], ANSWERS[:2])
+        with pytest.raises(UserError, match="returned dict"):  # list() of it would be its keys
+            RewardFunction("t:dict", lambda p, a: {0: 1.0, 1: 2.0})(PROMPTS[:2], ANSWERS[:2])
         with pytest.raises(UserError, match=r"returned '0.5' for row 1"):
             RewardFunction("t:strs", lambda p, a: [1.0, "0.5", 2.0])(PROMPTS, ANSWERS)
 
