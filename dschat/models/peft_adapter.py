@@ -414,18 +414,19 @@ def _lora_config(adapter: LoraAdapter) -> Any:
                         "PeftModel.save_pretrained") from None
 
 
-def _by_pattern(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
-    """PEFT's ``get_pattern_key`` rule: the value of the first pattern matching the module name's end."""
+def _by_pattern(patterns: Mapping[str, Any] | None, names: Sequence[str], default: Any) -> Any:
+    """PEFT's ``get_pattern_key`` rule: the value of the first pattern matching the end of the module's
+    name (any of ``names``: in this model and in the adapter's keys)."""
     for pattern, value in (patterns or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
+        if any(re.match(rf"(.*\.)?({pattern})$", name) for name in names):
             return value
     return default
 
 
-def _scaling(config: Any, module: str, rank: int) -> float:
+def _scaling(config: Any, names: Sequence[str], rank: int) -> float:
     """PEFT's ``scaling`` of one layer: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), alpha from
     ``alpha_pattern`` by PEFT's rule (the pattern matches the module name's end)."""
-    alpha = _by_pattern(config.alpha_pattern, module, config.lora_alpha)
+    alpha = _by_pattern(config.alpha_pattern, names, config.lora_alpha)
     return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
 
 
@@ -490,6 +491,7 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
                          "the adapter was trained on (base_model_name_or_path)")
 
     factors: dict[str, dict[str, torch.Tensor]] = {}
+    paths: dict[str, str] = {}  # located -> the module's path in the adapter's keys
     replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
     for key, value in tensors.items():
         if not key.startswith(KEY_PREFIX):
@@ -513,6 +515,7 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         target = model.get_submodule(located)
         if factor:
             factors.setdefault(located, {})[factor["which"]] = value
+            paths[located] = module_path
             continue
         param = getattr(target, param_name, None)
         if not isinstance(param, nn.Parameter):
@@ -528,7 +531,8 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         if a.dim() != 2 or b.dim() != 2 or a.shape[0] == 0:
             raise UserError(f"{where} holds LoRA factors of {located} shaped A {tuple(a.shape)}, B {tuple(b.shape)}: "
                             "a LoRA factor is a matrix of rank >= 1; train or export the adapter again")
-        rank = _by_pattern(config.rank_pattern, located, config.r)
+        names = (located, paths[located])
+        rank = _by_pattern(config.rank_pattern, names, config.r)
         if a.shape[0] != rank or b.shape[1] != rank:
             raise UserError(f"{where} holds LoRA factors of {located} of rank {a.shape[0]} (A {tuple(a.shape)}, B "
                             f"{tuple(b.shape)}) but {ADAPTER_CONFIG_FILE} gives it r = {rank} (r, rank_pattern); "
@@ -541,7 +545,7 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         if not isinstance(weight, nn.Parameter) or full_shape(weight) != expected:
             raise refuse(f"the LoRA factors of {located} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit "
                          f"its weight {full_shape(weight) if weight is not None else None}")
-        merges.append((weight, a, b, _scaling(config, located, rank), fan_in_fan_out))
+        merges.append((weight, a, b, _scaling(config, names, rank), fan_in_fan_out))
     return merges, replaced
 
 

@@ -306,9 +306,11 @@ def test_usual_patterns_pass_and_rank_pattern_sets_the_rank_checked_against_the_
                              target_modules=r".*decoder\.layers\.\d+\.(fc1|self_attn\.(q|v)_proj)$",
                              alpha_pattern={"fc1": 2})
     create_hf_model(AutoModelForCausalLM, str(folder), tok)  # factors of rank 4, as rank_pattern says
-    config = json.loads((folder / "adapter_config.json").read_text())
-    del config["rank_pattern"]
-    (folder / "adapter_config.json").write_text(json.dumps(config))
+    # A pattern naming the layer by its full causal-LM path also holds in a reward model's body, where the
+    # layer is decoder.layers.0.fc1: the adapter's own key names it too.
+    _edit_config(folder, rank_pattern={"model.decoder.layers.0.fc1": 4}, alpha_pattern={"model.decoder.layers.0.fc1": 2})
+    create_critic_model(str(folder), tok, None)
+    _edit_config(folder, rank_pattern={})
     with pytest.raises(UserError, match=r"adapter_model.safetensors holds LoRA factors of model.decoder.layers.0.fc1 "
                                         r"of rank 4 \(A \(4, 64\), B \(128, 4\)\) but adapter_config.json gives it "
                                         r"r = 8 \(r, rank_pattern\); correct it in adapter_config.json"):
