@@ -11,8 +11,19 @@ named among its keyword parameters, so a plain ``fn(prompts, answers)`` works to
 like the function's first two parameters is not passed (it would collide with them).
 
 What goes wrong is the user's to fix, so it stops the run with one line (:class:`UserError`, exit
-code 2) that names the function and the row: an unimportable spec, a function that raises, returns
-the wrong number of scores, or a score that is not a finite number.
+code 2) that names the function and the row: an unimportable spec, a function that raises or calls
+``sys.exit``, returns a string or bytes (``"12"`` is not two scores), the wrong number of scores, a
+score that is not a number or is not finite once cast to float32 (``1e39`` is inf there), or a call
+that outlasts ``timeout`` seconds (``--reward_fn_timeout``).
+
+After a call raises, the failing row is looked for by bisection: halves of the batch are called
+again, at most ``2 * ceil(log2(batch))`` calls, stopping at the first probe that raises nothing on
+either half, times out or exits. A call that timed out or called ``sys.exit`` is never repeated.
+
+**Timeout.** With ``timeout > 0`` each call runs in a worker thread (daemon; the CUDA device and the
+grad mode of the caller carried over) and the caller waits at most ``timeout`` seconds. Python cannot
+stop a thread, so a call past its time is left running and the error stops the run: the process
+exits, the stuck call with it.
 
 Scores combine by weights (:class:`RewardMix`)::
 
@@ -31,8 +42,9 @@ import importlib
 import inspect
 import math
 import re
+import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -135,6 +147,8 @@ class RewardFunction:
     # False for step 3's in-process ``main(argv, reward_fn=...)`` hook, whose non-finite scores the
     # non-finite guard handles (that rollout is skipped and counted, --max_nonfinite_steps).
     require_finite: bool = True
+    #: Seconds one call may take (--reward_fn_timeout); 0: no limit, the call runs in the caller's thread.
+    timeout: float = 0.0
 
     def __call__(self, prompts: Sequence[str], answers: Sequence[str],
                  columns: Mapping[str, Sequence[Any]] | None = None) -> list[float]:
@@ -148,27 +162,83 @@ class RewardFunction:
         accepted, taken = _accepted_columns(self.fn)
         # A column named like the first two parameters (a dataset's "prompts" column for
         # fn(prompts, answers, **kw)) would collide with them: it is not passed.
-        kwargs = {k: v for k, v in given.items() if k not in taken and (accepted is True or k in accepted)}
-        try:
-            raw = self.fn(prompts, answers, **{k: list(v) for k, v in kwargs.items()})
-        except UserError:
-            raise
-        except Exception as err:  # noqa: BLE001 -- any failure of user code is reported, one line
-            raise UserError(f"reward function {self.name} raised {type(err).__name__}: {err} "
-                            f"{self._failing_row(prompts, answers, kwargs)}; fix the function") from err
+        kwargs = {k: list(v) for k, v in given.items() if k not in taken and (accepted is True or k in accepted)}
+        raw, failure = self._call(prompts, answers, kwargs)
+        if failure is not None:
+            self._fail(failure, prompts, answers, kwargs)
         return self._check(raw, prompts, answers)
 
-    def _failing_row(self, prompts: list[str], answers: list[str], kwargs: dict[str, Sequence[Any]]) -> str:
-        """``on row i (prompt ..., answer ...)``: the first row that raises alone, found by calling
-        the function row by row (only after it failed on the batch)."""
-        for i, (p, a) in enumerate(zip(prompts, answers)):
+    def _call(self, prompts: list[str], answers: list[str],
+              kwargs: dict[str, list[Any]]) -> tuple[Any, BaseException | None]:
+        """One call of the function: ``(result, None)``, or ``(None, what it raised)`` -- a
+        :class:`_TimedOut` when it outlasted ``timeout``. ``KeyboardInterrupt`` is not caught."""
+        if not self.timeout:
             try:
-                self.fn([p], [a], **{k: [v[i]] for k, v in kwargs.items()})
-            except Exception:  # noqa: BLE001 -- looking for the row that fails
-                return f"on row {i} (prompt {_excerpt(p)}, answer {_excerpt(a)})"
-        return f"on a batch of {len(answers)} rows (no single row fails alone; row 0 prompt {_excerpt(prompts[0])})"
+                return self.fn(prompts, answers, **kwargs), None
+            except (Exception, SystemExit) as err:  # noqa: BLE001 -- any failure of user code is reported
+                return None, err
+        outcome: dict[str, Any] = {}
+        grad = torch.is_grad_enabled()
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def work() -> None:
+            try:
+                if device is not None:  # the CUDA device is per thread
+                    torch.cuda.set_device(device)
+                with torch.set_grad_enabled(grad):  # so is the grad mode
+                    outcome["result"] = self.fn(prompts, answers, **kwargs)
+            except BaseException as err:  # noqa: BLE001 -- handed to the caller, which reports it
+                outcome["error"] = err
+
+        worker = threading.Thread(target=work, name=f"reward function {self.name}", daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            return None, _TimedOut(self.timeout)
+        if isinstance(outcome.get("error"), KeyboardInterrupt):
+            raise outcome["error"]
+        return outcome.get("result"), outcome.get("error")
+
+    def _fail(self, err: BaseException, prompts: list[str], answers: list[str],
+              kwargs: dict[str, list[Any]]) -> NoReturn:
+        """Raise the one line for a failed batch call; a :class:`UserError` of the function passes as it is."""
+        if isinstance(err, UserError):
+            raise err
+        if isinstance(err, _TimedOut):
+            raise UserError(f"reward function {self.name} did not return within --reward_fn_timeout {err.seconds:g} "
+                            f"s on a batch of {len(answers)} rows (row 0 prompt {_excerpt(prompts[0]) if prompts else ''}); "
+                            "make it faster or raise --reward_fn_timeout (0: no limit)") from None
+        if isinstance(err, SystemExit):
+            raise UserError(f"reward function {self.name} called sys.exit({err.code!r}) on a batch of {len(answers)} "
+                            f"rows (row 0 prompt {_excerpt(prompts[0]) if prompts else ''}); raise an exception or "
+                            "return scores instead") from None
+        raise UserError(f"reward function {self.name} raised {type(err).__name__}: {err} "
+                        f"{self._failing_row(prompts, answers, kwargs)}; fix the function") from err
+
+    def _failing_row(self, prompts: list[str], answers: list[str], kwargs: dict[str, list[Any]]) -> str:
+        """``on row i (prompt ..., answer ...)``: a row that raises alone, found by bisection (only after
+        the function failed on the batch): the half that raises is split again; at most two calls per
+        halving. The search stops where neither half raises, or at a probe that times out or exits."""
+        lo, hi = 0, len(answers)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            for a, b in ((lo, mid), (mid, hi)):
+                _, err = self._call(prompts[a:b], answers[a:b], {k: v[a:b] for k, v in kwargs.items()})
+                if isinstance(err, (_TimedOut, SystemExit)):
+                    return f"on rows {lo}-{hi - 1} of a batch of {len(answers)} (row {lo} prompt {_excerpt(prompts[lo])})"
+                if err is not None:
+                    lo, hi = a, b
+                    break
+            else:
+                return (f"on rows {lo}-{hi - 1} of a batch of {len(answers)} (no half of them fails alone; row {lo} "
+                        f"prompt {_excerpt(prompts[lo])})")
+        return f"on row {lo} (prompt {_excerpt(prompts[lo])}, answer {_excerpt(answers[lo])})"
 
     def _check(self, raw: Any, prompts: list[str], answers: list[str]) -> list[float]:
+        if isinstance(raw, (str, bytes, bytearray, Mapping)):
+            shown = _excerpt(raw if isinstance(raw, str) else repr(raw))
+            raise UserError(f"reward function {self.name} returned {type(raw).__name__} {shown}, not a list of "
+                            f"{len(answers)} floats; return one number per answer")
         try:
             values = list(raw)
         except TypeError:
@@ -180,20 +250,37 @@ class RewardFunction:
                             "per answer")
         scores = []
         for i, value in enumerate(values):
-            try:
-                score = float(value)
-            except (TypeError, ValueError):
-                score = float("nan")
-            if self.require_finite and not math.isfinite(score):
+            try:  # a string is no score, even one float() would read ("12", b"3")
+                score = math.nan if isinstance(value, (str, bytes, bytearray)) else float(value)
+            except (TypeError, ValueError, OverflowError):
+                score = math.nan
+            # The scores are used in float32 (RewardMix): 1e39 is finite here and inf there.
+            if self.require_finite and not math.isfinite(_as_float32(score)):
                 raise UserError(f"reward function {self.name} returned {value!r} for row {i} (prompt "
-                                f"{_excerpt(prompts[i])}, answer {_excerpt(answers[i])}); scores must be finite "
-                                "numbers")
+                                f"{_excerpt(prompts[i])}, answer {_excerpt(answers[i])}); scores must be numbers, "
+                                "finite in float32 (|x| < 3.4e38)")
             scores.append(score)
         return scores
 
 
-def load_reward_function(spec: str, weight: float = 1.0) -> RewardFunction:
-    """``"module.path:function"`` -> :class:`RewardFunction`; a bad spec is one :class:`UserError` line."""
+class _TimedOut(Exception):
+    """A call that outlasted its timeout (still running in its thread)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(f"no result within {seconds:g} s")
+        self.seconds = seconds
+
+
+def _as_float32(value: float) -> float:
+    """``value`` rounded to float32, as the reward tensor holds it (inf beyond float32's range)."""
+    return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+
+
+def load_reward_function(spec: str, weight: float = 1.0, timeout: float = 0.0) -> RewardFunction:
+    """``"module.path:function"`` -> :class:`RewardFunction` (``timeout``: seconds per call, 0 for no
+    limit); a bad spec is one :class:`UserError` line."""
+    if not (math.isfinite(timeout) and timeout >= 0):
+        raise UserError(f"--reward_fn_timeout must be a number of seconds >= 0 (0: no limit), got {timeout}")
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise UserError(f"--reward_fn {spec!r} is not of the form module.path:function "
@@ -212,18 +299,19 @@ def load_reward_function(spec: str, weight: float = 1.0) -> RewardFunction:
         raise UserError(f"--reward_fn {spec}: {attr!r} is a {type(fn).__name__}, not a function")
     if not math.isfinite(weight):
         raise UserError(f"--reward_fn_weight for {spec} must be a finite number, got {weight}")
-    return RewardFunction(spec, fn, float(weight))
+    return RewardFunction(spec, fn, float(weight), timeout=float(timeout))
 
 
-def load_reward_functions(specs: Sequence[str], weights: Sequence[float] | None = None) -> list[RewardFunction]:
+def load_reward_functions(specs: Sequence[str], weights: Sequence[float] | None = None,
+                          timeout: float = 0.0) -> list[RewardFunction]:
     """The functions of the repeatable ``--reward_fn`` / ``--reward_fn_weight`` flags: no weights
-    means 1.0 each, else exactly one weight per function, in order."""
+    means 1.0 each, else exactly one weight per function, in order; ``timeout``: ``--reward_fn_timeout``."""
     specs = list(specs or [])
     weights = list(weights or [])
     if weights and len(weights) != len(specs):
         raise UserError(f"{len(weights)} --reward_fn_weight for {len(specs)} --reward_fn; give one weight per "
                         "function, in the same order, or none (all 1.0)")
-    return [load_reward_function(s, w) for s, w in zip(specs, weights or [1.0] * len(specs))]
+    return [load_reward_function(s, w, timeout) for s, w in zip(specs, weights or [1.0] * len(specs))]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -409,30 +409,30 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                             "--per_device_generation_batch_size rows holds that many / K prompts, each K times; "
                             "K must divide it. grpo and rloo need K >= 2.")
     group.add_argument("--dr_grpo", action="store_true",
-                       help="(dschat) With --algorithm grpo: Dr.GRPO, advantages not divided by the group's std "
-                            "and the 'token_sum' loss aggregation (unless --loss_aggregation says otherwise).")
+                       help="(dschat) With --algorithm grpo: Dr.GRPO (no division by the group's std; token_sum loss).")
     group.add_argument("--loss_aggregation", type=str, default="auto", choices=("auto",) + LOSS_AGGREGATION_CHOICES,
                        help="(dschat) How token losses make the step's loss: 'token' (mean over every token of the "
                             "step: PPO's), 'sequence' (mean over answers of each answer's token mean: GRPO's paper), "
                             "'token_sum' (each answer's token sum / --max_answer_seq_len, mean over answers: "
                             "Dr.GRPO). 'auto': sequence for grpo, token_sum for --dr_grpo, token otherwise.")
     group.add_argument("--kl_in_reward", type=str, default="auto", choices=("auto", "on", "off"),
-                       help="(dschat) 'on': -kl_ctl x KL enters the reward (PPO, RLOO, REINFORCE++, ReMax); 'off': "
-                            "kl_ctl x KL is a loss term on the actor's current log-probs (GRPO). 'auto': off for "
-                            "grpo, on otherwise. --kl_ctl is the coefficient either way (0: no KL).")
+                       help="(dschat) 'on': -kl_ctl x KL in the reward (PPO, RLOO, REINFORCE++, ReMax); 'off': kl_ctl x "
+                            "KL a loss term on the actor's log-probs (GRPO); 'auto': off for grpo, else on. 0 kl_ctl: no KL.")
     group.add_argument("--tis_cap", type=float, default=0.0,
-                       help="(dschat) Truncated importance sampling: weight each token's loss by min(pi_train / "
-                            "pi_rollout, tis_cap), correcting the gap between the decoder that generated the "
-                            "rollout and the training forward. 0 (default): off.")
+                       help="(dschat) Truncated importance sampling: each token's loss times min(pi_train / "
+                            "pi_rollout, tis_cap), for the rollout decoder's gap to training. 0 (default): off.")
     group.add_argument("--reward_fn", type=str, action="append", default=None, metavar="MODULE:FUNCTION",
                        help="(dschat) A reward function fn(prompts, answers, **columns) -> list[float] (columns: "
                             "the prompt's other dataset fields). Repeatable; built-ins dschat.rewards:gold (the "
                             "embedded data's gold judge) and dschat.rewards:math_exact_match (column 'answer').")
     group.add_argument("--reward_fn_weight", type=float, action="append", default=None,
                        help="(dschat) Weight of each --reward_fn, in order (default 1.0 each).")
+    group.add_argument("--reward_fn_timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="(dschat) Longest one call of a --reward_fn or --eval_judge function may take before the "
+                            "run stops with an error naming it (default 600; 0: no limit).")
     group.add_argument("--reward_model_weight", type=float, default=None,
-                       help="(dschat) Weight of the reward model's score in the reward. Default: 1.0 without "
-                            "--reward_fn, 0 (no reward model loaded) with it; give it to combine both.")
+                       help="(dschat) Reward model's weight in the reward. Default: 1.0 without --reward_fn, 0 (not "
+                            "loaded) with it; give it to combine both.")
     return group
 
 

@@ -38,6 +38,7 @@ from dschat.data.split import get_shuffle_idx, parse_data_split
 from dschat.data.token_dataset import PairItem, PromptDataset, PromptItem, TokenRows
 from dschat.data.tokenization import TOKENIZE_BATCH, create_dataset, create_dataset_split, tokenize_selection
 from dschat.errors import UserError
+from dschat.runtime.dist import gather_json
 
 #: Used when ``seed`` is None (upstream step 3's default): see :func:`create_prompt_dataset`.
 DEFAULT_SEED = 1234
@@ -109,17 +110,16 @@ def _share_build_outcome(failure: Exception | None) -> None:
     """Wait for every rank (a collective, like the barrier it replaces) and fail on all of them if a
     building rank failed.
 
-    Under ``reload`` only local rank 0 builds; an error there that the other ranks cannot see
-    (e.g. every prompt longer than ``max_prompt_seq_len``, found only while tokenising) used to leave
-    them waiting at ``barrier()`` until gloo reported "Connection closed by peer" or NCCL hung. Now
-    a :class:`UserError` is raised with the same message on every rank; any other error is re-raised
-    where it happened and reported as a ``RuntimeError`` naming that rank elsewhere.
+    Under ``reload`` only local rank 0 builds; an error there that the other ranks cannot see (e.g.
+    every prompt longer than ``max_prompt_seq_len``, found only while tokenising) would leave them
+    waiting at a barrier. A :class:`UserError` is raised with the same message on every rank; any
+    other error is re-raised where it happened and reported as a ``RuntimeError`` naming that rank
+    elsewhere. The outcomes travel as JSON (:func:`dschat.runtime.dist.gather_json`), never pickled.
     """
     outcome = None
     if failure is not None:
-        outcome = (isinstance(failure, UserError), type(failure).__name__, str(failure))
-    outcomes: list[Any] = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(outcomes, outcome)
+        outcome = [isinstance(failure, UserError), type(failure).__name__, str(failure)]
+    outcomes: list[Any] = gather_json(outcome)  # data only: no pickles from other processes
     if failure is not None:
         raise failure
     for rank, reported in enumerate(outcomes):

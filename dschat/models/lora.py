@@ -21,6 +21,8 @@ Shapes: ``weight`` (out, in); ``lora_right_weight`` (in, r); ``lora_left_weight`
 from __future__ import annotations
 
 import math
+import re
+from re import _parser as regex_parser  # the stdlib's own parse tree: how a pattern repeats
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import deepspeed
@@ -29,7 +31,7 @@ import torch.nn.functional as F
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from torch import nn
 
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 from dschat.models.families import family_of
 from dschat.runtime.zero3 import full_shape, gathered_to_read, in_zero3_gather, is_resident, is_zero3_param
 
@@ -42,6 +44,8 @@ __all__ = [
     "only_optimize_lora_parameters",
     "make_model_gradient_checkpointing_compatible",
     "lora_target_modules_for",
+    "check_lora_settings",
+    "FIX_ADAPTER_CONFIG",
 ]
 
 QUANT_TYPES = ("nf4", "fp4")
@@ -426,3 +430,94 @@ def make_model_gradient_checkpointing_compatible(model: nn.Module) -> nn.Module:
 
         model.get_input_embeddings().register_forward_hook(make_inputs_require_grad)
     return model
+
+
+# ------------------------------------------------------------------------------------------------
+# A PEFT adapter's LoRA settings (adapter_config.json), read as untrusted input
+# ------------------------------------------------------------------------------------------------
+#: Bounds on adapter_config.json's regular expressions (see the module docstring).
+MAX_PATTERN_CHARS, MAX_PATTERN_REPEATS = 200, 3
+_REPEATS = {"MAX_REPEAT", "MIN_REPEAT", "POSSESSIVE_REPEAT"}
+FIX_ADAPTER_CONFIG = "correct it in adapter_config.json, or save the adapter again with PeftModel.save_pretrained"
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _repeats(items: Any, inside: bool) -> int:
+    """Repetitions (``*``, ``+``, ``{m,n}`` with n > 1) in a parsed pattern; ValueError for a repetition
+    inside another or over an alternation, or a back-reference."""
+    count = 0
+    for op, arg in items:
+        name = str(op)
+        if name in _REPEATS:
+            _, high, body = arg
+            if high > 1 and inside:
+                raise ValueError("a repetition inside a repetition")
+            count += (high > 1) + _repeats(body, inside or high > 1)
+        elif name == "BRANCH":
+            if inside:
+                raise ValueError("a repetition over an alternation")
+            count += sum(_repeats(branch, inside) for branch in arg[1])
+        elif name == "SUBPATTERN":
+            count += _repeats(arg[3], inside)
+        elif name in ("ASSERT", "ASSERT_NOT"):
+            count += _repeats(arg[1], inside)
+        elif name == "ATOMIC_GROUP":
+            count += _repeats(arg, inside)
+        elif name.startswith("GROUPREF"):
+            raise ValueError("a back-reference")
+    return count
+
+
+def _check_pattern(pattern: Any, key: str, file: Any) -> None:
+    """One regular expression of the config: a string, short, compiling, of bounded matching time."""
+    if not isinstance(pattern, str):
+        raise UserError(f"{file}: {key} has {pattern!r}, not a string pattern; {FIX_ADAPTER_CONFIG}")
+    problem = f"{len(pattern)} characters (at most {MAX_PATTERN_CHARS})" if len(pattern) > MAX_PATTERN_CHARS else ""
+    try:
+        repeats = 0 if problem else _repeats(regex_parser.parse(pattern), False)
+        if repeats > MAX_PATTERN_REPEATS:
+            problem = f"{repeats} repetitions (at most {MAX_PATTERN_REPEATS})"
+    except (re.error, ValueError, OverflowError, RecursionError) as err:
+        problem = first_line(err)
+    if problem:
+        raise UserError(f"{file}: {key} pattern {pattern[:60]!r} is refused ({problem}): its matching time could "
+                        f"explode; name the modules plainly (q_proj) or by a simple pattern; {FIX_ADAPTER_CONFIG}")
+
+
+def check_lora_settings(config: dict[str, Any], file: Any) -> None:
+    """A PEFT adapter's ``adapter_config.json`` (``config``, read from ``file``), untrusted: ``r`` a
+    positive integer, ``lora_alpha`` a finite number, ``rank_pattern`` / ``alpha_pattern`` objects of
+    such numbers, module lists of strings, flags true or false (absent or null entries take PEFT's
+    defaults); every regular expression (pattern keys, a string ``target_modules`` /
+    ``exclude_modules``) at most 200 characters and 3 repetitions, with no repetition inside a
+    repetition or over an alternation and no back-reference: patterns whose matching time cannot
+    explode. Anything else is one :class:`UserError` line naming ``file`` and the fix."""
+    for key, ok, what in (("r", _is_count, "a positive integer"), ("lora_alpha", _is_number, "a finite number")):
+        if key in config and not ok(config[key]):
+            raise UserError(f"{file}: {key} is {config[key]!r}, not {what}; {FIX_ADAPTER_CONFIG}")
+    for key, ok, what in (("rank_pattern", _is_count, "positive integers"), ("alpha_pattern", _is_number,
+                                                                              "finite numbers")):
+        patterns = config.get(key) or {}
+        if not isinstance(patterns, dict):
+            raise UserError(f"{file}: {key} is a {type(patterns).__name__}, not an object of module pattern -> {what}; "
+                            f"{FIX_ADAPTER_CONFIG}")
+        for pattern, value in patterns.items():
+            _check_pattern(pattern, key, file)
+            if not ok(value):
+                raise UserError(f"{file}: {key}[{pattern!r}] is {value!r}, not one of {what}; {FIX_ADAPTER_CONFIG}")
+    for key in ("target_modules", "exclude_modules", "modules_to_save"):
+        value = config.get(key)
+        if isinstance(value, str) and key != "modules_to_save":
+            _check_pattern(value, key, file)  # a string is PEFT's re.fullmatch pattern
+        elif value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise UserError(f"{file}: {key} is {value!r}, not a list of module names; {FIX_ADAPTER_CONFIG}")
+    for key in ("fan_in_fan_out", "use_rslora"):
+        if config.get(key) is not None and not isinstance(config[key], bool):
+            raise UserError(f"{file}: {key} is {config[key]!r}, not true or false; {FIX_ADAPTER_CONFIG}")

@@ -27,7 +27,13 @@ rank 0 writes, inside :func:`dschat.models.save.save_hf_model`'s atomic folder s
 **Import.** A model flag naming an adapter folder loads the base model it names and merges the adapter
 into the weights (``W += scaling * B @ A``, PEFT's ``merge_and_unload``), module by module so that ZeRO-3
 partitioned weights are gathered one at a time; ``modules_to_save`` and bias tensors replace the base's.
-Only LoRA is accepted, in safetensors, and only the variants that merge into plain weights.
+Only LoRA is accepted, in safetensors, and only the variants that merge into plain weights. The folder
+is untrusted, checked before anything merges (one :class:`UserError` line naming the file and the fix):
+the config (:func:`dschat.models.lora.check_lora_settings`), a safetensors file that reads, factors of 2
+dimensions and of the rank the config gives the layer (``rank_pattern`` by PEFT's rule), floating point
+and finite. ``fan_in_fan_out`` comes from the layer type as in PEFT's ``dispatch_default``: False for
+``nn.Linear``, True for transformers' ``Conv1D`` (GPT-2), the config's value ignored with PEFT's warning
+where it disagrees; other layer types are refused.
 """
 from __future__ import annotations
 
@@ -35,16 +41,20 @@ import dataclasses
 import json
 import math
 import re
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from dschat.errors import UserError, first_line
+from dschat.models.lora import FIX_ADAPTER_CONFIG, check_lora_settings
 from dschat.models.reward_model import VALUE_HEAD_KEY
 from dschat.paths import ADAPTER_CONFIG_FILE, VALUE_HEAD_FILE, is_adapter_folder
 from dschat.runtime.zero3 import full_shape, gathered, release_zero3_prefetch
@@ -359,6 +369,7 @@ def read_adapter(folder: str | Path) -> LoraAdapter:
             folder / _PICKLED_WEIGHTS_FILE).is_file() else ""
         raise UserError(f"{folder} has no {ADAPTER_WEIGHTS_FILE}{found}; save the adapter in safetensors "
                         "(PeftModel.save_pretrained(folder, safe_serialization=True)) and pass that folder")
+    check_lora_settings(config, config_file)
     base = config.get("base_model_name_or_path")
     if not isinstance(base, str) or not base.strip():
         raise UserError(f"{config_file} names no base model (base_model_name_or_path is empty); set it to the "
@@ -403,15 +414,43 @@ def _lora_config(adapter: LoraAdapter) -> Any:
                         "PeftModel.save_pretrained") from None
 
 
-def _scaling(config: Any, module: str, rank: int) -> float:
+def _by_pattern(patterns: Mapping[str, Any] | None, names: Sequence[str], default: Any) -> Any:
+    """PEFT's ``get_pattern_key`` rule: the value of the first pattern matching the end of the module's
+    name (any of ``names``: in this model and in the adapter's keys)."""
+    for pattern, value in (patterns or {}).items():
+        if any(re.match(rf"(.*\.)?({pattern})$", name) for name in names):
+            return value
+    return default
+
+
+def _scaling(config: Any, names: Sequence[str], rank: int) -> float:
     """PEFT's ``scaling`` of one layer: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA), alpha from
     ``alpha_pattern`` by PEFT's rule (the pattern matches the module name's end)."""
-    alpha = config.lora_alpha
-    for pattern, value in (config.alpha_pattern or {}).items():
-        if re.match(rf"(.*\.)?({pattern})$", module):
-            alpha = value
-            break
+    alpha = _by_pattern(config.alpha_pattern, names, config.lora_alpha)
     return alpha / math.sqrt(rank) if config.use_rslora else alpha / rank
+
+
+def _fan_in_fan_out(layer: nn.Module, located: str, adapter: LoraAdapter, config: Any) -> bool:
+    """PEFT's ``fan_in_fan_out`` for ``layer`` (``dispatch_default``): from its type, the config's value
+    ignored with PEFT's warning where it disagrees (and ``config`` set, as PEFT does); a layer that is
+    neither is one line."""
+    if not isinstance(layer, (nn.Linear, Conv1D)):
+        raise UserError(f"{adapter.weights_file} has LoRA factors for {located}, a {type(layer).__name__}: dschat "
+                        "merges LoRA into nn.Linear and Conv1D layers only; pass a full model folder (peft's "
+                        "merge_and_unload + save_pretrained makes one)")
+    conv1d = isinstance(layer, Conv1D)
+    if bool(config.fan_in_fan_out) != conv1d:
+        warnings.warn(f"{adapter.folder / ADAPTER_CONFIG_FILE}: fan_in_fan_out is set to {not conv1d} but the "
+                      f"target module {located} is {'Conv1D' if conv1d else '`torch.nn.Linear`'}. Setting "
+                      f"fan_in_fan_out to {conv1d} (as PEFT does).", stacklevel=3)
+        config.fan_in_fan_out = conv1d  # PEFT's dispatch sets it on the config: one warning per change
+    return conv1d
+
+
+def _check_tensor(key: str, value: torch.Tensor, where: Path) -> None:
+    if not value.is_floating_point() or not bool(torch.isfinite(value).all()):
+        problem = f"{value.dtype} values" if not value.is_floating_point() else "NaN or infinite values"
+        raise UserError(f"{where} holds {problem} in {key!r}: the adapter is damaged; train or export it again")
 
 
 def _locate(model: nn.Module, path: str, names: set[str]) -> str | None:
@@ -452,10 +491,12 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
                          "the adapter was trained on (base_model_name_or_path)")
 
     factors: dict[str, dict[str, torch.Tensor]] = {}
+    paths: dict[str, str] = {}  # located -> the module's path in the adapter's keys
     replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
     for key, value in tensors.items():
         if not key.startswith(KEY_PREFIX):
             raise refuse(f"key {key!r} is not a PEFT key ({KEY_PREFIX}...)")
+        _check_tensor(key, value, where)
         rest = key[len(KEY_PREFIX):]
         factor = _FACTOR_KEY.fullmatch(rest)
         if factor is None and ".lora_" in rest:
@@ -474,6 +515,7 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         target = model.get_submodule(located)
         if factor:
             factors.setdefault(located, {})[factor["which"]] = value
+            paths[located] = module_path
             continue
         param = getattr(target, param_name, None)
         if not isinstance(param, nn.Parameter):
@@ -486,13 +528,24 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         if set(pair) != {"A", "B"}:
             raise refuse(f"{located} has lora_{''.join(pair)} without its partner")
         a, b = pair["A"], pair["B"]  # (r, in), (out, r)
-        weight = getattr(model.get_submodule(located), "weight", None)
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] == 0:
+            raise UserError(f"{where} holds LoRA factors of {located} shaped A {tuple(a.shape)}, B {tuple(b.shape)}: "
+                            "a LoRA factor is a matrix of rank >= 1; train or export the adapter again")
+        names = (located, paths[located])
+        rank = _by_pattern(config.rank_pattern, names, config.r)
+        if a.shape[0] != rank or b.shape[1] != rank:
+            raise UserError(f"{where} holds LoRA factors of {located} of rank {a.shape[0]} (A {tuple(a.shape)}, B "
+                            f"{tuple(b.shape)}) but {ADAPTER_CONFIG_FILE} gives it r = {rank} (r, rank_pattern); "
+                            f"{FIX_ADAPTER_CONFIG}")
+        layer = model.get_submodule(located)
+        fan_in_fan_out = _fan_in_fan_out(layer, located, adapter, config)
+        weight = getattr(layer, "weight", None)
         delta_shape = (b.shape[0], a.shape[1])
-        expected = delta_shape[::-1] if config.fan_in_fan_out else delta_shape
-        if not isinstance(weight, nn.Parameter) or a.shape[0] != b.shape[1] or full_shape(weight) != expected:
+        expected = delta_shape[::-1] if fan_in_fan_out else delta_shape
+        if not isinstance(weight, nn.Parameter) or full_shape(weight) != expected:
             raise refuse(f"the LoRA factors of {located} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit "
                          f"its weight {full_shape(weight) if weight is not None else None}")
-        merges.append((weight, a, b, _scaling(config, located, a.shape[0]), bool(config.fan_in_fan_out)))
+        merges.append((weight, a, b, _scaling(config, names, rank), fan_in_fan_out))
     return merges, replaced
 
 
@@ -505,7 +558,12 @@ def merge_lora_adapter(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
     ``modules_to_save`` / bias tensors replace the model's. Under ZeRO-3 each weight is gathered alone
     and rank 0's result is kept (every rank must call).
     """
-    merges, replaced = _plan(model, adapter, load_file(str(adapter.weights_file)))
+    try:
+        tensors = load_file(str(adapter.weights_file))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise UserError(f"cannot read {adapter.weights_file} ({type(err).__name__}: {first_line(err)}): the file is "
+                        "damaged or not safetensors; copy or export the adapter again") from None
+    merges, replaced = _plan(model, adapter, tensors)
     for weight, a, b, scaling, fan_in_fan_out in merges:
         with gathered([weight], modifier_rank=0):
             delta = (b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)) * scaling  # (out, in)

@@ -38,9 +38,10 @@ def _is_builtin_data(data_path: Sequence[str]) -> bool:
     return bool(data_path) and all(p in builtin_folders() for p in data_path)
 
 
-def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge]:
-    """The ``--eval_judge`` values as :class:`Judge` objects: ``gold``, ``module:function`` or a
-    reward-model folder. A bad value is one :class:`UserError` line; no model is loaded here."""
+def resolve_judges(specs: Sequence[str], data_path: Sequence[str], timeout: float = 0.0) -> list[Judge]:
+    """The ``--eval_judge`` values as :class:`Judge` objects: ``gold``, ``module:function`` (each call
+    bounded by ``timeout`` seconds, ``--reward_fn_timeout``; 0: no limit) or a reward-model folder. A bad
+    value is one :class:`UserError` line; no model is loaded here."""
     judges: list[Judge] = []
     for spec in specs:
         if spec in (GOLD, GOLD_SPEC):
@@ -56,7 +57,7 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str]) -> list[Judge
             judges.append(Judge(str(spec), folder=folder))
         elif ":" in spec:
             try:
-                fn = load_reward_function(spec)
+                fn = load_reward_function(spec, timeout=timeout)
             except UserError as err:  # the loader's lines name --reward_fn, its usual flag
                 raise UserError(str(err).replace("--reward_fn", "--eval_judge")) from None
             judges.append(Judge(spec, fn=fn))
@@ -95,7 +96,7 @@ def check_eval_args(args: Any) -> list[Judge]:
         raise UserError(f"--eval_prompts must be >= 1, got {prompts}")
     if not args.eval_alarm_sigmas > 0:
         raise UserError(f"--eval_alarm_sigmas must be > 0, got {args.eval_alarm_sigmas}")
-    judges = resolve_judges(judges_given, args.data_path)
+    judges = resolve_judges(judges_given, args.data_path, getattr(args, "reward_fn_timeout", 0.0))
     if args.stop_on_overoptimization and not judges:
         raise UserError("--stop_on_overoptimization: the alarm compares the proxy with a judge; give --eval_judge")
     if args.save_best_by is None:

@@ -66,7 +66,7 @@ from dschat.rlhf.eval_cost import MAX_EVAL_SHARE, auto_interval, eval_share, pla
 from dschat.rlhf.eval_setup import Judge, check_eval_args, heldout_prompt_items, resolve_judges
 from dschat.rlhf.experience import sequence_masks
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
-from dschat.runtime.dist import all_reduce_sum, barrier, print_rank_0
+from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
 from dschat.runtime.fs import atomic_dir, recover_dir
 from dschat.training.common import to_device
 
@@ -400,12 +400,10 @@ class StepThreeEvaluation:
         return reward_scores(model, tokenizer, samples, self.trainer.tokenizer, len(samples.prompts))
 
     def _gathered(self, rows: _Rows) -> _Rows:
-        """Every rank's rows, ordered by prompt index (the same on every rank)."""
+        """Every rank's rows, ordered by prompt index (the same on every rank); collective (gather_json)."""
         parts = [rows]
         if torch.distributed.is_available() and torch.distributed.is_initialized() and self.world_size > 1:
-            parts = [None] * self.world_size  # type: ignore[list-item]
-            torch.distributed.all_gather_object(parts, asdict(rows))
-            parts = [_Rows(**p) for p in parts]  # type: ignore[arg-type]
+            parts = [_Rows(**p) for p in gather_json(asdict(rows))]  # type: ignore[arg-type] -- JSON, no pickles
         order = sorted((i, p, k) for p in range(len(parts)) for k, i in enumerate(parts[p].index))
         out = _Rows(judges={j.name: [] for j in self.judges})
         for i, p, k in order:
@@ -432,11 +430,13 @@ class StepThreeEvaluation:
         return f"{self.output_dir / BEST_DIR} (step {self.best['step']})"
 
     def _update_best(self, point: EvalPoint, rows: _Rows) -> bool:
+        """Save ``best/`` when ``point`` beats every earlier evaluation. A non-finite mean never does, and a
+        best score that is not finite (a checkpoint's) is beaten by any finite one."""
         series = self._best_series()
-        if series is None:
+        if series is None or not point.finite(series):
             return False
         score = point.mean(series)
-        if self.best is not None and not score > self.best["score"]:
+        if self.best is not None and _finite(self.best["score"]) and not score > self.best["score"]:
             return False
         self.best = {"step": point.step, "by": series, "score": score}
         start = time.time()
@@ -483,6 +483,12 @@ class StepThreeEvaluation:
                        f"evaluation {record['eval_share']:.1%} of the wall time so far{best}", self.rank)
         if alarm is not None:
             print_rank_0(alarm.line(self._best_where() if self.best is not None else None), self.rank)
+        means = {"proxy": record["proxy"], **{f"judge {k}": v for k, v in record["judges"].items()}}
+        bad = [f"{name} {value}" for name, value in means.items() if not _finite(value)]
+        if bad:
+            print_rank_0(f"[eval] step {record['global_step']}: the mean of {', '.join(bad)} is not finite (a score "
+                         "was NaN or inf): this evaluation counts neither for the best checkpoint nor for the "
+                         "over-optimization alarm", self.rank)
         if self.tb is not None:
             scalars = {f"eval/{k}": record[k] for k in ("proxy", "kl_to_ref", "response_length", "eos_rate", "entropy")}
             scalars.update({f"eval/judge/{name}": value for name, value in record["judges"].items()})
@@ -515,8 +521,16 @@ class StepThreeEvaluation:
         return line
 
 
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
 def _se(values: Sequence[float]) -> float:
-    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    """Standard error of the mean; NaN for fewer than two values or a non-finite one (``statistics.stdev``
+    raises on inf)."""
+    if len(values) < 2 or not all(math.isfinite(v) for v in values):
+        return math.nan
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def _ratio(a: float, b: float) -> float:

@@ -6,9 +6,14 @@ Every evaluation scores the same K prompts, so two evaluations are compared prom
 (:func:`~dschat.eval.paired.paired_change`: the mean and standard error of the per-prompt differences). The alarm
 (:func:`overoptimization_alarm`) fires when, since ``window`` evaluations back, the proxy's mean rose
 while a judge's fell by more than ``sigmas`` of those paired standard errors.
+
+A series whose mean is not finite (a NaN or inf score) at an evaluation says nothing there: that
+evaluation is never the best, never fires the alarm, and is passed over as the earlier side of a
+comparison, so finite evaluations after it compete and compare as if it had not been made.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
@@ -30,6 +35,10 @@ class EvalPoint:
         """The mean of ``"proxy"`` or of a judge's scores."""
         values = self.proxy if series == "proxy" else self.judges[series]
         return statistics.fmean(values)
+
+    def finite(self, series: str) -> bool:
+        """Whether ``series`` (``"proxy"`` or a judge's name) is here with a finite mean."""
+        return (series == "proxy" or series in self.judges) and math.isfinite(self.mean(series))
 
 
 @dataclass(frozen=True)
@@ -63,20 +72,22 @@ def overoptimization_alarm(series: Sequence[EvalPoint], *, window: int = 2, sigm
 
     Compares the newest evaluation with the one ``window`` evaluations before it (the first one
     while there are fewer): it fires for the first judge whose mean fell by more than ``sigmas``
-    paired standard errors while the proxy's mean rose. ``best_step`` is only carried into the
-    :class:`Alarm` for its line.
+    paired standard errors while the proxy's mean rose. Per judge, only evaluations where the proxy
+    and that judge have finite means count (the newest included: else no alarm for that judge).
+    ``best_step`` is only carried into the :class:`Alarm` for its line.
     """
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    if len(series) < 2:
+    if len(series) < 2 or not series[-1].finite("proxy"):
         return None
     newest = series[-1]
-    earlier = series[max(0, len(series) - 1 - window)]
-    proxy_change, proxy_se = paired_change(earlier.proxy, newest.proxy)
-    if not proxy_change > 0:
-        return None
     for name, scores in newest.judges.items():
-        if name not in earlier.judges:
+        usable = [p for p in series[:-1] if p.finite("proxy") and p.finite(name)]
+        if not newest.finite(name) or not usable:
+            continue
+        earlier = usable[max(0, len(usable) - window)]
+        proxy_change, proxy_se = paired_change(earlier.proxy, newest.proxy)
+        if not proxy_change > 0:
             continue
         change, se = paired_change(earlier.judges[name], scores)
         if change < 0 and -change > sigmas * se:
@@ -85,10 +96,12 @@ def overoptimization_alarm(series: Sequence[EvalPoint], *, window: int = 2, sigm
 
 
 def best_index(series: Sequence[EvalPoint], by: str) -> int | None:
-    """Index of the evaluation with the highest mean of ``by`` (``"proxy"`` or a judge's name); the
-    earliest on ties; None for an empty series."""
+    """Index of the evaluation with the highest finite mean of ``by`` (``"proxy"`` or a judge's name);
+    the earliest on ties; None when no evaluation has a finite mean of it."""
     best = None
     for i, point in enumerate(series):
+        if not point.finite(by):
+            continue
         if best is None or point.mean(by) > series[best].mean(by):
             best = i
     return best

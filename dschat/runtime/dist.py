@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import json
 import os
 import shutil
 import socket
@@ -422,6 +423,28 @@ def gather_hosts() -> list[str]:
     """Every rank's host name (its first 64 bytes), indexed by rank (collective)."""
     name = socket.gethostname().encode("utf-8", "replace")[:_HOST_BYTES].ljust(_HOST_BYTES, b"\0")
     return [bytes(row).rstrip(b"\0").decode("utf-8", "replace") for row in gather_ints(list(name))]
+
+
+def gather_json(value: object) -> list[object]:
+    """Every rank's ``value``, indexed by rank (collective: two all-gathers on every rank).
+
+    ``value`` is what :func:`json.dumps` writes (dicts with string keys, lists, strings, numbers, bools,
+    None; NaN and infinities kept); it comes back as :func:`json.loads` reads it (tuples as lists), on
+    this rank too. Sent as UTF-8 JSON bytes in a uint8 tensor, padded to the longest rank's length
+    (gathered first): data only, no pickled objects (``all_gather_object`` would unpickle what other
+    processes send). Without a process group: ``[value]`` through the same round trip.
+    """
+    data = json.dumps(value, allow_nan=True).encode("utf-8")
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return [json.loads(data)]
+    lengths = [row[0] for row in gather_ints([len(data)])]
+    mine = torch.zeros(max(lengths), dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(collective_device(mine))
+    parts = [torch.empty_like(mine) for _ in lengths]
+    torch.distributed.all_gather(parts, mine)
+    return [json.loads(part[:n].cpu().numpy().tobytes()) for part, n in zip(parts, lengths)]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -270,3 +270,136 @@ def test_two_zero3_ranks_merge_an_adapter_and_export_one(tmp_path):
     torch.testing.assert_close(rank0, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(rank1, expected, rtol=0, atol=1e-5)
     assert_causal_adapter_matches(tmp_path / "saved", adapter)  # its base: the adapter it started from
+
+
+# ------------------------------------------------------------------ untrusted adapter folders
+@pytest.mark.parametrize("config,message", [
+    ({"lora_alpha": "16"}, "lora_alpha is '16', not a finite number"),
+    ({"lora_alpha": None}, "lora_alpha is None, not a finite number"),
+    ({"r": "4"}, "r is '4', not a positive integer"),
+    ({"r": 0}, "r is 0, not a positive integer"),
+    ({"r": True}, "r is True, not a positive integer"),
+    ({"alpha_pattern": [["fc1", 4]]}, "alpha_pattern is a list, not an object of module pattern"),
+    ({"alpha_pattern": {"fc1": [4]}}, r"alpha_pattern\['fc1'\] is \[4\], not one of finite numbers"),
+    ({"alpha_pattern": {"fc1": "4"}}, r"alpha_pattern\['fc1'\] is '4'"),
+    ({"rank_pattern": {"fc1": 2.5}}, r"rank_pattern\['fc1'\] is 2.5, not one of positive integers"),
+    ({"fan_in_fan_out": "yes"}, "fan_in_fan_out is 'yes', not true or false"),
+    ({"target_modules": [1, 2]}, r"target_modules is \[1, 2\], not a list of module names"),
+    # Patterns whose matching time can explode, or that do not compile:
+    ({"target_modules": "(a+)+$"}, r"target_modules pattern '\(a\+\)\+\$' is refused \(a repetition inside a rep"),
+    ({"alpha_pattern": {"(fc|fc1)*": 2}}, r"alpha_pattern pattern '\(fc\|fc1\)\*' is refused \(a repetition over an alternation\)"),
+    ({"alpha_pattern": {".*.*.*.*fc1": 2}}, r"alpha_pattern pattern .* is refused \(4 repetitions \(at most 3\)\)"),
+    ({"rank_pattern": {"x" * 300: 4}}, r"rank_pattern pattern 'xxx.* is refused \(300 characters \(at most 200\)\)"),
+    ({"rank_pattern": {"(fc)\\1": 4}}, r"rank_pattern pattern .* is refused \(a back-reference\)"),
+    ({"alpha_pattern": {"[fc1": 2}}, r"alpha_pattern pattern .* is refused \(unterminated character set"),
+])
+def test_adapter_config_is_type_checked_and_its_patterns_bounded(tmp_path, config, message):
+    folder = _adapter_folder(tmp_path, **config)
+    with pytest.raises(UserError, match=f"adapter_config.json: {message}") as err:
+        resolve_model_path(str(folder))  # the start-up path check: before any model loads
+    assert "\n" not in str(err.value) and str(err.value).endswith(peft_adapter.FIX_ADAPTER_CONFIG)
+
+
+def test_usual_patterns_pass_and_rank_pattern_sets_the_rank_checked_against_the_tensors(tmp_path):
+    tok = load_hf_tokenizer("tiny-opt")
+    folder = _adapter_folder(tmp_path, r=8, rank_pattern={r"layers\.\d+\.fc1": 4},
+                             target_modules=r".*decoder\.layers\.\d+\.(fc1|self_attn\.(q|v)_proj)$",
+                             alpha_pattern={"fc1": 2})
+    create_hf_model(AutoModelForCausalLM, str(folder), tok)  # factors of rank 4, as rank_pattern says
+    # A pattern naming the layer by its full causal-LM path also holds in a reward model's body, where the
+    # layer is decoder.layers.0.fc1: the adapter's own key names it too.
+    _edit_config(folder, rank_pattern={"model.decoder.layers.0.fc1": 4}, alpha_pattern={"model.decoder.layers.0.fc1": 2})
+    create_critic_model(str(folder), tok, None)
+    _edit_config(folder, rank_pattern={})
+    with pytest.raises(UserError, match=r"adapter_model.safetensors holds LoRA factors of model.decoder.layers.0.fc1 "
+                                        r"of rank 4 \(A \(4, 64\), B \(128, 4\)\) but adapter_config.json gives it "
+                                        r"r = 8 \(r, rank_pattern\); correct it in adapter_config.json"):
+        create_hf_model(AutoModelForCausalLM, str(folder), tok)
+
+
+_FC1 = "base_model.model.model.decoder.layers.0.fc1"
+
+
+@pytest.mark.parametrize("tensors,message", [
+    ({f"{_FC1}.lora_A.weight": torch.zeros(64), f"{_FC1}.lora_B.weight": torch.zeros(128)},
+     r"holds LoRA factors of model.decoder.layers.0.fc1 shaped A \(64,\), B \(128,\): a LoRA factor is a matrix"),
+    ({f"{_FC1}.lora_A.weight": torch.zeros(0, 64), f"{_FC1}.lora_B.weight": torch.zeros(128, 0)},
+     r"holds LoRA factors of .*fc1 shaped A \(0, 64\), B \(128, 0\): a LoRA factor is a matrix of rank >= 1"),
+    ({f"{_FC1}.lora_A.weight": torch.full((4, 64), float("nan")), f"{_FC1}.lora_B.weight": torch.zeros(128, 4)},
+     r"holds NaN or infinite values in '.*fc1.lora_A.weight': the adapter is damaged; train or export it again"),
+    ({f"{_FC1}.lora_A.weight": torch.zeros(4, 64), f"{_FC1}.lora_B.weight": torch.full((128, 4), float("inf"))},
+     "holds NaN or infinite values in '.*fc1.lora_B.weight'"),
+    ({f"{_FC1}.lora_A.weight": torch.zeros(4, 64), f"{_FC1}.lora_B.weight": torch.zeros(128, 4),
+      "base_model.model.model.decoder.layers.0.fc1.base_layer.bias": torch.full((128,), float("nan"))},
+     "holds NaN or infinite values in '.*fc1.base_layer.bias'"),
+    ({f"{_FC1}.lora_A.weight": torch.zeros(4, 64, dtype=torch.int64), f"{_FC1}.lora_B.weight": torch.zeros(128, 4)},
+     "holds torch.int64 values in '.*fc1.lora_A.weight'"),
+])
+def test_adapter_tensors_are_refused_in_one_line_naming_the_file(tmp_path, tensors, message):
+    folder = _adapter_folder(tmp_path)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    tok = load_hf_tokenizer("tiny-opt")
+    with pytest.raises(UserError, match=f"{folder / 'adapter_model.safetensors'} {message}"):
+        create_hf_model(AutoModelForCausalLM, str(folder), tok)
+
+
+def test_a_corrupt_safetensors_file_is_one_line(tmp_path):
+    folder = _adapter_folder(tmp_path)
+    weights = folder / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:40])  # cut short, as by a full disk or a broken copy
+    with pytest.raises(UserError, match=f"cannot read {weights} \\(SafetensorError: .*\\): the file is damaged or "
+                                        "not safetensors; copy or export the adapter again"):
+        create_hf_model(AutoModelForCausalLM, str(folder), load_hf_tokenizer("tiny-opt"))
+
+
+def _edit_config(folder: Path, **changes) -> None:
+    config = json.loads((folder / "adapter_config.json").read_text())
+    config.update(changes)
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+
+
+def test_fan_in_fan_out_comes_from_the_layer_type_as_peft_decides_it(tmp_path):
+    """nn.Linear: False whatever the config says (OPT's square q_proj would merge transposed), with PEFT's
+    warning; the merged model is PEFT's own merge of the same folder."""
+    base = resolve_model_path("tiny-opt")
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
+                        task_type="CAUSAL_LM")
+    torch.manual_seed(5)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config).save_pretrained(
+        str(tmp_path / "adapter"))
+    _edit_config(tmp_path / "adapter", fan_in_fan_out=True)
+    tok = load_hf_tokenizer(str(tmp_path / "adapter"))
+    with pytest.warns(UserWarning, match="fan_in_fan_out is set to True but the target module"):
+        peft_merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                                str(tmp_path / "adapter")).merge_and_unload()
+    with pytest.warns(UserWarning, match=r"adapter_config.json: fan_in_fan_out is set to True but the target module "
+                                         r"model.decoder.layers.0.self_attn.q_proj is `torch.nn.Linear`"):
+        got = create_hf_model(AutoModelForCausalLM, str(tmp_path / "adapter"), tok).eval()
+    torch.testing.assert_close(_logits(got, tok), _logits(peft_merged.eval(), tok), rtol=0, atol=1e-5)
+
+
+def test_conv1d_layers_merge_with_fan_in_fan_out_whatever_the_config_says(tmp_path):
+    """GPT-2's Conv1D keeps its weight (in, out): fan_in_fan_out is True there, as PEFT sets it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2Config(vocab_size=97, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(gpt2).save_pretrained(str(tmp_path / "base"))
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["c_attn", "c_proj"],
+                        fan_in_fan_out=True)
+    torch.manual_seed(6)
+    get_peft_model(GPT2LMHeadModel.from_pretrained(str(tmp_path / "base")), config).save_pretrained(
+        str(tmp_path / "adapter"))
+    _edit_config(tmp_path / "adapter", fan_in_fan_out=False)
+    with pytest.warns(UserWarning, match="fan_in_fan_out is set to False but the target module is `Conv1D`"):
+        expected = PeftModel.from_pretrained(GPT2LMHeadModel.from_pretrained(str(tmp_path / "base")),
+                                             str(tmp_path / "adapter")).merge_and_unload().state_dict()
+    model = GPT2LMHeadModel.from_pretrained(str(tmp_path / "base"))
+    with pytest.warns(UserWarning, match="fan_in_fan_out is set to False but the target module .* is Conv1D"):
+        peft_adapter.merge_lora_adapter(model, peft_adapter.read_adapter(tmp_path / "adapter"))
+    got = model.state_dict()
+    changed = [k for k in expected if not torch.equal(expected[k], GPT2LMHeadModel.from_pretrained(
+        str(tmp_path / "base")).state_dict()[k])]
+    assert any("c_proj" in k for k in changed) and any("c_attn" in k for k in changed)
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)

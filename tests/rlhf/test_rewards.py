@@ -1,6 +1,9 @@
 """Reward functions (dschat.rewards): loading by spec, columns, validation, weights, built-ins."""
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -9,6 +12,9 @@ from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.gold_judge import gold_score
 from dschat.rewards import (RewardFunction, RewardMix, final_number, gold, load_reward_function,
                             load_reward_functions, math_exact_match)
+from dschat.rlhf.eval_setup import check_eval_args
+
+from helpers.step3 import step3_main
 
 PROMPTS = ["Human: q0 Assistant:", "Human: q1 Assistant:", "Human: q2 Assistant:"]
 ANSWERS = ["one two", "fine boom here", "x"]
@@ -142,3 +148,111 @@ def test_prompt_columns_of_the_builtin_data(tmp_path):
         assert (got["chosen"][i], got["rejected"][i]) in pairs[tuple(row)]
     with pytest.raises(UserError, match=r"is not in the phase-3 data"):
         columns.for_batch(prompts[:, -3:], mask[:, -3:], texts)
+
+
+class TestUntrustedResults:
+    """What a function returns or does is checked: no string read as digits, float32 finiteness, sys.exit,
+    a timeout, and a bounded search for the failing row."""
+
+    def test_a_string_or_bytes_result_is_refused(self):
+        # "12" for two answers would read as [1.0, 2.0].
+        with pytest.raises(UserError, match=r"reward_fixtures:returns_string returned str '12'.*, not a list of 2 "
+                                            r"floats; return one number per answer"):
+            load_reward_function("reward_fixtures:returns_string")(PROMPTS[:2], ANSWERS[:2])
+        with pytest.raises(UserError, match="returned bytes"):
+            RewardFunction("t:bytes", lambda p, a: b"\x01\x02")(PROMPTS[:2], ANSWERS[:2])
+        with pytest.raises(UserError, match="returned dict"):  # list() of it would be its keys
+            RewardFunction("t:dict", lambda p, a: {0: 1.0, 1: 2.0})(PROMPTS[:2], ANSWERS[:2])
+        with pytest.raises(UserError, match=r"returned '0.5' for row 1"):
+            RewardFunction("t:strs", lambda p, a: [1.0, "0.5", 2.0])(PROMPTS, ANSWERS)
+
+    def test_finite_in_float64_but_not_in_float32_is_refused(self):
+        with pytest.raises(UserError, match=r"beyond_float32 returned 1e\+39 for row 2 .*finite in float32"):
+            load_reward_function("reward_fixtures:beyond_float32")(PROMPTS, ANSWERS)
+        # The largest float32 still passes, and so does the in-process hook's inf (the non-finite guard's).
+        assert RewardFunction("t:max", lambda p, a: [3.4e38] * 3)(PROMPTS, ANSWERS) == [3.4e38] * 3
+        assert RewardFunction("t:hook", lambda p, a: [1e39] * 3, require_finite=False)(PROMPTS, ANSWERS) == [1e39] * 3
+
+    def test_sys_exit_is_a_failure_naming_the_function_and_is_not_called_again(self, capsys):
+        reward_fixtures.exits.calls = 0
+        fn = load_reward_function("reward_fixtures:exits")
+        with pytest.raises(UserError, match=r"reward function reward_fixtures:exits called sys.exit\(3\) on a batch "
+                                            r"of 3 rows .*raise an exception or return scores instead"):
+            fn(PROMPTS, ANSWERS)
+        assert reward_fixtures.exits.calls == 1
+        assert cli_main(lambda argv: fn(PROMPTS, ANSWERS), []) == EXIT_USAGE  # one line, exit 2
+        assert capsys.readouterr().err.count("\n") == 1
+        # In a worker thread too (--reward_fn_timeout).
+        reward_fixtures.exits.calls = 0
+        with pytest.raises(UserError, match=r"called sys.exit\(3\)"):
+            load_reward_function("reward_fixtures:exits", timeout=30)(PROMPTS, ANSWERS)
+        assert reward_fixtures.exits.calls == 1
+
+    def test_a_call_past_the_timeout_stops_with_a_line_naming_the_function(self):
+        release, calls = threading.Event(), []
+
+        def stuck(prompts, answers):
+            calls.append(len(answers))
+            release.wait(60)
+            return [0.0] * len(answers)
+
+        fn = RewardFunction("judges:slow", stuck, timeout=0.2)
+        start = time.monotonic()
+        try:
+            with pytest.raises(UserError, match=r"reward function judges:slow did not return within "
+                                                r"--reward_fn_timeout 0.2 s on a batch of 3 rows .*raise "
+                                                r"--reward_fn_timeout \(0: no limit\)"):
+                fn(PROMPTS, ANSWERS)
+        finally:
+            release.set()
+        assert time.monotonic() - start < 10
+        assert calls == [3]  # never called again after the timeout
+        # Within the time: the result, computed in the worker thread with the caller's grad mode.
+        modes = []
+        quick = RewardFunction("t:quick", lambda p, a: modes.append(torch.is_grad_enabled()) or [1.0] * len(a),
+                               timeout=30)
+        with torch.no_grad():
+            assert quick(PROMPTS, ANSWERS) == [1.0, 1.0, 1.0]
+        assert modes == [False]
+        with pytest.raises(UserError, match="--reward_fn_timeout must be a number of seconds >= 0"):
+            load_reward_function("dschat.rewards:gold", timeout=-1)
+
+    def test_the_failing_row_is_found_in_a_bounded_number_of_calls(self):
+        calls = []
+
+        def bad_row_40(prompts, answers):
+            calls.append(len(answers))
+            if "row 40" in answers:
+                raise ValueError("cannot parse")
+            return [0.0] * len(answers)
+
+        prompts, answers = [f"q{i}" for i in range(64)], [f"row {i}" for i in range(64)]
+        with pytest.raises(UserError, match=r"raised ValueError: cannot parse on row 40 \(prompt 'q40', answer "
+                                            r"'row 40'\); fix the function"):
+            RewardFunction("t:bad", bad_row_40)(prompts, answers)
+        # The batch, then at most 2 probes per halving (log2 64 = 6): not 41 single-row calls.
+        assert len(calls) <= 1 + 2 * 6 and calls[0] == 64
+        calls.clear()
+
+        def fails_on_pairs(prompts, answers):  # fails only with rows 0 and 63 together
+            calls.append(len(answers))
+            if "row 0" in answers and "row 63" in answers:
+                raise ValueError("pair")
+            return [0.0] * len(answers)
+
+        with pytest.raises(UserError, match=r"on rows 0-63 of a batch of 64 \(no half of them fails alone"):
+            RewardFunction("t:pairs", fails_on_pairs)(prompts, answers)
+        assert calls == [64, 32, 32]
+
+    def test_the_flag_reaches_reward_and_judge_functions(self):
+        main = step3_main()
+        argv = ["--data_path", "dschat/builtin", "--actor_model_name_or_path", "a", "--output_dir", "out",
+                "--reward_fn", "reward_fixtures:length", "--eval_judge", "reward_fixtures:length"]
+        default = main.parse_args(argv)
+        assert default.reward_fn_timeout == 600.0
+        args = main.parse_args([*argv, "--reward_fn_timeout", "2.5"])
+        assert [f.timeout for f in main.reward_mix(args).functions] == [2.5]
+        assert [j.fn.timeout for j in check_eval_args(args)] == [2.5]
+        args = main.parse_args([*argv, "--reward_fn_timeout", "-1"])
+        with pytest.raises(UserError, match="--reward_fn_timeout must be"):
+            main.reward_mix(args)

@@ -110,6 +110,57 @@ def test_best_index_and_token_entropy():
     assert float(token_entropy(torch.tensor([0.0, -1e9]))) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_a_non_finite_evaluation_is_never_best_nor_an_alarm_and_pins_nothing():
+    nan = [x if i else math.nan for i, x in enumerate(BASE)]  # one NaN score: a NaN mean
+    falls = [x - 1 for x in BASE]
+    series = _series([BASE, BASE, [x + 0.5 for x in BASE], [x + 1 for x in BASE]], [BASE, nan, falls, falls])
+    # Step 30 against two evaluations back: step 10's judge is NaN, so the finite step 0 is the comparison.
+    alarm = overoptimization_alarm(series)
+    assert alarm is not None and (alarm.step, alarm.since) == (30, 0)
+    # A NaN or inf newest evaluation fires nothing, whatever it is compared with.
+    for bad in (nan, [-math.inf] * 4):
+        assert overoptimization_alarm([series[0], EvalPoint(40, tuple(x + 1 for x in BASE), {"gold": tuple(bad)})]) is None
+    assert overoptimization_alarm([series[0], EvalPoint(40, tuple(nan), {"gold": tuple(falls)})]) is None
+    # best: the highest finite mean, a NaN first evaluation included.
+    assert best_index(_series([[1.0], [0.5], [2.0]], [[math.nan], [0.5], [math.inf]]), "gold") == 1
+    assert best_index(_series([[math.nan]], [[0.0]]), "proxy") is None
+
+
+def test_the_run_reports_a_non_finite_mean_and_later_finite_evaluations_compete(tmp_path, monkeypatch, capsys):
+    from types import SimpleNamespace
+
+    saved = []
+    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank: saved.append(info["step"]))
+    args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="judge", output_dir=str(tmp_path),
+                           stop_on_overoptimization=True)
+    engine = SimpleNamespace(actor=object(), critic=None, actor_ema=None)
+    trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None, rlhf_engine=engine)
+    evaluation = ev.StepThreeEvaluation(args, trainer, [], [ev.Judge("j", fn=object())])
+    # (proxy, judge) per prompt at steps 0..4: NaN first (it would pin best/ for good), a best at 1, an
+    # inf at 2 (proxy up, judge down: no alarm from it), worse at 3, better at 4.
+    scores = [([0.0, 0.0], [math.nan, 1.0]), ([0.0, 0.1], [1.0, 1.0]), ([5.0, 5.0], [-math.inf, 0.0]),
+              ([0.0, 0.0], [0.5, 0.5]), ([0.0, 0.3], [3.0, 3.0])]
+    records = []
+    for step, (proxy, judge) in enumerate(scores):
+        rows = ev._Rows([0, 1], proxy, {"j": judge}, [0.0, 0.0], [0.0, 0.0], [1, 1], [True, True])
+        monkeypatch.setattr(evaluation, "_evaluate_shard", lambda rows=rows: rows)
+        records.append(evaluation.maybe_evaluate(step))
+    assert saved == [1, 4]
+    assert [r["new_best"] for r in records] == [False, True, False, False, True]
+    assert evaluation.best == {"step": 4, "by": "j", "score": 3.0}
+    assert not evaluation.alarms and not evaluation.should_stop
+    out = capsys.readouterr().out
+    assert "[eval] step 0: the mean of judge j nan is not finite (a score was NaN or inf): this evaluation counts " \
+           "neither for the best checkpoint nor for the over-optimization alarm" in out
+    assert "[eval] step 2: the mean of judge j -inf is not finite" in out
+    assert "step 1: the mean" not in out and "step 4: the mean" not in out
+    # A best score that is not finite (restored from a checkpoint) is beaten by the next finite evaluation.
+    evaluation.best = {"step": 4, "by": "j", "score": math.nan}
+    rows = ev._Rows([0, 1], [0.0, 0.0], {"j": [-5.0, -5.0]}, [0.0, 0.0], [0.0, 0.0], [1, 1], [True, True])
+    monkeypatch.setattr(evaluation, "_evaluate_shard", lambda: rows)
+    assert evaluation.maybe_evaluate(5)["new_best"] and saved == [1, 4, 5]
+
+
 # ------------------------------------------------------------------------------------ ranks and cost
 
 def test_eval_batches_are_the_same_for_any_number_of_ranks():

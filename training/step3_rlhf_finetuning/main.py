@@ -81,9 +81,9 @@ class Step3Result:
 def reward_mix(args: argparse.Namespace, reward_fn: Any = None) -> RewardMix:
     """The reward: ``--reward_fn`` functions (and ``main``'s Python ``reward_fn``) with their weights,
     and the reward model's weight (default 1 without functions, 0 -- not loaded -- with them)."""
-    functions = load_reward_functions(args.reward_fn or [], args.reward_fn_weight)
+    functions = load_reward_functions(args.reward_fn or [], args.reward_fn_weight, args.reward_fn_timeout)
     if reward_fn is not None:
-        functions.append(RewardFunction("reward_fn", reward_fn, require_finite=False))
+        functions.append(RewardFunction("reward_fn", reward_fn, require_finite=False, timeout=args.reward_fn_timeout))
     weight = args.reward_model_weight
     if weight is None:
         weight = 0.0 if functions else 1.0
