@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
@@ -29,18 +30,22 @@ from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.multinode import (
     DEFAULT_MASTER_PORT,
     ENV_FILE_VAR,
+    RENDEZVOUS_ID_VAR,
     Hosts,
     check_master_port,
     check_remote_safe,
     flag_values,
+    forwarded_secrets,
     free_port,
     launch_hosts,
     rank_env,
     rank_env_additions,
+    secret_env_lines,
+    user_env_files,
     write_rank_env_file,
 )
 from dschat.recipes import Launcher, Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
-from dschat.runtime.fs import check_writable_dir
+from dschat.runtime.fs import check_writable_dir, untrusted_reason
 
 LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, custom wrappers)
 PREFIX = "[dschat.launch]"
@@ -148,6 +153,9 @@ class LaunchPlan:
     # Multi-node: variables the remote ranks need that no .deepspeed_env of the user sets; run()
     # writes them into the launch's own copy of that file.
     rank_env: dict[str, str] = field(default_factory=dict)
+    # Multi-node: secret-named variables DeepSpeed would forward on the remote command line; run()
+    # removes them from the launcher's environment (their values never leave this process).
+    withheld: list[str] = field(default_factory=list)
 
     @property
     def log_path(self) -> Path | None:
@@ -196,6 +204,25 @@ def resolve_launcher(recipe: Recipe, overrides: Mapping[str, object] | None) -> 
     return launcher, hosts
 
 
+def check_multi_node_sources(environ: Mapping[str, str], cwd: str) -> None:
+    """Refuse, in one line, what DeepSpeed's multi-node runner hands every rank unchecked: the working
+    directory, first on every rank's ``PYTHONPATH`` (any import, ``--reward_fn m:f`` too, may load code
+    from it), must be the user's or root's; the ``.deepspeed_env`` files it reads (``~/``, ``./``,
+    ``$DS_ENV_FILE``: their lines become ``export`` commands of every rank) the user's own. Nobody
+    else may write to them or a folder above them (:func:`dschat.runtime.fs.untrusted_reason`)."""
+    reason = untrusted_reason(cwd, root_may_own=True)
+    if reason is not None:
+        raise UserError(f"the working directory {cwd} is not safe for a multi-node launch: {reason}; DeepSpeed "
+                        "puts it first on PYTHONPATH on every node, so any module there could be imported; cd to "
+                        "a folder of your own that others cannot write to")
+    for path in user_env_files(environ, cwd):
+        reason = untrusted_reason(path)
+        if reason is not None:
+            raise UserError(f"{path} is not safe to use: {reason}; DeepSpeed turns its lines into commands "
+                            "of every rank of a multi-node launch; chmod go-w it if it is yours, else delete "
+                            "it or set DS_ENV_FILE to a file of your own")
+
+
 def plan(
     recipe: Recipe,
     params: Mapping[str, str | None] | None = None,
@@ -225,22 +252,31 @@ def plan(
     env_set = {"PYTHONPATH": str(root) + (os.pathsep + existing if existing else "")}
     hosts = None
     needed: dict[str, str] = {}
+    withheld: list[str] = []
     if kind == "deepspeed":
         launcher, hosts = resolve_launcher(recipe, launcher_overrides)
         argv = [*deepspeed_executable(), *launcher.argv(), str(main_py), *flags]
+        # Every rank of this launch, and no other job's, knows it: a rank other than 0 stops early
+        # when the store at the master port is not this launch's (dschat.runtime.dist).
+        env_set[RENDEZVOUS_ID_VAR] = uuid.uuid4().hex
         if hosts.multi_node:
+            cwd = os.getcwd()
+            check_multi_node_sources(os.environ, cwd)
             # PDSH's remote command: "export K=V; ...; cd <cwd>; <python> -u -m deepspeed.launcher.launch
             # ... <main.py> <flags>", one shell string.
-            check_remote_safe([("the working directory", os.getcwd()), ("the step script", str(main_py)),
-                               ("PYTHONPATH", env_set["PYTHONPATH"]), *flag_values(flags)])
-            needed = rank_env_additions(rank_env(os.environ, env), os.environ, os.getcwd())
+            check_remote_safe([("the working directory", cwd), ("the step script", str(main_py)),
+                               ("PYTHONPATH", env_set["PYTHONPATH"]), *flag_values(flags),
+                               *((("--master_addr", launcher.master_addr),) if launcher.master_addr else ())])
+            needed = rank_env_additions({**rank_env(os.environ, env), RENDEZVOUS_ID_VAR: env_set[RENDEZVOUS_ID_VAR]},
+                                        os.environ, cwd)
+            withheld = sorted({*forwarded_secrets(os.environ), *secret_env_lines(os.environ, cwd)})
     elif kind == "python":
         # Plain `python main.py` (one process, no launcher): what upstream could not do.
         argv = [sys.executable, str(main_py), *flags]
     else:
         raise UserError(f"unknown launcher kind {kind!r}; use deepspeed or python")
     out = _flag_value(flags, "output_dir")
-    return LaunchPlan(recipe, argv, env, Path(out) if out else None, main_py, env_set, hosts, needed)
+    return LaunchPlan(recipe, argv, env, Path(out) if out else None, main_py, env_set, hosts, needed, withheld)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -346,14 +382,21 @@ def run(
     for key, value in launch.env.items():
         env.setdefault(key, value)  # a value the user set wins over the recipe's
     env.update(launch.env_set)
-    env_file = write_rank_env_file(launch.rank_env, os.environ, os.getcwd()) if launch.rank_env else None
+    for name in launch.withheld:
+        env.pop(name, None)
+    # Multi-node: always the launch's own copy, so the user's files reach the ranks only as checked.
+    multi_node = launch.hosts is not None and launch.hosts.multi_node
+    env_file = write_rank_env_file(launch.rank_env, os.environ, os.getcwd()) if multi_node else None
     if env_file is not None:
         env[ENV_FILE_VAR] = str(env_file)  # absolute: DeepSpeed reads it instead of ~/ and ./.deepspeed_env
     tee = _LogTee(launch.log_path) if log and launch.log_path is not None else None
     header = f"{PREFIX} {launch.command_line()}\n".encode()
-    if env_file is not None:
+    if env_file is not None and launch.rank_env:
         header += (f"{PREFIX} the ranks on other hosts get {', '.join(launch.rank_env)} through "
                    f"{env_file} ({ENV_FILE_VAR})\n").encode()
+    if launch.withheld:
+        header += (f"{PREFIX} not forwarded to the ranks (secret-looking names; DeepSpeed would put them on the "
+                   f"ssh command line): {', '.join(launch.withheld)}\n").encode()
     sink(header)
     if tee:
         tee.write(header)

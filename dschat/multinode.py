@@ -7,9 +7,15 @@
 * Values that survive DeepSpeed's PDSH runner (:func:`check_remote_safe`): it joins the remote
   command into one shell string and quotes only values with spaces, so ``$(...)`` in a flag value
   would run on every node.
-* The environment of remote ranks (:func:`rank_env_file`): the PDSH runner forwards only a few
+* The environment of remote ranks (:func:`write_rank_env_file`): the PDSH runner forwards only a few
   variable families (``PYTHON*``, ``NCCL*``, ...) and the lines of ``.deepspeed_env``; dschat writes
   the variables ranks need into a private copy of that file, leaving the user's own alone.
+  Secret-named variables are never forwarded: neither from the families the runner forwards by
+  itself (:func:`forwarded_secrets`) nor from the user's ``.deepspeed_env`` lines.
+* Host names that cannot reach ``ssh``/``pdsh`` as options (:func:`check_host_name`).
+
+Whether the working directory and the ``.deepspeed_env`` files may be trusted is checked by the
+launcher (``dschat.launch``), which can use the file-system trust rules of ``dschat.runtime.fs``.
 """
 from __future__ import annotations
 
@@ -40,6 +46,16 @@ RANK_ENV_PREFIXES = ("DSCHAT_", "HF_", "TRANSFORMERS_")
 LOCAL_ONLY_ENV = frozenset({"DSCHAT_LAUNCHER"})  # read by dschat.launch on the first host only
 # Forwarded by DeepSpeed's runner itself (its EXPORT_ENVS and the CUDA accelerator's NCCL family).
 DEEPSPEED_FORWARDS = ("PYTHON", "MLFLOW", "MV2", "UCX", "NCCL")
+# Every prefix DeepSpeed's multi-node runners forward from the launching environment: the runner's
+# EXPORT_ENVS and the export_envs() of each accelerator (NPU, MLU, SDAA, SUPA, KunlunXin add their
+# collective libraries' families, LD_LIBRARY* and PATH*).
+DEEPSPEED_EXPORT_PREFIXES = DEEPSPEED_FORWARDS + (
+    "ASCEND", "HCCL", "NEUWARE_HOME", "CNCL", "BKCL", "XPU", "XMLIR", "BCCL", "BIREN", "SUPA", "LD_LIBRARY", "PATH")
+# A host name as ssh and pdsh take it: never an option ("-oProxyCommand=..."), a list (","), a pdsh
+# range or pattern ("[1-4]", "%h") or anything a shell reads.
+_HOST_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]*")
+# The rendezvous identity dschat.launch gives every rank of one launch (dschat.runtime.dist reads it).
+RENDEZVOUS_ID_VAR = "DSCHAT_RENDEZVOUS_ID"
 # Never forwarded: the PDSH runner puts every forwarded variable on the ssh command line, which any
 # user of a host can read in the process list (HF_TOKEN: log in on each node instead).
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY$|^KEY", re.IGNORECASE)
@@ -76,10 +92,24 @@ def read_hostfile(path: str | os.PathLike) -> list[str]:
         match = re.match(r"^(\S+)\s+slots=(\d+)", line)
         if not match:
             raise UserError(f"hostfile {path} has a bad line {line!r}; write one line per host: '<host> slots=<gpus>'")
+        check_host_name(match.group(1), f"hostfile {path}")
         hosts.append(match.group(1))
     if not hosts:
         raise UserError(f"hostfile {path} lists no host; write one line per host: '<host> slots=<gpus>'")
     return hosts
+
+
+def check_host_name(host: str, where: str) -> None:
+    """Refuse a host name outside ``[A-Za-z0-9][A-Za-z0-9._:-]*`` (``where`` names its source).
+
+    The launcher hands hostfile names to ``ssh`` and ``pdsh`` as arguments: one starting with ``-``
+    would be read as an option (``-oProxyCommand=...`` runs a command), a ``,`` splits it into two
+    hosts, and ``[]``/``%`` are pdsh patterns.
+    """
+    if not _HOST_NAME.fullmatch(host):
+        raise UserError(f"{where} names host {host!r}, which is not a host name (letters, digits and ._:- , "
+                        "starting with a letter or digit: ssh would read a leading '-' as an option); "
+                        "write the host's name or address")
 
 
 def _filter_hosts(hosts: list[str], include: str | None, exclude: str | None) -> list[str]:
@@ -227,12 +257,26 @@ def flag_values(argv: Sequence[str]) -> list[tuple[str, str]]:
 # -------------------------------------------------------------------------------------------------
 # Environment of remote ranks
 # -------------------------------------------------------------------------------------------------
+def is_secret_name(name: str) -> bool:
+    """Whether a variable's name looks like it holds a secret (``TOKEN``, ``SECRET``, ``PASSWORD``,
+    ``PASSWD``, ``CREDENTIAL``, ``KEY`` at either end), in any case."""
+    return bool(_SECRET_NAME.search(name))
+
+
+def forwarded_secrets(environ: Mapping[str, str]) -> list[str]:
+    """Names of ``environ`` that DeepSpeed's multi-node runner would forward by itself (their prefix
+    is in :data:`DEEPSPEED_EXPORT_PREFIXES`) and that look like secrets (``MLFLOW_TRACKING_PASSWORD``,
+    ``MLFLOW_TRACKING_TOKEN``): the runner writes forwarded variables into the remote command line,
+    which every user of a host can read. The launcher removes them from the runner's environment."""
+    return sorted(k for k in environ if k.startswith(DEEPSPEED_EXPORT_PREFIXES) and is_secret_name(k))
+
+
 def rank_env(environ: Mapping[str, str], recipe_env: Mapping[str, str]) -> dict[str, str]:
     """Variables the remote ranks need: the recipe's (a value already set here wins, as on the first
     host) and the user's among :data:`RANK_ENV_NAMES` / :data:`RANK_ENV_PREFIXES`, secrets left out."""
     out = {k: v for k, v in environ.items()
            if (k in RANK_ENV_NAMES or k.startswith(RANK_ENV_PREFIXES)) and k not in LOCAL_ONLY_ENV
-           and not _SECRET_NAME.search(k)}
+           and not is_secret_name(k)}
     for key, value in recipe_env.items():
         if not key.startswith(DEEPSPEED_FORWARDS):
             out.setdefault(key, environ.get(key, value))
@@ -271,6 +315,12 @@ def _user_env_values(environ: Mapping[str, str], cwd: str | os.PathLike) -> dict
     return merged
 
 
+def secret_env_lines(environ: Mapping[str, str], cwd: str | os.PathLike) -> list[str]:
+    """Names set by the user's ``.deepspeed_env`` files that look like secrets (:func:`is_secret_name`):
+    :func:`write_rank_env_file` leaves them out of the launch's copy."""
+    return sorted(k for k in _user_env_values(environ, cwd) if is_secret_name(k))
+
+
 def rank_env_additions(needed: Mapping[str, str], environ: Mapping[str, str],
                        cwd: str | os.PathLike) -> dict[str, str]:
     """The variables of ``needed`` that no ``.deepspeed_env`` of the user sets (theirs win: they are
@@ -287,11 +337,13 @@ def write_rank_env_file(added: Mapping[str, str], environ: Mapping[str, str], cw
     """Write the launch's ``.deepspeed_env`` into a new private folder and return it.
 
     It holds the user's own files' variables as DeepSpeed reads them (unchecked: what they chose to
-    expand remotely is theirs), then ``added``. Point ``DS_ENV_FILE`` at it (an absolute path) and the launcher reads it
-    instead of ``~/.deepspeed_env`` and ``./.deepspeed_env``, which stay untouched. The caller
-    removes the folder after the launch.
+    expand remotely is theirs), less the secret-named ones (:func:`secret_env_lines`: DeepSpeed would
+    put them on the remote command line), then ``added``. Point ``DS_ENV_FILE`` at it (an absolute
+    path) and the launcher reads it instead of ``~/.deepspeed_env`` and ``./.deepspeed_env``, which
+    stay untouched. The caller removes the folder after the launch.
     """
-    merged = {**_user_env_values(environ, cwd), **added}
+    own = {k: v for k, v in _user_env_values(environ, cwd).items() if not is_secret_name(k)}
+    merged = {**own, **added}
     folder = Path(tempfile.mkdtemp(prefix="dschat-launch-"))  # 0700, ours
     path = folder / ENV_FILE_NAME
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -12,7 +12,14 @@ The rendezvous:
   every interface), and a busy port cannot stop it.
 * Several ranks meet at ``MASTER_ADDR:MASTER_PORT`` as the launcher set them, waiting at most
   ``--dist_timeout`` minutes. A rank whose peers never come stops with one line naming the address,
-  the port and what to do, instead of waiting for torch's timeout with a C++ traceback. Collectives
+  the port and what to do, instead of waiting for torch's timeout with a C++ traceback.
+* Rank 0 opens the rendezvous store itself and marks it as this launch's at once (a key named by
+  ``DSCHAT_RENDEZVOUS_ID``, which ``dschat.launch`` gives every rank of one launch; else by the world
+  size). The other ranks wait for that mark at most ``DSCHAT_RANK0_WAIT`` seconds (default 45, never
+  longer than ``--dist_timeout``): when rank 0 could not start (its master port was taken on the first
+  host, so something else answers there, or nothing does), they stop with one line each within a
+  minute instead of waiting out ``--dist_timeout``. Torch's own rendezvous then reuses that store
+  (``multi_tenant``). Collectives
   after start-up wait as long as DeepSpeed's default (``DEEPSPEED_TIMEOUT``, 10 minutes) or
   ``--dist_timeout`` if that is longer: one rank may legitimately work alone for minutes (building
   the data cache, writing a large model) while the others wait.
@@ -38,7 +45,7 @@ import torch.distributed
 from torch.distributed import distributed_c10d
 
 from dschat.errors import EXIT_USAGE, UserError
-from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
+from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES, RENDEZVOUS_ID_VAR
 from dschat.runtime.fs import owned_privately, untrusted_reason
 
 __all__ = [
@@ -66,6 +73,12 @@ __all__ = [
 _LAUNCHER_ENV = ("RANK", "WORLD_SIZE")
 # Set by mpirun / PMI launchers; DeepSpeed's own MPI discovery handles those, so leave them alone.
 _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+# How long a rank other than 0 waits for rank 0's store to be this launch's (seconds; capped by
+# --dist_timeout). Rank 0 reaches the rendezvous as early as its peers, give or take start-up noise.
+RANK0_WAIT_VAR = "DSCHAT_RANK0_WAIT"
+DEFAULT_RANK0_WAIT_SECONDS = 45.0
+_READY_KEY = "dschat/rank0-ready/"
+_RANK0_STORES: list[object] = []  # rank 0's own store until torch's rendezvous shares its server
 
 
 @dataclass(frozen=True)
@@ -110,10 +123,36 @@ def _duration(timeout: datetime.timedelta) -> str:
     return f"{seconds:g} s" if seconds < 120 else f"{seconds / 60:g} min"
 
 
-def _wait_for_master(addr: str, port: int, rank: int, timeout: datetime.timedelta) -> None:
+def _rank0_wait(rendezvous: datetime.timedelta) -> tuple[datetime.timedelta, str]:
+    """How long a rank other than 0 waits for rank 0's store, and what sets it (for messages)."""
+    raw = os.environ.get(RANK0_WAIT_VAR, "")
+    try:
+        seconds = float(raw) if raw else DEFAULT_RANK0_WAIT_SECONDS
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0 or seconds == float("inf"):
+        raise UserError(f"{RANK0_WAIT_VAR}={raw!r} is not a number of seconds > 0; unset it (default "
+                        f"{DEFAULT_RANK0_WAIT_SECONDS:g}) or set, e.g., {RANK0_WAIT_VAR}=120")
+    wait = datetime.timedelta(seconds=seconds)
+    if wait >= rendezvous:
+        return rendezvous, "--dist_timeout"
+    return wait, f"{RANK0_WAIT_VAR}, the wait for rank 0 to start"
+
+
+def _ready_key() -> str:
+    """The key rank 0 sets in its store at once: this launch's, not another job's on the same port."""
+    return _READY_KEY + (os.environ.get(RENDEZVOUS_ID_VAR) or f"world-{os.environ.get('WORLD_SIZE', '')}")
+
+
+def _use_libuv() -> bool:
+    return os.environ.get("USE_LIBUV", "1") == "1"  # as torch's env:// rendezvous decides
+
+
+def _wait_for_master(addr: str, port: int, rank: int, timeout: datetime.timedelta, bound: str) -> None:
     """Wait until rank 0's store accepts connections, or raise the one-line error.
 
     Torch's own client would wait as long, but print C++ retry logs and a traceback on the way.
+    ``bound`` names what set ``timeout`` in the message.
     """
     deadline = time.monotonic() + timeout.total_seconds()
     while True:
@@ -123,12 +162,39 @@ def _wait_for_master(addr: str, port: int, rank: int, timeout: datetime.timedelt
         except OSError:
             if time.monotonic() >= deadline:
                 raise UserError(
-                    f"rank {rank} on {socket.gethostname()} waited {_duration(timeout)} (--dist_timeout) for rank 0 at "
+                    f"rank {rank} on {socket.gethostname()} waited {_duration(timeout)} ({bound}) for rank 0 at "
                     f"{addr}:{port} and nobody answered: rank 0 did not start or failed (see the first host's "
                     f"output), or {addr} is not an address of the first host that this host can reach; pass "
                     "--master_addr / --master_port to the launcher, or a longer --dist_timeout"
                 ) from None
             time.sleep(0.5)
+
+
+def _open_rank0_store(addr: str, port: int, rendezvous: datetime.timedelta) -> None:
+    """Rank 0: listen on ``port`` and mark the store as this launch's before torch's rendezvous,
+    which reuses the server (``multi_tenant``). A taken port raises torch's ``DistNetworkError``."""
+    store = torch.distributed.TCPStore(addr, port, None, True, rendezvous, wait_for_workers=False,
+                                       multi_tenant=True, use_libuv=_use_libuv())
+    store.set(_ready_key(), "1")
+    _RANK0_STORES.append(store)
+
+
+def _wait_for_rank0(addr: str, port: int, rank: int, wait: datetime.timedelta, bound: str) -> None:
+    """A rank other than 0: return once the store at ``addr:port`` is this launch's rank 0's, or raise
+    the one-line error within ``wait`` (a program that answers but is no store: the watchdog)."""
+    start = time.monotonic()
+    _wait_for_master(addr, port, rank, wait, bound)
+    left = datetime.timedelta(seconds=max(1.0, wait.total_seconds() - (time.monotonic() - start)))
+    client = torch.distributed.TCPStore(addr, port, None, False, left, wait_for_workers=False,
+                                        use_libuv=_use_libuv())
+    try:
+        client.wait([_ready_key()], left)
+    except torch.distributed.DistError:
+        raise UserError(
+            f"rank {rank} on {socket.gethostname()}: the rendezvous store at {addr}:{port} is not this job's (its rank "
+            f"0 did not mark it within {_duration(wait)}, {bound}): another job holds that port on the first host, so "
+            "this job's rank 0 could not start (see the first host's output); pass a free --master_port to the launcher"
+        ) from None
 
 
 def _rendezvous_error(err: Exception, rank: int, world_size: int, addr: str, port: str,
@@ -149,15 +215,15 @@ def _rendezvous_error(err: Exception, rank: int, world_size: int, addr: str, por
                      "(launcher options --master_addr / --master_port)")
 
 
-def _watchdog(rendezvous: datetime.timedelta, message: str) -> threading.Timer:
+def _watchdog(rendezvous: datetime.timedelta, message: str, grace: float | None = None) -> threading.Timer:
     """Stop the process with ``message`` (one line, exit code 2) when the rendezvous outlives its
-    timeout by a grace period.
+    timeout by a grace period (``grace`` seconds; default: the timeout, between 5 and 30 s).
 
     Torch bounds each wait by the timeout, except one: a client connected to a port where some other
     program listens waits for the store's greeting forever (seen: until that program exited). Nothing
     can be unwound from inside that C++ call, so the process ends here.
     """
-    grace = max(5.0, min(30.0, rendezvous.total_seconds()))
+    grace = max(5.0, min(30.0, rendezvous.total_seconds())) if grace is None else grace
 
     def fire() -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
@@ -216,7 +282,7 @@ def init_distributed(dist_backend: Optional[str] = None,
                                        init_method=_private_file_store(), rank=0, world_size=1,
                                        timeout=_collective_timeout(rendezvous))
         else:
-            _init_ranks(deepspeed, dist_backend, rendezvous)
+            _init_ranks(deepspeed, accelerator, dist_backend, rendezvous)
     except BaseException:
         if claimed:
             unlink_shm_allreduce_buffer(int(os.environ["RANK"]))
@@ -313,24 +379,48 @@ def unlink_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
     return True
 
 
-def _init_ranks(deepspeed: object, dist_backend: Optional[str], rendezvous: datetime.timedelta) -> None:
+def _load_shm_all_reduce(deepspeed: object, accelerator: object) -> None:
+    """Build or load DeepSpeed's CPU shared-memory all-reduce op now, which its process-group set-up
+    would do inside the rendezvous: a first build takes minutes, and a watchdog ending the process
+    mid-build would leave torch's build lock behind, on which every later DeepSpeed start waits."""
+    builder = accelerator.create_op_builder("ShareMemCommBuilder")  # type: ignore[attr-defined]
+    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):  # type: ignore[attr-defined]
+        builder.load()
+
+
+def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[str],
+                rendezvous: datetime.timedelta) -> None:
     """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous``, then give the
     collectives their longer timeout."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
-    watchdog = _watchdog(rendezvous, f"rank {rank} on {socket.gethostname()}: no rendezvous at {addr}:{port} within "
-                         f"{_duration(rendezvous)} (--dist_timeout): the program answering there is not this job's "
-                         "rank 0 (another job holds the port?) or a peer hangs; pass a free --master_port to the "
-                         "launcher, and stop this job's ranks left on other hosts")
+    host = socket.gethostname()
+    wait, bound = _rank0_wait(rendezvous)
+
+    def message(limit: datetime.timedelta, what: str) -> str:
+        return (f"rank {rank} on {host}: no rendezvous at {addr}:{port} within {_duration(limit)} ({what}): the program "
+                "answering there is not this job's rank 0 (another job holds the port?) or a peer hangs; pass a free "
+                "--master_port to the launcher, and stop this job's ranks left on other hosts")
+
+    watchdog = None
     try:
-        if rank != 0 and port.isdigit():
-            _wait_for_master(addr, int(port), rank, rendezvous)
+        if port.isdigit():
+            if rank == 0:
+                _open_rank0_store(addr, int(port), rendezvous)
+            else:
+                watchdog = _watchdog(wait, message(wait, bound), grace=5.0)
+                _wait_for_rank0(addr, int(port), rank, wait, bound)
+                watchdog.cancel()
+        _load_shm_all_reduce(deepspeed, accelerator)
+        watchdog = _watchdog(rendezvous, message(rendezvous, "--dist_timeout"))
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=rendezvous)  # type: ignore[attr-defined]
         torch.distributed.barrier()  # NCCL connects here; every rank has joined after it
     except torch.distributed.DistError as err:
         raise _rendezvous_error(err, rank, world_size, addr, port, rendezvous) from None
     finally:
-        watchdog.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
+        _RANK0_STORES.clear()  # torch's store holds the server now; after a failure nothing may listen
     collective = _collective_timeout(rendezvous)
     if collective != rendezvous:
         distributed_c10d._set_pg_timeout(collective)

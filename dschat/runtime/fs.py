@@ -7,8 +7,9 @@ or folder is unchanged. :func:`atomic_files` does the same for a set of files re
 :func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
 
 On a shared machine a file or folder is trusted only when this user owns it and nobody else can
-write to it (:func:`untrusted_reason`, :func:`is_trusted`, :func:`check_trusted`): a cache, lock or
-leftover folder that another account could have planted or edited is never read.
+write to it or to a folder above it (:func:`untrusted_reason`, :func:`is_trusted`,
+:func:`check_trusted`, :func:`untrusted_ancestor`): a cache, lock or leftover folder that another
+account could have planted, edited or swapped is never read.
 :func:`make_private_dir` creates folders only their owner can enter (0700); :func:`make_trusted_dir`
 also refuses one that exists and is not the user's own.
 
@@ -46,6 +47,7 @@ __all__ = [
     "resolve_output_dir",
     "check_writable_dir",
     "untrusted_reason",
+    "untrusted_ancestor",
     "is_trusted",
     "check_trusted",
     "make_private_dir",
@@ -131,28 +133,63 @@ def _private_group(gid: int, uid: int) -> bool:
     return all(other.pw_gid != gid or other.pw_uid == uid for other in pwd.getpwall())
 
 
+def _writers(info: os.stat_result, me: int) -> str | None:
+    """Who besides the owner can write to what ``info`` describes ("its group", "other users", ...),
+    or ``None``; group write does not count when the group is ``me``'s private one."""
+    writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    if writable == stat.S_IWGRP and _private_group(info.st_gid, me):
+        writable = 0
+    if not writable:
+        return None
+    return "its group and others" if writable == stat.S_IWGRP | stat.S_IWOTH else (
+        "its group" if writable == stat.S_IWGRP else "other users")
+
+
+def untrusted_ancestor(path: str | os.PathLike) -> str | None:
+    """Why a folder above ``path`` lets another account replace it, or ``None`` (OpenSSH's StrictModes).
+
+    Every folder from ``path``'s parent up to ``/`` (of the resolved path: symlinks followed, as a
+    reader's open does) must belong to this user or root and be writable by nobody else (group write
+    by the user's private group is fine): whoever can write to a folder can rename what is in it and
+    put their own in its place. One exception, as ``/tmp`` and ``/dev/shm`` need: a sticky folder
+    (mode ``+t``) lets only an entry's owner rename it, so there the next folder down only has to
+    belong to this user or root. Raises ``FileNotFoundError`` when ``path`` does not exist.
+    """
+    me = os.geteuid()
+    child = Path(os.path.realpath(path))
+    child_info = os.stat(child)
+    for folder in child.parents:
+        info = os.stat(folder)
+        if info.st_uid not in (me, 0):
+            return f"the folder {folder} above it belongs to {_user_name(info.st_uid)}, not to you (uid {me}) or root"
+        who = _writers(info, me)
+        sticky_guard = info.st_mode & stat.S_ISVTX and child_info.st_uid in (me, 0)
+        if who is not None and not sticky_guard:
+            return (f"{who} can write to the folder {folder} above it (mode {stat.S_IMODE(info.st_mode):04o}), so "
+                    "they could put something else in its place")
+        child_info = info
+    return None
+
+
 def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
     """Why ``path`` must not be trusted on a shared machine, or ``None`` when it may be.
 
     Trusted means: owned by this process's effective user (or by root, with ``root_may_own``: a
     system-wide install root could change anyway), and writable by nobody else -- group write is
-    fine when the group is the user's private one (:func:`_private_group`). The owner is what
-    counts, not what ``os.access`` says: root can read and write anything, yet must still not trust
-    a file another account planted. A symlink is judged by its target (``os.stat`` follows it),
-    which is what a reader opens. Raises ``FileNotFoundError`` when ``path`` does not exist.
+    fine when the group is the user's private one (:func:`_private_group`) -- and no folder above it
+    lets another account replace it (:func:`untrusted_ancestor`). The owner is what counts, not what
+    ``os.access`` says: root can read and write anything, yet must still not trust a file another
+    account planted. A symlink is judged by its target (``os.stat`` follows it), which is what a
+    reader opens. Raises ``FileNotFoundError`` when ``path`` does not exist.
     """
     info = os.stat(path)
     me = os.geteuid()
     if info.st_uid != me and not (root_may_own and info.st_uid == 0):
         return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
-    writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable == stat.S_IWGRP and _private_group(info.st_gid, me):
-        writable = 0
-    if writable:
-        who = "its group and others" if writable == stat.S_IWGRP | stat.S_IWOTH else (
-            "its group" if writable == stat.S_IWGRP else "other users")
+    who = _writers(info, me)
+    if who is not None:
         return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
-    return None
+    return untrusted_ancestor(path)
 
 
 def is_trusted(path: str | os.PathLike) -> bool:

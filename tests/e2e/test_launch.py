@@ -485,3 +485,163 @@ def test_multi_node_ranks_get_the_recipe_environment_through_a_private_deepspeed
                repo_root=fake_root)
     # One node: the environment is inherited, nothing is written.
     assert L.plan(recipe, {"output_dir": str(tmp_path / "o")}, repo_root=fake_root).rank_env == {}
+
+
+# A stand-in for the deepspeed launcher that records the names of its environment and the launch's
+# .deepspeed_env ($DS_ENV_FILE), as DeepSpeed's multi-node runner would read them for the remote command.
+ENV_RECORDER = textwrap.dedent(
+    """
+    import json, os
+    seen = {"names": sorted(os.environ), "values": sorted(os.environ.values()), "env_file": ""}
+    if os.environ.get("DS_ENV_FILE"):
+        seen["env_file"] = open(os.environ["DS_ENV_FILE"]).read()
+    with open(os.environ["FAKE_ENV_FILE"], "w") as fh:
+        json.dump(seen, fh)
+    """
+)
+
+
+@pytest.fixture
+def two_hosts(tmp_path, monkeypatch):
+    """A multi-node launch from a private working directory and home, with the recording launcher."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(mode=0o700)
+    work.mkdir(mode=0o700)
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    monkeypatch.delenv("DS_ENV_FILE", raising=False)
+    (tmp_path / "recorder.py").write_text(ENV_RECORDER)
+    monkeypatch.setenv("FAKE_ENV_FILE", str(tmp_path / "seen.json"))
+    monkeypatch.setenv(L.LAUNCHER_ENV, f"{sys.executable} {tmp_path / 'recorder.py'}")
+    return _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+
+
+@pytest.mark.parametrize("host", ["-oProxyCommand=touch${IFS}/tmp/pwned", "-p2222", "a,b", "node[1-4]", "h%n",
+                                  ".hidden", "node1;id"])
+def test_a_hostfile_host_name_that_is_not_one_is_refused_in_one_line(fake_root, tmp_path, host, capsys):
+    (tmp_path / "hostfile").write_text(f"node1 slots=1\n{host} slots=1\n")
+    with pytest.raises(UserError, match="names host .* which is not a host name"):
+        M.read_hostfile(tmp_path / "hostfile")
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "--hostfile", str(tmp_path / "hostfile"), "step1",
+                     "opt/multi_node/66b"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and f"names host {host!r}" in err, err
+
+
+def test_host_names_and_addresses_are_accepted():
+    for host in ("node1", "gpu-07.cluster.example.com", "10.0.0.7", "fe80::1", "Node_2"):
+        M.check_host_name(host, "hostfile h")
+
+
+def test_deepspeed_export_prefixes_cover_the_runner_and_every_accelerator():
+    """The prefixes dschat strips secrets from are every family DeepSpeed's runner forwards by itself:
+    its EXPORT_ENVS and each accelerator's export_envs() (read from the installed DeepSpeed's source)."""
+    import ast
+
+    import deepspeed
+    from deepspeed.launcher import runner
+
+    forwarded = set(runner.EXPORT_ENVS)
+    for source in (Path(deepspeed.__file__).parent / "accelerator").glob("*_accelerator.py"):
+        for node in ast.walk(ast.parse(source.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name == "export_envs":
+                for ret in ast.walk(node):
+                    if isinstance(ret, ast.Return) and isinstance(ret.value, ast.List):
+                        forwarded |= {elt.value for elt in ret.value.elts}
+    assert "MLFLOW" in forwarded and "NCCL" in forwarded
+    assert forwarded <= set(M.DEEPSPEED_EXPORT_PREFIXES), forwarded - set(M.DEEPSPEED_EXPORT_PREFIXES)
+
+
+def test_secret_named_variables_never_reach_the_multi_node_runner(fake_root, tmp_path, monkeypatch, two_hosts):
+    secrets = {"MLFLOW_TRACKING_PASSWORD": "pw-1", "MLFLOW_TRACKING_TOKEN": "tok-2", "NCCL_IB_SECRET": "s-3",
+               "PYTHON_KEYRING_CREDENTIALS": "c-4", "UCX_API_KEY": "k-5"}
+    for name, value in secrets.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.invalid")  # no secret: DeepSpeed forwards it
+    (Path.home() / ".deepspeed_env").write_text("HF_TOKEN=hf-6\nNCCL_DEBUG=INFO\n")
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
+                  repo_root=fake_root)
+    assert plan.withheld == sorted([*secrets, "HF_TOKEN"])
+    sink = Sink()
+    assert L.run(plan, sink=sink, log=False).returncode == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert not set(secrets) & set(seen["names"]) and "MLFLOW_TRACKING_URI" in seen["names"]
+    assert "NCCL_DEBUG=INFO" in seen["env_file"].splitlines() and "HF_TOKEN" not in seen["env_file"]
+    values = [*secrets.values(), "hf-6"]
+    assert not any(v in " ".join(seen["values"]) + seen["env_file"] for v in values)
+    notice = [line for line in sink.data.decode().splitlines() if "not forwarded" in line]
+    assert len(notice) == 1 and all(name in notice[0] for name in plan.withheld), notice
+    assert not any(v in sink.data.decode() for v in values)  # names only, never values
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "pw-1"  # the launching process keeps its own
+    # One node: no ssh, nothing on a command line; the ranks inherit the environment as it is.
+    single = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, repo_root=fake_root)
+    assert single.withheld == [] and single.rank_env == {}
+
+
+def test_multi_node_launch_refuses_a_working_directory_others_can_write_to(fake_root, tmp_path, monkeypatch,
+                                                                           two_hosts, capsys):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # not sticky: anyone may plant a module here, e.g. the --reward_fn one
+    (shared / "project").mkdir(mode=0o755)  # the user's own folder, inside it: renamable by anyone
+    recipe = R.get_recipe("step3", "opt/single_node/1.3b", fake_root)
+    params = {"actor_model": "/a", "critic_model": "/c", "output_dir": str(tmp_path / "o")}
+    for cwd in (shared, shared / "project"):
+        monkeypatch.chdir(cwd)
+        with pytest.raises(UserError, match=f"the working directory {cwd} is not safe for a multi-node launch: "
+                                            ".*DeepSpeed puts it first on PYTHONPATH on every node"):
+            L.plan(recipe, params, launcher_overrides={"hostfile": two_hosts}, repo_root=fake_root)
+        assert L.plan(recipe, params, repo_root=fake_root).hosts.multi_node is False  # one node: no PYTHONPATH
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "--hostfile", two_hosts, "step1",
+                     "opt/multi_node/66b"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "the working directory" in err
+    monkeypatch.chdir(tmp_path / "work")  # the user's own, private
+    assert L.plan(recipe, params, launcher_overrides={"hostfile": two_hosts}, repo_root=fake_root).hosts.multi_node
+
+
+@pytest.mark.parametrize("where", ["home", "cwd", "DS_ENV_FILE"])
+def test_multi_node_launch_refuses_a_deepspeed_env_that_is_not_the_users_alone(fake_root, tmp_path, monkeypatch,
+                                                                                two_hosts, where):
+    folder = {"home": Path.home(), "cwd": Path.cwd(), "DS_ENV_FILE": tmp_path}[where]
+    env_file = folder / ("my_env" if where == "DS_ENV_FILE" else ".deepspeed_env")
+    env_file.write_text("PYTHONPATH=/somewhere\n")
+    if where == "DS_ENV_FILE":
+        monkeypatch.setenv("DS_ENV_FILE", str(env_file))
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+
+    def attempt():
+        return L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
+                      repo_root=fake_root)
+
+    env_file.chmod(0o644)
+    assert attempt().hosts.multi_node  # the user's own, writable by nobody else
+    env_file.chmod(0o666)
+    with pytest.raises(UserError, match=f"{env_file} is not safe to use: its group and others can write to it "
+                                        ".*DeepSpeed turns its lines into commands of every rank"):
+        attempt()
+    env_file.chmod(0o644)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: _other_owner(real_stat(p, *a, **k)) if os.fspath(p) == str(
+        env_file) else real_stat(p, *a, **k))
+    with pytest.raises(UserError, match=f"{env_file} is not safe to use: it belongs to .*, not to you"):
+        attempt()
+
+
+def _other_owner(info: os.stat_result) -> os.stat_result:
+    import stat as stat_module
+
+    fields = list(info)
+    fields[stat_module.ST_UID] = 65534
+    return os.stat_result(fields)
+
+
+def test_every_launch_gives_its_ranks_one_rendezvous_id(fake_root, tmp_path, two_hosts):
+    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    one = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, repo_root=fake_root)
+    many = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
+                  repo_root=fake_root)
+    ids = [one.env_set[M.RENDEZVOUS_ID_VAR], many.env_set[M.RENDEZVOUS_ID_VAR]]
+    assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
+    assert many.rank_env[M.RENDEZVOUS_ID_VAR] == ids[1]  # the ranks on other hosts get the same one

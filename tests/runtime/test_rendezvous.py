@@ -3,6 +3,7 @@ network interface; a rank whose peers never come stops within --dist_timeout wit
 the master address and port; a busy master port is one line too. Every step script has the flag."""
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -261,3 +262,137 @@ def test_the_gloo_group_is_destroyed_before_the_program_exits():
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backend: gloo" in proc.stdout and "group alive at exit: False" in proc.stdout, proc.stdout
+
+
+# One rank of a 2-rank job at MASTER_PORT (argv: rank); prints "=== <exit code> <seconds>" at the end.
+RANK = r"""
+import os, sys, time
+from dschat.errors import cli_main
+from dschat.runtime import dist
+
+os.environ.update(RANK=sys.argv[1], WORLD_SIZE="2", LOCAL_RANK=sys.argv[1], MASTER_ADDR="127.0.0.1")
+start = time.monotonic()
+minutes = float(os.environ.get("TEST_DIST_TIMEOUT", dist.DEFAULT_DIST_TIMEOUT_MINUTES))
+code = cli_main(lambda argv: (dist.init_distributed(timeout_minutes=minutes), dist.barrier()), [])
+print(f"=== {code} {time.monotonic() - start:.1f}", file=sys.stderr, flush=True)
+sys.exit(code)
+"""
+
+
+def _errors(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+def _start_rank(rank: int, port: int, **env: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", RANK, str(rank)], cwd=REPO, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=cli_env(MASTER_PORT=str(port), **env))
+
+
+def _seconds(stderr: str) -> float:
+    return float(stderr.split("=== ", 1)[1].split()[1])
+
+
+@pytest.mark.slow
+def test_when_rank_0_cannot_take_a_busy_port_the_other_rank_stops_within_a_minute():
+    """Another job's rendezvous store holds the master port on the first host: rank 0 stops at once
+    with one line; rank 1 reaches that store (it answers like this job's would) and, with the default
+    --dist_timeout of 5 minutes and the default wait for rank 0, stops with one line in under a minute."""
+    from torch.distributed import TCPStore
+
+    from helpers.steps import free_port
+
+    port = free_port()
+    other_job = TCPStore("127.0.0.1", port, None, True, datetime.timedelta(seconds=600), wait_for_workers=False)
+    other_job.set("dschat/rank0-ready/world-2", "1")  # another dschat job of 2 ranks, launched by dschat.launch
+    ids = {"DSCHAT_RENDEZVOUS_ID": "this-launch"}
+    env = {k: v for k, v in cli_env().items() if k == "DSCHAT_RANK0_WAIT"}
+    assert not env  # the default wait
+    ranks = [_start_rank(0, port, **ids), _start_rank(1, port, **ids)]
+    outputs = [p.communicate(timeout=120)[1] for p in ranks]
+    del other_job
+    assert [p.returncode for p in ranks] == [2, 2], outputs
+    host = os.uname().nodename
+    assert _errors(outputs[0]) == [_errors(outputs[0])[0]] and _errors(outputs[0])[0].startswith(
+        f"error: rank 0 on {host} cannot listen on port {port} (address already in use)")
+    errors = _errors(outputs[1])
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: rank 1 on {host}: the rendezvous store at 127.0.0.1:{port} is not this job's (its rank 0 did not "
+        "mark it within 45 s, DSCHAT_RANK0_WAIT, the wait for rank 0 to start)"), outputs[1]
+    assert "--master_port" in errors[0] and "Traceback" not in outputs[1]
+    assert 40 < _seconds(outputs[1]) < 60, outputs[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("holder", ["nothing", "another-program"])
+def test_a_rank_whose_rank_0_never_starts_stops_after_the_rank_0_wait_not_dist_timeout(holder):
+    """Rank 0 never starts; the port is free (nothing answers) or another program that is no store
+    listens there (torch's client would wait for its greeting until that program exits)."""
+    import socket
+
+    from helpers.steps import free_port
+
+    mute = None
+    if holder == "another-program":
+        mute = socket.socket()
+        mute.bind(("127.0.0.1", 0))
+        mute.listen()
+        port = mute.getsockname()[1]
+    else:
+        port = free_port()
+    rank = _start_rank(1, port, DSCHAT_RANK0_WAIT="4")  # --dist_timeout stays 5 minutes
+    try:
+        _, stderr = rank.communicate(timeout=120)
+    finally:
+        rank.kill()
+        if mute is not None:
+            mute.close()
+    assert rank.returncode == 2, stderr
+    errors = _errors(stderr)
+    host = os.uname().nodename
+    if holder == "nothing":
+        assert len(errors) == 1 and errors[0].startswith(
+            f"error: rank 1 on {host} waited 4 s (DSCHAT_RANK0_WAIT, the wait for rank 0 to start) for rank 0 at "
+            f"127.0.0.1:{port} and nobody answered"), stderr
+        assert _seconds(stderr) < 15
+    else:  # ended by the watchdog, 5 s after the wait
+        assert errors == [f"error: rank 1 on {host}: no rendezvous at 127.0.0.1:{port} within 4 s (DSCHAT_RANK0_WAIT, "
+                          "the wait for rank 0 to start): the program answering there is not this job's rank 0 "
+                          "(another job holds the port?) or a peer hangs; pass a free --master_port to the launcher, "
+                          "and stop this job's ranks left on other hosts"], stderr
+    assert "Traceback" not in stderr
+
+
+@pytest.mark.slow
+def test_two_ranks_of_one_launch_still_meet_and_a_rank_of_another_launch_is_refused():
+    from helpers.steps import free_port
+
+    port = free_port()
+    ranks = [_start_rank(r, port, DSCHAT_RENDEZVOUS_ID="launch-a") for r in (0, 1)]
+    outputs = [p.communicate(timeout=120)[1] for p in ranks]
+    assert [p.returncode for p in ranks] == [0, 0], outputs
+    # Rank 0 of launch A waits for its peer (until its own --dist_timeout: never killed, it may be
+    # building DeepSpeed's op); a rank 1 of launch B reaches A's store and is told it is not its own.
+    port = free_port()
+    a0 = _start_rank(0, port, DSCHAT_RENDEZVOUS_ID="launch-a", TEST_DIST_TIMEOUT="1")
+    time.sleep(1)
+    b1 = _start_rank(1, port, DSCHAT_RENDEZVOUS_ID="launch-b", DSCHAT_RANK0_WAIT="20")
+    _, stderr = b1.communicate(timeout=120)
+    a0_err = a0.communicate(timeout=300)[1]
+    assert b1.returncode == 2 and "is not this job's" in _errors(stderr)[0], stderr
+    assert a0.returncode == 2 and "waited 60 s (--dist_timeout) at 127.0.0.1:" in _errors(a0_err)[0], a0_err
+
+
+def test_the_wait_for_rank_0_is_under_a_minute_and_never_longer_than_dist_timeout(monkeypatch):
+    from dschat.errors import UserError
+    from dschat.runtime import dist
+
+    monkeypatch.delenv(dist.RANK0_WAIT_VAR, raising=False)
+    wait, bound = dist._rank0_wait(datetime.timedelta(minutes=5))
+    assert wait.total_seconds() + 5 < 60 and bound.startswith(dist.RANK0_WAIT_VAR)  # + the watchdog's grace
+    assert dist._rank0_wait(datetime.timedelta(seconds=3)) == (datetime.timedelta(seconds=3), "--dist_timeout")
+    monkeypatch.setenv(dist.RANK0_WAIT_VAR, "120")
+    assert dist._rank0_wait(datetime.timedelta(minutes=5))[0] == datetime.timedelta(seconds=120)
+    for bad in ("soon", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv(dist.RANK0_WAIT_VAR, bad)
+        with pytest.raises(UserError, match=f"{dist.RANK0_WAIT_VAR}='{bad}' is not a number of seconds > 0"):
+            dist._rank0_wait(datetime.timedelta(minutes=5))

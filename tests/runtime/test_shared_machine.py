@@ -126,6 +126,56 @@ def test_a_symlink_is_judged_by_its_target(tmp_path):
     assert not fs.is_trusted(tmp_path / "link")
 
 
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
+def test_a_folder_above_that_others_can_write_to_makes_the_path_untrusted(tmp_path, monkeypatch, mode):
+    """OpenSSH's StrictModes: whoever can write to a folder above a path can rename the path away and
+    put their own in its place, so the user's own 0700 folder inside it is not trusted either."""
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: False)
+    team = tmp_path / "team"
+    team.mkdir()
+    team.chmod(mode)
+    mine = team / "me" / "cache"
+    mine.mkdir(parents=True, mode=0o700)
+    (mine / "f").write_text("x")
+    for path in (mine, mine / "f", team / "me"):
+        reason = fs.untrusted_reason(path)
+        assert reason is not None and f"can write to the folder {team} above it (mode {mode:04o})" in reason, reason
+        assert not fs.is_trusted(path)
+    with pytest.raises(UserError, match=f"--x {mine} is not safe to read on a shared machine: .* the folder {team} "
+                                        "above it"):
+        fs.check_trusted(mine, "--x", "do this")
+    # A link from a safe place into it is judged where it leads.
+    (tmp_path / "link").symlink_to(mine)
+    assert not fs.is_trusted(tmp_path / "link")
+    # The user's private group writing to the folder above is fine, as for the path itself.
+    team.chmod(0o775)
+    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: True)
+    assert fs.untrusted_reason(mine) is None
+
+
+def test_a_sticky_folder_above_is_fine_when_the_next_folder_down_is_the_users(tmp_path, monkeypatch):
+    """/tmp and /dev/shm are writable by all but sticky: only an entry's owner can rename it."""
+    sticky = tmp_path / "scratch"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    mine = sticky / "me" / "out"
+    mine.mkdir(parents=True, mode=0o700)
+    (sticky / "me").chmod(0o700)
+    assert fs.untrusted_reason(mine) is None and fs.untrusted_reason(sticky / "me") is None
+    fake_owner(monkeypatch, sticky / "me")  # another account's folder in the sticky one: it may swap "out"
+    assert f"the folder {sticky / 'me'} above it belongs to" in fs.untrusted_reason(mine)
+
+
+def test_a_folder_above_owned_by_another_user_makes_the_path_untrusted(tmp_path, monkeypatch):
+    home = tmp_path / "bob"
+    (home / "project").mkdir(parents=True, mode=0o700)
+    home.chmod(0o755)
+    fake_owner(monkeypatch, home)
+    reason = fs.untrusted_reason(home / "project")
+    assert reason is not None and f"the folder {home} above it belongs to" in reason and "not to you" in reason
+    assert "root" in reason  # root's folders (/, /home) are fine, as for ssh
+
+
 def test_make_private_dir_creates_0700_folders_whatever_the_umask(tmp_path):
     (tmp_path / "existing").mkdir(mode=0o755)
     old = os.umask(0)
