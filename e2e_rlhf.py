@@ -16,7 +16,7 @@ Examples (upstream's, corrected so that they run)::
     python e2e_rlhf.py --deployment-type multi_node --hostfile /job/hostfile --actor-model 66b
     python e2e_rlhf.py --deployment-type cpu --actor-model tiny-llama --reward-model tiny-llama
     python e2e_rlhf.py --algorithm grpo                   # step 3 with GRPO (4 answers per prompt)
-    python e2e_rlhf.py --algorithm grpo --reward-fn dschat.rewards:gold   # the RLVR demo (see README)
+    python e2e_rlhf.py --algorithm grpo --reward-fn dschat.rewards:gold   # the RLVR demo (docs/algorithms.md)
 
 Each step is launched through the ``deepspeed`` launcher with the argument list of a recipe in
 ``configs/`` (see ``configs/e2e.yaml`` for how models and deployment types map to recipes); its
@@ -397,7 +397,7 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
         description="Run steps 1-3 of DeepSpeed-Chat (SFT, reward model, PPO) with the recipes in configs/.",
         epilog="Models: upstream's OPT sizes (actor 1.3b, 6.7b, 13b, 66b; reward 350m; other OPT sizes map to "
                "facebook/opt-<size>), any Hugging Face id, a local folder, or a dschat short name "
-               "(smollm2-135m, tiny-llama, tiny-opt). See configs/e2e.yaml and README.md (Launch recipes).",
+               "(smollm2-135m, tiny-llama, tiny-opt). See configs/e2e.yaml and docs/launching.md.",
     )
     parser.add_argument("--step", type=int, nargs="+", choices=(1, 2, 3), default=(1, 2, 3),
                         help="Which steps of the ChatGPT example to run")

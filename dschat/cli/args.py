@@ -132,7 +132,7 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
     group = parser.add_argument_group("runtime")
     group.add_argument("--output_dir", type=resolve_output_dir, default=None,
                        help="Where to store the model. A symlink is followed: the output lands where it points "
-                            "and the link stays. On many nodes, a folder every node shares (README).")
+                            "and the link stays. On many nodes, a folder every node shares (docs/checkpoints.md).")
     group.add_argument("--save_format", choices=SAVE_FORMATS, default="safetensors",
                        help="(dschat) Weight files of the saved model: safetensors (model.safetensors; a reward "
                             "model's value head in v_head.safetensors), bin (upstream's layout: pytorch_model.bin, a "
@@ -447,7 +447,7 @@ def eval_interval(value: str) -> int | str:
 
 def add_step3_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """(dschat) Step 3's held-out evaluation, over-optimization alarm and best checkpoint
-    (:mod:`dschat.rlhf.evaluation`); README "Did step 3 work?"."""
+    (:mod:`dschat.rlhf.evaluation`); docs/evaluation.md "Did step 3 work?"."""
     group = parser.add_argument_group("held-out evaluation (dschat)")
     group.add_argument("--eval_interval", type=eval_interval, default=None, metavar="N|auto",
                        help="If > 0, evaluate the actor on held-out prompts before the first PPO step and every this "

@@ -8,7 +8,7 @@ module (each has a flag; ``benchmarks/step3.py`` turns both off for its baseline
   repacked once per rollout. MKL's fp32 GEMM with 4 rows reads the weights at 3-9 GB/s on the
   2-core AMD EPYC this project measures on (a 49152 x 576 LM head: 20 ms; oneDNN on the packed
   weight: 5 ms, about the memory bandwidth); decoding reads every weight once per token, so that
-  was most of a decode step (benchmarks/README.md). Prefill and the training passes (many rows)
+  was most of a decode step (benchmarks/results.md, "Analyses"). Prefill and the training passes (many rows)
   keep the stock kernels. The price: one extra copy of the actor's linear weights while a rollout
   is generated, and logits that differ from MKL's in the last bits (another summation order), as a
   KV-cached forward's already do. The copies are taken at the start of every rollout, so they
@@ -21,7 +21,7 @@ module (each has a flag; ``benchmarks/step3.py`` turns both off for its baseline
   inverse-CDF draw (:func:`draw`) instead of ``torch.multinomial``, which costs 5 ms per step here.
 
 ``torch.compile`` with a static KV cache was measured on a CPU and is not used there (see
-benchmarks/README.md); on CUDA it is ``RolloutGenerator``'s ``graphs`` loop, the default there.
+benchmarks/results.md, "Analyses"); on CUDA it is ``RolloutGenerator``'s ``graphs`` loop, the default there.
 """
 from __future__ import annotations
 
