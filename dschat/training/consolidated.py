@@ -238,35 +238,39 @@ def convert_batches_done(done: int, saved: Sequence[Mapping[str, Any]], now: Seq
 # ------------------------------------------------------------------------------------------------
 # Saving (collective)
 # ------------------------------------------------------------------------------------------------
+def write_engine_state(engine: Any, out: Path, tag: str, rank: int) -> dict[str, Any]:
+    """Gather ``engine``'s fp32 masters and Adam moments into ``out/<tag>.<kind>.safetensors`` (rank 0
+    writes them; one kind of tensor at a time is held) and return its JSON record, or
+    ``{"unsupported": reason}`` and no files (collective: every rank calls it)."""
+    reason = unsupported_reason(engine)
+    if reason is not None:
+        return {"unsupported": reason, "zero_stage": int(engine.zero_optimization_stage())}
+    release_zero3_prefetch(engine)
+    has_state = _has_state(engine)
+    for kind in KINDS:
+        tensors = {name: value.clone().contiguous() for name, value in _gather(engine, kind, has_state)}
+        if rank == 0:
+            save_file(tensors, str(out / f"{tag}.{kind}.safetensors"))
+        del tensors
+    return _engine_record(engine)
+
+
 def save_consolidated(folder: Path, engines: Mapping[str, Any], rank: int,
                       loaders: Sequence[Any] = ()) -> list[Path]:
-    """Write ``folder/consolidated/`` for ``engines`` (collective: every rank calls it); the files
-    rank 0 wrote (the other ranks write none). One kind of tensor at a time is held on rank 0."""
+    """Write ``folder/consolidated/`` for ``engines`` and the order of the training ``loaders``
+    (collective: every rank calls it); the files rank 0 wrote (the other ranks write none)."""
     out = folder / FOLDER
     if rank == 0:
         out.mkdir(exist_ok=True)
-    written: list[Path] = []
     record: dict[str, Any] = {"format": FORMAT_VERSION, "world_size": get_world_size(),
                               "data": [loader_order(loader) for loader in loaders], "engines": {}}
     for tag, engine in engines.items():
-        reason = unsupported_reason(engine)
-        if reason is not None:
-            record["engines"][tag] = {"unsupported": reason, "zero_stage": int(engine.zero_optimization_stage())}
-            continue
-        release_zero3_prefetch(engine)
-        has_state = _has_state(engine)
-        for kind in KINDS:
-            tensors = {name: value.clone().contiguous() for name, value in _gather(engine, kind, has_state)}
-            if rank == 0:
-                save_file(tensors, str(out / f"{tag}.{kind}.safetensors"))
-                written.append(out / f"{tag}.{kind}.safetensors")
-            del tensors
-        record["engines"][tag] = _engine_record(engine)
-    if rank == 0:
-        with atomic_file(out / STATE) as path:
-            path.write_text(json.dumps(record, indent=1), encoding="utf-8")
-        written.append(out / STATE)
-    return written
+        record["engines"][tag] = write_engine_state(engine, out, tag, rank)
+    if rank != 0:
+        return []
+    with atomic_file(out / STATE) as path:
+        path.write_text(json.dumps(record, indent=1), encoding="utf-8")
+    return sorted(out.iterdir())
 
 
 # ------------------------------------------------------------------------------------------------
@@ -423,18 +427,21 @@ def resume_on_new_shape(folder: Path, engines: Mapping[str, Any], rank: int, pos
         return None
     record = reshape.record
     done = position.epoch_micro_steps
+    data = "the epoch in progress had no batches done"
     if done:
         if not loaders or not record.get("data"):
             raise UserError(f"{folder} is {done} batches into epoch {position.epoch} and its data order "
                             "cannot be placed on this shape; resume with the world size that wrote it")
         position.epoch_micro_steps = convert_batches_done(done, record["data"], [loader_order(x) for x in loaders])
+        data = (f"{done} batches of epoch {position.epoch} done there are {position.epoch_micro_steps} on each rank "
+                "here")
     for tag, engine in engines.items():
         load_engine(folder, tag, engine, record["engines"][tag], rank)
     first = next(iter(engines.values()), None)
     if position.micro_steps and first is not None:
         position.micro_steps = position.optimizer_steps * int(first.gradient_accumulation_steps())
     print_rank_0(f"[checkpoint] resumed on another shape: {reshape.describe(engines)}; weights, Adam moments and "
-                 f"steps, learning rates and the LR schedule from {folder / FOLDER}", rank)
+                 f"steps, learning rates and the LR schedule from {folder / FOLDER}; {data}", rank)
     return reshape
 
 
