@@ -46,7 +46,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from pickle import UnpicklingError  # the error type only: nothing here unpickles
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import deepspeed
 import numpy as np
@@ -61,6 +61,7 @@ from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
 from dschat.runtime.fs import atomic_file
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
+from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 
 MARKER = "dschat_checkpoint.json"
 PREFIX = "step_"
@@ -413,9 +414,9 @@ def _save_engine(engine: Any, folder: Path, tag: str) -> list[Path]:
 
 def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPosition, *, keep: int,
                     rank: int, meta: Mapping[str, Any] | None = None,
-                    weights_only: Mapping[str, Any] | None = None) -> Path:
-    """Write a checkpoint of ``engines`` (full DeepSpeed state) and ``weights_only`` (parameters)
-    at ``position`` (collective: every rank calls it).
+                    weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> Path:
+    """Write a checkpoint of ``engines`` (full DeepSpeed state; consolidated, with the training ``loaders``'
+    order) and ``weights_only`` (parameters) at ``position`` (collective: every rank calls it).
 
     Rank 0 creates the temporary folder; every rank checks it sees that folder before writing
     into it, and that its own files are in the folder rank 0 renamed into place before rank 0
@@ -437,6 +438,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         save_weights(engine, tmp / f"{tag}.safetensors", rank)
         if rank == 0:
             written.append(tmp / f"{tag}.safetensors")
+    written += save_consolidated(tmp, engines, rank, loaders)
     rng_file = tmp / f"rng_rank{rank}.json"
     rng_file.write_text(json.dumps(rng_state()), encoding="utf-8")
     written.append(rng_file)
@@ -469,9 +471,9 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
 
 
 def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
-                    weights_only: Mapping[str, Any] | None = None) -> TrainingPosition:
-    """Restore ``engines``, ``weights_only`` and this rank's random states from ``folder``; return
-    the position."""
+                    weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> TrainingPosition:
+    """Restore ``engines``, ``weights_only`` and this rank's random states from ``folder``; return the
+    position (on another shape: :func:`dschat.training.consolidated.resume_on_new_shape`)."""
     position = read_position(folder)
     record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
     missing = sorted(set(engines) - set(record.get("engines", [])))
@@ -479,7 +481,8 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
     _check_trainable(folder, record, engines)
-    for tag, engine in engines.items():
+    reshape = resume_on_new_shape(folder, engines, rank, position, loaders)  # None: DeepSpeed's files fit
+    for tag, engine in engines.items() if reshape is None else ():
         unsafe = engine.checkpoint_engine
         engine.checkpoint_engine = WeightsOnlyCheckpointEngine(unsafe)
         try:
@@ -493,10 +496,10 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
     for tag, engine in (weights_only or {}).items():
         load_weights(engine, folder / f"{tag}.safetensors", rank)
     rng_file = folder / f"rng_rank{rank}.json"
-    if not rng_file.is_file():
+    if not rng_file.is_file() and reshape is None:
         raise UserError(f"{folder} has no random state for rank {rank}: it was written with another number of "
                         "ranks; resume with the same world size")
-    set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")))
+    set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")) if rng_file.is_file() else derived_rng_state(folder, rank))
     print_rank_0(f"[checkpoint] resumed from {folder} (epoch {position.epoch}, "
                  f"{position.optimizer_steps} optimizer steps done)", rank)
     return position
@@ -520,10 +523,10 @@ class Checkpointer:
     every optimizer step."""
 
     def __init__(self, args: Any, engines: Mapping[str, Any], rank: int,
-                 weights_only: Mapping[str, Any] | None = None) -> None:
+                 weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> None:
         self.args = args
         self.engines = dict(engines)
-        self.weights_only = dict(weights_only or {})
+        self.weights_only, self.loaders = dict(weights_only or {}), list(loaders)  # loaders: the data order to record
         self.rank = rank
         self.interval = int(getattr(args, "save_interval", 0) or 0)
         self.keep = int(getattr(args, "keep_checkpoints", 2))
@@ -558,7 +561,7 @@ class Checkpointer:
             print_rank_0(f"[checkpoint] --resume: no complete checkpoint under {self.root}; starting from "
                          "the beginning", self.rank)
             return None
-        return load_checkpoint(folder, self.engines, self.rank, self.weights_only)
+        return load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders)
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint of this run's ``--output_dir`` (None without one)."""
@@ -571,7 +574,7 @@ class Checkpointer:
         if not self.due(position.optimizer_steps):
             return None
         return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
-                               weights_only=self.weights_only)
+                               weights_only=self.weights_only, loaders=self.loaders)
 
 
 def check_checkpoint_args(args: Any) -> None:

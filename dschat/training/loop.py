@@ -73,7 +73,7 @@ def train_epochs(
     ``on_epoch_end(epoch, mean_loss)`` before the epoch's evaluation, with the mean micro-step loss
     of the epoch (kept across a resume).
     """
-    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank)
+    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank, loaders=[train_loader])
     resumed = checkpointer.resume(counter)
     guard = NonFiniteGuard(args.max_nonfinite_steps, ctx.rank, ctx.device, last_checkpoint=checkpointer.latest)
     print_rank_0("***** Running training *****", ctx.rank)

@@ -246,7 +246,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     # random states, the prompt position and the PPO counters.
     trainable = {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}
     checkpointer = Checkpointer(args, {k: v for k, v in trainable.items() if v is not None}, ctx.rank,
-                                weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema})
+                                weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema},
+                                loaders=[loader for loader in (prompt_loader, unsup_loader) if loader is not None])
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     resumed = checkpointer.resume()
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
