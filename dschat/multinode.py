@@ -259,8 +259,9 @@ def flag_values(argv: Sequence[str]) -> list[tuple[str, str]]:
 # -------------------------------------------------------------------------------------------------
 def is_secret_name(name: str) -> bool:
     """Whether a variable's name looks like it holds a secret (``TOKEN``, ``SECRET``, ``PASSWORD``,
-    ``PASSWD``, ``CREDENTIAL``, ``KEY`` at either end), in any case."""
-    return bool(_SECRET_NAME.search(name))
+    ``PASSWD``, ``CREDENTIAL``, ``KEY`` at either end), in any case. The names of
+    :data:`RANK_ENV_NAMES` are dschat's own list of settings, never secrets (``TOKENIZERS_PARALLELISM``)."""
+    return name not in RANK_ENV_NAMES and bool(_SECRET_NAME.search(name))
 
 
 def forwarded_secrets(environ: Mapping[str, str]) -> list[str]:

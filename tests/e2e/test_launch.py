@@ -645,3 +645,13 @@ def test_every_launch_gives_its_ranks_one_rendezvous_id(fake_root, tmp_path, two
     ids = [one.env_set[M.RENDEZVOUS_ID_VAR], many.env_set[M.RENDEZVOUS_ID_VAR]]
     assert ids[0] != ids[1] and all(len(i) == 32 for i in ids)
     assert many.rank_env[M.RENDEZVOUS_ID_VAR] == ids[1]  # the ranks on other hosts get the same one
+
+
+def test_dschats_own_rank_settings_are_forwarded_though_their_names_hold_a_secret_word():
+    """TOKENIZERS_PARALLELISM holds "TOKEN" but is one of dschat's settings: the remote ranks get it;
+    a real secret beside it (HF_TOKEN) is still left out."""
+    from dschat import multinode as M
+
+    env = M.rank_env({"TOKENIZERS_PARALLELISM": "false", "HF_TOKEN": "s3cret", "OMP_NUM_THREADS": "1"}, {})
+    assert env == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    assert M.is_secret_name("HF_TOKEN") and not M.is_secret_name("TOKENIZERS_PARALLELISM")
