@@ -187,13 +187,13 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
     from dschat.rlhf.batch_plan import plan_batches
     from dschat.rlhf.guards import validate_step3_args
-    from dschat.rlhf.ppo_loop import METRICS_FILE, log_iteration, train_iteration, truncate_metrics
+    from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.common import TensorBoardLogger, setup_run
-    from dschat.training.loop import PPOCounters, train_ppo_epochs
+    from dschat.training.ppo_counters import PPOCounters
 
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)
@@ -255,16 +255,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
 
     # ---------------------------------------------------------------- PPO loop
-    def ppo_iteration(exp_dataset: list, unsup_dataset: list | None, *, epoch: int, step: int, gen_time: float,
-                      exp_time: float) -> dict:
-        """One collected rollout: advantages, the PPO epochs, then the log lines and metrics record."""
-        iteration = train_iteration(trainer, args, exp_dataset, unsup_dataset)
-        return log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step, gen_time=gen_time,
-                             exp_time=exp_time, rank=ctx.rank, tb=tb)
-
-    train_ppo_epochs(args, ctx, trainer, prompt_loader, unsup_loader, checkpointer=checkpointer, counters=counters,
-                     evaluation=evaluation, ppo_iteration=ppo_iteration, resumed=resumed is not None,
-                     history=result.history, skipped_steps=result.skipped_steps)
+    run = run_ppo(args, ctx, trainer, prompt_loader, unsup_loader, checkpointer=checkpointer, counters=counters,
+                  evaluation=evaluation, tb=tb, resumed=resumed is not None)
+    result.history, result.skipped_steps = run.history, run.skipped_steps
     evaluation.finish()
     tb.close()
     result.skipped_nonfinite = trainer.nonfinite.skipped
