@@ -13,8 +13,6 @@ reads: every consumer masks them).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from deepspeed import DeepSpeedEngine
 
@@ -45,7 +43,7 @@ def shifted_log_probs(logits: torch.Tensor, seq: torch.Tensor, *, temperature: f
     return rl_math.gather_log_probs(logits, seq[:, 1:], fp32=fp32)
 
 
-def token_log_probs(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+def token_log_probs(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                     packed: PackedRows | None, *, temperature: float = 1.0, fp32: bool = False) -> torch.Tensor:
     """(B, L - 1) log-probs of ``seq[:, 1:]`` under ``model``'s logits divided by ``temperature``
     (column ``t`` scores token ``t + 1``); packed when ``packed`` is given, with gradients."""
@@ -61,7 +59,7 @@ def token_log_probs(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor,
     return packed.unpack(rl_math.gather_log_probs(logits, targets, fp32=fp32))[:, :-1]
 
 
-def token_values(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+def token_values(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  packed: PackedRows | None) -> torch.Tensor:
     """(B, L) per-token values of a ``RewardModel`` (critic or reward model), with gradients."""
     with zero3_pass(model):  # forward_value is no call of the root module: one ZeRO-3 pass here
@@ -72,7 +70,7 @@ def token_values(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, po
     return packed.unpack(values)
 
 
-def reward_end_scores(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+def reward_end_scores(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                       packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
     """(B,) the reward model's score of each answer: its value at the row's last real token."""
     if packed is None:

@@ -11,37 +11,36 @@ the hyperparameters come from the flags (upstream hard-coded them).
 """
 from __future__ import annotations
 
-import argparse
-
 import torch
 
 from dschat import rl_algorithms, rl_math
-from dschat.cli.args import step3_flag
 from dschat.rlhf.algorithm import AlgorithmSettings
+from dschat.rlhf.config import PPOConfig
 from dschat.rlhf.experience import Experience
 
 __all__ = ["PPOFormulas"]
 
 
 class PPOFormulas:
-    """Rewards, advantages and losses with the hyperparameters of ``args`` (an upstream-style
-    Namespace without dschat's flags gets their defaults) and the algorithm's ``settings``."""
+    """Rewards, advantages and losses with the hyperparameters of a :class:`PPOConfig` and the
+    algorithm's :class:`AlgorithmSettings`, as plain attributes (upstream's names: code written
+    against upstream may change them on the trainer)."""
 
-    def init_formulas(self, args: argparse.Namespace, settings: AlgorithmSettings) -> None:
+    def init_formulas(self, config: PPOConfig, settings: AlgorithmSettings) -> None:
         """Set the hyperparameters (the trainer calls it first in ``__init__``)."""
         self.settings = settings
-        self.kl_ctl = float(step3_flag(args, "kl_ctl"))
-        self.clip_reward_value = float(step3_flag(args, "clip_reward_value"))
-        self.gamma = float(step3_flag(args, "gamma"))
-        self.lam = float(step3_flag(args, "lam"))
+        self.kl_ctl = config.kl_ctl
+        self.clip_reward_value = config.clip_reward_value
+        self.gamma = config.gamma
+        self.lam = config.lam
         self.kl_estimator = settings.kl_estimator
-        self.reward_at = str(step3_flag(args, "reward_at"))
+        self.reward_at = config.reward_at
         self.whiten_advantages = settings.whiten_advantages
-        self.missing_eos_penalty = float(step3_flag(args, "missing_eos_penalty") or 0.0)
-        self.cliprange = float(step3_flag(args, "cliprange"))
-        self.cliprange_value = float(step3_flag(args, "cliprange_value"))
-        self.compute_fp32_loss = bool(args.compute_fp32_loss)
-        self.max_answer_seq_len = int(args.max_answer_seq_len)
+        self.missing_eos_penalty = config.missing_eos_penalty
+        self.cliprange = config.cliprange
+        self.cliprange_value = config.cliprange_value
+        self.compute_fp32_loss = config.compute_fp32_loss
+        self.max_answer_seq_len = config.max_answer_seq_len
 
     # ---------------------------------------------------------------- rewards and GAE (upstream names)
     def compute_rewards(self, prompts: torch.Tensor, log_probs: torch.Tensor, ref_log_probs: torch.Tensor,

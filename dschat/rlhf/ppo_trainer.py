@@ -24,12 +24,12 @@ import torch
 from deepspeed import DeepSpeedEngine
 
 from dschat import rl_math
-from dschat.cli.args import step3_flag
 from dschat.data.prompt_columns import PromptColumns
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.rewards import RewardFunction, RewardMix
 from dschat.rlhf.algorithm import resolve_algorithm
 from dschat.rlhf.batch_plan import BatchPlan, plan_batches
+from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.hybrid_engine import RolloutGenerator
@@ -78,15 +78,26 @@ class DeepSpeedPPOTrainer(PPOFormulas):
     :meth:`generate_experience` and :meth:`prepare_rollout` (its :attr:`experience` maker), then
     :meth:`schedule` and one :meth:`train_rlhf` per micro-step (its :attr:`update`).
 
-    ``plan`` defaults to :func:`~dschat.rlhf.batch_plan.plan_batches` of ``args``. The reward is
-    ``reward_mix`` (reward model and ``--reward_fn`` functions by weight); a bare ``reward_fn`` (a
-    :data:`~dschat.rlhf.experience_maker.RewardFn`) replaces the reward model. ``prompt_columns``
+    ``config`` is step 3's :class:`~dschat.rlhf.config.Step3Config` (its batch plan, reward, algorithm,
+    PPO and rollout parts). Without it (upstream's signature) the parts come from ``args``: ``plan``
+    defaults to :func:`~dschat.rlhf.batch_plan.plan_batches` of ``args``; the reward is ``reward_mix``
+    (reward model and ``--reward_fn`` functions by weight), or a bare ``reward_fn`` (a
+    :data:`~dschat.rlhf.experience_maker.RewardFn`) that replaces the reward model. ``prompt_columns``
     gives reward functions the dataset fields beside each prompt.
     """
 
     def __init__(self, rlhf_engine: DeepSpeedRLHFEngine, args: argparse.Namespace, *, plan: BatchPlan | None = None,
                  reward_fn: RewardFn | None = None, reward_mix: RewardMix | None = None,
-                 prompt_columns: PromptColumns | None = None) -> None:
+                 prompt_columns: PromptColumns | None = None, config: Step3Config | None = None) -> None:
+        if config is None:
+            if reward_mix is None:
+                reward_mix = (RewardMix((RewardFunction("reward_fn", reward_fn, require_finite=False),),
+                                        model_weight=0.0) if reward_fn is not None else RewardMix())
+            config = Step3Config(
+                rollout=rollout_config(args), ppo=ppo_config(args), algorithm=resolve_algorithm(args),
+                batches=plan or plan_batches(args, get_world_size(), ptx=unsupervised_training_enabled(args)),
+                reward=reward_mix)
+        self.config = config
         self.rlhf_engine = rlhf_engine
         self.args = args
         self.actor_model = rlhf_engine.actor
@@ -101,33 +112,29 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         self.end_of_conversation_token_id = self.tokenizer.eos_token_id
         self.z3_enabled = args.actor_zero_stage == 3
         self.reward_fn = reward_fn
-        if reward_mix is None:
-            reward_mix = (RewardMix((RewardFunction("reward_fn", reward_fn, require_finite=False),), model_weight=0.0)
-                          if reward_fn is not None else RewardMix())
+        reward_mix, settings, ppo = config.reward, config.algorithm, config.ppo
         if reward_mix.uses_model and self.reward_model is None:
             raise ValueError("DeepSpeedPPOTrainer needs a reward model or a reward_fn")
-        settings = resolve_algorithm(args)
         if settings.critic and self.critic_model is None:
             raise ValueError(f"--algorithm {settings.algorithm} needs a critic engine")
-        self.init_formulas(args, settings)
-        self.plan = plan or plan_batches(args, get_world_size(), ptx=unsupervised_training_enabled(args))
+        self.init_formulas(ppo, settings)
+        self.plan = config.batches
 
         self.passes = ScoringPasses(
             {"actor": self.actor_model, "reference": self.ref_model, "critic": self.critic_model,
              "reward": self.reward_model if reward_mix.uses_model else None},
-            packing=str(step3_flag(args, "sequence_packing")),
-            temperature=self.generator.decoding.logit_temperature, fp32=self.compute_fp32_loss,
-            scoring_gather=str(step3_flag(args, "zero3_gather_for_scoring")),
-            training_gather=str(step3_flag(args, "zero3_gather_for_training")))
+            packing=ppo.sequence_packing, temperature=self.generator.decoding.logit_temperature,
+            fp32=ppo.compute_fp32_loss, scoring_gather=ppo.zero3_gather_for_scoring,
+            training_gather=ppo.zero3_gather_for_training)
         # --max_nonfinite_steps: rollouts and micro-steps with NaN/inf are skipped, counted, logged;
         # step 3's main points ``last_checkpoint`` at its checkpoints for the stop message.
-        self.nonfinite = NonFiniteGuard(int(step3_flag(args, "max_nonfinite_steps")), get_rank(), self.device)
+        self.nonfinite = NonFiniteGuard(ppo.max_nonfinite_steps, get_rank(), self.device)
         self.experience = ExperienceMaker(
             self.generator, self.tokenizer, self.passes, self, reward_mix, prompt_columns=prompt_columns,
-            nonfinite=self.nonfinite, print_answers=bool(args.print_answers),
-            print_answers_interval=int(args.print_answers_interval))
-        self.update = PPOUpdate(self.passes, self, self.plan, ppo_epochs=int(args.ppo_epochs), nonfinite=self.nonfinite,
-                                dtype=self.dtype, align_overflow=bool(args.align_overflow))
+            nonfinite=self.nonfinite, print_answers=config.rollout.print_answers,
+            print_answers_interval=config.rollout.print_answers_interval)
+        self.update = PPOUpdate(self.passes, self, self.plan, ppo_epochs=ppo.ppo_epochs, nonfinite=self.nonfinite,
+                                dtype=self.dtype, align_overflow=ppo.align_overflow)
 
     # ================================================================== the parts' state, upstream's names
     @property
