@@ -70,8 +70,8 @@ def token_values(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torc
     return packed.unpack(values)
 
 
-def reward_end_scores(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
+def reward_end_scores(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor, packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
     """(B,) the reward model's score of each answer: its value at the row's last real token."""
     if packed is None:
         with zero3_pass(model):
