@@ -37,6 +37,7 @@ from dschat.cli.args import (
 from dschat.errors import UserError, cli_main
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
 from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
+from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 
 if TYPE_CHECKING:  # imported inside main (--help stays light)
@@ -47,9 +48,6 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-
-# What --add_eot_token adds (upstream: the literal, as a special token).
-EOT_SPECIAL_TOKEN = "<|endoftext|>"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
