@@ -353,7 +353,8 @@ class PhaseProfiler:
 @contextmanager
 def annotated(trainer: Any) -> Iterator[None]:
     """Name the training's parts for the profiler: the actor's and the critic's forward passes
-    (``_token_log_probs`` / ``_token_values``), and each engine's ``backward`` and ``step``."""
+    (the trainer's scoring passes' ``token_log_probs`` / ``token_values``, or a trainer's own
+    ``_token_log_probs`` / ``_token_values``), and each engine's ``backward`` and ``step``."""
     from torch.profiler import record_function
 
     def named(label: str, fn: Any) -> Any:
@@ -362,7 +363,10 @@ def annotated(trainer: Any) -> Iterator[None]:
                 return fn(*args, **kwargs)
         return run
 
-    owners = [(trainer, "_token_log_probs", "actor forward"), (trainer, "_token_values", "critic forward")]
+    passes = getattr(trainer, "passes", None)
+    owners = ([(passes, "token_log_probs", "actor forward"), (passes, "token_values", "critic forward")]
+              if passes is not None else
+              [(trainer, "_token_log_probs", "actor forward"), (trainer, "_token_values", "critic forward")])
     for name in ("actor", "critic"):
         engine = getattr(trainer, f"{name}_model", None)
         if engine is not None:
@@ -558,7 +562,8 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
     # Actor-shaped scoring passes as they happen (the reference's, and the actor's where the rollout
     # kept no log-probs), counted in the last measured step.
     actor_shaped = {"n": 0}
-    token_log_probs = trainer._token_log_probs
+    passes = trainer.passes  # the scoring passes the trainer's experience maker and update share
+    token_log_probs = passes.token_log_probs
 
     def counted(name: str, *args: Any, **kwargs: Any) -> Any:
         actor_shaped["n"] += 1
@@ -592,9 +597,9 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         generator.rollout = generate
         sync()
         actor_shaped["n"] = 0
-        trainer._token_log_probs = counted
+        passes.token_log_probs = counted
         exp = trainer.generate_experience(prompts, mask, i)
-        del trainer._token_log_probs
+        del passes.token_log_probs
         result.scoring_passes = (actor_shaped["n"], reward_passes + critic_passes)
         if profiler is not None:
             profiler.stop("scoring")

@@ -27,6 +27,8 @@ from dschat.runtime.dist import print_rank_0
 # Either makes a folder's tokenizer complete (special tokens included); without both, a folder
 # holds at most bare vocabulary files.
 FULL_TOKENIZER_FILES: tuple[str, ...] = ("tokenizer.json", "tokenizer_config.json")
+# What --add_eot_token adds in steps 2 and 3 (upstream: this literal, as a special token).
+EOT_SPECIAL_TOKEN = "<|endoftext|>"
 _MAX_REDIRECTS = 8  # a step-3 actor names its step-1 folder, which names the base model, ...
 
 

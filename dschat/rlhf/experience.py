@@ -20,7 +20,9 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS"]
+from dschat.runtime.dist import all_reduce_sum
+
+__all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS", "sum_over_ranks"]
 
 # Upstream's dict keys -> field names.
 UPSTREAM_KEYS: dict[str, str] = {
@@ -139,3 +141,9 @@ class Experience:
     @property
     def num_valid(self) -> int:
         return int(self.valid.sum())
+
+
+def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """``values`` summed over every rank, in float64: the one collective of a rollout's statistics,
+    whitening moments and loss normalisers (one all-reduce; every rank must call it)."""
+    return all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=device)).tolist()

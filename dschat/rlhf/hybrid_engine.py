@@ -66,7 +66,8 @@ from typing import Any, ContextManager, Iterator
 
 import torch
 import transformers
-from transformers import CompileConfig
+from deepspeed import DeepSpeedEngine
+from transformers import CompileConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from dschat.errors import UserError, first_line
 from dschat.models.decoder import unsupported_reason
@@ -102,7 +103,7 @@ class HybridEngineDecision:
     dschat_engine: bool = False  # dschat's own Hybrid Engine decodes the rollouts (dschat.rlhf.rollout_engine)
 
 
-def decide_hybrid_engine(requested: bool, model_config: Any, accelerator: str) -> HybridEngineDecision:
+def decide_hybrid_engine(requested: bool, model_config: PretrainedConfig, accelerator: str) -> HybridEngineDecision:
     """``--enable_hybrid_engine``: dschat's own Hybrid Engine for the families its decode model covers
     (:data:`dschat.models.decoder.LAYOUTS`), on any accelerator. For other families, DeepSpeed's
     Hybrid Engine only where it can work: a CUDA accelerator and a model family with an inference
@@ -182,8 +183,8 @@ class RolloutGenerator:
 
     def __init__(
         self,
-        actor: Any,
-        tokenizer: Any,
+        actor: DeepSpeedEngine,
+        tokenizer: PreTrainedTokenizerBase,
         *,
         decision: HybridEngineDecision,
         decoding: DecodingSettings,
@@ -222,7 +223,7 @@ class RolloutGenerator:
         self.last_loop: str | None = None  # what the last rollout decoded with: hybrid-engine|graphs|dschat|hf
         self.graph_devices: tuple[str, ...] = ("cuda",)  # where "graphs" applies (tests add "cpu")
         self.graph_prompt_multiple = 64  # prompts are left-padded to a multiple of this for "graphs"
-        self._graph_compile_config: Any = None
+        self._graph_compile_config: CompileConfig | None = None
         self.cpu_decode_linear = cpu_decode_linear  # "onednn" | "off": decode-sized linears on a CPU
         self.extra_generate_kwargs: dict[str, Any] = {}  # e.g. min_new_tokens for a fixed-length benchmark
         # dschat's Hybrid Engine (dschat.rlhf.rollout_engine): --enable_hybrid_engine for a family its
@@ -276,10 +277,10 @@ class RolloutGenerator:
         self.actor.module.eval()
 
     # ------------------------------------------------------------------ generation
-    def _lora_layers(self) -> list[Any]:
+    def _lora_layers(self) -> list[LinearLayer_LoRA]:
         return [m for m in self.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
 
-    def _layers_to_fuse(self, materialised: bool) -> list[Any]:
+    def _layers_to_fuse(self, materialised: bool) -> list[LinearLayer_LoRA]:
         """The LoRA layers to fuse for this rollout (each holds one extra copy of its weight while fused).
 
         * None when ZeRO-3 weights are not materialised (fetched layer by layer for every token): the
@@ -295,7 +296,7 @@ class RolloutGenerator:
         return [layer for layer in self._lora_layers() if not layer.is_quantized]
 
     @contextmanager
-    def _decoding_only_generation_config(self, module: Any) -> Iterator[None]:
+    def _decoding_only_generation_config(self, module: PreTrainedModel) -> Iterator[None]:
         """Inside, ``module.generation_config`` is :meth:`DecodingSettings.generation_config` (the model's
         own is put back after): ``generate`` fills every knob not passed to it from that attribute."""
         original = getattr(module, "generation_config", None)
@@ -361,7 +362,7 @@ class RolloutGenerator:
                 for layer in lora:
                     layer.unfuse_lora_weight()
 
-    def _use_graphs(self, module: Any, materialised: bool) -> bool:
+    def _use_graphs(self, module: PreTrainedModel, materialised: bool) -> bool:
         """CUDA graphs where they apply: weights resident (graphs cannot capture ZeRO-3's per-layer
         fetches), an accelerator in ``graph_devices``, a decoder-only model. ``auto`` otherwise decodes
         with dschat's loop for this rollout; an explicit ``graphs`` says once why not and gives up."""
@@ -382,7 +383,7 @@ class RolloutGenerator:
             return False
         return True
 
-    def _graph_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+    def _graph_generate(self, module: PreTrainedModel, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
         """Hugging Face ``generate`` with a static KV cache, its decode step compiled with
         ``torch.compile(mode="reduce-overhead")`` (CUDA graphs). Prompts are left-padded to a multiple
         of ``graph_prompt_multiple`` so the cache, and with it the captured graph, keeps one shape
@@ -405,7 +406,7 @@ class RolloutGenerator:
                                     compile_config=self._graph_compile_config, synced_gpus=False)
         return Rollout(rollout.sequences[:, extra:], rollout.logprobs)
 
-    def _use_sample_loop(self, module: Any, materialised: bool) -> bool:
+    def _use_sample_loop(self, module: PreTrainedModel, materialised: bool) -> bool:
         """dschat's loop covers the decoding settings and ``min_new_tokens``; anything else passed in
         ``extra_generate_kwargs`` (a logits processor, ...) goes to HF ``generate``. Without the ZeRO-3
         gather every rank must keep stepping until all are done (``synced_gpus``): HF ``generate``."""
@@ -413,7 +414,7 @@ class RolloutGenerator:
                 and not getattr(module.config, "is_encoder_decoder", False)
                 and set(self.extra_generate_kwargs) <= {"min_new_tokens"})
 
-    def _decode_kernels(self, module: Any, rows: int, materialised: bool) -> ContextManager[Any]:
+    def _decode_kernels(self, module: PreTrainedModel, rows: int, materialised: bool) -> ContextManager[Any]:
         """oneDNN decode-sized linears (``--cpu_decode_linear onednn``) where they apply, else nothing."""
         if self.cpu_decode_linear == "off":
             return nullcontext()
@@ -429,14 +430,15 @@ class RolloutGenerator:
             return nullcontext()
         return decoding_loop.onednn_decode_linears(module, rows)
 
-    def _loop_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+    def _loop_generate(self, module: PreTrainedModel, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
 
         return decoding_loop.sample_loop(module, prompts, mask, decoding=self.decoding, max_new_tokens=self.max_answer_seq_len,
                            min_new_tokens=int(self.extra_generate_kwargs.get("min_new_tokens", 0)),
                            eos_token_id=self.tokenizer.eos_token_id, pad_token_id=self.tokenizer.pad_token_id,
                            keep_logprobs=self.keep_logprobs)
 
-    def _hf_generate(self, module: Any, prompts: torch.Tensor, mask: torch.Tensor, **generate_kwargs: Any) -> Rollout:
+    def _hf_generate(self, module: PreTrainedModel, prompts: torch.Tensor, mask: torch.Tensor,
+                     **generate_kwargs: Any) -> Rollout:
         kwargs = {**self._kwargs(mask), **generate_kwargs}
         if self.keep_logprobs:
             kwargs.update(return_dict_in_generate=True, output_logits=True)

@@ -1,6 +1,9 @@
 """Step 3's forward passes over a rollout batch -- the scoring passes (reference, reward model,
 critic, and the actor where generation kept no log-probs) and the PPO update's actor and critic
 passes -- on packed rows or on the padded batch (``--sequence_packing``, :mod:`dschat.models.packing`).
+:class:`ScoringPasses` holds what every pass of a run shares: which models pack, the sampling
+temperature, and the ZeRO-3 gathers of :mod:`dschat.rlhf.zero3_gathers`; the experience maker and
+the PPO update hold the same one.
 
 Both layouts give the same per-token results in the padded ``(B, L)`` / ``(B, L - 1)`` layout that
 :class:`~dschat.rlhf.experience.Experience` keeps, at every real token, including the log-prob of
@@ -10,17 +13,18 @@ reads: every consumer masks them).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import torch
+from deepspeed import DeepSpeedEngine
 
 from dschat import rl_math
-from dschat.models.packing import PackedRows, pack_rows, packed_model_inputs, resolve_sequence_packing
+from dschat.models.packing import (PackedRows, attention_span, pack_rows, packed_model_inputs,
+                                   resolve_sequence_packing)
 from dschat.models.reward_model import last_token_index
+from dschat.rlhf.zero3_gathers import ScoringGather, TrainingGather
 from dschat.runtime.zero3_trace import zero3_pass
 
 __all__ = ["resolve_sequence_packing", "pack_batch", "shifted_log_probs", "token_log_probs", "token_values",
-           "reward_end_scores"]
+           "reward_end_scores", "ScoringPasses"]
 
 
 def pack_batch(seq: torch.Tensor, attention_mask: torch.Tensor, enabled: bool,
@@ -39,7 +43,7 @@ def shifted_log_probs(logits: torch.Tensor, seq: torch.Tensor, *, temperature: f
     return rl_math.gather_log_probs(logits, seq[:, 1:], fp32=fp32)
 
 
-def token_log_probs(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+def token_log_probs(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                     packed: PackedRows | None, *, temperature: float = 1.0, fp32: bool = False) -> torch.Tensor:
     """(B, L - 1) log-probs of ``seq[:, 1:]`` under ``model``'s logits divided by ``temperature``
     (column ``t`` scores token ``t + 1``); packed when ``packed`` is given, with gradients."""
@@ -55,7 +59,7 @@ def token_log_probs(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor,
     return packed.unpack(rl_math.gather_log_probs(logits, targets, fp32=fp32))[:, :-1]
 
 
-def token_values(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+def token_values(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                  packed: PackedRows | None) -> torch.Tensor:
     """(B, L) per-token values of a ``RewardModel`` (critic or reward model), with gradients."""
     with zero3_pass(model):  # forward_value is no call of the root module: one ZeRO-3 pass here
@@ -66,8 +70,8 @@ def token_values(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, po
     return packed.unpack(values)
 
 
-def reward_end_scores(model: Any, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
+def reward_end_scores(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor,
+                      position_ids: torch.Tensor, packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
     """(B,) the reward model's score of each answer: its value at the row's last real token."""
     if packed is None:
         with zero3_pass(model):
@@ -75,3 +79,67 @@ def reward_end_scores(model: Any, seq: torch.Tensor, attention_mask: torch.Tenso
         return out["chosen_end_scores"]
     values = token_values(model, seq, attention_mask, position_ids, packed)
     return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)
+
+
+class ScoringPasses:
+    """The passes of one run over rollout batches, on the engines ``models`` (``actor``,
+    ``reference``, ``critic``, ``reward``; None where a run has none).
+
+    ``packing`` (``--sequence_packing`` resolved per model: name -> packs), ``temperature`` (the
+    sampling temperature the log-probs are taken at), ``fp32`` (log-probs of half-precision logits in
+    fp32), ``scoring_gather`` / ``training_gather`` (``--zero3_gather_for_scoring`` /
+    ``--zero3_gather_for_training``). One packing of a batch serves every model's pass."""
+
+    def __init__(self, models: dict[str, DeepSpeedEngine | None], *, packing: str, temperature: float, fp32: bool,
+                 scoring_gather: str, training_gather: str) -> None:
+        self.models = models
+        self.packing = resolve_sequence_packing(packing, models)
+        # The actor's shape weighs a packed layout's attention against the padding it saves (every
+        # model scores the same packed rows).
+        self.packing_span = attention_span(models["actor"])
+        self.temperature = temperature
+        self.fp32 = fp32
+        # A ZeRO-3 model's scoring pass, and the actor's and critic's training passes, on its whole
+        # parameters without hooks (decided once per model).
+        self.scoring_gather = ScoringGather(scoring_gather)
+        self.training_gather = TrainingGather(training_gather, {"actor": models["actor"], "critic": models["critic"]})
+
+    @property
+    def device(self) -> torch.device:
+        """Where the actor's parameters are (a collective's tensors go there)."""
+        return next(self.models["actor"].module.parameters()).device
+
+    def packed(self, seq: torch.Tensor, attention_mask: torch.Tensor, *names: str) -> PackedRows | None:
+        """The packed rows of a batch for the passes of the models ``names`` (default: every model's),
+        or None where none of them packs."""
+        enabled = any(self.packing.get(name, False) for name in names or tuple(self.packing))
+        return pack_batch(seq, attention_mask, enabled, self.packing_span)
+
+    def layout_for(self, name: str, packed: PackedRows | None) -> PackedRows | None:
+        """``packed`` for the model ``name`` if it packs, else None (its pass runs padded)."""
+        return packed if self.packing.get(name) else None
+
+    def log_probs(self, logits: torch.Tensor, seq: torch.Tensor) -> torch.Tensor:
+        """(B, L, V) logits -> (B, L - 1) log-probs of ``seq[:, 1:]`` under the sampling distribution."""
+        return shifted_log_probs(logits, seq, temperature=self.temperature, fp32=self.fp32)
+
+    def token_log_probs(self, name: str, model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor,
+                        position_ids: torch.Tensor, packed: PackedRows | None) -> torch.Tensor:
+        """(B, L - 1) log-probs of ``seq[:, 1:]`` under ``model`` at the sampling temperature, on the
+        batch's packed rows where the model ``name`` packs."""
+        return token_log_probs(model, seq, attention_mask, position_ids, self.layout_for(name, packed),
+                               temperature=self.temperature, fp32=self.fp32)
+
+    def token_values(self, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                     packed: PackedRows | None) -> torch.Tensor:
+        """(B, L) the critic's per-token values, on packed rows where the critic packs."""
+        return token_values(self.models["critic"], seq, attention_mask, position_ids,
+                            self.layout_for("critic", packed))
+
+    def reward_scores(self, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
+        """(B,) the reward model's end scores, gathered whole for the pass where the scoring gather says."""
+        model = self.models["reward"]
+        with self.scoring_gather("reward model", model):
+            return reward_end_scores(model, seq, attention_mask, position_ids, self.layout_for("reward", packed),
+                                     prompt_length)

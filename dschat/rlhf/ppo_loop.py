@@ -1,40 +1,52 @@
-"""One PPO iteration of step 3, and what it logs.
+"""Step 3's loop: :func:`run_ppo`, read top to bottom.
 
-The PPO epoch loop (:func:`dschat.training.loop.train_ppo_epochs`) collects experience batch by
-batch; once a rollout is complete (``--generation_batches`` batches) step 3's ``main`` has it call
-:func:`train_iteration` (``--ppo_epochs`` passes of actor step, critic step and optional PPO-ptx step
-per micro-batch, the EMA actor after each) and :func:`log_iteration` (upstream's log lines, the
-throughput lines, TensorBoard, ``metrics.jsonl``). :class:`~dschat.training.loop.PPOCounters`, the
-state besides the engines that a step-3 checkpoint carries, lives beside the loop and is re-exported
-here.
+For each batch of prompts: **batch** (to the device, padding-only columns dropped) -> **generate**
+and score (the trainer's ``generate_experience``) -> **buffer** (``--generation_batches`` batches
+make a rollout) -> once a rollout is whole: **prepare** (advantages, returns, rollout statistics) ->
+**micro-steps** of ``--ppo_epochs`` (actor, critic, PPO-ptx, EMA) -> **log** -> **evaluate** ->
+**checkpoint**. The loop calls out and gets results back; the resume and stop arithmetic it asks is
+:mod:`dschat.training.ppo_counters`. Below the loop: what an iteration logs (upstream's log lines,
+the throughput lines, TensorBoard, one ``metrics.jsonl`` record, docs/metrics.md) and the metrics
+file cut back on resume.
 """
 from __future__ import annotations
 
+import argparse
+import itertools
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
+from torch.utils.data import DataLoader
 
+from dschat.data.collators import RolloutBuffer, drop_padding_columns, set_epoch_if_distributed
 from dschat.paths import METRICS_FILE
 from dschat.rlhf.actor_ema import moving_average
+from dschat.rlhf.evaluation import StepThreeEvaluation
+from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import RolloutStats
-from dschat.rlhf.ppo_trainer import MicroStepStats
+from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, MicroStepStats
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
 from dschat.runtime.perf import print_throughput_step3
-from dschat.training.loop import PPOCounters
+from dschat.training.checkpoint import Checkpointer
+from dschat.training.common import RunContext, TensorBoardLogger, to_device
+from dschat.training.ppo_counters import PPOCounters, finished_before_resume, reached_test_stop
 
-__all__ = ["METRICS_FILE", "IterationResult", "PPOCounters", "log_iteration", "train_iteration",
-           "truncate_metrics"]
-
-DASHES = "-" * 85
+__all__ = ["METRICS_FILE", "PPORun", "IterationResult", "run_ppo", "train_rollout", "log_iteration",
+           "iteration_record", "tensorboard_scalars", "append_metrics", "truncate_metrics"]
 
 
-# ------------------------------------------------------------------------------------------------
-# Training on one rollout
-# ------------------------------------------------------------------------------------------------
+@dataclass
+class PPORun:
+    """What :func:`run_ppo` hands back: one ``metrics.jsonl`` record per PPO iteration, and the
+    generation steps skipped because no rank kept an answer."""
+
+    history: list[dict] = field(default_factory=list)
+    skipped_steps: list[int] = field(default_factory=list)
+
+
 @dataclass
 class IterationResult:
     """One trained PPO iteration: rollout statistics (all ranks) and this rank's mean losses."""
@@ -47,53 +59,123 @@ class IterationResult:
     training_time: float
 
 
-def train_iteration(trainer: Any, args: Any, exp_dataset: list, unsup_dataset: list | None) -> IterationResult:
-    """Advantages and rollout statistics, then the micro-steps of ``trainer.schedule`` (actor step,
-    critic step, the PPO-ptx step when ``unsup_dataset`` is given, the EMA actor after each)."""
+def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrainer, prompt_loader: DataLoader,
+            unsup_loader: DataLoader | None, *, checkpointer: Checkpointer, counters: PPOCounters,
+            evaluation: StepThreeEvaluation, tb: TensorBoardLogger, resumed: bool) -> PPORun:
+    """Step 3 over ``--num_train_epochs`` of generation batches, after ``checkpointer`` has resumed
+    (``resumed``) and ``counters`` hold the checkpoint's state. Stops at ``--test_stop_step`` batches
+    without an fp16 overflow (``--enable_test_mode``) or when the evaluation's alarm asks to. The
+    held-out evaluation also runs once before the first PPO step. Collective: every rank runs it."""
+    run = PPORun()
+    rollout_buffer = RolloutBuffer(args.generation_batches, args.per_device_training_batch_size)
+    ptx_buffer = RolloutBuffer(args.generation_batches, args.per_device_training_batch_size)
+    gen_time = exp_time = 0.0  # summed over the generation batches of the current rollout
+    stop = finished_before_resume(args, counters, resumed) or evaluation.should_stop
+    evaluation.maybe_evaluate(counters.global_step)  # before the first PPO step
+    for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
+        if stop:
+            break
+        begin_epoch(args, ctx, epoch, prompt_loader, unsup_loader)
+        skip = checkpointer.batches_done(epoch)  # trained before the checkpoint: (seed, epoch, rank) fix the order
+        ptx_batches = unsup_loader if unsup_loader is not None else itertools.repeat(None)
+        for step, (prompt_batch, ptx_batch) in enumerate(zip(prompt_loader, ptx_batches)):
+            if step < skip:
+                continue
+            # 1. batch: left-padded prompts; all-padding columns change no output (positions come from the mask)
+            prompt_batch = drop_padding_columns(to_device(prompt_batch, ctx.device), "prompt_att_mask", side="left")
+            # 2. generate and score
+            experience = trainer.generate_experience(prompt_batch["prompt"], prompt_batch["prompt_att_mask"], step)
+            gen_time += trainer.generate_time
+            exp_time += trainer.experience_time
+            # 3. buffer: a rollout is --generation_batches batches (None: every answer too short)
+            rollout = ptx_rollout = None
+            if experience is None:
+                run.skipped_steps.append(step)
+            else:
+                rollout = rollout_buffer.add(experience)
+                if unsup_loader is not None:
+                    ptx_rollout = ptx_buffer.add(to_device(ptx_batch, ctx.device))
+            if rollout is not None:
+                # 4.-5. prepare, then the micro-steps (actor, critic, ptx, EMA)
+                iteration = train_rollout(trainer, args, rollout, ptx_rollout)
+                # 6. log
+                run.history.append(log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step,
+                                                 gen_time=gen_time, exp_time=exp_time, rank=ctx.rank, tb=tb))
+                gen_time = exp_time = 0.0
+                # 7. evaluate
+                evaluation.maybe_evaluate(counters.global_step, epoch)
+            counters.count_overflow(trainer)
+            # 8. checkpoint
+            if rollout is not None:
+                checkpointer.maybe_save(evaluation.attach(counters.position(epoch, step + 1, trainer.nonfinite)))
+            if reached_test_stop(args, counters) or evaluation.should_stop:
+                stop = True
+                break
+    return run
+
+
+def begin_epoch(args: argparse.Namespace, ctx: RunContext, epoch: int, prompt_loader: DataLoader,
+                unsup_loader: DataLoader | None) -> None:
+    """The epoch's line and the samplers' new order (upstream never called ``set_epoch``)."""
+    num_batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
+    print_rank_0(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Generation Batches "
+                 f"{num_batches}", ctx.rank)
+    set_epoch_if_distributed(prompt_loader, epoch)
+    if unsup_loader is not None:
+        set_epoch_if_distributed(unsup_loader, epoch)
+
+
+def train_rollout(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, rollout: list[Experience],
+                  ptx_rollout: list[dict] | None) -> IterationResult:
+    """One collected rollout: advantages and rollout statistics (``prepare_rollout``), then the
+    micro-steps of ``trainer.schedule``: actor step, critic step, the PPO-ptx step when
+    ``ptx_rollout`` is given, the EMA actor after each."""
     engine = trainer.rlhf_engine
     start = time.time()
-    rollout = trainer.prepare_rollout(exp_dataset)
+    stats = trainer.prepare_rollout(rollout)  # 4. prepare
     trainer.train()
     if args.actor_gradient_checkpointing:
         engine.actor.module.gradient_checkpointing_enable()
-    steps, ppo_ep = 0, 0
-    actor_sum = critic_sum = unsup_sum = 0.0
-    for ppo_ep, exp_data, unsup_data in trainer.schedule(exp_dataset, unsup_dataset):
-        actor_loss, critic_loss = trainer.train_rlhf(exp_data)
+    steps, ppo_epoch = 0, 0
+    actor_sum = critic_sum = ptx_sum = 0.0
+    for ppo_epoch, exp, ptx_batch in trainer.schedule(rollout, ptx_rollout):  # 5. micro-steps
+        actor_loss, critic_loss = trainer.train_rlhf(exp)  # actor, then critic
         actor_sum += actor_loss.item()
         critic_sum += critic_loss.item()
-        if unsup_dataset is not None:
-            unsup_sum += trainer.train_unsupervised(unsup_data, args.unsup_coef).item()
+        if ptx_rollout is not None:
+            ptx_sum += trainer.train_unsupervised(ptx_batch, args.unsup_coef).item()
         steps += 1
         if args.enable_ema:
             moving_average(engine.actor, engine.actor_ema, zero_stage=args.actor_zero_stage)
     if args.actor_gradient_checkpointing:
         engine.actor.module.gradient_checkpointing_disable()  # never during generation
     steps = max(steps, 1)
-    return IterationResult(rollout, ppo_ep + 1, actor_sum / steps, critic_sum / steps, unsup_sum / steps,
+    return IterationResult(stats, ppo_epoch + 1, actor_sum / steps, critic_sum / steps, ptx_sum / steps,
                            time.time() - start)
 
 
-# ------------------------------------------------------------------------------------------------
-# Logging
-# ------------------------------------------------------------------------------------------------
-def log_iteration(trainer: Any, args: Any, counters: PPOCounters, it: IterationResult, *, epoch: int, step: int,
-                  gen_time: float, exp_time: float, rank: int, tb: Any) -> dict:
+DASHES = "-" * 85
+
+
+def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counters: PPOCounters,
+                  iteration: IterationResult, *, epoch: int, step: int, gen_time: float, exp_time: float, rank: int,
+                  tb: TensorBoardLogger) -> dict:
     """Upstream's log lines and throughput lines, then one record (docs/metrics.md) to TensorBoard and
     ``metrics.jsonl``; advances ``counters.global_step``. Returns the record."""
     engine = trainer.rlhf_engine
-    print_rank_0(f"Epoch: {epoch} | Step: {step} | PPO Epoch: {it.ppo_epochs} | Actor Loss: {it.actor_loss} | "
-                 f"Critic Loss: {it.critic_loss} | Unsupervised Loss: {it.unsup_loss}", rank)
-    print_throughput_step3(engine.actor.module, engine.critic, args, gen_time + exp_time + it.training_time,
-                           gen_time, it.training_time, rank)
+    print_rank_0(f"Epoch: {epoch} | Step: {step} | PPO Epoch: {iteration.ppo_epochs} | "
+                 f"Actor Loss: {iteration.actor_loss} | Critic Loss: {iteration.critic_loss} | "
+                 f"Unsupervised Loss: {iteration.unsup_loss}", rank)
+    print_throughput_step3(engine.actor.module, engine.critic, args, gen_time + exp_time + iteration.training_time,
+                           gen_time, iteration.training_time, rank)
     # Mean over kept answers of all ranks; the EMA is fed that mean (upstream fed a sum over
     # micro-batches).
-    ema_reward = counters.ema_reward.update(it.rollout.reward)
-    print_rank_0(f"Average reward score: {it.rollout.reward} | EMA reward score: {ema_reward}", rank)
+    ema_reward = counters.ema_reward.update(iteration.rollout.reward)
+    print_rank_0(f"Average reward score: {iteration.rollout.reward} | EMA reward score: {ema_reward}", rank)
     print_rank_0(DASHES, rank)
 
-    record = iteration_record(epoch, step, counters.global_step, trainer.pop_micro_stats(), it.rollout, ema_reward,
-                              it.unsup_loss, gen_time, exp_time, it.training_time)
+    record = iteration_record(epoch, step, counters.global_step, trainer.pop_micro_stats(), iteration.rollout,
+                              ema_reward, iteration.unsup_loss, gen_time, exp_time, iteration.training_time)
     tb.scalars(counters.global_step, **tensorboard_scalars(record))
     if args.output_dir is not None and rank == 0:
         # With --eval_interval the evaluation before the first step has started the file already.

@@ -19,20 +19,22 @@ critic's value head stays trainable, as in step 2 (DSE #758; upstream froze it i
 """
 from __future__ import annotations
 
+import argparse
 import time
-from typing import Any
 
+from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
-from transformers import AutoModelForCausalLM
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from dschat.cli.args import step3_flag
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf import hybrid_engine
-from dschat.rlhf.hybrid_engine import DecodingSettings, RolloutGenerator
+from dschat.rlhf.config import RolloutConfig, rollout_config
+from dschat.rlhf.hybrid_engine import RolloutGenerator
 from dschat.rlhf.tensor_parallel import check_inference_tp
 from dschat.runtime.dist import get_world_size, is_rank_0
 from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
@@ -59,7 +61,7 @@ def log_init(model_name: str, stime: float | None = None) -> float:
     return time.time()
 
 
-def ds_config_for(role: str, args: Any, *, dtype: str, hybrid_engine: bool = False,
+def ds_config_for(role: str, args: argparse.Namespace, *, dtype: str, hybrid_engine: bool = False,
                   world_size: int | None = None) -> dict:
     """The DeepSpeed config of one step-3 engine (``role`` in :data:`ROLES`).
 
@@ -96,8 +98,8 @@ def ds_config_for(role: str, args: Any, *, dtype: str, hybrid_engine: bool = Fal
     raise ValueError(f"unknown role {role!r}; one of {ROLES}")
 
 
-def _apply_lora(model: Any, role: str, lora_dim: int, module_name: str, only_optimize: bool,
-                force_optimize: tuple[str, ...] = ()) -> Any:
+def _apply_lora(model: nn.Module, role: str, lora_dim: int, module_name: str, only_optimize: bool,
+                force_optimize: tuple[str, ...] = ()) -> nn.Module:
     """``dschat.training.common.apply_lora`` with step 3's flag names in its error messages."""
     try:
         return apply_lora(model, lora_dim, module_name, only_optimize, force_optimize)
@@ -110,11 +112,14 @@ class DeepSpeedRLHFEngine:
 
     Upstream's signature. ``with_reward_model=False`` skips the reward engine (``reward`` is None),
     for runs that score answers with reward functions only; ``with_critic=False`` skips the critic
-    (``critic`` is None), for the critic-free algorithms.
+    (``critic`` is None), for the critic-free algorithms. ``rollout``: how the ``generator`` decodes
+    (default: :func:`~dschat.rlhf.config.rollout_config` of ``args``).
     """
 
-    def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str | None, tokenizer: Any,
-                 args: Any, num_total_iters: int, *, with_reward_model: bool = True, with_critic: bool = True) -> None:
+    def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str | None,
+                 tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, num_total_iters: int, *,
+                 with_reward_model: bool = True, with_critic: bool = True,
+                 rollout: RolloutConfig | None = None) -> None:
         self.args = args
         self.num_total_iters = num_total_iters
         self.tokenizer = tokenizer
@@ -142,13 +147,12 @@ class DeepSpeedRLHFEngine:
             # Permanently on for the critic (upstream); the actor's is toggled around training only.
             self.critic.module.gradient_checkpointing_enable()
 
+        rollout = rollout or rollout_config(args)
         self.generator = RolloutGenerator(
-            self.actor, tokenizer, decision=self.hybrid_engine,
-            decoding=DecodingSettings(*(step3_flag(args, name) for name in ("decoding", "temperature", "top_k", "top_p"))),
+            self.actor, tokenizer, decision=self.hybrid_engine, decoding=rollout.decoding,
             max_answer_seq_len=args.max_answer_seq_len, zero_stage=args.actor_zero_stage,
-            zero3_gather=step3_flag(args, "zero3_gather_for_generation"),
-            generation_loop=step3_flag(args, "generation_loop"),
-            cpu_decode_linear=step3_flag(args, "cpu_decode_linear"),
+            zero3_gather=rollout.zero3_gather, generation_loop=rollout.generation_loop,
+            cpu_decode_linear=rollout.cpu_decode_linear,
             release_inference_cache=args.release_inference_cache,
             inference_tp_size=args.inference_tp_size, tp_gather_partition_size=args.tp_gather_partition_size,
         )
@@ -166,13 +170,13 @@ class DeepSpeedRLHFEngine:
         return ds_config_for(role, self.args, dtype=self.dtype, hybrid_engine=self.hybrid_engine.enabled,
                              world_size=self.world_size)
 
-    def _optim(self, lr: float, weight_decay: float, lora_lr: float) -> Any:
+    def _optim(self, lr: float, weight_decay: float, lora_lr: float) -> OptimSettings:
         return OptimSettings(lr=lr, weight_decay=weight_decay, lora_lr=lora_lr, offload=self.args.offload,
                              scheduler=self.args.lr_scheduler_type, num_warmup_steps=self.args.num_warmup_steps,
                              num_training_steps=self.num_total_iters)
 
     # ------------------------------------------------------------------ the five engines
-    def _init_actor(self, actor_model_name_or_path: str) -> Any:
+    def _init_actor(self, actor_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Actor")
         args = self.args
         ds_config = self._config("actor")
@@ -194,7 +198,7 @@ class DeepSpeedRLHFEngine:
         log_init("Actor", stime=stime)
         return engine
 
-    def _init_ref(self, actor_model_name_or_path: str) -> Any:
+    def _init_ref(self, actor_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Ref")
         ds_config = self._config("ref")
         model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
@@ -203,7 +207,7 @@ class DeepSpeedRLHFEngine:
         log_init("Ref", stime=stime)
         return engine
 
-    def _init_ema(self, actor_model_name_or_path: str) -> Any:
+    def _init_ema(self, actor_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("EMA")
         args = self.args
         ds_config = self._config("ema")
@@ -218,7 +222,7 @@ class DeepSpeedRLHFEngine:
         log_init("EMA", stime=stime)
         return engine
 
-    def _init_critic(self, critic_model_name_or_path: str) -> Any:
+    def _init_critic(self, critic_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Critic")
         args = self.args
         ds_config = self._config("critic")
@@ -234,7 +238,7 @@ class DeepSpeedRLHFEngine:
         log_init("Critic", stime=stime)
         return engine
 
-    def _init_reward(self, critic_model_name_or_path: str) -> Any:
+    def _init_reward(self, critic_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Reward")
         args = self.args
         ds_config = self._config("reward")

@@ -32,7 +32,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure math, the gold judge, flags, recipes
     ("models", "rl_algorithms", "rewards"),  # 4: model builders, critic-free math, reward functions
     ("data",),  # 5: datasets, tokenisation, cache, collators
-    ("training", "eval"),  # 6: the training loops (steps 1-2, the PPO epoch loop), checkpoints; the report
+    ("training", "eval"),  # 6: steps 1-2's loop, step 3's resume counters, checkpoints; the report
     ("rlhf",),  # 7: step 3
     ("launch",),  # 8: the launcher (entry point)
     ("utils", "testing"),  # 9: alias modules only (rule c)

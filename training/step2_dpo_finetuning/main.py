@@ -42,11 +42,9 @@ from dschat.training.common import (
     setup_run,
     train_ds_config,
 )
+from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 from dschat.training.dpo import dpo_batch, evaluate_dpo
-
-# What --add_eot_token adds in DPO (upstream: the literal, not a flag).
-EOT_SPECIAL_TOKEN = "<|endoftext|>"
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from dschat.cli.args import (
     add_algorithm_args,
@@ -37,10 +37,17 @@ from dschat.cli.args import (
 from dschat.errors import UserError, cli_main
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
 from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
+from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 
-# What --add_eot_token adds (upstream: the literal, as a special token).
-EOT_SPECIAL_TOKEN = "<|endoftext|>"
+if TYPE_CHECKING:  # imported inside main (--help stays light)
+    from torch.utils.data import DataLoader
+    from transformers import PreTrainedTokenizerBase
+
+    from dschat.rlhf.batch_plan import BatchPlan
+    from dschat.rlhf.experience_maker import RewardFn
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -72,13 +79,13 @@ class Step3Result:
     skipped_steps: list[int] = field(default_factory=list)
     skipped_nonfinite: int = 0  # rollouts and micro-steps the non-finite guard skipped
     on_policy: bool = True
-    rlhf_engine: Any = None
-    trainer: Any = None
-    tokenizer: Any = None
+    rlhf_engine: DeepSpeedRLHFEngine | None = None
+    trainer: DeepSpeedPPOTrainer | None = None
+    tokenizer: PreTrainedTokenizerBase | None = None
     evaluations: list[dict] = field(default_factory=list)  # held-out evaluation records (--eval_interval)
 
 
-def reward_mix(args: argparse.Namespace, reward_fn: Any = None) -> RewardMix:
+def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> RewardMix:
     """The reward: ``--reward_fn`` functions (and ``main``'s Python ``reward_fn``) with their weights,
     and the reward model's weight (default 1 without functions, 0 -- not loaded -- with them)."""
     functions = load_reward_functions(args.reward_fn or [], args.reward_fn_weight, args.reward_fn_timeout)
@@ -125,8 +132,8 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     common.check_output_paths(args)
 
 
-def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_rank: int,
-                    num_generations: int = 1) -> tuple[Any, Any, int]:
+def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, plan: BatchPlan, local_rank: int,
+                    num_generations: int = 1) -> tuple[DataLoader, DataLoader | None, int]:
     """Prompt loader (phase-3 chunk, left-padded prompts; ``per_device_generation_batch_size /
     num_generations`` prompts a batch, each repeated by the trainer), optional ptx loader, total
     optimizer steps."""
@@ -175,7 +182,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: Any, plan: Any, local_r
     return prompt_loader, unsup_loader, total_iters
 
 
-def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Result:
+def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None) -> Step3Result:
     """Run step 3. ``reward_fn(prompts, answers) -> scores`` (decoded strings) is a reward function
     like ``--reward_fn``'s: it replaces the reward model unless ``--reward_model_weight`` is given."""
     from deepspeed.accelerator import get_accelerator
@@ -186,14 +193,15 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
     from dschat.rlhf.batch_plan import plan_batches
+    from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
     from dschat.rlhf.guards import validate_step3_args
-    from dschat.rlhf.ppo_loop import METRICS_FILE, log_iteration, train_iteration, truncate_metrics
+    from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.common import TensorBoardLogger, setup_run
-    from dschat.training.loop import PPOCounters, train_ppo_epochs
+    from dschat.training.ppo_counters import PPOCounters
 
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)
@@ -206,6 +214,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
     plan = plan_batches(args, ctx.world_size, ptx=ptx)
+    config = Step3Config(rollout=rollout_config(args), ppo=ppo_config(args), algorithm=settings, batches=plan,
+                         reward=mix)
     for line in warnings:
         print_rank_0(line, ctx.rank)
     print_rank_0(settings.describe(), ctx.rank)
@@ -227,9 +237,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     # ---------------------------------------------------------------- engines and trainer
     rlhf_engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer,
                                       args, num_total_iters, with_reward_model=mix.uses_model,
-                                      with_critic=settings.critic)
+                                      with_critic=settings.critic, rollout=config.rollout)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer
-    trainer = trainer_class(rlhf_engine, args, plan=plan, reward_mix=mix, prompt_columns=columns)
+    trainer = trainer_class(rlhf_engine, args, prompt_columns=columns, config=config)
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")
     evaluation = StepThreeEvaluation(args, trainer, eval_items, judges, tb=tb, rank=ctx.rank, world_size=ctx.world_size)
     result = Step3Result(on_policy=plan.on_policy, rlhf_engine=rlhf_engine, trainer=trainer, tokenizer=tokenizer,
@@ -256,16 +266,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: Any = None) -> Step3Re
     evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
 
     # ---------------------------------------------------------------- PPO loop
-    def ppo_iteration(exp_dataset: list, unsup_dataset: list | None, *, epoch: int, step: int, gen_time: float,
-                      exp_time: float) -> dict:
-        """One collected rollout: advantages, the PPO epochs, then the log lines and metrics record."""
-        iteration = train_iteration(trainer, args, exp_dataset, unsup_dataset)
-        return log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step, gen_time=gen_time,
-                             exp_time=exp_time, rank=ctx.rank, tb=tb)
-
-    train_ppo_epochs(args, ctx, trainer, prompt_loader, unsup_loader, checkpointer=checkpointer, counters=counters,
-                     evaluation=evaluation, ppo_iteration=ppo_iteration, resumed=resumed is not None,
-                     history=result.history, skipped_steps=result.skipped_steps)
+    run = run_ppo(args, ctx, trainer, prompt_loader, unsup_loader, checkpointer=checkpointer, counters=counters,
+                  evaluation=evaluation, tb=tb, resumed=resumed is not None)
+    result.history, result.skipped_steps = run.history, run.skipped_steps
     evaluation.finish()
     tb.close()
     result.skipped_nonfinite = trainer.nonfinite.skipped

@@ -1,0 +1,61 @@
+"""Step 3's resume and stop arithmetic: the counters a step-3 checkpoint carries besides the engines
+and the data position, and the plain functions step 3's loop (:func:`dschat.rlhf.ppo_loop.run_ppo`)
+asks before and after each generation batch."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from dschat.runtime.averages import ExponentialMovingAverage
+from dschat.training.checkpoint import TrainingPosition
+from dschat.training.nonfinite import NonFiniteGuard
+
+if TYPE_CHECKING:  # step 3's trainer, on the floor above
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+
+__all__ = ["PPOCounters", "finished_before_resume", "reached_test_stop"]
+
+
+@dataclass
+class PPOCounters:
+    """Step 3's state besides the engines and the data position; a checkpoint carries it in
+    ``TrainingPosition.extra`` (with the non-finite guard's counts)."""
+
+    global_step: int = 0  # PPO iterations trained, never reset (TensorBoard x-axis; upstream reset per epoch)
+    non_overflow_step_count: int = 0  # generation batches without an fp16 overflow (--test_stop_step)
+    ema_reward: ExponentialMovingAverage = field(default_factory=ExponentialMovingAverage)
+
+    def position(self, epoch: int, batches_done: int, nonfinite: NonFiniteGuard) -> TrainingPosition:
+        """The checkpoint record after ``batches_done`` generation batches of ``epoch``."""
+        return TrainingPosition(epoch, batches_done, 0, self.global_step, extra={
+            "non_overflow_step_count": self.non_overflow_step_count,
+            "ema_reward": self.ema_reward.ema,
+            "nonfinite": [nonfinite.consecutive, nonfinite.skipped],
+        })
+
+    @classmethod
+    def restore(cls, position: TrainingPosition, nonfinite: NonFiniteGuard) -> "PPOCounters":
+        """The inverse of :meth:`position` (sets the guard's counts in place)."""
+        counters = cls(global_step=position.optimizer_steps,
+                       non_overflow_step_count=position.extra["non_overflow_step_count"])
+        counters.ema_reward.ema = position.extra["ema_reward"]
+        nonfinite.consecutive, nonfinite.skipped = position.extra["nonfinite"]
+        return counters
+
+    def count_overflow(self, trainer: DeepSpeedPPOTrainer) -> None:
+        """After each generation batch, as upstream: count it unless actor or critic overflowed."""
+        actor_overflow, critic_overflow = trainer.get_overflow()
+        if not actor_overflow and not critic_overflow:
+            self.non_overflow_step_count += 1
+
+
+def reached_test_stop(args: argparse.Namespace, counters: PPOCounters) -> bool:
+    """``--enable_test_mode``: the run stops after ``--test_stop_step`` batches without an fp16 overflow."""
+    return bool(args.enable_test_mode) and counters.non_overflow_step_count == args.test_stop_step
+
+
+def finished_before_resume(args: argparse.Namespace, counters: PPOCounters, resumed: bool) -> bool:
+    """Resumed from the checkpoint a test-mode run ended with: only the final save is left."""
+    return bool(resumed and args.enable_test_mode and counters.non_overflow_step_count >= args.test_stop_step)
+
