@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import grp
+import json
 import os
 import pwd
 import shutil
@@ -54,6 +55,8 @@ __all__ = [
     "fsync_tree",
     "atomic_file",
     "atomic_files",
+    "pending_files",
+    "recover_files",
     "atomic_dir",
     "recover_dir",
 ]
@@ -280,8 +283,16 @@ def atomic_files(paths: Sequence[str | os.PathLike], mode: int | None = None) ->
     so a power cut never leaves an empty file under a target's name. On an exception (a full disk while writing the second file, say) every temporary
     file is removed and every one of ``paths`` is left as it was, previous versions included.
     The files get ``mode`` (0600: private), by default what a plain ``open()`` would give.
+
+    Before the renames a journal (``.<last name>.journal``, naming each temporary file and its
+    target) is written and fsync'd; it goes once every rename is done. A kill between the two
+    leaves it, and :func:`recover_files` (run here first, one process at a time) finishes the
+    renames: the set is the complete new one. Until then :func:`pending_files` is true and a reader
+    must not read the set. On an exception during the renames the previous files are put back.
     """
     targets = [Path(p) for p in paths]
+    if len(targets) > 1:
+        recover_files(targets)
     # A full disk: one file is named with its previous version, a set by its folder.
     disk_full = (_disk_full_is_a_user_error(targets[0]) if len(targets) == 1 else
                  _disk_full_is_a_user_error(targets[0].parent, kept="the previous files there, if any, are unchanged"))
@@ -299,10 +310,69 @@ def atomic_files(paths: Sequence[str | os.PathLike], mode: int | None = None) ->
             for tmp in tmps:
                 os.chmod(tmp, mode)
                 fsync_path(tmp)
-            _replace_all(tmps, targets)
+            if len(targets) == 1:  # one rename: atomic by itself
+                os.replace(tmps[0], targets[0])
+                fsync_path(targets[0].parent)
+            else:
+                _replace_journalled(tmps, targets)
         finally:
             for tmp in tmps:
                 tmp.unlink(missing_ok=True)  # gone already once renamed
+
+
+def _journal_of(targets: Sequence[Path]) -> Path:
+    return targets[-1].with_name(f".{targets[-1].name}.journal")
+
+
+def pending_files(paths: Sequence[str | os.PathLike]) -> bool:
+    """Whether an :func:`atomic_files` replacement of ``paths`` was stopped midway (its journal is
+    there): the set may be part old, part new until :func:`recover_files` runs."""
+    return os.path.lexists(_journal_of([Path(p) for p in paths]))
+
+
+def recover_files(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """Finish an :func:`atomic_files` replacement of ``paths`` that a kill stopped (the renames its
+    journal names), and remove what a killed one left (temporary files, kept previous versions);
+    one notice per fix. A journal that is not this user's alone is left, with a notice. One process
+    at a time (a writer holds a lock)."""
+    targets = [Path(p) for p in paths]
+    journal = _journal_of(targets)
+    notices: list[str] = []
+    if os.path.lexists(journal):
+        if not owned_privately(journal):
+            return [f"left {journal} alone: it is not a file that only you own and can write to"]
+        names = {p.name for p in targets}
+        try:
+            pairs = json.loads(journal.read_text(encoding="utf-8"))["pairs"]
+            pairs = [(str(a), str(b)) for a, b in pairs if b in names and "/" not in str(a)]
+        except (OSError, ValueError, KeyError, TypeError):
+            pairs = []  # cut while it was written: no rename had begun
+        for tmp, target in pairs:
+            if os.path.lexists(journal.parent / tmp):
+                os.replace(journal.parent / tmp, journal.parent / target)
+        fsync_path(journal.parent)
+        journal.unlink()
+        notices.append(f"finished an interrupted write of {', '.join(sorted(names))}")
+    for target in targets:  # what a killed or failed writer left
+        for leftover in target.parent.glob(f".{target.name}.*"):
+            if leftover.suffix in (".tmp", ".previous") and owned_privately(leftover):
+                leftover.unlink(missing_ok=True)
+    return notices
+
+
+def _replace_journalled(tmps: Sequence[Path], targets: Sequence[Path]) -> None:
+    """The journal, then :func:`_replace_all`; the journal goes once the set is in (or put back)."""
+    journal = _journal_of(targets)
+    journal.write_text(json.dumps({"pairs": [[t.name, p.name] for t, p in zip(tmps, targets)]}), encoding="utf-8")
+    os.chmod(journal, 0o600)
+    fsync_path(journal)
+    fsync_path(journal.parent)
+    try:
+        _replace_all(tmps, targets)
+    except BaseException:
+        journal.unlink(missing_ok=True)  # the previous files are back: nothing to finish
+        raise
+    journal.unlink()
 
 
 def _replace_all(tmps: Sequence[Path], targets: Sequence[Path]) -> None:
@@ -332,7 +402,8 @@ def _replace_all(tmps: Sequence[Path], targets: Sequence[Path]) -> None:
         raise
     finally:
         for backup, _ in backups:
-            backup.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # a leftover link: recover_files removes it
+                backup.unlink(missing_ok=True)
 
 
 def _umask() -> int:

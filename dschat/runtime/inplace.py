@@ -12,7 +12,8 @@ never moves any entry it does not own; every file and rename stays inside the fo
 3. Each entry the save owns (``owns(name)``) that the new save does not write, and each entry the
    new save replaces, is renamed into ``<path>/.dschat-replaced-<id>``; each staged entry is renamed
    into ``path``; ``path`` is fsync'd.
-4. The replaced entries are deleted, then the staging folder.
+4. The replaced entries are deleted, then the staging folder. An error here is raised (the new
+   save is in place; the leftovers go at the next recovery).
 
 An exception in step 1 or 2 deletes the staging folder: ``path`` is untouched. An exception in
 step 3 reverses every rename done, in reverse order: ``path`` is as it was. A kill at any point is
@@ -108,11 +109,11 @@ class _Moves:
 
 def _finish(stage: Path, aside: Path) -> None:
     """Step 4: the replaced entries first, the staging folder (and its journal) last, so that a
-    kill in between leaves the journal for :func:`recover_in_place` to finish from."""
-    with contextlib.suppress(OSError):
-        if aside.is_dir():
-            shutil.rmtree(aside)
-        shutil.rmtree(stage)
+    kill or an error in between leaves the journal for :func:`recover_in_place` to finish from.
+    An error is raised: the new save is in place, but hidden leftovers remain until then."""
+    if aside.is_dir():
+        shutil.rmtree(aside)
+    shutil.rmtree(stage)
 
 
 @contextlib.contextmanager

@@ -65,7 +65,7 @@ from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_ze
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, checkpoint_name,
                                       complete_checkpoints, incomplete_checkpoints, latest_checkpoint,
                                       next_sequence, prune_leftovers, prune_rotated, put_back,
-                                      restore_replaced, set_aside)
+                                      restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
 from dschat.training.checkpoint_records import (FORMAT_VERSION, read_record, read_rng_file, rng_state,
                                                 set_rng_state)
@@ -149,15 +149,16 @@ def prepare_checkpoint_root(args: Any, rank: int) -> None:
     * A fresh run (no ``--resume`` / ``--resume_from``) refuses a folder with checkpoints of an
       earlier run, seen by any rank.
     * Rank 0 keeps the complete one of a ``step_<N>`` and the copy it was replacing when a run
-      stopped (:func:`~dschat.training.rotation.restore_replaced`).
+      stopped (:func:`~dschat.training.rotation.restore_replaced`), and turns a ``step_<N>`` never
+      marked complete into a leftover (:func:`~dschat.training.rotation.retire_incomplete`).
     * Each rank prunes the ``.tmp-*`` leftovers it sees (:func:`prune_leftovers`).
     * With checkpoints to write or resume, every rank must see the folder rank 0 sees.
     """
     if not getattr(args, "output_dir", None):  # an upstream-style Namespace may lack it
         return
     root = checkpoint_root(args.output_dir)
-    if rank == 0:  # one process renames (a step_<N> replaced when a run stopped)
-        for notice in restore_replaced(root):
+    if rank == 0:  # one process renames (a step_<N> replaced, or never completed, when a run stopped)
+        for notice in restore_replaced(root) + retire_incomplete(root):
             print(f"[checkpoint] {notice}", flush=True)
     barrier()
     fresh = not getattr(args, "resume", False) and not getattr(args, "resume_from", None)

@@ -10,7 +10,10 @@
 * Rotation (:func:`prune_rotated`) keeps the ``keep`` last written, and never deletes the
   checkpoint just written nor the ``--resume_from`` source. A folder to prune is first renamed to a
   ``.tmp-pruned-*`` name (one atomic rename: it stops counting as complete), then deleted; a kill
-  midway leaves a leftover that the next start deletes, never a half-deleted ``step_<N>``.
+  midway leaves a leftover that the next start deletes, never a half-deleted ``step_<N>``. A
+  checkpoint that cannot be deleted is kept, with a notice: training goes on.
+* A ``step_<N>`` without its marker (a stop between its rename and its marker) is removed at the
+  next start (:func:`retire_incomplete`), like the ``.tmp-*`` leftovers.
 * Replacing a complete ``step_<N>`` (the same step saved again after a resume) renames the old one
   to ``step_<N>.replaced-<id>`` before the new one is renamed in (:func:`set_aside`); the old one is
   deleted only once the new one is complete. A kill in between leaves both, and the next start
@@ -103,10 +106,28 @@ def prune_rotated(root: Path, keep: int, protect: list[Path]) -> list[Path]:
         if any(_same(old, kept) for kept in protect):
             continue
         doomed = root / f"{PRUNED_PREFIX}{old.name}-{secrets.token_hex(4)}"
-        os.replace(old, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
+        try:
+            os.replace(old, doomed)
+        except OSError as err:  # the new checkpoint is complete: training goes on, the old one stays
+            print(f"[checkpoint] could not delete the old checkpoint {old} ({err.strerror or err}); it is kept, "
+                  "complete; delete it yourself if you need the space", flush=True)
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)  # what is left goes at the next start
         pruned.append(old)
     return pruned
+
+
+def retire_incomplete(root: Path) -> list[str]:
+    """Rename each ``step_<N>`` without a marker (a run stopped after renaming it in, before marking
+    it complete) to a ``.tmp-*`` leftover, which :func:`prune_leftovers` then deletes; one notice
+    each. Rank 0 only, at start-up."""
+    notices = []
+    for folder in incomplete_checkpoints(root):
+        if not folder.name.startswith(TMP_PREFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(folder, root / f"{TMP_PREFIX}{folder.name}-{secrets.token_hex(4)}")
+                notices.append(f"{folder} was never completed (a run stopped while writing it); removing it")
+    return notices
 
 
 def set_aside(final: Path) -> Path | None:
