@@ -1,9 +1,12 @@
 """Crash-safe writes: a reader never sees a half-written file or folder.
 
-Files and folders are written under a temporary name beside their target and renamed into place
-only once complete (``os.replace`` is atomic on POSIX within one filesystem). A full disk while
-writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says the previous file
-or folder is unchanged. :func:`atomic_files` does the same for a set of files replaced together.
+Files and folders are written under a temporary name beside their target, fsync'd, and renamed into
+place only once complete (``os.replace`` is atomic on POSIX within one filesystem); the folder
+holding them is fsync'd before anything older is deleted (:func:`fsync_path`, :func:`fsync_tree`).
+A full disk while writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says
+the previous file or folder is unchanged. :func:`atomic_files` does the same for a set of files
+replaced together, with a journal that :func:`recover_files` finishes after a kill. A model saved
+into a folder that must not move (``--output_dir``) uses :mod:`dschat.runtime.inplace` instead.
 :func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
 
 On a shared machine a file or folder is trusted only when this user owns it and nobody else can
