@@ -459,7 +459,7 @@ class Checkpointer:
         self.keep = int(getattr(args, "keep_checkpoints", 2))
         self.root = checkpoint_root(args.output_dir) if args.output_dir else None
         self.position: TrainingPosition | None = None  # where a resumed run picks up
-        self.source: Path | None = None  # the checkpoint resumed from: rotation never deletes it
+        self.source: Path | None = None  # the --resume_from checkpoint: rotation never deletes it
 
     def resume(self, counter: Any = None) -> TrainingPosition | None:
         """Load the checkpoint ``--resume`` / ``--resume_from`` name (if any) into the engines and the
@@ -489,7 +489,7 @@ class Checkpointer:
             print_rank_0(f"[checkpoint] --resume: no complete checkpoint under {self.root}; starting from "
                          "the beginning", self.rank)
             return None
-        self.source = folder
+        self.source = folder if source else None  # --resume's source rotates out as usual, by write order
         return load_checkpoint(folder, self.engines, self.rank, self.weights_only)
 
     def latest(self) -> Path | None:

@@ -343,13 +343,12 @@ def _position(steps: int) -> ckpt.TrainingPosition:
     return ckpt.TrainingPosition(epoch=0, epoch_micro_steps=steps, micro_steps=steps, optimizer_steps=steps)
 
 
-def _checkpoint_restart(out: Path, engine: Any) -> Callable[[Path], None]:
-    def restart(folder: Path) -> None:  # prepare_checkpoint_root's renames and prunes on one rank
-        root = ckpt.checkpoint_root(folder)
-        rotation.restore_replaced(root)
-        rotation.retire_incomplete(root)
-        rotation.prune_leftovers(root, "restart")
-    return restart
+def _checkpoint_restart(folder: Path) -> None:
+    """What prepare_checkpoint_root renames and prunes at the next start (one rank)."""
+    root = ckpt.checkpoint_root(folder)
+    rotation.restore_replaced(root)
+    rotation.retire_incomplete(root)
+    rotation.prune_leftovers(root, "restart")
 
 
 def _loads(engine: Any) -> Callable[[Path, str], None]:
@@ -382,8 +381,8 @@ def test_training_checkpoint(case, engine, tmp_path):
     if case == "rotation":  # the new checkpoint is complete, the old one could not be deleted: kept whole
         rotated_out = {k: v for k, v in states["old"].items() if k.startswith("checkpoints/step_00000001")}
         states["new, step 1 not yet rotated out"] = {**states["new"], **rotated_out}
-    inject_everywhere(f"checkpoint ({case})", template, tmp_path / "out", save,
-                      _checkpoint_restart(tmp_path / "out", engine), states, check=_loads(engine))
+    inject_everywhere(f"checkpoint ({case})", template, tmp_path / "out", save, _checkpoint_restart, states,
+                      check=_loads(engine))
 
 
 def _dataset(seed: int) -> PromptDataset:
@@ -464,3 +463,29 @@ def test_a_final_save_into_the_working_directory(tiny, tmp_path, monkeypatch):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dschat-")]
     assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}")) == []
+
+
+def test_rolling_back_with_resume_from_then_resume(engine, tmp_path):
+    """The issue's roll-back: step_50, 100 and 200 exist; --resume_from step_50 and --keep_checkpoints
+    2, then a save at step 60 keeps step_60 and the source; a later --resume continues from step_60
+    and rotation then goes by write order (the --resume source is not kept for ever)."""
+    from types import SimpleNamespace
+
+    out = tmp_path / "out"
+    root = ckpt.checkpoint_root(out)
+    for steps in (50, 100, 200):
+        ckpt.save_checkpoint(root, {"model": engine}, _position(steps), keep=3, rank=0)
+
+    def checkpointer(**flags: Any) -> ckpt.Checkpointer:
+        args = SimpleNamespace(**{"output_dir": str(out), "save_interval": 10, "keep_checkpoints": 2, "resume": False,
+                                  "resume_from": None, **flags})
+        return ckpt.Checkpointer(args, {"model": engine}, rank=0)
+
+    rolled_back = checkpointer(resume_from=str(root / ckpt.checkpoint_name(50)))
+    assert rolled_back.resume().optimizer_steps == 50
+    rolled_back.maybe_save(_position(60))
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000050", "step_00000200", "step_00000060"]
+    resumed = checkpointer(resume=True)
+    assert resumed.resume().optimizer_steps == 60  # the last written, not the abandoned step 200
+    resumed.maybe_save(_position(70))
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000060", "step_00000070"]
