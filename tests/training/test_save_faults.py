@@ -36,7 +36,7 @@ from dschat.data.cache import cache_files, load_cache, locked, write_cache
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.models.build import create_critic_model
 from dschat.models.registry import resolve_model_path
-from dschat.models.save import is_model_artifact, recover_output_dir, save_hf_model
+from dschat.models.save import recover_output_dir, save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.paths import BEST_DIR
 from dschat.rlhf.evaluation import save_best
