@@ -156,9 +156,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument("--save_interval", type=int, default=0,
                        help="(dschat) Save a resumable checkpoint to <output_dir>/checkpoints every N optimizer "
                             "steps (0: none; upstream saved nothing resumable).")
-    group.add_argument("--keep_checkpoints", type=int, default=2, help="(dschat) Keep the newest K checkpoints, delete older ones.")
+    group.add_argument("--keep_checkpoints", type=int, default=2, help="(dschat) Keep the K last written checkpoints, delete older ones.")
     group.add_argument("--resume", action="store_true",
-                       help="(dschat) Continue from the newest complete checkpoint in <output_dir>/checkpoints "
+                       help="(dschat) Continue from the last written complete checkpoint in <output_dir>/checkpoints "
                             "(start from scratch, with a notice, when there is none).")
     group.add_argument("--resume_from", type=str, default=None,
                        help="(dschat) Continue from this checkpoint folder (<output_dir>/checkpoints/step_N).")

@@ -11,8 +11,9 @@ The cache, and how it fixes upstream (DSE #437, #558, #822, #416):
 * Files are ``traindata_{key}.safetensors``, ``evaldata_{key}.safetensors`` and ``meta_{key}.json``:
   token ids stored flat with row offsets, no pickles (upstream ``torch.save``-d whole ``Subset``
   objects, fragile across versions and unsafe to load). The files are written under temporary
-  names and renamed into place together, the meta file last, so a reader never sees a partial
-  cache, and a failed build or rebuild leaves nothing behind and any previous cache untouched.
+  names, fsync'd and renamed into place together, the meta file last, so a reader never sees a
+  partial cache, and a failed build or rebuild leaves nothing behind and any previous cache
+  untouched; a kill during the renames is finished by the next process that takes the lock.
 * Building happens once under a ``filelock.FileLock`` in ``output_path``: each process takes it; the
   first builds, the others then find the files and load them. This replaces upstream's per-node
   local-rank-0 build + ``uint8`` all-reduce (which wrapped to 0 at 256 ranks) and makes a
@@ -41,7 +42,7 @@ from safetensors import SafetensorError
 from dschat.data.dispatch import DatasetSource
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.errors import UserError
-from dschat.runtime.fs import atomic_files, check_trusted, make_trusted_dir
+from dschat.runtime.fs import atomic_files, check_trusted, make_trusted_dir, pending_files, recover_files
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
 FORMAT_VERSION = 1
@@ -189,8 +190,9 @@ def load_cache(files: CacheFiles, key: str) -> tuple[PromptDataset, PromptDatase
     """The cached pair, or None if absent, incomplete, or written by another format version.
 
     A file of the set that is not this user's, or that others can write to, is refused (one line).
+    A set whose replacement a kill stopped midway is not read (None): :func:`locked` finishes it.
     """
-    if not all(p.is_file() for p in files.all()):
+    if pending_files(files.all()) or not all(p.is_file() for p in files.all()):
         return None
     for path in files.all():
         check_trusted(path, "data cache file", UNTRUSTED_FIX)
@@ -228,7 +230,9 @@ def _acquire(lock: Any, path: Path, timeout: float) -> None:
 def locked(path: Path) -> Iterator[None]:
     """Hold ``filelock.FileLock(path)``, saying so when another process has it (a build is running).
 
-    A lock file left by another account is refused (one line) rather than shared.
+    A lock file left by another account is refused (one line) rather than shared. Once held, a
+    cache write that a kill stopped midway (the cache files of the lock's key) is finished
+    (:func:`dschat.runtime.fs.recover_files`), so the set is the complete new one.
     """
     if os.path.lexists(path):
         check_trusted(path, "data-cache lock", UNTRUSTED_FIX)
@@ -239,6 +243,9 @@ def locked(path: Path) -> Iterator[None]:
         print(f"Waiting for another process to finish building the data cache (lock {path})", flush=True)
         _acquire(lock, path, timeout=-1)
     try:
+        if path.name.startswith(".lock_"):
+            for notice in recover_files(cache_files(path.parent, path.name[len(".lock_"):]).all()):
+                print(f"[data cache] {notice}", flush=True)
         yield
     finally:
         lock.release()

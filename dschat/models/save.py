@@ -16,9 +16,13 @@ folder is a plain model; a 4-bit (QLoRA) base is saved dequantised, in the compu
 Persistent buffers are saved too (upstream's ZeRO-3 save gathered parameters only).
 A model with LoRA layers also gets its LoRA as a PEFT adapter in ``lora_adapter/``
 (:mod:`dschat.models.peft_adapter`), written in the same atomic swap.
-Writing goes through :func:`dschat.runtime.fs.atomic_dir`: a crash never leaves a broken folder
-where a good one was. Files in the folder that are not part of a saved model (``training.log``,
-TensorBoard runs, step 3's ``actor/`` beside ``critic/``) are kept.
+Writing goes through :func:`dschat.runtime.inplace.save_in_place`: the model files are written and
+fsync'd in a staging folder inside the output folder, then renamed over the previous ones, so a
+failure restores the previous model and a kill is finished or undone at the next start
+(:func:`recover_output_dir`). The output folder itself is never renamed (a mount point, ``.`` or a
+folder in a parent the user cannot write to are fine), and nothing in it that is not part of a saved
+model (``training.log``, ``checkpoints/``, TensorBoard runs, step 3's ``actor/`` beside ``critic/``,
+the user's own files) is moved, written or deleted.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_l
 from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.runtime.dist import barrier
-from dschat.runtime.fs import atomic_dir, recover_dir
+from dschat.runtime.inplace import STAGING_PREFIX, recover_in_place, save_in_place
 from dschat.runtime.zero3 import release_zero3_prefetch
 
 LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
@@ -59,14 +63,22 @@ def is_model_artifact(name: str) -> bool:
     return bool(_MODEL_ARTIFACTS.match(name)) or name == ADAPTER_DIR
 
 
-def _keep(name: str) -> bool:
-    return not is_model_artifact(name)
+def _is_weights(name: str) -> bool:
+    return bool(_WEIGHTS.match(name))
 
 
 def recover_output_dir(output_dir: str | Path) -> list[str]:
-    """Repair ``output_dir`` after a kill during :func:`save_hf_model`'s folder swap (see
-    :func:`dschat.runtime.fs.recover_dir`): its logs and ``checkpoints/`` are never left hidden."""
-    return recover_dir(output_dir, carry_over=_keep)
+    """Finish or undo a :func:`save_hf_model` into ``output_dir``, or into one of its subfolders
+    (step 3's ``actor/``, ``critic/``), that a kill interrupted
+    (:func:`dschat.runtime.inplace.recover_in_place`); one notice per fix. One process at a time."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    notices = recover_in_place(root, is_model_artifact)
+    for sub in sorted(root.iterdir()):
+        if sub.is_dir() and not sub.is_symlink() and any(sub.glob(f"{STAGING_PREFIX}*")):
+            notices += recover_in_place(sub, is_model_artifact)
+    return notices
 
 
 def _rank() -> int:
@@ -169,7 +181,8 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
     a LoRA model's PEFT adapter in ``lora_adapter/``.
 
     ``save_format`` (``--save_format``): ``safetensors``, ``bin`` (upstream's ``pytorch_model.bin``)
-    or ``both``. Collective: all ranks call it; rank 0 writes ``output_dir`` atomically. Returns the
+    or ``both``. Collective: all ranks call it; rank 0 replaces the model files of ``output_dir`` in
+    place (:func:`dschat.runtime.inplace.save_in_place`), keeping every other entry. Returns the
     folder on rank 0, ``None`` elsewhere.
     """
     if save_format not in SAVE_FORMATS:  # before the collective gather, on every rank
@@ -179,7 +192,7 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
     adapter = gather_lora_adapter(model)  # collective too; None without LoRA layers
     output_dir = Path(output_dir)
     if state is not None:
-        with atomic_dir(output_dir, carry_over=_keep) as tmp:
+        with save_in_place(output_dir, is_model_artifact) as tmp:
             if save_format != "bin":
                 _write(module, state, tmp)
             if save_format != "safetensors":
@@ -209,6 +222,6 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
     state = gathered_state_dict(model)
     if state is not None:
         # Keep everything already there (tokenizer files, logs) except stale weight files.
-        with atomic_dir(save_dir, carry_over=lambda name: not _WEIGHTS.match(name)) as tmp:
+        with save_in_place(save_dir, _is_weights) as tmp:
             _write(module, state, tmp)
     barrier()

@@ -1,9 +1,12 @@
 """Crash-safe writes: a reader never sees a half-written file or folder.
 
-Files and folders are written under a temporary name beside their target and renamed into place
-only once complete (``os.replace`` is atomic on POSIX within one filesystem). A full disk while
-writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says the previous file
-or folder is unchanged. :func:`atomic_files` does the same for a set of files replaced together.
+Files and folders are written under a temporary name beside their target, fsync'd, and renamed into
+place only once complete (``os.replace`` is atomic on POSIX within one filesystem); the folder
+holding them is fsync'd before anything older is deleted (:func:`fsync_path`, :func:`fsync_tree`).
+A full disk while writing is a :class:`~dschat.errors.UserError` (one line, exit code 2) that says
+the previous file or folder is unchanged. :func:`atomic_files` does the same for a set of files
+replaced together, with a journal that :func:`recover_files` finishes after a kill. A model saved
+into a folder that must not move (``--output_dir``) uses :mod:`dschat.runtime.inplace` instead.
 :func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
 
 On a shared machine a file or folder is trusted only when this user owns it and nobody else can
@@ -29,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import grp
+import json
 import os
 import pwd
 import shutil
@@ -52,8 +56,12 @@ __all__ = [
     "check_trusted",
     "make_private_dir",
     "make_trusted_dir",
+    "fsync_path",
+    "fsync_tree",
     "atomic_file",
     "atomic_files",
+    "pending_files",
+    "recover_files",
     "atomic_dir",
     "recover_dir",
 ]
@@ -271,6 +279,29 @@ def _disk_full_is_a_user_error(path: Path, kept: str | None = None) -> Iterator[
         ) from err
 
 
+def fsync_path(path: str | os.PathLike) -> None:
+    """Flush a file's data, or a folder's entries (names created, renamed or removed in it), to
+    stable storage (``fsync``): after it returns, a power cut keeps what was written or renamed."""
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(folder: str | os.PathLike) -> None:
+    """:func:`fsync_path` on every file and folder under ``folder`` (symlinks are not followed),
+    then on ``folder`` itself."""
+    for root, dirs, files in os.walk(folder, topdown=False):
+        for name in files:
+            if not os.path.islink(os.path.join(root, name)):
+                fsync_path(os.path.join(root, name))
+        for name in dirs:
+            if not os.path.islink(os.path.join(root, name)):
+                fsync_path(os.path.join(root, name))
+    fsync_path(folder)
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it replaces ``path`` atomically.
@@ -288,11 +319,20 @@ def atomic_files(paths: Sequence[str | os.PathLike], mode: int | None = None) ->
 
     Yields one temporary path beside each of ``paths``. Only once the body has written them all
     do they replace ``paths``, in the order given: put last the file whose presence marks the set
-    complete. On an exception (a full disk while writing the second file, say) every temporary
+    complete. Each file is fsync'd before it replaces its target, and the folders after the renames,
+    so a power cut never leaves an empty file under a target's name. On an exception (a full disk while writing the second file, say) every temporary
     file is removed and every one of ``paths`` is left as it was, previous versions included.
     The files get ``mode`` (0600: private), by default what a plain ``open()`` would give.
+
+    Before the renames a journal (``.<last name>.journal``, naming each temporary file and its
+    target) is written and fsync'd; it goes once every rename is done. A kill between the two
+    leaves it, and :func:`recover_files` (run here first, one process at a time) finishes the
+    renames: the set is the complete new one. Until then :func:`pending_files` is true and a reader
+    must not read the set. On an exception during the renames the previous files are put back.
     """
     targets = [Path(p) for p in paths]
+    if len(targets) > 1:
+        recover_files(targets)
     # A full disk: one file is named with its previous version, a set by its folder.
     disk_full = (_disk_full_is_a_user_error(targets[0]) if len(targets) == 1 else
                  _disk_full_is_a_user_error(targets[0].parent, kept="the previous files there, if any, are unchanged"))
@@ -309,11 +349,101 @@ def atomic_files(paths: Sequence[str | os.PathLike], mode: int | None = None) ->
                 mode = 0o666 & ~_umask()  # mkstemp creates 0600 files; give what a plain open() would
             for tmp in tmps:
                 os.chmod(tmp, mode)
-            for tmp, path in zip(tmps, targets):
-                os.replace(tmp, path)
+                fsync_path(tmp)
+            if len(targets) == 1:  # one rename: atomic by itself
+                os.replace(tmps[0], targets[0])
+                fsync_path(targets[0].parent)
+            else:
+                _replace_journalled(tmps, targets)
         finally:
             for tmp in tmps:
                 tmp.unlink(missing_ok=True)  # gone already once renamed
+
+
+def _journal_of(targets: Sequence[Path]) -> Path:
+    return targets[-1].with_name(f".{targets[-1].name}.journal")
+
+
+def pending_files(paths: Sequence[str | os.PathLike]) -> bool:
+    """Whether an :func:`atomic_files` replacement of ``paths`` was stopped midway (its journal is
+    there): the set may be part old, part new until :func:`recover_files` runs."""
+    return os.path.lexists(_journal_of([Path(p) for p in paths]))
+
+
+def recover_files(paths: Sequence[str | os.PathLike]) -> list[str]:
+    """Finish an :func:`atomic_files` replacement of ``paths`` that a kill stopped (the renames its
+    journal names), and remove what a killed one left (temporary files, kept previous versions);
+    one notice per fix. A journal that is not this user's alone is left, with a notice. One process
+    at a time (a writer holds a lock)."""
+    targets = [Path(p) for p in paths]
+    journal = _journal_of(targets)
+    notices: list[str] = []
+    if os.path.lexists(journal):
+        if not owned_privately(journal):
+            return [f"left {journal} alone: it is not a file that only you own and can write to"]
+        names = {p.name for p in targets}
+        try:
+            pairs = json.loads(journal.read_text(encoding="utf-8"))["pairs"]
+            pairs = [(str(a), str(b)) for a, b in pairs if b in names and "/" not in str(a)]
+        except (OSError, ValueError, KeyError, TypeError):
+            pairs = []  # cut while it was written: no rename had begun
+        for tmp, target in pairs:
+            if os.path.lexists(journal.parent / tmp):
+                os.replace(journal.parent / tmp, journal.parent / target)
+        fsync_path(journal.parent)
+        journal.unlink()
+        notices.append(f"finished an interrupted write of {', '.join(sorted(names))}")
+    for target in targets:  # what a killed or failed writer left
+        for leftover in target.parent.glob(f".{target.name}.*"):
+            if leftover.suffix in (".tmp", ".previous") and owned_privately(leftover):
+                leftover.unlink(missing_ok=True)
+    return notices
+
+
+def _replace_journalled(tmps: Sequence[Path], targets: Sequence[Path]) -> None:
+    """The journal, then :func:`_replace_all`; the journal goes once the set is in (or put back)."""
+    journal = _journal_of(targets)
+    journal.write_text(json.dumps({"pairs": [[t.name, p.name] for t, p in zip(tmps, targets)]}), encoding="utf-8")
+    os.chmod(journal, 0o600)
+    fsync_path(journal)
+    fsync_path(journal.parent)
+    try:
+        _replace_all(tmps, targets)
+    except BaseException:
+        journal.unlink(missing_ok=True)  # the previous files are back: nothing to finish
+        raise
+    journal.unlink()
+
+
+def _replace_all(tmps: Sequence[Path], targets: Sequence[Path]) -> None:
+    """``os.replace(tmp, target)`` pairwise, in order; when one fails, the targets already replaced
+    get their previous files back (kept as hard links until every rename is done)."""
+    backups: list[tuple[Path, Path]] = []
+    done: list[Path] = []
+    try:
+        for target in targets:
+            if target.is_file():
+                backup = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.previous")
+                os.link(target, backup)
+                backups.append((backup, target))
+        for tmp, target in zip(tmps, targets):
+            os.replace(tmp, target)
+            done.append(target)
+        for folder in sorted({target.parent for target in targets}):
+            fsync_path(folder)
+    except BaseException:
+        kept = {target for _, target in backups}
+        for target in done:
+            if target not in kept:
+                target.unlink(missing_ok=True)  # it did not exist before
+        for backup, target in backups:
+            if target in done:
+                os.replace(backup, target)
+        raise
+    finally:
+        for backup, _ in backups:
+            with contextlib.suppress(OSError):  # a leftover link: recover_files removes it
+                backup.unlink(missing_ok=True)
 
 
 def _umask() -> int:
@@ -351,10 +481,14 @@ def _normalise_modes(folder: Path) -> None:
 def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None = None) -> Iterator[Path]:
     """Yield an empty temporary folder beside ``path``; on success it takes ``path``'s place.
 
-    A previous folder at ``path`` stays intact until the new one is complete; it is then moved
-    aside and deleted. On an exception the temporary folder is deleted and ``path`` is untouched.
-    A crash can at worst leave hidden ``.<name>.partial-*`` / ``.<name>.old-*`` siblings, never a
-    half-written ``path``.
+    A previous folder at ``path`` stays intact until the new one is complete and fsync'd (every
+    file and folder in it); it is then moved aside, the new one renamed into place, the parent
+    folder fsync'd, and only then the old one deleted. On an exception at any point -- while
+    writing, or a rename that fails (EXDEV, EBUSY, EPERM) -- every rename done so far is undone, in
+    reverse order: ``path`` is as it was, the carried-over entries included, and the temporary
+    folder is deleted only once it holds nothing that was carried over. A crash can at worst leave
+    hidden ``.<name>.partial-*`` / ``.<name>.old-*`` siblings, never a half-written ``path``, which
+    :func:`recover_dir` puts right.
 
     ``carry_over(name)`` keeps entries of the previous folder that the new one does not write
     (a training log, TensorBoard runs): they are moved -- renamed, so open file handles stay valid
@@ -368,24 +502,62 @@ def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = _partial_name(path, "partial")
         tmp.mkdir()
+        swap = _Swap(path, tmp)
         try:
             yield tmp
             _normalise_modes(tmp)
             _mark_saved(tmp)
-            old = None
-            if path.exists():
-                if carry_over is not None:
-                    for entry in path.iterdir():
-                        if carry_over(entry.name) and not (tmp / entry.name).exists():
-                            os.replace(entry, tmp / entry.name)
-                old = _partial_name(path, "old")
-                os.replace(path, old)
-            os.replace(tmp, path)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+            fsync_tree(tmp)
+            swap.commit(carry_over)
+        except BaseException:
+            swap.undo()
+            raise
+        if swap.old is not None:
+            shutil.rmtree(swap.old, ignore_errors=True)
+
+
+class _Swap:
+    """The renames of one :func:`atomic_dir` commit, recorded so that :meth:`undo` can reverse them."""
+
+    def __init__(self, path: Path, tmp: Path) -> None:
+        self.path, self.tmp = path, tmp
+        self.carried: list[str] = []
+        self.old: Path | None = None
+        self.swapped = False
+
+    def commit(self, carry_over: Callable[[str], bool] | None) -> None:
+        path, tmp = self.path, self.tmp
+        if path.exists():
+            if carry_over is not None:
+                for entry in sorted(path.iterdir()):
+                    if carry_over(entry.name) and not os.path.lexists(tmp / entry.name):
+                        os.replace(entry, tmp / entry.name)
+                        self.carried.append(entry.name)
+            old = _partial_name(path, "old")
+            os.replace(path, old)
+            self.old = old
+        os.replace(tmp, path)
+        self.swapped = True
+        fsync_path(path.parent)
+
+    def undo(self) -> None:
+        """Reverse the renames done so far; stop at the first that fails (the partial folder then
+        stays, complete and marked, for :func:`recover_dir`)."""
+        path, tmp = self.path, self.tmp
+        try:
+            if self.swapped:
+                os.replace(path, tmp)
+                self.swapped = False
+            if self.old is not None:
+                os.replace(self.old, path)
+                self.old = None
+            while self.carried:
+                name = self.carried[-1]
+                os.replace(tmp / name, path / name)
+                self.carried.pop()
+        except OSError:
+            return
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _is_saved(folder: Path) -> bool:
@@ -438,9 +610,17 @@ def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | Non
             notices.append(f"finished an interrupted save of {path} (from {source.name})")
     for partial in partials:
         if carry_over is not None and path.is_dir() and _is_saved(partial):
-            for entry in partial.iterdir():
-                if carry_over(entry.name) and not (path / entry.name).exists():
-                    os.replace(entry, path / entry.name)
+            clashes = []
+            for entry in sorted(partial.iterdir()):
+                if carry_over(entry.name):
+                    if os.path.lexists(path / entry.name):
+                        clashes.append(entry.name)
+                    else:
+                        os.replace(entry, path / entry.name)
+            if clashes:  # never delete what was carried over: the user decides
+                notices.append(f"left {partial} alone: it holds {', '.join(clashes)}, which {path} has too; "
+                               "move what you want to keep into it, then delete it")
+                continue
         shutil.rmtree(partial, ignore_errors=True)
         notices.append(f"removed the unfinished save {partial.name} beside {path}")
     for old in olds:

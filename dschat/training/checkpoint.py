@@ -11,9 +11,12 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_<N>`` (N = optimizer st
 * ``dschat_checkpoint.json``, written last: the data position (epoch, micro-steps done in that
   epoch), the step counters and any caller state. A folder without it is incomplete.
 
-Writes go to ``checkpoints/.tmp-step_<N>`` and are renamed into place once every rank has written
-its part, so a kill at any moment leaves the previous checkpoint usable; an incomplete folder is
-ignored on resume with a one-line notice.
+Writes go to ``checkpoints/.tmp-step_<N>``, are fsync'd and renamed into place once every rank has
+written its part, so a kill at any moment leaves the previous checkpoint usable; an incomplete
+folder is ignored on resume with a one-line notice. Which checkpoints are complete, their write
+order (what ``--resume`` and ``--keep_checkpoints`` go by), replacing a step saved again and
+rotation live in :mod:`dschat.training.rotation`; the JSON files and their checks in
+:mod:`dschat.training.checkpoint_records`.
 
 Every rank agrees (collectives, :func:`dschat.runtime.dist.gather_ints`): a checkpoint is complete
 (its marker written) only once every rank has found the files it wrote in the renamed folder, as
@@ -38,7 +41,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import re
 import secrets
 import shutil
@@ -49,7 +51,6 @@ from pickle import UnpicklingError  # the error type only: nothing here unpickle
 from typing import Any, Mapping, Sequence
 
 import deepspeed
-import numpy as np
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -59,15 +60,17 @@ from safetensors.torch import load_file, save_file
 from dschat.errors import UserError
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
-from dschat.runtime.fs import atomic_file
+from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
+from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, checkpoint_name,
+                                      complete_checkpoints, incomplete_checkpoints, latest_checkpoint,
+                                      next_sequence, prune_leftovers, prune_rotated, put_back,
+                                      restore_replaced, retire_incomplete, set_aside)
+from dschat.training.rotation import steps_of as _steps_of
+from dschat.training.checkpoint_records import (FORMAT_VERSION, read_record, read_rng_file, rng_state,
+                                                set_rng_state)
 
-MARKER = "dschat_checkpoint.json"
-PREFIX = "step_"
-TMP_PREFIX = ".tmp-"
-PROBE_PREFIX = f"{TMP_PREFIX}visible-"  # a file rank 0 drops for the other ranks to look for
-FORMAT_VERSION = 1
 # What a rank that cannot see rank 0's folder is told to do.
 SHARED_OUTPUT_FIX = ("--output_dir (and --resume_from) must be a folder that every node sees (the same path on a "
                      "shared file system); dschat does not write DeepSpeed's node-local checkpoints "
@@ -89,74 +92,8 @@ def checkpoint_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def checkpoint_name(optimizer_steps: int) -> str:
-    return f"{PREFIX}{optimizer_steps:08d}"
-
-
-# ------------------------------------------------------------------------------------------------
-# Random states (JSON, no pickles)
-# ------------------------------------------------------------------------------------------------
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state: dict[str, Any] = {
-        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state().tolist(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
-
-
-def set_rng_state(state: Mapping[str, Any]) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
-
-
-# ------------------------------------------------------------------------------------------------
-# Finding checkpoints
-# ------------------------------------------------------------------------------------------------
-def _steps_of(folder: Path) -> int | None:
-    name = folder.name
-    if not name.startswith(PREFIX) or not name[len(PREFIX):].isdigit():
-        return None
-    return int(name[len(PREFIX):])
-
-
-def complete_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if p.is_dir() and _steps_of(p) is not None and (p / MARKER).is_file()]
-    return sorted(found, key=lambda p: _steps_of(p) or 0)
-
-
-def incomplete_checkpoints(root: Path) -> list[Path]:
-    if not root.is_dir():
-        return []
-    return sorted(p for p in root.iterdir() if p.is_dir() and (
-        p.name.startswith(TMP_PREFIX) or (_steps_of(p) is not None and not (p / MARKER).is_file())))
-
-
-def latest_checkpoint(root: Path, rank: int = 0) -> Path | None:
-    """The newest complete checkpoint; each incomplete one is named in a one-line notice."""
-    for bad in incomplete_checkpoints(root):
-        print_rank_0(f"[checkpoint] ignoring incomplete checkpoint {bad} (a run stopped while writing it)", rank)
-    done = complete_checkpoints(root)
-    return done[-1] if done else None
-
-
 def read_position(folder: Path) -> TrainingPosition:
-    data = json.loads((folder / MARKER).read_text(encoding="utf-8"))
-    if data.get("format") != FORMAT_VERSION:
-        raise UserError(f"{folder} was written by another dschat checkpoint format ({data.get('format')}); "
-                        "start a new run or use the dschat version that wrote it")
-    return TrainingPosition(**data["position"])
+    return TrainingPosition(**read_record(folder)["position"])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,36 +138,6 @@ def refuse_unless_shared(folder: Path, rank: int, what: str) -> None:
             probe.unlink(missing_ok=True)
 
 
-def prune_leftovers(root: Path, run_tag: str) -> list[str]:
-    """Delete the ``.tmp-*`` leftovers of stopped saves under ``root`` as this rank sees it; return
-    one notice per unfinished checkpoint deleted.
-
-    Every rank calls it (node-local folders have leftovers too), with the same ``run_tag``. A rank
-    first claims a leftover by renaming it to ``.tmp-pruning-<run_tag>-<own suffix>``, which the
-    other ranks of this run pass over: on a shared file system exactly one rank deletes each.
-    """
-    if not root.is_dir():
-        return []
-    ours = f"{TMP_PREFIX}pruning-{run_tag}-"
-    notices = []
-    for leftover in sorted(root.glob(f"{TMP_PREFIX}*")):
-        if leftover.name.startswith(ours):
-            continue  # claimed by another rank of this run
-        claimed = root / f"{ours}{secrets.token_hex(6)}"
-        try:
-            os.replace(leftover, claimed)
-        except FileNotFoundError:  # another rank claimed it first
-            continue
-        if claimed.is_dir() and not claimed.is_symlink():
-            shutil.rmtree(claimed, ignore_errors=True)
-        else:
-            claimed.unlink(missing_ok=True)
-        if not leftover.name.startswith((PROBE_PREFIX, f"{TMP_PREFIX}pruning-")):
-            notices.append(f"ignoring incomplete checkpoint {leftover} (a run stopped while writing it); "
-                           "removed it")
-    return notices
-
-
 def wants_checkpoints(args: Any) -> bool:
     return bool(getattr(args, "save_interval", 0) > 0 or getattr(args, "resume", False)
                 or getattr(args, "resume_from", None))
@@ -242,12 +149,19 @@ def prepare_checkpoint_root(args: Any, rank: int) -> None:
 
     * A fresh run (no ``--resume`` / ``--resume_from``) refuses a folder with checkpoints of an
       earlier run, seen by any rank.
+    * Rank 0 keeps the complete one of a ``step_<N>`` and the copy it was replacing when a run
+      stopped (:func:`~dschat.training.rotation.restore_replaced`), and turns a ``step_<N>`` never
+      marked complete into a leftover (:func:`~dschat.training.rotation.retire_incomplete`).
     * Each rank prunes the ``.tmp-*`` leftovers it sees (:func:`prune_leftovers`).
     * With checkpoints to write or resume, every rank must see the folder rank 0 sees.
     """
     if not getattr(args, "output_dir", None):  # an upstream-style Namespace may lack it
         return
     root = checkpoint_root(args.output_dir)
+    if rank == 0:  # one process renames (a step_<N> replaced, or never completed, when a run stopped)
+        for notice in restore_replaced(root) + retire_incomplete(root):
+            print(f"[checkpoint] {notice}", flush=True)
+    barrier()
     fresh = not getattr(args, "resume", False) and not getattr(args, "resume_from", None)
     # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
     earlier = fresh and bool(complete_checkpoints(root) or [
@@ -414,14 +328,19 @@ def _save_engine(engine: Any, folder: Path, tag: str) -> list[Path]:
 
 def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPosition, *, keep: int,
                     rank: int, meta: Mapping[str, Any] | None = None,
-                    weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> Path:
+                    weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = (),
+                    protect: tuple[Path, ...] = ()) -> Path:
     """Write a checkpoint of ``engines`` (full DeepSpeed state; consolidated, with the training ``loaders``'
     order) and ``weights_only`` (parameters) at ``position`` (collective: every rank calls it).
 
     Rank 0 creates the temporary folder; every rank checks it sees that folder before writing
-    into it, and that its own files are in the folder rank 0 renamed into place before rank 0
-    marks the checkpoint complete. A rank that cannot stops every rank (one line, exit 2) and the
-    checkpoint is left incomplete.
+    into it, fsyncs the files it wrote, and checks that they are in the folder rank 0 renamed into
+    place before rank 0 marks the checkpoint complete. A rank that cannot stops every rank (one
+    line, exit 2) and the checkpoint is left incomplete. A previous ``step_<N>`` of the same step is
+    renamed aside before the new one is renamed in and deleted once the new one is complete; on a
+    failure before that it is put back. Once the marker and the folder are fsync'd, rotation keeps
+    the ``keep`` last written checkpoints, never the one just written nor those in ``protect``
+    (the ``--resume_from`` source) (:mod:`dschat.training.rotation`).
     """
     name = checkpoint_name(position.optimizer_steps)
     final = root / name
@@ -442,29 +361,40 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     rng_file = tmp / f"rng_rank{rank}.json"
     rng_file.write_text(json.dumps(rng_state()), encoding="utf-8")
     written.append(rng_file)
+    for path in written:  # each rank its own files, before rank 0 renames the folder
+        fsync_path(path)
     barrier()
+    aside = None
     if rank == 0:
-        if final.exists():  # the same step saved again (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        try:
+            aside = set_aside(final)  # the same step saved again (e.g. after a resume)
+            os.replace(tmp, final)
+        except BaseException:
+            put_back(final, aside, tmp)
+            raise
     barrier()
     # Each rank looks for its own files where rank 0 committed them, as its own node sees that folder.
     seen = all((final / path.relative_to(tmp)).is_file() for path in written if path.is_relative_to(tmp))
     try:
         refuse_unless_all(seen, f"cannot see the files it wrote for the checkpoint in {final} after rank 0 "
                                 "renamed the folder they were written in")
-    except UserError:
-        if rank == 0:  # never complete: put it back under its temporary name (pruned at the next start)
-            os.replace(final, tmp)
+        if rank == 0:
+            record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
+                      "weights_only": sorted(weights_only or {}), "meta": dict(meta or {}),
+                      "trainable": {tag: trainable_parameters(engine) for tag, engine in engines.items()},
+                      "sequence": next_sequence(root)}
+            fsync_tree(final)
+            with atomic_file(final / MARKER) as marker:
+                marker.write_text(json.dumps(record, indent=2), encoding="utf-8")
+            fsync_path(root)
+    except BaseException:
+        if rank == 0:  # never complete: back under its temporary name (pruned at the next start)
+            put_back(final, aside, tmp)
         raise
     if rank == 0:
-        record = {"format": FORMAT_VERSION, "position": asdict(position), "engines": sorted(engines),
-                  "weights_only": sorted(weights_only or {}), "meta": dict(meta or {}),
-                  "trainable": {tag: trainable_parameters(engine) for tag, engine in engines.items()}}
-        with atomic_file(final / MARKER) as marker:
-            marker.write_text(json.dumps(record, indent=2), encoding="utf-8")
-        for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        prune_rotated(root, keep, [final, *protect])
         print_rank_0(f"[checkpoint] saved {final}", rank)
     barrier()
     return final
@@ -473,15 +403,23 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
 def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
                     weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> TrainingPosition:
     """Restore ``engines``, ``weights_only`` and this rank's random states from ``folder``; return the
-    position (on another shape: :func:`dschat.training.consolidated.resume_on_new_shape`)."""
-    position = read_position(folder)
-    record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
+    position (on another shape: :func:`dschat.training.consolidated.resume_on_new_shape`). A damaged or
+    edited marker or random-state file is one line (exit 2)."""
+    record = read_record(folder)
+    position = TrainingPosition(**record["position"])
     missing = sorted(set(engines) - set(record.get("engines", [])))
     missing += sorted(set(weights_only or {}) - set(record.get("weights_only", [])))
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
     _check_trainable(folder, record, engines)
+    rng_file = folder / f"rng_rank{rank}.json"
+    rng = read_rng_file(rng_file) if rng_file.is_file() else None
     reshape = resume_on_new_shape(folder, engines, rank, position, loaders)  # None: DeepSpeed's files fit
+    if rng is None:
+        if reshape is None:
+            raise UserError(f"{folder} has no random state for rank {rank}: it was written with another number of "
+                            "ranks; resume with the same world size")
+        rng = derived_rng_state(folder, rank)
     for tag, engine in engines.items() if reshape is None else ():
         unsafe = engine.checkpoint_engine
         engine.checkpoint_engine = WeightsOnlyCheckpointEngine(unsafe)
@@ -495,11 +433,7 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
                             "pass --resume_from with an older one")
     for tag, engine in (weights_only or {}).items():
         load_weights(engine, folder / f"{tag}.safetensors", rank)
-    rng_file = folder / f"rng_rank{rank}.json"
-    if not rng_file.is_file() and reshape is None:
-        raise UserError(f"{folder} has no random state for rank {rank}: it was written with another number of "
-                        "ranks; resume with the same world size")
-    set_rng_state(json.loads(rng_file.read_text(encoding="utf-8")) if rng_file.is_file() else derived_rng_state(folder, rank))
+    set_rng_state(rng)
     print_rank_0(f"[checkpoint] resumed from {folder} (epoch {position.epoch}, "
                  f"{position.optimizer_steps} optimizer steps done)", rank)
     return position
@@ -532,6 +466,7 @@ class Checkpointer:
         self.keep = int(getattr(args, "keep_checkpoints", 2))
         self.root = checkpoint_root(args.output_dir) if args.output_dir else None
         self.position: TrainingPosition | None = None  # where a resumed run picks up
+        self.source: Path | None = None  # the --resume_from checkpoint: rotation never deletes it
 
     def resume(self, counter: Any = None) -> TrainingPosition | None:
         """Load the checkpoint ``--resume`` / ``--resume_from`` name (if any) into the engines and the
@@ -561,6 +496,7 @@ class Checkpointer:
             print_rank_0(f"[checkpoint] --resume: no complete checkpoint under {self.root}; starting from "
                          "the beginning", self.rank)
             return None
+        self.source = folder if source else None  # --resume's source rotates out as usual, by write order
         return load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders)
 
     def latest(self) -> Path | None:
@@ -574,7 +510,8 @@ class Checkpointer:
         if not self.due(position.optimizer_steps):
             return None
         return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
-                               weights_only=self.weights_only, loaders=self.loaders)
+                               weights_only=self.weights_only, loaders=self.loaders,
+                               protect=(self.source,) if self.source is not None else ())
 
 
 def check_checkpoint_args(args: Any) -> None:
@@ -598,3 +535,5 @@ def check_checkpoint_args(args: Any) -> None:
     if source and first and not (Path(source) / MARKER).is_file():
         raise UserError(f"--resume_from {source}: not a complete dschat checkpoint (no {MARKER}); pick a "
                         "folder <output_dir>/checkpoints/step_N, or --resume for the newest one")
+    if source and first:
+        read_record(Path(source))  # a damaged or edited marker: one line now, not after the models load

@@ -5,8 +5,10 @@ others can write to, or without dschat's completion marker) are left alone; a sy
 folder stays a link and the output lands where it points."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -19,7 +21,7 @@ from helpers.steps import load_script
 
 
 class Killed(BaseException):
-    """Stands in for SIGKILL; ``_kill_at`` disables the cleanup a dead process would not run."""
+    """Stands in for a crash while writing, before any rename (the process's cleanup runs)."""
 
 
 def _old_folder(path):
@@ -34,33 +36,37 @@ def _keep(name: str) -> bool:
     return name != "model.safetensors"
 
 
-def _kill_at(monkeypatch, path, call: int):
-    """Kill atomic_dir at its ``call``-th os.replace, leaving what a SIGKILL would (no cleanup)."""
-    real_replace, real_rmtree = os.replace, fs.shutil.rmtree
-    count = {"n": 0}
+def _kill_at(path, call: int) -> None:
+    """A forked child runs atomic_dir and is SIGKILLed just before its ``call``-th os.replace."""
+    pid = os.fork()
+    if pid == 0:  # the child: no pytest cleanup, no atexit
+        count = 0
+        real_replace = os.replace
 
-    def replace(src, dst):
-        count["n"] += 1
-        if count["n"] == call:
-            monkeypatch.setattr(fs.shutil, "rmtree", lambda *a, **k: None)  # a dead process cleans nothing
-            raise Killed
-        return real_replace(src, dst)
+        def replace(src, dst):
+            nonlocal count
+            count += 1
+            if count == call:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_replace(src, dst)
 
-    monkeypatch.setattr(fs.os, "replace", replace)
-    with pytest.raises(Killed):
-        with fs.atomic_dir(path, carry_over=_keep) as tmp:
-            (tmp / "model.safetensors").write_text("new")
-    monkeypatch.setattr(fs.os, "replace", real_replace)
-    monkeypatch.setattr(fs.shutil, "rmtree", real_rmtree)
+        fs.os.replace = replace
+        try:
+            with fs.atomic_dir(path, carry_over=_keep) as tmp:
+                (tmp / "model.safetensors").write_text("new")
+        finally:
+            os._exit(3)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
 
 
-# os.replace calls in atomic_dir: 1 = carry training.log / checkpoints (2 calls), 3 = old folder aside,
+# os.replace calls in atomic_dir: 1 = carry checkpoints / training.log (2 calls), 3 = old folder aside,
 # 4 = new folder into place.
 @pytest.mark.parametrize("call,model", [(1, "old"), (2, "old"), (3, "old"), (4, "new")])
-def test_recovery_after_a_kill_at_each_rename(call, model, tmp_path, monkeypatch):
+def test_recovery_after_a_kill_at_each_rename(call, model, tmp_path):
     path = tmp_path / "out"
     _old_folder(path)
-    _kill_at(monkeypatch, path, call)
+    _kill_at(path, call)
     if call == 4:
         assert not path.exists()  # the window: the old folder is aside, the new one not yet in place
     notices = fs.recover_dir(path, carry_over=_keep)
@@ -69,6 +75,31 @@ def test_recovery_after_a_kill_at_each_rename(call, model, tmp_path, monkeypatch
     assert (path / "checkpoints" / "step_2").read_text() == "ckpt"
     assert (path / "training.log").read_text() == "log"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no hidden leftovers
+
+
+# os.replace calls as above, then the undo's own renames.
+@pytest.mark.parametrize("call", [1, 2, 3, 4])
+def test_a_failed_rename_puts_every_carried_entry_back(call, tmp_path, monkeypatch):
+    path = tmp_path / "out"
+    _old_folder(path)
+    (path / "notes.txt").write_text("mine")
+    before = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    real_replace = os.replace
+    count = {"n": 0}
+
+    def replace(src, dst):
+        count["n"] += 1
+        if count["n"] == call:  # EXDEV / EBUSY / EPERM: a mount point, a team folder in a sticky parent
+            raise OSError(errno.EBUSY, os.strerror(errno.EBUSY))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(fs.os, "replace", replace)
+    with pytest.raises(OSError):
+        with fs.atomic_dir(path, carry_over=_keep) as tmp:
+            (tmp / "model.safetensors").write_text("new")
+    monkeypatch.undo()
+    after = {str(p.relative_to(tmp_path)): p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
+    assert after == before  # nothing carried over was deleted, no leftover beside it
 
 
 def test_nothing_to_recover(tmp_path):

@@ -204,8 +204,9 @@ def test_kill_while_writing_a_checkpoint_then_resume(data_dir, reference, tmp_pa
 
 
 def partial_saves(out: Path) -> list[Path]:
-    """The hidden folders ``atomic_dir`` writes a model into before renaming it to ``out``."""
-    return sorted(out.parent.glob(f".{out.name}.partial-*"))
+    """The hidden folders inside ``out`` that ``save_in_place`` writes a model into before renaming
+    its entries into ``out``."""
+    return sorted(out.glob(".dschat-staging-*"))
 
 
 def test_kill_while_writing_the_final_model_then_resume(data_dir, reference, tmp_path):
@@ -231,13 +232,13 @@ def test_kill_while_replacing_a_model_leaves_the_old_one_intact(data_dir, refere
 
     out = tmp_path / "out"
     shutil.copytree(reference, out, ignore=shutil.ignore_patterns("checkpoints"))
-    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
     # A shorter run into the same folder, killed while its (different) model is being written.
     killed = run_step1(data_dir, out, "--save_interval", "0", kill="final_save:1", steps=2)
     assert_killed(killed)
     [partial] = partial_saves(out)
     assert (partial / "model.safetensors").read_bytes() != before["model.safetensors"]
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
     AutoModelForCausalLM.from_pretrained(out)
     AutoTokenizer.from_pretrained(out)
 

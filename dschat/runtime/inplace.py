@@ -1,0 +1,196 @@
+"""Saving into a folder in place: the entries a save owns are replaced, the folder itself never moves.
+
+A step's ``--output_dir`` is often a folder that cannot be renamed: a docker or Kubernetes volume (a
+mount point: EBUSY / EXDEV), ``.``, a folder in a parent the user cannot write to, or a team folder
+in a sticky ``/scratch`` (EPERM). It also holds what the user keeps there (``checkpoints/``,
+``training.log``, TensorBoard runs, their own notes). So a model save never renames the folder and
+never moves any entry it does not own; every file and rename stays inside the folder:
+
+1. The new entries are written into a staging folder inside it, ``<path>/.dschat-staging-<id>``.
+2. Every file and folder in it is fsync'd; then the journal ``.dschat-staged.json`` (the names
+   staged) is written and fsync'd into it: from here on the save is complete and will be finished.
+3. Each entry the save owns (``owns(name)``) that the new save does not write, and each entry the
+   new save replaces, is renamed into ``<path>/.dschat-replaced-<id>``; each staged entry is renamed
+   into ``path``; ``path`` is fsync'd.
+4. The replaced entries are deleted, then the staging folder. An error here is raised (the new
+   save is in place; the leftovers go at the next recovery).
+
+An exception in step 1 or 2 deletes the staging folder: ``path`` is untouched. An exception in
+step 3 reverses every rename done, in reverse order: ``path`` is as it was. A kill at any point is
+put right by :func:`recover_in_place` (called before the next save into ``path`` and at every step's
+start-up): a staging folder with its journal is finished (step 3 repeated: the complete new state),
+one without it deleted (the complete old state). Entries ``owns`` rejects are never renamed,
+written or deleted. A folder or journal that is not this user's own (:func:`owned_privately`) is
+left alone with a notice: on a shared machine it may be another user's plant.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+from dschat.runtime.fs import (_disk_full_is_a_user_error, _normalise_modes, fsync_path, fsync_tree,
+                               owned_privately)
+
+__all__ = ["STAGING_PREFIX", "REPLACED_PREFIX", "JOURNAL", "save_in_place", "recover_in_place"]
+
+STAGING_PREFIX = ".dschat-staging-"
+REPLACED_PREFIX = ".dschat-replaced-"
+#: Written into a staging folder, last, once everything in it is complete and fsync'd.
+JOURNAL = ".dschat-staged.json"
+
+
+def _ours(name: str) -> bool:
+    return name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
+
+
+def _read_journal(stage: Path) -> list[str] | None:
+    """The staged names, or None when ``stage`` is unfinished (no journal) or the journal is not
+    this user's own or not one dschat wrote."""
+    journal = stage / JOURNAL
+    if not (journal.is_file() and owned_privately(journal)):
+        return None
+    try:
+        names = json.loads(journal.read_text(encoding="utf-8")).get("entries")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(names, list) or not all(isinstance(n, str) and n and "/" not in n and not _ours(n)
+                                              and n not in (".", "..", JOURNAL) for n in names):
+        return None
+    return names
+
+
+class _Moves:
+    """The renames of step 3, recorded so that :meth:`undo` reverses them."""
+
+    def __init__(self, path: Path, stage: Path, aside: Path) -> None:
+        self.path, self.stage, self.aside = path, stage, aside
+        self.done: list[tuple[Path, Path]] = []
+
+    def move(self, src: Path, dst: Path) -> None:
+        os.replace(src, dst)
+        self.done.append((src, dst))
+
+    def forward(self, names: list[str], owns: Callable[[str], bool]) -> None:
+        """Step 3; repeating it after a kill finishes what the killed process began."""
+        path, stage, aside = self.path, self.stage, self.aside
+        if not aside.is_dir():
+            aside.mkdir()
+        staged = set(names)
+        for name in sorted(os.listdir(path)):
+            if owns(name) and name not in staged and not _ours(name) and not os.path.lexists(aside / name):
+                self.move(path / name, aside / name)
+        for name in names:
+            if not os.path.lexists(stage / name):
+                continue  # moved in already
+            if os.path.lexists(path / name):
+                self.move(path / name, aside / name)
+            self.move(stage / name, path / name)
+        fsync_path(path)
+
+    def undo(self) -> bool:
+        """Reverse the renames done; False when one of them fails (the journal then stays, and
+        :func:`recover_in_place` finishes the save instead)."""
+        try:
+            while self.done:
+                src, dst = self.done[-1]
+                os.replace(dst, src)
+                self.done.pop()
+            if self.aside.is_dir():
+                self.aside.rmdir()
+        except OSError:
+            return False
+        return True
+
+
+def _finish(stage: Path, aside: Path) -> None:
+    """Step 4: the replaced entries first, the staging folder (and its journal) last, so that a
+    kill or an error in between leaves the journal for :func:`recover_in_place` to finish from.
+    An error is raised: the new save is in place, but hidden leftovers remain until then."""
+    if aside.is_dir():
+        shutil.rmtree(aside)
+    shutil.rmtree(stage)
+
+
+@contextlib.contextmanager
+def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Iterator[Path]:
+    """Yield an empty staging folder inside ``path`` (created, with its parents, if missing); when
+    the body returns, its entries replace ``path``'s, and the entries of ``path`` that ``owns`` claims
+    and the new save does not write are removed. See the module docstring for the order and what a
+    failure or a kill leaves. A full disk is one line (:class:`~dschat.errors.UserError`) saying the
+    previous files are unchanged. Returns nothing; one process at a time per ``path``.
+    """
+    path = Path(path)
+    with _disk_full_is_a_user_error(path, kept=f"the previous files in {path.name}, if any, are unchanged"):
+        path.mkdir(parents=True, exist_ok=True)
+        recover_in_place(path, owns)
+        token = uuid.uuid4().hex[:8]
+        stage, aside = path / f"{STAGING_PREFIX}{token}", path / f"{REPLACED_PREFIX}{token}"
+        stage.mkdir(mode=0o700)
+        os.chmod(stage, 0o700)  # only its owner's: recover_in_place trusts nothing else
+        try:
+            yield stage
+            _normalise_modes(stage)
+            names = sorted(os.listdir(stage))
+            fsync_tree(stage)
+            (stage / JOURNAL).write_text(json.dumps({"entries": names}), encoding="utf-8")
+            os.chmod(stage / JOURNAL, 0o600)
+            fsync_path(stage / JOURNAL)
+            fsync_path(stage)
+        except BaseException:
+            shutil.rmtree(stage, ignore_errors=True)
+            raise
+        moves = _Moves(path, stage, aside)
+        try:
+            moves.forward(names, owns)
+        except BaseException:
+            if moves.undo():
+                shutil.rmtree(stage, ignore_errors=True)
+            raise
+        _finish(stage, aside)
+
+
+def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> list[str]:
+    """Finish or undo a :func:`save_in_place` that a kill interrupted; one notice per fix.
+
+    A staging folder with its journal is finished (the new save takes its place), one without is
+    deleted (nothing of ``path`` had been touched). A replaced-entries folder without its staging
+    folder gives back the entries ``path`` lacks, then goes. Leftovers that are not this user's own,
+    or that others can write to, are left alone with a notice.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    notices: list[str] = []
+    leftovers = sorted(p for p in path.iterdir() if _ours(p.name))
+    for stage in (p for p in leftovers if p.name.startswith(STAGING_PREFIX)):
+        if not (stage.is_dir() and owned_privately(stage)):
+            notices.append(f"left {stage} alone: it is not a folder that only you own and can write to, so it "
+                           "was not written by your dschat run; delete it if it is yours")
+            continue
+        names = _read_journal(stage)
+        aside = path / f"{REPLACED_PREFIX}{stage.name[len(STAGING_PREFIX):]}"
+        if names is None:
+            shutil.rmtree(stage, ignore_errors=True)
+            notices.append(f"removed the unfinished save {stage.name} in {path}")
+            continue
+        _Moves(path, stage, aside).forward(names, owns)
+        _finish(stage, aside)
+        notices.append(f"finished an interrupted save into {path}")
+    for aside in (p for p in leftovers if p.name.startswith(REPLACED_PREFIX) and p.is_dir()):
+        if not aside.exists():
+            continue  # finished above
+        if not owned_privately(aside):
+            notices.append(f"left {aside} alone: it is not a folder that only you own and can write to")
+            continue
+        for entry in sorted(aside.iterdir()):
+            if not os.path.lexists(path / entry.name):
+                os.replace(entry, path / entry.name)
+        with contextlib.suppress(OSError):
+            shutil.rmtree(aside)
+        notices.append(f"put back the entries of an interrupted save into {path}")
+    return notices

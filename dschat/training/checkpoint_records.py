@@ -1,0 +1,138 @@
+"""The JSON files of a checkpoint (no pickles), read back with every field checked: the random
+states (``rng_rank<r>.json``: Python, NumPy, torch and CUDA generators) and the marker
+(``dschat_checkpoint.json``: format, data position, engines, caller state, write order).
+
+A truncated, damaged or hand-edited file -- bad JSON, a missing key, a string where a number
+belongs, a negative step, a state of the wrong length -- is refused with one line naming the file
+(:class:`~dschat.errors.UserError`, exit code 2), never a traceback from deep inside a loader.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any, Mapping
+
+import numpy as np
+import torch
+
+from dschat.errors import UserError
+from dschat.training.rotation import MARKER
+
+FORMAT_VERSION = 1
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state: dict[str, Any] = {
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+def _is_int(value: Any, low: int = 0, high: int | None = None) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value <= high))
+
+
+def _ints(values: Any, length: int | None, high: int) -> bool:
+    return (isinstance(values, list) and (length is None or len(values) == length)
+            and all(_is_int(v, 0, high) for v in values))
+
+
+def _rng_problem(state: Any) -> str | None:
+    """What is wrong with a random-state record (:func:`rng_state`'s layout), or None."""
+    if not isinstance(state, dict) or not {"python", "numpy", "torch"} <= set(state) <= {"python", "numpy", "torch",
+                                                                                        "cuda"}:
+        return "it is not an object with the keys python, numpy, torch (and cuda)"
+    py = state["python"]
+    if not (isinstance(py, list) and len(py) == 3 and _is_int(py[0]) and _ints(py[1], 625, 2**32 - 1)
+            and py[1][-1] <= 624 and (py[2] is None or isinstance(py[2], float))):
+        return "its python state is not [version, 625 32-bit words, gauss]"
+    npy = state["numpy"]
+    if not (isinstance(npy, list) and len(npy) == 5 and npy[0] == "MT19937" and _ints(npy[1], 624, 2**32 - 1)
+            and _is_int(npy[2], 0, 624) and _is_int(npy[3], 0, 1) and isinstance(npy[4], (int, float))
+            and not isinstance(npy[4], bool)):
+        return "its numpy state is not ['MT19937', 624 32-bit words, position, has_gauss, cached]"
+    if not _ints(state["torch"], torch.get_rng_state().numel(), 255):
+        return f"its torch state is not {torch.get_rng_state().numel()} bytes"
+    if "cuda" in state and not _ints(state["cuda"], None, 255):
+        return "its cuda state is not a list of bytes"
+    return None
+
+
+def read_rng_file(path: Path) -> dict[str, Any]:
+    """A rank's ``rng_rank<r>.json``, checked (types, lengths, ranges); a damaged or edited one is
+    one line naming it."""
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        state, problem = None, f"it is not readable JSON ({type(err).__name__})"
+    else:
+        problem = _rng_problem(state)
+    if problem is not None:
+        raise UserError(f"{path}: {problem}; the checkpoint is damaged or was edited: pass --resume_from with "
+                        "another checkpoint")
+    return state
+
+
+_POSITION_KEYS = ("epoch", "epoch_micro_steps", "micro_steps", "optimizer_steps")
+
+
+def _record_problem(data: Any) -> str | None:
+    """What is wrong with a marker record, or None (the format version is checked apart)."""
+    if not isinstance(data, dict):
+        return "it is not a JSON object"
+    position = data.get("position")
+    if not isinstance(position, dict) or not set(_POSITION_KEYS) <= set(position) <= {*_POSITION_KEYS, "extra"}:
+        return f"its position is not an object with {', '.join(_POSITION_KEYS)} (and extra)"
+    bad = [key for key in _POSITION_KEYS if not _is_int(position[key])]
+    if bad:
+        return f"position.{bad[0]} is {position[bad[0]]!r}, not a whole number >= 0"
+    if not isinstance(position.get("extra", {}), dict):
+        return "position.extra is not an object"
+    for key in ("engines", "weights_only"):
+        if not (isinstance(data.get(key, []), list) and all(isinstance(t, str) for t in data.get(key, []))):
+            return f"{key} is not a list of names"
+    if not isinstance(data.get("meta", {}), dict):
+        return "meta is not an object"
+    trainable = data.get("trainable", {})
+    if not (isinstance(trainable, dict) and all(isinstance(v, list) and all(isinstance(n, str) for n in v)
+                                                for v in trainable.values())):
+        return "trainable is not an object of name lists"
+    if "sequence" in data and not _is_int(data["sequence"]):
+        return f"sequence is {data['sequence']!r}, not a whole number >= 0"
+    return None
+
+
+def read_record(folder: Path) -> dict[str, Any]:
+    """The marker of the checkpoint ``folder``, checked (types, keys, ranges); a damaged or edited
+    one, or another format's, is one line naming it."""
+    path = folder / MARKER
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        data, problem = None, f"it is not readable JSON ({type(err).__name__})"
+    else:
+        problem = None if isinstance(data, dict) and data.get("format") != FORMAT_VERSION else _record_problem(data)
+    if problem is not None:
+        raise UserError(f"{path}: {problem}; the checkpoint is damaged or was edited: pass --resume_from with "
+                        "another checkpoint")
+    if data.get("format") != FORMAT_VERSION:
+        raise UserError(f"{folder} was written by another dschat checkpoint format ({data.get('format')!r}); "
+                        "start a new run or use the dschat version that wrote it")
+    return data

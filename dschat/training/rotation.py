@@ -1,0 +1,200 @@
+"""Checkpoint folders on disk: which are complete, their write order, replacing one, rotation
+(``--keep_checkpoints``) and the leftovers of stopped saves.
+
+* A checkpoint ``checkpoints/step_<N>`` is complete when it holds :data:`MARKER`. Its marker records
+  a ``sequence`` number, one more than any complete checkpoint beside it had when it was written:
+  :func:`complete_checkpoints` lists them in write order (a checkpoint without one, by its marker's
+  modification time, before those with one). ``--resume`` takes the last written, not the highest
+  step: after a roll-back with ``--resume_from step_50``, the step_60 written next is the newest,
+  not an abandoned step_200.
+* Rotation (:func:`prune_rotated`) keeps the ``keep`` last written, and never deletes the
+  checkpoint just written nor the ``--resume_from`` source. A folder to prune is first renamed to a
+  ``.tmp-pruned-*`` name (one atomic rename: it stops counting as complete), then deleted; a kill
+  midway leaves a leftover that the next start deletes, never a half-deleted ``step_<N>``. A
+  checkpoint that cannot be deleted is kept, with a notice: training goes on.
+* A ``step_<N>`` without its marker (a stop between its rename and its marker) is removed at the
+  next start (:func:`retire_incomplete`), like the ``.tmp-*`` leftovers.
+* Replacing a complete ``step_<N>`` (the same step saved again after a resume) renames the old one
+  to ``step_<N>.replaced-<id>`` before the new one is renamed in (:func:`set_aside`); the old one is
+  deleted only once the new one is complete. A kill in between leaves both, and the next start
+  (:func:`restore_replaced`) keeps the complete one: step N is never only a ``.tmp-step_<N>``.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+from pathlib import Path
+
+from dschat.runtime.dist import print_rank_0
+
+MARKER = "dschat_checkpoint.json"
+PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+PROBE_PREFIX = f"{TMP_PREFIX}visible-"  # a file rank 0 drops for the other ranks to look for
+PRUNED_PREFIX = f"{TMP_PREFIX}pruned-"  # a rotated-out checkpoint being deleted
+REPLACED_TAG = ".replaced-"  # step_<N>.replaced-<id>: a complete step_<N> set aside while it is replaced
+
+
+def checkpoint_name(optimizer_steps: int) -> str:
+    return f"{PREFIX}{optimizer_steps:08d}"
+
+
+def steps_of(folder: Path) -> int | None:
+    """N of a ``step_<N>`` folder, else None."""
+    name = folder.name
+    if not name.startswith(PREFIX) or not name[len(PREFIX):].isdigit():
+        return None
+    return int(name[len(PREFIX):])
+
+
+def write_order(folder: Path) -> tuple[int, int]:
+    """Sort key of a complete checkpoint: its marker's ``sequence`` (-1 without a readable one),
+    then the marker's modification time."""
+    marker = folder / MARKER
+    try:
+        sequence = json.loads(marker.read_text(encoding="utf-8")).get("sequence", -1)
+        mtime = marker.stat().st_mtime_ns
+    except (OSError, ValueError, AttributeError):
+        return (-1, 0)
+    return (sequence if isinstance(sequence, int) and not isinstance(sequence, bool) else -1, mtime)
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under ``root``, in write order (the last written last)."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and steps_of(p) is not None and (p / MARKER).is_file()]
+    return sorted(found, key=lambda p: (write_order(p), steps_of(p) or 0))
+
+
+def next_sequence(root: Path) -> int:
+    """The ``sequence`` of a checkpoint written now: one more than any complete one has."""
+    return max((write_order(p)[0] for p in complete_checkpoints(root)), default=-1) + 1
+
+
+def incomplete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and (
+        p.name.startswith(TMP_PREFIX) or (steps_of(p) is not None and not (p / MARKER).is_file())))
+
+
+def latest_checkpoint(root: Path, rank: int = 0) -> Path | None:
+    """The last written complete checkpoint; each incomplete one is named in a one-line notice."""
+    for bad in incomplete_checkpoints(root):
+        print_rank_0(f"[checkpoint] ignoring incomplete checkpoint {bad} (a run stopped while writing it)", rank)
+    done = complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def _same(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def prune_rotated(root: Path, keep: int, protect: list[Path]) -> list[Path]:
+    """Delete all but the ``keep`` last written complete checkpoints, never one in ``protect`` (the
+    checkpoint just written, the resume source); return those deleted. Each is made incomplete
+    first, by renaming it to a ``.tmp-pruned-*`` name, then deleted."""
+    pruned = []
+    for old in complete_checkpoints(root)[:-keep] if keep > 0 else []:
+        if any(_same(old, kept) for kept in protect):
+            continue
+        doomed = root / f"{PRUNED_PREFIX}{old.name}-{secrets.token_hex(4)}"
+        try:
+            os.replace(old, doomed)
+        except OSError as err:  # the new checkpoint is complete: training goes on, the old one stays
+            print(f"[checkpoint] could not delete the old checkpoint {old} ({err.strerror or err}); it is kept, "
+                  "complete; delete it yourself if you need the space", flush=True)
+            continue
+        shutil.rmtree(doomed, ignore_errors=True)  # what is left goes at the next start
+        pruned.append(old)
+    return pruned
+
+
+def retire_incomplete(root: Path) -> list[str]:
+    """Rename each ``step_<N>`` without a marker (a run stopped after renaming it in, before marking
+    it complete) to a ``.tmp-*`` leftover, which :func:`prune_leftovers` then deletes; one notice
+    each. Rank 0 only, at start-up."""
+    notices = []
+    for folder in incomplete_checkpoints(root):
+        if not folder.name.startswith(TMP_PREFIX):
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(folder, root / f"{TMP_PREFIX}{folder.name}-{secrets.token_hex(4)}")
+                notices.append(f"{folder} was never completed (a run stopped while writing it); removing it")
+    return notices
+
+
+def set_aside(final: Path) -> Path | None:
+    """Rename an existing ``final`` to ``step_<N>.replaced-<id>`` beside it; the new name, or None."""
+    if not os.path.lexists(final):
+        return None
+    aside = final.with_name(f"{final.name}{REPLACED_TAG}{secrets.token_hex(4)}")
+    os.replace(final, aside)
+    return aside
+
+
+def put_back(final: Path, aside: Path | None, tmp: Path) -> None:
+    """Undo a commit that failed before ``final`` was complete: ``final`` goes back to ``tmp`` (pruned
+    at the next start) and the set-aside checkpoint, if any, back to ``final``."""
+    if os.path.lexists(final) and not (final / MARKER).is_file():
+        os.replace(final, tmp)
+    if aside is not None and os.path.lexists(aside) and not os.path.lexists(final):
+        os.replace(aside, final)
+
+
+def restore_replaced(root: Path) -> list[str]:
+    """After a kill while ``step_<N>`` was being replaced: keep the complete one of ``step_<N>`` and
+    its ``step_<N>.replaced-*`` (the new one when both are); one notice per fix. Safe to run on
+    every rank of a shared folder (a rename that another rank did first is passed over)."""
+    if not root.is_dir():
+        return []
+    notices = []
+    for aside in sorted(root.glob(f"{PREFIX}*{REPLACED_TAG}*")):
+        final = root / aside.name.split(REPLACED_TAG)[0]
+        with contextlib.suppress(FileNotFoundError):
+            if (final / MARKER).is_file() or not (aside / MARKER).is_file():
+                doomed = root / f"{PRUNED_PREFIX}{aside.name}"
+                os.replace(aside, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+                continue
+            if os.path.lexists(final):  # the new one, never completed
+                os.replace(final, root / f"{TMP_PREFIX}{final.name}-{secrets.token_hex(4)}")
+            os.replace(aside, final)
+            notices.append(f"restored {final} (a run stopped while replacing it)")
+    return notices
+
+
+def prune_leftovers(root: Path, run_tag: str) -> list[str]:
+    """Delete the ``.tmp-*`` leftovers of stopped saves under ``root`` as this rank sees it; return
+    one notice per unfinished checkpoint deleted.
+
+    Every rank calls it (node-local folders have leftovers too), with the same ``run_tag``. A rank
+    first claims a leftover by renaming it to ``.tmp-pruning-<run_tag>-<own suffix>``, which the
+    other ranks of this run pass over: on a shared file system exactly one rank deletes each.
+    """
+    if not root.is_dir():
+        return []
+    ours = f"{TMP_PREFIX}pruning-{run_tag}-"
+    notices = []
+    for leftover in sorted(root.glob(f"{TMP_PREFIX}*")):
+        if leftover.name.startswith(ours):
+            continue  # claimed by another rank of this run
+        claimed = root / f"{ours}{secrets.token_hex(6)}"
+        try:
+            os.replace(leftover, claimed)
+        except FileNotFoundError:  # another rank claimed it first
+            continue
+        if claimed.is_dir() and not claimed.is_symlink():
+            shutil.rmtree(claimed, ignore_errors=True)
+        else:
+            claimed.unlink(missing_ok=True)
+        if not leftover.name.startswith((PROBE_PREFIX, f"{TMP_PREFIX}pruning-", PRUNED_PREFIX)):
+            notices.append(f"ignoring incomplete checkpoint {leftover} (a run stopped while writing it); "
+                           "removed it")
+    return notices
