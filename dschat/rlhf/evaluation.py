@@ -496,8 +496,7 @@ class StepThreeEvaluation:
         if self.output_dir is not None and self.rank == 0:
             path = self.output_dir / METRICS_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
-            fresh = record["global_step"] == 0 and not path.exists()
-            with path.open("w" if fresh else "a", encoding="utf-8") as f:
+            with path.open("a", encoding="utf-8") as f:  # begun by ppo_loop.start_metrics
                 f.write(json.dumps(record, allow_nan=True) + "\n")
 
     def finish(self) -> str | None:

@@ -29,13 +29,14 @@ from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import RolloutStats
 from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, MicroStepStats
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
+from dschat.runtime.fs import atomic_file
 from dschat.runtime.perf import print_throughput_step3
 from dschat.training.checkpoint import Checkpointer
 from dschat.training.common import RunContext, TensorBoardLogger, to_device
 from dschat.training.ppo_counters import PPOCounters, finished_before_resume, reached_test_stop
 
 __all__ = ["METRICS_FILE", "PPORun", "IterationResult", "run_ppo", "train_rollout", "log_iteration",
-           "iteration_record", "tensorboard_scalars", "append_metrics", "truncate_metrics"]
+           "iteration_record", "tensorboard_scalars", "append_metrics", "start_metrics", "truncate_metrics"]
 
 
 @dataclass
@@ -177,10 +178,8 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
     record = iteration_record(epoch, step, counters.global_step, trainer.pop_micro_stats(), iteration.rollout,
                               ema_reward, iteration.unsup_loss, gen_time, exp_time, iteration.training_time)
     tb.scalars(counters.global_step, **tensorboard_scalars(record))
-    if args.output_dir is not None and rank == 0:
-        # With --eval_interval the evaluation before the first step has started the file already.
-        fresh = counters.global_step == 0 and not getattr(args, "eval_interval", 0)
-        append_metrics(Path(args.output_dir) / METRICS_FILE, record, fresh=fresh)
+    if args.output_dir is not None and rank == 0:  # start_metrics began the file for this run
+        append_metrics(Path(args.output_dir) / METRICS_FILE, record)
     counters.global_step += 1
     return record
 
@@ -231,8 +230,8 @@ def tensorboard_scalars(record: dict) -> dict[str, float]:
     return scalars
 
 
-def append_metrics(path: Path, record: dict, *, fresh: bool) -> None:
-    """One JSON line per PPO iteration (what the e2e report plots); a new run starts a new file.
+def append_metrics(path: Path, record: dict, *, fresh: bool = False) -> None:
+    """One JSON line per PPO iteration (what the e2e report plots); ``fresh``: the file's first line.
 
     Written as it goes, so a crashed run still leaves the curve up to its last iteration.
     """
@@ -240,6 +239,18 @@ def append_metrics(path: Path, record: dict, *, fresh: bool) -> None:
     line = json.dumps({k: v for k, v in record.items() if k != "micro_steps"}, allow_nan=True)
     with path.open("w" if fresh else "a", encoding="utf-8") as f:
         f.write(line + "\n")
+
+
+def start_metrics(path: Path, iterations: int | None) -> None:
+    """Begin this run's ``metrics.jsonl`` (rank 0, before the first record): a fresh run
+    (``iterations`` None) starts an empty file, whatever an earlier run left there; a resumed run keeps
+    the lines of the ``iterations`` its checkpoint holds (:func:`truncate_metrics`)."""
+    if iterations is not None:
+        truncate_metrics(path, iterations)
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        tmp.write_text("", encoding="utf-8")
 
 
 def truncate_metrics(path: Path, iterations: int) -> None:
@@ -257,4 +268,5 @@ def truncate_metrics(path: Path, iterations: int) -> None:
                 kept.append(line + "\n")
         except json.JSONDecodeError:  # a line cut by the kill
             continue
-    path.write_text("".join(kept), encoding="utf-8")
+    with atomic_file(path) as tmp:  # a kill leaves the old file, never a half-written one
+        tmp.write_text("".join(kept), encoding="utf-8")

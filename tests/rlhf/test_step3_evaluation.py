@@ -362,6 +362,9 @@ def ppo_runs(tmp_path_factory, critic_dirs, data_cache):
                          "--output_dir", str(out), *more, steps=4)
 
     evaluated = ("--eval_interval", "2", "--eval_prompts", "6", "--eval_judge", "gold", "--save_interval", "1")
+    # An earlier run's metrics.jsonl: the fresh run starts its own (test_ppo_evaluation_records_and_best_checkpoint).
+    (root / "with").mkdir()
+    (root / "with" / "metrics.jsonl").write_text(json.dumps({"kind": "eval", "global_step": 0, "stale": True}) + "\n")
     return {"argv": argv, "evaluated": evaluated, "root": root,
             "with": main(argv(root / "with", *evaluated)), "without": main(argv(root / "without"))}
 
