@@ -25,6 +25,7 @@ from dschat.errors import UserError
 from dschat.models.embedded import materialize_smollm2
 from dschat.models.tiny import build_tiny_model
 from dschat.paths import ADAPTER_CONFIG_FILE, is_adapter_folder
+from dschat.runtime.inplace import unfinished_save
 
 EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
 # Same names as dschat.models.tiny.TINY_NAMES (kept literal here so that importing the registry
@@ -73,6 +74,11 @@ def _looks_like_path(name: str) -> bool:
 
 
 def _check_local_folder(name: str, folder: Path) -> None:
+    leftover = unfinished_save(folder)
+    if leftover is not None:  # part old save, part new one: never loaded as a model
+        raise UserError(f"{name} holds an unfinished model save ({leftover.name}): a save into it is running, or "
+                        f"one was stopped; wait for a running save to end, else finish or undo it with "
+                        f"'python -m dschat.models.save --recover {name}', then run again")
     if (folder / "config.json").is_file() or is_adapter_folder(folder):
         return
     if any((folder / f).is_file() for f in TOKENIZER_FILES):

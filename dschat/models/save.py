@@ -26,15 +26,18 @@ the user's own files) is moved, written or deleted.
 """
 from __future__ import annotations
 
+import argparse
 import re
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import deepspeed
 import torch
 from safetensors.torch import save_file
 from torch import nn
 
+from dschat.errors import UserError, cli_main
 from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_lora_adapter
 from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
@@ -225,3 +228,21 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
         with save_in_place(save_dir, _is_weights) as tmp:
             _write(module, state, tmp)
     barrier()
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m dschat.models.save --recover FOLDER``: finish or undo a model save into FOLDER (or
+    its ``actor/``, ``critic/``) that was stopped, as every step does at start-up for its
+    ``--output_dir``. Run it only while no save into FOLDER is running."""
+    parser = argparse.ArgumentParser(prog="python -m dschat.models.save", description=main.__doc__)
+    parser.add_argument("--recover", required=True, metavar="FOLDER", help="the model folder to finish or undo")
+    folder = parser.parse_args(argv).recover
+    if not Path(folder).is_dir():
+        raise UserError(f"--recover {folder}: no such folder; pass the model folder named in the error")
+    notices = recover_output_dir(folder)
+    for notice in notices or [f"{folder} holds no unfinished save; nothing to do"]:
+        print(notice, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(cli_main(main))

@@ -36,7 +36,7 @@ from typing import Callable, Iterator
 from dschat.runtime.fs import (_disk_full_is_a_user_error, _normalise_modes, fsync_path, fsync_tree,
                                owned_privately)
 
-__all__ = ["STAGING_PREFIX", "REPLACED_PREFIX", "JOURNAL", "save_in_place", "recover_in_place"]
+__all__ = ["STAGING_PREFIX", "REPLACED_PREFIX", "JOURNAL", "save_in_place", "recover_in_place", "unfinished_save"]
 
 STAGING_PREFIX = ".dschat-staging-"
 REPLACED_PREFIX = ".dschat-replaced-"
@@ -194,3 +194,15 @@ def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> li
             shutil.rmtree(aside)
         notices.append(f"put back the entries of an interrupted save into {path}")
     return notices
+
+
+def unfinished_save(path: str | os.PathLike) -> Path | None:
+    """The first leftover of a :func:`save_in_place` inside ``path`` (a staging or replaced-entries
+    folder), or None. While one is there the folder may hold part of the old save and part of the new
+    one: a reader refuses it, and :func:`recover_in_place` finishes or undoes the save."""
+    folder = Path(path)
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return None
+    return next((folder / name for name in names if _ours(name)), None)

@@ -489,3 +489,53 @@ def test_rolling_back_with_resume_from_then_resume(engine, tmp_path):
     assert resumed.resume().optimizer_steps == 60  # the last written, not the abandoned step 200
     resumed.maybe_save(_position(70))
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000060", "step_00000070"]
+
+
+def test_a_reader_refuses_a_model_folder_a_stopped_save_left_half_replaced_and_the_recover_command_finishes_it(tmp_path):
+    """A save killed between its renames leaves the new config.json beside the old weights: loading
+    the folder is one line naming the leftover and the command; ``--recover`` finishes the save."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    from dschat.errors import UserError
+    from dschat.models.registry import check_local_model_path
+    from dschat.models.save import is_model_artifact
+    from dschat.runtime.inplace import save_in_place
+
+    folder = tmp_path / "sft"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"old": 1}')
+    (folder / "model.safetensors").write_bytes(b"old weights")
+    child = os.fork()
+    if child == 0:  # the save, killed at its second rename (the first staged entry is in place)
+        calls = [0]
+        real = os.replace
+
+        def replace(src, dst):
+            calls[0] += 1
+            if calls[0] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(src, dst)
+
+        os.replace = replace
+        with save_in_place(folder, is_model_artifact) as stage:
+            (stage / "config.json").write_text('{"new": 1}')
+            (stage / "model.safetensors").write_bytes(b"new weights")
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    with pytest.raises(UserError, match=r"holds an unfinished model save \(\.dschat-") as err:
+        check_local_model_path(str(folder))
+    assert f"python -m dschat.models.save --recover {folder}" in str(err.value) and "\n" not in str(err.value)
+    proc = subprocess.run([sys.executable, "-m", "dschat.models.save", "--recover", str(folder)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0 and "finished an interrupted save" in proc.stdout, proc.stderr[-2000:]
+    check_local_model_path(str(folder))
+    assert (folder / "config.json").read_text() == '{"new": 1}'
+    assert (folder / "model.safetensors").read_bytes() == b"new weights"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    proc = subprocess.run([sys.executable, "-m", "dschat.models.save", "--recover", str(tmp_path / "none")],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --recover") and proc.stderr.count("\n") == 1
