@@ -55,7 +55,7 @@ __all__ = [
     "cache_key",
     "cache_files",
     "check_data_output_path",
-    # Also importable here, as before the split:
+    # Also importable here (public names of this module):
     "DEFAULT_SEED",
     "FORMAT_VERSION",
     "PROBE_TEXT",

@@ -18,7 +18,7 @@ the trainer. What changed against upstream, with the upstream bug each fixes:
   mask), so ranks keep equal micro-batch counts; if every row on every rank is dropped the step is
   skipped (upstream asserted on the first step and otherwise re-trained the previous rollout:
   stale data that is off-policy once an optimizer step has happened).
-* **Decoding** is configurable; the default samples from the policy (see the step-3 README).
+* **Decoding** is configurable; the default samples from the policy (docs/algorithms.md#decoding-why-sampling-is-the-default).
 * The rollout's **old log-probs come from generation** (the sampled tokens' log-probs under the
   sampling temperature, kept by :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`) instead of a
   second actor pass over the sequence; where the generator cannot keep them (Hybrid Engine) the
