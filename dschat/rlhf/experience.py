@@ -4,9 +4,8 @@ One rollout batch on one rank is an :class:`Experience`: a typed container with 
 field (OpenRLHF's ``Experience``), replacing upstream's string-keyed dict. ``exp["logprobs"]`` and the
 other upstream keys still work for code written against upstream.
 
-Masks come from generation, never from ``ids != pad`` (an upstream bug: with OPT's
-``pad == eos == bos`` that hid the BOS and every EOS, so the actor was never trained to stop). The
-answer of a row is every generated token up to *and including* the first EOS; a row that generated no
+Masks come from generation, never from ``ids != pad``, so an EOS that shares the pad id stays
+visible (docs/upstream.md#pad-and-eos). The answer of a row is every generated token up to *and including* the first EOS; a row that generated no
 EOS keeps all ``max_answer_seq_len`` tokens.
 
 Index conventions are upstream's (see :mod:`dschat.rl_math`): ``seq`` is ``(B, L)`` with a prompt

@@ -459,7 +459,7 @@ def print_rank_0(msg: object, rank: Optional[int] = None) -> None:
 def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Mean of ``tensor`` over all ranks; the tensor itself without a process group.
 
-    Unlike upstream this reduces a copy, so the caller's tensor is not summed in place, and a host
+    Reduces a copy (upstream's summed in place), so the caller's tensor is left as it is, and a host
     tensor may be passed under NCCL (the copy goes through the GPU and the result comes back to the
     caller's device).
     """
