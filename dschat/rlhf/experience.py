@@ -5,8 +5,8 @@ field (OpenRLHF's ``Experience``), replacing upstream's string-keyed dict. ``exp
 other upstream keys still work for code written against upstream.
 
 Masks come from generation, never from ``ids != pad``, so an EOS that shares the pad id stays
-visible (docs/upstream.md#pad-and-eos). The answer of a row is every generated token up to *and including* the first EOS; a row that generated no
-EOS keeps all ``max_answer_seq_len`` tokens.
+visible (docs/upstream.md#pad-and-eos). The answer of a row is every generated token up to *and
+including* the first EOS; a row that generated no EOS keeps all ``max_answer_seq_len`` tokens.
 
 Index conventions are upstream's (see :mod:`dschat.rl_math`): ``seq`` is ``(B, L)`` with a prompt
 left-padded to exactly ``P`` tokens; per-token tensors are ``(B, T)`` with ``T = L - 1`` and position

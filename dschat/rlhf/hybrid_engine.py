@@ -49,8 +49,9 @@ repacked once per rollout (``--cpu_decode_linear``; measured in ``benchmarks/res
 On CUDA the default ``--generation_loop auto`` decodes with ``generate``, a static KV cache and CUDA
 graphs (``torch.compile(mode="reduce-overhead")``; ``graphs``), prompts left-padded to a multiple of 64
 so one captured graph serves the rollouts of a prompt width; dschat's eager loop on a GPU spends
-most of its step launching kernels (measured in ``benchmarks/results.md``). Where graphs do not apply (a CPU, ZeRO-3 weights fetched per
-layer, encoder-decoders) ``auto`` is dschat's loop, without a word; an explicit ``graphs`` says why.
+most of its step launching kernels (measured in ``benchmarks/results.md``). Where graphs do not
+apply (a CPU, ZeRO-3 weights fetched per layer, encoder-decoders) ``auto`` is dschat's loop,
+without a word; an explicit ``graphs`` says why.
 
 Each fast path is an attribute of :class:`RolloutGenerator` (``keep_logprobs``, ``fuse_lora``,
 ``generation_loop``, ``cpu_decode_linear``) so ``benchmarks/step3.py`` can turn it off for its baseline.
