@@ -81,9 +81,10 @@ class Experience:
 
     ``valid`` marks rows kept for training: answers of at most one token are dropped (upstream's
     ``valid_ans_len <= 1`` rule) by zeroing their ``action_mask`` rather than deleting the row, so
-    every rank keeps the same number of micro-batches (upstream's per-rank batch sizes diverged). ``advantages`` / ``returns`` / ``loss_normalizer`` are filled in by the trainer
-    before the PPO update (``DeepSpeedPPOTrainer.prepare_rollout``); left ``None`` they are computed
-    per micro-batch as upstream does.
+    every rank keeps the same number of micro-batches (docs/upstream.md#step-3-ppo). ``advantages`` /
+    ``returns`` / ``loss_normalizer`` are filled in by the trainer before the PPO update
+    (``DeepSpeedPPOTrainer.prepare_rollout``); left ``None`` they are computed per micro-batch as
+    upstream does.
     """
 
     prompts: torch.Tensor  # (B, P) prompt ids, left-padded

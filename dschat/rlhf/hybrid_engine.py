@@ -268,8 +268,8 @@ class RolloutGenerator:
         """After generation: the training-mode forwards (what the PPO update will run), dropout off.
 
         The Hybrid Engine swaps its inference kernels in on ``eval()``; scoring the rollout with them
-        would give old log-probs from different kernels than the update's (upstream switched back to
-        train mode here, with dropout on). ``engine.train()`` restores the training forwards,
+        would give old log-probs from different kernels than the update's (docs/upstream.md#step-3-ppo:
+        eval mode). ``engine.train()`` restores the training forwards,
         ``module.eval()`` turns dropout off without swapping kernels back.
         """
         if self.hybrid_engine_active:
