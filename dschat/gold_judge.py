@@ -20,7 +20,8 @@ nothing and rambling is penalised; in the embedded dataset the longer answer is 
 about half of the pairs (``tests/data/test_builtin_dataset.py`` pins this).
 
 The components are lexical on purpose: a 135M-parameter reward model learns them from a few
-hundred pairs on a CPU, and a PPO actor can move them in minutes, which is what the CPU demo needs.
+hundred pairs on a CPU, and a PPO actor can move them within a short CPU run, which is what the
+CPU demo needs.
 """
 from __future__ import annotations
 

@@ -23,9 +23,9 @@ def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._A
     """Add the data flags of step ``phase`` (1 = SFT, 2 = reward model / DPO, 3 = PPO).
 
     ``--sft_only_data_path`` exists only in step 1, as upstream. ``--data_output_path`` defaults to
-    a private folder of the user's (:func:`~dschat.paths.data_cache_dir`), not upstream's shared
-    ``/tmp/data_files``. ``--rebuild_data_cache`` is ours (upstream's ``reload`` argument was
-    reachable only by editing the code).
+    a private folder of the user's (:func:`~dschat.paths.data_cache_dir`; docs/upstream.md#data-cache-default).
+    ``--rebuild_data_cache`` is ours: it sets upstream's ``reload`` argument, which no upstream flag
+    reaches.
     """
     if phase not in (1, 2, 3):
         raise ValueError(f"phase must be 1, 2 or 3, got {phase}")
@@ -217,8 +217,8 @@ def add_eot_args(parser: argparse.ArgumentParser, *, eot_token_flag: bool) -> ar
 
     ``--end_of_conversation_token`` is ours: the text appended to every training conversation.
     dschat's default is the tokenizer's EOS in every step, so the reward model scores the same
-    token the PPO actor ends its answers with (upstream used the literal "<|endoftext|>" in steps
-    2-3, several tokens for most tokenizers; pass it explicitly to reproduce upstream).
+    token the PPO actor ends its answers with (docs/upstream.md#flags-and-defaults; pass
+    ``<|endoftext|>`` to reproduce upstream's steps 2 and DPO).
     """
     group = parser.add_argument_group("end of conversation")
     group.add_argument("--add_eot_token", action="store_true",

@@ -55,7 +55,7 @@ __all__ = [
     "cache_key",
     "cache_files",
     "check_data_output_path",
-    # Also importable here, as before the split:
+    # Also importable here (public names of this module):
     "DEFAULT_SEED",
     "FORMAT_VERSION",
     "PROBE_TEXT",
@@ -145,10 +145,10 @@ def create_prompt_dataset(
 ) -> tuple[PromptDataset, PromptDataset]:
     """(train, eval) :class:`PromptDataset` for ``train_phase``, built once and cached on disk.
 
-    Same arguments and blending as upstream (see the module docstring for the cache). Differences:
-    the phase-3 eval split is a real held-out prompt set (upstream built and discarded it);
-    ``seed=None`` (upstream step 3's default) uses :data:`DEFAULT_SEED`, because a random seed would
-    give step 3 a chunk that overlaps the rows steps 1 and 2 trained on.
+    Same arguments and blending as upstream (see the module docstring for the cache). The phase-3
+    eval split is a real held-out prompt set (docs/evaluation.md); ``seed=None`` (upstream step 3's
+    default) uses :data:`DEFAULT_SEED`, because a random seed would give step 3 a chunk that overlaps
+    the rows steps 1 and 2 trained on (docs/upstream.md#flags-and-defaults).
     """
     data_path = [data_path] if isinstance(data_path, str) else list(data_path)
     if not data_path:

@@ -366,8 +366,8 @@ def convert_linear_layer_to_lora(model: nn.Module,
     list of substrings) in :class:`LinearLayer_LoRA`, in place; returns ``model``.
 
     Each new layer is moved to its weight's device and cast to its weight's dtype, as upstream.
-    Unlike upstream, matching nothing is an error (it would silently train nothing with
-    ``--only_optimize_lora``). ``quantize_base="nf4"|"fp4"`` stores the base weights in 4 bits.
+    Matching nothing is an error (it would silently train nothing with ``--only_optimize_lora``).
+    ``quantize_base="nf4"|"fp4"`` stores the base weights in 4 bits.
     """
     patterns = [part_module_name] if isinstance(part_module_name, str) else list(part_module_name)
     names = [name for name, module in model.named_modules()

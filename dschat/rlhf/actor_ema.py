@@ -4,21 +4,18 @@ not the logged "EMA reward score", which is :class:`dschat.runtime.averages.Expo
 ``ema <- beta * ema + (1 - beta) * actor`` with ``beta = 0.992``, after every PPO micro-batch; the
 result is saved as ``actor_ema/``.
 
-Two things differ from upstream (``dschat/utils/utils.py::moving_average``):
+Two upstream differences (docs/upstream.md#step-3-ppo, docs/upstream.md#half-precision-where-the-fix-changes-numbers):
 
-* Under ZeRO-3 upstream gathered both parameters with ``GatheredParameters(..., modifier_rank=None)``
-  and wrote into the gathered EMA tensor; on exit DeepSpeed re-partitions without copying the
-  gathered data back (``has_been_updated=False``), so the update was discarded. Here the two
-  parameters are averaged shard by shard (actor and EMA are partitioned identically: same shapes,
-  same world), which needs no communication at all; if the shards do not line up, the EMA parameter
-  is gathered with ``modifier_rank=0`` so the update is kept.
+* Under ZeRO-3 the two parameters are averaged shard by shard (actor and EMA are partitioned
+  identically: same shapes, same world), which needs no communication at all; if the shards do not
+  line up, the EMA parameter is gathered with ``modifier_rank=0`` so the update is kept.
 * An fp16/bf16 EMA keeps an fp32 shadow of its weights (of this rank's shard under ZeRO-3) and
   averages into that: ``(1 - 0.992) * gap`` is below the rounding step of a half-precision weight
   unless the gap exceeds ~60 steps (~24% of the weight in bf16, ~3% in fp16), so averaging into the
-  low-precision weights, even in fp32 arithmetic, left them where they started (upstream's EMA
-  stayed at the SFT weights, DSE #547). The weights are the shadow rounded after every update. Cost:
-  4 bytes per EMA parameter (divided by the world size under ZeRO-3), with ``--enable_ema`` only. The
-  shadow is rebuilt from the weights whenever they no longer match it (a copy with ``beta=0``, a
+  low-precision weights, even in fp32 arithmetic, would leave them where they start (DSE #547).
+  The weights are the shadow rounded after every update. Cost: 4 bytes per EMA parameter (divided
+  by the world size under ZeRO-3), with ``--enable_ema`` only. The shadow is rebuilt from the
+  weights whenever they do not match it (a copy with ``beta=0``, a
   checkpoint loaded into the EMA), so it never overrides them; a resumed run restarts it from the
   saved half-precision weights.
 """

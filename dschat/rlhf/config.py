@@ -26,7 +26,7 @@ __all__ = ["RolloutConfig", "PPOConfig", "Step3Config", "rollout_config", "ppo_c
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """How the actor decodes a rollout (docs/algorithms.md, the step-3 README)."""
+    """How the actor decodes a rollout (docs/algorithms.md#decoding-why-sampling-is-the-default)."""
 
     decoding: DecodingSettings  # --decoding, --temperature, --top_k, --top_p
     zero3_gather: str  # --zero3_gather_for_generation: auto | on | off

@@ -5,10 +5,9 @@ module (each has a flag; ``benchmarks/step3.py`` turns both off for its baseline
 
 * :func:`onednn_decode_linears` (``--cpu_decode_linear onednn``) -- on a CPU, every linear layer of
   the actor runs its decode steps (as many rows as the batch) with oneDNN on a copy of its weight
-  repacked once per rollout. MKL's fp32 GEMM with 4 rows reads the weights at 3-9 GB/s on the
-  2-core AMD EPYC this project measures on (a 49152 x 576 LM head: 20 ms; oneDNN on the packed
-  weight: 5 ms, about the memory bandwidth); decoding reads every weight once per token, so that
-  was most of a decode step (benchmarks/results.md, "Analyses"). Prefill and the training passes (many rows)
+  repacked once per rollout: with a few rows MKL's fp32 GEMM reads the weights well below the
+  memory bandwidth, and decoding reads every weight once per token (measurements:
+  benchmarks/results.md, "Decoding on a CPU"). Prefill and the training passes (many rows)
   keep the stock kernels. The price: one extra copy of the actor's linear weights while a rollout
   is generated, and logits that differ from MKL's in the last bits (another summation order), as a
   KV-cached forward's already do. The copies are taken at the start of every rollout, so they
@@ -18,7 +17,8 @@ module (each has a flag; ``benchmarks/step3.py`` turns both off for its baseline
   ``min_new_tokens``, EOS then padding), written out: one forward per token with a
   ``DynamicCache`` and ``logits_to_keep=1``, the same logits processing, the sampled tokens'
   log-probs taken at each step (generate keeps every step's (B, V) logits until it returns), and an
-  inverse-CDF draw (:func:`draw`) instead of ``torch.multinomial``, which costs 5 ms per step here.
+  inverse-CDF draw (:func:`draw`) instead of ``torch.multinomial``, which draws one variate per
+  vocabulary entry.
 
 ``torch.compile`` with a static KV cache was measured on a CPU and is not used there (see
 benchmarks/results.md, "Analyses"); on CUDA it is ``RolloutGenerator``'s ``graphs`` loop, the default there.
@@ -212,7 +212,7 @@ def draw(probs: torch.Tensor, sampler: str = "inverse_cdf") -> torch.Tensor:
     ``"inverse_cdf"``: one uniform number per row against the fp64 running sum of the row (exact up
     to fp64 rounding; a zero-probability token is never drawn). ``"multinomial"``:
     ``torch.multinomial``, what ``generate`` calls; it draws an exponential variate for every
-    vocabulary entry, about 5 ms per step for 4 x 49152 on this project's 2-core CPU against 0.2 ms.
+    vocabulary entry (O(V) random numbers per row against one).
     """
     if sampler == "multinomial":
         return torch.multinomial(probs, num_samples=1).squeeze(1)

@@ -4,7 +4,7 @@ With ``auto`` every evaluation and every PPO step is timed. After each evaluatio
 after it is timed) the next one is scheduled N steps later, N the smallest interval at which the
 run's evaluations -- those made, and one every N steps until the planned last step -- take at most
 :data:`MAX_EVAL_SHARE` of the step-3 wall time, at the mean costs measured so far
-(:func:`auto_interval`, a pure function, hand-tested in ``tests/test_step3_evaluation.py``). A
+(:func:`auto_interval`, a pure function, hand-tested in ``tests/rlhf/test_step3_evaluation.py``). A
 first PPO step slowed by warm-up is corrected at the next evaluation.
 """
 from __future__ import annotations

@@ -4,10 +4,9 @@ One rollout batch on one rank is an :class:`Experience`: a typed container with 
 field (OpenRLHF's ``Experience``), replacing upstream's string-keyed dict. ``exp["logprobs"]`` and the
 other upstream keys still work for code written against upstream.
 
-Masks come from generation, never from ``ids != pad`` (an upstream bug: with OPT's
-``pad == eos == bos`` that hid the BOS and every EOS, so the actor was never trained to stop). The
-answer of a row is every generated token up to *and including* the first EOS; a row that generated no
-EOS keeps all ``max_answer_seq_len`` tokens.
+Masks come from generation, never from ``ids != pad``, so an EOS that shares the pad id stays
+visible (docs/upstream.md#pad-and-eos). The answer of a row is every generated token up to *and
+including* the first EOS; a row that generated no EOS keeps all ``max_answer_seq_len`` tokens.
 
 Index conventions are upstream's (see :mod:`dschat.rl_math`): ``seq`` is ``(B, L)`` with a prompt
 left-padded to exactly ``P`` tokens; per-token tensors are ``(B, T)`` with ``T = L - 1`` and position
@@ -82,9 +81,10 @@ class Experience:
 
     ``valid`` marks rows kept for training: answers of at most one token are dropped (upstream's
     ``valid_ans_len <= 1`` rule) by zeroing their ``action_mask`` rather than deleting the row, so
-    every rank keeps the same number of micro-batches (upstream's per-rank batch sizes diverged). ``advantages`` / ``returns`` / ``loss_normalizer`` are filled in by the trainer
-    before the PPO update (``DeepSpeedPPOTrainer.prepare_rollout``); left ``None`` they are computed
-    per micro-batch as upstream does.
+    every rank keeps the same number of micro-batches (docs/upstream.md#step-3-ppo). ``advantages`` /
+    ``returns`` / ``loss_normalizer`` are filled in by the trainer before the PPO update
+    (``DeepSpeedPPOTrainer.prepare_rollout``); left ``None`` they are computed per micro-batch as
+    upstream does.
     """
 
     prompts: torch.Tensor  # (B, P) prompt ids, left-padded

@@ -6,23 +6,22 @@ PPO update fill in every micro-batch's advantages and returns.
 holds (the other is the update, :class:`~dschat.rlhf.ppo_update.PPOUpdate`); both run their passes
 through the same :class:`~dschat.rlhf.packed_passes.ScoringPasses` and take rewards and advantages
 from the trainer's :class:`~dschat.rlhf.ppo_formulas.PPOFormulas`; upstream's method names stay on
-the trainer. What changed against upstream, with the upstream bug each fixes:
+the trainer. The contract (each upstream difference is explained in docs/upstream.md#step-3-ppo):
 
-* Experience passes run in **eval mode** (no dropout; upstream switched back to train mode first)
-  with **position ids from the mask** (left padding; upstream passed none); log-probs from fp16/bf16 logits
-  are computed in fp32 (``rl_math.gather_log_probs``), like the ones kept from generation, so the
-  reference's and the rollout's agree to fp32 rounding (upstream's bf16 ``log_softmax``: ~0.07 nats).
+* Experience passes run in **eval mode** (no dropout) with **position ids from the mask** (left
+  padding); log-probs from fp16/bf16 logits are computed in fp32 (``rl_math.gather_log_probs``),
+  like the ones kept from generation, so the reference's and the rollout's agree to fp32 rounding.
 * Masks come from generation: the answer is every token up to and including the first EOS, so the
-  **EOS is an action** even when ``pad == eos`` (upstream's ``ids != pad`` masked it out).
+  **EOS is an action** even when ``pad == eos``.
 * Answers of at most one token are **dropped by masking** (their rows stay, with a zero action
   mask), so ranks keep equal micro-batch counts; if every row on every rank is dropped the step is
-  skipped (upstream asserted on the first step and otherwise re-trained the previous rollout:
-  stale data that is off-policy once an optimizer step has happened).
-* **Decoding** is configurable; the default samples from the policy (see the step-3 README).
+  skipped.
+* **Decoding** is configurable; the default samples from the policy
+  (docs/algorithms.md#decoding-why-sampling-is-the-default).
 * The rollout's **old log-probs come from generation** (the sampled tokens' log-probs under the
   sampling temperature, kept by :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`) instead of a
   second actor pass over the sequence; where the generator cannot keep them (Hybrid Engine) the
-  actor pass runs as upstream's.
+  actor pass runs.
 * Advantages are computed **once per rollout** (:meth:`ExperienceMaker.prepare_rollout`), so
   ``--whiten_advantages`` whitens with the statistics of the whole rollout (every micro-batch, every
   rank).
@@ -32,7 +31,7 @@ the trainer. What changed against upstream, with the upstream bug each fixes:
   ``--num_generations`` consecutive rows) in :meth:`~ExperienceMaker.generate_experience`, or per
   token (REINFORCE++) in :meth:`~ExperienceMaker.prepare_rollout`. Rewards are a
   :class:`~dschat.rewards.RewardMix` of the reward model and ``--reward_fn`` functions. PPO's path is
-  unchanged when none of this is asked for.
+  the same when none of this is asked for.
 """
 from __future__ import annotations
 

@@ -20,12 +20,11 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
 
     ``accelerator`` is DeepSpeed's device name (``"cuda"``, ``"cpu"``, ...) and ``dtype`` the dtype
     training actually uses (``resolve_dtype``: fp16 becomes fp32 on a CPU). Checks, in the order a
-    user would hit them: ZeRO stages, lengths, decoding, Hybrid Engine tensor parallelism (upstream
-    asserted), upstream's unsupported ZeRO-2 + HE + offload combination (upstream raised
-    ValueError), DeepSpeed's offload rules (``--offload`` needs ZeRO >= 1 for actor and critic; the
-    reference / reward offload needs the actor / critic at ZeRO-3), mixed-precision LoRA (upstream
-    asserted inside main), ``--align_overflow`` outside fp16 (upstream used fp16-optimizer
-    internals).
+    user would hit them: ZeRO stages, lengths, decoding, Hybrid Engine tensor parallelism,
+    upstream's unsupported ZeRO-2 + HE + offload combination, DeepSpeed's offload rules
+    (``--offload`` needs ZeRO >= 1 for actor and critic; the reference / reward offload needs the
+    actor / critic at ZeRO-3), mixed-precision LoRA, ``--align_overflow`` outside fp16 (upstream
+    asserted or failed later: docs/upstream.md#step-3-ppo).
     """
     warnings: list[str] = []
     for name in ("actor_zero_stage", "critic_zero_stage"):

@@ -44,14 +44,14 @@ price is that it holds the fp32 logits of every step until it returns: B x A' x 
 On the module path the decoding itself is dschat's (:mod:`dschat.rlhf.decoding`): its own sampling
 loop instead of ``generate`` (``--generation_loop``; it takes each step's log-probs as it goes, so
 no per-step logits are held), and on a CPU the decode steps' linear layers run with oneDNN on weights
-repacked once per rollout (``--cpu_decode_linear``), which halves a SmolLM2 decode step there.
+repacked once per rollout (``--cpu_decode_linear``; measured in ``benchmarks/results.md``).
 
 On CUDA the default ``--generation_loop auto`` decodes with ``generate``, a static KV cache and CUDA
 graphs (``torch.compile(mode="reduce-overhead")``; ``graphs``), prompts left-padded to a multiple of 64
-so one captured graph serves the rollouts of a prompt width: upstream's OPT-1.3B protocol on an H100
-generates 2.7-3.0x faster than with dschat's eager loop, which spends most of its step launching
-kernels (``benchmarks/results.md``). Where graphs do not apply (a CPU, ZeRO-3 weights fetched per
-layer, encoder-decoders) ``auto`` is dschat's loop, without a word; an explicit ``graphs`` says why.
+so one captured graph serves the rollouts of a prompt width; dschat's eager loop on a GPU spends
+most of its step launching kernels (measured in ``benchmarks/results.md``). Where graphs do not
+apply (a CPU, ZeRO-3 weights fetched per layer, encoder-decoders) ``auto`` is dschat's loop,
+without a word; an explicit ``graphs`` says why.
 
 Each fast path is an attribute of :class:`RolloutGenerator` (``keep_logprobs``, ``fuse_lora``,
 ``generation_loop``, ``cpu_decode_linear``) so ``benchmarks/step3.py`` can turn it off for its baseline.
@@ -268,8 +268,8 @@ class RolloutGenerator:
         """After generation: the training-mode forwards (what the PPO update will run), dropout off.
 
         The Hybrid Engine swaps its inference kernels in on ``eval()``; scoring the rollout with them
-        would give old log-probs from different kernels than the update's (upstream switched back to
-        train mode here, with dropout on). ``engine.train()`` restores the training forwards,
+        would give old log-probs from different kernels than the update's (docs/upstream.md#step-3-ppo:
+        eval mode). ``engine.train()`` restores the training forwards,
         ``module.eval()`` turns dropout off without swapping kernels back.
         """
         if self.hybrid_engine_active:

@@ -117,7 +117,7 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
 
 def begin_epoch(args: argparse.Namespace, ctx: RunContext, epoch: int, prompt_loader: DataLoader,
                 unsup_loader: DataLoader | None) -> None:
-    """The epoch's line and the samplers' new order (upstream never called ``set_epoch``)."""
+    """The epoch's line and the samplers' new order (docs/upstream.md#data-cache)."""
     num_batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
     print_rank_0(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Generation Batches "
                  f"{num_batches}", ctx.rank)
@@ -169,8 +169,7 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
                  f"Unsupervised Loss: {iteration.unsup_loss}", rank)
     print_throughput_step3(engine.actor.module, engine.critic, args, gen_time + exp_time + iteration.training_time,
                            gen_time, iteration.training_time, rank)
-    # Mean over kept answers of all ranks; the EMA is fed that mean (upstream fed a sum over
-    # micro-batches).
+    # Mean over kept answers of all ranks; the EMA is fed that mean (docs/upstream.md#step-3-ppo).
     ema_reward = counters.ema_reward.update(iteration.rollout.reward)
     print_rank_0(f"Average reward score: {iteration.rollout.reward} | EMA reward score: {ema_reward}", rank)
     print_rank_0(DASHES, rank)

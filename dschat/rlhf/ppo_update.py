@@ -3,7 +3,7 @@ micro-steps over a prepared rollout, the actor and critic steps, the PPO-ptx ste
 alignment. Its passes run through the :class:`~dschat.rlhf.packed_passes.ScoringPasses` the experience
 maker uses too; its losses are the trainer's :class:`~dschat.rlhf.ppo_formulas.PPOFormulas`.
 
-What changed against upstream, with the upstream bug each fixes:
+The contract (the upstream differences are explained in docs/upstream.md#step-3-ppo):
 
 * **Off-policy guard** (:mod:`dschat.rlhf.batch_plan`): when every optimizer step covers whole rollouts
   the PPO ratio is exactly 1 and the update uses the current log-probs as the old ones (TRL's

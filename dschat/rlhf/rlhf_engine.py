@@ -12,10 +12,9 @@ reference *and* the EMA model; the actor/critic optimizers offload with ``--offl
 batch keys use ``gradient_accumulation_steps x 2`` with PPO-ptx (its ``step()`` runs twice per
 micro-batch). Every config comes from the one builder (:func:`ds_config_for`).
 
-Differences from upstream: the Hybrid Engine is only enabled where it can work (see
-:mod:`dschat.rlhf.hybrid_engine`); the EMA model starts as an exact copy of the actor, LoRA
-factors included (upstream's EMA drew its own random LoRA init); with ``--only_optimize_lora`` the
-critic's value head stays trainable, as in step 2 (DSE #758; upstream froze it in step 3).
+The Hybrid Engine is only enabled where it can work (:mod:`dschat.rlhf.hybrid_engine`); the EMA
+model starts as an exact copy of the actor, LoRA factors included; with ``--only_optimize_lora`` the
+critic's value head stays trainable, as in step 2 (upstream differences: docs/upstream.md#step-3-ppo).
 """
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ ranks; so does :class:`TensorParallelHybridEngine`:
 * **Memory.** ``--release_inference_cache`` frees the shards and the KV cache after each rollout.
 
 At ``--inference_tp_size 1`` none of this runs: :class:`~dschat.rlhf.rollout_engine.DschatHybridEngine`
-decodes each rank's prompts exactly as before (no group, no collective, no copy).
+decodes each rank's prompts on that rank alone (no group, no collective, no copy).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ gathers every ZeRO-3 model, ``off`` none, and ``auto`` never a model whose param
   the same weights enter the same forward.
 * :class:`TrainingGather`: the actor's and the critic's forward and backward of a micro-step, released
   before the optimizer step. Gradients still reach ZeRO-3 through its per-parameter hooks, which reduce
-  and partition them as before. ``auto`` gathers where it costs no memory: one data-parallel rank
+  and partition them as in a hooked pass. ``auto`` gathers where it costs no memory: one data-parallel rank
   (:func:`~dschat.runtime.zero3.whole_partitions`: a gathered parameter is a view of its partition)
   and no partition stored quantized; ``on`` also across ranks, each then holding the whole model
   through the backward. The forward is the same, to the bit; ZeRO-3's hooks wrap each module's inputs and outputs in identity autograd nodes,

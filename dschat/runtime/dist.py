@@ -307,7 +307,7 @@ def destroy_gloo_group() -> None:
     and the rank aborts with "terminate called without an active exception" (exit code 250) after its
     work is done: seen in 2-rank CPU tests, after a clean finish and after a one-line error (exit 2).
     This runs before the one-process store's folder is removed (atexit runs in
-    reverse order of registration). NCCL groups are left as before: destroying one while a peer hangs
+    reverse order of registration). NCCL groups are not destroyed here: destroying one while a peer hangs
     in a collective could block the exit.
     """
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
@@ -340,8 +340,8 @@ def claim_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
     would carry every all-reduce of the job, for that account to read and rewrite (the gradients
     included). Called before the rendezvous, so every rank's name is its own before any rank maps one
     (DeepSpeed maps them after it). An existing name is kept only when it is this user's own file
-    and nobody else can write to it (a killed run's leftover on the same port, which DeepSpeed reuses
-    as before); anything else is a :class:`UserError`. Where no name can be made and none exists (no
+    and nobody else can write to it (a killed run's leftover on the same port, which DeepSpeed then
+    reuses); anything else is a :class:`UserError`. Where no name can be made and none exists (no
     ``/dev/shm``), nothing is done: DeepSpeed cannot make one either. A rank killed before the
     rendezvous ends (the launcher's SIGTERM, the rendezvous watchdog) can leave its empty name behind,
     the user's own, reused on that port.
@@ -459,7 +459,7 @@ def print_rank_0(msg: object, rank: Optional[int] = None) -> None:
 def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Mean of ``tensor`` over all ranks; the tensor itself without a process group.
 
-    Unlike upstream this reduces a copy, so the caller's tensor is not summed in place, and a host
+    Reduces a copy (upstream's summed in place), so the caller's tensor is left as it is, and a host
     tensor may be passed under NCCL (the copy goes through the GPU and the result comes back to the
     caller's device).
     """

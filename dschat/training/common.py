@@ -100,7 +100,7 @@ def make_train_loader(
     """A loader with a seeded ``DistributedSampler`` (also for one process).
 
     One sampler type everywhere makes the order a function of (seed, epoch, rank) only; callers
-    must call ``set_epoch`` each epoch (upstream never did, so every epoch repeated the same order). ``drop_last`` drops each
+    must call ``set_epoch`` each epoch (docs/upstream.md#data-cache). ``drop_last`` drops each
     rank's last, short batch (step 3 does when a short rollout would shift its optimizer steps).
     """
     if len(dataset) == 0:
@@ -184,7 +184,7 @@ def apply_lora(
 
 
 def evaluate_perplexity(engine: Any, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """Mean LM loss over the whole held-out split (all ranks) and ``exp`` of it (upstream #773)."""
+    """Mean LM loss over the whole held-out split (all ranks) and ``exp`` of it (DSE #773)."""
     engine.eval()
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
@@ -375,8 +375,7 @@ def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str) -> tup
     ``--add_eot_token`` adds ``eot_special_token`` as an additional special token (upstream). The
     end-of-conversation text is ``--end_of_conversation_token`` if given, else the tokenizer's EOS,
     in every step: the SFT model learns to stop with the token the reward model scores and the
-    PPO actor ends with (upstream steps 2 / DPO appended the literal "<|endoftext|>", several
-    tokens for most tokenizers, DSE #819 / #927).
+    PPO actor ends with (docs/upstream.md#flags-and-defaults; DSE #819 / #927).
     """
     # lazy: it imports transformers' tokenizers (0.4 s CPU at import, python -X importtime), which
     # step 2's --help, importing this module, never needs.
@@ -426,8 +425,8 @@ def reset_final_norm_for_reward(model: nn.Module, zero_stage: int) -> list[str]:
     """Reset the body's final layer norm of a fresh reward model where the family asks for it.
 
     BLOOM's ``ln_f.weight`` has a large variance that makes bf16 reward training unstable, and the
-    norm fed the replaced LM head anyway, so upstream resets it to weight 1 / bias 0 and always
-    trains it (DSE #772; upstream's code had the typo ``rwtranrsformer`` and crashed). Returns the
+    norm fed the replaced LM head anyway, so it is reset to weight 1 / bias 0 and always trained,
+    as upstream intends (DSE #772). Returns the
     parameter names to force-train (also with ``--only_optimize_lora``).
     """
     norm_name = family_of(model.config).reset_final_norm_for_reward

@@ -16,7 +16,7 @@ checkpoint holds, in ``consolidated/``, each trained engine's state gathered by 
 
 :func:`save_consolidated` writes them (collective). On resume :func:`reshape_of` compares the
 checkpoint with this run: the same world size and the same ZeRO stage of every engine load through
-DeepSpeed's native checkpoint as before; anything else loads the consolidated state
+DeepSpeed's native checkpoint; anything else loads the consolidated state
 (:func:`load_consolidated`, collective) into the engines: weights (module and fp32 master), both
 moments, the step counts, the learning rates, the scheduler, DeepSpeed's counters. The data
 position is converted by :func:`convert_batches_done`; random states by

@@ -22,8 +22,8 @@ def dpo_label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tor
 
     Tokens from the first position where a pair's chosen and rejected rows differ (both rows of the
     pair; identical pairs keep everything) up to each row's last real token: upstream's stand-in
-    for a prompt mask. Upstream derived "real" from ``ids != pad``, which for OPT (pad == eos == bos)
-    also dropped the EOS every answer ends with; the attention mask keeps it.
+    for a prompt mask. "Real" comes from the attention mask, so an EOS that shares the pad id is
+    kept (docs/upstream.md#pad-and-eos).
 
     Shape: input_ids, attention_mask (2B, L); returns (2B, L) int64.
     """

@@ -253,11 +253,6 @@ def test_a_misspelt_flag_is_caught():
 _QUOTED_PATH = re.compile(
     r"(?<![\w/.])((?:tests|docs|benchmarks|dschat|training|configs|inference|\.ci)/[\w./*-]*\w\.(?:py|md|yaml|json|sh|png))"
     r"(?:#([\w-]+))?")
-# Stale paths in modules being edited elsewhere right now; each must be fixed at its source, and this
-# entry dropped then (the test below fails once a listed path resolves).
-STALE_ELSEWHERE = {
-    ("dschat/rlhf/eval_cost.py", "tests/test_step3_evaluation.py"),
-}
 
 
 def missing_paths(rel: str, text: str) -> list[tuple[str, str]]:
@@ -277,10 +272,7 @@ def missing_paths(rel: str, text: str) -> list[tuple[str, str]]:
 def test_paths_quoted_in_the_code_exist():
     files = [*sorted((REPO / "dschat").rglob("*.py")), REPO / "benchmarks" / "README.md"]
     found = {m for f in files for m in missing_paths(str(f.relative_to(REPO)), f.read_text(encoding="utf-8"))}
-    assert not found - STALE_ELSEWHERE, "no such file: " + ", ".join(f"{p} (quoted in {f})" for f, p in
-                                                                     sorted(found - STALE_ELSEWHERE))
-    fixed = STALE_ELSEWHERE - found
-    assert not fixed, f"fixed, drop them from STALE_ELSEWHERE: {sorted(fixed)}"
+    assert not found, "no such file: " + ", ".join(f"{p} (quoted in {f})" for f, p in sorted(found))
 
 
 def test_a_missing_quoted_path_is_caught():
@@ -326,10 +318,6 @@ def test_flags_doc_marks_origins():
 # The docstring policy (docs/contributing.md): no history, no issue numbers of this project
 # ---------------------------------------------------------------------------------------------
 _HISTORY = re.compile(r"before this change|as before the split|\bissue #?\d+", re.I)
-# In modules being edited elsewhere right now; drop an entry once its text is gone.
-HISTORY_ELSEWHERE = {
-    ("dschat/data/prompt_dataset.py", "as before the split"),
-}
 
 
 def history_phrases(rel: str, text: str) -> list[tuple[str, str]]:
@@ -340,10 +328,8 @@ def history_phrases(rel: str, text: str) -> list[tuple[str, str]]:
 def test_code_holds_no_history_or_issue_numbers():
     files = sorted((REPO / "dschat").rglob("*.py"))
     found = {h for f in files for h in history_phrases(str(f.relative_to(REPO)), f.read_text(encoding="utf-8"))}
-    assert not found - HISTORY_ELSEWHERE, ("history or issue numbers belong in commit messages: "
-                                           + ", ".join(f"{p!r} in {f}" for f, p in sorted(found - HISTORY_ELSEWHERE)))
-    gone = HISTORY_ELSEWHERE - found
-    assert not gone, f"fixed, drop them from HISTORY_ELSEWHERE: {sorted(gone)}"
+    assert not found, ("history or issue numbers belong in commit messages: "
+                       + ", ".join(f"{p!r} in {f}" for f, p in sorted(found)))
 
 
 def test_history_and_issue_numbers_are_caught():

@@ -7,7 +7,8 @@ Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of rank
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
 parse -> checks -> distributed + seed -> tokenizers -> data -> the engines -> PPO loop (with the held-out
 evaluation of ``--eval_interval``, dschat/rlhf/evaluation.py) -> save.
-See README.md for the flags, the decoding default and the on-policy rule.
+See docs/flags.md for the flags, docs/algorithms.md#decoding-why-sampling-is-the-default for the decoding
+default and docs/algorithms.md#the-on-policy-rule for the on-policy rule.
 """
 from __future__ import annotations
 
