@@ -27,25 +27,12 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main
-from dschat.multinode import (
-    DEFAULT_MASTER_PORT,
-    ENV_FILE_VAR,
-    RENDEZVOUS_ID_VAR,
-    Hosts,
-    check_master_port,
-    check_remote_safe,
-    flag_values,
-    forwarded_secrets,
-    free_port,
-    launch_hosts,
-    rank_env,
-    rank_env_additions,
-    secret_env_lines,
-    user_env_files,
-    write_rank_env_file,
-)
+from dschat.multinode import (DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
+                              check_remote_safe, flag_values, forwarded_secrets, free_port, launch_hosts, rank_env,
+                              rank_env_additions, secret_env_lines, user_env_files, write_rank_env_file)
 from dschat.recipes import Launcher, Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
-from dschat.runtime.fs import check_writable_dir, untrusted_reason
+from dschat.runtime.fs import check_writable_dir
+from dschat.runtime.trust import untrusted_reason
 
 LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, custom wrappers)
 PREFIX = "[dschat.launch]"
@@ -209,7 +196,7 @@ def check_multi_node_sources(environ: Mapping[str, str], cwd: str) -> None:
     directory, first on every rank's ``PYTHONPATH`` (any import, ``--reward_fn m:f`` too, may load code
     from it), must be the user's or root's; the ``.deepspeed_env`` files it reads (``~/``, ``./``,
     ``$DS_ENV_FILE``: their lines become ``export`` commands of every rank) the user's own. Nobody
-    else may write to them or a folder above them (:func:`dschat.runtime.fs.untrusted_reason`)."""
+    else may write to them or a folder above them (:func:`dschat.runtime.trust.untrusted_reason`)."""
     reason = untrusted_reason(cwd, root_may_own=True)
     if reason is not None:
         raise UserError(f"the working directory {cwd} is not safe for a multi-node launch: {reason}; DeepSpeed "

@@ -42,7 +42,8 @@ from safetensors import SafetensorError
 from dschat.data.dispatch import DatasetSource
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.errors import UserError
-from dschat.runtime.fs import atomic_files, check_trusted, make_trusted_dir, pending_files, recover_files
+from dschat.runtime.fs import atomic_files, pending_files, recover_files
+from dschat.runtime.trust import check_trusted, make_trusted_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
 FORMAT_VERSION = 1

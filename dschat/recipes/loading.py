@@ -14,7 +14,7 @@ import yaml
 from dschat.errors import UserError
 from dschat.recipes.recipe import TEMPLATE_RE, FlagValue, Launcher, Recipe
 from dschat.recipes.steps import STEPS, ZERO_STAGE_PARAMS, StepSpec, step_spec
-from dschat.runtime.fs import untrusted_reason
+from dschat.runtime.trust import untrusted_reason
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 _FLAG_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -51,7 +51,7 @@ def find_repo_root(explicit: str | os.PathLike | None = None) -> Path:
     from (an editable install, or ``PYTHONPATH`` pointing at a checkout), and the working directory
     itself. Its parents are not searched: a folder such as ``/tmp`` that others can write to could
     hold a planted checkout. The checkout must be the user's and writable by nobody else
-    (:func:`dschat.runtime.fs.untrusted_reason`).
+    (:func:`dschat.runtime.trust.untrusted_reason`).
     """
     for label, value in (("--repo-root", explicit), ("DSCHAT_REPO_ROOT", os.environ.get("DSCHAT_REPO_ROOT"))):
         if value:

@@ -8,7 +8,7 @@ can create it first, writable by all, and put files there that a later compile l
 as the user. dschat compiles on CUDA (its Hybrid Engine's decode step, ``--generation_loop graphs``),
 so before its first compile :func:`use_private_compile_cache` points the cache at
 ``cache_dir()/torch-compile`` (made 0700), unless the user named a folder, which must then be the
-user's own, as every cache dschat reads (:func:`dschat.runtime.fs.check_trusted`). A cache in the
+user's own, as every cache dschat reads (:func:`dschat.runtime.trust.check_trusted`). A cache in the
 user's home also outlives ``/tmp``'s clean-ups, so a later run compiles from it.
 
 torch 2.13 keeps two things in its ``/tmp`` default whatever the variable says, their paths fixed
@@ -31,7 +31,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from dschat.errors import UserError
 from dschat.paths import cache_dir
-from dschat.runtime.fs import is_trusted, make_trusted_dir
+from dschat.runtime.trust import is_trusted, make_trusted_dir
 
 __all__ = ["COMPILE_CACHE_ENV", "compile_cache_dir", "use_private_compile_cache"]
 

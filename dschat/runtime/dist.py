@@ -46,7 +46,7 @@ from torch.distributed import distributed_c10d
 
 from dschat.errors import EXIT_USAGE, UserError
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES, RENDEZVOUS_ID_VAR
-from dschat.runtime.fs import owned_privately, untrusted_reason
+from dschat.runtime.trust import owned_privately, untrusted_reason
 
 __all__ = [
     "DistInfo",

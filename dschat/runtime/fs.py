@@ -9,12 +9,7 @@ replaced together, with a journal that :func:`recover_files` finishes after a ki
 into a folder that must not move (``--output_dir``) uses :mod:`dschat.runtime.inplace` instead.
 :func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
 
-On a shared machine a file or folder is trusted only when this user owns it and nobody else can
-write to it or to a folder above it (:func:`untrusted_reason`, :func:`is_trusted`,
-:func:`check_trusted`, :func:`untrusted_ancestor`): a cache, lock or leftover folder that another
-account could have planted, edited or swapped is never read.
-:func:`make_private_dir` creates folders only their owner can enter (0700); :func:`make_trusted_dir`
-also refuses one that exists and is not the user's own.
+Leftovers are adopted only when this user may trust them (:mod:`dschat.runtime.trust`).
 
 A folder that :func:`atomic_dir` completes carries :data:`SAVED_MARKER`; :func:`recover_dir` moves
 leftovers into place only when they carry it and belong to this user alone (:func:`owned_privately`),
@@ -31,31 +26,22 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import grp
 import json
 import os
-import pwd
 import shutil
-import stat
 import tempfile
 import uuid
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
 from dschat.errors import UserError
+from dschat.runtime.trust import owned_privately
 
 __all__ = [
     "SAVED_MARKER",
     "RANK_OUTPUT_ROOT_ENV",
-    "owned_privately",
     "resolve_output_dir",
     "check_writable_dir",
-    "untrusted_reason",
-    "untrusted_ancestor",
-    "is_trusted",
-    "check_trusted",
-    "make_private_dir",
-    "make_trusted_dir",
     "fsync_path",
     "fsync_tree",
     "atomic_file",
@@ -72,12 +58,6 @@ _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 SAVED_MARKER = ".dschat-saved"
 #: Test hook: one output root per rank (simulates node-local storage on one machine). Tests only.
 RANK_OUTPUT_ROOT_ENV = "DSCHAT_TEST_RANK_OUTPUT_ROOT"
-
-
-def owned_privately(path: str | os.PathLike) -> bool:
-    """:func:`is_trusted`, and not a symlink: a leftover folder is adopted only when it is the user's
-    own folder itself, never a link (whose target :func:`is_trusted` would judge instead)."""
-    return not os.path.islink(path) and is_trusted(path)
 
 
 def resolve_output_dir(value: str) -> str:
@@ -119,136 +99,6 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path} cannot be written: no write permission in {ancestor}; "
                         "pass a folder you can write to")
-
-
-def _user_name(uid: int) -> str:
-    try:
-        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
-    except KeyError:  # a uid with no passwd entry (a container, a deleted account)
-        return f"uid {uid}"
-
-
-def _private_group(gid: int, uid: int) -> bool:
-    """Whether group ``gid`` is ``uid``'s own: a user-private group (the user's primary group, of the
-    user's name, with no other member and no other account's primary group), as Debian and Ubuntu give
-    every user, whose default umask 002 makes the user's files group-writable."""
-    try:
-        user, group = pwd.getpwuid(uid), grp.getgrgid(gid)
-    except KeyError:  # an id without a name here (e.g. from another machine's NFS)
-        return False
-    if group.gr_gid != user.pw_gid or group.gr_name != user.pw_name or set(group.gr_mem) - {user.pw_name}:
-        return False
-    return all(other.pw_gid != gid or other.pw_uid == uid for other in pwd.getpwall())
-
-
-def _writers(info: os.stat_result, me: int) -> str | None:
-    """Who besides the owner can write to what ``info`` describes ("its group", "other users", ...),
-    or ``None``; group write does not count when the group is ``me``'s private one."""
-    writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable == stat.S_IWGRP and _private_group(info.st_gid, me):
-        writable = 0
-    if not writable:
-        return None
-    return "its group and others" if writable == stat.S_IWGRP | stat.S_IWOTH else (
-        "its group" if writable == stat.S_IWGRP else "other users")
-
-
-def untrusted_ancestor(path: str | os.PathLike) -> str | None:
-    """Why a folder above ``path`` lets another account replace it, or ``None`` (OpenSSH's StrictModes).
-
-    Every folder from ``path``'s parent up to ``/`` (of the resolved path: symlinks followed, as a
-    reader's open does) must belong to this user or root and be writable by nobody else (group write
-    by the user's private group is fine): whoever can write to a folder can rename what is in it and
-    put their own in its place. One exception, as ``/tmp`` and ``/dev/shm`` need: a sticky folder
-    (mode ``+t``) lets only an entry's owner rename it, so there the next folder down only has to
-    belong to this user or root. Raises ``FileNotFoundError`` when ``path`` does not exist.
-    """
-    me = os.geteuid()
-    child = Path(os.path.realpath(path))
-    child_info = os.stat(child)
-    for folder in child.parents:
-        info = os.stat(folder)
-        if info.st_uid not in (me, 0):
-            return f"the folder {folder} above it belongs to {_user_name(info.st_uid)}, not to you (uid {me}) or root"
-        who = _writers(info, me)
-        sticky_guard = info.st_mode & stat.S_ISVTX and child_info.st_uid in (me, 0)
-        if who is not None and not sticky_guard:
-            return (f"{who} can write to the folder {folder} above it (mode {stat.S_IMODE(info.st_mode):04o}), so "
-                    "they could put something else in its place")
-        child_info = info
-    return None
-
-
-def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
-    """Why ``path`` must not be trusted on a shared machine, or ``None`` when it may be.
-
-    Trusted means: owned by this process's effective user (or by root, with ``root_may_own``: a
-    system-wide install root could change anyway), and writable by nobody else -- group write is
-    fine when the group is the user's private one (:func:`_private_group`) -- and no folder above it
-    lets another account replace it (:func:`untrusted_ancestor`). The owner is what counts, not what
-    ``os.access`` says: root can read and write anything, yet must still not trust a file another
-    account planted. A symlink is judged by its target (``os.stat`` follows it), which is what a
-    reader opens. Raises ``FileNotFoundError`` when ``path`` does not exist.
-    """
-    info = os.stat(path)
-    me = os.geteuid()
-    if info.st_uid != me and not (root_may_own and info.st_uid == 0):
-        return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
-    who = _writers(info, me)
-    if who is not None:
-        return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
-    return untrusted_ancestor(path)
-
-
-def is_trusted(path: str | os.PathLike) -> bool:
-    """True when ``path`` exists, this user owns it and nobody else can write to it."""
-    try:
-        return untrusted_reason(path) is None
-    except FileNotFoundError:
-        return False
-
-
-def check_trusted(path: str | os.PathLike, what: str, fix: str) -> None:
-    """Refuse ``path`` with one line unless this user owns it and nobody else can write to it.
-
-    ``what`` names the path in the message ("--data_output_path", "data cache file"); ``fix`` says
-    what to do ("pass a folder of your own"). See :func:`untrusted_reason`.
-    """
-    reason = untrusted_reason(path)
-    if reason is not None:
-        raise UserError(f"{what} {path} is not safe to read on a shared machine: {reason}; {fix}")
-
-
-def make_private_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` and its missing parents as folders only their owner can enter (0700).
-
-    Folders that exist already are left as they are (check them with :func:`check_trusted`);
-    another process creating the same folder at the same time is fine.
-    """
-    target = Path(os.path.expanduser(os.fspath(path)))
-    missing = []
-    folder = target
-    while not folder.is_dir() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    for folder in reversed(missing):
-        try:
-            folder.mkdir(mode=0o700)
-        except FileExistsError:
-            continue  # made by another rank meanwhile, or a file: the caller's checks name it
-        os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask; this is exact
-    return target
-
-
-def make_trusted_dir(path: str | os.PathLike, what: str, fix: str, not_a_folder_fix: str | None = None) -> Path:
-    """:func:`make_private_dir`, then refuse ``path`` in one line unless it is a folder this user may
-    trust (:func:`check_trusted`, with ``what`` and ``fix``); a path that is not a folder is told
-    ``not_a_folder_fix`` (default ``fix``). Returns the folder."""
-    target = make_private_dir(path)
-    if not target.is_dir():
-        raise UserError(f"{what} {path} is not a folder; {not_a_folder_fix or fix}")
-    check_trusted(target, what, fix)
-    return target
 
 
 def _is_disk_full(err: BaseException) -> bool:

@@ -33,8 +33,9 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dschat.runtime.fs import (_disk_full_is_a_user_error, _normalise_modes, fsync_path, fsync_tree,
-                               owned_privately)
+from dschat.runtime.fs import _disk_full_is_a_user_error, _normalise_modes, fsync_path, fsync_tree
+
+from dschat.runtime.trust import owned_privately
 
 __all__ = ["STAGING_PREFIX", "REPLACED_PREFIX", "JOURNAL", "save_in_place", "recover_in_place", "unfinished_save"]
 

@@ -18,7 +18,7 @@ import pytest
 from dschat import recipes as R
 from dschat.errors import UserError, cli_main
 from dschat.recipes import loading as recipe_loading
-from dschat.runtime import fs
+from dschat.runtime import fs, trust
 
 from helpers import REPO
 
@@ -385,10 +385,10 @@ def test_a_checkout_others_can_write_is_refused_in_one_line(tmp_path, monkeypatc
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DSCHAT_REPO_ROOT" in err and "other users can write to it" in err
     checkout.chmod(0o775)  # group-writable: refused unless the group is the user's private one
-    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: False)
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: False)
     with pytest.raises(UserError, match="its group can write to it"):
         R.find_repo_root(checkout)
-    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: True)
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: True)
     assert R.find_repo_root(checkout) == checkout.resolve()
     checkout.chmod(0o755)
     assert R.find_repo_root(checkout) == checkout.resolve()

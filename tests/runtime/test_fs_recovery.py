@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dschat.runtime import fs
+from dschat.runtime import fs, trust
 
 from helpers.steps import load_script
 
@@ -258,7 +258,7 @@ def test_a_leftover_planted_by_a_real_second_user_is_left_alone():
 def test_atomic_dir_marks_its_folder_complete_and_private(tmp_path):
     with fs.atomic_dir(tmp_path / "out") as tmp:
         (tmp / "config.json").write_text("{}")
-    assert fs.owned_privately(tmp_path / "out") and fs.owned_privately(tmp_path / "out" / fs.SAVED_MARKER)
+    assert trust.owned_privately(tmp_path / "out") and trust.owned_privately(tmp_path / "out" / fs.SAVED_MARKER)
 
 
 # --- a symlinked output folder stays a link --------------------------------------------------------

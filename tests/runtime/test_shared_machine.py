@@ -22,7 +22,7 @@ from dschat.data import cache as data_cache
 from dschat.data.prompt_dataset import cache_files, create_prompt_dataset
 from dschat.errors import UserError
 from dschat.paths import data_cache_dir
-from dschat.runtime import fs
+from dschat.runtime import fs, trust
 
 from helpers.data import make_tokenizer, pref_rows, write_jsonl
 
@@ -68,21 +68,21 @@ def as_other_user(script: str) -> None:
 def test_own_folder_and_file_are_trusted(tmp_path):
     (tmp_path / "f").write_text("x")
     (tmp_path / "f").chmod(0o644)
-    assert fs.untrusted_reason(tmp_path) is None and fs.is_trusted(tmp_path / "f")
-    fs.check_trusted(tmp_path / "f", "file", "fix it")  # no error
-    assert not fs.is_trusted(tmp_path / "missing")
+    assert trust.untrusted_reason(tmp_path) is None and trust.is_trusted(tmp_path / "f")
+    trust.check_trusted(tmp_path / "f", "file", "fix it")  # no error
+    assert not trust.is_trusted(tmp_path / "missing")
 
 
 @pytest.mark.parametrize("mode,who", [(0o770, "its group can write"), (0o707, "other users can write"),
                                       (0o777, "its group and others can write")])
 def test_writable_by_group_or_others_is_not_trusted(tmp_path, monkeypatch, mode, who):
-    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: False)  # a group others belong to
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: False)  # a group others belong to
     folder = tmp_path / "shared"
     folder.mkdir()
     folder.chmod(mode)
-    assert who in fs.untrusted_reason(folder)
+    assert who in trust.untrusted_reason(folder)
     with pytest.raises(UserError, match=f"--x {folder} is not safe to read on a shared machine: {who} .*; do this"):
-        fs.check_trusted(folder, "--x", "do this")
+        trust.check_trusted(folder, "--x", "do this")
 
 
 def test_group_write_is_fine_when_the_group_is_the_users_private_one(tmp_path, monkeypatch):
@@ -90,10 +90,10 @@ def test_group_write_is_fine_when_the_group_is_the_users_private_one(tmp_path, m
     folder = tmp_path / "mine"
     folder.mkdir()
     folder.chmod(0o775)
-    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: gid == folder.stat().st_gid and uid == os.geteuid())
-    assert fs.untrusted_reason(folder) is None
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: gid == folder.stat().st_gid and uid == os.geteuid())
+    assert trust.untrusted_reason(folder) is None
     folder.chmod(0o777)  # others too: never
-    assert "its group and others can write" in fs.untrusted_reason(folder)
+    assert "its group and others can write" in trust.untrusted_reason(folder)
 
 
 def test_a_private_group_has_no_other_member():
@@ -104,8 +104,8 @@ def test_a_private_group_has_no_other_member():
     group = grp.getgrgid(me.pw_gid)
     others = set(group.gr_mem) - {me.pw_name} or any(
         u.pw_gid == me.pw_gid and u.pw_uid != me.pw_uid for u in pwd.getpwall())
-    assert fs._private_group(me.pw_gid, me.pw_uid) == (group.gr_name == me.pw_name and not others)
-    assert not fs._private_group(me.pw_gid, 4242)  # nobody's group is another uid's private one
+    assert trust._private_group(me.pw_gid, me.pw_uid) == (group.gr_name == me.pw_name and not others)
+    assert not trust._private_group(me.pw_gid, 4242)  # nobody's group is another uid's private one
 
 
 def test_another_owner_is_not_trusted_even_when_this_process_can_write(tmp_path, monkeypatch):
@@ -114,8 +114,8 @@ def test_another_owner_is_not_trusted_even_when_this_process_can_write(tmp_path,
     target.chmod(0o600)
     fake_owner(monkeypatch, target)
     assert os.access(target, os.W_OK)  # permissions alone would let it through
-    assert f"uid {OTHER_UID}), not to you" in fs.untrusted_reason(target)
-    assert not fs.is_trusted(target)
+    assert f"uid {OTHER_UID}), not to you" in trust.untrusted_reason(target)
+    assert not trust.is_trusted(target)
 
 
 def test_a_symlink_is_judged_by_its_target(tmp_path):
@@ -123,14 +123,14 @@ def test_a_symlink_is_judged_by_its_target(tmp_path):
     target.mkdir()
     target.chmod(0o777)
     (tmp_path / "link").symlink_to(target)
-    assert not fs.is_trusted(tmp_path / "link")
+    assert not trust.is_trusted(tmp_path / "link")
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o757])
 def test_a_folder_above_that_others_can_write_to_makes_the_path_untrusted(tmp_path, monkeypatch, mode):
     """OpenSSH's StrictModes: whoever can write to a folder above a path can rename the path away and
     put their own in its place, so the user's own 0700 folder inside it is not trusted either."""
-    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: False)
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: False)
     team = tmp_path / "team"
     team.mkdir()
     team.chmod(mode)
@@ -138,19 +138,19 @@ def test_a_folder_above_that_others_can_write_to_makes_the_path_untrusted(tmp_pa
     mine.mkdir(parents=True, mode=0o700)
     (mine / "f").write_text("x")
     for path in (mine, mine / "f", team / "me"):
-        reason = fs.untrusted_reason(path)
+        reason = trust.untrusted_reason(path)
         assert reason is not None and f"can write to the folder {team} above it (mode {mode:04o})" in reason, reason
-        assert not fs.is_trusted(path)
+        assert not trust.is_trusted(path)
     with pytest.raises(UserError, match=f"--x {mine} is not safe to read on a shared machine: .* the folder {team} "
                                         "above it"):
-        fs.check_trusted(mine, "--x", "do this")
+        trust.check_trusted(mine, "--x", "do this")
     # A link from a safe place into it is judged where it leads.
     (tmp_path / "link").symlink_to(mine)
-    assert not fs.is_trusted(tmp_path / "link")
+    assert not trust.is_trusted(tmp_path / "link")
     # The user's private group writing to the folder above is fine, as for the path itself.
     team.chmod(0o775)
-    monkeypatch.setattr(fs, "_private_group", lambda gid, uid: True)
-    assert fs.untrusted_reason(mine) is None
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: True)
+    assert trust.untrusted_reason(mine) is None
 
 
 def test_a_sticky_folder_above_is_fine_when_the_next_folder_down_is_the_users(tmp_path, monkeypatch):
@@ -161,9 +161,9 @@ def test_a_sticky_folder_above_is_fine_when_the_next_folder_down_is_the_users(tm
     mine = sticky / "me" / "out"
     mine.mkdir(parents=True, mode=0o700)
     (sticky / "me").chmod(0o700)
-    assert fs.untrusted_reason(mine) is None and fs.untrusted_reason(sticky / "me") is None
+    assert trust.untrusted_reason(mine) is None and trust.untrusted_reason(sticky / "me") is None
     fake_owner(monkeypatch, sticky / "me")  # another account's folder in the sticky one: it may swap "out"
-    assert f"the folder {sticky / 'me'} above it belongs to" in fs.untrusted_reason(mine)
+    assert f"the folder {sticky / 'me'} above it belongs to" in trust.untrusted_reason(mine)
 
 
 def test_a_folder_above_owned_by_another_user_makes_the_path_untrusted(tmp_path, monkeypatch):
@@ -171,7 +171,7 @@ def test_a_folder_above_owned_by_another_user_makes_the_path_untrusted(tmp_path,
     (home / "project").mkdir(parents=True, mode=0o700)
     home.chmod(0o755)
     fake_owner(monkeypatch, home)
-    reason = fs.untrusted_reason(home / "project")
+    reason = trust.untrusted_reason(home / "project")
     assert reason is not None and f"the folder {home} above it belongs to" in reason and "not to you" in reason
     assert "root" in reason  # root's folders (/, /home) are fine, as for ssh
 
@@ -180,8 +180,8 @@ def test_make_private_dir_creates_0700_folders_whatever_the_umask(tmp_path):
     (tmp_path / "existing").mkdir(mode=0o755)
     old = os.umask(0)
     try:
-        made = fs.make_private_dir(tmp_path / "existing" / "a" / "b")
-        fs.make_private_dir(made)  # again: a no-op
+        made = trust.make_private_dir(tmp_path / "existing" / "a" / "b")
+        trust.make_private_dir(made)  # again: a no-op
     finally:
         os.umask(old)
     assert made.is_dir() and mode_of(made) == mode_of(made.parent) == 0o700
