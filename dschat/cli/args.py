@@ -538,9 +538,8 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "generate, without its per-token bookkeeping); 'hf' calls the module's generate(); "
                             "'graphs' (CUDA) calls generate() with a static KV cache and CUDA graphs "
                             "(torch.compile mode reduce-overhead; prompts left-padded to a multiple of 64 so "
-                            "one graph serves the rollouts of a prompt width; the first rollout compiles, "
-                            "30-41 s for OPT-1.3B): 2.7-3.0x faster generation than 'dschat' in upstream's "
-                            "OPT-1.3B step 3 on an H100; where it does not apply (a CPU, ZeRO-3 weights not "
+                            "one graph serves the rollouts of a prompt width; the first rollout compiles; measured in "
+                            "benchmarks/results.md); where it does not apply (a CPU, ZeRO-3 weights not "
                             "gathered, encoder-decoders), or if it fails, it says so once and uses 'dschat'. "
                             "'auto' (default): 'graphs' where it applies, else 'dschat' without a word. "
                             "generate() is used anyway for an actor under ZeRO-3 whose weights are not gathered.")
