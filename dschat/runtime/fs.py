@@ -52,6 +52,8 @@ __all__ = [
     "recover_dir",
 ]
 
+#: errno values of a file system that cannot fsync a folder (the entries' durability is its own).
+_NO_FOLDER_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP)
 #: errno values that mean "the disk (or the user's quota) is full".
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 #: Written into an :func:`atomic_dir` folder once its content is complete, before it is swapped in.
@@ -131,10 +133,16 @@ def _disk_full_is_a_user_error(path: Path, kept: str | None = None) -> Iterator[
 
 def fsync_path(path: str | os.PathLike) -> None:
     """Flush a file's data, or a folder's entries (names created, renamed or removed in it), to
-    stable storage (``fsync``): after it returns, a power cut keeps what was written or renamed."""
-    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if os.path.isdir(path) else 0))
+    stable storage (``fsync``): after it returns, a power cut keeps what was written or renamed.
+    A file system that cannot fsync a folder (some FUSE and object-store mounts answer EINVAL or
+    ENOTSUP) keeps its own rules for the folder's entries; its files are still flushed."""
+    folder = os.path.isdir(path)
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if folder else 0))
     try:
         os.fsync(fd)
+    except OSError as err:
+        if not (folder and err.errno in _NO_FOLDER_FSYNC):
+            raise
     finally:
         os.close(fd)
 
@@ -237,8 +245,8 @@ def recover_files(paths: Sequence[str | os.PathLike]) -> list[str]:
             pairs = [(str(a), str(b)) for a, b in pairs if b in names and "/" not in str(a)]
         except (OSError, ValueError, KeyError, TypeError):
             pairs = []  # cut while it was written: no rename had begun
-        for tmp, target in pairs:
-            if os.path.lexists(journal.parent / tmp):
+        for tmp, target in pairs:  # only this user's own temporary files are moved into place
+            if os.path.lexists(journal.parent / tmp) and owned_privately(journal.parent / tmp):
                 os.replace(journal.parent / tmp, journal.parent / target)
         fsync_path(journal.parent)
         journal.unlink()
@@ -267,14 +275,20 @@ def _replace_journalled(tmps: Sequence[Path], targets: Sequence[Path]) -> None:
 
 def _replace_all(tmps: Sequence[Path], targets: Sequence[Path]) -> None:
     """``os.replace(tmp, target)`` pairwise, in order; when one fails, the targets already replaced
-    get their previous files back (kept as hard links until every rename is done)."""
+    get their previous files back (kept as hard links, or copies on a file system without them,
+    until every rename is done)."""
     backups: list[tuple[Path, Path]] = []
     done: list[Path] = []
     try:
         for target in targets:
             if target.is_file():
                 backup = target.with_name(f".{target.name}.{uuid.uuid4().hex[:8]}.previous")
-                os.link(target, backup)
+                try:
+                    os.link(target, backup)
+                except OSError as err:  # a file system without hard links: a copy keeps it as well
+                    if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                        raise
+                    shutil.copy2(target, backup)
                 backups.append((backup, target))
         for tmp, target in zip(tmps, targets):
             os.replace(tmp, target)
@@ -447,7 +461,7 @@ def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | Non
                 found.append(candidate)
             else:
                 notices.append(f"left {candidate} alone: it is not a folder that only you own and can write "
-                               "to, so it was not written by your dschat run; delete it if it is yours")
+                               "to, so it may not be your dschat run's; if it is yours, 'chmod go-w' it and run again")
         return sorted(found, key=lambda p: p.stat().st_mtime)
 
     partials, olds = siblings("partial"), siblings("old")

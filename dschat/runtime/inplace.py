@@ -80,7 +80,8 @@ class _Moves:
         """Step 3; repeating it after a kill finishes what the killed process began."""
         path, stage, aside = self.path, self.stage, self.aside
         if not aside.is_dir():
-            aside.mkdir()
+            aside.mkdir(mode=0o700)
+            os.chmod(aside, 0o700)  # only its owner's, as the staging folder: recover_in_place trusts nothing else
         staged = set(names)
         for name in sorted(os.listdir(path)):
             if owns(name) and name not in staged and not _ours(name) and not os.path.lexists(aside / name):
@@ -171,7 +172,8 @@ def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> li
     for stage in (p for p in leftovers if p.name.startswith(STAGING_PREFIX)):
         if not (stage.is_dir() and owned_privately(stage)):
             notices.append(f"left {stage} alone: it is not a folder that only you own and can write to, so it "
-                           "was not written by your dschat run; delete it if it is yours")
+                           "may not be your dschat run's; if it is yours, 'chmod go-w' it and run again (it may "
+                           "hold the only copy of a save)")
             continue
         names = _read_journal(stage)
         aside = path / f"{REPLACED_PREFIX}{stage.name[len(STAGING_PREFIX):]}"

@@ -31,9 +31,19 @@ __all__ = [
 
 
 def owned_privately(path: str | os.PathLike) -> bool:
-    """:func:`is_trusted`, and not a symlink: a leftover folder is adopted only when it is the user's
-    own folder itself, never a link (whose target :func:`is_trusted` would judge instead)."""
-    return not os.path.islink(path) and is_trusted(path)
+    """Whether a leftover beside or inside an output folder (a crash-safe write's temporary folder,
+    journal or marker) may be adopted or deleted: it exists, is not a symlink, belongs to this user
+    and nobody else can write to it. The folders above it are not checked (as :func:`is_trusted`
+    does): whoever can replace one of them can replace the output folder itself, so refusing the
+    user's own leftover there would protect nothing and strand the only copy of a save."""
+    if os.path.islink(path):
+        return False
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return False
+    me = os.geteuid()
+    return info.st_uid == me and _writers(info, me) is None
 
 
 def _user_name(uid: int) -> str:

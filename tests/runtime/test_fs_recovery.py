@@ -289,3 +289,53 @@ def test_output_dir_flag_resolves_a_symlink_once(tmp_path, monkeypatch):
     monkeypatch.setenv(fs.RANK_OUTPUT_ROOT_ENV, str(tmp_path / "nodes"))  # the test hook: one root per rank
     monkeypatch.setenv("RANK", "1")
     assert fs.resolve_output_dir(str(tmp_path / "out")) == str(tmp_path / "nodes" / "rank1" / "out")
+
+
+def test_a_folder_that_cannot_be_fsynced_is_passed_over_but_a_file_is_not(tmp_path, monkeypatch):
+    """Some FUSE and object-store mounts answer EINVAL / ENOTSUP to fsync on a folder: a save goes on
+    there; the same answer for a file's data is an error."""
+    (tmp_path / "f").write_text("x")
+
+    def no_fsync(fd):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(os, "fsync", no_fsync)
+    fs.fsync_path(tmp_path)  # a folder: passed over
+    with pytest.raises(OSError):
+        fs.fsync_path(tmp_path / "f")
+    with pytest.raises(OSError):  # the data files are fsync'd: EINVAL there fails the write
+        with fs.atomic_files([tmp_path / "a", tmp_path / "b"]) as (a, b):
+            a.write_text("new a")
+            b.write_text("new b")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]  # nothing half-written is left
+
+
+def test_a_set_of_files_is_replaced_and_put_back_on_a_file_system_without_hard_links(tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.write_text("old a")
+    b.write_text("old b")
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    with fs.atomic_files([a, b]) as (ta, tb):
+        ta.write_text("new a")
+        tb.write_text("new b")
+    assert (a.read_text(), b.read_text()) == ("new a", "new b")
+    real_replace, calls = os.replace, []
+
+    def second_rename_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", second_rename_fails)
+    with pytest.raises(OSError):
+        with fs.atomic_files([a, b]) as (ta, tb):
+            ta.write_text("newer a")
+            tb.write_text("newer b")
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert (a.read_text(), b.read_text()) == ("new a", "new b")  # the previous set, put back from its copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "b"]

@@ -491,25 +491,17 @@ def test_rolling_back_with_resume_from_then_resume(engine, tmp_path):
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000060", "step_00000070"]
 
 
-def test_a_reader_refuses_a_model_folder_a_stopped_save_left_half_replaced_and_the_recover_command_finishes_it(tmp_path):
-    """A save killed between its renames leaves the new config.json beside the old weights: loading
-    the folder is one line naming the leftover and the command; ``--recover`` finishes the save."""
-    import subprocess
-    import sys
-
-    from helpers import REPO
-
-    from dschat.errors import UserError
-    from dschat.models.registry import check_local_model_path
+def _model_save_killed_between_renames(folder: Path) -> Path:
+    """An old model in ``folder``, then a save of a new one killed (SIGKILL) at its second rename:
+    the new config.json is in place beside the old weights."""
     from dschat.models.save import is_model_artifact
     from dschat.runtime.inplace import save_in_place
 
-    folder = tmp_path / "sft"
     folder.mkdir()
     (folder / "config.json").write_text('{"old": 1}')
     (folder / "model.safetensors").write_bytes(b"old weights")
     child = os.fork()
-    if child == 0:  # the save, killed at its second rename (the first staged entry is in place)
+    if child == 0:
         calls = [0]
         real = os.replace
 
@@ -526,6 +518,39 @@ def test_a_reader_refuses_a_model_folder_a_stopped_save_left_half_replaced_and_t
         os._exit(0)
     _, status = os.waitpid(child, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    return folder
+
+
+def test_a_killed_save_is_finished_in_a_folder_under_a_parent_others_can_write_to(tmp_path):
+    """A team folder others can write to (not sticky) above --output_dir: the user's own leftovers
+    inside the output folder are still finished (the folders above are no reason to strand a save)."""
+    team = tmp_path / "team"
+    team.mkdir()
+    os.chmod(team, 0o777)
+    old = os.umask(0o002)  # the usual umask on a team machine: group-writable folders
+    try:
+        folder = _model_save_killed_between_renames(team / "sft")
+    finally:
+        os.umask(old)
+    notices = recover_output_dir(folder)
+    assert notices == [f"finished an interrupted save into {folder}"], notices
+    assert (folder / "config.json").read_text() == '{"new": 1}'
+    assert (folder / "model.safetensors").read_bytes() == b"new weights"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_reader_refuses_a_model_folder_a_stopped_save_left_half_replaced_and_the_recover_command_finishes_it(tmp_path):
+    """A save killed between its renames leaves the new config.json beside the old weights: loading
+    the folder is one line naming the leftover and the command; ``--recover`` finishes the save."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    from dschat.errors import UserError
+    from dschat.models.registry import check_local_model_path
+
+    folder = _model_save_killed_between_renames(tmp_path / "sft")
     with pytest.raises(UserError, match=r"holds an unfinished model save \(\.dschat-") as err:
         check_local_model_path(str(folder))
     assert f"python -m dschat.models.save --recover {folder}" in str(err.value) and "\n" not in str(err.value)
