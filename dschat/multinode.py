@@ -15,7 +15,7 @@
 * Host names that cannot reach ``ssh``/``pdsh`` as options (:func:`check_host_name`).
 
 Whether the working directory and the ``.deepspeed_env`` files may be trusted is checked by the
-launcher (``dschat.launch``), which can use the file-system trust rules of ``dschat.runtime.fs``.
+launcher (``dschat.launch``), which can use the file-system trust rules of ``dschat.runtime.trust``.
 """
 from __future__ import annotations
 

@@ -72,15 +72,6 @@ class PPOFormulas:
                                        exp.action_mask)
         return rl_math.mask_after_ends(rewards, self._ends(exp))
 
-    def advantages_and_returns(self, exp: Experience, with_critic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, T - start) advantages and returns of one micro-batch (not whitened): GAE over the
-        KL-shaped rewards with a critic, else the critic-free advantages (as returns too)."""
-        old_values, old_rewards = self._old_values_and_rewards(exp)
-        if with_critic:
-            return self.get_advantages_and_returns(old_values, old_rewards, exp.start)
-        advantages = self._critic_free_advantages(exp, old_rewards)
-        return advantages, advantages
-
     def _critic_free_advantages(self, exp: Experience, rewards: torch.Tensor) -> torch.Tensor:
         """(B, T - start) token advantages without a critic: REINFORCE++'s returns-to-go of the
         KL-penalised per-token rewards (whitened later, over the rollout), or each answer's sequence

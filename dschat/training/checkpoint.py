@@ -55,9 +55,10 @@ import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
 from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree
@@ -284,7 +285,11 @@ def _check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[s
 
 def load_weights(engine: Any, path: Path, rank: int) -> None:
     """The inverse of :func:`save_weights` (collective; ZeRO-3: rank 0 writes, DeepSpeed re-partitions)."""
-    state = load_file(str(path))
+    try:
+        state = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:  # a cut, foreign or missing file
+        raise UserError(f"cannot read {path} ({type(err).__name__}: {first_line(err)}); the checkpoint is "
+                        "damaged: pass --resume_from with another one") from None
     release_zero3_prefetch(engine)
     module = getattr(engine, "module", engine)
     names = [name for name, _ in module.named_parameters()]

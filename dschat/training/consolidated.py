@@ -20,7 +20,7 @@ DeepSpeed's native checkpoint; anything else loads the consolidated state
 (:func:`load_consolidated`, collective) into the engines: weights (module and fp32 master), both
 moments, the step counts, the learning rates, the scheduler, DeepSpeed's counters. The data
 position is converted by :func:`convert_batches_done`; random states by
-:func:`reseed_missing_rank`. A setup the consolidated state does not cover (fp16 loss scaling,
+:func:`derived_rng_state`. A setup the consolidated state does not cover (fp16 loss scaling,
 ZeRO offload, an optimizer other than Adam(W), a checkpoint written without this folder) is one
 line naming what to resume with.
 """
@@ -451,7 +451,11 @@ def derived_rng_state(folder: Path, rank: int) -> dict[str, Any]:
     SHA-256 of rank 0's saved states and ``rank``. The same checkpoint and rank always give the same
     states, and no two ranks share a stream; ranks the checkpoint has keep their own. A CUDA
     generator keeps the state the run's ``--seed`` gave it."""
-    saved = (folder / "rng_rank0.json").read_bytes()
+    try:
+        saved = (folder / "rng_rank0.json").read_bytes()
+    except OSError as err:
+        raise UserError(f"cannot read {folder / 'rng_rank0.json'} ({err.strerror}); the checkpoint is damaged: pass "
+                        "--resume_from with another one") from None
     seed = int.from_bytes(hashlib.sha256(saved + f"/rank{rank}".encode()).digest()[:8], "little")
     version, internal, gauss = random.Random(seed).getstate()
     name, keys, pos, has_gauss, cached = np.random.RandomState(seed % 2**32).get_state()

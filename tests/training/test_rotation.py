@@ -10,6 +10,7 @@ import random
 import shutil
 
 import pytest
+import torch
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.training import checkpoint as ckpt
@@ -177,3 +178,18 @@ def test_old_markers_without_a_sequence_sort_by_their_write_time(tmp_path):
     os.utime(b / ckpt.MARKER, ns=(2, 2))
     assert ckpt.complete_checkpoints(root) == [a, b]
     shutil.rmtree(root)
+
+
+def test_a_damaged_weights_file_or_missing_random_state_is_one_line(tmp_path):
+    """The EMA actor's safetensors file cut short, and rank 0's random states gone when another shape
+    derives a rank's states from them: one line each, naming the file."""
+    from dschat.training.checkpoint import load_weights
+    from dschat.training.consolidated import derived_rng_state
+
+    cut = tmp_path / "actor_ema.safetensors"
+    cut.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(UserError, match=r"cannot read .*actor_ema\.safetensors .*pass --resume_from") as err:
+        load_weights(torch.nn.Linear(2, 2), cut, rank=0)
+    assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match=r"cannot read .*rng_rank0\.json .*pass --resume_from"):
+        derived_rng_state(tmp_path, rank=1)
