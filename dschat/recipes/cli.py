@@ -47,19 +47,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"wrote {path.relative_to(base)}" if path.exists() else f"deleted {path.relative_to(base)}")
         print(f"{len(written)} file(s) changed")
     elif args.command == "check-scripts":
-        problems = check_generated(args.repo_root)
-        for line in problems:
-            print(line)
-        if problems:
-            raise SystemExit(1)
-        print("training_scripts are in sync with configs/")
+        _report(check_generated(args.repo_root), "training_scripts are in sync with configs/")
     elif args.command == "write-flags-doc":
         path = write_flags_doc(args.repo_root)
         print(f"wrote {path.relative_to(find_repo_root(args.repo_root))}")
     elif args.command == "check-flags-doc":
-        problems = check_flags_doc(args.repo_root)
-        for line in problems:
-            print(line)
-        if problems:
-            raise SystemExit(1)
-        print(f"{FLAGS_DOC} is in sync with the step scripts")
+        _report(check_flags_doc(args.repo_root), f"{FLAGS_DOC} is in sync with the step scripts")
+
+
+def _report(problems: list[str], in_sync: str) -> None:
+    """A check's outcome: each problem on a line and exit code 1, else the ``in_sync`` line."""
+    for line in problems:
+        print(line)
+    if problems:
+        raise SystemExit(1)
+    print(in_sync)
