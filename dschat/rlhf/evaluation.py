@@ -496,7 +496,9 @@ class StepThreeEvaluation:
         if self.output_dir is not None and self.rank == 0:
             path = self.output_dir / METRICS_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
-            with path.open("a", encoding="utf-8") as f:  # begun by ppo_loop.start_metrics
+            # The evaluation before a fresh run's first step is the run's first line: it starts the file
+            # (a resumed run evaluates after its checkpoint's iterations, global step 1 or more).
+            with path.open("w" if record["global_step"] == 0 else "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
 
     def finish(self) -> str | None:

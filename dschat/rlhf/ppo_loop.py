@@ -36,7 +36,7 @@ from dschat.training.common import RunContext, TensorBoardLogger, to_device
 from dschat.training.ppo_counters import PPOCounters, finished_before_resume, reached_test_stop
 
 __all__ = ["METRICS_FILE", "PPORun", "IterationResult", "run_ppo", "train_rollout", "log_iteration",
-           "iteration_record", "tensorboard_scalars", "append_metrics", "start_metrics", "truncate_metrics"]
+           "iteration_record", "tensorboard_scalars", "append_metrics", "truncate_metrics"]
 
 
 @dataclass
@@ -177,8 +177,11 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
     record = iteration_record(epoch, step, counters.global_step, trainer.pop_micro_stats(), iteration.rollout,
                               ema_reward, iteration.unsup_loss, gen_time, exp_time, iteration.training_time)
     tb.scalars(counters.global_step, **tensorboard_scalars(record))
-    if args.output_dir is not None and rank == 0:  # start_metrics began the file for this run
-        append_metrics(Path(args.output_dir) / METRICS_FILE, record)
+    if args.output_dir is not None and rank == 0:
+        # A fresh run's first line starts the file (with --eval_interval, the evaluation before the
+        # first step writes that line).
+        fresh = counters.global_step == 0 and not getattr(args, "eval_interval", 0)
+        append_metrics(Path(args.output_dir) / METRICS_FILE, record, fresh=fresh)
     counters.global_step += 1
     return record
 
@@ -238,18 +241,6 @@ def append_metrics(path: Path, record: dict, *, fresh: bool = False) -> None:
     line = json.dumps({k: v for k, v in record.items() if k != "micro_steps"}, allow_nan=True)
     with path.open("w" if fresh else "a", encoding="utf-8") as f:
         f.write(line + "\n")
-
-
-def start_metrics(path: Path, iterations: int | None) -> None:
-    """Begin this run's ``metrics.jsonl`` (rank 0, before the first record): a fresh run
-    (``iterations`` None) starts an empty file, whatever an earlier run left there; a resumed run keeps
-    the lines of the ``iterations`` its checkpoint holds (:func:`truncate_metrics`)."""
-    if iterations is not None:
-        truncate_metrics(path, iterations)
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as tmp:
-        tmp.write_text("", encoding="utf-8")
 
 
 def truncate_metrics(path: Path, iterations: int) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from dschat.rlhf.ppo_loop import (PPOCounters, append_metrics, iteration_record, start_metrics, tensorboard_scalars,
-                                  truncate_metrics)
+from dschat.rlhf.ppo_loop import PPOCounters, append_metrics, iteration_record, tensorboard_scalars, truncate_metrics
 from dschat.rlhf.ppo_trainer import MicroStepStats, RolloutStats
 from dschat.training.checkpoint import TrainingPosition
 from dschat.training.nonfinite import NonFiniteGuard
@@ -105,21 +104,3 @@ def test_metrics_file_on_resume_keeps_the_checkpointed_iterations_only(tmp_path)
     truncate_metrics(tmp_path / "absent.jsonl", 3)  # nothing to do, no error
     assert not (tmp_path / "absent.jsonl").exists()
 
-
-def test_a_fresh_run_starts_a_fresh_metrics_file_and_a_resumed_one_keeps_its_lines(tmp_path):
-    """An earlier run's metrics.jsonl (evaluation record at step 0 included) is not continued by a fresh
-    run, whose first record may be an evaluation appended before any PPO step."""
-    path = tmp_path / "out" / "metrics.jsonl"
-    for step in range(3):
-        append_metrics(path, _record(step), fresh=step == 0)
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps({"kind": "eval", "global_step": 0, "proxy": 1.0}) + "\n")
-    start_metrics(path, None)  # a fresh run
-    assert path.read_text(encoding="utf-8") == ""
-    append_metrics(path, _record(0))
-    assert [json.loads(x)["global_step"] for x in path.read_text(encoding="utf-8").splitlines()] == [0]
-    append_metrics(path, _record(1))
-    start_metrics(path, 1)  # resumed from a checkpoint holding 1 iteration
-    assert [json.loads(x)["global_step"] for x in path.read_text(encoding="utf-8").splitlines()] == [0]
-    start_metrics(tmp_path / "new" / "metrics.jsonl", None)  # its folder is made
-    assert (tmp_path / "new" / "metrics.jsonl").read_text(encoding="utf-8") == ""

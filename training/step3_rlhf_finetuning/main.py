@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.batch_plan import plan_batches
     from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
     from dschat.rlhf.guards import validate_step3_args
-    from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, start_metrics
+    from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.ds_config import resolve_dtype
@@ -262,8 +262,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     resumed = checkpointer.resume()
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
-    if args.output_dir is not None and ctx.rank == 0:  # a fresh run's file starts empty
-        start_metrics(Path(args.output_dir) / METRICS_FILE, None if resumed is None else counters.global_step)
+    if resumed is not None and args.output_dir is not None and ctx.rank == 0:
+        truncate_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step)
     evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
 
     # ---------------------------------------------------------------- PPO loop
