@@ -7,6 +7,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +24,42 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+# Tests marked ``forks`` fork the test process (a kill at each point of a save). Late in a full run
+# pytest holds gigabytes, and the kernel's overcommit check can refuse fork() (ENOMEM): so the marked
+# tests of a module run together in one fresh interpreter, and each reports the outcome it had there.
+FRESH_PROCESS_ENV = "DSCHAT_TEST_FRESH_PROCESS"
+_fresh_outcomes: dict[str, str] = {}  # node id -> "PASSED" / "FAILED" / ...
+_fresh_output: dict[str, str] = {}  # module path -> the fresh run's output
+
+
+def _run_fresh(item: pytest.Item) -> None:
+    module = str(item.path)
+    nodes = [i.nodeid for i in item.session.items if str(i.path) == module and "forks" in i.keywords]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *nodes],
+                          cwd=item.config.rootpath, env={**os.environ, FRESH_PROCESS_ENV: "1"},
+                          capture_output=True, text=True, timeout=3600)
+    _fresh_output[module] = proc.stdout[-6000:] + proc.stderr[-2000:]
+    for line in proc.stdout.splitlines():
+        outcome, _, node = line.partition(" ")
+        if outcome in ("PASSED", "FAILED", "ERROR", "SKIPPED"):
+            _fresh_outcomes.setdefault(node.split(" - ")[0], outcome)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    if "forks" not in pyfuncitem.keywords or os.environ.get(FRESH_PROCESS_ENV):
+        return None  # run here
+    if str(pyfuncitem.path) not in _fresh_output:
+        _run_fresh(pyfuncitem)
+    outcome = _fresh_outcomes.get(pyfuncitem.nodeid)
+    if outcome == "SKIPPED":
+        pytest.skip("skipped in the fresh interpreter")
+    if outcome != "PASSED":
+        pytest.fail(f"{outcome or 'no outcome'} in a fresh interpreter:\n{_fresh_output[str(pyfuncitem.path)]}",
+                    pytrace=False)
+    return True
 
 
 # The step-3 inputs are module-scoped: one set per test module, as when each module imported

@@ -19,6 +19,8 @@ from dschat.runtime import fs, trust
 
 from helpers.steps import load_script
 
+pytestmark = pytest.mark.forks  # kills forked children: run in a fresh interpreter (tests/conftest.py)
+
 
 class Killed(BaseException):
     """Stands in for a crash while writing, before any rename (the process's cleanup runs)."""

@@ -45,7 +45,7 @@ from dschat.runtime.dist import init_distributed
 from dschat.training import checkpoint as ckpt
 from dschat.training import rotation
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.forks]  # forks: tests/conftest.py
 
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 KILL_WAIT_S = 60
