@@ -38,7 +38,7 @@ LAUNCHER_ENV = "DSCHAT_LAUNCHER"  # replaces the deepspeed executable (tests, cu
 PREFIX = "[dschat.launch]"
 
 # -------------------------------------------------------------------------------------------------
-# Out-of-memory detection and advice (step 3's most reported upstream problem: DSE #368, #378, #410)
+# Out-of-memory detection and advice (step 3's most reported upstream problem: docs/upstream.md#out-of-memory-in-step-3)
 # -------------------------------------------------------------------------------------------------
 _OOM_PATTERNS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (label, re.compile(pattern, re.IGNORECASE))
@@ -70,7 +70,7 @@ def detect_oom(output_tail: str, returncode: int | None) -> str | None:
 
 
 def oom_advice(step: StepSpec | str, *, cpu: bool = False, e2e: bool = False) -> str:
-    """What to change when ``step`` runs out of memory (upstream's e2e advice plus its issue list)."""
+    """What to change when ``step`` runs out of memory (upstream's e2e advice plus the remedies its users reported)."""
     spec = step if isinstance(step, StepSpec) else step_spec(step)
     lines = [f"Step {spec.number} ({spec.title}) ran out of memory. Ways to make it fit:"]
     if spec.key == "step3":

@@ -1,25 +1,23 @@
 """The tokenised-dataset cache: its key, its files, and the lock that builds it once.
 
-The cache, and how it fixes upstream (DSE #437, #558, #822, #416):
+Upstream's cache and what this one fixes: docs/upstream.md#data-cache.
 
 * The key is a SHA-256 over a canonical JSON of everything that changes the content: each
-  dataset's name, adapter and a SHA-256 of its local files (upstream keyed on the *name*, so an
-  edited JSON file kept serving stale data), the split, phase, seed, ``max_seq_len``, the
-  end-of-conversation token (upstream left it out), the tokenizer's identity (class, name, vocab
-  and special-token hashes, and the ids of a probe text, so a changed BOS/post-processor counts;
-  upstream used only ``name_or_path``), the sft-only datasets and a format version.
+  dataset's name, adapter and a SHA-256 of its local files, the split, phase, seed,
+  ``max_seq_len``, the end-of-conversation token, the tokenizer's identity (class, name, vocab
+  and special-token hashes, and the ids of a probe text, so a changed BOS/post-processor counts),
+  the sft-only datasets and a format version.
 * Files are ``traindata_{key}.safetensors``, ``evaldata_{key}.safetensors`` and ``meta_{key}.json``:
-  token ids stored flat with row offsets, no pickles (upstream ``torch.save``-d whole ``Subset``
-  objects, fragile across versions and unsafe to load). The files are written under temporary
+  token ids stored flat with row offsets, no pickles. The files are written under temporary
   names, fsync'd and renamed into place together, the meta file last, so a reader never sees a
   partial cache, and a failed build or rebuild leaves nothing behind and any previous cache
   untouched; a kill during the renames is finished by the next process that takes the lock.
 * Building happens once under a ``filelock.FileLock`` in ``output_path``: each process takes it; the
-  first builds, the others then find the files and load them. This replaces upstream's per-node
-  local-rank-0 build + ``uint8`` all-reduce (which wrapped to 0 at 256 ranks) and makes a
-  ``--data_output_path`` shared by ranks and nodes safe.
-* The folder is the user's own (default :func:`~dschat.paths.data_cache_dir`, created 0700; upstream
-  used ``/tmp/data_files``, shared by every user) and the files are 0600. A folder, cache file or
+  first builds, the others then find the files and load them, so a ``--data_output_path`` shared
+  by ranks and nodes is safe.
+* The folder is the user's own (default :func:`~dschat.paths.data_cache_dir`, created 0700; not
+  upstream's shared ``/tmp/data_files``: docs/upstream.md#data-cache-default) and the files are
+  0600. A folder, cache file or
   lock that another account owns, or that group or others can write to, is never read: the run
   stops with one line naming it (:func:`check_data_output_path`), since the key is deterministic
   and anyone able to write there could plant the data a run trains on.

@@ -31,11 +31,12 @@ class DataCollatorReward:
 
 
 class DataCollatorRLHF:
-    """Step 3: left-padded prompts exactly ``max_token_len`` wide (upstream's flip trick, DSE #457).
+    """Step 3: left-padded prompts exactly ``max_token_len`` wide (upstream's flip trick,
+    docs/upstream.md#prompts-and-padding-in-step-3).
 
     Items hold *reversed* prompts (``PromptItem``). Right-padding the reversed rows and flipping the
     batch back yields left-padded, right-aligned prompts, so every generated answer starts at the
-    same column. The tokenizer itself stays right-padded for steps 1-2 (DSE #601).
+    same column. The tokenizer itself stays right-padded for steps 1-2.
 
     Returns ``{"prompt", "prompt_att_mask"}``, each ``(B, max_token_len)`` (wider only if a prompt
     is longer, which phase-3 filtering prevents). ``inference_tp_size`` is stored but unused, as

@@ -8,7 +8,7 @@ library first, so a bad line is reported as ``file:line``, and missing columns n
 The parsed rows are turned into an in-memory :class:`datasets.Dataset` (``Dataset.from_list``)
 rather than re-read through ``load_dataset("json", data_files=...)``: same rows, one parse instead
 of two, and no second on-disk Arrow cache under ``~/.cache/huggingface`` keyed by file
-modification time (a second source of staleness next to the one DSE #437 describes).
+modification time (a second source of staleness: docs/upstream.md#data-cache).
 """
 from __future__ import annotations
 

@@ -181,7 +181,7 @@ class PromptDataset(Dataset):
     def __getitem__(self, idx: int) -> Any:
         if self.train_phase == 1:
             ids, mask = self._padded(self.chosen_dataset, idx)
-            # Loss on every real token, prompt included; -100 on padding only (upstream, DSE #819).
+            # Loss on every real token, prompt included; -100 on padding only, as upstream.
             return {"input_ids": ids, "attention_mask": mask, "labels": torch.where(mask.bool(), ids, -100)}
         if self.train_phase == 2:
             c_ids, c_mask = self._padded(self.chosen_dataset, idx)

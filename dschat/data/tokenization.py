@@ -1,15 +1,16 @@
 """Per-phase tokenisation of raw rows into a :class:`~dschat.data.token_dataset.PromptDataset`.
 
-Tokenisation follows upstream's ``create_dataset_split`` exactly (DSE ``data_utils.py``):
+Tokenisation follows upstream's ``create_dataset_split`` exactly (its ``data_utils.py``;
+docs/upstream.md#prompts-and-padding-in-step-3):
 
 * phase 1: ``prompt_and_chosen + eot``, truncated and padded to ``max_seq_len``; items are
   ``{"input_ids", "attention_mask", "labels"}`` (1-D) with ``labels = -100`` on padding only:
-  prompt tokens are trained on, as upstream (DSE #301/#357).
+  prompt tokens are trained on, as upstream.
 * phase 2: ``prompt_and_chosen + eot`` and ``prompt_and_rejected + eot``, each ``[1, max_seq_len]``;
   a row is kept only if both texts exist.
 * phase 3: ``get_prompt`` tokenised without truncation; prompts longer than ``max_seq_len`` (the
-  max prompt length) are dropped and counted in ``filtered`` (DSE #782); items hold the prompt
-  *flipped* so :class:`~dschat.data.collators.DataCollatorRLHF` can left-pad by right-padding (DSE #457).
+  max prompt length) are dropped and counted in ``filtered``; items hold the prompt
+  *flipped* so :class:`~dschat.data.collators.DataCollatorRLHF` can left-pad by right-padding.
 
 Texts are tokenised in batches (fast), unpadded; padding is added when an item is read. The tensors
 are identical to upstream's one-call-per-sample ``padding="max_length"`` tokenisation (tested).

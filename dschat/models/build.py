@@ -349,7 +349,7 @@ def load_state_dict_into_model(
     The state dict's keys are ``start_prefix`` + the model's ``state_dict()`` keys. Under ZeRO-3
     (``zero_stage == 3``, or parameters that are already partitioned) each module's own
     parameters are gathered with ``GatheredParameters(modifier_rank=0)`` and loaded on rank 0, one
-    module at a time, as upstream does (DSE #675); buffers, which ZeRO-3 does not partition, are
+    module at a time, as upstream does; buffers, which ZeRO-3 does not partition, are
     loaded on every rank. Missing, unexpected and wrongly shaped keys are found on every rank before
     anything is loaded: with ``strict`` (the default) they raise one :class:`UserError` and nothing
     is loaded; with ``strict=False`` the matching keys are loaded and the rest is returned.

@@ -19,10 +19,10 @@ class Family:
     # Whether DeepSpeed's Hybrid Engine has an inference container for this family (CUDA only).
     hybrid_engine_container: bool = False
     # Number of pad-id tokens the tokenizer puts at the start of every text: OPT's BOS is also
-    # its pad after upstream's ``pad = eos`` (DSE #455), which is what --num_padding_at_beginning
-    # counts. Used only for upstream's pad-based end rule when no attention mask is given.
+    # its pad after upstream's ``pad = eos`` (docs/upstream.md#step-2-reward-model), which is what
+    # --num_padding_at_beginning counts. Used only for upstream's pad-based end rule when no attention mask is given.
     num_padding_at_beginning: int = 0
-    # Final layer norm that upstream resets before reward training (DSE #772, BLOOM).
+    # Final layer norm that upstream resets before reward training (BLOOM's).
     reset_final_norm_for_reward: str | None = None
     # How packed rows (--sequence_packing, models/packing.py) are kept apart: "positions" (the family's
     # mask builder reads packed position ids), "mask" (it is given the block-diagonal mask) or None

@@ -409,7 +409,7 @@ def unfuse_lora(model: nn.Module) -> nn.Module:
 
 def only_optimize_lora_parameters(model: nn.Module, force_optimize_params: Sequence[str] = ()) -> nn.Module:
     """Train only ``lora_right_weight``/``lora_left_weight`` and the exactly-named extras
-    (e.g. ``["v_head.weight"]`` for the reward model, DSE #758); freeze everything else."""
+    (e.g. ``["v_head.weight"]`` for the reward model); freeze everything else."""
     for name, param in model.named_parameters():
         param.requires_grad = ("lora_right_weight" in name or "lora_left_weight" in name
                                or name in force_optimize_params)
@@ -420,7 +420,8 @@ def make_model_gradient_checkpointing_compatible(model: nn.Module) -> nn.Module:
     """Make the embedding output require grad so reentrant checkpointing back-propagates to LoRA.
 
     With frozen embeddings, a reentrant checkpointed block sees no input that requires grad and
-    returns outputs without a graph, so LoRA factors inside it get no gradient (DSE #658).
+    returns outputs without a graph, so LoRA factors inside it get no gradient
+    (docs/upstream.md#lora-the-value-head-and-gradient-checkpointing).
     """
     if hasattr(model, "enable_input_require_grads"):
         model.enable_input_require_grads()

@@ -305,7 +305,8 @@ def padded_pass_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, atte
     before it in its own row.
 
     For losses that read the model's output at some padding (step 2's pairwise loss reads the
-    shorter answer's padding up to the longer one's end, DSE #316). ``compute`` (B, L) must mark a
+    shorter answer's padding up to the longer one's end:
+    docs/upstream.md#the-reward-models-pairwise-loss-reads-padding). ``compute`` (B, L) must mark a
     contiguous run from column 0 in each row. Returns the packing and the forward's keyword
     arguments (an explicit 4-D mask for either packing mode), or None to keep the padded pass: no
     cheaper layout, or a local-attention window narrower than ``L`` (the explicit mask would not

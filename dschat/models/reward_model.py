@@ -253,7 +253,7 @@ class RewardModel(nn.Module):
                             attention_mask: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """:meth:`forward`'s loss and scores of a right-padded ``[chosen; rejected]`` batch (2B, L),
         computed on packed rows (``--sequence_packing`` in step 2): each row's real tokens and the
-        padding the loss reads (to the end of the longer answer of its pair, DSE #316) end to end,
+        padding the loss reads (to the end of the longer answer of its pair) end to end,
         with the padded pass's positions and attention (:func:`~dschat.models.packing.padded_pass_inputs`),
         so the results are :meth:`forward`'s up to floating-point reordering. None where packing does
         not apply to this batch (left padding, or no cheaper layout). Training calls it through

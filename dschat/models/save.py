@@ -2,9 +2,9 @@
 
 A saved causal LM (steps 1, 3 and DPO) is a folder that ``AutoModelForCausalLM.from_pretrained``,
 ``AutoTokenizer.from_pretrained`` and ``pipeline("text-generation")`` load as it is: safetensors
-weights, config, generation config, the full tokenizer files and chat template (upstream saved
-``pytorch_model.bin`` + config + bare vocabulary files and relied on a ``_name_or_path`` hack,
-DSE #460/#467). A saved reward model (step 2, the step-3 critic) is the same for its body
+weights, config, generation config, the full tokenizer files and chat template (upstream's
+were not: docs/upstream.md#tokenizer-files-in-checkpoints). A saved reward model (step 2, the
+step-3 critic) is the same for its body
 (``AutoModel.from_pretrained`` loads it) plus ``v_head.safetensors``. ``--save_format bin`` writes
 upstream's layout instead (``pytorch_model.bin``, a reward model's body and value head in one file),
 ``both`` both; every dschat reader takes either.

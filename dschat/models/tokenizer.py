@@ -1,10 +1,9 @@
 """Tokenizer loading with upstream's conventions and a safe pad policy.
 
-Upstream (``load_hf_tokenizer``) re-reads the tokenizer named in ``config.json['_name_or_path']``
-because its checkpoints did not save tokenizer files (DSE #460, #467). We save full tokenizer
-folders, so a folder is loaded as it is (a PEFT adapter folder without tokenizer files: its base
-model's tokenizer). A folder without ``tokenizer.json`` and
-``tokenizer_config.json`` -- an upstream output, which holds bare vocabulary files
+Upstream's ``load_hf_tokenizer`` re-reads the tokenizer named in ``config.json['_name_or_path']``
+(docs/upstream.md#tokenizer-files-in-checkpoints). We save full tokenizer folders, so a folder is
+loaded as it is (a PEFT adapter folder without tokenizer files: its base model's tokenizer). A
+folder without ``tokenizer.json`` and ``tokenizer_config.json`` -- an upstream output, which holds bare vocabulary files
 (``save_vocabulary``) -- is loaded upstream's way, from its ``_name_or_path``: the bare files
 would give the tokenizer class's default special tokens (``<|endoftext|>`` and no BOS for OPT's
 GPT-2 vocabulary, where the model uses ``</s>``).
@@ -122,7 +121,7 @@ def load_hf_tokenizer(
         else:
             tokenizer.add_special_tokens({"pad_token": "<pad>"})
     # Steps 1-2 pad on the right (the reward model's end score relies on it); step-3 prompts are
-    # left-padded by DataCollatorRLHF's flip trick, not by the tokenizer (DSE #457, #601).
+    # left-padded by DataCollatorRLHF's flip trick, not by the tokenizer.
     tokenizer.padding_side = "right"
     if add_special_tokens is not None:
         tokens = [add_special_tokens] if isinstance(add_special_tokens, str) else list(add_special_tokens)

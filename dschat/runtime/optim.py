@@ -71,7 +71,8 @@ def get_optimizer_grouped_parameters(
     2. LoRA (and not no-decay) -> ``weight_decay`` with ``lr=lora_lr``;
     3. no-decay (bias, norms; LoRA or not) -> ``weight_decay=0.0``.
 
-    Empty groups are removed because DeepSpeed's ZeRO optimizers fail on them (DSE #755, #756).
+    Empty groups are removed because DeepSpeed's ZeRO optimizers fail on them
+    (docs/upstream.md#empty-optimizer-parameter-groups).
     """
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     decay = [p for n, p in named if not _matches(n, no_decay_name_list) and not _matches(n, lora_name_list)]
