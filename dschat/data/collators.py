@@ -82,8 +82,8 @@ class RolloutBuffer:
 
     Step 3 gathers ``generation_batches`` rollouts, then trains on micro-batches of
     ``per_device_training_batch_size``. A large batch may be a dict (per key), a list/tuple (per
-    element; returned as a list, as upstream), a NamedTuple (kept as its type; upstream's
-    ``type(x) == tuple`` test sliced a NamedTuple's fields instead of its rows) or a tensor.
+    element; returned as a list, as upstream), a NamedTuple (kept as its type, its rows sliced:
+    docs/upstream.md#small-fixes) or a tensor.
     """
 
     def __init__(self, max_size: int, small_batch_size: int) -> None:

@@ -233,9 +233,8 @@ class LinearLayer_LoRA(nn.Module):
 
         Exactly undone by :meth:`unfuse_lora_weight`: ``W``'s own values are never overwritten, so a
         fuse / unfuse pair around every rollout leaves the frozen base weight bit-identical, in any
-        dtype. (Adding the delta in place and subtracting it again rounds twice: in bf16 one round trip
-        changed 1.4% of a 256 x 256 layer's entries, and with LoRA factors that change between rollouts,
-        as in training, 27% of a tiny actor's LoRA base weights had moved after five rollouts.) Two modes:
+        dtype (adding the delta in place and subtracting it again, as upstream, rounds twice:
+        docs/upstream.md#half-precision-where-the-fix-changes-numbers). Two modes:
 
         * **swap** (no ZeRO-3, or a ZeRO-3 weight held gathered by an open
           ``deepspeed.zero.GatheredParameters``, as :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`

@@ -13,7 +13,7 @@ Under ZeRO-3 parameters are gathered module by module (all ranks must call :func
 only rank 0 writes). LoRA factors are fused into the weights of the copy being saved (the live
 model is left as it is, so a mid-training save does not disturb training) and dropped, so the
 folder is a plain model; a 4-bit (QLoRA) base is saved dequantised, in the compute dtype.
-Persistent buffers are saved too (upstream's ZeRO-3 save gathered parameters only).
+Persistent buffers are saved too (docs/upstream.md#small-fixes).
 A model with LoRA layers also gets its LoRA as a PEFT adapter in ``lora_adapter/``
 (:mod:`dschat.models.peft_adapter`), written in the same atomic swap.
 Writing goes through :func:`dschat.runtime.inplace.save_in_place`: the model files are written and

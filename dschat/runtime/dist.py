@@ -367,8 +367,8 @@ def unlink_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
 
     When every rank of a CPU job is on one machine (the launcher's ``LOCAL_SIZE`` equals the world
     size), DeepSpeed creates ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
-    in ``/dev/shm`` (69 MB a rank) and never removes it: every run on another port left its buffers
-    behind, in memory, until the machine filled (13 GB seen on a shared machine). Call this once every
+    in ``/dev/shm`` (69 MB a rank) and never removes it, so each run on another port leaves its
+    buffers behind, in memory, until the machine fills. Call this once every
     rank has opened every buffer (after the start-up barrier: DeepSpeed's init returns only then);
     the mappings live on until the processes exit, only the names go. Returns whether one was removed.
     """

@@ -74,7 +74,7 @@ def _load_local_copy(path: Path, dataset_name: str, adapter: type["PromptRawData
     file and row) and keep only those columns.
     """
     if lf.is_save_to_disk_dir(path):
-        # A single saved Dataset is its train split (upstream indexed it by split name and crashed).
+        # A single saved Dataset is its train split (upstream crashed: docs/upstream.md#small-fixes).
         return lf.load_save_to_disk(path)
     # Beyond upstream: train.jsonl / test.jsonl ... (any of our data suffixes), or one file.
     files = [path] if path.is_file() else (lf.data_files_in(path) if path.is_dir() else [])
