@@ -5,8 +5,8 @@
 
 The command is an argument list (``deepspeed [launcher options] training/<step>/main.py <flags>``)
 run without a shell. Output is read in raw chunks, so progress bars (``\\r``) show
-live, and written both to the terminal and to ``<output_dir>/training.log`` (upstream's scripts
-redirected everything to the log and showed nothing). The exit code is the step's.
+live, and written both to the terminal and to ``<output_dir>/training.log``
+(docs/upstream.md#small-fixes). The exit code is the step's.
 
 The shell recipes in ``training/*/training_scripts/`` call this module with ``--script-args "$@"``:
 upstream-style positionals (``$1``..``$5``, empty for the default) followed by extra ``main.py`` flags.

@@ -1,9 +1,7 @@
 """Reading local data files with errors people can act on, and content fingerprints for the cache.
 
-Upstream reads local data only through ``load_from_disk`` (a ``save_to_disk`` folder whose path
-contains a known dataset name) or ``local/jsonfile``; a malformed file surfaces as a pyarrow
-traceback deep inside ``datasets``. Here every JSON / JSON Lines file is parsed with the standard
-library first, so a bad line is reported as ``file:line``, and missing columns name the file.
+Every JSON / JSON Lines file is parsed with the standard library first (not by pyarrow:
+docs/upstream.md#small-fixes), so a bad line is reported as ``file:line``, and missing columns name the file.
 
 The parsed rows are turned into an in-memory :class:`datasets.Dataset` (``Dataset.from_list``)
 rather than re-read through ``load_dataset("json", data_files=...)``: same rows, one parse instead

@@ -11,9 +11,8 @@ because DeepSpeed's Hybrid Engine reads them directly (checked against deepspeed
   ``W`` and puts it back bit for bit).
 * The OPT/GPT-J/GPT-Neo/GPT-NeoX/BLOOM containers pass the *module* (``self_attn.q_proj``) as
   ``p``, but the LLaMA, LLaMA-2 and InternLM containers pass its *weight*
-  (``self_attn.q_proj.weight``). Upstream only set the attributes on the module, so under the
-  Hybrid Engine a LLaMA actor generated with the base weights, without its LoRA delta. Here the
-  three attributes are also attached to the base weight Parameter, so both forms find them.
+  (``self_attn.q_proj.weight``). The three attributes are attached to the module and to its base
+  weight Parameter, so both forms find them (docs/upstream.md#small-fixes).
 
 Shapes: ``weight`` (out, in); ``lora_right_weight`` (in, r); ``lora_left_weight`` (r, out);
 ``forward(x)``: (..., in) -> (..., out).

@@ -1,9 +1,7 @@
 """Process-group set-up and rank helpers shared by the three step scripts.
 
-Upstream's step scripts only worked under the ``deepspeed`` launcher: run as ``python main.py`` they
-either went looking for MPI or called ``torch.distributed.get_rank()`` before any process group
-existed. :func:`init_distributed` fills in a one-process rendezvous when
-no launcher did, so the same ``main.py`` runs both ways.
+:func:`init_distributed` fills in a one-process rendezvous when no launcher did, so the same
+``main.py`` runs under a launcher and as ``python main.py`` (docs/upstream.md#step-1-sft).
 
 The rendezvous:
 
@@ -459,7 +457,7 @@ def print_rank_0(msg: object, rank: Optional[int] = None) -> None:
 def get_all_reduce_mean(tensor: torch.Tensor) -> torch.Tensor:
     """Mean of ``tensor`` over all ranks; the tensor itself without a process group.
 
-    Reduces a copy (upstream's summed in place), so the caller's tensor is left as it is, and a host
+    Reduces a copy (docs/upstream.md#small-fixes), so the caller's tensor is left as it is, and a host
     tensor may be passed under NCCL (the copy goes through the GPU and the result comes back to the
     caller's device).
     """

@@ -37,8 +37,7 @@ def _source_root() -> Path:
 def find_local_jsonfile_dir() -> Path:
     """The folder holding ``data/train.json`` and ``data/eval.json`` for ``local/jsonfile``.
 
-    Upstream only looked beside its source (``applications/DeepSpeed-Chat/data``), which is
-    ``site-packages`` once installed; dschat tries the current directory first, then the checkout.
+    The current directory first, then the checkout (docs/upstream.md#small-fixes).
     """
     candidates = [Path.cwd(), _source_root()]
     for root in candidates:

@@ -220,8 +220,7 @@ class Wangrui6ZhihuKOLDataset(_SingleAnswerDataset):
 
 
 def _first_text(passages: Sequence[Mapping[str, Any]] | None) -> str | None:
-    # Upstream indexes [0] unguarded (an IndexError on a row without passages), except for the
-    # Japanese rejected pair; here an empty list skips the row in every method.
+    # An empty list skips the row in every method (docs/upstream.md#small-fixes).
     if not passages:
         return None
     return passages[0]["text"]
