@@ -278,6 +278,77 @@ def test_paths_quoted_in_the_code_exist():
     assert not found, "no such file: " + ", ".join(f"{p} (quoted in {f})" for f, p in sorted(found))
 
 
+_DOTTED = re.compile(r"(?<![\w./-])dschat(?:\.\w+)+")
+
+
+@lru_cache(maxsize=None)
+def _top_level_names(module_file: Path) -> dict[str, set[str] | None]:
+    """A module's top-level names; for a class, the names defined in its body (else None)."""
+    names: dict[str, set[str] | None] = {}
+    for node in ast.parse(module_file.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef):
+            names[node.name] = {n.name for n in node.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                                             ast.ClassDef))}
+            names[node.name] |= {t.id for n in node.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                                 if isinstance(t, ast.Name)}
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names[node.name] = None
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            for t in (node.targets if isinstance(node, ast.Assign) else [node.target]):
+                if isinstance(t, ast.Name):
+                    names[t.id] = None
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update({(a.asname or a.name).split(".")[0]: None for a in node.names})
+        elif isinstance(node, (ast.If, ast.Try)):  # names defined under TYPE_CHECKING or a try: kept loosely
+            names.update({n.name: None for n in ast.walk(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))})
+    return names
+
+
+def missing_names(rel: str, text: str, root: Path = REPO) -> list[tuple[str, str]]:
+    """(file, name) for each dotted ``dschat.module.name`` in ``text``'s comments and docstrings that
+    names no module of the checkout, or no top-level name of that module (no member of that class)."""
+    out = []
+    for _, s in prose_of(text):
+        for dotted in _DOTTED.findall(s):
+            parts = dotted.split(".")
+            for i in range(len(parts), 0, -1):
+                base = root.joinpath(*parts[:i])
+                module = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+                if module.is_file():
+                    break
+            rest = parts[i:]
+            if rest:
+                names = _top_level_names(module)
+                if rest[0] not in names and not (root.joinpath(*parts[:i], rest[0]).with_suffix(".py").is_file()):
+                    out.append((rel, dotted))
+                elif len(rest) > 1 and names.get(rest[0]) is not None and rest[1] not in names[rest[0]]:
+                    out.append((rel, dotted))
+    return out
+
+
+# Files that the step-3 restructuring holds right now (notes/docs-rlhf-pass.md). Rule: a module or
+# name quoted in the code exists. Remove an entry once its file is clean.
+_NAMES_PENDING = {"dschat/rlhf/evaluation.py"}
+
+
+def test_modules_and_names_quoted_in_the_code_exist():
+    found = [m for f in _code_files() if str(f.relative_to(REPO)) not in _NAMES_PENDING
+             for m in missing_names(str(f.relative_to(REPO)), f.read_text(encoding="utf-8"))]
+    assert not found, "no such module or name: " + ", ".join(f"{n} (quoted in {f})" for f, n in found)
+
+
+def test_a_missing_module_or_name_is_caught():
+    text = ('"""See :func:`dschat.eval.report.reward_scores`, :mod:`dschat.no_such_module`,\n'
+            ':func:`~dschat.eval.scoring.reward_scores`, :class:`dschat.errors.UserError` and\n'
+            ':meth:`dschat.models.lora.LinearLayer_LoRA.fuse_lora_weight`,\n'
+            'not ``dschat.models.lora.LinearLayer_LoRA.nope``."""\n'
+            '# dschat.rlhf is a package; dschat.rlhf.ppo_update a module of it\n')
+    assert missing_names("x.py", text) == [("x.py", "dschat.eval.report.reward_scores"),
+                                           ("x.py", "dschat.no_such_module"),
+                                           ("x.py", "dschat.models.lora.LinearLayer_LoRA.nope")]
+
+
 def test_a_missing_quoted_path_is_caught():
     text = ("tested in ``tests/rlhf/test_no_such.py``; see docs/flags.md and tests/rlhf/test_tensor_parallel*.py; "
             "docs/upstream.md#pad-and-eos, docs/upstream.md#no-such-heading")
@@ -415,7 +486,8 @@ def timing_figures(rel: str, text: str) -> list[tuple[str, str]]:
     for line, s in prose_of(text):
         if s.lstrip().startswith("#") and _IMPORT_COST.search(s):
             continue
-        out += [(f"{rel}:{line}", m.group(0)) for m in _TIMING.finditer(s) if (rel, m.group(0)) not in _CONTRACT_DURATIONS]
+        out += [(f"{rel}:{line}", m.group(0)) for m in _TIMING.finditer(s)
+                if (rel, m.group(0)) not in _CONTRACT_DURATIONS]
     return out
 
 
