@@ -255,20 +255,24 @@ def test_a_misspelt_flag_is_caught():
 # ---------------------------------------------------------------------------------------------
 _QUOTED_PATH = re.compile(
     r"(?<![\w/.])((?:tests|docs|benchmarks|dschat|training|configs|inference|\.ci)/[\w./*-]*\w\.(?:py|md|yaml|json|sh|png))"
-    r"(?:#([\w-]+))?")
+    r"(?:#([\w-]+)|::(\w+))?")
 
 
 def missing_paths(rel: str, text: str) -> list[tuple[str, str]]:
-    """(file, path) for each repository path quoted in ``text`` that matches no file, or whose
-    ``#anchor`` names no heading of that markdown file."""
+    """(file, path) for each repository path quoted in ``text`` that matches no file, whose
+    ``#anchor`` names no heading of that markdown file, or whose ``::test`` names no function or
+    class of that Python file."""
     out = []
-    for path, anchor in _QUOTED_PATH.findall(text):
+    for path, anchor, test in _QUOTED_PATH.findall(text):
         if "..." in path or "{" in path:
             continue
         if not (list(REPO.glob(path)) if "*" in path else (REPO / path).exists()):
             out.append((rel, path))
         elif anchor and path.endswith(".md") and anchor not in anchors((REPO / path).read_text(encoding="utf-8")):
             out.append((rel, f"{path}#{anchor}"))
+        elif test and path.endswith(".py") and not re.search(
+                rf"^\s*(?:async\s+)?(?:def|class)\s+{test}\b", (REPO / path).read_text(encoding="utf-8"), re.M):
+            out.append((rel, f"{path}::{test}"))
     return out
 
 
@@ -351,9 +355,11 @@ def test_a_missing_module_or_name_is_caught():
 
 def test_a_missing_quoted_path_is_caught():
     text = ("tested in ``tests/rlhf/test_no_such.py``; see docs/flags.md and tests/rlhf/test_tensor_parallel*.py; "
-            "docs/upstream.md#pad-and-eos, docs/upstream.md#no-such-heading")
+            "docs/upstream.md#pad-and-eos, docs/upstream.md#no-such-heading, "
+            "tests/project/test_docs.py::test_slugs_follow_github, tests/project/test_docs.py::test_no_such_test")
     assert missing_paths("x.py", text) == [("x.py", "tests/rlhf/test_no_such.py"),
-                                           ("x.py", "docs/upstream.md#no-such-heading")]
+                                           ("x.py", "docs/upstream.md#no-such-heading"),
+                                           ("x.py", "tests/project/test_docs.py::test_no_such_test")]
 
 
 # ---------------------------------------------------------------------------------------------
