@@ -39,7 +39,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 # Upstream's module constants: the batch keys the builders emit when the caller leaves
-# ``micro_batch_size`` out (upstream's callers always overwrote them afterwards).
+# ``micro_batch_size`` out, for the caller to overwrite (docs/upstream.md#deepspeed-config).
 GLOBAL_BATCH_SIZE = 32
 MICRO_BATCH_SIZE = 4
 
