@@ -14,7 +14,8 @@ The trainer is itself the :class:`~dschat.rlhf.ppo_formulas.PPOFormulas` both pa
 flags' hyperparameters), so code written against upstream that overrides one of them, or changes a
 hyperparameter on the trainer, changes what the run computes. Upstream's other names
 (``generate_experience``, ``train_rlhf``, ``train_unsupervised``, ``get_overflow``, ``train``,
-``eval``, the debugging helpers) stay here and hand over to the parts.
+``eval``, the debugging helpers) stay here and hand over to the parts, for code written against
+upstream; step 3's own loop (:func:`dschat.rlhf.ppo_loop.run_ppo`) calls the parts directly.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ from dschat.runtime.averages import ExponentialMovingAverage
 from dschat.training.checkpoint import TrainingPosition
 from dschat.training.nonfinite import NonFiniteGuard
 
-if TYPE_CHECKING:  # step 3's trainer, on the floor above
-    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+if TYPE_CHECKING:  # step 3's update, on the floor above
+    from dschat.rlhf.ppo_update import PPOUpdate
 
 __all__ = ["PPOCounters", "finished_before_resume", "reached_test_stop"]
 
@@ -43,9 +43,10 @@ class PPOCounters:
         nonfinite.consecutive, nonfinite.skipped = position.extra["nonfinite"]
         return counters
 
-    def count_overflow(self, trainer: DeepSpeedPPOTrainer) -> None:
-        """After each generation batch, as upstream: count it unless actor or critic overflowed."""
-        actor_overflow, critic_overflow = trainer.get_overflow()
+    def count_overflow(self, update: PPOUpdate) -> None:
+        """After each generation batch, as upstream: count it unless actor or critic overflowed
+        (``update.get_overflow()``; the trainer has the same method)."""
+        actor_overflow, critic_overflow = update.get_overflow()
         if not actor_overflow and not critic_overflow:
             self.non_overflow_step_count += 1
 
