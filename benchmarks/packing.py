@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from dschat.models.packing import attention_span, pack_rows  # noqa: E402
 from dschat.models.reward_model import positions_from_mask  # noqa: E402
-from dschat.rlhf.packed_passes import token_log_probs  # noqa: E402
+from dschat.rlhf.scoring_passes import token_log_probs  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from step3 import prompt_batches, publish  # noqa: E402  (one results format for every benchmark)

@@ -479,7 +479,7 @@ def configure(trainer: Any, mode: str, he_available: bool, ours_loop: str = "aut
     """Set the generator's fast paths for ``mode``; ``dschat_he``: plain ``ours`` was asked for dschat's
     Hybrid Engine (``--hybrid_engine``), which ``ours-he`` and ``ours-tp`` (over groups of ``tp_size``
     ranks) always take."""
-    from dschat.rlhf.zero3_gathers import ScoringGather, TrainingGather
+    from dschat.rlhf.scoring_passes import ScoringGather, TrainingGather
 
     ours = mode.startswith("ours")  # ours, or ours without one fast path (an ablation)
     gen = trainer.generator

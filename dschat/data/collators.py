@@ -1,4 +1,4 @@
-"""Batch collators for steps 2 and 3, the PPO experience splitter, and a sampler-epoch helper.
+"""Batch collators for steps 2 and 3, a sampler-epoch helper and the padding-column trim.
 
 Step 1 (and the PPO-ptx loader) use ``transformers.default_data_collator``, as upstream.
 """
@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 __all__ = [
-    "DataCollatorReward", "DataCollatorRLHF", "RolloutBuffer", "MiniDataset", "drop_padding_columns", "set_epoch_if_distributed",
+    "DataCollatorReward", "DataCollatorRLHF", "drop_padding_columns", "set_epoch_if_distributed",
 ]
 
 
@@ -56,68 +56,6 @@ class DataCollatorRLHF:
             prompt = F.pad(prompt, pad=(0, pad_length), mode="constant", value=pad_token_id)
             prompt_mask = F.pad(prompt_mask, pad=(0, pad_length), mode="constant", value=0)
         return {"prompt": prompt.flip(1), "prompt_att_mask": prompt_mask.flip(1)}
-
-
-def _slice(batch: Any, start: int, stop: int) -> Any:
-    if isinstance(batch, dict):
-        return {k: v[start:stop] for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # NamedTuple: keep its type
-        return type(batch)(*(x[start:stop] for x in batch))
-    if isinstance(batch, (list, tuple)):
-        return [x[start:stop] for x in batch]
-    return batch[start:stop]
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, dict):
-        return len(batch[next(iter(batch))])
-    if isinstance(batch, (list, tuple)):
-        return len(batch[0])
-    return len(batch)
-
-
-class RolloutBuffer:
-    """Holds the generation batches of one rollout (``max_size`` of them), then splits them into
-    micro-batches of ``small_batch_size`` rows (upstream's ``MiniDataset``).
-
-    Step 3 gathers ``generation_batches`` rollouts, then trains on micro-batches of
-    ``per_device_training_batch_size``. A large batch may be a dict (per key), a list/tuple (per
-    element; returned as a list, as upstream), a NamedTuple (kept as its type, its rows sliced:
-    docs/upstream.md#small-fixes) or a tensor.
-    """
-
-    def __init__(self, max_size: int, small_batch_size: int) -> None:
-        self.dataset: list[Any] = []
-        self.max_size = max_size
-        self.small_batch_size = small_batch_size
-
-    def separate(self) -> list[Any]:
-        """Split every stored large batch into small ones, in order; empties the buffer."""
-        small_dataset = []
-        for large_batch in self.dataset:
-            for i in range(0, _batch_size(large_batch), self.small_batch_size):
-                small_dataset.append(_slice(large_batch, i, i + self.small_batch_size))
-        self.free()
-        return small_dataset
-
-    # Upstream's spelling.
-    seperate = separate
-
-    def add(self, data: Any) -> list[Any] | None:
-        """Store ``data``; once ``max_size`` batches are held, return them split (else None)."""
-        if len(self.dataset) >= self.max_size:
-            raise ValueError("The dataset is full but we did not stop it. There is a bug in the code.")
-        self.dataset.append(data)
-        if len(self.dataset) == self.max_size:
-            return self.separate()
-        return None
-
-    def free(self) -> None:
-        self.dataset = []
-
-
-#: Upstream's name (``utils/data/data_utils.py``).
-MiniDataset = RolloutBuffer
 
 
 def set_epoch_if_distributed(loader_or_sampler: Any, epoch: int) -> bool:

@@ -1,5 +1,5 @@
 """Exponential moving average of the actor's weights (upstream's ``moving_average``, ``--enable_ema``):
-not the logged "EMA reward score", which is :class:`dschat.runtime.averages.ExponentialMovingAverage`.
+not the logged "EMA reward score", which is :class:`dschat.training.ppo_counters.ExponentialMovingAverage`.
 
 ``ema <- beta * ema + (1 - beta) * actor`` with ``beta = 0.992``, after every PPO micro-batch; the
 result is saved as ``actor_ema/``.

@@ -1,4 +1,5 @@
-"""The PPO experience container and the masks derived from a generated batch.
+"""The PPO experience container, the masks derived from a generated batch, and the buffer that
+collects a rollout's experience and splits it into micro-batches.
 
 One rollout batch on one rank is an :class:`Experience`: a typed container with one shape comment per
 field (OpenRLHF's ``Experience``), replacing upstream's string-keyed dict. ``exp["logprobs"]`` and the
@@ -21,7 +22,8 @@ import torch
 
 from dschat.runtime.dist import all_reduce_sum
 
-__all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS", "sum_over_ranks"]
+__all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS", "sum_over_ranks",
+           "RolloutBuffer"]
 
 # Upstream's dict keys -> field names.
 UPSTREAM_KEYS: dict[str, str] = {
@@ -147,3 +149,61 @@ def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     """``values`` summed over every rank, in float64: the one collective of a rollout's statistics,
     whitening moments and loss normalisers (one all-reduce; every rank must call it)."""
     return all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+
+
+def _slice(batch: Any, start: int, stop: int) -> Any:
+    if isinstance(batch, dict):
+        return {k: v[start:stop] for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # NamedTuple: keep its type
+        return type(batch)(*(x[start:stop] for x in batch))
+    if isinstance(batch, (list, tuple)):
+        return [x[start:stop] for x in batch]
+    return batch[start:stop]
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, dict):
+        return len(batch[next(iter(batch))])
+    if isinstance(batch, (list, tuple)):
+        return len(batch[0])
+    return len(batch)
+
+
+class RolloutBuffer:
+    """Holds the generation batches of one rollout (``max_size`` of them), then splits them into
+    micro-batches of ``small_batch_size`` rows (upstream's ``MiniDataset``).
+
+    Step 3 gathers ``generation_batches`` rollouts, then trains on micro-batches of
+    ``per_device_training_batch_size``. A large batch may be an :class:`Experience` or a tensor (by
+    rows), a dict (per key: the PPO-ptx batches), a list/tuple (per element; returned as a list, as
+    upstream) or a NamedTuple (kept as its type, its rows sliced: docs/upstream.md#small-fixes).
+    """
+
+    def __init__(self, max_size: int, small_batch_size: int) -> None:
+        self.dataset: list[Any] = []
+        self.max_size = max_size
+        self.small_batch_size = small_batch_size
+
+    def separate(self) -> list[Any]:
+        """Split every stored large batch into small ones, in order; empties the buffer."""
+        small_dataset = []
+        for large_batch in self.dataset:
+            for i in range(0, _batch_size(large_batch), self.small_batch_size):
+                small_dataset.append(_slice(large_batch, i, i + self.small_batch_size))
+        self.free()
+        return small_dataset
+
+    # Upstream's spelling.
+    seperate = separate
+
+    def add(self, data: Any) -> list[Any] | None:
+        """Store ``data``; once ``max_size`` batches are held, return them split (else None)."""
+        if len(self.dataset) >= self.max_size:
+            raise ValueError("The dataset is full but we did not stop it. There is a bug in the code.")
+        self.dataset.append(data)
+        if len(self.dataset) == self.max_size:
+            return self.separate()
+        return None
+
+    def free(self) -> None:
+        self.dataset = []

@@ -4,7 +4,7 @@ PPO update fill in every micro-batch's advantages and returns.
 
 :class:`ExperienceMaker` is one of the two parts :class:`~dschat.rlhf.ppo_trainer.DeepSpeedPPOTrainer`
 holds (the other is the update, :class:`~dschat.rlhf.ppo_update.PPOUpdate`); both run their passes
-through the same :class:`~dschat.rlhf.packed_passes.ScoringPasses` and take rewards and advantages
+through the same :class:`~dschat.rlhf.scoring_passes.ScoringPasses` and take rewards and advantages
 from the trainer's :class:`~dschat.rlhf.ppo_formulas.PPOFormulas`; upstream's method names stay on
 the trainer. The contract (each upstream difference is explained in docs/upstream.md#step-3-ppo):
 
@@ -51,8 +51,8 @@ from dschat.rewards import RewardMix
 from dschat.rlhf.decoding import Rollout
 from dschat.rlhf.experience import Experience, sequence_masks, sum_over_ranks
 from dschat.rlhf.hybrid_engine import RolloutGenerator
-from dschat.rlhf.packed_passes import ScoringPasses
 from dschat.rlhf.ppo_formulas import PPOFormulas
+from dschat.rlhf.scoring_passes import ScoringPasses
 from dschat.runtime.dist import get_rank, print_rank_0
 from dschat.training.nonfinite import NonFiniteGuard
 

@@ -1,13 +1,15 @@
 """Step 3's loop: :func:`run_ppo`, read top to bottom.
 
 For each batch of prompts: **batch** (to the device, padding-only columns dropped) -> **generate**
-and score (the trainer's ``generate_experience``) -> **buffer** (``--generation_batches`` batches
-make a rollout) -> once a rollout is whole: **prepare** (advantages, returns, rollout statistics) ->
-**micro-steps** of ``--ppo_epochs`` (actor, critic, PPO-ptx, EMA) -> **log** -> **evaluate** ->
-**checkpoint**. The loop calls out and gets results back; the resume and stop arithmetic it asks is
-:mod:`dschat.training.ppo_counters`. Below the loop: what an iteration logs (upstream's log lines,
-the throughput lines, TensorBoard, one ``metrics.jsonl`` record, docs/metrics.md) and the metrics
-file cut back on resume.
+and score (the experience maker, ``trainer.experience``) -> **buffer** (``--generation_batches``
+batches make a rollout) -> once a rollout is whole: **prepare** (advantages, returns, rollout
+statistics) -> **micro-steps** of ``--ppo_epochs`` (the PPO update, ``trainer.update``: actor,
+critic, PPO-ptx; then the EMA) -> **log** -> **evaluate** -> **checkpoint**. The loop calls the two
+parts of :class:`~dschat.rlhf.ppo_trainer.DeepSpeedPPOTrainer` directly and gets results back (the
+trainer is their formulas object, so a formula overridden on it still changes what they compute);
+the resume and stop arithmetic it asks is :mod:`dschat.training.ppo_counters`. Below the loop:
+what an iteration logs (upstream's log lines, the throughput lines, TensorBoard, one
+``metrics.jsonl`` record, docs/metrics.md) and the metrics file cut back on resume.
 """
 from __future__ import annotations
 
@@ -21,13 +23,14 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
-from dschat.data.collators import RolloutBuffer, drop_padding_columns, set_epoch_if_distributed
+from dschat.data.collators import drop_padding_columns, set_epoch_if_distributed
 from dschat.paths import METRICS_FILE
 from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf.evaluation import StepThreeEvaluation
-from dschat.rlhf.experience import Experience
+from dschat.rlhf.experience import Experience, RolloutBuffer
 from dschat.rlhf.experience_maker import RolloutStats
-from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, MicroStepStats
+from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+from dschat.rlhf.ppo_update import MicroStepStats
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
 from dschat.runtime.fs import atomic_file
 from dschat.runtime.perf import print_throughput_step3
@@ -85,9 +88,10 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
             # 1. batch: left-padded prompts; all-padding columns change no output (positions come from the mask)
             prompt_batch = drop_padding_columns(to_device(prompt_batch, ctx.device), "prompt_att_mask", side="left")
             # 2. generate and score
-            experience = trainer.generate_experience(prompt_batch["prompt"], prompt_batch["prompt_att_mask"], step)
-            gen_time += trainer.generate_time
-            exp_time += trainer.experience_time
+            experience = trainer.experience.generate_experience(prompt_batch["prompt"],
+                                                                prompt_batch["prompt_att_mask"], step)
+            gen_time += trainer.experience.generate_time
+            exp_time += trainer.experience.experience_time
             # 3. buffer: a rollout is --generation_batches batches (None: every answer too short)
             rollout = ptx_rollout = None
             if experience is None:
@@ -105,7 +109,7 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
                 gen_time = exp_time = 0.0
                 # 7. evaluate
                 evaluation.maybe_evaluate(counters.global_step, epoch)
-            counters.count_overflow(trainer)
+            counters.count_overflow(trainer.update)
             # 8. checkpoint
             if rollout is not None:
                 checkpointer.maybe_save(evaluation.attach(counters.position(epoch, step + 1, trainer.nonfinite)))
@@ -128,23 +132,24 @@ def begin_epoch(args: argparse.Namespace, ctx: RunContext, epoch: int, prompt_lo
 
 def train_rollout(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, rollout: list[Experience],
                   ptx_rollout: list[dict] | None) -> IterationResult:
-    """One collected rollout: advantages and rollout statistics (``prepare_rollout``), then the
-    micro-steps of ``trainer.schedule``: actor step, critic step, the PPO-ptx step when
-    ``ptx_rollout`` is given, the EMA actor after each."""
-    engine = trainer.rlhf_engine
+    """One collected rollout: advantages and rollout statistics (the experience maker's
+    ``prepare_rollout``), then the micro-steps of the update's ``schedule``: actor step, critic step,
+    the PPO-ptx step when ``ptx_rollout`` is given, the EMA actor after each. Collective."""
+    engine, update = trainer.rlhf_engine, trainer.update
     start = time.time()
-    stats = trainer.prepare_rollout(rollout)  # 4. prepare
-    trainer.train()
+    update.mark_rollout()  # the policy the rollout was sampled from: the on-policy check starts here
+    stats = trainer.experience.prepare_rollout(rollout)  # 4. prepare
+    update.train()
     if args.actor_gradient_checkpointing:
         engine.actor.module.gradient_checkpointing_enable()
     steps, ppo_epoch = 0, 0
     actor_sum = critic_sum = ptx_sum = 0.0
-    for ppo_epoch, exp, ptx_batch in trainer.schedule(rollout, ptx_rollout):  # 5. micro-steps
-        actor_loss, critic_loss = trainer.train_rlhf(exp)  # actor, then critic
+    for ppo_epoch, exp, ptx_batch in update.schedule(rollout, ptx_rollout):  # 5. micro-steps
+        actor_loss, critic_loss = update.train_rlhf(exp)  # actor, then critic
         actor_sum += actor_loss.item()
         critic_sum += critic_loss.item()
         if ptx_rollout is not None:
-            ptx_sum += trainer.train_unsupervised(ptx_batch, args.unsup_coef).item()
+            ptx_sum += update.train_unsupervised(ptx_batch, args.unsup_coef).item()
         steps += 1
         if args.enable_ema:
             moving_average(engine.actor, engine.actor_ema, zero_stage=args.actor_zero_stage)
@@ -174,8 +179,9 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
     print_rank_0(f"Average reward score: {iteration.rollout.reward} | EMA reward score: {ema_reward}", rank)
     print_rank_0(DASHES, rank)
 
-    record = iteration_record(epoch, step, counters.global_step, trainer.pop_micro_stats(), iteration.rollout,
-                              ema_reward, iteration.unsup_loss, gen_time, exp_time, iteration.training_time)
+    record = iteration_record(epoch, step, counters.global_step, trainer.update.pop_micro_stats(),
+                              iteration.rollout, ema_reward, iteration.unsup_loss, gen_time, exp_time,
+                              iteration.training_time)
     tb.scalars(counters.global_step, **tensorboard_scalars(record))
     if args.output_dir is not None and rank == 0:
         # A fresh run's first line starts the file (with --eval_interval, the evaluation before the

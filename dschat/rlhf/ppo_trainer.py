@@ -6,7 +6,7 @@ with upstream's method names over two parts that share one set of scoring passes
   advantages and returns (``prepare_rollout``);
 * :class:`~dschat.rlhf.ppo_update.PPOUpdate` schedules the micro-steps (``schedule``) and runs the
   actor and critic steps (``train_rlhf``), the PPO-ptx step, fp16 overflow alignment;
-* :class:`~dschat.rlhf.packed_passes.ScoringPasses` runs both parts' forwards (log-probs, values,
+* :class:`~dschat.rlhf.scoring_passes.ScoringPasses` runs both parts' forwards (log-probs, values,
   packing, ZeRO-3 gathers).
 
 The trainer is itself the :class:`~dschat.rlhf.ppo_formulas.PPOFormulas` both parts use (upstream's
@@ -14,7 +14,8 @@ The trainer is itself the :class:`~dschat.rlhf.ppo_formulas.PPOFormulas` both pa
 flags' hyperparameters), so code written against upstream that overrides one of them, or changes a
 hyperparameter on the trainer, changes what the run computes. Upstream's other names
 (``generate_experience``, ``train_rlhf``, ``train_unsupervised``, ``get_overflow``, ``train``,
-``eval``, the debugging helpers) stay here and hand over to the parts.
+``eval``, the debugging helpers) stay here and hand over to the parts, for code written against
+upstream; step 3's own loop (:func:`dschat.rlhf.ppo_loop.run_ppo`) calls the parts directly.
 """
 from __future__ import annotations
 
@@ -33,11 +34,10 @@ from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.hybrid_engine import RolloutGenerator
-from dschat.rlhf.packed_passes import ScoringPasses
 from dschat.rlhf.ppo_formulas import PPOFormulas
 from dschat.rlhf.ppo_update import MicroStepStats, PPOUpdate, Schedule
 from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-from dschat.rlhf.zero3_gathers import ScoringGather, TrainingGather
+from dschat.rlhf.scoring_passes import ScoringGather, ScoringPasses, TrainingGather
 from dschat.runtime.dist import all_reduce_sum, get_rank, get_world_size
 from dschat.runtime.zero3 import gathered_parameters
 from dschat.training.nonfinite import NonFiniteGuard

@@ -1,6 +1,6 @@
 """The PPO update of step 3 (upstream's ``train_rlhf`` half of ``ppo_trainer.py``): the schedule of
 micro-steps over a prepared rollout, the actor and critic steps, the PPO-ptx step, fp16 overflow
-alignment. Its passes run through the :class:`~dschat.rlhf.packed_passes.ScoringPasses` the experience
+alignment. Its passes run through the :class:`~dschat.rlhf.scoring_passes.ScoringPasses` the experience
 maker uses too; its losses are the trainer's :class:`~dschat.rlhf.ppo_formulas.PPOFormulas`.
 
 The contract (the upstream differences are explained in docs/upstream.md#step-3-ppo):
@@ -30,8 +30,8 @@ from dschat import rl_math
 from dschat.errors import UserError
 from dschat.rlhf.batch_plan import BatchPlan
 from dschat.rlhf.experience import Experience, sum_over_ranks
-from dschat.rlhf.packed_passes import ScoringPasses
 from dschat.rlhf.ppo_formulas import PPOFormulas
+from dschat.rlhf.scoring_passes import ScoringPasses
 from dschat.runtime.dist import get_world_size, print_rank_0
 from dschat.training.nonfinite import NonFiniteGuard
 

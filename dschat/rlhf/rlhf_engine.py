@@ -38,8 +38,7 @@ from dschat.rlhf.tensor_parallel import check_inference_tp
 from dschat.runtime.dist import get_world_size, is_rank_0
 from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
 from dschat.runtime.ds_config import resolve_dtype
-from dschat.runtime.zero3 import release_zero3_prefetch
-from dschat.runtime.zero3_trace import begin_passes_with_dschats_rule
+from dschat.runtime.zero3 import begin_passes_with_dschats_rule, release_zero3_prefetch
 from dschat.training.common import OptimSettings, apply_lora, initialize_engine
 
 __all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]

@@ -1,8 +1,9 @@
-"""Upstream's two running averages of logged scalars (``dschat.utils.utils`` upstream): the plain
-mean and the exponential moving average that step 3 logs as ``EMA reward score``."""
+"""Upstream's running mean of logged scalars (``dschat.utils.utils.MovingAverage`` upstream). Its
+other running average, the ``EMA reward score`` step 3 logs and checkpoints, is
+:class:`dschat.training.ppo_counters.ExponentialMovingAverage`."""
 from __future__ import annotations
 
-__all__ = ["MovingAverage", "ExponentialMovingAverage"]
+__all__ = ["MovingAverage"]
 
 
 class MovingAverage:
@@ -18,20 +19,3 @@ class MovingAverage:
         self.count += 1
         self.mean = self.total / self.count
         return self.mean
-
-
-class ExponentialMovingAverage:
-    """``ema = alpha * prev + (1 - alpha) * x``; the first value is ``x`` itself (upstream's)."""
-
-    def __init__(self, alpha: float = 0.9) -> None:
-        self.alpha = alpha
-        self.ema: float | None = None
-
-    def update(self, num: float) -> float:
-        prev = num if self.ema is None else self.ema
-        self.ema = self.alpha * prev + (1.0 - self.alpha) * num
-        return self.ema
-
-    def get(self) -> float:
-        """The current average (0 before the first update, as upstream)."""
-        return self.ema if self.ema is not None else 0.0

@@ -1,20 +1,38 @@
 """Step 3's resume and stop arithmetic: the counters a step-3 checkpoint carries besides the engines
-and the data position, and the plain functions step 3's loop (:func:`dschat.rlhf.ppo_loop.run_ppo`)
-asks before and after each generation batch."""
+and the data position (the logged reward's exponential moving average among them), and the plain
+functions step 3's loop (:func:`dschat.rlhf.ppo_loop.run_ppo`) asks before and after each generation
+batch."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from dschat.runtime.averages import ExponentialMovingAverage
 from dschat.training.checkpoint import TrainingPosition
 from dschat.training.nonfinite import NonFiniteGuard
 
-if TYPE_CHECKING:  # step 3's trainer, on the floor above
-    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+if TYPE_CHECKING:  # step 3's update, on the floor above
+    from dschat.rlhf.ppo_update import PPOUpdate
 
-__all__ = ["PPOCounters", "finished_before_resume", "reached_test_stop"]
+__all__ = ["ExponentialMovingAverage", "PPOCounters", "finished_before_resume", "reached_test_stop"]
+
+
+class ExponentialMovingAverage:
+    """``ema = alpha * prev + (1 - alpha) * x``; the first value is ``x`` itself (upstream's
+    ``dschat.utils.utils`` class: step 3's logged ``EMA reward score``)."""
+
+    def __init__(self, alpha: float = 0.9) -> None:
+        self.alpha = alpha
+        self.ema: float | None = None
+
+    def update(self, num: float) -> float:
+        prev = num if self.ema is None else self.ema
+        self.ema = self.alpha * prev + (1.0 - self.alpha) * num
+        return self.ema
+
+    def get(self) -> float:
+        """The current average (0 before the first update, as upstream)."""
+        return self.ema if self.ema is not None else 0.0
 
 
 @dataclass
@@ -43,9 +61,10 @@ class PPOCounters:
         nonfinite.consecutive, nonfinite.skipped = position.extra["nonfinite"]
         return counters
 
-    def count_overflow(self, trainer: DeepSpeedPPOTrainer) -> None:
-        """After each generation batch, as upstream: count it unless actor or critic overflowed."""
-        actor_overflow, critic_overflow = trainer.get_overflow()
+    def count_overflow(self, update: PPOUpdate) -> None:
+        """After each generation batch, as upstream: count it unless actor or critic overflowed
+        (``update.get_overflow()``; the trainer has the same method)."""
+        actor_overflow, critic_overflow = update.get_overflow()
         if not actor_overflow and not critic_overflow:
             self.non_overflow_step_count += 1
 

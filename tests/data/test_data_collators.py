@@ -8,7 +8,9 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
-from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, MiniDataset, RolloutBuffer, set_epoch_if_distributed
+from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, set_epoch_if_distributed
+from dschat.rlhf.experience import RolloutBuffer
+from dschat.utils.data.data_utils import MiniDataset
 from dschat.data.prompt_dataset import PairItem, PromptDataset, PromptItem, TokenRows
 
 from helpers.data import make_tokenizer

@@ -1,4 +1,4 @@
-"""Sequence packing (``--sequence_packing``, dschat/models/packing.py, dschat/rlhf/packed_passes.py):
+"""Sequence packing (``--sequence_packing``, dschat/models/packing.py, dschat/rlhf/scoring_passes.py):
 the layout maths, every supported family's packed forward against its padded one (SDPA and eager,
 fp32 on a CPU), step 2's pairwise loss, and step 3's experience and PPO update on packed rows
 against padded rows."""
@@ -16,7 +16,7 @@ from dschat.models.packing import (PACKED_ROW_TOKENS, attention_span, layout_cos
 from dschat.models.reward_model import RewardModel
 from dschat.rlhf.experience import sequence_masks
 from dschat.runtime.zero3 import gathered_parameters
-from dschat.rlhf.packed_passes import (reward_end_scores, resolve_sequence_packing, token_log_probs,
+from dschat.rlhf.scoring_passes import (reward_end_scores, resolve_sequence_packing, token_log_probs,
                                        token_values)
 
 from test_decoder_model import FAMILIES, _model, tiny_config

@@ -154,16 +154,16 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
 def test_groups_are_whole_whatever_the_micro_batch(data_cache, monkeypatch):
     """GRPO with K = 4 in a generation batch of 4 trained as two micro-batches of 2: each micro-batch
     carries the advantages of the whole group (they sum to 0 over the group, not per micro-batch)."""
-    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+    from dschat.rlhf.ppo_update import PPOUpdate
 
     seen = []
-    original = DeepSpeedPPOTrainer.train_rlhf
+    original = PPOUpdate.train_rlhf
 
     def spy(self, exp):
         seen.append((exp.reward_score.clone(), exp.sequence_advantages.clone()))
         return original(self, exp)
 
-    monkeypatch.setattr(DeepSpeedPPOTrainer, "train_rlhf", spy)
+    monkeypatch.setattr(PPOUpdate, "train_rlhf", spy)
     step3_main().main(_argv("tiny-opt", None, data_cache, "--algorithm", "grpo", "--num_generations", "4",
                             "--dr_grpo", "--per_device_training_batch_size", "2", "--gradient_accumulation_steps",
                             "2", "--reward_fn", "reward_fixtures:length", "--kl_ctl", "0", steps=1))

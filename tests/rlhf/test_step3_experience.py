@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dschat.data.collators import MiniDataset
+from dschat.utils.data.data_utils import MiniDataset
 from dschat.rlhf.experience import Experience, answer_mask, sequence_masks
 
 from helpers.step3 import base_argv, step3_main

@@ -61,7 +61,7 @@ def test_plan_refuses_a_rollout_that_does_not_split():
         plan_batches(args, world_size=1)
     # Two generation batches make 12 rows, but MiniDataset splits each generation batch on its own
     # (as upstream): 4 + 2 and 4 + 2, i.e. 4 micro-batches with two short ones, not 3. Refused too.
-    from dschat.data.collators import MiniDataset
+    from dschat.utils.data.data_utils import MiniDataset
 
     mini = MiniDataset(2, 4)
     mini.add(torch.zeros(6, 1))

@@ -1,4 +1,4 @@
-"""ZeRO-3 training passes on whole models (dschat/rlhf/zero3_gathers.py, ``--zero3_gather_for_training``):
+"""ZeRO-3 training passes on whole models (dschat/rlhf/scoring_passes.py, ``--zero3_gather_for_training``):
 the actor's and the critic's forward and backward run on their gathered parameters without ZeRO-3's
 hooks, and train as the hooked passes do."""
 from __future__ import annotations
@@ -79,7 +79,7 @@ def test_auto_gathers_only_where_it_costs_no_memory(monkeypatch, capsys):
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from dschat.rlhf import zero3_gathers as training_gather
+    from dschat.rlhf import scoring_passes as training_gather
 
     monkeypatch.setattr(training_gather, "zero3_offload", lambda engine: object())  # any ZeRO-3 engine
     monkeypatch.setattr(training_gather, "mark_trained_whole", lambda engine, whole: None)
@@ -116,7 +116,7 @@ def test_auto_gathers_only_where_it_costs_no_memory(monkeypatch, capsys):
 
 def test_an_engine_trained_whole_records_its_trace_at_passes_without_gradients(critic_dirs, data_cache):
     from dschat.runtime.zero3 import mark_trained_whole, parameter_offload, trained_whole, whole_partitions
-    from dschat.runtime.zero3_trace import zero3_pass
+    from dschat.runtime.zero3 import zero3_pass
 
     trainer = _trainer(critic_dirs, data_cache)  # auto, one rank: both trained models marked as it is built
     assert trained_whole(trainer.actor_model) and trained_whole(trainer.critic_model)
@@ -215,7 +215,7 @@ from helpers.step3 import base_argv, step3_main
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-from dschat.rlhf.zero3_gathers import TrainingGather
+from dschat.rlhf.scoring_passes import TrainingGather
 from dschat.runtime.dist import destroy_gloo_group, init_distributed
 from dschat.runtime.zero3 import gathered_whole, whole_partitions
 

@@ -1,7 +1,7 @@
-"""ZeRO-3's prefetch trace across step 3's passes (dschat/runtime/zero3_trace.py): after the first
+"""ZeRO-3's prefetch trace across step 3's passes (dschat/runtime/zero3.py): after the first
 PPO step every ZeRO-3 engine holds a complete trace, nothing invalidates it, and the actor
 keeps its module ids through the rollout's gather; hooks_detached puts hooks back where they were.
-Scoring passes on whole models (dschat/rlhf/zero3_gathers.py) give the same experience."""
+Scoring passes on whole models (dschat/rlhf/scoring_passes.py) give the same experience."""
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -72,9 +72,9 @@ def _whole_non_persistent(engine) -> int:
 
 
 def recording_gathers(monkeypatch, roles: dict[int, str]) -> list[str]:
-    """Route the whole-model gathers of dschat/rlhf/zero3_gathers.py through a recorder; returns the
+    """Route the whole-model gathers of dschat/rlhf/scoring_passes.py through a recorder; returns the
     list it fills with the role of each model gathered (``roles``: engine id -> role), in order."""
-    from dschat.rlhf import zero3_gathers
+    from dschat.rlhf import scoring_passes as zero3_gathers
     from dschat.runtime.zero3 import gathered_whole, gathered_without_hooks
 
     gathered_for: list[str] = []
@@ -164,7 +164,7 @@ def test_after_the_first_steps_every_zero3_trace_is_complete_and_stays_valid(ext
 
 def test_a_trained_engine_records_its_trace_at_a_pass_with_a_backward(critic_dirs, data_cache):
     from dschat.runtime.zero3 import parameter_offload
-    from dschat.runtime.zero3_trace import zero3_pass
+    from dschat.runtime.zero3 import zero3_pass
 
     trainer = _trainer(critic_dirs, data_cache, *HOOKED_TRAINING)
     critic = _coordinators(trainer)["critic"]
@@ -187,7 +187,7 @@ def test_a_trained_engine_records_its_trace_at_a_pass_with_a_backward(critic_dir
                          ids=["packed", "padded-critic-lora"])
 def test_scoring_passes_on_whole_models_give_the_same_experience(extra, critic_dirs, data_cache, capsys,
                                                                   monkeypatch):
-    from dschat.rlhf.zero3_gathers import ScoringGather
+    from dschat.rlhf.scoring_passes import ScoringGather
     from dschat.runtime.zero3 import gathered_whole
 
     trainer = _trainer(critic_dirs, data_cache, *extra)
@@ -212,7 +212,7 @@ def test_scoring_gather_leaves_offloaded_models_where_the_user_put_them(monkeypa
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from dschat.rlhf import zero3_gathers as scoring_gather
+    from dschat.rlhf import scoring_passes as scoring_gather
 
     monkeypatch.setattr(scoring_gather, "zero3_offload", lambda engine: object())  # any ZeRO-3 engine
     monkeypatch.setattr(scoring_gather, "fits_gathered", lambda module: True)
