@@ -15,9 +15,9 @@ values there that nothing reads: every consumer masks them).
 training passes (``--zero3_gather_for_training``). Under ZeRO-3 each module's parameters are fetched
 as the module runs and released after it, by hooks on every module, in the forward and again in the
 backward. On one GPU the fetch moves nothing (each partition is the whole parameter), but the hooks'
-bookkeeping stays, and a GPU waits for its host: with 24-layer models of little compute per layer,
-ZeRO-3's scoring passes took three times the host time of ZeRO-0's, and its training 1.3x the time it
-takes with the models gathered (``benchmarks/results.md``). A :class:`WholeModelGather` runs a
+bookkeeping stays, and a GPU waits for its host: with 24-layer models of little compute per layer
+the hooks' bookkeeping is a large share of ZeRO-3's scoring and training time
+(``benchmarks/results.md``). A :class:`WholeModelGather` runs a
 model's pass inside :func:`~dschat.runtime.zero3.gathered_without_hooks`, as the rollout runs the
 actor: all its parameters gathered at once, the module hooks set aside (the same ones put back, so
 its prefetch trace and module ids survive), then released. Decided once per model and the same on

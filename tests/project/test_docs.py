@@ -480,10 +480,6 @@ _CONTRACT_DURATIONS = {
     ("dschat/runtime/dist.py", "30 s"),  # the grace period's bounds, "between 5 and 30 s"
 }
 
-# Files that the step-3 restructuring holds right now (notes/docs-rlhf-pass.md). Rule: no timings
-# in docstrings and comments. Remove an entry once its file is clean.
-_TIMING_PENDING = {"dschat/rlhf/zero3_gathers.py"}
-
 
 def timing_figures(rel: str, text: str) -> list[tuple[str, str]]:
     """(file:line, figure) for each timing in ``text``'s comments and docstrings, except an import's
@@ -498,7 +494,7 @@ def timing_figures(rel: str, text: str) -> list[tuple[str, str]]:
 
 
 def test_code_holds_no_timings():
-    found = [t for f in _code_files() if str(f.relative_to(REPO)) not in _TIMING_PENDING
+    found = [t for f in _code_files()
              for t in timing_figures(str(f.relative_to(REPO)), f.read_text(encoding="utf-8"))]
     assert not found, "timings belong in benchmarks/results.md: " + ", ".join(f"{p!r} at {f}" for f, p in found)
 
