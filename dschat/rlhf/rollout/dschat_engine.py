@@ -37,8 +37,9 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name, unsupported_reason
-from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, not_a_fallback, one_line
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.rlhf.rollout.weights import lora_layers, materialised, should_gather
 from dschat.runtime.compile_cache import use_private_compile_cache
 
 __all__ = ["DschatHybridEngine", "DschatEnginePath", "ENGINE_NAME"]
@@ -234,25 +235,25 @@ class DschatEnginePath(DecodingPath):
 
     def can_serve(self, request: RolloutRequest) -> str | None:
         gen = self.gen
-        if gen.tensor_parallel() != self.tensor_parallel:
+        if request.tensor_parallel != self.tensor_parallel:
             return f"--inference_tp_size {gen.inference_tp_size}"
         asked = gen.use_dschat_engine  # --enable_hybrid_engine: say why when it cannot be used
         if not asked and not self._auto():
             return "no --enable_hybrid_engine, and the auto loop does not take it on this device"
-        why_not = self._why_not()
+        why_not = self._why_not(request)
         if why_not is not None and asked:
-            gen.fall_back(self.name, f"{ENGINE_NAME}: not used ({why_not}); decoding with the training module")
+            fall_back(gen, self.name, f"{ENGINE_NAME}: not used ({why_not}); decoding with the training module")
         return why_not
 
-    def _why_not(self) -> str | None:
+    def _why_not(self, request: RolloutRequest) -> str | None:
         """None when dschat's Hybrid Engine can decode this rollout, else why not (one line)."""
         gen = self.gen
         if set(gen.extra_generate_kwargs) - {"min_new_tokens"}:
             return f"{sorted(gen.extra_generate_kwargs)} need Hugging Face generate()"
-        if gen.zero_stage == 3 and not gen.tensor_parallel() and not gen.should_gather():
+        if gen.zero_stage == 3 and not request.tensor_parallel and not should_gather(gen):
             return ("the actor's ZeRO-3 weights are fetched layer by layer (the full model does not fit in half "
                     "the free memory, or --zero3_gather_for_generation off), so no inference copy fits either")
-        if any(layer.is_quantized for layer in gen.lora_layers()):
+        if any(layer.is_quantized for layer in lora_layers(gen)):
             return "the actor has 4-bit (QLoRA) base weights"
         return None
 
@@ -275,7 +276,7 @@ class DschatEnginePath(DecodingPath):
                 eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
                 release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
         gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
-        return gen.engine.rollout(module, request.prompts, request.mask, materialise=gen.materialised(),
+        return gen.engine.rollout(module, request.prompts, request.mask, materialise=materialised(gen),
                                   min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
                                   keep_logprobs=gen.keep_logprobs)
 

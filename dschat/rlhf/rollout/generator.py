@@ -28,7 +28,7 @@ materialises its weights once for the rollout and puts them back after it:
   and every layer when ZeRO-3 weights are fetched layer by layer.
 
 dschat's Hybrid Engine does the same gather and fusion while it copies the weights
-(:meth:`RolloutGenerator.materialised`).
+(:mod:`dschat.rlhf.rollout.weights`).
 
 **Fallbacks.** A path a flag asked for that cannot serve, or one that fails at run time for a reason
 other than out of memory or bad input, says why in one line, once, and is off for the rest of the
@@ -46,25 +46,24 @@ baseline.
 """
 from __future__ import annotations
 
-from contextlib import ExitStack, contextmanager, nullcontext
-from typing import Any, ContextManager, Iterator
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
-from dschat.models.lora import LinearLayer_LoRA
 from dschat.rlhf.rollout.deepspeed_engine import NO_CONTAINER, DeepSpeedHybridEnginePath, HybridEngineDecision
 from dschat.rlhf.rollout.dschat_engine import DschatEnginePath, DschatHybridEngine
 from dschat.rlhf.rollout.graphs import GraphsPath
 from dschat.rlhf.rollout.hf_generate import HfGeneratePath
-from dschat.rlhf.rollout.path import DecodingPath, Fallback, RolloutRequest
-from dschat.rlhf.rollout.sample_loop import SampleLoopPath, onednn_decode_linears, onednn_decode_supported
+from dschat.rlhf.rollout.path import DecodingPath, Fallback, RolloutRequest, fall_back
+from dschat.rlhf.rollout.sample_loop import SampleLoopPath
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout
 from dschat.rlhf.rollout.tensor_parallel import TensorParallelEnginePath
+from dschat.rlhf.rollout.weights import module_weights
 from dschat.runtime.dist import TensorParallelGroup, print_rank_0, tensor_parallel_group
-from dschat.runtime.zero3 import fits_gathered, free_memory_bytes, gathered_without_hooks, parameter_offload
 
 __all__ = ["RolloutGenerator", "PATH_ORDER", "rollout_summary_line"]
 
@@ -124,13 +123,13 @@ class RolloutGenerator:
         self.zero3_gather = zero3_gather
         self.synced_gpus = zero_stage == 3  # upstream: every rank steps until all have finished
         self.fallback: Fallback | None = None  # the latest path that stopped serving, and why
-        self._said: set[str] = set()
+        self._said: set[str] = set()  # the notices said so far (dschat.rlhf.rollout.path.say_once)
         self.hybrid_engine_active = decision.enabled and bool(getattr(actor, "_inference_containers", None))
         if decision.reason:
-            self.fall_back(DeepSpeedHybridEnginePath.name, decision.reason)
+            fall_back(self, DeepSpeedHybridEnginePath.name, decision.reason)
         elif decision.enabled and not self.hybrid_engine_active:
-            self.fall_back(DeepSpeedHybridEnginePath.name, NO_CONTAINER)
-        self._gather_decided: bool | None = None
+            fall_back(self, DeepSpeedHybridEnginePath.name, NO_CONTAINER)
+        self._gather_decided: bool | None = None  # ZeRO-3: gather once per rollout (dschat.rlhf.rollout.weights)
         # Fast paths, on by default (benchmarks/step3.py turns them off for its baseline).
         self.keep_logprobs = True  # return the generated tokens' log-probs (module paths only)
         self.fuse_lora = True  # fuse LoRA into the base weights for generation
@@ -170,18 +169,6 @@ class RolloutGenerator:
         """The line of the latest fallback (:attr:`fallback`), or None."""
         return self.fallback.reason if self.fallback is not None else None
 
-    # ------------------------------------------------------------------ logging once
-    def say_once(self, message: str) -> None:
-        """Print ``message`` on rank 0 the first time it is given."""
-        if message not in self._said:
-            self._said.add(message)
-            print_rank_0(message)
-
-    def fall_back(self, path: str, reason: str) -> None:
-        """Record that ``path`` stops serving for ``reason`` (one line, said once)."""
-        self.fallback = Fallback(path, reason)
-        self.say_once(reason)
-
     # ------------------------------------------------------------------ mode switches
     def eval(self) -> None:
         """Put the actor in inference mode (the Hybrid Engine swaps in its kernels here)."""
@@ -204,99 +191,9 @@ class RolloutGenerator:
             self.actor.train(True)
         self.actor.module.eval()
 
-    # ------------------------------------------------------------------ the training module's weights
-    def lora_layers(self) -> list[LinearLayer_LoRA]:
-        """The actor's LoRA layers."""
-        return [m for m in self.actor.module.modules() if isinstance(m, LinearLayer_LoRA)]
-
-    def _layers_to_fuse(self, materialised: bool) -> list[LinearLayer_LoRA]:
-        """The LoRA layers to fuse for this rollout (each holds one extra copy of its weight while fused).
-
-        * None when ZeRO-3 weights are not materialised (fetched layer by layer for every token): the
-          fused weight would have to be written into the partitions, with a saved copy of each one
-          (the whole weight on one rank) -- memory this path is taken to save, for a gain that the
-          per-token all-gathers swamp. The unfused LoRA branch gives the same policy.
-        * Not 4-bit (QLoRA) layers: fusing needs their dense weight, and keeping it for every layer
-          during generation costs the memory the 4-bit base saves (and would leave them dense for
-          good). They run unfused: correct, just slower.
-        """
-        if not self.fuse_lora or not materialised:
-            return []
-        return [layer for layer in self.lora_layers() if not layer.is_quantized]
-
-    def should_gather(self) -> bool:
-        """Whether a ZeRO-3 actor is gathered once per rollout (decided at the first call, said once)."""
-        if self.zero_stage != 3 or self.hybrid_engine_active or self.zero3_gather == "off":
-            return False
-        if self._gather_decided is None:
-            if self.zero3_gather == "on":
-                self._gather_decided = True
-            else:
-                self._gather_decided = fits_gathered(self.actor.module)  # the same answer on every rank
-            self.say_once(
-                "ZeRO-3 generation: " + ("gathering the actor's parameters once per rollout"
-                                         if self._gather_decided else
-                                         "parameters are fetched layer by layer for each token (full model "
-                                         "does not fit in half the free memory, or --zero3_gather_for_generation off)"))
-        return self._gather_decided
-
     def tensor_parallel(self) -> bool:
-        """Whether this rollout decodes over the tensor-parallel group (``inference_tp_size`` > 1)."""
+        """Whether a rollout now decodes over the tensor-parallel group (``inference_tp_size`` > 1)."""
         return self.tp_group is not None and self.inference_tp_size > 1
-
-    @contextmanager
-    def materialised(self) -> Iterator[None]:
-        """For dschat's Hybrid Engine: the actor's full, LoRA-fused weights inside: ZeRO-3 gathered
-        once, every LoRA layer fused (and unfused again on exit, bit for bit)."""
-        with gathered_without_hooks(self.actor) if self.zero_stage == 3 else nullcontext():
-            layers = self.lora_layers()
-            for layer in layers:
-                layer.fuse_lora_weight()
-            try:
-                yield
-            finally:
-                for layer in layers:
-                    layer.unfuse_lora_weight()
-
-    @contextmanager
-    def _module_weights(self) -> Iterator[bool]:
-        """For the module paths: ZeRO-3 gathered once if allowed, LoRA fused where it may be; yields
-        whether the weights are materialised (not ZeRO-3 fetched layer by layer)."""
-        gather: ContextManager[Any] = nullcontext()
-        gathered = False
-        if self.should_gather():
-            try:
-                parameter_offload(self.actor)
-                gather = gathered_without_hooks(self.actor)
-                gathered = True
-            except AttributeError as err:
-                self.say_once(f"ZeRO-3 generation: cannot detach DeepSpeed's hooks ({err}); fetching per layer")
-        # Under ZeRO-3 without the gather, weights exist only inside each layer's forward.
-        materialised = self.zero_stage != 3 or gathered
-        lora = self._layers_to_fuse(materialised)
-        with gather:
-            for layer in lora:
-                layer.fuse_lora_weight()
-            try:
-                yield materialised
-            finally:
-                for layer in lora:
-                    layer.unfuse_lora_weight()
-
-    def decode_kernels(self, module: PreTrainedModel, rows: int, materialised: bool) -> ContextManager[Any]:
-        """oneDNN decode-sized linears (``--cpu_decode_linear onednn``) where they apply, else nothing."""
-        if self.cpu_decode_linear == "off":
-            return nullcontext()
-        why_not = onednn_decode_supported(module) if materialised else "ZeRO-3 parameters are not gathered"
-        if why_not is None:
-            need = sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() == 2)
-            if need > free_memory_bytes(torch.device("cpu")) // 2:
-                why_not = "a packed copy of the actor's weights does not fit in half the free memory"
-        if why_not is not None:
-            if next(module.parameters()).device.type == "cpu":  # on an accelerator it is simply not for it
-                self.say_once(f"--cpu_decode_linear onednn: not used ({why_not})")
-            return nullcontext()
-        return onednn_decode_linears(module, rows)
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -318,14 +215,15 @@ class RolloutGenerator:
 
     def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
         """Ask the paths in order; the first that can serve decodes. One that fails in a way it falls
-        back from is recorded (:meth:`fall_back`) and the next is asked."""
+        back from is recorded (:func:`~dschat.rlhf.rollout.path.fall_back`) and the next is asked."""
         refused: list[str] = []
-        with ExitStack() as module_weights:
+        with ExitStack() as stack:
             materialised: bool | None = None  # entered before the first module path is asked
             for path in self.paths:
                 if path.on_module and materialised is None:
-                    materialised = module_weights.enter_context(self._module_weights())
-                request = RolloutRequest(prompts, mask, True if materialised is None else materialised)
+                    materialised = stack.enter_context(module_weights(self))
+                request = RolloutRequest(prompts, mask, True if materialised is None else materialised,
+                                         tensor_parallel=self.tensor_parallel())
                 reason = path.can_serve(request)
                 if reason is None:
                     self.last_loop = path.loop
@@ -335,7 +233,7 @@ class RolloutGenerator:
                         reason = path.fall_back(err, request)
                         if reason is None:
                             raise
-                        self.fall_back(path.name, reason)
+                        fall_back(self, path.name, reason)
                         reason = f"failed ({type(err).__name__}), off for the rest of the run"
                     else:
                         self._why = "after " + "; ".join(refused) if refused else "the first path asked"

@@ -18,7 +18,7 @@ import torch
 from transformers import CompileConfig
 
 from dschat.rlhf.rollout.hf_generate import hf_generate
-from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, not_a_fallback, one_line
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
 from dschat.rlhf.rollout.sampling import Rollout
 from dschat.runtime.compile_cache import use_private_compile_cache
 
@@ -56,7 +56,7 @@ class GraphsPath(DecodingPath):
         elif getattr(module.config, "is_encoder_decoder", False):
             why_not = "encoder-decoder models are not supported"
         if why_not is not None and gen.generation_loop == "graphs":
-            gen.fall_back(self.name, f"--generation_loop graphs: not used ({why_not}); decoding with dschat's loop")
+            fall_back(gen, self.name, f"--generation_loop graphs: not used ({why_not}); decoding with dschat's loop")
             gen.generation_loop = "dschat"
         return why_not
 

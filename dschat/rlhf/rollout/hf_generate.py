@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel
 
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest
+from dschat.rlhf.rollout.sample_loop import decode_kernels
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, generated_token_logprobs
 
 if TYPE_CHECKING:
@@ -88,5 +89,5 @@ class HfGeneratePath(DecodingPath):
 
     def generate(self, request: RolloutRequest) -> Rollout:
         gen, module = self.gen, self.gen.actor.module
-        with gen.decode_kernels(module, request.prompts.shape[0], request.materialised):
+        with decode_kernels(gen, module, request.prompts.shape[0], request.materialised):
             return hf_generate(gen, module, request.prompts, request.mask)

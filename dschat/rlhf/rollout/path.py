@@ -14,6 +14,10 @@ decoding a rollout and asks them in a fixed order. For each rollout:
 
 Paths with ``on_module`` decode with the training module, inside the generator's ZeRO-3 gather and
 LoRA fusion (``RolloutRequest.materialised``); the others bring their own weights.
+
+A path reads the generator's attributes and calls none of its methods: what it says goes through
+:func:`say_once` and :func:`fall_back` here, which keep the generator's notices and its one
+fallback record.
 """
 from __future__ import annotations
 
@@ -25,22 +29,25 @@ import torch
 
 from dschat.errors import UserError, first_line
 from dschat.rlhf.rollout.sampling import Rollout
+from dschat.runtime.dist import print_rank_0
 
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
 
-__all__ = ["DecodingPath", "Fallback", "RolloutRequest", "not_a_fallback", "one_line"]
+__all__ = ["DecodingPath", "Fallback", "RolloutRequest", "fall_back", "not_a_fallback", "one_line", "say_once"]
 
 
 @dataclass(frozen=True)
 class RolloutRequest:
     """One rollout's input: ``(B, P)`` left-padded prompts and their mask; ``materialised``: the
     training module's weights are whole (not ZeRO-3 fetched layer by layer) while the paths with
-    ``on_module`` are asked (True for the others)."""
+    ``on_module`` are asked (True for the others); ``tensor_parallel``: the rollout is decoded over
+    the generator's tensor-parallel group (``--inference_tp_size`` > 1)."""
 
     prompts: torch.Tensor  # (B, P)
     mask: torch.Tensor  # (B, P)
     materialised: bool = True
+    tensor_parallel: bool = False
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,20 @@ class DecodingPath(ABC):
         """After :meth:`generate` raised ``err``: the line saying why the run falls back (this path is
         then off for good), or ``None`` to re-raise ``err``."""
         return None
+
+
+def say_once(gen: RolloutGenerator, message: str) -> None:
+    """Print ``message`` on rank 0 the first time the generator is given it."""
+    if message not in gen._said:
+        gen._said.add(message)
+        print_rank_0(message)
+
+
+def fall_back(gen: RolloutGenerator, path: str, reason: str) -> None:
+    """Record on the generator that ``path`` stops serving for ``reason`` (one line, said once); the
+    record is the latest fallback."""
+    gen.fallback = Fallback(path, reason)
+    say_once(gen, reason)
 
 
 def not_a_fallback(err: BaseException) -> bool:

@@ -21,18 +21,22 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import contextmanager
-from typing import Any, Iterator
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
 import torch
 from torch import nn
 from transformers import DynamicCache
 
 from dschat.models.lora import LinearLayer_LoRA
-from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, say_once
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.runtime.zero3 import free_memory_bytes
 
-__all__ = ["onednn_decode_linears", "onednn_decode_supported", "sample_loop", "SampleLoopPath"]
+if TYPE_CHECKING:
+    from dschat.rlhf.rollout.generator import RolloutGenerator
+
+__all__ = ["decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop", "SampleLoopPath"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -85,6 +89,23 @@ def onednn_decode_linears(module: nn.Module, rows: int) -> Iterator[int]:
     finally:
         for layer in layers:
             del layer.forward
+
+
+def decode_kernels(gen: RolloutGenerator, module: nn.Module, rows: int, materialised: bool) -> ContextManager[Any]:
+    """oneDNN decode-sized linears (``--cpu_decode_linear onednn``) where they apply, else nothing
+    (on a CPU saying once why not)."""
+    if gen.cpu_decode_linear == "off":
+        return nullcontext()
+    why_not = onednn_decode_supported(module) if materialised else "ZeRO-3 parameters are not gathered"
+    if why_not is None:
+        need = sum(p.numel() * p.element_size() for p in module.parameters() if p.dim() == 2)
+        if need > free_memory_bytes(torch.device("cpu")) // 2:
+            why_not = "a packed copy of the actor's weights does not fit in half the free memory"
+    if why_not is not None:
+        if next(module.parameters()).device.type == "cpu":  # on an accelerator it is simply not for it
+            say_once(gen, f"--cpu_decode_linear onednn: not used ({why_not})")
+        return nullcontext()
+    return onednn_decode_linears(module, rows)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -179,7 +200,7 @@ class SampleLoopPath(DecodingPath):
 
     def generate(self, request: RolloutRequest) -> Rollout:
         gen, module, prompts = self.gen, self.gen.actor.module, request.prompts
-        with gen.decode_kernels(module, prompts.shape[0], request.materialised):
+        with decode_kernels(gen, module, prompts.shape[0], request.materialised):
             return sample_loop(module, prompts, request.mask, decoding=gen.decoding,
                                max_new_tokens=gen.max_answer_seq_len,
                                min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
