@@ -6,9 +6,9 @@
 No DeepSpeed engine and no training: the bare Hugging Face model decodes the builtin held-out
 prompts (``--batch`` rows, left-padded) greedily for exactly ``--new_tokens`` tokens with
 
-* ``loop``: today's module path -- :func:`dschat.rlhf.decoding.sample_loop` on the module, with
+* ``loop``: today's module path -- :func:`dschat.rlhf.rollout.sample_loop.sample_loop` on the module, with
   oneDNN decode linears on a CPU (``--cpu_decode_linear onednn``, packed at each rollout), or
-* ``engine``: :class:`dschat.rlhf.rollout_engine.DschatHybridEngine` (weights refreshed into the
+* ``engine``: :class:`dschat.rlhf.rollout.dschat_engine.DschatHybridEngine` (weights refreshed into the
   inference layout at each rollout, prefill, static-cache decode steps).
 
 Each mode runs ``--warmup`` + ``--repeats`` rollouts, the modes taking turns; per mode it prints the median rollout time,
@@ -36,8 +36,9 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from dschat.rlhf.decoding import DecodingSettings, onednn_decode_linears, onednn_decode_supported, sample_loop  # noqa: E402
-from dschat.rlhf.rollout_engine import DschatHybridEngine  # noqa: E402
+from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine  # noqa: E402
+from dschat.rlhf.rollout.sample_loop import onednn_decode_linears, onednn_decode_supported, sample_loop  # noqa: E402
+from dschat.rlhf.rollout.sampling import DecodingSettings  # noqa: E402
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 from step3 import publish  # noqa: E402  (one results format for every benchmark)

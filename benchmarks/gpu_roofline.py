@@ -6,7 +6,7 @@
 ``benchmarks/step3.py`` reports generation at a few per cent of the memory-bandwidth roofline and
 training far under peak FLOP/s. This script separates the causes on the bare model:
 
-1. **decode, eager**: dschat's sampling loop (``dschat.rlhf.decoding.sample_loop``, greedy, every
+1. **decode, eager**: dschat's sampling loop (``dschat.rlhf.rollout.sample_loop.sample_loop``, greedy, every
    answer ``--answer_len`` tokens) -- wall ms per decode step, and from ``torch.profiler`` the GPU
    kernel time per step. Wall minus kernel time is the host side (Python, module calls, kernel
    launches) during which the GPU idles.
@@ -57,8 +57,8 @@ def sync(device: torch.device) -> None:
 
 def decode_eager(model, prompts, mask, answer_len: int, device: torch.device) -> tuple[float, float | None]:
     """(wall ms per decode step, GPU kernel ms per decode step or None on a CPU)."""
-    from dschat.rlhf.decoding import sample_loop
-    from dschat.rlhf.hybrid_engine import DecodingSettings
+    from dschat.rlhf.rollout.sample_loop import sample_loop
+    from dschat.rlhf.rollout.sampling import DecodingSettings
 
     def run(n: int) -> None:
         sample_loop(model, prompts, mask, decoding=DecodingSettings("greedy"), max_new_tokens=n,

@@ -16,7 +16,7 @@ engines:
 * **ours**: the default path of ``training/step3_rlhf_finetuning/main.py``: all-padding prompt
   columns dropped, the old log-probs kept from generation, ``--generation_loop auto`` (on CUDA:
   ``generate`` with a static KV cache and CUDA graphs; elsewhere dschat's decoding loop, with oneDNN
-  decode linears on a CPU, ``dschat/rlhf/decoding.py``), LoRA fused and ZeRO-3 gathered once per
+  decode linears on a CPU, ``dschat/rlhf/rollout/sample_loop.py``), LoRA fused and ZeRO-3 gathered once per
   rollout for generation, the Hybrid Engine when ``--hybrid_engine`` is on and usable, the scoring
   passes and training on packed rows (``--sequence_packing auto``; the baseline's are padded), and
   under ZeRO-3 each scoring pass on its model gathered once (``--zero3_gather_for_scoring auto``).
@@ -869,7 +869,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         f"- command: `{command}`",
         f"- {args.steps} measured PPO steps per mode after {args.warmup} warm-up; peaks: {peaks.source}",
         f"- Hybrid Engine for ours: {'active' if he_available else 'not used'}"
-        + (f" ({trainer.generator.fallback_reason})" if trainer.generator.fallback_reason else "")
+        + (f" (fallback of {fallback.path}: {fallback.reason})" if (fallback := trainer.generator.fallback) else "")
         + "; generation loop per mode (its last rollout): "
         + ", ".join(f"{r.mode} {r.generation_loop}" for r in results),
         f"- sequence packing in ours: {', '.join(n for n, ok in trainer.packing_supported.items() if ok) or 'none'}"

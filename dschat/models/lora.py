@@ -236,7 +236,7 @@ class LinearLayer_LoRA(nn.Module):
         docs/upstream.md#half-precision-where-the-fix-changes-numbers). Two modes:
 
         * **swap** (no ZeRO-3, or a ZeRO-3 weight held gathered by an open
-          ``deepspeed.zero.GatheredParameters``, as :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`
+          ``deepspeed.zero.GatheredParameters``, as :class:`~dschat.rlhf.rollout.generator.RolloutGenerator`
           does): ``weight.data`` is pointed at a new tensor ``W + delta`` and the original tensor is
           kept, to be put back. The cost is one extra weight per layer while fused. It is a swap, not
           an in-place write, because on a single rank DeepSpeed's "gathered" ZeRO-3 tensor *is* the

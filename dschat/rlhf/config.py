@@ -19,7 +19,7 @@ from dschat.cli.args import step3_flag
 from dschat.rewards import RewardMix
 from dschat.rlhf.algorithm import AlgorithmSettings
 from dschat.rlhf.batch_plan import BatchPlan
-from dschat.rlhf.decoding import DecodingSettings
+from dschat.rlhf.rollout.sampling import DecodingSettings
 
 __all__ = ["RolloutConfig", "PPOConfig", "Step3Config", "rollout_config", "ppo_config"]
 

@@ -19,7 +19,7 @@ the trainer. The contract (each upstream difference is explained in docs/upstrea
 * **Decoding** is configurable; the default samples from the policy
   (docs/algorithms.md#decoding-why-sampling-is-the-default).
 * The rollout's **old log-probs come from generation** (the sampled tokens' log-probs under the
-  sampling temperature, kept by :class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`) instead of a
+  sampling temperature, kept by :class:`~dschat.rlhf.rollout.generator.RolloutGenerator`) instead of a
   second actor pass over the sequence; where the generator cannot keep them (Hybrid Engine) the
   actor pass runs.
 * Advantages are computed **once per rollout** (:meth:`ExperienceMaker.prepare_rollout`), so
@@ -48,9 +48,9 @@ from dschat.data.prompt_columns import PromptColumns
 from dschat.errors import UserError
 from dschat.models.packing import PackedRows
 from dschat.rewards import RewardMix
-from dschat.rlhf.decoding import Rollout
+from dschat.rlhf.rollout.sampling import Rollout
 from dschat.rlhf.experience import Experience, sequence_masks, sum_over_ranks
-from dschat.rlhf.hybrid_engine import RolloutGenerator
+from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.ppo_formulas import PPOFormulas
 from dschat.rlhf.scoring_passes import ScoringPasses
 from dschat.runtime.dist import get_rank, print_rank_0

@@ -33,7 +33,7 @@ from dschat.rlhf.batch_plan import BatchPlan, plan_batches
 from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
-from dschat.rlhf.hybrid_engine import RolloutGenerator
+from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.ppo_formulas import PPOFormulas
 from dschat.rlhf.ppo_update import MicroStepStats, PPOUpdate, Schedule
 from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine

@@ -12,7 +12,7 @@ reference *and* the EMA model; the actor/critic optimizers offload with ``--offl
 batch keys use ``gradient_accumulation_steps x 2`` with PPO-ptx (its ``step()`` runs twice per
 micro-batch). Every config comes from the one builder (:func:`ds_config_for`).
 
-The Hybrid Engine is only enabled where it can work (:mod:`dschat.rlhf.hybrid_engine`); the EMA
+The Hybrid Engine is only enabled where it can work (:mod:`dschat.rlhf.rollout.deepspeed_engine`); the EMA
 model starts as an exact copy of the actor, LoRA factors included; with ``--only_optimize_lora`` the
 critic's value head stays trainable, as in step 2 (upstream differences: docs/upstream.md#step-3-ppo).
 """
@@ -31,10 +31,10 @@ from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.rlhf.actor_ema import moving_average
-from dschat.rlhf import hybrid_engine
 from dschat.rlhf.config import RolloutConfig, rollout_config
-from dschat.rlhf.hybrid_engine import RolloutGenerator
-from dschat.rlhf.tensor_parallel import check_inference_tp
+from dschat.rlhf.rollout import deepspeed_engine  # decide_hybrid_engine called through the module: tests replace it
+from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
 from dschat.runtime.dist import get_world_size, is_rank_0
 from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
 from dschat.runtime.ds_config import resolve_dtype
@@ -132,7 +132,7 @@ class DeepSpeedRLHFEngine:
         self.vocab_rows, note = aligned_vocab_rows(tokenizer, configs)
         if note and is_rank_0():
             print(note, flush=True)
-        self.hybrid_engine = hybrid_engine.decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
+        self.hybrid_engine = deepspeed_engine.decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
                                                                 get_accelerator().device_name())
         check_inference_tp(args.inference_tp_size, actor_config, self.world_size, args.enable_hybrid_engine)
 

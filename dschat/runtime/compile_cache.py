@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-# Free where this is imported (dschat.rlhf.rollout_engine has imported torch._dynamo, which imports them).
+# Free where this is imported (dschat.rlhf.rollout.dschat_engine has imported torch._dynamo, which imports them).
 import torch._inductor.config as inductor_config
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

@@ -272,7 +272,7 @@ def test_step3_benchmark_profiles_one_more_step_and_writes_traces(tmp_path, caps
 def test_step3_answer_spread_cuts_by_hand_and_packing_is_ours_only():
     import torch
 
-    from dschat.rlhf.decoding import Rollout
+    from dschat.rlhf.rollout.sampling import Rollout
 
     bench = _load("step3")
     assert bench.answer_lengths(4, 10, 0.0, step=0, seed=1) is None

@@ -1,4 +1,4 @@
-"""dschat's decode model (dschat/models/decoder) and Hybrid Engine (dschat/rlhf/rollout_engine.py) on
+"""dschat's decode model (dschat/models/decoder) and Hybrid Engine (dschat/rlhf/rollout/dschat_engine.py) on
 tiny random configs of every supported family, fp32 on a CPU: greedy tokens equal Hugging Face
 ``generate``'s, per-token log-probs equal a training forward's, seeded sampling is reproducible, the
 weights are refreshed in place."""
@@ -9,8 +9,8 @@ import torch
 import transformers as T
 
 from dschat.models.decoder import LAYOUTS, decoder_spec, unsupported_reason
-from dschat.rlhf.decoding import DecodingSettings
-from dschat.rlhf.rollout_engine import DschatHybridEngine
+from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
+from dschat.rlhf.rollout.sampling import DecodingSettings
 
 V, PAD, BOS, EOS = 96, 0, 1, 2
 _COMMON = dict(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
@@ -141,7 +141,8 @@ def test_a_greedy_rollout_between_sampled_ones_leaves_the_generator_sampling():
     from dataclasses import replace
     from types import SimpleNamespace
 
-    from dschat.rlhf.hybrid_engine import HybridEngineDecision, RolloutGenerator
+    from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision
+    from dschat.rlhf.rollout.generator import RolloutGenerator
 
     model, (ids, mask) = _model("llama"), _prompts()
     generator = RolloutGenerator(SimpleNamespace(module=model), SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),
@@ -171,7 +172,8 @@ def test_a_compile_cache_others_can_write_to_stops_the_rollout_before_compiling(
     from types import SimpleNamespace
 
     from dschat.errors import UserError
-    from dschat.rlhf.hybrid_engine import HybridEngineDecision, RolloutGenerator
+    from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision
+    from dschat.rlhf.rollout.generator import RolloutGenerator
 
     model, (ids, mask) = _model("llama"), _prompts()
     generator = RolloutGenerator(SimpleNamespace(module=model), SimpleNamespace(eos_token_id=EOS, pad_token_id=PAD),

@@ -1,4 +1,4 @@
-"""Rollout decoding fast paths (dschat/rlhf/decoding.py): the sampling loop against Hugging Face
+"""Rollout decoding fast paths (dschat/rlhf/rollout/sample_loop.py): the sampling loop against Hugging Face
 ``generate``, the inverse-CDF draw against the distribution it samples, and oneDNN decode linears
 against the stock kernels -- including after the weights change, as they do every PPO step."""
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import dschat.rlhf.decoding as decoding
-from dschat.rlhf.decoding import draw, onednn_decode_linears, sample_loop
-from dschat.rlhf.hybrid_engine import DecodingSettings, generated_token_logprobs
+import dschat.rlhf.rollout.sample_loop as decoding
+from dschat.rlhf.rollout.sample_loop import onednn_decode_linears, sample_loop
+from dschat.rlhf.rollout.sampling import DecodingSettings, draw, generated_token_logprobs
 
 GREEDY = DecodingSettings("greedy")
 

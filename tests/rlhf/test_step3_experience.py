@@ -91,7 +91,7 @@ def _build(model: str, critic_dirs, data_cache, *extra: str):
 
 
 def _fixed_generation(monkeypatch, trainer, seq):
-    from dschat.rlhf.hybrid_engine import Rollout
+    from dschat.rlhf.rollout.sampling import Rollout
 
     monkeypatch.setattr(trainer.generator, "rollout", lambda prompts, mask: Rollout(seq.clone(), None))
 

@@ -211,7 +211,7 @@ def test_engine_and_trainer_read_dschat_flags_only_through_step3_flag():
 
     dschat_only = _dschat_only_flags()
     assert {"kl_ctl", "decoding", "generation_loop", "max_nonfinite_steps"} <= dschat_only
-    for rel in ("dschat/rlhf/rlhf_engine.py", "dschat/rlhf/ppo_trainer.py", "dschat/rlhf/hybrid_engine.py"):
+    for rel in ("dschat/rlhf/rlhf_engine.py", "dschat/rlhf/ppo_trainer.py", "dschat/rlhf/rollout/generator.py"):
         tree = ast.parse((REPO / rel).read_text())
         read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                 and isinstance(node.value, ast.Name) and node.value.id == "args"}

@@ -10,7 +10,9 @@ import torch
 from torch._inductor.utils import clear_caches as clear_inductor_caches
 
 from dschat.errors import UserError
-from dschat.rlhf.hybrid_engine import DecodingSettings, HybridEngineDecision, RolloutGenerator, decide_hybrid_engine
+from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision, decide_hybrid_engine
+from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.rollout.sampling import DecodingSettings
 
 from helpers.step3 import base_argv, step3_main
 from helpers.steps import require_cuda_accelerator
@@ -41,7 +43,7 @@ def _generate(engine) -> torch.Tensor:
 def test_decide_hybrid_engine():
     import transformers
 
-    import dschat.rlhf.hybrid_engine as he
+    import dschat.rlhf.rollout.deepspeed_engine as he
 
     opt = SimpleNamespace(model_type="opt")
     llama = SimpleNamespace(model_type="llama", rope_parameters={"rope_type": "default", "rope_theta": 1e4})
@@ -138,7 +140,7 @@ def test_enable_hybrid_engine_decodes_with_dschats_engine(model, extra, critic_d
 def test_real_hybrid_engine_without_container_generates_with_the_module(monkeypatch, critic_dirs, data_cache, capsys):
     # Force the HE on for OPT on this CPU: DeepSpeed builds a DeepSpeedHybridEngine that finds no
     # inference container; its engine.generate raises AttributeError '_generate' (0.19.8).
-    import dschat.rlhf.hybrid_engine as he
+    import dschat.rlhf.rollout.deepspeed_engine as he
 
     monkeypatch.setattr(he, "decide_hybrid_engine", lambda requested, config, accelerator: he.HybridEngineDecision(True, True))
     engine = _engine("tiny-opt", critic_dirs, data_cache, "--enable_hybrid_engine")
@@ -223,7 +225,7 @@ def test_zero3_gather_once_generates_the_same_tokens_without_per_layer_fetches(m
 
 @pytest.mark.parametrize("loop", ["dschat", "hf"])
 def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, critic_dirs, data_cache):
-    import dschat.rlhf.decoding as decoding
+    import dschat.rlhf.rollout.sample_loop as decoding
     from dschat.models.lora import LinearLayer_LoRA
 
     engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_lora_dim", "4", "--generation_loop", loop)
@@ -481,7 +483,7 @@ def test_graphs_loop_failure_falls_back_once(monkeypatch, critic_dirs, data_cach
     def broken(*args, **kwargs):
         raise RuntimeError("inductor could not lower this\nsecond line")
 
-    monkeypatch.setattr(engine.generator, "_graph_generate", broken)
+    monkeypatch.setattr(engine.generator.path("graphs"), "generate", broken)
     assert torch.equal(_generate(engine), expected) and torch.equal(_generate(engine), expected)
     assert engine.generator.generation_loop == "dschat"
     out = capsys.readouterr().out
@@ -504,7 +506,7 @@ def test_auto_loop_on_a_cpu_is_dschats_loop_and_the_engine_where_auto_takes_it(c
     out = capsys.readouterr().out
     assert "--generation_loop" not in out and "dschat Hybrid Engine:" not in out
     assert out.count("Rollouts: dschat Hybrid Engine (eager decode step), layout llama (fused qkv, gate_up") == 1
-    assert out.count("Rollouts: dschat loop (dschat.rlhf.decoding.sample_loop") == 1
+    assert out.count("Rollouts: dschat loop (dschat.rlhf.rollout.sample_loop") == 1
 
 
 def test_auto_loop_takes_graphs_where_they_apply_and_not_where_weights_are_fetched(critic_dirs, data_cache, capsys,
@@ -558,7 +560,7 @@ def test_auto_loop_graphs_failure_falls_back_once(monkeypatch, critic_dirs, data
     def broken(*args, **kwargs):
         raise RuntimeError("no triton for this device")
 
-    monkeypatch.setattr(engine.generator, "_graph_generate", broken)
+    monkeypatch.setattr(engine.generator.path("graphs"), "generate", broken)
     assert torch.equal(_generate(engine), expected) and torch.equal(_generate(engine), expected)
     assert (engine.generator.generation_loop, engine.generator.last_loop) == ("dschat", "dschat")
     out = capsys.readouterr().out

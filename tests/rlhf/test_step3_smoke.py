@@ -152,7 +152,8 @@ LENGTHS = (3, 9, 5, 14)  # answer lengths forced below, EOS included
 def varied_lengths(monkeypatch):
     """Cut the sampled answers at fixed, different lengths (EOS then padding), so micro-batches hold
     different token counts."""
-    from dschat.rlhf.hybrid_engine import Rollout, RolloutGenerator
+    from dschat.rlhf.rollout.generator import RolloutGenerator
+    from dschat.rlhf.rollout.sampling import Rollout
 
     original = RolloutGenerator.rollout
 

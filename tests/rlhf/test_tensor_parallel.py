@@ -28,9 +28,10 @@ from dschat.models.decoder.tensor_parallel import (
     tp_unsupported_reason,
     vocab_shard,
 )
-from dschat.rlhf.decoding import DecodingSettings
-from dschat.rlhf.rollout_engine import DschatHybridEngine, rollout_summary_line
-from dschat.rlhf.tensor_parallel import (
+from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
+from dschat.rlhf.rollout.generator import rollout_summary_line
+from dschat.rlhf.rollout.sampling import DecodingSettings
+from dschat.rlhf.rollout.tensor_parallel import (
     TensorParallelHybridEngine,
     check_inference_tp,
     group_batch,

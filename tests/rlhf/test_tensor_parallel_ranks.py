@@ -24,7 +24,9 @@ from transformers import AutoModelForCausalLM
 from dschat.models.build import create_hf_model
 from dschat.models.lora import convert_linear_layer_to_lora
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.rlhf.hybrid_engine import DecodingSettings, HybridEngineDecision, RolloutGenerator
+from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision
+from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.rollout.sampling import DecodingSettings
 from dschat.runtime.dist import init_distributed
 from dschat.runtime.ds_config import get_eval_ds_config
 from dschat.runtime.zero3 import whole_partitions

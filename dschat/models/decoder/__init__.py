@@ -7,7 +7,7 @@
 * :mod:`.forward` -- :class:`DecodeModel`: prefill and the one-token decode step.
 
 The rollout engine that drives it (sampling, weight refresh, compilation) is
-:mod:`dschat.rlhf.rollout_engine`.
+:mod:`dschat.rlhf.rollout.dschat_engine`.
 """
 from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.kv_cache import StaticKVCache

@@ -13,7 +13,7 @@ Within a group of ``n`` ranks, member ``r`` holds:
   (vocabulary-parallel). When ``n`` does not divide ``V`` the last rows are zeros and their logits are
   masked to ``-inf``, so any vocabulary works. A lookup sums the members' rows (one all-reduce); the
   logits stay sharded, and the sampling step (:func:`greedy_shard_stats` / :func:`combine_greedy_stats`,
-  or a gather of the row for sampling: :mod:`dschat.rlhf.tensor_parallel`) picks the token;
+  or a gather of the row for sampling: :mod:`dschat.rlhf.rollout.tensor_parallel`) picks the token;
 * everything else whole: norms, OPT's learned positions, OPT-350m's project_in/out, Qwen3's q/k norms.
 
 Per decoder layer and token the group exchanges two ``(B, E)`` sums; per token one more for the embedding.

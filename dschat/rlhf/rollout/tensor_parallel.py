@@ -1,4 +1,4 @@
-"""Inference tensor parallelism for rollouts (``--inference_tp_size N``), on dschat's Hybrid Engine.
+"""The tensor-parallel variant of dschat's Hybrid Engine path (``--inference_tp_size N``).
 
 Upstream's Hybrid Engine generated with tensor parallelism inside groups of ``--inference_tp_size``
 ranks; so does :class:`TensorParallelHybridEngine`:
@@ -21,8 +21,12 @@ ranks; so does :class:`TensorParallelHybridEngine`:
   so a group never disagrees on a token whatever each member's random state.
 * **Memory.** ``--release_inference_cache`` frees the shards and the KV cache after each rollout.
 
-At ``--inference_tp_size 1`` none of this runs: :class:`~dschat.rlhf.rollout_engine.DschatHybridEngine`
+At ``--inference_tp_size 1`` none of this runs: :class:`~dschat.rlhf.rollout.dschat_engine.DschatHybridEngine`
 decodes each rank's prompts on that rank alone (no group, no collective, no copy).
+
+:class:`TensorParallelEnginePath` serves where :class:`~dschat.rlhf.rollout.dschat_engine.DschatEnginePath`
+would, but over the generator's tensor-parallel group; it is asked first. Its decode step is eager,
+so a failure is never fallen back from.
 """
 from __future__ import annotations
 
@@ -43,12 +47,13 @@ from dschat.models.decoder.tensor_parallel import (
     tp_unsupported_reason,
 )
 from dschat.models.lora import LinearLayer_LoRA
-from dschat.rlhf.decoding import Rollout, check_probability_sums, draw
-from dschat.rlhf.rollout_engine import ENGINE_NAME, DschatHybridEngine
-from dschat.runtime.zero3 import gathered
+from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatEnginePath, DschatHybridEngine
+from dschat.rlhf.rollout.path import RolloutRequest
+from dschat.rlhf.rollout.sampling import Rollout, check_probability_sums, draw
+from dschat.runtime.zero3 import gathered, release_zero3_prefetch
 
 __all__ = ["check_inference_tp", "GroupBatch", "group_batch", "own_answer_length", "materialised_part",
-           "TensorParallelHybridEngine"]
+           "TensorParallelHybridEngine", "TensorParallelEnginePath"]
 
 
 def check_inference_tp(size: int, config: Any, world_size: int, enable_hybrid_engine: bool) -> None:
@@ -165,13 +170,13 @@ class TensorParallelHybridEngine(DschatHybridEngine):
     def _compiled(self, device: torch.device) -> bool:
         return False
 
-    def summary(self, dtype: torch.dtype, device: torch.device) -> str:
+    def summary(self, device: torch.device) -> str:
+        """What decodes, over which ranks, in which layout, for the rollout summary line."""
         spec = self.model.full_spec
         gqa = f"; GQA {spec.num_heads}/{spec.num_kv_heads}" if spec.num_kv_heads != spec.num_heads else ""
         return (f"{ENGINE_NAME} (eager decode step, tensor-parallel over ranks {self.group.ranks[0]}-"
                 f"{self.group.ranks[-1]}: {self.spec.num_heads} heads and 1/{self.tp_size} of the vocabulary a rank), "
-                f"layout {spec.family} (fused qkv, {'gate_up' if spec.layout.gated else 'fc1'}{gqa}), "
-                f"dtype {str(dtype).replace('torch.', '')}")
+                f"layout {spec.family} (fused qkv, {'gate_up' if spec.layout.gated else 'fc1'}{gqa})")
 
     @torch.no_grad()
     def rollout(self, module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
@@ -219,3 +224,26 @@ class TensorParallelHybridEngine(DschatHybridEngine):
             token = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
         self.group.broadcast_(token, 0)
         return token
+
+
+class TensorParallelEnginePath(DschatEnginePath):
+    """dschat's Hybrid Engine over the generator's tensor-parallel group (``--inference_tp_size`` > 1)."""
+
+    name = "dschat-he-tp"
+    loop = "dschat-he"
+    tensor_parallel = True
+
+    def generate(self, request: RolloutRequest) -> Rollout:
+        gen, module = self.gen, self.gen.actor.module
+        if not isinstance(gen.engine, TensorParallelHybridEngine):
+            gen.engine = TensorParallelHybridEngine(
+                module.config, gen.tp_group, layers_per_gather=gen.tp_gather_partition_size,
+                decoding=gen.decoding, max_new_tokens=gen.max_answer_seq_len,
+                eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
+        gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
+        if gen.zero_stage == 3:
+            release_zero3_prefetch(gen.actor, collect=False)  # nothing may be in flight when gathering outside a pass
+        return gen.engine.rollout(module, request.prompts, request.mask, gather=materialised_part,
+                                  min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
+                                  keep_logprobs=gen.keep_logprobs)

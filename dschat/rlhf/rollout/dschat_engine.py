@@ -1,11 +1,11 @@
-"""dschat's Hybrid Engine: weights in, prompts in, a :class:`~dschat.rlhf.decoding.Rollout` out.
+"""dschat's Hybrid Engine path: weights in, prompts in, a :class:`~dschat.rlhf.rollout.sampling.Rollout` out.
 
 :class:`DschatHybridEngine` decodes rollouts with dschat's own decode model
 (:mod:`dschat.models.decoder`): at each rollout the actor's current weights are copied, in place,
 into an inference layout (q/k/v and gate/up fused, contiguous, in the rollout dtype, no DeepSpeed
 hooks), the prompt is prefilled into a static KV cache, and tokens are drawn one decode step at a
-time with the sampling of dschat's loop (:func:`dschat.rlhf.decoding.next_token_scores`,
-:func:`~dschat.rlhf.decoding.draw`), keeping each token's log-prob for the old-log-prob shortcut.
+time with the sampling of dschat's loop (:func:`dschat.rlhf.rollout.sampling.next_token_scores`,
+:func:`~dschat.rlhf.rollout.sampling.draw`), keeping each token's log-prob for the old-log-prob shortcut.
 
 * On CUDA the decode step is compiled (``torch.compile(mode="reduce-overhead")``: CUDA graphs). Its
   shapes do not depend on the prompt width (the cache has a fixed capacity, the write column is a
@@ -18,7 +18,14 @@ time with the sampling of dschat's loop (:func:`dschat.rlhf.decoding.next_token_
 
 The caller materialises the weights while :meth:`DschatHybridEngine.rollout` refreshes from them
 (``materialise``: the ZeRO-3 gather and LoRA fusion of
-:class:`~dschat.rlhf.hybrid_engine.RolloutGenerator`); decoding itself needs nothing of the module.
+:class:`~dschat.rlhf.rollout.generator.RolloutGenerator`); decoding itself needs nothing of the module.
+
+:class:`DschatEnginePath` serves ``--enable_hybrid_engine`` (and ``--generation_loop auto`` on a device
+in the generator's ``auto_engine_devices``, none by default) for a family the decode model covers,
+at ``--inference_tp_size 1``, unless a ``generate`` argument other than ``min_new_tokens`` is passed,
+the ZeRO-3 weights are fetched layer by layer, or the base weights are 4-bit; asked by the flag, it
+says why once. A failure of the compiled decode step (CUDA) turns it off for the rest of the run;
+an eager failure (a bug, non-finite logits) is re-raised, as the module paths would raise it.
 """
 from __future__ import annotations
 
@@ -29,33 +36,15 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name
-from dschat.rlhf.decoding import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name, unsupported_reason
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
+from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.rlhf.rollout.weights import lora_layers, materialised, should_gather
 from dschat.runtime.compile_cache import use_private_compile_cache
 
-__all__ = ["DschatHybridEngine", "ENGINE_NAME", "rollout_summary_line"]
+__all__ = ["DschatHybridEngine", "DschatEnginePath", "ENGINE_NAME"]
 
 ENGINE_NAME = "dschat Hybrid Engine"
-
-
-_MODULE_PATHS = {"graphs": "graphs (Hugging Face generate, static KV cache, CUDA graphs)",
-                 "dschat": "dschat loop (dschat.rlhf.decoding.sample_loop on the training module)",
-                 "hf": "hf (the training module's generate)",
-                 "hybrid-engine": "DeepSpeed's Hybrid Engine"}
-
-
-def rollout_summary_line(loop: str | None, engine: "DschatHybridEngine | None", module: nn.Module) -> str:
-    """One line naming what decoded a rollout (``loop``: ``RolloutGenerator.last_loop``): the engine,
-    the layout, the dtype and the inference tensor-parallel degree (1: each rank decodes its own prompts;
-    N: groups of N ranks decode their prompts together, each holding 1/N of the weights)."""
-    param = next(module.parameters())
-    degree = 1
-    if loop == "dschat-he" and engine is not None:
-        what, degree = engine.summary(param.dtype, param.device), engine.tp_size
-    else:
-        what = (f"{_MODULE_PATHS.get(loop or '', str(loop))}, layout {getattr(module.config, 'model_type', '?')} "
-                f"(the training module's), dtype {str(param.dtype).replace('torch.', '')}")
-    return f"Rollouts: {what}, inference TP degree {degree}"
 
 
 def _cuda_graph_count(device: torch.device) -> int:
@@ -94,7 +83,7 @@ class DschatHybridEngine:
         self.cache_allocations = 0
         self.compiles_per_rollout: list[int] = []
 
-    tp_size = 1  # ranks that decode one batch together (dschat.rlhf.tensor_parallel: more)
+    tp_size = 1  # ranks that decode one batch together (dschat.rlhf.rollout.tensor_parallel: more)
 
     def _decode_model(self, config: Any) -> DecodeModel:
         return DecodeModel(config)
@@ -108,10 +97,10 @@ class DschatHybridEngine:
     def weight_allocations(self) -> int:
         return self.model.weights.allocations
 
-    def summary(self, dtype: torch.dtype, device: torch.device) -> str:
+    def summary(self, device: torch.device) -> str:
+        """What decodes and in which layout, for the rollout summary line."""
         how = "compiled decode step, CUDA graphs" if self._compiled(device) else "eager decode step"
-        return (f"{ENGINE_NAME} ({how}), layout {layout_name(self.spec)}, "
-                f"dtype {str(dtype).replace('torch.', '')}")
+        return f"{ENGINE_NAME} ({how}), layout {layout_name(self.spec)}"
 
     def release(self) -> None:
         """Free the KV cache and the inference weights (``--release_inference_cache``)."""
@@ -139,7 +128,7 @@ class DschatHybridEngine:
                 materialise: AbstractContextManager[Any] | None = None, min_new_tokens: int = 0,
                 keep_logprobs: bool = True) -> Rollout:
         """Refresh the weights from ``module`` (inside ``materialise``), then decode ``(B, P)``
-        left-padded prompts as :func:`dschat.rlhf.decoding.sample_loop` does."""
+        left-padded prompts as :func:`dschat.rlhf.rollout.sample_loop.sample_loop` does."""
         graphs_before = compiled_before = 0
         device = prompts.device
         if self._compiled(device):
@@ -209,7 +198,7 @@ class DschatHybridEngine:
     def decode(self, prompts: torch.Tensor, mask: torch.Tensor, *, min_new_tokens: int = 0,
                keep_logprobs: bool = True) -> Rollout:
         """Decode with the current inference weights: the semantics of
-        :func:`~dschat.rlhf.decoding.sample_loop` (positions from the mask, the same logits
+        :func:`~dschat.rlhf.rollout.sample_loop.sample_loop` (positions from the mask, the same logits
         processing, EOS then padding, log-probs under ``logits / logit_temperature``)."""
         B, P = prompts.shape
         mask = mask.to(prompts.device)
@@ -235,3 +224,68 @@ class DschatHybridEngine:
         finally:
             self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
         return loop_rollout(prompts, tokens, logprobs if keep_logprobs else None)
+
+
+class DschatEnginePath(DecodingPath):
+    """dschat's Hybrid Engine, each rank decoding its own prompts (see the module docstring)."""
+
+    name = loop = "dschat-he"
+    label = ENGINE_NAME
+    tensor_parallel = False  # serves at --inference_tp_size 1 (dschat.rlhf.rollout.tensor_parallel: > 1)
+
+    def can_serve(self, request: RolloutRequest) -> str | None:
+        gen = self.gen
+        if request.tensor_parallel != self.tensor_parallel:
+            return f"--inference_tp_size {gen.inference_tp_size}"
+        asked = gen.use_dschat_engine  # --enable_hybrid_engine: say why when it cannot be used
+        if not asked and not self._auto():
+            return "no --enable_hybrid_engine, and the auto loop does not take it on this device"
+        why_not = self._why_not(request)
+        if why_not is not None and asked:
+            fall_back(gen, self.name, f"{ENGINE_NAME}: not used ({why_not}); decoding with the training module")
+        return why_not
+
+    def _why_not(self, request: RolloutRequest) -> str | None:
+        """None when dschat's Hybrid Engine can decode this rollout, else why not (one line)."""
+        gen = self.gen
+        if set(gen.extra_generate_kwargs) - {"min_new_tokens"}:
+            return f"{sorted(gen.extra_generate_kwargs)} need Hugging Face generate()"
+        if gen.zero_stage == 3 and not request.tensor_parallel and not should_gather(gen):
+            return ("the actor's ZeRO-3 weights are fetched layer by layer (the full model does not fit in half "
+                    "the free memory, or --zero3_gather_for_generation off), so no inference copy fits either")
+        if any(layer.is_quantized for layer in lora_layers(gen)):
+            return "the actor has 4-bit (QLoRA) base weights"
+        return None
+
+    def _auto(self) -> bool:
+        """``--generation_loop auto`` takes dschat's Hybrid Engine: a device in ``auto_engine_devices``
+        (and not one where ``auto`` means CUDA graphs), a family its decode model covers."""
+        gen = self.gen
+        if gen.generation_loop != "auto" or gen.hybrid_engine_active:
+            return False
+        device = next(gen.actor.module.parameters()).device.type
+        if device not in gen.auto_engine_devices or device in gen.graph_devices:
+            return False
+        return unsupported_reason(gen.actor.module.config) is None
+
+    def generate(self, request: RolloutRequest) -> Rollout:
+        gen, module = self.gen, self.gen.actor.module
+        if gen.engine is None or type(gen.engine) is not DschatHybridEngine:
+            gen.engine = DschatHybridEngine(
+                module.config, decoding=gen.decoding, max_new_tokens=gen.max_answer_seq_len,
+                eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
+        gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
+        return gen.engine.rollout(module, request.prompts, request.mask, materialise=materialised(gen),
+                                  min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
+                                  keep_logprobs=gen.keep_logprobs)
+
+    def fall_back(self, err: Exception, request: RolloutRequest) -> str | None:
+        """A failure of the compiled step (CUDA) falls back for good; eagerly, an error is a bug or bad
+        weights (non-finite logits), which the module paths would raise as well."""
+        gen = self.gen
+        if not_a_fallback(err) or gen.engine is None or not gen.engine.compiled_on(request.prompts.device):
+            return None
+        gen.use_dschat_engine = False
+        gen.auto_engine_devices = ()
+        return f"{ENGINE_NAME} failed ({one_line(err, 200)}); decoding with the training module from now on"

@@ -1,0 +1,94 @@
+"""The CUDA-graphs path: Hugging Face ``generate`` with a static KV cache, its decode step compiled.
+
+``--generation_loop graphs``, and ``auto`` where it applies (an accelerator in the generator's
+``graph_devices``, CUDA by default; the weights resident, i.e. not ZeRO-3 fetched layer by layer;
+a decoder-only model): ``generate`` with ``cache_implementation="static"`` and
+``torch.compile(mode="reduce-overhead")`` (CUDA graphs). Prompts are left-padded to a multiple of
+``graph_prompt_multiple`` (64) so one captured graph serves the rollouts of a prompt width.
+
+Where it does not apply, ``auto`` goes on to dschat's loop without a word; an explicit ``graphs`` says
+why once and turns into ``dschat`` for the rest of the run. A compiler failure does the same (for
+``auto`` too); out of memory and a compile cache folder that is not the user's own are re-raised.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import CompileConfig
+
+from dschat.rlhf.rollout.hf_generate import hf_generate
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
+from dschat.rlhf.rollout.sampling import Rollout
+from dschat.runtime.compile_cache import use_private_compile_cache
+
+if TYPE_CHECKING:
+    from dschat.rlhf.rollout.generator import RolloutGenerator
+
+__all__ = ["GraphsPath"]
+
+
+class GraphsPath(DecodingPath):
+    """``generate`` with a static KV cache and CUDA graphs on the training module (see the module docstring)."""
+
+    name = loop = "graphs"
+    on_module = True
+    label = "graphs (Hugging Face generate, static KV cache, CUDA graphs)"
+
+    def __init__(self, generator: RolloutGenerator) -> None:
+        super().__init__(generator)
+        self._compile_config: CompileConfig | None = None  # one object: generate recompiles when it changes
+
+    def can_serve(self, request: RolloutRequest) -> str | None:
+        """CUDA graphs where they apply: weights resident (graphs cannot capture ZeRO-3's per-layer
+        fetches), an accelerator in ``graph_devices``, a decoder-only model. An explicit ``graphs``
+        that does not apply says once why not and gives up for good."""
+        gen = self.gen
+        if gen.generation_loop not in ("auto", "graphs"):
+            return f"generation loop {gen.generation_loop!r}"
+        module = gen.actor.module
+        device = next(module.parameters()).device.type
+        why_not = None
+        if device not in gen.graph_devices:
+            why_not = f"CUDA graphs need a CUDA device, the actor is on {device!r}"
+        elif not request.materialised:
+            why_not = "the actor's ZeRO-3 weights are fetched layer by layer (not gathered)"
+        elif getattr(module.config, "is_encoder_decoder", False):
+            why_not = "encoder-decoder models are not supported"
+        if why_not is not None and gen.generation_loop == "graphs":
+            fall_back(gen, self.name, f"--generation_loop graphs: not used ({why_not}); decoding with dschat's loop")
+            gen.generation_loop = "dschat"
+        return why_not
+
+    def generate(self, request: RolloutRequest) -> Rollout:
+        """Prompts are left-padded to a multiple of ``graph_prompt_multiple`` so the cache, and with it
+        the captured graph, keeps one shape from rollout to rollout (the trimmed prompt width varies);
+        the extra columns are padding (masked, position ids from the mask), cut off again before
+        returning."""
+        gen, module = self.gen, self.gen.actor.module
+        prompts, mask = request.prompts, request.mask
+        if self._compile_config is None:
+            use_private_compile_cache()  # not torch's default, /tmp/torchinductor_<user>
+            self._compile_config = CompileConfig(mode="reduce-overhead")
+            if "cpu" in gen.graph_devices:
+                self._compile_config._compile_all_devices = True
+        B, P = prompts.shape
+        extra = -P % gen.graph_prompt_multiple
+        if extra:
+            prompts = torch.cat([prompts.new_full((B, extra), gen.tokenizer.pad_token_id), prompts], dim=1)
+            mask = torch.cat([mask.new_zeros((B, extra)), mask.to(prompts.device)], dim=1)
+        # The weights are resident (never fetched inside the forward), so no rank needs the others to
+        # keep stepping: no ``synced_gpus``, and a rank whose compile failed (dschat's loop, no
+        # collectives) cannot leave the others waiting.
+        rollout = hf_generate(gen, module, prompts, mask, cache_implementation="static",
+                              compile_config=self._compile_config, synced_gpus=False)
+        return Rollout(rollout.sequences[:, extra:], rollout.logprobs)
+
+    def fall_back(self, err: Exception, request: RolloutRequest) -> str | None:
+        """A compiler failure: dschat's loop from now on (within this rollout's gather)."""
+        if not_a_fallback(err):
+            return None
+        flag = self.gen.generation_loop
+        self.gen.generation_loop = "dschat"
+        return f"--generation_loop {flag}: CUDA graphs failed ({one_line(err, 200)}); decoding with dschat's loop from now on"
+
