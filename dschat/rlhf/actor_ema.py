@@ -12,7 +12,7 @@ Two upstream differences (docs/upstream.md#step-3-ppo, docs/upstream.md#half-pre
 * An fp16/bf16 EMA keeps an fp32 shadow of its weights (of this rank's shard under ZeRO-3) and
   averages into that: ``(1 - 0.992) * gap`` is below the rounding step of a half-precision weight
   unless the gap exceeds ~60 steps (~24% of the weight in bf16, ~3% in fp16), so averaging into the
-  low-precision weights, even in fp32 arithmetic, would leave them where they start (DSE #547).
+  low-precision weights, even in fp32 arithmetic, would leave them where they start (docs/upstream.md#half-precision-where-the-fix-changes-numbers).
   The weights are the shadow rounded after every update. Cost: 4 bytes per EMA parameter (divided
   by the world size under ZeRO-3), with ``--enable_ema`` only. The shadow is rebuilt from the
   weights whenever they do not match it (a copy with ``beta=0``, a

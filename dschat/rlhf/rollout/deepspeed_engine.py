@@ -52,7 +52,7 @@ def decide_hybrid_engine(requested: bool, model_config: PretrainedConfig, accele
     (:data:`dschat.models.decoder.LAYOUTS`), on any accelerator. For other families, DeepSpeed's
     Hybrid Engine only where it can work: a CUDA accelerator and a model family with an inference
     container (DeepSpeed's HE kernels are CUDA-only; other families crash or produce gibberish under
-    HE, DSE #821/#864, DeepSpeed #4954)."""
+    HE: docs/upstream.md#deepspeeds-hybrid-engine-and-model-families)."""
     if not requested:
         return HybridEngineDecision(False, False)
     why_not_dschat = unsupported_reason(model_config)

@@ -143,10 +143,9 @@ class RolloutGenerator:
         # dschat's Hybrid Engine: --enable_hybrid_engine for a family its decode model covers
         # (benchmarks/step3.py's ours-he mode sets it too) ...
         self.use_dschat_engine = decision.dschat_engine
-        # ... and --generation_loop auto on these devices: none yet. On a CPU it is as exact as dschat's
-        # loop and faster (benchmarks/results.md), but the CPU demo's published figures were measured
-        # with dschat's loop, and a sampled token can differ at a rounding boundary; CUDA keeps "graphs"
-        # until the engine is measured there. Add "cpu" / "cuda" here once those are re-measured.
+        # ... and --generation_loop auto on these devices: none. The published CPU figures
+        # (benchmarks/results.md) are the eager loop's, and a sampled token can differ at a rounding
+        # boundary; on CUDA "auto" keeps "graphs" until the engine's GPU figures are measured.
         self.auto_engine_devices: tuple[str, ...] = ()
         self.release_inference_cache = release_inference_cache  # free its KV cache and weight buffers after each rollout
         self.engine: DschatHybridEngine | None = None
