@@ -14,7 +14,7 @@ from typing import Any
 
 from dschat.cli.args import step3_flag
 from dschat.errors import UserError
-from dschat.rl_algorithms import ALGORITHMS, CRITIC_FREE, GROUP_ALGORITHMS
+from dschat.rl_math.critic_free import ALGORITHMS, CRITIC_FREE, GROUP_ALGORITHMS
 
 __all__ = ["AlgorithmSettings", "resolve_algorithm"]
 
@@ -23,7 +23,7 @@ __all__ = ["AlgorithmSettings", "resolve_algorithm"]
 class AlgorithmSettings:
     """What the trainer does, per algorithm (docs/algorithms.md)."""
 
-    algorithm: str  # one of rl_algorithms.ALGORITHMS
+    algorithm: str  # one of rl_math.critic_free.ALGORITHMS
     num_generations: int  # K answers per prompt, consecutive rows of a generation batch
     kl_in_reward: bool  # -kl_ctl x KL in the reward (else kl_ctl x KL as a loss term)
     kl_estimator: str  # k1 | k2 | k3

@@ -23,7 +23,7 @@ import argparse
 import torch
 from deepspeed import DeepSpeedEngine
 
-from dschat import rl_math
+from dschat.rl_math.logprobs import gather_log_probs  # also upstream's module-level name here
 from dschat.data.prompt_columns import PromptColumns
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.rewards import RewardFunction, RewardMix
@@ -53,7 +53,6 @@ __all__ = [
     "print_all_ranks",
 ]
 
-gather_log_probs = rl_math.gather_log_probs  # upstream's module-level name
 
 
 def print_all_ranks(tag: str, value: float, rank: int) -> None:

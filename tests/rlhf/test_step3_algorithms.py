@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat import rl_algorithms
+from dschat.rl_math.critic_free import ALGORITHMS, LOSS_AGGREGATIONS
 from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.algorithm import resolve_algorithm
@@ -46,8 +46,8 @@ def _settings(*extra):
 
 
 def test_flag_choices_match_the_math_module():
-    assert ALGORITHM_CHOICES == rl_algorithms.ALGORITHMS
-    assert LOSS_AGGREGATION_CHOICES == rl_algorithms.LOSS_AGGREGATIONS
+    assert ALGORITHM_CHOICES == ALGORITHMS
+    assert LOSS_AGGREGATION_CHOICES == LOSS_AGGREGATIONS
 
 
 def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
