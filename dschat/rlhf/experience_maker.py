@@ -25,7 +25,7 @@ the trainer. The contract (each upstream difference is explained in docs/upstrea
 * Advantages are computed **once per rollout** (:meth:`ExperienceMaker.prepare_rollout`), so
   ``--whiten_advantages`` whitens with the statistics of the whole rollout (every micro-batch, every
   rank).
-* **Beyond PPO** (``--algorithm``, :mod:`dschat.rlhf.algorithm`): GRPO, RLOO, REINFORCE++ and ReMax
+* **Beyond PPO** (``--algorithm``, :class:`~dschat.rlhf.config.AlgorithmSettings`): GRPO, RLOO, REINFORCE++ and ReMax
   run without a critic engine (``critic_model`` is None). Their advantages come from
   :mod:`dschat.rl_math.critic_free`: per answer from a whole generation batch (groups of
   ``--num_generations`` consecutive rows) in :meth:`~ExperienceMaker.generate_experience`, or per

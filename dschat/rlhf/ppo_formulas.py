@@ -15,7 +15,7 @@ import torch
 
 from dschat.rl_math.critic_free import aggregate_loss, grpo_advantages, policy_loss_per_token, remax_advantages, returns_to_go, rloo_advantages, sequence_kl, tis_weights, token_advantages
 from dschat.rl_math.ppo import actor_loss_fn, compute_rewards, critic_loss_fn, get_advantages_and_returns, kl_penalty, mask_after_ends, sequence_end_indices
-from dschat.rlhf.algorithm import AlgorithmSettings
+from dschat.rlhf.config import AlgorithmSettings
 from dschat.rlhf.config import PPOConfig
 from dschat.rlhf.experience import Experience
 

@@ -5,7 +5,7 @@ maker uses too; its losses are the trainer's :class:`~dschat.rlhf.ppo_formulas.P
 
 The contract (the upstream differences are explained in docs/upstream.md#step-3-ppo):
 
-* **Off-policy guard** (:mod:`dschat.rlhf.batch_plan`): when every optimizer step covers whole rollouts
+* **Off-policy guard** (:class:`~dschat.rlhf.config.BatchPlan`): when every optimizer step covers whole rollouts
   the PPO ratio is exactly 1 and the update uses the current log-probs as the old ones (TRL's
   shortcut); otherwise the ratio is taken against the stored behaviour log-probs. Either way the
   measured ratio, approx-KL and clip fraction against the stored log-probs are recorded.
@@ -30,7 +30,7 @@ from dschat.rl_math.logprobs import causal_lm_loss
 from dschat.rl_math.ppo import PolicyStats, ppo_policy_stats
 from dschat.rl_math.stats import masked_mean
 from dschat.errors import UserError
-from dschat.rlhf.batch_plan import BatchPlan
+from dschat.rlhf.config import BatchPlan
 from dschat.rlhf.experience import Experience, sum_over_ranks
 from dschat.rlhf.packed_passes import ScoringPasses
 from dschat.rlhf.ppo_formulas import PPOFormulas

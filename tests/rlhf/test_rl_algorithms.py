@@ -172,7 +172,7 @@ def test_kl_loss_term_ignores_padding_log_probs_that_would_overflow():
     nothing (before, exp(100) overflowed to inf, inf * 0 made the loss and its gradient nan)."""
     from types import SimpleNamespace
 
-    from dschat.rlhf.algorithm import AlgorithmSettings
+    from dschat.rlhf.config import AlgorithmSettings
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 
     trainer = object.__new__(DeepSpeedPPOTrainer)
