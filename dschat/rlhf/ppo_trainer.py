@@ -25,6 +25,7 @@ from deepspeed import DeepSpeedEngine
 
 from dschat.rl_math.logprobs import gather_log_probs  # also upstream's module-level name here
 from dschat.data.prompt_columns import PromptColumns
+from dschat.models.packing import PackedRows
 from dschat.rewards import RewardFunction, RewardMix
 from dschat.rlhf.config import BatchPlan, Step3Config, step3_config
 from dschat.rlhf.experience import Experience
@@ -225,18 +226,19 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         return self.passes.log_probs(logits, seq)
 
     def _token_log_probs(self, name: str, model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor,
-                         position_ids: torch.Tensor, packed: object) -> torch.Tensor:
+                         position_ids: torch.Tensor, packed: PackedRows | None) -> torch.Tensor:
         return self.passes.token_log_probs(name, model, seq, attention_mask, position_ids, packed)
 
     def _token_values(self, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      packed: object) -> torch.Tensor:
+                      packed: PackedRows | None) -> torch.Tensor:
         return self.passes.token_values(seq, attention_mask, position_ids, packed)
 
-    def _packed(self, seq: torch.Tensor, attention_mask: torch.Tensor, *names: str) -> object:
+    def _packed(self, seq: torch.Tensor, attention_mask: torch.Tensor, *names: str) -> PackedRows | None:
         return self.passes.packed(seq, attention_mask, *names)
 
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
-                       attention_mask: torch.Tensor, position_ids: torch.Tensor, packed: object = None) -> torch.Tensor:
+                       attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       packed: PackedRows | None = None) -> torch.Tensor:
         return self.experience._reward_scores(prompts, prompt_mask, seq, attention_mask, position_ids, packed)
 
     def _decode_for_hook(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,

@@ -1,4 +1,4 @@
-"""dschat.rl_algorithms: each algorithm's advantages and losses on small groups, the numbers worked
+"""dschat.rl_math.critic_free: each algorithm's advantages and losses on small groups, the numbers worked
 out by hand from the paper's formula in the comments, plus the invariances
 the trainer relies on (sharded == full batch, the token form == PPO's actor_loss_fn)."""
 from __future__ import annotations
