@@ -37,7 +37,6 @@ from dschat.cli.args import (
 )
 from dschat.errors import UserError, cli_main
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
-from dschat.rlhf.config import AlgorithmSettings, resolve_algorithm
 from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 
@@ -45,7 +44,7 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
-    from dschat.rlhf.config import BatchPlan
+    from dschat.rlhf.config import AlgorithmSettings, BatchPlan
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
@@ -193,7 +192,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
-    from dschat.rlhf.config import step3_config
+    from dschat.rlhf.config import resolve_algorithm, step3_config
     from dschat.rlhf.guards import validate_step3_args
     from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
