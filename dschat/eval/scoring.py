@@ -22,7 +22,7 @@ from dschat.models.build import create_critic_model
 from dschat.models.registry import load_config
 from dschat.models.reward_model import is_reward_model_folder, last_token_index, not_a_critic_message
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.rl_math import gather_log_probs
+from dschat.rl_math.logprobs import gather_log_probs
 from dschat.runtime.zero3 import zero3_pass
 
 

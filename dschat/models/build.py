@@ -37,7 +37,7 @@ from dschat.models.reward_model import (
     value_head_file,
 )
 from dschat.paths import UPSTREAM_WEIGHTS_FILE
-from dschat.rl_math import causal_lm_loss
+from dschat.rl_math.logprobs import causal_lm_loss
 from dschat.runtime.zero3 import any_zero3, full_shape
 
 __all__ = [

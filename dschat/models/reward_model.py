@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from dschat import rl_math
+from dschat.rl_math.preference import pairwise_read_ends, pairwise_reward_loss, upstream_end_indices
 from dschat.errors import UserError, first_keys, first_line
 from dschat.models.families import value_head_dim
 from dschat.models.packing import padded_pass_inputs
@@ -203,7 +203,7 @@ class RewardModel(nn.Module):
         """One past the last scored token of each row (upstream's ``c_ind``)."""
         if attention_mask is not None:
             return last_token_index(attention_mask) + 1
-        return rl_math.upstream_end_indices(input_ids, self.PAD_ID, self.num_padding_at_beginning)
+        return upstream_end_indices(input_ids, self.PAD_ID, self.num_padding_at_beginning)
 
     def forward(
         self,
@@ -240,7 +240,7 @@ class RewardModel(nn.Module):
             values = values.float()
         bs = input_ids.shape[0] // 2
         ends = self._ends(input_ids, attention_mask)
-        result = rl_math.pairwise_reward_loss(
+        result = pairwise_reward_loss(
             values[:bs], values[bs:], input_ids[:bs], input_ids[bs:], ends[:bs], ends[bs:]
         )
         return {
@@ -263,7 +263,7 @@ class RewardModel(nn.Module):
             return None
         bs = input_ids.shape[0] // 2
         ends = self._ends(input_ids, attention_mask)
-        pair_end = rl_math.pairwise_read_ends(input_ids[:bs], input_ids[bs:], ends[:bs], ends[bs:])
+        pair_end = pairwise_read_ends(input_ids[:bs], input_ids[bs:], ends[:bs], ends[bs:])
         compute = torch.arange(input_ids.shape[1], device=input_ids.device) < pair_end.repeat(2)[:, None]
         found = padded_pass_inputs(input_ids, positions_from_mask(attention_mask), attention_mask, compute, self)
         if found is None:
@@ -301,7 +301,7 @@ class RewardModel(nn.Module):
         else:
             # Upstream: the first pad at or after the prompt ends the answer (else the row end).
             answer = input_ids[:, prompt_length:]
-            end = prompt_length + rl_math.upstream_end_indices(answer, self.PAD_ID, 0) - 1
+            end = prompt_length + upstream_end_indices(answer, self.PAD_ID, 0) - 1
         chosen_end_scores = values.gather(1, end.unsqueeze(1)).squeeze(1)
         return {"values": values, "chosen_end_scores": chosen_end_scores}
 

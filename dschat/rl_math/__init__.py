@@ -4,12 +4,14 @@ Everything here is a small function of tensors (no state, no ``args``), so each 
 read next to upstream's and pinned by a test (``tests/rlhf/test_rl_math.py``). Hyperparameters are
 keyword arguments whose defaults are upstream's hard-coded values (``ppo_trainer.py``:
 ``kl_ctl=0.1, clip_reward_value=5, cliprange=0.2, cliprange_value=0.2, gamma=1.0, lam=0.95``;
-DPO ``beta=0.1, label_smoothing=0.0``). The topics are modules of this package, and every name is
-importable from ``dschat.rl_math`` itself:
+DPO ``beta=0.1, label_smoothing=0.0``). The topics are modules of this package; each name is
+imported from the module that defines it (this package re-exports nothing):
 
 * :mod:`~dschat.rl_math.logprobs`: token log-probs, a sequence's log-prob, the causal-LM loss;
 * :mod:`~dschat.rl_math.stats`: masked sums, means, variances, whitening, explained variance;
 * :mod:`~dschat.rl_math.ppo`: KL penalty, per-token rewards, GAE, the clipped losses (step 3);
+* :mod:`~dschat.rl_math.critic_free`: the critic-free algorithms (GRPO, Dr.GRPO, RLOO, REINFORCE++,
+  ReMax): group advantages, returns-to-go, loss aggregation, truncated importance sampling;
 * :mod:`~dschat.rl_math.preference`: the reward model's pairwise loss (step 2) and DPO.
 
 Index conventions for step 3 (upstream's, kept as they are):
@@ -25,76 +27,3 @@ Index conventions for step 3 (upstream's, kept as they are):
 Defaults reproduce upstream exactly; anything beyond upstream (``reward_at="last"``, the k2/k3
 estimators, ``normalizer``) is opt-in.
 """
-from __future__ import annotations
-
-from dschat.rl_math.logprobs import causal_lm_loss, gather_log_probs, sequence_log_probs
-from dschat.rl_math.ppo import (
-    KLEstimator,
-    PolicyStats,
-    RewardAt,
-    actor_loss_fn,
-    compute_rewards,
-    critic_loss_fn,
-    get_advantages_and_returns,
-    kl_penalty,
-    mask_after_ends,
-    missing_eos_penalty,
-    ppo_policy_stats,
-    reward_positions,
-    sequence_end_indices,
-)
-from dschat.rl_math.preference import (
-    DPOOutput,
-    PairwiseLossOutput,
-    dpo_label_mask,
-    dpo_loss,
-    first_divergence_indices,
-    pairwise_read_ends,
-    pairwise_reward_loss,
-    reward_end_indices,
-    upstream_end_indices,
-)
-from dschat.rl_math.stats import (
-    Moments,
-    explained_variance,
-    explained_variance_from_moments,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
-
-__all__ = [
-    "KLEstimator",
-    "RewardAt",
-    "gather_log_probs",
-    "masked_sum",
-    "masked_mean",
-    "masked_var",
-    "Moments",
-    "masked_whiten",
-    "kl_penalty",
-    "sequence_end_indices",
-    "reward_positions",
-    "missing_eos_penalty",
-    "mask_after_ends",
-    "compute_rewards",
-    "get_advantages_and_returns",
-    "actor_loss_fn",
-    "critic_loss_fn",
-    "PolicyStats",
-    "ppo_policy_stats",
-    "explained_variance",
-    "explained_variance_from_moments",
-    "reward_end_indices",
-    "upstream_end_indices",
-    "first_divergence_indices",
-    "PairwiseLossOutput",
-    "pairwise_read_ends",
-    "pairwise_reward_loss",
-    "sequence_log_probs",
-    "dpo_label_mask",
-    "DPOOutput",
-    "dpo_loss",
-    "causal_lm_loss",
-]

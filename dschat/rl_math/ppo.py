@@ -74,7 +74,8 @@ def reward_positions(
 
     * ``"after_last"`` (upstream): the last element of ``rewards[j, start:ends[j]]``, i.e.
       ``min(start + n, T - 1)``: the slot of the first pad after the answer (one past the last
-      action token, DSE PR #672), or the last answer slot when the answer has no pad. Decoding
+      action token: docs/upstream.md#where-step-3-adds-the-reward), or the last answer slot when
+      the answer has no pad. Decoding
       stops when every row has ended, so the row that ended last has its EOS in the last column and
       no pad after it: its score lands on its EOS slot, one slot earlier than the other rows'
       (docs/upstream.md#pad-and-eos). ``"last"`` has no such exception.
@@ -237,7 +238,7 @@ def critic_loss_fn(
 
     ``v_clip = clamp(values, old - c, old + c)``;
     ``0.5 * sum(max((v - R)**2, (v_clip - R)**2) * mask) / normalizer``. With
-    ``compute_fp32_loss`` the values are cast to float32 after clipping (DSE #501). ``normalizer``
+    ``compute_fp32_loss`` the values are cast to float32 after clipping, as upstream (docs/upstream.md#the-critics-loss-in-fp32). ``normalizer``
     as in ``actor_loss_fn``.
 
     Shape: values, old_values, returns, mask (B, T - start); returns ().

@@ -82,7 +82,7 @@ class PairwiseLossOutput(NamedTuple):
 def pairwise_read_ends(chosen_ids: torch.Tensor, rejected_ids: torch.Tensor, chosen_end: torch.Tensor,
                        rejected_end: torch.Tensor) -> torch.Tensor:
     """One past the last position :func:`pairwise_reward_loss` reads in each pair: the longer side's
-    end (so the shorter side's padding is read, DSE #316), or the row end ``L`` for an identical
+    end (so the shorter side's padding is read: docs/upstream.md#the-reward-models-pairwise-loss-reads-padding), or the row end ``L`` for an identical
     pair. Shape: *_ids (B, L), *_end (B,) -> (B,) on the ends' device."""
     L = chosen_ids.shape[1]
     identical = identical_pairs(chosen_ids, rejected_ids).to(chosen_end.device)
@@ -105,7 +105,7 @@ def pairwise_reward_loss(
     Per pair: ``end = max(chosen_end, rejected_end)`` and ``div`` = first position where the ids
     differ; an identical pair uses ``end = L``, ``div = L - 1`` and scores the rejected side at
     ``chosen_end``. The pair loss is ``mean(-logsigmoid(c - r))`` over ``[div, end)`` (pad
-    positions of the shorter side included, DSE #316); the loss is the batch mean. An empty span
+    positions of the shorter side included, as upstream); the loss is the batch mean. An empty span
     gives ``nan``, as upstream's mean of an empty slice does. ``div == 0`` is rejected, as
     upstream's assert does.
 

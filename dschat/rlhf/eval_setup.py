@@ -3,13 +3,17 @@
 """
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Sequence
+
+from transformers import PreTrainedTokenizerBase
 
 from dschat.cli.args import EVAL_INTERVAL_AUTO
 from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.raw_datasets import builtin_folders
+from dschat.data.token_dataset import PromptItem
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message
@@ -70,7 +74,7 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str], timeout: floa
     return judges
 
 
-def check_eval_args(args: Any) -> list[Judge]:
+def check_eval_args(args: argparse.Namespace) -> list[Judge]:
     """Evaluation flag rules (before anything loads) and the resolved judges; resolves
     ``args.save_best_by``'s default in place: ``judge`` with a judge and an ``--output_dir``, else ``none``;
     and ``args.eval_interval``'s: ``auto`` when an evaluation flag asks for the evaluation, else 0 (off, as
@@ -109,7 +113,8 @@ def check_eval_args(args: Any) -> list[Judge]:
     return judges
 
 
-def heldout_prompt_items(args: Any, tokenizer: Any, local_rank: int) -> list[Any]:
+def heldout_prompt_items(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
+                         local_rank: int) -> list[PromptItem]:
     """The first ``--eval_prompts`` distinct prompts of the phase-3 eval split (the tokenised cache
     step 3 already built), in the dataset's fixed order. None there is one :class:`UserError` line."""
     _, held_out = create_prompt_dataset(

@@ -41,6 +41,7 @@ evaluation and the alarm travel in step 3's checkpoints, so a resumed run contin
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import random
@@ -49,26 +50,34 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager, Mapping, Sequence
+from typing import TYPE_CHECKING, ContextManager, Mapping, Sequence
 
 import numpy as np
 import torch
+from deepspeed import DeepSpeedEngine
+from transformers import PreTrainedTokenizerBase
 
 from dschat.cli.args import EVAL_INTERVAL_AUTO
 from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
-from dschat.data.prompt_columns import load_prompt_columns
+from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
+from dschat.data.token_dataset import PromptItem
 from dschat.errors import UserError
 from dschat.eval.metrics_file import EVAL_KIND, read_eval_records
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
+from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.eval_cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
 from dschat.rlhf.eval_setup import Judge, check_eval_args, heldout_prompt_items, resolve_judges
 from dschat.rlhf.experience import sequence_masks
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
 from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
 from dschat.runtime.fs import atomic_dir, recover_dir
-from dschat.training.common import to_device
+from dschat.training.checkpoint import TrainingPosition
+from dschat.training.common import TensorBoardLogger, to_device
+
+if TYPE_CHECKING:  # the trainer's module does not import this one; kept out of the import graph all the same
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 
 __all__ = [
     "BEST_DIR",
@@ -150,12 +159,15 @@ class StepThreeEvaluation:
     Disabled (every method a no-op) when ``--eval_interval`` is 0.
     """
 
-    def __init__(self, args: Any, trainer: Any = None, prompt_items: Sequence[Any] = (),
-                 judges: Sequence[Judge] = (), *, tb: Any = None, rank: int = 0, world_size: int = 1) -> None:
-        self.args = args
-        self.enabled = bool(args.eval_interval) and trainer is not None
-        self.auto = args.eval_interval == EVAL_INTERVAL_AUTO
-        self.interval = 0 if self.auto else int(args.eval_interval or 0)  # auto: the last one chosen
+    def __init__(self, config: EvalConfig | argparse.Namespace, trainer: DeepSpeedPPOTrainer | None = None,
+                 prompt_items: Sequence[PromptItem] = (), judges: Sequence[Judge] = (), *,
+                 tb: TensorBoardLogger | None = None, rank: int = 0, world_size: int = 1) -> None:
+        # ``config``: step 3's evaluation part, or the flags it is built from (an upstream-style Namespace).
+        self.config = config if isinstance(config, EvalConfig) else eval_config(config)
+        config = self.config
+        self.enabled = bool(config.eval_interval) and trainer is not None
+        self.auto = config.eval_interval == EVAL_INTERVAL_AUTO
+        self.interval = 0 if self.auto else int(config.eval_interval)  # auto: the last one chosen
         self.next_step: int | None = None  # auto: the next evaluation's step, once chosen
         # auto: PPO-step time measured between the calls of maybe_evaluate (evaluations excluded).
         self._mark: tuple[float, int] | None = None
@@ -165,25 +177,25 @@ class StepThreeEvaluation:
         self.judges = list(judges)
         self.tb = tb
         self.rank, self.world_size = rank, world_size
-        self.window, self.sigmas = 2, float(getattr(args, "eval_alarm_sigmas", 2.0))
-        self.save_best_by = getattr(args, "save_best_by", "none") or "none"
-        self.output_dir = Path(args.output_dir) if args.output_dir else None
+        self.window, self.sigmas = 2, config.eval_alarm_sigmas
+        self.save_best_by = config.save_best_by
+        self.output_dir = Path(config.output_dir) if config.output_dir else None
         self.history: list[EvalPoint] = []
-        self.best: dict[str, Any] | None = None  # {"step", "by", "score"}
-        self.alarms: list[dict[str, Any]] = []
-        self.records: list[dict[str, Any]] = []  # the evaluations made by this process
+        self.best: dict[str, object] | None = None  # {"step", "by", "score"}
+        self.alarms: list[dict[str, object]] = []
+        self.records: list[dict[str, object]] = []  # the evaluations made by this process
         self.should_stop = False
         self.eval_seconds = 0.0
         self.save_seconds = 0.0
         self.started = time.time()
-        self._columns: Any = None
-        self._judge_models: dict[str, tuple[Any, Any]] = {}
+        self._columns: PromptColumns | None = None
+        self._judge_models: dict[str, tuple[torch.nn.Module, PreTrainedTokenizerBase]] = {}
         if not self.enabled:
             return
         self._columns = trainer.prompt_columns
         if self._columns is None and any(j.fn is not None for j in self.judges):
-            self._columns = load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path,
-                                                args.local_rank, trainer.tokenizer)
+            self._columns = load_prompt_columns(config.data_path, config.data_split, config.seed,
+                                                config.data_output_path, config.local_rank, trainer.tokenizer)
         for judge in self.judges:
             if judge.folder is not None:
                 self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
@@ -197,20 +209,20 @@ class StepThreeEvaluation:
                      f"best checkpoint by {self._best_series() or 'none'}", rank)
 
     # ------------------------------------------------------------------ state (checkpoints)
-    def state(self) -> dict[str, Any]:
+    def state(self) -> dict[str, object]:
         """JSON state for a checkpoint: the series, the best evaluation, the alarms, the timings."""
         return {"history": [{"step": p.step, "proxy": list(p.proxy), "judges": {k: list(v) for k, v in p.judges.items()}}
                             for p in self.history],
                 "best": self.best, "alarms": self.alarms, "next_step": self.next_step,
                 "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started]}
 
-    def attach(self, position: Any) -> Any:
+    def attach(self, position: TrainingPosition) -> TrainingPosition:
         """``position`` (a :class:`~dschat.training.checkpoint.TrainingPosition`) carrying this state."""
         if self.enabled:
             position.extra["evaluation"] = self.state()
         return position
 
-    def restore(self, position: Any) -> None:
+    def restore(self, position: TrainingPosition | None) -> None:
         """Continue the series, best evaluation and alarms of the checkpoint a run resumes from."""
         if not self.enabled or position is None:
             return
@@ -220,13 +232,13 @@ class StepThreeEvaluation:
         self.history = [EvalPoint(p["step"], tuple(p["proxy"]), {k: tuple(v) for k, v in p["judges"].items()})
                         for p in state["history"]]
         self.best, self.alarms = state["best"], list(state["alarms"])
-        self.should_stop = bool(self.alarms) and bool(self.args.stop_on_overoptimization)
+        self.should_stop = bool(self.alarms) and self.config.stop_on_overoptimization
         self.eval_seconds, self.save_seconds, wall = state["seconds"]
         self.next_step = state.get("next_step")  # auto: the evaluation the interrupted run scheduled
         self.started = time.time() - wall
 
     # ------------------------------------------------------------------ the evaluation
-    def maybe_evaluate(self, global_step: int, epoch: int = 0) -> dict[str, Any] | None:
+    def maybe_evaluate(self, global_step: int, epoch: int = 0) -> dict[str, object] | None:
         """Evaluate when ``global_step`` (PPO steps trained) is 0 or a multiple of ``--eval_interval``
         (``auto``: the first call, then the step :meth:`_schedule` chose) and was not evaluated yet (a
         resumed run). Collective. Returns the record, else None."""
@@ -256,7 +268,7 @@ class StepThreeEvaluation:
         self.records.append(record)
         if alarm is not None:
             self.alarms.append(asdict(alarm))
-            if self.args.stop_on_overoptimization:
+            if self.config.stop_on_overoptimization:
                 self.should_stop = True
                 print_rank_0(f"[eval] --stop_on_overoptimization: ending the run at step {global_step} (the best "
                              f"checkpoint is in {self._best_where()})", self.rank)
@@ -282,7 +294,7 @@ class StepThreeEvaluation:
         last = self.history[-1].step
         spent = self.eval_seconds + self.save_seconds
         eval_seconds, step_seconds = spent / len(self.history), self._step_seconds / self._steps_timed
-        planned = planned_ppo_steps(self.args, self.trainer)
+        planned = planned_ppo_steps(self.config, self.trainer)
         chosen = auto_interval(eval_seconds, step_seconds, planned, since=last, spent=spent) if self.rank == 0 else 0
         interval = int(all_reduce_sum(torch.tensor([chosen], dtype=torch.float64))[0])
         if interval != self.interval:
@@ -296,24 +308,24 @@ class StepThreeEvaluation:
                          self.rank)
         return last + interval
 
-    def _forked_random(self) -> ContextManager[Any]:
+    def _forked_random(self) -> ContextManager[None]:
         """Torch (CPU and the current CUDA device) random states forked for the evaluation."""
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         return torch.random.fork_rng(devices=devices)
 
     def _evaluate_shard(self) -> _Rows:
-        trainer, args = self.trainer, self.args
+        trainer, config = self.trainer, self.config
         actor_was_training = trainer.actor_model.module.training
         py_state, np_state = random.getstate(), np.random.get_state()
-        collator = DataCollatorRLHF(args.max_prompt_seq_len, args.inference_tp_size)
+        collator = DataCollatorRLHF(config.max_prompt_seq_len, config.inference_tp_size)
         rows = _Rows(judges={j.name: [] for j in self.judges})
-        batches = eval_batches(len(self.items), args.per_device_generation_batch_size, self.rank, self.world_size)
+        batches = eval_batches(len(self.items), config.per_device_generation_batch_size, self.rank, self.world_size)
         try:
             with self._forked_random():
                 trainer.eval()
                 for number, chunk in batches:
                     # Seeded by the batch's number: its random numbers do not depend on the rank count.
-                    torch.manual_seed(int(args.seed) + EVAL_SEED_OFFSET + number)
+                    torch.manual_seed(int(config.seed) + EVAL_SEED_OFFSET + number)
                     batch = to_device(collator([self.items[at] for _, at in chunk]), trainer.device)
                     batch = drop_padding_columns(batch, "prompt_att_mask", side="left")
                     self._score_batch(batch["prompt"], batch["prompt_att_mask"], [i for i, _ in chunk], rows)
@@ -385,7 +397,7 @@ class StepThreeEvaluation:
     def _reward_model_scores(self, name: str, prompts: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor,
                              att: torch.Tensor, texts: tuple[list[str], list[str]]) -> list[float]:
         """A reward-model judge's end scores, on the generated ids when its vocabulary is the actor's,
-        else on the re-tokenised text (:func:`dschat.eval.report.reward_scores`)."""
+        else on the re-tokenised text (:func:`dschat.eval.scoring.reward_scores`)."""
         model, tokenizer = self._judge_models[name]
         P = prompts.shape[1]
         eos = self.trainer.tokenizer.eos_token_id
@@ -447,18 +459,18 @@ class StepThreeEvaluation:
         self.save_seconds += time.time() - start
         return True
 
-    def _best_models(self) -> dict[str, Any]:
+    def _best_models(self) -> dict[str, DeepSpeedEngine]:
         engine = self.trainer.rlhf_engine
         models = {"actor": engine.actor, "critic": engine.critic, "actor_ema": engine.actor_ema}
         return {k: v for k, v in models.items() if v is not None}
 
     # ------------------------------------------------------------------ records and lines
     def _record(self, point: EvalPoint, rows: _Rows, epoch: int, seconds: float, alarm: Alarm | None,
-                best_now: bool) -> dict[str, Any]:
+                best_now: bool) -> dict[str, object]:
         n = len(rows.proxy)
         tokens = sum(rows.tokens)
         wall = time.time() - self.started
-        record: dict[str, Any] = {
+        record: dict[str, object] = {
             "kind": EVAL_KIND, "global_step": point.step, "epoch": epoch, "prompts": n,
             "proxy": point.mean("proxy"), "proxy_se": _se(rows.proxy),
             "judges": {name: point.mean(name) for name in point.judges},
@@ -472,7 +484,7 @@ class StepThreeEvaluation:
         }
         return record
 
-    def _log(self, record: dict[str, Any], alarm: Alarm | None) -> None:
+    def _log(self, record: dict[str, object], alarm: Alarm | None) -> None:
         judges = " | ".join(f"{name} {value:.4f} (SE {record['judges_se'][name]:.4f})"
                             for name, value in record["judges"].items())
         best = f" | new best ({self._best_series()})" if record["new_best"] else ""
@@ -522,7 +534,7 @@ class StepThreeEvaluation:
         return line
 
 
-def _finite(value: Any) -> bool:
+def _finite(value: object) -> bool:
     return isinstance(value, (int, float)) and math.isfinite(value)
 
 
@@ -538,11 +550,12 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
 
-def save_best(output_dir: Path, models: Mapping[str, Any], tokenizer: Any, info: Mapping[str, Any], rank: int) -> None:
+def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer: PreTrainedTokenizerBase,
+              info: Mapping[str, object], rank: int) -> None:
     """``<output_dir>/best/<name>`` for each model and ``best.json``, replaced as one folder (collective:
     every rank gathers under ZeRO-3; rank 0 writes)."""
     target = output_dir / BEST_DIR
-    swap: ContextManager[Any] = atomic_dir(target) if rank == 0 else nullcontext(target)
+    swap: ContextManager[Path | str] = atomic_dir(target) if rank == 0 else nullcontext(target)
     with swap as folder:
         for name, model in models.items():
             save_hf_model(model, tokenizer, Path(folder) / name)

@@ -9,7 +9,7 @@ from the trainer's :class:`~dschat.rlhf.ppo_formulas.PPOFormulas`; upstream's me
 the trainer. The contract (each upstream difference is explained in docs/upstream.md#step-3-ppo):
 
 * Experience passes run in **eval mode** (no dropout) with **position ids from the mask** (left
-  padding); log-probs from fp16/bf16 logits are computed in fp32 (``rl_math.gather_log_probs``),
+  padding); log-probs from fp16/bf16 logits are computed in fp32 (``rl_math.logprobs.gather_log_probs``),
   like the ones kept from generation, so the reference's and the rollout's agree to fp32 rounding.
 * Masks come from generation: the answer is every token up to and including the first EOS, so the
   **EOS is an action** even when ``pad == eos``.
@@ -25,9 +25,9 @@ the trainer. The contract (each upstream difference is explained in docs/upstrea
 * Advantages are computed **once per rollout** (:meth:`ExperienceMaker.prepare_rollout`), so
   ``--whiten_advantages`` whitens with the statistics of the whole rollout (every micro-batch, every
   rank).
-* **Beyond PPO** (``--algorithm``, :mod:`dschat.rlhf.algorithm`): GRPO, RLOO, REINFORCE++ and ReMax
+* **Beyond PPO** (``--algorithm``, :class:`~dschat.rlhf.config.AlgorithmSettings`): GRPO, RLOO, REINFORCE++ and ReMax
   run without a critic engine (``critic_model`` is None). Their advantages come from
-  :mod:`dschat.rl_algorithms`: per answer from a whole generation batch (groups of
+  :mod:`dschat.rl_math.critic_free`: per answer from a whole generation batch (groups of
   ``--num_generations`` consecutive rows) in :meth:`~ExperienceMaker.generate_experience`, or per
   token (REINFORCE++) in :meth:`~ExperienceMaker.prepare_rollout`. Rewards are a
   :class:`~dschat.rewards.RewardMix` of the reward model and ``--reward_fn`` functions. PPO's path is
@@ -43,7 +43,8 @@ import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
-from dschat import rl_math
+from dschat.rl_math.ppo import missing_eos_penalty
+from dschat.rl_math.stats import Moments, explained_variance_from_moments, masked_sum, masked_whiten
 from dschat.data.prompt_columns import PromptColumns
 from dschat.errors import UserError
 from dschat.models.packing import PackedRows
@@ -189,7 +190,7 @@ class ExperienceMaker:
         penalty = self.formulas.missing_eos_penalty
         if penalty:
             ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
-            scores = rl_math.missing_eos_penalty(scores, ended, penalty)
+            scores = missing_eos_penalty(scores, ended, penalty)
         return scores
 
     def _report_dropped(self, prompts: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor, step: int) -> None:
@@ -214,7 +215,7 @@ class ExperienceMaker:
             # One greedy answer per prompt (before the repeat), its reward repeated over the group.
             greedy_scores = self._greedy_baseline(prompts, mask).repeat_interleave(k)
         if k > 1:
-            # The group: each prompt K times in consecutive rows (rl_algorithms' layout).
+            # The group: each prompt K times in consecutive rows (rl_math.critic_free's layout).
             prompts, mask = prompts.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
         rollout = self._rollout(prompts, mask, step)
         seq = rollout.sequences
@@ -250,7 +251,7 @@ class ExperienceMaker:
             penalty = self.formulas.missing_eos_penalty
             if penalty:
                 ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
-                reward_score = rl_math.missing_eos_penalty(reward_score, ended, penalty)
+                reward_score = missing_eos_penalty(reward_score, ended, penalty)
             if self.critic_model is not None:
                 with passes.scoring_gather("critic", self.critic_model):
                     values = passes.token_values(seq, attention_mask, position_ids, packed).detach()[:, :-1].float()
@@ -295,27 +296,27 @@ class ExperienceMaker:
             per_batch.append((advantages, returns, mask))
             valid = exp.valid
             kl = (exp.logprobs - exp.ref_logprobs)[:, exp.start:]
-            ret = rl_math.Moments.of(returns.float(), mask)
-            res = rl_math.Moments.of((returns - old_values[:, exp.start:]).float(), mask)
+            ret = Moments.of(returns.float(), mask)
+            res = Moments.of((returns - old_values[:, exp.start:]).float(), mask)
             sums = [a + b for a, b in zip(sums, [
                 float(exp.reward_score[valid].float().sum()), float(valid.sum()), float((~valid).sum()),
-                float(rl_math.masked_sum(kl.float(), mask)), float(mask.sum()),
+                float(masked_sum(kl.float(), mask)), float(mask.sum()),
                 float(exp.action_mask[:, exp.start:].sum()),
                 ret.total, ret.total_sq, res.total, res.total_sq, ret.count,
             ])]
         (reward, kept, dropped, kl_sum, kl_tokens, length, r1, r2, e1, e2, n) = sum_over_ranks(sums, self.device)
 
         if formulas.whiten_advantages:  # with the moments of the whole rollout: every micro-batch, every rank
-            moments = rl_math.Moments(0.0, 0.0, 0.0)
+            moments = Moments(0.0, 0.0, 0.0)
             for advantages, _, mask in per_batch:
-                moments = moments.plus(rl_math.Moments.of(advantages.float(), mask))
-            moments = rl_math.Moments(*sum_over_ranks(list(moments), self.device))
-            per_batch = [(rl_math.masked_whiten(adv, mask, moments=moments), ret, mask) for adv, ret, mask in per_batch]
+                moments = moments.plus(Moments.of(advantages.float(), mask))
+            moments = Moments(*sum_over_ranks(list(moments), self.device))
+            per_batch = [(masked_whiten(adv, mask, moments=moments), ret, mask) for adv, ret, mask in per_batch]
         for exp, (advantages, returns, _) in zip(exp_dataset, per_batch):
             exp.advantages, exp.returns = advantages.detach(), returns.detach()
 
         nan = float("nan")
-        explained = (rl_math.explained_variance_from_moments(rl_math.Moments(r1, r2, n), rl_math.Moments(e1, e2, n))
+        explained = (explained_variance_from_moments(Moments(r1, r2, n), Moments(e1, e2, n))
                      if self.critic_model is not None else nan)
         return RolloutStats(
             reward=reward / kept if kept else nan, kl_to_ref=kl_sum / kl_tokens if kl_tokens else nan,

@@ -1,18 +1,17 @@
 """Step-3 start-up checks: :func:`validate_step3_args` turns every contradictory flag combination into
 one :class:`~dschat.errors.UserError` line before any model is loaded.
-
-The batch arithmetic of a PPO iteration (the on-policy rule, :class:`BatchPlan`, :func:`plan_batches`,
-:func:`num_total_iters`) is :mod:`dschat.rlhf.batch_plan`; its names are importable from here too.
+The batch arithmetic of a PPO iteration (the on-policy rule, :class:`~dschat.rlhf.config.BatchPlan`)
+is part of step 3's config (:mod:`dschat.rlhf.config`).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.rlhf.batch_plan import OFF_POLICY_WARNING, BatchPlan, num_total_iters, plan_batches, positive_flag
+from dschat.rlhf.config import positive_flag
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
 
-__all__ = ["BatchPlan", "plan_batches", "validate_step3_args", "num_total_iters", "OFF_POLICY_WARNING"]
+__all__ = ["validate_step3_args"]
 
 
 def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]:

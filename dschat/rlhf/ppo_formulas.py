@@ -6,15 +6,16 @@ the critic-free algorithms' advantages and actor loss. The trainer
 (:class:`~dschat.rlhf.ppo_trainer.DeepSpeedPPOTrainer`) is one, and hands itself to the parts it holds
 (:class:`~dschat.rlhf.experience_maker.ExperienceMaker`, :class:`~dschat.rlhf.ppo_update.PPOUpdate`),
 so a formula patched or a hyperparameter changed on the trainer is the one both parts use. The
-formulas themselves are the pure functions of :mod:`dschat.rl_math` and :mod:`dschat.rl_algorithms`;
+formulas themselves are the pure functions of :mod:`dschat.rl_math.ppo` and :mod:`dschat.rl_math.critic_free`;
 the hyperparameters come from the flags (upstream hard-coded them).
 """
 from __future__ import annotations
 
 import torch
 
-from dschat import rl_algorithms, rl_math
-from dschat.rlhf.algorithm import AlgorithmSettings
+from dschat.rl_math.critic_free import aggregate_loss, grpo_advantages, policy_loss_per_token, remax_advantages, returns_to_go, rloo_advantages, sequence_kl, tis_weights, token_advantages
+from dschat.rl_math.ppo import actor_loss_fn, compute_rewards, critic_loss_fn, get_advantages_and_returns, kl_penalty, mask_after_ends, sequence_end_indices
+from dschat.rlhf.config import AlgorithmSettings
 from dschat.rlhf.config import PPOConfig
 from dschat.rlhf.experience import Experience
 
@@ -47,30 +48,30 @@ class PPOFormulas:
                         reward_score: torch.Tensor, action_mask: torch.Tensor) -> torch.Tensor:
         # With the KL as a loss term (GRPO's), the rewards hold the score alone.
         kl_ctl = self.kl_ctl if self.settings.kl_in_reward else 0.0
-        return rl_math.compute_rewards(prompts, log_probs, ref_log_probs, reward_score, action_mask,
+        return compute_rewards(prompts, log_probs, ref_log_probs, reward_score, action_mask,
                                        kl_ctl=kl_ctl, clip_reward_value=self.clip_reward_value,
                                        kl_estimator=self.kl_estimator, reward_at=self.reward_at)
 
     def get_advantages_and_returns(self, values: torch.Tensor, rewards: torch.Tensor,
                                    start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return rl_math.get_advantages_and_returns(values, rewards, start, gamma=self.gamma, lam=self.lam)
+        return get_advantages_and_returns(values, rewards, start, gamma=self.gamma, lam=self.lam)
 
     def _old_values_and_rewards(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's zeroing after ``ends``: (old_values, old_rewards), both (B, T)."""
         return self._old_values(exp), self._old_rewards(exp)
 
     def _ends(self, exp: Experience) -> torch.Tensor:
-        return rl_math.sequence_end_indices(exp.action_mask, exp.start, reward_at=self.reward_at)
+        return sequence_end_indices(exp.action_mask, exp.start, reward_at=self.reward_at)
 
     def _old_values(self, exp: Experience) -> torch.Tensor:
         """The rollout's critic values, zeroed after ``ends`` (B, T): GAE's and the clipped value loss's."""
-        return rl_math.mask_after_ends(exp.values, self._ends(exp))
+        return mask_after_ends(exp.values, self._ends(exp))
 
     def _old_rewards(self, exp: Experience) -> torch.Tensor:
         """The per-token rewards (:meth:`compute_rewards`), zeroed after ``ends`` (B, T)."""
         rewards = self.compute_rewards(exp.prompts, exp.logprobs, exp.ref_logprobs, exp.reward_score,
                                        exp.action_mask)
-        return rl_math.mask_after_ends(rewards, self._ends(exp))
+        return mask_after_ends(rewards, self._ends(exp))
 
     def _critic_free_advantages(self, exp: Experience, rewards: torch.Tensor) -> torch.Tensor:
         """(B, T - start) token advantages without a critic: REINFORCE++'s returns-to-go of the
@@ -78,8 +79,8 @@ class PPOFormulas:
         advantage on all of its tokens (GRPO, RLOO, ReMax)."""
         mask = exp.action_mask[:, exp.start:]
         if exp.sequence_advantages is None:  # REINFORCE++: rewards are upstream's, zeroed after the end
-            return rl_algorithms.returns_to_go(rewards, exp.start, gamma=self.gamma) * mask
-        return rl_algorithms.token_advantages(exp.sequence_advantages, mask)
+            return returns_to_go(rewards, exp.start, gamma=self.gamma) * mask
+        return token_advantages(exp.sequence_advantages, mask)
 
     def sequence_advantages(self, reward_score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
                             action_mask: torch.Tensor, start: int,
@@ -91,47 +92,47 @@ class PPOFormulas:
             return None
         scores = torch.clamp(reward_score.float(), -self.clip_reward_value, self.clip_reward_value)
         if settings.kl_in_reward and self.kl_ctl:
-            scores = scores - self.kl_ctl * rl_algorithms.sequence_kl(
+            scores = scores - self.kl_ctl * sequence_kl(
                 logprobs[:, start:], ref_logprobs[:, start:], action_mask[:, start:], estimator=self.kl_estimator)
         if settings.algorithm == "grpo":
-            return rl_algorithms.grpo_advantages(scores, settings.num_generations, scale_by_std=settings.scale_by_std)
+            return grpo_advantages(scores, settings.num_generations, scale_by_std=settings.scale_by_std)
         if settings.algorithm == "rloo":
-            return rl_algorithms.rloo_advantages(scores, settings.num_generations)
+            return rloo_advantages(scores, settings.num_generations)
         baseline = torch.clamp(greedy_scores.float(), -self.clip_reward_value, self.clip_reward_value)
-        return rl_algorithms.remax_advantages(scores, baseline)
+        return remax_advantages(scores, baseline)
 
     # ---------------------------------------------------------------- the losses (upstream names)
     def actor_loss_fn(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                       mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-        return rl_math.actor_loss_fn(logprobs, old_logprobs, advantages, mask, cliprange=self.cliprange,
+        return actor_loss_fn(logprobs, old_logprobs, advantages, mask, cliprange=self.cliprange,
                                      normalizer=normalizer)
 
     def critic_loss_fn(self, values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
                        mask: torch.Tensor, normalizer: float | None = None) -> torch.Tensor:
-        return rl_math.critic_loss_fn(values, old_values, returns, mask, cliprange_value=self.cliprange_value,
+        return critic_loss_fn(values, old_values, returns, mask, cliprange_value=self.cliprange_value,
                                       compute_fp32_loss=self.compute_fp32_loss, normalizer=normalizer)
 
     def _actor_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     exp: Experience, normalizer: float | None, on_policy: bool) -> torch.Tensor:
-        """The actor loss beyond upstream's PPO (rl_algorithms): the clipped surrogate per token, times
+        """The actor loss beyond upstream's PPO (rl_math.critic_free): the clipped surrogate per token, times
         the truncated importance weights (--tis_cap), plus kl_ctl x KL when the KL is a loss term,
         aggregated by --loss_aggregation. Shapes: (B, T - start)."""
         start = exp.start
         mask = exp.action_mask[:, start:].to(logprobs.dtype)
-        per_token = rl_algorithms.policy_loss_per_token(logprobs, old_logprobs, advantages, mask,
+        per_token = policy_loss_per_token(logprobs, old_logprobs, advantages, mask,
                                                         cliprange=self.cliprange)
         if self.settings.tis_cap and on_policy:
             # pi_train(old) is the current forward (the policy has not moved): w = min(pi_train / pi_rollout, C).
             # Off-policy the ratio is already taken against the rollout's log-probs (nothing to add).
-            per_token = per_token * rl_algorithms.tis_weights(logprobs, exp.logprobs[:, start:], self.settings.tis_cap)
+            per_token = per_token * tis_weights(logprobs, exp.logprobs[:, start:], self.settings.tis_cap)
         if not self.settings.kl_in_reward and self.kl_ctl:
             ref = exp.ref_logprobs[:, start:].float()
             # Outside the answer the KL is 0 before it is computed: the log-probs of padding after EOS can
             # be far apart, and k3's exp would overflow there (inf * 0 in the mask, a nan gradient).
             current = torch.where(mask.bool(), logprobs.float(), ref)
-            kl = rl_math.kl_penalty(current, ref, estimator=self.kl_estimator)
+            kl = kl_penalty(current, ref, estimator=self.kl_estimator)
             per_token = per_token + self.kl_ctl * kl * mask
-        return rl_algorithms.aggregate_loss(per_token, mask, self.settings.loss_aggregation, normalizer=normalizer,
+        return aggregate_loss(per_token, mask, self.settings.loss_aggregation, normalizer=normalizer,
                                             max_len=self.max_answer_seq_len)
 
     def policy_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,

@@ -24,13 +24,11 @@ import argparse
 import torch
 from deepspeed import DeepSpeedEngine
 
-from dschat import rl_math
+from dschat.rl_math.logprobs import gather_log_probs  # also upstream's module-level name here
 from dschat.data.prompt_columns import PromptColumns
-from dschat.data.unsupervised import unsupervised_training_enabled
+from dschat.models.packing import PackedRows
 from dschat.rewards import RewardFunction, RewardMix
-from dschat.rlhf.algorithm import resolve_algorithm
-from dschat.rlhf.batch_plan import BatchPlan, plan_batches
-from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
+from dschat.rlhf.config import BatchPlan, Step3Config, step3_config
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.rollout.generator import RolloutGenerator
@@ -53,7 +51,6 @@ __all__ = [
     "print_all_ranks",
 ]
 
-gather_log_probs = rl_math.gather_log_probs  # upstream's module-level name
 
 
 def print_all_ranks(tag: str, value: float, rank: int) -> None:
@@ -78,9 +75,10 @@ class DeepSpeedPPOTrainer(PPOFormulas):
     :meth:`generate_experience` and :meth:`prepare_rollout` (its :attr:`experience` maker), then
     :meth:`schedule` and one :meth:`train_rlhf` per micro-step (its :attr:`update`).
 
-    ``config`` is step 3's :class:`~dschat.rlhf.config.Step3Config` (its batch plan, reward, algorithm,
-    PPO and rollout parts). Without it (upstream's signature) the parts come from ``args``: ``plan``
-    defaults to :func:`~dschat.rlhf.batch_plan.plan_batches` of ``args``; the reward is ``reward_mix``
+    ``config`` is step 3's :class:`~dschat.rlhf.config.Step3Config` (the trainer reads its batch plan,
+    reward, algorithm, PPO, rollout and ZeRO parts). Without it (upstream's signature) the config is
+    :func:`~dschat.rlhf.config.step3_config` of ``args``: ``plan`` defaults to its batch plan for this
+    world size; the reward is ``reward_mix``
     (reward model and ``--reward_fn`` functions by weight), or a bare ``reward_fn`` (a
     :data:`~dschat.rlhf.experience_maker.RewardFn`) that replaces the reward model. ``prompt_columns``
     gives reward functions the dataset fields beside each prompt.
@@ -93,10 +91,7 @@ class DeepSpeedPPOTrainer(PPOFormulas):
             if reward_mix is None:
                 reward_mix = (RewardMix((RewardFunction("reward_fn", reward_fn, require_finite=False),),
                                         model_weight=0.0) if reward_fn is not None else RewardMix())
-            config = Step3Config(
-                rollout=rollout_config(args), ppo=ppo_config(args), algorithm=resolve_algorithm(args),
-                batches=plan or plan_batches(args, get_world_size(), ptx=unsupervised_training_enabled(args)),
-                reward=reward_mix)
+            config = step3_config(args, get_world_size(), reward_mix, batches=plan)
         self.config = config
         self.rlhf_engine = rlhf_engine
         self.args = args
@@ -107,10 +102,9 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         self.generator: RolloutGenerator = rlhf_engine.generator
         self.tokenizer = rlhf_engine.tokenizer
         self.dtype = rlhf_engine.dtype
-        # Upstream computed the id of the last piece of "<|endoftext|>" here and never used it; the
-        # answer ends at the tokenizer's EOS, which is what generate() stops on.
+        # The answer ends at the tokenizer's EOS, which generate() stops on (docs/upstream.md#small-fixes).
         self.end_of_conversation_token_id = self.tokenizer.eos_token_id
-        self.z3_enabled = args.actor_zero_stage == 3
+        self.z3_enabled = config.zero.actor_zero_stage == 3
         self.reward_fn = reward_fn
         reward_mix, settings, ppo = config.reward, config.algorithm, config.ppo
         if reward_mix.uses_model and self.reward_model is None:
@@ -231,18 +225,19 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         return self.passes.log_probs(logits, seq)
 
     def _token_log_probs(self, name: str, model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor,
-                         position_ids: torch.Tensor, packed: object) -> torch.Tensor:
+                         position_ids: torch.Tensor, packed: PackedRows | None) -> torch.Tensor:
         return self.passes.token_log_probs(name, model, seq, attention_mask, position_ids, packed)
 
     def _token_values(self, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      packed: object) -> torch.Tensor:
+                      packed: PackedRows | None) -> torch.Tensor:
         return self.passes.token_values(seq, attention_mask, position_ids, packed)
 
-    def _packed(self, seq: torch.Tensor, attention_mask: torch.Tensor, *names: str) -> object:
+    def _packed(self, seq: torch.Tensor, attention_mask: torch.Tensor, *names: str) -> PackedRows | None:
         return self.passes.packed(seq, attention_mask, *names)
 
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
-                       attention_mask: torch.Tensor, position_ids: torch.Tensor, packed: object = None) -> torch.Tensor:
+                       attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                       packed: PackedRows | None = None) -> torch.Tensor:
         return self.experience._reward_scores(prompts, prompt_mask, seq, attention_mask, position_ids, packed)
 
     def _decode_for_hook(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,

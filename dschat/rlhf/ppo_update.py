@@ -5,7 +5,7 @@ maker uses too; its losses are the trainer's :class:`~dschat.rlhf.ppo_formulas.P
 
 The contract (the upstream differences are explained in docs/upstream.md#step-3-ppo):
 
-* **Off-policy guard** (:mod:`dschat.rlhf.batch_plan`): when every optimizer step covers whole rollouts
+* **Off-policy guard** (:class:`~dschat.rlhf.config.BatchPlan`): when every optimizer step covers whole rollouts
   the PPO ratio is exactly 1 and the update uses the current log-probs as the old ones (TRL's
   shortcut); otherwise the ratio is taken against the stored behaviour log-probs. Either way the
   measured ratio, approx-KL and clip fraction against the stored log-probs are recorded.
@@ -13,7 +13,7 @@ The contract (the upstream differences are explained in docs/upstream.md#step-3-
   and ranks, OpenRLHF-style) when each step lies inside one rollout; else per micro-batch as
   upstream.
 * **Beyond PPO** (``--algorithm``): the critic-free algorithms step the actor alone, with the loss
-  aggregation, KL term and truncated importance sampling of :mod:`dschat.rl_algorithms`.
+  aggregation, KL term and truncated importance sampling of :mod:`dschat.rl_math.critic_free`.
 * ``--align_overflow`` works only with fp16 and a DeepSpeed that exposes upstream's external
   overflow check (fp16-optimizer internals); elsewhere it is refused or a no-op with a warning.
 """
@@ -26,9 +26,11 @@ from dataclasses import dataclass, replace
 import torch
 from deepspeed import DeepSpeedEngine
 
-from dschat import rl_math
+from dschat.rl_math.logprobs import causal_lm_loss
+from dschat.rl_math.ppo import PolicyStats, ppo_policy_stats
+from dschat.rl_math.stats import masked_mean
 from dschat.errors import UserError
-from dschat.rlhf.batch_plan import BatchPlan
+from dschat.rlhf.config import BatchPlan
 from dschat.rlhf.experience import Experience, sum_over_ranks
 from dschat.rlhf.ppo_formulas import PPOFormulas
 from dschat.rlhf.scoring_passes import ScoringPasses
@@ -177,7 +179,7 @@ class PPOUpdate:
         packed = passes.packed(exp.seq, exp.attention_mask, "actor", "critic")
         stored = exp.logprobs[:, start:]
         # On-policy (every optimizer step covers whole rollouts): the ratio is 1 by construction,
-        # so use the current log-probs as the old ones (TRL #3493); dropout noise cannot inflate it.
+        # so use the current log-probs as the old ones (as TRL's PPO trainer does); dropout noise cannot inflate it.
         # Checked, not assumed: once the actor has stepped since the rollout, the stored ones.
         unchanged = self._policy_unchanged_since_rollout()
         on_policy = self.plan.on_policy and unchanged
@@ -190,8 +192,8 @@ class PPOUpdate:
             actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
             if actor_ok:
                 self.actor_model.backward(actor_loss)
-        policy = rl_math.ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=formulas.cliprange)
-        gap = (float(rl_math.masked_mean((actor_log_prob.detach() - stored).abs().float(), mask))
+        policy = ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=formulas.cliprange)
+        gap = (float(masked_mean((actor_log_prob.detach() - stored).abs().float(), mask))
                if unchanged and float(mask.sum()) > 0 else float("nan"))
         if actor_ok and not self.align_overflow:
             self.nonfinite.step(self.actor_model, where="a PPO actor step")
@@ -216,7 +218,7 @@ class PPOUpdate:
         return actor_loss, critic_loss
 
     @staticmethod
-    def _micro_stats(actor_loss: torch.Tensor, critic_loss: float, policy: rl_math.PolicyStats,
+    def _micro_stats(actor_loss: torch.Tensor, critic_loss: float, policy: PolicyStats,
                      mask: torch.Tensor, gap: float) -> MicroStepStats:
         return MicroStepStats(
             actor_loss=actor_loss.item(), critic_loss=critic_loss,
@@ -233,7 +235,7 @@ class PPOUpdate:
             outputs = self.actor_model(**inputs, use_cache=False)
             loss = outputs.loss
             if self.formulas.compute_fp32_loss:
-                loss = rl_math.causal_lm_loss(outputs.logits, inputs["labels"], fp32=True)
+                loss = causal_lm_loss(outputs.logits, inputs["labels"], fp32=True)
             ok = self.nonfinite.loss_ok(loss, where="a PPO-ptx micro-step")
             if ok:
                 self.actor_model.backward(unsup_coef * loss)

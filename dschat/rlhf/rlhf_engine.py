@@ -10,7 +10,9 @@ Upstream's placement rules: reference and EMA use ZeRO-3 only if the actor does 
 the reward model uses ZeRO-3 only if the critic does. ``--offload_reference_model`` applies to the
 reference *and* the EMA model; the actor/critic optimizers offload with ``--offload``. The actor's
 batch keys use ``gradient_accumulation_steps x 2`` with PPO-ptx (its ``step()`` runs twice per
-micro-batch). Every config comes from the one builder (:func:`ds_config_for`).
+micro-batch). Every config comes from the one builder (:func:`ds_config_for`), from step 3's ZeRO part
+(:class:`~dschat.rlhf.config.ZeroConfig`); the models from its models part
+(:class:`~dschat.rlhf.config.ModelsConfig`).
 
 The Hybrid Engine is only enabled where it can work (:mod:`dschat.rlhf.rollout.deepspeed_engine`); the EMA
 model starts as an exact copy of the actor, LoRA factors included; with ``--only_optimize_lora`` the
@@ -26,12 +28,21 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.rlhf.actor_ema import moving_average
-from dschat.rlhf.config import RolloutConfig, rollout_config
+from dschat.rlhf.config import (
+    ModelsConfig,
+    ModelSpec,
+    Step3Config,
+    ZeroConfig,
+    complete_step3_args,
+    models_config,
+    ppo_config,
+    rollout_config,
+    zero_config,
+)
 from dschat.rlhf.rollout import deepspeed_engine  # decide_hybrid_engine called through the module: tests replace it
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
@@ -59,40 +70,39 @@ def log_init(model_name: str, stime: float | None = None) -> float:
     return time.time()
 
 
-def ds_config_for(role: str, args: argparse.Namespace, *, dtype: str, hybrid_engine: bool = False,
+def ds_config_for(role: str, zero: ZeroConfig, *, dtype: str, hybrid_engine: bool = False,
                   world_size: int | None = None) -> dict:
-    """The DeepSpeed config of one step-3 engine (``role`` in :data:`ROLES`).
+    """The DeepSpeed config of one step-3 engine (``role`` in :data:`ROLES`), from step 3's ZeRO part.
 
     Stage rules as upstream: ref/EMA ZeRO-3 iff the actor is, reward ZeRO-3 iff the critic is (else
     stage 0). Micro-batch = ``per_device_training_batch_size``; gradient accumulation = the actor's
     (doubled with PPO-ptx) for actor/ref/EMA, the plain one for critic/reward.
     """
-    ga = args.gradient_accumulation_steps
-    ga_actor = ga * 2 if unsupervised_training_enabled(args) else ga
-    batch = {"micro_batch_size": args.per_device_training_batch_size, "world_size": world_size}
+    ga, ga_actor = zero.gradient_accumulation_steps, zero.gradient_accumulation_steps_actor
+    batch = {"micro_batch_size": zero.micro_batch_size, "world_size": world_size}
     if role == "actor":
         return ds_utils.get_train_ds_config(
-            offload=args.offload, dtype=dtype, stage=args.actor_zero_stage,
-            enable_hybrid_engine=hybrid_engine, inference_tp_size=args.inference_tp_size,
-            release_inference_cache=args.release_inference_cache,
-            pin_parameters=not args.unpin_actor_parameters,
-            tp_gather_partition_size=args.tp_gather_partition_size,
-            max_out_tokens=args.max_prompt_seq_len + args.max_answer_seq_len,
-            enable_tensorboard=args.enable_tensorboard,
-            enable_mixed_precision_lora=args.enable_mixed_precision_lora,
-            tb_path=args.tensorboard_path, tb_name="step3_actor",
+            offload=zero.offload, dtype=dtype, stage=zero.actor_zero_stage,
+            enable_hybrid_engine=hybrid_engine, inference_tp_size=zero.inference_tp_size,
+            release_inference_cache=zero.release_inference_cache,
+            pin_parameters=zero.pin_parameters,
+            tp_gather_partition_size=zero.tp_gather_partition_size,
+            max_out_tokens=zero.max_out_tokens,
+            enable_tensorboard=zero.enable_tensorboard,
+            enable_mixed_precision_lora=zero.enable_mixed_precision_lora,
+            tb_path=zero.tensorboard_path, tb_name="step3_actor",
             gradient_accumulation_steps=ga_actor, **batch)
     if role in ("ref", "ema"):
-        stage = 3 if args.actor_zero_stage == 3 else 0
-        return ds_utils.get_eval_ds_config(args.offload_reference_model, dtype, stage, gradient_accumulation_steps=ga_actor, **batch)
+        stage = 3 if zero.actor_zero_stage == 3 else 0
+        return ds_utils.get_eval_ds_config(zero.offload_reference_model, dtype, stage, gradient_accumulation_steps=ga_actor, **batch)
     if role == "critic":
         return ds_utils.get_train_ds_config(
-            offload=args.offload, dtype=dtype, stage=args.critic_zero_stage,
-            enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name="step3_critic",
+            offload=zero.offload, dtype=dtype, stage=zero.critic_zero_stage,
+            enable_tensorboard=zero.enable_tensorboard, tb_path=zero.tensorboard_path, tb_name="step3_critic",
             gradient_accumulation_steps=ga, **batch)
     if role == "reward":
-        stage = 3 if args.critic_zero_stage == 3 else 0
-        return ds_utils.get_eval_ds_config(args.offload_reward_model, dtype, stage, gradient_accumulation_steps=ga, **batch)
+        stage = 3 if zero.critic_zero_stage == 3 else 0
+        return ds_utils.get_eval_ds_config(zero.offload_reward_model, dtype, stage, gradient_accumulation_steps=ga, **batch)
     raise ValueError(f"unknown role {role!r}; one of {ROLES}")
 
 
@@ -110,18 +120,30 @@ class DeepSpeedRLHFEngine:
 
     Upstream's signature. ``with_reward_model=False`` skips the reward engine (``reward`` is None),
     for runs that score answers with reward functions only; ``with_critic=False`` skips the critic
-    (``critic`` is None), for the critic-free algorithms. ``rollout``: how the ``generator`` decodes
-    (default: :func:`~dschat.rlhf.config.rollout_config` of ``args``).
+    (``critic`` is None), for the critic-free algorithms. ``config``: step 3's
+    :class:`~dschat.rlhf.config.Step3Config`, whose models, ZeRO and rollout parts (and the PPO part's
+    answer length) the engine reads; without it (upstream's signature) those parts are built from
+    ``args``, dschat's flags at their defaults.
     """
 
     def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str | None,
                  tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, num_total_iters: int, *,
                  with_reward_model: bool = True, with_critic: bool = True,
-                 rollout: RolloutConfig | None = None) -> None:
-        self.args = args
+                 config: Step3Config | None = None) -> None:
+        self.args = args  # upstream's attribute
+        self.models: ModelsConfig
+        self.zero: ZeroConfig
+        if config is None:
+            args = complete_step3_args(args)
+            self.models, self.zero, rollout = models_config(args), zero_config(args), rollout_config(args)
+            max_answer_seq_len = ppo_config(args).max_answer_seq_len
+        else:
+            self.models, self.zero, rollout = config.models, config.zero, config.rollout
+            max_answer_seq_len = config.ppo.max_answer_seq_len
+        models, zero = self.models, self.zero
         self.num_total_iters = num_total_iters
         self.tokenizer = tokenizer
-        self.dtype = resolve_dtype(args.dtype)
+        self.dtype = resolve_dtype(models.dtype)
         self.world_size = get_world_size()
         actor_config = load_config(resolve_model_path(actor_model_name_or_path))
         # The critic and the reward model read the ids the actor samples: one embedding size for all
@@ -132,27 +154,26 @@ class DeepSpeedRLHFEngine:
         self.vocab_rows, note = aligned_vocab_rows(tokenizer, configs)
         if note and is_rank_0():
             print(note, flush=True)
-        self.hybrid_engine = deepspeed_engine.decide_hybrid_engine(args.enable_hybrid_engine, actor_config,
+        self.hybrid_engine = deepspeed_engine.decide_hybrid_engine(zero.enable_hybrid_engine, actor_config,
                                                                 get_accelerator().device_name())
-        check_inference_tp(args.inference_tp_size, actor_config, self.world_size, args.enable_hybrid_engine)
+        check_inference_tp(zero.inference_tp_size, actor_config, self.world_size, zero.enable_hybrid_engine)
 
         self.actor = self._init_actor(actor_model_name_or_path)
         self.ref = self._init_ref(actor_model_name_or_path)
-        self.actor_ema = self._init_ema(actor_model_name_or_path) if args.enable_ema else None
+        self.actor_ema = self._init_ema(actor_model_name_or_path) if models.enable_ema else None
         self.critic = self._init_critic(critic_model_name_or_path) if with_critic else None
         self.reward = self._init_reward(critic_model_name_or_path) if with_reward_model else None
-        if args.critic_gradient_checkpointing and self.critic is not None:
+        if models.critic.gradient_checkpointing and self.critic is not None:
             # Permanently on for the critic (upstream); the actor's is toggled around training only.
             self.critic.module.gradient_checkpointing_enable()
 
-        rollout = rollout or rollout_config(args)
         self.generator = RolloutGenerator(
             self.actor, tokenizer, decision=self.hybrid_engine, decoding=rollout.decoding,
-            max_answer_seq_len=args.max_answer_seq_len, zero_stage=args.actor_zero_stage,
+            max_answer_seq_len=max_answer_seq_len, zero_stage=zero.actor_zero_stage,
             zero3_gather=rollout.zero3_gather, generation_loop=rollout.generation_loop,
             cpu_decode_linear=rollout.cpu_decode_linear,
-            release_inference_cache=args.release_inference_cache,
-            inference_tp_size=args.inference_tp_size, tp_gather_partition_size=args.tp_gather_partition_size,
+            release_inference_cache=zero.release_inference_cache,
+            inference_tp_size=zero.inference_tp_size, tp_gather_partition_size=zero.tp_gather_partition_size,
         )
 
     # ------------------------------------------------------------------ helpers
@@ -165,25 +186,24 @@ class DeepSpeedRLHFEngine:
                 release_zero3_prefetch(engine)
 
     def _config(self, role: str) -> dict:
-        return ds_config_for(role, self.args, dtype=self.dtype, hybrid_engine=self.hybrid_engine.enabled,
+        return ds_config_for(role, self.zero, dtype=self.dtype, hybrid_engine=self.hybrid_engine.enabled,
                              world_size=self.world_size)
 
-    def _optim(self, lr: float, weight_decay: float, lora_lr: float) -> OptimSettings:
-        return OptimSettings(lr=lr, weight_decay=weight_decay, lora_lr=lora_lr, offload=self.args.offload,
-                             scheduler=self.args.lr_scheduler_type, num_warmup_steps=self.args.num_warmup_steps,
-                             num_training_steps=self.num_total_iters)
+    def _optim(self, spec: ModelSpec) -> OptimSettings:
+        return OptimSettings(lr=spec.learning_rate, weight_decay=spec.weight_decay, lora_lr=spec.lora_learning_rate,
+                             offload=self.zero.offload, scheduler=self.models.lr_scheduler_type,
+                             num_warmup_steps=self.models.num_warmup_steps, num_training_steps=self.num_total_iters)
 
     # ------------------------------------------------------------------ the five engines
     def _init_actor(self, actor_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Actor")
-        args = self.args
+        spec = self.models.actor
         ds_config = self._config("actor")
         model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
-                                dropout=args.actor_dropout, vocab_rows=self.vocab_rows)
-        model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
-        engine = initialize_engine(model, ds_config, self._optim(args.actor_learning_rate, args.actor_weight_decay,
-                                                                 args.actor_lora_learning_rate))
-        if args.enable_mixed_precision_lora:
+                                dropout=spec.dropout, vocab_rows=self.vocab_rows)
+        model = _apply_lora(model, "actor", spec.lora_dim, spec.lora_module_name, self.models.only_optimize_lora)
+        engine = initialize_engine(model, ds_config, self._optim(spec))
+        if self.zero.enable_mixed_precision_lora:
             # MixZ++: quantise the frozen (non-LoRA) weights; upstream did this in main.py.
             if not hasattr(engine.optimizer, "quantize_nontrainable_params"):
                 raise UserError(
@@ -207,14 +227,14 @@ class DeepSpeedRLHFEngine:
 
     def _init_ema(self, actor_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("EMA")
-        args = self.args
+        spec = self.models.actor
         ds_config = self._config("ema")
         model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
                                 vocab_rows=self.vocab_rows)
         # Same LoRA structure as the actor, so the two parameter lists zip one to one. The EMA has no
         # optimizer: requires_grad mirrors the actor's only to mark what the averaging moves (what its
         # saved PEFT adapter must hold); lerp(x, x) == x leaves the actor's frozen weights exact.
-        model = _apply_lora(model, "actor", args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
+        model = _apply_lora(model, "actor", spec.lora_dim, spec.lora_module_name, self.models.only_optimize_lora)
         engine = initialize_engine(model, ds_config, None)
         moving_average(self.actor, engine, beta=0.0)  # start as an exact copy (LoRA factors included)
         log_init("EMA", stime=stime)
@@ -222,29 +242,28 @@ class DeepSpeedRLHFEngine:
 
     def _init_critic(self, critic_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Critic")
-        args = self.args
+        models, spec = self.models, self.models.critic
         ds_config = self._config("critic")
         model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
-                                    num_padding_at_beginning=args.num_padding_at_beginning, rlhf_training=True,
-                                    dropout=args.critic_dropout, zero_stage=args.critic_zero_stage,
-                                    compute_fp32_loss=args.compute_fp32_loss, vocab_rows=self.vocab_rows)
-        model = _apply_lora(model, "critic", args.critic_lora_dim, args.critic_lora_module_name,
-                            args.only_optimize_lora, force_optimize=("v_head.weight",))
-        engine = initialize_engine(model, ds_config, self._optim(args.critic_learning_rate, args.critic_weight_decay,
-                                                                 args.critic_lora_learning_rate))
+                                    num_padding_at_beginning=models.num_padding_at_beginning, rlhf_training=True,
+                                    dropout=spec.dropout, zero_stage=self.zero.critic_zero_stage,
+                                    compute_fp32_loss=models.compute_fp32_loss, vocab_rows=self.vocab_rows)
+        model = _apply_lora(model, "critic", spec.lora_dim, spec.lora_module_name,
+                            models.only_optimize_lora, force_optimize=("v_head.weight",))
+        engine = initialize_engine(model, ds_config, self._optim(spec))
         begin_passes_with_dschats_rule(engine)  # ZeRO-3: scoring passes do not cut the training trace short
         log_init("Critic", stime=stime)
         return engine
 
     def _init_reward(self, critic_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Reward")
-        args = self.args
+        models = self.models
         ds_config = self._config("reward")
         stage = ds_config["zero_optimization"]["stage"]
         model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
-                                    num_padding_at_beginning=args.num_padding_at_beginning, rlhf_training=True,
-                                    dropout=args.critic_dropout, zero_stage=stage,
-                                    compute_fp32_loss=args.compute_fp32_loss, vocab_rows=self.vocab_rows)
+                                    num_padding_at_beginning=models.num_padding_at_beginning, rlhf_training=True,
+                                    dropout=models.critic.dropout, zero_stage=stage,
+                                    compute_fp32_loss=models.compute_fp32_loss, vocab_rows=self.vocab_rows)
         engine = initialize_engine(model, ds_config, None)
         log_init("Reward", stime=stime)
         return engine

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from deepspeed import DeepSpeedEngine
 
-from dschat import rl_math
+from dschat.rl_math.logprobs import gather_log_probs
 from dschat.models.packing import (PackedRows, attention_span, pack_rows, packed_model_inputs,
                                    resolve_sequence_packing)
 from dschat.models.reward_model import last_token_index
@@ -83,7 +83,7 @@ def shifted_log_probs(logits: torch.Tensor, seq: torch.Tensor, *, temperature: f
     logits = logits[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    return rl_math.gather_log_probs(logits, seq[:, 1:], fp32=fp32)
+    return gather_log_probs(logits, seq[:, 1:], fp32=fp32)
 
 
 def token_log_probs(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
@@ -99,7 +99,7 @@ def token_log_probs(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: t
     # Each slot's target is the padded batch's next token (a pad after a finished answer); the last
     # column's wraps around, and is dropped below.
     targets = packed.gather(torch.roll(seq, -1, dims=1))
-    return packed.unpack(rl_math.gather_log_probs(logits, targets, fp32=fp32))[:, :-1]
+    return packed.unpack(gather_log_probs(logits, targets, fp32=fp32))[:, :-1]
 
 
 def token_values(model: DeepSpeedEngine, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,

@@ -1,6 +1,6 @@
 """DPO pieces of ``training/step2_dpo_finetuning/main.py``: the label mask, one batch's loss, the
-held-out evaluation. The formulas are :func:`dschat.rl_math.sequence_log_probs` and
-:func:`dschat.rl_math.dpo_loss`.
+held-out evaluation. The formulas are :func:`dschat.rl_math.logprobs.sequence_log_probs` and
+:func:`dschat.rl_math.preference.dpo_loss`.
 
 Batches come from ``DataCollatorReward``: ``input_ids`` / ``attention_mask`` of shape (2B, L),
 chosen rows first, rejected rows second.
@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from dschat.rl_math import DPOOutput, dpo_loss, first_divergence_indices, sequence_log_probs
+from dschat.rl_math.logprobs import sequence_log_probs
+from dschat.rl_math.preference import DPOOutput, dpo_loss, first_divergence_indices
 from dschat.training.common import prepare_batch
 
 

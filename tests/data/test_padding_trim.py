@@ -6,7 +6,7 @@ from dschat.data.collators import drop_padding_columns
 from dschat.models.registry import resolve_model_path
 from dschat.models.reward_model import positions_from_mask
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.rl_math import causal_lm_loss, gather_log_probs
+from dschat.rl_math.logprobs import causal_lm_loss, gather_log_probs
 
 
 def test_drop_padding_columns_by_hand():

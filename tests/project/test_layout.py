@@ -29,8 +29,8 @@ FLOORS: list[tuple[str, ...]] = [
     ("errors", "paths", "version"),  # 0: the one error type, file names, the version
     ("multinode",),  # 1: host, port and environment checks (torch-free; the launcher's and dist's defaults)
     ("runtime",),  # 2: distributed set-up, files, DeepSpeed config, optimizers, ZeRO-3, perf, averages
-    ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure math, the gold judge, flags, recipes
-    ("models", "rl_algorithms", "rewards"),  # 4: model builders, critic-free math, reward functions
+    ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure RL math, the gold judge, flags, recipes
+    ("models", "rewards"),  # 4: model builders, reward functions
     ("data",),  # 5: datasets, tokenisation, cache, collators
     ("training", "eval"),  # 6: steps 1-2's loop, step 3's resume counters, checkpoints; the report
     ("rlhf",),  # 7: step 3

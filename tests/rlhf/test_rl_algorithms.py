@@ -1,4 +1,4 @@
-"""dschat.rl_algorithms: each algorithm's advantages and losses on small groups, the numbers worked
+"""dschat.rl_math.critic_free: each algorithm's advantages and losses on small groups, the numbers worked
 out by hand from the paper's formula in the comments, plus the invariances
 the trainer relies on (sharded == full batch, the token form == PPO's actor_loss_fn)."""
 from __future__ import annotations
@@ -8,8 +8,9 @@ import math
 import pytest
 import torch
 
-from dschat import rl_algorithms as ra
-from dschat import rl_math as rm
+from dschat.rl_math.critic_free import aggregate_loss, grpo_advantages, policy_loss_per_token, remax_advantages, returns_to_go, rloo_advantages, sequence_kl, tis_weights, token_advantages
+from dschat.rl_math.ppo import actor_loss_fn, compute_rewards
+from dschat.rl_math.stats import masked_whiten
 
 
 def _close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
@@ -23,22 +24,22 @@ class TestGRPO:
         # Group 2: r = [3, 3, 6], mean 4, std sqrt((1 + 1 + 4) / 2) = sqrt(3) = 1.7320508
         #   -> A = [-1, -1, 2] / 1.7320508 = [-0.5773503, -0.5773503, 1.1547005].
         r = torch.tensor([1.0, 0.0, 2.0, 3.0, 3.0, 6.0])
-        _close(ra.grpo_advantages(r, 3, eps=0.0), [0.0, -1.0, 1.0, -0.5773503, -0.5773503, 1.1547005])
+        _close(grpo_advantages(r, 3, eps=0.0), [0.0, -1.0, 1.0, -0.5773503, -0.5773503, 1.1547005])
         # eps enters the denominator: group 1 with eps 1 -> [0, -0.5, 0.5].
-        _close(ra.grpo_advantages(r, 3, eps=1.0)[:3], [0.0, -0.5, 0.5])
+        _close(grpo_advantages(r, 3, eps=1.0)[:3], [0.0, -0.5, 0.5])
 
     def test_dr_grpo_has_no_std_division(self):
         # Dr.GRPO: r - mean -> group 1 [0, -1, 1], group 2 [-1, -1, 2].
         r = torch.tensor([1.0, 0.0, 2.0, 3.0, 3.0, 6.0])
-        _close(ra.grpo_advantages(r, 3, scale_by_std=False), [0.0, -1.0, 1.0, -1.0, -1.0, 2.0])
+        _close(grpo_advantages(r, 3, scale_by_std=False), [0.0, -1.0, 1.0, -1.0, -1.0, 2.0])
 
     def test_equal_rewards_give_zero(self):
         # All answers equally good: no signal (std 0, numerator 0 -> 0, not nan).
-        _close(ra.grpo_advantages(torch.tensor([2.0, 2.0]), 2), [0.0, 0.0])
+        _close(grpo_advantages(torch.tensor([2.0, 2.0]), 2), [0.0, 0.0])
 
     def test_groups_must_divide(self):
         with pytest.raises(ValueError, match="groups of 4"):
-            ra.grpo_advantages(torch.zeros(6), 4)
+            grpo_advantages(torch.zeros(6), 4)
 
 
 class TestRLOO:
@@ -46,17 +47,17 @@ class TestRLOO:
         # K = 4, r = [1, 2, 3, 6]: baseline of i = mean of the other three.
         # A_0 = 1 - (2+3+6)/3 = 1 - 11/3 = -8/3; A_1 = 2 - 10/3 = -4/3; A_2 = 3 - 3 = 0; A_3 = 6 - 2 = 4.
         # Check: K/(K-1) (r - mean) with mean 3: 4/3 * [-2, -1, 0, 3] = [-8/3, -4/3, 0, 4].
-        _close(ra.rloo_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]), 4), [-8 / 3, -4 / 3, 0.0, 4.0])
+        _close(rloo_advantages(torch.tensor([1.0, 2.0, 3.0, 6.0]), 4), [-8 / 3, -4 / 3, 0.0, 4.0])
 
     def test_k1_refused(self):
         with pytest.raises(ValueError, match="at least 2"):
-            ra.rloo_advantages(torch.tensor([1.0]), 1)
+            rloo_advantages(torch.tensor([1.0]), 1)
 
 
 class TestReMax:
     def test_hand_case(self):
         # Sampled rewards [0.5, 2.0] against greedy [1.0, 1.5] -> [-0.5, 0.5].
-        _close(ra.remax_advantages(torch.tensor([0.5, 2.0]), torch.tensor([1.0, 1.5])), [-0.5, 0.5])
+        _close(remax_advantages(torch.tensor([0.5, 2.0]), torch.tensor([1.0, 1.5])), [-0.5, 0.5])
 
 
 class TestKL:
@@ -66,8 +67,8 @@ class TestKL:
         lp = torch.tensor([[math.log(2.0), -math.log(2.0), 5.0]])
         ref = torch.zeros(1, 3)
         mask = torch.tensor([[1, 1, 0]])
-        _close(ra.sequence_kl(lp, ref, mask, estimator="k1"), [0.0])
-        _close(ra.sequence_kl(lp, ref, mask, estimator="k3"), [0.5])
+        _close(sequence_kl(lp, ref, mask, estimator="k1"), [0.0])
+        _close(sequence_kl(lp, ref, mask, estimator="k3"), [0.5])
 
 
 class TestReinforcePP:
@@ -75,14 +76,14 @@ class TestReinforcePP:
         # start = 1, T = 4; per-token rewards after the prompt: [-0.1, -0.2, 1.0] (KL, KL, KL + score).
         # gamma = 1: G = [-0.1 - 0.2 + 1, -0.2 + 1, 1] = [0.7, 0.8, 1.0].
         rewards = torch.tensor([[9.0, -0.1, -0.2, 1.0]])  # position 0 (prompt) is ignored
-        _close(ra.returns_to_go(rewards, 1), [[0.7, 0.8, 1.0]])
+        _close(returns_to_go(rewards, 1), [[0.7, 0.8, 1.0]])
         # gamma = 0.5: G_3 = 1; G_2 = -0.2 + 0.5 = 0.3; G_1 = -0.1 + 0.15 = 0.05.
-        _close(ra.returns_to_go(rewards, 1, gamma=0.5), [[0.05, 0.3, 1.0]])
+        _close(returns_to_go(rewards, 1, gamma=0.5), [[0.05, 0.3, 1.0]])
 
     def test_against_a_python_loop(self):
         torch.manual_seed(0)
         rewards = torch.randn(3, 7)
-        got = ra.returns_to_go(rewards, 2, gamma=0.9)
+        got = returns_to_go(rewards, 2, gamma=0.9)
         for b in range(3):
             g = 0.0
             for t in reversed(range(2, 7)):
@@ -99,11 +100,11 @@ class TestReinforcePP:
         prompts = torch.zeros(2, 2, dtype=torch.long)
         logp = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
         mask = torch.tensor([[0, 1, 1], [0, 1, 1]])
-        rewards = rm.compute_rewards(prompts, logp, torch.zeros(2, 3), torch.tensor([1.0, 0.0]), mask, kl_ctl=0.1)
-        G = ra.returns_to_go(rewards, 1)
+        rewards = compute_rewards(prompts, logp, torch.zeros(2, 3), torch.tensor([1.0, 0.0]), mask, kl_ctl=0.1)
+        G = returns_to_go(rewards, 1)
         _close(G, [[0.9, 1.0], [-0.2, -0.2]])
         std = math.sqrt(1.3275 / 3)
-        _close(rm.masked_whiten(G, mask[:, 1:]), [[0.525 / std, 0.625 / std], [-0.575 / std, -0.575 / std]],
+        _close(masked_whiten(G, mask[:, 1:]), [[0.525 / std, 0.625 / std], [-0.575 / std, -0.575 / std]],
                atol=1e-5)
 
 
@@ -113,12 +114,12 @@ class TestLosses:
         lp = torch.tensor([[-1.0, -2.0, -3.0]])
         adv = torch.tensor([[0.5, -1.0, 2.0]])
         mask = torch.tensor([[1.0, 1.0, 0.0]])
-        _close(ra.policy_loss_per_token(lp, lp, adv, mask), [[-0.5, 1.0, 0.0]])
+        _close(policy_loss_per_token(lp, lp, adv, mask), [[-0.5, 1.0, 0.0]])
 
     def test_clipping_hand_case(self):
         # log-ratio ln 2 -> r = 2; A = 1: max(-2, -1.2) = -1.2; A = -1: max(2, 1.2) = 2.
         lp = torch.tensor([[math.log(2.0), math.log(2.0)]])
-        _close(ra.policy_loss_per_token(lp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)),
+        _close(policy_loss_per_token(lp, torch.zeros(1, 2), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2)),
                [[-1.2, 2.0]])
 
     def test_aggregations_hand_case(self):
@@ -126,18 +127,18 @@ class TestLosses:
         # token: (1+2+3+4)/4 = 2.5. sequence: (6/3 + 4/1)/2 = 3. token_sum (max_len 4): (6/4 + 4/4)/2 = 1.25.
         loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 9.0, 9.0]])
         mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-        _close(ra.aggregate_loss(loss, mask, "token"), 2.5)
-        _close(ra.aggregate_loss(loss, mask, "sequence"), 3.0)
-        _close(ra.aggregate_loss(loss, mask, "token_sum", max_len=4), 1.25)
+        _close(aggregate_loss(loss, mask, "token"), 2.5)
+        _close(aggregate_loss(loss, mask, "sequence"), 3.0)
+        _close(aggregate_loss(loss, mask, "token_sum", max_len=4), 1.25)
         # A row without tokens counts for nothing in the sequence count: (6/3) / 1 = 2.
-        _close(ra.aggregate_loss(loss, torch.tensor([[1, 1, 1], [0, 0, 0]]), "sequence"), 2.0)
+        _close(aggregate_loss(loss, torch.tensor([[1, 1, 1], [0, 0, 0]]), "sequence"), 2.0)
 
     def test_token_form_is_ppo_actor_loss(self):
         torch.manual_seed(1)
         lp, old, adv = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
         mask = (torch.rand(3, 5) > 0.3).float()
-        _close(ra.aggregate_loss(ra.policy_loss_per_token(lp, old, adv, mask), mask, "token"),
-               rm.actor_loss_fn(lp, old, adv, mask))
+        _close(aggregate_loss(policy_loss_per_token(lp, old, adv, mask), mask, "token"),
+               actor_loss_fn(lp, old, adv, mask))
 
     @pytest.mark.parametrize("mode", ["token", "sequence", "token_sum"])
     def test_micro_batches_sum_to_the_full_batch(self, mode):
@@ -147,22 +148,22 @@ class TestLosses:
         loss = torch.randn(4, 6)
         mask = (torch.rand(4, 6) > 0.4).long()
         mask[:, 0] = 1
-        full = ra.aggregate_loss(loss, mask, mode, max_len=6)
+        full = aggregate_loss(loss, mask, mode, max_len=6)
         count = mask.sum() if mode == "token" else (mask.sum(1) > 0).sum()
         ga = 2
-        parts = [ra.aggregate_loss(loss[i:i + 2], mask[i:i + 2], mode, normalizer=count / ga, max_len=6) / ga
+        parts = [aggregate_loss(loss[i:i + 2], mask[i:i + 2], mode, normalizer=count / ga, max_len=6) / ga
                  for i in (0, 2)]
         _close(sum(parts), full, atol=1e-5)
 
     def test_tis_weights(self):
         # train - rollout = [ln 2, ln 4, -ln 2] -> ratios [2, 4, 0.5], cap 3 -> [2, 3, 0.5].
         d = torch.tensor([[math.log(2.0), math.log(4.0), -math.log(2.0)]])
-        _close(ra.tis_weights(d, torch.zeros(1, 3), 3.0), [[2.0, 3.0, 0.5]])
+        _close(tis_weights(d, torch.zeros(1, 3), 3.0), [[2.0, 3.0, 0.5]])
         with pytest.raises(ValueError):
-            ra.tis_weights(d, d, 0.0)
+            tis_weights(d, d, 0.0)
 
     def test_token_advantages(self):
-        _close(ra.token_advantages(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 0]])),
+        _close(token_advantages(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 0, 0]])),
                [[2.0, 2.0, 0.0], [-1.0, 0.0, 0.0]])
 
 
@@ -171,7 +172,7 @@ def test_kl_loss_term_ignores_padding_log_probs_that_would_overflow():
     nothing (before, exp(100) overflowed to inf, inf * 0 made the loss and its gradient nan)."""
     from types import SimpleNamespace
 
-    from dschat.rlhf.algorithm import AlgorithmSettings
+    from dschat.rlhf.config import AlgorithmSettings
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 
     trainer = object.__new__(DeepSpeedPPOTrainer)

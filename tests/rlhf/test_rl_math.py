@@ -12,7 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dschat import rl_math as rm
+from dschat.rl_math.logprobs import gather_log_probs, sequence_log_probs
+from dschat.rl_math.ppo import actor_loss_fn, compute_rewards, critic_loss_fn, get_advantages_and_returns, kl_penalty, mask_after_ends, missing_eos_penalty, ppo_policy_stats, reward_positions, sequence_end_indices
+from dschat.rl_math.preference import dpo_label_mask, dpo_loss, pairwise_read_ends, pairwise_reward_loss, reward_end_indices, upstream_end_indices
+from dschat.rl_math.stats import Moments, explained_variance, explained_variance_from_moments, masked_mean, masked_sum, masked_var, masked_whiten
 
 LN2 = math.log(2.0)
 
@@ -31,12 +34,12 @@ class TestGatherLogProbs:
         # label 2: ln 2 - ln 4 = -ln 2 = -0.6931; label 0: 0 - ln 4 = -1.3863.
         logits = torch.tensor([[[0.0, 0.0, LN2], [0.0, 0.0, LN2]]])  # (1, 2, 3)
         labels = torch.tensor([[2, 0]])
-        _close(rm.gather_log_probs(logits, labels), [[-LN2, -math.log(4.0)]])
+        _close(gather_log_probs(logits, labels), [[-LN2, -math.log(4.0)]])
 
     def test_large_logits_are_stable(self):
         # [1000, 0]: a naive exp overflows; log p(0) = 0, log p(1) = -1000 (exp(-1000) ~ 0).
         logits = torch.tensor([[[1000.0, 0.0], [1000.0, 0.0]]])
-        out = rm.gather_log_probs(logits, torch.tensor([[0, 1]]))
+        out = gather_log_probs(logits, torch.tensor([[0, 1]]))
         _close(out, [[0.0, -1000.0]])
 
     def test_matches_log_softmax_gather(self):
@@ -44,7 +47,7 @@ class TestGatherLogProbs:
         logits = torch.randn(3, 5, 11, generator=g, dtype=torch.float64) * 4
         labels = torch.randint(0, 11, (3, 5), generator=g)
         expected = F.log_softmax(logits, -1).gather(-1, labels[..., None]).squeeze(-1)
-        torch.testing.assert_close(rm.gather_log_probs(logits, labels), expected)
+        torch.testing.assert_close(gather_log_probs(logits, labels), expected)
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
     @pytest.mark.parametrize("fp32", [False, True])
@@ -56,7 +59,7 @@ class TestGatherLogProbs:
         labels = torch.randint(0, 32000, (2, 5), generator=g)
         # Reference in fp64 from the very same low-precision values (the upcast is exact).
         expected = F.log_softmax(logits.double(), -1).gather(-1, labels[..., None]).squeeze(-1)
-        out = rm.gather_log_probs(logits, labels, fp32=fp32)
+        out = gather_log_probs(logits, labels, fp32=fp32)
         assert out.dtype == torch.float32
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
@@ -68,7 +71,7 @@ class TestGatherLogProbs:
         full = (torch.randn(2, 6, 300, generator=g) * 3).to(dtype).requires_grad_()
         labels = torch.randint(0, 300, (2, 5), generator=g)
         weights = torch.randn(2, 5, generator=g)
-        (rm.gather_log_probs(full[:, :-1], labels) * weights).sum().backward()
+        (gather_log_probs(full[:, :-1], labels) * weights).sum().backward()
         ref = full.detach().double().requires_grad_()
         lp = F.log_softmax(ref[:, :-1], -1).gather(-1, labels[..., None]).squeeze(-1)
         (lp * weights.double()).sum().backward()
@@ -79,7 +82,7 @@ class TestGatherLogProbs:
 
     def test_shape_mismatch_is_a_readable_error(self):
         with pytest.raises(ValueError, match="logits\\[:, :-1\\]"):
-            rm.gather_log_probs(torch.zeros(1, 4, 3), torch.zeros(1, 3, dtype=torch.long))
+            gather_log_probs(torch.zeros(1, 4, 3), torch.zeros(1, 3, dtype=torch.long))
 
 
 class TestMaskedStats:
@@ -89,17 +92,17 @@ class TestMaskedStats:
     mask = torch.tensor([[1, 1, 1, 0]])
 
     def test_sum_mean_var(self):
-        _close(rm.masked_sum(self.x, self.mask), 6.0)
-        _close(rm.masked_mean(self.x, self.mask), 2.0)
-        _close(rm.masked_var(self.x, self.mask), 1.0)
-        _close(rm.masked_var(self.x, self.mask, unbiased=False), 2.0 / 3.0)
+        _close(masked_sum(self.x, self.mask), 6.0)
+        _close(masked_mean(self.x, self.mask), 2.0)
+        _close(masked_var(self.x, self.mask), 1.0)
+        _close(masked_var(self.x, self.mask, unbiased=False), 2.0 / 3.0)
 
     def test_per_row(self):
         # row 0 as above (mean 2); row 1 = [4, 6, nan, nan] with mask [1, 1, 0, 0] -> mean 5.
         x = torch.cat([self.x, torch.tensor([[4.0, 6.0, float("nan"), float("inf")]])])
         mask = torch.cat([self.mask, torch.tensor([[1, 1, 0, 0]])])
-        _close(rm.masked_mean(x, mask, dim=1), [2.0, 5.0])
-        _close(rm.masked_sum(x, mask, dim=1), [6.0, 10.0])
+        _close(masked_mean(x, mask, dim=1), [2.0, 5.0])
+        _close(masked_sum(x, mask, dim=1), [6.0, 10.0])
 
 
 class TestKLPenalty:
@@ -113,7 +116,7 @@ class TestKLPenalty:
         [("k1", LN2), ("k2", 0.5 * LN2**2), ("k3", 0.5 - 1 + LN2)],
     )
     def test_hand_values(self, estimator, expected):
-        _close(rm.kl_penalty(self.logp, self.ref, estimator=estimator), [[expected]])
+        _close(kl_penalty(self.logp, self.ref, estimator=estimator), [[expected]])
 
     def test_exact_expectations_show_which_are_unbiased(self):
         # p = [0.5, 0.3, 0.2], q = [0.2, 0.3, 0.5]:
@@ -124,7 +127,7 @@ class TestKLPenalty:
         kl = 0.3 * math.log(2.5)
 
         def expectation(est: str) -> float:
-            return float((p * rm.kl_penalty(p.log(), q.log(), estimator=est)).sum())
+            return float((p * kl_penalty(p.log(), q.log(), estimator=est)).sum())
 
         assert expectation("k1") == pytest.approx(kl, abs=1e-12)
         assert expectation("k3") == pytest.approx(kl, abs=1e-12)
@@ -133,7 +136,7 @@ class TestKLPenalty:
 
     def test_unknown_estimator(self):
         with pytest.raises(ValueError, match="k1"):
-            rm.kl_penalty(self.logp, self.ref, estimator="k4")  # type: ignore[arg-type]
+            kl_penalty(self.logp, self.ref, estimator="k4")  # type: ignore[arg-type]
 
 
 def _rewards_batch():
@@ -161,7 +164,7 @@ def _rewards_batch():
 class TestComputeRewards:
     def test_upstream_placement_after_last(self):
         prompts, lp, ref, scores, am = _rewards_batch()
-        rewards = rm.compute_rewards(prompts, lp, ref, scores, am)
+        rewards = compute_rewards(prompts, lp, ref, scores, am)
         # row 0: ends = 2 + 2 + 1 = 5, rewards[0, 2:5][-1] is index 4 = start + n (first pad slot)
         # row 1: ends = 2 + 5 + 1 = 8 > T, rewards[1, 2:8] = [2:7], last is 6 = start + n - 1
         # row 2: ends = 2 + 3 + 1 = 6, index 5; score 7 -> +5 (row 1), -9 -> -5 (row 2)
@@ -171,11 +174,11 @@ class TestComputeRewards:
         expected[1, 6] += 5.0  # 4.9
         expected[2, 5] += -5.0  # -5.1
         _close(rewards, expected)
-        _close(rm.reward_positions(am, 2), [4, 6, 5])
+        _close(reward_positions(am, 2), [4, 6, 5])
 
     def test_reward_at_last_action_token(self):
         prompts, lp, ref, scores, am = _rewards_batch()
-        rewards = rm.compute_rewards(prompts, lp, ref, scores, am, reward_at="last")
+        rewards = compute_rewards(prompts, lp, ref, scores, am, reward_at="last")
         # start + n - 1: row 0 -> 3, row 1 -> 6, row 2 -> 4
         expected = torch.full((3, 7), -0.1)
         expected[0, 3] += 2.0
@@ -185,7 +188,7 @@ class TestComputeRewards:
 
     def test_clip_and_kl_hyperparameters(self):
         prompts, lp, ref, scores, am = _rewards_batch()
-        rewards = rm.compute_rewards(prompts, lp, ref, scores, am, kl_ctl=0.5, clip_reward_value=1.0)
+        rewards = compute_rewards(prompts, lp, ref, scores, am, kl_ctl=0.5, clip_reward_value=1.0)
         # KL term -0.5 * 1; scores [2, 7, -9] clip to [1, 1, -1]
         _close(rewards[:, 4], [-0.5 + 1.0, -0.5, -0.5])
         _close(rewards[1, 6], -0.5 + 1.0)
@@ -193,21 +196,21 @@ class TestComputeRewards:
 
     def test_k3_estimator(self):
         prompts, lp, ref, scores, am = _rewards_batch()
-        rewards = rm.compute_rewards(prompts, lp, ref, torch.zeros(3), am, kl_estimator="k3")
+        rewards = compute_rewards(prompts, lp, ref, torch.zeros(3), am, kl_estimator="k3")
         # d = 1: k3 = exp(-1) - 1 + 1 = 0.367879 -> -0.1 * 0.367879 = -0.0367879 everywhere
         _close(rewards, torch.full((3, 7), -0.1 * math.exp(-1.0)))
 
     def test_inputs_not_mutated(self):
         prompts, lp, ref, scores, am = _rewards_batch()
         lp_before = lp.clone()
-        rm.compute_rewards(prompts, lp, ref, scores, am)
+        compute_rewards(prompts, lp, ref, scores, am)
         assert torch.equal(lp, lp_before)
 
     def test_ends_and_zeroing_after_ends(self):
         prompts, lp, ref, scores, am = _rewards_batch()
-        ends = rm.sequence_end_indices(am, 2)
+        ends = sequence_end_indices(am, 2)
         _close(ends, [5, 8, 6])  # upstream's start + n + 1
-        rewards = rm.mask_after_ends(rm.compute_rewards(prompts, lp, ref, scores, am), ends)
+        rewards = mask_after_ends(compute_rewards(prompts, lp, ref, scores, am), ends)
         expected = torch.tensor(
             [
                 [-0.1, -0.1, -0.1, -0.1, 1.9, 0.0, 0.0],  # zero from 5 on
@@ -217,12 +220,12 @@ class TestComputeRewards:
         )
         _close(rewards, expected)
         # reward_at="last": one past the last action token, [4, 7, 5]
-        _close(rm.sequence_end_indices(am, 2, reward_at="last"), [4, 7, 5])
+        _close(sequence_end_indices(am, 2, reward_at="last"), [4, 7, 5])
 
     def test_bad_reward_at(self):
         prompts, lp, ref, scores, am = _rewards_batch()
         with pytest.raises(ValueError, match="after_last"):
-            rm.compute_rewards(prompts, lp, ref, scores, am, reward_at="eos")  # type: ignore[arg-type]
+            compute_rewards(prompts, lp, ref, scores, am, reward_at="eos")  # type: ignore[arg-type]
 
 
 class TestGAE:
@@ -233,7 +236,7 @@ class TestGAE:
         # returns = A + V = [0.58 + 1, -1 + 2] = [1.58, 1.0]
         values = torch.tensor([[9.0, 1.0, 2.0]], requires_grad=True)
         rewards = torch.tensor([[9.0, 0.5, 1.0]])
-        adv, ret = rm.get_advantages_and_returns(values, rewards, 1, gamma=0.9, lam=0.8)
+        adv, ret = get_advantages_and_returns(values, rewards, 1, gamma=0.9, lam=0.8)
         _close(adv, [[0.58, -1.0]])
         _close(ret, [[1.58, 1.0]])
         assert not adv.requires_grad
@@ -244,7 +247,7 @@ class TestGAE:
         # t = 1: delta = 0 + 0.5 - 0.5 = 0;  A1 = 0.95 * 0.5 = 0.475
         # t = 0: delta = 0;                  A0 = 0.95 * 0.475 = 0.45125
         # returns = [0.95125, 0.975, 1.0]
-        adv, ret = rm.get_advantages_and_returns(torch.full((1, 3), 0.5), torch.tensor([[0.0, 0.0, 1.0]]), 0)
+        adv, ret = get_advantages_and_returns(torch.full((1, 3), 0.5), torch.tensor([[0.0, 0.0, 1.0]]), 0)
         _close(adv, [[0.45125, 0.475, 0.5]])
         _close(ret, [[0.95125, 0.975, 1.0]])
 
@@ -265,11 +268,11 @@ class TestActorLoss:
         adv = torch.tensor([[1.0, -1.0, 1.0, -1.0, -1.0]])
         mask = torch.tensor([[1, 1, 1, 1, 0]])
         total = -1.2 + math.e - math.exp(-1.0) + 0.8
-        _close(rm.actor_loss_fn(logprobs, old, adv, mask), total / 4)
-        _close(rm.actor_loss_fn(logprobs, old, adv, mask, normalizer=8), total / 8)
+        _close(actor_loss_fn(logprobs, old, adv, mask), total / 4)
+        _close(actor_loss_fn(logprobs, old, adv, mask, normalizer=8), total / 8)
         # cliprange 0.5 -> clamp to [0.5, 1.5]: a -> -1.5, d -> 0.5
         total_05 = -1.5 + math.e - math.exp(-1.0) + 0.5
-        _close(rm.actor_loss_fn(logprobs, old, adv, mask, cliprange=0.5), total_05 / 4)
+        _close(actor_loss_fn(logprobs, old, adv, mask, cliprange=0.5), total_05 / 4)
 
 
 class TestCriticLoss:
@@ -284,18 +287,18 @@ class TestCriticLoss:
         old = torch.tensor([[0.5, 0.5, 0.1, 0.0]])
         returns = torch.tensor([[0.0, 2.0, 0.0, -50.0]])
         mask = torch.tensor([[1, 1, 1, 0]])
-        _close(rm.critic_loss_fn(values, old, returns, mask), 0.5 * 2.69 / 3)
-        _close(rm.critic_loss_fn(values, old, returns, mask, normalizer=2), 0.5 * 2.69 / 2)
+        _close(critic_loss_fn(values, old, returns, mask), 0.5 * 2.69 / 3)
+        _close(critic_loss_fn(values, old, returns, mask, normalizer=2), 0.5 * 2.69 / 2)
         # cliprange_value 1.0: b -> v_clip = 1.0, (1-2)^2 = 1 -> loss = 0.5 * 2 / 3
-        _close(rm.critic_loss_fn(values, old, returns, mask, cliprange_value=1.0), 0.5 * 2.0 / 3)
+        _close(critic_loss_fn(values, old, returns, mask, cliprange_value=1.0), 0.5 * 2.0 / 3)
 
     def test_compute_fp32_loss(self):
         values = torch.tensor([[1.0, 1.0]], dtype=torch.bfloat16)
         old = torch.tensor([[0.5, 0.5]], dtype=torch.bfloat16)
         returns = torch.tensor([[0.0, 2.0]], dtype=torch.bfloat16)
         mask = torch.ones(1, 2)
-        assert rm.critic_loss_fn(values, old, returns, mask.bfloat16()).dtype == torch.bfloat16
-        out = rm.critic_loss_fn(values, old, returns, mask, compute_fp32_loss=True)
+        assert critic_loss_fn(values, old, returns, mask.bfloat16()).dtype == torch.bfloat16
+        out = critic_loss_fn(values, old, returns, mask, compute_fp32_loss=True)
         assert out.dtype == torch.float32
         # 0.5 * (1 + 1.69) / 2 with v_clip = bf16(0.7) = 0.69921875 -> (0.69921875 - 2)^2 = 1.692032
         _close(out, 0.5 * (1.0 + (2.0 - 0.69921875) ** 2) / 2, atol=1e-6)
@@ -307,7 +310,7 @@ class TestPolicyStats:
         # mean 3.5/3 = 1.1667, max 2, min 0.5
         # k3 = (r - 1) - ln r: [1 - ln2, 0, -0.5 + ln2] -> sum 0.5 -> mean 0.5/3 = 0.1667
         # clipped (|r - 1| > 0.2): 2 of 3
-        s = rm.ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2, 5.0]]), torch.zeros(1, 4), torch.tensor([[1, 1, 1, 0]]))
+        s = ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2, 5.0]]), torch.zeros(1, 4), torch.tensor([[1, 1, 1, 0]]))
         _close(s.ratio_mean, 3.5 / 3)
         _close(s.ratio_max, 2.0)
         _close(s.ratio_min, 0.5)
@@ -315,14 +318,14 @@ class TestPolicyStats:
         _close(s.clip_frac, 2 / 3)
         # Masked tokens stay out of max/min: ratios [2, 4] plus a masked token (ratio 1 if it
         # leaked in as exp(0), e^5 = 148.4 if unmasked) -> min 2, max 4.
-        s = rm.ppo_policy_stats(torch.tensor([[LN2, 2 * LN2, 5.0]]), torch.zeros(1, 3), torch.tensor([[1, 1, 0]]))
+        s = ppo_policy_stats(torch.tensor([[LN2, 2 * LN2, 5.0]]), torch.zeros(1, 3), torch.tensor([[1, 1, 0]]))
         _close(s.ratio_min, 2.0)
         _close(s.ratio_max, 4.0)
-        s = rm.ppo_policy_stats(torch.tensor([[-LN2, -2 * LN2, 5.0]]), torch.zeros(1, 3), torch.tensor([[1, 1, 0]]))
+        s = ppo_policy_stats(torch.tensor([[-LN2, -2 * LN2, 5.0]]), torch.zeros(1, 3), torch.tensor([[1, 1, 0]]))
         _close(s.ratio_max, 0.5)  # not 1 (a leaked masked token)
         _close(s.ratio_min, 0.25)
         # cliprange 0.6: only |2 - 1| = 1 exceeds it -> 1/3
-        s = rm.ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2]]), torch.zeros(1, 3), torch.ones(1, 3), cliprange=0.6)
+        s = ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2]]), torch.zeros(1, 3), torch.ones(1, 3), cliprange=0.6)
         _close(s.clip_frac, 1 / 3)
 
 
@@ -330,13 +333,13 @@ class TestExplainedVariance:
     def test_hand_cases(self):
         returns = torch.tensor([[1.0, 2.0, 3.0, 4.0, 99.0]])
         mask = torch.tensor([[1, 1, 1, 1, 0]])
-        _close(rm.explained_variance(returns.clone(), returns, mask), 1.0)  # perfect critic
-        _close(rm.explained_variance(torch.full_like(returns, 2.0), returns, mask), 0.0)  # constant
+        _close(explained_variance(returns.clone(), returns, mask), 1.0)  # perfect critic
+        _close(explained_variance(torch.full_like(returns, 2.0), returns, mask), 0.0)  # constant
         # values [1, 2, 3, 5]: residual [0, 0, 0, -1], var = 0.25 - 0.0625 = 0.1875
         # var(returns) = 7.5 - 6.25 = 1.25 -> 1 - 0.1875 / 1.25 = 0.85
         values = torch.tensor([[1.0, 2.0, 3.0, 5.0, -99.0]])
-        _close(rm.explained_variance(values, returns, mask), 0.85)
-        assert torch.isnan(rm.explained_variance(values, torch.ones_like(returns), mask))
+        _close(explained_variance(values, returns, mask), 0.85)
+        assert torch.isnan(explained_variance(values, torch.ones_like(returns), mask))
 
 
 class TestRewardModelIndices:
@@ -349,7 +352,7 @@ class TestRewardModelIndices:
                 [0, 0, 0, 0, 0, 0],  # empty: 0
             ]
         )
-        _close(rm.reward_end_indices(mask), [3, 5, 2, 0])
+        _close(reward_end_indices(mask), [3, 5, 2, 0])
 
     def test_opt_style_upstream_vs_mask(self):
         # OPT: pad == eos == bos == 2, BOS at index 0, num_padding_at_beginning = 1.
@@ -371,11 +374,11 @@ class TestRewardModelIndices:
                 [1, 1, 1, 1, 1, 0, 0],  # last real 4 -> end 5; upstream stops at the inner EOS (3)
             ]
         )
-        _close(rm.upstream_end_indices(ids, pad, num_padding_at_beginning=1), [5, 4, 7, 3])
-        _close(rm.reward_end_indices(mask) + 1, [5, 4, 7, 5])
+        _close(upstream_end_indices(ids, pad, num_padding_at_beginning=1), [5, 4, 7, 3])
+        _close(reward_end_indices(mask) + 1, [5, 4, 7, 5])
         # Without the BOS skip (num_padding_at_beginning = 0) every row ends at the BOS: c_ind 0,
         # and upstream reads the score at index -1, i.e. the last (pad) position.
-        _close(rm.upstream_end_indices(ids, pad, num_padding_at_beginning=0), [0, 0, 0, 0])
+        _close(upstream_end_indices(ids, pad, num_padding_at_beginning=0), [0, 0, 0, 0])
 
     def test_opt_without_bos_skip_reads_the_last_position(self):
         # Same OPT pair scored with num_padding_at_beginning = 0: c_ind = r_ind = 0, so upstream
@@ -384,8 +387,8 @@ class TestRewardModelIndices:
         chosen_ids = torch.tensor([[2, 11, 12, 13, 14, 2, 2]])
         rejected_ids = torch.tensor([[2, 11, 12, 15, 2, 2, 2]])
         values = torch.arange(7, dtype=torch.float32)[None, :]  # value at index i is i
-        ends = rm.upstream_end_indices(chosen_ids, 2, 0), rm.upstream_end_indices(rejected_ids, 2, 0)
-        out = rm.pairwise_reward_loss(values, -values, chosen_ids, rejected_ids, *ends)
+        ends = upstream_end_indices(chosen_ids, 2, 0), upstream_end_indices(rejected_ids, 2, 0)
+        out = pairwise_reward_loss(values, -values, chosen_ids, rejected_ids, *ends)
         _close(out.chosen_end_scores, [6.0])
         _close(out.rejected_end_scores, [-6.0])
         assert torch.isnan(out.loss)
@@ -411,11 +414,11 @@ class TestPairwiseLossHand:
         rejected_ids = torch.tensor([[5, 6, 8, 9, 0], [5, 6, 0, 0, 0]])
         chosen_values = torch.tensor([[9.0, 9.0, 1.0, 2.0, 9.0], [0.0, 0.25, 0.0, 0.0, 3.0]])
         rejected_values = torch.tensor([[-9.0, -9.0, 0.0, 2.0, -9.0], [0.0, -0.25, 0.0, 0.0, 1.0]])
-        c_end = rm.upstream_end_indices(chosen_ids, 0)
-        r_end = rm.upstream_end_indices(rejected_ids, 0)
+        c_end = upstream_end_indices(chosen_ids, 0)
+        r_end = upstream_end_indices(rejected_ids, 0)
         _close(c_end, [3, 2])
         _close(r_end, [4, 2])
-        out = rm.pairwise_reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, c_end, r_end)
+        out = pairwise_reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, c_end, r_end)
         pair0 = (_ln1pexp(1.0) + LN2) / 2
         pair1 = _ln1pexp(2.0)
         _close(out.loss, (pair0 + pair1) / 2)
@@ -423,7 +426,7 @@ class TestPairwiseLossHand:
         _close(out.rejected_end_scores, [2.0, -0.25])
         # An identical pair reads the rejected score at the *chosen* end (upstream: r_ind = c_ind),
         # even if the rejected end passed in says otherwise (here 4 -> it would read -> 0.0).
-        out = rm.pairwise_reward_loss(
+        out = pairwise_reward_loss(
             chosen_values, rejected_values, chosen_ids, rejected_ids, c_end, torch.tensor([4, 4])
         )
         _close(out.rejected_end_scores, [2.0, -0.25])
@@ -439,13 +442,13 @@ class TestPairwiseLossHand:
         rejected_ids = torch.tensor([[2, 11, 12, 15, 2, 2, 2]])
         chosen_values = torch.tensor([[5.0, 5.0, 5.0, 1.0, 2.0, 5.0, 5.0]])
         rejected_values = torch.tensor([[-5.0, -5.0, -5.0, 0.0, 3.0, -5.0, -5.0]])
-        up = (rm.upstream_end_indices(chosen_ids, 2, 1), rm.upstream_end_indices(rejected_ids, 2, 1))
+        up = (upstream_end_indices(chosen_ids, 2, 1), upstream_end_indices(rejected_ids, 2, 1))
         from_mask = (
-            rm.reward_end_indices(torch.tensor([[1, 1, 1, 1, 1, 0, 0]])) + 1,
-            rm.reward_end_indices(torch.tensor([[1, 1, 1, 1, 0, 0, 0]])) + 1,
+            reward_end_indices(torch.tensor([[1, 1, 1, 1, 1, 0, 0]])) + 1,
+            reward_end_indices(torch.tensor([[1, 1, 1, 1, 0, 0, 0]])) + 1,
         )
         for c_end, r_end in (up, from_mask):
-            out = rm.pairwise_reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, c_end, r_end)
+            out = pairwise_reward_loss(chosen_values, rejected_values, chosen_ids, rejected_ids, c_end, r_end)
             _close(out.loss, (_ln1pexp(1.0) + _ln1pexp(-1.0)) / 2)
             _close(out.chosen_end_scores, [2.0])
             _close(out.rejected_end_scores, [0.0])
@@ -454,14 +457,14 @@ class TestPairwiseLossHand:
         ids_c, ids_r = torch.tensor([[1, 2, 0]]), torch.tensor([[3, 2, 0]])
         with pytest.raises(ValueError, match="position 0"):
             ends = torch.tensor([2])
-            rm.pairwise_reward_loss(torch.zeros(1, 3), torch.zeros(1, 3), ids_c, ids_r, ends, ends)
+            pairwise_reward_loss(torch.zeros(1, 3), torch.zeros(1, 3), ids_c, ids_r, ends, ends)
 
     def test_empty_span_is_nan_like_upstream(self):
         # Ids differ only after both ends (pad 0): c_ind = r_ind = 2, divergence 3 -> span [3, 2)
         # is empty and upstream's mean over it is nan.
         ids_c, ids_r = torch.tensor([[5, 6, 0, 7]]), torch.tensor([[5, 6, 0, 8]])
-        ends = rm.upstream_end_indices(ids_c, 0)
-        out = rm.pairwise_reward_loss(torch.zeros(1, 4), torch.zeros(1, 4), ids_c, ids_r, ends, ends)
+        ends = upstream_end_indices(ids_c, 0)
+        out = pairwise_reward_loss(torch.zeros(1, 4), torch.zeros(1, 4), ids_c, ids_r, ends, ends)
         assert torch.isnan(out.loss)
         assert torch.isnan(_upstream_pairwise_loop(torch.zeros(1, 4), torch.zeros(1, 4), ids_c, ids_r, 0, 0)[0])
 
@@ -469,8 +472,8 @@ class TestPairwiseLossHand:
         ids_c, ids_r = torch.tensor([[5, 6, 0]]), torch.tensor([[5, 7, 0]])
         ends = torch.tensor([2])
         vals = torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.bfloat16)
-        assert rm.pairwise_reward_loss(vals, -vals, ids_c, ids_r, ends, ends).loss.dtype == torch.bfloat16
-        out = rm.pairwise_reward_loss(vals, -vals, ids_c, ids_r, ends, ends, compute_fp32_loss=True)
+        assert pairwise_reward_loss(vals, -vals, ids_c, ids_r, ends, ends).loss.dtype == torch.bfloat16
+        out = pairwise_reward_loss(vals, -vals, ids_c, ids_r, ends, ends, compute_fp32_loss=True)
         assert out.loss.dtype == torch.float32
         _close(out.loss, _ln1pexp(2.0))  # span [1, 2): c - r = 1 - (-1) = 2
 
@@ -486,14 +489,14 @@ class TestDPO:
         labels = torch.tensor([[7, 1, 0], [7, 1, -100], [7, 1, 99]])
         mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 0]])
         expected = [2 * math.log(0.75), math.log(0.75), math.log(0.75)]
-        _close(rm.sequence_log_probs(logits, labels, mask), expected)
+        _close(sequence_log_probs(logits, labels, mask), expected)
 
     def test_label_mask(self):
         # pad 0, B = 2, rows [chosen0, chosen1, rejected0, rejected1]
         # pair 0 diverges at 2 -> both rows masked before 2 and at pads
         # pair 1 identical -> divergence 0 (upstream's DPO convention): only pads masked
         ids = torch.tensor([[7, 8, 9, 0], [7, 8, 0, 0], [7, 8, 5, 6], [7, 8, 0, 0]])
-        _close(rm.dpo_label_mask(ids, 0), [[0, 0, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 0, 0]])
+        _close(dpo_label_mask(ids, 0), [[0, 0, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 0, 0]])
 
     def test_loss_with_label_smoothing(self):
         # pi_c - ref_c = -10 - (-12) = 2, pi_r - ref_r = -20 - (-17) = -3
@@ -502,14 +505,14 @@ class TestDPO:
         # eps = 0.1: 0.9 * 0.474077 + 0.1 * ln(1 + e^0.5) = 0.9 * 0.474077 + 0.1 * 0.974077 = 0.524077
         # rewards: chosen 0.1 * 2 = 0.2, rejected 0.1 * -3 = -0.3
         args = (torch.tensor([-10.0]), torch.tensor([-20.0]), torch.tensor([-12.0]), torch.tensor([-17.0]))
-        out = rm.dpo_loss(*args)
+        out = dpo_loss(*args)
         _close(out.losses, [_ln1pexp(0.5)])
         _close(out.chosen_rewards, [0.2])
         _close(out.rejected_rewards, [-0.3])
-        smoothed = rm.dpo_loss(*args, label_smoothing=0.1)
+        smoothed = dpo_loss(*args, label_smoothing=0.1)
         _close(smoothed.losses, [0.9 * _ln1pexp(0.5) + 0.1 * _ln1pexp(-0.5)])
         # beta = 0.5: logits = 2.5 -> ln(1 + e^-2.5) = 0.078889
-        _close(rm.dpo_loss(*args, beta=0.5).losses, [_ln1pexp(2.5)])
+        _close(dpo_loss(*args, beta=0.5).losses, [_ln1pexp(2.5)])
 
 
 # =============================================================================================
@@ -546,12 +549,12 @@ def test_compute_rewards_matches_upstream_loop(seed):
     reward_clip = torch.clamp(scores, -clip, clip)
     for j in range(lp.shape[0]):
         expected[j, start : ends[j]][-1] += reward_clip[j]
-    torch.testing.assert_close(rm.compute_rewards(prompts, lp, ref, scores, am), expected, rtol=0, atol=0)
+    torch.testing.assert_close(compute_rewards(prompts, lp, ref, scores, am), expected, rtol=0, atol=0)
     for i in range(expected.shape[0]):
         expected[i, ends[i] :] = 0
-    got_ends = rm.sequence_end_indices(am, start)
+    got_ends = sequence_end_indices(am, start)
     assert got_ends.tolist() == ends.tolist()
-    zeroed = rm.mask_after_ends(rm.compute_rewards(prompts, lp, ref, scores, am), got_ends)
+    zeroed = mask_after_ends(compute_rewards(prompts, lp, ref, scores, am), got_ends)
     torch.testing.assert_close(zeroed, expected, rtol=0, atol=0)
 
 
@@ -567,7 +570,7 @@ def test_compute_rewards_last_and_k3_match_python_loop(seed):
             expected[b, t] = -0.3 * (math.exp(-d) - 1 + d)
         n = int(am[b, start:].sum())
         expected[b, max(start + n - 1, start)] += max(-2.0, min(2.0, float(scores[b])))
-    got = rm.compute_rewards(
+    got = compute_rewards(
         prompts, lp, ref, scores, am, kl_ctl=0.3, clip_reward_value=2.0, kl_estimator="k3", reward_at="last"
     )
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
@@ -596,7 +599,7 @@ def test_gae_matches_python_loop(seed):
     gamma, lam = [(1.0, 0.95), (0.99, 0.9), (0.5, 0.0), (1.0, 1.0), (0.9, 0.8), (0.0, 0.95)][seed]
     values = torch.randn(B, T, generator=g, dtype=torch.float64)
     rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
-    adv, ret = rm.get_advantages_and_returns(values, rewards, start, gamma=gamma, lam=lam)
+    adv, ret = get_advantages_and_returns(values, rewards, start, gamma=gamma, lam=lam)
     exp_adv, exp_ret = _gae_python(values.tolist(), rewards.tolist(), start, gamma, lam)
     assert adv.shape == (B, T - start)
     torch.testing.assert_close(adv, exp_adv, rtol=0, atol=1e-12)
@@ -664,7 +667,7 @@ def test_pairwise_read_ends_by_hand():
     # Pairs of 6 columns: chosen ends 5 / rejected 3 (the longer end, 5); 2 / 4 (4); identical (the row end, 6).
     chosen = torch.tensor([[1, 2, 3, 4, 5, 0], [1, 2, 0, 0, 0, 0], [1, 2, 3, 0, 0, 0]])
     rejected = torch.tensor([[1, 2, 9, 0, 0, 0], [1, 7, 8, 9, 0, 0], [1, 2, 3, 0, 0, 0]])
-    ends = rm.pairwise_read_ends(chosen, rejected, torch.tensor([5, 2, 3]), torch.tensor([3, 4, 3]))
+    ends = pairwise_read_ends(chosen, rejected, torch.tensor([5, 2, 3]), torch.tensor([3, 4, 3]))
     assert ends.tolist() == [5, 4, 6]
     from dschat.rl_math.preference import identical_pairs
 
@@ -680,8 +683,8 @@ def test_pairwise_loss_matches_upstream_loop(seed, opt_style):
     exp_loss.backward()
 
     cv_vec, rv_vec = cv.clone().requires_grad_(), rv.clone().requires_grad_()
-    out = rm.pairwise_reward_loss(
-        cv_vec, rv_vec, cid, rid, rm.upstream_end_indices(cid, pad, npb), rm.upstream_end_indices(rid, pad, npb)
+    out = pairwise_reward_loss(
+        cv_vec, rv_vec, cid, rid, upstream_end_indices(cid, pad, npb), upstream_end_indices(rid, pad, npb)
     )
     out.loss.backward()
     torch.testing.assert_close(out.loss, exp_loss, rtol=0, atol=1e-12)
@@ -700,7 +703,7 @@ def test_upstream_end_indices_match_nonzero_rule(seed):
         for row in ids:
             inds = (row == 0).nonzero()
             expected.append(inds[npb].item() if len(inds) > npb else ids.shape[1])
-        assert rm.upstream_end_indices(ids, 0, npb).tolist() == expected
+        assert upstream_end_indices(ids, 0, npb).tolist() == expected
 
 
 def test_sequence_log_probs_matches_upstream_get_batch_logps():
@@ -712,7 +715,7 @@ def test_sequence_log_probs_matches_upstream_get_batch_logps():
     labels = (ids.clone() * mask)[:, 1:]
     per_token = torch.gather(logits[:, :-1].log_softmax(-1), dim=2, index=labels.unsqueeze(2)).squeeze(2)
     expected = (per_token * mask[:, 1:]).sum(-1)
-    torch.testing.assert_close(rm.sequence_log_probs(logits, ids, mask), expected, rtol=0, atol=1e-12)
+    torch.testing.assert_close(sequence_log_probs(logits, ids, mask), expected, rtol=0, atol=1e-12)
 
 
 # =============================================================================================
@@ -732,13 +735,13 @@ def _ppo_batch(seed: int, B: int = 8, T: int = 6):
 def test_actor_loss_micro_batches_sum_to_full_batch(seed):
     new, old, adv, mask = _ppo_batch(seed)
     full_new = new.clone().requires_grad_()
-    full = rm.actor_loss_fn(full_new, old, adv, mask)  # 8 x 1: upstream's per-batch token mean
+    full = actor_loss_fn(full_new, old, adv, mask)  # 8 x 1: upstream's per-batch token mean
     full.backward()
 
     total = mask.sum()
     micro_new = new.clone().requires_grad_()
     micro_losses = [
-        rm.actor_loss_fn(micro_new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], normalizer=total)
+        actor_loss_fn(micro_new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1], normalizer=total)
         for i in range(8)
     ]  # 1 x 8
     accumulated = torch.stack(micro_losses).sum()
@@ -747,7 +750,7 @@ def test_actor_loss_micro_batches_sum_to_full_batch(seed):
     torch.testing.assert_close(micro_new.grad, full_new.grad, rtol=0, atol=1e-12)
     # Without the normalizer, averaging per-micro-batch means weights short rows up: not equal.
     naive = torch.stack(
-        [rm.actor_loss_fn(new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1]) for i in range(8)]
+        [actor_loss_fn(new[i : i + 1], old[i : i + 1], adv[i : i + 1], mask[i : i + 1]) for i in range(8)]
     ).mean()
     assert not torch.allclose(naive, full.detach())
 
@@ -755,12 +758,12 @@ def test_actor_loss_micro_batches_sum_to_full_batch(seed):
 @pytest.mark.parametrize("seed", range(3))
 def test_critic_loss_micro_batches_sum_to_full_batch(seed):
     values, old_values, returns, mask = _ppo_batch(seed)
-    full = rm.critic_loss_fn(values, old_values, returns, mask, cliprange_value=0.1)
+    full = critic_loss_fn(values, old_values, returns, mask, cliprange_value=0.1)
     total = mask.sum()
 
     def micro(i: int, **kwargs) -> torch.Tensor:
         rows = slice(i, i + 1)
-        return rm.critic_loss_fn(
+        return critic_loss_fn(
             values[rows], old_values[rows], returns[rows], mask[rows], cliprange_value=0.1, **kwargs
         )
 
@@ -775,10 +778,10 @@ def test_masked_whiten_zero_mean_unit_variance_over_mask():
     x = torch.randn(6, 10, generator=g, dtype=torch.float64) * 3 + 5
     mask = torch.rand(6, 10, generator=g) > 0.4
     x = torch.where(mask, x, torch.full_like(x, 1e6))  # garbage outside the mask must not count
-    kept = rm.masked_whiten(x, mask)[mask]
+    kept = masked_whiten(x, mask)[mask]
     assert abs(float(kept.mean())) < 1e-9
     assert float(kept.var()) == pytest.approx(1.0, abs=1e-6)  # torch.var: unbiased, eps = 1e-8
-    unshifted = rm.masked_whiten(x, mask, shift_mean=False)[mask]
+    unshifted = masked_whiten(x, mask, shift_mean=False)[mask]
     assert float(unshifted.mean()) == pytest.approx(float(x[mask].mean()), abs=1e-9)
     assert float(unshifted.var()) == pytest.approx(1.0, abs=1e-6)
 
@@ -789,14 +792,14 @@ def test_whitening_and_explained_variance_of_one_tensor_do_not_cancel_in_float32
     g = torch.Generator().manual_seed(7)
     x = 1000 + 0.01 * torch.randn(4, 64, generator=g)
     mask = torch.ones_like(x, dtype=torch.bool)
-    assert float(rm.masked_whiten(x, mask).std()) == pytest.approx(1.0, abs=1e-3)
+    assert float(masked_whiten(x, mask).std()) == pytest.approx(1.0, abs=1e-3)
     returns = 1000 + 0.01 * torch.randn(4, 64, generator=g)
     values = returns + 0.001 * torch.randn(4, 64, generator=g)
     expected = 1 - float((returns - values).double().var(unbiased=False) / returns.double().var(unbiased=False))
-    assert float(rm.explained_variance(values, returns, mask)) == pytest.approx(expected, abs=1e-3)
+    assert float(explained_variance(values, returns, mask)) == pytest.approx(expected, abs=1e-3)
     empty = torch.zeros_like(mask)
-    assert torch.isnan(rm.masked_whiten(x, empty)).all()
-    assert torch.isnan(rm.explained_variance(values, returns, empty))
+    assert torch.isnan(masked_whiten(x, empty)).all()
+    assert torch.isnan(explained_variance(values, returns, empty))
 
 
 def test_moments_of_micro_batches_give_the_statistics_of_the_whole_rollout():
@@ -809,31 +812,31 @@ def test_moments_of_micro_batches_give_the_statistics_of_the_whole_rollout():
     flat_x = torch.cat([x[m] for x, m in parts])
     flat_v = torch.cat([v[m] for v, (_, m) in zip(values, parts)])
     ones = torch.ones_like(flat_x, dtype=torch.bool)
-    moments = rm.Moments(0.0, 0.0, 0.0)
+    moments = Moments(0.0, 0.0, 0.0)
     for x, mask in parts:
-        moments = moments.plus(rm.Moments.of(x, mask))
+        moments = moments.plus(Moments.of(x, mask))
     assert moments.count == ones.sum() and moments.mean == pytest.approx(float(flat_x.mean()), abs=1e-12)
     assert moments.var() == pytest.approx(float(flat_x.var()), abs=1e-12)  # unbiased
-    whole = rm.masked_whiten(flat_x, ones)
-    split = torch.cat([rm.masked_whiten(x, m, moments=moments)[m] for x, m in parts])
+    whole = masked_whiten(flat_x, ones)
+    split = torch.cat([masked_whiten(x, m, moments=moments)[m] for x, m in parts])
     torch.testing.assert_close(split, whole, rtol=0, atol=1e-12)
     # The trainer's formula before it used masked_whiten, bit for bit.
     mean = moments.total / max(moments.count, 1.0)
     var = max(moments.total_sq / max(moments.count, 1.0) - mean ** 2, 0.0) * moments.count / max(moments.count - 1.0, 1.0)
     x, m = parts[0]
-    assert torch.equal(rm.masked_whiten(x, m, moments=moments), (x - mean) * (var + 1e-8) ** -0.5)
+    assert torch.equal(masked_whiten(x, m, moments=moments), (x - mean) * (var + 1e-8) ** -0.5)
     # Explained variance from the returns' and residuals' moments == over the concatenated tokens.
-    residual = rm.Moments(0.0, 0.0, 0.0)
+    residual = Moments(0.0, 0.0, 0.0)
     for (x, mask), v in zip(parts, values):
-        residual = residual.plus(rm.Moments.of(x - v, mask))
+        residual = residual.plus(Moments.of(x - v, mask))
     expected = 1.0 - float((flat_x - flat_v).var(unbiased=False)) / float(flat_x.var(unbiased=False))
-    assert rm.explained_variance_from_moments(moments, residual) == pytest.approx(expected, abs=1e-12)
-    assert float(rm.explained_variance(flat_v, flat_x, ones)) == pytest.approx(expected, abs=1e-6)  # float32
-    assert math.isnan(rm.explained_variance_from_moments(rm.Moments(0.0, 0.0, 0.0), residual))
+    assert explained_variance_from_moments(moments, residual) == pytest.approx(expected, abs=1e-12)
+    assert float(explained_variance(flat_v, flat_x, ones)) == pytest.approx(expected, abs=1e-6)  # float32
+    assert math.isnan(explained_variance_from_moments(Moments(0.0, 0.0, 0.0), residual))
 
 
 def test_causal_lm_loss_shifts_and_ignores_masked_labels():
-    from dschat.rl_math import causal_lm_loss
+    from dschat.rl_math.logprobs import causal_lm_loss
 
     # Vocabulary of 2, uniform logits except position 0 strongly predicts token 1.
     logits = torch.zeros(1, 3, 2)
@@ -852,5 +855,5 @@ def test_causal_lm_loss_shifts_and_ignores_masked_labels():
 def test_missing_eos_penalty_by_hand():
     scores = torch.tensor([1.0, -0.5, 2.0])
     ended = torch.tensor([True, False, False])
-    assert torch.equal(rm.missing_eos_penalty(scores, ended, 1.5), torch.tensor([1.0, -2.0, 0.5]))
-    assert rm.missing_eos_penalty(scores, ended, 0.0) is scores  # off: untouched
+    assert torch.equal(missing_eos_penalty(scores, ended, 1.5), torch.tensor([1.0, -2.0, 0.5]))
+    assert missing_eos_penalty(scores, ended, 0.0) is scores  # off: untouched

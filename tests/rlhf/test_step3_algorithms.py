@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat import rl_algorithms
+from dschat.rl_math.critic_free import ALGORITHMS, LOSS_AGGREGATIONS
 from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
 from dschat.models.registry import resolve_model_path
-from dschat.rlhf.algorithm import resolve_algorithm
+from dschat.rlhf.config import resolve_algorithm
 from dschat.training import checkpoint as ckpt
 
 from helpers.step3 import (
@@ -46,8 +46,8 @@ def _settings(*extra):
 
 
 def test_flag_choices_match_the_math_module():
-    assert ALGORITHM_CHOICES == rl_algorithms.ALGORITHMS
-    assert LOSS_AGGREGATION_CHOICES == rl_algorithms.LOSS_AGGREGATIONS
+    assert ALGORITHM_CHOICES == ALGORITHMS
+    assert LOSS_AGGREGATION_CHOICES == LOSS_AGGREGATIONS
 
 
 def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():

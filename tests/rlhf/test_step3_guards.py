@@ -2,6 +2,7 @@
 and the CLI's one-line exit-2 errors (subprocesses)."""
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from dschat.errors import UserError
-from dschat.rlhf.guards import BatchPlan, num_total_iters, plan_batches, validate_step3_args
+from dschat.rlhf.config import BatchPlan, num_total_iters, plan_batches
+from dschat.rlhf.guards import validate_step3_args
 
 from helpers import REPO
 from helpers.step3 import STEP3_MAIN, step3_main, subprocess_env
@@ -166,12 +168,13 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, critic_dirs,
 
 @pytest.mark.parametrize("actor_stage, critic_stage", [(0, 0), (2, 3), (3, 0), (3, 3)])
 def test_engine_configs_follow_upstream_stage_rules(actor_stage, critic_stage):
+    from dschat.rlhf.config import zero_config
     from dschat.rlhf.rlhf_engine import ds_config_for
 
     args = _args(actor_zero_stage=actor_stage, critic_zero_stage=critic_stage, per_device_training_batch_size=4,
                  gradient_accumulation_steps=3, offload=True, offload_reference_model=True,
                  unsupervised_dataset_name="dschat/builtin", max_prompt_seq_len=64, max_answer_seq_len=32)
-    cfg = {role: ds_config_for(role, args, dtype="bf16", hybrid_engine=True, world_size=2)
+    cfg = {role: ds_config_for(role, zero_config(args), dtype="bf16", hybrid_engine=True, world_size=2)
            for role in ("actor", "ref", "ema", "critic", "reward")}
     stage = {role: c["zero_optimization"]["stage"] for role, c in cfg.items()}
     assert stage == {"actor": actor_stage, "ref": 3 if actor_stage == 3 else 0, "ema": 3 if actor_stage == 3 else 0,
@@ -202,7 +205,7 @@ def _dschat_only_flags() -> set[str]:
     return {a.dest for a in parser._actions if (a.help or "").startswith("(dschat")}
 
 
-def test_engine_and_trainer_read_dschat_flags_only_through_step3_flag():
+def test_engine_and_trainer_read_dschat_flags_only_through_the_config():
     # DeepSpeedRLHFEngine and DeepSpeedPPOTrainer get the Namespace of whoever calls them; one built
     # by an upstream-style main.py lacks dschat's flags, so a plain `args.<dschat flag>` would raise
     # AttributeError (after all five models loaded).
@@ -218,16 +221,20 @@ def test_engine_and_trainer_read_dschat_flags_only_through_step3_flag():
         assert not read & dschat_only, (rel, sorted(read & dschat_only))
 
 
-def test_step3_flag_falls_back_to_the_flag_default():
-    from types import SimpleNamespace
+def test_an_upstream_style_namespace_gets_dschats_flags_at_their_defaults_once():
+    from dschat.rlhf.config import complete_step3_args, step3_config
 
-    from dschat.cli.args import step3_flag
-
-    upstream_style = SimpleNamespace(actor_zero_stage=3)
-    assert step3_flag(upstream_style, "actor_zero_stage") == 3
-    assert step3_flag(upstream_style, "kl_ctl") == 0.1 and step3_flag(upstream_style, "decoding") == "sample"
-    assert step3_flag(upstream_style, "max_nonfinite_steps") == 10
-    assert step3_flag(SimpleNamespace(kl_ctl=0.5), "kl_ctl") == 0.5
+    upstream_style = SimpleNamespace(actor_zero_stage=3, kl_ctl=0.5)
+    completed = complete_step3_args(upstream_style)
+    assert completed.actor_zero_stage == 3 and completed.kl_ctl == 0.5
+    assert completed.decoding == "sample" and completed.max_nonfinite_steps == 10 and completed.algorithm == "ppo"
+    assert not hasattr(upstream_style, "decoding")  # the caller's object stays as it was
+    full = _args()
+    assert complete_step3_args(full) is full
+    # Upstream's flags only: every part of the config is what the full parser's defaults give.
+    upstream_only = argparse.Namespace(**{k: v for k, v in vars(full).items() if k not in _dschat_only_flags()})
+    assert not hasattr(upstream_only, "kl_ctl")
+    assert step3_config(upstream_only, world_size=2) == step3_config(full, world_size=2)
 
 
 def test_upstream_debug_helpers(capsys):

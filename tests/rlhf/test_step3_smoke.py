@@ -242,7 +242,7 @@ def test_a_rollout_after_a_shifted_step_is_trained_against_its_stored_log_probs(
         monkeypatch, tmp_path, critic_dirs, data_cache, capsys):
     # Keep the short batch (as before the fix): epoch 0's 1-micro-step rollout shifts every later
     # optimizer step by one, so epoch 1's first rollout has a step between its two micro-steps.
-    from dschat.rlhf.guards import BatchPlan
+    from dschat.rlhf.config import BatchPlan
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 
     monkeypatch.setattr(BatchPlan, "drop_short_batches", property(lambda self: False))

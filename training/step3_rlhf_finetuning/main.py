@@ -37,7 +37,6 @@ from dschat.cli.args import (
 )
 from dschat.errors import UserError, cli_main
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
-from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
 from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 
@@ -45,7 +44,7 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
-    from dschat.rlhf.batch_plan import BatchPlan
+    from dschat.rlhf.config import AlgorithmSettings, BatchPlan
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
@@ -143,7 +142,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     from dschat.data.collators import DataCollatorRLHF
     from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
-    from dschat.rlhf.batch_plan import num_total_iters
+    from dschat.rlhf.config import num_total_iters
     from dschat.training.common import make_train_loader
 
     # PPO-ptx data first: a bad --unsupervised_dataset_name fails before the prompt cache is written.
@@ -193,8 +192,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
-    from dschat.rlhf.batch_plan import plan_batches
-    from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
+    from dschat.rlhf.config import resolve_algorithm, step3_config
     from dschat.rlhf.guards import validate_step3_args
     from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
@@ -214,9 +212,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     judges = check_eval_args(args)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
-    plan = plan_batches(args, ctx.world_size, ptx=ptx)
-    config = Step3Config(rollout=rollout_config(args), ppo=ppo_config(args), algorithm=settings, batches=plan,
-                         reward=mix)
+    config = step3_config(args, ctx.world_size, mix, algorithm=settings)  # every part of step 3, once
+    plan = config.batches
     for line in warnings:
         print_rank_0(line, ctx.rank)
     print_rank_0(settings.describe(), ctx.rank)
@@ -238,25 +235,26 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     # ---------------------------------------------------------------- engines and trainer
     rlhf_engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer,
                                       args, num_total_iters, with_reward_model=mix.uses_model,
-                                      with_critic=settings.critic, rollout=config.rollout)
+                                      with_critic=settings.critic, config=config)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer
     trainer = trainer_class(rlhf_engine, args, prompt_columns=columns, config=config)
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")
-    evaluation = StepThreeEvaluation(args, trainer, eval_items, judges, tb=tb, rank=ctx.rank, world_size=ctx.world_size)
+    evaluation = StepThreeEvaluation(config.evaluation, trainer, eval_items, judges, tb=tb, rank=ctx.rank,
+                                     world_size=ctx.world_size)
     result = Step3Result(on_policy=plan.on_policy, rlhf_engine=rlhf_engine, trainer=trainer, tokenizer=tokenizer,
                          evaluations=evaluation.records)
 
     print_rank_0(f"***** Running training (total_iters={num_total_iters}) *****", ctx.rank)
     print_rank_0(plan.describe(), ctx.rank)
     if not plan.on_policy:
-        print_rank_0(plan.off_policy_warning(args.cliprange), ctx.rank)
+        print_rank_0(plan.off_policy_warning(config.ppo.cliprange), ctx.rank)
 
     # ---------------------------------------------------------------- resume
     # A checkpoint is written after a trained PPO iteration (--save_interval counts iterations), when
     # no rollout is half collected: the trainable engines (actor, critic unless critic-free, EMA), the
     # random states, the prompt position and the PPO counters.
     trainable = {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}
-    checkpointer = Checkpointer(args, {k: v for k, v in trainable.items() if v is not None}, ctx.rank,
+    checkpointer = Checkpointer(config.checkpoint, {k: v for k, v in trainable.items() if v is not None}, ctx.rank,
                                 weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema},
                                 loaders=[loader for loader in (prompt_loader, unsup_loader) if loader is not None])
     trainer.nonfinite.last_checkpoint = checkpointer.latest

@@ -1,7 +1,7 @@
 """Pure math of the critic-free step-3 algorithms (GRPO, Dr.GRPO, RLOO, REINFORCE++, ReMax), the
 KL-as-a-loss term and truncated importance sampling: torch only, no DeepSpeed, no ``args``.
 
-PPO's own math (GAE, the clipped losses, the KL-penalised rewards) is in :mod:`dschat.rl_math`;
+PPO's own math (GAE, the clipped losses, the KL-penalised rewards) is in :mod:`dschat.rl_math.ppo`;
 this module reuses it and follows its index conventions (``(B, T)`` per-token tensors, position
 ``i`` scoring token ``i + 1``; callers slice from ``start = P - 1``). Each formula is written in
 ``docs/algorithms.md`` next to its paper, and pinned by hand-computed cases in
@@ -18,7 +18,8 @@ from typing import Literal
 
 import torch
 
-from dschat.rl_math import get_advantages_and_returns, kl_penalty, masked_sum
+from dschat.rl_math.ppo import get_advantages_and_returns, kl_penalty
+from dschat.rl_math.stats import masked_sum
 
 __all__ = [
     "ALGORITHMS",
@@ -107,7 +108,7 @@ def remax_advantages(rewards: torch.Tensor, greedy_rewards: torch.Tensor) -> tor
 def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, *,
                 estimator: str = "k1") -> torch.Tensor:
     """Per-answer KL to the reference: ``sum_t k(logprobs_t, ref_logprobs_t)`` over the answer's
-    tokens, with an estimator of :func:`dschat.rl_math.kl_penalty`. A critic-free algorithm that
+    tokens, with an estimator of :func:`dschat.rl_math.ppo.kl_penalty`. A critic-free algorithm that
     keeps the KL in the reward subtracts ``kl_ctl`` times this from the answer's score (RLOO,
     ReMax; Ahmadian et al. 2024, eq. 2).
 
@@ -119,7 +120,7 @@ def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.
 def returns_to_go(rewards: torch.Tensor, start: int, *, gamma: float = 1.0) -> torch.Tensor:
     """REINFORCE++'s token returns (Hu 2025, eq. 6): ``G_t = sum_{s >= t} gamma^(s - t) * r_s`` over
     positions ``[start, T)``, where ``r`` holds ``-kl_ctl * KL_t`` on every token and the score at
-    the reward slot (:func:`dschat.rl_math.compute_rewards`). It is GAE with ``V = 0`` and
+    the reward slot (:func:`dschat.rl_math.ppo.compute_rewards`). It is GAE with ``V = 0`` and
     ``lambda = 1``, which is how it is computed.
 
     Shape: rewards (B, T) (zeroed after each answer's end); returns (B, T - start).
@@ -158,7 +159,7 @@ def policy_loss_per_token(logprobs: torch.Tensor, old_logprobs: torch.Tensor, ad
                           mask: torch.Tensor, *, cliprange: float = 0.2) -> torch.Tensor:
     """The PPO clipped surrogate per token, ``max(-A * r, -A * clamp(r, 1 - c, 1 + c))`` with
     ``r = exp((logprobs - old_logprobs) * mask)`` (masked before ``exp``, as
-    :func:`dschat.rl_math.actor_loss_fn`, whose sum this is before normalising). GRPO, RLOO,
+    :func:`dschat.rl_math.ppo.actor_loss_fn`, whose sum this is before normalising). GRPO, RLOO,
     REINFORCE++ and ReMax all use it (with ``r = 1`` on-policy it is ``-A * logprob``'s gradient).
 
     Shape: all (B, T'); returns (B, T') (0 where ``mask`` is 0).
@@ -179,7 +180,7 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *,
       a constant ``max_len`` (``--max_answer_seq_len``) instead of ``|o_i|``.
 
     ``normalizer`` is ``N_tokens`` (token) or ``N_seq`` (the others) of the whole optimizer step
-    divided by ``GA x world`` (see :func:`dschat.rl_math.actor_loss_fn`), so micro-batch losses sum
+    divided by ``GA x world`` (see :func:`dschat.rl_math.ppo.actor_loss_fn`), so micro-batch losses sum
     to the full-batch loss; ``None`` uses this micro-batch's own count. Answers without tokens
     count for nothing.
 
