@@ -66,17 +66,17 @@ def resume_in_process(step: str, argv: list[str], out: Path, tags: tuple[str, ..
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("reshape_data")
+def data_dir(two_rank_data):
+    return two_rank_data
 
 
 @pytest.fixture(scope="module")
-def step1_on_two_ranks(data_dir, tmp_path_factory):
-    """Step 1 on 2 ranks at ZeRO-2: 3 optimizer steps of 2 x 2 rows, checkpointed at step 3."""
-    out = tmp_path_factory.mktemp("reshape_two") / "out"
-    proc = run_cli(deepspeed_cmd("main.py", *step1_argv(data_dir, out, 2, steps=3)), cwd=STEP_DIRS["step1"])
+def step1_on_two_ranks(step1_two_ranks):
+    """Step 1 on 2 ranks at ZeRO-2 (step1_argv(data_dir, out, 2, steps=3), run once for the
+    training tests: tests/training/conftest.py): 3 optimizer steps of 2 x 2 rows, checkpointed at step 3."""
+    proc = step1_two_ranks.proc
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    return out / "checkpoints" / ckpt.checkpoint_name(3)
+    return step1_two_ranks.out / "checkpoints" / ckpt.checkpoint_name(3)
 
 
 @pytest.mark.parametrize("stage", [2, 3, 0])

@@ -14,30 +14,28 @@ import pytest
 from dschat.training import checkpoint as ckpt
 
 from helpers.steps import STEP_DIRS, base_argv, deepspeed_cmd, run_cli
+from helpers.two_ranks import run_two_ranks
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.parametrize("step,tag,model,extra", [
-    ("step1", "step1", "tiny-llama", []),
-    ("step2", "step2", "tiny-opt-quirk", ["--learning_rate", "1e-3"]),
-])
-def test_two_ranks_end_with_identical_weights(tmp_path, step, tag, model, extra):
-    digests = tmp_path / "digests"
-    out = tmp_path / "out"
-    argv = base_argv(model, tmp_path / "data", *extra, "--zero_stage", "2", "--output_dir", str(out),
-                     "--save_interval", "3", max_train_steps=3)
-    cmd = deepspeed_cmd("main.py", *argv)
-    proc = run_cli(cmd, cwd=STEP_DIRS[step], DSCHAT_WEIGHT_DIGEST_DIR=str(digests))
+@pytest.mark.parametrize("step,model", [("step1", "tiny-llama"), ("step2", "tiny-opt-quirk")])
+def test_two_ranks_end_with_identical_weights(request, tmp_path, step, model):
+    if step == "step1":  # 2 x 2 sequences a step, the run test_resume_reshape.py resumes (conftest.py)
+        run = request.getfixturevalue("step1_two_ranks")
+    else:  # 2 x 4 pairs a step
+        argv = base_argv(model, tmp_path / "data", "--learning_rate", "1e-3", "--zero_stage", "2", "--output_dir",
+                         str(tmp_path / "out"), "--save_interval", "3", max_train_steps=3)
+        run = run_two_ranks(step, argv, tmp_path / "out", tmp_path / "digests")
+    proc, out = run.proc, run.out
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     # DeepSpeed's CPU shared-memory all-reduce buffers (69 MB a rank) are not left in /dev/shm.
-    port = cmd[cmd.index("--master_port") + 1]
-    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
-    rank0 = (digests / f"{tag}-rank0.sha256").read_text().strip()
-    rank1 = (digests / f"{tag}-rank1.sha256").read_text().strip()
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{run.port}_*"))
+    rank0 = (run.digests / f"{step}-rank0.sha256").read_text().strip()
+    rank1 = (run.digests / f"{step}-rank1.sha256").read_text().strip()
     assert len(rank0) == 64 and rank0 == rank1
     assert "Reached --max_train_steps 3; stopping" in proc.stdout
-    # Rank 0 prints the log lines once; both ranks train (2 x 4 pairs or sequences per step).
+    # Rank 0 prints the log lines once; both ranks train.
     assert proc.stdout.count("***** Running training *****") == 1
     # ... and training moved them (identical untouched weights would also hash equal).
     from safetensors.torch import load_file
