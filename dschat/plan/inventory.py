@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
+from transformers import AutoModel, AutoModelForCausalLM
 
 from dschat.errors import UserError
 from dschat.models.build import padded_vocab_size
@@ -98,9 +99,6 @@ def _first(config: Any, *names: str, default: int = 0) -> int:
 def inventory(config: Any, *, critic: bool, tokenizer_len: int = 0) -> tuple[Inventory, nn.Module]:
     """The parameters of the actor/reference (``critic=False``: ``AutoModelForCausalLM``) or of the
     critic/reward model (``critic=True``: ``AutoModel`` + ``v_head``) built from ``config``."""
-    # lazy: transformers' auto classes cost 1.0 s CPU at import (python -X importtime); --help skips them
-    from transformers import AutoModel, AutoModelForCausalLM
-
     config = type(config).from_dict(config.to_dict())
     rows = padded_vocab_size(config.vocab_size, tokenizer_len)
     config.vocab_size = rows

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from functools import lru_cache
 
 from dschat.models.registry import resolve_model_path
 from dschat.plan.inventory import Inventory, inventory, read_config, with_lora
@@ -31,19 +32,25 @@ class RolePlan:
     state: ModelState
 
 
-def _model_folder(name: str) -> str:
-    return resolve_model_path(name)
+@lru_cache(maxsize=8)
+def _config(name: str):
+    return read_config(resolve_model_path(name))
+
+
+@lru_cache(maxsize=8)
+def _inventory(name: str, critic: bool):
+    """The meta-device build of a model (cached: the search plans the same models many times)."""
+    return inventory(_config(name), critic=critic)
 
 
 def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelerator: bool = False,
                hybrid_engine: bool = False) -> dict[str, RolePlan]:
     """Every engine of a step-3 run of ``args`` on ``world`` ranks (``dtype``: the resolved one)."""
-    actor_config = read_config(_model_folder(args.actor_model_name_or_path))
-    critic_config = read_config(_model_folder(args.critic_model_name_or_path))
     plans = {}
     for role in PLANNED_ROLES:
         critic = role in ("critic", "reward")
-        inv, meta_model = inventory(critic_config if critic else actor_config, critic=critic)
+        name = args.critic_model_name_or_path if critic else args.actor_model_name_or_path
+        inv, meta_model = _inventory(name, critic)
         if role == "actor":
             inv = with_lora(inv, meta_model, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
         elif role == "critic":
