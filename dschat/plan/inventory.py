@@ -110,9 +110,9 @@ def inventory(config: Any, *, critic: bool, tokenizer_len: int = 0) -> tuple[Inv
         raise UserError(f"cannot build a {config.model_type} model from its config ({str(err).splitlines()[0][:120]}); "
                         "pass a decoder-only causal LM config") from None
     prefix = "rwtransformer." if critic else ""
-    params = [Param(prefix + name, p.numel()) for name, p in model.named_parameters()]
-    if critic:
-        params.append(Param(VALUE_HEAD_KEY, value_head_dim(config)))
+    # RewardModel registers v_head before the body: it comes first in named_parameters().
+    params = [Param(VALUE_HEAD_KEY, value_head_dim(config))] if critic else []
+    params += [Param(prefix + name, p.numel()) for name, p in model.named_parameters()]
     hidden = _first(config, "hidden_size", "n_embd", "d_model")
     heads = _first(config, "num_attention_heads", "n_head")
     return Inventory(
@@ -130,7 +130,7 @@ def with_lora(inv: Inventory, model: nn.Module, lora_dim: int, module_name: str,
     (``model``: the meta model :func:`inventory` built; an empty match is a :class:`UserError`)."""
     if lora_dim <= 0:
         return inv
-    prefix = "rwtransformer." if inv.params[-1].name == VALUE_HEAD_KEY else ""
+    prefix = "rwtransformer." if inv.params[0].name == VALUE_HEAD_KEY else ""
     shapes = {prefix + name: (m.in_features, m.out_features) for name, m in model.named_modules()
               if isinstance(m, nn.Linear) and module_name in prefix + name}
     if not shapes:

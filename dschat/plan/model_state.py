@@ -16,8 +16,7 @@ Categories (each a storage of its own; a tensor that shares another's storage is
 * ``grads``: the gradient storage after a backward. ZeRO 0: every trainable parameter's ``.grad``;
   ZeRO-1/2: one buffer holding *whole* every parameter whose elements reach into this rank's
   partition (so a parameter across a partition boundary is held by both ranks), or with optimizer
-  offload the fp32 partitions' gradients on the host (ZeRO-1 on several ranks holds this within one
-  parameter: checked exactly for ZeRO-2 only); ZeRO-3: the sum of
+  offload the fp32 partitions' gradients on the host; ZeRO-3: the sum of
   the parameter partitions. In the weights' dtype.
 * ``buckets``: ZeRO's reduction buckets (``reduce_bucket_size`` elements, two with
   ``overlap_comm``), allocated at the first backward; not part of the CPU exactness check.

@@ -33,7 +33,7 @@ ONE_RANK = {
 }
 TWO_RANKS = {
     "opt-zero3": ("tiny-opt", (Z[0], "3", Z[1], "3")),
-    "opt-zero2": ("tiny-opt", (Z[0], "2", Z[1], "2")),
+    "opt-zero2-zero1": ("tiny-opt", (Z[0], "2", Z[1], "1")),
     "llama-zero0-zero3-lora-offload": ("tiny-llama", (Z[0], "0", Z[1], "3", *LORA, "--offload")),
     "llama-zero3-zero2-offload-lora-only": ("tiny-llama", (Z[0], "3", Z[1], "2", "--offload", *LORA,
                                                             "--only_optimize_lora")),
