@@ -88,10 +88,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise UserError("--critic_model_name_or_path is needed to plan step 3; pass the step-2 output folder")
 
 
-def plan(args: argparse.Namespace) -> dict:
-    """The plan of ``args`` as a JSON-ready dict (``fits``, ``peak_bytes_per_gpu``, ``phases``, ...)."""
+def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
+    """The plan of ``args`` as a JSON-ready dict (``fits``, ``peak_bytes_per_gpu``, ``phases``, ...);
+    ``gpu_bytes`` replaces ``--gpu_memory`` (a GPU's measured size)."""
     world = args.gpus_per_node * args.num_nodes
-    gpu = parse_size(args.gpu_memory, "--gpu_memory")
+    gpu = parse_size(args.gpu_memory, "--gpu_memory") if gpu_bytes is None else gpu_bytes
     dtype = args.dtype
     plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine)
     steps = phases(plans, args, dtype)
@@ -124,7 +125,7 @@ def _with(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
 
 
 def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
-                limit: int = 5) -> list[dict]:
+                limit: int = 5, *, gpu_bytes: int | None = None) -> list[dict]:
     """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``."""
     found = []
     batches = []
@@ -139,14 +140,14 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
         if not flags or ("--offload" in flags and "--actor_zero_stage" not in flags and args.actor_zero_stage == 0):
             continue
         trial = parser.parse_args(_with(argv, flags))
-        result = plan(trial)
+        result = plan(trial, gpu_bytes=gpu_bytes)
         if result["fits"]:
             found.append({"flags": flags, "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": cost})
     found.sort(key=lambda s: (s["cost"], s["peak_bytes_per_gpu"]))
     if not found:
         for nodes in (2, 4, 8, 16):
             trial = parser.parse_args(_with(argv, ("--num_nodes", str(args.num_nodes * nodes))))
-            result = plan(trial)
+            result = plan(trial, gpu_bytes=gpu_bytes)
             if result["fits"]:
                 found.append({"flags": ["--num_nodes", str(args.num_nodes * nodes)],
                               "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": 0})

@@ -71,3 +71,16 @@ def test_sizes():
     assert parse_size("40GiB", "--gpu_memory") == 40 * 2**30
     with pytest.raises(UserError):
         parse_size("lots", "--gpu_memory")
+
+
+def test_preflight_stops_a_run_that_cannot_fit_with_the_phase_the_shortfall_and_a_fix(config_only):
+    from dschat.plan.preflight import preflight  # noqa: PLC0415 - one test of it
+
+    argv = ["--actor_model_name_or_path", str(config_only), "--critic_model_name_or_path", str(config_only),
+            "--dtype", "fp16", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4"]
+    with pytest.raises(UserError, match=r"step 3 does not fit: .* needs .* per GPU, .* more than .*; add --"):
+        preflight(argv, world=1, gpus_per_node=1, accelerator="cuda", gpu_bytes=24 * 10**9)
+    assert preflight(argv, world=1, gpus_per_node=1, accelerator="cuda", gpu_bytes=200 * 10**9)["fits"]
+    printed = []
+    result = preflight(argv, world=1, gpus_per_node=1, accelerator="cpu", gpu_bytes=24 * 10**9, echo=printed.append)
+    assert not result["fits"] and "does NOT fit" in printed[0]
