@@ -27,7 +27,7 @@ from dschat.cli.args import (
 )
 from dschat.errors import UserError, cli_main
 from dschat.plan.model_state import DTYPE_BYTES
-from dschat.plan.phases import Phase, host_bytes_at_load, phases
+from dschat.plan.phases import host_bytes_at_load, phases
 from dschat.plan.roles import plan_roles
 
 __all__ = ["add_plan_args", "build_parser", "parse_size", "plan", "main", "MARGIN"]
@@ -137,8 +137,10 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
     for choice in itertools.product(_CHANGES["zero"], _CHANGES["offload"], _CHANGES["lora"], _CHANGES["ckpt"], batches):
         flags = [f for part, _ in choice for f in part]
         cost = sum(c for _, c in choice)
-        if not flags or ("--offload" in flags and "--actor_zero_stage" not in flags and args.actor_zero_stage == 0):
-            continue
+        actor_stage = 3 if "--actor_zero_stage" in flags else args.actor_zero_stage
+        critic_stage = 3 if "--critic_zero_stage" in flags else args.critic_zero_stage
+        if not flags or ("--offload" in flags and 0 in (actor_stage, critic_stage)):
+            continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (step 3 refuses it at 0)
         trial = parser.parse_args(_with(argv, flags))
         result = plan(trial, gpu_bytes=gpu_bytes)
         if result["fits"]:

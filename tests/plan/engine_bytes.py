@@ -80,7 +80,8 @@ def _grad_tensors(engine: Any) -> list[Any]:
     out = [p.grad for p in engine.module.parameters()]
     out.append(getattr(opt, "grads_in_partition", None))
     out.append(getattr(opt, "grad_partitions_flat_buffer", None))
-    for group in getattr(opt, "averaged_gradients", {}) .values() if isinstance(getattr(opt, "averaged_gradients", None), dict) else []:
+    averaged = getattr(opt, "averaged_gradients", None)
+    for group in (averaged.values() if isinstance(averaged, dict) else []):
         out.extend(group or [])
     out.extend(t.grad for t in _master_tensors(engine))
     return out
