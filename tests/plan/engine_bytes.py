@@ -12,7 +12,8 @@ A case is ``(model, critic folder, extra step-3 flags)``. Each engine of the cas
   partition buffer, ZeRO-3's flat partition buffer, the fp32 partitions' ``.grad``), minus ZeRO's
   reduction buckets (``buckets``).
 
-A storage is counted once, in the first category that holds it.
+A storage is counted once, in the first category that holds it; every counted storage is kept
+alive until the engine is counted, so addresses are not reused across categories.
 """
 from __future__ import annotations
 
@@ -26,7 +27,9 @@ import torch
 ROLES = ("actor", "ref", "critic", "reward")
 
 
-def _storages(tensors: Iterable[Any], seen: set[int]) -> int:
+def _storages(tensors: Iterable[Any], seen: dict[int, Any]) -> int:
+    """Bytes of the storages of ``tensors`` not in ``seen``, which keeps each counted storage alive
+    (so that no later tensor of another category can reuse a freed one's address)."""
     total = 0
     for t in tensors:
         if t is None or not isinstance(t, torch.Tensor) or t.numel() == 0:
@@ -35,7 +38,7 @@ def _storages(tensors: Iterable[Any], seen: set[int]) -> int:
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:
             continue
-        seen.add(key)
+        seen[key] = storage
         total += storage.nbytes()
     return total
 
@@ -90,7 +93,7 @@ def _grad_tensors(engine: Any) -> list[Any]:
 def count(engine: Any, trained: bool, step: Any) -> dict[str, int]:
     """The engine's bytes per category after one pass (``step(engine)``: forward, and backward for a
     trained one), the optimizer's moments after its first step."""
-    seen: set[int] = set()
+    seen: dict[int, Any] = {}
     step(engine)  # ZeRO-3 keeps its persistent parameters whole from the first pass on
     result = {"params": _storages(_param_tensors(engine), seen)}
     if not trained:
