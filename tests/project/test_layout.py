@@ -34,7 +34,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("data",),  # 5: datasets, tokenisation, cache, collators
     ("training", "eval"),  # 6: steps 1-2's loop, step 3's resume counters, checkpoints; the report
     ("rlhf",),  # 7: step 3
-    ("launch",),  # 8: the launcher (entry point)
+    ("launch", "plan"),  # 8: the launcher (entry point); the memory planner (reads step 3's configs)
     ("utils", "testing"),  # 9: alias modules only (rule c)
 ]
 ALIAS_UNITS = ("utils", "testing")

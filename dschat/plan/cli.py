@@ -1,0 +1,198 @@
+"""``python -m dschat.plan``: does step 3 fit, what takes the memory, and which configuration fits.
+
+It takes step 3's own flags plus the planner's (:func:`add_plan_args`) and reads the models'
+``config.json`` only. Model-state bytes are exact (tests/plan/test_exactness.py); the phases'
+activations, logits and caches are an estimate (:mod:`dschat.plan.phases`). Output: a table, or with
+``--json`` an object with ``fits``, ``peak_bytes_per_gpu``, ``phases``, ``suggestions`` and
+``host_bytes_at_load``.
+
+Suggestions, when the run does not fit: every combination of ZeRO stage per model (2, 3), optimizer
+offload, actor LoRA (rank 128, LoRA only), gradient checkpointing and halved batch sizes that fits,
+then more GPUs; listed fastest first by a fixed cost order (each change's rough slowdown: offload 4,
+a ZeRO-3 model 2, gradient checkpointing 1, LoRA 0, each halving of a batch 1).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+from typing import Sequence
+
+from dschat.cli.args import (
+    add_algorithm_args, add_checkpoint_args, add_data_args, add_deepspeed_args, add_eot_args, add_ppo_args,
+    add_runtime_args, add_step3_deepspeed_args, add_step3_eval_args, add_step3_lora_args, add_step3_logging_args,
+    add_step3_model_args, add_step3_training_args, add_unsupervised_data_args,
+)
+from dschat.errors import UserError, cli_main
+from dschat.plan.model_state import DTYPE_BYTES
+from dschat.plan.phases import host_bytes_at_load, phases
+from dschat.plan.roles import plan_roles
+
+__all__ = ["add_plan_args", "build_parser", "parse_size", "plan", "main", "MARGIN"]
+
+MARGIN = 0.10  # a plan fits when its peak leaves this share of the GPU free (allocator fragmentation)
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """``"80GB"`` / ``"40GiB"`` / ``"512MB"`` -> bytes; anything else is a :class:`UserError`."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    if not match or match.group(2).upper() not in _UNITS:
+        raise UserError(f"{flag} {text!r} is not a memory size; write it like 80GB, 40GiB or 512MB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The planner's own flags (ours): the machine it plans for, and the output format."""
+    group = parser.add_argument_group("Memory plan")
+    group.add_argument("--gpu_memory", type=str, default="80GB",
+                       help="Memory of one GPU, like 80GB, 40GiB (ours).")
+    group.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (ours).")
+    group.add_argument("--num_nodes", type=int, default=1, help="Number of nodes (ours).")
+    group.add_argument("--host_memory", type=str, default=None,
+                       help="Host memory of one node, like 1TB; checked at load time when given (ours).")
+    group.add_argument("--json", action="store_true", help="Print the plan as JSON (ours).")
+    return group
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Step 3's flags (the same groups as training/step3_rlhf_finetuning/main.py) and the planner's."""
+    parser = argparse.ArgumentParser(prog="python -m dschat.plan",
+                                     description="Memory plan of step 3 (RLHF with PPO) per GPU and host")
+    add_data_args(parser, phase=3)
+    add_unsupervised_data_args(parser)
+    add_step3_model_args(parser)
+    add_step3_training_args(parser)
+    add_ppo_args(parser)
+    add_algorithm_args(parser)
+    add_step3_lora_args(parser)
+    add_step3_deepspeed_args(parser)
+    add_step3_logging_args(parser)
+    add_step3_eval_args(parser)
+    add_runtime_args(parser, seed=1234)
+    add_eot_args(parser, eot_token_flag=False)
+    add_checkpoint_args(parser)
+    add_deepspeed_args(parser)
+    add_plan_args(parser)
+    return parser
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    for flag in ("gpus_per_node", "num_nodes", "per_device_generation_batch_size", "per_device_training_batch_size"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
+    if args.critic_model_name_or_path is None:
+        raise UserError("--critic_model_name_or_path is needed to plan step 3; pass the step-2 output folder")
+
+
+def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
+    """The plan of ``args`` as a JSON-ready dict (``fits``, ``peak_bytes_per_gpu``, ``phases``, ...);
+    ``gpu_bytes`` replaces ``--gpu_memory`` (a GPU's measured size)."""
+    world = args.gpus_per_node * args.num_nodes
+    gpu = parse_size(args.gpu_memory, "--gpu_memory") if gpu_bytes is None else gpu_bytes
+    dtype = args.dtype
+    plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine)
+    steps = phases(plans, args, dtype)
+    peak = max(steps, key=lambda p: p.peak)
+    host = host_bytes_at_load(plans, args.gpus_per_node)
+    host_limit = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
+    fits = peak.peak <= gpu * (1 - MARGIN) and (host_limit is None or host <= host_limit)
+    return {
+        "fits": fits, "peak_bytes_per_gpu": peak.peak, "peak_phase": peak.name, "gpu_bytes": gpu,
+        "margin_bytes": int(gpu * (1 - MARGIN)) - peak.peak, "world_size": world,
+        "host_bytes_at_load": host, "host_bytes": host_limit,
+        "model_states": {role: {"numel": p.inventory.numel, "trainable_numel": sum(x.numel for x in p.inventory.trainable),
+                                "zero_stage": p.spec.stage, **p.state.counted()} for role, p in plans.items()},
+        "phases": [{"name": s.name, "peak_bytes": s.peak, "top": [{"consumer": k, "bytes": v} for k, v in s.top()],
+                    "consumers": s.consumers} for s in steps],
+    }
+
+
+_CHANGES = {  # flag values -> cost in the documented speed order
+    "zero": [((), 0), (("--actor_zero_stage", "3"), 2), (("--critic_zero_stage", "3"), 2),
+             (("--actor_zero_stage", "3", "--critic_zero_stage", "3"), 4)],
+    "ckpt": [((), 0), (("--actor_gradient_checkpointing", "--critic_gradient_checkpointing"), 1)],
+    "lora": [((), 0), (("--actor_lora_dim", "128", "--only_optimize_lora"), 0)],
+    "offload": [((), 0), (("--offload",), 4)],
+}
+
+
+def _with(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
+    return [*argv, *extra]
+
+
+def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
+                limit: int = 5, *, gpu_bytes: int | None = None) -> list[dict]:
+    """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``."""
+    found = []
+    batches = []
+    for halvings in range(0, 4):
+        gen = max(1, args.per_device_generation_batch_size >> halvings)
+        train = max(1, args.per_device_training_batch_size >> halvings)
+        batches.append(((("--per_device_generation_batch_size", str(gen), "--per_device_training_batch_size", str(train))
+                         if halvings else ()), halvings))
+    for choice in itertools.product(_CHANGES["zero"], _CHANGES["offload"], _CHANGES["lora"], _CHANGES["ckpt"], batches):
+        flags = [f for part, _ in choice for f in part]
+        cost = sum(c for _, c in choice)
+        actor_stage = 3 if "--actor_zero_stage" in flags else args.actor_zero_stage
+        critic_stage = 3 if "--critic_zero_stage" in flags else args.critic_zero_stage
+        if not flags or ("--offload" in flags and 0 in (actor_stage, critic_stage)):
+            continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (step 3 refuses it at 0)
+        trial = parser.parse_args(_with(argv, flags))
+        result = plan(trial, gpu_bytes=gpu_bytes)
+        if result["fits"]:
+            found.append({"flags": flags, "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": cost})
+    found.sort(key=lambda s: (s["cost"], s["peak_bytes_per_gpu"]))
+    if not found:
+        for nodes in (2, 4, 8, 16):
+            trial = parser.parse_args(_with(argv, ("--num_nodes", str(args.num_nodes * nodes))))
+            result = plan(trial, gpu_bytes=gpu_bytes)
+            if result["fits"]:
+                found.append({"flags": ["--num_nodes", str(args.num_nodes * nodes)],
+                              "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": 0})
+                break
+    return found[:limit]
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def render(result: dict) -> str:
+    """The printed table of :func:`plan`'s result (with ``suggestions``)."""
+    lines = [f"{'phase':<16} {'peak/GPU':>11}  biggest consumers"]
+    for phase in result["phases"]:
+        top = ", ".join(f"{t['consumer']} {_gb(t['bytes'])}" for t in phase["top"])
+        lines.append(f"{phase['name']:<16} {_gb(phase['peak_bytes']):>11}  {top}")
+    verdict = "fits" if result["fits"] else "does NOT fit"
+    lines.append(f"peak {_gb(result['peak_bytes_per_gpu'])} in {result['peak_phase']} on a {_gb(result['gpu_bytes'])} "
+                 f"GPU: {verdict} (margin {_gb(result['margin_bytes'])} after keeping {MARGIN:.0%} free)")
+    host = f"host memory at load time: {_gb(result['host_bytes_at_load'])} per node"
+    if result["host_bytes"]:
+        host += f" of {_gb(result['host_bytes'])}"
+    lines.append(host)
+    lines.append("model states are exact; activations, logits and caches are estimates")
+    for s in result.get("suggestions", []):
+        lines.append(f"fits with: {' '.join(s['flags'])}  (peak {_gb(s['peak_bytes_per_gpu'])})")
+    return "\n".join(lines)
+
+
+def run(argv: Sequence[str] | None = None) -> dict:
+    """Parse, plan, search when it does not fit, print; returns the result."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _check_args(args)
+    if args.dtype not in DTYPE_BYTES:
+        raise UserError(f"unknown --dtype {args.dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
+    result = plan(args)
+    result["suggestions"] = [] if result["fits"] else suggestions(argv, args, parser)
+    print(json.dumps(result, indent=1) if args.json else render(result), flush=True)
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli_main(run, argv)

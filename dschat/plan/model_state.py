@@ -1,0 +1,158 @@
+"""Model-state bytes of one DeepSpeed engine per rank, as DeepSpeed 0.19 partitions them.
+
+Categories (each a storage of its own; a tensor that shares another's storage is not counted twice):
+
+* ``params``: the module's weights. ZeRO 0: every parameter. ZeRO-1/2, trained: each optimizer
+  group flattened into one buffer padded to a multiple of ``2 x world`` elements (DeepSpeed's
+  ``nccl_start_alignment_factor``), frozen parameters as they are. ZeRO-3: each parameter's own
+  partition of ``ceil(numel / world)`` elements (what the engine holds between passes; the
+  parameters a pass gathers, persistent ones included, are the phases' working set).
+* ``master``: the fp32 copy the optimizer steps. ZeRO 0 in fp32 steps the weights themselves (none);
+  ZeRO-1/2: one partition per group (the padded group / world); ZeRO-3: the sum of the group's
+  parameter partitions (the same storage as the weights where they are fp32 on an accelerator other
+  than the CPU; a copy of its own otherwise).
+* ``moments``: Adam's ``exp_avg`` and ``exp_avg_sq``, fp32, each the size of the master partition
+  (ZeRO 0: of the trainable parameters).
+* ``grads``: the gradient storage after a backward. ZeRO 0: every trainable parameter's ``.grad``;
+  ZeRO-1/2: one buffer holding *whole* every parameter whose elements reach into this rank's
+  partition (so a parameter across a partition boundary is held by both ranks), or with optimizer
+  offload the fp32 partitions' gradients on the host; ZeRO-3: the sum of
+  the parameter partitions. In the weights' dtype.
+* ``buckets``: ZeRO's reduction buckets (``reduce_bucket_size`` elements, two with
+  ``overlap_comm``), allocated at the first backward; not part of the CPU exactness check.
+
+Placement: with ``offload_optimizer`` the master, the moments and (ZeRO-1/2/3) the gradient
+partitions live on the host (ZeRO-3 then holds the gradient partitions twice there: in the
+weights' dtype and as the fp32 partitions' gradients); with ``offload_param`` (ZeRO-3 only) the parameter partitions do.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from dschat.plan.inventory import Inventory, Param, optimizer_groups
+
+__all__ = ["EngineSpec", "ModelState", "model_state", "DS_REDUCE_BUCKET_SIZE"]
+
+# DeepSpeed's default ``reduce_bucket_size`` (elements); dschat's configs leave it at the default.
+DS_REDUCE_BUCKET_SIZE = 500_000_000
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """How one engine is built: its ZeRO stage, world size, dtype and offload, from its DeepSpeed config."""
+
+    stage: int
+    world: int
+    dtype: str
+    trained: bool
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    persistence_threshold: int = 10_000
+    overlap_comm: bool = True
+    reduce_bucket_size: int = DS_REDUCE_BUCKET_SIZE
+    cpu_accelerator: bool = False
+
+    @classmethod
+    def from_ds_config(cls, ds_config: dict, *, world: int, trained: bool, cpu_accelerator: bool) -> "EngineSpec":
+        zero = ds_config.get("zero_optimization", {})
+        dtype = "fp16" if ds_config.get("fp16", {}).get("enabled") else (
+            "bf16" if ds_config.get("bfloat16", {}).get("enabled") else "fp32")
+        return cls(stage=int(zero.get("stage", 0)), world=world, dtype=dtype, trained=trained,
+                   offload_optimizer=trained and zero.get("offload_optimizer", {}).get("device") == "cpu",
+                   offload_param=zero.get("offload_param", {}).get("device") == "cpu" and zero.get("stage") == 3,
+                   persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 10_000)),
+                   overlap_comm=bool(zero.get("overlap_comm", False)),
+                   reduce_bucket_size=int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET_SIZE)),
+                   cpu_accelerator=cpu_accelerator)
+
+
+@dataclass
+class ModelState:
+    """Bytes per category on the most loaded rank; ``device`` / ``host`` split them by placement."""
+
+    params: int = 0
+    master: int = 0
+    moments: int = 0
+    grads: int = 0
+    buckets: int = 0
+    device: dict[str, int] = field(default_factory=dict)
+    host: dict[str, int] = field(default_factory=dict)
+
+    def counted(self) -> dict[str, int]:
+        """The categories the exactness test compares with a live engine."""
+        return {"params": self.params, "master": self.master, "moments": self.moments, "grads": self.grads}
+
+
+def _aligned(numel: int, world: int) -> int:
+    alignment = 2 * world
+    return int(math.ceil(numel / alignment)) * alignment
+
+
+def _zero2_grads(group: Sequence[Param], world: int) -> list[int]:
+    """Per rank: elements of the whole parameters that reach into the rank's partition of ``group``."""
+    size = _aligned(sum(p.numel for p in group), world) // world
+    held = [0] * world
+    offset = 0
+    for p in group:
+        start, end = offset, offset + p.numel
+        for rank in range(world):
+            lo, hi = rank * size, (rank + 1) * size
+            if start < hi and end > lo:
+                held[rank] += p.numel
+        offset = end
+    return held
+
+
+def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:
+    """The bytes ``inv`` takes as an engine built with ``spec`` (most loaded rank)."""
+    el = DTYPE_BYTES[spec.dtype]
+    world = spec.world
+    groups = optimizer_groups(inv) if spec.trained else []
+    trainable = [p for g in groups for p in g]
+    trained_ids = {id(p) for p in trainable}
+    frozen = [p for p in inv.params if id(p) not in trained_ids]
+    state = ModelState()
+    if spec.stage == 3:
+        part = [int(math.ceil(p.numel / world)) for p in inv.params]
+        state.params = sum(part) * el
+        train_part = sum(int(math.ceil(p.numel / world)) for p in trainable)
+        shared = spec.dtype == "fp32" and not spec.offload_optimizer and not spec.cpu_accelerator
+        state.master = 0 if shared or not spec.trained else train_part * 4
+        state.moments = 2 * train_part * 4
+        # Offloaded, the fp32 partitions also get an fp32 gradient of their own on the host.
+        state.grads = train_part * el + (train_part * 4 if spec.offload_optimizer else 0)
+    elif spec.stage in (1, 2) and spec.trained:
+        flat = sum(_aligned(sum(p.numel for p in g), world) for g in groups)
+        state.params = flat * el + sum(p.numel for p in frozen) * el
+        state.master = flat // world * 4
+        state.moments = 2 * state.master
+        if spec.offload_optimizer:
+            state.grads = state.master  # reduced straight into the fp32 partitions' host gradients
+        elif world > 1:
+            per_rank = [sum(x) for x in zip(*[_zero2_grads(g, world) for g in groups])] or [0]
+            state.grads = max(per_rank) * el
+        else:
+            state.grads = sum(p.numel for p in trainable) * el
+    else:
+        state.params = inv.numel * el
+        numel = sum(p.numel for p in trainable)
+        state.master = 0 if spec.dtype == "fp32" else numel * 4
+        state.moments = 2 * numel * 4
+        state.grads = numel * el
+    if spec.trained and spec.stage in (1, 2, 3):
+        state.buckets = (2 if spec.overlap_comm else 1) * spec.reduce_bucket_size * el
+    if not spec.trained:
+        state.master = state.moments = state.grads = 0
+    optimizer_on_host = spec.offload_optimizer and spec.stage > 0
+    state.device = {"params": 0 if spec.offload_param else state.params,
+                    "master": 0 if optimizer_on_host else state.master,
+                    "moments": 0 if optimizer_on_host else state.moments,
+                    "grads": 0 if optimizer_on_host else state.grads, "buckets": state.buckets}
+    state.host = {"params": state.params if spec.offload_param else 0,
+                  "master": state.master if optimizer_on_host else 0,
+                  "moments": state.moments if optimizer_on_host else 0,
+                  "grads": state.grads if optimizer_on_host else 0}
+    return state

@@ -1,0 +1,63 @@
+"""Step 3's four models as the run builds them: inventories and DeepSpeed configs, per role.
+
+The configs come from :func:`dschat.rlhf.rlhf_engine.ds_config_for` (the run's own builder), so the
+ZeRO stage of each model, its offload and its buckets are the run's: the reference is ZeRO-3 only
+when the actor is, the reward model only when the critic is; LoRA is the actor's on the actor, the
+critic's on the critic (its value head stays trained with ``--only_optimize_lora``), none on the
+frozen two.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from functools import lru_cache
+
+from dschat.models.registry import resolve_model_path
+from dschat.plan.inventory import Inventory, inventory, read_config, with_lora
+from dschat.plan.model_state import EngineSpec, ModelState, model_state
+from dschat.rlhf.rlhf_engine import ds_config_for
+
+__all__ = ["PLANNED_ROLES", "RolePlan", "plan_roles"]
+
+PLANNED_ROLES = ("actor", "ref", "critic", "reward")
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    """One engine: its parameters, how DeepSpeed holds them, and the bytes that makes."""
+
+    role: str
+    inventory: Inventory
+    spec: EngineSpec
+    state: ModelState
+
+
+@lru_cache(maxsize=8)
+def _config(name: str):
+    return read_config(resolve_model_path(name))
+
+
+@lru_cache(maxsize=8)
+def _inventory(name: str, critic: bool):
+    """The meta-device build of a model (cached: the search plans the same models many times)."""
+    return inventory(_config(name), critic=critic)
+
+
+def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelerator: bool = False,
+               hybrid_engine: bool = False) -> dict[str, RolePlan]:
+    """Every engine of a step-3 run of ``args`` on ``world`` ranks (``dtype``: the resolved one)."""
+    plans = {}
+    for role in PLANNED_ROLES:
+        critic = role in ("critic", "reward")
+        name = args.critic_model_name_or_path if critic else args.actor_model_name_or_path
+        inv, meta_model = _inventory(name, critic)
+        if role == "actor":
+            inv = with_lora(inv, meta_model, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
+        elif role == "critic":
+            inv = with_lora(inv, meta_model, args.critic_lora_dim, args.critic_lora_module_name,
+                            args.only_optimize_lora, force_optimize=("v_head.weight",))
+        ds_config = ds_config_for(role, args, dtype=dtype, hybrid_engine=hybrid_engine, world_size=world)
+        spec = EngineSpec.from_ds_config(ds_config, world=world, trained=role in ("actor", "critic"),
+                                         cpu_accelerator=cpu_accelerator)
+        plans[role] = RolePlan(role, inv, spec, model_state(inv, spec))
+    return plans

@@ -1,0 +1,86 @@
+"""``python -m dschat.plan``: the JSON keys, the search when a run does not fit, and bad input (exit 2)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dschat.errors import EXIT_USAGE
+from dschat.plan.cli import main, parse_size
+from dschat.errors import UserError
+
+from helpers.steps import cli_env
+
+OPT_1_3B = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 24,
+            "num_attention_heads": 32, "ffn_dim": 8192, "vocab_size": 50272, "max_position_embeddings": 2048,
+            "word_embed_proj_dim": 2048, "do_layer_norm_before": True}
+
+
+@pytest.fixture(scope="module")
+def config_only(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("opt-1.3b-config")
+    (folder / "config.json").write_text(json.dumps(OPT_1_3B))
+    return folder
+
+
+def _argv(folder: Path, *extra: str) -> list[str]:
+    return ["--actor_model_name_or_path", str(folder), "--critic_model_name_or_path", str(folder),
+            "--dtype", "fp16", "--gpus_per_node", "1", *extra]
+
+
+def test_a_config_only_folder_plans_to_json_with_the_documented_keys(config_only, capsys):
+    assert main(_argv(config_only, "--gpu_memory", "80GB", "--json")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert {"fits", "peak_bytes_per_gpu", "phases", "suggestions"} <= set(result)
+    # OPT-1.3B: 1,315,758,080 parameters with its 50272 rows; the critic adds the 2048-wide value head.
+    assert result["model_states"]["actor"]["numel"] == 1_315_758_080
+    assert result["model_states"]["critic"]["numel"] == 1_315_758_080 + 2048  # tied head: the body has them all
+    assert [p["name"] for p in result["phases"]][0] == "generation"
+
+
+def test_a_run_that_does_not_fit_names_configurations_that_do(config_only, capsys):
+    assert main(_argv(config_only, "--gpu_memory", "24GB", "--per_device_generation_batch_size", "4",
+                      "--per_device_training_batch_size", "4", "--json")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert not result["fits"] and result["suggestions"]
+    costs = [s["cost"] for s in result["suggestions"]]
+    assert costs == sorted(costs)
+    assert all(s["peak_bytes_per_gpu"] <= 24e9 * 0.9 for s in result["suggestions"])
+
+
+@pytest.mark.parametrize("problem", ["size", "no-config", "architecture"])
+def test_bad_input_is_one_line_and_exit_2(problem, config_only, tmp_path):
+    folder = config_only
+    extra = ["--gpu_memory", "80 parsecs"] if problem == "size" else []
+    if problem == "no-config":
+        folder = tmp_path
+    if problem == "architecture":
+        (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+        folder = tmp_path
+    proc = subprocess.run([sys.executable, "-m", "dschat.plan", *_argv(folder, *extra)], capture_output=True, text=True,
+                          env=cli_env(), timeout=300)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == EXIT_USAGE and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_sizes():
+    assert parse_size("80GB", "--gpu_memory") == 80 * 10**9
+    assert parse_size("40GiB", "--gpu_memory") == 40 * 2**30
+    with pytest.raises(UserError):
+        parse_size("lots", "--gpu_memory")
+
+
+def test_preflight_stops_a_run_that_cannot_fit_with_the_phase_the_shortfall_and_a_fix(config_only):
+    from dschat.plan.preflight import preflight  # noqa: PLC0415 - one test of it
+
+    argv = ["--actor_model_name_or_path", str(config_only), "--critic_model_name_or_path", str(config_only),
+            "--dtype", "fp16", "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4"]
+    with pytest.raises(UserError, match=r"step 3 does not fit: .* needs .* per GPU, .* more than .*; add --"):
+        preflight(argv, world=1, gpus_per_node=1, accelerator="cuda", gpu_bytes=24 * 10**9)
+    assert preflight(argv, world=1, gpus_per_node=1, accelerator="cuda", gpu_bytes=200 * 10**9)["fits"]
+    printed = []
+    result = preflight(argv, world=1, gpus_per_node=1, accelerator="cpu", gpu_bytes=24 * 10**9, echo=printed.append)
+    assert not result["fits"] and "does NOT fit" in printed[0]

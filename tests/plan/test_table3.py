@@ -1,0 +1,61 @@
+"""The paper's Table 3 (DeepSpeed-Chat, single GPU): the largest OPT actor that fits each GPU with
+upstream's ``opt/single_gpu/run_6.7b_lora.sh`` (ZeRO 0, actor LoRA 128, actor gradient
+checkpointing, OPT-350m critic, batch 8, 256 + 256 tokens, Hybrid Engine, fp16) and LoRA-only
+training (``--only_optimize_lora``), planned from configs alone.
+
+Reproduced: V100-32G -> OPT-2.7B, A6000-48G -> OPT-6.7B, A100-80G -> OPT-13B, each with the next size
+refused. Not reproduced: A100-40G -> OPT-6.7B; the plan puts that run between 36 and 40 GiB (over
+the 10 % margin even with the critic's gradient checkpointing too), pinned below with its numbers.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dschat.plan.cli import build_parser, plan
+
+GIB = 2**30
+# hidden, layers, heads, ffn, word_embed_proj_dim (the published OPT configs)
+OPT = {"350m": (1024, 24, 16, 4096, 512), "2.7b": (2560, 32, 32, 10240, 2560), "6.7b": (4096, 32, 32, 16384, 4096),
+       "13b": (5120, 40, 40, 20480, 5120), "30b": (7168, 48, 56, 28672, 7168)}
+RECIPE = ("--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_lora_dim", "128", "--only_optimize_lora",
+          "--actor_gradient_checkpointing", "--per_device_generation_batch_size", "8",
+          "--per_device_training_batch_size", "8", "--max_prompt_seq_len", "256", "--max_answer_seq_len", "256",
+          "--enable_hybrid_engine", "--gpus_per_node", "1", "--dtype", "fp16")
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("opt_configs")
+    out = {}
+    for size, (hidden, layers, heads, ffn, proj) in OPT.items():
+        folder = root / f"opt-{size}"
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({
+            "model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": hidden,
+            "num_hidden_layers": layers, "num_attention_heads": heads, "ffn_dim": ffn, "vocab_size": 50272,
+            "max_position_embeddings": 2048, "word_embed_proj_dim": proj, "do_layer_norm_before": size != "350m"}))
+        out[size] = folder
+    return out
+
+
+def _plan(configs, size: str, gpu: str, *extra: str) -> dict:
+    argv = ["--actor_model_name_or_path", str(configs[size]), "--critic_model_name_or_path", str(configs["350m"]),
+            *RECIPE, "--gpu_memory", gpu, *extra]
+    return plan(build_parser().parse_args(argv))
+
+
+@pytest.mark.parametrize("gpu,fits,next_size", [("32GiB", "2.7b", "6.7b"), ("48GiB", "6.7b", "13b"),
+                                                 ("80GiB", "13b", "30b")])
+def test_the_largest_opt_actor_that_fits_each_gpu(configs, gpu, fits, next_size):
+    assert _plan(configs, fits, gpu)["fits"]
+    refused = _plan(configs, next_size, gpu)
+    assert not refused["fits"] and refused["margin_bytes"] < 0
+
+
+def test_a100_40g_with_opt_6_7b_is_reported_with_its_numbers(configs):
+    result = _plan(configs, "6.7b", "40GiB", "--critic_gradient_checkpointing")
+    assert not result["fits"]
+    assert 36 * GIB < result["peak_bytes_per_gpu"] < 40 * GIB
