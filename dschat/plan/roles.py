@@ -15,6 +15,7 @@ from functools import lru_cache
 from dschat.models.registry import resolve_model_path
 from dschat.plan.inventory import Inventory, inventory, read_config, with_lora
 from dschat.plan.model_state import EngineSpec, ModelState, model_state
+from dschat.rlhf.config import zero_config
 from dschat.rlhf.rlhf_engine import ds_config_for
 
 __all__ = ["PLANNED_ROLES", "RolePlan", "plan_roles"]
@@ -56,7 +57,7 @@ def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelera
         elif role == "critic":
             inv = with_lora(inv, meta_model, args.critic_lora_dim, args.critic_lora_module_name,
                             args.only_optimize_lora, force_optimize=("v_head.weight",))
-        ds_config = ds_config_for(role, args, dtype=dtype, hybrid_engine=hybrid_engine, world_size=world)
+        ds_config = ds_config_for(role, zero_config(args), dtype=dtype, hybrid_engine=hybrid_engine, world_size=world)
         spec = EngineSpec.from_ds_config(ds_config, world=world, trained=role in ("actor", "critic"),
                                          cpu_accelerator=cpu_accelerator)
         plans[role] = RolePlan(role, inv, spec, model_state(inv, spec))
