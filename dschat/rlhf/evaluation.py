@@ -68,7 +68,7 @@ from dschat.rlhf.experience import sequence_masks
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
 from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
 from dschat.runtime.fs import atomic_dir, recover_dir
-from dschat.training.common import to_device
+from dschat.runtime.devices import to_device
 
 __all__ = [
     "BEST_DIR",

@@ -40,7 +40,7 @@ from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
 from dschat.runtime.ds_config import resolve_dtype
 from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.runtime.zero3_trace import begin_passes_with_dschats_rule
-from dschat.training.common import OptimSettings, apply_lora, initialize_engine
+from dschat.training.engine_setup import OptimSettings, apply_lora, initialize_engine
 
 __all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
 
@@ -99,7 +99,7 @@ def ds_config_for(role: str, args: argparse.Namespace, *, dtype: str, hybrid_eng
 
 def _apply_lora(model: nn.Module, role: str, lora_dim: int, module_name: str, only_optimize: bool,
                 force_optimize: tuple[str, ...] = ()) -> nn.Module:
-    """``dschat.training.common.apply_lora`` with step 3's flag names in its error messages."""
+    """``dschat.training.engine_setup.apply_lora`` with step 3's flag names in its error messages."""
     try:
         return apply_lora(model, lora_dim, module_name, only_optimize, force_optimize)
     except UserError as err:

@@ -24,23 +24,17 @@ from dschat.cli.args import (
     add_training_args,
 )
 from dschat.errors import cli_main
-from dschat.training.common import (
-    OptimizerStepCounter,
-    RunResult,
-    TensorBoardLogger,
+from dschat.training.engine_setup import (
     apply_lora,
-    check_common_args,
-    check_paths,
-    evaluate_perplexity,
     initialize_engine,
-    load_step_tokenizer,
-    make_eval_loader,
-    make_train_loader,
     optim_settings,
     plan_optimizer_steps,
-    setup_run,
     train_ds_config,
 )
+from dschat.training.eval_loops import evaluate_perplexity
+from dschat.training.loaders import make_eval_loader, make_train_loader
+from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.run_setup import check_common_args, check_paths, load_step_tokenizer, setup_run
 from dschat.runtime.dist import print_rank_0
 
 

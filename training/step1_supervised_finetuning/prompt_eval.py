@@ -138,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     from dschat.models.build import create_hf_model
     from dschat.models.registry import resolve_model_path
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.training.common import quiet_transformers
+    from dschat.training.run_setup import quiet_transformers
 
     args = parse_args(argv)
     # Both paths are checked before either model loads.

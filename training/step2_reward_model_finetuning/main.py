@@ -28,24 +28,18 @@ from dschat.cli.args import (
 from dschat.errors import cli_main
 from dschat.models.freeze import freeze_lower_layers, release_input_gradients
 from dschat.models.packing import attention_window, resolve_sequence_packing
-from dschat.training.common import (
-    OptimizerStepCounter,
-    RunResult,
-    TensorBoardLogger,
+from dschat.training.engine_setup import (
     apply_lora,
-    check_common_args,
-    check_paths,
-    evaluate_reward,
     initialize_engine,
-    load_step_tokenizer,
-    make_eval_loader,
-    make_train_loader,
     optim_settings,
     plan_optimizer_steps,
     reset_final_norm_for_reward,
-    setup_run,
     train_ds_config,
 )
+from dschat.training.eval_loops import evaluate_reward
+from dschat.training.loaders import make_eval_loader, make_train_loader
+from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.run_setup import check_common_args, check_paths, load_step_tokenizer, setup_run
 from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 

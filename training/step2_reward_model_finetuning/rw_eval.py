@@ -116,7 +116,7 @@ class PairScore:
 
 def run_pair_comparison(args: argparse.Namespace) -> list[PairScore]:
     """Upstream's evaluation: score each good / bad pair and print the result block."""
-    from dschat.training.common import to_device
+    from dschat.runtime.devices import to_device
 
     device = default_device()
     rm_model, tokenizer = load_stuff(args.model_name_or_path, args.num_padding_at_beginning,
@@ -143,7 +143,7 @@ def run_pair_comparison(args: argparse.Namespace) -> list[PairScore]:
 
 def run_single_sample(args: argparse.Namespace) -> float:
     """Upstream's unused single-answer variant (``forward_value`` end score), kept callable."""
-    from dschat.training.common import to_device
+    from dschat.runtime.devices import to_device
 
     device = default_device()
     rm_model, tokenizer = load_stuff(args.model_name_or_path, args.num_padding_at_beginning,
@@ -166,7 +166,7 @@ def run_single_sample(args: argparse.Namespace) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> list[PairScore]:
-    from dschat.training.common import quiet_transformers
+    from dschat.training.run_setup import quiet_transformers
 
     quiet_transformers()
     return run_pair_comparison(parse_args(argv))

@@ -112,9 +112,9 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     needs none."""
     from dschat.models.registry import resolve_model_path
     from dschat.models.reward_model import check_upstream_critic, critic_format, not_a_critic_message
-    from dschat.training import common
+    from dschat.training import run_setup
 
-    common.check_paths(args, ("actor_model_name_or_path",))
+    run_setup.check_paths(args, ("actor_model_name_or_path",))
     needs_critic = settings is None or settings.critic
     needs_reward_model = mix is None or mix.uses_model
     if args.critic_model_name_or_path is None:
@@ -122,7 +122,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
             role = (f"--algorithm {settings.algorithm if settings else 'ppo'}'s critic" if needs_critic
                     else "the reward model (--reward_model_weight is not 0)")
             raise UserError(f"--critic_model_name_or_path is required for {role}: give the step-2 output folder")
-        common.check_output_paths(args)
+        run_setup.check_output_paths(args)
         return
     critic = resolve_model_path(args.critic_model_name_or_path)
     fmt = critic_format(critic)
@@ -130,7 +130,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
         raise UserError(not_a_critic_message(args.critic_model_name_or_path, "--critic_model_name_or_path"))
     if fmt == "upstream":
         check_upstream_critic(critic)
-    common.check_output_paths(args)
+    run_setup.check_output_paths(args)
 
 
 def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, plan: BatchPlan, local_rank: int,
@@ -144,7 +144,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
     from dschat.rlhf.batch_plan import num_total_iters
-    from dschat.training.common import make_train_loader
+    from dschat.training.loaders import make_train_loader
 
     # PPO-ptx data first: a bad --unsupervised_dataset_name fails before the prompt cache is written.
     unsup_dataset = get_unsupervised_data(args, tokenizer) if unsupervised_training_enabled(args) else None
@@ -201,7 +201,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
-    from dschat.training.common import TensorBoardLogger, setup_run
+    from dschat.training.progress import TensorBoardLogger
+    from dschat.training.run_setup import setup_run
     from dschat.training.ppo_counters import PPOCounters
 
     # ---------------------------------------------------------------- parse and check
