@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing: use its dschat
     sys.path.insert(0, str(ROOT))
 
-from dschat.cli.args import ALGORITHM_CHOICES  # noqa: E402
+from dschat.cli.step3 import ALGORITHM_CHOICES  # noqa: E402
 from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
 from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402

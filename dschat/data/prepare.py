@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from dschat.cli.args import add_data_args
+from dschat.cli.shared import add_data_args
 from dschat.data.dispatch import resolve_dataset
 from dschat.data.phases import plan_phase_data
 from dschat.data.split import parse_data_split

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from dschat.cli.args import step3_flag
+from dschat.cli.step3 import step3_flag
 from dschat.errors import UserError
 from dschat.rl_algorithms import ALGORITHMS, CRITIC_FREE, GROUP_ALGORITHMS
 

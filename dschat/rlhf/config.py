@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from dschat.cli.args import step3_flag
+from dschat.cli.step3 import step3_flag
 from dschat.rewards import RewardMix
 from dschat.rlhf.algorithm import AlgorithmSettings
 from dschat.rlhf.batch_plan import BatchPlan

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from dschat.cli.args import EVAL_INTERVAL_AUTO
+from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.raw_datasets import builtin_folders
 from dschat.errors import UserError

@@ -54,7 +54,7 @@ from typing import Any, ContextManager, Mapping, Sequence
 import numpy as np
 import torch
 
-from dschat.cli.args import EVAL_INTERVAL_AUTO
+from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
 from dschat.data.prompt_columns import load_prompt_columns
 from dschat.errors import UserError

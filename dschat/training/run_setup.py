@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Iterable
 
 import torch
 
@@ -106,28 +106,3 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     set_random_seed(args.seed)
     barrier()
     return RunContext(info.rank, info.local_rank, info.world_size, info.device, dtype)
-
-
-def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str) -> tuple[Any, str]:
-    """The tokenizer and the end-of-conversation text appended to every training sample.
-
-    ``--add_eot_token`` adds ``eot_special_token`` as an additional special token (upstream). The
-    end-of-conversation text is ``--end_of_conversation_token`` if given, else the tokenizer's EOS,
-    in every step: the SFT model learns to stop with the token the reward model scores and the
-    PPO actor ends with (docs/upstream.md#flags-and-defaults; DSE #819 / #927).
-    """
-    # lazy: it imports transformers' tokenizers (0.4 s CPU at import, python -X importtime), which
-    # step 2's --help, importing this module, never needs.
-    from dschat.models.tokenizer import load_hf_tokenizer
-
-    tokenizer = load_hf_tokenizer(
-        args.model_name_or_path, fast_tokenizer=True,
-        add_special_tokens=eot_special_token if args.add_eot_token else None,
-    )
-    eot = args.end_of_conversation_token or tokenizer.eos_token
-    if not eot:
-        raise UserError(
-            f"the tokenizer of {args.model_name_or_path} has no EOS token; pass "
-            "--end_of_conversation_token (e.g. '<|endoftext|>')"
-        )
-    return tokenizer, eot

@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from dschat.cli.args import (
-    add_algorithm_args,
+from dschat.cli.shared import (
     add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
     add_eot_args,
-    add_ppo_args,
     add_runtime_args,
+)
+from dschat.cli.step3 import (
+    add_algorithm_args,
+    add_ppo_args,
     add_step3_deepspeed_args,
     add_step3_eval_args,
     add_step3_logging_args,
@@ -38,7 +40,6 @@ from dschat.cli.args import (
 from dschat.errors import UserError, cli_main
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
 from dschat.rlhf.algorithm import AlgorithmSettings, resolve_algorithm
-from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 
 if TYPE_CHECKING:  # imported inside main (--help stays light)
@@ -141,18 +142,16 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     from transformers import default_data_collator
 
     from dschat.data.collators import DataCollatorRLHF
-    from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
     from dschat.rlhf.batch_plan import num_total_iters
     from dschat.training.loaders import make_train_loader
+    from dschat.training.step_data import prompt_datasets
 
     # PPO-ptx data first: a bad --unsupervised_dataset_name fails before the prompt cache is written.
     unsup_dataset = get_unsupervised_data(args, tokenizer) if unsupervised_training_enabled(args) else None
-    prompt_train_dataset, _ = create_prompt_dataset(
-        local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
-        args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
-        reload=args.rebuild_data_cache,
-    )
+    prompt_train_dataset, _ = prompt_datasets(args, tokenizer, local_rank, 3,
+                                              args.end_of_conversation_token or tokenizer.eos_token,
+                                              args.max_prompt_seq_len)
     if len(prompt_train_dataset) == 0:
         raise UserError(
             f"the phase-3 prompt split of {' '.join(args.data_path)} is empty (data_split {args.data_split}, "
@@ -191,7 +190,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.data.prompt_columns import load_prompt_columns
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
-    from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
+    from dschat.models.tokenizer import check_same_tokenizer
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
     from dschat.rlhf.batch_plan import plan_batches
     from dschat.rlhf.config import Step3Config, ppo_config, rollout_config
@@ -203,6 +202,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.progress import TensorBoardLogger
     from dschat.training.run_setup import setup_run
+    from dschat.training.step_data import load_tokenizer
     from dschat.training.ppo_counters import PPOCounters
 
     # ---------------------------------------------------------------- parse and check
@@ -224,8 +224,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     print_rank_0(mix.describe(), ctx.rank)
 
     # ---------------------------------------------------------------- tokenizer and data
-    tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, fast_tokenizer=True,
-                                  add_special_tokens=EOT_SPECIAL_TOKEN if args.add_eot_token else None)
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
     # The critic and the reward model score the actor's token ids: their step-2 tokenizer must be the same.
     if args.critic_model_name_or_path is not None:  # a critic-free run scored by functions alone has none
         check_same_tokenizer(tokenizer, args.actor_model_name_or_path, args.critic_model_name_or_path,
