@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.prompt_dataset import create_prompt_dataset
-from dschat.data.raw_datasets import builtin_folders
+from dschat.data.adapters.local import builtin_folders
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message

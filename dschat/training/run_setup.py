@@ -10,7 +10,7 @@ from typing import Iterable
 import torch
 
 from dschat.data.prompt_dataset import check_data_output_path
-from dschat.data.raw_datasets import resolve_dataset
+from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed

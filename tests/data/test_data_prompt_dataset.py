@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 from dschat.data import prompt_dataset as pd
 from dschat.data import tokenization
 from dschat.data.prompt_dataset import PairItem, PromptItem, create_dataset, create_dataset_split, create_prompt_dataset
-from dschat.data.raw_datasets import LocalPreferenceDataset
+from dschat.data.adapters.local import LocalPreferenceDataset
 from dschat.data.split import get_shuffle_idx
 from dschat.errors import UserError
 

@@ -4,12 +4,12 @@ Upstream's module held the dispatcher, the split index, tokenisation, the cache,
 the PPO-ptx loader; in dschat they live in :mod:`dschat.data` (split, raw_datasets, prompt_dataset,
 collators, unsupervised).
 """
-from dschat.data import raw_datasets  # noqa: F401  (upstream imported the module under this name)
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, MiniDataset, set_epoch_if_distributed
 from dschat.data.prompt_dataset import PromptDataset, create_dataset, create_dataset_split, create_prompt_dataset
-from dschat.data.raw_datasets import get_raw_dataset
+from dschat.data.dispatch import get_raw_dataset
 from dschat.data.split import get_raw_dataset_split_index, get_shuffle_idx
 from dschat.data.unsupervised import get_unsupervised_data
+from dschat.utils.data import raw_datasets  # noqa: F401  (upstream imported the module under this name)
 
 __all__ = [
     "raw_datasets",
