@@ -70,7 +70,7 @@ from deepspeed import DeepSpeedEngine
 from transformers import CompileConfig, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from dschat.errors import UserError, first_line
-from dschat.models.decoder import unsupported_reason
+from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.families import family_of
 from dschat.models.lora import LinearLayer_LoRA
 from dschat.rlhf import decoding as decoding_loop  # its functions called through the module: tests spy on them

@@ -29,7 +29,9 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name
+from dschat.models.decoder.forward import DecodeModel
+from dschat.models.decoder.kv_cache import StaticKVCache
+from dschat.models.decoder.layouts import layout_name
 from dschat.rlhf.decoding import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
 from dschat.runtime.compile_cache import use_private_compile_cache
 

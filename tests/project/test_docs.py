@@ -150,6 +150,8 @@ def _program_options(program: str) -> frozenset[str]:
         module = load_script(REPO / program)
     else:
         module = importlib.import_module(program)
+        if hasattr(module, "__path__"):  # a package: `python -m` runs its __main__
+            module = importlib.import_module(f"{program}.__main__")
     parser = module.build_parser() if hasattr(module, "build_parser") else parser_of(module.main, [])
     options = _options(parser)
     if program == "chat.py":  # passes the rest to inference/chatbot.py

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as T
 
-from dschat.models.decoder import LAYOUTS, decoder_spec, unsupported_reason
+from dschat.models.decoder.layouts import LAYOUTS, decoder_spec, unsupported_reason
 from dschat.rlhf.decoding import DecodingSettings
 from dschat.rlhf.rollout_engine import DschatHybridEngine
 
