@@ -11,7 +11,7 @@ def to_device(batch: Any, device: torch.device | str) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device)
     if isinstance(batch, dict):
-        return {k: to_device(v, device) for k, v in batch.items()}
+        return {key: to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)) and not hasattr(batch, "_fields"):
-        return type(batch)(to_device(v, device) for v in batch)
+        return type(batch)(to_device(item, device) for item in batch)
     return batch

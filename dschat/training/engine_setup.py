@@ -90,7 +90,7 @@ def apply_lora(
     if lora_dim <= 0:
         return model
     model = convert_linear_layer_to_lora(model, lora_module_name, lora_dim)
-    if not any(hasattr(m, "lora_right_weight") for m in model.modules()):
+    if not any(hasattr(module, "lora_right_weight") for module in model.modules()):
         suggestion = family_of(getattr(model, "config", None)).lora_module_name
         raise UserError(
             f"the LoRA module filter {lora_module_name!r} matched no Linear layer of this "
