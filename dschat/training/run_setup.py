@@ -9,7 +9,7 @@ from typing import Iterable
 
 import torch
 
-from dschat.data.prompt_dataset import check_data_output_path
+from dschat.data.cache import check_data_output_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path

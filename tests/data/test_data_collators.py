@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from torch.utils.data.distributed import DistributedSampler
 
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, MiniDataset, RolloutBuffer, set_epoch_if_distributed
-from dschat.data.prompt_dataset import PairItem, PromptDataset, PromptItem, TokenRows
+from dschat.data.token_dataset import PairItem, PromptDataset, PromptItem, TokenRows
 
 from helpers.data import make_tokenizer
 

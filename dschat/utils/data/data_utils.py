@@ -5,9 +5,11 @@ the PPO-ptx loader; in dschat they live in :mod:`dschat.data` (split, raw_datase
 collators, unsupervised).
 """
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, MiniDataset, set_epoch_if_distributed
-from dschat.data.prompt_dataset import PromptDataset, create_dataset, create_dataset_split, create_prompt_dataset
+from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.dispatch import get_raw_dataset
 from dschat.data.split import get_raw_dataset_split_index, get_shuffle_idx
+from dschat.data.token_dataset import PromptDataset
+from dschat.data.tokenization import create_dataset, create_dataset_split
 from dschat.data.unsupervised import get_unsupervised_data
 from dschat.utils.data import raw_datasets  # noqa: F401  (upstream imported the module under this name)
 
