@@ -42,12 +42,13 @@ ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing: use its dschat
     sys.path.insert(0, str(ROOT))
 
-from dschat.cli.args import ALGORITHM_CHOICES  # noqa: E402
+from dschat.cli.step3 import ALGORITHM_CHOICES  # noqa: E402
 from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
 from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
-from dschat.recipes import Recipe, get_recipe  # noqa: E402
+from dschat.recipes.loading import get_recipe  # noqa: E402
+from dschat.recipes.recipe import Recipe  # noqa: E402
 from dschat.runtime.fs import check_writable_dir  # noqa: E402
 
 STEP_KEYS = {1: "step1", 2: "step2", 3: "step3"}

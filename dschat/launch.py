@@ -30,7 +30,9 @@ from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.multinode import (DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
                               check_remote_safe, flag_values, forwarded_secrets, free_port, launch_hosts, rank_env,
                               rank_env_additions, secret_env_lines, user_env_files, write_rank_env_file)
-from dschat.recipes import Launcher, Recipe, StepSpec, find_repo_root, get_recipe, split_flag_groups, step_spec
+from dschat.recipes.loading import find_repo_root, get_recipe
+from dschat.recipes.recipe import Launcher, Recipe, split_flag_groups
+from dschat.recipes.steps import StepSpec, step_spec
 from dschat.runtime.fs import check_writable_dir
 from dschat.runtime.trust import untrusted_reason
 

@@ -34,7 +34,7 @@ from dschat.errors import UserError, cli_main  # noqa: E402
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
 PROMPT = "Enter input (type 'quit' to exit, 'clear' to clean memory): "
-# dschat.data.raw_datasets' convention: a prompt is " Human: " + question + " Assistant:" and the
+# dschat.data.adapters' convention: a prompt is " Human: " + question + " Assistant:" and the
 # answer that follows starts with a space; a conversation is the turns one after the other.
 HUMAN, ASSISTANT = " Human: ", " Assistant:"
 STOP_TEXT = "Human:"  # a model in upstream's format starts the next (hallucinated) turn with it

@@ -23,45 +23,11 @@ from dschat.data.adapters.local import (
     builtin_folders,
     find_local_jsonfile_dir,
 )
-from dschat.data.adapters.upstream import (
-    CohereMiracljaqueries2212Dataset,
-    CohereMiraclzhqueries2212Dataset,
-    DahoasFullhhrlhfDataset,
-    DahoasRmstaticDataset,
-    DahoasSyntheticinstructgptjpairwiseDataset,
-    HelloSimpleAIHC3ChineseDataset,
-    LmqgQagjaquadDataset,
-    LmqgQgjaquadDataset,
-    MkqaChineseDataset,
-    MkqaJapaneseDataset,
-    OpenaiWebgptcomparisonsDataset,
-    PvduySharegptalpacaoavicunaformatDataset,
-    StanfordnlpSHPDataset,
-    Wangrui6ZhihuKOLDataset,
-    YitingxieRlhfrewarddatasetsDataset,
-    _MkqaDataset,
-)
+from dschat.data.adapters.upstream import HUB_ADAPTERS, _MkqaDataset
 from dschat.errors import UserError
 
 #: (substring of the --data_path entry, adapter), in upstream's ``get_raw_dataset`` order.
-DATASET_TABLE: tuple[tuple[str, type[PromptRawDataset]], ...] = (
-    ("Dahoas/rm-static", DahoasRmstaticDataset),
-    ("Dahoas/full-hh-rlhf", DahoasFullhhrlhfDataset),
-    ("Dahoas/synthetic-instruct-gptj-pairwise", DahoasSyntheticinstructgptjpairwiseDataset),
-    ("yitingxie/rlhf-reward-datasets", YitingxieRlhfrewarddatasetsDataset),
-    ("openai/webgpt_comparisons", OpenaiWebgptcomparisonsDataset),
-    ("stanfordnlp/SHP", StanfordnlpSHPDataset),
-    ("pvduy/sharegpt_alpaca_oa_vicuna_format", PvduySharegptalpacaoavicunaformatDataset),
-    ("wangrui6/Zhihu-KOL", Wangrui6ZhihuKOLDataset),
-    ("Cohere/miracl-zh-queries-22-12", CohereMiraclzhqueries2212Dataset),
-    ("Hello-SimpleAI/HC3-Chinese", HelloSimpleAIHC3ChineseDataset),
-    ("mkqa-Chinese", MkqaChineseDataset),
-    ("mkqa-Japanese", MkqaJapaneseDataset),
-    ("Cohere/miracl-ja-queries-22-12", CohereMiracljaqueries2212Dataset),
-    ("lmqg/qg_jaquad", LmqgQgjaquadDataset),
-    ("lmqg/qag_jaquad", LmqgQagjaquadDataset),
-    ("local/jsonfile", LocalJsonFileDataset),
-)
+DATASET_TABLE: tuple[tuple[str, type[PromptRawDataset]], ...] = (*HUB_ADAPTERS, ("local/jsonfile", LocalJsonFileDataset))
 
 LOCAL_FORMS = (
     f"{BUILTIN_NAME} and {BUILTIN_SAMPLES_NAME} (embedded), local/jsonfile (data/train.json + data/eval.json), a .json/.jsonl/"

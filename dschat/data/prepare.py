@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from dschat.cli.args import add_data_args
+from dschat.cli.shared import add_data_args
 from dschat.data.dispatch import resolve_dataset
 from dschat.data.phases import plan_phase_data
 from dschat.data.split import parse_data_split
@@ -67,9 +67,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
 
     # lazy: torch costs 1.3 s at import (python -X importtime); bad input is refused above without it
-    from dschat.data.prompt_dataset import check_data_output_path, create_prompt_dataset
+    from dschat.data import cache, prompt_dataset
 
-    check_data_output_path(args.data_output_path)  # a folder another user could write: before the tokenizer
+    cache.check_data_output_path(args.data_output_path)  # a folder another user could write: before the tokenizer
 
     tokenizer = load_hf_tokenizer(
         args.model_name_or_path, fast_tokenizer=True,
@@ -77,7 +77,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     # The step scripts' default: the tokenizer's EOS in every phase (see add_eot_args).
     eot = args.end_of_conversation_token or tokenizer.eos_token
-    train, held_out = create_prompt_dataset(
+    train, held_out = prompt_dataset.create_prompt_dataset(
         -1, args.data_path, args.data_split, args.data_output_path, args.train_phase, args.seed,
         tokenizer, args.max_seq_len, end_of_conversation_token=eot,
         sft_only_data_path=args.sft_only_data_path, reload=args.rebuild_data_cache,

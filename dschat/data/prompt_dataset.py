@@ -8,9 +8,6 @@ tokenised (:mod:`dschat.data.tokenization`), blended and shuffled, and stored in
 * ``reload=True`` (``--rebuild_data_cache``) rebuilds on processes with ``local_rank <= 0``; when a
   process group is up every rank then waits for them, and an error in a build (say, every prompt
   too long) is raised on every rank, a :class:`UserError` with the same message.
-
-Upstream's names of its ``data_utils`` (``PromptDataset``, ``create_dataset_split``,
-``create_dataset``) and the cache's public names stay importable from here.
 """
 from __future__ import annotations
 
@@ -19,9 +16,6 @@ from typing import Any, Sequence
 import torch
 
 from dschat.data.cache import (
-    FORMAT_VERSION,
-    PROBE_TEXT,
-    UNTRUSTED_FIX,
     cache_files,
     cache_key,
     check_data_output_path,
@@ -29,39 +23,20 @@ from dschat.data.cache import (
     load_cache,
     locked,
     private_folder,
-    tokenizer_fingerprint,
     write_cache,
 )
 from dschat.data.dispatch import resolve_dataset
 from dschat.data.phases import PhasePlan, PhaseRows, plan_phase_data, require_eval
 from dschat.data.split import get_shuffle_idx, parse_data_split
-from dschat.data.token_dataset import PairItem, PromptDataset, PromptItem, TokenRows
-from dschat.data.tokenization import TOKENIZE_BATCH, create_dataset, create_dataset_split, tokenize_selection
+from dschat.data.token_dataset import PromptDataset
+from dschat.data.tokenization import tokenize_selection
 from dschat.errors import UserError
 from dschat.runtime.dist import gather_json
 
 #: Used when ``seed`` is None (upstream step 3's default): see :func:`create_prompt_dataset`.
 DEFAULT_SEED = 1234
 
-__all__ = [
-    "TokenRows",
-    "PairItem",
-    "PromptItem",
-    "PromptDataset",
-    "create_dataset_split",
-    "create_dataset",
-    "create_prompt_dataset",
-    "tokenizer_fingerprint",
-    "cache_key",
-    "cache_files",
-    "check_data_output_path",
-    # Also importable here (public names of this module):
-    "DEFAULT_SEED",
-    "FORMAT_VERSION",
-    "PROBE_TEXT",
-    "TOKENIZE_BATCH",
-    "UNTRUSTED_FIX",
-]
+__all__ = ["create_prompt_dataset", "DEFAULT_SEED"]
 
 
 def _build_datasets(

@@ -20,11 +20,7 @@ import re
 import sys
 from typing import Sequence
 
-from dschat.cli.args import (
-    add_algorithm_args, add_checkpoint_args, add_data_args, add_deepspeed_args, add_eot_args, add_ppo_args,
-    add_runtime_args, add_step3_deepspeed_args, add_step3_eval_args, add_step3_lora_args, add_step3_logging_args,
-    add_step3_model_args, add_step3_training_args, add_unsupervised_data_args,
-)
+from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
@@ -59,23 +55,10 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Step 3's flags (the same groups as training/step3_rlhf_finetuning/main.py) and the planner's."""
+    """Step 3's flags (:func:`~dschat.cli.step3.add_step3_args`) and the planner's."""
     parser = argparse.ArgumentParser(prog="python -m dschat.plan",
                                      description="Memory plan of step 3 (RLHF with PPO) per GPU and host")
-    add_data_args(parser, phase=3)
-    add_unsupervised_data_args(parser)
-    add_step3_model_args(parser)
-    add_step3_training_args(parser)
-    add_ppo_args(parser)
-    add_algorithm_args(parser)
-    add_step3_lora_args(parser)
-    add_step3_deepspeed_args(parser)
-    add_step3_logging_args(parser)
-    add_step3_eval_args(parser)
-    add_runtime_args(parser, seed=1234)
-    add_eot_args(parser, eot_token_flag=False)
-    add_checkpoint_args(parser)
-    add_deepspeed_args(parser)
+    add_step3_args(parser)
     add_plan_args(parser)
     return parser
 

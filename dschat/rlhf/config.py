@@ -30,7 +30,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from dschat.cli import args as cli
+from dschat.cli.step3 import add_step3_args
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
 from dschat.rewards import RewardMix
@@ -48,17 +48,8 @@ __all__ = [
 # ================================================================== an upstream-style Namespace
 @functools.lru_cache(maxsize=None)
 def _step3_defaults() -> dict[str, object]:
-    """Every step-3 flag's default, from the groups step 3's parser is built of (``--deepspeed`` and
-    ``--deepspeed_config``, which nothing reads, aside)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    cli.add_data_args(parser, phase=3)
-    cli.add_unsupervised_data_args(parser)
-    for add in (cli.add_step3_model_args, cli.add_step3_training_args, cli.add_ppo_args, cli.add_algorithm_args,
-                cli.add_step3_lora_args, cli.add_step3_deepspeed_args, cli.add_step3_logging_args,
-                cli.add_step3_eval_args, cli.add_checkpoint_args):
-        add(parser)
-    cli.add_runtime_args(parser, seed=1234)
-    cli.add_eot_args(parser, eot_token_flag=False)
+    """Every step-3 flag's default, from step 3's parser (:func:`~dschat.cli.step3.add_step3_args`)."""
+    parser = add_step3_args(argparse.ArgumentParser(add_help=False))
     return {action.dest: action.default for action in parser._actions if action.dest != "help"}
 
 

@@ -10,9 +10,9 @@ from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from dschat.cli.args import EVAL_INTERVAL_AUTO
+from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.prompt_dataset import create_prompt_dataset
-from dschat.data.raw_datasets import builtin_folders
+from dschat.data.adapters.local import builtin_folders
 from dschat.data.token_dataset import PromptItem
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path

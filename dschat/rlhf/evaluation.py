@@ -57,7 +57,7 @@ import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
-from dschat.cli.args import EVAL_INTERVAL_AUTO
+from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
 from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
 from dschat.data.token_dataset import PromptItem
@@ -73,8 +73,9 @@ from dschat.rlhf.experience import sequence_masks
 from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
 from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
 from dschat.runtime.fs import atomic_dir, recover_dir
+from dschat.runtime.devices import to_device
 from dschat.training.checkpoint import TrainingPosition
-from dschat.training.common import TensorBoardLogger, to_device
+from dschat.training.progress import TensorBoardLogger
 
 if TYPE_CHECKING:  # the trainer's module does not import this one; kept out of the import graph all the same
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer

@@ -35,7 +35,9 @@ from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_
 from dschat.runtime.fs import atomic_file
 from dschat.runtime.perf import print_throughput_step3
 from dschat.training.checkpoint import Checkpointer
-from dschat.training.common import RunContext, TensorBoardLogger, to_device
+from dschat.runtime.devices import to_device
+from dschat.training.progress import TensorBoardLogger
+from dschat.training.run_setup import RunContext
 from dschat.training.ppo_counters import PPOCounters, finished_before_resume, reached_test_stop
 
 __all__ = ["METRICS_FILE", "PPORun", "IterationResult", "run_ppo", "train_rollout", "log_iteration",

@@ -50,7 +50,7 @@ from dschat.runtime.dist import get_world_size, is_rank_0
 from dschat.runtime import ds_config as ds_utils  # upstream's utils/ds_utils.py
 from dschat.runtime.ds_config import resolve_dtype
 from dschat.runtime.zero3 import begin_passes_with_dschats_rule, release_zero3_prefetch
-from dschat.training.common import OptimSettings, apply_lora, initialize_engine
+from dschat.training.engine_setup import OptimSettings, apply_lora, initialize_engine
 
 __all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
 
@@ -108,7 +108,7 @@ def ds_config_for(role: str, zero: ZeroConfig, *, dtype: str, hybrid_engine: boo
 
 def _apply_lora(model: nn.Module, role: str, lora_dim: int, module_name: str, only_optimize: bool,
                 force_optimize: tuple[str, ...] = ()) -> nn.Module:
-    """``dschat.training.common.apply_lora`` with step 3's flag names in its error messages."""
+    """``dschat.training.engine_setup.apply_lora`` with step 3's flag names in its error messages."""
     try:
         return apply_lora(model, lora_dim, module_name, only_optimize, force_optimize)
     except UserError as err:

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from dschat.rl_math.logprobs import sequence_log_probs
 from dschat.rl_math.preference import DPOOutput, dpo_loss, first_divergence_indices
-from dschat.training.common import prepare_batch
+from dschat.training.loaders import prepare_batch
 
 
 def dpo_label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

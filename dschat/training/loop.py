@@ -22,16 +22,16 @@ from dschat.runtime.dist import print_rank_0
 from dschat.runtime.perf import print_throughput as throughput_line
 from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.training.checkpoint import Checkpointer, TrainingPosition
-from dschat.training.common import (
+from dschat.training.loaders import prepare_batch
+from dschat.training.progress import (
     OptimizerStepCounter,
-    RunContext,
     RunResult,
     StepTimer,
     TensorBoardLogger,
-    prepare_batch,
     print_loss_line,
-    write_weight_digest,
 )
+from dschat.training.run_setup import RunContext
+from dschat.training.weight_digest import write_weight_digest
 from dschat.training.nonfinite import NonFiniteGuard
 
 __all__ = ["train_epochs", "finish_run"]

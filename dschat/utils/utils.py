@@ -1,6 +1,6 @@
 """Upstream's import path ``dschat.utils.utils``: its public helper names, re-exported.
 
-The implementations live where they belong (``dschat.runtime.dist``, ``dschat.training.common``,
+The implementations live where they belong (``dschat.runtime.dist``, ``dschat.runtime.devices``,
 ``dschat.models.tokenizer``, ``dschat.runtime.optim``, ``dschat.models.save``, ``dschat.rlhf.actor_ema``,
 ``dschat.models.build``); this module keeps ``from dschat.utils.utils import
 print_rank_0, ...`` working for code written against upstream. The two small running-average
@@ -19,9 +19,10 @@ from dschat.models.save import save_hf_format, save_zero_three_model
 from dschat.models.tokenizer import get_tokenizer, load_hf_tokenizer
 from dschat.rlhf.actor_ema import moving_average
 from dschat.runtime.averages import MovingAverage
+from dschat.runtime.devices import to_device
 from dschat.runtime.dist import get_all_reduce_mean, is_rank_0, print_rank_0
 from dschat.runtime.optim import get_optimizer_grouped_parameters
-from dschat.training.common import set_random_seed, to_device
+from dschat.training.loaders import set_random_seed
 from dschat.training.ppo_counters import ExponentialMovingAverage
 
 __all__ = [

@@ -7,8 +7,9 @@ import pytest
 from datasets import Dataset, DatasetDict
 
 from dschat.data import local_files as lf
-from dschat.data import raw_datasets as rd
+from dschat.data import dispatch
 from dschat.data.adapters import local as local_adapters
+from dschat.data.adapters import upstream as hub_adapters
 from dschat.data.split import get_shuffle_idx
 from dschat.errors import UserError
 
@@ -44,39 +45,39 @@ MKQA_ROW = {
 }
 
 CASES = [
-    (rd.DahoasRmstaticDataset, HH, ("train", "test"),
+    (hub_adapters.DahoasRmstaticDataset, HH, ("train", "test"),
      (HH["prompt"], " Hello!", " Go away.", HH["prompt"] + " Hello!", HH["prompt"] + " Go away.")),
-    (rd.DahoasFullhhrlhfDataset, HH, ("train", "test"),
+    (hub_adapters.DahoasFullhhrlhfDataset, HH, ("train", "test"),
      (HH["prompt"], " Hello!", " Go away.", HH["prompt"] + " Hello!", HH["prompt"] + " Go away.")),
-    (rd.DahoasSyntheticinstructgptjpairwiseDataset, {"prompt": "How?", "chosen": "Thus.", "rejected": "No."}, ("train",),
+    (hub_adapters.DahoasSyntheticinstructgptjpairwiseDataset, {"prompt": "How?", "chosen": "Thus.", "rejected": "No."}, ("train",),
      (" Human: How? Assistant:", " Thus.", " No.", " Human: How? Assistant: Thus.", " Human: How? Assistant: No.")),
-    (rd.YitingxieRlhfrewarddatasetsDataset,
+    (hub_adapters.YitingxieRlhfrewarddatasetsDataset,
      {"prompt": "Human: Hi ", "chosen": "Assistant: ok Assistant: fine", "rejected": "Assistant: bad"}, ("train", "test"),
      # chosen/rejected keep the text after the LAST "Assistant:"; the pair texts use the full field.
      ("Human: Hi Assistant:", " fine", " bad", "Human: Hi Assistant: ok Assistant: fine", "Human: Hi Assistant: bad")),
-    (rd.StanfordnlpSHPDataset, {"history": "Why?", "human_ref_A": "A says", "human_ref_B": "B says", "labels": 0},
+    (hub_adapters.StanfordnlpSHPDataset, {"history": "Why?", "human_ref_A": "A says", "human_ref_B": "B says", "labels": 0},
      ("train", "validation"),
      # labels == 0: B is preferred.
      (" Human: Why? Assistant:", " B says", " A says", " Human: Why? Assistant: B says", " Human: Why? Assistant: A says")),
-    (rd.PvduySharegptalpacaoavicunaformatDataset, {"prompt": "USER: hi ASSISTANT:", "label": "hello"}, ("train", "test"),
+    (hub_adapters.PvduySharegptalpacaoavicunaformatDataset, {"prompt": "USER: hi ASSISTANT:", "label": "hello"}, ("train", "test"),
      ("Human: hi Assistant:", " hello", None, "Human: hi Assistant: hello", None)),
-    (rd.Wangrui6ZhihuKOLDataset, {"INSTRUCTION": "问?", "RESPONSE": "答。"}, ("train",),
+    (hub_adapters.Wangrui6ZhihuKOLDataset, {"INSTRUCTION": "问?", "RESPONSE": "答。"}, ("train",),
      (" Human: 问? Assistant:", " 答。", None, " Human: 问? Assistant: 答。", None)),
-    (rd.CohereMiraclzhqueries2212Dataset, COHERE_ROW, ("train", "dev"),
+    (hub_adapters.CohereMiraclzhqueries2212Dataset, COHERE_ROW, ("train", "dev"),
      (" Human: Q? Assistant:", " pos text", " neg text", " Human: Q? Assistant: pos text", " Human: Q? Assistant: neg text")),
-    (rd.HelloSimpleAIHC3ChineseDataset, {"question": "问", "human_answers": ["人答"], "chatgpt_answers": ["机答"]}, ("train",),
+    (hub_adapters.HelloSimpleAIHC3ChineseDataset, {"question": "问", "human_answers": ["人答"], "chatgpt_answers": ["机答"]}, ("train",),
      (" Human: 问 Assistant:", " 人答", None, " Human: 问 Assistant: 人答", None)),
-    (rd.MkqaChineseDataset, MKQA_ROW, ("train",),
+    (hub_adapters.MkqaChineseDataset, MKQA_ROW, ("train",),
      (" Human: 问题 Assistant:", " 答案", None, " Human: 问题 Assistant: 答案", None)),
-    (rd.MkqaJapaneseDataset, MKQA_ROW, ("train",),
+    (hub_adapters.MkqaJapaneseDataset, MKQA_ROW, ("train",),
      (" Human: 質問 Assistant:", " 答え", None, " Human: 質問 Assistant: 答え", None)),
-    (rd.CohereMiracljaqueries2212Dataset, COHERE_ROW, ("train", "dev"),
+    (hub_adapters.CohereMiracljaqueries2212Dataset, COHERE_ROW, ("train", "dev"),
      (" Human: Q? Assistant:", " pos text", " neg text", " Human: Q? Assistant: pos text", " Human: Q? Assistant: neg text")),
-    (rd.LmqgQgjaquadDataset, {"question": "Q", "sentence": "S", "paragraph": "P"}, ("train", "validation"),
+    (hub_adapters.LmqgQgjaquadDataset, {"question": "Q", "sentence": "S", "paragraph": "P"}, ("train", "validation"),
      (" Human: Q Assistant:", " S", None, " Human: Q Assistant: S", None)),
-    (rd.LmqgQagjaquadDataset, {"questions": ["Q1", "Q2"], "paragraph": "P"}, ("train", "validation"),
+    (hub_adapters.LmqgQagjaquadDataset, {"questions": ["Q1", "Q2"], "paragraph": "P"}, ("train", "validation"),
      (" Human: Q1 Assistant:", " P", None, " Human: Q1 Assistant: P", None)),
-    (rd.LocalJsonFileDataset, {"prompt": "Human: hi Assistant:", "chosen": "yes", "rejected": "no"}, ("train", "eval"),
+    (local_adapters.LocalJsonFileDataset, {"prompt": "Human: hi Assistant:", "chosen": "yes", "rejected": "no"}, ("train", "eval"),
      (" Human: hi Assistant:", " yes", " no", " Human: hi Assistant: yes", " Human: hi Assistant: no")),
 ]
 
@@ -92,12 +93,12 @@ def test_adapter_texts(cls, row, splits, expected):
 
 
 def test_sixteen_upstream_adapters_in_upstream_order():
-    names = [needle for needle, _ in rd.DATASET_TABLE]
+    names = [needle for needle, _ in dispatch.DATASET_TABLE]
     assert len(names) == 16
     assert names[0] == "Dahoas/rm-static" and names[-1] == "local/jsonfile"
     assert names.index("mkqa-Chinese") < names.index("mkqa-Japanese") < names.index("Cohere/miracl-ja-queries-22-12")
-    covered = {c[0] for c in CASES} | {rd.OpenaiWebgptcomparisonsDataset}
-    assert {cls for _, cls in rd.DATASET_TABLE} == covered
+    covered = {c[0] for c in CASES} | {hub_adapters.OpenaiWebgptcomparisonsDataset}
+    assert {cls for _, cls in dispatch.DATASET_TABLE} == covered
 
 
 def webgpt_row(s0, s1, a0="Because [1] of the sun(2)[3].", a1="No idea (see [4]) at all."):
@@ -105,7 +106,7 @@ def webgpt_row(s0, s1, a0="Because [1] of the sun(2)[3].", a1="No idea (see [4])
 
 
 def test_webgpt_scores_tie_and_citations():
-    adapter = make(rd.OpenaiWebgptcomparisonsDataset, dd(train=[webgpt_row(1.0, -1.0)] * 10))
+    adapter = make(hub_adapters.OpenaiWebgptcomparisonsDataset, dd(train=[webgpt_row(1.0, -1.0)] * 10))
     row = webgpt_row(1.0, -1.0)
     # " [1]" goes with its leading space (first regex), "(2)" and "[3]" without (second regex).
     assert adapter.get_chosen(row) == " Because of the sun."
@@ -123,7 +124,7 @@ def test_webgpt_scores_tie_and_citations():
 
 
 def test_shp_label_rule():
-    adapter = make(rd.StanfordnlpSHPDataset, dd(train=[{"history": "h", "human_ref_A": "A", "human_ref_B": "B", "labels": 1}],
+    adapter = make(hub_adapters.StanfordnlpSHPDataset, dd(train=[{"history": "h", "human_ref_A": "A", "human_ref_B": "B", "labels": 1}],
                                                validation=[{"history": "h", "human_ref_A": "A", "human_ref_B": "B", "labels": 0}]))
     a_wins = adapter.get_train_data()[0]
     assert (adapter.get_chosen(a_wins), adapter.get_rejected(a_wins)) == (" A", " B")
@@ -132,25 +133,25 @@ def test_shp_label_rule():
 
 
 def test_none_cases():
-    pv = make(rd.PvduySharegptalpacaoavicunaformatDataset, dd(train=[{"prompt": "x", "label": "y"}], test=[{"prompt": "x", "label": "y"}]))
+    pv = make(hub_adapters.PvduySharegptalpacaoavicunaformatDataset, dd(train=[{"prompt": "x", "label": "y"}], test=[{"prompt": "x", "label": "y"}]))
     assert pv.get_prompt({"prompt": "", "label": "y"}) is None
     assert pv.get_chosen({"prompt": "x", "label": None}) is None
     assert pv.get_prompt_and_chosen({"prompt": "x", "label": ""}) is None
-    zh = make(rd.Wangrui6ZhihuKOLDataset, dd(train=[{"INSTRUCTION": "a", "RESPONSE": "b"}]))
+    zh = make(hub_adapters.Wangrui6ZhihuKOLDataset, dd(train=[{"INSTRUCTION": "a", "RESPONSE": "b"}]))
     assert zh.get_prompt({"INSTRUCTION": None, "RESPONSE": "b"}) is None
     assert zh.get_prompt_and_chosen({"INSTRUCTION": "a", "RESPONSE": None}) is None
-    ja = make(rd.CohereMiracljaqueries2212Dataset, dd(train=[COHERE_ROW], dev=[COHERE_ROW]))
+    ja = make(hub_adapters.CohereMiracljaqueries2212Dataset, dd(train=[COHERE_ROW], dev=[COHERE_ROW]))
     no_neg = dict(COHERE_ROW, negative_passages=[])
     assert ja.get_prompt_and_rejected(no_neg) is None  # upstream guards this one
     assert ja.get_rejected(no_neg) is None  # upstream: IndexError
-    lj = make(rd.LocalJsonFileDataset, dd(train=[{"prompt": "p", "chosen": "c", "rejected": "r"}],
+    lj = make(local_adapters.LocalJsonFileDataset, dd(train=[{"prompt": "p", "chosen": "c", "rejected": "r"}],
                                           eval=[{"prompt": "p", "chosen": "c", "rejected": "r"}]))
     assert lj.get_prompt_and_chosen({"prompt": None, "chosen": "c", "rejected": "r"}) is None
     assert lj.get_prompt_and_rejected({"prompt": "p", "chosen": "c", "rejected": None}) is None
 
 
 def test_single_answer_warns_once(capsys):
-    adapter = make(rd.LmqgQgjaquadDataset, dd(train=[{"question": "q", "sentence": "s"}], validation=[{"question": "q", "sentence": "s"}]))
+    adapter = make(hub_adapters.LmqgQgjaquadDataset, dd(train=[{"question": "q", "sentence": "s"}], validation=[{"question": "q", "sentence": "s"}]))
     for _ in range(3):
         assert adapter.get_prompt_and_rejected({"question": "q", "sentence": "s"}) is None
     assert capsys.readouterr().out.count("does not include rejected response") == 1
@@ -158,7 +159,7 @@ def test_single_answer_warns_once(capsys):
 
 def test_train_only_datasets_split_nine_to_one():
     rows = [{"prompt": f"p{i}", "chosen": "c", "rejected": "r"} for i in range(20)]
-    adapter = make(rd.DahoasSyntheticinstructgptjpairwiseDataset, dd(train=rows))
+    adapter = make(hub_adapters.DahoasSyntheticinstructgptjpairwiseDataset, dd(train=rows))
     # "9,1" on 20 rows: round(18.0)=18, round(2.0)=2 -> [0,18,20].
     shuffle = get_shuffle_idx(1234, 20).tolist()
     train, held_out = adapter.get_train_data(), adapter.get_eval_data()
@@ -168,9 +169,9 @@ def test_train_only_datasets_split_nine_to_one():
 
 def test_wrong_schema_names_the_column():
     with pytest.raises(UserError, match=r"lacks column\(s\) \['rejected'\]"):
-        make(rd.DahoasRmstaticDataset, dd(train=[{"prompt": "p", "chosen": "c"}], test=[{"prompt": "p", "chosen": "c"}]))
+        make(hub_adapters.DahoasRmstaticDataset, dd(train=[{"prompt": "p", "chosen": "c"}], test=[{"prompt": "p", "chosen": "c"}]))
     with pytest.raises(UserError, match="no 'validation' split"):
-        make(rd.StanfordnlpSHPDataset, dd(train=[{"history": "h", "human_ref_A": "a", "human_ref_B": "b", "labels": 1}]))
+        make(hub_adapters.StanfordnlpSHPDataset, dd(train=[{"history": "h", "human_ref_A": "a", "human_ref_B": "b", "labels": 1}]))
 
 
 # --- dispatch --------------------------------------------------------------------------------
@@ -179,12 +180,12 @@ def test_wrong_schema_names_the_column():
 def test_dispatch_by_substring_loads_local_copy_from_disk(tmp_path):
     folder = tmp_path / "data" / "Dahoas" / "rm-static"
     dd(train=[HH] * 5, test=[HH] * 3).save_to_disk(str(folder))
-    adapter = rd.get_raw_dataset(str(folder), str(tmp_path / "out"), 1234, -1)
-    assert type(adapter) is rd.DahoasRmstaticDataset
+    adapter = dispatch.get_raw_dataset(str(folder), str(tmp_path / "out"), 1234, -1)
+    assert type(adapter) is hub_adapters.DahoasRmstaticDataset
     assert len(adapter.get_train_data()) == 5 and len(adapter.get_eval_data()) == 3
     assert adapter.get_prompt_and_chosen(adapter.get_train_data()[0]) == HH["prompt"] + HH["chosen"]
     # The key fingerprint covers the folder's files.
-    assert rd.resolve_dataset(str(folder)).fingerprint()["content_sha256"]
+    assert dispatch.resolve_dataset(str(folder)).fingerprint()["content_sha256"]
 
 
 def test_upstream_name_with_split_files(tmp_path):
@@ -193,20 +194,20 @@ def test_upstream_name_with_split_files(tmp_path):
     folder = tmp_path / "stanfordnlp" / "SHP"
     write_jsonl(folder / "train.jsonl", [shp] * 4)
     write_jsonl(folder / "validation.jsonl", [shp] * 2)
-    adapter = rd.get_raw_dataset(str(folder), "/unused", 1, -1)
-    assert type(adapter) is rd.StanfordnlpSHPDataset
+    adapter = dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
+    assert type(adapter) is hub_adapters.StanfordnlpSHPDataset
     assert (len(adapter.get_train_data()), len(adapter.get_eval_data())) == (4, 2)
     assert adapter.get_prompt_and_chosen(adapter.get_train_data()[0]) == " Human: h Assistant: A"
 
 
 def test_dispatch_order_and_names():
-    assert rd.match_adapter("Dahoas/rm-static") is rd.DahoasRmstaticDataset
-    assert rd.match_adapter("/mnt/x/openai/webgpt_comparisons") is rd.OpenaiWebgptcomparisonsDataset
-    assert rd.match_adapter("mkqa-Japanese") is rd.MkqaJapaneseDataset
-    assert rd.match_adapter("dschat/builtin") is rd.BuiltinDataset
-    assert rd.match_adapter("nope/nothing") is None
-    hub = rd.resolve_dataset("stanfordnlp/SHP")
-    assert (hub.name, hub.adapter, hub.files) == ("stanfordnlp/SHP", rd.StanfordnlpSHPDataset, ())
+    assert dispatch.match_adapter("Dahoas/rm-static") is hub_adapters.DahoasRmstaticDataset
+    assert dispatch.match_adapter("/mnt/x/openai/webgpt_comparisons") is hub_adapters.OpenaiWebgptcomparisonsDataset
+    assert dispatch.match_adapter("mkqa-Japanese") is hub_adapters.MkqaJapaneseDataset
+    assert dispatch.match_adapter("dschat/builtin") is local_adapters.BuiltinDataset
+    assert dispatch.match_adapter("nope/nothing") is None
+    hub = dispatch.resolve_dataset("stanfordnlp/SHP")
+    assert (hub.name, hub.adapter, hub.files) == ("stanfordnlp/SHP", hub_adapters.StanfordnlpSHPDataset, ())
     # Keyed by name only (as upstream): a cache hit needs no hub load (see test_data_prompt_dataset).
     assert hub.fingerprint() == {"name": "stanfordnlp/SHP", "adapter": "StanfordnlpSHPDataset", "content_sha256": None}
 
@@ -230,7 +231,7 @@ def fake_hub(monkeypatch, tmp_path):
 
 def test_unknown_dataset_lists_supported_names():
     with pytest.raises(UserError) as err:
-        rd.resolve_dataset("someone/unknown-set")
+        dispatch.resolve_dataset("someone/unknown-set")
     message = str(err.value)
     assert "unknown dataset 'someone/unknown-set'" in message
     for name in ("Dahoas/rm-static", "stanfordnlp/SHP", "lmqg/qag_jaquad", "dschat/builtin", "local/jsonfile", ".jsonl"):
@@ -240,16 +241,16 @@ def test_unknown_dataset_lists_supported_names():
 
 def test_missing_local_path(tmp_path):
     with pytest.raises(UserError, match="does not exist"):
-        rd.resolve_dataset(str(tmp_path / "missing.jsonl"))
+        dispatch.resolve_dataset(str(tmp_path / "missing.jsonl"))
     with pytest.raises(UserError, match="does not exist"):  # an upstream name, but clearly a path
-        rd.resolve_dataset(str(tmp_path / "Dahoas" / "rm-static"))
+        dispatch.resolve_dataset(str(tmp_path / "Dahoas" / "rm-static"))
 
 
 def test_hub_failure_is_a_user_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     with pytest.raises(UserError, match="cannot load dataset 'Dahoas/rm-static'"):
-        rd.get_raw_dataset("Dahoas/rm-static", "/unused", 1, -1)
+        dispatch.get_raw_dataset("Dahoas/rm-static", "/unused", 1, -1)
 
 
 # --- local forms -----------------------------------------------------------------------------
@@ -278,8 +279,8 @@ def test_local_file_train_only_is_split_nine_to_one(tmp_path, suffix):
         import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), path)
-    adapter = rd.get_raw_dataset(str(path), str(tmp_path / "out"), 1234, -1)
-    assert type(adapter) is rd.LocalPreferenceDataset and adapter.has_rejected
+    adapter = dispatch.get_raw_dataset(str(path), str(tmp_path / "out"), 1234, -1)
+    assert type(adapter) is local_adapters.LocalPreferenceDataset and adapter.has_rejected
     check_verbatim(adapter, 18, 2)
     shuffle = get_shuffle_idx(1234, 20).tolist()
     assert adapter.get_train_data()[0]["prompt"] == rows[shuffle[0]]["prompt"]
@@ -287,13 +288,13 @@ def test_local_file_train_only_is_split_nine_to_one(tmp_path, suffix):
 
 def test_json_lines_saved_as_json(tmp_path):
     path = write_jsonl(tmp_path / "rows.json", pref_rows(10))
-    check_verbatim(rd.get_raw_dataset(str(path), "/unused", 1, -1), 9, 1)
+    check_verbatim(dispatch.get_raw_dataset(str(path), "/unused", 1, -1), 9, 1)
 
 
 def test_folder_with_split_files(tmp_path):
     write_jsonl(tmp_path / "d" / "train.jsonl", pref_rows(7))
     write_json(tmp_path / "d" / "test.json", pref_rows(3, tag="t"))
-    adapter = rd.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
+    adapter = dispatch.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
     check_verbatim(adapter, 7, 3)
     assert adapter.get_eval_data()[0]["prompt"].startswith(" Human: t 0")
 
@@ -301,7 +302,7 @@ def test_folder_with_split_files(tmp_path):
 def test_folder_without_split_names_is_train_only(tmp_path):
     write_jsonl(tmp_path / "d" / "a.jsonl", pref_rows(10, rejected=False))
     write_jsonl(tmp_path / "d" / "b.jsonl", pref_rows(10, tag="b", rejected=False))
-    adapter = rd.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
+    adapter = dispatch.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
     assert not adapter.has_rejected  # no rejected column anywhere
     check_verbatim(adapter, 18, 2)
 
@@ -310,22 +311,22 @@ def test_folder_mixing_split_and_other_files(tmp_path):
     write_jsonl(tmp_path / "d" / "train.jsonl", pref_rows(3))
     write_jsonl(tmp_path / "d" / "extra.jsonl", pref_rows(3))
     with pytest.raises(UserError, match="extra.jsonl"):
-        rd.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
 
 
 def test_save_to_disk_folder(tmp_path):
     dd(train=pref_rows(6), validation=pref_rows(2, tag="v")).save_to_disk(str(tmp_path / "disk"))
-    check_verbatim(rd.get_raw_dataset(str(tmp_path / "disk"), "/unused", 1, -1), 6, 2)
+    check_verbatim(dispatch.get_raw_dataset(str(tmp_path / "disk"), "/unused", 1, -1), 6, 2)
     Dataset.from_list(pref_rows(10)).save_to_disk(str(tmp_path / "single"))
-    check_verbatim(rd.get_raw_dataset(str(tmp_path / "single"), "/unused", 1, -1), 9, 1)
+    check_verbatim(dispatch.get_raw_dataset(str(tmp_path / "single"), "/unused", 1, -1), 9, 1)
 
 
 def test_local_jsonfile_from_current_directory(tmp_path, monkeypatch):
     write_json(tmp_path / "data" / "train.json", [{"prompt": "Human: a Assistant:", "chosen": "b", "rejected": "c"}] * 4)
     write_json(tmp_path / "data" / "eval.json", [{"prompt": "Human: a Assistant:", "chosen": "b", "rejected": "c"}] * 2)
     monkeypatch.chdir(tmp_path)
-    adapter = rd.get_raw_dataset("local/jsonfile", "/unused", 1, -1)
-    assert type(adapter) is rd.LocalJsonFileDataset and adapter.dataset_name_clean == "jsonfile"
+    adapter = dispatch.get_raw_dataset("local/jsonfile", "/unused", 1, -1)
+    assert type(adapter) is local_adapters.LocalJsonFileDataset and adapter.dataset_name_clean == "jsonfile"
     row = adapter.get_train_data()[0]
     assert adapter.get_prompt_and_chosen(row) == " Human: a Assistant: b"
     assert (len(adapter.get_train_data()), len(adapter.get_eval_data())) == (4, 2)
@@ -335,20 +336,20 @@ def test_local_jsonfile_missing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(local_adapters, "_source_root", lambda: tmp_path / "no-checkout")
     with pytest.raises(UserError, match="data/train.json and data/eval.json"):
-        rd.resolve_dataset("local/jsonfile")
+        dispatch.resolve_dataset("local/jsonfile")
 
 
 def test_builtin_dataset():
     from dschat.data import builtin
 
-    adapter = rd.get_raw_dataset("dschat/builtin", "/unused", 1234, -1)
-    assert type(adapter) is rd.BuiltinDataset and adapter.has_rejected
+    adapter = dispatch.get_raw_dataset("dschat/builtin", "/unused", 1234, -1)
+    assert type(adapter) is local_adapters.BuiltinDataset and adapter.has_rejected
     first = builtin.read_rows("train")[0]
     assert adapter.get_train_data()[0] == first
     assert adapter.get_prompt_and_chosen(first) == first["prompt"] + first["chosen"]
     assert len(adapter.get_train_data()) == len(builtin.read_rows("train"))
     assert len(adapter.get_eval_data()) == len(builtin.read_rows("eval"))
-    assert rd.resolve_dataset("dschat/builtin").fingerprint()["content_sha256"]
+    assert dispatch.resolve_dataset("dschat/builtin").fingerprint()["content_sha256"]
 
 
 # --- bad local files -------------------------------------------------------------------------
@@ -358,14 +359,14 @@ def test_malformed_jsonl_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(pref_rows(1)[0]) + "\n\n" + '{"prompt": "x", "chosen": \n', encoding="utf-8")
     with pytest.raises(UserError, match=r"bad.jsonl:3: malformed JSON"):
-        rd.get_raw_dataset(str(path), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(path), "/unused", 1, -1)
 
 
 def test_malformed_json_names_file_and_line(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text('[\n {"prompt": "a", "chosen": "b"},\n {"prompt": "a" "chosen": "b"}\n]\n', encoding="utf-8")
     with pytest.raises(UserError, match=r"bad.json:3: malformed JSON"):
-        rd.get_raw_dataset(str(path), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(path), "/unused", 1, -1)
 
 
 def test_missing_field_names_file_row_and_column(tmp_path):
@@ -373,13 +374,13 @@ def test_missing_field_names_file_row_and_column(tmp_path):
     del rows[1]["chosen"]
     path = write_jsonl(tmp_path / "rows.jsonl", rows)
     with pytest.raises(UserError, match=r"rows.jsonl:2: missing field 'chosen'"):
-        rd.get_raw_dataset(str(path), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(path), "/unused", 1, -1)
 
 
 def test_non_string_field(tmp_path):
     path = write_json(tmp_path / "rows.json", [{"prompt": "p", "chosen": 3}])
     with pytest.raises(UserError, match=r"rows.json item 1: field 'chosen' must be a string"):
-        rd.get_raw_dataset(str(path), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(path), "/unused", 1, -1)
 
 
 def test_missing_parquet_column(tmp_path):
@@ -388,7 +389,7 @@ def test_missing_parquet_column(tmp_path):
 
     pq.write_table(pa.Table.from_pylist([{"prompt": "p", "answer": "a"}]), tmp_path / "x.parquet")
     with pytest.raises(UserError, match=r"x.parquet row 1: missing field 'chosen'"):
-        rd.get_raw_dataset(str(tmp_path / "x.parquet"), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(tmp_path / "x.parquet"), "/unused", 1, -1)
 
 
 def test_json_lines_keep_unicode_line_separators_inside_strings(tmp_path):
@@ -444,7 +445,7 @@ def rm_static_copy(tmp_path, bad_row):
 def test_local_copy_of_a_hub_dataset_checks_rows(tmp_path, bad_row, message):
     folder = rm_static_copy(tmp_path, bad_row)
     with pytest.raises(UserError, match=message):
-        rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
 
 
 def test_local_copy_with_structured_columns(tmp_path):
@@ -453,14 +454,14 @@ def test_local_copy_with_structured_columns(tmp_path):
            "score_1": -1.0, "extra": "dropped"}
     folder = tmp_path / "openai" / "webgpt_comparisons"
     write_jsonl(folder / "train.jsonl", [row] * 10)
-    adapter = rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+    adapter = dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
     sample = adapter.get_train_data()[0]
-    assert sorted(sample) == sorted(rd.OpenaiWebgptcomparisonsDataset.required_columns)
+    assert sorted(sample) == sorted(hub_adapters.OpenaiWebgptcomparisonsDataset.required_columns)
     assert adapter.get_prompt_and_chosen(sample) == " Human: Why? Assistant: A."
     # A field whose type changes from row to row cannot form a table: one line naming the file.
     write_jsonl(folder / "train.jsonl", [row, {**row, "question": "Why?"}])
     with pytest.raises(UserError, match=r"cannot combine the rows of .*train.jsonl"):
-        rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
 
 
 def test_local_copy_nulls_where_the_adapter_skips_them(tmp_path):
@@ -468,9 +469,9 @@ def test_local_copy_nulls_where_the_adapter_skips_them(tmp_path):
     folder = tmp_path / "wangrui6" / "Zhihu-KOL"
     rows = [{"INSTRUCTION": "问?", "RESPONSE": "答。"}, {"INSTRUCTION": "问?", "RESPONSE": None}]
     write_jsonl(folder / "train.jsonl", rows * 5)
-    adapter = rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+    adapter = dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
     texts_ = [adapter.get_prompt_and_chosen(s) for s in adapter.raw_datasets["train"]]
     assert texts_.count(None) == 5
     write_jsonl(folder / "train.jsonl", [{"INSTRUCTION": "问?", "RESPONSE": 3}])
     with pytest.raises(UserError, match=r"field 'RESPONSE' must be a string or null, got int"):
-        rd.get_raw_dataset(str(folder), "/unused", 1, -1)
+        dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)

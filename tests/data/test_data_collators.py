@@ -11,7 +11,7 @@ from torch.utils.data.distributed import DistributedSampler
 from dschat.data.collators import DataCollatorReward, DataCollatorRLHF, set_epoch_if_distributed
 from dschat.rlhf.experience import RolloutBuffer
 from dschat.utils.data.data_utils import MiniDataset
-from dschat.data.prompt_dataset import PairItem, PromptDataset, PromptItem, TokenRows
+from dschat.data.token_dataset import PairItem, PromptDataset, PromptItem, TokenRows
 
 from helpers.data import make_tokenizer
 

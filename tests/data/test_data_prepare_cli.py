@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from dschat.cli.args import add_data_args, add_unsupervised_data_args
+from dschat.cli.shared import add_data_args
+from dschat.cli.step3 import add_unsupervised_data_args
 
 from helpers.data import files_in, pref_rows, run_prepare, save_tokenizer, write_jsonl
 

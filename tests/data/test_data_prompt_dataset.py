@@ -11,9 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from dschat.data import prompt_dataset as pd
+from dschat.data import token_dataset
 from dschat.data import tokenization
-from dschat.data.prompt_dataset import PairItem, PromptItem, create_dataset, create_dataset_split, create_prompt_dataset
-from dschat.data.raw_datasets import LocalPreferenceDataset
+from dschat.data.prompt_dataset import create_prompt_dataset
+from dschat.data.token_dataset import PairItem, PromptItem
+from dschat.data.tokenization import create_dataset, create_dataset_split
+from dschat.data.adapters.local import LocalPreferenceDataset
 from dschat.data.split import get_shuffle_idx
 from dschat.errors import UserError
 
@@ -266,7 +269,7 @@ def test_cache_files_are_safetensors_and_json_only(tmp_path):
     tensors = load_file(str(out / f"traindata_{key}.safetensors"))  # no unpickling anywhere
     assert set(tensors) == {"chosen.ids", "chosen.mask", "chosen.offsets"}
     assert tensors["chosen.offsets"].numel() == len(train) + 1
-    rows = pd.TokenRows.from_tensors(tensors, "chosen")
+    rows = token_dataset.TokenRows.from_tensors(tensors, "chosen")
     assert rows.row(0)[0].tolist() == train[0]["input_ids"][train[0]["attention_mask"].bool()].tolist()
 
 
@@ -391,16 +394,16 @@ def test_upstream_five_argument_prompt_dataset():
     tok = make_tokenizer()
     texts = [r["prompt"] + r["chosen"] + EOT for r in pref_rows(3)]
     enc = tok(texts, max_length=24, padding="max_length", truncation=True)
-    rows = pd.TokenRows.from_lists(enc["input_ids"], enc["attention_mask"])
-    ds = pd.PromptDataset(None, rows, rows, tok.pad_token_id, 2)
+    rows = token_dataset.TokenRows.from_lists(enc["input_ids"], enc["attention_mask"])
+    ds = token_dataset.PromptDataset(None, rows, rows, tok.pad_token_id, 2)
     assert ds.max_seq_len == 24 and len(ds) == 3
     assert ds[1].chosen_ids.tolist() == [enc["input_ids"][1]] and ds[1].rejected_mask.tolist() == [enc["attention_mask"][1]]
     # Unpadded rows: every item is padded to the longest, so a batch stacks.
     enc = tok(texts[:2] + [" Human: hi? Assistant: yes."])
-    ds = pd.PromptDataset(None, pd.TokenRows.from_lists(enc["input_ids"], enc["attention_mask"]), None, tok.pad_token_id, 1)
+    ds = token_dataset.PromptDataset(None, token_dataset.TokenRows.from_lists(enc["input_ids"], enc["attention_mask"]), None, tok.pad_token_id, 1)
     assert {ds[i]["input_ids"].numel() for i in range(3)} == {max(len(x) for x in enc["input_ids"])}
     with pytest.raises(TypeError, match="TokenRows.from_lists"):
-        pd.PromptDataset(None, [{"input_ids": torch.ones(1, 4)}], None, 0, 1)
+        token_dataset.PromptDataset(None, [{"input_ids": torch.ones(1, 4)}], None, 0, 1)
 
 
 def test_hub_dataset_cache_hit_does_not_load_the_hub(tmp_path, monkeypatch):

@@ -92,7 +92,7 @@ def test_human_assistant_prompt_tokens_are_those_of_a_training_prompt(model):
     token, and a training text (prompt + answer) starts with exactly those tokens."""
     import json
 
-    from dschat.data.raw_datasets import builtin_files
+    from dschat.data.adapters.local import builtin_files
     from dschat.models.tokenizer import load_hf_tokenizer
 
     tok = load_hf_tokenizer(model)

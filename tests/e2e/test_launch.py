@@ -14,8 +14,9 @@ import pytest
 
 from dschat import launch as L
 from dschat import multinode as M
-from dschat import recipes as R
 from dschat.recipes import loading as recipe_loading
+from dschat.recipes import scripts as recipe_scripts
+from dschat.recipes import steps as recipe_steps
 from dschat.errors import UserError
 
 from helpers import REPO
@@ -68,7 +69,7 @@ def fake_root(tmp_path: Path) -> Path:
     """A checkout with the real configs/ and fake main.py files."""
     root = tmp_path / "repo"
     shutil.copytree(REPO / "configs", root / "configs")
-    for spec in R.STEPS.values():
+    for spec in recipe_steps.STEPS.values():
         (root / spec.folder).mkdir(parents=True)
         (root / spec.main_py).write_text(FAKE_MAIN, encoding="utf-8")
     recipe_loading._CACHE.clear()
@@ -91,7 +92,7 @@ def _hostfile(tmp_path: Path, *hosts: str) -> str:
 
 def test_plan_builds_the_deepspeed_argument_list(fake_root, tmp_path, monkeypatch):
     monkeypatch.delenv(L.LAUNCHER_ENV, raising=False)
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", fake_root)
+    recipe = recipe_loading.get_recipe("step3", "opt/single_node/1.3b", fake_root)
     hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
     plan = L.plan(recipe, {"actor_model": "/a", "critic_model": "/c", "output_dir": "/o"}, ["--seed", "7"],
                   launcher_overrides={"hostfile": hostfile, "num_gpus": None}, repo_root=fake_root)
@@ -113,14 +114,14 @@ def test_plan_without_main_py_is_a_clear_error(tmp_path):
     shutil.copytree(REPO / "configs", root / "configs")
     (root / "training").mkdir()
     recipe_loading._CACHE.clear()
-    recipe = R.get_recipe("step1", "cpu/tiny", root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", root)
     with pytest.raises(UserError, match="main.py does not exist"):
         L.plan(recipe, repo_root=root)
 
 
 def test_run_streams_to_terminal_and_log_and_returns_the_exit_code(fake_root, tmp_path, monkeypatch):
     out = tmp_path / "out"
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     plan = L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root)
     monkeypatch.setenv("FAKE_RC", "3")
     monkeypatch.setenv("FAKE_MESSAGE", "last words")
@@ -139,7 +140,7 @@ def test_run_streams_to_terminal_and_log_and_returns_the_exit_code(fake_root, tm
 
 
 def test_recipe_env_is_a_default_not_an_override(fake_root, tmp_path, monkeypatch):
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, kind="python", repo_root=fake_root)
     monkeypatch.setenv("FAKE_MESSAGE", "x")
     monkeypatch.setenv("DS_ACCELERATOR", "cuda")
@@ -159,7 +160,7 @@ def test_recipe_env_is_a_default_not_an_override(fake_root, tmp_path, monkeypatc
 def test_log_survives_an_output_folder_replaced_by_an_atomic_save(fake_root, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
-    recipe = R.get_recipe("step2", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step2", "cpu/tiny", fake_root)
     plan = L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root)
     monkeypatch.setenv("FAKE_REPLACE_OUTPUT", "1")
     monkeypatch.setenv("FAKE_MESSAGE", "after the save")
@@ -171,7 +172,7 @@ def test_log_survives_an_output_folder_replaced_by_an_atomic_save(fake_root, tmp
 
 
 def test_a_step_refusing_its_input_leaves_the_output_folder_as_it_was(fake_root, tmp_path, monkeypatch):
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     monkeypatch.setenv("FAKE_RC", "2")  # the step's exit code for bad input: it wrote nothing
     monkeypatch.setenv("FAKE_MESSAGE", "error: bad flag")
     fresh = tmp_path / "new" / "out"
@@ -275,9 +276,9 @@ def test_script_args_split_positionals_from_flags(fake_root, capsys):
 # The generated shell scripts, end to end with a fake deepspeed launcher
 # ------------------------------------------------------------------------------------------------
 def _copy_script(fake_root: Path, step: str, rid: str) -> Path:
-    recipe = R.get_recipe(step, rid, REPO)
-    src = R.script_path(recipe, REPO)
-    dst = R.script_path(recipe, fake_root)
+    recipe = recipe_loading.get_recipe(step, rid, REPO)
+    src = recipe_scripts.script_path(recipe, REPO)
+    dst = recipe_scripts.script_path(recipe, fake_root)
     dst.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(src, dst)
     return dst
@@ -300,7 +301,7 @@ def test_step3_script_passes_upstream_positionals(fake_root, tmp_path):
     proc, argv = _run_script(script, ["/sft", "/rm", "3", "", "out3", "--actor_lora_dim", "8"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     main = str(fake_root / "training/step3_rlhf_finetuning/main.py")
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
+    recipe = recipe_loading.get_recipe("step3", "opt/single_node/1.3b", REPO)
     expected_flags = recipe.render({"actor_model": "/sft", "critic_model": "/rm", "actor_zero_stage": "3",
                                     "output_dir": "out3"}, ["--actor_lora_dim", "8"])
     assert argv[:1] == ["--master_port"] and argv[2:] == [main, *expected_flags]
@@ -334,7 +335,7 @@ def test_real_deepspeed_launcher_streams_and_propagates_exit_code(fake_root, tmp
     monkeypatch.setenv("FAKE_RC", "4")
     monkeypatch.setenv("FAKE_MESSAGE", "rank says bye")
     out = tmp_path / "o"
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     plan = L.plan(recipe, {"output_dir": str(out)}, repo_root=fake_root)  # a free port: nothing fixed
     sink = Sink()
     result = L.run(plan, sink=sink)
@@ -365,12 +366,12 @@ def busy_port():
 def test_single_node_launch_takes_a_free_port_unless_one_is_given(fake_root, busy_port):
     for step, rid, params in (("step1", "cpu/tiny", {}), ("step3", "opt/single_node/1.3b",
                                                           {"actor_model": "/a", "critic_model": "/c"})):
-        recipe = R.get_recipe(step, rid, fake_root)
+        recipe = recipe_loading.get_recipe(step, rid, fake_root)
         first = _port_of(L.plan(recipe, params, repo_root=fake_root).argv)
         second = _port_of(L.plan(recipe, params, repo_root=fake_root).argv)
         assert M.port_is_free(first) and first not in (29500, 12346, busy_port)
         assert first != second or M.port_is_free(first)  # chosen afresh by the OS each time
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     free = M.free_port()
     assert _port_of(L.plan(recipe, launcher_overrides={"master_port": free}, repo_root=fake_root).argv) == free
 
@@ -385,11 +386,11 @@ def test_a_busy_master_port_is_refused_in_one_line_naming_a_free_one(fake_root, 
     # Several nodes with this machine first: its port is checked too (the recipe's or 29500 otherwise).
     hostfile = _hostfile(tmp_path, "localhost", "node2.invalid")
     with pytest.raises(UserError, match=f"master port {busy_port} .* on localhost"):
-        L.plan(R.get_recipe("step1", "cpu/tiny", fake_root), launcher_overrides={"hostfile": hostfile,
+        L.plan(recipe_loading.get_recipe("step1", "cpu/tiny", fake_root), launcher_overrides={"hostfile": hostfile,
                "master_port": busy_port}, repo_root=fake_root)
     # A first host elsewhere cannot be checked from here: the port is passed on as given.
     hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
-    plan = L.plan(R.get_recipe("step1", "cpu/tiny", fake_root), launcher_overrides={"hostfile": hostfile,
+    plan = L.plan(recipe_loading.get_recipe("step1", "cpu/tiny", fake_root), launcher_overrides={"hostfile": hostfile,
                   "master_port": busy_port}, repo_root=fake_root)
     assert _port_of(plan.argv) == busy_port
 
@@ -420,7 +421,7 @@ def test_multi_node_script_takes_launcher_flags_and_passes_the_rest_to_main_py(f
                                       "--learning_rate", "1e-5"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     main = str(fake_root / "training/step1_supervised_finetuning/main.py")
-    recipe = R.get_recipe("step1", "opt/multi_node/66b", REPO)
+    recipe = recipe_loading.get_recipe("step1", "opt/multi_node/66b", REPO)
     assert argv == ["--hostfile", hostfile, "--num_nodes", "2", "--num_gpus", "1", "--master_addr", "10.0.0.7",
                     "--master_port", "29777", main, *recipe.render({"output_dir": "out"}, ["--learning_rate", "1e-5"])]
 
@@ -464,7 +465,7 @@ def test_multi_node_ranks_get_the_recipe_environment_through_a_private_deepspeed
     monkeypatch.setenv(L.LAUNCHER_ENV, f"{sys.executable} {tmp_path / 'fake.py'}")
     (tmp_path / "fake.py").write_text(FAKE_LAUNCHER)
     hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)  # env: DS_ACCELERATOR=cpu
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)  # env: DS_ACCELERATOR=cpu
     plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": hostfile},
                   repo_root=fake_root)
     assert plan.rank_env["DS_ACCELERATOR"] == "cpu" and "OMP_NUM_THREADS" not in plan.rank_env
@@ -559,7 +560,7 @@ def test_secret_named_variables_never_reach_the_multi_node_runner(fake_root, tmp
         monkeypatch.setenv(name, value)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow.invalid")  # no secret: DeepSpeed forwards it
     (Path.home() / ".deepspeed_env").write_text("HF_TOKEN=hf-6\nNCCL_DEBUG=INFO\n")
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
                   repo_root=fake_root)
     assert plan.withheld == sorted([*secrets, "HF_TOKEN"])
@@ -585,7 +586,7 @@ def test_multi_node_launch_refuses_a_working_directory_others_can_write_to(fake_
     shared.mkdir()
     shared.chmod(0o777)  # not sticky: anyone may plant a module here, e.g. the --reward_fn one
     (shared / "project").mkdir(mode=0o755)  # the user's own folder, inside it: renamable by anyone
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", fake_root)
+    recipe = recipe_loading.get_recipe("step3", "opt/single_node/1.3b", fake_root)
     params = {"actor_model": "/a", "critic_model": "/c", "output_dir": str(tmp_path / "o")}
     for cwd in (shared, shared / "project"):
         monkeypatch.chdir(cwd)
@@ -609,7 +610,7 @@ def test_multi_node_launch_refuses_a_deepspeed_env_that_is_not_the_users_alone(f
     env_file.write_text("PYTHONPATH=/somewhere\n")
     if where == "DS_ENV_FILE":
         monkeypatch.setenv("DS_ENV_FILE", str(env_file))
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
 
     def attempt():
         return L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
@@ -638,7 +639,7 @@ def _other_owner(info: os.stat_result) -> os.stat_result:
 
 
 def test_every_launch_gives_its_ranks_one_rendezvous_id(fake_root, tmp_path, two_hosts):
-    recipe = R.get_recipe("step1", "cpu/tiny", fake_root)
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     one = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, repo_root=fake_root)
     many = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
                   repo_root=fake_root)

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from dschat import recipes as R
 from dschat.errors import UserError, cli_main
+from dschat.recipes import cli as recipe_cli
 from dschat.recipes import loading as recipe_loading
+from dschat.recipes import recipe as recipe_mod
+from dschat.recipes import scripts as recipe_scripts
+from dschat.recipes import steps as recipe_steps
 from dschat.runtime import fs, trust
 
 from helpers import REPO
@@ -42,7 +45,7 @@ EXPECTED_IDS = {
 
 
 def test_every_recipe_loads_and_validates():
-    everything = R.load_all(REPO)
+    everything = recipe_loading.load_all(REPO)
     assert {k: set(v) for k, v in everything.items()} == EXPECTED_IDS
     for key, recipes in everything.items():
         for recipe in recipes.values():
@@ -58,7 +61,7 @@ def test_every_recipe_loads_and_validates():
 
 
 def test_step1_single_node_1_3b_upstream_argv():
-    recipe = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
+    recipe = recipe_loading.get_recipe("step1", "opt/single_node/1.3b", REPO)
     assert recipe.launcher.argv() == []
     assert recipe.render({"output_dir": "/o", "zero_stage": ""}) == [
         "--data_path", *OPT_DATA, "--data_split", "2,4,4", "--model_name_or_path", "facebook/opt-1.3b",
@@ -71,7 +74,7 @@ def test_step1_single_node_1_3b_upstream_argv():
 
 
 def test_step1_single_gpu_upstream_argv_and_positionals():
-    recipe = R.get_recipe("step1", "opt/single_gpu/1.3b", REPO)
+    recipe = recipe_loading.get_recipe("step1", "opt/single_gpu/1.3b", REPO)
     assert recipe.launcher.argv() == ["--num_gpus", "1"]
     params = recipe.params_from_positionals(["out1", "3"])
     assert recipe.render(params) == [
@@ -85,7 +88,7 @@ def test_step1_single_gpu_upstream_argv_and_positionals():
 
 
 def test_step2_single_gpu_upstream_argv():
-    recipe = R.get_recipe("step2", "opt/single_gpu/350m", REPO)
+    recipe = recipe_loading.get_recipe("step2", "opt/single_gpu/350m", REPO)
     assert recipe.launcher.argv() == ["--num_gpus", "1"]
     assert recipe.render({"output_dir": "rm"}) == [
         "--model_name_or_path", "facebook/opt-350m", "--num_padding_at_beginning", "1", "--weight_decay", "0.1",
@@ -95,7 +98,7 @@ def test_step2_single_gpu_upstream_argv():
 
 
 def test_dpo_single_node_upstream_argv():
-    recipe = R.get_recipe("dpo", "opt/single_node/350m", REPO)
+    recipe = recipe_loading.get_recipe("dpo", "opt/single_node/350m", REPO)
     assert recipe.render() == [
         "--data_path", *OPT_DATA, "--data_split", "2,4,4", "--model_name_or_path", "facebook/opt-350m",
         "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "4", "--max_seq_len", "512",
@@ -106,7 +109,7 @@ def test_dpo_single_node_upstream_argv():
 
 
 def test_step3_single_node_1_3b_upstream_argv():
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
+    recipe = recipe_loading.get_recipe("step3", "opt/single_node/1.3b", REPO)
     assert recipe.launcher.argv() == ["--master_port", "12346"]
     # Upstream's AdamG012/* defaults are upstream-format checkpoints dschat's step 3 refuses: required here.
     with pytest.raises(UserError, match="needs actor_model"):
@@ -127,7 +130,7 @@ def test_step3_single_node_1_3b_upstream_argv():
 
 
 def test_step3_positionals_in_upstream_order():
-    recipe = R.get_recipe("step3", "opt/single_gpu/1.3b", REPO)
+    recipe = recipe_loading.get_recipe("step3", "opt/single_gpu/1.3b", REPO)
     params = recipe.params_from_positionals(["/a", "/c", "3", "", "/out"])
     assert recipe.render(params) == [
         "--actor_model_name_or_path", "/a", "--critic_model_name_or_path", "/c", "--actor_zero_stage", "3",
@@ -138,7 +141,7 @@ def test_step3_positionals_in_upstream_order():
 
 
 def test_step3_llama2_mixz_upstream_argv():
-    recipe = R.get_recipe("step3", "llama2/7b_mixz", REPO)
+    recipe = recipe_loading.get_recipe("step3", "llama2/7b_mixz", REPO)
     assert recipe.script == "llama2/run_llama2_7b_mixz.sh"
     argv = recipe.render({"actor_model": "A", "critic_model": "C"})
     assert argv[argv.index("--actor_zero_stage"):] == [
@@ -154,7 +157,7 @@ def test_step3_llama2_mixz_upstream_argv():
 def test_empty_hard_coded_paths_give_a_clear_error():
     # Upstream's 6.7b / 30b / LoRA step-3 scripts hard-coded `ACTOR_MODEL_PATH=` (empty).
     for rid in ("opt/single_node/6.7b", "opt/single_node/30b_lora", "opt/single_gpu/6.7b_lora"):
-        recipe = R.get_recipe("step3", rid, REPO)
+        recipe = recipe_loading.get_recipe("step3", rid, REPO)
         with pytest.raises(UserError, match=r"needs actor_model \(positional \$1, ACTOR_MODEL_PATH\)"):
             recipe.render()
         with pytest.raises(UserError, match=r"needs critic_model \(positional \$2"):
@@ -162,7 +165,7 @@ def test_empty_hard_coded_paths_give_a_clear_error():
 
 
 def test_bad_parameters_are_rejected():
-    recipe = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
+    recipe = recipe_loading.get_recipe("step1", "opt/single_node/1.3b", REPO)
     with pytest.raises(UserError, match="zero_stage must be 0, 1, 2 or 3"):
         recipe.render({"zero_stage": "4"})
     with pytest.raises(UserError, match="at most 2 positional values"):
@@ -172,7 +175,7 @@ def test_bad_parameters_are_rejected():
 
 
 def test_extra_flags_replace_the_recipes_and_unset_drops():
-    recipe = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
+    recipe = recipe_loading.get_recipe("step1", "opt/single_node/1.3b", REPO)
     argv = recipe.render({}, ["--learning_rate", "1e-4", "--data_path", "local/jsonfile", "x", "--print_loss"],
                          unset=["enable_tensorboard"])
     assert argv.count("--learning_rate") == 1 and argv.count("--data_path") == 1
@@ -183,16 +186,16 @@ def test_extra_flags_replace_the_recipes_and_unset_drops():
     with pytest.raises(UserError, match="no flag --nope to unset"):
         recipe.render({}, unset=["nope"])
     # --name=value form and negative numbers as values.
-    assert R.split_flag_groups(["--a=1", "--b", "-1", "--c"]) == [("a", ["--a=1"]), ("b", ["--b", "-1"]), ("c", ["--c"])]
+    assert recipe_mod.split_flag_groups(["--a=1", "--b", "-1", "--c"]) == [("a", ["--a=1"]), ("b", ["--b", "-1"]), ("c", ["--c"])]
 
 
 def test_unknown_recipe_suggests_close_ids():
     with pytest.raises(UserError, match="did you mean opt/single_node/1.3b"):
-        R.get_recipe("step1", "opt/single_node/1.3", REPO)
+        recipe_loading.get_recipe("step1", "opt/single_node/1.3", REPO)
     # The upstream script path is accepted too.
-    assert R.get_recipe("3", "opt/single_gpu/run_6.7b_lora.sh", REPO).id == "opt/single_gpu/6.7b_lora"
+    assert recipe_loading.get_recipe("3", "opt/single_gpu/run_6.7b_lora.sh", REPO).id == "opt/single_gpu/6.7b_lora"
     with pytest.raises(UserError, match="unknown step"):
-        R.step_spec("step4")
+        recipe_steps.step_spec("step4")
 
 
 def _write_config(tmp_path: Path, text: str) -> Path:
@@ -219,43 +222,43 @@ def test_validation_catches_broken_recipes(tmp_path, body, message):
             "    defaults: {output_dir: ./o, zero_stage: 0}\n" + body)
     root = _write_config(tmp_path, text)
     with pytest.raises(UserError, match=message):
-        R.load_step_recipes("step2", root)
+        recipe_loading.load_step_recipes("step2", root)
 
 
 def test_validation_catches_bad_launcher_and_defaults(tmp_path):
     base = "step: step2\nrecipes:\n  x/y:\n    description: d\n    flags: {zero_stage: \"{zero_stage}\", output_dir: \"{output_dir}\"}\n"
     root = _write_config(tmp_path, base + "    launcher: {gpus: 1}\n    defaults: {output_dir: ./o, zero_stage: 0}\n")
     with pytest.raises(UserError, match="unknown launcher options gpus"):
-        R.load_step_recipes("step2", root)
+        recipe_loading.load_step_recipes("step2", root)
     root = _write_config(tmp_path / "b", base + "    launcher: {}\n    defaults: {output_dir: ./o}\n")
     with pytest.raises(UserError, match="defaults must give exactly"):
-        R.load_step_recipes("step2", root)
+        recipe_loading.load_step_recipes("step2", root)
 
 
 def test_recipe_values_are_kept_as_written():
     # YAML would read 9.65e-6 as a float and print it back as 9.65e-06; recipes keep the text.
-    recipe = R.get_recipe("step1", "opt/single_node/6.7b", REPO)
+    recipe = recipe_loading.get_recipe("step1", "opt/single_node/6.7b", REPO)
     assert recipe.flag("learning_rate") == "9.65e-6" and recipe.flag("weight_decay") == "0."
 
 
 def test_upstream_guidance_is_in_the_recipes():
-    single_node = R.get_recipe("step1", "opt/single_node/1.3b", REPO)
+    single_node = recipe_loading.get_recipe("step1", "opt/single_node/1.3b", REPO)
     assert single_node.flag("weight_decay") == "0." and single_node.flag("num_train_epochs") == "16"
     assert single_node.flag("dropout") is None  # SFT keeps the model's dropout
-    rm = R.get_recipe("step2", "opt/single_node/350m", REPO)
+    rm = recipe_loading.get_recipe("step2", "opt/single_node/350m", REPO)
     assert (rm.flag("weight_decay"), rm.flag("dropout"), rm.flag("num_train_epochs")) == ("0.1", "0.0", "1")
     for rid in ("opt/single_node/1.3b", "cpu/smollm2-135m"):
-        ppo = R.get_recipe("step3", rid, REPO)
+        ppo = recipe_loading.get_recipe("step3", rid, REPO)
         assert ppo.flag("actor_dropout") == "0.0" and ppo.flag("enable_ema") is True
         assert ppo.flag("num_train_epochs") == "1"
         assert ppo.flag("per_device_generation_batch_size") == ppo.flag("per_device_training_batch_size")
-    upstream = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
+    upstream = recipe_loading.get_recipe("step3", "opt/single_node/1.3b", REPO)
     assert (upstream.flag("actor_learning_rate"), upstream.flag("critic_learning_rate")) == ("9.65e-6", "5e-6")
 
 
 def test_cpu_recipes_use_the_embedded_model_and_data():
     for key in ("step1", "step2", "dpo", "step3"):
-        recipe = R.get_recipe(key, "cpu/smollm2-135m", REPO)
+        recipe = recipe_loading.get_recipe(key, "cpu/smollm2-135m", REPO)
         # Step 2 also reads the pairs of an SFT actor's own answers (dschat/builtin-samples).
         expected = ("dschat/builtin", "dschat/builtin-samples") if key == "step2" else "dschat/builtin"
         assert recipe.flag("data_path") == expected
@@ -269,7 +272,7 @@ def test_cpu_recipes_use_the_embedded_model_and_data():
 def test_cpu_demo_watches_step3_with_the_gold_judge():
     """The demo's step 3 evaluates held-out prompts before the first step, midway and at the last
     PPO step (issue 27), with the gold judge of the embedded data, and keeps no best/ copy."""
-    ppo = R.get_recipe("step3", "cpu/smollm2-135m", REPO)
+    ppo = recipe_loading.get_recipe("step3", "cpu/smollm2-135m", REPO)
     interval, steps = int(ppo.flag("eval_interval")), int(ppo.flag("test_stop_step"))
     assert 0 < interval < steps and steps % interval == 0
     assert ppo.flag("eval_judge") == "gold" and ppo.flag("save_best_by") == "none"
@@ -280,7 +283,7 @@ def test_cpu_demo_watches_step3_with_the_gold_judge():
 # ------------------------------------------------------------------------------------------------
 # Against the real step scripts: every recipe parses with its main.py's own parser.
 # ------------------------------------------------------------------------------------------------
-def _load_main(spec: R.StepSpec):
+def _load_main(spec: recipe_steps.StepSpec):
     path = REPO / spec.main_py
     if not path.is_file():
         pytest.skip(f"{spec.main_py} does not exist yet")
@@ -297,10 +300,10 @@ def _load_main(spec: R.StepSpec):
 
 @pytest.mark.parametrize("step", ["step1", "step2", "dpo", "step3"])
 def test_every_recipe_parses_with_its_main_py(step):
-    spec = R.step_spec(step)
+    spec = recipe_steps.step_spec(step)
     module = _load_main(spec)
     fill = {"actor_model": "/actor", "critic_model": "/critic"}
-    for recipe in R.load_step_recipes(spec, REPO).values():
+    for recipe in recipe_loading.load_step_recipes(spec, REPO).values():
         params = {k: v for k, v in fill.items() if k in spec.params}
         argv = recipe.render(params)
         try:
@@ -315,31 +318,31 @@ def test_every_recipe_parses_with_its_main_py(step):
 # Generated shell scripts and READMEs
 # ------------------------------------------------------------------------------------------------
 def test_committed_scripts_match_the_recipes():
-    problems = R.check_generated(REPO)
+    problems = recipe_scripts.check_generated(REPO)
     assert problems == [], "run `python -m dschat.recipes write-scripts`:\n" + "\n".join(problems)
 
 
 def test_check_detects_drift_and_write_repairs_it(tmp_path):
     root = tmp_path / "repo"
     shutil.copytree(REPO / "configs", root / "configs")
-    for spec in R.STEPS.values():
+    for spec in recipe_steps.STEPS.values():
         shutil.copytree(REPO / spec.folder / "training_scripts", root / spec.folder / "training_scripts")
     recipe_loading._CACHE.clear()
-    assert R.check_generated(root) == []
+    assert recipe_scripts.check_generated(root) == []
     script = root / "training/step1_supervised_finetuning/training_scripts/opt/single_gpu/run_1.3b.sh"
     script.write_text(script.read_text() + "echo edited\n")
     stale = root / "training/step3_rlhf_finetuning/training_scripts/opt/run_old.sh"
     stale.write_text("#!/bin/bash\n# Generated from configs/step3.yaml (old)\n")
-    problems = R.check_generated(root)
+    problems = recipe_scripts.check_generated(root)
     assert any("out of date" in p and "run_1.3b.sh" in p for p in problems)
     assert any("not generated" in p and "run_old.sh" in p for p in problems)
-    R.write_generated(root)
-    assert R.check_generated(root) == [] and not stale.exists()
+    recipe_scripts.write_generated(root)
+    assert recipe_scripts.check_generated(root) == [] and not stale.exists()
 
 
 def test_script_text_is_a_thin_wrapper():
-    recipe = R.get_recipe("step3", "opt/single_node/1.3b", REPO)
-    text = R.render_script(recipe)
+    recipe = recipe_loading.get_recipe("step3", "opt/single_node/1.3b", REPO)
+    text = recipe_scripts.render_script(recipe)
     assert "shell=True" not in text
     assert text.splitlines()[-1] == (
         'exec "${PYTHON:-python3}" -m dschat.launch --repo-root "$ROOT" step3 opt/single_node/1.3b --script-args "$@"')
@@ -367,11 +370,11 @@ def test_the_working_directorys_parents_are_not_searched(tmp_path, monkeypatch):
     monkeypatch.delenv("DSCHAT_REPO_ROOT", raising=False)
     monkeypatch.setattr(recipe_loading, "__file__", str(tmp_path / "site-packages" / "dschat" / "recipes" / "loading.py"))
     with pytest.raises(UserError, match="looks in the checkout it was imported from and in the working directory only"):
-        R.find_repo_root()
+        recipe_loading.find_repo_root()
     monkeypatch.chdir(planted)  # the working directory itself is a place the user chose
-    assert R.find_repo_root() == planted.resolve()
+    assert recipe_loading.find_repo_root() == planted.resolve()
     monkeypatch.setattr(recipe_loading, "__file__", str(REPO / "dschat" / "recipes" / "loading.py"))
-    assert R.find_repo_root() == REPO  # the checkout the package comes from goes first
+    assert recipe_loading.find_repo_root() == REPO  # the checkout the package comes from goes first
 
 
 def test_a_checkout_others_can_write_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
@@ -379,19 +382,19 @@ def test_a_checkout_others_can_write_is_refused_in_one_line(tmp_path, monkeypatc
     monkeypatch.delenv("DSCHAT_REPO_ROOT", raising=False)
     checkout.chmod(0o757)
     with pytest.raises(UserError, match=r"--repo-root .* is not safe to run: other users can write to it \(mode 0757\).*chmod go-w"):
-        R.find_repo_root(checkout)
+        recipe_loading.find_repo_root(checkout)
     monkeypatch.setenv("DSCHAT_REPO_ROOT", str(checkout))
-    assert cli_main(R.main, ["list"]) == 2
+    assert cli_main(recipe_cli.main, ["list"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "DSCHAT_REPO_ROOT" in err and "other users can write to it" in err
     checkout.chmod(0o775)  # group-writable: refused unless the group is the user's private one
     monkeypatch.setattr(trust, "_private_group", lambda gid, uid: False)
     with pytest.raises(UserError, match="its group can write to it"):
-        R.find_repo_root(checkout)
+        recipe_loading.find_repo_root(checkout)
     monkeypatch.setattr(trust, "_private_group", lambda gid, uid: True)
-    assert R.find_repo_root(checkout) == checkout.resolve()
+    assert recipe_loading.find_repo_root(checkout) == checkout.resolve()
     checkout.chmod(0o755)
-    assert R.find_repo_root(checkout) == checkout.resolve()
+    assert recipe_loading.find_repo_root(checkout) == checkout.resolve()
 
 
 def test_a_checkout_owned_by_another_user_is_refused(tmp_path, monkeypatch):
@@ -409,7 +412,7 @@ def test_a_checkout_owned_by_another_user_is_refused(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "stat", stat)
     with pytest.raises(UserError, match=f"--repo-root {checkout} is not safe to run: it belongs to uid 4242, not to you"):
-        R.find_repo_root(checkout)
+        recipe_loading.find_repo_root(checkout)
 
 
 def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
@@ -431,8 +434,8 @@ def test_a_real_second_user_is_refused_a_checkout_it_does_not_own(tmp_path):
         # (a clone under `mktemp -d` is 0700), which the other user cannot enter.
         package = base / "code"
         shutil.copytree(REPO / "dschat", package / "dschat", ignore=shutil.ignore_patterns("__pycache__"))
-        code = ("import sys; sys.path.insert(0, %r); from dschat import recipes; from dschat.errors import cli_main; "
-                "raise SystemExit(cli_main(recipes.main, ['--repo-root', %r, 'validate']))" % (str(package), str(checkout)))
+        code = ("import sys; sys.path.insert(0, %r); from dschat.recipes.cli import main; from dschat.errors import cli_main; "
+                "raise SystemExit(cli_main(main, ['--repo-root', %r, 'validate']))" % (str(package), str(checkout)))
         proc = subprocess.run([setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code],
                               capture_output=True, text=True, timeout=60, cwd="/")
         if "Permission denied" in proc.stderr and "dschat" not in proc.stderr:

@@ -2,7 +2,7 @@
 
 The step scripts live in ``training/<step>/main.py`` (upstream's layout), outside the package, so
 they are imported from their files. Each ``main(argv)`` returns a
-:class:`dschat.training.common.RunResult` with the trained engine, which the checks below compare
+:class:`dschat.training.progress.RunResult` with the trained engine, which the checks below compare
 against the folder it saved.
 """
 from __future__ import annotations

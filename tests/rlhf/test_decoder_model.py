@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers as T
 
-from dschat.models.decoder import LAYOUTS, decoder_spec, unsupported_reason
+from dschat.models.decoder.layouts import LAYOUTS, decoder_spec, unsupported_reason
 from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
 from dschat.rlhf.rollout.sampling import DecodingSettings
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dschat.rl_math.critic_free import ALGORITHMS, LOSS_AGGREGATIONS
-from dschat.cli.args import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
+from dschat.cli.step3 import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.config import resolve_algorithm
 from dschat.training import checkpoint as ckpt

@@ -189,7 +189,7 @@ def test_eval_batches_are_the_same_for_any_number_of_ranks():
     (("--eval_interval", "0"), 0),
 ])
 def test_eval_interval_default_follows_the_evaluation_flags(given, interval):
-    from dschat.cli.args import EVAL_INTERVAL_AUTO
+    from dschat.cli.step3 import EVAL_INTERVAL_AUTO
     from dschat.rlhf.eval_setup import check_eval_args
     args = step3_main().parse_args(["--data_path", "dschat/builtin", "--actor_model_name_or_path", "a",
                        "--critic_model_name_or_path", "c", "--output_dir", "out", *given])

@@ -196,11 +196,12 @@ def _dschat_only_flags() -> set[str]:
     """Step-3 flags dschat added (their help says so): an upstream main.py does not define them."""
     import argparse
 
-    from dschat.cli import args as cli
+    from dschat.cli import shared, step3
 
     parser = argparse.ArgumentParser(add_help=False)
-    for add in (cli.add_step3_model_args, cli.add_step3_training_args, cli.add_ppo_args, cli.add_step3_lora_args,
-                cli.add_step3_deepspeed_args, cli.add_step3_logging_args, cli.add_checkpoint_args):
+    for add in (step3.add_step3_model_args, step3.add_step3_training_args, step3.add_ppo_args,
+                step3.add_step3_lora_args, step3.add_step3_deepspeed_args, step3.add_step3_logging_args,
+                shared.add_checkpoint_args):
         add(parser)
     return {a.dest for a in parser._actions if (a.help or "").startswith("(dschat")}
 

@@ -14,7 +14,7 @@ import transformers as T
 from test_decoder_model import EOS, FAMILIES, PAD, _model, _prompts, tiny_config
 
 from dschat.errors import UserError
-from dschat.models.decoder import decoder_spec
+from dschat.models.decoder.layouts import decoder_spec
 from dschat.runtime import dist
 from dschat.models.decoder.tensor_parallel import (
     ShardedDecodeModel,

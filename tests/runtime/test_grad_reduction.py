@@ -12,7 +12,7 @@ from torch import nn
 from dschat.runtime.dist import init_distributed
 from dschat.runtime.ds_config import get_train_ds_config
 from dschat.runtime.grad_reduction import one_rank_reduction_applies, reduce_on_one_rank
-from dschat.training.common import OptimSettings, initialize_engine
+from dschat.training.engine_setup import OptimSettings, initialize_engine
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

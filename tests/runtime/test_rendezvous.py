@@ -125,24 +125,24 @@ def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
 
 def test_every_step_takes_dist_timeout_and_setup_run_passes_it(monkeypatch):
     from dschat.runtime import dist
-    from dschat.training import common
+    from dschat.training import run_setup
 
     seen: list[float] = []
 
     def fake_init(dist_backend=None, timeout_minutes=dist.DEFAULT_DIST_TIMEOUT_MINUTES):
         seen.append(timeout_minutes)
-        return dist.DistInfo(0, 0, 1, common.torch.device("cpu"))
+        return dist.DistInfo(0, 0, 1, run_setup.torch.device("cpu"))
 
-    monkeypatch.setattr(common, "init_distributed", fake_init)  # setup_run's names (imported at its top)
-    monkeypatch.setattr(common, "barrier", lambda: None)
+    monkeypatch.setattr(run_setup, "init_distributed", fake_init)  # setup_run's names (imported at its top)
+    monkeypatch.setattr(run_setup, "barrier", lambda: None)
     for step in ("step1", "step2", "dpo"):
         args = load_script(step).parse_args(["--model_name_or_path", "tiny-llama", "--dist_timeout", "0.5"])
         assert args.dist_timeout == 0.5
     step3 = _load_step3()
     args = step3.parse_args(["--actor_model_name_or_path", "a", "--critic_model_name_or_path", "c"])
     assert args.dist_timeout == dist.DEFAULT_DIST_TIMEOUT_MINUTES == 5.0
-    common.setup_run(Namespace(dtype="fp32", seed=1, dist_timeout=0.5))
-    common.setup_run(Namespace(dtype="fp32", seed=1))  # an upstream-style Namespace: the default
+    run_setup.setup_run(Namespace(dtype="fp32", seed=1, dist_timeout=0.5))
+    run_setup.setup_run(Namespace(dtype="fp32", seed=1))  # an upstream-style Namespace: the default
     assert seen == [0.5, 5.0]
 
 

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from dschat.data import cache as data_cache
-from dschat.data.prompt_dataset import cache_files, create_prompt_dataset
+from dschat.data.cache import cache_files
+from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.errors import UserError
 from dschat.paths import data_cache_dir
 from dschat.runtime import fs, trust

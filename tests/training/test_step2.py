@@ -131,7 +131,7 @@ def test_bloom_final_norm_is_reset_and_force_trained():
     from transformers import BloomConfig, BloomModel, LlamaConfig, LlamaModel
 
     from dschat.models.reward_model import RewardModel
-    from dschat.training.common import reset_final_norm_for_reward
+    from dschat.training.engine_setup import reset_final_norm_for_reward
 
     class Tok:
         pad_token_id = 3

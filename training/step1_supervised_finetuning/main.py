@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from dschat.cli.args import (
+from dschat.cli.shared import (
     add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
@@ -24,23 +24,17 @@ from dschat.cli.args import (
     add_training_args,
 )
 from dschat.errors import cli_main
-from dschat.training.common import (
-    OptimizerStepCounter,
-    RunResult,
-    TensorBoardLogger,
+from dschat.training.engine_setup import (
     apply_lora,
-    check_common_args,
-    check_paths,
-    evaluate_perplexity,
     initialize_engine,
-    load_step_tokenizer,
-    make_eval_loader,
-    make_train_loader,
     optim_settings,
     plan_optimizer_steps,
-    setup_run,
     train_ds_config,
 )
+from dschat.training.eval_loops import evaluate_perplexity
+from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.run_setup import check_common_args, check_paths, setup_run
+from dschat.training.step_data import build_step_data
 from dschat.runtime.dist import print_rank_0
 
 
@@ -64,23 +58,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from transformers import AutoModelForCausalLM, default_data_collator
 
-    from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.models.build import causal_lm_model_to_fp32_loss, create_hf_model
     from dschat.training.loop import finish_run, train_epochs
 
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
-    tokenizer, end_of_conversation_token = load_step_tokenizer(args, args.eot_token)
 
     # Data: phase-1 chunk of every dataset (+ the SFT-only ones), cached once for all ranks.
-    train_dataset, eval_dataset = create_prompt_dataset(
-        ctx.local_rank, args.data_path, args.data_split, args.data_output_path, 1, args.seed, tokenizer,
-        args.max_seq_len, end_of_conversation_token=end_of_conversation_token,
-        sft_only_data_path=args.sft_only_data_path, reload=args.rebuild_data_cache,
-    )
-    train_loader = make_train_loader(train_dataset, args.per_device_train_batch_size, default_data_collator, args.seed)
-    eval_loader = make_eval_loader(eval_dataset, args.per_device_eval_batch_size, default_data_collator)
+    data = build_step_data(args, ctx.local_rank, phase=1, collator=default_data_collator,
+                           eot_special_token=args.eot_token)
+    tokenizer, train_loader, eval_loader = data.tokenizer, data.train_loader, data.eval_loader
 
     # Model: dropout override, fp32 loss, LoRA.
     ds_config = train_ds_config(args, ctx, tb_name="step1_model")

@@ -137,8 +137,8 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
 
     from dschat.models.build import create_hf_model
     from dschat.models.registry import resolve_model_path
-    from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.training.common import quiet_transformers
+    from dschat.training.run_setup import quiet_transformers
+    from dschat.training.step_data import load_tokenizer
 
     args = parse_args(argv)
     # Both paths are checked before either model loads.
@@ -146,8 +146,7 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     resolve_model_path(args.model_name_or_path_finetune)
     quiet_transformers()
     device = default_device()
-    tokenizer = load_hf_tokenizer(args.model_name_or_path_baseline, fast_tokenizer=True,
-                                  add_special_tokens="<|endoftext|>" if args.add_eot_token else None)
+    tokenizer = load_tokenizer(args.model_name_or_path_baseline, args.add_eot_token)
     model_baseline = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_baseline, tokenizer, None)
     model_finetuned = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_finetune, tokenizer, None)
     model_baseline.to(device).eval()

@@ -12,11 +12,10 @@ import argparse
 import sys
 from typing import Sequence
 
-from dschat.cli.args import (
+from dschat.cli.shared import (
     add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
-    add_dpo_args,
     add_eot_args,
     add_logging_args,
     add_lora_args,
@@ -25,24 +24,18 @@ from dschat.cli.args import (
     add_runtime_args,
     add_training_args,
 )
+from dschat.cli.step2 import add_dpo_args
 from dschat.errors import cli_main
-from dschat.training.common import (
-    OptimizerStepCounter,
-    RunResult,
-    TensorBoardLogger,
+from dschat.training.engine_setup import (
     apply_lora,
-    check_common_args,
-    check_paths,
     initialize_engine,
-    load_step_tokenizer,
-    make_eval_loader,
-    make_train_loader,
     optim_settings,
     plan_optimizer_steps,
-    setup_run,
     train_ds_config,
 )
-from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
+from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.run_setup import check_common_args, check_paths, setup_run
+from dschat.training.step_data import build_step_data
 from dschat.runtime.dist import print_rank_0
 from dschat.training.dpo import dpo_batch, evaluate_dpo
 
@@ -69,7 +62,6 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from transformers import AutoModelForCausalLM
 
     from dschat.data.collators import DataCollatorReward
-    from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.models.build import create_hf_model
     from dschat.runtime.ds_config import get_eval_ds_config
     from dschat.runtime.zero3 import release_zero3_prefetch
@@ -78,16 +70,10 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
-    tokenizer, end_of_conversation_token = load_step_tokenizer(args, EOT_SPECIAL_TOKEN)
 
     # Data: the phase-2 chunk, as (chosen, rejected) pairs.
-    train_dataset, eval_dataset = create_prompt_dataset(
-        ctx.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
-        args.max_seq_len, end_of_conversation_token=end_of_conversation_token, reload=args.rebuild_data_cache,
-    )
-    collator = DataCollatorReward()
-    train_loader = make_train_loader(train_dataset, args.per_device_train_batch_size, collator, args.seed)
-    eval_loader = make_eval_loader(eval_dataset, args.per_device_eval_batch_size, collator)
+    data = build_step_data(args, ctx.local_rank, phase=2, collator=DataCollatorReward())
+    tokenizer, train_loader, eval_loader = data.tokenizer, data.train_loader, data.eval_loader
 
     # Policy (trained) and reference (frozen). The reference is ZeRO-3 only if the policy is, and is
     # built with the very config it is initialised with (upstream built it without the offload it

@@ -12,7 +12,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from dschat.cli.args import (
+from dschat.cli.shared import (
     add_checkpoint_args,
     add_data_args,
     add_deepspeed_args,
@@ -21,32 +21,25 @@ from dschat.cli.args import (
     add_lora_args,
     add_model_args,
     add_precision_args,
-    add_reward_eval_args,
     add_runtime_args,
     add_training_args,
 )
+from dschat.cli.step2 import add_reward_eval_args
 from dschat.errors import cli_main
 from dschat.models.freeze import freeze_lower_layers, release_input_gradients
 from dschat.models.packing import attention_window, resolve_sequence_packing
-from dschat.training.common import (
-    OptimizerStepCounter,
-    RunResult,
-    TensorBoardLogger,
+from dschat.training.engine_setup import (
     apply_lora,
-    check_common_args,
-    check_paths,
-    evaluate_reward,
     initialize_engine,
-    load_step_tokenizer,
-    make_eval_loader,
-    make_train_loader,
     optim_settings,
     plan_optimizer_steps,
     reset_final_norm_for_reward,
-    setup_run,
     train_ds_config,
 )
-from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
+from dschat.training.eval_loops import evaluate_reward
+from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.run_setup import check_common_args, check_paths, setup_run
+from dschat.training.step_data import build_step_data
 from dschat.runtime.dist import print_rank_0
 
 
@@ -70,23 +63,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.data.collators import DataCollatorReward
-    from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.models.build import create_critic_model
     from dschat.training.loop import finish_run, train_epochs
 
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
-    tokenizer, end_of_conversation_token = load_step_tokenizer(args, EOT_SPECIAL_TOKEN)
 
     # Data: phase-2 chunk of every dataset, as (chosen, rejected) pairs.
-    train_dataset, eval_dataset = create_prompt_dataset(
-        ctx.local_rank, args.data_path, args.data_split, args.data_output_path, 2, args.seed, tokenizer,
-        args.max_seq_len, end_of_conversation_token=end_of_conversation_token, reload=args.rebuild_data_cache,
-    )
-    collator = DataCollatorReward()
-    train_loader = make_train_loader(train_dataset, args.per_device_train_batch_size, collator, args.seed)
-    eval_loader = make_eval_loader(eval_dataset, args.per_device_eval_batch_size, collator)
+    data = build_step_data(args, ctx.local_rank, phase=2, collator=DataCollatorReward())
+    tokenizer, train_loader, eval_loader = data.tokenizer, data.train_loader, data.eval_loader
 
     # Reward model: the pretrained body plus a fresh value head.
     ds_config = train_ds_config(args, ctx, tb_name="step2_model")

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from dschat.errors import cli_main
+from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 
 # Upstream's pairs. Its prompts end with "Assistant: " (a trailing space), unlike the training
 # data's "Assistant:" + " answer"; kept as upstream.
@@ -87,7 +88,7 @@ def load_stuff(model_name_or_path: str, num_padding_at_beginning: int,
 
 
 def prepare_datapair(prompt: str, good_ans: str, bad_ans: str, tokenizer: Any, max_seq_len: int = 512,
-                     end_of_conversation_token: str = "<|endoftext|>") -> dict[str, torch.Tensor]:
+                     end_of_conversation_token: str = EOT_SPECIAL_TOKEN) -> dict[str, torch.Tensor]:
     """A step-2 style batch ``[chosen; rejected]``, each padded to ``max_seq_len``. Shape (2, L)."""
     chosen = tokenizer(prompt + good_ans + end_of_conversation_token, max_length=max_seq_len,
                        padding="max_length", truncation=True, return_tensors="pt")
@@ -100,7 +101,7 @@ def prepare_datapair(prompt: str, good_ans: str, bad_ans: str, tokenizer: Any, m
 
 
 def prepare_singlesample(prompt: str, good_ans: str, tokenizer: Any, max_seq_len: int = 512,
-                         end_of_conversation_token: str = "<|endoftext|>") -> dict[str, torch.Tensor]:
+                         end_of_conversation_token: str = EOT_SPECIAL_TOKEN) -> dict[str, torch.Tensor]:
     """One sequence padded to ``max_seq_len``. Shape (1, L)."""
     token = tokenizer(prompt + good_ans + end_of_conversation_token, max_length=max_seq_len,
                       padding="max_length", truncation=True, return_tensors="pt")
@@ -116,11 +117,11 @@ class PairScore:
 
 def run_pair_comparison(args: argparse.Namespace) -> list[PairScore]:
     """Upstream's evaluation: score each good / bad pair and print the result block."""
-    from dschat.training.common import to_device
+    from dschat.runtime.devices import to_device
 
     device = default_device()
     rm_model, tokenizer = load_stuff(args.model_name_or_path, args.num_padding_at_beginning,
-                                     "<|endoftext|>" if args.add_eot_token else None)
+                                     EOT_SPECIAL_TOKEN if args.add_eot_token else None)
     rm_model.to(device).eval()
     eot = args.end_of_conversation_token or tokenizer.eos_token
     scores = []
@@ -143,11 +144,11 @@ def run_pair_comparison(args: argparse.Namespace) -> list[PairScore]:
 
 def run_single_sample(args: argparse.Namespace) -> float:
     """Upstream's unused single-answer variant (``forward_value`` end score), kept callable."""
-    from dschat.training.common import to_device
+    from dschat.runtime.devices import to_device
 
     device = default_device()
     rm_model, tokenizer = load_stuff(args.model_name_or_path, args.num_padding_at_beginning,
-                                     "<|endoftext|>" if args.add_eot_token else None)
+                                     EOT_SPECIAL_TOKEN if args.add_eot_token else None)
     rm_model.to(device).eval()
     eot = args.end_of_conversation_token or tokenizer.eos_token
     prompt = "Human: Explain the moon landing to a 6 year old in a few sentences."
@@ -166,7 +167,7 @@ def run_single_sample(args: argparse.Namespace) -> float:
 
 
 def main(argv: Sequence[str] | None = None) -> list[PairScore]:
-    from dschat.training.common import quiet_transformers
+    from dschat.training.run_setup import quiet_transformers
 
     quiet_transformers()
     return run_pair_comparison(parse_args(argv))

@@ -19,25 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
-from dschat.cli.args import (
-    add_algorithm_args,
-    add_checkpoint_args,
-    add_data_args,
-    add_deepspeed_args,
-    add_eot_args,
-    add_ppo_args,
-    add_runtime_args,
-    add_step3_deepspeed_args,
-    add_step3_eval_args,
-    add_step3_logging_args,
-    add_step3_lora_args,
-    add_step3_model_args,
-    add_step3_training_args,
-    add_unsupervised_data_args,
-)
+from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
-from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 from dschat.runtime.dist import print_rank_0
 
 if TYPE_CHECKING:  # imported inside main (--help stays light)
@@ -52,20 +36,7 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="(Step 3) RLHF training with PPO")
-    add_data_args(parser, phase=3)
-    add_unsupervised_data_args(parser)
-    add_step3_model_args(parser)
-    add_step3_training_args(parser)
-    add_ppo_args(parser)
-    add_algorithm_args(parser)
-    add_step3_lora_args(parser)
-    add_step3_deepspeed_args(parser)
-    add_step3_logging_args(parser)
-    add_step3_eval_args(parser)
-    add_runtime_args(parser, seed=1234)  # upstream's None was not reproducible
-    add_eot_args(parser, eot_token_flag=False)
-    add_checkpoint_args(parser)
-    add_deepspeed_args(parser)
+    add_step3_args(parser)
     return parser.parse_args(argv)
 
 
@@ -111,9 +82,9 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     needs none."""
     from dschat.models.registry import resolve_model_path
     from dschat.models.reward_model import check_upstream_critic, critic_format, not_a_critic_message
-    from dschat.training import common
+    from dschat.training import run_setup
 
-    common.check_paths(args, ("actor_model_name_or_path",))
+    run_setup.check_paths(args, ("actor_model_name_or_path",))
     needs_critic = settings is None or settings.critic
     needs_reward_model = mix is None or mix.uses_model
     if args.critic_model_name_or_path is None:
@@ -121,7 +92,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
             role = (f"--algorithm {settings.algorithm if settings else 'ppo'}'s critic" if needs_critic
                     else "the reward model (--reward_model_weight is not 0)")
             raise UserError(f"--critic_model_name_or_path is required for {role}: give the step-2 output folder")
-        common.check_output_paths(args)
+        run_setup.check_output_paths(args)
         return
     critic = resolve_model_path(args.critic_model_name_or_path)
     fmt = critic_format(critic)
@@ -129,7 +100,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
         raise UserError(not_a_critic_message(args.critic_model_name_or_path, "--critic_model_name_or_path"))
     if fmt == "upstream":
         check_upstream_critic(critic)
-    common.check_output_paths(args)
+    run_setup.check_output_paths(args)
 
 
 def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, plan: BatchPlan, local_rank: int,
@@ -140,18 +111,16 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     from transformers import default_data_collator
 
     from dschat.data.collators import DataCollatorRLHF
-    from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
     from dschat.rlhf.config import num_total_iters
-    from dschat.training.common import make_train_loader
+    from dschat.training.loaders import make_train_loader
+    from dschat.training.step_data import prompt_datasets
 
     # PPO-ptx data first: a bad --unsupervised_dataset_name fails before the prompt cache is written.
     unsup_dataset = get_unsupervised_data(args, tokenizer) if unsupervised_training_enabled(args) else None
-    prompt_train_dataset, _ = create_prompt_dataset(
-        local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
-        args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
-        reload=args.rebuild_data_cache,
-    )
+    prompt_train_dataset, _ = prompt_datasets(args, tokenizer, local_rank, 3,
+                                              args.end_of_conversation_token or tokenizer.eos_token,
+                                              args.max_prompt_seq_len)
     if len(prompt_train_dataset) == 0:
         raise UserError(
             f"the phase-3 prompt split of {' '.join(args.data_path)} is empty (data_split {args.data_split}, "
@@ -190,7 +159,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.data.prompt_columns import load_prompt_columns
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
-    from dschat.models.tokenizer import check_same_tokenizer, load_hf_tokenizer
+    from dschat.models.tokenizer import check_same_tokenizer
     from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
     from dschat.rlhf.config import resolve_algorithm, step3_config
     from dschat.rlhf.guards import validate_step3_args
@@ -199,7 +168,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
-    from dschat.training.common import TensorBoardLogger, setup_run
+    from dschat.training.progress import TensorBoardLogger
+    from dschat.training.run_setup import setup_run
+    from dschat.training.step_data import load_tokenizer
     from dschat.training.ppo_counters import PPOCounters
 
     # ---------------------------------------------------------------- parse and check
@@ -220,8 +191,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     print_rank_0(mix.describe(), ctx.rank)
 
     # ---------------------------------------------------------------- tokenizer and data
-    tokenizer = load_hf_tokenizer(args.actor_model_name_or_path, fast_tokenizer=True,
-                                  add_special_tokens=EOT_SPECIAL_TOKEN if args.add_eot_token else None)
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
     # The critic and the reward model score the actor's token ids: their step-2 tokenizer must be the same.
     if args.critic_model_name_or_path is not None:  # a critic-free run scored by functions alone has none
         check_same_tokenizer(tokenizer, args.actor_model_name_or_path, args.critic_model_name_or_path,

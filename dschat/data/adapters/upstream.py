@@ -374,3 +374,28 @@ class LmqgQagjaquadDataset(_SingleAnswerDataset):
 
     def get_prompt_and_chosen(self, sample: Sample) -> str:
         return _dialog(sample["questions"][0], sample["paragraph"])
+
+
+#: Upstream's hub datasets, (substring of a ``--data_path`` entry, adapter), in upstream's
+#: ``get_raw_dataset`` order: the one list of them (:data:`dschat.data.dispatch.DATASET_TABLE` and
+#: the names of upstream's ``raw_datasets`` module are derived from it).
+HUB_ADAPTERS: tuple[tuple[str, type[PromptRawDataset]], ...] = (
+    ("Dahoas/rm-static", DahoasRmstaticDataset),
+    ("Dahoas/full-hh-rlhf", DahoasFullhhrlhfDataset),
+    ("Dahoas/synthetic-instruct-gptj-pairwise", DahoasSyntheticinstructgptjpairwiseDataset),
+    ("yitingxie/rlhf-reward-datasets", YitingxieRlhfrewarddatasetsDataset),
+    ("openai/webgpt_comparisons", OpenaiWebgptcomparisonsDataset),
+    ("stanfordnlp/SHP", StanfordnlpSHPDataset),
+    ("pvduy/sharegpt_alpaca_oa_vicuna_format", PvduySharegptalpacaoavicunaformatDataset),
+    ("wangrui6/Zhihu-KOL", Wangrui6ZhihuKOLDataset),
+    ("Cohere/miracl-zh-queries-22-12", CohereMiraclzhqueries2212Dataset),
+    ("Hello-SimpleAI/HC3-Chinese", HelloSimpleAIHC3ChineseDataset),
+    ("mkqa-Chinese", MkqaChineseDataset),
+    ("mkqa-Japanese", MkqaJapaneseDataset),
+    ("Cohere/miracl-ja-queries-22-12", CohereMiracljaqueries2212Dataset),
+    ("lmqg/qg_jaquad", LmqgQgjaquadDataset),
+    ("lmqg/qag_jaquad", LmqgQagjaquadDataset),
+)
+
+#: The hub adapters' class names (``from dschat.utils.data.raw_datasets import *``, upstream's names).
+__all__ = [adapter.__name__ for _, adapter in HUB_ADAPTERS]

@@ -9,10 +9,3 @@
 The rollout engine that drives it (sampling, weight refresh, compilation) is
 :mod:`dschat.rlhf.rollout.dschat_engine`.
 """
-from dschat.models.decoder.forward import DecodeModel
-from dschat.models.decoder.kv_cache import StaticKVCache
-from dschat.models.decoder.layouts import LAYOUTS, DecoderSpec, decoder_spec, layout_name, unsupported_reason
-from dschat.models.decoder.weights import InferenceWeights
-
-__all__ = ["DecodeModel", "StaticKVCache", "LAYOUTS", "DecoderSpec", "decoder_spec", "layout_name",
-           "unsupported_reason", "InferenceWeights"]

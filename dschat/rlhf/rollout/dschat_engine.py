@@ -36,7 +36,9 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
-from dschat.models.decoder import DecodeModel, StaticKVCache, layout_name, unsupported_reason
+from dschat.models.decoder.forward import DecodeModel
+from dschat.models.decoder.kv_cache import StaticKVCache
+from dschat.models.decoder.layouts import layout_name, unsupported_reason
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
 from dschat.rlhf.rollout.weights import lora_layers, materialised, should_gather

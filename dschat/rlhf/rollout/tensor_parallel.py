@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from dschat.errors import UserError
-from dschat.models.decoder import unsupported_reason
+from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.decoder.tensor_parallel import (
     Collectives,
     ShardedDecodeModel,

@@ -1,44 +1,12 @@
-"""Upstream import path ``dschat.utils.data.raw_datasets``: re-exports :mod:`dschat.data.raw_datasets`."""
-from dschat.data.raw_datasets import (  # noqa: F401
-    BuiltinDataset,
-    CohereMiracljaqueries2212Dataset,
-    CohereMiraclzhqueries2212Dataset,
-    DahoasFullhhrlhfDataset,
-    DahoasRmstaticDataset,
-    DahoasSyntheticinstructgptjpairwiseDataset,
-    HelloSimpleAIHC3ChineseDataset,
-    LmqgQagjaquadDataset,
-    LmqgQgjaquadDataset,
-    LocalJsonFileDataset,
-    LocalPreferenceDataset,
-    MkqaChineseDataset,
-    MkqaJapaneseDataset,
-    OpenaiWebgptcomparisonsDataset,
-    PromptRawDataset,
-    PvduySharegptalpacaoavicunaformatDataset,
-    StanfordnlpSHPDataset,
-    Wangrui6ZhihuKOLDataset,
-    YitingxieRlhfrewarddatasetsDataset,
-)
+"""Upstream import path ``dschat.utils.data.raw_datasets``: upstream's dataset adapters.
 
-__all__ = [
-    "PromptRawDataset",
-    "DahoasRmstaticDataset",
-    "DahoasFullhhrlhfDataset",
-    "DahoasSyntheticinstructgptjpairwiseDataset",
-    "YitingxieRlhfrewarddatasetsDataset",
-    "OpenaiWebgptcomparisonsDataset",
-    "StanfordnlpSHPDataset",
-    "PvduySharegptalpacaoavicunaformatDataset",
-    "LocalJsonFileDataset",
-    "Wangrui6ZhihuKOLDataset",
-    "CohereMiraclzhqueries2212Dataset",
-    "HelloSimpleAIHC3ChineseDataset",
-    "MkqaChineseDataset",
-    "MkqaJapaneseDataset",
-    "CohereMiracljaqueries2212Dataset",
-    "LmqgQgjaquadDataset",
-    "LmqgQagjaquadDataset",
-    "LocalPreferenceDataset",
-    "BuiltinDataset",
-]
+The hub adapters are :data:`dschat.data.adapters.upstream.HUB_ADAPTERS` (their names come from that
+list), the template is :mod:`dschat.data.adapters.base`, dschat's local forms are
+:mod:`dschat.data.adapters.local`.
+"""
+from dschat.data.adapters import upstream as _hub
+from dschat.data.adapters.base import PromptRawDataset
+from dschat.data.adapters.local import BuiltinDataset, LocalJsonFileDataset, LocalPreferenceDataset
+from dschat.data.adapters.upstream import *  # noqa: F401,F403  (every name of HUB_ADAPTERS)
+
+__all__ = ["PromptRawDataset", *_hub.__all__, "LocalJsonFileDataset", "LocalPreferenceDataset", "BuiltinDataset"]

@@ -1,65 +1,23 @@
-"""Command-line flags shared by the step scripts, defined once per group with upstream's names.
-
-Each ``add_*_args(parser, ...)`` adds one argument group. Names, defaults and help follow upstream's
-``main.py`` files (``training/step*/main.py``); flags that are ours say so in their help.
-"""
+"""Step 3's flag groups (PPO and the critic-free algorithms): actor and critic, PPO training and
+hyperparameters, algorithm and rewards, held-out evaluation, LoRA, DeepSpeed, logging, PPO-ptx data;
+and :func:`add_step3_args`, step 3's whole parser in its order (the groups steps share are in
+:mod:`dschat.cli.shared`)."""
 from __future__ import annotations
 
 import argparse
-import functools
 
-from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
-from dschat.paths import SAVE_FORMATS, data_cache_dir
-from dschat.runtime.fs import resolve_output_dir
-
-__all__ = ["add_data_args", "add_unsupervised_data_args"]
-
-# ---------------------------------------------------------------------------------------------
-# Data
-# ---------------------------------------------------------------------------------------------
+from dschat.cli.shared import (DTYPE_CHOICES, SCHEDULER_TYPES, add_checkpoint_args, add_data_args, add_deepspeed_args,
+                               add_eot_args, add_runtime_args, add_sequence_packing_arg)
 
 
-def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._ArgumentGroup:
-    """Add the data flags of step ``phase`` (1 = SFT, 2 = reward model / DPO, 3 = PPO).
+# Step 3's algorithms and loss aggregations (dschat.rl_math.critic_free.ALGORITHMS / LOSS_AGGREGATIONS; a
+# test keeps them equal: cli sits on a lower floor and cannot import them).
+ALGORITHM_CHOICES = ("ppo", "grpo", "rloo", "reinforce_pp", "remax")
 
-    ``--sft_only_data_path`` exists only in step 1, as upstream. ``--data_output_path`` defaults to
-    a private folder of the user's (:func:`~dschat.paths.data_cache_dir`; docs/upstream.md#data-cache-default).
-    ``--rebuild_data_cache`` is ours: it sets upstream's ``reload`` argument, which no upstream flag
-    reaches.
-    """
-    if phase not in (1, 2, 3):
-        raise ValueError(f"phase must be 1, 2 or 3, got {phase}")
-    group = parser.add_argument_group("data")
-    group.add_argument(
-        "--data_path", nargs="*", default=["Dahoas/rm-static"],
-        help="Path to the training dataset. Accepted format: 1) a single data path, 2) multiple "
-             "datasets in the form: dataset1-path dataset2-path ... Besides the hub datasets "
-             "upstream supports: dschat/builtin, local/jsonfile, a .json/.jsonl/.parquet file or "
-             "folder with prompt/chosen[/rejected] columns, or a save_to_disk folder.",
-    )
-    group.add_argument(
-        "--data_split", type=str, default="2,4,4",
-        help="Comma-separated list of proportions for training phase 1, 2, and 3 data. For example "
-             "the split `6,2,2` will use 60%% of data for phase 1, 20%% for phase 2 and 20%% for "
-             "phase 3.",
-    )
-    if phase == 1:
-        group.add_argument("--sft_only_data_path", nargs="*", default=[],
-                           help="Path to the dataset for only using in SFT phase.")
-    group.add_argument(
-        "--data_output_path", type=str, default=str(data_cache_dir()),
-        help="Where to store the data-related files such as the tokenised-dataset cache. May be "
-             "shared by all ranks and nodes if the filesystem supports file locks: the cache is "
-             "built once under a lock and written atomically. (dschat) Default: data_files in "
-             "dschat's per-user cache ($DSCHAT_CACHE_DIR, else $XDG_CACHE_HOME/dschat or "
-             "~/.cache/dschat), created 0700; "
-             "upstream's /tmp/data_files was shared by every user of the machine. A folder or "
-             "cache file that is not yours, or that others can write to, is refused.",
-    )
-    group.add_argument("--rebuild_data_cache", action="store_true",
-                       help="(dschat) Rebuild the tokenised-dataset cache even if a matching one exists. The "
-                            "cache key already covers file contents, tokenizer, split, lengths and eot token.")
-    return group
+LOSS_AGGREGATION_CHOICES = ("token", "sequence", "token_sum")
+
+#: ``--eval_interval auto``: the interval is chosen from the measured cost (dschat.rlhf.eval_cost).
+EVAL_INTERVAL_AUTO = "auto"
 
 
 def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -74,214 +32,6 @@ def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._Arg
     group.add_argument("--preprocessing_num_workers", type=int, default=None,
                        help="The number of processes to use for the preprocessing.")
     return group
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared groups of steps 1, 2 and DPO (upstream's names and defaults; per-step defaults passed in)
-# ---------------------------------------------------------------------------------------------
-
-SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
-DTYPE_CHOICES = ("fp16", "bf16", "fp32")
-# Step 3's algorithms and loss aggregations (dschat.rl_algorithms.ALGORITHMS / LOSS_AGGREGATIONS; a
-# test keeps them equal: this module imports nothing of dschat's).
-ALGORITHM_CHOICES = ("ppo", "grpo", "rloo", "reinforce_pp", "remax")
-LOSS_AGGREGATION_CHOICES = ("token", "sequence", "token_sum")
-
-
-def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("model")
-    group.add_argument(
-        "--model_name_or_path", type=str, required=True,
-        help="Path to pretrained model or model identifier from huggingface.co/models. Also a "
-             "dschat short name: smollm2-135m (embedded SmolLM2-135M-Instruct), tiny-llama, "
-             "tiny-opt, tiny-opt-quirk (tiny random models for tests), or a PEFT LoRA adapter folder "
-             "(its base model, the adapter merged).",
-    )
-    group.add_argument("--dropout", type=float, default=None,
-                       help="If dropout configured, use it. Otherwise, keep the default dropout configuration of the model.")
-    return group
-
-
-def add_training_args(
-    parser: argparse.ArgumentParser, *, learning_rate: float, max_seq_len: int = 512
-) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("training")
-    group.add_argument("--per_device_train_batch_size", type=int, default=16,
-                       help="Batch size (per device) for the training dataloader.")
-    group.add_argument("--per_device_eval_batch_size", type=int, default=16,
-                       help="Batch size (per device) for the evaluation dataloader.")
-    group.add_argument("--max_seq_len", type=int, default=max_seq_len, help="The maximum sequence length.")
-    group.add_argument("--learning_rate", type=float, default=learning_rate,
-                       help="Initial learning rate (after the potential warmup period) to use.")
-    group.add_argument("--weight_decay", type=float, default=0.0, help="Weight decay to use.")
-    group.add_argument("--num_train_epochs", type=int, default=1, help="Total number of training epochs to perform.")
-    group.add_argument("--gradient_accumulation_steps", type=int, default=1,
-                       help="Number of updates steps to accumulate before performing a backward/update pass.")
-    group.add_argument("--lr_scheduler_type", type=str, default="cosine", choices=SCHEDULER_TYPES,
-                       help="The scheduler type to use.")
-    group.add_argument("--num_warmup_steps", type=int, default=0,
-                       help="Number of steps for the warmup in the lr scheduler.")
-    group.add_argument("--gradient_checkpointing", action="store_true", help="Enable HF gradient checkpointing for model.")
-    group.add_argument("--max_train_steps", type=int, default=0,
-                       help="(dschat) Stop after this many optimizer steps (0: no limit). The LR "
-                            "schedule is laid out over the steps actually taken.")
-    return group
-
-
-def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("runtime")
-    group.add_argument("--output_dir", type=resolve_output_dir, default=None,
-                       help="Where to store the model. A symlink is followed: the output lands where it points "
-                            "and the link stays. On many nodes, a folder every node shares (docs/checkpoints.md).")
-    group.add_argument("--save_format", choices=SAVE_FORMATS, default="safetensors",
-                       help="(dschat) Weight files of the saved model: safetensors (model.safetensors; a reward "
-                            "model's value head in v_head.safetensors), bin (upstream's layout: pytorch_model.bin, a "
-                            "plain tensor state dict; a reward model's body and value head in one file), or both. "
-                            "Every dschat reader takes either.")
-    group.add_argument("--seed", type=int, default=seed, help="A seed for reproducible training.")
-    group.add_argument("--local_rank", type=int, default=-1,
-                       help="local_rank for distributed training on gpus (set by the deepspeed launcher).")
-    group.add_argument("--debug", action="store_true", help="(dschat) Show full tracebacks for input errors instead of one line.")
-    group.add_argument("--dist_timeout", type=float, default=DEFAULT_DIST_TIMEOUT_MINUTES, metavar="MINUTES",
-                       help="(dschat) How long the ranks wait for each other at start-up (the rendezvous at "
-                            "MASTER_ADDR:MASTER_PORT); a rank whose peers never come stops with one line naming "
-                            "them. Collectives later wait this long or DeepSpeed's DEEPSPEED_TIMEOUT (default "
-                            "10 minutes), whichever is longer. Fractions allowed.")
-    return group
-
-
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """(dschat) Checkpoints and resume; see :mod:`dschat.training.checkpoint`."""
-    group = parser.add_argument_group("checkpoints and resume (dschat)")
-    group.add_argument("--save_interval", type=int, default=0,
-                       help="(dschat) Save a resumable checkpoint to <output_dir>/checkpoints every N optimizer "
-                            "steps (0: none; upstream saved nothing resumable).")
-    group.add_argument("--keep_checkpoints", type=int, default=2, help="(dschat) Keep the K last written checkpoints, delete older ones.")
-    group.add_argument("--resume", action="store_true",
-                       help="(dschat) Continue from the last written complete checkpoint in <output_dir>/checkpoints "
-                            "(start from scratch, with a notice, when there is none).")
-    group.add_argument("--resume_from", type=str, default=None,
-                       help="(dschat) Continue from this checkpoint folder (<output_dir>/checkpoints/step_N).")
-    group.add_argument("--max_nonfinite_steps", type=int, default=10,
-                       help="(dschat) A micro-step whose loss is NaN/inf on any rank, or an optimizer step with "
-                            "NaN/inf gradients, is skipped and logged; stop with an error naming the last good "
-                            "checkpoint after this many in a row (0: never stop). fp16 loss-scale overflows "
-                            "stay DeepSpeed's and do not count.")
-    return group
-
-
-def add_precision_args(parser: argparse.ArgumentParser, *, zero_stage: bool = True) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("precision and ZeRO")
-    group.add_argument("--offload", action="store_true", help="Enable ZeRO Offload techniques.")
-    group.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
-                       help="Training data type. fp32 is dschat's addition; on a CPU, fp16 falls back "
-                            "to fp32 with one warning.")
-    if zero_stage:
-        group.add_argument("--zero_stage", type=int, default=0, help="ZeRO optimization stage for Actor model (and clones).")
-    group.add_argument("--compute_fp32_loss", action="store_true",
-                       help="Relevant for low precision dtypes (fp16, bf16, etc.). If specified, loss is "
-                            "calculated in fp32.")
-    return group
-
-
-def add_lora_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("LoRA")
-    group.add_argument("--lora_dim", type=int, default=0,
-                       help="If > 0, use LoRA for efficient training. (dschat) The output folder then also "
-                            "holds the LoRA as a PEFT adapter, in lora_adapter/.")
-    group.add_argument("--lora_module_name", type=str, default="decoder.layers.",
-                       help="The scope of LoRA (substring of Linear module names; OPT: "
-                            "'decoder.layers.', LLaMA-style models: 'layers.').")
-    group.add_argument("--only_optimize_lora", action="store_true",
-                       help="Only optimize the LoRA parameters. (dschat) Without it the other parameters train "
-                            "too and the PEFT adapter carries them (modules_to_save), which LoRA servers such "
-                            "as vLLM do not load.")
-    group.add_argument("--lora_learning_rate", type=float, default=5e-4,
-                       help="Initial LoRA learning rate (after the potential warmup period) to use.")
-    return group
-
-
-def add_logging_args(
-    parser: argparse.ArgumentParser, *, tensorboard_path: str, print_loss: bool = False
-) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("logging")
-    group.add_argument("--enable_tensorboard", action="store_true", help="Enable tensorboard logging")
-    group.add_argument("--tensorboard_path", type=str, default=tensorboard_path, help="Path to tensorboard logs")
-    if print_loss:
-        group.add_argument("--print_loss", action="store_true", help="Prints loss at each step.")
-    return group
-
-
-def add_eot_args(parser: argparse.ArgumentParser, *, eot_token_flag: bool) -> argparse._ArgumentGroup:
-    """``--add_eot_token`` (all steps) and ``--eot_token`` (step 1 only, as upstream).
-
-    ``--end_of_conversation_token`` is ours: the text appended to every training conversation.
-    dschat's default is the tokenizer's EOS in every step, so the reward model scores the same
-    token the PPO actor ends its answers with (docs/upstream.md#flags-and-defaults; pass
-    ``<|endoftext|>`` to reproduce upstream's steps 2 and DPO).
-    """
-    group = parser.add_argument_group("end of conversation")
-    group.add_argument("--add_eot_token", action="store_true",
-                       help="Add <|endoftext|> as additional special token to tokenizer")
-    if eot_token_flag:
-        group.add_argument("--eot_token", type=str, default="<|endoftext|>",
-                           help="Specify the format of the `eot_token`")
-    group.add_argument("--end_of_conversation_token", type=str, default=None,
-                       help="(dschat) Text appended to each training conversation. Default: the "
-                            "tokenizer's EOS. Upstream steps 2-3 used '<|endoftext|>'.")
-    return group
-
-
-def add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
-    """``--deepspeed`` / ``--deepspeed_config`` as every upstream main.py (they are not used to build
-    the config: dschat builds it from the flags, so passing ``--deepspeed_config`` is an error)."""
-    # lazy: deepspeed (with torch) costs 1.6 s CPU at import (python -X importtime), and e2e_rlhf.py
-    # --help imports this module without needing it.
-    import deepspeed
-
-    deepspeed.add_config_arguments(parser)
-
-
-# ---------------------------------------------------------------------------------------------
-# Step-specific groups
-# ---------------------------------------------------------------------------------------------
-
-
-def add_reward_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("reward model")
-    group.add_argument(
-        "--num_padding_at_beginning", type=int, default=1,
-        help="OPT model has a fixed number (1) of padding tokens at the beginning of the input. We "
-             "did not see this in other models but keep it as an option for now. (dschat reads the "
-             "sequence end from the attention mask; this count is used only when no mask is given.)",
-    )
-    group.add_argument("--eval_interval", type=int, default=0, help="If > 0, perform evaluation at this interval")
-    group.add_argument("--eval_iters", type=int, default=100,
-                       help="Maximum evaluation iterations (0: the whole held-out split)")
-    group.add_argument("--freeze_layers", type=int, default=0, metavar="N",
-                       help="(dschat) freeze the embeddings and the N lowest transformer blocks (no gradients or "
-                            "optimizer state; the backward stops at block N); 0 (default) trains all, as upstream")
-    add_sequence_packing_arg(group, "the reward model's training passes",
-                             "each row's real tokens and the padding its loss reads, no other padding computed")
-    return group
-
-
-def add_dpo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    group = parser.add_argument_group("DPO")
-    group.add_argument("--beta", type=float, default=0.1,
-                       help="Temperature parameter for DPO loss, typically something in the range of 0.1 to 0.5. "
-                            "We ignore the reference model as beta -> 0.")
-    group.add_argument("--label_smoothing", type=float, default=0.0,
-                       help="conservative DPO loss, which assumes that preferences are noisy (flipped) with "
-                            "probability label_smoothing")
-    group.add_argument("--offload_reference_model", action="store_true",
-                       help="Enable ZeRO Offload techniques for reference model.")
-    return group
-
-
-# ---------------------------------------------------------------------------------------------
-# Step 3 (PPO)
-# ---------------------------------------------------------------------------------------------
 
 
 def add_step3_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -341,16 +91,6 @@ def add_step3_training_args(parser: argparse.ArgumentParser) -> argparse._Argume
     return group
 
 
-def add_sequence_packing_arg(group: argparse._ArgumentGroup, passes: str, rows: str) -> None:
-    """``--sequence_packing`` (steps 2 and 3): ``passes`` run on packed rows of ``rows`` end to end."""
-    group.add_argument("--sequence_packing", type=str, default="auto", choices=("auto", "on", "off"),
-                       help=f"(dschat) Run {passes} on packed rows: {rows}; sequences kept apart by the "
-                            "attention mask (dschat/models/packing.py); the same results up to floating-point "
-                            "reordering; a batch with no cheaper layout stays padded. 'auto' (default): every model "
-                            "whose family and attention (SDPA, eager) support it, the rest padded, named once in the "
-                            "log; 'on': refuse a model that cannot; 'off': padded rows, as upstream.")
-
-
 def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """PPO hyperparameters: upstream hard-coded them in ppo_trainer.py; here each is a flag with
     upstream's value as default. The opt-in extras beyond upstream say so."""
@@ -378,7 +118,7 @@ def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                             "the KL is in the reward, k3 when it is a loss term (GRPO).")
     group.add_argument("--reward_at", type=str, default="after_last", choices=("after_last", "last"),
                        help="(dschat, opt-in) Where the reward-model score is added: upstream's slot "
-                            "after the last answer token ('after_last', DSE #672) or the last real "
+                            "after the last answer token ('after_last', upstream's) or the last real "
                             "answer token ('last').")
     group.add_argument("--decoding", type=str, default="sample", choices=("sample", "greedy"),
                        help="(dschat) Rollout decoding. 'sample' (default) draws answers from the "
@@ -434,10 +174,6 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                        help="(dschat) Reward model's weight in the reward. Default: 1.0 without --reward_fn, 0 (not "
                             "loaded) with it; give it to combine both.")
     return group
-
-
-#: ``--eval_interval auto``: the interval is chosen from the measured cost (dschat.rlhf.eval_cost).
-EVAL_INTERVAL_AUTO = "auto"
 
 
 def eval_interval(value: str) -> int | str:
@@ -500,7 +236,7 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
     group = parser.add_argument_group("DeepSpeed (step 3)")
     group.add_argument("--enable_hybrid_engine", action="store_true",
                        help="Enable hybrid engine for actor model to optimize both inference and training "
-                            "(dschat: its own Hybrid Engine, dschat/rlhf/rollout_engine.py, for Llama, Mistral, Qwen2/3, "
+                            "(dschat: its own Hybrid Engine, dschat/rlhf/rollout/dschat_engine.py, for Llama, Mistral, Qwen2/3, "
                             "Phi-3, Gemma, OPT, GPT-NeoX; other models fall back to the module, saying why once).")
     group.add_argument("--unpin_actor_parameters", action="store_true",
                        help="Unpin actor's parameters during generation. This makes generation slower "
@@ -534,7 +270,7 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "ranks (a full copy through the backward); 'off': ZeRO-3's hooks, DeepSpeed's gradients.")
     group.add_argument("--generation_loop", type=str, default="auto", choices=("auto", "dschat", "hf", "graphs"),
                        help="(dschat) Without the Hybrid Engine: 'dschat' decodes rollouts with dschat's own "
-                            "sampling loop (dschat/rlhf/decoding.py: the same tokens for a seed as Hugging Face "
+                            "sampling loop (dschat/rlhf/rollout/sample_loop.py: the same tokens for a seed as Hugging Face "
                             "generate, without its per-token bookkeeping); 'hf' calls the module's generate(); "
                             "'graphs' (CUDA) calls generate() with a static KV cache and CUDA graphs "
                             "(torch.compile mode reduce-overhead; prompts left-padded to a multiple of 64 so "
@@ -578,22 +314,21 @@ def add_step3_logging_args(parser: argparse.ArgumentParser) -> argparse._Argumen
     return group
 
 
-# ---------------------------------------------------------------------------------------------
-# Upstream-style callers
-# ---------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _step3_defaults() -> dict[str, object]:
-    parser = argparse.ArgumentParser(add_help=False)
-    for add in (add_step3_model_args, add_step3_training_args, add_ppo_args, add_algorithm_args, add_step3_lora_args,
-                add_step3_deepspeed_args, add_step3_logging_args, add_checkpoint_args):
-        add(parser)
-    return {action.dest: action.default for action in parser._actions}
-
-
-def step3_flag(args: argparse.Namespace, name: str) -> object:
-    """``args.<name>``, or the step-3 default of that flag when ``args`` lacks it: code written
-    against upstream parses upstream's flags only, and hands that Namespace to
-    ``DeepSpeedRLHFEngine`` / ``DeepSpeedPPOTrainer``; dschat's own flags then take their defaults."""
-    if hasattr(args, name):
-        return getattr(args, name)
-    return _step3_defaults()[name]
+def add_step3_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every flag of step 3, in ``--help``'s order: step 3's ``main.py``, the memory planner and the
+    step-3 config (its defaults for an upstream-style Namespace) build their parsers with it."""
+    add_data_args(parser, phase=3)
+    add_unsupervised_data_args(parser)
+    add_step3_model_args(parser)
+    add_step3_training_args(parser)
+    add_ppo_args(parser)
+    add_algorithm_args(parser)
+    add_step3_lora_args(parser)
+    add_step3_deepspeed_args(parser)
+    add_step3_logging_args(parser)
+    add_step3_eval_args(parser)
+    add_runtime_args(parser, seed=1234)  # upstream's None was not reproducible
+    add_eot_args(parser, eot_token_flag=False)
+    add_checkpoint_args(parser)
+    add_deepspeed_args(parser)
+    return parser

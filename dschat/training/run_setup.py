@@ -1,0 +1,108 @@
+"""A step's start: its flags checked (contradictions, paths) before anything is loaded or written,
+then distributed start-up, the dtype and the seed (:func:`setup_run`), giving the :class:`RunContext`."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from dschat.data.cache import check_data_output_path
+from dschat.data.dispatch import resolve_dataset
+from dschat.errors import UserError
+from dschat.models.registry import resolve_model_path
+from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
+from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
+from dschat.runtime.fs import check_writable_dir
+from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
+from dschat.training.loaders import set_random_seed
+
+
+def check_common_args(args: argparse.Namespace) -> None:
+    """Reject contradictory or impossible flags before anything is loaded or written."""
+    if getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None):
+        raise UserError(
+            "--deepspeed_config is not used: dschat builds the DeepSpeed config from the flags "
+            "(--zero_stage, --dtype, --offload, --per_device_train_batch_size, ...); drop it"
+        )
+    if getattr(args, "lora_dim", 0) < 0:
+        raise UserError(f"--lora_dim must be >= 0, got {args.lora_dim}")
+    if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 0) <= 0:
+        raise UserError("--only_optimize_lora needs LoRA layers; also pass --lora_dim > 0 (e.g. --lora_dim 128)")
+    if getattr(args, "zero_stage", 0) not in (0, 1, 2, 3):
+        raise UserError(f"--zero_stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "num_train_epochs", "max_seq_len"):
+        value = getattr(args, name, 1)
+        if value < 1:
+            raise UserError(f"--{name} must be >= 1, got {value}")
+    for name in ("max_train_steps", "num_warmup_steps", "eval_interval", "eval_iters", "freeze_layers"):
+        value = getattr(args, name, 0)
+        if value < 0:
+            raise UserError(f"--{name} must be >= 0, got {value}")
+    if getattr(args, "offload", False):
+        check_optimizer_offload(args.zero_stage, "--zero_stage")
+    if getattr(args, "offload_reference_model", False):  # DPO: the reference is ZeRO-3 iff the policy is
+        check_param_offload("--offload_reference_model", args.zero_stage, "--zero_stage")
+    check_output_paths(args)
+    check_checkpoint_args(args)
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """``--output_dir``, ``--data_output_path`` and (when enabled) ``--tensorboard_path`` must be
+    folders this process can create, and a data cache folder one this user may trust: refused at
+    start-up, not after training (steps 1-3)."""
+    for name in ("output_dir", "data_output_path"):
+        if getattr(args, name, None):
+            check_writable_dir(getattr(args, name), f"--{name}")
+    if getattr(args, "data_output_path", None):
+        check_data_output_path(args.data_output_path)
+    if getattr(args, "enable_tensorboard", False):
+        check_writable_dir(args.tensorboard_path, "--tensorboard_path")
+
+
+def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_name_or_path",)) -> None:
+    """Bad model and dataset paths fail here: before distributed start-up, before anything is loaded
+    or written (the rows themselves are checked when the data is read, still before any model)."""
+    for flag in model_flags:
+        resolve_model_path(getattr(args, flag))
+    for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
+        resolve_dataset(name)
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """Where this process runs: global rank, world size, device, and the dtype actually used."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    dtype: str
+
+
+def quiet_transformers() -> None:
+    """Silence per-load progress bars; keep warnings."""
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # lazy: transformers costs 0.75 s CPU at import (python -X importtime), and step 2's --help,
+    # which imports this module, never needs it.
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def setup_run(args: argparse.Namespace) -> RunContext:
+    """Initialise distributed (launcher or plain ``python``), pick the dtype, seed everything.
+
+    On a CPU accelerator an fp16 request trains in fp32 (one warning): upstream recipes run
+    unchanged there.
+    """
+    quiet_transformers()
+    info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
+    prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
+    dtype = resolve_dtype(args.dtype)
+    set_random_seed(args.seed)
+    barrier()
+    return RunContext(info.rank, info.local_rank, info.world_size, info.device, dtype)
