@@ -1,6 +1,9 @@
 """``python -m dschat.plan``: see :mod:`dschat.plan.cli`."""
 import sys
 
-from dschat.plan.cli import main
+from dschat.plan.cli import build_parser, main
 
-sys.exit(main())
+__all__ = ["build_parser", "main"]
+
+if __name__ == "__main__":
+    sys.exit(main())

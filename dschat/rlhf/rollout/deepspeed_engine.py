@@ -1,7 +1,7 @@
 """DeepSpeed's Hybrid Engine path, and the decision made before ``deepspeed.initialize``.
 
 :func:`decide_hybrid_engine` (``--enable_hybrid_engine``): dschat's own Hybrid Engine for the families
-its decode model covers (:data:`dschat.models.decoder.LAYOUTS`), on any accelerator; for another
+its decode model covers (:data:`dschat.models.decoder.layouts.LAYOUTS`), on any accelerator; for another
 family, DeepSpeed's ``DeepSpeedHybridEngine`` only where it can work (a CUDA accelerator, an inference
 container for the family, decoder layers that take tuple KV caches), so an unusable one is never
 built. Elsewhere the actor is a plain DeepSpeed engine and the decision carries the line saying why.
@@ -24,7 +24,7 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 
-from dschat.models.decoder import unsupported_reason
+from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.families import family_of
 from dschat.rlhf.rollout.hf_generate import decoding_only_generation_config, generate_kwargs
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, not_a_fallback, one_line
@@ -49,7 +49,7 @@ class HybridEngineDecision:
 
 def decide_hybrid_engine(requested: bool, model_config: PretrainedConfig, accelerator: str) -> HybridEngineDecision:
     """``--enable_hybrid_engine``: dschat's own Hybrid Engine for the families its decode model covers
-    (:data:`dschat.models.decoder.LAYOUTS`), on any accelerator. For other families, DeepSpeed's
+    (:data:`dschat.models.decoder.layouts.LAYOUTS`), on any accelerator. For other families, DeepSpeed's
     Hybrid Engine only where it can work: a CUDA accelerator and a model family with an inference
     container (DeepSpeed's HE kernels are CUDA-only; other families crash or produce gibberish under
     HE: docs/upstream.md#deepspeeds-hybrid-engine-and-model-families)."""
