@@ -22,7 +22,7 @@ SAVE_FORMATS = ("safetensors", "bin", "both")
 # reads and writes it.
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 # Step 3's --save_best_by: the best models so far in <output_dir>/BEST_DIR, described by BEST_FILE
-# (dschat.rlhf.evaluation writes them, the report reads them).
+# (dschat.rlhf.heldout.evaluation writes them, the report reads them).
 BEST_DIR = "best"
 BEST_FILE = "best.json"
 # The embedded preference dataset's ``train.jsonl`` / ``eval.jsonl`` (shipped inside the package):

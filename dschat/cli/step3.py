@@ -16,7 +16,7 @@ ALGORITHM_CHOICES = ("ppo", "grpo", "rloo", "reinforce_pp", "remax")
 
 LOSS_AGGREGATION_CHOICES = ("token", "sequence", "token_sum")
 
-#: ``--eval_interval auto``: the interval is chosen from the measured cost (dschat.rlhf.eval_cost).
+#: ``--eval_interval auto``: the interval is chosen from the measured cost (dschat.rlhf.heldout.cost).
 EVAL_INTERVAL_AUTO = "auto"
 
 
@@ -183,7 +183,7 @@ def eval_interval(value: str) -> int | str:
 
 def add_step3_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """(dschat) Step 3's held-out evaluation, over-optimization alarm and best checkpoint
-    (:mod:`dschat.rlhf.evaluation`); docs/evaluation.md "Did step 3 work?"."""
+    (:mod:`dschat.rlhf.heldout.evaluation`); docs/evaluation.md "Did step 3 work?"."""
     group = parser.add_argument_group("held-out evaluation (dschat)")
     group.add_argument("--eval_interval", type=eval_interval, default=None, metavar="N|auto",
                        help="If > 0, evaluate the actor on held-out prompts before the first PPO step and every this "

@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 from dschat.paths import METRICS_FILE
 
-# The "kind" of step 3's held-out evaluation records in metrics.jsonl (dschat.rlhf.evaluation writes them).
+# The "kind" of step 3's held-out evaluation records in metrics.jsonl (dschat.rlhf.heldout.evaluation writes them).
 EVAL_KIND = "eval"
 
 # Names accepted for each plotted field of metrics.jsonl (the first is the documented one).

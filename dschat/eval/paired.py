@@ -2,7 +2,7 @@
 
 Two sets of answers to the same prompts (two evaluations of one actor, or the SFT and the RLHF
 actor) are compared prompt by prompt, which removes the prompts' own spread from the noise. Used by
-the over-optimization alarm (:mod:`dschat.rlhf.overoptimization`) and by the report's gold gain
+the over-optimization alarm (:mod:`dschat.rlhf.heldout.alarm`) and by the report's gold gain
 (:mod:`dschat.eval.report`). Pure Python, no torch.
 """
 from __future__ import annotations

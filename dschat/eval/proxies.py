@@ -2,7 +2,7 @@
 
 Train against one of these (``--reward_fn dschat.eval.proxies:answer_length``) with an independent
 judge watching (``--eval_judge gold`` on the embedded data) and the held-out evaluation of step 3
-(:mod:`dschat.rlhf.evaluation`) sees the proxy climb while the judge falls: docs/evaluation.md's
+(:mod:`dschat.rlhf.heldout.evaluation`) sees the proxy climb while the judge falls: docs/evaluation.md's
 "Did step 3 work?" demo. Never use them to train a model you want.
 """
 from __future__ import annotations

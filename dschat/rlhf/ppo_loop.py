@@ -26,7 +26,7 @@ from torch.utils.data import DataLoader
 from dschat.data.collators import drop_padding_columns, set_epoch_if_distributed
 from dschat.paths import METRICS_FILE
 from dschat.rlhf.actor_ema import moving_average
-from dschat.rlhf.evaluation import StepThreeEvaluation
+from dschat.rlhf.heldout.evaluation import StepThreeEvaluation
 from dschat.rlhf.experience import Experience, RolloutBuffer
 from dschat.rlhf.experience_maker import RolloutStats
 from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer

@@ -114,7 +114,7 @@ def test_the_script_writes_labelled_pairs_from_a_real_actor(tmp_path, monkeypatc
 
 def test_step3_helpers_know_both_embedded_names():
     from dschat.data.unsupervised import load_unsupervised_raw
-    from dschat.rlhf.eval_setup import resolve_judges
+    from dschat.rlhf.heldout.setup import resolve_judges
 
     judges = resolve_judges(["gold"], [BUILTIN_NAME, BUILTIN_SAMPLES_NAME])
     assert [j.name for j in judges] == ["gold"]

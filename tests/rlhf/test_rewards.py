@@ -12,7 +12,7 @@ from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.gold_judge import gold_score
 from dschat.rewards import (RewardFunction, RewardMix, final_number, gold, load_reward_function,
                             load_reward_functions, math_exact_match)
-from dschat.rlhf.eval_setup import check_eval_args
+from dschat.rlhf.heldout.setup import check_eval_args
 
 from helpers.step3 import step3_main
 

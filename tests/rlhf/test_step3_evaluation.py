@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from dschat.models.registry import resolve_model_path
-from dschat.rlhf import evaluation as ev
-from dschat.rlhf.evaluation import token_entropy
-from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
+from dschat.rlhf.heldout import evaluation as ev
+from dschat.eval.metrics_file import read_eval_records
+from dschat.rlhf.heldout.evaluation import token_entropy
+from dschat.rlhf.heldout.setup import Judge
+from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
 from dschat.runtime import fs
 
 from helpers.step3 import (
@@ -135,7 +137,7 @@ def test_the_run_reports_a_non_finite_mean_and_later_finite_evaluations_compete(
                            stop_on_overoptimization=True)
     engine = SimpleNamespace(actor=object(), critic=None, actor_ema=None)
     trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None, rlhf_engine=engine)
-    evaluation = ev.StepThreeEvaluation(args, trainer, [], [ev.Judge("j", fn=object())])
+    evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())])
     # (proxy, judge) per prompt at steps 0..4: NaN first (it would pin best/ for good), a best at 1, an
     # inf at 2 (proxy up, judge down: no alarm from it), worse at 3, better at 4.
     scores = [([0.0, 0.0], [math.nan, 1.0]), ([0.0, 0.1], [1.0, 1.0]), ([5.0, 5.0], [-math.inf, 0.0]),
@@ -190,7 +192,7 @@ def test_eval_batches_are_the_same_for_any_number_of_ranks():
 ])
 def test_eval_interval_default_follows_the_evaluation_flags(given, interval):
     from dschat.cli.step3 import EVAL_INTERVAL_AUTO
-    from dschat.rlhf.eval_setup import check_eval_args
+    from dschat.rlhf.heldout.setup import check_eval_args
     args = step3_main().parse_args(["--data_path", "dschat/builtin", "--actor_model_name_or_path", "a",
                        "--critic_model_name_or_path", "c", "--output_dir", "out", *given])
     if "--eval_interval" not in given:
@@ -203,7 +205,7 @@ def test_eval_interval_default_follows_the_evaluation_flags(given, interval):
 def test_planned_ppo_steps_count_only_whole_rollouts():
     from types import SimpleNamespace
 
-    from dschat.rlhf.eval_cost import planned_ppo_steps
+    from dschat.rlhf.heldout.cost import planned_ppo_steps
 
     def planned(total, per_rollout, **args):
         trainer = SimpleNamespace(rlhf_engine=SimpleNamespace(num_total_iters=total),
@@ -218,7 +220,7 @@ def test_planned_ppo_steps_count_only_whole_rollouts():
 
 
 def test_auto_interval_by_hand():
-    from dschat.rlhf.eval_cost import auto_interval, eval_share
+    from dschat.rlhf.heldout.cost import auto_interval, eval_share
 
     # E = 1 s, S = 5 s, 20 steps: N = 2 gives 11 evaluations, 11 / (11 + 100) = 9.9 %; N = 1 gives 17.4 %.
     assert eval_share(1.0, 5.0, 20, 2) == pytest.approx(11 / 111)
@@ -394,7 +396,7 @@ def test_ppo_evaluation_records_and_best_checkpoint(ppo_runs):
         assert r["judges"]["gold"] == pytest.approx(sum(r["per_prompt"]["gold"]) / 6)
     assert records[0]["kl_to_ref"] == pytest.approx(0.0, abs=1e-5)  # the actor is the reference before step 1
     # --eval_interval auto plans over the run's PPO steps: --test_stop_step 4 (one generation batch a step).
-    from dschat.rlhf.eval_cost import planned_ppo_steps
+    from dschat.rlhf.heldout.cost import planned_ppo_steps
 
     trainer = ppo_runs["with"].trainer
     assert planned_ppo_steps(trainer.args, trainer) == 4
@@ -447,7 +449,7 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dir
     """GRPO scored by a reward function, judged by a column-reading function and a reward-model
     folder, best by the proxy; the alarm (forced at step 2: its rule is tested above) ends the run
     there with everything saved."""
-    real = ev.overoptimization_alarm
+    real = overoptimization_alarm
 
     def fires_at_two(series, **kw):
         if series[-1].step == 2:
@@ -525,7 +527,7 @@ def test_report_draws_the_evaluation_curves_and_names_the_alarm(tmp_path, capsys
     metrics.parent.mkdir()
     metrics.write_text("".join(json.dumps(x) + "\n" for x in lines))
     assert report.read_metrics(metrics) == [{"step": 0.0, "reward": 1.0, "kl_to_ref": 0.0, "response_length": 30.0}]
-    assert [r["global_step"] for r in ev.read_eval_records(metrics)] == [0, 2, 4]
+    assert [r["global_step"] for r in read_eval_records(metrics)] == [0, 2, 4]
     report.main(["--curves_only", "--metrics", str(metrics), "--out", str(tmp_path / "rep")])
     out = capsys.readouterr().out
     assert (tmp_path / "rep" / report.EVAL_PLOT_FILE).stat().st_size > 0

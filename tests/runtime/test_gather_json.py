@@ -1,5 +1,5 @@
 """gather_json (dschat/runtime/dist.py) on two real gloo ranks, and the two gathers built on it: step 3's
-evaluation rows (dschat/rlhf/evaluation.py) and the data-cache build outcome (dschat/data/prompt_dataset.py).
+evaluation rows (dschat/rlhf/heldout/evaluation.py) and the data-cache build outcome (dschat/data/prompt_dataset.py).
 ``torch.distributed.all_gather_object`` (pickles) is replaced by a function that fails, so a gather
 that still unpickles what another process sends cannot pass."""
 from __future__ import annotations
@@ -30,7 +30,8 @@ def no_pickles(*args, **kwargs):
 dist.all_gather_object = no_pickles
 from dschat.data.prompt_dataset import _share_build_outcome
 from dschat.errors import UserError
-from dschat.rlhf import evaluation as ev
+from dschat.rlhf.heldout import evaluation as ev
+from dschat.rlhf.heldout.setup import Judge
 from dschat.runtime.dist import gather_json
 
 result = {}
@@ -44,7 +45,7 @@ rows = ev._Rows(index=[0, 2] if rank == 0 else [1], proxy=[0.5, 2.5] if rank == 
                 entropy=[1.0, 1.2] if rank == 0 else [1.1], tokens=[3, 5] if rank == 0 else [4],
                 ended=[True, False] if rank == 0 else [True])
 evaluation = ev.StepThreeEvaluation(type("A", (), {"eval_interval": 0, "output_dir": None})(), None,
-                                    judges=[ev.Judge("j")], rank=rank, world_size=2)
+                                    judges=[Judge("j")], rank=rank, world_size=2)
 gathered = evaluation._gathered(rows)
 result["rows"] = {k: getattr(gathered, k) for k in ("index", "proxy", "judges", "kl", "entropy", "tokens", "ended")}
 # The data-cache build: rank 1 fails with a user error, rank 0 raises the same line.

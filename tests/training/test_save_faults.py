@@ -39,7 +39,7 @@ from dschat.models.registry import resolve_model_path
 from dschat.models.save import recover_output_dir, save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.paths import BEST_DIR
-from dschat.rlhf.evaluation import save_best
+from dschat.rlhf.heldout.evaluation import save_best
 from dschat.runtime import fs
 from dschat.runtime.dist import init_distributed
 from dschat.training import checkpoint as ckpt

@@ -6,7 +6,7 @@ or a critic-free algorithm (``--algorithm grpo|rloo|reinforce_pp|remax``), with 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
 parse -> checks -> distributed + seed -> tokenizers -> data -> the engines -> PPO loop (with the held-out
-evaluation of ``--eval_interval``, dschat/rlhf/evaluation.py) -> save.
+evaluation of ``--eval_interval``, dschat/rlhf/heldout/evaluation.py) -> save.
 See docs/flags.md for the flags, docs/algorithms.md#decoding-why-sampling-is-the-default for the decoding
 default and docs/algorithms.md#the-on-policy-rule for the on-policy rule.
 """
@@ -160,7 +160,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer
-    from dschat.rlhf.evaluation import StepThreeEvaluation, check_eval_args, heldout_prompt_items
+    from dschat.rlhf.heldout.evaluation import StepThreeEvaluation
+    from dschat.rlhf.heldout.setup import check_eval_args, heldout_prompt_items
     from dschat.rlhf.config import resolve_algorithm, step3_config
     from dschat.rlhf.guards import validate_step3_args
     from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics

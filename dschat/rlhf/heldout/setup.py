@@ -1,5 +1,5 @@
 """Step 3's held-out evaluation, before any model loads: the ``--eval_*`` flag rules, the judges
-(``--eval_judge``) and the held-out prompts (:mod:`dschat.rlhf.evaluation` runs the evaluation).
+(``--eval_judge``) and the held-out prompts (:mod:`dschat.rlhf.heldout.evaluation` runs the evaluation).
 """
 from __future__ import annotations
 

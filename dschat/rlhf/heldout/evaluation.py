@@ -12,7 +12,7 @@ number (:func:`eval_batches`), and the scores are gathered on every rank: one ra
 alike (with sampled decoding, unless an inference TP group decodes: see :func:`eval_batches`), and
 every rank takes the same best-checkpoint and alarm decisions (rank 0 writes).
 ``--eval_interval auto`` schedules each next evaluation from the costs measured so far, so that
-evaluation takes at most 10 % of the step-3 wall time (:mod:`dschat.rlhf.eval_cost`).
+evaluation takes at most 10 % of the step-3 wall time (:mod:`dschat.rlhf.heldout.cost`).
 
 Each evaluation scores the answers by
 
@@ -62,15 +62,15 @@ from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
 from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
 from dschat.data.token_dataset import PromptItem
 from dschat.errors import UserError
-from dschat.eval.metrics_file import EVAL_KIND, read_eval_records
+from dschat.eval.metrics_file import EVAL_KIND
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.rlhf.config import EvalConfig, eval_config
-from dschat.rlhf.eval_cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
-from dschat.rlhf.eval_setup import Judge, check_eval_args, heldout_prompt_items, resolve_judges
+from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
 from dschat.rlhf.experience import sequence_masks
-from dschat.rlhf.overoptimization import Alarm, EvalPoint, best_index, overoptimization_alarm, paired_change
+from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
+from dschat.rlhf.heldout.setup import Judge
 from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
 from dschat.runtime.fs import atomic_dir, recover_dir
 from dschat.runtime.devices import to_device
@@ -84,18 +84,8 @@ __all__ = [
     "BEST_DIR",
     "BEST_FILE",
     "EVAL_KIND",
-    "Alarm",
-    "EvalPoint",
-    "Judge",
     "StepThreeEvaluation",
-    "best_index",
-    "check_eval_args",
     "eval_batches",
-    "heldout_prompt_items",
-    "overoptimization_alarm",
-    "paired_change",
-    "read_eval_records",
-    "resolve_judges",
     "token_entropy",
 ]
 

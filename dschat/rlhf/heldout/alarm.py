@@ -1,6 +1,6 @@
 """The over-optimization alarm and the best evaluation of step 3's held-out evaluation, as pure
 functions of the evaluation series (no models, no DeepSpeed): hand-tested in
-``tests/rlhf/test_step3_evaluation.py``, used by :class:`dschat.rlhf.evaluation.StepThreeEvaluation`.
+``tests/rlhf/test_step3_evaluation.py``, used by :class:`dschat.rlhf.heldout.evaluation.StepThreeEvaluation`.
 
 Every evaluation scores the same K prompts, so two evaluations are compared prompt by prompt
 (:func:`~dschat.eval.paired.paired_change`: the mean and standard error of the per-prompt differences). The alarm
