@@ -284,6 +284,12 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "steps' linear layers with oneDNN on weights repacked once per rollout (MKL's GEMM "
                             "is several times slower for a few rows; benchmarks/results.md); costs one extra copy "
                             "of the actor's weights during generation. 'off': the stock kernels.")
+    group.add_argument("--preflight", type=str, default="on", choices=("on", "off"),
+                       help="(dschat) Plan the run's memory per GPU before any model is loaded (python -m "
+                            "dschat.plan; docs/memory-plan.md#preflight). On a GPU a run that cannot fit stops with "
+                            "one line naming the phase, the shortfall and a configuration that fits; on a CPU the "
+                            "plan is printed, not enforced; a run the planner cannot plan gets a note and goes on. "
+                            "'off': skip it.")
     group.add_argument("--offload", action="store_true", help="Enable ZeRO Offload techniques.")
     group.add_argument("--dtype", type=str, default="fp16", choices=DTYPE_CHOICES,
                        help="Training data type. fp32 is dschat's addition; on a CPU, fp16 falls back "

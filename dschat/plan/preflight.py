@@ -3,15 +3,30 @@
 On an accelerator other than the CPU a run that cannot fit stops with one line naming the phase, the
 shortfall and the first configuration that fits (:class:`UserError`, exit 2); on the CPU the plan is
 printed and not enforced (the CPU's memory is the host's, shared with everything else).
+
+The planner's gaps never stop a run: a model it cannot plan (an architecture it cannot build on the
+meta device, a folder without ``config.json`` such as a PEFT adapter it does not read) and a run that
+builds fewer than PPO's four models (a critic-free algorithm, a reward given by functions alone) get
+one note and the run goes on unplanned.
 """
 from __future__ import annotations
 
+import argparse
+import functools
+import os
+import sys
 from typing import Callable, Sequence
+
+from deepspeed.accelerator import get_accelerator
 
 from dschat.errors import UserError
 from dschat.plan.cli import MARGIN, build_parser, plan, render, suggestions
+from dschat.runtime.dist import print_rank_0
+from dschat.training.run_setup import RunContext
 
-__all__ = ["preflight"]
+__all__ = ["preflight", "step3_preflight", "device_memory", "gpus_per_node"]
+
+_SKIP = "step 3 goes on without it (python -m dschat.plan with the same flags shows the plan)"
 
 
 def _gb(n: int) -> str:
@@ -19,26 +34,73 @@ def _gb(n: int) -> str:
 
 
 def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerator: str, gpu_bytes: int,
-              echo: Callable[[str], None] = print) -> dict:
-    """Plan step 3's ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan.
+              echo: Callable[[str], None] = print) -> dict | None:
+    """Plan step 3's ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan, or None when
+    the planner cannot plan it (one note through ``echo``, nothing raised).
 
     ``accelerator == "cpu"``: the table is printed (``echo``), nothing is enforced. Otherwise a plan
     that does not fit raises :class:`UserError` with the peak phase, the shortfall and the first
-    suggestion.
+    suggestion; one that fits is one line.
     """
     parser = build_parser()
     node_args = ["--gpus_per_node", str(gpus_per_node), "--num_nodes", str(max(1, world // gpus_per_node))]
     full = [*argv, *node_args]
     args = parser.parse_args(full)
-    result = plan(args, gpu_bytes=gpu_bytes)
+    try:
+        result = plan(args, gpu_bytes=gpu_bytes)
+    except Exception as err:  # noqa: BLE001 - the planner's gap on a model the run can train never stops it
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        echo(f"note: the memory preflight cannot plan this run ({reason}); {_SKIP}")
+        return None
     if accelerator == "cpu":
-        echo(render(result))
+        echo("memory preflight (printed, not enforced on the CPU; --preflight off skips it):\n" + render(result))
         return result
     if result["fits"]:
+        echo(f"memory preflight: peak {_gb(result['peak_bytes_per_gpu'])} per GPU in {result['peak_phase']}, "
+             f"fits the {_gb(gpu_bytes)} GPU with {MARGIN:.0%} kept free")
         return result
     found = suggestions(full, args, parser, limit=1, gpu_bytes=gpu_bytes)
     fix = f"add {' '.join(found[0]['flags'])}" if found else "use GPUs with more memory"
     raise UserError(
         f"step 3 does not fit: {result['peak_phase']} needs {_gb(result['peak_bytes_per_gpu'])} per GPU, "
         f"{_gb(-result['margin_bytes'])} more than the {_gb(gpu_bytes)} GPU allows with {MARGIN:.0%} kept free; "
-        f"{fix} (python -m dschat.plan with the same flags shows the whole plan)")
+        f"{fix} (python -m dschat.plan with the same flags shows the whole plan; --preflight off skips this check)")
+
+
+def device_memory() -> tuple[str, int]:
+    """This rank's accelerator name and the memory of its device in bytes (DeepSpeed's accelerator:
+    on CUDA ``torch.cuda.get_device_properties(...).total_memory``, on the CPU the host's memory)."""
+    accelerator = get_accelerator()
+    return accelerator.device_name(), int(accelerator.total_memory())
+
+
+def gpus_per_node(world: int) -> int:
+    """Ranks per node: the launcher's ``LOCAL_WORLD_SIZE`` (torchrun) or ``LOCAL_SIZE`` (deepspeed),
+    else the whole world (plain ``python``); the world when it does not divide it."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            local = int(value)
+            return local if world % local == 0 else world
+    return world
+
+
+def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: RunContext, *,
+                    four_models: bool) -> dict | None:
+    """Step 3's preflight of its own command line (``argv``; None: ``sys.argv[1:]``) as the run
+    resolved it (``ctx``: world size, the dtype actually used); skipped with ``--preflight off``.
+
+    ``four_models``: the run builds PPO's actor, reference, critic and reward model, the four the
+    planner plans; otherwise one note, no plan. Printing is rank 0's; a run that cannot fit raises
+    on every rank.
+    """
+    if args.preflight == "off":
+        return None
+    echo = functools.partial(print_rank_0, rank=ctx.rank)
+    if not four_models:
+        echo(f"note: the memory preflight plans PPO's four models and this run builds fewer; {_SKIP}")
+        return None
+    accelerator, gpu_bytes = device_memory()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return preflight([*argv, "--dtype", ctx.dtype], world=ctx.world_size, gpus_per_node=gpus_per_node(ctx.world_size),
+                     accelerator=accelerator, gpu_bytes=gpu_bytes, echo=echo)

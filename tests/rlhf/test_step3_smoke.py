@@ -206,6 +206,9 @@ def test_off_policy_configuration_is_detected_and_its_ratio_measured(critic_dirs
     assert abs(first["ratio_max"] - 1) < 1e-6 and abs(first["ratio_min"] - 1) < 1e-6
     assert max(abs(second["ratio_max"] - 1), abs(second["ratio_min"] - 1)) > 1e-4
     assert second["approx_kl"] > 0
+    # The memory preflight's plan (printed on the CPU, not enforced), before the first engine is built.
+    preflight = logs.index("memory preflight (printed, not enforced on the CPU")
+    assert logs.index("peak/GPU", preflight) < logs.index("Initializing Actor Model")
 
 
 def _six_prompts(folder: Path) -> Path:

@@ -5,8 +5,8 @@ or a critic-free algorithm (``--algorithm grpo|rloo|reinforce_pp|remax``), with 
 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
-parse -> checks -> distributed + seed -> tokenizers -> data -> the engines -> PPO loop (with the held-out
-evaluation of ``--eval_interval``, dschat/rlhf/heldout/evaluation.py) -> save.
+parse -> checks -> distributed + seed -> memory preflight (docs/memory-plan.md#preflight) -> tokenizers -> data
+-> the engines -> PPO loop (with the held-out evaluation of ``--eval_interval``, dschat/rlhf/heldout/evaluation.py) -> save.
 See docs/flags.md for the flags, docs/algorithms.md#decoding-why-sampling-is-the-default for the decoding
 default and docs/algorithms.md#the-on-policy-rule for the on-policy rule.
 """
@@ -160,6 +160,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer
+    from dschat.plan.preflight import step3_preflight
     from dschat.rlhf.heldout.evaluation import StepThreeEvaluation
     from dschat.rlhf.heldout.setup import check_eval_args, heldout_prompt_items
     from dschat.rlhf.config import resolve_algorithm, step3_config
@@ -190,6 +191,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         print_rank_0(line, ctx.rank)
     print_rank_0(settings.describe(), ctx.rank)
     print_rank_0(mix.describe(), ctx.rank)
+    step3_preflight(args, argv, ctx, four_models=settings.critic and mix.uses_model)  # memory, before any model
 
     # ---------------------------------------------------------------- tokenizer and data
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)

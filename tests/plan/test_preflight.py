@@ -1,0 +1,76 @@
+"""Step 3's memory preflight in-process: on a GPU a run that cannot fit stops in one line before any
+model, tokenizer or data is loaded; ``--preflight off`` skips it; the planner's gaps (a model it cannot
+read, a run without PPO's four models) are a note and the run goes on. (On the CPU the printed plan
+is checked in rlhf/test_step3_smoke.py's off-policy run.)
+
+The accelerator is the one thing set by hand: :func:`dschat.plan.preflight.device_memory` reports a
+CUDA device of 1 MB, so the tiny models cannot fit; the rest is step 3's own ``main``."""
+from __future__ import annotations
+
+import pytest
+
+from dschat.plan import preflight as preflight_module
+from dschat.training import step_data
+
+from helpers.step3 import base_argv, refused_in_process, step3_main
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+ONE_MB = 10**6
+
+
+class ReachedTheTokenizer(Exception):
+    """Raised where step 3 would load its first tokenizer (before the data and the models)."""
+
+
+@pytest.fixture
+def small_cuda(monkeypatch) -> list[str]:
+    """A 1 MB "CUDA" device for the preflight; loading a tokenizer is recorded and stops the run."""
+    loads: list[str] = []
+
+    def load_tokenizer(name, *args, **kwargs):
+        loads.append(str(name))
+        raise ReachedTheTokenizer(name)
+
+    monkeypatch.setattr(preflight_module, "device_memory", lambda: ("cuda", ONE_MB))
+    monkeypatch.setattr(step_data, "load_tokenizer", load_tokenizer)
+    return loads
+
+
+def test_a_run_that_cannot_fit_stops_in_one_line_before_any_model(small_cuda, critic_dirs, data_cache, capsys):
+    line = refused_in_process(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache), capsys)
+    assert line.startswith("error: step 3 does not fit: ") and " per GPU, " in line
+    assert any(f": {phase} needs " in line for phase in ("generation", "scoring", "actor training",
+                                                         "critic training", "optimizer step")), line
+    assert "0.00 GB GPU allows" in line and "--preflight off" in line
+    assert small_cuda == []  # stopped before the first tokenizer, so before the data and every model
+
+
+def test_preflight_off_skips_it(small_cuda, critic_dirs, data_cache, capsys):
+    with pytest.raises(ReachedTheTokenizer):
+        step3_main().main(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--preflight", "off"))
+    out = capsys.readouterr().out
+    assert "preflight" not in out and "peak/GPU" not in out
+    assert small_cuda == ["tiny-opt"]
+
+
+def test_a_model_the_planner_cannot_read_is_a_note_and_the_run_goes_on(small_cuda, lora_inputs, data_cache, capsys):
+    # The actor as a PEFT LoRA adapter folder (step 3 merges it into its base): no config.json to plan from.
+    adapter = lora_inputs["actor"] / "lora_adapter"
+    argv = base_argv("tiny-opt-quirk", lora_inputs["critic"], data_cache, actor=adapter)
+    with pytest.raises(ReachedTheTokenizer):
+        step3_main().main(argv)
+    notes = [x for x in capsys.readouterr().out.splitlines() if "memory preflight" in x]
+    assert len(notes) == 1 and notes[0].startswith("note: the memory preflight cannot plan this run (")
+    assert "has no config.json" in notes[0] and "step 3 goes on without it" in notes[0]
+
+
+def test_a_run_without_the_four_models_is_a_note_and_goes_on(small_cuda, data_cache, capsys):
+    argv = base_argv("tiny-opt", "unused", data_cache, "--algorithm", "grpo", "--num_generations", "2",
+                     "--reward_fn", "dschat.rewards:gold")
+    argv[argv.index("--critic_model_name_or_path"):argv.index("--critic_model_name_or_path") + 2] = []
+    with pytest.raises(ReachedTheTokenizer):
+        step3_main().main(argv)
+    notes = [x for x in capsys.readouterr().out.splitlines() if "memory preflight" in x]
+    assert notes == ["note: the memory preflight plans PPO's four models and this run builds fewer; step 3 goes "
+                     "on without it (python -m dschat.plan with the same flags shows the plan)"]
