@@ -171,40 +171,21 @@ class RewardFunction:
     def _call(self, prompts: list[str], answers: list[str],
               kwargs: dict[str, list[Any]]) -> tuple[Any, BaseException | None]:
         """One call of the function: ``(result, None)``, or ``(None, what it raised)`` -- a
-        :class:`_TimedOut` when it outlasted ``timeout``. ``KeyboardInterrupt`` is not caught."""
+        :class:`CallTimedOut` when it outlasted ``timeout``. ``KeyboardInterrupt`` is not caught."""
         if not self.timeout:
             try:
                 return self.fn(prompts, answers, **kwargs), None
             except (Exception, SystemExit) as err:  # noqa: BLE001 -- any failure of user code is reported
                 return None, err
-        outcome: dict[str, Any] = {}
-        grad = torch.is_grad_enabled()
-        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-
-        def work() -> None:
-            try:
-                if device is not None:  # the CUDA device is per thread
-                    torch.cuda.set_device(device)
-                with torch.set_grad_enabled(grad):  # so is the grad mode
-                    outcome["result"] = self.fn(prompts, answers, **kwargs)
-            except BaseException as err:  # noqa: BLE001 -- handed to the caller, which reports it
-                outcome["error"] = err
-
-        worker = threading.Thread(target=work, name=f"reward function {self.name}", daemon=True)
-        worker.start()
-        worker.join(self.timeout)
-        if worker.is_alive():
-            return None, _TimedOut(self.timeout)
-        if isinstance(outcome.get("error"), KeyboardInterrupt):
-            raise outcome["error"]
-        return outcome.get("result"), outcome.get("error")
+        pending = PendingCall(lambda: self.fn(prompts, answers, **kwargs), f"reward function {self.name}")
+        return pending.wait(self.timeout)
 
     def _fail(self, err: BaseException, prompts: list[str], answers: list[str],
               kwargs: dict[str, list[Any]]) -> NoReturn:
         """Raise the one line for a failed batch call; a :class:`UserError` of the function passes as it is."""
         if isinstance(err, UserError):
             raise err
-        if isinstance(err, _TimedOut):
+        if isinstance(err, CallTimedOut):
             raise UserError(f"reward function {self.name} did not return within --reward_fn_timeout {err.seconds:g} "
                             f"s on a batch of {len(answers)} rows (row 0 prompt {_excerpt(prompts[0]) if prompts else ''}); "
                             "make it faster or raise --reward_fn_timeout (0: no limit)") from None
@@ -224,7 +205,7 @@ class RewardFunction:
             mid = (lo + hi) // 2
             for a, b in ((lo, mid), (mid, hi)):
                 _, err = self._call(prompts[a:b], answers[a:b], {k: v[a:b] for k, v in kwargs.items()})
-                if isinstance(err, (_TimedOut, SystemExit)):
+                if isinstance(err, (CallTimedOut, SystemExit)):
                     return f"on rows {lo}-{hi - 1} of a batch of {len(answers)} (row {lo} prompt {_excerpt(prompts[lo])})"
                 if err is not None:
                     lo, hi = a, b
@@ -255,7 +236,7 @@ class RewardFunction:
             except (TypeError, ValueError, OverflowError):
                 score = math.nan
             # The scores are used in float32 (RewardMix): 1e39 is finite here and inf there.
-            if self.require_finite and not math.isfinite(_as_float32(score)):
+            if self.require_finite and not math.isfinite(as_float32(score)):
                 raise UserError(f"reward function {self.name} returned {value!r} for row {i} (prompt "
                                 f"{_excerpt(prompts[i])}, answer {_excerpt(answers[i])}); scores must be numbers, "
                                 "finite in float32 (|x| < 3.4e38)")
@@ -263,7 +244,7 @@ class RewardFunction:
         return scores
 
 
-class _TimedOut(Exception):
+class CallTimedOut(Exception):
     """A call that outlasted its timeout (still running in its thread)."""
 
     def __init__(self, seconds: float) -> None:
@@ -271,9 +252,65 @@ class _TimedOut(Exception):
         self.seconds = seconds
 
 
-def _as_float32(value: float) -> float:
+def as_float32(value: float) -> float:
     """``value`` rounded to float32, as the reward tensor holds it (inf beyond float32's range)."""
     return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
+
+
+class PendingCall:
+    """One call of user code, started at once in a daemon worker thread that carries the caller's CUDA device
+    and grad mode (both are per thread); :meth:`wait` gives its outcome. Python cannot stop a thread,
+    so a call past its time is left running: the caller is to stop the run (the process exits, the
+    stuck call with it)."""
+
+    def __init__(self, call: Callable[[], Any], name: str) -> None:
+        self._outcome: dict[str, Any] = {}
+        grad = torch.is_grad_enabled()
+        device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+        def work() -> None:
+            try:
+                if device is not None:  # the CUDA device is per thread
+                    torch.cuda.set_device(device)
+                with torch.set_grad_enabled(grad):  # so is the grad mode
+                    self._outcome["result"] = call()
+            except BaseException as err:  # noqa: BLE001 -- handed to the caller, which reports it
+                self._outcome["error"] = err
+
+        self._thread = threading.Thread(target=work, name=name, daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float | None) -> tuple[Any, BaseException | None]:
+        """``(result, None)``, or ``(None, what the call raised)`` -- a :class:`CallTimedOut` when it is
+        still running after ``timeout`` seconds (None or 0: no limit). A ``KeyboardInterrupt`` is raised."""
+        self._thread.join(timeout or None)
+        if self._thread.is_alive():
+            return None, CallTimedOut(timeout or 0.0)
+        if isinstance(self._outcome.get("error"), KeyboardInterrupt):
+            raise self._outcome["error"]
+        return self._outcome.get("result"), self._outcome.get("error")
+
+
+def load_callable(spec: str, flag: str, example: str) -> Any:
+    """The callable a ``module.path:attr`` spec names (``attr`` may be dotted), imported; ``flag`` and
+    ``example`` (a valid spec) word the one :class:`UserError` line of a bad spec, a module that does
+    not import, a missing attribute or one that is not callable."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise UserError(f"{flag} {spec!r} is not of the form module.path:function (e.g. {example})")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 -- an import runs user code; any failure is the user's
+        raise UserError(f"{flag} {spec}: cannot import module {module_name!r} ({type(err).__name__}: "
+                        f"{err}); check the module path and PYTHONPATH") from None
+    fn: Any = module
+    for part in attr.split("."):
+        fn = getattr(fn, part, None)
+        if fn is None:
+            raise UserError(f"{flag} {spec}: module {module_name!r} has no attribute {attr!r}")
+    if not callable(fn):
+        raise UserError(f"{flag} {spec}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
 
 
 def load_reward_function(spec: str, weight: float = 1.0, timeout: float = 0.0) -> RewardFunction:
@@ -281,22 +318,7 @@ def load_reward_function(spec: str, weight: float = 1.0, timeout: float = 0.0) -
     limit); a bad spec is one :class:`UserError` line."""
     if not (math.isfinite(timeout) and timeout >= 0):
         raise UserError(f"--reward_fn_timeout must be a number of seconds >= 0 (0: no limit), got {timeout}")
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(f"--reward_fn {spec!r} is not of the form module.path:function "
-                        "(e.g. dschat.rewards:gold)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 -- an import runs user code; any failure is the user's
-        raise UserError(f"--reward_fn {spec}: cannot import module {module_name!r} ({type(err).__name__}: "
-                        f"{err}); check the module path and PYTHONPATH") from None
-    fn: Any = module
-    for part in attr.split("."):
-        fn = getattr(fn, part, None)
-        if fn is None:
-            raise UserError(f"--reward_fn {spec}: module {module_name!r} has no attribute {attr!r}")
-    if not callable(fn):
-        raise UserError(f"--reward_fn {spec}: {attr!r} is a {type(fn).__name__}, not a function")
+    fn = load_callable(spec, "--reward_fn", "dschat.rewards:gold")
     if not math.isfinite(weight):
         raise UserError(f"--reward_fn_weight for {spec} must be a finite number, got {weight}")
     return RewardFunction(spec, fn, float(weight), timeout=float(timeout))
