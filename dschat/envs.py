@@ -95,7 +95,10 @@ def load_environment(spec: str, timeout: float = 0.0) -> EnvironmentFactory:
 
 def _shown(value: Any, limit: int = 60) -> str:
     """``repr(value)`` on one line, cut to ``limit`` characters (for error lines)."""
-    flat = " ".join(repr(value).split())
+    try:
+        flat = " ".join(repr(value).split())
+    except ValueError:  # an int of more digits than Python converts to text
+        flat = f"<{type(value).__name__} too large to show>"
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
@@ -122,8 +125,12 @@ def _check_step(env_name: str, where: str, raw: Any) -> StepResult:
             raise wrong(f"step returned the reward {type(reward).__name__} {_shown(reward)}",
                         "a reward is an int or float, or None for no reward this turn")
         # The rewards are used in float32: 1e39 is finite here and inf there.
-        if not math.isfinite(as_float32(float(reward))):
-            raise wrong(f"step returned the reward {reward!r}", "rewards must be finite in float32 (|x| < 3.4e38)")
+        try:
+            finite = math.isfinite(as_float32(float(reward)))
+        except OverflowError:  # an int beyond any float
+            finite = False
+        if not finite:
+            raise wrong(f"step returned the reward {_shown(reward)}", "rewards must be finite in float32 (|x| < 3.4e38)")
         reward = float(reward)
     if not isinstance(done, bool):
         raise wrong(f"step returned done = {type(done).__name__} {_shown(done)}", "done is True or False")

@@ -40,7 +40,8 @@ def evaluate(expression: str) -> str:
             return _OPS[type(node.op)](value(node.operand))
         if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
             left, right = value(node.left), value(node.right)
-            if isinstance(node.op, ast.Pow) and abs(right) * math.log2(max(abs(left), 2)) > MAX_BITS:
+            if isinstance(node.op, ast.Pow) and (abs(right) > MAX_BITS  # checked first: no float of a huge int
+                                                 or abs(right) * math.log2(max(abs(left), 2)) > MAX_BITS):
                 raise ValueError("power too large")
             try:
                 return _OPS[type(node.op)](left, right)

@@ -78,7 +78,7 @@ def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
     gpu = parse_size(args.gpu_memory, "--gpu_memory") if gpu_bytes is None else gpu_bytes
     dtype = args.dtype
     plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine)
-    steps = phases(plans, args, dtype)
+    steps = phases(plans, args, dtype, gpu_bytes=gpu)
     peak = max(steps, key=lambda p: p.peak)
     host = host_bytes_at_load(plans, args.gpus_per_node)
     host_limit = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
@@ -125,7 +125,10 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
         if not flags or ("--offload" in flags and 0 in (actor_stage, critic_stage)):
             continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (step 3 refuses it at 0)
         trial = parser.parse_args(_with(argv, flags))
-        result = plan(trial, gpu_bytes=gpu_bytes)
+        try:
+            result = plan(trial, gpu_bytes=gpu_bytes)
+        except UserError:  # an option this model cannot take (e.g. the LoRA filter matches none of its layers)
+            continue
         if result["fits"]:
             found.append({"flags": flags, "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": cost})
     found.sort(key=lambda s: (s["cost"], s["peak_bytes_per_gpu"]))

@@ -76,8 +76,21 @@ def _activations(plan: RolePlan, batch: int, seq: int, el: int, checkpointing: b
     return int(inv.layers * per_layer_full)
 
 
-def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str) -> list[Phase]:
-    """The five phases of one PPO step for ``plans`` (:func:`dschat.plan.roles.plan_roles`)."""
+def _gathers_for_generation(actor: RolePlan, args: argparse.Namespace, el: int, resident: int,
+                            gpu_bytes: int | None) -> bool:
+    """Whether a ZeRO-3 actor is gathered whole for generation, by the run's rule
+    (``--zero3_gather_for_generation``; ``auto``: the full model fits in half the memory the resident
+    states leave free, :func:`dschat.runtime.zero3.fits_gathered`); without a GPU size, ``auto`` gathers."""
+    mode = getattr(args, "zero3_gather_for_generation", "auto")
+    if mode != "auto" or gpu_bytes is None:
+        return mode != "off"
+    return actor.inventory.numel * el <= max(0, gpu_bytes - resident) // 2
+
+
+def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
+           gpu_bytes: int | None = None) -> list[Phase]:
+    """The five phases of one PPO step for ``plans`` (:func:`dschat.plan.roles.plan_roles`) on a GPU of
+    ``gpu_bytes`` (which decides ``--zero3_gather_for_generation auto``)."""
     el = DTYPE_BYTES[dtype]
     resident = _resident(plans)
     actor, critic = plans["actor"], plans["critic"]
@@ -87,7 +100,10 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str) -> 
     head_dim = inv.hidden // max(1, inv.heads)
     out = []
     generation = Phase("generation", dict(resident))
-    generation.consumers["actor gathered whole"] = _gathered(actor, el)
+    if _gathers_for_generation(actor, args, el, sum(resident.values()), gpu_bytes):
+        generation.consumers["actor gathered whole"] = _gathered(actor, el)
+    else:  # fetched layer by layer for every token
+        generation.consumers["ZeRO-3 layer gathers"] = _layer_gather(actor, el)
     generation.consumers["KV cache"] = 2 * inv.layers * gen_b * seq * inv.kv_heads * head_dim * el
     generation.consumers["logits"] = gen_b * inv.vocab_rows * 4
     out.append(generation)

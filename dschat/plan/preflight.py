@@ -17,11 +17,12 @@ import os
 import sys
 from typing import Callable, Sequence
 
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from dschat.errors import UserError
 from dschat.plan.cli import MARGIN, build_parser, plan, render, suggestions
-from dschat.runtime.dist import print_rank_0
+from dschat.runtime.dist import collective_device, print_rank_0
 from dschat.training.run_setup import RunContext
 
 __all__ = ["preflight", "step3_preflight", "device_memory", "gpus_per_node"]
@@ -91,8 +92,9 @@ def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: R
     resolved it (``ctx``: world size, the dtype actually used); skipped with ``--preflight off``.
 
     ``four_models``: the run builds PPO's actor, reference, critic and reward model, the four the
-    planner plans; otherwise one note, no plan. Printing is rank 0's; a run that cannot fit raises
-    on every rank.
+    planner plans; otherwise one note, no plan. Printing is rank 0's. Collective (two all-reduces):
+    every rank plans for the smallest device of the run, and when any rank refuses, every rank raises,
+    so no rank is left waiting for the others.
     """
     if args.preflight == "off":
         return None
@@ -101,6 +103,27 @@ def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: R
         echo(f"note: the memory preflight plans PPO's four models and this run builds fewer; {_SKIP}")
         return None
     accelerator, gpu_bytes = device_memory()
+    gpu_bytes = int(_over_ranks(gpu_bytes, torch.distributed.ReduceOp.MIN))
     argv = list(sys.argv[1:] if argv is None else argv)
-    return preflight([*argv, "--dtype", ctx.dtype], world=ctx.world_size, gpus_per_node=gpus_per_node(ctx.world_size),
-                     accelerator=accelerator, gpu_bytes=gpu_bytes, echo=echo)
+    refused: UserError | None = None
+    result = None
+    try:
+        result = preflight([*argv, "--dtype", ctx.dtype], world=ctx.world_size,
+                           gpus_per_node=gpus_per_node(ctx.world_size), accelerator=accelerator,
+                           gpu_bytes=gpu_bytes, echo=echo)
+    except UserError as err:
+        refused = err
+    if _over_ranks(1.0 if refused is not None else 0.0, torch.distributed.ReduceOp.MAX) > 0:
+        raise refused or UserError("step 3 does not fit: another rank's memory preflight refused the run (its "
+                                   "error line says why); --preflight off skips this check")
+    return result
+
+
+def _over_ranks(value: float, op: torch.distributed.ReduceOp) -> float:
+    """``value`` reduced with ``op`` over every rank (itself without a process group)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    tensor = torch.tensor([float(value)], dtype=torch.float64)
+    tensor = tensor.to(collective_device(tensor))
+    torch.distributed.all_reduce(tensor, op=op)
+    return float(tensor.item())

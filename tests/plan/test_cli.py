@@ -84,3 +84,30 @@ def test_preflight_stops_a_run_that_cannot_fit_with_the_phase_the_shortfall_and_
     printed = []
     result = preflight(argv, world=1, gpus_per_node=1, accelerator="cpu", gpu_bytes=24 * 10**9, echo=printed.append)
     assert not result["fits"] and "does NOT fit" in printed[0]
+
+
+LLAMA_1B = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 2048, "num_hidden_layers": 16,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "intermediate_size": 8192, "vocab_size": 128256,
+            "max_position_embeddings": 2048, "tie_word_embeddings": True}
+
+
+@pytest.mark.parametrize("mode", ["on", "off", "auto"])
+def test_a_zero3_actor_is_gathered_for_generation_only_where_the_run_gathers_it(mode, config_only, capsys):
+    # The run's rule (runtime/zero3.fits_gathered): "auto" gathers when the full model fits in half the
+    # memory left free. OPT-1.3B in fp16 is 2.6 GB: on 8 GPUs of 4 GB "auto" fetches layer by layer.
+    assert main(_argv(config_only, "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--gpu_memory", "4GB",
+                      "--gpus_per_node", "8",
+                      "--zero3_gather_for_generation", mode, "--json")) == 0
+    generation = json.loads(capsys.readouterr().out)["phases"][0]["consumers"]
+    assert ("actor gathered whole" in generation) == (mode == "on")
+    assert ("ZeRO-3 layer gathers" in generation) == (mode != "on")
+
+
+def test_the_search_skips_options_a_model_cannot_take(tmp_path, capsys):
+    # LoRA's default filter ("decoder.layers.") matches no LLaMA layer: the search leaves that option out
+    # instead of stopping with the LoRA error the user never asked for.
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_1B))
+    assert main(_argv(tmp_path, "--gpu_memory", "16GB", "--json")) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert not result["fits"] and result["suggestions"]
+    assert all("--only_optimize_lora" not in s["flags"] for s in result["suggestions"])

@@ -7,12 +7,18 @@ The accelerator is the one thing set by hand: :func:`dschat.plan.preflight.devic
 CUDA device of 1 MB, so the tiny models cannot fit; the rest is step 3's own ``main``."""
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
+from dschat.models.registry import resolve_model_path
 from dschat.plan import preflight as preflight_module
 from dschat.training import step_data
 
-from helpers.step3 import base_argv, refused_in_process, step3_main
+from helpers.step3 import base_argv, refused_in_process, step3_main, subprocess_env
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,3 +80,45 @@ def test_a_run_without_the_four_models_is_a_note_and_goes_on(small_cuda, data_ca
     notes = [x for x in capsys.readouterr().out.splitlines() if "memory preflight" in x]
     assert notes == ["note: the memory preflight plans PPO's four models and this run builds fewer; step 3 goes "
                      "on without it (python -m dschat.plan with the same flags shows the plan)"]
+
+
+RANKS = r'''
+import json, sys
+import torch.distributed as dist
+from types import SimpleNamespace
+
+from dschat.errors import UserError
+from dschat.plan import preflight as pf
+
+rank, store, out, actor, critic = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4], sys.argv[5]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+# Rank 0's "GPU" holds everything, rank 1's only 1 MB: the run cannot fit on rank 1.
+pf.device_memory = lambda: ("cuda", 10**15 if rank == 0 else 10**6)
+argv = ["--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic]
+try:
+    pf.step3_preflight(SimpleNamespace(preflight="on"), argv, SimpleNamespace(rank=rank, world_size=2, dtype="fp32"),
+                       four_models=True)
+    outcome = "went on"
+except UserError as err:
+    outcome = f"error: {err}"
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(outcome, f)
+dist.destroy_process_group()
+'''
+
+
+def test_every_rank_refuses_when_one_rank_cannot_fit(tmp_path, critic_dirs):
+    # The ranks plan for the run's smallest device and agree: none goes on to wait for the others.
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS)
+    actor = str(resolve_model_path("tiny-opt"))
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"), str(tmp_path),
+                               actor, str(critic_dirs["tiny-opt"])],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
+                              cwd=Path(__file__).resolve().parents[2])
+             for rank in (0, 1)]
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0, (stdout[-3000:], stderr[-3000:])
+    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert all(o.startswith("error: step 3 does not fit: ") and "0.00 GB GPU allows" in o for o in outcomes), outcomes

@@ -90,6 +90,8 @@ class TestContract:
         ((None, True, True), "reward bool True"),
         ((None, math.nan, True), "finite in float32"),
         ((None, 1e39, True), "finite in float32"),
+        ((None, 10**400, True), "finite in float32"),  # an int beyond any float
+        ((None, 10**5000, True), "finite in float32"),  # ... and beyond what repr() shows
         ((None, 1.0, 1), "done = int 1"),
         ((None, 1.0, None), "done = NoneType"),
     ])
@@ -211,7 +213,7 @@ class TestCalculator:
     @pytest.mark.parametrize("expression, words", [
         ("__import__('os').system('true')", "Call is not allowed"), ("x + 1", "Name is not allowed"),
         ("True + 1", "Constant is not allowed"), ("'a' * 3", "Constant is not allowed"), ("1 < 2", "Compare"),
-        ("9**9**9", "power too large"), ("1/0", "division by zero"), ("(-8)**0.5", "math domain error"),
+        ("9**9**9", "power too large"), ("2**2**3999", "power too large"), ("1/0", "division by zero"), ("(-8)**0.5", "math domain error"),
         ("10**30 * 10**30", "result longer than 40"), ("1 +", "not an arithmetic expression"),
         ("1" * 201, "longer than 200"),
     ])
