@@ -123,7 +123,7 @@ def _over_ranks(value: float, op: torch.distributed.ReduceOp) -> float:
     """``value`` reduced with ``op`` over every rank (itself without a process group)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return value
-    tensor = torch.tensor([float(value)], dtype=torch.float64)
-    tensor = tensor.to(collective_device(tensor))
+    host = torch.tensor([float(value)], dtype=torch.float64)
+    tensor = host.to(collective_device(host))  # NCCL reduces only CUDA tensors
     torch.distributed.all_reduce(tensor, op=op)
     return float(tensor.item())
