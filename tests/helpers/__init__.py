@@ -7,7 +7,7 @@
   weight comparisons and a crash right after a checkpoint.
 - :mod:`helpers.data`: a small real tokenizer, preference rows and file writers for the data tests.
 - :mod:`helpers.two_ranks`: a step script on 2 ranks under the DeepSpeed launcher, with each rank's
-  weight digest.
+  weight digest; a Python script on two gloo ranks of its own (`run_gloo_ranks`).
 
 Fixtures shared across folders live in ``tests/conftest.py``; files that subprocesses or
 ``--reward_fn`` load live in ``tests/fixtures/``.

@@ -7,18 +7,14 @@ The accelerator is the one thing set by hand: :func:`dschat.plan.preflight.devic
 CUDA device of 1 MB, so the tiny models cannot fit; the rest is step 3's own ``main``."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from dschat.models.registry import resolve_model_path
 from dschat.plan import preflight as preflight_module
 from dschat.training import step_data
 
-from helpers.step3 import base_argv, refused_in_process, step3_main, subprocess_env
+from helpers.step3 import base_argv, refused_in_process, step3_main
+from helpers.two_ranks import run_gloo_ranks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -109,16 +105,5 @@ dist.destroy_process_group()
 
 def test_every_rank_refuses_when_one_rank_cannot_fit(tmp_path, critic_dirs):
     # The ranks plan for the run's smallest device and agree: none goes on to wait for the others.
-    script = tmp_path / "ranks.py"
-    script.write_text(RANKS)
-    actor = str(resolve_model_path("tiny-opt"))
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"), str(tmp_path),
-                               actor, str(critic_dirs["tiny-opt"])],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                              cwd=Path(__file__).resolve().parents[2])
-             for rank in (0, 1)]
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (stdout[-3000:], stderr[-3000:])
-    outcomes = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    outcomes = run_gloo_ranks(RANKS, tmp_path, str(resolve_model_path("tiny-opt")), str(critic_dirs["tiny-opt"]))
     assert all(o.startswith("error: step 3 does not fit: ") and "0.00 GB GPU allows" in o for o in outcomes), outcomes

@@ -4,15 +4,11 @@ evaluation rows (dschat/rlhf/heldout/evaluation.py) and the data-cache build out
 that still unpickles what another process sends cannot pass."""
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
 from dschat.runtime.dist import gather_json
 
-from helpers.step3 import subprocess_env
+from helpers.two_ranks import run_gloo_ranks
 
 SCRIPT = r'''
 import json, math, sys
@@ -65,16 +61,7 @@ dist.destroy_process_group()
 
 
 def test_two_gloo_ranks_gather_json_evaluation_rows_and_build_outcomes_without_pickles(tmp_path):
-    script = tmp_path / "ranks.py"
-    script.write_text(SCRIPT)
-    procs = [subprocess.Popen([sys.executable, str(script), str(rank), str(tmp_path / "store"), str(tmp_path)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=subprocess_env(),
-                              cwd=Path(__file__).resolve().parents[2])
-             for rank in (0, 1)]
-    for proc in procs:
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, (stdout[-3000:], stderr[-3000:])
-    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    results = run_gloo_ranks(SCRIPT, tmp_path)
     for rank, got in enumerate(results):
         plain = got["plain"]
         assert [p["rank"] for p in plain] == [0, 1] and [len(p["text"]) for p in plain] == [3, 103]
