@@ -26,7 +26,7 @@ from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
 from dschat.plan.roles import plan_roles
 
-__all__ = ["add_plan_args", "build_parser", "parse_size", "plan", "main", "MARGIN"]
+__all__ = ["add_plan_args", "build_parser", "format_gb", "parse_size", "plan", "main", "MARGIN"]
 
 MARGIN = 0.10  # a plan fits when its peak leaves this share of the GPU free (allocator fragmentation)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -143,7 +143,8 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
     return found[:limit]
 
 
-def _gb(n: int) -> str:
+def format_gb(n: int) -> str:
+    """``n`` bytes as decimal gigabytes, two decimals (the table's and the preflight's unit)."""
     return f"{n / 1e9:.2f} GB"
 
 
@@ -151,18 +152,18 @@ def render(result: dict) -> str:
     """The printed table of :func:`plan`'s result (with ``suggestions``)."""
     lines = [f"{'phase':<16} {'peak/GPU':>11}  biggest consumers"]
     for phase in result["phases"]:
-        top = ", ".join(f"{t['consumer']} {_gb(t['bytes'])}" for t in phase["top"])
-        lines.append(f"{phase['name']:<16} {_gb(phase['peak_bytes']):>11}  {top}")
+        top = ", ".join(f"{t['consumer']} {format_gb(t['bytes'])}" for t in phase["top"])
+        lines.append(f"{phase['name']:<16} {format_gb(phase['peak_bytes']):>11}  {top}")
     verdict = "fits" if result["fits"] else "does NOT fit"
-    lines.append(f"peak {_gb(result['peak_bytes_per_gpu'])} in {result['peak_phase']} on a {_gb(result['gpu_bytes'])} "
-                 f"GPU: {verdict} (margin {_gb(result['margin_bytes'])} after keeping {MARGIN:.0%} free)")
-    host = f"host memory at load time: {_gb(result['host_bytes_at_load'])} per node"
+    lines.append(f"peak {format_gb(result['peak_bytes_per_gpu'])} in {result['peak_phase']} on a {format_gb(result['gpu_bytes'])} "
+                 f"GPU: {verdict} (margin {format_gb(result['margin_bytes'])} after keeping {MARGIN:.0%} free)")
+    host = f"host memory at load time: {format_gb(result['host_bytes_at_load'])} per node"
     if result["host_bytes"]:
-        host += f" of {_gb(result['host_bytes'])}"
+        host += f" of {format_gb(result['host_bytes'])}"
     lines.append(host)
     lines.append("model states are exact; activations, logits and caches are estimates")
     for s in result.get("suggestions", []):
-        lines.append(f"fits with: {' '.join(s['flags'])}  (peak {_gb(s['peak_bytes_per_gpu'])})")
+        lines.append(f"fits with: {' '.join(s['flags'])}  (peak {format_gb(s['peak_bytes_per_gpu'])})")
     return "\n".join(lines)
 
 

@@ -21,17 +21,13 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from dschat.errors import UserError
-from dschat.plan.cli import MARGIN, build_parser, plan, render, suggestions
+from dschat.plan.cli import MARGIN, build_parser, format_gb, plan, render, suggestions
 from dschat.runtime.dist import collective_device, print_rank_0
 from dschat.training.run_setup import RunContext
 
 __all__ = ["preflight", "step3_preflight", "device_memory", "gpus_per_node"]
 
 _SKIP = "step 3 goes on without it (python -m dschat.plan with the same flags shows the plan)"
-
-
-def _gb(n: int) -> str:
-    return f"{n / 1e9:.2f} GB"
 
 
 def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerator: str, gpu_bytes: int,
@@ -57,14 +53,14 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
         echo("memory preflight (printed, not enforced on the CPU; --preflight off skips it):\n" + render(result))
         return result
     if result["fits"]:
-        echo(f"memory preflight: peak {_gb(result['peak_bytes_per_gpu'])} per GPU in {result['peak_phase']}, "
-             f"fits the {_gb(gpu_bytes)} GPU with {MARGIN:.0%} kept free")
+        echo(f"memory preflight: peak {format_gb(result['peak_bytes_per_gpu'])} per GPU in {result['peak_phase']}, "
+             f"fits the {format_gb(gpu_bytes)} GPU with {MARGIN:.0%} kept free")
         return result
     found = suggestions(full, args, parser, limit=1, gpu_bytes=gpu_bytes)
     fix = f"add {' '.join(found[0]['flags'])}" if found else "use GPUs with more memory"
     raise UserError(
-        f"step 3 does not fit: {result['peak_phase']} needs {_gb(result['peak_bytes_per_gpu'])} per GPU, "
-        f"{_gb(-result['margin_bytes'])} more than the {_gb(gpu_bytes)} GPU allows with {MARGIN:.0%} kept free; "
+        f"step 3 does not fit: {result['peak_phase']} needs {format_gb(result['peak_bytes_per_gpu'])} per GPU, "
+        f"{format_gb(-result['margin_bytes'])} more than the {format_gb(gpu_bytes)} GPU allows with {MARGIN:.0%} kept free; "
         f"{fix} (python -m dschat.plan with the same flags shows the whole plan; --preflight off skips this check)")
 
 
