@@ -117,15 +117,21 @@ def sequence_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.
     return masked_sum(kl_penalty(logprobs.float(), ref_logprobs.float(), estimator=estimator), mask, dim=1)
 
 
-def returns_to_go(rewards: torch.Tensor, start: int, *, gamma: float = 1.0) -> torch.Tensor:
+def returns_to_go(rewards: torch.Tensor, start: int, *, gamma: float = 1.0,
+                  skip: torch.Tensor | None = None) -> torch.Tensor:
     """REINFORCE++'s token returns (Hu 2025, eq. 6): ``G_t = sum_{s >= t} gamma^(s - t) * r_s`` over
     positions ``[start, T)``, where ``r`` holds ``-kl_ctl * KL_t`` on every token and the score at
     the reward slot (:func:`dschat.rl_math.ppo.compute_rewards`). It is GAE with ``V = 0`` and
     ``lambda = 1``, which is how it is computed.
 
-    Shape: rewards (B, T) (zeroed after each answer's end); returns (B, T - start).
+    ``skip`` (B, T) bool marks positions outside the actor's trajectory (a multi-turn episode's
+    observation tokens): ``G_t = 0`` there, and the sum runs over unskipped positions only, each
+    discounted by the number of unskipped steps between (``get_advantages_and_returns``'s ``skip``).
+
+    Shape: rewards, skip (B, T) (rewards zeroed after each answer's end); returns (B, T - start).
     """
-    advantages, _ = get_advantages_and_returns(torch.zeros_like(rewards), rewards, start, gamma=gamma, lam=1.0)
+    advantages, _ = get_advantages_and_returns(torch.zeros_like(rewards), rewards, start, gamma=gamma, lam=1.0,
+                                               skip=skip)
     return advantages
 
 

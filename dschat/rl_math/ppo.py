@@ -9,9 +9,9 @@ import torch
 
 from dschat.rl_math.stats import masked_mean
 
-__all__ = ["KLEstimator", "RewardAt", "kl_penalty", "sequence_end_indices", "reward_positions", "missing_eos_penalty",
-           "mask_after_ends", "compute_rewards", "get_advantages_and_returns", "actor_loss_fn", "critic_loss_fn",
-           "PolicyStats", "ppo_policy_stats"]
+__all__ = ["KLEstimator", "RewardAt", "kl_penalty", "answer_span", "sequence_end_indices", "reward_positions",
+           "missing_eos_penalty", "mask_after_ends", "compute_rewards", "get_advantages_and_returns", "actor_loss_fn",
+           "critic_loss_fn", "PolicyStats", "ppo_policy_stats"]
 
 KLEstimator = Literal["k1", "k2", "k3"]
 RewardAt = Literal["after_last", "last"]
@@ -48,11 +48,30 @@ def kl_penalty(
     raise ValueError(f"kl_penalty: estimator must be one of {_KL_ESTIMATORS}, got {estimator!r}")
 
 
+def answer_span(action_mask: torch.Tensor, start: int) -> torch.Tensor:
+    """Length of each row's answer span: one past the last nonzero of ``action_mask[:, start:]``
+    (0 for a row with none).
+
+    The span runs from ``start`` to the row's last actor token and includes any holes (positions
+    scoring environment observation tokens, 0 in ``action_mask``) inside it. For a mask that is
+    contiguous from ``start`` (``1...1 0...0``) it equals the count ``action_mask[:, start:].sum(1)``.
+
+    Shape: action_mask (B, T); returns (B,) int64, each in ``[0, T - start]``.
+    """
+    answer = action_mask[:, start:] != 0
+    if answer.shape[1] == 0:
+        return torch.zeros(answer.shape[0], dtype=torch.long, device=answer.device)
+    one_based = torch.arange(1, answer.shape[1] + 1, device=answer.device)
+    return torch.where(answer, one_based, 0).amax(dim=1)
+
+
 def sequence_end_indices(
     action_mask: torch.Tensor, start: int, *, reward_at: RewardAt = "after_last"
 ) -> torch.Tensor:
     """Exclusive end of each answer's reward span, in log-prob positions.
 
+    With ``n = answer_span(action_mask, start)`` (the count of answer tokens for a contiguous mask,
+    one past the last actor token for a multi-turn mask with observation holes):
     ``"after_last"`` gives upstream's ``ends = start + n + 1`` (it can be ``T + 1`` for an answer
     that fills ``max_answer_seq_len``); rewards and values from ``ends`` on are zeroed in
     ``train_rlhf``. ``"last"`` gives ``max(start + n, start + 1)``: one past the last real action
@@ -61,7 +80,7 @@ def sequence_end_indices(
     Shape: action_mask (B, T); returns (B,) int64.
     """
     _check_reward_at(reward_at)
-    n = action_mask[:, start:].long().sum(1)
+    n = answer_span(action_mask, start)
     if reward_at == "after_last":
         return start + n + 1
     return torch.clamp(start + n, min=start + 1)
@@ -70,7 +89,9 @@ def sequence_end_indices(
 def reward_positions(
     action_mask: torch.Tensor, start: int, *, reward_at: RewardAt = "after_last"
 ) -> torch.Tensor:
-    """Position in ``rewards`` (B, T) where the clipped reward-model score is added.
+    """Position in ``rewards`` (B, T) where the clipped reward-model score is added, with
+    ``n = answer_span(action_mask, start)`` (in a multi-turn episode the slot is set by the last
+    actor turn; an observation inside the episode never moves it):
 
     * ``"after_last"`` (upstream): the last element of ``rewards[j, start:ends[j]]``, i.e.
       ``min(start + n, T - 1)``: the slot of the first pad after the answer (one past the last
@@ -85,7 +106,7 @@ def reward_positions(
     """
     _check_reward_at(reward_at)
     T = action_mask.shape[1]
-    n = action_mask[:, start:].long().sum(1)
+    n = answer_span(action_mask, start)
     if reward_at == "after_last":
         return torch.clamp(start + n, max=T - 1)
     return torch.clamp(start + n - 1, min=start)
@@ -160,6 +181,7 @@ def get_advantages_and_returns(
     *,
     gamma: float = 1.0,
     lam: float = 0.95,
+    skip: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over positions ``[start, T)`` (upstream's trlX-style GAE).
 
@@ -168,10 +190,24 @@ def get_advantages_and_returns(
     time, batched over rows, with upstream's operation order (so results match bit for bit).
     No whitening (upstream has none; see ``masked_whiten``).
 
-    Shape: values, rewards (B, T); returns advantages (B, T - start) detached, and
+    ``skip`` (B, T) bool marks positions outside the actor's trajectory (a multi-turn episode's
+    environment observation tokens). A skipped position gets ``A_t = 0`` and the recursion passes
+    over it: ``V_{t+1}`` and ``A_{t+1}`` above are those of the next unskipped position (``V = 0``
+    and ``A = 0`` past the last one). Each row's result is therefore GAE on the row with its skipped
+    positions removed, scattered back with 0 at the holes; ``returns`` there is ``V_t``. ``None``
+    or an all-False ``skip`` computes exactly the result without it.
+
+    Shape: values, rewards, skip (B, T); returns advantages (B, T - start) detached, and
     returns (B, T - start).
     """
     length = rewards.shape[-1]
+    if skip is not None and skip.shape != rewards.shape:
+        raise ValueError(
+            f"get_advantages_and_returns: skip {tuple(skip.shape)} must match rewards {tuple(rewards.shape)}"
+        )
+    if skip is not None and bool(skip[:, start:].any()):
+        advantages = _gae_with_skip(values, rewards, start, skip.bool(), gamma=gamma, lam=lam)
+        return advantages.detach(), advantages + values[:, start:]
     lastgaelam: torch.Tensor | float = 0.0
     advantages_reversed = []
     for t in reversed(range(start, length)):
@@ -182,6 +218,23 @@ def get_advantages_and_returns(
     advantages = torch.stack(advantages_reversed[::-1], dim=1)
     returns = advantages + values[:, start:]
     return advantages.detach(), returns
+
+
+def _gae_with_skip(values: torch.Tensor, rewards: torch.Tensor, start: int, skip: torch.Tensor, *,
+                   gamma: float, lam: float) -> torch.Tensor:
+    """GAE's scan where ``skip[:, t]`` carries ``V_{t+1}`` and ``A_{t+1}`` over position ``t``
+    unchanged and sets ``A_t = 0`` (contract in ``get_advantages_and_returns``). Shape: (B, T) in,
+    (B, T - start) out."""
+    nextvalues = torch.zeros_like(values[:, -1])
+    lastgaelam = torch.zeros_like(rewards[:, -1])
+    advantages_reversed = []
+    for t in reversed(range(start, rewards.shape[-1])):
+        keep = ~skip[:, t]
+        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
+        lastgaelam = torch.where(keep, delta + gamma * lam * lastgaelam, lastgaelam)
+        nextvalues = torch.where(keep, values[:, t], nextvalues)
+        advantages_reversed.append(torch.where(keep, lastgaelam, 0.0))
+    return torch.stack(advantages_reversed[::-1], dim=1)
 
 
 # --------------------------------------------------------------------------------------------

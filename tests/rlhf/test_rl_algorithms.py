@@ -90,6 +90,33 @@ class TestReinforcePP:
                 g = float(rewards[b, t]) + 0.9 * g
                 assert abs(float(got[b, t - 2]) - g) < 1e-5
 
+    def test_returns_to_go_skip_hand_case(self):
+        # The hand case above with an observation token inserted at position 2 (skipped; its 7 is no
+        # reward of the actor's). gamma = 0.5: G_4 = 1; G_3 = -0.2 + 0.5 = 0.3; G_2 = 0 (hole);
+        # G_1 = -0.1 + 0.5 * 0.3 = 0.05 (one discount step across the hole, not two).
+        rewards = torch.tensor([[9.0, -0.1, 7.0, -0.2, 1.0]])
+        skip = torch.tensor([[False, False, True, False, False]])
+        _close(returns_to_go(rewards, 1, gamma=0.5, skip=skip), [[0.05, 0.0, 0.3, 1.0]])
+        # gamma = 1: G = [-0.1 - 0.2 + 1, 0, 0.8, 1]
+        _close(returns_to_go(rewards, 1, skip=skip), [[0.7, 0.0, 0.8, 1.0]])
+        # an all-False skip is the plain sum
+        assert torch.equal(returns_to_go(rewards, 1, gamma=0.5, skip=torch.zeros_like(skip)),
+                           returns_to_go(rewards, 1, gamma=0.5))
+
+    def test_returns_to_go_skip_equals_the_compacted_sequence(self):
+        g = torch.Generator().manual_seed(3)
+        rewards = torch.randn(3, 8, generator=g, dtype=torch.float64)
+        skip = torch.zeros(3, 8, dtype=torch.bool)
+        skip[0, [3, 4]] = True
+        skip[1, [1, 5, 6]] = True
+        got = returns_to_go(rewards, 1, gamma=0.9, skip=skip)
+        for b in range(3):
+            expected, g_t = torch.zeros(7, dtype=torch.float64), 0.0
+            for t in reversed([t for t in range(1, 8) if not skip[b, t]]):
+                g_t = float(rewards[b, t]) + 0.9 * g_t
+                expected[t - 1] = g_t
+            torch.testing.assert_close(got[b], expected, rtol=0, atol=1e-12)
+
     def test_global_whitening_of_folded_kl_rewards(self):
         # Two answers, kl_ctl 0.1, k1, start = 1 (P = 2), T = 3, both answers 2 tokens (n = 2), so the
         # score goes to the slot after the last token, min(start + n, T - 1) = 2 (upstream's slot).

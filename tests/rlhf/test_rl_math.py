@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from dschat.rl_math.logprobs import gather_log_probs, sequence_log_probs
-from dschat.rl_math.ppo import actor_loss_fn, compute_rewards, critic_loss_fn, get_advantages_and_returns, kl_penalty, mask_after_ends, missing_eos_penalty, ppo_policy_stats, reward_positions, sequence_end_indices
+from dschat.rl_math.ppo import actor_loss_fn, answer_span, compute_rewards, critic_loss_fn, get_advantages_and_returns, kl_penalty, mask_after_ends, missing_eos_penalty, ppo_policy_stats, reward_positions, sequence_end_indices
 from dschat.rl_math.preference import dpo_label_mask, dpo_loss, pairwise_read_ends, pairwise_reward_loss, reward_end_indices, upstream_end_indices
 from dschat.rl_math.stats import Moments, explained_variance, explained_variance_from_moments, masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -228,6 +228,63 @@ class TestComputeRewards:
             compute_rewards(prompts, lp, ref, scores, am, reward_at="eos")  # type: ignore[arg-type]
 
 
+class TestAnswerSpan:
+    """Multi-turn episodes: ``action_mask`` is 0 at observation tokens inside the answer."""
+
+    def test_span_of_contiguous_holey_and_empty_rows(self):
+        # start = 1, T = 6; answer part is action_mask[:, 1:] (5 slots).
+        am = torch.tensor(
+            [
+                [0, 1, 1, 0, 0, 0],  # contiguous, 2 tokens          -> 2
+                [0, 1, 0, 0, 1, 0],  # turn, 2 observation, turn     -> last actor at slot 3 -> 4
+                [0, 0, 0, 0, 0, 0],  # nothing                       -> 0
+                [1, 0, 0, 0, 0, 0],  # prompt slot only              -> 0
+                [0, 1, 1, 1, 1, 1],  # full                          -> 5
+                [0, 0, 1, 0, 0, 1],  # hole at start, ends last slot -> 5
+            ]
+        )
+        got = answer_span(am, 1)
+        assert got.dtype == torch.int64
+        assert got.tolist() == [2, 4, 0, 0, 5, 5]
+        assert answer_span(am, 6).tolist() == [0] * 6  # start == T: empty answer part
+
+    @pytest.mark.parametrize("seed", range(3))
+    def test_span_is_the_count_on_contiguous_masks(self, seed):
+        prompts, _, _, _, am = _random_rollout(seed)
+        start = prompts.shape[1] - 1
+        assert answer_span(am, start).tolist() == am[:, start:].sum(1).tolist()
+
+    def test_ends_and_reward_positions_unchanged_on_contiguous_masks(self):
+        _, _, _, _, am = _rewards_batch()  # n = [2, 5, 3], start = 2, T = 7
+        assert sequence_end_indices(am, 2).tolist() == [5, 8, 6]
+        assert sequence_end_indices(am, 2, reward_at="last").tolist() == [4, 7, 5]
+        assert reward_positions(am, 2).tolist() == [4, 6, 5]
+        assert reward_positions(am, 2, reward_at="last").tolist() == [3, 6, 4]
+
+    def test_ends_and_reward_positions_follow_the_last_actor_token_with_holes(self):
+        # start = 2, T = 9; answer slots 2..8 (7 slots). o = observation (0 in action_mask).
+        am = torch.tensor(
+            [
+                [0, 1, 1, 1, 0, 0, 1, 1, 0],  # a a o o a a .  -> span 6 (count 4)
+                [0, 1, 1, 0, 0, 1, 0, 0, 0],  # a o o a . . .  -> span 4 (count 2)
+                [1, 1, 1, 0, 1, 1, 1, 1, 1],  # a o a a a a a  -> span 7 (count 6), no pad
+            ]
+        )
+        # after_last: ends = start + span + 1 = [9, 7, 10]; slot min(start + span, T - 1) = [8, 6, 8]
+        assert sequence_end_indices(am, 2).tolist() == [9, 7, 10]
+        assert reward_positions(am, 2).tolist() == [8, 6, 8]
+        # last: ends = max(start + span, start + 1) = [8, 6, 9]; slot start + span - 1 = [7, 5, 8]
+        assert sequence_end_indices(am, 2, reward_at="last").tolist() == [8, 6, 9]
+        assert reward_positions(am, 2, reward_at="last").tolist() == [7, 5, 8]
+        # compute_rewards puts the score there: k1 = 0 everywhere, scores [1, 2, 3]
+        prompts = torch.zeros(3, 3, dtype=torch.long)
+        rewards = compute_rewards(prompts, torch.zeros(3, 9), torch.zeros(3, 9), torch.tensor([1.0, 2.0, 3.0]), am,
+                                  reward_at="last")
+        expected = torch.zeros(3, 9)
+        expected[0, 7], expected[1, 5], expected[2, 8] = 1.0, 2.0, 3.0
+        _close(rewards, expected)
+
+
 class TestGAE:
     def test_hand_case_gamma_lam(self):
         # T = 3, start = 1, gamma = 0.9, lam = 0.8; values [_, 1, 2], rewards [_, 0.5, 1]
@@ -250,6 +307,64 @@ class TestGAE:
         adv, ret = get_advantages_and_returns(torch.full((1, 3), 0.5), torch.tensor([[0.0, 0.0, 1.0]]), 0)
         _close(adv, [[0.45125, 0.475, 0.5]])
         _close(ret, [[0.95125, 0.975, 1.0]])
+
+
+    def test_hand_case_with_one_hole(self):
+        # T = 4, start = 0, gamma = lam = 0.5, position 1 skipped (an observation token);
+        # values [1, 5, 2, 0.5], rewards [0, 7, 0, 1]: the 5 and the 7 must play no part.
+        # t = 3: next = 0    -> delta = 1 - 0.5 = 0.5;                      A3 = 0.5
+        # t = 2: next = 0.5  -> delta = 0 + 0.25 - 2 = -1.75;               A2 = -1.75 + 0.25*0.5 = -1.625
+        # t = 1: skipped     -> A1 = 0; carry next = V2 = 2, A = -1.625
+        # t = 0: next = 2    -> delta = 0 + 0.5*2 - 1 = 0;                  A0 = 0 + 0.25*(-1.625) = -0.40625
+        # returns = A + V = [0.59375, 5 (= V1), 0.375, 1.0]
+        values = torch.tensor([[1.0, 5.0, 2.0, 0.5]], requires_grad=True)
+        rewards = torch.tensor([[0.0, 7.0, 0.0, 1.0]])
+        skip = torch.tensor([[False, True, False, False]])
+        adv, ret = get_advantages_and_returns(values, rewards, 0, gamma=0.5, lam=0.5, skip=skip)
+        _close(adv, [[-0.40625, 0.0, -1.625, 0.5]])
+        _close(ret, [[0.59375, 5.0, 0.375, 1.0]])
+        assert not adv.requires_grad and ret.requires_grad
+
+    def test_no_skip_is_bit_identical(self):
+        g = torch.Generator().manual_seed(7)
+        values, rewards = torch.randn(4, 9, generator=g), torch.randn(4, 9, generator=g)
+        adv, ret = get_advantages_and_returns(values, rewards, 3, gamma=0.99, lam=0.9)
+        skip = torch.zeros(4, 9, dtype=torch.bool)
+        for s in (None, skip, skip.clone().index_fill_(1, torch.tensor([0, 2]), True)):  # holes before start only
+            adv_s, ret_s = get_advantages_and_returns(values, rewards, 3, gamma=0.99, lam=0.9, skip=s)
+            assert torch.equal(adv_s, adv) and torch.equal(ret_s, ret)
+        # and the hand case above is unchanged by an all-False skip
+        adv, ret = get_advantages_and_returns(torch.tensor([[9.0, 1.0, 2.0]]), torch.tensor([[9.0, 0.5, 1.0]]), 1,
+                                              gamma=0.9, lam=0.8, skip=torch.zeros(1, 3, dtype=torch.bool))
+        _close(adv, [[0.58, -1.0]])
+        _close(ret, [[1.58, 1.0]])
+
+    @pytest.mark.parametrize("gamma,lam", [(0.9, 0.8), (1.0, 0.95), (0.5, 0.0)])
+    def test_holes_equal_gae_on_the_compacted_sequence(self, gamma, lam):
+        # Each row: remove its skipped columns, run GAE on what is left, scatter back with 0 at the holes.
+        g = torch.Generator().manual_seed(11)
+        B, T, start = 5, 10, 2
+        values = torch.randn(B, T, generator=g, dtype=torch.float64)
+        rewards = torch.randn(B, T, generator=g, dtype=torch.float64)
+        skip = torch.zeros(B, T, dtype=torch.bool)
+        skip[0, [4, 5, 6]] = True  # one observation of 3 tokens
+        skip[1, [2, 7]] = True  # hole at start and a later one
+        skip[2, [0, 1, 3, 5, 6]] = True  # holes before start are ignored
+        skip[4, [3, 4, 5, 6, 7, 8]] = True  # a long observation, last actor token at T - 1
+        adv, ret = get_advantages_and_returns(values, rewards, start, gamma=gamma, lam=lam, skip=skip)
+        for b in range(B):
+            keep = [t for t in range(start, T) if not skip[b, t]]
+            a_c, _ = get_advantages_and_returns(values[b : b + 1, keep], rewards[b : b + 1, keep], 0,
+                                                gamma=gamma, lam=lam)
+            expected = torch.zeros(T - start, dtype=torch.float64)
+            expected[[t - start for t in keep]] = a_c[0]
+            torch.testing.assert_close(adv[b], expected, rtol=0, atol=1e-12)
+            torch.testing.assert_close(ret[b], expected + values[b, start:], rtol=0, atol=1e-12)
+
+    def test_skip_of_the_wrong_shape(self):
+        with pytest.raises(ValueError, match="skip"):
+            get_advantages_and_returns(torch.zeros(2, 4), torch.zeros(2, 4), 1,
+                                       skip=torch.zeros(2, 3, dtype=torch.bool))
 
 
 class TestActorLoss:
