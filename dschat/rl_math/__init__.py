@@ -21,8 +21,10 @@ Index conventions for step 3 (upstream's, kept as they are):
   scores token ``i + 1`` (``gather_log_probs(logits[:, :-1], seq[:, 1:])``).
 * ``start = P - 1`` is the first position that scores an answer token, and
   ``action_mask = attention_mask[:, 1:]`` (``(B, T)``).
-* ``n = action_mask[:, start:].sum(1)`` counts the non-pad answer tokens (upstream assumes they are
-  contiguous from ``start``).
+* ``n = answer_span(action_mask, start)`` is the answer's span: its token count when the mask is
+  contiguous from ``start`` (upstream's ``action_mask[:, start:].sum(1)``), and one past the last
+  actor token of a multi-turn episode whose observation tokens are holes in the mask (``skip``
+  passes over them in GAE).
 
 Defaults reproduce upstream exactly; anything beyond upstream (``reward_at="last"``, the k2/k3
 estimators, ``normalizer``) is opt-in.
