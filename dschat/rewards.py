@@ -348,6 +348,7 @@ class RewardMix:
 
     functions: tuple[RewardFunction, ...] = ()
     model_weight: float = 1.0
+    environment: str | None = None  # --env: each episode's turn rewards are added (weight 1), named here
 
     @property
     def uses_model(self) -> bool:
@@ -357,6 +358,8 @@ class RewardMix:
         """One line for the start-up log."""
         terms = ([f"{self.model_weight:g} x reward model"] if self.uses_model else []) + [
             f"{f.weight:g} x {f.name}" for f in self.functions]
+        if self.environment is not None:
+            terms.append(f"the turn rewards of environment {self.environment}")
         return "reward = " + " + ".join(terms)
 
     def score(self, prompts: Sequence[str], answers: Sequence[str], columns: Mapping[str, Sequence[Any]] | None,

@@ -1,5 +1,5 @@
 """Step 3's flag groups (PPO and the critic-free algorithms): actor and critic, PPO training and
-hyperparameters, algorithm and rewards, held-out evaluation, LoRA, DeepSpeed, logging, PPO-ptx data;
+hyperparameters, algorithm and rewards, environments, held-out evaluation, LoRA, DeepSpeed, logging, PPO-ptx data;
 and :func:`add_step3_args`, step 3's whole parser in its order (the groups steps share are in
 :mod:`dschat.cli.shared`)."""
 from __future__ import annotations
@@ -176,6 +176,26 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     return group
 
 
+def add_environment_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """(dschat) Multi-turn rollouts: an environment answers each of the actor's turns
+    (:mod:`dschat.envs`, :mod:`dschat.rlhf.episodes`); docs/environments.md."""
+    group = parser.add_argument_group("environments and tools (dschat)")
+    group.add_argument("--env", type=str, default=None, metavar="MODULE:FACTORY",
+                       help="(dschat) Multi-turn episodes: factory(row) makes the environment of one prompt's episode "
+                            "from its dataset row (all columns); env.step(answer) -> (observation, reward, done). The "
+                            "observation is appended to the conversation and the actor answers again, until done or "
+                            "--max_turns. Only the actor's tokens are trained on. Built-in: "
+                            "dschat.envs_examples:calculator (column 'answer').")
+    group.add_argument("--max_turns", type=int, default=4,
+                       help="(dschat) With --env: the most actor turns in one episode (default 4); an episode that "
+                            "reaches it, or --max_answer_seq_len tokens after the prompt, is cut.")
+    group.add_argument("--env_timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="(dschat) With --env: longest one factory or step call may take before the run stops with "
+                            "an error naming the environment and the row (default 600; 0: no limit). The calls of a "
+                            "batch run concurrently.")
+    return group
+
+
 def eval_interval(value: str) -> int | str:
     """``--eval_interval``'s type: an integer or ``auto``."""
     return EVAL_INTERVAL_AUTO if value == EVAL_INTERVAL_AUTO else int(value)
@@ -329,6 +349,7 @@ def add_step3_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_step3_training_args(parser)
     add_ppo_args(parser)
     add_algorithm_args(parser)
+    add_environment_args(parser)
     add_step3_lora_args(parser)
     add_step3_deepspeed_args(parser)
     add_step3_logging_args(parser)

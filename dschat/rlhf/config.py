@@ -357,6 +357,9 @@ class RolloutConfig:
     cpu_decode_linear: str  # --cpu_decode_linear: onednn | off
     print_answers: bool  # --print_answers (every rank, as upstream)
     print_answers_interval: int
+    env: str | None = None  # --env module:factory: multi-turn episodes (None: one answer per prompt)
+    max_turns: int = 4  # --max_turns: actor turns per episode
+    env_timeout: float = 600.0  # --env_timeout: seconds one factory or step call may take (0: no limit)
 
 
 @dataclass(frozen=True)
@@ -471,7 +474,14 @@ def rollout_config(args: object) -> RolloutConfig:
         decoding=DecodingSettings(args.decoding, args.temperature, args.top_k, args.top_p),
         zero3_gather=str(args.zero3_gather_for_generation), generation_loop=str(args.generation_loop),
         cpu_decode_linear=str(args.cpu_decode_linear), print_answers=bool(args.print_answers),
-        print_answers_interval=int(args.print_answers_interval))
+        print_answers_interval=int(args.print_answers_interval), env=args.env or None,
+        max_turns=positive_flag("max_turns", args.max_turns), env_timeout=_env_timeout(args.env_timeout))
+
+
+def _env_timeout(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise UserError(f"--env_timeout must be a number of seconds >= 0 (0: no limit), got {value}")
+    return float(value)
 
 
 def ppo_config(args: object) -> PPOConfig:

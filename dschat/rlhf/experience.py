@@ -93,7 +93,7 @@ class Experience:
     seq: torch.Tensor  # (B, L) prompt + generated answer (+ padding after the first EOS)
     attention_mask: torch.Tensor  # (B, L) 1 = real token: prompt tokens, answer up to and incl. EOS
     position_ids: torch.Tensor  # (B, L) cumsum(attention_mask) - 1, 0 on padding
-    action_mask: torch.Tensor  # (B, T) attention_mask[:, 1:] of valid rows, 0 for dropped rows
+    action_mask: torch.Tensor  # (B, T) attention_mask[:, 1:] of valid rows, 0 for dropped rows and observations
     logprobs: torch.Tensor  # (B, T) behaviour log-probs log pi_old(seq[:, 1:]) (actor, eval mode)
     ref_logprobs: torch.Tensor  # (B, T) reference-model log-probs
     values: torch.Tensor  # (B, T) critic values (eval mode)
@@ -105,6 +105,12 @@ class Experience:
     returns: torch.Tensor | None = None  # (B, T - start) advantages + values
     loss_normalizer: float | None = None  # token (or answer) count of this micro-batch's optimizer step / (GA x world)
     sequence_advantages: torch.Tensor | None = None  # (B,) GRPO / RLOO / ReMax advantage of each answer
+    # Multi-turn episodes (--env; None for one answer per prompt): (B, T) 1 where seq[:, t + 1] is an
+    # environment's token (0 in action_mask there: no loss, KL or value target), and per episode (B,)
+    # the actor turns played and whether max_turns or the length limit cut it.
+    observation_mask: torch.Tensor | None = None
+    turns: torch.Tensor | None = None
+    cut: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- container protocol
     def __len__(self) -> int:

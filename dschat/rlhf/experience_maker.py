@@ -49,15 +49,15 @@ from dschat.data.prompt_columns import PromptColumns
 from dschat.errors import UserError
 from dschat.models.packing import PackedRows
 from dschat.rewards import RewardMix
-from dschat.rlhf.rollout.sampling import Rollout
-from dschat.rlhf.experience import Experience, sequence_masks, sum_over_ranks
+from dschat.rlhf.episodes import EpisodePlayer, raise_together
+from dschat.rlhf.experience import Experience, SequenceMasks, sequence_masks, sum_over_ranks
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.ppo_formulas import PPOFormulas
 from dschat.rlhf.scoring_passes import ScoringPasses
 from dschat.runtime.dist import get_rank, print_rank_0
 from dschat.training.nonfinite import NonFiniteGuard
 
-__all__ = ["RewardFn", "RolloutStats", "ExperienceMaker"]
+__all__ = ["RewardFn", "RolloutStats", "Generated", "ExperienceMaker"]
 
 #: A Python reward hook: scores decoded ``(prompts, answers)`` (lists of strings), one float each.
 RewardFn = Callable[[list[str], list[str]], Sequence[float]]
@@ -73,6 +73,24 @@ class RolloutStats:
     value_explained_variance: float
     kept: int  # kept answers
     dropped: int  # answers of <= 1 token
+    # Multi-turn episodes (--env), None without: means over every episode of the rollout (all ranks).
+    turns: float | None = None  # actor turns per episode
+    observation_tokens: float | None = None  # environment tokens per episode
+    cut_share: float | None = None  # share of episodes cut by --max_turns or the length limit
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One generation batch before scoring: single answers, or episodes (``--env``)."""
+
+    seq: torch.Tensor  # (B, L) left-padded prompts, answers (or episodes), padding
+    masks: SequenceMasks  # attention mask, position ids, the actor's token count per row
+    logprobs: torch.Tensor | None  # (B, L - P) the generated tokens' log-probs as sampled, or None
+    ended: torch.Tensor  # (B,) bool: the (last) answer ended with EOS
+    observation_mask: torch.Tensor | None = None  # (B, L - 1) 1 where seq[:, t + 1] is an environment's token
+    env_reward: torch.Tensor | None = None  # (B,) float32: the episode's summed turn rewards
+    turns: torch.Tensor | None = None  # (B,) int64
+    cut: torch.Tensor | None = None  # (B,) bool
 
 
 class ExperienceMaker:
@@ -87,7 +105,8 @@ class ExperienceMaker:
 
     def __init__(self, generator: RolloutGenerator, tokenizer: PreTrainedTokenizerBase, passes: ScoringPasses,
                  formulas: PPOFormulas, reward_mix: RewardMix, *, prompt_columns: PromptColumns | None,
-                 nonfinite: NonFiniteGuard, print_answers: bool, print_answers_interval: int) -> None:
+                 nonfinite: NonFiniteGuard, print_answers: bool, print_answers_interval: int,
+                 episodes: EpisodePlayer | None = None) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
         self.passes = passes
@@ -97,6 +116,9 @@ class ExperienceMaker:
         self.nonfinite = nonfinite
         self.print_answers = print_answers
         self.print_answers_interval = print_answers_interval
+        self.episodes = episodes  # --env: multi-turn episodes instead of one answer per prompt
+        if episodes is not None and prompt_columns is None:
+            raise ValueError("ExperienceMaker: --env needs prompt_columns (its factory gets each prompt's dataset row)")
         self.actor_model: DeepSpeedEngine = passes.models["actor"]
         self.ref_model: DeepSpeedEngine = passes.models["reference"]
         self.critic_model: DeepSpeedEngine | None = passes.models["critic"]
@@ -106,23 +128,42 @@ class ExperienceMaker:
         self.reuse_rollout_logprobs = True
         self.generate_time = 0.0  # last generation call (upstream)
         self.experience_time = 0.0  # last experience forward passes
+        self.env_time = 0.0  # last generation's time in the environments' calls (--env)
 
     @property
     def device(self) -> torch.device:
         return next(self.actor_model.module.parameters()).device
 
-    def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> Rollout:
-        """Generate answers; print them with ``--print_answers`` (every rank, as upstream)."""
-        rollout = self.generator.rollout(prompts, mask)
-        seq = rollout.sequences
-        if self.print_answers and step % self.print_answers_interval == 0:
-            ans = seq[:, prompts.shape[1]:]
+    def generate_answers(self, prompts: torch.Tensor, mask: torch.Tensor, step: int, *,
+                         show: bool = True) -> Generated:
+        """Answers for ``(B, P)`` left-padded prompts, or with ``--env`` one episode each; printed
+        with ``--print_answers`` (every rank, as upstream) when ``show``. Collective."""
+        eos = self.tokenizer.eos_token_id
+        P = prompts.shape[1]
+        if self.episodes is None:
+            rollout = self.generator.rollout(prompts, mask)
+            seq = rollout.sequences
+            generated = Generated(seq, sequence_masks(mask, seq, eos), rollout.logprobs, (seq[:, P:] == eos).any(-1))
+        else:
+            columns = self.prompt_columns
+            rows = raise_together(lambda: columns.rows_for_batch(prompts, mask, self._prompt_texts(prompts, mask)))
+            played = self.episodes.play(prompts, mask, rows)
+            self.env_time = played.env_seconds
+            attention = played.attention_mask
+            generated = Generated(played.sequences, SequenceMasks(attention, (attention.cumsum(-1) - 1).clamp(min=0),
+                                                                  played.actor_tokens),
+                                  played.logprobs, played.ended, played.observation_mask[:, 1:], played.env_reward,
+                                  played.turns, played.cut)
+        if show and self.print_answers and step % self.print_answers_interval == 0:
             rank = get_rank()
             print(f"--- prompt --> step={step}, rank={rank}, "
                   f"{self.tokenizer.batch_decode(prompts, skip_special_tokens=True)}")
             print(f"--- ans    --> step={step}, rank={rank}, "
-                  f"{self.tokenizer.batch_decode(ans, skip_special_tokens=True)}")
-        return rollout
+                  f"{self.tokenizer.batch_decode(generated.seq[:, P:], skip_special_tokens=True)}")
+        return generated
+
+    def _prompt_texts(self, prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[str]:
+        return [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(prompts, prompt_mask)]
 
     @staticmethod
     def _logprobs_from_rollout(answer_logprobs: torch.Tensor, prompt_length: int,
@@ -143,8 +184,7 @@ class ExperienceMaker:
     def _decode_for_hook(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                          attention_mask: torch.Tensor) -> tuple[list[str], list[str]]:
         P = prompts.shape[1]
-        prompt_texts = [self.tokenizer.decode(row[m.bool()], skip_special_tokens=True)
-                        for row, m in zip(prompts, prompt_mask)]
+        prompt_texts = self._prompt_texts(prompts, prompt_mask)
         answer_texts = [self.tokenizer.decode(row[P:][m[P:].bool()], skip_special_tokens=True)
                         for row, m in zip(seq, attention_mask)]
         return prompt_texts, answer_texts
@@ -175,22 +215,30 @@ class ExperienceMaker:
             raise failure or UserError("a reward function failed on another rank (its line is in that rank's log)")
         return scores
 
-    def _greedy_baseline(self, prompts: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """ReMax's baseline: the reward of the greedy answer to each prompt. Shape: prompts (B, P); (B,)."""
+    def _greedy_baseline(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+        """ReMax's baseline: the reward of the greedy answer (or episode) to each prompt.
+        Shape: prompts (B, P); (B,)."""
         sampling = self.generator.decoding
         self.generator.decoding = replace(sampling, decoding="greedy")
         try:
-            seq = self.generator.rollout(prompts, mask).sequences
+            greedy = self.generate_answers(prompts, mask, step, show=False)
         finally:
             self.generator.decoding = sampling
-        masks = sequence_masks(mask, seq, self.tokenizer.eos_token_id)
+        masks = greedy.masks
         with torch.no_grad():
-            scores = self._reward_scores(prompts, mask, seq, masks.attention_mask, masks.position_ids,
-                                         self.passes.packed(seq, masks.attention_mask, "reward"))
+            return self._score(prompts, mask, greedy, self.passes.packed(greedy.seq, masks.attention_mask, "reward"))
+
+    def _score(self, prompts: torch.Tensor, mask: torch.Tensor, generated: Generated,
+               packed: PackedRows | None) -> torch.Tensor:
+        """(B,) each answer's (or episode's) score: the reward mix, plus the episode's turn rewards,
+        less ``--missing_eos_penalty`` where the (last) answer has no EOS. Collective."""
+        masks = generated.masks
+        scores = self._reward_scores(prompts, mask, generated.seq, masks.attention_mask, masks.position_ids, packed)
+        if generated.env_reward is not None:
+            scores = scores + generated.env_reward.to(scores.device)
         penalty = self.formulas.missing_eos_penalty
         if penalty:
-            ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
-            scores = missing_eos_penalty(scores, ended, penalty)
+            scores = missing_eos_penalty(scores, generated.ended.to(scores.device), penalty)
         return scores
 
     def _report_dropped(self, prompts: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor, step: int) -> None:
@@ -213,18 +261,18 @@ class ExperienceMaker:
         k = settings.num_generations
         if settings.algorithm == "remax":
             # One greedy answer per prompt (before the repeat), its reward repeated over the group.
-            greedy_scores = self._greedy_baseline(prompts, mask).repeat_interleave(k)
+            greedy_scores = self._greedy_baseline(prompts, mask, step).repeat_interleave(k)
         if k > 1:
             # The group: each prompt K times in consecutive rows (rl_math.critic_free's layout).
             prompts, mask = prompts.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
-        rollout = self._rollout(prompts, mask, step)
-        seq = rollout.sequences
+        generated = self.generate_answers(prompts, mask, step)
+        seq = generated.seq
         generate_end = time.time()
         self.generate_time = generate_end - generate_start
         self.generator.scoring_mode()  # training forwards, dropout off
 
-        masks = sequence_masks(mask, seq, self.tokenizer.eos_token_id)
-        valid = masks.answer_lengths > 1  # upstream: valid_ans_len <= 1 is dropped
+        masks = generated.masks
+        valid = masks.answer_lengths > 1  # upstream: valid_ans_len <= 1 is dropped (episodes: the actor's tokens)
         self._report_dropped(prompts, seq, valid, step)
         kept_anywhere = sum_over_ranks([float(valid.sum())], self.device)[0]
         if kept_anywhere == 0:
@@ -237,9 +285,9 @@ class ExperienceMaker:
         passes = self.passes
         packed = passes.packed(seq, attention_mask)  # one packing for every pass
         with torch.no_grad():
-            if rollout.logprobs is not None and self.reuse_rollout_logprobs:
+            if generated.logprobs is not None and self.reuse_rollout_logprobs:
                 # The generator kept the sampled tokens' log-probs: no second actor pass.
-                logprobs = self._logprobs_from_rollout(rollout.logprobs, prompts.shape[1], attention_mask)
+                logprobs = self._logprobs_from_rollout(generated.logprobs, prompts.shape[1], attention_mask)
             else:
                 with passes.scoring_gather("actor", self.actor_model):
                     logprobs = passes.token_log_probs("actor", self.actor_model, seq, attention_mask, position_ids,
@@ -247,11 +295,7 @@ class ExperienceMaker:
             with passes.scoring_gather("reference", self.ref_model):
                 ref_logprobs = passes.token_log_probs("reference", self.ref_model, seq, attention_mask,
                                                       position_ids, packed).float()
-            reward_score = self._reward_scores(prompts, mask, seq, attention_mask, position_ids, packed)
-            penalty = self.formulas.missing_eos_penalty
-            if penalty:
-                ended = (seq[:, prompts.shape[1]:] == self.tokenizer.eos_token_id).any(-1)
-                reward_score = missing_eos_penalty(reward_score, ended, penalty)
+            reward_score = self._score(prompts, mask, generated, packed)
             if self.critic_model is not None:
                 with passes.scoring_gather("critic", self.critic_model):
                     values = passes.token_values(seq, attention_mask, position_ids, packed).detach()[:, :-1].float()
@@ -259,6 +303,8 @@ class ExperienceMaker:
                 values = torch.zeros_like(logprobs)
         self.experience_time = time.time() - generate_end
         action_mask = attention_mask[:, 1:] * valid[:, None].to(attention_mask.dtype)
+        if generated.observation_mask is not None:  # the environment's tokens are no actions
+            action_mask = action_mask * (1 - generated.observation_mask.to(action_mask.dtype))
         kept = action_mask.bool()
         # Every row's reward, dropped ones too (a group's statistics and a masked-by-multiplying loss
         # would carry their nan), and ReMax's greedy baseline.
@@ -271,7 +317,8 @@ class ExperienceMaker:
                                                                 prompts.shape[1] - 1, greedy_scores)
         return Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, position_ids=position_ids,
                           action_mask=action_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,
-                          reward_score=reward_score, valid=valid, sequence_advantages=sequence_advantages)
+                          reward_score=reward_score, valid=valid, sequence_advantages=sequence_advantages,
+                          observation_mask=generated.observation_mask, turns=generated.turns, cut=generated.cut)
 
 
     # ================================================================== rollout preparation
@@ -284,14 +331,12 @@ class ExperienceMaker:
         """
         formulas = self.formulas
         per_batch = []
-        sums = [0.0] * 11  # reward, kept, dropped, kl, kl tokens, length, returns' moments and residuals'
+        sums = [0.0] * 14  # reward, kept, dropped, kl, kl tokens, length, returns' and residuals' moments, episodes'
         for exp in exp_dataset:
             with torch.no_grad():
                 old_values, old_rewards = formulas._old_values_and_rewards(exp)
-                if self.critic_model is not None:
-                    advantages, returns = formulas.get_advantages_and_returns(old_values, old_rewards, exp.start)
-                else:
-                    advantages = returns = formulas._critic_free_advantages(exp, old_rewards)
+                advantages, returns = formulas.advantages_and_returns(exp, old_values, old_rewards,
+                                                                      critic=self.critic_model is not None)
             mask = exp.action_mask[:, exp.start:].bool()
             per_batch.append((advantages, returns, mask))
             valid = exp.valid
@@ -303,8 +348,10 @@ class ExperienceMaker:
                 float(masked_sum(kl.float(), mask)), float(mask.sum()),
                 float(exp.action_mask[:, exp.start:].sum()),
                 ret.total, ret.total_sq, res.total, res.total_sq, ret.count,
+                *_episode_sums(exp),
             ])]
-        (reward, kept, dropped, kl_sum, kl_tokens, length, r1, r2, e1, e2, n) = sum_over_ranks(sums, self.device)
+        (reward, kept, dropped, kl_sum, kl_tokens, length, r1, r2, e1, e2, n,
+         turns, observed, cut) = sum_over_ranks(sums, self.device)
 
         if formulas.whiten_advantages:  # with the moments of the whole rollout: every micro-batch, every rank
             moments = Moments(0.0, 0.0, 0.0)
@@ -322,6 +369,9 @@ class ExperienceMaker:
             reward=reward / kept if kept else nan, kl_to_ref=kl_sum / kl_tokens if kl_tokens else nan,
             response_length=length / kept if kept else nan, value_explained_variance=explained,
             kept=int(kept), dropped=int(dropped),
+            **({} if exp_dataset and exp_dataset[0].turns is None else {
+                "turns": turns / (kept + dropped), "observation_tokens": observed / (kept + dropped),
+                "cut_share": cut / (kept + dropped)}),
         )
 
     # ---------------------------------------------------------------- modes
@@ -332,3 +382,11 @@ class ExperienceMaker:
         self.ref_model.eval()
         if self.reward_model is not None:
             self.reward_model.eval()
+
+
+def _episode_sums(exp: Experience) -> tuple[float, float, float]:
+    """An experience's summed turns, observation tokens and cut episodes (zeros without ``--env``)."""
+    if exp.turns is None:
+        return 0.0, 0.0, 0.0
+    observed = 0.0 if exp.observation_mask is None else float(exp.observation_mask.sum())
+    return float(exp.turns.sum()), observed, float(exp.cut.sum())

@@ -52,9 +52,22 @@ class PPOFormulas:
                                        kl_ctl=kl_ctl, clip_reward_value=self.clip_reward_value,
                                        kl_estimator=self.kl_estimator, reward_at=self.reward_at)
 
-    def get_advantages_and_returns(self, values: torch.Tensor, rewards: torch.Tensor,
-                                   start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return get_advantages_and_returns(values, rewards, start, gamma=self.gamma, lam=self.lam)
+    def get_advantages_and_returns(self, values: torch.Tensor, rewards: torch.Tensor, start: int,
+                                   skip: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """GAE (upstream's signature; ``skip`` (B, T): an episode's observation positions, passed over)."""
+        return get_advantages_and_returns(values, rewards, start, gamma=self.gamma, lam=self.lam, skip=skip)
+
+    def advantages_and_returns(self, exp: Experience, old_values: torch.Tensor, old_rewards: torch.Tensor, *,
+                               critic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, T - start) advantages and returns of one micro-batch: GAE with the ``critic``'s values,
+        or without one the critic-free advantages (as both). An episode's observation positions are
+        passed over."""
+        if not critic:
+            advantages = self._critic_free_advantages(exp, old_rewards)
+            return advantages, advantages
+        if exp.observation_mask is None:  # upstream's call, so a patched get_advantages_and_returns is used
+            return self.get_advantages_and_returns(old_values, old_rewards, exp.start)
+        return self.get_advantages_and_returns(old_values, old_rewards, exp.start, skip=exp.observation_mask.bool())
 
     def _old_values_and_rewards(self, exp: Experience) -> tuple[torch.Tensor, torch.Tensor]:
         """Upstream's zeroing after ``ends``: (old_values, old_rewards), both (B, T)."""
@@ -71,6 +84,8 @@ class PPOFormulas:
         """The per-token rewards (:meth:`compute_rewards`), zeroed after ``ends`` (B, T)."""
         rewards = self.compute_rewards(exp.prompts, exp.logprobs, exp.ref_logprobs, exp.reward_score,
                                        exp.action_mask)
+        if exp.observation_mask is not None:  # the environment's tokens carry no KL (the score is after them)
+            rewards = rewards.masked_fill(exp.observation_mask.bool(), 0)
         return mask_after_ends(rewards, self._ends(exp))
 
     def _critic_free_advantages(self, exp: Experience, rewards: torch.Tensor) -> torch.Tensor:
@@ -79,7 +94,8 @@ class PPOFormulas:
         advantage on all of its tokens (GRPO, RLOO, ReMax)."""
         mask = exp.action_mask[:, exp.start:]
         if exp.sequence_advantages is None:  # REINFORCE++: rewards are upstream's, zeroed after the end
-            return returns_to_go(rewards, exp.start, gamma=self.gamma) * mask
+            skip = None if exp.observation_mask is None else exp.observation_mask.bool()
+            return returns_to_go(rewards, exp.start, gamma=self.gamma, skip=skip) * mask
         return token_advantages(exp.sequence_advantages, mask)
 
     def sequence_advantages(self, reward_score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,

@@ -75,7 +75,7 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
     run = PPORun()
     rollout_buffer = RolloutBuffer(args.generation_batches, args.per_device_training_batch_size)
     ptx_buffer = RolloutBuffer(args.generation_batches, args.per_device_training_batch_size)
-    gen_time = exp_time = 0.0  # summed over the generation batches of the current rollout
+    gen_time = exp_time = env_time = 0.0  # summed over the generation batches of the current rollout
     stop = finished_before_resume(args, counters, resumed) or evaluation.should_stop
     evaluation.maybe_evaluate(counters.global_step)  # before the first PPO step
     for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
@@ -94,6 +94,7 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
                                                                 prompt_batch["prompt_att_mask"], step)
             gen_time += trainer.experience.generate_time
             exp_time += trainer.experience.experience_time
+            env_time += trainer.experience.env_time  # --env: the environments' share of gen_time
             # 3. buffer: a rollout is --generation_batches batches (None: every answer too short)
             rollout = ptx_rollout = None
             if experience is None:
@@ -107,8 +108,9 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
                 iteration = train_rollout(trainer, args, rollout, ptx_rollout)
                 # 6. log
                 run.history.append(log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step,
-                                                 gen_time=gen_time, exp_time=exp_time, rank=ctx.rank, tb=tb))
-                gen_time = exp_time = 0.0
+                                                 gen_time=gen_time, exp_time=exp_time, rank=ctx.rank, tb=tb,
+                                                 env_time=env_time))
+                gen_time = exp_time = env_time = 0.0
                 # 7. evaluate
                 evaluation.maybe_evaluate(counters.global_step, epoch)
             counters.count_overflow(trainer.update)
@@ -167,7 +169,7 @@ DASHES = "-" * 85
 
 def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counters: PPOCounters,
                   iteration: IterationResult, *, epoch: int, step: int, gen_time: float, exp_time: float, rank: int,
-                  tb: TensorBoardLogger) -> dict:
+                  tb: TensorBoardLogger, env_time: float = 0.0) -> dict:
     """Upstream's log lines and throughput lines, then one record (docs/metrics.md) to TensorBoard and
     ``metrics.jsonl``; advances ``counters.global_step``. Returns the record."""
     engine = trainer.rlhf_engine
@@ -179,11 +181,16 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
     # Mean over kept answers of all ranks; the EMA is fed that mean (docs/upstream.md#step-3-ppo).
     ema_reward = counters.ema_reward.update(iteration.rollout.reward)
     print_rank_0(f"Average reward score: {iteration.rollout.reward} | EMA reward score: {ema_reward}", rank)
+    rollout = iteration.rollout
+    if rollout.turns is not None:
+        print_rank_0(f"Episodes: {rollout.turns:.2f} turns | {rollout.response_length:.1f} actor tokens | "
+                     f"{rollout.observation_tokens:.1f} environment tokens | {rollout.cut_share:.0%} cut | "
+                     f"environment time {env_time:.2f}s", rank)
     print_rank_0(DASHES, rank)
 
     record = iteration_record(epoch, step, counters.global_step, trainer.update.pop_micro_stats(),
                               iteration.rollout, ema_reward, iteration.unsup_loss, gen_time, exp_time,
-                              iteration.training_time)
+                              iteration.training_time, env_time)
     tb.scalars(counters.global_step, **tensorboard_scalars(record))
     if args.output_dir is not None and rank == 0:
         # A fresh run's first line starts the file (with --eval_interval, the evaluation before the
@@ -196,7 +203,7 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
 
 def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroStepStats], rollout: RolloutStats,
                      ema_reward: float, unsup_loss: float, gen_time: float, exp_time: float,
-                     train_time: float) -> dict:
+                     train_time: float, env_time: float = 0.0) -> dict:
     """One PPO iteration's numbers: rank means of the losses; token-weighted means of the ratio
     statistics over every micro-step of every rank (a micro-step whose answers were all dropped has
     no tokens and no ratio: it counts for nothing instead of making the means ``nan``); rollout stats
@@ -215,6 +222,9 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
     gapped = [m for m in scored if m.logprob_gap == m.logprob_gap]
     gap_sum, gap_tokens = all_reduce_sum(torch.tensor([sum(m.logprob_gap * m.tokens for m in gapped),
                                                        sum(m.tokens for m in gapped)], dtype=torch.float64)).tolist()
+    episodes = {} if rollout.turns is None else {
+        "turns": rollout.turns, "observation_tokens": rollout.observation_tokens, "cut_share": rollout.cut_share,
+        "time_env": env_time}
     return {
         "epoch": epoch, "step": step, "global_step": global_step,
         "reward": rollout.reward, "ema_reward": ema_reward,
@@ -226,6 +236,7 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
         "kl_to_ref": rollout.kl_to_ref, "value_explained_variance": rollout.value_explained_variance,
         "response_length": rollout.response_length, "kept": rollout.kept, "dropped": rollout.dropped,
         "time_generation": gen_time, "time_experience": exp_time, "time_training": train_time,
+        **episodes,
         "micro_steps": [asdict(m) for m in micro],
     }
 
@@ -237,6 +248,9 @@ def tensorboard_scalars(record: dict) -> dict[str, float]:
     scalars = {k: record[k] for k in keys}
     scalars.update({"dropped_answers": record["dropped"], "time/generation": record["time_generation"],
                     "time/experience": record["time_experience"], "time/training": record["time_training"]})
+    if "turns" in record:  # --env
+        scalars.update({"episode/turns": record["turns"], "episode/observation_tokens": record["observation_tokens"],
+                        "episode/cut_share": record["cut_share"], "time/environment": record["time_env"]})
     return scalars
 
 

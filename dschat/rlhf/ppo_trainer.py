@@ -26,9 +26,11 @@ from deepspeed import DeepSpeedEngine
 
 from dschat.rl_math.logprobs import gather_log_probs  # also upstream's module-level name here
 from dschat.data.prompt_columns import PromptColumns
+from dschat.envs import load_environment
 from dschat.models.packing import PackedRows
 from dschat.rewards import RewardFunction, RewardMix
 from dschat.rlhf.config import BatchPlan, Step3Config, step3_config
+from dschat.rlhf.episodes import EpisodePlayer
 from dschat.rlhf.experience import Experience
 from dschat.rlhf.experience_maker import ExperienceMaker, RewardFn, RolloutStats
 from dschat.rlhf.rollout.generator import RolloutGenerator
@@ -123,10 +125,16 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         # --max_nonfinite_steps: rollouts and micro-steps with NaN/inf are skipped, counted, logged;
         # step 3's main points ``last_checkpoint`` at its checkpoints for the stop message.
         self.nonfinite = NonFiniteGuard(ppo.max_nonfinite_steps, get_rank(), self.device)
+        rollout = config.rollout
+        episodes = None
+        if rollout.env:  # multi-turn episodes: the environment answers each turn
+            episodes = EpisodePlayer(self.generator, self.tokenizer, load_environment(rollout.env, rollout.env_timeout),
+                                     max_turns=rollout.max_turns, max_answer_seq_len=ppo.max_answer_seq_len,
+                                     max_context=config.zero.max_out_tokens)
         self.experience = ExperienceMaker(
             self.generator, self.tokenizer, self.passes, self, reward_mix, prompt_columns=prompt_columns,
-            nonfinite=self.nonfinite, print_answers=config.rollout.print_answers,
-            print_answers_interval=config.rollout.print_answers_interval)
+            nonfinite=self.nonfinite, print_answers=rollout.print_answers,
+            print_answers_interval=rollout.print_answers_interval, episodes=episodes)
         self.update = PPOUpdate(self.passes, self, self.plan, ppo_epochs=ppo.ppo_epochs, nonfinite=self.nonfinite,
                                 dtype=self.dtype, align_overflow=ppo.align_overflow)
 

@@ -58,19 +58,21 @@ class Step3Result:
 
 def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> RewardMix:
     """The reward: ``--reward_fn`` functions (and ``main``'s Python ``reward_fn``) with their weights,
-    and the reward model's weight (default 1 without functions, 0 -- not loaded -- with them)."""
+    the reward model's weight (default 1 without functions or ``--env``, 0 -- not loaded -- with
+    them), and ``--env``'s turn rewards."""
     functions = load_reward_functions(args.reward_fn or [], args.reward_fn_weight, args.reward_fn_timeout)
     if reward_fn is not None:
         functions.append(RewardFunction("reward_fn", reward_fn, require_finite=False, timeout=args.reward_fn_timeout))
+    env = getattr(args, "env", None) or None
     weight = args.reward_model_weight
     if weight is None:
-        weight = 0.0 if functions else 1.0
+        weight = 0.0 if functions or env else 1.0
     if not math.isfinite(weight):
         raise UserError(f"--reward_model_weight must be a finite number, got {weight}")
-    if not functions and weight == 0.0:
+    if not functions and weight == 0.0 and env is None:
         raise UserError("--reward_model_weight 0 without --reward_fn leaves nothing to score the answers; give a "
                         "--reward_fn or a non-zero --reward_model_weight")
-    return RewardMix(tuple(functions), float(weight))
+    return RewardMix(tuple(functions), float(weight), env)
 
 
 def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = None,
@@ -158,6 +160,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
 
     from dschat.data.prompt_columns import load_prompt_columns
     from dschat.data.unsupervised import unsupervised_training_enabled
+    from dschat.envs import load_environment
     from dschat.models.save import save_hf_model
     from dschat.models.tokenizer import check_same_tokenizer
     from dschat.plan.preflight import step3_preflight
@@ -181,6 +184,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     check_checkpoint_args(args)
     settings = resolve_algorithm(args)
     mix = reward_mix(args, reward_fn)
+    if args.env:
+        load_environment(args.env, args.env_timeout)  # a bad spec is one line now, before anything loads
     check_paths(args, settings, mix)
     judges = check_eval_args(args)
     ptx = unsupervised_training_enabled(args)
@@ -202,7 +207,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank,
                                                                    settings.num_generations)
     columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
-                                   tokenizer) if mix.functions else None)
+                                   tokenizer) if mix.functions or args.env else None)
     eval_items = heldout_prompt_items(args, tokenizer, ctx.local_rank) if args.eval_interval else []
 
     # ---------------------------------------------------------------- engines and trainer

@@ -68,7 +68,6 @@ from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
-from dschat.rlhf.experience import sequence_masks
 from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
 from dschat.rlhf.heldout.setup import Judge
 from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
@@ -331,11 +330,10 @@ class StepThreeEvaluation:
     def _score_batch(self, prompts: torch.Tensor, mask: torch.Tensor, index: list[int], rows: _Rows) -> None:
         """Generate, then score one batch of prompts. Shapes: prompts, mask (B, P) left-padded."""
         trainer = self.trainer
-        eos = trainer.tokenizer.eos_token_id
-        seq = trainer.generator.rollout(prompts, mask).sequences  # (B, L)
+        generated = trainer.experience.generate_answers(prompts, mask, 0, show=False)  # answers, or --env's episodes
+        seq = generated.seq  # (B, L)
         trainer.generator.scoring_mode()
-        masks = sequence_masks(mask, seq, eos)
-        att, pos = masks.attention_mask, masks.position_ids
+        att, pos = generated.masks.attention_mask, generated.masks.position_ids
         P = prompts.shape[1]
         logits = trainer.actor_model(seq, attention_mask=att, position_ids=pos, use_cache=False).logits
         logprobs = trainer._log_probs(logits, seq)[:, P - 1:].float()  # (B, A')
@@ -347,10 +345,13 @@ class StepThreeEvaluation:
         ref_logprobs = trainer._log_probs(ref_logits, seq)[:, P - 1:].float()
         del ref_logits
         proxy = trainer._reward_scores(prompts, mask, seq, att, pos).float()
-        answer_mask = att[:, P:].float()  # (B, A')
+        answer_mask = att[:, P:].float()  # (B, A'): the actor's tokens (an episode's observations left out)
+        if generated.env_reward is not None:  # an episode's return: its turn rewards too
+            proxy = proxy + generated.env_reward.to(proxy.device)
+            answer_mask = answer_mask * (1 - generated.observation_mask[:, P - 1:].float())
         texts = trainer._decode_for_hook(prompts, mask, seq, att)
         judged = self._judge(prompts, mask, seq, att, texts)
-        ended = (seq[:, P:] == eos).any(-1)
+        ended = generated.ended
         keep = [k for k, i in enumerate(index) if i >= 0]
         kl = ((logprobs - ref_logprobs) * answer_mask).sum(-1)
         ent = (entropy * answer_mask).sum(-1)

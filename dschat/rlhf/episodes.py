@@ -1,0 +1,250 @@
+"""Multi-turn episodes (``--env``): the actor answers, the environment replies, the actor answers again.
+
+:class:`EpisodePlayer` plays the episodes of one batch of prompts through the
+:class:`~dschat.rlhf.rollout.generator.RolloutGenerator` -- every decoding path it has (dschat's Hybrid
+Engine, graphs, the sample loop, Hugging Face ``generate``; ZeRO-3 and LoRA as for one answer) -- and
+the environments of :mod:`dschat.envs`. Each turn:
+
+1. **generate**: every live episode's whole conversation so far (prompt, the actor's turns, the
+   observations), left-padded, is a prompt for the generator; the context is prefilled again each
+   turn (no KV cache is kept between turns);
+2. **step**: each live environment gets the turn's text (decoded without special tokens),
+   concurrently (:class:`~dschat.envs.EpisodeBatch`);
+3. **observe**: an episode that goes on gets its observation appended
+   (:func:`~dschat.envs.render_observation`: through the chat template as a user or tool message
+   where the tokenizer has one, else as text). When the actor's turn ended with EOS and the rendered
+   observation begins with that same token (the template's end of the assistant turn), the
+   observation's copy is left out, so the conversation is exactly what the template makes of it and
+   the EOS stays the actor's action.
+
+An episode ends when its environment says done, after ``max_turns`` turns, or when it reaches
+``max_answer_seq_len`` tokens after the prompt (actor and observation tokens together); the last two
+are **cut** (a turn that ends without EOS also cuts its episode: it ran out of room). The
+environment is stepped with a cut turn too, so its reward counts, and a one-turn environment gives
+the same episode as the single answer it replaces.
+
+The result (:class:`Episodes`) is one sequence per episode, ``[left-padded prompt | episode | right
+padding]``, with an observation mask: only the actor's tokens are actions.
+
+**Collectives.** The generator's rollouts are collective (ZeRO-3 gathers, tensor-parallel groups), so
+every rank plays the same number of turns: a rank whose episodes are all done generates for one
+placeholder row and discards it, until no rank has a live episode. The turn's token budget is agreed
+over the ranks, and a failing environment (a :class:`~dschat.errors.UserError` line) stops every rank
+together before the next collective.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Mapping, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from dschat.envs import EnvironmentFactory, EpisodeBatch, render_observation
+from dschat.errors import UserError
+from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.runtime.dist import gather_ints
+
+__all__ = ["Episodes", "EpisodePlayer", "raise_together"]
+
+
+@dataclass(frozen=True)
+class Episodes:
+    """One batch of played episodes (``B`` rows). ``P`` is the prompts' width, ``A`` the longest
+    episode (``A <= max_answer_seq_len``)."""
+
+    sequences: torch.Tensor  # (B, P + A) left-padded prompts, then each episode's tokens, then pad ids
+    attention_mask: torch.Tensor  # (B, P + A) 1 on the prompt's and the episode's tokens
+    observation_mask: torch.Tensor  # (B, P + A) 1 on the environment's tokens (never on the prompt)
+    # (B, A) fp32 log-probs of the actor's tokens as sampled (logits / temperature); 0 on observation
+    # tokens; after an episode that ends with the actor's EOS, those the decoder gave the pad ids it
+    # went on with (0 past them). None when a decoding path kept none (then the trainer runs the actor).
+    logprobs: torch.Tensor | None
+    ended: torch.Tensor  # (B,) bool: the last actor turn ended with EOS
+    env_reward: torch.Tensor  # (B,) float32: the sum of the turns' rewards (None counts 0)
+    turns: torch.Tensor  # (B,) int64: actor turns played
+    cut: torch.Tensor  # (B,) bool: ended by max_turns or the length limit, not by the environment
+    env_seconds: float  # wall time spent in the environments' calls
+
+    prompt_width: int  # P
+
+    @property
+    def actor_tokens(self) -> torch.Tensor:
+        """(B,) int64: the actor's tokens of each episode."""
+        P = self.prompt_width
+        return (self.attention_mask[:, P:].long() - self.observation_mask[:, P:].long()).sum(1)
+
+    @property
+    def observation_tokens(self) -> torch.Tensor:
+        """(B,) int64: the environment's tokens of each episode."""
+        return self.observation_mask.long().sum(1)
+
+
+def _left_padded(rows: Sequence[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` of token ids -> (ids, mask), both (len(rows), max length), left-padded with ``pad_id``."""
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+@contextmanager
+def _answer_budget(generator: RolloutGenerator, tokens: int) -> Iterator[None]:
+    """The generator decodes at most ``tokens`` new tokens inside (every path reads the attribute per call)."""
+    saved = generator.max_answer_seq_len
+    generator.max_answer_seq_len = tokens
+    try:
+        yield
+    finally:
+        generator.max_answer_seq_len = saved
+
+
+class EpisodePlayer:
+    """Plays ``--env`` episodes with ``generator`` (see the module docstring).
+
+    ``max_answer_seq_len`` bounds an episode's tokens after the prompt; ``max_context`` (the prompt
+    and answer lengths together: what the decoding engines are sized for) bounds one turn's whole
+    context and its answer.
+    """
+
+    def __init__(self, generator: RolloutGenerator, tokenizer: PreTrainedTokenizerBase, factory: EnvironmentFactory,
+                 *, max_turns: int, max_answer_seq_len: int, max_context: int) -> None:
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.factory = factory
+        self.max_turns = max_turns
+        self.max_answer_seq_len = max_answer_seq_len
+        self.max_context = max_context
+        self.eos = tokenizer.eos_token_id
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def observation_ids(self, observation: Any, actor_ended: bool) -> list[int]:
+        """The token ids appended for ``observation`` after an actor turn (``actor_ended``: the turn's
+        last token is EOS, and a leading EOS of the rendered observation is then left out)."""
+        text = render_observation(observation, self.tokenizer)
+        if not text:
+            return []
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if actor_ended and ids and ids[0] == self.eos:
+            ids = ids[1:]
+        return ids
+
+    def play(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[Mapping[str, Any]],
+             row_ids: Sequence[int] | None = None) -> Episodes:
+        """Play one episode per prompt row. Shapes: prompts, prompt_mask (B, P) left-padded; ``rows``:
+        the B dataset rows (their environments' factory input). Collective (every rank calls it)."""
+        B, P = prompts.shape
+        device = prompts.device
+        batch = raise_together(lambda: EpisodeBatch(self.factory, rows, self.max_turns, row_ids))
+        prompt_rows = [row[m.bool()].tolist() for row, m in zip(prompts.cpu(), prompt_mask.cpu())]
+        tokens: list[list[int]] = [[] for _ in range(B)]  # each episode's tokens after the prompt
+        roles: list[list[int]] = [[] for _ in range(B)]  # 1 = observation token
+        logprobs: list[list[float]] | None = [[] for _ in range(B)]
+        tails: list[list[float]] = [[] for _ in range(B)]  # the latest turn's log-probs after its EOS
+        ended = [False] * B
+        while True:
+            live = [i for i, s in enumerate(batch.states) if not s.done]
+            contexts = [prompt_rows[i] + tokens[i] for i in live] or [prompt_rows[0]]  # a placeholder row
+            remaining = max((self.max_answer_seq_len - len(tokens[i]) for i in live), default=0)
+            headroom = self.max_context - max(len(c) for c in contexts)
+            everyone = gather_ints([len(live), remaining, headroom])
+            if not any(r[0] for r in everyone):
+                break
+            budget = max(1, min(max(r[1] for r in everyone), min(r[2] for r in everyone)))
+            ids, mask = _left_padded(contexts, self.pad, device)
+            with _answer_budget(self.generator, budget):
+                rollout = self.generator.rollout(ids, mask)
+            answers = rollout.sequences[:, ids.shape[1]:].tolist()
+            kept_lp = None if rollout.logprobs is None else rollout.logprobs.float().cpu().tolist()
+            if kept_lp is None:
+                logprobs = None
+            texts: list[str | None] = [None] * B
+            for j, i in enumerate(live):
+                whole = _until_eos(answers[j], self.eos)
+                turn = whole[: self.max_answer_seq_len - len(tokens[i])]
+                ended[i] = bool(turn) and turn[-1] == self.eos
+                tokens[i] += turn
+                roles[i] += [0] * len(turn)
+                if logprobs is not None:
+                    logprobs[i] += kept_lp[j][: len(turn)]
+                    # After an EOS the decoder went on with pad ids: their log-probs are the episode's
+                    # if it ends here (the first is the reward slot's KL term, as for one answer).
+                    tails[i] = kept_lp[j][len(turn):] if len(turn) == len(whole) else []
+                texts[i] = self.tokenizer.decode(turn, skip_special_tokens=True)
+            if not live:
+                continue
+            results = raise_together(lambda: batch.step(texts))
+            for i in live:
+                state = batch.states[i]
+                if not state.done and (not ended[i] or len(tokens[i]) >= self.max_answer_seq_len):
+                    state.done = state.cut = True  # no room for another turn
+                if state.done:
+                    continue
+                obs = self.observation_ids(results[i].observation, ended[i])
+                room = self.max_answer_seq_len - len(tokens[i])
+                tails[i] = []
+                tokens[i] += obs[:room]
+                roles[i] += [1] * len(obs[:room])
+                if logprobs is not None:
+                    logprobs[i] += [0.0] * len(obs[:room])
+                if len(obs) >= room:
+                    state.done = state.cut = True  # the observation filled the episode
+        return self._assemble(prompts, prompt_mask, tokens, roles, logprobs, tails, ended, batch)
+
+    def _assemble(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
+                  roles: list[list[int]], logprobs: list[list[float]] | None, tails: list[list[float]],
+                  ended: list[bool], batch: EpisodeBatch) -> Episodes:
+        B, P = prompts.shape
+        device = prompts.device
+        A = max(1, max(len(t) for t in tokens))
+        episode = torch.full((B, A), self.pad, dtype=prompts.dtype)
+        real = torch.zeros((B, A), dtype=torch.long)
+        observed = torch.zeros((B, A), dtype=torch.long)
+        kept = torch.zeros((B, A), dtype=torch.float32)
+        for i in range(B):
+            n = len(tokens[i])
+            episode[i, :n] = torch.tensor(tokens[i], dtype=prompts.dtype)
+            real[i, :n] = 1
+            observed[i, :n] = torch.tensor(roles[i], dtype=torch.long)
+            if logprobs is not None:
+                row = (logprobs[i] + tails[i])[:A]
+                kept[i, :len(row)] = torch.tensor(row, dtype=torch.float32)
+        prompt_mask = prompt_mask.to(device).long()
+        states = batch.states
+        return Episodes(
+            sequences=torch.cat([prompts, episode.to(device)], dim=1),
+            attention_mask=torch.cat([prompt_mask, real.to(device)], dim=1),
+            observation_mask=torch.cat([torch.zeros_like(prompt_mask), observed.to(device)], dim=1),
+            logprobs=None if logprobs is None else kept.to(device),
+            ended=torch.tensor(ended, dtype=torch.bool, device=device),
+            env_reward=torch.tensor([s.reward for s in states], dtype=torch.float32, device=device),
+            turns=torch.tensor([s.turns for s in states], dtype=torch.long, device=device),
+            cut=torch.tensor([s.cut for s in states], dtype=torch.bool, device=device),
+            env_seconds=batch.total_seconds, prompt_width=P,
+        )
+
+
+def _until_eos(answer: list[int], eos: int | None) -> list[int]:
+    """A generated row up to and including its first EOS (all of it when there is none)."""
+    if eos is not None and eos in answer:
+        return answer[: answer.index(eos) + 1]
+    return answer
+
+
+def raise_together(call: Any) -> Any:
+    """``call()``; when it raises a :class:`UserError` on any rank, every rank raises (that rank its
+    own line, the others one saying where it is), so none is left waiting in a collective."""
+    failure: UserError | None = None
+    value = None
+    try:
+        value = call()
+    except UserError as err:
+        failure = err
+    if any(r[0] for r in gather_ints([0 if failure is None else 1])):
+        raise failure or UserError("an environment failed on another rank (its line is in that rank's log)")
+    return value
