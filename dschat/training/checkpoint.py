@@ -48,7 +48,7 @@ import zipfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from pickle import UnpicklingError  # the error type only: nothing here unpickles
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
 import deepspeed
 import torch
@@ -139,12 +139,24 @@ def refuse_unless_shared(folder: Path, rank: int, what: str) -> None:
             probe.unlink(missing_ok=True)
 
 
-def wants_checkpoints(args: Any) -> bool:
+class CheckpointSettings(Protocol):
+    """What checkpoints read from a step's settings: steps 1-2's parsed flags or step 3's
+    :class:`~dschat.rlhf.config.CheckpointConfig` (an upstream-style Namespace may lack all but
+    ``output_dir``; each is read with its default)."""
+
+    output_dir: str | None
+    save_interval: int
+    keep_checkpoints: int
+    resume: bool
+    resume_from: str | None
+
+
+def wants_checkpoints(args: CheckpointSettings) -> bool:
     return bool(getattr(args, "save_interval", 0) > 0 or getattr(args, "resume", False)
                 or getattr(args, "resume_from", None))
 
 
-def prepare_checkpoint_root(args: Any, rank: int) -> None:
+def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     """Start-up checks of ``<output_dir>/checkpoints`` that need every rank's view (collective, right
     after the process group starts, before any model loads).
 
@@ -461,7 +473,7 @@ class Checkpointer:
     """What a step script needs: ``resume()`` once after the engines exist, ``maybe_save()`` after
     every optimizer step."""
 
-    def __init__(self, args: Any, engines: Mapping[str, Any], rank: int,
+    def __init__(self, args: CheckpointSettings, engines: Mapping[str, Any], rank: int,
                  weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> None:
         self.args = args
         self.engines = dict(engines)

@@ -10,7 +10,10 @@ first PPO step slowed by warm-up is corrected at the next evaluation.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 
 __all__ = ["MAX_EVAL_SHARE", "auto_interval", "eval_share", "planned_ppo_steps"]
 
@@ -53,10 +56,18 @@ def auto_interval(eval_seconds: float, step_seconds: float, steps: int | None, *
     return low
 
 
-def planned_ppo_steps(args: Any, trainer: Any) -> int | None:
+class RunLength(Protocol):
+    """The settings that end a run early: step 3's :class:`~dschat.rlhf.config.EvalConfig` or its flags."""
+
+    enable_test_mode: bool
+    test_stop_step: int
+    generation_batches: int
+
+
+def planned_ppo_steps(args: RunLength, trainer: DeepSpeedPPOTrainer | None) -> int | None:
     """The PPO steps (iterations) this run plans: the LR schedule's optimizer steps over the
     optimizer steps per rollout, rounded down, at most ``--test_stop_step / --generation_batches`` in test mode;
-    None when the trainer does not say."""
+    None when the trainer does not say (no engine's schedule or batch plan)."""
     engine, plan = getattr(trainer, "rlhf_engine", None), getattr(trainer, "plan", None)
     total = getattr(engine, "num_total_iters", None)
     if total is None or plan is None:
