@@ -128,7 +128,7 @@ class ExperienceMaker:
         self.reuse_rollout_logprobs = True
         self.generate_time = 0.0  # last generation call (upstream)
         self.experience_time = 0.0  # last experience forward passes
-        self.env_time = 0.0  # last generation's time in the environments' calls (--env)
+        self.env_time = 0.0  # the last generate_experience's time in the environments' calls (--env)
 
     @property
     def device(self) -> torch.device:
@@ -148,7 +148,7 @@ class ExperienceMaker:
             columns = self.prompt_columns
             rows = raise_together(lambda: columns.rows_for_batch(prompts, mask, self._prompt_texts(prompts, mask)))
             played = self.episodes.play(prompts, mask, rows)
-            self.env_time = played.env_seconds
+            self.env_time += played.env_seconds
             attention = played.attention_mask
             generated = Generated(played.sequences, SequenceMasks(attention, (attention.cumsum(-1) - 1).clamp(min=0),
                                                                   played.actor_tokens),
@@ -256,6 +256,7 @@ class ExperienceMaker:
         """
         self.eval()
         generate_start = time.time()
+        self.env_time = 0.0  # this batch's environment calls (ReMax's greedy episodes included)
         greedy_scores = None
         settings = self.formulas.settings
         k = settings.num_generations
