@@ -224,3 +224,19 @@ def add_deepspeed_args(parser: argparse.ArgumentParser) -> None:
     import deepspeed
 
     deepspeed.add_config_arguments(parser)
+
+
+def add_step1_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every flag of step 1 (SFT), in ``--help``'s order: step 1's ``main.py`` and the memory planner
+    (``python -m dschat.plan --step 1``) build their parsers with it."""
+    add_data_args(parser, phase=1)
+    add_model_args(parser)
+    add_training_args(parser, learning_rate=1e-3)
+    add_runtime_args(parser)
+    add_precision_args(parser)
+    add_lora_args(parser)
+    add_logging_args(parser, tensorboard_path="step1_tensorboard", print_loss=True)
+    add_eot_args(parser, eot_token_flag=True)
+    add_checkpoint_args(parser)
+    add_deepspeed_args(parser)
+    return parser

@@ -1,10 +1,13 @@
 """Step 2's own flag groups: the reward model's evaluation, freezing and packing, and DPO's loss and
-reference model. The groups steps share are in :mod:`dschat.cli.shared`."""
+reference model; :func:`add_step2_args`, step 2's whole parser in its order. The groups steps share
+are in :mod:`dschat.cli.shared`."""
 from __future__ import annotations
 
 import argparse
 
-from dschat.cli.shared import add_sequence_packing_arg
+from dschat.cli.shared import (add_checkpoint_args, add_data_args, add_deepspeed_args, add_eot_args,
+                               add_logging_args, add_lora_args, add_model_args, add_precision_args, add_runtime_args,
+                               add_sequence_packing_arg, add_training_args)
 
 
 def add_reward_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -37,3 +40,20 @@ def add_dpo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--offload_reference_model", action="store_true",
                        help="Enable ZeRO Offload techniques for reference model.")
     return group
+
+
+def add_step2_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every flag of step 2 (reward model), in ``--help``'s order: step 2's ``main.py`` and the memory
+    planner (``python -m dschat.plan --step 2``) build their parsers with it."""
+    add_data_args(parser, phase=2)
+    add_model_args(parser)
+    add_reward_eval_args(parser)
+    add_training_args(parser, learning_rate=5e-5)
+    add_runtime_args(parser)
+    add_precision_args(parser)
+    add_lora_args(parser)
+    add_logging_args(parser, tensorboard_path="step2_tensorboard")
+    add_eot_args(parser, eot_token_flag=False)
+    add_checkpoint_args(parser)
+    add_deepspeed_args(parser)
+    return parser

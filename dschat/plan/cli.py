@@ -1,13 +1,16 @@
-"""``python -m dschat.plan``: does step 3 fit, what takes the memory, and which configuration fits.
+"""``python -m dschat.plan``: does step 3 (or 1, or 2) fit, what takes the memory, and which
+configuration fits.
 
-It takes step 3's own flags plus the planner's (:func:`add_plan_args`) and reads the models'
-``config.json`` only. Model-state bytes are exact (tests/plan/test_exactness.py); the phases'
+It takes the planned step's own flags (``--step 3``, the default; ``--step 1`` SFT, ``--step 2`` the
+reward model: :mod:`dschat.plan.training_steps`) plus the planner's (:func:`add_plan_args`) and
+reads the models' ``config.json`` only. Model-state bytes are exact (tests/plan/test_exactness.py); the phases'
 activations, logits and caches are an estimate (:mod:`dschat.plan.phases`). Output: a table, or with
 ``--json`` an object with ``fits``, ``peak_bytes_per_gpu``, ``phases``, ``suggestions`` and
 ``host_bytes_at_load``.
 
 Suggestions, when the run does not fit: every combination of ZeRO stage per model (2, 3), optimizer
-offload, actor LoRA (rank 128, LoRA only), gradient checkpointing and halved batch sizes that fits,
+offload, LoRA (the actor's, or steps 1-2's model: rank 128, LoRA only), gradient checkpointing and
+halved batch sizes that fits,
 then more GPUs; listed fastest first by a fixed cost order (each change's rough slowdown: offload 4,
 a ZeRO-3 model 2, gradient checkpointing 1, LoRA 0, each halving of a batch 1).
 """
@@ -20,13 +23,16 @@ import re
 import sys
 from typing import Sequence
 
+from dschat.cli.shared import add_step1_args
+from dschat.cli.step2 import add_step2_args
 from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
 from dschat.plan.roles import plan_roles
+from dschat.plan.training_steps import plan_step_engine, step_phases
 
-__all__ = ["add_plan_args", "build_parser", "format_gb", "parse_size", "plan", "main", "MARGIN"]
+__all__ = ["add_plan_args", "build_parser", "format_gb", "parse_size", "plan", "planned_step", "main", "MARGIN"]
 
 MARGIN = 0.10  # a plan fits when its peak leaves this share of the GPU free (allocator fragmentation)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -44,6 +50,9 @@ def parse_size(text: str, flag: str) -> int:
 def add_plan_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The planner's own flags (ours): the machine it plans for, and the output format."""
     group = parser.add_argument_group("Memory plan")
+    group.add_argument("--step", type=int, default=3, choices=(1, 2, 3),
+                       help="The step to plan, with that step's own flags: 3 (RLHF with PPO, default), 1 (SFT), "
+                            "2 (reward model) (ours).")
     group.add_argument("--gpu_memory", type=str, default="80GB",
                        help="Memory of one GPU, like 80GB, 40GiB (ours).")
     group.add_argument("--gpus_per_node", type=int, default=8, help="GPUs per node (ours).")
@@ -54,20 +63,37 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return group
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Step 3's flags (:func:`~dschat.cli.step3.add_step3_args`) and the planner's."""
+_STEP_ARGS = {1: add_step1_args, 2: add_step2_args, 3: add_step3_args}
+_STEP_NAMES = {1: "step 1 (SFT)", 2: "step 2 (reward model)", 3: "step 3 (RLHF with PPO)"}
+
+
+def build_parser(step: int = 3) -> argparse.ArgumentParser:
+    """Step ``step``'s flags (:func:`~dschat.cli.step3.add_step3_args` and steps 1-2's) and the planner's."""
     parser = argparse.ArgumentParser(prog="python -m dschat.plan",
-                                     description="Memory plan of step 3 (RLHF with PPO) per GPU and host")
-    add_step3_args(parser)
+                                     description=f"Memory plan of {_STEP_NAMES[step]} per GPU and host")
+    _STEP_ARGS[step](parser)
     add_plan_args(parser)
+    parser.set_defaults(step=step)
     return parser
 
 
+def planned_step(argv: Sequence[str]) -> int:
+    """The ``--step`` of ``argv`` (3 without one); an unknown one is the full parser's error."""
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--step", type=int, default=3, choices=(1, 2, 3))
+    return probe.parse_known_args(list(argv))[0].step
+
+
+def _batch_flags(step: int) -> tuple[str, ...]:
+    return (("per_device_generation_batch_size", "per_device_training_batch_size") if step == 3
+            else ("per_device_train_batch_size",))
+
+
 def _check_args(args: argparse.Namespace) -> None:
-    for flag in ("gpus_per_node", "num_nodes", "per_device_generation_batch_size", "per_device_training_batch_size"):
+    for flag in ("gpus_per_node", "num_nodes", *_batch_flags(args.step)):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.critic_model_name_or_path is None:
+    if args.step == 3 and args.critic_model_name_or_path is None:
         raise UserError("--critic_model_name_or_path is needed to plan step 3; pass the step-2 output folder")
 
 
@@ -77,14 +103,20 @@ def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
     world = args.gpus_per_node * args.num_nodes
     gpu = parse_size(args.gpu_memory, "--gpu_memory") if gpu_bytes is None else gpu_bytes
     dtype = args.dtype
-    plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine)
-    steps = phases(plans, args, dtype, gpu_bytes=gpu)
+    step = getattr(args, "step", 3)
+    if step == 3:
+        plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine)
+        steps = phases(plans, args, dtype, gpu_bytes=gpu)
+    else:
+        engine = plan_step_engine(args, world, step=step, dtype=dtype)
+        plans = {engine.role: engine}
+        steps = step_phases(engine, args, step=step, dtype=dtype)
     peak = max(steps, key=lambda p: p.peak)
     host = host_bytes_at_load(plans, args.gpus_per_node)
     host_limit = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
     fits = peak.peak <= gpu * (1 - MARGIN) and (host_limit is None or host <= host_limit)
     return {
-        "fits": fits, "peak_bytes_per_gpu": peak.peak, "peak_phase": peak.name, "gpu_bytes": gpu,
+        "step": step, "fits": fits, "peak_bytes_per_gpu": peak.peak, "peak_phase": peak.name, "gpu_bytes": gpu,
         "margin_bytes": int(gpu * (1 - MARGIN)) - peak.peak, "world_size": world,
         "host_bytes_at_load": host, "host_bytes": host_limit,
         "model_states": {role: {"numel": p.inventory.numel, "trainable_numel": sum(x.numel for x in p.inventory.trainable),
@@ -94,11 +126,17 @@ def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
     }
 
 
-_CHANGES = {  # flag values -> cost in the documented speed order
+_STEP3_CHANGES = {  # flag values -> cost in the documented speed order
     "zero": [((), 0), (("--actor_zero_stage", "3"), 2), (("--critic_zero_stage", "3"), 2),
              (("--actor_zero_stage", "3", "--critic_zero_stage", "3"), 4)],
     "ckpt": [((), 0), (("--actor_gradient_checkpointing", "--critic_gradient_checkpointing"), 1)],
     "lora": [((), 0), (("--actor_lora_dim", "128", "--only_optimize_lora"), 0)],
+    "offload": [((), 0), (("--offload",), 4)],
+}
+_STEP12_CHANGES = {  # steps 1-2: the one trained engine
+    "zero": [((), 0), (("--zero_stage", "2"), 1), (("--zero_stage", "3"), 2)],
+    "ckpt": [((), 0), (("--gradient_checkpointing",), 1)],
+    "lora": [((), 0), (("--lora_dim", "128", "--only_optimize_lora"), 0)],
     "offload": [((), 0), (("--offload",), 4)],
 }
 
@@ -107,23 +145,30 @@ def _with(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
     return [*argv, *extra]
 
 
+def _stages(flags: Sequence[str], args: argparse.Namespace) -> list[int]:
+    """The ZeRO stage of every trained engine with ``flags`` added to ``args``'."""
+    def stage(flag: str, now: int) -> int:
+        return int(flags[flags.index(flag) + 1]) if flag in flags else now
+
+    if args.step == 3:
+        return [stage("--actor_zero_stage", args.actor_zero_stage), stage("--critic_zero_stage", args.critic_zero_stage)]
+    return [stage("--zero_stage", args.zero_stage)]
+
+
 def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
                 limit: int = 5, *, gpu_bytes: int | None = None) -> list[dict]:
     """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``."""
     found = []
     batches = []
+    changes = _STEP3_CHANGES if args.step == 3 else _STEP12_CHANGES
     for halvings in range(0, 4):
-        gen = max(1, args.per_device_generation_batch_size >> halvings)
-        train = max(1, args.per_device_training_batch_size >> halvings)
-        batches.append(((("--per_device_generation_batch_size", str(gen), "--per_device_training_batch_size", str(train))
-                         if halvings else ()), halvings))
-    for choice in itertools.product(_CHANGES["zero"], _CHANGES["offload"], _CHANGES["lora"], _CHANGES["ckpt"], batches):
+        halved = [(f"--{flag}", str(max(1, getattr(args, flag) >> halvings))) for flag in _batch_flags(args.step)]
+        batches.append(((tuple(x for pair in halved for x in pair) if halvings else ()), halvings))
+    for choice in itertools.product(changes["zero"], changes["offload"], changes["lora"], changes["ckpt"], batches):
         flags = [f for part, _ in choice for f in part]
         cost = sum(c for _, c in choice)
-        actor_stage = 3 if "--actor_zero_stage" in flags else args.actor_zero_stage
-        critic_stage = 3 if "--critic_zero_stage" in flags else args.critic_zero_stage
-        if not flags or ("--offload" in flags and 0 in (actor_stage, critic_stage)):
-            continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (step 3 refuses it at 0)
+        if not flags or ("--offload" in flags and 0 in _stages(flags, args)):
+            continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (the steps refuse it at 0)
         trial = parser.parse_args(_with(argv, flags))
         try:
             result = plan(trial, gpu_bytes=gpu_bytes)
@@ -170,7 +215,7 @@ def render(result: dict) -> str:
 def run(argv: Sequence[str] | None = None) -> dict:
     """Parse, plan, search when it does not fit, print; returns the result."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser = build_parser(planned_step(argv))
     args = parser.parse_args(argv)
     _check_args(args)
     if args.dtype not in DTYPE_BYTES:

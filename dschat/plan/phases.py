@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.roles import RolePlan
 
-__all__ = ["Phase", "phases", "PHASES"]
+__all__ = ["Phase", "phases", "PHASES", "resident_bytes", "activation_bytes", "layer_gather_bytes", "host_bytes_at_load"]
 
 PHASES = ("generation", "scoring", "actor training", "critic training", "optimizer step")
 
@@ -45,7 +45,8 @@ class Phase:
         return sorted(self.consumers.items(), key=lambda kv: -kv[1])[:n]
 
 
-def _resident(plans: dict[str, RolePlan]) -> dict[str, int]:
+def resident_bytes(plans: dict[str, RolePlan]) -> dict[str, int]:
+    """Every engine's model states on the GPU, by ``"<role> <category>"`` (what stays through every phase)."""
     out = {}
     for role, plan in plans.items():
         for key, value in plan.state.device.items():
@@ -61,14 +62,16 @@ def _gathered(plan: RolePlan, el: int) -> int:
     return max(0, plan.inventory.numel * el - plan.state.device.get("params", 0))
 
 
-def _layer_gather(plan: RolePlan, el: int) -> int:
+def layer_gather_bytes(plan: RolePlan, el: int) -> int:
+    """A ZeRO-3 engine's one gathered layer (its weights over its layers), 0 under other stages."""
     if plan.spec.stage != 3:
         return 0
     inv = plan.inventory
     return int(inv.numel / max(1, inv.layers)) * el
 
 
-def _activations(plan: RolePlan, batch: int, seq: int, el: int, checkpointing: bool) -> int:
+def activation_bytes(plan: RolePlan, batch: int, seq: int, el: int, checkpointing: bool) -> int:
+    """One micro-batch's activations of ``plan``'s model (the module docstring's formula)."""
     inv = plan.inventory
     per_layer_full = batch * seq * inv.hidden * (34 + 5 * inv.heads * seq / max(1, inv.hidden)) * el / 2
     if checkpointing:
@@ -92,7 +95,7 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
     """The five phases of one PPO step for ``plans`` (:func:`dschat.plan.roles.plan_roles`) on a GPU of
     ``gpu_bytes`` (which decides ``--zero3_gather_for_generation auto``)."""
     el = DTYPE_BYTES[dtype]
-    resident = _resident(plans)
+    resident = resident_bytes(plans)
     actor, critic = plans["actor"], plans["critic"]
     seq = args.max_prompt_seq_len + args.max_answer_seq_len
     gen_b, train_b = args.per_device_generation_batch_size, args.per_device_training_batch_size
@@ -103,24 +106,24 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
     if _gathers_for_generation(actor, args, el, sum(resident.values()), gpu_bytes):
         generation.consumers["actor gathered whole"] = _gathered(actor, el)
     else:  # fetched layer by layer for every token
-        generation.consumers["ZeRO-3 layer gathers"] = _layer_gather(actor, el)
+        generation.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(actor, el)
     generation.consumers["KV cache"] = 2 * inv.layers * gen_b * seq * inv.kv_heads * head_dim * el
     generation.consumers["logits"] = gen_b * inv.vocab_rows * 4
     out.append(generation)
     scoring = Phase("scoring", dict(resident))
     scoring.consumers["logits"] = gen_b * seq * inv.vocab_rows * (el + 4)
     scoring.consumers["hidden states"] = gen_b * seq * max(p.inventory.hidden for p in plans.values()) * el * 4
-    scoring.consumers["ZeRO-3 layer gathers"] = max(_layer_gather(p, el) for p in plans.values())
+    scoring.consumers["ZeRO-3 layer gathers"] = max(layer_gather_bytes(p, el) for p in plans.values())
     out.append(scoring)
     actor_train = Phase("actor training", dict(resident))
-    actor_train.consumers["actor activations"] = _activations(actor, train_b, seq, el, args.actor_gradient_checkpointing)
+    actor_train.consumers["actor activations"] = activation_bytes(actor, train_b, seq, el, args.actor_gradient_checkpointing)
     actor_train.consumers["logits"] = train_b * seq * inv.vocab_rows * (2 * el + 4)
-    actor_train.consumers["ZeRO-3 layer gathers"] = _layer_gather(actor, el)
+    actor_train.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(actor, el)
     out.append(actor_train)
     critic_train = Phase("critic training", dict(resident))
-    critic_train.consumers["critic activations"] = _activations(critic, train_b, seq, el,
+    critic_train.consumers["critic activations"] = activation_bytes(critic, train_b, seq, el,
                                                                 args.critic_gradient_checkpointing)
-    critic_train.consumers["ZeRO-3 layer gathers"] = _layer_gather(critic, el)
+    critic_train.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(critic, el)
     out.append(critic_train)
     out.append(Phase("optimizer step", dict(resident)))
     for phase in out:

@@ -18,7 +18,7 @@ from dschat.plan.model_state import EngineSpec, ModelState, model_state
 from dschat.rlhf.config import zero_config
 from dschat.rlhf.rlhf_engine import ds_config_for
 
-__all__ = ["PLANNED_ROLES", "RolePlan", "plan_roles"]
+__all__ = ["PLANNED_ROLES", "RolePlan", "model_config", "plan_roles"]
 
 PLANNED_ROLES = ("actor", "ref", "critic", "reward")
 
@@ -34,14 +34,15 @@ class RolePlan:
 
 
 @lru_cache(maxsize=8)
-def _config(name: str):
+def model_config(name: str):
+    """The transformers config of model ``name`` (a folder, or a name of dschat's registry), read once."""
     return read_config(resolve_model_path(name))
 
 
 @lru_cache(maxsize=8)
 def _inventory(name: str, critic: bool):
     """The meta-device build of a model (cached: the search plans the same models many times)."""
-    return inventory(_config(name), critic=critic)
+    return inventory(model_config(name), critic=critic)
 
 
 def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelerator: bool = False,

@@ -58,12 +58,18 @@ def plan_optimizer_steps(num_batches: int, epochs: int, gradient_accumulation_st
 
 def train_ds_config(args: argparse.Namespace, ctx: RunContext, tb_name: str) -> dict:
     """The trained engine's DeepSpeed config from the step flags (upstream's tb names)."""
+    return step_ds_config(args, dtype=ctx.dtype, world_size=ctx.world_size, tb_name=tb_name)
+
+
+def step_ds_config(args: argparse.Namespace, *, dtype: str, world_size: int, tb_name: str = "") -> dict:
+    """Steps 1-2's (and DPO's) trained engine's DeepSpeed config for ``dtype`` on ``world_size`` ranks:
+    what :func:`train_ds_config` builds for a run, and the memory planner for a machine it plans."""
     return get_train_ds_config(
-        offload=args.offload, dtype=ctx.dtype, stage=args.zero_stage,
+        offload=args.offload, dtype=dtype, stage=args.zero_stage,
         enable_tensorboard=args.enable_tensorboard, tb_path=args.tensorboard_path, tb_name=tb_name,
         micro_batch_size=args.per_device_train_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
-        world_size=ctx.world_size,
+        world_size=world_size,
     )
 
 

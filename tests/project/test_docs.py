@@ -179,6 +179,10 @@ def _allowed(tokens: list[str], cwd: str) -> frozenset[str] | None:
             if module == "dschat.launch":
                 step = next((t for t in rest[2:] if not t.startswith("-")), None)
                 return _program_options(module) | _step_options(step_spec(step).key)
+            if module == "dschat.plan" and "--step" in rest:  # the planned step's own flags
+                from dschat.plan.cli import build_parser as plan_parser
+
+                return frozenset(_options(plan_parser(int(rest[rest.index("--step") + 1]))))
             return _program_options(module) if module.startswith("dschat") else None
         script = next((t for t in args if t.endswith(".py")), None)
         if script is None:

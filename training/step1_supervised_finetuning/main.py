@@ -9,20 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-from dschat.cli.shared import (
-    add_checkpoint_args,
-    add_data_args,
-    add_deepspeed_args,
-    add_eot_args,
-    add_logging_args,
-    add_lora_args,
-    add_model_args,
-    add_precision_args,
-    add_runtime_args,
-    add_training_args,
-)
+from dschat.cli.shared import add_step1_args
 from dschat.errors import cli_main
 from dschat.training.engine_setup import (
     apply_lora,
@@ -39,26 +28,30 @@ from dschat.runtime.dist import print_rank_0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Finetune a transformers model on a causal language modeling task")
-    add_data_args(parser, phase=1)
-    add_model_args(parser)
-    add_training_args(parser, learning_rate=1e-3)
-    add_runtime_args(parser)
-    add_precision_args(parser)
-    add_lora_args(parser)
-    add_logging_args(parser, tensorboard_path="step1_tensorboard", print_loss=True)
-    add_eot_args(parser, eot_token_flag=True)
-    add_checkpoint_args(parser)
-    add_deepspeed_args(parser)
+    description = "Finetune a transformers model on a causal language modeling task"
+    parser = add_step1_args(argparse.ArgumentParser(description=description))
     args = parser.parse_args(argv)
     check_common_args(args)
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> RunResult:
-    from transformers import AutoModelForCausalLM, default_data_collator
+def build_model(args: argparse.Namespace, tokenizer: Any, ds_config: dict, rank: int) -> Any:
+    """The SFT model before DeepSpeed takes it: dropout override, fp32 loss, LoRA (the memory
+    planner's step-1 inventory follows this; tests/plan/test_training_steps.py counts it)."""
+    from transformers import AutoModelForCausalLM
 
     from dschat.models.build import causal_lm_model_to_fp32_loss, create_hf_model
+
+    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config, dropout=args.dropout)
+    if args.compute_fp32_loss:
+        print_rank_0(f"Using model {model.__class__.__name__} with loss in fp32", rank)
+        causal_lm_model_to_fp32_loss(model)
+    return apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
+
+
+def main(argv: Sequence[str] | None = None) -> RunResult:
+    from transformers import default_data_collator
+
     from dschat.training.loop import finish_run, train_epochs
 
     args = parse_args(argv)
@@ -72,11 +65,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     # Model: dropout override, fp32 loss, LoRA.
     ds_config = train_ds_config(args, ctx, tb_name="step1_model")
-    model = create_hf_model(AutoModelForCausalLM, args.model_name_or_path, tokenizer, ds_config, dropout=args.dropout)
-    if args.compute_fp32_loss:
-        print_rank_0(f"Using model {model.__class__.__name__} with loss in fp32", ctx.rank)
-        causal_lm_model_to_fp32_loss(model)
-    model = apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
+    model = build_model(args, tokenizer, ds_config, ctx.rank)
 
     num_training_steps = plan_optimizer_steps(
         len(train_loader), args.num_train_epochs, args.gradient_accumulation_steps, args.max_train_steps)

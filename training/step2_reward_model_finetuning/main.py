@@ -10,21 +10,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import Any, Sequence
 
-from dschat.cli.shared import (
-    add_checkpoint_args,
-    add_data_args,
-    add_deepspeed_args,
-    add_eot_args,
-    add_logging_args,
-    add_lora_args,
-    add_model_args,
-    add_precision_args,
-    add_runtime_args,
-    add_training_args,
-)
-from dschat.cli.step2 import add_reward_eval_args
+from dschat.cli.step2 import add_step2_args
 from dschat.errors import cli_main
 from dschat.models.freeze import freeze_lower_layers, release_input_gradients
 from dschat.models.packing import attention_window, resolve_sequence_packing
@@ -44,38 +32,19 @@ from dschat.runtime.dist import print_rank_0
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Finetune a transformers model on a causal language modeling task")
-    add_data_args(parser, phase=2)
-    add_model_args(parser)
-    add_reward_eval_args(parser)
-    add_training_args(parser, learning_rate=5e-5)
-    add_runtime_args(parser)
-    add_precision_args(parser)
-    add_lora_args(parser)
-    add_logging_args(parser, tensorboard_path="step2_tensorboard")
-    add_eot_args(parser, eot_token_flag=False)
-    add_checkpoint_args(parser)
-    add_deepspeed_args(parser)
+    description = "Finetune a transformers model on a causal language modeling task"
+    parser = add_step2_args(argparse.ArgumentParser(description=description))
     args = parser.parse_args(argv)
     check_common_args(args)
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> RunResult:
-    from dschat.data.collators import DataCollatorReward
+def build_model(args: argparse.Namespace, tokenizer: Any, ds_config: dict, rank: int) -> Any:
+    """The reward model before DeepSpeed takes it: the pretrained body plus a fresh value head, the
+    final norm reset where the family asks, LoRA, the lower layers frozen (the memory planner's
+    step-2 inventory follows this; tests/plan/test_training_steps.py counts it)."""
     from dschat.models.build import create_critic_model
-    from dschat.training.loop import finish_run, train_epochs
 
-    args = parse_args(argv)
-    check_paths(args)  # before distributed start-up: bad paths fail in seconds
-    ctx = setup_run(args)
-
-    # Data: phase-2 chunk of every dataset, as (chosen, rejected) pairs.
-    data = build_step_data(args, ctx.local_rank, phase=2, collator=DataCollatorReward())
-    tokenizer, train_loader, eval_loader = data.tokenizer, data.train_loader, data.eval_loader
-
-    # Reward model: the pretrained body plus a fresh value head.
-    ds_config = train_ds_config(args, ctx, tb_name="step2_model")
     rm_model = create_critic_model(
         args.model_name_or_path, tokenizer, ds_config, args.num_padding_at_beginning, dropout=args.dropout,
         zero_stage=args.zero_stage, compute_fp32_loss=args.compute_fp32_loss,
@@ -89,7 +58,25 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     if args.freeze_layers:
         frozen = freeze_lower_layers(rm_model.rwtransformer, args.freeze_layers)
         print_rank_0(f"--freeze_layers {args.freeze_layers}: the embeddings and the {args.freeze_layers} lowest "
-                     f"blocks are frozen ({len(frozen)} tensors)", ctx.rank)
+                     f"blocks are frozen ({len(frozen)} tensors)", rank)
+    return rm_model
+
+
+def main(argv: Sequence[str] | None = None) -> RunResult:
+    from dschat.data.collators import DataCollatorReward
+    from dschat.training.loop import finish_run, train_epochs
+
+    args = parse_args(argv)
+    check_paths(args)  # before distributed start-up: bad paths fail in seconds
+    ctx = setup_run(args)
+
+    # Data: phase-2 chunk of every dataset, as (chosen, rejected) pairs.
+    data = build_step_data(args, ctx.local_rank, phase=2, collator=DataCollatorReward())
+    tokenizer, train_loader, eval_loader = data.tokenizer, data.train_loader, data.eval_loader
+
+    # Reward model: the pretrained body plus a fresh value head.
+    ds_config = train_ds_config(args, ctx, tb_name="step2_model")
+    rm_model = build_model(args, tokenizer, ds_config, ctx.rank)
 
     num_training_steps = plan_optimizer_steps(
         len(train_loader), args.num_train_epochs, args.gradient_accumulation_steps, args.max_train_steps)
