@@ -17,7 +17,7 @@ Examples (upstream's, corrected so that they run)::
     python e2e_rlhf.py --deployment-type cpu --actor-model tiny-llama --reward-model tiny-llama
     python e2e_rlhf.py --algorithm grpo                   # step 3 with GRPO (4 answers per prompt)
     python e2e_rlhf.py --algorithm grpo --reward-fn dschat.rewards:gold   # the RLVR demo (docs/algorithms.md)
-    python e2e_rlhf.py --step 3 --env mygame:guess --max-turns 3   # multi-turn episodes (docs/environments.md)
+    python e2e_rlhf.py --step 3 --env mytools:make_env --max-turns 3   # multi-turn episodes (docs/environments.md)
 
 Each step is launched through the ``deepspeed`` launcher with the argument list of a recipe in
 ``configs/`` (see ``configs/e2e.yaml`` for how models and deployment types map to recipes); its
@@ -283,7 +283,7 @@ def check_environment_options(args: argparse.Namespace) -> None:
     for flag, value in (("--max-turns", args.max_turns), ("--env-timeout", args.env_timeout)):
         if value is not None and args.env is None:
             raise UserError(f"{flag} applies to multi-turn episodes only; add --env MODULE:FACTORY "
-                            f"(e.g. dschat.envs_examples:calculator) or drop {flag}")
+                            f"(docs/environments.md) or drop {flag}")
     if args.max_turns is not None and args.max_turns < 1:
         raise UserError(f"--max-turns must be a whole number >= 1, got {args.max_turns}")
     if args.env_timeout is not None and not (math.isfinite(args.env_timeout) and args.env_timeout >= 0):
@@ -497,7 +497,7 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
                              f"{GOLD_REWARD_FN} is the RLVR demo: step 3 optimises the judge that grades it")
     dschat.add_argument("--env", default=None, metavar="MODULE:FACTORY",
                         help="pass --env to step 3: it plays multi-turn episodes with this environment "
-                             "(docs/environments.md; the data must hold the columns the environment reads)")
+                             "(docs/environments.md); the recipe's data must hold the columns the environment reads")
     dschat.add_argument("--max-turns", type=int, default=None, metavar="N",
                         help="pass --max_turns N to step 3 (with --env): the most actor turns per episode "
                              "(default: step 3's, 4)")
