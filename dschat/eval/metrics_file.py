@@ -59,8 +59,9 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 
     Reads ``global_step`` (else ``step``), ``reward``, ``kl_to_ref`` and ``response_length`` (or an
     alias in :data:`METRIC_ALIASES`), and with ``--env`` ``turns``, ``observation_tokens``,
-    ``cut_share`` and ``time_env``; other keys are ignored. Blank, truncated or non-object lines and non-finite values are skipped;
-    a missing step is the line's position; a repeated step keeps its last record. Sorted by step.
+    ``cut_share`` and ``time_env``; other keys are ignored. Blank, truncated or non-object lines and
+    non-finite values are skipped; a missing step is the line's position; a repeated step keeps its
+    last record. Sorted by step.
     """
     path = Path(path)
     if not path.is_file():

@@ -77,7 +77,8 @@ TIMINGS_FILE = "e2e_timings.json"
 __all__ = [
     "EVAL_KIND", "METRIC_ALIASES", "REPORT_FILE", "PLOT_FILE", "EVAL_PLOT_FILE", "ANSWERS_FILE", "TIMINGS_FILE",
     "EvalSettings", "heldout_prompts", "heldout_pairs", "read_eval_records", "read_metrics", "find_metrics_file",
-    "evaluation_summary", "evaluation_lines", "EPISODE_WINDOW", "episode_summary", "episode_lines", "write_answers", "read_timings", "build_report", "write_report",
+    "evaluation_summary", "evaluation_lines", "EPISODE_WINDOW", "episode_summary", "episode_lines",
+    "write_answers", "read_timings", "build_report", "write_report",
     "summary_text", "curves_only", "build_parser", "main",
 ]
 

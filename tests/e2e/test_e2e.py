@@ -404,8 +404,8 @@ def test_environment_options_pass_through_to_step3_only(config, tmp_path, capsys
     args = _args(config, *models, "--algorithm", "grpo", "--env", "dschat.envs_examples:calculator",
                  "--max-turns", "3", "--env-timeout", "30")
     runs = E.build_steps(args, config.deployment("cpu"))
-    assert runs[2].extra == ["--algorithm", "grpo", "--num_generations", "4", "--env", "dschat.envs_examples:calculator",
-                             "--max_turns", "3", "--env_timeout", "30.0"]
+    assert runs[2].extra == ["--algorithm", "grpo", "--num_generations", "4",
+                             "--env", "dschat.envs_examples:calculator", "--max_turns", "3", "--env_timeout", "30.0"]
     assert runs[0].extra == [] and runs[1].extra == []
     # Only what is given is passed: step 3's own defaults otherwise.
     args = _args(config, *models, "--env", "dschat.envs_examples:calculator")
@@ -425,13 +425,15 @@ def test_environment_options_pass_through_to_step3_only(config, tmp_path, capsys
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (("--max-turns", "0", "--env", "dschat.envs_examples:calculator"), "--max-turns must be a whole number >= 1, got 0"),
+    (("--max-turns", "0", "--env", "dschat.envs_examples:calculator"),
+     "--max-turns must be a whole number >= 1, got 0"),
     (("--env-timeout", "-1", "--env", "dschat.envs_examples:calculator"),
      "--env-timeout must be a number of seconds >= 0 (0: no limit), got -1"),
     (("--env-timeout", "nan", "--env", "dschat.envs_examples:calculator"), "got nan"),
     (("--max-turns", "2"), "--max-turns applies to multi-turn episodes only; add --env MODULE:FACTORY"),
     (("--env-timeout", "5"), "--env-timeout applies to multi-turn episodes only"),
-    (("--env", "no_such_module_e2e7:make"), "--env no_such_module_e2e7:make: cannot import module 'no_such_module_e2e7'"),
+    (("--env", "no_such_module_e2e7:make"),
+     "--env no_such_module_e2e7:make: cannot import module 'no_such_module_e2e7'"),
     (("--env", "dschat.envs_examples"), "--env 'dschat.envs_examples' is not of the form module.path:function"),
     (("--env", "dschat.envs_examples:no_such_factory"), "has no attribute 'no_such_factory'"),
 ], ids=["max-turns-0", "timeout-negative", "timeout-nan", "max-turns-without-env", "timeout-without-env",

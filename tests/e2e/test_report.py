@@ -338,8 +338,9 @@ PLOT_CASES = {
     "one column": _steps(1, reward=lambda i: 1.0),
     "no records": [],
     # Step 3 with --env: two more panels, turns and the share of episodes cut.
-    "multi-turn run": _steps(40, reward=lambda i: 0.1 * i, kl_to_ref=lambda i: 1e-3 * i, response_length=lambda i: 30,
-                             turns=lambda i: 1 + i / 20, observation_tokens=lambda i: 12, cut_share=lambda i: 0.5 - i / 100,
+    "multi-turn run": _steps(40, reward=lambda i: 0.1 * i, kl_to_ref=lambda i: 1e-3 * i,
+                             response_length=lambda i: 30, turns=lambda i: 1 + i / 20,
+                             observation_tokens=lambda i: 12, cut_share=lambda i: 0.5 - i / 100,
                              time_env=lambda i: 0.25),
 }
 
