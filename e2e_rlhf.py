@@ -17,6 +17,7 @@ Examples (upstream's, corrected so that they run)::
     python e2e_rlhf.py --deployment-type cpu --actor-model tiny-llama --reward-model tiny-llama
     python e2e_rlhf.py --algorithm grpo                   # step 3 with GRPO (4 answers per prompt)
     python e2e_rlhf.py --algorithm grpo --reward-fn dschat.rewards:gold   # the RLVR demo (docs/algorithms.md)
+    python e2e_rlhf.py --step 3 --env mytools:make_env --max-turns 3   # multi-turn episodes (docs/environments.md)
 
 Each step is launched through the ``deepspeed`` launcher with the argument list of a recipe in
 ``configs/`` (see ``configs/e2e.yaml`` for how models and deployment types map to recipes); its
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import re
 import shlex
@@ -232,7 +234,7 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
                 extra += _lora_adjustments(recipe, model_id(args.actor_model), "actor_")
                 extra += _lora_adjustments(recipe, model_id(args.reward_model), "critic_")
                 note = f"no {dep.name} recipe names {args.actor_model!r}: using recipe {rid}"
-            extra += step3_algorithm_flags(args)
+            extra += step3_algorithm_flags(args) + step3_environment_flags(args)
         runs.append(StepRun(number, recipe, params, extra + every_step, dirs[number], note))
     return runs
 
@@ -260,6 +262,47 @@ def step3_algorithm_flags(args: argparse.Namespace) -> list[str]:
     for spec in args.reward_fn or []:
         flags += ["--reward_fn", spec]
     return flags
+
+
+def step3_environment_flags(args: argparse.Namespace) -> list[str]:
+    """Step 3's --env, --max_turns and --env_timeout flags from e2e's --env, --max-turns, --env-timeout
+    (each only when given: step 3's defaults otherwise)."""
+    flags: list[str] = []
+    if args.env is not None:
+        flags += ["--env", args.env]
+    if args.max_turns is not None:
+        flags += ["--max_turns", str(args.max_turns)]
+    if args.env_timeout is not None:
+        flags += ["--env_timeout", str(args.env_timeout)]
+    return flags
+
+
+def check_environment_options(args: argparse.Namespace) -> None:
+    """--max-turns is at least 1, --env-timeout a finite number of seconds >= 0, and both come with
+    --env; else one UserError line."""
+    for flag, value in (("--max-turns", args.max_turns), ("--env-timeout", args.env_timeout)):
+        if value is not None and args.env is None:
+            raise UserError(f"{flag} applies to multi-turn episodes only; add --env MODULE:FACTORY "
+                            f"(docs/environments.md) or drop {flag}")
+    if args.max_turns is not None and args.max_turns < 1:
+        raise UserError(f"--max-turns must be a whole number >= 1, got {args.max_turns}")
+    if args.env_timeout is not None and not (math.isfinite(args.env_timeout) and args.env_timeout >= 0):
+        raise UserError(f"--env-timeout must be a number of seconds >= 0 (0: no limit), got {args.env_timeout:g}")
+
+
+def check_environment_spec(args: argparse.Namespace, dep: Deployment) -> None:
+    """--env names an importable callable, checked here as step 3 will check it (the same lines), so a
+    bad spec stops the run before step 1. On several nodes each node imports it from its own files
+    (and DeepSpeed adds the working directory to their path): only the spec's form is checked here."""
+    if args.env is None:
+        return
+    module, sep, attr = args.env.partition(":")
+    if dep.name == "multi_node" and sep and module and attr:
+        return
+    # lazy: dschat.rewards imports torch, which e2e itself never needs; only --env pays for it
+    from dschat.rewards import load_callable
+
+    load_callable(args.env, "--env", "dschat.envs_examples:calculator")
 
 
 # -------------------------------------------------------------------------------------------------
@@ -452,12 +495,22 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
     dschat.add_argument("--reward-fn", action="append", default=None, metavar="MODULE:FUNCTION",
                         help="pass --reward_fn to step 3 (repeatable); it then replaces the reward model. "
                              f"{GOLD_REWARD_FN} is the RLVR demo: step 3 optimises the judge that grades it")
+    dschat.add_argument("--env", default=None, metavar="MODULE:FACTORY",
+                        help="pass --env to step 3: it plays multi-turn episodes with this environment "
+                             "(docs/environments.md); the recipe's data must hold the columns the environment reads")
+    dschat.add_argument("--max-turns", type=int, default=None, metavar="N",
+                        help="pass --max_turns N to step 3 (with --env): the most actor turns per episode "
+                             "(default: step 3's, 4)")
+    dschat.add_argument("--env-timeout", type=float, default=None, metavar="SECONDS",
+                        help="pass --env_timeout to step 3 (with --env): the longest one factory or step call may "
+                             "take (default: step 3's, 600; 0: no limit)")
     args = parser.parse_args(argv)
     if args.actor_zero_stage != "" or args.reward_zero_stage != "":
         warnings.warn("Non-default zero stages may result in OOM errors or worse performance.", stacklevel=1)
     args.step = sorted(set(args.step))
     if args.save_interval is not None and args.save_interval < 1:
         raise UserError(f"--save-interval must be >= 1, got {args.save_interval}")
+    check_environment_options(args)
     return args
 
 
@@ -557,6 +610,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.actor_model = dep.default_actor or config.default_actor
     if args.reward_model is None:
         args.reward_model = dep.default_reward or config.default_reward
+    check_environment_spec(args, dep)
     check_inputs(args)
     runs = build_steps(args, dep)
     launcher = {"hostfile": args.hostfile, "num_gpus": args.num_gpus, "num_nodes": args.num_nodes,

@@ -15,13 +15,16 @@ from dschat.paths import METRICS_FILE
 # The "kind" of step 3's held-out evaluation records in metrics.jsonl (dschat.rlhf.heldout.evaluation writes them).
 EVAL_KIND = "eval"
 
-# Names accepted for each plotted field of metrics.jsonl (the first is the documented one).
+# Names accepted for each field read from metrics.jsonl (the first is the documented one).
 METRIC_ALIASES: dict[str, tuple[str, ...]] = {
     # global_step first: step 3's per-epoch "step" restarts every epoch.
     "step": ("global_step", "step", "ppo_step", "iteration"),
     "reward": ("reward", "average_reward", "reward_score", "mean_reward", "reward_mean"),
     "kl_to_ref": ("kl_to_ref", "kl_ref", "ref_kl", "kl", "mean_kl"),
     "response_length": ("response_length", "mean_response_length", "response_len", "answer_length"),
+    # Multi-turn episodes (step 3's --env) only: mean actor turns and environment tokens per episode,
+    # the share of episodes cut, the seconds spent in the environments per iteration.
+    **{name: (name,) for name in ("turns", "observation_tokens", "cut_share", "time_env")},
 }
 
 
@@ -55,8 +58,10 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     """Per-PPO-step records from ``metrics.jsonl``, tolerant of what a crash or a rename leaves.
 
     Reads ``global_step`` (else ``step``), ``reward``, ``kl_to_ref`` and ``response_length`` (or an
-    alias in :data:`METRIC_ALIASES`); other keys are ignored. Blank, truncated or non-object lines and non-finite values are skipped;
-    a missing step is the line's position; a repeated step keeps its last record. Sorted by step.
+    alias in :data:`METRIC_ALIASES`), and with ``--env`` ``turns``, ``observation_tokens``,
+    ``cut_share`` and ``time_env``; other keys are ignored. Blank, truncated or non-object lines and
+    non-finite values are skipped; a missing step is the line's position; a repeated step keeps its
+    last record. Sorted by step.
     """
     path = Path(path)
     if not path.is_file():

@@ -1,4 +1,5 @@
-"""The report's figures: PPO curves (reward, KL, response length) and step 3's held-out evaluation."""
+"""The report's figures: PPO curves (reward, KL, response length; turns and cut share with --env) and step 3's
+held-out evaluation."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,15 +10,23 @@ from matplotlib.figure import Figure
 
 from dschat.eval.metrics_file import finite_number
 
+
+#: The PPO figure's panels: (metrics key, y label); the episode panels only when step 3 ran with --env.
+PPO_PANELS = (("reward", "reward-model score"), ("kl_to_ref", "KL to reference"),
+              ("response_length", "response length (tokens)"))
+EPISODE_PANELS = (("turns", "actor turns per episode"), ("cut_share", "share of episodes cut"))
+
+
 def metrics_figure(records: Sequence[dict[str, float]], title: str = "PPO (step 3)") -> Any:
     """The figure of :func:`plot_metrics`: reward, KL to the reference and response length against
-    PPO step, one panel each (a matplotlib ``Figure`` on an Agg canvas)."""
+    PPO step, one panel each, and when a record carries ``turns`` (step 3's ``--env``) the actor turns
+    per episode and the share of episodes cut below them (a matplotlib ``Figure`` on an Agg canvas)."""
+    panels = PPO_PANELS + (EPISODE_PANELS if any("turns" in r for r in records) else ())
     # Constrained layout places the titles, tick labels and axis labels at every draw (savefig
     # included), once their sizes are known, so every label stays inside the figure.
-    fig = Figure(figsize=(7, 8), dpi=100, layout="constrained")
+    fig = Figure(figsize=(7, 8 * len(panels) / len(PPO_PANELS)), dpi=100, layout="constrained")
     fig.get_layout_engine().set(w_pad=0.1, h_pad=0.1)  # inches of margin around every panel
     FigureCanvasAgg(fig)
-    panels = (("reward", "reward-model score"), ("kl_to_ref", "KL to reference"), ("response_length", "response length (tokens)"))
     axes = fig.subplots(len(panels), 1, sharex=True)
     for ax, (key, label) in zip(axes, panels):
         points = [(r["step"], r[key]) for r in records if key in r]

@@ -26,6 +26,13 @@ judges, KL, answer length and entropy against the PPO step, the best evaluation 
 over-optimization alarm marked -- and the report says which step was best and whether the alarm fired.
 ``--curves_only`` draws the two figures from a ``metrics.jsonl`` alone, without any model.
 
+When step 3 played multi-turn episodes (``--env``: its records carry ``turns``), the report adds a
+multi-turn section (``report.json`` → ``episodes``): turns, actor tokens and environment tokens per
+episode, the share of episodes cut and the environment's seconds per iteration at the start and the
+end of training, and the held-out episode return at the first and the last evaluation with its
+paired standard error; the PPO figure gains a turns and a cut-share panel. Without ``--env`` none of
+it appears.
+
 The pieces live in their own modules: the held-out data and settings (:mod:`.heldout`), the models
 and their scores (:mod:`.scoring`), ``metrics.jsonl`` (:mod:`.metrics_file`) and the figures
 (:mod:`.plots`); their names stay importable from here.
@@ -70,7 +77,8 @@ TIMINGS_FILE = "e2e_timings.json"
 __all__ = [
     "EVAL_KIND", "METRIC_ALIASES", "REPORT_FILE", "PLOT_FILE", "EVAL_PLOT_FILE", "ANSWERS_FILE", "TIMINGS_FILE",
     "EvalSettings", "heldout_prompts", "heldout_pairs", "read_eval_records", "read_metrics", "find_metrics_file",
-    "evaluation_summary", "evaluation_lines", "write_answers", "read_timings", "build_report", "write_report",
+    "evaluation_summary", "evaluation_lines", "EPISODE_WINDOW", "episode_summary", "episode_lines",
+    "write_answers", "read_timings", "build_report", "write_report",
     "summary_text", "curves_only", "build_parser", "main",
 ]
 
@@ -123,6 +131,106 @@ def evaluation_lines(summary: dict[str, Any] | None) -> list[str]:
     else:
         lines.append("no over-optimization alarm")
     return lines
+
+# -------------------------------------------------------------------------------------------------
+# Multi-turn episodes (step 3's --env) in the report
+# -------------------------------------------------------------------------------------------------
+#: Iterations averaged at each end of training in the multi-turn section (fewer in a short run).
+EPISODE_WINDOW = 3
+
+#: The multi-turn section's fields and the metrics.jsonl keys they are the means of.
+_EPISODE_FIELDS = {"turns": "turns", "actor_tokens": "response_length", "environment_tokens": "observation_tokens",
+                   "cut_share": "cut_share", "environment_seconds": "time_env"}
+
+
+def episode_summary(records: Sequence[dict[str, float]],
+                    eval_records: Sequence[dict[str, Any]] = ()) -> dict[str, Any] | None:
+    """The multi-turn section: None unless some PPO record (:func:`read_metrics`) carries ``turns``
+    (step 3 ran with ``--env``).
+
+    Over the records with ``turns``, ``first`` and ``last`` hold the means over the first and the
+    last ``window`` = min(:data:`EPISODE_WINDOW`, n // 2) iterations (at least 1; the two ends share
+    no iteration unless there is only one) of: actor ``turns`` per episode, ``actor_tokens``
+    (``response_length``) and ``environment_tokens`` (``observation_tokens``) per episode,
+    ``cut_share`` and ``environment_seconds`` per iteration (``time_env``), with the ``steps`` they
+    span. ``heldout_return``: :func:`_heldout_return` of the evaluation records.
+    """
+    episodes = [r for r in records if "turns" in r]
+    if not episodes:
+        return None
+    window = max(1, min(EPISODE_WINDOW, len(episodes) // 2))
+
+    def means(part: Sequence[dict[str, float]]) -> dict[str, Any]:
+        values = {name: [r[key] for r in part if key in r] for name, key in _EPISODE_FIELDS.items()}
+        return {"steps": [int(part[0]["step"]), int(part[-1]["step"])],
+                **{name: statistics.fmean(v) if v else None for name, v in values.items()}}
+
+    return {"iterations": len(episodes), "window": window, "first": means(episodes[:window]),
+            "last": means(episodes[-window:]), "heldout_return": _heldout_return(eval_records)}
+
+
+def _heldout_return(records: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    """The held-out episode return (an evaluation record's ``proxy`` under ``--env``) at the first
+    and the last evaluation; ``change`` and ``change_se`` are the paired mean change over the same
+    prompts and its standard error (:func:`paired_change` of the records' ``per_prompt`` proxies), None
+    with fewer than two evaluations. None without evaluation records."""
+    if not records:
+        return None
+    first, last = records[0], records[-1]
+    held: dict[str, Any] = {"evaluations": len(records), "before_step": first.get("global_step"),
+                            "after_step": last.get("global_step"), "before": finite_number(first.get("proxy")),
+                            "after": finite_number(last.get("proxy")), "change": None, "change_se": None}
+    if len(records) < 2:
+        return held
+    before, after = ((r.get("per_prompt") or {}).get("proxy") for r in (first, last))
+    if isinstance(before, list) and isinstance(after, list) and before and len(before) == len(after):
+        held["change"], held["change_se"] = paired_change(before, after)
+    elif held["before"] is not None and held["after"] is not None:
+        held["change"] = held["after"] - held["before"]
+    return held
+
+
+def episode_lines(summary: dict[str, Any] | None) -> list[str]:
+    """The multi-turn section's lines of the printed summary (none without ``--env``)."""
+    if not summary:
+        return []
+
+    def num(value: Any, fmt: str) -> str:
+        return format(value, fmt) if isinstance(value, (int, float)) else "n/a"
+
+    first, last, window = summary["first"], summary["last"], summary["window"]
+
+    def span(part: dict[str, Any]) -> str:
+        a, b = part["steps"]
+        return f"step {a}" if a == b else f"steps {a}-{b}"
+
+    def change(key: str, fmt: str, scale: float = 1.0, unit: str = "") -> str:
+        a, b = first[key], last[key]
+        return (f"{num(a * scale if a is not None else None, fmt)}{unit} -> "
+                f"{num(b * scale if b is not None else None, fmt)}{unit}")
+
+    ends = "first -> last iteration" if window == 1 else f"mean of the first {window} -> last {window} iterations"
+    lines = [f"multi-turn episodes (--env), {ends} ({span(first)} -> {span(last)}): "
+             f"turns per episode {change('turns', '.2f')}; actor tokens per episode {change('actor_tokens', '.1f')}; "
+             f"environment tokens per episode {change('environment_tokens', '.1f')}; "
+             f"episodes cut {change('cut_share', '.0f', 100, '%')}; "
+             f"environment time per iteration {change('environment_seconds', '.2f', unit=' s')}"]
+    held = summary.get("heldout_return")
+    if not held:
+        lines.append("held-out episode return: not measured (step 3 ran no held-out evaluation; --eval_interval)")
+        return lines
+    line = (f"held-out episode return: {num(held['before'], '.3f')} (step {held['before_step']}) -> "
+            f"{num(held['after'], '.3f')} (step {held['after_step']})")
+    if held["change"] is not None:
+        se = held["change_se"]
+        line += f", change {held['change']:+.3f}"
+        if isinstance(se, (int, float)) and math.isfinite(se) and se > 0:
+            line += f" (paired SE {se:.3f}, {held['change'] / se:+.1f} standard errors)"
+        else:
+            line += " (paired SE n/a)"
+    lines.append(line)
+    return lines
+
 
 # -------------------------------------------------------------------------------------------------
 # The report
@@ -242,6 +350,7 @@ def build_report(
     records = read_metrics(metrics_path) if metrics_path else []
     png = plots.plot_metrics(records, out / PLOT_FILE)
     evaluation = _evaluation_part(metrics_path, out)
+    episodes = episode_summary(records, read_eval_records(metrics_path) if metrics_path else [])
     answers = write_answers(out / ANSWERS_FILE, sft_samples, rlhf_samples, sft_gold, rlhf_gold, sft_rewards, rlhf_rewards)
 
     eval_seconds = time.monotonic() - start
@@ -278,6 +387,7 @@ def build_report(
         },
         "plot": str(png),
         "evaluation": evaluation,
+        **({"episodes": episodes} if episodes else {}),  # step 3 ran with --env
         "answers": str(answers),
         "examples": [
             {"prompt": p, "sft": s, "rlhf": r, "sft_gold": sg, "rlhf_gold": rg}
@@ -349,6 +459,7 @@ def summary_text(report: dict[str, Any]) -> str:
     lines += evaluation_lines(report.get("evaluation"))
     if report.get("evaluation"):
         lines.append(f"held-out evaluation curves: {report['evaluation']['plot']}")
+    lines += episode_lines(report.get("episodes"))
     return "\n".join(lines)
 
 
@@ -366,7 +477,8 @@ def _evaluation_part(metrics_path: Path | None, out: Path) -> dict[str, Any] | N
 
 
 def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
-    """``--curves_only``: the PPO and evaluation figures of a ``metrics.jsonl``, and the evaluation's lines."""
+    """``--curves_only``: the PPO and evaluation figures of a ``metrics.jsonl``, and the evaluation's and
+    (with ``--env``) the multi-turn section's lines."""
     # lazy: matplotlib only (0.5 s), and --curves_only needs no torch
     from dschat.eval import plots
 
@@ -374,12 +486,13 @@ def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
     if not metrics.is_file():
         raise UserError(f"--metrics {metrics} does not exist; pass step 3's <output_dir>/{METRICS_FILE}")
     check_writable_dir(out, "--out")
-    png = plots.plot_metrics(read_metrics(metrics), Path(out) / PLOT_FILE)
+    records = read_metrics(metrics)
+    png = plots.plot_metrics(records, Path(out) / PLOT_FILE)
     evaluation = _evaluation_part(metrics, Path(out))
     lines = [f"PPO curves: {png}"] + evaluation_lines(evaluation)
     if evaluation:
         lines.append(f"held-out evaluation curves: {evaluation['plot']}")
-    return lines
+    return lines + episode_lines(episode_summary(records, read_eval_records(metrics)))
 
 
 # -------------------------------------------------------------------------------------------------

@@ -397,6 +397,67 @@ def test_algorithm_and_reward_functions_pass_through_to_step3(config, tmp_path):
     assert E.output_problem(E.build_steps(_args(config, *models), config.deployment("cpu"))[2])  # PPO: no critic
 
 
+def test_environment_options_pass_through_to_step3_only(config, tmp_path, capsys, monkeypatch):
+    from dschat import multinode as M
+
+    models = ("--actor-model", "smollm2-135m", "--reward-model", "smollm2-135m", "--output-dir", str(tmp_path))
+    args = _args(config, *models, "--algorithm", "grpo", "--env", "dschat.envs_examples:calculator",
+                 "--max-turns", "3", "--env-timeout", "30")
+    runs = E.build_steps(args, config.deployment("cpu"))
+    assert runs[2].extra == ["--algorithm", "grpo", "--num_generations", "4",
+                             "--env", "dschat.envs_examples:calculator", "--max_turns", "3", "--env_timeout", "30.0"]
+    assert runs[0].extra == [] and runs[1].extra == []
+    # Only what is given is passed: step 3's own defaults otherwise.
+    args = _args(config, *models, "--env", "dschat.envs_examples:calculator")
+    assert E.build_steps(args, config.deployment("cpu"))[2].extra == ["--env", "dschat.envs_examples:calculator"]
+    assert E.build_steps(_args(config, *models), config.deployment("cpu"))[2].extra == []
+    # The launched step-3 command carries step 3's spelling; steps 1 and 2 get none of it.
+    monkeypatch.setattr(M, "DEFAULT_HOSTFILE", str(tmp_path / "no-job-hostfile"))
+    step1, step2, step3 = _dry_run_commands(capsys, "--output-dir", str(tmp_path), "--env",
+                                            "dschat.envs_examples:calculator", "--max-turns", "2",
+                                            "--env-timeout", "0")
+    main = next(i for i, token in enumerate(step3) if token.endswith("main.py"))
+    flags = step3[main + 1:]
+    assert flags[flags.index("--env") + 1] == "dschat.envs_examples:calculator"
+    assert flags[flags.index("--max_turns") + 1] == "2" and flags[flags.index("--env_timeout") + 1] == "0.0"
+    for argv in (step1, step2):
+        assert not {"--env", "--max_turns", "--env_timeout"} & set(argv)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (("--max-turns", "0", "--env", "dschat.envs_examples:calculator"),
+     "--max-turns must be a whole number >= 1, got 0"),
+    (("--env-timeout", "-1", "--env", "dschat.envs_examples:calculator"),
+     "--env-timeout must be a number of seconds >= 0 (0: no limit), got -1"),
+    (("--env-timeout", "nan", "--env", "dschat.envs_examples:calculator"), "got nan"),
+    (("--max-turns", "2"), "--max-turns applies to multi-turn episodes only; add --env MODULE:FACTORY"),
+    (("--env-timeout", "5"), "--env-timeout applies to multi-turn episodes only"),
+    (("--env", "no_such_module_e2e7:make"),
+     "--env no_such_module_e2e7:make: cannot import module 'no_such_module_e2e7'"),
+    (("--env", "dschat.envs_examples"), "--env 'dschat.envs_examples' is not of the form module.path:function"),
+    (("--env", "dschat.envs_examples:no_such_factory"), "has no attribute 'no_such_factory'"),
+], ids=["max-turns-0", "timeout-negative", "timeout-nan", "max-turns-without-env", "timeout-without-env",
+        "env-unimportable", "env-no-colon", "env-no-attribute"])
+def test_bad_environment_options_stop_e2e_before_any_step(argv, message, tmp_path, capsys):
+    out = tmp_path / "out"
+    assert E._entry(["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+                     "--output-dir", str(out), *argv]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and captured.err.startswith("error: ") and message in captured.err
+    assert "Running Step" not in captured.out and not out.exists()
+
+
+def test_a_multi_node_env_spec_is_imported_on_the_nodes_only(config):
+    """Each node imports --env from its own files: e2e checks only the spec's form there."""
+    multi, local = config.deployment("multi_node"), config.deployment("cpu")
+    args = _args(config, "--env", "only_on_the_nodes_e2e7:make")
+    E.check_environment_spec(args, multi)
+    with pytest.raises(UserError, match="cannot import module 'only_on_the_nodes_e2e7'"):
+        E.check_environment_spec(args, local)
+    with pytest.raises(UserError, match="is not of the form module.path:function"):
+        E.check_environment_spec(_args(config, "--env", "no_colon"), multi)
+
+
 @pytest.mark.slow
 def test_e2e_grpo_rlvr_step3_and_its_report(tiny_run, tmp_path):
     """Steps 1 and 2 reused; step 3 with GRPO on the gold judge (the RLVR demo), then the report against

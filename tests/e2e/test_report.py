@@ -63,6 +63,7 @@ def test_report_cli_writes_json_png_and_summary(folders, tmp_path, capsys):
     assert math.isfinite(report["rlhf_actor"]["kl_to_sft"]) and report["rlhf_actor"]["kl_to_sft"] != 0.0
     assert report["settings"]["n_prompts"] == 6
     assert report["ppo_metrics"]["n_records"] == 5 and report["ppo_metrics"]["last"]["reward"] == pytest.approx(-0.6)
+    assert "episodes" not in report  # no --env: no multi-turn section
     assert (tmp_path / "ppo_curves.png").read_bytes()[:8] == PNG_MAGIC
     # Every answer is kept, and its gold score is the judge's verdict on exactly that text.
     rows = [json.loads(line) for line in (tmp_path / rep.ANSWERS_FILE).read_text().splitlines()]
@@ -92,6 +93,7 @@ def test_report_cli_writes_json_png_and_summary(folders, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "dschat report" in out and "gold-judge score" in out and "KL(RLHF || SFT)" in out
     assert "on the actors' own answers its scores correlate r = " in out
+    assert "multi-turn" not in out and "episode" not in out
     assert "gold components, RLHF - SFT: relevance " in out
     in_se = f"{gain['gold_score_gain'] / expected_se:+.1f}" if expected_se > 0 else "n/a"
     assert f"({in_se} paired standard errors)" in out
@@ -218,6 +220,103 @@ def test_read_metrics_is_tolerant(tmp_path):
     assert rep.read_metrics(tmp_path / "missing.jsonl") == []
 
 
+def _episode_metrics(path: Path, evaluations: list[dict[str, Any]]) -> Path:
+    """Six --env iterations (steps 0-5) and ``evaluations``, as step 3 writes metrics.jsonl."""
+    rows = [{"epoch": 0, "step": i, "global_step": i, "reward": 0.1 * i, "kl_to_ref": 0.01 * i,
+             "response_length": 20.0 + 2 * i, "turns": 1.0 + 0.5 * i, "observation_tokens": 8.0 * i,
+             "cut_share": 0.5 - 0.1 * i, "time_env": 0.2 + 0.1 * i} for i in range(6)]
+    rows += [{"kind": "eval", "prompts": 4, **e} for e in evaluations]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_multi_turn_section_from_episode_records(tmp_path):
+    """The means over the first and the last 3 of 6 iterations, and the held-out return's paired change,
+    worked out by hand."""
+    evaluations = [{"global_step": 0, "proxy": 0.5, "per_prompt": {"proxy": [0.0, 1.0, 0.0, 1.0]}},
+                   {"global_step": 3, "proxy": 0.5, "per_prompt": {"proxy": [1.0, 0.0, 0.0, 1.0]}},
+                   {"global_step": 5, "proxy": 0.75, "per_prompt": {"proxy": [1.0, 1.0, 0.0, 1.0]}}]
+    metrics = _episode_metrics(tmp_path / "metrics.jsonl", evaluations)
+    summary = rep.episode_summary(rep.read_metrics(metrics), rep.read_eval_records(metrics))
+    assert summary["iterations"] == 6 and summary["window"] == 3
+    # Steps 0, 1, 2: turns 1, 1.5, 2 -> 1.5; actor tokens 20, 22, 24 -> 22; environment tokens 0, 8, 16 -> 8;
+    # cut 0.5, 0.4, 0.3 -> 0.4; environment seconds 0.2, 0.3, 0.4 -> 0.3. Steps 3, 4, 5: 3, 28, 32, 0.1, 0.6.
+    first, last = dict(summary["first"]), dict(summary["last"])
+    assert first.pop("steps") == [0, 2] and last.pop("steps") == [3, 5]
+    assert first == pytest.approx({"turns": 1.5, "actor_tokens": 22.0, "environment_tokens": 8.0, "cut_share": 0.4,
+                                   "environment_seconds": 0.3})
+    assert last == pytest.approx({"turns": 3.0, "actor_tokens": 28.0, "environment_tokens": 32.0, "cut_share": 0.1,
+                                  "environment_seconds": 0.6})
+    # First (step 0) against last (step 5) evaluation, prompt by prompt: differences 1, 0, 0, 0 -> mean 0.25;
+    # their sample standard deviation is sqrt(0.75 / 3) = 0.5, so the standard error is 0.5 / sqrt(4) = 0.25.
+    held = summary["heldout_return"]
+    assert held == pytest.approx({"evaluations": 3, "before_step": 0, "after_step": 5, "before": 0.5, "after": 0.75,
+                                  "change": 0.25, "change_se": 0.25})
+    lines = rep.episode_lines(summary)
+    assert lines == [
+        "multi-turn episodes (--env), mean of the first 3 -> last 3 iterations (steps 0-2 -> steps 3-5): "
+        "turns per episode 1.50 -> 3.00; actor tokens per episode 22.0 -> 28.0; environment tokens per episode "
+        "8.0 -> 32.0; episodes cut 40% -> 10%; environment time per iteration 0.30 s -> 0.60 s",
+        "held-out episode return: 0.500 (step 0) -> 0.750 (step 5), change +0.250 (paired SE 0.250, +1.0 standard "
+        "errors)"]
+    # --curves_only prints the same section after the curves.
+    assert rep.curves_only(metrics, tmp_path / "curves")[-2:] == lines
+
+
+def test_multi_turn_section_short_runs_and_no_evaluation(tmp_path):
+    """One iteration is both ends; one evaluation has no change; evaluations without per-prompt
+    scores have a change and no standard error; no evaluation says so."""
+    metrics = _episode_metrics(tmp_path / "metrics.jsonl", [])
+    records = rep.read_metrics(metrics)
+    one = rep.episode_summary(records[:1])
+    assert one["window"] == 1 and one["first"] == one["last"] and one["first"]["steps"] == [0, 0]
+    assert one["heldout_return"] is None
+    assert rep.episode_lines(one) == [
+        "multi-turn episodes (--env), first -> last iteration (step 0 -> step 0): turns per episode 1.00 -> 1.00; "
+        "actor tokens per episode 20.0 -> 20.0; environment tokens per episode 0.0 -> 0.0; episodes cut 50% -> 50%; "
+        "environment time per iteration 0.20 s -> 0.20 s",
+        "held-out episode return: not measured (step 3 ran no held-out evaluation; --eval_interval)"]
+    assert rep.episode_summary(records[:5])["window"] == 2  # the two ends never share an iteration
+    single = rep.episode_summary(records, [{"global_step": 0, "proxy": 0.4}])["heldout_return"]
+    assert single["before"] == single["after"] == 0.4 and single["change"] is None and single["change_se"] is None
+    plain = rep.episode_summary(records, [{"global_step": 0, "proxy": 0.25}, {"global_step": 4, "proxy": 0.75}])
+    assert plain["heldout_return"]["change"] == 0.5 and plain["heldout_return"]["change_se"] is None
+    assert rep.episode_lines(plain)[-1] == ("held-out episode return: 0.250 (step 0) -> 0.750 (step 4), change "
+                                            "+0.500 (paired SE n/a)")
+
+
+def test_no_multi_turn_section_without_episode_records(tmp_path):
+    """Records of a run without --env: no section, no extra keys, no extra lines or panels."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps({"global_step": i, "reward": 0.1 * i, "kl_to_ref": 0.0, "response_length": 9,
+                                          "time_generation": 1.0}) for i in range(4))
+                    + "\n" + json.dumps({"kind": "eval", "global_step": 0, "proxy": 0.1}) + "\n")
+    records = rep.read_metrics(path)
+    assert all(set(r) == {"step", "reward", "kl_to_ref", "response_length"} for r in records)
+    assert rep.episode_summary(records, rep.read_eval_records(path)) is None
+    assert rep.episode_lines(None) == []
+    lines = rep.curves_only(path, tmp_path / "curves")
+    assert not any("episode" in line for line in lines)
+    assert [ax.get_ylabel() for ax in plots.metrics_figure(records).axes] == [
+        "reward-model score", "KL to reference", "response length (tokens)"]
+
+
+def test_report_has_the_multi_turn_section_when_step3_ran_with_env(folders, tmp_path):
+    metrics = _episode_metrics(tmp_path / "metrics.jsonl", [
+        {"global_step": 0, "proxy": 0.5, "per_prompt": {"proxy": [0.0, 1.0, 0.0, 1.0]}},
+        {"global_step": 5, "proxy": 0.75, "per_prompt": {"proxy": [1.0, 1.0, 0.0, 1.0]}}])
+    settings = rep.EvalSettings(max_prompts=2, max_pairs=2, max_new_tokens=4, batch_size=2)
+    report = rep.build_report(folders["sft"], folders["rlhf"], folders["reward"], tmp_path / "out", settings,
+                              metrics=metrics, log=lambda m: None)
+    saved = json.loads((tmp_path / "out" / rep.REPORT_FILE).read_text())
+    assert saved["episodes"]["first"]["turns"] == pytest.approx(1.5)
+    assert saved["episodes"]["heldout_return"]["change_se"] == pytest.approx(0.25)
+    assert saved["ppo_metrics"]["last"]["turns"] == pytest.approx(3.5)
+    text = rep.summary_text(report)
+    assert text.splitlines()[-2:] == rep.episode_lines(report["episodes"])
+    assert "held-out episode return: 0.500 (step 0) -> 0.750 (step 5), change +0.250 (paired SE 0.250" in text
+
+
 def test_plot_without_records_still_writes_a_png(tmp_path):
     png = plots.plot_metrics([], tmp_path / "p.png")
     assert png.read_bytes()[:8] == PNG_MAGIC
@@ -238,6 +337,11 @@ PLOT_CASES = {
                            response_length=lambda i: 1e5 + i),
     "one column": _steps(1, reward=lambda i: 1.0),
     "no records": [],
+    # Step 3 with --env: two more panels, turns and the share of episodes cut.
+    "multi-turn run": _steps(40, reward=lambda i: 0.1 * i, kl_to_ref=lambda i: 1e-3 * i,
+                             response_length=lambda i: 30, turns=lambda i: 1 + i / 20,
+                             observation_tokens=lambda i: 12, cut_share=lambda i: 0.5 - i / 100,
+                             time_env=lambda i: 0.25),
 }
 
 
@@ -258,8 +362,9 @@ def test_every_label_of_the_ppo_plot_lies_inside_the_figure(case, font_size):
     for name, box in boxes.items():
         assert box.x0 >= frame.x0 and box.y0 >= frame.y0, (name, box.bounds, frame.bounds)
         assert box.x1 <= frame.x1 and box.y1 <= frame.y1, (name, box.bounds, frame.bounds)
+    episodes = ["actor turns per episode", "share of episodes cut"] if case == "multi-turn run" else []
     assert [ax.get_ylabel() for ax in fig.axes] == ["reward-model score", "KL to reference",
-                                                   "response length (tokens)"]
+                                                   "response length (tokens)"] + episodes
 
 
 def test_report_refuses_wrong_folders(folders, tmp_path):
