@@ -504,6 +504,10 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
     dschat.add_argument("--env-timeout", type=float, default=None, metavar="SECONDS",
                         help="pass --env_timeout to step 3 (with --env): the longest one factory or step call may "
                              "take (default: step 3's, 600; 0: no limit)")
+    dschat.add_argument("--preflight", choices=("on", "off"), default="on",
+                        help="plan every step's memory before step 1 (docs/memory-plan.md): on a GPU a step that "
+                             "cannot fit stops e2e in one line with the first fix; on the CPU one line per step, "
+                             "not enforced; off: skip")
     args = parser.parse_args(argv)
     if args.actor_zero_stage != "" or args.reward_zero_stage != "":
         warnings.warn("Non-default zero stages may result in OOM errors or worse performance.", stacklevel=1)
@@ -512,6 +516,47 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
         raise UserError(f"--save-interval must be >= 1, got {args.save_interval}")
     check_environment_options(args)
     return args
+
+
+def _launch_world(launch_argv: Sequence[str]) -> int:
+    """Ranks a step's launch runs on one node: its ``--num_gpus``, else every visible GPU, else 1."""
+    if "--num_gpus" in launch_argv:
+        return int(launch_argv[launch_argv.index("--num_gpus") + 1])
+    import torch  # lazy: only when the steps are planned
+
+    return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
+
+
+def preflight_steps(args: argparse.Namespace, dep: Deployment, runs: Sequence[StepRun], selected: Sequence[StepRun],
+                    launcher: dict[str, object]) -> None:
+    """Plan every selected step before step 1 (docs/memory-plan.md): step 3 with the base models'
+    configs where steps 1 and 2 have not written theirs yet. On a GPU a step that cannot fit is one
+    :class:`UserError` line; on the CPU one line per step. Multi-node runs and critic-free or
+    function-scored step 3 runs (fewer than PPO's four models) are not planned here."""
+    if args.preflight == "off" or args.dry_run:
+        return
+    if dep.name == "multi_node":
+        print("note: e2e's memory preflight plans one node; each step's own checks run on the nodes", flush=True)
+        return
+    from dschat.plan.preflight import device_memory, preflight  # lazy: torch and DeepSpeed (seconds)
+
+    accelerator, gpu_bytes = device_memory()
+    for run_ in selected:
+        if run_.number == 3 and (critic_free(args) or args.reward_fn or args.env):
+            print("note: e2e's memory preflight plans PPO's four models; step 3 with fewer plans itself", flush=True)
+            continue
+        flags = run_.recipe.render(run_.params, run_.extra)
+        if run_.number == 3:  # the folders steps 1 and 2 will write have their base models' configs
+            for flag, base, done in (("--actor_model_name_or_path", args.actor_model, runs[0].output_dir),
+                                     ("--critic_model_name_or_path", args.reward_model, runs[1].output_dir)):
+                if flag in flags and not (done / "config.json").is_file():
+                    flags[flags.index(flag) + 1] = model_id(base)
+        launch = plan(run_.recipe, run_.params, run_.extra, launcher_overrides=launcher, repo_root=ROOT,
+                      require_main=False)
+        world = _launch_world(launch.argv)
+        preflight(flags, world=world, gpus_per_node=world, accelerator=accelerator, gpu_bytes=gpu_bytes,
+                  echo=lambda line: print(line, flush=True), step=run_.number, table=False,
+                  skip_hint="e2e's --preflight off skips this check")
 
 
 def pick_deployment(args: argparse.Namespace, config: E2EConfig) -> Deployment:
@@ -628,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
     spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
 
+    preflight_steps(args, dep, runs, selected, launcher)
     ran_one = False  # --resume: once a step runs, the later ones are stale and run afresh
     save = ["--save_interval", str(args.save_interval)] if args.save_interval else []
     for index, run_ in enumerate(selected):

@@ -1,4 +1,5 @@
-"""Step 3's preflight: the plan of a run's own command line before any model is loaded.
+"""The preflight: the plan of a step's own command line before any model is loaded (step 3 runs it
+itself; ``e2e_rlhf.py`` runs it for each step before step 1).
 
 On an accelerator other than the CPU a run that cannot fit stops with one line naming the phase, the
 shortfall and the first configuration that fits (:class:`UserError`, exit 2); on the CPU the plan is
@@ -31,15 +32,16 @@ _SKIP = "step 3 goes on without it (python -m dschat.plan with the same flags sh
 
 
 def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerator: str, gpu_bytes: int,
-              echo: Callable[[str], None] = print) -> dict | None:
-    """Plan step 3's ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan, or None when
-    the planner cannot plan it (one note through ``echo``, nothing raised).
+              echo: Callable[[str], None] = print, step: int = 3, table: bool = True,
+              skip_hint: str = "--preflight off skips this check") -> dict | None:
+    """Plan step ``step``'s ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan, or None
+    when the planner cannot plan it (one note through ``echo``, nothing raised).
 
-    ``accelerator == "cpu"``: the table is printed (``echo``), nothing is enforced. Otherwise a plan
-    that does not fit raises :class:`UserError` with the peak phase, the shortfall and the first
-    suggestion; one that fits is one line.
+    ``accelerator == "cpu"``: the table (one line without ``table``) is printed (``echo``), nothing is
+    enforced. Otherwise a plan that does not fit raises :class:`UserError` with the peak phase, the
+    shortfall, the first suggestion and ``skip_hint``; one that fits is one line.
     """
-    parser = build_parser()
+    parser = build_parser(step)
     node_args = ["--gpus_per_node", str(gpus_per_node), "--num_nodes", str(max(1, world // gpus_per_node))]
     full = [*argv, *node_args]
     args = parser.parse_args(full)
@@ -47,21 +49,27 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
         result = plan(args, gpu_bytes=gpu_bytes)
     except Exception as err:  # noqa: BLE001 - the planner's gap on a model the run can train never stops it
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
-        echo(f"note: the memory preflight cannot plan this run ({reason}); {_SKIP}")
+        what = "this run" if step == 3 else f"step {step}"
+        echo(f"note: the memory preflight cannot plan {what} ({reason}); {_SKIP.replace('step 3', f'step {step}')}")
         return None
+    peak = f"peak {format_gb(result['peak_bytes_per_gpu'])} per GPU in {result['peak_phase']}"
     if accelerator == "cpu":
-        echo("memory preflight (printed, not enforced on the CPU; --preflight off skips it):\n" + render(result))
+        if table:
+            echo("memory preflight (printed, not enforced on the CPU; --preflight off skips it):\n" + render(result))
+        else:
+            echo(f"memory preflight, step {step}: {peak.replace('per GPU', 'per rank')} (not enforced on the CPU)")
         return result
     if result["fits"]:
-        echo(f"memory preflight: peak {format_gb(result['peak_bytes_per_gpu'])} per GPU in {result['peak_phase']}, "
-             f"fits the {format_gb(gpu_bytes)} GPU with {MARGIN:.0%} kept free")
+        echo(f"memory preflight{'' if step == 3 else f', step {step}'}: {peak}, fits the {format_gb(gpu_bytes)} GPU "
+             f"with {MARGIN:.0%} kept free")
         return result
     found = suggestions(full, args, parser, limit=1, gpu_bytes=gpu_bytes)
     fix = f"add {' '.join(found[0]['flags'])}" if found else "use GPUs with more memory"
+    same = "the same flags" if step == 3 else f"--step {step} and the same flags"
     raise UserError(
-        f"step 3 does not fit: {result['peak_phase']} needs {format_gb(result['peak_bytes_per_gpu'])} per GPU, "
+        f"step {step} does not fit: {result['peak_phase']} needs {format_gb(result['peak_bytes_per_gpu'])} per GPU, "
         f"{format_gb(-result['margin_bytes'])} more than the {format_gb(gpu_bytes)} GPU allows with {MARGIN:.0%} kept free; "
-        f"{fix} (python -m dschat.plan with the same flags shows the whole plan; --preflight off skips this check)")
+        f"{fix} (python -m dschat.plan with {same} shows the whole plan; {skip_hint})")
 
 
 def device_memory() -> tuple[str, int]:

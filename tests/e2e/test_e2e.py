@@ -478,3 +478,44 @@ def test_e2e_grpo_rlvr_step3_and_its_report(tiny_run, tmp_path):
     assert "note: RLVR demo -- step 3 was trained on the gold judge itself" in proc.stdout
     report = json.loads((tmp_path / "report.json").read_text())
     assert {"sft_actor", "rlhf_actor", "rlhf_vs_sft"} <= set(report)
+
+
+# ------------------------------------------------------------------------------------------------
+# The memory preflight (docs/memory-plan.md)
+# ------------------------------------------------------------------------------------------------
+def test_preflight_on_the_cpu_is_one_line_per_step(tmp_path, capsys, monkeypatch):
+    """Every step planned before step 1 runs (step 3 with the base models' configs, its inputs not
+    written yet); on the CPU nothing is enforced."""
+    launched = []
+    monkeypatch.setattr(E, "run", lambda launch: launched.append(launch) or E.LaunchResult(1, 0.0, None, None, ""))
+    monkeypatch.setattr(E, "fail_step", lambda *a: 1)
+    E.main(["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-opt",
+            "--output-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    lines = [x for x in out.splitlines() if x.startswith("memory preflight, step ")]
+    assert [x.split(":")[0] for x in lines] == [f"memory preflight, step {n}" for n in (1, 2, 3)], out
+    assert all("(not enforced on the CPU)" in x for x in lines)
+    assert out.index("memory preflight, step 3") < out.index("---=== Running Step 1 ===---")
+    assert len(launched) == 1  # step 1 ran (and "failed"), after the plans
+
+
+def test_preflight_stops_e2e_before_step_1_when_a_step_cannot_fit(tmp_path, monkeypatch):
+    """On a GPU too small for step 2, e2e stops in one line naming step 2, before launching anything."""
+    import dschat.plan.preflight as pf
+
+    launched = []
+    monkeypatch.setattr(E, "run", lambda launch: launched.append(launch) or E.LaunchResult(0, 0.0, None, None, ""))
+    monkeypatch.setattr(pf, "device_memory", lambda: ("cuda", 3 * 10**6))
+    argv = ["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-opt",
+            "--output-dir", str(tmp_path)]
+    with pytest.raises(UserError) as refused:
+        E.main(argv)
+    line = str(refused.value)
+    assert line.startswith("step 1 does not fit: training needs ") and "\n" not in line
+    assert "python -m dschat.plan with --step 1 and the same flags" in line
+    assert "e2e's --preflight off skips this check" in line
+    assert not launched
+    monkeypatch.setattr(E, "fail_step", lambda *a: 1)
+    monkeypatch.setattr(E, "check_output_of", lambda run_: None)
+    E.main([*argv, "--preflight", "off", "--step", "1"])  # off: no plan, the step runs
+    assert len(launched) == 1
