@@ -102,15 +102,20 @@ def _argv(data: Path, out: Path, *extra: str) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("stage", ["0", "3"])
-def test_ranks_whose_episodes_take_different_turns_finish_together(stage, tmp_path, data_cache):
+@pytest.mark.parametrize("zero", [
+    ("--actor_zero_stage", "0"),
+    ("--actor_zero_stage", "3"),
+    ("--actor_zero_stage", "3", "--zero3_gather_for_generation", "off"),
+], ids=["zero0", "zero3", "zero3-fetched"])
+def test_ranks_whose_episodes_take_different_turns_finish_together(zero, tmp_path, data_cache):
     """Rank 0's episodes end after one turn, rank 1's after 2 or 3 (``env_fixtures:turns_by_rank``):
     rank 0 decodes placeholder rows until rank 1's episodes are done. Under ZeRO-0 and ZeRO-3 (whose
-    rollouts gather the actor's partitions, collectively) both ranks finish, train and save, with the
+    rollouts gather the actor's partitions once, or fetch every layer for every token: collectives
+    either way) both ranks finish, train and save, with the
     same records on both (means over both ranks' episodes) and finite losses."""
     out = tmp_path / "out"
-    ranks = _two_ranks(tmp_path, _argv(data_cache, out, "--actor_zero_stage", stage, "--env",
-                                       "env_fixtures:turns_by_rank", "--max_turns", "3"))
+    ranks = _two_ranks(tmp_path, _argv(data_cache, out, *zero, "--env", "env_fixtures:turns_by_rank",
+                                       "--max_turns", "3"))
     for rank, (code, stdout, stderr) in enumerate(ranks):
         assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
     histories = [json.loads((tmp_path / f"history{rank}.json").read_text()) for rank in (0, 1)]
