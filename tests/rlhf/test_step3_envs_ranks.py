@@ -55,7 +55,8 @@ RolloutGenerator.__init__ = init
 runs = []
 code = cli_main(lambda args: runs.append(step3_main().main(args)), argv)
 if code == 0:
-    (folder / f"history{rank}.json").write_text(json.dumps(runs[0].history, default=str))
+    records = {"history": runs[0].history, "evaluations": runs[0].evaluations}
+    (folder / f"records{rank}.json").write_text(json.dumps(records, default=str))
 sys.exit(code)
 '''
 
@@ -112,13 +113,15 @@ def test_ranks_whose_episodes_take_different_turns_finish_together(zero, tmp_pat
     rank 0 decodes placeholder rows until rank 1's episodes are done. Under ZeRO-0 and ZeRO-3 (whose
     rollouts gather the actor's partitions once, or fetch every layer for every token: collectives
     either way) both ranks finish, train and save, with the
-    same records on both (means over both ranks' episodes) and finite losses."""
+    same records on both (means over both ranks' episodes) and finite losses; the held-out episodes
+    (``--eval_interval``), dealt to both ranks, are played the same way."""
     out = tmp_path / "out"
     ranks = _two_ranks(tmp_path, _argv(data_cache, out, *zero, "--env", "env_fixtures:turns_by_rank",
-                                       "--max_turns", "3"))
+                                       "--max_turns", "3", "--eval_interval", "2", "--eval_prompts", "8"))
     for rank, (code, stdout, stderr) in enumerate(ranks):
         assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
-    histories = [json.loads((tmp_path / f"history{rank}.json").read_text()) for rank in (0, 1)]
+    records = [json.loads((tmp_path / f"records{rank}.json").read_text()) for rank in (0, 1)]
+    histories = [r["history"] for r in records]
     keys = ("reward", "turns", "observation_tokens", "cut_share", "actor_loss")
     assert [[r[k] for k in keys] for r in histories[0]] == [[r[k] for k in keys] for r in histories[1]]
     assert len(histories[0]) == 2, histories[0]
@@ -129,6 +132,11 @@ def test_ranks_whose_episodes_take_different_turns_finish_together(zero, tmp_pat
         assert 1.5 <= turns <= 2.0 and float(record["cut_share"]) == 0.0, record
         assert math.isclose(float(record["reward"]), 0.5 + 0.5 * turns, rel_tol=1e-6), record
         assert float(record["observation_tokens"]) > 0 and math.isfinite(float(record["actor_loss"])), record
+    # Held-out episodes: batch 0 (prompts 0-3) is played on rank 0, batch 1 on rank 1 (its own lengths).
+    evaluations = [[(e["global_step"], e["per_prompt"]["proxy"]) for e in r["evaluations"]] for r in records]
+    assert evaluations[0] == evaluations[1] and [step for step, _ in evaluations[0]] == [0, 2], evaluations
+    for _, proxy in evaluations[0]:
+        assert proxy[:4] == [1.0] * 4 and all(p in (1.5, 2.0) for p in proxy[4:]), proxy
     assert "Episodes: " in ranks[0][1]
     assert (out / "actor" / "config.json").exists()
 
