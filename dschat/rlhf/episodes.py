@@ -176,9 +176,7 @@ class EpisodePlayer:
                     # if it ends here (the first is the reward slot's KL term, as for one answer).
                     tails[i] = kept_lp[j][len(turn):] if len(turn) == len(whole) else []
                 texts[i] = self.tokenizer.decode(turn, skip_special_tokens=True)
-            if not live:
-                continue
-            results = raise_together(lambda: batch.step(texts))
+            results = raise_together(lambda: batch.step(texts))  # every rank, its placeholder turn too
             for i in live:
                 state = batch.states[i]
                 if not state.done and (not ended[i] or len(tokens[i]) >= self.max_answer_seq_len):
