@@ -13,7 +13,7 @@ import torch
 
 from dschat.models.reward_inputs import CrossTokenizerInputs
 
-from helpers.step3 import base_argv, make_classifier, refused_in_process, step3_main
+from helpers.step3 import base_argv, load_state, make_classifier, refused_in_process, step3_main
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -69,14 +69,30 @@ def test_ppo_with_a_critic_folder_of_another_tokenizer(tmp_path, critic_dirs, da
 
 @pytest.mark.slow
 def test_grpo_scored_by_a_sequence_classifier_of_another_family(tmp_path, data_cache, capsys):
+    # The reward model under ZeRO-3 (its stage follows the critic's flag), built from the classifier.
     classifier = make_classifier("tiny-opt", tmp_path / "classifier")
     result = step3_main().main(_argv(None, data_cache, "--algorithm", "grpo", "--num_generations", "2",
-                                     "--reward_model_name_or_path", str(classifier)))
+                                     "--reward_model_name_or_path", str(classifier), "--critic_zero_stage", "3"))
     logs = capsys.readouterr().out
     _finite(result)
     assert result.rlhf_engine.critic is None and "critic:" not in logs
     assert f"reward model: the tokenizer of {classifier} differs from the actor's" in logs
     assert result.rlhf_engine.reward_inputs is not None
+    assert result.rlhf_engine.reward.zero_optimization_stage() == 3
+
+
+@pytest.mark.slow
+def test_ppo_with_a_classifier_of_the_actors_tokenizer_as_critic_and_reward(tmp_path, data_cache, capsys):
+    classifier = make_classifier("tiny-llama", tmp_path / "classifier")
+    result = step3_main().main(_argv(classifier, data_cache))
+    logs = capsys.readouterr().out
+    _finite(result)
+    assert "critic:" not in logs and "reward model: the tokenizer" not in logs
+    engine = result.rlhf_engine
+    assert engine.reward_inputs is None and not engine.critic_from_actor
+    # The frozen reward model's value head is the classifier's score row.
+    score = load_state(classifier)["score.weight"]
+    assert torch.equal(engine.reward.module.v_head.weight.detach(), score)
 
 
 @pytest.mark.slow
