@@ -217,10 +217,15 @@ class DeepSpeedRLHFEngine:
         # The critic and a reward model of the actor's tokenizer read the ids the actor samples: one
         # embedding size for all (a critic-free run scored by reward functions alone loads neither).
         configs = {"actor": actor_config}
+        reads_actor_ids = {}
         if with_critic and not self.critic_from_actor:
-            configs["critic"] = load_config(resolve_model_path(self.sources.critic))
+            reads_actor_ids["critic"] = self.sources.critic
         if with_reward_model and self.sources.reward_tokenizer is None:
-            configs["reward model"] = load_config(resolve_model_path(self.sources.reward))
+            reads_actor_ids["reward model"] = self.sources.reward
+        if len(set(reads_actor_ids.values())) == 1:  # one folder: the message names it once
+            reads_actor_ids = {"/".join(reads_actor_ids): next(iter(reads_actor_ids.values()))}
+        for name, path in reads_actor_ids.items():
+            configs[name] = load_config(resolve_model_path(path))
         self.vocab_rows, note = aligned_vocab_rows(tokenizer, configs)
         if note and is_rank_0():
             print(note, flush=True)
