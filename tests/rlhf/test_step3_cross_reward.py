@@ -70,11 +70,16 @@ def test_ppo_with_a_critic_folder_of_another_tokenizer(tmp_path, critic_dirs, da
 @pytest.mark.slow
 def test_grpo_scored_by_a_sequence_classifier_of_another_family(tmp_path, data_cache, capsys):
     # The reward model under ZeRO-3 (its stage follows the critic's flag), built from the classifier.
+    # A held-out judge of another family too: a classifier read from the rendered text.
     classifier = make_classifier("tiny-opt", tmp_path / "classifier")
+    judge = make_classifier("tiny-opt", tmp_path / "judge", seed=1)
     result = step3_main().main(_argv(None, data_cache, "--algorithm", "grpo", "--num_generations", "2",
-                                     "--reward_model_name_or_path", str(classifier), "--critic_zero_stage", "3"))
+                                     "--reward_model_name_or_path", str(classifier), "--critic_zero_stage", "3",
+                                     "--eval_interval", "1", "--eval_prompts", "3", "--eval_judge", str(judge)))
     logs = capsys.readouterr().out
     _finite(result)
+    judged = [r["per_prompt"][str(judge)] for r in result.evaluations]
+    assert len(judged) == 3 and all(len(x) == 3 and all(math.isfinite(v) for v in x) for x in judged)
     assert result.rlhf_engine.critic is None and "critic:" not in logs
     assert f"reward model: the tokenizer of {classifier} differs from the actor's" in logs
     assert result.rlhf_engine.reward_inputs is not None
