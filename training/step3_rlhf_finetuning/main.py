@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from dschat.rlhf.config import AlgorithmSettings, BatchPlan
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
-    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -93,10 +93,13 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     needs_reward_model = mix is None or mix.uses_model
     critic, reward = args.critic_model_name_or_path, getattr(args, "reward_model_name_or_path", None)
     if critic is None and reward is None and (needs_critic or needs_reward_model):
-        role = (f"--algorithm {settings.algorithm if settings else 'ppo'}'s critic" if needs_critic
-                else "the reward model (--reward_model_weight is not 0)")
+        if needs_critic:
+            role = f"--algorithm {settings.algorithm if settings else 'ppo'}'s critic"
+            also = "or --reward_model_name_or_path: the critic then starts from the actor"
+        else:
+            role, also = "the reward model (--reward_model_weight is not 0)", "or --reward_model_name_or_path"
         raise UserError(f"--critic_model_name_or_path is required for {role}: give the step-2 output folder "
-                        "(or --reward_model_name_or_path: the critic then starts from the actor)")
+                        f"({also})")
     for flag, name in (("--critic_model_name_or_path", critic), ("--reward_model_name_or_path", reward)):
         if name is not None:
             check_critic_folder(resolve_model_path(name), name, flag)
