@@ -20,8 +20,10 @@ from dschat.eval.heldout import EvalSettings
 from dschat.gold_judge import gold_score
 from dschat.models.build import create_critic_model
 from dschat.models.registry import load_config
-from dschat.models.reward_model import is_reward_model_folder, last_token_index, not_a_critic_message
-from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.models.reward_inputs import encode_for_reward, reward_max_length
+from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
+                                        not_a_critic_message)
+from dschat.models.tokenizer import load_hf_tokenizer, tokenizer_differences
 from dschat.rl_math.logprobs import gather_log_probs
 from dschat.runtime.zero3 import zero3_pass
 
@@ -51,10 +53,11 @@ def check_actor_folder(path: str | Path) -> Path:
 
 
 def check_reward_folder(path: str | Path) -> Path:
-    """``path`` as a step-2 reward-model folder."""
+    """``path`` as a reward-model folder: a step-2 output or a one-label sequence classifier."""
     folder = _check_folder(path, "reward-model folder")
     if not is_reward_model_folder(folder):
         raise UserError(not_a_critic_message(str(folder), "--reward"))
+    check_critic_folder(folder, str(folder), "--reward")  # a classifier of more than one label
     return folder
 
 
@@ -69,7 +72,8 @@ def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
 
 
 def load_reward(path: str | Path, device: Any) -> tuple[Any, Any]:
-    """The step-2 reward model (strict load: body + value head) and its tokenizer."""
+    """The reward model (strict load: body + value head; a sequence classifier's ``score`` row as the
+    value head) and its tokenizer."""
     folder = check_reward_folder(path)
     tokenizer = load_hf_tokenizer(str(folder))
     model = create_critic_model(str(folder), tokenizer, None, rlhf_training=True)
@@ -189,17 +193,19 @@ def reward_scores(
     reward_model: Any, reward_tokenizer: Any, samples: Samples, actor_tokenizer: Any, batch_size: int
 ) -> list[float]:
     """The reward model's end score of each (prompt, answer), scored on the generated token ids as
-    step 3 does when the tokenizers agree, else on the re-tokenised text."""
-    same_vocab = reward_tokenizer.get_vocab() == actor_tokenizer.get_vocab()
+    step 3 does when the tokenizers agree, else on the text rendered and re-tokenised for the reward
+    model (its chat template if it has one, cut to its maximum length keeping the end:
+    :func:`~dschat.models.reward_inputs.encode_for_reward`)."""
+    same_tokens = not tokenizer_differences(reward_tokenizer, actor_tokenizer)
+    max_length = reward_max_length(reward_tokenizer, getattr(reward_model, "config", None))
     rows = []
     for prompt, p_ids, r_ids, text, ended in zip(
         samples.prompts, samples.prompt_ids, samples.response_ids, samples.texts, samples.ended
     ):
-        if same_vocab:
+        if same_tokens:
             rows.append(p_ids + r_ids)
         else:
-            suffix = reward_tokenizer.eos_token if ended and reward_tokenizer.eos_token else ""
-            rows.append(reward_tokenizer(prompt + text + suffix)["input_ids"])
+            rows.append(encode_for_reward(reward_tokenizer, prompt, text, ended, max_length))
     return score_sequences(reward_model, rows, reward_tokenizer.pad_token_id, batch_size)
 
 

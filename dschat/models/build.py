@@ -8,7 +8,8 @@ Contracts (the differences from upstream: docs/upstream.md):
 - A model path may be a PEFT LoRA adapter folder (dschat's ``lora_adapter/`` or any other): its base
   model is built and the adapter merged into it (:mod:`dschat.models.peft_adapter`).
 - A step-3 critic/reward path must be a step-2 output -- dschat's (safetensors body +
-  ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model): a
+  ``v_head.safetensors``) or upstream's (``pytorch_model.bin`` of the whole reward model) -- or a
+  one-label Hugging Face sequence classifier (its body, its ``score`` row as the value head): a
   missing, unexpected or wrongly shaped key is one :class:`~dschat.errors.UserError`.
 """
 from __future__ import annotations
@@ -28,11 +29,14 @@ from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
 from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.models.reward_model import (
     RewardModel,
+    check_classifier,
     copy_value_head,
     critic_format,
     load_upstream_state,
+    load_classifier_state,
     load_value_head,
     not_a_critic_message,
+    split_classifier_state,
     split_upstream_state,
     value_head_file,
 )
@@ -176,11 +180,13 @@ def create_critic_model(
     ``rlhf_training=False`` (step 2): the body comes from any causal-LM or base-model folder and the
     value head is fresh. ``rlhf_training=True`` (step 3, ``rw_eval.py``): the folder must be a step-2
     output, in dschat's format (body folder + ``v_head.safetensors``) or upstream DeepSpeed-Chat's
-    (``pytorch_model.bin`` with ``rwtransformer.*`` and ``v_head.weight``); body and value head are
-    loaded with strict key checking in both. ``zero_stage`` is upstream's argument; the ZeRO-3
+    (``pytorch_model.bin`` with ``rwtransformer.*`` and ``v_head.weight``), or a one-label
+    ``*ForSequenceClassification`` folder (body: the keys under its ``base_model_prefix``; value head:
+    its ``score.weight``, so the end score is the classifier's logit); body and value head are
+    loaded with strict key checking in all three. ``zero_stage`` is upstream's argument; the ZeRO-3
     build follows ``ds_config``.
     """
-    from transformers import AutoModel  # lazy: see create_hf_model
+    from transformers import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING, AutoModel  # lazy: see create_hf_model
 
     path = resolve_model_path(model_name_or_path)
     start = time.time()
@@ -191,8 +197,9 @@ def create_critic_model(
     if rlhf_training and fmt is None:
         raise UserError(not_a_critic_message(model_name_or_path))
     head = None
-    if fmt == "upstream":
-        body_state, head = split_upstream_state(load_upstream_state(path), path)
+    if fmt in ("upstream", "classifier"):
+        body_state, head = (split_upstream_state(load_upstream_state(path), path) if fmt == "upstream"
+                            else _classifier_state(path, MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING))
         base = _load_base_strict(AutoModel, path, tokenizer, ds_config, dropout, state_dict=body_state,
                                  vocab_rows=vocab_rows)
         base.config._name_or_path = path  # built from a state dict: name the folder (a LoRA adapter's base)
@@ -204,10 +211,18 @@ def create_critic_model(
     critic = RewardModel(base, tokenizer, num_padding_at_beginning, compute_fp32_loss)
     if fmt == "dschat":
         load_value_head(critic, path)
-    elif fmt == "upstream":
+    elif head is not None:
         copy_value_head(critic, head, path)
     print(f">Creating critic model from {model_name_or_path} took {time.time() - start:.2f} seconds")
     return critic
+
+
+def _classifier_state(path: str, mapping: Any) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Body state (its ``base_model_prefix`` stripped) and score row of a one-label sequence classifier;
+    ``mapping``: transformers' config class -> ``*ForSequenceClassification`` class."""
+    check_classifier(path)
+    classifier_class = mapping[type(load_config(path))]
+    return split_classifier_state(load_classifier_state(path), classifier_class.base_model_prefix, path)
 
 
 def _adapter_critic(folder: str, tokenizer: Any, ds_config: dict | None, num_padding_at_beginning: int,

@@ -9,13 +9,17 @@ is part of the sequence and is the scored token. Without an attention mask the l
 by upstream's pad rule: skip ``num_padding_at_beginning`` leading pads, the first pad after them
 ends the sequence. Upstream always used the pad rule: docs/upstream.md#pad-and-eos.
 
-Two folder formats are read (``critic_format``): dschat's (a Hugging Face body folder plus
-``v_head.safetensors``, what step 2 writes) and upstream DeepSpeed-Chat's (one
+Three folder formats are read (``critic_format``): dschat's (a Hugging Face body folder plus
+``v_head.safetensors``, what step 2 writes), upstream DeepSpeed-Chat's (one
 ``pytorch_model.bin`` holding the whole RewardModel state dict: ``rwtransformer.*`` body keys and
-``v_head.weight``, LoRA fused).
+``v_head.weight``, LoRA fused) and a Hugging Face sequence classifier with one label
+(``*ForSequenceClassification`` in its config's ``architectures``, safetensors weights): its body
+(the keys under the class's ``base_model_prefix``) is the body and its ``score`` row (1, H) the value
+head, so its end score is the classifier's logit at the last real token.
 """
 from __future__ import annotations
 
+import json
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -41,6 +45,12 @@ __all__ = [
     "split_upstream_state",
     "is_reward_model_folder",
     "check_upstream_critic",
+    "CLASSIFIER_HEAD_KEY",
+    "classifier_labels",
+    "check_classifier",
+    "load_classifier_state",
+    "split_classifier_state",
+    "check_critic_folder",
     "positions_from_mask",
     "last_token_index",
     "RewardModel",
@@ -53,18 +63,107 @@ VALUE_HEAD_KEY = "v_head.weight"
 BODY_PREFIX = "rwtransformer."
 
 
+#: The one-row head of a Hugging Face ``*ForSequenceClassification`` model (LLaMA, OPT, Qwen2, ...).
+CLASSIFIER_HEAD_KEY = "score.weight"
+_CLASSIFIER_SUFFIX = "ForSequenceClassification"
+
+
 def value_head_file(folder: str | Path) -> Path:
     return Path(folder) / VALUE_HEAD_FILE
 
 
+def _config_json(folder: str | Path) -> dict[str, Any]:
+    try:
+        data = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
 def critic_format(folder: str | Path) -> str | None:
     """``"dschat"`` (``v_head.safetensors`` beside the body), ``"upstream"`` (DeepSpeed-Chat's
-    ``pytorch_model.bin`` with the value head inside) or None (not a step-2 output)."""
+    ``pytorch_model.bin`` with the value head inside), ``"classifier"`` (a Hugging Face
+    ``*ForSequenceClassification`` folder, any number of labels: :func:`check_classifier` refuses
+    more than one) or None (not a reward model)."""
     if value_head_file(folder).is_file():
         return "dschat"
     if (Path(folder) / UPSTREAM_WEIGHTS_FILE).is_file():
         return "upstream"
+    architectures = _config_json(folder).get("architectures") or []
+    if any(isinstance(a, str) and a.endswith(_CLASSIFIER_SUFFIX) for a in architectures):
+        return "classifier"
     return None
+
+
+def classifier_labels(folder: str | Path) -> int:
+    """The number of labels of a sequence-classifier folder, as transformers counts them: the
+    ``id2label`` entries its config saves (transformers' default is 2)."""
+    config = _config_json(folder)
+    if isinstance(config.get("id2label"), dict):
+        return len(config["id2label"])
+    return int(config.get("num_labels", 2))
+
+
+def check_classifier(folder: str | Path) -> None:
+    """Refuse, in one line naming the folder and the fix, a sequence classifier that is not a reward
+    model: more than one label (a reward is one number per answer)."""
+    labels = classifier_labels(folder)
+    if labels != 1:
+        raise UserError(
+            f"{folder} is a sequence classifier with num_labels {labels}; a reward model gives one score per "
+            "answer: pass a classifier saved with num_labels=1 (a reward model, e.g. "
+            "AutoModelForSequenceClassification.from_pretrained(..., num_labels=1) trained on preferences) or "
+            "a step-2 output folder"
+        )
+
+
+def load_classifier_state(folder: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a sequence-classifier folder's safetensors weights (one file, or the shards its
+    ``model.safetensors.index.json`` lists). A folder without them is one :class:`UserError` line."""
+    folder = Path(folder)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        raise UserError(f"sequence classifier {folder} has no model.safetensors (nor an index of shards); save it "
+                        "with save_pretrained(..., safe_serialization=True)")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(folder / name)))
+    return state
+
+
+def split_classifier_state(state: dict[str, torch.Tensor], prefix: str,
+                           where: str | Path) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """The body keys (``prefix.`` stripped: the class's ``base_model_prefix``) and the ``score.weight``
+    row (1, H) of a one-label sequence classifier's state dict. A bias on the score layer, or a key
+    that is neither, is a :class:`UserError` naming the keys (the value head has no bias)."""
+    body_prefix = prefix + "."
+    stray = sorted(k for k in state if k != CLASSIFIER_HEAD_KEY and not k.startswith(body_prefix))
+    head = state.get(CLASSIFIER_HEAD_KEY)
+    if stray or head is None or head.dim() != 2 or head.shape[0] != 1:
+        problem = (f"keys that are neither {CLASSIFIER_HEAD_KEY} nor {body_prefix}*: {first_keys(stray)}" if stray
+                   else f"no one-row {CLASSIFIER_HEAD_KEY}")
+        raise UserError(f"sequence classifier {where} cannot be read as a reward model: it has {problem}; pass a "
+                        "one-label *ForSequenceClassification folder whose score layer has no bias")
+    body = {k[len(body_prefix):]: v for k, v in state.items() if k.startswith(body_prefix)}
+    return body, head
+
+
+def check_critic_folder(folder: str | Path, name: str, flag: str) -> str:
+    """The :func:`critic_format` of ``folder`` (``name`` as the user gave it), refusing one that is no
+    reward model, an upstream file without a value head, or a multi-label classifier; cheap (upstream
+    keys memory-mapped, a classifier's config only)."""
+    fmt = critic_format(folder)
+    if fmt is None:
+        raise UserError(not_a_critic_message(name, flag))
+    if fmt == "upstream":
+        check_upstream_critic(folder)
+    if fmt == "classifier":
+        check_classifier(folder)
+    return fmt
 
 
 def not_a_critic_message(name: str, flag: str | None = None) -> str:
@@ -72,8 +171,8 @@ def not_a_critic_message(name: str, flag: str | None = None) -> str:
     what = f"{flag} {name!r}" if flag else f"critic/reward path {name!r}"
     return (
         f"{what} is not a step-2 reward model output: it has neither {VALUE_HEAD_FILE} (a dschat step-2 "
-        f"output) nor {UPSTREAM_WEIGHTS_FILE} (an upstream DeepSpeed-Chat step-2 output); pass the "
-        "--output_dir of training/step2_reward_model_finetuning/main.py"
+        f"output) nor {UPSTREAM_WEIGHTS_FILE} (an upstream DeepSpeed-Chat step-2 output), nor is it a "
+        "*ForSequenceClassification folder; pass the --output_dir of training/step2_reward_model_finetuning/main.py"
     )
 
 
@@ -121,11 +220,12 @@ def split_upstream_state(
 
 
 def is_reward_model_folder(folder: str | Path) -> bool:
-    """Whether ``folder`` is a step-2 output, dschat's or upstream's. An upstream step-1 folder has a
-    ``pytorch_model.bin`` too: its keys (memory-mapped) tell the two apart."""
+    """Whether ``folder`` is a reward model: a step-2 output, dschat's or upstream's, or a sequence
+    classifier (of any number of labels: :func:`check_classifier` refuses more than one). An upstream
+    step-1 folder has a ``pytorch_model.bin`` too: its keys (memory-mapped) tell the two apart."""
     fmt = critic_format(folder)
     if fmt != "upstream":
-        return fmt == "dschat"
+        return fmt in ("dschat", "classifier")
     try:
         return VALUE_HEAD_KEY in load_upstream_state(folder)
     except UserError:

@@ -51,7 +51,11 @@ def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelera
     plans = {}
     for role in PLANNED_ROLES:
         critic = role in ("critic", "reward")
-        name = args.critic_model_name_or_path if critic else args.actor_model_name_or_path
+        # The critic starts from the actor without a critic folder; the reward model is
+        # --reward_model_name_or_path's when given, else the critic's.
+        critic_path = args.critic_model_name_or_path or args.actor_model_name_or_path
+        reward_path = getattr(args, "reward_model_name_or_path", None) or critic_path
+        name = {"critic": critic_path, "reward": reward_path}.get(role, args.actor_model_name_or_path)
         inv, meta_model = _inventory(name, critic)
         if role == "actor":
             inv = with_lora(inv, meta_model, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)

@@ -121,7 +121,8 @@ class DeepSpeedPPOTrainer(PPOFormulas):
              "reward": self.reward_model if reward_mix.uses_model else None},
             packing=ppo.sequence_packing, temperature=self.generator.decoding.logit_temperature,
             fp32=ppo.compute_fp32_loss, scoring_gather=ppo.zero3_gather_for_scoring,
-            training_gather=ppo.zero3_gather_for_training)
+            training_gather=ppo.zero3_gather_for_training,
+            reward_inputs=getattr(rlhf_engine, "reward_inputs", None))
         # --max_nonfinite_steps: rollouts and micro-steps with NaN/inf are skipped, counted, logged;
         # step 3's main points ``last_checkpoint`` at its checkpoints for the stop message.
         self.nonfinite = NonFiniteGuard(ppo.max_nonfinite_steps, get_rank(), self.device)

@@ -4,7 +4,14 @@
 * **ref** -- frozen copy of the step-1 checkpoint (the KL anchor);
 * **actor_ema** -- optional (``--enable_ema``), the exponential moving average of the actor;
 * **critic** -- trainable, from the step-2 checkpoint (LoRA optional);
-* **reward** -- frozen, from the same step-2 checkpoint.
+* **reward** -- frozen, from the same step-2 checkpoint, or ``--reward_model_name_or_path``.
+
+Where the critic and the reward model come from (:class:`ModelSources`, :func:`resolve_model_sources`):
+the critic reads the actor's token ids, so it starts from ``--critic_model_name_or_path`` only when
+that folder's tokenizer is the actor's, else from the actor with a fresh value head (one line says
+so). The reward model (default: the critic's folder, upstream's behaviour) may have another
+tokenizer: it then scores re-tokenised text (:class:`~dschat.models.reward_inputs.CrossTokenizerInputs`)
+and keeps its own embedding size.
 
 Upstream's placement rules: reference and EMA use ZeRO-3 only if the actor does (else stage 0);
 the reward model uses ZeRO-3 only if the critic does. ``--offload_reference_model`` applies to the
@@ -22,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import dataclass
 
 from deepspeed import DeepSpeedEngine
 from deepspeed.accelerator import get_accelerator
@@ -31,6 +39,8 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
+from dschat.models.reward_inputs import CrossTokenizerInputs, reward_max_length
+from dschat.models.tokenizer import load_hf_tokenizer, tokenizer_differences
 from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf.config import (
     ModelsConfig,
@@ -52,9 +62,63 @@ from dschat.runtime.ds_config import resolve_dtype
 from dschat.runtime.zero3 import begin_passes_with_dschats_rule, release_zero3_prefetch
 from dschat.training.engine_setup import OptimSettings, apply_lora, initialize_engine
 
-__all__ = ["DeepSpeedRLHFEngine", "log_init", "ds_config_for", "ROLES"]
+__all__ = ["DeepSpeedRLHFEngine", "ModelSources", "resolve_model_sources", "log_init", "ds_config_for", "ROLES"]
 
 ROLES = ("actor", "ref", "ema", "critic", "reward")
+
+
+@dataclass(frozen=True)
+class ModelSources:
+    """The folders step 3's critic and reward model are built from.
+
+    ``critic``: the critic's folder (the actor's when ``critic_from_actor``: body of the actor, fresh
+    value head); ``reward``: the reward model's folder; ``reward_tokenizer``: its tokenizer when it
+    differs from the actor's (it then scores re-tokenised text), None when it reads the actor's ids.
+    ``notes``: the lines that say what was chosen and why."""
+
+    critic: str | None
+    reward: str | None
+    critic_from_actor: bool = False
+    reward_tokenizer: PreTrainedTokenizerBase | None = None
+    notes: tuple[str, ...] = ()
+
+
+def _differences(tokenizer: PreTrainedTokenizerBase, path: str, role: str) -> tuple[list[str], PreTrainedTokenizerBase]:
+    try:
+        other = load_hf_tokenizer(path)
+    except UserError as err:
+        raise UserError(f"cannot compare the tokenizer of the {role} {path} with the actor's: {err}") from None
+    return tokenizer_differences(tokenizer, other), other
+
+
+def resolve_model_sources(actor: str, critic: str | None, reward: str | None, tokenizer: PreTrainedTokenizerBase,
+                          *, needs_critic: bool, needs_reward: bool) -> ModelSources:
+    """Where the critic and the reward model come from. ``reward`` defaults to ``critic``
+    (``--reward_model_name_or_path`` unset). The critic starts from ``critic`` when its tokenizer is
+    the actor's ``tokenizer``, else (another tokenizer, or no ``critic``) from ``actor`` with a fresh
+    value head; the reward model keeps its folder and, when its tokenizer differs, its tokenizer."""
+    reward = reward or critic
+    notes: list[str] = []
+    critic_source, from_actor = critic, False
+    if needs_critic:
+        if critic is None:
+            critic_source, from_actor = actor, True
+            notes.append(f"critic: no --critic_model_name_or_path; the critic starts from the actor {actor} with a "
+                         "fresh value head")
+        else:
+            differences, _ = _differences(tokenizer, resolve_model_path(critic), "critic")
+            if differences:
+                critic_source, from_actor = actor, True
+                notes.append(f"critic: the tokenizer of {critic} differs from the actor's ({'; '.join(differences)}); "
+                             f"the critic starts from the actor {actor} with a fresh value head")
+    reward_tokenizer = None
+    if needs_reward and reward is not None:
+        differences, other = _differences(tokenizer, resolve_model_path(reward), "reward model")
+        if differences:
+            reward_tokenizer = other
+            notes.append(f"reward model: the tokenizer of {reward} differs from the actor's ({'; '.join(differences)}); "
+                         "it scores each answer decoded and re-tokenised with its own tokenizer")
+    return ModelSources(critic_source, reward, from_actor, reward_tokenizer, tuple(notes))
 
 
 def log_init(model_name: str, stime: float | None = None) -> float:
@@ -123,13 +187,15 @@ class DeepSpeedRLHFEngine:
     (``critic`` is None), for the critic-free algorithms. ``config``: step 3's
     :class:`~dschat.rlhf.config.Step3Config`, whose models, ZeRO and rollout parts (and the PPO part's
     answer length) the engine reads; without it (upstream's signature) those parts are built from
-    ``args``, dschat's flags at their defaults.
+    ``args``, dschat's flags at their defaults. ``sources`` (:func:`resolve_model_sources`): where the
+    critic and the reward model come from; without it (upstream's signature) both come from
+    ``critic_model_name_or_path``, read with the actor's token ids.
     """
 
     def __init__(self, actor_model_name_or_path: str, critic_model_name_or_path: str | None,
                  tokenizer: PreTrainedTokenizerBase, args: argparse.Namespace, num_total_iters: int, *,
                  with_reward_model: bool = True, with_critic: bool = True,
-                 config: Step3Config | None = None) -> None:
+                 config: Step3Config | None = None, sources: ModelSources | None = None) -> None:
         self.args = args  # upstream's attribute
         self.models: ModelsConfig
         self.zero: ZeroConfig
@@ -145,12 +211,21 @@ class DeepSpeedRLHFEngine:
         self.tokenizer = tokenizer
         self.dtype = resolve_dtype(models.dtype)
         self.world_size = get_world_size()
+        self.sources = sources or ModelSources(critic_model_name_or_path, critic_model_name_or_path)
+        self.critic_from_actor = self.sources.critic_from_actor
         actor_config = load_config(resolve_model_path(actor_model_name_or_path))
-        # The critic and the reward model read the ids the actor samples: one embedding size for all
-        # (a critic-free run scored by reward functions alone loads neither).
+        # The critic and a reward model of the actor's tokenizer read the ids the actor samples: one
+        # embedding size for all (a critic-free run scored by reward functions alone loads neither).
         configs = {"actor": actor_config}
-        if with_critic or with_reward_model:
-            configs["critic/reward model"] = load_config(resolve_model_path(critic_model_name_or_path))
+        reads_actor_ids = {}
+        if with_critic and not self.critic_from_actor:
+            reads_actor_ids["critic"] = self.sources.critic
+        if with_reward_model and self.sources.reward_tokenizer is None:
+            reads_actor_ids["reward model"] = self.sources.reward
+        if len(set(reads_actor_ids.values())) == 1:  # one folder: the message names it once
+            reads_actor_ids = {"/".join(reads_actor_ids): next(iter(reads_actor_ids.values()))}
+        for name, path in reads_actor_ids.items():
+            configs[name] = load_config(resolve_model_path(path))
         self.vocab_rows, note = aligned_vocab_rows(tokenizer, configs)
         if note and is_rank_0():
             print(note, flush=True)
@@ -161,8 +236,14 @@ class DeepSpeedRLHFEngine:
         self.actor = self._init_actor(actor_model_name_or_path)
         self.ref = self._init_ref(actor_model_name_or_path)
         self.actor_ema = self._init_ema(actor_model_name_or_path) if models.enable_ema else None
-        self.critic = self._init_critic(critic_model_name_or_path) if with_critic else None
-        self.reward = self._init_reward(critic_model_name_or_path) if with_reward_model else None
+        self.critic = self._init_critic(self.sources.critic) if with_critic else None
+        self.reward = self._init_reward(self.sources.reward) if with_reward_model else None
+        # A reward model of another tokenizer reads each answer re-tokenised, at most its own length.
+        self.reward_inputs: CrossTokenizerInputs | None = None
+        if self.reward is not None and self.sources.reward_tokenizer is not None:
+            self.reward_inputs = CrossTokenizerInputs(
+                tokenizer, self.sources.reward_tokenizer,
+                reward_max_length(self.sources.reward_tokenizer, self.reward.module.config))
         if models.critic.gradient_checkpointing and self.critic is not None:
             # Permanently on for the critic (upstream); the actor's is toggled around training only.
             self.critic.module.gradient_checkpointing_enable()
@@ -244,8 +325,11 @@ class DeepSpeedRLHFEngine:
         stime = log_init("Critic")
         models, spec = self.models, self.models.critic
         ds_config = self._config("critic")
+        # From the actor (its tokenizer differs from the critic folder's, or none was given): the
+        # actor's body and a fresh value head, as step 2 starts.
         model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
-                                    num_padding_at_beginning=models.num_padding_at_beginning, rlhf_training=True,
+                                    num_padding_at_beginning=models.num_padding_at_beginning,
+                                    rlhf_training=not self.critic_from_actor,
                                     dropout=spec.dropout, zero_stage=self.zero.critic_zero_stage,
                                     compute_fp32_loss=models.compute_fp32_loss, vocab_rows=self.vocab_rows)
         model = _apply_lora(model, "critic", spec.lora_dim, spec.lora_module_name,
@@ -255,15 +339,18 @@ class DeepSpeedRLHFEngine:
         log_init("Critic", stime=stime)
         return engine
 
-    def _init_reward(self, critic_model_name_or_path: str) -> DeepSpeedEngine:
+    def _init_reward(self, reward_model_name_or_path: str) -> DeepSpeedEngine:
         stime = log_init("Reward")
         models = self.models
         ds_config = self._config("reward")
         stage = ds_config["zero_optimization"]["stage"]
-        model = create_critic_model(critic_model_name_or_path, self.tokenizer, ds_config,
+        # Another tokenizer: its own pad id and embedding size (it never reads the actor's ids).
+        own_tokenizer = self.sources.reward_tokenizer
+        model = create_critic_model(reward_model_name_or_path, own_tokenizer or self.tokenizer, ds_config,
                                     num_padding_at_beginning=models.num_padding_at_beginning, rlhf_training=True,
                                     dropout=models.critic.dropout, zero_stage=stage,
-                                    compute_fp32_loss=models.compute_fp32_loss, vocab_rows=self.vocab_rows)
+                                    compute_fp32_loss=models.compute_fp32_loss,
+                                    vocab_rows=None if own_tokenizer is not None else self.vocab_rows)
         engine = initialize_engine(model, ds_config, None)
         log_init("Reward", stime=stime)
         return engine

@@ -53,7 +53,8 @@ from deepspeed import DeepSpeedEngine
 from dschat.rl_math.logprobs import gather_log_probs
 from dschat.models.packing import (PackedRows, attention_span, pack_rows, packed_model_inputs,
                                    resolve_sequence_packing)
-from dschat.models.reward_model import last_token_index
+from dschat.models.reward_inputs import CrossTokenizerInputs
+from dschat.models.reward_model import last_token_index, positions_from_mask
 from dschat.runtime.dist import print_rank_0
 from dschat.runtime.zero3 import (
     fits_gathered,
@@ -220,11 +221,15 @@ class ScoringPasses:
     ``packing`` (``--sequence_packing`` resolved per model: name -> packs), ``temperature`` (the
     sampling temperature the log-probs are taken at), ``fp32`` (log-probs of half-precision logits in
     fp32), ``scoring_gather`` / ``training_gather`` (``--zero3_gather_for_scoring`` /
-    ``--zero3_gather_for_training``). One packing of a batch serves every model's pass."""
+    ``--zero3_gather_for_training``). One packing of a batch serves every model's pass.
+    ``reward_inputs``: the re-tokenisation for a reward model of another tokenizer (None: it reads the
+    actor's token ids)."""
 
     def __init__(self, models: dict[str, DeepSpeedEngine | None], *, packing: str, temperature: float, fp32: bool,
-                 scoring_gather: str, training_gather: str) -> None:
+                 scoring_gather: str, training_gather: str,
+                 reward_inputs: CrossTokenizerInputs | None = None) -> None:
         self.models = models
+        self.reward_inputs = reward_inputs
         self.packing = resolve_sequence_packing(packing, models)
         # The actor's shape weighs a packed layout's attention against the padding it saves (every
         # model scores the same packed rows).
@@ -270,8 +275,15 @@ class ScoringPasses:
 
     def reward_scores(self, seq: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
                       packed: PackedRows | None, prompt_length: int) -> torch.Tensor:
-        """(B,) the reward model's end scores, gathered whole for the pass where the scoring gather says."""
+        """(B,) the reward model's end scores, gathered whole for the pass where the scoring gather says.
+        A reward model of another tokenizer scores the rows re-tokenised by :attr:`reward_inputs`
+        (padded, right-aligned: its value at each row's last token)."""
         model = self.models["reward"]
+        if self.reward_inputs is not None:
+            ids, mask = self.reward_inputs(seq, attention_mask, prompt_length)
+            with self.scoring_gather("reward model", model):
+                values = token_values(model, ids, mask, positions_from_mask(mask), None)
+            return values.gather(1, last_token_index(mask).unsqueeze(1)).squeeze(1)
         with self.scoring_gather("reward model", model):
             return reward_end_scores(model, seq, attention_mask, position_ids, self.layout_for("reward", packed),
                                      prompt_length)

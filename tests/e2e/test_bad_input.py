@@ -12,8 +12,7 @@ model loads: a case that needs a model to be detected is a bug in the CLI's star
 Placeholders in argv: ``{ws}`` the workspace, ``{out}`` = ``{ws}/out``, ``{file}`` = ``{ws}/file.txt``,
 ``{shared}`` = ``{ws}/shared``, a folder anyone can write to (mode 0777, as a planted one),
 ``{inputs}`` the malformed data files below, ``{critic}`` a step-2 style reward-model folder,
-``{tiny}`` the tiny-opt model folder, ``{critic_llama}`` / ``{critic_quirk}`` step-2 style folders of
-tiny-llama / tiny-opt-quirk (tokenizers other than step 3's tiny-opt actor's). Unit tests of the
+``{tiny}`` the tiny-opt model folder. Unit tests of the
 same checks live next to their modules (``test_data_adapters``, ``test_step3_guards``, ...); this
 file proves each reaches the user cleanly.
 """
@@ -143,15 +142,8 @@ CASES = [
     Case("step3/actor-path-missing", "step3", ("--actor_model_name_or_path", "{ws}/no-actor"), "does not exist"),
     Case("step3/critic-is-a-plain-model", "step3", ("--critic_model_name_or_path", "{tiny}"),
          "is not a step-2 reward model output"),
-    # The critic / reward model must have been trained with the actor's tokenizer (checked before any
-    # engine is built): the size, the ids of the same size, and the special ids.
-    Case("step3/critic-tokenizer-smaller", "step3", ("--add_eot_token",),
-         "the tokenizers of tiny-opt and of the critic/reward model {critic} differ (vocabulary size 1001 vs 1000)",
-         good_output=True),
-    Case("step3/critic-tokenizer-other-ids", "step3", ("--critic_model_name_or_path", "{critic_llama}"),
-         "differ (vocabulary: 3 of 1000 tokens have other ids (e.g. '<s>': 0 vs 1); bos id 2 vs 1; pad id 1 vs 3)"),
-    Case("step3/critic-tokenizer-other-pad", "step3", ("--critic_model_name_or_path", "{critic_quirk}"),
-         "differ (pad id 1 vs 2)"),
+    Case("step3/reward-model-is-a-plain-model", "step3", ("--reward_model_name_or_path", "{tiny}"),
+         "--reward_model_name_or_path '{tiny}' is not a step-2 reward model output"),
     Case("step3/output-under-a-file", "step3", ("--output_dir", "{file}/out"), "cannot be created"),
     Case("step3/adapter-base-not-cached", "step3", ("--actor_model_name_or_path", "{inputs}/offline_adapter"),
          "LoRA adapter of base model 'nobody-dschat/no-such-model', which cannot be loaded here"),
@@ -251,11 +243,9 @@ def fixed(inputs: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, s
     """The placeholders that do not change per case."""
     from dschat.models.registry import resolve_model_path
 
-    critics = {name: str(make_critic_folder(name, tmp_path_factory.mktemp("critic") / name))
-               for name in ("tiny-opt", "tiny-llama", "tiny-opt-quirk")}
+    critic = str(make_critic_folder("tiny-opt", tmp_path_factory.mktemp("critic") / "tiny-opt"))
     resolve_model_path("tiny-llama")  # built once here: the cases themselves must build no model
-    return {"inputs": str(inputs), "critic": critics["tiny-opt"], "critic_llama": critics["tiny-llama"],
-            "critic_quirk": critics["tiny-opt-quirk"], "tiny": resolve_model_path("tiny-opt")}
+    return {"inputs": str(inputs), "critic": critic, "tiny": resolve_model_path("tiny-opt")}
 
 
 @pytest.fixture

@@ -46,6 +46,23 @@ def make_critic_folder(model_name: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def make_classifier(model_name: str, folder: Path, num_labels: int = 1, seed: int = 0) -> Path:
+    """A random-weight ``*ForSequenceClassification`` of the tiny ``model_name``'s shape (``num_labels``
+    labels, its pad id the tokenizer's), saved by transformers with its tokenizer."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tokenizer = load_hf_tokenizer(model_name)
+    config = AutoConfig.from_pretrained(resolve_model_path(model_name), num_labels=num_labels)
+    config.pad_token_id = tokenizer.pad_token_id
+    torch.manual_seed(seed)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def make_lora_inputs(model_name: str, root: Path, seed: int = 0) -> dict[str, Path]:
     """A LoRA actor and a LoRA critic saved by dschat (merged folder + ``lora_adapter/``), their
     factors moved off zero as after training, without running steps 1 and 2."""

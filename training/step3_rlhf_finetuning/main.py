@@ -78,30 +78,31 @@ def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> R
 def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = None,
                 mix: RewardMix | None = None) -> None:
     """Bad model, data and output paths fail here, before anything is loaded or written. The critic
-    folder may be dschat's step-2 output (``v_head.safetensors``) or upstream DeepSpeed-Chat's
-    (``pytorch_model.bin`` with the value head inside; its keys are checked, memory-mapped). It is
-    needed for PPO's critic and for the reward model; a critic-free run scored by functions alone
-    needs none."""
+    and reward-model folders may be dschat's step-2 output (``v_head.safetensors``), upstream
+    DeepSpeed-Chat's (``pytorch_model.bin`` with the value head inside; its keys are checked,
+    memory-mapped) or a one-label sequence classifier. PPO's critic needs ``--critic_model_name_or_path``
+    or ``--reward_model_name_or_path`` (then it starts from the actor); the reward model needs one of
+    them (``--reward_model_name_or_path`` defaults to the critic's); a critic-free run scored by
+    functions alone needs none."""
     from dschat.models.registry import resolve_model_path
-    from dschat.models.reward_model import check_upstream_critic, critic_format, not_a_critic_message
+    from dschat.models.reward_model import check_critic_folder
     from dschat.training import run_setup
 
     run_setup.check_paths(args, ("actor_model_name_or_path",))
     needs_critic = settings is None or settings.critic
     needs_reward_model = mix is None or mix.uses_model
-    if args.critic_model_name_or_path is None:
-        if needs_critic or needs_reward_model:
-            role = (f"--algorithm {settings.algorithm if settings else 'ppo'}'s critic" if needs_critic
-                    else "the reward model (--reward_model_weight is not 0)")
-            raise UserError(f"--critic_model_name_or_path is required for {role}: give the step-2 output folder")
-        run_setup.check_output_paths(args)
-        return
-    critic = resolve_model_path(args.critic_model_name_or_path)
-    fmt = critic_format(critic)
-    if fmt is None:
-        raise UserError(not_a_critic_message(args.critic_model_name_or_path, "--critic_model_name_or_path"))
-    if fmt == "upstream":
-        check_upstream_critic(critic)
+    critic, reward = args.critic_model_name_or_path, getattr(args, "reward_model_name_or_path", None)
+    if critic is None and reward is None and (needs_critic or needs_reward_model):
+        if needs_critic:
+            role = f"--algorithm {settings.algorithm if settings else 'ppo'}'s critic"
+            also = "or --reward_model_name_or_path: the critic then starts from the actor"
+        else:
+            role, also = "the reward model (--reward_model_weight is not 0)", "or --reward_model_name_or_path"
+        raise UserError(f"--critic_model_name_or_path is required for {role}: give the step-2 output folder "
+                        f"({also})")
+    for flag, name in (("--critic_model_name_or_path", critic), ("--reward_model_name_or_path", reward)):
+        if name is not None:
+            check_critic_folder(resolve_model_path(name), name, flag)
     run_setup.check_output_paths(args)
 
 
@@ -162,7 +163,6 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.envs import load_environment
     from dschat.models.save import save_hf_model
-    from dschat.models.tokenizer import check_same_tokenizer
     from dschat.plan.preflight import step3_preflight
     from dschat.rlhf.heldout.evaluation import StepThreeEvaluation
     from dschat.rlhf.heldout.setup import check_eval_args, heldout_prompt_items
@@ -170,7 +170,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.guards import validate_step3_args
     from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
-    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.progress import TensorBoardLogger
@@ -200,10 +200,13 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
 
     # ---------------------------------------------------------------- tokenizer and data
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
-    # The critic and the reward model score the actor's token ids: their step-2 tokenizer must be the same.
-    if args.critic_model_name_or_path is not None:  # a critic-free run scored by functions alone has none
-        check_same_tokenizer(tokenizer, args.actor_model_name_or_path, args.critic_model_name_or_path,
-                             "critic/reward model")
+    # The critic reads the actor's token ids (else it starts from the actor); a reward model of another
+    # tokenizer reads re-tokenised text.
+    sources = resolve_model_sources(args.actor_model_name_or_path, args.critic_model_name_or_path,
+                                    args.reward_model_name_or_path, tokenizer, needs_critic=settings.critic,
+                                    needs_reward=mix.uses_model)
+    for line in sources.notes:
+        print_rank_0(line, ctx.rank)
     prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank,
                                                                    settings.num_generations)
     columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
@@ -213,7 +216,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     # ---------------------------------------------------------------- engines and trainer
     rlhf_engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer,
                                       args, num_total_iters, with_reward_model=mix.uses_model,
-                                      with_critic=settings.critic, config=config)
+                                      with_critic=settings.critic, config=config, sources=sources)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer
     trainer = trainer_class(rlhf_engine, args, prompt_columns=columns, config=config)
     tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")

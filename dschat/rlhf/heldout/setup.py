@@ -16,7 +16,7 @@ from dschat.data.adapters.local import builtin_folders
 from dschat.data.token_dataset import PromptItem
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
-from dschat.models.reward_model import is_reward_model_folder, not_a_critic_message
+from dschat.models.reward_model import check_critic_folder, is_reward_model_folder, not_a_critic_message
 from dschat.paths import BEST_DIR
 from dschat.rewards import RewardFunction, load_reward_function
 from dschat.runtime.dist import print_rank_0
@@ -58,6 +58,7 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str], timeout: floa
             folder = Path(resolve_model_path(str(Path(spec).expanduser())))
             if not is_reward_model_folder(folder):
                 raise UserError(not_a_critic_message(spec, "--eval_judge"))
+            check_critic_folder(folder, spec, "--eval_judge")  # a classifier of more than one label
             judges.append(Judge(str(spec), folder=folder))
         elif ":" in spec:
             try:

@@ -1,0 +1,107 @@
+"""What a reward model of another tokenizer reads: an answer's text rendered and tokenised its way.
+
+A reward model whose tokenizer differs from the actor's (another family, another vocabulary) cannot
+read the actor's token ids. Each (prompt, answer) is decoded with the actor's tokenizer, rendered as
+text for the reward model (:func:`reward_text`), tokenised with its tokenizer and cut to its maximum
+length keeping the end (:func:`encode_for_reward`): the score is read at the last token.
+
+* With a chat template (``tokenizer.chat_template``): a user turn (the prompt; upstream's
+  ``Human: ... Assistant:`` markers of a one-turn prompt stripped) and an assistant turn (the answer),
+  rendered by the template, which closes the turn itself.
+* Without: the dataset's text, ``prompt + answer``, as they are, and the reward tokenizer's EOS when
+  the answer ended with the actor's EOS (step 2 trains on ``prompt + answer + EOS``); its own special
+  tokens (a BOS) added as its tokenizer adds them.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["UNBOUNDED_LENGTH", "user_turn", "reward_text", "reward_max_length", "encode_for_reward",
+           "CrossTokenizerInputs", "right_padded"]
+
+#: transformers' ``model_max_length`` of a tokenizer that sets none (``VERY_LARGE_INTEGER``) is above this.
+UNBOUNDED_LENGTH = 10**9
+_ONE_TURN = re.compile(r"^\s*Human:\s*(?P<user>.*?)\s*Assistant:\s*$", re.DOTALL)
+
+
+def user_turn(prompt: str) -> str:
+    """The user's words of a prompt: a one-turn ``Human: X Assistant:`` prompt (upstream's datasets)
+    gives ``X``; any other prompt is kept whole, stripped of surrounding whitespace."""
+    match = _ONE_TURN.match(prompt)
+    if match and "Human:" not in match.group("user") and "Assistant:" not in match.group("user"):
+        return match.group("user")
+    return prompt.strip()
+
+
+def reward_text(tokenizer: Any, prompt: str, answer: str, ended: bool) -> tuple[str, bool]:
+    """The text the reward model reads, and whether its chat template rendered it (then it holds its
+    special tokens already). ``ended``: the answer ended with the actor's EOS."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "user", "content": user_turn(prompt)}, {"role": "assistant", "content": answer}]
+        return tokenizer.apply_chat_template(messages, tokenize=False), True
+    suffix = tokenizer.eos_token if ended and tokenizer.eos_token else ""
+    return prompt + answer + suffix, False
+
+
+def reward_max_length(tokenizer: Any, config: Any) -> int | None:
+    """The most tokens the reward model reads: the smaller of its positions
+    (``max_position_embeddings``) and its tokenizer's ``model_max_length``; None when neither is set."""
+    limits = [getattr(config, "max_position_embeddings", None), getattr(tokenizer, "model_max_length", None)]
+    limits = [int(n) for n in limits if isinstance(n, int) and 0 < n < UNBOUNDED_LENGTH]
+    return min(limits) if limits else None
+
+
+def encode_for_reward(tokenizer: Any, prompt: str, answer: str, ended: bool, max_length: int | None) -> list[int]:
+    """The reward model's token ids of (prompt, answer): :func:`reward_text` tokenised by ``tokenizer``,
+    the last ``max_length`` ids kept (the end score is read at the last one)."""
+    text, templated = reward_text(tokenizer, prompt, answer, ended)
+    ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
+    return ids[-max_length:] if max_length else ids
+
+
+class CrossTokenizerInputs:
+    """A rollout batch of the actor's token ids re-tokenised for a reward model of another tokenizer.
+
+    ``actor_tokenizer`` decodes; ``reward_tokenizer`` encodes (:func:`encode_for_reward`), at most
+    ``max_length`` tokens a row."""
+
+    def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_length: int | None) -> None:
+        self.actor_tokenizer = actor_tokenizer
+        self.reward_tokenizer = reward_tokenizer
+        self.max_length = max_length
+
+    def rows(self, seq: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> list[list[int]]:
+        """The reward model's ids of each row of ``seq`` (B, L): a left-padded prompt of ``prompt_length``
+        columns, then the answer; ``attention_mask`` (B, L) marks the real tokens of both."""
+        eos = self.actor_tokenizer.eos_token_id
+        rows = []
+        for row, mask in zip(seq.tolist(), attention_mask.bool().tolist()):
+            prompt = [t for t, m in zip(row[:prompt_length], mask[:prompt_length]) if m]
+            answer = [t for t, m in zip(row[prompt_length:], mask[prompt_length:]) if m]
+            ended = eos in answer
+            if ended:
+                answer = answer[:answer.index(eos)]
+            rows.append(encode_for_reward(
+                self.reward_tokenizer, self.actor_tokenizer.decode(prompt, skip_special_tokens=True),
+                self.actor_tokenizer.decode(answer, skip_special_tokens=True), ended, self.max_length))
+        return rows
+
+    def __call__(self, seq: torch.Tensor, attention_mask: torch.Tensor,
+                 prompt_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, mask)`` (B, T'), right-padded with the reward tokenizer's pad, on ``seq``'s device."""
+        return right_padded(self.rows(seq, attention_mask, prompt_length), self.reward_tokenizer.pad_token_id,
+                            seq.device)
+
+
+def right_padded(rows: Sequence[Sequence[int]], pad_id: int, device: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` (B, max row length) of token rows, right-padded with ``pad_id``."""
+    width = max(1, max(len(r) for r in rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1
+    return ids.to(device), mask.to(device)

@@ -1,0 +1,115 @@
+"""Reward models of another family and sequence classifiers (CPU, tiny models): the text a reward
+model of another tokenizer reads, a one-label ``*ForSequenceClassification`` folder loaded as a
+reward model (its score equal to transformers' own), and a multi-label one refused."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification
+
+from dschat.errors import UserError
+from dschat.eval.scoring import Samples, load_reward, reward_scores
+from dschat.models.build import create_critic_model
+from dschat.models.registry import resolve_model_path
+from dschat.models.reward_inputs import (CrossTokenizerInputs, encode_for_reward, reward_max_length, reward_text,
+                                         user_turn)
+from dschat.models.reward_model import check_critic_folder, critic_format
+from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.rlhf.heldout.setup import resolve_judges
+
+from helpers.step3 import make_classifier
+
+TEXTS = ["Human: hello there Assistant: hi", "Human: a much longer prompt, to pad the other row Assistant: yes</s>"]
+TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}")
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-opt"])
+def test_a_one_label_classifier_scores_as_transformers_does(model, tmp_path):
+    folder = make_classifier(model, tmp_path / "rm")
+    assert critic_format(folder) == "classifier"
+    tokenizer = load_hf_tokenizer(str(folder))
+    reference = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    reward = create_critic_model(str(folder), tokenizer, None, rlhf_training=True).eval()
+    batch = tokenizer(TEXTS, padding=True, return_tensors="pt")  # right padding: rows of two lengths
+    assert not bool(batch.attention_mask.all())
+    with torch.no_grad():
+        expected = reference(**batch).logits.squeeze(-1)
+        got = reward.forward_value(batch.input_ids, batch.attention_mask, prompt_length=2)["chosen_end_scores"]
+    assert torch.equal(got, expected), (got, expected)
+    # The evaluation report and --eval_judge load it the same way.
+    judge, _ = load_reward(folder, torch.device("cpu"))
+    with torch.no_grad():
+        assert torch.equal(judge.forward_value(batch.input_ids, batch.attention_mask, prompt_length=2)[
+            "chosen_end_scores"], expected)
+
+
+def test_a_multi_label_classifier_is_refused_in_one_line(tmp_path):
+    folder = make_classifier("tiny-opt", tmp_path / "three", num_labels=3)
+    expected = f"{folder} is a sequence classifier with num_labels 3; a reward model gives one score"
+    for check in (lambda: check_critic_folder(folder, str(folder), "--reward_model_name_or_path"),
+                  lambda: create_critic_model(str(folder), load_hf_tokenizer("tiny-opt"), None, rlhf_training=True),
+                  lambda: resolve_judges([str(folder)], ["dschat/builtin"])):
+        with pytest.raises(UserError) as err:
+            check()
+        assert str(err.value).startswith(expected) and "num_labels=1" in str(err.value)
+        assert "\n" not in str(err.value)
+
+
+def test_the_text_without_a_chat_template_is_prompt_and_answer_as_they_are():
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    assert reward_text(tokenizer, "Human: hi Assistant:", " ok", ended=True) == ("Human: hi Assistant: ok</s>", False)
+    assert reward_text(tokenizer, "Human: hi Assistant:", " ok", ended=False) == ("Human: hi Assistant: ok", False)
+    # Its own BOS added as its tokenizer adds it; cut keeping the end.
+    ids = encode_for_reward(tokenizer, "Human: hi Assistant:", " ok", True, None)
+    assert ids == tokenizer("Human: hi Assistant: ok</s>")["input_ids"] and ids[0] == tokenizer.bos_token_id
+    assert encode_for_reward(tokenizer, "Human: hi Assistant:", " ok", True, 3) == ids[-3:]
+    assert reward_max_length(tokenizer, AutoConfig.from_pretrained(resolve_model_path("tiny-opt"))) == 512
+
+
+def test_the_chat_template_renders_a_user_and_an_assistant_turn():
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    tokenizer.chat_template = TEMPLATE
+    assert user_turn(" Human: what is 2+2? Assistant: ") == "what is 2+2?"
+    assert user_turn("Human: a Assistant: b Human: c Assistant:") == "Human: a Assistant: b Human: c Assistant:"
+    text, templated = reward_text(tokenizer, " Human: what is 2+2? Assistant:", " 4", ended=True)
+    assert templated and text == "<|user|>what is 2+2?</s><|assistant|> 4</s>"
+    assert encode_for_reward(tokenizer, " Human: what is 2+2? Assistant:", " 4", True, None) == tokenizer(
+        text, add_special_tokens=False)["input_ids"]
+
+
+def test_a_rollout_batch_is_decoded_and_retokenised_for_the_reward_model():
+    actor, reward = load_hf_tokenizer("tiny-llama"), load_hf_tokenizer("tiny-opt")
+    prompts, answers = ["Human: hello there Assistant:", "Human: hi Assistant:"], [" I am fine", " yes"]
+    width = 12
+    seq, mask = [], []
+    for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+        p = actor(prompt)["input_ids"]
+        a = actor(answer, add_special_tokens=False)["input_ids"] + ([actor.eos_token_id] if i == 0 else [])
+        row = [actor.pad_token_id] * (width - len(p)) + p + a
+        seq.append(row + [actor.pad_token_id] * (24 - len(row)))
+        mask.append([0] * (width - len(p)) + [1] * (len(p) + len(a)) + [0] * (24 - len(row)))
+    inputs = CrossTokenizerInputs(actor, reward, max_length=None)
+    ids, got_mask = inputs(torch.tensor(seq), torch.tensor(mask), width)
+    expected = [reward(prompts[0] + answers[0] + "</s>")["input_ids"], reward(prompts[1] + answers[1])["input_ids"]]
+    for row, m, want in zip(ids.tolist(), got_mask.tolist(), expected):
+        assert row[:sum(m)] == want and all(t == reward.pad_token_id for t in row[sum(m):])
+    # Cut to the reward model's length, keeping the end (the score is read at the last token).
+    short, _ = CrossTokenizerInputs(actor, reward, max_length=4)(torch.tensor(seq), torch.tensor(mask), width)
+    assert short[0].tolist() == expected[0][-4:]
+
+
+def test_an_eval_judge_of_another_tokenizer_reads_the_rendered_text(tmp_path):
+    folder = make_classifier("tiny-opt", tmp_path / "judge")
+    judge, judge_tokenizer = load_reward(folder, torch.device("cpu"))
+    judge_tokenizer.chat_template = TEMPLATE
+    actor = load_hf_tokenizer("tiny-llama")
+    prompt, answer = "Human: hello there Assistant:", " fine"
+    samples = Samples([prompt], [actor(prompt)["input_ids"]], [actor(answer, add_special_tokens=False)["input_ids"]],
+                      [answer], [False])
+    text = "<|user|>hello there</s><|assistant|> fine</s>"
+    batch = judge_tokenizer(text, add_special_tokens=False, return_tensors="pt")
+    reference = AutoModelForSequenceClassification.from_pretrained(folder).eval()
+    with torch.no_grad():
+        expected = reference(**batch).logits.squeeze().item()
+    assert reward_scores(judge, judge_tokenizer, samples, actor, 1) == [expected]
