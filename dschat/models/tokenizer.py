@@ -149,22 +149,5 @@ def tokenizer_differences(a: Any, b: Any) -> list[str]:
     return out
 
 
-def check_same_tokenizer(tokenizer: Any, model_path: str, other_path: str, role: str) -> None:
-    """Refuse, with one line naming both folders and what differs, when the tokenizer saved with
-    ``other_path`` (loaded as :func:`load_hf_tokenizer` loads it) is not ``tokenizer``, the one
-    ``model_path``'s model is run with: the ``role`` model would read token ids it never learned."""
-    try:
-        other = load_hf_tokenizer(other_path)
-    except UserError as err:
-        raise UserError(f"cannot compare the tokenizer of the {role} with {model_path}'s: {err}") from None
-    differences = tokenizer_differences(tokenizer, other)
-    if differences:
-        raise UserError(
-            f"the tokenizers of {model_path} and of the {role} {other_path} differ ({'; '.join(differences)}), "
-            f"so the {role} would read token ids it never learned; train the {role} (step 2) from a model "
-            "with the actor's tokenizer, with the same --add_eot_token choice as this run"
-        )
-
-
 # Upstream's older name.
 get_tokenizer = load_hf_tokenizer

@@ -93,8 +93,9 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag in ("gpus_per_node", "num_nodes", *_batch_flags(args.step)):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.step == 3 and args.critic_model_name_or_path is None:
-        raise UserError("--critic_model_name_or_path is needed to plan step 3; pass the step-2 output folder")
+    if args.step == 3 and args.critic_model_name_or_path is None and args.reward_model_name_or_path is None:
+        raise UserError("--critic_model_name_or_path (or --reward_model_name_or_path) is needed to plan step 3; pass "
+                        "the step-2 output folder")
 
 
 def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
