@@ -1,5 +1,6 @@
 """``python -m dschat.serve`` started by a test: a subprocess on a free port (``--port 0``, the bound
-port read from its ``serving ...`` line), waited for on ``GET /health``, stopped (and reaped) at the end."""
+port read from its ``serving ...`` line), waited for on ``GET /health``, stopped (and reaped) at the end;
+and the scores a server's rewards are checked against (:func:`own_scores`)."""
 from __future__ import annotations
 
 import contextlib
@@ -8,9 +9,12 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import requests
+import torch
+
+from dschat.eval.scoring import load_reward
 
 from helpers import PYTHON, REPO
 from helpers.step3 import subprocess_env
@@ -64,3 +68,15 @@ def served_reward_model(folder: Path, *extra: str, start_timeout: float = 300.0)
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+def own_scores(folder: Path, texts: Sequence[str], max_len: int | None = None) -> list[float]:
+    """Each text scored alone (no padding, no batch) by dschat's reward model: the value at its last token."""
+    model, tokenizer = load_reward(folder, torch.device("cpu"))
+    scores = []
+    for text in texts:
+        ids = tokenizer(text, max_length=max_len, truncation=max_len is not None, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            values = model.forward_value(input_ids=ids, attention_mask=torch.ones_like(ids), return_value_only=True)
+        scores.append(float(values[0, -1]))
+    return scores

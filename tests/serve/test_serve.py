@@ -7,15 +7,12 @@ import socket
 
 import pytest
 import requests
-import torch
-
 from dschat.errors import EXIT_USAGE
-from dschat.eval.scoring import load_reward
 from dschat.models.registry import resolve_model_path
 from dschat.remote_reward import RemoteReward
 from dschat.serve.cli import main as serve_main
 
-from helpers.serve import served_reward_model
+from helpers.serve import own_scores, served_reward_model
 from helpers.step3 import make_critic_folder
 
 TEXTS = ["Human: What is 2 + 2? Assistant: 4", "Human: hi Assistant: hello there, how are you today?",
@@ -31,18 +28,6 @@ def reward_folder(tmp_path_factory):
 def server(reward_folder):
     with served_reward_model(reward_folder, "--batch_size", "3", "--device", "cpu") as served:
         yield served
-
-
-def own_scores(folder, texts, max_len=None):
-    """Each text scored alone (no padding, no batch) by dschat's reward model: the value at its last token."""
-    model, tokenizer = load_reward(folder, torch.device("cpu"))
-    scores = []
-    for text in texts:
-        ids = tokenizer(text, max_length=max_len, truncation=max_len is not None, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            values = model.forward_value(input_ids=ids, attention_mask=torch.ones_like(ids), return_value_only=True)
-        scores.append(float(values[0, -1]))
-    return scores
 
 
 def test_get_reward_gives_the_reward_models_own_scores_in_order(server, reward_folder):
