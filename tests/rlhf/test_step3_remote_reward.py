@@ -1,7 +1,8 @@
 """Step 3 scored by a reward server (``--reward_url``) that is ``python -m dschat.serve`` on a tiny
 reward model, started here on a free port: the run trains on exactly the server's rewards, which
 are the reward model's own scores of the texts sent; a server that dies mid-run stops the run after
-its retries with one line (exit 2), the checkpoint written before it intact."""
+its retries with one line (exit 2), the checkpoint written before it intact, and a resumed run goes on
+from it."""
 from __future__ import annotations
 
 import hashlib
@@ -96,3 +97,9 @@ def test_a_server_killed_mid_run_stops_it_after_the_retries_the_checkpoint_intac
     assert [str(p) for p in ckpt.complete_checkpoints(out / "checkpoints")] == [path]  # no later one
     assert _digest(Path(path)) == digest  # untouched
     assert not (out / "actor").exists()  # no model saved after the failure
+
+    monkeypatch.undo()  # the server is back (on another port): --resume goes on from that checkpoint
+    with served_reward_model(reward_folder, "--device", "cpu") as server:
+        resumed = step3_main().main(_argv(data_cache, server.reward_url, "--output_dir", str(out), "--save_interval",
+                                          "1", "--resume", steps=3))
+    assert len(resumed.history) == 2 and (out / "actor").is_dir()

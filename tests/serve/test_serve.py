@@ -82,6 +82,10 @@ def _refused(argv, capsys):
     err = capsys.readouterr().err
     lines = [x for x in err.splitlines() if x.startswith("error: ")]
     assert code == EXIT_USAGE and len(lines) == 1 and "Traceback" not in err, err
+    warned = [x for x in err.splitlines() if x.startswith("warning: --host")]
+    assert len(warned) == (0 if "0.0.0.0" not in argv else 1), err  # only another host than loopback warns
+    if warned:
+        assert "no authentication and no TLS" in warned[0]
     return lines[0]
 
 
@@ -92,6 +96,14 @@ def test_a_busy_port_is_one_line_naming_the_port(reward_folder, capsys):
         port = taken.getsockname()[1]
         line = _refused([str(reward_folder), "--port", str(port)], capsys)
     assert f"--port {port} on 127.0.0.1 is in use" in line
+
+
+def test_another_host_than_loopback_warns(reward_folder, capsys):
+    with socket.socket() as taken:  # bound, never listening: the port is taken, nothing is served
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        line = _refused([str(reward_folder), "--host", "0.0.0.0", "--port", str(port)], capsys)
+    assert f"--port {port} on 0.0.0.0 is in use" in line
 
 
 def test_an_actor_folder_is_refused_actor_serving_is_not_built(capsys):
