@@ -165,7 +165,8 @@ class RemoteReward:
                 return self._attempt(payload)
             except _Retryable as err:
                 last = err
-        raise UserError(f"--reward_url {self.url} failed {self.retries + 1} times (--reward_url_retries "
+        attempts = "once" if self.retries == 0 else f"{self.retries + 1} times"
+        raise UserError(f"--reward_url {self.url} failed {attempts} (--reward_url_retries "
                         f"{self.retries}); last error: {last}; check that the reward server is up and reachable, or "
                         "raise --reward_url_timeout / --reward_url_retries")
 

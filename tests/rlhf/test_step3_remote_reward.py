@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from dschat.errors import EXIT_USAGE, cli_main
 from dschat.remote_reward import RemoteReward
 from dschat.training import checkpoint as ckpt
 
@@ -103,3 +104,19 @@ def test_a_server_killed_mid_run_stops_it_after_the_retries_the_checkpoint_intac
         resumed = step3_main().main(_argv(data_cache, server.reward_url, "--output_dir", str(out), "--save_interval",
                                           "1", "--resume", steps=3))
     assert len(resumed.history) == 2 and (out / "actor").is_dir()
+
+
+@pytest.mark.slow
+def test_plain_http_to_another_host_warns_once_at_start_up(data_cache, capsys):
+    """192.0.2.1 is TEST-NET-1 (RFC 5737): never routed, so nothing leaves; the run stops at its first
+    rollout, after the warning."""
+    url = "http://192.0.2.1:9/get_reward"
+    capsys.readouterr()
+    code = cli_main(step3_main().main, _argv(data_cache, url, "--reward_url_retries", "0", "--reward_url_timeout", "0.5"))
+    out, err = capsys.readouterr()
+    warned = [x for x in out.splitlines() if x.startswith("warning: --reward_url")]
+    assert warned == [f"warning: --reward_url {url} is plain http:// to a host that is not this machine: the prompts "
+                      "and answers cross the network unencrypted; use https:// or a loopback address"]
+    errors = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert code == EXIT_USAGE and len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert errors[0].startswith(f"error: --reward_url {url} failed once (--reward_url_retries 0); last error: ")
