@@ -174,7 +174,8 @@ class RemoteReward:
         try:
             reply = self.session().post(self.url, json=payload, timeout=self.timeout)
         except requests.Timeout as err:
-            raise _Retryable(f"no reply within --reward_url_timeout {self.timeout:g} s ({type(err).__name__})") from None
+            raise _Retryable(f"no reply within --reward_url_timeout {self.timeout:g} s "
+                             f"({type(err).__name__})") from None
         except requests.RequestException as err:
             raise _Retryable(f"{type(err).__name__}: {_short(err)}") from None
         if reply.status_code in _RETRY_STATUS:
@@ -202,9 +203,13 @@ class RemoteReward:
             raise wrong(f"{len(rewards)} rewards for {expected} queries")
         scores = []
         for i, value in enumerate(rewards):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(as_float32(float(value))):
-                raise wrong(f"reward {value!r} for query {i}, not a finite number (in float32)")
-            scores.append(float(value))
+            try:  # a bool is no score; an int past float's range overflows
+                score = math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+            except OverflowError:
+                score = math.inf
+            if not math.isfinite(as_float32(score)):
+                raise wrong(f"reward {_short(repr(value), 40)} for query {i}, not a finite number (in float32)")
+            scores.append(score)
         return scores
 
 

@@ -49,7 +49,8 @@ class RewardServer:
                 if callable(action):
                     action(self, payload)
                     return
-                self.reply(200, action if action is not None else {"rewards": [float(len(q)) for q in payload["query"]]})
+                lengths = {"rewards": [float(len(q)) for q in payload["query"]]}
+                self.reply(200, action if action is not None else lengths)
 
             def reply(self, status: int, body: Any, raw: bytes | None = None) -> None:
                 data = raw if raw is not None else json.dumps(body).encode()
@@ -175,6 +176,7 @@ def test_a_request_past_its_timeout_is_retried_then_named():
     ({"rewards": [1.0, 1e39]}, "reward 1e+39 for query 1, not a finite number (in float32)"),
     ({"rewards": [1.0, "2"]}, "reward '2' for query 1"),
     ({"rewards": [True, 2]}, "reward True for query 0"),
+    (raw(b'{"rewards": [1, 1' + b"0" * 400 + b']}'), "reward 1000000000"),
 ])
 def test_a_reply_of_the_wrong_shape_is_one_line_naming_the_url_and_the_problem(reply, what):
     with RewardServer([reply]) as server:

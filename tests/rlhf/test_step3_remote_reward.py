@@ -112,7 +112,8 @@ def test_plain_http_to_another_host_warns_once_at_start_up(data_cache, capsys):
     rollout, after the warning."""
     url = "http://192.0.2.1:9/get_reward"
     capsys.readouterr()
-    code = cli_main(step3_main().main, _argv(data_cache, url, "--reward_url_retries", "0", "--reward_url_timeout", "0.5"))
+    code = cli_main(step3_main().main,
+                    _argv(data_cache, url, "--reward_url_retries", "0", "--reward_url_timeout", "0.5"))
     out, err = capsys.readouterr()
     warned = [x for x in out.splitlines() if x.startswith("warning: --reward_url")]
     assert warned == [f"warning: --reward_url {url} is plain http:// to a host that is not this machine: the prompts "
