@@ -38,8 +38,11 @@ setup(
         "filelock>=3.20.1",  # dschat (data cache, tiny/embedded model builds); no symlink truncation of the lock path (CVE-2025-68146)
         "tensorboard>=2.14",  # torch.utils.tensorboard, which dschat uses for --enable_tensorboard
         "matplotlib>=3.7",  # dschat (dschat/eval/plots.py: the report's figures)
+        "requests>=2.32",  # dschat (dschat/remote_reward.py: --reward_url's client)
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # python -m dschat.serve (dschat/serve/app.py)
+        "serve": ["fastapi>=0.115", "uvicorn>=0.30"],
+        "test": ["pytest>=8", "fastapi>=0.115", "uvicorn>=0.30"],
     },
 )

@@ -180,7 +180,20 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                             "run stops with an error naming it (default 600; 0: no limit).")
     group.add_argument("--reward_model_weight", type=float, default=None,
                        help="(dschat) Reward model's weight in the reward. Default: 1.0 without --reward_fn, 0 (not "
-                            "loaded) with it; give it to combine both.")
+                            "loaded) with it or --reward_url; give it to combine both.")
+    group.add_argument("--reward_url", type=str, default=None, metavar="URL",
+                       help="(dschat) A reward server (OpenRLHF's protocol: POST {\"query\", \"prompts\", \"labels\"}, "
+                            "reply {\"rewards\"}), e.g. python -m dschat.serve's http://127.0.0.1:PORT/get_reward. "
+                            "Weighed into the reward like a --reward_fn. Default: none (nothing is sent).")
+    group.add_argument("--reward_url_weight", type=float, default=1.0,
+                       help="(dschat) Weight of --reward_url's rewards (default 1.0).")
+    group.add_argument("--reward_url_timeout", type=float, default=60.0, metavar="SECONDS",
+                       help="(dschat) Seconds one --reward_url request may wait to connect or between bytes of the "
+                            "reply before it counts as failed (default 60).")
+    group.add_argument("--reward_url_retries", type=int, default=3,
+                       help="(dschat) Retries of a --reward_url request after a connection error, a timeout or an "
+                            "HTTP 408/429/5xx, with exponential backoff (0.5 s, 1 s, 2 s, ...); then the run stops "
+                            "(default 3).")
     return group
 
 

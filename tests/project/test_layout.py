@@ -31,10 +31,11 @@ FLOORS: list[tuple[str, ...]] = [
     ("runtime",),  # 2: distributed set-up, files, DeepSpeed config, optimizers, ZeRO-3, perf, averages
     ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure RL math, the gold judge, flags, recipes
     ("models", "rewards"),  # 4: model builders, reward functions
-    ("data", "envs", "envs_examples"),  # 5: datasets, tokenisation, cache, collators; environments, the example
+    ("data", "envs", "envs_examples", "remote_reward"),  # 5: datasets, tokenisation, cache, collators; environments,
+    # the example; the reward server's client
     ("training", "eval"),  # 6: steps 1-2's loop, step 3's resume counters, checkpoints; the report
     ("rlhf",),  # 7: step 3
-    ("launch", "plan"),  # 8: the launcher (entry point); the memory planner (reads step 3's configs)
+    ("launch", "plan", "serve"),  # 8: the launcher (entry point); the memory planner (reads step 3's configs); the server
     ("utils", "testing"),  # 9: alias modules only (rule c)
 ]
 ALIAS_UNITS = ("utils", "testing")

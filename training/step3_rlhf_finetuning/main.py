@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
+from dschat.remote_reward import plain_http_warning, remote_reward_function
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
 from dschat.runtime.dist import print_rank_0
 
@@ -58,9 +59,12 @@ class Step3Result:
 
 def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> RewardMix:
     """The reward: ``--reward_fn`` functions (and ``main``'s Python ``reward_fn``) with their weights,
-    the reward model's weight (default 1 without functions or ``--env``, 0 -- not loaded -- with
-    them), and ``--env``'s turn rewards."""
+    ``--reward_url``'s server (dschat/remote_reward.py), the reward model's weight (default 1 without
+    functions, server or ``--env``, 0 -- not loaded -- with them), and ``--env``'s turn rewards."""
     functions = load_reward_functions(args.reward_fn or [], args.reward_fn_weight, args.reward_fn_timeout)
+    if args.reward_url is not None:
+        functions.append(remote_reward_function(args.reward_url, args.reward_url_weight, args.reward_url_timeout,
+                                                args.reward_url_retries))
     if reward_fn is not None:
         functions.append(RewardFunction("reward_fn", reward_fn, require_finite=False, timeout=args.reward_fn_timeout))
     env = getattr(args, "env", None) or None
@@ -71,7 +75,7 @@ def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> R
         raise UserError(f"--reward_model_weight must be a finite number, got {weight}")
     if not functions and weight == 0.0 and env is None:
         raise UserError("--reward_model_weight 0 without --reward_fn leaves nothing to score the answers; give a "
-                        "--reward_fn or a non-zero --reward_model_weight")
+                        "--reward_fn, a --reward_url or a non-zero --reward_model_weight")
     return RewardMix(tuple(functions), float(weight), env)
 
 
@@ -192,6 +196,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     ctx = setup_run(args)
     config = step3_config(args, ctx.world_size, mix, algorithm=settings)  # every part of step 3, once
     plan = config.batches
+    if args.reward_url is not None and plain_http_warning(args.reward_url):
+        warnings.append(plain_http_warning(args.reward_url))
     for line in warnings:
         print_rank_0(line, ctx.rank)
     print_rank_0(settings.describe(), ctx.rank)

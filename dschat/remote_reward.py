@@ -1,0 +1,226 @@
+"""A reward served over HTTP (``--reward_url``): OpenRLHF's remote reward-model protocol.
+
+One request is a POST of JSON to the URL::
+
+    {"query": [prompt + answer, ...], "prompts": [prompt, ...], "labels": [label, ...]}
+
+and its reply is JSON ``{"rewards": [float, ...]}``, one finite float (in float32) per query, in the
+order of the queries. ``labels`` holds each row's reference answer -- the dataset column ``answer``
+(:data:`LABEL_COLUMN`) as a string -- or ``""`` for every row when the data has no such column, so the
+three lists always have the same length.
+
+:class:`RemoteReward` is a reward function (``fn(prompts, answers, **columns) -> list[float]``), so
+step 3 weighs it into the :class:`~dschat.rewards.RewardMix` as a ``--reward_fn``. A call sends the
+batch in chunks of at most ``chunk_size`` queries, concurrently (one thread per chunk, at most
+:data:`MAX_CONCURRENT_REQUESTS` at a time), over one kept-alive ``requests.Session``. Each request has
+``timeout`` seconds (to connect, and between bytes of the reply) and is retried ``retries`` times
+after a connection error, a timeout or an HTTP 408, 429 or 5xx status, waiting ``backoff * 2**i``
+seconds before retry ``i``. Any other failure is not retried. What goes wrong stops the run with one
+:class:`~dschat.errors.UserError` line naming the URL: the last error once the retries are spent, an
+HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"`` list, the wrong number of
+rewards, a reward that is not a finite number).
+
+Nothing here talks to the network until the object is called.
+"""
+from __future__ import annotations
+
+import ipaddress
+import json
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Sequence
+from urllib.parse import urlsplit
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from dschat.errors import UserError
+from dschat.rewards import MATH_REFERENCE_COLUMN, RewardFunction, as_float32
+
+__all__ = [
+    "RemoteReward",
+    "remote_reward_function",
+    "check_reward_url",
+    "plain_http_warning",
+    "LABEL_COLUMN",
+    "QUERIES_PER_REQUEST",
+    "MAX_CONCURRENT_REQUESTS",
+]
+
+#: The dataset column sent as ``labels`` (the reference answer; GSM8K's name for it).
+LABEL_COLUMN = MATH_REFERENCE_COLUMN
+#: Most queries in one request; a larger batch is split into several requests.
+QUERIES_PER_REQUEST = 256
+#: Most requests of one call in flight at once.
+MAX_CONCURRENT_REQUESTS = 8
+#: Seconds before the first retry; doubled before each later one.
+BACKOFF_SECONDS = 0.5
+_RETRY_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+
+
+def check_reward_url(url: str) -> str:
+    """``url`` if it is an ``http://`` or ``https://`` URL with a host, else one :class:`UserError` line."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"--reward_url {url!r} is not an http:// or https:// URL with a host (e.g. "
+                        "http://127.0.0.1:5000/get_reward)")
+    try:
+        parts.port  # noqa: B018 -- raises ValueError on a bad port
+    except ValueError:
+        raise UserError(f"--reward_url {url!r} has a bad port; give a number in 1-65535") from None
+    return url
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def plain_http_warning(url: str) -> str | None:
+    """The start-up warning for a plain ``http://`` URL to a host that is not this machine (the prompts
+    and answers cross the network unencrypted), else None."""
+    parts = urlsplit(url)
+    if parts.scheme == "http" and not _is_loopback(parts.hostname or ""):
+        return (f"warning: --reward_url {url} is plain http:// to a host that is not this machine: the prompts "
+                "and answers cross the network unencrypted; use https:// or a loopback address")
+    return None
+
+
+class _Retryable(Exception):
+    """A failure worth another attempt (connection, timeout, 408/429/5xx)."""
+
+
+class RemoteReward:
+    """The reward function of one reward server (see the module docstring for the protocol).
+
+    ``timeout``: seconds per request (> 0); ``retries``: further attempts after a retryable failure
+    (>= 0); ``chunk_size``: most queries per request; ``backoff``: seconds before the first retry.
+    Thread-safe: the session's connection pool holds one connection per concurrent request.
+    """
+
+    def __init__(self, url: str, *, timeout: float = 60.0, retries: int = 3, chunk_size: int = QUERIES_PER_REQUEST,
+                 backoff: float = BACKOFF_SECONDS) -> None:
+        self.url = check_reward_url(url)
+        if not (math.isfinite(timeout) and timeout > 0):
+            raise UserError(f"--reward_url_timeout must be a number of seconds > 0, got {timeout}")
+        if retries < 0:
+            raise UserError(f"--reward_url_retries must be >= 0, got {retries}")
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.timeout, self.retries, self.chunk_size, self.backoff = float(timeout), int(retries), chunk_size, backoff
+        self._session: requests.Session | None = None
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RemoteReward({self.url!r})"
+
+    def session(self) -> requests.Session:
+        """The one kept-alive session, made on first use."""
+        with self._lock:
+            if self._session is None:
+                session = requests.Session()
+                adapter = HTTPAdapter(pool_connections=1, pool_maxsize=MAX_CONCURRENT_REQUESTS)
+                session.mount("http://", adapter)
+                session.mount("https://", adapter)
+                self._session = session
+            return self._session
+
+    def close(self) -> None:
+        """Close the session's connections (a later call opens new ones)."""
+        with self._lock:
+            if self._session is not None:
+                self._session.close()
+                self._session = None
+
+    def __call__(self, prompts: list[str], answers: list[str], **columns: Sequence[Any]) -> list[float]:
+        """One reward per answer, in order, from the server. Raises one :class:`UserError` line on failure."""
+        if len(prompts) != len(answers):
+            raise ValueError(f"{len(prompts)} prompts for {len(answers)} answers")
+        if not answers:
+            return []
+        labels = columns.get(LABEL_COLUMN)
+        labels = ["" if x is None else str(x) for x in labels] if labels is not None else [""] * len(answers)
+        payloads = [{"query": [p + a for p, a in zip(prompts[i:i + self.chunk_size], answers[i:i + self.chunk_size])],
+                     "prompts": list(prompts[i:i + self.chunk_size]), "labels": labels[i:i + self.chunk_size]}
+                    for i in range(0, len(answers), self.chunk_size)]
+        if len(payloads) == 1:
+            return self._post(payloads[0])
+        with ThreadPoolExecutor(min(len(payloads), MAX_CONCURRENT_REQUESTS), thread_name_prefix="reward_url") as pool:
+            parts = list(pool.map(self._post, payloads))  # the first failure (in chunk order) is raised
+        return [score for part in parts for score in part]
+
+    def _post(self, payload: dict[str, list[str]]) -> list[float]:
+        """The rewards of one request, after at most ``retries`` retries."""
+        last: BaseException | None = None
+        for attempt in range(self.retries + 1):
+            if attempt:
+                time.sleep(self.backoff * 2 ** (attempt - 1))
+            try:
+                return self._attempt(payload)
+            except _Retryable as err:
+                last = err
+        attempts = "once" if self.retries == 0 else f"{self.retries + 1} times"
+        raise UserError(f"--reward_url {self.url} failed {attempts} (--reward_url_retries "
+                        f"{self.retries}); last error: {last}; check that the reward server is up and reachable, or "
+                        "raise --reward_url_timeout / --reward_url_retries")
+
+    def _attempt(self, payload: dict[str, list[str]]) -> list[float]:
+        try:
+            reply = self.session().post(self.url, json=payload, timeout=self.timeout)
+        except requests.Timeout as err:
+            raise _Retryable(f"no reply within --reward_url_timeout {self.timeout:g} s "
+                             f"({type(err).__name__})") from None
+        except requests.RequestException as err:
+            raise _Retryable(f"{type(err).__name__}: {_short(err)}") from None
+        if reply.status_code in _RETRY_STATUS:
+            raise _Retryable(f"HTTP {reply.status_code} {_short(reply.text)}")
+        if reply.status_code != 200:
+            raise UserError(f"--reward_url {self.url} answered HTTP {reply.status_code} {_short(reply.text)}; check "
+                            "the URL (a dschat server's route is /get_reward)")
+        return self._rewards(reply, len(payload["query"]))
+
+    def _rewards(self, reply: requests.Response, expected: int) -> list[float]:
+        """The reply's ``"rewards"``, checked: a list of ``expected`` finite numbers."""
+        def wrong(what: str) -> UserError:
+            return UserError(f"--reward_url {self.url} replied {what}; a reward server replies JSON "
+                             f'{{"rewards": [...]}} with one finite float per query')
+        try:
+            body = reply.json()
+        except ValueError:  # requests' JSONDecodeError is one
+            raise wrong(f"with something that is not JSON ({_short(reply.text)!r})") from None
+        if not isinstance(body, dict) or "rewards" not in body:
+            raise wrong(f"JSON without a \"rewards\" key ({_short(json.dumps(body))})")
+        rewards = body["rewards"]
+        if not isinstance(rewards, list):
+            raise wrong(f"\"rewards\" of type {type(rewards).__name__}, not a list")
+        if len(rewards) != expected:
+            raise wrong(f"{len(rewards)} rewards for {expected} queries")
+        scores = []
+        for i, value in enumerate(rewards):
+            try:  # a bool is no score; an int past float's range overflows
+                score = math.nan if isinstance(value, bool) or not isinstance(value, (int, float)) else float(value)
+            except OverflowError:
+                score = math.inf
+            if not math.isfinite(as_float32(score)):
+                raise wrong(f"reward {_short(repr(value), 40)} for query {i}, not a finite number (in float32)")
+            scores.append(score)
+        return scores
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    flat = " ".join(str(value).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def remote_reward_function(url: str, weight: float = 1.0, timeout: float = 60.0, retries: int = 3) -> RewardFunction:
+    """The ``--reward_url`` term of step 3's reward mix, weighted (``--reward_url_weight``). Its own
+    timeout per request replaces the mix's per-call one."""
+    if not math.isfinite(weight):
+        raise UserError(f"--reward_url_weight must be a finite number, got {weight}")
+    return RewardFunction(url, RemoteReward(url, timeout=timeout, retries=retries), float(weight))

@@ -1,0 +1,114 @@
+"""``python -m dschat.serve MODEL [--host 127.0.0.1] [--port 5000]``: serve a step-2 reward model.
+
+Order: parse -> what MODEL is (a step-2 reward model, else one line: actor serving is not built) ->
+bind the port (a busy one is one line naming ``--port``) -> load the model -> print the line
+``serving <kind> <folder> on http://HOST:PORT`` (the bound port, also for ``--port 0``) -> serve until
+stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
+code 2. A ``--host`` that is not a loopback address gets a warning line: the server has no
+authentication and no TLS.
+"""
+from __future__ import annotations
+
+import argparse
+import errno
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from dschat.errors import UserError, cli_main
+from dschat.eval.scoring import check_reward_folder
+from dschat.models.reward_model import is_reward_model_folder
+
+try:  # the serve extra: pip install 'dschat[serve]'
+    import uvicorn
+
+    from dschat.serve.app import build_app
+    from dschat.serve.reward_scorer import load_reward_scorer
+except ImportError as err:
+    _MISSING: ImportError | None = err
+else:
+    _MISSING = None
+
+__all__ = ["build_parser", "main", "bind"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m dschat.serve",
+                                     description="Serve a step-2 reward model over HTTP (POST /get_reward, "
+                                                 "OpenRLHF's remote reward protocol; GET /health).")
+    parser.add_argument("model", metavar="MODEL", help="A step-2 output folder (the reward model: body + value head).")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="Address to listen on (default 127.0.0.1: this machine only; the server has no "
+                             "authentication, so another address gets a warning).")
+    parser.add_argument("--port", type=int, default=5000, help="Port to listen on (default 5000; 0: any free port).")
+    parser.add_argument("--device", default="auto", help="Torch device for the model (default auto: cuda if present).")
+    parser.add_argument("--batch_size", type=int, default=16, help="Texts scored per forward pass (default 16).")
+    parser.add_argument("--max_seq_len", type=int, default=None,
+                        help="Tokens of a text kept (its end past this is cut). Default: the model's "
+                             "max_position_embeddings.")
+    parser.add_argument("--log_level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                        help="uvicorn's log level (default info: one access line per request).")
+    return parser
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``(host, port)`` (not yet listening); a busy port or an address this machine
+    does not have is one :class:`UserError` line."""
+    if not 0 <= port <= 65535:
+        raise UserError(f"--port {port} is not a port number; give one in 0-65535 (0: any free port)")
+    try:
+        info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise UserError(f"--host {host!r} is not an address of this machine ({err.strerror})") from None
+    sock = socket.socket(info[0], socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(info[4])
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise UserError(f"--port {port} on {host} is in use by another process; pick another --port "
+                            "(0: any free port)") from None
+        raise UserError(f"cannot listen on --host {host} --port {port}: {err.strerror}") from None
+    return sock
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli_main(_main, argv)
+
+
+def _main(argv: Sequence[str] | None) -> None:
+    args = build_parser().parse_args(argv)
+    if _MISSING is not None:
+        raise UserError(f"python -m dschat.serve needs the serve extra ({_MISSING}); pip install 'dschat[serve]'")
+    folder = Path(args.model).expanduser()
+    if (folder / "config.json").is_file() and not is_reward_model_folder(folder):
+        raise UserError(f"{folder} is not a step-2 reward model (no value head); serving an actor "
+                        "(OpenAI-compatible /v1/completions) is not built yet: pass a step-2 output folder")
+    check_reward_folder(folder)
+    if args.batch_size < 1:
+        raise UserError(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.max_seq_len is not None and args.max_seq_len < 1:
+        raise UserError(f"--max_seq_len must be >= 1, got {args.max_seq_len}")
+    if not _is_loopback(args.host):
+        print(f"warning: --host {args.host} serves beyond this machine; dschat.serve has no authentication and no "
+              "TLS: anyone who reaches the port can use the model", file=sys.stderr, flush=True)
+    sock = bind(args.host, args.port)
+    try:
+        scorer = load_reward_scorer(folder, device=args.device, max_len=args.max_seq_len, batch_size=args.batch_size)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"serving reward model {folder} on http://{shown}:{port} (POST /get_reward, GET /health)", flush=True)
+        config = uvicorn.Config(build_app(scorer), log_level=args.log_level, timeout_keep_alive=75)
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        sock.close()

@@ -1,0 +1,82 @@
+"""``python -m dschat.serve`` started by a test: a subprocess on a free port (``--port 0``, the bound
+port read from its ``serving ...`` line), waited for on ``GET /health``, stopped (and reaped) at the end;
+and the scores a server's rewards are checked against (:func:`own_scores`)."""
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import requests
+import torch
+
+from dschat.eval.scoring import load_reward
+
+from helpers import PYTHON, REPO
+from helpers.step3 import subprocess_env
+
+_SERVING = re.compile(r"^serving reward model .* on (http://\S+) ")
+
+
+class ServedModel:
+    """A running server: ``url`` (``http://127.0.0.1:PORT``), ``reward_url`` (its ``/get_reward``),
+    ``proc`` and the lines it printed so far (``output``)."""
+
+    def __init__(self, proc: subprocess.Popen, url: str, output: list[str]) -> None:
+        self.proc, self.url, self.output = proc, url, output
+        self.reward_url = url + "/get_reward"
+
+
+@contextlib.contextmanager
+def served_reward_model(folder: Path, *extra: str, start_timeout: float = 300.0) -> Iterator[ServedModel]:
+    """``python -m dschat.serve folder --port 0 *extra``, up and healthy, killed on exit."""
+    env = subprocess_env()
+    env["PYTHONPATH"] = str(REPO)
+    proc = subprocess.Popen([PYTHON, "-m", "dschat.serve", str(folder), "--host", "127.0.0.1", "--port", "0",
+                             "--log_level", "warning", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    output: list[str] = []
+    found: list[str] = []
+
+    def read() -> None:  # drains the pipe for the server's whole life (a full pipe would block it)
+        for line in proc.stdout:
+            output.append(line.rstrip("\n"))
+            match = _SERVING.match(line)
+            if match and not found:
+                found.append(match.group(1))
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                time.sleep(0.2)  # let the reader take the last lines
+                raise AssertionError(f"dschat.serve exited {proc.returncode}:\n" + "\n".join(output[-30:]))
+            if found:
+                with contextlib.suppress(requests.RequestException):
+                    if requests.get(found[0] + "/health", timeout=5).status_code == 200:
+                        break
+            if time.monotonic() > deadline:
+                raise AssertionError("dschat.serve did not come up:\n" + "\n".join(output[-30:]))
+            time.sleep(0.2)
+        yield ServedModel(proc, found[0], output)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def own_scores(folder: Path, texts: Sequence[str], max_len: int | None = None) -> list[float]:
+    """Each text scored alone (no padding, no batch) by dschat's reward model: the value at its last token."""
+    model, tokenizer = load_reward(folder, torch.device("cpu"))
+    scores = []
+    for text in texts:
+        ids = tokenizer(text, max_length=max_len, truncation=max_len is not None, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            values = model.forward_value(input_ids=ids, attention_mask=torch.ones_like(ids), return_value_only=True)
+        scores.append(float(values[0, -1]))
+    return scores

@@ -1,0 +1,245 @@
+"""The ``--reward_url`` client (dschat/remote_reward.py) against a real HTTP server started here
+(``http.server`` on a free port, in a thread): the protocol, batching and order, retries, timeouts,
+replies of the wrong shape, the start-up warning and the step-3 flags."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Callable
+
+import pytest
+
+from dschat.errors import UserError
+from dschat.remote_reward import RemoteReward, check_reward_url, plain_http_warning, remote_reward_function
+from dschat.rewards import RewardMix
+
+from helpers.step3 import step3_main
+
+# What the server does with one request: a JSON-able reply body (HTTP 200), or a callable that
+# handles the request itself (handler, payload) for errors, delays and dropped connections.
+Behaviour = Any
+
+
+class RewardServer:
+    """A reward server on 127.0.0.1 (port 0: the OS picks a free one). ``script`` gives, request by
+    request, what to do (see ``Behaviour``); past its end each query gets ``len(query)`` as reward.
+    ``requests`` records each request's JSON body and ``connections`` the client ports seen."""
+
+    def __init__(self, script: list[Behaviour] | None = None) -> None:
+        self.script = list(script or [])
+        self.requests: list[dict] = []
+        self.connections: set[int] = set()
+        self.lock = threading.Lock()
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                with owner.lock:
+                    owner.requests.append(payload)
+                    owner.connections.add(self.client_address[1])
+                    action = owner.script.pop(0) if owner.script else None
+                if callable(action):
+                    action(self, payload)
+                    return
+                lengths = {"rewards": [float(len(q)) for q in payload["query"]]}
+                self.reply(200, action if action is not None else lengths)
+
+            def reply(self, status: int, body: Any, raw: bytes | None = None) -> None:
+                data = raw if raw is not None else json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/get_reward"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "RewardServer":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def status(code: int) -> Callable:
+    return lambda handler, payload: handler.reply(code, {"detail": "busy"})
+
+
+def raw(data: bytes) -> Callable:
+    return lambda handler, payload: handler.reply(200, None, raw=data)
+
+
+def drop(handler: Any, payload: Any) -> None:
+    handler.close_connection = True  # no reply at all: the client sees the connection close
+
+
+def slow(seconds: float) -> Callable:
+    def act(handler: Any, payload: Any) -> None:
+        time.sleep(seconds)
+        handler.reply(200, {"rewards": [0.0] * len(payload["query"])})
+    return act
+
+
+PROMPTS = ["Human: a", "Human: bb", "Human: ccc", "Human: dddd", "Human: eeeee"]
+ANSWERS = [" x", " yy", " zzz", " w", " vv"]
+
+
+def _client(url: str, **kw: Any) -> RemoteReward:
+    kw.setdefault("backoff", 0.01)
+    return RemoteReward(url, **kw)
+
+
+# ------------------------------------------------------------------------------------ protocol
+def test_one_request_carries_query_prompts_and_labels_and_rewards_come_back_in_order():
+    with RewardServer() as server:
+        scores = _client(server.url)(PROMPTS, ANSWERS, answer=["1", "2", "3", "4", 5])
+    assert scores == [float(len(p + a)) for p, a in zip(PROMPTS, ANSWERS)]
+    assert server.requests == [{"query": [p + a for p, a in zip(PROMPTS, ANSWERS)], "prompts": PROMPTS,
+                                "labels": ["1", "2", "3", "4", "5"]}]
+
+
+def test_without_an_answer_column_the_labels_are_empty_strings():
+    with RewardServer() as server:
+        _client(server.url)(PROMPTS[:2], ANSWERS[:2], chosen=["c1", "c2"])
+    assert server.requests[0]["labels"] == ["", ""]
+
+
+def test_chunks_are_sent_concurrently_on_kept_alive_connections_and_joined_in_order():
+    barrier = threading.Barrier(3, timeout=5)  # three chunks: each waits until all three are in flight
+
+    def together(handler, payload):
+        barrier.wait()
+        handler.reply(200, {"rewards": [float(len(q)) for q in payload["query"]]})
+
+    with RewardServer([together] * 3) as server:
+        client = _client(server.url, chunk_size=2)
+        assert client(PROMPTS, ANSWERS) == [float(len(p + a)) for p, a in zip(PROMPTS, ANSWERS)]
+        assert sorted(len(r["query"]) for r in server.requests) == [1, 2, 2]
+        seen = set(server.connections)
+        client(PROMPTS[:2], ANSWERS[:2])  # the next call reuses a connection of the pool
+        assert server.connections == seen
+
+
+def test_a_failing_request_is_retried_with_backoff_then_succeeds():
+    with RewardServer([status(503), drop, status(429)]) as server:
+        start = time.monotonic()
+        scores = _client(server.url, retries=3, backoff=0.1)(PROMPTS[:2], ANSWERS[:2])
+        waited = time.monotonic() - start
+    assert scores == [float(len(PROMPTS[i] + ANSWERS[i])) for i in range(2)]
+    assert len(server.requests) == 4
+    assert waited >= 0.1 + 0.2 + 0.4  # exponential: 0.1, 0.2, 0.4 s before retries 1-3
+
+
+def test_spent_retries_stop_with_one_line_naming_the_url_and_the_last_error():
+    with RewardServer([status(500)] * 3) as server:
+        with pytest.raises(UserError) as err:
+            _client(server.url, retries=2)(PROMPTS, ANSWERS)
+    assert len(server.requests) == 3
+    line = str(err.value)
+    assert "\n" not in line and server.url in line and "failed 3 times" in line and "HTTP 500" in line
+
+
+def test_an_unreachable_server_names_the_connection_error():
+    with RewardServer() as server:
+        url = server.url
+    with pytest.raises(UserError, match=rf"--reward_url {url} failed 2 times .*last error: ConnectionError"):
+        _client(url, retries=1)(PROMPTS, ANSWERS)
+
+
+def test_a_request_past_its_timeout_is_retried_then_named():
+    with RewardServer([slow(2.0), slow(2.0)]) as server:
+        start = time.monotonic()
+        with pytest.raises(UserError, match=r"failed 2 times .*no reply within --reward_url_timeout 0.3 s"):
+            _client(server.url, timeout=0.3, retries=1)(PROMPTS[:1], ANSWERS[:1])
+        assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.parametrize("reply, what", [
+    (raw(b"<html>oops</html>"), "with something that is not JSON"),
+    ({"scores": [1.0]}, 'JSON without a "rewards" key'),
+    ({"rewards": "1.0"}, '"rewards" of type str, not a list'),
+    ({"rewards": [1.0, 2.0, 3.0]}, "3 rewards for 2 queries"),
+    (raw(b'{"rewards": [1.0, NaN]}'), "reward nan for query 1, not a finite number"),
+    ({"rewards": [1.0, 1e39]}, "reward 1e+39 for query 1, not a finite number (in float32)"),
+    ({"rewards": [1.0, "2"]}, "reward '2' for query 1"),
+    ({"rewards": [True, 2]}, "reward True for query 0"),
+    (raw(b'{"rewards": [1, 1' + b"0" * 400 + b']}'), "reward 1000000000"),
+])
+def test_a_reply_of_the_wrong_shape_is_one_line_naming_the_url_and_the_problem(reply, what):
+    with RewardServer([reply]) as server:
+        with pytest.raises(UserError) as err:
+            _client(server.url)(PROMPTS[:2], ANSWERS[:2])
+    assert len(server.requests) == 1  # not retried
+    line = str(err.value)
+    assert line.startswith(f"--reward_url {server.url} replied ") and what in line and "\n" not in line
+
+
+def test_a_client_error_status_is_not_retried():
+    with RewardServer([status(404)]) as server:
+        with pytest.raises(UserError, match=r"answered HTTP 404"):
+            _client(server.url)(PROMPTS[:2], ANSWERS[:2])
+    assert len(server.requests) == 1
+
+
+def test_in_the_reward_mix_it_is_one_weighted_term():
+    with RewardServer() as server:
+        term = remote_reward_function(server.url, weight=0.5, timeout=5, retries=0)
+        mix = RewardMix((term,), model_weight=0.0)
+        scores = mix.score(PROMPTS[:2], ANSWERS[:2], {"answer": ["1", "2"]})
+    assert scores.tolist() == [0.5 * len(PROMPTS[i] + ANSWERS[i]) for i in range(2)]
+    assert mix.describe() == f"reward = 0.5 x {server.url}"
+
+
+# ------------------------------------------------------------------------------------ URL and flags
+@pytest.mark.parametrize("url", ["127.0.0.1:5000", "ftp://host/x", "http://", "http://host:99999/x"])
+def test_a_bad_url_is_one_line(url):
+    with pytest.raises(UserError, match="--reward_url"):
+        check_reward_url(url)
+
+
+def test_plain_http_to_another_host_warns_loopback_and_https_do_not():
+    assert plain_http_warning("http://10.0.0.5:5000/get_reward").startswith(
+        "warning: --reward_url http://10.0.0.5:5000/get_reward is plain http://")
+    for url in ("http://127.0.0.1:5000/x", "http://localhost/x", "http://[::1]:80/x", "https://rm.example.org/x"):
+        assert plain_http_warning(url) is None
+
+
+def test_step3_flags_defaults_and_the_reward_model_weight():
+    module = step3_main()
+    args = module.parse_args(["--actor_model_name_or_path", "a"])
+    assert (args.reward_url, args.reward_url_weight, args.reward_url_timeout, args.reward_url_retries) == (
+        None, 1.0, 60.0, 3)
+    assert module.reward_mix(args).functions == ()  # nothing is sent without the flag
+    args = module.parse_args(["--actor_model_name_or_path", "a", "--reward_url", "http://127.0.0.1:1/get_reward",
+                              "--reward_url_weight", "2", "--reward_url_retries", "0"])
+    mix = module.reward_mix(args)
+    assert not mix.uses_model and [(f.name, f.weight) for f in mix.functions] == [
+        ("http://127.0.0.1:1/get_reward", 2.0)]
+    assert mix.functions[0].fn.retries == 0
+    args.reward_model_weight = 1.0
+    assert module.reward_mix(args).model_weight == 1.0
+
+
+@pytest.mark.parametrize("flags, message", [
+    (("--reward_url_timeout", "0"), "--reward_url_timeout must be a number of seconds > 0"),
+    (("--reward_url_retries", "-1"), "--reward_url_retries must be >= 0"),
+    (("--reward_url_weight", "nan"), "--reward_url_weight must be a finite number"),
+])
+def test_bad_reward_url_flags_are_one_line(flags, message):
+    module = step3_main()
+    args = module.parse_args(["--actor_model_name_or_path", "a", "--reward_url", "http://127.0.0.1:1/x", *flags])
+    with pytest.raises(UserError, match=message):
+        module.reward_mix(args)

@@ -1,0 +1,115 @@
+"""``python -m dschat.serve`` on a tiny step-2 reward model: a real server in a subprocess on a free
+port, asked over HTTP. Its rewards are the reward model's own scores of the same texts; bad requests
+get a 4xx JSON answer and the server goes on; a busy port and an actor folder are one line, exit 2."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+import requests
+from dschat.errors import EXIT_USAGE
+from dschat.models.registry import resolve_model_path
+from dschat.remote_reward import RemoteReward
+from dschat.serve.cli import main as serve_main
+
+from helpers.serve import own_scores, served_reward_model
+from helpers.step3 import make_critic_folder
+
+TEXTS = ["Human: What is 2 + 2? Assistant: 4", "Human: hi Assistant: hello there, how are you today?",
+         "Human: Name a colour. Assistant: blue", "Human: x Assistant:"]
+
+
+@pytest.fixture(scope="module")
+def reward_folder(tmp_path_factory):
+    return make_critic_folder("tiny-opt", tmp_path_factory.mktemp("serve") / "rm", seed=3)
+
+
+@pytest.fixture(scope="module")
+def server(reward_folder):
+    with served_reward_model(reward_folder, "--batch_size", "3", "--device", "cpu") as served:
+        yield served
+
+
+def test_get_reward_gives_the_reward_models_own_scores_in_order(server, reward_folder):
+    reply = requests.post(server.reward_url, json={"query": TEXTS, "prompts": ["p"] * 4, "labels": [""] * 4},
+                          timeout=60)
+    assert reply.status_code == 200
+    rewards = reply.json()["rewards"]
+    assert rewards == pytest.approx(own_scores(reward_folder, TEXTS), abs=1e-5)
+    assert len(set(rewards)) == len(TEXTS)  # distinct texts, distinct scores: order is checked
+    # step 3's client reads the same; prompts and labels are optional
+    assert RemoteReward(server.reward_url)(["", ""], TEXTS[:2]) == pytest.approx(rewards[:2], abs=1e-6)
+    assert requests.post(server.reward_url, json={"query": TEXTS[:1]}, timeout=60).json()["rewards"] == \
+        pytest.approx(rewards[:1], abs=1e-6)
+
+
+def test_health(server, reward_folder):
+    reply = requests.get(server.url + "/health", timeout=10)
+    assert reply.status_code == 200
+    assert reply.json() == {"status": "ok", "model": str(reward_folder), "kind": "reward"}
+
+
+@pytest.mark.parametrize("method, route, body, code", [
+    ("post", "/get_reward", b"{not json", 422),
+    ("post", "/get_reward", b'{"query": [1, 2]}', 422),
+    ("post", "/get_reward", b'{"query": "one text"}', 422),
+    ("post", "/get_reward", b'{"query": []}', 422),
+    ("post", "/get_reward", b'{"prompts": ["a"]}', 422),
+    ("post", "/get_reward", b'{"query": ["a"], "labels": [3]}', 422),
+    ("post", "/v1/completions", b'{"prompt": "a"}', 404),
+    ("get", "/get_reward", None, 405),
+])
+def test_a_bad_request_gets_a_4xx_json_answer_and_the_server_goes_on(server, method, route, body, code):
+    reply = getattr(requests, method)(server.url + route, data=body, timeout=30,
+                                      headers={"Content-Type": "application/json"})
+    assert reply.status_code == code
+    assert "detail" in reply.json()
+    ok = requests.post(server.reward_url, json={"query": TEXTS[:2]}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["rewards"]) == 2
+    assert server.proc.poll() is None
+
+
+def test_a_text_longer_than_max_seq_len_is_cut(reward_folder):
+    long_text = TEXTS[1] * 8
+    with served_reward_model(reward_folder, "--max_seq_len", "12", "--device", "cpu") as served:
+        rewards = requests.post(served.reward_url, json={"query": [long_text, TEXTS[0]]}, timeout=60).json()["rewards"]
+    assert rewards == pytest.approx(own_scores(reward_folder, [long_text, TEXTS[0]], max_len=12), abs=1e-5)
+
+
+def _refused(argv, capsys):
+    capsys.readouterr()
+    code = serve_main(argv)
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("error: ")]
+    assert code == EXIT_USAGE and len(lines) == 1 and "Traceback" not in err, err
+    warned = [x for x in err.splitlines() if x.startswith("warning: --host")]
+    assert len(warned) == (0 if "0.0.0.0" not in argv else 1), err  # only another host than loopback warns
+    if warned:
+        assert "no authentication and no TLS" in warned[0]
+    return lines[0]
+
+
+def test_a_busy_port_is_one_line_naming_the_port(reward_folder, capsys):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        line = _refused([str(reward_folder), "--port", str(port)], capsys)
+    assert f"--port {port} on 127.0.0.1 is in use" in line
+
+
+def test_another_host_than_loopback_warns(reward_folder, capsys):
+    with socket.socket() as taken:  # bound, never listening: the port is taken, nothing is served
+        taken.bind(("0.0.0.0", 0))
+        port = taken.getsockname()[1]
+        line = _refused([str(reward_folder), "--host", "0.0.0.0", "--port", str(port)], capsys)
+    assert f"--port {port} on 0.0.0.0 is in use" in line
+
+
+def test_an_actor_folder_is_refused_actor_serving_is_not_built(capsys):
+    line = _refused([resolve_model_path("tiny-opt"), "--port", "0"], capsys)
+    assert "not a step-2 reward model" in line and "serving an actor" in line and "not built yet" in line
+
+
+def test_a_folder_that_is_no_model_is_one_line(tmp_path, capsys):
+    assert "is not a model folder" in _refused([str(tmp_path), "--port", "0"], capsys)
