@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat.rl_math.critic_free import ALGORITHMS, LOSS_AGGREGATIONS
+from dschat.rl_math.critic_free import ALGORITHMS, IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
 from dschat.cli.step3 import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.config import resolve_algorithm
@@ -69,6 +69,42 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     assert "WARNING" not in grpo.describe() and "WARNING" not in ppo.describe()
 
 
+def test_dapo_and_gspo_options_default_off_and_each_leaves_upstreams_loss():
+    ppo = _settings()
+    assert (ppo.cliprange_high, ppo.dual_clip, ppo.overlong_buffer_len, ppo.overlong_penalty_factor,
+            ppo.mask_truncated_answers, ppo.importance_sampling_level) == (None, 0.0, 0, 1.0, False, "token")
+    for extra in (("--cliprange_high", "0.28"), ("--cliprange_high", "0.2"), ("--dual_clip", "3"),
+                  ("--overlong_buffer_len", "4"), ("--mask_truncated_answers",)):
+        settings = _settings(*extra)
+        assert not settings.upstream_ppo_loss and settings.algorithm == "ppo", extra
+        assert settings.loss_aggregation == "token"
+    assert _settings("--overlong_penalty_factor", "2").upstream_ppo_loss  # inert without a buffer
+    both = _settings("--cliprange_high", "0.28", "--dual_clip", "3", "--overlong_buffer_len", "4",
+                     "--overlong_penalty_factor", "0.5", "--mask_truncated_answers")
+    assert (both.cliprange_high, both.dual_clip, both.overlong_buffer_len, both.overlong_penalty_factor,
+            both.mask_truncated_answers) == (0.28, 3.0, 4, 0.5, True)
+    assert ("clip-higher 0.28, dual-clip 3, overlong penalty 0.5 over the last 4 tokens, answers without EOS masked "
+            "out of the loss") in both.describe()
+    # GSPO: the mean over answers is its objective, so auto aggregates per answer; an explicit choice stays.
+    gspo = _settings("--algorithm", "rloo", "--num_generations", "2", "--importance_sampling_level", "sequence")
+    assert (gspo.importance_sampling_level, gspo.loss_aggregation) == ("sequence", "sequence")
+    assert "sequence-level importance ratio (GSPO)" in gspo.describe()
+    assert _settings("--algorithm", "rloo", "--num_generations", "2", "--importance_sampling_level", "sequence",
+                     "--loss_aggregation", "token").loss_aggregation == "token"
+    assert _settings("--algorithm", "grpo", "--num_generations", "2", "--dr_grpo",
+                     "--importance_sampling_level", "sequence").loss_aggregation == "token_sum"
+    choices = {a.dest: a.choices for a in _parser()._actions}
+    assert tuple(choices["importance_sampling_level"]) == IMPORTANCE_SAMPLING_LEVELS
+
+
+def _parser():
+    import argparse
+
+    from dschat.cli.step3 import add_step3_args
+
+    return add_step3_args(argparse.ArgumentParser(add_help=False))
+
+
 @pytest.mark.parametrize("extra, message", [
     ((), "--critic_model_name_or_path is required for --algorithm ppo's critic"),
     (("--algorithm", "grpo", "--num_generations", "2"), "required for the reward model"),
@@ -77,6 +113,15 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     (("--loss_aggregation", "sequence"), "--loss_aggregation sequence is for the critic-free"),
     (("--tis_cap", "-1"), "--tis_cap must be a finite number >= 0"),
     (("--tis_cap", "nan"), "--tis_cap must be a finite number >= 0"),
+    (("--cliprange_high", "-0.1"), "--cliprange_high must be a finite number >= 0"),
+    (("--dual_clip", "1"), "--dual_clip must be a finite number > 1"),
+    (("--algorithm", "rloo", "--num_generations", "2", "--dual_clip", "0.5"), "--dual_clip must be a finite number > 1"),
+    (("--overlong_buffer_len", "17"), "--overlong_buffer_len must be an integer from 0 (off) to --max_answer_seq_len 16"),
+    (("--overlong_buffer_len", "-1"), "--overlong_buffer_len must be an integer from 0 (off)"),
+    (("--overlong_buffer_len", "4", "--overlong_penalty_factor", "-1"), "--overlong_penalty_factor must be a finite "
+                                                                       "number >= 0"),
+    (("--importance_sampling_level", "sequence"), "--importance_sampling_level sequence (GSPO) is for the critic-free "
+                                                  "algorithms"),
     (("--algorithm", "grpo", "--num_generations", "2", "--decoding", "greedy"),
      "--algorithm grpo compares the K answers to a prompt, which greedy decoding"),
     (("--algorithm", "rloo", "--num_generations", "2", "--top_k", "1"), "every advantage would be 0"),
