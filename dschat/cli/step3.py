@@ -168,9 +168,9 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                        help="(dschat) Dual-clip PPO: with a negative advantage A a token's loss is at most -C x A "
                             "(C > 1, e.g. 3). Default: off.")
     group.add_argument("--overlong_buffer_len", type=int, default=0, metavar="L",
-                       help="(dschat) DAPO's soft overlong punishment: an answer of n > M - L tokens (M: "
-                            "--max_answer_seq_len; an episode: the actor's tokens) gets -factor x (n - (M - L)) / L "
-                            "added to its score. 0 (default): off.")
+                       help="(dschat) DAPO's soft overlong punishment: an answer of n tokens (an episode: the actor's "
+                            "tokens) with n > M - L (M: --max_answer_seq_len) gets -factor x (n - (M - L)) / L added "
+                            "to its score. 0 (default): off.")
     group.add_argument("--overlong_penalty_factor", type=float, default=1.0,
                        help="(dschat) With --overlong_buffer_len: the penalty at n = M (default 1.0).")
     group.add_argument("--mask_truncated_answers", action="store_true",
