@@ -377,3 +377,41 @@ def test_overlong_penalty_and_truncated_answers_masked_in_a_grpo_run(data_cache,
     actions = exp.action_mask[:, exp.start:]
     assert actions[~ended].eq(0).all() and (actions[ended].sum(1) == 4).all()
     torch.testing.assert_close(exp.sequence_advantages, grpo_advantages(exp.reward_score, 2))
+
+
+@pytest.mark.slow
+def test_an_episodes_overlong_penalty_counts_the_actors_tokens(data_cache, monkeypatch):
+    """Multi-turn episodes (--env): the length the overlong penalty sees is the actor's tokens (the
+    action mask's count), not the environment's observation tokens between its turns."""
+    from transformers import LogitsProcessorList
+
+    from dschat.rl_math.critic_free import overlong_penalty
+    from dschat.rlhf import experience_maker
+    from dschat.rlhf.rollout.generator import RolloutGenerator
+    from test_step3_envs import TURN, EndTurnAfter  # turns of TURN (even rows) or TURN + 1 tokens
+
+    init = RolloutGenerator.__init__
+
+    def ending_turns(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.extra_generate_kwargs = {
+            "logits_processor": LogitsProcessorList([EndTurnAfter(self.tokenizer.eos_token_id, TURN)])}
+
+    monkeypatch.setattr(RolloutGenerator, "__init__", ending_turns)
+    seen = []
+    monkeypatch.setattr(experience_maker, "overlong_penalty",
+                        lambda n, *a: seen.append((n.clone(), overlong_penalty(n, *a))) or seen[-1][1])
+    raw, trained = _spy_scores(monkeypatch)
+    argv = _argv("tiny-opt", None, data_cache, "--algorithm", "grpo", "--num_generations", "2", "--env",
+                 "env_fixtures:ask_twice", "--max_turns", "2", "--kl_ctl", "0", "--max_answer_seq_len", "40",
+                 "--overlong_buffer_len", "40", "--overlong_penalty_factor", "2", steps=1)
+    step3_main().main(argv)
+    (exp,) = trained
+    (lengths, penalty), = seen
+    observed = exp.observation_mask[:, exp.start:].sum(1)
+    assert (observed > 0).all()  # two turns each, a user message between them
+    assert lengths.tolist() == exp.action_mask[:, exp.start:].sum(1).tolist() == [2 * TURN, 2 * TURN + 2] * 2
+    # L = M = 40, F = 2: -2 n / 40 on the actor's 10 or 12 tokens
+    torch.testing.assert_close(penalty, -2.0 * lengths.float() / 40)
+    env_reward = exp.reward_score - raw[0] - penalty
+    assert (env_reward >= 0.25).all()  # the rest of the score is the turns' rewards (0.25 + words / 10)
