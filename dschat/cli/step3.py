@@ -169,6 +169,25 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     group.add_argument("--tis_cap", type=float, default=0.0,
                        help="(dschat) Truncated importance sampling: each token's loss times min(pi_train / "
                             "pi_rollout, tis_cap), for the rollout decoder's gap to training. 0 (default): off.")
+    group.add_argument("--cliprange_high", type=float, default=None,
+                       help="(dschat) DAPO's clip-higher: the ratio is clipped to [1 - cliprange, 1 + cliprange_high] "
+                            "(default: --cliprange, symmetric).")
+    group.add_argument("--dual_clip", type=float, default=None, metavar="C",
+                       help="(dschat) Dual-clip PPO: with a negative advantage A a token's loss is at most -C x A "
+                            "(C > 1, e.g. 3). Default: off.")
+    group.add_argument("--overlong_buffer_len", type=int, default=0, metavar="L",
+                       help="(dschat) DAPO's soft overlong punishment: an answer of n tokens (an episode: the actor's "
+                            "tokens) with n > M - L (M: --max_answer_seq_len) gets -factor x (n - (M - L)) / L added "
+                            "to its score. 0 (default): off.")
+    group.add_argument("--overlong_penalty_factor", type=float, default=1.0,
+                       help="(dschat) With --overlong_buffer_len: the penalty at n = M (default 1.0).")
+    group.add_argument("--mask_truncated_answers", action="store_true",
+                       help="(dschat) DAPO's overlong filtering: answers cut at --max_answer_seq_len without EOS are "
+                            "masked out of the loss (their rewards still enter their group's statistics).")
+    group.add_argument("--importance_sampling_level", type=str, default="token", choices=("token", "sequence"),
+                       help="(dschat) 'token' (default): one PPO ratio per token; 'sequence': GSPO's one ratio per "
+                            "answer, exp(mean of the answer's token log-ratios), clipped per answer (critic-free "
+                            "algorithms; --loss_aggregation auto becomes sequence).")
     group.add_argument("--reward_fn", type=str, action="append", default=None, metavar="MODULE:FUNCTION",
                        help="(dschat) A reward function fn(prompts, answers, **columns) -> list[float] (columns: "
                             "the prompt's other dataset fields). Repeatable; built-ins dschat.rewards:gold (the "

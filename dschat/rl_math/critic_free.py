@@ -37,6 +37,10 @@ __all__ = [
     "policy_loss_per_token",
     "aggregate_loss",
     "tis_weights",
+    "IMPORTANCE_SAMPLING_LEVELS",
+    "clipped_surrogate",
+    "sequence_ratio",
+    "overlong_penalty",
 ]
 
 Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_pp", "remax"]
@@ -48,6 +52,8 @@ CRITIC_FREE: frozenset[str] = frozenset({"grpo", "rloo", "reinforce_pp", "remax"
 #: Algorithms whose baseline is the other answers to the same prompt (need ``K >= 2``).
 GROUP_ALGORITHMS: frozenset[str] = frozenset({"grpo", "rloo"})
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token", "sequence", "token_sum")
+#: ``--importance_sampling_level``: one ratio per token (PPO, GRPO) or one per answer (GSPO).
+IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -161,18 +167,94 @@ def tis_weights(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, ca
     return torch.exp(train_logprobs.detach().float() - rollout_logprobs.float()).clamp(max=cap)
 
 
+def clipped_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, *, cliprange: float = 0.2,
+                      cliprange_high: float | None = None, dual_clip: float = 0.0) -> torch.Tensor:
+    """The clipped surrogate loss of each element, without a mask::
+
+        l = max(-A * r, -A * clamp(r, 1 - c_low, 1 + c_high))
+        l = min(l, -C * A)   where A < 0, with --dual_clip C > 1
+
+    ``c_low = cliprange``; ``c_high = cliprange_high`` (DAPO's "clip-higher", Yu et al. 2025, eq. 10),
+    ``cliprange`` when None. ``dual_clip`` (Ye et al. 2020, "Mastering Complex Control in MOBA Games
+    with Deep RL", eq. 5): a negative advantage's loss is at most ``C * |A|``, however large ``r``
+    has grown (0: off). With the defaults it is PPO's ``max(-A r, -A clamp(r, 1 - c, 1 + c))``.
+
+    Shape: ratio, advantages broadcastable; returns their broadcast shape.
+    """
+    high = cliprange if cliprange_high is None else cliprange_high
+    loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high))
+    if dual_clip:
+        if not dual_clip > 1.0:
+            raise ValueError(f"dual_clip must be > 1 (0: off), got {dual_clip}")
+        loss = torch.where(advantages < 0, torch.min(loss, -dual_clip * advantages), loss)
+    return loss
+
+
+def sequence_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence-level importance ratio (Zheng et al. 2025, "Group Sequence Policy
+    Optimization", eq. 7), length-normalised, in its token form (section 4.3, eq. 13)::
+
+        s_i   = exp(1/|y_i| * sum_t (logprobs_it - old_logprobs_it))
+        s_it  = sg[s_i] * exp(logprobs_it - sg[logprobs_it])
+
+    ``sg`` is stop-gradient. Every token of answer ``i`` holds the value ``s_i``; the gradient of
+    ``s_it`` is ``s_i * grad log pi(y_it)``, so with one advantage per answer and the per-answer mean
+    of :func:`aggregate_loss` (``"sequence"``) the loss's value, clipping and gradient are GSPO's
+    sequence-level ones: ``grad (1/|y_i|) sum_t l(s_it) = grad l(s_i)`` (tested). An answer without
+    tokens gets ``s_i = 1``.
+
+    Shape: all (B, T'); returns (B, T') (any value where ``mask`` is 0: callers mask the loss).
+    """
+    mask = mask.to(logprobs.dtype)
+    lengths = mask.sum(dim=1, keepdim=True).clamp(min=1.0)
+    mean_log_ratio = ((logprobs - old_logprobs) * mask).sum(dim=1, keepdim=True) / lengths
+    return torch.exp(mean_log_ratio.detach() + logprobs - logprobs.detach())
+
+
 def policy_loss_per_token(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                          mask: torch.Tensor, *, cliprange: float = 0.2) -> torch.Tensor:
-    """The PPO clipped surrogate per token, ``max(-A * r, -A * clamp(r, 1 - c, 1 + c))`` with
-    ``r = exp((logprobs - old_logprobs) * mask)`` (masked before ``exp``, as
-    :func:`dschat.rl_math.ppo.actor_loss_fn`, whose sum this is before normalising). GRPO, RLOO,
-    REINFORCE++ and ReMax all use it (with ``r = 1`` on-policy it is ``-A * logprob``'s gradient).
+                          mask: torch.Tensor, *, cliprange: float = 0.2, cliprange_high: float | None = None,
+                          dual_clip: float = 0.0, level: str = "token") -> torch.Tensor:
+    """The PPO clipped surrogate per token (:func:`clipped_surrogate`). With ``level="token"`` the
+    ratio is ``r = exp((logprobs - old_logprobs) * mask)`` (masked before ``exp``, as
+    :func:`dschat.rl_math.ppo.actor_loss_fn`, whose sum this is before normalising with the
+    defaults); with ``level="sequence"`` it is GSPO's :func:`sequence_ratio`, clipped per answer
+    with the same bounds. GRPO, RLOO, REINFORCE++ and ReMax all use it (with ``r = 1`` on-policy it
+    is ``-A * logprob``'s gradient).
 
     Shape: all (B, T'); returns (B, T') (0 where ``mask`` is 0).
     """
-    ratio = torch.exp((logprobs - old_logprobs) * mask)
-    loss = torch.max(-advantages * ratio, -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange))
+    if level == "token":
+        ratio = torch.exp((logprobs - old_logprobs) * mask)
+    elif level == "sequence":
+        ratio = sequence_ratio(logprobs, old_logprobs, mask)
+    else:
+        raise ValueError(f"policy_loss_per_token: level must be one of {IMPORTANCE_SAMPLING_LEVELS}, got {level!r}")
+    loss = clipped_surrogate(ratio, advantages, cliprange=cliprange, cliprange_high=cliprange_high,
+                             dual_clip=dual_clip)
     return loss * mask
+
+
+def overlong_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), scaled by ``factor``: with answer
+    length ``n``, ``M = max_len`` (``--max_answer_seq_len``) and ``L = buffer_len``::
+
+        0                              n <= M - L
+        -factor * (n - (M - L)) / L    M - L < n <= M      (linear, down to -factor at n = M)
+        -factor                        n > M
+
+    ``buffer_len`` 0 is off (all zeros). Added to the answer's score. For a multi-turn episode the
+    caller passes the actor's tokens (the action mask's count), not the environment's.
+
+    Shape: lengths (B,) int or float; returns (B,) float32.
+    """
+    if not 0 <= buffer_len <= max_len or factor < 0:
+        raise ValueError(f"overlong_penalty needs 0 <= buffer_len <= max_len and factor >= 0, got buffer_len "
+                         f"{buffer_len}, max_len {max_len}, factor {factor}")
+    lengths = lengths.to(torch.float32)
+    if buffer_len == 0:
+        return torch.zeros_like(lengths)
+    over = (lengths - (max_len - buffer_len)).clamp(min=0.0, max=float(buffer_len))
+    return -factor * over / buffer_len
 
 
 def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str, *,

@@ -34,7 +34,7 @@ from dschat.cli.step3 import add_step3_args
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
 from dschat.rewards import RewardMix
-from dschat.rl_math.critic_free import ALGORITHMS, CRITIC_FREE, GROUP_ALGORITHMS
+from dschat.rl_math.critic_free import ALGORITHMS, CRITIC_FREE, GROUP_ALGORITHMS, IMPORTANCE_SAMPLING_LEVELS
 from dschat.rlhf.rollout.sampling import DecodingSettings
 
 __all__ = [
@@ -77,6 +77,13 @@ class AlgorithmSettings:
     scale_by_std: bool  # GRPO divides by the group's std (not Dr.GRPO)
     whiten_advantages: bool  # whiten over the rollout's tokens, all ranks (REINFORCE++ always)
     tis_cap: float  # truncated importance sampling cap, 0 = off
+    # DAPO / GSPO options (docs/algorithms.md#dapo-and-gspo-options); the defaults are off
+    cliprange_high: float | None = None  # upper ratio clip 1 + this (None: --cliprange)
+    dual_clip: float = 0.0  # a negative advantage's loss is at most C x |A| (0: off)
+    overlong_buffer_len: int = 0  # soft overlong punishment over the last L answer tokens (0: off)
+    overlong_penalty_factor: float = 1.0  # its largest penalty
+    mask_truncated_answers: bool = False  # answers without EOS leave the loss
+    importance_sampling_level: str = "token"  # token | sequence (GSPO)
 
     @property
     def critic(self) -> bool:
@@ -85,13 +92,26 @@ class AlgorithmSettings:
 
     @property
     def upstream_ppo_loss(self) -> bool:
-        """PPO exactly as upstream computes its actor loss (no TIS, KL in the reward, token mean)."""
-        return self.algorithm == "ppo" and self.tis_cap == 0.0 and self.kl_in_reward
+        """PPO exactly as upstream computes its actor loss (no TIS, KL in the reward, token mean, none of
+        the DAPO / GSPO options)."""
+        return (self.algorithm == "ppo" and self.tis_cap == 0.0 and self.kl_in_reward
+                and self.cliprange_high is None and not self.dual_clip and not self.overlong_buffer_len
+                and not self.mask_truncated_answers and self.importance_sampling_level == "token")
 
     def describe(self) -> str:
         """One line for the start-up log."""
         kl = "in the reward" if self.kl_in_reward else "as a loss term"
         extra = f", TIS cap {self.tis_cap:g}" if self.tis_cap else ""
+        if self.cliprange_high is not None:
+            extra += f", clip-higher {self.cliprange_high:g}"
+        if self.dual_clip:
+            extra += f", dual-clip {self.dual_clip:g}"
+        if self.overlong_buffer_len:
+            extra += f", overlong penalty {self.overlong_penalty_factor:g} over the last {self.overlong_buffer_len} tokens"
+        if self.mask_truncated_answers:
+            extra += ", answers without EOS masked out of the loss"
+        if self.importance_sampling_level != "token":
+            extra += ", sequence-level importance ratio (GSPO)"
         if not self.kl_in_reward and self.kl_estimator == "k1":
             # d/dtheta of (log pi - log pi_ref) is the score function, whose mean over the policy's own
             # samples is 0: as a loss term k1 pulls nowhere on average (k3's gradient is KL's).
@@ -105,7 +125,9 @@ class AlgorithmSettings:
 def resolve_algorithm(args: object) -> AlgorithmSettings:
     """The :class:`AlgorithmSettings` of the ``--algorithm`` family of flags (``--algorithm``,
     ``--num_generations``, ``--dr_grpo``, ``--loss_aggregation``, ``--kl_in_reward``, ``--kl_estimator``,
-    ``--tis_cap``, ``--whiten_advantages``), every ``auto`` resolved per algorithm; refuses
+    ``--tis_cap``, ``--whiten_advantages``, and the DAPO / GSPO options ``--cliprange_high``, ``--dual_clip``,
+    ``--overlong_buffer_len``, ``--overlong_penalty_factor``, ``--mask_truncated_answers``,
+    ``--importance_sampling_level``), every ``auto`` resolved per algorithm; refuses
     contradictory flags (one :class:`~dschat.errors.UserError` line each). An upstream-style
     Namespace without these flags gets upstream's PPO."""
     args = complete_step3_args(args)
@@ -139,9 +161,22 @@ def resolve_algorithm(args: object) -> AlgorithmSettings:
     if estimator == "auto":
         estimator = "k1" if kl_in_reward else "k3"
 
+    level = args.importance_sampling_level
+    if level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise UserError(f"--importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}, "
+                        f"got {level!r}")
+    if level == "sequence" and algorithm == "ppo":
+        raise UserError("--importance_sampling_level sequence (GSPO) is for the critic-free algorithms; --algorithm "
+                        "ppo clips each token's ratio against its own GAE advantage: drop the flag or pick one of "
+                        "grpo, rloo, reinforce_pp, remax")
     aggregation = args.loss_aggregation
     if aggregation == "auto":
-        aggregation = ("token_sum" if dr_grpo else "sequence") if algorithm == "grpo" else "token"
+        if dr_grpo:
+            aggregation = "token_sum"
+        elif algorithm == "grpo" or level == "sequence":  # GSPO's objective is a mean over answers
+            aggregation = "sequence"
+        else:
+            aggregation = "token"
     if algorithm == "ppo" and aggregation != "token":
         raise UserError(f"--algorithm ppo normalises its loss over the step's tokens (upstream's); --loss_aggregation "
                         f"{aggregation} is for the critic-free algorithms")
@@ -150,7 +185,29 @@ def resolve_algorithm(args: object) -> AlgorithmSettings:
     if not (math.isfinite(tis_cap) and tis_cap >= 0):
         raise UserError(f"--tis_cap must be a finite number >= 0 (0: off), got {tis_cap}")
     whiten = bool(args.whiten_advantages) or algorithm == "reinforce_pp"
-    return AlgorithmSettings(algorithm, k, kl_in_reward, estimator, aggregation, not dr_grpo, whiten, tis_cap)
+    return AlgorithmSettings(algorithm, k, kl_in_reward, estimator, aggregation, not dr_grpo, whiten, tis_cap,
+                             **_dapo_options(args))
+
+
+def _dapo_options(args: argparse.Namespace) -> dict[str, object]:
+    """The DAPO / GSPO options of :class:`AlgorithmSettings`, checked (one UserError line each)."""
+    high = args.cliprange_high
+    if high is not None and not (math.isfinite(high) and high >= 0):
+        raise UserError(f"--cliprange_high must be a finite number >= 0 (the ratio's upper bound is 1 + it), got {high}")
+    dual = args.dual_clip
+    if dual is not None and not (math.isfinite(dual) and dual > 1):
+        raise UserError(f"--dual_clip must be a finite number > 1 (a negative advantage's loss is at most C x |A|), "
+                        f"got {dual}")
+    buffer, factor, longest = args.overlong_buffer_len, args.overlong_penalty_factor, args.max_answer_seq_len
+    if not isinstance(buffer, int) or isinstance(buffer, bool) or not 0 <= buffer <= longest:
+        raise UserError(f"--overlong_buffer_len must be an integer from 0 (off) to --max_answer_seq_len {longest}, "
+                        f"got {buffer!r}")
+    if not (math.isfinite(factor) and factor >= 0):
+        raise UserError(f"--overlong_penalty_factor must be a finite number >= 0, got {factor}")
+    return {"cliprange_high": None if high is None else float(high), "dual_clip": 0.0 if dual is None else float(dual),
+            "overlong_buffer_len": buffer, "overlong_penalty_factor": float(factor),
+            "mask_truncated_answers": bool(args.mask_truncated_answers),
+            "importance_sampling_level": args.importance_sampling_level}
 
 
 # ================================================================== the batches

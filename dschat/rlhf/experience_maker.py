@@ -43,6 +43,7 @@ import torch
 from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
+from dschat.rl_math.critic_free import overlong_penalty
 from dschat.rl_math.ppo import missing_eos_penalty
 from dschat.rl_math.stats import Moments, explained_variance_from_moments, masked_sum, masked_whiten
 from dschat.data.prompt_columns import PromptColumns
@@ -231,7 +232,8 @@ class ExperienceMaker:
     def _score(self, prompts: torch.Tensor, mask: torch.Tensor, generated: Generated,
                packed: PackedRows | None) -> torch.Tensor:
         """(B,) each answer's (or episode's) score: the reward mix, plus the episode's turn rewards,
-        less ``--missing_eos_penalty`` where the (last) answer has no EOS. Collective."""
+        less ``--missing_eos_penalty`` where the (last) answer has no EOS, plus DAPO's overlong penalty
+        (``--overlong_buffer_len``) of its length (an episode's: the actor's tokens). Collective."""
         masks = generated.masks
         scores = self._reward_scores(prompts, mask, generated.seq, masks.attention_mask, masks.position_ids, packed)
         if generated.env_reward is not None:
@@ -239,6 +241,11 @@ class ExperienceMaker:
         penalty = self.formulas.missing_eos_penalty
         if penalty:
             scores = missing_eos_penalty(scores, generated.ended.to(scores.device), penalty)
+        settings = self.formulas.settings
+        if settings.overlong_buffer_len:
+            scores = scores + overlong_penalty(masks.answer_lengths, self.formulas.max_answer_seq_len,
+                                               settings.overlong_buffer_len,
+                                               settings.overlong_penalty_factor).to(scores.device)
         return scores
 
     def _report_dropped(self, prompts: torch.Tensor, seq: torch.Tensor, valid: torch.Tensor, step: int) -> None:
@@ -275,9 +282,12 @@ class ExperienceMaker:
         masks = generated.masks
         valid = masks.answer_lengths > 1  # upstream: valid_ans_len <= 1 is dropped (episodes: the actor's tokens)
         self._report_dropped(prompts, seq, valid, step)
+        if settings.mask_truncated_answers:  # DAPO's overlong filtering: a cut answer trains on nothing
+            valid = valid & generated.ended.to(valid.device)
         kept_anywhere = sum_over_ranks([float(valid.sum())], self.device)[0]
         if kept_anywhere == 0:
-            print_rank_0(f"All generated results are too short on every rank at step={step}; skipping this "
+            cut = " or cut without EOS (--mask_truncated_answers)" if settings.mask_truncated_answers else ""
+            print_rank_0(f"All generated results are too short{cut} on every rank at step={step}; skipping this "
                          "step (no experience, no update)")
             self.experience_time = 0.0
             return None

@@ -130,13 +130,15 @@ class PPOFormulas:
 
     def _actor_loss(self, logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                     exp: Experience, normalizer: float | None, on_policy: bool) -> torch.Tensor:
-        """The actor loss beyond upstream's PPO (rl_math.critic_free): the clipped surrogate per token, times
-        the truncated importance weights (--tis_cap), plus kl_ctl x KL when the KL is a loss term,
-        aggregated by --loss_aggregation. Shapes: (B, T - start)."""
-        start = exp.start
+        """The actor loss beyond upstream's PPO (rl_math.critic_free): the clipped surrogate per token
+        (clip bounds [1 - cliprange, 1 + --cliprange_high], --dual_clip, the token or GSPO sequence ratio of
+        --importance_sampling_level), times the truncated importance weights (--tis_cap), plus
+        kl_ctl x KL when the KL is a loss term, aggregated by --loss_aggregation. Shapes: (B, T - start)."""
+        start, settings = exp.start, self.settings
         mask = exp.action_mask[:, start:].to(logprobs.dtype)
-        per_token = policy_loss_per_token(logprobs, old_logprobs, advantages, mask,
-                                                        cliprange=self.cliprange)
+        per_token = policy_loss_per_token(logprobs, old_logprobs, advantages, mask, cliprange=self.cliprange,
+                                          cliprange_high=settings.cliprange_high, dual_clip=settings.dual_clip,
+                                          level=settings.importance_sampling_level)
         if self.settings.tis_cap and on_policy:
             # pi_train(old) is the current forward (the policy has not moved): w = min(pi_train / pi_rollout, C).
             # Off-policy the ratio is already taken against the rollout's log-probs (nothing to add).

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from dschat.rl_math.critic_free import aggregate_loss, grpo_advantages, policy_loss_per_token, remax_advantages, returns_to_go, rloo_advantages, sequence_kl, tis_weights, token_advantages
+from dschat.rl_math.critic_free import aggregate_loss, clipped_surrogate, grpo_advantages, overlong_penalty, policy_loss_per_token, sequence_ratio, remax_advantages, returns_to_go, rloo_advantages, sequence_kl, tis_weights, token_advantages
 from dschat.rl_math.ppo import actor_loss_fn, compute_rewards
 from dschat.rl_math.stats import masked_whiten
 
@@ -218,3 +218,92 @@ def test_kl_loss_term_ignores_padding_log_probs_that_would_overflow():
     # the two answer tokens: -A * ratio (ratio 1) + 0.1 * k3, k3 = exp(r) - r - 1 with r = ref - logprob
     k3 = [math.exp(r) - r - 1 for r in (-1.0 + 1.2, -2.0 + 1.9)]
     assert float(loss.detach()) == pytest.approx(sum(-1.0 + 0.1 * k for k in k3) / 2, rel=1e-5)
+
+
+class TestDAPOAndGSPO:
+    """The DAPO / GSPO options: clip-higher, dual-clip, the sequence-level ratio, the overlong penalty."""
+
+    def test_defaults_are_todays_surrogate_bit_for_bit(self):
+        torch.manual_seed(4)
+        lp, old, adv = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+        mask = (torch.rand(3, 5) > 0.3).float()
+        ratio = torch.exp((lp - old) * mask)
+        today = torch.max(-adv * ratio, -adv * torch.clamp(ratio, 1.0 - 0.2, 1.0 + 0.2)) * mask
+        assert torch.equal(policy_loss_per_token(lp, old, adv, mask), today)
+        assert torch.equal(policy_loss_per_token(lp, old, adv, mask, cliprange_high=0.2, level="token"), today)
+
+    def test_clip_higher_hand_case(self):
+        # r = [1.25, 2, 0.5], A = [1, 1, -1], c = 0.2.
+        # symmetric (1 + 0.2): max(-1.25, -1.2) = -1.2; max(-2, -1.2) = -1.2; max(0.5, 0.8) = 0.8.
+        # clip-higher 0.28 (1 + 0.28 = 1.28): max(-1.25, -1.25) = -1.25 (no longer clipped);
+        #   max(-2, -1.28) = -1.28; the lower bound is still 1 - 0.2: max(0.5, 0.8) = 0.8.
+        lp = torch.tensor([[math.log(1.25), math.log(2.0), math.log(0.5)]])
+        adv, mask = torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3)
+        _close(policy_loss_per_token(lp, torch.zeros(1, 3), adv, mask), [[-1.2, -1.2, 0.8]])
+        _close(policy_loss_per_token(lp, torch.zeros(1, 3), adv, mask, cliprange_high=0.28), [[-1.25, -1.28, 0.8]])
+
+    def test_dual_clip_hand_case(self):
+        # c = 0.2, C = 3. (r, A):
+        #   (5, -1): max(5, 1.2) = 5 -> min(5, 3 * 1) = 3 (bounded; no gradient through r)
+        #   (2, -1): max(2, 1.2) = 2 -> min(2, 3) = 2
+        #   (5, +1): max(-5, -1.2) = -1.2 (positive advantage: untouched)
+        #   (0.5, -2): max(1, 1.6) = 1.6 -> min(1.6, 6) = 1.6
+        ratio = torch.tensor([5.0, 2.0, 5.0, 0.5], requires_grad=True)
+        adv = torch.tensor([-1.0, -1.0, 1.0, -2.0])
+        _close(clipped_surrogate(ratio.detach(), adv), [5.0, 2.0, -1.2, 1.6])
+        loss = clipped_surrogate(ratio, adv, dual_clip=3.0)
+        _close(loss.detach(), [3.0, 2.0, -1.2, 1.6])
+        loss.sum().backward()
+        _close(ratio.grad, [0.0, 1.0, 0.0, 0.0])  # d(-A r)/dr = 1 on the unclipped (2, -1) only
+        with pytest.raises(ValueError, match="dual_clip must be > 1"):
+            clipped_surrogate(ratio, adv, dual_clip=1.0)
+
+    def test_gspo_sequence_ratio_hand_case(self):
+        # Row 0: log-ratios [ln 4, 0, (99 masked)] -> mean over its 2 tokens ln 2 -> s_0 = 2.
+        # Row 1: log-ratios [ln 0.5] x 3 -> s_1 = 0.5. Row 2: no tokens -> s_2 = 1.
+        lp = torch.tensor([[math.log(4.0), 0.0, 99.0], [math.log(0.5)] * 3, [5.0, 5.0, 5.0]])
+        mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+        ratio = sequence_ratio(lp, torch.zeros(3, 3), mask)
+        _close(ratio * mask + (1 - mask), [[2.0, 2.0, 1.0], [0.5, 0.5, 0.5], [1.0, 1.0, 1.0]])
+        # A = [1, -1, 1] per answer, c = 0.2, clip-higher 0.28:
+        # row 0: max(-2, -1.28) = -1.28 on both tokens; row 1: max(0.5, 0.8) = 0.8 on each token.
+        # (The token ratios of row 0 would have given [max(-4, -1.28), max(-1, -1.28)] = [-1.28, -1].)
+        adv = token_advantages(torch.tensor([1.0, -1.0, 1.0]), mask)
+        per_token = policy_loss_per_token(lp, torch.zeros(3, 3), adv, mask, cliprange_high=0.28, level="sequence")
+        _close(per_token, [[-1.28, -1.28, 0.0], [0.8, 0.8, 0.8], [0.0, 0.0, 0.0]])
+        # GSPO's objective: the mean over answers with tokens, (-1.28 + 0.8) / 2 = -0.24.
+        _close(aggregate_loss(per_token, mask, "sequence"), -0.24)
+        _close(policy_loss_per_token(lp, torch.zeros(3, 3), adv, mask, cliprange_high=0.28)[0], [-1.28, -1.0, 0.0])
+
+    def test_gspo_token_form_has_the_sequence_forms_value_and_gradient(self):
+        # With one advantage per answer and the per-answer mean, the token form's loss and gradient are
+        # those of l_i = max(-A_i s_i, -A_i clip(s_i)) with s_i = exp(mean_t log-ratio) (GSPO eq. 5 and 10).
+        torch.manual_seed(5)
+        old = torch.randn(4, 6, dtype=torch.float64)
+        lp = (old + 0.3 * torch.randn(4, 6, dtype=torch.float64)).requires_grad_()
+        mask = torch.ones(4, 6, dtype=torch.float64)
+        mask[0, 4:] = 0
+        mask[2, 2:] = 0
+        seq_adv = torch.tensor([1.0, -0.5, 2.0, -1.5], dtype=torch.float64)
+        token_form = aggregate_loss(policy_loss_per_token(lp, old, token_advantages(seq_adv, mask).double(), mask,
+                                                          cliprange_high=0.28, level="sequence"), mask, "sequence")
+        (g_token,) = torch.autograd.grad(token_form, lp)
+        s = torch.exp(((lp - old) * mask).sum(1) / mask.sum(1))
+        plain = clipped_surrogate(s, seq_adv, cliprange_high=0.28).mean()
+        (g_plain,) = torch.autograd.grad(plain, lp)
+        torch.testing.assert_close(token_form, plain, rtol=0, atol=1e-12)
+        torch.testing.assert_close(g_token, g_plain, rtol=0, atol=1e-12)
+        clipped = (s - 1).abs() > 0.2
+        assert clipped.any() and not clipped.all()  # both branches of the clip were exercised
+
+    def test_overlong_penalty_hand_case(self):
+        # M = 16, L = 4: free up to 12 tokens; 13 -> -1/4, 15 -> -3/4, 16 -> -1 (x factor); past M: -factor.
+        n = torch.tensor([10, 12, 13, 15, 16, 20])
+        _close(overlong_penalty(n, 16, 4, 1.0), [0.0, 0.0, -0.25, -0.75, -1.0, -1.0])
+        _close(overlong_penalty(n, 16, 4, 2.0), [0.0, 0.0, -0.5, -1.5, -2.0, -2.0])
+        # L = M: linear from the first token: n / 16 x 0.5 for n = 8 -> -0.25.
+        _close(overlong_penalty(torch.tensor([8]), 16, 16, 0.5), [-0.25])
+        _close(overlong_penalty(n, 16, 0, 1.0), [0.0] * 6)  # off
+        for bad in ((16, 17, 1.0), (16, 4, -1.0)):
+            with pytest.raises(ValueError):
+                overlong_penalty(n, *bad)

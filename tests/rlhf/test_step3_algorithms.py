@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat.rl_math.critic_free import ALGORITHMS, LOSS_AGGREGATIONS
+from dschat.rl_math.critic_free import ALGORITHMS, IMPORTANCE_SAMPLING_LEVELS, LOSS_AGGREGATIONS
 from dschat.cli.step3 import ALGORITHM_CHOICES, LOSS_AGGREGATION_CHOICES
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.config import resolve_algorithm
@@ -69,6 +69,42 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     assert "WARNING" not in grpo.describe() and "WARNING" not in ppo.describe()
 
 
+def test_dapo_and_gspo_options_default_off_and_each_leaves_upstreams_loss():
+    ppo = _settings()
+    assert (ppo.cliprange_high, ppo.dual_clip, ppo.overlong_buffer_len, ppo.overlong_penalty_factor,
+            ppo.mask_truncated_answers, ppo.importance_sampling_level) == (None, 0.0, 0, 1.0, False, "token")
+    for extra in (("--cliprange_high", "0.28"), ("--cliprange_high", "0.2"), ("--dual_clip", "3"),
+                  ("--overlong_buffer_len", "4"), ("--mask_truncated_answers",)):
+        settings = _settings(*extra)
+        assert not settings.upstream_ppo_loss and settings.algorithm == "ppo", extra
+        assert settings.loss_aggregation == "token"
+    assert _settings("--overlong_penalty_factor", "2").upstream_ppo_loss  # inert without a buffer
+    both = _settings("--cliprange_high", "0.28", "--dual_clip", "3", "--overlong_buffer_len", "4",
+                     "--overlong_penalty_factor", "0.5", "--mask_truncated_answers")
+    assert (both.cliprange_high, both.dual_clip, both.overlong_buffer_len, both.overlong_penalty_factor,
+            both.mask_truncated_answers) == (0.28, 3.0, 4, 0.5, True)
+    assert ("clip-higher 0.28, dual-clip 3, overlong penalty 0.5 over the last 4 tokens, answers without EOS masked "
+            "out of the loss") in both.describe()
+    # GSPO: the mean over answers is its objective, so auto aggregates per answer; an explicit choice stays.
+    gspo = _settings("--algorithm", "rloo", "--num_generations", "2", "--importance_sampling_level", "sequence")
+    assert (gspo.importance_sampling_level, gspo.loss_aggregation) == ("sequence", "sequence")
+    assert "sequence-level importance ratio (GSPO)" in gspo.describe()
+    assert _settings("--algorithm", "rloo", "--num_generations", "2", "--importance_sampling_level", "sequence",
+                     "--loss_aggregation", "token").loss_aggregation == "token"
+    assert _settings("--algorithm", "grpo", "--num_generations", "2", "--dr_grpo",
+                     "--importance_sampling_level", "sequence").loss_aggregation == "token_sum"
+    choices = {a.dest: a.choices for a in _parser()._actions}
+    assert tuple(choices["importance_sampling_level"]) == IMPORTANCE_SAMPLING_LEVELS
+
+
+def _parser():
+    import argparse
+
+    from dschat.cli.step3 import add_step3_args
+
+    return add_step3_args(argparse.ArgumentParser(add_help=False))
+
+
 @pytest.mark.parametrize("extra, message", [
     ((), "--critic_model_name_or_path is required for --algorithm ppo's critic"),
     (("--algorithm", "grpo", "--num_generations", "2"), "required for the reward model"),
@@ -77,6 +113,15 @@ def test_defaults_are_upstream_ppo_and_each_algorithm_resolves_its_autos():
     (("--loss_aggregation", "sequence"), "--loss_aggregation sequence is for the critic-free"),
     (("--tis_cap", "-1"), "--tis_cap must be a finite number >= 0"),
     (("--tis_cap", "nan"), "--tis_cap must be a finite number >= 0"),
+    (("--cliprange_high", "-0.1"), "--cliprange_high must be a finite number >= 0"),
+    (("--dual_clip", "1"), "--dual_clip must be a finite number > 1"),
+    (("--algorithm", "rloo", "--num_generations", "2", "--dual_clip", "0.5"), "--dual_clip must be a finite number > 1"),
+    (("--overlong_buffer_len", "17"), "--overlong_buffer_len must be an integer from 0 (off) to --max_answer_seq_len 16"),
+    (("--overlong_buffer_len", "-1"), "--overlong_buffer_len must be an integer from 0 (off)"),
+    (("--overlong_buffer_len", "4", "--overlong_penalty_factor", "-1"), "--overlong_penalty_factor must be a finite "
+                                                                       "number >= 0"),
+    (("--importance_sampling_level", "sequence"), "--importance_sampling_level sequence (GSPO) is for the critic-free "
+                                                  "algorithms"),
     (("--algorithm", "grpo", "--num_generations", "2", "--decoding", "greedy"),
      "--algorithm grpo compares the K answers to a prompt, which greedy decoding"),
     (("--algorithm", "rloo", "--num_generations", "2", "--top_k", "1"), "every advantage would be 0"),
@@ -228,3 +273,145 @@ def test_the_non_finite_guard_skips_a_critic_free_rollout(data_cache, capsys):
                                      steps=3), reward_fn=reward_fn)
     assert result.skipped_nonfinite == 1 and len(result.history) == 2
     assert "non-finite log-probs, values or reward in the rollout of step 1; rollout skipped" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------------------ DAPO and GSPO options
+
+
+def _spy_scores(monkeypatch):
+    """Record each rollout's reward-mix scores (before the penalties) and each micro-step's experience."""
+    from dschat.rlhf.experience_maker import ExperienceMaker
+    from dschat.rlhf.ppo_update import PPOUpdate
+
+    raw, trained = [], []
+    reward_scores, train_rlhf = ExperienceMaker._reward_scores, PPOUpdate.train_rlhf
+    monkeypatch.setattr(ExperienceMaker, "_reward_scores",
+                        lambda self, *a, **k: raw.append(reward_scores(self, *a, **k)) or raw[-1])
+    monkeypatch.setattr(PPOUpdate, "train_rlhf", lambda self, exp: trained.append(exp) or train_rlhf(self, exp))
+    return raw, trained
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algorithm, extra, expected", [
+    # PPO with clip-higher and dual-clip leaves upstream's actor_loss_fn for the clipped surrogate with these bounds
+    ("ppo", ("--cliprange_high", "0.28", "--dual_clip", "3", "--overlong_buffer_len", "16"),
+     {"cliprange_high": 0.28, "dual_clip": 3.0, "level": "token"}),
+    # GSPO on RLOO: one ratio per answer, clipped with clip-higher's bounds, the loss a mean over answers
+    ("rloo", ("--num_generations", "2", "--importance_sampling_level", "sequence", "--cliprange_high", "0.3",
+              "--reward_fn", "reward_fixtures:length"),
+     {"cliprange_high": 0.3, "dual_clip": 0.0, "level": "sequence"}),
+])
+def test_clip_options_reach_the_loss(algorithm, extra, expected, critic_dirs, data_cache, monkeypatch, capsys):
+    from dschat.rl_math import ppo as ppo_math
+    from dschat.rl_math.critic_free import overlong_penalty
+    from dschat.rlhf import ppo_formulas
+
+    calls, upstream = [], []
+    per_token = ppo_formulas.policy_loss_per_token
+    monkeypatch.setattr(ppo_formulas, "policy_loss_per_token",
+                        lambda *a, **k: calls.append(k) or per_token(*a, **k))
+    monkeypatch.setattr(ppo_formulas, "actor_loss_fn",
+                        lambda *a, **k: upstream.append(1) or ppo_math.actor_loss_fn(*a, **k))
+    aggregations = []
+    aggregate = ppo_formulas.aggregate_loss
+    monkeypatch.setattr(ppo_formulas, "aggregate_loss",
+                        lambda p, m, mode, **k: aggregations.append(mode) or aggregate(p, m, mode, **k))
+    raw, trained = _spy_scores(monkeypatch)
+    critic = critic_dirs["tiny-opt"] if algorithm == "ppo" else None
+    result = step3_main().main(_argv("tiny-opt", critic, data_cache, "--algorithm", algorithm, *extra, steps=1))
+    assert len(result.history) == 1 and math.isfinite(result.history[0]["actor_loss"])
+    assert calls and not upstream
+    assert all({k: c[k] for k in expected} == expected and c["cliprange"] == 0.2 for c in calls)
+    assert set(aggregations) == {"token" if algorithm == "ppo" else "sequence"}
+    if "--overlong_buffer_len" in extra:  # L = M = 16: every answer loses n / 16, in PPO's reward score
+        exp = trained[0]
+        lengths = exp.attention_mask[:, exp.prompts.shape[1]:].sum(1)
+        penalty = overlong_penalty(lengths, 16, 16, 1.0)
+        assert (penalty < 0).all()
+        torch.testing.assert_close(exp.reward_score, raw[0] + penalty)
+    assert f"algorithm {algorithm}:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_overlong_penalty_and_truncated_answers_masked_in_a_grpo_run(data_cache, monkeypatch):
+    """GRPO with DAPO's soft overlong punishment and overlong filtering. Rows 0 and 2 of each batch are
+    made to end after 4 tokens (EOS included); the others run to the 16-token limit. The cut rows get
+    the full penalty -0.5 and leave the loss (zero action mask), yet their rewards enter the group
+    statistics."""
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rl_math.critic_free import grpo_advantages, overlong_penalty
+    from dschat.rlhf.rollout.generator import RolloutGenerator
+    from dschat.rlhf.rollout.sampling import Rollout
+
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    rollout = RolloutGenerator.rollout
+
+    def ending(self, prompts, mask):
+        seq = rollout(self, prompts, mask).sequences.clone()
+        P = prompts.shape[1]
+        assert seq.shape[1] >= P + 5
+        seq[0::2, P + 3] = eos
+        seq[0::2, P + 4:] = pad
+        return Rollout(seq, None)  # the actor's pass scores the edited rows
+
+    monkeypatch.setattr(RolloutGenerator, "rollout", ending)
+    raw, trained = _spy_scores(monkeypatch)
+    result = step3_main().main(_argv("tiny-opt", None, data_cache, "--algorithm", "grpo", "--num_generations", "2",
+                                     "--reward_fn", "reward_fixtures:length", "--kl_ctl", "0",
+                                     "--overlong_buffer_len", "8", "--overlong_penalty_factor", "0.5",
+                                     "--mask_truncated_answers", steps=1))
+    assert len(result.history) == 1
+    (exp,) = trained
+    P = exp.prompts.shape[1]
+    ended = (exp.seq[:, P:] == eos).any(1)
+    assert ended[0::2].all() and not ended.all()  # the test's premise: some rows are cut
+    lengths = exp.attention_mask[:, P:].sum(1)
+    # M = 16, L = 8: the 4-token answers are free; a cut answer (16 tokens) gets -0.5 x (16 - 8) / 8 = -0.5.
+    assert lengths[0::2].tolist() == [4, 4]
+    penalty = overlong_penalty(lengths, 16, 8, 0.5)
+    assert penalty[ended].eq(0).all() and penalty[~ended].eq(-0.5).all()
+    torch.testing.assert_close(exp.reward_score, raw[0] + penalty)
+    # cut rows: no loss; ended rows train; the group statistics use every row's (penalised) reward
+    assert exp.valid.tolist() == ended.tolist()
+    actions = exp.action_mask[:, exp.start:]
+    assert actions[~ended].eq(0).all() and (actions[ended].sum(1) == 4).all()
+    torch.testing.assert_close(exp.sequence_advantages, grpo_advantages(exp.reward_score, 2))
+
+
+@pytest.mark.slow
+def test_an_episodes_overlong_penalty_counts_the_actors_tokens(data_cache, monkeypatch):
+    """Multi-turn episodes (--env): the length the overlong penalty sees is the actor's tokens (the
+    action mask's count), not the environment's observation tokens between its turns."""
+    from transformers import LogitsProcessorList
+
+    from dschat.rl_math.critic_free import overlong_penalty
+    from dschat.rlhf import experience_maker
+    from dschat.rlhf.rollout.generator import RolloutGenerator
+    from test_step3_envs import TURN, EndTurnAfter  # turns of TURN (even rows) or TURN + 1 tokens
+
+    init = RolloutGenerator.__init__
+
+    def ending_turns(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.extra_generate_kwargs = {
+            "logits_processor": LogitsProcessorList([EndTurnAfter(self.tokenizer.eos_token_id, TURN)])}
+
+    monkeypatch.setattr(RolloutGenerator, "__init__", ending_turns)
+    seen = []
+    monkeypatch.setattr(experience_maker, "overlong_penalty",
+                        lambda n, *a: seen.append((n.clone(), overlong_penalty(n, *a))) or seen[-1][1])
+    raw, trained = _spy_scores(monkeypatch)
+    argv = _argv("tiny-opt", None, data_cache, "--algorithm", "grpo", "--num_generations", "2", "--env",
+                 "env_fixtures:ask_twice", "--max_turns", "2", "--kl_ctl", "0", "--max_answer_seq_len", "40",
+                 "--overlong_buffer_len", "40", "--overlong_penalty_factor", "2", steps=1)
+    step3_main().main(argv)
+    (exp,) = trained
+    (lengths, penalty), = seen
+    observed = exp.observation_mask[:, exp.start:].sum(1)
+    assert (observed > 0).all()  # two turns each, a user message between them
+    assert lengths.tolist() == exp.action_mask[:, exp.start:].sum(1).tolist() == [2 * TURN, 2 * TURN + 2] * 2
+    # L = M = 40, F = 2: -2 n / 40 on the actor's 10 or 12 tokens
+    torch.testing.assert_close(penalty, -2.0 * lengths.float() / 40)
+    env_reward = exp.reward_score - raw[0] - penalty
+    assert (env_reward >= 0.25).all()  # the rest of the score is the turns' rewards (0.25 + words / 10)
