@@ -100,7 +100,7 @@ class Experience:
     # (B,) each answer's score: the reward mix (reward model and --reward_fn functions, by weight), less
     # --missing_eos_penalty for an answer cut before its EOS; not clipped, no KL (upstream's key "rewards")
     reward_score: torch.Tensor
-    valid: torch.Tensor  # (B,) bool: row trains (answer has more than one token)
+    valid: torch.Tensor  # (B,) bool: row trains (answer of more than one token; with --mask_truncated_answers, ended by EOS)
     advantages: torch.Tensor | None = None  # (B, T - start) GAE advantages (maybe whitened)
     returns: torch.Tensor | None = None  # (B, T - start) advantages + values
     loss_normalizer: float | None = None  # token (or answer) count of this micro-batch's optimizer step / (GA x world)
