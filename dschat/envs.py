@@ -186,13 +186,15 @@ class EpisodeBatch:
         """Whether every episode is done."""
         return all(s.done for s in self.states)
 
-    def step(self, answers: Sequence[str | None]) -> list[StepResult | None]:
+    def step(self, answers: Sequence[str | None], *, waiting: Sequence[int] = ()) -> list[StepResult | None]:
         """Call ``step(answer)`` of every live episode concurrently (``answers[i]`` for episode i; the
-        answers of done episodes are ignored) and update the states. Returns one :class:`StepResult`
-        per live episode and None per episode that was already done, in order."""
+        answers of done episodes are ignored) and update the states. The live episodes in ``waiting``
+        take no step now (their turn goes on). Returns one :class:`StepResult` per episode stepped
+        and None per other episode, in order."""
         if len(answers) != len(self.envs):
             raise ValueError(f"{len(answers)} answers for {len(self.envs)} episodes")
-        live = [i for i, s in enumerate(self.states) if not s.done]
+        skip = set(waiting)
+        live = [i for i, s in enumerate(self.states) if not s.done and i not in skip]
         for i in live:
             if not isinstance(answers[i], str):
                 raise TypeError(f"the answer of live episode {i} is {type(answers[i]).__name__}, not str")

@@ -81,9 +81,11 @@ class CrossTokenizerInputs:
         for row, mask in zip(seq.tolist(), attention_mask.bool().tolist()):
             prompt = [t for t, m in zip(row[:prompt_length], mask[:prompt_length]) if m]
             answer = [t for t, m in zip(row[prompt_length:], mask[prompt_length:]) if m]
-            ended = eos in answer
+            # The answer's real tokens end at its EOS when it ended (an episode's turns end at EOS too:
+            # only the last one decides, and the whole conversation after the prompt is scored).
+            ended = bool(answer) and answer[-1] == eos
             if ended:
-                answer = answer[:answer.index(eos)]
+                answer = answer[:-1]
             rows.append(encode_for_reward(
                 self.reward_tokenizer, self.actor_tokenizer.decode(prompt, skip_special_tokens=True),
                 self.actor_tokenizer.decode(answer, skip_special_tokens=True), ended, self.max_length))

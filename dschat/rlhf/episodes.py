@@ -58,8 +58,9 @@ class Episodes:
     attention_mask: torch.Tensor  # (B, P + A) 1 on the prompt's and the episode's tokens
     observation_mask: torch.Tensor  # (B, P + A) 1 on the environment's tokens (never on the prompt)
     # (B, A) fp32 log-probs of the actor's tokens as sampled (logits / temperature); 0 on observation
-    # tokens; after an episode that ends with the actor's EOS, those the decoder gave the pad ids it
-    # went on with (0 past them). None when a decoding path kept none (then the trainer runs the actor).
+    # tokens; after an episode shorter than A, those the decoder gave the pad ids it went on with (0
+    # past them). None when a decoding path kept none, or did not give an episode's reward slot (the
+    # first position after it): then the trainer runs the actor.
     logprobs: torch.Tensor | None
     ended: torch.Tensor  # (B,) bool: the last actor turn ended with EOS
     env_reward: torch.Tensor  # (B,) float32: the sum of the turns' rewards (None counts 0)
@@ -74,11 +75,6 @@ class Episodes:
         """(B,) int64: the actor's tokens of each episode."""
         P = self.prompt_width
         return (self.attention_mask[:, P:].long() - self.observation_mask[:, P:].long()).sum(1)
-
-    @property
-    def observation_tokens(self) -> torch.Tensor:
-        """(B,) int64: the environment's tokens of each episode."""
-        return self.observation_mask.long().sum(1)
 
 
 def _left_padded(rows: Sequence[list[int]], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,6 +142,7 @@ class EpisodePlayer:
         roles: list[list[int]] = [[] for _ in range(B)]  # 1 = observation token
         logprobs: list[list[float]] | None = [[] for _ in range(B)]
         tails: list[list[float]] = [[] for _ in range(B)]  # the latest turn's log-probs after its EOS
+        turn_start = [0] * B  # where each episode's current turn began in its tokens
         ended = [False] * B
         while True:
             live = [i for i, s in enumerate(batch.states) if not s.done]
@@ -164,34 +161,44 @@ class EpisodePlayer:
             if kept_lp is None:
                 logprobs = None
             texts: list[str | None] = [None] * B
+            waiting = []  # turns the shared budget stopped before their own room ran out: they go on
             for j, i in enumerate(live):
                 whole = _until_eos(answers[j], self.eos)
-                turn = whole[: self.max_answer_seq_len - len(tokens[i])]
-                ended[i] = bool(turn) and turn[-1] == self.eos
-                tokens[i] += turn
-                roles[i] += [0] * len(turn)
+                part = whole[: self.max_answer_seq_len - len(tokens[i])]
+                ended[i] = bool(part) and part[-1] == self.eos
+                tokens[i] += part
+                roles[i] += [0] * len(part)
                 if logprobs is not None:
-                    logprobs[i] += kept_lp[j][: len(turn)]
+                    logprobs[i] += kept_lp[j][: len(part)]
                     # After an EOS the decoder went on with pad ids: their log-probs are the episode's
                     # if it ends here (the first is the reward slot's KL term, as for one answer).
-                    tails[i] = kept_lp[j][len(turn):] if len(turn) == len(whole) else []
-                texts[i] = self.tokenizer.decode(turn, skip_special_tokens=True)
-            results = raise_together(lambda: batch.step(texts))  # every rank, its placeholder turn too
+                    tails[i] = kept_lp[j][len(part):] if len(part) == len(whole) else []
+                if not ended[i] and len(part) == len(whole) == budget and len(tokens[i]) < self.max_answer_seq_len:
+                    waiting.append(i)  # another row's context or room set this turn's budget
+                    continue
+                texts[i] = self.tokenizer.decode(tokens[i][turn_start[i]:], skip_special_tokens=True)
+            # Every rank, its placeholder turn too.
+            results = raise_together(lambda: batch.step(texts, waiting=waiting))
             for i in live:
                 state = batch.states[i]
+                if i in waiting:
+                    continue
                 if not state.done and (not ended[i] or len(tokens[i]) >= self.max_answer_seq_len):
                     state.done = state.cut = True  # no room for another turn
                 if state.done:
                     continue
                 obs = self.observation_ids(results[i].observation, ended[i])
-                room = self.max_answer_seq_len - len(tokens[i])
+                if len(obs) >= self.max_answer_seq_len - len(tokens[i]):
+                    # No room for the actor after it: the episode ends with the actor's turn (its
+                    # reward slot stays after the actor's last token).
+                    state.done = state.cut = True
+                    continue
                 tails[i] = []
-                tokens[i] += obs[:room]
-                roles[i] += [1] * len(obs[:room])
+                tokens[i] += obs
+                roles[i] += [1] * len(obs)
                 if logprobs is not None:
-                    logprobs[i] += [0.0] * len(obs[:room])
-                if len(obs) >= room:
-                    state.done = state.cut = True  # the observation filled the episode
+                    logprobs[i] += [0.0] * len(obs)
+                turn_start[i] = len(tokens[i])
         return self._assemble(prompts, prompt_mask, tokens, roles, logprobs, tails, ended, batch)
 
     def _assemble(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
@@ -200,6 +207,10 @@ class EpisodePlayer:
         B, P = prompts.shape
         device = prompts.device
         A = max(1, max(len(t) for t in tokens))
+        if logprobs is not None and any(len(t) < A and not tail for t, tail in zip(tokens, tails)):
+            # An episode shorter than the batch has a reward slot after its last token whose log-prob
+            # the decoder did not give (it stopped with that turn): the actor scores the batch instead.
+            logprobs = None
         episode = torch.full((B, A), self.pad, dtype=prompts.dtype)
         real = torch.zeros((B, A), dtype=torch.long)
         observed = torch.zeros((B, A), dtype=torch.long)

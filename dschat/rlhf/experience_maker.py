@@ -380,7 +380,7 @@ class ExperienceMaker:
             reward=reward / kept if kept else nan, kl_to_ref=kl_sum / kl_tokens if kl_tokens else nan,
             response_length=length / kept if kept else nan, value_explained_variance=explained,
             kept=int(kept), dropped=int(dropped),
-            **({} if exp_dataset and exp_dataset[0].turns is None else {
+            **({} if not exp_dataset or exp_dataset[0].turns is None else {
                 "turns": turns / (kept + dropped), "observation_tokens": observed / (kept + dropped),
                 "cut_share": cut / (kept + dropped)}),
         )

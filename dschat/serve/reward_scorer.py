@@ -31,7 +31,8 @@ class RewardScorer:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def score(self, texts: Sequence[str]) -> list[float]:
-        rows = [self.tokenizer(text, max_length=self.max_len, truncation=True)["input_ids"] for text in texts]
+        # The end score is read at the last token: a text too long keeps its end (as step 3's scoring does).
+        rows = [self.tokenizer(text)["input_ids"][-self.max_len:] for text in texts]
         with self._lock:
             return score_sequences(self.model, rows, self.tokenizer.pad_token_id, self.batch_size)
 

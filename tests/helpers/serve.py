@@ -75,7 +75,8 @@ def own_scores(folder: Path, texts: Sequence[str], max_len: int | None = None) -
     model, tokenizer = load_reward(folder, torch.device("cpu"))
     scores = []
     for text in texts:
-        ids = tokenizer(text, max_length=max_len, truncation=max_len is not None, return_tensors="pt")["input_ids"]
+        ids = tokenizer(text, return_tensors="pt")["input_ids"]
+        ids = ids[:, -max_len:] if max_len else ids  # a long text keeps its end (the score's token)
         with torch.no_grad():
             values = model.forward_value(input_ids=ids, attention_mask=torch.ones_like(ids), return_value_only=True)
         scores.append(float(values[0, -1]))

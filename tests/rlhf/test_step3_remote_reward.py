@@ -108,8 +108,8 @@ def test_a_server_killed_mid_run_stops_it_after_the_retries_the_checkpoint_intac
 
 @pytest.mark.slow
 def test_plain_http_to_another_host_warns_once_at_start_up(data_cache, capsys):
-    """192.0.2.1 is TEST-NET-1 (RFC 5737): never routed, so nothing leaves; the run stops at its first
-    rollout, after the warning."""
+    """192.0.2.1 is TEST-NET-1 (RFC 5737), reserved for documentation: no server answers there, so
+    the run stops at its first rollout, after the warning."""
     url = "http://192.0.2.1:9/get_reward"
     capsys.readouterr()
     code = cli_main(step3_main().main,

@@ -278,6 +278,7 @@ class DschatEnginePath(DecodingPath):
                 eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
                 release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
         gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
+        gen.engine.max_new_tokens = gen.max_answer_seq_len  # this rollout's (an episode's turn has less room)
         return gen.engine.rollout(module, request.prompts, request.mask, materialise=materialised(gen),
                                   min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
                                   keep_logprobs=gen.keep_logprobs)

@@ -242,6 +242,7 @@ class TensorParallelEnginePath(DschatEnginePath):
                 eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
                 release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
         gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
+        gen.engine.max_new_tokens = gen.max_answer_seq_len  # this rollout's (an episode's turn has less room)
         if gen.zero_stage == 3:
             release_zero3_prefetch(gen.actor, collect=False)  # nothing may be in flight when gathering outside a pass
         return gen.engine.rollout(module, request.prompts, request.mask, gather=materialised_part,

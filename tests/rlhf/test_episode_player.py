@@ -1,0 +1,110 @@
+"""The episode player's turn rules on a scripted decoder (the real decoding paths are played in
+tests/rlhf/test_step3_envs.py): a turn stopped by the batch's shared budget goes on before its
+environment steps; an observation with no room after it is left out; an episode whose reward slot
+has no decoder log-prob makes the trainer score the batch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import env_fixtures
+from dschat.envs import load_environment
+from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.rlhf.episodes import EpisodePlayer
+
+EOS = 2
+TOKEN_LOGPROB, PAD_LOGPROB = -0.5, -1.0
+
+
+class ScriptedDecoder:
+    """A decoder that emits, for each row (known by its prompt's first token), the next tokens of
+    that row's script, up to and including an EOS or the call's ``max_answer_seq_len``; after a row's
+    EOS it pads while others go on. Every token's log-prob is -0.5, a pad's -1.0."""
+
+    def __init__(self, scripts: dict[int, list[int]], max_answer_seq_len: int) -> None:
+        self.scripts = {k: list(v) for k, v in scripts.items()}
+        self.max_answer_seq_len = max_answer_seq_len
+        self.calls: list[int] = []  # each call's budget
+
+    def rollout(self, ids: torch.Tensor, mask: torch.Tensor):
+        from dschat.rlhf.rollout.sampling import Rollout
+
+        self.calls.append(self.max_answer_seq_len)
+        rows = []
+        for row, m in zip(ids.tolist(), mask.tolist()):
+            first = next(t for t, keep in zip(row, m) if keep)
+            out, script = [], self.scripts[first]
+            while script and len(out) < self.max_answer_seq_len:
+                out.append(script.pop(0))
+                if out[-1] == EOS:
+                    break
+            rows.append(out)
+        width = max(len(r) for r in rows)
+        seq = torch.tensor([r + [EOS] * (width - len(r)) for r in rows])
+        lp = torch.tensor([[TOKEN_LOGPROB] * len(r) + [PAD_LOGPROB] * (width - len(r)) for r in rows])
+        return Rollout(torch.cat([ids, seq], dim=1), lp)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_hf_tokenizer("tiny-opt")
+
+
+def _prompts(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([[1] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _player(tokenizer, decoder, spec, *, max_turns, max_answer, max_context):
+    return EpisodePlayer(decoder, tokenizer, load_environment(spec), max_turns=max_turns,
+                         max_answer_seq_len=max_answer, max_context=max_context)
+
+
+def test_a_turn_the_shared_budget_stopped_goes_on_before_its_environment_steps(tokenizer):
+    """After turn 1 row 1 (the longer prompt) leaves 5 tokens of headroom, row 0 has room for 6 and
+    wants them: it gets 5, waits (no step, no cut), then its EOS in a call of its own, and its
+    environment sees the whole 6-token turn once."""
+    obs = len(tokenizer("Say it again, shorter.", add_special_tokens=False)["input_ids"])
+    max_answer = 1 + obs + 6  # row 0: a 1-token turn, the observation, a 6-token turn
+    decoder = ScriptedDecoder({100: [EOS, 7, 7, 7, 7, 7, EOS], 200: [8, EOS, 8, EOS]}, max_answer)
+    env_fixtures.RECORDED.clear()
+    player = _player(tokenizer, decoder, "env_fixtures:ask_twice_recorded", max_turns=2, max_answer=max_answer,
+                     max_context=6 + max_answer)
+    played = player.play(*_prompts([[100, 101], [200] + [201] * 5]), [{"prompt": "a"}, {"prompt": "b"}])
+    assert decoder.calls == [max_answer, 5, 1]
+    assert played.turns.tolist() == [2, 2] and not played.cut.any()
+    first, second = env_fixtures.RECORDED
+    assert first.answers[1] == tokenizer.decode([7] * 5 + [EOS], skip_special_tokens=True)
+    assert second.answers[1] == tokenizer.decode([8, EOS], skip_special_tokens=True)
+    actor = played.attention_mask[:, 6:] - played.observation_mask[:, 6:]
+    assert actor.sum(1).tolist() == [7, 4]
+
+
+def test_an_observation_with_no_room_after_it_is_left_out(tokenizer):
+    """The episode ends with the actor's turn (cut), so its reward slot follows the actor's last token."""
+    decoder = ScriptedDecoder({100: [7, 7, EOS]}, 12)
+    player = _player(tokenizer, decoder, "env_fixtures:long_reply", max_turns=3, max_answer=12, max_context=14)
+    played = player.play(*_prompts([[100, 101]]), [{"prompt": "a"}])
+    assert played.turns.tolist() == [1] and played.cut.tolist() == [True]
+    assert not played.observation_mask.any()
+    assert played.env_reward.tolist() == [0.5]
+    assert played.sequences[0, 2:].tolist() == [7, 7, EOS]
+
+
+def test_a_reward_slot_without_a_decoder_log_prob_drops_the_kept_log_probs(tokenizer):
+    """With both rows in one call, the row that ends first keeps the decoder's pad log-probs after its
+    EOS. In two-turn episodes where row 1 ends its second turn last in its call but its episode is
+    shorter than row 0's, the first position after row 1's episode has no decoder log-prob: none are
+    kept (the trainer scores the batch with the actor)."""
+    decoder = ScriptedDecoder({100: [7, 7, EOS], 200: [8, 8, 8, 8, EOS]}, 40)
+    player = _player(tokenizer, decoder, "env_fixtures:one_turn_length", max_turns=1, max_answer=40, max_context=42)
+    played = player.play(*_prompts([[100, 101], [200, 201]]), [{"prompt": "a"}, {"prompt": "b"}])
+    assert played.logprobs[0].tolist() == [TOKEN_LOGPROB] * 3 + [PAD_LOGPROB] * 2
+    decoder = ScriptedDecoder({100: [7] * 8 + [EOS, 7, EOS], 200: [8, EOS, 8, 8, 8, EOS]}, 40)
+    player = _player(tokenizer, decoder, "env_fixtures:ask_twice", max_turns=2, max_answer=40, max_context=42)
+    played = player.play(*_prompts([[100, 101], [200, 201]]), [{"prompt": "a"}, {"prompt": "b"}])
+    lengths = played.attention_mask[:, 2:].sum(1).tolist()
+    assert lengths[1] < lengths[0] and played.turns.tolist() == [2, 2]
+    assert played.logprobs is None
