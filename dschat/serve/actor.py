@@ -66,13 +66,15 @@ def resolve_actor(model: str) -> str:
 @dataclass
 class ActorEngine:
     """A loaded actor: ``model`` (eval mode), ``tokenizer``, ``max_positions`` (prompt + answer tokens
-    the model takes) and ``name`` (the model id the server answers to)."""
+    the model takes) and ``name`` (the model id the server answers to). The tokenizer is used under a
+    lock: requests are encoded on the server's event loop while the worker decodes answers."""
 
     name: str
     folder: str
     model: Any = field(repr=False)
     tokenizer: Any = field(repr=False)
     max_positions: int
+    _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def has_chat_template(self) -> bool:
@@ -80,11 +82,18 @@ class ActorEngine:
 
     def encode(self, prompt: str) -> list[int]:
         """A completion prompt's token ids (the tokenizer's special tokens added, as ``tokenizer(prompt)``)."""
-        return list(self.tokenizer(prompt)["input_ids"])
+        with self._tokenizer_lock:
+            return list(self.tokenizer(prompt)["input_ids"])
+
+    def decode(self, ids: list[int]) -> str:
+        """Answer tokens as text, special tokens left out."""
+        with self._tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         """A conversation's token ids through the chat template, ready for the assistant's turn."""
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        with self._tokenizer_lock:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding in some versions
             ids = ids["input_ids"]
         return list(ids)
@@ -160,16 +169,16 @@ def _held_back(text: str, stops: Sequence[str]) -> int:
     return longest
 
 
-def _step(row: _Row, token: int, eos: int, tokenizer: Any) -> None:
+def _step(row: _Row, token: int, eos: int, engine: ActorEngine) -> None:
     """Row ``row`` gets ``token``: emit the text it adds and end the row when it should."""
     job = row.job
     row.count += 1
     if token == eos:
         finish = "stop"
-        text = tokenizer.decode(row.tokens, skip_special_tokens=True)
+        text = engine.decode(row.tokens)
     else:
         row.tokens.append(token)
-        text = tokenizer.decode(row.tokens, skip_special_tokens=True)
+        text = engine.decode(row.tokens)
         cuts = [i for i in (text.find(stop) for stop in job.stop) if i >= 0]
         if cuts:
             finish, text = "stop", text[: min(cuts)]
@@ -222,7 +231,7 @@ def decode_batch(engine: ActorEngine, jobs: Sequence[Job]) -> None:
         token = draw(torch.softmax(scores, dim=-1)) if settings.sample else torch.argmax(scores, dim=-1)  # (B,)
         for row, value in zip(rows, token.tolist()):
             if not row.done:
-                _step(row, value, eos, tokenizer)
+                _step(row, value, eos, engine)
         if all(row.done for row in rows):
             return
         ended = torch.tensor([row.done for row in rows], device=device)

@@ -325,3 +325,20 @@ def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine):
     assert batcher.batch_sizes == [3, 1, 1]
     greedy = {_text(outs[i])[0] for i in (0, 2, 3, 4)}
     assert len(greedy) == 1
+
+
+def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine):
+    events: list = []
+    other: list = []
+
+    def emit(event) -> None:  # the client goes away after the first piece of text
+        events.append(event)
+        jobs[0].cancelled = True
+
+    jobs = [Job(engine.encode(PROMPTS[0]), 40, (), GREEDY, emit), _job(engine, PROMPTS[1], 12, other)]
+    decode_batch(engine, jobs)
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "length" and done.completion_tokens < 40
+    expected = _reference(engine.model, engine.tokenizer, engine.encode(PROMPTS[1]), 12)
+    text, finished = _text(other)
+    assert (text, finished.completion_tokens, finished.finish_reason) == expected
