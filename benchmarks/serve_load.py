@@ -1,14 +1,15 @@
 #!/usr/bin/env python3
 """Latency and throughput of ``python -m dschat.serve MODEL`` (an actor) under concurrent clients.
 
-    python benchmarks/serve_load.py --model tiny-llama --clients 32 --max_tokens 32 --max_batch_size 1,8
+    python benchmarks/serve_load.py --model tiny-llama --clients 32 --requests 4 --max_tokens 32 \\
+        --max_batch_size 1,8,32
 
-For each ``--max_batch_size`` value: start the server on a free port (a subprocess, as a user would),
-wait until ``GET /health`` answers, send one warm-up request, then let ``--clients`` threads start
-together, each sending ``--requests`` completion requests one after the other (the same decoding
-settings, so the server may batch them; greedy by default; an answer may end early at EOS). Every answer is checked (HTTP 200, one choice, a finish reason,
-usage counts). Printed: a markdown table, one row per ``--max_batch_size``: requests, failures,
-latency p50 / p99 (seconds, from sending a request to its whole answer), throughput (requests/s and
+For each ``--max_batch_size`` value: start the server on a free port (a subprocess, as a user would), wait
+until ``GET /health`` answers, send one warm-up request, then let ``--clients`` threads start together, each
+sending ``--requests`` completion requests one after the other (the same decoding settings, so the server may
+batch them; greedy by default; an answer may end early at EOS). Every answer is checked (HTTP 200, one choice,
+a finish reason). Printed: a markdown table, one row per ``--max_batch_size``: requests,
+failures, latency p50 / p99 (seconds, from sending a request to its whole answer), throughput (requests/s and
 completion tokens/s over the wall time from the first request to the last answer).
 """
 from __future__ import annotations
@@ -17,7 +18,6 @@ import argparse
 import os
 import platform
 import re
-import statistics
 import subprocess
 import sys
 import threading
@@ -116,9 +116,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny-llama", help="MODEL served (default tiny-llama).")
     parser.add_argument("--clients", type=int, default=32, help="Concurrent client threads (default 32).")
-    parser.add_argument("--requests", type=int, default=1, help="Requests per client, one after the other (default 1).")
+    parser.add_argument("--requests", type=int, default=1,
+                        help="Requests per client, one after the other (default 1).")
     parser.add_argument("--max_tokens", type=int, default=32, help="max_tokens of each request (default 32).")
-    parser.add_argument("--temperature", type=float, default=0.0, help="temperature of each request (default 0: greedy).")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="temperature of each request (default 0: greedy).")
     parser.add_argument("--max_batch_size", default="1,8",
                         help="Comma-separated server --max_batch_size values, one run each (default 1,8).")
     parser.add_argument("--max_wait_ms", type=float, default=5.0, help="The server's --max_wait_ms (default 5).")
@@ -129,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         proc, url = start_server(args.model, size, args.device, args.max_wait_ms)
         try:
             load(url, args.model, 1, 1, args.max_tokens, args.temperature)  # warm-up
-            rows.append((size, load(url, args.model, args.clients, args.requests, args.max_tokens, args.temperature)))
+            figures = load(url, args.model, args.clients, args.requests, args.max_tokens, args.temperature)
+            rows.append((size, figures))
         finally:
             proc.kill()
             proc.wait(timeout=30)

@@ -2,7 +2,8 @@
 (``POST /get_reward``) or an actor (OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions``).
 
 Order: parse -> what MODEL is (a step-2 reward model; else a causal LM: a step-1/3 folder, a registry
-name, a hub id or a PEFT adapter folder; else one line) -> bind the port (a busy one is one line naming ``--port``) -> load the model -> print the line
+name, a hub id or a PEFT adapter folder; else one line) -> bind the port (a busy one is one line
+naming ``--port``) -> load the model -> print the line
 ``serving <kind> <folder> on http://HOST:PORT`` (the bound port, also for ``--port 0``) -> serve until
 stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
 code 2. A ``--host`` that is not a loopback address gets a warning line: the server has no

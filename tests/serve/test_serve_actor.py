@@ -11,7 +11,6 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import openai
 import pytest
@@ -20,9 +19,10 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.rollout.sampling import DecodingSettings
-from dschat.serve.actor import Batcher, Delta, Done, Job, decode_batch, load_actor_engine
+from dschat.serve.actor import Batcher, Delta, Done, Job, decode_batch, load_actor_engine, resolve_actor
 
 from helpers.serve import served_model
 
@@ -213,6 +213,19 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, chat_
                                                                "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
     assert server.proc.poll() is None
+
+
+def test_a_wrong_method_gets_an_openai_error(server):
+    reply = requests.get(server.api_url + "/completions", timeout=30)
+    assert reply.status_code == 405 and reply.json()["error"]["message"] == "Method Not Allowed"
+
+
+def test_a_step3_output_root_means_its_actor_and_a_folder_without_a_model_is_refused(tmp_path, chat_folder):
+    (tmp_path / "step3").mkdir()
+    shutil.copytree(chat_folder, tmp_path / "step3" / "actor")
+    assert resolve_actor(str(tmp_path / "step3")) == str(tmp_path / "step3" / "actor")
+    with pytest.raises(UserError, match="is not a model folder"):
+        resolve_actor(str(tmp_path))
 
 
 def test_the_openai_client_raises_on_a_4xx(client, chat_folder):
