@@ -43,6 +43,7 @@ setup(
     extras_require={
         # python -m dschat.serve (dschat/serve/app.py)
         "serve": ["fastapi>=0.115", "uvicorn>=0.30"],
-        "test": ["pytest>=8", "fastapi>=0.115", "uvicorn>=0.30"],
+        # tests/serve/test_serve_actor.py: the official OpenAI client against a served actor
+        "test": ["pytest>=8", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.40"],
     },
 )

@@ -2,14 +2,17 @@
 
 Routes:
 
-- ``GET /health``: ``{"status": "ok", "model": folder, "kind": "reward"}``.
+- ``GET /health``: ``{"status": "ok", "model": folder, "kind": "reward"}`` (an actor:
+  ``{"status": "ok", "model": name, "kind": "actor"}``).
 - ``POST /get_reward``: OpenRLHF's remote reward protocol. Body ``{"query": [str, ...], "prompts":
   [str, ...], "labels": [str, ...]}`` (``prompts`` and ``labels`` optional, unused by a reward model);
   reply ``{"rewards": [float, ...]}``, one per query, in order. A body that is not JSON, has a field of
   the wrong type, or an empty ``query`` gets HTTP 422 ``{"detail": ...}``; an unknown route 404 and a
   wrong method 405, both JSON. The server goes on serving after each.
 
-:func:`build_app` takes what is served; a served actor would add its routes the same way beside these.
+:func:`build_app` serves a reward model; :func:`build_actor_app` an actor, on the OpenAI-compatible
+routes of :mod:`dschat.serve.openai_api` (``/v1/models``, ``/v1/completions``,
+``/v1/chat/completions``), whose refusals carry OpenAI's error body instead of ``{"detail": ...}``.
 """
 from __future__ import annotations
 
@@ -18,9 +21,11 @@ from typing import Any
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from dschat.serve.actor import ActorEngine, Batcher
+from dschat.serve.openai_api import add_actor_routes
 from dschat.serve.reward_scorer import RewardScorer
 
-__all__ = ["RewardRequest", "RewardReply", "build_app", "add_reward_routes"]
+__all__ = ["RewardRequest", "RewardReply", "build_actor_app", "build_app", "add_reward_routes"]
 
 
 class RewardRequest(BaseModel):
@@ -55,4 +60,17 @@ def build_app(reward: RewardScorer) -> FastAPI:
         return health
 
     add_reward_routes(app, reward)
+    return app
+
+
+def build_actor_app(engine: ActorEngine, batcher: Batcher) -> FastAPI:
+    """The app serving ``engine``'s actor, its requests decoded by ``batcher``."""
+    app = FastAPI(title="dschat.serve", docs_url=None, redoc_url=None, openapi_url=None)
+    health: dict[str, Any] = {"status": "ok", "model": engine.name, "kind": "actor"}
+
+    @app.get("/health")
+    def get_health() -> dict[str, Any]:
+        return health
+
+    add_actor_routes(app, engine, batcher)
     return app

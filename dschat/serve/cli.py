@@ -1,7 +1,9 @@
-"""``python -m dschat.serve MODEL [--host 127.0.0.1] [--port 5000]``: serve a step-2 reward model.
+"""``python -m dschat.serve MODEL [--host 127.0.0.1] [--port 5000]``: serve a step-2 reward model
+(``POST /get_reward``) or an actor (OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions``).
 
-Order: parse -> what MODEL is (a step-2 reward model, else one line: actor serving is not built) ->
-bind the port (a busy one is one line naming ``--port``) -> load the model -> print the line
+Order: parse -> what MODEL is (a step-2 reward model; else a causal LM: a step-1/3 folder, a registry
+name, a hub id or a PEFT adapter folder; else one line) -> bind the port (a busy one is one line
+naming ``--port``) -> load the model -> print the line
 ``serving <kind> <folder> on http://HOST:PORT`` (the bound port, also for ``--port 0``) -> serve until
 stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
 code 2. A ``--host`` that is not a loopback address gets a warning line: the server has no
@@ -24,7 +26,8 @@ from dschat.models.reward_model import is_reward_model_folder
 try:  # the serve extra: pip install 'dschat[serve]'
     import uvicorn
 
-    from dschat.serve.app import build_app
+    from dschat.serve.actor import Batcher, load_actor_engine, resolve_actor
+    from dschat.serve.app import build_actor_app, build_app
     from dschat.serve.reward_scorer import load_reward_scorer
 except ImportError as err:
     _MISSING: ImportError | None = err
@@ -36,18 +39,29 @@ __all__ = ["build_parser", "main", "bind"]
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dschat.serve",
-                                     description="Serve a step-2 reward model over HTTP (POST /get_reward, "
-                                                 "OpenRLHF's remote reward protocol; GET /health).")
-    parser.add_argument("model", metavar="MODEL", help="A step-2 output folder (the reward model: body + value head).")
+                                     description="Serve a model over HTTP: a step-2 reward model on POST "
+                                                 "/get_reward (OpenRLHF's remote reward protocol), an actor on "
+                                                 "OpenAI-compatible /v1/completions and /v1/chat/completions; "
+                                                 "GET /health.")
+    parser.add_argument("model", metavar="MODEL",
+                        help="A step-2 output folder (a reward model: body + value head), or an actor: a step-1 or "
+                             "step-3 output folder, a registry name (tiny-opt, smollm2-135m), a hub id or a PEFT "
+                             "adapter folder. An actor is served under this name (the requests' model field).")
     parser.add_argument("--host", default="127.0.0.1",
                         help="Address to listen on (default 127.0.0.1: this machine only; the server has no "
                              "authentication, so another address gets a warning).")
     parser.add_argument("--port", type=int, default=5000, help="Port to listen on (default 5000; 0: any free port).")
     parser.add_argument("--device", default="auto", help="Torch device for the model (default auto: cuda if present).")
-    parser.add_argument("--batch_size", type=int, default=16, help="Texts scored per forward pass (default 16).")
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="Reward model: texts scored per forward pass (default 16).")
     parser.add_argument("--max_seq_len", type=int, default=None,
-                        help="Tokens of a text kept (its end past this is cut). Default: the model's "
-                             "max_position_embeddings.")
+                        help="Reward model: tokens of a text kept (its end past this is cut). Default: the "
+                             "model's max_position_embeddings.")
+    parser.add_argument("--max_batch_size", type=int, default=8,
+                        help="Actor: requests (prompts) decoded together in one batch at most (default 8).")
+    parser.add_argument("--max_wait_ms", type=float, default=5.0,
+                        help="Actor: how long the first waiting request waits for others to join its batch "
+                             "(default 5 ms).")
     parser.add_argument("--log_level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default info: one access line per request).")
     return parser
@@ -91,12 +105,17 @@ def _main(argv: Sequence[str] | None) -> None:
     if _MISSING is not None:
         raise UserError(f"python -m dschat.serve needs the serve extra ({_MISSING}); pip install 'dschat[serve]'")
     folder = Path(args.model).expanduser()
-    if (folder / "config.json").is_file() and not is_reward_model_folder(folder):
-        raise UserError(f"{folder} is not a step-2 reward model (no value head); serving an actor "
-                        "(OpenAI-compatible /v1/completions) is not built yet: pass a step-2 output folder")
-    check_reward_folder(folder)
+    reward = (folder / "config.json").is_file() and is_reward_model_folder(folder)
+    if reward:
+        check_reward_folder(folder)
+    else:
+        resolve_actor(args.model)  # one line for what is neither (before the port is bound)
     if args.batch_size < 1:
         raise UserError(f"--batch_size must be >= 1, got {args.batch_size}")
+    if args.max_batch_size < 1:
+        raise UserError(f"--max_batch_size must be >= 1, got {args.max_batch_size}")
+    if args.max_wait_ms < 0:
+        raise UserError(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise UserError(f"--max_seq_len must be >= 1, got {args.max_seq_len}")
     if not _is_loopback(args.host):
@@ -104,11 +123,20 @@ def _main(argv: Sequence[str] | None) -> None:
               "TLS: anyone who reaches the port can use the model", file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)
     try:
-        scorer = load_reward_scorer(folder, device=args.device, max_len=args.max_seq_len, batch_size=args.batch_size)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
-        print(f"serving reward model {folder} on http://{shown}:{port} (POST /get_reward, GET /health)", flush=True)
-        config = uvicorn.Config(build_app(scorer), log_level=args.log_level, timeout_keep_alive=75)
+        if reward:
+            scorer = load_reward_scorer(folder, device=args.device, max_len=args.max_seq_len,
+                                        batch_size=args.batch_size)
+            app = build_app(scorer)
+            print(f"serving reward model {folder} on http://{shown}:{port} (POST /get_reward, GET /health)",
+                  flush=True)
+        else:
+            engine = load_actor_engine(args.model, device=args.device)
+            app = build_actor_app(engine, Batcher(engine, args.max_batch_size, args.max_wait_ms / 1000))
+            print(f"serving actor {args.model} on http://{shown}:{port} (GET /v1/models, POST /v1/completions, "
+                  "POST /v1/chat/completions, GET /health)", flush=True)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=75)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()

@@ -19,21 +19,24 @@ from dschat.eval.scoring import load_reward
 from helpers import PYTHON, REPO
 from helpers.step3 import subprocess_env
 
-_SERVING = re.compile(r"^serving reward model .* on (http://\S+) ")
+_SERVING = re.compile(r"^serving (?:reward model|actor) .* on (http://\S+) ")
 
 
 class ServedModel:
     """A running server: ``url`` (``http://127.0.0.1:PORT``), ``reward_url`` (its ``/get_reward``),
-    ``proc`` and the lines it printed so far (``output``)."""
+    ``api_url`` (an actor's OpenAI base URL, ``.../v1``), ``proc`` and the lines it printed so far
+    (``output``)."""
 
     def __init__(self, proc: subprocess.Popen, url: str, output: list[str]) -> None:
         self.proc, self.url, self.output = proc, url, output
         self.reward_url = url + "/get_reward"
+        self.api_url = url + "/v1"
 
 
 @contextlib.contextmanager
-def served_reward_model(folder: Path, *extra: str, start_timeout: float = 300.0) -> Iterator[ServedModel]:
-    """``python -m dschat.serve folder --port 0 *extra``, up and healthy, killed on exit."""
+def served_model(folder: Path | str, *extra: str, start_timeout: float = 300.0) -> Iterator[ServedModel]:
+    """``python -m dschat.serve folder --port 0 *extra`` (a reward model or an actor), up and healthy,
+    killed on exit."""
     env = subprocess_env()
     env["PYTHONPATH"] = str(REPO)
     proc = subprocess.Popen([PYTHON, "-m", "dschat.serve", str(folder), "--host", "127.0.0.1", "--port", "0",
@@ -68,6 +71,9 @@ def served_reward_model(folder: Path, *extra: str, start_timeout: float = 300.0)
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+served_reward_model = served_model
 
 
 def own_scores(folder: Path, texts: Sequence[str], max_len: int | None = None) -> list[float]:

@@ -1,6 +1,7 @@
 """``python -m dschat.serve`` on a tiny step-2 reward model: a real server in a subprocess on a free
 port, asked over HTTP. Its rewards are the reward model's own scores of the same texts; bad requests
-get a 4xx JSON answer and the server goes on; a busy port and an actor folder are one line, exit 2."""
+get a 4xx JSON answer and the server goes on; a busy port and a folder that is no model are one line,
+exit 2. An actor served: tests/serve/test_serve_actor.py."""
 from __future__ import annotations
 
 import socket
@@ -8,7 +9,6 @@ import socket
 import pytest
 import requests
 from dschat.errors import EXIT_USAGE
-from dschat.models.registry import resolve_model_path
 from dschat.remote_reward import RemoteReward
 from dschat.serve.cli import main as serve_main
 
@@ -104,11 +104,6 @@ def test_another_host_than_loopback_warns(reward_folder, capsys):
         port = taken.getsockname()[1]
         line = _refused([str(reward_folder), "--host", "0.0.0.0", "--port", str(port)], capsys)
     assert f"--port {port} on 0.0.0.0 is in use" in line
-
-
-def test_an_actor_folder_is_refused_actor_serving_is_not_built(capsys):
-    line = _refused([resolve_model_path("tiny-opt"), "--port", "0"], capsys)
-    assert "not a step-2 reward model" in line and "serving an actor" in line and "not built yet" in line
 
 
 def test_a_folder_that_is_no_model_is_one_line(tmp_path, capsys):

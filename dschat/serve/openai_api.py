@@ -1,0 +1,305 @@
+"""OpenAI-compatible routes for a served actor: ``GET /v1/models``, ``POST /v1/completions``,
+``POST /v1/chat/completions`` (each with ``stream: true`` too), answered by a :class:`Batcher`.
+
+Bodies are checked by pydantic, strictly (a number is not taken for a string, nor a string for a
+number); fields OpenAI defines that are not listed in :class:`_Common` and the two request models are
+ignored. Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``:
+400 for a bad body (not JSON, a wrong type, a value out of range, ``n`` other than 1, a prompt that
+leaves no room for ``max_tokens`` within the model's positions, chat on a tokenizer without a chat
+template, an unsupported option such as ``logprobs``), 404 for an unknown model name or route, 405 for
+a wrong method, 500 when decoding fails. A streamed answer is server-sent events, one
+``data: {chunk}`` per piece of text in OpenAI's chunk format (the last chunk of a choice carries its
+``finish_reason``), then ``data: [DONE]``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from dschat.rlhf.rollout.sampling import DecodingSettings
+from dschat.serve.actor import ActorEngine, Batcher, Delta, Done, Failed, Job
+
+__all__ = ["ApiError", "ChatRequest", "CompletionRequest", "add_actor_routes", "error_body"]
+
+
+class ApiError(Exception):
+    """A refused request: HTTP ``status`` with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(message: str, status: int, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """The fields both endpoints take."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="0: greedy decoding")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=-1, description="an extension; 0 or -1: off")
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: _StreamOptions | None = None
+    # OpenAI options this server does not implement: refused unless left at their defaults.
+    logprobs: Any = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[str] = Field(description="one prompt, or several (one choice each)")
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class _Part(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_Part]
+
+    def as_template_message(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(part.text for part in self.content)
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatRequest(_Common):
+    messages: list[_Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+
+
+def _settings(request: _Common) -> DecodingSettings:
+    if request.temperature == 0.0:
+        return DecodingSettings(decoding="greedy")
+    return DecodingSettings(decoding="sample", temperature=request.temperature, top_k=max(request.top_k, 0),
+                            top_p=request.top_p)
+
+
+def _refuse_unsupported(request: _Common) -> None:
+    if request.n != 1:
+        raise ApiError(400, f"n={request.n} is not supported: this server returns one choice per prompt (n=1)", "n")
+    unsupported = {"logprobs": request.logprobs not in (None, False, 0), "logit_bias": bool(request.logit_bias),
+                   "presence_penalty": request.presence_penalty != 0.0,
+                   "frequency_penalty": request.frequency_penalty != 0.0}
+    if isinstance(request, CompletionRequest):
+        unsupported |= {"echo": request.echo, "best_of": request.best_of not in (None, 1),
+                        "suffix": request.suffix is not None}
+    if isinstance(request, ChatRequest):
+        unsupported["tools"] = bool(request.tools)
+    for name, given in unsupported.items():
+        if given:
+            raise ApiError(400, f"{name} is not supported by this server; leave it out", name)
+
+
+def _stops(request: _Common) -> tuple[str, ...]:
+    stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+    if any(not stop for stop in stops):
+        raise ApiError(400, "stop strings must not be empty", "stop")
+    return tuple(stops)
+
+
+class _Answer:
+    """The jobs of one request, whose worker reports arrive on one asyncio queue as ``(index, event)``."""
+
+    def __init__(self, engine: ActorEngine, batcher: Batcher, request: _Common, prompts: list[list[int]],
+                 max_tokens: int | None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, Delta | Done | Failed]] = asyncio.Queue()
+        stops, settings = _stops(request), _settings(request)
+        self.jobs = []
+        for index, ids in enumerate(prompts):
+            if not ids:
+                raise ApiError(400, "the prompt is empty (no tokens); give some text", "prompt")
+            room = engine.max_positions - len(ids)
+            wanted = max_tokens if max_tokens is not None else room
+            if wanted > room or room < 1:
+                raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {wanted}: together more "
+                                    f"than the model's {engine.max_positions} positions; shorten the prompt or "
+                                    "lower max_tokens", "max_tokens", "context_length_exceeded")
+            self.jobs.append(Job(ids, wanted, stops, settings, self._emitter(index), request.seed))
+        for job in self.jobs:
+            batcher.submit(job)
+
+    def _emitter(self, index: int) -> Any:
+        def emit(event: Delta | Done | Failed) -> None:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+        return emit
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            job.cancelled = True
+
+    async def events(self) -> AsyncIterator[tuple[int, Delta | Done | Failed]]:
+        """Every report until each job has ended (Done or Failed)."""
+        open_jobs = set(range(len(self.jobs)))
+        while open_jobs:
+            index, event = await self.queue.get()
+            if index not in open_jobs:
+                continue
+            if not isinstance(event, Delta):
+                open_jobs.discard(index)
+            yield index, event
+
+
+def _usage(done: list[Done]) -> dict[str, int]:
+    prompt, completion = sum(d.prompt_tokens for d in done), sum(d.completion_tokens for d in done)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+async def _collect(answer: _Answer) -> tuple[list[str], list[Done]]:
+    texts, done = [""] * len(answer.jobs), [None] * len(answer.jobs)
+    async for index, event in answer.events():
+        if isinstance(event, Failed):
+            answer.cancel()
+            raise ApiError(500, event.message)
+        if isinstance(event, Delta):
+            texts[index] += event.text
+        else:
+            done[index] = event
+    return texts, done  # type: ignore[return-value]
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+async def _stream(answer: _Answer, head: dict[str, Any], chat: bool, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events of ``answer``: chunks in OpenAI's format, an optional usage chunk, ``[DONE]``."""
+    def chunk(index: int, text: str | None, finish: str | None, first: bool = False) -> str:
+        if chat:
+            delta = ({"role": "assistant", "content": ""} if first else {"content": text} if text is not None else {})
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return _sse({**head, "choices": [choice]})
+
+    done: list[Done] = []
+    try:
+        if chat:
+            for index in range(len(answer.jobs)):
+                yield chunk(index, None, None, first=True)
+        async for index, event in answer.events():
+            if isinstance(event, Delta):
+                yield chunk(index, event.text, None)
+            elif isinstance(event, Done):
+                done.append(event)
+                yield chunk(index, None, event.finish_reason)
+            else:
+                answer.cancel()
+                yield _sse(error_body(event.message, 500))
+                break
+        else:
+            if include_usage:
+                yield _sse({**head, "choices": [], "usage": _usage(done)})
+        yield "data: [DONE]\n\n"
+    finally:  # the client went away (or the stream ended): rows still decoding stop at their next token
+        answer.cancel()
+
+
+def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> None:
+    """The three routes above and the error handlers that give every refusal OpenAI's error body."""
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, err: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(err.message, err.status, err.param, err.code), status_code=err.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {"loc": (), "msg": "invalid body", "type": ""}
+        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+        if first.get("type") == "json_invalid":
+            message = f"the request body is not valid JSON ({first['msg']})"
+        else:
+            message = f"invalid request body: {'.'.join(loc) or 'body'}: {first['msg']}"
+        return JSONResponse(error_body(message, 400, loc[0] if loc and first.get("type") != "json_invalid" else None),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(err.detail), err.status_code), status_code=err.status_code,
+                            headers=getattr(err, "headers", None))
+
+    created = int(time.time())
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": created,
+                                            "owned_by": "dschat"}]}
+
+    def check_model(request: _Common) -> None:
+        if request.model != engine.name:
+            raise ApiError(404, f"model {request.model!r} is not served here; this server serves {engine.name!r}",
+                           "model", "model_not_found")
+        _refuse_unsupported(request)
+
+    async def respond(request: _Common, prompts: list[list[int]], max_tokens: int | None, chat: bool) -> Any:
+        answer = _Answer(engine, batcher, request, prompts, max_tokens)
+        kind = "chat.completion" if chat else "text_completion"
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "model": engine.name}
+        if request.stream:
+            include_usage = bool(request.stream_options and request.stream_options.include_usage)
+            return StreamingResponse(_stream(answer, {**head, "object": kind + (".chunk" if chat else "")}, chat,
+                                             include_usage), media_type="text/event-stream")
+        texts, done = await _collect(answer)
+        if chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                        "finish_reason": d.finish_reason} for i, (text, d) in enumerate(zip(texts, done))]
+        else:
+            choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": d.finish_reason}
+                       for i, (text, d) in enumerate(zip(texts, done))]
+        return {**head, "object": kind, "choices": choices, "usage": _usage(done)}
+
+    @app.post("/v1/completions")
+    async def completions(request: CompletionRequest) -> Any:
+        check_model(request)
+        prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
+        if not prompts:
+            raise ApiError(400, "prompt is an empty list; give at least one prompt", "prompt")
+        max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
+        return await respond(request, [engine.encode(p) for p in prompts], max_tokens, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatRequest) -> Any:
+        check_model(request)
+        if not engine.has_chat_template:
+            raise ApiError(400, f"model {engine.name!r} has no chat template (its tokenizer defines none), so it "
+                                "cannot chat; use /v1/completions with a plain prompt", "messages",
+                           "no_chat_template")
+        try:
+            ids = engine.encode_chat([m.as_template_message() for m in request.messages])
+        except Exception as err:  # noqa: BLE001 - a template's own refusal (roles out of order, ...)
+            raise ApiError(400, f"the chat template refused these messages: {err}", "messages") from None
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        return await respond(request, [ids], max_tokens, chat=True)

@@ -1,0 +1,357 @@
+"""``python -m dschat.serve`` on an actor: a real server in a subprocess, asked by the official
+``openai`` client (and by plain HTTP for what the client would not send). Greedy answers are the
+model's own ``generate(do_sample=False)``; streams join to the plain answers; bad requests get OpenAI's
+error body and the server goes on; 32 concurrent clients all get well-formed answers. In-process: the
+batched decoding of prompts of different lengths equals each prompt decoded alone, and waiting jobs
+with equal settings share a batch."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import requests
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dschat.errors import UserError
+from dschat.models.registry import resolve_model_path
+from dschat.rlhf.rollout.sampling import DecodingSettings
+from dschat.serve.actor import Batcher, Delta, Done, Job, decode_batch, load_actor_engine, resolve_actor
+
+from helpers.serve import served_model
+
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = ["Hello there, how are", "The capital of France is", "x", "One two three four five six seven eight"]
+GREEDY = DecodingSettings(decoding="greedy")
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """tiny-opt with a chat template in its tokenizer."""
+    folder = tmp_path_factory.mktemp("serve_actor") / "chat-opt"
+    shutil.copytree(resolve_model_path("tiny-opt"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.chat_template = TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def adapter_folder(tmp_path_factory):
+    """A PEFT LoRA adapter (non-zero weights) on tiny-opt: its tokenizer (the base's) has no chat template."""
+    base = resolve_model_path("tiny-opt")
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj"],
+                        task_type="CAUSAL_LM")
+    folder = tmp_path_factory.mktemp("serve_adapter") / "adapter"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(chat_folder):
+    with served_model(chat_folder, "--device", "cpu", "--max_batch_size", "8") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _reference(model, tokenizer, ids: list[int], max_new_tokens: int) -> tuple[str, int, str]:
+    """(text, completion tokens, finish reason) of ``model.generate(do_sample=False)`` on ``ids`` alone."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    answer = out[0, len(ids):].tolist()
+    finish = "stop" if answer and answer[-1] == tokenizer.eos_token_id else "length"
+    return tokenizer.decode(answer, skip_special_tokens=True), len(answer), finish
+
+
+@pytest.fixture(scope="module")
+def own(chat_folder):
+    model = AutoModelForCausalLM.from_pretrained(chat_folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(chat_folder)
+    return model, tokenizer
+
+
+def test_models_lists_the_served_name(client, chat_folder):
+    assert [m.id for m in client.models.list().data] == [str(chat_folder)]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS[:2])
+def test_greedy_completion_is_the_models_own_generate(client, chat_folder, own, prompt):
+    model, tokenizer = own
+    reply = client.completions.create(model=str(chat_folder), prompt=prompt, max_tokens=12, temperature=0)
+    ids = tokenizer(prompt)["input_ids"]
+    text, count, finish = _reference(model, tokenizer, ids, 12)
+    assert reply.object == "text_completion" and len(reply.choices) == 1
+    assert reply.choices[0].text == text and text
+    assert reply.choices[0].finish_reason == finish
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), count)
+    assert reply.usage.total_tokens == len(ids) + count
+
+
+def test_greedy_chat_is_the_models_own_generate_on_the_chat_template(client, chat_folder, own):
+    model, tokenizer = own
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 2?"}]
+    reply = client.chat.completions.create(model=str(chat_folder), messages=messages, max_tokens=10, temperature=0)
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert tokenizer.decode(ids).endswith("user: What is 2 + 2?\nassistant:")
+    text, count, finish = _reference(model, tokenizer, ids, 10)
+    assert reply.object == "chat.completion"
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content == text
+    assert reply.choices[0].finish_reason == finish
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (len(ids), count)
+
+
+def test_a_list_of_prompts_gets_one_choice_each_in_order(client, chat_folder, own):
+    model, tokenizer = own
+    reply = client.completions.create(model=str(chat_folder), prompt=PROMPTS, max_tokens=8, temperature=0)
+    expected = [_reference(model, tokenizer, tokenizer(p)["input_ids"], 8) for p in PROMPTS]
+    assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+    assert [c.text for c in reply.choices] == [e[0] for e in expected]
+    assert reply.usage.completion_tokens == sum(e[1] for e in expected)
+    assert reply.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
+
+
+def test_a_streamed_completion_joins_to_the_plain_answer(client, chat_folder):
+    kwargs = dict(model=str(chat_folder), prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    plain = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert len([t for t in texts if t]) > 1  # it did stream, piece by piece
+    assert "".join(texts) == plain.choices[0].text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == plain.choices[0].finish_reason and set(finishes[:-1]) == {None}
+    assert chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert all(c.id == chunks[0].id and c.object == "text_completion" for c in chunks)
+
+
+def test_a_streamed_chat_joins_to_the_plain_answer(client, chat_folder):
+    kwargs = dict(model=str(chat_folder), messages=[{"role": "user", "content": "hi"}], max_tokens=12, temperature=0)
+    plain = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == plain.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_a_stream_is_server_sent_events_ending_with_done(server, chat_folder):
+    body = {"model": str(chat_folder), "prompt": "abc", "max_tokens": 4, "stream": True}
+    with requests.post(server.api_url + "/completions", json=body, stream=True, timeout=60) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in reply.iter_lines(decode_unicode=True) if line]
+    assert all(e.startswith("data: ") for e in events) and events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_stop_string_cuts_the_text_before_it(client, chat_folder):
+    kwargs = dict(model=str(chat_folder), prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    stop = full[4:7]
+    assert len(full) > 8 and stop.strip()
+    cut = full[:full.find(stop)]
+    for streamed in (False, True):
+        for stops in (stop, ["never-there", stop]):
+            if streamed:
+                chunks = list(client.completions.create(**kwargs, stop=stops, stream=True))
+                text, finish = "".join(c.choices[0].text for c in chunks), chunks[-1].choices[0].finish_reason
+            else:
+                reply = client.completions.create(**kwargs, stop=stops)
+                text, finish = reply.choices[0].text, reply.choices[0].finish_reason
+                assert reply.usage.completion_tokens < 16
+            assert (text, finish) == (cut, "stop"), (streamed, stops)
+
+
+def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
+    kwargs = dict(model=str(chat_folder), prompt=PROMPTS[0], max_tokens=16, temperature=1.0, top_p=0.9,
+                  extra_body={"top_k": 50})
+    first = [client.completions.create(**kwargs, seed=s).choices[0].text for s in (1, 2)]
+    assert [client.completions.create(**kwargs, seed=s).choices[0].text for s in (1, 2)] == first
+    assert first[0] != first[1]
+
+
+@pytest.mark.parametrize("route, body, status, param", [
+    ("/completions", b"{not json", 400, None),
+    ("/completions", {"model": "M", "prompt": 5}, 400, "prompt"),
+    ("/completions", {"model": "M", "prompt": "a", "max_tokens": "8"}, 400, "max_tokens"),
+    ("/completions", {"model": "M", "prompt": "a", "temperature": "hot"}, 400, "temperature"),
+    ("/completions", {"model": "M", "prompt": "a", "max_tokens": 0}, 400, "max_tokens"),
+    ("/completions", {"model": "M"}, 400, "prompt"),
+    ("/completions", {"model": "M", "prompt": []}, 400, "prompt"),
+    ("/completions", {"model": "M", "prompt": "a", "n": 2}, 400, "n"),
+    ("/completions", {"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ("/completions", {"model": "M", "prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/completions", {"model": "M", "prompt": "word " * 300, "max_tokens": 300}, 400, "max_tokens"),
+    ("/completions", {"model": "M", "prompt": "a", "max_tokens": 600}, 400, "max_tokens"),
+    ("/completions", {"model": "other", "prompt": "a"}, 404, "model"),
+    ("/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "a"}]}, 400, "messages"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": 1}]}, 400, "messages"),
+    ("/nowhere", {}, 404, None),
+])
+def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, chat_folder, route, body, status, param):
+    if isinstance(body, dict) and body.get("model") == "M":
+        body["model"] = str(chat_folder)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = requests.post(server.api_url + route, data=data, headers={"Content-Type": "application/json"}, timeout=60)
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    ok = requests.post(server.api_url + "/completions", json={"model": str(chat_folder), "prompt": "a",
+                                                               "max_tokens": 2}, timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+    assert server.proc.poll() is None
+
+
+def test_a_wrong_method_gets_an_openai_error(server):
+    reply = requests.get(server.api_url + "/completions", timeout=30)
+    assert reply.status_code == 405 and reply.json()["error"]["message"] == "Method Not Allowed"
+
+
+def test_a_step3_output_root_means_its_actor_and_a_folder_without_a_model_is_refused(tmp_path, chat_folder):
+    (tmp_path / "step3").mkdir()
+    shutil.copytree(chat_folder, tmp_path / "step3" / "actor")
+    assert resolve_actor(str(tmp_path / "step3")) == str(tmp_path / "step3" / "actor")
+    with pytest.raises(UserError, match="is not a model folder"):
+        resolve_actor(str(tmp_path))
+
+
+def test_the_openai_client_raises_on_a_4xx(client, chat_folder):
+    with pytest.raises(openai.BadRequestError, match="n=3 is not supported"):
+        client.completions.create(model=str(chat_folder), prompt="a", n=3)
+    with pytest.raises(openai.NotFoundError, match="not served here"):
+        client.completions.create(model="gpt-4o", prompt="a")
+
+
+def test_32_concurrent_clients_all_get_well_formed_answers(client, server, chat_folder, own):
+    """Mixed requests (plain and streamed, completions and chat, greedy and sampled) from 32 threads at
+    once: none is dropped, every answer is well formed, and each greedy answer is the one it gets alone."""
+    model, tokenizer = own
+    name = str(chat_folder)
+    start = threading.Barrier(32)
+
+    def ask(i: int) -> tuple[int, str, str, int]:
+        prompt, max_tokens = PROMPTS[i % 4], 4 + i % 5
+        temperature = 0 if i % 2 == 0 else 0.8
+        start.wait()
+        if i % 4 < 2:
+            if i % 8 < 4:
+                reply = client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens,
+                                                  temperature=temperature)
+                return i, reply.choices[0].text, reply.choices[0].finish_reason, reply.usage.completion_tokens
+            chunks = list(client.completions.create(model=name, prompt=prompt, max_tokens=max_tokens,
+                                                    temperature=temperature, stream=True,
+                                                    stream_options={"include_usage": True}))
+            return (i, "".join(c.choices[0].text for c in chunks if c.choices),
+                    chunks[-2].choices[0].finish_reason, chunks[-1].usage.completion_tokens)
+        reply = client.chat.completions.create(model=name, messages=[{"role": "user", "content": prompt}],
+                                               max_tokens=max_tokens, temperature=temperature)
+        return i, reply.choices[0].message.content, reply.choices[0].finish_reason, reply.usage.completion_tokens
+
+    with ThreadPoolExecutor(32) as pool:
+        answers = list(pool.map(ask, range(32)))
+    assert sorted(a[0] for a in answers) == list(range(32))
+    for i, text, finish, count in answers:
+        max_tokens = 4 + i % 5
+        assert isinstance(text, str) and finish in ("stop", "length") and 1 <= count <= max_tokens
+        assert (finish == "length") == (count == max_tokens) or finish == "stop"
+        if i % 2 == 0 and i % 4 < 2:  # greedy completions: what the prompt gets alone
+            ids = tokenizer(PROMPTS[i % 4])["input_ids"]
+            assert (text, count, finish) == _reference(model, tokenizer, ids, max_tokens), i
+    assert server.proc.poll() is None
+
+
+def test_an_adapter_folder_is_served_merged_and_refused_for_chat(adapter_folder):
+    base = resolve_model_path("tiny-opt")
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                       str(adapter_folder)).merge_and_unload().eval()
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    expected = _reference(merged, tokenizer, ids, 12)
+    assert expected != _reference(plain, tokenizer, ids, 12)  # the adapter changes the answer
+    with served_model(adapter_folder, "--device", "cpu") as served:
+        client = openai.OpenAI(base_url=served.api_url, api_key="unused", max_retries=0, timeout=120)
+        reply = client.completions.create(model=str(adapter_folder), prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        assert (reply.choices[0].text, reply.usage.completion_tokens, reply.choices[0].finish_reason) == expected
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError, match="has no chat template") as err:
+                client.chat.completions.create(model=str(adapter_folder), messages=[{"role": "user", "content": "hi"}],
+                                               stream=stream)
+            assert err.value.status_code == 400 and err.value.body["code"] == "no_chat_template"
+        assert requests.get(served.url + "/health", timeout=10).json()["kind"] == "actor"
+
+
+# ------------------------------------------------------------------------------------------------
+# In-process: the batch decoding and the batcher
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine():
+    return load_actor_engine("tiny-llama", device="cpu")
+
+
+def _job(engine, prompt: str, max_tokens: int, out: list, settings: DecodingSettings = GREEDY) -> Job:
+    return Job(engine.encode(prompt), max_tokens, (), settings, out.append)
+
+
+def _text(events: list) -> tuple[str, Done]:
+    return "".join(e.text for e in events if isinstance(e, Delta)), events[-1]
+
+
+def test_a_left_padded_batch_decodes_as_each_prompt_alone(engine):
+    """Prompts of different lengths and max_tokens in one batch (tiny-llama: rotary positions from the
+    mask) give each prompt's own generate answer."""
+    outs = [[] for _ in PROMPTS]
+    jobs = [_job(engine, p, 5 + 3 * i, out) for i, (p, out) in enumerate(zip(PROMPTS, outs))]
+    decode_batch(engine, jobs)
+    for i, (prompt, events) in enumerate(zip(PROMPTS, outs)):
+        text, done = _text(events)
+        assert isinstance(done, Done) and sum(isinstance(e, Done) for e in events) == 1
+        expected = _reference(engine.model, engine.tokenizer, engine.encode(prompt), 5 + 3 * i)
+        assert (text, done.completion_tokens, done.finish_reason) == expected, prompt
+
+
+def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine):
+    batcher = Batcher(engine, max_batch_size=3, max_wait_s=0.5)
+    outs = [[] for _ in range(5)]
+    sampled = DecodingSettings(decoding="sample", temperature=0.7)
+    settings = [GREEDY, sampled, GREEDY, GREEDY, GREEDY]
+    for out, s in zip(outs, settings):
+        batcher.submit(_job(engine, "Hello", 3, out, s))
+    deadline = time.monotonic() + 120
+    while not all(out and isinstance(out[-1], Done) for out in outs):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # the first greedy job waits and fills its batch of 3 with greedy ones; then the sampled one; then the rest
+    assert batcher.batch_sizes == [3, 1, 1]
+    greedy = {_text(outs[i])[0] for i in (0, 2, 3, 4)}
+    assert len(greedy) == 1
+
+
+def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine):
+    events: list = []
+    other: list = []
+
+    def emit(event) -> None:  # the client goes away after the first piece of text
+        events.append(event)
+        jobs[0].cancelled = True
+
+    jobs = [Job(engine.encode(PROMPTS[0]), 40, (), GREEDY, emit), _job(engine, PROMPTS[1], 12, other)]
+    decode_batch(engine, jobs)
+    done = events[-1]
+    assert isinstance(done, Done) and done.finish_reason == "length" and done.completion_tokens < 40
+    expected = _reference(engine.model, engine.tokenizer, engine.encode(PROMPTS[1]), 12)
+    text, finished = _text(other)
+    assert (text, finished.completion_tokens, finished.finish_reason) == expected
