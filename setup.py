@@ -17,7 +17,8 @@ setup(
     python_requires=">=3.10",
     # A real package (upstream's namespace package ships an empty wheel).
     packages=find_packages(include=["dschat", "dschat.*"]),
-    package_data={"dschat": ["data/builtin_prefs/*.jsonl", "data/builtin_prefs/samples/*.jsonl", "py.typed"]},
+    package_data={"dschat": ["data/builtin_prefs/*.jsonl", "data/builtin_prefs/samples/*.jsonl",
+                             "data/wordgame/*.jsonl", "py.typed"]},
     include_package_data=False,
     # Each entry: what imports it. dschat's own imports, or a library's import for a feature dschat uses
     # (an optional dependency of that library, so dschat must declare it). Transitive requirements of

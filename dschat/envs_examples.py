@@ -1,9 +1,17 @@
-"""Example environment: a calculator tool (``--env dschat.envs_examples:calculator``).
+"""Example environments: a calculator tool (``--env dschat.envs_examples:calculator``) and a word game
+with feedback (``--env dschat.envs_examples:word_game``).
 
 The actor may write ``CALC: <expression>`` (numbers, ``+ - * / // % **``, parentheses; read with
 :mod:`ast`, never ``eval``) to get its value back as a tool message. An answer without ``CALC:`` ends
 the episode: reward 1.0 when its final number equals the one of the row's ``answer`` column (a
 number, or a worked solution ending in ``#### 42``), else 0.0.
+
+The word game (the multi-turn demo's, on ``--data_path dschat/wordgame``; column ``word``): the
+actor guesses a secret word; a right guess ends the episode with reward 1.0, any other answer gets
+the reply ``No, the secret word is <word>. Now reply with only that word.`` and the next turn is
+scored: 1.0 for exactly that word (case and punctuation aside), 0.5 for an answer that contains it
+among other words, else 0.0. The word is in no prompt, so the reward past the first turn comes from
+using the environment's reply.
 """
 from __future__ import annotations
 
@@ -78,3 +86,39 @@ def calculator(row: dict[str, Any]) -> Calculator:
         raise UserError(f"dschat.envs_examples:calculator reads the dataset column {MATH_REFERENCE_COLUMN!r}, "
                         f"which the prompt data lacks (it has {sorted(row)}); add that column to the data")
     return Calculator(final_number(str(row[MATH_REFERENCE_COLUMN])))
+
+
+WORD_COLUMN = "word"
+_LETTERS = re.compile(r"[a-z]+")
+
+
+def words_of(text: str) -> list[str]:
+    """``text``'s words, lower-cased, letters only (``"**Rocket!**"`` -> ``["rocket"]``)."""
+    return _LETTERS.findall(text.lower())
+
+
+@dataclass
+class WordGame:
+    """One game: ``step`` scores a guess (turn 1), then the reply to the reveal (turn 2, the last)."""
+
+    word: str
+    turn: int = 0
+
+    def step(self, answer: str) -> tuple[Any, float, bool]:
+        self.turn += 1
+        said = words_of(answer)
+        if said == [self.word]:
+            return None, 1.0, True
+        if self.turn == 1:
+            return f"No, the secret word is {self.word}. Now reply with only that word.", 0.0, False
+        return None, 0.5 if self.word in said else 0.0, True
+
+
+def word_game(row: dict[str, Any]) -> WordGame:
+    """The factory: the game of a row whose ``word`` column holds the secret word (one word, letters)."""
+    word = row.get(WORD_COLUMN)
+    if not isinstance(word, str) or words_of(word) != [word.lower()]:
+        raise UserError(f"dschat.envs_examples:word_game reads the dataset column {WORD_COLUMN!r} (one word of "
+                        f"letters); this row has {WORD_COLUMN}={word!r} (columns {sorted(row)}); "
+                        "use --data_path dschat/wordgame or add that column")
+    return WordGame(word.lower())

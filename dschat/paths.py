@@ -31,6 +31,9 @@ BUILTIN_DATA_DIR = Path(__file__).parent / "data" / "builtin_prefs"
 # ``dschat/builtin-samples``: gold-labelled pairs of an SFT actor's own answers (the CPU demo's step 2
 # reads them beside dschat/builtin), written by dschat.eval.sample_pairs.
 BUILTIN_SAMPLES_DIR = BUILTIN_DATA_DIR / "samples"
+# ``dschat/wordgame``: the multi-turn demo's prompts (a ``word`` column beside each), written and read
+# by dschat.data.wordgame.
+WORDGAME_DATA_DIR = Path(__file__).parent / "data" / "wordgame"
 
 
 def cache_dir() -> Path:

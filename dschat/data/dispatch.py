@@ -2,7 +2,7 @@
 
 Dispatch is by *substring*, in upstream's order, so a local ``save_to_disk`` copy such as
 ``/data/Dahoas/rm-static`` still picks the rm-static adapter and loads from disk. Beyond upstream:
-``dschat/builtin`` (the embedded dataset), local ``.json`` / ``.jsonl`` / ``.parquet`` files or
+``dschat/builtin`` and ``dschat/wordgame`` (the embedded datasets), local ``.json`` / ``.jsonl`` / ``.parquet`` files or
 folders of them, and ``save_to_disk`` folders (:mod:`dschat.data.adapters.local`).
 """
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.data import local_files as lf
+from dschat.data import wordgame
 from dschat.data.adapters.base import PromptRawDataset
 from dschat.data.adapters.local import (
     BUILTIN_NAME,
@@ -30,7 +31,7 @@ from dschat.errors import UserError
 DATASET_TABLE: tuple[tuple[str, type[PromptRawDataset]], ...] = (*HUB_ADAPTERS, ("local/jsonfile", LocalJsonFileDataset))
 
 LOCAL_FORMS = (
-    f"{BUILTIN_NAME} and {BUILTIN_SAMPLES_NAME} (embedded), local/jsonfile (data/train.json + data/eval.json), a .json/.jsonl/"
+    f"{BUILTIN_NAME}, {BUILTIN_SAMPLES_NAME} and {wordgame.NAME} (embedded), local/jsonfile (data/train.json + data/eval.json), a .json/.jsonl/"
     ".parquet file or a folder of them with prompt/chosen[/rejected] columns (train.* + eval.*/test.*/"
     "validation.* for both splits), or a save_to_disk folder with those columns"
 )
@@ -63,6 +64,8 @@ def match_adapter(dataset_name: str) -> type[PromptRawDataset] | None:
             return adapter
     if dataset_name in builtin_folders():
         return BuiltinDataset
+    if dataset_name == wordgame.NAME:
+        return wordgame.WordGameDataset
     return None
 
 
@@ -87,6 +90,9 @@ def resolve_dataset(dataset_name: str) -> DatasetSource:
     if name in builtin_folders():
         files = builtin_files(name)
         return DatasetSource(name, BuiltinDataset, tuple(files), files[0].parent)
+    if name == wordgame.NAME:
+        files = wordgame.data_files()
+        return DatasetSource(name, wordgame.WordGameDataset, tuple(files), files[0].parent)
     path = lf.expand(name)
     if path.exists():
         files = LocalPreferenceDataset.source_files(path)

@@ -1,4 +1,5 @@
-"""Environments for multi-turn rollouts (dschat.envs) and the calculator example (dschat.envs_examples)."""
+"""Environments for multi-turn rollouts (dschat.envs) and the examples (dschat.envs_examples): the calculator
+and the word game."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dschat.envs import EpisodeBatch, EpisodeState, StepResult, load_environment, render_observation
-from dschat.envs_examples import Calculator, calculator, evaluate
+from dschat.envs_examples import Calculator, calculator, evaluate, word_game, words_of
 from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.models.embedded import materialize_smollm2
 
@@ -301,3 +302,38 @@ class TestRenderObservation:
         tokenizer = _with_template(DROPPING)
         assert render_observation("hint", tokenizer) == "</s>[user] hint</s>[assistant] "
         assert render_observation({"role": "tool", "content": "42"}, tokenizer) == "42"
+
+
+class TestWordGame:
+    """dschat.envs_examples:word_game, the multi-turn demo's game: the reward past the first turn needs
+    the word that only the environment's reply carries."""
+
+    def test_a_right_guess_ends_the_game(self):
+        episodes = batch([{"prompt": "Guess.", "word": "apple"}], spec="dschat.envs_examples:word_game", max_turns=2)
+        assert episodes.step(["**Apple!**"]) == [StepResult(None, 1.0, True)]
+        assert episodes.states[0] == EpisodeState(row=0, max_turns=2, turns=1, reward=1.0, done=True, cut=False)
+
+    def test_the_reveal_then_the_reply_is_scored(self):
+        rows = [{"prompt": "Guess.", "word": w} for w in ("rocket", "rocket", "rocket", "rocket")]
+        episodes = batch(rows, spec="dschat.envs_examples:word_game", max_turns=2, timeout=10)
+        reveal = StepResult("No, the secret word is rocket. Now reply with only that word.", 0.0, False)
+        assert episodes.step(["Banana", "I think it is apple.", "rockets", ""]) == [reveal] * 4
+        assert episodes.step(["Rocket.", "The secret word is rocket.", "rocket ship", "apple"]) == [
+            StepResult(None, 1.0, True), StepResult(None, 0.5, True), StepResult(None, 0.5, True),
+            StepResult(None, 0.0, True)]
+        assert [(s.turns, s.reward, s.done, s.cut) for s in episodes.states] == [
+            (2, 1.0, True, False), (2, 0.5, True, False), (2, 0.5, True, False), (2, 0.0, True, False)]
+
+    def test_a_second_wrong_answer_ends_the_game_without_a_second_reveal(self):
+        game = word_game({"word": "Tiger"})
+        assert game.step("lion")[1:] == (0.0, False)
+        assert game.step("a lion") == (None, 0.0, True)
+
+    def test_words_of(self):
+        assert words_of("**Rocket!** it's") == ["rocket", "it", "s"]
+        assert words_of("42 ...") == []
+
+    @pytest.mark.parametrize("row", [{"prompt": "q"}, {"word": "two words"}, {"word": 7}, {"word": "r2d2"}])
+    def test_a_row_without_one_word(self, row, capsys):
+        err = one_line_exit_2(lambda: batch([row], spec="dschat.envs_examples:word_game"), capsys)
+        assert "reads the dataset column 'word'" in err and "dschat/wordgame" in err
