@@ -218,8 +218,11 @@ def check_columns(
     *,
     text: Sequence[str] | None = None,
     nullable: bool = True,
+    keep_extra: bool = False,
 ) -> list[dict]:
-    """Keep only the ``required`` + ``optional`` fields of each row, checking their values.
+    """Keep only the ``required`` + ``optional`` fields of each row, checking their values; with
+    ``keep_extra`` every other field too, unchecked, after them (a reference answer a reward function
+    or an environment reads: the rows' dataset columns).
 
     A row missing a required field, or a ``text`` field (default: every field) that is neither a
     string nor null, is a :class:`UserError` naming the file, the row and the column. A null value
@@ -249,7 +252,13 @@ def check_columns(
             if col in text_names and not isinstance(value, str):
                 kinds = "a string or null" if nullable else "a string"
                 raise UserError(f"{where}: field {col!r} must be {kinds}, got {type(value).__name__}")
-        out.append({col: row.get(col) for col in names})
+        kept = {col: row.get(col) for col in names}
+        if keep_extra:
+            kept.update({col: value for col, value in row.items() if col not in kept})
+        out.append(kept)
+    if keep_extra:  # every row has every column (None where a row lacks one), in first-seen order
+        extra = list(dict.fromkeys(col for row in out for col in row if col not in names))
+        out = [{**row, **{col: row.get(col) for col in extra}} for row in out]
     return out
 
 

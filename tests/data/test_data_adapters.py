@@ -475,3 +475,21 @@ def test_local_copy_nulls_where_the_adapter_skips_them(tmp_path):
     write_jsonl(folder / "train.jsonl", [{"INSTRUCTION": "问?", "RESPONSE": 3}])
     with pytest.raises(UserError, match=r"field 'RESPONSE' must be a string or null, got int"):
         dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
+
+
+def test_a_local_folder_keeps_the_fields_reward_functions_and_environments_read(tmp_path):
+    """A local preference folder keeps its rows' other fields (here ``answer``, missing from one row),
+    so `--reward_fn dschat.rewards:math_exact_match` and `--env dschat.envs_examples:calculator` find
+    them beside each phase-3 prompt."""
+    from dschat.data.prompt_columns import load_prompt_columns
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    folder = tmp_path / "math"
+    rows = [{"prompt": f"What is {i} + {i}?", "chosen": f"{2 * i}", "answer": f"#### {2 * i}"} for i in range(20)]
+    rows[3] = {"prompt": "What is 3 + 3?", "chosen": "6"}
+    write_jsonl(folder / "train.jsonl", rows)
+    write_jsonl(folder / "eval.jsonl", rows[:4])
+    columns = load_prompt_columns([str(folder)], "0,0,1", 1234, str(tmp_path / "out"), -1,
+                                  load_hf_tokenizer("tiny-opt"))
+    found = {row["prompt"]: row.get("answer") for row in columns.rows.values()}
+    assert found["What is 5 + 5?"] == "#### 10" and found["What is 3 + 3?"] is None

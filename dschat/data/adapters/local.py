@@ -163,13 +163,16 @@ class LocalPreferenceDataset(PromptRawDataset):
 
     @staticmethod
     def read_groups(groups: Mapping[str, Sequence[Path]]) -> dict[str, Any]:
-        """``{split: [files]}`` -> ``{split: Dataset}`` with the prompt/chosen/rejected columns."""
+        """``{split: [files]}`` -> ``{split: Dataset}`` with the prompt/chosen/rejected columns and the
+        rows' other fields."""
         out = {}
         for split, split_files in groups.items():
             rows: list[dict] = []
             for f in split_files:
-                rows.extend(lf.check_columns(lf.read_records(f), f, PREF_REQUIRED, PREF_OPTIONAL))
-            out[split] = lf.records_to_dataset(rows, PREF_REQUIRED + PREF_OPTIONAL)
+                # Other fields (a reference answer, ...) stay: reward functions and environments read them.
+                rows.extend(lf.check_columns(lf.read_records(f), f, PREF_REQUIRED, PREF_OPTIONAL, keep_extra=True))
+            out[split] = lf.records_to_dataset(rows, PREF_REQUIRED + PREF_OPTIONAL,
+                                               source=split_files[0].parent if split_files else None)
         # Files without any "rejected" value give an all-null column: treat it as absent.
         for split, ds in out.items():
             if "rejected" in ds.column_names and all(v is None for v in ds["rejected"]):
