@@ -78,6 +78,26 @@ def test_a_missing_extra_is_one_line_naming_it_before_any_model(tracker, monkeyp
     assert not (tmp_path / "out").exists()
 
 
+def test_without_the_extras_tensorboard_alone_runs(monkeypatch, tmp_path):
+    """Neither extra installed: the module imports and TensorBoard (upstream's --enable_tensorboard) logs."""
+    import importlib
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import dschat.training.trackers as trackers_module
+
+    for name in ("wandb", "mlflow"):
+        monkeypatch.setitem(sys.modules, name, None)
+    module = importlib.reload(trackers_module)
+    args = add_step1_args(argparse.ArgumentParser()).parse_args(
+        ["--model_name_or_path", "m", "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb")])
+    trackers = module.Trackers.from_args(args, "step1_model_dschat", run_name="step1")
+    trackers.scalars(1, **{"train/loss": 2.5})
+    trackers.close()
+    events = EventAccumulator(str(tmp_path / "tb" / "step1_model_dschat")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5)]
+
+
 # ------------------------------------------------------------------------------------ failing mid-run
 
 
