@@ -168,6 +168,25 @@ def test_step1_reports_to_mlflow_alone(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("step,run_name,evals", [
+    ("step2", "step2", ("eval/chosen_score", "eval/rejected_score", "eval/acc", "eval/loss")),
+    ("dpo", "step2_dpo", ("eval/chosen_reward", "eval/rejected_reward", "eval/acc", "eval/loss")),
+])
+def test_steps_2_and_dpo_report_to_wandb(step, run_name, evals, tmp_path):
+    out = tmp_path / "out"
+    result = load_script(step).main(base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(out),
+                                              "--report_to", "wandb", max_train_steps=2))
+    run = read_wandb_run(out)
+    assert run.exited and run.config["model_name_or_path"] == "tiny-opt"
+    losses = [(row["global_step"], row["train/loss"]) for row in run.history if "train/loss" in row]
+    assert [step for step, _ in losses] == [1, 2] and all(math.isfinite(loss) for _, loss in losses)
+    evaluated = [row for row in run.history if "eval/acc" in row]
+    assert [row["global_step"] for row in evaluated] == [e["step"] for e in result.evals] == [0, 2]
+    assert all(set(evals) <= set(row) for row in evaluated), evaluated
+    assert not (out / "mlruns").exists()  # wandb alone
+
+
+@pytest.mark.slow
 @pytest.mark.usefixtures("one_thread")
 def test_step3_writes_the_same_scalars_to_wandb_and_mlflow(critic_dirs, data_cache, tmp_path):
     out = tmp_path / "out"
