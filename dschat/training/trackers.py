@@ -9,7 +9,8 @@ class: ``TensorBoardLogger(enabled, path, name)`` is TensorBoard alone, as ``--e
 * W&B: ``wandb.init`` under ``<root>/wandb/`` (``$WANDB_DIR`` when set), offline unless ``$WANDB_MODE``
   is set; project ``$WANDB_PROJECT`` or ``dschat``; every scalar is plotted against ``global_step``.
 * MLflow: ``$MLFLOW_TRACKING_URI``, else the file store ``file:<root>/mlruns``; experiment
-  ``$MLFLOW_EXPERIMENT_NAME`` or ``dschat``; the flags are the run's parameters.
+  ``$MLFLOW_EXPERIMENT_NAME`` or ``dschat``; the flags are the run's parameters; a process that exits
+  without :meth:`Trackers.close` (an error) ends the run ``FAILED``.
 
 ``<root>`` is ``--output_dir``, else ``--tensorboard_path``. W&B and MLflow are optional extras: a
 tracker asked for and not installed is a :class:`~dschat.errors.UserError` on every rank, raised by
@@ -19,6 +20,7 @@ mid-run is dropped with one warning; the run and the other sinks go on.
 from __future__ import annotations
 
 import argparse
+import atexit
 import importlib
 import os
 import re
@@ -133,6 +135,7 @@ class _MlflowSink:
                   for key, value in config.items()]
         for i in range(0, len(params), _MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + _MLFLOW_BATCH])
+        atexit.register(self._end_failed)  # a process that exits without close() (a crash) ends it FAILED
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
@@ -141,7 +144,11 @@ class _MlflowSink:
             self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_BATCH])
 
     def close(self) -> None:
+        atexit.unregister(self._end_failed)
         self.client.set_terminated(self.run_id)
+
+    def _end_failed(self) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED")
 
 
 class Trackers:

@@ -144,6 +144,23 @@ def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
         Trackers(["mlflow"], str(tmp_path / "tb"), "run", root=str(tmp_path / "out"))
 
 
+def test_an_mlflow_run_whose_process_dies_before_close_ends_failed(tmp_path, monkeypatch):
+    """A step that stops with an error after its trackers started leaves no MLflow run RUNNING."""
+    import os
+    import subprocess
+
+    code = ("from dschat.training.trackers import Trackers\n"
+            f"t = Trackers(['mlflow'], {str(tmp_path / 'tb')!r}, 'run', run_name='crash', root={str(tmp_path)!r})\n"
+            "t.scalars(0, loss=1.0)\n"
+            "raise SystemExit('error: data went missing')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "data went missing" in done.stderr, done.stderr[-2000:]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the run set it for itself
+    client, run = mlflow_run(tmp_path / "mlruns", "crash")
+    assert run.info.status == "FAILED" and mlflow_series(client, run, "loss") == [(0, 1.0)]
+
+
 # ------------------------------------------------------------------------------------ whole steps
 
 
