@@ -44,7 +44,12 @@ setup(
     extras_require={
         # python -m dschat.serve (dschat/serve/app.py)
         "serve": ["fastapi>=0.115", "uvicorn>=0.30"],
-        # tests/serve/test_serve_actor.py: the official OpenAI client against a served actor
-        "test": ["pytest>=8", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.40"],
+        # --report_to wandb / mlflow (dschat/training/trackers.py); mlflow-skinny has the tracking
+        # client and the file store dschat writes by default
+        "wandb": ["wandb>=0.20"],
+        "mlflow": ["mlflow-skinny>=3.0"],
+        # tests/serve/test_serve_actor.py: the official OpenAI client against a served actor;
+        # tests/training/test_trackers.py: W&B and MLflow runs read back
+        "test": ["pytest>=8", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.40", "wandb>=0.20", "mlflow-skinny>=3.0"],
     },
 )

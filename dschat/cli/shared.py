@@ -175,12 +175,53 @@ def add_lora_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return group
 
 
+REPORT_TO_CHOICES = ("tensorboard", "wandb", "mlflow")
+
+
+def parse_report_to(value: str) -> tuple[str, ...]:
+    """``--report_to``'s comma list: tracker names from :data:`REPORT_TO_CHOICES`, each once, in the
+    order given; ``none`` (alone) is the empty tuple."""
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if names == ["none"]:
+        return ()
+    wrong = [name for name in names if name not in REPORT_TO_CHOICES]
+    if not names or wrong:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: give a comma list of {', '.join(REPORT_TO_CHOICES)}, or none")
+    return tuple(dict.fromkeys(names))
+
+
+class _ReportTo(argparse.Action):
+    """Stores ``--report_to``'s tuple; ``tensorboard`` in it also sets ``enable_tensorboard`` (the same
+    switch: DeepSpeed's monitor and the ``--tensorboard_path`` check follow it)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: object,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        if "tensorboard" in values:  # type: ignore[operator]
+            namespace.enable_tensorboard = True
+
+
+def add_tracker_args(group: argparse._ArgumentGroup, *, tensorboard_path: str) -> None:
+    """``--enable_tensorboard``, ``--tensorboard_path`` (upstream's) and ``--report_to`` (ours), for
+    every step: the experiment trackers (:mod:`dschat.training.trackers`, docs/metrics.md)."""
+    group.add_argument("--enable_tensorboard", action="store_true", help="Enable tensorboard logging")
+    group.add_argument("--tensorboard_path", type=str, default=tensorboard_path, help="Path to tensorboard logs")
+    group.add_argument("--report_to", type=parse_report_to, action=_ReportTo, default=None, metavar="LIST",
+                       help="(dschat) Experiment trackers that get the run's scalars and its flags (rank 0): a "
+                            "comma list of tensorboard, wandb, mlflow, or none. Default: tensorboard with "
+                            "--enable_tensorboard (upstream's spelling of it, which adds tensorboard to any list), "
+                            "else none. W&B runs offline unless WANDB_MODE says otherwise and MLflow writes a "
+                            "file: store, both under --output_dir (else --tensorboard_path) unless WANDB_DIR / "
+                            "MLFLOW_TRACKING_URI are set; each needs its extra (pip install 'dschat[wandb]', "
+                            "'dschat[mlflow]'). A tracker whose logging fails mid-run is dropped with one warning.")
+
+
 def add_logging_args(
     parser: argparse.ArgumentParser, *, tensorboard_path: str, print_loss: bool = False
 ) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("logging")
-    group.add_argument("--enable_tensorboard", action="store_true", help="Enable tensorboard logging")
-    group.add_argument("--tensorboard_path", type=str, default=tensorboard_path, help="Path to tensorboard logs")
+    add_tracker_args(group, tensorboard_path=tensorboard_path)
     if print_loss:
         group.add_argument("--print_loss", action="store_true", help="Prints loss at each step.")
     return group

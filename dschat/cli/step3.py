@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from dschat.cli.shared import (DTYPE_CHOICES, SCHEDULER_TYPES, add_checkpoint_args, add_data_args, add_deepspeed_args,
-                               add_eot_args, add_runtime_args, add_sequence_packing_arg)
+                               add_eot_args, add_runtime_args, add_sequence_packing_arg, add_tracker_args)
 
 
 # Step 3's algorithms and loss aggregations (dschat.rl_math.critic_free.ALGORITHMS / LOSS_AGGREGATIONS; a
@@ -368,8 +368,7 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
 
 def add_step3_logging_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("logging and testing")
-    group.add_argument("--enable_tensorboard", action="store_true", help="Enable tensorboard logging")
-    group.add_argument("--tensorboard_path", type=str, default="step3_tensorboard", help="Path to tensorboard logs")
+    add_tracker_args(group, tensorboard_path="step3_tensorboard")
     group.add_argument("--print_answers", action="store_true", help="Print prompt and answers during training")
     group.add_argument("--print_answers_interval", type=int, default=1,
                        help="If --print_answers enabled, controls the printing interval.")

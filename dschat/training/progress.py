@@ -1,5 +1,6 @@
-"""A run's progress: the optimizer-step counter, the step timer, TensorBoard scalars, the
-``--print_loss`` line, and the :class:`RunResult` a step ``main`` returns."""
+"""A run's progress: the optimizer-step counter, the step timer, the ``--print_loss`` line, and the
+:class:`RunResult` a step ``main`` returns. Scalars go to :class:`~dschat.training.trackers.Trackers`
+(``TensorBoardLogger``, the same class, is importable from here too)."""
 from __future__ import annotations
 
 import time
@@ -8,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dschat.training.trackers import TensorBoardLogger, Trackers  # noqa: F401 (re-exported)
 
 
 class OptimizerStepCounter:
@@ -42,30 +45,6 @@ class StepTimer:
 
     def elapsed(self) -> float:
         return max(time.time() - self.start, 1e-9)
-
-
-class TensorBoardLogger:
-    """Rank-0 TensorBoard scalars with a global step that never resets across epochs
-    (docs/upstream.md#step-3-ppo)."""
-
-    def __init__(self, enabled: bool, path: str, name: str):
-        self.writer = None
-        if enabled and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
-            # lazy: the tensorboard package is optional (needed with --enable_tensorboard only), +0.07 s
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(Path(path) / name))
-
-    def scalars(self, step: int, **values: float) -> None:
-        if self.writer is None:
-            return
-        for key, value in values.items():
-            self.writer.add_scalar(key, float(value), step)
-        self.writer.flush()
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 def print_loss_line(epoch: int, step: int, loss: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ from dschat.training.engine_setup import (
     train_ds_config,
 )
 from dschat.training.eval_loops import evaluate_perplexity
-from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.progress import OptimizerStepCounter, RunResult, Trackers
 from dschat.training.run_setup import check_common_args, check_paths, setup_run
 from dschat.training.step_data import build_step_data
 from dschat.runtime.dist import print_rank_0
@@ -57,6 +57,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
+    tb = Trackers.from_args(args, "step1_model_dschat", run_name="step1")  # before any model (a missing extra: exit 2)
 
     # Data: phase-1 chunk of every dataset (+ the SFT-only ones), cached once for all ranks.
     data = build_step_data(args, ctx.local_rank, phase=1, collator=default_data_collator,
@@ -73,7 +74,6 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     if args.gradient_checkpointing:
         engine.gradient_checkpointing_enable()
 
-    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step1_model_dschat")
     counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
     result = RunResult(output_dir=None, tokenizer=tokenizer)
 

@@ -33,7 +33,7 @@ from dschat.training.engine_setup import (
     plan_optimizer_steps,
     train_ds_config,
 )
-from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.progress import OptimizerStepCounter, RunResult, Trackers
 from dschat.training.run_setup import check_common_args, check_paths, setup_run
 from dschat.training.step_data import build_step_data
 from dschat.runtime.dist import print_rank_0
@@ -70,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
+    tb = Trackers.from_args(args, "step2_dpo_model_dschat", run_name="step2_dpo")  # before any model (a missing extra: exit 2)
 
     # Data: the phase-2 chunk, as (chosen, rejected) pairs.
     data = build_step_data(args, ctx.local_rank, phase=2, collator=DataCollatorReward())
@@ -99,7 +100,6 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     if args.gradient_checkpointing:
         engine.gradient_checkpointing_enable()
 
-    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step2_dpo_model_dschat")
     counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
     result = RunResult(output_dir=None, tokenizer=tokenizer)
     loss_options = {"beta": args.beta, "label_smoothing": args.label_smoothing, "fp32": args.compute_fp32_loss}

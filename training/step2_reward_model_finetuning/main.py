@@ -25,7 +25,7 @@ from dschat.training.engine_setup import (
     train_ds_config,
 )
 from dschat.training.eval_loops import evaluate_reward
-from dschat.training.progress import OptimizerStepCounter, RunResult, TensorBoardLogger
+from dschat.training.progress import OptimizerStepCounter, RunResult, Trackers
 from dschat.training.run_setup import check_common_args, check_paths, setup_run
 from dschat.training.step_data import build_step_data
 from dschat.runtime.dist import print_rank_0
@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
     ctx = setup_run(args)
+    tb = Trackers.from_args(args, "step2_model_dschat", run_name="step2")  # before any model (a missing extra: exit 2)
 
     # Data: phase-2 chunk of every dataset, as (chosen, rejected) pairs.
     data = build_step_data(args, ctx.local_rank, phase=2, collator=DataCollatorReward())
@@ -92,7 +93,6 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     if packing and window is not None and window < args.max_seq_len:
         print_rank_0(f"Sequence packing: batches wider than the model's local-attention window ({window} tokens) "
                      "run padded (the packed pass's explicit mask would not apply the window)", ctx.rank)
-    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step2_model_dschat")
     counter = OptimizerStepCounter(args.gradient_accumulation_steps, args.max_train_steps)
     result = RunResult(output_dir=None, tokenizer=tokenizer)
 

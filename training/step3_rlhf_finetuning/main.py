@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
-    from dschat.training.progress import TensorBoardLogger
+    from dschat.training.progress import Trackers
     from dschat.training.run_setup import setup_run
     from dschat.training.step_data import load_tokenizer
     from dschat.training.ppo_counters import PPOCounters
@@ -194,6 +194,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     judges = check_eval_args(args)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
+    tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")  # before any model (a missing extra: exit 2)
     config = step3_config(args, ctx.world_size, mix, algorithm=settings)  # every part of step 3, once
     plan = config.batches
     if args.reward_url is not None and plain_http_warning(args.reward_url):
@@ -225,7 +226,6 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
                                       with_critic=settings.critic, config=config, sources=sources)
     trainer_class = DeepSpeedPPOTrainerUnsupervised if ptx else DeepSpeedPPOTrainer
     trainer = trainer_class(rlhf_engine, args, prompt_columns=columns, config=config)
-    tb = TensorBoardLogger(args.enable_tensorboard, args.tensorboard_path, "step3_tensorboard_logs")
     evaluation = StepThreeEvaluation(config.evaluation, trainer, eval_items, judges, tb=tb, rank=ctx.rank,
                                      world_size=ctx.world_size)
     result = Step3Result(on_policy=plan.on_policy, rlhf_engine=rlhf_engine, trainer=trainer, tokenizer=tokenizer,

@@ -1,0 +1,226 @@
+"""Experiment trackers: a run's scalars and its flags, from rank 0, to TensorBoard, Weights & Biases
+and MLflow (``--report_to``; docs/metrics.md#experiment-trackers).
+
+:class:`Trackers` fans ``scalars(step, **values)`` out to one sink per tracker, all at the same x
+(steps 1-2: the optimizer step; step 3: the global PPO iteration). ``TensorBoardLogger`` is the same
+class: ``TensorBoardLogger(enabled, path, name)`` is TensorBoard alone, as ``--enable_tensorboard``.
+
+* TensorBoard: ``<tensorboard_path>/<name>`` (event files).
+* W&B: ``wandb.init`` under ``<root>/wandb/`` (``$WANDB_DIR`` when set), offline unless ``$WANDB_MODE``
+  is set; project ``$WANDB_PROJECT`` or ``dschat``; every scalar is plotted against ``global_step``.
+* MLflow: ``$MLFLOW_TRACKING_URI``, else the file store ``file:<root>/mlruns``; experiment
+  ``$MLFLOW_EXPERIMENT_NAME`` or ``dschat``; the flags are the run's parameters; a process that exits
+  without :meth:`Trackers.close` (an error) ends the run ``FAILED``.
+
+``<root>`` is ``--output_dir``, else ``--tensorboard_path``. W&B and MLflow are optional extras: a
+tracker asked for and not installed is a :class:`~dschat.errors.UserError` on every rank, raised by
+the constructor (which the step scripts call before any model is loaded). A sink whose ``log`` raises
+mid-run is dropped with one warning; the run and the other sinks go on.
+"""
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from dschat.errors import UserError, first_line
+from dschat.runtime.fs import check_writable_dir
+
+__all__ = ["EXTRAS", "Trackers", "TensorBoardLogger", "trackers_of", "run_config"]
+
+#: tracker -> (module imported, setup.py extra that installs it)
+EXTRAS: dict[str, tuple[str, str]] = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
+#: What MLflow accepts in a metric or parameter name; anything else becomes "_".
+_MLFLOW_NAME = re.compile(r"[^\w./\- :]")
+_MLFLOW_BATCH = 100  # MLflow's most parameters or metrics in one log_batch call
+_MLFLOW_PARAM_CHARS = 6000  # MLflow's longest parameter value
+
+
+def _import_extra(tracker: str) -> ModuleType:
+    """The optional package of ``tracker``, or one line naming the extra that installs it."""
+    module, extra = EXTRAS[tracker]
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise UserError(f"--report_to {tracker} needs the {extra} extra, which is not installed "
+                        f"({first_line(err)}): pip install 'dschat[{extra}]'") from err
+
+
+def trackers_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The trackers a step's flags ask for: ``--report_to``'s list (default: none), with
+    ``tensorboard`` added by ``--enable_tensorboard`` (upstream's spelling of it)."""
+    names = tuple(getattr(args, "report_to", None) or ())
+    if getattr(args, "enable_tensorboard", False) and "tensorboard" not in names:
+        names = ("tensorboard", *names)
+    return names
+
+
+def run_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The run's flags as a tracker's config: numbers, strings, booleans, ``None`` and lists of them
+    as parsed; anything else (a path) as its ``str``."""
+    def plain(value: Any) -> Any:
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return str(value)
+
+    return {key: plain(value) for key, value in sorted(vars(args).items())}
+
+
+class _TensorBoardSink:
+    label = "TensorBoard"
+
+    def __init__(self, path: str, name: str) -> None:
+        # lazy: the tensorboard writer costs 0.07 s at import and most runs do not log to it
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(Path(path) / name))
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        for key, value in values.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class _WandbSink:
+    label = "W&B"
+
+    def __init__(self, wandb: ModuleType, root: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        self.run = wandb.init(
+            project=os.environ.get("WANDB_PROJECT") or "dschat", name=os.environ.get("WANDB_NAME") or run_name,
+            dir=None if os.environ.get("WANDB_DIR") else str(root),
+            mode=None if os.environ.get("WANDB_MODE") else "offline",
+            config=dict(config), reinit="create_new",
+            settings=wandb.Settings(console="off"))  # stdout stays the run's own
+        # Every scalar against the run's own step, whatever order evaluation and training log in.
+        self.run.define_metric("global_step")
+        self.run.define_metric("*", step_metric="global_step")
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        self.run.log({"global_step": step, **values})
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class _MlflowSink:
+    label = "MLflow"
+
+    def __init__(self, mlflow: ModuleType, root: Path, run_name: str, config: Mapping[str, Any]) -> None:
+        from_env = os.environ.get("MLFLOW_TRACKING_URI")
+        uri = from_env or (root / "mlruns").resolve().as_uri()
+        if uri.startswith("file:") or "://" not in uri:
+            # MLflow 3 refuses its file store unless this is set; a local file store is what this run asked for.
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.metric, self.param = mlflow.entities.Metric, mlflow.entities.Param
+        self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
+        name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "dschat"
+        experiment = self.client.get_experiment_by_name(name)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
+        self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
+        params = [self.param(_MLFLOW_NAME.sub("_", key), str(value)[:_MLFLOW_PARAM_CHARS])
+                  for key, value in config.items()]
+        for i in range(0, len(params), _MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, params=params[i:i + _MLFLOW_BATCH])
+        atexit.register(self._end_failed)  # a process that exits without close() (a crash) ends it FAILED
+
+    def log(self, step: int, values: Mapping[str, float]) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self.metric(_MLFLOW_NAME.sub("_", key), value, now, step) for key, value in values.items()]
+        for i in range(0, len(metrics), _MLFLOW_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_BATCH])
+
+    def close(self) -> None:
+        atexit.unregister(self._end_failed)
+        self.client.set_terminated(self.run_id)
+
+    def _end_failed(self) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED")
+
+
+class Trackers:
+    """Rank-0 scalars to every tracker asked for, at a step that never resets across epochs
+    (docs/upstream.md#step-3-ppo); on other ranks (and with no tracker) ``scalars`` does nothing.
+
+    ``report_to``: tracker names (``tensorboard``, ``wandb``, ``mlflow``), or a bool for TensorBoard
+    alone. ``path`` / ``name``: TensorBoard's folder ``<path>/<name>``. ``run_name``: the W&B / MLflow
+    run's name (default ``name``); ``config``: its flags; ``root``: the folder under which W&B and a
+    default MLflow store write (default ``path``). Raises :class:`~dschat.errors.UserError` on every
+    rank when an extra is missing, and on rank 0 when a tracker cannot start.
+    """
+
+    def __init__(self, report_to: bool | Sequence[str], path: str, name: str, *, run_name: str | None = None,
+                 config: Mapping[str, Any] | None = None, root: str | None = None) -> None:
+        names = (("tensorboard",) if report_to else ()) if isinstance(report_to, bool) else tuple(report_to)
+        modules = {tracker: _import_extra(tracker) for tracker in names if tracker in EXTRAS}  # every rank
+        self.sinks: list[Any] = []
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return
+        run_name, config = run_name or name, dict(config or {})
+        for tracker in names:
+            if tracker == "tensorboard":
+                self.sinks.append(_TensorBoardSink(path, name))
+                continue
+            folder = Path(os.path.expanduser(root or path))
+            check_writable_dir(folder, "--output_dir" if root else "--tensorboard_path")
+            folder.mkdir(parents=True, exist_ok=True)
+            sink_class = _WandbSink if tracker == "wandb" else _MlflowSink
+            try:
+                self.sinks.append(sink_class(modules[tracker], folder, run_name, config))
+            except Exception as err:  # a tracker's own failure, whatever its type: one line, before training
+                self.close()
+                raise UserError(f"--report_to {tracker}: {sink_class.label} could not start a run under {folder} "
+                                f"({type(err).__name__}: {first_line(err)}); fix its settings or drop it from "
+                                "--report_to") from err
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, name: str, run_name: str) -> Trackers:
+        """The trackers a step's flags ask for (:func:`trackers_of`), with its flags as their config."""
+        return cls(trackers_of(args), args.tensorboard_path, name, run_name=run_name, config=run_config(args),
+                   root=getattr(args, "output_dir", None))
+
+    def scalars(self, step: int, **values: float) -> None:
+        """Log ``values`` at ``step`` to every sink still running. A sink whose call raises is dropped
+        with one warning on stderr (the exception's type and first line)."""
+        if not self.sinks:
+            return
+        values = {key: float(value) for key, value in values.items()}
+        for sink in list(self.sinks):
+            try:
+                sink.log(step, values)
+            except Exception as err:  # any tracker failure: the run matters more than one tracker
+                self.sinks.remove(sink)
+                print(f"WARNING: {sink.label} logging failed at step {step} ({type(err).__name__}: "
+                      f"{first_line(err)}); the run goes on without {sink.label}", file=sys.stderr, flush=True)
+                _close_quietly(sink)
+
+    def close(self) -> None:
+        """Finish every sink's run (files flushed); a sink that fails to close is named in one warning."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            _close_quietly(sink)
+
+
+def _close_quietly(sink: Any) -> None:
+    try:
+        sink.close()
+    except Exception as err:  # closing a broken tracker must not end the run either
+        print(f"WARNING: {sink.label} could not close its run ({type(err).__name__}: {first_line(err)})",
+              file=sys.stderr, flush=True)
+
+
+#: Upstream-era name: ``TensorBoardLogger(enabled, path, name)`` is TensorBoard alone.
+TensorBoardLogger = Trackers

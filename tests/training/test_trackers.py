@@ -1,0 +1,236 @@
+"""Experiment trackers (``--report_to``; dschat/training/trackers.py): the flag, a missing extra,
+a tracker failing mid-run, and tiny step-1 and step-3 runs read back from an offline W&B run and a
+file-store MLflow run."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import pytest
+
+from dschat.cli.shared import add_step1_args
+from dschat.cli.step3 import add_step3_args
+from dschat.errors import EXIT_USAGE, UserError, cli_main
+from dschat.rlhf.ppo_loop import tensorboard_scalars
+from dschat.training.trackers import Trackers, trackers_of
+
+from helpers.step3 import base_argv as step3_argv, step3_main
+from helpers.steps import base_argv, load_script
+from helpers.trackers import clean_tracker_env, mlflow_run, mlflow_series, read_wandb_run
+
+
+
+@pytest.fixture(autouse=True)
+def tracker_env(monkeypatch, tmp_path):
+    clean_tracker_env(monkeypatch, tmp_path / "home")
+
+
+def _same(a: float, b: float) -> bool:
+    return (math.isnan(a) and math.isnan(b)) or math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+# ------------------------------------------------------------------------------------ the flag
+
+
+@pytest.mark.parametrize("add_args,required", [(add_step1_args, ["--model_name_or_path", "m"]),
+                                               (add_step3_args, ["--actor_model_name_or_path", "m"])])
+def test_report_to_lists_trackers_and_enable_tensorboard_is_tensorboard(add_args, required, capsys):
+    parser = add_args(argparse.ArgumentParser())
+    parse = lambda *flags: parser.parse_args([*required, *flags])  # noqa: E731
+
+    assert trackers_of(parse()) == ()  # upstream's default: nothing
+    assert trackers_of(parse("--enable_tensorboard")) == ("tensorboard",)
+    assert trackers_of(parse("--report_to", "mlflow, wandb,mlflow")) == ("mlflow", "wandb")
+    assert trackers_of(parse("--report_to", "none")) == ()
+    assert trackers_of(parse("--report_to", "wandb", "--enable_tensorboard")) == ("tensorboard", "wandb")
+    # --report_to tensorboard is --enable_tensorboard: DeepSpeed's monitor and the path check follow it.
+    assert parse("--report_to", "tensorboard,mlflow").enable_tensorboard
+    assert not parse("--report_to", "wandb").enable_tensorboard
+    for wrong in ("comet", "wandb,none", ""):
+        with pytest.raises(SystemExit) as exit_info:
+            parse("--report_to", wrong)
+        assert exit_info.value.code == EXIT_USAGE
+        assert "give a comma list of tensorboard, wandb, mlflow, or none" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------ a missing extra
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "mlflow"])
+def test_a_missing_extra_is_one_line_naming_it_before_any_model(tracker, monkeypatch, tmp_path, capsys):
+    """The import fails as it does when the package is absent; step 1 stops with exit 2 before it
+    reads data or builds a model."""
+    step1 = load_script("step1")
+    monkeypatch.setitem(sys.modules, tracker, None)  # what an import finds when the package is absent
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data and models are loaded after the trackers are checked")
+
+    monkeypatch.setattr(step1, "build_step_data", no_data)
+    argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(tmp_path / "out"), "--report_to", tracker)
+    assert cli_main(step1.main, argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"--report_to {tracker} needs the {tracker} extra" in lines[0]
+    assert f"pip install 'dschat[{tracker}]'" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_without_the_extras_tensorboard_alone_runs(monkeypatch, tmp_path):
+    """Neither extra installed: the module imports and TensorBoard (upstream's --enable_tensorboard) logs."""
+    import importlib
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    import dschat.training.trackers as trackers_module
+
+    for name in ("wandb", "mlflow"):
+        monkeypatch.setitem(sys.modules, name, None)
+    module = importlib.reload(trackers_module)
+    args = add_step1_args(argparse.ArgumentParser()).parse_args(
+        ["--model_name_or_path", "m", "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb")])
+    trackers = module.Trackers.from_args(args, "step1_model_dschat", run_name="step1")
+    trackers.scalars(1, **{"train/loss": 2.5})
+    trackers.close()
+    events = EventAccumulator(str(tmp_path / "tb" / "step1_model_dschat")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(1, 2.5)]
+
+
+# ------------------------------------------------------------------------------------ failing mid-run
+
+
+@pytest.mark.parametrize("failing", ["wandb", "mlflow"])
+def test_a_tracker_failing_mid_run_warns_once_and_the_others_go_on(failing, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    trackers = Trackers(["tensorboard", "wandb", "mlflow"], str(tmp_path / "tb"), "run", run_name="unit",
+                        config={"learning_rate": 0.1, "data_path": ["a", "b"]}, root=str(tmp_path / "out"))
+    sink = next(s for s in trackers.sinks if s.label == {"wandb": "W&B", "mlflow": "MLflow"}[failing])
+    calls = []
+
+    def broken(step, values):
+        calls.append(step)
+        raise OSError("disk quota exceeded\nsecond line")
+
+    trackers.scalars(0, loss=3.0)
+    sink.log = broken
+    for step in (1, 2, 3):
+        trackers.scalars(step, loss=3.0 - step)
+    trackers.close()
+
+    err = capsys.readouterr().err
+    warnings = [line for line in err.splitlines() if line.startswith("WARNING:")]
+    assert warnings == [f"WARNING: {sink.label} logging failed at step 1 (OSError: disk quota exceeded); "
+                        f"the run goes on without {sink.label}"], err
+    assert calls == [1]  # dropped after its failure
+    events = EventAccumulator(str(tmp_path / "tb" / "run")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 3.0), (1, 2.0), (2, 1.0), (3, 0.0)]
+    wandb_rows = [(r["global_step"], r["loss"]) for r in read_wandb_run(tmp_path / "out").history]
+    client, run = mlflow_run(tmp_path / "out" / "mlruns", "unit")
+    logged = {"wandb": wandb_rows, "mlflow": mlflow_series(client, run, "loss")}
+    assert logged[failing] == [(0, 3.0)]
+    for other, rows in logged.items():
+        if other != failing:
+            assert rows == [(0, 3.0), (1, 2.0), (2, 1.0), (3, 0.0)], other
+    assert run.data.params == {"learning_rate": "0.1", "data_path": "['a', 'b']"}
+
+
+def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///" + str(tmp_path / "no-such-folder" / "mlflow.db"))
+    with pytest.raises(UserError, match=r"--report_to mlflow: MLflow could not start a run under .*; fix its "
+                                        r"settings or drop it from --report_to"):
+        Trackers(["mlflow"], str(tmp_path / "tb"), "run", root=str(tmp_path / "out"))
+
+
+def test_an_mlflow_run_whose_process_dies_before_close_ends_failed(tmp_path, monkeypatch):
+    """A step that stops with an error after its trackers started leaves no MLflow run RUNNING."""
+    import os
+    import subprocess
+
+    code = ("from dschat.training.trackers import Trackers\n"
+            f"t = Trackers(['mlflow'], {str(tmp_path / 'tb')!r}, 'run', run_name='crash', root={str(tmp_path)!r})\n"
+            "t.scalars(0, loss=1.0)\n"
+            "raise SystemExit('error: data went missing')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "data went missing" in done.stderr, done.stderr[-2000:]
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the run set it for itself
+    client, run = mlflow_run(tmp_path / "mlruns", "crash")
+    assert run.info.status == "FAILED" and mlflow_series(client, run, "loss") == [(0, 1.0)]
+
+
+# ------------------------------------------------------------------------------------ whole steps
+
+
+@pytest.mark.slow
+def test_step1_reports_to_mlflow_alone(tmp_path):
+    step1 = load_script("step1")
+    out, tb = tmp_path / "out", tmp_path / "tb"
+    result = step1.main(base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(out), "--report_to", "mlflow",
+                                  "--tensorboard_path", str(tb), max_train_steps=3))
+
+    client, run = mlflow_run(out / "mlruns", "step1")
+    assert run.info.status == "FINISHED"
+    assert len(mlflow_series(client, run, "train/loss")) == 3
+    assert [step for step, _ in mlflow_series(client, run, "train/loss")] == [1, 2, 3]
+    assert mlflow_series(client, run, "eval/ppl") == [(e["step"], pytest.approx(e["ppl"])) for e in result.evals]
+    assert mlflow_series(client, run, "eval/loss") == [(e["step"], pytest.approx(e["loss"])) for e in result.evals]
+    params = run.data.params
+    assert params["model_name_or_path"] == "tiny-opt" and params["max_train_steps"] == "3"
+    assert params["report_to"] == "['mlflow']" and params["enable_tensorboard"] == "False"
+    assert not tb.exists()  # mlflow alone: no TensorBoard files
+    assert not (out / "wandb").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step,run_name,evals", [
+    ("step2", "step2", ("eval/chosen_score", "eval/rejected_score", "eval/acc", "eval/loss")),
+    ("dpo", "step2_dpo", ("eval/chosen_reward", "eval/rejected_reward", "eval/acc", "eval/loss")),
+])
+def test_steps_2_and_dpo_report_to_wandb(step, run_name, evals, tmp_path):
+    out = tmp_path / "out"
+    result = load_script(step).main(base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(out),
+                                              "--report_to", "wandb", max_train_steps=2))
+    run = read_wandb_run(out)
+    assert run.exited and run.config["model_name_or_path"] == "tiny-opt"
+    losses = [(row["global_step"], row["train/loss"]) for row in run.history if "train/loss" in row]
+    assert [step for step, _ in losses] == [1, 2] and all(math.isfinite(loss) for _, loss in losses)
+    evaluated = [row for row in run.history if "eval/acc" in row]
+    assert [row["global_step"] for row in evaluated] == [e["step"] for e in result.evals] == [0, 2]
+    assert all(set(evals) <= set(row) for row in evaluated), evaluated
+    assert not (out / "mlruns").exists()  # wandb alone
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_step3_writes_the_same_scalars_to_wandb_and_mlflow(critic_dirs, data_cache, tmp_path):
+    out = tmp_path / "out"
+    argv = step3_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out),
+                      "--report_to", "wandb,mlflow", "--enable_tensorboard", "--tensorboard_path", str(tmp_path / "tb"))
+    result = step3_main().main(argv)
+    assert len(result.history) == 2
+    expected = [tensorboard_scalars(record) for record in result.history]  # metrics.jsonl's scalars
+
+    wandb_run = read_wandb_run(out)
+    assert wandb_run.exited
+    assert [row["global_step"] for row in wandb_run.history] == [0, 1]
+    for row, scalars in zip(wandb_run.history, expected):
+        assert set(row) == {"global_step", *scalars}, row
+        wrong = {k: (row[k], v) for k, v in scalars.items() if not _same(float(row[k]), v)}
+        assert not wrong, wrong
+    assert wandb_run.config["actor_model_name_or_path"] == "tiny-opt"
+    assert wandb_run.config["report_to"] == ["wandb", "mlflow"] and wandb_run.config["test_stop_step"] == 2
+
+    client, run = mlflow_run(out / "mlruns", "step3")
+    assert run.info.status == "FINISHED"
+    assert set(run.data.metrics) == set(expected[0])
+    for key in expected[0]:
+        series = mlflow_series(client, run, key)
+        assert [step for step, _ in series] == [0, 1], key
+        assert all(_same(value, scalars[key]) for (_, value), scalars in zip(series, expected)), (key, series)
+    assert run.data.params["actor_model_name_or_path"] == "tiny-opt"
+    assert run.data.params["critic_model_name_or_path"] == str(critic_dirs["tiny-opt"])
+    # TensorBoard still gets them, beside.
+    assert (tmp_path / "tb" / "step3_tensorboard_logs").is_dir()
