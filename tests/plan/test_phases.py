@@ -17,9 +17,15 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import OPTConfig, OPTForCausalLM
 
 from dschat.errors import UserError
+from dschat.models.decoder.layouts import decoder_spec
+from dschat.models.decoder.tensor_parallel import ShardedInferenceWeights
 from dschat.plan.cli import build_parser, plan, suggestions
+from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
+from dschat.rlhf.rollout.sampling import DecodingSettings
 
 TINY_OPT = {"model_type": "opt", "architectures": ["OPTForCausalLM"], "hidden_size": 16, "num_hidden_layers": 2,
             "num_attention_heads": 4, "ffn_dim": 32, "vocab_size": 50, "max_position_embeddings": 64,
@@ -206,3 +212,33 @@ def test_the_search_tries_inference_tp_where_the_world_and_heads_allow(tiny):
     assert all(s["cost"] >= 4 for s in gather_off)
     costs = [s["cost"] for s in found]
     assert costs == sorted(costs)
+
+
+def test_the_planned_copy_and_cache_are_the_live_engines_bytes(tiny):
+    # dschat's Hybrid Engine on the CPU (fp32) decoding tiny OPT: its inference weights and its KV cache
+    # after one rollout are the bytes the plan gives them.
+    torch.manual_seed(0)
+    model = OPTForCausalLM(OPTConfig(**{k: v for k, v in TINY_OPT.items() if k != "architectures"})).eval()
+    model.resize_token_embeddings(56, mean_resizing=False)  # dschat's rows: the vocabulary rounded up to 8
+    engine = DschatHybridEngine(model.config, decoding=DecodingSettings("greedy"), max_new_tokens=30,
+                                eos_token_id=-1, pad_token_id=1)
+    prompts = torch.randint(3, 50, (3, 20))
+    engine.rollout(model, prompts, torch.ones_like(prompts))
+    planned = _phase(_plan(tiny, "--enable_hybrid_engine", "--dtype", "fp32"), "generation")
+    assert engine.model.weights.nbytes() == planned["HE inference weights"] == NUMEL * 4
+    assert engine.cache.nbytes() == planned["HE KV cache"] == 2 * 2 * 3 * 4 * 64 * 4 * 4 + 3 * 64
+
+
+def test_the_planned_tensor_parallel_shard_bounds_each_members_live_shard(tiny):
+    # Each of 2 members' shard of tiny OPT, copied by the engine's own ShardedInferenceWeights (fp32):
+    # the plan counts the q, k and v biases (16, not over hidden) whole where each member holds half
+    # of them, 2 layers x 3 x 8 elements more; the rest is exact.
+    model = OPTForCausalLM(OPTConfig(**{k: v for k, v in TINY_OPT.items() if k != "architectures"})).eval()
+    model.resize_token_embeddings(56, mean_resizing=False)
+    planned = _phase(_plan(tiny, "--enable_hybrid_engine", "--dtype", "fp32", "--gpus_per_node", "2",
+                           "--inference_tp_size", "2"), "generation")["HE inference weights"]
+    assert planned == 3904 * 4
+    for member in (0, 1):
+        shard = ShardedInferenceWeights(decoder_spec(model.config), 2, member)
+        shard.refresh(model, torch.float32, torch.device("cpu"))
+        assert planned - shard.nbytes() == 2 * 3 * 8 * 4
