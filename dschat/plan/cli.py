@@ -9,10 +9,16 @@ activations, logits and caches are an estimate (:mod:`dschat.plan.phases`). Outp
 ``host_bytes_at_load``.
 
 Suggestions, when the run does not fit: every combination of ZeRO stage per model (2, 3), optimizer
-offload, LoRA (the actor's, or steps 1-2's model: rank 128, LoRA only), gradient checkpointing and
-halved batch sizes that fits,
-then more GPUs; listed fastest first by a fixed cost order (each change's rough slowdown: offload 4,
-a ZeRO-3 model 2, gradient checkpointing 1, LoRA 0, each halving of a batch 1).
+offload, LoRA (the actor's, or steps 1-2's model: rank 128, LoRA only), gradient checkpointing,
+halved batch sizes and (step 3) one generation change that fits, then more GPUs; listed fastest
+first by a fixed cost order (each change's rough slowdown: offload 4, a ZeRO-3 model 2, gradient
+checkpointing 1, LoRA 0, each halving of a batch 1; generation: ``--release_inference_cache`` 1 (the
+Hybrid Engine's copy and cache allocated again each rollout), ``--inference_tp_size 2`` 2 and ``4`` 3
+(an all-reduce per layer and token, an eager decode step), ``--zero3_gather_for_generation off`` 4
+(the ZeRO-3 actor fetched layer by layer for every token, without the Hybrid Engine)). The
+generation changes are tried only where they apply: the Hybrid Engine's with
+``--enable_hybrid_engine``, a tensor-parallel degree where it divides the world size and the actor's
+heads (``check_inference_tp``), the gather where the actor is ZeRO-3 (after the ZeRO change).
 """
 from __future__ import annotations
 
@@ -29,7 +35,8 @@ from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
-from dschat.plan.roles import plan_roles
+from dschat.plan.roles import model_config, plan_roles
+from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
 from dschat.plan.training_steps import plan_step_engine, step_phases
 
 __all__ = ["add_plan_args", "build_parser", "format_gb", "parse_size", "plan", "planned_step", "main", "MARGIN"]
@@ -106,6 +113,8 @@ def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
     dtype = args.dtype
     step = getattr(args, "step", 3)
     if step == 3:
+        check_inference_tp(args.inference_tp_size, model_config(args.actor_model_name_or_path), world,
+                           args.enable_hybrid_engine)
         plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine)
         steps = phases(plans, args, dtype, gpu_bytes=gpu)
     else:
@@ -133,6 +142,8 @@ _STEP3_CHANGES = {  # flag values -> cost in the documented speed order
     "ckpt": [((), 0), (("--actor_gradient_checkpointing", "--critic_gradient_checkpointing"), 1)],
     "lora": [((), 0), (("--actor_lora_dim", "128", "--only_optimize_lora"), 0)],
     "offload": [((), 0), (("--offload",), 4)],
+    "generation": [((), 0), (("--release_inference_cache",), 1), (("--inference_tp_size", "2"), 2),
+                   (("--inference_tp_size", "4"), 3), (("--zero3_gather_for_generation", "off"), 4)],
 }
 _STEP12_CHANGES = {  # steps 1-2: the one trained engine
     "zero": [((), 0), (("--zero_stage", "2"), 1), (("--zero_stage", "3"), 2)],
@@ -156,6 +167,20 @@ def _stages(flags: Sequence[str], args: argparse.Namespace) -> list[int]:
     return [stage("--zero_stage", args.zero_stage)]
 
 
+def _applies(flags: Sequence[str], args: argparse.Namespace) -> bool:
+    """Whether a generation change can change ``args``' run (the module docstring's conditions; an
+    invalid tensor-parallel degree is the plan's :class:`UserError`, skipped by the search)."""
+    if not flags:
+        return True
+    if flags[0] == "--zero3_gather_for_generation":
+        return args.zero3_gather_for_generation != "off"
+    if not args.enable_hybrid_engine:
+        return False
+    if flags[0] == "--release_inference_cache":
+        return not args.release_inference_cache
+    return int(flags[1]) != args.inference_tp_size
+
+
 def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
                 limit: int = 5, *, gpu_bytes: int | None = None) -> list[dict]:
     """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``."""
@@ -165,11 +190,15 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
     for halvings in range(0, 4):
         halved = [(f"--{flag}", str(max(1, getattr(args, flag) >> halvings))) for flag in _batch_flags(args.step)]
         batches.append(((tuple(x for pair in halved for x in pair) if halvings else ()), halvings))
-    for choice in itertools.product(changes["zero"], changes["offload"], changes["lora"], changes["ckpt"], batches):
+    generation = [c for c in changes.get("generation", [((), 0)]) if _applies(c[0], args)]
+    for choice in itertools.product(changes["zero"], changes["offload"], changes["lora"], changes["ckpt"], batches,
+                                    generation):
         flags = [f for part, _ in choice for f in part]
         cost = sum(c for _, c in choice)
         if not flags or ("--offload" in flags and 0 in _stages(flags, args)):
             continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (the steps refuse it at 0)
+        if "--zero3_gather_for_generation" in flags and _stages(flags, args)[0] != 3:
+            continue  # the gather applies to a ZeRO-3 actor only
         trial = parser.parse_args(_with(argv, flags))
         try:
             result = plan(trial, gpu_bytes=gpu_bytes)

@@ -18,8 +18,11 @@ Categories (each a storage of its own; a tensor that shares another's storage is
   partition (so a parameter across a partition boundary is held by both ranks), or with optimizer
   offload the fp32 partitions' gradients on the host; ZeRO-3: the sum of
   the parameter partitions. In the weights' dtype.
-* ``buckets``: ZeRO's reduction buckets (``reduce_bucket_size`` elements, two with
-  ``overlap_comm``), allocated at the first backward; not part of the CPU exactness check.
+* ``buckets``: ZeRO's reduction buckets, in the weights' dtype, of a trained engine. ZeRO-1/2:
+  ``reduce_bucket_size`` elements, two with ``overlap_comm``, allocated as each backward starts and
+  freed after its reduction (a training phase's working set, :mod:`dschat.plan.phases`, not in
+  ``device``); ZeRO-3: one buffer of ``reduce_bucket_size`` elements allocated with the optimizer and
+  kept (resident). Not part of the CPU exactness check.
 
 Placement: with ``offload_optimizer`` the master, the moments and (ZeRO-1/2/3) the gradient
 partitions live on the host (ZeRO-3 then holds the gradient partitions twice there: in the
@@ -142,15 +145,18 @@ def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:
         state.master = 0 if spec.dtype == "fp32" else numel * 4
         state.moments = 2 * numel * 4
         state.grads = numel * el
-    if spec.trained and spec.stage in (1, 2, 3):
+    if spec.trained and spec.stage in (1, 2):
         state.buckets = (2 if spec.overlap_comm else 1) * spec.reduce_bucket_size * el
+    elif spec.trained and spec.stage == 3:
+        state.buckets = spec.reduce_bucket_size * el
     if not spec.trained:
         state.master = state.moments = state.grads = 0
     optimizer_on_host = spec.offload_optimizer and spec.stage > 0
     state.device = {"params": 0 if spec.offload_param else state.params,
                     "master": 0 if optimizer_on_host else state.master,
                     "moments": 0 if optimizer_on_host else state.moments,
-                    "grads": 0 if optimizer_on_host else state.grads, "buckets": state.buckets}
+                    "grads": 0 if optimizer_on_host else state.grads,
+                    "buckets": state.buckets if spec.stage == 3 else 0}
     state.host = {"params": state.params if spec.offload_param else 0,
                   "master": state.master if optimizer_on_host else 0,
                   "moments": state.moments if optimizer_on_host else 0,

@@ -2,30 +2,67 @@
 
 The model states (:mod:`dschat.plan.model_state`) are exact; what a phase adds is estimated:
 
-* **generation**: the actor's weights gathered whole under ZeRO-3 (dschat gathers the whole engine
-  for generation), the KV cache ``2 x layers x batch x (prompt + answer) x kv_heads x head_dim`` in
-  the weights' dtype, and the last position's fp32 logits;
+* **generation** with dschat's Hybrid Engine (:func:`hybrid_engine_used`: ``--enable_hybrid_engine``,
+  a family its decode model covers, and under ZeRO-3 at ``--inference_tp_size 1`` the actor gathered
+  whole): its inference copy of the weights, its KV cache, the last position's logits and the ZeRO-3
+  gather that refreshes the copy (:func:`inference_copy`, formulas below). Otherwise the training module
+  decodes: the actor gathered whole under ZeRO-3 where the run gathers it
+  (``--zero3_gather_for_generation``, else one layer at a time), the KV cache ``2 x layers x batch x
+  (prompt + answer) x kv_heads x head_dim`` in the weights' dtype, and the last position's fp32 logits;
 * **scoring**: one forward of each model over ``batch x (prompt + answer)``: the actor's and the
-  reference's logits (weights' dtype, plus an fp32 log-softmax), the largest layer of a ZeRO-3
-  model gathered;
+  reference's logits (weights' dtype, plus an fp32 log-softmax); per ZeRO-3 model, the whole model
+  where ``--zero3_gather_for_scoring`` gathers it (``auto``: the full model fits in half the memory the
+  resident states and a kept Hybrid Engine copy leave free, and its parameters are not offloaded),
+  else its largest layer; the
+  largest of the models (the passes run one after the other);
 * **actor / critic training**: activations per layer ``b s h (34 + 5 a s / h)`` bytes at 2 bytes
   per element (Korthikanti et al., 2022), scaled by the dtype; with gradient checkpointing one
   ``b s h`` per layer plus one layer's full activations; the actor's logits three times (logits,
-  fp32 log-probs, their gradient); ZeRO-3 gathers one layer at a time (``stage3_max_live_parameters``
-  bounds it);
+  fp32 log-probs, their gradient); ZeRO-3: the whole model where ``--zero3_gather_for_training``
+  gathers it (``auto``: one data-parallel rank, parameters neither offloaded nor quantized, where the
+  gather costs nothing), else one layer at a time (``stage3_max_live_parameters`` bounds it); a
+  ZeRO-1/2 engine's reduction buckets (:attr:`~dschat.plan.model_state.ModelState.buckets`: allocated
+  at each backward's start, released after its reduction);
 * **optimizer step**: the model states alone (the step works in place on the partitions).
 
-Every model's states stay resident through every phase (dschat keeps all four engines alive).
+Every model's states stay resident through every phase (dschat keeps all its engines alive, the
+``--enable_ema`` copy of the actor included), and so do the Hybrid Engine's weights and cache unless
+``--release_inference_cache`` frees them after each rollout.
+
+**The Hybrid Engine's bytes** per GPU, with ``N = --inference_tp_size``
+(:mod:`dschat.rlhf.rollout.dschat_engine`, :mod:`dschat.rlhf.rollout.tensor_parallel`):
+
+* inference weights: every weight of the actor except the LoRA factors (fused into their base
+  weights), in the actor's dtype; with ``N > 1`` the decoder layers' tensors larger than ``hidden``
+  (the q/k/v, output, gate/up and down matrices, the MLP's column-parallel bias) split ``1/N``, the
+  embedding and an untied LM head ``ceil(V / N)`` rows, everything else whole;
+* KV cache: ``2 x layers x (N x batch) x kv_heads_per_member x capacity x head_dim`` elements in the
+  actor's dtype plus a ``(N x batch, capacity)`` bool mask, ``capacity = capacity_for(prompt +
+  answer, 64)`` (the engine's rounding), ``kv_heads_per_member = kv_heads / N`` (1 where ``N`` is a
+  multiple of ``kv_heads``): a tensor-parallel group decodes its members' prompts as one batch;
+* logits: ``(N x batch, ceil(V / N))`` fp32;
+* ZeRO-3 gather while the copy is refreshed: at ``N = 1`` the whole actor; at ``N > 1``
+  ``--tp_gather_partition_size`` decoder layers at a time (or the embeddings, norms and head, gathered
+  first, if larger), less this rank's partitions. Counted with the cache: a kept cache is there
+  while the next rollout refreshes.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
+from dschat.models.decoder.kv_cache import StaticKVCache
+from dschat.models.decoder.layouts import decoder_spec, unsupported_reason
+from dschat.models.decoder.tensor_parallel import kv_heads_per_member, padded_vocab
+from dschat.plan.inventory import Inventory
 from dschat.plan.model_state import DTYPE_BYTES
-from dschat.plan.roles import RolePlan
+from dschat.plan.roles import RolePlan, model_config
 
-__all__ = ["Phase", "phases", "PHASES", "resident_bytes", "activation_bytes", "layer_gather_bytes", "host_bytes_at_load"]
+__all__ = ["Phase", "phases", "PHASES", "resident_bytes", "activation_bytes", "layer_gather_bytes",
+           "host_bytes_at_load", "InferenceCopy", "hybrid_engine_used", "inference_copy", "inference_weight_numel", "kv_cache_bytes"]
 
 PHASES = ("generation", "scoring", "actor training", "critic training", "optimizer step")
 
@@ -90,10 +127,117 @@ def _gathers_for_generation(actor: RolePlan, args: argparse.Namespace, el: int, 
     return actor.inventory.numel * el <= max(0, gpu_bytes - resident) // 2
 
 
+CACHE_MULTIPLE = 64  # DschatHybridEngine's default cache_multiple
+_LAYER = re.compile(r"\.\d+\.")  # a parameter of a numbered decoder block
+
+
+@dataclass(frozen=True)
+class InferenceCopy:
+    """The Hybrid Engine's bytes per GPU during generation (see the module docstring)."""
+
+    weights: int
+    cache: int
+    logits: int
+    gather: int
+    kept: bool
+
+
+def hybrid_engine_used(actor: RolePlan, config: Any, args: argparse.Namespace, gathers_whole: bool) -> bool:
+    """Whether the run decodes with dschat's Hybrid Engine (``DschatEnginePath._why_not``'s rule)."""
+    if not args.enable_hybrid_engine or unsupported_reason(config) is not None:
+        return False
+    tp = max(1, int(getattr(args, "inference_tp_size", 1)))
+    return tp > 1 or actor.spec.stage != 3 or gathers_whole
+
+
+def inference_weight_numel(inv: Inventory, n: int) -> int:
+    """Elements of the inference layout held by one of ``n`` tensor-parallel members."""
+    total = 0
+    for p in inv.params:
+        if "lora_right_weight" in p.name or "lora_left_weight" in p.name:
+            continue  # fused into the base weight
+        if n <= 1:
+            total += p.numel
+        elif _LAYER.search(p.name):
+            total += p.numel // n if p.numel > inv.hidden else p.numel
+        elif p.numel % inv.vocab_rows == 0:  # the token embedding, an untied LM head
+            total += padded_vocab(inv.vocab_rows, n) // n * (p.numel // inv.vocab_rows)
+        else:
+            total += p.numel
+    return total
+
+
+def kv_cache_bytes(config: Any, batch: int, length: int, el: int, n: int = 1) -> int:
+    """One member's StaticKVCache for ``batch`` rows of its own (the group decodes ``n x batch``)."""
+    spec = decoder_spec(config)
+    rows = n * batch
+    capacity = StaticKVCache.capacity_for(length, CACHE_MULTIPLE)
+    kv = kv_heads_per_member(spec.num_kv_heads, n)
+    return 2 * spec.num_layers * rows * kv * capacity * spec.head_dim * el + rows * capacity
+
+
+def _partial_gather(actor: RolePlan, layers_per_gather: int, el: int) -> int:
+    """Bytes of the largest piece the tensor-parallel refresh gathers, less this rank's partitions."""
+    if actor.spec.stage != 3:
+        return 0
+    inv = actor.inventory
+    in_layers = sum(p.numel for p in inv.params if _LAYER.search(p.name))
+    outside = inv.numel - in_layers
+    piece = max(outside, in_layers * min(max(1, layers_per_gather), inv.layers) // max(1, inv.layers))
+    return piece * el - math.ceil(piece / actor.spec.world) * el
+
+
+def inference_copy(actor: RolePlan, config: Any, args: argparse.Namespace, el: int, whole_gather: int) -> InferenceCopy:
+    """The Hybrid Engine's generation bytes for ``actor`` (``whole_gather``: the whole actor gathered)."""
+    n = max(1, int(getattr(args, "inference_tp_size", 1)))
+    batch = args.per_device_generation_batch_size
+    length = args.max_prompt_seq_len + args.max_answer_seq_len
+    gather = whole_gather if n == 1 else _partial_gather(actor, args.tp_gather_partition_size, el)
+    return InferenceCopy(weights=inference_weight_numel(actor.inventory, n) * el,
+                         cache=kv_cache_bytes(config, batch, length, el, n),
+                         logits=n * batch * (padded_vocab(actor.inventory.vocab_rows, n) // n) * 4,
+                         gather=gather, kept=not args.release_inference_cache)
+
+
+def _scoring_gathers(plan: RolePlan, args: argparse.Namespace, el: int, free: int | None) -> bool:
+    """Whether ``--zero3_gather_for_scoring`` gathers ``plan``'s ZeRO-3 model whole for its scoring pass
+    (``ScoringGather``: ``auto`` never an offloaded model, else where it fits in half the free memory)."""
+    mode = getattr(args, "zero3_gather_for_scoring", "auto")
+    if plan.spec.stage != 3 or mode == "off":
+        return False
+    if mode == "on":
+        return True
+    if plan.spec.offload_param:
+        return False
+    return free is None or plan.inventory.numel * el <= max(0, free) // 2
+
+
+def _training_gathers(plan: RolePlan, args: argparse.Namespace) -> bool:
+    """Whether ``--zero3_gather_for_training`` runs ``plan``'s ZeRO-3 passes gathered whole
+    (``TrainingGather``: ``auto`` on one data-parallel rank, parameters neither offloaded nor quantized)."""
+    mode = getattr(args, "zero3_gather_for_training", "auto")
+    if plan.spec.stage != 3 or mode == "off":
+        return False
+    if mode == "on":
+        return True
+    quantized = bool(getattr(args, "enable_mixed_precision_lora", False)) and plan.role == "actor"
+    return plan.spec.world == 1 and not plan.spec.offload_param and not quantized
+
+
+def _training_working_set(plan: RolePlan, args: argparse.Namespace, el: int) -> dict[str, int]:
+    """The ZeRO gathers and buckets of ``plan``'s forward and backward."""
+    role = plan.role
+    out = {f"{role} gathered whole" if _training_gathers(plan, args) else "ZeRO-3 layer gathers":
+           _gathered(plan, el) if _training_gathers(plan, args) else layer_gather_bytes(plan, el)}
+    if plan.spec.stage in (1, 2):
+        out[f"{role} reduction buckets"] = plan.state.buckets
+    return out
+
+
 def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
            gpu_bytes: int | None = None) -> list[Phase]:
     """The five phases of one PPO step for ``plans`` (:func:`dschat.plan.roles.plan_roles`) on a GPU of
-    ``gpu_bytes`` (which decides ``--zero3_gather_for_generation auto``)."""
+    ``gpu_bytes`` (which decides the ``--zero3_gather_*`` flags' ``auto``)."""
     el = DTYPE_BYTES[dtype]
     resident = resident_bytes(plans)
     actor, critic = plans["actor"], plans["critic"]
@@ -101,31 +245,45 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
     gen_b, train_b = args.per_device_generation_batch_size, args.per_device_training_batch_size
     inv = actor.inventory
     head_dim = inv.hidden // max(1, inv.heads)
-    out = []
+    config = model_config(args.actor_model_name_or_path)
+    gathers = _gathers_for_generation(actor, args, el, sum(resident.values()), gpu_bytes)
     generation = Phase("generation", dict(resident))
-    if _gathers_for_generation(actor, args, el, sum(resident.values()), gpu_bytes):
-        generation.consumers["actor gathered whole"] = _gathered(actor, el)
-    else:  # fetched layer by layer for every token
-        generation.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(actor, el)
-    generation.consumers["KV cache"] = 2 * inv.layers * gen_b * seq * inv.kv_heads * head_dim * el
-    generation.consumers["logits"] = gen_b * inv.vocab_rows * 4
-    out.append(generation)
-    scoring = Phase("scoring", dict(resident))
+    kept: dict[str, int] = {}
+    if hybrid_engine_used(actor, config, args, gathers):
+        he = inference_copy(actor, config, args, el, _gathered(actor, el))
+        generation.consumers.update({"HE inference weights": he.weights, "HE KV cache": he.cache,
+                                     "ZeRO-3 gathers for the HE copy": he.gather, "logits": he.logits})
+        if he.kept:
+            kept = {"HE inference weights (kept)": he.weights, "HE KV cache (kept)": he.cache}
+    else:
+        if gathers:
+            generation.consumers["actor gathered whole"] = _gathered(actor, el)
+        else:  # fetched layer by layer for every token
+            generation.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(actor, el)
+        generation.consumers["KV cache"] = 2 * inv.layers * gen_b * seq * inv.kv_heads * head_dim * el
+        generation.consumers["logits"] = gen_b * inv.vocab_rows * 4
+    out = [generation]
+    free = None if gpu_bytes is None else gpu_bytes - sum(resident.values()) - sum(kept.values())
+    scoring = Phase("scoring", {**resident, **kept})
     scoring.consumers["logits"] = gen_b * seq * inv.vocab_rows * (el + 4)
     scoring.consumers["hidden states"] = gen_b * seq * max(p.inventory.hidden for p in plans.values()) * el * 4
-    scoring.consumers["ZeRO-3 layer gathers"] = max(layer_gather_bytes(p, el) for p in plans.values())
+    scored = {role: p for role, p in plans.items() if role != "ema"}  # the EMA copy runs no pass
+    working = {role: (_gathered(p, el), f"{role} gathered whole") if _scoring_gathers(p, args, el, free)
+               else (layer_gather_bytes(p, el), "ZeRO-3 layer gathers") for role, p in scored.items()}
+    largest, name = max(working.values(), key=lambda w: w[0])  # the first of the largest
+    scoring.consumers[name] = largest
     out.append(scoring)
-    actor_train = Phase("actor training", dict(resident))
+    actor_train = Phase("actor training", {**resident, **kept})
     actor_train.consumers["actor activations"] = activation_bytes(actor, train_b, seq, el, args.actor_gradient_checkpointing)
     actor_train.consumers["logits"] = train_b * seq * inv.vocab_rows * (2 * el + 4)
-    actor_train.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(actor, el)
+    actor_train.consumers.update(_training_working_set(actor, args, el))
     out.append(actor_train)
-    critic_train = Phase("critic training", dict(resident))
+    critic_train = Phase("critic training", {**resident, **kept})
     critic_train.consumers["critic activations"] = activation_bytes(critic, train_b, seq, el,
                                                                 args.critic_gradient_checkpointing)
-    critic_train.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(critic, el)
+    critic_train.consumers.update(_training_working_set(critic, args, el))
     out.append(critic_train)
-    out.append(Phase("optimizer step", dict(resident)))
+    out.append(Phase("optimizer step", {**resident, **kept}))
     for phase in out:
         phase.consumers = {k: v for k, v in phase.consumers.items() if v}
     return out

@@ -4,7 +4,9 @@ The configs come from :func:`dschat.rlhf.rlhf_engine.ds_config_for` (the run's o
 ZeRO stage of each model, its offload and its buckets are the run's: the reference is ZeRO-3 only
 when the actor is, the reward model only when the critic is; LoRA is the actor's on the actor, the
 critic's on the critic (its value head stays trained with ``--only_optimize_lora``), none on the
-frozen two.
+frozen two. With ``--enable_ema`` a fifth engine, ``ema``: the actor's model with the actor's LoRA
+layout, built with the EMA's own config (ZeRO-3 only when the actor is, ``--offload_reference_model``
+offloads it), frozen (no optimizer), resident in every phase.
 """
 from __future__ import annotations
 
@@ -47,9 +49,11 @@ def _inventory(name: str, critic: bool):
 
 def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelerator: bool = False,
                hybrid_engine: bool = False) -> dict[str, RolePlan]:
-    """Every engine of a step-3 run of ``args`` on ``world`` ranks (``dtype``: the resolved one)."""
+    """Every engine of a step-3 run of ``args`` on ``world`` ranks (``dtype``: the resolved one): the four of
+    :data:`PLANNED_ROLES`, and ``ema`` with ``--enable_ema``."""
     plans = {}
-    for role in PLANNED_ROLES:
+    roles = (*PLANNED_ROLES, "ema") if getattr(args, "enable_ema", False) else PLANNED_ROLES
+    for role in roles:
         critic = role in ("critic", "reward")
         # The critic starts from the actor without a critic folder; the reward model is
         # --reward_model_name_or_path's when given, else the critic's.
@@ -57,7 +61,7 @@ def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelera
         reward_path = getattr(args, "reward_model_name_or_path", None) or critic_path
         name = {"critic": critic_path, "reward": reward_path}.get(role, args.actor_model_name_or_path)
         inv, meta_model = _inventory(name, critic)
-        if role == "actor":
+        if role in ("actor", "ema"):
             inv = with_lora(inv, meta_model, args.actor_lora_dim, args.actor_lora_module_name, args.only_optimize_lora)
         elif role == "critic":
             inv = with_lora(inv, meta_model, args.critic_lora_dim, args.critic_lora_module_name,

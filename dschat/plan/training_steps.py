@@ -15,7 +15,7 @@ model-state bytes are exact as for step 3 (tests/plan/test_training_steps.py). T
 * **training**: the resident states, one micro-batch's activations (step 2: chosen and rejected
   rows, twice the batch) at ``--max_seq_len``, with or without ``--gradient_checkpointing``
   (:mod:`dschat.plan.phases`' formula), step 1's logits three times (logits, fp32 log-probs, their
-  gradient), and under ZeRO-3 one layer gathered;
+  gradient), under ZeRO-3 one layer gathered, under ZeRO-1/2 the reduction buckets;
 * **optimizer step**: the resident states.
 """
 from __future__ import annotations
@@ -76,6 +76,8 @@ def step_phases(engine: RolePlan, args: argparse.Namespace, *, step: int, dtype:
     if step == 1:
         training.consumers["logits"] = rows * seq * engine.inventory.vocab_rows * (2 * el + 4)
     training.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(engine, el)
+    if engine.spec.stage in (1, 2):  # allocated as the backward starts, freed after its reduction
+        training.consumers["reduction buckets"] = engine.state.buckets
     out = [training, Phase("optimizer step", resident_bytes(plans))]
     for phase in out:
         phase.consumers = {k: v for k, v in phase.consumers.items() if v}

@@ -97,13 +97,12 @@ def count(engine: Any, trained: bool, step: Any) -> dict[str, int]:
     step(engine)  # ZeRO-3 keeps its persistent parameters whole from the first pass on
     result = {"params": _storages(_param_tensors(engine), seen)}
     if not trained:
-        return {**result, "master": 0, "moments": 0, "grads": 0}
+        return {**result, "master": 0, "moments": 0, "grads": 0, "buckets": 0}
     result["master"] = _storages(_master_tensors(engine), seen)
     result["buckets"] = _storages(_bucket_tensors(engine), seen)
     result["grads"] = _storages(_grad_tensors(engine), seen)
     engine.step()
     result["moments"] = _storages(_moment_tensors(engine), seen)
-    result.pop("buckets")
     return result
 
 
@@ -148,6 +147,7 @@ def count_case(model: str, critic: str, data: str, extra: list[str]) -> dict[str
         "ref": count(rlhf.ref, False, _frozen(_actor_step)),
         "critic": count(rlhf.critic, True, _critic_step),
         "reward": count(rlhf.reward, False, _frozen(_critic_step)),
+        **({"ema": count(rlhf.actor_ema, False, _frozen(_actor_step))} if rlhf.actor_ema is not None else {}),
     }
 
 

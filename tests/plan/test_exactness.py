@@ -1,9 +1,11 @@
 """The planner's model-state bytes equal those of step 3's live DeepSpeed engines, to the byte.
 
-For the actor, the reference, the critic and the reward model, built by ``DeepSpeedRLHFEngine`` from
-step-3 flags (fp32 on the CPU accelerator): parameters, fp32 master partitions, Adam's moments and
-gradients (tests/plan/engine_bytes.py says how each is counted from the engines' tensors), on one
-rank in this process and on two ranks under the ``deepspeed`` launcher (the most loaded rank).
+For the actor, the reference, the critic, the reward model and the ``--enable_ema`` copy, built by
+``DeepSpeedRLHFEngine`` from step-3 flags (fp32 on the CPU accelerator): parameters, fp32 master
+partitions, Adam's moments and gradients (tests/plan/engine_bytes.py says how each is counted from the
+engines' tensors), and the reduction buckets still allocated after a backward (the resident ones:
+ZeRO-3's one buffer; ZeRO-1/2 free theirs after the reduction), on one rank in this process and on two
+ranks under the ``deepspeed`` launcher (the most loaded rank).
 """
 from __future__ import annotations
 
@@ -25,8 +27,8 @@ OFFLOAD = ("--offload", "--offload_reference_model")
 
 ONE_RANK = {
     "opt-zero0": ("tiny-opt", (Z[0], "0", Z[1], "0")),
-    "opt-zero1": ("tiny-opt", (Z[0], "1", Z[1], "1")),
-    "opt-zero3-lora": ("tiny-opt", (Z[0], "3", Z[1], "3", *LORA)),
+    "opt-zero1-ema": ("tiny-opt", (Z[0], "1", Z[1], "1", "--enable_ema")),
+    "opt-zero3-lora-ema": ("tiny-opt", (Z[0], "3", Z[1], "3", *LORA, "--enable_ema")),
     "llama-zero3-zero2-offload": ("tiny-llama", (Z[0], "3", Z[1], "2", *OFFLOAD)),
     "llama-zero2-zero3-lora-only": ("tiny-llama", (Z[0], "2", Z[1], "3", *LORA, "--only_optimize_lora")),
     "llama-zero0-zero1-actor-lora": ("tiny-llama", (Z[0], "0", Z[1], "1", "--actor_lora_dim", "4")),
@@ -48,7 +50,7 @@ def critics(tmp_path_factory) -> dict[str, Path]:
 
 def _planned(model: str, critic: Path, data: Path, extra: tuple[str, ...], world: int) -> dict[str, dict[str, int]]:
     args = step3_main().parse_args(base_argv(model, critic, data, *extra))
-    return {role: plan.state.counted() for role, plan in
+    return {role: {**plan.state.counted(), "buckets": plan.state.device["buckets"]} for role, plan in
             plan_roles(args, world, dtype="fp32", cpu_accelerator=True).items()}
 
 
