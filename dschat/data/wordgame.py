@@ -107,19 +107,7 @@ class WordGameDataset(PromptRawDataset):
         super().__init__(output_path, seed, local_rank, dataset_name, raw_datasets=raw_datasets)
 
     def get_prompt(self, sample: Sample) -> str | None:
-        return sample["prompt"]
-
-    def get_chosen(self, sample: Sample) -> str | None:
-        return None
-
-    def get_rejected(self, sample: Sample) -> str | None:
-        return None
-
-    def get_prompt_and_chosen(self, sample: Sample) -> str | None:
-        return None
-
-    def get_prompt_and_rejected(self, sample: Sample) -> str | None:
-        return None
+        return sample["prompt"]  # prompts only: no answers for steps 1-2 (the base class's None)
 
 
 def write(folder: Path, rows: dict[str, list[dict[str, str]]]) -> None:
