@@ -29,7 +29,7 @@ padding]``, with an observation mask: only the actor's tokens are actions.
 **Collectives.** The generator's rollouts are collective (ZeRO-3 gathers, tensor-parallel groups), so
 every rank plays the same number of turns: a rank whose episodes are all done generates for one
 placeholder row and discards it, until no rank has a live episode. The turn's token budget is agreed
-over the ranks, and a failing environment (a :class:`~dschat.errors.UserError` line) stops every rank
+over the ranks, so is whether the decoder's log-probs are kept, and a failing environment (a :class:`~dschat.errors.UserError` line) stops every rank
 together before the next collective.
 """
 from __future__ import annotations
@@ -199,6 +199,13 @@ class EpisodePlayer:
                 if logprobs is not None:
                     logprobs[i] += [0.0] * len(obs)
                 turn_start[i] = len(tokens[i])
+        # An episode shorter than the batch has a reward slot after its last token; where the decoder
+        # stopped with that turn it gave no log-prob there, and the actor scores the batch instead.
+        # Every rank does the same (that scoring pass is collective under ZeRO-3).
+        A = max(1, max(len(t) for t in tokens))
+        unknown = logprobs is None or any(len(t) < A and not tail for t, tail in zip(tokens, tails))
+        if any(r[0] for r in gather_ints([int(unknown)])):
+            logprobs = None
         return self._assemble(prompts, prompt_mask, tokens, roles, logprobs, tails, ended, batch)
 
     def _assemble(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, tokens: list[list[int]],
@@ -207,10 +214,6 @@ class EpisodePlayer:
         B, P = prompts.shape
         device = prompts.device
         A = max(1, max(len(t) for t in tokens))
-        if logprobs is not None and any(len(t) < A and not tail for t, tail in zip(tokens, tails)):
-            # An episode shorter than the batch has a reward slot after its last token whose log-prob
-            # the decoder did not give (it stopped with that turn): the actor scores the batch instead.
-            logprobs = None
         episode = torch.full((B, A), self.pad, dtype=prompts.dtype)
         real = torch.zeros((B, A), dtype=torch.long)
         observed = torch.zeros((B, A), dtype=torch.long)

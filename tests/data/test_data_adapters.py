@@ -493,3 +493,16 @@ def test_a_local_folder_keeps_the_fields_reward_functions_and_environments_read(
                                   load_hf_tokenizer("tiny-opt"))
     found = {row["prompt"]: row.get("answer") for row in columns.rows.values()}
     assert found["What is 5 + 5?"] == "#### 10" and found["What is 3 + 3?"] is None
+
+
+def test_other_fields_that_cannot_form_a_table_are_left_out_with_a_note(tmp_path, capsys):
+    """A field steps 1-2 never read, whose type changes from row to row, does not stop the data: it
+    is left out, with one note naming the file."""
+    folder = tmp_path / "mixed"
+    rows = [{"prompt": f"Q{i}?", "chosen": f"A{i}.", "id": i if i % 2 else f"q-{i}"} for i in range(20)]
+    write_jsonl(folder / "train.jsonl", rows)
+    write_jsonl(folder / "eval.jsonl", rows[:4])
+    adapter = dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
+    assert sorted(adapter.get_train_data().column_names) == ["chosen", "prompt"]
+    out = capsys.readouterr().out
+    assert "train.jsonl: the fields ['id'] are left out (" in out and out.count("note:") >= 1

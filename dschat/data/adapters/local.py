@@ -171,8 +171,7 @@ class LocalPreferenceDataset(PromptRawDataset):
             for f in split_files:
                 # Other fields (a reference answer, ...) stay: reward functions and environments read them.
                 rows.extend(lf.check_columns(lf.read_records(f), f, PREF_REQUIRED, PREF_OPTIONAL, keep_extra=True))
-            out[split] = lf.records_to_dataset(rows, PREF_REQUIRED + PREF_OPTIONAL,
-                                               source=split_files[0].parent if split_files else None)
+            out[split] = _with_extra_fields(rows, split_files)
         # Files without any "rejected" value give an all-null column: treat it as absent.
         for split, ds in out.items():
             if "rejected" in ds.column_names and all(v is None for v in ds["rejected"]):
@@ -257,3 +256,19 @@ class BuiltinDataset(LocalPreferenceDataset):
             raw_datasets = self.read_groups({"train": [train], "eval": [held_out]})
         super().__init__(output_path, seed, local_rank, dataset_name, raw_datasets=raw_datasets)
         self.dataset_name_clean = dataset_name.replace("/", "_").replace("-", "_")
+
+
+def _with_extra_fields(rows: list[dict], files: Sequence[Path]) -> Any:
+    """The rows as one table with their other fields; when those cannot form one (a field whose type
+    changes from row to row), without them and one note naming the files: steps 1-2 never read them,
+    and reward functions or environments that do then say which column they miss."""
+    try:
+        return lf.records_to_dataset(rows, PREF_REQUIRED + PREF_OPTIONAL, source=files[0] if files else None)
+    except UserError as err:
+        extra = sorted({col for row in rows for col in row} - set(PREF_REQUIRED + PREF_OPTIONAL))
+        if not extra:
+            raise
+        print(f"note: {', '.join(str(f) for f in files)}: the fields {extra} are left out ({err}); reward "
+              "functions and environments cannot read them", flush=True)
+        kept = [{col: row.get(col) for col in PREF_REQUIRED + PREF_OPTIONAL} for row in rows]
+        return lf.records_to_dataset(kept, PREF_REQUIRED + PREF_OPTIONAL)
