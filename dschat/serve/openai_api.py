@@ -179,14 +179,16 @@ def _usage(done: list[Done]) -> dict[str, int]:
 
 async def _collect(answer: _Answer) -> tuple[list[str], list[Done]]:
     texts, done = [""] * len(answer.jobs), [None] * len(answer.jobs)
-    async for index, event in answer.events():
-        if isinstance(event, Failed):
-            answer.cancel()
-            raise ApiError(500, event.message)
-        if isinstance(event, Delta):
-            texts[index] += event.text
-        else:
-            done[index] = event
+    try:
+        async for index, event in answer.events():
+            if isinstance(event, Failed):
+                raise ApiError(500, event.message)
+            if isinstance(event, Delta):
+                texts[index] += event.text
+            else:
+                done[index] = event
+    finally:  # a failure, or the client went away: rows still decoding stop at their next token
+        answer.cancel()
     return texts, done  # type: ignore[return-value]
 
 
