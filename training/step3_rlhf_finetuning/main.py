@@ -194,7 +194,6 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     judges = check_eval_args(args)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
-    tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")  # before any model (a missing extra: exit 2)
     config = step3_config(args, ctx.world_size, mix, algorithm=settings)  # every part of step 3, once
     plan = config.batches
     if args.reward_url is not None and plain_http_warning(args.reward_url):
@@ -204,6 +203,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     print_rank_0(settings.describe(), ctx.rank)
     print_rank_0(mix.describe(), ctx.rank)
     step3_preflight(args, argv, ctx, four_models=settings.critic and mix.uses_model)  # memory, before any model
+    # After every check that can refuse the run (no tracker run is left behind by one), before any
+    # model (a missing extra: exit 2).
+    tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")
 
     # ---------------------------------------------------------------- tokenizer and data
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
