@@ -42,11 +42,13 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dschat.envs import EnvironmentFactory, EpisodeBatch, render_observation
-from dschat.errors import UserError
+from dschat.rlhf.experience import raise_together
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.runtime.dist import gather_ints
 
-__all__ = ["Episodes", "EpisodePlayer", "raise_together"]
+__all__ = ["Episodes", "EpisodePlayer"]
+
+_ENV = "an environment"  # what another rank's line says failed (raise_together)
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ class EpisodePlayer:
         the B dataset rows (their environments' factory input). Collective (every rank calls it)."""
         B, P = prompts.shape
         device = prompts.device
-        batch = raise_together(lambda: EpisodeBatch(self.factory, rows, self.max_turns, row_ids))
+        batch = raise_together(lambda: EpisodeBatch(self.factory, rows, self.max_turns, row_ids), _ENV)
         prompt_rows = [row[m.bool()].tolist() for row, m in zip(prompts.cpu(), prompt_mask.cpu())]
         tokens: list[list[int]] = [[] for _ in range(B)]  # each episode's tokens after the prompt
         roles: list[list[int]] = [[] for _ in range(B)]  # 1 = observation token
@@ -178,7 +180,7 @@ class EpisodePlayer:
                     continue
                 texts[i] = self.tokenizer.decode(tokens[i][turn_start[i]:], skip_special_tokens=True)
             # Every rank, its placeholder turn too.
-            results = raise_together(lambda: batch.step(texts, waiting=waiting))
+            results = raise_together(lambda: batch.step(texts, waiting=waiting), _ENV)
             for i in live:
                 state = batch.states[i]
                 if i in waiting:
@@ -246,17 +248,3 @@ def _until_eos(answer: list[int], eos: int | None) -> list[int]:
     if eos is not None and eos in answer:
         return answer[: answer.index(eos) + 1]
     return answer
-
-
-def raise_together(call: Any) -> Any:
-    """``call()``; when it raises a :class:`UserError` on any rank, every rank raises (that rank its
-    own line, the others one saying where it is), so none is left waiting in a collective."""
-    failure: UserError | None = None
-    value = None
-    try:
-        value = call()
-    except UserError as err:
-        failure = err
-    if any(r[0] for r in gather_ints([0 if failure is None else 1])):
-        raise failure or UserError("an environment failed on another rank (its line is in that rank's log)")
-    return value

@@ -1,5 +1,6 @@
-"""The PPO experience container, the masks derived from a generated batch, and the buffer that
-collects a rollout's experience and splits it into micro-batches.
+"""The PPO experience container, the masks derived from a generated batch, the buffer that collects a
+rollout's experience and splits it into micro-batches, and the ranks' agreement on a rollout's sums
+and failures (:func:`sum_over_ranks`, :func:`raise_together`).
 
 One rollout batch on one rank is an :class:`Experience`: a typed container with one shape comment per
 field (OpenRLHF's ``Experience``), replacing upstream's string-keyed dict. ``exp["logprobs"]`` and the
@@ -16,14 +17,15 @@ left-padded to exactly ``P`` tokens; per-token tensors are ``(B, T)`` with ``T =
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 
-from dschat.runtime.dist import all_reduce_sum
+from dschat.errors import UserError
+from dschat.runtime.dist import all_reduce_sum, gather_ints
 
 __all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS", "sum_over_ranks",
-           "RolloutBuffer"]
+           "RolloutBuffer", "raise_together"]
 
 # Upstream's dict keys -> field names.
 UPSTREAM_KEYS: dict[str, str] = {
@@ -155,6 +157,24 @@ def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:
     """``values`` summed over every rank, in float64: the one collective of a rollout's statistics,
     whitening moments and loss normalisers (one all-reduce; every rank must call it)."""
     return all_reduce_sum(torch.tensor(values, dtype=torch.float64, device=device)).tolist()
+
+
+_T = TypeVar("_T")
+
+
+def raise_together(call: Callable[[], _T], what: str, prefix: str = "") -> _T:
+    """``call()``; when it raises a :class:`UserError` on any rank, every rank raises: that rank its own
+    line (after ``prefix``), the others one saying that ``what`` (``"a reward function"``, ...) failed
+    on another rank, so none is left waiting in a collective. Collective: one all-reduce."""
+    failure: UserError | None = None
+    value = None
+    try:
+        value = call()
+    except UserError as err:
+        failure = UserError(f"{prefix}{err}") if prefix else err
+    if any(r[0] for r in gather_ints([0 if failure is None else 1])):
+        raise failure or UserError(f"{prefix}{what} failed on another rank (its line is in that rank's log)")
+    return value  # type: ignore[return-value]
 
 
 def _slice(batch: Any, start: int, stop: int) -> Any:

@@ -47,11 +47,10 @@ from dschat.rl_math.critic_free import overlong_penalty
 from dschat.rl_math.ppo import missing_eos_penalty
 from dschat.rl_math.stats import Moments, explained_variance_from_moments, masked_sum, masked_whiten
 from dschat.data.prompt_columns import PromptColumns
-from dschat.errors import UserError
 from dschat.models.packing import PackedRows
 from dschat.rewards import RewardMix
-from dschat.rlhf.episodes import EpisodePlayer, raise_together
-from dschat.rlhf.experience import Experience, SequenceMasks, sequence_masks, sum_over_ranks
+from dschat.rlhf.episodes import EpisodePlayer
+from dschat.rlhf.experience import Experience, SequenceMasks, raise_together, sequence_masks, sum_over_ranks
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.ppo_formulas import PPOFormulas
 from dschat.rlhf.scoring_passes import ScoringPasses
@@ -147,7 +146,8 @@ class ExperienceMaker:
             generated = Generated(seq, sequence_masks(mask, seq, eos), rollout.logprobs, (seq[:, P:] == eos).any(-1))
         else:
             columns = self.prompt_columns
-            rows = raise_together(lambda: columns.rows_for_batch(prompts, mask, self._prompt_texts(prompts, mask)))
+            rows = raise_together(lambda: columns.rows_for_batch(prompts, mask, self._prompt_texts(prompts, mask)),
+                                  "an environment")
             played = self.episodes.play(prompts, mask, rows)
             self.env_time += played.env_seconds
             attention = played.attention_mask
@@ -202,19 +202,13 @@ class ExperienceMaker:
                                                      prompts.shape[1]).detach().float()
             if not mix.functions and mix.model_weight == 1.0:
                 return model_scores  # upstream's reward, untouched
-        failure: UserError | None = None
-        scores = torch.zeros(seq.shape[0], dtype=torch.float32, device=seq.device)
-        try:
+        def functions() -> torch.Tensor:
             texts = self._decode_for_hook(prompts, prompt_mask, seq, attention_mask)
             columns = (self.prompt_columns.for_batch(prompts, prompt_mask, texts[0])
                        if self.prompt_columns is not None else None)
-            scores = mix.score(*texts, columns, model_scores).to(seq.device)
-        except UserError as err:
-            failure = err
-        # Every rank learns of a failure on any rank, so none is left waiting in a collective.
-        if sum_over_ranks([0.0 if failure is None else 1.0], self.device)[0] > 0:
-            raise failure or UserError("a reward function failed on another rank (its line is in that rank's log)")
-        return scores
+            return mix.score(*texts, columns, model_scores).to(seq.device)
+
+        return raise_together(functions, "a reward function")  # every rank learns of any rank's failure
 
     def _greedy_baseline(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
         """ReMax's baseline: the reward of the greedy answer (or episode) to each prompt.

@@ -61,11 +61,11 @@ from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
 from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
 from dschat.data.token_dataset import PromptItem
-from dschat.errors import UserError
 from dschat.eval.metrics_file import EVAL_KIND
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
+from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
 from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
@@ -368,9 +368,8 @@ class StepThreeEvaluation:
     def _judge(self, prompts: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, att: torch.Tensor,
                texts: tuple[list[str], list[str]]) -> dict[str, list[float]]:
         """Every judge's score per answer. A judge's failure on any rank stops every rank with its line."""
-        failure: UserError | None = None
-        out: dict[str, list[float]] = {}
-        try:
+        def judged() -> dict[str, list[float]]:
+            out: dict[str, list[float]] = {}
             columns = None
             if self._columns is not None and any(j.fn is not None for j in self.judges):
                 columns = self._columns.for_batch(prompts, mask, texts[0])
@@ -379,12 +378,9 @@ class StepThreeEvaluation:
                     out[judge.name] = judge.fn(texts[0], texts[1], columns)
                 else:
                     out[judge.name] = self._reward_model_scores(judge.name, prompts, mask, seq, att, texts)
-        except UserError as err:
-            failure = UserError(f"--eval_judge: {err}")
-        failed = float(all_reduce_sum(torch.tensor([0.0 if failure is None else 1.0], dtype=torch.float64))[0])
-        if failed > 0:
-            raise failure or UserError("--eval_judge: a judge failed on another rank (its line is in that rank's log)")
-        return out
+            return out
+
+        return raise_together(judged, "a judge", prefix="--eval_judge: ")
 
     def _reward_model_scores(self, name: str, prompts: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor,
                              att: torch.Tensor, texts: tuple[list[str], list[str]]) -> list[float]:
