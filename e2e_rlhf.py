@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
 
 from dschat.cli.step3 import ALGORITHM_CHOICES  # noqa: E402
 from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
-from dschat.launch import LaunchResult, oom_advice, plan, run  # noqa: E402
+from dschat.launch import LaunchResult, flag_value, oom_advice, plan, run  # noqa: E402
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
 from dschat.recipes.loading import get_recipe  # noqa: E402
@@ -520,8 +520,9 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
 
 def _launch_world(launch_argv: Sequence[str]) -> int:
     """Ranks a step's launch runs on one node: its ``--num_gpus``, else every visible GPU, else 1."""
-    if "--num_gpus" in launch_argv:
-        return int(launch_argv[launch_argv.index("--num_gpus") + 1])
+    num_gpus = flag_value(launch_argv, "num_gpus")
+    if num_gpus is not None:
+        return int(num_gpus)
     import torch  # lazy: only when the steps are planned
 
     return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1

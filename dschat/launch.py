@@ -154,7 +154,7 @@ class LaunchPlan:
         return shlex.join(self.argv)
 
 
-def _flag_value(argv: Sequence[str], name: str) -> str | None:
+def flag_value(argv: Sequence[str], name: str) -> str | None:
     """The value of the last ``--name value`` / ``--name=value`` in ``argv``."""
     value = None
     for i, token in enumerate(argv):
@@ -264,7 +264,7 @@ def plan(
         argv = [sys.executable, str(main_py), *flags]
     else:
         raise UserError(f"unknown launcher kind {kind!r}; use deepspeed or python")
-    out = _flag_value(flags, "output_dir")
+    out = flag_value(flags, "output_dir")
     return LaunchPlan(recipe, argv, env, Path(out) if out else None, main_py, env_set, hosts, needed, withheld)
 
 

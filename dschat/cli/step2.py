@@ -1,5 +1,6 @@
 """Step 2's own flag groups: the reward model's evaluation, freezing and packing, and DPO's loss and
-reference model; :func:`add_step2_args`, step 2's whole parser in its order. The groups steps share
+reference model; :func:`add_step2_args` and :func:`add_dpo_step_args`, the two step-2 scripts' whole
+parsers in their order. The groups steps share
 are in :mod:`dschat.cli.shared`."""
 from __future__ import annotations
 
@@ -53,6 +54,23 @@ def add_step2_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_precision_args(parser)
     add_lora_args(parser)
     add_logging_args(parser, tensorboard_path="step2_tensorboard")
+    add_eot_args(parser, eot_token_flag=False)
+    add_checkpoint_args(parser)
+    add_deepspeed_args(parser)
+    return parser
+
+
+def add_dpo_step_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every flag of step 2's DPO script, in ``--help``'s order (its ``main.py`` builds its parser
+    with it)."""
+    add_data_args(parser, phase=2)
+    add_model_args(parser)
+    add_training_args(parser, learning_rate=1e-3)
+    add_dpo_args(parser)
+    add_runtime_args(parser)
+    add_precision_args(parser)
+    add_lora_args(parser)
+    add_logging_args(parser, tensorboard_path="step2_tensorboard", print_loss=True)
     add_eot_args(parser, eot_token_flag=False)
     add_checkpoint_args(parser)
     add_deepspeed_args(parser)

@@ -55,8 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--batch_size", type=int, default=16,
                         help="Reward model: texts scored per forward pass (default 16).")
     parser.add_argument("--max_seq_len", type=int, default=None,
-                        help="Reward model: tokens of a text kept (its end past this is cut). Default: the "
-                             "model's max_position_embeddings.")
+                        help="Reward model: tokens of a text kept (its last ones: the score is read at the last "
+                             "token). Default: the model's max_position_embeddings.")
     parser.add_argument("--max_batch_size", type=int, default=8,
                         help="Actor: requests (prompts) decoded together in one batch at most (default 8).")
     parser.add_argument("--max_wait_ms", type=float, default=5.0,

@@ -12,19 +12,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from dschat.cli.shared import (
-    add_checkpoint_args,
-    add_data_args,
-    add_deepspeed_args,
-    add_eot_args,
-    add_logging_args,
-    add_lora_args,
-    add_model_args,
-    add_precision_args,
-    add_runtime_args,
-    add_training_args,
-)
-from dschat.cli.step2 import add_dpo_args
+from dschat.cli.step2 import add_dpo_step_args
 from dschat.errors import cli_main
 from dschat.training.engine_setup import (
     apply_lora,
@@ -41,18 +29,8 @@ from dschat.training.dpo import dpo_batch, evaluate_dpo
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="Finetune a transformers model on a causal language modeling task")
-    add_data_args(parser, phase=2)
-    add_model_args(parser)
-    add_training_args(parser, learning_rate=1e-3)
-    add_dpo_args(parser)
-    add_runtime_args(parser)
-    add_precision_args(parser)
-    add_lora_args(parser)
-    add_logging_args(parser, tensorboard_path="step2_tensorboard", print_loss=True)
-    add_eot_args(parser, eot_token_flag=False)
-    add_checkpoint_args(parser)
-    add_deepspeed_args(parser)
+    description = "Finetune a transformers model on a causal language modeling task"
+    parser = add_dpo_step_args(argparse.ArgumentParser(description=description))
     args = parser.parse_args(argv)
     check_common_args(args)
     return args
