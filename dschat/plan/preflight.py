@@ -28,7 +28,10 @@ from dschat.training.run_setup import RunContext
 
 __all__ = ["preflight", "step3_preflight", "device_memory", "gpus_per_node"]
 
-_SKIP = "step 3 goes on without it (python -m dschat.plan with the same flags shows the plan)"
+
+def _skip(step: int = 3) -> str:
+    """The clause of a note on a run the preflight does not plan: it goes on, and how to see its plan."""
+    return f"step {step} goes on without it (python -m dschat.plan with the same flags shows the plan)"
 
 
 def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerator: str, gpu_bytes: int,
@@ -50,7 +53,7 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
     except Exception as err:  # noqa: BLE001 - the planner's gap on a model the run can train never stops it
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         what = "this run" if step == 3 else f"step {step}"
-        echo(f"note: the memory preflight cannot plan {what} ({reason}); {_SKIP.replace('step 3', f'step {step}')}")
+        echo(f"note: the memory preflight cannot plan {what} ({reason}); {_skip(step)}")
         return None
     peak = f"peak {format_gb(result['peak_bytes_per_gpu'])} per GPU in {result['peak_phase']}"
     if accelerator == "cpu":
@@ -104,7 +107,7 @@ def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: R
         return None
     echo = functools.partial(print_rank_0, rank=ctx.rank)
     if not four_models:
-        echo(f"note: the memory preflight plans PPO's four models and this run builds fewer; {_SKIP}")
+        echo(f"note: the memory preflight plans PPO's four models and this run builds fewer; {_skip()}")
         return None
     accelerator, gpu_bytes = device_memory()
     gpu_bytes = int(_over_ranks(gpu_bytes, torch.distributed.ReduceOp.MIN))
