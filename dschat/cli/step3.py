@@ -1,10 +1,11 @@
 """Step 3's flag groups (PPO and the critic-free algorithms): actor and critic, PPO training and
 hyperparameters, algorithm and rewards, environments, held-out evaluation, LoRA, DeepSpeed, logging, PPO-ptx data;
 and :func:`add_step3_args`, step 3's whole parser in its order (the groups steps share are in
-:mod:`dschat.cli.shared`)."""
+:mod:`dschat.cli.shared`); :func:`complete_step3_args` fills an upstream-style Namespace in at its defaults."""
 from __future__ import annotations
 
 import argparse
+import functools
 
 from dschat.cli.shared import (DTYPE_CHOICES, SCHEDULER_TYPES, add_checkpoint_args, add_data_args, add_deepspeed_args,
                                add_eot_args, add_runtime_args, add_sequence_packing_arg, add_tracker_args)
@@ -184,6 +185,14 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     group.add_argument("--mask_truncated_answers", action="store_true",
                        help="(dschat) DAPO's overlong filtering: answers cut at --max_answer_seq_len without EOS are "
                             "masked out of the loss (their rewards still enter their group's statistics).")
+    group.add_argument("--dynamic_sampling", action="store_true",
+                       help="(dschat) DAPO's dynamic sampling (grpo, rloo): a group whose answers all got the same "
+                            "reward is dropped, and the next prompt batches are sampled until the generation batch "
+                            "holds only groups of different rewards or --max_sampling_rounds batches were drawn.")
+    group.add_argument("--max_sampling_rounds", type=int, default=4, metavar="N",
+                       help="(dschat) With --dynamic_sampling: the most generation batches one batch may draw, the "
+                            "first included (default 4); a batch still short is filled with equal-reward groups "
+                            "masked out of the loss.")
     group.add_argument("--importance_sampling_level", type=str, default="token", choices=("token", "sequence"),
                        help="(dschat) 'token' (default): one PPO ratio per token; 'sequence': GSPO's one ratio per "
                             "answer, exp(mean of the answer's token log-ratios), clipped per answer (critic-free "
@@ -398,3 +407,21 @@ def add_step3_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     add_checkpoint_args(parser)
     add_deepspeed_args(parser)
     return parser
+
+
+@functools.lru_cache(maxsize=None)
+def _step3_defaults() -> dict[str, object]:
+    """Every step-3 flag's default, from step 3's parser (:func:`add_step3_args`)."""
+    parser = add_step3_args(argparse.ArgumentParser(add_help=False))
+    return {action.dest: action.default for action in parser._actions if action.dest != "help"}
+
+
+def complete_step3_args(args: object) -> argparse.Namespace:
+    """``args`` with every step-3 flag it lacks at the step-3 parser's default (``args`` itself when it
+    lacks none; else a new Namespace, ``args`` unchanged). An upstream ``main.py`` parses upstream's
+    flags only; dschat's own flags then take their defaults."""
+    defaults = _step3_defaults()
+    if isinstance(args, argparse.Namespace) and all(hasattr(args, name) for name in defaults):
+        return args
+    given = {name: getattr(args, name) for name in dir(args) if not name.startswith("_")}
+    return argparse.Namespace(**{**defaults, **given})

@@ -41,6 +41,7 @@ __all__ = [
     "clipped_surrogate",
     "sequence_ratio",
     "overlong_penalty",
+    "informative_groups",
 ]
 
 Algorithm = Literal["ppo", "grpo", "rloo", "reinforce_pp", "remax"]
@@ -61,6 +62,17 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     if rewards.dim() != 1 or group_size < 1 or rewards.shape[0] % group_size != 0:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
     return rewards.view(-1, group_size)
+
+
+def informative_groups(rewards: torch.Tensor, group_size: int, *, atol: float = 1e-6) -> torch.Tensor:
+    """DAPO's dynamic-sampling filter: which groups hold answers of different rewards.
+
+    A group whose ``K`` rewards are all equal (``max - min <= atol``) has a zero advantage under a
+    group baseline (GRPO, RLOO), so it carries no policy gradient. Shape: rewards (B,) with
+    ``B = G x K``; returns (G,) bool, True where the group's rewards differ.
+    """
+    groups = _groups(rewards, group_size)
+    return (groups.max(dim=1).values - groups.min(dim=1).values) > atol
 
 
 # ------------------------------------------------------------------------------------------------

@@ -310,7 +310,8 @@ class PolicyStats(NamedTuple):
 
     ``approx_kl`` is CleanRL's ``losses/approx_kl``: the k3 estimator ``mean((r - 1) - log r)`` with
     ``r = pi_new / pi_old`` on tokens sampled from ``pi_old``. ``clip_frac`` is the fraction of
-    tokens with ``|r - 1| > cliprange``.
+    tokens whose ratio lies outside ``[1 - cliprange, 1 + cliprange_high]`` (``cliprange_high``
+    defaults to ``cliprange``: ``|r - 1| > cliprange``).
     """
 
     ratio_mean: torch.Tensor
@@ -322,7 +323,8 @@ class PolicyStats(NamedTuple):
 
 @torch.no_grad()
 def ppo_policy_stats(
-    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, *, cliprange: float = 0.2
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, *, cliprange: float = 0.2,
+    cliprange_high: float | None = None,
 ) -> PolicyStats:
     """Ratio statistics, approximate KL and clip fraction over the masked tokens.
 
@@ -332,12 +334,13 @@ def ppo_policy_stats(
     log_ratio = torch.where(keep, (logprobs - old_logprobs).float(), 0.0)
     ratio = torch.exp(log_ratio)
     inf = torch.tensor(float("inf"), device=ratio.device)
+    high = cliprange if cliprange_high is None else cliprange_high
     return PolicyStats(
         ratio_mean=masked_mean(ratio, keep),
         ratio_max=torch.where(keep, ratio, -inf).max(),
         ratio_min=torch.where(keep, ratio, inf).min(),
         approx_kl=masked_mean((ratio - 1.0) - log_ratio, keep),
-        clip_frac=masked_mean(((ratio - 1.0).abs() > cliprange).float(), keep),
+        clip_frac=masked_mean(((ratio < 1.0 - cliprange) | (ratio > 1.0 + high)).float(), keep),
     )
 
 

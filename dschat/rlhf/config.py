@@ -19,18 +19,17 @@ are up (the batch plan needs the world size), by :func:`step3_config`. Its parts
   :class:`~dschat.training.checkpoint.Checkpointer` reads).
 
 Code written against upstream hands ``DeepSpeedRLHFEngine`` / ``DeepSpeedPPOTrainer`` a Namespace of
-upstream's flags only. :func:`complete_step3_args` fills dschat's flags in at the step-3 parser's
+upstream's flags only. :func:`~dschat.cli.step3.complete_step3_args` fills dschat's flags in at the step-3 parser's
 defaults, once, and the part builders read the completed Namespace: this module is the only reader
 of such a Namespace.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import math
 from dataclasses import dataclass
 
-from dschat.cli.step3 import add_step3_args
+from dschat.cli.step3 import complete_step3_args
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
 from dschat.rewards import RewardMix
@@ -40,28 +39,9 @@ from dschat.rlhf.rollout.sampling import DecodingSettings
 __all__ = [
     "AlgorithmSettings", "BatchPlan", "CheckpointConfig", "EvalConfig", "ModelSpec", "ModelsConfig",
     "OFF_POLICY_WARNING", "PPOConfig", "RolloutConfig", "Step3Config", "ZeroConfig", "checkpoint_config",
-    "complete_step3_args", "eval_config", "models_config", "num_total_iters", "plan_batches", "positive_flag",
+    "eval_config", "models_config", "num_total_iters", "plan_batches", "positive_flag",
     "ppo_config", "resolve_algorithm", "rollout_config", "step3_config", "zero_config",
 ]
-
-
-# ================================================================== an upstream-style Namespace
-@functools.lru_cache(maxsize=None)
-def _step3_defaults() -> dict[str, object]:
-    """Every step-3 flag's default, from step 3's parser (:func:`~dschat.cli.step3.add_step3_args`)."""
-    parser = add_step3_args(argparse.ArgumentParser(add_help=False))
-    return {action.dest: action.default for action in parser._actions if action.dest != "help"}
-
-
-def complete_step3_args(args: object) -> argparse.Namespace:
-    """``args`` with every step-3 flag it lacks at the step-3 parser's default (``args`` itself when it
-    lacks none; else a new Namespace, ``args`` unchanged). An upstream ``main.py`` parses upstream's
-    flags only; dschat's own flags then take their defaults."""
-    defaults = _step3_defaults()
-    if isinstance(args, argparse.Namespace) and all(hasattr(args, name) for name in defaults):
-        return args
-    given = {name: getattr(args, name) for name in dir(args) if not name.startswith("_")}
-    return argparse.Namespace(**{**defaults, **given})
 
 
 # ================================================================== the algorithm
@@ -84,6 +64,8 @@ class AlgorithmSettings:
     overlong_penalty_factor: float = 1.0  # its largest penalty
     mask_truncated_answers: bool = False  # answers without EOS leave the loss
     importance_sampling_level: str = "token"  # token | sequence (GSPO)
+    dynamic_sampling: bool = False  # drop groups of equal rewards, sample more (grpo, rloo)
+    max_sampling_rounds: int = 4  # generation batches one batch may draw with dynamic_sampling
 
     @property
     def critic(self) -> bool:
@@ -112,6 +94,7 @@ class AlgorithmSettings:
             extra += ", answers without EOS masked out of the loss"
         if self.importance_sampling_level != "token":
             extra += ", sequence-level importance ratio (GSPO)"
+        extra += f", dynamic sampling (at most {self.max_sampling_rounds} rounds)" if self.dynamic_sampling else ""
         if not self.kl_in_reward and self.kl_estimator == "k1":
             # d/dtheta of (log pi - log pi_ref) is the score function, whose mean over the policy's own
             # samples is 0: as a loss term k1 pulls nowhere on average (k3's gradient is KL's).
@@ -127,7 +110,7 @@ def resolve_algorithm(args: object) -> AlgorithmSettings:
     ``--num_generations``, ``--dr_grpo``, ``--loss_aggregation``, ``--kl_in_reward``, ``--kl_estimator``,
     ``--tis_cap``, ``--whiten_advantages``, and the DAPO / GSPO options ``--cliprange_high``, ``--dual_clip``,
     ``--overlong_buffer_len``, ``--overlong_penalty_factor``, ``--mask_truncated_answers``,
-    ``--importance_sampling_level``), every ``auto`` resolved per algorithm; refuses
+    ``--importance_sampling_level``, ``--dynamic_sampling``, ``--max_sampling_rounds``), every ``auto`` resolved per algorithm; refuses
     contradictory flags (one :class:`~dschat.errors.UserError` line each). An upstream-style
     Namespace without these flags gets upstream's PPO."""
     args = complete_step3_args(args)
@@ -186,10 +169,10 @@ def resolve_algorithm(args: object) -> AlgorithmSettings:
         raise UserError(f"--tis_cap must be a finite number >= 0 (0: off), got {tis_cap}")
     whiten = bool(args.whiten_advantages) or algorithm == "reinforce_pp"
     return AlgorithmSettings(algorithm, k, kl_in_reward, estimator, aggregation, not dr_grpo, whiten, tis_cap,
-                             **_dapo_options(args))
+                             **_dapo_options(args, algorithm))
 
 
-def _dapo_options(args: argparse.Namespace) -> dict[str, object]:
+def _dapo_options(args: argparse.Namespace, algorithm: str) -> dict[str, object]:
     """The DAPO / GSPO options of :class:`AlgorithmSettings`, checked (one UserError line each)."""
     high = args.cliprange_high
     if high is not None and not (math.isfinite(high) and high >= 0):
@@ -204,10 +187,15 @@ def _dapo_options(args: argparse.Namespace) -> dict[str, object]:
                         f"got {buffer!r}")
     if not (math.isfinite(factor) and factor >= 0):
         raise UserError(f"--overlong_penalty_factor must be a finite number >= 0, got {factor}")
+    rounds = positive_flag("max_sampling_rounds", args.max_sampling_rounds)
+    if args.dynamic_sampling and algorithm not in GROUP_ALGORITHMS:
+        raise UserError(f"--dynamic_sampling drops groups whose answers all got the same reward, which carry no signal "
+                        f"only under a group baseline: use it with --algorithm grpo or rloo, not {algorithm}")
     return {"cliprange_high": None if high is None else float(high), "dual_clip": 0.0 if dual is None else float(dual),
             "overlong_buffer_len": buffer, "overlong_penalty_factor": float(factor),
             "mask_truncated_answers": bool(args.mask_truncated_answers),
-            "importance_sampling_level": args.importance_sampling_level}
+            "importance_sampling_level": args.importance_sampling_level,
+            "dynamic_sampling": bool(args.dynamic_sampling), "max_sampling_rounds": rounds}
 
 
 # ================================================================== the batches

@@ -25,7 +25,7 @@ from dschat.errors import UserError
 from dschat.runtime.dist import all_reduce_sum, gather_ints
 
 __all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS", "sum_over_ranks",
-           "RolloutBuffer", "raise_together"]
+           "RolloutBuffer", "raise_together", "concat_rows"]
 
 # Upstream's dict keys -> field names.
 UPSTREAM_KEYS: dict[str, str] = {
@@ -151,6 +151,42 @@ class Experience:
     @property
     def num_valid(self) -> int:
         return int(self.valid.sum())
+
+
+#: The (B, P) and (B, L) fields, and the (B, T) per-token ones, of an :class:`Experience` (see :func:`concat_rows`).
+_PROMPT_FIELDS = ("prompts",)
+_SEQUENCE_FIELDS = ("seq", "attention_mask", "position_ids")
+_TOKEN_FIELDS = ("action_mask", "logprobs", "ref_logprobs", "values", "observation_mask")
+
+
+def concat_rows(parts: list[Experience], pad_token_id: int) -> Experience:
+    """The rows of ``parts`` (experiences of the same run, before the rollout is prepared) as one
+    experience, in order, re-padded to common widths: each part's prompts are left-padded to the
+    widest prompt ``P`` and its answers right-padded to the longest answer width ``A``
+    (``L = P + A``). Id fields are padded with ``pad_token_id``, every other field with 0 (no
+    attention, no action, position 0), so each row's tokens, masks, positions, log-probs and values
+    keep their meaning: per-token column ``t`` still scores token ``t + 1``.
+    Shapes: part i is (B_i, P_i) / (B_i, L_i) / (B_i, L_i - 1) / (B_i,); returns (sum B_i, ...)."""
+    if any(p.advantages is not None or p.returns is not None for p in parts):
+        raise ValueError("concat_rows: join experiences before prepare_rollout fills in advantages")
+    P = max(int(p.prompts.shape[1]) for p in parts)
+    A = max(int(p.seq.shape[1] - p.prompts.shape[1]) for p in parts)
+    joined = {}
+    for f in fields(Experience):
+        values = [getattr(p, f.name) for p in parts]
+        if not isinstance(values[0], torch.Tensor):
+            continue
+        pieces = []
+        for part, value in zip(parts, values):
+            left, right = P - int(part.prompts.shape[1]), A - int(part.seq.shape[1] - part.prompts.shape[1])
+            if f.name in _PROMPT_FIELDS:
+                right = 0
+            elif f.name not in _SEQUENCE_FIELDS and f.name not in _TOKEN_FIELDS:
+                left = right = 0  # (B,) per-row fields
+            fill = pad_token_id if f.name in ("prompts", "seq") else 0
+            pieces.append(torch.nn.functional.pad(value, (left, right), value=fill) if left or right else value)
+        joined[f.name] = torch.cat(pieces)
+    return replace(parts[0], **joined)
 
 
 def sum_over_ranks(values: list[float], device: torch.device) -> list[float]:

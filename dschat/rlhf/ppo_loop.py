@@ -1,7 +1,8 @@
 """Step 3's loop: :func:`run_ppo`, read top to bottom.
 
 For each batch of prompts: **batch** (to the device, padding-only columns dropped) -> **generate**
-and score (the experience maker, ``trainer.experience``) -> **buffer** (``--generation_batches``
+and score (the experience maker, ``trainer.experience``; with ``--dynamic_sampling`` more batches
+until its groups are full, :mod:`dschat.rlhf.dynamic_sampling`) -> **buffer** (``--generation_batches``
 batches make a rollout) -> once a rollout is whole: **prepare** (advantages, returns, rollout
 statistics) -> **micro-steps** of ``--ppo_epochs`` (the PPO update, ``trainer.update``: actor,
 critic, PPO-ptx; then the EMA) -> **log** -> **evaluate** -> **checkpoint**. The loop calls the two
@@ -19,6 +20,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader
@@ -27,6 +29,7 @@ from dschat.data.collators import drop_padding_columns, set_epoch_if_distributed
 from dschat.paths import METRICS_FILE
 from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf.heldout.evaluation import StepThreeEvaluation
+from dschat.rlhf.dynamic_sampling import GroupFilter, SamplingStats
 from dschat.rlhf.experience import Experience, RolloutBuffer
 from dschat.rlhf.experience_maker import RolloutStats
 from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
@@ -40,7 +43,8 @@ from dschat.training.progress import TensorBoardLogger
 from dschat.training.run_setup import RunContext
 from dschat.training.ppo_counters import PPOCounters, finished_before_resume, reached_test_stop
 
-__all__ = ["METRICS_FILE", "PPORun", "IterationResult", "run_ppo", "train_rollout", "log_iteration",
+__all__ = ["METRICS_FILE", "PPORun", "IterationResult", "RolloutTimes", "run_ppo", "generate_batch", "group_filter",
+           "fill_groups", "train_rollout", "log_iteration",
            "iteration_record", "tensorboard_scalars", "append_metrics", "truncate_metrics"]
 
 
@@ -75,7 +79,8 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
     run = PPORun()
     rollout_buffer = RolloutBuffer(args.generation_batches, args.per_device_training_batch_size)
     ptx_buffer = RolloutBuffer(args.generation_batches, args.per_device_training_batch_size)
-    gen_time = exp_time = env_time = 0.0  # summed over the generation batches of the current rollout
+    times = RolloutTimes()  # summed over the generation batches of the current rollout
+    groups = group_filter(trainer, args, ctx)  # --dynamic_sampling, else None
     stop = finished_before_resume(args, counters, resumed) or evaluation.should_stop
     evaluation.maybe_evaluate(counters.global_step)  # before the first PPO step
     for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
@@ -84,17 +89,14 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
         begin_epoch(args, ctx, epoch, prompt_loader, unsup_loader)
         skip = checkpointer.batches_done(epoch)  # trained before the checkpoint: (seed, epoch, rank) fix the order
         ptx_batches = unsup_loader if unsup_loader is not None else itertools.repeat(None)
-        for step, (prompt_batch, ptx_batch) in enumerate(zip(prompt_loader, ptx_batches)):
+        batches = enumerate(zip(prompt_loader, ptx_batches))
+        for step, (prompt_batch, ptx_batch) in batches:
             if step < skip:
                 continue
-            # 1. batch: left-padded prompts; all-padding columns change no output (positions come from the mask)
-            prompt_batch = drop_padding_columns(to_device(prompt_batch, ctx.device), "prompt_att_mask", side="left")
-            # 2. generate and score
-            experience = trainer.experience.generate_experience(prompt_batch["prompt"],
-                                                                prompt_batch["prompt_att_mask"], step)
-            gen_time += trainer.experience.generate_time
-            exp_time += trainer.experience.experience_time
-            env_time += trainer.experience.env_time  # --env: the environments' share of gen_time
+            # 1.-2. batch, generate and score (--dynamic_sampling: more batches until the groups inform)
+            experience = generate_batch(trainer, ctx, prompt_batch, step, times)
+            if groups is not None:
+                experience, step = fill_groups(trainer, ctx, groups, experience, step, batches, times)
             # 3. buffer: a rollout is --generation_batches batches (None: every answer too short)
             rollout = ptx_rollout = None
             if experience is None:
@@ -108,9 +110,10 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
                 iteration = train_rollout(trainer, args, rollout, ptx_rollout)
                 # 6. log
                 run.history.append(log_iteration(trainer, args, counters, iteration, epoch=epoch, step=step,
-                                                 gen_time=gen_time, exp_time=exp_time, rank=ctx.rank, tb=tb,
-                                                 env_time=env_time))
-                gen_time = exp_time = env_time = 0.0
+                                                 gen_time=times.generation, exp_time=times.experience, rank=ctx.rank,
+                                                 tb=tb, env_time=times.environment,
+                                                 sampling=groups.pop_stats() if groups is not None else None))
+                times = RolloutTimes()
                 # 7. evaluate
                 evaluation.maybe_evaluate(counters.global_step, epoch)
             counters.count_overflow(trainer.update)
@@ -121,6 +124,58 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
                 stop = True
                 break
     return run
+
+
+@dataclass
+class RolloutTimes:
+    """Seconds spent generating (``environment``: the environments' share of it, ``--env``) and
+    scoring the generation batches of one rollout."""
+
+    generation: float = 0.0
+    experience: float = 0.0
+    environment: float = 0.0
+
+
+def generate_batch(trainer: DeepSpeedPPOTrainer, ctx: RunContext, prompt_batch: dict, step: int,
+                   times: RolloutTimes) -> Experience | None:
+    """One generation batch of the prompt loader, generated and scored (``None``: no rank kept an
+    answer); its seconds added to ``times``. Collective."""
+    # Left-padded prompts; all-padding columns change no output (positions come from the mask).
+    prompt_batch = drop_padding_columns(to_device(prompt_batch, ctx.device), "prompt_att_mask", side="left")
+    maker = trainer.experience
+    experience = maker.generate_experience(prompt_batch["prompt"], prompt_batch["prompt_att_mask"], step)
+    times.generation += maker.generate_time
+    times.experience += maker.experience_time
+    times.environment += maker.env_time
+    return experience
+
+
+def group_filter(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, ctx: RunContext) -> GroupFilter | None:
+    """``--dynamic_sampling``'s filter for this run's generation batches, or None without it."""
+    settings = trainer.settings
+    if not settings.dynamic_sampling:
+        return None
+    k = settings.num_generations
+    return GroupFilter(group_size=k, groups_per_batch=args.per_device_generation_batch_size // k,
+                       max_rounds=settings.max_sampling_rounds, pad_token_id=trainer.tokenizer.pad_token_id,
+                       device=ctx.device)
+
+
+def fill_groups(trainer: DeepSpeedPPOTrainer, ctx: RunContext, groups: GroupFilter, experience: Experience | None,
+                step: int, batches: Iterator[tuple[int, tuple[dict, object]]],
+                times: RolloutTimes) -> tuple[Experience | None, int]:
+    """``--dynamic_sampling``: ``experience``'s informative groups, then the next generation batches of
+    ``batches`` (their PPO-ptx batches unused) until every rank's batch is full of them, the rounds
+    run out or the epoch's prompts do. Returns the batch (``None``: no informative group anywhere)
+    and the step of the last generation batch drawn. Collective."""
+    groups.add(experience)
+    while groups.wants_more():
+        drawn = next(batches, None)
+        if drawn is None:  # every rank's loader has as many batches: all stop here together
+            break
+        step, (prompt_batch, _) = drawn
+        groups.add(generate_batch(trainer, ctx, prompt_batch, step, times))
+    return groups.batch(), step
 
 
 def begin_epoch(args: argparse.Namespace, ctx: RunContext, epoch: int, prompt_loader: DataLoader,
@@ -169,7 +224,7 @@ DASHES = "-" * 85
 
 def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counters: PPOCounters,
                   iteration: IterationResult, *, epoch: int, step: int, gen_time: float, exp_time: float, rank: int,
-                  tb: TensorBoardLogger, env_time: float = 0.0) -> dict:
+                  tb: TensorBoardLogger, env_time: float = 0.0, sampling: SamplingStats | None = None) -> dict:
     """Upstream's log lines and throughput lines, then one record (docs/metrics.md) to TensorBoard and
     ``metrics.jsonl``; advances ``counters.global_step``. Returns the record."""
     engine = trainer.rlhf_engine
@@ -186,11 +241,15 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
         print_rank_0(f"Episodes: {rollout.turns:.2f} turns | {rollout.response_length:.1f} actor tokens | "
                      f"{rollout.observation_tokens:.1f} environment tokens | {rollout.cut_share:.0%} cut | "
                      f"environment time {env_time:.2f}s", rank)
+    if sampling is not None:
+        print_rank_0(f"Dynamic sampling: {sampling.dropped_groups} of {sampling.groups} groups had equal rewards and "
+                     f"were dropped | {sampling.rounds / max(sampling.batches, 1):.2f} generation batches drawn per "
+                     f"batch | {sampling.masked_groups} equal-reward groups masked to fill short batches", rank)
     print_rank_0(DASHES, rank)
 
     record = iteration_record(epoch, step, counters.global_step, trainer.update.pop_micro_stats(),
                               iteration.rollout, ema_reward, iteration.unsup_loss, gen_time, exp_time,
-                              iteration.training_time, env_time)
+                              iteration.training_time, env_time, sampling)
     tb.scalars(counters.global_step, **tensorboard_scalars(record))
     if args.output_dir is not None and rank == 0:
         # A fresh run's first line starts the file (with --eval_interval, the evaluation before the
@@ -203,7 +262,7 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
 
 def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroStepStats], rollout: RolloutStats,
                      ema_reward: float, unsup_loss: float, gen_time: float, exp_time: float,
-                     train_time: float, env_time: float = 0.0) -> dict:
+                     train_time: float, env_time: float = 0.0, sampling: SamplingStats | None = None) -> dict:
     """One PPO iteration's numbers: rank means of the losses; token-weighted means of the ratio
     statistics over every micro-step of every rank (a micro-step whose answers were all dropped has
     no tokens and no ratio: it counts for nothing instead of making the means ``nan``); rollout stats
@@ -222,9 +281,13 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
     gapped = [m for m in scored if m.logprob_gap == m.logprob_gap]
     gap_sum, gap_tokens = all_reduce_sum(torch.tensor([sum(m.logprob_gap * m.tokens for m in gapped),
                                                        sum(m.tokens for m in gapped)], dtype=torch.float64)).tolist()
-    episodes = {} if rollout.turns is None else {
+    optional = {} if rollout.turns is None else {
         "turns": rollout.turns, "observation_tokens": rollout.observation_tokens, "cut_share": rollout.cut_share,
         "time_env": env_time}
+    if sampling is not None:  # --dynamic_sampling
+        optional.update({"sampled_groups": sampling.groups, "dropped_groups": sampling.dropped_groups,
+                         "masked_groups": sampling.masked_groups,
+                         "sampling_rounds": sampling.rounds / max(sampling.batches, 1)})
     return {
         "epoch": epoch, "step": step, "global_step": global_step,
         "reward": rollout.reward, "ema_reward": ema_reward,
@@ -236,7 +299,7 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
         "kl_to_ref": rollout.kl_to_ref, "value_explained_variance": rollout.value_explained_variance,
         "response_length": rollout.response_length, "kept": rollout.kept, "dropped": rollout.dropped,
         "time_generation": gen_time, "time_experience": exp_time, "time_training": train_time,
-        **episodes,
+        **optional,
         "micro_steps": [asdict(m) for m in micro],
     }
 
@@ -251,6 +314,10 @@ def tensorboard_scalars(record: dict) -> dict[str, float]:
     if "turns" in record:  # --env
         scalars.update({"episode/turns": record["turns"], "episode/observation_tokens": record["observation_tokens"],
                         "episode/cut_share": record["cut_share"], "time/environment": record["time_env"]})
+    if "dropped_groups" in record:  # --dynamic_sampling
+        scalars.update({"dynamic_sampling/dropped_groups": record["dropped_groups"],
+                        "dynamic_sampling/masked_groups": record["masked_groups"],
+                        "dynamic_sampling/rounds": record["sampling_rounds"]})
     return scalars
 
 

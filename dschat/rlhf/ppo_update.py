@@ -192,7 +192,8 @@ class PPOUpdate:
             actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
             if actor_ok:
                 self.actor_model.backward(actor_loss)
-        policy = ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=formulas.cliprange)
+        policy = ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=formulas.cliprange,
+                                  cliprange_high=formulas.settings.cliprange_high)
         gap = (float(masked_mean((actor_log_prob.detach() - stored).abs().float(), mask))
                if unchanged and float(mask.sum()) > 0 else float("nan"))
         if actor_ok and not self.align_overflow:

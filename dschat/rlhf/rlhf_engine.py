@@ -36,6 +36,7 @@ from deepspeed.accelerator import get_accelerator
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+from dschat.cli.step3 import complete_step3_args
 from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
@@ -47,7 +48,6 @@ from dschat.rlhf.config import (
     ModelSpec,
     Step3Config,
     ZeroConfig,
-    complete_step3_args,
     models_config,
     ppo_config,
     rollout_config,

@@ -442,6 +442,14 @@ class TestPolicyStats:
         # cliprange 0.6: only |2 - 1| = 1 exceeds it -> 1/3
         s = ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2]]), torch.zeros(1, 3), torch.ones(1, 3), cliprange=0.6)
         _close(s.clip_frac, 1 / 3)
+        # Clip-higher: ratios [2, 1, 0.5] in [1 - 0.2, 1 + 1.5] -> only 0.5 is outside: 1/3; with
+        # cliprange_high 0.5, 2 is outside too: 2/3.
+        s = ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2]]), torch.zeros(1, 3), torch.ones(1, 3), cliprange=0.2,
+                             cliprange_high=1.5)
+        _close(s.clip_frac, 1 / 3)
+        s = ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2]]), torch.zeros(1, 3), torch.ones(1, 3), cliprange=0.2,
+                             cliprange_high=0.5)
+        _close(s.clip_frac, 2 / 3)
 
 
 class TestExplainedVariance:

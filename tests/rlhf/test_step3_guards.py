@@ -223,7 +223,8 @@ def test_engine_and_trainer_read_dschat_flags_only_through_the_config():
 
 
 def test_an_upstream_style_namespace_gets_dschats_flags_at_their_defaults_once():
-    from dschat.rlhf.config import complete_step3_args, step3_config
+    from dschat.cli.step3 import complete_step3_args
+    from dschat.rlhf.config import step3_config
 
     upstream_style = SimpleNamespace(actor_zero_stage=3, kl_ctl=0.5)
     completed = complete_step3_args(upstream_style)
