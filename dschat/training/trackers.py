@@ -10,7 +10,8 @@ class: ``TensorBoardLogger(enabled, path, name)`` is TensorBoard alone, as ``--e
   is set; project ``$WANDB_PROJECT`` or ``dschat``; every scalar is plotted against ``global_step``.
 * MLflow: ``$MLFLOW_TRACKING_URI``, else the file store ``file:<root>/mlruns``; experiment
   ``$MLFLOW_EXPERIMENT_NAME`` or ``dschat``; the flags are the run's parameters; a process that exits
-  without :meth:`Trackers.close` (an error) ends the run ``FAILED``.
+  without :meth:`Trackers.close` (an error) ends the run ``FAILED``, and one stopped by SIGTERM (the
+  launcher stopping its ranks) ends it ``KILLED`` before the signal's own handling goes on.
 
 ``<root>`` is ``--output_dir``, else ``--tensorboard_path``. W&B and MLflow are optional extras: a
 tracker asked for and not installed is a :class:`~dschat.errors.UserError` on every rank, raised by
@@ -24,7 +25,9 @@ import atexit
 import importlib
 import os
 import re
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -136,6 +139,10 @@ class _MlflowSink:
         for i in range(0, len(params), _MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + _MLFLOW_BATCH])
         atexit.register(self._end_failed)  # a process that exits without close() (a crash) ends it FAILED
+        self._open = True  # until the run is ended, one way or another
+        self._previous_sigterm = None
+        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+            self._previous_sigterm = signal.signal(signal.SIGTERM, self._end_killed)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
@@ -144,11 +151,37 @@ class _MlflowSink:
             self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_BATCH])
 
     def close(self) -> None:
+        self._forget_exit_hooks()
+        self._end("FINISHED")
+
+    def _forget_exit_hooks(self) -> None:
         atexit.unregister(self._end_failed)
-        self.client.set_terminated(self.run_id)
+        if self._previous_sigterm is not None and signal.getsignal(signal.SIGTERM) == self._end_killed:
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+        self._previous_sigterm = None
+
+    def _end(self, status: str) -> None:
+        if self._open:
+            self._open = False
+            self.client.set_terminated(self.run_id, status=status)
 
     def _end_failed(self) -> None:
-        self.client.set_terminated(self.run_id, status="FAILED")
+        self._end("FAILED")
+
+    def _end_killed(self, signum: int, frame: Any) -> None:
+        """SIGTERM: the run ends ``KILLED``; then the handler that was there before runs (the default
+        one ends the process by the same signal, as if this hook were not there)."""
+        previous = self._previous_sigterm
+        self._forget_exit_hooks()
+        try:
+            self._end("KILLED")
+        except Exception:  # noqa: BLE001 -- the process is being stopped; the tracker must not prevent it
+            pass
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Trackers:

@@ -161,6 +161,37 @@ def test_an_mlflow_run_whose_process_dies_before_close_ends_failed(tmp_path, mon
     assert run.info.status == "FAILED" and mlflow_series(client, run, "loss") == [(0, 1.0)]
 
 
+def test_an_mlflow_run_whose_process_is_stopped_by_sigterm_ends_killed(tmp_path, monkeypatch):
+    """The launcher stops a rank with SIGTERM: its MLflow run ends KILLED and the process still ends
+    by that signal; a run closed before the signal stays FINISHED."""
+    import os
+    import signal
+    import subprocess
+
+    code = ("import sys, time\n"
+            "from dschat.training.trackers import Trackers\n"
+            f"done = Trackers(['mlflow'], {str(tmp_path / 'tb')!r}, 'run', run_name='done', root={str(tmp_path)!r})\n"
+            "done.close()\n"
+            f"t = Trackers(['mlflow'], {str(tmp_path / 'tb')!r}, 'run', run_name='stopped', root={str(tmp_path)!r})\n"
+            "t.scalars(0, loss=1.0)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(300)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=120) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the run set it for itself
+    client, run = mlflow_run(tmp_path / "mlruns", "stopped")
+    assert run.info.status == "KILLED" and mlflow_series(client, run, "loss") == [(0, 1.0)]
+    assert mlflow_run(tmp_path / "mlruns", "done")[1].info.status == "FINISHED"
+
+
 # ------------------------------------------------------------------------------------ whole steps
 
 
