@@ -64,9 +64,8 @@ import engine_bytes  # noqa: E402
 from step3 import append_results, build_step3, configure, model_folders, publish, versions  # noqa: E402
 from step3 import parse_args as step3_parse_args  # noqa: E402
 
-from dschat.plan.cli import build_parser, format_gb, plan  # noqa: E402
-from dschat.plan.phases import PHASES, hybrid_engine_used  # noqa: E402
-from dschat.plan.roles import model_config, plan_roles  # noqa: E402
+from dschat.plan.cli import build_parser as plan_parser, format_gb, plan  # noqa: E402
+from dschat.plan.roles import plan_roles  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -148,7 +147,7 @@ def predict(argv: Sequence[str], gpu_bytes: int, cpu: bool) -> dict:
     result, plus ``"states"`` (role -> the five :data:`STATE_KEYS`, the device's resident buckets) from
     ``plan_roles`` (with ``cpu_accelerator`` on the CPU, as the exactness test plans) and
     ``"hybrid_engine"`` (whether the plan decodes with dschat's Hybrid Engine)."""
-    args = build_parser(3).parse_args([*argv, "--gpus_per_node", "1", "--num_nodes", "1"])
+    args = plan_parser(3).parse_args([*argv, "--gpus_per_node", "1", "--num_nodes", "1"])
     result = plan(args, gpu_bytes=gpu_bytes)
     roles = plan_roles(args, 1, dtype=args.dtype, cpu_accelerator=cpu, hybrid_engine=args.enable_hybrid_engine)
     result["states"] = {role: {**{k: p.state.counted()[k] for k in STATE_KEYS[:4]}, "buckets": p.state.device["buckets"]}
