@@ -161,24 +161,38 @@ def predict(argv: Sequence[str], gpu_bytes: int, cpu: bool) -> dict:
 # The measurement
 # ------------------------------------------------------------------------------------------------
 class PhaseMeter:
-    """Per-phase peaks of CUDA's allocator: :meth:`start` resets the peak, :meth:`stop` keeps the largest
-    ``max_memory_allocated`` seen for the phase while ``measuring``. Off CUDA it measures nothing."""
+    """Per-phase peaks of an allocator (``torch.cuda`` on a CUDA device, else none: nothing is measured):
+    :meth:`start` resets its peak, :meth:`stop` keeps the largest ``max_memory_allocated`` seen for the
+    phase while ``measuring``. ``log`` lists what happened while measuring: ``"start"`` and the phases
+    stopped, in order."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, allocator: Any = None) -> None:
+        self.allocator = allocator if allocator is not None else (torch.cuda if device.type == "cuda" else None)
+        self.cuda = self.allocator is not None
         self.device = device
         self.measuring = False
         self.peaks: dict[str, int] = {}
+        self.log: list[str] = []
 
     def start(self) -> None:
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
+            self.allocator.synchronize(self.device)
+            self.allocator.reset_peak_memory_stats(self.device)
+            if self.measuring:
+                self.log.append("start")
 
     def stop(self, phase: str) -> None:
         if self.cuda and self.measuring:
-            torch.cuda.synchronize(self.device)
-            self.peaks[phase] = max(self.peaks.get(phase, 0), int(torch.cuda.max_memory_allocated(self.device)))
+            self.allocator.synchronize(self.device)
+            self.peaks[phase] = max(self.peaks.get(phase, 0), int(self.allocator.max_memory_allocated(self.device)))
+            self.log.append(phase)
+
+    def allocated(self) -> int | None:
+        """The bytes allocated now (None without an allocator)."""
+        if not self.cuda:
+            return None
+        self.allocator.synchronize(self.device)
+        return int(self.allocator.memory_allocated(self.device))
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -305,8 +319,9 @@ def pair_folders(actor: str, critic: str, folder: Path) -> tuple[str, str]:
     return paths
 
 
-def run_config(name: str, args: argparse.Namespace, dtype: str, folder: Path) -> dict:
-    """Predict and measure configuration ``name`` in this process; ``folder`` holds (or gets) its models."""
+def run_config(name: str, args: argparse.Namespace, dtype: str, folder: Path, allocator: Any = None) -> dict:
+    """Predict and measure configuration ``name`` in this process; ``folder`` holds (or gets) its models;
+    ``allocator``: :class:`PhaseMeter`'s (default: ``torch.cuda`` on a CUDA device)."""
     from dschat.plan.preflight import device_memory
     from dschat.runtime.dist import init_distributed
 
@@ -322,13 +337,10 @@ def run_config(name: str, args: argparse.Namespace, dtype: str, folder: Path) ->
     built = build_step3(sargs, actor, critic, folder / f"data-{name}", dtype)
     prediction = predict(built.argv, memory, cpu=accelerator == "cpu")
     configure(built.trainer, "ours", built.he_available, "auto", built.dschat_he, 1)
-    meter = PhaseMeter(device)
+    meter = PhaseMeter(device, allocator)
     batches = full_prompts(built.tokenizer, args.batch, args.prompt_len, args.warmup + args.steps)
     ppo_steps(built.trainer, batches, args.warmup, meter, device)
-    resident = None
-    if meter.cuda:
-        torch.cuda.synchronize(device)
-        resident = int(torch.cuda.memory_allocated(device))
+    resident = meter.allocated()
     counted = counted_states(built.engine)
     phases = []
     for phase in prediction["phases"]:
@@ -347,7 +359,7 @@ def run_config(name: str, args: argparse.Namespace, dtype: str, folder: Path) ->
         "accelerator": accelerator, "device_bytes": memory, "step3_argv": built.argv,
         "hybrid_engine_planned": prediction["hybrid_engine"],
         "generation_loop": built.trainer.generator.last_loop or "",
-        "phases": phases,
+        "phases": phases, "phase_log": meter.log,
         "resident": {"predicted_bytes": planned_resident, "measured_bytes": resident},
         "model_states": states, "plan": {k: v for k, v in prediction.items() if k not in ("phases", "states")},
     }

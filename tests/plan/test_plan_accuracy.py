@@ -88,6 +88,45 @@ def test_without_cuda_it_measures_no_phase_and_says_so(zero3_lora_he):
     assert all(line.endswith("| yes |") for line in rows[6:])
 
 
+class ScriptedAllocator:
+    """``torch.cuda``'s four calls the meter makes, on a CPU: the n-th peak read returns n, so each
+    phase's figure says which read it came from."""
+
+    def __init__(self):
+        self.reads = 0
+
+    def synchronize(self, device):
+        pass
+
+    def reset_peak_memory_stats(self, device):
+        pass
+
+    def max_memory_allocated(self, device):
+        self.reads += 1
+        return self.reads
+
+    def memory_allocated(self, device):
+        return 7
+
+
+def test_each_phase_is_bracketed_where_the_planner_draws_it(tmp_path):
+    """On a real tiny trainer, with an allocator that only counts its reads: the measured step starts and
+    stops the phases in the step's order (the warm-up step reads nothing), the optimizer step's figure is
+    the larger of the actor's and the critic's."""
+    bench = _bench()
+    args = bench.parse_args(["--configs", "opt-z0", *TINY, "--results", ""])
+    allocator = ScriptedAllocator()
+    r = bench.run_config("opt-z0", args, "fp32", tmp_path, allocator=allocator)
+    phases = ["generation", "scoring", "actor training", "optimizer step", "critic training", "optimizer step"]
+    assert r["phase_log"] == [x for phase in phases for x in ("start", phase)]
+    assert allocator.reads == 6  # one measured step
+    measured = {p["name"]: p["measured_bytes"] for p in r["phases"]}
+    assert measured == {"generation": 1, "scoring": 2, "actor training": 3, "critic training": 5, "optimizer step": 6}
+    for p in r["phases"]:
+        assert p["error"] == (p["predicted_bytes"] - p["measured_bytes"]) / p["measured_bytes"]
+    assert r["resident"]["measured_bytes"] == 7
+
+
 def test_the_table_compares_predicted_with_measured_by_hand():
     bench = _bench()
     phase = {"name": "generation", "predicted_bytes": 11_000_000_000, "measured_bytes": 10_000_000_000,
