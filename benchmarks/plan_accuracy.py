@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+from deepspeed.accelerator import get_accelerator
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -467,8 +468,6 @@ def report(results: list[dict], args: argparse.Namespace, argv: Sequence[str], d
 def main(argv: Sequence[str] | None = None) -> dict:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    from deepspeed.accelerator import get_accelerator
-
     dtype = args.dtype or ("fp32" if get_accelerator().device_name() == "cpu" else "bf16")
     if args.child_out:  # a child: one configuration, the parent's models
         result = run_config(args.configs[0], args, dtype, Path(args.models_dir))
@@ -494,4 +493,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(1 if any("error" in r for r in main()["configs"]) else 0)  # a configuration that failed
