@@ -229,6 +229,84 @@ def critic_folder(model: str, folder: Path) -> str:
     return str(out)
 
 
+def model_folders(actor: str, critic: str | None, folder: Path) -> tuple[str, str]:
+    """The actor's model (:func:`materialise`) and a step-2-style critic folder (:func:`critic_folder`) on
+    ``critic`` (default: the actor's model), written into ``folder``."""
+    return materialise(actor, folder), critic_folder(materialise(critic or actor, folder), folder)
+
+
+def step3_main_module() -> Any:
+    """``training/step3_rlhf_finetuning/main.py`` imported as a module (it is not a package)."""
+    import importlib.util
+
+    name = "dschat_step3_main"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, REPO / "training" / "step3_rlhf_finetuning" / "main.py")
+    step3 = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = step3  # its dataclasses look their module up
+    spec.loader.exec_module(step3)
+    return step3
+
+
+def step3_argv(args: argparse.Namespace, actor: str, critic: str, data_dir: Path, dtype: str) -> list[str]:
+    """The step-3 flags (``training/step3_rlhf_finetuning/main.py``'s) of this benchmark's ``args``
+    (:func:`parse_args`' fields) on the model folders ``actor`` and ``critic``, in ``dtype``."""
+    argv = [
+        "--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
+        "--data_path", "dschat/builtin", "--data_output_path", str(data_dir),
+        "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
+        "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
+        "--actor_zero_stage", str(args.zero_stage), "--critic_zero_stage", str(args.zero_stage),
+        "--dtype", dtype, "--actor_learning_rate", "1e-6", "--critic_learning_rate", "1e-6",
+        "--actor_dropout", "0.0", "--num_warmup_steps", "0", "--seed", str(args.seed),
+        "--algorithm", args.algorithm, "--num_generations", str(args.num_generations),
+    ]
+    if args.lora_dim:
+        from transformers import AutoConfig
+
+        from dschat.models.families import family_of
+        from dschat.models.registry import resolve_model_path
+
+        family = family_of(AutoConfig.from_pretrained(resolve_model_path(actor)))
+        argv += ["--actor_lora_dim", str(args.lora_dim), "--actor_lora_module_name", family.lora_module_name]
+    if args.hybrid_engine:
+        argv.append("--enable_hybrid_engine")
+    if args.release_inference_cache:
+        argv.append("--release_inference_cache")
+    return argv + ["--inference_tp_size", str(args.inference_tp_size)]
+
+
+@dataclass
+class Step3Build:
+    """Step 3's engines and trainer as this benchmark runs them."""
+
+    engine: Any  # DeepSpeedRLHFEngine
+    trainer: Any  # DeepSpeedPPOTrainer
+    tokenizer: Any
+    argv: list[str]  # the step-3 flags they were built from (:func:`step3_argv`)
+    he_available: bool  # the generator's Hybrid Engine is usable
+    dschat_he: bool  # --hybrid_engine asked for dschat's Hybrid Engine
+
+
+def build_step3(args: argparse.Namespace, actor: str, critic: str, data_dir: Path, dtype: str) -> Step3Build:
+    """Build step 3's engines (``DeepSpeedRLHFEngine``; no critic for a critic-free ``--algorithm``) and
+    trainer from :func:`step3_argv`, every answer exactly ``--answer_len`` tokens (``min_new_tokens``)."""
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+
+    argv = step3_argv(args, actor, critic, data_dir, dtype)
+    sargs = step3_main_module().parse_args(argv)
+    tokenizer = load_hf_tokenizer(actor)
+    engine = DeepSpeedRLHFEngine(actor, critic, tokenizer, sargs, num_total_iters=10_000,
+                                 with_critic=args.algorithm == "ppo")
+    trainer = DeepSpeedPPOTrainer(engine, sargs)
+    trainer.generator.extra_generate_kwargs = {"min_new_tokens": args.answer_len}  # fixed workload
+    return Step3Build(engine, trainer, tokenizer, argv, trainer.generator.hybrid_engine_active,
+                      trainer.generator.use_dschat_engine)
+
+
 # ------------------------------------------------------------------------------------------------
 # Peaks
 # ------------------------------------------------------------------------------------------------
@@ -767,18 +845,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     args = parse_args(argv)
     from deepspeed.accelerator import get_accelerator
 
-    from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
-    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
     from dschat.runtime.dist import barrier, init_distributed
     from dschat.runtime.perf import bytes_per_parameter, checkpoint_activations_factor, count_parameters
-
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("dschat_step3_main", REPO / "training" / "step3_rlhf_finetuning" / "main.py")
-    step3 = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = step3  # its dataclasses look their module up
-    spec.loader.exec_module(step3)
 
     info = init_distributed()
     device = info.device
@@ -786,40 +854,11 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     torch.manual_seed(args.seed)
     with shared_temporary_directory(info.rank, info.world_size) as tmp_path:
-        actor = materialise(args.actor, tmp_path)
-        critic = critic_folder(materialise(args.critic or args.actor, tmp_path), tmp_path)
+        actor, critic = model_folders(args.actor, args.critic, tmp_path)
         barrier()  # rank 0 wrote the folders
-        argv_step3 = [
-            "--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
-            "--data_path", "dschat/builtin", "--data_output_path", str(tmp_path / "data"),
-            "--per_device_generation_batch_size", str(args.batch), "--per_device_training_batch_size", str(args.batch),
-            "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
-            "--actor_zero_stage", str(args.zero_stage), "--critic_zero_stage", str(args.zero_stage),
-            "--dtype", dtype, "--actor_learning_rate", "1e-6", "--critic_learning_rate", "1e-6",
-            "--actor_dropout", "0.0", "--num_warmup_steps", "0", "--seed", str(args.seed),
-            "--algorithm", args.algorithm, "--num_generations", str(args.num_generations),
-        ]
-        if args.lora_dim:
-            from transformers import AutoConfig
-
-            from dschat.models.families import family_of
-            from dschat.models.registry import resolve_model_path
-
-            family = family_of(AutoConfig.from_pretrained(resolve_model_path(actor)))
-            argv_step3 += ["--actor_lora_dim", str(args.lora_dim), "--actor_lora_module_name", family.lora_module_name]
-        if args.hybrid_engine:
-            argv_step3.append("--enable_hybrid_engine")
-        if args.release_inference_cache:
-            argv_step3.append("--release_inference_cache")
-        argv_step3 += ["--inference_tp_size", str(args.inference_tp_size)]
-        sargs = step3.parse_args(argv_step3)
-        tokenizer = load_hf_tokenizer(actor)
-        engine = DeepSpeedRLHFEngine(actor, critic, tokenizer, sargs, num_total_iters=10_000,
-                                     with_critic=args.algorithm == "ppo")
-        trainer = DeepSpeedPPOTrainer(engine, sargs)
-        trainer.generator.extra_generate_kwargs = {"min_new_tokens": args.answer_len}  # fixed workload
-        he_available = trainer.generator.hybrid_engine_active
-        dschat_he = trainer.generator.use_dschat_engine
+        built = build_step3(args, actor, critic, tmp_path / "data", dtype)
+        engine, trainer, tokenizer = built.engine, built.trainer, built.tokenizer
+        he_available, dschat_he = built.he_available, built.dschat_he
         # batch / K prompts a step; the trainer answers each K times.
         batches = prompt_batches(tokenizer, args.batch // args.num_generations, args.prompt_len,
                                  args.warmup + args.steps + args.profile)
