@@ -4,8 +4,8 @@
 For each seed this runs e2e's step 1 once (the SFT actor, ``python e2e_rlhf.py --step 1 --seed S``),
 then step 3 of the RLVR demo (``--algorithm grpo --reward-fn dschat.rewards:gold``: the recipe of
 ``configs/step3.yaml``, 20 steps of 2 prompts x 4 answers) once per configuration, with
-``--eval_prompts 64`` so that step 3's own held-out evaluation (the gold judge, before the first
-step and every 10 steps) measures the gain. The configurations:
+``--eval_prompts 64 --eval_interval 20`` so that step 3's own held-out evaluation (the gold judge,
+before the first step and after the last) measures the gain. The configurations:
 
 * ``grpo``: the recipe as it is;
 * ``dapo``: ``--cliprange_high 0.28 --loss_aggregation token --dynamic_sampling --max_sampling_rounds 3
@@ -18,8 +18,9 @@ Prints one Markdown row per configuration: the held-out gold gain from the evalu
 first step to the last one, in paired standard errors (per seed and pooled), the mean seconds per
 step, and the groups dynamic sampling dropped and the rounds it used. Also writes ``OUT/table.json``.
 
-Usage: ``python benchmarks/rlvr_options.py --out DIR [--seeds 1234 42 7] [--configs grpo dapo gspo]``
-(about 2 minutes per step 1 and 5 per step 3 on a 2-core CPU). A configuration whose
+Usage: ``OMP_NUM_THREADS=1 python benchmarks/rlvr_options.py --out DIR [--seeds 1234 42 7] [--configs grpo dapo
+gspo]`` (about 2 minutes per step 1 and 5 per step 3 on a quiet 2-core CPU; on a shared one, one
+thread per run avoids OpenMP's spinning when the cores are oversubscribed). A configuration whose
 ``metrics.jsonl`` already holds the final evaluation is not run again.
 """
 from __future__ import annotations
@@ -113,7 +114,8 @@ def main() -> None:
             if not finished(out / "metrics.jsonl", last):
                 print(f"seed {seed}: step 3, {name}", flush=True)
                 # Scored by the gold judge alone, without a critic: no step-2 model is read.
-                launch(step3.recipe, params, [*step3.extra, "--eval_prompts", str(EVAL_PROMPTS), *CONFIGS[name]],
+                launch(step3.recipe, params, [*step3.extra, "--eval_prompts", str(EVAL_PROMPTS),
+                                              "--eval_interval", str(last), *CONFIGS[name]],
                        root / f"{name}.log", unset=("critic_model_name_or_path",))
             table[name][seed] = summarise(out / "metrics.jsonl")
     (cli.out / "table.json").write_text(json.dumps(table, indent=1))

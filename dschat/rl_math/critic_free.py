@@ -64,11 +64,12 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     return rewards.view(-1, group_size)
 
 
-def informative_groups(rewards: torch.Tensor, group_size: int, *, atol: float = 1e-6) -> torch.Tensor:
+def informative_groups(rewards: torch.Tensor, group_size: int, *, atol: float = 1e-4) -> torch.Tensor:
     """DAPO's dynamic-sampling filter: which groups hold answers of different rewards.
 
-    A group whose ``K`` rewards are all equal (``max - min <= atol``) has a zero advantage under a
-    group baseline (GRPO, RLOO), so it carries no policy gradient. Shape: rewards (B,) with
+    A group whose ``K`` rewards are all equal (``max - min <= atol``) has a zero reward advantage
+    under a group baseline (GRPO, RLOO), so it carries no policy gradient from its reward. ``atol``
+    is well above GRPO's ``eps`` (1e-6), so float noise between equal scores is not made an advantage. Shape: rewards (B,) with
     ``B = G x K``; returns (G,) bool, True where the group's rewards differ.
     """
     groups = _groups(rewards, group_size)

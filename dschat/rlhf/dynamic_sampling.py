@@ -2,11 +2,14 @@
 informative groups.
 
 A group (the ``K = --num_generations`` answers to one prompt, consecutive rows) whose rewards are all
-equal has a zero advantage under a group baseline, so it trains nothing. :class:`GroupFilter` keeps
-the groups of different rewards (:func:`~dschat.rl_math.critic_free.informative_groups`) from one
+equal (after the ``--clip_reward_value`` clamp the advantages apply) has a zero reward advantage under
+a group baseline, so it trains nothing but the KL term. :class:`GroupFilter` keeps the groups of
+different rewards with at least one answer that trains
+(:func:`~dschat.rl_math.critic_free.informative_groups`) from one
 generation batch and from as many more as step 3's loop draws from the prompt loader, until every
 rank holds a full batch of ``G`` such groups or ``--max_sampling_rounds`` generation batches were
-drawn. The batch it hands back has the usual ``G x K`` rows (:func:`~dschat.rlhf.experience.concat_rows`):
+drawn. The batch it hands back has the usual ``G x K`` rows (fewer when the epoch's last, short
+prompt batch ends it) (:func:`~dschat.rlhf.experience.concat_rows`):
 the first ``G`` informative groups in the order they came; when a rank is still short, the latest
 equal-reward groups fill it, masked out of the loss (``valid`` false, a zero action mask) as dropped
 answers are, so every rank keeps the same micro-batch count. The other groups are dropped.
@@ -24,6 +27,7 @@ import torch
 
 from dschat.rl_math.critic_free import informative_groups
 from dschat.rlhf.experience import Experience, concat_rows, sum_over_ranks
+from dschat.runtime.dist import print_rank_0
 
 __all__ = ["GroupFilter", "SamplingStats"]
 
@@ -33,22 +37,25 @@ class SamplingStats:
     """Dynamic sampling over the generation batches of a rollout, summed over every rank."""
 
     batches: int = 0  # generation batches handed to training
-    rounds: int = 0  # generation batches drawn for them (per rank; every rank draws as many)
+    rounds: int = 0  # generation batches drawn (per rank; every rank draws as many), skipped steps' too
     groups: int = 0  # groups generated
-    dropped_groups: int = 0  # groups of equal rewards, not trained on
+    dropped_groups: int = 0  # groups of equal rewards (or no answer that trains), not trained on
+    surplus_groups: int = 0  # informative groups beyond a full batch, not trained on
     masked_groups: int = 0  # equal-reward groups that filled a short batch, masked out of the loss
 
 
 class GroupFilter:
     """Collects informative groups for one generation batch at a time (module docstring).
 
-    ``groups_per_batch`` is ``G`` (rows per generation batch / ``group_size``); ``pad_token_id``
-    pads the ids of joined batches; ``device`` holds the all-reduced counts.
+    ``groups_per_batch`` is ``G`` (rows per generation batch / ``group_size``); rewards are compared
+    after the clamp to ``+-clip_reward_value``; ``pad_token_id`` pads the ids of joined batches;
+    ``device`` holds the all-reduced counts.
     """
 
-    def __init__(self, *, group_size: int, groups_per_batch: int, max_rounds: int, pad_token_id: int,
-                 device: torch.device) -> None:
+    def __init__(self, *, group_size: int, groups_per_batch: int, max_rounds: int, clip_reward_value: float,
+                 pad_token_id: int, device: torch.device) -> None:
         self.group_size = group_size
+        self.clip_reward_value = clip_reward_value
         self.groups_per_batch = groups_per_batch
         self.max_rounds = max_rounds
         self.pad_token_id = pad_token_id
@@ -72,11 +79,13 @@ class GroupFilter:
         self.rounds += 1
         if experience is None:
             return
-        k = self.group_size
-        informative = informative_groups(experience.reward_score.float(), k).tolist()
+        k, clip = self.group_size, self.clip_reward_value
+        informative = informative_groups(experience.reward_score.float().clamp(-clip, clip), k)
+        trains = experience.valid.view(-1, k).any(dim=1).to(informative.device)  # a row with an action
         self.seen += len(informative)
-        for g, differs in enumerate(informative):
-            group = experience.rows(slice(g * k, (g + 1) * k))
+        for g, differs in enumerate((informative & trains).tolist()):
+            # A copy of the group's rows: the batch's other rows are not kept alive.
+            group = experience.rows(torch.arange(g * k, (g + 1) * k, device=experience.seq.device))
             if differs:
                 self.kept.append(group)
             else:
@@ -92,25 +101,28 @@ class GroupFilter:
 
     def batch(self) -> Experience | None:
         """The batch to train on, or ``None`` when no rank found any informative group (the step is
-        skipped, as when every answer is dropped). Collective (one all-reduce). Resets for the next."""
+        skipped, as when every answer is dropped; one line says so). Collective (one all-reduce).
+        Resets for the next batch; the statistics add up until :meth:`pop_stats`."""
         kept = self.kept[:self.groups_per_batch]
         missing = self.groups_per_batch - len(kept)
         fill = [_masked(group) for group in self.spare[len(self.spare) - missing:]] if missing > 0 else []
-        # Short only when every drawn batch was skipped on every rank: then so is this one.
-        incomplete = len(kept) + len(fill) < self.groups_per_batch
-        informative, seen, dropped, masked, incomplete_anywhere = sum_over_ranks(
-            [float(len(kept)), float(self.seen), float(self.dropped), float(len(fill)), float(incomplete)],
-            self.device)
+        parts = kept + fill  # fewer than G groups only when the epoch's last prompt batch was short
+        informative, seen, dropped, surplus, masked, empty = sum_over_ranks(
+            [float(len(kept)), float(self.seen), float(self.dropped), float(len(self.kept) - len(kept)),
+             float(len(fill)), float(not parts)], self.device)
         stats = self.stats
-        stats.batches += 1
         stats.rounds += self.rounds
         stats.groups += int(seen)
         stats.dropped_groups += int(dropped)
+        stats.surplus_groups += int(surplus)
         stats.masked_groups += int(masked)
-        parts = kept + fill
+        rounds = self.rounds
         self._reset()
-        if informative == 0 or incomplete_anywhere:
+        if informative == 0 or empty:
+            print_rank_0(f"Dynamic sampling: no group of different rewards on any rank in {rounds} generation "
+                         "batches; skipping this step (no update)")
             return None
+        stats.batches += 1
         return concat_rows(parts, self.pad_token_id)
 
     def pop_stats(self) -> SamplingStats:

@@ -165,7 +165,10 @@ def concat_rows(parts: list[Experience], pad_token_id: int) -> Experience:
     widest prompt ``P`` and its answers right-padded to the longest answer width ``A``
     (``L = P + A``). Id fields are padded with ``pad_token_id``, every other field with 0 (no
     attention, no action, position 0), so each row's tokens, masks, positions, log-probs and values
-    keep their meaning: per-token column ``t`` still scores token ``t + 1``.
+    keep their meaning: per-token column ``t`` still scores token ``t + 1``. One exception: a row that
+    filled its part's last column gains padded columns after it, so a reward slot *after* the answer
+    (PPO's ``reward_at="after_last"``) would move onto a zero log-prob; the sequence advantages of
+    GRPO and RLOO, the only callers (``--dynamic_sampling``), do not read it.
     Shapes: part i is (B_i, P_i) / (B_i, L_i) / (B_i, L_i - 1) / (B_i,); returns (sum B_i, ...)."""
     if any(p.advantages is not None or p.returns is not None for p in parts):
         raise ValueError("concat_rows: join experiences before prepare_rollout fills in advantages")

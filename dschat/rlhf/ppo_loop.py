@@ -157,8 +157,8 @@ def group_filter(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, ctx: Ru
         return None
     k = settings.num_generations
     return GroupFilter(group_size=k, groups_per_batch=args.per_device_generation_batch_size // k,
-                       max_rounds=settings.max_sampling_rounds, pad_token_id=trainer.tokenizer.pad_token_id,
-                       device=ctx.device)
+                       max_rounds=settings.max_sampling_rounds, clip_reward_value=trainer.clip_reward_value,
+                       pad_token_id=trainer.tokenizer.pad_token_id, device=ctx.device)
 
 
 def fill_groups(trainer: DeepSpeedPPOTrainer, ctx: RunContext, groups: GroupFilter, experience: Experience | None,
@@ -243,8 +243,9 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
                      f"environment time {env_time:.2f}s", rank)
     if sampling is not None:
         print_rank_0(f"Dynamic sampling: {sampling.dropped_groups} of {sampling.groups} groups had equal rewards and "
-                     f"were dropped | {sampling.rounds / max(sampling.batches, 1):.2f} generation batches drawn per "
-                     f"batch | {sampling.masked_groups} equal-reward groups masked to fill short batches", rank)
+                     f"were dropped, {sampling.surplus_groups} more were surplus | "
+                     f"{sampling.rounds / max(sampling.batches, 1):.2f} generation batches drawn per batch trained | "
+                     f"{sampling.masked_groups} equal-reward groups masked to fill short batches", rank)
     print_rank_0(DASHES, rank)
 
     record = iteration_record(epoch, step, counters.global_step, trainer.update.pop_micro_stats(),
@@ -286,7 +287,7 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
         "time_env": env_time}
     if sampling is not None:  # --dynamic_sampling
         optional.update({"sampled_groups": sampling.groups, "dropped_groups": sampling.dropped_groups,
-                         "masked_groups": sampling.masked_groups,
+                         "surplus_groups": sampling.surplus_groups, "masked_groups": sampling.masked_groups,
                          "sampling_rounds": sampling.rounds / max(sampling.batches, 1)})
     return {
         "epoch": epoch, "step": step, "global_step": global_step,

@@ -10,8 +10,10 @@ class: ``TensorBoardLogger(enabled, path, name)`` is TensorBoard alone, as ``--e
   is set; project ``$WANDB_PROJECT`` or ``dschat``; every scalar is plotted against ``global_step``.
 * MLflow: ``$MLFLOW_TRACKING_URI``, else the file store ``file:<root>/mlruns``; experiment
   ``$MLFLOW_EXPERIMENT_NAME`` or ``dschat``; the flags are the run's parameters; a process that exits
-  without :meth:`Trackers.close` (an error) ends the run ``FAILED``, and one stopped by SIGTERM (the
-  launcher stopping its ranks) ends it ``KILLED`` before the signal's own handling goes on.
+  without :meth:`Trackers.close` (an error) ends the run ``FAILED``; a single-process run stopped by
+  SIGTERM (a scheduler, ``kill``) ends it ``KILLED``, then the signal's own handling goes on. With
+  several ranks no SIGTERM handler is set: a rank blocked in a collective could not run it, and it
+  would hold up the launcher stopping the ranks (their runs stay ``RUNNING``, as after SIGKILL).
 
 ``<root>`` is ``--output_dir``, else ``--tensorboard_path``. W&B and MLflow are optional extras: a
 tracker asked for and not installed is a :class:`~dschat.errors.UserError` on every rank, raised by
@@ -141,7 +143,10 @@ class _MlflowSink:
         atexit.register(self._end_failed)  # a process that exits without close() (a crash) ends it FAILED
         self._open = True  # until the run is ended, one way or another
         self._previous_sigterm = None
-        if threading.current_thread() is threading.main_thread():  # signal handlers live in the main thread
+        self._pid = os.getpid()  # a forked child inherits the handler, not the run
+        single = not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1)
+        if (single and threading.current_thread() is threading.main_thread()  # handlers live in the main thread
+                and signal.getsignal(signal.SIGTERM) is not signal.SIG_IGN):
             self._previous_sigterm = signal.signal(signal.SIGTERM, self._end_killed)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
@@ -156,7 +161,8 @@ class _MlflowSink:
 
     def _forget_exit_hooks(self) -> None:
         atexit.unregister(self._end_failed)
-        if self._previous_sigterm is not None and signal.getsignal(signal.SIGTERM) == self._end_killed:
+        if (self._previous_sigterm is not None and threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGTERM) == self._end_killed):
             signal.signal(signal.SIGTERM, self._previous_sigterm)
         self._previous_sigterm = None
 
@@ -173,10 +179,11 @@ class _MlflowSink:
         one ends the process by the same signal, as if this hook were not there)."""
         previous = self._previous_sigterm
         self._forget_exit_hooks()
-        try:
-            self._end("KILLED")
-        except Exception:  # noqa: BLE001 -- the process is being stopped; the tracker must not prevent it
-            pass
+        if os.getpid() == self._pid:  # not in a forked child (a worker pool's, stopped by SIGTERM)
+            try:
+                self._end("KILLED")
+            except Exception:  # noqa: BLE001 -- the process is being stopped; the tracker must not prevent it
+                pass
         if callable(previous):
             previous(signum, frame)
         elif previous != signal.SIG_IGN:

@@ -23,8 +23,8 @@ PAD = 0
 
 
 def test_informative_groups_by_hand():
-    rewards = torch.tensor([1.0, 1.0,   0.0, 1.0,   0.5, 0.5 + 1e-7,   -2.0, 3.0])
-    assert informative_groups(rewards, 2).tolist() == [False, True, False, True]
+    rewards = torch.tensor([1.0, 1.0,   0.0, 1.0,   0.5, 0.50005,   -2.0, 3.0])
+    assert informative_groups(rewards, 2).tolist() == [False, True, False, True]  # within 1e-4: equal
     assert informative_groups(rewards, 4).tolist() == [True, True]
     assert informative_groups(rewards, 2, atol=0.0).tolist() == [False, True, True, True]
     # What the filter stands for: an equal-reward group's GRPO advantages are all zero.
@@ -84,8 +84,8 @@ def test_concat_rows_keeps_every_row_as_it_was():
 
 
 def _filter(groups_per_batch: int = 2, max_rounds: int = 3) -> GroupFilter:
-    return GroupFilter(group_size=2, groups_per_batch=groups_per_batch, max_rounds=max_rounds, pad_token_id=PAD,
-                       device=torch.device("cpu"))
+    return GroupFilter(group_size=2, groups_per_batch=groups_per_batch, max_rounds=max_rounds, clip_reward_value=10.0,
+                       pad_token_id=PAD, device=torch.device("cpu"))
 
 
 def _batch(scores: list[float], first_token: int) -> Experience:
@@ -106,7 +106,8 @@ def test_the_filter_keeps_the_first_informative_groups_in_order():
     assert [r["tokens"][0] for r in _rows(out)] == [3, 4, 20, 21]
     assert out.valid.all()
     stats = f.pop_stats()
-    assert (stats.batches, stats.rounds, stats.groups, stats.dropped_groups, stats.masked_groups) == (1, 3, 6, 3, 0)
+    assert (stats.batches, stats.rounds, stats.groups, stats.dropped_groups, stats.surplus_groups,
+            stats.masked_groups) == (1, 3, 6, 3, 1, 0)
     assert f.pop_stats().groups == 0 and f.kept == [] and f.rounds == 0
 
 
@@ -125,12 +126,32 @@ def test_a_batch_still_short_is_filled_with_the_latest_equal_groups_masked():
     assert f.pop_stats().masked_groups == 1
 
 
-def test_no_informative_group_skips_the_batch():
+def test_rewards_equal_after_the_clamp_or_no_answer_that_trains_drop_a_group():
+    f = _filter(groups_per_batch=3, max_rounds=1)
+    short_answers = _batch([0, 1, 11.1, 12.3, 0, 2], 1)  # clamped to +-10: 11.1 and 12.3 are both 10
+    short_answers.valid[4:] = False  # group 2 differs, but none of its answers trains
+    f.add(short_answers)
+    out = f.batch()
+    assert out.valid.tolist() == [True, True, False, False, False, False]
+    assert f.pop_stats().dropped_groups == 2
+
+
+def test_a_short_last_prompt_batch_still_trains_its_groups():
+    f = _filter(groups_per_batch=3, max_rounds=3)
+    f.add(_batch([0, 1, 2, 3], 1))  # the epoch's last batch: 2 groups, both informative
+    assert f.wants_more()  # the loop then finds no more prompt batches
+    out = f.batch()
+    assert len(out) == 4 and out.valid.all()
+
+
+def test_no_informative_group_skips_the_batch(capsys):
     f = _filter(max_rounds=2)
     f.add(_batch([1, 1, 2, 2], 1))
     f.add(_batch([0, 0, 0, 0], 1))
     assert not f.wants_more() and f.batch() is None
-    assert f.pop_stats().dropped_groups == 4
+    assert "Dynamic sampling: no group of different rewards on any rank in 2 generation batches" in capsys.readouterr().out
+    stats = f.pop_stats()
+    assert (stats.dropped_groups, stats.batches, stats.rounds) == (4, 0, 2)
     f.add(None)
     f.add(None)
     assert f.batch() is None
@@ -222,7 +243,8 @@ def test_two_ranks_draw_the_same_batches(tmp_path, data_cache):
     for rank, (code, stdout, stderr) in enumerate(ranks):
         assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
     histories = [json.loads((tmp_path / f"records{rank}.json").read_text())["history"] for rank in (0, 1)]
-    keys = ("step", "sampling_rounds", "sampled_groups", "dropped_groups", "masked_groups", "reward", "actor_loss")
+    keys = ("step", "sampling_rounds", "sampled_groups", "dropped_groups", "surplus_groups", "masked_groups", "reward",
+            "actor_loss")
     assert [[r[k] for k in keys] for r in histories[0]] == [[r[k] for k in keys] for r in histories[1]]
     assert len(histories[0]) == 3 and sum(r["dropped_groups"] for r in histories[0]) > 0
     assert (out / "actor" / "config.json").exists()

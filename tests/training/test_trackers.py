@@ -162,8 +162,9 @@ def test_an_mlflow_run_whose_process_dies_before_close_ends_failed(tmp_path, mon
 
 
 def test_an_mlflow_run_whose_process_is_stopped_by_sigterm_ends_killed(tmp_path, monkeypatch):
-    """The launcher stops a rank with SIGTERM: its MLflow run ends KILLED and the process still ends
-    by that signal; a run closed before the signal stays FINISHED."""
+    """A single-process run stopped by SIGTERM: its MLflow run ends KILLED and the process still ends
+    by that signal; a forked child stopped by SIGTERM leaves the run RUNNING; a run closed before the
+    signal stays FINISHED."""
     import os
     import signal
     import subprocess
@@ -174,12 +175,21 @@ def test_an_mlflow_run_whose_process_is_stopped_by_sigterm_ends_killed(tmp_path,
             "done.close()\n"
             f"t = Trackers(['mlflow'], {str(tmp_path / 'tb')!r}, 'run', run_name='stopped', root={str(tmp_path)!r})\n"
             "t.scalars(0, loss=1.0)\n"
+            "import os, signal\n"
+            "child = os.fork()\n"  # a worker process inherits the handler: its SIGTERM leaves the run alone
+            "if child == 0:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    os._exit(3)\n"
+            "_, status = os.waitpid(child, 0)\n"
+            "sink = t.sinks[0]\n"
+            "print(os.WTERMSIG(status), sink.client.get_run(sink.run_id).info.status, flush=True)\n"
             "print('ready', flush=True)\n"
             "time.sleep(300)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
+        assert proc.stdout.readline().split() == [str(int(signal.SIGTERM)), "RUNNING"], proc.stderr.read()[-2000:]
         assert proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=120) == -signal.SIGTERM
