@@ -121,3 +121,24 @@ def test_plain_http_to_another_host_warns_once_at_start_up(data_cache, capsys):
     errors = [x for x in err.splitlines() if x.startswith("error: ")]
     assert code == EXIT_USAGE and len(errors) == 1 and "Traceback" not in err, err[-2000:]
     assert errors[0].startswith(f"error: --reward_url {url} failed once (--reward_url_retries 0); last error: ")
+
+
+@pytest.mark.slow
+def test_two_ranks_each_score_their_own_answers_on_the_server(reward_folder, data_cache, tmp_path):
+    """Step 3 on two real ranks (gloo) against one reward server: each rank sends its own answers and
+    both finish with the same records (the rollout means are over both ranks' server rewards)."""
+    import json
+
+    from test_step3_envs_ranks import _two_ranks
+
+    out = tmp_path / "out"
+    with served_reward_model(reward_folder, "--device", "cpu") as server:
+        ranks = _two_ranks(tmp_path, _argv(data_cache, server.reward_url, "--output_dir", str(out)))
+    for rank, (code, stdout, stderr) in enumerate(ranks):
+        assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
+    histories = [json.loads((tmp_path / f"records{rank}.json").read_text())["history"] for rank in (0, 1)]
+    keys = ("reward", "actor_loss", "kl_to_ref", "kept")
+    assert [[r[k] for k in keys] for r in histories[0]] == [[r[k] for k in keys] for r in histories[1]]
+    assert len(histories[0]) == 2 and all(r["kept"] + r["dropped"] == 8 for r in histories[0])  # 4 answers a rank
+    assert all(math.isfinite(r["reward"]) for r in histories[0])
+    assert (out / "actor" / "config.json").exists()
