@@ -40,7 +40,8 @@ from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.decoder.layouts import layout_name, unsupported_reason
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
-from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
+                                          next_token_scores)
 from dschat.rlhf.rollout.weights import lora_layers, materialised, should_gather
 from dschat.runtime.compile_cache import use_private_compile_cache
 
@@ -128,9 +129,10 @@ class DschatHybridEngine:
     @torch.no_grad()
     def rollout(self, module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
                 materialise: AbstractContextManager[Any] | None = None, min_new_tokens: int = 0,
-                keep_logprobs: bool = True) -> Rollout:
+                keep_logprobs: bool = True, on_step: StepCallback | None = None) -> Rollout:
         """Refresh the weights from ``module`` (inside ``materialise``), then decode ``(B, P)``
-        left-padded prompts as :func:`dschat.rlhf.rollout.sample_loop.sample_loop` does."""
+        left-padded prompts as :func:`dschat.rlhf.rollout.sample_loop.sample_loop` does (``on_step``:
+        see :meth:`decode`)."""
         graphs_before = compiled_before = 0
         device = prompts.device
         if self._compiled(device):
@@ -139,7 +141,8 @@ class DschatHybridEngine:
         with materialise if materialise is not None else nullcontext():
             self.refresh(module)
         try:
-            return self.decode(prompts, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs)
+            return self.decode(prompts, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
+                               on_step=on_step)
         finally:
             self.rollouts += 1
             if self._compiled(device):
@@ -198,10 +201,12 @@ class DschatHybridEngine:
         return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
 
     def decode(self, prompts: torch.Tensor, mask: torch.Tensor, *, min_new_tokens: int = 0,
-               keep_logprobs: bool = True) -> Rollout:
+               keep_logprobs: bool = True, on_step: StepCallback | None = None) -> Rollout:
         """Decode with the current inference weights: the semantics of
         :func:`~dschat.rlhf.rollout.sample_loop.sample_loop` (positions from the mask, the same logits
-        processing, EOS then padding, log-probs under ``logits / logit_temperature``)."""
+        processing, EOS then padding, log-probs under ``logits / logit_temperature``, ``on_step``: a
+        :data:`~dschat.rlhf.rollout.sampling.StepCallback` that sees each step's tokens and may end rows
+        there as an EOS would)."""
         B, P = prompts.shape
         mask = mask.to(prompts.device)
         cache = self._prepare(prompts, mask)
@@ -218,7 +223,7 @@ class DschatHybridEngine:
                 if logprob is not None:
                     logprobs.append(logprob)
                 tokens.append(token)
-                unfinished &= token != self.eos_token_id
+                end_rows(unfinished, token, self.eos_token_id, on_step)
                 if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
                     break
                 position = position + 1
