@@ -297,6 +297,7 @@ class HybridEngineDecoder:
         self.fixed_rows = max_batch_size if self.he.compiled_on(self.device) else None
         if self.fixed_rows is not None:
             self.he.cache_multiple = engine.max_positions  # one cache shape: the capacity is max_positions
+        self.he.keep_packed = True  # the served weights never change: CPU oneDNN copies kept per batch size
         self.he.refresh(engine.model)
 
     def describe(self) -> str:

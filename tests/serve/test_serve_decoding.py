@@ -23,7 +23,7 @@ from dschat.models.registry import resolve_model_path
 from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
-from dschat.serve.actor import (Batcher, Done, Failed, HybridEngineDecoder, Job, LoopDecoder, RowFollower,
+from dschat.serve.actor import (Batcher, Delta, Done, Failed, HybridEngineDecoder, Job, LoopDecoder, RowFollower,
                                 load_actor_engine, pick_decoder, start_batcher)
 from dschat.serve.app import build_actor_app
 from dschat.serve.cli import bind, main
@@ -231,3 +231,23 @@ def test_a_hybrid_engine_that_fails_its_warm_up_leaves_auto_on_the_loop_and_refu
     with pytest.raises(UserError, match=r"^--decoding_engine dschat: dschat Hybrid Engine failed its warm-up .*; "
                                         r"use --decoding_engine loop$"):
         start_batcher(llama, "dschat", 4, 0.005)
+
+
+def test_the_served_hybrid_engine_keeps_its_cpu_packed_weights_while_the_batch_size_stays(llama):
+    decoder = HybridEngineDecoder(llama, 4)
+    model = decoder.he.model
+
+    def decode(prompts: list[str]) -> list[str]:
+        outs: list[list] = [[] for _ in prompts]
+        decoder.decode([Job(llama.encode(p), 6, (), GREEDY, out.append) for p, out in zip(prompts, outs)])
+        return ["".join(e.text for e in out if isinstance(e, Delta)) for out in outs]
+
+    first = decode(PROMPTS[:2])
+    packed = model.packed
+    assert model.packed_rows == 2 and packed
+    assert decode(PROMPTS[:2]) == first and model.packed is packed  # the same batch size: packed once
+    decode(PROMPTS[:1])
+    assert model.packed_rows == 1 and model.packed is not packed  # another batch size: packed again
+    decoder.he.refresh(llama.model)
+    assert model.packed == {}  # new weights: the old copies are dropped
+    assert decode(PROMPTS[:2]) == first

@@ -12,7 +12,9 @@ time with the sampling of dschat's loop (:func:`dschat.rlhf.rollout.sampling.nex
   tensor), and the weights and cache keep their addresses from rollout to rollout, so it is compiled
   and captured once; :attr:`DschatHybridEngine.compiles` and ``captures`` count both.
 * On a CPU it runs eagerly in fp32, attending only to the filled cache columns, with its B-row
-  matmuls on oneDNN-packed weights (``cpu_decode_linear="onednn"``), as dschat's CPU loop does.
+  matmuls on oneDNN-packed weights (``cpu_decode_linear="onednn"``), as dschat's CPU loop does; the
+  packed copies are taken at each decode, or, with ``keep_packed`` (weights that do not change between
+  decodes: a server), kept until the batch size changes or the weights are refreshed.
 * ``release_cache`` (``--release_inference_cache``) frees the KV cache and the weight buffers after
   each rollout; the next one allocates (and, on CUDA, captures) again.
 
@@ -74,6 +76,9 @@ class DschatHybridEngine:
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.release_cache = release_cache
         self.cpu_decode_linear = cpu_decode_linear
+        # Weights that do not change between decodes (a server): the oneDNN-packed copies are kept
+        # while the batch size stays, instead of being taken at every decode; refresh drops them.
+        self.keep_packed = False
         self.compile_step = compile_step  # None: on CUDA only
         # torch.compile's options for the decode step (tests trace it on a CPU with {"backend": "aot_eager"}).
         self.compile_options: dict[str, Any] = {"mode": "reduce-overhead"}
@@ -123,6 +128,7 @@ class DschatHybridEngine:
     def refresh(self, module: nn.Module) -> None:
         """Copy ``module``'s current (materialised) weights into the inference layout, in place."""
         param = next(module.parameters())
+        self.model.unpack()  # packed copies of the old weights
         self.model.weights.refresh(module, param.dtype, param.device)
 
     # ------------------------------------------------------------------ the one call
@@ -170,7 +176,8 @@ class DschatHybridEngine:
                 use_private_compile_cache()  # not torch's default, /tmp/torchinductor_<user>
                 self._step = torch.compile(self.model.step, fullgraph=True, **self.compile_options)
         elif device.type == "cpu" and self.cpu_decode_linear == "onednn" and self._onednn_usable(dtype):
-            self.model.pack_for_cpu(B)
+            if not (self.keep_packed and self.model.packed_rows == B):
+                self.model.pack_for_cpu(B)
         self.cache.start(mask)
         return self.cache
 
@@ -229,7 +236,8 @@ class DschatHybridEngine:
                 position = position + 1
                 logits = self._decode_step(token, position, P + t, cache).float()
         finally:
-            self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
+            if not self.keep_packed:
+                self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
         return loop_rollout(prompts, tokens, logprobs if keep_logprobs else None)
 
 
