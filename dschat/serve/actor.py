@@ -1,4 +1,5 @@
-"""An actor (a causal LM) answering requests: loading it, and the batching worker that decodes them.
+"""An actor (a causal LM) answering requests: loading it, and the batching worker that decodes them
+through step 3's own decoding loops.
 
 * :func:`resolve_actor` / :func:`load_actor_engine`: MODEL as a causal LM -- a step-1 or step-3 output
   folder (a step-3 output root means its ``actor/``), a registry name (``tiny-opt``, ``smollm2-135m``),
@@ -7,22 +8,27 @@
 * :class:`Job`: one prompt to answer (token ids, ``max_tokens``, stop strings, decoding settings,
   an optional seed) and ``emit``, through which the worker reports :class:`Delta` text pieces and
   one final :class:`Done` (or :class:`Failed`).
+* The decoders (``--decoding_engine``, :func:`pick_decoder`): :class:`HybridEngineDecoder`, step 3's
+  :class:`~dschat.rlhf.rollout.dschat_engine.DschatHybridEngine` (``auto`` where its decode model
+  covers the family), and :class:`LoopDecoder`, step 3's
+  :func:`~dschat.rlhf.rollout.sample_loop.sample_loop` (every other family). Both decode a batch of
+  left-padded prompts with the settings of its jobs and follow it row by row through the loop's
+  ``on_step`` callback, :class:`RowFollower`: a row ends at EOS (``stop``; the EOS is counted, not
+  shown), at the first stop string in its text (``stop``; the text is cut before it), after its own
+  ``max_tokens`` (``length``) or at the next token after its job was cancelled (its client went away;
+  ``length``), and the loop pads it from there as a row that wrote EOS; decoding stops when every row
+  has ended. A row's text is emitted as it grows; text that could still be the start of a stop
+  string, or ends in an incomplete character, is held back until it cannot, so the pieces emitted for
+  a row join to its final text.
 * :class:`Batcher`: a background thread. It takes the oldest waiting job, waits up to
   ``max_wait_s`` for more, and decodes together up to ``max_batch_size`` waiting jobs that share its
-  decoding settings (greedy, or temperature / top-k / top-p); jobs with other settings wait for a
-  later batch, in arrival order. A job with a seed is decoded alone, after ``torch.manual_seed(seed)``.
-* :func:`decode_batch`: the decoding loop of :func:`dschat.rlhf.rollout.sample_loop.sample_loop`
-  (left-padded prompts, position ids from the mask, one forward per token with a ``DynamicCache``,
-  :func:`~dschat.rlhf.rollout.sampling.next_token_scores` and
-  :func:`~dschat.rlhf.rollout.sampling.draw`), stepping each row on its own: a row ends at EOS
-  (``stop``; the EOS is counted, not shown), at the first stop string in its text (``stop``; the text
-  is cut before it) or after its own ``max_tokens`` (``length``), and its text is emitted as it grows.
-  Text that could still be the start of a stop string, or ends in an incomplete character, is held
-  back until it cannot; the pieces emitted for a row join to its final text.
+  decoding settings (greedy, or temperature / top-k / top-p) and fit with it in the model's positions
+  (widest prompt + largest ``max_tokens``); other jobs wait for a later batch, in arrival order. A job
+  with a seed is decoded alone, after ``torch.manual_seed(seed)``. :func:`start_batcher` picks the
+  decoder, warms it up on the worker thread and names it for the startup line.
 """
 from __future__ import annotations
 
-import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,17 +36,23 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from dschat.errors import UserError
 from dschat.eval.scoring import pick_device
 from dschat.models.build import create_hf_model
+from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.rlhf.rollout.sampling import DecodingSettings, draw, next_token_scores
+from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatHybridEngine
+from dschat.rlhf.rollout.sample_loop import sample_loop
+from dschat.rlhf.rollout.sampling import DecodingSettings
 
-__all__ = ["ActorEngine", "Batcher", "Delta", "Done", "Failed", "Job", "decode_batch", "load_actor_engine",
-           "resolve_actor"]
+__all__ = ["ActorEngine", "Batcher", "DECODING_ENGINES", "Delta", "Done", "Failed", "HybridEngineDecoder", "Job",
+           "LoopDecoder", "RowFollower", "engine_unsupported", "load_actor_engine", "pick_decoder", "resolve_actor",
+           "start_batcher"]
+
+DECODING_ENGINES = ("auto", "dschat", "loop")  # --decoding_engine
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,77 +208,187 @@ def _step(row: _Row, token: int, eos: int, engine: ActorEngine) -> None:
     job.emit(Done(finish, len(job.prompt_ids), row.count))
 
 
-@torch.inference_mode()
-def decode_batch(engine: ActorEngine, jobs: Sequence[Job]) -> None:
-    """Decode ``jobs`` (one :attr:`Job.key`) together, reporting through each job's ``emit``.
+class RowFollower:
+    """The ``on_step`` callback (:data:`dschat.rlhf.rollout.sampling.StepCallback`) of one batch: row
+    ``i`` answers ``jobs[i]``; rows past the jobs (filler rows of a fixed-size batch) end at the first
+    step. Each step it hands every running row its token (:func:`_step`: emit text, end at EOS, a stop
+    string, ``max_tokens`` or a cancelled job) and returns the rows that have ended."""
 
-    The prompts are left-padded into one ``(B, P)`` batch; each step decodes one ``(B,)`` column and
-    rows that have ended get the pad token until every row has ended."""
-    model, tokenizer = engine.model, engine.tokenizer
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
-    settings, seed = jobs[0].key
-    device = next(model.parameters()).device
-    width = max(len(job.prompt_ids) for job in jobs)
-    ids = torch.full((len(jobs), width), pad, dtype=torch.long)
-    mask = torch.zeros((len(jobs), width), dtype=torch.long)
-    for i, job in enumerate(jobs):
-        ids[i, width - len(job.prompt_ids):] = torch.tensor(job.prompt_ids, dtype=torch.long)
-        mask[i, width - len(job.prompt_ids):] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    accepted = set(inspect.signature(model.forward).parameters)
-    extra: dict[str, Any] = {"use_cache": True}
-    if "logits_to_keep" in accepted:
-        extra["logits_to_keep"] = 1
-    position = None
-    if "position_ids" in accepted:
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, P), as generate derives them
-        extra["position_ids"], position = positions, positions[:, -1:]
-    cache = DynamicCache(config=model.config)
-    logits = model(input_ids=ids, attention_mask=mask, past_key_values=cache, **extra).logits[:, -1].float()
-    rows = [_Row(job) for job in jobs]
-    for _ in range(max(job.max_tokens for job in jobs)):
-        scores = next_token_scores(logits, settings, eos, suppress_eos=False)  # (B, V)
-        token = draw(torch.softmax(scores, dim=-1)) if settings.sample else torch.argmax(scores, dim=-1)  # (B,)
-        for row, value in zip(rows, token.tolist()):
+    def __init__(self, engine: ActorEngine, jobs: Sequence[Job], rows: int) -> None:
+        self.engine, self.rows, self.width = engine, [_Row(job) for job in jobs], rows
+        self.eos = engine.tokenizer.eos_token_id
+
+    def __call__(self, token: torch.Tensor) -> torch.Tensor:
+        for row, value in zip(self.rows, token.tolist()):
             if not row.done:
-                _step(row, value, eos, engine)
-        if all(row.done for row in rows):
-            return
-        ended = torch.tensor([row.done for row in rows], device=device)
-        token = token.masked_fill(ended, pad)
-        mask = torch.cat([mask, mask.new_ones((len(jobs), 1))], dim=-1)
-        if position is not None:
-            position = position + 1
-            extra["position_ids"] = position
-        logits = model(input_ids=token[:, None], attention_mask=mask, past_key_values=cache,
-                       **extra).logits[:, -1].float()
+                _step(row, value, self.eos, self.engine)
+        ended = [row.done for row in self.rows] + [True] * (self.width - len(self.rows))
+        return torch.tensor(ended, dtype=torch.bool, device=token.device)
+
+    def close(self) -> None:
+        """After the loop: a row it left running (it cannot, as its ``max_new_tokens`` is the largest
+        ``max_tokens``) is reported as failed rather than left waiting."""
+        for row in self.rows:
+            if not row.done:
+                row.done = True
+                row.job.emit(Failed("decoding ended before this answer did"))
+
+
+def _left_padded(jobs: Sequence[Job], pad: int, rows: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, P)`` left-padded prompt ids and attention mask; rows past the jobs repeat the first prompt."""
+    prompts = [job.prompt_ids for job in jobs] + [jobs[0].prompt_ids] * (rows - len(jobs))
+    width = max(len(ids) for ids in prompts)
+    ids = torch.full((rows, width), pad, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for i, row in enumerate(prompts):
+        ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+        mask[i, width - len(row):] = 1
+    return ids.to(device), mask.to(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# The decoding engines: step 3's loops, followed row by row
+# ------------------------------------------------------------------------------------------------
+class LoopDecoder:
+    """Step 3's sample loop (:func:`dschat.rlhf.rollout.sample_loop.sample_loop`) on the loaded model."""
+
+    name = "loop"
+
+    def __init__(self, engine: ActorEngine) -> None:
+        self.engine = engine
+        self.device = next(engine.model.parameters()).device
+
+    def describe(self) -> str:
+        return "dschat's sample loop (dschat/rlhf/rollout/sample_loop.py, on the Hugging Face model)"
+
+    def warm_up(self) -> None:
+        """Nothing to prepare."""
+
+    @torch.no_grad()
+    def decode(self, jobs: Sequence[Job]) -> None:
+        """Decode ``jobs`` (one :attr:`Job.key`) together, reporting through each job's ``emit``."""
+        tokenizer, (settings, seed) = self.engine.tokenizer, jobs[0].key
+        prompts, mask = _left_padded(jobs, tokenizer.pad_token_id, len(jobs), self.device)
+        if seed is not None:
+            torch.manual_seed(seed)
+        follower = RowFollower(self.engine, jobs, len(jobs))
+        sample_loop(self.engine.model, prompts, mask, decoding=settings, max_new_tokens=max(j.max_tokens for j in jobs),
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, keep_logprobs=False,
+                    on_step=follower)
+        follower.close()
+
+
+class HybridEngineDecoder:
+    """Step 3's :class:`~dschat.rlhf.rollout.dschat_engine.DschatHybridEngine` with the loaded model's
+    weights (copied once into its inference layout). Where its decode step is compiled (CUDA: CUDA
+    graphs), every batch has ``max_batch_size`` rows and the KV cache the model's whole
+    ``max_positions``, so one graph is compiled and captured (by :meth:`warm_up`, on the worker
+    thread) and replayed for every batch; elsewhere (eager) a batch has as many rows as jobs."""
+
+    name = "dschat"
+
+    def __init__(self, engine: ActorEngine, max_batch_size: int) -> None:
+        tokenizer = engine.tokenizer
+        self.engine = engine
+        self.device = next(engine.model.parameters()).device
+        self.he = DschatHybridEngine(engine.model.config, decoding=DecodingSettings(decoding="greedy"),
+                                     max_new_tokens=1, eos_token_id=tokenizer.eos_token_id,
+                                     pad_token_id=tokenizer.pad_token_id)
+        self.fixed_rows = max_batch_size if self.he.compiled_on(self.device) else None
+        if self.fixed_rows is not None:
+            self.he.cache_multiple = engine.max_positions  # one cache shape: the capacity is max_positions
+        self.he.keep_packed = True  # the served weights never change: CPU oneDNN copies kept per batch size
+        self.he.refresh(engine.model)
+
+    def describe(self) -> str:
+        return self.he.summary(self.device)
+
+    @torch.no_grad()
+    def warm_up(self) -> None:
+        """Decode two tokens of a one-token prompt: on CUDA this compiles and captures the decode step."""
+        pad = self.engine.tokenizer.pad_token_id
+        first = self.engine.tokenizer.bos_token_id
+        job = Job([pad if first is None else first], 2, (), DecodingSettings(decoding="greedy"), lambda event: None)
+        self.he.decoding, self.he.max_new_tokens = job.settings, 2
+        self.he.decode(*_left_padded([job], pad, self.fixed_rows or 1, self.device), keep_logprobs=False)
+
+    @torch.no_grad()
+    def decode(self, jobs: Sequence[Job]) -> None:
+        """Decode ``jobs`` (one :attr:`Job.key`) together, reporting through each job's ``emit``."""
+        (settings, seed), rows = jobs[0].key, self.fixed_rows or len(jobs)
+        prompts, mask = _left_padded(jobs, self.engine.tokenizer.pad_token_id, rows, self.device)
+        self.he.decoding, self.he.max_new_tokens = settings, max(job.max_tokens for job in jobs)
+        if seed is not None:
+            torch.manual_seed(seed)
+        follower = RowFollower(self.engine, jobs, rows)
+        self.he.decode(prompts, mask, keep_logprobs=False, on_step=follower)
+        follower.close()
+
+
+Decoder = LoopDecoder | HybridEngineDecoder
+
+
+def pick_decoder(engine: ActorEngine, choice: str, max_batch_size: int) -> tuple[Decoder, str]:
+    """``--decoding_engine choice`` for ``engine``'s model: the decoder and why it was picked (one phrase).
+
+    ``auto``: dschat's Hybrid Engine where its decode model covers the family, else the sample loop;
+    ``dschat``: the Hybrid Engine or one :class:`UserError` line; ``loop``: the sample loop."""
+    if choice not in DECODING_ENGINES:
+        raise UserError(f"--decoding_engine must be one of {', '.join(DECODING_ENGINES)}, got {choice!r}")
+    if choice == "loop":
+        return LoopDecoder(engine), "asked by --decoding_engine loop"
+    why_not = unsupported_reason(engine.model.config)
+    if why_not is not None:
+        if choice == "dschat":
+            raise UserError(engine_unsupported(engine.model.config, engine.name) or why_not)
+        return LoopDecoder(engine), f"{ENGINE_NAME} not used: {why_not}"
+    how = "asked by --decoding_engine dschat" if choice == "dschat" else "its decode model covers this family"
+    return HybridEngineDecoder(engine, max_batch_size), how
+
+
+def engine_unsupported(config: Any, name: str) -> str | None:
+    """None when dschat's Hybrid Engine can serve a model of ``config``, else the ``--decoding_engine
+    dschat`` refusal (one line)."""
+    why_not = unsupported_reason(config)
+    if why_not is None:
+        return None
+    return f"--decoding_engine dschat: {ENGINE_NAME} cannot decode {name} ({why_not}); use --decoding_engine auto or loop"
 
 
 # ------------------------------------------------------------------------------------------------
 # The batching worker
 # ------------------------------------------------------------------------------------------------
 class Batcher:
-    """Decodes submitted jobs on one background thread, batching those that wait (see the module
-    docstring). :meth:`submit` never blocks; a batch that raises reports :class:`Failed` to each of its
-    jobs still running and the worker goes on."""
+    """Decodes submitted jobs on one background thread with ``decoder``, batching those that wait (see
+    the module docstring). The thread first warms the decoder up (:attr:`warm_up_error`: what it
+    raised, else None; the constructor returns after it). :meth:`submit` never blocks; a batch that
+    raises reports :class:`Failed` to each of its jobs still running and the worker goes on."""
 
-    def __init__(self, engine: ActorEngine, max_batch_size: int, max_wait_s: float) -> None:
-        self.engine, self.max_batch_size, self.max_wait_s = engine, max_batch_size, max_wait_s
+    def __init__(self, decoder: Decoder, max_batch_size: int, max_wait_s: float) -> None:
+        self.decoder, self.max_batch_size, self.max_wait_s = decoder, max_batch_size, max_wait_s
+        self.max_positions = decoder.engine.max_positions
         self._waiting: list[Job] = []
         self._ready = threading.Condition()
         self.batch_sizes: list[int] = []  # every batch decoded, in order (for tests and benchmarks)
-        threading.Thread(target=self._run, name="dschat-serve-decode", daemon=True).start()
+        self.warm_up_error: Exception | None = None
+        warmed = threading.Event()
+        threading.Thread(target=self._run, args=(warmed,), name="dschat-serve-decode", daemon=True).start()
+        warmed.wait()
 
     def submit(self, job: Job) -> None:
         with self._ready:
             self._waiting.append(job)
             self._ready.notify()
 
+    def _fits(self, batch: list[Job], job: Job) -> bool:
+        """Whether ``job`` joins ``batch`` within the model's positions: every row steps until the
+        longest answer ends, so the widest prompt plus the largest ``max_tokens`` must fit."""
+        rows = [*batch, job]
+        return max(len(j.prompt_ids) for j in rows) + max(j.max_tokens for j in rows) <= self.max_positions
+
     def _take(self) -> list[Job]:
         """The next batch: the oldest job and, after waiting up to ``max_wait_s`` for the batch to fill,
-        the other waiting jobs with its key (one job when it has a seed)."""
+        the other waiting jobs with its key that fit with it (one job when it has a seed)."""
         with self._ready:
             while not self._waiting:
                 self._ready.wait()
@@ -275,16 +397,43 @@ class Batcher:
             deadline = time.monotonic() + self.max_wait_s
             while sum(job.key == key for job in self._waiting) < limit and (left := deadline - time.monotonic()) > 0:
                 self._ready.wait(left)
-            batch = [job for job in self._waiting if job.key == key][:limit]
+            batch = self._waiting[:1]  # the oldest job fits alone (a request's prompt + max_tokens is checked)
+            for job in self._waiting[1:]:
+                if len(batch) < limit and job.key == key and self._fits(batch, job):
+                    batch.append(job)
             self._waiting = [job for job in self._waiting if job not in batch]
             return batch
 
-    def _run(self) -> None:
+    def _run(self, warmed: threading.Event) -> None:
+        try:
+            self.decoder.warm_up()
+        except Exception as err:  # noqa: BLE001 - reported to the caller (dschat.serve.cli says it, falls back)
+            self.warm_up_error = err
+        finally:
+            warmed.set()
         while True:
             batch = self._take()
             self.batch_sizes.append(len(batch))
             try:
-                decode_batch(self.engine, batch)
+                self.decoder.decode(batch)
             except Exception as err:  # noqa: BLE001 - reported to the requests; the server goes on
                 for job in batch:
                     job.emit(Failed(f"decoding failed: {type(err).__name__}: {err}"))
+
+
+def start_batcher(engine: ActorEngine, choice: str, max_batch_size: int, max_wait_s: float) -> tuple[Batcher, str]:
+    """A :class:`Batcher` decoding with ``--decoding_engine choice`` (:func:`pick_decoder`) and the
+    phrase for the startup line: the engine and why. If dschat's Hybrid Engine fails its warm-up
+    (compiling its decode step), ``auto`` serves with the sample loop instead and says why; ``dschat``
+    is one :class:`UserError` line."""
+    decoder, why = pick_decoder(engine, choice, max_batch_size)
+    batcher = Batcher(decoder, max_batch_size, max_wait_s)
+    err = batcher.warm_up_error
+    if err is not None:
+        failed = f"{ENGINE_NAME} failed its warm-up ({type(err).__name__}: {str(err).splitlines()[0][:200]})"
+        if choice == "dschat":
+            raise UserError(f"--decoding_engine dschat: {failed}; use --decoding_engine loop")
+        if isinstance(decoder, LoopDecoder):
+            raise err
+        batcher.decoder, why = LoopDecoder(engine), failed  # no job was submitted yet
+    return batcher, f"{batcher.decoder.describe()}: {why}"

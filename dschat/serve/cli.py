@@ -3,8 +3,9 @@
 
 Order: parse -> what MODEL is (a step-2 reward model; else a causal LM: a step-1/3 folder, a registry
 name, a hub id or a PEFT adapter folder; else one line) -> bind the port (a busy one is one line
-naming ``--port``) -> load the model -> print the line
-``serving <kind> <folder> on http://HOST:PORT`` (the bound port, also for ``--port 0``) -> serve until
+naming ``--port``) -> load the model (an actor: its decoder picked by ``--decoding_engine`` and warmed
+up) -> print the line ``serving <kind> <folder> on http://HOST:PORT (...)`` (the bound port, also for
+``--port 0``; an actor's line ends with ``; decoding with <engine>: <why>``) -> serve until
 stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
 code 2. A ``--host`` that is not a loopback address gets a warning line: the server has no
 authentication and no TLS.
@@ -21,12 +22,13 @@ from typing import Sequence
 
 from dschat.errors import UserError, cli_main
 from dschat.eval.scoring import check_reward_folder
+from dschat.models.registry import load_config
 from dschat.models.reward_model import is_reward_model_folder
 
 try:  # the serve extra: pip install 'dschat[serve]'
     import uvicorn
 
-    from dschat.serve.actor import Batcher, load_actor_engine, resolve_actor
+    from dschat.serve.actor import engine_unsupported, load_actor_engine, resolve_actor, start_batcher
     from dschat.serve.app import build_actor_app, build_app
     from dschat.serve.reward_scorer import load_reward_scorer
 except ImportError as err:
@@ -62,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_wait_ms", type=float, default=5.0,
                         help="Actor: how long the first waiting request waits for others to join its batch "
                              "(default 5 ms).")
+    parser.add_argument("--decoding_engine", default="auto", choices=("auto", "dschat", "loop"),
+                        help="Actor: what decodes the batches, both step 3's own code. 'dschat': step 3's dschat "
+                             "Hybrid Engine (its decode model: fused weights, a static KV cache; CUDA graphs on "
+                             "CUDA, eager elsewhere); a model family its decode model does not cover is refused. "
+                             "'loop': step 3's sample loop on the Hugging Face model (any causal LM). 'auto' "
+                             "(default): 'dschat' where its decode model covers the family, else 'loop'. The "
+                             "startup line says which serves and why.")
     parser.add_argument("--log_level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default info: one access line per request).")
     return parser
@@ -109,7 +118,9 @@ def _main(argv: Sequence[str] | None) -> None:
     if reward:
         check_reward_folder(folder)
     else:
-        resolve_actor(args.model)  # one line for what is neither (before the port is bound)
+        actor = resolve_actor(args.model)  # one line for what is neither (before the port is bound)
+        if args.decoding_engine == "dschat" and (refusal := engine_unsupported(load_config(actor), args.model)):
+            raise UserError(refusal)
     if args.batch_size < 1:
         raise UserError(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.max_batch_size < 1:
@@ -133,9 +144,11 @@ def _main(argv: Sequence[str] | None) -> None:
                   flush=True)
         else:
             engine = load_actor_engine(args.model, device=args.device)
-            app = build_actor_app(engine, Batcher(engine, args.max_batch_size, args.max_wait_ms / 1000))
+            batcher, decoding = start_batcher(engine, args.decoding_engine, args.max_batch_size,
+                                              args.max_wait_ms / 1000)
+            app = build_actor_app(engine, batcher)
             print(f"serving actor {args.model} on http://{shown}:{port} (GET /v1/models, POST /v1/completions, "
-                  "POST /v1/chat/completions, GET /health)", flush=True)
+                  f"POST /v1/chat/completions, GET /health); decoding with {decoding}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=75)
         uvicorn.Server(config).run(sockets=[sock])
     finally:

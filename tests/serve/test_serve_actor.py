@@ -1,9 +1,11 @@
 """``python -m dschat.serve`` on an actor: a real server in a subprocess, asked by the official
 ``openai`` client (and by plain HTTP for what the client would not send). Greedy answers are the
-model's own ``generate(do_sample=False)``; streams join to the plain answers; bad requests get OpenAI's
-error body and the server goes on; 32 concurrent clients all get well-formed answers. In-process: the
-batched decoding of prompts of different lengths equals each prompt decoded alone, and waiting jobs
-with equal settings share a batch."""
+model's own ``generate(do_sample=False)`` and step 3's own decoding of the same prompts (dschat's
+Hybrid Engine, which ``auto`` serves tiny-opt with, and the sample loop of ``--decoding_engine loop``);
+streams join to the plain answers and stop strings cut them, in both engines; bad requests get
+OpenAI's error body and the server goes on; 32 concurrent clients all get well-formed answers.
+In-process, in both engines: the batched decoding of prompts of different lengths equals each prompt
+decoded alone, waiting jobs with equal settings share a batch, a cancelled job ends at its next token."""
 from __future__ import annotations
 
 import json
@@ -22,7 +24,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.rollout.sampling import DecodingSettings
-from dschat.serve.actor import Batcher, Delta, Done, Job, decode_batch, load_actor_engine, resolve_actor
+from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
+from dschat.rlhf.rollout.sample_loop import sample_loop
+from dschat.serve.actor import (Batcher, Delta, Done, HybridEngineDecoder, Job, LoopDecoder, load_actor_engine,
+                                resolve_actor)
 
 from helpers.serve import served_model
 
@@ -62,8 +67,21 @@ def server(chat_folder):
 
 
 @pytest.fixture(scope="module")
+def loop_server(chat_folder):
+    with served_model(chat_folder, "--device", "cpu", "--max_batch_size", "8", "--decoding_engine", "loop") as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.api_url, api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(params=["dschat", "loop"])
+def engine_client(request):
+    """``(engine, client)``: the ``auto`` server (dschat's Hybrid Engine on tiny-opt) or the ``loop`` one."""
+    served = request.getfixturevalue("server" if request.param == "dschat" else "loop_server")
+    return request.param, openai.OpenAI(base_url=served.api_url, api_key="unused", max_retries=0, timeout=120)
 
 
 def _reference(model, tokenizer, ids: list[int], max_new_tokens: int) -> tuple[str, int, str]:
@@ -123,7 +141,60 @@ def test_a_list_of_prompts_gets_one_choice_each_in_order(client, chat_folder, ow
     assert reply.usage.prompt_tokens == sum(len(tokenizer(p)["input_ids"]) for p in PROMPTS)
 
 
-def test_a_streamed_completion_joins_to_the_plain_answer(client, chat_folder):
+def _step3_answers(model, tokenizer, prompts: list[str], max_new_tokens: int, engine: str) -> list[tuple[str, int, str]]:
+    """(text, completion tokens, finish reason) of each prompt in step 3's own greedy decoding of the
+    left-padded batch: dschat's Hybrid Engine or the sample loop."""
+    rows = [tokenizer(p)["input_ids"] for p in prompts]
+    width, pad, eos = max(map(len, rows)), tokenizer.pad_token_id, tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():
+        if engine == "dschat":
+            he = DschatHybridEngine(model.config, decoding=GREEDY, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                    pad_token_id=pad)
+            sequences = he.rollout(model, ids, mask, keep_logprobs=False).sequences
+        else:
+            sequences = sample_loop(model, ids, mask, decoding=GREEDY, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                    pad_token_id=pad, keep_logprobs=False).sequences
+    answers = []
+    for row in sequences[:, width:].tolist():
+        count = row.index(eos) + 1 if eos in row else len(row)
+        finish = "stop" if eos in row else "length"
+        answers.append((tokenizer.decode(row[:count], skip_special_tokens=True), count, finish))
+    return answers
+
+
+def test_greedy_answers_are_step3s_own_decoding_in_both_engines(engine_client, chat_folder, own):
+    engine, client = engine_client
+    model, tokenizer = own
+    reply = client.completions.create(model=str(chat_folder), prompt=PROMPTS, max_tokens=24, temperature=0)
+    served = [(c.text, c.finish_reason) for c in reply.choices]
+    expected = _step3_answers(model, tokenizer, PROMPTS, 24, engine)
+    assert served == [(text, finish) for text, _, finish in expected]
+    assert reply.usage.completion_tokens == sum(count for _, count, _ in expected)
+
+
+def test_the_startup_line_names_the_decoding_engine_and_why(server, loop_server):
+    line = next(x for x in server.output if x.startswith("serving actor"))
+    assert line.endswith("decoding with dschat Hybrid Engine (eager decode step), layout opt (fused qkv, fc1): "
+                         "its decode model covers this family"), line
+    line = next(x for x in loop_server.output if x.startswith("serving actor"))
+    assert line.endswith("decoding with dschat's sample loop (dschat/rlhf/rollout/sample_loop.py, on the Hugging "
+                         "Face model): asked by --decoding_engine loop"), line
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7])
+def test_max_tokens_ends_the_answer_in_both_engines(engine_client, chat_folder, own, max_tokens):
+    _, client = engine_client
+    model, tokenizer = own
+    reply = client.completions.create(model=str(chat_folder), prompt=PROMPTS[2], max_tokens=max_tokens, temperature=0)
+    expected = _reference(model, tokenizer, tokenizer(PROMPTS[2])["input_ids"], max_tokens)
+    assert (reply.choices[0].text, reply.usage.completion_tokens, reply.choices[0].finish_reason) == expected
+    assert expected[1:] == (max_tokens, "length")
+
+
+def test_a_streamed_completion_joins_to_the_plain_answer(engine_client, chat_folder):
+    _, client = engine_client
     kwargs = dict(model=str(chat_folder), prompt=PROMPTS[0], max_tokens=12, temperature=0)
     plain = client.completions.create(**kwargs)
     chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
@@ -155,7 +226,8 @@ def test_a_stream_is_server_sent_events_ending_with_done(server, chat_folder):
     assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
 
 
-def test_a_stop_string_cuts_the_text_before_it(client, chat_folder):
+def test_a_stop_string_cuts_the_text_before_it(engine_client, chat_folder):
+    _, client = engine_client
     kwargs = dict(model=str(chat_folder), prompt=PROMPTS[1], max_tokens=16, temperature=0)
     full = client.completions.create(**kwargs).choices[0].text
     stop = full[4:7]
@@ -302,6 +374,11 @@ def engine():
     return load_actor_engine("tiny-llama", device="cpu")
 
 
+@pytest.fixture(params=["dschat", "loop"])
+def decoder(request, engine):
+    return HybridEngineDecoder(engine, 8) if request.param == "dschat" else LoopDecoder(engine)
+
+
 def _job(engine, prompt: str, max_tokens: int, out: list, settings: DecodingSettings = GREEDY) -> Job:
     return Job(engine.encode(prompt), max_tokens, (), settings, out.append)
 
@@ -310,12 +387,12 @@ def _text(events: list) -> tuple[str, Done]:
     return "".join(e.text for e in events if isinstance(e, Delta)), events[-1]
 
 
-def test_a_left_padded_batch_decodes_as_each_prompt_alone(engine):
+def test_a_left_padded_batch_decodes_as_each_prompt_alone(engine, decoder):
     """Prompts of different lengths and max_tokens in one batch (tiny-llama: rotary positions from the
     mask) give each prompt's own generate answer."""
     outs = [[] for _ in PROMPTS]
     jobs = [_job(engine, p, 5 + 3 * i, out) for i, (p, out) in enumerate(zip(PROMPTS, outs))]
-    decode_batch(engine, jobs)
+    decoder.decode(jobs)
     for i, (prompt, events) in enumerate(zip(PROMPTS, outs)):
         text, done = _text(events)
         assert isinstance(done, Done) and sum(isinstance(e, Done) for e in events) == 1
@@ -323,8 +400,8 @@ def test_a_left_padded_batch_decodes_as_each_prompt_alone(engine):
         assert (text, done.completion_tokens, done.finish_reason) == expected, prompt
 
 
-def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine):
-    batcher = Batcher(engine, max_batch_size=3, max_wait_s=0.5)
+def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine, decoder):
+    batcher = Batcher(decoder, max_batch_size=3, max_wait_s=0.5)
     outs = [[] for _ in range(5)]
     sampled = DecodingSettings(decoding="sample", temperature=0.7)
     settings = [GREEDY, sampled, GREEDY, GREEDY, GREEDY]
@@ -340,7 +417,7 @@ def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine):
     assert len(greedy) == 1
 
 
-def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine):
+def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine, decoder):
     events: list = []
     other: list = []
 
@@ -349,7 +426,7 @@ def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine):
         jobs[0].cancelled = True
 
     jobs = [Job(engine.encode(PROMPTS[0]), 40, (), GREEDY, emit), _job(engine, PROMPTS[1], 12, other)]
-    decode_batch(engine, jobs)
+    decoder.decode(jobs)
     done = events[-1]
     assert isinstance(done, Done) and done.finish_reason == "length" and done.completion_tokens < 40
     expected = _reference(engine.model, engine.tokenizer, engine.encode(PROMPTS[1]), 12)

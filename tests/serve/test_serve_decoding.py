@@ -1,17 +1,253 @@
+"""Step 3's decoding loops followed row by row, as ``python -m dschat.serve`` decodes through them: the
+``on_step`` callback of ``sample_loop`` and ``DschatHybridEngine.decode`` ends rows as an EOS would
+(real tiny models, CPU); ``--decoding_engine`` picks, refuses and names the engine; a batch keeps
+within the model's positions; a client that disconnects mid-stream ends its row's decoding and the
+server goes on (a real uvicorn server on a socket, in this process, so the test sees the worker)."""
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from typing import Iterator
+
+import pytest
+import requests
+import torch
+import uvicorn
+from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+from dschat.errors import UserError
+from dschat.models.registry import resolve_model_path
+from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
+from dschat.rlhf.rollout.sample_loop import sample_loop
+from dschat.rlhf.rollout.sampling import DecodingSettings
+from dschat.serve.actor import (Batcher, Delta, Done, Failed, HybridEngineDecoder, Job, LoopDecoder, RowFollower,
+                                load_actor_engine, pick_decoder, start_batcher)
+from dschat.serve.app import build_actor_app
+from dschat.serve.cli import bind, main
+
+GREEDY = DecodingSettings(decoding="greedy")
+PROMPTS = ["Hello there, how are", "The capital of France is", "x"]
+N = 12
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_actor_engine("tiny-llama", device="cpu")
+
+
+def _batch(engine) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [engine.encode(p) for p in PROMPTS]
+    width, pad = max(map(len, rows)), engine.tokenizer.pad_token_id
+    ids = torch.tensor([[pad] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    return ids, mask
+
+
+def _decode(engine, loop: str, ids, mask, **kwargs) -> torch.Tensor:
+    """Step 3's greedy decoding of the batch (EOS suppressed, so only ``on_step`` ends rows early)."""
+    eos, pad = engine.tokenizer.eos_token_id, engine.tokenizer.pad_token_id
+    with torch.no_grad():
+        if loop == "dschat":
+            he = DschatHybridEngine(engine.model.config, decoding=GREEDY, max_new_tokens=N, eos_token_id=eos,
+                                    pad_token_id=pad)
+            return he.rollout(engine.model, ids, mask, min_new_tokens=N, keep_logprobs=False, **kwargs).sequences
+        return sample_loop(engine.model, ids, mask, decoding=GREEDY, max_new_tokens=N, min_new_tokens=N,
+                           eos_token_id=eos, pad_token_id=pad, keep_logprobs=False, **kwargs).sequences
+
+
+@pytest.mark.parametrize("loop", ["dschat", "loop"])
+def test_a_row_ended_by_on_step_is_padded_as_after_eos_and_the_others_are_unchanged(llama, loop):
+    ids, mask = _batch(llama)
+    P, pad = ids.shape[1], llama.tokenizer.pad_token_id
+    plain = _decode(llama, loop, ids, mask)
+    seen: list[torch.Tensor] = []
+
+    def on_step(token: torch.Tensor) -> torch.Tensor:
+        seen.append(token.clone())
+        return torch.tensor([False, len(seen) == 3, False])  # row 1 ends at its third token
+
+    followed = _decode(llama, loop, ids, mask, on_step=on_step)
+    assert followed.shape == plain.shape == (3, P + N)
+    assert torch.equal(followed[[0, 2]], plain[[0, 2]])
+    assert torch.equal(followed[1, :P + 3], plain[1, :P + 3]) and bool((followed[1, P + 3:] == pad).all())
+    assert torch.equal(torch.stack(seen, dim=1), followed[:, P:])  # every step's tokens, padding included
+
+
+@pytest.mark.parametrize("loop", ["dschat", "loop"])
+def test_ending_every_row_stops_decoding(llama, loop):
+    ids, mask = _batch(llama)
+    calls: list[int] = []
+
+    def on_step(token: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        return torch.full(token.shape, len(calls) == 2)
+
+    assert _decode(llama, loop, ids, mask, on_step=on_step).shape[1] == ids.shape[1] + 2 and len(calls) == 2
+
+
+# ------------------------------------------------------------------------------------------------
+# --decoding_engine
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpt2_folder(tmp_path_factory):
+    """A tiny random GPT-2 (a family dschat's decode model does not cover) with tiny-opt's tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-opt"))
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=64, n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
+    folder = tmp_path_factory.mktemp("serve_gpt2") / "gpt2"
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_decoding_engine_dschat_on_a_family_it_does_not_cover_is_one_line_exit_2(gpt2_folder, capsys):
+    assert main([str(gpt2_folder), "--port", "0", "--decoding_engine", "dschat"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --decoding_engine dschat: dschat Hybrid Engine cannot decode")
+    assert "model type 'gpt2' has no inference layout" in err[0] and err[0].endswith("use --decoding_engine auto or loop")
+
+
+def test_auto_serves_a_family_the_engine_does_not_cover_with_the_loop_and_says_why(gpt2_folder, llama):
+    decoder, why = pick_decoder(load_actor_engine(str(gpt2_folder), device="cpu"), "auto", 4)
+    assert isinstance(decoder, LoopDecoder) and why.startswith("dschat Hybrid Engine not used: model type 'gpt2'")
+    decoder, why = pick_decoder(llama, "auto", 4)
+    assert isinstance(decoder, HybridEngineDecoder) and why == "its decode model covers this family"
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches within the model's positions
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine_name", ["dschat", "loop"])
+def test_a_long_prompt_and_a_long_answer_are_not_batched_past_the_models_positions(engine_name):
+    """tiny-opt has 512 learned positions. A 400-token prompt answered in 8 tokens and a short prompt
+    answered in 300 fit alone; in one batch the first row would step to position ~700."""
+    opt = load_actor_engine("tiny-opt", device="cpu")
+    decoder = HybridEngineDecoder(opt, 4) if engine_name == "dschat" else LoopDecoder(opt)
+    long_ids = opt.encode("word " * 300)[:400]
+    outs: list[list] = [[], []]
+    batcher = Batcher(decoder, max_batch_size=4, max_wait_s=2.0)
+    batcher.submit(Job(long_ids, 8, (), GREEDY, outs[0].append))
+    batcher.submit(Job(opt.encode(PROMPTS[0]), 300, (), GREEDY, outs[1].append))
+    deadline = time.monotonic() + 300
+    while not all(out and isinstance(out[-1], (Done, Failed)) for out in outs):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert [type(out[-1]) for out in outs] == [Done, Done], [out[-1] for out in outs]
+    assert [out[-1].completion_tokens for out in outs] == [8, 300] and batcher.batch_sizes == [1, 1]
+
+
+# ------------------------------------------------------------------------------------------------
+# A client that goes away
+# ------------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _serving(app) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port, in a thread of this process."""
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.mark.parametrize("engine_name", ["dschat", "loop"])
+def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_server_goes_on(llama, engine_name,
+                                                                                          monkeypatch):
+    # Each decoding step of this test takes at least 20 ms, so a row that were decoded to its end (400
+    # tokens, tiny-llama writes no EOS for this prompt) would take 8 s: far longer than the disconnect.
+    step, steps = RowFollower.__call__, []
+
+    def slow_step(self, token: torch.Tensor) -> torch.Tensor:
+        steps.append(self)  # which batch stepped
+        time.sleep(0.02)
+        return step(self, token)
+
+    monkeypatch.setattr(RowFollower, "__call__", slow_step)
+    decoder = HybridEngineDecoder(llama, 4) if engine_name == "dschat" else LoopDecoder(llama)
+    batcher = Batcher(decoder, max_batch_size=4, max_wait_s=0.005)
+    jobs: list[Job] = []
+    ends: list[Done] = []
+    submit = batcher.submit
+
+    def watched(job: Job) -> None:  # the test sees how each job ends
+        emit = job.emit
+        job.emit = lambda event: (ends.append(event) if isinstance(event, Done) else None, emit(event))[1]
+        jobs.append(job)
+        submit(job)
+
+    monkeypatch.setattr(batcher, "submit", watched)
+    with _serving(build_actor_app(llama, batcher)) as url:
+        body = json.dumps({"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
+                           "stream": True}).encode()
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            received = b""
+            while b'"text": "' not in received.replace(b'"text": ""', b""):  # a first piece of text
+                chunk = client.recv(4096)
+                assert chunk, received
+                received += chunk
+        assert len(jobs) == 1
+        deadline = time.monotonic() + 60
+        while not ends:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 100, ends[0]
+        reply = requests.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[1],
+                                                             "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+    assert batcher.batch_sizes == [1, 1]
+    assert sum(follower is steps[0] for follower in steps) < 100  # the first batch stopped decoding, too
+
+
+def test_a_hybrid_engine_that_fails_its_warm_up_leaves_auto_on_the_loop_and_refuses_dschat(llama, monkeypatch):
+    def broken(self) -> None:  # as a decode step that does not compile would
+        raise RuntimeError("the decode step did not compile\nsecond line")
+
+    monkeypatch.setattr(HybridEngineDecoder, "warm_up", broken)
+    batcher, why = start_batcher(llama, "auto", 4, 0.005)
+    assert isinstance(batcher.decoder, LoopDecoder)
+    assert why.endswith(": dschat Hybrid Engine failed its warm-up (RuntimeError: the decode step did not compile)")
+    out: list = []
+    batcher.submit(Job(llama.encode(PROMPTS[0]), 3, (), GREEDY, out.append))
+    deadline = time.monotonic() + 60
+    while not (out and isinstance(out[-1], Done)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with pytest.raises(UserError, match=r"^--decoding_engine dschat: dschat Hybrid Engine failed its warm-up .*; "
+                                        r"use --decoding_engine loop$"):
+        start_batcher(llama, "dschat", 4, 0.005)
 
 
 def test_the_served_hybrid_engine_keeps_its_cpu_packed_weights_while_the_batch_size_stays(llama):
     decoder = HybridEngineDecoder(llama, 4)
     model = decoder.he.model
-    answers = []
-    for prompts in (PROMPTS[:2], PROMPTS[1:], PROMPTS[:1]):
-        out: list[list] = [[] for _ in prompts]
-        decoder.decode([Job(llama.encode(p), 6, (), GREEDY, o.append) for p, o in zip(prompts, out)])
-        answers.append([o[-1] for o in out])
-        if len(prompts) == 2:
-            packed = packed if len(answers) == 2 else model.packed  # noqa: F821 - set at the first batch
-            assert model.packed is packed and model.packed_rows == 2  # two batches of 2 rows: packed once
+
+    def decode(prompts: list[str]) -> list[str]:
+        outs: list[list] = [[] for _ in prompts]
+        decoder.decode([Job(llama.encode(p), 6, (), GREEDY, out.append) for p, out in zip(prompts, outs)])
+        return ["".join(e.text for e in out if isinstance(e, Delta)) for out in outs]
+
+    first = decode(PROMPTS[:2])
+    packed = model.packed
+    assert model.packed_rows == 2 and packed
+    assert decode(PROMPTS[:2]) == first and model.packed is packed  # the same batch size: packed once
+    decode(PROMPTS[:1])
     assert model.packed_rows == 1 and model.packed is not packed  # another batch size: packed again
     decoder.he.refresh(llama.model)
-    assert model.packed == {}  # new weights: the copies are dropped
-    assert all(isinstance(done, Done) and done.completion_tokens == 6 for batch in answers for done in batch)
+    assert model.packed == {}  # new weights: the old copies are dropped
+    assert decode(PROMPTS[:2]) == first

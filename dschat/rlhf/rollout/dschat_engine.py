@@ -12,7 +12,9 @@ time with the sampling of dschat's loop (:func:`dschat.rlhf.rollout.sampling.nex
   tensor), and the weights and cache keep their addresses from rollout to rollout, so it is compiled
   and captured once; :attr:`DschatHybridEngine.compiles` and ``captures`` count both.
 * On a CPU it runs eagerly in fp32, attending only to the filled cache columns, with its B-row
-  matmuls on oneDNN-packed weights (``cpu_decode_linear="onednn"``), as dschat's CPU loop does.
+  matmuls on oneDNN-packed weights (``cpu_decode_linear="onednn"``), as dschat's CPU loop does; the
+  packed copies are taken at each decode, or, with ``keep_packed`` (weights that do not change between
+  decodes: a server), kept until the batch size changes or the weights are refreshed.
 * ``release_cache`` (``--release_inference_cache``) frees the KV cache and the weight buffers after
   each rollout; the next one allocates (and, on CUDA, captures) again.
 
@@ -40,7 +42,8 @@ from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.decoder.layouts import layout_name, unsupported_reason
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
-from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
+                                          next_token_scores)
 from dschat.rlhf.rollout.weights import lora_layers, materialised, should_gather
 from dschat.runtime.compile_cache import use_private_compile_cache
 
@@ -73,6 +76,9 @@ class DschatHybridEngine:
         self.eos_token_id, self.pad_token_id = eos_token_id, pad_token_id
         self.release_cache = release_cache
         self.cpu_decode_linear = cpu_decode_linear
+        # Weights that do not change between decodes (a server): the oneDNN-packed copies are kept
+        # while the batch size stays, instead of being taken at every decode; refresh drops them.
+        self.keep_packed = False
         self.compile_step = compile_step  # None: on CUDA only
         # torch.compile's options for the decode step (tests trace it on a CPU with {"backend": "aot_eager"}).
         self.compile_options: dict[str, Any] = {"mode": "reduce-overhead"}
@@ -122,15 +128,17 @@ class DschatHybridEngine:
     def refresh(self, module: nn.Module) -> None:
         """Copy ``module``'s current (materialised) weights into the inference layout, in place."""
         param = next(module.parameters())
+        self.model.unpack()  # packed copies of the old weights
         self.model.weights.refresh(module, param.dtype, param.device)
 
     # ------------------------------------------------------------------ the one call
     @torch.no_grad()
     def rollout(self, module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
                 materialise: AbstractContextManager[Any] | None = None, min_new_tokens: int = 0,
-                keep_logprobs: bool = True) -> Rollout:
+                keep_logprobs: bool = True, on_step: StepCallback | None = None) -> Rollout:
         """Refresh the weights from ``module`` (inside ``materialise``), then decode ``(B, P)``
-        left-padded prompts as :func:`dschat.rlhf.rollout.sample_loop.sample_loop` does."""
+        left-padded prompts as :func:`dschat.rlhf.rollout.sample_loop.sample_loop` does (``on_step``:
+        see :meth:`decode`)."""
         graphs_before = compiled_before = 0
         device = prompts.device
         if self._compiled(device):
@@ -139,7 +147,8 @@ class DschatHybridEngine:
         with materialise if materialise is not None else nullcontext():
             self.refresh(module)
         try:
-            return self.decode(prompts, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs)
+            return self.decode(prompts, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
+                               on_step=on_step)
         finally:
             self.rollouts += 1
             if self._compiled(device):
@@ -167,7 +176,8 @@ class DschatHybridEngine:
                 use_private_compile_cache()  # not torch's default, /tmp/torchinductor_<user>
                 self._step = torch.compile(self.model.step, fullgraph=True, **self.compile_options)
         elif device.type == "cpu" and self.cpu_decode_linear == "onednn" and self._onednn_usable(dtype):
-            self.model.pack_for_cpu(B)
+            if not (self.keep_packed and self.model.packed_rows == B):
+                self.model.pack_for_cpu(B)
         self.cache.start(mask)
         return self.cache
 
@@ -198,10 +208,12 @@ class DschatHybridEngine:
         return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
 
     def decode(self, prompts: torch.Tensor, mask: torch.Tensor, *, min_new_tokens: int = 0,
-               keep_logprobs: bool = True) -> Rollout:
+               keep_logprobs: bool = True, on_step: StepCallback | None = None) -> Rollout:
         """Decode with the current inference weights: the semantics of
         :func:`~dschat.rlhf.rollout.sample_loop.sample_loop` (positions from the mask, the same logits
-        processing, EOS then padding, log-probs under ``logits / logit_temperature``)."""
+        processing, EOS then padding, log-probs under ``logits / logit_temperature``, ``on_step``: a
+        :data:`~dschat.rlhf.rollout.sampling.StepCallback` that sees each step's tokens and may end rows
+        there as an EOS would)."""
         B, P = prompts.shape
         mask = mask.to(prompts.device)
         cache = self._prepare(prompts, mask)
@@ -218,13 +230,14 @@ class DschatHybridEngine:
                 if logprob is not None:
                     logprobs.append(logprob)
                 tokens.append(token)
-                unfinished &= token != self.eos_token_id
+                end_rows(unfinished, token, self.eos_token_id, on_step)
                 if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
                     break
                 position = position + 1
                 logits = self._decode_step(token, position, P + t, cache).float()
         finally:
-            self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
+            if not self.keep_packed:
+                self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
         return loop_rollout(prompts, tokens, logprobs if keep_logprobs else None)
 
 

@@ -30,7 +30,8 @@ from transformers import DynamicCache
 
 from dschat.models.lora import LinearLayer_LoRA
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, say_once
-from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, draw, loop_rollout, next_token_scores
+from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
+                                          next_token_scores)
 from dschat.runtime.zero3 import free_memory_bytes
 
 if TYPE_CHECKING:
@@ -117,7 +118,7 @@ def _forward_kwargs(module: nn.Module) -> set[str]:
 
 def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *, decoding: DecodingSettings,
                 max_new_tokens: int, eos_token_id: int, pad_token_id: int, min_new_tokens: int = 0,
-                keep_logprobs: bool = True, sampler: str = "inverse_cdf") -> Rollout:
+                keep_logprobs: bool = True, sampler: str = "inverse_cdf", on_step: StepCallback | None = None) -> Rollout:
     """Decode ``(B, P)`` left-padded prompts with ``module`` (a decoder-only Hugging Face model).
 
     Decodes as ``module.generate(prompts, attention_mask=mask, max_new_tokens=..., min_new_tokens=...,
@@ -129,6 +130,10 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
     ``"multinomial"`` reproduces generate's draws for a seed). ``Rollout.logprobs``: (B, A') log-probs
     of the tokens under ``logits / decoding.logit_temperature`` (what :func:`generated_token_logprobs`
     computes from generate's logits).
+
+    ``on_step`` (a :data:`~dschat.rlhf.rollout.sampling.StepCallback`) sees each step's ``(B,)`` tokens
+    and may end rows there, as an EOS would (a server's per-row ``max_tokens``, stop strings, streaming
+    and cancelled requests); without it the loop is ``generate``'s.
     """
     B, P = prompts.shape
     accepted = _forward_kwargs(module)
@@ -161,7 +166,7 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
             scaled = logits / temperature if temperature != 1.0 else logits
             logprobs.append(torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1))
         tokens.append(token)
-        unfinished &= token != eos_token_id
+        end_rows(unfinished, token, eos_token_id, on_step)
         if t == max_new_tokens - 1 or not bool(unfinished.any()):
             break
         mask = torch.cat([mask, mask.new_ones((B, 1))], dim=-1)

@@ -10,13 +10,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from transformers import GenerationConfig
 
-__all__ = ["DecodingSettings", "Rollout", "generated_token_logprobs", "loop_rollout", "check_probability_sums", "draw",
-           "next_token_scores"]
+__all__ = ["DecodingSettings", "Rollout", "StepCallback", "generated_token_logprobs", "loop_rollout",
+           "check_probability_sums", "draw", "end_rows", "next_token_scores"]
 
 # ------------------------------------------------------------------------------------------------
 # What a rollout is decoded with, and what it gives back
@@ -94,6 +94,26 @@ def generated_token_logprobs(step_logits: Sequence[torch.Tensor] | None, answer:
         return answer.new_zeros((answer.shape[0], 0), dtype=torch.float32)
     return torch.stack(columns, dim=1)
 
+
+
+# ------------------------------------------------------------------------------------------------
+# Following rows step by step
+# ------------------------------------------------------------------------------------------------
+StepCallback = Callable[[torch.Tensor], "torch.Tensor | None"]
+"""A decoding loop's ``on_step``: called once per step, after the step's tokens are drawn, with those
+``(B,)`` tokens (``pad_token_id`` on rows that had already ended); returns ``None`` or a ``(B,)`` bool
+tensor of rows to end now. A row ended so is treated as one that drew EOS at this step: its token is
+kept and every later token of it is ``pad_token_id``; decoding stops when no row goes on."""
+
+
+def end_rows(unfinished: torch.Tensor, token: torch.Tensor, eos_token_id: int, on_step: StepCallback | None) -> None:
+    """A decoding step's row bookkeeping, in place on the ``(B,)`` bool ``unfinished``: rows that drew
+    ``eos_token_id`` end, then the rows ``on_step(token)`` names (see :data:`StepCallback`)."""
+    unfinished &= token != eos_token_id
+    if on_step is not None:
+        stop = on_step(token)
+        if stop is not None:
+            unfinished &= ~stop.to(device=unfinished.device, dtype=torch.bool)
 
 
 # ------------------------------------------------------------------------------------------------
