@@ -88,8 +88,8 @@ def summarise(metrics: Path) -> dict[str, float]:
     seconds = [r["time_generation"] + r["time_experience"] + r["time_training"] for r in steps]
     return {"gold_before": sum(first) / n, "gold_after": sum(last) / n, "gain": mean, "gain_se": se, "prompts": n,
             "diffs": diffs, "seconds_per_step": sum(seconds) / len(seconds) if seconds else math.nan,
-            "dropped_groups": sum(r.get("dynamic_sampling/dropped_groups", 0) for r in steps),
-            "sampling_rounds": sum(r.get("dynamic_sampling/rounds", 0) for r in steps) / max(len(steps), 1)}
+            "dropped_groups": sum(r.get("dropped_groups", 0) for r in steps),
+            "sampling_rounds": sum(r.get("sampling_rounds", 1) for r in steps) / max(len(steps), 1)}
 
 
 def main() -> None:
@@ -97,17 +97,24 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1234, 42, 7])
     parser.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["grpo", "dapo", "gspo"])
+    parser.add_argument("--summary_only", action="store_true",
+                        help="run nothing: the table of the runs already finished under --out")
     cli = parser.parse_args()
     table: dict[str, dict[int, dict[str, float]]] = {c: {} for c in cli.configs}
     for seed in cli.seeds:
         root = cli.out / f"seed{seed}"
         runs = e2e_runs(seed, root)
         sft = runs[0]
+        step3 = runs[2]
+        last = int(step3.recipe.flag("test_stop_step") or 0)
+        if cli.summary_only:
+            for name in cli.configs:
+                if finished(root / name / "metrics.jsonl", last):
+                    table[name][seed] = summarise(root / name / "metrics.jsonl")
+            continue
         if not (sft.output_dir / "config.json").is_file():
             print(f"seed {seed}: step 1", flush=True)
             launch(sft.recipe, sft.params, sft.extra, root / "step1.log")
-        step3 = runs[2]
-        last = int(step3.recipe.flag("test_stop_step") or 0)
         for name in cli.configs:
             out = root / name
             params = {**step3.params, "output_dir": str(out), "critic_model": str(sft.output_dir)}
@@ -123,8 +130,12 @@ def main() -> None:
           + " | pooled | s/step | dropped groups (rounds/step) |")
     print("|---" * (len(cli.seeds) + 4) + "|")
     for name, per_seed in table.items():
-        cells = [f"{r['gold_before']:.3f} -> {r['gold_after']:.3f} ({r['gain'] / r['gain_se']:+.1f} SE)"
-                 if r["gain_se"] > 0 else f"{r['gain']:+.3f}" for r in per_seed.values()]
+        if not per_seed:
+            print(f"| {name} | " + " | ".join("not run" for _ in cli.seeds) + " | | | |")
+            continue
+        cells = [(f"{r['gold_before']:.3f} -> {r['gold_after']:.3f} ({r['gain'] / r['gain_se']:+.1f} SE)"
+                  if r["gain_se"] > 0 else f"{r['gain']:+.3f}") if (r := per_seed.get(s)) else "not run"
+                 for s in cli.seeds]
         diffs = [d for r in per_seed.values() for d in r["diffs"]]
         mean = sum(diffs) / len(diffs)
         se = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (len(diffs) - 1) / len(diffs))
