@@ -32,7 +32,8 @@ padding]``, with an observation mask: only the actor's tokens are actions.
 
 **Collectives.** The generator's rollouts are collective (ZeRO-3 gathers, tensor-parallel groups), so
 every rank plays the same number of turns: a rank whose episodes are all done generates for one
-placeholder row and discards it, until no rank has a live episode. The turn's token budget is agreed
+placeholder row (with a kept KV cache: its ended rows, which decode nothing) and discards it, until
+no rank has a live episode. The turn's token budget is agreed
 over the ranks, so is whether the decoder's log-probs are kept, and a failing environment (a :class:`~dschat.errors.UserError` line) stops every rank
 together before the next collective.
 """

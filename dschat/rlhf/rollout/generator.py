@@ -36,6 +36,12 @@ run; the generator keeps one record of the latest (:attr:`RolloutGenerator.fallb
 why). The first rollout prints one summary line: the path that served, the reason each path before it
 gave, the dtype and the inference tensor-parallel degree (:meth:`RolloutGenerator.summary_line`).
 
+**Multi-turn episodes** (:class:`~dschat.rlhf.episodes.EpisodePlayer`) pass a
+:class:`~dschat.rlhf.rollout.sample_loop.Conversation` with each turn: where the ``dschat`` loop
+serves, it continues the conversations' KV cache and feeds only each row's new tokens; every other
+path prefills the whole conversations again and the cache is dropped. One line says once which is
+used (and, for a re-prefill, why).
+
 The module paths keep the **log-probs of the generated tokens** (the raw logits divided by the
 sampling temperature), so the trainer need not run the actor over the rollout again for its old
 log-probs (:class:`~dschat.rlhf.rollout.sampling.Rollout`); DeepSpeed's Hybrid Engine keeps none.

@@ -140,7 +140,7 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
     Continuing a cache (:class:`Conversation`): ``cache`` already holds ``C`` columns whose 2-D mask is
     ``past_mask`` (B, C), with holes (0) anywhere; ``prompts``/``mask`` are the new columns. The
     attention mask is ``past_mask`` then ``mask`` then 1 per decoded column, and the position ids
-    ``cumsum - 1`` over all of it, so a token's position counts only the 1s before it. ``active``
+    ``cumsum - 1`` over all of it, so a token's position counts only the ones before it. ``active``
     (B,) bool: the rows that decode (the others give ``pad_token_id`` from the first token on).
     After the call the cache holds ``C + P + A' - 1`` columns (the last sampled token is not fed).
     """
@@ -252,7 +252,7 @@ class Conversation:
     that hold a conversation's token, in the conversation's order, and 0 on holes (a row's left
     padding, the padding before a row's shorter new tokens, a turn's tokens after the row's answer
     ended, every column of a row that no longer decodes). ``cached[i]`` is the number of row ``i``'s
-    tokens whose keys and values are in the cache (its row's 1s). The position ids are ``cumsum - 1``
+    tokens whose keys and values are in the cache (the ones in its row of the mask). The position ids are ``cumsum - 1``
     of the mask, so every token has the position it has in its compact conversation.
 
     A turn: :meth:`next_turn` gives each row's whole conversation so far and whether it decodes
