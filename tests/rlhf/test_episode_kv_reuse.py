@@ -1,7 +1,8 @@
 """Multi-turn episodes continue the conversation's KV cache on the dschat loop: with greedy decoding
 they are the episodes that prefilling every turn again plays, token for token, with the same kept
-log-probs; each turn after the first feeds the model only the rows' new tokens; a path that cannot
-continue a cache prefills again and says why once.
+log-probs; each turn after the first feeds the model only the rows' new tokens (a turn the shared
+budget stopped goes on from its last sampled token); a path that cannot continue a cache prefills
+again and says why once.
 
 The models are real tiny checkpoints (tiny-llama: rotary positions; tiny-opt: learned absolute
 positions); a forward hook makes their turns end (a random tiny model rarely says EOS by itself): the
@@ -63,7 +64,7 @@ def model_and_tokenizer(request):
     return model, tok
 
 
-def _play(model_and_tokenizer, *, reuse: bool, generation_loop: str = "auto"):
+def _play(model_and_tokenizer, *, reuse: bool, generation_loop: str = "auto", max_context: int = 1000):
     """Plays :data:`ROWS`; returns the episodes and, per rollout, the (rows, width) of its first
     forward and its kept log-probs."""
     model, tok = model_and_tokenizer
@@ -71,7 +72,7 @@ def _play(model_and_tokenizer, *, reuse: bool, generation_loop: str = "auto"):
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=MAX_ANSWER, zero_stage=0,
                            generation_loop=generation_loop)
     player = EpisodePlayer(gen, tok, load_environment("env_fixtures:scripted"), max_turns=3,
-                           max_answer_seq_len=MAX_ANSWER, max_context=1000)
+                           max_answer_seq_len=MAX_ANSWER, max_context=max_context)
     player.reuse_kv = reuse
     shapes: list[list[tuple[int, int]]] = []
     logprobs: list[torch.Tensor | None] = []  # each rollout's kept log-probs
@@ -167,3 +168,16 @@ def test_a_path_that_cannot_continue_a_cache_prefills_again_and_says_why_once(mo
     assert KV_REUSE + ": the conversation's" not in said
     assert played.turns.tolist() == [1, 2, 3, 3]
     assert [rows for rows, _ in shapes] == [4, 3, 2]  # only the live episodes, their whole contexts
+
+
+def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_tokenizer):
+    """With no headroom left (``max_context`` below the contexts) each later call decodes one token:
+    the turns that have not ended go on, feeding only their last sampled token, and the episodes are
+    still the re-prefilled ones."""
+    again, again_shapes, _ = _play(model_and_tokenizer, reuse=False, max_context=20)
+    reused, reused_shapes, _ = _play(model_and_tokenizer, reuse=True, max_context=20)
+    assert len(reused_shapes) == len(again_shapes) > 3  # turns stopped by the budget went on
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(reused, name), getattr(again, name)), name
+    assert reused_shapes[3:] == [(4, 1)] * (len(reused_shapes) - 3)
+    assert all(width > 1 for _, width in again_shapes[3:])
