@@ -220,6 +220,8 @@ class EpisodePlayer:
                 if logprobs is not None:
                     logprobs[i] += [0.0] * len(obs)
                 turn_start[i] = len(tokens[i])
+        if conversation is not None:
+            conversation.drop()  # its KV cache is freed before the batch is scored
         # An episode shorter than the batch has a reward slot after its last token; where the decoder
         # stopped with that turn it gave no log-prob there, and the actor scores the batch instead.
         # Every rank does the same (that scoring pass is collective under ZeRO-3).
