@@ -37,7 +37,8 @@ from dschat.runtime.zero3 import free_memory_bytes
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
 
-__all__ = ["Conversation", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop", "SampleLoopPath"]
+__all__ = ["Conversation", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
+           "SampleLoopPath"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -252,8 +253,8 @@ class Conversation:
     that hold a conversation's token, in the conversation's order, and 0 on holes (a row's left
     padding, the padding before a row's shorter new tokens, a turn's tokens after the row's answer
     ended, every column of a row that no longer decodes). ``cached[i]`` is the number of row ``i``'s
-    tokens whose keys and values are in the cache (the ones in its row of the mask). The position ids are ``cumsum - 1``
-    of the mask, so every token has the position it has in its compact conversation.
+    tokens whose keys and values are in the cache (the ones in its row of the mask). The position ids
+    are ``cumsum - 1`` of the mask, so every token has the position it has in its compact conversation.
 
     A turn: :meth:`next_turn` gives each row's whole conversation so far and whether it decodes
     (``active``); the path feeds each active row's tokens past ``cached[i]``, left-padded among
@@ -278,7 +279,6 @@ class Conversation:
         self.reused = False
         self.width = 0  # the last turn's input width: its rollout's answers start at this column
         self.fed = 0  # answer columns of the last turn in the cache (its decoded tokens less one)
-        self.fed_tokens: list[int] = []  # each turn's tokens fed to the model (rows x new columns)
 
     def next_turn(self, contexts: Sequence[Sequence[int]], active: Sequence[bool], pad_id: int) -> None:
         """Each of the ``B`` rows' whole conversation so far, and whether it decodes this turn."""
@@ -288,7 +288,8 @@ class Conversation:
         self.reused = False
 
     def drop(self) -> None:
-        """Forget the cache (another path decoded the turn): the next continued turn prefills it all."""
+        """Free the cache (another path decoded the turn, or the episodes are played): the next
+        continued turn prefills every row's whole conversation."""
         self.cache, self.mask, self.cached, self.fed = None, None, [], 0
 
     def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -314,7 +315,6 @@ class Conversation:
                 ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
                 mask[i, width - len(row):] = 1
             self.cached[i] += len(row)
-        self.fed_tokens.append(sum(len(r) for r in rows))
         self.width = width
         return ids.to(device), mask.to(device)
 
@@ -334,7 +334,8 @@ class Conversation:
             return
         if self.fed:
             taken = torch.tensor([k if a else 0 for k, a in zip(kept, self.active)], device=self.mask.device)
-            self.mask[:, -self.fed:] = (torch.arange(self.fed, device=self.mask.device)[None] < taken[:, None]).to(self.mask)
+            columns = torch.arange(self.fed, device=self.mask.device)
+            self.mask[:, -self.fed:] = (columns[None] < taken[:, None]).to(self.mask)
         for i, a in enumerate(self.active):
             if a:
                 self.cached[i] += min(kept[i], self.fed)
