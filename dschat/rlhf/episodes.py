@@ -6,8 +6,12 @@ Engine, graphs, the sample loop, Hugging Face ``generate``; ZeRO-3 and LoRA as f
 the environments of :mod:`dschat.envs`. Each turn:
 
 1. **generate**: every live episode's whole conversation so far (prompt, the actor's turns, the
-   observations), left-padded, is a prompt for the generator; the context is prefilled again each
-   turn (no KV cache is kept between turns);
+   observations), left-padded, is a prompt for the generator. Where the generator decodes with the
+   dschat loop, it continues the batch's KV cache instead (a
+   :class:`~dschat.rlhf.rollout.sample_loop.Conversation`: each row feeds only its tokens not yet
+   cached -- its observation and the turn's last sampled token -- and every token keeps the position
+   it has in its conversation); other paths prefill the whole conversation again (said once, with
+   why). ``reuse_kv = False`` always prefills again;
 2. **step**: each live environment gets the turn's text (decoded without special tokens),
    concurrently (:class:`~dschat.envs.EpisodeBatch`);
 3. **observe**: an episode that goes on gets its observation appended
@@ -28,7 +32,8 @@ padding]``, with an observation mask: only the actor's tokens are actions.
 
 **Collectives.** The generator's rollouts are collective (ZeRO-3 gathers, tensor-parallel groups), so
 every rank plays the same number of turns: a rank whose episodes are all done generates for one
-placeholder row and discards it, until no rank has a live episode. The turn's token budget is agreed
+placeholder row (with a kept KV cache: its ended rows, which decode nothing) and discards it, until
+no rank has a live episode. The turn's token budget is agreed
 over the ranks, so is whether the decoder's log-probs are kept, and a failing environment (a :class:`~dschat.errors.UserError` line) stops every rank
 together before the next collective.
 """
@@ -44,6 +49,7 @@ from transformers import PreTrainedTokenizerBase
 from dschat.envs import EnvironmentFactory, EpisodeBatch, render_observation
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.rollout.sample_loop import Conversation
 from dschat.runtime.dist import gather_ints
 
 __all__ = ["Episodes", "EpisodePlayer"]
@@ -120,6 +126,7 @@ class EpisodePlayer:
         self.max_context = max_context
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.reuse_kv = True  # continue the conversation's KV cache where the decoding path can
 
     def observation_ids(self, observation: Any, actor_ended: bool) -> list[int]:
         """The token ids appended for ``observation`` after an actor turn (``actor_ended``: the turn's
@@ -146,6 +153,7 @@ class EpisodePlayer:
         tails: list[list[float]] = [[] for _ in range(B)]  # the latest turn's log-probs after its EOS
         turn_start = [0] * B  # where each episode's current turn began in its tokens
         ended = [False] * B
+        conversation = Conversation() if self.reuse_kv else None
         while True:
             live = [i for i, s in enumerate(batch.states) if not s.done]
             contexts = [prompt_rows[i] + tokens[i] for i in live] or [prompt_rows[0]]  # a placeholder row
@@ -156,18 +164,27 @@ class EpisodePlayer:
                 break
             budget = max(1, min(max(r[1] for r in everyone), min(r[2] for r in everyone)))
             ids, mask = _left_padded(contexts, self.pad, device)
+            if conversation is not None:
+                conversation.next_turn([prompt_rows[i] + tokens[i] for i in range(B)],
+                                       [not s.done for s in batch.states], self.pad)
             with _answer_budget(self.generator, budget):
-                rollout = self.generator.rollout(ids, mask)
-            answers = rollout.sequences[:, ids.shape[1]:].tolist()
+                rollout = self.generator.rollout(ids, mask, conversation=conversation)
+            reused = conversation is not None and conversation.reused
+            # The rollout's row of each live episode: one per episode when the cache was continued.
+            at = list(live) if reused else list(range(len(live)))
+            width = conversation.width if reused else ids.shape[1]
+            answers = rollout.sequences[:, width:].tolist()
             kept_lp = None if rollout.logprobs is None else rollout.logprobs.float().cpu().tolist()
             if kept_lp is None:
                 logprobs = None
             texts: list[str | None] = [None] * B
             waiting = []  # turns the shared budget stopped before their own room ran out: they go on
-            for j, i in enumerate(live):
+            taken = [0] * B  # each row's answer tokens its conversation took
+            for j, i in zip(at, live):
                 whole = _until_eos(answers[j], self.eos)
                 part = whole[: self.max_answer_seq_len - len(tokens[i])]
                 ended[i] = bool(part) and part[-1] == self.eos
+                taken[i] = len(part)
                 tokens[i] += part
                 roles[i] += [0] * len(part)
                 if logprobs is not None:
@@ -179,6 +196,8 @@ class EpisodePlayer:
                     waiting.append(i)  # another row's context or room set this turn's budget
                     continue
                 texts[i] = self.tokenizer.decode(tokens[i][turn_start[i]:], skip_special_tokens=True)
+            if reused:
+                conversation.keep(taken)
             # Every rank, its placeholder turn too.
             results = raise_together(lambda: batch.step(texts, waiting=waiting), _ENV)
             for i in live:
@@ -201,6 +220,8 @@ class EpisodePlayer:
                 if logprobs is not None:
                     logprobs[i] += [0.0] * len(obs)
                 turn_start[i] = len(tokens[i])
+        if conversation is not None:
+            conversation.drop()  # its KV cache is freed before the batch is scored
         # An episode shorter than the batch has a reward slot after its last token; where the decoder
         # stopped with that turn it gave no log-prob there, and the actor scores the batch instead.
         # Every rank does the same (that scoring pass is collective under ZeRO-3).

@@ -394,6 +394,17 @@ def test_decode_benchmark_compares_dschats_loop_with_its_hybrid_engine(tmp_path)
     assert "command: `python benchmarks/decode.py --model tiny-llama" in results.read_text()
 
 
+def test_episodes_kv_benchmark_plays_both_modes_alike_and_reuse_feeds_fewer_tokens(tmp_path):
+    bench = _load("episodes_kv")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--model", "tiny-llama", "--turns", "2", "--turn_tokens", "3", "--batch", "2",
+                        "--warmup", "0", "--repeats", "1", "--results", str(results)])
+    assert any(line.endswith("episodes of the two modes equal") for line in lines)
+    fed = {line.split(" | ")[0]: int(line.split(" | ")[2]) for line in lines if line.startswith(("| reuse", "| prefill"))}
+    assert fed["| reuse"] < fed["| prefill"]
+    assert "command: `python benchmarks/episodes_kv.py --model tiny-llama" in results.read_text()
+
+
 def test_step3_tp_mode_decodes_over_the_group_and_needs_its_flags():
     """``ours-tp``: dschat's Hybrid Engine over --inference_tp_size ranks; the other modes at TP 1. (A
     2-rank CPU run of it is recorded in benchmarks/results.md.)"""

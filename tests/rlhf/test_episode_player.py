@@ -26,7 +26,7 @@ class ScriptedDecoder:
         self.max_answer_seq_len = max_answer_seq_len
         self.calls: list[int] = []  # each call's budget
 
-    def rollout(self, ids: torch.Tensor, mask: torch.Tensor):
+    def rollout(self, ids: torch.Tensor, mask: torch.Tensor, conversation=None):
         from dschat.rlhf.rollout.sampling import Rollout
 
         self.calls.append(self.max_answer_seq_len)

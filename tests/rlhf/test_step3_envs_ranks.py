@@ -1,11 +1,13 @@
-"""Step 3 with ``--env`` on two real ranks (gloo, CPU): every rank plays the same number of turns, and
-an environment that fails on one rank stops both together.
+"""Step 3 with ``--env`` on two real ranks (gloo, CPU): every rank plays the same number of turns (with
+dschat's loop, continuing its episodes' KV cache), and an environment that fails on one rank stops
+both together.
 
 Each rank is started as the DeepSpeed launcher starts it (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
 ``LOCAL_SIZE``, ``MASTER_ADDR``, a free ``MASTER_PORT``), but on its own: the launcher kills the other
 ranks as soon as one exits non-zero, so only separate processes show that each rank exits by itself,
 and with which code. Both run step 3's ``main`` with turns that end with EOS after 5 or 6 tokens
-(``test_step3_envs.EndTurnAfter``; a random tiny model rarely ends a turn by itself). A rank left
+(``test_step3_envs.EndTurnAfter``; a random tiny model rarely ends a turn by itself), or, for dschat's
+loop, with EOS after a position 4 mod 5 (a forward hook). A rank left
 waiting in a collective fails the test by its timeout and is killed."""
 from __future__ import annotations
 
@@ -31,9 +33,11 @@ TIMEOUT = 300  # seconds for both ranks of one run; a hang fails the test here
 
 SCRIPT = r'''
 import json
+import os
 import sys
 from pathlib import Path
 
+import torch
 from transformers import LogitsProcessorList
 
 from dschat.errors import cli_main
@@ -45,8 +49,23 @@ folder, rank, argv = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 original = RolloutGenerator.__init__
 
 
+def end_turns(eos):
+    """A forward hook for decoding with a KV cache: the token after a position 4 mod 5 is EOS."""
+    def hook(module, args, kwargs, out):
+        if kwargs.get("past_key_values") is not None and kwargs.get("position_ids") is not None:
+            logits = out.logits[:, -1]
+            end = kwargs["position_ids"][:, -1] % 5 == 4
+            logits[end] = -float("inf")  # sampled or greedy, the token is EOS
+            logits[end, eos] = 0.0
+        return out
+    return hook
+
+
 def init(self, *args, **kwargs):
     original(self, *args, **kwargs)
+    if os.environ.get("END_TURNS") == "hook":  # dschat's loop decodes (it takes no logits processor)
+        self.actor.module.register_forward_hook(end_turns(self.tokenizer.eos_token_id), with_kwargs=True)
+        return
     self.extra_generate_kwargs = {
         "logits_processor": LogitsProcessorList([EndTurnAfter(self.tokenizer.eos_token_id, TURN)])}
 
@@ -61,7 +80,7 @@ sys.exit(code)
 '''
 
 
-def _two_ranks(folder: Path, argv: list[str]) -> list[tuple[int, str, str]]:
+def _two_ranks(folder: Path, argv: list[str], **environ: str) -> list[tuple[int, str, str]]:
     """Step 3's ``main`` with ``argv`` on ranks 0 and 1: each rank's (exit code, stdout, stderr). Fails
     the test when either has not exited within :data:`TIMEOUT` seconds (both are killed then)."""
     script = folder / "rank.py"
@@ -75,7 +94,7 @@ def _two_ranks(folder: Path, argv: list[str]) -> list[tuple[int, str, str]]:
         env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_SIZE": "2",
                     "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                     "PYTHONPATH": os.pathsep.join(p for p in (path, env.get("PYTHONPATH")) if p),
-                    "PYTHONUNBUFFERED": "1"})
+                    "PYTHONUNBUFFERED": "1", **environ})
         out, err = folder / f"stdout{rank}", folder / f"stderr{rank}"
         logs.append((out, err))
         with out.open("w") as stdout, err.open("w") as stderr:
@@ -139,6 +158,27 @@ def test_ranks_whose_episodes_take_different_turns_finish_together(zero, tmp_pat
         assert proxy[:4] == [1.0] * 4 and all(p in (1.5, 2.0) for p in proxy[4:]), proxy
     assert "Episodes: " in ranks[0][1]
     assert (out / "actor" / "config.json").exists()
+
+
+@pytest.mark.parametrize("zero", [("--actor_zero_stage", "0"), ("--actor_zero_stage", "3")], ids=["zero0", "zero3"])
+def test_ranks_continue_their_kv_caches_and_finish_together(zero, tmp_path, data_cache):
+    """With dschat's loop decoding (turns ended by a forward hook, not a logits processor), each rank
+    keeps its episodes' KV cache between turns (under ZeRO-3 the actor is gathered again for every
+    turn); rank 0, whose episodes end after one turn, decodes its ended rows as placeholders until
+    rank 1's are done, and both finish with the same records."""
+    out = tmp_path / "out"
+    ranks = _two_ranks(tmp_path, _argv(data_cache, out, *zero, "--env", "env_fixtures:turns_by_rank",
+                                       "--max_turns", "3"), END_TURNS="hook")
+    for rank, (code, stdout, stderr) in enumerate(ranks):
+        assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
+    assert "Multi-turn episodes: the conversation's KV cache is kept between turns (dschat loop)" in ranks[0][1]
+    histories = [json.loads((tmp_path / f"records{rank}.json").read_text())["history"] for rank in (0, 1)]
+    keys = ("reward", "turns", "observation_tokens", "cut_share", "actor_loss")
+    assert [[r[k] for k in keys] for r in histories[0]] == [[r[k] for k in keys] for r in histories[1]]
+    for record in histories[0]:
+        turns = float(record["turns"])
+        assert 1.5 <= turns <= 2.0 and float(record["cut_share"]) == 0.0, record
+        assert math.isclose(float(record["reward"]), 0.5 + 0.5 * turns, rel_tol=1e-6), record
 
 
 def test_an_environment_failing_on_one_rank_stops_both(tmp_path, data_cache):

@@ -36,6 +36,12 @@ run; the generator keeps one record of the latest (:attr:`RolloutGenerator.fallb
 why). The first rollout prints one summary line: the path that served, the reason each path before it
 gave, the dtype and the inference tensor-parallel degree (:meth:`RolloutGenerator.summary_line`).
 
+**Multi-turn episodes** (:class:`~dschat.rlhf.episodes.EpisodePlayer`) pass a
+:class:`~dschat.rlhf.rollout.sample_loop.Conversation` with each turn: where the ``dschat`` loop
+serves, it continues the conversations' KV cache and feeds only each row's new tokens; every other
+path prefills the whole conversations again and the cache is dropped. One line says once which is
+used (and, for a re-prefill, why).
+
 The module paths keep the **log-probs of the generated tokens** (the raw logits divided by the
 sampling temperature), so the trainer need not run the actor over the rollout again for its old
 log-probs (:class:`~dschat.rlhf.rollout.sampling.Rollout`); DeepSpeed's Hybrid Engine keeps none.
@@ -58,14 +64,16 @@ from dschat.rlhf.rollout.deepspeed_engine import NO_CONTAINER, DeepSpeedHybridEn
 from dschat.rlhf.rollout.dschat_engine import DschatEnginePath, DschatHybridEngine
 from dschat.rlhf.rollout.graphs import GraphsPath
 from dschat.rlhf.rollout.hf_generate import HfGeneratePath
-from dschat.rlhf.rollout.path import DecodingPath, Fallback, RolloutRequest, fall_back
-from dschat.rlhf.rollout.sample_loop import SampleLoopPath
+from dschat.rlhf.rollout.path import DecodingPath, Fallback, RolloutRequest, fall_back, say_once
+from dschat.rlhf.rollout.sample_loop import Conversation, SampleLoopPath
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout
 from dschat.rlhf.rollout.tensor_parallel import TensorParallelEnginePath
 from dschat.rlhf.rollout.weights import module_weights
 from dschat.runtime.dist import TensorParallelGroup, print_rank_0, tensor_parallel_group
 
-__all__ = ["RolloutGenerator", "PATH_ORDER", "rollout_summary_line"]
+__all__ = ["RolloutGenerator", "PATH_ORDER", "KV_REUSE", "rollout_summary_line"]
+
+KV_REUSE = "Multi-turn episodes"  # how the notice on KV cache reuse between turns begins
 
 # The fixed order in which the paths are asked (the first that can serve decodes).
 PATH_ORDER: tuple[type[DecodingPath], ...] = (TensorParallelEnginePath, DschatEnginePath, DeepSpeedHybridEnginePath,
@@ -200,9 +208,15 @@ class RolloutGenerator:
         return self.rollout(prompts, mask).sequences
 
     @torch.no_grad()
-    def rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
-        """Generate answers for ``(B, P)`` left-padded prompts; see :class:`Rollout`."""
-        rollout = self._rollout(prompts, mask)
+    def rollout(self, prompts: torch.Tensor, mask: torch.Tensor, conversation: Conversation | None = None) -> Rollout:
+        """Generate answers for ``(B, P)`` left-padded prompts; see :class:`Rollout`.
+
+        With ``conversation`` (multi-turn episodes: ``prompts`` are the live conversations so far), the
+        dschat loop, where it serves, continues the conversation's KV cache instead (its rollout then
+        has a row per conversation: :class:`~dschat.rlhf.rollout.sample_loop.Conversation`); any other
+        path decodes ``prompts`` and the cache is dropped. Which of the two is used is said once (and
+        why not, once per reason)."""
+        rollout = self._rollout(prompts, mask, conversation)
         if not self._summary_said:
             self._summary_said = True
             print_rank_0(self.summary_line())
@@ -212,7 +226,7 @@ class RolloutGenerator:
         """One line naming what decoded the last rollout and why (:func:`rollout_summary_line`)."""
         return rollout_summary_line(self.last_loop, self.engine, self.actor.module, self._why)
 
-    def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor) -> Rollout:
+    def _rollout(self, prompts: torch.Tensor, mask: torch.Tensor, conversation: Conversation | None = None) -> Rollout:
         """Ask the paths in order; the first that can serve decodes. One that fails in a way it falls
         back from is recorded (:func:`~dschat.rlhf.rollout.path.fall_back`) and the next is asked."""
         refused: list[str] = []
@@ -222,7 +236,7 @@ class RolloutGenerator:
                 if path.on_module and materialised is None:
                     materialised = stack.enter_context(module_weights(self))
                 request = RolloutRequest(prompts, mask, True if materialised is None else materialised,
-                                         tensor_parallel=self.tensor_parallel())
+                                         tensor_parallel=self.tensor_parallel(), conversation=conversation)
                 reason = path.can_serve(request)
                 if reason is None:
                     self.last_loop = path.loop
@@ -236,6 +250,20 @@ class RolloutGenerator:
                         reason = f"failed ({type(err).__name__}), off for the rest of the run"
                     else:
                         self._why = "after " + "; ".join(refused) if refused else "the first path asked"
+                        if conversation is not None:
+                            self._say_kv_reuse(conversation, path, refused)
                         return rollout
                 refused.append(f"{path.name}: {reason}")  # the reason, not the notice: said once
         raise AssertionError(f"no decoding path served: {refused}")  # the last path always serves
+
+    def _say_kv_reuse(self, conversation: Conversation, served: DecodingPath, refused: list[str]) -> None:
+        """Say once whether multi-turn episodes keep their KV cache between turns; drop it if not."""
+        if conversation.reused:
+            say_once(self, f"{KV_REUSE}: the conversation's KV cache is kept between turns ({served.name} loop)")
+            return
+        conversation.drop()
+        loop = SampleLoopPath.name
+        why = next((r[len(loop) + 2:] for r in refused if r.startswith(f"{loop}: ")), None)
+        if why is None:
+            why = f"{served.name} decodes the turns; only the {loop} loop continues a KV cache"
+        say_once(self, f"{KV_REUSE}: each turn prefills the whole conversation again ({why})")

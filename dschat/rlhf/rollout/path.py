@@ -33,6 +33,7 @@ from dschat.runtime.dist import print_rank_0
 
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
+    from dschat.rlhf.rollout.sample_loop import Conversation
 
 __all__ = ["DecodingPath", "Fallback", "RolloutRequest", "fall_back", "not_a_fallback", "one_line", "say_once"]
 
@@ -42,12 +43,16 @@ class RolloutRequest:
     """One rollout's input: ``(B, P)`` left-padded prompts and their mask; ``materialised``: the
     training module's weights are whole (not ZeRO-3 fetched layer by layer) while the paths with
     ``on_module`` are asked (True for the others); ``tensor_parallel``: the rollout is decoded over
-    the generator's tensor-parallel group (``--inference_tp_size`` > 1)."""
+    the generator's tensor-parallel group (``--inference_tp_size`` > 1); ``conversation``: the KV cache
+    of multi-turn episodes, which a path that can continues instead of decoding ``prompts`` (the
+    conversations so far, re-prefilled by any other path; see
+    :class:`~dschat.rlhf.rollout.sample_loop.Conversation`)."""
 
     prompts: torch.Tensor  # (B, P)
     mask: torch.Tensor  # (B, P)
     materialised: bool = True
     tensor_parallel: bool = False
+    conversation: Conversation | None = None
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -37,7 +37,8 @@ from dschat.runtime.zero3 import free_memory_bytes
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
 
-__all__ = ["decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop", "SampleLoopPath"]
+__all__ = ["Conversation", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
+           "SampleLoopPath"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -118,7 +119,9 @@ def _forward_kwargs(module: nn.Module) -> set[str]:
 
 def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *, decoding: DecodingSettings,
                 max_new_tokens: int, eos_token_id: int, pad_token_id: int, min_new_tokens: int = 0,
-                keep_logprobs: bool = True, sampler: str = "inverse_cdf", on_step: StepCallback | None = None) -> Rollout:
+                keep_logprobs: bool = True, sampler: str = "inverse_cdf", on_step: StepCallback | None = None,
+                cache: DynamicCache | None = None, past_mask: torch.Tensor | None = None,
+                active: torch.Tensor | None = None) -> Rollout:
     """Decode ``(B, P)`` left-padded prompts with ``module`` (a decoder-only Hugging Face model).
 
     Decodes as ``module.generate(prompts, attention_mask=mask, max_new_tokens=..., min_new_tokens=...,
@@ -134,6 +137,13 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
     ``on_step`` (a :data:`~dschat.rlhf.rollout.sampling.StepCallback`) sees each step's ``(B,)`` tokens
     and may end rows there, as an EOS would (a server's per-row ``max_tokens``, stop strings, streaming
     and cancelled requests); without it the loop is ``generate``'s.
+
+    Continuing a cache (:class:`Conversation`): ``cache`` already holds ``C`` columns whose 2-D mask is
+    ``past_mask`` (B, C), with holes (0) anywhere; ``prompts``/``mask`` are the new columns. The
+    attention mask is ``past_mask`` then ``mask`` then 1 per decoded column, and the position ids
+    ``cumsum - 1`` over all of it, so a token's position counts only the ones before it. ``active``
+    (B,) bool: the rows that decode (the others give ``pad_token_id`` from the first token on).
+    After the call the cache holds ``C + P + A' - 1`` columns (the last sampled token is not fed).
     """
     B, P = prompts.shape
     accepted = _forward_kwargs(module)
@@ -141,16 +151,20 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
     extra: dict[str, Any] = {"use_cache": True}
     if "logits_to_keep" in accepted:
         extra["logits_to_keep"] = 1
+    if past_mask is not None:
+        mask = torch.cat([past_mask.to(mask), mask], dim=-1)
     positions = None
     if "position_ids" in accepted:
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
-    cache = DynamicCache(config=module.config)
+        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)[:, -P:]
+    if cache is None:
+        cache = DynamicCache(config=module.config)
     out = module(input_ids=prompts, attention_mask=mask, past_key_values=cache,
                  **({"position_ids": positions} if positions is not None else {}), **extra)
     logits = out.logits[:, -1].float()
     del out
     last_position = positions[:, -1:] if positions is not None else None
-    unfinished = torch.ones(B, dtype=torch.bool, device=prompts.device)
+    unfinished = (torch.ones(B, dtype=torch.bool, device=prompts.device) if active is None
+                  else active.to(device=prompts.device, dtype=torch.bool).clone())
     pad = torch.full((B,), pad_token_id, dtype=prompts.dtype, device=prompts.device)
     tokens: list[torch.Tensor] = []
     logprobs: list[torch.Tensor] = []
@@ -205,9 +219,123 @@ class SampleLoopPath(DecodingPath):
 
     def generate(self, request: RolloutRequest) -> Rollout:
         gen, module, prompts = self.gen, self.gen.actor.module, request.prompts
+        if request.conversation is not None:
+            return self._continue(request.conversation, prompts.device)
         with decode_kernels(gen, module, prompts.shape[0], request.materialised):
             return sample_loop(module, prompts, request.mask, decoding=gen.decoding,
                                max_new_tokens=gen.max_answer_seq_len,
                                min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
                                eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
                                keep_logprobs=gen.keep_logprobs)
+
+    def _continue(self, conversation: Conversation, device: torch.device) -> Rollout:
+        """One turn of ``conversation``: its rows' new tokens through :func:`sample_loop` on its cache."""
+        gen, module = self.gen, self.gen.actor.module
+        ids, mask = conversation.inputs(device)
+        if conversation.cache is None:
+            conversation.cache = DynamicCache(config=module.config)
+        past = conversation.mask
+        with decode_kernels(gen, module, ids.shape[0], True):
+            rollout = sample_loop(module, ids, mask, decoding=gen.decoding, max_new_tokens=gen.max_answer_seq_len,
+                                  min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
+                                  eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                                  keep_logprobs=gen.keep_logprobs, cache=conversation.cache, past_mask=past,
+                                  active=torch.tensor(conversation.active, dtype=torch.bool, device=device))
+        conversation.decoded(mask, rollout.sequences.shape[1] - ids.shape[1])
+        return rollout
+
+
+class Conversation:
+    """The KV cache of ``B`` conversations (multi-turn episodes) kept between their turns, which
+    :class:`SampleLoopPath` continues instead of prefilling each conversation again.
+
+    Layout: the cache's ``C`` columns are shared by the rows; :attr:`mask` (B, C) is 1 on the columns
+    that hold a conversation's token, in the conversation's order, and 0 on holes (a row's left
+    padding, the padding before a row's shorter new tokens, a turn's tokens after the row's answer
+    ended, every column of a row that no longer decodes). ``cached[i]`` is the number of row ``i``'s
+    tokens whose keys and values are in the cache (the ones in its row of the mask). The position ids
+    are ``cumsum - 1`` of the mask, so every token has the position it has in its compact conversation.
+
+    A turn: :meth:`next_turn` gives each row's whole conversation so far and whether it decodes
+    (``active``); the path feeds each active row's tokens past ``cached[i]``, left-padded among
+    themselves (:meth:`inputs`: at least its last token, whose logits give the next one), decodes,
+    and records the new columns (:meth:`decoded`); then :meth:`keep` says how many of each row's
+    answer tokens its conversation took. :attr:`reused` says whether the last turn went through the
+    cache (its rollout then has ``B`` rows, answers from column :attr:`width`); a turn another path
+    decoded leaves it False, and the generator then :meth:`drop` s the cache (the next turn that can
+    continue prefills every row's whole conversation again).
+
+    Memory: every row, active or not, has a cache column for every column of the batch: each turn
+    adds the longest row's new tokens plus the turn's decoded tokens, minus one, for all ``B`` rows.
+    """
+
+    def __init__(self) -> None:
+        self.cache: DynamicCache | None = None
+        self.mask: torch.Tensor | None = None  # (B, C)
+        self.cached: list[int] = []
+        self.contexts: list[list[int]] = []
+        self.active: list[bool] = []
+        self.pad_id = 0
+        self.reused = False
+        self.width = 0  # the last turn's input width: its rollout's answers start at this column
+        self.fed = 0  # answer columns of the last turn in the cache (its decoded tokens less one)
+
+    def next_turn(self, contexts: Sequence[Sequence[int]], active: Sequence[bool], pad_id: int) -> None:
+        """Each of the ``B`` rows' whole conversation so far, and whether it decodes this turn."""
+        self.contexts = [list(c) for c in contexts]
+        self.active = [bool(a) for a in active]
+        self.pad_id = pad_id
+        self.reused = False
+
+    def drop(self) -> None:
+        """Free the cache (another path decoded the turn, or the episodes are played): the next
+        continued turn prefills every row's whole conversation."""
+        self.cache, self.mask, self.cached, self.fed = None, None, [], 0
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The turn's new columns (ids, mask), (B, N), N >= 1, left-padded; counts them as cached."""
+        if self.cache is None:
+            self.cached = [0] * len(self.contexts)  # a fresh cache: every row's whole conversation
+        else:
+            for i, active in enumerate(self.active):
+                if active and self.cached[i] >= len(self.contexts[i]):
+                    # Nothing new (an empty observation after a fed EOS): the last token is fed again
+                    # for its logits, and its cached column becomes a hole.
+                    assert self.mask is not None
+                    last = int(torch.nonzero(self.mask[i]).max())
+                    self.mask[i, last] = 0
+                    self.cached[i] -= 1
+        rows = [c[k:] if self.cache is None or active else []
+                for c, k, active in zip(self.contexts, self.cached, self.active)]
+        width = max(1, max(len(r) for r in rows))
+        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            if row:
+                ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
+                mask[i, width - len(row):] = 1
+            self.cached[i] += len(row)
+        self.width = width
+        return ids.to(device), mask.to(device)
+
+    def decoded(self, new_mask: torch.Tensor, answer_width: int) -> None:
+        """After :func:`sample_loop` decoded ``answer_width`` tokens from the new columns ``new_mask``."""
+        self.fed = answer_width - 1
+        parts = [new_mask, new_mask.new_ones((new_mask.shape[0], self.fed))]
+        if self.mask is not None:
+            parts.insert(0, self.mask.to(new_mask))
+        self.mask = torch.cat(parts, dim=-1)
+        self.reused = True
+
+    def keep(self, kept: Sequence[int]) -> None:
+        """After a continued turn: row ``i``'s conversation took its first ``kept[i]`` answer tokens
+        (those after them, and every one of a row that did not decode, become holes)."""
+        if not self.reused or self.mask is None:
+            return
+        if self.fed:
+            taken = torch.tensor([k if a else 0 for k, a in zip(kept, self.active)], device=self.mask.device)
+            columns = torch.arange(self.fed, device=self.mask.device)
+            self.mask[:, -self.fed:] = (columns[None] < taken[:, None]).to(self.mask)
+        for i, a in enumerate(self.active):
+            if a:
+                self.cached[i] += min(kept[i], self.fed)

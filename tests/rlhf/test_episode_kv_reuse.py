@@ -1,0 +1,183 @@
+"""Multi-turn episodes continue the conversation's KV cache on the dschat loop: with greedy decoding
+they are the episodes that prefilling every turn again plays, token for token, with the same kept
+log-probs; each turn after the first feeds the model only the rows' new tokens (a turn the shared
+budget stopped goes on from its last sampled token); a path that cannot continue a cache prefills
+again and says why once.
+
+The models are real tiny checkpoints (tiny-llama: rotary positions; tiny-opt: learned absolute
+positions); a forward hook makes their turns end (a random tiny model rarely says EOS by itself): the
+next token is EOS when the position it follows is 4 mod 5 or the argmax plus that position is 0 mod 3.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dschat.envs import load_environment
+from dschat.models.registry import resolve_model_path
+from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.rlhf.episodes import EpisodePlayer
+from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision
+from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.rollout.sampling import DecodingSettings
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_ANSWER = 60
+KV_REUSE = "Multi-turn episodes"  # how the generator's notice on KV cache reuse begins
+PROMPTS = ["a b c", "the first of the prompts here", "x", "one two three four five six seven"]
+# Row 0 ends after one turn, row 1 after two, row 2 after three (a long observation, then a short
+# one), row 3 after three with no observation after its first turn (nothing new but the last token).
+ROWS = [
+    {"results": [(None, 1.0, True)]},
+    {"results": [("go on", 0.25, False), (None, 1.0, True)]},
+    {"results": [("tell me more about the second part of that, please", 0.0, False), ("ok", 0.0, False),
+                 (None, 0.5, True)]},
+    {"results": [(None, 0.0, False), ("and then?", 0.0, False), (None, 1.0, True)]},
+]
+
+
+class _PlainEngine:
+    """What RolloutGenerator uses of a DeepSpeed engine (``.module``), around a plain module."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+def _end_turns(eos: int):
+    def hook(module, args, kwargs, out):
+        logits = out.logits[:, -1]
+        position = kwargs["position_ids"][:, -1]
+        end = (position % 5 == 4) | ((logits.argmax(-1) + position) % 3 == 0)
+        logits[end, eos] = logits[end].max(-1).values + 1.0
+        return out
+    return hook
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-opt"])
+def model_and_tokenizer(request):
+    from transformers import AutoModelForCausalLM
+
+    tok = load_hf_tokenizer(request.param)
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(request.param)).eval()
+    model.register_forward_hook(_end_turns(tok.eos_token_id), with_kwargs=True)
+    return model, tok
+
+
+def _play(model_and_tokenizer, *, reuse: bool, generation_loop: str = "auto", max_context: int = 1000):
+    """Plays :data:`ROWS`; returns the episodes and, per rollout, the (rows, width) of its first
+    forward and its kept log-probs."""
+    model, tok = model_and_tokenizer
+    gen = RolloutGenerator(_PlainEngine(model), tok, decision=HybridEngineDecision(False, False),
+                           decoding=DecodingSettings("greedy"), max_answer_seq_len=MAX_ANSWER, zero_stage=0,
+                           generation_loop=generation_loop)
+    player = EpisodePlayer(gen, tok, load_environment("env_fixtures:scripted"), max_turns=3,
+                           max_answer_seq_len=MAX_ANSWER, max_context=max_context)
+    player.reuse_kv = reuse
+    shapes: list[list[tuple[int, int]]] = []
+    logprobs: list[torch.Tensor | None] = []  # each rollout's kept log-probs
+    handle = model.register_forward_pre_hook(
+        lambda m, args, kwargs: shapes[-1].append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    rollout = gen.rollout
+
+    def counted(*args, **kwargs):
+        shapes.append([])
+        out = rollout(*args, **kwargs)
+        logprobs.append(out.logprobs)
+        return out
+
+    gen.rollout = counted
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    width = max(len(r) for r in ids)
+    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+    try:
+        played = player.play(prompts, mask, [dict(r) for r in ROWS])
+    finally:
+        handle.remove()
+    return played, [s[0] for s in shapes], logprobs
+
+
+def _segments(played, eos: int) -> list[list[tuple[int, int]]]:
+    """Each episode's turns as (actor tokens, observation tokens after them); every turn here ends
+    with EOS."""
+    P = played.prompt_width
+    out = []
+    for ids, real, obs in zip(played.sequences[:, P:].tolist(), played.attention_mask[:, P:].tolist(),
+                              played.observation_mask[:, P:].tolist()):
+        turns: list[list[int]] = []
+        closed = True
+        for token, r, o in zip(ids, real, obs):
+            if not r:
+                break
+            if o:
+                turns[-1][1] += 1
+            elif closed:
+                turns.append([1, 0])
+            else:
+                turns[-1][0] += 1
+            closed = bool(o) or token == eos
+        out.append([tuple(t) for t in turns])
+    return out
+
+
+def test_reused_episodes_are_the_reprefilled_ones_and_feed_only_new_tokens(model_and_tokenizer, capsys):
+    again, again_shapes, again_lp = _play(model_and_tokenizer, reuse=False)
+    capsys.readouterr()
+    reused, reused_shapes, reused_lp = _play(model_and_tokenizer, reuse=True)
+    said = capsys.readouterr().out
+    assert said.count(f"{KV_REUSE}: the conversation's KV cache is kept between turns (dschat loop)") == 1
+    assert reused.turns.tolist() == again.turns.tolist() == [1, 2, 3, 3]
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "env_reward"):
+        assert torch.equal(getattr(reused, name), getattr(again, name)), name
+    # Some episode's reward slot has no decoder log-prob here, so neither run keeps them in the
+    # episodes (the trainer scores the batch); each turn's log-probs of the actor's tokens agree.
+    assert again.logprobs is None and reused.logprobs is None
+
+    # The forwards that start each turn: the whole live contexts when prefilled again; every row
+    # (ended ones as holes) and only its tokens not yet in the cache when continued.
+    segments = _segments(again, model_and_tokenizer[1].eos_token_id)
+    assert [len(s) for s in segments] == [1, 2, 3, 3]
+    P = again.prompt_width
+    prompt_lengths = again.attention_mask[:, :P].sum(1).tolist()
+    assert len(again_shapes) == len(reused_shapes) == 3
+    steps = {}
+    for t in range(3):
+        live = [i for i, s in enumerate(segments) if len(s) > t]
+        context = [prompt_lengths[i] + sum(a + o for a, o in segments[i][:t]) for i in live]
+        assert again_shapes[t] == (len(live), max(context))
+        for j, i in enumerate(live):
+            n = segments[i][t][0]
+            assert (reused_lp[t][i, :n] - again_lp[t][j, :n]).abs().max().item() < 1e-5
+        if t == 0:
+            assert reused_shapes[t] == (len(segments), max(context))
+        else:
+            decoded = steps[t - 1]
+            # A row's new tokens: its observation, and its last token unless it was fed while other
+            # rows decoded on (at least that last token: its logits give the next one).
+            new = [max(1, segments[i][t - 1][1] + int(segments[i][t - 1][0] == decoded)) for i in live]
+            assert reused_shapes[t] == (len(segments), max(new))
+            assert max(new) < max(context)
+        steps[t] = max(segments[i][t][0] for i in live)
+
+
+def test_a_path_that_cannot_continue_a_cache_prefills_again_and_says_why_once(model_and_tokenizer, capsys):
+    played, shapes, _ = _play(model_and_tokenizer, reuse=True, generation_loop="hf")
+    said = capsys.readouterr().out
+    assert said.count(f"{KV_REUSE}: each turn prefills the whole conversation again (generation loop 'hf')") == 1
+    assert KV_REUSE + ": the conversation's" not in said
+    assert played.turns.tolist() == [1, 2, 3, 3]
+    assert [rows for rows, _ in shapes] == [4, 3, 2]  # only the live episodes, their whole contexts
+
+
+def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_tokenizer):
+    """With no headroom left (``max_context`` below the contexts) each later call decodes one token:
+    the turns that have not ended go on, feeding only their last sampled token, and the episodes are
+    still the re-prefilled ones."""
+    again, again_shapes, _ = _play(model_and_tokenizer, reuse=False, max_context=20)
+    reused, reused_shapes, _ = _play(model_and_tokenizer, reuse=True, max_context=20)
+    assert len(reused_shapes) == len(again_shapes) > 3  # turns stopped by the budget went on
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(reused, name), getattr(again, name)), name
+    assert reused_shapes[3:] == [(4, 1)] * (len(reused_shapes) - 3)
+    assert all(width > 1 for _, width in again_shapes[3:])
