@@ -418,7 +418,10 @@ class Batcher:
                 self.decoder.decode(batch)
             except Exception as err:  # noqa: BLE001 - reported to the requests; the server goes on
                 for job in batch:
-                    job.emit(Failed(f"decoding failed: {type(err).__name__}: {err}"))
+                    try:
+                        job.emit(Failed(f"decoding failed: {type(err).__name__}: {err}"))
+                    except Exception:  # noqa: BLE001 - a request gone (its loop closed): the worker goes on
+                        pass
 
 
 def start_batcher(engine: ActorEngine, choice: str, max_batch_size: int, max_wait_s: float) -> tuple[Batcher, str]:

@@ -181,3 +181,37 @@ def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_token
         assert torch.equal(getattr(reused, name), getattr(again, name)), name
     assert reused_shapes[3:] == [(4, 1)] * (len(reused_shapes) - 3)
     assert all(width > 1 for _, width in again_shapes[3:])
+
+
+def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, capsys):
+    """A model whose attention slides over a window is never continued from a kept cache (the cache's
+    holes would shorten the window); its episodes are the re-prefilled ones."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from dschat.rlhf.rollout.sample_loop import sliding_window_of
+
+    assert sliding_window_of(MistralConfig(sliding_window=64)) == 64
+    assert sliding_window_of(MistralConfig(sliding_window=None)) is None
+    assert sliding_window_of(LlamaConfig()) is None
+    assert sliding_window_of(Qwen2Config(use_sliding_window=False)) is None
+    assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0,
+                                         num_hidden_layers=2)) == 32
+    model, _ = model_and_tokenizer
+    model.config.sliding_window, model.config.use_sliding_window = 8, True
+    had_types = hasattr(model.config, "layer_types")
+    saved_types = getattr(model.config, "layer_types", None)
+    model.config.layer_types = ["sliding_attention"] * 2
+    try:
+        again, _, _ = _play(model_and_tokenizer, reuse=False)
+        capsys.readouterr()
+        played, shapes, _ = _play(model_and_tokenizer, reuse=True)
+    finally:
+        del model.config.sliding_window, model.config.use_sliding_window
+        if had_types:
+            model.config.layer_types = saved_types
+        else:
+            del model.config.layer_types
+    said = capsys.readouterr().out
+    assert said.count(f"{KV_REUSE}: each turn prefills the whole conversation again (the model attends over a "
+                      "sliding window of 8 tokens") == 1
+    assert played.sequences.equal(again.sequences)

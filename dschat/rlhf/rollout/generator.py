@@ -263,7 +263,7 @@ class RolloutGenerator:
             return
         conversation.drop()
         loop = SampleLoopPath.name
-        why = next((r[len(loop) + 2:] for r in refused if r.startswith(f"{loop}: ")), None)
+        why = conversation.why_not or next((r[len(loop) + 2:] for r in refused if r.startswith(f"{loop}: ")), None)
         if why is None:
             why = f"{served.name} decodes the turns; only the {loop} loop continues a KV cache"
         say_once(self, f"{KV_REUSE}: each turn prefills the whole conversation again ({why})")

@@ -37,7 +37,7 @@ from dschat.runtime.zero3 import free_memory_bytes
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
 
-__all__ = ["Conversation", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
+__all__ = ["Conversation", "sliding_window_of", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
            "SampleLoopPath"]
 
 
@@ -220,7 +220,12 @@ class SampleLoopPath(DecodingPath):
     def generate(self, request: RolloutRequest) -> Rollout:
         gen, module, prompts = self.gen, self.gen.actor.module, request.prompts
         if request.conversation is not None:
-            return self._continue(request.conversation, prompts.device)
+            window = sliding_window_of(module.config)
+            if window is None:
+                return self._continue(request.conversation, prompts.device)
+            # HF limits a sliding layer's keys to the last `window` cache columns, holes included.
+            request.conversation.why_not = (f"the model attends over a sliding window of {window} tokens, which a "
+                                            "kept cache's holes would shorten")
         with decode_kernels(gen, module, prompts.shape[0], request.materialised):
             return sample_loop(module, prompts, request.mask, decoding=gen.decoding,
                                max_new_tokens=gen.max_answer_seq_len,
@@ -243,6 +248,16 @@ class SampleLoopPath(DecodingPath):
                                   active=torch.tensor(conversation.active, dtype=torch.bool, device=device))
         conversation.decoded(mask, rollout.sequences.shape[1] - ids.shape[1])
         return rollout
+
+
+def sliding_window_of(config: Any) -> int | None:
+    """The attention window of a model config with sliding-window layers (Mistral, Phi-3, Qwen2 with
+    ``use_sliding_window``, Gemma 2/3, ...), else None."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return window if window and any("sliding" in str(t) for t in types) else None
+    return window if window and getattr(config, "use_sliding_window", True) else None
 
 
 class Conversation:
@@ -279,6 +294,7 @@ class Conversation:
         self.reused = False
         self.width = 0  # the last turn's input width: its rollout's answers start at this column
         self.fed = 0  # answer columns of the last turn in the cache (its decoded tokens less one)
+        self.why_not: str | None = None  # why the dschat loop prefilled the turn again, when it did
 
     def next_turn(self, contexts: Sequence[Sequence[int]], active: Sequence[bool], pad_id: int) -> None:
         """Each of the ``B`` rows' whole conversation so far, and whether it decodes this turn."""
