@@ -43,6 +43,11 @@ class SamplingStats:
     surplus_groups: int = 0  # informative groups beyond a full batch, not trained on
     masked_groups: int = 0  # equal-reward groups that filled a short batch, masked out of the loss
 
+    @property
+    def rounds_per_batch(self) -> float:
+        """Generation batches drawn per generation batch trained (a skipped step's draws included)."""
+        return self.rounds / max(self.batches, 1)
+
 
 class GroupFilter:
     """Collects informative groups for one generation batch at a time (module docstring).

@@ -244,7 +244,7 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
     if sampling is not None:
         print_rank_0(f"Dynamic sampling: {sampling.dropped_groups} of {sampling.groups} groups had equal rewards and "
                      f"were dropped, {sampling.surplus_groups} more were surplus | "
-                     f"{sampling.rounds / max(sampling.batches, 1):.2f} generation batches drawn per batch trained | "
+                     f"{sampling.rounds_per_batch:.2f} generation batches drawn per batch trained | "
                      f"{sampling.masked_groups} equal-reward groups masked to fill short batches", rank)
     print_rank_0(DASHES, rank)
 
@@ -288,7 +288,7 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
     if sampling is not None:  # --dynamic_sampling
         optional.update({"sampled_groups": sampling.groups, "dropped_groups": sampling.dropped_groups,
                          "surplus_groups": sampling.surplus_groups, "masked_groups": sampling.masked_groups,
-                         "sampling_rounds": sampling.rounds / max(sampling.batches, 1)})
+                         "sampling_rounds": sampling.rounds_per_batch})
     return {
         "epoch": epoch, "step": step, "global_step": global_step,
         "reward": rollout.reward, "ema_reward": ema_reward,
