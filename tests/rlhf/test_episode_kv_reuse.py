@@ -186,13 +186,14 @@ def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_token
 def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, capsys):
     """A model whose attention slides over a window is never continued from a kept cache (the cache's
     holes would shorten the window); its episodes are the re-prefilled ones."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import GPTNeoConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-    from dschat.rlhf.rollout.sample_loop import sliding_window_of
+    from dschat.models.packing import attention_window as sliding_window_of
 
     assert sliding_window_of(MistralConfig(sliding_window=64)) == 64
     assert sliding_window_of(MistralConfig(sliding_window=None)) is None
     assert sliding_window_of(LlamaConfig()) is None
+    assert sliding_window_of(GPTNeoConfig(window_size=256)) == 256  # GPT-Neo's local-attention layers
     assert sliding_window_of(Qwen2Config(use_sliding_window=False)) is None
     assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0,
                                          num_hidden_layers=2)) == 32

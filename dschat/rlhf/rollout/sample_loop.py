@@ -29,6 +29,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from dschat.models.lora import LinearLayer_LoRA
+from dschat.models.packing import attention_window
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, say_once
 from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
                                           next_token_scores)
@@ -37,7 +38,7 @@ from dschat.runtime.zero3 import free_memory_bytes
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
 
-__all__ = ["Conversation", "sliding_window_of", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
+__all__ = ["Conversation", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
            "SampleLoopPath"]
 
 
@@ -220,7 +221,7 @@ class SampleLoopPath(DecodingPath):
     def generate(self, request: RolloutRequest) -> Rollout:
         gen, module, prompts = self.gen, self.gen.actor.module, request.prompts
         if request.conversation is not None:
-            window = sliding_window_of(module.config)
+            window = attention_window(module.config)
             if window is None:
                 return self._continue(request.conversation, prompts.device)
             # HF limits a sliding layer's keys to the last `window` cache columns, holes included.
@@ -248,16 +249,6 @@ class SampleLoopPath(DecodingPath):
                                   active=torch.tensor(conversation.active, dtype=torch.bool, device=device))
         conversation.decoded(mask, rollout.sequences.shape[1] - ids.shape[1])
         return rollout
-
-
-def sliding_window_of(config: Any) -> int | None:
-    """The attention window of a model config with sliding-window layers (Mistral, Phi-3, Qwen2 with
-    ``use_sliding_window``, Gemma 2/3, ...), else None."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        return window if window and any("sliding" in str(t) for t in types) else None
-    return window if window and getattr(config, "use_sliding_window", True) else None
 
 
 class Conversation:
