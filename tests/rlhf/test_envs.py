@@ -314,15 +314,16 @@ class TestWordGame:
         assert episodes.states[0] == EpisodeState(row=0, max_turns=2, turns=1, reward=1.0, done=True, cut=False)
 
     def test_the_reveal_then_the_reply_is_scored(self):
-        rows = [{"prompt": "Guess.", "word": w} for w in ("rocket", "rocket", "rocket", "rocket")]
+        rows = [{"prompt": "Guess.", "word": "rocket"}] * 5
         episodes = batch(rows, spec="dschat.envs_examples:word_game", max_turns=2, timeout=10)
         reveal = StepResult("No, the secret word is rocket. Now reply with only that word.", 0.0, False)
-        assert episodes.step(["Banana", "I think it is apple.", "rockets", ""]) == [reveal] * 4
-        assert episodes.step(["Rocket.", "The secret word is rocket.", "rocket ship", "apple"]) == [
-            StepResult(None, 1.0, True), StepResult(None, 0.5, True), StepResult(None, 0.5, True),
-            StepResult(None, 0.0, True)]
+        assert episodes.step(["Banana", "I think it is apple.", "rockets", "", "pear"]) == [reveal] * 5
+        # The reply's share of words that are the word: repeating the reveal earns 1/12.
+        replies = ["Rocket.", "rocket ship", "The secret word is rocket.",
+                   "No, the secret word is rocket. Now reply with only that word.", "apple"]
+        assert episodes.step(replies) == [StepResult(None, r, True) for r in (1.0, 0.5, 0.2, 1 / 12, 0.0)]
         assert [(s.turns, s.reward, s.done, s.cut) for s in episodes.states] == [
-            (2, 1.0, True, False), (2, 0.5, True, False), (2, 0.5, True, False), (2, 0.0, True, False)]
+            (2, r, True, False) for r in (1.0, 0.5, 0.2, 1 / 12, 0.0)]
 
     def test_a_second_wrong_answer_ends_the_game_without_a_second_reveal(self):
         game = word_game({"word": "Tiger"})
