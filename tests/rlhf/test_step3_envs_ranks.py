@@ -42,6 +42,7 @@ from transformers import LogitsProcessorList
 
 from dschat.errors import cli_main
 from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.scoring_passes import ScoringPasses
 from helpers.step3 import step3_main
 from test_step3_envs import TURN, EndTurnAfter
 
@@ -71,10 +72,24 @@ def init(self, *args, **kwargs):
 
 
 RolloutGenerator.__init__ = init
+if os.environ.get("NO_LOGPROBS_ON_RANK") == rank:  # this rank's decoder keeps no log-probs (e.g. a fallback)
+    decode = RolloutGenerator.rollout
+    RolloutGenerator.rollout = lambda self, *a, **k: decode(self, *a, **k)._replace(logprobs=None)
+actor_scorings = []  # the experience's actor scoring passes (no gradients): one per batch scored again
+score = ScoringPasses.token_log_probs
+
+
+def counted(self, name, *args, **kwargs):
+    if name == "actor" and not torch.is_grad_enabled():
+        actor_scorings.append(1)
+    return score(self, name, *args, **kwargs)
+
+
+ScoringPasses.token_log_probs = counted
 runs = []
 code = cli_main(lambda args: runs.append(step3_main().main(args)), argv)
 if code == 0:
-    records = {"history": runs[0].history, "evaluations": runs[0].evaluations}
+    records = {"history": runs[0].history, "evaluations": runs[0].evaluations, "actor_scorings": len(actor_scorings)}
     (folder / f"records{rank}.json").write_text(json.dumps(records, default=str))
 sys.exit(code)
 '''
@@ -179,6 +194,21 @@ def test_ranks_continue_their_kv_caches_and_finish_together(zero, tmp_path, data
         turns = float(record["turns"])
         assert 1.5 <= turns <= 2.0 and float(record["cut_share"]) == 0.0, record
         assert math.isclose(float(record["reward"]), 0.5 + 0.5 * turns, rel_tol=1e-6), record
+
+
+def test_ranks_agree_to_score_the_actor_again_when_one_rank_has_no_log_probs(tmp_path, data_cache):
+    """Rank 1's decoder keeps no log-probs (as after a fallback on that rank alone), rank 0's does
+    (dschat's loop): the actor must score the episodes again on both ranks, since that pass is
+    collective under ZeRO-3. Both ranks score every batch (one per PPO step), finish and agree."""
+    out = tmp_path / "out"
+    ranks = _two_ranks(tmp_path, _argv(data_cache, out, "--actor_zero_stage", "3", "--env", "env_fixtures:turns_by_rank",
+                                       "--max_turns", "3"), END_TURNS="hook", NO_LOGPROBS_ON_RANK="1")
+    for rank, (code, stdout, stderr) in enumerate(ranks):
+        assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
+    records = [json.loads((tmp_path / f"records{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["actor_scorings"] for r in records] == [2, 2], [r["actor_scorings"] for r in records]
+    keys = ("reward", "turns", "actor_loss")
+    assert [[h[k] for k in keys] for h in records[0]["history"]] == [[h[k] for k in keys] for h in records[1]["history"]]
 
 
 def test_an_environment_failing_on_one_rank_stops_both(tmp_path, data_cache):
