@@ -17,6 +17,32 @@ import torch
 from helpers.step3 import make_critic_folder, make_lora_inputs
 
 
+# Under pytest-xdist (the README's test command: two workers, ``--dist loadfile``) each worker runs in
+# its own process: one thread each, so that the two leave each other a core (a worker at torch's
+# default of one thread per core would oversubscribe the machine while the other runs).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+# Files whose tests share a session-scoped fixture (tests/training/conftest.py: one step-1 run on two
+# ranks) go to the same worker, so that the run is made once.
+SAME_WORKER = {"tests/training/test_resume_reshape.py": "tests/training/test_two_ranks.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown (and unused) without the plugin
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the files of :data:`SAME_WORKER` grouped; any other mode is xdist's."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # noqa: PLC0415 -- only under pytest-xdist
+
+    class SharedFixtureScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return SAME_WORKER.get(scope, scope)
+
+    return SharedFixtureScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

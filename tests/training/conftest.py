@@ -1,5 +1,7 @@
 """Fixtures of the training tests: one step-1 run on 2 ranks under the DeepSpeed launcher, which
-test_two_ranks.py checks as a run and test_resume_reshape.py resumes from on other shapes."""
+test_two_ranks.py checks as a run and test_resume_reshape.py resumes from on other shapes (under
+pytest-xdist the two files run on one worker, tests/conftest.py's ``SAME_WORKER``, so the run is made
+once)."""
 from __future__ import annotations
 
 from pathlib import Path
