@@ -9,8 +9,9 @@ number, or a worked solution ending in ``#### 42``), else 0.0.
 The word game (the multi-turn demo's, on ``--data_path dschat/wordgame``; column ``word``): the
 actor guesses a secret word; a right guess ends the episode with reward 1.0, any other answer gets
 the reply ``No, the secret word is <word>. Now reply with only that word.`` and the next turn is
-scored by the share of its words that are the secret word (case and punctuation aside): 1.0 for the
-word alone, 0.2 for ``The secret word is rocket.``, 0.0 without it. The word is in no prompt, so the reward past the first turn comes from
+scored by the share of its words that are the secret word (case and punctuation aside): 1.0 for a
+reply made only of the word, 0.2 for ``The secret word is rocket.``, 0.0 without it. The word is in
+no prompt, so the reward past the first turn comes from
 using the environment's reply.
 """
 from __future__ import annotations
@@ -111,8 +112,8 @@ class WordGame:
             return None, 1.0, True
         if self.turn == 1:
             return f"No, the secret word is {self.word}. Now reply with only that word.", 0.0, False
-        # The share of the reply's words that are the word: 1.0 for the word alone, less the more
-        # words surround it (repeating the reveal earns 1/12), 0.0 without it.
+        # The share of the reply's words that are the word: 1.0 for a reply made only of it (once or
+        # repeated), less the more words surround it (repeating the reveal earns 1/12), 0.0 without it.
         return None, said.count(self.word) / len(said) if said else 0.0, True
 
 

@@ -325,6 +325,14 @@ class TestWordGame:
         assert [(s.turns, s.reward, s.done, s.cut) for s in episodes.states] == [
             (2, r, True, False) for r in (1.0, 0.5, 0.2, 1 / 12, 0.0)]
 
+    @pytest.mark.parametrize("reply,reward", [("rocket rocket", 1.0), ("Rocket, rocket!", 1.0), ("", 0.0),
+                                              ("42 ...", 0.0), ("rocket 42", 1.0)])
+    def test_the_reply_s_share_of_the_word(self, reply, reward):
+        """A reply made only of the word scores 1.0, repeated or not; one with no word at all 0.0."""
+        game = word_game({"word": "rocket"})
+        assert game.step("apple")[1:] == (0.0, False)
+        assert game.step(reply) == (None, reward, True)
+
     def test_a_second_wrong_answer_ends_the_game_without_a_second_reveal(self):
         game = word_game({"word": "Tiger"})
         assert game.step("lion")[1:] == (0.0, False)
