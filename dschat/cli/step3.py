@@ -234,7 +234,8 @@ def add_environment_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
                             "from its dataset row (all columns); env.step(answer) -> (observation, reward, done). The "
                             "observation is appended to the conversation and the actor answers again, until done or "
                             "--max_turns. Only the actor's tokens are trained on. Built-in: "
-                            "dschat.envs_examples:calculator (column 'answer').")
+                            "dschat.envs_examples:calculator (column 'answer') and dschat.envs_examples:word_game "
+                            "(column 'word'; --data_path dschat/wordgame).")
     group.add_argument("--max_turns", type=int, default=4,
                        help="(dschat) With --env: the most actor turns in one episode (default 4); an episode that "
                             "reaches it, or --max_answer_seq_len tokens after the prompt, is cut.")
