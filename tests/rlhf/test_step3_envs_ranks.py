@@ -201,14 +201,15 @@ def test_ranks_agree_to_score_the_actor_again_when_one_rank_has_no_log_probs(tmp
     (dschat's loop): the actor must score the episodes again on both ranks, since that pass is
     collective under ZeRO-3. Both ranks score every batch (one per PPO step), finish and agree."""
     out = tmp_path / "out"
-    ranks = _two_ranks(tmp_path, _argv(data_cache, out, "--actor_zero_stage", "3", "--env", "env_fixtures:turns_by_rank",
-                                       "--max_turns", "3"), END_TURNS="hook", NO_LOGPROBS_ON_RANK="1")
+    argv = _argv(data_cache, out, "--actor_zero_stage", "3", "--env", "env_fixtures:turns_by_rank", "--max_turns", "3")
+    ranks = _two_ranks(tmp_path, argv, END_TURNS="hook", NO_LOGPROBS_ON_RANK="1")
     for rank, (code, stdout, stderr) in enumerate(ranks):
         assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
     records = [json.loads((tmp_path / f"records{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["actor_scorings"] for r in records] == [2, 2], [r["actor_scorings"] for r in records]
     keys = ("reward", "turns", "actor_loss")
-    assert [[h[k] for k in keys] for h in records[0]["history"]] == [[h[k] for k in keys] for h in records[1]["history"]]
+    histories = [[[h[k] for k in keys] for h in r["history"]] for r in records]
+    assert histories[0] == histories[1], histories
 
 
 def test_an_environment_failing_on_one_rank_stops_both(tmp_path, data_cache):
