@@ -11,8 +11,7 @@ actor guesses a secret word; a right guess ends the episode with reward 1.0, any
 the reply ``No, the secret word is <word>. Now reply with only that word.`` and the next turn is
 scored by the share of its words that are the secret word (case and punctuation aside): 1.0 for a
 reply made only of the word, 0.2 for ``The secret word is rocket.``, 0.0 without it. The word is in
-no prompt, so the reward past the first turn comes from
-using the environment's reply.
+no prompt, so the reward past the first turn comes from using the environment's reply.
 """
 from __future__ import annotations
 
