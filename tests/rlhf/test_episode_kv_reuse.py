@@ -188,14 +188,14 @@ def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, ca
     holes would shorten the window); its episodes are the re-prefilled ones."""
     from transformers import GPTNeoConfig, LlamaConfig, MistralConfig, Qwen2Config
 
-    from dschat.models.packing import attention_window as sliding_window_of
+    from dschat.models.packing import attention_window
 
-    assert sliding_window_of(MistralConfig(sliding_window=64)) == 64
-    assert sliding_window_of(MistralConfig(sliding_window=None)) is None
-    assert sliding_window_of(LlamaConfig()) is None
-    assert sliding_window_of(GPTNeoConfig(window_size=256)) == 256  # GPT-Neo's local-attention layers
-    assert sliding_window_of(Qwen2Config(use_sliding_window=False)) is None
-    assert sliding_window_of(Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0,
+    assert attention_window(MistralConfig(sliding_window=64)) == 64
+    assert attention_window(MistralConfig(sliding_window=None)) is None
+    assert attention_window(LlamaConfig()) is None
+    assert attention_window(GPTNeoConfig(window_size=256)) == 256  # GPT-Neo's local-attention layers
+    assert attention_window(Qwen2Config(use_sliding_window=False)) is None
+    assert attention_window(Qwen2Config(use_sliding_window=True, sliding_window=32, max_window_layers=0,
                                          num_hidden_layers=2)) == 32
     model, _ = model_and_tokenizer
     model.config.sliding_window, model.config.use_sliding_window = 8, True
