@@ -51,6 +51,7 @@ setup(
         # tests/serve/test_serve_actor.py: the official OpenAI client against a served actor;
         # tests/training/test_trackers.py: W&B and MLflow runs read back;
         # pytest-xdist: the suite's files on two worker processes (the README's test command)
-        "test": ["pytest>=8", "pytest-xdist>=3.5", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.40", "wandb>=0.20", "mlflow-skinny>=3.0"],
+        "test": ["pytest>=8", "pytest-xdist>=3.5", "fastapi>=0.115", "uvicorn>=0.30", "openai>=1.40", "wandb>=0.20",
+                 "mlflow-skinny>=3.0"],
     },
 )
