@@ -1,13 +1,15 @@
 """Multi-turn episodes: the conversation's KV cache kept between turns against prefilling it again.
 
     DS_ACCELERATOR=cpu python benchmarks/episodes_kv.py --model smollm2-135m   # the embedded SmolLM2, fp32
+    DS_ACCELERATOR=cpu python benchmarks/episodes_kv.py --model smollm2-135m --path dschat-he
     DS_ACCELERATOR=cpu python benchmarks/episodes_kv.py --model tiny-llama
 
 No DeepSpeed engine and no training: :class:`dschat.rlhf.episodes.EpisodePlayer` plays ``--batch``
-episodes of the builtin held-out prompts through the rollout generator (dschat's sample loop on the
-bare Hugging Face model, greedy) with an environment that answers every turn with the same
-observation and ends the episode after ``--turns`` turns. Every actor turn is exactly
-``--turn_tokens`` tokens (a forward hook makes the last one EOS), so both modes play the same work:
+episodes of the builtin held-out prompts through the rollout generator (``--path``: dschat's sample
+loop on the bare Hugging Face model, or dschat's Hybrid Engine; greedy) with an environment that
+answers every turn with the same observation and ends the episode after ``--turns`` turns. Every
+actor turn is exactly ``--turn_tokens`` tokens (a hook makes the last one EOS: on the module's
+forward, or around the decode model's prefill and step), so both modes play the same work:
 
 * ``reuse``: the conversation's KV cache is continued (each turn feeds only the rows' new tokens);
 * ``prefill``: ``EpisodePlayer.reuse_kv = False``, each turn prefills the whole conversation again.
@@ -46,12 +48,16 @@ from decode import prompts_for  # noqa: E402
 from step3 import publish  # noqa: E402  (one results format for every benchmark)
 
 MODES = ("reuse", "prefill")
+PATHS = ("dschat", "dschat-he")
+LABELS = {"dschat": "dschat's sample loop", "dschat-he": "dschat's Hybrid Engine, eager, oneDNN-packed weights"}
 OBSERVATION = "Thank you. Now say it again in other words, and add one more detail to it."
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m", help="a model folder or dschat short name")
+    p.add_argument("--path", choices=PATHS, default="dschat",
+                   help="dschat: the sample loop on the module; dschat-he: dschat's Hybrid Engine")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--turns", type=int, default=4)
     p.add_argument("--turn_tokens", type=int, default=16)
@@ -84,24 +90,46 @@ class _Engine:
 
 
 class _FixedTurns:
-    """Forward hooks: each rollout's ``n``-th token is EOS for every row; counts the tokens fed."""
+    """Each rollout's ``n``-th token is EOS for every row; counts the tokens fed. Hooks on the
+    module's forward (:meth:`on_module`), or around dschat's decode model (:meth:`on_decode_model`)."""
 
-    def __init__(self, model: Any, eos: int, n: int) -> None:
+    def __init__(self, eos: int, n: int) -> None:
         self.eos, self.n, self.step, self.fed = eos, n, 0, 0
-        model.register_forward_pre_hook(self.count, with_kwargs=True)
-        model.register_forward_hook(self.end, with_kwargs=True)
 
-    def count(self, module: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        self.fed += kwargs["input_ids"].numel()
-
-    def end(self, module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+    def end(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, V) next-token logits, changed in place."""
         self.step += 1  # the rollout's prefill is step 1: it gives the first token
-        logits = out.logits[:, -1]
         if self.step >= self.n:
             logits[:, self.eos] = logits.max(-1).values + 1.0
         else:
             logits[:, self.eos] = -float("inf")
-        return out
+        return logits
+
+    def on_module(self, model: Any) -> None:
+        def count(module: Any, args: Any, kwargs: dict[str, Any]) -> None:
+            self.fed += kwargs["input_ids"].numel()
+
+        def end(module: Any, args: Any, kwargs: dict[str, Any], out: Any) -> Any:
+            self.end(out.logits[:, -1])
+            return out
+
+        model.register_forward_pre_hook(count, with_kwargs=True)
+        model.register_forward_hook(end, with_kwargs=True)
+
+    def on_decode_model(self) -> None:
+        from dschat.models.decoder.forward import DecodeModel
+
+        prefill, step = DecodeModel.prefill, DecodeModel.step
+
+        def counted_prefill(model: Any, tokens: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            self.fed += tokens.numel()
+            return self.end(prefill(model, tokens, *a, **k))
+
+        def counted_step(model: Any, token: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+            self.fed += token.numel()
+            return self.end(step(model, token, *a, **k))
+
+        DecodeModel.prefill, DecodeModel.step = counted_prefill, counted_step  # type: ignore[method-assign]
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
@@ -115,9 +143,14 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     tokenizer = load_hf_tokenizer(args.model)
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32).eval()
     ids, mask = prompts_for(tokenizer, args.batch, device)
-    gen = RolloutGenerator(_Engine(model), tokenizer, decision=HybridEngineDecision(False, False),
+    engine = args.path == "dschat-he"
+    gen = RolloutGenerator(_Engine(model), tokenizer, decision=HybridEngineDecision(engine, False, dschat_engine=engine),
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=1, zero_stage=0)
-    hooks = _FixedTurns(model, tokenizer.eos_token_id, args.turn_tokens)
+    hooks = _FixedTurns(tokenizer.eos_token_id, args.turn_tokens)
+    if engine:
+        hooks.on_decode_model()
+    else:
+        hooks.on_module(model)
     rollout = gen.rollout
 
     def each_rollout(*a: Any, **k: Any) -> Any:
@@ -150,6 +183,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     same = all(torch.equal(getattr(played["reuse"], k), getattr(played["prefill"], k))
                for k in ("sequences", "attention_mask", "observation_mask"))
     assert int(played["reuse"].turns.min()) == args.turns, "every episode plays --turns turns"
+    assert gen.last_loop == args.path, f"{gen.last_loop} decoded, not {args.path}"
     median = {m: statistics.median(times[m]) for m in MODES}
     command = "python benchmarks/episodes_kv.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
     import transformers
@@ -164,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         f"- median of {args.repeats} plays after {args.warmup} warm-up, the modes taking turns; episodes of the "
         "two modes " + ("equal" if same else "differ"),
         "- reuse: the conversation's KV cache continued between turns; prefill: every turn prefills the whole "
-        "conversation again (dschat's sample loop both)",
+        f"conversation again ({LABELS[args.path]} both)",
         "",
         "| mode | play s (median) | tokens fed to the forwards | prefill s / reuse s |",
         "|---|---|---|---|",

@@ -7,8 +7,8 @@ the environments of :mod:`dschat.envs`. Each turn:
 
 1. **generate**: every live episode's whole conversation so far (prompt, the actor's turns, the
    observations), left-padded, is a prompt for the generator. Where the generator decodes with the
-   dschat loop, it continues the batch's KV cache instead (a
-   :class:`~dschat.rlhf.rollout.sample_loop.Conversation`: each row feeds only its tokens not yet
+   dschat loop or dschat's Hybrid Engine, it continues the batch's KV cache instead (a
+   :class:`~dschat.rlhf.rollout.conversation.Conversation`: each row feeds only its tokens not yet
    cached -- its observation and the turn's last sampled token -- and every token keeps the position
    it has in its conversation); other paths prefill the whole conversation again (said once, with
    why). ``reuse_kv = False`` always prefills again;
@@ -49,7 +49,7 @@ from transformers import PreTrainedTokenizerBase
 from dschat.envs import EnvironmentFactory, EpisodeBatch, render_observation
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.rollout.generator import RolloutGenerator
-from dschat.rlhf.rollout.sample_loop import Conversation
+from dschat.rlhf.rollout.conversation import Conversation
 from dschat.runtime.dist import gather_ints
 
 __all__ = ["Episodes", "EpisodePlayer"]

@@ -1,12 +1,14 @@
-"""Multi-turn episodes continue the conversation's KV cache on the dschat loop: with greedy decoding
-they are the episodes that prefilling every turn again plays, token for token, with the same kept
-log-probs; each turn after the first feeds the model only the rows' new tokens (a turn the shared
-budget stopped goes on from its last sampled token); a path that cannot continue a cache prefills
-again and says why once.
+"""Multi-turn episodes continue the conversation's KV cache on the dschat loop and on dschat's Hybrid
+Engine: with greedy decoding they are the episodes that prefilling every turn again plays, token for
+token, with the same kept log-probs; each turn after the first feeds the model only the rows' new
+tokens (a turn the shared budget stopped goes on from its last sampled token); a path that cannot
+continue a cache prefills again and says why once.
 
 The models are real tiny checkpoints (tiny-llama: rotary positions; tiny-opt: learned absolute
-positions); a forward hook makes their turns end (a random tiny model rarely says EOS by itself): the
-next token is EOS when the position it follows is 4 mod 5 or the argmax plus that position is 0 mod 3.
+positions); a hook makes their turns end (a random tiny model rarely says EOS by itself): the next
+token is EOS when the position it follows is 4 mod 5 or the argmax plus that position is 0 mod 3.
+On the dschat loop it is a forward hook of the module; on dschat's Hybrid Engine, which decodes with
+its own decode model, the same rule wraps that model's prefill and decode step.
 """
 from __future__ import annotations
 
@@ -14,10 +16,13 @@ import pytest
 import torch
 
 from dschat.envs import load_environment
+from dschat.models.decoder.forward import DecodeModel
+from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.registry import resolve_model_path
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.rlhf.episodes import EpisodePlayer
 from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision
+from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.rollout.sampling import DecodingSettings
 
@@ -44,12 +49,16 @@ class _PlainEngine:
         self.module = module
 
 
+def _end(logits: torch.Tensor, position: torch.Tensor, eos: int) -> None:
+    """(B, V) next-token logits after (B,) positions: EOS wins where the rule says so (in place; no
+    shape depends on the data, so a compiled decode step traces it too)."""
+    end = (position % 5 == 4) | ((logits.argmax(-1) + position) % 3 == 0)
+    logits[:, eos] = torch.where(end, logits.max(-1).values + 1.0, logits[:, eos])
+
+
 def _end_turns(eos: int):
     def hook(module, args, kwargs, out):
-        logits = out.logits[:, -1]
-        position = kwargs["position_ids"][:, -1]
-        end = (position % 5 == 4) | ((logits.argmax(-1) + position) % 3 == 0)
-        logits[end, eos] = logits[end].max(-1).values + 1.0
+        _end(out.logits[:, -1], kwargs["position_ids"][:, -1], eos)
         return out
     return hook
 
@@ -64,13 +73,43 @@ def model_and_tokenizer(request):
     return model, tok
 
 
-def _play(model_and_tokenizer, *, reuse: bool, generation_loop: str = "auto", max_context: int = 1000):
-    """Plays :data:`ROWS`; returns the episodes and, per rollout, the (rows, width) of its first
-    forward and its kept log-probs."""
+@pytest.fixture(params=["dschat", "dschat-he"])
+def path(request, monkeypatch, model_and_tokenizer):
+    """The decoding path that continues the cache; on dschat's Hybrid Engine its decode model ends
+    turns by the rule and records each prefill's input shape in :data:`_ENGINE_SHAPES`."""
+    if request.param == "dschat-he":
+        eos = model_and_tokenizer[1].eos_token_id
+        prefill, step = DecodeModel.prefill, DecodeModel.step
+
+        def ended_prefill(self, tokens, positions, cache, start=0):
+            _ENGINE_SHAPES.append(tuple(tokens.shape))
+            logits = prefill(self, tokens, positions, cache, start)
+            _end(logits, positions[:, -1], eos)
+            return logits
+
+        def ended_step(self, token, position, index, cache, kv_len):
+            logits = step(self, token, position, index, cache, kv_len)
+            _end(logits, position, eos)
+            return logits
+
+        monkeypatch.setattr(DecodeModel, "prefill", ended_prefill)
+        monkeypatch.setattr(DecodeModel, "step", ended_step)
+    return request.param
+
+
+_ENGINE_SHAPES: list[tuple[int, int]] = []
+
+
+def _play(model_and_tokenizer, *, reuse: bool, path: str = "dschat", generation_loop: str = "auto",
+          max_context: int = 1000, between=None, release_inference_cache: bool = False):
+    """Plays :data:`ROWS` on ``path``; returns the episodes and, per rollout, the (rows, width) of its
+    first forward and its kept log-probs. ``between(rollout)`` runs after each rollout of the episodes
+    (``rollout``: the generator's own method)."""
     model, tok = model_and_tokenizer
-    gen = RolloutGenerator(_PlainEngine(model), tok, decision=HybridEngineDecision(False, False),
+    gen = RolloutGenerator(_PlainEngine(model), tok,
+                           decision=HybridEngineDecision(path == "dschat-he", False, dschat_engine=path == "dschat-he"),
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=MAX_ANSWER, zero_stage=0,
-                           generation_loop=generation_loop)
+                           generation_loop=generation_loop, release_inference_cache=release_inference_cache)
     player = EpisodePlayer(gen, tok, load_environment("env_fixtures:scripted"), max_turns=3,
                            max_answer_seq_len=MAX_ANSWER, max_context=max_context)
     player.reuse_kv = reuse
@@ -82,8 +121,13 @@ def _play(model_and_tokenizer, *, reuse: bool, generation_loop: str = "auto", ma
 
     def counted(*args, **kwargs):
         shapes.append([])
+        del _ENGINE_SHAPES[:]
         out = rollout(*args, **kwargs)
+        shapes[-1] += _ENGINE_SHAPES
+        assert gen.last_loop == path or generation_loop != "auto", gen.last_loop
         logprobs.append(out.logprobs)
+        if between is not None:
+            between(rollout)
         return out
 
     gen.rollout = counted
@@ -121,12 +165,12 @@ def _segments(played, eos: int) -> list[list[tuple[int, int]]]:
     return out
 
 
-def test_reused_episodes_are_the_reprefilled_ones_and_feed_only_new_tokens(model_and_tokenizer, capsys):
-    again, again_shapes, again_lp = _play(model_and_tokenizer, reuse=False)
+def test_reused_episodes_are_the_reprefilled_ones_and_feed_only_new_tokens(model_and_tokenizer, path, capsys):
+    again, again_shapes, again_lp = _play(model_and_tokenizer, reuse=False, path=path)
     capsys.readouterr()
-    reused, reused_shapes, reused_lp = _play(model_and_tokenizer, reuse=True)
+    reused, reused_shapes, reused_lp = _play(model_and_tokenizer, reuse=True, path=path)
     said = capsys.readouterr().out
-    assert said.count(f"{KV_REUSE}: the conversation's KV cache is kept between turns (dschat loop)") == 1
+    assert said.count(f"{KV_REUSE}: the conversation's KV cache is kept between turns ({path} loop)") == 1
     assert reused.turns.tolist() == again.turns.tolist() == [1, 2, 3, 3]
     for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "env_reward"):
         assert torch.equal(getattr(reused, name), getattr(again, name)), name
@@ -170,12 +214,12 @@ def test_a_path_that_cannot_continue_a_cache_prefills_again_and_says_why_once(mo
     assert [rows for rows, _ in shapes] == [4, 3, 2]  # only the live episodes, their whole contexts
 
 
-def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_tokenizer):
+def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_tokenizer, path):
     """With no headroom left (``max_context`` below the contexts) each later call decodes one token:
     the turns that have not ended go on, feeding only their last sampled token, and the episodes are
     still the re-prefilled ones."""
-    again, again_shapes, _ = _play(model_and_tokenizer, reuse=False, max_context=20)
-    reused, reused_shapes, _ = _play(model_and_tokenizer, reuse=True, max_context=20)
+    again, again_shapes, _ = _play(model_and_tokenizer, reuse=False, path=path, max_context=20)
+    reused, reused_shapes, _ = _play(model_and_tokenizer, reuse=True, path=path, max_context=20)
     assert len(reused_shapes) == len(again_shapes) > 3  # turns stopped by the budget went on
     for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
         assert torch.equal(getattr(reused, name), getattr(again, name)), name
@@ -183,7 +227,7 @@ def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_token
     assert all(width > 1 for _, width in again_shapes[3:])
 
 
-def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, capsys):
+def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, path, capsys):
     """A model whose attention slides over a window is never continued from a kept cache (the cache's
     holes would shorten the window); its episodes are the re-prefilled ones."""
     from transformers import GPTNeoConfig, LlamaConfig, MistralConfig, Qwen2Config
@@ -203,9 +247,9 @@ def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, ca
     saved_types = getattr(model.config, "layer_types", None)
     model.config.layer_types = ["sliding_attention"] * 2
     try:
-        again, _, _ = _play(model_and_tokenizer, reuse=False)
+        again, _, _ = _play(model_and_tokenizer, reuse=False, path=path)
         capsys.readouterr()
-        played, shapes, _ = _play(model_and_tokenizer, reuse=True)
+        played, shapes, _ = _play(model_and_tokenizer, reuse=True, path=path)
     finally:
         del model.config.sliding_window, model.config.use_sliding_window
         if had_types:
@@ -216,3 +260,79 @@ def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, ca
     assert said.count(f"{KV_REUSE}: each turn prefills the whole conversation again (the model attends over a "
                       "sliding window of 8 tokens") == 1
     assert played.sequences.equal(again.sequences)
+
+
+# ------------------------------------------------------------------ dschat's Hybrid Engine only
+def _engine_of(model_and_tokenizer, **play):
+    """Plays with dschat's Hybrid Engine and returns (episodes, shapes, the engine)."""
+    engines = []
+    played, shapes, _ = _play(model_and_tokenizer, reuse=True, path="dschat-he",
+                              between=lambda rollout: engines.append(rollout.__self__.engine), **play)
+    return played, shapes, engines[-1]
+
+
+@pytest.mark.parametrize("path", ["dschat-he"], indirect=True)
+def test_a_conversation_that_outgrows_the_engines_cache_moves_to_a_larger_one(model_and_tokenizer, path,
+                                                                              monkeypatch):
+    """A cache sized exactly (no rounding up) is outgrown by a later turn: the kept columns move to a
+    larger cache, and the episodes are still the re-prefilled ones."""
+    again, _, _ = _play(model_and_tokenizer, reuse=False, path=path)
+    _, rounded_shapes, rounded = _engine_of(model_and_tokenizer)
+    monkeypatch.setattr(StaticKVCache, "capacity_for", staticmethod(lambda length, multiple=64: length))
+    reused, shapes, engine = _engine_of(model_and_tokenizer)
+    assert rounded.cache_allocations == 1 and engine.cache_allocations > 1
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(reused, name), getattr(again, name)), name
+    assert shapes == rounded_shapes  # the same new tokens fed at each turn (their widths: the first test)
+
+
+@pytest.mark.parametrize("path", ["dschat-he"], indirect=True)
+def test_a_rollout_between_turns_makes_the_next_turn_prefill_every_conversation(model_and_tokenizer, path):
+    """Another rollout on the engine (the same batch size: it writes over the cache in place) leaves
+    the conversation nothing to continue: the next turn feeds every row's whole conversation."""
+    model, tok = model_and_tokenizer
+    again, again_shapes, _ = _play(model_and_tokenizer, reuse=False, path=path)
+    ids = [tok(p, add_special_tokens=False)["input_ids"][:1] for p in PROMPTS]
+    other = torch.tensor(ids), torch.ones((len(ids), 1), dtype=torch.long)
+    played, shapes, _ = _play(model_and_tokenizer, reuse=True, path=path,
+                              between=lambda rollout: rollout(*other))
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(played, name), getattr(again, name)), name
+    # Every row (ended ones too) at each turn, the whole of the longest live conversation.
+    assert shapes == [(4, width) for _, width in again_shapes]
+
+
+@pytest.mark.parametrize("path", ["dschat-he"], indirect=True)
+def test_release_inference_cache_prefills_every_turn_and_says_why(model_and_tokenizer, path, capsys):
+    again, _, _ = _play(model_and_tokenizer, reuse=False, path=path)
+    capsys.readouterr()
+    played, shapes, _ = _play(model_and_tokenizer, reuse=True, path=path, release_inference_cache=True)
+    said = capsys.readouterr().out
+    assert said.count(f"{KV_REUSE}: each turn prefills the whole conversation again (--release_inference_cache "
+                      "frees the KV cache after each turn)") == 1
+    assert played.sequences.equal(again.sequences)
+    assert [rows for rows, _ in shapes] == [4, 3, 2]
+
+
+@pytest.mark.parametrize("path", ["dschat-he"], indirect=True)
+def test_the_compiled_decode_step_continues_a_conversation_without_compiling_again(model_and_tokenizer, path,
+                                                                                   monkeypatch):
+    """What CUDA graphs need, checked on a CPU with Dynamo (``aot_eager``: tracing without a compiler):
+    the compiled decode step plays the eager episodes, and the later turns, which write after the
+    kept columns of the same cache, compile nothing new."""
+    again, _, _ = _play(model_and_tokenizer, reuse=False, path=path)
+    init = DschatHybridEngine.__init__
+
+    def compiled(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.compile_step, self.compile_options = True, {"backend": "aot_eager", "dynamic": False}
+
+    monkeypatch.setattr(DschatHybridEngine, "__init__", compiled)
+    torch._dynamo.reset()
+    try:
+        reused, _, engine = _engine_of(model_and_tokenizer)
+    finally:
+        torch._dynamo.reset()
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(reused, name), getattr(again, name)), name
+    assert engine.compiles_per_rollout == [1, 0, 0] and engine.cache_allocations == 1

@@ -7,7 +7,8 @@ Each rank is started as the DeepSpeed launcher starts it (``RANK``, ``LOCAL_RANK
 ranks as soon as one exits non-zero, so only separate processes show that each rank exits by itself,
 and with which code. Both run step 3's ``main`` with turns that end with EOS after 5 or 6 tokens
 (``test_step3_envs.EndTurnAfter``; a random tiny model rarely ends a turn by itself), or, for dschat's
-loop, with EOS after a position 4 mod 5 (a forward hook). A rank left
+loop, with EOS after a position 4 mod 5 (a forward hook; on dschat's Hybrid Engine, the same rule
+around its decode model's prefill and step). A rank left
 waiting in a collective fails the test by its timeout and is killed."""
 from __future__ import annotations
 
@@ -62,8 +63,36 @@ def end_turns(eos):
     return hook
 
 
+def engine_end_turns():
+    """The same rule on dschat's Hybrid Engine, which decodes with its own decode model."""
+    from dschat.models.decoder.forward import DecodeModel
+
+    prefill, step = DecodeModel.prefill, DecodeModel.step
+
+    def end(logits, position, eos):
+        end = position % 5 == 4
+        logits[end] = -float("inf")
+        logits[end, eos] = 0.0
+        return logits
+
+    def ended_prefill(self, tokens, positions, cache, start=0):
+        return end(prefill(self, tokens, positions, cache, start), positions[:, -1], EOS[0])
+
+    def ended_step(self, token, position, index, cache, kv_len):
+        return end(step(self, token, position, index, cache, kv_len), position, EOS[0])
+
+    DecodeModel.prefill, DecodeModel.step = ended_prefill, ended_step
+
+
+EOS = []
+
+
 def init(self, *args, **kwargs):
     original(self, *args, **kwargs)
+    if os.environ.get("END_TURNS") == "engine":  # dschat's Hybrid Engine decodes
+        EOS.append(self.tokenizer.eos_token_id)
+        engine_end_turns()
+        return
     if os.environ.get("END_TURNS") == "hook":  # dschat's loop decodes (it takes no logits processor)
         self.actor.module.register_forward_hook(end_turns(self.tokenizer.eos_token_id), with_kwargs=True)
         return
@@ -175,18 +204,23 @@ def test_ranks_whose_episodes_take_different_turns_finish_together(zero, tmp_pat
     assert (out / "actor" / "config.json").exists()
 
 
-@pytest.mark.parametrize("zero", [("--actor_zero_stage", "0"), ("--actor_zero_stage", "3")], ids=["zero0", "zero3"])
-def test_ranks_continue_their_kv_caches_and_finish_together(zero, tmp_path, data_cache):
-    """With dschat's loop decoding (turns ended by a forward hook, not a logits processor), each rank
-    keeps its episodes' KV cache between turns (under ZeRO-3 the actor is gathered again for every
-    turn); rank 0, whose episodes end after one turn, decodes its ended rows as placeholders until
-    rank 1's are done, and both finish with the same records."""
+@pytest.mark.parametrize("zero, loop", [
+    (("--actor_zero_stage", "0"), "dschat"),
+    (("--actor_zero_stage", "3"), "dschat"),
+    (("--actor_zero_stage", "3", "--enable_hybrid_engine"), "dschat-he"),
+], ids=["zero0", "zero3", "zero3-dschat-he"])
+def test_ranks_continue_their_kv_caches_and_finish_together(zero, loop, tmp_path, data_cache):
+    """With dschat's loop decoding (turns ended by a forward hook, not a logits processor), or dschat's
+    Hybrid Engine (the same rule on its decode model), each rank keeps its episodes' KV cache between
+    turns (under ZeRO-3 the actor is gathered again for every turn); rank 0, whose episodes end after
+    one turn, decodes its ended rows as placeholders until rank 1's are done, and both finish with the
+    same records."""
     out = tmp_path / "out"
     ranks = _two_ranks(tmp_path, _argv(data_cache, out, *zero, "--env", "env_fixtures:turns_by_rank",
-                                       "--max_turns", "3"), END_TURNS="hook")
+                                       "--max_turns", "3"), END_TURNS="engine" if loop == "dschat-he" else "hook")
     for rank, (code, stdout, stderr) in enumerate(ranks):
         assert code == 0, (rank, stdout[-2000:], stderr[-3000:])
-    assert "Multi-turn episodes: the conversation's KV cache is kept between turns (dschat loop)" in ranks[0][1]
+    assert f"Multi-turn episodes: the conversation's KV cache is kept between turns ({loop} loop)" in ranks[0][1]
     histories = [json.loads((tmp_path / f"records{rank}.json").read_text())["history"] for rank in (0, 1)]
     keys = ("reward", "turns", "observation_tokens", "cut_share", "actor_loss")
     assert [[r[k] for k in keys] for r in histories[0]] == [[r[k] for k in keys] for r in histories[1]]

@@ -94,7 +94,8 @@ class DecodeModel:
     def _attention(self, i: int, lw: LayerWeights, h: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                    cache: StaticKVCache, mask: torch.Tensor, index: torch.Tensor | None, kv_len: int) -> torch.Tensor:
         """(B, T, E) normed input -> (B, T, E). Prefill (``index`` None) writes the T keys/values at
-        columns [0, T) and attends to them; a step writes column ``index`` and attends to [0, kv_len)."""
+        columns [kv_len - T, kv_len) and attends to [0, kv_len); a step writes column ``index`` and
+        attends to [0, kv_len)."""
         spec = self.spec
         B, T, _ = h.shape
         H, Hkv, D = spec.num_heads, spec.num_kv_heads, spec.head_dim
@@ -110,8 +111,10 @@ class DecodeModel:
         if cos is not None:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if index is None:
-            cache.keys[i][:, :, :T] = k
-            cache.values[i][:, :, :T] = v
+            cache.keys[i][:, :, kv_len - T:kv_len] = k
+            cache.values[i][:, :, kv_len - T:kv_len] = v
+            if kv_len > T:  # a continued conversation: the kept columns before these
+                k, v = cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len]  # (B, Hkv, L, D)
         else:
             cache.keys[i].index_copy_(2, index, k)
             cache.values[i].index_copy_(2, index, v)
@@ -163,18 +166,21 @@ class DecodeModel:
         return out
 
     # ------------------------------------------------------------------ the two passes
-    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
+    def prefill(self, tokens: torch.Tensor, positions: torch.Tensor, cache: StaticKVCache,
+                start: int = 0) -> torch.Tensor:
         """(B, P) left-padded prompt ids and positions -> (B, V) logits of the last column; fills the
-        cache's first P columns. ``cache.start(mask)`` must have been called."""
+        cache's columns [start, start + P), attending to the ``start`` columns before them as well
+        (a continued conversation; 0: a new prompt). ``cache.start(mask)`` must have been called,
+        with the mask of all ``start + P`` columns."""
         B, P = tokens.shape
         x = self._embed(tokens, positions)  # (B, P, E)
         cos, sin = self._rope(positions, x.dtype)
-        col = torch.arange(P, device=tokens.device)
-        q_index, k_index = col[:, None], col[None, :]  # (P, 1), (1, P)
-        valid = cache.key_valid[:, None, None, :P]  # (B, 1, 1, P)
+        q_index = torch.arange(start, start + P, device=tokens.device)[:, None]  # (P, 1)
+        k_index = torch.arange(start + P, device=tokens.device)[None, :]  # (1, L), L = start + P
+        valid = cache.key_valid[:, None, None, :start + P]  # (B, 1, 1, L)
         # A padding query sees itself (the diagonal), so its softmax has a term and no NaN reaches the cache.
-        allowed = ((k_index <= q_index) & valid) | (k_index == q_index)  # (B, 1, P, P)
-        x = self._layers(x, cos, sin, cache, self._window_masks(allowed, q_index, k_index), None, P)
+        allowed = ((k_index <= q_index) & valid) | (k_index == q_index)  # (B, 1, P, L)
+        x = self._layers(x, cos, sin, cache, self._window_masks(allowed, q_index, k_index), None, start + P)
         return self._logits(x[:, -1])
 
     def step(self, token: torch.Tensor, position: torch.Tensor, index: torch.Tensor, cache: StaticKVCache,

@@ -3,7 +3,9 @@
 Its shape is fixed for a batch size and a capacity ``S`` (prompt width + answer length, rounded up),
 so a compiled decode step sees the same tensors every step and every rollout; a new prompt width
 reuses it as long as it fits. ``key_valid`` (B, S) marks the columns a query may attend to: the
-prompt's non-padding tokens, then each generated token as it is written.
+prompt's non-padding tokens, then each generated token as it is written. A multi-turn conversation
+continues it: its kept columns come first, holes (columns no query may see) included, and a cache
+it outgrows is replaced by a larger one that keeps them (:meth:`StaticKVCache.keep_columns`).
 """
 from __future__ import annotations
 
@@ -27,8 +29,15 @@ class StaticKVCache:
     def fits(self, batch: int, length: int, dtype: torch.dtype, device: torch.device) -> bool:
         return (batch, dtype, device) == (self.batch, self.dtype, self.device) and length <= self.capacity
 
+    def keep_columns(self, other: StaticKVCache, columns: int) -> None:
+        """Copy ``other``'s keys and values of its first ``columns`` columns (the same batch, a
+        capacity of at least ``columns``); the mask is set by :meth:`start`."""
+        for mine, theirs in zip([*self.keys, *self.values], [*other.keys, *other.values]):
+            mine[:, :, :columns] = theirs[:, :, :columns]
+
     def start(self, prompt_mask: torch.Tensor) -> None:
-        """A new rollout: the prompt's (B, P) mask in the first P columns, nothing after."""
+        """A new rollout: the prompt's (B, P) mask in the first P columns, nothing after (for a
+        continued conversation, P covers its kept columns and the new ones)."""
         P = prompt_mask.shape[1]
         self.key_valid.zero_()
         self.key_valid[:, :P] = prompt_mask.bool()

@@ -31,8 +31,8 @@ an eager failure (a bug, non-finite logits) is re-raised, as the module paths wo
 """
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -41,6 +41,7 @@ from torch._dynamo.utils import counters
 from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.decoder.layouts import layout_name, unsupported_reason
+from dschat.rlhf.rollout.conversation import Conversation, why_not_kept
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
 from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
                                           next_token_scores)
@@ -84,6 +85,7 @@ class DschatHybridEngine:
         self.compile_options: dict[str, Any] = {"mode": "reduce-overhead"}
         self.cache_multiple = cache_multiple
         self.cache: StaticKVCache | None = None
+        self._continued: Conversation | None = None  # the conversation whose turn the cache holds
         self._step: Any = None  # the compiled decode step (CUDA)
         self.rollouts = 0
         self.compiles = 0  # graphs Dynamo compiled during this engine's rollouts
@@ -131,7 +133,7 @@ class DschatHybridEngine:
         self.model.unpack()  # packed copies of the old weights
         self.model.weights.refresh(module, param.dtype, param.device)
 
-    # ------------------------------------------------------------------ the one call
+    # ------------------------------------------------------------------ the calls
     @torch.no_grad()
     def rollout(self, module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
                 materialise: AbstractContextManager[Any] | None = None, min_new_tokens: int = 0,
@@ -139,16 +141,46 @@ class DschatHybridEngine:
         """Refresh the weights from ``module`` (inside ``materialise``), then decode ``(B, P)``
         left-padded prompts as :func:`dschat.rlhf.rollout.sample_loop.sample_loop` does (``on_step``:
         see :meth:`decode`)."""
+        with self._counted(module, materialise, prompts.device):
+            return self.decode(prompts, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
+                               on_step=on_step)
+
+    @torch.no_grad()
+    def continue_turn(self, module: nn.Module, conversation: Conversation, *,
+                      materialise: AbstractContextManager[Any] | None = None, min_new_tokens: int = 0,
+                      keep_logprobs: bool = True) -> Rollout:
+        """One turn of multi-turn episodes on the conversation's kept cache: refresh the weights as
+        :meth:`rollout` does, feed each row's tokens not yet cached after the kept columns, decode.
+        The rollout has a row per conversation, its answers from column ``conversation.width``
+        (:class:`~dschat.rlhf.rollout.conversation.Conversation`). A conversation whose cache is not
+        this engine's current one (the first turn, or another rollout used the cache since) prefills
+        every row's whole conversation; one that outgrows the cache moves to a larger one."""
+        device = next(module.parameters()).device
+        with self._counted(module, materialise, device):
+            if conversation.cache is not None and (conversation.cache is not self.cache
+                                                   or self._continued is not conversation):
+                conversation.drop()
+            ids, mask = conversation.inputs(device)  # (B, N): the new columns
+            active = torch.tensor(conversation.active, dtype=torch.bool, device=device)
+            rollout = self.decode(ids, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
+                                  past_mask=conversation.mask, active=active)
+            conversation.cache, self._continued = self.cache, conversation
+            conversation.decoded(mask, rollout.sequences.shape[1] - ids.shape[1])
+            return rollout
+
+    @contextmanager
+    def _counted(self, module: nn.Module, materialise: AbstractContextManager[Any] | None,
+                 device: torch.device) -> Iterator[None]:
+        """Refresh the weights from ``module`` (inside ``materialise``); around the decoding inside,
+        count the rollout and its compiles and captures, and release the cache after it when asked."""
         graphs_before = compiled_before = 0
-        device = prompts.device
         if self._compiled(device):
             compiled_before = counters["stats"]["unique_graphs"]
             graphs_before = _cuda_graph_count(device) if device.type == "cuda" else 0
         with materialise if materialise is not None else nullcontext():
             self.refresh(module)
         try:
-            return self.decode(prompts, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
-                               on_step=on_step)
+            yield
         finally:
             self.rollouts += 1
             if self._compiled(device):
@@ -161,13 +193,19 @@ class DschatHybridEngine:
                 self.release()
 
     # ------------------------------------------------------------------ decoding
-    def _prepare(self, prompts: torch.Tensor, mask: torch.Tensor) -> StaticKVCache:
-        B, P = prompts.shape
+    def _prepare(self, whole: torch.Tensor, kept: int = 0) -> StaticKVCache:
+        """The cache for a rollout whose (B, C + P) mask is ``whole``: the ``kept`` = C columns of the
+        current cache (a continued conversation), then the P prompt columns; room for the answer after."""
+        B, width = whole.shape
         weights = self.model.weights
         dtype, device = weights.embed.dtype, weights.embed.device
-        if self.cache is None or not self.cache.fits(B, P + self.max_new_tokens, dtype, device):
-            capacity = StaticKVCache.capacity_for(P + self.max_new_tokens, self.cache_multiple)
-            self.cache = StaticKVCache(self.spec, B, capacity, dtype, device)
+        if self.cache is None or not self.cache.fits(B, width + self.max_new_tokens, dtype, device):
+            capacity = StaticKVCache.capacity_for(width + self.max_new_tokens, self.cache_multiple)
+            grown = StaticKVCache(self.spec, B, capacity, dtype, device)
+            if kept:
+                assert self.cache is not None and self.cache.batch == B
+                grown.keep_columns(self.cache, kept)
+            self.cache = grown
             self.cache_allocations += 1
         if self._compiled(device):
             for t in [*weights.tensors(), *self.cache.keys, *self.cache.values, self.cache.key_valid]:
@@ -178,7 +216,8 @@ class DschatHybridEngine:
         elif device.type == "cpu" and self.cpu_decode_linear == "onednn" and self._onednn_usable(dtype):
             if not (self.keep_packed and self.model.packed_rows == B):
                 self.model.pack_for_cpu(B)
-        self.cache.start(mask)
+        self.cache.start(whole)
+        self._continued = None  # the cache is this rollout's now
         return self.cache
 
     @staticmethod
@@ -208,20 +247,26 @@ class DschatHybridEngine:
         return token, torch.log_softmax(scaled, dim=-1).gather(-1, token[:, None]).squeeze(-1)
 
     def decode(self, prompts: torch.Tensor, mask: torch.Tensor, *, min_new_tokens: int = 0,
-               keep_logprobs: bool = True, on_step: StepCallback | None = None) -> Rollout:
+               keep_logprobs: bool = True, on_step: StepCallback | None = None,
+               past_mask: torch.Tensor | None = None, active: torch.Tensor | None = None) -> Rollout:
         """Decode with the current inference weights: the semantics of
         :func:`~dschat.rlhf.rollout.sample_loop.sample_loop` (positions from the mask, the same logits
         processing, EOS then padding, log-probs under ``logits / logit_temperature``, ``on_step``: a
         :data:`~dschat.rlhf.rollout.sampling.StepCallback` that sees each step's tokens and may end rows
-        there as an EOS would)."""
+        there as an EOS would). Continuing the cache, as ``sample_loop`` does: its first C columns are
+        kept, ``past_mask`` (B, C) their mask, holes included; positions count the mask over all the
+        columns; ``active`` (B,) bool: the rows that decode (the others give padding)."""
         B, P = prompts.shape
         mask = mask.to(prompts.device)
-        cache = self._prepare(prompts, mask)
-        positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)  # (B, P)
+        kept = 0 if past_mask is None else past_mask.shape[1]
+        whole = mask if past_mask is None else torch.cat([past_mask.to(mask), mask], dim=-1)  # (B, C + P)
+        cache = self._prepare(whole, kept)
+        positions = (whole.long().cumsum(-1) - 1).masked_fill(whole == 0, 0)[:, kept:]  # (B, P)
         try:
-            logits = self.model.prefill(prompts, positions, cache).float()  # (B, V)
+            logits = self.model.prefill(prompts, positions, cache, start=kept).float()  # (B, V)
             position = positions[:, -1]  # (B,)
-            unfinished = torch.ones(B, dtype=torch.bool, device=prompts.device)
+            unfinished = (torch.ones(B, dtype=torch.bool, device=prompts.device) if active is None
+                          else active.to(device=prompts.device, dtype=torch.bool).clone())
             pad = torch.full((B,), self.pad_token_id, dtype=prompts.dtype, device=prompts.device)
             tokens: list[torch.Tensor] = []
             logprobs: list[torch.Tensor] = []
@@ -234,7 +279,7 @@ class DschatHybridEngine:
                 if t == self.max_new_tokens - 1 or not bool(unfinished.any()):
                     break
                 position = position + 1
-                logits = self._decode_step(token, position, P + t, cache).float()
+                logits = self._decode_step(token, position, kept + P + t, cache).float()
         finally:
             if not self.keep_packed:
                 self.model.unpack()  # the packed copies are per rollout (the weights change between rollouts)
@@ -292,9 +337,22 @@ class DschatEnginePath(DecodingPath):
                 release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
         gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
         gen.engine.max_new_tokens = gen.max_answer_seq_len  # this rollout's (an episode's turn has less room)
+        min_new_tokens = int(gen.extra_generate_kwargs.get("min_new_tokens", 0))
+        conversation = request.conversation
+        if conversation is not None:
+            conversation.why_not = self._why_not_continue(module)
+            if conversation.why_not is None:
+                conversation.claim(self.name)
+                return gen.engine.continue_turn(module, conversation, materialise=materialised(gen),
+                                                min_new_tokens=min_new_tokens, keep_logprobs=gen.keep_logprobs)
         return gen.engine.rollout(module, request.prompts, request.mask, materialise=materialised(gen),
-                                  min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
-                                  keep_logprobs=gen.keep_logprobs)
+                                  min_new_tokens=min_new_tokens, keep_logprobs=gen.keep_logprobs)
+
+    def _why_not_continue(self, module: nn.Module) -> str | None:
+        """None when a multi-turn batch's turns can continue the engine's KV cache, else why not."""
+        if self.gen.release_inference_cache:
+            return "--release_inference_cache frees the KV cache after each turn"
+        return why_not_kept(module.config)
 
     def fall_back(self, err: Exception, request: RolloutRequest) -> str | None:
         """A failure of the compiled step (CUDA) falls back for good; eagerly, an error is a bug or bad

@@ -37,9 +37,10 @@ why). The first rollout prints one summary line: the path that served, the reaso
 gave, the dtype and the inference tensor-parallel degree (:meth:`RolloutGenerator.summary_line`).
 
 **Multi-turn episodes** (:class:`~dschat.rlhf.episodes.EpisodePlayer`) pass a
-:class:`~dschat.rlhf.rollout.sample_loop.Conversation` with each turn: where the ``dschat`` loop
-serves, it continues the conversations' KV cache and feeds only each row's new tokens; every other
-path prefills the whole conversations again and the cache is dropped. One line says once which is
+:class:`~dschat.rlhf.rollout.conversation.Conversation` with each turn: where the ``dschat`` loop
+or dschat's Hybrid Engine (``dschat-he``) serves, it continues the conversations' KV cache and feeds
+only each row's new tokens; every other path prefills the whole conversations again and the cache
+is dropped. One line says once which is
 used (and, for a re-prefill, why).
 
 The module paths keep the **log-probs of the generated tokens** (the raw logits divided by the
@@ -60,12 +61,13 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from dschat.rlhf.rollout.conversation import Conversation
 from dschat.rlhf.rollout.deepspeed_engine import NO_CONTAINER, DeepSpeedHybridEnginePath, HybridEngineDecision
 from dschat.rlhf.rollout.dschat_engine import DschatEnginePath, DschatHybridEngine
 from dschat.rlhf.rollout.graphs import GraphsPath
 from dschat.rlhf.rollout.hf_generate import HfGeneratePath
 from dschat.rlhf.rollout.path import DecodingPath, Fallback, RolloutRequest, fall_back, say_once
-from dschat.rlhf.rollout.sample_loop import Conversation, SampleLoopPath
+from dschat.rlhf.rollout.sample_loop import SampleLoopPath
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout
 from dschat.rlhf.rollout.tensor_parallel import TensorParallelEnginePath
 from dschat.rlhf.rollout.weights import module_weights
@@ -212,8 +214,9 @@ class RolloutGenerator:
         """Generate answers for ``(B, P)`` left-padded prompts; see :class:`Rollout`.
 
         With ``conversation`` (multi-turn episodes: ``prompts`` are the live conversations so far), the
-        dschat loop, where it serves, continues the conversation's KV cache instead (its rollout then
-        has a row per conversation: :class:`~dschat.rlhf.rollout.sample_loop.Conversation`); any other
+        dschat loop or dschat's Hybrid Engine, where it serves, continues the conversation's KV cache
+        instead (its rollout then
+        has a row per conversation: :class:`~dschat.rlhf.rollout.conversation.Conversation`); any other
         path decodes ``prompts`` and the cache is dropped. Which of the two is used is said once (and
         why not, once per reason)."""
         rollout = self._rollout(prompts, mask, conversation)
@@ -265,5 +268,6 @@ class RolloutGenerator:
         loop = SampleLoopPath.name
         why = conversation.why_not or next((r[len(loop) + 2:] for r in refused if r.startswith(f"{loop}: ")), None)
         if why is None:
-            why = f"{served.name} decodes the turns; only the {loop} loop continues a KV cache"
+            why = (f"{served.name} decodes the turns; only the {loop} loop and {DschatEnginePath.name} (dschat's "
+                   "Hybrid Engine at --inference_tp_size 1) continue a KV cache")
         say_once(self, f"{KV_REUSE}: each turn prefills the whole conversation again ({why})")

@@ -33,7 +33,7 @@ from dschat.runtime.dist import print_rank_0
 
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
-    from dschat.rlhf.rollout.sample_loop import Conversation
+    from dschat.rlhf.rollout.conversation import Conversation
 
 __all__ = ["DecodingPath", "Fallback", "RolloutRequest", "fall_back", "not_a_fallback", "one_line", "say_once"]
 
@@ -46,7 +46,7 @@ class RolloutRequest:
     the generator's tensor-parallel group (``--inference_tp_size`` > 1); ``conversation``: the KV cache
     of multi-turn episodes, which a path that can continues instead of decoding ``prompts`` (the
     conversations so far, re-prefilled by any other path; see
-    :class:`~dschat.rlhf.rollout.sample_loop.Conversation`)."""
+    :class:`~dschat.rlhf.rollout.conversation.Conversation`)."""
 
     prompts: torch.Tensor  # (B, P)
     mask: torch.Tensor  # (B, P)

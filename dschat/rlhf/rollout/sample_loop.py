@@ -29,7 +29,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from dschat.models.lora import LinearLayer_LoRA
-from dschat.models.packing import attention_window
+from dschat.rlhf.rollout.conversation import Conversation, why_not_kept
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, say_once
 from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
                                           next_token_scores)
@@ -38,7 +38,7 @@ from dschat.runtime.zero3 import free_memory_bytes
 if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
 
-__all__ = ["Conversation", "decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
+__all__ = ["decode_kernels", "onednn_decode_linears", "onednn_decode_supported", "sample_loop",
            "SampleLoopPath"]
 
 
@@ -221,12 +221,10 @@ class SampleLoopPath(DecodingPath):
     def generate(self, request: RolloutRequest) -> Rollout:
         gen, module, prompts = self.gen, self.gen.actor.module, request.prompts
         if request.conversation is not None:
-            window = attention_window(module.config)
-            if window is None:
-                return self._continue(request.conversation, prompts.device)
             # HF limits a sliding layer's keys to the last `window` cache columns, holes included.
-            request.conversation.why_not = (f"the model attends over a sliding window of {window} tokens, which a "
-                                            "kept cache's holes would shorten")
+            request.conversation.why_not = why_not_kept(module.config)
+            if request.conversation.why_not is None:
+                return self._continue(request.conversation, prompts.device)
         with decode_kernels(gen, module, prompts.shape[0], request.materialised):
             return sample_loop(module, prompts, request.mask, decoding=gen.decoding,
                                max_new_tokens=gen.max_answer_seq_len,
@@ -237,112 +235,18 @@ class SampleLoopPath(DecodingPath):
     def _continue(self, conversation: Conversation, device: torch.device) -> Rollout:
         """One turn of ``conversation``: its rows' new tokens through :func:`sample_loop` on its cache."""
         gen, module = self.gen, self.gen.actor.module
+        conversation.claim(self.name)
         ids, mask = conversation.inputs(device)
         if conversation.cache is None:
             conversation.cache = DynamicCache(config=module.config)
+        cache = conversation.cache
+        assert isinstance(cache, DynamicCache)  # claimed: this path's own
         past = conversation.mask
         with decode_kernels(gen, module, ids.shape[0], True):
             rollout = sample_loop(module, ids, mask, decoding=gen.decoding, max_new_tokens=gen.max_answer_seq_len,
                                   min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
                                   eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
-                                  keep_logprobs=gen.keep_logprobs, cache=conversation.cache, past_mask=past,
+                                  keep_logprobs=gen.keep_logprobs, cache=cache, past_mask=past,
                                   active=torch.tensor(conversation.active, dtype=torch.bool, device=device))
         conversation.decoded(mask, rollout.sequences.shape[1] - ids.shape[1])
         return rollout
-
-
-class Conversation:
-    """The KV cache of ``B`` conversations (multi-turn episodes) kept between their turns, which
-    :class:`SampleLoopPath` continues instead of prefilling each conversation again.
-
-    Layout: the cache's ``C`` columns are shared by the rows; :attr:`mask` (B, C) is 1 on the columns
-    that hold a conversation's token, in the conversation's order, and 0 on holes (a row's left
-    padding, the padding before a row's shorter new tokens, a turn's tokens after the row's answer
-    ended, every column of a row that no longer decodes). ``cached[i]`` is the number of row ``i``'s
-    tokens whose keys and values are in the cache (the ones in its row of the mask). The position ids
-    are ``cumsum - 1`` of the mask, so every token has the position it has in its compact conversation.
-
-    A turn: :meth:`next_turn` gives each row's whole conversation so far and whether it decodes
-    (``active``); the path feeds each active row's tokens past ``cached[i]``, left-padded among
-    themselves (:meth:`inputs`: at least its last token, whose logits give the next one), decodes,
-    and records the new columns (:meth:`decoded`); then :meth:`keep` says how many of each row's
-    answer tokens its conversation took. :attr:`reused` says whether the last turn went through the
-    cache (its rollout then has ``B`` rows, answers from column :attr:`width`); a turn another path
-    decoded leaves it False, and the generator then :meth:`drop` s the cache (the next turn that can
-    continue prefills every row's whole conversation again).
-
-    Memory: every row, active or not, has a cache column for every column of the batch: each turn
-    adds the longest row's new tokens plus the turn's decoded tokens, minus one, for all ``B`` rows.
-    """
-
-    def __init__(self) -> None:
-        self.cache: DynamicCache | None = None
-        self.mask: torch.Tensor | None = None  # (B, C)
-        self.cached: list[int] = []
-        self.contexts: list[list[int]] = []
-        self.active: list[bool] = []
-        self.pad_id = 0
-        self.reused = False
-        self.width = 0  # the last turn's input width: its rollout's answers start at this column
-        self.fed = 0  # answer columns of the last turn in the cache (its decoded tokens less one)
-        self.why_not: str | None = None  # why the dschat loop prefilled the turn again, when it did
-
-    def next_turn(self, contexts: Sequence[Sequence[int]], active: Sequence[bool], pad_id: int) -> None:
-        """Each of the ``B`` rows' whole conversation so far, and whether it decodes this turn."""
-        self.contexts = [list(c) for c in contexts]
-        self.active = [bool(a) for a in active]
-        self.pad_id = pad_id
-        self.reused = False
-
-    def drop(self) -> None:
-        """Free the cache (another path decoded the turn, or the episodes are played): the next
-        continued turn prefills every row's whole conversation."""
-        self.cache, self.mask, self.cached, self.fed = None, None, [], 0
-
-    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The turn's new columns (ids, mask), (B, N), N >= 1, left-padded; counts them as cached."""
-        if self.cache is None:
-            self.cached = [0] * len(self.contexts)  # a fresh cache: every row's whole conversation
-        else:
-            for i, active in enumerate(self.active):
-                if active and self.cached[i] >= len(self.contexts[i]):
-                    # Nothing new (an empty observation after a fed EOS): the last token is fed again
-                    # for its logits, and its cached column becomes a hole.
-                    assert self.mask is not None
-                    last = int(torch.nonzero(self.mask[i]).max())
-                    self.mask[i, last] = 0
-                    self.cached[i] -= 1
-        rows = [c[k:] if self.cache is None or active else []
-                for c, k, active in zip(self.contexts, self.cached, self.active)]
-        width = max(1, max(len(r) for r in rows))
-        ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            if row:
-                ids[i, width - len(row):] = torch.tensor(row, dtype=torch.long)
-                mask[i, width - len(row):] = 1
-            self.cached[i] += len(row)
-        self.width = width
-        return ids.to(device), mask.to(device)
-
-    def decoded(self, new_mask: torch.Tensor, answer_width: int) -> None:
-        """After :func:`sample_loop` decoded ``answer_width`` tokens from the new columns ``new_mask``."""
-        self.fed = answer_width - 1
-        parts = [new_mask, new_mask.new_ones((new_mask.shape[0], self.fed))]
-        if self.mask is not None:
-            parts.insert(0, self.mask.to(new_mask))
-        self.mask = torch.cat(parts, dim=-1)
-        self.reused = True
-
-    def keep(self, kept: Sequence[int]) -> None:
-        """After a continued turn: row ``i``'s conversation took its first ``kept[i]`` answer tokens
-        (those after them, and every one of a row that did not decode, become holes)."""
-        if not self.reused or self.mask is None:
-            return
-        if self.fed:
-            taken = torch.tensor([k if a else 0 for k, a in zip(kept, self.active)], device=self.mask.device)
-            columns = torch.arange(self.fed, device=self.mask.device)
-            self.mask[:, -self.fed:] = (columns[None] < taken[:, None]).to(self.mask)
-        for i, a in enumerate(self.active):
-            if a:
-                self.cached[i] += min(kept[i], self.fed)
