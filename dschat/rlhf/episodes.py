@@ -7,7 +7,7 @@ the environments of :mod:`dschat.envs`. Each turn:
 
 1. **generate**: every live episode's whole conversation so far (prompt, the actor's turns, the
    observations), left-padded, is a prompt for the generator. Where the generator decodes with the
-   dschat loop or dschat's Hybrid Engine, it continues the batch's KV cache instead (a
+   dschat loop, dschat's Hybrid Engine or CUDA graphs, it continues the batch's KV cache instead (a
    :class:`~dschat.rlhf.rollout.conversation.Conversation`: each row feeds only its tokens not yet
    cached -- its observation and the turn's last sampled token -- and every token keeps the position
    it has in its conversation); other paths prefill the whole conversation again (said once, with

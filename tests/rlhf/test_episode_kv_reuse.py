@@ -73,10 +73,11 @@ def model_and_tokenizer(request):
     return model, tok
 
 
-@pytest.fixture(params=["dschat", "dschat-he"])
+@pytest.fixture(params=["dschat", "dschat-he", "graphs"])
 def path(request, monkeypatch, model_and_tokenizer):
     """The decoding path that continues the cache; on dschat's Hybrid Engine its decode model ends
-    turns by the rule and records each prefill's input shape in :data:`_ENGINE_SHAPES`."""
+    turns by the rule and records each prefill's input shape in :data:`_ENGINE_SHAPES`. ``graphs``
+    runs on this CPU with Dynamo's ``eager`` backend (the same program, no compiler, no CUDA graphs)."""
     if request.param == "dschat-he":
         eos = model_and_tokenizer[1].eos_token_id
         prefill, step = DecodeModel.prefill, DecodeModel.step
@@ -110,6 +111,13 @@ def _play(model_and_tokenizer, *, reuse: bool, path: str = "dschat", generation_
                            decision=HybridEngineDecision(path == "dschat-he", False, dschat_engine=path == "dschat-he"),
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=MAX_ANSWER, zero_stage=0,
                            generation_loop=generation_loop, release_inference_cache=release_inference_cache)
+    if path == "graphs":
+        from transformers import CompileConfig
+
+        gen.graph_devices = ("cuda", "cpu")
+        graphs = next(p for p in gen.paths if p.name == "graphs")
+        graphs._compile_config = CompileConfig(backend="eager")
+        graphs._compile_config._compile_all_devices = True
     player = EpisodePlayer(gen, tok, load_environment("env_fixtures:scripted"), max_turns=3,
                            max_answer_seq_len=MAX_ANSWER, max_context=max_context)
     player.reuse_kv = reuse
@@ -185,11 +193,12 @@ def test_reused_episodes_are_the_reprefilled_ones_and_feed_only_new_tokens(model
     P = again.prompt_width
     prompt_lengths = again.attention_mask[:, :P].sum(1).tolist()
     assert len(again_shapes) == len(reused_shapes) == 3
+    multiple = 64 if path == "graphs" else 1  # graphs left-pads the prompts it prefills to a multiple of 64
     steps = {}
     for t in range(3):
         live = [i for i, s in enumerate(segments) if len(s) > t]
         context = [prompt_lengths[i] + sum(a + o for a, o in segments[i][:t]) for i in live]
-        assert again_shapes[t] == (len(live), max(context))
+        assert again_shapes[t] == (len(live), -(-max(context) // multiple) * multiple)
         for j, i in enumerate(live):
             n = segments[i][t][0]
             assert (reused_lp[t][i, :n] - again_lp[t][j, :n]).abs().max().item() < 1e-5
@@ -227,6 +236,7 @@ def test_a_turn_the_shared_budget_stopped_goes_on_from_the_cache(model_and_token
     assert all(width > 1 for _, width in again_shapes[3:])
 
 
+@pytest.mark.parametrize("path", ["dschat", "dschat-he"], indirect=True)  # graphs: the next test
 def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, path, capsys):
     """A model whose attention slides over a window is never continued from a kept cache (the cache's
     holes would shorten the window); its episodes are the re-prefilled ones."""
@@ -260,6 +270,50 @@ def test_sliding_window_models_prefill_again_and_say_why(model_and_tokenizer, pa
     assert said.count(f"{KV_REUSE}: each turn prefills the whole conversation again (the model attends over a "
                       "sliding window of 8 tokens") == 1
     assert played.sequences.equal(again.sequences)
+
+
+def test_graphs_prefill_a_sliding_window_model_again_and_say_why(capsys):
+    """On the graphs path (whose static cache needs a model built with its window, not a patched
+    config): a Mistral with a window of 8 tokens plays the re-prefilled episodes and says why."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path, tok = "graphs", load_hf_tokenizer("tiny-llama")
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             sliding_window=8, max_position_embeddings=256)).eval()
+    model.register_forward_hook(_end_turns(tok.eos_token_id), with_kwargs=True)
+    again, _, _ = _play((model, tok), reuse=False, path=path)
+    capsys.readouterr()
+    played, shapes, _ = _play((model, tok), reuse=True, path=path)
+    said = capsys.readouterr().out
+    assert said.count(f"{KV_REUSE}: each turn prefills the whole conversation again (the model attends over a "
+                      "sliding window of 8 tokens") == 1
+    assert played.sequences.equal(again.sequences)
+    assert [rows for rows, _ in shapes] == [4, 3, 2]  # only the live episodes, their whole contexts
+
+
+@pytest.mark.parametrize("path", ["graphs"], indirect=True)
+def test_graphs_continue_a_conversation_without_compiling_again(model_and_tokenizer, path):
+    """The graphs path's turns after the first decode on the same static cache (its capacity fixed
+    for the batch): Dynamo compiles nothing new for them, where prefilling every turn again into a
+    cache sized for that turn compiles again when the size changes."""
+    from torch._dynamo.utils import counters
+
+    def compiled_per_rollout(reuse: bool) -> list[int]:
+        totals: list[int] = []
+        torch._dynamo.reset()
+        counters.clear()
+        try:
+            _play(model_and_tokenizer, reuse=reuse, path=path,
+                  between=lambda rollout: totals.append(counters["stats"]["unique_graphs"]))
+        finally:
+            torch._dynamo.reset()
+        return [b - a for a, b in zip([0, *totals], totals)]
+
+    reused, again = compiled_per_rollout(True), compiled_per_rollout(False)
+    assert reused[0] > 0 and reused[1:] == [0, 0], reused
+    assert sum(again[1:]) > 0, again
 
 
 # ------------------------------------------------------------------ dschat's Hybrid Engine only

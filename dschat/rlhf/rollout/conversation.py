@@ -3,24 +3,25 @@
 :class:`Conversation` is what :class:`~dschat.rlhf.episodes.EpisodePlayer` hands the
 :class:`~dschat.rlhf.rollout.generator.RolloutGenerator` with each turn. Two paths continue it: the
 sample loop (:class:`~dschat.rlhf.rollout.sample_loop.SampleLoopPath`, a Hugging Face
-``DynamicCache``) and dschat's Hybrid Engine at ``--inference_tp_size 1``
+``DynamicCache``), dschat's Hybrid Engine at ``--inference_tp_size 1``
 (:class:`~dschat.rlhf.rollout.dschat_engine.DschatEnginePath`, its
-:class:`~dschat.models.decoder.kv_cache.StaticKVCache`); every other path decodes the conversations
-from scratch and the cache is dropped.
+:class:`~dschat.models.decoder.kv_cache.StaticKVCache`) and the CUDA-graphs path
+(:class:`~dschat.rlhf.rollout.graphs.GraphsPath`, a Hugging Face ``StaticCache``); every other path
+decodes the conversations from scratch and the cache is dropped.
 """
 from __future__ import annotations
 
 from typing import Sequence, Union
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.packing import attention_window
 
 __all__ = ["Conversation", "KeptCache", "why_not_kept"]
 
-KeptCache = Union[DynamicCache, StaticKVCache]  # the sample loop's, or dschat's Hybrid Engine's
+KeptCache = Union[DynamicCache, StaticKVCache, StaticCache]  # the sample loop's, dschat's Hybrid Engine's, graphs'
 
 
 class Conversation:
@@ -44,7 +45,9 @@ class Conversation:
     continue prefills every row's whole conversation again).
 
     :attr:`owner` names the path whose cache it holds; a path continues only its own (:meth:`claim`
-    drops another's, so that turn prefills every row's whole conversation).
+    drops another's, so that turn prefills every row's whole conversation). A path that feeds the
+    kept columns' ids again (Hugging Face ``generate`` skips the cached ones) gets them from
+    :meth:`past_ids`.
 
     Memory: every row, active or not, has a cache column for every column of the batch: each turn
     adds the longest row's new tokens plus the turn's decoded tokens, minus one, for all ``B`` rows.
@@ -53,6 +56,7 @@ class Conversation:
     def __init__(self) -> None:
         self.cache: KeptCache | None = None
         self.owner: str | None = None  # the name of the path whose cache this is
+        self.capacity = 0  # the columns a fixed-size cache holds (its path sets it)
         self.mask: torch.Tensor | None = None  # (B, C)
         self.cached: list[int] = []
         self.contexts: list[list[int]] = []
@@ -79,7 +83,7 @@ class Conversation:
     def drop(self) -> None:
         """Free the cache (another path decoded the turn, or the episodes are played): the next
         continued turn prefills every row's whole conversation."""
-        self.cache, self.mask, self.cached, self.fed = None, None, [], 0
+        self.cache, self.mask, self.cached, self.fed, self.capacity = None, None, [], 0, 0
 
     def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The turn's new columns (ids, mask), (B, N), N >= 1, left-padded; counts them as cached."""
@@ -106,6 +110,17 @@ class Conversation:
             self.cached[i] += len(row)
         self.width = width
         return ids.to(device), mask.to(device)
+
+    def past_ids(self, device: torch.device) -> torch.Tensor:
+        """(B, C) the token id of each kept column (after :meth:`inputs`): a row's columns of the mask
+        hold the first tokens of its conversation, in order; holes hold the padding id."""
+        assert self.mask is not None
+        ids = torch.full(self.mask.shape, self.pad_id, dtype=torch.long)
+        mask = self.mask.bool().cpu()
+        for i, context in enumerate(self.contexts):
+            n = int(mask[i].sum())
+            ids[i, mask[i]] = torch.tensor(context[:n], dtype=torch.long)
+        return ids.to(device)
 
     def decoded(self, new_mask: torch.Tensor, answer_width: int) -> None:
         """After the path decoded ``answer_width`` tokens from the new columns ``new_mask``."""

@@ -292,6 +292,7 @@ class DschatEnginePath(DecodingPath):
     name = loop = "dschat-he"
     label = ENGINE_NAME
     tensor_parallel = False  # serves at --inference_tp_size 1 (dschat.rlhf.rollout.tensor_parallel: > 1)
+    continues = True
 
     def can_serve(self, request: RolloutRequest) -> str | None:
         gen = self.gen

@@ -37,10 +37,10 @@ why). The first rollout prints one summary line: the path that served, the reaso
 gave, the dtype and the inference tensor-parallel degree (:meth:`RolloutGenerator.summary_line`).
 
 **Multi-turn episodes** (:class:`~dschat.rlhf.episodes.EpisodePlayer`) pass a
-:class:`~dschat.rlhf.rollout.conversation.Conversation` with each turn: where the ``dschat`` loop
-or dschat's Hybrid Engine (``dschat-he``) serves, it continues the conversations' KV cache and feeds
-only each row's new tokens; every other path prefills the whole conversations again and the cache
-is dropped. One line says once which is
+:class:`~dschat.rlhf.rollout.conversation.Conversation` with each turn: where a path that
+``continues`` serves (the ``dschat`` loop, dschat's Hybrid Engine ``dschat-he``, ``graphs``), it
+continues the conversations' KV cache and feeds only each row's new tokens; every other path
+prefills the whole conversations again and the cache is dropped. One line says once which is
 used (and, for a re-prefill, why).
 
 The module paths keep the **log-probs of the generated tokens** (the raw logits divided by the
@@ -213,12 +213,12 @@ class RolloutGenerator:
     def rollout(self, prompts: torch.Tensor, mask: torch.Tensor, conversation: Conversation | None = None) -> Rollout:
         """Generate answers for ``(B, P)`` left-padded prompts; see :class:`Rollout`.
 
-        With ``conversation`` (multi-turn episodes: ``prompts`` are the live conversations so far), the
-        dschat loop or dschat's Hybrid Engine, where it serves, continues the conversation's KV cache
-        instead (its rollout then
-        has a row per conversation: :class:`~dschat.rlhf.rollout.conversation.Conversation`); any other
-        path decodes ``prompts`` and the cache is dropped. Which of the two is used is said once (and
-        why not, once per reason)."""
+        With ``conversation`` (multi-turn episodes: ``prompts`` are the live conversations so far), a
+        path that ``continues``, where it serves, continues the conversation's KV cache instead (its
+        rollout then has a row per conversation:
+        :class:`~dschat.rlhf.rollout.conversation.Conversation`); any other path decodes ``prompts``
+        and the cache is dropped. Which of the two is used is said once (and why not, once per
+        reason)."""
         rollout = self._rollout(prompts, mask, conversation)
         if not self._summary_said:
             self._summary_said = True
@@ -268,6 +268,6 @@ class RolloutGenerator:
         loop = SampleLoopPath.name
         why = conversation.why_not or next((r[len(loop) + 2:] for r in refused if r.startswith(f"{loop}: ")), None)
         if why is None:
-            why = (f"{served.name} decodes the turns; only the {loop} loop and {DschatEnginePath.name} (dschat's "
-                   "Hybrid Engine at --inference_tp_size 1) continue a KV cache")
+            able = ", ".join(path.name for path in self.paths if path.continues)
+            why = f"{served.name} decodes the turns; only {able} continue a KV cache"
         say_once(self, f"{KV_REUSE}: each turn prefills the whole conversation again ({why})")

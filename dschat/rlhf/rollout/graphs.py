@@ -9,14 +9,23 @@ a decoder-only model): ``generate`` with ``cache_implementation="static"`` and
 Where it does not apply, ``auto`` goes on to dschat's loop without a word; an explicit ``graphs`` says
 why once and turns into ``dschat`` for the rest of the run. A compiler failure does the same (for
 ``auto`` too); out of memory and a compile cache folder that is not the user's own are re-raised.
+
+Multi-turn episodes continue their :class:`~dschat.rlhf.rollout.conversation.Conversation` in a
+``StaticCache`` of their own: ``generate`` gets the kept columns' ids and holed mask followed by the
+turn's new columns, and prefills only the columns past the cache's length (positions from the mask,
+as for any left padding). The cache's capacity is the first turn's columns plus its answer room,
+rounded up to ``graph_prompt_multiple``, so the turns of a batch share one captured graph; a turn
+that would outgrow it prefills every conversation again into a larger one. Rows whose episode has
+ended are made to end at once (EOS), so they do not keep the others decoding.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import CompileConfig
+from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 
+from dschat.rlhf.rollout.conversation import Conversation, why_not_kept
 from dschat.rlhf.rollout.hf_generate import hf_generate
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
 from dschat.rlhf.rollout.sampling import Rollout
@@ -33,6 +42,7 @@ class GraphsPath(DecodingPath):
 
     name = loop = "graphs"
     on_module = True
+    continues = True
     label = "graphs (Hugging Face generate, static KV cache, CUDA graphs)"
 
     def __init__(self, generator: RolloutGenerator) -> None:
@@ -72,6 +82,10 @@ class GraphsPath(DecodingPath):
             self._compile_config = CompileConfig(mode="reduce-overhead")
             if "cpu" in gen.graph_devices:
                 self._compile_config._compile_all_devices = True
+        if request.conversation is not None:
+            request.conversation.why_not = why_not_kept(module.config)
+            if request.conversation.why_not is None:
+                return self._continue(request.conversation, prompts.device)
         B, P = prompts.shape
         extra = -P % gen.graph_prompt_multiple
         if extra:
@@ -84,6 +98,39 @@ class GraphsPath(DecodingPath):
                               compile_config=self._compile_config, synced_gpus=False)
         return Rollout(rollout.sequences[:, extra:], rollout.logprobs)
 
+    def _continue(self, conversation: Conversation, device: torch.device) -> Rollout:
+        """One turn of ``conversation`` on its ``StaticCache`` (see the module docstring)."""
+        gen, module = self.gen, self.gen.actor.module
+        conversation.claim(self.name)
+        ids, mask = conversation.inputs(device)  # (B, N): the new columns
+        kept = 0 if conversation.mask is None else conversation.mask.shape[1]
+        cache = conversation.cache
+        if cache is not None and kept + ids.shape[1] + gen.max_answer_seq_len > conversation.capacity:
+            conversation.drop()  # outgrown: every row's whole conversation into a larger cache
+            ids, mask = conversation.inputs(device)
+            kept, cache = 0, None
+        if cache is None:
+            need = ids.shape[1] + gen.max_answer_seq_len
+            capacity = -(-need // gen.graph_prompt_multiple) * gen.graph_prompt_multiple
+            cache = conversation.cache = StaticCache(config=module.config, max_cache_len=capacity)
+            conversation.capacity = capacity
+        assert isinstance(cache, StaticCache)  # claimed: this path's own
+        if kept:
+            assert conversation.mask is not None
+            ids = torch.cat([conversation.past_ids(device), ids], dim=1)
+            mask = torch.cat([conversation.mask.to(mask), mask], dim=1)
+        ended = torch.tensor([not a for a in conversation.active], dtype=torch.bool, device=device)
+        processors = LogitsProcessorList([*gen.extra_generate_kwargs.get("logits_processor", []),
+                                          _EndRows(ended, gen.tokenizer.eos_token_id)])
+        # An ended row feeds nothing; its last column is shown to generate as a token (a pad id seen by
+        # that row alone, a hole in the conversation's mask), or generate takes it for right padding.
+        shown = mask.clone()
+        shown[ended, -1] = 1
+        rollout = hf_generate(gen, module, ids, shown, past_key_values=cache, compile_config=self._compile_config,
+                              synced_gpus=False, logits_processor=processors)
+        conversation.decoded(mask[:, kept:], rollout.sequences.shape[1] - ids.shape[1])
+        return Rollout(rollout.sequences[:, kept:], rollout.logprobs)
+
     def fall_back(self, err: Exception, request: RolloutRequest) -> str | None:
         """A compiler failure: dschat's loop from now on (within this rollout's gather)."""
         if not_a_fallback(err):
@@ -92,3 +139,14 @@ class GraphsPath(DecodingPath):
         self.gen.generation_loop = "dschat"
         return f"--generation_loop {flag}: CUDA graphs failed ({one_line(err, 200)}); decoding with dschat's loop from now on"
 
+
+class _EndRows(LogitsProcessor):
+    """The rows of ``ended`` (B,) bool: EOS is their only token (applied after every other processor)."""
+
+    def __init__(self, ended: torch.Tensor, eos_token_id: int) -> None:
+        self.ended, self.eos_token_id = ended, eos_token_id
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        only_eos = torch.full_like(scores, -float("inf"))
+        only_eos[:, self.eos_token_id] = 0.0
+        return torch.where(self.ended[:, None], only_eos, scores)

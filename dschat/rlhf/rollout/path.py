@@ -71,6 +71,7 @@ class DecodingPath(ABC):
     loop: ClassVar[str]  # what ``RolloutGenerator.last_loop`` reports when this path served
     label: ClassVar[str]  # what the rollout summary line calls it
     on_module: ClassVar[bool] = False  # decodes with the training module inside the generator's gather
+    continues: ClassVar[bool] = False  # continues a multi-turn batch's kept KV cache (a Conversation)
 
     def __init__(self, generator: RolloutGenerator) -> None:
         self.gen = generator

@@ -201,6 +201,7 @@ class SampleLoopPath(DecodingPath):
 
     name = loop = "dschat"
     on_module = True
+    continues = True
     label = "dschat loop (dschat.rlhf.rollout.sample_loop on the training module)"
 
     def can_serve(self, request: RolloutRequest) -> str | None:

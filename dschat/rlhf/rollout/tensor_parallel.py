@@ -232,6 +232,7 @@ class TensorParallelEnginePath(DschatEnginePath):
     name = "dschat-he-tp"
     loop = "dschat-he"
     tensor_parallel = True
+    continues = False  # each turn prefills the whole conversations over the group
 
     def generate(self, request: RolloutRequest) -> Rollout:
         gen, module = self.gen, self.gen.actor.module
