@@ -30,7 +30,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -116,7 +116,8 @@ class _FixedTurns:
         model.register_forward_pre_hook(count, with_kwargs=True)
         model.register_forward_hook(end, with_kwargs=True)
 
-    def on_decode_model(self) -> None:
+    def on_decode_model(self) -> Callable[[], None]:
+        """Wraps the decode model's passes; returns what puts them back."""
         from dschat.models.decoder.forward import DecodeModel
 
         prefill, step = DecodeModel.prefill, DecodeModel.step
@@ -130,6 +131,10 @@ class _FixedTurns:
             return self.end(step(model, token, *a, **k))
 
         DecodeModel.prefill, DecodeModel.step = counted_prefill, counted_step  # type: ignore[method-assign]
+
+        def restore() -> None:
+            DecodeModel.prefill, DecodeModel.step = prefill, step  # type: ignore[method-assign]
+        return restore
 
 
 def main(argv: Sequence[str] | None = None) -> list[str]:
@@ -147,8 +152,9 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     gen = RolloutGenerator(_Engine(model), tokenizer, decision=HybridEngineDecision(engine, False, dschat_engine=engine),
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=1, zero_stage=0)
     hooks = _FixedTurns(tokenizer.eos_token_id, args.turn_tokens)
+    restore: Callable[[], None] = lambda: None  # noqa: E731
     if engine:
-        hooks.on_decode_model()
+        restore = hooks.on_decode_model()
     else:
         hooks.on_module(model)
     rollout = gen.rollout
@@ -168,18 +174,21 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     fed: dict[str, int] = {}
     played: dict[str, Any] = {}
     rows = [{"prompt": str(i)} for i in range(args.batch)]
-    for i in range(args.warmup + args.repeats):
-        for mode in MODES:
-            player.reuse_kv = mode == "reuse"
-            hooks.fed = 0
-            t0 = time.perf_counter()
-            played[mode] = player.play(ids, mask, rows)
-            took = time.perf_counter() - t0
-            fed[mode] = hooks.fed
-            if i >= args.warmup:
-                times[mode].append(took)
-            print(f"[{mode}] play {i}{' (warm-up)' if i < args.warmup else ''}: {took:.3f} s, "
-                  f"{hooks.fed} tokens fed", flush=True)
+    try:
+        for i in range(args.warmup + args.repeats):
+            for mode in MODES:
+                player.reuse_kv = mode == "reuse"
+                hooks.fed = 0
+                t0 = time.perf_counter()
+                played[mode] = player.play(ids, mask, rows)
+                took = time.perf_counter() - t0
+                fed[mode] = hooks.fed
+                if i >= args.warmup:
+                    times[mode].append(took)
+                print(f"[{mode}] play {i}{' (warm-up)' if i < args.warmup else ''}: {took:.3f} s, "
+                      f"{hooks.fed} tokens fed", flush=True)
+    finally:
+        restore()
     same = all(torch.equal(getattr(played["reuse"], k), getattr(played["prefill"], k))
                for k in ("sequences", "attention_mask", "observation_mask"))
     assert int(played["reuse"].turns.min()) == args.turns, "every episode plays --turns turns"

@@ -153,7 +153,7 @@ class EpisodePlayer:
         tails: list[list[float]] = [[] for _ in range(B)]  # the latest turn's log-probs after its EOS
         turn_start = [0] * B  # where each episode's current turn began in its tokens
         ended = [False] * B
-        conversation = Conversation() if self.reuse_kv else None
+        conversation = Conversation(limit=self.max_context) if self.reuse_kv else None
         while True:
             live = [i for i, s in enumerate(batch.states) if not s.done]
             contexts = [prompt_rows[i] + tokens[i] for i in live] or [prompt_rows[0]]  # a placeholder row

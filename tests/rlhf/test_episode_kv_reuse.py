@@ -102,16 +102,17 @@ _ENGINE_SHAPES: list[tuple[int, int]] = []
 
 
 def _play(model_and_tokenizer, *, reuse: bool, path: str = "dschat", generation_loop: str = "auto",
-          max_context: int = 1000, between=None, release_inference_cache: bool = False):
+          max_context: int = 1000, between=None, release_inference_cache: bool = False, device: str = "cpu"):
     """Plays :data:`ROWS` on ``path``; returns the episodes and, per rollout, the (rows, width) of its
     first forward and its kept log-probs. ``between(rollout)`` runs after each rollout of the episodes
-    (``rollout``: the generator's own method)."""
+    (``rollout``: the generator's own method). On ``device`` "cuda" the paths compile as they do there
+    (CUDA graphs); on the CPU graphs runs with Dynamo's eager backend."""
     model, tok = model_and_tokenizer
     gen = RolloutGenerator(_PlainEngine(model), tok,
                            decision=HybridEngineDecision(path == "dschat-he", False, dschat_engine=path == "dschat-he"),
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=MAX_ANSWER, zero_stage=0,
                            generation_loop=generation_loop, release_inference_cache=release_inference_cache)
-    if path == "graphs":
+    if path == "graphs" and device == "cpu":
         from transformers import CompileConfig
 
         gen.graph_devices = ("cuda", "cpu")
@@ -141,8 +142,8 @@ def _play(model_and_tokenizer, *, reuse: bool, path: str = "dschat", generation_
     gen.rollout = counted
     ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
     width = max(len(r) for r in ids)
-    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids], device=device)
     try:
         played = player.play(prompts, mask, [dict(r) for r in ROWS])
     finally:
@@ -341,6 +342,22 @@ def test_a_conversation_that_outgrows_the_engines_cache_moves_to_a_larger_one(mo
 
 
 @pytest.mark.parametrize("path", ["dschat-he"], indirect=True)
+def test_the_engines_cache_stays_within_what_a_prompt_and_answer_take(model_and_tokenizer, path, monkeypatch):
+    """The engine keeps its cache after the episodes, so a conversation may not grow it past the size
+    of ``max_context`` (the prompt and answer lengths of the run): a turn that would, and whose
+    conversations fit compact, starts them again compact (its whole conversations fed), and the
+    episodes are still the re-prefilled ones. Caches sized exactly here, so the bound shows."""
+    monkeypatch.setattr(StaticKVCache, "capacity_for", staticmethod(lambda length, multiple=64: length))
+    again, again_shapes, _ = _play(model_and_tokenizer, reuse=False, path=path, max_context=80)
+    unbounded = _engine_of(model_and_tokenizer)[2]
+    reused, shapes, engine = _engine_of(model_and_tokenizer, max_context=80)
+    assert unbounded.cache.capacity > 80 >= engine.cache.capacity
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(reused, name), getattr(again, name)), name
+    assert shapes[1] == (4, again_shapes[1][1]) and shapes[2][1] < again_shapes[2][1]  # compact, then continued
+
+
+@pytest.mark.parametrize("path", ["dschat-he"], indirect=True)
 def test_a_rollout_between_turns_makes_the_next_turn_prefill_every_conversation(model_and_tokenizer, path):
     """Another rollout on the engine (the same batch size: it writes over the cache in place) leaves
     the conversation nothing to continue: the next turn feeds every row's whole conversation."""
@@ -352,7 +369,7 @@ def test_a_rollout_between_turns_makes_the_next_turn_prefill_every_conversation(
                               between=lambda rollout: rollout(*other))
     for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
         assert torch.equal(getattr(played, name), getattr(again, name)), name
-    # Every row (ended ones too) at each turn, the whole of the longest live conversation.
+    # Every row at each turn (an ended one its first token only), as wide as the longest live conversation.
     assert shapes == [(4, width) for _, width in again_shapes]
 
 
@@ -390,3 +407,30 @@ def test_the_compiled_decode_step_continues_a_conversation_without_compiling_aga
     for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
         assert torch.equal(getattr(reused, name), getattr(again, name)), name
     assert engine.compiles_per_rollout == [1, 0, 0] and engine.cache_allocations == 1
+
+
+# ------------------------------------------------------------------ GPU tier
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["dschat-he", "graphs"], indirect=True)
+def test_on_cuda_the_continued_turns_are_the_reprefilled_ones_and_compile_once(model_and_tokenizer, path):
+    """GPU tier: with the decode step compiled and captured in CUDA graphs (dschat's Hybrid Engine, or
+    generate's static cache), fp32 greedy episodes continued from the kept cache are the re-prefilled
+    ones, and the turns after the first compile nothing new."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    model, tok = model_and_tokenizer
+    on_cuda = (copy.deepcopy(model).cuda(), tok)  # the hook that ends turns comes along
+    again, _, _ = _play(on_cuda, reuse=False, path=path, device="cuda")
+    totals: list[int] = []
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        reused, _, _ = _play(on_cuda, reuse=True, path=path, device="cuda",
+                             between=lambda rollout: totals.append(counters["stats"]["unique_graphs"]))
+    finally:
+        torch._dynamo.reset()
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(reused, name).cpu(), getattr(again, name).cpu()), name
+    assert totals[0] > 0 and totals[1:] == [totals[0]] * (len(totals) - 1), totals

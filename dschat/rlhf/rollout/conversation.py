@@ -51,9 +51,13 @@ class Conversation:
 
     Memory: every row, active or not, has a cache column for every column of the batch: each turn
     adds the longest row's new tokens plus the turn's decoded tokens, minus one, for all ``B`` rows.
+    A path whose cache outlives the episodes or has a fixed size bounds it from :attr:`limit` (the
+    episode player's ``max_context``: what the decoding engines are sized for): a turn that would
+    pass the bound starts the conversations again compact (:meth:`inputs`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit  # the longest conversation and answer room a turn may need (None: not said)
         self.cache: KeptCache | None = None
         self.owner: str | None = None  # the name of the path whose cache this is
         self.capacity = 0  # the columns a fixed-size cache holds (its path sets it)
@@ -85,8 +89,20 @@ class Conversation:
         continued turn prefills every row's whole conversation."""
         self.cache, self.mask, self.cached, self.fed, self.capacity = None, None, [], 0, 0
 
-    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The turn's new columns (ids, mask), (B, N), N >= 1, left-padded; counts them as cached."""
+    def inputs(self, device: torch.device, room: int = 0, columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The turn's new columns (ids, mask), (B, N), N >= 1, left-padded; counts them as cached.
+        When the kept columns, these and ``room`` answer columns would pass ``columns`` (a path's
+        bound on its cache) and the conversations compact would not, the cache is dropped first and
+        the conversations start again compact (the turn prefills them whole)."""
+        ids, mask = self._inputs(device)
+        if columns is not None and self.mask is not None and self.mask.shape[1] + ids.shape[1] + room > columns:
+            compact = max((len(c) for c, a in zip(self.contexts, self.active) if a), default=1)
+            if compact + room <= columns:
+                self.drop()
+                ids, mask = self._inputs(device)
+        return ids, mask
+
+    def _inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         if self.cache is None:
             self.cached = [0] * len(self.contexts)  # a fresh cache: every row's whole conversation
         else:
@@ -98,7 +114,9 @@ class Conversation:
                     last = int(torch.nonzero(self.mask[i]).max())
                     self.mask[i, last] = 0
                     self.cached[i] -= 1
-        rows = [c[k:] if self.cache is None or active else []
+        # A fresh cache: an active row's whole conversation; a row that decodes no more, its first token
+        # (a row of only holes would have no key to attend to).
+        rows = [(c if active else c[:1]) if self.cache is None else (c[k:] if active else [])
                 for c, k, active in zip(self.contexts, self.cached, self.active)]
         width = max(1, max(len(r) for r in rows))
         ids = torch.full((len(rows), width), self.pad_id, dtype=torch.long)

@@ -154,16 +154,27 @@ class DschatHybridEngine:
         The rollout has a row per conversation, its answers from column ``conversation.width``
         (:class:`~dschat.rlhf.rollout.conversation.Conversation`). A conversation whose cache is not
         this engine's current one (the first turn, or another rollout used the cache since) prefills
-        every row's whole conversation; one that outgrows the cache moves to a larger one."""
+        every row's whole conversation; one that outgrows the cache moves to a larger one (the old one
+        is freed as the columns are copied) up to the size of the conversation's ``limit``, past which
+        the conversations start again compact (so the cache the engine keeps is never larger than a
+        prompt and answer of the run need)."""
         device = next(module.parameters()).device
         with self._counted(module, materialise, device):
             if conversation.cache is not None and (conversation.cache is not self.cache
                                                    or self._continued is not conversation):
                 conversation.drop()
-            ids, mask = conversation.inputs(device)  # (B, N): the new columns
+            # The cache outlives the episodes: at most what a prompt and answer of the run take.
+            bound = None if conversation.limit is None else StaticKVCache.capacity_for(conversation.limit,
+                                                                                       self.cache_multiple)
+            ids, mask = conversation.inputs(device, self.max_new_tokens, bound)  # (B, N): the new columns
             active = torch.tensor(conversation.active, dtype=torch.bool, device=device)
-            rollout = self.decode(ids, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
-                                  past_mask=conversation.mask, active=active)
+            conversation.cache = None  # the engine holds it (and frees it if it moves to a larger one)
+            try:
+                rollout = self.decode(ids, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
+                                      past_mask=conversation.mask, active=active)
+            except BaseException:
+                conversation.drop()  # its mask no longer says what the cache holds
+                raise
             conversation.cache, self._continued = self.cache, conversation
             conversation.decoded(mask, rollout.sequences.shape[1] - ids.shape[1])
             return rollout

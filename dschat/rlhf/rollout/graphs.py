@@ -13,10 +13,10 @@ why once and turns into ``dschat`` for the rest of the run. A compiler failure d
 Multi-turn episodes continue their :class:`~dschat.rlhf.rollout.conversation.Conversation` in a
 ``StaticCache`` of their own: ``generate`` gets the kept columns' ids and holed mask followed by the
 turn's new columns, and prefills only the columns past the cache's length (positions from the mask,
-as for any left padding). The cache's capacity is the first turn's columns plus its answer room,
-rounded up to ``graph_prompt_multiple``, so the turns of a batch share one captured graph; a turn
-that would outgrow it prefills every conversation again into a larger one. Rows whose episode has
-ended are made to end at once (EOS), so they do not keep the others decoding.
+as for any left padding). The cache's capacity is the conversation's ``limit`` (the episodes'
+``max_context``), rounded up to ``graph_prompt_multiple``, so the turns of a batch share one
+captured graph; a turn that would pass it starts the conversations again compact. Rows whose
+episode has ended are made to end at once (EOS), so they do not keep the others decoding.
 """
 from __future__ import annotations
 
@@ -102,15 +102,16 @@ class GraphsPath(DecodingPath):
         """One turn of ``conversation`` on its ``StaticCache`` (see the module docstring)."""
         gen, module = self.gen, self.gen.actor.module
         conversation.claim(self.name)
-        ids, mask = conversation.inputs(device)  # (B, N): the new columns
+        ids, mask = conversation.inputs(device, gen.max_answer_seq_len, conversation.capacity or None)  # (B, N)
         kept = 0 if conversation.mask is None else conversation.mask.shape[1]
         cache = conversation.cache
         if cache is not None and kept + ids.shape[1] + gen.max_answer_seq_len > conversation.capacity:
-            conversation.drop()  # outgrown: every row's whole conversation into a larger cache
+            conversation.drop()  # even compact it would not fit: every conversation into a larger cache
             ids, mask = conversation.inputs(device)
             kept, cache = 0, None
         if cache is None:
-            need = ids.shape[1] + gen.max_answer_seq_len
+            # Room for the conversation's limit (every turn of the batch on one cache, one graph).
+            need = max(ids.shape[1] + gen.max_answer_seq_len, conversation.limit or 0)
             capacity = -(-need // gen.graph_prompt_multiple) * gen.graph_prompt_multiple
             cache = conversation.cache = StaticCache(config=module.config, max_cache_len=capacity)
             conversation.capacity = capacity

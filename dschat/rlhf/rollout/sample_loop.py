@@ -237,7 +237,7 @@ class SampleLoopPath(DecodingPath):
         """One turn of ``conversation``: its rows' new tokens through :func:`sample_loop` on its cache."""
         gen, module = self.gen, self.gen.actor.module
         conversation.claim(self.name)
-        ids, mask = conversation.inputs(device)
+        ids, mask = conversation.inputs(device)  # unbounded: the DynamicCache is freed with the episodes
         if conversation.cache is None:
             conversation.cache = DynamicCache(config=module.config)
         cache = conversation.cache

@@ -164,6 +164,10 @@ class TensorParallelHybridEngine(DschatHybridEngine):
         self.tp_size = group.size
         self.layers_per_gather = layers_per_gather
 
+    def continue_turn(self, *args: Any, **kwargs: Any) -> Rollout:
+        """Not over a group: each turn prefills the whole conversations (see the path)."""
+        raise NotImplementedError("a tensor-parallel group does not continue a multi-turn KV cache")
+
     def _decode_model(self, config: Any) -> ShardedDecodeModel:
         return ShardedDecodeModel(config, self.group)
 
