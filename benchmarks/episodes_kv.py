@@ -152,10 +152,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     gen = RolloutGenerator(_Engine(model), tokenizer, decision=HybridEngineDecision(engine, False, dschat_engine=engine),
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=1, zero_stage=0)
     hooks = _FixedTurns(tokenizer.eos_token_id, args.turn_tokens)
-    restore: Callable[[], None] = lambda: None  # noqa: E731
-    if engine:
-        restore = hooks.on_decode_model()
-    else:
+    if not engine:
         hooks.on_module(model)
     rollout = gen.rollout
 
@@ -174,6 +171,7 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     fed: dict[str, int] = {}
     played: dict[str, Any] = {}
     rows = [{"prompt": str(i)} for i in range(args.batch)]
+    restore = hooks.on_decode_model() if engine else (lambda: None)
     try:
         for i in range(args.warmup + args.repeats):
             for mode in MODES:

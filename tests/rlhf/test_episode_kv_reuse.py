@@ -1,5 +1,5 @@
-"""Multi-turn episodes continue the conversation's KV cache on the dschat loop and on dschat's Hybrid
-Engine: with greedy decoding they are the episodes that prefilling every turn again plays, token for
+"""Multi-turn episodes continue the conversation's KV cache on the dschat loop, dschat's Hybrid Engine
+and the graphs path: with greedy decoding they are the episodes that prefilling every turn again plays, token for
 token, with the same kept log-probs; each turn after the first feeds the model only the rows' new
 tokens (a turn the shared budget stopped goes on from its last sampled token); a path that cannot
 continue a cache prefills again and says why once.
@@ -297,8 +297,8 @@ def test_graphs_prefill_a_sliding_window_model_again_and_say_why(capsys):
 @pytest.mark.parametrize("path", ["graphs"], indirect=True)
 def test_graphs_continue_a_conversation_without_compiling_again(model_and_tokenizer, path):
     """The graphs path's turns after the first decode on the same static cache (its capacity fixed
-    for the batch): Dynamo compiles nothing new for them, where prefilling every turn again into a
-    cache sized for that turn compiles again when the size changes."""
+    for the batch, every row kept): Dynamo compiles nothing new for them, where prefilling every turn
+    again compiles again (its batch shrinks to the live episodes)."""
     from torch._dynamo.utils import counters
 
     def compiled_per_rollout(reuse: bool) -> list[int]:
@@ -321,8 +321,9 @@ def test_graphs_continue_a_conversation_without_compiling_again(model_and_tokeni
 def _engine_of(model_and_tokenizer, **play):
     """Plays with dschat's Hybrid Engine and returns (episodes, shapes, the engine)."""
     engines = []
-    played, shapes, _ = _play(model_and_tokenizer, reuse=True, path="dschat-he",
-                              between=lambda rollout: engines.append(rollout.__self__.engine), **play)
+    played, shapes, logprobs = _play(model_and_tokenizer, reuse=True, path="dschat-he",
+                                     between=lambda rollout: engines.append(rollout.__self__.engine), **play)
+    _engine_of.logprobs = logprobs  # the last play's kept log-probs, for the tests that compare them
     return played, shapes, engines[-1]
 
 
@@ -341,20 +342,106 @@ def test_a_conversation_that_outgrows_the_engines_cache_moves_to_a_larger_one(mo
     assert shapes == rounded_shapes  # the same new tokens fed at each turn (their widths: the first test)
 
 
+def _same_turn_logprobs(again, again_lp, reused_lp, eos: int) -> None:
+    """Each turn's kept log-probs of the actor's tokens agree (re-prefilled rollouts have a row per
+    live episode, continued ones a row per episode)."""
+    segments = _segments(again, eos)
+    for t in range(max(len(s) for s in segments)):
+        live = [i for i, s in enumerate(segments) if len(s) > t]
+        for j, i in enumerate(live):
+            n = segments[i][t][0]
+            assert (reused_lp[t][i, :n] - again_lp[t][j, :n]).abs().max().item() < 1e-5, (t, i)
+
+
+# A max_context per model at which closing the kept columns' holes is enough for the turn that would
+# pass it (their caches sized exactly); at 80 it is not, and the conversations are prefilled again.
+COMPACT_ENOUGH = {"llama": 90, "opt": 91}
+
+
 @pytest.mark.parametrize("path", ["dschat-he"], indirect=True)
-def test_the_engines_cache_stays_within_what_a_prompt_and_answer_take(model_and_tokenizer, path, monkeypatch):
+@pytest.mark.parametrize("enough", [True, False], ids=["compacted", "prefilled-again"])
+def test_the_engines_cache_stays_within_what_a_prompt_and_answer_take(model_and_tokenizer, path, enough,
+                                                                      monkeypatch):
     """The engine keeps its cache after the episodes, so a conversation may not grow it past the size
-    of ``max_context`` (the prompt and answer lengths of the run): a turn that would, and whose
-    conversations fit compact, starts them again compact (its whole conversations fed), and the
-    episodes are still the re-prefilled ones. Caches sized exactly here, so the bound shows."""
+    of ``max_context`` (the prompt and answer lengths of the run): before a turn would, the kept
+    columns' holes are closed in place, and where the rows' columns still do not line up the
+    conversations are prefilled again compact. Either way the episodes are the re-prefilled ones.
+    Caches sized exactly here, so the bound shows."""
+    limit = COMPACT_ENOUGH[model_and_tokenizer[0].config.model_type] if enough else 80
     monkeypatch.setattr(StaticKVCache, "capacity_for", staticmethod(lambda length, multiple=64: length))
-    again, again_shapes, _ = _play(model_and_tokenizer, reuse=False, path=path, max_context=80)
+    again, _, again_lp = _play(model_and_tokenizer, reuse=False, path=path, max_context=limit)
     unbounded = _engine_of(model_and_tokenizer)[2]
-    reused, shapes, engine = _engine_of(model_and_tokenizer, max_context=80)
-    assert unbounded.cache.capacity > 80 >= engine.cache.capacity
+    reused, _, engine = _engine_of(model_and_tokenizer, max_context=limit)
+    _same_turn_logprobs(again, again_lp, _engine_of.logprobs, model_and_tokenizer[1].eos_token_id)
+    assert unbounded.cache.capacity > limit >= engine.cache.capacity
+    assert unbounded.compactions == 0 and engine.compactions == 1 and engine.restarts == (0 if enough else 1)
     for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
         assert torch.equal(getattr(reused, name), getattr(again, name)), name
-    assert shapes[1] == (4, again_shapes[1][1]) and shapes[2][1] < again_shapes[2][1]  # compact, then continued
+
+
+def _graphs_of(model_and_tokenizer, monkeypatch, **play):
+    """Plays on the graphs path (caches sized exactly: ``graph_prompt_multiple`` 1), spying on its
+    ``generate`` calls; returns (episodes, the path, the calls: (ids, mask shown, ended rows, answers))."""
+    import dschat.rlhf.rollout.graphs as graphs_module
+
+    calls, paths = [], []
+    generate = graphs_module.hf_generate
+
+    def spied(gen, module, ids, mask, **kwargs):
+        out = generate(gen, module, ids, mask, **kwargs)
+        ended = kwargs["logits_processor"][-1].ended if "past_key_values" in kwargs else None
+        calls.append((ids.cpu(), mask.cpu(), ended, out.sequences[:, ids.shape[1]:].cpu()))
+        return out
+
+    monkeypatch.setattr(graphs_module, "hf_generate", spied)
+    turn = graphs_module.GraphsPath._continue
+
+    def exact(self, conversation, device):
+        self.gen.graph_prompt_multiple = 1
+        return turn(self, conversation, device)
+
+    monkeypatch.setattr(graphs_module.GraphsPath, "_continue", exact)
+    played, _, logprobs = _play(model_and_tokenizer, reuse=True, path="graphs",
+                                between=lambda rollout: paths.append(rollout.__self__.paths), **play)
+    _graphs_of.logprobs = logprobs  # the kept log-probs, for the tests that compare them
+    return played, next(p for p in paths[-1] if p.name == "graphs"), calls
+
+
+@pytest.mark.parametrize("path", ["graphs"], indirect=True)
+def test_graphs_feed_the_kept_columns_ids_and_end_ended_rows_at_once(model_and_tokenizer, path, monkeypatch):
+    """What ``generate`` is given on a continued turn: each row's real columns (kept and new) are the
+    start of its conversation as played (holes as padding ids); a row whose episode has ended says EOS
+    at once."""
+    played, _, calls = _graphs_of(model_and_tokenizer, monkeypatch)
+    eos = model_and_tokenizer[1].eos_token_id
+    conversations = [row[m.bool()].tolist() for row, m in zip(played.sequences, played.attention_mask)]
+    continued = [call for call in calls if call[2] is not None and call[1].shape[1] > call[0].shape[1] - 1]
+    assert len(continued) == len(calls) == 3
+    ended_seen = 0
+    for ids, mask, ended, answers in continued:
+        for i, conversation in enumerate(conversations):
+            real = ids[i][mask[i].bool()].tolist()
+            if ended[i]:
+                ended_seen += 1
+                assert answers[i, 0].item() == eos
+            else:
+                assert conversation[:len(real)] == real
+    assert ended_seen == 1 + 2  # row 0 from turn 2, rows 0 and 1 in turn 3
+
+
+@pytest.mark.parametrize("path", ["graphs"], indirect=True)
+@pytest.mark.parametrize("enough", [True, False], ids=["compacted", "prefilled-again"])
+def test_graphs_close_the_holes_before_the_cache_would_overflow(model_and_tokenizer, path, enough, monkeypatch):
+    """With the static cache sized for ``max_context`` exactly, the kept columns' holes are closed in
+    place before a turn would overflow it (or, where that is not enough, the conversations are
+    prefilled again into the same cache): the episodes are still the re-prefilled ones."""
+    limit = COMPACT_ENOUGH[model_and_tokenizer[0].config.model_type] if enough else 80
+    again, _, again_lp = _play(model_and_tokenizer, reuse=False, path=path, max_context=limit)
+    played, graphs, calls = _graphs_of(model_and_tokenizer, monkeypatch, max_context=limit)
+    _same_turn_logprobs(again, again_lp, _graphs_of.logprobs, model_and_tokenizer[1].eos_token_id)
+    for name in ("sequences", "attention_mask", "observation_mask", "ended", "cut", "turns", "env_reward"):
+        assert torch.equal(getattr(played, name), getattr(again, name)), name
+    assert graphs.compactions == 1 and graphs.restarts == (0 if enough else 1)
 
 
 @pytest.mark.parametrize("path", ["dschat-he"], indirect=True)

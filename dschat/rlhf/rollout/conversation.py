@@ -1,7 +1,7 @@
 """A multi-turn batch's KV cache, kept between its turns by the decoding paths that can continue it.
 
 :class:`Conversation` is what :class:`~dschat.rlhf.episodes.EpisodePlayer` hands the
-:class:`~dschat.rlhf.rollout.generator.RolloutGenerator` with each turn. Two paths continue it: the
+:class:`~dschat.rlhf.rollout.generator.RolloutGenerator` with each turn. Three paths continue it: the
 sample loop (:class:`~dschat.rlhf.rollout.sample_loop.SampleLoopPath`, a Hugging Face
 ``DynamicCache``), dschat's Hybrid Engine at ``--inference_tp_size 1``
 (:class:`~dschat.rlhf.rollout.dschat_engine.DschatEnginePath`, its
@@ -19,7 +19,7 @@ from transformers import DynamicCache, StaticCache
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.packing import attention_window
 
-__all__ = ["Conversation", "KeptCache", "why_not_kept"]
+__all__ = ["Conversation", "KeptCache", "compact_columns", "why_not_kept"]
 
 KeptCache = Union[DynamicCache, StaticKVCache, StaticCache]  # the sample loop's, dschat's Hybrid Engine's, graphs'
 
@@ -52,8 +52,9 @@ class Conversation:
     Memory: every row, active or not, has a cache column for every column of the batch: each turn
     adds the longest row's new tokens plus the turn's decoded tokens, minus one, for all ``B`` rows.
     A path whose cache outlives the episodes or has a fixed size bounds it from :attr:`limit` (the
-    episode player's ``max_context``: what the decoding engines are sized for): a turn that would
-    pass the bound starts the conversations again compact (:meth:`inputs`).
+    episode player's ``max_context``: what the decoding engines are sized for): before a turn that
+    would pass the bound it closes the holes (:meth:`compact`), and if that is not enough, while the
+    conversations fit compact (:meth:`fits_compact`), it drops the cache and prefills them again.
     """
 
     def __init__(self, limit: int | None = None) -> None:
@@ -89,20 +90,34 @@ class Conversation:
         continued turn prefills every row's whole conversation."""
         self.cache, self.mask, self.cached, self.fed, self.capacity = None, None, [], 0, 0
 
-    def inputs(self, device: torch.device, room: int = 0, columns: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The turn's new columns (ids, mask), (B, N), N >= 1, left-padded; counts them as cached.
-        When the kept columns, these and ``room`` answer columns would pass ``columns`` (a path's
-        bound on its cache) and the conversations compact would not, the cache is dropped first and
-        the conversations start again compact (the turn prefills them whole)."""
-        ids, mask = self._inputs(device)
-        if columns is not None and self.mask is not None and self.mask.shape[1] + ids.shape[1] + room > columns:
-            compact = max((len(c) for c, a in zip(self.contexts, self.active) if a), default=1)
-            if compact + room <= columns:
-                self.drop()
-                ids, mask = self._inputs(device)
-        return ids, mask
+    def compact(self) -> torch.Tensor:
+        """Close the holes of the kept columns: each row's cached columns move, in order, to the right
+        end of the first ``C'`` columns (``C'``: the most any row has; a row that decodes no more keeps
+        only its first column). Returns ``source`` (B, C'): the
+        old column each new one takes (the path moves its cache's keys and values the same way;
+        :func:`compact_columns`). Exact: a cached key already holds its token's position, and the
+        columns after them (the turn's new ones, the answer) still come after every one of them."""
+        assert self.mask is not None
+        keep = self.mask.bool()
+        for i, active in enumerate(self.active):
+            if not active:  # decodes no more: only its first column stays (a row needs one key)
+                first = keep[i].nonzero()[:1]
+                keep[i] = False
+                keep[i, first] = True
+                self.cached[i] = len(first)
+        width = max(1, int(keep.sum(1).max()))
+        order = torch.argsort(keep.int(), dim=1, stable=True)  # holes first, then the row's columns in order
+        source = order[:, -width:]  # (B, C')
+        self.mask = keep.gather(1, source).to(self.mask.dtype)
+        return source
 
-    def _inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def fits_compact(self, room: int, columns: int) -> bool:
+        """Whether the decoding rows' whole conversations, prefilled again, and ``room`` answer
+        columns fit in ``columns``."""
+        return max((len(c) for c, a in zip(self.contexts, self.active) if a), default=1) + room <= columns
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The turn's new columns (ids, mask), (B, N), N >= 1, left-padded; counts them as cached."""
         if self.cache is None:
             self.cached = [0] * len(self.contexts)  # a fresh cache: every row's whole conversation
         else:
@@ -170,3 +185,11 @@ def why_not_kept(config: object) -> str | None:
     if window is None:
         return None
     return f"the model attends over a sliding window of {window} tokens, which a kept cache's holes would shorten"
+
+
+def compact_columns(tensor: torch.Tensor, source: torch.Tensor) -> None:
+    """In place: ``tensor`` (B, H, S, D) keys or values take, in their first ``C'`` columns, the
+    columns ``source`` (B, C') names (:meth:`Conversation.compact`); its storage does not move."""
+    B, H, _, D = tensor.shape
+    index = source.to(tensor.device)[:, None, :, None].expand(B, H, source.shape[1], D)
+    tensor[:, :, :source.shape[1]] = tensor.gather(2, index)

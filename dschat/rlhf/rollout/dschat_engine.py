@@ -41,7 +41,7 @@ from torch._dynamo.utils import counters
 from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.decoder.layouts import layout_name, unsupported_reason
-from dschat.rlhf.rollout.conversation import Conversation, why_not_kept
+from dschat.rlhf.rollout.conversation import Conversation, compact_columns, why_not_kept
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
 from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
                                           next_token_scores)
@@ -91,6 +91,8 @@ class DschatHybridEngine:
         self.compiles = 0  # graphs Dynamo compiled during this engine's rollouts
         self.captures = 0  # CUDA graphs recorded during them
         self.cache_allocations = 0
+        self.compactions = 0  # multi-turn turns that closed the holes of the kept cache first
+        self.restarts = 0  # multi-turn turns that prefilled the conversations again (compacting was not enough)
         self.compiles_per_rollout: list[int] = []
 
     tp_size = 1  # ranks that decode one batch together (dschat.rlhf.rollout.tensor_parallel: more)
@@ -154,19 +156,31 @@ class DschatHybridEngine:
         The rollout has a row per conversation, its answers from column ``conversation.width``
         (:class:`~dschat.rlhf.rollout.conversation.Conversation`). A conversation whose cache is not
         this engine's current one (the first turn, or another rollout used the cache since) prefills
-        every row's whole conversation; one that outgrows the cache moves to a larger one (the old one
-        is freed as the columns are copied) up to the size of the conversation's ``limit``, past which
-        the conversations start again compact (so the cache the engine keeps is never larger than a
-        prompt and answer of the run need)."""
+        every row's whole conversation. Before a turn would take the cache past the size of the
+        conversation's ``limit`` (a prompt and an answer of the run), the holes of its kept columns
+        are closed (:meth:`~dschat.rlhf.rollout.conversation.Conversation.compact`), and if that is not
+        enough the conversations are prefilled again, compact; one that outgrows the cache even so
+        moves to a larger one (the old one freed as the columns are copied)."""
         device = next(module.parameters()).device
         with self._counted(module, materialise, device):
             if conversation.cache is not None and (conversation.cache is not self.cache
                                                    or self._continued is not conversation):
                 conversation.drop()
-            # The cache outlives the episodes: at most what a prompt and answer of the run take.
-            bound = None if conversation.limit is None else StaticKVCache.capacity_for(conversation.limit,
-                                                                                       self.cache_multiple)
-            ids, mask = conversation.inputs(device, self.max_new_tokens, bound)  # (B, N): the new columns
+            ids, mask = conversation.inputs(device)  # (B, N): the new columns
+            # The cache outlives the episodes: it should not grow past what a prompt and answer of the
+            # run take, so before it would, the holes of the kept columns are closed.
+            if conversation.limit is not None and conversation.mask is not None and self.cache is not None:
+                bound = StaticKVCache.capacity_for(conversation.limit, self.cache_multiple)
+                if conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound:
+                    source = conversation.compact()
+                    for tensor in [*self.cache.keys, *self.cache.values]:
+                        compact_columns(tensor, source)
+                    self.compactions += 1
+                if (conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound
+                        and conversation.fits_compact(self.max_new_tokens, bound)):
+                    conversation.drop()  # the rows' kept and new columns do not line up: prefill them again
+                    ids, mask = conversation.inputs(device)
+                    self.restarts += 1
             active = torch.tensor(conversation.active, dtype=torch.bool, device=device)
             conversation.cache = None  # the engine holds it (and frees it if it moves to a larger one)
             try:

@@ -15,8 +15,10 @@ Multi-turn episodes continue their :class:`~dschat.rlhf.rollout.conversation.Con
 turn's new columns, and prefills only the columns past the cache's length (positions from the mask,
 as for any left padding). The cache's capacity is the conversation's ``limit`` (the episodes'
 ``max_context``), rounded up to ``graph_prompt_multiple``, so the turns of a batch share one
-captured graph; a turn that would pass it starts the conversations again compact. Rows whose
-episode has ended are made to end at once (EOS), so they do not keep the others decoding.
+captured graph; before a turn would pass it, the holes of the kept columns are closed in the
+cache's own tensors (their addresses stay), and if that is not enough the conversations are
+prefilled again into the same cache (a larger one if even they do not fit). Rows whose episode has
+ended are made to end at once (EOS), so they do not keep the others decoding.
 """
 from __future__ import annotations
 
@@ -24,8 +26,9 @@ from typing import TYPE_CHECKING
 
 import torch
 from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, StaticCache
+from transformers.cache_utils import StaticLayer
 
-from dschat.rlhf.rollout.conversation import Conversation, why_not_kept
+from dschat.rlhf.rollout.conversation import Conversation, compact_columns, why_not_kept
 from dschat.rlhf.rollout.hf_generate import hf_generate
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
 from dschat.rlhf.rollout.sampling import Rollout
@@ -48,6 +51,8 @@ class GraphsPath(DecodingPath):
     def __init__(self, generator: RolloutGenerator) -> None:
         super().__init__(generator)
         self._compile_config: CompileConfig | None = None  # one object: generate recompiles when it changes
+        self.compactions = 0  # multi-turn turns that closed the holes of the kept cache first
+        self.restarts = 0  # multi-turn turns that prefilled the conversations again (compacting was not enough)
 
     def can_serve(self, request: RolloutRequest) -> str | None:
         """CUDA graphs where they apply: weights resident (graphs cannot capture ZeRO-3's per-layer
@@ -102,13 +107,32 @@ class GraphsPath(DecodingPath):
         """One turn of ``conversation`` on its ``StaticCache`` (see the module docstring)."""
         gen, module = self.gen, self.gen.actor.module
         conversation.claim(self.name)
-        ids, mask = conversation.inputs(device, gen.max_answer_seq_len, conversation.capacity or None)  # (B, N)
+        ids, mask = conversation.inputs(device)  # (B, N): the new columns
         kept = 0 if conversation.mask is None else conversation.mask.shape[1]
         cache = conversation.cache
-        if cache is not None and kept + ids.shape[1] + gen.max_answer_seq_len > conversation.capacity:
-            conversation.drop()  # even compact it would not fit: every conversation into a larger cache
+        room, capacity = gen.max_answer_seq_len, conversation.capacity
+        if cache is not None and kept + ids.shape[1] + room > capacity:
+            assert isinstance(cache, StaticCache)
+            if all(type(layer) is StaticLayer for layer in cache.layers):
+                source = conversation.compact()  # close the kept columns' holes, in the cache's own tensors
+                kept = source.shape[1]
+                for layer in cache.layers:
+                    compact_columns(layer.keys, source)
+                    compact_columns(layer.values, source)
+                    layer.cumulative_length.fill_(kept)  # where generate writes next
+                self.compactions += 1
+        if cache is not None and kept + ids.shape[1] + room > capacity:
+            # The rows' kept and new columns do not line up: every conversation is prefilled again, into
+            # the same cache (its addresses, and the captured graph, stay) where they fit compact.
+            again = cache if conversation.fits_compact(room, capacity) else None
+            self.restarts += 1
+            conversation.drop()
             ids, mask = conversation.inputs(device)
             kept, cache = 0, None
+            if again is not None:
+                again.reset()
+                cache = conversation.cache = again
+                conversation.capacity = capacity
         if cache is None:
             # Room for the conversation's limit (every turn of the batch on one cache, one graph).
             need = max(ids.shape[1] + gen.max_answer_seq_len, conversation.limit or 0)
@@ -142,7 +166,8 @@ class GraphsPath(DecodingPath):
 
 
 class _EndRows(LogitsProcessor):
-    """The rows of ``ended`` (B,) bool: EOS is their only token (applied after every other processor)."""
+    """The rows of ``ended`` (B,) bool: EOS is their only token (after generate's own processors and
+    the user's; the sampling warpers after it keep EOS the only choice)."""
 
     def __init__(self, ended: torch.Tensor, eos_token_id: int) -> None:
         self.ended, self.eos_token_id = ended, eos_token_id
