@@ -149,7 +149,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model), dtype=torch.float32).eval()
     ids, mask = prompts_for(tokenizer, args.batch, device)
     engine = args.path == "dschat-he"
-    gen = RolloutGenerator(_Engine(model), tokenizer, decision=HybridEngineDecision(engine, False, dschat_engine=engine),
+    gen = RolloutGenerator(_Engine(model), tokenizer,
+                           decision=HybridEngineDecision(engine, False, dschat_engine=engine),
                            decoding=DecodingSettings("greedy"), max_answer_seq_len=1, zero_stage=0)
     hooks = _FixedTurns(tokenizer.eos_token_id, args.turn_tokens)
     if not engine:

@@ -167,23 +167,23 @@ class DschatHybridEngine:
                                                    or self._continued is not conversation):
                 conversation.drop()
             ids, mask = conversation.inputs(device)  # (B, N): the new columns
-            # The cache outlives the episodes: it should not grow past what a prompt and answer of the
-            # run take, so before it would, the holes of the kept columns are closed.
-            if conversation.limit is not None and conversation.mask is not None and self.cache is not None:
-                bound = StaticKVCache.capacity_for(conversation.limit, self.cache_multiple)
-                if conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound:
-                    source = conversation.compact()
-                    for tensor in [*self.cache.keys, *self.cache.values]:
-                        compact_columns(tensor, source)
-                    self.compactions += 1
-                if (conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound
-                        and conversation.fits_compact(self.max_new_tokens, bound)):
-                    conversation.drop()  # the rows' kept and new columns do not line up: prefill them again
-                    ids, mask = conversation.inputs(device)
-                    self.restarts += 1
-            active = torch.tensor(conversation.active, dtype=torch.bool, device=device)
-            conversation.cache = None  # the engine holds it (and frees it if it moves to a larger one)
             try:
+                # The cache outlives the episodes: it should not grow past what a prompt and answer of
+                # the run take, so before it would, the holes of the kept columns are closed.
+                if conversation.limit is not None and conversation.mask is not None and self.cache is not None:
+                    bound = StaticKVCache.capacity_for(conversation.limit, self.cache_multiple)
+                    if conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound:
+                        source = conversation.compact()
+                        for tensor in [*self.cache.keys, *self.cache.values]:
+                            compact_columns(tensor, source)
+                        self.compactions += 1
+                    if (conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound
+                            and conversation.fits_compact(self.max_new_tokens, bound)):
+                        conversation.drop()  # the rows' kept and new columns do not line up: prefill again
+                        ids, mask = conversation.inputs(device)
+                        self.restarts += 1
+                active = torch.tensor(conversation.active, dtype=torch.bool, device=device)
+                conversation.cache = None  # the engine holds it (and frees it if it moves to a larger one)
                 rollout = self.decode(ids, mask, min_new_tokens=min_new_tokens, keep_logprobs=keep_logprobs,
                                       past_mask=conversation.mask, active=active)
             except BaseException:

@@ -113,7 +113,7 @@ class GraphsPath(DecodingPath):
         room, capacity = gen.max_answer_seq_len, conversation.capacity
         if cache is not None and kept + ids.shape[1] + room > capacity:
             assert isinstance(cache, StaticCache)
-            if all(type(layer) is StaticLayer for layer in cache.layers):
+            if all(type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers):
                 source = conversation.compact()  # close the kept columns' holes, in the cache's own tensors
                 kept = source.shape[1]
                 for layer in cache.layers:
