@@ -93,10 +93,10 @@ class Conversation:
     def compact(self) -> torch.Tensor:
         """Close the holes of the kept columns: each row's cached columns move, in order, to the right
         end of the first ``C'`` columns (``C'``: the most any row has; a row that decodes no more keeps
-        only its first column). Returns ``source`` (B, C'): the
-        old column each new one takes (the path moves its cache's keys and values the same way;
-        :func:`compact_columns`). Exact: a cached key already holds its token's position, and the
-        columns after them (the turn's new ones, the answer) still come after every one of them."""
+        only its first column). Returns ``source`` (B, C'): the old column each new one takes (the
+        path moves its cache's keys and values the same way: :func:`compact_columns`). Exact: a
+        cached key already holds its token's position, and the columns after them (the turn's new
+        ones, the answer) still come after every one of them."""
         assert self.mask is not None
         keep = self.mask.bool()
         for i, active in enumerate(self.active):
