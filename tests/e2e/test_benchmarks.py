@@ -499,3 +499,16 @@ def test_gpu_tier_installs_the_carried_wheels_inside_the_checkout_and_again_when
     setup()
     assert (site / "dschat_probe" / "__init__.py").read_text() == "VERSION = '2.0'\n"
     assert not (site / "dschat_probe-1.0.dist-info").exists() and (site / ".dschat-installed").read_text() != marker
+
+
+def test_startup_benchmark_times_both_modes_and_sees_deepspeed_import_mlflow(tmp_path):
+    """``--module json``: the guarded process imports no DeepSpeed (fast); the unguarded one imports
+    DeepSpeed first, and with it MLflow (the test extra installs it)."""
+    pytest.importorskip("mlflow")
+    bench = _load("startup")
+    results = tmp_path / "results.md"
+    lines = bench.main(["--module", "json", "--warmup", "0", "--repeats", "1", "--results", str(results)])
+    rows = {line.split(" | ")[0]: line.split(" | ")[2] for line in lines if line.startswith(("| guarded", "| unguarded"))}
+    assert rows == {"| guarded": "no |", "| unguarded": "yes |"}
+    assert any(line.startswith("unguarded / guarded: ") for line in lines)
+    assert "command: `python benchmarks/startup.py --module json" in results.read_text()
