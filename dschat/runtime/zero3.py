@@ -147,22 +147,22 @@ def in_zero3_gather(param: torch.Tensor) -> Optional[bool]:
     return None if attr is None else getattr(param, attr, 0) > 0
 
 
-def release_zero3_prefetch(model: Any, collect: bool = True) -> None:
+def release_zero3_prefetch(model: Any) -> None:
     """Call before gathering a ZeRO-3 engine's parameters outside a forward or backward pass (saving,
-    checkpointing, digests): waits for the parameters DeepSpeed's prefetcher still has in flight and
-    partitions every parameter again. After step 1's evaluation loop on SmolLM2 some prefetched
-    parameters were still in flight, and ``GatheredParameters`` failed with "Cannot partition a param
-    in flight" (the tiny test models keep most of their small parameters resident and never showed
-    it). A no-op for plain modules and below ZeRO-3. Call it on every rank at the same
-    point (it waits on all-gathers every rank issued), as the gathering after it requires anyway.
-    ``collect=False`` skips the engine's garbage collection and device cache release after it: what a
-    rollout, which gathers every step, wants."""
+    checkpointing, digests, a rollout): waits for the parameters DeepSpeed's prefetcher still has in
+    flight and partitions every parameter again. After step 1's evaluation loop on SmolLM2 some
+    prefetched parameters were still in flight, and ``GatheredParameters`` failed with "Cannot
+    partition a param in flight" (the tiny test models keep most of their small parameters resident
+    and never showed it). A no-op for plain modules and below ZeRO-3. Call it on every rank at the
+    same point (it waits on all-gathers every rank issued), as the gathering after it requires anyway.
+
+    Unlike DeepSpeed's ``engine.empty_partition_cache()`` it runs no full garbage collection and
+    keeps the accelerator's cached blocks: a save calls it several times for every engine, and in a
+    large process each full collection costs far more than the partitioning (benchmarks/results.md,
+    "A checkpoint's garbage collections")."""
     partitioned = getattr(model, "zero_optimization_partition_weights", None)
     if callable(partitioned) and partitioned():
-        if collect:
-            model.empty_partition_cache()
-        else:
-            parameter_offload(model).empty_partition_cache()
+        parameter_offload(model).empty_partition_cache()
 
 
 def gathered_parameters(model: Any) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -262,7 +262,7 @@ def gathered_without_hooks(engine: Any) -> Iterator[None]:
     invalidates the trace, and the next training pass then fetched every module on demand.
     """
     offload = parameter_offload(engine)
-    release_zero3_prefetch(engine, collect=False)  # nothing in flight: the gather below reads every parameter
+    release_zero3_prefetch(engine)  # nothing in flight: the gather below reads every parameter
     with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
         for param in iter_params(offload.module, recurse=True):
             param.ds_active_sub_modules.clear()

@@ -249,7 +249,7 @@ class TensorParallelEnginePath(DschatEnginePath):
         gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
         gen.engine.max_new_tokens = gen.max_answer_seq_len  # this rollout's (an episode's turn has less room)
         if gen.zero_stage == 3:
-            release_zero3_prefetch(gen.actor, collect=False)  # nothing may be in flight when gathering outside a pass
+            release_zero3_prefetch(gen.actor)  # nothing may be in flight when gathering outside a pass
         return gen.engine.rollout(module, request.prompts, request.mask, gather=materialised_part,
                                   min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
                                   keep_logprobs=gen.keep_logprobs)
