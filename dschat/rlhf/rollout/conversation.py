@@ -53,8 +53,9 @@ class Conversation:
     adds the longest row's new tokens plus the turn's decoded tokens, minus one, for all ``B`` rows.
     A path whose cache outlives the episodes or has a fixed size bounds it from :attr:`limit` (the
     episode player's ``max_context``: what the decoding engines are sized for): before a turn that
-    would pass the bound it closes the holes (:meth:`compact`), and if that is not enough, while the
-    conversations fit compact (:meth:`fits_compact`), it drops the cache and prefills them again.
+    would pass the bound it closes the holes (:meth:`compact`) where that is enough, else, while the
+    conversations fit compact (:meth:`fits_compact`), it drops the cache and prefills them again
+    (:meth:`make_room` decides which).
     """
 
     def __init__(self, limit: int | None = None) -> None:
@@ -105,11 +106,36 @@ class Conversation:
                 keep[i] = False
                 keep[i, first] = True
                 self.cached[i] = len(first)
-        width = max(1, int(keep.sum(1).max()))
+        width = self.compact_width()
         order = torch.argsort(keep.int(), dim=1, stable=True)  # holes first, then the row's columns in order
         source = order[:, -width:]  # (B, C')
         self.mask = keep.gather(1, source).to(self.mask.dtype)
         return source
+
+    def compact_width(self) -> int:
+        """``C'``: the kept columns :meth:`compact` leaves, computed without moving anything."""
+        assert self.mask is not None
+        counts = [n if active else min(n, 1) for n, active in zip(self.mask.bool().sum(1).tolist(), self.active)]
+        return max(1, max(counts, default=1))
+
+    def make_room(self, new: int, room: int, bound: int, *, movable: bool = True) -> str:
+        """What a path whose cache holds at most ``bound`` columns does before a turn that feeds
+        ``new`` columns (from :meth:`inputs`) and decodes up to ``room`` tokens, decided before anything
+        moves:
+
+        * ``"fits"``: continue as it is (also when nothing is kept yet);
+        * ``"compact"``: closing the kept columns' holes is enough (``movable``: the path can move its
+          cache's columns): :meth:`compact`, then move the keys and values (:func:`compact_columns`);
+        * ``"prefill"``: it is not, but the conversations prefilled again, compact, fit: :meth:`drop`,
+          then :meth:`inputs` again;
+        * ``"past"``: neither fits: the turn goes past ``bound`` (compact first where ``movable``)."""
+        if self.mask is None or self.mask.shape[1] + new + room <= bound:
+            return "fits"
+        if movable and self.compact_width() + new + room <= bound:
+            return "compact"
+        if self.fits_compact(room, bound):
+            return "prefill"
+        return "past"
 
     def fits_compact(self, room: int, columns: int) -> bool:
         """Whether the decoding rows' whole conversations, prefilled again, and ``room`` answer

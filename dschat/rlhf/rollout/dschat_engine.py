@@ -170,16 +170,16 @@ class DschatHybridEngine:
             try:
                 # The cache outlives the episodes: it should not grow past what a prompt and answer of
                 # the run take, so before it would, the holes of the kept columns are closed.
-                if conversation.limit is not None and conversation.mask is not None and self.cache is not None:
+                if conversation.limit is not None and self.cache is not None:
                     bound = StaticKVCache.capacity_for(conversation.limit, self.cache_multiple)
-                    if conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound:
+                    step = conversation.make_room(ids.shape[1], self.max_new_tokens, bound)
+                    if step in ("compact", "past"):  # past: the cache then moves to a larger one
                         source = conversation.compact()
                         for tensor in [*self.cache.keys, *self.cache.values]:
                             compact_columns(tensor, source)
                         self.compactions += 1
-                    if (conversation.mask.shape[1] + ids.shape[1] + self.max_new_tokens > bound
-                            and conversation.fits_compact(self.max_new_tokens, bound)):
-                        conversation.drop()  # the rows' kept and new columns do not line up: prefill again
+                    elif step == "prefill":  # the rows' kept and new columns do not line up
+                        conversation.drop()
                         ids, mask = conversation.inputs(device)
                         self.restarts += 1
                 active = torch.tensor(conversation.active, dtype=torch.bool, device=device)

@@ -111,20 +111,23 @@ class GraphsPath(DecodingPath):
         kept = 0 if conversation.mask is None else conversation.mask.shape[1]
         cache = conversation.cache
         room, capacity = gen.max_answer_seq_len, conversation.capacity
-        if cache is not None and kept + ids.shape[1] + room > capacity:
+        step = "fits"
+        if cache is not None:
             assert isinstance(cache, StaticCache)
-            if all(type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers):
-                source = conversation.compact()  # close the kept columns' holes, in the cache's own tensors
-                kept = source.shape[1]
-                for layer in cache.layers:
-                    compact_columns(layer.keys, source)
-                    compact_columns(layer.values, source)
-                    layer.cumulative_length.fill_(kept)  # where generate writes next
-                self.compactions += 1
-        if cache is not None and kept + ids.shape[1] + room > capacity:
-            # The rows' kept and new columns do not line up: every conversation is prefilled again, into
-            # the same cache (its addresses, and the captured graph, stay) where they fit compact.
-            again = cache if conversation.fits_compact(room, capacity) else None
+            movable = all(type(layer) is StaticLayer and layer.is_initialized for layer in cache.layers)
+            step = conversation.make_room(ids.shape[1], room, capacity, movable=movable)
+        if step == "compact":
+            source = conversation.compact()  # close the kept columns' holes, in the cache's own tensors
+            kept = source.shape[1]
+            for layer in cache.layers:
+                compact_columns(layer.keys, source)
+                compact_columns(layer.values, source)
+                layer.cumulative_length.fill_(kept)  # where generate writes next
+            self.compactions += 1
+        elif step in ("prefill", "past"):
+            # Every conversation is prefilled again: into the same cache (its addresses, and the captured
+            # graph, stay) where they fit compact, else into a larger one.
+            again = cache if step == "prefill" else None
             self.restarts += 1
             conversation.drop()
             ids, mask = conversation.inputs(device)
