@@ -250,10 +250,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.sample and not 0 < args.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1] with --sample, got {args.top_p}")
     model, tokenizer, device = load(args.path, args.device, args.format)
-    from transformers import set_seed
+    import torch  # noqa: PLC0415 -- lazy, as every heavy import here
 
     conversation = Conversation(tokenizer, args.format)
-    set_seed(args.seed)
+    # Sampling draws from torch's generators only (every CUDA device's too); transformers.set_seed
+    # would also import transformers.trainer_utils, and with it peft and bitsandbytes.
+    torch.manual_seed(args.seed)
     num_rounds = 0
     while True:
         try:

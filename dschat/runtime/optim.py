@@ -26,6 +26,7 @@ loop (``fused`` off) resumes with it, and so keeps that run's numbers.
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
@@ -111,18 +112,82 @@ def create_optimizer(param_groups: List[Dict[str, Any]] | Iterable[nn.Parameter]
 
 def create_scheduler(name: str, optimizer: torch.optim.Optimizer, num_warmup_steps: int,
                      num_training_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """``transformers.get_scheduler(name, optimizer, num_warmup_steps, num_training_steps)``."""
-    # lazy: transformers.optimization imports peft and bitsandbytes, +3.2 s CPU at import (python -X
-    # importtime), which --help must not pay.
-    from transformers import get_scheduler
-
+    """What ``transformers.get_scheduler(name, optimizer, num_warmup_steps, num_training_steps)``
+    returns (upstream's call): a ``LambdaLR`` over the same formulas, with transformers' defaults
+    (cosine: half a cycle; cosine with restarts: one; polynomial: linear, to 1e-7) and the same
+    state dict. Written here because ``transformers.optimization`` imports
+    ``transformers.trainer_utils``, which imports peft and bitsandbytes: seconds at every run's
+    start-up (benchmarks/results.md, "Start-up"). tests/runtime/test_optim.py checks every
+    schedule against transformers', step by step."""
     if name not in SCHEDULER_TYPES:
         raise UserError(f"unknown --lr_scheduler_type {name!r}; use one of {', '.join(SCHEDULER_TYPES)}")
     if num_warmup_steps < 0 or num_training_steps < 1:
         raise UserError(f"need num_warmup_steps >= 0 and num_training_steps >= 1, got "
                         f"{num_warmup_steps} and {num_training_steps}; check --num_warmup_steps and the data size")
-    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
-                         num_training_steps=num_training_steps)
+    LambdaLR = torch.optim.lr_scheduler.LambdaLR
+    if name == "constant":
+        return LambdaLR(optimizer, _constant)
+    if name == "constant_with_warmup":
+        return LambdaLR(optimizer, partial(_constant_with_warmup, num_warmup_steps=num_warmup_steps))
+    steps = {"num_warmup_steps": num_warmup_steps, "num_training_steps": num_training_steps}
+    if name == "linear":
+        return LambdaLR(optimizer, partial(_linear, **steps))
+    if name == "cosine":
+        return LambdaLR(optimizer, partial(_cosine, **steps, num_cycles=0.5))
+    if name == "cosine_with_restarts":
+        return LambdaLR(optimizer, partial(_cosine_with_hard_restarts, **steps, num_cycles=1))
+    lr_init, lr_end = optimizer.defaults["lr"], 1e-7
+    if not lr_init > lr_end:
+        raise UserError(f"--lr_scheduler_type polynomial decays to {lr_end}, so the learning rate must be "
+                        f"larger than that, got {lr_init}; raise it or pick another --lr_scheduler_type")
+    return LambdaLR(optimizer, partial(_polynomial, **steps, lr_end=lr_end, power=1.0, lr_init=lr_init))
+
+
+# The LR multipliers of transformers.optimization, term for term (the same float arithmetic).
+def _constant(_: int | None = None) -> float:
+    return 1
+
+
+def _constant_with_warmup(current_step: int, *, num_warmup_steps: int) -> float:
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1.0, num_warmup_steps))
+    return 1.0
+
+
+def _linear(current_step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    return max(0.0, float(num_training_steps - current_step) / float(max(1, num_training_steps - num_warmup_steps)))
+
+
+def _cosine(current_step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float) -> float:
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    progress = float(current_step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+
+
+def _cosine_with_hard_restarts(current_step: int, *, num_warmup_steps: int, num_training_steps: int,
+                               num_cycles: int) -> float:
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    progress = float(current_step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(num_cycles) * progress) % 1.0))))
+
+
+def _polynomial(current_step: int, *, num_warmup_steps: int, num_training_steps: int, lr_end: float, power: float,
+                lr_init: float) -> float:
+    if current_step < num_warmup_steps:
+        return float(current_step) / float(max(1, num_warmup_steps))
+    if current_step > num_training_steps:
+        return lr_end / lr_init  # LambdaLR multiplies by lr_init
+    decay_steps = num_training_steps - num_warmup_steps
+    if decay_steps == 0:  # the last step of a run that is all warmup (transformers divides by zero)
+        return lr_end / lr_init
+    pct_remaining = 1 - (current_step - num_warmup_steps) / decay_steps
+    return ((lr_init - lr_end) * pct_remaining**power + lr_end) / lr_init
 
 
 def num_update_steps(num_batches: int, epochs: int, grad_accum: int) -> int:

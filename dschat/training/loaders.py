@@ -17,17 +17,18 @@ from dschat.runtime.dist import get_world_size
 
 
 def set_random_seed(seed: int | None) -> None:
-    """Seed python, numpy, torch and the accelerator (upstream name; a no-op for ``None``)."""
+    """Seed python, numpy, torch and the accelerator (upstream name; a no-op for ``None``): what
+    upstream's ``set_random_seed`` seeds, ``transformers.set_seed`` included, without importing
+    ``transformers.trainer_utils``, which imports peft and bitsandbytes at every run's start-up
+    (benchmarks/results.md, "Start-up")."""
     if seed is None:
         return
-    # lazy: transformers.set_seed lives in transformers.trainer_utils, which imports peft and
-    # bitsandbytes: +3.2 s CPU at import (python -X importtime), which --help must not pay.
-    from transformers import set_seed
+    from deepspeed.accelerator import get_accelerator  # lazy: --help does not import DeepSpeed
 
-    set_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
-    torch.manual_seed(seed)  # also seeds every CUDA device (upstream's manual_seed_all)
+    torch.manual_seed(seed)  # also every CUDA, XPU and MPS device
+    get_accelerator().manual_seed_all(seed)  # upstream's: DeepSpeed's accelerator (NPU, HPU, MLU, ...)
 
 
 def make_train_loader(

@@ -11,6 +11,7 @@ from dschat.models.lora import convert_linear_layer_to_lora, only_optimize_lora_
 from dschat.runtime import optim as optim_mod
 from dschat.runtime.optim import (
     create_optimizer,
+    SCHEDULER_TYPES,
     create_scheduler,
     get_optimizer_grouped_parameters,
     num_update_steps,
@@ -225,6 +226,40 @@ def test_scheduler_linear_warmup_and_decay():
         opt.step()
         sched.step()
     assert lrs == pytest.approx([0.0, 0.5, 1.0, 0.75, 0.5, 0.25])
+
+
+# transformers' polynomial schedule divides by zero at the last step of a run that is all warmup
+# (warmup == total); dschat's ends it at lr_end (the test below).
+@pytest.mark.parametrize("name,warmup,total", [
+    (name, warmup, total) for name in SCHEDULER_TYPES
+    for warmup, total in [(0, 1), (0, 10), (3, 10), (10, 10), (12, 10), (1, 2)]
+    if not (name == "polynomial" and warmup == total)])
+def test_every_scheduler_is_transformers_step_by_step(name, warmup, total):
+    """create_scheduler's schedules are transformers.get_scheduler's (upstream's call), bit for bit,
+    past the last step too, and their state dicts are alike."""
+    from transformers import get_scheduler
+
+    ours_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.3)
+    theirs_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.3)
+    ours = create_scheduler(name, ours_opt, warmup, total)
+    theirs = get_scheduler(name, theirs_opt, num_warmup_steps=warmup, num_training_steps=total)
+    for _ in range(total + 4):
+        assert ours.get_last_lr() == theirs.get_last_lr()
+        ours_opt.step(), theirs_opt.step()
+        ours.step(), theirs.step()
+    assert ours.state_dict() == theirs.state_dict()
+
+
+def test_polynomial_scheduler_refuses_a_learning_rate_at_its_end_and_ends_an_all_warmup_run():
+    with pytest.raises(UserError, match="polynomial decays to 1e-07"):
+        create_scheduler("polynomial", torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.0), 0, 10)
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=1.0)
+    sched = create_scheduler("polynomial", opt, 4, 4)
+    lrs = []
+    for _ in range(6):
+        lrs.append(sched.get_last_lr()[0])
+        opt.step(), sched.step()
+    assert lrs == pytest.approx([0.0, 0.25, 0.5, 0.75, 1e-7, 1e-7])
 
 
 def test_scheduler_rejects_unknown_type():
