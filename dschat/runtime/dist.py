@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -309,6 +310,7 @@ def destroy_gloo_group() -> None:
     in a collective could block the exit.
     """
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":
+        gc.collect()  # work objects left in reference cycles go before the group does
         torch.distributed.destroy_process_group()
 
 
