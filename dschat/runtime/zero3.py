@@ -182,10 +182,12 @@ def full_parameter_bytes(module: torch.nn.Module) -> int:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of ``device``: the GPU's, or the host's available memory for a CPU."""
+    """Free memory of ``device``: the GPU's, or the host's available memory for a CPU. On a GPU the
+    blocks torch's caching allocator holds but no tensor uses count as free (a gather reuses them),
+    so the answer does not depend on whether the cache was emptied since the last pass."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
+        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(psutil.virtual_memory().available)
 
 
