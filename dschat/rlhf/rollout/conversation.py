@@ -11,7 +11,7 @@ decodes the conversations from scratch and the cache is dropped.
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Literal, Sequence, Union
 
 import torch
 from transformers import DynamicCache, StaticCache
@@ -19,9 +19,10 @@ from transformers import DynamicCache, StaticCache
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.packing import attention_window
 
-__all__ = ["Conversation", "KeptCache", "compact_columns", "why_not_kept"]
+__all__ = ["Conversation", "KeptCache", "Room", "compact_columns", "why_not_kept"]
 
 KeptCache = Union[DynamicCache, StaticKVCache, StaticCache]  # the sample loop's, dschat's Hybrid Engine's, graphs'
+Room = Literal["fits", "compact", "prefill", "past"]  # what Conversation.make_room says a path does
 
 
 class Conversation:
@@ -118,7 +119,7 @@ class Conversation:
         counts = [n if active else min(n, 1) for n, active in zip(self.mask.bool().sum(1).tolist(), self.active)]
         return max(1, max(counts, default=1))
 
-    def make_room(self, new: int, room: int, bound: int, *, movable: bool = True) -> str:
+    def make_room(self, new: int, room: int, bound: int, *, movable: bool = True) -> Room:
         """What a path whose cache holds at most ``bound`` columns does before a turn that feeds
         ``new`` columns (from :meth:`inputs`) and decodes up to ``room`` tokens, decided before anything
         moves:
@@ -128,7 +129,9 @@ class Conversation:
           cache's columns): :meth:`compact`, then move the keys and values (:func:`compact_columns`);
         * ``"prefill"``: it is not, but the conversations prefilled again, compact, fit: :meth:`drop`,
           then :meth:`inputs` again;
-        * ``"past"``: neither fits: the turn goes past ``bound`` (compact first where ``movable``)."""
+        * ``"past"``: neither fits: the turn goes past ``bound``, as the path sees fit (dschat's
+          engine closes the holes and moves to a larger cache; the graphs path prefills again into
+          a larger one)."""
         if self.mask is None or self.mask.shape[1] + new + room <= bound:
             return "fits"
         if movable and self.compact_width() + new + room <= bound:

@@ -91,8 +91,8 @@ class DschatHybridEngine:
         self.compiles = 0  # graphs Dynamo compiled during this engine's rollouts
         self.captures = 0  # CUDA graphs recorded during them
         self.cache_allocations = 0
-        self.compactions = 0  # multi-turn turns that closed the holes of the kept cache first
-        self.restarts = 0  # multi-turn turns that prefilled the conversations again (compacting was not enough)
+        self.compactions = 0  # multi-turn turns that closed the holes of the kept cache (Conversation.make_room)
+        self.restarts = 0  # multi-turn turns that prefilled the conversations again (compacting would not do)
         self.compiles_per_rollout: list[int] = []
 
     tp_size = 1  # ranks that decode one batch together (dschat.rlhf.rollout.tensor_parallel: more)
@@ -158,9 +158,10 @@ class DschatHybridEngine:
         this engine's current one (the first turn, or another rollout used the cache since) prefills
         every row's whole conversation. Before a turn would take the cache past the size of the
         conversation's ``limit`` (a prompt and an answer of the run), the holes of its kept columns
-        are closed (:meth:`~dschat.rlhf.rollout.conversation.Conversation.compact`), and if that is not
-        enough the conversations are prefilled again, compact; one that outgrows the cache even so
-        moves to a larger one (the old one freed as the columns are copied)."""
+        are closed (:meth:`~dschat.rlhf.rollout.conversation.Conversation.compact`) where that is
+        enough, else the conversations are prefilled again, compact; one that outgrows the cache even
+        so moves to a larger one (the old one freed as the columns are copied). Which of these, is
+        decided before anything moves (:meth:`~dschat.rlhf.rollout.conversation.Conversation.make_room`)."""
         device = next(module.parameters()).device
         with self._counted(module, materialise, device):
             if conversation.cache is not None and (conversation.cache is not self.cache
@@ -169,7 +170,8 @@ class DschatHybridEngine:
             ids, mask = conversation.inputs(device)  # (B, N): the new columns
             try:
                 # The cache outlives the episodes: it should not grow past what a prompt and answer of
-                # the run take, so before it would, the holes of the kept columns are closed.
+                # the run take, so before it would, the kept columns' holes are closed or the
+                # conversations prefilled again.
                 if conversation.limit is not None and self.cache is not None:
                     bound = StaticKVCache.capacity_for(conversation.limit, self.cache_multiple)
                     step = conversation.make_room(ids.shape[1], self.max_new_tokens, bound)

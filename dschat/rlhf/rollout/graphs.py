@@ -16,8 +16,9 @@ turn's new columns, and prefills only the columns past the cache's length (posit
 as for any left padding). The cache's capacity is the conversation's ``limit`` (the episodes'
 ``max_context``), rounded up to ``graph_prompt_multiple``, so the turns of a batch share one
 captured graph; before a turn would pass it, the holes of the kept columns are closed in the
-cache's own tensors (their addresses stay), and if that is not enough the conversations are
-prefilled again into the same cache (a larger one if even they do not fit). Rows whose episode has
+cache's own tensors (their addresses stay) where that is enough, else the conversations are
+prefilled again into the same cache (a larger one if even they do not fit compact); one decision
+made before anything moves (:meth:`~dschat.rlhf.rollout.conversation.Conversation.make_room`). Rows whose episode has
 ended are made to end at once (EOS), so they do not keep the others decoding.
 """
 from __future__ import annotations
@@ -51,8 +52,8 @@ class GraphsPath(DecodingPath):
     def __init__(self, generator: RolloutGenerator) -> None:
         super().__init__(generator)
         self._compile_config: CompileConfig | None = None  # one object: generate recompiles when it changes
-        self.compactions = 0  # multi-turn turns that closed the holes of the kept cache first
-        self.restarts = 0  # multi-turn turns that prefilled the conversations again (compacting was not enough)
+        self.compactions = 0  # multi-turn turns that closed the holes of the kept cache (Conversation.make_room)
+        self.restarts = 0  # multi-turn turns that prefilled the conversations again (compacting would not do)
 
     def can_serve(self, request: RolloutRequest) -> str | None:
         """CUDA graphs where they apply: weights resident (graphs cannot capture ZeRO-3's per-layer
