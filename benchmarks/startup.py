@@ -2,13 +2,13 @@
 autotuner kept from importing MLflow (dschat's import guard) and without it.
 
     DS_ACCELERATOR=cpu python benchmarks/startup.py
-    DS_ACCELERATOR=cpu python benchmarks/startup.py --module dschat.training.trackers --repeats 9
+    DS_ACCELERATOR=cpu python benchmarks/startup.py --module deepspeed --repeats 9
 
 Two modes, each a fresh ``python -c`` process (the time of the whole process, as a rank or a launcher
 pays it at start-up):
 
-* ``guarded``: ``import <module>``; dschat is imported before DeepSpeed, so its guard
-  (:mod:`dschat.runtime.import_guards`) keeps MLflow out of DeepSpeed's autotuner;
+* ``guarded``: ``import dschat``, then ``<module>``: dschat is imported before DeepSpeed, so its
+  guard (:mod:`dschat.runtime.import_guards`) keeps MLflow out of DeepSpeed's autotuner;
 * ``unguarded``: ``import deepspeed`` first, then ``<module>``: DeepSpeed's autotuner imports MLflow
   where it is installed (what every dschat process paid before the guard).
 
@@ -51,7 +51,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def probe(mode: str, module: str) -> str:
     """The ``python -c`` text of one process: the imports of ``mode``, then whether MLflow is in."""
-    first = "import deepspeed; " if mode == "unguarded" else ""
+    first = "import deepspeed; " if mode == "unguarded" else "import dschat; "
     return f"{first}import {module}; import sys; print('mlflow' in sys.modules)"
 
 

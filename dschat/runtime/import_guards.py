@@ -3,8 +3,9 @@
 DeepSpeed imports its autotuner whenever it is imported (through its config module), and the
 autotuner imports MLflow at module level when MLflow is installed, only to log autotuning trials.
 dschat never runs DeepSpeed's autotuner, yet with MLflow installed (``pip install 'dschat[mlflow]'``,
-``--report_to mlflow``) every process paid for that import at start-up: every rank, the
-launcher, the chatbot (benchmarks/results.md, "Start-up").
+``--report_to mlflow``) every one of its processes paid for that import at start-up: every rank of a
+step script, ``e2e_rlhf.py``, the chatbot (benchmarks/results.md, "Start-up"). The ``deepspeed``
+launcher's own processes import DeepSpeed without dschat, and still import MLflow.
 
 :func:`keep_mlflow_out_of_deepspeeds_autotuner` makes ``import mlflow`` fail, as if MLflow were not
 installed, only while DeepSpeed's autotuner module is being imported; the autotuner then runs

@@ -502,13 +502,13 @@ def test_gpu_tier_installs_the_carried_wheels_inside_the_checkout_and_again_when
 
 
 def test_startup_benchmark_times_both_modes_and_sees_deepspeed_import_mlflow(tmp_path):
-    """``--module json``: the guarded process imports no DeepSpeed (fast); the unguarded one imports
-    DeepSpeed first, and with it MLflow (the test extra installs it)."""
+    """``--module deepspeed``: the guarded process (dschat first) imports DeepSpeed without MLflow;
+    the unguarded one imports DeepSpeed first, and with it MLflow (the test extra installs it)."""
     pytest.importorskip("mlflow")
     bench = _load("startup")
     results = tmp_path / "results.md"
-    lines = bench.main(["--module", "json", "--warmup", "0", "--repeats", "1", "--results", str(results)])
+    lines = bench.main(["--module", "deepspeed", "--warmup", "0", "--repeats", "1", "--results", str(results)])
     rows = {line.split(" | ")[0]: line.split(" | ")[2] for line in lines if line.startswith(("| guarded", "| unguarded"))}
     assert rows == {"| guarded": "no |", "| unguarded": "yes |"}
     assert any(line.startswith("unguarded / guarded: ") for line in lines)
-    assert "command: `python benchmarks/startup.py --module json" in results.read_text()
+    assert "command: `python benchmarks/startup.py --module deepspeed" in results.read_text()
