@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.sample and not 0 < args.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1] with --sample, got {args.top_p}")
     model, tokenizer, device = load(args.path, args.device, args.format)
-    import torch  # noqa: PLC0415 -- lazy, as every heavy import here
+    import torch  # lazy, as every heavy import in this file (load() has imported it)
 
     conversation = Conversation(tokenizer, args.format)
     # Sampling draws from torch's generators only (every CUDA device's too); transformers.set_seed

@@ -23,7 +23,8 @@ def set_random_seed(seed: int | None) -> None:
     (benchmarks/results.md, "Start-up")."""
     if seed is None:
         return
-    from deepspeed.accelerator import get_accelerator  # lazy: --help does not import DeepSpeed
+    # lazy: DeepSpeed's import, +1.5 s CPU after torch (python -X importtime), which --help must not pay
+    from deepspeed.accelerator import get_accelerator
 
     random.seed(seed)
     np.random.seed(seed)
