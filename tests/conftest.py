@@ -1,4 +1,5 @@
 """Shared test set-up: CPU DeepSpeed, no hub, the GPU marker, and the fixtures the test folders share."""
+import gc
 import os
 
 # Set before anything imports deepspeed or transformers.
@@ -41,6 +42,13 @@ def pytest_xdist_make_scheduler(config, log):
             return SAME_WORKER.get(scope, scope)
 
     return SharedFixtureScheduling(config, log)
+
+
+def pytest_collection_finish(session):
+    """Everything imported by now (torch, transformers, DeepSpeed, dschat, the test modules) lives as
+    long as the session: freeze it out of the garbage collector's full collections, which DeepSpeed
+    runs at every ZeRO-3 engine's set-up and which otherwise scan it all each time."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):
