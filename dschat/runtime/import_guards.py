@@ -1,4 +1,5 @@
-"""Imports that dschat keeps out of its processes' start-up.
+"""Imports that dschat keeps out of its processes' start-up, and the imported objects it keeps out
+of the garbage collector's way.
 
 DeepSpeed imports its autotuner whenever it is imported (through its config module), and the
 autotuner imports MLflow at module level when MLflow is installed, only to log autotuning trials.
@@ -11,13 +12,17 @@ launcher's own processes import DeepSpeed without dschat, and still import MLflo
 installed, only while DeepSpeed's autotuner module is being imported; the autotuner then runs
 without its MLflow logging, as it does where MLflow is absent. Any other ``import mlflow`` -- dschat's
 own tracker (:mod:`dschat.training.trackers`) included -- imports it as usual.
+
+:func:`freeze_imported`, which the step scripts call after their imports, moves what they imported
+out of the garbage collector's full collections: DeepSpeed runs one at every ZeRO-3 engine's set-up.
 """
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import sys
 
-__all__ = ["AUTOTUNER", "keep_mlflow_out_of_deepspeeds_autotuner"]
+__all__ = ["AUTOTUNER", "freeze_imported", "keep_mlflow_out_of_deepspeeds_autotuner"]
 
 AUTOTUNER = "deepspeed.autotuning.autotuner"  # the module whose ``import mlflow`` is refused
 
@@ -42,3 +47,12 @@ def keep_mlflow_out_of_deepspeeds_autotuner() -> None:
     """Install the finder (once per process). Has no effect once DeepSpeed is imported."""
     if not any(isinstance(finder, _NoMlflowForTheAutotuner) for finder in sys.meta_path):
         sys.meta_path.insert(0, _NoMlflowForTheAutotuner())
+
+
+def freeze_imported() -> None:
+    """For a step script's ``__main__``, after its imports: every object the garbage collector tracks
+    so far (mostly the modules of torch, transformers, DeepSpeed and dschat, which live as long as the
+    process) leaves its full collections for good (``gc.freeze``), so that the one DeepSpeed runs at
+    every ZeRO-3 engine's set-up no longer scans them all. Not for code that runs a step's ``main``
+    in-process: what is alive when it is called is never collected."""
+    gc.freeze()

@@ -1,5 +1,6 @@
 """DeepSpeed's autotuner no longer imports MLflow into dschat's processes, and MLflow still imports
-for everything else (dschat's ``--report_to mlflow`` tracker included)."""
+for everything else (dschat's ``--report_to mlflow`` tracker included); the step scripts freeze
+what they imported out of the garbage collector's full collections."""
 from __future__ import annotations
 
 import json
@@ -51,3 +52,31 @@ def test_the_guard_is_installed_once():
     keep_mlflow_out_of_deepspeeds_autotuner()
     keep_mlflow_out_of_deepspeeds_autotuner()
     assert sum(isinstance(f, _NoMlflowForTheAutotuner) for f in sys.meta_path) == 1
+
+
+FREEZE_PROBE = """
+import gc, weakref
+from dschat.runtime.import_guards import freeze_imported
+freeze_imported()
+frozen = gc.get_freeze_count()
+class Node: pass
+node = Node(); node.me = node  # a reference cycle made after the freeze
+ref = weakref.ref(node); del node
+gc.collect()
+print(frozen, ref() is None)
+"""
+
+
+def test_freeze_imported_freezes_what_is_imported_and_later_garbage_is_still_collected():
+    proc = subprocess.run([sys.executable, "-c", FREEZE_PROBE], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    frozen, collected = proc.stdout.split()
+    assert int(frozen) > 10_000 and collected == "True"  # torch alone brings far more objects
+
+
+@pytest.mark.parametrize("step", ["step1_supervised_finetuning", "step2_reward_model_finetuning",
+                                  "step2_dpo_finetuning", "step3_rlhf_finetuning"])
+def test_each_step_script_freezes_its_imports_before_running(step):
+    text = (REPO / "training" / step / "main.py").read_text()
+    assert 'if __name__ == "__main__":\n    freeze_imported()' in text

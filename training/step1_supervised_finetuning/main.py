@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from dschat.cli.shared import add_step1_args
 from dschat.errors import cli_main
+from dschat.runtime.import_guards import freeze_imported
 from dschat.training.engine_setup import (
     apply_lora,
     initialize_engine,
@@ -91,4 +92,5 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
 
 if __name__ == "__main__":
+    freeze_imported()  # what the imports made lives as long as the run: out of full garbage collections
     sys.exit(cli_main(main))

@@ -14,6 +14,7 @@ from typing import Sequence
 
 from dschat.cli.step2 import add_dpo_step_args
 from dschat.errors import cli_main
+from dschat.runtime.import_guards import freeze_imported
 from dschat.training.engine_setup import (
     apply_lora,
     initialize_engine,
@@ -102,4 +103,5 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
 
 if __name__ == "__main__":
+    freeze_imported()  # what the imports made lives as long as the run: out of full garbage collections
     sys.exit(cli_main(main))

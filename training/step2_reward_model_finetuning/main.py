@@ -16,6 +16,7 @@ from dschat.cli.step2 import add_step2_args
 from dschat.errors import cli_main
 from dschat.models.freeze import freeze_lower_layers, release_input_gradients
 from dschat.models.packing import attention_window, resolve_sequence_packing
+from dschat.runtime.import_guards import freeze_imported
 from dschat.training.engine_setup import (
     apply_lora,
     initialize_engine,
@@ -134,4 +135,5 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
 
 if __name__ == "__main__":
+    freeze_imported()  # what the imports made lives as long as the run: out of full garbage collections
     sys.exit(cli_main(main))

@@ -24,6 +24,7 @@ from dschat.errors import UserError, cli_main
 from dschat.remote_reward import plain_http_warning, remote_reward_function
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
 from dschat.runtime.dist import print_rank_0
+from dschat.runtime.import_guards import freeze_imported
 
 if TYPE_CHECKING:  # imported inside main (--help stays light)
     from torch.utils.data import DataLoader
@@ -278,4 +279,5 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
 
 
 if __name__ == "__main__":
+    freeze_imported()  # what the imports made lives as long as the run: out of full garbage collections
     sys.exit(cli_main(main))
