@@ -265,3 +265,23 @@ def test_the_decode_step_compiles_as_one_graph_once_for_every_prompt_width():
     assert torch.equal(compiled.sequences, eager.sequences)
     assert (compiled.logprobs - eager.logprobs).abs().max() < 1e-5
     assert engine.compiles_per_rollout == [1, 0] and engine.cache_allocations == 1
+
+
+def test_engines_of_two_models_compile_their_decode_steps_in_one_process():
+    """The decode step is one function for every engine: an engine of another model recompiles it, and
+    Dynamo then makes the sizes that changed dynamic (its default, as on CUDA). Attention's grouped-KV
+    switch must stay a plain bool there (it once became a SymBool, which SDPA refuses: on CUDA the
+    second engine of a process fell back to the training module). Traced with ``aot_eager``."""
+    torch._dynamo.reset()
+    try:
+        for name in ("opt", "llama", "gemma"):  # 4/4, 4/2 and 4/1 query/key-value heads
+            model, (ids, mask) = _model(name), _prompts()
+            engine = _engine(model.config, n=6, compile_step=True)
+            engine.compile_options = {"backend": "aot_eager"}  # dynamic=None: automatic dynamic shapes
+            expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6,
+                                      do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+            rollout = engine.rollout(model, ids, mask, min_new_tokens=6)
+            assert torch.equal(rollout.sequences, expected), name
+            assert engine.compiles >= 1, name
+    finally:
+        torch._dynamo.reset()

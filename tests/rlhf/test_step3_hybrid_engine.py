@@ -296,6 +296,7 @@ def test_dschat_hybrid_engine_on_cuda_compiles_once_and_is_exact_in_fp32(model, 
     gathered anew each time; a different prompt width) neither recompile nor re-capture."""
 
     require_cuda_accelerator()
+    torch._dynamo.reset()  # as a process's first engine: no decode step an earlier test compiled is served
     engine = _engine(model, critic_dirs, data_cache, "--enable_hybrid_engine", "--actor_zero_stage", zero_stage,
                      "--dtype", "fp32")
     gen = engine.generator

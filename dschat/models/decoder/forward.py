@@ -119,7 +119,7 @@ class DecodeModel:
             cache.keys[i].index_copy_(2, index, k)
             cache.values[i].index_copy_(2, index, v)
             k, v = cache.keys[i][:, :, :kv_len], cache.values[i][:, :, :kv_len]  # (B, Hkv, L, D)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != Hkv)  # (B, H, T, D)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=spec.grouped_kv)  # (B, H, T, D)
         return self._row_linear(out.transpose(1, 2).reshape(B, T, spec.q_rows), lw.o_w, lw.o_b)
 
     def _mlp(self, lw: LayerWeights, h: torch.Tensor) -> torch.Tensor:

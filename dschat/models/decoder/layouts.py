@@ -8,7 +8,7 @@ keeps the module path. STYLE habit 7: no ``if "llama" in name`` anywhere else.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["FamilyLayout", "LAYOUTS", "DecoderSpec", "decoder_spec", "unsupported_reason", "layout_name"]
@@ -99,6 +99,13 @@ class DecoderSpec:
     parallel_residual: bool
     post_norm: bool
     final_norm: bool  # OPT with _remove_final_layer_norm has none
+    # Fewer key-value heads than query heads (attention's enable_gqa). A field, not a property of the
+    # two counts: when a second engine's model recompiles the decode step, Dynamo makes the changed
+    # counts dynamic, and a comparison of them would be a SymBool, which SDPA refuses.
+    grouped_kv: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grouped_kv", self.num_kv_heads != self.num_heads)
 
     @property
     def q_rows(self) -> int:
