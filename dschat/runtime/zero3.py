@@ -183,11 +183,14 @@ def full_parameter_bytes(module: torch.nn.Module) -> int:
 
 def free_memory_bytes(device: torch.device) -> int:
     """Free memory of ``device``: the GPU's, or the host's available memory for a CPU. On a GPU the
-    blocks torch's caching allocator holds but no tensor uses count as free (a gather reuses them),
-    so the answer does not depend on whether the cache was emptied since the last pass."""
+    caching allocator's unused blocks are returned first (``empty_cache``), so the answer does not
+    depend on whether an earlier pass emptied the cache. (Counting reserved minus allocated bytes as
+    free instead over-states it: split blocks and CUDA-graph pools are reserved, unused, and not
+    reusable by a gather.) Called for the few once-per-model decisions, not per step."""
     if device.type == "cuda":
+        torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free) + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return int(free)
     return int(psutil.virtual_memory().available)
 
 

@@ -1,5 +1,5 @@
-"""free_memory_bytes: on a GPU the caching allocator's unused blocks count as free, so the ZeRO-3
-gather decisions (fits_gathered) do not depend on whether the cache was emptied."""
+"""free_memory_bytes: on a GPU the caching allocator's unused blocks are returned before the driver is
+asked, so the ZeRO-3 gather decisions (fits_gathered) do not depend on whether the cache was emptied."""
 from __future__ import annotations
 
 import torch
@@ -9,11 +9,19 @@ from dschat.runtime.zero3 import free_memory_bytes
 GIB = 1 << 30
 
 
-def test_cached_but_unused_blocks_count_as_free(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * GIB, 80 * GIB))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * GIB)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 24 * GIB)
-    assert free_memory_bytes(torch.device("cuda", 0)) == 16 * GIB
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 24 * GIB)  # the cache emptied
-    assert free_memory_bytes(torch.device("cuda", 0)) == 10 * GIB
+def test_the_cache_is_emptied_before_the_driver_is_asked(monkeypatch):
+    state = {"cached": 6 * GIB, "free": 10 * GIB}
+    calls = []
 
+    def empty_cache():
+        calls.append("empty_cache")
+        state["free"], state["cached"] = state["free"] + state["cached"], 0
+
+    def mem_get_info(device=None):
+        calls.append("mem_get_info")
+        return state["free"], 80 * GIB
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+    assert free_memory_bytes(torch.device("cuda", 0)) == 16 * GIB
+    assert calls == ["empty_cache", "mem_get_info"]
