@@ -155,7 +155,8 @@ class RolloutGenerator:
         self.use_dschat_engine = decision.dschat_engine
         # ... and --generation_loop auto on these devices: none. The published CPU figures
         # (benchmarks/results.md) are the eager loop's, and a sampled token can differ at a rounding
-        # boundary; on CUDA "auto" keeps "graphs" until the engine's GPU figures are measured.
+        # boundary; on CUDA "auto" keeps "graphs" until the engine's GPU tier passes on a GPU
+        # (docs/launching.md: its figures, and what that tier found).
         self.auto_engine_devices: tuple[str, ...] = ()
         self.release_inference_cache = release_inference_cache  # free its KV cache and weight buffers after each rollout
         self.engine: DschatHybridEngine | None = None
