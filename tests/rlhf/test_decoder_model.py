@@ -4,6 +4,8 @@ tiny random configs of every supported family, fp32 on a CPU: greedy tokens equa
 weights are refreshed in place."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import transformers as T
@@ -101,8 +103,7 @@ def test_sliding_window_is_applied(name, monkeypatch):
     engine = _engine(model.config)
     assert any(engine.spec.sliding_windows) and (name != "qwen2" or engine.spec.sliding_windows == (None, 8))
     windowed = engine.rollout(model, ids, mask, min_new_tokens=40).sequences
-    monkeypatch.setattr(engine.model, "spec", decoder_spec(model.config).__class__(
-        **{**engine.spec.__dict__, "sliding_windows": (None, None)}))
+    monkeypatch.setattr(engine.model, "spec", dataclasses.replace(engine.spec, sliding_windows=(None, None)))
     assert not torch.equal(engine.rollout(model, ids, mask, min_new_tokens=40).sequences, windowed)
 
 
