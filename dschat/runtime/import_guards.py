@@ -33,18 +33,31 @@ def _autotuner_is_importing() -> bool:
     return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
+def _autotuner_is_imported() -> bool:
+    """Whether DeepSpeed's autotuner module has finished its import."""
+    return AUTOTUNER in sys.modules and not _autotuner_is_importing()
+
+
 class _NoMlflowForTheAutotuner(importlib.abc.MetaPathFinder):
     """A finder, first on ``sys.meta_path``, that refuses ``mlflow`` to the importing autotuner and
-    is silent (defers to the next finders) for every other import."""
+    is silent (defers to the next finders) for every other import. Once the autotuner is imported
+    it has nothing left to do, and the first import after that takes it off ``sys.meta_path``, so
+    later imports no longer pass through it."""
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 -- the finder protocol
         if fullname == "mlflow" and _autotuner_is_importing():
             raise ModuleNotFoundError("dschat keeps MLflow out of DeepSpeed's autotuner", name=fullname)
+        if _autotuner_is_imported():
+            # A new list: the import system is iterating over the current one right now, and
+            # removing an entry from it in place would skip the finder after this one.
+            sys.meta_path = [finder for finder in sys.meta_path if finder is not self]
         return None
 
 
 def keep_mlflow_out_of_deepspeeds_autotuner() -> None:
-    """Install the finder (once per process). Has no effect once DeepSpeed is imported."""
+    """Install the finder (once per process), unless DeepSpeed's autotuner is already imported."""
+    if _autotuner_is_imported():
+        return
     if not any(isinstance(finder, _NoMlflowForTheAutotuner) for finder in sys.meta_path):
         sys.meta_path.insert(0, _NoMlflowForTheAutotuner())
 

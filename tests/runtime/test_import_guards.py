@@ -49,13 +49,35 @@ def test_without_dschat_deepspeed_imports_mlflow():
     assert _probe("deepspeed") == {"after_deepspeed": True, "autotuner_has_mlflow": True, "mlflow_imports": True}
 
 
-def test_the_guard_is_installed_once():
-    import dschat  # noqa: F401 -- installs it
-    from dschat.runtime.import_guards import _NoMlflowForTheAutotuner, keep_mlflow_out_of_deepspeeds_autotuner
+GUARD_PROBE = """
+import json, sys
+import dschat
+from dschat.runtime.import_guards import _NoMlflowForTheAutotuner, keep_mlflow_out_of_deepspeeds_autotuner
+def guards():
+    return sum(isinstance(f, _NoMlflowForTheAutotuner) for f in sys.meta_path)
+keep_mlflow_out_of_deepspeeds_autotuner()
+keep_mlflow_out_of_deepspeeds_autotuner()
+installed = guards()
+import deepspeed
+after_deepspeed = guards()
+assert "wave" not in sys.modules
+import wave  # the first import after the autotuner's: the guard leaves, and the import still finds its module
+after_next_import = guards()
+keep_mlflow_out_of_deepspeeds_autotuner()
+print(json.dumps([installed, after_deepspeed, after_next_import, guards(), hasattr(wave, "open")]))
+"""
 
-    keep_mlflow_out_of_deepspeeds_autotuner()
-    keep_mlflow_out_of_deepspeeds_autotuner()
-    assert sum(isinstance(f, _NoMlflowForTheAutotuner) for f in sys.meta_path) == 1
+
+def test_the_guard_is_installed_once_and_leaves_after_deepspeeds_autotuner_is_imported():
+    """Once DeepSpeed's autotuner is imported the guard has nothing left to do: it takes itself off
+    ``sys.meta_path`` at the next import (which still finds its module), and is not installed again."""
+    proc = subprocess.run([sys.executable, "-c", GUARD_PROBE], cwd=REPO, env=cli_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    installed, after_deepspeed, after_next_import, reinstalled, imported = json.loads(proc.stdout.splitlines()[-1])
+    assert installed == 1
+    assert after_deepspeed <= 1  # imports after the autotuner's, inside DeepSpeed's own, may already remove it
+    assert after_next_import == 0 and reinstalled == 0 and imported
 
 
 FREEZE_PROBE = """
