@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from dschat.envs import load_environment
-from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.registry import resolve_model_path
 from dschat.models.tokenizer import load_hf_tokenizer
@@ -25,6 +24,8 @@ from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision
 from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.rollout.sampling import DecodingSettings
+
+from helpers.decode_hooks import edit_decode_logits
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -74,27 +75,14 @@ def model_and_tokenizer(request):
 
 
 @pytest.fixture(params=["dschat", "dschat-he", "graphs"])
-def path(request, monkeypatch, model_and_tokenizer):
+def path(request, model_and_tokenizer):
     """The decoding path that continues the cache; on dschat's Hybrid Engine its decode model ends
     turns by the rule and records each prefill's input shape in :data:`_ENGINE_SHAPES`. ``graphs``
     runs on this CPU with Dynamo's ``eager`` backend (the same program, no compiler, no CUDA graphs)."""
     if request.param == "dschat-he":
         eos = model_and_tokenizer[1].eos_token_id
-        prefill, step = DecodeModel.prefill, DecodeModel.step
-
-        def ended_prefill(self, tokens, positions, cache, start=0):
-            _ENGINE_SHAPES.append(tuple(tokens.shape))
-            logits = prefill(self, tokens, positions, cache, start)
-            _end(logits, positions[:, -1], eos)
-            return logits
-
-        def ended_step(self, token, position, index, cache, kv_len):
-            logits = step(self, token, position, index, cache, kv_len)
-            _end(logits, position, eos)
-            return logits
-
-        monkeypatch.setattr(DecodeModel, "prefill", ended_prefill)
-        monkeypatch.setattr(DecodeModel, "step", ended_step)
+        request.addfinalizer(edit_decode_logits(lambda logits, position: _end(logits, position, eos),
+                                                on_prefill=lambda tokens: _ENGINE_SHAPES.append(tuple(tokens.shape))))
     return request.param
 
 

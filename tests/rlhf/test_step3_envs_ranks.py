@@ -44,6 +44,7 @@ from transformers import LogitsProcessorList
 from dschat.errors import cli_main
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.scoring_passes import ScoringPasses
+from helpers.decode_hooks import edit_decode_logits
 from helpers.step3 import step3_main
 from test_step3_envs import TURN, EndTurnAfter
 
@@ -63,35 +64,20 @@ def end_turns(eos):
     return hook
 
 
-def engine_end_turns():
+def engine_end_turns(eos):
     """The same rule on dschat's Hybrid Engine, which decodes with its own decode model."""
-    from dschat.models.decoder.forward import DecodeModel
-
-    prefill, step = DecodeModel.prefill, DecodeModel.step
-
-    def end(logits, position, eos):
+    def end(logits, position):
         end = position % 5 == 4
         logits[end] = -float("inf")
         logits[end, eos] = 0.0
-        return logits
 
-    def ended_prefill(self, tokens, positions, cache, start=0):
-        return end(prefill(self, tokens, positions, cache, start), positions[:, -1], EOS[0])
-
-    def ended_step(self, token, position, index, cache, kv_len):
-        return end(step(self, token, position, index, cache, kv_len), position, EOS[0])
-
-    DecodeModel.prefill, DecodeModel.step = ended_prefill, ended_step
-
-
-EOS = []
+    edit_decode_logits(end)
 
 
 def init(self, *args, **kwargs):
     original(self, *args, **kwargs)
     if os.environ.get("END_TURNS") == "engine":  # dschat's Hybrid Engine decodes
-        EOS.append(self.tokenizer.eos_token_id)
-        engine_end_turns()
+        engine_end_turns(self.tokenizer.eos_token_id)
         return
     if os.environ.get("END_TURNS") == "hook":  # dschat's loop decodes (it takes no logits processor)
         self.actor.module.register_forward_hook(end_turns(self.tokenizer.eos_token_id), with_kwargs=True)
