@@ -42,7 +42,9 @@ class _NoMlflowForTheAutotuner(importlib.abc.MetaPathFinder):
     """A finder, first on ``sys.meta_path``, that refuses ``mlflow`` to the importing autotuner and
     is silent (defers to the next finders) for every other import. Once the autotuner is imported
     it has nothing left to do, and the first import after that takes it off ``sys.meta_path``, so
-    later imports no longer pass through it."""
+    later imports no longer pass through it. While the autotuner imports, a probe such as
+    ``importlib.util.find_spec("mlflow")`` raises ``ModuleNotFoundError`` instead of returning None
+    (nothing the autotuner imports probes for MLflow)."""
 
     def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 -- the finder protocol
         if fullname == "mlflow" and _autotuner_is_importing():

@@ -3,12 +3,17 @@ for everything else (dschat's ``--report_to mlflow`` tracker included); the step
 what they imported out of the garbage collector's full collections."""
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import json
 import subprocess
 import sys
+import types
 
 import pytest
+
+from dschat.runtime.import_guards import AUTOTUNER, _NoMlflowForTheAutotuner
 
 from helpers import REPO
 from helpers.steps import cli_env
@@ -61,7 +66,7 @@ installed = guards()
 import deepspeed
 after_deepspeed = guards()
 assert "wave" not in sys.modules
-import wave  # the first import after the autotuner's: the guard leaves, and the import still finds its module
+import wave  # after DeepSpeed's import (whose own later imports already took the guard off) imports still work
 after_next_import = guards()
 keep_mlflow_out_of_deepspeeds_autotuner()
 print(json.dumps([installed, after_deepspeed, after_next_import, guards(), hasattr(wave, "open")]))
@@ -78,6 +83,49 @@ def test_the_guard_is_installed_once_and_leaves_after_deepspeeds_autotuner_is_im
     assert installed == 1
     assert after_deepspeed <= 1  # imports after the autotuner's, inside DeepSpeed's own, may already remove it
     assert after_next_import == 0 and reinstalled == 0 and imported
+
+
+class _Recorder(importlib.abc.MetaPathFinder):
+    """A finder that records what it is asked and finds nothing."""
+
+    def __init__(self) -> None:
+        self.asked: list[str] = []
+
+    def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001 -- the finder protocol
+        self.asked.append(fullname)
+        return None
+
+
+def _autotuner_stub(initializing: bool) -> types.ModuleType:
+    stub = types.ModuleType(AUTOTUNER)
+    stub.__spec__ = importlib.machinery.ModuleSpec(AUTOTUNER, None)
+    stub.__spec__._initializing = initializing
+    return stub
+
+
+def test_the_guard_leaving_during_an_import_does_not_skip_the_next_finder(monkeypatch):
+    """The guard leaves ``sys.meta_path`` in the middle of an import that is iterating over it; the
+    finder after it must still be asked (removing the guard from that same list would skip it)."""
+    guard, recorder = _NoMlflowForTheAutotuner(), _Recorder()
+    monkeypatch.setattr(sys, "meta_path", [guard, recorder, *sys.meta_path])
+    monkeypatch.setitem(sys.modules, AUTOTUNER, _autotuner_stub(initializing=False))
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dschat_no_such_module_for_the_guard")
+    assert recorder.asked == ["dschat_no_such_module_for_the_guard"]
+    assert guard not in sys.meta_path and recorder in sys.meta_path
+
+
+def test_the_guard_refuses_mlflow_only_while_the_autotuner_imports(monkeypatch):
+    guard, recorder = _NoMlflowForTheAutotuner(), _Recorder()
+    monkeypatch.setattr(sys, "meta_path", [guard, recorder, *sys.meta_path])
+    monkeypatch.delitem(sys.modules, "mlflow", raising=False)
+    monkeypatch.setitem(sys.modules, AUTOTUNER, _autotuner_stub(initializing=True))
+    with pytest.raises(ModuleNotFoundError, match="dschat keeps MLflow out of DeepSpeed's autotuner"):
+        importlib.import_module("mlflow")
+    assert recorder.asked == [] and guard in sys.meta_path  # refused before any other finder; still needed
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("dschat_no_such_module_for_the_guard")
+    assert recorder.asked == ["dschat_no_such_module_for_the_guard"]  # any other import goes on as usual
 
 
 FREEZE_PROBE = """
