@@ -457,6 +457,21 @@ def test_gpu_session_runs_the_benchmark_with_flags_it_takes(tmp_path):
     assert [line for line in out.splitlines() if "skipped" in line and "no .pre-tp/" not in line] == []
 
 
+def test_gpu_session_only_runs_the_items_named(tmp_path):
+    """`SESSION_ONLY=TEXT bash .ci/gpu session` (a second device call, for an item the first call's
+    budget left out) runs the versions and the items whose name holds TEXT, and says so of the rest."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "DRY_RUN": "1", "LOG_DIR": str(tmp_path), "SESSION_S": "100000", "SESSION_ONLY": "packed rows"}
+    out = subprocess.run(["bash", str(REPO / ".ci" / "gpu"), "session"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    started = [line.split(" (", 1)[0] for line in out.splitlines() if line.startswith("== ") and " s left): " in line]
+    assert started == ["== versions", "== opt-1.3b ZeRO-0: ours on packed rows vs padded rows"], out
+    assert "--modes ours,ours-no-pack" in out
+    assert sum("not selected (SESSION_ONLY=packed rows)" in line for line in out.splitlines()) >= 5
+
+
 def test_gpu_tier_installs_the_carried_wheels_inside_the_checkout_and_again_when_they_change(tmp_path):
     """`.ci/gpu` puts the wheels carried in .whl/ first on PYTHONPATH: they go into the checkout's own
     .gpu-site/ (a /tmp folder could have been made and filled by another account), once per set of wheels."""
