@@ -44,7 +44,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -53,6 +53,7 @@ from dschat.gold_judge import gold_score
 
 __all__ = [
     "RewardFunction",
+    "columns_taken",
     "RewardMix",
     "load_reward_function",
     "load_reward_functions",
@@ -132,6 +133,19 @@ def _accepted_columns(fn: Callable[..., Any]) -> tuple[bool | frozenset[str], fr
         return True, taken
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return frozenset(p.name for p in params[2:] if p.kind in keyword), taken
+
+
+def columns_taken(functions: Iterable["RewardFunction"]) -> tuple[frozenset[str], bool]:
+    """(the columns ``functions`` name as parameters, whether any of them takes ``**kwargs``)."""
+    named: set[str] = set()
+    any_kwargs = False
+    for function in functions:
+        accepted, _ = _accepted_columns(function.fn)
+        if accepted is True:
+            any_kwargs = True
+        else:
+            named |= accepted
+    return frozenset(named), any_kwargs
 
 
 @dataclass(frozen=True)

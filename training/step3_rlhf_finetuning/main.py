@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.remote_reward import plain_http_warning, remote_reward_function
-from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
+from dschat.rewards import RewardFunction, RewardMix, columns_taken, load_reward_functions
 from dschat.runtime.dist import print_rank_0
 from dschat.runtime.import_guards import freeze_imported
 
@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
+    from dschat.data.prompt_columns import PromptColumns
     from dschat.rlhf.config import AlgorithmSettings, BatchPlan
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
@@ -159,6 +160,24 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     return prompt_loader, unsup_loader, total_iters
 
 
+def check_shared_prompts(columns: PromptColumns, args: argparse.Namespace, functions: Sequence[RewardFunction],
+                         rank: int) -> None:
+    """Prompts that dataset rows with differing fields share (:mod:`dschat.data.prompt_columns`):
+    ``--shared_prompt_fields refuse`` refuses a function naming such a field (exit 2), before any
+    model loads; one note says what the functions and the environment get."""
+    named, any_kwargs = columns_taken(functions)
+    columns.refuse = args.shared_prompt_fields == "refuse"
+    if columns.refuse:
+        columns.refuse_shared(named)
+        what = "; ".join([*(["--reward_fn functions that take **kwargs get the first such row's"] if any_kwargs else []),
+                          *(["an --env that reads one of them stops the run"] if args.env else [])])
+    else:
+        what = "--reward_fn functions and --env get the first such row's fields"
+    notice = columns.shared_notice(what) if what else None
+    if notice is not None:
+        print_rank_0(notice, rank)
+
+
 def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None) -> Step3Result:
     """Run step 3. ``reward_fn(prompts, answers) -> scores`` (decoded strings) is a reward function
     like ``--reward_fn``'s: it replaces the reward model unless ``--reward_model_weight`` is given."""
@@ -221,6 +240,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
                                                                    settings.num_generations)
     columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
                                    tokenizer) if mix.functions or args.env else None)
+    if columns is not None:
+        check_shared_prompts(columns, args, mix.functions, ctx.rank)
     eval_items = heldout_prompt_items(args, tokenizer, ctx.local_rank) if args.eval_interval else []
 
     # ---------------------------------------------------------------- engines and trainer
