@@ -20,6 +20,13 @@ seconds before retry ``i``. Any other failure is not retried. What goes wrong st
 HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"`` list, the wrong number of
 rewards, a reward that is not a finite number).
 
+With ``DSCHAT_SERVE_API_KEY`` set (:data:`API_KEY_ENV`, the key ``python -m dschat.serve`` then
+requires) every request carries ``Authorization: Bearer <key>``. Before each call to a loopback URL the
+owner of the socket listening on its port is read from ``/proc/net/tcp`` and ``tcp6`` (Linux): a
+server of another account on this machine is refused with one line, before any prompt or key is
+sent to it. Lines and names show the URL without its user, password and query
+(:func:`~dschat.runtime.trust.shown_url`).
+
 Nothing here talks to the network until the object is called.
 """
 from __future__ import annotations
@@ -27,6 +34,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import math
+import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,12 +46,16 @@ from requests.adapters import HTTPAdapter
 
 from dschat.errors import UserError
 from dschat.rewards import MATH_REFERENCE_COLUMN, RewardFunction, as_float32
+from dschat.runtime.trust import listener_owner, shown_url
 
 __all__ = [
     "RemoteReward",
     "remote_reward_function",
     "check_reward_url",
+    "listener_owner",
     "plain_http_warning",
+    "shown_url",
+    "API_KEY_ENV",
     "LABEL_COLUMN",
     "QUERIES_PER_REQUEST",
     "MAX_CONCURRENT_REQUESTS",
@@ -58,6 +70,8 @@ MAX_CONCURRENT_REQUESTS = 8
 #: Seconds before the first retry; doubled before each later one.
 BACKOFF_SECONDS = 0.5
 _RETRY_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
+#: The API key dschat's server requires and this client sends (``Authorization: Bearer <key>``).
+API_KEY_ENV = "DSCHAT_SERVE_API_KEY"
 
 
 def check_reward_url(url: str) -> str:
@@ -87,7 +101,7 @@ def plain_http_warning(url: str) -> str | None:
     and answers cross the network unencrypted), else None."""
     parts = urlsplit(url)
     if parts.scheme == "http" and not _is_loopback(parts.hostname or ""):
-        return (f"warning: --reward_url {url} is plain http:// to a host that is not this machine: the prompts "
+        return (f"warning: --reward_url {shown_url(url)} is plain http:// to a host that is not this machine: the prompts "
                 "and answers cross the network unencrypted; use https:// or a loopback address")
     return None
 
@@ -114,11 +128,26 @@ class RemoteReward:
         if chunk_size < 1:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.timeout, self.retries, self.chunk_size, self.backoff = float(timeout), int(retries), chunk_size, backoff
+        self.shown = shown_url(url)
+        self.api_key = os.environ.get(API_KEY_ENV) or None
         self._session: requests.Session | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"RemoteReward({self.url!r})"
+        return f"RemoteReward({self.shown!r})"
+
+    def check_owner(self) -> None:
+        """A loopback URL whose port another account's server listens on: one :class:`UserError` line."""
+        parts = urlsplit(self.url)
+        if not _is_loopback(parts.hostname or "") or not hasattr(os, "getuid"):
+            return
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        owner = listener_owner(port)
+        if owner is not None and owner != os.getuid():
+            raise UserError(f"--reward_url {self.shown}: the server listening on port {port} belongs to another "
+                            f"account (uid {owner}), so the prompts and answers would go to it; start your own "
+                            "reward server on a free port (python -m dschat.serve FOLDER --port 0 prints it) and "
+                            "pass its URL")
 
     def session(self) -> requests.Session:
         """The one kept-alive session, made on first use."""
@@ -128,6 +157,8 @@ class RemoteReward:
                 adapter = HTTPAdapter(pool_connections=1, pool_maxsize=MAX_CONCURRENT_REQUESTS)
                 session.mount("http://", adapter)
                 session.mount("https://", adapter)
+                if self.api_key is not None:
+                    session.headers["Authorization"] = f"Bearer {self.api_key}"
                 self._session = session
             return self._session
 
@@ -149,10 +180,16 @@ class RemoteReward:
         payloads = [{"query": [p + a for p, a in zip(prompts[i:i + self.chunk_size], answers[i:i + self.chunk_size])],
                      "prompts": list(prompts[i:i + self.chunk_size]), "labels": labels[i:i + self.chunk_size]}
                     for i in range(0, len(answers), self.chunk_size)]
+        self.check_owner()
         if len(payloads) == 1:
             return self._post(payloads[0])
-        with ThreadPoolExecutor(min(len(payloads), MAX_CONCURRENT_REQUESTS), thread_name_prefix="reward_url") as pool:
+        pool = ThreadPoolExecutor(min(len(payloads), MAX_CONCURRENT_REQUESTS), thread_name_prefix="reward_url")
+        try:
             parts = list(pool.map(self._post, payloads))  # the first failure (in chunk order) is raised
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)  # a failure or Ctrl-C: the waiting chunks are not sent
+            raise
+        pool.shutdown()
         return [score for part in parts for score in part]
 
     def _post(self, payload: dict[str, list[str]]) -> list[float]:
@@ -166,9 +203,10 @@ class RemoteReward:
             except _Retryable as err:
                 last = err
         attempts = "once" if self.retries == 0 else f"{self.retries + 1} times"
-        raise UserError(f"--reward_url {self.url} failed {attempts} (--reward_url_retries "
+        raise UserError(f"--reward_url {self.shown} failed {attempts} (--reward_url_retries "
                         f"{self.retries}); last error: {last}; check that the reward server is up and reachable, or "
-                        "raise --reward_url_timeout / --reward_url_retries")
+                        "raise --reward_url_timeout / --reward_url_retries (a server that scores one request at a "
+                        "time makes the others wait: every rank's, every run's)")
 
     def _attempt(self, payload: dict[str, list[str]]) -> list[float]:
         try:
@@ -181,14 +219,15 @@ class RemoteReward:
         if reply.status_code in _RETRY_STATUS:
             raise _Retryable(f"HTTP {reply.status_code} {_short(reply.text)}")
         if reply.status_code != 200:
-            raise UserError(f"--reward_url {self.url} answered HTTP {reply.status_code} {_short(reply.text)}; check "
-                            "the URL (a dschat server's route is /get_reward)")
+            raise UserError(f"--reward_url {self.shown} answered HTTP {reply.status_code} {_short(reply.text)}; "
+                            + (f"set {API_KEY_ENV} to the server's API key" if reply.status_code == 401 else
+                               "check the URL (a dschat server's route is /get_reward)"))
         return self._rewards(reply, len(payload["query"]))
 
     def _rewards(self, reply: requests.Response, expected: int) -> list[float]:
         """The reply's ``"rewards"``, checked: a list of ``expected`` finite numbers."""
         def wrong(what: str) -> UserError:
-            return UserError(f"--reward_url {self.url} replied {what}; a reward server replies JSON "
+            return UserError(f"--reward_url {self.shown} replied {what}; a reward server replies JSON "
                              f'{{"rewards": [...]}} with one finite float per query')
         try:
             body = reply.json()
@@ -223,4 +262,5 @@ def remote_reward_function(url: str, weight: float = 1.0, timeout: float = 60.0,
     timeout per request replaces the mix's per-call one."""
     if not math.isfinite(weight):
         raise UserError(f"--reward_url_weight must be a finite number, got {weight}")
-    return RewardFunction(url, RemoteReward(url, timeout=timeout, retries=retries), float(weight))
+    reward = RemoteReward(url, timeout=timeout, retries=retries)
+    return RewardFunction(reward.shown, reward, float(weight))

@@ -8,6 +8,10 @@ it. A cache, lock or leftover folder that another account could have planted, ed
 never read. :func:`make_private_dir` creates folders only their owner can enter (0700);
 :func:`make_trusted_dir` also refuses one that exists and is not the user's own;
 :func:`owned_privately` is the test for leftovers a crash-safe write may adopt.
+
+Beyond files: :func:`listener_owner` reads which account's socket listens on a local TCP port (a
+server on the loopback address that another account started), and :func:`shown_url` is a URL as
+lines and logs may show it (no password, no query).
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import os
 import pwd
 import stat
 from pathlib import Path
+from typing import Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 from dschat.errors import UserError
 
@@ -27,7 +33,11 @@ __all__ = [
     "check_trusted",
     "make_private_dir",
     "make_trusted_dir",
+    "listener_owner",
+    "shown_url",
 ]
+
+_LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp: listening
 
 
 def owned_privately(path: str | os.PathLike) -> bool:
@@ -174,3 +184,27 @@ def make_trusted_dir(path: str | os.PathLike, what: str, fix: str, not_a_folder_
         raise UserError(f"{what} {path} is not a folder; {not_a_folder_fix or fix}")
     check_trusted(target, what, fix)
     return target
+
+
+def shown_url(url: str) -> str:
+    """``url`` for lines, logs and names: its user and password (a token may be either) become
+    ``***``, a query ``?***``."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"***@{host}" if "@" in parts.netloc else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+
+
+def listener_owner(port: int, tables: Sequence[str] = ("/proc/net/tcp", "/proc/net/tcp6")) -> int | None:
+    """The uid of the account whose TCP socket listens on ``port`` (any address) on this machine, read
+    from Linux's ``tables``; None when none listens there or the tables cannot be read."""
+    for table in tables:
+        try:
+            lines = Path(table).read_text(encoding="ascii").splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()  # sl local_address rem_address st queues tr:when retrnsmt uid ...
+            if len(fields) > 7 and fields[3] == _LISTEN and int(fields[1].rpartition(":")[2], 16) == port:
+                return int(fields[7])
+    return None

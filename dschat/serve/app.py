@@ -13,19 +13,47 @@ Routes:
 :func:`build_app` serves a reward model; :func:`build_actor_app` an actor, on the OpenAI-compatible
 routes of :mod:`dschat.serve.openai_api` (``/v1/models``, ``/v1/completions``,
 ``/v1/chat/completions``), whose refusals carry OpenAI's error body instead of ``{"detail": ...}``.
+
+With an ``api_key`` (the server reads ``DSCHAT_SERVE_API_KEY``) every route but ``GET /health``
+answers HTTP 401 unless the request carries ``Authorization: Bearer <api_key>`` (what the ``openai``
+client sends for its ``api_key``, and step 3's ``--reward_url`` client when the variable is set).
 """
 from __future__ import annotations
 
-from typing import Any
+import hmac
+from typing import Any, Callable
 
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from dschat.serve.actor import ActorEngine, Batcher
-from dschat.serve.openai_api import add_actor_routes
+from dschat.serve.openai_api import add_actor_routes, error_body
 from dschat.serve.reward_scorer import RewardScorer
 
-__all__ = ["RewardRequest", "RewardReply", "build_actor_app", "build_app", "add_reward_routes"]
+__all__ = ["ApiKeyGate", "RewardRequest", "RewardReply", "build_actor_app", "build_app", "add_reward_routes"]
+
+#: The one route that answers without the API key (a liveness probe; it names the model and its kind).
+OPEN_PATH = "/health"
+_WRONG_KEY = "a missing or wrong API key: send the header Authorization: Bearer <DSCHAT_SERVE_API_KEY>"
+
+
+class ApiKeyGate:
+    """ASGI middleware: an HTTP request to any path but :data:`OPEN_PATH` without the header
+    ``Authorization: Bearer <key>`` gets 401 with ``body`` (the app's error body), compared in
+    constant time; other requests pass to the app untouched (streams and disconnects included)."""
+
+    def __init__(self, app: Any, key: str, body: Callable[[str], dict[str, Any]]) -> None:
+        self.app, self.expected, self.body = app, f"Bearer {key}".encode(), body
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != OPEN_PATH:
+            given = next((value for name, value in scope["headers"] if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = JSONResponse(self.body(_WRONG_KEY), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class RewardRequest(BaseModel):
@@ -50,8 +78,8 @@ def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
         return RewardReply(rewards=scorer.score(request.query))
 
 
-def build_app(reward: RewardScorer) -> FastAPI:
-    """The app serving ``reward`` (see the module docstring for its routes)."""
+def build_app(reward: RewardScorer, api_key: str | None = None) -> FastAPI:
+    """The app serving ``reward`` (see the module docstring for its routes and ``api_key``)."""
     app = FastAPI(title="dschat.serve", docs_url=None, redoc_url=None, openapi_url=None)
     health: dict[str, Any] = {"status": "ok", "model": str(reward.folder), "kind": "reward"}
 
@@ -60,11 +88,13 @@ def build_app(reward: RewardScorer) -> FastAPI:
         return health
 
     add_reward_routes(app, reward)
+    if api_key:
+        app.add_middleware(ApiKeyGate, key=api_key, body=lambda message: {"detail": message})
     return app
 
 
-def build_actor_app(engine: ActorEngine, batcher: Batcher) -> FastAPI:
-    """The app serving ``engine``'s actor, its requests decoded by ``batcher``."""
+def build_actor_app(engine: ActorEngine, batcher: Batcher, api_key: str | None = None) -> FastAPI:
+    """The app serving ``engine``'s actor, its requests decoded by ``batcher`` (``api_key``: the module docstring)."""
     app = FastAPI(title="dschat.serve", docs_url=None, redoc_url=None, openapi_url=None)
     health: dict[str, Any] = {"status": "ok", "model": engine.name, "kind": "actor"}
 
@@ -73,4 +103,7 @@ def build_actor_app(engine: ActorEngine, batcher: Batcher) -> FastAPI:
         return health
 
     add_actor_routes(app, engine, batcher)
+    if api_key:
+        app.add_middleware(ApiKeyGate, key=api_key,
+                           body=lambda message: error_body(message, 401, code="invalid_api_key"))
     return app

@@ -7,23 +7,29 @@ naming ``--port``) -> load the model (an actor: its decoder picked by ``--decodi
 up) -> print the line ``serving <kind> <folder> on http://HOST:PORT (...)`` (the bound port, also for
 ``--port 0``; an actor's line ends with ``; decoding with <engine>: <why>``) -> serve until
 stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
-code 2. A ``--host`` that is not a loopback address gets a warning line: the server has no
-authentication and no TLS.
+code 2. With ``DSCHAT_SERVE_API_KEY`` set, every route but ``GET /health`` needs
+``Authorization: Bearer <key>`` (:mod:`dschat.serve.app`); without it a note says that every account
+that reaches the port can use the model. A ``--host`` that is not a loopback address gets a warning
+line: the server has no TLS.
 """
 from __future__ import annotations
 
 import argparse
 import errno
 import ipaddress
+import os
 import socket
 import sys
 from pathlib import Path
 from typing import Sequence
 
+import torch
+
 from dschat.errors import UserError, cli_main
 from dschat.eval.scoring import check_reward_folder
 from dschat.models.registry import load_config
 from dschat.models.reward_model import is_reward_model_folder
+from dschat.remote_reward import API_KEY_ENV
 
 try:  # the serve extra: pip install 'dschat[serve]'
     import uvicorn
@@ -36,7 +42,7 @@ except ImportError as err:
 else:
     _MISSING = None
 
-__all__ = ["build_parser", "main", "bind"]
+__all__ = ["build_parser", "main", "bind", "check_device"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,10 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
                              "step-3 output folder, a registry name (tiny-opt, smollm2-135m), a hub id or a PEFT "
                              "adapter folder. An actor is served under this name (the requests' model field).")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="Address to listen on (default 127.0.0.1: this machine only; the server has no "
-                             "authentication, so another address gets a warning).")
+                        help="Address to listen on (default 127.0.0.1: this machine only; the server has no TLS, "
+                             "so another address gets a warning). Set DSCHAT_SERVE_API_KEY to require "
+                             "'Authorization: Bearer <key>' on every route but /health.")
     parser.add_argument("--port", type=int, default=5000, help="Port to listen on (default 5000; 0: any free port).")
-    parser.add_argument("--device", default="auto", help="Torch device for the model (default auto: cuda if present).")
+    parser.add_argument("--device", default="auto",
+                        help="Torch device for the model: cpu, cuda or cuda:N (default auto: cuda if present).")
     parser.add_argument("--batch_size", type=int, default=16,
                         help="Reward model: texts scored per forward pass (default 16).")
     parser.add_argument("--max_seq_len", type=int, default=None,
@@ -81,6 +89,24 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost" or ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def check_device(spec: str) -> None:
+    """One :class:`UserError` line for a ``--device`` that is not a torch device this machine has."""
+    if spec == "auto":
+        return
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        raise UserError(f"--device {spec!r} is not a torch device; give cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {spec}: this machine has no CUDA device; give cpu or auto")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                            f"numbered from 0")
+    elif device.type != "cpu":
+        raise UserError(f"--device {spec!r}: dschat.serve runs on cpu or cuda; give cpu, cuda, cuda:N or auto")
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -129,9 +155,15 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise UserError(f"--max_seq_len must be >= 1, got {args.max_seq_len}")
+    check_device(args.device)
+    api_key = os.environ.get(API_KEY_ENV) or None
     if not _is_loopback(args.host):
-        print(f"warning: --host {args.host} serves beyond this machine; dschat.serve has no authentication and no "
-              "TLS: anyone who reaches the port can use the model", file=sys.stderr, flush=True)
+        print(f"warning: --host {args.host} serves beyond this machine without TLS"
+              + ("" if api_key else f" and without an API key ({API_KEY_ENV}): anyone who reaches the port can use "
+                 "the model"), file=sys.stderr, flush=True)
+    elif api_key is None:
+        print(f"note: no {API_KEY_ENV} set: every account on this machine can use the model through the port",
+              file=sys.stderr, flush=True)
     sock = bind(args.host, args.port)
     try:
         host, port = sock.getsockname()[:2]
@@ -139,14 +171,14 @@ def _main(argv: Sequence[str] | None) -> None:
         if reward:
             scorer = load_reward_scorer(folder, device=args.device, max_len=args.max_seq_len,
                                         batch_size=args.batch_size)
-            app = build_app(scorer)
+            app = build_app(scorer, api_key)
             print(f"serving reward model {folder} on http://{shown}:{port} (POST /get_reward, GET /health)",
                   flush=True)
         else:
             engine = load_actor_engine(args.model, device=args.device)
             batcher, decoding = start_batcher(engine, args.decoding_engine, args.max_batch_size,
                                               args.max_wait_ms / 1000)
-            app = build_actor_app(engine, batcher)
+            app = build_actor_app(engine, batcher, api_key)
             print(f"serving actor {args.model} on http://{shown}:{port} (GET /v1/models, POST /v1/completions, "
                   f"POST /v1/chat/completions, GET /health); decoding with {decoding}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=75)

@@ -4,7 +4,8 @@ The model and its tokenizer load as the evaluation loads them (:func:`dschat.eva
 strict, body and value head), and score as it scores (:func:`dschat.eval.scoring.score_sequences`:
 right-padded batches of similar lengths, the value at the last real token). Each text is tokenised
 with the reward model's tokenizer as it is -- no end-of-conversation token is added -- and cut to
-``max_len`` tokens (the end past it is dropped, as step 2 cuts its pairs).
+``max_len`` tokens, keeping its last ones: the score is read at the last token (as step 3's
+scoring keeps a text's end).
 """
 from __future__ import annotations
 

@@ -39,6 +39,7 @@ import torch
 
 from dschat.errors import UserError, first_line
 from dschat.runtime.fs import check_writable_dir
+from dschat.runtime.trust import shown_url
 
 __all__ = ["EXTRAS", "Trackers", "TensorBoardLogger", "trackers_of", "run_config"]
 
@@ -71,7 +72,7 @@ def trackers_of(args: argparse.Namespace) -> tuple[str, ...]:
 
 def run_config(args: argparse.Namespace) -> dict[str, Any]:
     """The run's flags as a tracker's config: numbers, strings, booleans, ``None`` and lists of them
-    as parsed; anything else (a path) as its ``str``."""
+    as parsed; anything else (a path) as its ``str``; ``--reward_url`` without its user, password and query."""
     def plain(value: Any) -> Any:
         if value is None or isinstance(value, (bool, int, float, str)):
             return value
@@ -79,7 +80,10 @@ def run_config(args: argparse.Namespace) -> dict[str, Any]:
             return [plain(v) for v in value]
         return str(value)
 
-    return {key: plain(value) for key, value in sorted(vars(args).items())}
+    config = {key: plain(value) for key, value in sorted(vars(args).items())}
+    if isinstance(config.get("reward_url"), str):  # a password or token in it stays out of the tracker
+        config["reward_url"] = shown_url(config["reward_url"])
+    return config
 
 
 class _TensorBoardSink:

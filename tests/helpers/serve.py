@@ -34,11 +34,15 @@ class ServedModel:
 
 
 @contextlib.contextmanager
-def served_model(folder: Path | str, *extra: str, start_timeout: float = 300.0) -> Iterator[ServedModel]:
+def served_model(folder: Path | str, *extra: str, start_timeout: float = 300.0,
+                 api_key: str | None = None) -> Iterator[ServedModel]:
     """``python -m dschat.serve folder --port 0 *extra`` (a reward model or an actor), up and healthy,
-    killed on exit."""
+    killed on exit; ``api_key``: its ``DSCHAT_SERVE_API_KEY`` (none without)."""
     env = subprocess_env()
     env["PYTHONPATH"] = str(REPO)
+    env.pop("DSCHAT_SERVE_API_KEY", None)
+    if api_key is not None:
+        env["DSCHAT_SERVE_API_KEY"] = api_key
     proc = subprocess.Popen([PYTHON, "-m", "dschat.serve", str(folder), "--host", "127.0.0.1", "--port", "0",
                              "--log_level", "warning", *extra], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)

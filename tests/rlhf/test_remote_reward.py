@@ -1,9 +1,15 @@
 """The ``--reward_url`` client (dschat/remote_reward.py) against a real HTTP server started here
 (``http.server`` on a free port, in a thread): the protocol, batching and order, retries, timeouts,
-replies of the wrong shape, the start-up warning and the step-3 flags."""
+replies of the wrong shape, the start-up warning and the step-3 flags; the API key it sends, a
+loopback server of another account refused, the URL shown without its password."""
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -12,7 +18,9 @@ from typing import Any, Callable
 import pytest
 
 from dschat.errors import UserError
-from dschat.remote_reward import RemoteReward, check_reward_url, plain_http_warning, remote_reward_function
+from dschat.remote_reward import (API_KEY_ENV, RemoteReward, check_reward_url, plain_http_warning,
+                                  remote_reward_function)
+from dschat.runtime.trust import listener_owner, shown_url
 from dschat.rewards import RewardMix
 
 from helpers.step3 import step3_main
@@ -30,6 +38,7 @@ class RewardServer:
     def __init__(self, script: list[Behaviour] | None = None) -> None:
         self.script = list(script or [])
         self.requests: list[dict] = []
+        self.authorization: list[str | None] = []  # each request's Authorization header
         self.connections: set[int] = set()
         self.lock = threading.Lock()
         owner = self
@@ -44,6 +53,7 @@ class RewardServer:
                 payload = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 with owner.lock:
                     owner.requests.append(payload)
+                    owner.authorization.append(self.headers.get("Authorization"))
                     owner.connections.add(self.client_address[1])
                     action = owner.script.pop(0) if owner.script else None
                 if callable(action):
@@ -243,3 +253,78 @@ def test_bad_reward_url_flags_are_one_line(flags, message):
     args = module.parse_args(["--actor_model_name_or_path", "a", "--reward_url", "http://127.0.0.1:1/x", *flags])
     with pytest.raises(UserError, match=message):
         module.reward_mix(args)
+
+
+# ------------------------------------------------------------------------------------ a shared machine
+def test_the_api_key_is_sent_as_a_bearer_token_and_a_401_names_the_variable(monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    with RewardServer([None, status(401)]) as server:
+        _client(server.url)(PROMPTS[:1], ANSWERS[:1])
+        with pytest.raises(UserError, match=f"answered HTTP 401 .*; set {API_KEY_ENV} to the server's API key"):
+            _client(server.url)(PROMPTS[:1], ANSWERS[:1])
+        monkeypatch.setenv(API_KEY_ENV, "k3y")
+        _client(server.url, chunk_size=2)(PROMPTS[:3], ANSWERS[:3])
+    assert server.authorization == [None, None, "Bearer k3y", "Bearer k3y"]
+
+
+def test_the_url_is_shown_without_its_password_or_query():
+    url = "https://me:t0ken@rm.example.org:8443/get_reward?key=t0ken"
+    assert shown_url(url) == "https://***@rm.example.org:8443/get_reward?***"
+    assert shown_url("https://t0ken@rm.example.org/x") == "https://***@rm.example.org/x"
+    assert shown_url("http://127.0.0.1:5000/get_reward") == "http://127.0.0.1:5000/get_reward"
+    assert "t0ken" not in repr(RemoteReward(url)) and "t0ken" not in remote_reward_function(url).name
+    assert "t0ken" not in plain_http_warning(url.replace("https", "http"))
+    from dschat.training.trackers import run_config
+    assert run_config(argparse.Namespace(reward_url=url, seed=1)) == {"reward_url": shown_url(url), "seed": 1}
+    with RewardServer([status(400)]) as server:
+        with pytest.raises(UserError) as err:
+            _client(server.url.replace("http://", "http://me:t0ken@") + "?key=t0ken")(PROMPTS[:1], ANSWERS[:1])
+    assert "t0ken" not in str(err.value) and "http://***@127.0.0.1:" in str(err.value)
+
+
+def test_the_owner_of_a_listening_socket_is_read_from_the_kernels_tables():
+    with socket.socket() as listening, socket.socket() as bound:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen()
+        bound.bind(("127.0.0.1", 0))  # bound, not listening
+        assert listener_owner(listening.getsockname()[1]) == os.getuid()
+        assert listener_owner(bound.getsockname()[1]) is None
+    assert listener_owner(1, tables=("/no/such/table",)) is None
+
+
+def test_a_loopback_server_of_another_account_is_refused_before_anything_is_sent(monkeypatch):
+    with RewardServer() as server:
+        uid = os.getuid()
+        monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # as if we were another account
+        port = server.server.server_address[1]
+        with pytest.raises(UserError, match=rf"--reward_url {server.url}: the server listening on port {port} "
+                                            rf"belongs to another account \(uid {uid}\)"):
+            _client(server.url)(PROMPTS, ANSWERS)
+    assert server.requests == []
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="needs root to listen as another account")
+def test_a_server_that_another_account_really_runs_is_refused():
+    """A listener that a child process made as ``nobody`` (uid 65534): the kernel's tables name the
+    account that created the socket."""
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import os, socket, sys, time\n"
+        "os.setuid(65534); s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen()\n"
+        "print(s.getsockname()[1], flush=True); time.sleep(120)")], stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(child.stdout.readline())
+        with pytest.raises(UserError, match=f"port {port} belongs to another account \\(uid 65534\\)"):
+            _client(f"http://127.0.0.1:{port}/get_reward", retries=0, timeout=5)(PROMPTS[:1], ANSWERS[:1])
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_failed_chunk_leaves_the_waiting_chunks_unsent():
+    """Twenty one-query chunks, eight at a time: the first fails at once (HTTP 400) while the others
+    take a while; the call raises without sending the chunks still waiting."""
+    with RewardServer([status(400)] + [slow(0.5)] * 30) as server:
+        with pytest.raises(UserError, match="answered HTTP 400"):
+            _client(server.url, chunk_size=1)(PROMPTS * 4, ANSWERS * 4)
+        time.sleep(1.5)  # the chunks in flight finish
+    assert len(server.requests) < 20

@@ -8,8 +8,9 @@ import socket
 
 import pytest
 import requests
-from dschat.errors import EXIT_USAGE
-from dschat.remote_reward import RemoteReward
+import torch
+from dschat.errors import EXIT_USAGE, UserError
+from dschat.remote_reward import API_KEY_ENV, RemoteReward
 from dschat.serve.cli import main as serve_main
 
 from helpers.serve import own_scores, served_reward_model
@@ -47,6 +48,24 @@ def test_health(server, reward_folder):
     reply = requests.get(server.url + "/health", timeout=10)
     assert reply.status_code == 200
     assert reply.json() == {"status": "ok", "model": str(reward_folder), "kind": "reward"}
+    assert f"note: no {API_KEY_ENV} set: every account on this machine can use the model through the port" in \
+        server.output
+
+
+def test_an_api_key_guards_every_route_but_health(reward_folder, monkeypatch):
+    """``DSCHAT_SERVE_API_KEY``: 401 without ``Authorization: Bearer <key>`` or with another key (and no
+    scoring); /health stays open; step 3's client sends the key from the same variable."""
+    with served_reward_model(reward_folder, "--device", "cpu", api_key="k3y") as served:
+        for headers in ({}, {"Authorization": "Bearer other"}):
+            reply = requests.post(served.reward_url, json={"query": TEXTS[:1]}, headers=headers, timeout=60)
+            assert reply.status_code == 401 and API_KEY_ENV in reply.json()["detail"]
+        assert requests.get(served.url + "/health", timeout=10).json()["kind"] == "reward"
+        with pytest.raises(UserError, match=f"answered HTTP 401 .* set {API_KEY_ENV}"):
+            RemoteReward(served.reward_url)(["", ""], TEXTS[:2])
+        monkeypatch.setenv(API_KEY_ENV, "k3y")
+        assert RemoteReward(served.reward_url)(["", ""], TEXTS[:2]) == pytest.approx(
+            own_scores(reward_folder, TEXTS[:2]), abs=1e-5)
+        assert not any(API_KEY_ENV in line for line in served.output)
 
 
 @pytest.mark.parametrize("method, route, body, code", [
@@ -76,6 +95,12 @@ def test_a_text_longer_than_max_seq_len_is_cut(reward_folder):
     assert rewards == pytest.approx(own_scores(reward_folder, [long_text, TEXTS[0]], max_len=12), abs=1e-5)
 
 
+@pytest.fixture(autouse=True)
+def no_api_key(monkeypatch):
+    """The in-process refusals read the environment: no API key unless a test sets one."""
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+
+
 def _refused(argv, capsys):
     capsys.readouterr()
     code = serve_main(argv)
@@ -85,7 +110,7 @@ def _refused(argv, capsys):
     warned = [x for x in err.splitlines() if x.startswith("warning: --host")]
     assert len(warned) == (0 if "0.0.0.0" not in argv else 1), err  # only another host than loopback warns
     if warned:
-        assert "no authentication and no TLS" in warned[0]
+        assert "without TLS and without an API key (DSCHAT_SERVE_API_KEY)" in warned[0]
     return lines[0]
 
 
@@ -104,6 +129,15 @@ def test_another_host_than_loopback_warns(reward_folder, capsys):
         port = taken.getsockname()[1]
         line = _refused([str(reward_folder), "--host", "0.0.0.0", "--port", str(port)], capsys)
     assert f"--port {port} on 0.0.0.0 is in use" in line
+
+
+@pytest.mark.parametrize("device, message", [
+    ("gpu", "--device 'gpu' is not a torch device; give cpu, cuda, cuda:N or auto"),
+    ("meta", "--device 'meta': dschat.serve runs on cpu or cuda"),
+    ("cuda:99", "this machine has no CUDA device" if not torch.cuda.is_available() else "CUDA device(s), numbered"),
+])
+def test_a_device_this_machine_lacks_is_one_line(reward_folder, capsys, device, message):
+    assert message in _refused([str(reward_folder), "--device", device, "--port", "0"], capsys)
 
 
 def test_a_folder_that_is_no_model_is_one_line(tmp_path, capsys):

@@ -189,13 +189,16 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
         submit(job)
 
     monkeypatch.setattr(batcher, "submit", watched)
-    with _serving(build_actor_app(llama, batcher)) as url:
+    key = "k3y" if engine_name == "loop" else None  # the API key's gate passes the stream and its end through
+    auth = {"Authorization": f"Bearer {key}"} if key else {}
+    with _serving(build_actor_app(llama, batcher, api_key=key)) as url:
         body = json.dumps({"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
                            "stream": True}).encode()
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=60) as client:
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+                           + b"".join(f"{k}: {v}\r\n".encode() for k, v in auth.items())
+                           + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
             received = b""
             while b'"text": "' not in received.replace(b'"text": ""', b""):  # a first piece of text
                 chunk = client.recv(4096)
@@ -208,10 +211,29 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
             time.sleep(0.05)
         assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 100, ends[0]
         reply = requests.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[1],
-                                                             "max_tokens": 5, "temperature": 0}, timeout=60)
+                                                             "max_tokens": 5, "temperature": 0}, timeout=60,
+                              headers=auth)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
     assert batcher.batch_sizes == [1, 1]
     assert sum(follower is steps[0] for follower in steps) < 100  # the first batch stopped decoding, too
+
+
+def test_an_api_key_guards_every_actor_route_but_health(llama):
+    """``DSCHAT_SERVE_API_KEY``: 401 with OpenAI's error body without ``Authorization: Bearer <key>``
+    or with another key; /health stays open; the right key is served."""
+    batcher = Batcher(LoopDecoder(llama), max_batch_size=4, max_wait_s=0.005)
+    with _serving(build_actor_app(llama, batcher, api_key="k3y")) as url:
+        ask = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
+        for headers in ({}, {"Authorization": "Bearer other"}, {"Authorization": "k3y"}):
+            for reply in (requests.get(url + "/v1/models", headers=headers, timeout=30),
+                          requests.post(url + "/v1/completions", json=ask, headers=headers, timeout=30)):
+                assert reply.status_code == 401 and reply.headers["WWW-Authenticate"] == "Bearer"
+                error = reply.json()["error"]
+                assert error["code"] == "invalid_api_key" and "DSCHAT_SERVE_API_KEY" in error["message"]
+        assert requests.get(url + "/health", timeout=30).json()["kind"] == "actor"
+        good = requests.post(url + "/v1/completions", json=ask, headers={"Authorization": "Bearer k3y"}, timeout=60)
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
+    assert batcher.batch_sizes == [1]
 
 
 def test_a_hybrid_engine_that_fails_its_warm_up_leaves_auto_on_the_loop_and_refuses_dschat(llama, monkeypatch):
