@@ -324,15 +324,21 @@ class PolicyStats(NamedTuple):
 @torch.no_grad()
 def ppo_policy_stats(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor, *, cliprange: float = 0.2,
-    cliprange_high: float | None = None,
+    cliprange_high: float | None = None, level: str = "token",
 ) -> PolicyStats:
-    """Ratio statistics, approximate KL and clip fraction over the masked tokens.
+    """Ratio statistics, approximate KL and clip fraction over the masked tokens. The clip fraction
+    tests the ratio the loss clips: each token's, or with ``level="sequence"`` (GSPO) its answer's
+    ``exp(mean log ratio)``, counted once per token so it adds up over micro-steps as the others do.
 
     Shape: logprobs, old_logprobs, mask (B, T - start); returns a ``PolicyStats`` of scalars.
     """
     keep = mask.bool()
     log_ratio = torch.where(keep, (logprobs - old_logprobs).float(), 0.0)
     ratio = torch.exp(log_ratio)
+    clipped = ratio
+    if level == "sequence":
+        per_answer = log_ratio.sum(dim=1, keepdim=True) / keep.sum(dim=1, keepdim=True).clamp(min=1)
+        clipped = torch.exp(per_answer).expand_as(ratio)
     inf = torch.tensor(float("inf"), device=ratio.device)
     high = cliprange if cliprange_high is None else cliprange_high
     return PolicyStats(
@@ -340,7 +346,7 @@ def ppo_policy_stats(
         ratio_max=torch.where(keep, ratio, -inf).max(),
         ratio_min=torch.where(keep, ratio, inf).min(),
         approx_kl=masked_mean((ratio - 1.0) - log_ratio, keep),
-        clip_frac=masked_mean(((ratio < 1.0 - cliprange) | (ratio > 1.0 + high)).float(), keep),
+        clip_frac=masked_mean(((clipped < 1.0 - cliprange) | (clipped > 1.0 + high)).float(), keep),
     )
 
 

@@ -64,8 +64,10 @@ class Moments(NamedTuple):
 
     @classmethod
     def of(cls, x: torch.Tensor, mask: torch.Tensor) -> "Moments":
-        """The moments of ``x`` where ``mask`` is set (sums in ``x``'s dtype). Shape: x, mask (B, T)."""
-        return cls(float(masked_sum(x, mask)), float(masked_sum(x ** 2, mask)), float(mask.bool().sum()))
+        """The moments of ``x`` where ``mask`` is set, summed in float64: ``E[x^2] - mean^2`` in float32
+        sums loses the variance of values whose spread is small beside their mean. Shape: x, mask (B, T)."""
+        x = x.double()
+        return cls(float(masked_sum(x, mask)), float(masked_sum(x * x, mask)), float(mask.bool().sum()))
 
     def plus(self, other: "Moments") -> "Moments":
         return Moments(self.total + other.total, self.total_sq + other.total_sq, self.count + other.count)

@@ -193,7 +193,8 @@ class PPOUpdate:
             if actor_ok:
                 self.actor_model.backward(actor_loss)
         policy = ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=formulas.cliprange,
-                                  cliprange_high=formulas.settings.cliprange_high)
+                                  cliprange_high=formulas.settings.cliprange_high,
+                                  level=formulas.settings.importance_sampling_level)
         gap = (float(masked_mean((actor_log_prob.detach() - stored).abs().float(), mask))
                if unchanged and float(mask.sum()) > 0 else float("nan"))
         if actor_ok and not self.align_overflow:

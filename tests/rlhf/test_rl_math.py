@@ -450,6 +450,13 @@ class TestPolicyStats:
         s = ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2]]), torch.zeros(1, 3), torch.ones(1, 3), cliprange=0.2,
                              cliprange_high=0.5)
         _close(s.clip_frac, 2 / 3)
+        # GSPO (level "sequence"): the clip tests each answer's exp(mean log-ratio). Answer 0: log-ratios
+        # [ln 2, 0, -ln 2] -> s = 1, inside; answer 1: [ln 2, ln 2, (masked 5)] -> s = 2, outside for its 2
+        # tokens. Token-weighted: 2 of 5; the ratio statistics stay the tokens'.
+        s = ppo_policy_stats(torch.tensor([[LN2, 0.0, -LN2], [LN2, LN2, 5.0]]), torch.zeros(2, 3),
+                             torch.tensor([[1, 1, 1], [1, 1, 0]]), cliprange=0.2, level="sequence")
+        _close(s.clip_frac, 2 / 5)
+        _close(s.ratio_mean, (3.5 + 4.0) / 5)
 
 
 class TestExplainedVariance:
@@ -956,6 +963,18 @@ def test_moments_of_micro_batches_give_the_statistics_of_the_whole_rollout():
     assert explained_variance_from_moments(moments, residual) == pytest.approx(expected, abs=1e-12)
     assert float(explained_variance(flat_v, flat_x, ones)) == pytest.approx(expected, abs=1e-6)  # float32
     assert math.isnan(explained_variance_from_moments(Moments(0.0, 0.0, 0.0), residual))
+
+
+def test_moments_of_float32_values_with_a_small_spread_keep_their_variance():
+    # 4096 float32 values 5 + 0.01 * (+-1): variance 1e-4 (to float32's rounding of 5.01). Summed in
+    # float32, E[x^2] - mean^2 lost about 1 % of it; the moments are summed in float64.
+    x = (5.0 + 0.01 * torch.tensor([1.0, -1.0]).repeat(2048)).float().view(64, 64)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    exact = float(x.double().var(unbiased=False))
+    assert exact == pytest.approx(1e-4, rel=1e-3)
+    assert Moments.of(x, mask).var(unbiased=False) == pytest.approx(exact, rel=1e-6)
+    float32_sums = float((x * x).sum()) / x.numel() - (float(x.sum()) / x.numel()) ** 2
+    assert abs(float32_sums - exact) > 5e-3 * exact  # what summing in float32 gave
 
 
 def test_causal_lm_loss_shifts_and_ignores_masked_labels():
