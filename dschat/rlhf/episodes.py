@@ -127,6 +127,9 @@ class EpisodePlayer:
         self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.reuse_kv = True  # continue the conversation's KV cache where the decoding path can
+        # The texts the tokenizer reads as special tokens (not to be forged by an observation's content).
+        self._specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
+                          if token.special and token.content]
 
     def observation_ids(self, observation: Any, actor_ended: bool) -> list[int]:
         """The token ids appended for ``observation`` after an actor turn (``actor_ended``: the turn's
@@ -134,10 +137,24 @@ class EpisodePlayer:
         text = render_observation(observation, self.tokenizer)
         if not text:
             return []
-        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        content = observation if isinstance(observation, str) else observation["content"]
+        ids = self._tokenize(text, content)
         if actor_ended and ids and ids[0] == self.eos:
             ids = ids[1:]
         return ids
+
+    def _tokenize(self, text: str, content: str) -> list[int]:
+        """``text`` (a rendered observation) as token ids. Where the observation's ``content`` holds the
+        text of a special token (a tool's output quoting chat markup, an EOS), the content alone is
+        tokenised as plain text, between the template's markup before and after it, so it cannot
+        forge a turn or end one; other text is tokenised whole, as the chat template would be."""
+        tokenizer = self.tokenizer
+        if not content or not any(special in content for special in self._specials):
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        at = text.rfind(content)
+        pieces = [(text[:at], False), (content, True), (text[at + len(content):], False)]
+        return [token for piece, plain in pieces if piece
+                for token in tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
 
     def play(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[Mapping[str, Any]],
              row_ids: Sequence[int] | None = None) -> Episodes:
