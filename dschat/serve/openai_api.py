@@ -177,8 +177,22 @@ def _usage(done: list[Done]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-async def _collect(answer: _Answer) -> tuple[list[str], list[Done]]:
+#: Seconds between checks whether the client of a request that is not streamed has gone away.
+DISCONNECT_POLL_SECONDS = 0.25
+
+
+async def _collect(answer: _Answer, client: Request) -> tuple[list[str], list[Done]]:
+    """The texts and ends of a request that is not streamed. While they decode, ``client`` is asked
+    every :data:`DISCONNECT_POLL_SECONDS` whether it has gone away; if it has, the rows stop decoding
+    at their next token (as a stream's do when its client goes)."""
     texts, done = [""] * len(answer.jobs), [None] * len(answer.jobs)
+
+    async def watch() -> None:
+        while not await client.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_SECONDS)
+        answer.cancel()
+
+    watcher = asyncio.create_task(watch())
     try:
         async for index, event in answer.events():
             if isinstance(event, Failed):
@@ -188,6 +202,7 @@ async def _collect(answer: _Answer) -> tuple[list[str], list[Done]]:
             else:
                 done[index] = event
     finally:  # a failure, or the client went away: rows still decoding stop at their next token
+        watcher.cancel()
         answer.cancel()
     return texts, done  # type: ignore[return-value]
 
@@ -265,7 +280,8 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
                            "model", "model_not_found")
         _refuse_unsupported(request)
 
-    async def respond(request: _Common, prompts: list[list[int]], max_tokens: int | None, chat: bool) -> Any:
+    async def respond(request: _Common, prompts: list[list[int]], max_tokens: int | None, chat: bool,
+                      client: Request) -> Any:
         answer = _Answer(engine, batcher, request, prompts, max_tokens)
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
@@ -274,7 +290,7 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
             include_usage = bool(request.stream_options and request.stream_options.include_usage)
             return StreamingResponse(_stream(answer, {**head, "object": kind + (".chunk" if chat else "")}, chat,
                                              include_usage), media_type="text/event-stream")
-        texts, done = await _collect(answer)
+        texts, done = await _collect(answer, client)
         if chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "logprobs": None,
                         "finish_reason": d.finish_reason} for i, (text, d) in enumerate(zip(texts, done))]
@@ -284,16 +300,16 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
         return {**head, "object": kind, "choices": choices, "usage": _usage(done)}
 
     @app.post("/v1/completions")
-    async def completions(request: CompletionRequest) -> Any:
+    async def completions(request: CompletionRequest, client: Request) -> Any:
         check_model(request)
         prompts = [request.prompt] if isinstance(request.prompt, str) else request.prompt
         if not prompts:
             raise ApiError(400, "prompt is an empty list; give at least one prompt", "prompt")
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
-        return await respond(request, [engine.encode(p) for p in prompts], max_tokens, chat=False)
+        return await respond(request, [engine.encode(p) for p in prompts], max_tokens, chat=False, client=client)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(request: ChatRequest) -> Any:
+    async def chat_completions(request: ChatRequest, client: Request) -> Any:
         check_model(request)
         if not engine.has_chat_template:
             raise ApiError(400, f"model {engine.name!r} has no chat template (its tokenizer defines none), so it "
@@ -304,4 +320,4 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
         except Exception as err:  # noqa: BLE001 - a template's own refusal (roles out of order, ...)
             raise ApiError(400, f"the chat template refused these messages: {err}", "messages") from None
         max_tokens = request.max_completion_tokens or request.max_tokens
-        return await respond(request, [ids], max_tokens, chat=True)
+        return await respond(request, [ids], max_tokens, chat=True, client=client)

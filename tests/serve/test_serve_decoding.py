@@ -218,6 +218,46 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
     assert sum(follower is steps[0] for follower in steps) < 100  # the first batch stopped decoding, too
 
 
+def test_a_client_that_disconnects_before_its_answer_that_is_not_streamed_ends_its_row(llama, monkeypatch):
+    """Not streamed: the server asks every 0.25 s whether the client is still there; a gone client's
+    row stops decoding (400 tokens at >= 20 ms each would take 8 s)."""
+    step, steps = RowFollower.__call__, []
+
+    def slow_step(self, token: torch.Tensor) -> torch.Tensor:
+        steps.append(self)
+        time.sleep(0.02)
+        return step(self, token)
+
+    monkeypatch.setattr(RowFollower, "__call__", slow_step)
+    batcher = Batcher(LoopDecoder(llama), max_batch_size=4, max_wait_s=0.005)
+    ends: list[Done] = []
+    submit = batcher.submit
+
+    def watched(job: Job) -> None:
+        emit = job.emit
+        job.emit = lambda event: (ends.append(event) if isinstance(event, Done) else None, emit(event))[1]
+        submit(job)
+
+    monkeypatch.setattr(batcher, "submit", watched)
+    with _serving(build_actor_app(llama, batcher)) as url:
+        body = json.dumps({"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60) as client:
+            client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            deadline = time.monotonic() + 60
+            while len(steps) < 5:  # decoding has begun
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+        deadline = time.monotonic() + 60
+        while not ends:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 100, ends[0]
+        reply = requests.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[1],
+                                                             "max_tokens": 5, "temperature": 0}, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+
+
 def test_an_api_key_guards_every_actor_route_but_health(llama):
     """``DSCHAT_SERVE_API_KEY``: 401 with OpenAI's error body without ``Authorization: Bearer <key>``
     or with another key; /health stays open; the right key is served."""
