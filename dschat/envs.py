@@ -41,7 +41,7 @@ from dschat.errors import UserError
 from dschat.rewards import CallTimedOut, PendingCall, as_float32, load_callable
 
 __all__ = ["Observation", "StepResult", "EpisodeState", "EnvironmentFactory", "EpisodeBatch",
-           "load_environment", "render_observation", "OBSERVATION_ROLES"]
+           "load_environment", "render_observation", "observation_markup", "OBSERVATION_ROLES"]
 
 #: The roles an observation's chat message may take.
 OBSERVATION_ROLES = ("user", "tool")
@@ -264,3 +264,20 @@ def render_observation(observation: Observation, tokenizer: Any) -> str:
         return message["content"]
     after = text.rsplit(_SENTINEL, 1)[1]
     return after if message["content"] in after else message["content"]
+
+
+_CONTENT = "\x00dschat-observation\x00"
+
+
+def observation_markup(observation: Observation, tokenizer: Any) -> tuple[str, str] | None:
+    """What :func:`render_observation` puts before and after ``observation``'s content (both ``""``
+    without a chat template), found by rendering a placeholder in its place; None for no observation,
+    or when the placeholder does not come back once as it was."""
+    if observation is None:
+        return None
+    role = "user" if isinstance(observation, str) else observation["role"]
+    frame = render_observation({"role": role, "content": _CONTENT}, tokenizer)
+    if frame.count(_CONTENT) != 1:
+        return None
+    before, _, after = frame.partition(_CONTENT)
+    return before, after

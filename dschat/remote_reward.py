@@ -21,10 +21,11 @@ HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"`` lis
 rewards, a reward that is not a finite number).
 
 With ``DSCHAT_SERVE_API_KEY`` set (:data:`API_KEY_ENV`, the key ``python -m dschat.serve`` then
-requires) every request carries ``Authorization: Bearer <key>``. Before each call to a loopback URL the
-owner of the socket listening on its port is read from ``/proc/net/tcp`` and ``tcp6`` (Linux): a
-server of another account on this machine is refused with one line, before any prompt or key is
-sent to it. Lines and names show the URL without its user, password and query
+requires) every request to a loopback or ``https://`` URL carries ``Authorization: Bearer <key>``
+(never one in clear to another host). Before each call to a loopback URL the
+owners of the sockets listening on its port (at a loopback address or at every address) are read
+from ``/proc/net/tcp`` and ``tcp6`` (Linux): a server of another account on this machine is refused
+with one line, before any prompt or key is sent to it. Lines and names show the URL without its user, password and query
 (:func:`~dschat.runtime.trust.shown_url`).
 
 Nothing here talks to the network until the object is called.
@@ -46,15 +47,13 @@ from requests.adapters import HTTPAdapter
 
 from dschat.errors import UserError
 from dschat.rewards import MATH_REFERENCE_COLUMN, RewardFunction, as_float32
-from dschat.runtime.trust import listener_owner, shown_url
+from dschat.runtime.trust import listener_owners, shown_url
 
 __all__ = [
     "RemoteReward",
     "remote_reward_function",
     "check_reward_url",
-    "listener_owner",
     "plain_http_warning",
-    "shown_url",
     "API_KEY_ENV",
     "LABEL_COLUMN",
     "QUERIES_PER_REQUEST",
@@ -78,12 +77,12 @@ def check_reward_url(url: str) -> str:
     """``url`` if it is an ``http://`` or ``https://`` URL with a host, else one :class:`UserError` line."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UserError(f"--reward_url {url!r} is not an http:// or https:// URL with a host (e.g. "
+        raise UserError(f"--reward_url {shown_url(url)!r} is not an http:// or https:// URL with a host (e.g. "
                         "http://127.0.0.1:5000/get_reward)")
     try:
         parts.port  # noqa: B018 -- raises ValueError on a bad port
     except ValueError:
-        raise UserError(f"--reward_url {url!r} has a bad port; give a number in 1-65535") from None
+        raise UserError(f"--reward_url {shown_url(url)!r} has a bad port; give a number in 1-65535") from None
     return url
 
 
@@ -101,8 +100,9 @@ def plain_http_warning(url: str) -> str | None:
     and answers cross the network unencrypted), else None."""
     parts = urlsplit(url)
     if parts.scheme == "http" and not _is_loopback(parts.hostname or ""):
+        unsent = f" ({API_KEY_ENV} is not sent over it)" if os.environ.get(API_KEY_ENV) else ""
         return (f"warning: --reward_url {shown_url(url)} is plain http:// to a host that is not this machine: the prompts "
-                "and answers cross the network unencrypted; use https:// or a loopback address")
+                f"and answers cross the network unencrypted{unsent}; use https:// or a loopback address")
     return None
 
 
@@ -129,9 +129,14 @@ class RemoteReward:
             raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
         self.timeout, self.retries, self.chunk_size, self.backoff = float(timeout), int(retries), chunk_size, backoff
         self.shown = shown_url(url)
-        self.api_key = os.environ.get(API_KEY_ENV) or None
+        parts = urlsplit(url)  # the key goes to this machine or over TLS, never in clear across the network
+        private = parts.scheme == "https" or _is_loopback(parts.hostname or "")
+        self.api_key = (os.environ.get(API_KEY_ENV) or None) if private else None
         self._session: requests.Session | None = None
         self._lock = threading.Lock()
+
+    #: The only dataset column sent (as ``labels``): what a prompt that rows share must agree on.
+    columns_read = frozenset({LABEL_COLUMN})
 
     def __repr__(self) -> str:
         return f"RemoteReward({self.shown!r})"
@@ -142,8 +147,9 @@ class RemoteReward:
         if not _is_loopback(parts.hostname or "") or not hasattr(os, "getuid"):
             return
         port = parts.port or (443 if parts.scheme == "https" else 80)
-        owner = listener_owner(port)
-        if owner is not None and owner != os.getuid():
+        others = sorted(listener_owners(port) - {os.getuid()})
+        if others:
+            owner = others[0]
             raise UserError(f"--reward_url {self.shown}: the server listening on port {port} belongs to another "
                             f"account (uid {owner}), so the prompts and answers would go to it; start your own "
                             "reward server on a free port (python -m dschat.serve FOLDER --port 0 prints it) and "
@@ -187,7 +193,8 @@ class RemoteReward:
         try:
             parts = list(pool.map(self._post, payloads))  # the first failure (in chunk order) is raised
         except BaseException:
-            pool.shutdown(wait=False, cancel_futures=True)  # a failure or Ctrl-C: the waiting chunks are not sent
+            # A failure or Ctrl-C: chunks not yet sent are not, and those in flight are not waited for.
+            pool.shutdown(wait=False, cancel_futures=True)
             raise
         pool.shutdown()
         return [score for part in parts for score in part]

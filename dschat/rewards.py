@@ -54,6 +54,7 @@ from dschat.gold_judge import gold_score
 __all__ = [
     "RewardFunction",
     "columns_taken",
+    "COLUMNS_READ",
     "RewardMix",
     "load_reward_function",
     "load_reward_functions",
@@ -82,6 +83,9 @@ def gold(prompts: list[str], answers: list[str], **_: Any) -> list[float]:
     """The embedded dataset's gold judge (:func:`dschat.gold_judge.gold_score`) per answer, in
     [-4.5, 3.0]. Meaningful only on ``--data_path dschat/builtin``, whose labels it decided."""
     return [gold_score(p, a) for p, a in zip(prompts, answers)]
+
+
+gold.columns_read = frozenset()  # type: ignore[attr-defined]  # takes **_ and reads no column
 
 
 def final_number(text: str) -> str | None:
@@ -118,6 +122,9 @@ def math_exact_match(prompts: list[str], answers: list[str], **columns: Sequence
     return scores
 
 
+math_exact_match.columns_read = frozenset({MATH_REFERENCE_COLUMN})  # type: ignore[attr-defined]
+
+
 # ------------------------------------------------------------------------------------------------
 # Loading and calling
 # ------------------------------------------------------------------------------------------------
@@ -135,11 +142,21 @@ def _accepted_columns(fn: Callable[..., Any]) -> tuple[bool | frozenset[str], fr
     return frozenset(p.name for p in params[2:] if p.kind in keyword), taken
 
 
+#: The attribute by which a function that takes ``**kwargs`` declares the columns it reads.
+COLUMNS_READ = "columns_read"
+
+
 def columns_taken(functions: Iterable["RewardFunction"]) -> tuple[frozenset[str], bool]:
-    """(the columns ``functions`` name as parameters, whether any of them takes ``**kwargs``)."""
+    """(the columns ``functions`` read, whether any of them takes ``**kwargs`` without saying which it
+    reads). A function reads the columns it names as parameters, or those of its ``columns_read``
+    attribute (a set of names: a ``**kwargs`` function's own account, ``frozenset()`` for none)."""
     named: set[str] = set()
     any_kwargs = False
     for function in functions:
+        declared = getattr(function.fn, COLUMNS_READ, None)
+        if declared is not None:
+            named |= frozenset(declared)
+            continue
         accepted, _ = _accepted_columns(function.fn)
         if accepted is True:
             any_kwargs = True

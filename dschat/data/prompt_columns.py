@@ -11,10 +11,11 @@ A prompt that several rows share maps to the first of them. Where those rows' ot
 question), the prompt's tokens cannot tell which row a generated answer came from: those fields are
 *shared* (:class:`SharedPrompt`). With ``--shared_prompt_fields refuse`` (the default) an
 environment's row leaves them out and reading one raises a :class:`~dschat.errors.UserError` naming
-the field and the fix (:class:`PromptRow`), and a reward function that names one of them as a
-parameter is refused before any model loads (:meth:`PromptColumns.refuse_shared`); with ``first``
-both get the first row's values. A function that takes ``**kwargs`` gets the first row's values
-either way, and step 3 says so in one line (:meth:`PromptColumns.shared_notice`).
+the field and the fix (:class:`PromptRow`), and a reward or judge function that reads one of them
+(:func:`dschat.rewards.columns_taken`) is refused before any model loads
+(:meth:`PromptColumns.refuse_shared`); with ``first`` both get the first row's values. A function
+that takes ``**kwargs`` without saying what it reads gets the first row's values either way, and
+step 3 says so in one line (:meth:`PromptColumns.shared_notice`).
 """
 from __future__ import annotations
 
@@ -177,7 +178,10 @@ _ABSENT = object()
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two field values are equal (values whose comparison is not a plain bool count as different)."""
+    """Whether two field values are equal (two float NaNs are; values whose comparison is not a plain
+    bool count as different)."""
+    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
+        return True
     try:
         return bool(a == b) if a is not _ABSENT and b is not _ABSENT else a is b
     except Exception:  # noqa: BLE001 -- e.g. arrays, whose == is elementwise

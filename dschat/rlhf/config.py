@@ -451,7 +451,6 @@ class EvalConfig:
     generation_batches: int
     enable_test_mode: bool
     test_stop_step: int
-    shared_prompt_fields: str = "refuse"  # refuse | first (dschat.data.prompt_columns)
 
 
 @dataclass(frozen=True)
@@ -554,7 +553,7 @@ def eval_config(args: object) -> EvalConfig:
         max_prompt_seq_len=args.max_prompt_seq_len, inference_tp_size=args.inference_tp_size,
         per_device_generation_batch_size=args.per_device_generation_batch_size,
         generation_batches=args.generation_batches, enable_test_mode=bool(args.enable_test_mode),
-        test_stop_step=args.test_stop_step, shared_prompt_fields=args.shared_prompt_fields)
+        test_stop_step=args.test_stop_step)
 
 
 def checkpoint_config(args: object) -> CheckpointConfig:

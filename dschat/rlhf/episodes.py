@@ -46,7 +46,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from dschat.envs import EnvironmentFactory, EpisodeBatch, render_observation
+from dschat.envs import EnvironmentFactory, EpisodeBatch, observation_markup, render_observation
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.rollout.conversation import Conversation
@@ -137,24 +137,28 @@ class EpisodePlayer:
         text = render_observation(observation, self.tokenizer)
         if not text:
             return []
-        content = observation if isinstance(observation, str) else observation["content"]
-        ids = self._tokenize(text, content)
+        ids = self._tokenize(observation, text)
         if actor_ended and ids and ids[0] == self.eos:
             ids = ids[1:]
         return ids
 
-    def _tokenize(self, text: str, content: str) -> list[int]:
-        """``text`` (a rendered observation) as token ids. Where the observation's ``content`` holds the
-        text of a special token (a tool's output quoting chat markup, an EOS), the content alone is
-        tokenised as plain text, between the template's markup before and after it, so it cannot
-        forge a turn or end one; other text is tokenised whole, as the chat template would be."""
+    def _tokenize(self, observation: Any, text: str) -> list[int]:
+        """``text`` (``observation`` rendered) as token ids. Where the observation's content holds the
+        text of a special token (a tool's output quoting chat markup, an EOS), the content is
+        tokenised as plain text between the template's markup before and after it
+        (:func:`~dschat.envs.observation_markup`), so it cannot forge a turn or end one; other text is
+        tokenised whole, as the chat template would be, and so is the whole text of a template that
+        changes the content (its markup cannot be told from it)."""
         tokenizer = self.tokenizer
-        if not content or not any(special in content for special in self._specials):
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        at = text.rfind(content)
-        pieces = [(text[:at], False), (content, True), (text[at + len(content):], False)]
-        return [token for piece, plain in pieces if piece
-                for token in tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
+        content = observation if isinstance(observation, str) else observation["content"]
+        markup = observation_markup(observation, tokenizer) if any(s in content for s in self._specials) else None
+        if markup is not None:
+            before, after = markup
+            if text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text):
+                pieces = [(before, False), (text[len(before):len(text) - len(after)], True), (after, False)]
+                return [token for piece, plain in pieces if piece
+                        for token in tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def play(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[Mapping[str, Any]],
              row_ids: Sequence[int] | None = None) -> Episodes:

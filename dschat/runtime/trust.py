@@ -9,13 +9,14 @@ never read. :func:`make_private_dir` creates folders only their owner can enter 
 :func:`make_trusted_dir` also refuses one that exists and is not the user's own;
 :func:`owned_privately` is the test for leftovers a crash-safe write may adopt.
 
-Beyond files: :func:`listener_owner` reads which account's socket listens on a local TCP port (a
+Beyond files: :func:`listener_owners` reads which accounts' sockets listen on a local TCP port (a
 server on the loopback address that another account started), and :func:`shown_url` is a URL as
 lines and logs may show it (no password, no query).
 """
 from __future__ import annotations
 
 import grp
+import ipaddress
 import os
 import pwd
 import stat
@@ -33,7 +34,7 @@ __all__ = [
     "check_trusted",
     "make_private_dir",
     "make_trusted_dir",
-    "listener_owner",
+    "listener_owners",
     "shown_url",
 ]
 
@@ -195,9 +196,11 @@ def shown_url(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
 
 
-def listener_owner(port: int, tables: Sequence[str] = ("/proc/net/tcp", "/proc/net/tcp6")) -> int | None:
-    """The uid of the account whose TCP socket listens on ``port`` (any address) on this machine, read
-    from Linux's ``tables``; None when none listens there or the tables cannot be read."""
+def listener_owners(port: int, tables: Sequence[str] = ("/proc/net/tcp", "/proc/net/tcp6")) -> set[int]:
+    """The uids of the accounts whose TCP sockets listen on ``port`` at an address a loopback URL
+    reaches (a loopback address, or every address), read from Linux's ``tables``; empty when none
+    does or the tables cannot be read."""
+    owners = set()
     for table in tables:
         try:
             lines = Path(table).read_text(encoding="ascii").splitlines()[1:]
@@ -205,6 +208,19 @@ def listener_owner(port: int, tables: Sequence[str] = ("/proc/net/tcp", "/proc/n
             continue
         for line in lines:
             fields = line.split()  # sl local_address rem_address st queues tr:when retrnsmt uid ...
-            if len(fields) > 7 and fields[3] == _LISTEN and int(fields[1].rpartition(":")[2], 16) == port:
-                return int(fields[7])
-    return None
+            if len(fields) <= 7 or fields[3] != _LISTEN:
+                continue
+            address, _, hex_port = fields[1].rpartition(":")
+            if int(hex_port, 16) == port and _reached_from_loopback(address):
+                owners.add(int(fields[7]))
+    return owners
+
+
+def _reached_from_loopback(address: str) -> bool:
+    """Whether a socket bound to ``address`` (the kernel's hex: 32-bit words in host order, assumed
+    little-endian) takes connections to a loopback address."""
+    raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
+    ip = ipaddress.ip_address(raw)
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback or ip.is_unspecified

@@ -85,6 +85,11 @@ def test_a_function_naming_a_shared_field_is_refused_one_taking_kwargs_gets_the_
     named = load_reward_function("reward_fixtures:chosen_overlap")
     kwargs = load_reward_function("reward_fixtures:seen_columns")
     assert columns_taken([named, kwargs]) == (frozenset({"chosen"}), True)
+    # Functions taking **kwargs that say what they read (columns_read): the built-ins and --reward_url.
+    from dschat.remote_reward import remote_reward_function
+    builtins = [load_reward_function("dschat.rewards:gold"), load_reward_function("dschat.rewards:math_exact_match"),
+                remote_reward_function("http://127.0.0.1:1/get_reward")]
+    assert columns_taken(builtins) == (frozenset({"answer"}), False)
     columns.refuse_shared(columns_taken([named])[0])  # 'chosen' is the same in the guessing rows
     with pytest.raises(UserError, match=SHARED):
         columns.refuse_shared({"chosen", "secret"})
@@ -95,16 +100,17 @@ def test_a_function_naming_a_shared_field_is_refused_one_taking_kwargs_gets_the_
         "found by its tokens, so they get the first such row's")
 
 
-def test_step3_refuses_a_reward_function_naming_a_shared_field_before_any_model(capsys, monkeypatch, critic_dirs,
-                                                                             data_cache):
-    """The embedded data asks a prompt several times with other answer pairs: a function that names
-    ``chosen`` is refused (exit 2) unless --shared_prompt_fields first."""
+@pytest.mark.parametrize("flags", [("--reward_fn", "reward_fixtures:chosen_overlap"),
+                                   ("--eval_interval", "1", "--eval_judge", "reward_fixtures:chosen_overlap")])
+def test_step3_refuses_a_function_naming_a_shared_field_before_any_model(capsys, monkeypatch, critic_dirs, data_cache,
+                                                                        flags):
+    """The embedded data asks a prompt several times with other answer pairs: a reward or judge
+    function that names ``chosen`` is refused (exit 2) unless --shared_prompt_fields first."""
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
 
     def no_engines(*args, **kwargs):
         raise AssertionError("the engines were built before the refusal")
 
     monkeypatch.setattr(DeepSpeedRLHFEngine, "__init__", no_engines)
-    line = refused_in_process(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache,
-                                        "--reward_fn", "reward_fixtures:chosen_overlap"), capsys)
+    line = refused_in_process(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, *flags), capsys)
     assert "rows whose 'chosen' differ" in line and "make each prompt distinct" in line

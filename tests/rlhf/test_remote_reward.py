@@ -20,7 +20,7 @@ import pytest
 from dschat.errors import UserError
 from dschat.remote_reward import (API_KEY_ENV, RemoteReward, check_reward_url, plain_http_warning,
                                   remote_reward_function)
-from dschat.runtime.trust import listener_owner, shown_url
+from dschat.runtime.trust import listener_owners, shown_url
 from dschat.rewards import RewardMix
 
 from helpers.step3 import step3_main
@@ -256,6 +256,15 @@ def test_bad_reward_url_flags_are_one_line(flags, message):
 
 
 # ------------------------------------------------------------------------------------ a shared machine
+def test_the_api_key_is_not_sent_in_clear_to_another_host(monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "k3y")
+    assert RemoteReward("http://10.0.0.5:5000/get_reward").api_key is None
+    assert RemoteReward("https://rm.example.org/get_reward").api_key == "k3y"
+    assert RemoteReward("http://localhost:5000/get_reward").api_key == "k3y"
+    assert plain_http_warning("http://10.0.0.5:5000/get_reward").endswith(
+        f"unencrypted ({API_KEY_ENV} is not sent over it); use https:// or a loopback address")
+
+
 def test_the_api_key_is_sent_as_a_bearer_token_and_a_401_names_the_variable(monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     with RewardServer([None, status(401)]) as server:
@@ -282,14 +291,40 @@ def test_the_url_is_shown_without_its_password_or_query():
     assert "t0ken" not in str(err.value) and "http://***@127.0.0.1:" in str(err.value)
 
 
-def test_the_owner_of_a_listening_socket_is_read_from_the_kernels_tables():
+def test_the_owners_of_listening_sockets_are_read_from_the_kernels_tables():
     with socket.socket() as listening, socket.socket() as bound:
         listening.bind(("127.0.0.1", 0))
         listening.listen()
         bound.bind(("127.0.0.1", 0))  # bound, not listening
-        assert listener_owner(listening.getsockname()[1]) == os.getuid()
-        assert listener_owner(bound.getsockname()[1]) is None
-    assert listener_owner(1, tables=("/no/such/table",)) is None
+        assert listener_owners(listening.getsockname()[1]) == {os.getuid()}
+        assert listener_owners(bound.getsockname()[1]) == set()
+    assert listener_owners(1, tables=("/no/such/table",)) == set()
+    if socket.has_ipv6:  # ::1 (tcp6's four words) and every address
+        for address in ("::1", "::"):
+            with socket.socket(socket.AF_INET6) as six:
+                try:
+                    six.bind((address, 0))
+                except OSError:  # no IPv6 on this machine's loopback
+                    continue
+                six.listen()
+                assert listener_owners(six.getsockname()[1]) == {os.getuid()}
+
+
+def test_a_table_line_is_read_by_address(tmp_path):
+    """Lines of /proc/net/tcp and tcp6 (the kernel's format): listeners on 127.0.0.1, 0.0.0.0, ::1,
+    ::ffff:127.0.0.1 and 10.1.2.3, and a connection that is not listening, all on port 5000 (0x1388)."""
+    head = "  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n"
+    row = "   0: {address}:1388 00000000:0000 {state} 00000000:00000000 00:00000000 00000000  {uid}        0 1 1\n"
+    four = tmp_path / "tcp"
+    four.write_text(head + row.format(address="0100007F", state="0A", uid=1001)
+                    + row.format(address="00000000", state="0A", uid=1002)
+                    + row.format(address="0302010A", state="0A", uid=1003)
+                    + row.format(address="0100007F", state="01", uid=1004))
+    six = tmp_path / "tcp6"
+    six.write_text(head + row.format(address="00000000000000000000000001000000", state="0A", uid=1005)
+                   + row.format(address="0000000000000000FFFF00000100007F", state="0A", uid=1006))
+    assert listener_owners(5000, tables=(str(four), str(six))) == {1001, 1002, 1005, 1006}
+    assert listener_owners(5001, tables=(str(four), str(six))) == set()
 
 
 def test_a_loopback_server_of_another_account_is_refused_before_anything_is_sent(monkeypatch):
@@ -320,11 +355,32 @@ def test_a_server_that_another_account_really_runs_is_refused():
         child.wait()
 
 
-def test_a_failed_chunk_leaves_the_waiting_chunks_unsent():
-    """Twenty one-query chunks, eight at a time: the first fails at once (HTTP 400) while the others
-    take a while; the call raises without sending the chunks still waiting."""
-    with RewardServer([status(400)] + [slow(0.5)] * 30) as server:
-        with pytest.raises(UserError, match="answered HTTP 400"):
-            _client(server.url, chunk_size=1)(PROMPTS * 4, ANSWERS * 4)
-        time.sleep(1.5)  # the chunks in flight finish
-    assert len(server.requests) < 20
+def test_a_failed_chunk_does_not_wait_for_the_chunks_in_flight():
+    """Three one-query chunks: the first fails (HTTP 400) once the other two have reached the server,
+    which holds them until the test lets them go. The call raises while they are still held (waiting
+    for them would take until the server's 30 s hold ran out and they had finished)."""
+    release = threading.Event()
+    held: list[str] = []
+    lock = threading.Lock()
+
+    def act(handler: Any, payload: Any) -> None:
+        if payload["query"] == [PROMPTS[0] + ANSWERS[0]]:  # the first chunk: fails
+            deadline = time.monotonic() + 10
+            while len(held) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            handler.reply(400, {"detail": "bad"})
+            return
+        with lock:
+            held.append(payload["query"][0])
+        release.wait(30)
+        with lock:
+            held.remove(payload["query"][0])
+        handler.reply(200, {"rewards": [0.0] * len(payload["query"])})
+
+    with RewardServer([act, act, act]) as server:
+        try:
+            with pytest.raises(UserError, match="answered HTTP 400"):
+                _client(server.url, chunk_size=1)(PROMPTS[:3], ANSWERS[:3])
+            assert len(held) == 2  # raised with both still in flight
+        finally:
+            release.set()

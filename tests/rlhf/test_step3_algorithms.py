@@ -195,7 +195,7 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
     if "--reward_fn" in extra and with_rm:
         assert "reward = 1 x reward model + 2 x reward_fixtures:chosen_overlap" in logs
         # The embedded data asks a prompt several times with other answer pairs (dschat.data.prompt_columns).
-        assert "so --reward_fn functions and --env get the first such row's fields" in logs
+        assert "so reward and judge functions and --env get the first such row's fields" in logs
 
 
 @pytest.mark.slow

@@ -163,16 +163,17 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
 def check_shared_prompts(columns: PromptColumns, args: argparse.Namespace, functions: Sequence[RewardFunction],
                          rank: int) -> None:
     """Prompts that dataset rows with differing fields share (:mod:`dschat.data.prompt_columns`):
-    ``--shared_prompt_fields refuse`` refuses a function naming such a field (exit 2), before any
-    model loads; one note says what the functions and the environment get."""
-    named, any_kwargs = columns_taken(functions)
+    ``--shared_prompt_fields refuse`` refuses a ``--reward_fn`` or ``--eval_judge`` function that
+    reads such a field (exit 2), before any model loads; one note says what the functions and the
+    environment get."""
+    read, any_kwargs = columns_taken(functions)
     columns.refuse = args.shared_prompt_fields == "refuse"
     if columns.refuse:
-        columns.refuse_shared(named)
-        what = "; ".join([*(["--reward_fn functions that take **kwargs get the first such row's"] if any_kwargs else []),
+        columns.refuse_shared(read)
+        what = "; ".join([*(["functions that take **kwargs get the first such row's"] if any_kwargs else []),
                           *(["an --env that reads one of them stops the run"] if args.env else [])])
     else:
-        what = "--reward_fn functions and --env get the first such row's fields"
+        what = "reward and judge functions and --env get the first such row's fields"
     notice = columns.shared_notice(what) if what else None
     if notice is not None:
         print_rank_0(notice, rank)
@@ -238,10 +239,11 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         print_rank_0(line, ctx.rank)
     prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank,
                                                                    settings.num_generations)
+    readers = [*mix.functions, *(judge.fn for judge in judges if judge.fn is not None)]  # of the dataset's columns
     columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
-                                   tokenizer) if mix.functions or args.env else None)
+                                   tokenizer) if readers or args.env else None)
     if columns is not None:
-        check_shared_prompts(columns, args, mix.functions, ctx.rank)
+        check_shared_prompts(columns, args, readers, ctx.rank)
     eval_items = heldout_prompt_items(args, tokenizer, ctx.local_rank) if args.eval_interval else []
 
     # ---------------------------------------------------------------- engines and trainer
