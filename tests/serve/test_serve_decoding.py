@@ -163,11 +163,10 @@ def _serving(app) -> Iterator[str]:
         sock.close()
 
 
-@pytest.mark.parametrize("engine_name", ["dschat", "loop"])
-def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_server_goes_on(llama, engine_name,
-                                                                                          monkeypatch):
-    # Each decoding step of this test takes at least 20 ms, so a row that were decoded to its end (400
-    # tokens, tiny-llama writes no EOS for this prompt) would take 8 s: far longer than the disconnect.
+def _slow_steps(monkeypatch) -> list:
+    """Each decoding step takes at least 20 ms, so a row decoded to its end (400 tokens, tiny-llama
+    writes no EOS for these prompts) would take 8 s: far longer than a disconnect. Returns the
+    followers of the steps taken, in order."""
     step, steps = RowFollower.__call__, []
 
     def slow_step(self, token: torch.Tensor) -> torch.Tensor:
@@ -176,19 +175,44 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
         return step(self, token)
 
     monkeypatch.setattr(RowFollower, "__call__", slow_step)
-    decoder = HybridEngineDecoder(llama, 4) if engine_name == "dschat" else LoopDecoder(llama)
-    batcher = Batcher(decoder, max_batch_size=4, max_wait_s=0.005)
+    return steps
+
+
+def _watched(batcher: Batcher, monkeypatch) -> tuple[list[Job], list[Done]]:
+    """The jobs ``batcher`` is given and how each ends, as the test sees them."""
     jobs: list[Job] = []
     ends: list[Done] = []
     submit = batcher.submit
 
-    def watched(job: Job) -> None:  # the test sees how each job ends
+    def watched(job: Job) -> None:
         emit = job.emit
         job.emit = lambda event: (ends.append(event) if isinstance(event, Done) else None, emit(event))[1]
         jobs.append(job)
         submit(job)
 
     monkeypatch.setattr(batcher, "submit", watched)
+    return jobs, ends
+
+
+def _ended_early_and_the_server_goes_on(url: str, ends: list[Done], headers: dict[str, str]) -> None:
+    deadline = time.monotonic() + 60
+    while not ends:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 100, ends[0]
+    reply = requests.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[1],
+                                                         "max_tokens": 5, "temperature": 0}, timeout=60,
+                          headers=headers)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+
+
+@pytest.mark.parametrize("engine_name", ["dschat", "loop"])
+def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_server_goes_on(llama, engine_name,
+                                                                                          monkeypatch):
+    steps = _slow_steps(monkeypatch)
+    decoder = HybridEngineDecoder(llama, 4) if engine_name == "dschat" else LoopDecoder(llama)
+    batcher = Batcher(decoder, max_batch_size=4, max_wait_s=0.005)
+    jobs, ends = _watched(batcher, monkeypatch)
     key = "k3y" if engine_name == "loop" else None  # the API key's gate passes the stream and its end through
     auth = {"Authorization": f"Bearer {key}"} if key else {}
     with _serving(build_actor_app(llama, batcher, api_key=key)) as url:
@@ -205,40 +229,17 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
                 assert chunk, received
                 received += chunk
         assert len(jobs) == 1
-        deadline = time.monotonic() + 60
-        while not ends:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 100, ends[0]
-        reply = requests.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[1],
-                                                             "max_tokens": 5, "temperature": 0}, timeout=60,
-                              headers=auth)
-        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        _ended_early_and_the_server_goes_on(url, ends, auth)
     assert batcher.batch_sizes == [1, 1]
     assert sum(follower is steps[0] for follower in steps) < 100  # the first batch stopped decoding, too
 
 
 def test_a_client_that_disconnects_before_its_answer_that_is_not_streamed_ends_its_row(llama, monkeypatch):
     """Not streamed: the server asks every 0.25 s whether the client is still there; a gone client's
-    row stops decoding (400 tokens at >= 20 ms each would take 8 s)."""
-    step, steps = RowFollower.__call__, []
-
-    def slow_step(self, token: torch.Tensor) -> torch.Tensor:
-        steps.append(self)
-        time.sleep(0.02)
-        return step(self, token)
-
-    monkeypatch.setattr(RowFollower, "__call__", slow_step)
+    row stops decoding."""
+    steps = _slow_steps(monkeypatch)
     batcher = Batcher(LoopDecoder(llama), max_batch_size=4, max_wait_s=0.005)
-    ends: list[Done] = []
-    submit = batcher.submit
-
-    def watched(job: Job) -> None:
-        emit = job.emit
-        job.emit = lambda event: (ends.append(event) if isinstance(event, Done) else None, emit(event))[1]
-        submit(job)
-
-    monkeypatch.setattr(batcher, "submit", watched)
+    _, ends = _watched(batcher, monkeypatch)
     with _serving(build_actor_app(llama, batcher)) as url:
         body = json.dumps({"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}).encode()
         with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60) as client:
@@ -248,14 +249,7 @@ def test_a_client_that_disconnects_before_its_answer_that_is_not_streamed_ends_i
             while len(steps) < 5:  # decoding has begun
                 assert time.monotonic() < deadline
                 time.sleep(0.02)
-        deadline = time.monotonic() + 60
-        while not ends:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 100, ends[0]
-        reply = requests.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[1],
-                                                             "max_tokens": 5, "temperature": 0}, timeout=60)
-        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 5
+        _ended_early_and_the_server_goes_on(url, ends, {})
 
 
 def test_an_api_key_guards_every_actor_route_but_health(llama):
