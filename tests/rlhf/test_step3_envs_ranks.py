@@ -101,10 +101,15 @@ def counted(self, name, *args, **kwargs):
 
 
 ScoringPasses.token_log_probs = counted
+reward_prompts = []  # --reward_url: the prompts of each request this rank sent
+from dschat.remote_reward import RemoteReward
+post = RemoteReward._post
+RemoteReward._post = lambda self, payload: (reward_prompts.extend(payload["prompts"]), post(self, payload))[1]
 runs = []
 code = cli_main(lambda args: runs.append(step3_main().main(args)), argv)
 if code == 0:
-    records = {"history": runs[0].history, "evaluations": runs[0].evaluations, "actor_scorings": len(actor_scorings)}
+    records = {"history": runs[0].history, "evaluations": runs[0].evaluations, "actor_scorings": len(actor_scorings),
+               "reward_prompts": reward_prompts}
     (folder / f"records{rank}.json").write_text(json.dumps(records, default=str))
 sys.exit(code)
 '''
