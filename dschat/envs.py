@@ -244,40 +244,52 @@ def render_observation(observation: Observation, tokenizer: Any) -> str:
     With a chat template that renders the observation's role (``"user"`` for a plain string): the
     template's end of the assistant turn, the observation as a message, and the generation prompt
     of the next assistant turn, so ``prompt + answer + render(obs) + ...`` is what the template makes
-    of the whole conversation. Without a chat template, or one that refuses or drops that role: the
-    observation's text as it is. None: ``""``.
+    of the whole conversation (a template that trims or otherwise changes the content included: the
+    rendering is recognised by the markup around it, :func:`observation_markup`). Without a chat
+    template, or one that refuses or drops that role: the observation's text as it is. None: ``""``.
     """
     if observation is None:
         return ""
-    if isinstance(observation, str):
-        message = {"role": "user", "content": observation}
-    else:
-        message = {"role": observation["role"], "content": observation["content"]}
-    if not getattr(tokenizer, "chat_template", None):
+    message = ({"role": "user", "content": observation} if isinstance(observation, str)
+               else {"role": observation["role"], "content": observation["content"]})
+    markup = observation_markup(observation, tokenizer)
+    text = _after_answer(message, tokenizer) if markup is not None else None
+    if text is None or not _framed(text, *markup):
         return message["content"]
-    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}, message]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-    except Exception:  # noqa: BLE001 -- jinja's TemplateError (raise_exception) and the like: role refused
-        return message["content"]
-    if not isinstance(text, str) or _SENTINEL not in text:
-        return message["content"]
-    after = text.rsplit(_SENTINEL, 1)[1]
-    return after if message["content"] in after else message["content"]
+    return text
 
 
 _CONTENT = "\x00dschat-observation\x00"
 
 
 def observation_markup(observation: Observation, tokenizer: Any) -> tuple[str, str] | None:
-    """What :func:`render_observation` puts before and after ``observation``'s content (both ``""``
-    without a chat template), found by rendering a placeholder in its place; None for no observation,
-    or when the placeholder does not come back once as it was."""
-    if observation is None:
+    """The text the chat template puts before and after an observation's content (the end of the
+    assistant turn, the message's head; the message's end, the next generation prompt), found by
+    rendering a placeholder in the content's place. None for no observation, no chat template, or
+    a template that refuses or drops the observation's role."""
+    if observation is None or not getattr(tokenizer, "chat_template", None):
         return None
     role = "user" if isinstance(observation, str) else observation["role"]
-    frame = render_observation({"role": role, "content": _CONTENT}, tokenizer)
-    if frame.count(_CONTENT) != 1:
+    frame = _after_answer({"role": role, "content": _CONTENT}, tokenizer)
+    if frame is None or frame.count(_CONTENT) != 1:
         return None
     before, _, after = frame.partition(_CONTENT)
     return before, after
+
+
+def _after_answer(message: dict[str, str], tokenizer: Any) -> str | None:
+    """What the chat template renders after an assistant answer for ``message`` and the next generation
+    prompt; None when the template refuses the message (jinja's ``raise_exception`` and the like)."""
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": _SENTINEL}, message]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 -- a template's refusal of the role
+        return None
+    if not isinstance(text, str) or _SENTINEL not in text:
+        return None
+    return text.rsplit(_SENTINEL, 1)[1]
+
+
+def _framed(text: str, before: str, after: str) -> bool:
+    """Whether ``text`` is ``before``, then something, then ``after``."""
+    return text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text)

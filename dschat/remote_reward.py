@@ -155,6 +155,13 @@ class RemoteReward:
                             "reward server on a free port (python -m dschat.serve FOLDER --port 0 prints it) and "
                             "pass its URL")
 
+    def _unauthorized(self) -> str:
+        """The fix for an HTTP 401: the key to set, or why it was not sent."""
+        if self.api_key is None and os.environ.get(API_KEY_ENV):
+            return (f"{API_KEY_ENV} is set but not sent to a plain http:// URL of another host (it would cross the "
+                    "network in clear); reach the server through an SSH tunnel (a loopback URL) or https://")
+        return f"set {API_KEY_ENV} to the server's API key"
+
     def session(self) -> requests.Session:
         """The one kept-alive session, made on first use."""
         with self._lock:
@@ -227,7 +234,7 @@ class RemoteReward:
             raise _Retryable(f"HTTP {reply.status_code} {_short(reply.text)}")
         if reply.status_code != 200:
             raise UserError(f"--reward_url {self.shown} answered HTTP {reply.status_code} {_short(reply.text)}; "
-                            + (f"set {API_KEY_ENV} to the server's API key" if reply.status_code == 401 else
+                            + (self._unauthorized() if reply.status_code == 401 else
                                "check the URL (a dschat server's route is /get_reward)"))
         return self._rewards(reply, len(payload["query"]))
 

@@ -178,11 +178,11 @@ _ABSENT = object()
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether two field values are equal (two float NaNs are; values whose comparison is not a plain
-    bool count as different)."""
-    if isinstance(a, float) and isinstance(b, float) and a != a and b != b:
-        return True
+    """Whether two field values are equal (two NaNs are; values whose comparison is not a plain bool,
+    such as arrays, count as different)."""
+    if a is _ABSENT or b is _ABSENT:
+        return a is b
     try:
-        return bool(a == b) if a is not _ABSENT and b is not _ABSENT else a is b
+        return bool(a == b) or (bool(a != a) and bool(b != b))  # x != x: NaN
     except Exception:  # noqa: BLE001 -- e.g. arrays, whose == is elementwise
         return False

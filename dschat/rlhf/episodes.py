@@ -146,19 +146,19 @@ class EpisodePlayer:
         """``text`` (``observation`` rendered) as token ids. Where the observation's content holds the
         text of a special token (a tool's output quoting chat markup, an EOS), the content is
         tokenised as plain text between the template's markup before and after it
-        (:func:`~dschat.envs.observation_markup`), so it cannot forge a turn or end one; other text is
-        tokenised whole, as the chat template would be, and so is the whole text of a template that
-        changes the content (its markup cannot be told from it)."""
+        (:func:`~dschat.envs.observation_markup`), so it cannot forge a turn or end one; text without
+        markup around it (no chat template, a role the template drops) is then all plain text. Other
+        observations are tokenised whole, as the chat template would be."""
         tokenizer = self.tokenizer
         content = observation if isinstance(observation, str) else observation["content"]
-        markup = observation_markup(observation, tokenizer) if any(s in content for s in self._specials) else None
-        if markup is not None:
-            before, after = markup
-            if text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text):
-                pieces = [(before, False), (text[len(before):len(text) - len(after)], True), (after, False)]
-                return [token for piece, plain in pieces if piece
-                        for token in tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
-        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not any(special in content for special in self._specials):
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        before, after = observation_markup(observation, tokenizer) or ("", "")
+        if not (text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text)):
+            before = after = ""  # render_observation gave the bare content
+        pieces = [(before, False), (text[len(before):len(text) - len(after)], True), (after, False)]
+        return [token for piece, plain in pieces if piece
+                for token in tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
 
     def play(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[Mapping[str, Any]],
              row_ids: Sequence[int] | None = None) -> Episodes:

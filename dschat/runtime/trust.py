@@ -20,6 +20,7 @@ import ipaddress
 import os
 import pwd
 import stat
+import sys
 from pathlib import Path
 from typing import Sequence
 from urllib.parse import urlsplit, urlunsplit
@@ -217,10 +218,14 @@ def listener_owners(port: int, tables: Sequence[str] = ("/proc/net/tcp", "/proc/
 
 
 def _reached_from_loopback(address: str) -> bool:
-    """Whether a socket bound to ``address`` (the kernel's hex: 32-bit words in host order, assumed
-    little-endian) takes connections to a loopback address."""
-    raw = b"".join(bytes.fromhex(address[i:i + 8])[::-1] for i in range(0, len(address), 8))
-    ip = ipaddress.ip_address(raw)
+    """Whether a socket bound to ``address`` (the kernel's hex: 32-bit words in this machine's byte
+    order) takes connections to a loopback address; an address that cannot be read counts as one
+    (the owner check stays strict)."""
+    try:
+        words = [bytes.fromhex(address[i:i + 8]) for i in range(0, len(address), 8)]
+        ip = ipaddress.ip_address(b"".join(w[::-1] if sys.byteorder == "little" else w for w in words))
+    except ValueError:
+        return True
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
     return ip.is_loopback or ip.is_unspecified

@@ -114,3 +114,14 @@ def test_step3_refuses_a_function_naming_a_shared_field_before_any_model(capsys,
     monkeypatch.setattr(DeepSpeedRLHFEngine, "__init__", no_engines)
     line = refused_in_process(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, *flags), capsys)
     assert "rows whose 'chosen' differ" in line and "make each prompt distinct" in line
+
+
+def test_field_values_are_the_same_when_equal_or_both_nan():
+    import numpy as np
+
+    from dschat.data.prompt_columns import _ABSENT, _same
+    assert _same(1, 1.0) and _same("a", "a") and _same(float("nan"), float("nan"))
+    assert _same(np.float32("nan"), float("nan")) and _same([1, 2], [1, 2])
+    assert not _same(1, 2) and not _same(float("nan"), 1.0) and not _same(None, 0)
+    assert not _same(np.array([1, 2]), np.array([1, 2]))  # no plain bool: counted as different
+    assert _same(_ABSENT, _ABSENT) and not _same(_ABSENT, None)

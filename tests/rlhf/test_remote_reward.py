@@ -263,6 +263,12 @@ def test_the_api_key_is_not_sent_in_clear_to_another_host(monkeypatch):
     assert RemoteReward("http://localhost:5000/get_reward").api_key == "k3y"
     assert plain_http_warning("http://10.0.0.5:5000/get_reward").endswith(
         f"unencrypted ({API_KEY_ENV} is not sent over it); use https:// or a loopback address")
+    with RewardServer([status(401)]) as server:  # the same line a withheld key would get from another host
+        client = _client(server.url)
+        client.api_key = None
+        with pytest.raises(UserError, match=f"{API_KEY_ENV} is set but not sent to a plain http:// URL of another "
+                                            "host .* SSH tunnel"):
+            client(PROMPTS[:1], ANSWERS[:1])
 
 
 def test_the_api_key_is_sent_as_a_bearer_token_and_a_401_names_the_variable(monkeypatch):
