@@ -20,10 +20,12 @@ client sends for its ``api_key``, and step 3's ``--reward_url`` client when the 
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 from typing import Any, Callable
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -70,12 +72,18 @@ class RewardReply(BaseModel):
 
 
 def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
-    """``POST /get_reward`` scored by ``scorer`` (a sync route: FastAPI runs it in its thread pool, so
-    the event loop keeps answering ``/health`` while a batch is scored)."""
+    """``POST /get_reward`` scored by ``scorer``, one request at a time: requests wait their turn on the
+    event loop (which keeps answering ``/health``), a request whose client has gone away by its turn
+    is not scored (a client that timed out and retried does not make the queue longer), and the
+    scoring runs in a worker thread."""
+    turn = asyncio.Lock()
 
     @app.post("/get_reward", response_model=RewardReply)
-    def get_reward(request: RewardRequest) -> RewardReply:
-        return RewardReply(rewards=scorer.score(request.query))
+    async def get_reward(request: RewardRequest, client: Request) -> Any:
+        async with turn:
+            if await client.is_disconnected():
+                return JSONResponse({"detail": "the client went away before its turn"}, status_code=499)
+            return RewardReply(rewards=await run_in_threadpool(scorer.score, request.query))
 
 
 def build_app(reward: RewardScorer, api_key: str | None = None) -> FastAPI:

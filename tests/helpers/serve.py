@@ -9,12 +9,14 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import requests
 import torch
+import uvicorn
 
 from dschat.eval.scoring import load_reward
+from dschat.serve.cli import bind
 
 from helpers import PYTHON, REPO
 from helpers.step3 import subprocess_env
@@ -78,6 +80,25 @@ def served_model(folder: Path | str, *extra: str, start_timeout: float = 300.0,
 
 
 served_reward_model = served_model
+
+
+@contextlib.contextmanager
+def serving_in_process(app: Any) -> Iterator[str]:
+    """``app`` served by uvicorn on a free loopback port, in a thread of this process."""
+    sock = bind("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
 
 
 def own_scores(folder: Path, texts: Sequence[str], max_len: int | None = None) -> list[float]:

@@ -4,16 +4,21 @@ get a 4xx JSON answer and the server goes on; a busy port and a folder that is n
 exit 2. An actor served: tests/serve/test_serve_actor.py."""
 from __future__ import annotations
 
+import json
 import socket
+import threading
+import time
 
 import pytest
 import requests
 import torch
 from dschat.errors import EXIT_USAGE, UserError
 from dschat.remote_reward import API_KEY_ENV, RemoteReward
+from dschat.serve.app import build_app
 from dschat.serve.cli import main as serve_main
+from dschat.serve.reward_scorer import load_reward_scorer
 
-from helpers.serve import own_scores, served_reward_model
+from helpers.serve import own_scores, served_reward_model, serving_in_process
 from helpers.step3 import make_critic_folder
 
 TEXTS = ["Human: What is 2 + 2? Assistant: 4", "Human: hi Assistant: hello there, how are you today?",
@@ -86,6 +91,42 @@ def test_a_bad_request_gets_a_4xx_json_answer_and_the_server_goes_on(server, met
     ok = requests.post(server.reward_url, json={"query": TEXTS[:2]}, timeout=60)
     assert ok.status_code == 200 and len(ok.json()["rewards"]) == 2
     assert server.proc.poll() is None
+
+
+def test_a_request_whose_client_left_before_its_turn_is_not_scored(reward_folder, monkeypatch):
+    """Requests are scored one at a time; one whose client closed while another was being scored
+    is skipped at its turn (a client that timed out and retried does not lengthen the queue)."""
+    scorer = load_reward_scorer(reward_folder, device="cpu", batch_size=4)
+    scored: list[list[str]] = []
+    hold = threading.Event()
+    score = scorer.score
+
+    def held_first(texts):
+        scored.append(list(texts))
+        if len(scored) == 1:
+            hold.wait(30)  # the first request keeps the turn until the test lets it go
+        return score(texts)
+
+    monkeypatch.setattr(scorer, "score", held_first)
+    replies: list[requests.Response] = []
+    with serving_in_process(build_app(scorer)) as url:
+        first = threading.Thread(target=lambda: replies.append(
+            requests.post(url + "/get_reward", json={"query": TEXTS[:1]}, timeout=60)))
+        first.start()
+        deadline = time.monotonic() + 30
+        while not scored:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        body = json.dumps({"query": TEXTS[1:2]}).encode()
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=30) as gone:
+            gone.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            time.sleep(1.0)  # it reaches the route and waits for its turn
+        hold.set()
+        first.join(60)
+        later = requests.post(url + "/get_reward", json={"query": TEXTS[2:3]}, timeout=60)
+    assert replies[0].status_code == 200 and later.status_code == 200
+    assert scored == [TEXTS[:1], TEXTS[2:3]]  # the gone client's text was never scored
 
 
 def test_a_text_longer_than_max_seq_len_is_cut(reward_folder):

@@ -5,17 +5,13 @@ within the model's positions; a client that disconnects mid-stream ends its row'
 server goes on (a real uvicorn server on a socket, in this process, so the test sees the worker)."""
 from __future__ import annotations
 
-import contextlib
 import json
 import socket
-import threading
 import time
-from typing import Iterator
 
 import pytest
 import requests
 import torch
-import uvicorn
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
 from dschat.errors import UserError
@@ -26,7 +22,9 @@ from dschat.rlhf.rollout.sampling import DecodingSettings
 from dschat.serve.actor import (Batcher, Delta, Done, Failed, HybridEngineDecoder, Job, LoopDecoder, RowFollower,
                                 load_actor_engine, pick_decoder, start_batcher)
 from dschat.serve.app import build_actor_app
-from dschat.serve.cli import bind, main
+from dschat.serve.cli import main
+
+from helpers.serve import serving_in_process
 
 GREEDY = DecodingSettings(decoding="greedy")
 PROMPTS = ["Hello there, how are", "The capital of France is", "x"]
@@ -144,25 +142,6 @@ def test_a_long_prompt_and_a_long_answer_are_not_batched_past_the_models_positio
 # ------------------------------------------------------------------------------------------------
 # A client that goes away
 # ------------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _serving(app) -> Iterator[str]:
-    """``app`` served by uvicorn on a free loopback port, in a thread of this process."""
-    sock = bind("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive()
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
 def _slow_steps(monkeypatch) -> list:
     """Each decoding step takes at least 20 ms, so a row decoded to its end (400 tokens, tiny-llama
     writes no EOS for these prompts) would take 8 s: far longer than a disconnect. Returns the
@@ -215,7 +194,7 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
     jobs, ends = _watched(batcher, monkeypatch)
     key = "k3y" if engine_name == "loop" else None  # the API key's gate passes the stream and its end through
     auth = {"Authorization": f"Bearer {key}"} if key else {}
-    with _serving(build_actor_app(llama, batcher, api_key=key)) as url:
+    with serving_in_process(build_actor_app(llama, batcher, api_key=key)) as url:
         body = json.dumps({"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0,
                            "stream": True}).encode()
         port = int(url.rsplit(":", 1)[1])
@@ -240,7 +219,7 @@ def test_a_client_that_disconnects_before_its_answer_that_is_not_streamed_ends_i
     steps = _slow_steps(monkeypatch)
     batcher = Batcher(LoopDecoder(llama), max_batch_size=4, max_wait_s=0.005)
     _, ends = _watched(batcher, monkeypatch)
-    with _serving(build_actor_app(llama, batcher)) as url:
+    with serving_in_process(build_actor_app(llama, batcher)) as url:
         body = json.dumps({"model": "tiny-llama", "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0}).encode()
         with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])), timeout=60) as client:
             client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -256,7 +235,7 @@ def test_an_api_key_guards_every_actor_route_but_health(llama):
     """``DSCHAT_SERVE_API_KEY``: 401 with OpenAI's error body without ``Authorization: Bearer <key>``
     or with another key; /health stays open; the right key is served."""
     batcher = Batcher(LoopDecoder(llama), max_batch_size=4, max_wait_s=0.005)
-    with _serving(build_actor_app(llama, batcher, api_key="k3y")) as url:
+    with serving_in_process(build_actor_app(llama, batcher, api_key="k3y")) as url:
         ask = {"model": "tiny-llama", "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
         for headers in ({}, {"Authorization": "Bearer other"}, {"Authorization": "k3y"}):
             for reply in (requests.get(url + "/v1/models", headers=headers, timeout=30),
