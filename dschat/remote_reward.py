@@ -22,10 +22,10 @@ rewards, a reward that is not a finite number).
 
 With ``DSCHAT_SERVE_API_KEY`` set (:data:`API_KEY_ENV`, the key ``python -m dschat.serve`` then
 requires) every request to a loopback or ``https://`` URL carries ``Authorization: Bearer <key>``
-(never one in clear to another host). Before each call to a loopback URL the
-owners of the sockets listening on its port (at a loopback address or at every address) are read
-from ``/proc/net/tcp`` and ``tcp6`` (Linux): a server of another account on this machine is refused
-with one line, before any prompt or key is sent to it. Lines and names show the URL without its user, password and query
+(never one in clear to another host). Before each call to a loopback URL the owners of the sockets
+listening on its port (at a loopback address or at every address) are read from ``/proc/net/tcp``
+and ``tcp6`` (Linux): a server of another account on this machine is refused with one line, before
+any prompt or key is sent to it. Lines and names show the URL without its user, password and query
 (:func:`~dschat.runtime.trust.shown_url`).
 
 Nothing here talks to the network until the object is called.
