@@ -125,3 +125,20 @@ def test_field_values_are_the_same_when_equal_or_both_nan():
     assert not _same(1, 2) and not _same(float("nan"), 1.0) and not _same(None, 0)
     assert not _same(np.array([1, 2]), np.array([1, 2]))  # no plain bool: counted as different
     assert _same(_ABSENT, _ABSENT) and not _same(_ABSENT, None)
+
+
+def test_the_evaluation_built_without_step3s_main_refuses_a_judge_reading_a_shared_field(tmp_path, tok):
+    """StepThreeEvaluation from Python, with a trainer that has no columns: it loads them itself and
+    refuses the same judge step 3's main refuses."""
+    from types import SimpleNamespace
+
+    from dschat.rlhf.heldout import evaluation as ev
+    from dschat.rlhf.heldout.setup import Judge
+    args = SimpleNamespace(eval_interval=1, data_path=["dschat/builtin"], data_split="2,4,4", seed=1234,
+                           data_output_path=str(tmp_path), local_rank=-1, output_dir=None)
+    trainer = SimpleNamespace(prompt_columns=None, tokenizer=tok, device="cpu",
+                              rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
+    with pytest.raises(UserError, match="rows whose 'chosen' differ"):
+        ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=load_reward_function("reward_fixtures:chosen_overlap"))])
+    gold = Judge("gold", fn=load_reward_function("dschat.rewards:gold"))  # reads no column
+    assert ev.StepThreeEvaluation(args, trainer, [], [gold]).enabled

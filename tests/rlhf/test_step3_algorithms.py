@@ -180,6 +180,8 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
             assert math.isfinite(record[key]), (key, record)
         assert math.isnan(record["critic_loss"]) and math.isnan(record["value_explained_variance"])
     assert f"algorithm {algorithm}:" in logs and "no critic" in logs
+    if "dschat.rewards:gold" in extra:  # gold reads no column (columns_read): no note on shared prompts
+        assert "several rows share" not in logs
     # No critic engine, built, checkpointed or saved; the reward model only when it scores.
     assert result.rlhf_engine.critic is None and "Initializing Critic" not in logs
     assert (result.rlhf_engine.reward is not None) == with_rm

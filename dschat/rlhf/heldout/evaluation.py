@@ -65,6 +65,7 @@ from dschat.eval.metrics_file import EVAL_KIND
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
+from dschat.rewards import columns_taken
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
@@ -184,8 +185,11 @@ class StepThreeEvaluation:
             return
         self._columns = trainer.prompt_columns
         if self._columns is None and any(j.fn is not None for j in self.judges):
+            # Step 3's main loads the columns (and refuses a judge reading a field that rows sharing a
+            # prompt differ in); a caller without them gets that refusal here.
             self._columns = load_prompt_columns(config.data_path, config.data_split, config.seed,
                                                 config.data_output_path, config.local_rank, trainer.tokenizer)
+            self._columns.refuse_shared(columns_taken(j.fn for j in self.judges if j.fn is not None)[0])
         for judge in self.judges:
             if judge.folder is not None:
                 self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
