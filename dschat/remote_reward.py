@@ -32,7 +32,6 @@ Nothing here talks to the network until the object is called.
 """
 from __future__ import annotations
 
-import ipaddress
 import json
 import math
 import os
@@ -47,7 +46,7 @@ from requests.adapters import HTTPAdapter
 
 from dschat.errors import UserError
 from dschat.rewards import MATH_REFERENCE_COLUMN, RewardFunction, as_float32
-from dschat.runtime.trust import listener_owners, shown_url
+from dschat.runtime.trust import is_loopback_host, listener_owners, shown_url
 
 __all__ = [
     "RemoteReward",
@@ -86,20 +85,11 @@ def check_reward_url(url: str) -> str:
     return url
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def plain_http_warning(url: str) -> str | None:
     """The start-up warning for a plain ``http://`` URL to a host that is not this machine (the prompts
     and answers cross the network unencrypted), else None."""
     parts = urlsplit(url)
-    if parts.scheme == "http" and not _is_loopback(parts.hostname or ""):
+    if parts.scheme == "http" and not is_loopback_host(parts.hostname or ""):
         unsent = f" ({API_KEY_ENV} is not sent over it)" if os.environ.get(API_KEY_ENV) else ""
         return (f"warning: --reward_url {shown_url(url)} is plain http:// to a host that is not this machine: the prompts "
                 f"and answers cross the network unencrypted{unsent}; use https:// or a loopback address")
@@ -130,7 +120,7 @@ class RemoteReward:
         self.timeout, self.retries, self.chunk_size, self.backoff = float(timeout), int(retries), chunk_size, backoff
         self.shown = shown_url(url)
         parts = urlsplit(url)  # the key goes to this machine or over TLS, never in clear across the network
-        private = parts.scheme == "https" or _is_loopback(parts.hostname or "")
+        private = parts.scheme == "https" or is_loopback_host(parts.hostname or "")
         self.api_key = (os.environ.get(API_KEY_ENV) or None) if private else None
         self._session: requests.Session | None = None
         self._lock = threading.Lock()
@@ -144,7 +134,7 @@ class RemoteReward:
     def check_owner(self) -> None:
         """A loopback URL whose port another account's server listens on: one :class:`UserError` line."""
         parts = urlsplit(self.url)
-        if not _is_loopback(parts.hostname or "") or not hasattr(os, "getuid"):
+        if not is_loopback_host(parts.hostname or "") or not hasattr(os, "getuid"):
             return
         port = parts.port or (443 if parts.scheme == "https" else 80)
         others = sorted(listener_owners(port) - {os.getuid()})

@@ -9,9 +9,10 @@ never read. :func:`make_private_dir` creates folders only their owner can enter 
 :func:`make_trusted_dir` also refuses one that exists and is not the user's own;
 :func:`owned_privately` is the test for leftovers a crash-safe write may adopt.
 
-Beyond files: :func:`listener_owners` reads which accounts' sockets listen on a local TCP port (a
-server on the loopback address that another account started), and :func:`shown_url` is a URL as
-lines and logs may show it (no password, no query).
+Beyond files: :func:`is_loopback_host` tells a host name or address that only this machine reaches,
+:func:`listener_owners` reads which accounts' sockets listen on a local TCP port (a server on the
+loopback address that another account started), and :func:`shown_url` is a URL as lines and logs
+may show it (no password, no query).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ __all__ = [
     "check_trusted",
     "make_private_dir",
     "make_trusted_dir",
+    "is_loopback_host",
     "listener_owners",
     "shown_url",
 ]
@@ -186,6 +188,16 @@ def make_trusted_dir(path: str | os.PathLike, what: str, fix: str, not_a_folder_
         raise UserError(f"{what} {path} is not a folder; {not_a_folder_fix or fix}")
     check_trusted(target, what, fix)
     return target
+
+
+def is_loopback_host(host: str) -> bool:
+    """Whether ``host`` (a name or an address) is this machine's loopback: ``localhost``, 127.0.0.0/8, ::1."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def shown_url(url: str) -> str:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import ipaddress
 import os
 import socket
 import sys
@@ -30,6 +29,7 @@ from dschat.eval.scoring import check_reward_folder
 from dschat.models.registry import load_config
 from dschat.models.reward_model import is_reward_model_folder
 from dschat.remote_reward import API_KEY_ENV
+from dschat.runtime.trust import is_loopback_host
 
 try:  # the serve extra: pip install 'dschat[serve]'
     import uvicorn
@@ -82,13 +82,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log_level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default info: one access line per request).")
     return parser
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def check_device(spec: str) -> None:
@@ -157,7 +150,7 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"--max_seq_len must be >= 1, got {args.max_seq_len}")
     check_device(args.device)
     api_key = os.environ.get(API_KEY_ENV) or None
-    if not _is_loopback(args.host):
+    if not is_loopback_host(args.host):
         print(f"warning: --host {args.host} serves beyond this machine without TLS"
               + ("" if api_key else f" and without an API key ({API_KEY_ENV}): anyone who reaches the port can use "
                  "the model"), file=sys.stderr, flush=True)
