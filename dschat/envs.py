@@ -41,7 +41,7 @@ from dschat.errors import UserError
 from dschat.rewards import CallTimedOut, PendingCall, as_float32, load_callable
 
 __all__ = ["Observation", "StepResult", "EpisodeState", "EnvironmentFactory", "EpisodeBatch",
-           "load_environment", "render_observation", "observation_markup", "OBSERVATION_ROLES"]
+           "load_environment", "render_observation", "observation_parts", "OBSERVATION_ROLES"]
 
 #: The roles an observation's chat message may take.
 OBSERVATION_ROLES = ("user", "tool")
@@ -245,36 +245,37 @@ def render_observation(observation: Observation, tokenizer: Any) -> str:
     template's end of the assistant turn, the observation as a message, and the generation prompt
     of the next assistant turn, so ``prompt + answer + render(obs) + ...`` is what the template makes
     of the whole conversation (a template that trims or otherwise changes the content included: the
-    rendering is recognised by the markup around it, :func:`observation_markup`). Without a chat
-    template, or one that refuses or drops that role: the observation's text as it is. None: ``""``.
+    rendering is recognised by the markup around it). Without a chat template, or one that refuses
+    or drops that role: the observation's text as it is. None: ``""``. Its parts:
+    :func:`observation_parts`.
     """
+    return "".join(observation_parts(observation, tokenizer))
+
+
+def observation_parts(observation: Observation, tokenizer: Any) -> tuple[str, str, str]:
+    """:func:`render_observation`'s text in three parts: the template's markup before the content (the
+    end of the assistant turn, the message's head), the content as the template rendered it, and the
+    markup after it (the message's end, the next generation prompt). The markup is found by rendering
+    a placeholder in the content's place; ``("", content, "")`` without a chat template, or with one
+    that refuses or drops the role. None: ``("", "", "")``."""
     if observation is None:
-        return ""
+        return "", "", ""
     message = ({"role": "user", "content": observation} if isinstance(observation, str)
                else {"role": observation["role"], "content": observation["content"]})
-    markup = observation_markup(observation, tokenizer)
-    text = _after_answer(message, tokenizer) if markup is not None else None
-    if text is None or not _framed(text, *markup):
-        return message["content"]
-    return text
+    bare = ("", message["content"], "")
+    if not getattr(tokenizer, "chat_template", None):
+        return bare
+    frame = _after_answer({"role": message["role"], "content": _CONTENT}, tokenizer)
+    text = _after_answer(message, tokenizer)
+    if frame is None or frame.count(_CONTENT) != 1 or text is None:
+        return bare
+    before, _, after = frame.partition(_CONTENT)
+    if not (text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text)):
+        return bare
+    return before, text[len(before):len(text) - len(after)], after
 
 
 _CONTENT = "\x00dschat-observation\x00"
-
-
-def observation_markup(observation: Observation, tokenizer: Any) -> tuple[str, str] | None:
-    """The text the chat template puts before and after an observation's content (the end of the
-    assistant turn, the message's head; the message's end, the next generation prompt), found by
-    rendering a placeholder in the content's place. None for no observation, no chat template, or
-    a template that refuses or drops the observation's role."""
-    if observation is None or not getattr(tokenizer, "chat_template", None):
-        return None
-    role = "user" if isinstance(observation, str) else observation["role"]
-    frame = _after_answer({"role": role, "content": _CONTENT}, tokenizer)
-    if frame is None or frame.count(_CONTENT) != 1:
-        return None
-    before, _, after = frame.partition(_CONTENT)
-    return before, after
 
 
 def _after_answer(message: dict[str, str], tokenizer: Any) -> str | None:
@@ -288,8 +289,3 @@ def _after_answer(message: dict[str, str], tokenizer: Any) -> str | None:
     if not isinstance(text, str) or _SENTINEL not in text:
         return None
     return text.rsplit(_SENTINEL, 1)[1]
-
-
-def _framed(text: str, before: str, after: str) -> bool:
-    """Whether ``text`` is ``before``, then something, then ``after``."""
-    return text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text)

@@ -46,7 +46,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from dschat.envs import EnvironmentFactory, EpisodeBatch, observation_markup, render_observation
+from dschat.envs import EnvironmentFactory, EpisodeBatch, observation_parts
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.rollout.conversation import Conversation
@@ -133,32 +133,24 @@ class EpisodePlayer:
 
     def observation_ids(self, observation: Any, actor_ended: bool) -> list[int]:
         """The token ids appended for ``observation`` after an actor turn (``actor_ended``: the turn's
-        last token is EOS, and a leading EOS of the rendered observation is then left out)."""
-        text = render_observation(observation, self.tokenizer)
-        if not text:
+        last token is EOS, and a leading EOS of the rendered observation is then left out).
+
+        The rendered text (:func:`~dschat.envs.observation_parts`) is tokenised whole, as the chat
+        template would be; but where the observation's content holds the text of a special token (a
+        tool's output quoting chat markup, an EOS), the content is tokenised as plain text between
+        the template's markup before and after it, so it cannot forge a turn or end one."""
+        before, content, after = observation_parts(observation, self.tokenizer)
+        if not (before or content or after):
             return []
-        ids = self._tokenize(observation, text)
+        if any(special in content for special in self._specials):
+            pieces = [(before, False), (content, True), (after, False)]
+            ids = [token for piece, plain in pieces if piece for token in
+                   self.tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
+        else:
+            ids = list(self.tokenizer(before + content + after, add_special_tokens=False)["input_ids"])
         if actor_ended and ids and ids[0] == self.eos:
             ids = ids[1:]
         return ids
-
-    def _tokenize(self, observation: Any, text: str) -> list[int]:
-        """``text`` (``observation`` rendered) as token ids. Where the observation's content holds the
-        text of a special token (a tool's output quoting chat markup, an EOS), the content is
-        tokenised as plain text between the template's markup before and after it
-        (:func:`~dschat.envs.observation_markup`), so it cannot forge a turn or end one; text without
-        markup around it (no chat template, a role the template drops) is then all plain text. Other
-        observations are tokenised whole, as the chat template would be."""
-        tokenizer = self.tokenizer
-        content = observation if isinstance(observation, str) else observation["content"]
-        if not any(special in content for special in self._specials):
-            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-        before, after = observation_markup(observation, tokenizer) or ("", "")
-        if not (text.startswith(before) and text.endswith(after) and len(before) + len(after) <= len(text)):
-            before = after = ""  # render_observation gave the bare content
-        pieces = [(before, False), (text[len(before):len(text) - len(after)], True), (after, False)]
-        return [token for piece, plain in pieces if piece
-                for token in tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
 
     def play(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[Mapping[str, Any]],
              row_ids: Sequence[int] | None = None) -> Episodes:
