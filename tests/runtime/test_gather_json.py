@@ -56,6 +56,7 @@ except (OSError, RuntimeError) as err:
     result["other"] = f"{type(err).__name__}: {err}"
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(result, f, allow_nan=True)
+dist.barrier()  # neither rank tears gloo down while the other still talks to it
 dist.destroy_process_group()
 '''
 
