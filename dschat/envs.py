@@ -172,8 +172,8 @@ class EpisodeBatch:
         self.states = [EpisodeState(row=i, max_turns=max_turns) for i in row_ids]
         self.last_seconds = 0.0  # wall time of the latest batch of calls
         self.total_seconds = 0.0  # summed over every batch of calls so far
-        # A copy of each row; a PromptRow's copy keeps its line for a field that rows sharing its prompt differ in.
-        copies = [row.copy() if isinstance(row, dict) else dict(row) for row in rows]
+        # A copy of each row: the factory may keep or change it.
+        copies = [dict(row) for row in rows]
         made = self._run([(lambda r=row: factory.factory(r)) for row in copies], "the factory",
                          [f"on row {s.row}" for s in self.states])
         for env, state in zip(made, self.states):

@@ -125,9 +125,6 @@ class RemoteReward:
         self._session: requests.Session | None = None
         self._lock = threading.Lock()
 
-    #: The only dataset column sent (as ``labels``): what a prompt that rows share must agree on.
-    columns_read = frozenset({LABEL_COLUMN})
-
     def __repr__(self) -> str:
         return f"RemoteReward({self.shown!r})"
 

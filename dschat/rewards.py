@@ -44,7 +44,7 @@ import math
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -53,8 +53,6 @@ from dschat.gold_judge import gold_score
 
 __all__ = [
     "RewardFunction",
-    "columns_taken",
-    "COLUMNS_READ",
     "RewardMix",
     "load_reward_function",
     "load_reward_functions",
@@ -83,9 +81,6 @@ def gold(prompts: list[str], answers: list[str], **_: Any) -> list[float]:
     """The embedded dataset's gold judge (:func:`dschat.gold_judge.gold_score`) per answer, in
     [-4.5, 3.0]. Meaningful only on ``--data_path dschat/builtin``, whose labels it decided."""
     return [gold_score(p, a) for p, a in zip(prompts, answers)]
-
-
-gold.columns_read = frozenset()  # type: ignore[attr-defined]  # takes **_ and reads no column
 
 
 def final_number(text: str) -> str | None:
@@ -122,9 +117,6 @@ def math_exact_match(prompts: list[str], answers: list[str], **columns: Sequence
     return scores
 
 
-math_exact_match.columns_read = frozenset({MATH_REFERENCE_COLUMN})  # type: ignore[attr-defined]
-
-
 # ------------------------------------------------------------------------------------------------
 # Loading and calling
 # ------------------------------------------------------------------------------------------------
@@ -140,29 +132,6 @@ def _accepted_columns(fn: Callable[..., Any]) -> tuple[bool | frozenset[str], fr
         return True, taken
     keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return frozenset(p.name for p in params[2:] if p.kind in keyword), taken
-
-
-#: The attribute by which a function that takes ``**kwargs`` declares the columns it reads.
-COLUMNS_READ = "columns_read"
-
-
-def columns_taken(functions: Iterable["RewardFunction"]) -> tuple[frozenset[str], bool]:
-    """(the columns ``functions`` read, whether any of them takes ``**kwargs`` without saying which it
-    reads). A function reads the columns it names as parameters, or those of its ``columns_read``
-    attribute (a set of names: a ``**kwargs`` function's own account, ``frozenset()`` for none)."""
-    named: set[str] = set()
-    any_kwargs = False
-    for function in functions:
-        declared = getattr(function.fn, COLUMNS_READ, None)
-        if declared is not None:
-            named |= frozenset(declared)
-            continue
-        accepted, _ = _accepted_columns(function.fn)
-        if accepted is True:
-            any_kwargs = True
-        else:
-            named |= accepted
-    return frozenset(named), any_kwargs
 
 
 @dataclass(frozen=True)

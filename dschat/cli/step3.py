@@ -206,13 +206,10 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     group.add_argument("--reward_fn_timeout", type=float, default=600.0, metavar="SECONDS",
                        help="(dschat) Longest one call of a --reward_fn or --eval_judge function may take before the "
                             "run stops with an error naming it (default 600; 0: no limit).")
-    group.add_argument("--shared_prompt_fields", choices=("refuse", "first"), default="refuse",
-                       help="(dschat) A prompt that several dataset rows share, whose other fields differ: its "
-                            "tokens cannot tell which row an answer belongs to. 'refuse' (default): a --reward_fn or "
-                            "--eval_judge function that reads such a field (names it, or in its columns_read), or an "
-                            "--env that reads one, stops the run with one line; 'first': they get the first such "
-                            "row's. Functions taking **kwargs without columns_read get the first row's either way, "
-                            "with a note.")
+    group.add_argument("--shared_prompt_fields", choices=("refuse", "first"), default=None,
+                       help="(dschat) No longer needed, accepted and ignored: every phase-3 prompt carries its "
+                            "dataset row, so reward functions, judges and --env get their own row's fields also "
+                            "where several rows share a prompt.")
     group.add_argument("--reward_model_weight", type=float, default=None,
                        help="(dschat) Reward model's weight in the reward. Default: 1.0 without --reward_fn, 0 (not "
                             "loaded) with it or --reward_url; give it to combine both.")

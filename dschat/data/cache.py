@@ -44,7 +44,7 @@ from dschat.runtime.fs import atomic_files, pending_files, recover_files
 from dschat.runtime.trust import check_trusted, make_trusted_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 #: Tokenised with the tokenizer for the cache key, so BOS/EOS post-processing changes count.
 PROBE_TEXT = " Human: Hello, world! 0123 caf\u00e9 \u4f60\u597d\n\nAssistant: Fine.<|endoftext|>"
 
@@ -209,6 +209,7 @@ def load_cache(files: CacheFiles, key: str) -> tuple[PromptDataset, PromptDatase
             out.append(PromptDataset(
                 prompt, chosen, rejected, meta["pad_token_id"], phase, max_seq_len=meta["max_seq_len"],
                 padding_side=meta["padding_side"], filtered=meta[split]["filtered"],
+                prompt_sources=tensors.get("prompt.sources") if phase == 3 else None,
             ))
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         print(f"Warning: ignoring unreadable data cache {files.meta.parent} ({type(err).__name__}: {err}); rebuilding")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 __all__ = [
-    "DataCollatorReward", "DataCollatorRLHF", "drop_padding_columns", "set_epoch_if_distributed",
+    "DataCollatorReward", "DataCollatorRLHF", "SOURCES_KEY", "drop_padding_columns", "set_epoch_if_distributed",
 ]
 
 
@@ -30,6 +30,10 @@ class DataCollatorReward:
         }
 
 
+#: The step-3 batch's key of each prompt's dataset row (``PromptItem.source``), ``(B, 3)`` int64.
+SOURCES_KEY = "prompt_sources"
+
+
 class DataCollatorRLHF:
     """Step 3: left-padded prompts exactly ``max_token_len`` wide (upstream's flip trick,
     docs/upstream.md#prompts-and-padding-in-step-3).
@@ -39,8 +43,9 @@ class DataCollatorRLHF:
     same column. The tokenizer itself stays right-padded for steps 1-2.
 
     Returns ``{"prompt", "prompt_att_mask"}``, each ``(B, max_token_len)`` (wider only if a prompt
-    is longer, which phase-3 filtering prevents). ``inference_tp_size`` is stored but unused, as
-    upstream.
+    is longer, which phase-3 filtering prevents), and ``"prompt_sources"`` ``(B, 3)`` int64 when
+    every item knows its dataset row (``PromptItem.source``, what reward functions and environments
+    get the row's fields by). ``inference_tp_size`` is stored but unused, as upstream.
     """
 
     def __init__(self, max_token_len: int, inference_tp_size: int = 1) -> None:
@@ -55,7 +60,11 @@ class DataCollatorRLHF:
         if pad_length > 0:
             prompt = F.pad(prompt, pad=(0, pad_length), mode="constant", value=pad_token_id)
             prompt_mask = F.pad(prompt_mask, pad=(0, pad_length), mode="constant", value=0)
-        return {"prompt": prompt.flip(1), "prompt_att_mask": prompt_mask.flip(1)}
+        batch = {"prompt": prompt.flip(1), "prompt_att_mask": prompt_mask.flip(1)}
+        sources = [getattr(f, "source", None) for f in data]
+        if data and all(source is not None for source in sources):
+            batch[SOURCES_KEY] = torch.tensor(sources, dtype=torch.long)
+        return batch
 
 
 def set_epoch_if_distributed(loader_or_sampler: Any, epoch: int) -> bool:
@@ -83,7 +92,8 @@ def drop_padding_columns(batch: dict[str, Any], mask_key: str = "attention_mask"
     ``max_prompt_seq_len``; columns that are padding in all rows change no real token's output (the
     attention mask hides them, labels there are -100, positions come from the mask), so dropping them
     gives the same losses for less compute. ``side`` is where the padding is: "right" (steps 1-2,
-    DPO) or "left" (step-3 prompts). Tensors whose second dimension matches the mask's are sliced.
+    DPO) or "left" (step-3 prompts). Tensors whose second dimension matches the mask's are sliced,
+    except ``prompt_sources`` (one ``(data path, split, row)`` triple per row, not columns).
     """
     if side not in ("left", "right"):
         raise ValueError(f"side must be 'left' or 'right', got {side!r}")
@@ -94,6 +104,7 @@ def drop_padding_columns(batch: dict[str, Any], mask_key: str = "attention_mask"
         return batch
     keep = slice(0, int(real[-1]) + 1) if side == "right" else slice(int(real[0]), width)
     return {
-        k: v[:, keep] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width else v
+        k: v[:, keep] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == width and k != SOURCES_KEY
+        else v
         for k, v in batch.items()
     }

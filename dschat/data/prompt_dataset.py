@@ -48,8 +48,8 @@ def _build_datasets(
 
     def run(selections: list[PhaseRows], kind: str) -> tuple[list[PromptDataset], list[PromptDataset]]:
         trains, evals = [], []
-        for sel in selections:
-            tr, ev = tokenize_selection(sel, train_phase, tokenizer, eot, max_seq_len)
+        for index, sel in enumerate(selections):
+            tr, ev = tokenize_selection(sel, train_phase, tokenizer, eot, max_seq_len, index)
             trains.append(tr)
             evals.append(ev)
             stats.append({

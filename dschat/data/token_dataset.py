@@ -102,15 +102,32 @@ class PairItem(NamedTuple):
     rejected_mask: torch.Tensor
 
 
-class PromptItem(NamedTuple):
-    """Phase-3 item; indexes like upstream's ``(ids_flipped, mask_flipped, pad_token_id)`` tuple.
-
-    Shape: ``(prompt_len,)`` int64, reversed token order (see DataCollatorRLHF).
-    """
-
+class _PromptFields(NamedTuple):
     input_ids_flipped: torch.Tensor
     attention_mask_flipped: torch.Tensor
     pad_token_id: int
+
+
+#: A phase-3 prompt's dataset row: ``(--data_path entry, split (0 train, 1 eval), position in that
+#: split's phase-3 rows)``, the key of :class:`~dschat.data.prompt_columns.PromptColumns`.
+PromptSource = tuple[int, int, int]
+
+
+class PromptItem(_PromptFields):
+    """Phase-3 item; indexes like upstream's ``(ids_flipped, mask_flipped, pad_token_id)`` tuple.
+
+    Shape: ``(prompt_len,)`` int64, reversed token order (see DataCollatorRLHF). ``source`` (an
+    attribute, not a fourth field, so upstream's three-field indexing holds) is the prompt's
+    :data:`PromptSource`, or None where the dataset does not know it.
+    """
+
+    source: PromptSource | None = None
+
+    def __new__(cls, input_ids_flipped: torch.Tensor, attention_mask_flipped: torch.Tensor, pad_token_id: int,
+                source: PromptSource | None = None) -> "PromptItem":
+        item = super().__new__(cls, input_ids_flipped, attention_mask_flipped, pad_token_id)
+        item.source = source
+        return item
 
 
 class PromptDataset(Dataset):
@@ -122,7 +139,8 @@ class PromptDataset(Dataset):
     say how phase-1/2 rows are padded on read; ``max_seq_len=None`` (the default) pads to the
     longest chosen/rejected row, which for rows tokenised as upstream did (``padding="max_length"``)
     is their common length, i.e. upstream's items. ``filtered`` counts phase-3 prompts dropped for
-    length.
+    length. ``prompt_sources`` (phase 3, ``(N, 3)`` int64, or None) is each prompt's
+    :data:`PromptSource`; its items carry it.
     """
 
     def __init__(
@@ -136,6 +154,7 @@ class PromptDataset(Dataset):
         max_seq_len: int | None = None,
         padding_side: str = "right",
         filtered: int = 0,
+        prompt_sources: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
         if train_phase not in (1, 2, 3):
@@ -158,6 +177,9 @@ class PromptDataset(Dataset):
         self.max_seq_len = max_seq_len
         self.padding_side = padding_side
         self.filtered = filtered
+        if prompt_sources is not None and tuple(prompt_sources.shape) != (len(self.prompt_dataset), 3):
+            raise ValueError(f"prompt_sources must be ({len(self.prompt_dataset)}, 3), got {tuple(prompt_sources.shape)}")
+        self.prompt_sources = prompt_sources.long() if prompt_sources is not None else None
         #: Set by create_prompt_dataset: the SHA-256 key of the cache this came from.
         self.cache_key: str | None = None
 
@@ -188,7 +210,8 @@ class PromptDataset(Dataset):
             r_ids, r_mask = self._padded(self.reject_dataset, idx)
             return PairItem(c_ids[None], c_mask[None], r_ids[None], r_mask[None])
         ids, mask = self.prompt_dataset.row(idx)
-        return PromptItem(ids.flip(0), mask.flip(0), self.pad_token_id)
+        source = None if self.prompt_sources is None else tuple(self.prompt_sources[idx].tolist())
+        return PromptItem(ids.flip(0), mask.flip(0), self.pad_token_id, source)
 
     def take(self, index: Sequence[int] | torch.Tensor) -> "PromptDataset":
         """A new dataset of rows ``index`` in that order (upstream's ``Subset``, materialised)."""
@@ -198,6 +221,8 @@ class PromptDataset(Dataset):
             self.reject_dataset.take(index) if self.train_phase == 2 else None,
             self.pad_token_id, self.train_phase,
             max_seq_len=self.max_seq_len, padding_side=self.padding_side, filtered=self.filtered,
+            prompt_sources=(self.prompt_sources[torch.as_tensor(index, dtype=torch.long)]
+                            if self.prompt_sources is not None else None),
         )
 
     @classmethod
@@ -211,6 +236,8 @@ class PromptDataset(Dataset):
             first.pad_token_id, first.train_phase,
             max_seq_len=first.max_seq_len, padding_side=first.padding_side,
             filtered=sum(p.filtered for p in parts),
+            prompt_sources=(torch.cat([p.prompt_sources for p in parts])
+                            if all(p.prompt_sources is not None for p in parts) else None),
         )
 
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -218,4 +245,7 @@ class PromptDataset(Dataset):
             return self.chosen_dataset.tensors("chosen")
         if self.train_phase == 2:
             return {**self.chosen_dataset.tensors("chosen"), **self.reject_dataset.tensors("rejected")}
-        return self.prompt_dataset.tensors("prompt")
+        out = self.prompt_dataset.tensors("prompt")
+        if self.prompt_sources is not None:
+            out["prompt.sources"] = self.prompt_sources
+        return out

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Sequence
 
+import torch
+
 from dschat.data.adapters.base import PromptRawDataset
 from dschat.data.dispatch import get_raw_dataset
 from dschat.data.phases import PhaseRows, empty_phase, select_phase_rows
@@ -60,8 +62,12 @@ def create_dataset_split(
     tokenizer: Any,
     end_of_conversation_token: str,
     max_seq_len: int,
+    source: tuple[int, int] = (0, 0),
 ) -> PromptDataset:
-    """Tokenise one split of one dataset for ``train_phase`` (upstream's function, batched)."""
+    """Tokenise one split of one dataset for ``train_phase`` (upstream's function, batched).
+
+    Phase 3: ``source`` is ``(--data_path entry, split)`` (0 train, 1 eval); each prompt's
+    :data:`~dschat.data.token_dataset.PromptSource` ends with its position in ``current_dataset``."""
     padding_side = getattr(tokenizer, "padding_side", "right")
     filtered = 0
     if train_phase == 1:
@@ -82,13 +88,17 @@ def create_dataset_split(
         result = PromptDataset(None, chosen, rejected, _check_pad(tokenizer), 2, max_seq_len=max_seq_len, padding_side=padding_side)
         print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)}")
     elif train_phase == 3:
-        prompts = [p for p in map(raw_dataset.get_prompt, current_dataset) if p is not None]
-        rows = _tokenize(tokenizer, prompts, None) if prompts else TokenRows.empty()
+        found = [(at, p) for at, p in enumerate(map(raw_dataset.get_prompt, current_dataset)) if p is not None]
+        rows = _tokenize(tokenizer, [p for _, p in found], None) if found else TokenRows.empty()
         keep = (rows.lengths() <= max_seq_len).nonzero().flatten()
         filtered = len(rows) - keep.numel()
+        # Each kept prompt's source (dschat.data.token_dataset.PromptSource): its position in this split.
+        positions = torch.tensor([at for at, _ in found], dtype=torch.long)[keep]
+        sources = torch.stack([torch.full_like(positions, source[0]), torch.full_like(positions, source[1]),
+                               positions], dim=1)
         result = PromptDataset(
             rows.take(keep), None, None, _check_pad(tokenizer), 3,
-            max_seq_len=max_seq_len, padding_side=padding_side, filtered=filtered,
+            max_seq_len=max_seq_len, padding_side=padding_side, filtered=filtered, prompt_sources=sources,
         )
         print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)} filtered={filtered}")
     else:
@@ -116,12 +126,13 @@ def create_dataset(
 
 
 def tokenize_selection(
-    sel: PhaseRows, train_phase: int, tokenizer: Any, eot: str, max_seq_len: int,
+    sel: PhaseRows, train_phase: int, tokenizer: Any, eot: str, max_seq_len: int, dataset_index: int = 0,
 ) -> tuple[PromptDataset, PromptDataset]:
-    """(train, eval) of one dataset's selected rows; an empty split is refused or warned about (:func:`empty_phase`)."""
+    """(train, eval) of one dataset's selected rows (``dataset_index``: its ``--data_path`` entry); an
+    empty split is refused or warned about (:func:`empty_phase`)."""
     out = []
-    for split, rows in (("train", sel.train), ("eval", sel.eval)):
-        ds = create_dataset_split(rows, sel.raw, train_phase, tokenizer, eot, max_seq_len)
+    for part, (split, rows) in enumerate((("train", sel.train), ("eval", sel.eval))):
+        ds = create_dataset_split(rows, sel.raw, train_phase, tokenizer, eot, max_seq_len, (dataset_index, part))
         if len(ds) == 0 and len(rows) > 0:
             if train_phase == 3:
                 why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens or empty"

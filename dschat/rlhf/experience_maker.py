@@ -135,9 +135,10 @@ class ExperienceMaker:
         return next(self.actor_model.module.parameters()).device
 
     def generate_answers(self, prompts: torch.Tensor, mask: torch.Tensor, step: int, *,
-                         show: bool = True) -> Generated:
+                         show: bool = True, sources: torch.Tensor | None = None) -> Generated:
         """Answers for ``(B, P)`` left-padded prompts, or with ``--env`` one episode each; printed
-        with ``--print_answers`` (every rank, as upstream) when ``show``. Collective."""
+        with ``--print_answers`` (every rank, as upstream) when ``show``. ``sources``: the prompts'
+        ``(B, 3)`` dataset rows (:mod:`dschat.data.prompt_columns`), for the environments. Collective."""
         eos = self.tokenizer.eos_token_id
         P = prompts.shape[1]
         if self.episodes is None:
@@ -146,8 +147,9 @@ class ExperienceMaker:
             generated = Generated(seq, sequence_masks(mask, seq, eos), rollout.logprobs, (seq[:, P:] == eos).any(-1))
         else:
             columns = self.prompt_columns
-            rows = raise_together(lambda: columns.rows_for_batch(prompts, mask, self._prompt_texts(prompts, mask)),
-                                  "an environment")
+            rows = raise_together(
+                lambda: columns.rows_for_batch(prompts, mask, self._prompt_texts(prompts, mask), sources),
+                "an environment")
             played = self.episodes.play(prompts, mask, rows)
             self.env_time += played.env_seconds
             attention = played.attention_mask
@@ -192,9 +194,10 @@ class ExperienceMaker:
 
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                        attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                       packed: PackedRows | None = None) -> torch.Tensor:
+                       packed: PackedRows | None = None, sources: torch.Tensor | None = None) -> torch.Tensor:
         """(B,) reward of each answer: the reward model's score and the reward functions, by weight.
-        ``packed``: the batch's packed rows (the reward model runs padded without them)."""
+        ``packed``: the batch's packed rows (the reward model runs padded without them); ``sources``:
+        the prompts' ``(B, 3)`` dataset rows, for the functions' columns."""
         mix = self.reward_mix
         model_scores = None
         if mix.uses_model:
@@ -204,32 +207,35 @@ class ExperienceMaker:
                 return model_scores  # upstream's reward, untouched
         def functions() -> torch.Tensor:
             texts = self._decode_for_hook(prompts, prompt_mask, seq, attention_mask)
-            columns = (self.prompt_columns.for_batch(prompts, prompt_mask, texts[0])
+            columns = (self.prompt_columns.for_batch(prompts, prompt_mask, texts[0], sources)
                        if self.prompt_columns is not None else None)
             return mix.score(*texts, columns, model_scores).to(seq.device)
 
         return raise_together(functions, "a reward function")  # every rank learns of any rank's failure
 
-    def _greedy_baseline(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
+    def _greedy_baseline(self, prompts: torch.Tensor, mask: torch.Tensor, step: int,
+                         sources: torch.Tensor | None) -> torch.Tensor:
         """ReMax's baseline: the reward of the greedy answer (or episode) to each prompt.
         Shape: prompts (B, P); (B,)."""
         sampling = self.generator.decoding
         self.generator.decoding = replace(sampling, decoding="greedy")
         try:
-            greedy = self.generate_answers(prompts, mask, step, show=False)
+            greedy = self.generate_answers(prompts, mask, step, show=False, sources=sources)
         finally:
             self.generator.decoding = sampling
         masks = greedy.masks
         with torch.no_grad():
-            return self._score(prompts, mask, greedy, self.passes.packed(greedy.seq, masks.attention_mask, "reward"))
+            return self._score(prompts, mask, greedy, self.passes.packed(greedy.seq, masks.attention_mask, "reward"),
+                               sources)
 
     def _score(self, prompts: torch.Tensor, mask: torch.Tensor, generated: Generated,
-               packed: PackedRows | None) -> torch.Tensor:
+               packed: PackedRows | None, sources: torch.Tensor | None) -> torch.Tensor:
         """(B,) each answer's (or episode's) score: the reward mix, plus the episode's turn rewards,
         less ``--missing_eos_penalty`` where the (last) answer has no EOS, plus DAPO's overlong penalty
         (``--overlong_buffer_len``) of its length (an episode's: the actor's tokens). Collective."""
         masks = generated.masks
-        scores = self._reward_scores(prompts, mask, generated.seq, masks.attention_mask, masks.position_ids, packed)
+        scores = self._reward_scores(prompts, mask, generated.seq, masks.attention_mask, masks.position_ids, packed,
+                                     sources)
         if generated.env_reward is not None:
             scores = scores + generated.env_reward.to(scores.device)
         penalty = self.formulas.missing_eos_penalty
@@ -250,10 +256,14 @@ class ExperienceMaker:
         print(f"Dropping too short generated answer: step={step} rank={get_rank()} rows={bad}: "
               f"answers: {self.tokenizer.batch_decode(seq[bad, P:], skip_special_tokens=False)}")
 
-    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> Experience | None:
+    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int,
+                            sources: torch.Tensor | None = None) -> Experience | None:
         """Generate one rollout batch and score it. ``None`` when no rank kept any answer.
 
-        Shapes: prompts, mask (B, P) left-padded. Collective (every rank must call it).
+        Shapes: prompts, mask (B, P) left-padded; ``sources`` (B, 3), the batch's ``prompt_sources``
+        (each prompt's dataset row, whose fields reward functions and environments get), or None
+        (rows found by the prompts' tokens: :mod:`dschat.data.prompt_columns`). Collective (every
+        rank must call it).
         """
         self.eval()
         generate_start = time.time()
@@ -263,11 +273,12 @@ class ExperienceMaker:
         k = settings.num_generations
         if settings.algorithm == "remax":
             # One greedy answer per prompt (before the repeat), its reward repeated over the group.
-            greedy_scores = self._greedy_baseline(prompts, mask, step).repeat_interleave(k)
+            greedy_scores = self._greedy_baseline(prompts, mask, step, sources).repeat_interleave(k)
         if k > 1:
             # The group: each prompt K times in consecutive rows (rl_math.critic_free's layout).
             prompts, mask = prompts.repeat_interleave(k, dim=0), mask.repeat_interleave(k, dim=0)
-        generated = self.generate_answers(prompts, mask, step)
+            sources = sources.repeat_interleave(k, dim=0) if sources is not None else None
+        generated = self.generate_answers(prompts, mask, step, sources=sources)
         seq = generated.seq
         generate_end = time.time()
         self.generate_time = generate_end - generate_start
@@ -300,7 +311,7 @@ class ExperienceMaker:
             with passes.scoring_gather("reference", self.ref_model):
                 ref_logprobs = passes.token_log_probs("reference", self.ref_model, seq, attention_mask,
                                                       position_ids, packed).float()
-            reward_score = self._score(prompts, mask, generated, packed)
+            reward_score = self._score(prompts, mask, generated, packed, sources)
             if self.critic_model is not None:
                 with passes.scoring_gather("critic", self.critic_model):
                     values = passes.token_values(seq, attention_mask, position_ids, packed).detach()[:, :-1].float()

@@ -25,7 +25,7 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader
 
-from dschat.data.collators import drop_padding_columns, set_epoch_if_distributed
+from dschat.data.collators import SOURCES_KEY, drop_padding_columns, set_epoch_if_distributed
 from dschat.paths import METRICS_FILE
 from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf.heldout.evaluation import StepThreeEvaluation
@@ -143,7 +143,8 @@ def generate_batch(trainer: DeepSpeedPPOTrainer, ctx: RunContext, prompt_batch: 
     # Left-padded prompts; all-padding columns change no output (positions come from the mask).
     prompt_batch = drop_padding_columns(to_device(prompt_batch, ctx.device), "prompt_att_mask", side="left")
     maker = trainer.experience
-    experience = maker.generate_experience(prompt_batch["prompt"], prompt_batch["prompt_att_mask"], step)
+    experience = maker.generate_experience(prompt_batch["prompt"], prompt_batch["prompt_att_mask"], step,
+                                           prompt_batch.get(SOURCES_KEY))
     times.generation += maker.generate_time
     times.experience += maker.experience_time
     times.environment += maker.env_time

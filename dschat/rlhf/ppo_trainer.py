@@ -214,10 +214,12 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         return self.update.micro_stats
 
     # ================================================================== experience
-    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> Experience | None:
+    def generate_experience(self, prompts: torch.Tensor, mask: torch.Tensor, step: int,
+                            sources: torch.Tensor | None = None) -> Experience | None:
         """Generate one rollout batch and score it. ``None`` when no rank kept any answer.
-        Shapes: prompts, mask (B, P) left-padded. Collective (every rank must call it)."""
-        return self.experience.generate_experience(prompts, mask, step)
+        Shapes: prompts, mask (B, P) left-padded; ``sources`` (B, 3): the batch's ``prompt_sources``
+        (:meth:`~dschat.rlhf.experience_maker.ExperienceMaker.generate_experience`). Collective."""
+        return self.experience.generate_experience(prompts, mask, step, sources)
 
     def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
         """Generate answers (upstream's name)."""
@@ -246,8 +248,9 @@ class DeepSpeedPPOTrainer(PPOFormulas):
 
     def _reward_scores(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                        attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                       packed: PackedRows | None = None) -> torch.Tensor:
-        return self.experience._reward_scores(prompts, prompt_mask, seq, attention_mask, position_ids, packed)
+                       packed: PackedRows | None = None, sources: torch.Tensor | None = None) -> torch.Tensor:
+        return self.experience._reward_scores(prompts, prompt_mask, seq, attention_mask, position_ids, packed,
+                                              sources)
 
     def _decode_for_hook(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, seq: torch.Tensor,
                          attention_mask: torch.Tensor) -> tuple[list[str], list[str]]:

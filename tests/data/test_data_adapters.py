@@ -491,7 +491,7 @@ def test_a_local_folder_keeps_the_fields_reward_functions_and_environments_read(
     write_jsonl(folder / "eval.jsonl", rows[:4])
     columns = load_prompt_columns([str(folder)], "0,0,1", 1234, str(tmp_path / "out"), -1,
                                   load_hf_tokenizer("tiny-opt"))
-    found = {row["prompt"]: row.get("answer") for row in columns.rows.values()}
+    found = {record.text: record.fields.get("answer") for record in columns.records.values()}
     assert found["What is 5 + 5?"] == "#### 10" and found["What is 3 + 3?"] is None
 
 

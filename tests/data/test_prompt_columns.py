@@ -1,24 +1,29 @@
-"""A prompt that several dataset rows share, whose other fields differ (dschat.data.prompt_columns):
-its tokens cannot tell which row a generated answer belongs to, so nothing may silently get the
-first row's fields. ``--shared_prompt_fields refuse`` (the default) stops a reward function that names
-such a field before any model loads, and an environment when it reads one; ``first`` gives the first
-row's; a function taking ``**kwargs`` gets the first row's either way, with one note."""
+"""Each phase-3 prompt's dataset row (dschat.data.prompt_columns): the cache and step 3's batches carry
+every prompt's source (data path entry, split, row), so a reward function, a judge and an environment
+get the answer's own row's fields, also where several rows share one prompt and differ in another
+field (a constant "Guess my number." with a per-row secret). A batch without sources finds a row by
+its prompt's tokens, and a shared prompt there is one line naming the fix, never a silent guess."""
 from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
-from dschat.data.prompt_columns import PromptColumns, PromptRow, load_prompt_columns
-from dschat.envs import EpisodeBatch, load_environment
+import env_fixtures
+import reward_fixtures
+from dschat.data.collators import SOURCES_KEY, DataCollatorRLHF, drop_padding_columns
+from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
+from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.errors import UserError
 from dschat.models.tokenizer import load_hf_tokenizer
-from dschat.rewards import columns_taken, load_reward_function
 
 from helpers.data import write_jsonl
-from helpers.step3 import base_argv, refused_in_process
+from helpers.step3 import base_argv, step3_main
 
 GUESS = "Guess my number."
-SHARED = r"the prompt 'Guess my number\.' is in 12 rows whose 'secret' differ"
+SHARED = r"the prompt 'Guess my number\.' is in 12 rows whose 'secret' differ.*pass the batch's 'prompt_sources'"
 
 
 @pytest.fixture(scope="module")
@@ -26,94 +31,104 @@ def tok():
     return load_hf_tokenizer("tiny-opt")
 
 
-@pytest.fixture(scope="module")
-def columns(tmp_path_factory, tok) -> PromptColumns:
+def guessing_data(folder: Path) -> Path:
     """Ten rows of one guessing-game prompt with their own secrets (two more in eval), a prompt asked
     twice with the same fields, and ten ordinary prompts."""
-    folder = tmp_path_factory.mktemp("guess")
     rows = ([{"prompt": GUESS, "chosen": "5", "secret": i} for i in range(10)]
             + [{"prompt": "Say hi.", "chosen": "hi", "secret": 0}] * 2
             + [{"prompt": f"Q{i}?", "chosen": f"A{i}.", "secret": i} for i in range(10)])
     write_jsonl(folder / "train.jsonl", rows)
     write_jsonl(folder / "eval.jsonl", [{"prompt": GUESS, "chosen": "5", "secret": 10 + i} for i in range(2)])
-    return load_prompt_columns([str(folder)], "0,0,1", 1234, str(tmp_path_factory.mktemp("out")), -1, tok)
+    return folder
 
 
-def batch_of(tok, *texts: str) -> tuple[torch.Tensor, torch.Tensor, list[str]]:
-    """A left-padded batch of ``texts``' token ids, as the phase-3 loader gives it."""
-    ids = tok(list(texts))["input_ids"]
-    width = max(map(len, ids)) + 1
-    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
-    return prompts, mask, list(texts)
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, tok) -> tuple[PromptColumns, list, list]:
+    """The guessing data's columns and its phase-3 (train, eval) datasets, as step 3 loads them."""
+    folder = guessing_data(tmp_path_factory.mktemp("guess"))
+    out = str(tmp_path_factory.mktemp("out"))
+    columns = load_prompt_columns([str(folder)], "0,0,1", 1234, out, -1, tok)
+    train, held_out = create_prompt_dataset(-1, [str(folder)], "0,0,1", out, 3, 1234, tok, 16)
+    return columns, train, held_out
 
 
-def test_only_a_prompt_whose_rows_differ_is_shared(columns):
+def batch_of(items) -> dict[str, torch.Tensor]:
+    """The step-3 loader's batch of ``items``, padding-only columns dropped (as the PPO loop does)."""
+    return drop_padding_columns(DataCollatorRLHF(16)(list(items)), "prompt_att_mask", side="left")
+
+
+def texts_of(tok, batch) -> list[str]:
+    return [tok.decode(row[m.bool()], skip_special_tokens=True) for row, m in zip(batch["prompt"], batch["prompt_att_mask"])]
+
+
+def test_every_prompt_carries_its_own_rows_fields(data, tok):
+    columns, train, held_out = data
     assert len(columns.shared) == 1
     (shared,) = columns.shared.values()
     assert (shared.text, shared.rows, shared.fields) == (GUESS, 12, frozenset({"secret"}))
-    assert columns.shared_fields() == {"secret"}
+    secrets: Counter = Counter()
+    for ds in (train, held_out):
+        batch = batch_of(ds[i] for i in range(len(ds)))
+        assert batch[SOURCES_KEY].shape == (len(ds), 3)
+        texts = texts_of(tok, batch)
+        got = columns.for_batch(batch["prompt"], batch["prompt_att_mask"], texts, batch[SOURCES_KEY])
+        rows = columns.rows_for_batch(batch["prompt"], batch["prompt_att_mask"], texts, batch[SOURCES_KEY])
+        assert got["secret"] == [row["secret"] for row in rows] and [row["prompt"] for row in rows] == texts
+        secrets.update(s for s, text in zip(got["secret"], texts) if text == GUESS)
+    assert secrets == Counter(range(12))  # each guessing row's own secret, once
 
 
-def test_an_environment_reading_a_shared_field_gets_one_line_naming_it_and_the_fix(columns, tok):
-    guess, hi, q3 = columns.rows_for_batch(*batch_of(tok, GUESS, "Say hi.", "Q3?"))
-    assert isinstance(guess, PromptRow) and "secret" not in guess and guess["chosen"] == "5"
-    assert guess.get("no such field", 7) == 7
-    for read in (lambda row: row["secret"], lambda row: row.get("secret"), lambda row: row.copy()["secret"]):
-        with pytest.raises(UserError, match=SHARED + r".*make each prompt distinct"):
-            read(guess)
-    with pytest.raises(KeyError):
-        guess["no such field"]
-    assert (hi["secret"], q3["secret"]) == (0, 3)  # asked twice with the same fields: not shared
-    # Through the environment's factory (it gets a copy of the row), the line is the run's line.
-    with pytest.raises(UserError, match=SHARED):
-        EpisodeBatch(load_environment("env_fixtures:reads_secret"), [q3, guess], max_turns=1)
-    assert EpisodeBatch(load_environment("env_fixtures:reads_secret"), [q3, hi], max_turns=1).states
+def test_sources_survive_the_cache_shuffles_and_blends(data, tok, tmp_path):
+    """A second read of the cache, and two data paths blended and shuffled, keep each row's source."""
+    columns, train, _ = data
+    folder = guessing_data(tmp_path / "again")
+    out = str(tmp_path / "out")
+    blended, _ = create_prompt_dataset(-1, [str(folder), "dschat/builtin"], "2,4,4", out, 3, 1234, tok, 16)
+    cached, _ = create_prompt_dataset(-1, [str(folder), "dschat/builtin"], "2,4,4", out, 3, 1234, tok, 16)
+    assert torch.equal(blended.prompt_sources, cached.prompt_sources)
+    assert set(blended.prompt_sources[:, 0].tolist()) == {0, 1}  # both entries, mixed
+    both = load_prompt_columns([str(folder), "dschat/builtin"], "2,4,4", 1234, out, -1, tok)
+    batch = batch_of(cached[i] for i in range(len(cached)))
+    rows = both.rows_for_batch(batch["prompt"], batch["prompt_att_mask"], texts_of(tok, batch), batch[SOURCES_KEY])
+    assert [row["prompt"] for row in rows] == texts_of(tok, batch)
 
 
-def test_first_gives_the_first_rows_fields(columns, tok):
-    columns.refuse = False
-    try:
-        (guess,) = columns.rows_for_batch(*batch_of(tok, GUESS))
-        # the first in phase-3 order (the split shuffles the rows)
-        assert guess["secret"] == columns.for_batch(*batch_of(tok, GUESS))["secret"][0] in range(12)
-    finally:
-        columns.refuse = True
+def test_without_sources_a_shared_prompt_is_one_line_and_others_are_found(data, tok):
+    columns, train, _ = data
+    by_text = {}
+    for i in range(len(train)):
+        by_text.setdefault(tok.decode(train[i][0].flip(0), skip_special_tokens=True), train[i])
+    for text, fine in ((GUESS, False), ("Say hi.", True), ("Q3?", True)):
+        batch = batch_of([by_text[text]])
+        if fine:
+            row, = columns.rows_for_batch(batch["prompt"], batch["prompt_att_mask"], [text])
+            assert row["secret"] == (0 if text == "Say hi." else 3)  # asked twice with the same fields: not shared
+        else:
+            for look in (columns.for_batch, columns.rows_for_batch):
+                with pytest.raises(UserError, match=SHARED):
+                    look(batch["prompt"], batch["prompt_att_mask"], [text])
 
 
-def test_a_function_naming_a_shared_field_is_refused_one_taking_kwargs_gets_the_first_rows(columns, tok):
-    named = load_reward_function("reward_fixtures:chosen_overlap")
-    kwargs = load_reward_function("reward_fixtures:seen_columns")
-    assert columns_taken([named, kwargs]) == (frozenset({"chosen"}), True)
-    # Functions taking **kwargs that say what they read (columns_read): the built-ins and --reward_url.
-    from dschat.remote_reward import remote_reward_function
-    builtins = [load_reward_function("dschat.rewards:gold"), load_reward_function("dschat.rewards:math_exact_match"),
-                remote_reward_function("http://127.0.0.1:1/get_reward")]
-    assert columns_taken(builtins) == (frozenset({"answer"}), False)
-    columns.refuse_shared(columns_taken([named])[0])  # 'chosen' is the same in the guessing rows
-    with pytest.raises(UserError, match=SHARED):
-        columns.refuse_shared({"chosen", "secret"})
-    first, q3 = columns.for_batch(*batch_of(tok, GUESS, "Q3?"))["secret"]
-    assert first in range(12) and q3 == 3
-    assert columns.shared_notice("they get the first such row's") == (
-        "note: the data has 1 prompt(s) that several rows share, with differing 'secret'; a prompt's row is "
-        "found by its tokens, so they get the first such row's")
+def test_a_source_that_is_not_the_prompts_row_is_one_line(data, tok):
+    columns, train, _ = data
+    batch = batch_of([train[0], train[1]])
+    texts = texts_of(tok, batch)
+    wrong = batch[SOURCES_KEY].flip(0) if texts[0] != texts[1] else batch[SOURCES_KEY] + torch.tensor([0, 0, 1000])
+    with pytest.raises(UserError, match=r"\(batch row 0\) is not .*the phase-3 data; use the prompt data, split"):
+        columns.for_batch(batch["prompt"], batch["prompt_att_mask"], texts, wrong)
+    with pytest.raises(UserError, match=r"is not in the phase-3 data"):
+        columns.for_batch(batch["prompt"], batch["prompt_att_mask"], texts, batch[SOURCES_KEY] + torch.tensor([5, 0, 0]))
 
 
-@pytest.mark.parametrize("flags", [("--reward_fn", "reward_fixtures:chosen_overlap"),
-                                   ("--eval_interval", "1", "--eval_judge", "reward_fixtures:chosen_overlap")])
-def test_step3_refuses_a_function_naming_a_shared_field_before_any_model(capsys, monkeypatch, critic_dirs, data_cache,
-                                                                        flags):
-    """The embedded data asks a prompt several times with other answer pairs: a reward or judge
-    function that names ``chosen`` is refused (exit 2) unless --shared_prompt_fields first."""
-    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
-
-    def no_engines(*args, **kwargs):
-        raise AssertionError("the engines were built before the refusal")
-
-    monkeypatch.setattr(DeepSpeedRLHFEngine, "__init__", no_engines)
-    line = refused_in_process(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, *flags), capsys)
-    assert "rows whose 'chosen' differ" in line and "make each prompt distinct" in line
+def test_upstreams_three_field_items_and_padding_trim_hold(data):
+    _, train, _ = data
+    item = train[0]
+    assert len(item) == 3 and item[-1] == item.pad_token_id and item.source is not None
+    # A batch exactly as wide as a source (3 columns) keeps its sources whole.
+    narrow = DataCollatorRLHF(3)([train[0]])
+    trimmed = drop_padding_columns({**narrow, "prompt_att_mask": torch.tensor([[0, 1, 1]])}, "prompt_att_mask",
+                                   side="left")
+    assert torch.equal(trimmed[SOURCES_KEY], narrow[SOURCES_KEY])
 
 
 def test_field_values_are_the_same_when_equal_or_both_nan():
@@ -127,18 +142,34 @@ def test_field_values_are_the_same_when_equal_or_both_nan():
     assert _same(_ABSENT, _ABSENT) and not _same(_ABSENT, None)
 
 
-def test_the_evaluation_built_without_step3s_main_refuses_a_judge_reading_a_shared_field(tmp_path, tok):
-    """StepThreeEvaluation from Python, with a trainer that has no columns: it loads them itself and
-    refuses the same judge step 3's main refuses."""
-    from types import SimpleNamespace
-
-    from dschat.rlhf.heldout import evaluation as ev
-    from dschat.rlhf.heldout.setup import Judge
-    args = SimpleNamespace(eval_interval=1, data_path=["dschat/builtin"], data_split="2,4,4", seed=1234,
-                           data_output_path=str(tmp_path), local_rank=-1, output_dir=None)
-    trainer = SimpleNamespace(prompt_columns=None, tokenizer=tok, device="cpu",
-                              rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
-    with pytest.raises(UserError, match="rows whose 'chosen' differ"):
-        ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=load_reward_function("reward_fixtures:chosen_overlap"))])
-    gold = Judge("gold", fn=load_reward_function("dschat.rewards:gold"))  # reads no column
-    assert ev.StepThreeEvaluation(args, trainer, [], [gold]).enabled
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("algorithm", ["grpo", "remax"])
+def test_step3_gives_each_answer_its_own_rows_secret(algorithm, tmp_path, capsys):
+    """Eight guessing rows (two more held out) sharing one prompt, one epoch of two prompts x two
+    answers: the reward function and the environment see every training row's own secret once per
+    answer (ReMax: and once for its greedy answer); the held-out judge sees a held-out row's. The
+    retired --shared_prompt_fields is accepted with a note."""
+    rows = [{"prompt": GUESS, "chosen": "5", "secret": i} for i in range(8)]
+    data = tmp_path / "guess"
+    write_jsonl(data / "train.jsonl", rows)
+    write_jsonl(data / "eval.jsonl", [{"prompt": GUESS, "chosen": "5", "secret": 8 + i} for i in range(2)])
+    argv = base_argv("tiny-opt", Path("unused"), tmp_path / "cache", "--algorithm", algorithm, "--num_generations", "2",
+                     "--reward_fn", "reward_fixtures:reward_secret", "--env", "env_fixtures:reads_secret",
+                     "--max_turns", "1", "--eval_interval", "2", "--eval_prompts", "1",
+                     "--eval_judge", "reward_fixtures:judge_secret", "--num_train_epochs", "1", steps=4)
+    i = argv.index("--critic_model_name_or_path")
+    del argv[i:i + 2]
+    argv[argv.index("--data_path") + 1] = str(data)
+    argv += ["--data_split", "0,0,1", "--shared_prompt_fields", "first"]
+    for seen in (*reward_fixtures.SECRETS.values(), env_fixtures.SECRETS_READ):
+        seen.clear()
+    result = step3_main().main(argv)
+    assert len(result.history) == 4
+    per_answer = 3 if algorithm == "remax" else 2
+    for seen in (reward_fixtures.SECRETS["reward"], env_fixtures.SECRETS_READ):
+        assert Counter(s for s in seen if s < 8) == Counter({s: per_answer for s in range(8)})
+        held_out = {s for s in seen if s >= 8}
+        assert len(held_out) == 1 and held_out <= {8, 9}  # the evaluation's one distinct prompt: one row's
+    assert set(reward_fixtures.SECRETS["judge"]) == held_out
+    assert "note: --shared_prompt_fields is no longer needed and is ignored" in capsys.readouterr().out

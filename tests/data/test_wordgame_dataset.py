@@ -50,13 +50,13 @@ def test_registered_as_a_data_path(tmp_path):
 
 
 def test_the_word_reaches_the_environment(tmp_path):
-    """Step 3 looks each prompt's row up by its token ids: the ``word`` column comes with it."""
+    """Step 3 looks each prompt's row up by its source: the ``word`` column comes with it."""
     tok = load_hf_tokenizer("tiny-opt")
     columns = load_prompt_columns(["dschat/wordgame"], "0,0,1", 1234, str(tmp_path), -1, tok)
     by_prompt = {r["prompt"]: r["word"] for split in shipped().values() for r in split}
     assert len(columns) == len(by_prompt)
-    for row in columns.rows.values():
-        assert row["word"] == by_prompt[row["prompt"]]
+    for record in columns.records.values():
+        assert record.fields["word"] == by_prompt[record.fields["prompt"]]
 
 
 def test_missing_files_are_one_line(tmp_path, monkeypatch):

@@ -123,29 +123,34 @@ class TestMix:
 
 
 def test_prompt_columns_of_the_builtin_data(tmp_path):
-    """Each phase-3 prompt's other fields, looked up from a left-padded batch of its token ids."""
+    """Each phase-3 prompt's other fields, looked up from a step-3 batch by its prompts' sources; the
+    embedded data asks a prompt several times with other answer pairs, so without sources such a
+    prompt is one line."""
     from dschat.data import builtin
+    from dschat.data.collators import SOURCES_KEY, DataCollatorRLHF
     from dschat.data.prompt_columns import load_prompt_columns
+    from dschat.data.prompt_dataset import create_prompt_dataset
     from dschat.errors import UserError
     from dschat.models.tokenizer import load_hf_tokenizer
 
     tok = load_hf_tokenizer("tiny-opt")
     columns = load_prompt_columns(["dschat/builtin"], "2,4,4", 1234, str(tmp_path), -1, tok)
-    # The embedded data asks each prompt several times with different answer pairs; a repeated prompt
-    # gets its first row's fields (in phase-3 order), so the lookup is one of that prompt's rows.
+    train, _ = create_prompt_dataset(-1, ["dschat/builtin"], "2,4,4", str(tmp_path), 3, 1234, tok, 64)
     pairs = {}
     every = builtin.read_rows("train") + builtin.read_rows("eval")
     for r, key in zip(every, tok([r["prompt"] for r in every])["input_ids"]):
         pairs.setdefault(tuple(key), set()).add((r["chosen"], r["rejected"]))
-    ids = [list(key) for key in list(columns.rows)[:2]]
-    width = max(map(len, ids)) + 2
-    prompts = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+    batch = DataCollatorRLHF(64)([train[i] for i in range(8)])
+    prompts, mask = batch["prompt"], batch["prompt_att_mask"]
+    ids = [tuple(row[m.bool()].tolist()) for row, m in zip(prompts, mask)]
     texts = [tok.decode(r) for r in ids]
-    got = columns.for_batch(prompts, mask, texts)
+    got = columns.for_batch(prompts, mask, texts, batch[SOURCES_KEY])
     assert "chosen" in got and "rejected" in got and "prompt" not in got
     for i, row in enumerate(ids):
-        assert (got["chosen"][i], got["rejected"][i]) in pairs[tuple(row)]
+        assert (got["chosen"][i], got["rejected"][i]) in pairs[row]
+    shared = next(i for i, row in enumerate(ids) if len(pairs[row]) > 1)
+    with pytest.raises(UserError, match=r"rows whose 'chosen', 'rejected' differ.*pass the batch's 'prompt_sources'"):
+        columns.for_batch(prompts[shared:shared + 1], mask[shared:shared + 1], texts[shared:shared + 1])
     with pytest.raises(UserError, match=r"is not in the phase-3 data"):
         columns.for_batch(prompts[:, -3:], mask[:, -3:], texts)
 

@@ -149,7 +149,6 @@ COVER = {
     # RLOO, ZeRO-0 with actor LoRA, reward model and a column-reading function combined, PPO-ptx, TIS
     "rloo-z0-lora-rm+fn-ptx-tis": ("tiny-opt", True, ["--algorithm", "rloo", "--num_generations", "2", "--actor_lora_dim", "4",
                                                  "--reward_fn", "reward_fixtures:chosen_overlap",
-                                                 "--shared_prompt_fields", "first",
                                                  "--reward_fn_weight", "2.0", "--reward_model_weight", "1.0",
                                                  "--unsupervised_dataset_name", "dschat/builtin", "--unsup_coef", "0.5",
                                                  "--tis_cap", "2.0"]),
@@ -180,8 +179,6 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
             assert math.isfinite(record[key]), (key, record)
         assert math.isnan(record["critic_loss"]) and math.isnan(record["value_explained_variance"])
     assert f"algorithm {algorithm}:" in logs and "no critic" in logs
-    if "dschat.rewards:gold" in extra:  # gold reads no column (columns_read): no note on shared prompts
-        assert "several rows share" not in logs
     # No critic engine, built, checkpointed or saved; the reward model only when it scores.
     assert result.rlhf_engine.critic is None and "Initializing Critic" not in logs
     assert (result.rlhf_engine.reward is not None) == with_rm
@@ -196,8 +193,6 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
         assert all(r["unsup_loss"] > 0 for r in result.history)
     if "--reward_fn" in extra and with_rm:
         assert "reward = 1 x reward model + 2 x reward_fixtures:chosen_overlap" in logs
-        # The embedded data asks a prompt several times with other answer pairs (dschat.data.prompt_columns).
-        assert "so reward and judge functions and --env get the first such row's fields" in logs
 
 
 @pytest.mark.slow

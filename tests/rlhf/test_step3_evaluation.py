@@ -460,8 +460,7 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dir
     out = tmp_path / "out"
     result = step3_main().main(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "1", "--eval_prompts",
                                      "5", "--eval_judge", "reward_fixtures:chosen_overlap", "--save_best_by", "proxy",
-                                     "--eval_judge", str(critic_dirs["tiny-opt"]), "--stop_on_overoptimization",
-                                     "--shared_prompt_fields", "first"))
+                                     "--eval_judge", str(critic_dirs["tiny-opt"]), "--stop_on_overoptimization"))
     logs = capsys.readouterr().out
     assert len(result.history) == 2 and [r["global_step"] for r in result.evaluations] == [0, 1, 2]
     assert "[eval] OVER-OPTIMIZATION at step 2" in logs and "--stop_on_overoptimization: ending the run at step 2" in logs

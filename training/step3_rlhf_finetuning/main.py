@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.remote_reward import plain_http_warning, remote_reward_function
-from dschat.rewards import RewardFunction, RewardMix, columns_taken, load_reward_functions
+from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
 from dschat.runtime.dist import print_rank_0
 from dschat.runtime.import_guards import freeze_imported
 
@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from torch.utils.data import DataLoader
     from transformers import PreTrainedTokenizerBase
 
-    from dschat.data.prompt_columns import PromptColumns
     from dschat.rlhf.config import AlgorithmSettings, BatchPlan
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
@@ -160,25 +159,6 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     return prompt_loader, unsup_loader, total_iters
 
 
-def check_shared_prompts(columns: PromptColumns, args: argparse.Namespace, functions: Sequence[RewardFunction],
-                         rank: int) -> None:
-    """Prompts that dataset rows with differing fields share (:mod:`dschat.data.prompt_columns`):
-    ``--shared_prompt_fields refuse`` refuses a ``--reward_fn`` or ``--eval_judge`` function that
-    reads such a field (exit 2), before any model loads; one note says what the functions and the
-    environment get."""
-    read, any_kwargs = columns_taken(functions)
-    columns.refuse = args.shared_prompt_fields == "refuse"
-    if columns.refuse:
-        columns.refuse_shared(read)
-        what = "; ".join([*(["functions that take **kwargs get the first such row's"] if any_kwargs else []),
-                          *(["an --env that reads one of them stops the run"] if args.env else [])])
-    else:
-        what = "reward and judge functions and --env get the first such row's fields"
-    notice = columns.shared_notice(what) if what else None
-    if notice is not None:
-        print_rank_0(notice, rank)
-
-
 def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None) -> Step3Result:
     """Run step 3. ``reward_fn(prompts, answers) -> scores`` (decoded strings) is a reward function
     like ``--reward_fn``'s: it replaces the reward model unless ``--reward_model_weight`` is given."""
@@ -239,11 +219,12 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         print_rank_0(line, ctx.rank)
     prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank,
                                                                    settings.num_generations)
+    if args.shared_prompt_fields is not None:
+        print_rank_0("note: --shared_prompt_fields is no longer needed and is ignored: every prompt carries its dataset "
+                     "row, so reward functions, judges and --env get their own row's fields", ctx.rank)
     readers = [*mix.functions, *(judge.fn for judge in judges if judge.fn is not None)]  # of the dataset's columns
     columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
                                    tokenizer) if readers or args.env else None)
-    if columns is not None:
-        check_shared_prompts(columns, args, readers, ctx.rank)
     eval_items = heldout_prompt_items(args, tokenizer, ctx.local_rank) if args.eval_interval else []
 
     # ---------------------------------------------------------------- engines and trainer

@@ -58,14 +58,13 @@ from deepspeed import DeepSpeedEngine
 from transformers import PreTrainedTokenizerBase
 
 from dschat.cli.step3 import EVAL_INTERVAL_AUTO
-from dschat.data.collators import DataCollatorRLHF, drop_padding_columns
+from dschat.data.collators import SOURCES_KEY, DataCollatorRLHF, drop_padding_columns
 from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
 from dschat.data.token_dataset import PromptItem
 from dschat.eval.metrics_file import EVAL_KIND
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.save import save_hf_model
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
-from dschat.rewards import columns_taken
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
@@ -185,11 +184,8 @@ class StepThreeEvaluation:
             return
         self._columns = trainer.prompt_columns
         if self._columns is None and any(j.fn is not None for j in self.judges):
-            # Step 3's main loads the columns (and refuses a judge reading a field that rows sharing a
-            # prompt differ in); a caller without them gets that refusal here.
             self._columns = load_prompt_columns(config.data_path, config.data_split, config.seed,
                                                 config.data_output_path, config.local_rank, trainer.tokenizer)
-            self._columns.refuse_shared(columns_taken(j.fn for j in self.judges if j.fn is not None)[0])
         for judge in self.judges:
             if judge.folder is not None:
                 self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
@@ -322,7 +318,8 @@ class StepThreeEvaluation:
                     torch.manual_seed(int(config.seed) + EVAL_SEED_OFFSET + number)
                     batch = to_device(collator([self.items[at] for _, at in chunk]), trainer.device)
                     batch = drop_padding_columns(batch, "prompt_att_mask", side="left")
-                    self._score_batch(batch["prompt"], batch["prompt_att_mask"], [i for i, _ in chunk], rows)
+                    self._score_batch(batch["prompt"], batch["prompt_att_mask"], [i for i, _ in chunk], rows,
+                                      batch.get(SOURCES_KEY))
         finally:
             random.setstate(py_state)
             np.random.set_state(np_state)
@@ -331,10 +328,13 @@ class StepThreeEvaluation:
         return rows
 
     @torch.no_grad()
-    def _score_batch(self, prompts: torch.Tensor, mask: torch.Tensor, index: list[int], rows: _Rows) -> None:
-        """Generate, then score one batch of prompts. Shapes: prompts, mask (B, P) left-padded."""
+    def _score_batch(self, prompts: torch.Tensor, mask: torch.Tensor, index: list[int], rows: _Rows,
+                     sources: torch.Tensor | None = None) -> None:
+        """Generate, then score one batch of prompts. Shapes: prompts, mask (B, P) left-padded;
+        ``sources`` (B, 3): their dataset rows (:mod:`dschat.data.prompt_columns`), or None."""
         trainer = self.trainer
-        generated = trainer.experience.generate_answers(prompts, mask, 0, show=False)  # answers, or --env's episodes
+        # answers, or --env's episodes
+        generated = trainer.experience.generate_answers(prompts, mask, 0, show=False, sources=sources)
         seq = generated.seq  # (B, L)
         trainer.generator.scoring_mode()
         att, pos = generated.masks.attention_mask, generated.masks.position_ids
@@ -348,13 +348,13 @@ class StepThreeEvaluation:
         ref_logits = trainer.ref_model(seq, attention_mask=att, position_ids=pos, use_cache=False).logits
         ref_logprobs = trainer._log_probs(ref_logits, seq)[:, P - 1:].float()
         del ref_logits
-        proxy = trainer._reward_scores(prompts, mask, seq, att, pos).float()
+        proxy = trainer._reward_scores(prompts, mask, seq, att, pos, sources=sources).float()
         answer_mask = att[:, P:].float()  # (B, A'): the actor's tokens (an episode's observations left out)
         if generated.env_reward is not None:  # an episode's return: its turn rewards too
             proxy = proxy + generated.env_reward.to(proxy.device)
             answer_mask = answer_mask * (1 - generated.observation_mask[:, P - 1:].float())
         texts = trainer._decode_for_hook(prompts, mask, seq, att)
-        judged = self._judge(prompts, mask, seq, att, texts)
+        judged = self._judge(prompts, mask, seq, att, texts, sources)
         ended = generated.ended
         keep = [k for k, i in enumerate(index) if i >= 0]
         kl = ((logprobs - ref_logprobs) * answer_mask).sum(-1)
@@ -370,13 +370,13 @@ class StepThreeEvaluation:
                 rows.judges[name].append(float(scores[k]))
 
     def _judge(self, prompts: torch.Tensor, mask: torch.Tensor, seq: torch.Tensor, att: torch.Tensor,
-               texts: tuple[list[str], list[str]]) -> dict[str, list[float]]:
+               texts: tuple[list[str], list[str]], sources: torch.Tensor | None = None) -> dict[str, list[float]]:
         """Every judge's score per answer. A judge's failure on any rank stops every rank with its line."""
         def judged() -> dict[str, list[float]]:
             out: dict[str, list[float]] = {}
             columns = None
             if self._columns is not None and any(j.fn is not None for j in self.judges):
-                columns = self._columns.for_batch(prompts, mask, texts[0])
+                columns = self._columns.for_batch(prompts, mask, texts[0], sources)
             for judge in self.judges:
                 if judge.fn is not None:
                     out[judge.name] = judge.fn(texts[0], texts[1], columns)
