@@ -26,6 +26,7 @@ import torch
 
 from dschat.data.dispatch import get_raw_dataset
 from dschat.data.phases import select_phase_rows
+from dschat.data.prompt_dataset import DEFAULT_SEED
 from dschat.data.token_dataset import PromptSource
 from dschat.data.tokenization import TOKENIZE_BATCH
 from dschat.errors import UserError
@@ -111,7 +112,8 @@ class PromptColumns:
         if sources is None:
             return [self._by_tokens(key, i, prompt_texts) for i, key in enumerate(keys)]
         if tuple(sources.shape) != (len(keys), 3):
-            raise ValueError(f"sources must be ({len(keys)}, 3), got {tuple(sources.shape)}")
+            raise UserError(f"dataset columns: prompt_sources must be ({len(keys)}, 3) for {len(keys)} prompts, got "
+                            f"{tuple(sources.shape)}; pass the batch's own prompt_sources")
         return [self._by_source(key, tuple(source), i, prompt_texts)
                 for i, (key, source) in enumerate(zip(keys, sources.tolist()))]
 
@@ -133,11 +135,14 @@ class PromptColumns:
         return self.records[source].fields
 
 
-def load_prompt_columns(data_path: Sequence[str], data_split: str, seed: int | None, output_path: str,
+def load_prompt_columns(data_path: Sequence[str] | str, data_split: str, seed: int | None, output_path: str,
                         local_rank: int, tokenizer: Any) -> PromptColumns:
     """Read the phase-3 rows (train and eval) of every ``--data_path`` entry, each under its
     :data:`~dschat.data.token_dataset.PromptSource` (the numbering of
     :func:`dschat.data.tokenization.create_dataset_split`: a row without a prompt keeps its position)."""
+    if isinstance(data_path, str):
+        data_path = [data_path]
+    seed = DEFAULT_SEED if seed is None else seed  # as create_prompt_dataset
     records: dict[PromptSource, PromptRecord] = {}
     for index, name in enumerate(data_path):
         raw = get_raw_dataset(name, output_path, seed, local_rank)

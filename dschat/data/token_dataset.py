@@ -129,6 +129,11 @@ class PromptItem(_PromptFields):
         item.source = source
         return item
 
+    def _replace(self, **changes: Any) -> "PromptItem":
+        item = super()._replace(**changes)
+        item.source = self.source
+        return item
+
 
 class PromptDataset(Dataset):
     """Tokenised rows of one phase; item types as upstream (see the module docstring).

@@ -62,12 +62,13 @@ def create_dataset_split(
     tokenizer: Any,
     end_of_conversation_token: str,
     max_seq_len: int,
-    source: tuple[int, int] = (0, 0),
+    source: tuple[int, int] | None = None,
 ) -> PromptDataset:
     """Tokenise one split of one dataset for ``train_phase`` (upstream's function, batched).
 
     Phase 3: ``source`` is ``(--data_path entry, split)`` (0 train, 1 eval); each prompt's
-    :data:`~dschat.data.token_dataset.PromptSource` ends with its position in ``current_dataset``."""
+    :data:`~dschat.data.token_dataset.PromptSource` ends with its position in ``current_dataset``.
+    Without it (upstream's call) the prompts have no sources."""
     padding_side = getattr(tokenizer, "padding_side", "right")
     filtered = 0
     if train_phase == 1:
@@ -92,10 +93,11 @@ def create_dataset_split(
         rows = _tokenize(tokenizer, [p for _, p in found], None) if found else TokenRows.empty()
         keep = (rows.lengths() <= max_seq_len).nonzero().flatten()
         filtered = len(rows) - keep.numel()
-        # Each kept prompt's source (dschat.data.token_dataset.PromptSource): its position in this split.
-        positions = torch.tensor([at for at, _ in found], dtype=torch.long)[keep]
-        sources = torch.stack([torch.full_like(positions, source[0]), torch.full_like(positions, source[1]),
-                               positions], dim=1)
+        sources = None
+        if source is not None:  # each kept prompt's PromptSource: its position in this split
+            positions = torch.tensor([at for at, _ in found], dtype=torch.long)[keep]
+            sources = torch.stack([torch.full_like(positions, source[0]), torch.full_like(positions, source[1]),
+                                   positions], dim=1)
         result = PromptDataset(
             rows.take(keep), None, None, _check_pad(tokenizer), 3,
             max_seq_len=max_seq_len, padding_side=padding_side, filtered=filtered, prompt_sources=sources,
@@ -126,13 +128,15 @@ def create_dataset(
 
 
 def tokenize_selection(
-    sel: PhaseRows, train_phase: int, tokenizer: Any, eot: str, max_seq_len: int, dataset_index: int = 0,
+    sel: PhaseRows, train_phase: int, tokenizer: Any, eot: str, max_seq_len: int, dataset_index: int | None = None,
 ) -> tuple[PromptDataset, PromptDataset]:
-    """(train, eval) of one dataset's selected rows (``dataset_index``: its ``--data_path`` entry); an
-    empty split is refused or warned about (:func:`empty_phase`)."""
+    """(train, eval) of one dataset's selected rows (``dataset_index``: its ``--data_path`` entry, which
+    phase-3 prompts' sources begin with; None: no sources); an empty split is refused or warned about
+    (:func:`empty_phase`)."""
     out = []
     for part, (split, rows) in enumerate((("train", sel.train), ("eval", sel.eval))):
-        ds = create_dataset_split(rows, sel.raw, train_phase, tokenizer, eot, max_seq_len, (dataset_index, part))
+        ds = create_dataset_split(rows, sel.raw, train_phase, tokenizer, eot, max_seq_len,
+                                  None if dataset_index is None else (dataset_index, part))
         if len(ds) == 0 and len(rows) > 0:
             if train_phase == 3:
                 why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens or empty"

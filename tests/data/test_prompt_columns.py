@@ -109,6 +109,15 @@ def test_without_sources_a_shared_prompt_is_one_line_and_others_are_found(data, 
                     look(batch["prompt"], batch["prompt_att_mask"], [text])
 
 
+def test_columns_read_as_the_dataset_is_built(data, tok, tmp_path):
+    """A seed of None means the data's default seed, and one data path may be a string, as in
+    create_prompt_dataset."""
+    columns, _, _ = data
+    folder = guessing_data(tmp_path / "g")
+    again = load_prompt_columns(str(folder), "0,0,1", None, str(tmp_path / "out"), -1, tok)
+    assert {k: r.fields for k, r in again.records.items()} == {k: r.fields for k, r in columns.records.items()}
+
+
 def test_a_source_that_is_not_the_prompts_row_is_one_line(data, tok):
     columns, train, _ = data
     batch = batch_of([train[0], train[1]])
@@ -118,12 +127,20 @@ def test_a_source_that_is_not_the_prompts_row_is_one_line(data, tok):
         columns.for_batch(batch["prompt"], batch["prompt_att_mask"], texts, wrong)
     with pytest.raises(UserError, match=r"is not in the phase-3 data"):
         columns.for_batch(batch["prompt"], batch["prompt_att_mask"], texts, batch[SOURCES_KEY] + torch.tensor([5, 0, 0]))
+    with pytest.raises(UserError, match=r"prompt_sources must be \(2, 3\) for 2 prompts, got \(1, 3\)"):
+        columns.for_batch(batch["prompt"], batch["prompt_att_mask"], texts, batch[SOURCES_KEY][:1])
 
 
-def test_upstreams_three_field_items_and_padding_trim_hold(data):
+def test_upstreams_three_field_items_and_padding_trim_hold(data, tok, tmp_path):
     _, train, _ = data
     item = train[0]
     assert len(item) == 3 and item[-1] == item.pad_token_id and item.source is not None
+    assert item._replace(pad_token_id=7).source == item.source
+    # Upstream's per-dataset function cannot know the data path entry: its prompts have no sources.
+    from dschat.data.tokenization import create_dataset
+    alone, _ = create_dataset(-1, "dschat/builtin", "2,4,4", str(tmp_path), 3, 1234, tok, "<|endoftext|>", 16)
+    assert alone.prompt_sources is None and alone[0].source is None
+    assert SOURCES_KEY not in DataCollatorRLHF(16)([alone[0], alone[1]])
     # A batch exactly as wide as a source (3 columns) keeps its sources whole.
     narrow = DataCollatorRLHF(3)([train[0]])
     trimmed = drop_padding_columns({**narrow, "prompt_att_mask": torch.tensor([[0, 1, 1]])}, "prompt_att_mask",
@@ -148,15 +165,15 @@ def test_field_values_are_the_same_when_equal_or_both_nan():
 def test_step3_gives_each_answer_its_own_rows_secret(algorithm, tmp_path, capsys):
     """Eight guessing rows (two more held out) sharing one prompt, one epoch of two prompts x two
     answers: the reward function and the environment see every training row's own secret once per
-    answer (ReMax: and once for its greedy answer); the held-out judge sees a held-out row's. The
-    retired --shared_prompt_fields is accepted with a note."""
+    answer (ReMax: and once for its greedy answer); the held-out evaluation plays both held-out rows
+    and its judge sees their secrets. The retired --shared_prompt_fields is accepted with a note."""
     rows = [{"prompt": GUESS, "chosen": "5", "secret": i} for i in range(8)]
     data = tmp_path / "guess"
     write_jsonl(data / "train.jsonl", rows)
     write_jsonl(data / "eval.jsonl", [{"prompt": GUESS, "chosen": "5", "secret": 8 + i} for i in range(2)])
     argv = base_argv("tiny-opt", Path("unused"), tmp_path / "cache", "--algorithm", algorithm, "--num_generations", "2",
                      "--reward_fn", "reward_fixtures:reward_secret", "--env", "env_fixtures:reads_secret",
-                     "--max_turns", "1", "--eval_interval", "2", "--eval_prompts", "1",
+                     "--max_turns", "1", "--eval_interval", "2", "--eval_prompts", "2",
                      "--eval_judge", "reward_fixtures:judge_secret", "--num_train_epochs", "1", steps=4)
     i = argv.index("--critic_model_name_or_path")
     del argv[i:i + 2]
@@ -169,7 +186,6 @@ def test_step3_gives_each_answer_its_own_rows_secret(algorithm, tmp_path, capsys
     per_answer = 3 if algorithm == "remax" else 2
     for seen in (reward_fixtures.SECRETS["reward"], env_fixtures.SECRETS_READ):
         assert Counter(s for s in seen if s < 8) == Counter({s: per_answer for s in range(8)})
-        held_out = {s for s in seen if s >= 8}
-        assert len(held_out) == 1 and held_out <= {8, 9}  # the evaluation's one distinct prompt: one row's
-    assert set(reward_fixtures.SECRETS["judge"]) == held_out
+        assert {s for s in seen if s >= 8} == {8, 9}  # with --env the evaluation takes distinct rows
+    assert set(reward_fixtures.SECRETS["judge"]) == {8, 9}
     assert "note: --shared_prompt_fields is no longer needed and is ignored" in capsys.readouterr().out

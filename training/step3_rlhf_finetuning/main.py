@@ -225,7 +225,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     readers = [*mix.functions, *(judge.fn for judge in judges if judge.fn is not None)]  # of the dataset's columns
     columns = (load_prompt_columns(args.data_path, args.data_split, args.seed, args.data_output_path, ctx.local_rank,
                                    tokenizer) if readers or args.env else None)
-    eval_items = heldout_prompt_items(args, tokenizer, ctx.local_rank) if args.eval_interval else []
+    eval_items = heldout_prompt_items(args, tokenizer, ctx.local_rank, columns) if args.eval_interval else []
 
     # ---------------------------------------------------------------- engines and trainer
     rlhf_engine = DeepSpeedRLHFEngine(args.actor_model_name_or_path, args.critic_model_name_or_path, tokenizer,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -13,6 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.adapters.local import builtin_folders
+from dschat.data.prompt_columns import PromptColumns
 from dschat.data.token_dataset import PromptItem
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
@@ -114,18 +116,23 @@ def check_eval_args(args: argparse.Namespace) -> list[Judge]:
     return judges
 
 
-def heldout_prompt_items(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase,
-                         local_rank: int) -> list[PromptItem]:
+def heldout_prompt_items(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, local_rank: int,
+                         columns: PromptColumns | None = None) -> list[PromptItem]:
     """The first ``--eval_prompts`` distinct prompts of the phase-3 eval split (the tokenised cache
-    step 3 already built), in the dataset's fixed order. None there is one :class:`UserError` line."""
+    step 3 already built), in the dataset's fixed order. With ``--env`` and the run's ``columns``,
+    distinct rows: rows that share a prompt are distinct tasks where their fields differ (a guessing
+    game's secrets). None there is one :class:`UserError` line."""
     _, held_out = create_prompt_dataset(
         local_rank, args.data_path, args.data_split, args.data_output_path, 3, args.seed, tokenizer,
         args.max_prompt_seq_len, end_of_conversation_token=args.end_of_conversation_token or tokenizer.eos_token,
     )
+    by_row = columns is not None and bool(getattr(args, "env", None))
     items, seen = [], set()
     for i in range(len(held_out)):
         item = held_out[i]
-        key = tuple(item[0][item[1].bool()].tolist())
+        key: tuple = tuple(item[0][item[1].bool()].tolist())
+        if by_row and item.source is not None:
+            key = (key, json.dumps(columns.records[item.source].fields, sort_keys=True, default=repr))
         if key in seen:
             continue
         seen.add(key)
