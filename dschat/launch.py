@@ -20,6 +20,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main
+from dschat.paths import STARTED_FILE_VAR
 from dschat.multinode import (DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
                               check_remote_safe, flag_values, forwarded_secrets, free_port, launch_hosts, rank_env,
                               rank_env_additions, secret_env_lines, user_env_files, write_rank_env_file)
@@ -271,6 +273,9 @@ def plan(
 # -------------------------------------------------------------------------------------------------
 # Running: tee to the terminal and to training.log
 # -------------------------------------------------------------------------------------------------
+KEPT_LOGS = 5  # earlier runs' logs kept beside training.log (training.log.1: the latest)
+
+
 class _LogTee:
     """Writes to ``path`` through one handle opened at the start.
 
@@ -278,9 +283,9 @@ class _LogTee:
     would take an open ``training.log`` with the old folder. The handle keeps the data readable, and
     :meth:`close` puts the complete log back at ``path`` when the file there is not ours any more.
 
-    A step that refuses its input (exit code 2) has done nothing, so ``close(discard=True)`` leaves
-    the output folder as it was: the previous run's log (moved aside meanwhile) comes back, and
-    folders created for the log are removed.
+    A step that refused its input (exit code 2 before it started up) did nothing: ``close(discard=True)``
+    puts the previous run's log (moved aside meanwhile) back and removes the folders made for the log.
+    Else the previous log becomes ``training.log.1`` (older ones ``.2`` ... ``.{KEPT_LOGS}``).
     """
 
     def __init__(self, path: Path):
@@ -327,8 +332,11 @@ class _LogTee:
             with open(self.path, "wb") as fresh:
                 shutil.copyfileobj(self.handle, fresh)
         self.handle.close()
-        if self.previous is not None:
-            self.previous.unlink(missing_ok=True)
+        if self.previous is not None and self.previous.exists():  # it becomes .1, each older one moves up
+            for n in range(KEPT_LOGS - 1, 0, -1):
+                if (older := self.path.with_name(f"{self.path.name}.{n}")).is_file():
+                    os.replace(older, self.path.with_name(f"{self.path.name}.{n + 1}"))
+            os.replace(self.previous, self.path.with_name(f"{self.path.name}.1"))
 
 
 def _terminal_writer() -> Callable[[bytes], None]:
@@ -363,8 +371,8 @@ def run(
     """Run the plan; stream its merged stdout/stderr to ``sink`` (the terminal) and the log.
 
     Returns the exit code (``128 + signal`` when the process died of a signal, as a shell reports
-    it), the wall time, and an out-of-memory diagnosis when the run failed like one. When the step
-    refuses its input (exit code 2) the log is not kept and the output folder is left as it was.
+    it), the wall time, and an out-of-memory diagnosis when the run failed like one. A step that refused
+    its input (exit 2 before it started up) leaves no log: the output folder is as it was.
     """
     sink = sink or _terminal_writer()
     env = dict(os.environ)
@@ -378,6 +386,8 @@ def run(
     env_file = write_rank_env_file(launch.rank_env, os.environ, os.getcwd()) if multi_node else None
     if env_file is not None:
         env[ENV_FILE_VAR] = str(env_file)  # absolute: DeepSpeed reads it instead of ~/ and ./.deepspeed_env
+    started = Path(tempfile.mkdtemp(prefix="dschat-launch-")) / "started"  # the step creates it (dschat.paths)
+    env[STARTED_FILE_VAR] = str(started)
     tee = _LogTee(launch.log_path) if log and launch.log_path is not None else None
     header = f"{PREFIX} {launch.command_line()}\n".encode()
     if env_file is not None and launch.rank_env:
@@ -421,8 +431,9 @@ def run(
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        if tee:
-            tee.close(discard=proc.returncode == EXIT_USAGE)
+        if tee:  # exit 2 before the step started up: it refused its input and did nothing
+            tee.close(discard=proc.returncode == EXIT_USAGE and not started.exists())
+        shutil.rmtree(started.parent, ignore_errors=True)
         if env_file is not None:
             shutil.rmtree(env_file.parent, ignore_errors=True)
     if returncode < 0:

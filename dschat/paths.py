@@ -25,12 +25,18 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 # (dschat.rlhf.heldout.evaluation writes them, the report reads them).
 BEST_DIR = "best"
 BEST_FILE = "best.json"
+# A run with no evaluation to continue keeps an earlier run's BEST_DIR under this name.
+EARLIER_BEST_DIR = "best.earlier"
 # The embedded preference dataset's ``train.jsonl`` / ``eval.jsonl`` (shipped inside the package):
 # written by dschat.data.builtin, read by it and, as its tokenizer corpus, by dschat.models.tiny.
 BUILTIN_DATA_DIR = Path(__file__).parent / "data" / "builtin_prefs"
 # ``dschat/builtin-samples``: gold-labelled pairs of an SFT actor's own answers (the CPU demo's step 2
 # reads them beside dschat/builtin), written by dschat.eval.sample_pairs.
 BUILTIN_SAMPLES_DIR = BUILTIN_DATA_DIR / "samples"
+# Set by the launcher (dschat.launch) for a step it runs: a file the step creates once its flags are
+# checked and it starts up (dschat.training.run_setup.setup_run), so that the launcher can tell a
+# step that refused its input (exit code 2, nothing done: its log is dropped) from one that failed later.
+STARTED_FILE_VAR = "DSCHAT_STARTED_FILE"
 # ``dschat/wordgame``: the multi-turn demo's prompts (a ``word`` column beside each), written and read
 # by dschat.data.wordgame.
 WORDGAME_DATA_DIR = Path(__file__).parent / "data" / "wordgame"

@@ -434,11 +434,17 @@ def get_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+#: A launcher's global rank before start-up: deepspeed/torchrun, Open MPI, PMI, MVAPICH, Slurm's srun.
+_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
 def get_rank() -> int:
-    """Global rank of the initialised group, else ``$RANK``, else 0."""
+    """Global rank of the initialised group, else the launcher's (the first of ``$RANK``,
+    ``$OMPI_COMM_WORLD_RANK``, ``$PMI_RANK``, ``$MV2_COMM_WORLD_RANK``, ``$SLURM_PROCID`` set), else 0.
+    An MPI launch sets no ``RANK`` before start-up: without the others, every process would be rank 0."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
-    return int(os.environ.get("RANK", "0"))
+    return int(next((os.environ[name] for name in _RANK_ENV if os.environ.get(name, "").isdigit()), "0"))
 
 
 def is_rank_0() -> bool:

@@ -60,7 +60,7 @@ from safetensors.torch import load_file, save_file
 
 from dschat.errors import UserError, first_line
 from dschat.models.save import recover_output_dir
-from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_world_size, print_rank_0
+from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, get_world_size, print_rank_0
 from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
@@ -545,7 +545,9 @@ def check_checkpoint_args(args: Any) -> None:
     source = getattr(args, "resume_from", None)
     if getattr(args, "resume", False) and source:
         raise UserError("pass either --resume (the newest checkpoint in --output_dir) or --resume_from DIR, not both")
-    first = os.environ.get("RANK", "0") == "0"  # the other ranks' views are compared after start-up
+    # Before start-up: the launcher's rank (MPI launchers set no RANK yet). The other ranks' views are
+    # compared after start-up.
+    first = get_rank() == 0
     if args.output_dir and first:  # one process renames
         for notice in recover_output_dir(args.output_dir):
             print(f"[checkpoint] {notice}", flush=True)

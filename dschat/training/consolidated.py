@@ -421,9 +421,15 @@ def resume_on_new_shape(folder: Path, engines: Mapping[str, Any], rank: int, pos
     The data position goes through :func:`convert_batches_done` with ``loaders`` (this run's training
     loaders); the micro-step count becomes the optimizer steps times this run's gradient accumulation
     (checkpoints are written at optimizer steps). One line says the run resumed on another shape.
+    On the same shape the data position is checked (and converted) the same way: another dataset
+    size, seed or shuffle, or a batch size it is not a whole number of batches of, is one line.
     """
     reshape = reshape_of(folder, engines)
     if reshape is None:
+        saved = _read_record(folder)
+        if saved and saved.get("data") and loaders and position.epoch_micro_steps:
+            position.epoch_micro_steps = convert_batches_done(position.epoch_micro_steps, saved["data"],
+                                                              [loader_order(x) for x in loaders])
         return None
     record = reshape.record
     done = position.epoch_micro_steps

@@ -3,9 +3,11 @@ then distributed start-up, the dtype and the seed (:func:`setup_run`), giving th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from dataclasses import dataclass
-from typing import Iterable
+from pathlib import Path
+from typing import Callable, Iterable, Mapping
 
 import torch
 
@@ -13,6 +15,8 @@ from dschat.data.cache import check_data_output_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
+from dschat.models.save import is_model_artifact
+from dschat.paths import STARTED_FILE_VAR
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
 from dschat.runtime.fs import check_writable_dir
@@ -63,13 +67,40 @@ def check_output_paths(args: argparse.Namespace) -> None:
         check_writable_dir(args.tensorboard_path, "--tensorboard_path")
 
 
-def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_name_or_path",)) -> None:
+def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_name_or_path",),
+                outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]] | None = None) -> None:
     """Bad model and dataset paths fail here: before distributed start-up, before anything is loaded
-    or written (the rows themselves are checked when the data is read, still before any model)."""
+    or written (the rows themselves are checked when the data is read, still before any model). No
+    model is saved over an input model (:func:`refuse_saving_over_inputs`; ``outputs`` default: steps
+    1 and 2's model in ``--output_dir``)."""
     for flag in model_flags:
         resolve_model_path(getattr(args, flag))
     for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
         resolve_dataset(name)
+    if outputs is None:
+        outputs = {"the model": (args.output_dir, is_model_artifact)} if getattr(args, "output_dir", None) else {}
+    refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags}, outputs)
+
+
+def refuse_saving_over_inputs(inputs: Mapping[str, str | None],
+                              outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]]) -> None:
+    """One line when a folder the run saves a model into would replace one of its input models (the
+    run would read the input, then destroy it). ``inputs``: flag -> model name or path (hub ids and
+    short names, not local folders, are skipped); ``outputs``: what is saved -> (folder, ``owns``, the
+    entry names the save replaces there; None: it replaces the whole folder). Refused: an input that
+    is an output folder, or lies inside an entry of one that the save replaces."""
+    for flag, name in inputs.items():
+        local = Path(str(name)).expanduser() if name else None
+        if local is None or not local.is_dir():
+            continue
+        src = local.resolve()
+        for what, (folder, owns) in outputs.items():
+            out = Path(folder).expanduser().resolve()
+            inside = out in src.parents and (owns is None or owns(src.relative_to(out).parts[0]))
+            if src == out or inside:
+                where = "is the folder" if src == out else "is inside the folder"
+                raise UserError(f"{flag} {name} {where} this run saves {what} into ({folder}), so the save would "
+                                "replace the model it trains from; give another --output_dir")
 
 
 @dataclass(frozen=True)
@@ -100,6 +131,10 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     unchanged there.
     """
     quiet_transformers()
+    started = os.environ.get(STARTED_FILE_VAR)
+    if started:  # the launcher keeps this run's log whatever its exit code (dschat.launch)
+        with contextlib.suppress(OSError):
+            Path(started).touch()
     info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
     dtype = resolve_dtype(args.dtype)

@@ -37,6 +37,8 @@ FAKE_MAIN = textwrap.dedent(
         os.replace(out, out + ".old"); os.makedirs(out)
         open(os.path.join(out, "config.json"), "w").write("{}")
         shutil.rmtree(out + ".old")
+    if os.environ.get("FAKE_STARTED"):  # as dschat.training.run_setup.setup_run does
+        open(os.environ["DSCHAT_STARTED_FILE"], "w").close()
     print(os.environ.get("FAKE_MESSAGE", "done"), flush=True)
     sys.exit(int(os.environ.get("FAKE_RC", "0")))
     """
@@ -187,11 +189,30 @@ def test_a_step_refusing_its_input_leaves_the_output_folder_as_it_was(fake_root,
     assert result.returncode == 2 and b"error: bad flag" in sink.data  # shown on the terminal
     assert sorted(p.name for p in previous.iterdir()) == ["training.log"]
     assert (previous / "training.log").read_text() == "the previous run's log\n"
-    monkeypatch.setenv("FAKE_RC", "1")  # any other failure keeps the new log, as before
+    monkeypatch.setenv("FAKE_RC", "1")  # any other failure keeps the new log, and the previous one as .1
     assert L.run(L.plan(recipe, {"output_dir": str(previous)}, kind="python", repo_root=fake_root),
                  sink=Sink()).returncode == 1
-    assert sorted(p.name for p in previous.iterdir()) == ["training.log"]
+    assert sorted(p.name for p in previous.iterdir()) == ["training.log", "training.log.1"]
     assert "error: bad flag" in (previous / "training.log").read_text()
+    assert (previous / "training.log.1").read_text() == "the previous run's log\n"
+
+
+def test_a_step_failing_with_exit_2_after_it_started_keeps_its_log_and_earlier_logs_are_kept(fake_root, tmp_path,
+                                                                                               monkeypatch):
+    """Exit code 2 is also a full disk at the final save, or a run that diverged: after the step started
+    up (it said so through DSCHAT_STARTED_FILE) its log stays. Earlier logs shift up to training.log.5."""
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+    out = tmp_path / "out"
+    monkeypatch.setenv("FAKE_STARTED", "1")
+    for run in range(7):
+        monkeypatch.setenv("FAKE_MESSAGE", f"run {run}")
+        monkeypatch.setenv("FAKE_RC", "2" if run == 6 else "0")
+        assert L.run(L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root),
+                     sink=Sink()).returncode == (2 if run == 6 else 0)
+    assert sorted(p.name for p in out.iterdir()) == ["training.log"] + [f"training.log.{n}" for n in range(1, 6)]
+    assert "run 6" in (out / "training.log").read_text()
+    assert ["run 5" in (out / f"training.log.{n}").read_text() for n in range(1, 6)] == [True] + [False] * 4
+    assert "run 1" in (out / "training.log.5").read_text()
 
 
 def test_output_dir_under_a_file_is_refused_before_the_log_is_opened(fake_root, tmp_path, capsys):

@@ -163,6 +163,63 @@ def test_the_run_reports_a_non_finite_mean_and_later_finite_evaluations_compete(
     assert evaluation.maybe_evaluate(5)["new_best"] and saved == [1, 4, 5]
 
 
+def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypatch, capsys):
+    """After a roll back to an earlier checkpoint (or a kill between a best save and the next
+    checkpoint), best/ may hold models that score higher than the checkpoint's best: only a higher
+    evaluation replaces them. A best.json by another series, or unreadable, is no bar."""
+    from types import SimpleNamespace
+
+    saved = []
+    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank: saved.append(info["step"]))
+    args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="judge", output_dir=str(tmp_path),
+                           stop_on_overoptimization=False)
+    trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,
+                              rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
+    (tmp_path / "best").mkdir()
+
+    def evaluation_after_resume(on_disk: str, checkpoint_best: dict | None) -> ev.StepThreeEvaluation:
+        (tmp_path / "best" / "best.json").write_text(on_disk)
+        evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())])
+        state = {"history": [], "best": checkpoint_best, "alarms": [], "seconds": [0.0, 0.0, 0.0]}
+        evaluation.restore(SimpleNamespace(extra={"evaluation": state}))
+        return evaluation
+
+    def evaluate(evaluation: ev.StepThreeEvaluation, step: int, judge: float) -> bool:
+        rows = ev._Rows([0], [0.0], {"j": [judge]}, [0.0], [0.0], [1], [True])
+        monkeypatch.setattr(evaluation, "_evaluate_shard", lambda: rows)
+        return evaluation.maybe_evaluate(step)["new_best"]
+
+    evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0}', {"step": 2, "by": "j", "score": 1.0})
+    assert evaluation.best == {"step": 6, "by": "j", "score": 2.0}
+    assert "the best models in" in capsys.readouterr().out
+    assert not evaluate(evaluation, 3, 1.5) and evaluate(evaluation, 4, 2.5) and saved == [4]
+    # The checkpoint's best is higher, or best.json is another series' or damaged: the checkpoint's stays.
+    for on_disk in ('{"step": 6, "by": "j", "score": 0.5}', '{"step": 6, "by": "proxy", "score": 9.0}', '{"step": 6'):
+        evaluation = evaluation_after_resume(on_disk, {"step": 2, "by": "j", "score": 1.0})
+        assert evaluation.best == {"step": 2, "by": "j", "score": 1.0}
+
+
+def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_aside(tmp_path, monkeypatch, capsys):
+    """A fresh run's first evaluation, of the starting models, would replace an earlier run's best/:
+    that folder becomes best.earlier/ (an older best.earlier/ goes) before anything is evaluated."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank: None)
+    args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="judge", output_dir=str(tmp_path),
+                           stop_on_overoptimization=False)
+    trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,
+                              rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
+    for run in ("first", "second"):
+        (tmp_path / "best").mkdir()
+        (tmp_path / "best" / "best.json").write_text(f'{{"step": 6, "by": "j", "score": 2.0, "run": "{run}"}}')
+        evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())])
+        evaluation.restore(None)
+        assert evaluation.best is None and not (tmp_path / "best").exists()
+        assert f'"run": "{run}"' in (tmp_path / "best.earlier" / "best.json").read_text()
+        assert f"held an earlier run's best models: now in {tmp_path / 'best.earlier'}" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.earlier"]
+
+
 # ------------------------------------------------------------------------------------ ranks and cost
 
 def test_eval_batches_are_the_same_for_any_number_of_ranks():

@@ -226,3 +226,31 @@ def test_a_position_that_is_not_whole_batches_here_is_one_line():
     other = dict(new, seed=8)
     with pytest.raises(UserError, match="the training data's seed is 8 here but was 7"):
         consolidated.convert_batches_done(2, [old], [other])
+
+
+def test_on_the_same_shape_the_data_position_is_checked_and_converted_too(tmp_path):
+    """A checkpoint that DeepSpeed's own files can load (same world size and ZeRO stage) still
+    carries its data order: another seed or dataset size is one line, another batch size converted."""
+    from types import SimpleNamespace
+
+    folder = tmp_path / "step_4"
+    (folder / consolidated.FOLDER).mkdir(parents=True)
+    saved = consolidated.loader_order(loader(23, 1, 0, 2))
+    (folder / consolidated.FOLDER / consolidated.STATE).write_text(json.dumps(
+        {"format": consolidated.FORMAT_VERSION, "world_size": 1, "data": [saved], "engines": {"e": {"zero_stage": 0}}}))
+    engines = {"e": SimpleNamespace(zero_optimization_stage=lambda: 0)}
+
+    def resumed(now: torch.utils.data.DataLoader, done: int = 4) -> int:
+        position = SimpleNamespace(epoch=0, epoch_micro_steps=done, micro_steps=4, optimizer_steps=4)
+        assert consolidated.resume_on_new_shape(folder, engines, 0, position, [now]) is None  # DeepSpeed's files fit
+        return position.epoch_micro_steps
+
+    assert resumed(loader(23, 1, 0, 2)) == 4
+    assert resumed(loader(23, 1, 0, 4)) == 2  # 8 rows done: two batches of 4
+    with pytest.raises(UserError, match="the training data's dataset_size is 30 here but was 23"):
+        resumed(loader(30, 1, 0, 2))
+    other = loader(23, 1, 0, 2)
+    other.sampler.seed = 8
+    with pytest.raises(UserError, match="the training data's seed is 8 here but was 7"):
+        resumed(other)
+    assert resumed(other, done=0) == 0  # at an epoch's start nothing is skipped

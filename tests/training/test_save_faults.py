@@ -564,3 +564,24 @@ def test_a_reader_refuses_a_model_folder_a_stopped_save_left_half_replaced_and_t
     proc = subprocess.run([sys.executable, "-m", "dschat.models.save", "--recover", str(tmp_path / "none")],
                           capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2 and proc.stderr.startswith("error: --recover") and proc.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID"])
+def test_under_an_mpi_launch_only_rank_0_recovers_an_interrupted_save_at_start_up(variable, tmp_path, monkeypatch):
+    """An MPI launcher sets no RANK before start-up: every process calling the recovery at once could
+    move the finished files aside twice and delete them. Only the launcher's rank 0 recovers."""
+    folder = _model_save_killed_between_renames(tmp_path / "out")
+    args = type("Args", (), {"output_dir": str(folder), "resume_from": None, "resume": False, "save_interval": 0,
+                             "keep_checkpoints": 2, "max_nonfinite_steps": 0})()
+    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # before start-up (an earlier test's group)
+    left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+    assert any(name.startswith(".dschat-staging-") for name in left)
+    monkeypatch.setenv(variable, "1")
+    ckpt.check_checkpoint_args(args)
+    assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == left  # not touched
+    monkeypatch.setenv(variable, "0")
+    ckpt.check_checkpoint_args(args)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert (folder / "model.safetensors").read_bytes() == b"new weights"

@@ -91,9 +91,11 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     functions alone needs none."""
     from dschat.models.registry import resolve_model_path
     from dschat.models.reward_model import check_critic_folder
+    from dschat.models.save import is_model_artifact
+    from dschat.paths import BEST_DIR
     from dschat.training import run_setup
 
-    run_setup.check_paths(args, ("actor_model_name_or_path",))
+    run_setup.check_paths(args, ("actor_model_name_or_path",), outputs={})  # its outputs: below
     needs_critic = settings is None or settings.critic
     needs_reward_model = mix is None or mix.uses_model
     critic, reward = args.critic_model_name_or_path, getattr(args, "reward_model_name_or_path", None)
@@ -108,6 +110,15 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     for flag, name in (("--critic_model_name_or_path", critic), ("--reward_model_name_or_path", reward)):
         if name is not None:
             check_critic_folder(resolve_model_path(name), name, flag)
+    if args.output_dir:
+        out = Path(args.output_dir)
+        saved = {"the actor": (out / "actor", is_model_artifact),
+                 **({"the critic": (out / "critic", is_model_artifact)} if needs_critic else {}),
+                 **({"the EMA actor": (out / "actor_ema", is_model_artifact)} if args.enable_ema else {}),
+                 **({"the best models": (out / BEST_DIR, None)} if args.eval_interval else {})}
+        run_setup.refuse_saving_over_inputs({"--actor_model_name_or_path": args.actor_model_name_or_path,
+                                             "--critic_model_name_or_path": critic,
+                                             "--reward_model_name_or_path": reward}, saved)
     run_setup.check_output_paths(args)
 
 

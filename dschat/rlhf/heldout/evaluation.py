@@ -44,13 +44,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import shutil
 import statistics
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, ContextManager, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -64,7 +66,7 @@ from dschat.data.token_dataset import PromptItem
 from dschat.eval.metrics_file import EVAL_KIND
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.save import save_hf_model
-from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
+from dschat.paths import BEST_DIR, BEST_FILE, EARLIER_BEST_DIR, METRICS_FILE
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
@@ -213,12 +215,52 @@ class StepThreeEvaluation:
         return position
 
     def restore(self, position: TrainingPosition | None) -> None:
-        """Continue the series, best evaluation and alarms of the checkpoint a run resumes from."""
-        if not self.enabled or position is None:
+        """Continue the series, best evaluation and alarms of the checkpoint a run resumes from
+        (``position``; None: nothing to resume). Best models already in ``best/`` that score higher
+        (by the same series) stay the best so far: after a roll back to an earlier checkpoint, or a
+        kill between their save and the next checkpoint, only a better evaluation replaces them. A run
+        with no evaluation to continue sets an earlier run's ``best/`` aside first (rank 0)."""
+        if not self.enabled:
             return
-        state = position.extra.get("evaluation")
-        if not state:
+        state = position.extra.get("evaluation") if position is not None else None
+        if state:
+            self._restore_state(state)
+        elif self.rank == 0:
+            self._set_earlier_best_aside()
+        saved = gather_json(self._saved_best() if self.rank == 0 else None)[0]  # rank 0's reading: every rank agrees
+        if saved is not None and (self.best is None or not _finite(self.best["score"])
+                                  or saved["score"] > self.best["score"]):
+            self.best = saved
+            print_rank_0(f"[eval] the best models in {self.output_dir / BEST_DIR} (step {saved['step']}, "
+                         f"{saved['by']} {saved['score']:.4f}) stay the best so far: only a higher score replaces "
+                         "them", self.rank)
+
+    def _set_earlier_best_aside(self) -> None:
+        """An earlier run's ``best/`` becomes ``best.earlier/`` (replacing an older one): this run's
+        first evaluation, of the starting models, would replace it."""
+        if self._best_series() is None or self.output_dir is None or not (self.output_dir / BEST_DIR).exists():
             return
+        best, earlier = self.output_dir / BEST_DIR, self.output_dir / EARLIER_BEST_DIR
+        if earlier.exists():
+            older = self.output_dir / f".{EARLIER_BEST_DIR}-{os.getpid()}"
+            os.replace(earlier, older)
+            shutil.rmtree(older, ignore_errors=True)
+        os.replace(best, earlier)
+        print(f"[eval] {best} held an earlier run's best models: now in {earlier}", flush=True)
+
+    def _saved_best(self) -> dict[str, object] | None:
+        """``best/best.json``'s step, series and score if by this run's series and finite, else None."""
+        series = self._best_series()
+        if series is None or self.output_dir is None:
+            return None
+        try:
+            info = json.loads((self.output_dir / BEST_DIR / BEST_FILE).read_text(encoding="utf-8"))
+            saved = {"step": int(info["step"]), "by": info["by"], "score": info["score"]}
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return saved if saved["by"] == series and _finite(saved["score"]) else None
+
+    def _restore_state(self, state: dict[str, Any]) -> None:
         self.history = [EvalPoint(p["step"], tuple(p["proxy"]), {k: tuple(v) for k, v in p["judges"].items()})
                         for p in state["history"]]
         self.best, self.alarms = state["best"], list(state["alarms"])

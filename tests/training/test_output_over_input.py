@@ -1,0 +1,85 @@
+"""No step saves its model over a model it trains from (dschat.training.run_setup.refuse_saving_over_inputs):
+``--output_dir`` equal to step 1's ``--model_name_or_path``, or step 3's ``--output_dir`` holding the
+``actor/`` it starts from, is one line (exit 2) before anything loads, and the input is untouched."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dschat.errors import EXIT_USAGE, UserError, cli_main
+from dschat.models.registry import resolve_model_path
+from dschat.models.save import is_model_artifact
+from dschat.training.run_setup import refuse_saving_over_inputs
+
+from helpers.step3 import base_argv as step3_argv, refused_in_process
+from helpers.steps import base_argv, load_script
+
+
+def model_copy(folder: Path) -> Path:
+    shutil.copytree(resolve_model_path("tiny-opt"), folder)
+    return folder
+
+
+def listing(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_the_rule(tmp_path):
+    out = tmp_path / "out"
+    (out / "lora_adapter").mkdir(parents=True)
+    (out / "mine" / "base").mkdir(parents=True)
+    (out / "best" / "actor").mkdir(parents=True)
+    saves = {"the model": (out, is_model_artifact)}
+    with pytest.raises(UserError, match=r"^--m .*out is the folder this run saves the model into \(.*out\), so the "
+                                        r"save would replace the model it trains from; give another --output_dir$"):
+        refuse_saving_over_inputs({"--m": str(out)}, saves)
+    with pytest.raises(UserError, match=r"lora_adapter is inside the folder this run saves the model into"):
+        refuse_saving_over_inputs({"--m": str(out / "lora_adapter")}, saves)  # an entry the save replaces
+    with pytest.raises(UserError, match=r"is inside the folder this run saves the best models into"):
+        refuse_saving_over_inputs({"--m": str(out / "best" / "actor")}, {"the best models": (out / "best", None)})
+    # Not replaced: the user's own subfolder, a hub id, a flag not given; a relative spelling is the same folder.
+    refuse_saving_over_inputs({"--m": str(out / "mine" / "base"), "--h": "org/model", "--n": None}, saves)
+    with pytest.raises(UserError):
+        refuse_saving_over_inputs({"--m": str(out / "mine" / ".." / "lora_adapter")}, saves)
+
+
+def test_step1_refuses_its_input_model_folder_as_output_dir(tmp_path, capsys):
+    model = model_copy(tmp_path / "model")
+    before = listing(model)
+    code = cli_main(load_script("step1").main, base_argv(str(model), tmp_path / "data", "--output_dir", str(model)))
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [
+        f"error: --model_name_or_path {model} is the folder this run saves the model into ({model}), so the save "
+        "would replace the model it trains from; give another --output_dir"]
+    assert listing(model) == before
+
+
+def test_step3_refuses_an_output_dir_whose_actor_folder_it_starts_from(tmp_path, critic_dirs, data_cache, capsys):
+    out = tmp_path / "out"
+    actor = model_copy(out / "actor")
+    argv = step3_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out))
+    argv[argv.index("--actor_model_name_or_path") + 1] = str(actor)
+    line = refused_in_process(argv, capsys)
+    assert line == (f"error: --actor_model_name_or_path {actor} is the folder this run saves the actor into "
+                    f"({out / 'actor'}), so the save would replace the model it trains from; give another --output_dir")
+
+
+def test_a_step_says_it_started_only_once_its_flags_passed(tmp_path, monkeypatch, capsys):
+    """The launcher keeps the log of a step that exits 2 after start-up (dschat.launch): setup_run
+    creates $DSCHAT_STARTED_FILE; a step refusing its flags never gets there."""
+    from types import SimpleNamespace
+
+    from dschat.paths import STARTED_FILE_VAR
+    from dschat.training.run_setup import setup_run
+
+    started = tmp_path / "started"
+    monkeypatch.setenv(STARTED_FILE_VAR, str(started))
+    model = model_copy(tmp_path / "model")
+    assert cli_main(load_script("step1").main, base_argv(str(model), tmp_path / "data", "--output_dir",
+                                                         str(model))) == EXIT_USAGE
+    assert not started.exists()
+    setup_run(SimpleNamespace(output_dir=None, dtype="fp32", seed=1))
+    assert started.is_file()
