@@ -581,7 +581,7 @@ def pick_deployment(args: argparse.Namespace, config: E2EConfig) -> Deployment:
 def fail_step(run_: StepRun, result: LaunchResult, command: str, e2e_cmd: str) -> int:
     """Print why a step failed (with memory advice for an OOM) and return the exit code to use."""
     recipe = f"Recipe: {run_.recipe.step.key} {run_.recipe.id} in {run_.recipe.source}"
-    if result.returncode == EXIT_USAGE:  # its one-line error is above, and it kept no log
+    if result.refused:  # exit 2 before it started up: its one-line error is above, and it kept no log
         print("\n".join([f"Step {run_.number} refused its input (exit status {EXIT_USAGE}; its error line is "
                          "above) and wrote nothing", f"Launch command: {command}", recipe]), file=sys.stderr, flush=True)
         return EXIT_USAGE

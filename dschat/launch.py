@@ -20,7 +20,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from dschat.errors import EXIT_USAGE, UserError, cli_main
+from dschat.launch_log import LogTee
 from dschat.paths import STARTED_FILE_VAR
 from dschat.multinode import (DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
                               check_remote_safe, flag_values, forwarded_secrets, free_port, launch_hosts, rank_env,
@@ -273,72 +273,6 @@ def plan(
 # -------------------------------------------------------------------------------------------------
 # Running: tee to the terminal and to training.log
 # -------------------------------------------------------------------------------------------------
-KEPT_LOGS = 5  # earlier runs' logs kept beside training.log (training.log.1: the latest)
-
-
-class _LogTee:
-    """Writes to ``path`` through one handle opened at the start.
-
-    A step may replace its output folder atomically when it saves (dschat's ``atomic_dir``), which
-    would take an open ``training.log`` with the old folder. The handle keeps the data readable, and
-    :meth:`close` puts the complete log back at ``path`` when the file there is not ours any more.
-
-    A step that refused its input (exit code 2 before it started up) did nothing: ``close(discard=True)``
-    puts the previous run's log (moved aside meanwhile) back and removes the folders made for the log.
-    Else the previous log becomes ``training.log.1`` (older ones ``.2`` ... ``.{KEPT_LOGS}``).
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.created = path.parent  # the outermost folder this tee creates (None: none)
-        while not self.created.parent.exists() and self.created.parent != self.created:
-            self.created = self.created.parent
-        if self.created.exists():
-            self.created = None
-        self.previous = path.with_name(f".{path.name}.previous-{os.getpid()}") if path.is_file() else None
-        if self.previous is not None:
-            os.replace(path, self.previous)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = open(path, "w+b")  # noqa: SIM115 - closed in close()
-        self.stat = os.fstat(self.handle.fileno())
-
-    def write(self, data: bytes) -> None:
-        self.handle.write(data)
-        self.handle.flush()
-
-    def close(self, discard: bool = False) -> None:
-        try:
-            current = os.stat(self.path)
-            ours = os.path.samestat(current, self.stat)
-        except FileNotFoundError:
-            ours = False
-        if discard:
-            self.handle.close()
-            if ours:
-                self.path.unlink()
-            if self.previous is not None and self.previous.exists():
-                os.replace(self.previous, self.path)
-            folder = self.path.parent
-            while self.created is not None and folder.is_relative_to(self.created):
-                try:
-                    folder.rmdir()  # only if empty: the step may have written there after all
-                except OSError:
-                    break
-                folder = folder.parent
-            return
-        if not ours:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.handle.seek(0)
-            with open(self.path, "wb") as fresh:
-                shutil.copyfileobj(self.handle, fresh)
-        self.handle.close()
-        if self.previous is not None and self.previous.exists():  # it becomes .1, each older one moves up
-            for n in range(KEPT_LOGS - 1, 0, -1):
-                if (older := self.path.with_name(f"{self.path.name}.{n}")).is_file():
-                    os.replace(older, self.path.with_name(f"{self.path.name}.{n + 1}"))
-            os.replace(self.previous, self.path.with_name(f"{self.path.name}.1"))
-
-
 def _terminal_writer() -> Callable[[bytes], None]:
     buffer = getattr(sys.stdout, "buffer", None)
     if buffer is not None:
@@ -359,6 +293,7 @@ class LaunchResult:
     oom: str | None
     log_path: Path | None
     tail: str
+    refused: bool = False  # exit 2 before the step started up: it refused its input, wrote nothing
 
 
 def run(
@@ -383,12 +318,12 @@ def run(
         env.pop(name, None)
     # Multi-node: always the launch's own copy, so the user's files reach the ranks only as checked.
     multi_node = launch.hosts is not None and launch.hosts.multi_node
-    env_file = write_rank_env_file(launch.rank_env, os.environ, os.getcwd()) if multi_node else None
+    tee = LogTee(launch.log_path) if log and launch.log_path is not None else None
+    stamp = {STARTED_FILE_VAR: str(tee.started)} if tee else {}  # the step creates it when it starts up
+    env.update(stamp)
+    env_file = write_rank_env_file({**launch.rank_env, **stamp}, os.environ, os.getcwd()) if multi_node else None
     if env_file is not None:
         env[ENV_FILE_VAR] = str(env_file)  # absolute: DeepSpeed reads it instead of ~/ and ./.deepspeed_env
-    started = Path(tempfile.mkdtemp(prefix="dschat-launch-")) / "started"  # the step creates it (dschat.paths)
-    env[STARTED_FILE_VAR] = str(started)
-    tee = _LogTee(launch.log_path) if log and launch.log_path is not None else None
     header = f"{PREFIX} {launch.command_line()}\n".encode()
     if env_file is not None and launch.rank_env:
         header += (f"{PREFIX} the ranks on other hosts get {', '.join(launch.rank_env)} through "
@@ -431,9 +366,11 @@ def run(
             proc.kill()
             proc.wait()
         proc.stdout.close()
-        if tee:  # exit 2 before the step started up: it refused its input and did nothing
-            tee.close(discard=proc.returncode == EXIT_USAGE and not started.exists())
-        shutil.rmtree(started.parent, ignore_errors=True)
+        # exit 2 before the step started up: it refused its input and did nothing
+        refused = proc.returncode == EXIT_USAGE and not (tee and tee.started.exists())
+        if tee:
+            tee.close(discard=refused)
+            tee.started.unlink(missing_ok=True)
         if env_file is not None:
             shutil.rmtree(env_file.parent, ignore_errors=True)
     if returncode < 0:
@@ -442,7 +379,7 @@ def run(
         returncode = 130
     text = tail.decode("utf-8", errors="replace")
     return LaunchResult(returncode, time.monotonic() - start, detect_oom(text, returncode),
-                        launch.log_path if tee and returncode != EXIT_USAGE else None, text)
+                        launch.log_path if tee and not refused else None, text, refused)
 
 
 # -------------------------------------------------------------------------------------------------

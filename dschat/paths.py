@@ -33,9 +33,9 @@ BUILTIN_DATA_DIR = Path(__file__).parent / "data" / "builtin_prefs"
 # ``dschat/builtin-samples``: gold-labelled pairs of an SFT actor's own answers (the CPU demo's step 2
 # reads them beside dschat/builtin), written by dschat.eval.sample_pairs.
 BUILTIN_SAMPLES_DIR = BUILTIN_DATA_DIR / "samples"
-# Set by the launcher (dschat.launch) for a step it runs: a file the step creates once its flags are
-# checked and it starts up (dschat.training.run_setup.setup_run), so that the launcher can tell a
-# step that refused its input (exit code 2, nothing done: its log is dropped) from one that failed later.
+# Set by the launcher (dschat.launch) for a step it runs: a file beside the log that the step creates
+# once it is past its start-up refusals (dschat.training.run_setup.setup_run), so that the launcher
+# tells a step that refused its input (exit code 2, nothing done: no log kept) from one that failed later.
 STARTED_FILE_VAR = "DSCHAT_STARTED_FILE"
 # ``dschat/wordgame``: the multi-turn demo's prompts (a ``word`` column beside each), written and read
 # by dschat.data.wordgame.

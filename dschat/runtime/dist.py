@@ -434,17 +434,16 @@ def get_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-#: A launcher's global rank before start-up: deepspeed/torchrun, Open MPI, PMI, MVAPICH, Slurm's srun.
-_RANK_ENV = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID")
-
-
 def get_rank() -> int:
-    """Global rank of the initialised group, else the launcher's (the first of ``$RANK``,
-    ``$OMPI_COMM_WORLD_RANK``, ``$PMI_RANK``, ``$MV2_COMM_WORLD_RANK``, ``$SLURM_PROCID`` set), else 0.
-    An MPI launch sets no ``RANK`` before start-up: without the others, every process would be rank 0."""
+    """Global rank of the initialised group, else ``$RANK``, else an MPI launcher's rank beside its size
+    (``_MPI_ENV``: the launches :func:`init_distributed` starts as MPI ranks), else 0. An MPI launch
+    sets no ``RANK`` before start-up: without it, every process would be rank 0."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
-    return int(next((os.environ[name] for name in _RANK_ENV if os.environ.get(name, "").isdigit()), "0"))
+    for rank, size in (("RANK", "RANK"), *zip(("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"), _MPI_ENV)):
+        if os.environ.get(rank, "").isdigit() and size in os.environ:
+            return int(os.environ[rank])
+    return 0
 
 
 def is_rank_0() -> bool:

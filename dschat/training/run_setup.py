@@ -14,7 +14,7 @@ import torch
 from dschat.data.cache import check_data_output_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
-from dschat.models.registry import resolve_model_path
+from dschat.models.registry import SHORT_NAMES, resolve_model_path
 from dschat.models.save import is_model_artifact
 from dschat.paths import STARTED_FILE_VAR
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
@@ -86,12 +86,12 @@ def refuse_saving_over_inputs(inputs: Mapping[str, str | None],
                               outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]]) -> None:
     """One line when a folder the run saves a model into would replace one of its input models (the
     run would read the input, then destroy it). ``inputs``: flag -> model name or path (hub ids and
-    short names, not local folders, are skipped); ``outputs``: what is saved -> (folder, ``owns``, the
+    short names, which are not the user's folders, are skipped); ``outputs``: what is saved -> (folder, ``owns``, the
     entry names the save replaces there; None: it replaces the whole folder). Refused: an input that
     is an output folder, or lies inside an entry of one that the save replaces."""
     for flag, name in inputs.items():
-        local = Path(str(name)).expanduser() if name else None
-        if local is None or not local.is_dir():
+        local = Path(str(name)).expanduser() if name and str(name).strip() not in SHORT_NAMES else None
+        if local is None or not local.is_dir():  # a short name wins over a same-named folder (resolve_model_path)
             continue
         src = local.resolve()
         for what, (folder, owns) in outputs.items():
@@ -131,12 +131,12 @@ def setup_run(args: argparse.Namespace) -> RunContext:
     unchanged there.
     """
     quiet_transformers()
-    started = os.environ.get(STARTED_FILE_VAR)
-    if started:  # the launcher keeps this run's log whatever its exit code (dschat.launch)
-        with contextlib.suppress(OSError):
-            Path(started).touch()
     info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
+    started = os.environ.get(STARTED_FILE_VAR)
+    if started:  # past the start-up refusals: the launcher keeps this run's log whatever its exit code
+        with contextlib.suppress(OSError):
+            Path(started).touch()
     dtype = resolve_dtype(args.dtype)
     set_random_seed(args.seed)
     barrier()

@@ -213,6 +213,15 @@ def test_a_step_failing_with_exit_2_after_it_started_keeps_its_log_and_earlier_l
     assert "run 6" in (out / "training.log").read_text()
     assert ["run 5" in (out / f"training.log.{n}").read_text() for n in range(1, 6)] == [True] + [False] * 4
     assert "run 1" in (out / "training.log.5").read_text()
+    # A launcher killed mid-run left its previous log set aside and the step's stamp: the next launch
+    # keeps that log (.1 after the one just set aside) and removes the stamp.
+    (out / ".training.log.previous-99").write_text("set aside by a killed launcher\n")
+    (out / ".training.log.started-99").write_text("")
+    monkeypatch.setenv("FAKE_RC", "0")
+    assert L.run(L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root), sink=Sink()).returncode == 0
+    assert sorted(p.name for p in out.iterdir()) == ["training.log"] + [f"training.log.{n}" for n in range(1, 6)]
+    assert "run 6" in (out / "training.log.1").read_text()
+    assert (out / "training.log.2").read_text() == "set aside by a killed launcher\n"
 
 
 def test_output_dir_under_a_file_is_refused_before_the_log_is_opened(fake_root, tmp_path, capsys):

@@ -27,7 +27,8 @@ PKG = REPO / "dschat"
 FLOORS: list[tuple[str, ...]] = [
     # 0-2: the ground floor
     ("errors", "paths", "version"),  # 0: the one error type, file names, the version
-    ("multinode",),  # 1: host, port and environment checks (torch-free; the launcher's and dist's defaults)
+    ("multinode", "launch_log"),  # 1: host, port and environment checks (torch-free; the launcher's and dist's
+    # defaults); the launcher's training.log
     ("runtime",),  # 2: distributed set-up, files, DeepSpeed config, optimizers, ZeRO-3, perf, averages
     ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure RL math, the gold judge, flags, recipes
     ("models", "rewards"),  # 4: model builders, reward functions

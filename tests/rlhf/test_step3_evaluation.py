@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.rlhf.heldout import evaluation as ev
 from dschat.eval.metrics_file import read_eval_records
@@ -218,6 +219,26 @@ def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_a
         assert f'"run": "{run}"' in (tmp_path / "best.earlier" / "best.json").read_text()
         assert f"held an earlier run's best models: now in {tmp_path / 'best.earlier'}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.earlier"]
+    # A best/ of step 0 holds the starting models of a run that stopped early: it goes, best.earlier/ stays.
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text('{"step": 0, "by": "j", "score": 0.5}')
+    ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())]).restore(None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.earlier"]
+    assert '"run": "second"' in (tmp_path / "best.earlier" / "best.json").read_text()
+    assert "the starting models of a run that stopped before a better evaluation" in capsys.readouterr().out
+    # A rename that fails is one line, and best/ stays.
+    (tmp_path / "best").mkdir()
+    from types import SimpleNamespace as Module
+
+    from dschat.rlhf.heldout import best as best_folder
+
+    def refused(*_):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(best_folder, "os", Module(replace=refused, getpid=lambda: 1))
+    with pytest.raises(UserError, match=r"cannot set the earlier run's .*best aside \(Permission denied\); move it"):
+        ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())]).restore(None)
+    assert (tmp_path / "best").is_dir()
 
 
 # ------------------------------------------------------------------------------------ ranks and cost

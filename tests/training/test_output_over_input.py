@@ -45,6 +45,14 @@ def test_the_rule(tmp_path):
         refuse_saving_over_inputs({"--m": str(out / "mine" / ".." / "lora_adapter")}, saves)
 
 
+def test_a_short_name_is_not_the_same_named_folder(tmp_path, monkeypatch):
+    """A short name (tiny-opt) wins over a same-named folder in the working directory, so saving into
+    that folder replaces no input."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "tiny-opt").mkdir()
+    refuse_saving_over_inputs({"--m": "tiny-opt"}, {"the model": (Path("tiny-opt"), is_model_artifact)})
+
+
 def test_step1_refuses_its_input_model_folder_as_output_dir(tmp_path, capsys):
     model = model_copy(tmp_path / "model")
     before = listing(model)
@@ -65,6 +73,12 @@ def test_step3_refuses_an_output_dir_whose_actor_folder_it_starts_from(tmp_path,
     line = refused_in_process(argv, capsys)
     assert line == (f"error: --actor_model_name_or_path {actor} is the folder this run saves the actor into "
                     f"({out / 'actor'}), so the save would replace the model it trains from; give another --output_dir")
+    # best.earlier/ goes when a fresh run sets an earlier best/ aside: not an input either.
+    earlier = model_copy(tmp_path / "out2" / "best.earlier" / "actor")
+    argv[argv.index("--actor_model_name_or_path") + 1] = str(earlier)
+    argv[argv.index("--output_dir") + 1] = str(tmp_path / "out2")
+    line = refused_in_process(argv + ["--eval_interval", "1", "--eval_judge", "gold"], capsys)
+    assert "is inside the folder this run saves the earlier best models into" in line
 
 
 def test_a_step_says_it_started_only_once_its_flags_passed(tmp_path, monkeypatch, capsys):

@@ -39,7 +39,7 @@ from dschat.models.registry import resolve_model_path
 from dschat.models.save import recover_output_dir, save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.paths import BEST_DIR
-from dschat.rlhf.heldout.evaluation import save_best
+from dschat.rlhf.heldout.best import save_best
 from dschat.runtime import fs
 from dschat.runtime.dist import init_distributed
 from dschat.training import checkpoint as ckpt
@@ -566,15 +566,16 @@ def test_a_reader_refuses_a_model_folder_a_stopped_save_left_half_replaced_and_t
     assert proc.returncode == 2 and proc.stderr.startswith("error: --recover") and proc.stderr.count("\n") == 1
 
 
-@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID"])
+@pytest.mark.parametrize("variable", ["OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"])
 def test_under_an_mpi_launch_only_rank_0_recovers_an_interrupted_save_at_start_up(variable, tmp_path, monkeypatch):
     """An MPI launcher sets no RANK before start-up: every process calling the recovery at once could
     move the finished files aside twice and delete them. Only the launcher's rank 0 recovers."""
     folder = _model_save_killed_between_renames(tmp_path / "out")
     args = type("Args", (), {"output_dir": str(folder), "resume_from": None, "resume": False, "save_interval": 0,
                              "keep_checkpoints": 2, "max_nonfinite_steps": 0})()
-    for name in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK", "SLURM_PROCID"):
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable.replace("RANK", "SIZE"), "2")  # an MPI launch of two processes
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # before start-up (an earlier test's group)
     left = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
     assert any(name.startswith(".dschat-staging-") for name in left)

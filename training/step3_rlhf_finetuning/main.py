@@ -92,7 +92,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     from dschat.models.registry import resolve_model_path
     from dschat.models.reward_model import check_critic_folder
     from dschat.models.save import is_model_artifact
-    from dschat.paths import BEST_DIR
+    from dschat.paths import BEST_DIR, EARLIER_BEST_DIR
     from dschat.training import run_setup
 
     run_setup.check_paths(args, ("actor_model_name_or_path",), outputs={})  # its outputs: below
@@ -115,7 +115,8 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
         saved = {"the actor": (out / "actor", is_model_artifact),
                  **({"the critic": (out / "critic", is_model_artifact)} if needs_critic else {}),
                  **({"the EMA actor": (out / "actor_ema", is_model_artifact)} if args.enable_ema else {}),
-                 **({"the best models": (out / BEST_DIR, None)} if args.eval_interval else {})}
+                 **({"the best models": (out / BEST_DIR, None), "the earlier best models": (out / EARLIER_BEST_DIR, None)}
+                    if args.eval_interval and args.save_best_by != "none" else {})}
         run_setup.refuse_saving_over_inputs({"--actor_model_name_or_path": args.actor_model_name_or_path,
                                              "--critic_model_name_or_path": critic,
                                              "--reward_model_name_or_path": reward}, saved)
@@ -202,8 +203,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     mix = reward_mix(args, reward_fn)
     if args.env:
         load_environment(args.env, args.env_timeout)  # a bad spec is one line now, before anything loads
+    judges = check_eval_args(args)  # resolves --eval_interval and --save_best_by, which check_paths reads
     check_paths(args, settings, mix)
-    judges = check_eval_args(args)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args)
     config = step3_config(args, ctx.world_size, mix, algorithm=settings)  # every part of step 3, once

@@ -44,15 +44,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
-import shutil
 import statistics
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ContextManager, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Sequence
 
 import numpy as np
 import torch
@@ -65,15 +62,15 @@ from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
 from dschat.data.token_dataset import PromptItem
 from dschat.eval.metrics_file import EVAL_KIND
 from dschat.eval.scoring import Samples, load_reward, reward_scores
-from dschat.models.save import save_hf_model
-from dschat.paths import BEST_DIR, BEST_FILE, EARLIER_BEST_DIR, METRICS_FILE
+from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
+from dschat.rlhf.heldout.best import read_best, save_best, set_earlier_best_aside
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
 from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
 from dschat.rlhf.heldout.setup import Judge
-from dschat.runtime.dist import all_reduce_sum, barrier, gather_json, print_rank_0
-from dschat.runtime.fs import atomic_dir, recover_dir
+from dschat.runtime.dist import all_reduce_sum, gather_json, print_rank_0
+from dschat.runtime.fs import recover_dir
 from dschat.runtime.devices import to_device
 from dschat.training.checkpoint import TrainingPosition
 from dschat.training.progress import TensorBoardLogger
@@ -225,8 +222,12 @@ class StepThreeEvaluation:
         state = position.extra.get("evaluation") if position is not None else None
         if state:
             self._restore_state(state)
-        elif self.rank == 0:
-            self._set_earlier_best_aside()
+        elif self._best_series() is not None and self.output_dir is not None:
+            # rank 0 renames; a failure stops every rank (none waits in the gather below)
+            notice = raise_together(lambda: set_earlier_best_aside(self.output_dir) if self.rank == 0 else None,
+                                    "setting best/ aside")
+            if notice:
+                print_rank_0(f"[eval] {notice}", self.rank)
         saved = gather_json(self._saved_best() if self.rank == 0 else None)[0]  # rank 0's reading: every rank agrees
         if saved is not None and (self.best is None or not _finite(self.best["score"])
                                   or saved["score"] > self.best["score"]):
@@ -235,30 +236,11 @@ class StepThreeEvaluation:
                          f"{saved['by']} {saved['score']:.4f}) stay the best so far: only a higher score replaces "
                          "them", self.rank)
 
-    def _set_earlier_best_aside(self) -> None:
-        """An earlier run's ``best/`` becomes ``best.earlier/`` (replacing an older one): this run's
-        first evaluation, of the starting models, would replace it."""
-        if self._best_series() is None or self.output_dir is None or not (self.output_dir / BEST_DIR).exists():
-            return
-        best, earlier = self.output_dir / BEST_DIR, self.output_dir / EARLIER_BEST_DIR
-        if earlier.exists():
-            older = self.output_dir / f".{EARLIER_BEST_DIR}-{os.getpid()}"
-            os.replace(earlier, older)
-            shutil.rmtree(older, ignore_errors=True)
-        os.replace(best, earlier)
-        print(f"[eval] {best} held an earlier run's best models: now in {earlier}", flush=True)
-
     def _saved_best(self) -> dict[str, object] | None:
         """``best/best.json``'s step, series and score if by this run's series and finite, else None."""
         series = self._best_series()
-        if series is None or self.output_dir is None:
-            return None
-        try:
-            info = json.loads((self.output_dir / BEST_DIR / BEST_FILE).read_text(encoding="utf-8"))
-            saved = {"step": int(info["step"]), "by": info["by"], "score": info["score"]}
-        except (OSError, ValueError, TypeError, KeyError):
-            return None
-        return saved if saved["by"] == series and _finite(saved["score"]) else None
+        saved = read_best(self.output_dir / BEST_DIR) if series is not None and self.output_dir else None
+        return saved if saved is not None and saved["by"] == series and _finite(saved["score"]) else None
 
     def _restore_state(self, state: dict[str, Any]) -> None:
         self.history = [EvalPoint(p["step"], tuple(p["proxy"]), {k: tuple(v) for k, v in p["judges"].items()})
@@ -582,17 +564,3 @@ def _se(values: Sequence[float]) -> float:
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
-
-
-def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer: PreTrainedTokenizerBase,
-              info: Mapping[str, object], rank: int) -> None:
-    """``<output_dir>/best/<name>`` for each model and ``best.json``, replaced as one folder (collective:
-    every rank gathers under ZeRO-3; rank 0 writes)."""
-    target = output_dir / BEST_DIR
-    swap: ContextManager[Path | str] = atomic_dir(target) if rank == 0 else nullcontext(target)
-    with swap as folder:
-        for name, model in models.items():
-            save_hf_model(model, tokenizer, Path(folder) / name)
-        if rank == 0:
-            (Path(folder) / BEST_FILE).write_text(json.dumps(dict(info), indent=2) + "\n", encoding="utf-8")
-    barrier()

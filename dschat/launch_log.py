@@ -1,0 +1,86 @@
+"""The launcher's log: a step's output written to ``<output_dir>/training.log`` through one handle,
+the previous runs' logs kept as ``training.log.1`` ... ``.{KEPT_LOGS}`` (:class:`LogTee`)."""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+__all__ = ["KEPT_LOGS", "LogTee"]
+
+KEPT_LOGS = 5  # earlier runs' logs kept beside training.log (training.log.1: the latest)
+
+
+class LogTee:
+    """Writes to ``path`` through one handle opened at the start.
+
+    A step may replace its output folder atomically when it saves (dschat's ``atomic_dir``), which
+    would take an open ``training.log`` with the old folder. The handle keeps the data readable, and
+    :meth:`close` puts the complete log back at ``path`` when the file there is not ours any more.
+
+    A step that refused its input (exit code 2 before it started up) did nothing: ``close(discard=True)``
+    puts the previous run's log (moved aside meanwhile) back and removes the folders made for the log.
+    Else the previous log becomes ``training.log.1`` (older ones ``.2`` ... ``.{KEPT_LOGS}``), as do
+    the logs a killed launcher left set aside. ``started``: the file the step creates once it starts
+    up (:data:`~dschat.paths.STARTED_FILE_VAR`), beside the log so that every node sees it.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.started = path.with_name(f".{path.name}.started-{os.getpid()}")
+        if path.parent.is_dir():  # what a killed launcher left: its set-aside log is kept, its stamp goes
+            for left in sorted(path.parent.glob(f".{path.name}.previous-*"), key=lambda p: p.stat().st_mtime):
+                self._keep(left)
+            for left in path.parent.glob(f".{path.name}.started-*"):
+                left.unlink(missing_ok=True)
+        self.created = path.parent  # the outermost folder this tee creates (None: none)
+        while not self.created.parent.exists() and self.created.parent != self.created:
+            self.created = self.created.parent
+        if self.created.exists():
+            self.created = None
+        self.previous = path.with_name(f".{path.name}.previous-{os.getpid()}") if path.is_file() else None
+        if self.previous is not None:
+            os.replace(path, self.previous)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.handle = open(path, "w+b")  # noqa: SIM115 - closed in close()
+        self.stat = os.fstat(self.handle.fileno())
+
+    def write(self, data: bytes) -> None:
+        self.handle.write(data)
+        self.handle.flush()
+
+    def close(self, discard: bool = False) -> None:
+        try:
+            current = os.stat(self.path)
+            ours = os.path.samestat(current, self.stat)
+        except FileNotFoundError:
+            ours = False
+        if discard:
+            self.handle.close()
+            if ours:
+                self.path.unlink()
+            if self.previous is not None and self.previous.exists():
+                os.replace(self.previous, self.path)
+            folder = self.path.parent
+            while self.created is not None and folder.is_relative_to(self.created):
+                try:
+                    folder.rmdir()  # only if empty: the step may have written there after all
+                except OSError:
+                    break
+                folder = folder.parent
+            return
+        if not ours:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.handle.seek(0)
+            with open(self.path, "wb") as fresh:
+                shutil.copyfileobj(self.handle, fresh)
+        self.handle.close()
+        if self.previous is not None and self.previous.exists():
+            self._keep(self.previous)
+
+    def _keep(self, log: Path) -> None:
+        """``log`` becomes ``<path>.1``, each older one moves up (``.{KEPT_LOGS}`` is replaced)."""
+        for n in range(KEPT_LOGS - 1, 0, -1):
+            if (older := self.path.with_name(f"{self.path.name}.{n}")).is_file():
+                os.replace(older, self.path.with_name(f"{self.path.name}.{n + 1}"))
+        os.replace(log, self.path.with_name(f"{self.path.name}.1"))

@@ -1,0 +1,71 @@
+"""Step 3's best models (``--save_best_by``): ``<output_dir>/best/`` written as one folder, its
+``best.json`` read back, and an earlier run's ``best/`` set aside as ``best.earlier/``."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import nullcontext
+from pathlib import Path
+from typing import ContextManager, Mapping
+
+from deepspeed import DeepSpeedEngine
+from transformers import PreTrainedTokenizerBase
+
+from dschat.errors import UserError
+from dschat.models.save import save_hf_model
+from dschat.paths import BEST_DIR, BEST_FILE, EARLIER_BEST_DIR
+from dschat.runtime.dist import barrier
+from dschat.runtime.fs import atomic_dir
+
+__all__ = ["read_best", "save_best", "set_earlier_best_aside"]
+
+
+def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer: PreTrainedTokenizerBase,
+              info: Mapping[str, object], rank: int) -> None:
+    """``<output_dir>/best/<name>`` for each model and ``best.json``, replaced as one folder (collective:
+    every rank gathers under ZeRO-3; rank 0 writes)."""
+    target = output_dir / BEST_DIR
+    swap: ContextManager[Path | str] = atomic_dir(target) if rank == 0 else nullcontext(target)
+    with swap as folder:
+        for name, model in models.items():
+            save_hf_model(model, tokenizer, Path(folder) / name)
+        if rank == 0:
+            (Path(folder) / BEST_FILE).write_text(json.dumps(dict(info), indent=2) + "\n", encoding="utf-8")
+    barrier()
+
+
+def read_best(folder: Path) -> dict[str, object] | None:
+    """``{"step", "by", "score"}`` of ``folder/best.json``; None when it is missing or unreadable."""
+    try:
+        info = json.loads((folder / BEST_FILE).read_text(encoding="utf-8"))
+        return {"step": int(info["step"]), "by": info["by"], "score": info["score"]}
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+
+
+def set_earlier_best_aside(output_dir: Path) -> str | None:
+    """Before a run with no evaluation to continue (its first evaluation, of the starting models, would
+    replace ``best/``): an earlier run's ``best/`` becomes ``best.earlier/``, replacing an older one;
+    a ``best/`` of step 0 (the starting models of a run that stopped before a better evaluation) is
+    removed and ``best.earlier/`` stays. Returns the notice (None: no ``best/``); a failed rename is
+    one :class:`UserError` line. Nothing is deleted in place: a folder goes by a rename first."""
+    best, earlier = output_dir / BEST_DIR, output_dir / EARLIER_BEST_DIR
+    if not best.exists():
+        return None
+    gone = output_dir / f".{EARLIER_BEST_DIR}-{os.getpid()}"
+    saved = read_best(best)
+    try:
+        if saved is not None and saved["step"] == 0:
+            os.replace(best, gone)
+            notice = f"removed {best}: the starting models of a run that stopped before a better evaluation"
+        else:
+            if earlier.exists():
+                os.replace(earlier, gone)
+            os.replace(best, earlier)
+            notice = f"{best} held an earlier run's best models: now in {earlier}"
+    except OSError as err:
+        raise UserError(f"cannot set the earlier run's {best} aside ({err.strerror}); move it away yourself, or "
+                        "pass --save_best_by none") from None
+    shutil.rmtree(gone, ignore_errors=True)
+    return notice
