@@ -8,7 +8,8 @@ never moves any entry it does not own; every file and rename stays inside the fo
 
 1. The new entries are written into a staging folder inside it, ``<path>/.dschat-staging-<id>``.
 2. Every file and folder in it is fsync'd; then the journal ``.dschat-staged.json`` (the names
-   staged) is written and fsync'd into it: from here on the save is complete and will be finished.
+   staged, and the entries of ``path`` the save removes) is written and fsync'd into it: from here on
+   the save is complete and will be finished, by the journal alone.
 3. Each entry the save owns (``owns(name)``) that the new save does not write, and each entry the
    new save replaces, is renamed into ``<path>/.dschat-replaced-<id>``; each staged entry is renamed
    into ``path``; ``path`` is fsync'd.
@@ -18,9 +19,9 @@ never moves any entry it does not own; every file and rename stays inside the fo
 An exception in step 1 or 2 deletes the staging folder: ``path`` is untouched. An exception in
 step 3 reverses every rename done, in reverse order: ``path`` is as it was. A kill at any point is
 put right by :func:`recover_in_place` (called before the next save into ``path`` and at every step's
-start-up): a staging folder with its journal is finished (step 3 repeated: the complete new state),
-one without it deleted (the complete old state). Entries ``owns`` rejects are never renamed,
-written or deleted. A folder or journal that is not this user's own (:func:`owned_privately`) is
+start-up): a staging folder with its journal is finished (step 3 repeated from the journal's names:
+the complete new state, whatever ``owns`` the recovering caller passes), one without it deleted
+(the complete old state). Entries ``owns`` rejects are never renamed, written or deleted. A folder or journal that is not this user's own (:func:`owned_privately`) is
 left alone with a notice: on a shared machine it may be another user's plant.
 """
 from __future__ import annotations
@@ -49,20 +50,27 @@ def _ours(name: str) -> bool:
     return name.startswith((STAGING_PREFIX, REPLACED_PREFIX))
 
 
-def _read_journal(stage: Path) -> list[str] | None:
-    """The staged names, or None when ``stage`` is unfinished (no journal) or the journal is not
-    this user's own or not one dschat wrote."""
+def _read_journal(stage: Path) -> tuple[list[str], list[str] | None] | None:
+    """(the staged names, the entries the save removes: None in a journal that predates them), or
+    None when ``stage`` is unfinished (no journal) or the journal is not this user's own or not one
+    dschat wrote."""
     journal = stage / JOURNAL
     if not (journal.is_file() and owned_privately(journal)):
         return None
     try:
-        names = json.loads(journal.read_text(encoding="utf-8")).get("entries")
+        record = json.loads(journal.read_text(encoding="utf-8"))
+        names, removes = record.get("entries"), record.get("removes")
     except (OSError, ValueError, AttributeError):
         return None
-    if not isinstance(names, list) or not all(isinstance(n, str) and n and "/" not in n and not _ours(n)
-                                              and n not in (".", "..", JOURNAL) for n in names):
+    if not _names(names) or not (removes is None or _names(removes)):
         return None
-    return names
+    return names, removes
+
+
+def _names(names: object) -> bool:
+    """Whether ``names`` is a list of plain entry names (no path, none of the save's own)."""
+    return isinstance(names, list) and all(isinstance(n, str) and n and "/" not in n and not _ours(n)
+                                           and n not in (".", "..", JOURNAL) for n in names)
 
 
 class _Moves:
@@ -76,15 +84,17 @@ class _Moves:
         os.replace(src, dst)
         self.done.append((src, dst))
 
-    def forward(self, names: list[str], owns: Callable[[str], bool]) -> None:
-        """Step 3; repeating it after a kill finishes what the killed process began."""
+    def forward(self, names: list[str], owns: Callable[[str], bool], removes: list[str] | None = None) -> None:
+        """Step 3; repeating it after a kill finishes what the killed process began. ``removes``: the
+        entries the save removes, as its journal recorded them (None: those ``owns`` claims)."""
         path, stage, aside = self.path, self.stage, self.aside
         if not aside.is_dir():
             aside.mkdir(mode=0o700)
             os.chmod(aside, 0o700)  # only its owner's, as the staging folder: recover_in_place trusts nothing else
         staged = set(names)
+        removed = (lambda name: name in removes) if removes is not None else owns
         for name in sorted(os.listdir(path)):
-            if owns(name) and name not in staged and not _ours(name) and not os.path.lexists(aside / name):
+            if removed(name) and name not in staged and not _ours(name) and not os.path.lexists(aside / name):
                 self.move(path / name, aside / name)
         for name in names:
             if not os.path.lexists(stage / name):
@@ -138,8 +148,9 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
             yield stage
             _normalise_modes(stage)
             names = sorted(os.listdir(stage))
+            removes = sorted(n for n in os.listdir(path) if owns(n) and n not in names and not _ours(n))
             fsync_tree(stage)
-            (stage / JOURNAL).write_text(json.dumps({"entries": names}), encoding="utf-8")
+            (stage / JOURNAL).write_text(json.dumps({"entries": names, "removes": removes}), encoding="utf-8")
             os.chmod(stage / JOURNAL, 0o600)
             fsync_path(stage / JOURNAL)
             fsync_path(stage)
@@ -148,7 +159,7 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
             raise
         moves = _Moves(path, stage, aside)
         try:
-            moves.forward(names, owns)
+            moves.forward(names, owns, removes)
         except BaseException:
             if moves.undo():
                 shutil.rmtree(stage, ignore_errors=True)
@@ -175,13 +186,14 @@ def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> li
                            "may not be your dschat run's; if it is yours, 'chmod go-w' it and run again (it may "
                            "hold the only copy of a save)")
             continue
-        names = _read_journal(stage)
+        journal = _read_journal(stage)
         aside = path / f"{REPLACED_PREFIX}{stage.name[len(STAGING_PREFIX):]}"
-        if names is None:
+        if journal is None:
             shutil.rmtree(stage, ignore_errors=True)
             notices.append(f"removed the unfinished save {stage.name} in {path}")
             continue
-        _Moves(path, stage, aside).forward(names, owns)
+        names, removes = journal
+        _Moves(path, stage, aside).forward(names, owns, removes)
         _finish(stage, aside)
         notices.append(f"finished an interrupted save into {path}")
     for aside in (p for p in leftovers if p.name.startswith(REPLACED_PREFIX) and p.is_dir()):

@@ -521,6 +521,42 @@ def _model_save_killed_between_renames(folder: Path) -> Path:
     return folder
 
 
+def test_a_killed_weights_only_save_is_finished_by_its_journal_not_by_the_recovering_callers_owns(tmp_path):
+    """Upstream's save_zero_three_model replaces the weights only; the recovery at the next start
+    (recover_output_dir) claims every model file. The journal says what the save removes: the
+    tokenizer files stay."""
+    from dschat.models.save import _is_weights
+    from dschat.runtime.inplace import save_in_place
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"kept": 1}')
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"old weights")
+    (folder / "model-extra.safetensors").write_bytes(b"old shard")  # the new save has no such shard
+    child = os.fork()
+    if child == 0:
+        calls = [0]
+        real = os.replace
+
+        def replace(src, dst):
+            calls[0] += 1
+            if calls[0] == 3:  # the old shard and the old weights moved aside, the new ones not yet in
+                os.kill(os.getpid(), signal.SIGKILL)
+            real(src, dst)
+
+        os.replace = replace
+        with save_in_place(folder, _is_weights) as stage:
+            (stage / "model.safetensors").write_bytes(b"new weights")
+        os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert recover_output_dir(folder) == [f"finished an interrupted save into {folder}"]
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (folder / "model.safetensors").read_bytes() == b"new weights"
+    assert (folder / "config.json").read_text() == '{"kept": 1}'
+
+
 def test_a_killed_save_is_finished_in_a_folder_under_a_parent_others_can_write_to(tmp_path):
     """A team folder others can write to (not sticky) above --output_dir: the user's own leftovers
     inside the output folder are still finished (the folders above are no reason to strand a save)."""
