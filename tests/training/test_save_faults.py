@@ -491,15 +491,11 @@ def test_rolling_back_with_resume_from_then_resume(engine, tmp_path):
     assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000060", "step_00000070"]
 
 
-def _model_save_killed_between_renames(folder: Path) -> Path:
-    """An old model in ``folder``, then a save of a new one killed (SIGKILL) at its second rename:
-    the new config.json is in place beside the old weights."""
-    from dschat.models.save import is_model_artifact
+def _save_killed_at_rename(folder: Path, owns: Callable[[str], bool], new: dict[str, bytes], rename: int) -> None:
+    """A save of ``new`` (name -> bytes) into ``folder`` with ``owns``, killed (SIGKILL) at its
+    ``rename``-th rename, in a child process."""
     from dschat.runtime.inplace import save_in_place
 
-    folder.mkdir()
-    (folder / "config.json").write_text('{"old": 1}')
-    (folder / "model.safetensors").write_bytes(b"old weights")
     child = os.fork()
     if child == 0:
         calls = [0]
@@ -507,17 +503,28 @@ def _model_save_killed_between_renames(folder: Path) -> Path:
 
         def replace(src, dst):
             calls[0] += 1
-            if calls[0] == 2:
+            if calls[0] == rename:
                 os.kill(os.getpid(), signal.SIGKILL)
             real(src, dst)
 
         os.replace = replace
-        with save_in_place(folder, is_model_artifact) as stage:
-            (stage / "config.json").write_text('{"new": 1}')
-            (stage / "model.safetensors").write_bytes(b"new weights")
+        with save_in_place(folder, owns) as stage:
+            for name, data in new.items():
+                (stage / name).write_bytes(data)
         os._exit(0)
     _, status = os.waitpid(child, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+
+
+def _model_save_killed_between_renames(folder: Path) -> Path:
+    """An old model in ``folder``, then a save of a new one killed (SIGKILL) at its second rename:
+    the new config.json is in place beside the old weights."""
+    from dschat.models.save import is_model_artifact
+
+    folder.mkdir()
+    (folder / "config.json").write_text('{"old": 1}')
+    (folder / "model.safetensors").write_bytes(b"old weights")
+    _save_killed_at_rename(folder, is_model_artifact, {"config.json": b'{"new": 1}', "model.safetensors": b"new weights"}, 2)
     return folder
 
 
@@ -526,7 +533,6 @@ def test_a_killed_weights_only_save_is_finished_by_its_journal_not_by_the_recove
     (recover_output_dir) claims every model file. The journal says what the save removes: the
     tokenizer files stay."""
     from dschat.models.save import _is_weights
-    from dschat.runtime.inplace import save_in_place
 
     folder = tmp_path / "out"
     folder.mkdir()
@@ -534,23 +540,8 @@ def test_a_killed_weights_only_save_is_finished_by_its_journal_not_by_the_recove
     (folder / "tokenizer.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"old weights")
     (folder / "model-extra.safetensors").write_bytes(b"old shard")  # the new save has no such shard
-    child = os.fork()
-    if child == 0:
-        calls = [0]
-        real = os.replace
-
-        def replace(src, dst):
-            calls[0] += 1
-            if calls[0] == 3:  # the old shard and the old weights moved aside, the new ones not yet in
-                os.kill(os.getpid(), signal.SIGKILL)
-            real(src, dst)
-
-        os.replace = replace
-        with save_in_place(folder, _is_weights) as stage:
-            (stage / "model.safetensors").write_bytes(b"new weights")
-        os._exit(0)
-    _, status = os.waitpid(child, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    # Killed at the third rename: the old shard and the old weights moved aside, the new ones not yet in.
+    _save_killed_at_rename(folder, _is_weights, {"model.safetensors": b"new weights"}, 3)
     assert recover_output_dir(folder) == [f"finished an interrupted save into {folder}"]
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert (folder / "model.safetensors").read_bytes() == b"new weights"
