@@ -436,12 +436,13 @@ def get_world_size() -> int:
 
 def get_rank() -> int:
     """Global rank of the initialised group, else ``$RANK``, else an MPI launcher's rank beside its size
-    (``_MPI_ENV``: the launches :func:`init_distributed` starts as MPI ranks), else 0. An MPI launch
-    sets no ``RANK`` before start-up: without it, every process would be rank 0."""
+    (``_MPI_ENV``; such a launch sets no ``RANK`` before start-up), else 0."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
-    for rank, size in (("RANK", "RANK"), *zip(("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"), _MPI_ENV)):
-        if os.environ.get(rank, "").isdigit() and size in os.environ:
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"])
+    for rank, size in zip(("OMPI_COMM_WORLD_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK"), _MPI_ENV):
+        if rank in os.environ and size in os.environ:
             return int(os.environ[rank])
     return 0
 

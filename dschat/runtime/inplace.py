@@ -21,8 +21,9 @@ step 3 reverses every rename done, in reverse order: ``path`` is as it was. A ki
 put right by :func:`recover_in_place` (called before the next save into ``path`` and at every step's
 start-up): a staging folder with its journal is finished (step 3 repeated from the journal's names:
 the complete new state, whatever ``owns`` the recovering caller passes), one without it deleted
-(the complete old state). Entries ``owns`` rejects are never renamed, written or deleted. A folder or journal that is not this user's own (:func:`owned_privately`) is
-left alone with a notice: on a shared machine it may be another user's plant.
+(the complete old state). Entries ``owns`` rejects are never renamed, written or deleted. A folder
+or journal that is not this user's own (:func:`owned_privately`) is left alone with a notice: on a
+shared machine it may be another user's plant.
 """
 from __future__ import annotations
 
@@ -67,6 +68,11 @@ def _read_journal(stage: Path) -> tuple[list[str], list[str] | None] | None:
     return names, removes
 
 
+def _removed(path: Path, names: list[str], owns: Callable[[str], bool]) -> list[str]:
+    """The entries of ``path`` a save staging ``names`` removes: those ``owns`` claims that it does not write."""
+    return sorted(n for n in os.listdir(path) if owns(n) and n not in names and not _ours(n))
+
+
 def _names(names: object) -> bool:
     """Whether ``names`` is a list of plain entry names (no path, none of the save's own)."""
     return isinstance(names, list) and all(isinstance(n, str) and n and "/" not in n and not _ours(n)
@@ -84,17 +90,15 @@ class _Moves:
         os.replace(src, dst)
         self.done.append((src, dst))
 
-    def forward(self, names: list[str], owns: Callable[[str], bool], removes: list[str] | None = None) -> None:
-        """Step 3; repeating it after a kill finishes what the killed process began. ``removes``: the
-        entries the save removes, as its journal recorded them (None: those ``owns`` claims)."""
+    def forward(self, names: list[str], removes: list[str]) -> None:
+        """Step 3 for the staged ``names`` and the entries of ``path`` the save ``removes``; repeating it
+        after a kill finishes what the killed process began."""
         path, stage, aside = self.path, self.stage, self.aside
         if not aside.is_dir():
             aside.mkdir(mode=0o700)
             os.chmod(aside, 0o700)  # only its owner's, as the staging folder: recover_in_place trusts nothing else
-        staged = set(names)
-        removed = (lambda name: name in removes) if removes is not None else owns
-        for name in sorted(os.listdir(path)):
-            if removed(name) and name not in staged and not _ours(name) and not os.path.lexists(aside / name):
+        for name in removes:
+            if os.path.lexists(path / name) and not os.path.lexists(aside / name):
                 self.move(path / name, aside / name)
         for name in names:
             if not os.path.lexists(stage / name):
@@ -148,7 +152,7 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
             yield stage
             _normalise_modes(stage)
             names = sorted(os.listdir(stage))
-            removes = sorted(n for n in os.listdir(path) if owns(n) and n not in names and not _ours(n))
+            removes = _removed(path, names, owns)
             fsync_tree(stage)
             (stage / JOURNAL).write_text(json.dumps({"entries": names, "removes": removes}), encoding="utf-8")
             os.chmod(stage / JOURNAL, 0o600)
@@ -159,7 +163,7 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
             raise
         moves = _Moves(path, stage, aside)
         try:
-            moves.forward(names, owns, removes)
+            moves.forward(names, removes)
         except BaseException:
             if moves.undo():
                 shutil.rmtree(stage, ignore_errors=True)
@@ -193,7 +197,7 @@ def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> li
             notices.append(f"removed the unfinished save {stage.name} in {path}")
             continue
         names, removes = journal
-        _Moves(path, stage, aside).forward(names, owns, removes)
+        _Moves(path, stage, aside).forward(names, _removed(path, names, owns) if removes is None else removes)
         _finish(stage, aside)
         notices.append(f"finished an interrupted save into {path}")
     for aside in (p for p in leftovers if p.name.startswith(REPLACED_PREFIX) and p.is_dir()):
