@@ -64,8 +64,9 @@ from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, ge
 from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
-from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, checkpoint_name,
-                                      complete_checkpoints, incomplete_checkpoints, latest_checkpoint,
+from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
+                                      complete_checkpoints, foreign_checkpoints, incomplete_checkpoints,
+                                      latest_checkpoint,
                                       next_sequence, prune_leftovers, prune_rotated, put_back,
                                       restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
@@ -160,6 +161,8 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     """Start-up checks of ``<output_dir>/checkpoints`` that need every rank's view (collective, right
     after the process group starts, before any model loads).
 
+    * A ``step_<N>`` folder that dschat did not write (no marker, no in-progress tag), seen by any
+      rank, is refused: nothing here deletes or replaces another tool's folder.
     * A fresh run (no ``--resume`` / ``--resume_from``) refuses a folder with checkpoints of an
       earlier run, seen by any rank.
     * Rank 0 keeps the complete one of a ``step_<N>`` and the copy it was replacing when a run
@@ -175,6 +178,12 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
         for notice in restore_replaced(root) + retire_incomplete(root):
             print(f"[checkpoint] {notice}", flush=True)
     barrier()
+    foreign = foreign_checkpoints(root)
+    for folder in foreign:
+        print(f"[checkpoint] {folder} is not a checkpoint dschat wrote (neither {MARKER} nor {WRITING_TAG}); "
+              "left as it is", flush=True)
+    refuse_unless_all(not foreign, f"sees a step_<N> folder in {root} that dschat did not write (named above)",
+                      f"move it out of {root} (on every node), then rerun")
     fresh = not getattr(args, "resume", False) and not getattr(args, "resume_from", None)
     # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
     earlier = fresh and bool(complete_checkpoints(root) or [
@@ -366,8 +375,10 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
+        (tmp / WRITING_TAG).write_text("a checkpoint dschat is writing; complete once it holds "
+                                       f"{MARKER}\n", encoding="utf-8")
     refuse_unless_shared(tmp, rank, "the new checkpoint folder")
-    written: list[Path] = []
+    written: list[Path] = [tmp / WRITING_TAG] if rank == 0 else []
     for tag, engine in engines.items():
         written += _save_engine(engine, tmp, tag)
     for tag, engine in (weights_only or {}).items():
@@ -403,6 +414,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
             fsync_tree(final)
             with atomic_file(final / MARKER) as marker:
                 marker.write_text(json.dumps(record, indent=2), encoding="utf-8")
+            (final / WRITING_TAG).unlink(missing_ok=True)  # the marker says it all now
             fsync_path(root)
     except BaseException:
         if rank == 0:  # never complete: back under its temporary name (pruned at the next start)

@@ -54,6 +54,27 @@ def test_latest_checkpoint_skips_incomplete_ones_with_a_notice(tmp_path, capsys)
     assert out.count("ignoring incomplete checkpoint") == 2 and "step_00000006" in out
 
 
+def test_start_up_leaves_a_step_folder_dschat_did_not_write(tmp_path, capsys):
+    from argparse import Namespace
+
+    from dschat.errors import UserError
+
+    root = ckpt.checkpoint_root(tmp_path)
+    own, other = root / ckpt.checkpoint_name(6), root / ckpt.checkpoint_name(3)
+    for folder, name in ((own, ckpt.WRITING_TAG), (other, "weights.bin")):
+        folder.mkdir(parents=True)
+        (folder / name).write_text("x")
+    args = Namespace(output_dir=str(tmp_path), save_interval=1, resume=True, resume_from=None)
+    with pytest.raises(UserError, match="sees a step_<N> folder in .* that dschat did not write"):
+        ckpt.prepare_checkpoint_root(args, rank=0)
+    assert f"{other} is not a checkpoint dschat wrote" in capsys.readouterr().out
+    assert (other / "weights.bin").read_text() == "x" and not own.exists()  # dschat's own unfinished save goes
+    (other / "weights.bin").unlink()
+    other.rmdir()
+    ckpt.prepare_checkpoint_root(args, rank=0)  # the user moved it out: start-up goes on and prunes
+    assert list(root.iterdir()) == []
+
+
 def _interrupt_after(monkeypatch, optimizer_steps: int) -> None:
     original = ckpt.Checkpointer.maybe_save
 

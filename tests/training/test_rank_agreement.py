@@ -107,9 +107,27 @@ def _earlier_run(base: Path, rank: int) -> dict:
     return {}
 
 
+def _foreign_folder(base: Path, rank: int) -> dict:
+    # --resume: rank 0's node holds a save dschat began and never completed (it goes), rank 1's a
+    # step_<N> another tool wrote (every rank stops, and it stays as it was).
+    root = base / f"foreign{rank}" / "out" / "checkpoints"
+    folder = root / ckpt.checkpoint_name(5 if rank == 0 else 3)
+    folder.mkdir(parents=True)
+    (folder / (ckpt.WRITING_TAG if rank == 0 else "model.pt")).write_text("x")
+    dist.barrier()
+    try:
+        ckpt.prepare_checkpoint_root(_args(base / f"foreign{rank}" / "out", resume=True), rank)
+    finally:
+        dist.barrier()
+        left = {"left": sorted(str(p.relative_to(root)) for p in root.rglob("*"))}
+        (base / f"foreign{rank}.json").write_text(json.dumps(left))
+    return {}
+
+
 SCENARIOS = {"shared_commit": _shared_commit, "node_local_start": _node_local_start,
              "commit_not_seen": _commit_not_seen, "resume_disagreement": _resume_disagreement,
-             "pruning": _pruning, "earlier_run": _earlier_run}
+             "pruning": _pruning, "earlier_run": _earlier_run,
+             "foreign_folder": _foreign_folder}
 
 
 def _worker(rank: int, base: str, store: str) -> None:
@@ -143,7 +161,7 @@ def _outcome(runs, name):
     _, results = runs
     for rank, result in enumerate(results):
         assert "bug" not in result[name], f"rank {rank}: {result[name]['bug']}"
-    return [json.loads(re.sub(r"/(node|commit|resume|prune|earlier)[01]/", r"/\1R/", json.dumps(result[name]))) for result in results]
+    return [json.loads(re.sub(r"/(node|commit|resume|prune|earlier|foreign)[01]/", r"/\1R/", json.dumps(result[name]))) for result in results]
 
 
 def test_a_shared_folder_commits_with_every_ranks_files(runs):
@@ -192,3 +210,14 @@ def test_an_earlier_run_seen_by_one_rank_stops_every_rank(runs):
     assert first == second
     assert first["error"].startswith(f"rank 1 on host {HOST} found checkpoints of an earlier run in ")
     assert "pass --resume to continue that run" in first["error"]
+
+
+def test_a_folder_dschat_did_not_write_stops_every_rank_and_stays(runs):
+    first, second = _outcome(runs, "foreign_folder")
+    assert first == second, "every rank prints the same line"
+    assert first["error"].startswith(f"rank 1 on host {HOST} sees a step_<N> folder in ")
+    assert "that dschat did not write (named above); move it out of " in first["error"]
+    left = [json.loads((runs[0] / f"foreign{rank}.json").read_text())["left"] for rank in (0, 1)]
+    # Rank 0's unfinished save of its own was retired (a leftover that the next start prunes).
+    assert left[0] and all(entry.startswith(ckpt.TMP_PREFIX + "step_00000005-") for entry in left[0])
+    assert left[1] == ["step_00000003", "step_00000003/model.pt"]  # another tool's folder, as it was
