@@ -50,7 +50,7 @@ from dschat.launch import LaunchResult, flag_value, oom_advice, plan, run  # noq
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
 from dschat.recipes.loading import get_recipe  # noqa: E402
-from dschat.recipes.recipe import Recipe  # noqa: E402
+from dschat.recipes.recipe import Recipe, split_flag_groups  # noqa: E402
 from dschat.runtime.fs import check_writable_dir  # noqa: E402
 
 STEP_KEYS = {1: "step1", 2: "step2", 3: "step3"}
@@ -59,6 +59,7 @@ OPT_SIZES = ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "30b", "66b", "175b"
 UPSTREAM_ACTOR_SIZES = ("1.3b", "6.7b", "13b", "66b")
 UPSTREAM_REWARD_SIZES = ("350m",)
 TIMINGS_FILE = "e2e_timings.json"
+STEPS_FILE = "e2e_steps.json"  # each finished step's main.py flags: --resume skips a step only with the same ones
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 REWARD_FILES = (VALUE_HEAD_FILE, UPSTREAM_WEIGHTS_FILE)  # dschat's / upstream's step-2 output
 
@@ -409,6 +410,85 @@ def save_timings(out: Path, timings: dict[str, float]) -> None:
         tmp.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
 
 
+# -------------------------------------------------------------------------------------------------
+# The flags each finished step was trained with (--resume)
+# -------------------------------------------------------------------------------------------------
+def step_flags(run_: StepRun) -> list[str]:
+    """The flags e2e gives ``run_``'s main.py, less those that change no result (``--resume``,
+    ``--save_interval``)."""
+    return run_.recipe.render(run_.params, run_.extra)
+
+
+def load_step_records(out: Path) -> dict[str, list[str]]:
+    """{step number: its flags} of the steps e2e finished in ``out``; {} when there is no readable file."""
+    try:
+        data = json.loads((out / STEPS_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    records = {}
+    for number, flags in data.items():
+        try:  # a hand-edited entry that is no flag list counts as no record
+            split_flag_groups(flags)
+            records[str(number)] = [str(t) for t in flags]
+        except (TypeError, UserError):
+            continue
+    return records
+
+
+def save_step_record(out: Path, number: int, flags: list[str] | None) -> None:
+    """Record step ``number``'s flags (None: forget them, before it runs again)."""
+    from dschat.runtime.fs import atomic_file
+
+    records = load_step_records(out)
+    if flags is None:
+        if records.pop(str(number), None) is None:
+            return
+    else:
+        records[str(number)] = flags
+    out.mkdir(parents=True, exist_ok=True)
+    with atomic_file(out / STEPS_FILE) as tmp:
+        tmp.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+
+
+def flags_difference(before: Sequence[str], now: Sequence[str]) -> str | None:
+    """The first flag whose value differs between two flag lists, as "--name: then X, now Y"; None when equal."""
+    def values(tokens: Sequence[str]) -> dict[str, list[str]]:
+        return {name: [t for token in group for t in token.split("=", 1)][1:] for name, group in split_flag_groups(tokens)}
+
+    then, current = values(before), values(now)
+    for name in dict.fromkeys([*then, *current]):
+        if then.get(name) != current.get(name):
+            def shown(v: list[str] | None) -> str:
+                return "not given" if v is None else (shlex.join(v) or "set")
+            return f"--{name}: then {shown(then.get(name))}, now {shown(current.get(name))}"
+    return None
+
+
+def finished_step(run_: StepRun, records: dict[str, list[str]], steps: Sequence[int]) -> bool:
+    """--resume: whether ``run_`` is finished (its folder holds a usable model) with this run's flags
+    (``steps``: the steps this run was asked for, named in the fix).
+
+    A folder made with other flags is refused in one line (nothing is replaced); one whose flags are
+    not on record (a step run by hand, or by an e2e that kept no record) counts as finished, with a note.
+    """
+    if output_problem(run_) is not None:
+        return False
+    recorded = records.get(str(run_.number))
+    if recorded is None:
+        print(f"note: step {run_.number}'s flags are not on record in {STEPS_FILE} (run by hand or by an older "
+              f"e2e); taking the model in {run_.output_dir} as this run's", flush=True)
+        return True
+    difference = flags_difference(recorded, step_flags(run_))
+    if difference:
+        raise UserError(
+            f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "
+            f"to train it again with these, run without --resume and with --step "
+            f"{' '.join(str(n) for n in steps if n >= run_.number)} (it replaces that model), or pass another --output-dir")
+    return True
+
+
 def eta_line(runs: Sequence[StepRun], index: int, speed: float = 1.0, extra_seconds: float = 0.0) -> str | None:
     """'estimated 0:03:00 for this step, ~0:12:00 left (done around 14:05)' from the recipes' eta_seconds.
 
@@ -478,8 +558,9 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
                         help="evaluate after step 3 (auto: when step 3 trained on dschat/builtin)")
     dschat.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     dschat.add_argument("--resume", action="store_true",
-                        help="continue an interrupted run: skip the steps whose model folders are complete, resume "
-                             "the first unfinished one from its newest checkpoint (steps after it run afresh)")
+                        help="continue an interrupted run: skip the steps whose model folders are complete (a "
+                             "finished step trained with other flags is refused), resume the first unfinished one "
+                             "from its newest checkpoint (steps after it run afresh)")
     dschat.add_argument("--save-format", choices=SAVE_FORMATS, default=None,
                         help="pass --save_format to every step: the weight files of each step's model, safetensors "
                              "(the steps' default), bin (upstream's pytorch_model.bin layout) or both")
@@ -670,6 +751,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
     out = Path(args.output_dir)
     timings = load_timings(out)
+    records = load_step_records(out)
     selected = [r for r in runs if r.number in args.step]
     report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
     spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
@@ -680,7 +762,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for index, run_ in enumerate(selected):
         resume: list[str] = []
         if args.resume and not ran_one:
-            if output_problem(run_) is None:
+            if finished_step(run_, records, args.step):
                 print(f"---=== Step {run_.number} is complete in {run_.output_dir}; skipping it (--resume) ===---",
                       flush=True)
                 continue
@@ -703,6 +785,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print((env + " " if env else "") + launch.command_line(), flush=True)
             continue
         step_start = time.monotonic()
+        save_step_record(out, run_.number, None)  # its folder is this run's only once it finishes
         result = run(launch)
         if result.returncode != 0:
             return fail_step(run_, result, launch.command_line(), reproduce_command(args, dep, run_.number))
@@ -712,6 +795,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             spent, estimated = spent + seconds, estimated + run_.recipe.eta_seconds
         timings[str(run_.number)] = seconds
         save_timings(out, timings)
+        save_step_record(out, run_.number, step_flags(run_))
         estimate = f" (estimate {hms(run_.recipe.eta_seconds)})" if run_.recipe.eta_seconds else ""
         print(f"---=== Finished Step {run_.number} in {hms(seconds)} ===---{estimate}", flush=True)
 

@@ -261,6 +261,8 @@ def test_e2e_runs_all_three_steps_on_tiny_models(tiny_run):
         assert log.startswith("[dschat.launch] ") and "main.py" in log.splitlines()[0]
     timings = json.loads((out / "e2e_timings.json").read_text())
     assert set(timings) == {"1", "2", "3"} and all(v > 0 for v in timings.values())
+    records = E.load_step_records(out)  # what --resume compares a finished step's flags with
+    assert set(records) == {"1", "2", "3"} and "--actor_model_name_or_path" in records["3"]
 
 
 @pytest.mark.slow
@@ -311,6 +313,30 @@ def test_resume_skips_finished_steps_and_resumes_the_first_unfinished_one(tmp_pa
                 "tiny-llama", "--output-dir", str(tmp_path))
     commands = [line for line in proc.stdout.splitlines() if "main.py" in line]
     assert len(commands) == 2 and commands[0].endswith("--resume") and not commands[1].endswith("--resume")
+
+
+def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
+    models = ("--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+              "--output-dir", str(tmp_path))
+    folder = tmp_path / "actor-models/tiny-llama"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    args = E.parse_args(list(models), E.load_e2e_config())
+    E.save_step_record(tmp_path, 1, E.step_flags(E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))[0]))
+    proc = _e2e("--dry-run", "--resume", *models)
+    assert proc.returncode == 0, proc.stderr
+    assert "Step 1 is complete" in proc.stdout and "not on record" not in proc.stdout
+    proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].endswith(
+        f"--resume: step 1's model in {folder} was trained with other flags (--seed: then 1234, now 7); to "
+        "train it again with these, run without --resume and with --step 1 2 3 (it replaces that model), or "
+        "pass another --output-dir")
+    assert (folder / "model.safetensors").read_bytes() == b"x"
+    (tmp_path / E.STEPS_FILE).unlink()  # no record (a step run by hand): finished, with a note
+    proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)
+    assert proc.returncode == 0 and "step 1's flags are not on record" in proc.stdout
 
 
 @pytest.mark.slow
