@@ -103,6 +103,34 @@ def refuse_saving_over_inputs(inputs: Mapping[str, str | None],
                                 "replace the model it trains from; give another --output_dir")
 
 
+def set_unsaved_models_aside(output_dir: str | Path, folders: Iterable[str], inputs: Iterable[str | None]) -> list[str]:
+    """After step 3's final save, so that every model folder in ``output_dir`` is this run's: each of
+    ``folders`` (where this run saved no model: ``critic`` of a critic-free run, ``actor_ema`` without
+    EMA) holding an earlier run's model files is renamed to ``<name>.earlier``. Nothing is deleted: a
+    folder that is (or holds) one of this run's ``inputs``, or whose ``.earlier`` name is taken, stays
+    where it is. Returns one notice per folder looked at. Rank 0 only."""
+    notices = []
+    sources = [Path(str(name)).expanduser().resolve() for name in inputs
+               if name and str(name).strip() not in SHORT_NAMES and Path(str(name)).expanduser().is_dir()]
+    for name in folders:
+        folder = Path(output_dir) / name
+        if not folder.is_dir() or folder.is_symlink() or not any(is_model_artifact(p.name) for p in folder.iterdir()):
+            continue
+        earlier = folder.with_name(f"{name}.earlier")
+        what = f"{folder} holds an earlier run's model (this run saved none there)"
+        if any(src == folder.resolve() or folder.resolve() in src.parents for src in sources):
+            notices.append(f"{what}; it is an input of this run, so it stays")
+        elif os.path.lexists(earlier):
+            notices.append(f"{what}; {earlier} exists already, so it stays: move one of them yourself")
+        else:
+            try:
+                os.replace(folder, earlier)
+                notices.append(f"{what}: now in {earlier}")
+            except OSError as err:
+                notices.append(f"{what}; it stays (cannot rename it: {err.strerror or err})")
+    return notices
+
+
 @dataclass(frozen=True)
 class RunContext:
     """Where this process runs: global rank, world size, device, and the dtype actually used."""

@@ -168,6 +168,8 @@ COVER = {
 def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
     model, with_rm, extra = COVER[name]
     out = tmp_path / "out"
+    (out / "critic").mkdir(parents=True)  # an earlier PPO run's critic: set aside once this run's actor is in
+    (out / "critic" / "config.json").write_text("{}")
     result = step3_main().main(_argv(model, critic_dirs[model] if with_rm else None, data_cache, *extra,
                                      "--output_dir", str(out)))
     logs = capsys.readouterr().out
@@ -184,7 +186,9 @@ def test_critic_free_cover(name, tmp_path, critic_dirs, data_cache, capsys):
     assert (result.rlhf_engine.reward is not None) == with_rm
     assert ("Initializing Reward" in logs) == with_rm
     assert sorted(p.name for p in out.iterdir() if p.is_dir()) == (
-        ["actor", "actor_ema"] if "--enable_ema" in extra else ["actor"])
+        ["actor", "actor_ema", "critic.earlier"] if "--enable_ema" in extra else ["actor", "critic.earlier"])
+    assert (out / "critic.earlier" / "config.json").read_text() == "{}"
+    assert f"{out / 'critic'} holds an earlier run's model (this run saved none there): now in" in logs
     initial = load_state(Path(resolve_model_path(model)))
     assert max_abs_diff(initial, load_state(out / "actor")) > 0
     if "--enable_ema" in extra:

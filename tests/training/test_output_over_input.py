@@ -97,3 +97,29 @@ def test_a_step_says_it_started_only_once_its_flags_passed(tmp_path, monkeypatch
     assert not started.exists()
     setup_run(SimpleNamespace(output_dir=None, dtype="fp32", seed=1))
     assert started.is_file()
+
+
+def test_an_earlier_runs_critic_and_ema_are_set_aside_never_deleted(tmp_path):
+    from dschat.training.run_setup import set_unsaved_models_aside
+
+    out = tmp_path / "out"
+    for name in ("critic", "actor_ema", "notes"):
+        (out / name).mkdir(parents=True)
+    (out / "critic" / "config.json").write_text("critic")
+    (out / "actor_ema" / "model.safetensors").write_text("ema")
+    (out / "notes" / "todo.txt").write_text("mine")
+    # The critic is this run's reward model: it stays. The EMA goes to actor_ema.earlier.
+    notices = set_unsaved_models_aside(out, ["critic", "actor_ema", "notes"], [str(out / "critic"), "tiny-opt", None])
+    assert notices == [f"{out / 'critic'} holds an earlier run's model (this run saved none there); it is an input of "
+                       "this run, so it stays",
+                       f"{out / 'actor_ema'} holds an earlier run's model (this run saved none there): now in "
+                       f"{out / 'actor_ema.earlier'}"]
+    assert (out / "critic" / "config.json").read_text() == "critic"
+    assert (out / "actor_ema.earlier" / "model.safetensors").read_text() == "ema"
+    assert (out / "notes" / "todo.txt").read_text() == "mine"  # no model files: not a model folder
+    (out / "actor_ema").mkdir()
+    (out / "actor_ema" / "config.json").write_text("older")
+    assert set_unsaved_models_aside(out, ["actor_ema"], []) == [
+        f"{out / 'actor_ema'} holds an earlier run's model (this run saved none there); {out / 'actor_ema.earlier'} "
+        "exists already, so it stays: move one of them yourself"]
+    assert (out / "actor_ema" / "config.json").read_text() == "older"

@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.progress import Trackers
-    from dschat.training.run_setup import setup_run
+    from dschat.training.run_setup import set_unsaved_models_aside, setup_run
     from dschat.training.step_data import load_tokenizer
     from dschat.training.ppo_counters import PPOCounters
 
@@ -290,6 +290,12 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         if rlhf_engine.actor_ema is not None:
             save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema",
                           args.save_format)
+        if ctx.rank == 0:  # an earlier run's critic/ or actor_ema/ would pass for this run's
+            unsaved = [name for name, engine in (("critic", rlhf_engine.critic), ("actor_ema", rlhf_engine.actor_ema))
+                       if engine is None]
+            inputs = (args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path)
+            for notice in set_unsaved_models_aside(args.output_dir, unsaved, inputs):
+                print(notice, flush=True)
         result.output_dir = Path(args.output_dir)
     return result
 
