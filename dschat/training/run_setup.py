@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,6 +81,25 @@ def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_n
     if outputs is None:
         outputs = {"the model": (args.output_dir, is_model_artifact)} if getattr(args, "output_dir", None) else {}
     refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags}, outputs)
+    refuse_replacing_foreign_config(outputs)
+
+
+def refuse_replacing_foreign_config(outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]]) -> None:
+    """One line when a folder the run saves a model into holds a ``config.json`` that is no model's
+    (not a JSON object with ``model_type`` or ``architectures``: a project's own settings file, with
+    ``--output_dir .``): the save would replace it. Outputs replaced as a whole (``owns`` None,
+    dschat's own folders) are not looked at."""
+    for what, (folder, owns) in outputs.items():
+        config = Path(folder).expanduser() / "config.json"
+        if owns is None or not config.is_file():
+            continue
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, ValueError):
+            data = None
+        if not (isinstance(data, dict) and ("model_type" in data or "architectures" in data)):
+            raise UserError(f"{config} is not a model's config (no model_type), and this run saves {what} into "
+                            f"{folder}, replacing its config.json; give another --output_dir, or move that file")
 
 
 def refuse_saving_over_inputs(inputs: Mapping[str, str | None],

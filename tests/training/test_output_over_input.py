@@ -123,3 +123,19 @@ def test_an_earlier_runs_critic_and_ema_are_set_aside_never_deleted(tmp_path):
         f"{out / 'actor_ema'} holds an earlier run's model (this run saved none there); {out / 'actor_ema.earlier'} "
         "exists already, so it stays: move one of them yourself"]
     assert (out / "actor_ema" / "config.json").read_text() == "older"
+
+
+def test_a_config_json_that_is_no_models_is_never_replaced(tmp_path, capsys):
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "config.json").write_text('{"learning_rate": 3}')  # the user's own settings, --output_dir .
+    main = load_script("step1").main
+    argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(project))
+    assert cli_main(main, argv) == EXIT_USAGE
+    assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")] == [
+        f"error: {project / 'config.json'} is not a model's config (no model_type), and this run saves the model "
+        f"into {project}, replacing its config.json; give another --output_dir, or move that file"]
+    assert listing(project) == {"config.json": b'{"learning_rate": 3}'}
+    (project / "config.json").write_text('{"model_type": "opt"}')  # an earlier model's: replaced as before
+    from dschat.training.run_setup import refuse_replacing_foreign_config
+    refuse_replacing_foreign_config({"the model": (project, is_model_artifact)})

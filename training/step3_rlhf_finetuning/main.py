@@ -120,6 +120,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
         run_setup.refuse_saving_over_inputs({"--actor_model_name_or_path": args.actor_model_name_or_path,
                                              "--critic_model_name_or_path": critic,
                                              "--reward_model_name_or_path": reward}, saved)
+        run_setup.refuse_replacing_foreign_config(saved)
     run_setup.check_output_paths(args)
 
 
