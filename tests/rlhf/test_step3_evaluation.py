@@ -178,10 +178,12 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
                               rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
     (tmp_path / "best").mkdir()
 
-    def evaluation_after_resume(on_disk: str, checkpoint_best: dict | None) -> ev.StepThreeEvaluation:
+    def evaluation_after_resume(on_disk: str, checkpoint_best: dict | None, run: str | None = None
+                                ) -> ev.StepThreeEvaluation:
+        (tmp_path / "best").mkdir(exist_ok=True)
         (tmp_path / "best" / "best.json").write_text(on_disk)
         evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())])
-        state = {"history": [], "best": checkpoint_best, "alarms": [], "seconds": [0.0, 0.0, 0.0]}
+        state = {"history": [], "best": checkpoint_best, "alarms": [], "seconds": [0.0, 0.0, 0.0], "run": run}
         evaluation.restore(SimpleNamespace(extra={"evaluation": state}))
         return evaluation
 
@@ -198,6 +200,15 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
     for on_disk in ('{"step": 6, "by": "j", "score": 0.5}', '{"step": 6, "by": "proxy", "score": 9.0}', '{"step": 6'):
         evaluation = evaluation_after_resume(on_disk, {"step": 2, "by": "j", "score": 1.0})
         assert evaluation.best == {"step": 2, "by": "j", "score": 1.0}
+    # By run id: this run's best/ is the bar; another run's (its checkpoint had no best yet) is set aside.
+    capsys.readouterr()
+    evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0, "run": "mine"}', None, run="mine")
+    assert evaluation.best == {"step": 6, "by": "j", "score": 2.0} and evaluation.run_id == "mine"
+    evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0, "run": "older"}', None, run="mine")
+    assert evaluation.best is None and not (tmp_path / "best").exists()
+    assert '"run": "older"' in (tmp_path / "best.earlier" / "best.json").read_text()
+    assert f"held an earlier run's best models: now in {tmp_path / 'best.earlier'}" in capsys.readouterr().out
+    assert evaluate(evaluation, 7, 0.1) and saved[-1] == 7  # no bar: any finite evaluation is the best now
 
 
 def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_aside(tmp_path, monkeypatch, capsys):
@@ -515,8 +526,9 @@ def test_resume_reproduces_the_evaluation_records_and_the_best_checkpoint(ppo_ru
     lines, want = _eval_lines(root / "resumed"), _eval_lines(root / "with")
     assert [(x.get("kind"), x["global_step"]) for x in lines] == [(x.get("kind"), x["global_step"]) for x in want]
     assert _untimed(x for x in lines if x.get("kind")) == _untimed(x for x in want if x.get("kind"))
-    assert (json.loads((root / "resumed" / "best" / "best.json").read_text())
-            == json.loads((root / "with" / "best" / "best.json").read_text()))
+    best, best_want = (json.loads((root / run / "best" / "best.json").read_text()) for run in ("resumed", "with"))
+    assert isinstance(best.pop("run"), str) and isinstance(best_want.pop("run"), str)  # each run's own id
+    assert best == best_want
     for name in ("actor", "critic", "actor_ema"):
         assert max_abs_diff(load_state(root / "with" / "best" / name), load_state(root / "resumed" / "best" / name)) == 0.0
 

@@ -36,11 +36,14 @@ def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer
 
 
 def read_best(folder: Path) -> dict[str, object] | None:
-    """``{"step", "by", "score"}`` of ``folder/best.json``; None when it is missing or unreadable."""
+    """``{"step", "by", "score", "run"}`` of ``folder/best.json`` (``run``: the id of the run that
+    saved it, None in a file of a dschat that wrote none); None when it is missing or unreadable."""
     try:
         info = json.loads((folder / BEST_FILE).read_text(encoding="utf-8"))
-        return {"step": int(info["step"]), "by": info["by"], "score": info["score"]}
-    except (OSError, ValueError, TypeError, KeyError):
+        run = info.get("run")
+        return {"step": int(info["step"]), "by": info["by"], "score": info["score"],
+                "run": run if isinstance(run, str) else None}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
 
 

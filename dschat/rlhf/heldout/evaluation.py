@@ -45,6 +45,7 @@ import argparse
 import json
 import math
 import random
+import secrets
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -171,6 +172,7 @@ class StepThreeEvaluation:
         self.output_dir = Path(config.output_dir) if config.output_dir else None
         self.history: list[EvalPoint] = []
         self.best: dict[str, object] | None = None  # {"step", "by", "score"}
+        self.run_id: str | None = None  # set by restore: a fresh run's, or the checkpoint's; in best.json
         self.alarms: list[dict[str, object]] = []
         self.records: list[dict[str, object]] = []  # the evaluations made by this process
         self.should_stop = False
@@ -202,7 +204,7 @@ class StepThreeEvaluation:
         """JSON state for a checkpoint: the series, the best evaluation, the alarms, the timings."""
         return {"history": [{"step": p.step, "proxy": list(p.proxy), "judges": {k: list(v) for k, v in p.judges.items()}}
                             for p in self.history],
-                "best": self.best, "alarms": self.alarms, "next_step": self.next_step,
+                "best": self.best, "alarms": self.alarms, "next_step": self.next_step, "run": self.run_id,
                 "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started]}
 
     def attach(self, position: TrainingPosition) -> TrainingPosition:
@@ -213,34 +215,39 @@ class StepThreeEvaluation:
 
     def restore(self, position: TrainingPosition | None) -> None:
         """Continue the series, best evaluation and alarms of the checkpoint a run resumes from
-        (``position``; None: nothing to resume). Best models already in ``best/`` that score higher
-        (by the same series) stay the best so far: after a roll back to an earlier checkpoint, or a
-        kill between their save and the next checkpoint, only a better evaluation replaces them. A run
-        with no evaluation to continue sets an earlier run's ``best/`` aside first (rank 0)."""
+        (``position``; None: nothing to resume), and its run id (a fresh run draws one; ``best.json``
+        records it). Best models already in ``best/`` that score higher (by the same series and run)
+        stay the best so far: after a roll back to an earlier checkpoint, or a kill between their save
+        and the next checkpoint, only a better evaluation replaces them. A run with no evaluation to
+        continue, or whose ``best/`` another run saved, sets that ``best/`` aside first (rank 0).
+        Collective."""
         if not self.enabled:
             return
         state = position.extra.get("evaluation") if position is not None else None
+        drawn = gather_json(secrets.token_hex(8) if self.rank == 0 else None)[0]  # every rank takes rank 0's
         if state:
             self._restore_state(state)
-        elif self._best_series() is not None and self.output_dir is not None:
-            # rank 0 renames; a failure stops every rank (none waits in the gather below)
+        self.run_id = (state or {}).get("run") or drawn  # an older checkpoint's state has none
+        if self._best_series() is None or self.output_dir is None:
+            return
+        # rank 0's reading: every rank agrees
+        on_disk = gather_json(read_best(self.output_dir / BEST_DIR) if self.rank == 0 else None)[0]
+        other_run = on_disk is not None and on_disk["run"] not in (None, self.run_id)
+        if not state or other_run:
+            # rank 0 renames; a failure stops every rank together
             notice = raise_together(lambda: set_earlier_best_aside(self.output_dir) if self.rank == 0 else None,
                                     "setting best/ aside")
             if notice:
                 print_rank_0(f"[eval] {notice}", self.rank)
-        saved = gather_json(self._saved_best() if self.rank == 0 else None)[0]  # rank 0's reading: every rank agrees
-        if saved is not None and (self.best is None or not _finite(self.best["score"])
-                                  or saved["score"] > self.best["score"]):
+            return
+        if on_disk is None or on_disk["by"] != self._best_series() or not _finite(on_disk["score"]):
+            return  # another series', or unreadable: no bar
+        saved = {key: on_disk[key] for key in ("step", "by", "score")}
+        if self.best is None or not _finite(self.best["score"]) or saved["score"] > self.best["score"]:
             self.best = saved
             print_rank_0(f"[eval] the best models in {self.output_dir / BEST_DIR} (step {saved['step']}, "
                          f"{saved['by']} {saved['score']:.4f}) stay the best so far: only a higher score replaces "
                          "them", self.rank)
-
-    def _saved_best(self) -> dict[str, object] | None:
-        """``best/best.json``'s step, series and score if by this run's series and finite, else None."""
-        series = self._best_series()
-        saved = read_best(self.output_dir / BEST_DIR) if series is not None and self.output_dir else None
-        return saved if saved is not None and saved["by"] == series and _finite(saved["score"]) else None
 
     def _restore_state(self, state: dict[str, Any]) -> None:
         self.history = [EvalPoint(p["step"], tuple(p["proxy"]), {k: tuple(v) for k, v in p["judges"].items()})
@@ -468,7 +475,7 @@ class StepThreeEvaluation:
             return False
         self.best = {"step": point.step, "by": series, "score": score}
         start = time.time()
-        info = {"step": point.step, "by": series, "score": score, "proxy": point.mean("proxy"),
+        info = {"step": point.step, "by": series, "score": score, "run": self.run_id, "proxy": point.mean("proxy"),
                 "judges": {name: point.mean(name) for name in point.judges},
                 "kl_to_ref": _ratio(sum(rows.kl), sum(rows.tokens))}
         save_best(self.output_dir, self._best_models(), self.trainer.tokenizer, info, self.rank)
