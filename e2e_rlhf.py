@@ -59,7 +59,7 @@ OPT_SIZES = ("125m", "350m", "1.3b", "2.7b", "6.7b", "13b", "30b", "66b", "175b"
 UPSTREAM_ACTOR_SIZES = ("1.3b", "6.7b", "13b", "66b")
 UPSTREAM_REWARD_SIZES = ("350m",)
 TIMINGS_FILE = "e2e_timings.json"
-STEPS_FILE = "e2e_steps.json"  # each finished step's main.py flags: --resume skips a step only with the same ones
+STEPS_FILE = "e2e_steps.json"  # each step's main.py flags, and whether it finished: read by --resume
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 REWARD_FILES = (VALUE_HEAD_FILE, UPSTREAM_WEIGHTS_FILE)  # dschat's / upstream's step-2 output
 
@@ -411,76 +411,92 @@ def save_timings(out: Path, timings: dict[str, float]) -> None:
 
 
 # -------------------------------------------------------------------------------------------------
-# The flags each finished step was trained with (--resume)
+# The flags each step was trained with (--resume)
 # -------------------------------------------------------------------------------------------------
-def step_flags(run_: StepRun) -> list[str]:
+OUTPUT_DIR_TOKEN = "<output-dir>"  # --output-dir in a recorded flag: a moved output folder still matches
+
+
+def step_flags(run_: StepRun, out: Path) -> list[str]:
     """The flags e2e gives ``run_``'s main.py, less those that change no result (``--resume``,
-    ``--save_interval``)."""
-    return run_.recipe.render(run_.params, run_.extra)
+    ``--save_interval``), with ``out`` (e2e's --output-dir) written as :data:`OUTPUT_DIR_TOKEN`."""
+    prefix = str(out)
+    return [OUTPUT_DIR_TOKEN + token[len(prefix):] if token == prefix or token.startswith(prefix + os.sep) else token
+            for token in run_.recipe.render(run_.params, run_.extra)]
 
 
-def load_step_records(out: Path) -> dict[str, list[str]]:
-    """{step number: its flags} of the steps e2e finished in ``out``; {} when there is no readable file."""
+def step_key(run_: StepRun, out: Path) -> str:
+    """A step's entry in :data:`STEPS_FILE`: its model folder under ``out`` (one per model label)."""
+    return os.path.relpath(run_.output_dir, out)
+
+
+def load_step_records(out: Path) -> dict[str, dict[str, Any]]:
+    """{model folder: {"flags": [...], "finished": bool}} of the steps e2e started in ``out``; {} when
+    there is no readable file. An entry that is not such a record counts as none."""
     try:
         data = json.loads((out / STEPS_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return {}
-    if not isinstance(data, dict):
-        return {}
     records = {}
-    for number, flags in data.items():
-        try:  # a hand-edited entry that is no flag list counts as no record
+    for key, record in (data.items() if isinstance(data, dict) else ()):
+        try:
+            flags = record["flags"]
             split_flag_groups(flags)
-            records[str(number)] = [str(t) for t in flags]
-        except (TypeError, UserError):
+            if isinstance(record["finished"], bool) and all(isinstance(t, str) for t in flags):
+                records[str(key)] = {"flags": list(flags), "finished": record["finished"]}
+        except (TypeError, KeyError, UserError):
             continue
     return records
 
 
-def save_step_record(out: Path, number: int, flags: list[str] | None) -> None:
-    """Record step ``number``'s flags (None: forget them, before it runs again)."""
+def save_step_record(out: Path, run_: StepRun, finished: bool) -> None:
+    """Record that ``run_`` started (``finished`` False: before it runs) or finished, with its flags."""
     from dschat.runtime.fs import atomic_file
 
     records = load_step_records(out)
-    if flags is None:
-        if records.pop(str(number), None) is None:
-            return
-    else:
-        records[str(number)] = flags
+    records[step_key(run_, out)] = {"flags": step_flags(run_, out), "finished": finished}
     out.mkdir(parents=True, exist_ok=True)
     with atomic_file(out / STEPS_FILE) as tmp:
         tmp.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
 
 
 def flags_difference(before: Sequence[str], now: Sequence[str]) -> str | None:
-    """The first flag whose value differs between two flag lists, as "--name: then X, now Y"; None when equal."""
-    def values(tokens: Sequence[str]) -> dict[str, list[str]]:
-        return {name: [t for token in group for t in token.split("=", 1)][1:] for name, group in split_flag_groups(tokens)}
+    """The first flag whose values differ between two flag lists (a repeated flag: all its values, in
+    order), as "--name: then X, now Y"; None when they are the same flags."""
+    def values(tokens: Sequence[str]) -> dict[str, list[list[str]]]:
+        found: dict[str, list[list[str]]] = {}
+        for name, group in split_flag_groups(tokens):
+            found.setdefault(name, []).append([t for token in group for t in token.split("=", 1)][1:])
+        return found
+
+    def shown(groups: list[list[str]] | None) -> str:
+        return "not given" if groups is None else " / ".join(shlex.join(g) or "set" for g in groups)
 
     then, current = values(before), values(now)
     for name in dict.fromkeys([*then, *current]):
         if then.get(name) != current.get(name):
-            def shown(v: list[str] | None) -> str:
-                return "not given" if v is None else (shlex.join(v) or "set")
             return f"--{name}: then {shown(then.get(name))}, now {shown(current.get(name))}"
     return None
 
 
-def finished_step(run_: StepRun, records: dict[str, list[str]], steps: Sequence[int]) -> bool:
+def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], steps: Sequence[int]) -> bool:
     """--resume: whether ``run_`` is finished (its folder holds a usable model) with this run's flags
     (``steps``: the steps this run was asked for, named in the fix).
 
-    A folder made with other flags is refused in one line (nothing is replaced); one whose flags are
-    not on record (a step run by hand, or by an e2e that kept no record) counts as finished, with a note.
+    A step that e2e started and that did not finish is not (it resumes). A folder trained with other
+    flags is refused in one line (nothing is replaced); one whose flags are not on record (a step run
+    by hand, or by an e2e that kept no record) counts as finished, with a note.
     """
     if output_problem(run_) is not None:
         return False
-    recorded = records.get(str(run_.number))
-    if recorded is None:
-        print(f"note: step {run_.number}'s flags are not on record in {STEPS_FILE} (run by hand or by an older "
-              f"e2e); taking the model in {run_.output_dir} as this run's", flush=True)
+    record = records.get(step_key(run_, out))
+    if record is None:
+        print(f"note: step {run_.number}'s flags are not on record in {out / STEPS_FILE} (run by hand or by an "
+              f"older e2e); taking the model in {run_.output_dir} as this run's", flush=True)
         return True
-    difference = flags_difference(recorded, step_flags(run_))
+    if not record["finished"]:
+        print(f"note: step {run_.number} started in {run_.output_dir} and did not finish; resuming it", flush=True)
+        return False
+    difference = flags_difference(record["flags"], step_flags(run_, out))
     if difference:
         raise UserError(
             f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "
@@ -762,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for index, run_ in enumerate(selected):
         resume: list[str] = []
         if args.resume and not ran_one:
-            if finished_step(run_, records, args.step):
+            if finished_step(run_, out, records, args.step):
                 print(f"---=== Step {run_.number} is complete in {run_.output_dir}; skipping it (--resume) ===---",
                       flush=True)
                 continue
@@ -785,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print((env + " " if env else "") + launch.command_line(), flush=True)
             continue
         step_start = time.monotonic()
-        save_step_record(out, run_.number, None)  # its folder is this run's only once it finishes
+        save_step_record(out, run_, finished=False)  # its folder is this run's only once it finishes
         result = run(launch)
         if result.returncode != 0:
             return fail_step(run_, result, launch.command_line(), reproduce_command(args, dep, run_.number))
@@ -795,7 +811,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             spent, estimated = spent + seconds, estimated + run_.recipe.eta_seconds
         timings[str(run_.number)] = seconds
         save_timings(out, timings)
-        save_step_record(out, run_.number, step_flags(run_))
+        save_step_record(out, run_, finished=True)
         estimate = f" (estimate {hms(run_.recipe.eta_seconds)})" if run_.recipe.eta_seconds else ""
         print(f"---=== Finished Step {run_.number} in {hms(seconds)} ===---{estimate}", flush=True)
 

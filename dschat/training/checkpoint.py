@@ -64,11 +64,10 @@ from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, ge
 from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
-from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
-                                      complete_checkpoints, foreign_checkpoints, incomplete_checkpoints,
-                                      latest_checkpoint,
-                                      next_sequence, prune_leftovers, prune_rotated, put_back,
-                                      restore_replaced, retire_incomplete, set_aside)
+from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, WRITING_TAG, begun_by_dschat,
+                                      checkpoint_name, complete_checkpoints, foreign_checkpoints,
+                                      incomplete_checkpoints, latest_checkpoint, next_sequence, prune_leftovers,
+                                      prune_rotated, put_back, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
 from dschat.training.checkpoint_records import (FORMAT_VERSION, read_record, read_rng_file, rng_state,
                                                 set_rng_state)
@@ -180,8 +179,8 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     barrier()
     foreign = foreign_checkpoints(root)
     for folder in foreign:
-        print(f"[checkpoint] {folder} is not a checkpoint dschat wrote (neither {MARKER} nor {WRITING_TAG}); "
-              "left as it is", flush=True)
+        print(f"[checkpoint] {folder} is not a checkpoint dschat wrote (no {MARKER}, no {WRITING_TAG}, no "
+              "consolidated/ and rng_rank*.json); left as it is", flush=True)
     refuse_unless_all(not foreign, f"sees a step_<N> folder in {root} that dschat did not write (named above)",
                       f"move it out of {root} (on every node), then rerun")
     fresh = not getattr(args, "resume", False) and not getattr(args, "resume_from", None)
@@ -377,8 +376,10 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
         tmp.mkdir(parents=True)
         (tmp / WRITING_TAG).write_text("a checkpoint dschat is writing; complete once it holds "
                                        f"{MARKER}\n", encoding="utf-8")
+        fsync_path(tmp / WRITING_TAG)
+        fsync_path(tmp)  # the tag's entry: a renamed-in step_<N> without it would pass for another tool's
     refuse_unless_shared(tmp, rank, "the new checkpoint folder")
-    written: list[Path] = [tmp / WRITING_TAG] if rank == 0 else []
+    written: list[Path] = []
     for tag, engine in engines.items():
         written += _save_engine(engine, tmp, tag)
     for tag, engine in (weights_only or {}).items():
@@ -391,7 +392,9 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     written.append(rng_file)
     for path in written:  # each rank its own files, before rank 0 renames the folder
         fsync_path(path)
-    barrier()
+    foreign = rank == 0 and os.path.lexists(final) and not (final / MARKER).is_file() and not begun_by_dschat(final)
+    refuse_unless_all(not foreign, f"would replace {final}, a folder that dschat did not write (no {MARKER}, no "
+                                   f"{WRITING_TAG})", f"move it out of {root}, then continue with --resume")
     aside = None
     if rank == 0:
         try:
@@ -414,7 +417,6 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
             fsync_tree(final)
             with atomic_file(final / MARKER) as marker:
                 marker.write_text(json.dumps(record, indent=2), encoding="utf-8")
-            (final / WRITING_TAG).unlink(missing_ok=True)  # the marker says it all now
             fsync_path(root)
     except BaseException:
         if rank == 0:  # never complete: back under its temporary name (pruned at the next start)

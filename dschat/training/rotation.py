@@ -15,8 +15,9 @@
 * A checkpoint is written in a ``.tmp-step_<N>`` folder that holds :data:`WRITING_TAG` from its
   creation. A ``step_<N>`` with that tag and without its marker (a stop between its rename and its
   marker) is removed at the next start (:func:`retire_incomplete`), like the ``.tmp-*`` leftovers.
-  A ``step_<N>`` with neither is not dschat's (:func:`foreign_checkpoints`): start-up refuses to
-  run beside it, and nothing deletes it.
+  A ``step_<N>`` with neither (nor the files of a dschat from before the tag) is not dschat's
+  (:func:`foreign_checkpoints`): start-up refuses to run beside it, a save refuses to replace it,
+  and nothing deletes it.
 * Replacing a complete ``step_<N>`` (the same step saved again after a resume) renames the old one
   to ``step_<N>.replaced-<id>`` before the new one is renamed in (:func:`set_aside`); the old one is
   deleted only once the new one is complete. A kill in between leaves both, and the next start
@@ -34,7 +35,7 @@ from pathlib import Path
 from dschat.runtime.dist import print_rank_0
 
 MARKER = "dschat_checkpoint.json"
-WRITING_TAG = ".dschat-checkpoint-writing"  # in every folder dschat writes a checkpoint in, from its creation
+WRITING_TAG = ".dschat-checkpoint-writing"  # in every checkpoint folder dschat writes, from its creation on
 PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 PROBE_PREFIX = f"{TMP_PREFIX}visible-"  # a file rank 0 drops for the other ranks to look for
@@ -121,21 +122,28 @@ def prune_rotated(root: Path, keep: int, protect: list[Path]) -> list[Path]:
     return pruned
 
 
+def begun_by_dschat(folder: Path) -> bool:
+    """Whether dschat began writing the checkpoint ``folder``: it holds the in-progress tag, or
+    (renamed in by a dschat from before the tag, which renames a folder only once every file is in)
+    the ``consolidated/`` folder and ``rng_rank<r>.json`` files that every dschat checkpoint has."""
+    return (folder / WRITING_TAG).is_file() or (
+        (folder / "consolidated").is_dir() and any(folder.glob("rng_rank*.json")))
+
+
 def foreign_checkpoints(root: Path) -> list[Path]:
-    """The ``step_<N>`` folders under ``root`` that dschat did not write: neither its marker nor its
-    in-progress tag (another tool's folder, or an unfinished one of a dschat from before the tag)."""
-    return [p for p in incomplete_checkpoints(root)
-            if not p.name.startswith(TMP_PREFIX) and not (p / WRITING_TAG).is_file()]
+    """The ``step_<N>`` folders under ``root`` that dschat did not write: no marker, and not begun by
+    dschat (:func:`begun_by_dschat`): another tool's folder."""
+    return [p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX) and not begun_by_dschat(p)]
 
 
 def retire_incomplete(root: Path) -> list[str]:
     """Rename each ``step_<N>`` that dschat began and never marked complete (a run stopped after
     renaming it in, before marking it) to a ``.tmp-*`` leftover, which :func:`prune_leftovers` then
-    deletes; one notice each. A folder without dschat's in-progress tag is left as it is
+    deletes; one notice each. A folder that dschat did not begin is left as it is
     (:func:`foreign_checkpoints`). Rank 0 only, at start-up."""
     notices = []
     for folder in incomplete_checkpoints(root):
-        if not folder.name.startswith(TMP_PREFIX) and (folder / WRITING_TAG).is_file():
+        if not folder.name.startswith(TMP_PREFIX) and begun_by_dschat(folder):
             with contextlib.suppress(FileNotFoundError):
                 os.replace(folder, root / f"{TMP_PREFIX}{folder.name}-{secrets.token_hex(4)}")
                 notices.append(f"{folder} was never completed (a run stopped while writing it); removing it")

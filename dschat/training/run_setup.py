@@ -18,7 +18,7 @@ from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
 from dschat.models.save import is_model_artifact
 from dschat.paths import STARTED_FILE_VAR
-from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, init_distributed
+from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
 from dschat.runtime.fs import check_writable_dir
 from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
@@ -88,7 +88,10 @@ def refuse_replacing_foreign_config(outputs: Mapping[str, tuple[str | Path, Call
     """One line when a folder the run saves a model into holds a ``config.json`` that is no model's
     (not a JSON object with ``model_type`` or ``architectures``: a project's own settings file, with
     ``--output_dir .``): the save would replace it. Outputs replaced as a whole (``owns`` None,
-    dschat's own folders) are not looked at."""
+    dschat's own folders) are not looked at. Global rank 0 looks (before start-up too), the rank
+    that saves: another node's own folder of that name is never written."""
+    if get_rank() != 0:
+        return
     for what, (folder, owns) in outputs.items():
         config = Path(folder).expanduser() / "config.json"
         if owns is None or not config.is_file():
@@ -98,8 +101,9 @@ def refuse_replacing_foreign_config(outputs: Mapping[str, tuple[str | Path, Call
         except (OSError, UnicodeDecodeError, ValueError):
             data = None
         if not (isinstance(data, dict) and ("model_type" in data or "architectures" in data)):
-            raise UserError(f"{config} is not a model's config (no model_type), and this run saves {what} into "
-                            f"{folder}, replacing its config.json; give another --output_dir, or move that file")
+            raise UserError(f"{config} is not a model's config (no JSON object with model_type or architectures), "
+                            f"and this run saves {what} into {folder}, replacing its config.json; give another "
+                            "--output_dir, or move that file")
 
 
 def refuse_saving_over_inputs(inputs: Mapping[str, str | None],
@@ -128,13 +132,17 @@ def set_unsaved_models_aside(output_dir: str | Path, folders: Iterable[str], inp
     ``folders`` (where this run saved no model: ``critic`` of a critic-free run, ``actor_ema`` without
     EMA) holding an earlier run's model files is renamed to ``<name>.earlier``. Nothing is deleted: a
     folder that is (or holds) one of this run's ``inputs``, or whose ``.earlier`` name is taken, stays
-    where it is. Returns one notice per folder looked at. Rank 0 only."""
+    where it is; so does a link (with a notice). Returns one notice per folder that stays or moves.
+    Rank 0 only."""
     notices = []
     sources = [Path(str(name)).expanduser().resolve() for name in inputs
                if name and str(name).strip() not in SHORT_NAMES and Path(str(name)).expanduser().is_dir()]
     for name in folders:
         folder = Path(output_dir) / name
-        if not folder.is_dir() or folder.is_symlink() or not any(is_model_artifact(p.name) for p in folder.iterdir()):
+        if folder.is_symlink():
+            notices.append(f"{folder} is a link, left as it is: the model it leads to is not this run's")
+            continue
+        if not folder.is_dir() or not any(is_model_artifact(p.name) for p in folder.iterdir()):
             continue
         earlier = folder.with_name(f"{name}.earlier")
         what = f"{folder} holds an earlier run's model (this run saved none there)"

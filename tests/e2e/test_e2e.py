@@ -262,7 +262,9 @@ def test_e2e_runs_all_three_steps_on_tiny_models(tiny_run):
     timings = json.loads((out / "e2e_timings.json").read_text())
     assert set(timings) == {"1", "2", "3"} and all(v > 0 for v in timings.values())
     records = E.load_step_records(out)  # what --resume compares a finished step's flags with
-    assert set(records) == {"1", "2", "3"} and "--actor_model_name_or_path" in records["3"]
+    assert set(records) == {"actor-models/tiny-llama", "reward-models/tiny-llama", "step3-models/tiny-llama"}
+    assert all(r["finished"] for r in records.values())
+    assert "<output-dir>/actor-models/tiny-llama" in records["step3-models/tiny-llama"]["flags"]
 
 
 @pytest.mark.slow
@@ -323,7 +325,9 @@ def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
     (folder / "config.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"x")
     args = E.parse_args(list(models), E.load_e2e_config())
-    E.save_step_record(tmp_path, 1, E.step_flags(E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))[0]))
+    step1 = E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))[0]
+    E.save_step_record(tmp_path, step1, finished=True)
+    assert list(E.load_step_records(tmp_path)) == ["actor-models/tiny-llama"]  # one record per model folder
     proc = _e2e("--dry-run", "--resume", *models)
     assert proc.returncode == 0, proc.stderr
     assert "Step 1 is complete" in proc.stdout and "not on record" not in proc.stdout
@@ -334,9 +338,25 @@ def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
         "train it again with these, run without --resume and with --step 1 2 3 (it replaces that model), or "
         "pass another --output-dir")
     assert (folder / "model.safetensors").read_bytes() == b"x"
+    # The output folder moved: the recorded paths under it still match.
+    moved = tmp_path.with_name(tmp_path.name + "-moved")
+    tmp_path.rename(moved)
+    proc = _e2e("--dry-run", "--resume", *models[:-1], str(moved))
+    assert proc.returncode == 0 and "Step 1 is complete" in proc.stdout, proc.stderr
+    moved.rename(tmp_path)
+    # A step that started again and did not finish (its earlier model still in place) resumes.
+    E.save_step_record(tmp_path, step1, finished=False)
+    proc = _e2e("--dry-run", "--resume", *models)
+    assert proc.returncode == 0 and "step 1 started in" in proc.stdout and "Running Step 1" in proc.stdout
     (tmp_path / E.STEPS_FILE).unlink()  # no record (a step run by hand): finished, with a note
     proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)
     assert proc.returncode == 0 and "step 1's flags are not on record" in proc.stdout
+
+
+def test_a_repeated_flag_differs_by_any_of_its_values():
+    assert E.flags_difference(["--reward_fn", "a:f", "--reward_fn", "b:g"], ["--reward_fn", "c:h", "--reward_fn", "b:g"]) == (
+        "--reward_fn: then a:f / b:g, now c:h / b:g")
+    assert E.flags_difference(["--a=1", "--b"], ["--b", "--a", "1"]) is None
 
 
 @pytest.mark.slow

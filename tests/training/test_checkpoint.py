@@ -60,15 +60,24 @@ def test_start_up_leaves_a_step_folder_dschat_did_not_write(tmp_path, capsys):
     from dschat.errors import UserError
 
     root = ckpt.checkpoint_root(tmp_path)
-    own, other = root / ckpt.checkpoint_name(6), root / ckpt.checkpoint_name(3)
-    for folder, name in ((own, ckpt.WRITING_TAG), (other, "weights.bin")):
-        folder.mkdir(parents=True)
+    own, older, other = (root / ckpt.checkpoint_name(n) for n in (6, 5, 3))
+    # Unfinished saves of dschat (the tag; before the tag: consolidated/ and the RNG files), another tool's.
+    for folder, name in ((own, ckpt.WRITING_TAG), (older, "consolidated/state.json"), (older, "rng_rank0.json"),
+                         (other, "weights.bin")):
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("x")
     args = Namespace(output_dir=str(tmp_path), save_interval=1, resume=True, resume_from=None)
     with pytest.raises(UserError, match="sees a step_<N> folder in .* that dschat did not write"):
         ckpt.prepare_checkpoint_root(args, rank=0)
-    assert f"{other} is not a checkpoint dschat wrote" in capsys.readouterr().out
-    assert (other / "weights.bin").read_text() == "x" and not own.exists()  # dschat's own unfinished save goes
+    out = capsys.readouterr().out
+    assert [line.split()[1] for line in out.splitlines() if "not a checkpoint dschat wrote" in line] == [str(other)]
+    assert sum("was never completed" in line for line in out.splitlines()) == 2
+    assert (other / "weights.bin").read_text() == "x"
+    assert not own.exists() and not older.exists()  # dschat's own unfinished saves go
+    # A save never replaces it either: one line, and the folder stays.
+    with pytest.raises(UserError, match=f"would replace {other}, a folder that dschat did not write"):
+        ckpt.save_checkpoint(root, {}, ckpt.TrainingPosition(0, 3, 3, 3), keep=2, rank=0)
+    assert (other / "weights.bin").read_text() == "x" and ckpt.complete_checkpoints(root) == []
     (other / "weights.bin").unlink()
     other.rmdir()
     ckpt.prepare_checkpoint_root(args, rank=0)  # the user moved it out: start-up goes on and prunes

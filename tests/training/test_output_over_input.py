@@ -133,9 +133,22 @@ def test_a_config_json_that_is_no_models_is_never_replaced(tmp_path, capsys):
     argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(project))
     assert cli_main(main, argv) == EXIT_USAGE
     assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")] == [
-        f"error: {project / 'config.json'} is not a model's config (no model_type), and this run saves the model "
-        f"into {project}, replacing its config.json; give another --output_dir, or move that file"]
+        f"error: {project / 'config.json'} is not a model's config (no JSON object with model_type or "
+        f"architectures), and this run saves the model into {project}, replacing its config.json; give another "
+        "--output_dir, or move that file"]
     assert listing(project) == {"config.json": b'{"learning_rate": 3}'}
     (project / "config.json").write_text('{"model_type": "opt"}')  # an earlier model's: replaced as before
     from dschat.training.run_setup import refuse_replacing_foreign_config
     refuse_replacing_foreign_config({"the model": (project, is_model_artifact)})
+
+
+def test_a_linked_critic_folder_stays_with_a_notice(tmp_path):
+    from dschat.training.run_setup import set_unsaved_models_aside
+
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "config.json").write_text("{}")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "critic").symlink_to(tmp_path / "elsewhere")
+    assert set_unsaved_models_aside(tmp_path / "out", ["critic"], []) == [
+        f"{tmp_path / 'out' / 'critic'} is a link, left as it is: the model it leads to is not this run's"]
+    assert (tmp_path / "out" / "critic").is_symlink() and (tmp_path / "elsewhere" / "config.json").is_file()

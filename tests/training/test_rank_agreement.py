@@ -167,7 +167,7 @@ def _outcome(runs, name):
 def test_a_shared_folder_commits_with_every_ranks_files(runs):
     first, second = _outcome(runs, "shared_commit")
     assert first == second and "error" not in first
-    assert first["ok"]["files"] == ["consolidated", ckpt.MARKER, "rng_rank0.json", "rng_rank1.json"]
+    assert first["ok"]["files"] == [ckpt.WRITING_TAG, "consolidated", ckpt.MARKER, "rng_rank0.json", "rng_rank1.json"]
     assert first["ok"]["left"] == [ckpt.checkpoint_name(2)]  # no probe file, no temporary folder
 
 

@@ -227,12 +227,15 @@ class StepThreeEvaluation:
         drawn = gather_json(secrets.token_hex(8) if self.rank == 0 else None)[0]  # every rank takes rank 0's
         if state:
             self._restore_state(state)
-        self.run_id = (state or {}).get("run") or drawn  # an older checkpoint's state has none
-        if self._best_series() is None or self.output_dir is None:
-            return
+        best_dir = self.output_dir / BEST_DIR if self.output_dir is not None else None
         # rank 0's reading: every rank agrees
-        on_disk = gather_json(read_best(self.output_dir / BEST_DIR) if self.rank == 0 else None)[0]
-        other_run = on_disk is not None and on_disk["run"] not in (None, self.run_id)
+        on_disk = gather_json(read_best(best_dir) if self.rank == 0 and best_dir is not None else None)[0]
+        ours = state.get("run") if state else None
+        # A checkpoint of a dschat that kept no run id: best/ counts as its run's, as it did then.
+        self.run_id = ours or (on_disk["run"] if state and on_disk is not None else None) or drawn
+        if self._best_series() is None or best_dir is None:
+            return
+        other_run = ours is not None and on_disk is not None and on_disk["run"] not in (None, ours)
         if not state or other_run:
             # rank 0 renames; a failure stops every rank together
             notice = raise_together(lambda: set_earlier_best_aside(self.output_dir) if self.rank == 0 else None,
@@ -245,7 +248,7 @@ class StepThreeEvaluation:
         saved = {key: on_disk[key] for key in ("step", "by", "score")}
         if self.best is None or not _finite(self.best["score"]) or saved["score"] > self.best["score"]:
             self.best = saved
-            print_rank_0(f"[eval] the best models in {self.output_dir / BEST_DIR} (step {saved['step']}, "
+            print_rank_0(f"[eval] the best models in {best_dir} (step {saved['step']}, "
                          f"{saved['by']} {saved['score']:.4f}) stay the best so far: only a higher score replaces "
                          "them", self.rank)
 
