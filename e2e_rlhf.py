@@ -27,6 +27,7 @@ output goes to the terminal and to ``<its output dir>/training.log``. Output fol
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -448,15 +449,34 @@ def load_step_records(out: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
-def save_step_record(out: Path, run_: StepRun, finished: bool) -> None:
-    """Record that ``run_`` started (``finished`` False: before it runs) or finished, with its flags."""
+def write_step_records(out: Path, records: dict[str, dict[str, Any]]) -> None:
     from dschat.runtime.fs import atomic_file
 
-    records = load_step_records(out)
-    records[step_key(run_, out)] = {"flags": step_flags(run_, out), "finished": finished}
     out.mkdir(parents=True, exist_ok=True)
     with atomic_file(out / STEPS_FILE) as tmp:
         tmp.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+
+
+def save_step_record(out: Path, run_: StepRun, finished: bool) -> None:
+    """Record that ``run_`` started (``finished`` False: before it runs) or finished, with its flags."""
+    records = load_step_records(out)
+    records[step_key(run_, out)] = {"flags": step_flags(run_, out), "finished": finished}
+    write_step_records(out, records)
+
+
+def undo_step_record(out: Path, run_: StepRun, before: dict[str, Any] | None, out_existed: bool) -> None:
+    """A step that refused its input changed nothing: its record goes back to ``before`` (None: none),
+    and ``out`` goes again when this run made it for that record alone (and it is empty)."""
+    records = load_step_records(out)
+    records.pop(step_key(run_, out), None)
+    if before is not None:
+        records[step_key(run_, out)] = before
+    if records or out_existed:
+        write_step_records(out, records)
+        return
+    (out / STEPS_FILE).unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        out.rmdir()
 
 
 def flags_difference(before: Sequence[str], now: Sequence[str]) -> str | None:
@@ -801,8 +821,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             print((env + " " if env else "") + launch.command_line(), flush=True)
             continue
         step_start = time.monotonic()
+        out_existed, before = out.exists(), load_step_records(out).get(step_key(run_, out))
         save_step_record(out, run_, finished=False)  # its folder is this run's only once it finishes
         result = run(launch)
+        if result.refused:
+            undo_step_record(out, run_, before, out_existed)
         if result.returncode != 0:
             return fail_step(run_, result, launch.command_line(), reproduce_command(args, dep, run_.number))
         check_output_of(run_)

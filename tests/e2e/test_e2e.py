@@ -223,6 +223,14 @@ def test_a_step_refusing_its_input_exits_2_and_leaves_no_folder(tmp_path):
     assert "error: --some_flag is wrong" in proc.stdout  # the step's line, streamed
     assert "Step 1 refused its input (exit status 2" in proc.stderr and "Log output" not in proc.stderr
     assert not out.exists()  # the folder made for training.log is removed again
+    # An earlier finished record of that step stays as it was: the step changed nothing.
+    args = E.parse_args(["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+                         "--output-dir", str(out)], E.load_e2e_config())
+    E.save_step_record(out, E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))[0], finished=True)
+    before = (out / E.STEPS_FILE).read_text()
+    proc = _e2e("--step", "1", "--seed", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--output-dir",
+                str(out), env={LAUNCHER_ENV: f"{sys.executable} {fake}"})
+    assert proc.returncode == 2 and (out / E.STEPS_FILE).read_text() == before
 
 
 # ------------------------------------------------------------------------------------------------
