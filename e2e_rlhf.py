@@ -441,8 +441,8 @@ def load_step_records(out: Path) -> dict[str, dict[str, Any]]:
     for key, record in (data.items() if isinstance(data, dict) else ()):
         try:
             flags = record["flags"]
-            split_flag_groups(flags)
             if isinstance(record["finished"], bool) and all(isinstance(t, str) for t in flags):
+                split_flag_groups(flags)
                 records[str(key)] = {"flags": list(flags), "finished": record["finished"]}
         except (TypeError, KeyError, UserError):
             continue
@@ -471,12 +471,13 @@ def undo_step_record(out: Path, run_: StepRun, before: dict[str, Any] | None, ou
     records.pop(step_key(run_, out), None)
     if before is not None:
         records[step_key(run_, out)] = before
-    if records or out_existed:
+    if records:
         write_step_records(out, records)
         return
-    (out / STEPS_FILE).unlink(missing_ok=True)
-    with contextlib.suppress(OSError):
-        out.rmdir()
+    (out / STEPS_FILE).unlink(missing_ok=True)  # it held this step's record alone
+    if not out_existed:
+        with contextlib.suppress(OSError):
+            out.rmdir()
 
 
 def flags_difference(before: Sequence[str], now: Sequence[str]) -> str | None:
@@ -502,9 +503,9 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
     """--resume: whether ``run_`` is finished (its folder holds a usable model) with this run's flags
     (``steps``: the steps this run was asked for, named in the fix).
 
-    A step that e2e started and that did not finish is not (it resumes). A folder trained with other
-    flags is refused in one line (nothing is replaced); one whose flags are not on record (a step run
-    by hand, or by an e2e that kept no record) counts as finished, with a note.
+    A step that e2e started and that did not finish is not (it resumes). A step started or finished
+    with other flags is refused in one line (nothing is replaced); one whose flags are not on record
+    (a step run by hand, or by an e2e that kept no record) counts as finished, with a note.
     """
     if output_problem(run_) is not None:
         return False
@@ -513,10 +514,15 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
         print(f"note: step {run_.number}'s flags are not on record in {out / STEPS_FILE} (run by hand or by an "
               f"older e2e); taking the model in {run_.output_dir} as this run's", flush=True)
         return True
+    difference = flags_difference(record["flags"], step_flags(run_, out))
     if not record["finished"]:
+        if difference:  # its checkpoints were trained with those flags
+            raise UserError(
+                f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and did not "
+                f"finish; to start it again with these, delete {run_.output_dir / 'checkpoints'} and run without "
+                f"--resume and with --step {' '.join(str(n) for n in steps if n >= run_.number)}, or give the old flags")
         print(f"note: step {run_.number} started in {run_.output_dir} and did not finish; resuming it", flush=True)
         return False
-    difference = flags_difference(record["flags"], step_flags(run_, out))
     if difference:
         raise UserError(
             f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "

@@ -356,6 +356,9 @@ def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
     E.save_step_record(tmp_path, step1, finished=False)
     proc = _e2e("--dry-run", "--resume", *models)
     assert proc.returncode == 0 and "step 1 started in" in proc.stdout and "Running Step 1" in proc.stdout
+    proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)  # its checkpoints hold other flags' training
+    assert proc.returncode == 2 and (f"--resume: step 1 in {folder} started with other flags (--seed: then 1234, now "
+                                     "7) and did not finish; to start it again with these, delete") in proc.stderr
     (tmp_path / E.STEPS_FILE).unlink()  # no record (a step run by hand): finished, with a note
     proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)
     assert proc.returncode == 0 and "step 1's flags are not on record" in proc.stdout

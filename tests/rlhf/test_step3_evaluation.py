@@ -209,6 +209,10 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
     assert '"run": "older"' in (tmp_path / "best.earlier" / "best.json").read_text()
     assert f"held an earlier run's best models: now in {tmp_path / 'best.earlier'}" in capsys.readouterr().out
     assert evaluate(evaluation, 7, 0.1) and saved[-1] == 7  # no bar: any finite evaluation is the best now
+    # The checkpoint's best evaluation, whose models another run's best/ had replaced: gone, so the next saves.
+    evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0, "run": "older"}',
+                                         {"step": 2, "by": "j", "score": 1.0}, run="mine")
+    assert evaluation.best is None and "the best models of step 2 are not in" in capsys.readouterr().out
     # A checkpoint from a dschat that kept no run id: best/ is its run's (and best.earlier/ stays).
     evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0, "run": "saved"}', None)
     assert evaluation.best == {"step": 6, "by": "j", "score": 2.0} and evaluation.run_id == "saved"

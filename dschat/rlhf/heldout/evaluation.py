@@ -229,7 +229,8 @@ class StepThreeEvaluation:
             self._restore_state(state)
         best_dir = self.output_dir / BEST_DIR if self.output_dir is not None else None
         # rank 0's reading: every rank agrees
-        on_disk = gather_json(read_best(best_dir) if self.rank == 0 and best_dir is not None else None)[0]
+        on_disk, present = gather_json([read_best(best_dir), best_dir.exists()] if self.rank == 0 and best_dir is not None
+                                       else [None, False])[0]
         ours = state.get("run") if state else None
         # A checkpoint of a dschat that kept no run id: best/ counts as its run's, as it did then.
         self.run_id = ours or (on_disk["run"] if state and on_disk is not None else None) or drawn
@@ -242,15 +243,26 @@ class StepThreeEvaluation:
                                     "setting best/ aside")
             if notice:
                 print_rank_0(f"[eval] {notice}", self.rank)
+            self._forget_best_without_models()
+            return
+        if not present:  # the checkpoint's best models are gone
+            self._forget_best_without_models()
             return
         if on_disk is None or on_disk["by"] != self._best_series() or not _finite(on_disk["score"]):
-            return  # another series', or unreadable: no bar
+            return  # another series', or an unreadable best.json: no bar
         saved = {key: on_disk[key] for key in ("step", "by", "score")}
         if self.best is None or not _finite(self.best["score"]) or saved["score"] > self.best["score"]:
             self.best = saved
             print_rank_0(f"[eval] the best models in {best_dir} (step {saved['step']}, "
                          f"{saved['by']} {saved['score']:.4f}) stay the best so far: only a higher score replaces "
                          "them", self.rank)
+
+    def _forget_best_without_models(self) -> None:
+        """The checkpoint's best evaluation has no models in ``best/``: the next finite evaluation saves them."""
+        if self.best is not None:
+            print_rank_0(f"[eval] the best models of step {self.best['step']} are not in {self.output_dir / BEST_DIR}: "
+                         "the next evaluation saves its models there", self.rank)
+            self.best = None
 
     def _restore_state(self, state: dict[str, Any]) -> None:
         self.history = [EvalPoint(p["step"], tuple(p["proxy"]), {k: tuple(v) for k, v in p["judges"].items()})
