@@ -418,11 +418,14 @@ OUTPUT_DIR_TOKEN = "<output-dir>"  # --output-dir in a recorded flag: a moved ou
 
 
 def step_flags(run_: StepRun, out: Path) -> list[str]:
-    """The flags e2e gives ``run_``'s main.py, less those that change no result (``--resume``,
-    ``--save_interval``), with ``out`` (e2e's --output-dir) written as :data:`OUTPUT_DIR_TOKEN`."""
+    """The flags e2e gives ``run_``'s main.py, less those that change no trained weight (``--resume``,
+    ``--save_interval``, ``--save_format``), with ``out`` (e2e's --output-dir) written as
+    :data:`OUTPUT_DIR_TOKEN`."""
     prefix = str(out)
+    kept = [token for name, group in split_flag_groups(run_.recipe.render(run_.params, run_.extra))
+            if name != "save_format" for token in group]
     return [OUTPUT_DIR_TOKEN + token[len(prefix):] if token == prefix or token.startswith(prefix + os.sep) else token
-            for token in run_.recipe.render(run_.params, run_.extra)]
+            for token in kept]
 
 
 def step_key(run_: StepRun, out: Path) -> str:

@@ -339,6 +339,8 @@ def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
     proc = _e2e("--dry-run", "--resume", *models)
     assert proc.returncode == 0, proc.stderr
     assert "Step 1 is complete" in proc.stdout and "not on record" not in proc.stdout
+    proc = _e2e("--dry-run", "--resume", "--save-format", "both", *models)  # the same weights, saved otherwise
+    assert proc.returncode == 0 and "Step 1 is complete" in proc.stdout, proc.stderr
     proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith(
