@@ -389,7 +389,7 @@ def test_disk_full_while_saving_keeps_the_previous_model(tmp_path, capsys, monke
                                                   "--per_device_eval_batch_size", "64"), "", good_output=True)
     ws = tmp_path / "ws"
     values = _workspace(ws, case)
-    (ws / "out" / "config.json").write_text('{"previous": true}')
+    (ws / "out" / "config.json").write_text('{"model_type": "opt", "previous": true}')  # an earlier model's
     before = {k: v for k, v in _snapshot(ws).items() if not k.startswith("data")}
     code, stderr = _run_in_process(case, _argv(case, values), capsys)
     assert code == EXIT_USAGE, stderr[-3000:]
