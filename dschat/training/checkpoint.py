@@ -160,8 +160,9 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     """Start-up checks of ``<output_dir>/checkpoints`` that need every rank's view (collective, right
     after the process group starts, before any model loads).
 
-    * A ``step_<N>`` folder that dschat did not write (no marker, no in-progress tag), seen by any
-      rank, is refused: nothing here deletes or replaces another tool's folder.
+    * A ``step_<N>`` folder that dschat did not begin (no marker, and not
+      :func:`~dschat.training.rotation.begun_by_dschat`), seen by any rank, is refused: nothing
+      here deletes or replaces another tool's folder.
     * A fresh run (no ``--resume`` / ``--resume_from``) refuses a folder with checkpoints of an
       earlier run, seen by any rank.
     * Rank 0 keeps the complete one of a ``step_<N>`` and the copy it was replacing when a run
@@ -361,7 +362,8 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     Rank 0 creates the temporary folder; every rank checks it sees that folder before writing
     into it, fsyncs the files it wrote, and checks that they are in the folder rank 0 renamed into
     place before rank 0 marks the checkpoint complete. A rank that cannot stops every rank (one
-    line, exit 2) and the checkpoint is left incomplete. A previous ``step_<N>`` of the same step is
+    line, exit 2) and the checkpoint is left incomplete; so does a ``step_<N>`` of that step that
+    dschat did not begin (it is never replaced). A previous ``step_<N>`` of the same step is
     renamed aside before the new one is renamed in and deleted once the new one is complete; on a
     failure before that it is put back. Once the marker and the folder are fsync'd, rotation keeps
     the ``keep`` last written checkpoints, never the one just written nor those in ``protect``
