@@ -404,11 +404,16 @@ def load_timings(out: Path) -> dict[str, float]:
         return {}
 
 
-def save_timings(out: Path, timings: dict[str, float]) -> None:
+def write_json(path: Path, data: object) -> None:
+    """``data`` as indented JSON in ``path``, written atomically."""
     from dschat.runtime.fs import atomic_file
 
-    with atomic_file(out / TIMINGS_FILE) as tmp:
-        tmp.write_text(json.dumps(timings, indent=2) + "\n", encoding="utf-8")
+    with atomic_file(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+
+
+def save_timings(out: Path, timings: dict[str, float]) -> None:
+    write_json(out / TIMINGS_FILE, timings)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -453,11 +458,8 @@ def load_step_records(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def write_step_records(out: Path, records: dict[str, dict[str, Any]]) -> None:
-    from dschat.runtime.fs import atomic_file
-
     out.mkdir(parents=True, exist_ok=True)
-    with atomic_file(out / STEPS_FILE) as tmp:
-        tmp.write_text(json.dumps(records, indent=2) + "\n", encoding="utf-8")
+    write_json(out / STEPS_FILE, records)
 
 
 def save_step_record(out: Path, run_: StepRun, finished: bool) -> None:
@@ -471,8 +473,9 @@ def undo_step_record(out: Path, run_: StepRun, before: dict[str, Any] | None, ou
     """A step that refused its input changed nothing: its record goes back to ``before`` (None: none),
     and ``out`` goes again when this run made it for that record alone (and it is empty)."""
     records = load_step_records(out)
-    records.pop(step_key(run_, out), None)
-    if before is not None:
+    if before is None:
+        records.pop(step_key(run_, out), None)
+    else:
         records[step_key(run_, out)] = before
     if records:
         write_step_records(out, records)
@@ -518,19 +521,20 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
               f"older e2e); taking the model in {run_.output_dir} as this run's", flush=True)
         return True
     difference = flags_difference(record["flags"], step_flags(run_, out))
+    again = " ".join(str(n) for n in steps if n >= run_.number)  # the --step list that trains it again
     if not record["finished"]:
         if difference:  # its checkpoints were trained with those flags
             raise UserError(
                 f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and did not "
                 f"finish; to start it again with these, delete {run_.output_dir / 'checkpoints'} and run without "
-                f"--resume and with --step {' '.join(str(n) for n in steps if n >= run_.number)}, or give the old flags")
+                f"--resume and with --step {again}, or give the old flags")
         print(f"note: step {run_.number} started in {run_.output_dir} and did not finish; resuming it", flush=True)
         return False
     if difference:
         raise UserError(
             f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "
-            f"to train it again with these, run without --resume and with --step "
-            f"{' '.join(str(n) for n in steps if n >= run_.number)} (it replaces that model), or pass another --output-dir")
+            f"to train it again with these, run without --resume and with --step {again} (it replaces that model), "
+            "or pass another --output-dir")
     return True
 
 

@@ -64,9 +64,9 @@ from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, ge
 from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
-from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, WRITING_TAG, begun_by_dschat,
-                                      checkpoint_name, complete_checkpoints, foreign_checkpoints,
-                                      incomplete_checkpoints, latest_checkpoint, next_sequence, prune_leftovers,
+from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
+                                      complete_checkpoints, foreign_checkpoints, incomplete_checkpoints,
+                                      is_foreign, latest_checkpoint, next_sequence, prune_leftovers,
                                       prune_rotated, put_back, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
 from dschat.training.checkpoint_records import (FORMAT_VERSION, read_record, read_rng_file, rng_state,
@@ -394,8 +394,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     written.append(rng_file)
     for path in written:  # each rank its own files, before rank 0 renames the folder
         fsync_path(path)
-    foreign = rank == 0 and os.path.lexists(final) and not (final / MARKER).is_file() and not begun_by_dschat(final)
-    refuse_unless_all(not foreign, f"would replace {final}, a folder that dschat did not write (no {MARKER}, no "
+    refuse_unless_all(not (rank == 0 and is_foreign(final)), f"would replace {final}, a folder that dschat did not write (no {MARKER}, no "
                                    f"{WRITING_TAG})", f"move it out of {root}, then continue with --resume")
     aside = None
     if rank == 0:

@@ -130,10 +130,15 @@ def begun_by_dschat(folder: Path) -> bool:
         (folder / "consolidated").is_dir() and any(folder.glob("rng_rank*.json")))
 
 
+def is_foreign(folder: Path) -> bool:
+    """Whether ``folder`` (a ``step_<N>``) exists and dschat did not write it: no marker, and not
+    begun by dschat (:func:`begun_by_dschat`): another tool's folder."""
+    return os.path.lexists(folder) and not (folder / MARKER).is_file() and not begun_by_dschat(folder)
+
+
 def foreign_checkpoints(root: Path) -> list[Path]:
-    """The ``step_<N>`` folders under ``root`` that dschat did not write: no marker, and not begun by
-    dschat (:func:`begun_by_dschat`): another tool's folder."""
-    return [p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX) and not begun_by_dschat(p)]
+    """The ``step_<N>`` folders under ``root`` that dschat did not write (:func:`is_foreign`)."""
+    return [p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX) and is_foreign(p)]
 
 
 def retire_incomplete(root: Path) -> list[str]:

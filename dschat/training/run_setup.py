@@ -106,6 +106,13 @@ def refuse_replacing_foreign_config(outputs: Mapping[str, tuple[str | Path, Call
                             "--output_dir, or move that file")
 
 
+def _local_folder(name: str | None) -> Path | None:
+    """The resolved folder a model flag's value names, or None for none, a hub id or a short name (a
+    short name wins over a same-named folder, as in ``resolve_model_path``)."""
+    local = Path(str(name)).expanduser() if name and str(name).strip() not in SHORT_NAMES else None
+    return local.resolve() if local is not None and local.is_dir() else None
+
+
 def refuse_saving_over_inputs(inputs: Mapping[str, str | None],
                               outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]]) -> None:
     """One line when a folder the run saves a model into would replace one of its input models (the
@@ -114,10 +121,9 @@ def refuse_saving_over_inputs(inputs: Mapping[str, str | None],
     entry names the save replaces there; None: it replaces the whole folder). Refused: an input that
     is an output folder, or lies inside an entry of one that the save replaces."""
     for flag, name in inputs.items():
-        local = Path(str(name)).expanduser() if name and str(name).strip() not in SHORT_NAMES else None
-        if local is None or not local.is_dir():  # a short name wins over a same-named folder (resolve_model_path)
+        src = _local_folder(name)
+        if src is None:
             continue
-        src = local.resolve()
         for what, (folder, owns) in outputs.items():
             out = Path(folder).expanduser().resolve()
             inside = out in src.parents and (owns is None or owns(src.relative_to(out).parts[0]))
@@ -135,8 +141,7 @@ def set_unsaved_models_aside(output_dir: str | Path, folders: Iterable[str], inp
     where it is; so does a link (with a notice). Returns one notice per folder that stays or moves.
     Rank 0 only."""
     notices = []
-    sources = [Path(str(name)).expanduser().resolve() for name in inputs
-               if name and str(name).strip() not in SHORT_NAMES and Path(str(name)).expanduser().is_dir()]
+    sources = [src for src in map(_local_folder, inputs) if src is not None]
     for name in folders:
         folder = Path(output_dir) / name
         if folder.is_symlink():

@@ -224,13 +224,13 @@ class StepThreeEvaluation:
         if not self.enabled:
             return
         state = position.extra.get("evaluation") if position is not None else None
-        drawn = gather_json(secrets.token_hex(8) if self.rank == 0 else None)[0]  # every rank takes rank 0's
         if state:
             self._restore_state(state)
         best_dir = self.output_dir / BEST_DIR if self.output_dir is not None else None
-        # rank 0's reading: every rank agrees
-        on_disk, present = gather_json([read_best(best_dir), best_dir.exists()] if self.rank == 0 and best_dir is not None
-                                       else [None, False])[0]
+        # rank 0's fresh id and reading of best/: every rank takes them
+        drawn, on_disk, present = gather_json(
+            [secrets.token_hex(8), *([read_best(best_dir), best_dir.exists()] if best_dir is not None else [None, False])]
+            if self.rank == 0 else None)[0]
         ours = state.get("run") if state else None
         # A checkpoint of a dschat that kept no run id: best/ counts as its run's, as it did then.
         self.run_id = ours or (on_disk["run"] if state and on_disk is not None else None) or drawn
