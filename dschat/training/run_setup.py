@@ -18,7 +18,7 @@ from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
 from dschat.models.save import is_model_artifact
 from dschat.paths import STARTED_FILE_VAR
-from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, get_rank, init_distributed
+from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_json, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
 from dschat.runtime.fs import check_writable_dir
 from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
@@ -68,30 +68,35 @@ def check_output_paths(args: argparse.Namespace) -> None:
         check_writable_dir(args.tensorboard_path, "--tensorboard_path")
 
 
+# What a run saves -> (the folder, ``owns``: the entry names the save replaces there; None: it
+# replaces the whole folder).
+ModelOutputs = Mapping[str, tuple[str | Path, Callable[[str], bool] | None]]
+
+
+def model_outputs(args: argparse.Namespace) -> ModelOutputs:
+    """Steps 1 and 2's one output: the model in ``--output_dir`` (none without one)."""
+    return {"the model": (args.output_dir, is_model_artifact)} if getattr(args, "output_dir", None) else {}
+
+
 def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_name_or_path",),
-                outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]] | None = None) -> None:
+                outputs: ModelOutputs | None = None) -> None:
     """Bad model and dataset paths fail here: before distributed start-up, before anything is loaded
     or written (the rows themselves are checked when the data is read, still before any model). No
-    model is saved over an input model (:func:`refuse_saving_over_inputs`; ``outputs`` default: steps
-    1 and 2's model in ``--output_dir``)."""
+    model is saved over an input model (:func:`refuse_saving_over_inputs`; ``outputs`` default:
+    :func:`model_outputs`)."""
     for flag in model_flags:
         resolve_model_path(getattr(args, flag))
     for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
         resolve_dataset(name)
-    if outputs is None:
-        outputs = {"the model": (args.output_dir, is_model_artifact)} if getattr(args, "output_dir", None) else {}
-    refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags}, outputs)
-    refuse_replacing_foreign_config(outputs)
+    refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags},
+                              model_outputs(args) if outputs is None else outputs)
 
 
-def refuse_replacing_foreign_config(outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]]) -> None:
-    """One line when a folder the run saves a model into holds a ``config.json`` that is no model's
-    (not a JSON object with ``model_type`` or ``architectures``: a project's own settings file, with
-    ``--output_dir .``): the save would replace it. Outputs replaced as a whole (``owns`` None,
-    dschat's own folders) are not looked at. Global rank 0 looks (before start-up too), the rank
-    that saves: another node's own folder of that name is never written."""
-    if get_rank() != 0:
-        return
+def foreign_config_problem(outputs: ModelOutputs) -> str | None:
+    """The line saying that a folder the run saves a model into holds a ``config.json`` that is no
+    model's (not a JSON object with ``model_type`` or ``architectures``: a project's own settings
+    file, with ``--output_dir .``), which the save would replace; None when there is none. Outputs
+    replaced as a whole (``owns`` None, dschat's own folders) are not looked at."""
     for what, (folder, owns) in outputs.items():
         config = Path(folder).expanduser() / "config.json"
         if owns is None or not config.is_file():
@@ -101,9 +106,20 @@ def refuse_replacing_foreign_config(outputs: Mapping[str, tuple[str | Path, Call
         except (OSError, UnicodeDecodeError, ValueError):
             data = None
         if not (isinstance(data, dict) and ("model_type" in data or "architectures" in data)):
-            raise UserError(f"{config} is not a model's config (no JSON object with model_type or architectures), "
-                            f"and this run saves {what} into {folder}, replacing its config.json; give another "
-                            "--output_dir, or move that file")
+            return (f"{config} is not a model's config (no JSON object with model_type or architectures), "
+                    f"and this run saves {what} into {folder}, replacing its config.json; give another "
+                    "--output_dir, or move that file")
+    return None
+
+
+def refuse_replacing_foreign_config(outputs: ModelOutputs) -> None:
+    """Stop every rank with :func:`foreign_config_problem`'s line, as global rank 0 sees the folders
+    (the rank that saves: another node's own folder of that name is never written). Collective after
+    distributed start-up (rank 0's line is shared, so no rank waits for one that stopped); without a
+    process group, this process looks."""
+    problem = gather_json(foreign_config_problem(outputs) if get_rank() == 0 else None)[0]
+    if problem:
+        raise UserError(str(problem))
 
 
 def _local_folder(name: str | None) -> Path | None:
@@ -113,8 +129,7 @@ def _local_folder(name: str | None) -> Path | None:
     return local.resolve() if local is not None and local.is_dir() else None
 
 
-def refuse_saving_over_inputs(inputs: Mapping[str, str | None],
-                              outputs: Mapping[str, tuple[str | Path, Callable[[str], bool] | None]]) -> None:
+def refuse_saving_over_inputs(inputs: Mapping[str, str | None], outputs: ModelOutputs) -> None:
     """One line when a folder the run saves a model into would replace one of its input models (the
     run would read the input, then destroy it). ``inputs``: flag -> model name or path (hub ids and
     short names, which are not the user's folders, are skipped); ``outputs``: what is saved -> (folder, ``owns``, the
@@ -185,14 +200,17 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def setup_run(args: argparse.Namespace) -> RunContext:
-    """Initialise distributed (launcher or plain ``python``), pick the dtype, seed everything.
+def setup_run(args: argparse.Namespace, outputs: ModelOutputs | None = None) -> RunContext:
+    """Initialise distributed (launcher or plain ``python``), check the output folders (collective:
+    every rank stops with the same line), pick the dtype, seed everything.
 
-    On a CPU accelerator an fp16 request trains in fp32 (one warning): upstream recipes run
-    unchanged there.
+    ``outputs``: the models the run saves (default :func:`model_outputs`), whose folders must hold no
+    ``config.json`` that is not a model's (:func:`refuse_replacing_foreign_config`). On a CPU
+    accelerator an fp16 request trains in fp32 (one warning): upstream recipes run unchanged there.
     """
     quiet_transformers()
     info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
+    refuse_replacing_foreign_config(model_outputs(args) if outputs is None else outputs)
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
     started = os.environ.get(STARTED_FILE_VAR)
     if started:  # past the start-up refusals: the launcher keeps this run's log whatever its exit code

@@ -142,6 +142,49 @@ def test_a_config_json_that_is_no_models_is_never_replaced(tmp_path, capsys):
     refuse_replacing_foreign_config({"the model": (project, is_model_artifact)})
 
 
+FOREIGN_CONFIG_RANKS = r'''
+import json, sys
+import torch.distributed as dist
+
+rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+from dschat.errors import UserError
+from dschat.models.save import is_model_artifact
+from dschat.training.run_setup import refuse_replacing_foreign_config
+
+# Each rank its own folder, as on two nodes without a shared disk: rank 0's holds the user's settings.
+try:
+    refuse_replacing_foreign_config({"the model": (f"{out}/node{rank}", is_model_artifact)})
+    result = "no error"
+except UserError as err:
+    result = str(err)
+with open(f"{out}/rank{rank}.json", "w") as f:
+    json.dump(result, f)
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+def test_every_rank_stops_with_rank_zeros_line_on_a_foreign_config(tmp_path):
+    """Rank 0 saves, so its folder decides; every rank raises its line (none waits for a rank 0
+    that stopped), and another node's folder of that name does not count."""
+    from helpers.two_ranks import run_gloo_ranks
+
+    def ranks_say(folder: Path, rank0_config: str, rank1_config: str) -> list:
+        for rank, config in ((0, rank0_config), (1, rank1_config)):
+            (folder / f"node{rank}").mkdir(parents=True)
+            (folder / f"node{rank}" / "config.json").write_text(config)
+        return run_gloo_ranks(FOREIGN_CONFIG_RANKS, folder)
+
+    refused = tmp_path / "refused"
+    line = (f"{refused / 'node0' / 'config.json'} is not a model's config (no JSON object with model_type or "
+            f"architectures), and this run saves the model into {refused / 'node0'}, replacing its config.json; "
+            "give another --output_dir, or move that file")
+    assert ranks_say(refused, '{"learning_rate": 3}', '{"model_type": "opt"}') == [line, line]
+    # Rank 1's folder is not the saving rank's: its config.json does not count.
+    assert ranks_say(tmp_path / "fine", '{"architectures": ["OPTForCausalLM"]}', "not json") == ["no error", "no error"]
+
+
 def test_a_linked_critic_folder_stays_with_a_notice(tmp_path):
     from dschat.training.run_setup import set_unsaved_models_aside
 

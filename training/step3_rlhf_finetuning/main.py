@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.training.run_setup import ModelOutputs
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -81,8 +82,9 @@ def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> R
 
 
 def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = None,
-                mix: RewardMix | None = None) -> None:
-    """Bad model, data and output paths fail here, before anything is loaded or written. The critic
+                mix: RewardMix | None = None) -> ModelOutputs:
+    """Bad model, data and output paths fail here, before anything is loaded or written; returns the
+    models the run saves, for :func:`~dschat.training.run_setup.setup_run`'s check. The critic
     and reward-model folders may be dschat's step-2 output (``v_head.safetensors``), upstream
     DeepSpeed-Chat's (``pytorch_model.bin`` with the value head inside; its keys are checked,
     memory-mapped) or a one-label sequence classifier. PPO's critic needs ``--critic_model_name_or_path``
@@ -110,6 +112,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     for flag, name in (("--critic_model_name_or_path", critic), ("--reward_model_name_or_path", reward)):
         if name is not None:
             check_critic_folder(resolve_model_path(name), name, flag)
+    saved: ModelOutputs = {}
     if args.output_dir:
         out = Path(args.output_dir)
         saved = {"the actor": (out / "actor", is_model_artifact),
@@ -120,8 +123,8 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
         run_setup.refuse_saving_over_inputs({"--actor_model_name_or_path": args.actor_model_name_or_path,
                                              "--critic_model_name_or_path": critic,
                                              "--reward_model_name_or_path": reward}, saved)
-        run_setup.refuse_replacing_foreign_config(saved)
     run_setup.check_output_paths(args)
+    return saved
 
 
 def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, plan: BatchPlan, local_rank: int,
@@ -205,9 +208,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     if args.env:
         load_environment(args.env, args.env_timeout)  # a bad spec is one line now, before anything loads
     judges = check_eval_args(args)  # resolves --eval_interval and --save_best_by, which check_paths reads
-    check_paths(args, settings, mix)
+    outputs = check_paths(args, settings, mix)
     ptx = unsupervised_training_enabled(args)
-    ctx = setup_run(args)
+    ctx = setup_run(args, outputs)
     config = step3_config(args, ctx.world_size, mix, algorithm=settings)  # every part of step 3, once
     plan = config.batches
     if args.reward_url is not None and plain_http_warning(args.reward_url):
