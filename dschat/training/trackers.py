@@ -49,6 +49,11 @@ EXTRAS: dict[str, tuple[str, str]] = {"wandb": ("wandb", "wandb"), "mlflow": ("m
 _MLFLOW_NAME = re.compile(r"[^\w./\- :]")
 _MLFLOW_BATCH = 100  # MLflow's most parameters or metrics in one log_batch call
 _MLFLOW_PARAM_CHARS = 6000  # MLflow's longest parameter value
+# A tracking server that is down must not hold rank 0 (and every rank waiting for it in a collective)
+# for minutes per call: MLflow's own defaults retry 7 times with backoff factor 2, each answer waited
+# for 120 s. These bound one call to under a minute; a variable the user set wins.
+MLFLOW_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                      "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 
 
 def _import_extra(tracker: str) -> ModuleType:
@@ -134,6 +139,9 @@ class _MlflowSink:
         if uri.startswith("file:") or "://" not in uri:
             # MLflow 3 refuses its file store unless this is set; a local file store is what this run asked for.
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        else:
+            for name, value in MLFLOW_HTTP_LIMITS.items():
+                os.environ.setdefault(name, value)
         self.metric, self.param = mlflow.entities.Metric, mlflow.entities.Param
         self.client = mlflow.tracking.MlflowClient(tracking_uri=uri)
         name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or "dschat"
@@ -162,6 +170,12 @@ class _MlflowSink:
     def close(self) -> None:
         self._forget_exit_hooks()
         self._end("FINISHED")
+
+    def abandon(self) -> None:
+        """After a failed ``log``: stop, without asking the server that just failed to end the run (it
+        stays ``RUNNING`` there)."""
+        self._forget_exit_hooks()
+        self._open = False
 
     def _forget_exit_hooks(self) -> None:
         atexit.unregister(self._end_failed)
@@ -238,7 +252,8 @@ class Trackers:
 
     def scalars(self, step: int, **values: float) -> None:
         """Log ``values`` at ``step`` to every sink still running. A sink whose call raises is dropped
-        with one warning on stderr (the exception's type and first line)."""
+        with one warning on stderr (the exception's type and first line); an MLflow run is then left
+        as it is, its server not asked again."""
         if not self.sinks:
             return
         values = {key: float(value) for key, value in values.items()}
@@ -249,7 +264,10 @@ class Trackers:
                 self.sinks.remove(sink)
                 print(f"WARNING: {sink.label} logging failed at step {step} ({type(err).__name__}: "
                       f"{first_line(err)}); the run goes on without {sink.label}", file=sys.stderr, flush=True)
-                _close_quietly(sink)
+                if isinstance(sink, _MlflowSink):
+                    sink.abandon()
+                else:
+                    _close_quietly(sink)
 
     def close(self) -> None:
         """Finish every sink's run (files flushed); a sink that fails to close is named in one warning."""

@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 TRACKER_ENV = ("WANDB_MODE", "WANDB_DIR", "WANDB_PROJECT", "WANDB_NAME", "WANDB_API_KEY", "MLFLOW_TRACKING_URI",
-               "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE")
+               "MLFLOW_EXPERIMENT_NAME", "MLFLOW_ALLOW_FILE_STORE", "MLFLOW_HTTP_REQUEST_MAX_RETRIES",
+               "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "MLFLOW_HTTP_REQUEST_TIMEOUT")
 
 
 def clean_tracker_env(monkeypatch: pytest.MonkeyPatch, home: Path) -> None:
     """No tracker variable of the user's reaches the run; W&B's config and cache under ``home``. What
-    the run sets itself (``MLFLOW_ALLOW_FILE_STORE``) is undone after the test."""
+    the run sets itself (``MLFLOW_ALLOW_FILE_STORE``, the HTTP limits) is undone after the test."""
     for name in TRACKER_ENV:
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)

@@ -137,6 +137,64 @@ def test_a_tracker_failing_mid_run_warns_once_and_the_others_go_on(failing, tmp_
     assert run.data.params == {"learning_rate": "0.1", "data_path": "['a', 'b']"}
 
 
+def test_an_mlflow_server_that_fails_a_log_is_not_asked_again(monkeypatch, tmp_path, capsys):
+    """Against a tracking server: each call is bounded (MLflow's HTTP limits, unless the user set
+    one), and after a failed log the server is not asked to end the run."""
+    import json
+    import os
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dschat.training.trackers import MLFLOW_HTTP_LIMITS
+
+    paths: list[str] = []
+
+    class Server(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def _answer(self, status: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            paths.append(self.path)
+            self._answer(200, {"experiment": {"experiment_id": "1", "name": "dschat"}})
+
+        def do_POST(self):
+            paths.append(self.path)
+            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+            if self.path.endswith("runs/create"):
+                self._answer(200, {"run": {"info": {"run_id": "r1", "experiment_id": "1", "status": "RUNNING",
+                                                    "start_time": 0, "lifecycle_stage": "active"}, "data": {}}})
+            elif body.get("metrics"):
+                self._answer(400, {"error_code": "INVALID_PARAMETER_VALUE", "message": "metrics refused"})
+            else:
+                self._answer(200, {})
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{server.server_address[1]}")
+        monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")  # the user's own setting wins
+        trackers = Trackers(["mlflow"], str(tmp_path / "tb"), "run", run_name="served", root=str(tmp_path / "out"))
+        assert {name: os.environ[name] for name in MLFLOW_HTTP_LIMITS} == {
+            **MLFLOW_HTTP_LIMITS, "MLFLOW_HTTP_REQUEST_TIMEOUT": "30"}
+        trackers.scalars(1, loss=1.0)
+        assert trackers.sinks == []
+        trackers.close()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert "WARNING: MLflow logging failed at step 1" in capsys.readouterr().err
+    assert any(path.endswith("runs/log-batch") for path in paths), paths
+    assert not any(path.endswith("runs/update") for path in paths), paths  # set_terminated was not asked
+
+
 def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///" + str(tmp_path / "no-such-folder" / "mlflow.db"))
     with pytest.raises(UserError, match=r"--report_to mlflow: MLflow could not start a run under .*; fix its "
