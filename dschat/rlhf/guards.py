@@ -5,6 +5,7 @@ is part of step 3's config (:mod:`dschat.rlhf.config`).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from dschat.errors import UserError
@@ -36,6 +37,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
                         f"got {args.max_prompt_seq_len}")
     if args.num_warmup_steps < 0:
         raise UserError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
+    check_ppo_numbers(args)
     if args.enable_test_mode and args.test_stop_step < 0:
         raise UserError(f"--test_stop_step must be >= 0, got {args.test_stop_step}")
     if getattr(args, "deepspeed_config", None):
@@ -100,3 +102,29 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
             "overflows (upstream used fp16-optimizer internals, DSE #745)"
         )
     return warnings
+
+
+# flag -> (what it must be, the test): PPO's numbers, whose wrong values train without an error
+# (a negative --clip_reward_value clamps every score to the same value; a negative --cliprange stops
+# every positive-advantage token from learning).
+_PPO_NUMBERS = {
+    "kl_ctl": ("a finite number >= 0 (0: no KL)", lambda v: math.isfinite(v) and v >= 0),
+    "clip_reward_value": ("a number > 0 (scores are clipped to +-it)", lambda v: v > 0),
+    "cliprange": ("a finite number > 0 (the ratio is clipped to 1 +- it)", lambda v: math.isfinite(v) and v > 0),
+    "cliprange_value": ("a finite number > 0 (values are clipped to the old ones +- it)",
+                        lambda v: math.isfinite(v) and v > 0),
+    "gamma": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "lam": ("in [0, 1]", lambda v: 0 <= v <= 1),
+    "missing_eos_penalty": ("a finite number >= 0 (subtracted from the score; 0: off)",
+                            lambda v: math.isfinite(v) and v >= 0),
+    "unsup_coef": ("a finite number >= 0", lambda v: math.isfinite(v) and v >= 0),
+}
+
+
+def check_ppo_numbers(args: Any) -> None:
+    """One line for the first of PPO's numeric flags (``_PPO_NUMBERS``) outside its range; a flag
+    ``args`` lacks is not checked."""
+    for name, (rule, ok) in _PPO_NUMBERS.items():
+        value = getattr(args, name, None)
+        if value is not None and not ok(float(value)):
+            raise UserError(f"--{name} must be {rule}, got {value}")

@@ -7,15 +7,27 @@ chosen rows first, rejected rows second.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
+from dschat.errors import UserError
 from dschat.rl_math.logprobs import sequence_log_probs
 from dschat.rl_math.preference import DPOOutput, dpo_loss, first_divergence_indices
 from dschat.training.loaders import prepare_batch
+
+
+def check_dpo_args(beta: float, label_smoothing: float) -> None:
+    """One line for a ``--beta`` that is not a finite number > 0, or a ``--label_smoothing`` outside
+    [0, 0.5) (from 0.5 on, the loss prefers the rejected answers)."""
+    if not (math.isfinite(beta) and beta > 0):
+        raise UserError(f"--beta must be a finite number > 0 (typically 0.1 to 0.5), got {beta}")
+    if not 0 <= label_smoothing < 0.5:
+        raise UserError(f"--label_smoothing must be in [0, 0.5) (the share of preferences taken as flipped), "
+                        f"got {label_smoothing}")
 
 
 def dpo_label_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

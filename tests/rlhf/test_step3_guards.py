@@ -117,6 +117,46 @@ def test_contradictory_flags_are_refused(overrides, accelerator, message):
         validate_step3_args(_args(**overrides), accelerator=accelerator, dtype="fp32")
 
 
+@pytest.mark.parametrize("flag, value, rule", [
+    ("clip_reward_value", -5.0, "a number > 0"),  # would clamp every score to -5
+    ("clip_reward_value", float("nan"), "a number > 0"),
+    ("cliprange", -0.2, "a finite number > 0"),  # would stop every positive-advantage token learning
+    ("cliprange", 0.0, "a finite number > 0"),
+    ("cliprange_value", -1.0, "a finite number > 0"),
+    ("kl_ctl", float("nan"), "a finite number >= 0"),
+    ("kl_ctl", -0.1, "a finite number >= 0"),
+    ("gamma", 1.5, "in \\[0, 1\\]"),
+    ("lam", 1.5, "in \\[0, 1\\]"),
+    ("lam", -0.1, "in \\[0, 1\\]"),
+    ("missing_eos_penalty", -1.0, "a finite number >= 0"),
+    ("unsup_coef", float("inf"), "a finite number >= 0"),
+])
+def test_ppo_numbers_out_of_range_are_one_line(flag, value, rule):
+    with pytest.raises(UserError, match=f"^--{flag} must be {rule}.*, got {value}$"):
+        validate_step3_args(_args(**{flag: value}), accelerator="cpu", dtype="fp32")
+
+
+def test_ppo_numbers_at_their_edges_pass():
+    edges = {"kl_ctl": 0.0, "gamma": 0.0, "lam": 1.0, "missing_eos_penalty": 0.0, "unsup_coef": 0.0,
+             "clip_reward_value": float("inf"), "cliprange": 1.0}
+    assert validate_step3_args(_args(**edges), accelerator="cpu", dtype="fp32") == []
+
+
+@pytest.mark.parametrize("beta, smoothing, message", [
+    (0.0, 0.0, "--beta must be a finite number > 0"),
+    (float("nan"), 0.0, "--beta must be a finite number > 0"),
+    (0.1, 0.5, r"--label_smoothing must be in \[0, 0.5\)"),  # from 0.5 on it prefers the rejected answers
+    (0.1, -0.1, r"--label_smoothing must be in \[0, 0.5\)"),
+])
+def test_dpo_numbers_out_of_range_are_one_line(beta, smoothing, message):
+    from dschat.training.dpo import check_dpo_args
+
+    check_dpo_args(0.1, 0.0)
+    check_dpo_args(0.5, 0.49)
+    with pytest.raises(UserError, match=message):
+        check_dpo_args(beta, smoothing)
+
+
 def test_valid_flag_combinations_pass_and_align_overflow_warns_outside_fp16():
     assert validate_step3_args(_args(), accelerator="cpu", dtype="fp32") == []
     assert validate_step3_args(_args(inference_tp_size=2, actor_zero_stage=3), accelerator="cuda", dtype="fp16") == []

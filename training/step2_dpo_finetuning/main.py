@@ -26,7 +26,7 @@ from dschat.training.progress import OptimizerStepCounter, RunResult, Trackers
 from dschat.training.run_setup import check_common_args, check_paths, setup_run
 from dschat.training.step_data import build_step_data
 from dschat.runtime.dist import print_rank_0
-from dschat.training.dpo import dpo_batch, evaluate_dpo
+from dschat.training.dpo import check_dpo_args, dpo_batch, evaluate_dpo
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -34,6 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = add_dpo_step_args(argparse.ArgumentParser(description=description))
     args = parser.parse_args(argv)
     check_common_args(args)
+    check_dpo_args(args.beta, args.label_smoothing)
     return args
 
 
