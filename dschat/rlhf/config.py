@@ -97,7 +97,8 @@ class AlgorithmSettings:
         extra += f", dynamic sampling (at most {self.max_sampling_rounds} rounds)" if self.dynamic_sampling else ""
         if not self.kl_in_reward and self.kl_estimator == "k1":
             # d/dtheta of (log pi - log pi_ref) is the score function, whose mean over the policy's own
-            # samples is 0: as a loss term k1 pulls nowhere on average (k3's gradient is KL's).
+            # samples is 0: as a loss term k1 pulls nowhere on average. k2's expected gradient is that of
+            # KL(pi || pi_ref), k3's that of the reverse KL(pi_ref || pi): both pull toward the reference.
             extra += ("; WARNING: the k1 estimator as a loss term has zero expected gradient on-policy, so it does "
                       "not hold the actor near the reference: use --kl_estimator k3 (the default here) or k2")
         return (f"algorithm {self.algorithm}: {self.num_generations} answer(s) per prompt, KL ({self.kl_estimator}) "

@@ -110,7 +110,7 @@ class GroupFilter:
         Resets for the next batch; the statistics add up until :meth:`pop_stats`."""
         kept = self.kept[:self.groups_per_batch]
         missing = self.groups_per_batch - len(kept)
-        fill = [_masked(group) for group in self.spare[len(self.spare) - missing:]] if missing > 0 else []
+        fill = [_masked(group) for group in self.spare[max(len(self.spare) - missing, 0):]] if missing > 0 else []
         parts = kept + fill  # fewer than G groups only when the epoch's last prompt batch was short
         informative, seen, dropped, surplus, masked, empty = sum_over_ranks(
             [float(len(kept)), float(self.seen), float(self.dropped), float(len(self.kept) - len(kept)),

@@ -144,6 +144,15 @@ def test_a_short_last_prompt_batch_still_trains_its_groups():
     assert len(out) == 4 and out.valid.all()
 
 
+def test_a_short_last_prompt_batch_keeps_every_equal_group_as_filler():
+    f = _filter(groups_per_batch=4, max_rounds=1)
+    f.add(_batch([1, 0, 2, 2, 3, 3], 1))  # the epoch's last batch: 3 groups, 1 informative, 2 equal
+    out = f.batch()  # 1 informative group and both equal ones (fewer than 4 groups were seen)
+    assert [r["tokens"][0] for r in _rows(out)] == [1, 2, 3, 4, 5, 6]
+    assert out.valid.tolist() == [True] * 2 + [False] * 4
+    assert f.pop_stats().masked_groups == 2
+
+
 def test_no_informative_group_skips_the_batch(capsys):
     f = _filter(max_rounds=2)
     f.add(_batch([1, 1, 2, 2], 1))
