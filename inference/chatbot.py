@@ -67,8 +67,19 @@ def check_format(tokenizer: Any, fmt: str) -> None:
         raise UserError("--format chat_template: this tokenizer has no chat template; use --format human_assistant")
 
 
-def load(path: str, device: str = "auto", fmt: str = "auto") -> tuple[Any, Any, Any]:
-    """(model, tokenizer, device) for chatting; ``fmt`` (``--format``) is checked before the model loads."""
+def check_max_new_tokens(max_new_tokens: int, config: Any) -> None:
+    """``--max_new_tokens`` must leave the question at least one of the model's positions
+    (``max_position_embeddings``; a config without one is not checked)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if limit and max_new_tokens >= limit:
+        raise UserError(f"--max_new_tokens {max_new_tokens} leaves no room for the question in the model's {limit} "
+                        f"positions (max_position_embeddings); give --max_new_tokens {limit - 1} or less")
+
+
+def load(path: str, device: str = "auto", fmt: str = "auto",
+         max_new_tokens: int | None = None) -> tuple[Any, Any, Any]:
+    """(model, tokenizer, device) for chatting; ``fmt`` (``--format``) and ``max_new_tokens``
+    (:func:`check_max_new_tokens`) are checked before the model loads."""
     folder = resolve_chat_folder(path)  # before the heavy imports: a bad path fails in a blink
     import torch
     from transformers import AutoModelForCausalLM
@@ -81,6 +92,8 @@ def load(path: str, device: str = "auto", fmt: str = "auto") -> tuple[Any, Any, 
     if architectures and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in architectures):
         raise UserError(f"{path} holds a {', '.join(architectures)}, not a causal language model; "
                         "chat with a step-1 or step-3 actor folder")
+    if max_new_tokens is not None:
+        check_max_new_tokens(max_new_tokens, config)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -249,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise UserError(f"--temperature must be > 0 with --sample, got {args.temperature}; or drop --sample (greedy)")
     if args.sample and not 0 < args.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1] with --sample, got {args.top_p}")
-    model, tokenizer, device = load(args.path, args.device, args.format)
+    model, tokenizer, device = load(args.path, args.device, args.format, args.max_new_tokens)
     import torch  # lazy, as every heavy import in this file (load() has imported it)
 
     conversation = Conversation(tokenizer, args.format)

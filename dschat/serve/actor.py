@@ -13,19 +13,22 @@ through step 3's own decoding loops.
   covers the family), and :class:`LoopDecoder`, step 3's
   :func:`~dschat.rlhf.rollout.sample_loop.sample_loop` (every other family). Both decode a batch of
   left-padded prompts with the settings of its jobs and follow it row by row through the loop's
-  ``on_step`` callback, :class:`RowFollower`: a row ends at EOS (``stop``; the EOS is counted, not
-  shown), at the first stop string in its text (``stop``; the text is cut before it), after its own
-  ``max_tokens`` (``length``) or at the next token after its job was cancelled (its client went away;
-  ``length``), and the loop pads it from there as a row that wrote EOS; decoding stops when every row
-  has ended. A row's text is emitted as it grows; text that could still be the start of a stop
+  ``on_step`` callback, :class:`RowFollower`: a row ends at an EOS (``stop``; the EOS is counted, not
+  shown; any id of :attr:`ActorEngine.eos_ids`: the tokenizer's and the model's generation config's,
+  where ``generate`` stops), at the first stop string in its text (``stop``; the text is cut before
+  it), after its own ``max_tokens`` (``length``) or at the next token after its job was cancelled (its
+  client went away; ``length``), and the loop pads it from there as a row that wrote EOS; decoding
+  stops when every row has ended. A row's text is emitted as it grows; text that could still be the start of a stop
   string, or ends in an incomplete character, is held back until it cannot, so the pieces emitted for
   a row join to its final text.
 * :class:`Batcher`: a background thread. It takes the oldest waiting job, waits up to
   ``max_wait_s`` for more, and decodes together up to ``max_batch_size`` waiting jobs that share its
   decoding settings (greedy, or temperature / top-k / top-p) and fit with it in the model's positions
-  (widest prompt + largest ``max_tokens``); other jobs wait for a later batch, in arrival order. A job
-  with a seed is decoded alone, after ``torch.manual_seed(seed)``. :func:`start_batcher` picks the
-  decoder, warms it up on the worker thread and names it for the startup line.
+  (:func:`select_batch`: widest prompt + largest ``max_tokens``, where a job whose ``max_tokens`` was
+  not given, :attr:`Job.fill`, counts as one token and is then capped to the room the batch's widest
+  prompt leaves); other jobs wait for a later batch, in arrival order. A job with a seed is decoded
+  alone, after ``torch.manual_seed(seed)``. :func:`start_batcher` picks the decoder, warms it up on
+  the worker thread and names it for the startup line.
 """
 from __future__ import annotations
 
@@ -49,8 +52,8 @@ from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
 
 __all__ = ["ActorEngine", "Batcher", "DECODING_ENGINES", "Delta", "Done", "Failed", "HybridEngineDecoder", "Job",
-           "LoopDecoder", "RowFollower", "engine_unsupported", "load_actor_engine", "pick_decoder", "resolve_actor",
-           "start_batcher"]
+           "LoopDecoder", "RowFollower", "end_ids", "engine_unsupported", "load_actor_engine", "pick_decoder",
+           "resolve_actor", "select_batch", "start_batcher"]
 
 DECODING_ENGINES = ("auto", "dschat", "loop")  # --decoding_engine
 
@@ -78,14 +81,18 @@ def resolve_actor(model: str) -> str:
 @dataclass
 class ActorEngine:
     """A loaded actor: ``model`` (eval mode), ``tokenizer``, ``max_positions`` (prompt + answer tokens
-    the model takes) and ``name`` (the model id the server answers to). The tokenizer is used under a
-    lock: requests are encoded on the server's event loop while the worker decodes answers."""
+    the model takes), ``name`` (the model id the server answers to) and ``eos_ids``: the token ids
+    that end an answer, the tokenizer's EOS and every id of the model's ``generation_config``
+    ``eos_token_id`` (an int or a list: e.g. an end-of-turn id), as ``generate`` stops on them. The
+    tokenizer is used under a lock: requests are encoded on the server's event loop while the worker
+    decodes answers."""
 
     name: str
     folder: str
     model: Any = field(repr=False)
     tokenizer: Any = field(repr=False)
     max_positions: int
+    eos_ids: frozenset[int] = frozenset()
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -117,7 +124,15 @@ def load_actor_engine(model: str, *, device: str = "auto") -> ActorEngine:
     tokenizer = load_hf_tokenizer(folder)
     net = create_hf_model(AutoModelForCausalLM, folder, tokenizer).to(pick_device(device)).eval()
     limit = getattr(net.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    return ActorEngine(model, folder, net, tokenizer, int(limit))
+    return ActorEngine(model, folder, net, tokenizer, int(limit), end_ids(net, tokenizer))
+
+
+def end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    """The ids that end an answer: ``tokenizer.eos_token_id`` and the ``eos_token_id`` (one id or a
+    list) of ``model.generation_config`` (what ``generate`` stops on), when set."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    return frozenset(int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,7 +157,11 @@ class Failed:
 
 @dataclass(eq=False)
 class Job:
-    """One prompt to answer. ``emit`` is called from the worker thread (it must be thread-safe)."""
+    """One prompt to answer. ``emit`` is called from the worker thread (it must be thread-safe).
+
+    ``fill``: ``max_tokens`` was not asked for; the answer may take as many tokens as fit. Submitted
+    with ``max_tokens`` the room its own prompt leaves, it is capped by :func:`select_batch` to the
+    room the widest prompt of its batch leaves."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -151,6 +170,7 @@ class Job:
     emit: Callable[[Delta | Done | Failed], None]
     seed: int | None = None
     cancelled: bool = False  # set by the client's side: the worker ends the row at its next token
+    fill: bool = False
 
     @property
     def key(self) -> tuple[DecodingSettings, int | None]:
@@ -168,24 +188,25 @@ class _Row:
 
 
 def _held_back(text: str, stops: Sequence[str]) -> int:
-    """How many characters at the end of ``text`` may still change: an incomplete character, or the
-    longest suffix that is a proper prefix of a stop string."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
+    """How many characters at the end of ``text`` may still change: the incomplete characters
+    (``"\ufffd"``) it ends with, plus the longest suffix of the text before them that is a proper
+    prefix of a stop string."""
+    base = text.rstrip("\ufffd")
     longest = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
+        for n in range(min(len(stop) - 1, len(base)), longest, -1):
+            if base.endswith(stop[:n]):
                 longest = n
                 break
-    return longest
+    return len(text) - len(base) + longest
 
 
-def _step(row: _Row, token: int, eos: int, engine: ActorEngine) -> None:
-    """Row ``row`` gets ``token``: emit the text it adds and end the row when it should."""
+def _step(row: _Row, token: int, eos: frozenset[int], engine: ActorEngine) -> None:
+    """Row ``row`` gets ``token``: emit the text it adds and end the row when it should (``eos``: the
+    ids that end it, counted and not shown)."""
     job = row.job
     row.count += 1
-    if token == eos:
+    if token in eos:
         finish = "stop"
         text = engine.decode(row.tokens)
     else:
@@ -211,12 +232,13 @@ def _step(row: _Row, token: int, eos: int, engine: ActorEngine) -> None:
 class RowFollower:
     """The ``on_step`` callback (:data:`dschat.rlhf.rollout.sampling.StepCallback`) of one batch: row
     ``i`` answers ``jobs[i]``; rows past the jobs (filler rows of a fixed-size batch) end at the first
-    step. Each step it hands every running row its token (:func:`_step`: emit text, end at EOS, a stop
-    string, ``max_tokens`` or a cancelled job) and returns the rows that have ended."""
+    step. Each step it hands every running row its token (:func:`_step`: emit text, end at an EOS of
+    :attr:`ActorEngine.eos_ids` or the tokenizer's, a stop string, ``max_tokens`` or a cancelled job)
+    and returns the rows that have ended."""
 
     def __init__(self, engine: ActorEngine, jobs: Sequence[Job], rows: int) -> None:
         self.engine, self.rows, self.width = engine, [_Row(job) for job in jobs], rows
-        self.eos = engine.tokenizer.eos_token_id
+        self.eos = engine.eos_ids | ({engine.tokenizer.eos_token_id} - {None})
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         for row, value in zip(self.rows, token.tolist()):
@@ -358,6 +380,29 @@ def engine_unsupported(config: Any, name: str) -> str | None:
 # ------------------------------------------------------------------------------------------------
 # The batching worker
 # ------------------------------------------------------------------------------------------------
+def _fits(rows: Sequence[Job], max_positions: int) -> bool:
+    """Whether ``rows`` decode together within ``max_positions``: every row steps until the longest
+    answer ends, so the widest prompt plus the largest asked ``max_tokens`` must fit; a
+    :attr:`Job.fill` row asks for one token (it takes the room left)."""
+    asked = max((job.max_tokens for job in rows if not job.fill), default=1)
+    return max(len(job.prompt_ids) for job in rows) + asked <= max_positions
+
+
+def select_batch(waiting: Sequence[Job], limit: int, max_positions: int) -> list[Job]:
+    """The batch of the oldest job ``waiting[0]``: it, then the waiting jobs with its key that fit with
+    the batch so far (:func:`_fits`), in arrival order, ``limit`` jobs at most. Each :attr:`Job.fill`
+    job of the batch has its ``max_tokens`` capped to the room the batch's widest prompt leaves."""
+    batch = list(waiting[:1])  # the oldest job fits alone (a request's prompt + max_tokens is checked)
+    for job in waiting[1:]:
+        if len(batch) < limit and job.key == batch[0].key and _fits([*batch, job], max_positions):
+            batch.append(job)
+    room = max_positions - max(len(job.prompt_ids) for job in batch)
+    for job in batch:
+        if job.fill:
+            job.max_tokens = min(job.max_tokens, room)
+    return batch
+
+
 class Batcher:
     """Decodes submitted jobs on one background thread with ``decoder``, batching those that wait (see
     the module docstring). The thread first warms the decoder up (:attr:`warm_up_error`: what it
@@ -380,12 +425,6 @@ class Batcher:
             self._waiting.append(job)
             self._ready.notify()
 
-    def _fits(self, batch: list[Job], job: Job) -> bool:
-        """Whether ``job`` joins ``batch`` within the model's positions: every row steps until the
-        longest answer ends, so the widest prompt plus the largest ``max_tokens`` must fit."""
-        rows = [*batch, job]
-        return max(len(j.prompt_ids) for j in rows) + max(j.max_tokens for j in rows) <= self.max_positions
-
     def _take(self) -> list[Job]:
         """The next batch: the oldest job and, after waiting up to ``max_wait_s`` for the batch to fill,
         the other waiting jobs with its key that fit with it (one job when it has a seed)."""
@@ -397,10 +436,7 @@ class Batcher:
             deadline = time.monotonic() + self.max_wait_s
             while sum(job.key == key for job in self._waiting) < limit and (left := deadline - time.monotonic()) > 0:
                 self._ready.wait(left)
-            batch = self._waiting[:1]  # the oldest job fits alone (a request's prompt + max_tokens is checked)
-            for job in self._waiting[1:]:
-                if len(batch) < limit and job.key == key and self._fits(batch, job):
-                    batch.append(job)
+            batch = select_batch(self._waiting, limit, self.max_positions)
             self._waiting = [job for job in self._waiting if job not in batch]
             return batch
 

@@ -7,8 +7,9 @@ Routes:
 - ``POST /get_reward``: OpenRLHF's remote reward protocol. Body ``{"query": [str, ...], "prompts":
   [str, ...], "labels": [str, ...]}`` (``prompts`` and ``labels`` optional, unused by a reward model);
   reply ``{"rewards": [float, ...]}``, one per query, in order. A body that is not JSON, has a field of
-  the wrong type, or an empty ``query`` gets HTTP 422 ``{"detail": ...}``; an unknown route 404 and a
-  wrong method 405, both JSON. The server goes on serving after each.
+  the wrong type, an empty ``query`` list, or a query of no tokens (``{"detail": "query[i] has no
+  tokens ..."}``) gets HTTP 422 ``{"detail": ...}``; an unknown route 404 and a wrong method 405, both
+  JSON. The server goes on serving after each.
 
 :func:`build_app` serves a reward model; :func:`build_actor_app` an actor, on the OpenAI-compatible
 routes of :mod:`dschat.serve.openai_api` (``/v1/models``, ``/v1/completions``,
@@ -31,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dschat.serve.actor import ActorEngine, Batcher
 from dschat.serve.openai_api import add_actor_routes, error_body
-from dschat.serve.reward_scorer import RewardScorer
+from dschat.serve.reward_scorer import EmptyQuery, RewardScorer
 
 __all__ = ["ApiKeyGate", "RewardRequest", "RewardReply", "build_actor_app", "build_app", "add_reward_routes"]
 
@@ -75,7 +76,8 @@ def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
     """``POST /get_reward`` scored by ``scorer``, one request at a time: requests wait their turn on the
     event loop (which keeps answering ``/health``), a request whose client has gone away by its turn
     is not scored (a client that timed out and retried does not make the queue longer), and the
-    scoring runs in a worker thread."""
+    scoring runs in a worker thread. A query of no tokens gets a 422 naming its index, and none of the
+    request's queries is scored."""
     turn = asyncio.Lock()
 
     @app.post("/get_reward", response_model=RewardReply)
@@ -83,7 +85,10 @@ def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
         async with turn:
             if await client.is_disconnected():
                 return JSONResponse({"detail": "the client went away before its turn"}, status_code=499)
-            return RewardReply(rewards=await run_in_threadpool(scorer.score, request.query))
+            try:
+                return RewardReply(rewards=await run_in_threadpool(scorer.score, request.query))
+            except EmptyQuery as err:
+                return JSONResponse({"detail": str(err)}, status_code=422)
 
 
 def build_app(reward: RewardScorer, api_key: str | None = None) -> FastAPI:

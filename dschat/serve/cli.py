@@ -1,12 +1,12 @@
 """``python -m dschat.serve MODEL [--host 127.0.0.1] [--port 5000]``: serve a step-2 reward model
 (``POST /get_reward``) or an actor (OpenAI-compatible ``/v1/completions``, ``/v1/chat/completions``).
 
-Order: parse -> what MODEL is (a step-2 reward model; else a causal LM: a step-1/3 folder, a registry
-name, a hub id or a PEFT adapter folder; else one line) -> bind the port (a busy one is one line
-naming ``--port``) -> load the model (an actor: its decoder picked by ``--decoding_engine`` and warmed
-up) -> print the line ``serving <kind> <folder> on http://HOST:PORT (...)`` (the bound port, also for
-``--port 0``; an actor's line ends with ``; decoding with <engine>: <why>``) -> serve until
-stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
+Order: parse -> what MODEL is (a step-2 reward model, :func:`is_reward_model`: its folder or its LoRA
+``lora_adapter/`` folder; else a causal LM: a step-1/3 folder, a registry name, a hub id or a PEFT
+adapter folder; else one line) -> bind the port (a busy one is one line naming ``--port``) -> load
+the model (an actor: its decoder picked by ``--decoding_engine`` and warmed up) -> print the line
+``serving <kind> <folder> on http://HOST:PORT (...)`` (the bound port, also for ``--port 0``; an
+actor's line ends with ``; decoding with <engine>: <why>``) -> serve until stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
 code 2. With ``DSCHAT_SERVE_API_KEY`` set, every route but ``GET /health`` needs
 ``Authorization: Bearer <key>`` (:mod:`dschat.serve.app`); without it a note says that every account
 that reaches the port can use the model. A ``--host`` that is not a loopback address gets a warning
@@ -26,8 +26,9 @@ import torch
 
 from dschat.errors import UserError, cli_main
 from dschat.eval.scoring import check_reward_folder
-from dschat.models.registry import load_config
-from dschat.models.reward_model import is_reward_model_folder
+from dschat.models.registry import load_config, resolve_model_path
+from dschat.models.reward_model import is_reward_model_folder, value_head_file
+from dschat.paths import is_adapter_folder
 from dschat.remote_reward import API_KEY_ENV
 from dschat.runtime.trust import is_loopback_host
 
@@ -42,7 +43,7 @@ except ImportError as err:
 else:
     _MISSING = None
 
-__all__ = ["build_parser", "main", "bind", "check_device"]
+__all__ = ["build_parser", "main", "bind", "check_device", "is_reward_model"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -82,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log_level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                         help="uvicorn's log level (default info: one access line per request).")
     return parser
+
+
+def is_reward_model(folder: Path) -> bool:
+    """Whether ``folder`` is a step-2 reward model: a model folder that is one, or a LoRA adapter folder
+    with the value head beside it (a step-2 LoRA output's ``lora_adapter/``: no ``config.json``)."""
+    if (folder / "config.json").is_file():
+        return is_reward_model_folder(folder)
+    return is_adapter_folder(folder) and value_head_file(folder).is_file()
 
 
 def check_device(spec: str) -> None:
@@ -133,8 +142,10 @@ def _main(argv: Sequence[str] | None) -> None:
     if _MISSING is not None:
         raise UserError(f"python -m dschat.serve needs the serve extra ({_MISSING}); pip install 'dschat[serve]'")
     folder = Path(args.model).expanduser()
-    reward = (folder / "config.json").is_file() and is_reward_model_folder(folder)
-    if reward:
+    reward = is_reward_model(folder)
+    if reward and is_adapter_folder(folder):
+        resolve_model_path(str(folder))  # the adapter and the base it names: one line for a bad one
+    elif reward:
         check_reward_folder(folder)
     else:
         actor = resolve_actor(args.model)  # one line for what is neither (before the port is bound)

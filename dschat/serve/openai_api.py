@@ -44,6 +44,10 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+#: The seeds ``torch.manual_seed`` takes (a signed or an unsigned 64-bit integer); others are a 400.
+SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+
+
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
@@ -60,7 +64,7 @@ class _Common(BaseModel):
     top_k: int = Field(default=0, ge=-1, description="an extension; 0 or -1: off")
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX, description="what torch.manual_seed takes")
     stream: bool = False
     stream_options: _StreamOptions | None = None
     # OpenAI options this server does not implement: refused unless left at their defaults.
@@ -147,7 +151,9 @@ class _Answer:
                 raise ApiError(400, f"the prompt has {len(ids)} tokens and max_tokens is {wanted}: together more "
                                     f"than the model's {engine.max_positions} positions; shorten the prompt or "
                                     "lower max_tokens", "max_tokens", "context_length_exceeded")
-            self.jobs.append(Job(ids, wanted, stops, settings, self._emitter(index), request.seed))
+            # No max_tokens: as many as fit, which its batch may cap (dschat.serve.actor.select_batch).
+            self.jobs.append(Job(ids, wanted, stops, settings, self._emitter(index), request.seed,
+                                 fill=max_tokens is None))
         for job in self.jobs:
             batcher.submit(job)
 

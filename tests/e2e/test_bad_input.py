@@ -175,6 +175,8 @@ CASES = [
     Case("chatbot/path-is-a-file", "chatbot", ("--path", "{file}"), "is a file, not a folder", subprocess=True),
     Case("chatbot/zero-temperature", "chatbot", ("--sample", "--temperature", "0"), "--temperature must be > 0"),
     Case("chatbot/chat-template-missing", "chatbot", ("--format", "chat_template"), "has no chat template"),
+    Case("chatbot/max-new-tokens-past-positions", "chatbot", ("--max_new_tokens", "600"),
+         "--max_new_tokens 600 leaves no room for the question in the model's 512 positions"),
     # ---- eval scripts
     Case("prompt_eval/finetuned-path-missing", "prompt_eval", ("--model_name_or_path_finetune", "{ws}/no-model"),
          "does not exist", subprocess=True),

@@ -50,6 +50,17 @@ def test_bad_path_is_one_line_and_exit_2(tmp_path):
     assert proc.stderr.strip().startswith("error: model path") and proc.stderr.strip().count("\n") == 0
 
 
+def test_max_new_tokens_that_leaves_the_question_no_position_is_one_line_and_exit_2():
+    """tiny-opt has 512 positions: 600 new tokens would drop the question (and index past them)."""
+    proc = _chat("inference/chatbot.py", ["--path", "tiny-opt", "--max_new_tokens", "600", "--device", "cpu"],
+                 "hello\n")
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert err.count("\n") == 0 and err.startswith("error: --max_new_tokens 600 leaves no room for the question")
+    assert "model's 512 positions" in err and err.endswith("give --max_new_tokens 511 or less")
+    assert "Round 1" not in proc.stdout
+
+
 def test_reward_model_folder_is_refused_in_one_line(tmp_path):
     from dschat.models.build import create_critic_model
     from dschat.models.registry import resolve_model_path

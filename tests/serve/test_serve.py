@@ -1,10 +1,12 @@
 """``python -m dschat.serve`` on a tiny step-2 reward model: a real server in a subprocess on a free
-port, asked over HTTP. Its rewards are the reward model's own scores of the same texts; bad requests
-get a 4xx JSON answer and the server goes on; a busy port and a folder that is no model are one line,
-exit 2. An actor served: tests/serve/test_serve_actor.py."""
+port, asked over HTTP. Its rewards are the reward model's own scores of the same texts (a step-2 LoRA
+output's ``lora_adapter/`` folder too); bad requests (a query of no tokens too) get a 4xx JSON answer
+and the server goes on; a busy port and a folder that is no model are one line, exit 2. An actor
+served: tests/serve/test_serve_actor.py."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import threading
 import time
@@ -19,7 +21,7 @@ from dschat.serve.cli import main as serve_main
 from dschat.serve.reward_scorer import load_reward_scorer
 
 from helpers.serve import own_scores, served_reward_model, serving_in_process
-from helpers.step3 import make_critic_folder
+from helpers.step3 import make_critic_folder, make_lora_inputs
 
 TEXTS = ["Human: What is 2 + 2? Assistant: 4", "Human: hi Assistant: hello there, how are you today?",
          "Human: Name a colour. Assistant: blue", "Human: x Assistant:"]
@@ -127,6 +129,42 @@ def test_a_request_whose_client_left_before_its_turn_is_not_scored(reward_folder
         later = requests.post(url + "/get_reward", json={"query": TEXTS[2:3]}, timeout=60)
     assert replies[0].status_code == 200 and later.status_code == 200
     assert scored == [TEXTS[:1], TEXTS[2:3]]  # the gone client's text was never scored
+
+
+def test_a_step2_lora_adapter_folder_is_served_as_the_reward_model(tmp_path):
+    """A step-2 LoRA output's ``lora_adapter/`` (adapter + value head, no config.json) is the reward
+    model of its parent folder: base built, adapter merged, value head loaded."""
+    critic = make_lora_inputs("tiny-opt", tmp_path, seed=5)["critic"]
+    assert not (critic / "lora_adapter" / "config.json").exists()
+    with served_reward_model(critic / "lora_adapter", "--device", "cpu") as served:
+        assert requests.get(served.url + "/health", timeout=10).json()["kind"] == "reward"
+        reply = requests.post(served.reward_url, json={"query": TEXTS}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["rewards"] == pytest.approx(own_scores(critic, TEXTS), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def no_bos_reward_folder(reward_folder, tmp_path_factory):
+    """The reward model with a tokenizer that adds no BOS: ``""`` is no tokens."""
+    folder = tmp_path_factory.mktemp("serve_no_bos") / "rm"
+    shutil.copytree(reward_folder, folder)
+    tokenizer_file = folder / "tokenizer.json"
+    spec = json.loads(tokenizer_file.read_text())
+    spec["post_processor"] = None
+    tokenizer_file.write_text(json.dumps(spec))
+    return folder
+
+
+def test_a_query_of_no_tokens_is_a_422_naming_its_index(no_bos_reward_folder):
+    scorer = load_reward_scorer(no_bos_reward_folder, device="cpu", batch_size=4)
+    assert scorer.tokenizer("")["input_ids"] == [] and scorer.tokenizer("a")["input_ids"]
+    with serving_in_process(build_app(scorer)) as url:
+        for query, index in (([""], 0), ([TEXTS[0], "", TEXTS[1]], 1)):
+            reply = requests.post(url + "/get_reward", json={"query": query}, timeout=60)
+            assert reply.status_code == 422, reply.text
+            assert reply.json()["detail"].startswith(f"query[{index}] has no tokens")
+        ok = requests.post(url + "/get_reward", json={"query": TEXTS[:2]}, timeout=60)
+    assert ok.status_code == 200 and len(ok.json()["rewards"]) == 2
 
 
 def test_a_text_longer_than_max_seq_len_is_cut(reward_folder):

@@ -5,7 +5,8 @@ Hybrid Engine, which ``auto`` serves tiny-opt with, and the sample loop of ``--d
 streams join to the plain answers and stop strings cut them, in both engines; bad requests get
 OpenAI's error body and the server goes on; 32 concurrent clients all get well-formed answers.
 In-process, in both engines: the batched decoding of prompts of different lengths equals each prompt
-decoded alone, waiting jobs with equal settings share a batch, a cancelled job ends at its next token."""
+decoded alone, an answer ends on every EOS id of the model's generation config as ``generate`` does,
+waiting jobs with equal settings share a batch, a cancelled job ends at its next token."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ import pytest
 import requests
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
@@ -251,6 +252,8 @@ def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
     first = [client.completions.create(**kwargs, seed=s).choices[0].text for s in (1, 2)]
     assert [client.completions.create(**kwargs, seed=s).choices[0].text for s in (1, 2)] == first
     assert first[0] != first[1]
+    for seed in (2**64 - 1, -2**63):  # the ends of what torch.manual_seed takes
+        assert client.completions.create(**kwargs, seed=seed).usage.completion_tokens == 16
 
 
 @pytest.mark.parametrize("route, body, status, param", [
@@ -264,6 +267,8 @@ def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
     ("/completions", {"model": "M", "prompt": "a", "n": 2}, 400, "n"),
     ("/completions", {"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
     ("/completions", {"model": "M", "prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/completions", {"model": "M", "prompt": "a", "seed": 2**64}, 400, "seed"),
+    ("/completions", {"model": "M", "prompt": "a", "seed": -2**63 - 1}, 400, "seed"),
     ("/completions", {"model": "M", "prompt": "word " * 300, "max_tokens": 300}, 400, "max_tokens"),
     ("/completions", {"model": "M", "prompt": "a", "max_tokens": 600}, 400, "max_tokens"),
     ("/completions", {"model": "other", "prompt": "a"}, 404, "model"),
@@ -398,6 +403,48 @@ def test_a_left_padded_batch_decodes_as_each_prompt_alone(engine, decoder):
         assert isinstance(done, Done) and sum(isinstance(e, Done) for e in events) == 1
         expected = _reference(engine.model, engine.tokenizer, engine.encode(prompt), 5 + 3 * i)
         assert (text, done.completion_tokens, done.finish_reason) == expected, prompt
+
+
+@pytest.fixture(scope="module")
+def eot_folder(engine, tmp_path_factory):
+    """tiny-llama whose generation_config.json ends an answer on EOS or on another id (as a chat
+    model's end-of-turn id): the third token greedy decoding writes for PROMPTS[1]. Returns the
+    folder and that id."""
+    ids = engine.encode(PROMPTS[1])
+    with torch.no_grad():
+        out = engine.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=3, pad_token_id=engine.tokenizer.pad_token_id)
+    answer = out[0, len(ids):].tolist()
+    end, eos = answer[2], engine.tokenizer.eos_token_id
+    assert end not in answer[:2] and end != eos
+    folder = tmp_path_factory.mktemp("serve_eot") / "eot-llama"
+    shutil.copytree(resolve_model_path("tiny-llama"), folder)
+    config = GenerationConfig.from_pretrained(folder)
+    config.eos_token_id = [eos, end]
+    config.save_pretrained(folder)
+    return folder, end
+
+
+@pytest.mark.parametrize("engine_name", ["dschat", "loop"])
+def test_an_answer_ends_on_every_eos_id_of_the_generation_config_as_generate_does(eot_folder, engine_name):
+    folder, end = eot_folder
+    eot = load_actor_engine(str(folder), device="cpu")
+    decoder = HybridEngineDecoder(eot, 8) if engine_name == "dschat" else LoopDecoder(eot)
+    outs = [[] for _ in PROMPTS]
+    decoder.decode([_job(eot, p, 8, out) for p, out in zip(PROMPTS, outs)])
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for prompt, events in zip(PROMPTS, outs):
+        ids = eot.encode(prompt)
+        with torch.no_grad():  # generate stops on every id of the folder's generation config
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 do_sample=False, max_new_tokens=8, pad_token_id=eot.tokenizer.pad_token_id)
+        answer = out[0, len(ids):].tolist()
+        ended = answer[-1] in (end, eot.tokenizer.eos_token_id)
+        expected = (eot.decode(answer[:-1] if ended else answer), len(answer), "stop" if ended else "length")
+        text, done = _text(events)
+        assert (text, done.completion_tokens, done.finish_reason) == expected, prompt
+    assert _text(outs[1])[1].completion_tokens == 3 and _text(outs[1])[1].finish_reason == "stop"
+    assert eot.eos_ids == {eot.tokenizer.eos_token_id, end}
 
 
 def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine, decoder):

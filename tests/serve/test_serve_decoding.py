@@ -1,13 +1,17 @@
 """Step 3's decoding loops followed row by row, as ``python -m dschat.serve`` decodes through them: the
 ``on_step`` callback of ``sample_loop`` and ``DschatHybridEngine.decode`` ends rows as an EOS would
 (real tiny models, CPU); ``--decoding_engine`` picks, refuses and names the engine; a batch keeps
-within the model's positions; a client that disconnects mid-stream ends its row's decoding and the
-server goes on (a real uvicorn server on a socket, in this process, so the test sees the worker)."""
+within the model's positions, and chat requests without ``max_tokens`` share one; text that may
+start a stop string is held back behind an incomplete character too; a client that disconnects
+mid-stream ends its row's decoding and the server goes on (a real uvicorn server on a socket, in this
+process, so the test sees the worker)."""
 from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import requests
@@ -19,6 +23,7 @@ from dschat.models.registry import resolve_model_path
 from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
+from dschat.serve import actor
 from dschat.serve.actor import (Batcher, Delta, Done, Failed, HybridEngineDecoder, Job, LoopDecoder, RowFollower,
                                 load_actor_engine, pick_decoder, start_batcher)
 from dschat.serve.app import build_actor_app
@@ -137,6 +142,88 @@ def test_a_long_prompt_and_a_long_answer_are_not_batched_past_the_models_positio
         time.sleep(0.05)
     assert [type(out[-1]) for out in outs] == [Done, Done], [out[-1] for out in outs]
     assert [out[-1].completion_tokens for out in outs] == [8, 300] and batcher.batch_sizes == [1, 1]
+
+
+class _Recorder:
+    """A decoder that decodes nothing: it records each batch as (prompt tokens, max_tokens) per job and
+    ends every job after ``max_tokens`` tokens (``length``)."""
+
+    name = "recorder"
+
+    def __init__(self, engine) -> None:
+        self.engine, self.batches = engine, []
+
+    def describe(self) -> str:
+        return self.name
+
+    def warm_up(self) -> None:
+        """Nothing to prepare."""
+
+    def decode(self, jobs) -> None:
+        self.batches.append([(len(job.prompt_ids), job.max_tokens) for job in jobs])
+        for job in jobs:
+            job.emit(Done("length", len(job.prompt_ids), job.max_tokens))
+
+
+def test_chat_requests_without_max_tokens_share_a_batch_each_capped_to_the_room_left():
+    """Without ``max_tokens`` a chat answer takes as many tokens as fit: four such requests of
+    different lengths share one batch (tiny-opt: 512 positions), each row capped to the room the
+    batch's widest prompt leaves. The batch closes when four wait (``max_wait_s`` is a ceiling)."""
+    opt = load_actor_engine("tiny-opt", device="cpu")
+    opt.tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                                   "{% if add_generation_prompt %}assistant:{% endif %}")
+    recorder = _Recorder(opt)
+    batcher = Batcher(recorder, max_batch_size=4, max_wait_s=10.0)
+    texts = ["hi", "word " * 20, "word " * 80, "word " * 40]
+    widest = max(len(opt.encode_chat([{"role": "user", "content": t}])) for t in texts)
+    replies: dict[int, requests.Response] = {}
+    with serving_in_process(build_actor_app(opt, batcher)) as url:
+        def ask(i: int) -> None:
+            replies[i] = requests.post(url + "/v1/chat/completions", timeout=120, json={
+                "model": "tiny-opt", "messages": [{"role": "user", "content": texts[i]}], "temperature": 0})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(texts))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    assert batcher.batch_sizes == [4]
+    assert sorted(tokens for _, tokens in recorder.batches[0]) == [512 - widest] * 4
+    assert [replies[i].json()["usage"]["completion_tokens"] for i in range(4)] == [512 - widest] * 4
+
+
+def test_a_job_without_max_tokens_does_not_make_an_asked_max_tokens_fit():
+    """select_batch: a job whose ``max_tokens`` was asked for keeps the rule widest prompt + largest
+    ``max_tokens`` <= positions; ``fill`` jobs join where one token fits and are capped to the room."""
+    fill = [Job(list(range(n)), 512 - n, (), GREEDY, print, fill=True) for n in (10, 400)]
+    asked = Job(list(range(10)), 500, (), GREEDY, print)
+    assert actor.select_batch([fill[0], asked, fill[1]], 4, 512) == [fill[0], asked]
+    assert fill[0].max_tokens == 502 and fill[1].max_tokens == 112  # the one left out is not capped
+    assert actor.select_batch([fill[1], fill[0], asked], 4, 512) == [fill[1], fill[0]]
+    assert fill[0].max_tokens == 112 and fill[1].max_tokens == 112
+
+
+def _bytes_engine(pieces: dict[int, bytes]) -> SimpleNamespace:
+    """An engine whose tokens are byte strings (UTF-8 characters may span two tokens); EOS is 0."""
+    def decode(ids: list[int]) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    return SimpleNamespace(tokenizer=SimpleNamespace(eos_token_id=0), eos_ids=frozenset({0}), decode=decode)
+
+
+def test_the_start_of_a_stop_string_is_held_back_behind_an_incomplete_character():
+    """Stop ``a𝔸`` on ``x a 𝔸 y``: while ``𝔸`` is half decoded the text is ``xa\ufffd``; its ``a`` may
+    start the stop string, so only ``x`` is sent, and the streamed pieces join to the final ``x``."""
+    letter = "𝔸".encode()
+    engine = _bytes_engine({0: b"", 1: b"x", 2: b"a", 3: letter[:2], 4: letter[2:], 5: b"y"})
+    events: list = []
+    follower = RowFollower(engine, [Job([1], 10, ("a𝔸",), GREEDY, events.append)], 1)
+    for token in (1, 2, 3, 4, 5):
+        if follower(torch.tensor([token]))[0]:
+            break
+    assert isinstance(events[-1], Done) and events[-1].finish_reason == "stop"
+    assert "".join(e.text for e in events if isinstance(e, Delta)) == "x"
+    assert actor._held_back("xa\ufffd", ("a𝔸",)) == 2 and actor._held_back("xy\ufffd\ufffd", ("a𝔸",)) == 2
 
 
 # ------------------------------------------------------------------------------------------------
