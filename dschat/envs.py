@@ -7,7 +7,8 @@ columns)::
     env.step(answer: str) -> (observation, reward, done)
 
 - ``observation``: what the environment says back before the actor's next turn: a ``str``, a chat
-  message ``{"role": "user" | "tool", "content": str}`` (exactly those two keys), or ``None``;
+  message ``{"role": "user" | "tool", "content": str}`` (exactly those two keys), or ``None``; its
+  text must encode as UTF-8 (no lone surrogates, as ``errors="surrogateescape"`` decoding leaves);
 - ``reward``: this turn's reward, an ``int`` or ``float`` (not a bool) finite in float32, or ``None``;
 - ``done``: ``True`` or ``False`` (a bool).
 
@@ -72,7 +73,7 @@ class EpisodeState:
     turns: int = 0
     reward: float = 0.0
     done: bool = False
-    cut: bool = False  # reached max_turns before the environment said done
+    cut: bool = False  # reached max_turns before the environment said done (or, set by the player, out of room)
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,14 @@ def _check_step(env_name: str, where: str, raw: Any) -> StepResult:
     elif observation is not None and not isinstance(observation, str):
         raise wrong(f"step returned the observation {type(observation).__name__} {_shown(observation)}",
                     "an observation is a str, a chat message {'role': 'user' or 'tool', 'content': str}, or None")
+    content = observation["content"] if isinstance(observation, Mapping) else observation
+    try:  # a lone surrogate (bytes decoded with errors="surrogateescape") is no text a tokenizer takes
+        if content is not None:
+            content.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise wrong(f"step returned an observation that is not valid Unicode text ({_shown(content[err.start])} "
+                    f"at character {err.start} cannot be encoded as UTF-8)", "decode a tool's output with "
+                    "errors='replace' (not 'surrogateescape'), or return only valid text") from None
     if reward is not None:
         if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
             raise wrong(f"step returned the reward {type(reward).__name__} {_shown(reward)}",

@@ -11,21 +11,29 @@ three lists always have the same length.
 
 :class:`RemoteReward` is a reward function (``fn(prompts, answers, **columns) -> list[float]``), so
 step 3 weighs it into the :class:`~dschat.rewards.RewardMix` as a ``--reward_fn``. A call sends the
-batch in chunks of at most ``chunk_size`` queries, concurrently (one thread per chunk, at most
-:data:`MAX_CONCURRENT_REQUESTS` at a time), over one kept-alive ``requests.Session``. Each request has
+batch in chunks of at most ``chunk_size`` queries, concurrently (at most
+:data:`MAX_CONCURRENT_REQUESTS` at a time, on daemon threads of the call), over one kept-alive
+``requests.Session``. Each request has
 ``timeout`` seconds (to connect, and between bytes of the reply) and is retried ``retries`` times
 after a connection error, a timeout or an HTTP 408, 429 or 5xx status, waiting ``backoff * 2**i``
-seconds before retry ``i``. Any other failure is not retried. What goes wrong stops the run with one
-:class:`~dschat.errors.UserError` line naming the URL: the last error once the retries are spent, an
-HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"`` list, the wrong number of
-rewards, a reward that is not a finite number).
+seconds before retry ``i``. Any other failure is not retried (a request that cannot be made at all,
+such as requests' ``InvalidURL``, ``InvalidSchema`` or ``InvalidHeader``, neither). What goes wrong
+stops the run with one :class:`~dschat.errors.UserError` line naming the URL: the last error once the
+retries are spent, an HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"``
+list, the wrong number of rewards, a reward that is not a finite number). A network error is told by
+its type and the socket's reason (``ConnectionRefusedError: [Errno 111] Connection refused``), never
+by requests' or urllib3's own text, which quotes the URL (its query, where keys go) or the headers.
+The first failing request stops the call at once: requests in flight are not waited for (they run
+on daemon threads, which do not hold the process at exit), those not yet sent are not sent.
 
 With ``DSCHAT_SERVE_API_KEY`` set (:data:`API_KEY_ENV`, the key ``python -m dschat.serve`` then
 requires) every request to a loopback or ``https://`` URL carries ``Authorization: Bearer <key>``
-(never one in clear to another host). Before each call to a loopback URL the owners of the sockets
-listening on its port (at a loopback address or at every address) are read from ``/proc/net/tcp``
-and ``tcp6`` (Linux): a server of another account on this machine is refused with one line, before
-any prompt or key is sent to it. Lines and names show the URL without its user, password and query
+(never one in clear to another host); a key that holds whitespace (a line break at its end), a
+control or a non-ASCII character, which no header carries, is refused when the client is made.
+Before each call to a loopback URL the owners of the sockets listening on its port (at a loopback
+address or at every address) are read from ``/proc/net/tcp`` and ``tcp6`` (Linux): a server of
+another account on this machine is refused with one line, before any prompt or key is sent to it.
+Lines and names show the URL without its user, password and query
 (:func:`~dschat.runtime.trust.shown_url`).
 
 Nothing here talks to the network until the object is called.
@@ -35,9 +43,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
@@ -57,6 +65,7 @@ __all__ = [
     "LABEL_COLUMN",
     "QUERIES_PER_REQUEST",
     "MAX_CONCURRENT_REQUESTS",
+    "worst_case_seconds",
 ]
 
 #: The dataset column sent as ``labels`` (the reference answer; GSM8K's name for it).
@@ -96,6 +105,36 @@ def plain_http_warning(url: str) -> str | None:
     return None
 
 
+def worst_case_seconds(timeout: float, retries: int, backoff: float = BACKOFF_SECONDS) -> float:
+    """The most seconds one request may take before its failure line, against a server that accepts
+    no connection or sends no byte: each of its ``retries + 1`` attempts waits ``timeout`` to connect
+    and ``timeout`` for the reply, with the backoffs between them. Not bounded by it: a server that
+    trickles its reply byte by byte, and the requests of a call beyond :data:`MAX_CONCURRENT_REQUESTS`
+    (``QUERIES_PER_REQUEST`` queries each), which wait for a free thread."""
+    retries = min(max(int(retries), 0), 40)  # beyond that, longer than any run
+    return (retries + 1) * 2.0 * float(timeout) + backoff * (2.0 ** retries - 1)
+
+
+def _reason(err: BaseException) -> str:
+    """``err``'s type and, where one caused it, the socket's own error (``ConnectionRefusedError:
+    [Errno 111] Connection refused``): never requests' or urllib3's text, which quotes the URL or
+    the headers."""
+    seen, todo, socket_error = set(), [err], None
+    while todo:  # the chain: causes, contexts, urllib3's .reason, exceptions held as arguments
+        current = todo.pop()
+        if id(current) in seen:
+            continue
+        seen.add(id(current))
+        module = type(current).__module__.split(".")[0]
+        if isinstance(current, OSError) and module not in ("requests", "urllib3") and socket_error is None:
+            socket_error = current
+        todo += [x for x in (current.__cause__, current.__context__, getattr(current, "reason", None), *current.args)
+                 if isinstance(x, BaseException)]
+    if socket_error is None:
+        return type(err).__name__
+    return f"{type(err).__name__} ({type(socket_error).__name__}: {_short(socket_error)})"
+
+
 class _Retryable(Exception):
     """A failure worth another attempt (connection, timeout, 408/429/5xx)."""
 
@@ -122,6 +161,10 @@ class RemoteReward:
         parts = urlsplit(url)  # the key goes to this machine or over TLS, never in clear across the network
         private = parts.scheme == "https" or is_loopback_host(parts.hostname or "")
         self.api_key = (os.environ.get(API_KEY_ENV) or None) if private else None
+        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
+                                             and not any(c.isspace() for c in self.api_key)):
+            raise UserError(f"{API_KEY_ENV} holds whitespace (a line break at its end?), a control or a non-ASCII "
+                            "character, which an HTTP header cannot carry; set it to the key alone")
         self._session: requests.Session | None = None
         self._lock = threading.Lock()
 
@@ -183,22 +226,51 @@ class RemoteReward:
         self.check_owner()
         if len(payloads) == 1:
             return self._post(payloads[0])
-        pool = ThreadPoolExecutor(min(len(payloads), MAX_CONCURRENT_REQUESTS), thread_name_prefix="reward_url")
-        try:
-            parts = list(pool.map(self._post, payloads))  # the first failure (in chunk order) is raised
-        except BaseException:
-            # A failure or Ctrl-C: chunks not yet sent are not, and those in flight are not waited for.
-            pool.shutdown(wait=False, cancel_futures=True)
-            raise
-        pool.shutdown()
-        return [score for part in parts for score in part]
+        return [score for part in self._post_all(payloads) for score in part]
 
-    def _post(self, payload: dict[str, list[str]]) -> list[float]:
-        """The rewards of one request, after at most ``retries`` retries."""
+    def _post_all(self, payloads: list[dict[str, list[str]]]) -> list[list[float]]:
+        """Each payload's rewards, in order, at most :data:`MAX_CONCURRENT_REQUESTS` requests in flight
+        on daemon threads of this call. The first failure to happen (or a Ctrl-C) is raised at once:
+        requests in flight are not waited for, and neither those not yet sent nor a retry is sent."""
+        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(len(payloads)):
+            todo.put(i)
+        finished: queue.Queue[tuple[int, list[float] | None, BaseException | None]] = queue.Queue()
+        stop = threading.Event()
+
+        def work() -> None:
+            while not stop.is_set():
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    finished.put((i, self._post(payloads[i], stop), None))
+                except BaseException as err:  # noqa: BLE001 -- handed to the caller, which raises it
+                    stop.set()  # before the caller hears of it: no worker takes another payload
+                    finished.put((i, None, err))
+
+        for _ in range(min(len(payloads), MAX_CONCURRENT_REQUESTS)):
+            threading.Thread(target=work, name="reward_url", daemon=True).start()
+        parts: list[list[float]] = [[] for _ in payloads]
+        try:
+            for _ in payloads:
+                i, part, err = finished.get()
+                if err is not None:
+                    raise err
+                parts[i] = part or []
+        finally:
+            stop.set()
+        return parts
+
+    def _post(self, payload: dict[str, list[str]], stop: threading.Event | None = None) -> list[float]:
+        """The rewards of one request, after at most ``retries`` retries (none once ``stop`` is set)."""
         last: BaseException | None = None
         for attempt in range(self.retries + 1):
             if attempt:
                 time.sleep(self.backoff * 2 ** (attempt - 1))
+                if stop is not None and stop.is_set():
+                    break
             try:
                 return self._attempt(payload)
             except _Retryable as err:
@@ -216,7 +288,10 @@ class RemoteReward:
             raise _Retryable(f"no reply within --reward_url_timeout {self.timeout:g} s "
                              f"({type(err).__name__})") from None
         except requests.RequestException as err:
-            raise _Retryable(f"{type(err).__name__}: {_short(err)}") from None
+            if isinstance(err, ValueError):  # InvalidURL, InvalidSchema, InvalidHeader, ...: no retry mends it
+                raise UserError(f"--reward_url {self.shown}: the request cannot be made ({_reason(err)}); check the "
+                                f"URL (and {API_KEY_ENV})") from None
+            raise _Retryable(_reason(err)) from None
         if reply.status_code in _RETRY_STATUS:
             raise _Retryable(f"HTTP {reply.status_code} {_short(reply.text)}")
         if reply.status_code != 200:

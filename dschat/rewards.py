@@ -84,20 +84,23 @@ def gold(prompts: list[str], answers: list[str], **_: Any) -> list[float]:
 
 
 def final_number(text: str) -> str | None:
-    """The last number in ``text``, normalised (``"1,234.50"`` -> ``"1234.5"``, ``"7.0"`` -> ``"7"``);
-    after a ``####`` marker (GSM8K's final-answer line) only what follows it counts. None if there
-    is no number."""
+    """The last number in ``text`` in its canonical decimal form, so that two numbers are equal
+    exactly when their forms are (no digit is rounded away): thousands commas, leading zeros of the
+    whole part and trailing zeros of the fraction dropped, a bare fraction given its ``0``, no
+    ``-0`` (``"1,234.50"`` -> ``"1234.5"``, ``"7.0"`` -> ``"7"``, ``"007"`` -> ``"7"``, ``".5"`` ->
+    ``"0.5"``). After a ``####`` marker (GSM8K's final-answer line) only what follows it counts.
+    None if there is no number."""
     if "####" in text:
         text = text.rsplit("####", 1)[1]
     found = _NUMBER.findall(text)
     if not found:
         return None
     number = found[-1].replace(",", "")
-    if "." in number:
-        number = number.rstrip("0").rstrip(".") or "0"
-    if number in ("-0", ""):
-        number = "0"
-    return number
+    sign = "-" if number.startswith("-") else ""
+    whole, _, fraction = number.lstrip("-").partition(".")
+    whole, fraction = whole.lstrip("0") or "0", fraction.rstrip("0")
+    canonical = whole + ("." + fraction if fraction else "")
+    return canonical if canonical == "0" else sign + canonical
 
 
 def math_exact_match(prompts: list[str], answers: list[str], **columns: Sequence[Any]) -> list[float]:
@@ -294,7 +297,8 @@ class PendingCall:
 def load_callable(spec: str, flag: str, example: str) -> Any:
     """The callable a ``module.path:attr`` spec names (``attr`` may be dotted), imported; ``flag`` and
     ``example`` (a valid spec) word the one :class:`UserError` line of a bad spec, a module that does
-    not import, a missing attribute or one that is not callable."""
+    not import (or exits while it imports: ``sys.exit``, argparse at its top level), a missing
+    attribute or one that is not callable."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise UserError(f"{flag} {spec!r} is not of the form module.path:function (e.g. {example})")
@@ -303,6 +307,10 @@ def load_callable(spec: str, flag: str, example: str) -> Any:
     except Exception as err:  # noqa: BLE001 -- an import runs user code; any failure is the user's
         raise UserError(f"{flag} {spec}: cannot import module {module_name!r} ({type(err).__name__}: "
                         f"{err}); check the module path and PYTHONPATH") from None
+    except SystemExit as err:  # top-level code of the module (argparse's parse_args, say) exited
+        code = repr(err.code) if len(repr(err.code)) <= 60 else repr(err.code)[:57] + "..."
+        raise UserError(f"{flag} {spec}: importing module {module_name!r} called sys.exit({code}); "
+                        "move the module's script code under if __name__ == '__main__':") from None
     fn: Any = module
     for part in attr.split("."):
         fn = getattr(fn, part, None)

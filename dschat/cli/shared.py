@@ -120,7 +120,9 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
                        help="(dschat) How long the ranks wait for each other at start-up (the rendezvous at "
                             "MASTER_ADDR:MASTER_PORT); a rank whose peers never come stops with one line naming "
                             "them. Collectives later wait this long or DeepSpeed's DEEPSPEED_TIMEOUT (default "
-                            "10 minutes), whichever is longer. Fractions allowed.")
+                            "10 minutes), whichever is longer. Step 3 with --env, --reward_fn, --eval_judge or "
+                            "--reward_url waits at least the longest such call's limit plus 5 minutes, so that a "
+                            "rank whose call times out stops the run with its own line. Fractions allowed.")
     return group
 
 

@@ -23,9 +23,9 @@ the environments of :mod:`dschat.envs`. Each turn:
 
 An episode ends when its environment says done, after ``max_turns`` turns, or when it reaches
 ``max_answer_seq_len`` tokens after the prompt (actor and observation tokens together); the last two
-are **cut** (a turn that ends without EOS also cuts its episode: it ran out of room). The
-environment is stepped with a cut turn too, so its reward counts, and a one-turn environment gives
-the same episode as the single answer it replaces.
+are **cut** (a turn that ends without EOS also cuts its episode, even one its environment ends:
+it ran out of room). The environment is stepped with a cut turn too, so its reward counts, and a
+one-turn environment gives the same episode as the single answer it replaces.
 
 The result (:class:`Episodes`) is one sequence per episode, ``[left-padded prompt | episode | right
 padding]``, with an observation mask: only the actor's tokens are actions.
@@ -33,9 +33,9 @@ padding]``, with an observation mask: only the actor's tokens are actions.
 **Collectives.** The generator's rollouts are collective (ZeRO-3 gathers, tensor-parallel groups), so
 every rank plays the same number of turns: a rank whose episodes are all done generates for one
 placeholder row (with a kept KV cache: its ended rows, which decode nothing) and discards it, until
-no rank has a live episode. The turn's token budget is agreed
-over the ranks, so is whether the decoder's log-probs are kept, and a failing environment (a :class:`~dschat.errors.UserError` line) stops every rank
-together before the next collective.
+no rank has a live episode. The turn's token budget is agreed over the ranks, so is whether the
+decoder's log-probs are kept, and a failing environment (a :class:`~dschat.errors.UserError` line)
+stops every rank together before the next collective; so does an observation the tokenizer fails on.
 """
 from __future__ import annotations
 
@@ -47,6 +47,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dschat.envs import EnvironmentFactory, EpisodeBatch, observation_parts
+from dschat.errors import UserError
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.rollout.conversation import Conversation
@@ -73,7 +74,7 @@ class Episodes:
     ended: torch.Tensor  # (B,) bool: the last actor turn ended with EOS
     env_reward: torch.Tensor  # (B,) float32: the sum of the turns' rewards (None counts 0)
     turns: torch.Tensor  # (B,) int64: actor turns played
-    cut: torch.Tensor  # (B,) bool: ended by max_turns or the length limit, not by the environment
+    cut: torch.Tensor  # (B,) bool: ended by max_turns or the length limit (a last turn without EOS included)
     env_seconds: float  # wall time spent in the environments' calls
 
     prompt_width: int  # P
@@ -152,6 +153,32 @@ class EpisodePlayer:
             ids = ids[1:]
         return ids
 
+    def _step(self, batch: EpisodeBatch, live: list[int], waiting: list[int], texts: list[str | None],
+              tokens: list[list[int]], ended: list[bool]) -> dict[int, list[int]]:
+        """Step the turn's environments, end the episodes that are out of room, and tokenise the
+        observation of each episode that goes on (by episode index). A failure of either is one
+        :class:`~dschat.errors.UserError` line, for :func:`~dschat.rlhf.experience.raise_together`."""
+        results = batch.step(texts, waiting=waiting)
+        observed = {}
+        for i in live:
+            state = batch.states[i]
+            if i in waiting:
+                continue
+            if not ended[i]:
+                state.done = state.cut = True  # the turn ran out of room: cut, whatever the environment said
+            elif not state.done and len(tokens[i]) >= self.max_answer_seq_len:
+                state.done = state.cut = True  # no room for another turn
+            if state.done:
+                continue
+            try:
+                observed[i] = self.observation_ids(results[i].observation, ended[i])
+            except Exception as err:  # noqa: BLE001 -- the environment's text; every rank is to stop together
+                first = (str(err).strip().splitlines() or [""])[0][:200]
+                raise UserError(f"environment {self.factory.name} on row {state.row} (turn {state.turns}): the "
+                                f"tokenizer failed on its observation ({type(err).__name__}: {first}); return "
+                                "plain text the tokenizer takes") from err
+        return observed
+
     def play(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, rows: Sequence[Mapping[str, Any]],
              row_ids: Sequence[int] | None = None) -> Episodes:
         """Play one episode per prompt row. Shapes: prompts, prompt_mask (B, P) left-padded; ``rows``:
@@ -212,16 +239,12 @@ class EpisodePlayer:
             if reused:
                 conversation.keep(taken)
             # Every rank, its placeholder turn too.
-            results = raise_together(lambda: batch.step(texts, waiting=waiting), _ENV)
+            observed = raise_together(lambda: self._step(batch, live, waiting, texts, tokens, ended), _ENV)
             for i in live:
                 state = batch.states[i]
-                if i in waiting:
+                if i in waiting or state.done:
                     continue
-                if not state.done and (not ended[i] or len(tokens[i]) >= self.max_answer_seq_len):
-                    state.done = state.cut = True  # no room for another turn
-                if state.done:
-                    continue
-                obs = self.observation_ids(results[i].observation, ended[i])
+                obs = observed[i]
                 if len(obs) >= self.max_answer_seq_len - len(tokens[i]):
                     # No room for the actor after it: the episode ends with the actor's turn (its
                     # reward slot stays after the actor's last token).

@@ -204,14 +204,22 @@ _T = TypeVar("_T")
 def raise_together(call: Callable[[], _T], what: str, prefix: str = "") -> _T:
     """``call()``; when it raises a :class:`UserError` on any rank, every rank raises: that rank its own
     line (after ``prefix``), the others one saying that ``what`` (``"a reward function"``, ...) failed
-    on another rank, so none is left waiting in a collective. Collective: one all-reduce."""
+    on another rank, so none is left waiting in a collective. Collective: one all-reduce. When that
+    all-reduce itself fails (another rank gone, or its wait timed out) on a rank whose call failed,
+    that rank still raises its own line (the collective's error as its cause)."""
     failure: UserError | None = None
     value = None
     try:
         value = call()
     except UserError as err:
         failure = UserError(f"{prefix}{err}") if prefix else err
-    if any(r[0] for r in gather_ints([0 if failure is None else 1])):
+    try:
+        flags = gather_ints([0 if failure is None else 1])
+    except Exception as err:  # noqa: BLE001 -- the collective's own failure; this rank's line says more
+        if failure is None:
+            raise
+        raise failure from err
+    if any(r[0] for r in flags):
         raise failure or UserError(f"{prefix}{what} failed on another rank (its line is in that rank's log)")
     return value  # type: ignore[return-value]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
 from dschat.models.save import is_model_artifact
 from dschat.paths import STARTED_FILE_VAR
+from dschat.remote_reward import worst_case_seconds
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_json, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
 from dschat.runtime.fs import check_writable_dir
@@ -200,6 +202,44 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+#: Minutes a collective waits beyond the longest call of user code one rank may make alone (an
+#: environment's step, a reward function): the rank whose call times out reaches the next collective
+#: with its line before the others' wait there runs out.
+USER_CALL_MARGIN_MINUTES = 5.0
+_MOST_MINUTES = 30 * 24 * 60.0  # a bound the backends' timeouts hold
+
+
+def longest_user_call_seconds(args: argparse.Namespace) -> float:
+    """The most seconds one call of user code may take in this run before its own timeout stops it:
+    ``--env_timeout`` with ``--env``, ``--reward_fn_timeout`` with ``--reward_fn`` or ``--eval_judge``,
+    the ``--reward_url`` client's worst case (:func:`~dschat.remote_reward.worst_case_seconds`) with
+    ``--reward_url``; 0 when there is none (steps 1 and 2) or none is bounded (a limit of 0, or one
+    not a finite number > 0, adds nothing). Read with ``getattr``, so any step's flags will do."""
+    limits = []
+    if getattr(args, "env", None):
+        limits.append(getattr(args, "env_timeout", 0.0))
+    if getattr(args, "reward_fn", None) or getattr(args, "eval_judge", None):
+        limits.append(getattr(args, "reward_fn_timeout", 0.0))
+    if getattr(args, "reward_url", None):
+        timeout, retries = getattr(args, "reward_url_timeout", 0.0), getattr(args, "reward_url_retries", 0)
+        if isinstance(timeout, (int, float)) and isinstance(retries, int) and math.isfinite(timeout) and timeout > 0:
+            limits.append(worst_case_seconds(timeout, retries))
+    return max([float(x) for x in limits if isinstance(x, (int, float)) and math.isfinite(x) and x > 0], default=0.0)
+
+
+def collective_timeout_minutes(args: argparse.Namespace) -> float:
+    """The minutes given to :func:`~dschat.runtime.dist.init_distributed`: ``--dist_timeout``, or the
+    longest call of user code (:func:`longest_user_call_seconds`) plus :data:`USER_CALL_MARGIN_MINUTES`
+    when that is longer, so that healthy ranks waiting in a collective outwait the rank whose
+    environment or reward function is stuck, and that rank's line stops the run. A ``--dist_timeout``
+    that is not > 0 is passed as it is (init_distributed refuses it)."""
+    given = getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES)
+    longest = longest_user_call_seconds(args)
+    if not (isinstance(given, (int, float)) and given > 0) or not longest:
+        return given
+    return max(given, min(longest / 60.0 + USER_CALL_MARGIN_MINUTES, _MOST_MINUTES))
+
+
 def setup_run(args: argparse.Namespace, outputs: ModelOutputs | None = None) -> RunContext:
     """Initialise distributed (launcher or plain ``python``), check the output folders (collective:
     every rank stops with the same line), pick the dtype, seed everything.
@@ -207,9 +247,10 @@ def setup_run(args: argparse.Namespace, outputs: ModelOutputs | None = None) -> 
     ``outputs``: the models the run saves (default :func:`model_outputs`), whose folders must hold no
     ``config.json`` that is not a model's (:func:`refuse_replacing_foreign_config`). On a CPU
     accelerator an fp16 request trains in fp32 (one warning): upstream recipes run unchanged there.
+    The ranks wait for each other (at start-up and in collectives) :func:`collective_timeout_minutes`.
     """
     quiet_transformers()
-    info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES))
+    info = init_distributed(timeout_minutes=collective_timeout_minutes(args))
     refuse_replacing_foreign_config(model_outputs(args) if outputs is None else outputs)
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
     started = os.environ.get(STARTED_FILE_VAR)

@@ -87,6 +87,9 @@ class TestContract:
         (({"role": "tool", "content": 42}, None, False), "'role': 'user' or 'tool'"),
         (({"role": "tool", "content": "x", "name": "calc"}, None, False), "'role': 'user' or 'tool'"),
         (({"content": "x"}, None, False), "'role': 'user' or 'tool'"),
+        # Tool output decoded with errors="surrogateescape": a lone surrogate no tokenizer takes.
+        (("bad \udcff bytes", None, False), "'\\udcff' at character 4 cannot be encoded as UTF-8"),
+        (({"role": "tool", "content": "x\ud800"}, None, True), "'\\ud800' at character 1 cannot be encoded"),
         ((None, "1.0", True), "reward str '1.0'"),
         ((None, True, True), "reward bool True"),
         ((None, math.nan, True), "finite in float32"),

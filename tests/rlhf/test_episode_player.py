@@ -9,8 +9,11 @@ import torch
 
 import env_fixtures
 from dschat.envs import load_environment
+from dschat.errors import UserError
 from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.rlhf import episodes
 from dschat.rlhf.episodes import EpisodePlayer
+from dschat.rlhf.experience import raise_together
 
 EOS = 2
 TOKEN_LOGPROB, PAD_LOGPROB = -0.5, -1.0
@@ -91,6 +94,53 @@ def test_an_observation_with_no_room_after_it_is_left_out(tokenizer):
     assert not played.observation_mask.any()
     assert played.env_reward.tolist() == [0.5]
     assert played.sequences[0, 2:].tolist() == [7, 7, EOS]
+
+
+def test_a_last_turn_without_eos_cuts_its_episode_even_when_the_environment_ends_it(tokenizer):
+    """A one-turn environment says done after every turn; row 0's turn runs into --max_answer_seq_len
+    without EOS (cut), row 1's ends with EOS (not cut)."""
+    decoder = ScriptedDecoder({100: [7] * 20, 200: [8, EOS]}, 6)
+    player = _player(tokenizer, decoder, "env_fixtures:one_turn_length", max_turns=1, max_answer=6, max_context=8)
+    played = player.play(*_prompts([[100, 101], [200, 201]]), [{"prompt": "a"}, {"prompt": "b"}])
+    assert played.turns.tolist() == [1, 1] and played.ended.tolist() == [False, True]
+    assert played.cut.tolist() == [True, False]
+
+
+def test_an_observation_with_a_lone_surrogate_is_one_line_naming_env_row_and_turn(tokenizer):
+    """Tool output decoded with errors="surrogateescape" is refused where the environment's failures are
+    raised together on every rank (batch.step), before the tokenizer sees it."""
+    decoder = ScriptedDecoder({100: [7, EOS, 7, EOS]}, 20)
+    player = _player(tokenizer, decoder, "env_fixtures:scripted", max_turns=2, max_answer=20, max_context=22)
+    row = {"result": ({"role": "tool", "content": b"ls: \xff: No such file".decode("utf-8", "surrogateescape")},
+                      0.0, False)}
+    with pytest.raises(UserError, match=r"environment env_fixtures:scripted on row 0 \(turn 1\): step returned an "
+                                        r"observation that is not valid Unicode text"):
+        player.play(*_prompts([[100, 101]]), [row])
+
+
+def test_an_observation_the_tokenizer_fails_on_is_one_line_raised_together(tokenizer, monkeypatch):
+    """Whatever the tokenizer raises on an observation is one line naming the environment, the row and the
+    turn, raised where every rank raises together (not an exception that leaves the others waiting)."""
+    decoder = ScriptedDecoder({100: [7, EOS, 7, EOS]}, 20)
+    player = _player(tokenizer, decoder, "env_fixtures:scripted", max_turns=2, max_answer=20, max_context=22)
+
+    def fails(observation, actor_ended):
+        raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+
+    def recorded(call, what):
+        try:
+            return raise_together(call, what)
+        except UserError as err:
+            together.append(str(err))
+            raise
+
+    monkeypatch.setattr(player, "observation_ids", fails)
+    together = []
+    monkeypatch.setattr(episodes, "raise_together", recorded)
+    with pytest.raises(UserError, match=r"environment env_fixtures:scripted on row 0 \(turn 1\): the tokenizer "
+                                        r"failed on its observation \(TypeError: TextEncodeInput") as caught:
+        player.play(*_prompts([[100, 101]]), [{"result": ("text", 0.0, False)}])
+    assert together == [str(caught.value)]  # raised by raise_together, as on every rank
 
 
 def test_a_reward_slot_without_a_decoder_log_prob_drops_the_kept_log_probs(tokenizer):

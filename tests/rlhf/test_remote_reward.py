@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -390,3 +391,95 @@ def test_a_failed_chunk_does_not_wait_for_the_chunks_in_flight():
             assert len(held) == 2  # raised with both still in flight
         finally:
             release.set()
+
+
+def test_a_failed_chunk_stops_the_call_before_a_slow_earlier_chunk_and_the_queued_ones():
+    """Two requests in flight at a time, one query each: chunk 0 is held by the server, chunk 1 fails
+    (HTTP 404, not retried). The call raises chunk 1's line while chunk 0 is still held (waiting for it
+    would end in chunk 0's own timeout line instead), and chunks 2-4, not yet sent, are never sent."""
+    release = threading.Event()
+
+    def held(handler: Any, payload: Any) -> None:
+        release.wait(60)
+        handler.reply(200, {"rewards": [0.0]})
+
+    def act(handler: Any, payload: Any) -> None:
+        (held if payload["prompts"] == [PROMPTS[0]] else status(404))(handler, payload)
+
+    with RewardServer([act] * 5) as server:
+        try:
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr("dschat.remote_reward.MAX_CONCURRENT_REQUESTS", 2)
+                with pytest.raises(UserError, match="answered HTTP 404"):
+                    _client(server.url, chunk_size=1, timeout=5, retries=0)(PROMPTS, ANSWERS)
+            sent = sorted(r["prompts"][0] for r in server.requests)
+        finally:
+            release.set()
+    assert sent == PROMPTS[:2]
+
+
+EXITS_AFTER_A_FAILURE = r"""
+import sys
+from dschat.errors import cli_main
+from dschat.remote_reward import RemoteReward
+sys.exit(cli_main(lambda argv: RemoteReward(sys.argv[1], chunk_size=1, timeout=600, retries=0)(["a", "b"], ["x", "y"])))
+"""
+
+
+def test_the_process_exits_after_a_failure_with_a_request_still_in_flight():
+    """The failing call returns while its other request waits on a server that holds it (for up to ten
+    minutes, the client's timeout): the process prints its line and exits, not held by that request."""
+    release = threading.Event()
+
+    def act(handler: Any, payload: Any) -> None:
+        if payload["prompts"] == ["a"]:
+            release.wait(600)
+            handler.reply(200, {"rewards": [0.0]})
+        else:
+            handler.reply(400, {"detail": "bad"})
+
+    with RewardServer([act, act]) as server:  # run from the checkout: the dschat under test
+        child = subprocess.Popen([sys.executable, "-c", EXITS_AFTER_A_FAILURE, server.url], stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[2])
+        try:
+            _, err = child.communicate(timeout=120)  # generous: it exits at once, or only when released
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            raise AssertionError("the process did not exit while a request was in flight") from None
+        finally:
+            release.set()
+    assert child.returncode == 2 and err.splitlines()[-1].endswith("answered HTTP 400 {\"detail\": \"bad\"}; check the "
+                                                                   "URL (a dschat server's route is /get_reward)")
+
+
+def test_a_connection_error_shows_neither_the_query_nor_the_password():
+    """requests' message quotes the URL's path and query (``?api_key=...``): the line gives the error's
+    type and the socket's reason instead."""
+    with RewardServer() as server:
+        url = server.url
+    for secret_url in (url + "?api_key=TOPSECRET", url.replace("http://", "http://me:TOPSECRET@")):
+        with pytest.raises(UserError) as err:
+            _client(secret_url, retries=0)(PROMPTS[:1], ANSWERS[:1])
+        line = str(err.value)
+        assert "TOPSECRET" not in line and "\n" not in line
+        assert "last error: ConnectionError (ConnectionRefusedError: [Errno 111] Connection refused)" in line
+
+
+@pytest.mark.parametrize("key", ["k3y\n", "k3y\r\n", " k3y", "k 3y", "k3y\x7f", "k3y\u00e9"])
+def test_an_api_key_no_header_can_carry_is_refused_at_once_without_showing_it(monkeypatch, key):
+    monkeypatch.setenv(API_KEY_ENV, key)
+    with pytest.raises(UserError, match=f"{API_KEY_ENV} holds whitespace .*; set it to the key alone") as err:
+        RemoteReward("http://127.0.0.1:5000/get_reward")
+    assert "k3y" not in str(err.value)
+    RemoteReward("http://10.0.0.5:5000/get_reward")  # not sent there, so not refused
+
+
+def test_a_request_that_cannot_be_made_is_not_retried_and_its_headers_not_shown():
+    with RewardServer() as server:
+        client = _client(server.url, retries=3)
+        client.session().headers["X-Token"] = "TOPSECRET\r\n"  # requests refuses the header: InvalidHeader
+        with pytest.raises(UserError, match=r"the request cannot be made \(InvalidHeader\); check the URL") as err:
+            client(PROMPTS[:1], ANSWERS[:1])
+    assert "TOPSECRET" not in str(err.value) and "failed" not in str(err.value) and not server.requests
+

@@ -39,6 +39,21 @@ class TestLoading:
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: --reward_fn")
 
+    def test_module_that_exits_at_import_is_one_line_exit_2(self, tmp_path, monkeypatch, capsys):
+        """A module whose top level parses its own command line (argparse) exits while it imports: one
+        line naming the flag and the module, exit 2, instead of the process exiting on argparse's word."""
+        (tmp_path / "exits_at_import_mod.py").write_text(
+            "import argparse\nargparse.ArgumentParser().parse_args(['--no_such_flag'])\ndef fn(p, a): return []\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        spec = "exits_at_import_mod:fn"
+        with pytest.raises(UserError, match=r"--reward_fn exits_at_import_mod:fn: importing module "
+                                            r"'exits_at_import_mod' called sys.exit\(2\); move"):
+            load_reward_function(spec)
+        capsys.readouterr()
+        assert cli_main(lambda argv: load_reward_function(spec), []) == EXIT_USAGE
+        # argparse prints its own complaint before it exits; the run's last word is the one line.
+        assert capsys.readouterr().err.splitlines()[-1].startswith("error: --reward_fn exits_at_import_mod:fn: ")
+
     def test_weights_one_per_function_or_none(self):
         fns = load_reward_functions(["dschat.rewards:gold", "reward_fixtures:length"], [2.0, -1.0])
         assert [f.weight for f in fns] == [2.0, -1.0]
@@ -93,6 +108,9 @@ class TestBuiltins:
     @pytest.mark.parametrize("text, number", [
         ("so the total is 1,234.50 apples", "1234.5"), ("#### 42", "42"), ("7.0", "7"),
         ("step 3 gives 5 then #### -12", "-12"), ("no digits", None), ("-0", "0"),
+        # Equal numbers, equal forms: leading zeros, a bare fraction, zeros after the point.
+        ("The answer is .5", "0.5"), ("-.50", "-0.5"), ("007", "7"), ("0.0", "0"), ("-0.00", "0"),
+        ("100", "100"), ("1,000.", "1000"), ("12345678901234567890123456789012", "12345678901234567890123456789012"),
     ])
     def test_final_number(self, text, number):
         assert final_number(text) == number
@@ -100,6 +118,10 @@ class TestBuiltins:
     def test_math_exact_match(self):
         refs = ["Natalia sold 48/2 = 24 clips.\n#### 72", "5", "3"]
         answers = ["She sold 72 clips in all.", "The answer is 5.0", "It is 4"]
+        assert math_exact_match(PROMPTS, answers, answer=refs) == [1.0, 1.0, 0.0]
+        # Numerically equal forms match; numbers that differ in a late digit do not.
+        refs = ["0.5", "#### 7", "12345678901234567890123456789012"]
+        answers = ["The answer is .5", "It is 007", "12345678901234567890123456789013"]
         assert math_exact_match(PROMPTS, answers, answer=refs) == [1.0, 1.0, 0.0]
         with pytest.raises(UserError, match="column 'answer', which the prompt data lacks"):
             load_reward_function("dschat.rewards:math_exact_match")(PROMPTS, answers, {"chosen": refs})
