@@ -247,10 +247,6 @@ DEFAULT_NUM_GENERATIONS = 4
 GOLD_REWARD_FN = "dschat.rewards:gold"
 
 
-def critic_free(args: argparse.Namespace) -> bool:
-    return args.algorithm not in (None, "ppo")
-
-
 def step3_algorithm_flags(args: argparse.Namespace) -> list[str]:
     """Step 3's --algorithm, --num_generations and --reward_fn flags from e2e's options."""
     flags: list[str] = []
@@ -662,8 +658,9 @@ def preflight_steps(args: argparse.Namespace, dep: Deployment, runs: Sequence[St
                     launcher: dict[str, object]) -> None:
     """Plan every selected step before step 1 (docs/memory-plan.md): step 3 with the base models'
     configs where steps 1 and 2 have not written theirs yet. On a GPU a step that cannot fit is one
-    :class:`UserError` line; on the CPU one line per step. Multi-node runs and critic-free or
-    function-scored step 3 runs (fewer than PPO's four models) are not planned here."""
+    :class:`UserError` line; on the CPU one line per step. Step 3 is planned with the engines its flags
+    build (no critic for a critic-free algorithm, no reward model for a reward given without it).
+    Multi-node runs are not planned here."""
     if args.preflight == "off" or args.dry_run:
         return
     if dep.name == "multi_node":
@@ -673,9 +670,6 @@ def preflight_steps(args: argparse.Namespace, dep: Deployment, runs: Sequence[St
 
     accelerator, gpu_bytes = device_memory()
     for run_ in selected:
-        if run_.number == 3 and (critic_free(args) or args.reward_fn or args.env):
-            print("note: e2e's memory preflight plans PPO's four models; step 3 with fewer plans itself", flush=True)
-            continue
         flags = run_.recipe.render(run_.params, run_.extra)
         if run_.number == 3:  # the folders steps 1 and 2 will write have their base models' configs
             for flag, base, done in (("--actor_model_name_or_path", args.actor_model, runs[0].output_dir),

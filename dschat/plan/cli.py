@@ -5,8 +5,15 @@ It takes the planned step's own flags (``--step 3``, the default; ``--step 1`` S
 reward model: :mod:`dschat.plan.training_steps`) plus the planner's (:func:`add_plan_args`) and
 reads the models' ``config.json`` only. Model-state bytes are exact (tests/plan/test_exactness.py); the phases'
 activations, logits and caches are an estimate (:mod:`dschat.plan.phases`). Output: a table, or with
-``--json`` an object with ``fits``, ``peak_bytes_per_gpu``, ``phases``, ``suggestions`` and
-``host_bytes_at_load``.
+``--json`` an object with ``fits`` (``gpu_fits`` and ``host_fits`` give each reason),
+``peak_bytes_per_gpu``, ``phases``, ``suggestions`` and ``host_bytes_at_load``.
+
+The planned step's own flag checks run first (step 3's :func:`~dschat.rlhf.guards.validate_step3_args`
+and :func:`~dschat.rlhf.config.resolve_algorithm`, steps 1-2's
+:func:`~dschat.training.run_setup.check_common_args` without its path checks): flags the step refuses
+are the planner's :class:`UserError` too, and the search skips them. Step 3 plans the engines the
+run builds (:func:`~dschat.plan.roles.planned_roles`: no critic for a critic-free algorithm, no
+reward model when the reward mix does not load it).
 
 Suggestions, when the run does not fit: every combination of ZeRO stage per model (2, 3), optimizer
 offload, LoRA (the actor's, or steps 1-2's model: rank 128, LoRA only), gradient checkpointing,
@@ -19,10 +26,13 @@ Hybrid Engine's copy and cache allocated again each rollout), ``--inference_tp_s
 generation changes are tried only where they apply: the Hybrid Engine's with
 ``--enable_hybrid_engine``, a tensor-parallel degree where it divides the world size and the actor's
 heads (``check_inference_tp``), the gather where the actor is ZeRO-3 (after the ZeRO change).
+A candidate whose flags come to the same configuration as the run's own, or as a cheaper candidate
+already found, is left out.
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import json
 import re
@@ -35,9 +45,11 @@ from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
-from dschat.plan.roles import model_config, plan_roles
-from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
+from dschat.plan.roles import model_config, plan_roles, planned_roles
 from dschat.plan.training_steps import plan_step_engine, step_phases
+from dschat.rlhf.guards import validate_step3_args
+from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
+from dschat.training.run_setup import check_common_args
 
 __all__ = ["add_plan_args", "build_parser", "format_gb", "parse_size", "plan", "planned_step", "main", "MARGIN"]
 
@@ -100,22 +112,48 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag in ("gpus_per_node", "num_nodes", *_batch_flags(args.step)):
         if getattr(args, flag) < 1:
             raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
-    if args.step == 3 and args.critic_model_name_or_path is None and args.reward_model_name_or_path is None:
-        raise UserError("--critic_model_name_or_path (or --reward_model_name_or_path) is needed to plan step 3; pass "
-                        "the step-2 output folder")
 
 
-def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
+def check_step_flags(args: argparse.Namespace) -> None:
+    """The planned step's own flag checks (a :class:`UserError` where the step refuses its flags):
+    step 3's :func:`validate_step3_args` on a CUDA GPU in ``--dtype``; steps 1-2's
+    :func:`check_common_args` on a copy without the output, data-cache, TensorBoard and resume paths,
+    whose checks look at (and may tidy) folders on this machine."""
+    if args.step == 3:
+        validate_step3_args(args, accelerator="cuda", dtype=args.dtype)
+        return
+    flags_only = copy.copy(args)
+    for name, value in (("output_dir", None), ("data_output_path", None), ("enable_tensorboard", False),
+                        ("resume", False), ("resume_from", None),
+                        ("save_interval", min(0, getattr(args, "save_interval", 0)))):
+        setattr(flags_only, name, value)
+    check_common_args(flags_only)
+
+
+def _check_step3_models(args: argparse.Namespace, roles: Sequence[str]) -> None:
+    if ({"critic", "reward"} & set(roles) and args.critic_model_name_or_path is None
+            and getattr(args, "reward_model_name_or_path", None) is None):
+        needed = "the critic" if "critic" in roles else "the reward model"
+        raise UserError(f"--critic_model_name_or_path (or --reward_model_name_or_path) is needed to plan step 3 with "
+                        f"{needed}; pass the step-2 output folder")
+
+
+def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None, reward_model: bool | None = None) -> dict:
     """The plan of ``args`` as a JSON-ready dict (``fits``, ``peak_bytes_per_gpu``, ``phases``, ...);
-    ``gpu_bytes`` replaces ``--gpu_memory`` (a GPU's measured size)."""
+    ``gpu_bytes`` replaces ``--gpu_memory`` (a GPU's measured size); ``reward_model``: whether step 3
+    loads its reward model (None: as its flags say, :func:`~dschat.plan.roles.reward_model_used`).
+    Flags the step refuses are a :class:`UserError` (:func:`check_step_flags`)."""
     world = args.gpus_per_node * args.num_nodes
     gpu = parse_size(args.gpu_memory, "--gpu_memory") if gpu_bytes is None else gpu_bytes
     dtype = args.dtype
     step = getattr(args, "step", 3)
+    check_step_flags(args)
     if step == 3:
+        _check_step3_models(args, planned_roles(args, reward_model))
         check_inference_tp(args.inference_tp_size, model_config(args.actor_model_name_or_path), world,
                            args.enable_hybrid_engine)
-        plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine)
+        plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine,
+                           reward_model=reward_model)
         steps = phases(plans, args, dtype, gpu_bytes=gpu)
     else:
         engine = plan_step_engine(args, world, step=step, dtype=dtype)
@@ -124,9 +162,11 @@ def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None) -> dict:
     peak = max(steps, key=lambda p: p.peak)
     host = host_bytes_at_load(plans, args.gpus_per_node)
     host_limit = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
-    fits = peak.peak <= gpu * (1 - MARGIN) and (host_limit is None or host <= host_limit)
+    gpu_fits = peak.peak <= gpu * (1 - MARGIN)
+    host_fits = None if host_limit is None else host <= host_limit
     return {
-        "step": step, "fits": fits, "peak_bytes_per_gpu": peak.peak, "peak_phase": peak.name, "gpu_bytes": gpu,
+        "step": step, "fits": gpu_fits and host_fits is not False, "gpu_fits": gpu_fits, "host_fits": host_fits,
+        "peak_bytes_per_gpu": peak.peak, "peak_phase": peak.name, "gpu_bytes": gpu,
         "margin_bytes": int(gpu * (1 - MARGIN)) - peak.peak, "world_size": world,
         "host_bytes_at_load": host, "host_bytes": host_limit,
         "model_states": {role: {"numel": p.inventory.numel, "trainable_numel": sum(x.numel for x in p.inventory.trainable),
@@ -181,9 +221,17 @@ def _applies(flags: Sequence[str], args: argparse.Namespace) -> bool:
     return int(flags[1]) != args.inference_tp_size
 
 
+def _effective(args: argparse.Namespace) -> tuple:
+    """What a parsed command line comes to: every flag's value (two command lines that give the same
+    are the same configuration)."""
+    return tuple(sorted((name, repr(value)) for name, value in vars(args).items()))
+
+
 def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
-                limit: int = 5, *, gpu_bytes: int | None = None) -> list[dict]:
-    """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``."""
+                limit: int = 5, *, gpu_bytes: int | None = None, reward_model: bool | None = None) -> list[dict]:
+    """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``;
+    none that comes to the configuration of ``args`` or of one listed before it (:func:`_effective`),
+    none that the step refuses."""
     found = []
     batches = []
     changes = _STEP3_CHANGES if args.step == 3 else _STEP12_CHANGES
@@ -200,17 +248,27 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
         if "--zero3_gather_for_generation" in flags and _stages(flags, args)[0] != 3:
             continue  # the gather applies to a ZeRO-3 actor only
         trial = parser.parse_args(_with(argv, flags))
+        if _effective(trial) == _effective(args):
+            continue  # these flags change nothing
         try:
-            result = plan(trial, gpu_bytes=gpu_bytes)
-        except UserError:  # an option this model cannot take (e.g. the LoRA filter matches none of its layers)
-            continue
+            result = plan(trial, gpu_bytes=gpu_bytes, reward_model=reward_model)
+        except UserError:  # flags the step refuses, or an option this model cannot take (a LoRA filter
+            continue       # matching none of its layers)
         if result["fits"]:
-            found.append({"flags": flags, "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": cost})
+            found.append({"flags": flags, "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": cost,
+                          "key": _effective(trial)})
     found.sort(key=lambda s: (s["cost"], s["peak_bytes_per_gpu"]))
+    seen: set[tuple] = set()
+    unique = []
+    for s in found:  # the cheapest of the flag sets that come to one configuration
+        if s["key"] not in seen:
+            seen.add(s.pop("key"))
+            unique.append(s)
+    found = unique
     if not found:
         for nodes in (2, 4, 8, 16):
             trial = parser.parse_args(_with(argv, ("--num_nodes", str(args.num_nodes * nodes))))
-            result = plan(trial, gpu_bytes=gpu_bytes)
+            result = plan(trial, gpu_bytes=gpu_bytes, reward_model=reward_model)
             if result["fits"]:
                 found.append({"flags": ["--num_nodes", str(args.num_nodes * nodes)],
                               "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": 0})
@@ -229,13 +287,20 @@ def render(result: dict) -> str:
     for phase in result["phases"]:
         top = ", ".join(f"{t['consumer']} {format_gb(t['bytes'])}" for t in phase["top"])
         lines.append(f"{phase['name']:<16} {format_gb(phase['peak_bytes']):>11}  {top}")
-    verdict = "fits" if result["fits"] else "does NOT fit"
+    gpu_verdict = "fits" if result["gpu_fits"] else "does NOT fit"
+    margin = result["margin_bytes"]
+    spare = f"{'margin' if margin >= 0 else 'short by'} {format_gb(abs(margin))}"
     lines.append(f"peak {format_gb(result['peak_bytes_per_gpu'])} in {result['peak_phase']} on a {format_gb(result['gpu_bytes'])} "
-                 f"GPU: {verdict} (margin {format_gb(result['margin_bytes'])} after keeping {MARGIN:.0%} free)")
+                 f"GPU: {gpu_verdict} ({spare} after keeping {MARGIN:.0%} free)")
     host = f"host memory at load time: {format_gb(result['host_bytes_at_load'])} per node"
     if result["host_bytes"]:
-        host += f" of {format_gb(result['host_bytes'])}"
+        spare = result["host_bytes"] - result["host_bytes_at_load"]
+        host += (f" of {format_gb(result['host_bytes'])}: "
+                 + (f"fits (margin {format_gb(spare)})" if result["host_fits"]
+                    else f"does NOT fit ({format_gb(-spare)} more than the host has)"))
     lines.append(host)
+    if not result["fits"] and result["gpu_fits"]:
+        lines.append("the run does NOT fit: the host memory at load time is the reason, not the GPU")
     lines.append("model states are exact; activations, logits and caches are estimates")
     for s in result.get("suggestions", []):
         lines.append(f"fits with: {' '.join(s['flags'])}  (peak {format_gb(s['peak_bytes_per_gpu'])})")

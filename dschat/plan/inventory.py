@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 from torch import nn
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import CONFIG_MAPPING, AutoModel, AutoModelForCausalLM
 
 from dschat.errors import UserError
 from dschat.models.build import padded_vocab_size
@@ -69,23 +69,38 @@ class Inventory:
 def read_config(folder: str) -> Any:
     """The transformers config of a model folder (or hub id) holding at least ``config.json``.
 
-    A missing file or an architecture transformers does not know is a :class:`UserError`.
+    A missing file, one that is not a JSON object, an architecture transformers does not know and a
+    config transformers refuses (a missing or mistyped field, a value its checks reject) are one
+    :class:`UserError` line naming the file.
     """
     path = Path(folder)
     if path.is_dir() and not (path / "config.json").is_file():
         raise UserError(f"{folder} has no config.json; pass a model folder (a config.json alone is enough to plan)")
     if not path.is_dir():
         raise UserError(f"model folder {folder} does not exist; pass a folder holding the model's config.json")
+    file = path / "config.json"
     try:
-        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+        data = json.loads(file.read_text())
     except (OSError, ValueError) as err:
-        raise UserError(f"{path / 'config.json'} is not readable JSON ({err}); pass the model's own config.json") from None
+        raise UserError(f"{file} is not readable JSON ({err}); pass the model's own config.json") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{file} holds a JSON {type(data).__name__}, not an object of the model's settings; pass the "
+                        "model's own config.json")
+    model_type = data.get("model_type")
     try:
         return load_config(str(path))
-    except (ValueError, KeyError) as err:
-        known = ", ".join(sorted(FAMILIES))
-        raise UserError(f"{path / 'config.json'}: unknown architecture {model_type!r} ({str(err).splitlines()[0][:80]}); "
-                        f"dschat plans models transformers builds, such as {known}") from None
+    except UserError:
+        raise
+    except Exception as err:  # noqa: BLE001 - transformers' checks raise many types; each is the file's problem
+        reason = " ".join(str(err).split())[:160] or type(err).__name__
+        registered = isinstance(model_type, str) and model_type in CONFIG_MAPPING
+        if isinstance(err, (ValueError, KeyError)) and not registered:
+            known = ", ".join(sorted(FAMILIES))
+            raise UserError(f"{file}: unknown architecture {model_type!r} ({reason}); dschat plans models transformers "
+                            f"builds, such as {known}") from None
+        raise UserError(f"{file}: transformers cannot read this {model_type} config ({type(err).__name__}: "
+                        f"{reason}); fix the file or pass the model's own config.json") from None
+
 
 
 def _first(config: Any, *names: str, default: int = 0) -> int:
@@ -106,8 +121,10 @@ def inventory(config: Any, *, critic: bool, tokenizer_len: int = 0) -> tuple[Inv
     try:
         with torch.device("meta"):
             model = model_class.from_config(config)
-    except ValueError as err:
-        raise UserError(f"cannot build a {config.model_type} model from its config ({str(err).splitlines()[0][:120]}); "
+    except (ValueError, TypeError, ArithmeticError) as err:  # a config value the model's code rejects
+        where = getattr(config, "name_or_path", "") or "its config"
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+        raise UserError(f"cannot build a {config.model_type} model from {where} ({reason}); "
                         "pass a decoder-only causal LM config") from None
     prefix = "rwtransformer." if critic else ""
     # RewardModel registers v_head before the body: it comes first in named_parameters().

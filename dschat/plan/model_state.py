@@ -23,6 +23,20 @@ Categories (each a storage of its own; a tensor that shares another's storage is
   freed after its reduction (a training phase's working set, :mod:`dschat.plan.phases`, not in
   ``device``); ZeRO-3: one buffer of ``reduce_bucket_size`` elements allocated with the optimizer and
   kept (resident). Not part of the CPU exactness check.
+* ``step_working``: what the optimizer step allocates on the device beyond the states (the
+  optimizer-step phase's working set, not resident). ZeRO 0 in fp16/bf16 on an accelerator other
+  than the CPU (DeepSpeed's ``FP16_Optimizer`` over ``FusedAdam``; bf16 at ZeRO 0 takes the same
+  wrapper): group after group, every gradient converted to fp32 and flattened (8 bytes an element
+  while the group is flattened; the flat 4 stay until after the update, and the group's 2-byte
+  ``.grad`` is freed), so the peak is the largest ``sum(earlier groups) x (4 - el) + group x 8``.
+  ZeRO-1/2 without optimizer offload: each group's gradient partition flattened (``el`` bytes an
+  element) and converted to fp32 (4 more; none in fp32, where the flat copy is fp32 already), one
+  group at a time: the largest partition times ``el + 4``. Offloaded, the step runs on the host
+  from the fp32 gradients already counted; ZeRO-3 and ZeRO 0 in fp32: none.
+* ``accumulation``: ZeRO-1 with ``gradient_accumulation_steps > 1`` reduces only at the
+  accumulation boundary, so between boundaries every rank holds every trained parameter's whole
+  ``.grad`` (trainable x ``el``) besides the gradient partition buffer: a training phase's working
+  set. ZeRO-2 reduces at every micro-step; none there.
 
 Placement: with ``offload_optimizer`` the master, the moments and (ZeRO-1/2/3) the gradient
 partitions live on the host (ZeRO-3 then holds the gradient partitions twice there: in the
@@ -57,6 +71,7 @@ class EngineSpec:
     overlap_comm: bool = True
     reduce_bucket_size: int = DS_REDUCE_BUCKET_SIZE
     cpu_accelerator: bool = False
+    gradient_accumulation_steps: int = 1
 
     @classmethod
     def from_ds_config(cls, ds_config: dict, *, world: int, trained: bool, cpu_accelerator: bool) -> "EngineSpec":
@@ -69,7 +84,18 @@ class EngineSpec:
                    persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 10_000)),
                    overlap_comm=bool(zero.get("overlap_comm", False)),
                    reduce_bucket_size=int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET_SIZE)),
-                   cpu_accelerator=cpu_accelerator)
+                   cpu_accelerator=cpu_accelerator,
+                   gradient_accumulation_steps=_accumulation_steps(ds_config, world))
+
+
+def _accumulation_steps(ds_config: dict, world: int) -> int:
+    """The config's gradient accumulation steps, or as DeepSpeed derives them from the batch keys
+    (``train_batch_size / (train_micro_batch_size_per_gpu x world)``)."""
+    if ds_config.get("gradient_accumulation_steps"):
+        return int(ds_config["gradient_accumulation_steps"])
+    micro = int(ds_config.get("train_micro_batch_size_per_gpu", 0) or 0)
+    total = int(ds_config.get("train_batch_size", 0) or 0)
+    return max(1, total // (micro * world)) if micro and total else 1
 
 
 @dataclass
@@ -81,6 +107,8 @@ class ModelState:
     moments: int = 0
     grads: int = 0
     buckets: int = 0
+    step_working: int = 0
+    accumulation: int = 0
     device: dict[str, int] = field(default_factory=dict)
     host: dict[str, int] = field(default_factory=dict)
 
@@ -107,6 +135,22 @@ def _zero2_grads(group: Sequence[Param], world: int) -> list[int]:
                 held[rank] += p.numel
         offset = end
     return held
+
+
+def _step_working(groups: Sequence[Sequence[Param]], spec: EngineSpec) -> int:
+    """The optimizer step's device bytes beyond the states (the module docstring's ``step_working``)."""
+    el = DTYPE_BYTES[spec.dtype]
+    sizes = [sum(p.numel for p in g) for g in groups]
+    if spec.stage == 0 and spec.dtype != "fp32" and not spec.cpu_accelerator:
+        peak, done = 0, 0
+        for n in sizes:  # earlier groups: their fp32 flat kept, their 2-byte grads freed
+            peak = max(peak, done * (4 - el) + 8 * n)
+            done += n
+        return peak
+    if spec.stage in (1, 2) and not spec.offload_optimizer and sizes:
+        partition = max(_aligned(n, spec.world) // spec.world for n in sizes)
+        return partition * (el + (4 if el != 4 else 0))
+    return 0
 
 
 def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:
@@ -151,6 +195,10 @@ def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:
         state.buckets = spec.reduce_bucket_size * el
     if not spec.trained:
         state.master = state.moments = state.grads = 0
+    else:
+        state.step_working = _step_working(groups, spec)
+        if spec.stage == 1 and spec.gradient_accumulation_steps > 1:
+            state.accumulation = sum(p.numel for p in trainable) * el
     optimizer_on_host = spec.offload_optimizer and spec.stage > 0
     state.device = {"params": 0 if spec.offload_param else state.params,
                     "master": 0 if optimizer_on_host else state.master,

@@ -8,7 +8,8 @@ The model states (:mod:`dschat.plan.model_state`) are exact; what a phase adds i
   gather that refreshes the copy (:func:`inference_copy`, formulas below). Otherwise the training module
   decodes: the actor gathered whole under ZeRO-3 where the run gathers it
   (``--zero3_gather_for_generation``, else one layer at a time), the KV cache ``2 x layers x batch x
-  (prompt + answer) x kv_heads x head_dim`` in the weights' dtype, and the last position's fp32 logits;
+  (prompt + answer) x kv_heads x head_dim`` in the weights' dtype (``head_dim``: the config's, else
+  ``hidden / heads``, as the Hybrid Engine's), and the last position's fp32 logits;
 * **scoring**: one forward of each model over ``batch x (prompt + answer)``: the actor's and the
   reference's logits (weights' dtype, plus an fp32 log-softmax); per ZeRO-3 model, the whole model
   where ``--zero3_gather_for_scoring`` gathers it (``auto``: the full model fits in half the memory the
@@ -23,11 +24,17 @@ The model states (:mod:`dschat.plan.model_state`) are exact; what a phase adds i
   gather costs nothing), else one layer at a time (``stage3_max_live_parameters`` bounds it); a
   ZeRO-1/2 engine's reduction buckets (:attr:`~dschat.plan.model_state.ModelState.buckets`: allocated
   at each backward's start, released after its reduction);
-* **optimizer step**: the model states alone (the step works in place on the partitions).
+  under ZeRO-1 with gradient accumulation, every trained parameter's whole ``.grad`` between
+  boundaries (:attr:`~dschat.plan.model_state.ModelState.accumulation`);
+* **optimizer step**: the model states and the fp32 gradient copies DeepSpeed makes while stepping
+  (:attr:`~dschat.plan.model_state.ModelState.step_working`), of the larger of the actor's and the
+  critic's steps (they run one after the other).
 
-Every model's states stay resident through every phase (dschat keeps all its engines alive, the
-``--enable_ema`` copy of the actor included), and so do the Hybrid Engine's weights and cache unless
-``--release_inference_cache`` frees them after each rollout.
+Only the engines the run builds are planned (:func:`dschat.plan.roles.planned_roles`): a critic-free
+algorithm has no critic and no critic-training phase, a reward given without the reward model no
+reward model. Every planned model's states stay resident through every phase (dschat keeps all its
+engines alive, the ``--enable_ema`` copy of the actor included), and so do the Hybrid Engine's
+weights and cache unless ``--release_inference_cache`` frees them after each rollout.
 
 **The Hybrid Engine's bytes** per GPU, with ``N = --inference_tp_size``
 (:mod:`dschat.rlhf.rollout.dschat_engine`, :mod:`dschat.rlhf.rollout.tensor_parallel`):
@@ -62,7 +69,8 @@ from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.roles import RolePlan, model_config
 
 __all__ = ["Phase", "phases", "PHASES", "resident_bytes", "activation_bytes", "layer_gather_bytes",
-           "host_bytes_at_load", "InferenceCopy", "hybrid_engine_used", "inference_copy", "inference_weight_numel", "kv_cache_bytes"]
+           "host_bytes_at_load", "InferenceCopy", "hybrid_engine_used", "inference_copy", "inference_weight_numel",
+           "kv_cache_bytes", "head_dim", "step_working_set", "LOAD_ORDER"]
 
 PHASES = ("generation", "scoring", "actor training", "critic training", "optimizer step")
 
@@ -176,6 +184,14 @@ def kv_cache_bytes(config: Any, batch: int, length: int, el: int, n: int = 1) ->
     return 2 * spec.num_layers * rows * kv * capacity * spec.head_dim * el + rows * capacity
 
 
+def head_dim(config: Any) -> int:
+    """The attention head width: the config's ``head_dim`` (Qwen3's differs from ``hidden / heads``),
+    else ``hidden / heads`` (the Hybrid Engine's ``decoder_spec`` rule, for any family)."""
+    heads = int(getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None) or 1)
+    hidden = int(getattr(config, "hidden_size", None) or getattr(config, "n_embd", None) or 0)
+    return int(getattr(config, "head_dim", None) or hidden // max(1, heads))
+
+
 def _partial_gather(actor: RolePlan, layers_per_gather: int, el: int) -> int:
     """Bytes of the largest piece the tensor-parallel refresh gathers, less this rank's partitions."""
     if actor.spec.stage != 3:
@@ -231,20 +247,31 @@ def _training_working_set(plan: RolePlan, args: argparse.Namespace, el: int) -> 
            _gathered(plan, el) if _training_gathers(plan, args) else layer_gather_bytes(plan, el)}
     if plan.spec.stage in (1, 2):
         out[f"{role} reduction buckets"] = plan.state.buckets
+    out[f"{role} gradients between accumulation boundaries"] = plan.state.accumulation
     return out
+
+
+def step_working_set(plans: dict[str, RolePlan]) -> dict[str, int]:
+    """The optimizer step's working set: the largest of the trained engines' fp32 gradient copies
+    (:attr:`~dschat.plan.model_state.ModelState.step_working`; the steps run one after the other)."""
+    trained = [p for p in plans.values() if p.spec.trained and p.state.step_working]
+    if not trained:
+        return {}
+    largest = max(trained, key=lambda p: p.state.step_working)
+    return {f"{largest.role} step's fp32 gradients": largest.state.step_working}
 
 
 def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
            gpu_bytes: int | None = None) -> list[Phase]:
-    """The five phases of one PPO step for ``plans`` (:func:`dschat.plan.roles.plan_roles`) on a GPU of
-    ``gpu_bytes`` (which decides the ``--zero3_gather_*`` flags' ``auto``)."""
+    """The phases of one PPO step for ``plans`` (:func:`dschat.plan.roles.plan_roles`) on a GPU of
+    ``gpu_bytes`` (which decides the ``--zero3_gather_*`` flags' ``auto``): those of :data:`PHASES`,
+    without critic training when ``plans`` has no critic."""
     el = DTYPE_BYTES[dtype]
     resident = resident_bytes(plans)
-    actor, critic = plans["actor"], plans["critic"]
+    actor, critic = plans["actor"], plans.get("critic")
     seq = args.max_prompt_seq_len + args.max_answer_seq_len
     gen_b, train_b = args.per_device_generation_batch_size, args.per_device_training_batch_size
     inv = actor.inventory
-    head_dim = inv.hidden // max(1, inv.heads)
     config = model_config(args.actor_model_name_or_path)
     gathers = _gathers_for_generation(actor, args, el, sum(resident.values()), gpu_bytes)
     generation = Phase("generation", dict(resident))
@@ -260,7 +287,7 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
             generation.consumers["actor gathered whole"] = _gathered(actor, el)
         else:  # fetched layer by layer for every token
             generation.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(actor, el)
-        generation.consumers["KV cache"] = 2 * inv.layers * gen_b * seq * inv.kv_heads * head_dim * el
+        generation.consumers["KV cache"] = 2 * inv.layers * gen_b * seq * inv.kv_heads * head_dim(config) * el
         generation.consumers["logits"] = gen_b * inv.vocab_rows * 4
     out = [generation]
     free = None if gpu_bytes is None else gpu_bytes - sum(resident.values()) - sum(kept.values())
@@ -278,23 +305,30 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
     actor_train.consumers["logits"] = train_b * seq * inv.vocab_rows * (2 * el + 4)
     actor_train.consumers.update(_training_working_set(actor, args, el))
     out.append(actor_train)
-    critic_train = Phase("critic training", {**resident, **kept})
-    critic_train.consumers["critic activations"] = activation_bytes(critic, train_b, seq, el,
-                                                                args.critic_gradient_checkpointing)
-    critic_train.consumers.update(_training_working_set(critic, args, el))
-    out.append(critic_train)
-    out.append(Phase("optimizer step", {**resident, **kept}))
+    if critic is not None:
+        critic_train = Phase("critic training", {**resident, **kept})
+        critic_train.consumers["critic activations"] = activation_bytes(critic, train_b, seq, el,
+                                                                    args.critic_gradient_checkpointing)
+        critic_train.consumers.update(_training_working_set(critic, args, el))
+        out.append(critic_train)
+    out.append(Phase("optimizer step", {**resident, **kept, **step_working_set(plans)}))
     for phase in out:
         phase.consumers = {k: v for k, v in phase.consumers.items() if v}
     return out
 
 
+LOAD_ORDER = ("actor", "ref", "ema", "critic", "reward")  # DeepSpeedRLHFEngine builds them in this order
+
+
 def host_bytes_at_load(plans: dict[str, RolePlan], gpus_per_node: int) -> int:
-    """Host memory while the models load, per node: every rank reads each model whole in fp32 before
-    DeepSpeed takes it (ZeRO-3 models are built partitioned), plus the offloaded states."""
-    per_rank = 0
-    for plan in plans.values():
-        if plan.spec.stage != 3:
-            per_rank += plan.inventory.numel * 4
-        per_rank += sum(plan.state.host.values())
-    return per_rank * gpus_per_node
+    """Peak host memory while the models load, per node. The run builds its engines one at a time
+    (:data:`LOAD_ORDER`): every rank reads a model whole in fp32 (ZeRO-3 models are built
+    partitioned), and DeepSpeed moves it to the GPU before the next is read; the offloaded states
+    of the engines built so far stay. The peak is the largest, over the models, of the offloaded
+    states up to and including it plus its own fp32 read."""
+    peak = kept = 0
+    for role in sorted(plans, key=lambda r: LOAD_ORDER.index(r) if r in LOAD_ORDER else len(LOAD_ORDER)):
+        plan = plans[role]
+        kept += sum(plan.state.host.values())
+        peak = max(peak, kept + (plan.inventory.numel * 4 if plan.spec.stage != 3 else 0))
+    return peak * gpus_per_node

@@ -6,9 +6,9 @@ shortfall and the first configuration that fits (:class:`UserError`, exit 2); on
 printed and not enforced (the CPU's memory is the host's, shared with everything else).
 
 The planner's gaps never stop a run: a model it cannot plan (an architecture it cannot build on the
-meta device, a folder without ``config.json`` such as a PEFT adapter it does not read) and a run that
-builds fewer than PPO's four models (a critic-free algorithm, a reward given by functions alone) get
-one note and the run goes on unplanned.
+meta device, a folder without ``config.json`` such as a PEFT adapter it does not read) gets one note
+and the run goes on unplanned. A run that builds fewer than PPO's four models (a critic-free
+algorithm, a reward given without the reward model) is planned with the engines it builds.
 """
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ from deepspeed.accelerator import get_accelerator
 
 from dschat.errors import UserError
 from dschat.plan.cli import MARGIN, build_parser, format_gb, plan, render, suggestions
+from dschat.plan.roles import reward_model_used
+from dschat.rlhf.config import resolve_algorithm
 from dschat.runtime.dist import collective_device, print_rank_0
 from dschat.training.run_setup import RunContext
 
@@ -36,9 +38,10 @@ def _skip(step: int = 3) -> str:
 
 def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerator: str, gpu_bytes: int,
               echo: Callable[[str], None] = print, step: int = 3, table: bool = True,
-              skip_hint: str = "--preflight off skips this check") -> dict | None:
+              skip_hint: str = "--preflight off skips this check", reward_model: bool | None = None) -> dict | None:
     """Plan step ``step``'s ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan, or None
-    when the planner cannot plan it (one note through ``echo``, nothing raised).
+    when the planner cannot plan it (one note through ``echo``, nothing raised). ``reward_model``:
+    whether step 3 loads its reward model (None: as the flags say).
 
     ``accelerator == "cpu"``: the table (one line without ``table``) is printed (``echo``), nothing is
     enforced. Otherwise a plan that does not fit raises :class:`UserError` with the peak phase, the
@@ -49,7 +52,7 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
     full = [*argv, *node_args]
     args = parser.parse_args(full)
     try:
-        result = plan(args, gpu_bytes=gpu_bytes)
+        result = plan(args, gpu_bytes=gpu_bytes, reward_model=reward_model)
     except Exception as err:  # noqa: BLE001 - the planner's gap on a model the run can train never stops it
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         what = "this run" if step == 3 else f"step {step}"
@@ -66,7 +69,7 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
         echo(f"memory preflight{'' if step == 3 else f', step {step}'}: {peak}, fits the {format_gb(gpu_bytes)} GPU "
              f"with {MARGIN:.0%} kept free")
         return result
-    found = suggestions(full, args, parser, limit=1, gpu_bytes=gpu_bytes)
+    found = suggestions(full, args, parser, limit=1, gpu_bytes=gpu_bytes, reward_model=reward_model)
     fix = f"add {' '.join(found[0]['flags'])}" if found else "use GPUs with more memory"
     same = "the same flags" if step == 3 else f"--step {step} and the same flags"
     raise UserError(
@@ -93,21 +96,41 @@ def gpus_per_node(world: int) -> int:
     return world
 
 
+def _loads_reward_model(args: argparse.Namespace, four_models: bool, reward_model: bool | None) -> bool | None:
+    """Whether the run loads its reward model: ``reward_model`` when the caller says; else read from
+    ``four_models`` (critic and reward model both built) and the flags; None where they cannot tell
+    (a critic-free run whose flags leave the reward model's weight at its default: a Python
+    ``reward_fn`` handed to step 3's ``main`` replaces the model, and the flags do not show one)."""
+    if reward_model is not None:
+        return reward_model
+    if four_models:
+        return True
+    if resolve_algorithm(args).critic:  # the critic is built, so the reward model is not
+        return False
+    if not reward_model_used(args) or getattr(args, "reward_model_weight", None) is not None:
+        return reward_model_used(args)
+    return None
+
+
 def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: RunContext, *,
-                    four_models: bool) -> dict | None:
+                    four_models: bool = True, reward_model: bool | None = None) -> dict | None:
     """Step 3's preflight of its own command line (``argv``; None: ``sys.argv[1:]``) as the run
     resolved it (``ctx``: world size, the dtype actually used); skipped with ``--preflight off``.
 
-    ``four_models``: the run builds PPO's actor, reference, critic and reward model, the four the
-    planner plans; otherwise one note, no plan. Printing is rank 0's. Collective (two all-reduces):
-    every rank plans for the smallest device of the run, and when any rank refuses, every rank raises,
-    so no rank is left waiting for the others.
+    It plans the engines the run builds: the critic where the algorithm has one, the reward model
+    where ``reward_model`` (the run's reward mix loads it) says so; without ``reward_model``,
+    ``four_models`` (the run builds the critic and the reward model) and the flags decide, and where
+    they cannot tell (:func:`_loads_reward_model`) one note and no plan. Printing is rank 0's.
+    Collective (two all-reduces): every rank plans for the smallest device of the run, and when any
+    rank refuses, every rank raises, so no rank is left waiting for the others.
     """
     if args.preflight == "off":
         return None
     echo = functools.partial(print_rank_0, rank=ctx.rank)
-    if not four_models:
-        echo(f"note: the memory preflight plans PPO's four models and this run builds fewer; {_skip()}")
+    reward_model = _loads_reward_model(args, four_models, reward_model)
+    if reward_model is None:
+        echo("note: the memory preflight cannot tell whether this critic-free run loads its reward model (a reward "
+             f"function passed to step 3's main replaces it); {_skip()}")
         return None
     accelerator, gpu_bytes = device_memory()
     gpu_bytes = int(_over_ranks(gpu_bytes, torch.distributed.ReduceOp.MIN))
@@ -117,7 +140,7 @@ def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: R
     try:
         result = preflight([*argv, "--dtype", ctx.dtype], world=ctx.world_size,
                            gpus_per_node=gpus_per_node(ctx.world_size), accelerator=accelerator,
-                           gpu_bytes=gpu_bytes, echo=echo)
+                           gpu_bytes=gpu_bytes, echo=echo, reward_model=reward_model)
     except UserError as err:
         refused = err
     if _over_ranks(1.0 if refused is not None else 0.0, torch.distributed.ReduceOp.MAX) > 0:

@@ -7,6 +7,10 @@ critic's on the critic (its value head stays trained with ``--only_optimize_lora
 frozen two. With ``--enable_ema`` a fifth engine, ``ema``: the actor's model with the actor's LoRA
 layout, built with the EMA's own config (ZeRO-3 only when the actor is, ``--offload_reference_model``
 offloads it), frozen (no optimizer), resident in every phase.
+
+Only the engines the run builds are planned (:func:`planned_roles`): no critic for a critic-free
+``--algorithm`` (:func:`~dschat.rlhf.config.resolve_algorithm`), no reward model when the reward
+mix gives it no weight (:func:`reward_model_used`).
 """
 from __future__ import annotations
 
@@ -17,10 +21,10 @@ from functools import lru_cache
 from dschat.models.registry import resolve_model_path
 from dschat.plan.inventory import Inventory, inventory, read_config, with_lora
 from dschat.plan.model_state import EngineSpec, ModelState, model_state
-from dschat.rlhf.config import zero_config
+from dschat.rlhf.config import resolve_algorithm, zero_config
 from dschat.rlhf.rlhf_engine import ds_config_for
 
-__all__ = ["PLANNED_ROLES", "RolePlan", "model_config", "plan_roles"]
+__all__ = ["PLANNED_ROLES", "RolePlan", "model_config", "plan_roles", "planned_roles", "reward_model_used"]
 
 PLANNED_ROLES = ("actor", "ref", "critic", "reward")
 
@@ -33,6 +37,32 @@ class RolePlan:
     inventory: Inventory
     spec: EngineSpec
     state: ModelState
+
+
+def reward_model_used(args: argparse.Namespace) -> bool:
+    """Whether step 3 loads a reward model for ``args``' flags, as its ``reward_mix`` decides:
+    ``--reward_model_weight`` when given (0: not loaded), else 1 without ``--reward_fn``,
+    ``--reward_url`` and ``--env``, 0 with any of them. (A Python ``reward_fn`` handed to step 3's
+    ``main`` is not a flag: the caller passes what its mix decided.)"""
+    weight = getattr(args, "reward_model_weight", None)
+    if weight is None:
+        others = getattr(args, "reward_fn", None) or getattr(args, "reward_url", None) or getattr(args, "env", None)
+        return not others
+    return weight != 0.0
+
+
+def planned_roles(args: argparse.Namespace, reward_model: bool | None = None) -> tuple[str, ...]:
+    """The engines step 3 builds for ``args``: actor and reference always, the critic unless the
+    algorithm is critic-free, the reward model where it is loaded (``reward_model``; None: from the
+    flags, :func:`reward_model_used`), ``ema`` with ``--enable_ema``."""
+    roles = ["actor", "ref"]
+    if resolve_algorithm(args).critic:
+        roles.append("critic")
+    if reward_model_used(args) if reward_model is None else reward_model:
+        roles.append("reward")
+    if getattr(args, "enable_ema", False):
+        roles.append("ema")
+    return tuple(roles)
 
 
 @lru_cache(maxsize=8)
@@ -48,12 +78,12 @@ def _inventory(name: str, critic: bool):
 
 
 def plan_roles(args: argparse.Namespace, world: int, *, dtype: str, cpu_accelerator: bool = False,
-               hybrid_engine: bool = False) -> dict[str, RolePlan]:
-    """Every engine of a step-3 run of ``args`` on ``world`` ranks (``dtype``: the resolved one): the four of
-    :data:`PLANNED_ROLES`, and ``ema`` with ``--enable_ema``."""
+               hybrid_engine: bool = False, reward_model: bool | None = None) -> dict[str, RolePlan]:
+    """Every engine of a step-3 run of ``args`` on ``world`` ranks (``dtype``: the resolved one), those
+    of :func:`planned_roles` (``reward_model``: whether the reward model is loaded; None: from the
+    flags), in :data:`PLANNED_ROLES` order, ``ema`` last."""
     plans = {}
-    roles = (*PLANNED_ROLES, "ema") if getattr(args, "enable_ema", False) else PLANNED_ROLES
-    for role in roles:
+    for role in planned_roles(args, reward_model):
         critic = role in ("critic", "reward")
         # The critic starts from the actor without a critic folder; the reward model is
         # --reward_model_name_or_path's when given, else the critic's.

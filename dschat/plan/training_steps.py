@@ -15,8 +15,10 @@ model-state bytes are exact as for step 3 (tests/plan/test_training_steps.py). T
 * **training**: the resident states, one micro-batch's activations (step 2: chosen and rejected
   rows, twice the batch) at ``--max_seq_len``, with or without ``--gradient_checkpointing``
   (:mod:`dschat.plan.phases`' formula), step 1's logits three times (logits, fp32 log-probs, their
-  gradient), under ZeRO-3 one layer gathered, under ZeRO-1/2 the reduction buckets;
-* **optimizer step**: the resident states.
+  gradient), under ZeRO-3 one layer gathered, under ZeRO-1/2 the reduction buckets, under ZeRO-1
+  with ``--gradient_accumulation_steps`` above 1 every trained parameter's whole ``.grad``;
+* **optimizer step**: the resident states and the fp32 gradient copies DeepSpeed makes while
+  stepping (:attr:`~dschat.plan.model_state.ModelState.step_working`).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from dschat.models.freeze import freeze_lower_layers
 from dschat.models.reward_model import VALUE_HEAD_KEY
 from dschat.plan.inventory import inventory, with_lora
 from dschat.plan.model_state import DTYPE_BYTES, EngineSpec, model_state
-from dschat.plan.phases import Phase, activation_bytes, layer_gather_bytes, resident_bytes
+from dschat.plan.phases import Phase, activation_bytes, layer_gather_bytes, resident_bytes, step_working_set
 from dschat.plan.roles import RolePlan, model_config
 from dschat.training.engine_setup import step_ds_config
 
@@ -78,7 +80,8 @@ def step_phases(engine: RolePlan, args: argparse.Namespace, *, step: int, dtype:
     training.consumers["ZeRO-3 layer gathers"] = layer_gather_bytes(engine, el)
     if engine.spec.stage in (1, 2):  # allocated as the backward starts, freed after its reduction
         training.consumers["reduction buckets"] = engine.state.buckets
-    out = [training, Phase("optimizer step", resident_bytes(plans))]
+    training.consumers["gradients between accumulation boundaries"] = engine.state.accumulation
+    out = [training, Phase("optimizer step", {**resident_bytes(plans), **step_working_set(plans)})]
     for phase in out:
         phase.consumers = {k: v for k, v in phase.consumers.items() if v}
     return out

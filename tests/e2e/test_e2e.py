@@ -558,6 +558,17 @@ def test_preflight_on_the_cpu_is_one_line_per_step(tmp_path, capsys, monkeypatch
     assert len(launched) == 1  # step 1 ran (and "failed"), after the plans
 
 
+def test_preflight_plans_a_critic_free_step3_with_the_engines_it_builds(tmp_path, capsys, monkeypatch):
+    """GRPO scored by a reward function: e2e plans its step 3 (actor and reference only), no note."""
+    monkeypatch.setattr(E, "run", lambda launch: E.LaunchResult(1, 0.0, None, None, ""))
+    monkeypatch.setattr(E, "fail_step", lambda *a: 1)
+    E.main(["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-opt",
+            "--output-dir", str(tmp_path), "--algorithm", "grpo", "--num-generations", "2",
+            "--reward-fn", "dschat.rewards:gold"])
+    out = capsys.readouterr().out
+    assert "memory preflight, step 3: peak " in out and "note: e2e's memory preflight" not in out, out
+
+
 def test_preflight_stops_e2e_before_step_1_when_a_step_cannot_fit(tmp_path, monkeypatch):
     """On a GPU too small for step 2, e2e stops in one line naming step 2, before launching anything."""
     import dschat.plan.preflight as pf

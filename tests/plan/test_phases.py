@@ -114,7 +114,8 @@ def test_inference_tp_splits_the_weights_over_the_group_and_batches_its_prompts(
 
 def test_an_inference_tp_size_the_run_refuses_is_the_plans_error(tiny):
     with pytest.raises(UserError, match="does not divide the world size"):
-        _plan(tiny, "--enable_hybrid_engine", "--gpus_per_node", "2", "--inference_tp_size", "4")
+        _plan(tiny, "--enable_hybrid_engine", "--gpus_per_node", "2", "--actor_zero_stage", "3",
+              "--inference_tp_size", "4")
     with pytest.raises(UserError, match="Hybrid Engine"):
         _plan(tiny, "--gpus_per_node", "2", "--inference_tp_size", "2")
 
@@ -150,7 +151,7 @@ def test_zero3_gather_for_training(tiny):
     assert sum(on.values()) > sum(off.values())
     one_rank = actor_training("--zero3_gather_for_training", "auto", gpus="1")  # a view of the partition: free
     assert "ZeRO-3 layer gathers" not in one_rank and "actor gathered whole" not in one_rank
-    offloaded = actor_training("--zero3_gather_for_training", "auto", "--offload", gpus="1")
+    offloaded = actor_training("--zero3_gather_for_training", "auto", "--offload", "--critic_zero_stage", "2", gpus="1")
     assert "ZeRO-3 layer gathers" in offloaded
 
 
@@ -236,7 +237,7 @@ def test_the_planned_tensor_parallel_shard_bounds_each_members_live_shard(tiny):
     model = OPTForCausalLM(OPTConfig(**{k: v for k, v in TINY_OPT.items() if k != "architectures"})).eval()
     model.resize_token_embeddings(56, mean_resizing=False)
     planned = _phase(_plan(tiny, "--enable_hybrid_engine", "--dtype", "fp32", "--gpus_per_node", "2",
-                           "--inference_tp_size", "2"), "generation")["HE inference weights"]
+                           "--actor_zero_stage", "3", "--inference_tp_size", "2"), "generation")["HE inference weights"]
     assert planned == 3904 * 4
     for member in (0, 1):
         shard = ShardedInferenceWeights(decoder_spec(model.config), 2, member)

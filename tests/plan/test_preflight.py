@@ -1,6 +1,7 @@
 """Step 3's memory preflight in-process: on a GPU a run that cannot fit stops in one line before any
-model, tokenizer or data is loaded; ``--preflight off`` skips it; the planner's gaps (a model it cannot
-read, a run without PPO's four models) are a note and the run goes on. (On the CPU the printed plan
+model, tokenizer or data is loaded; ``--preflight off`` skips it; a critic-free run is planned with
+the engines it builds (also one scored by ``main``'s own reward function); a model the planner
+cannot read is a note and the run goes on. (On the CPU the printed plan
 is checked in rlhf/test_step3_smoke.py's off-policy run.)
 
 The accelerator is the one thing set by hand: :func:`dschat.plan.preflight.device_memory` reports a
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.plan import preflight as preflight_module
 from dschat.training import step_data
@@ -67,15 +69,29 @@ def test_a_model_the_planner_cannot_read_is_a_note_and_the_run_goes_on(small_cud
     assert "has no config.json" in notes[0] and "step 3 goes on without it" in notes[0]
 
 
-def test_a_run_without_the_four_models_is_a_note_and_goes_on(small_cuda, data_cache, capsys):
-    argv = base_argv("tiny-opt", "unused", data_cache, "--algorithm", "grpo", "--num_generations", "2",
-                     "--reward_fn", "dschat.rewards:gold")
-    argv[argv.index("--critic_model_name_or_path"):argv.index("--critic_model_name_or_path") + 2] = []
-    with pytest.raises(ReachedTheTokenizer):
-        step3_main().main(argv)
-    notes = [x for x in capsys.readouterr().out.splitlines() if "memory preflight" in x]
-    assert notes == ["note: the memory preflight plans PPO's four models and this run builds fewer; step 3 goes "
-                     "on without it (python -m dschat.plan with the same flags shows the plan)"]
+def _without_critic(argv: list[str]) -> list[str]:
+    at = argv.index("--critic_model_name_or_path")
+    return argv[:at] + argv[at + 2:]
+
+
+def test_a_critic_free_run_scored_by_functions_is_planned_without_critic_and_reward_model(small_cuda, data_cache,
+                                                                                           capsys):
+    argv = _without_critic(base_argv("tiny-opt", "unused", data_cache, "--algorithm", "grpo", "--num_generations", "2",
+                                     "--reward_fn", "dschat.rewards:gold"))
+    line = refused_in_process(argv, capsys)  # planned (the actor and the reference): it cannot fit 1 MB
+    assert line.startswith("error: step 3 does not fit: ") and "critic training" not in line
+    assert small_cuda == []
+
+
+def test_a_critic_free_run_scored_by_mains_reward_fn_is_planned_without_the_reward_model(small_cuda, data_cache,
+                                                                                        capsys):
+    # main's Python reward_fn replaces the reward model: the flags alone cannot show it, step 3 tells
+    # the preflight (a reward model planned without a critic folder would be a different line).
+    argv = _without_critic(base_argv("tiny-opt", "unused", data_cache, "--algorithm", "grpo", "--num_generations", "2"))
+    with pytest.raises(UserError) as raised:
+        step3_main().main(argv, reward_fn=lambda prompts, answers: [0.0] * len(answers))
+    assert str(raised.value).startswith("step 3 does not fit: ") and "critic training" not in str(raised.value)
+    assert small_cuda == []
 
 
 RANKS = r'''

@@ -219,7 +219,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         print_rank_0(line, ctx.rank)
     print_rank_0(settings.describe(), ctx.rank)
     print_rank_0(mix.describe(), ctx.rank)
-    step3_preflight(args, argv, ctx, four_models=settings.critic and mix.uses_model)  # memory, before any model
+    step3_preflight(args, argv, ctx, four_models=settings.critic and mix.uses_model,  # memory, before any model
+                    reward_model=mix.uses_model)
     # After every check that can refuse the run (no tracker run is left behind by one), before any
     # model (a missing extra: exit 2).
     tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")

@@ -1,0 +1,114 @@
+"""``python -m dschat.plan`` plans what the step runs: the step's own flag checks (a refused flag set is
+the planner's one-line error, never a suggestion), only the engines a critic-free or function-scored
+run builds, a malformed ``config.json`` as one line, suggestions that each change the configuration,
+and a verdict that names the host memory when that is the reason."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dschat.errors import EXIT_USAGE, UserError
+from dschat.plan.cli import build_parser, main, plan, suggestions
+from dschat.rlhf.guards import validate_step3_args
+
+from test_cli import OPT_1_3B
+from test_phases import TINY_OPT, _argv, _phase
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-opt-config")
+    (folder / "config.json").write_text(json.dumps(TINY_OPT))
+    return folder
+
+
+def _error_line(argv: list[str], capsys) -> str:
+    capsys.readouterr()
+    assert main(argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("extra", [("--offload",), ("--offload_reference_model",),
+                                   ("--enable_hybrid_engine", "--inference_tp_size", "2"),
+                                   ("--actor_zero_stage", "5"), ("--max_answer_seq_len", "-10")])
+def test_flags_step3_refuses_are_the_planners_error_with_step3s_line(tiny, extra, capsys):
+    argv = _argv(tiny, "--gpus_per_node", "2", *extra)
+    with pytest.raises(UserError) as refused:
+        validate_step3_args(build_parser().parse_args(argv), accelerator="cuda", dtype="fp16")
+    assert _error_line(argv, capsys) == f"error: {refused.value}"
+
+
+def test_flags_step1_refuses_are_the_planners_error(tiny, capsys):
+    line = _error_line(["--step", "1", "--model_name_or_path", str(tiny), "--zero_stage", "0", "--offload",
+                        "--gpus_per_node", "1"], capsys)
+    assert "--offload needs ZeRO" in line
+
+
+def test_the_search_proposes_no_flag_set_step3_refuses(tiny):
+    # The Hybrid Engine on 2 ranks at ZeRO 0: --inference_tp_size 2 fits but needs --actor_zero_stage 3.
+    argv = _argv(tiny, "--gpus_per_node", "2", "--enable_hybrid_engine")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    found = suggestions(argv, args, parser, limit=1000, gpu_bytes=plan(args)["peak_bytes_per_gpu"])
+    assert found
+    for s in found:
+        validate_step3_args(parser.parse_args([*argv, *s["flags"]]), accelerator="cuda", dtype="fp16")
+
+
+def test_a_critic_free_algorithm_plans_no_critic(tiny):
+    result = plan(build_parser().parse_args(_argv(tiny, "--algorithm", "grpo", "--num_generations", "3")))
+    assert set(result["model_states"]) == {"actor", "ref", "reward"}
+    assert [p["name"] for p in result["phases"]] == ["generation", "scoring", "actor training", "optimizer step"]
+    assert not [k for p in result["phases"] for k in p["consumers"] if k.startswith("critic")]
+
+
+def test_a_run_scored_by_functions_alone_plans_neither_critic_nor_reward_model(tiny):
+    argv = ["--actor_model_name_or_path", str(tiny), "--algorithm", "grpo", "--num_generations", "3",
+            "--reward_fn", "dschat.rewards:gold", "--gpus_per_node", "1", "--per_device_generation_batch_size", "3"]
+    result = plan(build_parser().parse_args(argv))  # no critic folder is needed
+    assert set(result["model_states"]) == {"actor", "ref"}
+    # PPO with --reward_fn keeps its critic, without the reward model
+    ppo = plan(build_parser().parse_args(_argv(tiny, "--reward_fn", "dschat.rewards:gold")))
+    assert set(ppo["model_states"]) == {"actor", "ref", "critic"}
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '{"model_type": "opt", "vocab_size": null}',
+                                  '{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 0, '
+                                  '"num_hidden_layers": 2, "intermediate_size": 128, "vocab_size": 100}'])
+def test_a_malformed_config_is_one_line_naming_the_file(tiny, tmp_path, text, capsys):
+    (tmp_path / "config.json").write_text(text)
+    line = _error_line(["--actor_model_name_or_path", str(tmp_path), "--critic_model_name_or_path", str(tiny)], capsys)
+    assert str(tmp_path / "config.json") in line
+
+
+def test_each_suggestion_changes_the_configuration_once(tmp_path):
+    # OPT-1.3B already at LoRA 128 with --only_optimize_lora and batch 1: the search's LoRA change and
+    # halvings change nothing, and must not fill the list.
+    (tmp_path / "config.json").write_text(json.dumps(OPT_1_3B))
+    argv = _argv(tmp_path, "--actor_lora_dim", "128", "--only_optimize_lora", "--per_device_generation_batch_size", "1",
+                 "--per_device_training_batch_size", "1", "--gpus_per_node", "2")
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    found = suggestions(argv, args, parser, limit=1000, gpu_bytes=plan(args)["peak_bytes_per_gpu"])
+    configurations = [vars(parser.parse_args([*argv, *s["flags"]])) for s in found]
+    assert found and vars(args) not in configurations
+    assert all(a != b for i, a in enumerate(configurations) for b in configurations[i + 1:])
+
+
+def test_host_memory_verdict_names_the_host_and_its_own_margin(tiny, capsys):
+    assert main(_argv(tiny, "--host_memory", "1KB")) == 0
+    out = capsys.readouterr().out
+    gpu_line = next(x for x in out.splitlines() if x.startswith("peak "))
+    host_line = next(x for x in out.splitlines() if x.startswith("host memory at load time"))
+    assert "GPU: fits (margin " in gpu_line
+    assert host_line == ("host memory at load time: 0.00 GB per node of 0.00 GB: does NOT fit (0.00 GB more than the "
+                         "host has)")
+    assert "the run does NOT fit: the host memory at load time is the reason, not the GPU" in out
+    result = plan(build_parser().parse_args(_argv(tiny, "--host_memory", "1KB")))
+    assert (result["fits"], result["gpu_fits"], result["host_fits"]) == (False, True, False)
+    assert _phase(result, "generation")  # the phases are planned as ever
