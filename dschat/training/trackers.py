@@ -50,8 +50,8 @@ _MLFLOW_NAME = re.compile(r"[^\w./\- :]")
 _MLFLOW_BATCH = 100  # MLflow's most parameters or metrics in one log_batch call
 _MLFLOW_PARAM_CHARS = 6000  # MLflow's longest parameter value
 # A tracking server that is down must not hold rank 0 (and every rank waiting for it in a collective)
-# for minutes per call: MLflow's own defaults retry 7 times with backoff factor 2, each answer waited
-# for 120 s. These bound one call to under a minute; a variable the user set wins.
+# for many minutes per call, as MLflow's own defaults do (7 retries, backoff factor 2, a long wait for
+# each answer). These bound one call to under a minute; a variable the user set wins.
 MLFLOW_HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "15"}
 
