@@ -4,8 +4,9 @@ Upstream's cache and what this one fixes: docs/upstream.md#data-cache.
 
 * The key is a SHA-256 over a canonical JSON of everything that changes the content: each
   dataset's name, adapter and a SHA-256 of its local files, the split, phase, seed,
-  ``max_seq_len``, the end-of-conversation token, the tokenizer's identity (class, name, vocab
-  and special-token hashes, and the ids of a probe text, so a changed BOS/post-processor counts),
+  ``max_seq_len``, the end-of-conversation token, the tokenizer's identity (class, vocab, pipeline
+  and special-token hashes, and the ids of a probe text, so a changed BOS/post-processor counts; not
+  the path it was loaded from),
   the sft-only datasets and a format version.
 * Files are ``traindata_{key}.safetensors``, ``evaldata_{key}.safetensors`` and ``meta_{key}.json``:
   token ids stored flat with row offsets, no pickles. The files are written under temporary
@@ -44,7 +45,7 @@ from dschat.runtime.fs import atomic_files, pending_files, recover_files
 from dschat.runtime.trust import check_trusted, make_trusted_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 #: Tokenised with the tokenizer for the cache key, so BOS/EOS post-processing changes count.
 PROBE_TEXT = " Human: Hello, world! 0123 caf\u00e9 \u4f60\u597d\n\nAssistant: Fine.<|endoftext|>"
 
@@ -54,7 +55,11 @@ def _sha256_text(text: str) -> str:
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
-    """Everything about a tokenizer that changes token ids, as JSON-able values."""
+    """Everything about a tokenizer that changes token ids, as JSON-able values.
+
+    Not where it was loaded from (``name_or_path``): the same tokenizer given as ``tiny-llama``,
+    ``./folder`` or ``/abs/folder/`` has one key; two tokenizers whose vocabulary, pipeline, special
+    tokens or probe ids differ have two."""
     vocab = tokenizer.get_vocab()
     vocab_text = "\n".join(f"{i}\t{t}" for t, i in sorted(vocab.items(), key=lambda kv: (kv[1], kv[0])))
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -72,7 +77,6 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
     return {
         "class": type(tokenizer).__name__,
-        "name_or_path": str(getattr(tokenizer, "name_or_path", "")),
         "len": len(tokenizer),
         "vocab_sha256": _sha256_text(vocab_text),
         "backend_sha256": backend_sha,

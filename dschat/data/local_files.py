@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -20,9 +21,12 @@ from dschat.errors import UserError, first_line
 
 #: Suffixes of preference-data files (prompt / chosen / rejected columns).
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".parquet")
-#: File stems that name the train split and the held-out split in a data folder.
+#: Split names that start a data folder's file names: the train split and the held-out split.
 TRAIN_STEMS: tuple[str, ...] = ("train",)
 EVAL_STEMS: tuple[str, ...] = ("eval", "test", "validation")
+#: A split-named file stem: the split's name alone (``train``) or followed by ``-``, ``_`` or ``.`` and
+#: anything (``train-00000-of-00001``, the hub's parquet export; ``test_part2``), any case.
+_SPLIT_STEM = re.compile(r"^(" + "|".join(TRAIN_STEMS + EVAL_STEMS) + r")(?:[-_.].*)?$", re.IGNORECASE)
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -34,6 +38,7 @@ __all__ = [
     "load_save_to_disk",
     "data_files_in",
     "split_data_files",
+    "split_name",
     "read_records",
     "records_to_dataset",
     "check_columns",
@@ -113,27 +118,38 @@ def data_files_in(folder: Path, suffixes: Sequence[str] = DATA_SUFFIXES) -> list
     )
 
 
-def split_data_files(files: Sequence[Path]) -> dict[str, list[Path]]:
-    """Group a folder's files into ``{"train": [...], "eval": [...]}`` by file stem.
+def split_name(path: Path) -> str | None:
+    """The split a data file's name gives it: ``"train"``, ``"eval"``, ``"test"`` or ``"validation"``
+    (lower case) when its stem is that name alone or followed by ``-``, ``_`` or ``.`` and anything
+    (``train.jsonl``, ``train-00000-of-00001.parquet``, ``Test_2.json``); None for any other name
+    (``training.jsonl``, ``data.jsonl``)."""
+    match = _SPLIT_STEM.match(path.stem)
+    return match.group(1).lower() if match else None
 
-    Files named ``train.*`` form the train split and ``eval.*`` / ``test.*`` / ``validation.*`` the
-    eval split. A folder with no such names is one train-only split (``{"train": all}``). Other files
-    next to split-named ones would be silently dropped, so they are an error.
+
+def split_data_files(files: Sequence[Path]) -> dict[str, list[Path]]:
+    """Group a folder's files into ``{"train": [...], "eval": [...]}`` by :func:`split_name`.
+
+    Files named ``train*`` form the train split and ``eval*`` / ``test*`` / ``validation*`` the eval
+    split (each may be several shards, as the hub's ``train-00000-of-00002.parquet``,
+    ``train-00001-of-00002.parquet``). A folder with no such names is one train-only split
+    (``{"train": all}``). Other files next to split-named ones would be silently dropped, so they
+    are an error, and so is a held-out split without a train split.
     """
-    train = [f for f in files if f.stem.lower() in TRAIN_STEMS]
-    held_out = [f for f in files if f.stem.lower() in EVAL_STEMS]
+    train = [f for f in files if split_name(f) in TRAIN_STEMS]
+    held_out = [f for f in files if split_name(f) in EVAL_STEMS]
     if not train and not held_out:
         return {"train": list(files)}
     folder = files[0].parent
     others = [f.name for f in files if f not in train and f not in held_out]
     if others:
         raise UserError(
-            f"{folder} mixes split files (train.*, eval.*/test.*/validation.*) with other data files "
+            f"{folder} mixes split files (train*, eval*/test*/validation*) with other data files "
             f"({', '.join(others)}); rename them to train.* / eval.* or move them out"
         )
     if not train:
         raise UserError(
-            f"{folder} has {', '.join(f.name for f in held_out)} but no train.* file; add one "
+            f"{folder} has {', '.join(f.name for f in held_out)} but no train* file; add one "
             "(or name the files otherwise to use the folder as one train-only split)"
         )
     return {"train": train, "eval": held_out} if held_out else {"train": train}

@@ -25,6 +25,11 @@ from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.runtime.fs import check_writable_dir
 
 
+#: Each phase's length flag default in its step script (steps 1 and 2's --max_seq_len, step 3's
+#: --max_prompt_seq_len): prepare's default, so that its cache key is the one the step reads.
+PHASE_MAX_LEN_DEFAULTS: dict[int, int] = {1: 512, 2: 512, 3: 256}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m dschat.data.prepare",
@@ -36,9 +41,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Model folder, hub id or dschat short name whose tokenizer to use.")
     group.add_argument("--train_phase", type=int, choices=(1, 2, 3), required=True,
                        help="1 = SFT, 2 = reward model / DPO, 3 = PPO prompts.")
-    group.add_argument("--max_seq_len", "--max_prompt_seq_len", dest="max_seq_len", type=int, default=512,
+    group.add_argument("--max_seq_len", "--max_prompt_seq_len", dest="max_seq_len", type=int, default=None,
                        help="Sequence length (phases 1-2), or the max prompt length (phase 3; longer "
-                            "prompts are filtered).")
+                            "prompts are filtered). Default: the step's own default, 512 for phases 1-2 "
+                            "(--max_seq_len) and 256 for phase 3 (--max_prompt_seq_len).")
     group.add_argument("--seed", type=int, default=1234, help="Seed of the data split and shuffles.")
     group.add_argument("--end_of_conversation_token", type=str, default=None,
                        help="Appended to every phase-1/2 text. Default: the tokenizer's EOS (as the "
@@ -53,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    if args.max_seq_len is None:
+        args.max_seq_len = PHASE_MAX_LEN_DEFAULTS[args.train_phase]
     # Input checks first, without torch/transformers and without writing anything: names, paths,
     # the split, then the data itself (parse errors, columns, empty phases).
     parse_data_split(args.data_split)
@@ -82,7 +90,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer, args.max_seq_len, end_of_conversation_token=eot,
         sft_only_data_path=args.sft_only_data_path, reload=args.rebuild_data_cache,
     )
-    extra = f", filtered train={train.filtered} eval={held_out.filtered}" if args.train_phase == 3 else ""
+    # Phase 3: prompts too long; phase 2: pairs without a shared first token (dschat.data.tokenization).
+    extra = f", filtered train={train.filtered} eval={held_out.filtered}" if args.train_phase >= 2 else ""
     print(f"phase {args.train_phase}: train={len(train)} eval={len(held_out)}{extra}; cache {Path(args.data_output_path) / f'traindata_{train.cache_key}.safetensors'}")
 
 

@@ -143,8 +143,8 @@ class PromptDataset(Dataset):
     ``BatchEncoding``, so upstream's five-argument call works. ``max_seq_len`` / ``padding_side``
     say how phase-1/2 rows are padded on read; ``max_seq_len=None`` (the default) pads to the
     longest chosen/rejected row, which for rows tokenised as upstream did (``padding="max_length"``)
-    is their common length, i.e. upstream's items. ``filtered`` counts phase-3 prompts dropped for
-    length. ``prompt_sources`` (phase 3, ``(N, 3)`` int64, or None) is each prompt's
+    is their common length, i.e. upstream's items. ``filtered`` counts the rows left out: phase-3 prompts
+    dropped for length, phase-2 pairs without a shared first token. ``prompt_sources`` (phase 3, ``(N, 3)`` int64, or None) is each prompt's
     :data:`PromptSource`; its items carry it.
     """
 

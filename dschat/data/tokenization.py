@@ -7,7 +7,10 @@ docs/upstream.md#prompts-and-padding-in-step-3):
   ``{"input_ids", "attention_mask", "labels"}`` (1-D) with ``labels = -100`` on padding only:
   prompt tokens are trained on, as upstream.
 * phase 2: ``prompt_and_chosen + eot`` and ``prompt_and_rejected + eot``, each ``[1, max_seq_len]``;
-  a row is kept only if both texts exist.
+  a row is kept only if both texts exist. A pair whose token rows do not share their first token
+  (a tokenizer without BOS and an empty prompt, say), or that is one token on both sides, is dropped
+  and counted in ``filtered`` (:func:`comparable_pairs`): the pairwise loss compares the two sides
+  from their first difference on, after at least one shared token (upstream asserted it mid-run).
 * phase 3: ``get_prompt`` tokenised without truncation; prompts longer than ``max_seq_len`` (the
   max prompt length) are dropped and counted in ``filtered``; items hold the prompt
   *flipped* so :class:`~dschat.data.collators.DataCollatorRLHF` can left-pad by right-padding.
@@ -44,6 +47,23 @@ def _tokenize(tokenizer: Any, texts: Sequence[str], max_length: int | None) -> T
         ids.extend(enc["input_ids"])
         masks.extend(enc["attention_mask"])
     return TokenRows.from_lists(ids, masks)
+
+
+def _first_ids(rows: TokenRows) -> torch.Tensor:
+    """Each row's first token id, -1 for an empty row. Shape: (rows,) int64."""
+    first = torch.full((len(rows),), -1, dtype=torch.long)
+    nonempty = rows.lengths() > 0
+    first[nonempty] = rows.ids[rows.offsets[:-1][nonempty]].long()
+    return first
+
+
+def comparable_pairs(chosen: TokenRows, rejected: TokenRows) -> torch.Tensor:
+    """Indices of the pairs step 2's pairwise loss can compare: both sides start with the same token,
+    and at least one side has a second token (a one-token pair has no position after the shared one
+    once a batch is trimmed to its longest row). Shape: (kept,) int64, in order."""
+    c_first, r_first = _first_ids(chosen), _first_ids(rejected)
+    longest = torch.maximum(chosen.lengths(), rejected.lengths())
+    return ((c_first >= 0) & (c_first == r_first) & (longest >= 2)).nonzero().flatten()
 
 
 def _check_pad(tokenizer: Any) -> int:
@@ -86,8 +106,19 @@ def create_dataset_split(
                 rejected_texts.append(reject_sentence + end_of_conversation_token)
         chosen = _tokenize(tokenizer, chosen_texts, max_seq_len) if chosen_texts else TokenRows.empty()
         rejected = _tokenize(tokenizer, rejected_texts, max_seq_len) if rejected_texts else TokenRows.empty()
-        result = PromptDataset(None, chosen, rejected, _check_pad(tokenizer), 2, max_seq_len=max_seq_len, padding_side=padding_side)
-        print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)}")
+        keep = comparable_pairs(chosen, rejected)
+        filtered = len(chosen) - keep.numel()
+        if filtered:
+            chosen, rejected = chosen.take(keep), rejected.take(keep)
+        result = PromptDataset(None, chosen, rejected, _check_pad(tokenizer), 2, max_seq_len=max_seq_len,
+                               padding_side=padding_side, filtered=filtered)
+        print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)}"
+              + (f" filtered={filtered}" if filtered else ""))
+        if filtered:
+            print(f"Warning: {filtered} of {len(keep) + filtered} pairs of {raw_dataset.dataset_name} left out: their "
+                  "chosen and rejected tokens differ at the first position (or are one token each), so the "
+                  "pairwise loss has no shared prompt to compare them after; give every pair a prompt, or use "
+                  "a tokenizer that starts every text with a BOS token")
     elif train_phase == 3:
         found = [(at, p) for at, p in enumerate(map(raw_dataset.get_prompt, current_dataset)) if p is not None]
         rows = _tokenize(tokenizer, [p for _, p in found], None) if found else TokenRows.empty()
@@ -141,6 +172,10 @@ def tokenize_selection(
             if train_phase == 3:
                 why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens or empty"
                 fix = "raise --max_prompt_seq_len or use shorter prompts"
+            elif ds.filtered:
+                why = (f"all {ds.filtered} pairs of its {len(rows)} rows differ at their first token (or are one "
+                       "token each)")
+                fix = "give every pair a prompt that starts both texts, or use a tokenizer that adds a BOS token"
             else:
                 why = f"none of its {len(rows)} rows has the texts phase {train_phase} needs"
                 fix = "check the prompt/chosen/rejected fields"

@@ -111,7 +111,7 @@ def load_unsupervised_raw(name: str, config: str | None = None) -> Any:
             return _train_only(splits["train"])
         files = [path] if path.is_file() else lf.data_files_in(path, TEXT_SUFFIXES)
         if path.is_dir():
-            train_files = [f for f in files if f.stem.lower() in lf.TRAIN_STEMS]
+            train_files = [f for f in files if lf.split_name(f) == "train"]
             files = train_files or files
         if not files or any(f.suffix.lower() not in TEXT_SUFFIXES for f in files):
             raise UserError(

@@ -50,6 +50,7 @@ from dschat.plan.training_steps import plan_step_engine, step_phases
 from dschat.rlhf.guards import validate_step3_args
 from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
 from dschat.training.run_setup import check_common_args
+from dschat.training.step_data import check_pair_seq_len, check_seq_len_fits_positions
 
 __all__ = ["add_plan_args", "build_parser", "format_gb", "parse_size", "plan", "planned_step", "main", "MARGIN"]
 
@@ -118,9 +119,14 @@ def check_step_flags(args: argparse.Namespace) -> None:
     """The planned step's own flag checks (a :class:`UserError` where the step refuses its flags):
     step 3's :func:`validate_step3_args` on a CUDA GPU in ``--dtype``; steps 1-2's
     :func:`check_common_args` on a copy without the output, data-cache, TensorBoard and resume paths,
-    whose checks look at (and may tidy) folders on this machine."""
+    whose checks look at (and may tidy) folders on this machine; every step's row length against the
+    actor's (steps 1-2: the model's) position table (:func:`check_seq_len_fits_positions`; step 2: a
+    pair's 2 positions, :func:`check_pair_seq_len`)."""
     if args.step == 3:
         validate_step3_args(args, accelerator="cuda", dtype=args.dtype)
+        model_config(args.actor_model_name_or_path)  # a config.json it cannot read: the planner's line first
+        check_seq_len_fits_positions(args.actor_model_name_or_path, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                     "--max_prompt_seq_len + --max_answer_seq_len")
         return
     flags_only = copy.copy(args)
     for name, value in (("output_dir", None), ("data_output_path", None), ("enable_tensorboard", False),
@@ -128,6 +134,10 @@ def check_step_flags(args: argparse.Namespace) -> None:
                         ("save_interval", min(0, getattr(args, "save_interval", 0)))):
         setattr(flags_only, name, value)
     check_common_args(flags_only)
+    if args.step == 2:
+        check_pair_seq_len(args.max_seq_len)
+    model_config(args.model_name_or_path)
+    check_seq_len_fits_positions(args.model_name_or_path, args.max_seq_len)
 
 
 def _check_step3_models(args: argparse.Namespace, roles: Sequence[str]) -> None:

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from dschat.errors import UserError
 from dschat.rl_math.logprobs import sequence_log_probs
 from dschat.rl_math.preference import DPOOutput, dpo_loss, first_divergence_indices
-from dschat.training.loaders import prepare_batch
+from dschat.training.loaders import eval_batches, keep_rows, prepare_batch
 
 
 def check_dpo_args(beta: float, label_smoothing: float) -> None:
@@ -87,13 +87,16 @@ class DPOEval:
 
 def evaluate_dpo(policy: Any, reference: Any, loader: DataLoader, device: torch.device, *, beta: float,
                  label_smoothing: float, fp32: bool = False) -> DPOEval:
-    """Implicit chosen / rejected rewards, loss and reward accuracy over the whole held-out split."""
+    """Implicit chosen / rejected rewards, loss and reward accuracy over the whole held-out split,
+    each pair counted once (the rows a rank's shard repeats are left out: :func:`eval_batches`)."""
     policy.eval()
     sums = torch.zeros(5, dtype=torch.float64, device=device)  # chosen, rejected, loss, correct, pairs
     with torch.no_grad():
-        for batch in loader:
-            out = dpo_batch(policy, reference, prepare_batch(batch, device), beta=beta,
-                            label_smoothing=label_smoothing, fp32=fp32).output
+        for batch, real in eval_batches(loader, parts=2):
+            out = dpo_batch(policy, reference, prepare_batch(keep_rows(batch, real, parts=2) if real else batch, device),
+                            beta=beta, label_smoothing=label_smoothing, fp32=fp32).output
+            if not real:
+                continue  # only repeated rows: run on every rank (a collective forward), counted nowhere
             sums += torch.stack([
                 out.chosen_rewards.double().sum(), out.rejected_rewards.double().sum(), out.losses.double().sum(),
                 (out.chosen_rewards > out.rejected_rewards).double().sum(),

@@ -1,5 +1,9 @@
 """The held-out evaluation of steps 1 and 2: perplexity (step 1) and the reward model's pairwise
-accuracy and mean scores (step 2), summed over every rank. DPO's is :func:`dschat.training.dpo.evaluate_dpo`."""
+accuracy and mean scores (step 2), summed over every rank. DPO's is :func:`dschat.training.dpo.evaluate_dpo`.
+
+Each held-out row counts once: the rows a rank's shard repeats so that every rank runs as many
+batches (:class:`~dschat.training.loaders.EvalShardSampler`) are cut from the batch before the forward
+pass, and a batch of repeats only is still run (ZeRO-3 forwards are collective) but counted nowhere."""
 from __future__ import annotations
 
 import math
@@ -10,20 +14,22 @@ import torch
 from torch.utils.data import DataLoader
 
 from dschat.runtime.dist import get_all_reduce_mean
-from dschat.training.loaders import prepare_batch
+from dschat.training.loaders import eval_batches, keep_rows, prepare_batch
 
 
 def evaluate_perplexity(engine: Any, loader: DataLoader, device: torch.device) -> tuple[float, float]:
-    """Mean LM loss over the whole held-out split (all ranks) and ``exp`` of it (docs/upstream.md#step-1-sft)."""
+    """Upstream's eval loss and ``exp`` of it (docs/upstream.md#step-1-sft): the mean over the held-out
+    batches of all ranks of each batch's loss (the model's mean over that batch's label tokens), each
+    held-out row in one batch once."""
     engine.eval()
     total = torch.zeros((), device=device)
     count = torch.zeros((), device=device)
     with torch.no_grad():
-        for batch in loader:
-            batch = prepare_batch(batch, device)
-            loss = engine(**batch, use_cache=False).loss
-            total += loss.float()
-            count += 1
+        for batch, real in eval_batches(loader):
+            loss = engine(**prepare_batch(keep_rows(batch, real) if real else batch, device), use_cache=False).loss
+            if real:
+                total += loss.float()
+                count += 1
     engine.train()
     loss = (get_all_reduce_mean(total) / get_all_reduce_mean(count).clamp(min=1)).item()
     try:
@@ -49,17 +55,18 @@ def evaluate_reward(engine: Any, loader: DataLoader, device: torch.device, eval_
     """Upstream's reward-model eval: accuracy (chosen > rejected) and mean end scores.
 
     ``eval_iters`` caps the number of batches per rank (upstream's ``--eval_iters``); ``None`` or
-    0 means the whole split. Counts are summed over ranks, so the numbers are exact, not a mean of
-    per-rank means (docs/upstream.md#step-2-reward-model).
+    0 means the whole split. Counts are summed over ranks, each held-out pair once, so the numbers
+    are exact, not a mean of per-rank means (docs/upstream.md#step-2-reward-model).
     """
     engine.eval()
     sums = torch.zeros(5, device=device, dtype=torch.float64)  # correct, pairs, chosen, rejected, loss*pairs
     with torch.no_grad():
-        for step, batch in enumerate(loader):
+        for step, (batch, real) in enumerate(eval_batches(loader, parts=2)):
             if eval_iters and step >= eval_iters:
                 break
-            batch = prepare_batch(batch, device)
-            out = engine(**batch, use_cache=False)
+            out = engine(**prepare_batch(keep_rows(batch, real, parts=2) if real else batch, device), use_cache=False)
+            if not real:
+                continue
             chosen = out["chosen_mean_scores"].double()
             rejected = out["rejected_mean_scores"].double()
             pairs = float(chosen.numel())

@@ -4,7 +4,7 @@ uninterrupted run)."""
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -62,17 +62,61 @@ def _loader_generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+class EvalShardSampler(DistributedSampler):
+    """A rank's shard of the held-out split, in order: rank ``r`` of ``W`` reads rows ``r, r + W, ...``.
+
+    Every rank must run the same number of eval batches (ZeRO-3 forwards are collective), so when
+    ``W`` does not divide the split, ``DistributedSampler`` gives the short shards repeats of the
+    split's first rows, at their end. :attr:`real_rows` says how many of this rank's rows come
+    before them: an evaluation counts those only (:func:`eval_batches`)."""
+
+    def __init__(self, dataset: Dataset, num_replicas: int | None = None, rank: int | None = None) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=False, drop_last=False)
+
+    @property
+    def real_rows(self) -> int:
+        """This rank's rows that are the split's own, not repeats (the first ones it yields)."""
+        return len(range(self.rank, len(self.dataset), self.num_replicas))
+
+
 def make_eval_loader(dataset: Dataset, batch_size: int, collate_fn: Callable | None) -> DataLoader:
-    """Each rank evaluates its shard of the held-out split (no shuffling, no padding duplicates
-    beyond what ``DistributedSampler`` adds to even out ranks)."""
+    """Each rank evaluates its shard of the held-out split (:class:`EvalShardSampler`; no shuffling);
+    the rows repeated to even out the ranks are marked by :func:`eval_batches`, not counted."""
     if len(dataset) == 0:
         raise UserError("the held-out (eval) split is empty; use more data or another --data_split")
     if get_world_size() > 1:
-        sampler: Any = DistributedSampler(dataset, shuffle=False)
+        sampler: Any = EvalShardSampler(dataset)
     else:
         sampler = SequentialSampler(dataset)
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
                       generator=_loader_generator(0))
+
+
+def eval_batches(loader: DataLoader, parts: int = 1) -> Iterator[tuple[dict[str, Any], int]]:
+    """``(batch, real)`` for each batch of an eval loader: ``real`` of the batch's rows (per stacked
+    part: ``parts=2`` for :class:`~dschat.data.collators.DataCollatorReward`'s ``[chosen; rejected]``)
+    are the split's own, and they come first; the rest repeat rows another rank reads
+    (:class:`EvalShardSampler`). A batch with ``real == 0`` must still be run on every rank (a
+    collective forward) and counted nowhere. Batches are dicts with ``input_ids`` rows first."""
+    left = getattr(loader.sampler, "real_rows", None)
+    for batch in loader:
+        rows = int(batch["input_ids"].shape[0]) // parts
+        real = rows if left is None else max(0, min(rows, left))
+        if left is not None:
+            left -= rows
+        yield batch, real
+
+
+def keep_rows(batch: dict[str, Any], real: int, parts: int = 1) -> dict[str, Any]:
+    """``batch`` with only the first ``real`` rows of each of its ``parts`` stacked parts (tensors whose
+    first dimension is the batch's rows; anything else as it is)."""
+    total = int(batch["input_ids"].shape[0])
+    rows = total // parts
+    if real == rows:
+        return batch
+    index = torch.cat([torch.arange(p * rows, p * rows + real) for p in range(parts)])
+    return {k: v[index.to(v.device)] if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == total else v
+            for k, v in batch.items()}
 
 
 def prepare_batch(batch: dict[str, Any], device: torch.device | str) -> dict[str, Any]:

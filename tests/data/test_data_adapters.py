@@ -299,6 +299,59 @@ def test_folder_with_split_files(tmp_path):
     assert adapter.get_eval_data()[0]["prompt"].startswith(" Human: t 0")
 
 
+def write_parquet(path, rows):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+def test_folder_of_hub_parquet_shards_keeps_its_test_split(tmp_path):
+    """The hub's parquet export names its files ``<split>-NNNNN-of-NNNNN``: its test rows are the held-out
+    split (never divided 9:1 into training), and the shards of one split are read together."""
+    folder = tmp_path / "data"
+    write_parquet(folder / "train-00000-of-00002.parquet", pref_rows(5, tag="a"))
+    write_parquet(folder / "train-00001-of-00002.parquet", pref_rows(4, tag="b"))
+    write_parquet(folder / "test-00000-of-00001.parquet", pref_rows(3, tag="t"))
+    adapter = dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
+    check_verbatim(adapter, 9, 3)
+    assert {row["prompt"][:9] for row in adapter.get_eval_data()} == {" Human: t"}
+    assert not any(row["prompt"].startswith(" Human: t") for row in adapter.get_train_data())
+
+
+@pytest.mark.parametrize("name, split", [
+    ("train.jsonl", "train"), ("train-00000-of-00001.parquet", "train"), ("Train_part2.json", "train"),
+    ("train.shard1.jsonl", "train"), ("eval.json", "eval"), ("test-00000-of-00001.parquet", "test"),
+    ("validation_2.jsonl", "validation"),
+    ("training.jsonl", None), ("data.jsonl", None), ("retrain.jsonl", None), ("testing-set.jsonl", None),
+])
+def test_split_name_from_the_file_name(name, split):
+    from pathlib import Path
+
+    assert lf.split_name(Path(name)) == split
+
+
+def test_held_out_shards_without_a_train_split_are_refused(tmp_path):
+    write_parquet(tmp_path / "d" / "test-00000-of-00001.parquet", pref_rows(3))
+    with pytest.raises(UserError, match="test-00000-of-00001.parquet but no train"):
+        dispatch.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
+
+
+def test_local_copy_of_a_hub_dataset_in_parquet_shards(tmp_path):
+    """A hub dataset's parquet export (``huggingface-cli download``) at a path naming it: the shards
+    give the splits its adapter reads."""
+    shp = {"history": "h", "human_ref_A": "A", "human_ref_B": "B", "labels": 1}
+    folder = tmp_path / "stanfordnlp" / "SHP"
+    write_parquet(folder / "train-00000-of-00002.parquet", [shp] * 3)
+    write_parquet(folder / "train-00001-of-00002.parquet", [shp] * 2)
+    write_parquet(folder / "validation-00000-of-00001.parquet", [shp] * 2)
+    adapter = dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
+    assert type(adapter) is hub_adapters.StanfordnlpSHPDataset
+    assert (len(adapter.get_train_data()), len(adapter.get_eval_data())) == (5, 2)
+
+
 def test_folder_without_split_names_is_train_only(tmp_path):
     write_jsonl(tmp_path / "d" / "a.jsonl", pref_rows(10, rejected=False))
     write_jsonl(tmp_path / "d" / "b.jsonl", pref_rows(10, tag="b", rejected=False))

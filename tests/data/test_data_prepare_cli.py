@@ -55,6 +55,41 @@ def test_prepare_builds_then_hits(tok_dir, tmp_path, capsys):
     assert "Creating prompt dataset" in capsys.readouterr().out
 
 
+def step_parser(phase):
+    """The step script's own parser of ``phase`` (step 1, step 2, step 3)."""
+    from dschat.cli.shared import add_step1_args
+    from dschat.cli.step2 import add_step2_args
+    from dschat.cli.step3 import add_step3_args
+
+    add = {1: add_step1_args, 2: add_step2_args, 3: add_step3_args}[phase]
+    return add(argparse.ArgumentParser())
+
+
+@pytest.mark.parametrize("phase", [1, 2, 3])
+def test_prepare_with_defaults_builds_the_cache_the_step_reads(tok_dir, tmp_path, capsys, phase):
+    """With no length flag, prepare builds the cache key the step computes with its own defaults
+    (step 3 reads --max_prompt_seq_len, 256), so the step finds the cache and builds nothing."""
+    from dschat.data.prepare import main
+    from dschat.errors import cli_main
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.training.step_data import prompt_datasets
+
+    out = tmp_path / "cache"
+    data = ["--data_path", "dschat/builtin", "--data_output_path", str(out)]
+    assert cli_main(main, [*data, "--model_name_or_path", str(tok_dir), "--train_phase", str(phase)]) == 0
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    prepared = summary.rsplit("traindata_", 1)[1].removesuffix(".safetensors")
+
+    model_flag = "--actor_model_name_or_path" if phase == 3 else "--model_name_or_path"
+    args = step_parser(phase).parse_args([*data, model_flag, str(tok_dir)])
+    length = args.max_prompt_seq_len if phase == 3 else args.max_seq_len  # what each step passes
+    tokenizer = load_hf_tokenizer(str(tok_dir))
+    train, _ = prompt_datasets(args, tokenizer, -1, phase, args.end_of_conversation_token or tokenizer.eos_token,
+                               length)
+    assert train.cache_key == prepared
+    assert "Creating prompt dataset" not in capsys.readouterr().out  # a cache hit
+
+
 def test_unknown_dataset(tok_dir, tmp_path):
     result = run_prepare(args_for(tok_dir, tmp_path / "cache", "someone/unknown"))
     assert_one_line_error(result, "unknown dataset 'someone/unknown'", "Dahoas/rm-static", "dschat/builtin", out=tmp_path / "cache")

@@ -128,6 +128,60 @@ def test_phase1_labels_mask_padding_only_even_when_pad_is_eos():
     assert item["labels"].tolist() == ids + [-100] * (24 - n)  # prompt tokens and EOS are trained on
 
 
+def no_bos_tokenizer():
+    """The test tokenizer without its BOS (as GPT-2's and Qwen2's add none)."""
+    from tokenizers import processors
+
+    tok = make_tokenizer()
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="$A", pair="$A $B", special_tokens=[])
+    return tok
+
+
+def test_phase2_drops_and_counts_pairs_without_a_shared_first_token(capsys):
+    """Without a BOS, an empty prompt leaves pairs whose answers start differently with no shared
+    token: they are left out and counted (the pairwise loss compares after a shared prefix); the
+    pairs with a prompt stay, and the reward model's loss runs on every kept pair."""
+    import transformers
+
+    from dschat.data.collators import DataCollatorReward
+    from dschat.models.reward_model import RewardModel
+
+    tok = no_bos_tokenizer()
+    unshared = [{"prompt": "", "chosen": f" Human: what? Assistant: the cat {i}", "rejected": f"Human: no {i}"}
+                for i in range(3)]
+    prompted = [{"prompt": " Human: q? Assistant:", "chosen": f" yes {i}", "rejected": f" no {i}"} for i in range(4)]
+    rows = [unshared[0], *prompted[:2], *unshared[1:], *prompted[2:]]
+    adapter = adapter_for(rows)
+    ds = create_dataset_split(rows, adapter, 2, tok, EOT, 32)
+    assert (len(ds), ds.filtered) == (4, 3)
+    expected = [tok(r["prompt"] + r["chosen"] + EOT)["input_ids"] for r in prompted]
+    assert [ds[i].chosen_ids[ds[i].chosen_mask.bool()].tolist() for i in range(4)] == expected
+    out = capsys.readouterr().out
+    assert f"train_phase=2 size=4 filtered=3" in out and "Warning: 3 of 7 pairs" in out
+
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=2)
+    batch = DataCollatorReward()([ds[i] for i in range(len(ds))])
+    assert torch.isfinite(RewardModel(transformers.LlamaModel(config), tok)(**batch)["loss"])
+
+
+def test_phase2_one_token_pairs_are_dropped():
+    """A pair of one token on each side has no position after its shared token."""
+    tok = no_bos_tokenizer()
+    rows = [{"prompt": "", "chosen": "", "rejected": ""}, *pref_rows(2)]
+    ds = create_dataset_split(rows, adapter_for(rows), 2, tok, EOT, 32)
+    assert (len(ds), ds.filtered) == (2, 1)
+
+
+def test_phase2_split_of_unshared_pairs_only_is_one_line(tmp_path):
+    rows = [{"prompt": "", "chosen": f" yes {i}", "rejected": f"no {i}"} for i in range(20)]
+    path = write_jsonl(tmp_path / "unshared.jsonl", rows)
+    with pytest.raises(UserError) as err:
+        create_prompt_dataset(-1, [str(path)], "0,10,0", str(tmp_path / "cache"), 2, 1234, no_bos_tokenizer(), 32, EOT)
+    message = str(err.value)
+    assert "unshared.jsonl" in message and "differ at their first token" in message and "\n" not in message
+
+
 def test_phase3_filtering_count():
     tok = make_tokenizer()
     rows = pref_rows(5)
@@ -307,6 +361,22 @@ def test_cache_invalidation(tmp_path, monkeypatch):
     write_jsonl(path, rows)
     new = run()[0]
     assert counter.calls == 6 and new.cache_key != base.cache_key
+
+
+def test_cache_key_ignores_the_path_the_tokenizer_was_loaded_from(tmp_path, monkeypatch):
+    """One tokenizer folder named three ways (relative, absolute, absolute with a trailing slash) is
+    one cache: built once, hit twice."""
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    counter = BuildCounter(monkeypatch)
+    folder = save_tokenizer(tmp_path / "tok")
+    path = write_jsonl(tmp_path / "p.jsonl", pref_rows(30))
+    monkeypatch.chdir(tmp_path)
+    keys = set()
+    for name in ("./tok", str(folder), f"{folder}/"):
+        tok = load_hf_tokenizer(name)
+        keys.add(create_prompt_dataset(-1, [str(path)], "2,4,4", str(tmp_path / "cache"), 2, 1234, tok, 32, EOT)[0].cache_key)
+    assert len(keys) == 1 and counter.calls == 1
 
 
 def test_reload_rebuilds_on_local_rank_zero_only(tmp_path, monkeypatch):

@@ -74,6 +74,18 @@ def test_save_to_disk_and_builtin(tmp_path):
     assert ds[0]["input_ids"] == first and len(ds[0]["input_ids"]) == 16
 
 
+def test_folder_reads_its_train_shards_only(tmp_path):
+    """A folder of the hub's ``<split>-NNNNN-of-NNNNN`` files: the train shards are the text, the
+    held-out shard is left out."""
+    tok = make_tokenizer()
+    texts = ["the cat is happy", "why is the sky blue", "a dog and a bird"]
+    write_jsonl(tmp_path / "d" / "train-00000-of-00002.jsonl", [{"text": texts[0]}])
+    write_jsonl(tmp_path / "d" / "train-00001-of-00002.jsonl", [{"text": t} for t in texts[1:]])
+    write_jsonl(tmp_path / "d" / "test-00000-of-00001.jsonl", [{"text": "held out words never trained on"}])
+    ds = get_unsupervised_data(ptx_args(tmp_path / "d"), tok)
+    assert ds["input_ids"] == expected_blocks(tok, texts, 5)
+
+
 def test_bad_sources(tmp_path):
     tok = make_tokenizer()
     with pytest.raises(UserError, match="does not exist"):

@@ -139,6 +139,11 @@ CASES = [
     Case("step3/mixed-precision-lora-without-lora", "step3", ("--enable_mixed_precision_lora", "--actor_zero_stage", "3"),
          "needs actor LoRA and ZeRO-3"),
     Case("step3/negative-lora-dim", "step3", ("--actor_lora_dim", "-1"), "--actor_lora_dim must be >= 0"),
+    Case("step3/rollout-past-the-positions", "step3", ("--max_prompt_seq_len", "400", "--max_answer_seq_len", "200"),
+         "--max_prompt_seq_len + --max_answer_seq_len 600 is longer than tiny-opt can read: its opt position "
+         "embeddings have 512 positions"),
+    Case("step3/clip-reward-value-negative", "step3", ("--clip_reward_value", "-5"),
+         "--clip_reward_value must be a number > 0"),
     Case("step3/actor-path-missing", "step3", ("--actor_model_name_or_path", "{ws}/no-actor"), "does not exist"),
     Case("step3/critic-is-a-plain-model", "step3", ("--critic_model_name_or_path", "{tiny}"),
          "is not a step-2 reward model output"),

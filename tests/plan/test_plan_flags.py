@@ -49,6 +49,18 @@ def test_flags_step1_refuses_are_the_planners_error(tiny, capsys):
     assert "--offload needs ZeRO" in line
 
 
+def test_rows_past_the_position_table_are_the_planners_error(tiny, capsys):
+    limit = TINY_OPT["max_position_embeddings"]
+    line = _error_line(["--step", "1", "--model_name_or_path", str(tiny), "--max_seq_len", str(limit + 1),
+                        "--gpus_per_node", "1"], capsys)
+    assert f"--max_seq_len {limit + 1} is longer than {tiny} can read" in line
+    line = _error_line(_argv(tiny, "--max_prompt_seq_len", str(limit), "--max_answer_seq_len", "1"), capsys)
+    assert f"--max_prompt_seq_len + --max_answer_seq_len {limit + 1} is longer than {tiny} can read" in line
+    line = _error_line(["--step", "2", "--model_name_or_path", str(tiny), "--max_seq_len", "1", "--gpus_per_node", "1"],
+                       capsys)
+    assert "--max_seq_len must be at least 2 for chosen/rejected pairs" in line
+
+
 def test_the_search_proposes_no_flag_set_step3_refuses(tiny):
     # The Hybrid Engine on 2 ranks at ZeRO 0: --inference_tp_size 2 fits but needs --actor_zero_stage 3.
     argv = _argv(tiny, "--gpus_per_node", "2", "--enable_hybrid_engine")
@@ -69,7 +81,8 @@ def test_a_critic_free_algorithm_plans_no_critic(tiny):
 
 def test_a_run_scored_by_functions_alone_plans_neither_critic_nor_reward_model(tiny):
     argv = ["--actor_model_name_or_path", str(tiny), "--algorithm", "grpo", "--num_generations", "3",
-            "--reward_fn", "dschat.rewards:gold", "--gpus_per_node", "1", "--per_device_generation_batch_size", "3"]
+            "--reward_fn", "dschat.rewards:gold", "--gpus_per_node", "1", "--per_device_generation_batch_size", "3",
+            "--max_prompt_seq_len", "32", "--max_answer_seq_len", "32"]  # within the config's 64 positions
     result = plan(build_parser().parse_args(argv))  # no critic folder is needed
     assert set(result["model_states"]) == {"actor", "ref"}
     # PPO with --reward_fn keeps its critic, without the reward model

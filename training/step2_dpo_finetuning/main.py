@@ -24,7 +24,7 @@ from dschat.training.engine_setup import (
 )
 from dschat.training.progress import OptimizerStepCounter, RunResult, Trackers
 from dschat.training.run_setup import check_common_args, check_paths, setup_run
-from dschat.training.step_data import build_step_data
+from dschat.training.step_data import build_step_data, check_pair_seq_len, check_seq_len_fits_positions
 from dschat.runtime.dist import print_rank_0
 from dschat.training.dpo import check_dpo_args, dpo_batch, evaluate_dpo
 
@@ -34,6 +34,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = add_dpo_step_args(argparse.ArgumentParser(description=description))
     args = parser.parse_args(argv)
     check_common_args(args)
+    check_pair_seq_len(args.max_seq_len)
     check_dpo_args(args.beta, args.label_smoothing)
     return args
 
@@ -49,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
+    check_seq_len_fits_positions(args.model_name_or_path, args.max_seq_len)  # from the config, before any weight
     ctx = setup_run(args)
     tb = Trackers.from_args(args, "step2_dpo_model_dschat", run_name="step2_dpo")  # before any model (a missing extra: exit 2)
 

@@ -28,7 +28,7 @@ from dschat.training.engine_setup import (
 from dschat.training.eval_loops import evaluate_reward
 from dschat.training.progress import OptimizerStepCounter, RunResult, Trackers
 from dschat.training.run_setup import check_common_args, check_paths, setup_run
-from dschat.training.step_data import build_step_data
+from dschat.training.step_data import build_step_data, check_pair_seq_len, check_seq_len_fits_positions
 from dschat.runtime.dist import print_rank_0
 
 
@@ -37,6 +37,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = add_step2_args(argparse.ArgumentParser(description=description))
     args = parser.parse_args(argv)
     check_common_args(args)
+    check_pair_seq_len(args.max_seq_len)
     return args
 
 
@@ -69,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     args = parse_args(argv)
     check_paths(args)  # before distributed start-up: bad paths fail in seconds
+    check_seq_len_fits_positions(args.model_name_or_path, args.max_seq_len)  # from the config, before any weight
     ctx = setup_run(args)
     tb = Trackers.from_args(args, "step2_model_dschat", run_name="step2")  # before any model (a missing extra: exit 2)
 

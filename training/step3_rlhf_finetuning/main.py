@@ -96,6 +96,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     from dschat.models.save import is_model_artifact
     from dschat.paths import BEST_DIR, EARLIER_BEST_DIR
     from dschat.training import run_setup
+    from dschat.training.step_data import check_seq_len_fits_positions
 
     run_setup.check_paths(args, ("actor_model_name_or_path",), outputs={})  # its outputs: below
     needs_critic = settings is None or settings.critic
@@ -112,6 +113,12 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     for flag, name in (("--critic_model_name_or_path", critic), ("--reward_model_name_or_path", reward)):
         if name is not None:
             check_critic_folder(resolve_model_path(name), name, flag)
+    # The actor and the critic read whole rollouts: prompt and answer (a cross-tokenizer reward model
+    # reads its own tokens of the text).
+    for name in (args.actor_model_name_or_path, critic if needs_critic else None):
+        if name is not None:
+            check_seq_len_fits_positions(name, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                         "--max_prompt_seq_len + --max_answer_seq_len")
     saved: ModelOutputs = {}
     if args.output_dir:
         out = Path(args.output_dir)

@@ -76,7 +76,7 @@ def _load_local_copy(path: Path, dataset_name: str, adapter: type["PromptRawData
     if lf.is_save_to_disk_dir(path):
         # A single saved Dataset is its train split (upstream crashed: docs/upstream.md#small-fixes).
         return lf.load_save_to_disk(path)
-    # Beyond upstream: train.jsonl / test.jsonl ... (any of our data suffixes), or one file.
+    # Beyond upstream: train.jsonl / test.jsonl / train-00000-of-00001.parquet ... (any of our data suffixes), or one file.
     files = [path] if path.is_file() else (lf.data_files_in(path) if path.is_dir() else [])
     if not files or any(f.suffix.lower() not in lf.DATA_SUFFIXES for f in files):
         raise UserError(
@@ -86,9 +86,11 @@ def _load_local_copy(path: Path, dataset_name: str, adapter: type["PromptRawData
     # lazy: datasets costs 1.0 s at import (see _load_hub)
     from datasets import DatasetDict
 
+    # A file's split is the one its name starts with (lf.split_name: the hub's train-00000-of-00001.parquet
+    # shards are the train split), else its stem.
     by_split: dict[str, list[Path]] = {}
     for f in files:
-        by_split.setdefault(f.stem if len(files) > 1 else "train", []).append(f)
+        by_split.setdefault((lf.split_name(f) or f.stem) if len(files) > 1 else "train", []).append(f)
     required = adapter.required_columns
     out = {}
     for split, split_files in by_split.items():

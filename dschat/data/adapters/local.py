@@ -126,9 +126,9 @@ def _clean_name(name: str) -> str:
 class LocalPreferenceDataset(PromptRawDataset):
     """Local prompt / chosen / (optional) rejected data, texts used verbatim (rm-static's convention).
 
-    ``source`` is a ``.json`` / ``.jsonl`` / ``.parquet`` file, a folder of them (``train.*`` and
-    ``eval.*``/``test.*``/``validation.*`` give both splits, otherwise all files are one train-only
-    split, divided 9:1), or a ``save_to_disk`` folder (a ``DatasetDict`` with ``train`` and one of
+    ``source`` is a ``.json`` / ``.jsonl`` / ``.parquet`` file, a folder of them (``train*`` and
+    ``eval*``/``test*``/``validation*`` give both splits, :func:`~dschat.data.local_files.split_name`;
+    otherwise all files are one train-only split, divided 9:1), or a ``save_to_disk`` folder (a ``DatasetDict`` with ``train`` and one of
     ``eval``/``test``/``validation``, or one split to divide 9:1).
     """
 

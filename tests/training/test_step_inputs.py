@@ -1,0 +1,76 @@
+"""Steps 1, 2 and DPO refuse a ``--max_seq_len`` the model's position table or the chosen/rejected
+pairs cannot take: one line, exit 2, before distributed start-up, any data or any weight."""
+from __future__ import annotations
+
+import pytest
+
+from dschat.errors import EXIT_USAGE, UserError, cli_main
+from dschat.training.step_data import check_seq_len_fits_positions
+
+from helpers.steps import base_argv, load_script
+
+STEPS = ("step1", "step2", "dpo")
+
+
+def started_nothing(monkeypatch, script):
+    """Make distributed start-up and the data preamble fail the test: the refusal comes before them."""
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the run started before its flags were checked")
+
+    monkeypatch.setattr(script, "setup_run", fail)
+    monkeypatch.setattr(script, "build_step_data", fail)
+
+
+def error_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_max_seq_len_past_a_learned_position_table_is_one_line(step, tmp_path, monkeypatch, capsys):
+    """tiny-opt has 512 learned positions: --max_seq_len 1024 would be an IndexError at the first
+    long batch (the first evaluation); it is refused from the config alone."""
+    script = load_script(step)
+    started_nothing(monkeypatch, script)
+    argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(tmp_path / "out"), max_seq_len=1024)
+    assert cli_main(script.main, argv) == EXIT_USAGE
+    assert error_lines(capsys) == [
+        "error: --max_seq_len 1024 is longer than tiny-opt can read: its opt position embeddings have 512 "
+        "positions, and a longer row would index past them; pass --max_seq_len 512 or less"]
+
+
+@pytest.mark.parametrize("step", ["step2", "dpo"])
+def test_pairs_need_two_positions(step, tmp_path, monkeypatch, capsys):
+    """One position holds the shared first token only: no pair could be compared."""
+    script = load_script(step)
+    started_nothing(monkeypatch, script)
+    argv = base_argv("tiny-llama", tmp_path / "data", "--output_dir", str(tmp_path / "out"), max_seq_len=1)
+    assert cli_main(script.main, argv) == EXIT_USAGE
+    assert error_lines(capsys) == [
+        "error: --max_seq_len must be at least 2 for chosen/rejected pairs (a shared first token and one to "
+        "compare them at), got 1; pass --max_seq_len 2 or more"]
+
+
+def save_config(folder, config):
+    config.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_position_limits_by_family(tmp_path):
+    """Learned tables (OPT, GPT-2, GPT-Neo) are the limit, up to and including their size; rotary and
+    ALiBi families (Llama, BLOOM) run longer sequences and are never refused."""
+    import transformers
+
+    check_seq_len_fits_positions("tiny-opt", 512)
+    with pytest.raises(UserError, match="--max_seq_len 513 is longer than tiny-opt"):
+        check_seq_len_fits_positions("tiny-opt", 513)
+    gpt2 = save_config(tmp_path / "gpt2", transformers.GPT2Config(n_positions=64))
+    check_seq_len_fits_positions(gpt2, 64)
+    with pytest.raises(UserError, match="its gpt2 position embeddings have 64 positions"):
+        check_seq_len_fits_positions(gpt2, 65)
+    neo = save_config(tmp_path / "neo", transformers.GPTNeoConfig(max_position_embeddings=128))
+    with pytest.raises(UserError, match="its gpt_neo position embeddings have 128 positions"):
+        check_seq_len_fits_positions(neo, 129)
+    check_seq_len_fits_positions("tiny-llama", 4096)  # 512 rotary positions in its config
+    bloom = save_config(tmp_path / "bloom", transformers.BloomConfig())
+    check_seq_len_fits_positions(bloom, 100_000)
