@@ -22,9 +22,10 @@ from typing import Any, NamedTuple
 
 import deepspeed
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from dschat.errors import UserError, first_keys
+from dschat.errors import UserError, first_keys, first_line
 from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
 from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.models.reward_model import (
@@ -134,7 +135,7 @@ def create_hf_model(
     if rlhf_training:
         model = model_class.from_config(model_config)
     else:
-        model = model_class.from_pretrained(path, config=model_config, dtype=torch.float32, trust_remote_code=False)
+        model = _from_pretrained(model_class, path, config=model_config, dtype=torch.float32)
 
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -149,6 +150,36 @@ def create_hf_model(
         model.resize_token_embeddings(new_size)
     del dschf
     return model
+
+
+# transformers' OSError for a folder without weights (a missing model.safetensors / pytorch_model.bin).
+_NO_WEIGHTS = re.compile(r"no file named|does not appear to have a file named")
+
+
+def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
+    """``model_class.from_pretrained(path, trust_remote_code=False, **kwargs)``; weights that are missing,
+    damaged or truncated are one :class:`UserError` line naming the folder or file (other errors pass
+    through)."""
+    try:
+        return model_class.from_pretrained(path, trust_remote_code=False, **kwargs)
+    except SafetensorError as err:
+        damaged = next((f for f in sorted(Path(path).glob("*.safetensors")) if not _readable(f)), Path(path))
+        raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
+                        "damaged or truncated; copy or save the model again") from None
+    except OSError as err:
+        if not _NO_WEIGHTS.search(str(err)):
+            raise
+        raise UserError(f"{path} has no model weights (model.safetensors or pytorch_model.bin, or their sharded "
+                        "index, beside config.json); copy or save the model again") from None
+
+
+def _readable(file: Path) -> bool:
+    """Whether the safetensors ``file``'s header reads (a damaged or truncated file's does not)."""
+    try:
+        with safe_open(str(file), framework="pt"):
+            return True
+    except (SafetensorError, OSError):
+        return False
 
 
 def _adapter_model(model_class: Any, folder: str, tokenizer: Any, ds_config: dict | None, rlhf_training: bool,
@@ -275,8 +306,8 @@ def _load_base_strict(
     if _is_zero3(ds_config):
         dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
     if state_dict is None:
-        model, info = model_class.from_pretrained(
-            path, config=model_config, dtype=torch.float32, output_loading_info=True, trust_remote_code=False
+        model, info = _from_pretrained(
+            model_class, path, config=model_config, dtype=torch.float32, output_loading_info=True
         )
     else:
         model, info = model_class.from_pretrained(

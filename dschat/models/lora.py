@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from re import _parser as regex_parser  # the stdlib's own parse tree: how a pattern repeats
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import deepspeed
 import torch
@@ -44,6 +44,8 @@ __all__ = [
     "make_model_gradient_checkpointing_compatible",
     "lora_target_modules_for",
     "check_lora_settings",
+    "parameter_holders",
+    "untie_weights",
     "FIX_ADAPTER_CONFIG",
 ]
 
@@ -364,7 +366,9 @@ def convert_linear_layer_to_lora(model: nn.Module,
     list of substrings) in :class:`LinearLayer_LoRA`, in place; returns ``model``.
 
     Each new layer is moved to its weight's device and cast to its weight's dtype, as upstream.
-    Matching nothing is an error (it would silently train nothing with ``--only_optimize_lora``).
+    Matching nothing is an error (it would silently train nothing with ``--only_optimize_lora``), and so
+    is matching a Linear whose weight another module shares (a tied ``lm_head``: the LoRA layer would
+    freeze the embeddings and its fuse would change them); both are checked before anything changes.
     ``quantize_base="nf4"|"fp4"`` stores the base weights in 4 bits.
     """
     patterns = [part_module_name] if isinstance(part_module_name, str) else list(part_module_name)
@@ -374,6 +378,13 @@ def convert_linear_layer_to_lora(model: nn.Module,
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         raise UserError(f"--lora_module_name {patterns} matches no nn.Linear layer; "
                         f"Linear layers are named like {linears[:3]}")
+    holders = parameter_holders(model)
+    for name in names:
+        others = [n for n in holders.get(id(model.get_submodule(name).weight), []) if n != name]
+        if others:  # a tied lm_head: freezing and fusing its weight would freeze and change the embeddings too
+            raise UserError(f"--lora_module_name {patterns} matches {name}, whose weight is tied to {others[0]} "
+                            "(tie_word_embeddings): LoRA on it would freeze and change both; leave it out of "
+                            f"--lora_module_name (the default for this model: {lora_target_modules_for(model)!r})")
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -386,6 +397,41 @@ def convert_linear_layer_to_lora(model: nn.Module,
         lora.tag_weight_for_hybrid_engine()
         setattr(parent, child_name, lora)
     return model
+
+
+def parameter_holders(model: nn.Module) -> Dict[int, List[str]]:
+    """``id(parameter)`` -> the names of ``model``'s modules that hold it as their own parameter, in
+    ``named_modules`` order; a parameter with several holders is tied (an ``lm_head`` sharing the input
+    embeddings' weight under ``tie_word_embeddings``)."""
+    holders: Dict[int, List[str]] = {}
+    for name, module in model.named_modules():
+        for param in module.parameters(recurse=False):
+            holders.setdefault(id(param), []).append(name)
+    return holders
+
+
+def untie_weights(model: nn.Module, params: Sequence[torch.Tensor], what: str) -> bool:
+    """Untie each of ``params`` that several of ``model``'s modules share: every holder but the first
+    (:func:`parameter_holders`) gets its own copy (same values and ``requires_grad``), and the config
+    says ``tie_word_embeddings=False`` so the model saves and reloads untied; True when something was
+    untied. A shared ZeRO-3 partitioned weight is not copied: one :class:`UserError` line naming
+    ``what`` (the folder that asks for the change), checked before anything changes."""
+    holders = parameter_holders(model)
+    shared = {id(p): p for p in params if len(holders.get(id(p), ())) > 1}
+    for key, param in shared.items():
+        if is_zero3_param(param):
+            raise UserError(f"{what} changes {' and '.join(holders[key])}, which share one weight; dschat unties "
+                            "them only without ZeRO-3: load it with a ZeRO stage below 3, or pass a model folder "
+                            "with the change merged")
+    for key, param in shared.items():
+        for name in holders[key][1:]:
+            module = model.get_submodule(name)
+            for attr in [a for a, p in module.named_parameters(recurse=False) if p is param]:
+                setattr(module, attr, nn.Parameter(param.detach().clone(), requires_grad=param.requires_grad))
+    if shared:
+        model.config.tie_word_embeddings = False
+        model.config.get_text_config(decoder=True).tie_word_embeddings = False
+    return bool(shared)
 
 
 def convert_lora_to_linear_layer(model: nn.Module) -> nn.Module:

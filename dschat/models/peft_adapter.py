@@ -27,6 +27,8 @@ rank 0 writes, inside :func:`dschat.models.save.save_hf_model`'s atomic folder s
 **Import.** A model flag naming an adapter folder loads the base model it names and merges the adapter
 into the weights (``W += scaling * B @ A``, PEFT's ``merge_and_unload``), module by module so that ZeRO-3
 partitioned weights are gathered one at a time; ``modules_to_save`` and bias tensors replace the base's.
+A weight two modules share (``tie_word_embeddings``: ``lm_head`` and the input embeddings) is untied first
+where the adapter changes it, as ``PeftModel`` applies it (:func:`_untie`).
 Only LoRA is accepted, in safetensors, and only the variants that merge into plain weights. The folder
 is untrusted, checked before anything merges (one :class:`UserError` line naming the file and the fix):
 the config (:func:`dschat.models.lora.check_lora_settings`), a safetensors file that reads, factors of 2
@@ -54,7 +56,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from dschat.errors import UserError, first_line
-from dschat.models.lora import FIX_ADAPTER_CONFIG, check_lora_settings
+from dschat.models.lora import FIX_ADAPTER_CONFIG, check_lora_settings, untie_weights
 from dschat.models.reward_model import VALUE_HEAD_KEY
 from dschat.paths import ADAPTER_CONFIG_FILE, VALUE_HEAD_FILE, is_adapter_folder
 from dschat.runtime.zero3 import full_shape, gathered, release_zero3_prefetch
@@ -478,10 +480,11 @@ def _outside_body(model: nn.Module, path: str) -> bool:
 
 
 def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tensor]) -> tuple[
-        list[tuple[nn.Parameter, torch.Tensor, torch.Tensor, float, bool]], list[tuple[nn.Parameter, torch.Tensor]]]:
+        list[tuple[nn.Module, torch.Tensor, torch.Tensor, float, bool]], list[tuple[nn.Module, str, torch.Tensor]]]:
     """Check every adapter tensor against ``model`` (before anything is changed: the same error on every
-    rank) and pair it with its target: ``(weight, A, B, scaling, fan_in_fan_out)`` per LoRA layer and
-    ``(parameter, value)`` per replaced parameter."""
+    rank) and pair it with its target: ``(layer, A, B, scaling, fan_in_fan_out)`` per LoRA layer and
+    ``(module, parameter name, value)`` per replaced parameter (a LoRA layer's ``base_layer.weight``, which
+    PEFT saves for an ``lm_head`` or embedding under LoRA, included)."""
     config = _lora_config(adapter)
     names = {name for name, _ in model.named_modules()}
     where = adapter.weights_file
@@ -492,7 +495,7 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
 
     factors: dict[str, dict[str, torch.Tensor]] = {}
     paths: dict[str, str] = {}  # located -> the module's path in the adapter's keys
-    replaced: list[tuple[nn.Parameter, torch.Tensor]] = []
+    replaced: list[tuple[nn.Module, str, torch.Tensor]] = []
     for key, value in tensors.items():
         if not key.startswith(KEY_PREFIX):
             raise refuse(f"key {key!r} is not a PEFT key ({KEY_PREFIX}...)")
@@ -522,7 +525,7 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
             raise refuse(f"it has {key!r} and {located!r} has no parameter {param_name!r}")
         if full_shape(param) != tuple(value.shape):
             raise refuse(f"{key!r} has shape {tuple(value.shape)}, the model's {full_shape(param)}")
-        replaced.append((param, value))
+        replaced.append((target, param_name, value))
     merges = []
     for located, pair in factors.items():
         if set(pair) != {"A", "B"}:
@@ -545,18 +548,29 @@ def _plan(model: nn.Module, adapter: LoraAdapter, tensors: dict[str, torch.Tenso
         if not isinstance(weight, nn.Parameter) or full_shape(weight) != expected:
             raise refuse(f"the LoRA factors of {located} (A {tuple(a.shape)}, B {tuple(b.shape)}) do not fit "
                          f"its weight {full_shape(weight) if weight is not None else None}")
-        merges.append((weight, a, b, _scaling(config, names, rank), fan_in_fan_out))
+        merges.append((layer, a, b, _scaling(config, names, rank), fan_in_fan_out))
     return merges, replaced
+
+
+def _untie(model: nn.Module, adapter: LoraAdapter, targets: list[tuple[nn.Module, str]]) -> None:
+    """Untie the shared weights the adapter changes (``targets``: module, parameter name), as ``PeftModel``
+    changes only the modules the adapter names (an ``lm_head`` in ``modules_to_save`` or under LoRA leaves
+    the embeddings as they were) -- unless ``ensure_weight_tying`` is set and ``modules_to_save`` names
+    ``embed_tokens`` or ``lm_head`` (PEFT's EMBEDDING_LAYER_NAMES): PEFT keeps the two tied then."""
+    saved = {str(m).rsplit(".", 1)[-1] for m in adapter.config.get("modules_to_save") or []}
+    if not (adapter.config.get("ensure_weight_tying") and {"embed_tokens", "lm_head"} & saved):
+        untie_weights(model, [getattr(m, name) for m, name in targets], str(adapter.folder))
 
 
 @torch.no_grad()
 def merge_lora_adapter(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
     """Merge ``adapter`` into ``model`` (a causal LM or a body) in place; returns ``model``.
 
-    The result is PEFT's ``PeftModel.from_pretrained(model, folder).merge_and_unload()``: every LoRA
-    layer's weight becomes ``W + scaling * B @ A`` (summed in fp32, rounded once to W's dtype), and
-    ``modules_to_save`` / bias tensors replace the model's. Under ZeRO-3 each weight is gathered alone
-    and rank 0's result is kept (every rank must call).
+    The result is what ``PeftModel.from_pretrained(model, folder)`` computes: every LoRA layer's weight
+    becomes ``W + scaling * B @ A`` (summed in fp32, rounded once to W's dtype), and ``modules_to_save`` /
+    bias tensors replace the model's; a tied weight it changes is untied first (:func:`_untie`; PEFT's
+    ``merge_and_unload`` merges LoRA on a tied ``lm_head`` into the embeddings too). Under ZeRO-3 each
+    weight is gathered alone and rank 0's result is kept (every rank must call).
     """
     try:
         tensors = load_file(str(adapter.weights_file))
@@ -564,14 +578,17 @@ def merge_lora_adapter(model: nn.Module, adapter: LoraAdapter) -> nn.Module:
         raise UserError(f"cannot read {adapter.weights_file} ({type(err).__name__}: {first_line(err)}): the file is "
                         "damaged or not safetensors; copy or export the adapter again") from None
     merges, replaced = _plan(model, adapter, tensors)
-    for weight, a, b, scaling, fan_in_fan_out in merges:
+    _untie(model, adapter, [(m[0], "weight") for m in merges] + [(m, name) for m, name, _ in replaced])
+    for module, name, value in replaced:  # first: a LoRA layer's saved base weight is what its factors add to
+        param = getattr(module, name)
+        with gathered([param], modifier_rank=0):
+            param.data.copy_(value.to(param.device, param.dtype))
+    for layer, a, b, scaling, fan_in_fan_out in merges:
+        weight = layer.weight
         with gathered([weight], modifier_rank=0):
             delta = (b.to(weight.device, torch.float32) @ a.to(weight.device, torch.float32)) * scaling  # (out, in)
             if fan_in_fan_out:  # GPT-2's Conv1D keeps its weight as (in, out)
                 delta = delta.t()
             weight.data.copy_((weight.data.float() + delta).to(weight.dtype))
-    for param, value in replaced:
-        with gathered([param], modifier_rank=0):
-            param.data.copy_(value.to(param.device, param.dtype))
     return model
 

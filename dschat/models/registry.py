@@ -18,6 +18,7 @@ level: the builders (transformers, tokenizers) load only when a short name is as
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -130,12 +131,13 @@ def load_config(path: str) -> Any:
     """``AutoConfig.from_pretrained(path)`` without running code from the model folder.
 
     transformers' default (``trust_remote_code=None``) *asks on stdin* whether to run a model's own
-    code; dschat passes ``False`` everywhere, and a model that needs its code is a :class:`UserError`.
+    code; dschat passes ``False`` everywhere, and a model that needs its code is a :class:`UserError`,
+    as are a ``config.json`` that is not JSON and a ``model_type`` this transformers does not know.
     A PEFT adapter folder has its base model's config (merging the adapter changes no config).
     """
     # lazy: transformers costs 0.5 s CPU at import (python -X importtime); chat.py and e2e_rlhf.py
     # import this module to check a path before (or without) loading any model.
-    from transformers import AutoConfig
+    from transformers import AutoConfig, __version__
 
     if is_adapter_folder(path):
         # lazy: torch and deepspeed, 1.7 s CPU at import, only for an adapter folder (as above)
@@ -144,8 +146,18 @@ def load_config(path: str) -> Any:
         return load_config(resolve_model_path(read_adapter(path).base))
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except OSError as err:
+        if "is not a valid JSON file" not in str(err):
+            raise
+        raise UserError(f"{path}: config.json is not valid JSON; the folder is damaged: copy or save the model "
+                        "again") from None
     except ValueError as err:
         refused = custom_code_error(path, err)
+        unknown = re.search(r"model type `([^`]*)` but Transformers does not recognize", str(err))
+        if unknown:
+            refused = UserError(f"{path}: config.json names model type {unknown[1]!r}, which transformers "
+                                f"{__version__} does not know; upgrade transformers if the family is newer than it, "
+                                "or pass a model of a family it implements")
         if refused is None:
             raise
         raise refused from None

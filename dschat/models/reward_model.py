@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -131,8 +132,18 @@ def load_classifier_state(folder: str | Path) -> dict[str, torch.Tensor]:
                         "with save_pretrained(..., safe_serialization=True)")
     state: dict[str, torch.Tensor] = {}
     for name in files:
-        state.update(load_file(str(folder / name)))
+        state.update(read_safetensors(folder / name))
     return state
+
+
+def read_safetensors(file: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors ``file``; a missing, damaged or truncated one is one
+    :class:`UserError` line naming it."""
+    try:
+        return load_file(str(file))
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"cannot read {file} ({type(err).__name__}: {first_line(err)}): the file is missing, damaged "
+                        "or not safetensors; copy or save the model again") from None
 
 
 def split_classifier_state(state: dict[str, torch.Tensor], prefix: str,
@@ -407,8 +418,8 @@ class RewardModel(nn.Module):
 
 
 def load_value_head(model: RewardModel, folder: str | Path) -> None:
-    """Load ``v_head.weight`` from a dschat step-2 folder, refusing any other key or shape."""
-    state = load_file(str(value_head_file(folder)))
+    """Load ``v_head.weight`` from a dschat step-2 folder, refusing a damaged file, any other key or shape."""
+    state = read_safetensors(value_head_file(folder))
     if set(state) != {VALUE_HEAD_KEY}:
         raise UserError(
             f"{value_head_file(folder)} holds keys {sorted(state)}, expected ['{VALUE_HEAD_KEY}']; "

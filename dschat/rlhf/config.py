@@ -452,6 +452,7 @@ class EvalConfig:
     generation_batches: int
     enable_test_mode: bool
     test_stop_step: int
+    save_format: str = "safetensors"  # --save_format of the best/ models
 
 
 @dataclass(frozen=True)
@@ -554,7 +555,7 @@ def eval_config(args: object) -> EvalConfig:
         max_prompt_seq_len=args.max_prompt_seq_len, inference_tp_size=args.inference_tp_size,
         per_device_generation_batch_size=args.per_device_generation_batch_size,
         generation_batches=args.generation_batches, enable_test_mode=bool(args.enable_test_mode),
-        test_stop_step=args.test_stop_step)
+        test_stop_step=args.test_stop_step, save_format=str(args.save_format))
 
 
 def checkpoint_config(args: object) -> CheckpointConfig:

@@ -209,6 +209,32 @@ def test_convert_with_no_match_is_a_user_error():
         convert_linear_layer_to_lora(tiny_opt(), "transformer.h.", lora_dim=2)
 
 
+def test_convert_refuses_a_tied_lm_head_before_changing_anything():
+    """OPT's lm_head shares the input embeddings' weight: a LoRA layer on it would freeze the embeddings
+    (even without --only_optimize_lora) and its fuse would change them, so rollouts decoded a model that
+    differs from the one trained. One line, nothing converted; an untied lm_head (LLaMA) is fine."""
+    model = tiny_opt()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with pytest.raises(UserError, match=r"matches lm_head, whose weight is tied to model\.decoder\.embed_tokens "
+                                        r"\(tie_word_embeddings\).*leave it out of --lora_module_name "
+                                        r".*'decoder\.layers\.'"):
+        convert_linear_layer_to_lora(model, ["q_proj", "lm_head"], lora_dim=2)
+    assert lora_names(model) == [] and model.lm_head.weight is model.get_input_embeddings().weight
+    assert model.lm_head.weight.requires_grad
+
+    untied = tiny_llama()
+    convert_linear_layer_to_lora(untied, "lm_head", lora_dim=2)
+    randomize_lora(untied)
+    embeddings = untied.get_input_embeddings().weight.detach().clone()
+    ids = input_ids()
+    with torch.no_grad():
+        unfused = untied(ids).logits
+        convert_lora_to_linear_layer(untied)
+        fused = untied(ids).logits
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=1e-5)
+    assert torch.equal(untied.get_input_embeddings().weight, embeddings)
+
+
 def test_zero_init_left_keeps_model_output_at_init():
     base = tiny_opt()
     lora = convert_linear_layer_to_lora(copy.deepcopy(base), "decoder.layers.", lora_dim=4)

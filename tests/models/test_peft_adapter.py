@@ -403,3 +403,52 @@ def test_conv1d_layers_merge_with_fan_in_fan_out_whatever_the_config_says(tmp_pa
     assert any("c_proj" in k for k in changed) and any("c_attn" in k for k in changed)
     for key in expected:
         torch.testing.assert_close(got[key], expected[key], rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------ tied embeddings (tie_word_embeddings)
+@pytest.mark.parametrize("name,modules_to_save,targets", [
+    ("tiny-opt", ["lm_head"], ["q_proj", "v_proj"]),  # lm_head replaced: the embeddings stay the base's
+    ("tiny-opt", ["lm_head", "embed_tokens"], ["q_proj"]),  # both replaced, each by its own tensor
+    ("tiny-opt", None, ["q_proj", "lm_head"]),  # LoRA on lm_head (PEFT saves its base weight too), not the embeddings
+    ("tiny-llama", None, ["q_proj", "lm_head"]),  # untied: the saved base weight is what the factors add to
+], ids=["lm_head-saved", "both-saved", "lora-on-lm_head", "lora-on-untied-lm_head"])
+def test_an_adapter_changing_a_tied_lm_head_unties_it_as_peft_applies_it(tmp_path, name, modules_to_save, targets):
+    """OPT ties lm_head to the input embeddings. PeftModel changes only the modules the adapter names, so
+    dschat unties the two before merging (not PEFT's merge_and_unload, which merges LoRA on a tied lm_head
+    into the embeddings too), and the merged model saves and reloads untied."""
+    base = resolve_model_path(name)
+    tok = load_hf_tokenizer(name)
+    torch.manual_seed(7)
+    peft_model = get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(
+        r=4, lora_alpha=8, target_modules=targets, modules_to_save=modules_to_save, task_type="CAUSAL_LM"))
+    with torch.no_grad():
+        for param in peft_model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    peft_model.save_pretrained(str(tmp_path / "adapter"))
+    expected = _logits(PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                                 str(tmp_path / "adapter")).eval(), tok)
+    got = create_hf_model(AutoModelForCausalLM, str(tmp_path / "adapter"), tok).eval()
+    torch.testing.assert_close(_logits(got, tok), expected, rtol=0, atol=1e-5)
+    assert got.lm_head.weight is not got.get_input_embeddings().weight and not got.config.tie_word_embeddings
+    saved = save_hf_model(got, tok, tmp_path / "merged")
+    reloaded = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32).eval()
+    assert reloaded.lm_head.weight is not reloaded.get_input_embeddings().weight
+    torch.testing.assert_close(_logits(reloaded, tok), expected, rtol=0, atol=1e-5)
+
+
+def test_a_tied_weight_under_zero3_is_refused_before_anything_changes(tmp_path, monkeypatch):
+    """Untying copies the shared weight, which dschat does not do for a ZeRO-3 partitioned one: one line."""
+    base = resolve_model_path("tiny-opt")
+    torch.manual_seed(8)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), LoraConfig(
+        r=4, target_modules=["q_proj"], modules_to_save=["lm_head"], task_type="CAUSAL_LM")).save_pretrained(
+        str(tmp_path / "adapter"))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    monkeypatch.setattr("dschat.models.lora.is_zero3_param", lambda param: True)
+    with pytest.raises(UserError, match=r"adapter changes model\.decoder\.embed_tokens and lm_head, which share one "
+                                        r"weight; dschat unties them only without ZeRO-3: load it with a ZeRO stage"):
+        peft_adapter.merge_lora_adapter(model, peft_adapter.read_adapter(tmp_path / "adapter"))
+    assert model.lm_head.weight is model.get_input_embeddings().weight and model.config.tie_word_embeddings
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

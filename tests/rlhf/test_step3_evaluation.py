@@ -133,7 +133,7 @@ def test_the_run_reports_a_non_finite_mean_and_later_finite_evaluations_compete(
     from types import SimpleNamespace
 
     saved = []
-    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank: saved.append(info["step"]))
+    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank, **_: saved.append(info["step"]))
     args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="judge", output_dir=str(tmp_path),
                            stop_on_overoptimization=True)
     engine = SimpleNamespace(actor=object(), critic=None, actor_ema=None)
@@ -171,7 +171,7 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
     from types import SimpleNamespace
 
     saved = []
-    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank: saved.append(info["step"]))
+    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank, **_: saved.append(info["step"]))
     args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="judge", output_dir=str(tmp_path),
                            stop_on_overoptimization=False)
     trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,
@@ -224,7 +224,7 @@ def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_a
     that folder becomes best.earlier/ (an older best.earlier/ goes) before anything is evaluated."""
     from types import SimpleNamespace
 
-    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank: None)
+    monkeypatch.setattr(ev, "save_best", lambda output_dir, models, tokenizer, info, rank, **_: None)
     args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="judge", output_dir=str(tmp_path),
                            stop_on_overoptimization=False)
     trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,

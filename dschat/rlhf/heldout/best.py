@@ -22,14 +22,15 @@ __all__ = ["read_best", "save_best", "set_earlier_best_aside"]
 
 
 def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer: PreTrainedTokenizerBase,
-              info: Mapping[str, object], rank: int) -> None:
-    """``<output_dir>/best/<name>`` for each model and ``best.json``, replaced as one folder (collective:
-    every rank gathers under ZeRO-3; rank 0 writes)."""
+              info: Mapping[str, object], rank: int, save_format: str = "safetensors") -> None:
+    """``<output_dir>/best/<name>`` for each model, in ``save_format`` (``--save_format``: what the step
+    writes its final models in), and ``best.json``, replaced as one folder (collective: every rank
+    gathers under ZeRO-3; rank 0 writes)."""
     target = output_dir / BEST_DIR
     swap: ContextManager[Path | str] = atomic_dir(target) if rank == 0 else nullcontext(target)
     with swap as folder:
         for name, model in models.items():
-            save_hf_model(model, tokenizer, Path(folder) / name)
+            save_hf_model(model, tokenizer, Path(folder) / name, save_format)
         if rank == 0:
             (Path(folder) / BEST_FILE).write_text(json.dumps(dict(info), indent=2) + "\n", encoding="utf-8")
     barrier()

@@ -493,7 +493,8 @@ class StepThreeEvaluation:
         info = {"step": point.step, "by": series, "score": score, "run": self.run_id, "proxy": point.mean("proxy"),
                 "judges": {name: point.mean(name) for name in point.judges},
                 "kl_to_ref": _ratio(sum(rows.kl), sum(rows.tokens))}
-        save_best(self.output_dir, self._best_models(), self.trainer.tokenizer, info, self.rank)
+        save_best(self.output_dir, self._best_models(), self.trainer.tokenizer, info, self.rank,
+                  save_format=self.config.save_format)
         self.save_seconds += time.time() - start
         return True
 

@@ -1,0 +1,89 @@
+"""Model folders whose files are damaged, cut short or missing (a full disk, a broken copy) or that name
+a model family transformers does not know: one UserError line naming the file and the fix (the CLIs
+exit 2), where transformers and safetensors raise a traceback; other errors pass through unchanged."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoModelForCausalLM
+
+from dschat.errors import UserError
+from dschat.models import build
+from dschat.models.build import create_critic_model, create_hf_model
+from dschat.models.registry import resolve_model_path
+from dschat.models.save import save_hf_model
+from dschat.models.tokenizer import load_hf_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_hf_tokenizer("tiny-opt")
+
+
+def _model_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "model"
+    shutil.copytree(resolve_model_path("tiny-opt"), folder)
+    return folder
+
+
+def _cut(file: Path, keep: float) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[:int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.001], ids=["cut-in-the-data", "cut-in-the-header"])
+def test_a_truncated_model_file_is_one_line_naming_it(tmp_path, tokenizer, keep):
+    folder = _model_folder(tmp_path)
+    _cut(folder / "model.safetensors", keep)
+    weights = folder / "model.safetensors"
+    with pytest.raises(UserError, match=rf"cannot read the weights in {weights} \(SafetensorError: .*\): the file is "
+                                        "damaged or truncated; copy or save the model again"):
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+
+
+def test_a_folder_without_weights_is_one_line(tmp_path, tokenizer):
+    folder = _model_folder(tmp_path)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(UserError, match=rf"{folder} has no model weights \(model.safetensors or pytorch_model.bin.*\); "
+                                        "copy or save the model again"):
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+
+
+@pytest.mark.parametrize("config,message", [
+    ("{bad", "config.json is not valid JSON; the folder is damaged: copy or save the model again"),
+    (None, r"config.json names model type 'llamazz', which transformers .* does not know; upgrade transformers"),
+], ids=["not-json", "unknown-model-type"])
+def test_a_bad_config_is_one_line(tmp_path, tokenizer, config, message):
+    folder = _model_folder(tmp_path)
+    if config is None:
+        config = json.dumps({**json.loads((folder / "config.json").read_text()), "model_type": "llamazz"})
+    (folder / "config.json").write_text(config)
+    with pytest.raises(UserError, match=message):
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+
+
+@pytest.mark.parametrize("damage", ["v_head-garbage", "v_head-cut", "body-cut"])
+def test_a_damaged_step2_output_is_one_line_naming_the_file(tmp_path, tokenizer, damage):
+    folder = save_hf_model(create_critic_model("tiny-opt", tokenizer, None), tokenizer, tmp_path / "rm")
+    file = folder / ("model.safetensors" if damage == "body-cut" else "v_head.safetensors")
+    if damage == "v_head-garbage":
+        file.write_bytes(b"\xff" * 64)
+    else:
+        _cut(file, 0.5)
+    with pytest.raises(UserError, match=rf"cannot read (the weights in )?{file} \(SafetensorError: .*\): the file is "
+                                        r".*; copy or save the model again"):
+        create_critic_model(str(folder), tokenizer, None, rlhf_training=True)
+
+
+def test_other_load_errors_pass_through():
+    """Only the errors of missing or damaged weights become a UserError: anything else is a bug to see."""
+    class Failing:
+        @staticmethod
+        def from_pretrained(path, **kwargs):
+            raise OSError("[Errno 122] Disk quota exceeded")
+
+    with pytest.raises(OSError, match="Disk quota exceeded"):
+        build._from_pretrained(Failing, "somewhere")
