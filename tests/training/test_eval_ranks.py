@@ -16,20 +16,24 @@ ROWS = 5
 WIDTH = 3
 
 
-class FakeEngine:
-    """Stands in for a DeepSpeed engine: step 2's outputs (scores read from the first token, loss the
-    pairs' mean of ``rejected - chosen``) or step 1's (loss: the rows' mean first token); counts its
-    forward passes."""
+class CountingModel:
+    """A model's train/eval switches (which do nothing) and a count of its forward passes."""
 
-    def __init__(self, reward: bool) -> None:
-        self.reward = reward
-        self.forwards = 0
+    forwards = 0
 
     def eval(self) -> None:
         pass
 
     def train(self) -> None:
         pass
+
+
+class FakeEngine(CountingModel):
+    """Stands in for a DeepSpeed engine: step 2's outputs (scores read from the first token, loss the
+    pairs' mean of ``rejected - chosen``) or step 1's (loss: the rows' mean first token)."""
+
+    def __init__(self, reward: bool) -> None:
+        self.reward = reward
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> object:
         self.forwards += 1
@@ -100,18 +104,12 @@ def test_perplexity_is_the_mean_of_the_real_batches_losses():
     assert sums == [pytest.approx((2 + 5) / 2), pytest.approx(3.0)]  # rank 0: (1+3)/2 and 5; rank 1: (2+4)/2
 
 
-class FakeLM:
+class FakeLM(CountingModel):
     """A causal LM whose next-token logits favour token ``input_id + 1`` by ``scale x input_id`` (so
     pair 0's chosen answer is the likely one); the reference is the same model scaled down."""
 
     def __init__(self, scale: float) -> None:
-        self.scale, self.forwards = scale, 0
-
-    def eval(self) -> None:
-        pass
-
-    def train(self) -> None:
-        pass
+        self.scale = scale
 
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> object:
         self.forwards += 1

@@ -26,15 +26,21 @@ def error_lines(capsys) -> list[str]:
     return [line for line in capsys.readouterr().err.splitlines() if line.strip()]
 
 
+def refused_before_start_up(step: str, model: str, max_seq_len: int, tmp_path, monkeypatch, capsys) -> list[str]:
+    """The error lines of ``step`` on ``model`` with ``--max_seq_len``, which must stop it (exit 2)
+    before distributed start-up and the data."""
+    script = load_script(step)
+    started_nothing(monkeypatch, script)
+    argv = base_argv(model, tmp_path / "data", "--output_dir", str(tmp_path / "out"), max_seq_len=max_seq_len)
+    assert cli_main(script.main, argv) == EXIT_USAGE
+    return error_lines(capsys)
+
+
 @pytest.mark.parametrize("step", STEPS)
 def test_max_seq_len_past_a_learned_position_table_is_one_line(step, tmp_path, monkeypatch, capsys):
     """tiny-opt has 512 learned positions: --max_seq_len 1024 would be an IndexError at the first
     long batch (the first evaluation); it is refused from the config alone."""
-    script = load_script(step)
-    started_nothing(monkeypatch, script)
-    argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(tmp_path / "out"), max_seq_len=1024)
-    assert cli_main(script.main, argv) == EXIT_USAGE
-    assert error_lines(capsys) == [
+    assert refused_before_start_up(step, "tiny-opt", 1024, tmp_path, monkeypatch, capsys) == [
         "error: --max_seq_len 1024 is longer than tiny-opt can read: its opt position embeddings have 512 "
         "positions, and a longer row would index past them; pass --max_seq_len 512 or less"]
 
@@ -42,11 +48,7 @@ def test_max_seq_len_past_a_learned_position_table_is_one_line(step, tmp_path, m
 @pytest.mark.parametrize("step", ["step2", "dpo"])
 def test_pairs_need_two_positions(step, tmp_path, monkeypatch, capsys):
     """One position holds the shared first token only: no pair could be compared."""
-    script = load_script(step)
-    started_nothing(monkeypatch, script)
-    argv = base_argv("tiny-llama", tmp_path / "data", "--output_dir", str(tmp_path / "out"), max_seq_len=1)
-    assert cli_main(script.main, argv) == EXIT_USAGE
-    assert error_lines(capsys) == [
+    assert refused_before_start_up(step, "tiny-llama", 1, tmp_path, monkeypatch, capsys) == [
         "error: --max_seq_len must be at least 2 for chosen/rejected pairs (a shared first token and one to "
         "compare them at), got 1; pass --max_seq_len 2 or more"]
 
