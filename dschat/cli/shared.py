@@ -120,9 +120,9 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
                        help="(dschat) How long the ranks wait for each other at start-up (the rendezvous at "
                             "MASTER_ADDR:MASTER_PORT); a rank whose peers never come stops with one line naming "
                             "them. Collectives later wait this long or DeepSpeed's DEEPSPEED_TIMEOUT (default "
-                            "10 minutes), whichever is longer. Step 3 with --env, --reward_fn, --eval_judge or "
-                            "--reward_url waits at least the longest such call's limit plus 5 minutes, so that a "
-                            "rank whose call times out stops the run with its own line. Fractions allowed.")
+                            "10 minutes), whichever is longer; step 3's collectives with --env, --reward_fn, --reward_url "
+                            "or a function --eval_judge wait at least that code's longest stretch plus 5 minutes, so "
+                            "that a rank whose call times out stops the run with its own line. Fractions allowed.")
     return group
 
 

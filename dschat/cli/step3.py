@@ -206,8 +206,9 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     group.add_argument("--reward_fn_timeout", type=float, default=600.0, metavar="SECONDS",
                        help="(dschat) Longest one call of a --reward_fn or --eval_judge function may take before the "
                             "run stops with an error naming it (default 600; 0: no limit). Collectives then wait "
-                            "this plus 5 minutes when that is longer than --dist_timeout, so the other ranks outwait "
-                            "a stuck call and its line stops the run.")
+                            "this (for each function of a batch's reward, plus --reward_url's worst case) plus 5 "
+                            "minutes when that is longer, so the other ranks outwait a stuck call and its line stops "
+                            "the run.")
     group.add_argument("--shared_prompt_fields", choices=("refuse", "first"), default=None,
                        help="(dschat) No longer needed, accepted and ignored: every phase-3 prompt carries its "
                             "dataset row, so reward functions, judges and --env get their own row's fields also "
@@ -248,8 +249,8 @@ def add_environment_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
     group.add_argument("--env_timeout", type=float, default=600.0, metavar="SECONDS",
                        help="(dschat) With --env: longest one factory or step call may take before the run stops with "
                             "an error naming the environment and the row (default 600; 0: no limit). The calls of a "
-                            "batch run concurrently. Collectives wait this plus 5 minutes when that is longer than "
-                            "--dist_timeout, so the other ranks outwait a stuck call and its line stops the run.")
+                            "batch run concurrently. Collectives wait this plus 5 minutes when that is longer (start-up "
+                            "keeps --dist_timeout), so the other ranks outwait a stuck call and its line stops the run.")
     return group
 
 

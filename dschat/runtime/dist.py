@@ -17,10 +17,9 @@ The rendezvous:
   longer than ``--dist_timeout``): when rank 0 could not start (its master port was taken on the first
   host, so something else answers there, or nothing does), they stop with one line each within a
   minute instead of waiting out ``--dist_timeout``. Torch's own rendezvous then reuses that store
-  (``multi_tenant``). Collectives
-  after start-up wait as long as DeepSpeed's default (``DEEPSPEED_TIMEOUT``, 10 minutes) or
-  ``--dist_timeout`` if that is longer: one rank may legitimately work alone for minutes (building
-  the data cache, writing a large model) while the others wait.
+  (``multi_tenant``). Collectives after start-up wait the longest of DeepSpeed's default
+  (``DEEPSPEED_TIMEOUT``, 10 minutes), ``--dist_timeout`` and step 3's user-code stretch: one rank may
+  legitimately work alone for minutes (the data cache, a large save, a slow reward function).
 """
 from __future__ import annotations
 
@@ -234,30 +233,31 @@ def _watchdog(rendezvous: datetime.timedelta, message: str, grace: float | None 
     return timer
 
 
-def _collective_timeout(rendezvous: datetime.timedelta) -> datetime.timedelta:
+def _collective_timeout(rendezvous: datetime.timedelta, least: datetime.timedelta | None = None) -> datetime.timedelta:
     # lazy (here and in init_distributed): deepspeed costs 0.3 s CPU at import after torch (python -X
     # importtime); chat.py imports this module through dschat.models.tokenizer and never starts DeepSpeed.
     from deepspeed.constants import default_pg_timeout  # DEEPSPEED_TIMEOUT minutes, default 10
 
-    return max(rendezvous, default_pg_timeout)
+    return max(rendezvous, default_pg_timeout, least or rendezvous)
 
 
-def init_distributed(dist_backend: Optional[str] = None,
-                     timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES) -> DistInfo:
+def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES,
+                     collective_minutes: float = 0.0) -> DistInfo:
     """Initialise DeepSpeed's process group (idempotent) and return this rank's :class:`DistInfo`.
 
     Works under the ``deepspeed`` launcher, torchrun, and as a plain ``python main.py`` (one
     process, a private file store). On CUDA the current device is set to ``LOCAL_RANK`` *before*
     the NCCL group is created, as upstream's ``get_accelerator().set_device(args.local_rank)`` did.
-    ``timeout_minutes`` (``--dist_timeout``) bounds the wait for the other ranks at start-up; see
-    the module docstring. Raises :class:`UserError` (one line) when they do not come.
+    ``timeout_minutes`` (``--dist_timeout``) bounds the wait for the other ranks at start-up (a
+    :class:`UserError` line when they do not come); collectives wait the longest of it, DeepSpeed's
+    ``DEEPSPEED_TIMEOUT`` and ``collective_minutes``. See the module docstring.
     """
     import deepspeed  # lazy: see _collective_timeout
     from deepspeed.accelerator import get_accelerator
 
     if timeout_minutes <= 0:
         raise UserError(f"--dist_timeout must be > 0 minutes, got {timeout_minutes:g}")
-    rendezvous = datetime.timedelta(minutes=timeout_minutes)
+    rendezvous, least = datetime.timedelta(minutes=timeout_minutes), datetime.timedelta(minutes=collective_minutes)
     _ensure_single_process_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     accelerator = get_accelerator()
@@ -271,7 +271,7 @@ def init_distributed(dist_backend: Optional[str] = None,
         if not created:
             deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
         elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
-            deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous))
+            deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous, least))
         elif int(os.environ["WORLD_SIZE"]) == 1:
             loopback = _loopback_interface()
             if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -279,9 +279,9 @@ def init_distributed(dist_backend: Optional[str] = None,
                 os.environ["GLOO_SOCKET_IFNAME"] = loopback
             deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
                                        init_method=_private_file_store(), rank=0, world_size=1,
-                                       timeout=_collective_timeout(rendezvous))
+                                       timeout=_collective_timeout(rendezvous, least))
         else:
-            _init_ranks(deepspeed, accelerator, dist_backend, rendezvous)
+            _init_ranks(deepspeed, accelerator, dist_backend, rendezvous, least)
     except BaseException:
         if claimed:
             unlink_shm_allreduce_buffer(int(os.environ["RANK"]))
@@ -389,9 +389,9 @@ def _load_shm_all_reduce(deepspeed: object, accelerator: object) -> None:
 
 
 def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[str],
-                rendezvous: datetime.timedelta) -> None:
+                rendezvous: datetime.timedelta, least: datetime.timedelta | None = None) -> None:
     """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous``, then give the
-    collectives their longer timeout."""
+    collectives their longer timeout (:func:`_collective_timeout`, at least ``least``)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
     host = socket.gethostname()
@@ -421,7 +421,7 @@ def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[s
         if watchdog is not None:
             watchdog.cancel()
         _RANK0_STORES.clear()  # torch's store holds the server now; after a failure nothing may listen
-    collective = _collective_timeout(rendezvous)
+    collective = _collective_timeout(rendezvous, least)
     if collective != rendezvous:
         distributed_c10d._set_pg_timeout(collective)
         distributed_c10d._get_default_store().set_timeout(collective)

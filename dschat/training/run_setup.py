@@ -202,42 +202,50 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-#: Minutes a collective waits beyond the longest call of user code one rank may make alone (an
-#: environment's step, a reward function): the rank whose call times out reaches the next collective
-#: with its line before the others' wait there runs out.
+#: Minutes a collective waits beyond the longest stretch of user code one rank may run alone (an
+#: environment's step, the reward functions of a batch): the rank whose call times out reaches the
+#: next collective with its line before the others' wait there runs out.
 USER_CALL_MARGIN_MINUTES = 5.0
 _MOST_MINUTES = 30 * 24 * 60.0  # a bound the backends' timeouts hold
 
 
+def _seconds(value: object) -> float | None:
+    """``value`` as a limit in seconds: None for no limit (0, or not a finite number > 0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        return None
+    return float(value)
+
+
 def longest_user_call_seconds(args: argparse.Namespace) -> float:
-    """The most seconds one call of user code may take in this run before its own timeout stops it:
-    ``--env_timeout`` with ``--env``, ``--reward_fn_timeout`` with ``--reward_fn`` or ``--eval_judge``,
-    the ``--reward_url`` client's worst case (:func:`~dschat.remote_reward.worst_case_seconds`) with
-    ``--reward_url``; 0 when there is none (steps 1 and 2) or none is bounded (a limit of 0, or one
-    not a finite number > 0, adds nothing). Read with ``getattr``, so any step's flags will do."""
-    limits = []
+    """The most seconds one rank may spend in user code between two collectives before a timeout of
+    its own stops it: one ``--env`` call (``--env_timeout``); a batch's reward terms, which run one
+    after another (``--reward_fn_timeout`` for each ``--reward_fn``, plus the ``--reward_url``
+    client's worst case, :func:`~dschat.remote_reward.worst_case_seconds`); the ``--eval_judge``
+    functions of an evaluation (``--reward_fn_timeout`` each; 'gold' and reward-model folders run no
+    user code). 0 when there is none (steps 1 and 2) or a stretch has a term without a limit (0), which
+    nothing bounds. Read with ``getattr``, so any step's flags will do."""
+    reward_fn_limit = _seconds(getattr(args, "reward_fn_timeout", 0.0))
+    stretches: list[list[float | None]] = []
     if getattr(args, "env", None):
-        limits.append(getattr(args, "env_timeout", 0.0))
-    if getattr(args, "reward_fn", None) or getattr(args, "eval_judge", None):
-        limits.append(getattr(args, "reward_fn_timeout", 0.0))
+        stretches.append([_seconds(getattr(args, "env_timeout", 0.0))])
+    rewards: list[float | None] = [reward_fn_limit for _ in getattr(args, "reward_fn", None) or []]
     if getattr(args, "reward_url", None):
-        timeout, retries = getattr(args, "reward_url_timeout", 0.0), getattr(args, "reward_url_retries", 0)
-        if isinstance(timeout, (int, float)) and isinstance(retries, int) and math.isfinite(timeout) and timeout > 0:
-            limits.append(worst_case_seconds(timeout, retries))
-    return max([float(x) for x in limits if isinstance(x, (int, float)) and math.isfinite(x) and x > 0], default=0.0)
+        timeout, retries = _seconds(getattr(args, "reward_url_timeout", 0.0)), getattr(args, "reward_url_retries", 0)
+        rewards.append(worst_case_seconds(timeout, retries) if timeout and isinstance(retries, int) else None)
+    stretches.append(rewards)
+    stretches.append([reward_fn_limit for judge in getattr(args, "eval_judge", None) or [] if ":" in str(judge)])
+    bounded = [sum(s) for s in stretches if s and all(x is not None for x in s)]  # type: ignore[arg-type]
+    return max(bounded, default=0.0)
 
 
 def collective_timeout_minutes(args: argparse.Namespace) -> float:
-    """The minutes given to :func:`~dschat.runtime.dist.init_distributed`: ``--dist_timeout``, or the
-    longest call of user code (:func:`longest_user_call_seconds`) plus :data:`USER_CALL_MARGIN_MINUTES`
-    when that is longer, so that healthy ranks waiting in a collective outwait the rank whose
-    environment or reward function is stuck, and that rank's line stops the run. A ``--dist_timeout``
-    that is not > 0 is passed as it is (init_distributed refuses it)."""
-    given = getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES)
+    """The least minutes a collective waits (:func:`~dschat.runtime.dist.init_distributed`'s
+    ``collective_minutes``; start-up keeps ``--dist_timeout``): the longest stretch of user code
+    (:func:`longest_user_call_seconds`) plus :data:`USER_CALL_MARGIN_MINUTES`, so that healthy ranks
+    waiting in a collective outwait the rank whose environment or reward function is stuck, and
+    that rank's line stops the run; 0 without such code."""
     longest = longest_user_call_seconds(args)
-    if not (isinstance(given, (int, float)) and given > 0) or not longest:
-        return given
-    return max(given, min(longest / 60.0 + USER_CALL_MARGIN_MINUTES, _MOST_MINUTES))
+    return min(longest / 60.0 + USER_CALL_MARGIN_MINUTES, _MOST_MINUTES) if longest else 0.0
 
 
 def setup_run(args: argparse.Namespace, outputs: ModelOutputs | None = None) -> RunContext:
@@ -247,10 +255,12 @@ def setup_run(args: argparse.Namespace, outputs: ModelOutputs | None = None) -> 
     ``outputs``: the models the run saves (default :func:`model_outputs`), whose folders must hold no
     ``config.json`` that is not a model's (:func:`refuse_replacing_foreign_config`). On a CPU
     accelerator an fp16 request trains in fp32 (one warning): upstream recipes run unchanged there.
-    The ranks wait for each other (at start-up and in collectives) :func:`collective_timeout_minutes`.
+    The ranks wait ``--dist_timeout`` for each other at start-up, and in collectives at least
+    :func:`collective_timeout_minutes`.
     """
     quiet_transformers()
-    info = init_distributed(timeout_minutes=collective_timeout_minutes(args))
+    info = init_distributed(timeout_minutes=getattr(args, "dist_timeout", DEFAULT_DIST_TIMEOUT_MINUTES),
+                            collective_minutes=collective_timeout_minutes(args))
     refuse_replacing_foreign_config(model_outputs(args) if outputs is None else outputs)
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
     started = os.environ.get(STARTED_FILE_VAR)

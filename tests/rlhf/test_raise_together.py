@@ -58,24 +58,30 @@ def _args(**flags) -> argparse.Namespace:
 
 
 class TestCollectiveTimeout:
-    def test_steps_1_and_2_and_a_step_3_without_user_code_keep_dist_timeout(self):
-        assert collective_timeout_minutes(argparse.Namespace()) == 5.0  # no flag at all: the default
-        assert collective_timeout_minutes(_args(dist_timeout=2.5)) == 2.5
-        # The timeouts count only with the code they bound.
-        assert collective_timeout_minutes(_args(env=None, env_timeout=600.0, reward_fn=None, eval_judge=None,
-                                                reward_fn_timeout=600.0, reward_url=None)) == 5.0
+    def test_steps_1_and_2_and_a_step_3_without_user_code_ask_for_nothing_more(self):
+        assert collective_timeout_minutes(argparse.Namespace()) == 0.0  # no flag at all
+        # The timeouts count only with the code they bound; 'gold' and reward-model judges run none.
+        assert collective_timeout_minutes(_args(env=None, env_timeout=600.0, reward_fn=None, eval_judge=["gold"],
+                                                reward_fn_timeout=600.0, reward_url=None)) == 0.0
 
-    def test_the_longest_user_call_plus_the_margin(self):
+    def test_the_longest_stretch_of_user_code_plus_the_margin(self):
         assert USER_CALL_MARGIN_MINUTES >= 2
         env = _args(env="m:f", env_timeout=600.0, reward_fn=None, reward_fn_timeout=900.0)
         assert longest_user_call_seconds(env) == 600.0
         assert collective_timeout_minutes(env) == 10.0 + USER_CALL_MARGIN_MINUTES
         fn = _args(env="m:f", env_timeout=600.0, reward_fn=["m:g"], reward_fn_timeout=900.0)
         assert collective_timeout_minutes(fn) == 15.0 + USER_CALL_MARGIN_MINUTES
-        judge = _args(eval_judge=["m:g"], reward_fn_timeout=1200.0)
+        judge = _args(eval_judge=["m:g", "gold"], reward_fn_timeout=1200.0)
         assert collective_timeout_minutes(judge) == 20.0 + USER_CALL_MARGIN_MINUTES
-        # --dist_timeout wins when it is longer.
-        assert collective_timeout_minutes(_args(dist_timeout=60.0, env="m:f", env_timeout=600.0)) == 60.0
+
+    def test_a_batchs_reward_terms_run_one_after_another_so_their_limits_add_up(self):
+        two = _args(reward_fn=["m:g", "m:h"], reward_fn_timeout=300.0)
+        assert longest_user_call_seconds(two) == 600.0
+        url = _args(reward_fn=["m:g"], reward_fn_timeout=300.0, reward_url="http://127.0.0.1:1/get_reward",
+                    reward_url_timeout=60.0, reward_url_retries=3)
+        assert longest_user_call_seconds(url) == 300.0 + worst_case_seconds(60.0, 3)
+        assert longest_user_call_seconds(_args(reward_fn=["m:g"], reward_fn_timeout=0.0, env="m:f",
+                                               env_timeout=60.0)) == 60.0  # an unbounded stretch adds nothing
 
     def test_the_reward_url_client_s_worst_case(self):
         # 4 attempts of 60 s to connect and 60 s for the reply, and backoffs of 0.5 + 1 + 2 s.
@@ -86,23 +92,31 @@ class TestCollectiveTimeout:
 
     @pytest.mark.parametrize("timeout", [0.0, -1.0, float("nan"), float("inf")])
     def test_no_limit_or_a_bad_one_adds_nothing(self, timeout):
-        assert collective_timeout_minutes(_args(env="m:f", env_timeout=timeout)) == 5.0
+        assert collective_timeout_minutes(_args(env="m:f", env_timeout=timeout)) == 0.0
 
-    def test_a_huge_limit_is_bounded_and_a_bad_dist_timeout_passes_as_it_is(self):
+    def test_a_huge_limit_is_bounded(self):
         assert collective_timeout_minutes(_args(env="m:f", env_timeout=1e300)) == 30 * 24 * 60.0
-        assert collective_timeout_minutes(_args(dist_timeout=0.0, env="m:f", env_timeout=600.0)) == 0.0
         assert collective_timeout_minutes(_args(reward_url="http://127.0.0.1:1/x", reward_url_timeout=60.0,
                                                 reward_url_retries=10**6)) == 30 * 24 * 60.0
 
-    def test_setup_run_starts_distributed_with_it(self, monkeypatch):
+    def test_setup_run_keeps_dist_timeout_for_start_up_and_gives_collectives_the_longer_wait(self, monkeypatch):
         asked = []
 
-        def init_distributed(timeout_minutes):
-            asked.append(timeout_minutes)
+        def init_distributed(timeout_minutes, collective_minutes):
+            asked.append((timeout_minutes, collective_minutes))
             raise RuntimeError("stop here")
 
         monkeypatch.setattr(run_setup, "init_distributed", init_distributed)
         with pytest.raises(RuntimeError, match="stop here"):
             run_setup.setup_run(_args(env="m:f", env_timeout=600.0))
-        assert asked == [10.0 + USER_CALL_MARGIN_MINUTES]
+        assert asked == [(5.0, 10.0 + USER_CALL_MARGIN_MINUTES)]
 
+    def test_collectives_wait_at_least_the_longer_time(self):
+        import datetime
+
+        from dschat.runtime.dist import _collective_timeout
+
+        rendezvous = datetime.timedelta(minutes=5)
+        assert _collective_timeout(rendezvous, datetime.timedelta(minutes=15)) == datetime.timedelta(minutes=15)
+        assert _collective_timeout(datetime.timedelta(minutes=60), datetime.timedelta(minutes=15)) == \
+            datetime.timedelta(minutes=60)

@@ -129,7 +129,7 @@ def test_every_step_takes_dist_timeout_and_setup_run_passes_it(monkeypatch):
 
     seen: list[float] = []
 
-    def fake_init(dist_backend=None, timeout_minutes=dist.DEFAULT_DIST_TIMEOUT_MINUTES):
+    def fake_init(dist_backend=None, timeout_minutes=dist.DEFAULT_DIST_TIMEOUT_MINUTES, collective_minutes=0.0):
         seen.append(timeout_minutes)
         return dist.DistInfo(0, 0, 1, run_setup.torch.device("cpu"))
 
