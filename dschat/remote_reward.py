@@ -66,6 +66,7 @@ __all__ = [
     "QUERIES_PER_REQUEST",
     "MAX_CONCURRENT_REQUESTS",
     "worst_case_seconds",
+    "check_api_key",
 ]
 
 #: The dataset column sent as ``labels`` (the reference answer; GSM8K's name for it).
@@ -103,6 +104,16 @@ def plain_http_warning(url: str) -> str | None:
         return (f"warning: --reward_url {shown_url(url)} is plain http:// to a host that is not this machine: the prompts "
                 f"and answers cross the network unencrypted{unsent}; use https:// or a loopback address")
     return None
+
+
+def check_api_key(key: str) -> None:
+    """One line when ``key`` (:data:`API_KEY_ENV`'s value) holds whitespace, a control or a non-ASCII
+    character: a trailing line break or carriage return (a key file, a copy-paste) most often. Such
+    a key could not travel in ``Authorization: Bearer <key>``; the client and ``python -m
+    dschat.serve`` refuse it alike, so a server never starts with a key no client can send."""
+    if not (key.isascii() and key.isprintable() and not any(c.isspace() for c in key)):
+        raise UserError(f"{API_KEY_ENV} holds whitespace (a line break at its end?), a control or a non-ASCII "
+                        "character, which an HTTP header cannot carry; set it to the key alone")
 
 
 def worst_case_seconds(timeout: float, retries: int, backoff: float = BACKOFF_SECONDS) -> float:
@@ -161,10 +172,8 @@ class RemoteReward:
         parts = urlsplit(url)  # the key goes to this machine or over TLS, never in clear across the network
         private = parts.scheme == "https" or is_loopback_host(parts.hostname or "")
         self.api_key = (os.environ.get(API_KEY_ENV) or None) if private else None
-        if self.api_key is not None and not (self.api_key.isascii() and self.api_key.isprintable()
-                                             and not any(c.isspace() for c in self.api_key)):
-            raise UserError(f"{API_KEY_ENV} holds whitespace (a line break at its end?), a control or a non-ASCII "
-                            "character, which an HTTP header cannot carry; set it to the key alone")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
         self._session: requests.Session | None = None
         self._lock = threading.Lock()
 

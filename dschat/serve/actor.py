@@ -26,7 +26,7 @@ through step 3's own decoding loops.
   decoding settings (greedy, or temperature / top-k / top-p) and fit with it in the model's positions
   (:func:`select_batch`: widest prompt + largest ``max_tokens``, where a job whose ``max_tokens`` was
   not given, :attr:`Job.fill`, counts as one token and is then capped to the room the batch's widest
-  prompt leaves); other jobs wait for a later batch, in arrival order. A job with a seed is decoded
+  prompt leaves, never below half of its own room); other jobs wait for a later batch, in arrival order. A job with a seed is decoded
   alone, after ``torch.manual_seed(seed)``. :func:`start_batcher` picks the decoder, warms it up on
   the worker thread and names it for the startup line.
 """
@@ -383,9 +383,11 @@ def engine_unsupported(config: Any, name: str) -> str | None:
 def _fits(rows: Sequence[Job], max_positions: int) -> bool:
     """Whether ``rows`` decode together within ``max_positions``: every row steps until the longest
     answer ends, so the widest prompt plus the largest asked ``max_tokens`` must fit; a
-    :attr:`Job.fill` row asks for one token (it takes the room left)."""
+    :attr:`Job.fill` row asks for one token and takes the room left, which must be at least half of
+    its own room (``max_tokens`` as submitted): another request's long prompt never cuts it short."""
+    room = max_positions - max(len(job.prompt_ids) for job in rows)
     asked = max((job.max_tokens for job in rows if not job.fill), default=1)
-    return max(len(job.prompt_ids) for job in rows) + asked <= max_positions
+    return asked <= room and all(2 * room >= job.max_tokens for job in rows if job.fill)
 
 
 def select_batch(waiting: Sequence[Job], limit: int, max_positions: int) -> list[Job]:

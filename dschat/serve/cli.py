@@ -29,7 +29,7 @@ from dschat.eval.scoring import check_reward_folder
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, value_head_file
 from dschat.paths import is_adapter_folder
-from dschat.remote_reward import API_KEY_ENV
+from dschat.remote_reward import API_KEY_ENV, check_api_key
 from dschat.runtime.trust import is_loopback_host
 
 try:  # the serve extra: pip install 'dschat[serve]'
@@ -161,6 +161,8 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"--max_seq_len must be >= 1, got {args.max_seq_len}")
     check_device(args.device)
     api_key = os.environ.get(API_KEY_ENV) or None
+    if api_key is not None:
+        check_api_key(api_key)  # before the port is bound: a key no client could send
     if not is_loopback_host(args.host):
         print(f"warning: --host {args.host} serves beyond this machine without TLS"
               + ("" if api_key else f" and without an API key ({API_KEY_ENV}): anyone who reaches the port can use "

@@ -202,6 +202,17 @@ def test_a_busy_port_is_one_line_naming_the_port(reward_folder, capsys):
     assert f"--port {port} on 127.0.0.1 is in use" in line
 
 
+@pytest.mark.parametrize("key", ["k3y\n", "k3y\r", " k3y", "k\x07y", "k\u00e9y"])
+def test_an_api_key_no_client_could_send_is_one_line_before_the_port_is_bound(key, reward_folder, monkeypatch,
+                                                                              capsys):
+    monkeypatch.setenv(API_KEY_ENV, key)
+    with socket.socket() as taken:  # were the key taken, the busy port would be the line
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        line = _refused([str(reward_folder), "--port", str(taken.getsockname()[1])], capsys)
+    assert line.startswith(f"error: {API_KEY_ENV} holds whitespace") and key.strip() not in line[len("error: "):]
+
+
 def test_another_host_than_loopback_warns(reward_folder, capsys):
     with socket.socket() as taken:  # bound, never listening: the port is taken, nothing is served
         taken.bind(("0.0.0.0", 0))

@@ -194,13 +194,18 @@ def test_chat_requests_without_max_tokens_share_a_batch_each_capped_to_the_room_
 
 def test_a_job_without_max_tokens_does_not_make_an_asked_max_tokens_fit():
     """select_batch: a job whose ``max_tokens`` was asked for keeps the rule widest prompt + largest
-    ``max_tokens`` <= positions; ``fill`` jobs join where one token fits and are capped to the room."""
-    fill = [Job(list(range(n)), 512 - n, (), GREEDY, print, fill=True) for n in (10, 400)]
+    ``max_tokens`` <= positions; ``fill`` jobs join where one token fits and they keep at least half of
+    their own room, and are capped to the room the batch leaves."""
+    fill = [Job(list(range(n)), 512 - n, (), GREEDY, print, fill=True) for n in (10, 400, 100)]
     asked = Job(list(range(10)), 500, (), GREEDY, print)
     assert actor.select_batch([fill[0], asked, fill[1]], 4, 512) == [fill[0], asked]
     assert fill[0].max_tokens == 502 and fill[1].max_tokens == 112  # the one left out is not capped
-    assert actor.select_batch([fill[1], fill[0], asked], 4, 512) == [fill[1], fill[0]]
-    assert fill[0].max_tokens == 112 and fill[1].max_tokens == 112
+    # A 400-token prompt would leave the 10-token one 112 of its 502 positions: it is not cut short so.
+    assert actor.select_batch([fill[1], fill[0], asked], 4, 512) == [fill[1]]
+    assert fill[0].max_tokens == 502
+    # A 100-token prompt leaves it 412 of 502: they share a batch, both capped to 412.
+    assert actor.select_batch([fill[0], fill[2]], 4, 512) == [fill[0], fill[2]]
+    assert fill[0].max_tokens == fill[2].max_tokens == 412
 
 
 def _bytes_engine(pieces: dict[int, bytes]) -> SimpleNamespace:
