@@ -237,6 +237,20 @@ def _effective(args: argparse.Namespace) -> tuple:
     return tuple(sorted((name, repr(value)) for name, value in vars(args).items()))
 
 
+def _without_critic_flags(flags: Sequence[str]) -> list[str]:
+    """``flags`` without the critic's (``--critic_zero_stage N``, ``--critic_gradient_checkpointing``)."""
+    kept: list[str] = []
+    skip = False
+    for flag in flags:
+        if skip:
+            skip = False
+        elif flag == "--critic_zero_stage":
+            skip = True
+        elif not flag.startswith("--critic_"):
+            kept.append(flag)
+    return kept
+
+
 def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
                 limit: int = 5, *, gpu_bytes: int | None = None, reward_model: bool | None = None) -> list[dict]:
     """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``;
@@ -249,10 +263,14 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
         halved = [(f"--{flag}", str(max(1, getattr(args, flag) >> halvings))) for flag in _batch_flags(args.step)]
         batches.append(((tuple(x for pair in halved for x in pair) if halvings else ()), halvings))
     generation = [c for c in changes.get("generation", [((), 0)]) if _applies(c[0], args)]
+    # A run that builds neither critic nor reward model: the critic's flags change nothing.
+    no_critic = args.step == 3 and not {"critic", "reward"} & set(planned_roles(args, reward_model))
     for choice in itertools.product(changes["zero"], changes["offload"], changes["lora"], changes["ckpt"], batches,
                                     generation):
         flags = [f for part, _ in choice for f in part]
         cost = sum(c for _, c in choice)
+        if no_critic:
+            flags = _without_critic_flags(flags)
         if not flags or ("--offload" in flags and 0 in _stages(flags, args)):
             continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (the steps refuse it at 0)
         if "--zero3_gather_for_generation" in flags and _stages(flags, args)[0] != 3:

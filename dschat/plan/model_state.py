@@ -32,7 +32,10 @@ Categories (each a storage of its own; a tensor that shares another's storage is
   ZeRO-1/2 without optimizer offload: each group's gradient partition flattened (``el`` bytes an
   element) and converted to fp32 (4 more; none in fp32, where the flat copy is fp32 already), one
   group at a time: the largest partition times ``el + 4``. Offloaded, the step runs on the host
-  from the fp32 gradients already counted; ZeRO-3 and ZeRO 0 in fp32: none.
+  from the fp32 gradients already counted. ZeRO-3 without optimizer offload: the same for each
+  optimizer sub-group in turn (a group's partitions, split at DeepSpeed's ``sub_group_size``, 1e9
+  elements, which dschat does not change), the largest times ``el + 4`` (4 in fp32). ZeRO 0 in
+  fp32: none.
 * ``accumulation``: ZeRO-1 with ``gradient_accumulation_steps > 1`` reduces only at the
   accumulation boundary, so between boundaries every rank holds every trained parameter's whole
   ``.grad`` (trainable x ``el``) besides the gradient partition buffer: a training phase's working
@@ -137,6 +140,9 @@ def _zero2_grads(group: Sequence[Param], world: int) -> list[int]:
     return held
 
 
+ZERO3_SUB_GROUP_SIZE = 1_000_000_000  # DeepSpeed's zero_optimization.sub_group_size default
+
+
 def _step_working(groups: Sequence[Sequence[Param]], spec: EngineSpec) -> int:
     """The optimizer step's device bytes beyond the states (the module docstring's ``step_working``)."""
     el = DTYPE_BYTES[spec.dtype]
@@ -150,7 +156,26 @@ def _step_working(groups: Sequence[Sequence[Param]], spec: EngineSpec) -> int:
     if spec.stage in (1, 2) and not spec.offload_optimizer and sizes:
         partition = max(_aligned(n, spec.world) // spec.world for n in sizes)
         return partition * (el + (4 if el != 4 else 0))
+    if spec.stage == 3 and not spec.offload_optimizer and sizes:
+        return max(_zero3_sub_groups(groups, spec.world)) * (el + (4 if el != 4 else 0))
     return 0
+
+
+def _zero3_sub_groups(groups: Sequence[Sequence[Param]], world: int) -> list[int]:
+    """The partition elements of each ZeRO-3 optimizer sub-group on one rank: a group's parameters in
+    order, a sub-group closed once it reaches ``ZERO3_SUB_GROUP_SIZE`` (a group that holds fewer
+    is one sub-group), each parameter's partition ``ceil(numel / world)``."""
+    found = []
+    for group in groups:
+        current = 0
+        for param in group:
+            current += -(-param.numel // world)
+            if current >= ZERO3_SUB_GROUP_SIZE:
+                found.append(current)
+                current = 0
+        if current:
+            found.append(current)
+    return found or [0]
 
 
 def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:

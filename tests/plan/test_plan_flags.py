@@ -83,8 +83,13 @@ def test_a_run_scored_by_functions_alone_plans_neither_critic_nor_reward_model(t
     argv = ["--actor_model_name_or_path", str(tiny), "--algorithm", "grpo", "--num_generations", "3",
             "--reward_fn", "dschat.rewards:gold", "--gpus_per_node", "1", "--per_device_generation_batch_size", "3",
             "--max_prompt_seq_len", "32", "--max_answer_seq_len", "32"]  # within the config's 64 positions
-    result = plan(build_parser().parse_args(argv))  # no critic folder is needed
+    parser = build_parser()
+    result = plan(parser.parse_args(argv))  # no critic folder is needed
     assert set(result["model_states"]) == {"actor", "ref"}
+    # Its suggestions name no critic flag, which would change nothing
+    found = suggestions(argv, parser.parse_args(argv), parser, limit=1000, gpu_bytes=2 * result["peak_bytes_per_gpu"])
+    assert found and not [s for s in found if any(f.startswith("--critic_") for f in s["flags"])]
+    assert any("--actor_gradient_checkpointing" in s["flags"] for s in found)
     # PPO with --reward_fn keeps its critic, without the reward model
     ppo = plan(build_parser().parse_args(_argv(tiny, "--reward_fn", "dschat.rewards:gold")))
     assert set(ppo["model_states"]) == {"actor", "ref", "critic"}

@@ -56,8 +56,22 @@ def test_zero2_step_flattens_and_converts_one_partition_at_a_time(tiny):
     assert fp32["critic step's fp32 gradients"] == 3032 * 4
 
 
+def test_zero3_step_flattens_and_converts_one_sub_group_at_a_time(tiny, monkeypatch):
+    three = ("--actor_zero_stage", "3", "--critic_zero_stage", "3", "--gpus_per_node", "2")
+    # every tiny-OPT parameter has an even size: the critic's decay group is 6064 / 2 = 3032 elements a rank
+    assert _phase(_plan(tiny, *three), "optimizer step")["critic step's fp32 gradients"] == 3032 * (2 + 4)
+    # DeepSpeed's sub_group_size splits a group once a sub-group reaches it (here 1000 elements)
+    from dschat.plan import model_state
+    from dschat.plan.inventory import Param
+
+    monkeypatch.setattr(model_state, "ZERO3_SUB_GROUP_SIZE", 1000)
+    params = [Param(f"w{i}", 2 * n, True) for i, n in enumerate((600, 500, 300, 100))]  # partitions on 2 ranks
+    assert model_state._zero3_sub_groups([params, params[3:]], 2) == [1100, 400, 100]
+
+
 @pytest.mark.parametrize("extra", [("--dtype", "fp32"),  # ZeRO 0 in fp32: FusedAdam steps the weights' own grads
-                                   ("--actor_zero_stage", "2", "--critic_zero_stage", "2", "--offload")])  # on the host
+                                   ("--actor_zero_stage", "2", "--critic_zero_stage", "2", "--offload"),  # on the host
+                                   ("--actor_zero_stage", "3", "--critic_zero_stage", "3", "--offload")])
 def test_no_step_copy_on_the_gpu_in_fp32_at_zero0_or_with_offload(tiny, extra):
     assert not [k for k in _phase(_plan(tiny, *extra), "optimizer step") if "step's fp32 gradients" in k]
 
