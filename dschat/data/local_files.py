@@ -24,9 +24,8 @@ DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".parquet")
 #: Split names that start a data folder's file names: the train split and the held-out split.
 TRAIN_STEMS: tuple[str, ...] = ("train",)
 EVAL_STEMS: tuple[str, ...] = ("eval", "test", "validation")
-#: A split-named file stem: the split's name alone (``train``) or followed by ``-``, ``_`` or ``.`` and
-#: anything (``train-00000-of-00001``, the hub's parquet export; ``test_part2``), any case.
-_SPLIT_STEM = re.compile(r"^(" + "|".join(TRAIN_STEMS + EVAL_STEMS) + r")(?:[-_.].*)?$", re.IGNORECASE)
+#: The hub's shard suffix of a file stem (its parquet export: ``train-00000-of-00001``).
+_SHARD = re.compile(r"^(?P<base>.+?)-\d{5}-of-\d{5}$")
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -39,6 +38,7 @@ __all__ = [
     "data_files_in",
     "split_data_files",
     "split_name",
+    "shard_base",
     "read_records",
     "records_to_dataset",
     "check_columns",
@@ -118,20 +118,27 @@ def data_files_in(folder: Path, suffixes: Sequence[str] = DATA_SUFFIXES) -> list
     )
 
 
+def shard_base(path: Path) -> str:
+    """A data file's stem without the hub's shard suffix: ``train`` for ``train-00000-of-00002.parquet``
+    and for ``train.jsonl``, ``dev`` for ``dev-00000-of-00001.parquet``."""
+    match = _SHARD.match(path.stem)
+    return match["base"] if match else path.stem
+
+
 def split_name(path: Path) -> str | None:
     """The split a data file's name gives it: ``"train"``, ``"eval"``, ``"test"`` or ``"validation"``
-    (lower case) when its stem is that name alone or followed by ``-``, ``_`` or ``.`` and anything
-    (``train.jsonl``, ``train-00000-of-00001.parquet``, ``Test_2.json``); None for any other name
-    (``training.jsonl``, ``data.jsonl``)."""
-    match = _SPLIT_STEM.match(path.stem)
-    return match.group(1).lower() if match else None
+    (lower case) when its stem is that name, alone or with the hub's shard suffix (``train.jsonl``,
+    ``Test.json``, ``train-00000-of-00001.parquet``); None for any other name (``training.jsonl``,
+    ``train_small.jsonl``, ``data.jsonl``)."""
+    base = shard_base(path).lower()
+    return base if base in TRAIN_STEMS + EVAL_STEMS else None
 
 
 def split_data_files(files: Sequence[Path]) -> dict[str, list[Path]]:
     """Group a folder's files into ``{"train": [...], "eval": [...]}`` by :func:`split_name`.
 
-    Files named ``train*`` form the train split and ``eval*`` / ``test*`` / ``validation*`` the eval
-    split (each may be several shards, as the hub's ``train-00000-of-00002.parquet``,
+    Files named ``train`` form the train split and ``eval`` / ``test`` / ``validation`` the eval split
+    (:func:`split_name`; each may be several shards, as the hub's ``train-00000-of-00002.parquet``,
     ``train-00001-of-00002.parquet``). A folder with no such names is one train-only split
     (``{"train": all}``). Other files next to split-named ones would be silently dropped, so they
     are an error, and so is a held-out split without a train split.
@@ -144,12 +151,12 @@ def split_data_files(files: Sequence[Path]) -> dict[str, list[Path]]:
     others = [f.name for f in files if f not in train and f not in held_out]
     if others:
         raise UserError(
-            f"{folder} mixes split files (train*, eval*/test*/validation*) with other data files "
+            f"{folder} mixes split files (train, eval/test/validation, or their hub shards) with other data files "
             f"({', '.join(others)}); rename them to train.* / eval.* or move them out"
         )
     if not train:
         raise UserError(
-            f"{folder} has {', '.join(f.name for f in held_out)} but no train* file; add one "
+            f"{folder} has {', '.join(f.name for f in held_out)} but no train file; add one "
             "(or name the files otherwise to use the folder as one train-only split)"
         )
     return {"train": train, "eval": held_out} if held_out else {"train": train}

@@ -166,6 +166,12 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
         damaged = next((f for f in sorted(Path(path).glob("*.safetensors")) if not _readable(f)), Path(path))
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
                         "damaged or truncated; copy or save the model again") from None
+    except FileNotFoundError as err:  # a shard its index lists is not there
+        missing = Path(err.filename or str(err).rpartition(": ")[2])
+        if missing.parent.resolve() != Path(path).resolve():
+            raise
+        raise UserError(f"{path} lacks {missing.name}, which its weights index lists; copy or save the model "
+                        "again") from None
     except OSError as err:
         if not _NO_WEIGHTS.search(str(err)):
             raise

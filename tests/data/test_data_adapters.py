@@ -322,15 +322,31 @@ def test_folder_of_hub_parquet_shards_keeps_its_test_split(tmp_path):
 
 
 @pytest.mark.parametrize("name, split", [
-    ("train.jsonl", "train"), ("train-00000-of-00001.parquet", "train"), ("Train_part2.json", "train"),
-    ("train.shard1.jsonl", "train"), ("eval.json", "eval"), ("test-00000-of-00001.parquet", "test"),
-    ("validation_2.jsonl", "validation"),
+    ("train.jsonl", "train"), ("train-00000-of-00001.parquet", "train"), ("Train.json", "train"),
+    ("eval.json", "eval"), ("test-00000-of-00001.parquet", "test"), ("validation.jsonl", "validation"),
+    ("Train_part2.json", None), ("train_small.jsonl", None), ("train.bak.jsonl", None),
     ("training.jsonl", None), ("data.jsonl", None), ("retrain.jsonl", None), ("testing-set.jsonl", None),
+    ("dev-00000-of-00001.parquet", None),
 ])
 def test_split_name_from_the_file_name(name, split):
     from pathlib import Path
 
     assert lf.split_name(Path(name)) == split
+
+
+def test_a_file_beside_the_split_files_is_refused_not_merged(tmp_path):
+    # train_small.jsonl is no split name: it would be silently read twice if it counted as train
+    for name in ("train.jsonl", "train_small.jsonl", "test.jsonl"):
+        write_jsonl(tmp_path / "d" / name, pref_rows(3))
+    with pytest.raises(UserError, match=r"mixes split files .* with other data files \(train_small.jsonl\)"):
+        dispatch.get_raw_dataset(str(tmp_path / "d"), "/unused", 1, -1)
+
+
+def test_shard_base_keeps_any_split_name():
+    from pathlib import Path
+
+    assert [lf.shard_base(Path(n)) for n in ("dev-00000-of-00001.parquet", "train.jsonl", "x-1-of-2.json")] == [
+        "dev", "train", "x-1-of-2"]
 
 
 def test_held_out_shards_without_a_train_split_are_refused(tmp_path):

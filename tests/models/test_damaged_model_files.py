@@ -52,6 +52,19 @@ def test_a_folder_without_weights_is_one_line(tmp_path, tokenizer):
         create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
 
 
+def test_a_missing_shard_is_one_line_naming_it(tmp_path, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-opt"))
+    folder = tmp_path / "sharded"
+    model.save_pretrained(str(folder), max_shard_size="20KB")
+    tokenizer.save_pretrained(str(folder))
+    shards = sorted(folder.glob("model-*.safetensors"))
+    assert len(shards) > 2
+    shards[1].unlink()
+    with pytest.raises(UserError, match=rf"^{folder} lacks {shards[1].name}, which its weights index lists; copy or "
+                                        "save the model again$"):
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+
+
 @pytest.mark.parametrize("config,message", [
     ("{bad", "config.json is not valid JSON; the folder is damaged: copy or save the model again"),
     (None, r"config.json names model type 'llamazz', which transformers .* does not know; upgrade transformers"),

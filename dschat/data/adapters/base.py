@@ -86,11 +86,11 @@ def _load_local_copy(path: Path, dataset_name: str, adapter: type["PromptRawData
     # lazy: datasets costs 1.0 s at import (see _load_hub)
     from datasets import DatasetDict
 
-    # A file's split is the one its name starts with (lf.split_name: the hub's train-00000-of-00001.parquet
-    # shards are the train split), else its stem.
+    # A file's split is its stem without the hub's shard suffix (train-00000-of-00001.parquet and
+    # dev-00000-of-00001.parquet are the train and dev splits).
     by_split: dict[str, list[Path]] = {}
     for f in files:
-        by_split.setdefault((lf.split_name(f) or f.stem) if len(files) > 1 else "train", []).append(f)
+        by_split.setdefault(lf.shard_base(f) if len(files) > 1 else "train", []).append(f)
     required = adapter.required_columns
     out = {}
     for split, split_files in by_split.items():
