@@ -132,7 +132,8 @@ def load_config(path: str) -> Any:
 
     transformers' default (``trust_remote_code=None``) *asks on stdin* whether to run a model's own
     code; dschat passes ``False`` everywhere, and a model that needs its code is a :class:`UserError`,
-    as are a ``config.json`` that is not JSON and a ``model_type`` this transformers does not know.
+    as are a ``config.json`` that is not JSON, one without ``model_type`` and a ``model_type`` this
+    transformers does not know.
     A PEFT adapter folder has its base model's config (merging the adapter changes no config).
     """
     # lazy: transformers costs 0.5 s CPU at import (python -X importtime); chat.py and e2e_rlhf.py
@@ -158,6 +159,9 @@ def load_config(path: str) -> Any:
             refused = UserError(f"{path}: config.json names model type {unknown[1]!r}, which transformers "
                                 f"{__version__} does not know; upgrade transformers if the family is newer than it, "
                                 "or pass a model of a family it implements")
+        elif "Should have a `model_type` key" in str(err):
+            refused = UserError(f"{path}: config.json has no model_type, so it is no model's config that "
+                                "transformers reads; pass the model's own folder (copy or save the model again)")
         if refused is None:
             raise
         raise refused from None

@@ -68,7 +68,8 @@ def test_a_missing_shard_is_one_line_naming_it(tmp_path, tokenizer):
 @pytest.mark.parametrize("config,message", [
     ("{bad", "config.json is not valid JSON; the folder is damaged: copy or save the model again"),
     (None, r"config.json names model type 'llamazz', which transformers .* does not know; upgrade transformers"),
-], ids=["not-json", "unknown-model-type"])
+    ('{"hidden_size": 16}', "config.json has no model_type, so it is no model's config that transformers reads"),
+], ids=["not-json", "unknown-model-type", "no-model-type"])
 def test_a_bad_config_is_one_line(tmp_path, tokenizer, config, message):
     folder = _model_folder(tmp_path)
     if config is None:
