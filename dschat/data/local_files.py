@@ -24,8 +24,9 @@ DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".parquet")
 #: Split names that start a data folder's file names: the train split and the held-out split.
 TRAIN_STEMS: tuple[str, ...] = ("train",)
 EVAL_STEMS: tuple[str, ...] = ("eval", "test", "validation")
-#: The hub's shard suffix of a file stem (its parquet export: ``train-00000-of-00001``).
-_SHARD = re.compile(r"^(?P<base>.+?)-\d{5}-of-\d{5}$")
+#: The hub's shard suffix of a file stem (its parquet export: ``train-00000-of-00001``, also with a
+#: hash after it, as ``train-00000-of-00001-2a1df75c6bce91ab``).
+_SHARD = re.compile(r"^(?P<base>.+?)-\d{5}-of-\d{5}(?:-[0-9a-f]+)?$")
 
 __all__ = [
     "DATA_SUFFIXES",
@@ -119,8 +120,9 @@ def data_files_in(folder: Path, suffixes: Sequence[str] = DATA_SUFFIXES) -> list
 
 
 def shard_base(path: Path) -> str:
-    """A data file's stem without the hub's shard suffix: ``train`` for ``train-00000-of-00002.parquet``
-    and for ``train.jsonl``, ``dev`` for ``dev-00000-of-00001.parquet``."""
+    """A data file's stem without the hub's shard suffix: ``train`` for ``train-00000-of-00002.parquet``,
+    ``train-00000-of-00001-2a1df75c6bce91ab.parquet`` and ``train.jsonl``, ``dev`` for
+    ``dev-00000-of-00001.parquet``."""
     match = _SHARD.match(path.stem)
     return match["base"] if match else path.stem
 

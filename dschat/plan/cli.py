@@ -238,15 +238,16 @@ def _effective(args: argparse.Namespace) -> tuple:
 
 
 def _without_critic_flags(flags: Sequence[str]) -> list[str]:
-    """``flags`` without the critic's (``--critic_zero_stage N``, ``--critic_gradient_checkpointing``)."""
+    """``flags`` without the critic's (``--critic_zero_stage N``, ``--critic_gradient_checkpointing``),
+    but for ``--critic_zero_stage`` beside ``--offload``, which step 3 requires then."""
     kept: list[str] = []
     skip = False
     for flag in flags:
         if skip:
             skip = False
-        elif flag == "--critic_zero_stage":
+        elif flag == "--critic_zero_stage" and "--offload" not in flags:
             skip = True
-        elif not flag.startswith("--critic_"):
+        elif flag == "--critic_zero_stage" or not flag.startswith("--critic_"):
             kept.append(flag)
     return kept
 

@@ -327,6 +327,8 @@ def test_folder_of_hub_parquet_shards_keeps_its_test_split(tmp_path):
     ("Train_part2.json", None), ("train_small.jsonl", None), ("train.bak.jsonl", None),
     ("training.jsonl", None), ("data.jsonl", None), ("retrain.jsonl", None), ("testing-set.jsonl", None),
     ("dev-00000-of-00001.parquet", None),
+    ("train-00000-of-00001-2a1df75c6bce91ab.parquet", "train"),  # the hub's shard with a hash (Dahoas/rm-static)
+    ("test-00000-of-00001-8c7c51afc6d45980.parquet", "test"),
 ])
 def test_split_name_from_the_file_name(name, split):
     from pathlib import Path
@@ -345,8 +347,19 @@ def test_a_file_beside_the_split_files_is_refused_not_merged(tmp_path):
 def test_shard_base_keeps_any_split_name():
     from pathlib import Path
 
-    assert [lf.shard_base(Path(n)) for n in ("dev-00000-of-00001.parquet", "train.jsonl", "x-1-of-2.json")] == [
-        "dev", "train", "x-1-of-2"]
+    assert [lf.shard_base(Path(n)) for n in ("dev-00000-of-00001.parquet", "train.jsonl", "x-1-of-2.json",
+                                              "test-00000-of-00001-8c7c51afc6d45980.parquet")] == [
+        "dev", "train", "x-1-of-2", "test"]
+
+
+def test_hub_shards_with_a_hash_keep_their_splits(tmp_path):
+    """Dahoas/rm-static's own file names: a local copy, and the same files in a plain data folder."""
+    names = ("train-00000-of-00001-2a1df75c6bce91ab.parquet", "test-00000-of-00001-8c7c51afc6d45980.parquet")
+    for folder in (tmp_path / "Dahoas" / "rm-static", tmp_path / "plain"):
+        write_parquet(folder / names[0], [HH] * 5)
+        write_parquet(folder / names[1], [HH] * 3)
+        adapter = dispatch.get_raw_dataset(str(folder), "/unused", 1, -1)
+        assert (len(adapter.get_train_data()), len(adapter.get_eval_data())) == (5, 3), folder
 
 
 def test_held_out_shards_without_a_train_split_are_refused(tmp_path):

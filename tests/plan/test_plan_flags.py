@@ -90,6 +90,12 @@ def test_a_run_scored_by_functions_alone_plans_neither_critic_nor_reward_model(t
     found = suggestions(argv, parser.parse_args(argv), parser, limit=1000, gpu_bytes=2 * result["peak_bytes_per_gpu"])
     assert found and not [s for s in found if any(f.startswith("--critic_") for f in s["flags"])]
     assert any("--actor_gradient_checkpointing" in s["flags"] for s in found)
+    # ... but for --critic_zero_stage beside --offload, which step 3 requires then
+    from dschat.plan.cli import _without_critic_flags
+    assert _without_critic_flags(["--actor_zero_stage", "3", "--critic_zero_stage", "3", "--offload",
+                                  "--critic_gradient_checkpointing"]) == [
+        "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--offload"]
+    assert _without_critic_flags(["--critic_zero_stage", "3", "--actor_lora_dim", "128"]) == ["--actor_lora_dim", "128"]
     # PPO with --reward_fn keeps its critic, without the reward model
     ppo = plan(build_parser().parse_args(_argv(tiny, "--reward_fn", "dschat.rewards:gold")))
     assert set(ppo["model_states"]) == {"actor", "ref", "critic"}

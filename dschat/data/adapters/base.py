@@ -90,7 +90,7 @@ def _load_local_copy(path: Path, dataset_name: str, adapter: type["PromptRawData
     # dev-00000-of-00001.parquet are the train and dev splits).
     by_split: dict[str, list[Path]] = {}
     for f in files:
-        by_split.setdefault(lf.shard_base(f) if len(files) > 1 else "train", []).append(f)
+        by_split.setdefault(lf.shard_base(f).lower() if len(files) > 1 else "train", []).append(f)
     required = adapter.required_columns
     out = {}
     for split, split_files in by_split.items():
