@@ -5,6 +5,7 @@ loopback server of another account refused, the URL shown without its password."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -65,11 +66,13 @@ class RewardServer:
 
             def reply(self, status: int, body: Any, raw: bytes | None = None) -> None:
                 data = raw if raw is not None else json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                # A client that stopped its call at another request's failure may have gone away.
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -397,14 +400,19 @@ def test_a_failed_chunk_stops_the_call_before_a_slow_earlier_chunk_and_the_queue
     """Two requests in flight at a time, one query each: chunk 0 is held by the server, chunk 1 fails
     (HTTP 404, not retried). The call raises chunk 1's line while chunk 0 is still held (waiting for it
     would end in chunk 0's own timeout line instead), and chunks 2-4, not yet sent, are never sent."""
-    release = threading.Event()
+    release, held_arrived = threading.Event(), threading.Event()
 
     def held(handler: Any, payload: Any) -> None:
+        held_arrived.set()
         release.wait(60)
         handler.reply(200, {"rewards": [0.0]})
 
+    def fails(handler: Any, payload: Any) -> None:
+        held_arrived.wait(30)  # chunk 0 is in flight (and recorded) before chunk 1 fails
+        status(404)(handler, payload)
+
     def act(handler: Any, payload: Any) -> None:
-        (held if payload["prompts"] == [PROMPTS[0]] else status(404))(handler, payload)
+        (held if payload["prompts"] == [PROMPTS[0]] else fails)(handler, payload)
 
     with RewardServer([act] * 5) as server:
         try:
