@@ -347,6 +347,15 @@ def load_reward_functions(specs: Sequence[str], weights: Sequence[float] | None 
 # ------------------------------------------------------------------------------------------------
 # Combining
 # ------------------------------------------------------------------------------------------------
+def reward_model_weight(given: float | None, *, other_terms: bool) -> float:
+    """``--reward_model_weight``: ``given`` when set, else 1 with no other reward term (``--reward_fn``,
+    ``--reward_url``, ``--env``, a Python ``reward_fn``) and 0 with any. A weight of 0 means step 3
+    loads no reward model; step 3's reward mix and the memory planner both decide by this."""
+    if given is not None:
+        return float(given)
+    return 0.0 if other_terms else 1.0
+
+
 @dataclass(frozen=True)
 class RewardMix:
     """The reward of step 3: ``model_weight * model score + sum(weight_i * f_i)``.

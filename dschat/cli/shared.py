@@ -122,7 +122,8 @@ def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234
                             "them. Collectives later wait this long or DeepSpeed's DEEPSPEED_TIMEOUT (default "
                             "10 minutes), whichever is longer; step 3's collectives with --env, --reward_fn, --reward_url "
                             "or a function --eval_judge wait at least that code's longest stretch plus 5 minutes, so "
-                            "that a rank whose call times out stops the run with its own line. Fractions allowed.")
+                            "that a rank whose call times out stops the run with its own line. Under an MPI launch (no RANK "
+                            "set before start-up), start-up waits that collective time too. Fractions allowed.")
     return group
 
 

@@ -15,6 +15,7 @@ Contracts (the differences from upstream: docs/upstream.md):
 from __future__ import annotations
 
 import math
+import pickle
 import re
 import time
 from pathlib import Path
@@ -166,6 +167,13 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
         damaged = next((f for f in sorted(Path(path).glob("*.safetensors")) if not _readable(f)), Path(path))
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
                         "damaged or truncated; copy or save the model again") from None
+    except (pickle.UnpicklingError, RuntimeError) as err:  # a pytorch_model.bin torch.load(weights_only=True) refuses
+        damaged = _unreadable_bin(Path(path))
+        if damaged is None:
+            raise
+        raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
+                        "damaged or truncated, or holds Python objects besides tensors (dschat loads no pickles); "
+                        "copy or save the model again") from None
     except FileNotFoundError as err:  # a shard its index lists is not there
         missing = Path(err.filename or str(err).rpartition(": ")[2])
         if missing.parent.resolve() != Path(path).resolve():
@@ -177,6 +185,16 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
             raise
         raise UserError(f"{path} has no model weights (model.safetensors or pytorch_model.bin, or their sharded "
                         "index, beside config.json); copy or save the model again") from None
+
+
+def _unreadable_bin(folder: Path) -> Path | None:
+    """The first ``*.bin`` weights file of ``folder`` that ``torch.load(weights_only=True)`` refuses, or None."""
+    for file in sorted(folder.glob("*.bin")) if folder.is_dir() else ():
+        try:
+            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError):
+            return file
+    return None
 
 
 def _readable(file: Path) -> bool:

@@ -21,6 +21,7 @@ from functools import lru_cache
 from dschat.models.registry import resolve_model_path
 from dschat.plan.inventory import Inventory, inventory, read_config, with_lora
 from dschat.plan.model_state import EngineSpec, ModelState, model_state
+from dschat.rewards import reward_model_weight
 from dschat.rlhf.config import resolve_algorithm, zero_config
 from dschat.rlhf.rlhf_engine import ds_config_for
 
@@ -40,15 +41,12 @@ class RolePlan:
 
 
 def reward_model_used(args: argparse.Namespace) -> bool:
-    """Whether step 3 loads a reward model for ``args``' flags, as its ``reward_mix`` decides:
+    """Whether step 3 loads a reward model for ``args``' flags (:func:`~dschat.rewards.reward_model_weight`):
     ``--reward_model_weight`` when given (0: not loaded), else 1 without ``--reward_fn``,
     ``--reward_url`` and ``--env``, 0 with any of them. (A Python ``reward_fn`` handed to step 3's
     ``main`` is not a flag: the caller passes what its mix decided.)"""
-    weight = getattr(args, "reward_model_weight", None)
-    if weight is None:
-        others = getattr(args, "reward_fn", None) or getattr(args, "reward_url", None) or getattr(args, "env", None)
-        return not others
-    return weight != 0.0
+    others = getattr(args, "reward_fn", None) or getattr(args, "reward_url", None) or getattr(args, "env", None)
+    return reward_model_weight(getattr(args, "reward_model_weight", None), other_terms=bool(others)) != 0.0
 
 
 def planned_roles(args: argparse.Namespace, reward_model: bool | None = None) -> tuple[str, ...]:

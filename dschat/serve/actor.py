@@ -92,7 +92,7 @@ class ActorEngine:
     model: Any = field(repr=False)
     tokenizer: Any = field(repr=False)
     max_positions: int
-    eos_ids: frozenset[int] = frozenset()
+    eos_ids: frozenset[int]
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -233,12 +233,12 @@ class RowFollower:
     """The ``on_step`` callback (:data:`dschat.rlhf.rollout.sampling.StepCallback`) of one batch: row
     ``i`` answers ``jobs[i]``; rows past the jobs (filler rows of a fixed-size batch) end at the first
     step. Each step it hands every running row its token (:func:`_step`: emit text, end at an EOS of
-    :attr:`ActorEngine.eos_ids` or the tokenizer's, a stop string, ``max_tokens`` or a cancelled job)
+    :attr:`ActorEngine.eos_ids`, a stop string, ``max_tokens`` or a cancelled job)
     and returns the rows that have ended."""
 
     def __init__(self, engine: ActorEngine, jobs: Sequence[Job], rows: int) -> None:
         self.engine, self.rows, self.width = engine, [_Row(job) for job in jobs], rows
-        self.eos = engine.eos_ids | ({engine.tokenizer.eos_token_id} - {None})
+        self.eos = engine.eos_ids
 
     def __call__(self, token: torch.Tensor) -> torch.Tensor:
         for row, value in zip(self.rows, token.tolist()):

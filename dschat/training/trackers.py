@@ -108,6 +108,10 @@ class _TensorBoardSink:
     def close(self) -> None:
         self.writer.close()
 
+    def abandon(self) -> None:
+        """After a failed ``log``: close what can be closed (one warning if that fails too)."""
+        _close_quietly(self)
+
 
 class _WandbSink:
     label = "W&B"
@@ -128,6 +132,10 @@ class _WandbSink:
 
     def close(self) -> None:
         self.run.finish()
+
+    def abandon(self) -> None:
+        """After a failed ``log``: finish the run as far as W&B can (one warning if that fails too)."""
+        _close_quietly(self)
 
 
 class _MlflowSink:
@@ -224,7 +232,7 @@ class Trackers:
                  config: Mapping[str, Any] | None = None, root: str | None = None) -> None:
         names = (("tensorboard",) if report_to else ()) if isinstance(report_to, bool) else tuple(report_to)
         modules = {tracker: _import_extra(tracker) for tracker in names if tracker in EXTRAS}  # every rank
-        self.sinks: list[Any] = []
+        self.sinks: list[_TensorBoardSink | _WandbSink | _MlflowSink] = []
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return
         run_name, config = run_name or name, dict(config or {})
@@ -252,8 +260,8 @@ class Trackers:
 
     def scalars(self, step: int, **values: float) -> None:
         """Log ``values`` at ``step`` to every sink still running. A sink whose call raises is dropped
-        with one warning on stderr (the exception's type and first line); an MLflow run is then left
-        as it is, its server not asked again."""
+        with one warning on stderr (the exception's type and first line) and abandoned: TensorBoard and
+        W&B close what they can; an MLflow run is left as it is, its server not asked again."""
         if not self.sinks:
             return
         values = {key: float(value) for key, value in values.items()}
@@ -264,10 +272,7 @@ class Trackers:
                 self.sinks.remove(sink)
                 print(f"WARNING: {sink.label} logging failed at step {step} ({type(err).__name__}: "
                       f"{first_line(err)}); the run goes on without {sink.label}", file=sys.stderr, flush=True)
-                if isinstance(sink, _MlflowSink):
-                    sink.abandon()
-                else:
-                    _close_quietly(sink)
+                sink.abandon()
 
     def close(self) -> None:
         """Finish every sink's run (files flushed); a sink that fails to close is named in one warning."""

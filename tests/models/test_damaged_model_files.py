@@ -101,3 +101,24 @@ def test_other_load_errors_pass_through():
 
     with pytest.raises(OSError, match="Disk quota exceeded"):
         build._from_pretrained(Failing, "somewhere")
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage"])
+def test_a_damaged_pytorch_model_bin_is_one_line_naming_it(tmp_path, tokenizer, damage):
+    """Upstream's format: ``torch.load(weights_only=True)`` fails on a cut zip archive (RuntimeError)
+    and on bytes that are no tensor file (UnpicklingError)."""
+    import torch
+
+    folder = _model_folder(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    (folder / "model.safetensors").unlink()
+    weights = folder / "pytorch_model.bin"
+    torch.save(model.state_dict(), weights)
+    create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)  # whole, it loads
+    if damage == "cut":
+        _cut(weights, 0.5)
+    else:
+        weights.write_bytes(b"garbage" * 10)
+    with pytest.raises(UserError, match=rf"^cannot read the weights in {weights} \((RuntimeError|UnpicklingError): "
+                                        r".*\): the file is damaged or truncated, or holds Python objects"):
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)

@@ -11,7 +11,7 @@ import reward_fixtures
 from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.gold_judge import gold_score
 from dschat.rewards import (RewardFunction, RewardMix, final_number, gold, load_reward_function,
-                            load_reward_functions, math_exact_match)
+                            load_reward_functions, math_exact_match, reward_model_weight)
 from dschat.rlhf.heldout.setup import check_eval_args
 
 from helpers.step3 import step3_main
@@ -142,6 +142,19 @@ class TestMix:
         torch.testing.assert_close(mix.score(PROMPTS, ANSWERS, None), torch.tensor([0.2, 0.3, 0.1]))
         with pytest.raises(ValueError, match="no model scores"):
             RewardMix(model_weight=1.0).score(PROMPTS, ANSWERS, None)
+
+    def test_the_model_weight_default_is_decided_once_for_step_3_and_the_planner(self):
+        from argparse import Namespace
+
+        from dschat.plan.roles import reward_model_used
+        assert reward_model_weight(None, other_terms=False) == 1.0
+        assert reward_model_weight(None, other_terms=True) == 0.0  # not loaded beside functions
+        assert reward_model_weight(0.5, other_terms=True) == 0.5
+        assert reward_model_weight(0.0, other_terms=False) == 0.0
+        flags = dict(reward_fn=None, reward_url=None, env=None, reward_model_weight=None)
+        assert reward_model_used(Namespace(**flags))
+        assert not reward_model_used(Namespace(**{**flags, "reward_url": "http://judge"}))
+        assert reward_model_used(Namespace(**{**flags, "env": "dschat.envs_examples:Guess", "reward_model_weight": 2.0}))
 
 
 def test_prompt_columns_of_the_builtin_data(tmp_path):

@@ -76,3 +76,29 @@ def test_position_limits_by_family(tmp_path):
     check_seq_len_fits_positions("tiny-llama", 4096)  # 512 rotary positions in its config
     bloom = save_config(tmp_path / "bloom", transformers.BloomConfig())
     check_seq_len_fits_positions(bloom, 100_000)
+
+
+def test_step3_checks_every_model_that_reads_the_actors_ids(tmp_path):
+    """A whole rollout (prompt + answer) must fit the critic's and the reward model's position
+    tables when they read the actor's token ids: a critic-free run's reward model too. A critic that
+    starts from the actor, and a reward model of another tokenizer, are not checked against theirs."""
+    import argparse
+    import re
+
+    import transformers
+
+    from dschat.rlhf.rlhf_engine import ModelSources
+
+    from helpers.step3 import step3_main
+
+    check_readers = step3_main().check_readers
+    short = save_config(tmp_path / "short", transformers.GPT2Config(n_positions=64))
+    args = argparse.Namespace(max_prompt_seq_len=48, max_answer_seq_len=32)  # 80 > 64
+    line = re.escape("--max_prompt_seq_len + --max_answer_seq_len 80 is longer than")
+    with pytest.raises(UserError, match=line):  # a critic-free run's reward model
+        check_readers(args, ModelSources(None, short), critic=False, reward_model=True)
+    with pytest.raises(UserError, match=line):  # PPO's critic
+        check_readers(args, ModelSources(short, "tiny-llama"), critic=True, reward_model=True)
+    check_readers(args, ModelSources(short, short), critic=False, reward_model=False)  # neither is loaded
+    check_readers(args, ModelSources("tiny-llama", short, critic_from_actor=True, reward_tokenizer=object()),
+                  critic=True, reward_model=True)

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.remote_reward import plain_http_warning, remote_reward_function
-from dschat.rewards import RewardFunction, RewardMix, load_reward_functions
+from dschat.rewards import RewardFunction, RewardMix, load_reward_functions, reward_model_weight
 from dschat.runtime.dist import print_rank_0
 from dschat.runtime.import_guards import freeze_imported
 
@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # imported inside main (--help stays light)
     from dschat.rlhf.config import AlgorithmSettings, BatchPlan
     from dschat.rlhf.experience_maker import RewardFn
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
-    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine
+    from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, ModelSources
     from dschat.training.run_setup import ModelOutputs
 
 
@@ -70,9 +70,7 @@ def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> R
     if reward_fn is not None:
         functions.append(RewardFunction("reward_fn", reward_fn, require_finite=False, timeout=args.reward_fn_timeout))
     env = getattr(args, "env", None) or None
-    weight = args.reward_model_weight
-    if weight is None:
-        weight = 0.0 if functions or env else 1.0
+    weight = reward_model_weight(args.reward_model_weight, other_terms=bool(functions or env))
     if not math.isfinite(weight):
         raise UserError(f"--reward_model_weight must be a finite number, got {weight}")
     if not functions and weight == 0.0 and env is None:
@@ -113,12 +111,9 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     for flag, name in (("--critic_model_name_or_path", critic), ("--reward_model_name_or_path", reward)):
         if name is not None:
             check_critic_folder(resolve_model_path(name), name, flag)
-    # The actor and the critic read whole rollouts: prompt and answer (a cross-tokenizer reward model
-    # reads its own tokens of the text).
-    for name in (args.actor_model_name_or_path, critic if needs_critic else None):
-        if name is not None:
-            check_seq_len_fits_positions(name, args.max_prompt_seq_len + args.max_answer_seq_len,
-                                         "--max_prompt_seq_len + --max_answer_seq_len")
+    # The actor reads whole rollouts: prompt and answer (the critic and the reward model: check_readers).
+    check_seq_len_fits_positions(args.actor_model_name_or_path, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                 "--max_prompt_seq_len + --max_answer_seq_len")
     saved: ModelOutputs = {}
     if args.output_dir:
         out = Path(args.output_dir)
@@ -132,6 +127,20 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
                                              "--reward_model_name_or_path": reward}, saved)
     run_setup.check_output_paths(args)
     return saved
+
+
+def check_readers(args: argparse.Namespace, sources: ModelSources, *, critic: bool, reward_model: bool) -> None:
+    """The models that read the actor's token ids take a whole rollout (prompt + answer) within their
+    position tables (one line, before any weight loads): the critic unless it starts from the actor
+    (checked as the actor, in :func:`check_paths`), and the reward model, PPO's or a critic-free run's,
+    unless it has another tokenizer (then it reads its own tokens of the text, cut to its length)."""
+    from dschat.training.step_data import check_seq_len_fits_positions
+
+    readers = [sources.critic if critic and not sources.critic_from_actor else None,
+               sources.reward if reward_model and sources.reward_tokenizer is None else None]
+    for name in dict.fromkeys(r for r in readers if r is not None):
+        check_seq_len_fits_positions(name, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                     "--max_prompt_seq_len + --max_answer_seq_len")
 
 
 def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, plan: BatchPlan, local_rank: int,
@@ -228,19 +237,20 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     print_rank_0(mix.describe(), ctx.rank)
     step3_preflight(args, argv, ctx, four_models=settings.critic and mix.uses_model,  # memory, before any model
                     reward_model=mix.uses_model)
-    # After every check that can refuse the run (no tracker run is left behind by one), before any
-    # model (a missing extra: exit 2).
-    tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")
-
-    # ---------------------------------------------------------------- tokenizer and data
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
     # The critic reads the actor's token ids (else it starts from the actor); a reward model of another
     # tokenizer reads re-tokenised text.
     sources = resolve_model_sources(args.actor_model_name_or_path, args.critic_model_name_or_path,
                                     args.reward_model_name_or_path, tokenizer, needs_critic=settings.critic,
                                     needs_reward=mix.uses_model)
+    check_readers(args, sources, critic=settings.critic, reward_model=mix.uses_model)
+    # After every check that can refuse the run (no tracker run is left behind by one), before any
+    # model (a missing extra: exit 2).
+    tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")
     for line in sources.notes:
         print_rank_0(line, ctx.rank)
+
+    # ---------------------------------------------------------------- data
     prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank,
                                                                    settings.num_generations)
     if args.shared_prompt_fields is not None:
