@@ -110,6 +110,7 @@ class DeepSpeedHybridEnginePath(DecodingPath):
     """DeepSpeed's Hybrid Engine: its generate, installed on the module (see the module docstring)."""
 
     name = loop = "hybrid-engine"
+    falls_back = True
     label = "DeepSpeed's Hybrid Engine"
 
     def can_serve(self, request: RolloutRequest) -> str | None:

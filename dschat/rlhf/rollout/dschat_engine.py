@@ -317,6 +317,7 @@ class DschatEnginePath(DecodingPath):
     """dschat's Hybrid Engine, each rank decoding its own prompts (see the module docstring)."""
 
     name = loop = "dschat-he"
+    falls_back = True
     label = ENGINE_NAME
     tensor_parallel = False  # serves at --inference_tp_size 1 (dschat.rlhf.rollout.tensor_parallel: > 1)
     continues = True

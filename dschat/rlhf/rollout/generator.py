@@ -61,6 +61,7 @@ from deepspeed import DeepSpeedEngine
 from torch import nn
 from transformers import PreTrainedTokenizerBase
 
+from dschat.errors import UserError
 from dschat.rlhf.rollout.conversation import Conversation
 from dschat.rlhf.rollout.deepspeed_engine import NO_CONTAINER, DeepSpeedHybridEnginePath, HybridEngineDecision
 from dschat.rlhf.rollout.dschat_engine import DschatEnginePath, DschatHybridEngine
@@ -71,7 +72,8 @@ from dschat.rlhf.rollout.sample_loop import SampleLoopPath
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout
 from dschat.rlhf.rollout.tensor_parallel import TensorParallelEnginePath
 from dschat.rlhf.rollout.weights import module_weights
-from dschat.runtime.dist import TensorParallelGroup, print_rank_0, tensor_parallel_group
+from dschat.runtime.dist import (TensorParallelGroup, gather_ints, get_world_size, print_rank_0,
+                                    tensor_parallel_group)
 
 __all__ = ["RolloutGenerator", "PATH_ORDER", "KV_REUSE", "rollout_summary_line"]
 
@@ -244,12 +246,9 @@ class RolloutGenerator:
                 reason = path.can_serve(request)
                 if reason is None:
                     self.last_loop = path.loop
-                    try:
-                        rollout = path.generate(request)
-                    except Exception as err:  # noqa: BLE001 -- the path says whether it falls back
-                        reason = path.fall_back(err, request)
-                        if reason is None:
-                            raise
+                    rollout, failure = _decode(path, request)
+                    if failure is not None:
+                        reason, err = failure
                         fall_back(self, path.name, reason)
                         reason = f"failed ({type(err).__name__}), off for the rest of the run"
                     else:
@@ -272,3 +271,33 @@ class RolloutGenerator:
             able = ", ".join(path.name for path in self.paths if path.continues)
             why = f"{served.name} decodes the turns; only {able} continue a KV cache"
         say_once(self, f"{KV_REUSE}: each turn prefills the whole conversation again ({why})")
+
+
+def _decode(path: DecodingPath, request: RolloutRequest) -> tuple[Rollout | None, tuple[str, Exception] | None]:
+    """``path.generate(request)`` and None, or None and ``(reason, error)`` when the path falls back
+    (:meth:`DecodingPath.fall_back`'s line); an error it does not fall back from is raised. A path
+    that ``falls_back`` does so on every rank or none (collective with more than one rank: one
+    all-reduce): after another rank's fallback this rank drops its rollout and falls back too; after
+    another rank's error, it raises a :class:`UserError` line saying so."""
+    rollout: Rollout | None = None
+    err: Exception | None = None
+    reason: str | None = None
+    try:
+        rollout = path.generate(request)
+    except Exception as failure:  # noqa: BLE001 -- the path says whether it falls back
+        err, reason = failure, path.fall_back(failure, request)
+    if path.falls_back and get_world_size() > 1:
+        worst = max(row[0] for row in gather_ints([0 if err is None else 1 if reason is not None else 2]))
+        if worst == 2 and (err is None or reason is not None):
+            raise UserError(f"decoding with {path.name} failed on another rank (its error is in that rank's log)")
+        if worst == 1 and err is None:
+            err = RuntimeError(f"{path.name} failed on another rank")
+            reason = path.fall_back(err, request)
+            if reason is None:
+                raise UserError(f"{path.name} fell back on another rank but cannot here; its line is in that "
+                                "rank's log")
+    if err is None:
+        return rollout, None
+    if reason is None:
+        raise err
+    return None, (reason, err)

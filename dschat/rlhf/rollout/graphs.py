@@ -45,6 +45,7 @@ class GraphsPath(DecodingPath):
     """``generate`` with a static KV cache and CUDA graphs on the training module (see the module docstring)."""
 
     name = loop = "graphs"
+    falls_back = True
     on_module = True
     continues = True
     label = "graphs (Hugging Face generate, static KV cache, CUDA graphs)"

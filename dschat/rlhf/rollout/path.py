@@ -10,7 +10,10 @@ decoding a rollout and asks them in a fixed order. For each rollout:
   :class:`~dschat.rlhf.rollout.sampling.Rollout`.
 * :meth:`DecodingPath.fall_back` is asked when ``generate`` raised: one line when the failure is one
   to fall back from (the path turns itself off for the rest of the run), ``None`` to re-raise it.
-  Out of memory and :class:`~dschat.errors.UserError` are never fallen back from.
+  Out of memory and :class:`~dschat.errors.UserError` are never fallen back from. A path that can
+  fall back (``falls_back``) does so on every rank or on none: with more than one rank, the ranks
+  agree after each of its rollouts (one all-reduce), and a rank whose rollout succeeded drops it and
+  falls back too, so that no rank is left in another collective than the others.
 
 Paths with ``on_module`` decode with the training module, inside the generator's ZeRO-3 gather and
 LoRA fusion (``RolloutRequest.materialised``); the others bring their own weights.
@@ -72,6 +75,7 @@ class DecodingPath(ABC):
     label: ClassVar[str]  # what the rollout summary line calls it
     on_module: ClassVar[bool] = False  # decodes with the training module inside the generator's gather
     continues: ClassVar[bool] = False  # continues a multi-turn batch's kept KV cache (a Conversation)
+    falls_back: ClassVar[bool] = False  # fall_back may return a line (the ranks then agree on each rollout)
 
     def __init__(self, generator: RolloutGenerator) -> None:
         self.gen = generator
