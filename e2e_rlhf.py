@@ -322,19 +322,37 @@ def folder_problem(folder: Path, kind: str) -> str | None:
     return None
 
 
-def reproduce_command(args: argparse.Namespace, dep: Deployment, step: int) -> str:
+#: e2e options a rerun hint never repeats: the hint names its own step and its resolved models,
+#: deployment and output folder, and a dry run never fails a step.
+_HINT_OWN = {"help", "step", "dry_run", "actor_model", "reward_model", "deployment_type", "output_dir"}
+
+
+def reproduce_command(args: argparse.Namespace, dep: Deployment, step: int,
+                      parser: argparse.ArgumentParser | None = None) -> str:
+    """The e2e command that runs step ``step`` alone exactly as this run ran it: ``--step``, the
+    step's resolved models (step 1 the actor, step 2 the reward model, step 3 both), the deployment
+    and the output folder, then every other option of ``parser`` (default: e2e's) whose value is not
+    its default -- read from the parser's actions, so an option added later is repeated too. Parsing
+    the command again gives the same step settings (flags, folders, launcher options, --seed)."""
+    parser = parser or build_parser()
     cmd = ["python", "e2e_rlhf.py", "--step", str(step)]
-    if step == 1:
+    if step in (1, 3):
         cmd += ["--actor-model", args.actor_model]
-        if args.actor_zero_stage:
-            cmd += ["--actor-zero-stage", args.actor_zero_stage]
-    else:
+    if step in (2, 3):
         cmd += ["--reward-model", args.reward_model]
-        if args.reward_zero_stage:
-            cmd += ["--reward-zero-stage", args.reward_zero_stage]
     cmd += ["--deployment-type", dep.name, "--output-dir", str(args.output_dir)]
-    if args.save_format is not None:
-        cmd += ["--save-format", args.save_format]
+    for action in parser._actions:  # argparse keeps no public list of a parser's options
+        value = getattr(args, action.dest, action.default)
+        if action.dest in _HINT_OWN or not action.option_strings or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if action.nargs == 0:  # store_true
+            cmd.append(flag)
+        elif isinstance(value, list):  # append
+            for item in value:
+                cmd += [flag, str(item)]
+        else:
+            cmd += [flag, str(value)]
     return shlex.join(cmd)
 
 
@@ -561,7 +579,10 @@ def gpu_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namespace:
+def build_parser(config: E2EConfig | None = None) -> argparse.ArgumentParser:
+    """e2e's options (upstream's, then dschat's additions); ``config`` (default: configs/e2e.yaml)
+    names the deployment types and default models in the help."""
+    config = config or load_e2e_config()
     parser = argparse.ArgumentParser(
         description="Run steps 1-3 of DeepSpeed-Chat (SFT, reward model, PPO) with the recipes in configs/.",
         epilog="Models: upstream's OPT sizes (actor 1.3b, 6.7b, 13b, 66b; reward 350m; other OPT sizes map to "
@@ -634,7 +655,12 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
                         help="plan every step's memory before step 1 (docs/memory-plan.md): on a GPU a step that "
                              "cannot fit stops e2e in one line with the first fix; on the CPU one line per step, "
                              "not enforced; off: skip")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namespace:
+    """The checked e2e options of ``argv``; a bad combination is one :class:`UserError` line."""
+    args = build_parser(config).parse_args(argv)
     if args.actor_zero_stage != "" or args.reward_zero_stage != "":
         warnings.warn("Non-default zero stages may result in OOM errors or worse performance.", stacklevel=1)
     args.step = sorted(set(args.step))

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
     sys.path.insert(0, str(ROOT))
 
 from dschat.errors import UserError, cli_main  # noqa: E402
+from dschat.eval.report import check_sampling  # noqa: E402  (torch-free: bad options fail in a blink)
 
 # bitsandbytes (imported by transformers) warns on AVX-512 CPUs without the optional `kernels`
 # package; that line is noise in an interactive tool.
@@ -78,12 +79,14 @@ def check_max_new_tokens(max_new_tokens: int, config: Any) -> None:
 
 def load(path: str, device: str = "auto", fmt: str = "auto",
          max_new_tokens: int | None = None) -> tuple[Any, Any, Any]:
-    """(model, tokenizer, device) for chatting; ``fmt`` (``--format``) and ``max_new_tokens``
-    (:func:`check_max_new_tokens`) are checked before the model loads."""
+    """(model, tokenizer, device) for chatting; ``fmt`` (``--format``), ``max_new_tokens``
+    (:func:`check_max_new_tokens`) and ``device`` (``--device``: a torch device this machine has, see
+    :func:`dschat.eval.scoring.pick_device`) are checked before the model loads."""
     folder = resolve_chat_folder(path)  # before the heavy imports: a bad path fails in a blink
     import torch
     from transformers import AutoModelForCausalLM
 
+    from dschat.eval.scoring import pick_device
     from dschat.models.registry import load_config
     from dschat.models.tokenizer import load_hf_tokenizer
 
@@ -94,9 +97,7 @@ def load(path: str, device: str = "auto", fmt: str = "auto",
                         "chat with a step-1 or step-3 actor folder")
     if max_new_tokens is not None:
         check_max_new_tokens(max_new_tokens, config)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = pick_device(device)  # --device: a CUDA device this machine lacks is one line, before loading
     # bf16 on a GPU that supports it (fp16 overflows some models; upstream forced .half()), fp32 on CPU.
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else (
         torch.float16 if dev.type == "cuda" else torch.float32)
@@ -258,10 +259,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError("--max_new_tokens must be at least 1")
-    if args.sample and not args.temperature > 0:
-        raise UserError(f"--temperature must be > 0 with --sample, got {args.temperature}; or drop --sample (greedy)")
-    if args.sample and not 0 < args.top_p <= 1:
-        raise UserError(f"--top_p must be in (0, 1] with --sample, got {args.top_p}")
+    if args.sample:
+        check_sampling(args.temperature, args.top_p, greedy="drop --sample")
     model, tokenizer, device = load(args.path, args.device, args.format, args.max_new_tokens)
     import torch  # lazy, as every heavy import in this file (load() has imported it)
 

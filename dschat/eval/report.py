@@ -79,7 +79,7 @@ __all__ = [
     "EvalSettings", "heldout_prompts", "heldout_pairs", "read_eval_records", "read_metrics", "find_metrics_file",
     "evaluation_summary", "evaluation_lines", "EPISODE_WINDOW", "episode_summary", "episode_lines",
     "write_answers", "read_timings", "build_report", "write_report",
-    "summary_text", "curves_only", "build_parser", "main",
+    "summary_text", "curves_only", "check_sampling", "build_parser", "main",
 ]
 
 
@@ -308,10 +308,10 @@ def build_report(
     scoring.check_actor_folder(sft)
     scoring.check_actor_folder(rlhf)
     scoring.check_reward_folder(reward)
+    device = scoring.pick_device(settings.device)
     check_writable_dir(out, "--out")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    device = scoring.pick_device(settings.device)
     prompts = heldout_prompts(settings.max_prompts)
     pairs = heldout_pairs(settings.max_pairs)
     decoding = "greedy" if not settings.do_sample else (
@@ -498,6 +498,18 @@ def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
 # -------------------------------------------------------------------------------------------------
 # CLI
 # -------------------------------------------------------------------------------------------------
+def check_sampling(temperature: float, top_p: float, top_k: int | None = None, *, greedy: str = "pass --greedy") -> None:
+    """Sampling settings ``generate`` accepts: ``--temperature`` > 0, 0 < ``--top_p`` <= 1 and, when
+    given, ``--top_k`` >= 0 (0: off); else one :class:`UserError` line naming the option, ending with
+    ``greedy`` (how this tool decodes greedily instead). Shared with inference/chatbot.py."""
+    if not temperature > 0:  # NaN fails too
+        raise UserError(f"--temperature must be > 0 when sampling, got {temperature}; or {greedy} (greedy decoding)")
+    if not 0 < top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1] when sampling (1: off), got {top_p}; or {greedy} (greedy decoding)")
+    if top_k is not None and top_k < 0:
+        raise UserError(f"--top_k must be >= 0 when sampling (0: off), got {top_k}; or {greedy} (greedy decoding)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     d = EvalSettings()
     parser = argparse.ArgumentParser(
@@ -547,6 +559,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise UserError(f"--{name} must be at least 1")
+    if not args.greedy:
+        check_sampling(args.temperature, args.top_p, args.top_k)
     settings = EvalSettings(
         max_prompts=args.max_prompts, max_pairs=args.max_pairs, batch_size=args.batch_size,
         generation_batch_size=args.generation_batch_size,

@@ -31,10 +31,25 @@ from dschat.runtime.zero3 import zero3_pass
 # -------------------------------------------------------------------------------------------------
 # Models
 # -------------------------------------------------------------------------------------------------
-def pick_device(name: str = "auto") -> Any:
+def pick_device(name: str = "auto", flag: str = "--device") -> Any:
+    """The torch device ``name`` (the option ``flag``) means: ``auto`` is CUDA when there is a GPU, else
+    the CPU. A name that is no torch device, or a CUDA device this machine does not have, is one
+    :class:`UserError` line naming ``flag`` -- checked before any model loads (the report and
+    inference/chatbot.py share this check)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        raise UserError(f"{flag} {name!r} is not a torch device; give cpu, cuda, cuda:N or auto") from None
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"{flag} {name}: this machine has no CUDA device; give {flag} cpu or {flag} auto")
+        if device.index is not None and device.index >= count:
+            raise UserError(f"{flag} {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
+                            f"give one of those, {flag} cpu or {flag} auto")
+    return device
 
 
 def _check_folder(path: str | Path, what: str) -> Path:
