@@ -8,6 +8,7 @@ ours say so in their help. Step 2's own groups are in :mod:`dschat.cli.step2`, s
 from __future__ import annotations
 
 import argparse
+import os
 
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
 from dschat.paths import SAVE_FORMATS, data_cache_dir
@@ -17,6 +18,19 @@ from dschat.runtime.fs import resolve_output_dir
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 DTYPE_CHOICES = ("fp16", "bf16", "fp32")
+
+
+def user_path(value: str) -> str:
+    """A path flag's value with a leading ``~`` (``~`` or ``~user``) expanded, once, at parsing: bash
+    leaves ``--data_output_path=~/dc`` as it is, and a literal ``~`` would be a folder named ``~`` in
+    the working directory for one reader and the home folder for another. Hub ids, dataset names and
+    dschat's short names never start with ``~``, so flags that also take those use it too."""
+    return os.path.expanduser(value)
+
+
+def output_dir(value: str) -> str:
+    """``--output_dir``: :func:`user_path`, then :func:`~dschat.runtime.fs.resolve_output_dir`."""
+    return resolve_output_dir(user_path(value))
 
 
 def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._ArgumentGroup:
@@ -31,7 +45,7 @@ def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._A
         raise ValueError(f"phase must be 1, 2 or 3, got {phase}")
     group = parser.add_argument_group("data")
     group.add_argument(
-        "--data_path", nargs="*", default=["Dahoas/rm-static"],
+        "--data_path", nargs="*", type=user_path, default=["Dahoas/rm-static"],
         help="Path to the training dataset. Accepted format: 1) a single data path, 2) multiple "
              "datasets in the form: dataset1-path dataset2-path ... Besides the hub datasets "
              "upstream supports: dschat/builtin, local/jsonfile, a .json/.jsonl/.parquet file or "
@@ -44,10 +58,10 @@ def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._A
              "phase 3.",
     )
     if phase == 1:
-        group.add_argument("--sft_only_data_path", nargs="*", default=[],
+        group.add_argument("--sft_only_data_path", nargs="*", type=user_path, default=[],
                            help="Path to the dataset for only using in SFT phase.")
     group.add_argument(
-        "--data_output_path", type=str, default=str(data_cache_dir()),
+        "--data_output_path", type=user_path, default=str(data_cache_dir()),
         help="Where to store the data-related files such as the tokenised-dataset cache. May be "
              "shared by all ranks and nodes if the filesystem supports file locks: the cache is "
              "built once under a lock and written atomically. (dschat) Default: data_files in "
@@ -65,7 +79,7 @@ def add_data_args(parser: argparse.ArgumentParser, *, phase: int) -> argparse._A
 def add_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("model")
     group.add_argument(
-        "--model_name_or_path", type=str, required=True,
+        "--model_name_or_path", type=user_path, required=True,
         help="Path to pretrained model or model identifier from huggingface.co/models. Also a "
              "dschat short name: smollm2-135m (embedded SmolLM2-135M-Instruct), tiny-llama, "
              "tiny-opt, tiny-opt-quirk (tiny random models for tests), or a PEFT LoRA adapter folder "
@@ -104,7 +118,7 @@ def add_training_args(
 
 def add_runtime_args(parser: argparse.ArgumentParser, *, seed: int | None = 1234) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("runtime")
-    group.add_argument("--output_dir", type=resolve_output_dir, default=None,
+    group.add_argument("--output_dir", type=output_dir, default=None,
                        help="Where to store the model. A symlink is followed: the output lands where it points "
                             "and the link stays. On many nodes, a folder every node shares (docs/checkpoints.md).")
     group.add_argument("--save_format", choices=SAVE_FORMATS, default="safetensors",
@@ -137,7 +151,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group.add_argument("--resume", action="store_true",
                        help="(dschat) Continue from the last written complete checkpoint in <output_dir>/checkpoints "
                             "(start from scratch, with a notice, when there is none).")
-    group.add_argument("--resume_from", type=str, default=None,
+    group.add_argument("--resume_from", type=user_path, default=None,
                        help="(dschat) Continue from this checkpoint folder (<output_dir>/checkpoints/step_N).")
     group.add_argument("--max_nonfinite_steps", type=int, default=10,
                        help="(dschat) A micro-step whose loss is NaN/inf on any rank, or an optimizer step with "
@@ -209,7 +223,7 @@ def add_tracker_args(group: argparse._ArgumentGroup, *, tensorboard_path: str) -
     """``--enable_tensorboard``, ``--tensorboard_path`` (upstream's) and ``--report_to`` (ours), for
     every step: the experiment trackers (:mod:`dschat.training.trackers`, docs/metrics.md)."""
     group.add_argument("--enable_tensorboard", action="store_true", help="Enable tensorboard logging")
-    group.add_argument("--tensorboard_path", type=str, default=tensorboard_path, help="Path to tensorboard logs")
+    group.add_argument("--tensorboard_path", type=user_path, default=tensorboard_path, help="Path to tensorboard logs")
     group.add_argument("--report_to", type=parse_report_to, action=_ReportTo, default=None, metavar="LIST",
                        help="(dschat) Experiment trackers that get the run's scalars and its flags (rank 0): a "
                             "comma list of tensorboard, wandb, mlflow, or none. Default: tensorboard with "

@@ -8,7 +8,8 @@ import argparse
 import functools
 
 from dschat.cli.shared import (DTYPE_CHOICES, SCHEDULER_TYPES, add_checkpoint_args, add_data_args, add_deepspeed_args,
-                               add_eot_args, add_runtime_args, add_sequence_packing_arg, add_tracker_args)
+                               add_eot_args, add_runtime_args, add_sequence_packing_arg, add_tracker_args,
+                               user_path)
 
 
 # Step 3's algorithms and loss aggregations (dschat.rl_math.critic_free.ALGORITHMS / LOSS_AGGREGATIONS; a
@@ -24,7 +25,7 @@ EVAL_INTERVAL_AUTO = "auto"
 def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Step 3's PPO-ptx data flags (``--unsup_coef`` belongs to the PPO group)."""
     group = parser.add_argument_group("unsupervised data (PPO-ptx)")
-    group.add_argument("--unsupervised_dataset_name", type=str, default=None,
+    group.add_argument("--unsupervised_dataset_name", type=user_path, default=None,
                        help="The name of the dataset to use (via the datasets library). Also: a local "
                             "save_to_disk folder, .json/.jsonl/.parquet/.txt file(s), or dschat/builtin. "
                             "Setting it enables PPO-ptx (upstream also required a config name).")
@@ -37,15 +38,15 @@ def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._Arg
 
 def add_step3_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group = parser.add_argument_group("actor and critic")
-    group.add_argument("--actor_model_name_or_path", type=str, required=True,
+    group.add_argument("--actor_model_name_or_path", type=user_path, required=True,
                        help="Path to the step-1 actor (a folder, hub id, dschat short name, or PEFT LoRA "
                             "adapter folder: its base model, the adapter merged).")
-    group.add_argument("--critic_model_name_or_path", type=str, default=None,
+    group.add_argument("--critic_model_name_or_path", type=user_path, default=None,
                        help="Path to the step-2 reward model output (the critic and reward model start from it), "
                             "or its lora_adapter/ folder (the adapter merged into its base, its value head). "
                             "Required for --algorithm ppo and whenever the reward model scores answers; a "
                             "critic-free algorithm scored by --reward_fn alone needs none.")
-    group.add_argument("--reward_model_name_or_path", type=str, default=None,
+    group.add_argument("--reward_model_name_or_path", type=user_path, default=None,
                        help="The reward model's folder (default: --critic_model_name_or_path, as upstream): a step-2 "
                             "output, or a Hugging Face *ForSequenceClassification folder with num_labels 1. Its "
                             "tokenizer may differ from the actor's (another family): each answer is then decoded, "

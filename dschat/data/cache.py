@@ -133,8 +133,9 @@ class CacheFiles:
 
 
 def cache_files(output_path: str | os.PathLike, key: str) -> CacheFiles:
-    """Paths of the cache for ``key`` under ``output_path``."""
-    base = Path(output_path)
+    """Paths of the cache for ``key`` under ``output_path`` (a leading ``~`` expanded, as
+    :func:`check_data_output_path` and :func:`private_folder` do)."""
+    base = Path(os.path.expanduser(os.fspath(output_path)))
     return CacheFiles(
         base / f"traindata_{key}.safetensors",
         base / f"evaldata_{key}.safetensors",
@@ -151,7 +152,8 @@ UNTRUSTED_FIX = ("pass a --data_output_path folder of your own that only you can
 def check_data_output_path(output_path: str | os.PathLike) -> None:
     """Refuse (one line) an existing ``--data_output_path`` that is not this user's, or that group or
     others can write to: files there could have been planted. A missing folder passes (it is
-    created private)."""
+    created private). A leading ``~`` is the home folder, as everywhere in this module."""
+    output_path = os.path.expanduser(os.fspath(output_path))
     if os.path.lexists(output_path):
         check_trusted(output_path, "--data_output_path", UNTRUSTED_FIX)
 

@@ -19,7 +19,9 @@ The rendezvous:
   minute instead of waiting out ``--dist_timeout``. Torch's own rendezvous then reuses that store
   (``multi_tenant``). Collectives after start-up wait the longest of DeepSpeed's default
   (``DEEPSPEED_TIMEOUT``, 10 minutes), ``--dist_timeout`` and step 3's user-code stretch: one rank may
-  legitimately work alone for minutes (the data cache, a large save, a slow reward function).
+  legitimately work alone for minutes (the data cache, a large save, a slow reward function). Every
+  process group waits that long, DeepSpeed's own (ZeRO's) and the tensor-parallel ones included
+  (:func:`use_collective_timeout`).
 """
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
@@ -44,7 +45,8 @@ from torch.distributed import distributed_c10d
 
 from dschat.errors import EXIT_USAGE, UserError
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES, RENDEZVOUS_ID_VAR
-from dschat.runtime.trust import owned_privately, untrusted_reason
+from dschat.runtime.shm_buffers import (claim_shm_allreduce_buffer, load_shm_all_reduce,
+                                        shm_all_reduce_expected, unlink_shm_allreduce_buffer)
 
 __all__ = [
     "DistInfo",
@@ -54,6 +56,7 @@ __all__ = [
     "print_rank_0",
     "get_all_reduce_mean",
     "all_reduce_sum",
+    "use_collective_timeout",
     "claim_shm_allreduce_buffer",
     "unlink_shm_allreduce_buffer",
     "collective_device",
@@ -241,6 +244,30 @@ def _collective_timeout(rendezvous: datetime.timedelta, least: datetime.timedelt
     return max(rendezvous, default_pg_timeout, least or rendezvous)
 
 
+_COLLECTIVE_TIMEOUT: list[datetime.timedelta] = []  # what use_collective_timeout last gave the groups
+
+
+def use_collective_timeout(timeout: datetime.timedelta) -> None:
+    """Make every process group's collectives wait ``timeout``: the groups that exist now (the
+    default one, and any a caller or DeepSpeed made already), and the groups made later.
+
+    Torch gives a group made without a ``timeout`` its backend's default (NCCL 10 minutes, gloo 30),
+    not the default group's; DeepSpeed makes its groups that way (``deepspeed.utils.groups``: the
+    clone of the world group that ZeRO's all-gathers and reduce-scatters use, hpZ's and the expert
+    groups), at its engine's set-up. So torch's default for such groups
+    (``distributed_c10d.default_pg_timeout``, and ``default_pg_nccl_timeout``, which torch's
+    ``new_group`` reads at each call) becomes ``timeout`` too, for the rest of the process; dschat's
+    own groups pass it (:func:`tensor_parallel_group`). Called by :func:`init_distributed`.
+    """
+    for group in list(distributed_c10d._world.pg_map):
+        if not distributed_c10d._rank_not_in_group(group):
+            distributed_c10d._set_pg_timeout(timeout, group)
+    distributed_c10d.default_pg_timeout = timeout
+    if isinstance(distributed_c10d.default_pg_nccl_timeout, datetime.timedelta):  # None without NCCL
+        distributed_c10d.default_pg_nccl_timeout = timeout
+    _COLLECTIVE_TIMEOUT[:] = [timeout]
+
+
 def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float = DEFAULT_DIST_TIMEOUT_MINUTES,
                      collective_minutes: float = 0.0) -> DistInfo:
     """Initialise DeepSpeed's process group (idempotent) and return this rank's :class:`DistInfo`.
@@ -249,8 +276,11 @@ def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float 
     process, a private file store). On CUDA the current device is set to ``LOCAL_RANK`` *before*
     the NCCL group is created, as upstream's ``get_accelerator().set_device(args.local_rank)`` did.
     ``timeout_minutes`` (``--dist_timeout``) bounds the wait for the other ranks at start-up (a
-    :class:`UserError` line when they do not come); collectives wait the longest of it, DeepSpeed's
-    ``DEEPSPEED_TIMEOUT`` and ``collective_minutes``. See the module docstring.
+    :class:`UserError` line when they do not come); collectives, in every process group, wait the
+    longest of it, DeepSpeed's ``DEEPSPEED_TIMEOUT`` and ``collective_minutes``
+    (:func:`use_collective_timeout`). On a CPU, the ranks pass a barrier before each removes its
+    shared-memory all-reduce buffer's name (:mod:`dschat.runtime.shm_buffers`). See the module
+    docstring.
     """
     import deepspeed  # lazy: see _collective_timeout
     from deepspeed.accelerator import get_accelerator
@@ -264,14 +294,17 @@ def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float 
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
     created = not torch.distributed.is_initialized()
-    # The CPU all-reduce buffer's name, made before DeepSpeed's (an MPI launch sets RANK only later).
+    # The CPU all-reduce buffer's name, made before DeepSpeed's. Not under an MPI launch: DeepSpeed's
+    # discovery sets RANK and rewrites MASTER_ADDR / MASTER_PORT, which the name holds, only inside it.
     claimed = (created and accelerator.device_name() == "cpu" and "RANK" in os.environ
-               and _shm_all_reduce_expected() and claim_shm_allreduce_buffer(int(os.environ["RANK"])))
+               and shm_all_reduce_expected() and claim_shm_allreduce_buffer(int(os.environ["RANK"])))
+    collective = _collective_timeout(rendezvous, least)
+    met = False  # whether the ranks passed a barrier after DeepSpeed's set-up (_init_ranks has one)
     try:
         if not created:
             deepspeed.init_distributed(dist_backend=dist_backend)  # registers DeepSpeed's handle on the group
         elif "RANK" not in os.environ:  # an MPI launcher: DeepSpeed's discovery fills in the rest
-            deepspeed.init_distributed(dist_backend=dist_backend, timeout=_collective_timeout(rendezvous, least))
+            deepspeed.init_distributed(dist_backend=dist_backend, timeout=collective)
         elif int(os.environ["WORLD_SIZE"]) == 1:
             loopback = _loopback_interface()
             if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
@@ -279,14 +312,20 @@ def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float 
                 os.environ["GLOO_SOCKET_IFNAME"] = loopback
             deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
                                        init_method=_private_file_store(), rank=0, world_size=1,
-                                       timeout=_collective_timeout(rendezvous, least))
+                                       timeout=collective)
         else:
             _init_ranks(deepspeed, accelerator, dist_backend, rendezvous, least)
+            met = True
     except BaseException:
         if claimed:
             unlink_shm_allreduce_buffer(int(os.environ["RANK"]))
         raise
+    use_collective_timeout(collective)
     if accelerator.device_name() == "cpu":  # every branch, MPI and an existing group included
+        if not met and torch.distributed.get_world_size() > 1:
+            # DeepSpeed's set-up returns once this rank has mapped its peers' buffers, not once they
+            # have mapped this one's: a peer still opening this name would wait for it forever.
+            torch.distributed.barrier()
         unlink_shm_allreduce_buffer(torch.distributed.get_rank())
     if created and torch.distributed.get_backend() == "gloo":
         atexit.register(destroy_gloo_group)
@@ -314,84 +353,11 @@ def destroy_gloo_group() -> None:
         torch.distributed.destroy_process_group()
 
 
-SHM_DIR = Path("/dev/shm")
-
-
-def _shm_buffer_name(rank: int) -> str:
-    """DeepSpeed's name for ``rank``'s CPU all-reduce buffer in ``/dev/shm`` (``shm.cpp``)."""
-    return (f"deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{rank}")
-
-
-def _shm_all_reduce_expected() -> bool:
-    """DeepSpeed's rule (``shm_interface.cpp``): the shared-memory all-reduce runs when the launcher's
-    ``LOCAL_SIZE`` equals the world size (every rank on this machine; plain ``python`` sets neither)."""
-    local = os.environ.get("LOCAL_SIZE", "")
-    return local.isdigit() and local == os.environ.get("WORLD_SIZE")
-
-
-def claim_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
-    """Create this rank's buffer name of DeepSpeed's CPU shared-memory all-reduce before DeepSpeed
-    does, a file only this user can open; returns whether this call made it.
-
-    DeepSpeed opens its own name with ``O_CREAT`` (no ``O_EXCL``) and the other ranks' names as soon
-    as they exist, never asking who made them. The names are predictable (user id, master address and
-    port, rank) and anyone may create files in ``/dev/shm``, so a file another account made first
-    would carry every all-reduce of the job, for that account to read and rewrite (the gradients
-    included). Called before the rendezvous, so every rank's name is its own before any rank maps one
-    (DeepSpeed maps them after it). An existing name is kept only when it is this user's own file
-    and nobody else can write to it (a killed run's leftover on the same port, which DeepSpeed then
-    reuses); anything else is a :class:`UserError`. Where no name can be made and none exists (no
-    ``/dev/shm``), nothing is done: DeepSpeed cannot make one either. A rank killed before the
-    rendezvous ends (the launcher's SIGTERM, the rendezvous watchdog) can leave its empty name behind,
-    the user's own, reused on that port.
-    """
-    path = shm_dir / _shm_buffer_name(rank)
-    try:
-        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW, 0o600))
-        return True
-    except FileExistsError:
-        pass
-    except OSError:
-        if not os.path.lexists(path):
-            return False
-    if owned_privately(path):
-        return False
-    reason = "it is a symbolic link" if path.is_symlink() else untrusted_reason(path)
-    raise UserError(f"{path}, DeepSpeed's shared-memory all-reduce buffer for rank {rank} of this job, is not "
-                    f"safe to use on a shared machine: {reason}; pass the launcher another --master_port")
-
-
-def unlink_shm_allreduce_buffer(rank: int, shm_dir: Path = SHM_DIR) -> bool:
-    """Remove the name of this rank's buffer of DeepSpeed's CPU shared-memory all-reduce.
-
-    When every rank of a CPU job is on one machine (the launcher's ``LOCAL_SIZE`` equals the world
-    size), DeepSpeed creates ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>``
-    in ``/dev/shm`` (69 MB a rank) and never removes it, so each run on another port leaves its
-    buffers behind, in memory, until the machine fills. Call this once every
-    rank has opened every buffer (after the start-up barrier: DeepSpeed's init returns only then);
-    the mappings live on until the processes exit, only the names go. Returns whether one was removed.
-    """
-    try:
-        (shm_dir / _shm_buffer_name(rank)).unlink()
-    except FileNotFoundError:  # no shared-memory all-reduce here (ranks on several hosts, or a GPU)
-        return False
-    return True
-
-
-def _load_shm_all_reduce(deepspeed: object, accelerator: object) -> None:
-    """Build or load DeepSpeed's CPU shared-memory all-reduce op now, which its process-group set-up
-    would do inside the rendezvous: a first build takes minutes, and a watchdog ending the process
-    mid-build would leave torch's build lock behind, on which every later DeepSpeed start waits."""
-    builder = accelerator.create_op_builder("ShareMemCommBuilder")  # type: ignore[attr-defined]
-    if builder is not None and deepspeed.ops.__compatible_ops__.get(builder.NAME, False):  # type: ignore[attr-defined]
-        builder.load()
-
-
 def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[str],
                 rendezvous: datetime.timedelta, least: datetime.timedelta | None = None) -> None:
-    """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous``, then give the
-    collectives their longer timeout (:func:`_collective_timeout`, at least ``least``)."""
+    """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous`` and pass a barrier,
+    then give the store the collectives' longer timeout (:func:`_collective_timeout`, at least
+    ``least``; the groups get it from :func:`use_collective_timeout`)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
     host = socket.gethostname()
@@ -411,7 +377,7 @@ def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[s
                 watchdog = _watchdog(wait, message(wait, bound), grace=5.0)
                 _wait_for_rank0(addr, int(port), rank, wait, bound)
                 watchdog.cancel()
-        _load_shm_all_reduce(deepspeed, accelerator)
+        load_shm_all_reduce(deepspeed, accelerator)
         watchdog = _watchdog(rendezvous, message(rendezvous, "--dist_timeout"))
         deepspeed.init_distributed(dist_backend=dist_backend, timeout=rendezvous)  # type: ignore[attr-defined]
         torch.distributed.barrier()  # NCCL connects here; every rank has joined after it
@@ -422,8 +388,7 @@ def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[s
             watchdog.cancel()
         _RANK0_STORES.clear()  # torch's store holds the server now; after a failure nothing may listen
     collective = _collective_timeout(rendezvous, least)
-    if collective != rendezvous:
-        distributed_c10d._set_pg_timeout(collective)
+    if collective != rendezvous:  # the groups' own timeouts: init_distributed's use_collective_timeout
         distributed_c10d._get_default_store().set_timeout(collective)
 
 
@@ -593,7 +558,8 @@ def tensor_parallel_group(size: int) -> TensorParallelGroup:
                             f"(its all-reduces run every layer): give each node a multiple of {size} ranks")
     mine = None
     for ranks in groups:
-        group = torch.distributed.new_group(list(ranks))  # every rank creates every group, in the same order
+        # every rank creates every group, in the same order; its collectives wait as the others do
+        group = torch.distributed.new_group(list(ranks), timeout=next(iter(_COLLECTIVE_TIMEOUT), None))
         if rank in ranks:
             mine = TensorParallelGroup(size, ranks.index(rank), ranks, group)
     assert mine is not None

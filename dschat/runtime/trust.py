@@ -2,8 +2,9 @@
 and nobody else can write to it or to a folder above it.
 
 :func:`untrusted_reason` says why a path is not (the owner, a group or others that can write to it,
-or, :func:`untrusted_ancestor`, a folder above it that another account could swap, as OpenSSH's
-StrictModes checks); :func:`is_trusted` and :func:`check_trusted` (one line, exit code 2) build on
+or, :func:`untrusted_ancestor`, a folder above it, or holding a symlink on its way, that another
+account could swap, as OpenSSH's StrictModes checks; group write counts unless the group is the
+user's private one and no POSIX ACL entry lets another user or group write); :func:`is_trusted` and :func:`check_trusted` (one line, exit code 2) build on
 it. A cache, lock or leftover folder that another account could have planted, edited or swapped is
 never read. :func:`make_private_dir` creates folders only their owner can enter (0700);
 :func:`make_trusted_dir` also refuses one that exists and is not the user's own;
@@ -16,11 +17,13 @@ may show it (no password, no query).
 """
 from __future__ import annotations
 
+import errno
 import grp
 import ipaddress
 import os
 import pwd
 import stat
+import struct
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -57,7 +60,7 @@ def owned_privately(path: str | os.PathLike) -> bool:
     except FileNotFoundError:
         return False
     me = os.geteuid()
-    return info.st_uid == me and _writers(info, me) is None
+    return info.st_uid == me and _writers(info, me, path) is None
 
 
 def _user_name(uid: int) -> str:
@@ -80,11 +83,38 @@ def _private_group(gid: int, uid: int) -> bool:
     return all(other.pw_gid != gid or other.pw_uid == uid for other in pwd.getpwall())
 
 
-def _writers(info: os.stat_result, me: int) -> str | None:
-    """Who besides the owner can write to what ``info`` describes ("its group", "other users", ...),
-    or ``None``; group write does not count when the group is ``me``'s private one."""
+# POSIX ACLs as Linux stores them in the ``system.posix_acl_access`` attribute: a 4-byte version,
+# then 8-byte entries (tag, permissions: 16 bits each; id: 32 bits), little-endian.
+_ACL_XATTR = "system.posix_acl_access"
+_ACL_USER, _ACL_GROUP, _ACL_WRITE = 0x02, 0x08, 0x02
+
+
+def _acl_writers(path: str | os.PathLike, me: int) -> bool:
+    """Whether ``path``'s POSIX ACL names a user (not ``me``) or a group (not ``me``'s private one)
+    with write permission. With such entries the mode's group bits are the ACL's mask, the most any
+    of them may do, not the owning group's rights. No ACL (or a file system without them): False."""
+    try:
+        acl = os.getxattr(path, _ACL_XATTR)
+    except OSError as err:
+        if err.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return False
+        raise
+    for offset in range(4, len(acl) - 7, 8):
+        tag, perm, who = struct.unpack_from("<HHI", acl, offset)
+        if perm & _ACL_WRITE and ((tag == _ACL_USER and who != me)
+                                  or (tag == _ACL_GROUP and not _private_group(who, me))):
+            return True
+    return False
+
+
+def _writers(info: os.stat_result, me: int, path: str | os.PathLike) -> str | None:
+    """Who besides the owner can write to ``path`` (``info``: its ``os.stat``): "its group", "other
+    users", ..., or ``None``. Group write does not count when the group is ``me``'s private one and
+    no POSIX ACL entry gives another user or group write (:func:`_acl_writers`)."""
     writable = info.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
     if writable == stat.S_IWGRP and _private_group(info.st_gid, me):
+        if _acl_writers(path, me):
+            return "users or groups its ACL names"
         writable = 0
     if not writable:
         return None
@@ -98,24 +128,70 @@ def untrusted_ancestor(path: str | os.PathLike) -> str | None:
     Every folder from ``path``'s parent up to ``/`` (of the resolved path: symlinks followed, as a
     reader's open does) must belong to this user or root and be writable by nobody else (group write
     by the user's private group is fine): whoever can write to a folder can rename what is in it and
-    put their own in its place. One exception, as ``/tmp`` and ``/dev/shm`` need: a sticky folder
-    (mode ``+t``) lets only an entry's owner rename it, so there the next folder down only has to
-    belong to this user or root. Raises ``FileNotFoundError`` when ``path`` does not exist.
+    put their own in its place. The same holds for every folder that holds a symlink met on the way
+    (:func:`_links_on_the_way`: a component of ``path``, or of a link's target) and the folders above
+    it: whoever can write there can point the link elsewhere. One exception, as ``/tmp`` and
+    ``/dev/shm`` need: a sticky folder (mode ``+t``) lets only an entry's owner rename it, so there
+    the next folder down (or the link) only has to belong to this user or root. Raises
+    ``FileNotFoundError`` when ``path`` does not exist.
     """
-    me = os.geteuid()
     child = Path(os.path.realpath(path))
-    child_info = os.stat(child)
-    for folder in child.parents:
+    reason = _folders_reason(child.parents, os.stat(child), "above it")
+    for link, holder in _links_on_the_way(path):
+        reason = reason or _folders_reason((holder, *holder.parents), os.lstat(link),
+                                           f"holding or above the symbolic link {link} on its way")
+    return reason
+
+
+def _folders_reason(folders: Sequence[Path], child_info: os.stat_result, where: str) -> str | None:
+    """Why one of ``folders`` (resolved, each the one above the one before) lets another account
+    replace the entry below it (``child_info``: the first one's entry's status), or ``None``;
+    ``where`` places the folder in the message."""
+    me = os.geteuid()
+    for folder in folders:
         info = os.stat(folder)
         if info.st_uid not in (me, 0):
-            return f"the folder {folder} above it belongs to {_user_name(info.st_uid)}, not to you (uid {me}) or root"
-        who = _writers(info, me)
+            return f"the folder {folder} {where} belongs to {_user_name(info.st_uid)}, not to you (uid {me}) or root"
+        who = _writers(info, me, folder)
         sticky_guard = info.st_mode & stat.S_ISVTX and child_info.st_uid in (me, 0)
         if who is not None and not sticky_guard:
-            return (f"{who} can write to the folder {folder} above it (mode {stat.S_IMODE(info.st_mode):04o}), so "
+            return (f"{who} can write to the folder {folder} {where} (mode {stat.S_IMODE(info.st_mode):04o}), so "
                     "they could put something else in its place")
         child_info = info
     return None
+
+
+_MAX_LINKS = 40  # symlinks one path's resolution may meet (Linux's limit; more is ELOOP)
+
+
+def _links_on_the_way(path: str | os.PathLike) -> list[tuple[Path, Path]]:
+    """``(link, folder)`` for every symlink that resolving ``path`` meets, in order: the link as
+    reached (its folder resolved) and that folder. Resolves as the kernel does (a link's target,
+    relative to the link's folder, is resolved in turn, its own links included; ``..`` goes up from
+    where a link led); components that do not exist end nothing here. More than 40 links: ``OSError``
+    (ELOOP)."""
+    raw = os.fspath(path)
+    raw = raw if os.path.isabs(raw) else os.path.join(os.getcwd(), raw)
+    pending = raw.split(os.sep)[::-1]  # a stack: the next component last
+    current, links = "/", []
+    while pending:
+        part = pending.pop()
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = os.path.dirname(current)
+            continue
+        candidate = os.path.join(current, part)
+        if not os.path.islink(candidate):
+            current = candidate
+            continue
+        if len(links) == _MAX_LINKS:
+            raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
+        links.append((Path(candidate), Path(current)))
+        target = os.readlink(candidate)
+        current = "/" if os.path.isabs(target) else current
+        pending.extend(target.split(os.sep)[::-1])
+    return links
 
 
 def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
@@ -127,13 +203,13 @@ def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> 
     lets another account replace it (:func:`untrusted_ancestor`). The owner is what counts, not what
     ``os.access`` says: root can read and write anything, yet must still not trust a file another
     account planted. A symlink is judged by its target (``os.stat`` follows it), which is what a
-    reader opens. Raises ``FileNotFoundError`` when ``path`` does not exist.
+    reader opens, and by the folders it sits in (:func:`untrusted_ancestor`). Raises ``FileNotFoundError`` when ``path`` does not exist.
     """
     info = os.stat(path)
     me = os.geteuid()
     if info.st_uid != me and not (root_may_own and info.st_uid == 0):
         return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
-    who = _writers(info, me)
+    who = _writers(info, me, path)
     if who is not None:
         return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
     return untrusted_ancestor(path)

@@ -58,6 +58,19 @@ def test_a_named_folder_others_can_write_to_is_refused_in_one_line(clean_env, tm
     assert "point it at a folder of your own, or unset it" in message and "\n" not in message
 
 
+def test_a_named_folder_reached_through_a_link_others_can_swap_is_refused(clean_env, tmp_path, monkeypatch):
+    own = tmp_path / "own"
+    own.mkdir(mode=0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "link").symlink_to(own)  # the folder is the user's; the link anyone could point elsewhere
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(shared / "link"))
+    with pytest.raises(UserError, match=f"^TORCHINDUCTOR_CACHE_DIR {shared / 'link'} is not safe to read on a "
+                                        f"shared machine: .* the folder {shared} holding or above the symbolic link"):
+        use_private_compile_cache()
+
+
 def test_a_named_folder_of_ones_own_is_kept_and_a_missing_one_made_private(clean_env, tmp_path, monkeypatch):
     own = tmp_path / "own"
     own.mkdir(mode=0o755)

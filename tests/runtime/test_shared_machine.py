@@ -167,6 +167,65 @@ def test_a_sticky_folder_above_is_fine_when_the_next_folder_down_is_the_users(tm
     assert f"the folder {sticky / 'me'} above it belongs to" in trust.untrusted_reason(mine)
 
 
+def test_a_symlink_in_a_folder_others_can_write_to_is_not_trusted_whatever_it_points_to(tmp_path):
+    """Whoever can write to the folder holding a link can point it elsewhere: a link to the user's own
+    private folder is only as safe as that folder, and so is a path through such a link."""
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o700)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    (shared / "link").symlink_to(mine)
+    (mine / "cache").mkdir(mode=0o700)
+    for path in (shared / "link", shared / "link" / "cache", shared / "link" / "cache" / ".." / "cache"):
+        reason = trust.untrusted_reason(path)
+        assert reason is not None and (f"can write to the folder {shared} holding or above the symbolic link "
+                                       f"{shared / 'link'} on its way (mode 0777)") in reason, (path, reason)
+    # A link in a safe place whose target goes through that link: the same.
+    (tmp_path / "safe").mkdir(mode=0o700)
+    (tmp_path / "safe" / "again").symlink_to(shared / "link" / "cache")
+    assert f"symbolic link {shared / 'link'} on its way" in trust.untrusted_reason(tmp_path / "safe" / "again")
+    with pytest.raises(UserError, match="--data_output_path .* holding or above the symbolic link"):
+        data_cache.check_data_output_path(shared / "link")
+    # The user's own link in a sticky folder (/tmp) is fine: only its owner can rename it there.
+    shared.chmod(0o1777)
+    assert trust.untrusted_reason(shared / "link" / "cache") is None
+
+
+def _acl(*named: tuple[int, int, int], mask: int = 7) -> bytes:
+    """Linux's system.posix_acl_access value: owner rwx, ``named`` (tag, id, permissions), group rwx,
+    ``mask``, others none."""
+    undefined = 0xFFFFFFFF
+    entries = [(0x01, 7, undefined), *[(tag, perm, who) for tag, who, perm in named], (0x04, 7, undefined),
+               (0x10, mask, undefined), (0x20, 0, undefined)]
+    return (2).to_bytes(4, "little") + b"".join(
+        tag.to_bytes(2, "little") + perm.to_bytes(2, "little") + who.to_bytes(4, "little")
+        for tag, perm, who in sorted(entries))
+
+
+def test_group_write_of_the_private_group_is_not_excused_when_an_acl_lets_others_write(tmp_path, monkeypatch):
+    """With a POSIX ACL, the mode's group bits are the ACL's mask: "u:nobody:rwx" shows as 0770, which
+    looked like the user's private group writing."""
+    folder = tmp_path / "mine"
+    folder.mkdir(mode=0o700)
+    try:
+        os.setxattr(folder, "system.posix_acl_access", _acl((0x02, OTHER_UID, 7)))
+    except OSError as err:
+        pytest.skip(f"no POSIX ACLs on this file system ({err.strerror})")
+    monkeypatch.setattr(trust, "_private_group", lambda gid, uid: gid != OTHER_UID)
+    assert mode_of(folder) == 0o770
+    assert "users or groups its ACL names can write to it" in trust.untrusted_reason(folder)
+    (folder / "cache").mkdir(mode=0o700)
+    assert "users or groups its ACL names can write to the folder" in trust.untrusted_reason(folder / "cache")
+    assert not trust.owned_privately(folder)
+    os.setxattr(folder, "system.posix_acl_access", _acl((0x08, OTHER_UID, 7)))  # a named group: the same
+    assert "users or groups its ACL names" in trust.untrusted_reason(folder)
+    os.setxattr(folder, "system.posix_acl_access", _acl((0x02, OTHER_UID, 5), (0x08, OTHER_UID, 5)))  # read only
+    assert trust.untrusted_reason(folder) is None
+    os.setxattr(folder, "system.posix_acl_access", _acl((0x02, os.geteuid(), 7)))  # the user, named
+    assert trust.untrusted_reason(folder) is None
+
+
 def test_a_folder_above_owned_by_another_user_makes_the_path_untrusted(tmp_path, monkeypatch):
     home = tmp_path / "bob"
     (home / "project").mkdir(parents=True, mode=0o700)
