@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import random
 from collections import defaultdict
 from pathlib import Path

@@ -27,6 +27,8 @@ the user's own files) is moved, written or deleted.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import re
 import sys
 from pathlib import Path
@@ -43,6 +45,7 @@ from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardMo
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.runtime.dist import barrier
 from dschat.runtime.inplace import STAGING_PREFIX, recover_in_place, save_in_place
+from dschat.runtime.run_lock import LOCK_NAME, hold_run_lock, run_lock
 from dschat.runtime.zero3 import release_zero3_prefetch
 
 LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
@@ -70,10 +73,18 @@ def _is_weights(name: str) -> bool:
     return bool(_WEIGHTS.match(name))
 
 
-def recover_output_dir(output_dir: str | Path) -> list[str]:
+def recover_output_dir(output_dir: str | Path, run: object | None = None) -> list[str]:
     """Finish or undo a :func:`save_hf_model` into ``output_dir``, or into one of its subfolders
     (step 3's ``actor/``, ``critic/``), that a kill interrupted
-    (:func:`dschat.runtime.inplace.recover_in_place`); one notice per fix. One process at a time."""
+    (:func:`dschat.runtime.inplace.recover_in_place`); one notice per fix.
+
+    One process at a time: a step's start-up passes ``run`` (its parsed arguments), and the folder's
+    run lock is taken first and held while ``run`` lives (:func:`dschat.runtime.run_lock.hold_run_lock`;
+    the folder is created if missing); another run holding it is one line
+    (:class:`~dschat.errors.UserError`) and nothing is touched. Without ``run`` the caller holds the
+    lock (:func:`main` does) or knows no other process writes there."""
+    if run is not None:
+        hold_run_lock(output_dir, run)
     root = Path(output_dir)
     if not root.is_dir():
         return []
@@ -233,13 +244,20 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m dschat.models.save --recover FOLDER``: finish or undo a model save into FOLDER (or
     its ``actor/``, ``critic/``) that was stopped, as every step does at start-up for its
-    ``--output_dir``. Run it only while no save into FOLDER is running."""
+    ``--output_dir``. It takes FOLDER's run lock first (and that of the folder above, when that one
+    has a run lock: a step-3 ``--output_dir`` whose ``actor/`` or ``critic/`` this is), so while a run
+    uses the folder it is one line, exit code 2, and nothing is touched."""
     parser = argparse.ArgumentParser(prog="python -m dschat.models.save", description=main.__doc__)
     parser.add_argument("--recover", required=True, metavar="FOLDER", help="the model folder to finish or undo")
     folder = parser.parse_args(argv).recover
     if not Path(folder).is_dir():
         raise UserError(f"--recover {folder}: no such folder; pass the model folder named in the error")
-    notices = recover_output_dir(folder)
+    with contextlib.ExitStack() as locks:
+        above = Path(folder).resolve().parent
+        if os.path.lexists(above / LOCK_NAME):
+            locks.enter_context(run_lock(above, "--output_dir"))
+        locks.enter_context(run_lock(folder, "the folder"))
+        notices = recover_output_dir(folder)
     for notice in notices or [f"{folder} holds no unfinished save; nothing to do"]:
         print(notice, flush=True)
 

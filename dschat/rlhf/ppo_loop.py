@@ -5,12 +5,14 @@ and score (the experience maker, ``trainer.experience``; with ``--dynamic_sampli
 until its groups are full, :mod:`dschat.rlhf.dynamic_sampling`) -> **buffer** (``--generation_batches``
 batches make a rollout) -> once a rollout is whole: **prepare** (advantages, returns, rollout
 statistics) -> **micro-steps** of ``--ppo_epochs`` (the PPO update, ``trainer.update``: actor,
-critic, PPO-ptx; then the EMA) -> **log** -> **evaluate** -> **checkpoint**. The loop calls the two
-parts of :class:`~dschat.rlhf.ppo_trainer.DeepSpeedPPOTrainer` directly and gets results back (the
-trainer is their formulas object, so a formula overridden on it still changes what they compute);
-the resume and stop arithmetic it asks is :mod:`dschat.training.ppo_counters`. Below the loop:
-what an iteration logs (upstream's log lines, the throughput lines, TensorBoard, one
-``metrics.jsonl`` record, docs/metrics.md) and the metrics file cut back on resume.
+critic, PPO-ptx; then the EMA) -> **log** -> **evaluate** -> **checkpoint** (only between optimizer
+steps: one due partway through gradient accumulation waits for the next iteration that ends one).
+The loop calls the two parts of :class:`~dschat.rlhf.ppo_trainer.DeepSpeedPPOTrainer` directly and
+gets results back (the trainer is their formulas object, so a formula overridden on it still
+changes what they compute); the resume, checkpoint timing and stop arithmetic it asks is
+:mod:`dschat.training.ppo_counters`. Below the loop: what an iteration logs (upstream's log lines,
+the throughput lines, TensorBoard, one ``metrics.jsonl`` record, docs/metrics.md) and the metrics
+file cut back on resume.
 """
 from __future__ import annotations
 
@@ -41,7 +43,7 @@ from dschat.training.checkpoint import Checkpointer
 from dschat.runtime.devices import to_device
 from dschat.training.progress import TensorBoardLogger
 from dschat.training.run_setup import RunContext
-from dschat.training.ppo_counters import PPOCounters, finished_before_resume, reached_test_stop
+from dschat.training.ppo_counters import CheckpointTiming, PPOCounters, finished_before_resume, reached_test_stop
 
 __all__ = ["METRICS_FILE", "PPORun", "IterationResult", "RolloutTimes", "run_ppo", "generate_batch", "group_filter",
            "fill_groups", "train_rollout", "log_iteration",
@@ -81,6 +83,7 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
     ptx_buffer = RolloutBuffer(args.generation_batches, args.per_device_training_batch_size)
     times = RolloutTimes()  # summed over the generation batches of the current rollout
     groups = group_filter(trainer, args, ctx)  # --dynamic_sampling, else None
+    saves = CheckpointTiming(checkpointer, ctx.rank)  # --save_interval, between optimizer steps
     stop = finished_before_resume(args, counters, resumed) or evaluation.should_stop
     evaluation.maybe_evaluate(counters.global_step)  # before the first PPO step
     for epoch in range(checkpointer.first_epoch(), args.num_train_epochs):
@@ -117,9 +120,9 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
                 # 7. evaluate
                 evaluation.maybe_evaluate(counters.global_step, epoch)
             counters.count_overflow(trainer.update)
-            # 8. checkpoint
+            # 8. checkpoint (due, or postponed: when actor and critic are between optimizer steps)
             if rollout is not None:
-                checkpointer.maybe_save(evaluation.attach(counters.position(epoch, step + 1, trainer.nonfinite)))
+                saves.maybe_save(evaluation.attach(counters.position(epoch, step + 1, trainer.nonfinite)))
             if reached_test_stop(args, counters) or evaluation.should_stop:
                 stop = True
                 break

@@ -221,9 +221,18 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         (:meth:`~dschat.rlhf.experience_maker.ExperienceMaker.generate_experience`). Collective."""
         return self.experience.generate_experience(prompts, mask, step, sources)
 
-    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor:
-        """Generate answers (upstream's name)."""
-        return self.experience._rollout(prompts, mask, step).sequences
+    def _generate_sequence(self, prompts: torch.Tensor, mask: torch.Tensor, step: int) -> torch.Tensor | None:
+        """Upstream's generation half of :meth:`generate_experience`: the models put in evaluation mode,
+        then the ``(B', P + A)`` sequences (left-padded prompt, answer, padding; with ``--env`` the
+        episodes) of the rows whose answer has more than one token, as upstream's, or ``None`` when no
+        row of this rank has one (upstream drops such rows; :meth:`generate_experience` keeps them
+        masked out). Printed with ``--print_answers``. Collective."""
+        maker = self.experience
+        maker.eval()
+        generated = maker.generate_answers(prompts, mask, step)
+        keep = generated.masks.answer_lengths > 1
+        maker._report_dropped(prompts, generated.seq, keep, step)
+        return generated.seq[keep] if bool(keep.any()) else None
 
     def prepare_rollout(self, exp_dataset: list[Experience]) -> RolloutStats:
         """Fill in advantages / returns of every micro-batch of a rollout; rollout statistics over

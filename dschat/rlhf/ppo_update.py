@@ -15,7 +15,9 @@ The contract (the upstream differences are explained in docs/upstream.md#step-3-
 * **Beyond PPO** (``--algorithm``): the critic-free algorithms step the actor alone, with the loss
   aggregation, KL term and truncated importance sampling of :mod:`dschat.rl_math.critic_free`.
 * ``--align_overflow`` works only with fp16 and a DeepSpeed that exposes upstream's external
-  overflow check (fp16-optimizer internals); elsewhere it is refused or a no-op with a warning.
+  overflow check (fp16-optimizer internals); elsewhere it is refused or a no-op with a warning. Under
+  it the actor and critic train each micro-step together or not at all (a NaN/inf loss of either
+  skips both), so their gradient accumulations stay aligned.
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from dschat.rl_math.logprobs import causal_lm_loss
 from dschat.rl_math.ppo import PolicyStats, ppo_policy_stats
 from dschat.rl_math.stats import masked_mean
 from dschat.errors import UserError
+from dschat.models.packing import PackedRows
 from dschat.rlhf.config import BatchPlan
 from dschat.rlhf.experience import Experience, sum_over_ranks
 from dschat.rlhf.ppo_formulas import PPOFormulas
@@ -65,8 +68,9 @@ class PPOUpdate:
     """The update on the actor and critic engines of ``passes`` (``critic`` None for the critic-free
     algorithms): :meth:`schedule`, then one :meth:`train_rlhf` per micro-step (and
     :meth:`train_unsupervised` with PPO-ptx). ``plan`` is the run's batch plan, ``ppo_epochs`` the
-    passes over a rollout; ``align_overflow`` (fp16 with a critic) makes both models skip a step
-    either overflowed. A NaN/inf loss or gradient skips that model's step (``nonfinite``)."""
+    passes over a rollout. A NaN/inf loss or gradient skips that model's step (``nonfinite``);
+    ``align_overflow`` (fp16 with a critic) makes both models skip a step either overflowed, and a
+    micro-step either model's loss is NaN/inf in (both losses are checked before either backward)."""
 
     def __init__(self, passes: ScoringPasses, formulas: PPOFormulas, plan: BatchPlan, *, ppo_epochs: int,
                  nonfinite: NonFiniteGuard, dtype: str, align_overflow: bool) -> None:
@@ -185,11 +189,23 @@ class PPOUpdate:
         on_policy = self.plan.on_policy and unchanged
         # A non-finite loss skips that model's backward and step (--max_nonfinite_steps); with more
         # than one micro-step per optimizer step, its accumulation then continues on the next one.
+        # --align_overflow: both losses are checked before either backward, so both models train
+        # this micro-step or neither (a lone backward would carry its gradient into the next one).
+        aligned = self.align_overflow
+        critic_loss = torch.tensor(float("nan"))  # critic-free: there is none
         with passes.training_gather("actor", self.actor_model):  # forward and backward; the step after it
             actor_log_prob = passes.token_log_probs("actor", self.actor_model, *batch, packed)[:, start:]
             old_logprobs = actor_log_prob.detach() if on_policy else stored
             actor_loss = formulas.policy_loss(actor_log_prob, old_logprobs, advantages, exp, normalizer, on_policy)
-            actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
+            if aligned:
+                with passes.training_gather("critic", self.critic_model):
+                    critic_loss = self._critic_loss(exp, batch, packed, old_values, returns, mask, normalizer)
+                    actor_ok = critic_ok = self.nonfinite.loss_ok(actor_loss, critic_loss,
+                                                                  where="a PPO micro-step (actor and critic)")
+                    if critic_ok:
+                        self.critic_model.backward(critic_loss)
+            else:
+                actor_ok = self.nonfinite.loss_ok(actor_loss, where="a PPO actor micro-step")
             if actor_ok:
                 self.actor_model.backward(actor_loss)
         policy = ppo_policy_stats(actor_log_prob.detach(), stored, mask, cliprange=formulas.cliprange,
@@ -197,27 +213,34 @@ class PPOUpdate:
                                   level=formulas.settings.importance_sampling_level)
         gap = (float(masked_mean((actor_log_prob.detach() - stored).abs().float(), mask))
                if unchanged and float(mask.sum()) > 0 else float("nan"))
-        if actor_ok and not self.align_overflow:
+        if aligned:  # fp16: both models step together, DeepSpeed's loss scaler decides
+            if actor_ok:
+                self._aligned_steps()
+        elif actor_ok:
             self.nonfinite.step(self.actor_model, where="a PPO actor step")
 
         if self.critic_model is None:  # critic-free: the actor's step is the whole update
             self.micro_stats.append(self._micro_stats(actor_loss, float("nan"), policy, mask, gap))
-            return actor_loss, torch.tensor(float("nan"))
-        with passes.training_gather("critic", self.critic_model):
-            value = passes.token_values(*batch, packed)[:, :-1]
-            critic_loss = formulas.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
-            critic_ok = self.nonfinite.loss_ok(critic_loss, where="a PPO critic micro-step")
+            return actor_loss, critic_loss
+        if not aligned:
+            with passes.training_gather("critic", self.critic_model):
+                critic_loss = self._critic_loss(exp, batch, packed, old_values, returns, mask, normalizer)
+                critic_ok = self.nonfinite.loss_ok(critic_loss, where="a PPO critic micro-step")
+                if critic_ok:
+                    self.critic_model.backward(critic_loss)
             if critic_ok:
-                self.critic_model.backward(critic_loss)
-        if self.align_overflow:  # fp16: both models step together, DeepSpeed's loss scaler decides
-            if actor_ok and critic_ok:
-                self._aligned_steps()
-                self.critic_model.step()
-        elif critic_ok:
-            self.nonfinite.step(self.critic_model, where="a PPO critic step")
+                self.nonfinite.step(self.critic_model, where="a PPO critic step")
 
         self.micro_stats.append(self._micro_stats(actor_loss, critic_loss.item(), policy, mask, gap))
         return actor_loss, critic_loss
+
+    def _critic_loss(self, exp: Experience, batch: tuple[torch.Tensor, ...], packed: PackedRows | None,
+                     old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                     normalizer: float | None) -> torch.Tensor:
+        """The critic's forward and value loss of a micro-step (inside its training gather)."""
+        start = exp.start
+        value = self.passes.token_values(*batch, packed)[:, :-1]
+        return self.formulas.critic_loss_fn(value[:, start:], old_values[:, start:], returns, mask, normalizer)
 
     @staticmethod
     def _micro_stats(actor_loss: torch.Tensor, critic_loss: float, policy: PolicyStats,
@@ -258,7 +281,11 @@ class PPOUpdate:
                 )
 
     def _aligned_steps(self) -> None:
-        """Upstream's rule: if either model overflowed, both skip their step (fp16 only)."""
+        """Upstream's rule: if either model overflowed, both skip their step (fp16 only). An
+        optimizer step both models applied ends a run of non-finite skips, as
+        :meth:`~dschat.training.nonfinite.NonFiniteGuard.step` does for a model stepping alone."""
+        boundary = (self.actor_model.is_gradient_accumulation_boundary()
+                    and self.critic_model.is_gradient_accumulation_boundary())
         actor_overflow = self.actor_model.optimizer.check_overflow(external=True)
         critic_overflow = self.critic_model.optimizer.check_overflow(external=True)
         if actor_overflow and not critic_overflow:
@@ -270,6 +297,9 @@ class PPOUpdate:
         elif actor_overflow and critic_overflow:
             print_rank_0("OVERFLOW: actor and critic overflow, skipping both actor and critic steps")
         self.actor_model.step()
+        self.critic_model.step()
+        if boundary:
+            self.nonfinite.applied(self.actor_model, self.critic_model)
 
     def get_overflow(self) -> tuple[bool, bool]:
         """(actor, critic) fp16 loss-scale overflow of the last step; never with bf16 / fp32."""

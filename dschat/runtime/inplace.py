@@ -24,6 +24,11 @@ the complete new state, whatever ``owns`` the recovering caller passes), one wit
 (the complete old state). Entries ``owns`` rejects are never renamed, written or deleted. A folder
 or journal that is not this user's own (:func:`owned_privately`) is left alone with a notice: on a
 shared machine it may be another user's plant.
+
+One process at a time per folder: a staging folder without its journal is also what a save *still
+running* looks like, so :func:`recover_in_place` must not run while another process may save into
+``path``. Steps and ``python -m dschat.models.save --recover`` make sure of that with the folder's
+run lock (:mod:`dschat.runtime.run_lock`), taken before any recovery.
 """
 from __future__ import annotations
 
@@ -138,7 +143,8 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
     the body returns, its entries replace ``path``'s, and the entries of ``path`` that ``owns`` claims
     and the new save does not write are removed. See the module docstring for the order and what a
     failure or a kill leaves. A full disk is one line (:class:`~dschat.errors.UserError`) saying the
-    previous files are unchanged. Returns nothing; one process at a time per ``path``.
+    previous files are unchanged. Returns nothing; one process at a time per ``path`` (the caller
+    holds its run lock, :mod:`dschat.runtime.run_lock`, or knows no other process uses it).
     """
     path = Path(path)
     with _disk_full_is_a_user_error(path, kept=f"the previous files in {path.name}, if any, are unchanged"):
@@ -177,7 +183,9 @@ def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> li
     A staging folder with its journal is finished (the new save takes its place), one without is
     deleted (nothing of ``path`` had been touched). A replaced-entries folder without its staging
     folder gives back the entries ``path`` lacks, then goes. Leftovers that are not this user's own,
-    or that others can write to, are left alone with a notice.
+    or that others can write to, are left alone with a notice. The caller makes sure no other process
+    is saving into ``path`` (its run lock, :mod:`dschat.runtime.run_lock`): a save in progress looks
+    like an unfinished one and would be deleted.
     """
     path = Path(path)
     if not path.is_dir():

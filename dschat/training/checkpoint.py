@@ -67,7 +67,8 @@ from dschat.training.consolidated import derived_rng_state, resume_on_new_shape,
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
                                       complete_checkpoints, foreign_checkpoints, incomplete_checkpoints,
                                       is_foreign, latest_checkpoint, next_sequence, prune_leftovers,
-                                      prune_rotated, put_back, restore_replaced, retire_incomplete, set_aside)
+                                      prune_rotated, put_back, replaces_protected, restore_replaced,
+                                      retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
 from dschat.training.checkpoint_records import (FORMAT_VERSION, read_record, read_rng_file, rng_state,
                                                 set_rng_state)
@@ -84,7 +85,7 @@ class TrainingPosition:
 
     epoch: int  # the epoch in progress (0-based)
     epoch_micro_steps: int  # micro-batches of that epoch already trained
-    micro_steps: int  # micro-steps trained in total
+    micro_steps: int  # micro-steps trained in total, in this run's accumulation (a resume converts them)
     optimizer_steps: int
     extra: dict[str, Any] = field(default_factory=dict)  # caller state (JSON)
 
@@ -163,8 +164,9 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     * A ``step_<N>`` folder that dschat did not begin (no marker, and not
       :func:`~dschat.training.rotation.begun_by_dschat`), seen by any rank, is refused: nothing
       here deletes or replaces another tool's folder.
-    * A fresh run (no ``--resume`` / ``--resume_from``) refuses a folder with checkpoints of an
-      earlier run, seen by any rank.
+    * A fresh run (no ``--resume`` / ``--resume_from``), or one resuming ``--resume_from`` a checkpoint
+      of another ``--output_dir``, refuses a folder with checkpoints of an earlier run, seen by any
+      rank: its checkpoints would mix with them, and rotation would delete them.
     * Rank 0 keeps the complete one of a ``step_<N>`` and the copy it was replacing when a run
       stopped (:func:`~dschat.training.rotation.restore_replaced`), and turns a ``step_<N>`` never
       marked complete into a leftover (:func:`~dschat.training.rotation.retire_incomplete`).
@@ -184,12 +186,16 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
               "consolidated/ and rng_rank*.json); left as it is", flush=True)
     refuse_unless_all(not foreign, f"sees a step_<N> folder in {root} that dschat did not write (named above)",
                       f"move it out of {root} (on every node), then rerun")
-    fresh = not getattr(args, "resume", False) and not getattr(args, "resume_from", None)
+    source = getattr(args, "resume_from", None)
+    elsewhere = bool(source) and not _is_parent(root, Path(source))
+    fresh = not getattr(args, "resume", False) and (not source or elsewhere)
     # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
     earlier = fresh and bool(complete_checkpoints(root) or [
         p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX)])
-    refuse_unless_all(not earlier, f"found checkpoints of an earlier run in {root}",
-                      f"pass --resume to continue that run, or delete {root} on every node to start over")
+    refuse_unless_all(not earlier, f"found checkpoints of an earlier run in {root}" + (
+        f", and --resume_from {source} is not one of them" if elsewhere else ""),
+        ("pass another --output_dir, --resume_from one of those" if elsewhere else "pass --resume to continue that run")
+        + f", or delete {root} on every node to start over")
     run_tag = f"{gather_ints([secrets.randbits(62) if rank == 0 else 0])[0][0]:x}"
     for notice in prune_leftovers(root, run_tag):
         print(f"[checkpoint] {notice}", flush=True)
@@ -204,6 +210,14 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
             for folder in made:  # a run stopped later by bad input leaves no empty folders behind
                 with contextlib.suppress(OSError):
                     folder.rmdir()
+
+
+def _is_parent(root: Path, folder: Path) -> bool:
+    """Whether ``folder`` is directly in ``root`` (the same folder by any path: links, ``..``)."""
+    try:
+        return os.path.samefile(folder.parent, root)
+    except OSError:  # either is missing: there is nothing of an earlier run in root to mix with
+        return folder.absolute().parent == root.absolute()
 
 
 def _missing_ancestors(path: Path) -> list[Path]:
@@ -355,7 +369,7 @@ def _save_engine(engine: Any, folder: Path, tag: str) -> list[Path]:
 def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPosition, *, keep: int,
                     rank: int, meta: Mapping[str, Any] | None = None,
                     weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = (),
-                    protect: tuple[Path, ...] = ()) -> Path:
+                    protect: tuple[Path, ...] = (), resumed_from: Path | None = None) -> Path:
     """Write a checkpoint of ``engines`` (full DeepSpeed state; consolidated, with the training ``loaders``'
     order) and ``weights_only`` (parameters) at ``position`` (collective: every rank calls it).
 
@@ -367,11 +381,17 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     renamed aside before the new one is renamed in and deleted once the new one is complete; on a
     failure before that it is put back. Once the marker and the folder are fsync'd, rotation keeps
     the ``keep`` last written checkpoints, never the one just written nor those in ``protect``
-    (the ``--resume_from`` source) (:mod:`dschat.training.rotation`).
+    (the ``--resume_from`` source) (:mod:`dschat.training.rotation`). Neither those in ``protect``
+    nor ``resumed_from`` (the checkpoint the run resumed from, by either flag) is ever replaced: a
+    save of their step stops every rank with one line before anything is written.
     """
     name = checkpoint_name(position.optimizer_steps)
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}"
+    never_replaced = (*protect, resumed_from)
+    refuse_unless_all(not (rank == 0 and replaces_protected(final, never_replaced)),
+                      f"would replace {final}, the checkpoint this run resumed from (the step counter went back to "
+                      "its step)", "it is left as it is: resume from it with the flags that wrote it")
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -399,7 +419,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     aside = None
     if rank == 0:
         try:
-            aside = set_aside(final)  # the same step saved again (e.g. after a resume)
+            aside = set_aside(final, never_replaced)  # the same step saved again (e.g. after a resume)
             os.replace(tmp, final)
         except BaseException:
             put_back(final, aside, tmp)
@@ -499,10 +519,12 @@ class Checkpointer:
         self.root = checkpoint_root(args.output_dir) if args.output_dir else None
         self.position: TrainingPosition | None = None  # where a resumed run picks up
         self.source: Path | None = None  # the --resume_from checkpoint: rotation never deletes it
+        self.resumed: Path | None = None  # the checkpoint loaded (either flag): never replaced
 
     def resume(self, counter: Any = None) -> TrainingPosition | None:
         """Load the checkpoint ``--resume`` / ``--resume_from`` name (if any) into the engines and the
-        random generators; set ``counter.micro_steps``. None when starting from scratch."""
+        random generators; set ``counter.micro_steps`` (on this run's ``--gradient_accumulation_steps``:
+        :func:`~dschat.training.consolidated.convert_micro_steps`). None when starting from scratch."""
         self.position = self._load()
         if self.position is not None and counter is not None:
             counter.micro_steps = self.position.micro_steps
@@ -529,7 +551,9 @@ class Checkpointer:
                          "the beginning", self.rank)
             return None
         self.source = folder if source else None  # --resume's source rotates out as usual, by write order
-        return load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders)
+        position = load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders)
+        self.resumed = folder
+        return position
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint of this run's ``--output_dir`` (None without one)."""
@@ -539,11 +563,14 @@ class Checkpointer:
         return self.root is not None and self.interval > 0 and optimizer_steps % self.interval == 0
 
     def maybe_save(self, position: TrainingPosition) -> Path | None:
-        if not self.due(position.optimizer_steps):
-            return None
+        return self.save(position) if self.due(position.optimizer_steps) else None
+
+    def save(self, position: TrainingPosition) -> Path:
+        """The checkpoint at ``position``, due or not (step 3's postponed one). Collective."""
         return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
                                weights_only=self.weights_only, loaders=self.loaders,
-                               protect=(self.source,) if self.source is not None else ())
+                               protect=(self.source,) if self.source is not None else (),
+                               resumed_from=self.resumed)
 
 
 def check_checkpoint_args(args: Any) -> None:
@@ -563,8 +590,8 @@ def check_checkpoint_args(args: Any) -> None:
     # Before start-up: the launcher's rank (MPI launchers set no RANK yet). The other ranks' views are
     # compared after start-up.
     first = get_rank() == 0
-    if args.output_dir and first:  # one process renames
-        for notice in recover_output_dir(args.output_dir):
+    if args.output_dir and first:  # one process renames; one run per folder: its lock, held while args lives
+        for notice in recover_output_dir(args.output_dir, run=args):
             print(f"[checkpoint] {notice}", flush=True)
     if source and first and not (Path(source) / MARKER).is_file():
         raise UserError(f"--resume_from {source}: not a complete dschat checkpoint (no {MARKER}); pick a "

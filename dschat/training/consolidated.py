@@ -9,20 +9,23 @@ checkpoint holds, in ``consolidated/``, each trained engine's state gathered by 
   every trainable parameter (its full shape) the fp32 master value and Adam's two moments, gathered
   with DeepSpeed's ``safe_get_full_*`` functions (ZeRO 1-3, the bf16 optimizer) or read from the
   plain torch optimizer (ZeRO-0 in fp32). No pickles.
-* ``state.json``: the world size, and for each engine its ZeRO stage, dtype, gradient accumulation,
+* ``state.json``: the world size, and for each engine its ZeRO stage, dtype (also when the engine is
+  not covered), gradient accumulation,
   each parameter's Adam step count, the parameter groups (names and learning rate), the LR
   scheduler's state and DeepSpeed's step counters; and the training data's order parameters
   (world size, per-rank batch size, dataset size, seed, drop_last) of each training loader.
 
 :func:`save_consolidated` writes them (collective). On resume :func:`reshape_of` compares the
-checkpoint with this run: the same world size and the same ZeRO stage of every engine load through
-DeepSpeed's native checkpoint; anything else loads the consolidated state
+checkpoint with this run: the same world size and the same ZeRO stage and dtype of every engine load
+through DeepSpeed's native checkpoint (whose file names and records depend on all three); anything
+else (``--dtype bf16`` on an fp32 checkpoint, say) loads the consolidated state
 (:func:`load_consolidated`, collective) into the engines: weights (module and fp32 master), both
 moments, the step counts, the learning rates, the scheduler, DeepSpeed's counters. The data
-position is converted by :func:`convert_batches_done`; random states by
-:func:`derived_rng_state`. A setup the consolidated state does not cover (fp16 loss scaling,
-ZeRO offload, an optimizer other than Adam(W), a checkpoint written without this folder) is one
-line naming what to resume with.
+position is converted by :func:`convert_batches_done`, on either path; so is the micro-step count
+(:func:`convert_micro_steps`: another ``--gradient_accumulation_steps`` keeps the optimizer steps
+done); random states by :func:`derived_rng_state`. A setup the consolidated state does not cover
+(fp16 loss scaling, ZeRO offload, an optimizer other than Adam(W), a checkpoint written without
+this folder) is one line naming what to resume with.
 """
 from __future__ import annotations
 
@@ -84,6 +87,13 @@ def unsupported_reason(engine: Any) -> str | None:
             any(p.dtype != torch.float32 for group in base.param_groups for p in group["params"]):
         return f"its optimizer {type(wrapper).__name__} keeps no fp32 master the consolidated state can read"
     return None
+
+
+def engine_dtype(engine: Any) -> str:
+    """The dtype ``engine`` trains in, as ``state.json`` records it: ``fp16``, ``bf16`` or ``fp32``."""
+    if engine.fp16_enabled():
+        return "fp16"
+    return "bf16" if engine.bfloat16_enabled() else "fp32"
 
 
 def _flat_of(engine: Any) -> dict[int, tuple[torch.Tensor, int]]:
@@ -167,7 +177,7 @@ def _engine_record(engine: Any) -> dict[str, Any]:
     scheduler = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
     return {
         "zero_stage": int(engine.zero_optimization_stage()),
-        "dtype": "bf16" if engine.bfloat16_enabled() else "fp32",
+        "dtype": engine_dtype(engine),
         "gradient_accumulation_steps": int(engine.gradient_accumulation_steps()),
         "parameters": [f"{name} {_full_shape(p)}" for name, p in names],
         "param_groups": groups,
@@ -244,7 +254,8 @@ def write_engine_state(engine: Any, out: Path, tag: str, rank: int) -> dict[str,
     ``{"unsupported": reason}`` and no files (collective: every rank calls it)."""
     reason = unsupported_reason(engine)
     if reason is not None:
-        return {"unsupported": reason, "zero_stage": int(engine.zero_optimization_stage())}
+        return {"unsupported": reason, "zero_stage": int(engine.zero_optimization_stage()),
+                "dtype": engine_dtype(engine)}
     release_zero3_prefetch(engine)
     has_state = _has_state(engine)
     for kind in KINDS:
@@ -284,8 +295,14 @@ class Reshape:
         self.record = record
 
     def describe(self, engines: Mapping[str, Any]) -> str:
-        was = ", ".join(f"{tag} ZeRO {rec['zero_stage']}" for tag, rec in self.record["engines"].items())
-        now = ", ".join(f"{tag} ZeRO {engine.zero_optimization_stage()}" for tag, engine in engines.items())
+        """``saved on W rank(s) (<tag> ZeRO s, ...), resumed on W' rank(s) (...)``; each engine's dtype
+        too when any differs."""
+        saved = self.record["engines"]
+        dtypes = not all(_same_dtype(saved.get(tag, {}), engine) for tag, engine in engines.items())
+        was = ", ".join(f"{tag} ZeRO {rec['zero_stage']}" + (f" {rec.get('dtype', '?')}" if dtypes else "")
+                        for tag, rec in saved.items())
+        now = ", ".join(f"{tag} ZeRO {engine.zero_optimization_stage()}"
+                        + (f" {engine_dtype(engine)}" if dtypes else "") for tag, engine in engines.items())
         return (f"saved on {self.record['world_size']} rank(s) ({was}), resumed on {get_world_size()} rank(s) "
                 f"({now})")
 
@@ -305,10 +322,23 @@ def _read_record(folder: Path) -> dict[str, Any] | None:
     return record
 
 
+def _same_dtype(saved: Mapping[str, Any], engine: Any) -> bool:
+    """Whether ``engine`` trains in the dtype a checkpoint's engine record names; True for a record
+    without one (an unsupported engine's record of a dschat that did not write it)."""
+    return not isinstance(saved.get("dtype"), str) or saved["dtype"] == engine_dtype(engine)
+
+
+def _shape_hint(record: Mapping[str, Any], saved: Mapping[str, Any] | None) -> str:
+    """What to resume with to load DeepSpeed's own files: ``N rank(s), ZeRO stage S and --dtype D``."""
+    stage = saved["zero_stage"] if saved else "?"
+    dtype = f" and --dtype {saved['dtype']}" if saved and isinstance(saved.get("dtype"), str) else ""
+    return f"{record['world_size']} rank(s), ZeRO stage {stage}{dtype}"
+
+
 def reshape_of(folder: Path, engines: Mapping[str, Any]) -> Reshape | None:
-    """None when ``folder`` was written with this run's world size and every engine's ZeRO stage (load
-    DeepSpeed's own checkpoint); else how to load it here. A shape the checkpoint cannot be loaded
-    on is one line (:class:`UserError`)."""
+    """None when ``folder`` was written with this run's world size and every engine's ZeRO stage and
+    dtype (load DeepSpeed's own checkpoint); else how to load it here. A shape the checkpoint cannot
+    be loaded on is one line (:class:`UserError`)."""
     world = get_world_size()
     record = _read_record(folder)
     if record is None:
@@ -320,6 +350,7 @@ def reshape_of(folder: Path, engines: Mapping[str, Any]) -> Reshape | None:
         return None
     same = record["world_size"] == world and all(
         tag in record["engines"] and record["engines"][tag]["zero_stage"] == engine.zero_optimization_stage()
+        and _same_dtype(record["engines"][tag], engine)
         for tag, engine in engines.items())
     if same:
         return None
@@ -328,11 +359,11 @@ def reshape_of(folder: Path, engines: Mapping[str, Any]) -> Reshape | None:
         if saved is None or "unsupported" in saved:
             why = "it holds no consolidated state for it" if saved is None else saved["unsupported"]
             raise UserError(f"{folder} cannot resume '{tag}' on another shape: {why}; resume with "
-                            f"{record['world_size']} rank(s) and ZeRO stage {saved['zero_stage'] if saved else '?'}")
+                            f"{_shape_hint(record, saved)}")
         reason = unsupported_reason(engines[tag])
         if reason is not None:
             raise UserError(f"this run cannot load '{tag}' from {folder} on another shape: {reason}; resume with "
-                            f"{record['world_size']} rank(s) and ZeRO stage {saved['zero_stage']}")
+                            f"{_shape_hint(record, saved)}")
     return Reshape(folder, record)
 
 
@@ -412,6 +443,30 @@ def load_engine(folder: Path, tag: str, engine: Any, saved: Mapping[str, Any], r
     engine.skipped_steps = counters["skipped_steps"]
 
 
+def convert_micro_steps(position: Any, engines: Mapping[str, Any]) -> str | None:
+    """Put ``position.micro_steps`` (micro-steps in units of the accumulation that wrote it) on this
+    run's ``--gradient_accumulation_steps``: the optimizer steps done times this run's accumulation.
+
+    A checkpoint is written right after an optimizer step, so its micro-steps are a whole number of
+    the old accumulation; a resumed engine's own micro-step count starts at 0 (a boundary), so the
+    converted count keeps the run's step counter, its ``--max_train_steps`` and its saves on the
+    same optimizer steps. A position without micro-steps (step 3's) is left as it is. Returns a
+    notice when the accumulation differs, else None.
+    """
+    first = next(iter(engines.values()), None)
+    if not position.micro_steps or first is None:
+        return None
+    accumulation = int(first.gradient_accumulation_steps())
+    converted = position.optimizer_steps * accumulation
+    if converted == position.micro_steps:
+        return None
+    was = position.micro_steps // position.optimizer_steps if position.optimizer_steps else "?"
+    position.micro_steps = converted
+    return (f"--gradient_accumulation_steps is {accumulation} here and was {was} when the checkpoint was written: "
+            f"its {position.optimizer_steps} optimizer steps stay done; each one from here accumulates "
+            f"{accumulation} micro-batches")
+
+
 def resume_on_new_shape(folder: Path, engines: Mapping[str, Any], rank: int, position: Any,
                         loaders: Sequence[Any] = ()) -> Reshape | None:
     """When ``folder`` was written on another shape (:func:`reshape_of`), load every engine's
@@ -420,9 +475,10 @@ def resume_on_new_shape(folder: Path, engines: Mapping[str, Any], rank: int, pos
 
     The data position goes through :func:`convert_batches_done` with ``loaders`` (this run's training
     loaders); the micro-step count becomes the optimizer steps times this run's gradient accumulation
-    (checkpoints are written at optimizer steps). One line says the run resumed on another shape.
-    On the same shape the data position is checked (and converted) the same way: another dataset
-    size, seed or shuffle, or a batch size it is not a whole number of batches of, is one line.
+    (:func:`convert_micro_steps`). One line says the run resumed on another shape.
+    On the same shape the data position and the micro-step count are checked and converted the same
+    way: another dataset size, seed or shuffle, or a batch size it is not a whole number of batches
+    of, is one line; another gradient accumulation is a one-line notice.
     """
     reshape = reshape_of(folder, engines)
     if reshape is None:
@@ -430,6 +486,9 @@ def resume_on_new_shape(folder: Path, engines: Mapping[str, Any], rank: int, pos
         if saved and saved.get("data") and loaders and position.epoch_micro_steps:
             position.epoch_micro_steps = convert_batches_done(position.epoch_micro_steps, saved["data"],
                                                               [loader_order(x) for x in loaders])
+        notice = convert_micro_steps(position, engines)
+        if notice is not None:
+            print_rank_0(f"[checkpoint] {notice}", rank)
         return None
     record = reshape.record
     done = position.epoch_micro_steps
@@ -443,9 +502,7 @@ def resume_on_new_shape(folder: Path, engines: Mapping[str, Any], rank: int, pos
                 "here")
     for tag, engine in engines.items():
         load_engine(folder, tag, engine, record["engines"][tag], rank)
-    first = next(iter(engines.values()), None)
-    if position.micro_steps and first is not None:
-        position.micro_steps = position.optimizer_steps * int(first.gradient_accumulation_steps())
+    convert_micro_steps(position, engines)
     print_rank_0(f"[checkpoint] resumed on another shape: {reshape.describe(engines)}; weights, Adam moments and "
                  f"steps, learning rates and the LR schedule from {folder / FOLDER}; {data}", rank)
     return reshape

@@ -13,8 +13,10 @@ Two things can go non-finite in a training step, and each is skipped where it is
   untouched; the gradients accumulated since the last optimizer step are dropped with it).
 
 A fp16 step skipped by DeepSpeed's dynamic loss scaler is normal loss-scale search, not a failure: it
-is not counted. A good optimizer step resets the count; after ``limit`` skipped steps in a row the run
-stops with :class:`TrainingDiverged` (one line naming the last complete checkpoint; exit code 2).
+is not counted. A good optimizer step resets the count (``--align_overflow``'s steps, taken outside
+:meth:`NonFiniteGuard.step`, report theirs to :meth:`NonFiniteGuard.applied`); after ``limit``
+skipped steps in a row the run stops with :class:`TrainingDiverged` (one line naming the last
+complete checkpoint; exit code 2).
 """
 from __future__ import annotations
 
@@ -107,6 +109,14 @@ class NonFiniteGuard:
             elif not engine.fp16_enabled():  # fp16: the loss scaler's own overflow handling
                 self._skip(message)
         return True
+
+    def applied(self, *engines: Any) -> None:
+        """After optimizer steps taken without :meth:`step` (``--align_overflow``'s fp16 steps, which
+        DeepSpeed's loss scaler decides): a step every engine applied ends a run of skips, as in
+        :meth:`step`; a loss-scale overflow neither counts nor ends it. Call it only at a gradient
+        accumulation boundary."""
+        if all(engine.was_step_applied() for engine in engines):
+            self.consecutive = 0
 
     def _skip(self, what: str) -> None:
         self.consecutive += 1

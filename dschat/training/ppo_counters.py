@@ -1,20 +1,23 @@
 """Step 3's resume and stop arithmetic: the counters a step-3 checkpoint carries besides the engines
-and the data position (the logged reward's exponential moving average among them), and the plain
-functions step 3's loop (:func:`dschat.rlhf.ppo_loop.run_ppo`) asks before and after each generation
-batch."""
+and the data position (the logged reward's exponential moving average among them), when a due
+checkpoint may be written (:class:`CheckpointTiming`), and the plain functions step 3's loop
+(:func:`dschat.rlhf.ppo_loop.run_ppo`) asks before and after each generation batch."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
 
-from dschat.training.checkpoint import TrainingPosition
+from dschat.runtime.dist import print_rank_0
+from dschat.training.checkpoint import Checkpointer, TrainingPosition
 from dschat.training.nonfinite import NonFiniteGuard
 
 if TYPE_CHECKING:  # step 3's update, on the floor above
     from dschat.rlhf.ppo_update import PPOUpdate
 
-__all__ = ["ExponentialMovingAverage", "PPOCounters", "finished_before_resume", "reached_test_stop"]
+__all__ = ["CheckpointTiming", "ExponentialMovingAverage", "PPOCounters", "between_optimizer_steps",
+           "finished_before_resume", "reached_test_stop"]
 
 
 class ExponentialMovingAverage:
@@ -67,6 +70,48 @@ class PPOCounters:
         actor_overflow, critic_overflow = update.get_overflow()
         if not actor_overflow and not critic_overflow:
             self.non_overflow_step_count += 1
+
+
+def between_optimizer_steps(engines: Iterable[Any]) -> bool:
+    """Whether every DeepSpeed engine of ``engines`` has just finished an optimizer step, with no
+    gradient accumulating: its micro-step count is a multiple of its gradient accumulation steps."""
+    return all(engine.micro_steps % engine.gradient_accumulation_steps() == 0 for engine in engines)
+
+
+class CheckpointTiming:
+    """``--save_interval``'s checkpoints of step 3, written only between optimizer steps.
+
+    A checkpoint holds no accumulated gradients, and DeepSpeed starts counting micro-steps at 0 again
+    on resume; so a checkpoint written while an engine of ``checkpointer`` (actor, critic) is partway
+    through its gradient accumulation (``--gradient_accumulation_steps`` larger than one rollout's
+    micro-steps) would resume into another run. A checkpoint due then is postponed to the first
+    trained iteration that ends between optimizer steps (said once in the log); the rotation and the
+    names stay the checkpointer's (``step_<iterations>``). Collective, as the save."""
+
+    def __init__(self, checkpointer: Checkpointer, rank: int = 0) -> None:
+        self.checkpointer = checkpointer
+        self.rank = rank
+        self.postponed = False  # a due checkpoint waits for the end of an optimizer step
+        self._said = False
+
+    def maybe_save(self, position: TrainingPosition) -> Path | None:
+        """After a trained PPO iteration: the checkpoint at ``position`` when one is due or postponed
+        and every trainable engine is between optimizer steps; else None."""
+        checkpointer = self.checkpointer
+        due = checkpointer.due(position.optimizer_steps)
+        if not (due or self.postponed):
+            return None
+        if not between_optimizer_steps(checkpointer.engines.values()):
+            self.postponed = True
+            if not self._said:
+                print_rank_0(f"[checkpoint] the checkpoint due after PPO iteration {position.optimizer_steps} waits: "
+                             "the actor or the critic is partway through --gradient_accumulation_steps, and a "
+                             "checkpoint holds no accumulated gradients; due checkpoints are written after the "
+                             "first iteration that ends an optimizer step", self.rank)
+                self._said = True
+            return None
+        self.postponed = False
+        return checkpointer.save(position)
 
 
 def reached_test_stop(args: argparse.Namespace, counters: PPOCounters) -> bool:

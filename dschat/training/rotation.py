@@ -21,7 +21,8 @@
 * Replacing a complete ``step_<N>`` (the same step saved again after a resume) renames the old one
   to ``step_<N>.replaced-<id>`` before the new one is renamed in (:func:`set_aside`); the old one is
   deleted only once the new one is complete. A kill in between leaves both, and the next start
-  (:func:`restore_replaced`) keeps the complete one: step N is never only a ``.tmp-step_<N>``.
+  (:func:`restore_replaced`) keeps the complete one: step N is never only a ``.tmp-step_<N>``. The
+  checkpoint a run resumed from is never replaced (its step counter cannot come back to it).
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ import os
 import secrets
 import shutil
 from pathlib import Path
+from typing import Sequence
 
+from dschat.errors import UserError
 from dschat.runtime.dist import print_rank_0
 
 MARKER = "dschat_checkpoint.json"
@@ -155,10 +158,25 @@ def retire_incomplete(root: Path) -> list[str]:
     return notices
 
 
-def set_aside(final: Path) -> Path | None:
-    """Rename an existing ``final`` to ``step_<N>.replaced-<id>`` beside it; the new name, or None."""
+def replaces_protected(final: Path, protect: Sequence[Path | None]) -> bool:
+    """Whether saving ``final`` would replace one of ``protect`` (the checkpoint a run resumed from)."""
+    return os.path.lexists(final) and any(kept is not None and _same(final, kept) for kept in protect)
+
+
+def protected_problem(final: Path) -> str:
+    """The one line refusing to replace ``final``, the checkpoint a run resumed from."""
+    return (f"would replace {final}, the checkpoint this run resumed from (the step counter went back to its step); "
+            "it is left as it is: resume from it with the flags that wrote it")
+
+
+def set_aside(final: Path, protect: Sequence[Path | None] = ()) -> Path | None:
+    """Rename an existing ``final`` to ``step_<N>.replaced-<id>`` beside it; the new name, or None.
+    A ``final`` in ``protect`` (the checkpoint the run resumed from) is never set aside: one
+    :class:`~dschat.errors.UserError` line, nothing renamed."""
     if not os.path.lexists(final):
         return None
+    if replaces_protected(final, protect):
+        raise UserError(protected_problem(final))
     aside = final.with_name(f"{final.name}{REPLACED_TAG}{secrets.token_hex(4)}")
     os.replace(final, aside)
     return aside

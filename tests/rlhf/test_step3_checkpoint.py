@@ -1,7 +1,8 @@
 """Step-3 checkpoints and exact resume (--save_interval counts PPO iterations): a run stopped after
 a checkpoint and resumed reproduces the uninterrupted run's losses, rewards and final actor, critic
 and EMA weights bit for bit (CPU, ZeRO 0 and 2); and the non-finite guard skips a rollout whose
-reward is NaN."""
+reward is NaN; a checkpoint is written only between optimizer steps (--gradient_accumulation_steps
+larger than a rollout's micro-steps)."""
 from __future__ import annotations
 
 import json
@@ -67,6 +68,48 @@ def test_interrupted_and_resumed_ppo_matches_the_uninterrupted_run(case, tmp_pat
     again = main(argv(tmp_path / "resumed", "--resume"))
     assert again.history == []
     assert max_abs_diff(load_state(tmp_path / "full" / "actor"), load_state(tmp_path / "resumed" / "actor")) == 0.0
+
+
+def test_a_checkpoint_due_partway_through_gradient_accumulation_waits_for_the_optimizer_step(
+        tmp_path, critic_dirs, data_cache, monkeypatch, capsys):
+    # One micro-step per rollout, two per optimizer step: after iteration 3 the actor and the critic
+    # hold half-accumulated gradients, which no checkpoint holds (and DeepSpeed counts micro-steps
+    # from 0 again on resume). The checkpoint due then is written after iteration 4, and a run killed
+    # after it resumes into the uninterrupted run's weights bit for bit.
+    from dschat.rlhf import ppo_loop
+
+    main = step3_main().main
+
+    def argv(out, *more):
+        return base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--gradient_accumulation_steps", "2",
+                         "--save_interval", "3", "--output_dir", str(out), *more, steps=6)
+
+    full = main(argv(tmp_path / "full"))
+    assert len(full.history) == 6
+    out = capsys.readouterr().out
+    assert out.count("[checkpoint] the checkpoint due after PPO iteration 3 waits") == 1
+    assert [p.name for p in ckpt.complete_checkpoints(tmp_path / "full" / "checkpoints")] == [
+        "step_00000004", "step_00000006"]
+
+    root = tmp_path / "resumed" / "checkpoints"
+    train_rollout = ppo_loop.train_rollout
+
+    def killed_after_the_first_checkpoint(*a, **k):
+        if ckpt.complete_checkpoints(root):
+            raise Interrupted
+        return train_rollout(*a, **k)
+
+    monkeypatch.setattr(ppo_loop, "train_rollout", killed_after_the_first_checkpoint)
+    with pytest.raises(Interrupted):
+        main(argv(tmp_path / "resumed"))
+    monkeypatch.undo()
+    assert [p.name for p in ckpt.complete_checkpoints(root)] == ["step_00000004"]
+    resumed = main(argv(tmp_path / "resumed", "--resume"))
+    assert len(resumed.history) == 2
+    for a, b in zip(full.history[4:], resumed.history):
+        assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}
+    for name in ("actor", "critic"):
+        assert max_abs_diff(load_state(tmp_path / "full" / name), load_state(tmp_path / "resumed" / name)) == 0.0, name
 
 
 def test_a_rollout_with_a_nan_reward_is_skipped(tmp_path, critic_dirs, data_cache, capsys):

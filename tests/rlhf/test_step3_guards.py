@@ -1,10 +1,13 @@
 """Step-3 start-up guards: batch arithmetic, the on-policy rule, contradictory flags (pure, fast),
-and the CLI's one-line exit-2 errors (subprocesses)."""
+the CLI's one-line exit-2 errors (subprocesses), and the folders the run saves into, checked before
+anything loads (in-process)."""
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +18,7 @@ from dschat.rlhf.config import BatchPlan, num_total_iters, plan_batches
 from dschat.rlhf.guards import validate_step3_args
 
 from helpers import REPO
-from helpers.step3 import STEP3_MAIN, step3_main, subprocess_env
+from helpers.step3 import STEP3_MAIN, base_argv, refused_in_process, step3_main, subprocess_env
 
 
 def _args(**overrides):
@@ -201,6 +204,35 @@ def test_cli_errors_are_one_line_exit_2_and_write_nothing(tmp_path, critic_dirs,
         assert len(error_lines) == 1 and message in error_lines[0], proc.stderr[-2000:]
         assert "Traceback" not in proc.stderr
         assert not out.exists()
+
+
+@pytest.mark.parametrize("folder, extra", [("critic", []), ("actor", []), ("actor_ema", ["--enable_ema"])])
+def test_a_file_where_the_run_saves_a_model_is_refused_before_anything_loads(folder, extra, tmp_path, critic_dirs,
+                                                                            data_cache, capsys, monkeypatch):
+    from dschat.training import run_setup
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / folder).write_text("the user's notes\n")
+    monkeypatch.setattr(run_setup, "setup_run", lambda *a, **k: pytest.fail("got past the path checks"))
+    argv = base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out), *extra)
+    line = refused_in_process(argv, capsys)
+    assert f"{out / folder} is a file" in line and "move the file away or give another --output_dir" in line
+    assert (out / folder).read_text() == "the user's notes\n"
+
+
+def test_a_model_folder_the_run_cannot_write_is_refused(tmp_path, critic_dirs, data_cache, capsys, monkeypatch):
+    from dschat.runtime import fs
+    from dschat.training import run_setup
+
+    out = tmp_path / "out"
+    (out / "critic").mkdir(parents=True)
+    monkeypatch.setattr(run_setup, "setup_run", lambda *a, **k: pytest.fail("got past the path checks"))
+    access = os.access  # permission bits do not stop root: the check's own question answered "no" here
+    monkeypatch.setattr(fs.os, "access", lambda path, mode: Path(path) != out / "critic" and access(path, mode))
+    line = refused_in_process(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out)),
+                              capsys)
+    assert f"the folder for the critic {out / 'critic'} cannot be written" in line
 
 
 # ------------------------------------------------------------------------------------ DeepSpeed configs

@@ -238,7 +238,7 @@ def test_on_the_same_shape_the_data_position_is_checked_and_converted_too(tmp_pa
     saved = consolidated.loader_order(loader(23, 1, 0, 2))
     (folder / consolidated.FOLDER / consolidated.STATE).write_text(json.dumps(
         {"format": consolidated.FORMAT_VERSION, "world_size": 1, "data": [saved], "engines": {"e": {"zero_stage": 0}}}))
-    engines = {"e": SimpleNamespace(zero_optimization_stage=lambda: 0)}
+    engines = {"e": SimpleNamespace(zero_optimization_stage=lambda: 0, gradient_accumulation_steps=lambda: 1)}
 
     def resumed(now: torch.utils.data.DataLoader, done: int = 4) -> int:
         position = SimpleNamespace(epoch=0, epoch_micro_steps=done, micro_steps=4, optimizer_steps=4)

@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 from dschat.cli.shared import add_step1_args
 from dschat.errors import cli_main
+from dschat.runtime.run_lock import releasing_run_locks
 from dschat.runtime.import_guards import freeze_imported
 from dschat.training.engine_setup import (
     apply_lora,
@@ -50,6 +51,7 @@ def build_model(args: argparse.Namespace, tokenizer: Any, ds_config: dict, rank:
     return apply_lora(model, args.lora_dim, args.lora_module_name, args.only_optimize_lora)
 
 
+@releasing_run_locks  # a run's --output_dir is free again when main ends, in-process too
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from transformers import default_data_collator
 

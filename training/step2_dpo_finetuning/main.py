@@ -14,6 +14,7 @@ from typing import Sequence
 
 from dschat.cli.step2 import add_dpo_step_args
 from dschat.errors import cli_main
+from dschat.runtime.run_lock import releasing_run_locks
 from dschat.runtime.import_guards import freeze_imported
 from dschat.training.engine_setup import (
     apply_lora,
@@ -39,6 +40,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+@releasing_run_locks  # a run's --output_dir is free again when main ends, in-process too
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from transformers import AutoModelForCausalLM
 

@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 from dschat.cli.step2 import add_step2_args
 from dschat.errors import cli_main
+from dschat.runtime.run_lock import releasing_run_locks
 from dschat.models.freeze import freeze_lower_layers, release_input_gradients
 from dschat.models.packing import attention_window, resolve_sequence_packing
 from dschat.runtime.import_guards import freeze_imported
@@ -64,6 +65,7 @@ def build_model(args: argparse.Namespace, tokenizer: Any, ds_config: dict, rank:
     return rm_model
 
 
+@releasing_run_locks  # a run's --output_dir is free again when main ends, in-process too
 def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.data.collators import DataCollatorReward
     from dschat.training.loop import finish_run, train_epochs

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
+from dschat.runtime.run_lock import releasing_run_locks
 from dschat.remote_reward import plain_http_warning, remote_reward_function
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions, reward_model_weight
 from dschat.runtime.dist import print_rank_0
@@ -81,8 +82,10 @@ def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> R
 
 def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = None,
                 mix: RewardMix | None = None) -> ModelOutputs:
-    """Bad model, data and output paths fail here, before anything is loaded or written; returns the
-    models the run saves, for :func:`~dschat.training.run_setup.setup_run`'s check. The critic
+    """Bad model, data and output paths fail here, before anything is loaded or written (the folders
+    the run saves into in ``--output_dir`` too: ``actor/``, ``critic/``, ``actor_ema/``, ``best/``, each
+    refused if it is a file or cannot be written); returns the models the run saves, for
+    :func:`~dschat.training.run_setup.setup_run`'s check. The critic
     and reward-model folders may be dschat's step-2 output (``v_head.safetensors``), upstream
     DeepSpeed-Chat's (``pytorch_model.bin`` with the value head inside; its keys are checked,
     memory-mapped) or a one-label sequence classifier. PPO's critic needs ``--critic_model_name_or_path``
@@ -93,6 +96,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     from dschat.models.reward_model import check_critic_folder
     from dschat.models.save import is_model_artifact
     from dschat.paths import BEST_DIR, EARLIER_BEST_DIR
+    from dschat.runtime.fs import check_writable_dir
     from dschat.training import run_setup
     from dschat.training.step_data import check_seq_len_fits_positions
 
@@ -126,6 +130,11 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
                                              "--critic_model_name_or_path": critic,
                                              "--reward_model_name_or_path": reward}, saved)
     run_setup.check_output_paths(args)
+    for what, (folder, _) in saved.items():  # the sub-folders the final save writes, checked now
+        if Path(folder).exists() and not Path(folder).is_dir():
+            raise UserError(f"{folder} is a file, and this run saves {what} into a folder of that name; move the "
+                            "file away or give another --output_dir")
+        check_writable_dir(folder, f"the folder for {what}")
     return saved
 
 
@@ -191,6 +200,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     return prompt_loader, unsup_loader, total_iters
 
 
+@releasing_run_locks  # a run's --output_dir is free again when main ends, in-process too
 def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None) -> Step3Result:
     """Run step 3. ``reward_fn(prompts, answers) -> scores`` (decoded strings) is a reward function
     like ``--reward_fn``'s: it replaces the reward model unless ``--reward_model_weight`` is given."""

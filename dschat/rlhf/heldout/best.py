@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 from contextlib import nullcontext
 from pathlib import Path
@@ -53,12 +54,14 @@ def set_earlier_best_aside(output_dir: Path) -> str | None:
     replace ``best/``): an earlier run's ``best/`` becomes ``best.earlier/``, replacing an older one;
     a ``best/`` of step 0 (the starting models of a run that stopped before a better evaluation) is
     removed and ``best.earlier/`` stays. Returns the notice (None: no ``best/``); a failed rename is
-    one :class:`UserError` line. Nothing is deleted in place: a folder goes by a rename first."""
+    one :class:`UserError` line, after which ``best/`` and ``best.earlier/`` are as they were. Nothing
+    is deleted in place: a folder goes by a rename (to a hidden name no other run uses) first."""
     best, earlier = output_dir / BEST_DIR, output_dir / EARLIER_BEST_DIR
     if not best.exists():
         return None
-    gone = output_dir / f".{EARLIER_BEST_DIR}-{os.getpid()}"
+    gone = output_dir / f".{EARLIER_BEST_DIR}-{os.getpid()}-{secrets.token_hex(4)}"
     saved = read_best(best)
+    moved_earlier = False
     try:
         if saved is not None and saved["step"] == 0:
             os.replace(best, gone)
@@ -66,10 +69,17 @@ def set_earlier_best_aside(output_dir: Path) -> str | None:
         else:
             if earlier.exists():
                 os.replace(earlier, gone)
+                moved_earlier = True
             os.replace(best, earlier)
             notice = f"{best} held an earlier run's best models: now in {earlier}"
     except OSError as err:
-        raise UserError(f"cannot set the earlier run's {best} aside ({err.strerror}); move it away yourself, or "
-                        "pass --save_best_by none") from None
+        kept = ""
+        if moved_earlier:  # best/ did not move: the older best.earlier/ goes back
+            try:
+                os.replace(gone, earlier)
+            except OSError:
+                kept = f"; the older {earlier} is in {gone}"
+        raise UserError(f"cannot set the earlier run's {best} aside ({err.strerror}{kept}); move it away yourself, "
+                        "or pass --save_best_by none") from None
     shutil.rmtree(gone, ignore_errors=True)
     return notice

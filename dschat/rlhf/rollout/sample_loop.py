@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import inspect
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
 import torch
 from torch import nn

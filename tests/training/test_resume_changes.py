@@ -1,0 +1,163 @@
+"""Resuming with flags that differ from the run that wrote the checkpoint: another
+--gradient_accumulation_steps keeps the optimizer steps done (no step counted twice, no checkpoint
+rewritten, none written mid-accumulation), another --dtype loads the consolidated state, a
+--resume_from of another --output_dir does not mix with that folder's own checkpoints, and the
+checkpoint a run resumed from is never replaced."""
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dschat.errors import UserError
+from dschat.training import checkpoint as ckpt
+from dschat.training import consolidated, rotation
+
+from helpers.steps import base_argv, load_script
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("resume_changes_data")
+
+
+def _markers(root: Path) -> dict[str, bytes]:
+    return {p.name: (p / ckpt.MARKER).read_bytes() for p in ckpt.complete_checkpoints(root)}
+
+
+def test_another_gradient_accumulation_keeps_the_optimizer_steps_done(data_dir, tmp_path, capsys):
+    """3 optimizer steps of 2 micro-batches, resumed with 4 per step up to 4 steps: one more step of
+    4 micro-batches (it used to count 6 micro-steps as 1 optimizer step, rewrite step_2 and step_3,
+    save mid-accumulation and run 5 optimizer steps)."""
+    main = load_script("step1").main
+    out = tmp_path / "o"
+
+    def argv(accumulation: int, steps: int, *more: str) -> list[str]:
+        return base_argv("tiny-llama", data_dir, "--gradient_accumulation_steps", str(accumulation), "--save_interval",
+                         "1", "--keep_checkpoints", "5", "--output_dir", str(out), *more, max_train_steps=steps,
+                         batch_size=2)
+
+    first = main(argv(2, 3))
+    assert first.optimizer_steps == 3 and len(first.train_losses) == 6
+    root = ckpt.checkpoint_root(out)
+    before = _markers(root)
+    capsys.readouterr()
+    again = main(argv(4, 4, "--resume"))
+    printed = capsys.readouterr().out
+    assert again.optimizer_steps == 4 and again.engine.global_steps == 4 and len(again.train_losses) == 4
+    assert "--gradient_accumulation_steps is 4 here and was 2 when the checkpoint was written" in printed
+    after = _markers(root)
+    assert list(after) == [ckpt.checkpoint_name(n) for n in (1, 2, 3, 4)]
+    assert {name: after[name] for name in before} == before  # none rewritten, the resumed-from one included
+    assert sorted(p.name for p in root.iterdir()) == list(after)  # nothing set aside or left over
+    position = ckpt.read_position(root / ckpt.checkpoint_name(4))
+    assert (position.epoch, position.epoch_micro_steps, position.micro_steps) == (0, 6 + 4, 4 * 4)
+    state = json.loads((root / ckpt.checkpoint_name(4) / consolidated.FOLDER / consolidated.STATE).read_text())
+    assert state["engines"]["model"]["counters"]["global_steps"] == 4
+
+
+def test_another_dtype_loads_the_consolidated_state(data_dir, tmp_path, capsys):
+    """An fp32 checkpoint resumed with --dtype bf16 (ZeRO-2): DeepSpeed's own files name the dtype
+    (a KeyError or a missing bf16_* file before); the consolidated state loads the fp32 masters, both
+    moments, steps, schedule and counters exactly as saved."""
+    from helpers.reshape_worker import dump, trained_engines
+
+    main = load_script("step1").main
+
+    def argv(out: Path, dtype: str, *more: str) -> list[str]:
+        flags = base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--save_interval", "2", "--output_dir",
+                          str(out), *more, max_train_steps=2, batch_size=2)
+        flags[flags.index("--dtype") + 1] = dtype
+        return flags
+
+    main(argv(tmp_path / "a", "fp32"))
+    folder = ckpt.checkpoint_root(tmp_path / "a") / ckpt.checkpoint_name(2)
+    capsys.readouterr()
+    dump(trained_engines("step1", argv(tmp_path / "b", "bf16", "--resume_from", str(folder))), tmp_path / "dump")
+    printed = capsys.readouterr().out
+    assert ("resumed on another shape: saved on 1 rank(s) (model ZeRO 2 fp32), resumed on 1 rank(s) "
+            "(model ZeRO 2 bf16)") in printed
+    saved, dumped = folder / consolidated.FOLDER, tmp_path / "dump"
+    for kind in consolidated.KINDS:
+        before, after = (load_file(str(where / f"model.{kind}.safetensors")) for where in (saved, dumped))
+        assert sorted(before) == sorted(after) and before
+        assert all(torch.equal(before[name], after[name]) for name in before), kind
+    old = json.loads((saved / consolidated.STATE).read_text())["engines"]["model"]
+    new = json.loads((dumped / "records.json").read_text())["model"]
+    assert (old["dtype"], new["dtype"]) == ("fp32", "bf16") and min(old["steps"].values()) == 2
+    assert all(old[key] == new[key] for key in ("parameters", "param_groups", "steps", "scheduler", "counters"))
+    # And it trains on in bf16 from there.
+    more = argv(tmp_path / "c", "bf16", "--resume_from", str(folder))
+    more[more.index("--max_train_steps") + 1] = "3"
+    resumed = main(more)
+    assert resumed.optimizer_steps == 3 and len(resumed.train_losses) == 1
+
+
+def test_a_dtype_change_on_an_uncovered_engine_names_the_dtype_to_resume_with(tmp_path):
+    """A checkpoint whose engine the consolidated state does not cover, resumed in another dtype:
+    one line naming the world size, stage and --dtype that load it."""
+    from types import SimpleNamespace
+
+    folder = tmp_path / "step_2"
+    (folder / consolidated.FOLDER).mkdir(parents=True)
+    record = {"format": consolidated.FORMAT_VERSION, "world_size": 1, "data": [],
+              "engines": {"model": {"unsupported": "the optimizer is SGD, not Adam(W)", "zero_stage": 0,
+                                    "dtype": "bf16"}}}
+    (folder / consolidated.FOLDER / consolidated.STATE).write_text(json.dumps(record))
+    engine = SimpleNamespace(zero_optimization_stage=lambda: 0, fp16_enabled=lambda: False,
+                             bfloat16_enabled=lambda: False)
+    with pytest.raises(UserError, match=r"cannot resume 'model' on another shape: the optimizer is SGD, not "
+                                        r"Adam\(W\); resume with 1 rank\(s\), ZeRO stage 0 and --dtype bf16$"):
+        consolidated.reshape_of(folder, {"model": engine})
+    engine.bfloat16_enabled = lambda: True  # the same dtype: DeepSpeed's own files load
+    assert consolidated.reshape_of(folder, {"model": engine}) is None
+
+
+def _complete(root: Path, steps: int) -> Path:
+    folder = root / ckpt.checkpoint_name(steps)
+    folder.mkdir(parents=True)
+    (folder / ckpt.MARKER).write_text(json.dumps({"sequence": steps}))
+    return folder
+
+
+def test_resume_from_another_output_dir_refuses_an_earlier_runs_checkpoints(tmp_path):
+    """--resume_from A/checkpoints/step_N --output_dir B, with checkpoints in B: they would mix with
+    this run's and rotation would delete them; one line. From B's own checkpoints it goes on."""
+    source = _complete(ckpt.checkpoint_root(tmp_path / "a"), 3)
+    theirs = _complete(ckpt.checkpoint_root(tmp_path / "b"), 5)
+    args = Namespace(output_dir=str(tmp_path / "b"), save_interval=1, resume=False, resume_from=str(source))
+    with pytest.raises(UserError) as err:
+        ckpt.prepare_checkpoint_root(args, rank=0)
+    assert str(err.value).endswith(
+        f" found checkpoints of an earlier run in {theirs.parent}, and --resume_from {source} is not one of them; pass "
+        f"another --output_dir, --resume_from one of those, or delete {theirs.parent} on every node to start over")
+    assert (theirs / ckpt.MARKER).is_file()
+    ckpt.prepare_checkpoint_root(Namespace(output_dir=str(tmp_path / "c"), save_interval=1, resume=False,
+                                           resume_from=str(source)), rank=0)  # an empty --output_dir
+    args.resume_from = str(tmp_path / "b" / "checkpoints" / ".." / "checkpoints" / theirs.name)
+    ckpt.prepare_checkpoint_root(args, rank=0)  # rolling back within B
+    assert ckpt.complete_checkpoints(theirs.parent) == [theirs]
+
+
+def test_the_checkpoint_a_run_resumed_from_is_never_replaced(tmp_path):
+    """A save of the step the run resumed from stops with one line before anything is written, and
+    rotation's set_aside refuses it too; the checkpoint stays byte for byte."""
+    root = tmp_path / "checkpoints"
+    source = _complete(root, 3)
+    marker = (source / ckpt.MARKER).read_bytes()
+    for kind in ("protect", "resumed_from"):
+        how = {"resumed_from": source} if kind == "resumed_from" else {"protect": (source,)}
+        with pytest.raises(UserError, match=f"would replace {source}, the checkpoint this run resumed from"):
+            ckpt.save_checkpoint(root, {}, ckpt.TrainingPosition(0, 3, 3, 3), keep=2, rank=0, **how)
+        assert (source / ckpt.MARKER).read_bytes() == marker and sorted(root.iterdir()) == [source]
+    with pytest.raises(UserError, match="the checkpoint this run resumed from"):
+        rotation.set_aside(source, [None, source])
+    assert sorted(root.iterdir()) == [source]
+    aside = rotation.set_aside(source, [root / ckpt.checkpoint_name(2)])  # another step: set aside as before
+    assert aside is not None and aside.name.startswith(f"{source.name}{rotation.REPLACED_TAG}")
