@@ -22,17 +22,21 @@ class LogTee:
     puts the previous run's log (moved aside meanwhile) back and removes the folders made for the log.
     Else the previous log becomes ``training.log.1`` (older ones ``.2`` ... ``.{KEPT_LOGS}``), as do
     the logs a killed launcher left set aside. ``started``: the file the step creates once it starts
-    up (:data:`~dschat.paths.STARTED_FILE_VAR`), beside the log so that every node sees it.
+    up (:data:`~dschat.paths.STARTED_FILE_VAR`), beside the log so that every node sees it. The
+    set-aside log and stamp of a launcher still running on the same folder (its pid is in their names:
+    a second launch that the step will refuse, as the folder is in use) are left alone.
     """
 
     def __init__(self, path: Path):
         self.path = path
         self.started = path.with_name(f".{path.name}.started-{os.getpid()}")
         if path.parent.is_dir():  # what a killed launcher left: its set-aside log is kept, its stamp goes
-            for left in sorted(path.parent.glob(f".{path.name}.previous-*"), key=lambda p: p.stat().st_mtime):
+            leftovers = [p for p in path.parent.glob(f".{path.name}.previous-*") if not _launcher_alive(p)]
+            for left in sorted(leftovers, key=lambda p: p.stat().st_mtime):
                 self._keep(left)
             for left in path.parent.glob(f".{path.name}.started-*"):
-                left.unlink(missing_ok=True)
+                if not _launcher_alive(left):
+                    left.unlink(missing_ok=True)
         self.created = path.parent  # the outermost folder this tee creates (None: none)
         while not self.created.parent.exists() and self.created.parent != self.created:
             self.created = self.created.parent
@@ -84,3 +88,18 @@ class LogTee:
             if (older := self.path.with_name(f"{self.path.name}.{n}")).is_file():
                 os.replace(older, self.path.with_name(f"{self.path.name}.{n + 1}"))
         os.replace(log, self.path.with_name(f"{self.path.name}.1"))
+
+
+def _launcher_alive(leftover: Path) -> bool:
+    """Whether the launcher whose pid ends ``leftover``'s name (``.training.log.previous-<pid>``,
+    ``.training.log.started-<pid>``) is still running on this machine."""
+    pid = leftover.name.rpartition("-")[2]
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another account's process: alive
+        return True
+    return True

@@ -14,10 +14,12 @@ Contracts (the differences from upstream: docs/upstream.md):
 """
 from __future__ import annotations
 
+import json
 import math
 import pickle
 import re
 import time
+import zipfile
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -168,7 +170,7 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
                         "damaged or truncated; copy or save the model again") from None
     except (pickle.UnpicklingError, RuntimeError) as err:  # a pytorch_model.bin torch.load(weights_only=True) refuses
-        damaged = _unreadable_bin(Path(path))
+        damaged = _unreadable_bin(Path(path)) if _TORCH_LOAD_FAILED.search(str(err)) else None
         if damaged is None:
             raise
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
@@ -187,11 +189,25 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
                         "index, beside config.json); copy or save the model again") from None
 
 
+# torch.load's own failures (a cut zip archive; bytes that are no tensor file), not a model's (a size mismatch).
+_TORCH_LOAD_FAILED = re.compile(r"PytorchStreamReader|Weights only load failed|invalid load key|unpickl", re.IGNORECASE)
+
+
 def _unreadable_bin(folder: Path) -> Path | None:
-    """The first ``*.bin`` weights file of ``folder`` that ``torch.load(weights_only=True)`` refuses, or None."""
-    for file in sorted(folder.glob("*.bin")) if folder.is_dir() else ():
-        try:
-            torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    """The first weights file of ``folder`` that transformers reads as a ``torch.load`` file
+    (``pytorch_model.bin``, or the shards its ``pytorch_model.bin.index.json`` names) and that
+    ``torch.load(weights_only=True)`` refuses, or None. Other ``.bin`` files (a trainer's
+    ``training_args.bin``) are not looked at."""
+    index = folder / f"{UPSTREAM_WEIGHTS_FILE}.index.json"
+    try:
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else []
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        names = []
+    for file in [folder / UPSTREAM_WEIGHTS_FILE, *(folder / name for name in names)]:
+        if not file.is_file():
+            continue
+        try:  # memory-mapped where it can be (torch's zip format); an old-format file is read whole
+            torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
         except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError):
             return file
     return None

@@ -241,20 +241,26 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
     barrier()
 
 
+#: The folders step 3 saves its models into under its --output_dir (and recovers at start-up).
+STEP3_MODEL_FOLDERS = ("actor", "critic", "actor_ema")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m dschat.models.save --recover FOLDER``: finish or undo a model save into FOLDER (or
     its ``actor/``, ``critic/``) that was stopped, as every step does at start-up for its
     ``--output_dir``. It takes FOLDER's run lock first (and that of the folder above, when that one
-    has a run lock: a step-3 ``--output_dir`` whose ``actor/`` or ``critic/`` this is), so while a run
-    uses the folder it is one line, exit code 2, and nothing is touched."""
+    has a run lock or FOLDER is named as step 3's models are, :data:`STEP3_MODEL_FOLDERS`: a step-3
+    ``--output_dir`` whose ``actor/`` or ``critic/`` this is), so while a run uses the folder it is
+    one line, exit code 2, and nothing is touched."""
     parser = argparse.ArgumentParser(prog="python -m dschat.models.save", description=main.__doc__)
     parser.add_argument("--recover", required=True, metavar="FOLDER", help="the model folder to finish or undo")
     folder = parser.parse_args(argv).recover
     if not Path(folder).is_dir():
         raise UserError(f"--recover {folder}: no such folder; pass the model folder named in the error")
     with contextlib.ExitStack() as locks:
-        above = Path(folder).resolve().parent
-        if os.path.lexists(above / LOCK_NAME):
+        inside = Path(folder).resolve()
+        above = inside.parent  # a step-3 --output_dir that a run there recovers too
+        if os.path.lexists(above / LOCK_NAME) or inside.name in STEP3_MODEL_FOLDERS:
             locks.enter_context(run_lock(above, "--output_dir"))
         locks.enter_context(run_lock(folder, "the folder"))
         notices = recover_output_dir(folder)

@@ -304,6 +304,13 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
     actor_train.consumers["actor activations"] = activation_bytes(actor, train_b, seq, el, args.actor_gradient_checkpointing)
     actor_train.consumers["logits"] = train_b * seq * inv.vocab_rows * (2 * el + 4)
     actor_train.consumers.update(_training_working_set(actor, args, el))
+    if critic is not None and dtype == "fp16" and getattr(args, "align_overflow", False):
+        # --align_overflow: the critic's forward and backward run while the actor's graph is alive
+        # (both losses are checked before either backward).
+        actor_train.consumers["critic activations"] = activation_bytes(critic, train_b, seq, el,
+                                                                       args.critic_gradient_checkpointing)
+        for key, value in _training_working_set(critic, args, el).items():
+            actor_train.consumers[key] = actor_train.consumers.get(key, 0) + value
     out.append(actor_train)
     if critic is not None:
         critic_train = Phase("critic training", {**resident, **kept})

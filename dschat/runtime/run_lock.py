@@ -168,6 +168,11 @@ def _take(folder: Path, flag: str, fix: str) -> tuple[int, int] | None:
                     raise
                 print(f"[run lock] {path} cannot be locked on this file system ({err.strerror}); nothing stops "
                       f"another run from using {folder} at the same time", file=sys.stderr, flush=True)
+                if created:  # an unlocked file protects nothing: not left behind, nor the folders made for it
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                        for made_folder in made:
+                            made_folder.rmdir()
                 return None
             try:
                 same = os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))

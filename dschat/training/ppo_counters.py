@@ -5,6 +5,7 @@ checkpoint may be written (:class:`CheckpointTiming`), and the plain functions s
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -86,32 +87,49 @@ class CheckpointTiming:
     through its gradient accumulation (``--gradient_accumulation_steps`` larger than one rollout's
     micro-steps) would resume into another run. A checkpoint due then is postponed to the first
     trained iteration that ends between optimizer steps (said once in the log); the rotation and the
-    names stay the checkpointer's (``step_<iterations>``). Collective, as the save."""
+    names stay the checkpointer's (``step_<iterations>``). Without skipped micro-steps one comes
+    within the least common multiple of the engines' accumulation steps (in iterations); a NaN/inf loss that
+    skipped a micro-step shifts that engine's accumulation for good, so a checkpoint that has waited
+    that long is written anyway, its accumulated gradients left out (said once). Collective, as
+    the save."""
 
     def __init__(self, checkpointer: Checkpointer, rank: int = 0) -> None:
         self.checkpointer = checkpointer
         self.rank = rank
-        self.postponed = False  # a due checkpoint waits for the end of an optimizer step
-        self._said = False
+        self.waited = 0  # trained iterations a due checkpoint has waited for the end of an optimizer step
+        self._said: set[str] = set()
+
+    @property
+    def postponed(self) -> bool:
+        return self.waited > 0
 
     def maybe_save(self, position: TrainingPosition) -> Path | None:
         """After a trained PPO iteration: the checkpoint at ``position`` when one is due or postponed
-        and every trainable engine is between optimizer steps; else None."""
+        and every trainable engine is between optimizer steps (or it has waited too long: see the
+        class); else None."""
         checkpointer = self.checkpointer
-        due = checkpointer.due(position.optimizer_steps)
-        if not (due or self.postponed):
+        if not (checkpointer.due(position.optimizer_steps) or self.postponed):
             return None
-        if not between_optimizer_steps(checkpointer.engines.values()):
-            self.postponed = True
-            if not self._said:
-                print_rank_0(f"[checkpoint] the checkpoint due after PPO iteration {position.optimizer_steps} waits: "
-                             "the actor or the critic is partway through --gradient_accumulation_steps, and a "
-                             "checkpoint holds no accumulated gradients; due checkpoints are written after the "
-                             "first iteration that ends an optimizer step", self.rank)
-                self._said = True
-            return None
-        self.postponed = False
+        engines = list(checkpointer.engines.values())
+        if not between_optimizer_steps(engines):
+            if self.waited < math.lcm(*(engine.gradient_accumulation_steps() for engine in engines)):
+                self.waited += 1
+                self._say("waits", f"[checkpoint] the checkpoint due after PPO iteration {position.optimizer_steps} "
+                          "waits: the actor or the critic is partway through --gradient_accumulation_steps, and a "
+                          "checkpoint holds no accumulated gradients; due checkpoints are written after the first "
+                          "iteration that ends an optimizer step")
+                return None
+            self._say("shifted", f"[checkpoint] writing the checkpoint after PPO iteration {position.optimizer_steps} "
+                      "partway through --gradient_accumulation_steps: a skipped (NaN/inf) micro-step shifted the "
+                      "accumulation, so no iteration ends an optimizer step; the gradients accumulated since the "
+                      "last step are not in it, and a resumed run starts a new accumulation")
+        self.waited = 0
         return checkpointer.save(position)
+
+    def _say(self, key: str, line: str) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            print_rank_0(line, self.rank)
 
 
 def reached_test_stop(args: argparse.Namespace, counters: PPOCounters) -> bool:

@@ -215,11 +215,20 @@ def test_a_step_failing_with_exit_2_after_it_started_keeps_its_log_and_earlier_l
     assert "run 1" in (out / "training.log.5").read_text()
     # A launcher killed mid-run left its previous log set aside and the step's stamp: the next launch
     # keeps that log (.1 after the one just set aside) and removes the stamp.
-    (out / ".training.log.previous-99").write_text("set aside by a killed launcher\n")
-    (out / ".training.log.started-99").write_text("")
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(gone.stdout)  # a launcher's pid that is no longer running
+    (out / f".training.log.previous-{dead}").write_text("set aside by a killed launcher\n")
+    (out / f".training.log.started-{dead}").write_text("")
+    # A launcher still running on the folder (this test's parent process): its set-aside log and stamp
+    # stay theirs.
+    live = os.getppid()
+    (out / f".training.log.previous-{live}").write_text("set aside by a running launcher\n")
+    (out / f".training.log.started-{live}").write_text("")
     monkeypatch.setenv("FAKE_RC", "0")
     assert L.run(L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root), sink=Sink()).returncode == 0
-    assert sorted(p.name for p in out.iterdir()) == ["training.log"] + [f"training.log.{n}" for n in range(1, 6)]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [f".training.log.previous-{live}", f".training.log.started-{live}", "training.log"]
+        + [f"training.log.{n}" for n in range(1, 6)])
     assert "run 6" in (out / "training.log.1").read_text()
     assert (out / "training.log.2").read_text() == "set aside by a killed launcher\n"
 

@@ -122,3 +122,22 @@ def test_a_damaged_pytorch_model_bin_is_one_line_naming_it(tmp_path, tokenizer, 
     with pytest.raises(UserError, match=rf"^cannot read the weights in {weights} \((RuntimeError|UnpicklingError): "
                                         r".*\): the file is damaged or truncated, or holds Python objects"):
         create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+
+
+def test_a_model_error_beside_a_trainers_pickle_is_not_called_damaged_weights(tmp_path, tokenizer):
+    """A trainer's ``training_args.bin`` (a pickle, not tensors) beside whole weights: a model error
+    (here a config that does not match the weights) passes through as itself, not as damaged weights."""
+    import argparse
+
+    import torch
+
+    folder = _model_folder(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    (folder / "model.safetensors").unlink()
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+    torch.save(argparse.Namespace(learning_rate=1e-5), folder / "training_args.bin")  # weights_only refuses it
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "ffn_dim": config["ffn_dim"] * 2}))
+    with pytest.raises(RuntimeError) as raised:
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+    assert not isinstance(raised.value, UserError) and "ignore_mismatched_sizes" in str(raised.value)

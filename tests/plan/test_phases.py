@@ -244,3 +244,15 @@ def test_the_planned_tensor_parallel_shard_bounds_each_members_live_shard(tiny):
         shard = ShardedInferenceWeights(decoder_spec(model.config), 2, member)
         shard.refresh(model, torch.float32, torch.device("cpu"))
         assert planned - shard.nbytes() == 2 * 3 * 8 * 4
+
+
+def test_align_overflow_plans_the_critics_training_inside_the_actors(tiny):
+    """fp16 --align_overflow runs the critic's forward and backward while the actor's graph is alive
+    (both losses are checked before either backward): the actor-training phase holds both."""
+    plain = _plan(tiny, "--actor_zero_stage", "2", "--critic_zero_stage", "2")
+    aligned = _plan(tiny, "--actor_zero_stage", "2", "--critic_zero_stage", "2", "--align_overflow")
+    assert "critic activations" not in _phase(plain, "actor training")
+    both = _phase(aligned, "actor training")
+    assert both["critic activations"] == _phase(plain, "critic training")["critic activations"]
+    assert both["critic reduction buckets"] == _phase(plain, "critic training")["critic reduction buckets"]
+    assert _phase(aligned, "critic training") == _phase(plain, "critic training")

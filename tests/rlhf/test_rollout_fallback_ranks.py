@@ -14,6 +14,7 @@ import torch.distributed as dist
 rank, store, out, failing = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
                         timeout=datetime.timedelta(seconds=60))
+from dschat.rlhf.rollout.conversation import Conversation
 from dschat.rlhf.rollout.generator import _decode
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest
 from dschat.rlhf.rollout.sampling import Rollout
@@ -30,6 +31,7 @@ class Compiled(DecodingPath):
         return None
 
     def generate(self, request):
+        request.conversation.reused = True  # as a path that continued the turn's KV cache
         if rank == 1:
             raise (RuntimeError("compile failed") if failing == "compile" else torch.OutOfMemoryError("out of memory"))
         return Rollout(request.prompts, None)
@@ -42,10 +44,12 @@ class Compiled(DecodingPath):
 
 
 path = Compiled()
-request = RolloutRequest(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long))
+request = RolloutRequest(torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3, dtype=torch.long),
+                         conversation=Conversation())
 try:
     rollout, failure = _decode(path, request)
-    result = {"rollout": rollout is not None, "reason": None if failure is None else failure[0], "off": path.off}
+    result = {"rollout": rollout is not None, "reason": None if failure is None else failure[0], "off": path.off,
+              "reused": request.conversation.reused}
 except BaseException as err:
     result = {"raised": type(err).__name__, "line": str(err)}
 with open(f"{out}/rank{rank}.json", "w") as f:
@@ -57,9 +61,9 @@ dist.destroy_process_group()
 def test_a_fallback_on_one_rank_is_taken_on_every_rank(tmp_path):
     succeeded, failed = run_gloo_ranks(RANKS, tmp_path, "compile")
     assert failed == {"rollout": False, "reason": "compiled failed (compile failed); the next path from now on",
-                      "off": True}
-    # Rank 0's own rollout worked; it is dropped, and the path is off here too.
-    assert succeeded == {"rollout": False, "off": True,
+                      "off": True, "reused": False}
+    # Rank 0's own rollout worked; it is dropped (its continued KV cache too), and the path is off here too.
+    assert succeeded == {"rollout": False, "off": True, "reused": False,
                          "reason": "compiled failed (compiled failed on another rank); the next path from now on"}
 
 

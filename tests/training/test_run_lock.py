@@ -228,3 +228,20 @@ def test_a_step_run_twice_in_one_process_then_another_process_takes_the_folder(t
     cli = subprocess.run([PYTHON, "-m", "dschat.models.save", "--recover", str(out)], capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert cli.returncode == 0 and "nothing to do" in cli.stdout, cli.stderr
+
+
+def test_a_file_system_without_flock_runs_unlocked_and_leaves_nothing_behind(tmp_path, monkeypatch, capsys):
+    """Some network mounts refuse ``flock`` (ENOLCK): the run goes on with a notice, and the lock file
+    and the folders made for it, which would protect nothing, are not left behind."""
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "new" / "out"
+    owner = _Owner()
+    run_lock.hold_run_lock(out, owner)
+    assert "cannot be locked on this file system (No locks available)" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -235,6 +235,13 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         load_environment(args.env, args.env_timeout)  # a bad spec is one line now, before anything loads
     judges = check_eval_args(args)  # resolves --eval_interval and --save_best_by, which check_paths reads
     outputs = check_paths(args, settings, mix)
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
+    # The critic reads the actor's token ids (else it starts from the actor); a reward model of another
+    # tokenizer reads re-tokenised text. Their positions are checked before start-up, as check_paths'.
+    sources = resolve_model_sources(args.actor_model_name_or_path, args.critic_model_name_or_path,
+                                    args.reward_model_name_or_path, tokenizer, needs_critic=settings.critic,
+                                    needs_reward=mix.uses_model)
+    check_readers(args, sources, critic=settings.critic, reward_model=mix.uses_model)
     ptx = unsupervised_training_enabled(args)
     ctx = setup_run(args, outputs)
     config = step3_config(args, ctx.world_size, mix, algorithm=settings)  # every part of step 3, once
@@ -247,13 +254,6 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     print_rank_0(mix.describe(), ctx.rank)
     step3_preflight(args, argv, ctx, four_models=settings.critic and mix.uses_model,  # memory, before any model
                     reward_model=mix.uses_model)
-    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
-    # The critic reads the actor's token ids (else it starts from the actor); a reward model of another
-    # tokenizer reads re-tokenised text.
-    sources = resolve_model_sources(args.actor_model_name_or_path, args.critic_model_name_or_path,
-                                    args.reward_model_name_or_path, tokenizer, needs_critic=settings.critic,
-                                    needs_reward=mix.uses_model)
-    check_readers(args, sources, critic=settings.critic, reward_model=mix.uses_model)
     # After every check that can refuse the run (no tracker run is left behind by one), before any
     # model (a missing extra: exit 2).
     tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")

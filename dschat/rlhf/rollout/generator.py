@@ -278,7 +278,8 @@ def _decode(path: DecodingPath, request: RolloutRequest) -> tuple[Rollout | None
     (:meth:`DecodingPath.fall_back`'s line); an error it does not fall back from is raised. A path
     that ``falls_back`` does so on every rank or none (collective with more than one rank: one
     all-reduce): after another rank's fallback this rank drops its rollout and falls back too; after
-    another rank's error, it raises a :class:`UserError` line saying so."""
+    another rank's error, it raises a :class:`UserError` line saying so. A multi-turn turn that falls
+    back leaves its conversation's cache dropped and not ``reused``."""
     rollout: Rollout | None = None
     err: Exception | None = None
     reason: str | None = None
@@ -300,4 +301,7 @@ def _decode(path: DecodingPath, request: RolloutRequest) -> tuple[Rollout | None
         return rollout, None
     if reason is None:
         raise err
+    if request.conversation is not None:  # the turn is not used (a dropped rollout's continued cache
+        request.conversation.reused = False  # too): the next path prefills every conversation again
+        request.conversation.drop()
     return None, (reason, err)
