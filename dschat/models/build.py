@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import pickle
 import re
 import time
 import zipfile
@@ -169,13 +168,6 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
         damaged = next((f for f in sorted(Path(path).glob("*.safetensors")) if not _readable(f)), Path(path))
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
                         "damaged or truncated; copy or save the model again") from None
-    except (pickle.UnpicklingError, RuntimeError) as err:  # a pytorch_model.bin torch.load(weights_only=True) refuses
-        damaged = _unreadable_bin(Path(path)) if _TORCH_LOAD_FAILED.search(str(err)) else None
-        if damaged is None:
-            raise
-        raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
-                        "damaged or truncated, or holds Python objects besides tensors (dschat loads no pickles); "
-                        "copy or save the model again") from None
     except FileNotFoundError as err:  # a shard its index lists is not there
         missing = Path(err.filename or str(err).rpartition(": ")[2])
         if missing.parent.resolve() != Path(path).resolve():
@@ -187,6 +179,13 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
             raise
         raise UserError(f"{path} has no model weights (model.safetensors or pytorch_model.bin, or their sharded "
                         "index, beside config.json); copy or save the model again") from None
+    except Exception as err:  # noqa: BLE001 -- only torch.load's own failure on a weights file, else re-raised
+        damaged = _unreadable_bin(Path(path)) if _TORCH_LOAD_FAILED.search(str(err)) else None
+        if damaged is None:
+            raise
+        raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
+                        "damaged or truncated, or holds Python objects besides tensors (dschat loads no pickles); "
+                        "copy or save the model again") from None
 
 
 # torch.load's own failures (a cut zip archive; bytes that are no tensor file), not a model's (a size mismatch).
@@ -208,7 +207,7 @@ def _unreadable_bin(folder: Path) -> Path | None:
             continue
         try:  # memory-mapped where it can be (torch's zip format); an old-format file is read whole
             torch.load(file, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(file))
-        except (pickle.UnpicklingError, RuntimeError, EOFError, OSError, ValueError):
+        except Exception:  # noqa: BLE001 -- whatever torch.load raises: an unpickling error, a cut archive
             return file
     return None
 

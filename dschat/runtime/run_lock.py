@@ -18,11 +18,11 @@ Contracts:
 * The lock file is trusted only when it is a plain file (not a symlink) this user owns and nobody
   else can write to (:func:`dschat.runtime.trust.owned_privately`); anything else is refused in one
   line, as docs/shared-machine.md says. A new one is created 0600.
-* The file stays once a run has written anything into the folder (so a kill leaves the folder as a
-  finished run does); a run that changed nothing there (bad input found after start-up) and a
-  :func:`run_lock` command remove the lock file they created, and the folders made for it, when they
-  let go. Removal happens while the lock is held, and a process that opened the removed file finds
-  it gone after locking and looks again, so two holders never coexist.
+* A run removes the lock file when it lets go (a killed run's stays behind, harmless: the next run
+  takes it); a run that changed nothing in the folder (bad input found after start-up) and a
+  :func:`run_lock` command also remove the folders made for it. Removal happens while the lock is
+  held, and a process that opened the removed file finds it gone after locking and looks again, so
+  two holders never coexist.
 * On a file system without ``flock`` (some network mounts) the run goes on unlocked, with a notice.
 """
 from __future__ import annotations
@@ -188,9 +188,9 @@ def _take(folder: Path, flag: str, fix: str) -> tuple[int, int] | None:
 
 
 def _release(key: tuple[int, int] | None, tidy: bool = False) -> None:
-    """Let go of one hold of the lock ``key``; the last one unlocks and, when this process created the
-    lock file, removes it if ``tidy`` or the folder's entries are as they were (and then the folders
-    made for it). A no-op in a forked child and for a lock this process does not hold."""
+    """Let go of one hold of the lock ``key``; the last one removes the lock file and unlocks and, when
+    this process created the file, removes the folders made for it if ``tidy`` or the folder's entries
+    are as they were. A no-op in a forked child and for a lock this process does not hold."""
     if key is None:
         return
     with _GUARD:
@@ -202,9 +202,10 @@ def _release(key: tuple[int, int] | None, tidy: bool = False) -> None:
             return
         del _HELD[key]
         try:
+            with contextlib.suppress(OSError):  # still locked: a process that opened it looks again
+                os.unlink(held.folder / LOCK_NAME)
             if held.created and (tidy or _entries(held.folder) == held.entries):
                 with contextlib.suppress(OSError):
-                    os.unlink(held.folder / LOCK_NAME)  # still locked: a process that opened it looks again
                     for folder in held.made:
                         folder.rmdir()
         finally:

@@ -161,7 +161,7 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, optimizer_steps: int
     (``monkeypatch.undo()`` lets the resumed run save as usual)."""
     from dschat.training import checkpoint as ckpt
 
-    original = ckpt.Checkpointer.maybe_save
+    original = ckpt.Checkpointer.save  # every checkpoint, due or postponed (step 3's CheckpointTiming)
 
     def crash(self: Any, position: Any) -> Any:
         saved = original(self, position)
@@ -169,4 +169,4 @@ def crash_after_checkpoint(monkeypatch: pytest.MonkeyPatch, optimizer_steps: int
             raise Interrupted
         return saved
 
-    monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", crash)
+    monkeypatch.setattr(ckpt.Checkpointer, "save", crash)

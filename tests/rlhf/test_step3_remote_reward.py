@@ -79,7 +79,7 @@ def test_a_server_killed_mid_run_stops_it_after_the_retries_the_checkpoint_intac
     out = tmp_path / "out"
     saved: dict[str, dict[str, str]] = {}
     with served_reward_model(reward_folder, "--device", "cpu") as server:
-        original = ckpt.Checkpointer.maybe_save
+        original = ckpt.Checkpointer.save  # every checkpoint step 3 writes
 
         def save_then_kill(self, position):  # the server dies right after the first checkpoint
             path = original(self, position)
@@ -89,7 +89,7 @@ def test_a_server_killed_mid_run_stops_it_after_the_retries_the_checkpoint_intac
                 saved[str(path)] = _digest(path)
             return path
 
-        monkeypatch.setattr(ckpt.Checkpointer, "maybe_save", save_then_kill)
+        monkeypatch.setattr(ckpt.Checkpointer, "save", save_then_kill)
         line = refused_in_process(_argv(data_cache, server.reward_url, "--output_dir", str(out), "--save_interval",
                                         "1", "--reward_url_retries", "2", "--reward_url_timeout", "5", steps=3), capsys)
     assert line.startswith(f"error: --reward_url {server.reward_url} failed 3 times (--reward_url_retries 2); "

@@ -326,7 +326,7 @@ def test_groups_are_contiguous_ranks_on_one_host(monkeypatch):
     made = []
     monkeypatch.setattr(dist, "get_world_size", lambda: 4)
     monkeypatch.setattr(dist, "get_rank", lambda: 3)
-    monkeypatch.setattr(dist.torch.distributed, "new_group", lambda ranks: made.append(ranks) or f"pg{ranks}")
+    monkeypatch.setattr(dist.torch.distributed, "new_group", lambda ranks, **kwargs: made.append(ranks) or f"pg{ranks}")
     monkeypatch.setattr(dist, "gather_hosts", lambda: ["a", "a", "b", "b"])
     group = dist.tensor_parallel_group(2)
     assert made == [[0, 1], [2, 3]]  # every rank makes every group, in the same order

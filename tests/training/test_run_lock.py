@@ -128,13 +128,13 @@ def test_the_same_process_takes_its_folder_again_and_lets_go_with_the_arguments(
     ckpt.check_checkpoint_args(second)  # reentrant: no "another dschat run"
     lock = out / run_lock.LOCK_NAME
     assert stat.S_IMODE(os.lstat(lock).st_mode) == 0o600 and run_lock.lock_holder(lock) == os.getpid()
-    (out / "model.safetensors").write_text("saved")  # the run wrote there: the lock file stays
+    (out / "model.safetensors").write_text("saved")  # the run wrote there: the folder stays
     del first
     gc.collect()
     assert run_lock.lock_holder(lock) == os.getpid()
     run_lock.release_run_lock(second)  # a main ending its hold itself, its arguments still alive
     run_lock.release_run_lock(second)  # once only
-    assert run_lock.lock_holder(lock) is None and lock.is_file()
+    assert run_lock.lock_holder(lock) is None and not lock.exists()  # a finished run leaves no lock file
     cli = subprocess.run([PYTHON, "-m", "dschat.models.save", "--recover", str(out)], capture_output=True, text=True,
                          cwd=REPO, timeout=300)
     assert cli.returncode == 0 and "nothing to do" in cli.stdout, cli.stderr
