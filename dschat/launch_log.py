@@ -94,7 +94,7 @@ def _launcher_alive(leftover: Path) -> bool:
     """Whether the launcher whose pid ends ``leftover``'s name (``.training.log.previous-<pid>``,
     ``.training.log.started-<pid>``) is still running on this machine."""
     pid = leftover.name.rpartition("-")[2]
-    if not pid.isdigit():
+    if not pid.isdigit() or int(pid) == os.getpid():  # this launcher's own pid: an earlier one's, reused
         return False
     try:
         os.kill(int(pid), 0)

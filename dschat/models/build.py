@@ -180,7 +180,8 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
         raise UserError(f"{path} has no model weights (model.safetensors or pytorch_model.bin, or their sharded "
                         "index, beside config.json); copy or save the model again") from None
     except Exception as err:  # noqa: BLE001 -- only torch.load's own failure on a weights file, else re-raised
-        damaged = _unreadable_bin(Path(path)) if _TORCH_LOAD_FAILED.search(str(err)) else None
+        damaged = (_unreadable_bin(Path(path)) if isinstance(err, EOFError) or _TORCH_LOAD_FAILED.search(str(err))
+                   else None)
         if damaged is None:
             raise
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
@@ -189,7 +190,8 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
 
 
 # torch.load's own failures (a cut zip archive; bytes that are no tensor file), not a model's (a size mismatch).
-_TORCH_LOAD_FAILED = re.compile(r"PytorchStreamReader|Weights only load failed|invalid load key|unpickl", re.IGNORECASE)
+_TORCH_LOAD_FAILED = re.compile(r"PytorchStreamReader|Weights only load failed|invalid load key|unpickl|unexpected EOF|"
+                                r"might be corrupted|legacy \.tar format", re.IGNORECASE)
 
 
 def _unreadable_bin(folder: Path) -> Path | None:

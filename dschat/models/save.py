@@ -260,7 +260,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     with contextlib.ExitStack() as locks:
         inside = Path(folder).resolve()
         above = inside.parent  # a step-3 --output_dir that a run there recovers too
-        if os.path.lexists(above / LOCK_NAME) or inside.name in STEP3_MODEL_FOLDERS:
+        if os.path.lexists(above / LOCK_NAME) or (inside.name in STEP3_MODEL_FOLDERS
+                                                   and os.access(above, os.W_OK)):  # else no run of ours uses it
             locks.enter_context(run_lock(above, "--output_dir"))
         locks.enter_context(run_lock(folder, "the folder"))
         notices = recover_output_dir(folder)

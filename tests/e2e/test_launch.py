@@ -233,6 +233,24 @@ def test_a_step_failing_with_exit_2_after_it_started_keeps_its_log_and_earlier_l
     assert (out / "training.log.2").read_text() == "set aside by a killed launcher\n"
 
 
+def test_leftovers_named_with_this_launchers_own_pid_are_an_earlier_launchers(fake_root, tmp_path, monkeypatch):
+    """In a container a relaunch often gets the killed launcher's pid: leftovers named with this
+    process's own pid are an earlier launcher's, kept as an older log, its stamp removed (a refused
+    step must not look as if it had started)."""
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "training.log").write_text("the killed run\n")
+    (out / f".training.log.previous-{os.getpid()}").write_text("the run before it\n")
+    (out / f".training.log.started-{os.getpid()}").write_text("")
+    monkeypatch.setenv("FAKE_MESSAGE", "refused")
+    monkeypatch.setenv("FAKE_RC", "2")  # refused before start-up: it never creates its stamp
+    assert L.run(L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root), sink=Sink()).returncode == 2
+    assert sorted(p.name for p in out.iterdir()) == ["training.log", "training.log.1"]
+    assert (out / "training.log").read_text() == "the killed run\n"  # the refused run's log discarded
+    assert (out / "training.log.1").read_text() == "the run before it\n"
+
+
 def test_output_dir_under_a_file_is_refused_before_the_log_is_opened(fake_root, tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")
     code = L._entry(["--repo-root", str(fake_root), "--launcher", "python", "step1", "cpu/tiny",

@@ -141,3 +141,22 @@ def test_a_model_error_beside_a_trainers_pickle_is_not_called_damaged_weights(tm
     with pytest.raises(RuntimeError) as raised:
         create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
     assert not isinstance(raised.value, UserError) and "ignore_mismatched_sizes" in str(raised.value)
+
+
+@pytest.mark.parametrize("damage", ["legacy-cut", "zeros", "empty"])
+def test_other_damage_torch_load_reports_is_one_line_too(tmp_path, tokenizer, damage):
+    """An old-format (non-zip) file cut short, a file of zeros, an empty file: each of torch.load's
+    own failures on ``pytorch_model.bin`` names the file in one line."""
+    import torch
+
+    folder = _model_folder(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(str(folder))
+    (folder / "model.safetensors").unlink()
+    weights = folder / "pytorch_model.bin"
+    if damage == "legacy-cut":
+        torch.save(model.state_dict(), weights, _use_new_zipfile_serialization=False)
+        _cut(weights, 0.5)
+    else:
+        weights.write_bytes(b"\0" * 4096 if damage == "zeros" else b"")
+    with pytest.raises(UserError, match=rf"^cannot read the weights in {weights} \("):
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)

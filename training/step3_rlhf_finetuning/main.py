@@ -221,7 +221,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.progress import Trackers
-    from dschat.training.run_setup import set_unsaved_models_aside, setup_run
+    from dschat.training.run_setup import quiet_transformers, set_unsaved_models_aside, setup_run
     from dschat.training.step_data import load_tokenizer
     from dschat.training.ppo_counters import PPOCounters
 
@@ -235,6 +235,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         load_environment(args.env, args.env_timeout)  # a bad spec is one line now, before anything loads
     judges = check_eval_args(args)  # resolves --eval_interval and --save_best_by, which check_paths reads
     outputs = check_paths(args, settings, mix)
+    quiet_transformers()  # before the tokenizers load on every rank (setup_run quiets them too)
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
     # The critic reads the actor's token ids (else it starts from the actor); a reward model of another
     # tokenizer reads re-tokenised text. Their positions are checked before start-up, as check_paths'.
