@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
+from dschat.cli.shared import user_path
 from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.launch_log import LogTee
 from dschat.paths import STARTED_FILE_VAR
@@ -455,16 +456,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("step", help="step1, step2, dpo or step3 (also 1, 2, 3)")
     parser.add_argument("recipe", help="recipe id, e.g. opt/single_gpu/1.3b or cpu/smollm2-135m")
     params = parser.add_argument_group("recipe parameters (upstream's positionals; default: the recipe's)")
-    params.add_argument("--output_dir", default=None, help="steps 1, 2, DPO: $1; step 3: $5")
+    params.add_argument("--output_dir", type=user_path, default=None, help="steps 1, 2, DPO: $1; step 3: $5")
     params.add_argument("--zero_stage", default=None, help="steps 1, 2, DPO: $2")
-    params.add_argument("--actor_model", default=None, help="step 3: $1, the step-1 output")
-    params.add_argument("--critic_model", default=None, help="step 3: $2, the step-2 output")
+    params.add_argument("--actor_model", type=user_path, default=None, help="step 3: $1, the step-1 output")
+    params.add_argument("--critic_model", type=user_path, default=None, help="step 3: $2, the step-2 output")
     params.add_argument("--actor_zero_stage", default=None, help="step 3: $3")
     params.add_argument("--critic_zero_stage", default=None, help="step 3: $4")
     launch = parser.add_argument_group("launcher (default: the recipe's)")
     launch.add_argument("--num_gpus", type=int, default=None, help="deepspeed --num_gpus")
     launch.add_argument("--num_nodes", type=int, default=None, help="deepspeed --num_nodes")
-    launch.add_argument("--hostfile", default=None, help="deepspeed --hostfile (multi-node; default /job/hostfile)")
+    launch.add_argument("--hostfile", type=user_path, default=None, help="deepspeed --hostfile (multi-node; default /job/hostfile)")
     launch.add_argument("--master_port", type=int, default=None,
                         help="deepspeed --master_port (default: a free port on one node; on several nodes the "
                              "recipe's port or 29500, which must be free on the first host)")

@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from dschat.cli.shared import add_data_args
+from dschat.cli.shared import add_data_args, user_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.data.phases import plan_phase_data
 from dschat.data.split import parse_data_split
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_data_args(parser, phase=1)
     group = parser.add_argument_group("tokenisation")
-    group.add_argument("--model_name_or_path", type=str, required=True,
+    group.add_argument("--model_name_or_path", type=user_path, required=True,
                        help="Model folder, hub id or dschat short name whose tokenizer to use.")
     group.add_argument("--train_phase", type=int, choices=(1, 2, 3), required=True,
                        help="1 = SFT, 2 = reward model / DPO, 3 = PPO prompts.")

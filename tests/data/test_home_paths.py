@@ -46,6 +46,18 @@ def test_path_flags_expand_a_literal_tilde_once_at_parsing(home):
         ["--actor_model_name_or_path", "facebook/opt-1.3b"]).actor_model_name_or_path == "facebook/opt-1.3b"
 
 
+def test_the_launcher_and_the_cache_builder_expand_a_tilde_too(home):
+    from dschat.data.prepare import build_parser as prepare_parser
+    from dschat.launch import build_parser as launch_parser
+
+    launch = launch_parser().parse_args(["step3", "cpu/tiny", "--output_dir=~/out", "--actor_model=~/a",
+                                         "--critic_model=~/c", "--hostfile=~/hosts"])
+    assert (launch.output_dir, launch.actor_model, launch.critic_model, launch.hostfile) == tuple(
+        str(home / name) for name in ("out", "a", "c", "hosts"))
+    prepare = prepare_parser().parse_args(["--model_name_or_path=~/m", "--train_phase", "1"])
+    assert prepare.model_name_or_path == str(home / "m")
+
+
 def test_the_data_cache_checks_and_writes_the_same_folder_for_a_tilde(home):
     """Before, the files and lock went to ./~/dc (made 0755, never checked) while the check looked at
     $HOME/dc; and an existing $HOME/dc others could write to was not refused."""
