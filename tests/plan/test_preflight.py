@@ -23,21 +23,22 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 ONE_MB = 10**6
 
 
-class ReachedTheTokenizer(Exception):
-    """Raised where step 3 would load its first tokenizer (before the data and the models)."""
+class ReachedTheData(Exception):
+    """Raised where step 3 would read its prompt data (after the preflight, before the models)."""
 
 
 @pytest.fixture
 def small_cuda(monkeypatch) -> list[str]:
-    """A 1 MB "CUDA" device for the preflight; loading a tokenizer is recorded and stops the run."""
+    """A 1 MB "CUDA" device for the preflight; reading the prompt data is recorded (the actor it
+    tokenises for) and stops the run."""
     loads: list[str] = []
 
-    def load_tokenizer(name, *args, **kwargs):
-        loads.append(str(name))
-        raise ReachedTheTokenizer(name)
+    def prompt_datasets(args, *rest, **kwargs):
+        loads.append(str(args.actor_model_name_or_path))
+        raise ReachedTheData(args.actor_model_name_or_path)
 
     monkeypatch.setattr(preflight_module, "device_memory", lambda: ("cuda", ONE_MB))
-    monkeypatch.setattr(step_data, "load_tokenizer", load_tokenizer)
+    monkeypatch.setattr(step_data, "prompt_datasets", prompt_datasets)
     return loads
 
 
@@ -47,11 +48,11 @@ def test_a_run_that_cannot_fit_stops_in_one_line_before_any_model(small_cuda, cr
     assert any(f": {phase} needs " in line for phase in ("generation", "scoring", "actor training",
                                                          "critic training", "optimizer step")), line
     assert "0.00 GB GPU allows" in line and "--preflight off" in line
-    assert small_cuda == []  # stopped before the first tokenizer, so before the data and every model
+    assert small_cuda == []  # stopped before the data, so before every model
 
 
 def test_preflight_off_skips_it(small_cuda, critic_dirs, data_cache, capsys):
-    with pytest.raises(ReachedTheTokenizer):
+    with pytest.raises(ReachedTheData):
         step3_main().main(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--preflight", "off"))
     out = capsys.readouterr().out
     assert "preflight" not in out and "peak/GPU" not in out
@@ -62,7 +63,7 @@ def test_a_model_the_planner_cannot_read_is_a_note_and_the_run_goes_on(small_cud
     # The actor as a PEFT LoRA adapter folder (step 3 merges it into its base): no config.json to plan from.
     adapter = lora_inputs["actor"] / "lora_adapter"
     argv = base_argv("tiny-opt-quirk", lora_inputs["critic"], data_cache, actor=adapter)
-    with pytest.raises(ReachedTheTokenizer):
+    with pytest.raises(ReachedTheData):
         step3_main().main(argv)
     notes = [x for x in capsys.readouterr().out.splitlines() if "memory preflight" in x]
     assert len(notes) == 1 and notes[0].startswith("note: the memory preflight cannot plan this run (")
