@@ -42,6 +42,7 @@ __all__ = [
     "RANK_OUTPUT_ROOT_ENV",
     "resolve_output_dir",
     "check_writable_dir",
+    "missing_ancestors",
     "fsync_path",
     "fsync_tree",
     "atomic_file",
@@ -80,6 +81,16 @@ def resolve_output_dir(value: str) -> str:
 def _through_link(path: Path) -> Path:
     """``path``, or the folder it points to when it is a symlink (the link must stay a link)."""
     return Path(os.path.realpath(path)) if path.is_symlink() else path
+
+
+def missing_ancestors(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, innermost first (the folders a
+    ``mkdir(parents=True)`` of ``path`` would create)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:

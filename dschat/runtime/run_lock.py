@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Iterator, ParamSpec, TypeVar
 
 from dschat.errors import UserError
-from dschat.runtime.fs import check_writable_dir
+from dschat.runtime.fs import check_writable_dir, missing_ancestors
 from dschat.runtime.trust import owned_privately
 
 __all__ = ["LOCK_NAME", "hold_run_lock", "release_run_lock", "releasing_run_locks", "run_lock", "lock_holder"]
@@ -67,14 +67,6 @@ _R = TypeVar("_R")
 _HELD: dict[tuple[int, int], _Held] = {}
 _OWNED: dict[int, list[weakref.finalize]] = {}  # id(owner) -> its holds, while the owner lives
 _GUARD = threading.RLock()
-
-
-def _missing(folder: Path) -> list[Path]:
-    missing = []
-    while not folder.exists() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
-    return missing
 
 
 def _entries(folder: Path) -> list[str]:
@@ -136,7 +128,7 @@ def _take(folder: Path, flag: str, fix: str) -> tuple[int, int] | None:
     """Take (or take again) the lock of ``folder``, creating the folder as a save would; the key to
     release it with, or None on a file system without ``flock``."""
     check_writable_dir(folder, flag)  # the lines the step's own path check gives
-    made = _missing(folder)
+    made = missing_ancestors(folder)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:

@@ -61,14 +61,14 @@ from safetensors.torch import load_file, save_file
 from dschat.errors import UserError, first_line
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, get_world_size, print_rank_0
-from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree
+from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree, missing_ancestors
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
-from dschat.training.rotation import (MARKER, PROBE_PREFIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
-                                      complete_checkpoints, foreign_checkpoints, incomplete_checkpoints,
-                                      is_foreign, latest_checkpoint, next_sequence, prune_leftovers,
-                                      prune_rotated, put_back, replaces_protected, restore_replaced,
-                                      retire_incomplete, set_aside)
+from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG,
+                                      checkpoint_name, complete_checkpoints, foreign_checkpoints,
+                                      incomplete_checkpoints, is_foreign, latest_checkpoint, next_sequence,
+                                      prune_leftovers, prune_rotated, protected_problem, put_back,
+                                      replaces_protected, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
 from dschat.training.checkpoint_records import (FORMAT_VERSION, read_record, read_rng_file, rng_state,
                                                 set_rng_state)
@@ -201,7 +201,7 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
         print(f"[checkpoint] {notice}", flush=True)
     barrier()  # no rank looks for rank 0's probe before every rank has pruned
     if wants_checkpoints(args) and get_world_size() > 1:
-        made = _missing_ancestors(root) if rank == 0 else []
+        made = missing_ancestors(root) if rank == 0 else []
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
         try:
@@ -218,15 +218,6 @@ def _is_parent(root: Path, folder: Path) -> bool:
         return os.path.samefile(folder.parent, root)
     except OSError:  # either is missing: there is nothing of an earlier run in root to mix with
         return folder.absolute().parent == root.absolute()
-
-
-def _missing_ancestors(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, innermost first."""
-    missing = []
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    return missing
 
 
 # ------------------------------------------------------------------------------------------------
@@ -389,9 +380,8 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}"
     never_replaced = (*protect, resumed_from)
-    refuse_unless_all(not (rank == 0 and replaces_protected(final, never_replaced)),
-                      f"would replace {final}, the checkpoint this run resumed from (the step counter went back to "
-                      "its step)", "it is left as it is: resume from it with the flags that wrote it")
+    refuse_unless_all(not (rank == 0 and replaces_protected(final, never_replaced)), protected_problem(final),
+                      PROTECTED_FIX)
     if rank == 0:
         if tmp.exists():
             shutil.rmtree(tmp)

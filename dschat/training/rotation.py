@@ -163,10 +163,14 @@ def replaces_protected(final: Path, protect: Sequence[Path | None]) -> bool:
     return os.path.lexists(final) and any(kept is not None and _same(final, kept) for kept in protect)
 
 
+#: What to do when a save would replace the checkpoint the run resumed from (:func:`protected_problem`).
+PROTECTED_FIX = "it is left as it is: resume from it with the flags that wrote it"
+
+
 def protected_problem(final: Path) -> str:
-    """The one line refusing to replace ``final``, the checkpoint a run resumed from."""
-    return (f"would replace {final}, the checkpoint this run resumed from (the step counter went back to its step); "
-            "it is left as it is: resume from it with the flags that wrote it")
+    """Why a save may not replace ``final``, the checkpoint a run resumed from (the fix:
+    :data:`PROTECTED_FIX`)."""
+    return f"would replace {final}, the checkpoint this run resumed from (the step counter went back to its step)"
 
 
 def set_aside(final: Path, protect: Sequence[Path | None] = ()) -> Path | None:
@@ -176,7 +180,7 @@ def set_aside(final: Path, protect: Sequence[Path | None] = ()) -> Path | None:
     if not os.path.lexists(final):
         return None
     if replaces_protected(final, protect):
-        raise UserError(protected_problem(final))
+        raise UserError(f"{protected_problem(final)}; {PROTECTED_FIX}")
     aside = final.with_name(f"{final.name}{REPLACED_TAG}{secrets.token_hex(4)}")
     os.replace(final, aside)
     return aside
