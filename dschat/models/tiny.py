@@ -202,7 +202,17 @@ def _build(name: str, folder: Path, texts: list[str], marker: dict[str, Any]) ->
     spec = SPECS[name]
     tokenizer = train_tokenizer(spec, texts)
     model = _make_model(spec, tokenizer)
-    model.save_pretrained(str(folder), safe_serialization=True)
+    from transformers.utils import logging as hf_logging
+
+    # A first build happens inside other commands (the chatbot, a step's tiny model): its progress bar
+    # would come before their own output, a one-line error's included.
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(str(folder), safe_serialization=True)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(str(folder))
     with atomic_file(folder / MARKER_FILE) as tmp:
         tmp.write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")

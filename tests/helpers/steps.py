@@ -253,9 +253,27 @@ def deepspeed_cmd(*args: str, num_gpus: int = 2) -> list[str]:
     return [DEEPSPEED, "--master_port", str(free_port()), "--num_gpus", str(num_gpus), *args]
 
 
+#: What rank 0 says when the ``--master_port`` a test picked was taken before it could listen there
+#: (:func:`free_port` frees the port it found; the ranks bind it seconds later, after their imports,
+#: and another process on the machine may bind it in between).
+PORT_TAKEN = ("cannot listen on port", "another job holds that port")
+
+
+def run_captured(args: Sequence[str], cwd: Path, env: dict[str, str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run a command (argument list, no shell) and capture its output as text. A launch given
+    ``--master_port`` whose port was taken (:data:`PORT_TAKEN`) runs once more on another free port:
+    the result's ``args`` name the port of the run returned."""
+    args = list(args)
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0 and "--master_port" in args and any(s in proc.stderr + proc.stdout for s in PORT_TAKEN):
+        args[args.index("--master_port") + 1] = str(free_port())
+        proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return proc
+
+
 def run_cli(args: Sequence[str], cwd: Path, timeout: int = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run a command (argument list, no shell) and capture its output as text."""
-    return subprocess.run(list(args), cwd=cwd, env=cli_env(**env), capture_output=True, text=True, timeout=timeout)
+    """:func:`run_captured` with :func:`cli_env`."""
+    return run_captured(args, cwd, cli_env(**env), timeout)
 
 
 def require_cuda_accelerator() -> None:

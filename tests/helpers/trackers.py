@@ -42,13 +42,21 @@ _HEADER = 7
 
 def read_wandb_run(root: Path, timeout: float = 30.0) -> WandbRun:
     """The one offline run under ``root/wandb``, decoded with W&B's own protobuf messages. W&B's
-    service process may still be writing the file's tail when ``finish()`` returns: read until the
-    run's exit record is there (or ``timeout`` seconds have passed)."""
+    service process may still be writing the file's tail when ``finish()`` returns: read again (a
+    record cut mid-write too) until the run's exit record is there; after ``timeout`` seconds without
+    it, fail with what was read."""
+    from google.protobuf.message import DecodeError
+
     deadline = time.monotonic() + timeout
     while True:
-        run = _read_wandb_file(root)
-        if run.exited or time.monotonic() > deadline:
-            return run
+        try:
+            read: WandbRun | Exception = _read_wandb_file(root)
+        except (DecodeError, struct.error) as err:
+            read = err
+        if isinstance(read, WandbRun) and read.exited:
+            return read
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no complete W&B run under {root} after {timeout} s; last read: {read!r}")
         time.sleep(0.2)
 
 
@@ -69,6 +77,8 @@ def _read_wandb_file(root: Path) -> WandbRun:
         if kind == 0 and length == 0:
             pos += left
             continue
+        if pos + _HEADER + length > len(data):  # a record still being written
+            break
         pending += data[pos + _HEADER:pos + _HEADER + length]
         pos += _HEADER + length
         if kind not in (1, 4):  # FIRST / MIDDLE pieces of a record spanning blocks

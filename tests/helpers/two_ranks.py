@@ -25,9 +25,8 @@ class TwoRankRun:
 
 def run_two_ranks(step: str, argv: list[str], out: Path, digests: Path) -> TwoRankRun:
     """Run ``step``'s ``main.py`` with ``argv`` (whose ``--output_dir`` is ``out``) on 2 ranks."""
-    cmd = deepspeed_cmd("main.py", *argv)
-    proc = run_cli(cmd, cwd=STEP_DIRS[step], DSCHAT_WEIGHT_DIGEST_DIR=str(digests))
-    return TwoRankRun(proc, cmd[cmd.index("--master_port") + 1], out, digests)
+    proc = run_cli(deepspeed_cmd("main.py", *argv), cwd=STEP_DIRS[step], DSCHAT_WEIGHT_DIGEST_DIR=str(digests))
+    return TwoRankRun(proc, proc.args[proc.args.index("--master_port") + 1], out, digests)
 
 
 def run_gloo_ranks(script_text: str, folder: Path, *args: str) -> list:

@@ -126,9 +126,7 @@ def test_second_call_is_cache_hit(smollm2_folder: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(embedded, "load_from_gguf", no_rebuild)
     monkeypatch.setattr(embedded, "locate_smollm2_gguf", no_rebuild)
-    start = time.monotonic()
     assert materialize_smollm2() == smollm2_folder
-    assert time.monotonic() - start < 1.0
     assert marker.stat().st_mtime_ns == before
 
 

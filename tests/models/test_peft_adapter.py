@@ -22,8 +22,7 @@ from dschat.models.registry import resolve_model_path
 from dschat.models.save import save_hf_model
 from dschat.models.tokenizer import load_hf_tokenizer
 
-from helpers import PYTHON
-from helpers.steps import assert_causal_adapter_matches, run_cli
+from helpers.steps import assert_causal_adapter_matches, deepspeed_cmd, run_cli
 
 PROBE = [" Human: Tell me about owls. Assistant: Owls hunt at night.", " Human: Hi Assistant: Hello"]
 LORA_MODULES = {"tiny-opt": "decoder.layers.", "tiny-llama": "layers."}
@@ -254,15 +253,11 @@ save_file({"logits": logits.contiguous()}, f"{out}/rank{info.rank}.safetensors")
 def test_two_zero3_ranks_merge_an_adapter_and_export_one(tmp_path):
     """Two ZeRO-3 ranks: an adapter merged into partitioned weights (rank 0 writes, both see it), and a
     LoRA on top exported from factors partitioned over both ranks."""
-    import shutil
-
-
     model, tok = _lora_model("tiny-opt", only_lora=False)
     adapter = save_hf_model(model, tok, tmp_path / "in") / "lora_adapter"
     script = tmp_path / "adapter_ranks.py"
     script.write_text(TWO_RANK_SCRIPT)
-    deepspeed_cli = shutil.which("deepspeed") or str(Path(PYTHON).with_name("deepspeed"))
-    proc = run_cli([deepspeed_cli, "--num_gpus", "2", str(script), str(adapter), str(tmp_path)], cwd=tmp_path)
+    proc = run_cli(deepspeed_cmd(str(script), str(adapter), str(tmp_path)), cwd=tmp_path)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
     rank0, rank1 = (load_file(str(tmp_path / f"rank{r}.safetensors"))["logits"] for r in (0, 1))
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.float32).eval()

@@ -78,7 +78,9 @@ def test_a_turn_the_shared_budget_stopped_goes_on_before_its_environment_steps(t
     played = player.play(*_prompts([[100, 101], [200] + [201] * 5]), [{"prompt": "a"}, {"prompt": "b"}])
     assert decoder.calls == [max_answer, 5, 1]
     assert played.turns.tolist() == [2, 2] and not played.cut.any()
-    first, second = env_fixtures.RECORDED
+    recorded = dict(env_fixtures.RECORDED)
+    assert len(env_fixtures.RECORDED) == 2 and sorted(recorded) == ["a", "b"]
+    first, second = recorded["a"], recorded["b"]
     assert first.answers[1] == tokenizer.decode([7] * 5 + [EOS], skip_special_tokens=True)
     assert second.answers[1] == tokenizer.decode([8, EOS], skip_special_tokens=True)
     actor = played.attention_mask[:, 6:] - played.observation_mask[:, 6:]

@@ -21,9 +21,12 @@ import torch.distributed as dist
 
 rank, store, out = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2,
-                        timeout=datetime.timedelta(seconds=3))
+                        timeout=datetime.timedelta(seconds=300))  # the start-up waits for a late peer
 from dschat.errors import UserError
 from dschat.rlhf.experience import raise_together
+from dschat.runtime.dist import use_collective_timeout
+
+use_collective_timeout(datetime.timedelta(seconds=3))
 
 result = {}
 if rank == 1:

@@ -758,6 +758,7 @@ def test_rollouts_leave_4bit_lora_layers_unfused_and_quantized():
     from dschat.models.registry import resolve_model_path
     from dschat.models.tokenizer import load_hf_tokenizer
 
+    torch.manual_seed(0)
     tok = load_hf_tokenizer("tiny-llama")
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama")).eval()
     convert_linear_layer_to_lora(model, "layers.", 4, quantize_base="nf4")

@@ -6,13 +6,13 @@ and one step-3 run with ``--inference_tp_size 2`` trains and saves."""
 from __future__ import annotations
 
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from helpers.step3 import STEP3_MAIN, base_argv, subprocess_env
+from helpers.steps import run_captured
 
 pytestmark = pytest.mark.slow
 
@@ -91,8 +91,8 @@ def _free_port() -> int:
 def test_two_ranks_tp2_rollouts_equal_tp1_for_llama_and_opt_with_and_without_lora(tmp_path):
     script = tmp_path / "tp_ranks.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([_launcher(), "--master_port", str(_free_port()), "--num_gpus", "2", str(script)],
-                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=540)
+    proc = run_captured([_launcher(), "--master_port", str(_free_port()), "--num_gpus", "2", str(script)],
+                        cwd=tmp_path, env=subprocess_env(), timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("TP-OK ") == 8, proc.stdout[-3000:]  # 2 models x LoRA off/on x 2 ranks (lines may interleave)
 
@@ -103,8 +103,8 @@ def test_step3_with_inference_tp_size_2_trains_and_saves(tmp_path, critic_dirs, 
                      "--critic_zero_stage", "3", "--enable_hybrid_engine", "--inference_tp_size", "2",
                      "--tp_gather_partition_size", "1", "--release_inference_cache", "--actor_lora_dim", "4",
                      "--output_dir", str(out), steps=1)
-    proc = subprocess.run([_launcher(), "--num_gpus", "2", "--master_port", str(_free_port()), str(STEP3_MAIN), *argv],
-                          cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=540)
+    proc = run_captured([_launcher(), "--num_gpus", "2", "--master_port", str(_free_port()), str(STEP3_MAIN), *argv],
+                        cwd=tmp_path, env=subprocess_env(), timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = [line for line in proc.stdout.splitlines() if line.startswith("Rollouts: ")]
     assert len(summary) == 1 and summary[0].endswith("inference TP degree 2"), proc.stdout[-3000:]

@@ -18,9 +18,17 @@ from helpers import REPO
 from helpers.steps import cli_env, load_script
 
 TIMEOUT_MINUTES = 0.05  # 3 s
+# DeepSpeed imported and its CPU shared-memory all-reduce op built or loaded, as init_distributed
+# does: a first build takes minutes, which no timed case below may include.
+WARM_UP = r"""
+import deepspeed
+from deepspeed.accelerator import get_accelerator
+from dschat.runtime.shm_buffers import load_shm_all_reduce
+load_shm_all_reduce(deepspeed, get_accelerator())
+"""
 # Runs in a fresh process: each case tries to start a 2-rank group alone, then a 1-process run
 # starts and reports the addresses its sockets listen on (from /proc/net/tcp*).
-PROBE = r"""
+PROBE = WARM_UP + r"""
 import json, os, socket, sys, time
 from dschat.errors import cli_main
 from dschat.runtime import dist
@@ -93,6 +101,9 @@ def _cases(stderr: str) -> dict[str, tuple[int, float, list[str]]]:
 def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
     env = cli_env()
     env.pop("GLOO_SOCKET_IFNAME", None)
+    warm = subprocess.run([sys.executable, "-c", WARM_UP], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=1200)
+    assert warm.returncode == 0, warm.stderr[-3000:]
     start = time.monotonic()
     proc = subprocess.run([sys.executable, "-c", PROBE % {"minutes": TIMEOUT_MINUTES}], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=300)

@@ -457,8 +457,10 @@ def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine, deco
     outs = [[] for _ in range(5)]
     sampled = DecodingSettings(decoding="sample", temperature=0.7)
     settings = [GREEDY, sampled, GREEDY, GREEDY, GREEDY]
-    for out, s in zip(outs, settings):
-        batcher.submit(_job(engine, "Hello", 3, out, s))
+    jobs = [_job(engine, "Hello", 3, out, s) for out, s in zip(outs, settings)]
+    with batcher._ready:  # re-entrant: the worker takes no job until all five wait
+        for job in jobs:
+            batcher.submit(job)
     deadline = time.monotonic() + 120
     while not all(out and isinstance(out[-1], Done) for out in outs):
         assert time.monotonic() < deadline

@@ -270,7 +270,8 @@ def _ended_early_and_the_server_goes_on(url: str, ends: list[Done], headers: dic
     while not ends:
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 100, ends[0]
+    # a row never cancelled runs to its 400 tokens; the bound leaves room for a slow server to notice
+    assert ends[0].finish_reason == "length" and ends[0].completion_tokens < 300, ends[0]
     reply = requests.post(url + "/v1/completions", json={"model": "tiny-llama", "prompt": PROMPTS[1],
                                                          "max_tokens": 5, "temperature": 0}, timeout=60,
                           headers=headers)
@@ -302,7 +303,7 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
         assert len(jobs) == 1
         _ended_early_and_the_server_goes_on(url, ends, auth)
     assert batcher.batch_sizes == [1, 1]
-    assert sum(follower is steps[0] for follower in steps) < 100  # the first batch stopped decoding, too
+    assert sum(follower is steps[0] for follower in steps) < 300  # the first batch stopped decoding, too
 
 
 def test_a_client_that_disconnects_before_its_answer_that_is_not_streamed_ends_its_row(llama, monkeypatch):

@@ -15,7 +15,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -33,7 +32,7 @@ from dschat.training import checkpoint as ckpt
 
 from helpers import FIXTURES, PYTHON, REPO
 from helpers.step3 import STEP3_DIR, base_argv as step3_argv, make_critic_folder
-from helpers.steps import STEP_DIRS, base_argv, cli_env
+from helpers.steps import STEP_DIRS, base_argv, cli_env, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -245,16 +244,10 @@ def test_kill_while_replacing_a_model_leaves_the_old_one_intact(data_dir, refere
     AutoTokenizer.from_pretrained(out)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_dying_rank_ends_the_two_rank_run_in_bounded_time(data_dir, tmp_path):
     out = tmp_path / "out"
     # --no_local_rank: the launcher would put --local_rank=N before kill_at.py's script argument.
-    cmd = [DEEPSPEED, "--master_port", str(_free_port()), "--no_local_rank", "--num_gpus", "2", str(KILL_AT),
+    cmd = [DEEPSPEED, "--master_port", str(free_port()), "--no_local_rank", "--num_gpus", "2", str(KILL_AT),
            *step1_argv(data_dir, out, "--save_interval", "0")]
     run = watch(cmd, DSCHAT_TEST_KILL="step:3:1")  # rank 1 dies after its 3rd micro-step
     fault = "[fault] rank 1: SIGKILL after micro-step 3"
