@@ -5,9 +5,9 @@
 
 The rendezvous:
 
-* One process (plain ``python main.py``, or a launcher with one rank) meets itself through a file
-  store in a private temporary folder: no port is opened for it (torch's default store listens on
-  every interface), and a busy port cannot stop it.
+* One process (plain ``python main.py``, or a launcher with one rank) meets itself through a store
+  in its own memory: no port is opened for it (torch's default store listens on every interface), a
+  busy port cannot stop it, and no file is left behind.
 * Several ranks meet at ``MASTER_ADDR:MASTER_PORT`` as the launcher set them, waiting at most
   ``--dist_timeout`` minutes. A rank whose peers never come stops with one line naming the address,
   the port and what to do, instead of waiting for torch's timeout with a C++ traceback.
@@ -30,10 +30,8 @@ import datetime
 import gc
 import json
 import os
-import shutil
 import socket
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -98,20 +96,13 @@ class DistInfo:
 def _ensure_single_process_env() -> None:
     """Set a one-process rank environment when no launcher (deepspeed, torchrun, MPI) set one.
 
-    No ``MASTER_ADDR``/``MASTER_PORT``: a one-process run meets itself through a file store.
+    No ``MASTER_ADDR``/``MASTER_PORT``: a one-process run meets itself through a store in its memory.
     """
     if any(k in os.environ for k in _LAUNCHER_ENV) or any(k in os.environ for k in _MPI_ENV):
         return
     os.environ["RANK"] = "0"
     os.environ["WORLD_SIZE"] = "1"
     os.environ["LOCAL_RANK"] = "0"
-
-
-def _private_file_store() -> str:
-    """``file://`` URL of a store file in a new folder only this user can enter (removed at exit)."""
-    folder = tempfile.mkdtemp(prefix="dschat-store-")  # mode 0700
-    atexit.register(shutil.rmtree, folder, True)
-    return f"file://{folder}/store"
 
 
 def _loopback_interface() -> Optional[str]:
@@ -273,7 +264,7 @@ def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float 
     """Initialise DeepSpeed's process group (idempotent) and return this rank's :class:`DistInfo`.
 
     Works under the ``deepspeed`` launcher, torchrun, and as a plain ``python main.py`` (one
-    process, a private file store). On CUDA the current device is set to ``LOCAL_RANK`` *before*
+    process, a store in its own memory). On CUDA the current device is set to ``LOCAL_RANK`` *before*
     the NCCL group is created, as upstream's ``get_accelerator().set_device(args.local_rank)`` did.
     ``timeout_minutes`` (``--dist_timeout``) bounds the wait for the other ranks at start-up (a
     :class:`UserError` line when they do not come); collectives, in every process group, wait the
@@ -310,9 +301,12 @@ def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float 
             if loopback and "GLOO_SOCKET_IFNAME" not in os.environ:
                 # gloo opens a listener for peers even alone; one process has none, so loopback only.
                 os.environ["GLOO_SOCKET_IFNAME"] = loopback
-            deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False,
-                                       init_method=_private_file_store(), rank=0, world_size=1,
-                                       timeout=collective)
+            # One process meets itself through a store in its own memory: no port, no file (a file
+            # store's folder outlived every process that ended without running its exit handlers).
+            torch.distributed.init_process_group(dist_backend or accelerator.communication_backend_name(),
+                                                 store=torch.distributed.HashStore(), rank=0, world_size=1,
+                                                 timeout=collective)
+            deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False, timeout=collective)
         else:
             _init_ranks(deepspeed, accelerator, dist_backend, rendezvous, least)
             met = True
@@ -344,8 +338,7 @@ def destroy_gloo_group() -> None:
     teardown, gloo's worker threads can still hold work objects whose tensors reach back into Python,
     and the rank aborts with "terminate called without an active exception" (exit code 250) after its
     work is done: seen in 2-rank CPU tests, after a clean finish and after a one-line error (exit 2).
-    This runs before the one-process store's folder is removed (atexit runs in
-    reverse order of registration). NCCL groups are not destroyed here: destroying one while a peer hangs
+    NCCL groups are not destroyed here: destroying one while a peer hangs
     in a collective could block the exit.
     """
     if torch.distributed.is_initialized() and torch.distributed.get_backend() == "gloo":

@@ -236,7 +236,7 @@ def test_single_process_env_is_filled_in(monkeypatch):
         monkeypatch.delenv(key, raising=False)
     dist_utils._ensure_single_process_env()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
-    # No rendezvous address: one process meets itself through a private file store, no port.
+    # No rendezvous address: one process meets itself through a store in its memory, no port.
     assert "MASTER_ADDR" not in os.environ and "MASTER_PORT" not in os.environ
 
 

@@ -134,6 +134,20 @@ def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
     assert set(result["listening"]) <= LOOPBACK, result
 
 
+def test_a_one_process_run_that_ends_without_its_exit_handlers_leaves_no_file(tmp_path):
+    """The one-process store lives in memory: a run killed (or ended by ``os._exit``) leaves nothing in
+    the temporary folder (a file store's folder there outlived every such run)."""
+    code = ("import os, torch\nfrom dschat.runtime.dist import init_distributed\ninit_distributed()\n"
+            "t = torch.ones(1)\ntorch.distributed.all_reduce(t)\nprint('met', int(t.item()), flush=True)\n"
+            "os._exit(0)\n")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=cli_env(TMPDIR=str(scratch)),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "met 1" in proc.stdout, proc.stderr[-3000:]
+    assert sorted(p.name for p in scratch.iterdir()) == []
+
+
 def test_every_step_takes_dist_timeout_and_setup_run_passes_it(monkeypatch):
     from dschat.runtime import dist
     from dschat.training import run_setup
