@@ -312,7 +312,8 @@ def iteration_record(epoch: int, step: int, global_step: int, micro: list[MicroS
 def tensorboard_scalars(record: dict) -> dict[str, float]:
     """The scalar names documented in docs/metrics.md."""
     keys = ("reward", "ema_reward", "actor_loss", "critic_loss", "unsup_loss", "approx_kl", "clip_frac",
-            "ratio_mean", "ratio_max", "ratio_min", "kl_to_ref", "value_explained_variance", "response_length")
+            "ratio_mean", "ratio_max", "ratio_min", "logprob_gap", "kl_to_ref", "value_explained_variance",
+            "response_length")
     scalars = {k: record[k] for k in keys}
     scalars.update({"dropped_answers": record["dropped"], "time/generation": record["time_generation"],
                     "time/experience": record["time_experience"], "time/training": record["time_training"]})

@@ -71,6 +71,11 @@ def test_iteration_record_means_and_extremes():
     assert record["ratio_max"] == 1.5 and record["ratio_min"] == 0.5
     scalars = tensorboard_scalars(record)
     assert scalars["time/training"] == 3.0 and scalars["dropped_answers"] == 0 and "micro_steps" not in scalars
+    # every name of docs/metrics.md's iteration tables (no --env, no --dynamic_sampling), no other
+    assert set(scalars) == {"reward", "ema_reward", "kl_to_ref", "response_length", "dropped_answers", "actor_loss",
+                            "critic_loss", "unsup_loss", "ratio_mean", "ratio_max", "ratio_min", "approx_kl",
+                            "clip_frac", "logprob_gap", "value_explained_variance", "time/generation",
+                            "time/experience", "time/training"}
 
 
 def test_a_micro_step_without_tokens_does_not_make_the_means_nan():
