@@ -152,7 +152,8 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
                        help="(dschat) Continue from the last written complete checkpoint in <output_dir>/checkpoints "
                             "(start from scratch, with a notice, when there is none).")
     group.add_argument("--resume_from", type=user_path, default=None,
-                       help="(dschat) Continue from this checkpoint folder (<output_dir>/checkpoints/step_N).")
+                       help="(dschat) Continue from this checkpoint folder (<output_dir>/checkpoints/step_<N>, N "
+                            "zero-padded to 8 digits, such as step_00000050).")
     group.add_argument("--max_nonfinite_steps", type=int, default=10,
                        help="(dschat) A micro-step whose loss is NaN/inf on any rank, or an optimizer step with "
                             "NaN/inf gradients, is skipped and logged; stop with an error naming the last good "

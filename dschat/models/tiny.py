@@ -130,7 +130,7 @@ def train_tokenizer(spec: TinySpec, texts: list[str]) -> Any:
     Byte-level, like OPT's GPT-2 BPE, so any text round-trips and ``<unk>`` is never produced. The
     post-processor prepends BOS to every sequence, as the OPT and LLaMA tokenizers do.
     """
-    # lazy (here and in _make_model): torch and transformers cost 1.8 s CPU at import (python -X
+    # lazy (here and in _write_model): torch and transformers cost 1.8 s CPU at import (python -X
     # importtime); dschat.models.registry imports this module, and chat.py / e2e_rlhf.py check paths through it.
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -168,10 +168,11 @@ def _round_up(n: int, multiple: int = 8) -> int:
     return -(-n // multiple) * multiple
 
 
-def _make_model(spec: TinySpec, tokenizer: Any) -> Any:
+def _write_model(spec: TinySpec, tokenizer: Any, folder: Path) -> None:
+    """Build the seeded random model for ``tokenizer`` and save it into ``folder`` (safetensors)."""
     # lazy: see train_tokenizer (torch and transformers, 1.8 s CPU at import)
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, OPTConfig, OPTForCausalLM, logging as hf_logging
 
     vocab = _round_up(len(tokenizer))
     ids = {"bos_token_id": tokenizer.convert_tokens_to_ids(spec.bos),
@@ -195,15 +196,6 @@ def _make_model(spec: TinySpec, tokenizer: Any) -> Any:
     model.generation_config.pad_token_id = pad_id
     model.generation_config.bos_token_id = ids["bos_token_id"]
     model.generation_config.eos_token_id = ids["eos_token_id"]
-    return model
-
-
-def _build(name: str, folder: Path, texts: list[str], marker: dict[str, Any]) -> None:
-    spec = SPECS[name]
-    tokenizer = train_tokenizer(spec, texts)
-    model = _make_model(spec, tokenizer)
-    from transformers.utils import logging as hf_logging
-
     # A first build happens inside other commands (the chatbot, a step's tiny model): its progress bar
     # would come before their own output, a one-line error's included.
     shown = hf_logging.is_progress_bar_enabled()
@@ -213,6 +205,12 @@ def _build(name: str, folder: Path, texts: list[str], marker: dict[str, Any]) ->
     finally:
         if shown:
             hf_logging.enable_progress_bar()
+
+
+def _build(name: str, folder: Path, texts: list[str], marker: dict[str, Any]) -> None:
+    spec = SPECS[name]
+    tokenizer = train_tokenizer(spec, texts)
+    _write_model(spec, tokenizer, folder)
     tokenizer.save_pretrained(str(folder))
     with atomic_file(folder / MARKER_FILE) as tmp:
         tmp.write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")

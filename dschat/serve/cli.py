@@ -32,7 +32,7 @@ from dschat.paths import is_adapter_folder
 from dschat.remote_reward import API_KEY_ENV, check_api_key
 from dschat.runtime.trust import is_loopback_host
 
-try:  # the serve extra: pip install 'dschat[serve]'
+try:  # the serve extra: pip install -c constraints.txt '.[serve]' in the checkout
     import uvicorn
 
     from dschat.serve.actor import engine_unsupported, load_actor_engine, resolve_actor, start_batcher
@@ -140,7 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> None:
     args = build_parser().parse_args(argv)
     if _MISSING is not None:
-        raise UserError(f"python -m dschat.serve needs the serve extra ({_MISSING}); pip install 'dschat[serve]'")
+        raise UserError(f"python -m dschat.serve needs the serve extra ({_MISSING}); in the dschat checkout: "
+                        "pip install -c constraints.txt '.[serve]'")
     folder = Path(args.model).expanduser()
     reward = is_reward_model(folder)
     if reward and is_adapter_folder(folder):

@@ -585,6 +585,7 @@ def check_checkpoint_args(args: Any) -> None:
             print(f"[checkpoint] {notice}", flush=True)
     if source and first and not (Path(source) / MARKER).is_file():
         raise UserError(f"--resume_from {source}: not a complete dschat checkpoint (no {MARKER}); pick a "
-                        "folder <output_dir>/checkpoints/step_N, or --resume for the newest one")
+                        "folder <output_dir>/checkpoints/step_<N> (such as step_00000050), or --resume for the newest "
+                        "one")
     if source and first:
         read_record(Path(source))  # a damaged or edited marker: one line now, not after the models load

@@ -1,7 +1,7 @@
-"""Step 3's memory preflight in-process: on a GPU a run that cannot fit stops in one line before any
-model, tokenizer or data is loaded; ``--preflight off`` skips it; a critic-free run is planned with
-the engines it builds (also one scored by ``main``'s own reward function); a model the planner
-cannot read is a note and the run goes on. (On the CPU the printed plan
+"""Step 3's memory preflight in-process: on a GPU a run that cannot fit stops in one line before the
+data or any model is loaded (after the tokenizers); ``--preflight off`` skips it; a critic-free run
+is planned with the engines it builds (also one scored by ``main``'s own reward function); a model
+the planner cannot read is a note and the run goes on. (On the CPU the printed plan
 is checked in rlhf/test_step3_smoke.py's off-policy run.)
 
 The accelerator is the one thing set by hand: :func:`dschat.plan.preflight.device_memory` reports a

@@ -5,7 +5,7 @@ or a critic-free algorithm (``--algorithm grpo|rloo|reinforce_pp|remax``), with 
 
 Runs under the DeepSpeed launcher (``deepspeed main.py ...``, any number of ranks), as a plain
 ``python main.py ...`` (one process), and in-process as ``main(argv_list)``. Reads top to bottom:
-parse -> checks -> distributed + seed -> memory preflight (docs/memory-plan.md#preflight) -> tokenizers -> data
+parse -> checks -> tokenizers -> distributed + seed -> memory preflight (docs/memory-plan.md#preflight) -> data
 -> the engines -> PPO loop (with the held-out evaluation of ``--eval_interval``, dschat/rlhf/heldout/evaluation.py) -> save.
 See docs/flags.md for the flags, docs/algorithms.md#decoding-why-sampling-is-the-default for the decoding
 default and docs/algorithms.md#the-on-policy-rule for the on-policy rule.

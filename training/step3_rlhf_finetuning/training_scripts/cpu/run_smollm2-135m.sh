@@ -15,15 +15,15 @@
 #
 # Learning rates are above upstream's 9.65e-6 / 5e-6: the demo has 20 PPO steps, not thousands.
 #
-# Tuning history and the measured gold-judge results of this recipe over three seeds: README.md,
-# section 'The CPU demo'.
+# Tuning history and the measured gold-judge results of this recipe over five seeds:
+# docs/getting-started.md, section 'Measured on this project's 2-core CPU (fp32)'.
 #
 # The run stops after --test_stop_step PPO steps (main.py's test mode) because one epoch over
 # the builtin prompts would take hours on a CPU.
 #
-# Held-out evaluation (README, 'Did step 3 work?') at steps 0, 10 and 20 on 8 prompts, judged by
-# the gold judge, which only judges dschat/builtin: with another --data_path also pass another
-# --eval_judge (a module:function reward or a reward-model folder).
+# Held-out evaluation (docs/evaluation.md, 'Did step 3 work?') at steps 0, 10 and 20 on 8
+# prompts, judged by the gold judge, which only judges dschat/builtin: with another --data_path
+# also pass another --eval_judge (a module:function reward or a reward-model folder).
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../../../.." && pwd)"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
