@@ -228,6 +228,8 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
                 extra += ["--model_name_or_path", model_id(model)] + _lora_adjustments(recipe, model_id(model))
                 note = (f"no {dep.name} recipe names {model!r}: using recipe {rid} with "
                         f"--model_name_or_path {model_id(model)}")
+            elif recipe.flag("model_name_or_path") != model_id(model):  # a recipe shared by several models
+                extra += ["--model_name_or_path", model_id(model)] + _lora_adjustments(recipe, model_id(model))
         else:
             params = {"actor_model": str(dirs[1]), "critic_model": str(dirs[2]),
                       "actor_zero_stage": args.actor_zero_stage, "critic_zero_stage": args.reward_zero_stage,

@@ -439,6 +439,20 @@ def test_e2e_passes_every_launcher_option_and_keeps_them_out_of_main_py(tmp_path
     assert err.count("\n") == 1 and "holds '$()'" in err and not bad.exists()
 
 
+def test_a_recipe_shared_by_several_models_trains_the_model_asked_for(config, tmp_path):
+    """The CPU table maps tiny-opt to cpu/tiny, a recipe written for tiny-llama: steps 1 and 2 load
+    tiny-opt (it had trained tiny-llama into a folder named tiny-opt)."""
+    args = _args(config, "--actor-model", "tiny-opt", "--reward-model", "tiny-opt-quirk", "--output-dir", str(tmp_path))
+    step1, step2, step3 = E.build_steps(args, config.deployment("cpu"))
+    assert step1.recipe.flag("model_name_or_path") == "tiny-llama"
+    argv1, argv2 = (run_.recipe.render(run_.params, run_.extra) for run_ in (step1, step2))
+    assert _step_parser(1)(argv1).model_name_or_path == "tiny-opt"
+    assert _step_parser(2)(argv2).model_name_or_path == "tiny-opt-quirk"
+    assert step3.params["actor_model"] == str(tmp_path / "actor-models" / "tiny-opt")
+    args = _args(config, "--actor-model", "tiny-llama", "--reward-model", "tiny-llama", "--output-dir", str(tmp_path))
+    assert [run_.extra for run_ in E.build_steps(args, config.deployment("cpu"))] == [[], [], []]
+
+
 def test_algorithm_and_reward_functions_pass_through_to_step3(config, tmp_path):
     models = ("--actor-model", "smollm2-135m", "--reward-model", "smollm2-135m", "--output-dir", str(tmp_path))
     args = _args(config, *models, "--algorithm", "grpo", "--reward-fn", "dschat.rewards:gold")
@@ -569,20 +583,23 @@ def test_preflight_plans_a_critic_free_step3_with_the_engines_it_builds(tmp_path
     assert "memory preflight, step 3: peak " in out and "note: e2e's memory preflight" not in out, out
 
 
-def test_preflight_stops_e2e_before_step_1_when_a_step_cannot_fit(tmp_path, monkeypatch):
-    """On a GPU too small for step 2, e2e stops in one line naming step 2, before launching anything."""
+def test_preflight_stops_e2e_before_step_1_when_a_step_cannot_fit(tmp_path, capsys, monkeypatch):
+    """On a GPU too small for step 2, e2e stops in one line naming step 2, before launching anything
+    (a 1 GB GPU: step 1's tiny-llama fits, step 2's SmolLM2-135M reward model does not)."""
     import dschat.plan.preflight as pf
 
     launched = []
     monkeypatch.setattr(E, "run", lambda launch: launched.append(launch) or E.LaunchResult(0, 0.0, None, None, ""))
-    monkeypatch.setattr(pf, "device_memory", lambda: ("cuda", 3 * 10**6))
-    argv = ["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-opt",
+    monkeypatch.setattr(pf, "device_memory", lambda: ("cuda", 10**9))
+    argv = ["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "smollm2-135m",
             "--output-dir", str(tmp_path)]
     with pytest.raises(UserError) as refused:
         E.main(argv)
+    out = capsys.readouterr().out
+    assert "memory preflight, step 1: peak " in out and "fits the 1.00 GB GPU" in out  # step 1 was planned and fits
     line = str(refused.value)
-    assert line.startswith("step 1 does not fit: training needs ") and "\n" not in line
-    assert "python -m dschat.plan with --step 1 and the same flags" in line
+    assert line.startswith("step 2 does not fit: training needs ") and "\n" not in line
+    assert "python -m dschat.plan with --step 2 and the same flags" in line
     assert "e2e's --preflight off skips this check" in line
     assert not launched
     monkeypatch.setattr(E, "fail_step", lambda *a: 1)
