@@ -55,24 +55,13 @@ def test_prepare_builds_then_hits(tok_dir, tmp_path, capsys):
     assert "Creating prompt dataset" in capsys.readouterr().out
 
 
-def step_parser(phase):
-    """The step script's own parser of ``phase`` (step 1, step 2, step 3)."""
-    from dschat.cli.shared import add_step1_args
-    from dschat.cli.step2 import add_step2_args
-    from dschat.cli.step3 import add_step3_args
-
-    add = {1: add_step1_args, 2: add_step2_args, 3: add_step3_args}[phase]
-    return add(argparse.ArgumentParser())
-
-
 @pytest.mark.parametrize("phase", [1, 2, 3])
-def test_prepare_with_defaults_builds_the_cache_the_step_reads(tok_dir, tmp_path, capsys, phase):
+def test_prepare_with_defaults_builds_the_cache_the_step_reads(tok_dir, tmp_path, capsys, monkeypatch, phase):
     """With no length flag, prepare builds the cache key the step computes with its own defaults
-    (step 3 reads --max_prompt_seq_len, 256), so the step finds the cache and builds nothing."""
+    (step 3 reads --max_prompt_seq_len, 256), so the step's own data code finds the cache and builds nothing."""
+    from dschat.data import prompt_dataset
     from dschat.data.prepare import main
     from dschat.errors import cli_main
-    from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.training.step_data import prompt_datasets
 
     out = tmp_path / "cache"
     data = ["--data_path", "dschat/builtin", "--data_output_path", str(out)]
@@ -80,14 +69,27 @@ def test_prepare_with_defaults_builds_the_cache_the_step_reads(tok_dir, tmp_path
     summary = capsys.readouterr().out.strip().splitlines()[-1]
     prepared = summary.rsplit("traindata_", 1)[1].removesuffix(".safetensors")
 
-    model_flag = "--actor_model_name_or_path" if phase == 3 else "--model_name_or_path"
-    args = step_parser(phase).parse_args([*data, model_flag, str(tok_dir)])
-    length = args.max_prompt_seq_len if phase == 3 else args.max_seq_len  # what each step passes
-    tokenizer = load_hf_tokenizer(str(tok_dir))
-    train, _ = prompt_datasets(args, tokenizer, -1, phase, args.end_of_conversation_token or tokenizer.eos_token,
-                               length)
-    assert train.cache_key == prepared
-    assert "Creating prompt dataset" not in capsys.readouterr().out  # a cache hit
+    def build(*args, **kwargs):
+        raise AssertionError("the step built its data instead of reading the prepared cache")
+
+    monkeypatch.setattr(prompt_dataset, "_build_datasets", build)
+    if phase == 3:  # as step 3's main: its tokenizer, batch plan and create_datasets
+        from dschat.rlhf.config import step3_config
+        from dschat.training.step_data import load_tokenizer
+        from helpers.step3 import step3_main
+
+        step3 = step3_main()
+        args = step3.parse_args([*data, "--actor_model_name_or_path", str(tok_dir)])
+        tokenizer = load_tokenizer(args.actor_model_name_or_path, args.add_eot_token)
+        loader, _, _ = step3.create_datasets(args, tokenizer, step3_config(args, 1).batches, -1)
+    else:  # as steps 1 and 2's mains: build_step_data
+        from dschat.training.step_data import build_step_data
+        from helpers.steps import load_script
+
+        args = load_script(f"step{phase}").parse_args([*data, "--model_name_or_path", str(tok_dir)])
+        loader = build_step_data(args, -1, phase=phase, collator=None).train_loader
+    assert loader.dataset.cache_key == prepared
+    assert "Creating prompt dataset" not in capsys.readouterr().out
 
 
 def test_unknown_dataset(tok_dir, tmp_path):

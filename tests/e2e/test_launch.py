@@ -420,17 +420,27 @@ def busy_port():
         yield sock.getsockname()[1]
 
 
-def test_single_node_launch_takes_a_free_port_unless_one_is_given(fake_root, busy_port):
-    for step, rid, params in (("step1", "cpu/tiny", {}), ("step3", "opt/single_node/1.3b",
-                                                          {"actor_model": "/a", "critic_model": "/c"})):
-        recipe = recipe_loading.get_recipe(step, rid, fake_root)
+def test_single_node_launch_takes_a_free_port_unless_one_is_given(fake_root, busy_port, monkeypatch):
+    cases = [(recipe_loading.get_recipe(step, rid, fake_root), params) for step, rid, params in (
+        ("step1", "cpu/tiny", {}), ("step3", "opt/single_node/1.3b", {"actor_model": "/a", "critic_model": "/c"}))]
+    for recipe, params in cases:
+        port = _port_of(L.plan(recipe, params, repo_root=fake_root).argv)
+        assert M.port_is_free(port) and port not in (29500, 12346, busy_port)
+    taken: list[int] = []
+
+    def free_port() -> int:  # a different port on each call, as the OS's may be
+        taken.append(40000 + len(taken))
+        return taken[-1]
+
+    monkeypatch.setattr(L, "free_port", free_port)
+    for recipe, params in cases:  # chosen afresh for each launch
         first = _port_of(L.plan(recipe, params, repo_root=fake_root).argv)
         second = _port_of(L.plan(recipe, params, repo_root=fake_root).argv)
-        assert M.port_is_free(first) and first not in (29500, 12346, busy_port)
-        assert first != second or M.port_is_free(first)  # chosen afresh by the OS each time
-    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+        assert [first, second] == taken[-2:] and first != second
+    assert len(taken) == 4
     free = M.free_port()
-    assert _port_of(L.plan(recipe, launcher_overrides={"master_port": free}, repo_root=fake_root).argv) == free
+    assert _port_of(L.plan(cases[0][0], launcher_overrides={"master_port": free}, repo_root=fake_root).argv) == free
+    assert len(taken) == 4
 
 
 def test_a_busy_master_port_is_refused_in_one_line_naming_a_free_one(fake_root, tmp_path, busy_port, capsys):

@@ -253,4 +253,6 @@ def test_save_keeps_logs_and_open_handles_in_the_output_folder(tmp_path):
     assert (out / "step1_tensorboard" / "events.out").read_text() == "tb"
     assert not (out / "model-00001-of-00002.safetensors").exists()  # old model files are replaced
     assert (out / "model.safetensors").exists()
-    assert oct((out / "model.safetensors").stat().st_mode & 0o777) != oct(0o600)
+    from dschat.runtime import fs
+
+    assert oct((out / "model.safetensors").stat().st_mode & 0o777) == oct(0o666 & ~fs._umask())  # as open() makes

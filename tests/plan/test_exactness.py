@@ -67,6 +67,7 @@ def one_rank_counts(critics, tmp_path_factory) -> dict[str, dict]:
 @pytest.mark.parametrize("case", sorted(ONE_RANK))
 def test_one_rank_model_state_bytes_are_exact(one_rank_counts, case):
     live, planned = one_rank_counts[case]
+    assert set(planned) == set(live)
     assert planned == {role: {k: live[role][k] for k in planned[role]} for role in planned}
 
 
@@ -88,4 +89,5 @@ def two_rank_counts(critics, tmp_path_factory) -> dict[str, tuple]:
 @pytest.mark.parametrize("case", sorted(TWO_RANKS))
 def test_two_rank_model_state_bytes_are_exact(two_rank_counts, case):
     live, planned = two_rank_counts[case]
+    assert set(planned) == set(live)
     assert planned == {role: {k: live[role][k] for k in planned[role]} for role in planned}

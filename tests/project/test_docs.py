@@ -212,6 +212,8 @@ def bad_flags(block: str, cwd: str = "") -> list[str]:
             except ValueError:
                 tokens = command.split()
             tokens = [t.strip("[]") for t in tokens]
+            while tokens and re.fullmatch(r"[A-Za-z_]\w*=.*", tokens[0], re.S):  # NAME=value settings
+                tokens = tokens[1:]
             if not tokens:
                 continue
             if tokens[0] == "cd" and len(tokens) > 1:
@@ -245,6 +247,8 @@ def test_a_misspelt_flag_is_caught():
     assert bad_flags("python training/step3_rlhf_finetuning/main.py --actor_lr 1e-5") == [
         "--actor_lr in: python training/step3_rlhf_finetuning/main.py --actor_lr 1e-5"]
     assert bad_flags("python e2e_rlhf.py --actor_model 1.3b")  # e2e spells it --actor-model
+    assert bad_flags("DS_ACCELERATOR=cpu OMP_NUM_THREADS=1 python e2e_rlhf.py --actor_model 1.3b") == [
+        "--actor_model in: python e2e_rlhf.py --actor_model 1.3b"]
     assert bad_flags("python -m dschat.launch step1 opt/single_gpu/1.3b --output_dir O -- --kl_ctl 0.1")  # step 3's
     assert bad_flags("cd training/step2_reward_model_finetuning && python main.py --beta 0.1")  # DPO's
     assert bad_flags("bash training/step1_supervised_finetuning/training_scripts/opt/single_gpu/run_1.3b.sh O 2 \\\n"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dschat.models.reward_inputs import CrossTokenizerInputs
+from dschat.models.reward_inputs import CrossTokenizerInputs, encode_for_reward, reward_max_length
 
 from helpers.step3 import base_argv, load_state, make_classifier, refused_in_process, step3_main
 
@@ -35,9 +35,17 @@ def _finite(result):
         assert math.isfinite(record["reward"]) and math.isfinite(record["actor_loss"]), record
 
 
-def _score_directly(engine, seq, mask, prompt_length):
-    """The reward model's end scores of a batch re-tokenised by hand (no ScoringPasses)."""
-    ids, m = engine.reward_inputs(seq, mask, prompt_length)
+def _score_directly(engine, folder, rows):
+    """The reward model's end scores of ``(prompt, answer, ended)`` texts tokenised by hand with the
+    tokenizer of its ``folder`` (no ScoringPasses, no CrossTokenizerInputs), right-padded."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    limit = reward_max_length(tok, AutoConfig.from_pretrained(folder))
+    encoded = [encode_for_reward(tok, prompt, answer, ended, limit) for prompt, answer, ended in rows]
+    width = max(len(r) for r in encoded)
+    ids = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in encoded])
+    m = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in encoded])
     with torch.no_grad():
         values = engine.reward.module.forward_value(ids, m, return_value_only=True)
     return values.gather(1, (m.cumsum(1).argmax(1)).unsqueeze(1)).squeeze(1)
@@ -57,14 +65,21 @@ def test_ppo_with_a_critic_folder_of_another_tokenizer(tmp_path, critic_dirs, da
     assert type(engine.critic.module.rwtransformer).__name__ == "LlamaModel"
     assert type(engine.reward.module.rwtransformer).__name__ == "OPTModel"
     assert isinstance(engine.reward_inputs, CrossTokenizerInputs)
-    # The scores step 3 computes are the reward model's on the re-tokenised rows.
+    # The scores step 3 computes are the reward model's on the re-tokenised rows: an ended answer, and
+    # one longer than the reward model's 512 positions (it reads the last 512 tokens).
     tok = result.tokenizer
-    prompt = tok(["Human: hello there Assistant:"] * 2, return_tensors="pt")["input_ids"]
-    answer = torch.tensor([tok(" hi", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]] * 2)
+    text, short, long = "Human: hello there Assistant:", " hi", " hello there" * 150
+    prompt = tok([text] * 2, return_tensors="pt")["input_ids"]
+    answers = [tok(short, add_special_tokens=False)["input_ids"] + [tok.eos_token_id],
+               tok(long, add_special_tokens=False)["input_ids"]]
+    assert len(answers[1]) > 512
+    width = max(len(a) for a in answers)
+    answer = torch.tensor([a + [tok.pad_token_id] * (width - len(a)) for a in answers])
     seq = torch.cat([prompt, answer], 1)
-    mask = torch.ones_like(seq)
+    mask = torch.cat([torch.ones_like(prompt), torch.tensor([[1] * len(a) + [0] * (width - len(a))
+                                                             for a in answers])], 1)
     got = result.trainer.passes.reward_scores(seq, mask, mask.cumsum(1) - 1, None, prompt.shape[1])
-    assert torch.equal(got, _score_directly(engine, seq, mask, prompt.shape[1]))
+    assert torch.equal(got, _score_directly(engine, critic, [(text, short, True), (text, long, False)]))
 
 
 @pytest.mark.slow

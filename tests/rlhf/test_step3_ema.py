@@ -33,8 +33,10 @@ def test_moving_average_moves_bf16_weights():
         actor.weight.fill_(2.0)
     for _ in range(20):
         moving_average(actor, ema)
-    expected = 2.0 - 0.992 ** 20  # 1 + (1 - 0.992^20)
-    assert abs(float(ema.weight[0, 0].detach()) - expected) < 0.01
+    expected = 2.0 - 0.992 ** 20  # 1 + (1 - 0.992^20) = 1.1484
+    # Within half a bf16 step at 1.15 (one rounding of the fp32 average); rounding to bf16 after
+    # every update ends a whole step away, at 1.15625.
+    assert abs(float(ema.weight[0, 0].detach()) - expected) <= 2 ** -8
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -215,6 +215,7 @@ def test_ranks_continue_their_kv_caches_and_finish_together(zero, loop, tmp_path
     histories = [json.loads((tmp_path / f"records{rank}.json").read_text())["history"] for rank in (0, 1)]
     keys = ("reward", "turns", "observation_tokens", "cut_share", "actor_loss")
     assert [[r[k] for k in keys] for r in histories[0]] == [[r[k] for k in keys] for r in histories[1]]
+    assert len(histories[0]) == 2, histories[0]
     for record in histories[0]:
         turns = float(record["turns"])
         assert 1.5 <= turns <= 2.0 and float(record["cut_share"]) == 0.0, record
@@ -234,7 +235,7 @@ def test_ranks_agree_to_score_the_actor_again_when_one_rank_has_no_log_probs(tmp
     assert [r["actor_scorings"] for r in records] == [2, 2], [r["actor_scorings"] for r in records]
     keys = ("reward", "turns", "actor_loss")
     histories = [[[h[k] for k in keys] for h in r["history"]] for r in records]
-    assert histories[0] == histories[1], histories
+    assert histories[0] == histories[1] and len(histories[0]) == 2, histories
 
 
 def test_an_environment_failing_on_one_rank_stops_both(tmp_path, data_cache):

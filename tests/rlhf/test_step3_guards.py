@@ -284,13 +284,25 @@ def test_engine_and_trainer_read_dschat_flags_only_through_the_config():
     # AttributeError (after all five models loaded).
     import ast
 
+    def is_args(node):  # `args`, `self.args`, `engine.args`, ...
+        return ((isinstance(node, ast.Name) and node.id == "args")
+                or (isinstance(node, ast.Attribute) and node.attr == "args"))
+
+    def flags_read(tree):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and is_args(node.value):
+                yield node.attr
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) >= 2 and is_args(node.args[0]) and isinstance(node.args[1], ast.Constant)):
+                yield node.args[1].value
 
     dschat_only = _dschat_only_flags()
     assert {"kl_ctl", "decoding", "generation_loop", "max_nonfinite_steps"} <= dschat_only
+    probe = ("args.kl_ctl; self.args.decoding; self.engine.args.generation_loop;"
+             " getattr(self.args, 'max_nonfinite_steps', 1)")
+    assert set(flags_read(ast.parse(probe))) == {"kl_ctl", "decoding", "generation_loop", "max_nonfinite_steps"}
     for rel in ("dschat/rlhf/rlhf_engine.py", "dschat/rlhf/ppo_trainer.py", "dschat/rlhf/rollout/generator.py"):
-        tree = ast.parse((REPO / rel).read_text())
-        read = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-                and isinstance(node.value, ast.Name) and node.value.id == "args"}
+        read = set(flags_read(ast.parse((REPO / rel).read_text())))
         assert not read & dschat_only, (rel, sorted(read & dschat_only))
 
 

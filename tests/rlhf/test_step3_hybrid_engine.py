@@ -3,6 +3,7 @@ gather-once generation, LoRA fused for generation; GPU tier: HE on/off greedy eq
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -254,19 +255,35 @@ def test_lora_is_fused_for_generation_and_unfused_after(loop, monkeypatch, criti
 
 
 @pytest.mark.parametrize("extra", [(), ("--actor_lora_dim", "4"), ("--actor_zero_stage", "3")])
-def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, critic_dirs, data_cache):
+def test_fast_decoding_follows_the_actor_through_an_optimizer_step(extra, monkeypatch, critic_dirs, data_cache):
     """dschat's loop with oneDNN decode linears (--generation_loop dschat on a CPU) gives the plain
     path's greedy tokens and log-probs (HF generate, stock kernels), before and after the actor's
     weights change."""
+    import dschat.rlhf.rollout.sample_loop as decoding
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN: --cpu_decode_linear onednn is not used")
     engine = _engine("tiny-llama", critic_dirs, data_cache, "--actor_learning_rate", "0.05",
                      "--generation_loop", "dschat", *extra)
     gen = engine.generator
     assert (gen.generation_loop, gen.cpu_decode_linear) == ("dschat", "onednn")
+    installed = []  # the number of linears given oneDNN decode kernels, per rollout
+    original = decoding.onednn_decode_linears
+
+    @contextmanager
+    def counted(module, rows):
+        with original(module, rows) as layers:
+            installed.append(layers)
+            yield layers
+
+    monkeypatch.setattr(decoding, "onednn_decode_linears", counted)
 
     def fast_and_plain():
         gen.eval()
+        installed.clear()
         fast = gen.rollout(PROMPTS, PROMPT_MASK)
         assert gen.last_loop == "dschat"
+        assert len(installed) == 1 and installed[0] > 0, (installed, gen._said)
         gen.generation_loop, gen.cpu_decode_linear = "hf", "off"
         plain = gen.rollout(PROMPTS, PROMPT_MASK)
         gen.generation_loop, gen.cpu_decode_linear = "dschat", "onednn"
@@ -402,8 +419,9 @@ def test_rollout_keeps_the_log_probs_a_forward_pass_gives(model, extra, temperat
     assert plain.logprobs is None and torch.equal(plain.sequences, rollout.sequences)
 
 
-def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic_dirs, data_cache):
+def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic_dirs, data_cache, monkeypatch):
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
+    from dschat.rlhf.scoring_passes import ScoringPasses
 
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -423,11 +441,21 @@ def test_trainer_old_log_probs_from_the_rollout_equal_the_recomputed_ones(critic
             return scores
 
     engine.generator.extra_generate_kwargs = {"logits_processor": LogitsProcessorList([EndFirstRowEarly()])}
+    actor_passes = []
+    score = ScoringPasses.token_log_probs
+
+    def counted(self, name, *args, **kwargs):
+        actor_passes[-1] += name == "actor"
+        return score(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(ScoringPasses, "token_log_probs", counted)
     experiences = []
     for reuse in (True, False):
         trainer.reuse_rollout_logprobs = reuse
+        actor_passes.append(0)
         torch.manual_seed(3)
         experiences.append(trainer.generate_experience(PROMPTS, PROMPT_MASK, step=0))
+    assert actor_passes == [0, 1]  # the rollout's log-probs were used, then the actor scored the batch
     fast, slow = experiences
     assert torch.equal(fast.seq, slow.seq)
     start, action = fast.start, fast.action_mask[:, fast.start:].bool()

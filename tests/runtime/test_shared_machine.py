@@ -97,16 +97,37 @@ def test_group_write_is_fine_when_the_group_is_the_users_private_one(tmp_path, m
     assert "its group and others can write" in trust.untrusted_reason(folder)
 
 
-def test_a_private_group_has_no_other_member():
+def test_a_private_group_has_no_other_member(monkeypatch):
     import grp
     import pwd
+    from types import SimpleNamespace
 
-    me = pwd.getpwuid(os.geteuid())
-    group = grp.getgrgid(me.pw_gid)
-    others = set(group.gr_mem) - {me.pw_name} or any(
-        u.pw_gid == me.pw_gid and u.pw_uid != me.pw_uid for u in pwd.getpwall())
-    assert trust._private_group(me.pw_gid, me.pw_uid) == (group.gr_name == me.pw_name and not others)
-    assert not trust._private_group(me.pw_gid, 4242)  # nobody's group is another uid's private one
+    def user(name, uid, gid):
+        return pwd.struct_passwd((name, "x", uid, gid, "", f"/home/{name}", "/bin/sh"))
+
+    def group(name, gid, *members):
+        return grp.struct_group((name, "x", gid, list(members)))
+
+    def accounts(users, groups):  # a made-up passwd and group database, as trust looks them up
+        by_uid, by_gid = {u.pw_uid: u for u in users}, {g.gr_gid: g for g in groups}
+        monkeypatch.setattr(trust, "pwd", SimpleNamespace(getpwuid=lambda uid: by_uid[uid],
+                                                          getpwall=lambda: list(users)))
+        monkeypatch.setattr(trust, "grp", SimpleNamespace(getgrgid=lambda gid: by_gid[gid]))
+
+    ann, bob = user("ann", 2001, 2001), user("bob", 2002, 2002)
+    accounts([ann, bob], [group("ann", 2001, "ann"), group("bob", 2002)])
+    assert trust._private_group(2001, 2001)
+    assert not trust._private_group(2002, 2001)  # another user's private group
+    assert not trust._private_group(2001, 4242)  # a uid with no account here
+    assert not trust._private_group(4242, 2001)  # a gid with no group here
+    accounts([ann, bob], [group("ann", 2001, "ann", "bob"), group("bob", 2002)])
+    assert not trust._private_group(2001, 2001)  # another member
+    accounts([ann, user("bob", 2002, 2001)], [group("ann", 2001)])
+    assert not trust._private_group(2001, 2001)  # another account's primary group
+    accounts([ann], [group("staff", 2001)])
+    assert not trust._private_group(2001, 2001)  # not named after the user
+    accounts([user("ann", 2001, 100)], [group("ann", 2001), group("users", 100)])
+    assert not trust._private_group(2001, 2001)  # not the user's primary group
 
 
 def test_another_owner_is_not_trusted_even_when_this_process_can_write(tmp_path, monkeypatch):

@@ -479,10 +479,20 @@ def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine, dec
         events.append(event)
         jobs[0].cancelled = True
 
-    jobs = [Job(engine.encode(PROMPTS[0]), 40, (), GREEDY, emit), _job(engine, PROMPTS[1], 12, other)]
+    ids = engine.encode(PROMPTS[0])
+    jobs = [Job(ids, 40, (), GREEDY, emit), _job(engine, PROMPTS[1], 12, other)]
     decoder.decode(jobs)
-    done = events[-1]
-    assert isinstance(done, Done) and done.finish_reason == "length" and done.completion_tokens < 40
+    with torch.no_grad():
+        answer = engine.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                       do_sample=False, max_new_tokens=40,
+                                       pad_token_id=engine.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    # The first piece is sent once the answer decodes to whole characters; the row ends on the token after it.
+    first = next(n for n in range(1, len(answer) + 1) if engine.decode(answer[:n]).rstrip("\ufffd"))
+    ended = answer[:first + 1]
+    assert len(ended) < 40 and not set(ended) & engine.eos_ids  # so it can only have ended on the cancel
+    text, done = _text(events)
+    assert isinstance(done, Done) and sum(isinstance(e, Done) for e in events) == 1
+    assert (text, done.completion_tokens, done.finish_reason) == (engine.decode(ended), len(ended), "length")
     expected = _reference(engine.model, engine.tokenizer, engine.encode(PROMPTS[1]), 12)
     text, finished = _text(other)
     assert (text, finished.completion_tokens, finished.finish_reason) == expected
