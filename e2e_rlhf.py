@@ -164,7 +164,8 @@ def _family(model: str) -> Any:
 
 
 def _lora_adjustments(recipe: Recipe, model: str, prefix: str = "") -> list[str]:
-    """Flags that adapt a recipe written for OPT to another family (LoRA scope, leading pads)."""
+    """Flags that adapt a recipe written for one model family (OPT for the GPU recipes, LLaMA for
+    ``cpu/tiny``) to ``model``'s (LoRA scope, leading pads)."""
     fam = _family(model)
     if fam is None:
         return []
@@ -193,7 +194,9 @@ class StepRun:
 
 
 def choose_recipe(dep: Deployment, step: int, model: str) -> tuple[str, bool]:
-    """(recipe id, whether the model must be substituted) for ``model`` in step ``step``."""
+    """(recipe id, whether no recipe is listed for ``model``, so that the deployment's generic one is used
+    with the model replaced) for step ``step``. A listed recipe that names another model gets the
+    model replaced too (:func:`build_steps`)."""
     table, other, kind = (dep.reward, dep.other_reward, "reward") if step == 2 else (dep.actor, dep.other_actor, "actor")
     if model in table:
         return table[model], False
@@ -224,12 +227,12 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
         if number in (1, 2):
             params: dict[str, str | None] = {"output_dir": str(dirs[number]),
                                              "zero_stage": args.actor_zero_stage if number == 1 else args.reward_zero_stage}
-            if substitute:
+            # a recipe shared by several models names one of them
+            if substitute or recipe.flag("model_name_or_path") != model_id(model):
                 extra += ["--model_name_or_path", model_id(model)] + _lora_adjustments(recipe, model_id(model))
+            if substitute:
                 note = (f"no {dep.name} recipe names {model!r}: using recipe {rid} with "
                         f"--model_name_or_path {model_id(model)}")
-            elif recipe.flag("model_name_or_path") != model_id(model):  # a recipe shared by several models
-                extra += ["--model_name_or_path", model_id(model)] + _lora_adjustments(recipe, model_id(model))
         else:
             params = {"actor_model": str(dirs[1]), "critic_model": str(dirs[2]),
                       "actor_zero_stage": args.actor_zero_stage, "critic_zero_stage": args.reward_zero_stage,

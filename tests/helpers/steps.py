@@ -254,8 +254,8 @@ def deepspeed_cmd(*args: str, num_gpus: int = 2) -> list[str]:
 
 
 #: What rank 0 says when the ``--master_port`` a test picked was taken before it could listen there
-#: (:func:`free_port` frees the port it found; the ranks bind it seconds later, after their imports,
-#: and another process on the machine may bind it in between).
+#: (:func:`free_port` frees the port it found; the ranks bind it later, after their imports, and
+#: another process on the machine may bind it in between).
 PORT_TAKEN = ("cannot listen on port", "another job holds that port")
 
 

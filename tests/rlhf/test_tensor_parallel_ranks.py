@@ -5,14 +5,10 @@ than the whole copy, the ZeRO-3 partitions come back bit for bit, the summary li
 and one step-3 run with ``--inference_tp_size 2`` trains and saves."""
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
 import pytest
 
 from helpers.step3 import STEP3_MAIN, base_argv, subprocess_env
-from helpers.steps import run_captured
+from helpers.steps import deepspeed_cmd, run_captured
 
 pytestmark = pytest.mark.slow
 
@@ -78,21 +74,10 @@ for name, lora_modules in (("tiny-llama", "layers."), ("tiny-opt", "decoder.laye
 '''
 
 
-def _launcher() -> str:
-    return shutil.which("deepspeed") or str(Path(sys.executable).with_name("deepspeed"))
-
-
-def _free_port() -> int:
-    from dschat.multinode import free_port
-
-    return free_port()
-
-
 def test_two_ranks_tp2_rollouts_equal_tp1_for_llama_and_opt_with_and_without_lora(tmp_path):
     script = tmp_path / "tp_ranks.py"
     script.write_text(SCRIPT)
-    proc = run_captured([_launcher(), "--master_port", str(_free_port()), "--num_gpus", "2", str(script)],
-                        cwd=tmp_path, env=subprocess_env(), timeout=540)
+    proc = run_captured(deepspeed_cmd(str(script)), cwd=tmp_path, env=subprocess_env(), timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("TP-OK ") == 8, proc.stdout[-3000:]  # 2 models x LoRA off/on x 2 ranks (lines may interleave)
 
@@ -103,8 +88,7 @@ def test_step3_with_inference_tp_size_2_trains_and_saves(tmp_path, critic_dirs, 
                      "--critic_zero_stage", "3", "--enable_hybrid_engine", "--inference_tp_size", "2",
                      "--tp_gather_partition_size", "1", "--release_inference_cache", "--actor_lora_dim", "4",
                      "--output_dir", str(out), steps=1)
-    proc = run_captured([_launcher(), "--num_gpus", "2", "--master_port", str(_free_port()), str(STEP3_MAIN), *argv],
-                        cwd=tmp_path, env=subprocess_env(), timeout=540)
+    proc = run_captured(deepspeed_cmd(str(STEP3_MAIN), *argv), cwd=tmp_path, env=subprocess_env(), timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = [line for line in proc.stdout.splitlines() if line.startswith("Rollouts: ")]
     assert len(summary) == 1 and summary[0].endswith("inference TP degree 2"), proc.stdout[-3000:]

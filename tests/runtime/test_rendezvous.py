@@ -19,7 +19,7 @@ from helpers.steps import cli_env, load_script
 
 TIMEOUT_MINUTES = 0.05  # 3 s
 # DeepSpeed imported and its CPU shared-memory all-reduce op built or loaded, as init_distributed
-# does: a first build takes minutes, which no timed case below may include.
+# does: a first build (a C++ compile) is slow, and no timed case below may include it.
 WARM_UP = r"""
 import deepspeed
 from deepspeed.accelerator import get_accelerator
@@ -134,9 +134,13 @@ def test_ranks_without_peers_stop_in_one_line_and_one_process_opens_no_port():
     assert set(result["listening"]) <= LOOPBACK, result
 
 
+@pytest.mark.slow
 def test_a_one_process_run_that_ends_without_its_exit_handlers_leaves_no_file(tmp_path):
     """The one-process store lives in memory: a run killed (or ended by ``os._exit``) leaves nothing in
     the temporary folder (a file store's folder there outlived every such run)."""
+    warm = subprocess.run([sys.executable, "-c", WARM_UP], cwd=REPO, env=cli_env(), capture_output=True, text=True,
+                          timeout=1200)
+    assert warm.returncode == 0, warm.stderr[-3000:]
     code = ("import os, torch\nfrom dschat.runtime.dist import init_distributed\ninit_distributed()\n"
             "t = torch.ones(1)\ntorch.distributed.all_reduce(t)\nprint('met', int(t.item()), flush=True)\n"
             "os._exit(0)\n")
