@@ -22,16 +22,16 @@ from pathlib import Path
 import pytest
 
 from dschat.plan.cli import build_parser, plan
+from dschat.recipes.loading import get_recipe
 
 GIB = 2**30
 # hidden, layers, heads, ffn, word_embed_proj_dim (the published OPT configs)
 OPT = {"350m": (1024, 24, 16, 4096, 512), "2.7b": (2560, 32, 32, 10240, 2560), "6.7b": (4096, 32, 32, 16384, 4096),
        "13b": (5120, 40, 40, 20480, 5120), "30b": (7168, 48, 56, 28672, 7168)}
-RECIPE = ("--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_lora_dim", "128", "--only_optimize_lora",
-          "--actor_gradient_checkpointing", "--critic_gradient_checkpointing",
-          "--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "8",
-          "--max_prompt_seq_len", "256", "--max_answer_seq_len", "256",
-          "--enable_hybrid_engine", "--gpus_per_node", "1", "--dtype", "fp16")
+#: Upstream's recipe as configs/step3.yaml holds it (read, not written out here, so the two cannot
+#: drift apart), and the paper's setting: LoRA-only training, fp16, one GPU.
+RECIPE = get_recipe("step3", "opt/single_gpu/6.7b_lora")
+PAPER = ("--only_optimize_lora", "--dtype", "fp16", "--gpus_per_node", "1")
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +49,20 @@ def configs(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+def test_the_recipe_is_the_one_the_table_describes():
+    flags = dict(RECIPE.flags)
+    assert {k: flags[k] for k in ("actor_lora_dim", "actor_gradient_checkpointing", "critic_gradient_checkpointing",
+                                  "per_device_generation_batch_size", "per_device_training_batch_size",
+                                  "max_prompt_seq_len", "max_answer_seq_len", "enable_hybrid_engine")} == {
+        "actor_lora_dim": "128", "actor_gradient_checkpointing": True, "critic_gradient_checkpointing": True,
+        "per_device_generation_batch_size": "8", "per_device_training_batch_size": "8", "max_prompt_seq_len": "256",
+        "max_answer_seq_len": "256", "enable_hybrid_engine": True}
+    assert (str(RECIPE.defaults["actor_zero_stage"]), str(RECIPE.defaults["critic_zero_stage"])) == ("0", "0")
+
+
 def _plan(configs, size: str, gpu: str, *extra: str) -> dict:
-    argv = ["--actor_model_name_or_path", str(configs[size]), "--critic_model_name_or_path", str(configs["350m"]),
-            *RECIPE, "--gpu_memory", gpu, *extra]
+    argv = RECIPE.render({"actor_model": str(configs[size]), "critic_model": str(configs["350m"])},
+                         [*PAPER, "--gpu_memory", gpu, *extra])
     return plan(build_parser().parse_args(argv))
 
 
