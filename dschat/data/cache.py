@@ -39,6 +39,7 @@ from filelock import FileLock, Timeout
 from safetensors import SafetensorError
 
 from dschat.data.dispatch import DatasetSource
+from dschat.data.local_files import expand
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.errors import UserError
 from dschat.runtime.fs import atomic_files, pending_files, recover_files
@@ -135,7 +136,7 @@ class CacheFiles:
 def cache_files(output_path: str | os.PathLike, key: str) -> CacheFiles:
     """Paths of the cache for ``key`` under ``output_path`` (a leading ``~`` expanded, as
     :func:`check_data_output_path` and :func:`private_folder` do)."""
-    base = Path(os.path.expanduser(os.fspath(output_path)))
+    base = expand(output_path)
     return CacheFiles(
         base / f"traindata_{key}.safetensors",
         base / f"evaldata_{key}.safetensors",

@@ -308,7 +308,7 @@ def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float 
                                                  timeout=collective)
             deepspeed.init_distributed(dist_backend=dist_backend, auto_mpi_discovery=False, timeout=collective)
         else:
-            _init_ranks(deepspeed, accelerator, dist_backend, rendezvous, least)
+            _init_ranks(deepspeed, accelerator, dist_backend, rendezvous, collective)
             met = True
     except BaseException:
         if claimed:
@@ -347,10 +347,10 @@ def destroy_gloo_group() -> None:
 
 
 def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[str],
-                rendezvous: datetime.timedelta, least: datetime.timedelta | None = None) -> None:
+                rendezvous: datetime.timedelta, collective: datetime.timedelta) -> None:
     """Several ranks: meet at ``MASTER_ADDR:MASTER_PORT`` within ``rendezvous`` and pass a barrier,
-    then give the store the collectives' longer timeout (:func:`_collective_timeout`, at least
-    ``least``; the groups get it from :func:`use_collective_timeout`)."""
+    then give the store the collectives' longer timeout ``collective`` (:func:`_collective_timeout`;
+    the groups get it from :func:`use_collective_timeout`)."""
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500")
     host = socket.gethostname()
@@ -380,7 +380,6 @@ def _init_ranks(deepspeed: object, accelerator: object, dist_backend: Optional[s
         if watchdog is not None:
             watchdog.cancel()
         _RANK0_STORES.clear()  # torch's store holds the server now; after a failure nothing may listen
-    collective = _collective_timeout(rendezvous, least)
     if collective != rendezvous:  # the groups' own timeouts: init_distributed's use_collective_timeout
         distributed_c10d._get_default_store().set_timeout(collective)
 

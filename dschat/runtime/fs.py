@@ -103,9 +103,8 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
     target = Path(os.path.expanduser(os.fspath(path)))
     if target.exists() and not target.is_dir():
         raise UserError(f"{flag} {path} exists and is not a folder; pass a folder path")
-    ancestor = target
-    while not ancestor.exists() and ancestor != ancestor.parent:
-        ancestor = ancestor.parent
+    missing = missing_ancestors(target)
+    ancestor = missing[-1].parent if missing else target
     if not ancestor.is_dir():
         raise UserError(f"{flag} {path} cannot be created: {ancestor} is a file, not a folder; "
                         "pass a path under a folder")

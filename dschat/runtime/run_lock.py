@@ -98,6 +98,14 @@ def _untrusted(path: Path, flag: str, folder: Path) -> UserError:
                      "else remove it")
 
 
+def _still_at(path: Path, opened: os.stat_result) -> bool:
+    """Whether ``path`` (not followed if a link) is still the file whose descriptor's stat is ``opened``."""
+    try:
+        return os.path.samestat(os.stat(path, follow_symlinks=False), opened)
+    except FileNotFoundError:
+        return False
+
+
 def _open(path: Path, flag: str, folder: Path) -> tuple[int, bool] | None:
     """(descriptor, created) for the lock file, or None when it vanished between two looks."""
     try:
@@ -114,19 +122,16 @@ def _open(path: Path, flag: str, folder: Path) -> tuple[int, bool] | None:
     except OSError as err:  # ELOOP: a symlink; EACCES: another account's file
         raise _untrusted(path, flag, folder) from err
     info = os.fstat(fd)
-    try:
-        same = os.path.samestat(os.stat(path, follow_symlinks=False), info)
-    except FileNotFoundError:
-        same = False
-    if not (stat.S_ISREG(info.st_mode) and same and owned_privately(path)):
+    if not (stat.S_ISREG(info.st_mode) and _still_at(path, info) and owned_privately(path)):
         os.close(fd)
         raise _untrusted(path, flag, folder)
     return fd, False
 
 
-def _take(folder: Path, flag: str, fix: str) -> tuple[int, int] | None:
-    """Take (or take again) the lock of ``folder``, creating the folder as a save would; the key to
-    release it with, or None on a file system without ``flock``."""
+def _take(folder: str | os.PathLike, flag: str, fix: str) -> tuple[int, int] | None:
+    """Take (or take again) the lock of ``folder`` (a leading ``~`` expanded), creating the folder as a
+    save would; the key to release it with, or None on a file system without ``flock``."""
+    folder = Path(os.path.expanduser(os.fspath(folder)))
     check_writable_dir(folder, flag)  # the lines the step's own path check gives
     made = missing_ancestors(folder)
     try:
@@ -166,11 +171,7 @@ def _take(folder: Path, flag: str, fix: str) -> tuple[int, int] | None:
                         for made_folder in made:
                             made_folder.rmdir()
                 return None
-            try:
-                same = os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
-            except FileNotFoundError:
-                same = False
-            if not same:  # removed (or replaced) by the previous holder after we opened it: look again
+            if not _still_at(path, os.fstat(fd)):  # removed (or replaced) by the previous holder after we opened it: look again
                 os.close(fd)
                 continue
             _HELD[key] = _Held(fd, folder, os.getpid(), created, made, entries)
@@ -216,8 +217,7 @@ def hold_run_lock(folder: str | os.PathLike, owner: object, flag: str = "--outpu
     where Linux tells it), before anything in ``folder`` is read or changed. Reentrant: see the
     module docstring.
     """
-    key = _take(Path(os.path.expanduser(os.fspath(folder))), flag,
-                f"wait for it to end or pick another {flag}")
+    key = _take(folder, flag, f"wait for it to end or pick another {flag}")
     try:
         hold = weakref.finalize(owner, _release, key)
     except TypeError:  # no weak reference: held until the process ends
@@ -248,9 +248,7 @@ def releasing_run_locks(main: Callable[_P, _R]) -> Callable[_P, _R]:
             return main(*args, **kwargs)
         finally:
             with _GUARD:
-                taken = [holds for key, holds in _OWNED.items() if key not in before]
-                for key in [key for key in _OWNED if key not in before]:
-                    del _OWNED[key]
+                taken = [_OWNED.pop(key) for key in list(_OWNED) if key not in before]
             for holds in taken:
                 for hold in holds:
                     hold()  # runs _release once; the finalizer is then dead
@@ -263,7 +261,7 @@ def run_lock(folder: str | os.PathLike, flag: str = "--output_dir",
     """Hold ``folder``'s run lock for the body (see :func:`hold_run_lock`; a command such as
     ``--recover``, which leaves no lock file of its own behind); ``flag`` and ``fix`` word the line
     given when another process holds it."""
-    key = _take(Path(os.path.expanduser(os.fspath(folder))), flag, fix)
+    key = _take(folder, flag, fix)
     try:
         yield
     finally:
