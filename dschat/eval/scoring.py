@@ -23,7 +23,7 @@ from dschat.models.registry import load_config
 from dschat.models.reward_inputs import encode_for_reward, reward_max_length
 from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
                                         not_a_critic_message)
-from dschat.models.tokenizer import load_hf_tokenizer, tokenizer_differences
+from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer, tokenizer_differences
 from dschat.rl_math.logprobs import gather_log_probs
 from dschat.runtime.zero3 import zero3_pass
 
@@ -138,19 +138,20 @@ class Samples:
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     texts: list[str]
-    ended: list[bool]  # the answer ended with EOS (not cut at max_new_tokens)
+    ended: list[bool]  # the answer ended with an end id (EOS; not cut at max_new_tokens)
 
 
 def generate(model: Any, tokenizer: Any, prompts: Sequence[str], settings: EvalSettings) -> Samples:
-    """Answer every prompt with ``settings``' decoding, seeded so both actors see the same randomness."""
-    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    """Answer every prompt with ``settings``' decoding, seeded so both actors see the same randomness.
+    An answer ends at any id of :func:`~dschat.models.tokenizer.end_token_ids` (as step 3's rollouts)."""
+    ends, pad = end_token_ids(model, tokenizer), tokenizer.pad_token_id
     config = GenerationConfig(
         max_new_tokens=settings.max_new_tokens,
         do_sample=settings.do_sample,
         temperature=settings.temperature if settings.do_sample else None,
         top_k=settings.top_k if settings.do_sample else None,
         top_p=settings.top_p if settings.do_sample else None,
-        eos_token_id=eos,
+        eos_token_id=list(ends) or None,
         pad_token_id=pad,
     )
     device = next(model.parameters()).device
@@ -169,11 +170,11 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str], settings: EvalS
             ended = False
             for token in gen:
                 answer.append(token)
-                if token == eos:
+                if token in ends:
                     ended = True
                     break
             if not ended:  # drop right padding after an early stop of other rows
-                while answer and answer[-1] == pad and pad != eos:
+                while answer and answer[-1] == pad and pad not in ends:
                     answer.pop()
             out.prompts.append(prompt)
             out.prompt_ids.append(list(row))

@@ -149,5 +149,15 @@ def tokenizer_differences(a: Any, b: Any) -> list[str]:
     return out
 
 
+def end_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """The token ids that end an answer, without repeats: ``tokenizer.eos_token_id`` first, then each
+    id of ``model.generation_config.eos_token_id`` (one id or a list, e.g. an instruct model's
+    end-of-turn and end-of-text ids), which is what Hugging Face ``generate`` -- and so upstream's
+    step 3 -- stops on. Empty when neither is set."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    return tuple(dict.fromkeys(int(i) for i in [tokenizer.eos_token_id, *ids] if i is not None))
+
+
 # Upstream's older name.
 get_tokenizer = load_hf_tokenizer

@@ -16,9 +16,10 @@ the environments of :mod:`dschat.envs`. Each turn:
    concurrently (:class:`~dschat.envs.EpisodeBatch`);
 3. **observe**: an episode that goes on gets its observation appended
    (:func:`~dschat.envs.render_observation`: through the chat template as a user or tool message
-   where the tokenizer has one, else as text). When the actor's turn ended with EOS and the rendered
-   observation begins with that same token (the template's end of the assistant turn), the
-   observation's copy is left out, so the conversation is exactly what the template makes of it and
+   where the tokenizer has one, else as text). A turn ends at any of the generator's ``end_ids``
+   ("EOS" below). When the actor's turn ended with the tokenizer's EOS and the rendered observation
+   begins with that same token (the template's end of the assistant turn), the observation's copy
+   is left out, so the conversation is exactly what the template makes of it and
    the EOS stays the actor's action.
 
 An episode ends when its environment says done, after ``max_turns`` turns, or when it reaches
@@ -134,7 +135,7 @@ class EpisodePlayer:
 
     def observation_ids(self, observation: Any, actor_ended: bool) -> list[int]:
         """The token ids appended for ``observation`` after an actor turn (``actor_ended``: the turn's
-        last token is EOS, and a leading EOS of the rendered observation is then left out).
+        last token is the tokenizer's EOS, and a leading EOS of the rendered observation is then left out).
 
         The rendered text (:func:`~dschat.envs.observation_parts`) is tokenised whole, as the chat
         template would be; but where the observation's content holds the text of a special token (a
@@ -171,7 +172,8 @@ class EpisodePlayer:
             if state.done:
                 continue
             try:
-                observed[i] = self.observation_ids(results[i].observation, ended[i])
+                # The rendered observation may repeat the tokenizer's EOS the turn ended with.
+                observed[i] = self.observation_ids(results[i].observation, ended[i] and tokens[i][-1] == self.eos)
             except Exception as err:  # noqa: BLE001 -- the environment's text; every rank is to stop together
                 first = (str(err).strip().splitlines() or [""])[0][:200]
                 raise UserError(f"environment {self.factory.name} on row {state.row} (turn {state.turns}): the "
@@ -221,9 +223,9 @@ class EpisodePlayer:
             waiting = []  # turns the shared budget stopped before their own room ran out: they go on
             taken = [0] * B  # each row's answer tokens its conversation took
             for j, i in zip(at, live):
-                whole = _until_eos(answers[j], self.eos)
+                whole = _until_eos(answers[j], self.generator.end_ids)
                 part = whole[: self.max_answer_seq_len - len(tokens[i])]
-                ended[i] = bool(part) and part[-1] == self.eos
+                ended[i] = bool(part) and part[-1] in self.generator.end_ids
                 taken[i] = len(part)
                 tokens[i] += part
                 roles[i] += [0] * len(part)
@@ -300,8 +302,7 @@ class EpisodePlayer:
         )
 
 
-def _until_eos(answer: list[int], eos: int | None) -> list[int]:
-    """A generated row up to and including its first EOS (all of it when there is none)."""
-    if eos is not None and eos in answer:
-        return answer[: answer.index(eos) + 1]
-    return answer
+def _until_eos(answer: list[int], end_ids: Sequence[int]) -> list[int]:
+    """A generated row up to and including its first end id (all of it when there is none)."""
+    first = next((k for k, token in enumerate(answer) if token in end_ids), None)
+    return answer if first is None else answer[: first + 1]

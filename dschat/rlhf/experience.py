@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import torch
 
 from dschat.errors import UserError
+from dschat.rlhf.rollout.sampling import EndIds, is_end
 from dschat.runtime.dist import all_reduce_sum, gather_ints
 
 __all__ = ["Experience", "answer_mask", "sequence_masks", "SequenceMasks", "UPSTREAM_KEYS", "sum_over_ranks",
@@ -39,15 +40,16 @@ UPSTREAM_KEYS: dict[str, str] = {
 }
 
 
-def answer_mask(answers: torch.Tensor, eos_token_id: int | None) -> torch.Tensor:
+def answer_mask(answers: torch.Tensor, eos_token_id: EndIds | None) -> torch.Tensor:
     """1 for every generated token up to and including the first EOS, 0 after it.
 
+    An EOS is any id of ``eos_token_id`` (one id or several: :data:`~dschat.rlhf.rollout.sampling.EndIds`).
     Shape: answers (B, A) generated ids; returns (B, A) int64. With ``eos_token_id=None`` every token
     is real. Tokens equal to the pad id *before* the first EOS count as real: the model generated them.
     """
     if eos_token_id is None:
         return torch.ones_like(answers, dtype=torch.long)
-    is_eos = (answers == eos_token_id).long()
+    is_eos = is_end(answers, eos_token_id).long()
     # Number of EOS strictly before each position: 0 up to and including the first EOS.
     eos_before = is_eos.cumsum(-1) - is_eos
     return (eos_before == 0).long()
@@ -62,7 +64,7 @@ class SequenceMasks:
     answer_lengths: torch.Tensor
 
 
-def sequence_masks(prompt_mask: torch.Tensor, seq: torch.Tensor, eos_token_id: int | None) -> SequenceMasks:
+def sequence_masks(prompt_mask: torch.Tensor, seq: torch.Tensor, eos_token_id: EndIds | None) -> SequenceMasks:
     """Attention mask, position ids and answer lengths for ``seq = [left-padded prompt | answer]``.
 
     ``attention_mask`` is the prompt's own mask followed by :func:`answer_mask`; ``position_ids``

@@ -52,6 +52,7 @@ from dschat.rewards import RewardMix
 from dschat.rlhf.episodes import EpisodePlayer
 from dschat.rlhf.experience import Experience, SequenceMasks, raise_together, sequence_masks, sum_over_ranks
 from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.rollout.sampling import is_end
 from dschat.rlhf.ppo_formulas import PPOFormulas
 from dschat.rlhf.scoring_passes import ScoringPasses
 from dschat.runtime.dist import get_rank, print_rank_0
@@ -139,12 +140,13 @@ class ExperienceMaker:
         """Answers for ``(B, P)`` left-padded prompts, or with ``--env`` one episode each; printed
         with ``--print_answers`` (every rank, as upstream) when ``show``. ``sources``: the prompts'
         ``(B, 3)`` dataset rows (:mod:`dschat.data.prompt_columns`), for the environments. Collective."""
-        eos = self.tokenizer.eos_token_id
+        ends = self.generator.end_ids
         P = prompts.shape[1]
         if self.episodes is None:
             rollout = self.generator.rollout(prompts, mask)
             seq = rollout.sequences
-            generated = Generated(seq, sequence_masks(mask, seq, eos), rollout.logprobs, (seq[:, P:] == eos).any(-1))
+            generated = Generated(seq, sequence_masks(mask, seq, ends), rollout.logprobs,
+                                  is_end(seq[:, P:], ends).any(-1))
         else:
             columns = self.prompt_columns
             rows = raise_together(

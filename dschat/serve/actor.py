@@ -46,7 +46,7 @@ from dschat.eval.scoring import pick_device
 from dschat.models.build import create_hf_model
 from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.registry import load_config, resolve_model_path
-from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
@@ -128,11 +128,8 @@ def load_actor_engine(model: str, *, device: str = "auto") -> ActorEngine:
 
 
 def end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
-    """The ids that end an answer: ``tokenizer.eos_token_id`` and the ``eos_token_id`` (one id or a
-    list) of ``model.generation_config`` (what ``generate`` stops on), when set."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
-    return frozenset(int(i) for i in [*ids, tokenizer.eos_token_id] if i is not None)
+    """The ids that end an answer (:func:`~dschat.models.tokenizer.end_token_ids`, as step 3's rollouts)."""
+    return frozenset(end_token_ids(model, tokenizer))
 
 
 # ------------------------------------------------------------------------------------------------

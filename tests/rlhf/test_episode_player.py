@@ -28,6 +28,7 @@ class ScriptedDecoder:
         self.scripts = {k: list(v) for k, v in scripts.items()}
         self.max_answer_seq_len = max_answer_seq_len
         self.calls: list[int] = []  # each call's budget
+        self.end_ids = (EOS,)  # RolloutGenerator.end_ids
 
     def rollout(self, ids: torch.Tensor, mask: torch.Tensor, conversation=None):
         from dschat.rlhf.rollout.sampling import Rollout

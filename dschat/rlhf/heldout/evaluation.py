@@ -438,7 +438,7 @@ class StepThreeEvaluation:
         else on the re-tokenised text (:func:`dschat.eval.scoring.reward_scores`)."""
         model, tokenizer = self._judge_models[name]
         P = prompts.shape[1]
-        eos = self.trainer.tokenizer.eos_token_id
+        ends = self.trainer.generator.end_ids
         samples = Samples([], [], [], [], [])
         for i in range(seq.shape[0]):
             answer = seq[i, P:][att[i, P:].bool()].tolist()
@@ -446,7 +446,7 @@ class StepThreeEvaluation:
             samples.prompt_ids.append(prompts[i][mask[i].bool()].tolist())
             samples.response_ids.append(answer)
             samples.texts.append(texts[1][i])
-            samples.ended.append(bool(answer) and answer[-1] == eos)
+            samples.ended.append(bool(answer) and answer[-1] in ends)
         return reward_scores(model, tokenizer, samples, self.trainer.tokenizer, len(samples.prompts))
 
     def _gathered(self, rows: _Rows) -> _Rows:

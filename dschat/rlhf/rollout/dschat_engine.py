@@ -43,7 +43,7 @@ from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.decoder.layouts import layout_name, unsupported_reason
 from dschat.rlhf.rollout.conversation import Conversation, compact_columns, why_not_kept
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
-from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
+from dschat.rlhf.rollout.sampling import (DecodingSettings, EndIds, Rollout, StepCallback, draw, end_rows, loop_rollout,
                                           next_token_scores)
 from dschat.rlhf.rollout.weights import lora_layers, materialised, should_gather
 from dschat.runtime.compile_cache import use_private_compile_cache
@@ -68,7 +68,7 @@ def _cuda_graph_count(device: torch.device) -> int:
 class DschatHybridEngine:
     """Rollouts of one actor (one model config) with dschat's decode model; see the module docstring."""
 
-    def __init__(self, config: Any, *, decoding: DecodingSettings, max_new_tokens: int, eos_token_id: int,
+    def __init__(self, config: Any, *, decoding: DecodingSettings, max_new_tokens: int, eos_token_id: EndIds,
                  pad_token_id: int, release_cache: bool = False, cpu_decode_linear: str = "onednn",
                  compile_step: bool | None = None, cache_multiple: int = 64) -> None:
         self.model = self._decode_model(config)
@@ -362,7 +362,7 @@ class DschatEnginePath(DecodingPath):
         if gen.engine is None or type(gen.engine) is not DschatHybridEngine:
             gen.engine = DschatHybridEngine(
                 module.config, decoding=gen.decoding, max_new_tokens=gen.max_answer_seq_len,
-                eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                eos_token_id=gen.end_ids, pad_token_id=gen.tokenizer.pad_token_id,
                 release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
         gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
         gen.engine.max_new_tokens = gen.max_answer_seq_len  # this rollout's (an episode's turn has less room)

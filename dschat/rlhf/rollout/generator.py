@@ -30,6 +30,10 @@ materialises its weights once for the rollout and puts them back after it:
 dschat's Hybrid Engine does the same gather and fusion while it copies the weights
 (:mod:`dschat.rlhf.rollout.weights`).
 
+**Where an answer ends.** Every path stops a row at any id of :attr:`RolloutGenerator.end_ids`: the
+tokenizer's EOS and each id of the model's generation config ``eos_token_id``
+(:func:`dschat.models.tokenizer.end_token_ids`), what upstream's ``generate`` stopped on.
+
 **Fallbacks.** A path a flag asked for that cannot serve, or one that fails at run time for a reason
 other than out of memory or bad input, says why in one line, once, and is off for the rest of the
 run; the generator keeps one record of the latest (:attr:`RolloutGenerator.fallback`: which path,
@@ -62,6 +66,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from dschat.errors import UserError
+from dschat.models.tokenizer import end_token_ids
 from dschat.rlhf.rollout.conversation import Conversation
 from dschat.rlhf.rollout.deepspeed_engine import NO_CONTAINER, DeepSpeedHybridEnginePath, HybridEngineDecision
 from dschat.rlhf.rollout.dschat_engine import DschatEnginePath, DschatHybridEngine
@@ -128,6 +133,9 @@ class RolloutGenerator:
     ) -> None:
         self.actor = actor
         self.tokenizer = tokenizer
+        # What a rollout stops on: the tokenizer's EOS and the model's generation-config EOS ids
+        # (upstream's generate stops on the latter).
+        self.end_ids: tuple[int, ...] = end_token_ids(actor.module, tokenizer)
         self.decision = decision
         self.decoding = decoding
         self.max_answer_seq_len = max_answer_seq_len

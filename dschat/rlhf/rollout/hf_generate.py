@@ -44,18 +44,26 @@ def decoding_only_generation_config(module: PreTrainedModel, decoding: DecodingS
 
 
 def generate_kwargs(gen: RolloutGenerator, mask: torch.Tensor) -> dict[str, Any]:
-    """The ``generate`` keyword arguments of one rollout: lengths, special tokens, ``synced_gpus``
-    (ZeRO-3), the decoding settings, then the generator's ``extra_generate_kwargs``."""
+    """The ``generate`` keyword arguments of one rollout: lengths, special tokens (each of the
+    generator's ``end_ids`` stops a row), ``synced_gpus`` (ZeRO-3), the decoding settings, then the
+    generator's ``extra_generate_kwargs``."""
     return {
         "attention_mask": mask,
         "max_new_tokens": gen.max_answer_seq_len,
         "pad_token_id": gen.tokenizer.pad_token_id,
-        "eos_token_id": gen.tokenizer.eos_token_id,
+        "eos_token_id": _generate_eos(gen.end_ids),
         "synced_gpus": gen.synced_gpus,
         "use_cache": True,
         **gen.decoding.generate_kwargs(),
         **gen.extra_generate_kwargs,
     }
+
+
+def _generate_eos(end_ids: tuple[int, ...]) -> int | list[int] | None:
+    """``generate``'s ``eos_token_id`` for the generator's end ids: one id, a list, or None."""
+    if not end_ids:
+        return None
+    return end_ids[0] if len(end_ids) == 1 else list(end_ids)
 
 
 def hf_generate(gen: RolloutGenerator, module: PreTrainedModel, prompts: torch.Tensor, mask: torch.Tensor,

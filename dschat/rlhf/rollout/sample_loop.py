@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from dschat.models.lora import LinearLayer_LoRA
 from dschat.rlhf.rollout.conversation import Conversation, why_not_kept
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, say_once
-from dschat.rlhf.rollout.sampling import (DecodingSettings, Rollout, StepCallback, draw, end_rows, loop_rollout,
+from dschat.rlhf.rollout.sampling import (DecodingSettings, EndIds, Rollout, StepCallback, draw, end_rows, loop_rollout,
                                           next_token_scores)
 from dschat.runtime.zero3 import free_memory_bytes
 
@@ -119,7 +119,7 @@ def _forward_kwargs(module: nn.Module) -> set[str]:
 
 
 def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *, decoding: DecodingSettings,
-                max_new_tokens: int, eos_token_id: int, pad_token_id: int, min_new_tokens: int = 0,
+                max_new_tokens: int, eos_token_id: EndIds, pad_token_id: int, min_new_tokens: int = 0,
                 keep_logprobs: bool = True, sampler: str = "inverse_cdf", on_step: StepCallback | None = None,
                 cache: DynamicCache | None = None, past_mask: torch.Tensor | None = None,
                 active: torch.Tensor | None = None) -> Rollout:
@@ -128,7 +128,8 @@ def sample_loop(module: nn.Module, prompts: torch.Tensor, mask: torch.Tensor, *,
     Decodes as ``module.generate(prompts, attention_mask=mask, max_new_tokens=..., min_new_tokens=...,
     eos_token_id=..., pad_token_id=..., **decoding.generate_kwargs())`` does: position ids from the
     attention mask (``cumsum - 1``, 0 on padding), the same logits processing
-    (:func:`next_token_scores`), an EOS ends a row and later tokens of that row are ``pad_token_id``,
+    (:func:`next_token_scores`), an EOS ends a row (any id of ``eos_token_id``, one id or several:
+    :data:`~dschat.rlhf.rollout.sampling.EndIds`) and later tokens of that row are ``pad_token_id``,
     decoding stops when every row has ended or after ``max_new_tokens``. Greedy decoding gives
     generate's tokens; sampling draws from the same distribution with :func:`draw` (``sampler``;
     ``"multinomial"`` reproduces generate's draws for a seed). ``Rollout.logprobs``: (B, A') log-probs
@@ -230,7 +231,7 @@ class SampleLoopPath(DecodingPath):
             return sample_loop(module, prompts, request.mask, decoding=gen.decoding,
                                max_new_tokens=gen.max_answer_seq_len,
                                min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
-                               eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                               eos_token_id=gen.end_ids, pad_token_id=gen.tokenizer.pad_token_id,
                                keep_logprobs=gen.keep_logprobs)
 
     def _continue(self, conversation: Conversation, device: torch.device) -> Rollout:
@@ -246,7 +247,7 @@ class SampleLoopPath(DecodingPath):
         with decode_kernels(gen, module, ids.shape[0], True):
             rollout = sample_loop(module, ids, mask, decoding=gen.decoding, max_new_tokens=gen.max_answer_seq_len,
                                   min_new_tokens=int(gen.extra_generate_kwargs.get("min_new_tokens", 0)),
-                                  eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                                  eos_token_id=gen.end_ids, pad_token_id=gen.tokenizer.pad_token_id,
                                   keep_logprobs=gen.keep_logprobs, cache=cache, past_mask=past,
                                   active=torch.tensor(conversation.active, dtype=torch.bool, device=device))
         conversation.decoded(mask, rollout.sequences.shape[1] - ids.shape[1])

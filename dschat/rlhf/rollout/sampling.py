@@ -15,8 +15,8 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from transformers import GenerationConfig
 
-__all__ = ["DecodingSettings", "Rollout", "StepCallback", "generated_token_logprobs", "loop_rollout",
-           "check_probability_sums", "draw", "end_rows", "next_token_scores"]
+__all__ = ["DecodingSettings", "Rollout", "StepCallback", "EndIds", "end_id_tuple", "is_end",
+           "generated_token_logprobs", "loop_rollout", "check_probability_sums", "draw", "end_rows", "next_token_scores"]
 
 # ------------------------------------------------------------------------------------------------
 # What a rollout is decoded with, and what it gives back
@@ -99,6 +99,25 @@ def generated_token_logprobs(step_logits: Sequence[torch.Tensor] | None, answer:
 # ------------------------------------------------------------------------------------------------
 # Following rows step by step
 # ------------------------------------------------------------------------------------------------
+EndIds = int | Sequence[int]
+"""The ids that end an answer, as every decoding path and mask takes them: one id, or several (the
+generator's ``end_ids``: the tokenizer's EOS and the model's generation-config EOS ids,
+:func:`dschat.models.tokenizer.end_token_ids`)."""
+
+
+def end_id_tuple(eos_token_id: EndIds) -> tuple[int, ...]:
+    """``eos_token_id`` (:data:`EndIds`) as a tuple of ids."""
+    return (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(i) for i in eos_token_id)
+
+
+def is_end(tokens: torch.Tensor, eos_token_id: EndIds) -> torch.Tensor:
+    """Where ``tokens`` (any shape) hold one of the end ids (:data:`EndIds`): a bool tensor of that shape."""
+    ended = torch.zeros_like(tokens, dtype=torch.bool)
+    for end in end_id_tuple(eos_token_id):
+        ended |= tokens == end
+    return ended
+
+
 StepCallback = Callable[[torch.Tensor], "torch.Tensor | None"]
 """A decoding loop's ``on_step``: called once per step, after the step's tokens are drawn, with those
 ``(B,)`` tokens (``pad_token_id`` on rows that had already ended); returns ``None`` or a ``(B,)`` bool
@@ -106,10 +125,11 @@ tensor of rows to end now. A row ended so is treated as one that drew EOS at thi
 kept and every later token of it is ``pad_token_id``; decoding stops when no row goes on."""
 
 
-def end_rows(unfinished: torch.Tensor, token: torch.Tensor, eos_token_id: int, on_step: StepCallback | None) -> None:
+def end_rows(unfinished: torch.Tensor, token: torch.Tensor, eos_token_id: EndIds, on_step: StepCallback | None) -> None:
     """A decoding step's row bookkeeping, in place on the ``(B,)`` bool ``unfinished``: rows that drew
-    ``eos_token_id`` end, then the rows ``on_step(token)`` names (see :data:`StepCallback`)."""
-    unfinished &= token != eos_token_id
+    an id of ``eos_token_id`` (:data:`EndIds`) end, then the rows ``on_step(token)`` names (see
+    :data:`StepCallback`)."""
+    unfinished &= ~is_end(token, eos_token_id)
     if on_step is not None:
         stop = on_step(token)
         if stop is not None:
@@ -119,16 +139,17 @@ def end_rows(unfinished: torch.Tensor, token: torch.Tensor, eos_token_id: int, o
 # ------------------------------------------------------------------------------------------------
 # Sampling
 # ------------------------------------------------------------------------------------------------
-def next_token_scores(logits: torch.Tensor, decoding: DecodingSettings, eos_token_id: int,
+def next_token_scores(logits: torch.Tensor, decoding: DecodingSettings, eos_token_id: EndIds,
                       suppress_eos: bool) -> torch.Tensor:
-    """``generate``'s logits processing for ``decoding`` (B, V) fp32 -> (B, V): EOS masked while the
-    answer is shorter than ``min_new_tokens``, then temperature, top-k, top-p -- the same order and
+    """``generate``'s logits processing for ``decoding`` (B, V) fp32 -> (B, V): every end id
+    (:data:`EndIds`) masked while the answer is shorter than ``min_new_tokens``, then temperature,
+    top-k, top-p -- the same order and
     formulas as ``MinNewTokensLengthLogitsProcessor``, ``TemperatureLogitsWarper``,
     ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (transformers 5.23), so a seed draws the same tokens."""
     scores = logits
     if suppress_eos:
         scores = scores.clone()
-        scores[:, eos_token_id] = -float("inf")
+        scores[:, list(end_id_tuple(eos_token_id))] = -float("inf")
     if not decoding.sample:
         return scores
     if decoding.temperature != 1.0:

@@ -49,7 +49,7 @@ from dschat.models.decoder.tensor_parallel import (
 from dschat.models.lora import LinearLayer_LoRA
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatEnginePath, DschatHybridEngine
 from dschat.rlhf.rollout.path import RolloutRequest
-from dschat.rlhf.rollout.sampling import Rollout, check_probability_sums, draw
+from dschat.rlhf.rollout.sampling import EndIds, Rollout, check_probability_sums, draw, end_id_tuple, is_end
 from dschat.runtime.zero3 import gathered, release_zero3_prefetch
 
 __all__ = ["check_inference_tp", "GroupBatch", "group_batch", "own_answer_length", "materialised_part",
@@ -94,12 +94,13 @@ class GroupBatch:
     width: int
 
 
-def own_answer_length(answer: torch.Tensor, eos_token_id: int) -> int:
+def own_answer_length(answer: torch.Tensor, eos_token_id: EndIds) -> int:
     """Columns of ``answer`` (B, A) that one rank decoding these rows alone would have produced: up to
-    the step after which every row has met its EOS (the loop's early stop), else all of them."""
+    the step after which every row has met an end id (:data:`~dschat.rlhf.rollout.sampling.EndIds`;
+    the loop's early stop), else all of them."""
     if answer.shape[1] == 0:
         return 0
-    ended = (answer == eos_token_id).cumsum(dim=1) > 0  # (B, A): the row has ended at or before this column
+    ended = is_end(answer, eos_token_id).cumsum(dim=1) > 0  # (B, A): the row has ended at or before this column
     done = ended.all(dim=0).nonzero()
     return int(done[0]) + 1 if len(done) else answer.shape[1]
 
@@ -120,7 +121,7 @@ def group_batch(group: Collectives, prompts: torch.Tensor, mask: torch.Tensor, p
                       start=group.index * rows, own=B, own_width=P, width=width)
 
 
-def _own_rollout(batch: GroupBatch, rollout: Rollout, eos_token_id: int) -> Rollout:
+def _own_rollout(batch: GroupBatch, rollout: Rollout, eos_token_id: EndIds) -> Rollout:
     """This member's rows of the group's rollout, as it would have decoded them alone."""
     rows = slice(batch.start, batch.start + batch.own)
     answer = rollout.sequences[rows, batch.width:]
@@ -206,10 +207,11 @@ class TensorParallelHybridEngine(DschatHybridEngine):
             full = torch.cat(self.group.all_gather(logits), dim=-1)[:, :w.vocab]  # (B, V)
             return super()._select(full, suppress_eos, unfinished, pad, keep_logprobs)
         scores = logits
-        local_eos = self.eos_token_id - w.vocab_start
-        if suppress_eos and 0 <= local_eos < w.vocab_rows:
+        local_ends = [i - w.vocab_start for i in end_id_tuple(self.eos_token_id)
+                      if 0 <= i - w.vocab_start < w.vocab_rows]
+        if suppress_eos and local_ends:
             scores = logits.clone()
-            scores[:, local_eos] = -float("inf")
+            scores[:, local_ends] = -float("inf")
         stats = greedy_shard_stats(scores, logits, w.vocab_start, self.pad_token_id)
         token, logprob = combine_greedy_stats(self.group.all_gather(stats), unfinished, self.pad_token_id)
         return token.to(pad.dtype), (logprob if keep_logprobs else None)
@@ -244,7 +246,7 @@ class TensorParallelEnginePath(DschatEnginePath):
             gen.engine = TensorParallelHybridEngine(
                 module.config, gen.tp_group, layers_per_gather=gen.tp_gather_partition_size,
                 decoding=gen.decoding, max_new_tokens=gen.max_answer_seq_len,
-                eos_token_id=gen.tokenizer.eos_token_id, pad_token_id=gen.tokenizer.pad_token_id,
+                eos_token_id=gen.end_ids, pad_token_id=gen.tokenizer.pad_token_id,
                 release_cache=gen.release_inference_cache, cpu_decode_linear=gen.cpu_decode_linear)
         gen.engine.decoding = gen.decoding  # this rollout's (ReMax's greedy baseline changes it per call)
         gen.engine.max_new_tokens = gen.max_answer_seq_len  # this rollout's (an episode's turn has less room)

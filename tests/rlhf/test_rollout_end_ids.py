@@ -1,0 +1,113 @@
+"""A rollout ends where Hugging Face ``generate`` (upstream's step 3) ends it: at the tokenizer's EOS
+or at any id of the model's generation config ``eos_token_id``. Every decoding path on the CPU, the
+answer masks and the multi-turn player use the same ids."""
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dschat.models.tokenizer import end_token_ids
+from dschat.rlhf.experience import sequence_masks
+from dschat.rlhf.rollout.deepspeed_engine import HybridEngineDecision
+from dschat.rlhf.rollout.generator import RolloutGenerator
+from dschat.rlhf.rollout.sampling import DecodingSettings, is_end, next_token_scores
+
+PROMPTS = torch.tensor([[3, 1, 40, 41], [1, 42, 43, 44]])  # tiny-llama ids: pad 3, bos 1
+PROMPT_MASK = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+NEW_TOKENS = 6
+
+
+def test_the_end_ids_are_the_tokenizers_eos_then_the_generation_configs_without_repeats():
+    tok = SimpleNamespace(eos_token_id=2)
+    assert end_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=[7, 2, 9])), tok) == (2, 7, 9)
+    assert end_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=5)), tok) == (2, 5)
+    assert end_token_ids(SimpleNamespace(generation_config=SimpleNamespace(eos_token_id=None)), tok) == (2,)
+    assert end_token_ids(object(), tok) == (2,)  # a module without a generation config
+    assert end_token_ids(object(), SimpleNamespace(eos_token_id=None)) == ()
+
+
+def test_every_end_id_is_masked_before_min_new_tokens_and_ends_a_row():
+    logits = torch.zeros(2, 10)
+    scores = next_token_scores(logits, DecodingSettings("greedy"), (2, 7), suppress_eos=True)
+    assert torch.isinf(scores[:, [2, 7]]).all() and torch.isfinite(scores[:, [0, 1, 3, 4, 5, 6, 8, 9]]).all()
+    tokens = torch.tensor([[5, 7, 0], [2, 4, 4]])
+    assert is_end(tokens, (2, 7)).tolist() == [[False, True, False], [True, False, False]]
+    assert is_end(tokens, 7).tolist() == [[False, True, False], [False, False, False]]
+
+
+class _PlainEngine:
+    """What RolloutGenerator uses of a DeepSpeed engine (``.module``), around a plain module."""
+
+    def __init__(self, module):
+        self.module = module
+
+
+@pytest.fixture(scope="module")
+def two_end_ids():
+    """tiny-llama, its tokenizer, and an end id the greedy answer of prompt 0 meets at its third
+    token (``stop``), named by the model's generation config beside the tokenizer's EOS."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    tok = load_hf_tokenizer("tiny-llama")
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama")).eval()
+    with torch.no_grad():
+        plain = type(model).generate(model, PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=NEW_TOKENS,
+                                     do_sample=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    answer = plain[0, PROMPTS.shape[1]:].tolist()
+    # The first token after the first two that is new to the answer and not an EOS or a pad.
+    at = next(k for k in range(2, NEW_TOKENS) if answer[k] not in answer[:k] + [tok.eos_token_id, tok.pad_token_id])
+    stop = answer[at]
+    model = copy.deepcopy(model)
+    model.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    return model, tok, stop, at, plain
+
+
+def _generator(model, tok, decision=HybridEngineDecision(False, False), **kwargs) -> RolloutGenerator:
+    return RolloutGenerator(_PlainEngine(model), tok, decision=decision, decoding=DecodingSettings("greedy"),
+                            max_answer_seq_len=NEW_TOKENS, zero_stage=0, cpu_decode_linear="off", **kwargs)
+
+
+@pytest.mark.parametrize("path", ["dschat", "hf", "dschat-he"])
+def test_a_rollout_stops_at_the_generation_configs_end_id_on_every_path(two_end_ids, path):
+    model, tok, stop, at, plain = two_end_ids
+    if path == "dschat-he":
+        gen = _generator(model, tok, HybridEngineDecision(True, False, dschat_engine=True))
+    else:
+        gen = _generator(model, tok, generation_loop=path)
+    assert gen.end_ids == (tok.eos_token_id, stop)
+    seq = gen.rollout(PROMPTS, PROMPT_MASK).sequences
+    assert gen.last_loop == path
+    # What upstream's generate gives: it reads eos_token_id from the generation config.
+    with torch.no_grad():
+        expected = type(model).generate(model, PROMPTS, attention_mask=PROMPT_MASK, max_new_tokens=NEW_TOKENS,
+                                        do_sample=False, pad_token_id=tok.pad_token_id)
+    width = min(seq.shape[1], expected.shape[1])
+    assert torch.equal(seq[:, :width], expected[:, :width])
+    P = PROMPTS.shape[1]
+    answer = seq[0, P:].tolist()
+    assert answer[:at + 1] == plain[0, P:P + at + 1].tolist() and answer[at] == stop
+    assert all(t == tok.pad_token_id for t in answer[at + 1:])  # the row ended there
+    masks = sequence_masks(PROMPT_MASK, seq, gen.end_ids)
+    assert int(masks.answer_lengths[0]) == at + 1  # the answer mask stops at the end id, inclusive
+    assert bool(is_end(seq[:, P:], gen.end_ids).any(-1)[0])  # the row counts as ended (EOS rate, penalty)
+
+
+def test_an_episode_turn_ends_at_any_end_id():
+    from dschat.rlhf.episodes import _until_eos
+
+    assert _until_eos([5, 6, 7, 2, 8], (2, 7)) == [5, 6, 7]
+    assert _until_eos([5, 6, 2, 7], (2, 7)) == [5, 6, 2]
+    assert _until_eos([5, 6], (2, 7)) == [5, 6]
+
+
+def test_a_tensor_parallel_member_keeps_its_rows_up_to_where_each_met_any_end_id():
+    from dschat.rlhf.rollout.tensor_parallel import own_answer_length
+
+    assert own_answer_length(torch.tensor([[5, 7, 0, 0], [2, 0, 0, 0]]), (2, 7)) == 2
+    assert own_answer_length(torch.tensor([[5, 7, 0, 0], [2, 0, 0, 0]]), 2) == 4  # 7 alone ends nothing
