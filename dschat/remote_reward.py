@@ -13,17 +13,19 @@ three lists always have the same length.
 step 3 weighs it into the :class:`~dschat.rewards.RewardMix` as a ``--reward_fn``. A call sends the
 batch in chunks of at most ``chunk_size`` queries, concurrently (at most
 :data:`MAX_CONCURRENT_REQUESTS` at a time, on daemon threads of the call), over one kept-alive
-``requests.Session``. Each request has
-``timeout`` seconds (to connect, and between bytes of the reply) and is retried ``retries`` times
-after a connection error, a timeout or an HTTP 408, 429 or 5xx status, waiting ``backoff * 2**i``
-seconds before retry ``i``. Any other failure is not retried (a request that cannot be made at all,
-such as requests' ``InvalidURL``, ``InvalidSchema`` or ``InvalidHeader``, neither). What goes wrong
-stops the run with one :class:`~dschat.errors.UserError` line naming the URL: the last error once the
-retries are spent, an HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"``
-list, the wrong number of rewards, a reward that is not a finite number). A network error is told by
-its type and the socket's reason (``ConnectionRefusedError: [Errno 111] Connection refused``), never
-by requests' or urllib3's own text, which quotes the URL (its query, where keys go) or the headers.
-The first failing request stops the call at once: requests in flight are not waited for (they run
+``requests.Session``. Each attempt of a request has ``timeout`` seconds to connect and between bytes
+of the reply, and ``2 * timeout`` in all: at that limit its connection is shut down, whatever the
+server is still sending, and the attempt counts as a timeout (:func:`worst_case_seconds` tells what
+this bounds). A request is retried ``retries`` times after a connection error, a timeout or an HTTP
+408, 429 or 5xx status, waiting ``backoff * 2**i`` seconds before retry ``i``. Any other failure is
+not retried (a request that cannot be made at all, such as requests' ``InvalidURL``,
+``InvalidSchema`` or ``InvalidHeader``, neither). What goes wrong stops the run with one
+:class:`~dschat.errors.UserError` line naming the URL: the last error once the retries are spent, an
+HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"`` list, the wrong number of
+rewards, a reward that is not a finite number, more than :data:`MAX_REPLY_BYTES`). A network error is
+told by its type and the socket's reason (``ConnectionRefusedError: [Errno 111] Connection
+refused``), never by requests' or urllib3's own text, which quotes the URL (its query, where keys go)
+or the headers. The first failing request stops the call at once: requests in flight are not waited for (they run
 on daemon threads, which do not hold the process at exit), those not yet sent are not sent.
 
 With ``DSCHAT_SERVE_API_KEY`` set (:data:`API_KEY_ENV`, the key ``python -m dschat.serve`` then
@@ -44,8 +46,11 @@ import json
 import math
 import os
 import queue
+import socket
 import threading
 import time
+from contextlib import suppress
+from functools import lru_cache
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
@@ -65,6 +70,7 @@ __all__ = [
     "LABEL_COLUMN",
     "QUERIES_PER_REQUEST",
     "MAX_CONCURRENT_REQUESTS",
+    "MAX_REPLY_BYTES",
     "worst_case_seconds",
     "check_api_key",
 ]
@@ -75,8 +81,12 @@ LABEL_COLUMN = MATH_REFERENCE_COLUMN
 QUERIES_PER_REQUEST = 256
 #: Most requests of one call in flight at once.
 MAX_CONCURRENT_REQUESTS = 8
+#: Most bytes of a reply (after its content encoding is undone); a longer one is refused.
+MAX_REPLY_BYTES = 64 * 2**20
 #: Seconds before the first retry; doubled before each later one.
 BACKOFF_SECONDS = 0.5
+_READ_BYTES = 64 * 1024
+_ERROR_TEXT_BYTES = 4096  # read of an error status's reply, for its line
 _RETRY_STATUS = frozenset({408, 429}) | frozenset(range(500, 600))
 #: The API key dschat's server requires and this client sends (``Authorization: Bearer <key>``).
 API_KEY_ENV = "DSCHAT_SERVE_API_KEY"
@@ -117,11 +127,13 @@ def check_api_key(key: str) -> None:
 
 
 def worst_case_seconds(timeout: float, retries: int, backoff: float = BACKOFF_SECONDS) -> float:
-    """The most seconds one request may take before its failure line, against a server that accepts
-    no connection or sends no byte: each of its ``retries + 1`` attempts waits ``timeout`` to connect
-    and ``timeout`` for the reply, with the backoffs between them. Not bounded by it: a server that
-    trickles its reply byte by byte, and the requests of a call beyond :data:`MAX_CONCURRENT_REQUESTS`
-    (``QUERIES_PER_REQUEST`` queries each), which wait for a free thread."""
+    """The most seconds one request may take before its reply or its failure line, whatever the server
+    does: each of its ``retries + 1`` attempts ends within ``2 * timeout`` (connecting, sending, and
+    waiting for and reading the whole reply, however slowly it comes), with the backoffs between them.
+    Not bounded by it: the requests of a call beyond :data:`MAX_CONCURRENT_REQUESTS`
+    (``QUERIES_PER_REQUEST`` queries each), which wait for a free thread; and connecting, whose steps
+    keep their own ``timeout`` past the attempt's limit: one for each address the host name resolves
+    to, one for each read of a TLS handshake."""
     retries = min(max(int(retries), 0), 40)  # beyond that, longer than any run
     return (retries + 1) * 2.0 * float(timeout) + backoff * (2.0 ** retries - 1)
 
@@ -148,6 +160,102 @@ def _reason(err: BaseException) -> str:
 
 class _Retryable(Exception):
     """A failure worth another attempt (connection, timeout, 408/429/5xx)."""
+
+
+_OWNERS = threading.Lock()  # guards which attempt each connection is serving
+_running = threading.local()  # .deadline: the deadline of the attempt running on this thread
+
+
+class _Deadline:
+    """The end of one attempt, ``seconds`` after it is entered (a context manager around the attempt,
+    on its thread). When it passes, :attr:`passed` is set and the socket of the connection the attempt
+    is using is shut down, so that a wait on it (to send, for the reply's head or for more of its body)
+    ends at once with an error. A connection is the attempt's from its ``connect`` or ``request`` on
+    the attempt's thread (:class:`_Watched`) until another attempt takes it; one connected after the
+    deadline is shut down as soon as it is connected."""
+
+    def __init__(self, seconds: float) -> None:
+        self.passed = False
+        self._over = False
+        self._connection: Any = None
+        self._timer = threading.Timer(seconds, self._pass)
+        self._timer.daemon = True
+
+    def __enter__(self) -> "_Deadline":
+        _running.deadline = self
+        self._timer.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        _running.deadline = None
+        self._timer.cancel()
+        with _OWNERS:
+            self._over = True
+
+    def take(self, connection: Any) -> None:
+        with _OWNERS:
+            self._connection, connection._reward_deadline = connection, self
+            if self.passed:
+                self._shut()
+
+    def _pass(self) -> None:
+        with _OWNERS:
+            if not self._over:
+                self.passed = True
+                self._shut()
+
+    def _shut(self) -> None:
+        connection = self._connection
+        sock = getattr(connection, "sock", None)
+        if sock is not None and connection._reward_deadline is self:
+            with suppress(OSError):  # closed already, or detached by a TLS handshake under way
+                socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the socket's own, under TLS too
+
+
+def _take(connection: Any) -> None:
+    deadline = getattr(_running, "deadline", None)
+    if deadline is not None:
+        deadline.take(connection)
+
+
+class _Watched:
+    """Mixed into a urllib3 connection class: the attempt on the calling thread can end the connection
+    at its :class:`_Deadline`."""
+
+    def connect(self) -> None:
+        _take(self)  # a wait for a proxy's tunnel, on the new socket, ends at the deadline too
+        super().connect()  # type: ignore[misc]
+        _take(self)  # a deadline that passed while connecting ends it now
+
+    def request(self, *args: Any, **kwargs: Any) -> Any:
+        _take(self)
+        return super().request(*args, **kwargs)  # type: ignore[misc]
+
+
+@lru_cache(maxsize=None)
+def _watched_pool(pool_class: type) -> type:
+    """``pool_class`` making connections of its own class with :class:`_Watched` mixed in."""
+    if issubclass(pool_class.ConnectionCls, _Watched):
+        return pool_class
+    connection = type(pool_class.ConnectionCls.__name__, (_Watched, pool_class.ConnectionCls), {})
+    return type(pool_class.__name__, (pool_class,), {"ConnectionCls": connection})
+
+
+def _watch(manager: Any) -> Any:
+    manager.pool_classes_by_scheme = {scheme: _watched_pool(pool_class)
+                                      for scheme, pool_class in manager.pool_classes_by_scheme.items()}
+    return manager
+
+
+class _Adapter(HTTPAdapter):
+    """requests' adapter, with connections (direct or through a proxy) that a :class:`_Deadline` can end."""
+
+    def init_poolmanager(self, *args: Any, **kwargs: Any) -> None:
+        super().init_poolmanager(*args, **kwargs)
+        _watch(self.poolmanager)
+
+    def proxy_manager_for(self, proxy: str, **proxy_kwargs: Any) -> Any:
+        return _watch(super().proxy_manager_for(proxy, **proxy_kwargs))
 
 
 class RemoteReward:
@@ -206,7 +314,7 @@ class RemoteReward:
         with self._lock:
             if self._session is None:
                 session = requests.Session()
-                adapter = HTTPAdapter(pool_connections=1, pool_maxsize=MAX_CONCURRENT_REQUESTS)
+                adapter = _Adapter(pool_connections=1, pool_maxsize=MAX_CONCURRENT_REQUESTS)
                 session.mount("http://", adapter)
                 session.mount("https://", adapter)
                 if self.api_key is not None:
@@ -291,36 +399,58 @@ class RemoteReward:
                         "time makes the others wait: every rank's, every run's)")
 
     def _attempt(self, payload: dict[str, list[str]]) -> list[float]:
+        deadline, failure = _Deadline(2 * self.timeout), None
         try:
-            reply = self.session().post(self.url, json=payload, timeout=self.timeout)
-        except requests.Timeout as err:
-            raise _Retryable(f"no reply within --reward_url_timeout {self.timeout:g} s "
-                             f"({type(err).__name__})") from None
+            with deadline:
+                status, body, whole = self._exchange(payload)
         except requests.RequestException as err:
-            if isinstance(err, ValueError):  # InvalidURL, InvalidSchema, InvalidHeader, ...: no retry mends it
-                raise UserError(f"--reward_url {self.shown}: the request cannot be made ({_reason(err)}); check the "
-                                f"URL (and {API_KEY_ENV})") from None
-            raise _Retryable(_reason(err)) from None
-        if reply.status_code in _RETRY_STATUS:
-            raise _Retryable(f"HTTP {reply.status_code} {_short(reply.text)}")
-        if reply.status_code != 200:
-            raise UserError(f"--reward_url {self.shown} answered HTTP {reply.status_code} {_short(reply.text)}; "
-                            + (self._unauthorized() if reply.status_code == 401 else
+            failure = err
+        if deadline.passed:
+            raise _Retryable(f"the reply did not arrive whole within {2 * self.timeout:g} s (twice "
+                             f"--reward_url_timeout {self.timeout:g} s)")
+        if isinstance(failure, requests.Timeout):
+            raise _Retryable(f"no reply within --reward_url_timeout {self.timeout:g} s "
+                             f"({type(failure).__name__})")
+        if isinstance(failure, ValueError):  # InvalidURL, InvalidSchema, InvalidHeader, ...: no retry mends it
+            raise UserError(f"--reward_url {self.shown}: the request cannot be made ({_reason(failure)}); check "
+                            f"the URL (and {API_KEY_ENV})")
+        if failure is not None:
+            raise _Retryable(_reason(failure))
+        if status in _RETRY_STATUS:
+            raise _Retryable(f"HTTP {status} {_short(_text(body))}")
+        if status != 200:
+            raise UserError(f"--reward_url {self.shown} answered HTTP {status} {_short(_text(body))}; "
+                            + (self._unauthorized() if status == 401 else
                                "check the URL (a dschat server's route is /get_reward)"))
-        return self._rewards(reply, len(payload["query"]))
+        return self._rewards(body, whole, len(payload["query"]))
 
-    def _rewards(self, reply: requests.Response, expected: int) -> list[float]:
+    def _exchange(self, payload: dict[str, list[str]]) -> tuple[int, bytes, bool]:
+        """The reply's status, its body (at most :data:`MAX_REPLY_BYTES` of it; a few KiB of an error
+        status's) and whether that is the whole body."""
+        with self.session().post(self.url, json=payload, timeout=self.timeout, stream=True) as reply:
+            limit = MAX_REPLY_BYTES if reply.status_code == 200 else _ERROR_TEXT_BYTES
+            parts, size = [], 0
+            for part in reply.iter_content(_READ_BYTES):
+                parts.append(part)
+                size += len(part)
+                if size > limit:
+                    return reply.status_code, b"".join(parts)[:limit], False
+            return reply.status_code, b"".join(parts), True
+
+    def _rewards(self, body: bytes, whole: bool, expected: int) -> list[float]:
         """The reply's ``"rewards"``, checked: a list of ``expected`` finite numbers."""
         def wrong(what: str) -> UserError:
             return UserError(f"--reward_url {self.shown} replied {what}; a reward server replies JSON "
                              f'{{"rewards": [...]}} with one finite float per query')
+        if not whole:
+            raise wrong(f"with more than {MAX_REPLY_BYTES / 2**20:g} MiB")
         try:
-            body = reply.json()
-        except ValueError:  # requests' JSONDecodeError is one
-            raise wrong(f"with something that is not JSON ({_short(reply.text)!r})") from None
-        if not isinstance(body, dict) or "rewards" not in body:
-            raise wrong(f"JSON without a \"rewards\" key ({_short(json.dumps(body))})")
-        rewards = body["rewards"]
+            reply = json.loads(body)  # UTF-8, or UTF-16/32 told by their zero bytes
+        except ValueError:  # a UnicodeDecodeError is one
+            raise wrong(f"with something that is not JSON ({_short(_text(body))!r})") from None
+        if not isinstance(reply, dict) or "rewards" not in reply:
+            raise wrong(f"JSON without a \"rewards\" key ({_short(json.dumps(reply))})")
+        rewards = reply["rewards"]
         if not isinstance(rewards, list):
             raise wrong(f"\"rewards\" of type {type(rewards).__name__}, not a list")
         if len(rewards) != expected:
@@ -335,6 +465,10 @@ class RemoteReward:
                 raise wrong(f"reward {_short(repr(value), 40)} for query {i}, not a finite number (in float32)")
             scores.append(score)
         return scores
+
+
+def _text(body: bytes) -> str:
+    return body.decode("utf-8", errors="replace")
 
 
 def _short(value: Any, limit: int = 120) -> str:

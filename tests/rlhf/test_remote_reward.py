@@ -1,7 +1,8 @@
 """The ``--reward_url`` client (dschat/remote_reward.py) against a real HTTP server started here
-(``http.server`` on a free port, in a thread): the protocol, batching and order, retries, timeouts,
-replies of the wrong shape, the start-up warning and the step-3 flags; the API key it sends, a
-loopback server of another account refused, the URL shown without its password."""
+(``http.server`` on a free port, in a thread): the protocol, batching and order, retries, timeouts
+(an attempt's limit in all, against a reply trickled byte by byte), replies of the wrong shape or
+size, the start-up warning and the step-3 flags; the API key it sends, a loopback server of another
+account refused, the URL shown without its password."""
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import pytest
 
 from dschat.errors import UserError
 from dschat.remote_reward import (API_KEY_ENV, RemoteReward, check_reward_url, plain_http_warning,
-                                  remote_reward_function)
+                                  remote_reward_function, worst_case_seconds)
 from dschat.runtime.trust import listener_owners, shown_url
 from dschat.rewards import RewardMix
 
@@ -491,3 +492,82 @@ def test_a_request_that_cannot_be_made_is_not_retried_and_its_headers_not_shown(
             client(PROMPTS[:1], ANSWERS[:1])
     assert "TOPSECRET" not in str(err.value) and "failed" not in str(err.value) and not server.requests
 
+
+
+# ------------------------------------------------------------------------------------ one attempt's limit
+def trickle(pause: float, part: str, padding: int = 400) -> Callable:
+    """A reply of which one part arrives one byte every ``pause`` seconds: its status line and headers
+    (``part`` "head", with a long header) or its body (``part`` "body", JSON after ``padding`` spaces)."""
+    def act(handler: Any, payload: Any) -> None:
+        body = json.dumps({"rewards": [0.0] * len(payload["query"])}).encode()
+        body = b" " * (padding if part == "body" else 0) + body
+        head = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+                f"X-Padding: {'p' * (padding if part == 'head' else 0)}\r\n\r\n").encode()
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client has given up
+            for data, slowly in ((head, part == "head"), (body, part == "body")):
+                for piece in ([data[i:i + 1] for i in range(len(data))] if slowly else [data]):
+                    handler.wfile.write(piece)
+                    time.sleep(pause if slowly else 0)
+        handler.close_connection = True
+    return act
+
+
+@pytest.mark.parametrize("part", ["body", "head"])
+def test_a_reply_trickled_byte_by_byte_ends_each_attempt_at_twice_the_timeout(part):
+    """Each byte comes well within the 0.6 s timeout, so no read times out; the whole reply would take
+    over 40 s an attempt. Each attempt ends at 1.2 s instead, is retried, and the line says so."""
+    timeout, retries = 0.6, 1
+    with RewardServer([trickle(0.1, part)] * 2) as server:
+        client = _client(server.url, timeout=timeout, retries=retries)
+        start = time.monotonic()
+        with pytest.raises(UserError) as err:
+            client(PROMPTS[:1], ANSWERS[:1])
+        waited = time.monotonic() - start
+        assert len(server.requests) == retries + 1
+        assert client(PROMPTS[:1], ANSWERS[:1]) == [float(len(PROMPTS[0] + ANSWERS[0]))]  # the client goes on
+    line = str(err.value)
+    assert line.startswith(f"--reward_url {server.url} failed 2 times ") and "\n" not in line
+    assert "last error: the reply did not arrive whole within 1.2 s (twice --reward_url_timeout 0.6 s)" in line
+    assert waited >= (retries + 1) * 2 * timeout - 0.05
+    assert waited < worst_case_seconds(timeout, retries, backoff=0.01) + 3.0  # slack for a loaded machine
+
+
+def pieces(*parts: bytes, chunked: bool = False) -> Callable:
+    """A reply whose body is written in ``parts``, a short pause between them (as chunks of
+    ``Transfer-Encoding: chunked`` with ``chunked``)."""
+    def act(handler: Any, payload: Any) -> None:
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/json")
+        if chunked:
+            handler.send_header("Transfer-Encoding", "chunked")
+        else:
+            handler.send_header("Content-Length", str(sum(len(p) for p in parts)))
+        handler.end_headers()
+        for part in parts:
+            handler.wfile.write(b"%x\r\n%s\r\n" % (len(part), part) if chunked else part)
+            handler.wfile.flush()
+            time.sleep(0.05)
+        if chunked:
+            handler.wfile.write(b"0\r\n\r\n")
+    return act
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_reply_that_arrives_in_pieces_is_read_whole(chunked):
+    reply = pieces(b'{"rewards": [1.5, ', b'-2', b".25]}", chunked=chunked)
+    with RewardServer([reply, reply]) as server:
+        client = _client(server.url, retries=0)
+        assert client(PROMPTS[:2], ANSWERS[:2]) == [1.5, -2.25]
+        assert client(PROMPTS[:2], ANSWERS[:2]) == [1.5, -2.25]
+    assert len(server.requests) == 2
+
+
+def test_a_reply_over_the_size_limit_is_one_line_and_not_retried(monkeypatch):
+    monkeypatch.setattr("dschat.remote_reward.MAX_REPLY_BYTES", 2**20)
+    reply = {"rewards": [0.0], "padding": "x" * 2**20}
+    with RewardServer([reply]) as server:
+        with pytest.raises(UserError) as err:
+            _client(server.url, retries=2)(PROMPTS[:1], ANSWERS[:1])
+    assert len(server.requests) == 1
+    line = str(err.value)
+    assert line.startswith(f"--reward_url {server.url} replied with more than 1 MiB; ") and "\n" not in line
