@@ -76,7 +76,8 @@ def _is_weights(name: str) -> bool:
 def recover_output_dir(output_dir: str | Path, run: object | None = None) -> list[str]:
     """Finish or undo a :func:`save_hf_model` into ``output_dir``, or into one of its subfolders
     (step 3's ``actor/``, ``critic/``), that a kill interrupted
-    (:func:`dschat.runtime.inplace.recover_in_place`); one notice per fix.
+    (:func:`dschat.runtime.inplace.recover_in_place`); one notice per fix. A subfolder is recovered
+    under its own run lock: one that another run holds is left as it is (a notice says so).
 
     One process at a time: a step's start-up passes ``run`` (its parsed arguments), and the folder's
     run lock is taken first and held while ``run`` lives (:func:`dschat.runtime.run_lock.hold_run_lock`;
@@ -91,8 +92,18 @@ def recover_output_dir(output_dir: str | Path, run: object | None = None) -> lis
     notices = recover_in_place(root, is_model_artifact)
     for sub in sorted(root.iterdir()):
         if sub.is_dir() and not sub.is_symlink() and any(sub.glob(f"{STAGING_PREFIX}*")):
-            notices += recover_in_place(sub, is_model_artifact)
+            notices += _recover_subfolder(sub)
     return notices
+
+
+def _recover_subfolder(sub: Path) -> list[str]:
+    """:func:`recover_in_place` of ``sub`` under its own run lock; a subfolder another run holds (a
+    step whose ``--output_dir`` it is, its save in progress) is left as it is, with one notice."""
+    try:
+        with run_lock(sub, "the folder", fix="it finishes or undoes its own save there"):
+            return recover_in_place(sub, is_model_artifact)
+    except UserError as err:
+        return [f"left {sub} as it is: {err}"]
 
 
 def _rank() -> int:

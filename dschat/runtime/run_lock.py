@@ -24,6 +24,11 @@ Contracts:
   held, and a process that opened the removed file finds it gone after locking and looks again, so
   two holders never coexist.
 * On a file system without ``flock`` (some network mounts) the run goes on unlocked, with a notice.
+* Folders inside a run's folder: step 3 also holds the model folders it saves into (``actor/``,
+  ``critic/``, ``actor_ema/``), so a step saving into one of them while it runs is refused (and the
+  other way round); a start-up's recovery finishes or undoes a subfolder's unfinished save, and step
+  3's end sets an earlier run's model folder aside, only under that subfolder's lock, so a run
+  using a folder inside another's is left alone.
 """
 from __future__ import annotations
 
@@ -205,19 +210,22 @@ def _release(key: tuple[int, int] | None, tidy: bool = False) -> None:
             os.close(held.fd)
 
 
-def hold_run_lock(folder: str | os.PathLike, owner: object, flag: str = "--output_dir") -> None:
+def hold_run_lock(folder: str | os.PathLike, owner: object, flag: str = "--output_dir",
+                  fix: str | None = None) -> None:
     """Take ``folder``'s run lock (creating the folder, as a save would) and hold it while ``owner``
-    lives, or until :func:`release_run_lock` ``(owner)``. A step passes its parsed arguments: in a
+    lives, or until :func:`release_run_lock` ``(owner)``; an owner's holds are let go of in the reverse
+    order they were taken (a folder inside another first). A step passes its parsed arguments: in a
     step process the lock goes when the process ends; called in-process (tests, notebooks), when
     ``main`` has returned and nothing refers to the arguments any more (an engine kept in the
     result, a reference cycle: then at Python's next garbage collection). An ``owner`` that takes no
     weak reference holds it until the process ends.
 
-    Taken by another process: :class:`~dschat.errors.UserError` (one line naming the holder's pid
-    where Linux tells it), before anything in ``folder`` is read or changed. Reentrant: see the
-    module docstring.
+    Taken by another process: :class:`~dschat.errors.UserError` (one line naming ``flag``, the folder
+    and the holder's pid where Linux tells it, then ``fix``: by default "wait for it to end or pick
+    another ``flag``"), before anything in ``folder`` is read or changed. Reentrant: see the module
+    docstring.
     """
-    key = _take(folder, flag, f"wait for it to end or pick another {flag}")
+    key = _take(folder, flag, fix or f"wait for it to end or pick another {flag}")
     try:
         hold = weakref.finalize(owner, _release, key)
     except TypeError:  # no weak reference: held until the process ends
@@ -232,7 +240,7 @@ def release_run_lock(owner: object) -> None:
     without waiting for its arguments to be freed); a no-op when there are none."""
     with _GUARD:
         holds = _OWNED.pop(id(owner), [])
-    for hold in holds:
+    for hold in reversed(holds):
         hold()  # runs _release once; the finalizer is then dead
 
 
@@ -250,7 +258,7 @@ def releasing_run_locks(main: Callable[_P, _R]) -> Callable[_P, _R]:
             with _GUARD:
                 taken = [_OWNED.pop(key) for key in list(_OWNED) if key not in before]
             for holds in taken:
-                for hold in holds:
+                for hold in reversed(holds):
                     hold()  # runs _release once; the finalizer is then dead
     return wrapped
 

@@ -23,6 +23,7 @@ from dschat.remote_reward import worst_case_seconds
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_json, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
 from dschat.runtime.fs import check_writable_dir
+from dschat.runtime.run_lock import LOCK_NAME, run_lock
 from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
 from dschat.training.loaders import set_random_seed
 
@@ -154,8 +155,9 @@ def set_unsaved_models_aside(output_dir: str | Path, folders: Iterable[str], inp
     """After step 3's final save, so that every model folder in ``output_dir`` is this run's: each of
     ``folders`` (where this run saved no model: ``critic`` of a critic-free run, ``actor_ema`` without
     EMA) holding an earlier run's model files is renamed to ``<name>.earlier``. Nothing is deleted: a
-    folder that is (or holds) one of this run's ``inputs``, or whose ``.earlier`` name is taken, stays
-    where it is; so does a link (with a notice). Returns one notice per folder that stays or moves.
+    folder that is (or holds) one of this run's ``inputs``, whose ``.earlier`` name is taken, or that
+    another run uses (its run lock, :mod:`dschat.runtime.run_lock`), stays where it is; so does a link
+    (with a notice). Returns one notice per folder that stays or moves.
     Rank 0 only."""
     notices = []
     sources = [src for src in map(_local_folder, inputs) if src is not None]
@@ -174,8 +176,13 @@ def set_unsaved_models_aside(output_dir: str | Path, folders: Iterable[str], inp
             notices.append(f"{what}; {earlier} exists already, so it stays: move one of them yourself")
         else:
             try:
-                os.replace(folder, earlier)
+                with run_lock(folder, "the folder", fix="so it stays"):  # not a folder another run uses
+                    os.replace(folder, earlier)
+                    with contextlib.suppress(OSError):
+                        (earlier / LOCK_NAME).unlink()  # the lock file moved with it; held, so no one else's
                 notices.append(f"{what}: now in {earlier}")
+            except UserError as err:
+                notices.append(f"{what}; {err}")
             except OSError as err:
                 notices.append(f"{what}; it stays (cannot rename it: {err.strerror or err})")
     return notices

@@ -44,18 +44,42 @@ HOLDER = textwrap.dedent("""
 """)
 
 
-@pytest.fixture
-def holder(tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
+def _start_holder(out):
+    """Process A on ``out`` (created, with an earlier model in it), once it is inside its save."""
+    out.mkdir(parents=True)
     (out / "model.safetensors").write_text("old weights")
     proc = subprocess.Popen([PYTHON, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO)
     assert proc.stdout.readline() == "writing\n", proc.stderr.read()
-    yield proc, out
+    return proc
+
+
+def _stop(proc) -> None:
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+@pytest.fixture
+def holder(tmp_path):
+    out = tmp_path / "out"
+    proc = _start_holder(out)
+    yield proc, out
+    _stop(proc)
+
+
+@pytest.fixture
+def inner_holder(tmp_path):
+    """Process A using ``out/<name>`` (a step whose --output_dir is a folder inside another's)."""
+    procs = []
+
+    def start(name):
+        procs.append(_start_holder(tmp_path / "out" / name))
+        return procs[-1], tmp_path / "out"
+
+    yield start
+    for proc in procs:
+        _stop(proc)
 
 
 def _finish(proc) -> None:
@@ -117,6 +141,65 @@ def test_recover_cli_waits_for_the_run_using_the_folder_or_the_one_above(holder,
         assert len(lines) == 1 and f"another dschat run (pid {proc.pid}) is using" in lines[0], cli.stderr
     assert any(p.name.startswith(STAGING_PREFIX) for p in out.iterdir())
     _finish(proc)
+
+
+def test_a_start_up_leaves_the_save_of_a_run_in_a_folder_inside_its_own_alone(inner_holder, rank0, capsys):
+    """A start-up finishes or undoes unfinished saves in the subfolders of its --output_dir (step 3's
+    actor/ after a kill); one that another run is saving into right now is left to that run."""
+    proc, out = inner_holder("sub")
+    sub = out / "sub"
+    before = _in_flight(sub)
+    ckpt.check_checkpoint_args(_args(out))
+    assert capsys.readouterr().out == (f"[checkpoint] left {sub} as it is: another dschat run (pid {proc.pid}) is "
+                                       f"using the folder {sub}; it finishes or undoes its own save there\n")
+    assert _in_flight(sub) == before
+    _finish(proc)
+    assert (sub / "model.safetensors").read_text() == "new weights"
+
+
+def test_step3_holds_the_model_folders_it_saves_into(inner_holder, rank0, tmp_path, critic_dirs, data_cache, capsys):
+    """Step 3 saves into actor/ and critic/ of its --output_dir: a run using one of them stops it in one
+    line (its save left alone), and while step 3 holds them another command on one is refused."""
+    from helpers.step3 import base_argv as step3_argv, refused_in_process, step3_main
+
+    proc, out = inner_holder("actor")
+    before = _in_flight(out / "actor")
+    argv = step3_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out))
+    line = refused_in_process(argv, capsys)
+    assert line == (f"error: another dschat run (pid {proc.pid}) is using the folder for the actor {out / 'actor'}; "
+                    "wait for it to end or pick another --output_dir")
+    assert _in_flight(out / "actor") == before
+    _finish(proc)
+    # The other way round: step 3's start-up holds them while its arguments live.
+    step3 = step3_main()
+    args = step3.parse_args(argv)
+    step3.check_paths(args)
+    for name in ("actor", "critic"):
+        assert run_lock.lock_holder(out / name / run_lock.LOCK_NAME) == os.getpid()
+    cli = subprocess.run([PYTHON, "-m", "dschat.models.save", "--recover", str(out / "critic")], capture_output=True,
+                         text=True, cwd=REPO, timeout=300)
+    assert cli.returncode == EXIT_USAGE and f"another dschat run (pid {os.getpid()}) is using" in cli.stderr
+    run_lock.release_run_lock(args)
+    assert not (out / "critic").exists()  # made for the run, which wrote nothing there
+    assert not (out / "actor" / run_lock.LOCK_NAME).exists() and (out / "actor" / "model.safetensors").is_file()
+
+
+def test_step3_sets_an_earlier_model_aside_only_when_no_run_uses_its_folder(inner_holder):
+    """A critic-free step 3's end renames an earlier run's critic/ to critic.earlier; not while another
+    run is saving into it."""
+    from dschat.training.run_setup import set_unsaved_models_aside
+
+    proc, out = inner_holder("critic")
+    critic = out / "critic"
+    notices = set_unsaved_models_aside(out, ["critic"], [])
+    assert notices == [f"{critic} holds an earlier run's model (this run saved none there); another dschat run "
+                       f"(pid {proc.pid}) is using the folder {critic}; so it stays"]
+    assert critic.is_dir() and not (out / "critic.earlier").exists()
+    _finish(proc)
+    assert set_unsaved_models_aside(out, ["critic"], []) == [
+        f"{critic} holds an earlier run's model (this run saved none there): now in {out / 'critic.earlier'}"]
+    earlier = out / "critic.earlier"
+    assert (earlier / "model.safetensors").read_text() == "new weights" and not (earlier / run_lock.LOCK_NAME).exists()
 
 
 def test_the_same_process_takes_its_folder_again_and_lets_go_with_the_arguments(rank0, tmp_path):

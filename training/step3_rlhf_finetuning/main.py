@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING, Sequence
 
 from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
-from dschat.runtime.run_lock import releasing_run_locks
+from dschat.runtime.run_lock import hold_run_lock, releasing_run_locks
 from dschat.remote_reward import plain_http_warning, remote_reward_function
 from dschat.rewards import RewardFunction, RewardMix, load_reward_functions, reward_model_weight
-from dschat.runtime.dist import print_rank_0
+from dschat.runtime.dist import get_rank, print_rank_0
 from dschat.runtime.import_guards import freeze_imported
 
 if TYPE_CHECKING:  # imported inside main (--help stays light)
@@ -85,7 +85,10 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     """Bad model, data and output paths fail here, before anything is loaded or written (the folders
     the run saves into in ``--output_dir`` too: ``actor/``, ``critic/``, ``actor_ema/``, ``best/``, each
     refused if it is a file or cannot be written); returns the models the run saves, for
-    :func:`~dschat.training.run_setup.setup_run`'s check. The critic
+    :func:`~dschat.training.run_setup.setup_run`'s check. On the launcher's rank 0 the model folders
+    (``actor/``, ``critic/``, ``actor_ema/``) are created and their run locks held while ``args``
+    lives (:func:`~dschat.runtime.run_lock.hold_run_lock`): another run using one of them is one
+    line. The critic
     and reward-model folders may be dschat's step-2 output (``v_head.safetensors``), upstream
     DeepSpeed-Chat's (``pytorch_model.bin`` with the value head inside; its keys are checked,
     memory-mapped) or a one-label sequence classifier. PPO's critic needs ``--critic_model_name_or_path``
@@ -135,6 +138,11 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
             raise UserError(f"{folder} is a file, and this run saves {what} into a folder of that name; move the "
                             "file away or give another --output_dir")
         check_writable_dir(folder, f"the folder for {what}")
+    if get_rank() == 0:  # one run per model folder it saves into (actor/, critic/, actor_ema/), as per --output_dir
+        for what, (folder, owns) in saved.items():
+            if owns is not None:
+                hold_run_lock(folder, args, f"the folder for {what}",
+                              fix="wait for it to end or pick another --output_dir")
     return saved
 
 
