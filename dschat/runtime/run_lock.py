@@ -117,6 +117,8 @@ def _open(path: Path, flag: str, folder: Path) -> tuple[int, bool] | None:
         fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         pass
+    except FileNotFoundError:  # the folder itself was moved away (a set-aside) between two looks
+        return None
     else:
         os.fchmod(fd, 0o600)  # O_CREAT's mode is filtered by the umask; this is exact
         return fd, True
@@ -201,7 +203,8 @@ def _release(key: tuple[int, int] | None, tidy: bool = False) -> None:
         del _HELD[key]
         try:
             with contextlib.suppress(OSError):  # still locked: a process that opened it looks again
-                os.unlink(held.folder / LOCK_NAME)
+                if _still_at(held.folder / LOCK_NAME, os.fstat(held.fd)):  # not another run's, after a rename
+                    os.unlink(held.folder / LOCK_NAME)
             if held.created and (tidy or _entries(held.folder) == held.entries):
                 with contextlib.suppress(OSError):
                     for folder in held.made:

@@ -176,13 +176,13 @@ def set_unsaved_models_aside(output_dir: str | Path, folders: Iterable[str], inp
             notices.append(f"{what}; {earlier} exists already, so it stays: move one of them yourself")
         else:
             try:
-                with run_lock(folder, "the folder", fix="so it stays"):  # not a folder another run uses
+                with run_lock(folder, "the folder", fix="wait for it to end, then move the folder yourself"):
                     os.replace(folder, earlier)
                     with contextlib.suppress(OSError):
                         (earlier / LOCK_NAME).unlink()  # the lock file moved with it; held, so no one else's
                 notices.append(f"{what}: now in {earlier}")
-            except UserError as err:
-                notices.append(f"{what}; {err}")
+            except UserError as err:  # another run uses it (or its lock file is not trusted)
+                notices.append(f"{what}; it stays: {err}")
             except OSError as err:
                 notices.append(f"{what}; it stays (cannot rename it: {err.strerror or err})")
     return notices

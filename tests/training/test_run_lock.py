@@ -184,6 +184,20 @@ def test_step3_holds_the_model_folders_it_saves_into(inner_holder, rank0, tmp_pa
     assert not (out / "actor" / run_lock.LOCK_NAME).exists() and (out / "actor" / "model.safetensors").is_file()
 
 
+def test_only_the_launchers_rank_0_holds_step3s_model_folders(tmp_path, critic_dirs, data_cache, monkeypatch):
+    """Another rank taking them would find rank 0's hold and stop."""
+    from helpers.step3 import base_argv as step3_argv, step3_main
+
+    out = tmp_path / "out"
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    step3 = step3_main()
+    args = step3.parse_args(step3_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out)))
+    step3.check_paths(args)  # args lives on: a hold taken would stay
+    assert not (out / "actor").exists() and not (out / "critic").exists()
+    run_lock.release_run_lock(args)
+
+
 def test_step3_sets_an_earlier_model_aside_only_when_no_run_uses_its_folder(inner_holder):
     """A critic-free step 3's end renames an earlier run's critic/ to critic.earlier; not while another
     run is saving into it."""
@@ -192,8 +206,9 @@ def test_step3_sets_an_earlier_model_aside_only_when_no_run_uses_its_folder(inne
     proc, out = inner_holder("critic")
     critic = out / "critic"
     notices = set_unsaved_models_aside(out, ["critic"], [])
-    assert notices == [f"{critic} holds an earlier run's model (this run saved none there); another dschat run "
-                       f"(pid {proc.pid}) is using the folder {critic}; so it stays"]
+    assert notices == [f"{critic} holds an earlier run's model (this run saved none there); it stays: another dschat "
+                       f"run (pid {proc.pid}) is using the folder {critic}; wait for it to end, then move the folder "
+                       "yourself"]
     assert critic.is_dir() and not (out / "critic.earlier").exists()
     _finish(proc)
     assert set_unsaved_models_aside(out, ["critic"], []) == [
