@@ -203,8 +203,12 @@ def _stopping_criteria(holder: StopAwareStreamer) -> Any:
 
 
 def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, user_text: str, args: argparse.Namespace) -> str:
-    """Generate (streaming) the answer to ``user_text``; returns the answer text."""
+    """Generate (streaming) the answer to ``user_text``; returns the answer text. It ends at any id of
+    :func:`dschat.models.tokenizer.end_token_ids` (the tokenizer's EOS and the generation config's), as
+    step 3's rollouts and the server do."""
     import torch
+
+    from dschat.models.tokenizer import end_token_ids
 
     ids = conversation.prompt_ids(user_text)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -226,7 +230,7 @@ def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, u
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=args.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=tokenizer.eos_token_id,
+            eos_token_id=list(end_token_ids(model, tokenizer)) or None,
             streamer=streamer.streamer,
             stopping_criteria=_stopping_criteria(streamer),
             **kwargs,

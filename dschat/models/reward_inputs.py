@@ -66,24 +66,26 @@ class CrossTokenizerInputs:
     """A rollout batch of the actor's token ids re-tokenised for a reward model of another tokenizer.
 
     ``actor_tokenizer`` decodes; ``reward_tokenizer`` encodes (:func:`encode_for_reward`), at most
-    ``max_length`` tokens a row."""
+    ``max_length`` tokens a row. An answer ended when its last real token is one of ``end_ids`` (the
+    rollout's end ids, :func:`dschat.models.tokenizer.end_token_ids`; default the actor tokenizer's EOS)."""
 
-    def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_length: int | None) -> None:
+    def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_length: int | None,
+                 end_ids: Sequence[int] | None = None) -> None:
         self.actor_tokenizer = actor_tokenizer
         self.reward_tokenizer = reward_tokenizer
         self.max_length = max_length
+        self.end_ids = tuple(end_ids) if end_ids is not None else (actor_tokenizer.eos_token_id,)
 
     def rows(self, seq: torch.Tensor, attention_mask: torch.Tensor, prompt_length: int) -> list[list[int]]:
         """The reward model's ids of each row of ``seq`` (B, L): a left-padded prompt of ``prompt_length``
         columns, then the answer; ``attention_mask`` (B, L) marks the real tokens of both."""
-        eos = self.actor_tokenizer.eos_token_id
         rows = []
         for row, mask in zip(seq.tolist(), attention_mask.bool().tolist()):
             prompt = [t for t, m in zip(row[:prompt_length], mask[:prompt_length]) if m]
             answer = [t for t, m in zip(row[prompt_length:], mask[prompt_length:]) if m]
-            # The answer's real tokens end at its EOS when it ended (an episode's turns end at EOS too:
+            # The answer's real tokens end at an end id when it ended (an episode's turns end so too:
             # only the last one decides, and the whole conversation after the prompt is scored).
-            ended = bool(answer) and answer[-1] == eos
+            ended = bool(answer) and answer[-1] in self.end_ids
             if ended:
                 answer = answer[:-1]
             rows.append(encode_for_reward(

@@ -104,7 +104,8 @@ class DeepSpeedPPOTrainer(PPOFormulas):
         self.generator: RolloutGenerator = rlhf_engine.generator
         self.tokenizer = rlhf_engine.tokenizer
         self.dtype = rlhf_engine.dtype
-        # The answer ends at the tokenizer's EOS, which generate() stops on (docs/upstream.md#small-fixes).
+        # Upstream's attribute. An answer ends at any of self.generator.end_ids: the tokenizer's EOS and
+        # the generation config's EOS ids (docs/upstream.md#small-fixes).
         self.end_of_conversation_token_id = self.tokenizer.eos_token_id
         self.z3_enabled = config.zero.actor_zero_stage == 3
         self.reward_fn = reward_fn

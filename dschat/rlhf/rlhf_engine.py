@@ -41,7 +41,7 @@ from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.models.reward_inputs import CrossTokenizerInputs, reward_max_length
-from dschat.models.tokenizer import load_hf_tokenizer, tokenizer_differences
+from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer, tokenizer_differences
 from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf.config import (
     ModelsConfig,
@@ -243,7 +243,8 @@ class DeepSpeedRLHFEngine:
         if self.reward is not None and self.sources.reward_tokenizer is not None:
             self.reward_inputs = CrossTokenizerInputs(
                 tokenizer, self.sources.reward_tokenizer,
-                reward_max_length(self.sources.reward_tokenizer, self.reward.module.config))
+                reward_max_length(self.sources.reward_tokenizer, self.reward.module.config),
+                end_ids=end_token_ids(self.actor.module, tokenizer))  # the rollouts' (RolloutGenerator.end_ids)
         if models.critic.gradient_checkpointing and self.critic is not None:
             # Permanently on for the critic (upstream); the actor's is toggled around training only.
             self.critic.module.gradient_checkpointing_enable()

@@ -109,6 +109,17 @@ def test_a_last_turn_without_eos_cuts_its_episode_even_when_the_environment_ends
     assert played.cut.tolist() == [True, False]
 
 
+def test_a_turn_ends_at_any_of_the_generators_end_ids(tokenizer):
+    """9 is one of the generator's end ids (a generation-config EOS): row 0's turn ends there, not cut,
+    and the tokens the decoder gave after it are not the episode's."""
+    decoder = ScriptedDecoder({100: [7, 9, 7, 7, 7, 7], 200: [8, EOS]}, 6)
+    decoder.end_ids = (EOS, 9)
+    player = _player(tokenizer, decoder, "env_fixtures:one_turn_length", max_turns=1, max_answer=6, max_context=8)
+    played = player.play(*_prompts([[100, 101], [200, 201]]), [{"prompt": "a"}, {"prompt": "b"}])
+    assert played.ended.tolist() == [True, True] and played.cut.tolist() == [False, False]
+    assert played.sequences[0, 2:4].tolist() == [7, 9] and played.attention_mask[0, 2:].sum() == 2
+
+
 def test_an_observation_with_a_lone_surrogate_is_one_line_naming_env_row_and_turn(tokenizer):
     """Tool output decoded with errors="surrogateescape" is refused where the environment's failures are
     raised together on every rank (batch.step), before the tokenizer sees it."""

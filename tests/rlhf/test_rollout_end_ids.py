@@ -111,3 +111,37 @@ def test_a_tensor_parallel_member_keeps_its_rows_up_to_where_each_met_any_end_id
 
     assert own_answer_length(torch.tensor([[5, 7, 0, 0], [2, 0, 0, 0]]), (2, 7)) == 2
     assert own_answer_length(torch.tensor([[5, 7, 0, 0], [2, 0, 0, 0]]), 2) == 4  # 7 alone ends nothing
+
+
+def test_a_reward_model_of_another_tokenizer_reads_an_answer_ended_at_any_end_id_as_ended():
+    """The answer's last token is a generation-config end id of the actor: it is dropped and the reward
+    tokenizer's EOS closes the text, as for the tokenizer's own EOS."""
+    from dschat.models.reward_inputs import CrossTokenizerInputs
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    actor, reward = load_hf_tokenizer("tiny-llama"), load_hf_tokenizer("tiny-opt")
+    prompt, answer = "Human: hello there Assistant:", " I am fine"
+    p = actor(prompt)["input_ids"]
+    stop = 400  # an id that is no special token of the actor
+    row = p + actor(answer, add_special_tokens=False)["input_ids"] + [stop]
+    seq, mask = torch.tensor([row]), torch.ones(1, len(row), dtype=torch.long)
+    ids, got = CrossTokenizerInputs(actor, reward, None, end_ids=(actor.eos_token_id, stop))(seq, mask, len(p))
+    assert ids[0, :int(got.sum())].tolist() == reward(prompt + answer + "</s>")["input_ids"]
+    # Without it among the end ids the answer did not end: its token is text, and no EOS is added.
+    ids, got = CrossTokenizerInputs(actor, reward, None)(seq, mask, len(p))
+    assert reward.eos_token_id not in ids[0, 1:int(got.sum())].tolist()
+
+
+def test_the_eval_cli_stops_an_answer_at_any_end_id(two_end_ids):
+    from dschat.eval.heldout import EvalSettings
+    from dschat.eval.scoring import generate
+
+    model, tok, _, _, _ = two_end_ids
+    model = copy.deepcopy(model)
+    settings = EvalSettings(do_sample=False, max_new_tokens=NEW_TOKENS)
+    model.generation_config.eos_token_id = tok.eos_token_id
+    free = generate(model, tok, ["Human: hello there Assistant:"], settings).response_ids[0]
+    k = next(k for k in range(1, len(free)) if free[k] not in free[:k] + [tok.eos_token_id, tok.pad_token_id])
+    model.generation_config.eos_token_id = [tok.eos_token_id, free[k]]
+    stopped = generate(model, tok, ["Human: hello there Assistant:"], settings)
+    assert stopped.response_ids == [free[:k + 1]] and stopped.ended == [True]

@@ -151,7 +151,7 @@ class GraphsPath(DecodingPath):
             mask = torch.cat([conversation.mask.to(mask), mask], dim=1)
         ended = torch.tensor([not a for a in conversation.active], dtype=torch.bool, device=device)
         processors = LogitsProcessorList([*gen.extra_generate_kwargs.get("logits_processor", []),
-                                          _EndRows(ended, gen.end_ids[0])])
+                                          _EndRows(ended, gen.end_ids[0] if gen.end_ids else gen.tokenizer.pad_token_id)])
         # An ended row feeds nothing; its last column is shown to generate as a token (a pad id seen by
         # that row alone, a hole in the conversation's mask), or generate takes it for right padding.
         shown = mask.clone()

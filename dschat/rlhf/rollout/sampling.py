@@ -105,12 +105,14 @@ generator's ``end_ids``: the tokenizer's EOS and the model's generation-config E
 :func:`dschat.models.tokenizer.end_token_ids`)."""
 
 
-def end_id_tuple(eos_token_id: EndIds) -> tuple[int, ...]:
-    """``eos_token_id`` (:data:`EndIds`) as a tuple of ids."""
+def end_id_tuple(eos_token_id: EndIds | None) -> tuple[int, ...]:
+    """``eos_token_id`` (:data:`EndIds`) as a tuple of ids; ``()`` for None (a tokenizer without EOS)."""
+    if eos_token_id is None:
+        return ()
     return (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(i) for i in eos_token_id)
 
 
-def is_end(tokens: torch.Tensor, eos_token_id: EndIds) -> torch.Tensor:
+def is_end(tokens: torch.Tensor, eos_token_id: EndIds | None) -> torch.Tensor:
     """Where ``tokens`` (any shape) hold one of the end ids (:data:`EndIds`): a bool tensor of that shape."""
     ended = torch.zeros_like(tokens, dtype=torch.bool)
     for end in end_id_tuple(eos_token_id):
