@@ -13,20 +13,25 @@ three lists always have the same length.
 step 3 weighs it into the :class:`~dschat.rewards.RewardMix` as a ``--reward_fn``. A call sends the
 batch in chunks of at most ``chunk_size`` queries, concurrently (at most
 :data:`MAX_CONCURRENT_REQUESTS` at a time, on daemon threads of the call), over one kept-alive
-``requests.Session``. Each attempt of a request has ``timeout`` seconds to connect and between bytes
-of the reply, and ``2 * timeout`` in all: at that limit its connection is shut down, whatever the
-server is still sending, and the attempt counts as a timeout (:func:`worst_case_seconds` tells what
-this bounds). A request is retried ``retries`` times after a connection error, a timeout or an HTTP
-408, 429 or 5xx status, waiting ``backoff * 2**i`` seconds before retry ``i``. Any other failure is
-not retried (a request that cannot be made at all, such as requests' ``InvalidURL``,
-``InvalidSchema`` or ``InvalidHeader``, neither). What goes wrong stops the run with one
-:class:`~dschat.errors.UserError` line naming the URL: the last error once the retries are spent, an
-HTTP error status, or a reply of the wrong shape (not JSON, no ``"rewards"`` list, the wrong number of
-rewards, a reward that is not a finite number, more than :data:`MAX_REPLY_BYTES`). A network error is
-told by its type and the socket's reason (``ConnectionRefusedError: [Errno 111] Connection
-refused``), never by requests' or urllib3's own text, which quotes the URL (its query, where keys go)
-or the headers. The first failing request stops the call at once: requests in flight are not waited for (they run
-on daemon threads, which do not hold the process at exit), those not yet sent are not sent.
+``requests.Session``. Each attempt of a request has ``timeout`` seconds for each step of making its
+connection and between bytes of the reply. Once it has its connection, the attempt (sending, waiting
+for and reading the whole reply) ends ``2 * timeout`` after it began at the latest: at that limit
+the connection is shut down, however slowly the server is still sending, and the attempt counts as a
+timeout. Making the connection is held to its own steps' limits only (an attempt whose connection is
+made past its limit ends as soon as it is made): the name lookup has none, connecting has
+``timeout`` for each address the host name resolves to, a TLS handshake ``timeout`` for each of its
+reads (:func:`worst_case_seconds` tells what is bounded). A request is retried ``retries`` times
+after a connection error, a timeout or an HTTP 408, 429 or 5xx status, waiting ``backoff * 2**i``
+seconds before retry ``i``. Any other failure is not retried (a request that cannot be made at all,
+such as requests' ``InvalidURL``, ``InvalidSchema`` or ``InvalidHeader``, neither). What goes wrong
+stops the run with one :class:`~dschat.errors.UserError` line naming the URL: the last error once
+the retries are spent, an HTTP error status, or a reply of the wrong shape (not JSON, no
+``"rewards"`` list, the wrong number of rewards, a reward that is not a finite number, more than
+:data:`MAX_REPLY_BYTES`). A network error is told by its type and the socket's reason
+(``ConnectionRefusedError: [Errno 111] Connection refused``), never by requests' or urllib3's own
+text, which quotes the URL (its query, where keys go) or the headers. The first failing request
+stops the call at once: requests in flight are not waited for (they run on daemon threads, which do
+not hold the process at exit), those not yet sent are not sent.
 
 With ``DSCHAT_SERVE_API_KEY`` set (:data:`API_KEY_ENV`, the key ``python -m dschat.serve`` then
 requires) every request to a loopback or ``https://`` URL carries ``Authorization: Bearer <key>``
@@ -127,13 +132,15 @@ def check_api_key(key: str) -> None:
 
 
 def worst_case_seconds(timeout: float, retries: int, backoff: float = BACKOFF_SECONDS) -> float:
-    """The most seconds one request may take before its reply or its failure line, whatever the server
-    does: each of its ``retries + 1`` attempts ends within ``2 * timeout`` (connecting, sending, and
-    waiting for and reading the whole reply, however slowly it comes), with the backoffs between them.
-    Not bounded by it: the requests of a call beyond :data:`MAX_CONCURRENT_REQUESTS`
-    (``QUERIES_PER_REQUEST`` queries each), which wait for a free thread; and connecting, whose steps
-    keep their own ``timeout`` past the attempt's limit: one for each address the host name resolves
-    to, one for each read of a TLS handshake."""
+    """The most seconds one request may take before its reply or its failure line when each of its
+    ``retries + 1`` attempts has its connection (made or reused) within ``2 * timeout`` of its start:
+    such an attempt ends ``2 * timeout`` after its start at the latest (sending, and waiting for and
+    reading the whole reply, however slowly it comes), and the backoffs come between attempts.
+    Not bounded by it: making a connection, whose steps keep their own limits past the attempt's (the
+    name lookup none, connecting ``timeout`` for each address the host name resolves to, a TLS
+    handshake ``timeout`` for each of its reads), so an attempt that connects later ends when its
+    connection is made; and the requests of a call beyond :data:`MAX_CONCURRENT_REQUESTS`
+    (``QUERIES_PER_REQUEST`` queries each), which wait for a free thread."""
     retries = min(max(int(retries), 0), 40)  # beyond that, longer than any run
     return (retries + 1) * 2.0 * float(timeout) + backoff * (2.0 ** retries - 1)
 
@@ -169,21 +176,26 @@ _running = threading.local()  # .deadline: the deadline of the attempt running o
 class _Deadline:
     """The end of one attempt, ``seconds`` after it is entered (a context manager around the attempt,
     on its thread). When it passes, :attr:`passed` is set and the socket of the connection the attempt
-    is using is shut down, so that a wait on it (to send, for the reply's head or for more of its body)
-    ends at once with an error. A connection is the attempt's from its ``connect`` or ``request`` on
-    the attempt's thread (:class:`_Watched`) until another attempt takes it; one connected after the
-    deadline is shut down as soon as it is connected."""
+    holds is shut down, so that a wait on it (to send, for the reply's head or for more of its body)
+    ends at once with an error or an early end of the reply. A connection is the attempt's from its
+    ``connect`` or ``request`` on the attempt's thread (:class:`_Watched`) until it goes back to the
+    pool (:class:`_Pooled`, once its reply is read whole or it is closed) or another attempt takes
+    it; one connected after the deadline is shut down as soon as it is connected. :attr:`cut` tells
+    whether the deadline ended the attempt's exchange: it passed while the attempt held a connection
+    or before it took one. A wait that has no socket of the connection yet (the name lookup,
+    connecting) or whose socket is detached (a TLS handshake under way) is not ended."""
 
     def __init__(self, seconds: float) -> None:
         self.passed = False
+        self.cut = False
         self._over = False
         self._connection: Any = None
         self._timer = threading.Timer(seconds, self._pass)
         self._timer.daemon = True
 
     def __enter__(self) -> "_Deadline":
+        self._timer.start()  # first: a timer that cannot start leaves the thread without a deadline
         _running.deadline = self
-        self._timer.start()
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -196,20 +208,32 @@ class _Deadline:
         with _OWNERS:
             self._connection, connection._reward_deadline = connection, self
             if self.passed:
+                self.cut = True
                 self._shut()
 
     def _pass(self) -> None:
         with _OWNERS:
             if not self._over:
                 self.passed = True
+                self.cut = self._connection is None or self._connection._reward_deadline is self
                 self._shut()
 
     def _shut(self) -> None:
         connection = self._connection
-        sock = getattr(connection, "sock", None)
+        sock = _socket_of(getattr(connection, "sock", None) or getattr(connection, "_reward_socket", None))
         if sock is not None and connection._reward_deadline is self:
-            with suppress(OSError):  # closed already, or detached by a TLS handshake under way
+            with suppress(OSError, TypeError):  # closed already, or detached by a TLS handshake under way
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)  # the socket's own, under TLS too
+
+
+def _socket_of(sock: Any) -> socket.socket | None:
+    """The ``socket.socket`` a connection's ``sock`` is or wraps (through an https proxy to an https
+    URL, urllib3's ``SSLTransport`` holds it as ``.socket``), or None where it leads to none."""
+    for _ in range(8):  # a transport wraps a socket or another transport; never a loop
+        if sock is None or isinstance(sock, socket.socket):
+            return sock
+        sock = getattr(sock, "socket", None)
+    return None
 
 
 def _take(connection: Any) -> None:
@@ -225,6 +249,9 @@ class _Watched:
     def connect(self) -> None:
         _take(self)  # a wait for a proxy's tunnel, on the new socket, ends at the deadline too
         super().connect()  # type: ignore[misc]
+        # Kept: a reply that ends with the connection (Connection: close, no length, HTTP/1.0) takes
+        # the socket, and http.client drops it from the connection.
+        self._reward_socket = self.sock
         _take(self)  # a deadline that passed while connecting ends it now
 
     def request(self, *args: Any, **kwargs: Any) -> Any:
@@ -232,13 +259,26 @@ class _Watched:
         return super().request(*args, **kwargs)  # type: ignore[misc]
 
 
+class _Pooled:
+    """Mixed into a urllib3 connection pool class: a connection put back in the pool (its reply read
+    whole, or the connection closed) serves no attempt any more, so no attempt's deadline, passing
+    later, shuts it down while another attempt takes it from the pool."""
+
+    def _put_conn(self, conn: Any, *args: Any, **kwargs: Any) -> Any:
+        if conn is not None:
+            with _OWNERS:
+                conn._reward_deadline = None
+        return super()._put_conn(conn, *args, **kwargs)  # type: ignore[misc]
+
+
 @lru_cache(maxsize=None)
 def _watched_pool(pool_class: type) -> type:
-    """``pool_class`` making connections of its own class with :class:`_Watched` mixed in."""
+    """``pool_class`` with :class:`_Pooled` mixed in, making connections of its own class with
+    :class:`_Watched` mixed in."""
     if issubclass(pool_class.ConnectionCls, _Watched):
         return pool_class
     connection = type(pool_class.ConnectionCls.__name__, (_Watched, pool_class.ConnectionCls), {})
-    return type(pool_class.__name__, (pool_class,), {"ConnectionCls": connection})
+    return type(pool_class.__name__, (_Pooled, pool_class), {"ConnectionCls": connection})
 
 
 def _watch(manager: Any) -> Any:
@@ -405,7 +445,7 @@ class RemoteReward:
                 status, body, whole = self._exchange(payload)
         except requests.RequestException as err:
             failure = err
-        if deadline.passed:
+        if deadline.cut:  # a reply read whole before the limit counts; one it cut short may look whole
             raise _Retryable(f"the reply did not arrive whole within {2 * self.timeout:g} s (twice "
                              f"--reward_url_timeout {self.timeout:g} s)")
         if isinstance(failure, requests.Timeout):
@@ -425,16 +465,17 @@ class RemoteReward:
         return self._rewards(body, whole, len(payload["query"]))
 
     def _exchange(self, payload: dict[str, list[str]]) -> tuple[int, bytes, bool]:
-        """The reply's status, its body (at most :data:`MAX_REPLY_BYTES` of it; a few KiB of an error
-        status's) and whether that is the whole body."""
+        """The reply's status, its body and whether that is the whole body: the whole of a 200 reply
+        up to :data:`MAX_REPLY_BYTES` (none of a longer one, which is refused), the first
+        ``_ERROR_TEXT_BYTES`` of another status's (for its line)."""
         with self.session().post(self.url, json=payload, timeout=self.timeout, stream=True) as reply:
             limit = MAX_REPLY_BYTES if reply.status_code == 200 else _ERROR_TEXT_BYTES
             parts, size = [], 0
             for part in reply.iter_content(_READ_BYTES):
                 parts.append(part)
                 size += len(part)
-                if size > limit:
-                    return reply.status_code, b"".join(parts)[:limit], False
+                if size > limit:  # a refused reply is not kept; an error status's start makes its line
+                    return reply.status_code, b"" if reply.status_code == 200 else b"".join(parts)[:limit], False
             return reply.status_code, b"".join(parts), True
 
     def _rewards(self, body: bytes, whole: bool, expected: int) -> list[float]:

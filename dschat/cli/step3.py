@@ -224,9 +224,11 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     group.add_argument("--reward_url_weight", type=float, default=1.0,
                        help="(dschat) Weight of --reward_url's rewards (default 1.0).")
     group.add_argument("--reward_url_timeout", type=float, default=60.0, metavar="SECONDS",
-                       help="(dschat) Seconds one --reward_url attempt may wait to connect or between bytes of the "
-                            "reply, and twice that for the whole attempt (connecting, sending, the whole reply), before "
-                            "the attempt counts as failed (default 60).")
+                       help="(dschat) Seconds one --reward_url attempt may take for each step of connecting (each "
+                            "address the host name resolves to, each read of a TLS handshake; the name lookup has no "
+                            "limit) and between bytes of the reply; once connected, the attempt (sending, the whole "
+                            "reply) also ends twice that after it began. An attempt past a limit counts as failed "
+                            "(default 60).")
     group.add_argument("--reward_url_retries", type=int, default=3,
                        help="(dschat) Retries of a --reward_url request after a connection error, a timeout or an "
                             "HTTP 408/429/5xx, with exponential backoff (0.5 s, 1 s, 2 s, ...); then the run stops "

@@ -1,8 +1,8 @@
 """The ``--reward_url`` client (dschat/remote_reward.py) against a real HTTP server started here
 (``http.server`` on a free port, in a thread): the protocol, batching and order, retries, timeouts
-(an attempt's limit in all, against a reply trickled byte by byte), replies of the wrong shape or
-size, the start-up warning and the step-3 flags; the API key it sends, a loopback server of another
-account refused, the URL shown without its password."""
+(an attempt's limit in all, against a reply trickled byte by byte, and a limit passing as a whole
+reply ends), replies of the wrong shape or size, the start-up warning and the step-3 flags; the API
+key it sends, a loopback server of another account refused, the URL shown without its password."""
 from __future__ import annotations
 
 import argparse
@@ -14,12 +14,14 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 
+from dschat import remote_reward
 from dschat.errors import UserError
 from dschat.remote_reward import (API_KEY_ENV, RemoteReward, check_reward_url, plain_http_warning,
                                   remote_reward_function, worst_case_seconds)
@@ -497,14 +499,17 @@ def test_a_request_that_cannot_be_made_is_not_retried_and_its_headers_not_shown(
 # ------------------------------------------------------------------------------------ one attempt's limit
 def trickle(pause: float, part: str, padding: int = 400) -> Callable:
     """A reply of which one part arrives one byte every ``pause`` seconds: its status line and headers
-    (``part`` "head", with a long header) or its body (``part`` "body", JSON after ``padding`` spaces)."""
+    (``part`` "head", with a long header) or its body (``part`` "body", JSON after ``padding`` spaces;
+    "unsized body": the same without Content-Length, so that it ends where the connection does)."""
     def act(handler: Any, payload: Any) -> None:
+        slow_body = part in ("body", "unsized body")
         body = json.dumps({"rewards": [0.0] * len(payload["query"])}).encode()
-        body = b" " * (padding if part == "body" else 0) + body
-        head = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        body = b" " * (padding if slow_body else 0) + body
+        framing = "Connection: close" if part == "unsized body" else f"Content-Length: {len(body)}"
+        head = (f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n{framing}\r\n"
                 f"X-Padding: {'p' * (padding if part == 'head' else 0)}\r\n\r\n").encode()
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the client has given up
-            for data, slowly in ((head, part == "head"), (body, part == "body")):
+            for data, slowly in ((head, part == "head"), (body, slow_body)):
                 for piece in ([data[i:i + 1] for i in range(len(data))] if slowly else [data]):
                     handler.wfile.write(piece)
                     time.sleep(pause if slowly else 0)
@@ -512,12 +517,13 @@ def trickle(pause: float, part: str, padding: int = 400) -> Callable:
     return act
 
 
-@pytest.mark.parametrize("part", ["body", "head"])
+@pytest.mark.parametrize("part", ["body", "head", "unsized body"])
 def test_a_reply_trickled_byte_by_byte_ends_each_attempt_at_twice_the_timeout(part):
-    """Each byte comes well within the 0.6 s timeout, so no read times out; the whole reply would take
-    over 40 s an attempt. Each attempt ends at 1.2 s instead, is retried, and the line says so."""
-    timeout, retries = 0.6, 1
-    with RewardServer([trickle(0.1, part)] * 2) as server:
+    """Each byte comes well within the 1 s timeout, so no read times out; the whole reply would take
+    over 20 s an attempt. Each attempt ends at 2 s instead, is retried, and the line says so, also
+    where the cut reply looks whole (a head ended early, a body that ends where the connection does)."""
+    timeout, retries = 1.0, 1
+    with RewardServer([trickle(0.05, part)] * 2) as server:
         client = _client(server.url, timeout=timeout, retries=retries)
         start = time.monotonic()
         with pytest.raises(UserError) as err:
@@ -527,7 +533,7 @@ def test_a_reply_trickled_byte_by_byte_ends_each_attempt_at_twice_the_timeout(pa
         assert client(PROMPTS[:1], ANSWERS[:1]) == [float(len(PROMPTS[0] + ANSWERS[0]))]  # the client goes on
     line = str(err.value)
     assert line.startswith(f"--reward_url {server.url} failed 2 times ") and "\n" not in line
-    assert "last error: the reply did not arrive whole within 1.2 s (twice --reward_url_timeout 0.6 s)" in line
+    assert "last error: the reply did not arrive whole within 2 s (twice --reward_url_timeout 1 s)" in line
     assert waited >= (retries + 1) * 2 * timeout - 0.05
     assert waited < worst_case_seconds(timeout, retries, backoff=0.01) + 3.0  # slack for a loaded machine
 
@@ -571,3 +577,128 @@ def test_a_reply_over_the_size_limit_is_one_line_and_not_retried(monkeypatch):
     assert len(server.requests) == 1
     line = str(err.value)
     assert line.startswith(f"--reward_url {server.url} replied with more than 1 MiB; ") and "\n" not in line
+
+
+def test_an_oversized_reply_is_not_kept_but_an_error_status_keeps_its_first_bytes(monkeypatch):
+    """A 200 reply over the limit is refused whole, so none of it is kept (no copy of up to the limit
+    is made); an error status's reply keeps its first 4 KiB for its line."""
+    monkeypatch.setattr("dschat.remote_reward.MAX_REPLY_BYTES", 2**20)
+    detail = "d" * 10_000
+    error = lambda handler, payload: handler.reply(500, {"detail": detail})  # noqa: E731
+    with RewardServer([{"rewards": [0.0], "padding": "x" * 2**20}, error, error]) as server:
+        client = _client(server.url, retries=0)
+        payload = {"query": ["q"], "prompts": ["p"], "labels": [""]}
+        assert client._exchange(payload) == (200, b"", False)
+        status_code, body, whole = client._exchange(payload)
+        assert (status_code, body, whole) == (500, json.dumps({"detail": detail}).encode()[:4096], False)
+        with pytest.raises(UserError, match=r'last error: HTTP 500 \{"detail": "ddd'):
+            client(PROMPTS[:1], ANSWERS[:1])
+
+
+def _deadline_passes_as_each_attempt_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each attempt's limit passes after its whole reply was read, just before the attempt ends (its
+    connection back in the pool by then)."""
+    real_exit = remote_reward._Deadline.__exit__
+
+    def passing_exit(self: Any, *exc: Any) -> None:
+        self._pass()
+        real_exit(self, *exc)
+
+    monkeypatch.setattr(remote_reward._Deadline, "__exit__", passing_exit)
+
+
+def test_a_whole_reply_counts_when_the_limit_passes_as_the_attempt_ends(monkeypatch):
+    """The reply is read whole, so the call succeeds, and the connection, back in the pool, is left
+    open: the next call reuses it, and calls of five requests (two at a time) reuse theirs."""
+    _deadline_passes_as_each_attempt_ends(monkeypatch)
+    monkeypatch.setattr("dschat.remote_reward.MAX_CONCURRENT_REQUESTS", 2)
+    expected = [float(len(p + a)) for p, a in zip(PROMPTS, ANSWERS)]
+    with RewardServer() as server:
+        client = _client(server.url, retries=0, timeout=5)
+        assert client(PROMPTS[:1], ANSWERS[:1]) == expected[:1]
+        assert client(PROMPTS[1:2], ANSWERS[1:2]) == expected[1:2]
+        assert len(server.connections) == 1  # the pooled connection was not shut: the next call reused it
+        client.chunk_size = 1  # five requests, two at a time
+        assert client(PROMPTS, ANSWERS) == expected
+        assert client(PROMPTS, ANSWERS) == expected
+    assert len(server.requests) == 2 + 5 + 5
+    assert len(server.connections) <= 2  # one per request in flight, each reused
+
+
+def test_a_pooled_connection_another_request_took_is_not_shut_by_the_limit_of_the_one_that_used_it(monkeypatch):
+    """Request A has read its whole reply, so its connection is back in the pool; request B, on another
+    thread, takes that connection and is about to send on it when A's limit passes, before A ends (the
+    order is forced, not left to timing). Both requests succeed, with no retry to spare."""
+    taken, passed = threading.Event(), threading.Event()
+    other: dict[str, Any] = {}
+    real_exit, real_request = remote_reward._Deadline.__exit__, remote_reward._Watched.request
+
+    def exit_a(self: Any, *exc: Any) -> None:
+        if threading.current_thread() is threading.main_thread() and "thread" not in other:  # A's end
+            def request_b() -> None:
+                try:
+                    other["scores"] = client(PROMPTS[1:2], ANSWERS[1:2])
+                except BaseException as err:  # noqa: BLE001 -- checked below
+                    other["error"] = err
+            other["thread"] = threading.Thread(target=request_b, daemon=True)
+            other["thread"].start()
+            try:
+                assert taken.wait(10)
+                self._pass()
+            finally:
+                passed.set()
+                real_exit(self, *exc)
+            return
+        real_exit(self, *exc)
+
+    def request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread() is other.get("thread"):  # B, on A's connection, before it sends
+            taken.set()
+            passed.wait(10)
+        return real_request(self, *args, **kwargs)
+
+    monkeypatch.setattr(remote_reward._Deadline, "__exit__", exit_a)
+    monkeypatch.setattr(remote_reward._Watched, "request", request)
+    with RewardServer() as server:
+        client = _client(server.url, retries=0, timeout=5)
+        assert client(PROMPTS[:1], ANSWERS[:1]) == [float(len(PROMPTS[0] + ANSWERS[0]))]
+        other["thread"].join(30)
+    assert "error" not in other, other.get("error")
+    assert other["scores"] == [float(len(PROMPTS[1] + ANSWERS[1]))]
+    assert len(server.connections) == 1  # B did take A's connection
+
+
+def test_the_limit_shuts_the_socket_under_a_tls_transport_of_an_https_proxy():
+    """Through an https proxy to an https URL the connection's ``sock`` is urllib3's SSLTransport,
+    which wraps the socket: that socket is shut down. A ``sock`` that leads to no socket is left as is."""
+    from urllib3.util.ssltransport import SSLTransport
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        transport = SSLTransport.__new__(SSLTransport)  # its TLS is not needed here: only what it wraps
+        transport.socket = ours
+        deadline = remote_reward._Deadline(60)
+        deadline.passed = True  # a connection taken past the limit is shut at once
+        deadline.take(types.SimpleNamespace(sock=transport))
+        theirs.settimeout(10)
+        assert theirs.recv(1) == b""  # the other end sees the connection end
+    looped = types.SimpleNamespace()
+    looped.socket = looped
+    for sock in (looped, types.SimpleNamespace(socket=None), object(), ours):  # ours: closed by now
+        deadline.take(types.SimpleNamespace(sock=sock))
+
+
+def test_a_limit_whose_timer_cannot_start_leaves_the_thread_without_one(monkeypatch):
+    deadline = remote_reward._Deadline(60)
+
+    def cannot_start() -> None:
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(deadline._timer, "start", cannot_start)
+    try:
+        with pytest.raises(RuntimeError, match="can't start new thread"):
+            with deadline:
+                pass
+        assert getattr(remote_reward._running, "deadline", None) is None
+    finally:
+        remote_reward._running.deadline = None
