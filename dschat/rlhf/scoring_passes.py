@@ -45,7 +45,6 @@ trace by :func:`~dschat.runtime.zero3.zero3_pass`.
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 import torch
 from deepspeed import DeepSpeedEngine
@@ -142,12 +141,12 @@ class WholeModelGather:
         self.setting = setting
         self.decided: dict[str, bool] = {}
 
-    def auto_gathers(self, engine: Any) -> tuple[bool, str]:
+    def auto_gathers(self, engine: DeepSpeedEngine) -> tuple[bool, str]:
         """``auto``'s decision for a ZeRO-3 ``engine`` whose parameters are not offloaded, and the reason
         given when it does not gather."""
         raise NotImplementedError
 
-    def decide(self, name: str, engine: Any) -> bool:
+    def decide(self, name: str, engine: DeepSpeedEngine) -> bool:
         """Whether the passes of ``engine`` (the model ``name``) run gathered; said once per model
         (nothing is said for ``off``: the user chose the hooks)."""
         if self.setting == "off":
@@ -162,7 +161,7 @@ class WholeModelGather:
                      + (self.gathered if gather else f"fetched module by module ({why_not})"))
         return gather
 
-    def __call__(self, name: str, engine: Any) -> AbstractContextManager[Any]:
+    def __call__(self, name: str, engine: DeepSpeedEngine | None) -> AbstractContextManager[None]:
         if engine is None or zero3_offload(engine) is None:
             return nullcontext()
         if name not in self.decided:
@@ -178,7 +177,7 @@ class ScoringGather(WholeModelGather):
     passes = "scoring"
     gathered = "gathered once per scoring pass"
 
-    def auto_gathers(self, engine: Any) -> tuple[bool, str]:
+    def auto_gathers(self, engine: DeepSpeedEngine) -> tuple[bool, str]:
         return fits_gathered(engine.module), "the full model does not fit in half the free memory"
 
 
@@ -194,20 +193,20 @@ class TrainingGather(WholeModelGather):
     passes = "training"
     gathered = "gathered once per forward and backward"
 
-    def __init__(self, setting: str = "auto", models: dict[str, Any] | None = None) -> None:
+    def __init__(self, setting: str = "auto", models: dict[str, DeepSpeedEngine | None] | None = None) -> None:
         super().__init__(setting)
         for name, engine in (models or {}).items():
             if engine is not None and zero3_offload(engine) is not None:
                 self.decided[name] = self.decide(name, engine)
 
-    def auto_gathers(self, engine: Any) -> tuple[bool, str]:
+    def auto_gathers(self, engine: DeepSpeedEngine) -> tuple[bool, str]:
         if quantized_partitions(engine):
             return False, (f"its frozen weights are stored quantized; --{self.flag} on dequantizes them all "
                            "at once")
         return whole_partitions(engine), (f"it is partitioned over more than one rank; --{self.flag} on gathers "
                                           "it whole, at the memory of a full copy")
 
-    def decide(self, name: str, engine: Any) -> bool:
+    def decide(self, name: str, engine: DeepSpeedEngine) -> bool:
         gather = super().decide(name, engine)
         mark_trained_whole(engine, gather)
         return gather

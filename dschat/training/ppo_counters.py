@@ -8,7 +8,9 @@ import argparse
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Iterable
+
+from deepspeed import DeepSpeedEngine
 
 from dschat.runtime.dist import print_rank_0
 from dschat.training.checkpoint import Checkpointer, TrainingPosition
@@ -73,7 +75,7 @@ class PPOCounters:
             self.non_overflow_step_count += 1
 
 
-def between_optimizer_steps(engines: Iterable[Any]) -> bool:
+def between_optimizer_steps(engines: Iterable[DeepSpeedEngine]) -> bool:
     """Whether every DeepSpeed engine of ``engines`` has just finished an optimizer step, with no
     gradient accumulating: its micro-step count is a multiple of its gradient accumulation steps."""
     return all(engine.micro_steps % engine.gradient_accumulation_steps() == 0 for engine in engines)
