@@ -208,7 +208,7 @@ def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, u
     step 3's rollouts and the server do."""
     import torch
 
-    from dschat.models.tokenizer import end_token_ids
+    from dschat.models.tokenizer import end_token_ids, generate_eos
 
     ids = conversation.prompt_ids(user_text)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -230,7 +230,7 @@ def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, u
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=args.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=list(end_token_ids(model, tokenizer)) or None,
+            eos_token_id=generate_eos(end_token_ids(model, tokenizer)),
             streamer=streamer.streamer,
             stopping_criteria=_stopping_criteria(streamer),
             **kwargs,

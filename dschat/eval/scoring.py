@@ -23,7 +23,7 @@ from dschat.models.registry import load_config
 from dschat.models.reward_inputs import encode_for_reward, reward_max_length
 from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
                                         not_a_critic_message)
-from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer, tokenizer_differences
+from dschat.models.tokenizer import end_token_ids, generate_eos, load_hf_tokenizer, tokenizer_differences
 from dschat.rl_math.logprobs import gather_log_probs
 from dschat.runtime.zero3 import zero3_pass
 
@@ -151,7 +151,7 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str], settings: EvalS
         temperature=settings.temperature if settings.do_sample else None,
         top_k=settings.top_k if settings.do_sample else None,
         top_p=settings.top_p if settings.do_sample else None,
-        eos_token_id=list(ends) or None,
+        eos_token_id=generate_eos(ends),
         pad_token_id=pad,
     )
     device = next(model.parameters()).device

@@ -149,14 +149,27 @@ def tokenizer_differences(a: Any, b: Any) -> list[str]:
     return out
 
 
+def end_id_tuple(ids: int | Sequence[int | None] | None) -> tuple[int, ...]:
+    """End ids given as one id, several (as ``generate``'s ``eos_token_id``) or None, as a tuple."""
+    if ids is None:
+        return ()
+    return (int(ids),) if isinstance(ids, int) else tuple(int(i) for i in ids if i is not None)
+
+
 def end_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     """The token ids that end an answer, without repeats: ``tokenizer.eos_token_id`` first, then each
     id of ``model.generation_config.eos_token_id`` (one id or a list, e.g. an instruct model's
     end-of-turn and end-of-text ids), which is what Hugging Face ``generate`` -- and so upstream's
     step 3 -- stops on. Empty when neither is set."""
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = list(configured) if isinstance(configured, (list, tuple)) else [configured]
-    return tuple(dict.fromkeys(int(i) for i in [tokenizer.eos_token_id, *ids] if i is not None))
+    return tuple(dict.fromkeys([*end_id_tuple(tokenizer.eos_token_id), *end_id_tuple(configured)]))
+
+
+def generate_eos(end_ids: Sequence[int]) -> int | list[int] | None:
+    """``generate``'s ``eos_token_id`` for ``end_ids``: the one id, a list of several, or None."""
+    if not end_ids:
+        return None
+    return end_ids[0] if len(end_ids) == 1 else list(end_ids)
 
 
 # Upstream's older name.

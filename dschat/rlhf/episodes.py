@@ -223,7 +223,7 @@ class EpisodePlayer:
             waiting = []  # turns the shared budget stopped before their own room ran out: they go on
             taken = [0] * B  # each row's answer tokens its conversation took
             for j, i in zip(at, live):
-                whole = _until_eos(answers[j], self.generator.end_ids)
+                whole = _until_end(answers[j], self.generator.end_ids)
                 part = whole[: self.max_answer_seq_len - len(tokens[i])]
                 ended[i] = bool(part) and part[-1] in self.generator.end_ids
                 taken[i] = len(part)
@@ -302,7 +302,7 @@ class EpisodePlayer:
         )
 
 
-def _until_eos(answer: list[int], end_ids: Sequence[int]) -> list[int]:
+def _until_end(answer: list[int], end_ids: Sequence[int]) -> list[int]:
     """A generated row up to and including its first end id (all of it when there is none)."""
     first = next((k for k, token in enumerate(answer) if token in end_ids), None)
     return answer if first is None else answer[: first + 1]

@@ -41,7 +41,7 @@ from dschat.errors import UserError
 from dschat.models.build import aligned_vocab_rows, create_critic_model, create_hf_model
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.models.reward_inputs import CrossTokenizerInputs, reward_max_length
-from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer, tokenizer_differences
+from dschat.models.tokenizer import load_hf_tokenizer, tokenizer_differences
 from dschat.rlhf.actor_ema import moving_average
 from dschat.rlhf.config import (
     ModelsConfig,
@@ -238,13 +238,6 @@ class DeepSpeedRLHFEngine:
         self.actor_ema = self._init_ema(actor_model_name_or_path) if models.enable_ema else None
         self.critic = self._init_critic(self.sources.critic) if with_critic else None
         self.reward = self._init_reward(self.sources.reward) if with_reward_model else None
-        # A reward model of another tokenizer reads each answer re-tokenised, at most its own length.
-        self.reward_inputs: CrossTokenizerInputs | None = None
-        if self.reward is not None and self.sources.reward_tokenizer is not None:
-            self.reward_inputs = CrossTokenizerInputs(
-                tokenizer, self.sources.reward_tokenizer,
-                reward_max_length(self.sources.reward_tokenizer, self.reward.module.config),
-                end_ids=end_token_ids(self.actor.module, tokenizer))  # the rollouts' (RolloutGenerator.end_ids)
         if models.critic.gradient_checkpointing and self.critic is not None:
             # Permanently on for the critic (upstream); the actor's is toggled around training only.
             self.critic.module.gradient_checkpointing_enable()
@@ -257,6 +250,14 @@ class DeepSpeedRLHFEngine:
             release_inference_cache=zero.release_inference_cache,
             inference_tp_size=zero.inference_tp_size, tp_gather_partition_size=zero.tp_gather_partition_size,
         )
+        # A reward model of another tokenizer reads each answer re-tokenised, at most its own length,
+        # as ended where the rollout ended it.
+        self.reward_inputs: CrossTokenizerInputs | None = None
+        if self.reward is not None and self.sources.reward_tokenizer is not None:
+            self.reward_inputs = CrossTokenizerInputs(
+                tokenizer, self.sources.reward_tokenizer,
+                reward_max_length(self.sources.reward_tokenizer, self.reward.module.config),
+                end_ids=self.generator.end_ids)
 
     # ------------------------------------------------------------------ helpers
     def release_prefetch(self) -> None:

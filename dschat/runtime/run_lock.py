@@ -238,13 +238,19 @@ def hold_run_lock(folder: str | os.PathLike, owner: object, flag: str = "--outpu
     weakref.finalize(owner, _OWNED.pop, id(owner), None)
 
 
+def _let_go(holds: list[weakref.finalize]) -> None:
+    """Run an owner's hold finalizers (each :func:`_release` once; the finalizer is then dead), the
+    last taken first: a folder inside another is let go of before it."""
+    for hold in reversed(holds):
+        hold()
+
+
 def release_run_lock(owner: object) -> None:
     """Let go now of the holds :func:`hold_run_lock` took for ``owner`` (a step's ``main`` ending
     without waiting for its arguments to be freed); a no-op when there are none."""
     with _GUARD:
         holds = _OWNED.pop(id(owner), [])
-    for hold in reversed(holds):
-        hold()  # runs _release once; the finalizer is then dead
+    _let_go(holds)
 
 
 def releasing_run_locks(main: Callable[_P, _R]) -> Callable[_P, _R]:
@@ -261,8 +267,7 @@ def releasing_run_locks(main: Callable[_P, _R]) -> Callable[_P, _R]:
             with _GUARD:
                 taken = [_OWNED.pop(key) for key in list(_OWNED) if key not in before]
             for holds in taken:
-                for hold in reversed(holds):
-                    hold()  # runs _release once; the finalizer is then dead
+                _let_go(holds)
     return wrapped
 
 

@@ -99,11 +99,11 @@ def test_a_rollout_stops_at_the_generation_configs_end_id_on_every_path(two_end_
 
 
 def test_an_episode_turn_ends_at_any_end_id():
-    from dschat.rlhf.episodes import _until_eos
+    from dschat.rlhf.episodes import _until_end
 
-    assert _until_eos([5, 6, 7, 2, 8], (2, 7)) == [5, 6, 7]
-    assert _until_eos([5, 6, 2, 7], (2, 7)) == [5, 6, 2]
-    assert _until_eos([5, 6], (2, 7)) == [5, 6]
+    assert _until_end([5, 6, 7, 2, 8], (2, 7)) == [5, 6, 7]
+    assert _until_end([5, 6, 2, 7], (2, 7)) == [5, 6, 2]
+    assert _until_end([5, 6], (2, 7)) == [5, 6]
 
 
 def test_a_tensor_parallel_member_keeps_its_rows_up_to_where_each_met_any_end_id():

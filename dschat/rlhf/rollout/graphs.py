@@ -150,8 +150,9 @@ class GraphsPath(DecodingPath):
             ids = torch.cat([conversation.past_ids(device), ids], dim=1)
             mask = torch.cat([conversation.mask.to(mask), mask], dim=1)
         ended = torch.tensor([not a for a in conversation.active], dtype=torch.bool, device=device)
+        only = gen.end_ids[0] if gen.end_ids else gen.tokenizer.pad_token_id  # what an ended row draws
         processors = LogitsProcessorList([*gen.extra_generate_kwargs.get("logits_processor", []),
-                                          _EndRows(ended, gen.end_ids[0] if gen.end_ids else gen.tokenizer.pad_token_id)])
+                                          _EndRows(ended, only)])
         # An ended row feeds nothing; its last column is shown to generate as a token (a pad id seen by
         # that row alone, a hole in the conversation's mask), or generate takes it for right padding.
         shown = mask.clone()
@@ -171,13 +172,14 @@ class GraphsPath(DecodingPath):
 
 
 class _EndRows(LogitsProcessor):
-    """The rows of ``ended`` (B,) bool: EOS is their only token (after generate's own processors and
-    the user's; the sampling warpers after it keep EOS the only choice)."""
+    """The rows of ``ended`` (B,) bool: ``token_id`` is their only token -- the generator's first end
+    id, so ``generate`` ends them at once; the pad id when there is none -- after generate's own
+    processors and the user's (the sampling warpers after it keep it the only choice)."""
 
-    def __init__(self, ended: torch.Tensor, eos_token_id: int) -> None:
-        self.ended, self.eos_token_id = ended, eos_token_id
+    def __init__(self, ended: torch.Tensor, token_id: int) -> None:
+        self.ended, self.token_id = ended, token_id
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        only_eos = torch.full_like(scores, -float("inf"))
-        only_eos[:, self.eos_token_id] = 0.0
-        return torch.where(self.ended[:, None], only_eos, scores)
+        only = torch.full_like(scores, -float("inf"))
+        only[:, self.token_id] = 0.0
+        return torch.where(self.ended[:, None], only, scores)

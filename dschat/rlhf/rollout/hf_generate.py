@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from transformers import PreTrainedModel
 
+from dschat.models.tokenizer import generate_eos
 from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest
 from dschat.rlhf.rollout.sample_loop import decode_kernels
 from dschat.rlhf.rollout.sampling import DecodingSettings, Rollout, generated_token_logprobs
@@ -51,19 +52,12 @@ def generate_kwargs(gen: RolloutGenerator, mask: torch.Tensor) -> dict[str, Any]
         "attention_mask": mask,
         "max_new_tokens": gen.max_answer_seq_len,
         "pad_token_id": gen.tokenizer.pad_token_id,
-        "eos_token_id": _generate_eos(gen.end_ids),
+        "eos_token_id": generate_eos(gen.end_ids),
         "synced_gpus": gen.synced_gpus,
         "use_cache": True,
         **gen.decoding.generate_kwargs(),
         **gen.extra_generate_kwargs,
     }
-
-
-def _generate_eos(end_ids: tuple[int, ...]) -> int | list[int] | None:
-    """``generate``'s ``eos_token_id`` for the generator's end ids: one id, a list, or None."""
-    if not end_ids:
-        return None
-    return end_ids[0] if len(end_ids) == 1 else list(end_ids)
 
 
 def hf_generate(gen: RolloutGenerator, module: PreTrainedModel, prompts: torch.Tensor, mask: torch.Tensor,

@@ -15,7 +15,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from transformers import GenerationConfig
 
-__all__ = ["DecodingSettings", "Rollout", "StepCallback", "EndIds", "end_id_tuple", "is_end",
+from dschat.models.tokenizer import end_id_tuple
+
+__all__ = ["DecodingSettings", "Rollout", "StepCallback", "EndIds", "is_end",
            "generated_token_logprobs", "loop_rollout", "check_probability_sums", "draw", "end_rows", "next_token_scores"]
 
 # ------------------------------------------------------------------------------------------------
@@ -103,13 +105,6 @@ EndIds = int | Sequence[int]
 """The ids that end an answer, as every decoding path and mask takes them: one id, or several (the
 generator's ``end_ids``: the tokenizer's EOS and the model's generation-config EOS ids,
 :func:`dschat.models.tokenizer.end_token_ids`)."""
-
-
-def end_id_tuple(eos_token_id: EndIds | None) -> tuple[int, ...]:
-    """``eos_token_id`` (:data:`EndIds`) as a tuple of ids; ``()`` for None (a tokenizer without EOS)."""
-    if eos_token_id is None:
-        return ()
-    return (int(eos_token_id),) if isinstance(eos_token_id, int) else tuple(int(i) for i in eos_token_id)
 
 
 def is_end(tokens: torch.Tensor, eos_token_id: EndIds | None) -> torch.Tensor:

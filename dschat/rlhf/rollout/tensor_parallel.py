@@ -49,7 +49,8 @@ from dschat.models.decoder.tensor_parallel import (
 from dschat.models.lora import LinearLayer_LoRA
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatEnginePath, DschatHybridEngine
 from dschat.rlhf.rollout.path import RolloutRequest
-from dschat.rlhf.rollout.sampling import EndIds, Rollout, check_probability_sums, draw, end_id_tuple, is_end
+from dschat.models.tokenizer import end_id_tuple
+from dschat.rlhf.rollout.sampling import EndIds, Rollout, check_probability_sums, draw, is_end
 from dschat.runtime.zero3 import gathered, release_zero3_prefetch
 
 __all__ = ["check_inference_tp", "GroupBatch", "group_batch", "own_answer_length", "materialised_part",
