@@ -15,8 +15,6 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from transformers import GenerationConfig
 
-from dschat.models.tokenizer import end_id_tuple
-
 __all__ = ["DecodingSettings", "Rollout", "StepCallback", "EndIds", "is_end",
            "generated_token_logprobs", "loop_rollout", "check_probability_sums", "draw", "end_rows", "next_token_scores"]
 
@@ -107,10 +105,14 @@ generator's ``end_ids``: the tokenizer's EOS and the model's generation-config E
 :func:`dschat.models.tokenizer.end_token_ids`)."""
 
 
+def _listed(eos_token_id: EndIds | None) -> list[int]:
+    return [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+
+
 def is_end(tokens: torch.Tensor, eos_token_id: EndIds | None) -> torch.Tensor:
     """Where ``tokens`` (any shape) hold one of the end ids (:data:`EndIds`): a bool tensor of that shape."""
     ended = torch.zeros_like(tokens, dtype=torch.bool)
-    for end in end_id_tuple(eos_token_id):
+    for end in _listed(eos_token_id):
         ended |= tokens == end
     return ended
 
@@ -146,7 +148,7 @@ def next_token_scores(logits: torch.Tensor, decoding: DecodingSettings, eos_toke
     scores = logits
     if suppress_eos:
         scores = scores.clone()
-        scores[:, list(end_id_tuple(eos_token_id))] = -float("inf")
+        scores[:, _listed(eos_token_id)] = -float("inf")
     if not decoding.sample:
         return scores
     if decoding.temperature != 1.0:
