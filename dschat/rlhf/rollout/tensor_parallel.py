@@ -47,9 +47,9 @@ from dschat.models.decoder.tensor_parallel import (
     tp_unsupported_reason,
 )
 from dschat.models.lora import LinearLayer_LoRA
+from dschat.models.tokenizer import end_id_tuple
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatEnginePath, DschatHybridEngine
 from dschat.rlhf.rollout.path import RolloutRequest
-from dschat.models.tokenizer import end_id_tuple
 from dschat.rlhf.rollout.sampling import EndIds, Rollout, check_probability_sums, draw, is_end
 from dschat.runtime.zero3 import gathered, release_zero3_prefetch
 
