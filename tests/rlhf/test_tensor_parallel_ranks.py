@@ -1,7 +1,8 @@
 """Inference tensor parallelism on two real ranks (DeepSpeed launcher, gloo, ZeRO-3 with every weight
 partitioned): one launch checks tiny Llama and OPT actors, with and without LoRA, through
 ``RolloutGenerator`` -- TP 2 greedy tokens and per-token log-probs equal TP 1's, the shards hold less
-than the whole copy, the ZeRO-3 partitions come back bit for bit, the summary line names the degree --
+than the whole copy, the ZeRO-3 partitions come back bit for bit, the summary line names the degree, a
+second end id in the generation config ends the rows where TP 1 ends them --
 and one step-3 run with ``--inference_tp_size 2`` trains and saves."""
 from __future__ import annotations
 
@@ -71,6 +72,33 @@ for name, lora_modules in (("tiny-llama", "layers."), ("tiny-opt", "decoder.laye
         assert "inference TP degree 2" in tp_line and "tensor-parallel over ranks 0-1" in tp_line, tp_line
         assert gen.summary_line().endswith("inference TP degree 1")
         print(f"TP-OK {name} lora={lora} rank={info.rank} shard {shard.nbytes()} of {whole.nbytes()} bytes | {tp_line}", flush=True)
+        if lora:
+            continue
+        # A second end id in the generation config, one a row meets past min_new_tokens for the first
+        # time: TP 2 ends the rows there as TP 1 does, each rank keeping its own rows.
+        answers = one.sequences[:, width:].tolist()
+        specials = (tokenizer.eos_token_id, tokenizer.pad_token_id)
+        found = [(info.rank, i, k, a[k]) for i, a in enumerate(answers) for k in range(2, len(a))
+                 if a[k] not in a[:k] + list(specials) and specials[0] not in a[:k]] + [(-1, -1, -1, -1)]
+        everyone = [torch.zeros(4, dtype=torch.long) for _ in range(2)]
+        torch.distributed.all_gather(everyone, torch.tensor(found[0]))
+        owner, at_row, at, stop = next(t.tolist() for t in everyone if int(t[0]) >= 0)  # (rank, row, column, id)
+        engine.module.generation_config.eos_token_id = [tokenizer.eos_token_id, stop]
+        gen = RolloutGenerator(engine, tokenizer, decision=HybridEngineDecision(True, False, dschat_engine=True),
+                               decoding=DecodingSettings("greedy"), max_answer_seq_len=8, zero_stage=3,
+                               inference_tp_size=2, tp_gather_partition_size=1)
+        gen.extra_generate_kwargs = {"min_new_tokens": 2}
+        assert gen.end_ids == (tokenizer.eos_token_id, stop), gen.end_ids
+        tp = gen.rollout(prompts, mask)
+        gen.inference_tp_size = 1
+        alone = gen.rollout(prompts, mask)
+        assert torch.equal(tp.sequences, alone.sequences), (tp.sequences, alone.sequences)
+        if info.rank == owner:
+            row = tp.sequences[at_row, width:].tolist()
+            assert row[:at + 1] == answers[at_row][:at + 1], (row, answers[at_row])
+            assert all(t == tokenizer.pad_token_id for t in row[at + 1:]), row  # ended at the new end id
+        engine.module.generation_config.eos_token_id = tokenizer.eos_token_id
+        print(f"TP-END-OK {name} rank={info.rank}", flush=True)
 '''
 
 
@@ -80,6 +108,7 @@ def test_two_ranks_tp2_rollouts_equal_tp1_for_llama_and_opt_with_and_without_lor
     proc = run_captured(deepspeed_cmd(str(script)), cwd=tmp_path, env=subprocess_env(), timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("TP-OK ") == 8, proc.stdout[-3000:]  # 2 models x LoRA off/on x 2 ranks (lines may interleave)
+    assert proc.stdout.count("TP-END-OK ") == 4, proc.stdout[-3000:]  # 2 models x 2 ranks
 
 
 def test_step3_with_inference_tp_size_2_trains_and_saves(tmp_path, critic_dirs, data_cache):
