@@ -116,7 +116,8 @@ except UserError as err:
     outcome = f"error: {err}"
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(outcome, f)
-dist.destroy_process_group()
+from dschat.runtime.dist import destroy_gloo_group
+destroy_gloo_group()  # the steps' teardown: gc first (a bare destroy aborted now and then)
 '''
 
 

@@ -54,7 +54,8 @@ except BaseException as err:
     result = {"raised": type(err).__name__, "line": str(err)}
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(result, f)
-dist.destroy_process_group()
+from dschat.runtime.dist import destroy_gloo_group
+destroy_gloo_group()  # the steps' teardown: gc first (a bare destroy aborted now and then)
 '''
 
 

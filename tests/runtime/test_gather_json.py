@@ -57,7 +57,8 @@ except (OSError, RuntimeError) as err:
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(result, f, allow_nan=True)
 dist.barrier()  # neither rank tears gloo down while the other still talks to it
-dist.destroy_process_group()
+from dschat.runtime.dist import destroy_gloo_group
+destroy_gloo_group()  # the steps' teardown: gc first (a bare destroy aborted now and then)
 '''
 
 

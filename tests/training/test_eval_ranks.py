@@ -158,7 +158,8 @@ scores = evaluate_reward(FakeEngine(True), make_eval_loader(pair_rows(), 2, Data
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump([scores.pairs, scores.accuracy, scores.chosen, scores.loss], f)
 dist.barrier()
-dist.destroy_process_group()
+from dschat.runtime.dist import destroy_gloo_group
+destroy_gloo_group()  # the steps' teardown: gc first (a bare destroy aborted now and then)
 '''
 
 

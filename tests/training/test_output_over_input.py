@@ -161,7 +161,8 @@ except UserError as err:
 with open(f"{out}/rank{rank}.json", "w") as f:
     json.dump(result, f)
 dist.barrier()
-dist.destroy_process_group()
+from dschat.runtime.dist import destroy_gloo_group
+destroy_gloo_group()  # the steps' teardown: gc first (a bare destroy aborted now and then)
 '''
 
 
