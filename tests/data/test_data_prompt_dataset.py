@@ -517,7 +517,8 @@ TWO_RANK_SCRIPT = textwrap.dedent(
     train, held_out = create_prompt_dataset(rank, ["dschat/builtin"], "2,4,4", out, 3, 1234, tok, 64, reload=True)
     print("RESULT2", len(train), len(held_out), flush=True)
     dist.barrier()
-    dist.destroy_process_group()
+    from dschat.runtime.dist import destroy_gloo_group
+    destroy_gloo_group()  # the steps' teardown: gc first (a bare destroy aborted now and then)
     """
 )
 
