@@ -51,9 +51,14 @@ from dschat.runtime.zero3 import release_zero3_prefetch
 LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
 
 
-# What a save writes (and so may replace); everything else in an output folder is carried over.
+# What a save writes (and so may replace), by the exact names Hugging Face gives them: the weights
+# in one file or in shards ("-00001-of-00002") with their index, our value head, the configs and
+# the tokenizer's files. Everything else in an output folder is carried over, also files named like
+# weights that no save writes (the user's "model.prev.safetensors", "model-v1.safetensors").
+_SHARD = r"(-\d{5}-of-\d{5})?"
 _WEIGHT_FILES = (
-    r"^(model|pytorch_model|tf_model|flax_model)([-.].*)?\.(safetensors|bin|h5|msgpack)(\.index\.json)?$"
+    rf"^(model{_SHARD}\.safetensors|pytorch_model{_SHARD}\.bin|tf_model{_SHARD}\.h5|flax_model{_SHARD}\.msgpack)$"
+    r"|^(model\.safetensors|pytorch_model\.bin|tf_model\.h5|flax_model\.msgpack)\.index\.json$"
     r"|^v_head\.safetensors$"
 )
 _WEIGHTS = re.compile(_WEIGHT_FILES)

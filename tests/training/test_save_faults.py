@@ -466,6 +466,30 @@ def test_a_final_save_into_the_working_directory(tiny, tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.parent.iterdir() if p.name.startswith(f".{tmp_path.name}")) == []
 
 
+def test_a_final_save_keeps_the_users_files_named_like_weights_and_replaces_an_earlier_models(tiny, tmp_path):
+    """Only files of the exact names a Hugging Face save writes are the model's: a backup the user
+    made beside it (``model.prev.safetensors``, ``model-v1.safetensors``, ``model.int8.safetensors``,
+    ``model.h5``) is kept, byte for byte; an earlier model's weights in another form (upstream's
+    ``pytorch_model.bin``, shards and their index) are removed so the folder holds one model."""
+    old, new, tokenizer = tiny
+    out = tmp_path / "out"
+    save_hf_model(old, tokenizer, out)
+    mine = {name: f"the user's {name}".encode() for name in
+            ("model.prev.safetensors", "model-v1.safetensors", "model.int8.safetensors", "model.h5",
+             "pytorch_model.safetensors", "model.safetensors.bak")}
+    earlier = ("pytorch_model.bin", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+               "model.safetensors.index.json")
+    for name, data in mine.items():
+        (out / name).write_bytes(data)
+    for name in earlier:
+        (out / name).write_bytes(b"an earlier model's weights")
+    save_hf_model(new, tokenizer, out)
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+    assert [name for name in earlier if (out / name).exists()] == []
+    loaded = AutoModelForCausalLM.from_pretrained(out)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), new.state_dict().values()))
+
+
 def test_rolling_back_with_resume_from_then_resume(engine, tmp_path):
     """The issue's roll-back: step_50, 100 and 200 exist; --resume_from step_50 and --keep_checkpoints
     2, then a save at step 60 keeps step_60 and the source; a later --resume continues from step_60
