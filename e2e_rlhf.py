@@ -53,6 +53,7 @@ from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  #
 from dschat.recipes.loading import get_recipe  # noqa: E402
 from dschat.recipes.recipe import Recipe, split_flag_groups  # noqa: E402
 from dschat.runtime.fs import check_writable_dir  # noqa: E402
+from dschat.runtime.run_lock import hold_run_lock, releasing_run_locks  # noqa: E402
 
 STEP_KEYS = {1: "step1", 2: "step2", 3: "step3"}
 MODEL_TYPE = {1: "actor", 2: "reward", 3: "step3"}  # upstream's output folder prefixes
@@ -802,6 +803,7 @@ def run_report(args: argparse.Namespace, runs: Sequence[StepRun], config: E2ECon
     print(summary_text(report), flush=True)
 
 
+@releasing_run_locks  # --output-dir is free again when main ends, in-process too
 def main(argv: Sequence[str] | None = None) -> int:
     start = time.monotonic()
     config = load_e2e_config()
@@ -824,6 +826,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: no --hostfile and no {DEFAULT_HOSTFILE}: the deepspeed launcher will use this machine only",
               flush=True)
     out = Path(args.output_dir)
+    if not args.dry_run:  # one e2e run per --output-dir: a second would retrain and replace the first's models
+        hold_run_lock(out, args, "--output-dir")
     timings = load_timings(out)
     records = load_step_records(out)
     selected = [r for r in runs if r.number in args.step]

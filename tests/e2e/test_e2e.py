@@ -233,6 +233,41 @@ def test_a_step_refusing_its_input_exits_2_and_leaves_no_folder(tmp_path):
     assert proc.returncode == 2 and (out / E.STEPS_FILE).read_text() == before
 
 
+def test_a_second_e2e_on_the_output_folder_of_a_running_one_stops_and_writes_nothing(tmp_path):
+    """A second e2e on a running one's --output-dir would retrain each step and replace the first's
+    finished models (and their records) while the first still reads them: one line, exit 2, nothing
+    written, no step launched. Once the first has ended, the folder is free again."""
+    fake = tmp_path / "fake_deepspeed.py"
+    fake.write_text("import sys; print('launched'); sys.exit(2)\n")
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        sys.path.insert(0, sys.argv[2])
+        import e2e_rlhf
+        from dschat.runtime.run_lock import hold_run_lock
+
+        class Args: pass
+        args = Args()
+        hold_run_lock(sys.argv[1], args, "--output-dir")
+        print("held", flush=True)
+        sys.stdin.read()
+    """), str(out), str(REPO)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        argv = ("--step", "1", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--output-dir", str(out),
+                "--preflight", "off")
+        proc = _e2e(*argv, env={LAUNCHER_ENV: f"{sys.executable} {fake}"})
+        assert proc.returncode == 2, proc.stderr
+        assert "--output-dir" in proc.stderr and str(holder.pid) in proc.stderr
+        assert "launched" not in proc.stdout and "Running Step" not in proc.stdout
+        assert sorted(p.name for p in out.iterdir()) == [".dschat-run.lock"]
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    proc = _e2e(*argv, env={LAUNCHER_ENV: f"{sys.executable} {fake}"})
+    assert "launched" in proc.stdout  # the folder is free: the (fake) step runs
+
+
 # ------------------------------------------------------------------------------------------------
 # The real thing on tiny models
 # ------------------------------------------------------------------------------------------------
