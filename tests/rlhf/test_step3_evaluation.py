@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -196,8 +197,8 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
     assert evaluation.best == {"step": 6, "by": "j", "score": 2.0}
     assert "the best models in" in capsys.readouterr().out
     assert not evaluate(evaluation, 3, 1.5) and evaluate(evaluation, 4, 2.5) and saved == [4]
-    # The checkpoint's best is higher, or best.json is another series' or damaged: the checkpoint's stays.
-    for on_disk in ('{"step": 6, "by": "j", "score": 0.5}', '{"step": 6, "by": "proxy", "score": 9.0}', '{"step": 6'):
+    # The checkpoint's best is higher, or best.json is damaged: the checkpoint's stays.
+    for on_disk in ('{"step": 6, "by": "j", "score": 0.5}', '{"step": 6'):
         evaluation = evaluation_after_resume(on_disk, {"step": 2, "by": "j", "score": 1.0})
         assert evaluation.best == {"step": 2, "by": "j", "score": 1.0}
     # By run id: this run's best/ is the bar; another run's (its checkpoint had no best yet) is set aside.
@@ -210,6 +211,7 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
     assert f"held an earlier run's best models: now in {tmp_path / 'best.earlier'}" in capsys.readouterr().out
     assert evaluate(evaluation, 7, 0.1) and saved[-1] == 7  # no bar: any finite evaluation is the best now
     # The checkpoint's best evaluation, whose models another run's best/ had replaced: gone, so the next saves.
+    shutil.rmtree(tmp_path / "best.earlier")  # (with it there, setting best/ aside is refused: the next test)
     evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0, "run": "older"}',
                                          {"step": 2, "by": "j", "score": 1.0}, run="mine")
     assert evaluation.best is None and "the best models of step 2 are not in" in capsys.readouterr().out
@@ -217,6 +219,40 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
     evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0, "run": "saved"}', None)
     assert evaluation.best == {"step": 6, "by": "j", "score": 2.0} and evaluation.run_id == "saved"
     assert '"run": "older"' in (tmp_path / "best.earlier" / "best.json").read_text()
+
+
+def test_a_resume_that_would_keep_the_best_by_another_series_stops_and_leaves_best_as_it_is(tmp_path, monkeypatch):
+    """A run kept best/ by the proxy; resumed with --eval_judge (whose default --save_best_by is judge)
+    it would compare judge scores with the proxy's bar: best/ replaced by a worse model, or (the other
+    way round) never again. The resume stops with one line naming both ways on; with best/ moved away
+    the new series starts afresh."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(ev, "save_best", lambda *args, **kwargs: None)
+    trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,
+                              rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
+
+    def resume(save_best_by: str, kept: str) -> ev.StepThreeEvaluation:
+        args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by=save_best_by,
+                               output_dir=str(tmp_path), stop_on_overoptimization=False)
+        evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("gold", fn=object())])
+        state = {"history": [], "best": {"step": 6, "by": kept, "score": -0.2}, "alarms": [],
+                 "seconds": [0.0, 0.0, 0.0], "run": "mine"}
+        evaluation.restore(SimpleNamespace(extra={"evaluation": state}))
+        return evaluation
+
+    for save_best_by, kept, same in (("judge", "proxy", "--save_best_by proxy"),
+                                     ("proxy", "gold", "--save_best_by judge with --eval_judge gold first")):
+        (tmp_path / "best").mkdir()
+        info = f'{{"step": 6, "by": "{kept}", "score": -0.2, "run": "mine"}}'
+        (tmp_path / "best" / "best.json").write_text(info)
+        with pytest.raises(UserError, match=f"by {kept}, and this run would keep them by") as refused:
+            resume(save_best_by, kept)
+        assert f"pass {same} to go on as before" in str(refused.value)
+        assert (tmp_path / "best" / "best.json").read_text() == info
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
+        shutil.rmtree(tmp_path / "best")  # moved away: the new series starts without a bar
+        assert resume(save_best_by, kept).best is None
 
 
 def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_aside(tmp_path, monkeypatch, capsys):
@@ -229,23 +265,31 @@ def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_a
                            stop_on_overoptimization=False)
     trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,
                               rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
-    for run in ("first", "second"):
-        (tmp_path / "best").mkdir()
-        (tmp_path / "best" / "best.json").write_text(f'{{"step": 6, "by": "j", "score": 2.0, "run": "{run}"}}')
-        evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())])
-        evaluation.restore(None)
-        assert evaluation.best is None and not (tmp_path / "best").exists()
-        assert f'"run": "{run}"' in (tmp_path / "best.earlier" / "best.json").read_text()
-        assert f"held an earlier run's best models: now in {tmp_path / 'best.earlier'}" in capsys.readouterr().out
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text('{"step": 6, "by": "j", "score": 2.0, "run": "first"}')
+    evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())])
+    evaluation.restore(None)
+    assert evaluation.best is None and not (tmp_path / "best").exists()
+    assert '"run": "first"' in (tmp_path / "best.earlier" / "best.json").read_text()
+    assert f"held an earlier run's best models: now in {tmp_path / 'best.earlier'}" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.earlier"]
+    # A second run's best/ with best.earlier/ there already: setting it aside would lose the older one.
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text('{"step": 6, "by": "j", "score": 1.0, "run": "second"}')
+    with pytest.raises(UserError, match=f"move {tmp_path / 'best.earlier'} away"):
+        ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())]).restore(None)
+    assert '"run": "first"' in (tmp_path / "best.earlier" / "best.json").read_text()
+    assert '"run": "second"' in (tmp_path / "best" / "best.json").read_text()
+    shutil.rmtree(tmp_path / "best")
     # A best/ of step 0 holds the starting models of a run that stopped early: it goes, best.earlier/ stays.
     (tmp_path / "best").mkdir()
     (tmp_path / "best" / "best.json").write_text('{"step": 0, "by": "j", "score": 0.5}')
     ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())]).restore(None)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.earlier"]
-    assert '"run": "second"' in (tmp_path / "best.earlier" / "best.json").read_text()
+    assert '"run": "first"' in (tmp_path / "best.earlier" / "best.json").read_text()
     assert "the starting models of a run that stopped before a better evaluation" in capsys.readouterr().out
     # A rename that fails is one line, and best/ stays.
+    shutil.rmtree(tmp_path / "best.earlier")
     (tmp_path / "best").mkdir()
     from types import SimpleNamespace as Module
 

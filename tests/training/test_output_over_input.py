@@ -81,6 +81,23 @@ def test_step3_refuses_an_output_dir_whose_actor_folder_it_starts_from(tmp_path,
     assert "is inside the folder this run saves the earlier best models into" in line
 
 
+def test_a_fresh_step3_that_would_lose_an_older_best_earlier_stops_before_anything_loads(tmp_path, critic_dirs,
+                                                                                        data_cache, capsys):
+    """A fresh run sets an earlier run's best/ aside as best.earlier/; with best.earlier/ there already
+    (the run before that one's), that would lose it: one line, before any model loads."""
+    out = tmp_path / "out"
+    for folder, run in (("best", "second"), ("best.earlier", "first")):
+        (out / folder).mkdir(parents=True)
+        (out / folder / "best.json").write_text(f'{{"step": 6, "by": "gold", "score": 0.1, "run": "{run}"}}')
+    before = listing(out)
+    argv = step3_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out), "--eval_interval",
+                      "1", "--eval_judge", "gold")
+    line = refused_in_process(argv, capsys)
+    assert line.startswith(f"error: {out / 'best'} holds an earlier run's best models and {out / 'best.earlier'}")
+    assert "move" in line and "--save_best_by none" in line
+    assert listing(out) == before
+
+
 def test_a_step_says_it_started_only_once_its_flags_passed(tmp_path, monkeypatch, capsys):
     """The launcher keeps the log of a step that exits 2 after start-up (dschat.launch): setup_run
     creates $DSCHAT_STARTED_FILE; a step refusing its flags never gets there."""

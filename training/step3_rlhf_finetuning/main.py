@@ -99,6 +99,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     from dschat.models.reward_model import check_critic_folder
     from dschat.models.save import is_model_artifact
     from dschat.paths import BEST_DIR, EARLIER_BEST_DIR
+    from dschat.rlhf.heldout.best import earlier_best_in_the_way
     from dschat.runtime.fs import check_writable_dir
     from dschat.training import run_setup
     from dschat.training.step_data import check_seq_len_fits_positions
@@ -133,6 +134,10 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
                                              "--critic_model_name_or_path": critic,
                                              "--reward_model_name_or_path": reward}, saved)
     run_setup.check_output_paths(args)
+    if "the best models" in saved and not (args.resume or args.resume_from):  # a fresh run sets best/ aside
+        problem = earlier_best_in_the_way(Path(args.output_dir))
+        if problem is not None:
+            raise UserError(problem)
     for what, (folder, _) in saved.items():  # the sub-folders the final save writes, checked now
         if Path(folder).exists() and not Path(folder).is_dir():
             raise UserError(f"{folder} is a file, and this run saves {what} into a folder of that name; move the "

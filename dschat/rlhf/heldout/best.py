@@ -19,7 +19,7 @@ from dschat.paths import BEST_DIR, BEST_FILE, EARLIER_BEST_DIR
 from dschat.runtime.dist import barrier
 from dschat.runtime.fs import atomic_dir
 
-__all__ = ["read_best", "save_best", "set_earlier_best_aside"]
+__all__ = ["earlier_best_in_the_way", "other_series_line", "read_best", "save_best", "set_earlier_best_aside"]
 
 
 def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer: PreTrainedTokenizerBase,
@@ -49,37 +49,55 @@ def read_best(folder: Path) -> dict[str, object] | None:
         return None
 
 
+def other_series_line(best_dir: Path, kept: str, series: str, save_best_by: str) -> str:
+    """The line refusing a resumed run that would go on keeping ``best_dir``'s models (kept by the
+    series ``kept``) by another ``series`` (``--save_best_by save_best_by``): the two series' scores
+    do not compare, so ``best/`` would be replaced by a worse model, or never."""
+    same = "--save_best_by proxy" if kept == "proxy" else f"--save_best_by judge with --eval_judge {kept} first"
+    return (f"--resume: the run kept its best models in {best_dir} by {kept}, and this run would keep them by "
+            f"{series} (--save_best_by {save_best_by}; judge is the default with --eval_judge): the two scores do "
+            f"not compare; pass {same} to go on as before, or move {best_dir} away to keep the best by {series} "
+            "from here on")
+
+
+def earlier_best_in_the_way(output_dir: Path) -> str | None:
+    """The line refusing a run that would set ``output_dir``'s ``best/`` aside
+    (:func:`set_earlier_best_aside`) while ``best.earlier/`` holds a run's best models too (that
+    older folder would be lost), or None."""
+    best, earlier = output_dir / BEST_DIR, output_dir / EARLIER_BEST_DIR
+    saved = read_best(best) if best.exists() else None
+    if not best.exists() or (saved is not None and saved["step"] == 0) or not earlier.exists():
+        return None
+    return (f"{best} holds an earlier run's best models and {earlier} those of one before it; this run sets "
+            f"{best} aside as {earlier} before its first evaluation, which would lose the older one: move "
+            f"{earlier} away (or delete it), pass --save_best_by none, or give another --output_dir")
+
+
 def set_earlier_best_aside(output_dir: Path) -> str | None:
     """Before a run with no evaluation to continue (its first evaluation, of the starting models, would
-    replace ``best/``): an earlier run's ``best/`` becomes ``best.earlier/``, replacing an older one;
-    a ``best/`` of step 0 (the starting models of a run that stopped before a better evaluation) is
-    removed and ``best.earlier/`` stays. Returns the notice (None: no ``best/``); a failed rename is
-    one :class:`UserError` line, after which ``best/`` and ``best.earlier/`` are as they were. Nothing
-    is deleted in place: a folder goes by a rename (to a hidden name no other run uses) first."""
+    replace ``best/``): an earlier run's ``best/`` becomes ``best.earlier/``; a ``best/`` of step 0
+    (the starting models of a run that stopped before a better evaluation) is removed and
+    ``best.earlier/`` stays. Returns the notice (None: no ``best/``). One :class:`UserError` line,
+    with ``best/`` and ``best.earlier/`` as they were, when ``best.earlier/`` is there already
+    (:func:`earlier_best_in_the_way`) or a rename fails. Nothing is deleted in place: a folder goes by
+    a rename (to a hidden name no other run uses) first."""
     best, earlier = output_dir / BEST_DIR, output_dir / EARLIER_BEST_DIR
     if not best.exists():
         return None
+    problem = earlier_best_in_the_way(output_dir)
+    if problem is not None:
+        raise UserError(problem)
     gone = output_dir / f".{EARLIER_BEST_DIR}-{os.getpid()}-{secrets.token_hex(4)}"
     saved = read_best(best)
-    moved_earlier = False
     try:
         if saved is not None and saved["step"] == 0:
             os.replace(best, gone)
             notice = f"removed {best}: the starting models of a run that stopped before a better evaluation"
         else:
-            if earlier.exists():
-                os.replace(earlier, gone)
-                moved_earlier = True
             os.replace(best, earlier)
             notice = f"{best} held an earlier run's best models: now in {earlier}"
     except OSError as err:
-        kept = ""
-        if moved_earlier:  # best/ did not move: the older best.earlier/ goes back
-            try:
-                os.replace(gone, earlier)
-            except OSError:
-                kept = f"; the older {earlier} is in {gone}"
-        raise UserError(f"cannot set the earlier run's {best} aside ({err.strerror}{kept}); move it away yourself, "
+        raise UserError(f"cannot set the earlier run's {best} aside ({err.strerror}); move it away yourself, "
                         "or pass --save_best_by none") from None
     shutil.rmtree(gone, ignore_errors=True)
     return notice

@@ -61,12 +61,13 @@ from dschat.cli.step3 import EVAL_INTERVAL_AUTO
 from dschat.data.collators import SOURCES_KEY, DataCollatorRLHF, drop_padding_columns
 from dschat.data.prompt_columns import PromptColumns, load_prompt_columns
 from dschat.data.token_dataset import PromptItem
+from dschat.errors import UserError
 from dschat.eval.metrics_file import EVAL_KIND
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
-from dschat.rlhf.heldout.best import read_best, save_best, set_earlier_best_aside
+from dschat.rlhf.heldout.best import other_series_line, read_best, save_best, set_earlier_best_aside
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
 from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
 from dschat.rlhf.heldout.setup import Judge
@@ -248,8 +249,11 @@ class StepThreeEvaluation:
         if not present:  # the checkpoint's best models are gone
             self._forget_best_without_models()
             return
-        if on_disk is None or on_disk["by"] != self._best_series() or not _finite(on_disk["score"]):
-            return  # another series', or an unreadable best.json: no bar
+        kept = on_disk["by"] if on_disk is not None else (self.best or {}).get("by")
+        if kept is not None and kept != self._best_series():
+            raise UserError(other_series_line(best_dir, str(kept), self._best_series(), self.save_best_by))
+        if on_disk is None or not _finite(on_disk["score"]):
+            return  # an unreadable best.json: no bar
         saved = {key: on_disk[key] for key in ("step", "by", "score")}
         if self.best is None or not _finite(self.best["score"]) or saved["score"] > self.best["score"]:
             self.best = saved
