@@ -43,6 +43,7 @@ PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
 PROBE_PREFIX = f"{TMP_PREFIX}visible-"  # a file rank 0 drops for the other ranks to look for
 PRUNED_PREFIX = f"{TMP_PREFIX}pruned-"  # a rotated-out checkpoint being deleted
+PRUNING_PREFIX = f"{TMP_PREFIX}pruning-"  # a leftover claimed by a rank for deleting (prune_leftovers)
 REPLACED_TAG = ".replaced-"  # step_<N>.replaced-<id>: a complete step_<N> set aside while it is replaced
 
 
@@ -87,7 +88,20 @@ def incomplete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if p.is_dir() and (
-        p.name.startswith(TMP_PREFIX) or (steps_of(p) is not None and not (p / MARKER).is_file())))
+        (p.name.startswith(TMP_PREFIX) and left_by_dschat(p))
+        or (steps_of(p) is not None and not (p / MARKER).is_file())))
+
+
+def left_by_dschat(leftover: Path) -> bool:
+    """Whether the ``.tmp-*`` entry ``leftover`` of a checkpoint root is dschat's own (and so may be
+    deleted): a probe file or a folder being pruned (names only dschat gives), a checkpoint folder
+    dschat began (:func:`begun_by_dschat`), or an empty folder (a write stopped before its tag). Any
+    other entry of that name is the user's, and is left alone."""
+    if leftover.name.startswith((PROBE_PREFIX, PRUNED_PREFIX, PRUNING_PREFIX)):
+        return True
+    if leftover.is_symlink() or not leftover.is_dir():
+        return False
+    return begun_by_dschat(leftover) or not any(leftover.iterdir())
 
 
 def latest_checkpoint(root: Path, rank: int = 0) -> Path | None:
@@ -218,7 +232,8 @@ def restore_replaced(root: Path) -> list[str]:
 
 
 def prune_leftovers(root: Path, run_tag: str) -> list[str]:
-    """Delete the ``.tmp-*`` leftovers of stopped saves under ``root`` as this rank sees it; return
+    """Delete the ``.tmp-*`` leftovers of stopped saves under ``root`` as this rank sees it (dschat's own:
+    :func:`left_by_dschat`; the user's entries of such names stay); return
     one notice per unfinished checkpoint deleted.
 
     Every rank calls it (node-local folders have leftovers too), with the same ``run_tag``. A rank
@@ -227,11 +242,13 @@ def prune_leftovers(root: Path, run_tag: str) -> list[str]:
     """
     if not root.is_dir():
         return []
-    ours = f"{TMP_PREFIX}pruning-{run_tag}-"
+    ours = f"{PRUNING_PREFIX}{run_tag}-"
     notices = []
     for leftover in sorted(root.glob(f"{TMP_PREFIX}*")):
         if leftover.name.startswith(ours):
             continue  # claimed by another rank of this run
+        if not left_by_dschat(leftover):
+            continue  # the user's own, named like a leftover
         claimed = root / f"{ours}{secrets.token_hex(6)}"
         try:
             os.replace(leftover, claimed)
@@ -241,7 +258,7 @@ def prune_leftovers(root: Path, run_tag: str) -> list[str]:
             shutil.rmtree(claimed, ignore_errors=True)
         else:
             claimed.unlink(missing_ok=True)
-        if not leftover.name.startswith((PROBE_PREFIX, f"{TMP_PREFIX}pruning-", PRUNED_PREFIX)):
+        if not leftover.name.startswith((PROBE_PREFIX, PRUNING_PREFIX, PRUNED_PREFIX)):
             notices.append(f"ignoring incomplete checkpoint {leftover} (a run stopped while writing it); "
                            "removed it")
     return notices

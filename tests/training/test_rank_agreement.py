@@ -88,8 +88,9 @@ def _pruning(base: Path, rank: int) -> dict:
     # A shared folder (both ranks prune it, exactly one deletes each leftover) and one of each rank's own.
     shared, own = base / "prune" / "checkpoints", base / f"prune{rank}" / "checkpoints"
     if rank == 0:
-        for steps in (3, 5):
+        for steps in (3, 5):  # begun by dschat: its writing tag is in them from the start
             (shared / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(steps)}" / "model").mkdir(parents=True)
+            (shared / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(steps)}" / ckpt.WRITING_TAG).touch()
     (own / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(7)}").mkdir(parents=True)
     dist.barrier()
     notices = ckpt.prune_leftovers(shared, "run1") + ckpt.prune_leftovers(own, "run1")

@@ -74,6 +74,29 @@ def test_a_checkpoint_is_made_incomplete_before_its_files_are_deleted(tmp_path, 
     assert sorted(p.name for p in root.iterdir()) == ["step_00000002"]
 
 
+def test_leftovers_are_pruned_only_when_dschat_left_them(tmp_path):
+    """A checkpoint root's ``.tmp-*`` entries go only when they are dschat's: a checkpoint it began
+    (its writing tag), an empty folder, a probe file, a folder being pruned. A folder or file of the
+    user's that merely has such a name stays, with everything in it, and is no incomplete checkpoint."""
+    root = tmp_path / "checkpoints"
+    begun = root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(3)}"
+    (begun / "model").mkdir(parents=True)
+    (begun / rotation.WRITING_TAG).write_text("")
+    (root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(4)}").mkdir()  # stopped before its tag
+    (root / f"{rotation.PROBE_PREFIX}1f").touch()
+    (root / f"{rotation.PRUNED_PREFIX}step_00000001" / "model").mkdir(parents=True)
+    (root / ".tmp-mine").mkdir()
+    (root / ".tmp-mine" / "notes.txt").write_text("mine")
+    (root / ".tmp-backup.tar").write_text("mine too")
+    assert [p.name for p in rotation.incomplete_checkpoints(root)] == sorted([
+        f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(3)}", f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(4)}",
+        f"{rotation.PRUNED_PREFIX}step_00000001"])
+    notices = rotation.prune_leftovers(root, "run")
+    assert len(notices) == 2  # the two unfinished checkpoints
+    assert sorted(p.name for p in root.iterdir()) == [".tmp-backup.tar", ".tmp-mine"]
+    assert (root / ".tmp-mine" / "notes.txt").read_text() == "mine"
+
+
 @pytest.mark.parametrize("new_complete", [False, True])
 def test_a_kill_while_replacing_a_step_keeps_a_complete_one(new_complete, tmp_path):
     root = tmp_path / "checkpoints"
