@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
     sys.path.insert(0, str(ROOT))
 
 from dschat.cli.step3 import ALGORITHM_CHOICES  # noqa: E402
-from dschat.errors import EXIT_USAGE, UserError, cli_main  # noqa: E402
+from dschat.errors import EXIT_USAGE, UserError, cli_main, first_line  # noqa: E402
 from dschat.launch import LaunchResult, flag_value, oom_advice, plan, run  # noqa: E402
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
@@ -670,8 +670,10 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
     if args.actor_zero_stage != "" or args.reward_zero_stage != "":
         warnings.warn("Non-default zero stages may result in OOM errors or worse performance.", stacklevel=1)
     args.step = sorted(set(args.step))
-    if args.save_interval is not None and args.save_interval < 1:
-        raise UserError(f"--save-interval must be >= 1, got {args.save_interval}")
+    for flag, value in (("--save-interval", args.save_interval), ("--num-gpus", args.num_gpus),
+                        ("--num-nodes", args.num_nodes), ("--num-generations", args.num_generations)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
     check_environment_options(args)
     return args
 
@@ -686,13 +688,37 @@ def _launch_world(launch_argv: Sequence[str]) -> int:
     return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1
 
 
-def preflight_steps(args: argparse.Namespace, dep: Deployment, runs: Sequence[StepRun], selected: Sequence[StepRun],
+def step_flags_checked(args: argparse.Namespace, runs: Sequence[StepRun],
+                       selected: Sequence[StepRun]) -> list[tuple[StepRun, list[str]]]:
+    """Each selected step with the flags it will run with (step 3's model flags name the base
+    models where steps 1 and 2 have not written their folders yet, which the plan reads), checked as
+    the step checks them (:func:`~dschat.plan.cli.check_flag_values`, no file read): flags a step
+    refuses are one :class:`UserError` line naming the step, before anything is written."""
+    from dschat.plan.cli import build_parser as plan_parser, check_flag_values  # lazy: torch (seconds)
+
+    checked = []
+    for run_ in selected:
+        flags = run_.recipe.render(run_.params, run_.extra)
+        if run_.number == 3:
+            for flag, base, done in (("--actor_model_name_or_path", args.actor_model, runs[0].output_dir),
+                                     ("--critic_model_name_or_path", args.reward_model, runs[1].output_dir)):
+                if flag in flags and not (done / "config.json").is_file():
+                    flags[flags.index(flag) + 1] = model_id(base)
+        try:
+            check_flag_values(plan_parser(run_.number).parse_args(flags))
+        except UserError as err:
+            raise UserError(f"step {run_.number} refuses its flags: {first_line(err)}") from None
+        checked.append((run_, flags))
+    return checked
+
+
+def preflight_steps(args: argparse.Namespace, dep: Deployment, checked: Sequence[tuple[StepRun, list[str]]],
                     launcher: dict[str, object]) -> None:
-    """Plan every selected step before step 1 (docs/memory-plan.md): step 3 with the base models'
-    configs where steps 1 and 2 have not written theirs yet. On a GPU a step that cannot fit is one
-    :class:`UserError` line; on the CPU one line per step. Step 3 is planned with the engines its flags
-    build (no critic for a critic-free algorithm, no reward model for a reward given without it).
-    Multi-node runs are not planned here."""
+    """Plan every step of ``checked`` (:func:`step_flags_checked`) before step 1
+    (docs/memory-plan.md). On a GPU a step that cannot fit is one :class:`UserError` line; on the
+    CPU one line per step. Step 3 is planned with the engines its flags build (no critic for a
+    critic-free algorithm, no reward model for a reward given without it). Multi-node runs are not
+    planned here."""
     if args.preflight == "off" or args.dry_run:
         return
     if dep.name == "multi_node":
@@ -701,13 +727,7 @@ def preflight_steps(args: argparse.Namespace, dep: Deployment, runs: Sequence[St
     from dschat.plan.preflight import device_memory, preflight  # lazy: torch and DeepSpeed (seconds)
 
     accelerator, gpu_bytes = device_memory()
-    for run_ in selected:
-        flags = run_.recipe.render(run_.params, run_.extra)
-        if run_.number == 3:  # the folders steps 1 and 2 will write have their base models' configs
-            for flag, base, done in (("--actor_model_name_or_path", args.actor_model, runs[0].output_dir),
-                                     ("--critic_model_name_or_path", args.reward_model, runs[1].output_dir)):
-                if flag in flags and not (done / "config.json").is_file():
-                    flags[flags.index(flag) + 1] = model_id(base)
+    for run_, flags in checked:
         launch = plan(run_.recipe, run_.params, run_.extra, launcher_overrides=launcher, repo_root=ROOT,
                       require_main=False)
         world = _launch_world(launch.argv)
@@ -826,15 +846,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"note: no --hostfile and no {DEFAULT_HOSTFILE}: the deepspeed launcher will use this machine only",
               flush=True)
     out = Path(args.output_dir)
+    selected = [r for r in runs if r.number in args.step]
+    checked = [] if args.dry_run else step_flags_checked(args, runs, selected)  # before the lock makes --output-dir
     if not args.dry_run:  # one e2e run per --output-dir: a second would retrain and replace the first's models
         hold_run_lock(out, args, "--output-dir")
     timings = load_timings(out)
     records = load_step_records(out)
-    selected = [r for r in runs if r.number in args.step]
     report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
     spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
 
-    preflight_steps(args, dep, runs, selected, launcher)
+    preflight_steps(args, dep, checked, launcher)
     ran_one = False  # --resume: once a step runs, the later ones are stale and run afresh
     save = ["--save_interval", str(args.save_interval)] if args.save_interval else []
     for index, run_ in enumerate(selected):

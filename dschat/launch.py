@@ -178,8 +178,13 @@ def resolve_launcher(recipe: Recipe, overrides: Mapping[str, object] | None) -> 
     --standalone``): the launcher's default 29500, or a recipe's fixed port, may be held by another
     job on the machine. A multi-node launch keeps the given port, the recipe's or 29500, because
     every host must agree on it; when the first host is this machine, the port is checked here.
+    A ``--num_gpus`` or ``--num_nodes`` override below 1 is one :class:`UserError` line.
     """
     overrides = dict(overrides or {})
+    for name in ("num_gpus", "num_nodes"):
+        value = overrides.get(name)
+        if isinstance(value, int) and value < 1:  # deepspeed would run on none (or every) GPU of the node
+            raise UserError(f"--{name} must be >= 1, got {value}")
     launcher = recipe.launcher.with_overrides(**overrides)
     hosts = launch_hosts(launcher.hostfile, launcher.num_nodes, launcher.include, launcher.exclude)
     given = overrides.get("master_port")

@@ -20,9 +20,10 @@ import json
 import random
 from pathlib import Path
 
+from dschat.errors import UserError, cli_main
 from dschat.gold_judge import gold_score
 from dschat.paths import BUILTIN_DATA_DIR, BUILTIN_SAMPLES_DIR
-from dschat.runtime.fs import atomic_files
+from dschat.runtime.fs import atomic_files, check_writable_dir
 
 NAME = "dschat/builtin"
 SPLITS = ("train", "eval")
@@ -512,11 +513,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train_rows", type=int, default=DEFAULT_TRAIN_ROWS, help="train rows")
     parser.add_argument("--eval_rows", type=int, default=DEFAULT_EVAL_ROWS, help="held-out rows")
     args = parser.parse_args(argv)
+    check_row_counts(args.train_rows, args.eval_rows)
+    check_writable_dir(args.out, "--out")
     rows = generate(args.seed, args.train_rows, args.eval_rows)
     write(args.out, rows)
     for split, split_rows in rows.items():
         print(f"wrote {len(split_rows)} {split} rows to {args.out / (split + '.jsonl')}")
 
 
+def check_row_counts(train_rows: int, eval_rows: int) -> None:
+    """``--train_rows`` and ``--eval_rows`` are counts (>= 0); else one :class:`UserError` line."""
+    for flag, value in (("--train_rows", train_rows), ("--eval_rows", eval_rows)):
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0 (a number of rows), got {value}")
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli_main(main))

@@ -24,9 +24,9 @@ from typing import Any
 
 from dschat.data import local_files as lf
 from dschat.data.adapters.base import PromptRawDataset, Sample
-from dschat.errors import UserError
+from dschat.errors import UserError, cli_main
 from dschat.paths import WORDGAME_DATA_DIR
-from dschat.runtime.fs import atomic_files
+from dschat.runtime.fs import atomic_files, check_writable_dir
 
 NAME = "dschat/wordgame"
 SPLITS = ("train", "eval")
@@ -34,6 +34,7 @@ COLUMNS = ("prompt", "word")
 DEFAULT_SEED = 1234
 DEFAULT_TRAIN_ROWS = 480
 DEFAULT_EVAL_ROWS = 64
+GAME_NUMBERS = range(1000, 10000)  # each row's game number, distinct across both splits
 
 TRAIN_WORDS = (
     "apple", "river", "candle", "tiger", "pencil", "garden", "rocket", "window", "silver", "muffin",
@@ -65,7 +66,7 @@ def make_rows(seed: int = DEFAULT_SEED, train_rows: int = DEFAULT_TRAIN_ROWS,
     """``{"train": rows, "eval": rows}``, each row ``{"prompt", "word"}``; the same for the same arguments.
     Every prompt is distinct (its game number), and the splits share no prompt and no word."""
     rng = random.Random(seed)
-    numbers = rng.sample(range(1000, 10000), train_rows + eval_rows)
+    numbers = rng.sample(GAME_NUMBERS, train_rows + eval_rows)
     out = {}
     for split, words, picked in (("train", TRAIN_WORDS, numbers[:train_rows]),
                                  ("eval", EVAL_WORDS, numbers[train_rows:])):
@@ -125,10 +126,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train_rows", type=int, default=DEFAULT_TRAIN_ROWS)
     parser.add_argument("--eval_rows", type=int, default=DEFAULT_EVAL_ROWS)
     args = parser.parse_args(argv)
+    check_row_counts(args.train_rows, args.eval_rows)
+    check_writable_dir(args.out, "--out")
     rows = make_rows(args.seed, args.train_rows, args.eval_rows)
     write(args.out, rows)
     print(f"wrote {len(rows['train'])} train and {len(rows['eval'])} eval rows to {args.out}")
 
 
+def check_row_counts(train_rows: int, eval_rows: int) -> None:
+    """``--train_rows`` and ``--eval_rows`` are counts (>= 0) of games, each with its own number
+    (:data:`GAME_NUMBERS`, so at most that many in all); else one :class:`UserError` line."""
+    for flag, value in (("--train_rows", train_rows), ("--eval_rows", eval_rows)):
+        if value < 0:
+            raise UserError(f"{flag} must be >= 0 (a number of rows), got {value}")
+    if train_rows + eval_rows > len(GAME_NUMBERS):
+        raise UserError(f"--train_rows + --eval_rows must be at most {len(GAME_NUMBERS)} (each game has its own "
+                        f"number), got {train_rows + eval_rows}")
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli_main(main))

@@ -47,12 +47,14 @@ from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
 from dschat.plan.roles import model_config, plan_roles, planned_roles
 from dschat.plan.training_steps import plan_step_engine, step_phases
+from dschat.rlhf.config import resolve_algorithm
 from dschat.rlhf.guards import validate_step3_args
 from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
 from dschat.training.run_setup import check_common_args
 from dschat.training.step_data import check_pair_seq_len, check_seq_len_fits_positions
 
-__all__ = ["add_plan_args", "build_parser", "format_gb", "parse_size", "plan", "planned_step", "main", "MARGIN"]
+__all__ = ["add_plan_args", "build_parser", "check_flag_values", "format_gb", "parse_size", "plan", "planned_step",
+           "main", "MARGIN"]
 
 MARGIN = 0.10  # a plan fits when its peak leaves this share of the GPU free (allocator fragmentation)
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -60,11 +62,14 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 
 
 def parse_size(text: str, flag: str) -> int:
-    """``"80GB"`` / ``"40GiB"`` / ``"512MB"`` -> bytes; anything else is a :class:`UserError`."""
+    """``"80GB"`` / ``"40GiB"`` / ``"512MB"`` -> bytes (> 0); anything else is a :class:`UserError`."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
     if not match or match.group(2).upper() not in _UNITS:
         raise UserError(f"{flag} {text!r} is not a memory size; write it like 80GB, 40GiB or 512MB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    if size <= 0:
+        raise UserError(f"{flag} must be more than 0 bytes, got {text!r}; write the memory like 80GB, 40GiB or 512MB")
+    return size
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -115,18 +120,15 @@ def _check_args(args: argparse.Namespace) -> None:
             raise UserError(f"--{flag} must be at least 1, got {getattr(args, flag)}")
 
 
-def check_step_flags(args: argparse.Namespace) -> None:
-    """The planned step's own flag checks (a :class:`UserError` where the step refuses its flags):
-    step 3's :func:`validate_step3_args` on a CUDA GPU in ``--dtype``; steps 1-2's
-    :func:`check_common_args` on a copy without the output, data-cache, TensorBoard and resume paths,
-    whose checks look at (and may tidy) folders on this machine; every step's row length against the
-    actor's (steps 1-2: the model's) position table (:func:`check_seq_len_fits_positions`; step 2: a
-    pair's 2 positions, :func:`check_pair_seq_len`)."""
+def check_flag_values(args: argparse.Namespace) -> None:
+    """The planned step's checks of its flags alone, no file read (a :class:`UserError` where the
+    step refuses its flags): step 3's :func:`validate_step3_args` on a CUDA GPU in ``--dtype`` and
+    :func:`resolve_algorithm`; steps 1-2's :func:`check_common_args` on a copy without the output,
+    data-cache, TensorBoard and resume paths, whose checks look at (and may tidy) folders on this
+    machine; step 2's :func:`check_pair_seq_len` (a pair's 2 positions)."""
     if args.step == 3:
         validate_step3_args(args, accelerator="cuda", dtype=args.dtype)
-        model_config(args.actor_model_name_or_path)  # a config.json it cannot read: the planner's line first
-        check_seq_len_fits_positions(args.actor_model_name_or_path, args.max_prompt_seq_len + args.max_answer_seq_len,
-                                     "--max_prompt_seq_len + --max_answer_seq_len")
+        resolve_algorithm(args)
         return
     flags_only = copy.copy(args)
     for name, value in (("output_dir", None), ("data_output_path", None), ("enable_tensorboard", False),
@@ -136,6 +138,18 @@ def check_step_flags(args: argparse.Namespace) -> None:
     check_common_args(flags_only)
     if args.step == 2:
         check_pair_seq_len(args.max_seq_len)
+
+
+def check_step_flags(args: argparse.Namespace) -> None:
+    """The planned step's own flag checks (a :class:`UserError` where the step refuses its flags):
+    :func:`check_flag_values`, then every step's row length against the actor's (steps 1-2: the
+    model's) position table (:func:`check_seq_len_fits_positions`)."""
+    check_flag_values(args)
+    if args.step == 3:
+        model_config(args.actor_model_name_or_path)  # a config.json it cannot read: the planner's line first
+        check_seq_len_fits_positions(args.actor_model_name_or_path, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                     "--max_prompt_seq_len + --max_answer_seq_len")
+        return
     model_config(args.model_name_or_path)
     check_seq_len_fits_positions(args.model_name_or_path, args.max_seq_len)
 

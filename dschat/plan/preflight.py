@@ -22,7 +22,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 
 from dschat.errors import UserError
-from dschat.plan.cli import MARGIN, build_parser, format_gb, plan, render, suggestions
+from dschat.plan.cli import MARGIN, build_parser, check_flag_values, format_gb, plan, render, suggestions
 from dschat.plan.roles import reward_model_used
 from dschat.rlhf.config import resolve_algorithm
 from dschat.runtime.dist import collective_device, print_rank_0
@@ -40,8 +40,9 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
               echo: Callable[[str], None] = print, step: int = 3, table: bool = True,
               skip_hint: str = "--preflight off skips this check", reward_model: bool | None = None) -> dict | None:
     """Plan step ``step``'s ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan, or None
-    when the planner cannot plan it (one note through ``echo``, nothing raised). ``reward_model``:
-    whether step 3 loads its reward model (None: as the flags say).
+    when the planner cannot plan it (one note through ``echo``, nothing raised). Flags the step itself
+    refuses (:func:`~dschat.plan.cli.check_flag_values`) are its :class:`UserError`, not a note.
+    ``reward_model``: whether step 3 loads its reward model (None: as the flags say).
 
     ``accelerator == "cpu"``: the table (one line without ``table``) is printed (``echo``), nothing is
     enforced. Otherwise a plan that does not fit raises :class:`UserError` with the peak phase, the
@@ -51,6 +52,7 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
     node_args = ["--gpus_per_node", str(gpus_per_node), "--num_nodes", str(max(1, world // gpus_per_node))]
     full = [*argv, *node_args]
     args = parser.parse_args(full)
+    check_flag_values(args)  # flags the step refuses are the user's to fix: raised, never a note
     try:
         result = plan(args, gpu_bytes=gpu_bytes, reward_model=reward_model)
     except Exception as err:  # noqa: BLE001 - the planner's gap on a model the run can train never stops it

@@ -11,6 +11,7 @@ from typing import Any
 from dschat.errors import UserError
 from dschat.rlhf.config import positive_flag
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
+from dschat.training.run_setup import check_dropouts, check_learning_rates
 
 __all__ = ["validate_step3_args"]
 
@@ -20,11 +21,11 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
 
     ``accelerator`` is DeepSpeed's device name (``"cuda"``, ``"cpu"``, ...) and ``dtype`` the dtype
     training actually uses (``resolve_dtype``: fp16 becomes fp32 on a CPU). Checks, in the order a
-    user would hit them: ZeRO stages, lengths, decoding, Hybrid Engine tensor parallelism,
-    upstream's unsupported ZeRO-2 + HE + offload combination, DeepSpeed's offload rules
-    (``--offload`` needs ZeRO >= 1 for actor and critic; the reference / reward offload needs the
-    actor / critic at ZeRO-3), mixed-precision LoRA, ``--align_overflow`` outside fp16 (upstream
-    asserted or failed later: docs/upstream.md#step-3-ppo).
+    user would hit them: ZeRO stages, lengths, learning rates (finite, >= 0) and dropouts (in [0, 1)),
+    decoding, Hybrid Engine tensor parallelism, upstream's unsupported ZeRO-2 + HE + offload
+    combination, DeepSpeed's offload rules (``--offload`` needs ZeRO >= 1 for actor and critic; the
+    reference / reward offload needs the actor / critic at ZeRO-3), mixed-precision LoRA,
+    ``--align_overflow`` outside fp16 (upstream asserted or failed later: docs/upstream.md#step-3-ppo).
     """
     warnings: list[str] = []
     for name in ("actor_zero_stage", "critic_zero_stage"):
@@ -37,6 +38,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
                         f"got {args.max_prompt_seq_len}")
     if args.num_warmup_steps < 0:
         raise UserError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
+    check_learning_rates(args, ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
+                                "critic_lora_learning_rate"))
+    check_dropouts(args, ("actor_dropout", "critic_dropout"))
     check_ppo_numbers(args)
     if args.enable_test_mode and args.test_stop_step < 0:
         raise UserError(f"--test_stop_step must be >= 0, got {args.test_stop_step}")

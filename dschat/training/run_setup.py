@@ -28,6 +28,25 @@ from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint
 from dschat.training.loaders import set_random_seed
 
 
+def check_learning_rates(args: object, names: Iterable[str]) -> None:
+    """One line for the first flag of ``names`` (attributes of ``args``; a missing one is skipped)
+    that is not a finite number >= 0 (torch's optimizers refuse a negative rate only once the model
+    is built, and a negative LoRA rate trains without an error)."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and not (math.isfinite(value) and value >= 0):
+            raise UserError(f"--{name} must be a finite number >= 0, got {value}")
+
+
+def check_dropouts(args: object, names: Iterable[str]) -> None:
+    """One line for the first flag of ``names`` (attributes of ``args``; None: the model's own
+    dropout, not checked) outside [0, 1), the probabilities torch's dropout layers take."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and not 0 <= value < 1:
+            raise UserError(f"--{name} must be in [0, 1) (a probability; omit it to keep the model's), got {value}")
+
+
 def check_common_args(args: argparse.Namespace) -> None:
     """Reject contradictory or impossible flags before anything is loaded or written."""
     if getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None):
@@ -50,6 +69,8 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")
+    check_learning_rates(args, ("learning_rate", "lora_learning_rate"))
+    check_dropouts(args, ("dropout",))
     if getattr(args, "offload", False):
         check_optimizer_offload(args.zero_stage, "--zero_stage")
     if getattr(args, "offload_reference_model", False):  # DPO: the reference is ZeRO-3 iff the policy is

@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from dschat.errors import cli_main
+from dschat.errors import UserError, cli_main
 from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
 
 # Upstream's pairs. Its prompts end with "Assistant: " (a trailing space), unlike the training
@@ -166,11 +166,30 @@ def run_single_sample(args: argparse.Namespace) -> float:
     return score
 
 
+def check_max_seq_len(model_name_or_path: str, max_seq_len: int) -> None:
+    """``--max_seq_len`` holds a pair (>= 2, as step 2's) and fits the model's positions, read from
+    its config before any weight loads: a position table's length as the steps refuse it
+    (``check_seq_len_fits_positions``), and, for families that compute their positions, the
+    ``max_position_embeddings`` it was trained for (every pair is padded to ``--max_seq_len``: longer
+    only costs memory). One :class:`UserError` line otherwise."""
+    from dschat.models.registry import load_config, resolve_model_path
+    from dschat.training.step_data import check_pair_seq_len, check_seq_len_fits_positions
+
+    check_pair_seq_len(max_seq_len)
+    check_seq_len_fits_positions(model_name_or_path, max_seq_len)
+    limit = getattr(load_config(resolve_model_path(model_name_or_path)), "max_position_embeddings", None)
+    if isinstance(limit, int) and max_seq_len > limit:
+        raise UserError(f"--max_seq_len {max_seq_len} is longer than the {limit} positions {model_name_or_path} "
+                        f"was trained for, and every pair is padded to it; pass --max_seq_len {limit} or less")
+
+
 def main(argv: Sequence[str] | None = None) -> list[PairScore]:
     from dschat.training.run_setup import quiet_transformers
 
+    args = parse_args(argv)
+    check_max_seq_len(args.model_name_or_path, args.max_seq_len)
     quiet_transformers()
-    return run_pair_comparison(parse_args(argv))
+    return run_pair_comparison(args)
 
 
 if __name__ == "__main__":

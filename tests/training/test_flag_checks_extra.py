@@ -1,0 +1,133 @@
+"""Numeric flags refused in one line before anything runs: learning rates and dropouts (steps 1-3),
+the launchers' GPU and node counts, the planner's GPU memory, the memory preflight's flag errors,
+rw_eval's ``--max_seq_len`` and the data generators' ``--out`` and row counts. The CLI-level cases
+(exit 2, nothing written) are in tests/e2e/test_bad_input.py."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+
+from dschat.cli.shared import add_step1_args
+from dschat.errors import EXIT_USAGE, UserError, cli_main
+
+from helpers import PYTHON, REPO
+from helpers.steps import cli_env
+
+
+def _step1_args(*argv: str) -> argparse.Namespace:
+    return add_step1_args(argparse.ArgumentParser()).parse_args(
+        ["--model_name_or_path", "tiny-llama", "--data_path", "dschat/builtin", *argv])
+
+
+@pytest.mark.parametrize("flag, value", [("--learning_rate", "-1"), ("--learning_rate", "nan"),
+                                         ("--learning_rate", "inf"), ("--lora_learning_rate", "-0.5")])
+def test_step_learning_rates_are_finite_and_not_negative(flag, value):
+    from dschat.training.run_setup import check_common_args
+
+    with pytest.raises(UserError, match=f"^{flag} must be a finite number >= 0, got "):
+        check_common_args(_step1_args(flag, value))
+    check_common_args(_step1_args(flag, "0"))  # 0: upstream accepts any rate, a frozen run included
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1", "2", "nan"])
+def test_step_dropout_is_a_probability_below_1(value):
+    from dschat.training.run_setup import check_common_args
+
+    with pytest.raises(UserError, match=r"^--dropout must be in \[0, 1\)"):
+        check_common_args(_step1_args("--dropout", value))
+    check_common_args(_step1_args("--dropout", "0"))
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--actor_lora_learning_rate", "-1", "--actor_lora_learning_rate must be a finite number >= 0"),
+    ("--critic_lora_learning_rate", "nan", "--critic_lora_learning_rate must be a finite number >= 0"),
+    ("--actor_learning_rate", "inf", "--actor_learning_rate must be a finite number >= 0"),
+    ("--critic_dropout", "1", r"--critic_dropout must be in \[0, 1\)"),
+])
+def test_step3_learning_rates_and_dropouts(flag, value, message):
+    from dschat.cli.step3 import add_step3_args
+    from dschat.rlhf.guards import validate_step3_args
+
+    args = add_step3_args(argparse.ArgumentParser()).parse_args(
+        ["--actor_model_name_or_path", "tiny-opt", "--data_path", "dschat/builtin", flag, value])
+    with pytest.raises(UserError, match=f"^{message}"):
+        validate_step3_args(args, accelerator="cpu", dtype="fp32")
+
+
+@pytest.mark.parametrize("flag, value", [("--num_gpus", "-2"), ("--num_gpus", "0"), ("--num_nodes", "0")])
+def test_launch_refuses_fewer_than_one_gpu_or_node(flag, value, capsys):
+    from dschat.launch import _entry
+
+    assert _entry(["step1", "cpu/tiny", flag, value, "--dry-run"]) == EXIT_USAGE
+    assert f"error: {flag} must be >= 1, got {value}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("memory", ["0", "0GB", "0.1B"])
+def test_plan_refuses_a_gpu_without_memory(memory, capsys):
+    from dschat.plan.cli import main
+
+    assert main(["--step", "1", "--model_name_or_path", "tiny-llama", "--gpu_memory", memory]) == EXIT_USAGE
+    assert f"error: --gpu_memory must be more than 0 bytes, got '{memory}'" in capsys.readouterr().err
+
+
+def test_preflight_raises_flags_the_step_refuses_instead_of_a_note():
+    """A flag error is the user's to fix (e2e stops before step 1), not a gap of the planner."""
+    from dschat.plan.preflight import preflight
+
+    notes: list[str] = []
+    argv = ["--actor_model_name_or_path", "tiny-opt", "--critic_model_name_or_path", "tiny-opt",
+            "--data_path", "dschat/builtin", "--algorithm", "grpo", "--num_generations", "0"]
+    with pytest.raises(UserError, match="^--num_generations must be a positive integer, got 0"):
+        preflight(argv, world=1, gpus_per_node=1, accelerator="cpu", gpu_bytes=10**10, echo=notes.append)
+    assert notes == []
+
+
+def _rw_eval():
+    spec = importlib.util.spec_from_file_location(
+        "dschat_rw_eval_flags", REPO / "training" / "step2_reward_model_finetuning" / "rw_eval.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_rw_eval_max_seq_len_fits_positions_the_model_computes():
+    """A rotary model (tiny-llama, 512 positions) is not refused by the steps' position-table check;
+    rw_eval pads every pair to --max_seq_len, so it refuses past the trained positions."""
+    rw_eval = _rw_eval()
+    with pytest.raises(UserError, match="^--max_seq_len 100000 is longer than the 512 positions tiny-llama"):
+        rw_eval.check_max_seq_len("tiny-llama", 100000)
+    rw_eval.check_max_seq_len("tiny-llama", 512)
+
+
+@pytest.mark.parametrize("module", ["dschat.data.builtin", "dschat.data.wordgame"])
+@pytest.mark.parametrize("out, rows, message", [
+    ("{file}", (), "--out {file} exists and is not a folder"),
+    ("{file}/x", (), "--out {file}/x cannot be created: {file} is a file"),
+    ("{ws}/new", ("--train_rows", "-5"), "--train_rows must be >= 0 (a number of rows), got -5"),
+    ("{ws}/new", ("--eval_rows", "-1"), "--eval_rows must be >= 0 (a number of rows), got -1"),
+])
+def test_data_generators_refuse_bad_out_and_row_counts(module, out, rows, message, tmp_path):
+    """Run as ``python -m``: one line, exit 2, nothing written."""
+    (tmp_path / "file.txt").write_text("a regular file\n")
+    values = {"file": str(tmp_path / "file.txt"), "ws": str(tmp_path)}
+    proc = subprocess.run([PYTHON, "-m", module, "--out", out.format(**values), *rows], cwd=tmp_path,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == EXIT_USAGE, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message.format(**values)}"), proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+def test_wordgame_refuses_more_games_than_numbers(tmp_path, capsys):
+    from dschat.data import wordgame
+
+    argv = ["--out", str(tmp_path / "out"), "--train_rows", "9000", "--eval_rows", "1"]
+    assert cli_main(wordgame.main, argv) == EXIT_USAGE
+    assert "--train_rows + --eval_rows must be at most 9000" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
