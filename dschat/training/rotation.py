@@ -96,12 +96,16 @@ def left_by_dschat(leftover: Path) -> bool:
     """Whether the ``.tmp-*`` entry ``leftover`` of a checkpoint root is dschat's own (and so may be
     deleted): a probe file or a folder being pruned (names only dschat gives), a checkpoint folder
     dschat began (:func:`begun_by_dschat`), or an empty folder (a write stopped before its tag). Any
-    other entry of that name is the user's, and is left alone."""
+    other entry of that name is the user's, and is left alone; so is one that cannot be read, or is
+    gone while it is looked at (another rank claimed it)."""
     if leftover.name.startswith((PROBE_PREFIX, PRUNED_PREFIX, PRUNING_PREFIX)):
         return True
-    if leftover.is_symlink() or not leftover.is_dir():
+    try:
+        if leftover.is_symlink() or not leftover.is_dir():
+            return False
+        return begun_by_dschat(leftover) or not any(leftover.iterdir())
+    except OSError:  # gone (another rank claimed it meanwhile) or unreadable (not ours to delete)
         return False
-    return begun_by_dschat(leftover) or not any(leftover.iterdir())
 
 
 def latest_checkpoint(root: Path, rank: int = 0) -> Path | None:

@@ -232,10 +232,10 @@ def test_a_resume_that_would_keep_the_best_by_another_series_stops_and_leaves_be
     trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,
                               rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
 
-    def resume(save_best_by: str, kept: str) -> ev.StepThreeEvaluation:
+    def resume(save_best_by: str, kept: str, judge: str = "gold") -> ev.StepThreeEvaluation:
         args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by=save_best_by,
                                output_dir=str(tmp_path), stop_on_overoptimization=False)
-        evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("gold", fn=object())])
+        evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge(judge, fn=object())])
         state = {"history": [], "best": {"step": 6, "by": kept, "score": -0.2}, "alarms": [],
                  "seconds": [0.0, 0.0, 0.0], "run": "mine"}
         evaluation.restore(SimpleNamespace(extra={"evaluation": state}))
@@ -253,6 +253,11 @@ def test_a_resume_that_would_keep_the_best_by_another_series_stops_and_leaves_be
         assert sorted(p.name for p in tmp_path.iterdir()) == ["best"]
         shutil.rmtree(tmp_path / "best")  # moved away: the new series starts without a bar
         assert resume(save_best_by, kept).best is None
+    # A folder judge spelled another way (its --eval_judge text names the series) is the same series.
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text(f'{{"step": 6, "by": "{tmp_path}/rm/", "score": -0.2, "run": "mine"}}')
+    assert resume("judge", f"{tmp_path}/rm/", judge=f"{tmp_path}/./rm").best == {
+        "step": 6, "by": f"{tmp_path}/rm/", "score": -0.2}
 
 
 def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_aside(tmp_path, monkeypatch, capsys):

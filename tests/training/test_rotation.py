@@ -97,6 +97,23 @@ def test_leftovers_are_pruned_only_when_dschat_left_them(tmp_path):
     assert (root / ".tmp-mine" / "notes.txt").read_text() == "mine"
 
 
+def test_a_leftover_another_rank_claims_while_it_is_looked_at_is_passed_over(tmp_path, monkeypatch):
+    """Every rank prunes a shared root at once: a ``.tmp-step_<N>`` another rank renames between two
+    looks is left to that rank, not a FileNotFoundError on this one."""
+    root = tmp_path / "checkpoints"
+    leftover = root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(3)}"
+    (leftover / "model").mkdir(parents=True)
+    claimed = root / f"{rotation.PRUNING_PREFIX}other-1"
+
+    def claimed_meanwhile(folder):
+        os.replace(folder, claimed)
+        return False
+
+    monkeypatch.setattr(rotation, "begun_by_dschat", claimed_meanwhile)
+    assert rotation.prune_leftovers(root, "run") == []
+    assert sorted(p.name for p in root.iterdir()) == [claimed.name]
+
+
 @pytest.mark.parametrize("new_complete", [False, True])
 def test_a_kill_while_replacing_a_step_keeps_a_complete_one(new_complete, tmp_path):
     root = tmp_path / "checkpoints"

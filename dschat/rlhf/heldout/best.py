@@ -19,7 +19,7 @@ from dschat.paths import BEST_DIR, BEST_FILE, EARLIER_BEST_DIR
 from dschat.runtime.dist import barrier
 from dschat.runtime.fs import atomic_dir
 
-__all__ = ["earlier_best_in_the_way", "other_series_line", "read_best", "save_best", "set_earlier_best_aside"]
+__all__ = ["earlier_best_in_the_way", "other_series_line", "same_series", "read_best", "save_best", "set_earlier_best_aside"]
 
 
 def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer: PreTrainedTokenizerBase,
@@ -47,6 +47,14 @@ def read_best(folder: Path) -> dict[str, object] | None:
                 "run": run if isinstance(run, str) else None}
     except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return None
+
+
+def same_series(a: str, b: str) -> bool:
+    """Whether two series names of ``best.json``'s ``by`` are one series: equal, or the same folder
+    spelled two ways (a folder judge is named by its ``--eval_judge`` text: ``rm/``, ``./rm``, ``~/rm``)."""
+    if a == b:
+        return True
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
 def other_series_line(best_dir: Path, kept: str, series: str, save_best_by: str) -> str:

@@ -67,7 +67,7 @@ from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
-from dschat.rlhf.heldout.best import other_series_line, read_best, save_best, set_earlier_best_aside
+from dschat.rlhf.heldout.best import other_series_line, read_best, same_series, save_best, set_earlier_best_aside
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
 from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
 from dschat.rlhf.heldout.setup import Judge
@@ -250,7 +250,7 @@ class StepThreeEvaluation:
             self._forget_best_without_models()
             return
         kept = on_disk["by"] if on_disk is not None else (self.best or {}).get("by")
-        if kept is not None and kept != self._best_series():
+        if kept is not None and not same_series(str(kept), str(self._best_series())):
             raise UserError(other_series_line(best_dir, str(kept), self._best_series(), self.save_best_by))
         if on_disk is None or not _finite(on_disk["score"]):
             return  # an unreadable best.json: no bar
