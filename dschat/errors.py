@@ -8,6 +8,7 @@ is on the command line (or ``DSCHAT_DEBUG=1`` is set).
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 from typing import Callable, Sequence
 
@@ -26,6 +27,13 @@ def first_line(err: BaseException) -> str:
     """The first line of ``err``'s message ("" when it has none), for an error line that quotes it."""
     text = str(err)
     return text.splitlines()[0] if text else ""
+
+
+def cannot_read(path: str | os.PathLike, err: OSError) -> UserError:
+    """The one line for a file or folder this account may not read: ``cannot read X (Permission denied): fix``."""
+    where = os.fspath(path)
+    return UserError(f"cannot read {where} ({err.strerror or type(err).__name__}): give this account read access "
+                     f"to it (e.g. chmod -R a+rX {shlex.quote(where)}) or pass a copy it can read")
 
 
 def first_keys(keys: list[str], n: int = 5) -> str:

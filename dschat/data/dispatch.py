@@ -81,7 +81,7 @@ def resolve_dataset(dataset_name: str) -> DatasetSource:
                 root = find_local_jsonfile_dir()
                 return DatasetSource(name, adapter, tuple(LocalJsonFileDataset.source_files(root)), root)
             path = lf.expand(name)
-            if path.exists():
+            if lf.exists(path):
                 files = lf.files_under(path) if path.is_dir() else [path]
                 return DatasetSource(name, adapter, tuple(files), path if path.is_dir() else path.parent)
             if lf.looks_like_path(name):  # e.g. /data/Dahoas/rm-static: a local copy that is not there
@@ -94,7 +94,7 @@ def resolve_dataset(dataset_name: str) -> DatasetSource:
         files = wordgame.data_files()
         return DatasetSource(name, wordgame.WordGameDataset, tuple(files), files[0].parent)
     path = lf.expand(name)
-    if path.exists():
+    if lf.exists(path):
         files = LocalPreferenceDataset.source_files(path)
         if not files:
             raise UserError(

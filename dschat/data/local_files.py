@@ -17,7 +17,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-from dschat.errors import UserError, first_line
+from dschat.errors import UserError, cannot_read, first_line
 
 #: Suffixes of preference-data files (prompt / chosen / rejected columns).
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".parquet")
@@ -32,6 +32,7 @@ __all__ = [
     "DATA_SUFFIXES",
     "EVAL_STEMS",
     "TRAIN_STEMS",
+    "exists",
     "expand",
     "looks_like_path",
     "is_save_to_disk_dir",
@@ -40,6 +41,7 @@ __all__ = [
     "split_data_files",
     "split_name",
     "shard_base",
+    "check_data_suffix",
     "read_records",
     "records_to_dataset",
     "check_columns",
@@ -47,6 +49,14 @@ __all__ = [
     "fingerprint_files",
     "files_under",
 ]
+
+
+def exists(path: Path) -> bool:
+    """``path.exists()``, with a folder on the way that this account may not enter as :func:`cannot_read`'s line."""
+    try:
+        return path.exists()
+    except PermissionError as err:
+        raise cannot_read(path.parent, err) from None
 
 
 def expand(path: str | os.PathLike) -> Path:
@@ -65,10 +75,13 @@ def looks_like_path(name: str) -> bool:
 
 def is_save_to_disk_dir(path: Path) -> bool:
     """A folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``."""
-    return path.is_dir() and (
-        (path / "dataset_dict.json").is_file()
-        or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
-    )
+    try:
+        return path.is_dir() and (
+            (path / "dataset_dict.json").is_file()
+            or ((path / "state.json").is_file() and (path / "dataset_info.json").is_file())
+        )
+    except PermissionError as err:  # a folder this account may not enter
+        raise cannot_read(path, err) from None
 
 
 def _load_saved_split(folder: Path) -> Any:
@@ -113,10 +126,13 @@ def load_save_to_disk(path: Path) -> dict[str, Any]:
 
 def data_files_in(folder: Path, suffixes: Sequence[str] = DATA_SUFFIXES) -> list[Path]:
     """Data files directly inside ``folder`` (not recursive, hidden files skipped), sorted by name."""
-    return sorted(
-        p for p in folder.iterdir()
-        if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in suffixes
-    )
+    try:
+        return sorted(
+            p for p in folder.iterdir()
+            if p.is_file() and not p.name.startswith(".") and p.suffix.lower() in suffixes
+        )
+    except PermissionError as err:
+        raise cannot_read(folder, err) from None
 
 
 def shard_base(path: Path) -> str:
@@ -194,6 +210,17 @@ def _read_json_lines(path: Path, text: str) -> list[tuple[str, dict]]:
     return rows
 
 
+def check_data_suffix(path: Path) -> None:
+    """Refuse a data file of a format dschat does not read (a ``.csv`` would be parsed as JSON)."""
+    if path.suffix.lower() in DATA_SUFFIXES:
+        return
+    kind = f"{path.suffix[1:].upper()} ({path.suffix})" if path.suffix else "a file without a suffix"
+    how = ("e.g. with pandas: pd.read_csv(f).to_json('data.jsonl', orient='records', lines=True)"
+           if path.suffix.lower() == ".csv" else "one JSON object per line, with prompt/chosen[/rejected]")
+    raise UserError(f"{path}: {kind} is not a supported local data format; dschat reads {', '.join(DATA_SUFFIXES)} "
+                    f"files: convert it ({how})")
+
+
 def read_records(path: Path) -> list[tuple[str, dict]]:
     """Rows of a ``.json`` (a list of objects, or JSON Lines) / ``.jsonl`` / ``.parquet`` file.
 
@@ -201,8 +228,9 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
     ``file row N`` for parquet) for error messages. Raises :class:`UserError` for a missing or
     unreadable file and for malformed JSON, naming the file and line.
     """
-    if not path.is_file():
+    if not exists(path) or not path.is_file():
         raise UserError(f"data file {path} does not exist; check the path")
+    check_data_suffix(path)
     suffix = path.suffix.lower()
     if suffix == ".parquet":
         # lazy: pyarrow.parquet costs 0.18 s at import (python -X importtime); only parquet files need it
@@ -211,11 +239,15 @@ def read_records(path: Path) -> list[tuple[str, dict]]:
 
         try:
             table = pq.read_table(path)
+        except PermissionError as err:
+            raise cannot_read(path, err) from None
         except (OSError, pa.ArrowException) as err:
             raise UserError(f"{path}: not a readable parquet file ({err}); re-export it") from None
         return [(f"{path} row {i + 1}", row) for i, row in enumerate(table.to_pylist())]
     try:
         text = path.read_text(encoding="utf-8")
+    except PermissionError as err:
+        raise cannot_read(path, err) from None
     except UnicodeDecodeError as err:
         raise UserError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8") from None
     if suffix == ".jsonl":
@@ -313,16 +345,23 @@ def records_to_dataset(records: list[dict], columns: Sequence[str] | None = None
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
+    try:
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    except PermissionError as err:
+        raise cannot_read(path, err) from None
     return h.hexdigest()
 
 
 def files_under(folder: Path) -> list[Path]:
     """Every regular file below ``folder`` (recursive), sorted; hidden names skipped."""
+    def refuse(err: OSError) -> None:  # os.walk would skip a subfolder it may not list
+        if isinstance(err, PermissionError):
+            raise cannot_read(err.filename or folder, err) from None
+
     out = []
-    for root, dirs, files in os.walk(folder):
+    for root, dirs, files in os.walk(folder, onerror=refuse):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         out.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
     return sorted(out)

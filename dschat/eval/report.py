@@ -50,7 +50,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from dschat.errors import UserError, cli_main
+from dschat.errors import UserError, cannot_read, cli_main
 from dschat.eval.heldout import EvalSettings, heldout_pairs, heldout_prompts
 from dschat.eval.metrics_file import (
     EVAL_KIND,
@@ -483,10 +483,21 @@ def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
     from dschat.eval import plots
 
     metrics = Path(metrics)
+    if metrics.is_dir() and (metrics / METRICS_FILE).is_file():  # step 3's output folder
+        metrics = metrics / METRICS_FILE
+    elif metrics.is_dir():
+        raise UserError(f"--metrics {metrics} is a folder without a {METRICS_FILE}; pass step 3's "
+                        f"<output_dir>/{METRICS_FILE}")
     if not metrics.is_file():
         raise UserError(f"--metrics {metrics} does not exist; pass step 3's <output_dir>/{METRICS_FILE}")
+    try:
+        records = read_metrics(metrics)
+    except PermissionError as err:
+        raise cannot_read(metrics, err) from None
+    if not records and not read_eval_records(metrics):
+        raise UserError(f"--metrics {metrics} holds no PPO or evaluation records (JSON lines with global_step and "
+                        f"reward, kl_to_ref or response_length); pass step 3's <output_dir>/{METRICS_FILE}")
     check_writable_dir(out, "--out")
-    records = read_metrics(metrics)
     png = plots.plot_metrics(records, Path(out) / PLOT_FILE)
     evaluation = _evaluation_part(metrics, Path(out))
     lines = [f"PPO curves: {png}"] + evaluation_lines(evaluation)

@@ -27,9 +27,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from dschat.errors import UserError, first_keys, first_line
+from dschat.errors import UserError, cannot_read, first_keys, first_line
 from dschat.models.peft_adapter import merge_lora_adapter, read_adapter
-from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
+from dschat.models.registry import check_readable, is_adapter_folder, load_config, resolve_model_path
 from dschat.models.reward_model import (
     RewardModel,
     check_classifier,
@@ -168,12 +168,15 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
         damaged = next((f for f in sorted(Path(path).glob("*.safetensors")) if not _readable(f)), Path(path))
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
                         "damaged or truncated; copy or save the model again") from None
-    except FileNotFoundError as err:  # a shard its index lists is not there
+    except FileNotFoundError as err:  # a shard its index lists is not there (or, from safetensors, not readable)
         missing = Path(err.filename or str(err).rpartition(": ")[2])
         if missing.parent.resolve() != Path(path).resolve():
             raise
-        raise UserError(f"{path} lacks {missing.name}, which its weights index lists; copy or save the model "
-                        "again") from None
+        check_readable(missing)
+        listed = ", which its weights index lists" if any(Path(path).glob("*.index.json")) else ""
+        raise UserError(f"{path} lacks {missing.name}{listed}; copy or save the model again") from None
+    except PermissionError as err:
+        raise cannot_read(err.filename or path, err) from None
     except OSError as err:
         if not _NO_WEIGHTS.search(str(err)):
             raise

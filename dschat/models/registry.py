@@ -22,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from dschat.errors import UserError
+from dschat.errors import UserError, cannot_read
 from dschat.models.embedded import materialize_smollm2
 from dschat.models.tiny import build_tiny_model
 from dschat.paths import ADAPTER_CONFIG_FILE, is_adapter_folder
@@ -74,7 +74,24 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(_PATH_PREFIXES) or name in (".", "..")
 
 
+def check_readable(file: str | os.PathLike) -> None:
+    """Raise :func:`cannot_read`'s line when the existing ``file`` cannot be opened (safetensors reports
+    a file it may not open as missing)."""
+    try:
+        with open(file, "rb"):
+            pass
+    except FileNotFoundError:
+        return
+    except OSError as err:
+        raise cannot_read(file, err) from None
+
+
 def _check_local_folder(name: str, folder: Path) -> None:
+    try:  # a folder this account may not list or enter
+        os.listdir(folder)
+        (folder / "config.json").is_file()
+    except PermissionError as err:
+        raise cannot_read(name, err) from None
     leftover = unfinished_save(folder)
     if leftover is not None:  # part old save, part new one: never loaded as a model
         raise UserError(f"{name} holds an unfinished model save ({leftover.name}): a save into it is running, or "
@@ -147,6 +164,8 @@ def load_config(path: str) -> Any:
         return load_config(resolve_model_path(read_adapter(path).base))
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except PermissionError as err:
+        raise cannot_read(err.filename or Path(path) / "config.json", err) from None
     except OSError as err:
         if "is not a valid JSON file" not in str(err):
             raise
@@ -181,7 +200,11 @@ def check_local_model_path(name_or_path: str) -> None:
     if name in SHORT_NAMES:
         return
     local = Path(name).expanduser()
-    if local.is_dir():
+    try:
+        is_dir = local.is_dir()
+    except PermissionError as err:  # a folder on the way that this account may not enter
+        raise cannot_read(local.parent, err) from None
+    if is_dir:
         _check_local_folder(name, local)
         if is_adapter_folder(local):
             _check_adapter(local, check_local_model_path)

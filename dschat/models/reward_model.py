@@ -30,7 +30,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from dschat.rl_math.preference import pairwise_read_ends, pairwise_reward_loss, upstream_end_indices
-from dschat.errors import UserError, first_keys, first_line
+from dschat.errors import UserError, cannot_read, first_keys, first_line
 from dschat.models.families import value_head_dim
 from dschat.models.packing import padded_pass_inputs
 from dschat.paths import UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE
@@ -142,6 +142,12 @@ def read_safetensors(file: str | Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except (SafetensorError, OSError) as err:
+        try:  # safetensors reports a file it may not open as missing
+            open(file, "rb").close()
+        except PermissionError as denied:
+            raise cannot_read(file, denied) from None
+        except OSError:
+            pass
         raise UserError(f"cannot read {file} ({type(err).__name__}: {first_line(err)}): the file is missing, damaged "
                         "or not safetensors; copy or save the model again") from None
 

@@ -271,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dschat.models.save", description=main.__doc__)
     parser.add_argument("--recover", required=True, metavar="FOLDER", help="the model folder to finish or undo")
     folder = parser.parse_args(argv).recover
+    if Path(folder).exists() and not Path(folder).is_dir():
+        raise UserError(f"--recover {folder} is a file, not a folder; pass the model folder named in the error")
     if not Path(folder).is_dir():
         raise UserError(f"--recover {folder}: no such folder; pass the model folder named in the error")
     with contextlib.ExitStack() as locks:

@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any, Sequence
 
-from dschat.errors import UserError, first_line
+from dschat.errors import UserError, cannot_read, first_line
 from dschat.models.registry import TOKENIZER_FILES, custom_code_error, is_adapter_folder, resolve_model_path
 from dschat.runtime.dist import print_rank_0
 
@@ -45,6 +45,15 @@ def _name_or_path_of(path: str) -> str | None:
     if Path(name).expanduser().exists() and Path(name).expanduser().resolve() == folder.resolve():
         return None  # names itself: nothing else to load
     return name.strip()
+
+
+def _has_tokenizer_files(folder: Path) -> bool:
+    """Whether ``folder`` holds any file a tokenizer loads from (the usual names, or another vocabulary:
+    ``sentencepiece.bpe.model``, ``*.tiktoken``, ``vocab.*``)."""
+    if any((folder / name).is_file() for name in TOKENIZER_FILES):
+        return True
+    return any(p.is_file() for pattern in ("*.model", "*.tiktoken", "vocab*", "*vocab.*", "merges*")
+               for p in folder.glob(pattern))
 
 
 def _copy_files_error(folder: str, original: str, why: str) -> UserError:
@@ -81,6 +90,12 @@ def _tokenizer_source(resolved: str) -> str:
         seen.add(str(Path(target).resolve()))
         path = target
     folder = Path(path)
+    if folder.is_dir() and not _has_tokenizer_files(folder):
+        raise UserError(
+            f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...), so it would load as an empty "
+            "tokenizer; copy the tokenizer files of the model it was trained from (tokenizer.json, "
+            "tokenizer_config.json, special_tokens_map.json) into it, or set \"_name_or_path\" in its config.json "
+            "to that model's folder or hub id")
     if (folder.is_dir() and not any((folder / name).is_file() for name in FULL_TOKENIZER_FILES)
             and any((folder / name).is_file() for name in TOKENIZER_FILES)):
         print_rank_0(f"warning: {path} has only vocabulary files (no tokenizer.json or tokenizer_config.json): "
@@ -104,6 +119,8 @@ def load_hf_tokenizer(
     try:
         # trust_remote_code=False: never run a tokenizer's own code (transformers' default asks on stdin).
         tokenizer = AutoTokenizer.from_pretrained(path, use_fast=fast_tokenizer, trust_remote_code=False)
+    except PermissionError as err:
+        raise cannot_read(err.filename or path, err) from None
     except (OSError, ValueError) as err:
         refused = custom_code_error(model_name_or_path, err)
         if refused is not None:
@@ -115,6 +132,9 @@ def load_hf_tokenizer(
             f"{first_line(err)}); pass a folder with tokenizer files "
             "(tokenizer.json or tokenizer_config.json)"
         ) from err
+    if len(tokenizer) <= 1:  # e.g. a tokenizer class's defaults over vocabulary files that hold nothing
+        raise UserError(f"the tokenizer loaded from {path} has {len(tokenizer)} token(s): its tokenizer files are "
+                        "empty or damaged; copy the tokenizer files of the model it was trained from into it")
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is not None:
             tokenizer.pad_token = tokenizer.eos_token

@@ -70,8 +70,8 @@ from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_P
                                       prune_leftovers, prune_rotated, protected_problem, put_back,
                                       replaces_protected, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
-from dschat.training.checkpoint_records import (FORMAT_VERSION, read_record, read_rng_file, rng_state,
-                                                set_rng_state)
+from dschat.training.checkpoint_records import (FORMAT_VERSION, check_trainable, read_record, read_rng_file,
+                                                rng_state, set_rng_state, trainable_parameters)
 
 # What a rank that cannot see rank 0's folder is told to do.
 SHARED_OUTPUT_FIX = ("--output_dir (and --resume_from) must be a folder that every node sees (the same path on a "
@@ -287,28 +287,6 @@ def save_weights(engine: Any, path: Path, rank: int) -> None:
         save_file(tensors, str(path))
 
 
-def trainable_parameters(engine: Any) -> list[str]:
-    """``"name [shape]"`` of every parameter ``engine`` trains (its optimizer's state follows them;
-    ZeRO-3: the full shape, not the partition's)."""
-    module = getattr(engine, "module", engine)
-    return [f"{name} {list(getattr(param, 'ds_shape', param.shape))}"
-            for name, param in module.named_parameters() if param.requires_grad]
-
-
-def _check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint whose engines trained other parameters than this run's do (its optimizer
-    state would not fit); checkpoints written before the record existed are not checked."""
-    for tag, saved in record.get("trainable", {}).items():
-        now = trainable_parameters(engines[tag]) if tag in engines else saved
-        if saved != now:
-            first = next((f"{a} there, {b} here" for a, b in zip(saved, now) if a != b), None)
-            if first is None:  # one list starts the other
-                first = f"{saved[len(now)]} there only" if len(saved) > len(now) else f"{now[len(saved)]} here only"
-            raise UserError(f"{folder}: its '{tag}' trained {len(saved)} parameter tensors, this run trains {len(now)} "
-                            f"(first difference: {first}); the flags that choose what trains (--freeze_layers, LoRA "
-                            "flags) differ from the run that wrote it: resume with its flags")
-
-
 def load_weights(engine: Any, path: Path, rank: int) -> None:
     """The inverse of :func:`save_weights` (collective; ZeRO-3: rank 0 writes, DeepSpeed re-partitions)."""
     try:
@@ -453,7 +431,7 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
     missing += sorted(set(weights_only or {}) - set(record.get("weights_only", [])))
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
-    _check_trainable(folder, record, engines)
+    check_trainable(folder, record, engines)
     rng_file = folder / f"rng_rank{rank}.json"
     rng = read_rng_file(rng_file) if rng_file.is_file() else None
     reshape = resume_on_new_shape(folder, engines, rank, position, loaders)  # None: DeepSpeed's files fit

@@ -136,3 +136,50 @@ def read_record(folder: Path) -> dict[str, Any]:
         raise UserError(f"{folder} was written by another dschat checkpoint format ({data.get('format')!r}); "
                         "start a new run or use the dschat version that wrote it")
     return data
+
+
+def trainable_parameters(engine: Any, every: bool = False) -> list[str]:
+    """``"name [shape]"`` of every parameter ``engine`` trains (its optimizer's state follows them;
+    ZeRO-3: the full shape, not the partition's); with ``every``, of all its parameters."""
+    module = getattr(engine, "module", engine)
+    return [f"{name} {list(getattr(param, 'ds_shape', param.shape))}"
+            for name, param in module.named_parameters() if every or param.requires_grad]
+
+
+def _of_another_model(saved: list[str], engine: Any) -> str | None:
+    """The first entry of ``saved`` (a checkpoint's trainable ``"name [shape]"`` list) that no flag
+    choosing what trains explains on ``engine``'s model: a parameter it lacks, or one of another
+    shape (not with LoRA: 4-bit base weights have packed shapes); a LoRA factor, when its layer's
+    weight is missing. None: the model is the checkpoint's."""
+    own = set(trainable_parameters(engine, every=True))
+    names = {entry.split(" [")[0] for entry in own}
+    lora = any(".lora_" in name for name in names)
+    for entry in saved:
+        name = entry.split(" [")[0]
+        if ".lora_" in name:
+            if f"{name.rsplit('.', 1)[0]}.weight" not in names:
+                return entry
+        elif entry not in own and (not lora or name not in names):
+            return entry
+    return None
+
+
+def check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose engines trained other parameters than this run's do (its optimizer
+    state would not fit): of another model or step, or with other flags choosing what trains;
+    checkpoints written before the record existed are not checked."""
+    for tag, saved in record.get("trainable", {}).items():
+        now = trainable_parameters(engines[tag]) if tag in engines else saved
+        if saved == now:
+            continue
+        foreign = _of_another_model(saved, engines[tag])
+        if foreign is not None:
+            raise UserError(f"{folder} is a checkpoint of another model or step: its '{tag}' trained {foreign}, "
+                            "which this run's model lacks; resume from a checkpoint of this step and model, or start "
+                            "afresh")
+        first = next((f"{a} there, {b} here" for a, b in zip(saved, now) if a != b), None)
+        if first is None:  # one list starts the other
+            first = f"{saved[len(now)]} there only" if len(saved) > len(now) else f"{now[len(saved)]} here only"
+        raise UserError(f"{folder}: its '{tag}' trained {len(saved)} parameter tensors, this run trains {len(now)} "
+                        f"(first difference: {first}); the flags that choose what trains (--freeze_layers, LoRA "
+                        "flags) differ from the run that wrote it: resume with its flags")

@@ -564,7 +564,7 @@ def test_a_killed_weights_only_save_is_finished_by_its_journal_not_by_the_recove
     (folder / "config.json").write_text('{"kept": 1}')
     (folder / "tokenizer.json").write_text("{}")
     (folder / "model.safetensors").write_bytes(b"old weights")
-    (folder / "model-extra.safetensors").write_bytes(b"old shard")  # the new save has no such shard
+    (folder / "model-00002-of-00002.safetensors").write_bytes(b"old shard")  # the new save has no such shard
     # Killed at the third rename: the old shard and the old weights moved aside, the new ones not yet in.
     _save_killed_at_rename(folder, _is_weights, {"model.safetensors": b"new weights"}, 3)
     assert recover_output_dir(folder) == [f"finished an interrupted save into {folder}"]

@@ -39,7 +39,7 @@ def find_local_jsonfile_dir() -> Path:
 
     The current directory first, then the checkout (docs/upstream.md#small-fixes).
     """
-    candidates = [Path.cwd(), _source_root()]
+    candidates = list(dict.fromkeys(p.resolve() for p in (Path.cwd(), _source_root())))  # once each
     for root in candidates:
         if (root / "data" / "train.json").is_file() and (root / "data" / "eval.json").is_file():
             return root
@@ -156,6 +156,7 @@ class LocalPreferenceDataset(PromptRawDataset):
     def source_files(path: Path) -> list[Path]:
         """The files this dataset reads (for the cache fingerprint)."""
         if path.is_file():
+            lf.check_data_suffix(path)
             return [path]
         if lf.is_save_to_disk_dir(path):
             return lf.files_under(path)
@@ -180,7 +181,7 @@ class LocalPreferenceDataset(PromptRawDataset):
 
     @classmethod
     def read(cls, path: Path) -> dict[str, Any]:
-        if not path.exists():
+        if not lf.exists(path):
             raise UserError(f"data path {path} does not exist; check --data_path")
         if lf.is_save_to_disk_dir(path):
             return cls._read_disk(path)
