@@ -44,6 +44,14 @@ def test_a_truncated_model_file_is_one_line_naming_it(tmp_path, tokenizer, keep)
         create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
 
 
+def test_the_damaged_file_named_is_the_one_loaded_not_a_damaged_backup_beside_it(tmp_path, tokenizer):
+    folder = _model_folder(tmp_path)
+    (folder / "a-backup.safetensors").write_bytes(b"not safetensors")  # sorts first; never loaded
+    _cut(folder / "model.safetensors", 0.5)
+    with pytest.raises(UserError, match=rf"cannot read the weights in {folder / 'model.safetensors'} "):
+        create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+
+
 def test_a_folder_without_weights_is_one_line(tmp_path, tokenizer):
     folder = _model_folder(tmp_path)
     (folder / "model.safetensors").unlink()
