@@ -61,7 +61,7 @@ from safetensors.torch import load_file, save_file
 from dschat.errors import UserError, first_line
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, get_world_size, print_rank_0
-from dschat.runtime.fs import atomic_file, fsync_path, fsync_tree, missing_ancestors
+from dschat.runtime.fs import _disk_full_is_a_user_error, atomic_file, fsync_path, fsync_tree, missing_ancestors
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG,
@@ -534,11 +534,15 @@ class Checkpointer:
         return self.save(position) if self.due(position.optimizer_steps) else None
 
     def save(self, position: TrainingPosition) -> Path:
-        """The checkpoint at ``position``, due or not (step 3's postponed one). Collective."""
-        return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
-                               weights_only=self.weights_only, loaders=self.loaders,
-                               protect=(self.source,) if self.source is not None else (),
-                               resumed_from=self.resumed)
+        """The checkpoint at ``position``, due or not (step 3's postponed one). Collective. A full disk
+        is one line (the earlier checkpoints are as they were)."""
+        kept = (f"the earlier checkpoints in {self.root} are unchanged, and a save needs room for one more than "
+                "--keep_checkpoints: the oldest goes once the new one is complete")
+        with _disk_full_is_a_user_error(self.root / checkpoint_name(position.optimizer_steps), kept=kept):
+            return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
+                                   weights_only=self.weights_only, loaders=self.loaders,
+                                   protect=(self.source,) if self.source is not None else (),
+                                   resumed_from=self.resumed)
 
 
 def check_checkpoint_args(args: Any) -> None:

@@ -386,6 +386,27 @@ def test_training_checkpoint(case, engine, tmp_path):
                       check=_loads(engine))
 
 
+def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_earlier_ones_stay(engine, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from dschat.errors import UserError
+
+    settings = SimpleNamespace(output_dir=str(tmp_path / "out"), save_interval=1, keep_checkpoints=1)
+    checkpointer = ckpt.Checkpointer(settings, {"model": engine}, rank=0)
+    first = checkpointer.save(_position(1))
+    before = {p: p.read_bytes() for p in first.rglob("*") if p.is_file()}
+
+    def full(*_: Any) -> dict:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "rng_state", full)
+    with pytest.raises(UserError, match=r"the disk is full .* while writing .*step_00000002; free some space .*the "
+                                        r"earlier checkpoints in .* are unchanged, and a save needs room for one more"):
+        checkpointer.save(_position(2))
+    assert {p: p.read_bytes() for p in first.rglob("*") if p.is_file()} == before
+    assert [p.name for p in ckpt.complete_checkpoints(checkpointer.root)] == [first.name]
+
+
 def _dataset(seed: int) -> PromptDataset:
     gen = torch.Generator().manual_seed(seed)
     rows = [torch.randint(0, 100, (int(n),), generator=gen).tolist() for n in torch.randint(3, 9, (5,), generator=gen)]
