@@ -356,9 +356,9 @@ def sha256_file(path: Path) -> str:
 
 def files_under(folder: Path) -> list[Path]:
     """Every regular file below ``folder`` (recursive), sorted; hidden names skipped."""
-    def refuse(err: OSError) -> None:  # os.walk would skip a subfolder it may not list
-        if isinstance(err, PermissionError):
-            raise cannot_read(err.filename or folder, err) from None
+    def refuse(err: OSError) -> None:  # ``folder`` itself; a subfolder it may not list is skipped, as before
+        if isinstance(err, PermissionError) and os.path.samefile(err.filename or folder, folder):
+            raise cannot_read(folder, err) from None
 
     out = []
     for root, dirs, files in os.walk(folder, onerror=refuse):

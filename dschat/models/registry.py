@@ -87,8 +87,7 @@ def check_readable(file: str | os.PathLike) -> None:
 
 
 def _check_local_folder(name: str, folder: Path) -> None:
-    try:  # a folder this account may not list or enter
-        os.listdir(folder)
+    try:  # a folder this account may not enter (one it may enter but not list loads by file names)
         (folder / "config.json").is_file()
     except PermissionError as err:
         raise cannot_read(name, err) from None

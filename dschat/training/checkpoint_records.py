@@ -146,21 +146,23 @@ def trainable_parameters(engine: Any, every: bool = False) -> list[str]:
             for name, param in module.named_parameters() if every or param.requires_grad]
 
 
-def _of_another_model(saved: list[str], engine: Any) -> str | None:
+def _of_another_model(saved: list[str], engine: Any) -> tuple[str, str | None] | None:
     """The first entry of ``saved`` (a checkpoint's trainable ``"name [shape]"`` list) that no flag
-    choosing what trains explains on ``engine``'s model: a parameter it lacks, or one of another
-    shape (not with LoRA: 4-bit base weights have packed shapes); a LoRA factor, when its layer's
-    weight is missing. None: the model is the checkpoint's."""
-    own = set(trainable_parameters(engine, every=True))
-    names = {entry.split(" [")[0] for entry in own}
-    lora = any(".lora_" in name for name in names)
+    choosing what trains explains on ``engine``'s model, with this model's shape of that name (None:
+    it has no such parameter): a parameter it lacks, or one of another shape (not with LoRA: 4-bit
+    base weights have packed shapes); a LoRA factor, when its layer's weight is missing. None: the
+    model is the checkpoint's."""
+    own = dict(entry.split(" [", 1) for entry in trainable_parameters(engine, every=True))
+    lora = any(".lora_" in name for name in own)
     for entry in saved:
         name = entry.split(" [")[0]
         if ".lora_" in name:
-            if f"{name.rsplit('.', 1)[0]}.weight" not in names:
-                return entry
-        elif entry not in own and (not lora or name not in names):
-            return entry
+            if f"{name.rsplit('.', 1)[0]}.weight" not in own:
+                return entry, None
+        elif name not in own:
+            return entry, None
+        elif not lora and entry != f"{name} [{own[name]}":
+            return entry, f"[{own[name]}"
     return None
 
 
@@ -173,10 +175,14 @@ def check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[st
         if saved == now:
             continue
         foreign = _of_another_model(saved, engines[tag])
-        if foreign is not None:
-            raise UserError(f"{folder} is a checkpoint of another model or step: its '{tag}' trained {foreign}, "
+        if foreign is not None and foreign[1] is None:
+            raise UserError(f"{folder} is a checkpoint of another model or step: its '{tag}' trained {foreign[0]}, "
                             "which this run's model lacks; resume from a checkpoint of this step and model, or start "
                             "afresh")
+        if foreign is not None:
+            raise UserError(f"{folder}: its '{tag}' trained {foreign[0]}, shaped {foreign[1]} in this run's model: a "
+                            "checkpoint of another model size, or of a run whose vocabulary differed (--add_eot_token); "
+                            "resume with its model and flags, or start afresh")
         first = next((f"{a} there, {b} here" for a, b in zip(saved, now) if a != b), None)
         if first is None:  # one list starts the other
             first = f"{saved[len(now)]} there only" if len(saved) > len(now) else f"{now[len(saved)]} here only"

@@ -108,16 +108,23 @@ def test_an_unreadable_input_is_one_line_naming_it(unreadable_lines, case):
                                                      "account read access"), unreadable_lines.get(case)
 
 
-def test_an_unreadable_subfolder_of_a_data_folder_is_not_skipped(tmp_path, monkeypatch):
-    """os.walk leaves out a subfolder it may not list: the cache fingerprint would miss its files."""
-    (tmp_path / "sub").mkdir()
+def test_a_data_folder_it_cannot_list_is_one_line_and_an_unreadable_subfolder_is_skipped(tmp_path, monkeypatch):
+    """The fingerprint's walk: the folder itself unreadable is :func:`cannot_read`'s line; a subfolder
+    it may not list (a root-owned lost+found, another user's folder: nothing reads them) is skipped."""
+    (tmp_path / "lost+found").mkdir()
+    (tmp_path / "train.jsonl").write_text("{}")
+    denied = [str(tmp_path / "lost+found")]
+    real = os.walk
 
     def walk(top, onerror=None):
-        onerror(PermissionError(13, "Permission denied", str(tmp_path / "sub")))
-        return iter(())
+        for name in denied:
+            onerror(PermissionError(13, "Permission denied", name))
+        yield from real(top) if str(tmp_path) not in denied else ()
 
     monkeypatch.setattr(lf.os, "walk", walk)
-    with pytest.raises(UserError, match=r"^cannot read .*sub \(Permission denied\)"):
+    assert "train.jsonl" in [p.name for p in lf.files_under(tmp_path)]
+    denied[:] = [str(tmp_path)]
+    with pytest.raises(UserError, match=rf"^cannot read {tmp_path} \(Permission denied\)"):
         lf.files_under(tmp_path)
 
 
@@ -138,15 +145,16 @@ def _record(model: nn.Module) -> dict:
     return {"trainable": {"model": ckpt.trainable_parameters(model)}}
 
 
-@pytest.mark.parametrize("saved,now", [
-    (_Tiny("decoder"), _Tiny("layers")),  # another family (model.decoder.* vs model.*) or step (v_head)
-    (_Tiny("layers", width=2), _Tiny("layers", width=3)),  # another size of the family
-], ids=["other-names", "other-shapes"])
-def test_a_checkpoint_of_another_model_or_step_says_so(tmp_path, saved, now):
+def test_a_checkpoint_of_another_model_or_step_says_so(tmp_path):
+    # another family (model.decoder.* vs model.*) or step (v_head)
     with pytest.raises(UserError, match="is a checkpoint of another model or step: its 'model' trained ") as err:
-        ckpt.check_trainable(tmp_path, _record(saved), {"model": now})
+        ckpt.check_trainable(tmp_path, _record(_Tiny("decoder")), {"model": _Tiny("layers")})
     assert ".proj.weight [2, 2], which this run's model lacks" in str(err.value)
     assert "--freeze_layers" not in str(err.value)
+    # another size of the family, or a vocabulary padded otherwise (--add_eot_token): the shapes differ
+    with pytest.raises(UserError, match=r"trained layers.proj.weight \[2, 2\], shaped \[3, 3\] in this run's model: "
+                                        r"a checkpoint of another model size, or of a run whose vocabulary differed"):
+        ckpt.check_trainable(tmp_path, _record(_Tiny("layers", width=2)), {"model": _Tiny("layers", width=3)})
 
 
 def test_a_checkpoint_of_the_same_trainable_parameters_passes(tmp_path):

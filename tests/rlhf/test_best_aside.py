@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 
@@ -23,9 +24,14 @@ def _tree(folder) -> dict[str, str]:
     return {str(p.relative_to(folder)): p.read_text() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_a_failed_rename_puts_the_older_earlier_best_back(tmp_path, monkeypatch):
+def test_an_older_earlier_best_is_never_replaced_and_a_failed_rename_changes_nothing(tmp_path, monkeypatch):
     _best(tmp_path / BEST_DIR, 7, "newer")
     _best(tmp_path / EARLIER_BEST_DIR, 3, "older")
+    before = _tree(tmp_path)
+    with pytest.raises(UserError, match=rf"move {tmp_path / EARLIER_BEST_DIR} away \(or delete it\)"):
+        best_module.set_earlier_best_aside(tmp_path)  # it would lose the older best.earlier/
+    assert _tree(tmp_path) == before
+    shutil.rmtree(tmp_path / EARLIER_BEST_DIR)  # moved away by the user
     before = _tree(tmp_path)
     real = os.replace
 
@@ -40,7 +46,6 @@ def test_a_failed_rename_puts_the_older_earlier_best_back(tmp_path, monkeypatch)
         best_module.set_earlier_best_aside(tmp_path)
     monkeypatch.undo()
     assert _tree(tmp_path) == before  # nothing hidden, nothing lost
-    assert sorted(p.name for p in tmp_path.iterdir()) == [BEST_DIR, EARLIER_BEST_DIR]
     assert best_module.set_earlier_best_aside(tmp_path) == (
         f"{tmp_path / BEST_DIR} held an earlier run's best models: now in {tmp_path / EARLIER_BEST_DIR}")
     assert (tmp_path / EARLIER_BEST_DIR / "note.txt").read_text() == "newer" and not (tmp_path / BEST_DIR).exists()
@@ -50,7 +55,6 @@ def test_a_leftover_of_a_run_with_the_same_pid_does_not_block(tmp_path):
     (tmp_path / f".{EARLIER_BEST_DIR}-{os.getpid()}").mkdir()  # left by a killed run whose pid was reused
     (tmp_path / f".{EARLIER_BEST_DIR}-{os.getpid()}" / "x").write_text("x")
     _best(tmp_path / BEST_DIR, 7, "newer")
-    _best(tmp_path / EARLIER_BEST_DIR, 3, "older")
     assert "now in" in best_module.set_earlier_best_aside(tmp_path)
     assert (tmp_path / EARLIER_BEST_DIR / "note.txt").read_text() == "newer"
     _best(tmp_path / BEST_DIR, 0, "start")  # step 0: removed, best.earlier/ stays
