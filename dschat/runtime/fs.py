@@ -9,6 +9,12 @@ replaced together, with a journal that :func:`recover_files` finishes after a ki
 into a folder that must not move (``--output_dir``) uses :mod:`dschat.runtime.inplace` instead.
 :func:`check_writable_dir` refuses, at start-up, an output folder that cannot be created.
 
+In an output folder others can write to (a team folder, one another account made 0777), another
+account can plant a symlink where dschat writes: :func:`refuse_foreign_links` refuses one at
+start-up (one line), and :func:`open_own` opens a file dschat writes in place (``metrics.jsonl``,
+``training.log``) without following a link another account made, however late it was planted.
+The user's own links are written through.
+
 Leftovers are adopted only when this user may trust them (:mod:`dschat.runtime.trust`).
 
 A folder that :func:`atomic_dir` completes carries :data:`SAVED_MARKER`; :func:`recover_dir` moves
@@ -32,16 +38,19 @@ import shutil
 import tempfile
 import uuid
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import IO, Callable, Iterator, Sequence
 
 from dschat.errors import UserError
-from dschat.runtime.trust import owned_privately
+from dschat.runtime.trust import foreign_link, owned_privately
 
 __all__ = [
     "SAVED_MARKER",
     "RANK_OUTPUT_ROOT_ENV",
     "resolve_output_dir",
     "check_writable_dir",
+    "foreign_link_line",
+    "refuse_foreign_links",
+    "open_own",
     "missing_ancestors",
     "fsync_path",
     "fsync_tree",
@@ -111,6 +120,54 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise UserError(f"{flag} {path} cannot be written: no write permission in {ancestor}; "
                         "pass a folder you can write to")
+
+
+def foreign_link_line(path: str | os.PathLike) -> str | None:
+    """The one line refusing ``path`` when it is a symbolic link another account made
+    (:func:`~dschat.runtime.trust.foreign_link`), which a write would follow; None otherwise."""
+    reason = foreign_link(path)
+    return None if reason is None else (f"{os.fspath(path)} is {reason}; dschat would write through it: remove it, "
+                                        "or use an --output_dir only you can write to")
+
+
+def refuse_foreign_links(folder: str | os.PathLike, names: Sequence[str]) -> None:
+    """One line (:func:`foreign_link_line`) for the first of ``folder``'s entries ``names`` that is a
+    symbolic link another account made: at start-up, before anything is written through it."""
+    for name in names:
+        line = foreign_link_line(Path(os.path.expanduser(os.fspath(folder))) / name)
+        if line is not None:
+            raise UserError(line)
+
+
+_OPEN_FLAGS = {"w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+               "w+": os.O_RDWR | os.O_CREAT | os.O_TRUNC, "a+": os.O_RDWR | os.O_CREAT | os.O_APPEND}
+
+
+def open_own(path: str | os.PathLike, mode: str = "a", encoding: str | None = None) -> IO:
+    """``open(path, mode)`` for a file dschat writes in place in an output folder (``mode``: "w", "a",
+    "w+", "a+", each with "b" or not), refusing in one line (:func:`foreign_link_line`) a symbolic link
+    another account made there. The open itself does not follow a link (``O_NOFOLLOW``), so one planted
+    after a check is never written through; the user's own link is (its target opened the same way,
+    so a chain of links is checked link by link)."""
+    flags = _OPEN_FLAGS[mode.replace("b", "")] | os.O_CLOEXEC | os.O_NOFOLLOW
+    current = os.fspath(path)
+    for _ in range(40):  # Linux's limit of links on one path
+        try:
+            fd = os.open(current, flags, 0o666)
+        except OSError as err:
+            if err.errno != errno.ELOOP or not os.path.islink(current):
+                raise
+            before = os.lstat(current)
+            line = foreign_link_line(current)
+            if line is not None:
+                raise UserError(line) from None
+            target = os.readlink(current)
+            after = os.lstat(current)  # the same link read (not one swapped in meanwhile): else look again
+            if (after.st_ino, after.st_dev) == (before.st_ino, before.st_dev):
+                current = os.path.join(os.path.dirname(current), target)
+            continue
+        return os.fdopen(fd, mode, encoding=None if "b" in mode else encoding)
+    raise OSError(errno.ELOOP, os.strerror(errno.ELOOP), os.fspath(path))
 
 
 def _is_disk_full(err: BaseException) -> bool:
@@ -369,8 +426,12 @@ def atomic_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | None
     -- into the new folder just before the swap.
 
     The complete folder carries :data:`SAVED_MARKER` (written before anything is carried over) and
-    is writable by its owner only. A symlinked ``path`` is written through: the link stays.
+    is writable by its owner only. A symlinked ``path`` is written through: the link stays; unless
+    another account made it (:func:`foreign_link_line`: one line, nothing written).
     """
+    line = foreign_link_line(path)
+    if line is not None:
+        raise UserError(line)
     path = _through_link(Path(path))
     with _disk_full_is_a_user_error(path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -455,8 +516,12 @@ def recover_dir(path: str | os.PathLike, carry_over: Callable[[str], bool] | Non
       over): the entries ``carry_over`` had moved into it (logs, ``checkpoints/``) go back into
       ``path``; the rest is deleted. An unfinished one held nothing carried over and is deleted.
 
-    Call it before reading ``path`` (one process at a time: it renames).
+    Call it before reading ``path`` (one process at a time: it renames). A ``path`` that is a symbolic
+    link another account made is left alone, with a notice (:func:`foreign_link_line`).
     """
+    line = foreign_link_line(path)
+    if line is not None:
+        return [f"left {path} alone: {line}"]
     path = _through_link(Path(path))
     if not path.parent.is_dir():
         return []

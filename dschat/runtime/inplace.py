@@ -40,7 +40,8 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dschat.runtime.fs import _disk_full_is_a_user_error, _normalise_modes, fsync_path, fsync_tree
+from dschat.errors import UserError
+from dschat.runtime.fs import _disk_full_is_a_user_error, _normalise_modes, foreign_link_line, fsync_path, fsync_tree
 
 from dschat.runtime.trust import owned_privately
 
@@ -144,9 +145,15 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
     and the new save does not write are removed. See the module docstring for the order and what a
     failure or a kill leaves. A full disk is one line (:class:`~dschat.errors.UserError`) saying the
     previous files are unchanged. Returns nothing; one process at a time per ``path`` (the caller
-    holds its run lock, :mod:`dschat.runtime.run_lock`, or knows no other process uses it).
+    holds its run lock, :mod:`dschat.runtime.run_lock`, or knows no other process uses it). A ``path``
+    that is a symbolic link another account made (planted in a folder others can write to) is one
+    line before anything is written (:func:`~dschat.runtime.fs.foreign_link_line`); the user's own
+    link is written through.
     """
     path = Path(path)
+    line = foreign_link_line(path)
+    if line is not None:
+        raise UserError(line)
     with _disk_full_is_a_user_error(path, kept=f"the previous files in {path.name}, if any, are unchanged"):
         path.mkdir(parents=True, exist_ok=True)
         recover_in_place(path, owns)

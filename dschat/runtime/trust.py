@@ -8,7 +8,8 @@ user's private one and no POSIX ACL entry lets another user or group write); :fu
 it. A cache, lock or leftover folder that another account could have planted, edited or swapped is
 never read. :func:`make_private_dir` creates folders only their owner can enter (0700);
 :func:`make_trusted_dir` also refuses one that exists and is not the user's own;
-:func:`owned_privately` is the test for leftovers a crash-safe write may adopt.
+:func:`owned_privately` is the test for leftovers a crash-safe write may adopt; :func:`foreign_link`
+tells a symlink another account made (in a folder others can write to) that a write would follow.
 
 Beyond files: :func:`is_loopback_host` tells a host name or address that only this machine reaches,
 :func:`listener_owners` reads which accounts' sockets listen on a local TCP port (a server on the
@@ -33,6 +34,7 @@ from dschat.errors import UserError
 
 __all__ = [
     "owned_privately",
+    "foreign_link",
     "untrusted_reason",
     "untrusted_ancestor",
     "is_trusted",
@@ -61,6 +63,26 @@ def owned_privately(path: str | os.PathLike) -> bool:
         return False
     me = os.geteuid()
     return info.st_uid == me and _writers(info, me, path) is None
+
+
+def foreign_link(path: str | os.PathLike) -> str | None:
+    """Why ``path`` is a symbolic link dschat must not write through, or ``None``: it is a link (not
+    followed: ``os.lstat``) that an account other than this process's user made (root running dschat
+    included; a link root made is trusted, as root could write the target anyway). Whoever can write to
+    a folder can plant one there, pointing at any file or folder of this user's, for a write to land in.
+    ``None`` too when there is nothing at ``path``."""
+    try:
+        info = os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    me = os.geteuid()
+    if not stat.S_ISLNK(info.st_mode) or info.st_uid in (me, 0):
+        return None
+    try:
+        who = f"{pwd.getpwuid(info.st_uid).pw_name}, uid {info.st_uid}"
+    except KeyError:  # a uid with no passwd entry
+        who = f"uid {info.st_uid}"
+    return f"a symbolic link another account ({who}) made"
 
 
 def _user_name(uid: int) -> str:

@@ -61,7 +61,8 @@ from safetensors.torch import load_file, save_file
 from dschat.errors import UserError, first_line
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, get_world_size, print_rank_0
-from dschat.runtime.fs import _disk_full_is_a_user_error, atomic_file, fsync_path, fsync_tree, missing_ancestors
+from dschat.runtime.fs import (_disk_full_is_a_user_error, atomic_file, foreign_link_line, fsync_path, fsync_tree,
+                               missing_ancestors)
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG,
@@ -92,6 +93,16 @@ class TrainingPosition:
 
 def checkpoint_root(output_dir: str | os.PathLike) -> Path:
     return Path(output_dir) / "checkpoints"
+
+
+def refuse_foreign_root(root: Path) -> None:
+    """Stop every rank with one line when ``root`` (``checkpoints/``) is a symbolic link another account
+    made, as any rank sees it (collective): nothing is renamed, pruned or written through it."""
+    line = foreign_link_line(root)
+    seen = [rank for rank, (flag,) in enumerate(gather_ints([int(line is not None)])) if flag]
+    if seen:  # a rank that does not see it (node-local folders) is told where it is seen
+        raise UserError(line or f"{root} is a symbolic link another account made, as rank {seen[0]} sees it; dschat "
+                                "would write through it: remove it, or use an --output_dir only you can write to")
 
 
 def read_position(folder: Path) -> TrainingPosition:
@@ -161,6 +172,7 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     """Start-up checks of ``<output_dir>/checkpoints`` that need every rank's view (collective, right
     after the process group starts, before any model loads).
 
+    * A ``checkpoints/`` that is a symbolic link another account made is refused (:func:`refuse_foreign_root`).
     * A ``step_<N>`` folder that dschat did not begin (no marker, and not
       :func:`~dschat.training.rotation.begun_by_dschat`), seen by any rank, is refused: nothing
       here deletes or replaces another tool's folder.
@@ -176,6 +188,7 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     if not getattr(args, "output_dir", None):  # an upstream-style Namespace may lack it
         return
     root = checkpoint_root(args.output_dir)
+    refuse_foreign_root(root)  # a link another account planted in --output_dir: another run's checkpoints
     if rank == 0:  # one process renames (a step_<N> replaced, or never completed, when a run stopped)
         for notice in restore_replaced(root) + retire_incomplete(root):
             print(f"[checkpoint] {notice}", flush=True)
@@ -358,6 +371,7 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     final = root / name
     tmp = root / f"{TMP_PREFIX}{name}"
     never_replaced = (*protect, resumed_from)
+    refuse_foreign_root(root)  # planted since start-up
     refuse_unless_all(not (rank == 0 and replaces_protected(final, never_replaced)), protected_problem(final),
                       PROTECTED_FIX)
     if rank == 0:

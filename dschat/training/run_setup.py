@@ -18,11 +18,11 @@ from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
 from dschat.models.save import is_model_artifact
-from dschat.paths import STARTED_FILE_VAR
+from dschat.paths import METRICS_FILE, STARTED_FILE_VAR
 from dschat.remote_reward import worst_case_seconds
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_json, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
-from dschat.runtime.fs import check_writable_dir
+from dschat.runtime.fs import check_writable_dir, open_own, refuse_foreign_links
 from dschat.runtime.run_lock import LOCK_NAME, run_lock
 from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
 from dschat.training.loaders import set_random_seed
@@ -79,13 +79,22 @@ def check_common_args(args: argparse.Namespace) -> None:
     check_checkpoint_args(args)
 
 
+#: The entries of ``--output_dir`` every step writes into in place (beside its model): a symbolic link
+#: another account made at one of them is refused at start-up (:func:`check_output_paths`).
+OUTPUT_ENTRIES = ("checkpoints", "training.log", METRICS_FILE)
+
+
 def check_output_paths(args: argparse.Namespace) -> None:
     """``--output_dir``, ``--data_output_path`` and (when enabled) ``--tensorboard_path`` must be
     folders this process can create, and a data cache folder one this user may trust: refused at
-    start-up, not after training (steps 1-3)."""
+    start-up, not after training (steps 1-3). So is a symbolic link another account made at one of
+    ``--output_dir``'s :data:`OUTPUT_ENTRIES` (:func:`~dschat.runtime.fs.refuse_foreign_links`): planted
+    in a folder others can write to, it would lead the run's writes into another place."""
     for name in ("output_dir", "data_output_path"):
         if getattr(args, name, None):
             check_writable_dir(getattr(args, name), f"--{name}")
+    if getattr(args, "output_dir", None):
+        refuse_foreign_links(args.output_dir, OUTPUT_ENTRIES)
     if getattr(args, "data_output_path", None):
         check_data_output_path(args.data_output_path)
     if getattr(args, "enable_tensorboard", False):
@@ -293,8 +302,8 @@ def setup_run(args: argparse.Namespace, outputs: ModelOutputs | None = None) -> 
     prepare_checkpoint_root(args, info.rank)  # every rank's view of --output_dir, before any model loads
     started = os.environ.get(STARTED_FILE_VAR)
     if started:  # past the start-up refusals: the launcher keeps this run's log whatever its exit code
-        with contextlib.suppress(OSError):
-            Path(started).touch()
+        with contextlib.suppress(OSError, UserError):  # not through another account's link: no stamp then
+            open_own(started, "a").close()
     dtype = resolve_dtype(args.dtype)
     set_random_seed(args.seed)
     barrier()

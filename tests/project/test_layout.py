@@ -27,10 +27,10 @@ PKG = REPO / "dschat"
 FLOORS: list[tuple[str, ...]] = [
     # 0-2: the ground floor
     ("errors", "paths", "version"),  # 0: the one error type, file names, the version
-    ("multinode", "launch_log"),  # 1: host, port and environment checks (torch-free; the launcher's and dist's
-    # defaults); the launcher's training.log
+    ("multinode",),  # 1: host, port and environment checks (torch-free; the launcher's and dist's defaults)
     ("runtime",),  # 2: distributed set-up, files, DeepSpeed config, optimizers, ZeRO-3, perf, averages
-    ("dschat", "rl_math", "gold_judge", "cli", "recipes"),  # 3: pure RL math, the gold judge, flags, recipes
+    ("dschat", "rl_math", "gold_judge", "cli", "recipes", "launch_log"),  # 3: pure RL math, the gold judge, flags,
+    # recipes; the launcher's training.log (written as runtime.fs opens a file in an output folder)
     ("models", "rewards"),  # 4: model builders, reward functions
     ("data", "envs", "envs_examples", "remote_reward"),  # 5: datasets, tokenisation, cache, collators; environments,
     # the example; the reward server's client

@@ -84,11 +84,11 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
                 mix: RewardMix | None = None) -> ModelOutputs:
     """Bad model, data and output paths fail here, before anything is loaded or written (the folders
     the run saves into in ``--output_dir`` too: ``actor/``, ``critic/``, ``actor_ema/``, ``best/``, each
-    refused if it is a file or cannot be written); returns the models the run saves, for
-    :func:`~dschat.training.run_setup.setup_run`'s check. On the launcher's rank 0 the model folders
-    (``actor/``, ``critic/``, ``actor_ema/``) are created and their run locks held while ``args``
-    lives (:func:`~dschat.runtime.run_lock.hold_run_lock`): another run using one of them is one
-    line. The critic
+    refused if it is a file, cannot be written or is a symbolic link another account made); returns the
+    models the run saves, for :func:`~dschat.training.run_setup.setup_run`'s check. On the launcher's
+    rank 0 the model folders (``actor/``, ``critic/``, ``actor_ema/``) are created and their run locks
+    held while ``args`` lives (:func:`~dschat.runtime.run_lock.hold_run_lock`): another run using one
+    of them is one line. The critic
     and reward-model folders may be dschat's step-2 output (``v_head.safetensors``), upstream
     DeepSpeed-Chat's (``pytorch_model.bin`` with the value head inside; its keys are checked,
     memory-mapped) or a one-label sequence classifier. PPO's critic needs ``--critic_model_name_or_path``
@@ -100,7 +100,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
     from dschat.models.save import is_model_artifact
     from dschat.paths import BEST_DIR, EARLIER_BEST_DIR
     from dschat.rlhf.heldout.best import earlier_best_in_the_way
-    from dschat.runtime.fs import check_writable_dir
+    from dschat.runtime.fs import check_writable_dir, refuse_foreign_links
     from dschat.training import run_setup
     from dschat.training.step_data import check_seq_len_fits_positions
 
@@ -130,6 +130,7 @@ def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = N
                  **({"the EMA actor": (out / "actor_ema", is_model_artifact)} if args.enable_ema else {}),
                  **({"the best models": (out / BEST_DIR, None), "the earlier best models": (out / EARLIER_BEST_DIR, None)}
                     if args.eval_interval and args.save_best_by != "none" else {})}
+        refuse_foreign_links(out, [Path(folder).name for folder, _ in saved.values()])  # another account's link
         run_setup.refuse_saving_over_inputs({"--actor_model_name_or_path": args.actor_model_name_or_path,
                                              "--critic_model_name_or_path": critic,
                                              "--reward_model_name_or_path": reward}, saved)

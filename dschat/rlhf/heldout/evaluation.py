@@ -72,7 +72,7 @@ from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, 
 from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
 from dschat.rlhf.heldout.setup import Judge
 from dschat.runtime.dist import all_reduce_sum, gather_json, print_rank_0
-from dschat.runtime.fs import recover_dir
+from dschat.runtime.fs import open_own, recover_dir
 from dschat.runtime.devices import to_device
 from dschat.training.checkpoint import TrainingPosition
 from dschat.training.progress import TensorBoardLogger
@@ -553,7 +553,7 @@ class StepThreeEvaluation:
             path.parent.mkdir(parents=True, exist_ok=True)
             # The evaluation before a fresh run's first step is the run's first line: it starts the file
             # (a resumed run evaluates after its checkpoint's iterations, global step 1 or more).
-            with path.open("w" if record["global_step"] == 0 else "a", encoding="utf-8") as f:
+            with open_own(path, "w" if record["global_step"] == 0 else "a", encoding="utf-8") as f:
                 f.write(json.dumps(record, allow_nan=True) + "\n")
 
     def finish(self) -> str | None:
