@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.models.tiny import UNTRUSTED_FIX, cache_lock, check_cached_folder, trusted_cache_root
+from dschat.models.tiny import UNTRUSTED_FIX, cache_lock, check_cached_folder, keep_to_owner, trusted_cache_root
 from dschat.paths import cache_dir
 from dschat.runtime.fs import atomic_dir, atomic_file
 from dschat.runtime.trust import check_trusted
@@ -334,5 +334,6 @@ def materialize_smollm2(dest: Path | None = None) -> Path:
         start = time.monotonic()
         with atomic_dir(dest) as tmp:
             _build(source, digest, tmp)
+        keep_to_owner(dest)
         print(f"dschat: {SHORT_NAME} ready in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
     return dest

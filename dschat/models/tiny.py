@@ -59,6 +59,7 @@ __all__ = [
     "trusted_cache_root",
     "check_cached_folder",
     "cache_lock",
+    "keep_to_owner",
     "corpus_texts",
     "train_tokenizer",
     "build_tiny_model",
@@ -105,7 +106,7 @@ def default_root() -> Path:
 
 
 #: How to get out of an untrusted model cache: said in every refusal.
-UNTRUSTED_FIX = ("remove it (or, if it is yours, run chmod go-w on it or on the folder the line names), "
+UNTRUSTED_FIX = ("remove it (or, if it is yours, run chmod -R go-w on it or on the folder the line names), "
                  "or set DSCHAT_CACHE_DIR to a folder only you can write to")
 
 
@@ -132,6 +133,15 @@ def check_cached_folder(folder: Path, what: str) -> None:
     for parent, dirs, files in os.walk(folder):
         for entry in (*dirs, *files):
             check_trusted(Path(parent) / entry, f"a file of the {what}", UNTRUSTED_FIX)
+
+
+def keep_to_owner(folder: Path) -> None:
+    """Take the group's and others' write bits off ``folder`` and everything in it (a build writes
+    with the user's umask: 002 with a shared group gives 0664 files that :func:`check_cached_folder`
+    would refuse at the next use)."""
+    for parent, dirs, files in os.walk(folder):
+        for entry in (parent, *(os.path.join(parent, name) for name in files)):
+            os.chmod(entry, os.stat(entry).st_mode & 0o7755)
 
 
 @contextlib.contextmanager
@@ -311,4 +321,5 @@ def build_tiny_model(name: str, root: Path | None = None, texts: list[str] | Non
         logger.info("building tiny model %s in %s", name, folder)
         with atomic_dir(folder) as tmp:
             _build(name, tmp, texts, marker)
+        keep_to_owner(folder)
     return folder

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator, Sequence
 
 from dschat.errors import UserError
-from dschat.runtime.trust import foreign_link, owned_privately
+from dschat.runtime.trust import foreign_link, foreign_link_on_the_way, owned_privately
 
 __all__ = [
     "SAVED_MARKER",
@@ -75,7 +75,8 @@ RANK_OUTPUT_ROOT_ENV = "DSCHAT_TEST_RANK_OUTPUT_ROOT"
 def resolve_output_dir(value: str) -> str:
     """``--output_dir`` as every step uses it (resolved once, at parsing, before anything is written).
 
-    A symlink is replaced by the path it points to: a save swaps the folder in place
+    A symlink is replaced by the path it points to (one another account made, there or on the way, is
+    one line: :func:`~dschat.runtime.trust.foreign_link_on_the_way`): a save swaps the folder in place
     (:func:`atomic_dir`), and renaming the link would leave the output on the link's file system and
     the link dangling beside it. The link itself stays. Under :data:`RANK_OUTPUT_ROOT_ENV` (tests
     only) each rank gets its own folder ``<root>/rank<RANK>/<name>``.
@@ -84,6 +85,10 @@ def resolve_output_dir(value: str) -> str:
     if test_root:
         name = os.path.basename(os.path.normpath(value))
         value = os.path.join(test_root, f"rank{os.environ.get('RANK', '0')}", name)
+    planted = foreign_link_on_the_way(value)
+    if planted is not None:  # in a folder others can write to: the run's writes would land where it points
+        raise UserError(f"--output_dir {value}: {planted[0]} is {planted[1]}; dschat would write through it: remove "
+                        "it, or use an --output_dir only you can write to")
     return os.path.realpath(value) if os.path.islink(os.path.normpath(value)) else value  # "link/" too
 
 

@@ -35,6 +35,7 @@ from dschat.errors import UserError
 __all__ = [
     "owned_privately",
     "foreign_link",
+    "foreign_link_on_the_way",
     "untrusted_reason",
     "untrusted_ancestor",
     "is_trusted",
@@ -83,6 +84,16 @@ def foreign_link(path: str | os.PathLike) -> str | None:
     except KeyError:  # a uid with no passwd entry
         who = f"uid {info.st_uid}"
     return f"a symbolic link another account ({who}) made"
+
+
+def foreign_link_on_the_way(path: str | os.PathLike) -> tuple[Path, str] | None:
+    """The first symbolic link that resolving ``path`` meets (the last component included) that
+    another account made (:func:`foreign_link`), with its reason; None when there is none."""
+    for link, _ in _links_on_the_way(path):
+        reason = foreign_link(link)
+        if reason is not None:
+            return link, reason
+    return None
 
 
 def _user_name(uid: int) -> str:

@@ -196,6 +196,20 @@ def test_a_fresh_tiny_cache_is_private_and_then_reused(tmp_path: Path, monkeypat
     assert tiny.build_tiny_model("tiny-opt", texts=SMALL_CORPUS) == folder
 
 
+def test_a_build_under_a_group_writable_umask_leaves_nothing_the_group_can_write(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """umask 002 (a shared group: HPC, containers) gave 0664 files, which the next use refused as
+    writable by the group: the build's own cache took the group's write bits off."""
+    monkeypatch.setenv("DSCHAT_CACHE_DIR", str(tmp_path / "cache"))
+    old = os.umask(0o002)
+    try:
+        folder = tiny.build_tiny_model("tiny-opt", texts=SMALL_CORPUS)
+    finally:
+        os.umask(old)
+    writable = [str(p) for p in (folder, *folder.rglob("*")) if os.stat(p).st_mode & 0o022]
+    assert writable == []
+
+
 def test_a_fresh_embedded_cache_is_private_and_then_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     monkeypatch.setenv("DSCHAT_CACHE_DIR", str(cache))

@@ -287,3 +287,28 @@ def test_step3_stops_before_anything_when_another_account_planted_a_model_folder
                               capsys)
     assert line == f"error: {refusal(link)}"
     assert snapshot(victim) == before  # no run lock made in it either
+
+
+def test_an_output_folder_that_is_or_passes_through_another_accounts_link_is_refused_at_parsing(tmp_path, victim):
+    """``--output_dir team/run1`` where the other account made ``team/run1`` (or ``team/actor-models``,
+    a folder e2e puts a step's output under) a link to this user's folder: every write of the run
+    would land there. Refused when the flag is read; the user's own link is followed as before."""
+    import e2e_rlhf
+
+    team = tmp_path / "team"
+    team.mkdir()
+    plant(team / "run1", victim)
+    plant(team / "actor-models", victim)
+    with pytest.raises(UserError, match=rf"^--output_dir {team / 'run1'}: {team / 'run1'} is a symbolic link another "
+                                        r"account \(nobody, uid 65534\) made; dschat would write through it"):
+        fs.resolve_output_dir(str(team / "run1"))
+    with pytest.raises(UserError, match=rf"{team / 'actor-models'} is a symbolic link another account"):
+        fs.resolve_output_dir(str(team / "actor-models" / "tiny-opt"))
+    args = e2e_rlhf.parse_args(["--output-dir", str(team / "run1"), "--step", "1"], e2e_rlhf.load_e2e_config())
+    with pytest.raises(UserError, match=r"^--output-dir .*run1 is a symbolic link another account"):
+        e2e_rlhf.check_inputs(args)
+    (team / "mine").symlink_to(victim)  # the user's own link: its target
+    assert fs.resolve_output_dir(str(team / "mine")) == str(victim.resolve())
+    assert snapshot(victim) == {"model": None, "model/config.json": b'{"model_type": "opt"}',
+                                "model/model.safetensors": b"weights", "model/v_head.safetensors": b"value head",
+                                "notes.txt": b"my notes\n"}
