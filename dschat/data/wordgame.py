@@ -24,6 +24,7 @@ from typing import Any
 
 from dschat.data import local_files as lf
 from dschat.data.adapters.base import PromptRawDataset, Sample
+from dschat.data.builtin import check_row_counts as builtin_row_counts
 from dschat.errors import UserError, cli_main
 from dschat.paths import WORDGAME_DATA_DIR
 from dschat.runtime.fs import atomic_files, check_writable_dir
@@ -136,9 +137,7 @@ def main(argv: list[str] | None = None) -> None:
 def check_row_counts(train_rows: int, eval_rows: int) -> None:
     """``--train_rows`` and ``--eval_rows`` are counts (>= 0) of games, each with its own number
     (:data:`GAME_NUMBERS`, so at most that many in all); else one :class:`UserError` line."""
-    for flag, value in (("--train_rows", train_rows), ("--eval_rows", eval_rows)):
-        if value < 0:
-            raise UserError(f"{flag} must be >= 0 (a number of rows), got {value}")
+    builtin_row_counts(train_rows, eval_rows)
     if train_rows + eval_rows > len(GAME_NUMBERS):
         raise UserError(f"--train_rows + --eval_rows must be at most {len(GAME_NUMBERS)} (each game has its own "
                         f"number), got {train_rows + eval_rows}")
