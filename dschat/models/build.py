@@ -166,8 +166,8 @@ def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
     try:
         return model_class.from_pretrained(path, trust_remote_code=False, **kwargs)
     except SafetensorError as err:
-        damaged = next((f for f in sorted(Path(path).glob("*.safetensors")) if _LOADED.match(f.name) and not _readable(f)),
-                       Path(path))  # the files the loader reads, not a backup beside them
+        loaded = (f for f in sorted(Path(path).glob("*.safetensors")) if _LOADED.match(f.name))  # not a backup
+        damaged = next((f for f in loaded if not _readable(f)), Path(path))
         raise UserError(f"cannot read the weights in {damaged} ({type(err).__name__}: {first_line(err)}): the file is "
                         "damaged or truncated; copy or save the model again") from None
     except FileNotFoundError as err:  # a shard its index lists is not there (or, from safetensors, not readable)

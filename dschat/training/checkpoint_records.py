@@ -181,8 +181,8 @@ def check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[st
                             "afresh")
         if foreign is not None:
             raise UserError(f"{folder}: its '{tag}' trained {foreign[0]}, shaped {foreign[1]} in this run's model: a "
-                            "checkpoint of another model size, or of a run whose vocabulary differed (--add_eot_token); "
-                            "resume with its model and flags, or start afresh")
+                            "checkpoint of another model size, or of a run whose vocabulary differed "
+                            "(--add_eot_token); resume with its model and flags, or start afresh")
         first = next((f"{a} there, {b} here" for a, b in zip(saved, now) if a != b), None)
         if first is None:  # one list starts the other
             first = f"{saved[len(now)]} there only" if len(saved) > len(now) else f"{now[len(saved)]} here only"

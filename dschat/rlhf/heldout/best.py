@@ -19,7 +19,8 @@ from dschat.paths import BEST_DIR, BEST_FILE, EARLIER_BEST_DIR
 from dschat.runtime.dist import barrier
 from dschat.runtime.fs import atomic_dir
 
-__all__ = ["earlier_best_in_the_way", "other_series_line", "same_series", "read_best", "save_best", "set_earlier_best_aside"]
+__all__ = ["earlier_best_in_the_way", "other_series_line", "same_series", "read_best", "save_best",
+           "set_earlier_best_aside"]
 
 
 def save_best(output_dir: Path, models: Mapping[str, DeepSpeedEngine], tokenizer: PreTrainedTokenizerBase,
