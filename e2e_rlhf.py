@@ -52,9 +52,8 @@ from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
 from dschat.recipes.loading import get_recipe  # noqa: E402
 from dschat.recipes.recipe import Recipe, split_flag_groups  # noqa: E402
-from dschat.runtime.fs import check_writable_dir  # noqa: E402
+from dschat.runtime.fs import check_writable_dir, refuse_foreign_link_on_the_way  # noqa: E402
 from dschat.runtime.run_lock import hold_run_lock, releasing_run_locks  # noqa: E402
-from dschat.runtime.trust import foreign_link_on_the_way  # noqa: E402
 
 STEP_KEYS = {1: "step1", 2: "step2", 3: "step3"}
 MODEL_TYPE = {1: "actor", 2: "reward", 3: "step3"}  # upstream's output folder prefixes
@@ -391,10 +390,7 @@ def check_inputs(args: argparse.Namespace) -> None:
     from dschat.models.registry import check_local_model_path
 
     check_writable_dir(args.output_dir, "--output-dir")
-    planted = foreign_link_on_the_way(args.output_dir)
-    if planted is not None:  # e2e's records and every step's folder would land where it points
-        raise UserError(f"--output-dir {args.output_dir}: {planted[0]} is {planted[1]}; dschat would write through "
-                        "it: remove it, or use an --output-dir only you can write to")
+    refuse_foreign_link_on_the_way(args.output_dir, "--output-dir")  # e2e's records and every step's folder
     for step, flag, model in ((1, "--actor-model", args.actor_model), (2, "--reward-model", args.reward_model)):
         if step in args.step:
             try:

@@ -35,14 +35,13 @@ from typing import Any, Iterator, Sequence
 
 # safetensors.torch.save_file / load_file are looked up when called: tests replace them to make a write fail.
 import safetensors.torch
-from filelock import FileLock, Timeout
 from safetensors import SafetensorError
 
 from dschat.data.dispatch import DatasetSource
 from dschat.data.local_files import expand
 from dschat.data.token_dataset import PromptDataset, TokenRows
-from dschat.errors import UserError
 from dschat.runtime.fs import atomic_files, pending_files, recover_files
+from dschat.runtime.file_lock import trusted_lock
 from dschat.runtime.trust import check_trusted, make_trusted_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
@@ -224,35 +223,18 @@ def load_cache(files: CacheFiles, key: str) -> tuple[PromptDataset, PromptDatase
     return out[0], out[1]
 
 
-def _acquire(lock: Any, path: Path, timeout: float) -> None:
-    """``lock.acquire(timeout)``; a lock file this user cannot open is one line, not a traceback."""
-    try:
-        lock.acquire(timeout=timeout)
-    except PermissionError as err:
-        raise UserError(f"cannot take the data-cache lock {path} ({err.strerror}): another user's file or "
-                        f"folder; {UNTRUSTED_FIX}") from err
-
-
 @contextlib.contextmanager
 def locked(path: Path) -> Iterator[None]:
     """Hold ``filelock.FileLock(path)``, saying so when another process has it (a build is running).
 
-    A lock file left by another account is refused (one line) rather than shared. Once held, a
-    cache write that a kill stopped midway (the cache files of the lock's key) is finished
-    (:func:`dschat.runtime.fs.recover_files`), so the set is the complete new one.
+    A lock file left by another account is refused (one line) rather than shared
+    (:func:`~dschat.runtime.file_lock.trusted_lock`). Once held, a cache write that a kill stopped midway
+    (the cache files of the lock's key) is finished (:func:`dschat.runtime.fs.recover_files`), so the
+    set is the complete new one.
     """
-    if os.path.lexists(path):
-        check_trusted(path, "data-cache lock", UNTRUSTED_FIX)
-    lock = FileLock(str(path), mode=0o600)
-    try:
-        _acquire(lock, path, timeout=0)
-    except Timeout:
-        print(f"Waiting for another process to finish building the data cache (lock {path})", flush=True)
-        _acquire(lock, path, timeout=-1)
-    try:
+    with trusted_lock(path, "data-cache lock", UNTRUSTED_FIX,
+                      f"Waiting for another process to finish building the data cache (lock {path})"):
         if path.name.startswith(".lock_"):
             for notice in recover_files(cache_files(path.parent, path.name[len(".lock_"):]).all()):
                 print(f"[data cache] {notice}", flush=True)
         yield
-    finally:
-        lock.release()

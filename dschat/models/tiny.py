@@ -29,20 +29,18 @@ cache, dschat.models.embedded, uses them too).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
-
-from filelock import FileLock, Timeout
+from typing import Any, ContextManager
 
 from dschat.errors import UserError
 from dschat.paths import BUILTIN_DATA_DIR, cache_dir
 from dschat.runtime.fs import atomic_dir, atomic_file
+from dschat.runtime.file_lock import trusted_lock
 from dschat.runtime.trust import check_trusted, make_trusted_dir
 
 __all__ = [
@@ -144,30 +142,10 @@ def keep_to_owner(folder: Path) -> None:
             os.chmod(entry, os.stat(entry).st_mode & 0o7755)
 
 
-@contextlib.contextmanager
-def cache_lock(path: Path, what: str) -> Iterator[None]:
-    """Hold ``filelock.FileLock(path)`` (created 0600, opened without following a symlink), saying so
-    when another process has it. A lock file that is a symlink, or that another account owns or could
-    write to, is refused in one line before it is opened, so a lock another account planted (and
-    holds) is never waited on."""
-    if os.path.islink(path):
-        raise UserError(f"{what} {path} is a symbolic link, not safe to use on a shared machine; {UNTRUSTED_FIX}")
-    if os.path.lexists(path):
-        check_trusted(path, what, UNTRUSTED_FIX)
-    lock = FileLock(str(path), mode=0o600)
-    try:
-        try:
-            lock.acquire(timeout=0)
-        except Timeout:
-            print(f"Waiting for another process of yours to finish building the model ({what} {path})",
-                  flush=True)
-            lock.acquire(timeout=-1)
-    except OSError as err:  # a lock file or folder this user cannot open, or a symlink put there meanwhile
-        raise UserError(f"cannot take the {what} {path} ({err.strerror}); {UNTRUSTED_FIX}") from err
-    try:
-        yield
-    finally:
-        lock.release()
+def cache_lock(path: Path, what: str) -> ContextManager[None]:
+    """:func:`~dschat.runtime.file_lock.trusted_lock` on a model cache's lock ``path``."""
+    return trusted_lock(path, what, UNTRUSTED_FIX,
+                        f"Waiting for another process of yours to finish building the model ({what} {path})")
 
 
 def corpus_texts() -> list[str]:

@@ -50,6 +50,7 @@ __all__ = [
     "check_writable_dir",
     "foreign_link_line",
     "refuse_foreign_links",
+    "refuse_foreign_link_on_the_way",
     "open_own",
     "missing_ancestors",
     "fsync_path",
@@ -85,10 +86,7 @@ def resolve_output_dir(value: str) -> str:
     if test_root:
         name = os.path.basename(os.path.normpath(value))
         value = os.path.join(test_root, f"rank{os.environ.get('RANK', '0')}", name)
-    planted = foreign_link_on_the_way(value)
-    if planted is not None:  # in a folder others can write to: the run's writes would land where it points
-        raise UserError(f"--output_dir {value}: {planted[0]} is {planted[1]}; dschat would write through it: remove "
-                        "it, or use an --output_dir only you can write to")
+    refuse_foreign_link_on_the_way(value, "--output_dir")
     return os.path.realpath(value) if os.path.islink(os.path.normpath(value)) else value  # "link/" too
 
 
@@ -127,12 +125,25 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> None:
                         "pass a folder you can write to")
 
 
+def _written_through(link: str | os.PathLike, reason: str, flag: str = "--output_dir") -> str:
+    return (f"{os.fspath(link)} is {reason}; dschat would write through it: remove it, or use an {flag} only you "
+            "can write to")
+
+
 def foreign_link_line(path: str | os.PathLike) -> str | None:
     """The one line refusing ``path`` when it is a symbolic link another account made
     (:func:`~dschat.runtime.trust.foreign_link`), which a write would follow; None otherwise."""
     reason = foreign_link(path)
-    return None if reason is None else (f"{os.fspath(path)} is {reason}; dschat would write through it: remove it, "
-                                        "or use an --output_dir only you can write to")
+    return None if reason is None else _written_through(path, reason)
+
+
+def refuse_foreign_link_on_the_way(value: str | os.PathLike, flag: str) -> None:
+    """One line when ``flag``'s folder ``value`` is, or resolving it passes through, a symbolic link
+    another account made (:func:`~dschat.runtime.trust.foreign_link_on_the_way`): planted in a folder
+    others can write to, it would lead every write of the run where it points."""
+    planted = foreign_link_on_the_way(value)
+    if planted is not None:
+        raise UserError(f"{flag} {os.fspath(value)}: {_written_through(planted[0], planted[1], flag)}")
 
 
 def refuse_foreign_links(folder: str | os.PathLike, names: Sequence[str]) -> None:
