@@ -22,7 +22,7 @@ from dschat.paths import METRICS_FILE, STARTED_FILE_VAR
 from dschat.remote_reward import worst_case_seconds
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_json, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
-from dschat.runtime.fs import check_writable_dir, open_own, refuse_foreign_links
+from dschat.runtime.fs import check_writable_dir, open_own, refuse_foreign_link_on_the_way, refuse_foreign_links
 from dschat.runtime.run_lock import LOCK_NAME, run_lock
 from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
 from dschat.training.loaders import set_random_seed
@@ -88,8 +88,10 @@ def check_output_paths(args: argparse.Namespace) -> None:
     """``--output_dir``, ``--data_output_path`` and (when enabled) ``--tensorboard_path`` must be
     folders this process can create, and a data cache folder one this user may trust: refused at
     start-up, not after training (steps 1-3). So is a symbolic link another account made at one of
-    ``--output_dir``'s :data:`OUTPUT_ENTRIES` (:func:`~dschat.runtime.fs.refuse_foreign_links`): planted
-    in a folder others can write to, it would lead the run's writes into another place."""
+    ``--output_dir``'s :data:`OUTPUT_ENTRIES` (:func:`~dschat.runtime.fs.refuse_foreign_links`), or on
+    the way to ``--tensorboard_path`` when a tracker writes there (TensorBoard; W&B and MLflow without
+    ``--output_dir``): planted in a folder others can write to, it would lead the run's writes into
+    another place."""
     for name in ("output_dir", "data_output_path"):
         if getattr(args, name, None):
             check_writable_dir(getattr(args, name), f"--{name}")
@@ -97,8 +99,10 @@ def check_output_paths(args: argparse.Namespace) -> None:
         refuse_foreign_links(args.output_dir, OUTPUT_ENTRIES)
     if getattr(args, "data_output_path", None):
         check_data_output_path(args.data_output_path)
-    if getattr(args, "enable_tensorboard", False):
+    if getattr(args, "enable_tensorboard", False) or (getattr(args, "report_to", None)
+                                                      and not getattr(args, "output_dir", None)):
         check_writable_dir(args.tensorboard_path, "--tensorboard_path")
+        refuse_foreign_link_on_the_way(args.tensorboard_path, "--tensorboard_path")
 
 
 # What a run saves -> (the folder, ``owns``: the entry names the save replaces there; None: it

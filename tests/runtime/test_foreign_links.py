@@ -312,3 +312,23 @@ def test_an_output_folder_that_is_or_passes_through_another_accounts_link_is_ref
     assert snapshot(victim) == {"model": None, "model/config.json": b'{"model_type": "opt"}',
                                 "model/model.safetensors": b"weights", "model/v_head.safetensors": b"value head",
                                 "notes.txt": b"my notes\n"}
+
+
+@pytest.mark.parametrize("flags", [{"enable_tensorboard": True}, {"report_to": ("mlflow",)}])
+def test_a_tensorboard_path_through_another_accounts_link_is_refused_at_start_up(tmp_path, victim, flags):
+    """``--tensorboard_path team/tb`` where the other account made ``team/tb`` a link to this user's
+    folder: the event files (and W&B / MLflow's, without ``--output_dir``) would be written there."""
+    from dschat.training.run_setup import check_output_paths
+
+    team = tmp_path / "team"
+    link = plant(team / "tb", victim)
+    args = SimpleNamespace(tensorboard_path=str(link / "step1"), **flags)
+    with pytest.raises(UserError, match=rf"^--tensorboard_path {link / 'step1'}: {link} is a symbolic link another "
+                                        r"account \(nobody, uid 65534\) made; dschat would write through it: remove "
+                                        r"it, or use an --tensorboard_path only you can write to$"):
+        check_output_paths(args)
+    link.unlink()
+    link.symlink_to(victim)  # the user's own link
+    check_output_paths(args)
+    check_output_paths(SimpleNamespace(tensorboard_path=str(tmp_path / "x"), report_to=("mlflow",),
+                                       output_dir=str(tmp_path / "out")))  # the trackers write under --output_dir
