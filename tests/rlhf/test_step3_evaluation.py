@@ -260,6 +260,23 @@ def test_a_resume_that_would_keep_the_best_by_another_series_stops_and_leaves_be
         "step": 6, "by": f"{tmp_path}/rm/", "score": -0.2}
 
 
+def test_a_judge_folder_named_proxy_is_refused_and_never_the_proxys_series(tmp_path, monkeypatch):
+    """``--eval_judge proxy`` (a reward-model folder ``./proxy``) would be named ``proxy``: its scores
+    read as the step's own reward's (the alarm comparing the proxy with itself, best/ kept by the
+    proxy). Refused in one line naming the fix; spelled ``./proxy`` it is a judge like any other,
+    and another series than the proxy's on resume."""
+    from dschat.rlhf.heldout.best import same_series
+    from dschat.rlhf.heldout.setup import resolve_judges
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "proxy").mkdir()
+    with pytest.raises(UserError, match=r"^--eval_judge proxy: 'proxy' names the step's own reward \(the proxy\) in "
+                                        r"the evaluation's records; spell the folder \./proxy$"):
+        resolve_judges(["proxy"], ["dschat/builtin"])
+    assert not same_series("proxy", "./proxy") and not same_series(str(tmp_path / "proxy"), "proxy")
+    assert same_series("proxy", "proxy") and same_series("./rm", str(tmp_path / "rm"))
+
+
 def test_a_run_with_no_evaluation_to_continue_sets_an_earlier_runs_best_models_aside(tmp_path, monkeypatch, capsys):
     """A fresh run's first evaluation, of the starting models, would replace an earlier run's best/:
     that folder becomes best.earlier/ (an older best.earlier/ goes) before anything is evaluated."""

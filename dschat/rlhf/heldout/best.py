@@ -52,9 +52,12 @@ def read_best(folder: Path) -> dict[str, object] | None:
 
 def same_series(a: str, b: str) -> bool:
     """Whether two series names of ``best.json``'s ``by`` are one series: equal, or the same folder
-    spelled two ways (a folder judge is named by its ``--eval_judge`` text: ``rm/``, ``./rm``, ``~/rm``)."""
+    spelled two ways (a folder judge is named by its ``--eval_judge`` text: ``rm/``, ``./rm``, ``~/rm``);
+    ``proxy`` is only itself (a judge folder ``./proxy`` is another series)."""
     if a == b:
         return True
+    if "proxy" in (a, b):
+        return False
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 

@@ -28,6 +28,7 @@ __all__ = ["GOLD", "GOLD_SPEC", "Judge", "check_eval_args", "heldout_prompt_item
 #: ``--eval_judge gold``: the built-in gold judge (dschat.rewards:gold).
 GOLD = "gold"
 GOLD_SPEC = "dschat.rewards:gold"
+PROXY = "proxy"  # the series of the step's own reward; a judge is named by its --eval_judge text
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,9 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str], timeout: floa
                                 "folder as judge")
             judges.append(Judge(GOLD, fn=load_reward_function(GOLD_SPEC)))
         elif Path(spec).expanduser().is_dir():
+            if spec == PROXY:  # the judge's scores would be read as the proxy's, and the reverse
+                raise UserError(f"--eval_judge {spec}: {PROXY!r} names the step's own reward (the proxy) in the "
+                                f"evaluation's records; spell the folder ./{spec}")
             folder = Path(resolve_model_path(str(Path(spec).expanduser())))
             if not is_reward_model_folder(folder):
                 raise UserError(not_a_critic_message(spec, "--eval_judge"))
