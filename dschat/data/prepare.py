@@ -20,7 +20,7 @@ from dschat.data.dispatch import resolve_dataset
 from dschat.data.phases import plan_phase_data
 from dschat.data.split import parse_data_split
 from dschat.errors import UserError, cli_main
-from dschat.models.registry import check_local_model_path
+from dschat.models.registry import check_local_model_path, check_seq_len_fits_positions
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.runtime.fs import check_writable_dir
 
@@ -71,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         resolve_dataset(name)
     # A model path that cannot work gets a clear line before transformers is even imported.
     check_local_model_path(args.model_name_or_path)
+    check_seq_len_fits_positions(args.model_name_or_path, args.max_seq_len, tokenizer_only=True)  # no weights
     check_writable_dir(args.data_output_path, "--data_output_path")
     plan_phase_data(args.data_path, sft_paths, args.data_split, args.train_phase, args.seed, args.data_output_path)
 

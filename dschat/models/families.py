@@ -64,3 +64,12 @@ def value_head_dim(config: Any) -> int:
         if value:
             return int(value)
     raise ValueError(f"cannot find the hidden size of a {getattr(config, 'model_type', '?')} config")
+
+
+#: ``model_type`` of the families whose position embedding is a table of ``max_position_embeddings``
+#: rows that transformers' modeling code indexes by position (learned: OPT, GPT-2, GPT-Neo,
+#: GPTBigCode, BioGPT, GPT-1; CTRL's fixed sinusoid table): a longer sequence is an ``IndexError``.
+#: Rotary (Llama, Qwen, GPT-NeoX, GPT-J, ...) and ALiBi (BLOOM) families compute their positions and
+#: run longer sequences, so they are not refused.
+POSITION_TABLE_MODEL_TYPES: frozenset[str] = frozenset(
+    {"opt", "gpt2", "gpt_neo", "gpt_bigcode", "biogpt", "openai-gpt", "ctrl"})

@@ -24,6 +24,7 @@ from typing import Any
 
 from dschat.errors import UserError, cannot_read
 from dschat.models.embedded import materialize_smollm2
+from dschat.models.families import POSITION_TABLE_MODEL_TYPES
 from dschat.models.tiny import build_tiny_model
 from dschat.paths import ADAPTER_CONFIG_FILE, is_adapter_folder
 from dschat.runtime.inplace import unfinished_save
@@ -245,3 +246,26 @@ def _check_adapter(folder: Path, check_base: Any) -> None:
     from dschat.models.peft_adapter import check_adapter
 
     check_adapter(folder, check_base)
+
+
+def check_seq_len_fits_positions(model_name_or_path: str, max_seq_len: int, flag: str = "--max_seq_len", *,
+                                 tokenizer_only: bool = False) -> None:
+    """Refuse a row length (``flag``: what sets it, ``--max_seq_len`` in steps 1 and 2) longer than
+    the model's position table (one line), from its config alone, before any weight loads; a family
+    that computes its positions (not in :data:`POSITION_TABLE_MODEL_TYPES`) is never refused.
+    ``tokenizer_only``: the folder may hold only a tokenizer (``python -m dschat.data.prepare``); no
+    model config there, nothing is refused."""
+    try:
+        config = load_config(resolve_model_path(model_name_or_path))
+    except UserError:
+        if tokenizer_only:
+            return
+        raise
+    model_type = getattr(config, "model_type", "")
+    limit = getattr(config, "max_position_embeddings", None)
+    if model_type in POSITION_TABLE_MODEL_TYPES and isinstance(limit, int) and max_seq_len > limit:
+        raise UserError(
+            f"{flag} {max_seq_len} is longer than {model_name_or_path} can read: its {model_type} "
+            f"position embeddings have {limit} positions, and a longer row would index past them; pass "
+            f"{flag} {limit} or less"
+        )

@@ -13,21 +13,13 @@ from torch.utils.data import DataLoader
 from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.token_dataset import PromptDataset
 from dschat.errors import UserError
-from dschat.models.registry import load_config, resolve_model_path
+from dschat.models.families import POSITION_TABLE_MODEL_TYPES
+from dschat.models.registry import check_seq_len_fits_positions
 from dschat.models.tokenizer import EOT_SPECIAL_TOKEN, load_hf_tokenizer
 from dschat.training.loaders import make_eval_loader, make_train_loader
 
 __all__ = ["POSITION_TABLE_MODEL_TYPES", "StepData", "build_step_data", "check_pair_seq_len",
            "check_seq_len_fits_positions", "load_step_tokenizer", "load_tokenizer", "prompt_datasets"]
-
-#: ``model_type`` of the families whose position embedding is a table of ``max_position_embeddings``
-#: rows that transformers' modeling code indexes by position (learned: OPT, GPT-2, GPT-Neo,
-#: GPTBigCode, BioGPT, GPT-1; CTRL's fixed sinusoid table): a longer sequence is an ``IndexError``.
-#: Rotary (Llama, Qwen, GPT-NeoX, GPT-J, ...) and ALiBi (BLOOM) families compute their positions and
-#: run longer sequences, so they are not refused.
-POSITION_TABLE_MODEL_TYPES: frozenset[str] = frozenset(
-    {"opt", "gpt2", "gpt_neo", "gpt_bigcode", "biogpt", "openai-gpt", "ctrl"})
-
 
 def check_pair_seq_len(max_seq_len: int) -> None:
     """Steps 2 and DPO: a chosen/rejected pair needs 2 positions, the shared first token and one to
@@ -35,21 +27,6 @@ def check_pair_seq_len(max_seq_len: int) -> None:
     if max_seq_len < 2:
         raise UserError(f"--max_seq_len must be at least 2 for chosen/rejected pairs (a shared first token and "
                         f"one to compare them at), got {max_seq_len}; pass --max_seq_len 2 or more")
-
-
-def check_seq_len_fits_positions(model_name_or_path: str, max_seq_len: int, flag: str = "--max_seq_len") -> None:
-    """Refuse a row length (``flag``: what sets it, ``--max_seq_len`` in steps 1 and 2) longer than
-    the model's position table (one line), from its config alone, before any weight loads; a family
-    that computes its positions (not in :data:`POSITION_TABLE_MODEL_TYPES`) is never refused."""
-    config = load_config(resolve_model_path(model_name_or_path))
-    model_type = getattr(config, "model_type", "")
-    limit = getattr(config, "max_position_embeddings", None)
-    if model_type in POSITION_TABLE_MODEL_TYPES and isinstance(limit, int) and max_seq_len > limit:
-        raise UserError(
-            f"{flag} {max_seq_len} is longer than {model_name_or_path} can read: its {model_type} "
-            f"position embeddings have {limit} positions, and a longer row would index past them; pass "
-            f"{flag} {limit} or less"
-        )
 
 
 @dataclass(frozen=True)

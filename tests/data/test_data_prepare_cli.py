@@ -136,6 +136,17 @@ def test_missing_model_path(tmp_path):
     assert_one_line_error(result, "no-model", "does not exist", out=tmp_path / "cache")
 
 
+def test_a_length_the_model_cannot_read_is_refused_before_any_cache_is_built(tmp_path):
+    """--max_seq_len past an OPT model's position table: the step would refuse it, so the cache
+    would never be read; one line, nothing written. A tokenizer-only folder has no table to check."""
+    from dschat.models.registry import resolve_model_path
+
+    result = run_prepare(args_for(resolve_model_path("tiny-opt"), tmp_path / "cache", "dschat/builtin",
+                                  extra=["--max_seq_len", "100000"]))
+    assert_one_line_error(result, "--max_seq_len 100000 is longer than", "pass --max_seq_len 512 or less")
+    assert not (tmp_path / "cache").exists()
+
+
 # --- flags -----------------------------------------------------------------------------------
 
 
