@@ -298,6 +298,12 @@ class _Adapter(HTTPAdapter):
         return _watch(super().proxy_manager_for(proxy, **proxy_kwargs))
 
 
+# A loopback URL is this machine's server: never through HTTP(S)_PROXY / ALL_PROXY (requests does not
+# skip them for 127.0.0.1), which would carry the key, prompts and answers off it. A scheme given None
+# here is sent directly; the environment's CA bundle still applies.
+_NO_PROXY = {"http": None, "https": None, "all": None}
+
+
 class RemoteReward:
     """The reward function of one reward server (see the module docstring for the protocol).
 
@@ -318,7 +324,8 @@ class RemoteReward:
         self.timeout, self.retries, self.chunk_size, self.backoff = float(timeout), int(retries), chunk_size, backoff
         self.shown = shown_url(url)
         parts = urlsplit(url)  # the key goes to this machine or over TLS, never in clear across the network
-        private = parts.scheme == "https" or is_loopback_host(parts.hostname or "")
+        self.loopback = is_loopback_host(parts.hostname or "")
+        private = parts.scheme == "https" or self.loopback
         self.api_key = (os.environ.get(API_KEY_ENV) or None) if private else None
         if self.api_key is not None:
             check_api_key(self.api_key)
@@ -468,7 +475,8 @@ class RemoteReward:
         """The reply's status, its body and whether that is the whole body: the whole of a 200 reply
         up to :data:`MAX_REPLY_BYTES` (none of a longer one, which is refused), the first
         ``_ERROR_TEXT_BYTES`` of another status's (for its line)."""
-        with self.session().post(self.url, json=payload, timeout=self.timeout, stream=True) as reply:
+        with self.session().post(self.url, json=payload, timeout=self.timeout, stream=True,
+                                 proxies=_NO_PROXY if self.loopback else None) as reply:
             limit = MAX_REPLY_BYTES if reply.status_code == 200 else _ERROR_TEXT_BYTES
             parts, size = [], 0
             for part in reply.iter_content(_READ_BYTES):

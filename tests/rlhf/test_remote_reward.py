@@ -289,6 +289,21 @@ def test_the_api_key_is_sent_as_a_bearer_token_and_a_401_names_the_variable(monk
     assert server.authorization == [None, None, "Bearer k3y", "Bearer k3y"]
 
 
+def test_a_loopback_url_never_goes_through_a_proxy_of_the_environment_another_host_does(monkeypatch):
+    """``HTTP_PROXY`` set (no ``NO_PROXY``): requests would send a loopback URL's key, prompts and
+    answers to the proxy, and train on its rewards. A loopback URL goes straight to this machine's
+    server; another host's still goes through the proxy."""
+    for name in ("NO_PROXY", "no_proxy", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(API_KEY_ENV, "k3y")
+    with RewardServer() as server, RewardServer([{"rewards": [-7.0]}, {"rewards": [-7.0]}]) as proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy.url.rsplit("/", 1)[0])
+        assert _client(server.url)(PROMPTS[:1], ANSWERS[:1]) == [float(len(PROMPTS[0] + ANSWERS[0]))]
+        assert proxy.requests == [] and server.authorization == ["Bearer k3y"]
+        assert _client("http://rm.example.invalid/get_reward")(PROMPTS[:1], ANSWERS[:1]) == [-7.0]
+    assert len(proxy.requests) == 1 and proxy.authorization == [None]
+
+
 def test_the_url_is_shown_without_its_password_or_query():
     url = "https://me:t0ken@rm.example.org:8443/get_reward?key=t0ken"
     assert shown_url(url) == "https://***@rm.example.org:8443/get_reward?***"
