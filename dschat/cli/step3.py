@@ -50,8 +50,8 @@ def add_step3_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
                        help="The reward model's folder (default: --critic_model_name_or_path, as upstream): a step-2 "
                             "output, or a Hugging Face *ForSequenceClassification folder with num_labels 1. Its "
                             "tokenizer may differ from the actor's (another family): each answer is then decoded, "
-                            "rendered with its chat template (else prompt + answer as they are), re-tokenised and "
-                            "cut to its maximum length, keeping the end. The critic needs the actor's tokenizer: "
+                            "rendered as prompt + answer (a classifier's: through its chat template, if it has one), "
+                            "re-tokenised and cut to its maximum length, keeping the end. The critic needs the actor's tokenizer: "
                             "with another one, or without --critic_model_name_or_path, it starts from the actor "
                             "with a fresh value head.")
     group.add_argument("--num_padding_at_beginning", type=int, default=1,

@@ -210,9 +210,10 @@ def reward_scores(
 ) -> list[float]:
     """The reward model's end score of each (prompt, answer), scored on the generated token ids as
     step 3 does when the tokenizers agree, else on the text rendered and re-tokenised for the reward
-    model (its chat template if it has one, cut to its maximum length keeping the end:
-    :func:`~dschat.models.reward_inputs.encode_for_reward`)."""
+    model (a sequence classifier's chat template if its tokenizer has one, cut to its maximum length
+    keeping the end: :func:`~dschat.models.reward_inputs.encode_for_reward`)."""
     same_tokens = not tokenizer_differences(reward_tokenizer, actor_tokenizer)
+    template = getattr(reward_model, "reads_chat_template", True)
     max_length = reward_max_length(reward_tokenizer, getattr(reward_model, "config", None))
     rows = []
     for prompt, p_ids, r_ids, text, ended in zip(
@@ -221,7 +222,7 @@ def reward_scores(
         if same_tokens:
             rows.append(p_ids + r_ids)
         else:
-            rows.append(encode_for_reward(reward_tokenizer, prompt, text, ended, max_length))
+            rows.append(encode_for_reward(reward_tokenizer, prompt, text, ended, max_length, template=template))
     return score_sequences(reward_model, rows, reward_tokenizer.pad_token_id, batch_size)
 
 

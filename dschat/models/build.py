@@ -286,6 +286,7 @@ def create_critic_model(
     else:
         base = create_hf_model(AutoModel, path, tokenizer, ds_config, False, dropout, vocab_rows=vocab_rows)
     critic = RewardModel(base, tokenizer, num_padding_at_beginning, compute_fp32_loss)
+    critic.reads_chat_template = fmt == "classifier"
     if fmt == "dschat":
         load_value_head(critic, path)
     elif head is not None:

@@ -5,12 +5,14 @@ read the actor's token ids. Each (prompt, answer) is decoded with the actor's to
 text for the reward model (:func:`reward_text`), tokenised with its tokenizer and cut to its maximum
 length keeping the end (:func:`encode_for_reward`): the score is read at the last token.
 
-* With a chat template (``tokenizer.chat_template``): a user turn (the prompt; upstream's
+* A Hugging Face sequence classifier (``template``: ``RewardModel.reads_chat_template``) whose
+  tokenizer has a chat template (``tokenizer.chat_template``): a user turn (the prompt; upstream's
   ``Human: ... Assistant:`` markers of a one-turn prompt stripped) and an assistant turn (the answer),
   rendered by the template, which closes the turn itself.
-* Without: the dataset's text, ``prompt + answer``, as they are, and the reward tokenizer's EOS when
-  the answer ended with the actor's EOS (step 2 trains on ``prompt + answer + EOS``); its own special
-  tokens (a BOS) added as its tokenizer adds them.
+* Otherwise (a step-2 model, whatever its tokenizer: step 2 trains on ``prompt + answer + EOS``, never
+  through a template): the dataset's text, ``prompt + answer``, as they are, and the reward
+  tokenizer's EOS when the answer ended with the actor's EOS; its own special tokens (a BOS) added as
+  its tokenizer adds them.
 """
 from __future__ import annotations
 
@@ -36,10 +38,11 @@ def user_turn(prompt: str) -> str:
     return prompt.strip()
 
 
-def reward_text(tokenizer: Any, prompt: str, answer: str, ended: bool) -> tuple[str, bool]:
+def reward_text(tokenizer: Any, prompt: str, answer: str, ended: bool, *, template: bool = True) -> tuple[str, bool]:
     """The text the reward model reads, and whether its chat template rendered it (then it holds its
-    special tokens already). ``ended``: the answer ended with the actor's EOS."""
-    if getattr(tokenizer, "chat_template", None):
+    special tokens already). ``ended``: the answer ended with the actor's EOS; ``template``: the model
+    reads its tokenizer's chat template, where there is one (a sequence classifier's)."""
+    if template and getattr(tokenizer, "chat_template", None):
         messages = [{"role": "user", "content": user_turn(prompt)}, {"role": "assistant", "content": answer}]
         return tokenizer.apply_chat_template(messages, tokenize=False), True
     suffix = tokenizer.eos_token if ended and tokenizer.eos_token else ""
@@ -54,10 +57,11 @@ def reward_max_length(tokenizer: Any, config: Any) -> int | None:
     return min(limits) if limits else None
 
 
-def encode_for_reward(tokenizer: Any, prompt: str, answer: str, ended: bool, max_length: int | None) -> list[int]:
-    """The reward model's token ids of (prompt, answer): :func:`reward_text` tokenised by ``tokenizer``,
-    the last ``max_length`` ids kept (the end score is read at the last one)."""
-    text, templated = reward_text(tokenizer, prompt, answer, ended)
+def encode_for_reward(tokenizer: Any, prompt: str, answer: str, ended: bool, max_length: int | None, *,
+                      template: bool = True) -> list[int]:
+    """The reward model's token ids of (prompt, answer): :func:`reward_text` (``template``: see there)
+    tokenised by ``tokenizer``, the last ``max_length`` ids kept (the end score is read at the last one)."""
+    text, templated = reward_text(tokenizer, prompt, answer, ended, template=template)
     ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
     return ids[-max_length:] if max_length else ids
 
@@ -67,10 +71,12 @@ class CrossTokenizerInputs:
 
     ``actor_tokenizer`` decodes; ``reward_tokenizer`` encodes (:func:`encode_for_reward`), at most
     ``max_length`` tokens a row. An answer ended when its last real token is one of ``end_ids`` (the
-    rollout's end ids, :func:`dschat.models.tokenizer.end_token_ids`; default the actor tokenizer's EOS)."""
+    rollout's end ids, :func:`dschat.models.tokenizer.end_token_ids`; default the actor tokenizer's EOS).
+    ``template``: the reward model reads its tokenizer's chat template (:func:`reward_text`)."""
 
     def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_length: int | None,
-                 end_ids: Sequence[int] | None = None) -> None:
+                 end_ids: Sequence[int] | None = None, *, template: bool = True) -> None:
+        self.template = template
         self.actor_tokenizer = actor_tokenizer
         self.reward_tokenizer = reward_tokenizer
         self.max_length = max_length
@@ -90,7 +96,8 @@ class CrossTokenizerInputs:
                 answer = answer[:-1]
             rows.append(encode_for_reward(
                 self.reward_tokenizer, self.actor_tokenizer.decode(prompt, skip_special_tokens=True),
-                self.actor_tokenizer.decode(answer, skip_special_tokens=True), ended, self.max_length))
+                self.actor_tokenizer.decode(answer, skip_special_tokens=True), ended, self.max_length,
+                template=self.template))
         return rows
 
     def __call__(self, seq: torch.Tensor, attention_mask: torch.Tensor,

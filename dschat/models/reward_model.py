@@ -288,6 +288,10 @@ class RewardModel(nn.Module):
         self.rwtransformer = base_model
         self.PAD_ID = tokenizer.pad_token_id
         self.compute_fp32_loss = compute_fp32_loss
+        # A Hugging Face sequence classifier (set by create_critic_model): read through its tokenizer's
+        # chat template when it scores another tokenizer's text (dschat.models.reward_inputs); a step-2
+        # model was trained on the dataset's text as it is.
+        self.reads_chat_template = False
 
     def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
         self.rwtransformer.gradient_checkpointing_enable(**kwargs)

@@ -257,7 +257,7 @@ class DeepSpeedRLHFEngine:
             self.reward_inputs = CrossTokenizerInputs(
                 tokenizer, self.sources.reward_tokenizer,
                 reward_max_length(self.sources.reward_tokenizer, self.reward.module.config),
-                end_ids=self.generator.end_ids)
+                end_ids=self.generator.end_ids, template=self.reward.module.reads_chat_template)
 
     # ------------------------------------------------------------------ helpers
     def release_prefetch(self) -> None:

@@ -113,3 +113,31 @@ def test_an_eval_judge_of_another_tokenizer_reads_the_rendered_text(tmp_path):
     with torch.no_grad():
         expected = reference(**batch).logits.squeeze().item()
     assert reward_scores(judge, judge_tokenizer, samples, actor, 1) == [expected]
+
+
+def test_a_step2_reward_model_reads_the_datasets_text_even_when_its_tokenizer_has_a_chat_template(tmp_path):
+    """Step 2 trains on prompt + answer + EOS, never through a template: a step-2 output of a chat
+    family (SmolLM2's tokenizer has a template) scoring another family's answers reads that text, as
+    it would the actor's own ids; a Hugging Face classifier reads its template (the test above)."""
+    from dschat.eval.scoring import score_sequences
+    from dschat.models.save import save_hf_model
+
+    tokenizer = load_hf_tokenizer("tiny-opt")
+    tokenizer.chat_template = TEMPLATE
+    save_hf_model(create_critic_model("tiny-opt", tokenizer, None), tokenizer, tmp_path / "rm")
+    judge, judge_tokenizer = load_reward(tmp_path / "rm", torch.device("cpu"))
+    assert judge_tokenizer.chat_template and not judge.reads_chat_template
+    assert load_reward(make_classifier("tiny-opt", tmp_path / "cls"), torch.device("cpu"))[0].reads_chat_template
+    actor = load_hf_tokenizer("tiny-llama")
+    prompt, answer = "Human: hello there Assistant:", " fine"
+    samples = Samples([prompt, prompt], [actor(prompt)["input_ids"]] * 2,
+                      [actor(answer, add_special_tokens=False)["input_ids"]] * 2, [answer] * 2, [True, False])
+    rows = [judge_tokenizer(prompt + answer + "</s>")["input_ids"], judge_tokenizer(prompt + answer)["input_ids"]]
+    assert rows[0][0] == judge_tokenizer.bos_token_id
+    expected = score_sequences(judge, rows, judge_tokenizer.pad_token_id, 2)
+    assert reward_scores(judge, judge_tokenizer, samples, actor, 2) == expected and expected[0] != expected[1]
+    # Step 3's re-tokenised rollout rows: the same text.
+    ids = [actor(prompt)["input_ids"] + actor(answer, add_special_tokens=False)["input_ids"] + [actor.eos_token_id]]
+    inputs = CrossTokenizerInputs(actor, judge_tokenizer, None, template=judge.reads_chat_template)
+    P = len(actor(prompt)["input_ids"])
+    assert inputs.rows(torch.tensor(ids), torch.ones(1, len(ids[0])), P) == rows[:1]
