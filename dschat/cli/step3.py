@@ -51,9 +51,9 @@ def add_step3_model_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
                             "output, or a Hugging Face *ForSequenceClassification folder with num_labels 1. Its "
                             "tokenizer may differ from the actor's (another family): each answer is then decoded, "
                             "rendered as prompt + answer (a classifier's: through its chat template, if it has one), "
-                            "re-tokenised and cut to its maximum length, keeping the end. The critic needs the actor's tokenizer: "
-                            "with another one, or without --critic_model_name_or_path, it starts from the actor "
-                            "with a fresh value head.")
+                            "re-tokenised and cut to its maximum length, keeping the end. The critic needs the "
+                            "actor's tokenizer: with another one, or without --critic_model_name_or_path, it starts "
+                            "from the actor with a fresh value head.")
     group.add_argument("--num_padding_at_beginning", type=int, default=1,
                        help="OPT model has a fixed number (1) of padding tokens at the beginning of the "
                             "input. Not used in step 3 (as upstream).")
