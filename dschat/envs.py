@@ -63,6 +63,9 @@ class StepResult:
     done: bool
 
 
+_PROMPT_FIELD = "prompt"  # a row's prompt (dschat.data.prompt_columns.PROMPT_FIELD, a floor beside this one)
+
+
 @dataclass
 class EpisodeState:
     """One episode's progress. Invariants: ``turns <= max_turns``; ``cut`` implies ``done``; a done
@@ -74,6 +77,14 @@ class EpisodeState:
     reward: float = 0.0
     done: bool = False
     cut: bool = False  # reached max_turns before the environment said done (or, set by the player, out of room)
+    # The row's prompt, shown in error lines (a batch index alone names no data row); not compared.
+    prompt: str | None = field(default=None, compare=False)
+
+    def where(self, turn: int | None = None) -> str:
+        """``on row i (prompt '...', turn t)`` for error lines, as the reward functions' lines name a row."""
+        parts = ([f"prompt {_shown(self.prompt)}"] if self.prompt is not None else []) + (
+            [f"turn {turn}"] if turn is not None else [])
+        return f"on row {self.row}" + (f" ({', '.join(parts)})" if parts else "")
 
 
 @dataclass(frozen=True)
@@ -178,17 +189,19 @@ class EpisodeBatch:
         if len(row_ids) != len(rows):
             raise ValueError(f"{len(row_ids)} row ids for {len(rows)} rows")
         self.factory = factory
-        self.states = [EpisodeState(row=i, max_turns=max_turns) for i in row_ids]
+        prompts = [row.get(_PROMPT_FIELD) for row in rows]
+        self.states = [EpisodeState(row=i, max_turns=max_turns, prompt=p if isinstance(p, str) else None)
+                       for i, p in zip(row_ids, prompts)]
         self.last_seconds = 0.0  # wall time of the latest batch of calls
         self.total_seconds = 0.0  # summed over every batch of calls so far
         # A copy of each row: the factory may keep or change it.
         copies = [dict(row) for row in rows]
         made = self._run([(lambda r=row: factory.factory(r)) for row in copies], "the factory",
-                         [f"on row {s.row}" for s in self.states])
+                         [s.where() for s in self.states])
         for env, state in zip(made, self.states):
             if not callable(getattr(env, "step", None)):
-                raise UserError(f"environment {factory.name}: the factory returned {type(env).__name__} on row "
-                                f"{state.row}, which has no step(answer) method; return an object with "
+                raise UserError(f"environment {factory.name}: the factory returned {type(env).__name__} "
+                                f"{state.where()}, which has no step(answer) method; return an object with "
                                 "step(answer) -> (observation, reward, done)")
         self.envs = made
 
@@ -210,11 +223,11 @@ class EpisodeBatch:
             if not isinstance(answers[i], str):
                 raise TypeError(f"the answer of live episode {i} is {type(answers[i]).__name__}, not str")
         raw = self._run([(lambda e=self.envs[i], a=answers[i]: e.step(a)) for i in live], "step",
-                        [f"on row {self.states[i].row} (turn {self.states[i].turns + 1})" for i in live])
+                        [self.states[i].where(self.states[i].turns + 1) for i in live])
         results: list[StepResult | None] = [None] * len(self.envs)
         for i, value in zip(live, raw):
             state = self.states[i]
-            result = _check_step(self.factory.name, f"on row {state.row} (turn {state.turns + 1})", value)
+            result = _check_step(self.factory.name, state.where(state.turns + 1), value)
             state.turns += 1
             state.reward += result.reward or 0.0
             state.done = result.done

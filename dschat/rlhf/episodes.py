@@ -176,7 +176,7 @@ class EpisodePlayer:
                 observed[i] = self.observation_ids(results[i].observation, ended[i] and tokens[i][-1] == self.eos)
             except Exception as err:  # noqa: BLE001 -- the environment's text; every rank is to stop together
                 first = (str(err).strip().splitlines() or [""])[0][:200]
-                raise UserError(f"environment {self.factory.name} on row {state.row} (turn {state.turns}): the "
+                raise UserError(f"environment {self.factory.name} {state.where(state.turns)}: the "
                                 f"tokenizer failed on its observation ({type(err).__name__}: {first}); return "
                                 "plain text the tokenizer takes") from err
         return observed

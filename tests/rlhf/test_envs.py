@@ -126,6 +126,17 @@ class TestFailures:
         episodes.states[1].turns = 1
         one_line_exit_2(lambda: episodes.step(["a", "b"]), capsys)
 
+    def test_a_line_shows_the_rows_prompt_since_a_batch_index_names_no_data_row(self):
+        """Step 3 passes the batch's rows, each with its ``prompt``: the line shows it, as a reward
+        function's line does (with --num_generations K the batch repeats each prompt K times)."""
+        rows = [{"prompt": "Human: Question number 23 about things. Assistant:", "result": OK,
+                 "raises": (0, ValueError("cannot handle this one"))}]
+        with pytest.raises(UserError) as caught:
+            batch(rows).step(["a"])
+        assert str(caught.value) == ("environment env_fixtures:scripted: step raised ValueError: cannot handle this one "
+                                     "on row 0 (prompt 'Human: Question number 23 about things. Assistant:', turn 1); "
+                                     "fix the environment")
+
     def test_a_user_error_of_the_environment_passes_as_it_is(self):
         episodes = batch([{"result": OK, "raises": (0, UserError("the sandbox needs --foo"))}])
         with pytest.raises(UserError, match="^the sandbox needs --foo$"):

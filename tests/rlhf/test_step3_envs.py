@@ -237,7 +237,8 @@ def test_a_failing_environment_stops_the_run_with_one_line(tmp_path, data_cache,
                                     "env_fixtures:fails_on_turn_two", "--output_dir", str(out),
                                     "--save_interval", "1"), capsys)
     assert "environment env_fixtures:fails_on_turn_two: step raised RuntimeError: the tool broke on row 0 " \
-           "(turn 2)" in line, line
+           "(prompt ' Human: I am curious about sailing. What should I know? ..., turn 2); fix the " \
+           "environment" in line, line
     assert not out.exists() or not any(out.iterdir())  # nothing half-written
 
 
