@@ -50,6 +50,7 @@ from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
+from dschat.serve.reward_scorer import encode_text
 
 __all__ = ["ActorEngine", "Batcher", "DECODING_ENGINES", "Delta", "Done", "Failed", "HybridEngineDecoder", "Job",
            "LoopDecoder", "RowFollower", "end_ids", "engine_unsupported", "load_actor_engine", "pick_decoder",
@@ -100,9 +101,11 @@ class ActorEngine:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
     def encode(self, prompt: str) -> list[int]:
-        """A completion prompt's token ids (the tokenizer's special tokens added, as ``tokenizer(prompt)``)."""
+        """A completion prompt's token ids (the tokenizer's special tokens added, as ``tokenizer(prompt)``);
+        :class:`~dschat.serve.reward_scorer.UnencodableText` for a prompt the tokenizer cannot encode
+        (a lone surrogate: :func:`~dschat.serve.reward_scorer.encode_text`)."""
         with self._tokenizer_lock:
-            return list(self.tokenizer(prompt)["input_ids"])
+            return encode_text(self.tokenizer, prompt)
 
     def decode(self, ids: list[int]) -> str:
         """Answer tokens as text, special tokens left out."""

@@ -7,9 +7,11 @@ Routes:
 - ``POST /get_reward``: OpenRLHF's remote reward protocol. Body ``{"query": [str, ...], "prompts":
   [str, ...], "labels": [str, ...]}`` (``prompts`` and ``labels`` optional, unused by a reward model);
   reply ``{"rewards": [float, ...]}``, one per query, in order. A body that is not JSON, has a field of
-  the wrong type, an empty ``query`` list, or a query of no tokens (``{"detail": "query[i] has no
-  tokens ..."}``) gets HTTP 422 ``{"detail": ...}``; an unknown route 404 and a wrong method 405, both
-  JSON. The server goes on serving after each.
+  the wrong type, an empty ``query`` list, a query of no tokens (``{"detail": "query[i] has no
+  tokens ..."}``) or a query the tokenizer cannot encode (a lone surrogate such as JSON's
+  ``"\\ud800"``: ``{"detail": "query[i] holds a lone surrogate ..."}``) gets HTTP 422
+  ``{"detail": ...}``; an unknown route 404 and a wrong method 405, both JSON. The server goes on
+  serving after each.
 
 :func:`build_app` serves a reward model; :func:`build_actor_app` an actor, on the OpenAI-compatible
 routes of :mod:`dschat.serve.openai_api` (``/v1/models``, ``/v1/completions``,
@@ -32,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dschat.serve.actor import ActorEngine, Batcher
 from dschat.serve.openai_api import add_actor_routes, error_body
-from dschat.serve.reward_scorer import EmptyQuery, RewardScorer
+from dschat.serve.reward_scorer import BadQuery, RewardScorer
 
 __all__ = ["ApiKeyGate", "RewardRequest", "RewardReply", "build_actor_app", "build_app", "add_reward_routes"]
 
@@ -76,7 +78,8 @@ def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
     """``POST /get_reward`` scored by ``scorer``, one request at a time: requests wait their turn on the
     event loop (which keeps answering ``/health``), a request whose client has gone away by its turn
     is not scored (a client that timed out and retried does not make the queue longer), and the
-    scoring runs in a worker thread. A query of no tokens gets a 422 naming its index, and none of the
+    scoring runs in a worker thread. A query of no tokens or one the tokenizer cannot encode
+    (:class:`~dschat.serve.reward_scorer.BadQuery`) gets a 422 naming its index, and none of the
     request's queries is scored."""
     turn = asyncio.Lock()
 
@@ -87,7 +90,7 @@ def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
                 return JSONResponse({"detail": "the client went away before its turn"}, status_code=499)
             try:
                 return RewardReply(rewards=await run_in_threadpool(scorer.score, request.query))
-            except EmptyQuery as err:
+            except BadQuery as err:
                 return JSONResponse({"detail": str(err)}, status_code=422)
 
 

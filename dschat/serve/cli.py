@@ -6,10 +6,14 @@ Order: parse -> what MODEL is (a step-2 reward model, :func:`is_reward_model`: i
 adapter folder; else one line) -> bind the port (a busy one is one line naming ``--port``) -> load
 the model (an actor: its decoder picked by ``--decoding_engine`` and warmed up) -> print the line
 ``serving <kind> <folder> on http://HOST:PORT (...)`` (the bound port, also for ``--port 0``; an
-actor's line ends with ``; decoding with <engine>: <why>``) -> serve until stopped (Ctrl-C or SIGTERM: uvicorn's graceful shutdown). Every refusal is one ``error:`` line, exit
-code 2. With ``DSCHAT_SERVE_API_KEY`` set, every route but ``GET /health`` needs
-``Authorization: Bearer <key>`` (:mod:`dschat.serve.app`); without it a note says that every account
-that reaches the port can use the model. A ``--host`` that is not a loopback address gets a warning
+actor's line ends with ``; decoding with <engine>: <why>``) -> serve until stopped (Ctrl-C or SIGTERM:
+uvicorn's graceful shutdown, bounded: requests still open after :data:`GRACEFUL_SHUTDOWN_SECONDS`, a
+client's half-sent body too, are cancelled and the process exits). A reward model's ``--max_seq_len``
+longer than its position table (OPT, GPT-2, ...: :func:`check_seq_len_fits_positions`, from the config)
+is refused before the port is bound. Every refusal is one ``error:`` line, exit code 2. With
+``DSCHAT_SERVE_API_KEY`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``
+(:mod:`dschat.serve.app`); without it a note says that every account that reaches the port can use
+the model. A ``--host`` that is not a loopback address gets a warning
 line: the server has no TLS.
 """
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 
 from dschat.errors import UserError, cli_main
 from dschat.eval.scoring import check_reward_folder
-from dschat.models.registry import load_config, resolve_model_path
+from dschat.models.registry import check_seq_len_fits_positions, load_config, resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, value_head_file
 from dschat.paths import is_adapter_folder
 from dschat.remote_reward import API_KEY_ENV, check_api_key
@@ -43,7 +47,11 @@ except ImportError as err:
 else:
     _MISSING = None
 
-__all__ = ["build_parser", "main", "bind", "check_device", "is_reward_model"]
+__all__ = ["GRACEFUL_SHUTDOWN_SECONDS", "build_parser", "main", "bind", "check_device", "is_reward_model"]
+
+#: Seconds uvicorn waits, once stopped (Ctrl-C, SIGTERM), for open requests to finish before it cancels
+#: them and exits: a client that never finishes sending its request cannot keep the server up.
+GRACEFUL_SHUTDOWN_SECONDS = 5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -67,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Reward model: texts scored per forward pass (default 16).")
     parser.add_argument("--max_seq_len", type=int, default=None,
                         help="Reward model: tokens of a text kept (its last ones: the score is read at the last "
-                             "token). Default: the model's max_position_embeddings.")
+                             "token). Default: the model's max_position_embeddings; more than a position table "
+                             "holds (OPT, GPT-2, ...) is refused.")
     parser.add_argument("--max_batch_size", type=int, default=8,
                         help="Actor: requests (prompts) decoded together in one batch at most (default 8).")
     parser.add_argument("--max_wait_ms", type=float, default=5.0,
@@ -160,6 +169,8 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise UserError(f"--max_seq_len must be >= 1, got {args.max_seq_len}")
+    if reward and args.max_seq_len is not None:
+        check_seq_len_fits_positions(str(folder), args.max_seq_len)  # from the config, before any weight loads
     check_device(args.device)
     api_key = os.environ.get(API_KEY_ENV) or None
     if api_key is not None:
@@ -188,7 +199,8 @@ def _main(argv: Sequence[str] | None) -> None:
             app = build_actor_app(engine, batcher, api_key)
             print(f"serving actor {args.model} on http://{shown}:{port} (GET /v1/models, POST /v1/completions, "
                   f"POST /v1/chat/completions, GET /health); decoding with {decoding}", flush=True)
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=75)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=75,
+                                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         sock.close()

@@ -4,7 +4,8 @@
 Bodies are checked by pydantic, strictly (a number is not taken for a string, nor a string for a
 number); fields OpenAI defines that are not listed in :class:`_Common` and the two request models are
 ignored. Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``:
-400 for a bad body (not JSON, a wrong type, a value out of range, ``n`` other than 1, a prompt that
+400 for a bad body (not JSON, a wrong type, a value out of range, ``n`` other than 1, a prompt or a
+message the tokenizer cannot encode -- a lone surrogate, such as JSON's ``"\\ud800"`` --, a prompt that
 leaves no room for ``max_tokens`` within the model's positions, chat on a tokenizer without a chat
 template, an unsupported option such as ``logprobs``), 404 for an unknown model name or route, 405 for
 a wrong method, 500 when decoding fails. A streamed answer is server-sent events, one
@@ -27,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dschat.rlhf.rollout.sampling import DecodingSettings
 from dschat.serve.actor import ActorEngine, Batcher, Delta, Done, Failed, Job
+from dschat.serve.reward_scorer import UnencodableText, check_unicode
 
 __all__ = ["ApiError", "ChatRequest", "CompletionRequest", "add_actor_routes", "error_body"]
 
@@ -305,6 +307,14 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
                        for i, (text, d) in enumerate(zip(texts, done))]
         return {**head, "object": kind, "choices": choices, "usage": _usage(done)}
 
+    def encode_prompt(prompt: str, name: str) -> list[int]:
+        """``prompt``'s ids; a 400 (param ``prompt``) whose message starts with ``name`` (``prompt``, or
+        ``prompt[i]`` of a list) when the tokenizer cannot encode it."""
+        try:
+            return engine.encode(prompt)
+        except UnencodableText as why:
+            raise ApiError(400, f"{name} {why}", "prompt") from None
+
     @app.post("/v1/completions")
     async def completions(request: CompletionRequest, client: Request) -> Any:
         check_model(request)
@@ -312,7 +322,9 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
         if not prompts:
             raise ApiError(400, "prompt is an empty list; give at least one prompt", "prompt")
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
-        return await respond(request, [engine.encode(p) for p in prompts], max_tokens, chat=False, client=client)
+        names = ["prompt"] if isinstance(request.prompt, str) else [f"prompt[{i}]" for i in range(len(prompts))]
+        return await respond(request, [encode_prompt(p, name) for p, name in zip(prompts, names)], max_tokens,
+                             chat=False, client=client)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest, client: Request) -> Any:
@@ -321,8 +333,14 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
             raise ApiError(400, f"model {engine.name!r} has no chat template (its tokenizer defines none), so it "
                                 "cannot chat; use /v1/completions with a plain prompt", "messages",
                            "no_chat_template")
+        messages = [m.as_template_message() for m in request.messages]
+        for index, message in enumerate(messages):
+            try:
+                check_unicode(message["content"])
+            except UnencodableText as why:
+                raise ApiError(400, f"messages[{index}].content {why}", "messages") from None
         try:
-            ids = engine.encode_chat([m.as_template_message() for m in request.messages])
+            ids = engine.encode_chat(messages)
         except Exception as err:  # noqa: BLE001 - a template's own refusal (roles out of order, ...)
             raise ApiError(400, f"the chat template refused these messages: {err}", "messages") from None
         max_tokens = request.max_completion_tokens or request.max_tokens

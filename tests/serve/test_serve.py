@@ -1,13 +1,17 @@
 """``python -m dschat.serve`` on a tiny step-2 reward model: a real server in a subprocess on a free
 port, asked over HTTP. Its rewards are the reward model's own scores of the same texts (a step-2 LoRA
-output's ``lora_adapter/`` folder too); bad requests (a query of no tokens too) get a 4xx JSON answer
-and the server goes on; a busy port and a folder that is no model are one line, exit 2. An actor
-served: tests/serve/test_serve_actor.py."""
+output's ``lora_adapter/`` folder too); bad requests (a query of no tokens, or one the tokenizer cannot
+encode, too) get a 4xx JSON answer and the server goes on; SIGTERM or Ctrl-C stops it within its bounded
+graceful shutdown while a client holds a half-sent request; a busy port, a folder that is no model and
+a ``--max_seq_len`` past the position table are one line, exit 2. An actor served:
+tests/serve/test_serve_actor.py."""
 from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -15,8 +19,10 @@ import pytest
 import requests
 import torch
 from dschat.errors import EXIT_USAGE, UserError
+from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.remote_reward import API_KEY_ENV, RemoteReward
 from dschat.serve.app import build_app
+from dschat.serve.cli import GRACEFUL_SHUTDOWN_SECONDS
 from dschat.serve.cli import main as serve_main
 from dschat.serve.reward_scorer import load_reward_scorer
 
@@ -172,6 +178,67 @@ def test_a_text_longer_than_max_seq_len_is_cut(reward_folder):
     with served_reward_model(reward_folder, "--max_seq_len", "12", "--device", "cpu") as served:
         rewards = requests.post(served.reward_url, json={"query": [long_text, TEXTS[0]]}, timeout=60).json()["rewards"]
     assert rewards == pytest.approx(own_scores(reward_folder, [long_text, TEXTS[0]], max_len=12), abs=1e-5)
+
+
+def test_a_query_the_tokenizer_cannot_encode_is_a_422_naming_it(server):
+    """A lone surrogate (JSON's ``"\\ud800"`` without its pair: no Unicode text) is a 422 naming the query
+    in one line, none of the request's queries scored, no traceback in the log; a pair is text."""
+    for body, index, where in ((b'{"query": ["\\ud800"]}', 0, "U+D800 at character 0"),
+                               (b'{"query": ["fine", "a\\udc00b"]}', 1, "U+DC00 at character 1")):
+        reply = requests.post(server.reward_url, data=body, headers={"Content-Type": "application/json"}, timeout=60)
+        assert reply.status_code == 422, reply.text
+        detail = reply.json()["detail"]
+        assert detail.startswith(f"query[{index}] holds a lone surrogate, {where}") and "\n" not in detail
+    pair = requests.post(server.reward_url, data=b'{"query": ["\\ud83d\\ude00 ok"]}',
+                         headers={"Content-Type": "application/json"}, timeout=60)
+    assert pair.status_code == 200 and len(pair.json()["rewards"]) == 1
+    assert server.proc.poll() is None and not any("Traceback" in line for line in server.output)
+
+
+def test_a_text_longer_than_the_position_table_keeps_its_last_positions(server, reward_folder):
+    """The default ``--max_seq_len`` is the model's 512 positions: a longer text is cut to them, not a 500."""
+    long_text = TEXTS[1] * 60
+    assert len(load_hf_tokenizer(str(reward_folder))(long_text)["input_ids"]) > 512
+    reply = requests.post(server.reward_url, json={"query": [long_text]}, timeout=120)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["rewards"] == pytest.approx(own_scores(reward_folder, [long_text], max_len=512), abs=1e-5)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_half_sent_request_does_not_keep_the_server_from_stopping(reward_folder, stop):
+    """SIGTERM (or Ctrl-C) while a client holds a request whose body never comes: the server cancels it
+    after its bounded graceful shutdown and exits, instead of waiting for that client forever."""
+    with served_reward_model(reward_folder, "--device", "cpu") as served:
+        port = int(served.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as held:
+            held.sendall(b"POST /get_reward HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # 1 byte of the 100 promised, never the rest
+            time.sleep(1.0)  # the request reaches the app, which waits for the rest of its body
+            served.proc.send_signal(stop)
+            started = time.monotonic()
+            try:
+                served.proc.wait(timeout=GRACEFUL_SHUTDOWN_SECONDS + 30)
+            except subprocess.TimeoutExpired:
+                pytest.fail("the server did not stop while a client held a half-sent request:\n"
+                            + "\n".join(served.output[-10:]))
+            took = time.monotonic() - started
+    assert took >= GRACEFUL_SHUTDOWN_SECONDS - 1  # it gave the open request its grace period first
+
+
+def test_a_max_seq_len_past_the_position_table_is_one_line_before_the_port_is_bound(reward_folder, capsys):
+    """tiny-opt's positions are a 512-row table: ``--max_seq_len`` 513 is refused from the config, before
+    the port is bound (a busy port would otherwise be the line) and any weight loads; 512 fits."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        line = _refused([str(reward_folder), "--max_seq_len", "4096", "--port", port, "--device", "cpu"], capsys)
+        assert line == (f"error: --max_seq_len 4096 is longer than {reward_folder} can read: its opt position "
+                        "embeddings have 512 positions, and a longer row would index past them; pass "
+                        "--max_seq_len 512 or less")
+        assert "is in use" in _refused([str(reward_folder), "--max_seq_len", "512", "--port", port], capsys)
+    with pytest.raises(UserError, match="max_len 513 is longer than .* 512 positions"):
+        load_reward_scorer(reward_folder, device="cpu", max_len=513)
 
 
 @pytest.fixture(autouse=True)

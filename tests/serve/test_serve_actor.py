@@ -2,11 +2,12 @@
 ``openai`` client (and by plain HTTP for what the client would not send). Greedy answers are the
 model's own ``generate(do_sample=False)`` and step 3's own decoding of the same prompts (dschat's
 Hybrid Engine, which ``auto`` serves tiny-opt with, and the sample loop of ``--decoding_engine loop``);
-streams join to the plain answers and stop strings cut them, in both engines; bad requests get
-OpenAI's error body and the server goes on; 32 concurrent clients all get well-formed answers.
-In-process, in both engines: the batched decoding of prompts of different lengths equals each prompt
-decoded alone, an answer ends on every EOS id of the model's generation config as ``generate`` does,
-waiting jobs with equal settings share a batch, a cancelled job ends at its next token."""
+streams join to the plain answers and stop strings cut them, in both engines; bad requests (a prompt
+the tokenizer cannot encode too) get OpenAI's error body and the server goes on; 32 concurrent clients
+all get well-formed answers. In-process, in both engines: the batched decoding of prompts of different
+lengths equals each prompt decoded alone, an answer ends on every EOS id of the model's generation
+config as ``generate`` does, waiting jobs with equal settings share a batch, a cancelled job ends at its
+next token."""
 from __future__ import annotations
 
 import json
@@ -277,6 +278,9 @@ def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
     ("/completions", {"model": "M", "prompt": "word " * 300, "max_tokens": 300}, 400, "max_tokens"),
     ("/completions", {"model": "M", "prompt": "a", "max_tokens": 600}, 400, "max_tokens"),
     ("/completions", {"model": "other", "prompt": "a"}, 404, "model"),
+    ("/completions", {"model": "M", "prompt": "a\ud800b"}, 400, "prompt"),
+    ("/completions", {"model": "M", "prompt": ["a", "\udfff"]}, 400, "prompt"),
+    ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": "\ud800"}]}, 400, "messages"),
     ("/chat/completions", {"model": "M", "messages": []}, 400, "messages"),
     ("/chat/completions", {"model": "M", "messages": [{"role": "wizard", "content": "a"}]}, 400, "messages"),
     ("/chat/completions", {"model": "M", "messages": [{"role": "user", "content": 1}]}, 400, "messages"),
@@ -295,6 +299,24 @@ def test_a_bad_request_gets_an_openai_error_and_the_server_goes_on(server, chat_
                                                                "max_tokens": 2}, timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
     assert server.proc.poll() is None
+
+
+def test_text_the_tokenizer_cannot_encode_is_a_400_naming_it(server, chat_folder):
+    """A lone surrogate (JSON's ``"\\ud800"`` without its pair: no Unicode text) in a prompt or a message
+    is a 400 in OpenAI's error format whose one-line message names where it is; no traceback in the log."""
+    for route, body, start in (
+            ("/completions", {"prompt": "a\ud800b"}, "prompt holds a lone surrogate, U+D800 at character 1"),
+            ("/completions", {"prompt": ["a", "\udfff"]}, "prompt[1] holds a lone surrogate, U+DFFF at character 0"),
+            ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": [
+                {"type": "text", "text": "x"}, {"type": "text", "text": "\ud800"}]}]},
+             "messages[1].content holds a lone surrogate, U+D800 at character 1")):
+        reply = requests.post(server.api_url + route, data=json.dumps({"model": str(chat_folder), **body}),
+                              headers={"Content-Type": "application/json"}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["message"].startswith(start) and "\n" not in error["message"], error
+        assert error["type"] == "invalid_request_error"
+    assert server.proc.poll() is None and not any("Traceback" in line for line in server.output)
 
 
 def test_a_wrong_method_gets_an_openai_error(server):
