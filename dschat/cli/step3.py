@@ -181,8 +181,9 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                        help="(dschat) DAPO's soft overlong punishment: an answer of n tokens (an episode: the actor's "
                             "tokens) with n > M - L (M: --max_answer_seq_len) gets -factor x (n - (M - L)) / L added "
                             "to its score. 0 (default): off.")
-    group.add_argument("--overlong_penalty_factor", type=float, default=1.0,
-                       help="(dschat) With --overlong_buffer_len: the penalty at n = M (default 1.0).")
+    group.add_argument("--overlong_penalty_factor", type=float, default=None,
+                       help="(dschat) With --overlong_buffer_len (refused without it): the penalty at n = M "
+                            "(not given: 1.0).")
     group.add_argument("--mask_truncated_answers", action="store_true",
                        help="(dschat) DAPO's overlong filtering: answers cut at --max_answer_seq_len without EOS are "
                             "masked out of the loss (their rewards still enter their group's statistics).")
@@ -190,10 +191,10 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                        help="(dschat) DAPO's dynamic sampling (grpo, rloo): a group whose answers all got the same "
                             "reward is dropped, and the next prompt batches are sampled until the generation batch "
                             "holds only groups of different rewards or --max_sampling_rounds batches were drawn.")
-    group.add_argument("--max_sampling_rounds", type=int, default=4, metavar="N",
-                       help="(dschat) With --dynamic_sampling: the most generation batches one batch may draw, the "
-                            "first included (default 4); a batch still short is filled with equal-reward groups "
-                            "masked out of the loss.")
+    group.add_argument("--max_sampling_rounds", type=int, default=None, metavar="N",
+                       help="(dschat) With --dynamic_sampling (refused without it): the most generation batches one "
+                            "batch may draw, the first included (not given: 4); a batch still short is filled with "
+                            "equal-reward groups masked out of the loss.")
     group.add_argument("--importance_sampling_level", type=str, default="token", choices=("token", "sequence"),
                        help="(dschat) 'token' (default): one PPO ratio per token; 'sequence': GSPO's one ratio per "
                             "answer, exp(mean of the answer's token log-ratios), clipped per answer (critic-free "

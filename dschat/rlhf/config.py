@@ -174,7 +174,9 @@ def resolve_algorithm(args: object) -> AlgorithmSettings:
 
 
 def _dapo_options(args: argparse.Namespace, algorithm: str) -> dict[str, object]:
-    """The DAPO / GSPO options of :class:`AlgorithmSettings`, checked (one UserError line each)."""
+    """The DAPO / GSPO options of :class:`AlgorithmSettings`, checked (one UserError line each).
+    ``--overlong_penalty_factor`` (None: 1.0) and ``--max_sampling_rounds`` (None: 4), when given, need
+    ``--overlong_buffer_len`` > 0 and ``--dynamic_sampling``: alone they would change nothing."""
     high = args.cliprange_high
     if high is not None and not (math.isfinite(high) and high >= 0):
         raise UserError(f"--cliprange_high must be a finite number >= 0 (the ratio's upper bound is 1 + it), got {high}")
@@ -186,9 +188,16 @@ def _dapo_options(args: argparse.Namespace, algorithm: str) -> dict[str, object]
     if not isinstance(buffer, int) or isinstance(buffer, bool) or not 0 <= buffer <= longest:
         raise UserError(f"--overlong_buffer_len must be an integer from 0 (off) to --max_answer_seq_len {longest}, "
                         f"got {buffer!r}")
+    if factor is not None and not buffer:  # None: not given (1.0); a factor without a buffer would do nothing
+        raise UserError("--overlong_penalty_factor scales the soft overlong punishment, off without it: add "
+                        "--overlong_buffer_len L (L > 0) or drop --overlong_penalty_factor")
+    factor = 1.0 if factor is None else factor
     if not (math.isfinite(factor) and factor >= 0):
         raise UserError(f"--overlong_penalty_factor must be a finite number >= 0, got {factor}")
-    rounds = positive_flag("max_sampling_rounds", args.max_sampling_rounds)
+    if args.max_sampling_rounds is not None and not args.dynamic_sampling:  # None: not given (4)
+        raise UserError("--max_sampling_rounds bounds the draws of --dynamic_sampling, off without it: add "
+                        "--dynamic_sampling or drop --max_sampling_rounds")
+    rounds = positive_flag("max_sampling_rounds", 4 if args.max_sampling_rounds is None else args.max_sampling_rounds)
     if args.dynamic_sampling and algorithm not in GROUP_ALGORITHMS:
         raise UserError(f"--dynamic_sampling drops groups whose answers all got the same reward, which carry no signal "
                         f"only under a group baseline: use it with --algorithm grpo or rloo, not {algorithm}")

@@ -38,8 +38,8 @@ class SamplingStats:
 
     batches: int = 0  # generation batches handed to training
     rounds: int = 0  # generation batches drawn (per rank; every rank draws as many), skipped steps' too
-    groups: int = 0  # groups generated
-    dropped_groups: int = 0  # groups of equal rewards (or no answer that trains), not trained on
+    groups: int = 0  # groups generated (a skipped generation batch's too)
+    dropped_groups: int = 0  # groups of equal rewards or no answer that trains (a skipped batch's), not trained on
     surplus_groups: int = 0  # informative groups beyond a full batch, not trained on
     masked_groups: int = 0  # equal-reward groups that filled a short batch, masked out of the loss
 
@@ -79,10 +79,16 @@ class GroupFilter:
         """Whether this rank still lacks informative groups for a full batch."""
         return len(self.kept) < self.groups_per_batch
 
-    def add(self, experience: Experience | None) -> None:
-        """One drawn generation batch (``None``: step 3 skipped it on every rank, no group kept)."""
+    def add(self, experience: Experience | None, groups: int | None = None) -> None:
+        """One drawn generation batch. ``None``: step 3 skipped it on every rank (no answer anywhere
+        long enough, or uncut under ``--mask_truncated_answers``): its ``groups`` (default ``G``; fewer
+        for the epoch's short last prompt batch) were generated and none of their answers trains, so
+        they count as sampled and dropped, and none is kept."""
         self.rounds += 1
         if experience is None:
+            skipped = self.groups_per_batch if groups is None else groups
+            self.seen += skipped
+            self.dropped += skipped
             return
         k, clip = self.group_size, self.clip_reward_value
         informative = informative_groups(experience.reward_score.float().clamp(-clip, clip), k)

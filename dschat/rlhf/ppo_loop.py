@@ -246,8 +246,8 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
                      f"{rollout.observation_tokens:.1f} environment tokens | {rollout.cut_share:.0%} cut | "
                      f"environment time {env_time:.2f}s", rank)
     if sampling is not None:
-        print_rank_0(f"Dynamic sampling: {sampling.dropped_groups} of {sampling.groups} groups had equal rewards and "
-                     f"were dropped, {sampling.surplus_groups} more were surplus | "
+        print_rank_0(f"Dynamic sampling: {sampling.dropped_groups} of {sampling.groups} groups had equal rewards (or no "
+                     f"answer that trains) and were dropped, {sampling.surplus_groups} more were surplus | "
                      f"{sampling.rounds_per_batch:.2f} generation batches drawn per batch trained | "
                      f"{sampling.masked_groups} equal-reward groups masked to fill short batches", rank)
     print_rank_0(DASHES, rank)

@@ -5,9 +5,11 @@ and MLflow (``--report_to``; docs/metrics.md#experiment-trackers).
 (steps 1-2: the optimizer step; step 3: the global PPO iteration). ``TensorBoardLogger`` is the same
 class: ``TensorBoardLogger(enabled, path, name)`` is TensorBoard alone, as ``--enable_tensorboard``.
 
-* TensorBoard: ``<tensorboard_path>/<name>`` (event files).
+* TensorBoard: ``<tensorboard_path>/<name>`` (event files). A resumed run calls :meth:`Trackers.resume_at`
+  with the checkpoint's step: TensorBoard then hides what an earlier attempt logged from that step on.
 * W&B: ``wandb.init`` under ``<root>/wandb/`` (``$WANDB_DIR`` when set), offline unless ``$WANDB_MODE``
-  is set; project ``$WANDB_PROJECT`` or ``dschat``; every scalar is plotted against ``global_step``.
+  is set; project ``$WANDB_PROJECT`` or ``dschat``; every scalar is plotted against ``global_step``. A set
+  ``$WANDB_DIR`` is checked as the run's other folders are (W&B itself would fall back to a temporary folder).
 * MLflow: ``$MLFLOW_TRACKING_URI``, else the file store ``file:<root>/mlruns``; experiment
   ``$MLFLOW_EXPERIMENT_NAME`` or ``dschat``; the flags are the run's parameters; a process that exits
   without :meth:`Trackers.close` (an error) ends the run ``FAILED``; a single-process run stopped by
@@ -18,7 +20,8 @@ class: ``TensorBoardLogger(enabled, path, name)`` is TensorBoard alone, as ``--e
 ``<root>`` is ``--output_dir``, else ``--tensorboard_path``. W&B and MLflow are optional extras: a
 tracker asked for and not installed is a :class:`~dschat.errors.UserError` on every rank, raised by
 the constructor (which the step scripts call before any model is loaded). A sink whose ``log`` raises
-mid-run is dropped with one warning; the run and the other sinks go on.
+mid-run is dropped with one warning; the run and the other sinks go on. A resumed run is a new W&B and
+MLflow run, from the checkpoint's step on (docs/metrics.md#resumed-runs).
 """
 from __future__ import annotations
 
@@ -34,6 +37,7 @@ import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Sequence
+from urllib.parse import urlsplit
 
 import torch
 
@@ -95,10 +99,20 @@ class _TensorBoardSink:
     label = "TensorBoard"
 
     def __init__(self, path: str, name: str) -> None:
+        self.folder = str(Path(path) / name)
+        self.writer = self._open(None)
+
+    def _open(self, purge_step: int | None) -> Any:
         # lazy: the tensorboard writer costs 0.07 s at import and most runs do not log to it
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(str(Path(path) / name))
+        return SummaryWriter(self.folder, purge_step=purge_step)
+
+    def resume_at(self, step: int) -> None:
+        """Reopen the writer with ``purge_step=step``: a new event file whose first event tells
+        TensorBoard to hide the events of ``step`` and later that earlier files of the folder hold."""
+        self.writer.close()
+        self.writer = self._open(step)
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         for key, value in values.items():
@@ -116,10 +130,15 @@ class _TensorBoardSink:
 class _WandbSink:
     label = "W&B"
 
+    @staticmethod
+    def store(root: Path) -> str:
+        """Where the run is written, for a line saying it could not start."""
+        return f"under {os.environ.get('WANDB_DIR') or root}"
+
     def __init__(self, wandb: ModuleType, root: Path, run_name: str, config: Mapping[str, Any]) -> None:
         self.run = wandb.init(
             project=os.environ.get("WANDB_PROJECT") or "dschat", name=os.environ.get("WANDB_NAME") or run_name,
-            dir=None if os.environ.get("WANDB_DIR") else str(root),
+            dir=os.environ.get("WANDB_DIR") or str(root),  # explicit: W&B reads its variables once per process
             mode=None if os.environ.get("WANDB_MODE") else "offline",
             config=dict(config), reinit="create_new",
             settings=wandb.Settings(console="off"))  # stdout stays the run's own
@@ -140,6 +159,13 @@ class _WandbSink:
 
 class _MlflowSink:
     label = "MLflow"
+
+    @staticmethod
+    def store(root: Path) -> str:
+        """The store the run goes to (``MLFLOW_TRACKING_URI`` without its user, password or query), for a
+        line saying it could not start."""
+        from_env = os.environ.get("MLFLOW_TRACKING_URI")
+        return f"in MLFLOW_TRACKING_URI {_shown_uri(from_env)}" if from_env else f"under {root / 'mlruns'}"
 
     def __init__(self, mlflow: ModuleType, root: Path, run_name: str, config: Mapping[str, Any]) -> None:
         from_env = os.environ.get("MLFLOW_TRACKING_URI")
@@ -225,7 +251,8 @@ class Trackers:
     alone. ``path`` / ``name``: TensorBoard's folder ``<path>/<name>``. ``run_name``: the W&B / MLflow
     run's name (default ``name``); ``config``: its flags; ``root``: the folder under which W&B and a
     default MLflow store write (default ``path``). Raises :class:`~dschat.errors.UserError` on every
-    rank when an extra is missing, and on rank 0 when a tracker cannot start.
+    rank when an extra is missing, and on rank 0 when a tracker cannot start or ``$WANDB_DIR`` (set,
+    with ``wandb``) is not a folder it can create or write.
     """
 
     def __init__(self, report_to: bool | Sequence[str], path: str, name: str, *, run_name: str | None = None,
@@ -242,15 +269,20 @@ class Trackers:
                 continue
             folder = Path(os.path.expanduser(root or path))
             check_writable_dir(folder, "--output_dir" if root else "--tensorboard_path")
+            if tracker == "wandb" and os.environ.get("WANDB_DIR"):  # else W&B falls back to a temporary folder
+                check_writable_dir(os.environ["WANDB_DIR"], "WANDB_DIR")
             folder.mkdir(parents=True, exist_ok=True)
             sink_class = _WandbSink if tracker == "wandb" else _MlflowSink
             try:
                 self.sinks.append(sink_class(modules[tracker], folder, run_name, config))
             except Exception as err:  # a tracker's own failure, whatever its type: one line, before training
                 self.close()
-                raise UserError(f"--report_to {tracker}: {sink_class.label} could not start a run under {folder} "
-                                f"({type(err).__name__}: {first_line(err)}); fix its settings or drop it from "
-                                "--report_to") from err
+                detail, uri = first_line(err), os.environ.get("MLFLOW_TRACKING_URI")
+                if tracker == "mlflow" and uri:  # MLflow's message quotes the URI, a password in it too
+                    detail = detail.replace(uri, _shown_uri(uri))
+                raise UserError(f"--report_to {tracker}: {sink_class.label} could not start a run "
+                                f"{sink_class.store(folder)} ({type(err).__name__}: {detail}); fix its settings or "
+                                "drop it from --report_to") from err
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, name: str, run_name: str) -> Trackers:
@@ -269,16 +301,40 @@ class Trackers:
             try:
                 sink.log(step, values)
             except Exception as err:  # any tracker failure: the run matters more than one tracker
-                self.sinks.remove(sink)
-                print(f"WARNING: {sink.label} logging failed at step {step} ({type(err).__name__}: "
-                      f"{first_line(err)}); the run goes on without {sink.label}", file=sys.stderr, flush=True)
-                sink.abandon()
+                self._drop(sink, err, step)
+
+    def resume_at(self, step: int) -> None:
+        """A resumed run, before its first scalar: ``step`` is the first x it logs (step 3: the
+        checkpoint's global PPO iteration). TensorBoard's writer is reopened with ``purge_step=step``, so
+        TensorBoard hides what an earlier attempt logged at ``step`` and after in the same folder (the
+        event files keep it). W&B and MLflow runs are new runs already (their earlier runs keep those
+        steps). A failure drops TensorBoard as in :meth:`scalars`."""
+        for sink in list(self.sinks):
+            if isinstance(sink, _TensorBoardSink):
+                try:
+                    sink.resume_at(step)
+                except Exception as err:  # as a failed log: the run goes on without TensorBoard
+                    self._drop(sink, err, step)
+
+    def _drop(self, sink: _TensorBoardSink | _WandbSink | _MlflowSink, err: Exception, step: int) -> None:
+        """Stop using ``sink`` after ``err`` at ``step``: one warning on stderr, then its ``abandon``."""
+        self.sinks.remove(sink)
+        print(f"WARNING: {sink.label} logging failed at step {step} ({type(err).__name__}: "
+              f"{first_line(err)}); the run goes on without {sink.label}", file=sys.stderr, flush=True)
+        sink.abandon()
 
     def close(self) -> None:
         """Finish every sink's run (files flushed); a sink that fails to close is named in one warning."""
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             _close_quietly(sink)
+
+
+def _shown_uri(uri: str) -> str:
+    """A tracking URI for a line: its user, password and query hidden (:func:`shown_url`); one without
+    host or query (``sqlite:////abs/path``, a path) as it is, which ``shown_url`` would alter."""
+    parts = urlsplit(uri)
+    return shown_url(uri) if parts.netloc or parts.query else uri
 
 
 def _close_quietly(sink: Any) -> None:

@@ -98,7 +98,7 @@ def test_the_filter_keeps_the_first_informative_groups_in_order():
     f = _filter()
     f.add(_batch([1, 1, 0, 1], 1))  # group 0 equal, group 1 informative
     assert f.wants_more()
-    f.add(None)  # a generation batch skipped on every rank: a round, no group
+    f.add(None)  # a generation batch skipped on every rank: a round; its 2 groups sampled and dropped, none kept
     assert f.wants_more()
     f.add(_batch([2, 3, 4, 4, 5, 6, 7, 7], 20))  # informative, equal, informative (surplus), equal
     assert not f.wants_more()
@@ -107,8 +107,27 @@ def test_the_filter_keeps_the_first_informative_groups_in_order():
     assert out.valid.all()
     stats = f.pop_stats()
     assert (stats.batches, stats.rounds, stats.groups, stats.dropped_groups, stats.surplus_groups,
-            stats.masked_groups) == (1, 3, 6, 3, 1, 0)
+            stats.masked_groups) == (1, 3, 8, 5, 1, 0)
     assert f.pop_stats().groups == 0 and f.kept == [] and f.rounds == 0
+
+
+def test_a_skipped_generation_batch_counts_its_groups_as_sampled_and_dropped(capsys):
+    """A generation batch step 3 skipped (no answer anywhere long enough, or uncut) generated its groups
+    and none of their answers trains: sampled and dropped (docs/metrics.md), as many as the batch held."""
+    f = _filter(groups_per_batch=2, max_rounds=8)
+    for _ in range(7):
+        f.add(None)
+    f.add(_batch([0, 1, 2, 3], 1))  # the eighth batch: both groups informative
+    assert not f.wants_more()
+    assert len(f.batch()) == 4
+    stats = f.pop_stats()
+    assert (stats.rounds, stats.groups, stats.dropped_groups, stats.surplus_groups, stats.batches) == (8, 16, 14, 0, 1)
+    # Every group generated is trained, dropped or surplus.
+    assert stats.groups == 2 * stats.batches + stats.dropped_groups + stats.surplus_groups
+    f.add(None, groups=1)  # the epoch's short last prompt batch, skipped: its one group
+    f.add(None)
+    assert f.batch() is None and "no group of different rewards on any rank in 2" in capsys.readouterr().out
+    assert (f.stats.groups, f.stats.dropped_groups, f.stats.rounds) == (3, 3, 2)
 
 
 def test_a_batch_still_short_is_filled_with_the_latest_equal_groups_masked():
@@ -186,6 +205,15 @@ def _argv(data, out, *extra, steps=3):
 def test_dynamic_sampling_flag_rules(extra, message, tmp_path, data_cache, capsys):
     line = refused_in_process(_argv(data_cache, tmp_path / "out", *extra), capsys)
     assert message in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_max_sampling_rounds_without_dynamic_sampling_is_refused(tmp_path, data_cache, capsys):
+    argv = _argv(data_cache, tmp_path / "out", "--max_sampling_rounds", "4")  # even at its default value
+    argv.remove("--dynamic_sampling")
+    line = refused_in_process(argv, capsys)
+    assert line == ("error: --max_sampling_rounds bounds the draws of --dynamic_sampling, off without it: add "
+                    "--dynamic_sampling or drop --max_sampling_rounds")
     assert not (tmp_path / "out").exists()
 
 

@@ -78,7 +78,7 @@ def test_dapo_and_gspo_options_default_off_and_each_leaves_upstreams_loss():
         settings = _settings(*extra)
         assert not settings.upstream_ppo_loss and settings.algorithm == "ppo", extra
         assert settings.loss_aggregation == "token"
-    assert _settings("--overlong_penalty_factor", "2").upstream_ppo_loss  # inert without a buffer
+    assert _settings("--overlong_buffer_len", "4").overlong_penalty_factor == 1.0  # the factor's default
     both = _settings("--cliprange_high", "0.28", "--dual_clip", "3", "--overlong_buffer_len", "4",
                      "--overlong_penalty_factor", "0.5", "--mask_truncated_answers")
     assert (both.cliprange_high, both.dual_clip, both.overlong_buffer_len, both.overlong_penalty_factor,
@@ -120,6 +120,11 @@ def _parser():
     (("--overlong_buffer_len", "-1"), "--overlong_buffer_len must be an integer from 0 (off)"),
     (("--overlong_buffer_len", "4", "--overlong_penalty_factor", "-1"), "--overlong_penalty_factor must be a finite "
                                                                        "number >= 0"),
+    # Given without the punishment it scales, even at its default value, it would change nothing.
+    (("--overlong_penalty_factor", "1.0"), "--overlong_penalty_factor scales the soft overlong punishment, off "
+                                           "without it: add --overlong_buffer_len L (L > 0)"),
+    (("--overlong_buffer_len", "0", "--overlong_penalty_factor", "2"), "add --overlong_buffer_len L (L > 0) or drop "
+                                                                       "--overlong_penalty_factor"),
     (("--importance_sampling_level", "sequence"), "--importance_sampling_level sequence (GSPO) is for the critic-free "
                                                   "algorithms"),
     (("--algorithm", "grpo", "--num_generations", "2", "--decoding", "greedy"),

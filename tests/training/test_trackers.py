@@ -195,11 +195,72 @@ def test_an_mlflow_server_that_fails_a_log_is_not_asked_again(monkeypatch, tmp_p
     assert not any(path.endswith("runs/update") for path in paths), paths  # set_terminated was not asked
 
 
-def test_a_tracker_that_cannot_start_is_one_line(monkeypatch, tmp_path):
-    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///" + str(tmp_path / "no-such-folder" / "mlflow.db"))
-    with pytest.raises(UserError, match=r"--report_to mlflow: MLflow could not start a run under .*; fix its "
-                                        r"settings or drop it from --report_to"):
+def test_a_tracker_that_cannot_start_is_one_line_naming_its_store(monkeypatch, tmp_path):
+    """The line names the store that failed: MLFLOW_TRACKING_URI when set (without its password), not
+    --output_dir."""
+    store = "sqlite:///" + str(tmp_path / "no-such-folder" / "mlflow.db")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
+    with pytest.raises(UserError) as caught:
         Trackers(["mlflow"], str(tmp_path / "tb"), "run", root=str(tmp_path / "out"))
+    assert str(caught.value).startswith(f"--report_to mlflow: MLflow could not start a run in MLFLOW_TRACKING_URI "
+                                        f"{store} (")
+    assert str(caught.value).endswith("; fix its settings or drop it from --report_to")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://user:secret@127.0.0.1:9/?token=t")  # nothing listens on 9
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # refused at once: no retries to wait for
+    with pytest.raises(UserError) as caught:
+        Trackers(["mlflow"], str(tmp_path / "tb"), "run", root=str(tmp_path / "out"))
+    assert "could not start a run in MLFLOW_TRACKING_URI http://***@127.0.0.1:9/?*** (" in str(caught.value)
+    assert "secret" not in str(caught.value)
+
+
+def test_an_unwritable_wandb_dir_is_one_line_before_any_model(monkeypatch, tmp_path, capsys):
+    """WANDB_DIR under a regular file: W&B alone would fall back to a temporary folder and the run
+    would go on; step 1 stops with one line naming WANDB_DIR, exit 2, before it reads data."""
+    step1 = load_script("step1")
+
+    def no_data(*args, **kwargs):
+        raise AssertionError("data and models are loaded after the trackers are checked")
+
+    monkeypatch.setattr(step1, "build_step_data", no_data)
+    (tmp_path / "a-file").write_text("x")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "a-file" / "wandb"))
+    argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(tmp_path / "out"), "--report_to", "wandb")
+    assert cli_main(step1.main, argv) == EXIT_USAGE
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert lines == [f"error: WANDB_DIR {tmp_path / 'a-file' / 'wandb'} cannot be created: {tmp_path / 'a-file'} is "
+                     "a file, not a folder; pass a path under a folder"] and "Traceback" not in err, err
+
+
+def test_a_wandb_dir_that_does_not_exist_yet_is_made(monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "new" / "wandb-runs"))
+    trackers = Trackers(["wandb"], str(tmp_path / "tb"), "run", run_name="unit", root=str(tmp_path / "out"))
+    trackers.scalars(0, loss=1.0)
+    trackers.close()
+    assert read_wandb_run(tmp_path / "new" / "wandb-runs").history == [{"global_step": 0, "loss": 1.0}]
+
+
+# ------------------------------------------------------------------------------------ resume
+
+
+def test_a_resumed_run_hides_the_earlier_attempts_later_steps_in_tensorboard(tmp_path):
+    """An attempt logs steps 0-2 and stops; the run resumes from a checkpoint at step 2 and logs 2-3 in
+    the same folder: TensorBoard shows each step once, the resumed run's value from step 2 on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    first = Trackers(["tensorboard"], str(tmp_path / "tb"), "run")
+    for step in (0, 1, 2):
+        first.scalars(step, loss=10.0 + step, other=1.0)
+    first.close()
+    resumed = Trackers(["tensorboard"], str(tmp_path / "tb"), "run")
+    resumed.resume_at(2)
+    for step in (2, 3):
+        resumed.scalars(step, loss=20.0 + step)
+    resumed.close()
+    events = EventAccumulator(str(tmp_path / "tb" / "run")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 10.0), (1, 11.0), (2, 22.0), (3, 23.0)]
+    assert [e.step for e in events.Scalars("other")] == [0, 1]  # a tag the resumed run does not log: cut too
+    Trackers([], str(tmp_path / "tb"), "none").resume_at(2)  # no TensorBoard: nothing to do
 
 
 def test_an_mlflow_run_whose_process_dies_before_close_ends_failed(tmp_path, monkeypatch):
@@ -333,3 +394,28 @@ def test_step3_writes_the_same_scalars_to_wandb_and_mlflow(critic_dirs, data_cac
     assert run.data.params["critic_model_name_or_path"] == str(critic_dirs["tiny-opt"])
     # TensorBoard still gets them, beside.
     assert (tmp_path / "tb" / "step3_tensorboard_logs").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_step3_run_shows_each_iteration_once_in_tensorboard(critic_dirs, data_cache, tmp_path):
+    """Iterations 0-2 with a checkpoint after 2, then --resume from it to 4 iterations: metrics.jsonl
+    and TensorBoard both hold iterations 0-3 once each, the resumed run's from 2 on."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, tb = tmp_path / "out", tmp_path / "tb"
+
+    def argv(steps: int, *extra: str) -> list[str]:
+        return step3_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out), "--save_interval",
+                          "2", "--enable_tensorboard", "--tensorboard_path", str(tb), *extra, steps=steps)
+
+    first = step3_main().main(argv(3))
+    resumed = step3_main().main(argv(4, "--resume"))
+    assert [r["global_step"] for r in first.history] == [0, 1, 2]
+    assert [r["global_step"] for r in resumed.history] == [2, 3]
+    kept = [tensorboard_scalars(r) for r in first.history[:2] + resumed.history]
+    events = EventAccumulator(str(tb / "step3_tensorboard_logs")).Reload()
+    for key in ("time/generation", "time/training"):  # differ between the attempts
+        shown = events.Scalars(key)
+        assert [e.step for e in shown] == [0, 1, 2, 3], key
+        assert all(_same(e.value, scalars[key]) for e, scalars in zip(shown, kept)), key

@@ -315,6 +315,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
     if resumed is not None and args.output_dir is not None and ctx.rank == 0:
         truncate_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step)
+    if resumed is not None:  # TensorBoard hides what the killed attempt logged after the checkpoint
+        tb.resume_at(counters.global_step)
     evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
 
     # ---------------------------------------------------------------- PPO loop
