@@ -64,6 +64,8 @@ def train_epochs(
     """
     checkpointer = Checkpointer(args, {"model": engine}, ctx.rank, loaders=[train_loader])
     resumed = checkpointer.resume(counter)
+    if resumed is not None:  # TensorBoard hides what a killed attempt logged after the checkpoint's step
+        tb.resume_at(counter.optimizer_steps + 1)
     guard = NonFiniteGuard(args.max_nonfinite_steps, ctx.rank, ctx.device, last_checkpoint=checkpointer.latest)
     print_rank_0("***** Running training *****", ctx.rank)
     if resumed is None:

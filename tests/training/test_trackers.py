@@ -419,3 +419,27 @@ def test_a_resumed_step3_run_shows_each_iteration_once_in_tensorboard(critic_dir
         shown = events.Scalars(key)
         assert [e.step for e in shown] == [0, 1, 2, 3], key
         assert all(_same(e.value, scalars[key]) for e, scalars in zip(shown, kept)), key
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_resumed_step1_run_shows_each_optimizer_step_once_in_tensorboard(tmp_path):
+    """Steps 1-3 with a checkpoint after 2, then --resume from it to 4 steps: TensorBoard's train/loss
+    holds steps 1-4 once each, the resumed run's from 3 on (the x of steps 1-2 is the optimizer step,
+    1-based: the checkpoint's own step keeps the first attempt's point)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    main, out, tb = load_script("step1").main, tmp_path / "out", tmp_path / "tb"
+
+    def argv(steps: int, *extra: str) -> list[str]:
+        return base_argv("tiny-llama", tmp_path / "data", "--output_dir", str(out), "--save_interval", "2",
+                         "--enable_tensorboard", "--tensorboard_path", str(tb), *extra, max_train_steps=steps,
+                         batch_size=2)
+
+    first = main(argv(3))
+    resumed = main(argv(4, "--resume"))
+    assert len(first.train_losses) == 3 and len(resumed.train_losses) == 2
+    events = EventAccumulator(str(tb / "step1_model_dschat")).Reload()
+    shown = events.Scalars("train/loss")
+    assert [e.step for e in shown] == [1, 2, 3, 4]
+    expected = first.train_losses[:2] + resumed.train_losses
+    assert all(_same(e.value, loss) for e, loss in zip(shown, expected)), (shown, expected)
