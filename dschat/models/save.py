@@ -32,7 +32,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import deepspeed
 import torch
@@ -54,7 +54,7 @@ LORA_FACTORS = ("lora_right_weight", "lora_left_weight")
 # What a save writes (and so may replace), by the exact names Hugging Face gives them: the weights
 # in one file or in shards ("-00001-of-00002") with their index, our value head, the configs and
 # the tokenizer's files. Everything else in an output folder is carried over, also files named like
-# weights that no save writes (the user's "model.prev.safetensors", "model-v1.safetensors").
+# them that no save writes (the user's "model.prev.safetensors", "model-v1.safetensors", "config.txt").
 _SHARD = r"(-\d{5}-of-\d{5})?"
 _WEIGHT_FILES = (
     rf"^(model{_SHARD}\.safetensors|pytorch_model{_SHARD}\.bin|tf_model{_SHARD}\.h5|flax_model{_SHARD}\.msgpack)$"
@@ -64,8 +64,8 @@ _WEIGHT_FILES = (
 _WEIGHTS = re.compile(_WEIGHT_FILES)
 _MODEL_ARTIFACTS = re.compile(
     _WEIGHT_FILES
-    + r"|^(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab|merges)\.(json|txt)$"
-    r"|^(chat_template\.(jinja|json)|tokenizer\.model|spiece\.model)$"
+    + r"|^(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens|vocab)\.json$"
+    r"|^(vocab|merges)\.txt$|^(chat_template\.(jinja|json)|tokenizer\.model|spiece\.model)$"
 )
 
 
@@ -76,6 +76,22 @@ def is_model_artifact(name: str) -> bool:
 
 def _is_weights(name: str) -> bool:
     return bool(_WEIGHTS.match(name))
+
+
+def _no_entry(name: str) -> bool:
+    return False
+
+
+def earlier_model_files(folder: str | Path) -> Callable[[str], bool]:
+    """What a save into ``folder`` removes besides the files it writes: an earlier model's other
+    files (:func:`is_model_artifact`: its shards, a tokenizer file the new tokenizer does not write)
+    when ``folder`` holds a model (its ``config.json`` or weights), so the folder holds one model;
+    nothing when it holds none (a ``vocab.json`` beside no model is the user's own)."""
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return _no_entry
+    return is_model_artifact if any(n == "config.json" or _is_weights(n) for n in names) else _no_entry
 
 
 def recover_output_dir(output_dir: str | Path, run: object | None = None) -> list[str]:
@@ -222,7 +238,7 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
     adapter = gather_lora_adapter(model)  # collective too; None without LoRA layers
     output_dir = Path(output_dir)
     if state is not None:
-        with save_in_place(output_dir, is_model_artifact) as tmp:
+        with save_in_place(output_dir, earlier_model_files(output_dir)) as tmp:
             if save_format != "bin":
                 _write(module, state, tmp)
             if save_format != "safetensors":

@@ -511,6 +511,27 @@ def test_a_final_save_keeps_the_users_files_named_like_weights_and_replaces_an_e
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), new.state_dict().values()))
 
 
+def test_a_first_save_keeps_the_users_files_named_like_configs_and_tokenizer_files(tiny, tmp_path):
+    """A folder that holds no model (no ``config.json``, no weights): the user's ``vocab.json``,
+    ``config.txt``, ``tokenizer.txt`` ... are theirs, kept byte for byte unless the save writes that
+    very name; names no Hugging Face save writes (``config.txt``) are kept beside a model too."""
+    old, new, tokenizer = tiny
+    out = tmp_path / "out"
+    out.mkdir()
+    mine = {name: f"the user's {name}".encode() for name in
+            ("config.txt", "tokenizer.txt", "generation_config.txt", "special_tokens_map.txt", "added_tokens.txt",
+             "merges.json", "notes.txt")}
+    for name, data in {**mine, "vocab.json": b"the user's vocab.json"}.items():
+        (out / name).write_bytes(data)
+    tokenizer.save_pretrained(tmp_path / "probe")
+    assert not (tmp_path / "probe" / "vocab.json").exists()  # this tokenizer writes none: the file stays the user's
+    save_hf_model(old, tokenizer, out)
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+    assert (out / "vocab.json").read_bytes() == b"the user's vocab.json"
+    save_hf_model(new, tokenizer, out)  # beside a model now: still theirs
+    assert {name: (out / name).read_bytes() for name in mine} == mine
+
+
 def test_rolling_back_with_resume_from_then_resume(engine, tmp_path):
     """The issue's roll-back: step_50, 100 and 200 exist; --resume_from step_50 and --keep_checkpoints
     2, then a save at step 60 keeps step_60 and the source; a later --resume continues from step_60
