@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +40,7 @@ from dschat.rlhf.ppo_update import MicroStepStats
 from dschat.runtime.dist import all_reduce_sum, get_all_reduce_mean, print_rank_0
 from dschat.runtime.fs import atomic_file, open_own
 from dschat.runtime.perf import print_throughput_step3
-from dschat.training.checkpoint import Checkpointer
+from dschat.training.checkpoint import Checkpointer, checkpoint_root
 from dschat.runtime.devices import to_device
 from dschat.training.progress import TensorBoardLogger
 from dschat.training.run_setup import RunContext
@@ -47,7 +48,8 @@ from dschat.training.ppo_counters import CheckpointTiming, PPOCounters, finished
 
 __all__ = ["METRICS_FILE", "PPORun", "IterationResult", "RolloutTimes", "run_ppo", "generate_batch", "group_filter",
            "fill_groups", "train_rollout", "log_iteration",
-           "iteration_record", "tensorboard_scalars", "append_metrics", "truncate_metrics"]
+           "iteration_record", "tensorboard_scalars", "append_metrics", "truncate_metrics", "adopt_metrics",
+           "resume_metrics"]
 
 
 @dataclass
@@ -339,12 +341,49 @@ def append_metrics(path: Path, record: dict, *, fresh: bool = False) -> None:
         f.write(line + "\n")
 
 
+def resume_metrics(path: Path, iterations: int, checkpoint: Path) -> None:
+    """On resume from ``checkpoint`` (of ``iterations`` PPO iterations): this run's ``metrics.jsonl``
+    (``path``) cut back to it (:func:`truncate_metrics`), or, when the checkpoint is another folder's
+    (``--resume_from``; its run's file is ``<that folder>/metrics.jsonl``), started from that run's
+    lines (:func:`adopt_metrics`, one notice)."""
+    if checkpoint.resolve().parent == checkpoint_root(path.parent).resolve():
+        truncate_metrics(path, iterations)
+    else:
+        print(adopt_metrics(path, iterations, checkpoint.parent.parent / path.name), flush=True)
+
+
 def truncate_metrics(path: Path, iterations: int) -> None:
     """On resume: keep the lines of the iterations the checkpoint holds (a killed run may have
     written more), so the resumed run's lines follow without duplicates. An evaluation record
     (``"kind": "eval"``) at step N was made before checkpoint N: kept with it."""
     if not path.is_file():
         return
+    with atomic_file(path) as tmp:  # a kill leaves the old file, never a half-written one
+        tmp.write_text("".join(_lines_up_to(path, iterations)), encoding="utf-8")
+
+
+def adopt_metrics(path: Path, iterations: int, source: Path) -> str:
+    """On resume from another folder's checkpoint (``--resume_from``): ``path`` (this folder's
+    ``metrics.jsonl``, another run's) is set aside as ``metrics.jsonl.N`` (the first free N), and the
+    lines of the checkpoint's own run up to it (``source``: that run's ``metrics.jsonl``, as
+    :func:`truncate_metrics` keeps them; none when it is missing) start this folder's file. Returns
+    the notice saying so."""
+    aside = None
+    if os.path.lexists(path):
+        aside = next(path.with_name(f"{path.name}.{n}") for n in itertools.count(1)
+                     if not os.path.lexists(path.with_name(f"{path.name}.{n}")))
+        os.rename(path, aside)
+    lines = _lines_up_to(source, iterations) if source.is_file() else []
+    with atomic_file(path) as tmp:
+        tmp.write_text("".join(lines), encoding="utf-8")
+    kept = f"; {aside.name} keeps its earlier lines (another run's)" if aside is not None else ""
+    return (f"[metrics] resumed from another folder's checkpoint: {path} starts with the {len(lines)} line(s) of "
+            f"{source} up to iteration {iterations}{kept}")
+
+
+def _lines_up_to(path: Path, iterations: int) -> list[str]:
+    """The lines of ``path`` (a ``metrics.jsonl``) a checkpoint of ``iterations`` PPO iterations
+    holds: training records below it, evaluation records up to it; a line a kill cut is dropped."""
     kept = []
     for line in path.read_text(encoding="utf-8").splitlines():
         try:
@@ -354,5 +393,4 @@ def truncate_metrics(path: Path, iterations: int) -> None:
                 kept.append(line + "\n")
         except json.JSONDecodeError:  # a line cut by the kill
             continue
-    with atomic_file(path) as tmp:  # a kill leaves the old file, never a half-written one
-        tmp.write_text("".join(kept), encoding="utf-8")
+    return kept

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 
-from dschat.rlhf.ppo_loop import PPOCounters, append_metrics, iteration_record, tensorboard_scalars, truncate_metrics
+from dschat.rlhf.ppo_loop import (PPOCounters, append_metrics, iteration_record, resume_metrics, tensorboard_scalars,
+                                  truncate_metrics)
 from dschat.rlhf.ppo_trainer import MicroStepStats, RolloutStats
 from dschat.training.checkpoint import TrainingPosition
 from dschat.training.nonfinite import NonFiniteGuard
@@ -109,3 +110,28 @@ def test_metrics_file_on_resume_keeps_the_checkpointed_iterations_only(tmp_path)
     truncate_metrics(tmp_path / "absent.jsonl", 3)  # nothing to do, no error
     assert not (tmp_path / "absent.jsonl").exists()
 
+
+
+def test_resuming_from_another_folders_checkpoint_starts_the_metrics_from_that_run(tmp_path):
+    """--resume_from A/checkpoints/step_3 with --output_dir B, where B holds another run's
+    metrics.jsonl: B's file starts with A's lines up to the checkpoint (not B's lines 0-1 spliced with
+    the resumed run's), and B's earlier lines are kept aside as metrics.jsonl.1 (then .2). A checkpoint
+    of B's own is cut back as before."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder, steps, reward in ((a, 5, 1.0), (b, 2, -1.0)):
+        for step in range(steps):
+            append_metrics(folder / "metrics.jsonl", {**_record(step), "reward": reward}, fresh=step == 0)
+    (a / "checkpoints" / "step_00000003").mkdir(parents=True)
+    earlier = (b / "metrics.jsonl").read_text(encoding="utf-8")
+    resume_metrics(b / "metrics.jsonl", 3, a / "checkpoints" / "step_00000003")
+    lines = [json.loads(x) for x in (b / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert [(x["global_step"], x["reward"]) for x in lines] == [(0, 1.0), (1, 1.0), (2, 1.0)]
+    assert (b / "metrics.jsonl.1").read_text(encoding="utf-8") == earlier
+    resume_metrics(b / "metrics.jsonl", 3, tmp_path / "elsewhere" / "step_00000003")  # no metrics beside it
+    assert (b / "metrics.jsonl").read_text(encoding="utf-8") == "" and (b / "metrics.jsonl.2").exists()
+    (b / "checkpoints" / "step_00000002").mkdir(parents=True)
+    append_metrics(b / "metrics.jsonl", _record(0), fresh=True)
+    append_metrics(b / "metrics.jsonl", _record(2), fresh=False)
+    resume_metrics(b / "metrics.jsonl", 2, b / "checkpoints" / "step_00000002")  # its own: cut back
+    assert [json.loads(x)["global_step"] for x in (b / "metrics.jsonl").read_text().splitlines()] == [0]
+    assert not (b / "metrics.jsonl.3").exists()

@@ -229,7 +229,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.heldout.setup import check_eval_args, heldout_prompt_items
     from dschat.rlhf.config import resolve_algorithm, step3_config
     from dschat.rlhf.guards import validate_step3_args
-    from dschat.rlhf.ppo_loop import METRICS_FILE, run_ppo, truncate_metrics
+    from dschat.rlhf.ppo_loop import METRICS_FILE, resume_metrics, run_ppo
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
     from dschat.runtime.ds_config import resolve_dtype
@@ -314,7 +314,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     resumed = checkpointer.resume()
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
     if resumed is not None and args.output_dir is not None and ctx.rank == 0:
-        truncate_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step)
+        resume_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step, checkpointer.resumed)
     if resumed is not None:  # TensorBoard hides what the killed attempt logged after the checkpoint
         tb.resume_at(counters.global_step)
     evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
