@@ -27,7 +27,7 @@ from dschat.models.embedded import materialize_smollm2
 from dschat.models.families import POSITION_TABLE_MODEL_TYPES
 from dschat.models.tiny import build_tiny_model
 from dschat.paths import ADAPTER_CONFIG_FILE, is_adapter_folder
-from dschat.runtime.inplace import unfinished_save
+from dschat.runtime.inplace import unfinished_save, unfinished_set
 
 EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
 # Same names as dschat.models.tiny.TINY_NAMES (kept literal here so that importing the registry
@@ -97,6 +97,12 @@ def _check_local_folder(name: str, folder: Path) -> None:
         raise UserError(f"{name} holds an unfinished model save ({leftover.name}): a save into it is running, or "
                         f"one was stopped; wait for a running save to end, else finish or undo it with "
                         f"'python -m dschat.models.save --recover {name}', then run again")
+    marker = unfinished_set(folder)
+    if marker is not None:  # this folder and its siblings may hold models of two runs
+        raise UserError(f"{name} is one of the models a save into {marker.parent} did not finish ({marker.name} is "
+                        f"there: it stopped between its folders, so they may hold models of two runs); run step 3 "
+                        f"into {marker.parent} again (--resume goes on from its last checkpoint) to save them "
+                        f"together, or delete {marker} if you know every folder there is one run's")
     if (folder / "config.json").is_file() or is_adapter_folder(folder):
         return
     if any((folder / f).is_file() for f in TOKENIZER_FILES):

@@ -32,7 +32,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import deepspeed
 import torch
@@ -44,7 +44,7 @@ from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_l
 from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.runtime.dist import barrier
-from dschat.runtime.inplace import STAGING_PREFIX, recover_in_place, save_in_place
+from dschat.runtime.inplace import STAGING_PREFIX, mark_set, recover_in_place, save_in_place, unmark_set
 from dschat.runtime.run_lock import LOCK_NAME, hold_run_lock, run_lock
 from dschat.runtime.zero3 import release_zero3_prefetch
 
@@ -248,6 +248,23 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
                 write_lora_adapter(adapter, tmp / ADAPTER_DIR, tokenizer)
     barrier()
     return output_dir if state is not None else None
+
+
+@contextlib.contextmanager
+def saving_together(output_dir: str | Path, names: Sequence[str], rank: int) -> Iterator[None]:
+    """Save a set of models into ``output_dir``'s subfolders ``names`` (step 3's ``actor/``, ``critic/``,
+    ``actor_ema/``; each saved atomically by :func:`save_hf_model` inside) as one set: a marker naming
+    them is written before the first (:func:`dschat.runtime.inplace.mark_set`) and removed after the
+    last. A kill or an error in between leaves it, and each of those folders is then refused as a
+    model (:func:`dschat.models.registry.check_local_model_path`): they may be of two runs. Collective:
+    every rank enters; rank 0 writes, the others wait for it."""
+    if rank == 0:
+        mark_set(output_dir, list(names))
+    barrier()
+    yield
+    barrier()
+    if rank == 0:
+        unmark_set(output_dir)
 
 
 def save_hf_format(model: Any, tokenizer: Any, args: Any, sub_folder: str = "") -> Path | None:

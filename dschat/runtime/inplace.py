@@ -41,16 +41,22 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from dschat.errors import UserError
-from dschat.runtime.fs import _disk_full_is_a_user_error, _normalise_modes, foreign_link_line, fsync_path, fsync_tree
+from dschat.runtime.fs import (_disk_full_is_a_user_error, _normalise_modes, atomic_file, foreign_link_line, fsync_path,
+                               fsync_tree)
 
 from dschat.runtime.trust import owned_privately
 
-__all__ = ["STAGING_PREFIX", "REPLACED_PREFIX", "JOURNAL", "save_in_place", "recover_in_place", "unfinished_save"]
+__all__ = ["STAGING_PREFIX", "REPLACED_PREFIX", "JOURNAL", "SET_MARKER", "save_in_place", "recover_in_place",
+           "unfinished_save", "mark_set", "unmark_set", "unfinished_set"]
 
 STAGING_PREFIX = ".dschat-staging-"
 REPLACED_PREFIX = ".dschat-replaced-"
 #: Written into a staging folder, last, once everything in it is complete and fsync'd.
 JOURNAL = ".dschat-staged.json"
+#: Written into a folder before a set of models is saved into its subfolders (step 3's ``actor/``,
+#: ``critic/``, ``actor_ema/``), removed after the last one: while it is there, the set may hold
+#: models of two runs (each subfolder is saved atomically, the set is not).
+SET_MARKER = ".dschat-saving-models.json"
 
 
 def _ours(name: str) -> bool:
@@ -240,3 +246,37 @@ def unfinished_save(path: str | os.PathLike) -> Path | None:
     except OSError:
         return None
     return next((folder / name for name in names if _ours(name)), None)
+
+
+def mark_set(path: str | os.PathLike, names: list[str]) -> None:
+    """Before saving a set of models into ``path``'s subfolders ``names``: :data:`SET_MARKER`, naming
+    them, written and fsync'd (never through another account's link)."""
+    marker = Path(path) / SET_MARKER
+    Path(path).mkdir(parents=True, exist_ok=True)
+    line = foreign_link_line(marker)
+    if line is not None:
+        raise UserError(line)
+    with atomic_file(marker) as tmp:
+        tmp.write_text(json.dumps({"models": names}), encoding="utf-8")
+    fsync_path(Path(path))
+
+
+def unmark_set(path: str | os.PathLike) -> None:
+    """After the last model of the set: the marker removed (the set is one run's)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(Path(path) / SET_MARKER)
+    fsync_path(Path(path))
+
+
+def unfinished_set(folder: str | os.PathLike) -> Path | None:
+    """The :data:`SET_MARKER` of ``folder``'s parent when it names ``folder`` (a marker that cannot be
+    read names every subfolder), else None: ``folder`` is one of a set of models whose save did not
+    finish (a kill or a failure between its folders), so it and the others may be of two runs."""
+    marker = Path(folder).parent / SET_MARKER
+    if not marker.is_file():
+        return None
+    try:
+        names = json.loads(marker.read_text(encoding="utf-8")).get("models")
+    except (OSError, ValueError, AttributeError):
+        return marker
+    return marker if not isinstance(names, list) or Path(folder).name in names else None

@@ -223,7 +223,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.data.prompt_columns import load_prompt_columns
     from dschat.data.unsupervised import unsupervised_training_enabled
     from dschat.envs import load_environment
-    from dschat.models.save import save_hf_model
+    from dschat.models.save import save_hf_model, saving_together
     from dschat.plan.preflight import step3_preflight
     from dschat.rlhf.heldout.evaluation import StepThreeEvaluation
     from dschat.rlhf.heldout.setup import check_eval_args, heldout_prompt_items
@@ -267,13 +267,13 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         print_rank_0(line, ctx.rank)
     print_rank_0(settings.describe(), ctx.rank)
     print_rank_0(mix.describe(), ctx.rank)
+    for line in sources.notes:  # where the critic and the reward model come from, before their plan
+        print_rank_0(line, ctx.rank)
     step3_preflight(args, argv, ctx, four_models=settings.critic and mix.uses_model,  # memory, before any model
-                    reward_model=mix.uses_model)
+                    reward_model=mix.uses_model, critic_from_actor=sources.critic_from_actor)
     # After every check that can refuse the run (no tracker run is left behind by one), before any
     # model (a missing extra: exit 2).
     tb = Trackers.from_args(args, "step3_tensorboard_logs", run_name="step3")
-    for line in sources.notes:
-        print_rank_0(line, ctx.rank)
 
     # ---------------------------------------------------------------- data
     prompt_loader, unsup_loader, num_total_iters = create_datasets(args, tokenizer, plan, ctx.local_rank,
@@ -332,19 +332,18 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     if args.output_dir is not None:
         print_rank_0("saving model ...", ctx.rank)
         # Collective (ZeRO-3 gathers); LoRA fused in the saved copy; each folder written atomically, in
-        # --save_format (upstream's test looks for pytorch_model.bin in actor/ and critic/).
-        save_hf_model(rlhf_engine.actor, tokenizer, Path(args.output_dir) / "actor", args.save_format)
-        if rlhf_engine.critic is not None:  # critic-free algorithms have none to save
-            save_hf_model(rlhf_engine.critic, tokenizer, Path(args.output_dir) / "critic", args.save_format)
-        if rlhf_engine.actor_ema is not None:
-            save_hf_model(rlhf_engine.actor_ema, tokenizer, Path(args.output_dir) / "actor_ema",
-                          args.save_format)
-        if ctx.rank == 0:  # an earlier run's critic/ or actor_ema/ would pass for this run's
-            unsaved = [name for name, engine in (("critic", rlhf_engine.critic), ("actor_ema", rlhf_engine.actor_ema))
-                       if engine is None]
-            inputs = (args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path)
-            for notice in set_unsaved_models_aside(args.output_dir, unsaved, inputs):
-                print(notice, flush=True)
+        # --save_format (upstream's test looks for pytorch_model.bin in actor/ and critic/), and the
+        # folders as one set (a kill between them leaves them refused as models, not mixed unseen).
+        models = {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic, "actor_ema": rlhf_engine.actor_ema}
+        with saving_together(args.output_dir, list(models), ctx.rank):
+            for name, engine in models.items():
+                if engine is not None:  # critic-free algorithms have no critic to save
+                    save_hf_model(engine, tokenizer, Path(args.output_dir) / name, args.save_format)
+            if ctx.rank == 0:  # an earlier run's critic/ or actor_ema/ would pass for this run's
+                unsaved = [name for name, engine in models.items() if engine is None]
+                inputs = (args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path)
+                for notice in set_unsaved_models_aside(args.output_dir, unsaved, inputs):
+                    print(notice, flush=True)
         result.output_dir = Path(args.output_dir)
     return result
 
