@@ -5,11 +5,12 @@
 
 Upstream's loop (inference/chatbot.py): ``Enter input (type 'quit' to exit, 'clear' to clean
 memory):``, a ``Round n`` separator before each answer, ``quit`` exits and ``clear`` forgets the
-conversation. The conversation is formatted with the model's chat template when its tokenizer has
-one, else in the text format of dschat's data adapters and built-in dataset (upstream's convention,
-what the step scripts train on): ``" Human: <question> Assistant:"``, the answer following with its
-leading space. Upstream's chatbot sent ``" Human: ...\\n Assistant: "`` (a newline and a trailing
-space no training text has).
+conversation. An empty (or blank) line is no turn: the prompt comes again, and nothing joins the
+conversation (upstream answered it as a question, ``" Human:  Assistant:"``). The conversation is
+formatted with the model's chat template when its tokenizer has one, else in the text format of
+dschat's data adapters and built-in dataset (upstream's convention, what the step scripts train
+on): ``" Human: <question> Assistant:"``, the answer following with its leading space. Upstream's
+chatbot sent ``" Human: ...\\n Assistant: "`` (a newline and a trailing space no training text has).
 Differences from upstream, each fixing one of its bugs: the model is loaded once (not built
 from its config and then loaded again), on the GPU when there is one and on the CPU otherwise (no
 hard-coded ``cuda:0`` / ``.half()``), the tokenizer comes from the folder itself, tokens are printed
@@ -202,7 +203,8 @@ def _stopping_criteria(holder: StopAwareStreamer) -> Any:
     return StoppingCriteriaList([_Stop()])
 
 
-def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, user_text: str, args: argparse.Namespace) -> str:
+def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, user_text: str,
+          args: argparse.Namespace) -> str:
     """Generate (streaming) the answer to ``user_text``; returns the answer text. It ends at any id of
     :func:`dschat.models.tokenizer.end_token_ids` (the tokenizer's EOS and the generation config's), as
     step 3's rollouts and the server do."""
@@ -260,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """The chat loop: load the model once, then read a line per turn until ``quit`` or the end of
+    the input; ``clear`` forgets the conversation, a blank line is no turn (the prompt again)."""
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError("--max_new_tokens must be at least 1")
@@ -279,6 +283,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         except EOFError:  # end of piped input or Ctrl-D
             print()
             break
+        if not user_text.strip():  # a blank line asks nothing: no turn, no history, the prompt again
+            continue
         if user_text.strip() == "quit":
             break
         if user_text.strip() == "clear":

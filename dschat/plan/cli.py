@@ -3,15 +3,19 @@ configuration fits.
 
 It takes the planned step's own flags (``--step 3``, the default; ``--step 1`` SFT, ``--step 2`` the
 reward model: :mod:`dschat.plan.training_steps`) plus the planner's (:func:`add_plan_args`) and
-reads the models' ``config.json`` only. Model-state bytes are exact (tests/plan/test_exactness.py); the phases'
-activations, logits and caches are an estimate (:mod:`dschat.plan.phases`). Output: a table, or with
-``--json`` an object with ``fits`` (``gpu_fits`` and ``host_fits`` give each reason),
-``peak_bytes_per_gpu``, ``phases``, ``suggestions`` and ``host_bytes_at_load``.
+reads the models' ``config.json`` (step 3 also the actor's and the critic folder's tokenizer files,
+to plan the critic the run builds: :func:`~dschat.plan.roles.critic_source`). Model-state bytes are
+exact (tests/plan/test_exactness.py); the phases' activations, logits and caches are an estimate
+(:mod:`dschat.plan.phases`). Output: a table (``notes`` first), or with ``--json`` an object with
+``fits`` (``gpu_fits`` and ``host_fits`` give each reason), ``peak_bytes_per_gpu``, ``phases``,
+``suggestions``, ``host_bytes_at_load``, ``notes`` and (step 3) ``critic_from_actor``. Sizes take a
+unit (``80GB``; a bare number is refused).
 
 The planned step's own flag checks run first (step 3's :func:`~dschat.rlhf.guards.validate_step3_args`
 and :func:`~dschat.rlhf.config.resolve_algorithm`, steps 1-2's
 :func:`~dschat.training.run_setup.check_common_args` without its path checks): flags the step refuses
-are the planner's :class:`UserError` too, and the search skips them. Step 3 plans the engines the
+are the planner's :class:`UserError` too, and the search skips them, and so is a tensor-parallel
+group step 3 refuses at start-up (:func:`check_tp_within_node`). Step 3 plans the engines the
 run builds (:func:`~dschat.plan.roles.planned_roles`: no critic for a critic-free algorithm, no
 reward model when the reward mix does not load it).
 
@@ -24,10 +28,12 @@ Hybrid Engine's copy and cache allocated again each rollout), ``--inference_tp_s
 (an all-reduce per layer and token, an eager decode step), ``--zero3_gather_for_generation off`` 4
 (the ZeRO-3 actor fetched layer by layer for every token, without the Hybrid Engine)). The
 generation changes are tried only where they apply: the Hybrid Engine's with
-``--enable_hybrid_engine``, a tensor-parallel degree where it divides the world size and the actor's
-heads (``check_inference_tp``), the gather where the actor is ZeRO-3 (after the ZeRO change).
-A candidate whose flags come to the same configuration as the run's own, or as a cheaper candidate
-already found, is left out.
+``--enable_hybrid_engine``, a tensor-parallel degree where it divides the GPUs per node (so the
+world size, and no group spans nodes) and the actor's heads (``check_inference_tp``), the gather where
+the actor is ZeRO-3 (after the ZeRO change); a generation change that leaves the candidate's plan as
+it is without it (:func:`_inert`: ``--release_inference_cache`` where the Hybrid Engine does not
+decode) is left out. A candidate whose flags come to the same configuration as the run's own, or as
+a cheaper candidate already found, is left out.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
-from dschat.plan.roles import model_config, plan_roles, planned_roles
+from dschat.plan.roles import critic_source, model_config, plan_roles, planned_roles
 from dschat.plan.training_steps import plan_step_engine, step_phases
 from dschat.rlhf.config import resolve_algorithm
 from dschat.rlhf.guards import validate_step3_args
@@ -53,20 +59,24 @@ from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
 from dschat.training.run_setup import check_common_args
 from dschat.training.step_data import check_pair_seq_len, check_seq_len_fits_positions
 
-__all__ = ["add_plan_args", "build_parser", "check_flag_values", "format_gb", "parse_size", "plan", "planned_step",
-           "main", "MARGIN"]
+__all__ = ["add_plan_args", "build_parser", "check_flag_values", "check_tp_within_node", "format_gb", "parse_size",
+           "plan", "planned_step", "main", "MARGIN"]
 
 MARGIN = 0.10  # a plan fits when its peak leaves this share of the GPU free (allocator fragmentation)
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def parse_size(text: str, flag: str) -> int:
-    """``"80GB"`` / ``"40GiB"`` / ``"512MB"`` -> bytes (> 0); anything else is a :class:`UserError`."""
+    """``"80GB"`` / ``"40GiB"`` / ``"512MB"`` / ``"512B"`` -> bytes (> 0); anything else is a
+    :class:`UserError`: a number without a unit (``"80"``: bytes or gigabytes?) names the fix, and
+    a size of no bytes (``"0"`` in any unit, or less than a byte) says it must be more than 0."""
     match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
-    if not match or match.group(2).upper() not in _UNITS:
+    if match and not match.group(2) and float(match.group(1)) > 0:
+        raise UserError(f"{flag} {text!r} has no unit: give a unit, like {match.group(1)}GB or {match.group(1)}GiB")
+    if not match or match.group(2).upper() not in _UNITS | {"": 1}:
         raise UserError(f"{flag} {text!r} is not a memory size; write it like 80GB, 40GiB or 512MB")
-    size = int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    size = int(float(match.group(1)) * _UNITS.get(match.group(2).upper(), 1))
     if size <= 0:
         raise UserError(f"{flag} must be more than 0 bytes, got {text!r}; write the memory like 80GB, 40GiB or 512MB")
     return size
@@ -162,22 +172,44 @@ def _check_step3_models(args: argparse.Namespace, roles: Sequence[str]) -> None:
                         f"{needed}; pass the step-2 output folder")
 
 
-def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None, reward_model: bool | None = None) -> dict:
+def check_tp_within_node(size: int, gpus_per_node: int, num_nodes: int) -> None:
+    """Step 3's rule for a tensor-parallel group (:func:`dschat.runtime.dist.tensor_parallel_group`):
+    groups of ``size`` contiguous ranks, numbered node by node, each within one node; so on more than
+    one node ``size`` divides ``gpus_per_node`` (one :class:`UserError` line, in step 3's words)."""
+    if size <= 1 or num_nodes <= 1 or gpus_per_node % size == 0:
+        return
+    start = (gpus_per_node - 1) // size * size  # the group holding the first node's last rank
+    raise UserError(f"--inference_tp_size {size}: ranks {start}-{start + size - 1} span nodes 0 and 1 "
+                    f"({gpus_per_node} GPUs per node); a tensor-parallel group must sit within one node "
+                    f"(its all-reduces run every layer): give each node a multiple of {size} ranks")
+
+
+def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None, reward_model: bool | None = None,
+         critic_from_actor: bool | None = None) -> dict:
     """The plan of ``args`` as a JSON-ready dict (``fits``, ``peak_bytes_per_gpu``, ``phases``, ...);
     ``gpu_bytes`` replaces ``--gpu_memory`` (a GPU's measured size); ``reward_model``: whether step 3
-    loads its reward model (None: as its flags say, :func:`~dschat.plan.roles.reward_model_used`).
-    Flags the step refuses are a :class:`UserError` (:func:`check_step_flags`)."""
+    loads its reward model (None: as its flags say, :func:`~dschat.plan.roles.reward_model_used`);
+    ``critic_from_actor``: whether step 3 builds its critic from the actor with a fresh value head
+    (None: decided as step 3 decides it, from the actor's and the critic folder's tokenizers,
+    :func:`~dschat.plan.roles.critic_source`, whose lines are the result's ``notes``; step 3 passes
+    what it resolved). Flags the step refuses are a :class:`UserError` (:func:`check_step_flags`), and
+    so is a tensor-parallel degree step 3 refuses (:func:`check_tp_within_node`)."""
     world = args.gpus_per_node * args.num_nodes
     gpu = parse_size(args.gpu_memory, "--gpu_memory") if gpu_bytes is None else gpu_bytes
     dtype = args.dtype
     step = getattr(args, "step", 3)
     check_step_flags(args)
+    notes: tuple[str, ...] = ()
     if step == 3:
-        _check_step3_models(args, planned_roles(args, reward_model))
+        roles = planned_roles(args, reward_model)
+        _check_step3_models(args, roles)
         check_inference_tp(args.inference_tp_size, model_config(args.actor_model_name_or_path), world,
                            args.enable_hybrid_engine)
+        check_tp_within_node(args.inference_tp_size, args.gpus_per_node, args.num_nodes)
+        if critic_from_actor is None:
+            critic_from_actor, notes = critic_source(args) if "critic" in roles else (False, ())
         plans = plan_roles(args, world, dtype=dtype, hybrid_engine=args.enable_hybrid_engine,
-                           reward_model=reward_model)
+                           reward_model=reward_model, critic_from_actor=critic_from_actor)
         steps = phases(plans, args, dtype, gpu_bytes=gpu)
     else:
         engine = plan_step_engine(args, world, step=step, dtype=dtype)
@@ -188,12 +220,15 @@ def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None, reward_model
     host_limit = parse_size(args.host_memory, "--host_memory") if args.host_memory else None
     gpu_fits = peak.peak <= gpu * (1 - MARGIN)
     host_fits = None if host_limit is None else host <= host_limit
+    extra = {"critic_from_actor": bool(critic_from_actor)} if step == 3 else {}
     return {
-        "step": step, "fits": gpu_fits and host_fits is not False, "gpu_fits": gpu_fits, "host_fits": host_fits,
+        "step": step, "notes": list(notes), **extra,
+        "fits": gpu_fits and host_fits is not False, "gpu_fits": gpu_fits, "host_fits": host_fits,
         "peak_bytes_per_gpu": peak.peak, "peak_phase": peak.name, "gpu_bytes": gpu,
         "margin_bytes": int(gpu * (1 - MARGIN)) - peak.peak, "world_size": world,
         "host_bytes_at_load": host, "host_bytes": host_limit,
-        "model_states": {role: {"numel": p.inventory.numel, "trainable_numel": sum(x.numel for x in p.inventory.trainable),
+        "model_states": {role: {"numel": p.inventory.numel,
+                                "trainable_numel": sum(x.numel for x in p.inventory.trainable),
                                 "zero_stage": p.spec.stage, **p.state.counted()} for role, p in plans.items()},
         "phases": [{"name": s.name, "peak_bytes": s.peak, "top": [{"consumer": k, "bytes": v} for k, v in s.top()],
                     "consumers": s.consumers} for s in steps],
@@ -227,13 +262,18 @@ def _stages(flags: Sequence[str], args: argparse.Namespace) -> list[int]:
         return int(flags[flags.index(flag) + 1]) if flag in flags else now
 
     if args.step == 3:
-        return [stage("--actor_zero_stage", args.actor_zero_stage), stage("--critic_zero_stage", args.critic_zero_stage)]
+        return [stage("--actor_zero_stage", args.actor_zero_stage),
+                stage("--critic_zero_stage", args.critic_zero_stage)]
     return [stage("--zero_stage", args.zero_stage)]
 
 
 def _applies(flags: Sequence[str], args: argparse.Namespace) -> bool:
-    """Whether a generation change can change ``args``' run (the module docstring's conditions; an
-    invalid tensor-parallel degree is the plan's :class:`UserError`, skipped by the search)."""
+    """Whether a generation change can change ``args``' run, from its flags alone (the module
+    docstring's conditions): the gather unless it is off already; the Hybrid Engine's changes only
+    with ``--enable_hybrid_engine``; a tensor-parallel degree other than the run's that divides the
+    GPUs per node (so the world size, and no group spans nodes: :func:`check_tp_within_node`). Other
+    degrees step 3 refuses are the plan's :class:`UserError`, skipped by the search; a change the
+    candidate's own configuration makes inert is left out by :func:`_inert`."""
     if not flags:
         return True
     if flags[0] == "--zero3_gather_for_generation":
@@ -242,7 +282,16 @@ def _applies(flags: Sequence[str], args: argparse.Namespace) -> bool:
         return False
     if flags[0] == "--release_inference_cache":
         return not args.release_inference_cache
-    return int(flags[1]) != args.inference_tp_size
+    degree = int(flags[1])
+    return degree != args.inference_tp_size and args.gpus_per_node % degree == 0
+
+
+def _inert(result: dict, base: dict | None) -> bool:
+    """Whether a generation change planned as ``result`` changes nothing against the same candidate
+    without it (``base``; None: one the step refuses): the same model states and phases, e.g.
+    ``--release_inference_cache`` where a ZeRO-3 actor is not gathered for generation, so the Hybrid
+    Engine does not decode, or ``--zero3_gather_for_generation off`` where ``auto`` does not gather."""
+    return base is not None and (base["model_states"], base["phases"]) == (result["model_states"], result["phases"])
 
 
 def _effective(args: argparse.Namespace) -> tuple:
@@ -267,10 +316,28 @@ def _without_critic_flags(flags: Sequence[str]) -> list[str]:
 
 
 def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
-                limit: int = 5, *, gpu_bytes: int | None = None, reward_model: bool | None = None) -> list[dict]:
+                limit: int = 5, *, gpu_bytes: int | None = None, reward_model: bool | None = None,
+                critic_from_actor: bool | None = None) -> list[dict]:
     """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``;
     none that comes to the configuration of ``args`` or of one listed before it (:func:`_effective`),
-    none that the step refuses."""
+    none that the step refuses, none whose generation change changes nothing in its configuration
+    (:func:`_inert`). ``critic_from_actor``: as :func:`plan`'s (None: decided once, from the
+    tokenizers)."""
+    if critic_from_actor is None and args.step == 3 and "critic" in planned_roles(args, reward_model):
+        critic_from_actor = critic_source(args)[0]
+    results: dict[tuple[str, ...], dict | None] = {}
+
+    def planned(flags: Sequence[str]) -> dict | None:
+        """The plan of ``argv`` with ``flags`` added (None: the step refuses them), planned once."""
+        key = tuple(flags)
+        if key not in results:
+            try:
+                results[key] = plan(parser.parse_args(_with(argv, flags)), gpu_bytes=gpu_bytes,
+                                    reward_model=reward_model, critic_from_actor=bool(critic_from_actor))
+            except UserError:  # flags the step refuses, or an option this model cannot take (a LoRA
+                results[key] = None  # filter matching none of its layers)
+        return results[key]
+
     found = []
     batches = []
     changes = _STEP3_CHANGES if args.step == 3 else _STEP12_CHANGES
@@ -293,13 +360,14 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
         trial = parser.parse_args(_with(argv, flags))
         if _effective(trial) == _effective(args):
             continue  # these flags change nothing
-        try:
-            result = plan(trial, gpu_bytes=gpu_bytes, reward_model=reward_model)
-        except UserError:  # flags the step refuses, or an option this model cannot take (a LoRA filter
-            continue       # matching none of its layers)
-        if result["fits"]:
-            found.append({"flags": flags, "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": cost,
-                          "key": _effective(trial)})
+        result = planned(flags)
+        if result is None or not result["fits"]:
+            continue
+        change = choice[-1][0]  # the generation change, the last of the flags
+        if change and _inert(result, planned(flags[:len(flags) - len(change)])):
+            continue  # it changes nothing here: the candidate without it is the same plan, and cheaper
+        found.append({"flags": flags, "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": cost,
+                      "key": _effective(trial)})
     found.sort(key=lambda s: (s["cost"], s["peak_bytes_per_gpu"]))
     seen: set[tuple] = set()
     unique = []
@@ -311,7 +379,8 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
     if not found:
         for nodes in (2, 4, 8, 16):
             trial = parser.parse_args(_with(argv, ("--num_nodes", str(args.num_nodes * nodes))))
-            result = plan(trial, gpu_bytes=gpu_bytes, reward_model=reward_model)
+            result = plan(trial, gpu_bytes=gpu_bytes, reward_model=reward_model,
+                          critic_from_actor=bool(critic_from_actor))
             if result["fits"]:
                 found.append({"flags": ["--num_nodes", str(args.num_nodes * nodes)],
                               "peak_bytes_per_gpu": result["peak_bytes_per_gpu"], "cost": 0})
@@ -326,15 +395,15 @@ def format_gb(n: int) -> str:
 
 def render(result: dict) -> str:
     """The printed table of :func:`plan`'s result (with ``suggestions``)."""
-    lines = [f"{'phase':<16} {'peak/GPU':>11}  biggest consumers"]
+    lines = [*result.get("notes", []), f"{'phase':<16} {'peak/GPU':>11}  biggest consumers"]
     for phase in result["phases"]:
         top = ", ".join(f"{t['consumer']} {format_gb(t['bytes'])}" for t in phase["top"])
         lines.append(f"{phase['name']:<16} {format_gb(phase['peak_bytes']):>11}  {top}")
     gpu_verdict = "fits" if result["gpu_fits"] else "does NOT fit"
     margin = result["margin_bytes"]
     spare = f"{'margin' if margin >= 0 else 'short by'} {format_gb(abs(margin))}"
-    lines.append(f"peak {format_gb(result['peak_bytes_per_gpu'])} in {result['peak_phase']} on a {format_gb(result['gpu_bytes'])} "
-                 f"GPU: {gpu_verdict} ({spare} after keeping {MARGIN:.0%} free)")
+    lines.append(f"peak {format_gb(result['peak_bytes_per_gpu'])} in {result['peak_phase']} on a "
+                 f"{format_gb(result['gpu_bytes'])} GPU: {gpu_verdict} ({spare} after keeping {MARGIN:.0%} free)")
     host = f"host memory at load time: {format_gb(result['host_bytes_at_load'])} per node"
     if result["host_bytes"]:
         spare = result["host_bytes"] - result["host_bytes_at_load"]
@@ -359,7 +428,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     if args.dtype not in DTYPE_BYTES:
         raise UserError(f"unknown --dtype {args.dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
     result = plan(args)
-    result["suggestions"] = [] if result["fits"] else suggestions(argv, args, parser)
+    result["suggestions"] = [] if result["fits"] else suggestions(
+        argv, args, parser, critic_from_actor=result.get("critic_from_actor", False))
     print(json.dumps(result, indent=1) if args.json else render(result), flush=True)
     return result
 

@@ -38,11 +38,14 @@ def _skip(step: int = 3) -> str:
 
 def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerator: str, gpu_bytes: int,
               echo: Callable[[str], None] = print, step: int = 3, table: bool = True,
-              skip_hint: str = "--preflight off skips this check", reward_model: bool | None = None) -> dict | None:
+              skip_hint: str = "--preflight off skips this check", reward_model: bool | None = None,
+              critic_from_actor: bool | None = None) -> dict | None:
     """Plan step ``step``'s ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan, or None
     when the planner cannot plan it (one note through ``echo``, nothing raised). Flags the step itself
     refuses (:func:`~dschat.plan.cli.check_flag_values`) are its :class:`UserError`, not a note.
-    ``reward_model``: whether step 3 loads its reward model (None: as the flags say).
+    ``reward_model``: whether step 3 loads its reward model (None: as the flags say);
+    ``critic_from_actor``: whether step 3 builds its critic from the actor with a fresh value head
+    (step 3 passes what it resolved; None: decided from the tokenizers, as :func:`~dschat.plan.cli.plan`).
 
     ``accelerator == "cpu"``: the table (one line without ``table``) is printed (``echo``), nothing is
     enforced. Otherwise a plan that does not fit raises :class:`UserError` with the peak phase, the
@@ -54,7 +57,7 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
     args = parser.parse_args(full)
     check_flag_values(args)  # flags the step refuses are the user's to fix: raised, never a note
     try:
-        result = plan(args, gpu_bytes=gpu_bytes, reward_model=reward_model)
+        result = plan(args, gpu_bytes=gpu_bytes, reward_model=reward_model, critic_from_actor=critic_from_actor)
     except Exception as err:  # noqa: BLE001 - the planner's gap on a model the run can train never stops it
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         what = "this run" if step == 3 else f"step {step}"
@@ -71,12 +74,14 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
         echo(f"memory preflight{'' if step == 3 else f', step {step}'}: {peak}, fits the {format_gb(gpu_bytes)} GPU "
              f"with {MARGIN:.0%} kept free")
         return result
-    found = suggestions(full, args, parser, limit=1, gpu_bytes=gpu_bytes, reward_model=reward_model)
+    found = suggestions(full, args, parser, limit=1, gpu_bytes=gpu_bytes, reward_model=reward_model,
+                        critic_from_actor=result.get("critic_from_actor", False))
     fix = f"add {' '.join(found[0]['flags'])}" if found else "use GPUs with more memory"
     same = "the same flags" if step == 3 else f"--step {step} and the same flags"
     raise UserError(
         f"step {step} does not fit: {result['peak_phase']} needs {format_gb(result['peak_bytes_per_gpu'])} per GPU, "
-        f"{format_gb(-result['margin_bytes'])} more than the {format_gb(gpu_bytes)} GPU allows with {MARGIN:.0%} kept free; "
+        f"{format_gb(-result['margin_bytes'])} more than the {format_gb(gpu_bytes)} GPU allows with "
+        f"{MARGIN:.0%} kept free; "
         f"{fix} (python -m dschat.plan with {same} shows the whole plan; {skip_hint})")
 
 
@@ -115,14 +120,18 @@ def _loads_reward_model(args: argparse.Namespace, four_models: bool, reward_mode
 
 
 def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: RunContext, *,
-                    four_models: bool = True, reward_model: bool | None = None) -> dict | None:
+                    four_models: bool = True, reward_model: bool | None = None,
+                    critic_from_actor: bool | None = None) -> dict | None:
     """Step 3's preflight of its own command line (``argv``; None: ``sys.argv[1:]``) as the run
     resolved it (``ctx``: world size, the dtype actually used); skipped with ``--preflight off``.
 
-    It plans the engines the run builds: the critic where the algorithm has one, the reward model
-    where ``reward_model`` (the run's reward mix loads it) says so; without ``reward_model``,
-    ``four_models`` (the run builds the critic and the reward model) and the flags decide, and where
-    they cannot tell (:func:`_loads_reward_model`) one note and no plan. Printing is rank 0's.
+    It plans the engines the run builds: the critic where the algorithm has one, from the model the
+    run builds it from (``critic_from_actor``: the actor's body with a fresh value head, as
+    :func:`~dschat.rlhf.rlhf_engine.resolve_model_sources` decided; None: decided again from the
+    tokenizers), the reward model where ``reward_model`` (the run's reward mix loads it) says so;
+    without ``reward_model``, ``four_models`` (the run builds the critic and the reward model) and the
+    flags decide, and where they cannot tell (:func:`_loads_reward_model`) one note and no plan.
+    Printing is rank 0's.
     Collective (two all-reduces): every rank plans for the smallest device of the run, and when any
     rank refuses, every rank raises, so no rank is left waiting for the others.
     """
@@ -142,7 +151,8 @@ def step3_preflight(args: argparse.Namespace, argv: Sequence[str] | None, ctx: R
     try:
         result = preflight([*argv, "--dtype", ctx.dtype], world=ctx.world_size,
                            gpus_per_node=gpus_per_node(ctx.world_size), accelerator=accelerator,
-                           gpu_bytes=gpu_bytes, echo=echo, reward_model=reward_model)
+                           gpu_bytes=gpu_bytes, echo=echo, reward_model=reward_model,
+                           critic_from_actor=critic_from_actor)
     except UserError as err:
         refused = err
     if _over_ranks(1.0 if refused is not None else 0.0, torch.distributed.ReduceOp.MAX) > 0:

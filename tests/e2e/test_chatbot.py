@@ -38,6 +38,17 @@ def test_two_rounds_clear_and_quit_on_a_tiny_model():
         assert answer.strip(), out
 
 
+def test_a_blank_line_is_no_turn_and_the_prompt_comes_again():
+    # An empty or blank line was answered as a turn (" Human:  Assistant:") and stayed in the history.
+    proc = _chat("inference/chatbot.py", ["--path", "tiny-llama", "--max_new_tokens", "4"],
+                 "\n   \nHello\n\t\nquit\n")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    after_each_prompt = out.split(C.PROMPT)[1:]  # blank, blank, Hello, tab, quit
+    assert [bool(x.strip()) for x in after_each_prompt] == [False, False, True, False, False], out
+    assert out.count(" Round ") == 1 and "-" * 30 + " Round 1 " + "-" * 30 in after_each_prompt[2]  # one turn
+
+
 def test_chat_py_wraps_the_chatbot_and_ends_on_eof():
     proc = _chat("chat.py", ["--path", "tiny-opt", "--max_new_tokens", "4", "--sample", "--seed", "3"], "hello\n")
     assert proc.returncode == 0, proc.stderr

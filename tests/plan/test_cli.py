@@ -69,8 +69,21 @@ def test_bad_input_is_one_line_and_exit_2(problem, config_only, tmp_path):
 def test_sizes():
     assert parse_size("80GB", "--gpu_memory") == 80 * 10**9
     assert parse_size("40GiB", "--gpu_memory") == 40 * 2**30
+    assert parse_size("512B", "--host_memory") == 512 and parse_size(" 1.5 TB ", "--host_memory") == 15 * 10**11
     with pytest.raises(UserError):
         parse_size("lots", "--gpu_memory")
+
+
+@pytest.mark.parametrize("flag", ["--gpu_memory", "--host_memory"])
+def test_a_size_without_a_unit_is_one_line_naming_the_fix(flag, config_only, capsys):
+    # "80" was read as 80 bytes ("on a 0.00 GB GPU: does NOT fit"): bytes or gigabytes, it cannot tell.
+    with pytest.raises(UserError, match="give a unit, like 80GB"):
+        parse_size("80", flag)
+    capsys.readouterr()
+    assert main(_argv(config_only, flag, "80")) == EXIT_USAGE
+    captured = capsys.readouterr()
+    assert captured.err.strip() == f"error: {flag} '80' has no unit: give a unit, like 80GB or 80GiB"
+    assert "fit" not in captured.out
 
 
 def test_preflight_stops_a_run_that_cannot_fit_with_the_phase_the_shortfall_and_a_fix(config_only):

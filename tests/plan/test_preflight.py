@@ -13,6 +13,7 @@ import pytest
 from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.plan import preflight as preflight_module
+from dschat.plan.cli import build_parser, plan
 from dschat.training import step_data
 
 from helpers.step3 import base_argv, refused_in_process, step3_main
@@ -68,6 +69,28 @@ def test_a_model_the_planner_cannot_read_is_a_note_and_the_run_goes_on(small_cud
     notes = [x for x in capsys.readouterr().out.splitlines() if "memory preflight" in x]
     assert len(notes) == 1 and notes[0].startswith("note: the memory preflight cannot plan this run (")
     assert "has no config.json" in notes[0] and "step 3 goes on without it" in notes[0]
+
+
+def test_the_preflight_plans_the_critic_step3_builds_after_saying_where_it_comes_from(small_cuda, monkeypatch,
+                                                                                       critic_dirs, data_cache, capsys):
+    # A critic folder of another tokenizer than the actor's (tiny-llama's beside a tiny-opt actor): step 3
+    # starts the critic from the actor with a fresh value head, says so, and plans that critic, not the folder's.
+    argv = base_argv("tiny-opt", critic_dirs["tiny-llama"], data_cache)
+    monkeypatch.setattr(preflight_module, "device_memory", lambda: ("cuda", 10**12))
+    with pytest.raises(ReachedTheData):  # a device that holds everything: the run goes on to the data
+        step3_main().main(argv)
+    out = capsys.readouterr().out.splitlines()
+    note = next(i for i, x in enumerate(out) if x.startswith("critic: the tokenizer of ")
+                and x.endswith("the critic starts from the actor tiny-opt with a fresh value head"))
+    assert note < next(i for i, x in enumerate(out) if x.startswith("memory preflight: "))  # the note first
+    # A device between the two plans: the folder's (smaller) critic would fit, the one the run builds does not.
+    args = build_parser().parse_args([*argv, "--gpus_per_node", "1", "--num_nodes", "1"])
+    gpu = int(plan(args, critic_from_actor=False)["peak_bytes_per_gpu"] / 0.9) + 1
+    assert plan(args, gpu_bytes=gpu, critic_from_actor=False)["fits"]
+    assert not plan(args, gpu_bytes=gpu, critic_from_actor=True)["fits"]
+    monkeypatch.setattr(preflight_module, "device_memory", lambda: ("cuda", gpu))
+    line = refused_in_process(argv, capsys)
+    assert line.startswith("error: step 3 does not fit: ") and small_cuda == ["tiny-opt"]  # the first run's data
 
 
 def _without_critic(argv: list[str]) -> list[str]:
