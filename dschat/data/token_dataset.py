@@ -5,6 +5,8 @@ the items are upstream's (see :mod:`dschat.data.tokenization` for what each phas
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any, NamedTuple, Sequence
 
 import torch
@@ -187,6 +189,23 @@ class PromptDataset(Dataset):
         self.prompt_sources = prompt_sources.long() if prompt_sources is not None else None
         #: Set by create_prompt_dataset: the SHA-256 key of the cache this came from.
         self.cache_key: str | None = None
+        self._digest: str | None = None
+
+    def digest(self) -> str:
+        """SHA-256 of the rows as they are served (every token id and mask, the phase, the padding and
+        the prompts' sources), computed once: what a checkpoint records so that a resume on other rows
+        of the same count (another --data_path order, an edited file, another tokenizer) is refused."""
+        if self._digest is None:
+            h = hashlib.sha256(json.dumps([self.train_phase, self.max_seq_len, self.pad_token_id,
+                                           self.padding_side]).encode())
+            for rows in (self.prompt_dataset, self.chosen_dataset, self.reject_dataset):
+                for tensor in (rows.ids, rows.mask, rows.offsets):
+                    h.update(str((tensor.dtype, tensor.numel())).encode())
+                    h.update(tensor.contiguous().numpy())
+            if self.prompt_sources is not None:
+                h.update(self.prompt_sources.contiguous().numpy())
+            self._digest = h.hexdigest()
+        return self._digest
 
     def __len__(self) -> int:
         if self.train_phase == 3:

@@ -195,10 +195,12 @@ def loader_order(loader: Any) -> dict[str, Any]:
     """What fixes a training loader's order (``make_train_loader``: a seeded ``DistributedSampler``,
     a function of (seed, epoch, rank))."""
     sampler = loader.sampler
+    digest = getattr(loader.dataset, "digest", None)  # a PromptDataset's rows (PPO-ptx data has none)
     return {"world_size": int(getattr(sampler, "num_replicas", 1)), "batch_size": int(loader.batch_size),
             "dataset_size": len(loader.dataset), "drop_last": bool(loader.drop_last),
             "sampler_drop_last": bool(getattr(sampler, "drop_last", False)),
-            "shuffle": bool(getattr(sampler, "shuffle", False)), "seed": int(getattr(sampler, "seed", 0))}
+            "shuffle": bool(getattr(sampler, "shuffle", False)), "seed": int(getattr(sampler, "seed", 0)),
+            "rows_sha256": digest() if callable(digest) else None}
 
 
 def _batches_per_epoch(order: Mapping[str, Any]) -> int:
@@ -227,6 +229,11 @@ def convert_batches_done(done: int, saved: Sequence[Mapping[str, Any]], now: Seq
             if old[key] != new[key]:
                 raise UserError(f"the training data's {key} is {new[key]} here but was {old[key]} when the "
                                 "checkpoint was written; resume with the same data and --seed")
+        if old.get("rows_sha256") and new.get("rows_sha256") and old["rows_sha256"] != new["rows_sha256"]:
+            raise UserError("the training data has as many rows as when the checkpoint was written but not the same "
+                            "ones (another --data_path order, an edited data file, another tokenizer or length): the "
+                            "rows the checkpoint skips as trained would not be; resume with the data it was written "
+                            "with, or start afresh without --resume")
         if done >= _batches_per_epoch(old):
             skips.add(_batches_per_epoch(new))  # the epoch is over on either shape
             continue

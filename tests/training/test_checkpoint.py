@@ -283,3 +283,30 @@ class _RunsCode:
 
 def _touch(path: str) -> None:
     open(path, "w").close()
+
+
+def test_resuming_on_other_rows_of_the_same_count_is_one_line(tmp_path, capsys):
+    """A checkpoint in the middle of an epoch, resumed with the two --data_path datasets swapped: as
+    many rows, in another order, so the batches the checkpoint skips as trained would be other rows
+    (never trained that epoch). Refused in one line; the same order resumes."""
+    from helpers.data import pref_rows, write_jsonl
+
+    mine = write_jsonl(tmp_path / "mine.jsonl", pref_rows(40))
+    out = tmp_path / "out"
+
+    def argv(*data: str, steps: int) -> list[str]:
+        return base_argv("tiny-llama", tmp_path / "data", "--output_dir", str(out), "--save_interval", "2",
+                         "--data_path", *data, max_train_steps=steps, batch_size=2, max_seq_len=32)
+
+    main = load_script("step1").main
+    main(argv("dschat/builtin", str(mine), steps=3))
+    capsys.readouterr()
+    code = cli_main(main, argv(str(mine), "dschat/builtin", steps=4) + ["--resume"])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert lines == ["error: the training data has as many rows as when the checkpoint was written but not the same "
+                     "ones (another --data_path order, an edited data file, another tokenizer or length): the rows the "
+                     "checkpoint skips as trained would not be; resume with the data it was written with, or start "
+                     "afresh without --resume"]
+    assert main(argv("dschat/builtin", str(mine), steps=4) + ["--resume"]).optimizer_steps == 4
