@@ -253,5 +253,5 @@ def test_an_environment_failing_on_one_rank_stops_both(tmp_path, data_cache):
         lines.append(errors[0])
     assert lines[0] == "error: an environment failed on another rank (its line is in that rank's log)", lines
     assert re.fullmatch(r"error: environment env_fixtures:fails_on_rank_one: step raised RuntimeError: the tool broke "
-                        r"on rank 1 on row \d+ \(turn 2\).*", lines[1]), lines
+                        r"on rank 1 on row \d+ \(prompt ' Human: .*', turn 2\); fix the environment", lines[1]), lines
     assert not (out / "actor").exists()
