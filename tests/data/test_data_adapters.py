@@ -188,6 +188,22 @@ def test_dispatch_by_substring_loads_local_copy_from_disk(tmp_path):
     assert dispatch.resolve_dataset(str(folder)).fingerprint()["content_sha256"]
 
 
+@pytest.mark.parametrize("where", ["Dahoas/rm-static", "mine"])
+def test_a_save_to_disk_text_column_of_numbers_is_one_line(tmp_path, where):
+    """A saved Dataset whose prompt column is int64 (JSON and parquet rows are checked row by row): a
+    TypeError mid-tokenisation before; one line naming the column now, for a local copy of a hub
+    dataset and for a preference folder alike. SHP's numeric ``labels`` is no text column."""
+    folder = tmp_path / "data" / where
+    Dataset.from_dict({"prompt": list(range(8)), "chosen": ["a"] * 8, "rejected": ["b"] * 8}).save_to_disk(str(folder))
+    with pytest.raises(UserError, match=rf"^dataset '.*{where}' split 'train' column 'prompt' holds int64, not text; "
+                                        r"the \w+ adapter reads it as text: save it as strings$"):
+        dispatch.get_raw_dataset(str(folder), str(tmp_path / "out"), 1234, -1)
+    shp = tmp_path / "data" / "stanfordnlp" / "SHP"
+    row = {"history": "h", "human_ref_A": "A", "human_ref_B": "B", "labels": 1}
+    dd(train=[row] * 4, validation=[row] * 2).save_to_disk(str(shp))
+    dispatch.get_raw_dataset(str(shp), str(tmp_path / "out"), 1234, -1)
+
+
 def test_upstream_name_with_split_files(tmp_path):
     # Beyond upstream: a local copy of a hub dataset may also be split-named JSON Lines files.
     shp = {"history": "h", "human_ref_A": "A", "human_ref_B": "B", "labels": 1}

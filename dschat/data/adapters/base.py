@@ -184,6 +184,22 @@ class PromptRawDataset:
                     f"dataset {source!r} split {split!r} lacks column(s) {missing} (has {columns}); "
                     f"the {type(self).__name__} adapter needs {list(self.required_columns)}"
                 )
+            self._check_text_types(source, split)
+
+    def _check_text_types(self, source: str, split: str) -> None:
+        """A text column of a loaded ``Dataset`` (a ``save_to_disk`` folder, a hub dataset) whose
+        feature is not a string (an ``int64`` prompt): one line, where JSON and parquet rows get theirs
+        from :func:`~dschat.data.local_files.check_columns` (it was a ``TypeError`` mid-tokenisation)."""
+        features = getattr(self.raw_datasets[split], "features", None)
+        if not isinstance(features, Mapping):
+            return
+        for col in self.required_columns if self.text_columns is None else self.text_columns:
+            if col not in features:
+                continue
+            dtype = getattr(features[col], "dtype", type(features[col]).__name__)
+            if dtype not in ("string", "large_string", "null"):
+                raise UserError(f"dataset {source!r} split {split!r} column {col!r} holds {dtype}, not text; the "
+                                f"{type(self).__name__} adapter reads it as text: save it as strings")
 
     # -- splits -------------------------------------------------------------------------------
     def _train_eval_subset(self, index: int) -> Any:
