@@ -300,8 +300,9 @@ class _Adapter(HTTPAdapter):
 
 # A loopback URL is this machine's server: never through HTTP(S)_PROXY / ALL_PROXY (requests does not
 # skip them for 127.0.0.1), which would carry the key, prompts and answers off it. A scheme given None
-# here is sent directly; the environment's CA bundle still applies.
-_NO_PROXY = {"http": None, "https": None, "all": None}
+# here is sent directly, and "no_proxy" keeps the environment's proxies off a redirect the server
+# answers (requests looks them up again for it); the environment's CA bundle still applies.
+_NO_PROXY = {"http": None, "https": None, "all": None, "no_proxy": "*"}
 
 
 class RemoteReward:

@@ -192,12 +192,12 @@ class PromptDataset(Dataset):
         self._digest: str | None = None
 
     def digest(self) -> str:
-        """SHA-256 of the rows as they are served (every token id and mask, the phase, the padding and
-        the prompts' sources), computed once: what a checkpoint records so that a resume on other rows
-        of the same count (another --data_path order, an edited file, another tokenizer) is refused."""
+        """SHA-256 of the rows (every token id and mask, the phase, the pad id and the prompts'
+        sources; not the padded width), computed once: what a checkpoint records so that a resume on
+        other rows of the same count (another --data_path order, an edited file, another tokenizer) is
+        refused."""
         if self._digest is None:
-            h = hashlib.sha256(json.dumps([self.train_phase, self.max_seq_len, self.pad_token_id,
-                                           self.padding_side]).encode())
+            h = hashlib.sha256(json.dumps([self.train_phase, self.pad_token_id]).encode())
             for rows in (self.prompt_dataset, self.chosen_dataset, self.reject_dataset):
                 for tensor in (rows.ids, rows.mask, rows.offsets):
                     h.update(str((tensor.dtype, tensor.numel())).encode())

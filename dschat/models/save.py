@@ -43,7 +43,7 @@ from dschat.errors import UserError, cli_main
 from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_lora_adapter
 from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
-from dschat.runtime.dist import barrier
+from dschat.runtime.dist import barrier, gather_ints
 from dschat.runtime.inplace import STAGING_PREFIX, mark_set, recover_in_place, save_in_place, unmark_set
 from dschat.runtime.run_lock import LOCK_NAME, hold_run_lock, run_lock
 from dschat.runtime.zero3 import release_zero3_prefetch
@@ -85,13 +85,14 @@ def _no_entry(name: str) -> bool:
 def earlier_model_files(folder: str | Path) -> Callable[[str], bool]:
     """What a save into ``folder`` removes besides the files it writes: an earlier model's other
     files (:func:`is_model_artifact`: its shards, a tokenizer file the new tokenizer does not write)
-    when ``folder`` holds a model (its ``config.json`` or weights), so the folder holds one model;
+    when ``folder`` holds a model (its ``config.json``, weights or ``lora_adapter/``), so the folder
+    holds one model;
     nothing when it holds none (a ``vocab.json`` beside no model is the user's own)."""
     try:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return _no_entry
-    return is_model_artifact if any(n == "config.json" or _is_weights(n) for n in names) else _no_entry
+    return is_model_artifact if any(n in ("config.json", ADAPTER_DIR) or _is_weights(n) for n in names) else _no_entry
 
 
 def recover_output_dir(output_dir: str | Path, run: object | None = None) -> list[str]:
@@ -257,10 +258,17 @@ def saving_together(output_dir: str | Path, names: Sequence[str], rank: int) -> 
     them is written before the first (:func:`dschat.runtime.inplace.mark_set`) and removed after the
     last. A kill or an error in between leaves it, and each of those folders is then refused as a
     model (:func:`dschat.models.registry.check_local_model_path`): they may be of two runs. Collective:
-    every rank enters; rank 0 writes, the others wait for it."""
+    every rank enters; rank 0 writes, and a marker it cannot write stops every rank (one line each)."""
+    failure: Exception | None = None
     if rank == 0:
-        mark_set(output_dir, list(names))
-    barrier()
+        try:
+            mark_set(output_dir, list(names))
+        except Exception as err:  # noqa: BLE001 -- raised below, once every rank knows
+            failure = err
+    if max(row[0] for row in gather_ints([0 if failure is None else 1])):  # collective: rank 0's outcome
+        if failure is not None:
+            raise failure
+        raise UserError(f"marking the models' save into {output_dir} failed on rank 0 (its line is in that rank's log)")
     yield
     barrier()
     if rank == 0:

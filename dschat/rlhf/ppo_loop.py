@@ -248,8 +248,8 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
                      f"{rollout.observation_tokens:.1f} environment tokens | {rollout.cut_share:.0%} cut | "
                      f"environment time {env_time:.2f}s", rank)
     if sampling is not None:
-        print_rank_0(f"Dynamic sampling: {sampling.dropped_groups} of {sampling.groups} groups had equal rewards (or no "
-                     f"answer that trains) and were dropped, {sampling.surplus_groups} more were surplus | "
+        print_rank_0(f"Dynamic sampling: {sampling.dropped_groups} of {sampling.groups} groups had equal rewards "
+                     f"(or no answer that trains) and were dropped, {sampling.surplus_groups} more were surplus | "
                      f"{sampling.rounds_per_batch:.2f} generation batches drawn per batch trained | "
                      f"{sampling.masked_groups} equal-reward groups masked to fill short batches", rank)
     print_rank_0(DASHES, rank)
@@ -346,10 +346,11 @@ def resume_metrics(path: Path, iterations: int, checkpoint: Path) -> None:
     (``path``) cut back to it (:func:`truncate_metrics`), or, when the checkpoint is another folder's
     (``--resume_from``; its run's file is ``<that folder>/metrics.jsonl``), started from that run's
     lines (:func:`adopt_metrics`, one notice)."""
-    if checkpoint.resolve().parent == checkpoint_root(path.parent).resolve():
+    source = checkpoint.resolve()  # a link or a relative path names the run whose folder holds it
+    if source.parent == checkpoint_root(path.parent).resolve():
         truncate_metrics(path, iterations)
     else:
-        print(adopt_metrics(path, iterations, checkpoint.parent.parent / path.name), flush=True)
+        print(adopt_metrics(path, iterations, source.parent.parent / path.name), flush=True)
 
 
 def truncate_metrics(path: Path, iterations: int) -> None:

@@ -272,11 +272,12 @@ def unfinished_set(folder: str | os.PathLike) -> Path | None:
     """The :data:`SET_MARKER` of ``folder``'s parent when it names ``folder`` (a marker that cannot be
     read names every subfolder), else None: ``folder`` is one of a set of models whose save did not
     finish (a kill or a failure between its folders), so it and the others may be of two runs."""
-    marker = Path(folder).parent / SET_MARKER
+    folder = Path(folder).resolve()  # "." inside it, or a link to it, is the same folder
+    marker = folder.parent / SET_MARKER
     if not marker.is_file():
         return None
     try:
         names = json.loads(marker.read_text(encoding="utf-8")).get("models")
     except (OSError, ValueError, AttributeError):
         return marker
-    return marker if not isinstance(names, list) or Path(folder).name in names else None
+    return marker if not isinstance(names, list) or folder.name in names else None

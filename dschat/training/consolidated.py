@@ -229,14 +229,14 @@ def convert_batches_done(done: int, saved: Sequence[Mapping[str, Any]], now: Seq
             if old[key] != new[key]:
                 raise UserError(f"the training data's {key} is {new[key]} here but was {old[key]} when the "
                                 "checkpoint was written; resume with the same data and --seed")
+        if done >= _batches_per_epoch(old):
+            skips.add(_batches_per_epoch(new))  # the epoch is over on either shape
+            continue
         if old.get("rows_sha256") and new.get("rows_sha256") and old["rows_sha256"] != new["rows_sha256"]:
             raise UserError("the training data has as many rows as when the checkpoint was written but not the same "
                             "ones (another --data_path order, an edited data file, another tokenizer or length): the "
                             "rows the checkpoint skips as trained would not be; resume with the data it was written "
                             "with, or start afresh without --resume")
-        if done >= _batches_per_epoch(old):
-            skips.add(_batches_per_epoch(new))  # the epoch is over on either shape
-            continue
         samples = done * old["batch_size"] * old["world_size"]
         step = new["batch_size"] * new["world_size"]
         if samples % step:

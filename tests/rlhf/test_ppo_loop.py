@@ -127,6 +127,11 @@ def test_resuming_from_another_folders_checkpoint_starts_the_metrics_from_that_r
     lines = [json.loads(x) for x in (b / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert [(x["global_step"], x["reward"]) for x in lines] == [(0, 1.0), (1, 1.0), (2, 1.0)]
     assert (b / "metrics.jsonl.1").read_text(encoding="utf-8") == earlier
+    (b / "metrics.jsonl").rename(b / "mine.jsonl")  # a link to A's checkpoint names A's run, from any folder
+    (tmp_path / "ck").symlink_to(a / "checkpoints" / "step_00000003")
+    resume_metrics(b / "metrics.jsonl", 3, tmp_path / "ck")
+    assert [json.loads(x)["reward"] for x in (b / "metrics.jsonl").read_text(encoding="utf-8").splitlines()] == [1.0] * 3
+    (b / "mine.jsonl").replace(b / "metrics.jsonl")
     resume_metrics(b / "metrics.jsonl", 3, tmp_path / "elsewhere" / "step_00000003")  # no metrics beside it
     assert (b / "metrics.jsonl").read_text(encoding="utf-8") == "" and (b / "metrics.jsonl.2").exists()
     (b / "checkpoints" / "step_00000002").mkdir(parents=True)

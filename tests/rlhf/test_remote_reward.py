@@ -103,6 +103,15 @@ def drop(handler: Any, payload: Any) -> None:
     handler.close_connection = True  # no reply at all: the client sees the connection close
 
 
+def redirect(path: str) -> Callable:
+    def act(handler: Any, payload: Any) -> None:
+        handler.send_response(307)
+        handler.send_header("Location", path)
+        handler.send_header("Content-Length", "0")
+        handler.end_headers()
+    return act
+
+
 def slow(seconds: float) -> Callable:
     def act(handler: Any, payload: Any) -> None:
         time.sleep(seconds)
@@ -296,10 +305,11 @@ def test_a_loopback_url_never_goes_through_a_proxy_of_the_environment_another_ho
     for name in ("NO_PROXY", "no_proxy", "http_proxy", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(API_KEY_ENV, "k3y")
-    with RewardServer() as server, RewardServer([{"rewards": [-7.0]}, {"rewards": [-7.0]}]) as proxy:
+    with RewardServer([redirect("/get_reward/")]) as server, RewardServer([{"rewards": [-7.0]}] * 2) as proxy:
         monkeypatch.setenv("HTTP_PROXY", proxy.url.rsplit("/", 1)[0])
+        # The server answers a redirect first (a trailing slash): requests looks proxies up again for it.
         assert _client(server.url)(PROMPTS[:1], ANSWERS[:1]) == [float(len(PROMPTS[0] + ANSWERS[0]))]
-        assert proxy.requests == [] and server.authorization == ["Bearer k3y"]
+        assert proxy.requests == [] and server.authorization == ["Bearer k3y", "Bearer k3y"]
         assert _client("http://rm.example.invalid/get_reward")(PROMPTS[:1], ANSWERS[:1]) == [-7.0]
     assert len(proxy.requests) == 1 and proxy.authorization == [None]
 

@@ -17,11 +17,16 @@ from helpers.step3 import base_argv, step3_main
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_a_marker_names_the_folders_of_the_set_and_nothing_else(tmp_path):
+def test_a_marker_names_the_folders_of_the_set_and_nothing_else(tmp_path, monkeypatch):
     out = tmp_path / "out"
     mark_set(out, ["actor", "critic"])
     assert unfinished_set(out / "actor") == out / SET_MARKER == unfinished_set(out / "critic")
     assert unfinished_set(out / "best") is None and unfinished_set(tmp_path / "other" / "actor") is None
+    (out / "actor").mkdir()
+    (tmp_path / "link").symlink_to(out / "actor")  # a link to it, or "." inside it, is the same folder
+    assert unfinished_set(tmp_path / "link") == out / SET_MARKER
+    monkeypatch.chdir(out / "actor")
+    assert unfinished_set(".") == out / SET_MARKER
     (out / SET_MARKER).write_text("{not json")  # unreadable: every folder beside it is suspect
     assert unfinished_set(out / "best") == out / SET_MARKER
     unmark_set(out)
@@ -56,3 +61,14 @@ def test_a_save_stopped_between_the_folders_leaves_them_refused_until_a_run_save
     assert not (out / SET_MARKER).exists()
     for name in ("actor", "critic", "actor_ema"):
         resolve_model_path(str(out / name))
+
+
+def test_a_marker_that_cannot_be_written_stops_before_any_model_is_saved(tmp_path):
+    """Rank 0 cannot write the marker (its folder is a file here): every rank learns it (one
+    all-reduce) and raises before the body, so none waits for the others at a barrier."""
+    (tmp_path / "out").write_text("a file where the output folder should be")
+    entered = []
+    with pytest.raises(OSError):
+        with model_save.saving_together(tmp_path / "out", ["actor"], rank=0):
+            entered.append(True)
+    assert entered == []

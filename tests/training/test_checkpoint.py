@@ -310,3 +310,23 @@ def test_resuming_on_other_rows_of_the_same_count_is_one_line(tmp_path, capsys):
                      "checkpoint skips as trained would not be; resume with the data it was written with, or start "
                      "afresh without --resume"]
     assert main(argv("dschat/builtin", str(mine), steps=4) + ["--resume"]).optimizer_steps == 4
+
+
+def test_the_rows_digest_is_checked_only_where_rows_would_be_skipped():
+    """Other rows at an epoch's end skip nothing (the next epoch starts afresh): accepted. The digest
+    is of the rows, not the padded width: the same prompts under a longer --max_prompt_seq_len match."""
+    from dschat.data.token_dataset import PromptDataset, TokenRows
+    from dschat.training.consolidated import convert_batches_done
+
+    order = {"world_size": 1, "batch_size": 2, "dataset_size": 8, "drop_last": False, "sampler_drop_last": False,
+             "shuffle": True, "seed": 1, "rows_sha256": "a"}
+    other = {**order, "rows_sha256": "b"}
+    assert convert_batches_done(4, [order], [other]) == 4  # the epoch (4 batches) is over
+    with pytest.raises(UserError, match="not the same ones"):
+        convert_batches_done(2, [order], [other])
+    assert convert_batches_done(2, [{k: v for k, v in order.items() if k != "rows_sha256"}], [other]) == 2  # older
+    rows = TokenRows.from_lists([[1, 2, 3], [4, 5]], [[1, 1, 1], [1, 1]])
+    short, wide = (PromptDataset(rows, None, None, 0, 3, max_seq_len=n) for n in (8, 16))
+    assert short.digest() == wide.digest()
+    assert PromptDataset(TokenRows.from_lists([[1, 2, 3], [4, 6]], [[1, 1, 1], [1, 1]]), None, None, 0, 3,
+                         max_seq_len=8).digest() != short.digest()

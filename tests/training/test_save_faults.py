@@ -532,6 +532,19 @@ def test_a_first_save_keeps_the_users_files_named_like_configs_and_tokenizer_fil
     assert {name: (out / name).read_bytes() for name in mine} == mine
 
 
+def test_a_folder_holding_only_an_adapter_holds_a_model():
+    """A folder of only ``lora_adapter/`` (an adapter save): a new save without LoRA removes it, so the
+    folder holds one model, not a stale adapter beside it."""
+    import tempfile
+
+    from dschat.models.save import earlier_model_files, is_model_artifact
+
+    with tempfile.TemporaryDirectory() as folder:
+        assert earlier_model_files(folder)("vocab.json") is False
+        os.mkdir(os.path.join(folder, "lora_adapter"))
+        assert earlier_model_files(folder) is is_model_artifact
+
+
 def test_rolling_back_with_resume_from_then_resume(engine, tmp_path):
     """The issue's roll-back: step_50, 100 and 200 exist; --resume_from step_50 and --keep_checkpoints
     2, then a save at step 60 keeps step_60 and the source; a later --resume continues from step_60

@@ -339,11 +339,11 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
             for name, engine in models.items():
                 if engine is not None:  # critic-free algorithms have no critic to save
                     save_hf_model(engine, tokenizer, Path(args.output_dir) / name, args.save_format)
-            if ctx.rank == 0:  # an earlier run's critic/ or actor_ema/ would pass for this run's
-                unsaved = [name for name, engine in models.items() if engine is None]
-                inputs = (args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path)
-                for notice in set_unsaved_models_aside(args.output_dir, unsaved, inputs):
-                    print(notice, flush=True)
+        if ctx.rank == 0:  # an earlier run's critic/ or actor_ema/ would pass for this run's
+            unsaved = [name for name, engine in models.items() if engine is None]
+            inputs = (args.actor_model_name_or_path, args.critic_model_name_or_path, args.reward_model_name_or_path)
+            for notice in set_unsaved_models_aside(args.output_dir, unsaved, inputs):
+                print(notice, flush=True)
         result.output_dir = Path(args.output_dir)
     return result
 
