@@ -86,8 +86,7 @@ def earlier_model_files(folder: str | Path) -> Callable[[str], bool]:
     """What a save into ``folder`` removes besides the files it writes: an earlier model's other
     files (:func:`is_model_artifact`: its shards, a tokenizer file the new tokenizer does not write)
     when ``folder`` holds a model (its ``config.json``, weights or ``lora_adapter/``), so the folder
-    holds one model;
-    nothing when it holds none (a ``vocab.json`` beside no model is the user's own)."""
+    holds one model; nothing when it holds none (a ``vocab.json`` beside no model is the user's own)."""
     try:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):

@@ -130,7 +130,8 @@ def test_resuming_from_another_folders_checkpoint_starts_the_metrics_from_that_r
     (b / "metrics.jsonl").rename(b / "mine.jsonl")  # a link to A's checkpoint names A's run, from any folder
     (tmp_path / "ck").symlink_to(a / "checkpoints" / "step_00000003")
     resume_metrics(b / "metrics.jsonl", 3, tmp_path / "ck")
-    assert [json.loads(x)["reward"] for x in (b / "metrics.jsonl").read_text(encoding="utf-8").splitlines()] == [1.0] * 3
+    adopted = (b / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    assert [json.loads(x)["reward"] for x in adopted] == [1.0] * 3
     (b / "mine.jsonl").replace(b / "metrics.jsonl")
     resume_metrics(b / "metrics.jsonl", 3, tmp_path / "elsewhere" / "step_00000003")  # no metrics beside it
     assert (b / "metrics.jsonl").read_text(encoding="utf-8") == "" and (b / "metrics.jsonl.2").exists()
