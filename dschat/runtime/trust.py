@@ -311,8 +311,11 @@ def is_loopback_host(host: str) -> bool:
 
 def shown_url(url: str) -> str:
     """``url`` for lines, logs and names: its user and password (a token may be either) become
-    ``***``, a query ``?***``."""
+    ``***``, a query ``?***``. A URL with none of them is shown as given (``sqlite:////abs/path``
+    keeps its empty host, which a rebuilt URL would drop)."""
     parts = urlsplit(url)
+    if "@" not in parts.netloc and not parts.query and not parts.fragment:
+        return url
     host = parts.netloc.rpartition("@")[2]
     netloc = f"***@{host}" if "@" in parts.netloc else host
     return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))

@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Mapping, Sequence
-from urllib.parse import urlsplit
 
 import torch
 
@@ -165,7 +164,7 @@ class _MlflowSink:
         """The store the run goes to (``MLFLOW_TRACKING_URI`` without its user, password or query), for a
         line saying it could not start."""
         from_env = os.environ.get("MLFLOW_TRACKING_URI")
-        return f"in MLFLOW_TRACKING_URI {_shown_uri(from_env)}" if from_env else f"under {root / 'mlruns'}"
+        return f"in MLFLOW_TRACKING_URI {shown_url(from_env)}" if from_env else f"under {root / 'mlruns'}"
 
     def __init__(self, mlflow: ModuleType, root: Path, run_name: str, config: Mapping[str, Any]) -> None:
         from_env = os.environ.get("MLFLOW_TRACKING_URI")
@@ -279,7 +278,7 @@ class Trackers:
                 self.close()
                 detail, uri = first_line(err), os.environ.get("MLFLOW_TRACKING_URI")
                 if tracker == "mlflow" and uri:  # MLflow's message quotes the URI, a password in it too
-                    detail = detail.replace(uri, _shown_uri(uri))
+                    detail = detail.replace(uri, shown_url(uri))
                 raise UserError(f"--report_to {tracker}: {sink_class.label} could not start a run "
                                 f"{sink_class.store(folder)} ({type(err).__name__}: {detail}); fix its settings or "
                                 "drop it from --report_to") from err
@@ -328,13 +327,6 @@ class Trackers:
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
             _close_quietly(sink)
-
-
-def _shown_uri(uri: str) -> str:
-    """A tracking URI for a line: its user, password and query hidden (:func:`shown_url`); one without
-    host or query (``sqlite:////abs/path``, a path) as it is, which ``shown_url`` would alter."""
-    parts = urlsplit(uri)
-    return shown_url(uri) if parts.netloc or parts.query else uri
 
 
 def _close_quietly(sink: Any) -> None:
