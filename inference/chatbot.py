@@ -88,7 +88,7 @@ def load(path: str, device: str = "auto", fmt: str = "auto",
     from transformers import AutoModelForCausalLM
 
     from dschat.eval.scoring import pick_device
-    from dschat.models.registry import load_config
+    from dschat.models.registry import is_adapter_folder, load_config
     from dschat.models.tokenizer import load_hf_tokenizer
 
     config = load_config(folder)
@@ -104,7 +104,14 @@ def load(path: str, device: str = "auto", fmt: str = "auto",
         torch.float16 if dev.type == "cuda" else torch.float32)
     tokenizer = load_hf_tokenizer(folder)
     check_format(tokenizer, fmt)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).to(dev).eval()
+    if is_adapter_folder(folder):
+        # A LoRA adapter folder: its base built and the adapter merged in, as training and serving load one
+        # (a base that is itself an adapter folder too; transformers' own loading cannot chain them).
+        from dschat.models.build import create_hf_model
+
+        model = create_hf_model(AutoModelForCausalLM, folder, tokenizer).to(dev, dtype).eval()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).to(dev).eval()
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(8 * -(-len(tokenizer) // 8))  # a multiple of 8, as in training
     return model, tokenizer, dev

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -85,6 +87,39 @@ def test_reward_model_folder_is_refused_in_one_line(tmp_path):
     assert proc.returncode == 2
     err = proc.stderr.strip()
     assert err.count("\n") == 0 and "is a step-2 reward model" in err
+
+
+def test_an_adapter_on_an_adapter_loads_merged_as_training_saved_it(tmp_path):
+    """A step-3 actor adapter whose run started from step 1's adapter names that adapter folder as its base:
+    transformers' loading stopped there with a traceback; the chatbot merges the chain as training does."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.build import create_hf_model
+    from dschat.models.lora import convert_linear_layer_to_lora
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    def trained_lora(base: str, seed: int):
+        torch.manual_seed(seed)
+        model = convert_linear_layer_to_lora(create_hf_model(AutoModelForCausalLM, base, tok), "layers.", 4)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn_like(param) * 0.05)
+        return model.eval()
+
+    tok = load_hf_tokenizer("tiny-llama")
+    step1 = save_hf_model(trained_lora("tiny-llama", 0), tok, tmp_path / "s1")
+    step3 = save_hf_model(trained_lora(str(step1 / "lora_adapter"), 1), tok, tmp_path / "s3")
+    adapter = step3 / "lora_adapter"
+    assert Path(json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]) == (
+        step1 / "lora_adapter")
+    model, _, device = C.load(str(adapter), device="cpu")
+    merged = AutoModelForCausalLM.from_pretrained(step3, dtype=torch.float32).eval()
+    batch = tok([" Human: Hi Assistant:"], return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(model(**batch).logits, merged(**batch).logits, rtol=0, atol=1e-5)
 
 
 def test_step3_output_root_means_its_actor(tmp_path):
