@@ -17,6 +17,8 @@ level: the builders (transformers, tokenizers) load only when a short name is as
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -252,6 +254,49 @@ def _check_adapter(folder: Path, check_base: Any) -> None:
     from dschat.models.peft_adapter import check_adapter
 
     check_adapter(folder, check_base)
+
+
+# What a model's weights are kept in (the files weights_fingerprint samples).
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+_PIECE, _PIECES = 64 * 1024, 256  # a file longer than _PIECE * _PIECES is sampled in _PIECES pieces
+
+
+def weights_fingerprint(name_or_path: str, _depth: int = 0) -> str:
+    """A digest of the weights ``name_or_path`` loads (resolved by :func:`resolve_model_path`): the name,
+    size and content of each weight file of its folder (:data:`WEIGHT_SUFFIXES`), a file over 16 MiB
+    sampled in 256 pieces of 64 KiB spread evenly from its first byte (its header); a LoRA adapter
+    folder's and, down the chain, its base's. Copies of one model in other folders or on other machines
+    give one digest; two trainings differ almost everywhere, so here too. A hub id with no folder gives
+    a digest of the id. Reads at most 16 MiB per file; the folder's other files are not read."""
+    try:
+        path = resolve_model_path(name_or_path)
+    except UserError:
+        if _depth == 0:
+            raise
+        path = name_or_path  # an adapter's base that is gone: its name stands for it
+    digest = hashlib.sha256()
+    folder = Path(path)
+    if not folder.is_dir():
+        digest.update(f"hub:{path}".encode())
+        return digest.hexdigest()
+    for file in sorted(f for f in folder.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file()):
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with open(file, "rb") as handle:
+            if size <= _PIECE * _PIECES:
+                digest.update(handle.read())
+                continue
+            for i in range(_PIECES):
+                handle.seek((size - _PIECE) * i // (_PIECES - 1))
+                digest.update(handle.read(_PIECE))
+    if is_adapter_folder(folder) and _depth < 8:  # its base, down the chain (a loop stops at 8)
+        try:
+            base = json.loads((folder / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))["base_model_name_or_path"]
+        except (OSError, ValueError, KeyError, TypeError):
+            base = None
+        if isinstance(base, str):
+            digest.update(weights_fingerprint(base, _depth + 1).encode())
+    return digest.hexdigest()
 
 
 def check_seq_len_fits_positions(model_name_or_path: str, max_seq_len: int, flag: str = "--max_seq_len", *,

@@ -71,8 +71,8 @@ from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_P
                                       prune_leftovers, prune_rotated, protected_problem, put_back,
                                       replaces_protected, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
-from dschat.training.checkpoint_records import (FORMAT_VERSION, check_trainable, read_record, read_rng_file,
-                                                rng_state, set_rng_state, trainable_parameters)
+from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, model_record, read_record,
+                                                read_rng_file, rng_state, set_rng_state, trainable_parameters)
 
 # What a rank that cannot see rank 0's folder is told to do.
 SHARED_OUTPUT_FIX = ("--output_dir (and --resume_from) must be a folder that every node sees (the same path on a "
@@ -434,11 +434,12 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     return final
 
 
-def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
-                    weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> TrainingPosition:
+def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int, weights_only: Mapping[str, Any] | None = None,
+                    loaders: Sequence[Any] = (), models: Mapping[str, Any] | None = None) -> TrainingPosition:
     """Restore ``engines``, ``weights_only`` and this rank's random states from ``folder``; return the
     position (on another shape: :func:`dschat.training.consolidated.resume_on_new_shape`). A damaged or
-    edited marker or random-state file is one line (exit 2)."""
+    edited marker or random-state file is one line (exit 2), and so is a run that started from other
+    ``models`` (:func:`~dschat.training.checkpoint_records.check_models`)."""
     record = read_record(folder)
     position = TrainingPosition(**record["position"])
     missing = sorted(set(engines) - set(record.get("engines", [])))
@@ -446,6 +447,7 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int,
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
     check_trainable(folder, record, engines)
+    check_models(folder, record, models or {})
     rng_file = folder / f"rng_rank{rank}.json"
     rng = read_rng_file(rng_file) if rng_file.is_file() else None
     reshape = resume_on_new_shape(folder, engines, rank, position, loaders)  # None: DeepSpeed's files fit
@@ -491,7 +493,8 @@ class Checkpointer:
     every optimizer step."""
 
     def __init__(self, args: CheckpointSettings, engines: Mapping[str, Any], rank: int,
-                 weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = ()) -> None:
+                 weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = (),
+                 models: Mapping[str, tuple[str, str | None]] | None = None) -> None:
         self.args = args
         self.engines = dict(engines)
         self.weights_only, self.loaders = dict(weights_only or {}), list(loaders)  # loaders: the data order to record
@@ -502,6 +505,7 @@ class Checkpointer:
         self.position: TrainingPosition | None = None  # where a resumed run picks up
         self.source: Path | None = None  # the --resume_from checkpoint: rotation never deletes it
         self.resumed: Path | None = None  # the checkpoint loaded (either flag): never replaced
+        self._models, self._model_record = dict(models or {}), None  # role -> (flag, value); its record, once
 
     def resume(self, counter: Any = None) -> TrainingPosition | None:
         """Load the checkpoint ``--resume`` / ``--resume_from`` name (if any) into the engines and the
@@ -533,9 +537,15 @@ class Checkpointer:
                          "the beginning", self.rank)
             return None
         self.source = folder if source else None  # --resume's source rotates out as usual, by write order
-        position = load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders)
+        position = load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders, self.models())
         self.resumed = folder
         return position
+
+    def models(self) -> dict[str, Any]:
+        """The record of the models this run starts from (:func:`~dschat.training.checkpoint_records.model_record`)."""
+        if self._model_record is None:
+            self._model_record = model_record(self._models)
+        return self._model_record
 
     def latest(self) -> Path | None:
         """The newest complete checkpoint of this run's ``--output_dir`` (None without one)."""
@@ -556,7 +566,7 @@ class Checkpointer:
             return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
                                    weights_only=self.weights_only, loaders=self.loaders,
                                    protect=(self.source,) if self.source is not None else (),
-                                   resumed_from=self.resumed)
+                                   resumed_from=self.resumed, meta={"models": self.models()})
 
 
 def check_checkpoint_args(args: Any) -> None:

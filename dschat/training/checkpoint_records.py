@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from dschat.errors import UserError
+from dschat.models.registry import weights_fingerprint
 from dschat.training.rotation import MARKER
 
 FORMAT_VERSION = 1
@@ -189,3 +190,31 @@ def check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[st
         raise UserError(f"{folder}: its '{tag}' trained {len(saved)} parameter tensors, this run trains {len(now)} "
                         f"(first difference: {first}); the flags that choose what trains (--freeze_layers, LoRA "
                         "flags) differ from the run that wrote it: resume with its flags")
+
+
+def model_record(models: Mapping[str, tuple[str, str | None]]) -> dict[str, Any]:
+    """What a checkpoint records of the models a run starts from, by role: ``models`` maps a role
+    (``actor``) to its flag and value (``("--actor_model_name_or_path", path)``, None: not given); each
+    given one gets its path and :func:`~dschat.models.registry.weights_fingerprint`."""
+    return {role: {"flag": flag, "path": str(value), "weights": weights_fingerprint(value)}
+            for role, (flag, value) in models.items() if value is not None}
+
+
+def check_models(folder: Path, record: Mapping[str, Any], now: Mapping[str, Any]) -> None:
+    """Refuse a checkpoint whose run started from other weights than this run's flags name
+    (``now``: :func:`model_record` of this run): what a checkpoint does not hold (the frozen reference
+    and reward models, the base a LoRA adapter is saved against) comes from those flags, so the
+    resumed run would go on against other models, silently. A role only one of the two runs has, and
+    checkpoints written before the record existed, are not checked (a flag given or left out is checked
+    by the engines the checkpoint holds)."""
+    saved = record.get("meta", {}).get("models")
+    if not isinstance(saved, dict):
+        return
+    for role, then in saved.items():
+        here = now.get(role)
+        if not isinstance(then, dict) or here is None or then.get("weights") == here["weights"]:
+            continue
+        raise UserError(f"{folder} was written by a run whose {role} started from {then.get('path')!r}, other weights "
+                        f"than {here['flag']} {here['path']} holds now; the models a checkpoint does not hold (the "
+                        "reference and reward models, a LoRA adapter's base) come from that flag: resume with the "
+                        "model that run started from, or start afresh")

@@ -62,7 +62,8 @@ def train_epochs(
     ``on_epoch_end(epoch, mean_loss)`` before the epoch's evaluation, with the mean micro-step loss
     of the epoch (kept across a resume).
     """
-    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank, loaders=[train_loader])
+    checkpointer = Checkpointer(args, {"model": engine}, ctx.rank, loaders=[train_loader],
+                                models={"model": ("--model_name_or_path", getattr(args, "model_name_or_path", None))})
     resumed = checkpointer.resume(counter)
     if resumed is not None:  # TensorBoard hides what a killed attempt logged after the checkpoint's step
         tb.resume_at(counter.optimizer_steps + 1)

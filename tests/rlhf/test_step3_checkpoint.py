@@ -155,3 +155,32 @@ def test_a_nan_reward_on_a_dropped_answer_skips_the_rollout_too(monkeypatch, tmp
     assert "non-finite log-probs, values or reward in the rollout of step 1; rollout skipped" in out
     assert result.skipped_nonfinite == 1 and len(result.history) == 2
     assert all(math.isfinite(r["actor_loss"]) for r in result.history)
+
+def test_a_resume_scored_by_another_reward_model_is_refused_a_copy_of_it_is_not(tmp_path, critic_dirs, data_cache):
+    """The reward and reference models are not in a checkpoint: they come from the model flags again. A
+    resume whose reward model has other weights than the run's (here --reward_model_name_or_path, the
+    run's came from the critic's folder) is one line; a copy of the same weights elsewhere resumes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dschat.errors import UserError
+
+    main = step3_main().main
+    critic = critic_dirs["tiny-opt"]
+
+    def argv(*more):
+        return base_argv("tiny-opt", critic, data_cache, "--save_interval", "1", "--output_dir", str(tmp_path / "o"),
+                         *more, steps=1)
+
+    main(argv())
+    other = shutil.copytree(critic, tmp_path / "other_rm")
+    for weights in other.glob("*.safetensors"):
+        save_file({k: v + 0.01 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    folder = ckpt.checkpoint_root(tmp_path / "o") / ckpt.checkpoint_name(1)
+    with pytest.raises(UserError) as err:
+        main(argv("--resume", "--reward_model_name_or_path", str(other)))
+    assert str(err.value).startswith(f"{folder} was written by a run whose reward model started from '{critic}', "
+                                     f"other weights than --reward_model_name_or_path {other} holds now;")
+    same = shutil.copytree(critic, tmp_path / "same_rm")
+    assert main(argv("--resume", "--reward_model_name_or_path", str(same))).history == []

@@ -6,12 +6,13 @@ checkpoint a run resumed from is never replaced."""
 from __future__ import annotations
 
 import json
+import shutil
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from dschat.errors import UserError
 from dschat.training import checkpoint as ckpt
@@ -161,3 +162,69 @@ def test_the_checkpoint_a_run_resumed_from_is_never_replaced(tmp_path):
     assert sorted(root.iterdir()) == [source]
     aside = rotation.set_aside(source, [root / ckpt.checkpoint_name(2)])  # another step: set aside as before
     assert aside is not None and aside.name.startswith(f"{source.name}{rotation.REPLACED_TAG}")
+
+
+def _model_copy(src: Path, dest: Path, nudge: float = 0.0) -> Path:
+    """``src``'s folder copied to ``dest``; with ``nudge``, every weight moved by it (another training)."""
+    shutil.copytree(src, dest)
+    if nudge:
+        weights = dest / "model.safetensors"
+        save_file({k: v + nudge for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    return dest
+
+
+def test_weights_fingerprint_follows_the_weights_not_the_folder(tmp_path):
+    """Copies give one digest, other weights another; a file over 16 MiB is sampled (a change within a
+    sampled piece shows); an adapter's digest covers its base down the chain."""
+    from dschat.models.registry import resolve_model_path, weights_fingerprint
+
+    src = Path(resolve_model_path("tiny-llama"))
+    same, other = _model_copy(src, tmp_path / "same"), _model_copy(src, tmp_path / "other", nudge=0.01)
+    assert weights_fingerprint(str(same)) == weights_fingerprint("tiny-llama") != weights_fingerprint(str(other))
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text("{}")
+    (big / "model.safetensors").write_bytes(bytes(20 * 2**20))
+    first = weights_fingerprint(str(big))
+    with open(big / "model.safetensors", "r+b") as handle:
+        handle.seek(20 * 2**20 - 1)  # the last byte: inside the last sampled piece
+        handle.write(b"\x01")
+    assert weights_fingerprint(str(big)) != first
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"lora")
+    digests = []
+    for base in (same, src, other):
+        (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
+        digests.append(weights_fingerprint(str(adapter), 1))  # as a chain's link: the stand-in is not checked
+    assert digests[0] == digests[1] != digests[2]
+
+
+def test_a_resume_from_other_starting_weights_is_refused_a_copy_is_not(data_dir, tmp_path):
+    """A checkpoint records the weights its run started from: the frozen models (a reference model, a
+    LoRA adapter's base) come from the model flag, not from the checkpoint. The same weights in another
+    folder resume; other weights under the flag are one line (they resumed silently before)."""
+    from dschat.models.registry import resolve_model_path
+
+    main = load_script("step1").main
+    src = Path(resolve_model_path("tiny-llama"))
+    start = _model_copy(src, tmp_path / "start")
+    out = tmp_path / "o"
+
+    def argv(model: Path, *more: str) -> list[str]:
+        return base_argv(str(model), data_dir, "--save_interval", "1", "--output_dir", str(out), *more,
+                         max_train_steps=1, batch_size=2)
+
+    main(argv(start))
+    record = json.loads((ckpt.checkpoint_root(out) / ckpt.checkpoint_name(1) / ckpt.MARKER).read_text())
+    assert record["meta"]["models"]["model"]["path"] == str(start)
+    other = _model_copy(src, tmp_path / "retrained", nudge=0.01)
+    with pytest.raises(UserError) as err:
+        main(argv(other, "--resume"))
+    assert str(err.value) == (
+        f"{ckpt.checkpoint_root(out) / ckpt.checkpoint_name(1)} was written by a run whose model started from "
+        f"'{start}', other weights than --model_name_or_path {other} holds now; the models a checkpoint does not "
+        "hold (the reference and reward models, a LoRA adapter's base) come from that flag: resume with the model "
+        "that run started from, or start afresh")
+    moved = _model_copy(src, tmp_path / "moved")
+    assert main(argv(moved, "--resume")).optimizer_steps == 1

@@ -166,6 +166,17 @@ def check_readers(args: argparse.Namespace, sources: ModelSources, *, critic: bo
                                      "--max_prompt_seq_len + --max_answer_seq_len")
 
 
+def starting_models(args: argparse.Namespace, sources: ModelSources, *, critic: bool,
+                    reward_model: bool) -> dict[str, tuple[str, str | None]]:
+    """The models step 3 starts from, by role, with the flag that names each: a checkpoint records their
+    weights, and a resume from other ones is refused (the reference and reward models are not in it)."""
+    reward_flag = "--reward_model_name_or_path" if args.reward_model_name_or_path else "--critic_model_name_or_path"
+    critic_flag = "--actor_model_name_or_path" if sources.critic_from_actor else "--critic_model_name_or_path"
+    return {"actor": ("--actor_model_name_or_path", args.actor_model_name_or_path),
+            "critic": (critic_flag, sources.critic if critic else None),
+            "reward model": (reward_flag, sources.reward if reward_model else None)}
+
+
 def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase, plan: BatchPlan, local_rank: int,
                     num_generations: int = 1) -> tuple[DataLoader, DataLoader | None, int]:
     """Prompt loader (phase-3 chunk, left-padded prompts; ``per_device_generation_batch_size /
@@ -309,7 +320,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     trainable = {"actor": rlhf_engine.actor, "critic": rlhf_engine.critic}
     checkpointer = Checkpointer(config.checkpoint, {k: v for k, v in trainable.items() if v is not None}, ctx.rank,
                                 weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema},
-                                loaders=[loader for loader in (prompt_loader, unsup_loader) if loader is not None])
+                                loaders=[loader for loader in (prompt_loader, unsup_loader) if loader is not None],
+                                models=starting_models(args, sources, critic=settings.critic, reward_model=mix.uses_model))
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     resumed = checkpointer.resume()
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
