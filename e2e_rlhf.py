@@ -134,8 +134,12 @@ def load_e2e_config(root: Path = ROOT) -> E2EConfig:
 # Models and recipes
 # -------------------------------------------------------------------------------------------------
 def strip_opt(value: str) -> str:
-    """Upstream's argument type: ``facebook/opt-1.3b`` -> ``1.3b``."""
-    return value.strip().replace("facebook/opt-", "")
+    """Upstream's argument type: ``facebook/opt-1.3b`` -> ``1.3b``. Only a leading ``facebook/opt-``
+    followed by one of :data:`OPT_SIZES` is stripped; any other value (``facebook/opt-iml-max-1.3b``, a
+    folder ``/x/facebook/opt-tiny``) is kept as it is."""
+    value = value.strip()
+    size = value.removeprefix("facebook/opt-")
+    return size if size != value and size in OPT_SIZES else value
 
 
 def model_id(value: str) -> str:
@@ -153,21 +157,30 @@ def model_label(value: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "--", value).strip("-") or "model"
 
 
-def _family(model: str) -> Any:
-    """The model family (dschat.models.families) of a model, or None if its config is unreachable."""
+def _family(model: str) -> tuple[Any, Any]:
+    """The model family (dschat.models.families) and the config of a model, or (None, None) if its
+    config is unreachable."""
     try:
         from dschat.models.families import family_of
         from dschat.models.registry import load_config, resolve_model_path
 
-        return family_of(load_config(resolve_model_path(model)))
+        config = load_config(resolve_model_path(model))
+        return family_of(config), config
     except (OSError, ValueError, UserError):
-        return None
+        return None, None
+
+
+#: Step 3's --num_padding_at_beginning when its recipe does not set it (upstream's, OPT's).
+STEP3_NUM_PADDING_DEFAULT = "1"
 
 
 def _lora_adjustments(recipe: Recipe, model: str, prefix: str = "") -> list[str]:
-    """Flags that adapt a recipe written for one model family (OPT for the GPU recipes, LLaMA for
-    ``cpu/tiny``) to ``model``'s (LoRA scope, leading pads)."""
-    fam = _family(model)
+    """Flags that adapt a recipe written for one model (OPT for the GPU recipes, LLaMA for
+    ``cpu/tiny``, SmolLM2-135M for ``cpu/smollm2-135m``) to ``model``: the LoRA scope of its family;
+    the leading pads of its family (steps 1-2 with ``prefix`` "" where the recipe sets them, step 3
+    with ``prefix`` "critic_": its critic's); and a ``--freeze_layers`` of all its blocks or more
+    lowered to half of them."""
+    fam, config = _family(model)
     if fam is None:
         return []
     extra: list[str] = []
@@ -176,9 +189,13 @@ def _lora_adjustments(recipe: Recipe, model: str, prefix: str = "") -> list[str]
         current = recipe.flag(f"{prefix}lora_module_name", "decoder.layers.")
         if current != fam.lora_module_name:
             extra += [f"--{prefix}lora_module_name", fam.lora_module_name]
-    if not prefix and recipe.has_flag("num_padding_at_beginning"):
-        if recipe.flag("num_padding_at_beginning") != str(fam.num_padding_at_beginning):
+    if (not prefix and recipe.has_flag("num_padding_at_beginning")) or prefix == "critic_":
+        if recipe.flag("num_padding_at_beginning", STEP3_NUM_PADDING_DEFAULT) != str(fam.num_padding_at_beginning):
             extra += ["--num_padding_at_beginning", str(fam.num_padding_at_beginning)]
+    freeze, blocks = recipe.flag("freeze_layers"), getattr(config, "num_hidden_layers", None)
+    if (not prefix and isinstance(freeze, str) and freeze.isdigit() and isinstance(blocks, int)
+            and int(freeze) >= blocks):
+        extra += ["--freeze_layers", str(blocks // 2)]  # the recipe's lower half (15 of SmolLM2's 30), not all
     return extra
 
 
@@ -295,18 +312,21 @@ def check_environment_options(args: argparse.Namespace) -> None:
 
 
 def check_environment_spec(args: argparse.Namespace, dep: Deployment) -> None:
-    """--env names an importable callable, checked here as step 3 will check it (the same lines), so a
-    bad spec stops the run before step 1. On several nodes each node imports it from its own files
-    (and DeepSpeed adds the working directory to their path): only the spec's form is checked here."""
-    if args.env is None:
-        return
-    module, sep, attr = args.env.partition(":")
-    if dep.name == "multi_node" and sep and module and attr:
-        return
-    # lazy: dschat.rewards imports torch, which e2e itself never needs; only --env pays for it
-    from dschat.rewards import load_callable
+    """--env and each --reward-fn name an importable callable, checked here as step 3 will check them
+    (the same lines), so a bad spec stops the run before step 1. On several nodes each node imports
+    them from its own files (and DeepSpeed adds the working directory to their path): only a spec's
+    form is checked there."""
+    specs = [(spec, "--reward-fn", GOLD_REWARD_FN) for spec in args.reward_fn or []]
+    if args.env is not None:
+        specs.append((args.env, "--env", "dschat.envs_examples:calculator"))
+    for spec, flag, example in specs:
+        module, sep, attr = spec.partition(":")
+        if dep.name == "multi_node" and sep and module and attr:
+            continue
+        # lazy: dschat.rewards imports torch, which e2e itself never needs; only --env / --reward-fn pay for it
+        from dschat.rewards import load_callable
 
-    load_callable(args.env, "--env", "dschat.envs_examples:calculator")
+        load_callable(spec, flag, example)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -391,6 +411,11 @@ def check_inputs(args: argparse.Namespace) -> None:
 
     check_writable_dir(args.output_dir, "--output-dir")
     refuse_foreign_link_on_the_way(args.output_dir, "--output-dir")  # e2e's records and every step's folder
+    for name in (STEPS_FILE, TIMINGS_FILE):  # e2e's records, replaced as each step starts and ends
+        path = Path(args.output_dir) / name
+        if path.exists() and not path.is_file():
+            raise UserError(f"--output-dir: {path} is not a file, and e2e keeps its records there; move it away "
+                            "or pass another --output-dir")
     for step, flag, model in ((1, "--actor-model", args.actor_model), (2, "--reward-model", args.reward_model)):
         if step in args.step:
             try:
@@ -526,9 +551,29 @@ def flags_difference(before: Sequence[str], now: Sequence[str]) -> str | None:
     return None
 
 
-def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], steps: Sequence[int]) -> bool:
+def earlier_checkpoints(run_: StepRun) -> Path | None:
+    """``run_``'s ``checkpoints/`` folder when it holds checkpoints of an earlier run, which the step
+    refuses to start afresh beside (:func:`~dschat.training.checkpoint.prepare_checkpoint_root`: a
+    complete one, or a ``step_<N>`` that dschat did not begin); else None. Nothing is changed."""
+    from dschat.training.rotation import TMP_PREFIX, begun_by_dschat, complete_checkpoints, incomplete_checkpoints
+
+    root = run_.output_dir / "checkpoints"
+    found = complete_checkpoints(root) or [p for p in incomplete_checkpoints(root)
+                                           if not p.name.startswith(TMP_PREFIX) and not begun_by_dschat(p)]
+    return root if found else None
+
+
+def _delete_first(runs: Sequence[StepRun], always: Path | None = None) -> str:
+    """'delete A and B and ' for the checkpoint folders of an earlier run among ``runs`` (``always``:
+    named whether it holds any or not), or ''."""
+    found = list(dict.fromkeys([*([always] if always else []), *filter(None, map(earlier_checkpoints, runs))]))
+    return f"delete {' and '.join(map(str, found))} and " if found else ""
+
+
+def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], selected: Sequence[StepRun]) -> bool:
     """--resume: whether ``run_`` is finished (its folder holds a usable model) with this run's flags
-    (``steps``: the steps this run was asked for, named in the fix).
+    (``selected``: the steps this run was asked for, named in the fix with the checkpoints of an
+    earlier run that a fresh run of them would refuse).
 
     A step that e2e started and that did not finish is not (it resumes). A step started or finished
     with other flags is refused in one line (nothing is replaced); one whose flags are not on record
@@ -542,21 +587,54 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
               f"older e2e); taking the model in {run_.output_dir} as this run's", flush=True)
         return True
     difference = flags_difference(record["flags"], step_flags(run_, out))
-    again = " ".join(str(n) for n in steps if n >= run_.number)  # the --step list that trains it again
+    later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
+    again = " ".join(str(r.number) for r in later)  # the --step list that trains it again
     if not record["finished"]:
         if difference:  # its checkpoints were trained with those flags
             raise UserError(
                 f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and did not "
-                f"finish; to start it again with these, delete {run_.output_dir / 'checkpoints'} and run without "
-                f"--resume and with --step {again}, or give the old flags")
+                f"finish; to start it again with these, {_delete_first(later, run_.output_dir / 'checkpoints')}"
+                f"run without --resume and with --step {again}, or give the old flags")
         print(f"note: step {run_.number} started in {run_.output_dir} and did not finish; resuming it", flush=True)
         return False
     if difference:
         raise UserError(
             f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "
-            f"to train it again with these, run without --resume and with --step {again} (it replaces that model), "
-            "or pass another --output-dir")
+            f"to train it again with these, {_delete_first(later)}run without --resume and with --step {again} (it "
+            "replaces that model), or pass another --output-dir")
     return True
+
+
+def step_actions(args: argparse.Namespace, selected: Sequence[StepRun], out: Path,
+                 records: dict[str, dict[str, Any]]) -> dict[int, str]:
+    """What each selected step will do, decided before any runs: ``"fresh"`` (trained from the start),
+    ``"resume"`` (--resume: from its newest checkpoint) or ``"skip"`` (--resume: finished with these
+    flags, :func:`finished_step`, whose refusals so come before step 1). Step 3 trains on the models
+    of steps 1 and 2, so a step 1 or 2 that runs makes it ``"fresh"``; steps 1 and 2 do not depend on
+    each other."""
+    actions: dict[int, str] = {}
+    for run_ in selected:
+        if not args.resume or (run_.number == 3 and any(actions.get(n, "skip") != "skip" for n in (1, 2))):
+            actions[run_.number] = "fresh"
+        else:
+            actions[run_.number] = "skip" if finished_step(run_, out, records, selected) else "resume"
+    return actions
+
+
+def check_earlier_checkpoints(args: argparse.Namespace, fresh: Sequence[StepRun]) -> None:
+    """The steps of ``fresh`` (to be trained from the start) find no checkpoints of an earlier run in
+    their output folders, which each would refuse when it starts; else one :class:`UserError` line,
+    before step 1, naming every such folder and what to do."""
+    found = [str(root) for root in map(earlier_checkpoints, fresh) if root is not None]
+    if not found:
+        return
+    numbers = [str(r.number) for r in fresh if earlier_checkpoints(r) is not None]
+    steps = (f"step {numbers[0]} refuses" if len(numbers) == 1
+             else f"steps {', '.join(numbers[:-1])} and {numbers[-1]} refuse")
+    resume = "" if args.resume else "pass --resume to continue that run, or "
+    raise UserError(f"found checkpoints of an earlier run in {' and '.join(found)}, which {steps} to train afresh "
+                    f"beside; {resume}delete {'them' if len(found) > 1 else 'it'} to start over, or pass another "
+                    "--output-dir")
 
 
 def eta_line(runs: Sequence[StepRun], index: int, speed: float = 1.0, extra_seconds: float = 0.0) -> str | None:
@@ -632,8 +710,8 @@ def build_parser(config: E2EConfig | None = None) -> argparse.ArgumentParser:
     dschat.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     dschat.add_argument("--resume", action="store_true",
                         help="continue an interrupted run: skip the steps whose model folders are complete (a "
-                             "finished step trained with other flags is refused), resume the first unfinished one "
-                             "from its newest checkpoint (steps after it run afresh)")
+                             "finished step trained with other flags is refused), resume the unfinished ones from "
+                             "their newest checkpoints (step 3 runs afresh after a step 1 or 2 that ran)")
     dschat.add_argument("--save-format", choices=SAVE_FORMATS, default=None,
                         help="pass --save_format to every step: the weight files of each step's model, safetensors "
                              "(the steps' default), bin (upstream's pytorch_model.bin layout) or both")
@@ -705,12 +783,29 @@ def step_flags_checked(args: argparse.Namespace, runs: Sequence[StepRun],
                                      ("--critic_model_name_or_path", args.reward_model, runs[1].output_dir)):
                 if flag in flags and not (done / "config.json").is_file():
                     flags[flags.index(flag) + 1] = model_id(base)
+        parsed = plan_parser(run_.number).parse_args(flags)
+        if run_.number == 3:
+            check_num_generations(args, run_, parsed)
         try:
-            check_flag_values(plan_parser(run_.number).parse_args(flags))
+            check_flag_values(parsed)
         except UserError as err:
             raise UserError(f"step {run_.number} refuses its flags: {first_line(err)}") from None
         checked.append((run_, flags))
     return checked
+
+
+def check_num_generations(args: argparse.Namespace, run_: StepRun, parsed: argparse.Namespace) -> None:
+    """Step 3's answers per prompt (e2e's --num-generations, or its default for grpo and rloo) divide
+    the recipe's --per_device_generation_batch_size, which e2e cannot change; else one
+    :class:`UserError` line naming the --num-generations values that do."""
+    k, batch = parsed.num_generations, parsed.per_device_generation_batch_size
+    if not (isinstance(k, int) and isinstance(batch, int)) or k < 1 or batch % k == 0:
+        return
+    given = (f"--num-generations {k}" if args.num_generations is not None
+             else f"--algorithm {args.algorithm} answers {k} times per prompt by default (--num-generations), and {k}")
+    fits = [str(d) for d in range(2, batch + 1) if batch % d == 0] or ["1"]
+    raise UserError(f"{given} does not divide step 3's --per_device_generation_batch_size {batch} (recipe "
+                    f"{run_.recipe.id}); pass --num-generations {' or '.join(fits[:4])}")
 
 
 def preflight_steps(args: argparse.Namespace, dep: Deployment, checked: Sequence[tuple[StepRun, list[str]]],
@@ -734,7 +829,8 @@ def preflight_steps(args: argparse.Namespace, dep: Deployment, checked: Sequence
         world = _launch_world(launch.argv)
         preflight(flags, world=world, gpus_per_node=world, accelerator=accelerator, gpu_bytes=gpu_bytes,
                   echo=lambda line: print(line, flush=True), step=run_.number, table=False,
-                  skip_hint="e2e's --preflight off skips this check")
+                  skip_hint="e2e's --preflight off skips this check",
+                  refusal_prefix=f"step {run_.number} refuses its flags: ")
 
 
 def pick_deployment(args: argparse.Namespace, config: E2EConfig) -> Deployment:
@@ -842,32 +938,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hostfile and dep.name != "multi_node":
         print(f"note: --hostfile is used with --deployment-type {dep.name} too (deepspeed reads it)", flush=True)
     if args.hostfile and not Path(args.hostfile).is_file():
-        raise UserError(f"--hostfile {args.hostfile} does not exist; write one line per host: '<host> slots=<gpus>'")
+        problem = "is not a file" if Path(args.hostfile).exists() else "does not exist"
+        raise UserError(f"--hostfile {args.hostfile} {problem}; write one line per host: '<host> slots=<gpus>'")
     if dep.name == "multi_node" and not args.hostfile and not Path(DEFAULT_HOSTFILE).is_file():
         print(f"note: no --hostfile and no {DEFAULT_HOSTFILE}: the deepspeed launcher will use this machine only",
               flush=True)
     out = Path(args.output_dir)
     selected = [r for r in runs if r.number in args.step]
-    checked = [] if args.dry_run else step_flags_checked(args, runs, selected)  # before the lock makes --output-dir
+    checked = step_flags_checked(args, runs, selected)  # before the lock makes --output-dir
     if not args.dry_run:  # one e2e run per --output-dir: a second would retrain and replace the first's models
         hold_run_lock(out, args, "--output-dir")
     timings = load_timings(out)
     records = load_step_records(out)
+    actions = step_actions(args, selected, out, records)
+    check_earlier_checkpoints(args, [r for r in selected if actions[r.number] == "fresh"])
     report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
     spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
 
     preflight_steps(args, dep, checked, launcher)
-    ran_one = False  # --resume: once a step runs, the later ones are stale and run afresh
     save = ["--save_interval", str(args.save_interval)] if args.save_interval else []
     for index, run_ in enumerate(selected):
-        resume: list[str] = []
-        if args.resume and not ran_one:
-            if finished_step(run_, out, records, args.step):
-                print(f"---=== Step {run_.number} is complete in {run_.output_dir}; skipping it (--resume) ===---",
-                      flush=True)
-                continue
-            resume = ["--resume"]  # the newest checkpoint in its output folder, or from scratch with a notice
-        ran_one = True
+        if actions[run_.number] == "skip":
+            print(f"---=== Step {run_.number} is complete in {run_.output_dir}; skipping it (--resume) ===---",
+                  flush=True)
+            continue
+        # --resume: the newest checkpoint in its output folder, or from scratch with a notice
+        resume = ["--resume"] if actions[run_.number] == "resume" else []
         print(f"---=== Running Step {run_.number} ===---", flush=True)
         if run_.note:
             print(f"note: {run_.note}", flush=True)

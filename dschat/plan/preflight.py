@@ -7,7 +7,9 @@ printed and not enforced (the CPU's memory is the host's, shared with everything
 
 The planner's gaps never stop a run: a model it cannot plan (an architecture it cannot build on the
 meta device, a folder without ``config.json`` such as a PEFT adapter it does not read) gets one note
-and the run goes on unplanned. A run that builds fewer than PPO's four models (a critic-free
+and the run goes on unplanned. Flags the step itself refuses on a model the planner can read (a row
+longer than its position table, ``--freeze_layers`` above its number of blocks) stop it: they are
+the user's to fix, and the step would stop on them anyway. A run that builds fewer than PPO's four models (a critic-free
 algorithm, a reward given without the reward model) is planned with the engines it builds.
 """
 from __future__ import annotations
@@ -21,9 +23,12 @@ from typing import Callable, Sequence
 import torch
 from deepspeed.accelerator import get_accelerator
 
-from dschat.errors import UserError
-from dschat.plan.cli import MARGIN, build_parser, check_flag_values, format_gb, plan, render, suggestions
-from dschat.plan.roles import reward_model_used
+from dschat.errors import UserError, first_line
+from dschat.models.freeze import freeze_lower_layers
+from dschat.plan.cli import (MARGIN, build_parser, check_flag_values, check_step_flags, format_gb, plan, render,
+                             suggestions)
+from dschat.plan.inventory import inventory
+from dschat.plan.roles import model_config, reward_model_used
 from dschat.rlhf.config import resolve_algorithm
 from dschat.runtime.dist import collective_device, print_rank_0
 from dschat.training.run_setup import RunContext
@@ -36,13 +41,32 @@ def _skip(step: int = 3) -> str:
     return f"step {step} goes on without it (python -m dschat.plan with the same flags shows the plan)"
 
 
+def _check_model_flags(args: argparse.Namespace) -> None:
+    """The step's own checks of its flags against its model, as the step runs them: the row length
+    against the position table (:func:`~dschat.plan.cli.check_step_flags`) and step 2's
+    ``--freeze_layers`` against the blocks of the model built on the meta device
+    (:func:`~dschat.models.freeze.freeze_lower_layers`); a :class:`UserError` where the step refuses
+    them. A model the planner cannot read or build is not checked here: the plan's note says so."""
+    step = getattr(args, "step", 3)
+    freeze = getattr(args, "freeze_layers", 0) if step == 2 else 0
+    try:
+        config = model_config(args.actor_model_name_or_path if step == 3 else args.model_name_or_path)
+        meta_model = inventory(config, critic=True)[1] if freeze else None
+    except Exception:  # noqa: BLE001 - the planner's gap, noted where the plan fails on it
+        return
+    check_step_flags(args)
+    if meta_model is not None:
+        freeze_lower_layers(meta_model, freeze)
+
+
 def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerator: str, gpu_bytes: int,
               echo: Callable[[str], None] = print, step: int = 3, table: bool = True,
               skip_hint: str = "--preflight off skips this check", reward_model: bool | None = None,
-              critic_from_actor: bool | None = None) -> dict | None:
+              critic_from_actor: bool | None = None, refusal_prefix: str = "") -> dict | None:
     """Plan step ``step``'s ``argv`` on ``world`` ranks of ``gpu_bytes`` each; returns the plan, or None
     when the planner cannot plan it (one note through ``echo``, nothing raised). Flags the step itself
-    refuses (:func:`~dschat.plan.cli.check_flag_values`) are its :class:`UserError`, not a note.
+    refuses (:func:`~dschat.plan.cli.check_flag_values`, and on a model the planner reads
+    :func:`_check_model_flags`) are its :class:`UserError`, not a note, its line after ``refusal_prefix``.
     ``reward_model``: whether step 3 loads its reward model (None: as the flags say);
     ``critic_from_actor``: whether step 3 builds its critic from the actor with a fresh value head
     (step 3 passes what it resolved; None: decided from the tokenizers, as :func:`~dschat.plan.cli.plan`).
@@ -55,7 +79,13 @@ def preflight(argv: Sequence[str], *, world: int, gpus_per_node: int, accelerato
     node_args = ["--gpus_per_node", str(gpus_per_node), "--num_nodes", str(max(1, world // gpus_per_node))]
     full = [*argv, *node_args]
     args = parser.parse_args(full)
-    check_flag_values(args)  # flags the step refuses are the user's to fix: raised, never a note
+    try:  # flags the step refuses are the user's to fix: raised, never a note
+        check_flag_values(args)
+        _check_model_flags(args)
+    except UserError as err:
+        if not refusal_prefix:
+            raise
+        raise UserError(refusal_prefix + first_line(err)) from None
     try:
         result = plan(args, gpu_bytes=gpu_bytes, reward_model=reward_model, critic_from_actor=critic_from_actor)
     except Exception as err:  # noqa: BLE001 - the planner's gap on a model the run can train never stops it

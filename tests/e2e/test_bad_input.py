@@ -195,9 +195,21 @@ CASES = [
     Case("e2e/zero-nodes", "e2e", ("--step", "1", "--num-nodes", "0"), "--num-nodes must be >= 1, got 0"),
     Case("e2e/zero-generations", "e2e", ("--algorithm", "grpo", "--num-generations", "0"),
          "--num-generations must be >= 1, got 0"),
-    # A step-3 flag the step refuses stops e2e before step 1 (not a preflight note, then steps 1 and 2).
+    # A step-3 flag the step refuses stops e2e before step 1 (not a preflight note, then steps 1 and 2), in
+    # e2e's words: the recipe's batch is not e2e's to change, --num-generations is.
     Case("e2e/groups-do-not-divide-step-3s-batch", "e2e", ("--algorithm", "grpo", "--num-generations", "3"),
-         "step 3 refuses its flags: --num_generations 3 does not divide --per_device_generation_batch_size 2"),
+         "--num-generations 3 does not divide step 3's --per_device_generation_batch_size 2 (recipe cpu/tiny); pass "
+         "--num-generations 2"),
+    Case("e2e/default-groups-do-not-divide-step-3s-batch", "e2e", ("--algorithm", "grpo"),
+         "--algorithm grpo answers 4 times per prompt by default (--num-generations), and 4 does not divide step 3's "
+         "--per_device_generation_batch_size 2 (recipe cpu/tiny); pass --num-generations 2"),
+    Case("e2e/dry-run-checks-step-flags-too", "e2e", ("--dry-run", "--algorithm", "grpo", "--num-generations", "3"),
+         "--num-generations 3 does not divide step 3's"),
+    Case("e2e/reward-fn-unimportable", "e2e", ("--reward-fn", "no_such_module_e2e9:fn"),
+         "--reward-fn no_such_module_e2e9:fn: cannot import module 'no_such_module_e2e9'"),
+    Case("e2e/reward-fn-not-callable", "e2e", ("--reward-fn", "dschat.rewards:GOLD_NO_SUCH"),
+         "--reward-fn dschat.rewards:GOLD_NO_SUCH: module 'dschat.rewards' has no attribute"),
+    Case("e2e/hostfile-is-a-folder", "e2e", ("--step", "1", "--hostfile", "{ws}"), "is not a file; write one line"),
     # ---- inference/chatbot.py
     Case("chatbot/path-is-a-file", "chatbot", ("--path", "{file}"), "is a file, not a folder", subprocess=True),
     Case("chatbot/zero-temperature", "chatbot", ("--sample", "--temperature", "0"), "--temperature must be > 0"),

@@ -123,7 +123,8 @@ def test_any_model_uses_the_generic_recipe_with_family_fixes(config, tmp_path):
     # The OPT recipe's LoRA would match no LLaMA module: the family table supplies "layers.".
     assert runs[0].extra == ["--model_name_or_path", llama, "--lora_module_name", "layers.", "--seed", "9"]
     assert runs[1].extra == ["--model_name_or_path", llama, "--num_padding_at_beginning", "0", "--seed", "9"]
-    assert runs[2].extra == ["--actor_lora_module_name", "layers.", "--seed", "9"]
+    # Step 3's leading pads follow its critic's family too (the recipe leaves them at step 3's default, OPT's 1).
+    assert runs[2].extra == ["--actor_lora_module_name", "layers.", "--num_padding_at_beginning", "0", "--seed", "9"]
     assert runs[0].output_dir == tmp_path / "actor-models" / Path(llama).name
 
 
@@ -641,3 +642,127 @@ def test_preflight_stops_e2e_before_step_1_when_a_step_cannot_fit(tmp_path, caps
     monkeypatch.setattr(E, "check_output_of", lambda run_: None)
     E.main([*argv, "--preflight", "off", "--step", "1"])  # off: no plan, the step runs
     assert len(launched) == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# Checks before step 1: what a later step would refuse stops e2e before anything trains
+# ------------------------------------------------------------------------------------------------
+_CPU_TINY = ("--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama")
+
+
+def _fake_model(folder: Path, reward: bool = False) -> None:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"x")
+    if reward:
+        (folder / "v_head.safetensors").write_bytes(b"x")
+
+
+def _fake_checkpoint(run_folder: Path) -> Path:
+    from dschat.training.rotation import MARKER, checkpoint_name
+
+    folder = run_folder / "checkpoints" / checkpoint_name(1)
+    folder.mkdir(parents=True)
+    (folder / MARKER).write_text("{}")
+    return run_folder / "checkpoints"
+
+
+def test_resume_reruns_step_3_after_step_1_but_keeps_a_finished_step_2(tmp_path, capsys):
+    """Step 2 does not train on step 1's model: a rerun of step 1 makes only step 3 stale."""
+    _fake_model(tmp_path / "reward-models/tiny-llama", reward=True)
+    _fake_model(tmp_path / "step3-models/tiny-llama/actor")
+    _fake_model(tmp_path / "step3-models/tiny-llama/critic", reward=True)
+    assert E._entry(["--dry-run", "--resume", *_CPU_TINY, "--output-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    commands = [line for line in out.splitlines() if "main.py" in line]
+    assert "Step 2 is complete" in out and "Running Step 2" not in out, out
+    assert len(commands) == 2 and "step1_supervised" in commands[0] and commands[0].endswith("--resume")
+    assert "step3_rlhf" in commands[1] and not commands[1].endswith("--resume")  # afresh, on the new actor
+    # Step 2 rerun, step 1 complete: step 3 is stale too.
+    (tmp_path / "reward-models/tiny-llama/v_head.safetensors").unlink()
+    _fake_model(tmp_path / "actor-models/tiny-llama")
+    assert E._entry(["--dry-run", "--resume", *_CPU_TINY, "--output-dir", str(tmp_path)]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if "main.py" in line]
+    assert len(commands) == 2 and "step2_reward" in commands[0] and not commands[1].endswith("--resume")
+
+
+def test_checkpoints_of_an_earlier_run_stop_e2e_before_step_1(tmp_path, capsys):
+    """A step run afresh refuses an output folder holding an earlier run's checkpoints: e2e names all
+    of them before step 1, and --resume's advice for a step trained with other flags names them too."""
+    models = [*_CPU_TINY, "--output-dir", str(tmp_path)]
+    args = E.parse_args(models, E.load_e2e_config())
+    runs = E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))
+    for run_ in runs:
+        _fake_model(run_.output_dir / ("actor" if run_.number == 3 else ""), reward=run_.number == 2)
+        E.save_step_record(tmp_path, run_, finished=True)
+    _fake_model(runs[2].output_dir / "critic", reward=True)
+    roots = [_fake_checkpoint(runs[1].output_dir), _fake_checkpoint(runs[2].output_dir)]
+    assert E._entry(["--dry-run", *models]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: found checkpoints of an earlier run in {roots[0]} and {roots[1]}, which steps 2 "
+                            "and 3 refuse to train afresh beside; pass --resume to continue that run, or delete them "
+                            "to start over, or pass another --output-dir\n")
+    assert "Running Step" not in captured.out
+    assert E._entry(["--dry-run", "--resume", "--seed", "99", *models]) == 2
+    err = capsys.readouterr().err
+    assert (f"to train it again with these, delete {roots[0]} and {roots[1]} and run without --resume and with "
+            "--step 1 2 3 (it replaces that model)") in err, err
+    # Step 1 rerun with --resume: step 3 is stale and runs afresh, which its checkpoints would stop.
+    (runs[0].output_dir / "model.safetensors").unlink()
+    assert E._entry(["--dry-run", "--resume", *models]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: found checkpoints of an earlier run in {roots[1]}, which step 3 refuses to train "
+                            "afresh beside; delete it to start over, or pass another --output-dir\n")
+    assert "Running Step" not in captured.out
+
+
+def test_a_folder_where_e2e_keeps_its_records_is_refused_before_any_step(tmp_path, capsys):
+    (tmp_path / E.STEPS_FILE).mkdir()
+    assert E._entry([*_CPU_TINY, "--step", "1", "--output-dir", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == (f"error: --output-dir: {tmp_path / E.STEPS_FILE} is not a file, and e2e keeps its records "
+                            "there; move it away or pass another --output-dir\n")
+    assert "Running Step" not in captured.out and [p.name for p in tmp_path.iterdir()] == [E.STEPS_FILE]
+
+
+def test_only_upstreams_opt_sizes_lose_their_facebook_prefix():
+    assert E.strip_opt(" facebook/opt-1.3b ") == "1.3b" and E.strip_opt("facebook/opt-350m") == "350m"
+    assert E.strip_opt("facebook/opt-iml-max-1.3b") == "facebook/opt-iml-max-1.3b"
+    assert E.strip_opt("/x/models/facebook/opt-tiny") == "/x/models/facebook/opt-tiny"
+    assert E.strip_opt("/x/facebook/opt-1.3b") == "/x/facebook/opt-1.3b"
+
+
+def test_a_substituted_reward_model_gets_its_leading_pads_and_half_its_blocks_frozen(config, tmp_path):
+    """cpu/smollm2-135m freezes 15 of SmolLM2's 30 blocks in step 2; a 2-block model in its place gets
+    --freeze_layers 1, its lower half (not every block: the reward model would train its head only).
+    Step 3 passes the critic's leading pads (OPT: 1) as step 2 does."""
+    from dschat.models.registry import resolve_model_path
+
+    llama, opt = resolve_model_path("tiny-llama"), resolve_model_path("tiny-opt")
+    args = _args(config, "--deployment-type", "cpu", "--actor-model", llama, "--reward-model", opt,
+                 "--output-dir", str(tmp_path))
+    step1, step2, step3 = E.build_steps(args, config.deployment("cpu"))
+    assert step2.recipe.id == "cpu/smollm2-135m" and step2.recipe.flag("freeze_layers") == "15"
+    flags = step2.recipe.render(step2.params, step2.extra)
+    assert flags[len(flags) - 1 - flags[::-1].index("--freeze_layers") + 1] == "1"
+    assert flags[len(flags) - 1 - flags[::-1].index("--num_padding_at_beginning") + 1] == "1"
+    flags = step3.recipe.render(step3.params, step3.extra)
+    assert flags[len(flags) - 1 - flags[::-1].index("--num_padding_at_beginning") + 1] == "1"
+    assert "--freeze_layers" not in step1.extra + step3.extra
+
+
+def test_flags_a_later_step_refuses_on_its_model_stop_e2e_before_step_1(tmp_path, capsys, monkeypatch):
+    """The preflight reads step 2's model: --freeze_layers above its blocks is the step's refusal (one
+    line, before step 1), not a note about the planner (here e2e cannot read the model, so it does
+    not lower the recipe's 15)."""
+    from dschat.models.registry import resolve_model_path
+
+    launched = []
+    monkeypatch.setattr(E, "run", lambda launch: launched.append(launch) or E.LaunchResult(0, 0.0, None, None, ""))
+    monkeypatch.setattr(E, "_family", lambda model: (None, None))
+    with pytest.raises(UserError) as refused:
+        E.main(["--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                resolve_model_path("tiny-llama"), "--output-dir", str(tmp_path / "out")])
+    assert str(refused.value) == ("step 2 refuses its flags: --freeze_layers 15 is more than this model's 2 "
+                                  "transformer blocks; pass at most 2")
+    assert not launched and "cannot plan" not in capsys.readouterr().out
