@@ -116,10 +116,19 @@ def _check_local_folder(name: str, folder: Path) -> None:
     )
 
 
-def _check_hub_id(name: str) -> None:
+def _cached_hub_config(name: str) -> str | None:
+    """The hub id ``name``'s ``config.json`` in the local Hugging Face cache (a file of its snapshot
+    folder), or None when it was never fetched."""
     # lazy: huggingface_hub's cache helpers import httpx: +0.13 s CPU, 0.3 s wall (python -X importtime),
     # which chat.py's and e2e_rlhf.py's checks of a local folder do not need.
     from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json")
+    return cached if isinstance(cached, str) else None  # a sentinel means "known not to exist"
+
+
+def _check_hub_id(name: str) -> None:
+    # lazy: as _cached_hub_config's
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -131,9 +140,7 @@ def _check_hub_id(name: str) -> None:
         ) from err
     if not hub_offline():
         return
-    cached = try_to_load_from_cache(name, "config.json")
-    # A str is a cached file; None means never fetched, a sentinel means "known not to exist".
-    if not isinstance(cached, str):
+    if _cached_hub_config(name) is None:
         raise UserError(
             f"model {name!r} is not a local folder and not in the Hugging Face cache, and the hub is "
             f"offline (HF_HUB_OFFLINE is set); pass a local model folder, unset HF_HUB_OFFLINE to "
@@ -256,30 +263,37 @@ def _check_adapter(folder: Path, check_base: Any) -> None:
     check_adapter(folder, check_base)
 
 
-# What a model's weights are kept in (the files weights_fingerprint samples).
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
+# The weight files weights_fingerprint reads: what from_pretrained and dschat's loaders read (shards
+# included, a value head and an adapter's factors), not a folder's other files (training_args.bin, ...).
+WEIGHT_FILE = re.compile(r"^((model|pytorch_model|adapter_model)(-\d{5}-of-\d{5})?|v_head)\.(safetensors|bin)$|\.gguf$")
 _PIECE, _PIECES = 64 * 1024, 256  # a file longer than _PIECE * _PIECES is sampled in _PIECES pieces
 
 
-def weights_fingerprint(name_or_path: str, _depth: int = 0) -> str:
-    """A digest of the weights ``name_or_path`` loads (resolved by :func:`resolve_model_path`): the name,
-    size and content of each weight file of its folder (:data:`WEIGHT_SUFFIXES`), a file over 16 MiB
-    sampled in 256 pieces of 64 KiB spread evenly from its first byte (its header); a LoRA adapter
-    folder's and, down the chain, its base's. Copies of one model in other folders or on other machines
-    give one digest; two trainings differ almost everywhere, so here too. A hub id with no folder gives
-    a digest of the id. Reads at most 16 MiB per file; the folder's other files are not read."""
+def weights_fingerprint(name_or_path: str, _depth: int = 0) -> str | None:
+    """A digest of the weights ``name_or_path`` loads (resolved by :func:`resolve_model_path`; a hub id:
+    its snapshot in the local cache): the name, size and content of each weight file of its folder
+    (:data:`WEIGHT_FILE`), a file over 16 MiB sampled in 256 pieces of 64 KiB spread evenly from
+    its first byte (its header); a LoRA adapter folder's and, down the chain, its base's. Copies of one
+    model in other folders or on other machines give one digest; two trainings differ almost
+    everywhere, so here too. None for a hub id not in the local cache. Reads at most 16 MiB per file;
+    the folder's other files are not read."""
     try:
         path = resolve_model_path(name_or_path)
     except UserError:
         if _depth == 0:
             raise
         path = name_or_path  # an adapter's base that is gone: its name stands for it
-    digest = hashlib.sha256()
     folder = Path(path)
     if not folder.is_dir():
-        digest.update(f"hub:{path}".encode())
-        return digest.hexdigest()
-    for file in sorted(f for f in folder.iterdir() if f.name.endswith(WEIGHT_SUFFIXES) and f.is_file()):
+        try:
+            cached = _cached_hub_config(path)
+        except Exception:  # noqa: BLE001 - not a hub id the cache knows: nothing to read
+            cached = None
+        if cached is None:
+            return None if _depth == 0 else hashlib.sha256(f"hub:{path}".encode()).hexdigest()
+        folder = Path(cached).parent  # its snapshot folder
+    digest = hashlib.sha256()
+    for file in sorted(f for f in folder.iterdir() if WEIGHT_FILE.search(f.name) and f.is_file()):
         size = file.stat().st_size
         digest.update(f"{file.name}:{size}".encode())
         with open(file, "rb") as handle:
@@ -295,8 +309,16 @@ def weights_fingerprint(name_or_path: str, _depth: int = 0) -> str:
         except (OSError, ValueError, KeyError, TypeError):
             base = None
         if isinstance(base, str):
-            digest.update(weights_fingerprint(base, _depth + 1).encode())
+            digest.update(str(weights_fingerprint(base.strip(), _depth + 1)).encode())
     return digest.hexdigest()
+
+
+def check_pair_seq_len(max_seq_len: int) -> None:
+    """Steps 2 and DPO: a chosen/rejected pair needs 2 positions, the shared first token and one to
+    compare the answers at (the pairwise loss reads the positions after the first difference)."""
+    if max_seq_len < 2:
+        raise UserError(f"--max_seq_len must be at least 2 for chosen/rejected pairs (a shared first token and "
+                        f"one to compare them at), got {max_seq_len}; pass --max_seq_len 2 or more")
 
 
 def check_seq_len_fits_positions(model_name_or_path: str, max_seq_len: int, flag: str = "--max_seq_len", *,

@@ -71,8 +71,9 @@ from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_P
                                       prune_leftovers, prune_rotated, protected_problem, put_back,
                                       replaces_protected, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
-from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, model_record, read_record,
-                                                read_rng_file, rng_state, set_rng_state, trainable_parameters)
+from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, model_record,
+                                                read_record, read_rng_file, rng_state, set_rng_state,
+                                                trainable_parameters)
 
 # What a rank that cannot see rank 0's folder is told to do.
 SHARED_OUTPUT_FIX = ("--output_dir (and --resume_from) must be a folder that every node sees (the same path on a "
@@ -447,7 +448,7 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int, weights
     if missing:
         raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
     check_trainable(folder, record, engines)
-    check_models(folder, record, models or {})
+    check_models(folder, record, models or {}, rank)
     rng_file = folder / f"rng_rank{rank}.json"
     rng = read_rng_file(rng_file) if rng_file.is_file() else None
     reshape = resume_on_new_shape(folder, engines, rank, position, loaders)  # None: DeepSpeed's files fit
@@ -505,7 +506,8 @@ class Checkpointer:
         self.position: TrainingPosition | None = None  # where a resumed run picks up
         self.source: Path | None = None  # the --resume_from checkpoint: rotation never deletes it
         self.resumed: Path | None = None  # the checkpoint loaded (either flag): never replaced
-        self._models, self._model_record = dict(models or {}), None  # role -> (flag, value); its record, once
+        self._models = dict(models or {})  # role -> (flag, value); their record (rank 0) taken at start-up
+        self._model_record = model_record(self._models) if rank == 0 and wants_checkpoints(args) else None
 
     def resume(self, counter: Any = None) -> TrainingPosition | None:
         """Load the checkpoint ``--resume`` / ``--resume_from`` name (if any) into the engines and the
@@ -542,9 +544,10 @@ class Checkpointer:
         return position
 
     def models(self) -> dict[str, Any]:
-        """The record of the models this run starts from (:func:`~dschat.training.checkpoint_records.model_record`)."""
+        """The record of the models this run starts from (:func:`~dschat.training.checkpoint_records.model_record`),
+        on rank 0 (which writes and checks it; {} on the others), taken once."""
         if self._model_record is None:
-            self._model_record = model_record(self._models)
+            self._model_record = model_record(self._models) if self.rank == 0 else {}
         return self._model_record
 
     def latest(self) -> Path | None:

@@ -18,6 +18,7 @@ import torch
 
 from dschat.errors import UserError
 from dschat.models.registry import weights_fingerprint
+from dschat.runtime.dist import gather_ints
 from dschat.training.rotation import MARKER
 
 FORMAT_VERSION = 1
@@ -195,26 +196,33 @@ def check_trainable(folder: Path, record: Mapping[str, Any], engines: Mapping[st
 def model_record(models: Mapping[str, tuple[str, str | None]]) -> dict[str, Any]:
     """What a checkpoint records of the models a run starts from, by role: ``models`` maps a role
     (``actor``) to its flag and value (``("--actor_model_name_or_path", path)``, None: not given); each
-    given one gets its path and :func:`~dschat.models.registry.weights_fingerprint`."""
+    given one gets its path and :func:`~dschat.models.registry.weights_fingerprint` (None: a hub id
+    not in the local cache)."""
     return {role: {"flag": flag, "path": str(value), "weights": weights_fingerprint(value)}
             for role, (flag, value) in models.items() if value is not None}
 
 
-def check_models(folder: Path, record: Mapping[str, Any], now: Mapping[str, Any]) -> None:
-    """Refuse a checkpoint whose run started from other weights than this run's flags name
-    (``now``: :func:`model_record` of this run): what a checkpoint does not hold (the frozen reference
-    and reward models, the base a LoRA adapter is saved against) comes from those flags, so the
-    resumed run would go on against other models, silently. A role only one of the two runs has, and
-    checkpoints written before the record existed, are not checked (a flag given or left out is checked
-    by the engines the checkpoint holds)."""
+def _models_problem(folder: Path, record: Mapping[str, Any], now: Mapping[str, Any]) -> str | None:
     saved = record.get("meta", {}).get("models")
-    if not isinstance(saved, dict):
-        return
-    for role, then in saved.items():
+    for role, then in (saved if isinstance(saved, dict) else {}).items():
         here = now.get(role)
-        if not isinstance(then, dict) or here is None or then.get("weights") == here["weights"]:
-            continue
-        raise UserError(f"{folder} was written by a run whose {role} started from {then.get('path')!r}, other weights "
-                        f"than {here['flag']} {here['path']} holds now; the models a checkpoint does not hold (the "
-                        "reference and reward models, a LoRA adapter's base) come from that flag: resume with the "
-                        "model that run started from, or start afresh")
+        if isinstance(then, dict) and here is not None and None not in (then.get("weights"), here["weights"]) \
+                and then["weights"] != here["weights"]:
+            return (f"{folder} is of a run whose {role} started from other weights ({then.get('path')}) than "
+                    f"{here['flag']} {here['path']}; the reference and reward models and a LoRA adapter's base come "
+                    "from that flag, not from the checkpoint: resume with that run's model, or start afresh in "
+                    "another --output_dir")
+    return None
+
+
+def check_models(folder: Path, record: Mapping[str, Any], now: Mapping[str, Any], rank: int) -> None:
+    """Refuse, on every rank (collective), a checkpoint whose run started from other weights than this
+    run's flags name (``now``: :func:`model_record` of this run, compared on rank 0 only): what a
+    checkpoint does not hold comes from those flags, so a resumed run would go on against other
+    models, silently. A role only one of the two runs has, a hub id not in the local cache, and
+    checkpoints written before the record existed are not checked (a flag given or left out is
+    checked by the engines the checkpoint holds)."""
+    problem = _models_problem(folder, record, now) if rank == 0 else None
+    if any(flag for (flag,) in gather_ints([0 if problem is None else 1])):
+        raise UserError(problem or f"rank 0 refuses {folder}: its run started from other models (rank 0's line "
+                                   "says which)")

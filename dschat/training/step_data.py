@@ -14,20 +14,12 @@ from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.token_dataset import PromptDataset
 from dschat.errors import UserError
 from dschat.models.families import POSITION_TABLE_MODEL_TYPES
-from dschat.models.registry import check_seq_len_fits_positions
+from dschat.models.registry import check_pair_seq_len, check_seq_len_fits_positions
 from dschat.models.tokenizer import EOT_SPECIAL_TOKEN, load_hf_tokenizer
 from dschat.training.loaders import make_eval_loader, make_train_loader
 
 __all__ = ["POSITION_TABLE_MODEL_TYPES", "StepData", "build_step_data", "check_pair_seq_len",
            "check_seq_len_fits_positions", "load_step_tokenizer", "load_tokenizer", "prompt_datasets"]
-
-def check_pair_seq_len(max_seq_len: int) -> None:
-    """Steps 2 and DPO: a chosen/rejected pair needs 2 positions, the shared first token and one to
-    compare the answers at (the pairwise loss reads the positions after the first difference)."""
-    if max_seq_len < 2:
-        raise UserError(f"--max_seq_len must be at least 2 for chosen/rejected pairs (a shared first token and "
-                        f"one to compare them at), got {max_seq_len}; pass --max_seq_len 2 or more")
-
 
 @dataclass(frozen=True)
 class StepData:

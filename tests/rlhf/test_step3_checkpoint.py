@@ -156,6 +156,7 @@ def test_a_nan_reward_on_a_dropped_answer_skips_the_rollout_too(monkeypatch, tmp
     assert result.skipped_nonfinite == 1 and len(result.history) == 2
     assert all(math.isfinite(r["actor_loss"]) for r in result.history)
 
+
 def test_a_resume_scored_by_another_reward_model_is_refused_a_copy_of_it_is_not(tmp_path, critic_dirs, data_cache):
     """The reward and reference models are not in a checkpoint: they come from the model flags again. A
     resume whose reward model has other weights than the run's (here --reward_model_name_or_path, the
@@ -180,7 +181,7 @@ def test_a_resume_scored_by_another_reward_model_is_refused_a_copy_of_it_is_not(
     folder = ckpt.checkpoint_root(tmp_path / "o") / ckpt.checkpoint_name(1)
     with pytest.raises(UserError) as err:
         main(argv("--resume", "--reward_model_name_or_path", str(other)))
-    assert str(err.value).startswith(f"{folder} was written by a run whose reward model started from '{critic}', "
-                                     f"other weights than --reward_model_name_or_path {other} holds now;")
+    assert str(err.value).startswith(f"{folder} is of a run whose reward model started from other weights "
+                                     f"({critic}) than --reward_model_name_or_path {other};")
     same = shutil.copytree(critic, tmp_path / "same_rm")
     assert main(argv("--resume", "--reward_model_name_or_path", str(same))).history == []

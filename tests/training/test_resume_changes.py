@@ -200,6 +200,26 @@ def test_weights_fingerprint_follows_the_weights_not_the_folder(tmp_path):
     assert digests[0] == digests[1] != digests[2]
 
 
+def test_a_hub_id_is_fingerprinted_by_its_cached_snapshot_and_other_files_are_not_read(tmp_path, monkeypatch):
+    """A hub id resolves to its snapshot in the local cache (a run from the id and a resume from a
+    folder of the same weights agree); a folder's files that are not weights (training_args.bin) do not
+    count."""
+    import huggingface_hub.constants
+
+    from dschat.models.registry import resolve_model_path, weights_fingerprint
+
+    src = Path(resolve_model_path("tiny-llama"))
+    repo = tmp_path / "hub" / "models--dschat-test--tiny"
+    _model_copy(src, repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert weights_fingerprint("dschat-test/tiny") == weights_fingerprint(str(src)) is not None
+    extra = _model_copy(src, tmp_path / "extra")
+    (extra / "training_args.bin").write_bytes(b"not weights")
+    assert weights_fingerprint(str(extra)) == weights_fingerprint(str(src))
+
+
 def test_a_resume_from_other_starting_weights_is_refused_a_copy_is_not(data_dir, tmp_path):
     """A checkpoint records the weights its run started from: the frozen models (a reference model, a
     LoRA adapter's base) come from the model flag, not from the checkpoint. The same weights in another
@@ -222,9 +242,9 @@ def test_a_resume_from_other_starting_weights_is_refused_a_copy_is_not(data_dir,
     with pytest.raises(UserError) as err:
         main(argv(other, "--resume"))
     assert str(err.value) == (
-        f"{ckpt.checkpoint_root(out) / ckpt.checkpoint_name(1)} was written by a run whose model started from "
-        f"'{start}', other weights than --model_name_or_path {other} holds now; the models a checkpoint does not "
-        "hold (the reference and reward models, a LoRA adapter's base) come from that flag: resume with the model "
-        "that run started from, or start afresh")
+        f"{ckpt.checkpoint_root(out) / ckpt.checkpoint_name(1)} is of a run whose model started from other weights "
+        f"({start}) than --model_name_or_path {other}; the reference and reward models and a LoRA adapter's base "
+        "come from that flag, not from the checkpoint: resume with that run's model, or start afresh in another "
+        "--output_dir")
     moved = _model_copy(src, tmp_path / "moved")
     assert main(argv(moved, "--resume")).optimizer_steps == 1

@@ -321,7 +321,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     checkpointer = Checkpointer(config.checkpoint, {k: v for k, v in trainable.items() if v is not None}, ctx.rank,
                                 weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema},
                                 loaders=[loader for loader in (prompt_loader, unsup_loader) if loader is not None],
-                                models=starting_models(args, sources, critic=settings.critic, reward_model=mix.uses_model))
+                                models=starting_models(args, sources, critic=settings.critic,
+                                                       reward_model=mix.uses_model))
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     resumed = checkpointer.resume()
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
