@@ -16,7 +16,7 @@ embedded data, independent of any model) and by the step-2 reward model. Also me
 - mean response length in tokens (EOS included when emitted);
 - the KL of the RLHF actor to the SFT actor: the mean over answer tokens of
   ``log pi_rlhf(a_t) - log pi_sft(a_t)`` on the RLHF actor's own samples (a Monte-Carlo estimate of
-  KL(pi_rlhf || pi_sft) per token);
+  KL(pi_rlhf || pi_sft) per token), both actors' logits divided by the sampling temperature (as step 3's KL);
 - wall time per step (from ``e2e_rlhf.py``'s timings file).
 
 Writes ``OUT/report.json`` and ``OUT/ppo_curves.png`` (reward, KL to the reference and response
@@ -62,6 +62,7 @@ from dschat.eval.metrics_file import (
 )
 from dschat.eval.paired import paired_change
 from dschat.gold_judge import gold_breakdown, gold_score
+from dschat.models.registry import check_pair_seq_len, check_seq_len_fits_positions
 from dschat.paths import BEST_DIR, BEST_FILE, METRICS_FILE
 from dschat.runtime.fs import atomic_file, check_writable_dir
 
@@ -88,7 +89,8 @@ __all__ = [
 # -------------------------------------------------------------------------------------------------
 def evaluation_summary(records: Sequence[dict[str, Any]], best_file: Path | None = None) -> dict[str, Any] | None:
     """What the report says about step 3's held-out evaluation: steps, first and last scores, the
-    best evaluation (``best/best.json`` when there is one) and the first alarm. None without records."""
+    best evaluation (``best/best.json`` when its step is the last record's ``best_step``: else another
+    run's, and only that step is told) and the first alarm. None without records."""
     if not records:
         return None
     keys = ("global_step", "proxy", "judges", "kl_to_ref", "response_length", "eos_rate", "entropy")
@@ -98,11 +100,13 @@ def evaluation_summary(records: Sequence[dict[str, Any]], best_file: Path | None
             best = json.loads(best_file.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             best = None
+    step = records[-1].get("best_step")
+    best = best if isinstance(best, dict) and step is not None and best.get("step") == step else None
     alarms = [r["alarm"] for r in records if r.get("alarm")]
     return {
         "n": len(records), "steps": [r.get("global_step") for r in records],
         "first": {k: records[0].get(k) for k in keys}, "last": {k: records[-1].get(k) for k in keys},
-        "best": best or ({"step": records[-1].get("best_step")} if records[-1].get("best_step") is not None else None),
+        "best": best or ({"step": step} if step is not None else None),
         "alarm": alarms[0] if alarms else None, "alarms": len(alarms),
         "eval_share": records[-1].get("eval_share"),
     }
@@ -308,6 +312,8 @@ def build_report(
     scoring.check_actor_folder(sft)
     scoring.check_actor_folder(rlhf)
     scoring.check_reward_folder(reward)
+    check_pair_seq_len(settings.max_seq_len)  # --max_seq_len holds a pair and fits the reward model's positions
+    check_seq_len_fits_positions(str(reward), settings.max_seq_len)
     device = scoring.pick_device(settings.device)
     check_writable_dir(out, "--out")
     out = Path(out)
@@ -325,8 +331,9 @@ def build_report(
     rlhf_model, rlhf_tok = scoring.load_actor(rlhf, device)
     rlhf_samples = scoring.generate(rlhf_model, rlhf_tok, prompts, settings)
     log("[report] KL of the RLHF actor to the SFT actor on the RLHF answers")
-    logp_rlhf = scoring.response_logprobs(rlhf_model, rlhf_samples, settings.batch_size, rlhf_tok.pad_token_id)
-    logp_sft = scoring.response_logprobs(sft_model, rlhf_samples, settings.batch_size, rlhf_tok.pad_token_id)
+    temp = settings.temperature if settings.do_sample else 1.0  # both at the distribution sampled from
+    logp_rlhf = scoring.response_logprobs(rlhf_model, rlhf_samples, settings.batch_size, rlhf_tok.pad_token_id, temp)
+    logp_sft = scoring.response_logprobs(sft_model, rlhf_samples, settings.batch_size, rlhf_tok.pad_token_id, temp)
     token_kl = [a - b for row_a, row_b in zip(logp_rlhf, logp_sft) for a, b in zip(row_a, row_b)]
     per_response = [sum(a) - sum(b) for a, b in zip(logp_rlhf, logp_sft)]
     del sft_model, rlhf_model

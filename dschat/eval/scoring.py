@@ -184,8 +184,10 @@ def generate(model: Any, tokenizer: Any, prompts: Sequence[str], settings: EvalS
     return out
 
 
-def response_logprobs(model: Any, samples: Samples, batch_size: int, pad_id: int) -> list[list[float]]:
-    """log pi(a_t | prefix) of every answer token of ``samples`` under ``model``."""
+def response_logprobs(model: Any, samples: Samples, batch_size: int, pad_id: int,
+                      temperature: float = 1.0) -> list[list[float]]:
+    """log pi(a_t | prefix) of every answer token of ``samples`` under ``model``'s logits divided by
+    ``temperature`` (the sampling temperature, as step 3 scores its rollouts; 1 for greedy answers)."""
 
     device = next(model.parameters()).device
     pairs = list(zip(samples.prompt_ids, samples.response_ids))
@@ -196,8 +198,8 @@ def response_logprobs(model: Any, samples: Samples, batch_size: int, pad_id: int
         with torch.no_grad():
             # Right padding: the default positions 0..len-1 are the real ones (no position_ids,
             # which some families' forward does not take).
-            logits = model(input_ids=ids, attention_mask=mask).logits
-            logp = gather_log_probs(logits[:, :-1].float(), ids[:, 1:])  # (B, T-1): logp of token t+1
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float() / temperature
+            logp = gather_log_probs(logits, ids[:, 1:])  # (B, T-1): logp of token t+1
         for row, i in enumerate(chunk):
             prompt, answer = pairs[i]
             start = len(prompt) - 1  # position predicting the first answer token

@@ -86,3 +86,26 @@ def test_rw_eval_refuses_a_folder_that_is_not_a_reward_model(sft_folder):
     assert proc.returncode == 2, proc.stderr[-2000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "not a step-2 reward model output" in errors[0]
+
+
+def test_prompt_eval_refuses_what_it_cannot_compare(tmp_path):
+    """One line each, before any model loads or generates: several answers per prompt (greedy gives
+    one), a step-2 reward model as either model, a baseline whose tokenizer is another family's."""
+    from dschat.errors import UserError
+    from helpers.step3 import make_critic_folder
+
+    prompt_eval = load_script("step1", "prompt_eval")
+
+    def run(baseline, finetune, *extra):
+        return prompt_eval.main(["--model_name_or_path_baseline", str(baseline), "--model_name_or_path_finetune",
+                                 str(finetune), "--max_new_tokens", "2", *extra])
+
+    with pytest.raises(UserError, match="decodes greedily.*pass --num_return_sequences 1"):
+        run("tiny-llama", "tiny-llama", "--num_return_sequences", "2")
+    critic = make_critic_folder("tiny-llama", tmp_path / "rm")
+    with pytest.raises(UserError, match="--model_name_or_path_finetune .* is a step-2 reward model, not a causal LM"):
+        run("tiny-llama", critic)
+    with pytest.raises(UserError, match="--model_name_or_path_baseline .* is a step-2 reward model"):
+        run(critic, "tiny-llama")
+    with pytest.raises(UserError, match="the baseline's tokenizer, used for both models, is not the fine-tuned.*vocab"):
+        run("tiny-opt", "tiny-llama")

@@ -381,3 +381,53 @@ def test_json_never_holds_nan(tmp_path):
     assert clean == {"a": None, "b": [1.0, None], "c": {"d": 2.0}}
     path = rep.write_report(clean, tmp_path)
     assert json.loads(path.read_text()) == clean
+
+
+def test_kl_to_sft_is_taken_at_the_sampling_temperature():
+    """Both actors' log-probs are those of the tempered distributions the answers were sampled from:
+    with p = (.6, .4), r = (.7, .3) and T = .5 the per-token KL of the tempered r to the tempered p is
+    0.0620, where the raw logits' log-probs on the same samples give 0.0856."""
+
+    class Fixed(torch.nn.Module):
+        def __init__(self, probs):
+            super().__init__()
+            self.logits = torch.nn.Parameter(torch.tensor(probs).log(), requires_grad=False)
+
+        def forward(self, input_ids, attention_mask):
+            return type("Out", (), {"logits": self.logits.expand(*input_ids.shape, 2)})()
+
+    rlhf, sft = Fixed([0.7, 0.3]), Fixed([0.6, 0.4])
+    samples = scoring.Samples([], [[0], [0]], [[0], [1]], [], [])  # each answer token once
+    logp = {name: scoring.response_logprobs(m, samples, 2, 0, 0.5) for name, m in (("r", rlhf), ("s", sft))}
+    q = [math.exp(row[0]) for row in logp["r"]]  # the tempered RLHF distribution: answer weights
+    assert q == pytest.approx([0.49 / 0.58, 0.09 / 0.58])
+    kl = sum(w * (a[0] - b[0]) for w, a, b in zip(q, logp["r"], logp["s"]))
+    assert kl == pytest.approx(0.0620, abs=1e-4)
+    assert scoring.response_logprobs(rlhf, samples, 2, 0)[0][0] == pytest.approx(math.log(0.7))  # T = 1: raw
+
+
+def test_best_json_of_another_run_is_not_reported(tmp_path):
+    """``best/best.json`` is told only when its step is the last record's ``best_step``: a rerun into the
+    same folder that kept no best (``--save_best_by none``) or another step does not show the first run's."""
+    path = tmp_path / "metrics.jsonl"
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "best.json").write_text(json.dumps({"step": 0, "by": "gold", "score": 0.125}))
+    evals = [{"kind": "eval", "global_step": s, "proxy": 0.1, "best_step": None} for s in (0, 2)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in evals))
+    lines = rep.curves_only(path, tmp_path / "curves")
+    assert not any(line.startswith("best evaluation") for line in lines)
+    path.write_text("".join(json.dumps({**r, "best_step": 2}) + "\n" for r in evals))
+    assert "best evaluation: step 2; its models are in <step-3 output>/best" in rep.curves_only(path, tmp_path / "c")
+    path.write_text("".join(json.dumps({**r, "best_step": 0}) + "\n" for r in evals))  # this run's best.json
+    assert any(line.startswith("best evaluation: step 0 by gold (0.125)") for line in rep.curves_only(path, tmp_path))
+
+
+@pytest.mark.parametrize("value", ["-5", "0", "1"])
+def test_report_refuses_a_max_seq_len_too_short_for_a_pair(folders, tmp_path, value):
+    """``--max_seq_len`` truncates the held-out pairs as step 2 does: under 2 is refused in one line
+    (not an OverflowError, nor an accuracy of meaningless pairs) before anything is written."""
+    with pytest.raises(UserError, match=f"--max_seq_len must be at least 2 .*got {value}; pass --max_seq_len 2"):
+        rep.main(["--sft", str(folders["sft"]), "--rlhf", str(folders["rlhf"]), "--reward", str(folders["reward"]),
+                  "--out", str(tmp_path / "out"), "--max_seq_len", value, "--max_prompts", "1", "--max_pairs", "4",
+                  "--max_new_tokens", "2", "--device", "cpu"])
+    assert not (tmp_path / "out").exists()

@@ -71,10 +71,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--debug", action="store_true",
                         help="(dschat) Show full tracebacks for input errors instead of one line.")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.num_return_sequences < 1:
-        from dschat.errors import UserError
+    from dschat.errors import UserError
 
+    if args.max_new_tokens < 1 or args.num_return_sequences < 1:
         raise UserError("--max_new_tokens and --num_return_sequences must be >= 1")
+    if args.num_return_sequences > 1:  # upstream's comparison is greedy too: one answer per prompt and model
+        raise UserError(f"--num_return_sequences {args.num_return_sequences}: the comparison decodes greedily, "
+                        "which gives one answer per prompt; pass --num_return_sequences 1")
     return args
 
 
@@ -135,18 +138,29 @@ def prompt_eval(args: argparse.Namespace, model_baseline: Any, model_finetuned: 
 def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     from transformers import AutoModelForCausalLM
 
+    from dschat.errors import UserError
     from dschat.models.build import create_hf_model
+    from dschat.models.reward_model import is_reward_model_folder
+    from dschat.models.tokenizer import tokenizer_differences
     from dschat.models.registry import resolve_model_path
     from dschat.training.run_setup import quiet_transformers
     from dschat.training.step_data import load_tokenizer
 
     args = parse_args(argv)
-    # Both paths are checked before either model loads.
-    resolve_model_path(args.model_name_or_path_baseline)
-    resolve_model_path(args.model_name_or_path_finetune)
+    # Both paths are checked before either model loads: causal LMs, not step-2 reward models.
+    for flag in ("model_name_or_path_baseline", "model_name_or_path_finetune"):
+        name = getattr(args, flag)
+        if is_reward_model_folder(resolve_model_path(name)):
+            raise UserError(f"--{flag} {name} is a step-2 reward model, not a causal LM; pass a base model or a "
+                            "step-1 or step-3 actor folder")
     quiet_transformers()
     device = default_device()
     tokenizer = load_tokenizer(args.model_name_or_path_baseline, args.add_eot_token)
+    # The baseline's tokenizer encodes the prompts and decodes the answers of both models.
+    differences = tokenizer_differences(tokenizer, load_tokenizer(args.model_name_or_path_finetune, args.add_eot_token))
+    if differences:
+        raise UserError(f"the baseline's tokenizer, used for both models, is not the fine-tuned model's "
+                        f"({'; '.join(differences)}); pass a baseline of the fine-tuned model's family")
     model_baseline = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_baseline, tokenizer, None)
     model_finetuned = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_finetune, tokenizer, None)
     model_baseline.to(device).eval()
