@@ -255,9 +255,10 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
             params = {"actor_model": str(dirs[1]), "critic_model": str(dirs[2]),
                       "actor_zero_stage": args.actor_zero_stage, "critic_zero_stage": args.reward_zero_stage,
                       "output_dir": str(dirs[3])}
+            # the recipe's LoRA scopes and leading pads, where the models' families differ from them
+            extra += _lora_adjustments(recipe, model_id(args.actor_model), "actor_")
+            extra += _lora_adjustments(recipe, model_id(args.reward_model), "critic_")
             if substitute:
-                extra += _lora_adjustments(recipe, model_id(args.actor_model), "actor_")
-                extra += _lora_adjustments(recipe, model_id(args.reward_model), "critic_")
                 note = f"no {dep.name} recipe names {args.actor_model!r}: using recipe {rid}"
             extra += step3_algorithm_flags(args) + step3_environment_flags(args)
         runs.append(StepRun(number, recipe, params, extra + every_step, dirs[number], note))
@@ -632,6 +633,8 @@ def check_earlier_checkpoints(args: argparse.Namespace, fresh: Sequence[StepRun]
     steps = (f"step {numbers[0]} refuses" if len(numbers) == 1
              else f"steps {', '.join(numbers[:-1])} and {numbers[-1]} refuse")
     resume = "" if args.resume else "pass --resume to continue that run, or "
+    if args.resume and any(r.number == 3 for r in fresh if earlier_checkpoints(r) is not None):
+        resume = "step 3 trains afresh on the models of the step 1 or 2 that runs again; "
     raise UserError(f"found checkpoints of an earlier run in {' and '.join(found)}, which {steps} to train afresh "
                     f"beside; {resume}delete {'them' if len(found) > 1 else 'it'} to start over, or pass another "
                     "--output-dir")
@@ -803,7 +806,11 @@ def check_num_generations(args: argparse.Namespace, run_: StepRun, parsed: argpa
         return
     given = (f"--num-generations {k}" if args.num_generations is not None
              else f"--algorithm {args.algorithm} answers {k} times per prompt by default (--num-generations), and {k}")
-    fits = [str(d) for d in range(2, batch + 1) if batch % d == 0] or ["1"]
+    fits = [str(d) for d in range(2, batch + 1) if batch % d == 0]
+    if not fits:  # a batch of 1 holds no group of two or more
+        raise UserError(f"{given} does not divide step 3's --per_device_generation_batch_size {batch} (recipe "
+                        f"{run_.recipe.id}), which holds no group of answers: pass --algorithm ppo, or use a "
+                        "recipe with a larger generation batch")
     raise UserError(f"{given} does not divide step 3's --per_device_generation_batch_size {batch} (recipe "
                     f"{run_.recipe.id}); pass --num-generations {' or '.join(fits[:4])}")
 

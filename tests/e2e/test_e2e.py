@@ -128,6 +128,19 @@ def test_any_model_uses_the_generic_recipe_with_family_fixes(config, tmp_path):
     assert runs[0].output_dir == tmp_path / "actor-models" / Path(llama).name
 
 
+def test_a_listed_actor_recipe_adapts_step_3_to_another_reward_model_family(config, tmp_path):
+    """The 1.3b recipe names OPT for both models; a LLaMA reward model gets its family's leading pads in
+    step 3 though the actor's recipe is listed (they were adapted only for a recipe substituted for the
+    actor). The recipe trains no LoRA, so no LoRA filter is added."""
+    from dschat.models.registry import resolve_model_path
+
+    llama = resolve_model_path("tiny-llama")
+    args = _args(config, "--actor-model", "facebook/opt-1.3b", "--reward-model", llama, "--output-dir", str(tmp_path))
+    step3 = E.build_steps(args, config.deployment("single_gpu"))[2]
+    assert step3.recipe.id == "opt/single_gpu/1.3b" and step3.note is None
+    assert step3.extra == ["--num_padding_at_beginning", "0"]
+
+
 def test_dry_run_without_gpu_picks_the_cpu_demo_and_says_so(tmp_path):
     proc = _e2e("--dry-run", "--output-dir", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
@@ -712,7 +725,8 @@ def test_checkpoints_of_an_earlier_run_stop_e2e_before_step_1(tmp_path, capsys):
     assert E._entry(["--dry-run", "--resume", *models]) == 2
     captured = capsys.readouterr()
     assert captured.err == (f"error: found checkpoints of an earlier run in {roots[1]}, which step 3 refuses to train "
-                            "afresh beside; delete it to start over, or pass another --output-dir\n")
+                            "afresh beside; step 3 trains afresh on the models of the step 1 or 2 that runs again; "
+                            "delete it to start over, or pass another --output-dir\n")
     assert "Running Step" not in captured.out
 
 
