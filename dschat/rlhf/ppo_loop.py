@@ -101,7 +101,7 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
             # 1.-2. batch, generate and score (--dynamic_sampling: more batches until the groups inform)
             experience = generate_batch(trainer, ctx, prompt_batch, step, times)
             if groups is not None:
-                experience, step = fill_groups(trainer, ctx, groups, experience, step, batches, times)
+                experience, step = fill_groups(trainer, ctx, groups, experience, prompt_batch, step, batches, times)
             # 3. buffer: a rollout is --generation_batches batches (None: every answer too short)
             rollout = ptx_rollout = None
             if experience is None:
@@ -168,19 +168,20 @@ def group_filter(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, ctx: Ru
 
 
 def fill_groups(trainer: DeepSpeedPPOTrainer, ctx: RunContext, groups: GroupFilter, experience: Experience | None,
-                step: int, batches: Iterator[tuple[int, tuple[dict, object]]],
+                prompt_batch: dict, step: int, batches: Iterator[tuple[int, tuple[dict, object]]],
                 times: RolloutTimes) -> tuple[Experience | None, int]:
-    """``--dynamic_sampling``: ``experience``'s informative groups, then the next generation batches of
-    ``batches`` (their PPO-ptx batches unused) until every rank's batch is full of them, the rounds
-    run out or the epoch's prompts do. Returns the batch (``None``: no informative group anywhere)
-    and the step of the last generation batch drawn. Collective."""
-    groups.add(experience)
+    """``--dynamic_sampling``: ``experience``'s informative groups (of ``prompt_batch``: one group per
+    prompt), then the next generation batches of ``batches`` (their PPO-ptx batches unused) until
+    every rank's batch is full of them, the rounds run out or the epoch's prompts do. Returns the batch
+    (``None``: no informative group anywhere) and the step of the last generation batch drawn.
+    Collective."""
+    groups.add(experience, len(prompt_batch["prompt"]))  # a skipped batch counts its own prompts' groups
     while groups.wants_more():
         drawn = next(batches, None)
         if drawn is None:  # every rank's loader has as many batches: all stop here together
             break
         step, (prompt_batch, _) = drawn
-        groups.add(generate_batch(trainer, ctx, prompt_batch, step, times))
+        groups.add(generate_batch(trainer, ctx, prompt_batch, step, times), len(prompt_batch["prompt"]))
     return groups.batch(), step
 
 

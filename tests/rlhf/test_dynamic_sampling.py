@@ -130,6 +130,19 @@ def test_a_skipped_generation_batch_counts_its_groups_as_sampled_and_dropped(cap
     assert (f.stats.groups, f.stats.dropped_groups, f.stats.rounds) == (3, 3, 2)
 
 
+def test_the_loop_counts_a_skipped_short_last_batch_by_its_prompts(monkeypatch, capsys):
+    """The loop's draws (ppo_loop.fill_groups): a generation batch skipped on every rank counts its own
+    prompts' groups, the epoch's short last batch too (it counted a full batch's)."""
+    from dschat.rlhf import ppo_loop
+
+    monkeypatch.setattr(ppo_loop, "generate_batch", lambda *args: None)  # every answer skipped
+    f = _filter(groups_per_batch=2, max_rounds=3)
+    batches = iter([(1, ({"prompt": torch.ones(1, 4)}, None))])  # the epoch's last batch: one prompt
+    out, step = ppo_loop.fill_groups(None, None, f, None, {"prompt": torch.ones(2, 4)}, 0, batches, None)
+    assert out is None and step == 1 and "no group of different rewards" in capsys.readouterr().out
+    assert (f.stats.rounds, f.stats.groups, f.stats.dropped_groups) == (2, 3, 3)
+
+
 def test_a_batch_still_short_is_filled_with_the_latest_equal_groups_masked():
     f = _filter(groups_per_batch=3, max_rounds=2)
     f.add(_batch([1, 1, 0, 1, 2, 2], 1))
