@@ -282,6 +282,7 @@ class ExperienceMaker:
             sources = sources.repeat_interleave(k, dim=0) if sources is not None else None
         generated = self.generate_answers(prompts, mask, step, sources=sources)
         seq = generated.seq
+        _wait_for_device(seq)  # the phases' clocks read after the device's queued work (CUDA is async)
         generate_end = time.time()
         self.generate_time = generate_end - generate_start
         self.generator.scoring_mode()  # training forwards, dropout off
@@ -319,6 +320,7 @@ class ExperienceMaker:
                     values = passes.token_values(seq, attention_mask, position_ids, packed).detach()[:, :-1].float()
             else:  # critic-free: no value model; zeros keep the container's shape
                 values = torch.zeros_like(logprobs)
+        _wait_for_device(seq)
         self.experience_time = time.time() - generate_end
         action_mask = attention_mask[:, 1:] * valid[:, None].to(attention_mask.dtype)
         if generated.observation_mask is not None:  # the environment's tokens are no actions
@@ -408,3 +410,10 @@ def _episode_sums(exp: Experience) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0
     observed = 0.0 if exp.observation_mask is None else float(exp.observation_mask.sum())
     return float(exp.turns.sum()), observed, float(exp.cut.sum())
+
+
+def _wait_for_device(tensor: torch.Tensor) -> None:
+    """Wait for the work queued on ``tensor``'s CUDA device (a no-op elsewhere), so that a phase's time
+    is its own and not the next phase's."""
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
