@@ -10,7 +10,8 @@ import math
 from pathlib import Path
 from typing import Any, Callable
 
-from dschat.paths import METRICS_FILE
+from dschat.errors import UserError
+from dschat.paths import BEST_DIR, METRICS_FILE
 
 # The "kind" of step 3's held-out evaluation records in metrics.jsonl (dschat.rlhf.heldout.evaluation writes them).
 EVAL_KIND = "eval"
@@ -91,9 +92,28 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
 
 
 def find_metrics_file(rlhf: str | Path) -> Path | None:
-    """Step 3 writes ``metrics.jsonl`` in its --output_dir, the parent of ``actor/``."""
+    """Step 3 writes ``metrics.jsonl`` in its --output_dir: the parent of ``actor/``, the folder itself
+    (a step-3 output root given as the actor), or two levels up from the best actor (``<out>/best/actor``).
+    None when none of those holds one."""
     rlhf = Path(rlhf)
-    for candidate in (rlhf.parent / METRICS_FILE, rlhf / METRICS_FILE):
+    candidates = [rlhf.parent / METRICS_FILE, rlhf / METRICS_FILE]
+    if rlhf.parent.name == BEST_DIR:
+        candidates.append(rlhf.parent.parent / METRICS_FILE)
+    for candidate in candidates:
         if candidate.is_file():
             return candidate
     return None
+
+
+def metrics_argument(metrics: str | Path) -> Path:
+    """The file ``--metrics`` names: the file itself, or the ``metrics.jsonl`` of a step-3 output folder.
+    A folder without one, or a path that does not exist, is one :class:`UserError` line."""
+    metrics = Path(metrics)
+    if metrics.is_dir() and (metrics / METRICS_FILE).is_file():  # step 3's output folder
+        return metrics / METRICS_FILE
+    if metrics.is_dir():
+        raise UserError(f"--metrics {metrics} is a folder without a {METRICS_FILE}; pass step 3's "
+                        f"<output_dir>/{METRICS_FILE}")
+    if not metrics.is_file():
+        raise UserError(f"--metrics {metrics} does not exist; pass step 3's <output_dir>/{METRICS_FILE}")
+    return metrics

@@ -57,6 +57,7 @@ from dschat.eval.metrics_file import (
     METRIC_ALIASES,
     find_metrics_file,
     finite_number,
+    metrics_argument,
     read_eval_records,
     read_metrics,
 )
@@ -309,12 +310,16 @@ def build_report(
     settings = settings or EvalSettings()
     start = time.monotonic()
     # Every input is checked before anything is loaded or ``out`` is created.
-    scoring.check_actor_folder(sft)
-    scoring.check_actor_folder(rlhf)
+    folders = [scoring.check_actor_folder(given) for given in (sft, rlhf)]
+    for flag, given, folder in zip(("--sft", "--rlhf"), (sft, rlhf), folders):
+        if folder != Path(given).expanduser():  # a step-3 output root: its actor/
+            log(f"(using the step-3 actor in {folder} for {flag})")
+    sft, rlhf = folders
     scoring.check_reward_folder(reward)
+    metrics_path = metrics_argument(metrics) if metrics else find_metrics_file(rlhf)
+    device = scoring.pick_device(settings.device)
     check_pair_seq_len(settings.max_seq_len)  # --max_seq_len holds a pair and fits the reward model's positions
     check_seq_len_fits_positions(str(reward), settings.max_seq_len)
-    device = scoring.pick_device(settings.device)
     check_writable_dir(out, "--out")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -353,7 +358,6 @@ def build_report(
     # can raise the gold score only as far as this holds.
     rm_stats["gold_correlation_on_answers"] = scoring.pearson(sft_rewards + rlhf_rewards, sft_gold + rlhf_gold)
 
-    metrics_path = Path(metrics) if metrics else find_metrics_file(rlhf)
     records = read_metrics(metrics_path) if metrics_path else []
     png = plots.plot_metrics(records, out / PLOT_FILE)
     evaluation = _evaluation_part(metrics_path, out)
@@ -489,14 +493,7 @@ def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
     # lazy: matplotlib only (0.5 s), and --curves_only needs no torch
     from dschat.eval import plots
 
-    metrics = Path(metrics)
-    if metrics.is_dir() and (metrics / METRICS_FILE).is_file():  # step 3's output folder
-        metrics = metrics / METRICS_FILE
-    elif metrics.is_dir():
-        raise UserError(f"--metrics {metrics} is a folder without a {METRICS_FILE}; pass step 3's "
-                        f"<output_dir>/{METRICS_FILE}")
-    if not metrics.is_file():
-        raise UserError(f"--metrics {metrics} does not exist; pass step 3's <output_dir>/{METRICS_FILE}")
+    metrics = metrics_argument(metrics)
     try:
         records = read_metrics(metrics)
     except PermissionError as err:

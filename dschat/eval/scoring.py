@@ -19,7 +19,7 @@ from dschat.errors import UserError
 from dschat.eval.heldout import EvalSettings
 from dschat.gold_judge import gold_score
 from dschat.models.build import create_critic_model
-from dschat.models.registry import load_config
+from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.models.reward_inputs import encode_for_reward, reward_max_length
 from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
                                         not_a_critic_message)
@@ -52,27 +52,50 @@ def pick_device(name: str = "auto", flag: str = "--device") -> Any:
     return device
 
 
-def _check_folder(path: str | Path, what: str) -> Path:
+def step3_part(path: str | Path, part: str) -> Path | None:
+    """``path/part`` (``actor`` or ``critic``) when ``path`` is a step-3 output root: a folder with no
+    ``config.json`` of its own whose ``part/`` holds one. Else None."""
     folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").exists() and (folder / part / "config.json").is_file():
+        return folder / part
+    return None
+
+
+def check_not_step3_root(path: str | Path, flag: str) -> None:
+    """Refuse, in one line naming ``flag``, a step-3 output root given where a reward model is wanted."""
+    critic = step3_part(path, "critic")
+    if critic is not None:
+        raise UserError(f"{flag} {path} is a step-3 output folder, not a reward model; pass the step-2 "
+                        f"--output_dir, or {critic} for step 3's critic")
+
+
+def _check_folder(path: str | Path, what: str, adapters: bool = False) -> Path:
+    folder = Path(path).expanduser()
+    if adapters and is_adapter_folder(folder):
+        resolve_model_path(str(folder))  # the adapter and the base it names: one line for a bad one
+        return folder
     if not (folder / "config.json").is_file():
         raise UserError(f"{what} {folder} is not a model folder (no config.json); pass the step's --output_dir")
     return folder
 
 
 def check_actor_folder(path: str | Path) -> Path:
-    """``path`` as a model folder that is an actor (step 1 or 3), not a step-2 reward model."""
-    folder = _check_folder(path, "actor folder")
+    """``path`` as a model folder that is an actor (step 1 or 3), not a step-2 reward model; returned as
+    the folder to load. A step-3 output root means its ``actor/`` (as inference/chatbot.py takes it)."""
+    folder = step3_part(path, "actor") or _check_folder(path, "actor folder")
     if is_reward_model_folder(folder):
         raise UserError(f"{folder} is a step-2 reward model, not an actor; pass a step-1 or step-3 actor folder")
     return folder
 
 
-def check_reward_folder(path: str | Path) -> Path:
-    """``path`` as a reward-model folder: a step-2 output or a one-label sequence classifier."""
-    folder = _check_folder(path, "reward-model folder")
+def check_reward_folder(path: str | Path, flag: str = "--reward") -> Path:
+    """``path`` (the option ``flag``) as a reward-model folder: a step-2 output, its LoRA ``lora_adapter/``
+    (with the value head beside the adapter) or a one-label sequence classifier."""
+    check_not_step3_root(path, flag)
+    folder = _check_folder(path, "reward-model folder", adapters=True)
     if not is_reward_model_folder(folder):
-        raise UserError(not_a_critic_message(str(folder), "--reward"))
-    check_critic_folder(folder, str(folder), "--reward")  # a classifier of more than one label
+        raise UserError(not_a_critic_message(str(folder), flag))
+    check_critic_folder(folder, str(folder), flag)  # a classifier of more than one label
     return folder
 
 
@@ -88,7 +111,7 @@ def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
 
 def load_reward(path: str | Path, device: Any) -> tuple[Any, Any]:
     """The reward model (strict load: body + value head; a sequence classifier's ``score`` row as the
-    value head) and its tokenizer."""
+    value head; a step-2 ``lora_adapter/`` merged into its base) and its tokenizer."""
     folder = check_reward_folder(path)
     tokenizer = load_hf_tokenizer(str(folder))
     model = create_critic_model(str(folder), tokenizer, None, rlhf_training=True)

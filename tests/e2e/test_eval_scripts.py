@@ -109,3 +109,29 @@ def test_prompt_eval_refuses_what_it_cannot_compare(tmp_path):
         run(critic, "tiny-llama")
     with pytest.raises(UserError, match="the baseline's tokenizer, used for both models, is not the fine-tuned.*vocab"):
         run("tiny-opt", "tiny-llama")
+
+
+def test_a_step3_output_folder_is_its_actor_for_prompt_eval_and_refused_by_rw_eval(tmp_path, capsys):
+    """prompt_eval.py takes a step-3 --output_dir as its actor/ (as chat.py does); rw_eval.py refuses it in
+    one line that names the folder's critic/."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.errors import UserError
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from helpers.step3 import make_critic_folder
+
+    src = resolve_model_path("tiny-llama")
+    save_hf_model(AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32), load_hf_tokenizer(src),
+                  tmp_path / "out" / "actor")
+    make_critic_folder("tiny-llama", tmp_path / "out" / "critic")
+    results = load_script("step1", "prompt_eval").main(
+        ["--model_name_or_path_baseline", "tiny-llama", "--model_name_or_path_finetune", str(tmp_path / "out"),
+         "--max_new_tokens", "2"])
+    assert len(results) == 6 and results[0].finetune == results[0].baseline  # the same weights, greedy
+    notice = f"(using the step-3 actor in {tmp_path}/out/actor for --model_name_or_path_finetune)"
+    assert notice in capsys.readouterr().out
+    with pytest.raises(UserError, match=rf"^--model_name_or_path {tmp_path}/out is a step-3 output folder, not a "
+                                        rf"reward model; pass the step-2 --output_dir, or {tmp_path}/out/critic "):
+        load_script("step2", "rw_eval").main(["--model_name_or_path", str(tmp_path / "out")])

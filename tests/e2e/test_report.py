@@ -431,3 +431,42 @@ def test_report_refuses_a_max_seq_len_too_short_for_a_pair(folders, tmp_path, va
                   "--out", str(tmp_path / "out"), "--max_seq_len", value, "--max_prompts", "1", "--max_pairs", "4",
                   "--max_new_tokens", "2", "--device", "cpu"])
     assert not (tmp_path / "out").exists()
+
+
+def test_metrics_file_is_found_for_the_best_actor_and_a_step3_output_folder(tmp_path):
+    """step 3 writes metrics.jsonl in its --output_dir: found from <out>/actor, <out>/best/actor and <out>."""
+    (tmp_path / "best" / "actor").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text('{"global_step": 1, "reward": 0.5}\n')
+    for actor in (tmp_path / "actor", tmp_path / "best" / "actor", tmp_path):
+        assert rep.find_metrics_file(actor) == tmp_path / "metrics.jsonl", actor
+    assert rep.find_metrics_file(tmp_path / "other" / "actor") is None
+
+
+def test_a_misspelled_metrics_path_is_refused_before_any_model_loads(folders, tmp_path, monkeypatch):
+    monkeypatch.setattr(scoring, "load_actor", lambda *a: pytest.fail("a model loaded before --metrics was checked"))
+    with pytest.raises(UserError, match=r"^--metrics .*metrcs\.jsonl does not exist; pass step 3's "):
+        rep.build_report(folders["sft"], folders["rlhf"], folders["reward"], tmp_path / "out",
+                         metrics=folders["base"] / "step3" / "metrcs.jsonl")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_step3_output_folder_means_its_actor_and_is_refused_as_the_reward_model(folders, tmp_path):
+    from helpers.step3 import make_critic_folder
+
+    step3 = folders["base"] / "step3"  # holds actor/, as step 3's --output_dir
+    assert scoring.check_actor_folder(step3) == step3 / "actor"
+    make_critic_folder("tiny-llama", tmp_path / "out" / "critic")
+    with pytest.raises(UserError, match=rf"^--reward {tmp_path}/out is a step-3 output folder, not a reward model; "
+                                        rf"pass the step-2 --output_dir, or {tmp_path}/out/critic for step 3's "):
+        scoring.check_reward_folder(tmp_path / "out")
+
+
+def test_a_step2_lora_adapter_folder_is_a_reward_model(tmp_path):
+    """A step-2 LoRA save's lora_adapter/ (value head beside it) loads as the merged folder beside it."""
+    from helpers.step3 import make_lora_inputs, max_abs_diff
+
+    critic = make_lora_inputs("tiny-llama", tmp_path)["critic"]
+    assert scoring.check_reward_folder(critic / "lora_adapter") == critic / "lora_adapter"
+    merged, _ = scoring.load_reward(critic, torch.device("cpu"))
+    adapter, _ = scoring.load_reward(critic / "lora_adapter", torch.device("cpu"))
+    assert max_abs_diff(merged.state_dict(), adapter.state_dict()) < 1e-5

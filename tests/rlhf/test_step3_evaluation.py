@@ -700,3 +700,22 @@ def test_report_draws_the_evaluation_curves_and_names_the_alarm(tmp_path, capsys
     assert "step 0 proxy 1.000, gold 1.500 -> step 4 proxy 1.800, gold 1.100" in out
     with pytest.raises(Exception, match="--sft, --rlhf, --reward required"):
         report.main(["--out", str(tmp_path / "rep")])
+
+
+def test_a_step2_lora_adapter_judge_loads_and_a_step3_output_folder_is_refused(tmp_path):
+    """--eval_judge takes what --critic_model_name_or_path takes: a step-2 LoRA save's lora_adapter/
+    passes the start-up check and loads as the evaluation loads its judges; a step-3 output folder is one
+    line naming --eval_judge, at start-up."""
+    from dschat.eval.scoring import load_reward
+    from dschat.rlhf.heldout.setup import resolve_judges
+    from helpers.step3 import make_critic_folder, make_lora_inputs
+
+    adapter = make_lora_inputs("tiny-llama", tmp_path)["critic"] / "lora_adapter"
+    (judge,) = resolve_judges([str(adapter)], ["dschat/builtin"])
+    assert judge.folder == adapter
+    model, _ = load_reward(judge.folder, torch.device("cpu"))
+    assert model.v_head.weight.shape[0] == 1
+    make_critic_folder("tiny-llama", tmp_path / "out" / "critic")
+    with pytest.raises(UserError, match=rf"^--eval_judge {tmp_path}/out is a step-3 output folder, not a reward "
+                                        rf"model; pass the step-2 --output_dir, or {tmp_path}/out/critic for "):
+        resolve_judges([str(tmp_path / "out")], ["dschat/builtin"])

@@ -139,6 +139,7 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     from transformers import AutoModelForCausalLM
 
     from dschat.errors import UserError
+    from dschat.eval.scoring import step3_part
     from dschat.models.build import create_hf_model
     from dschat.models.reward_model import is_reward_model_folder
     from dschat.models.tokenizer import tokenizer_differences
@@ -150,6 +151,11 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     # Both paths are checked before either model loads: causal LMs, not step-2 reward models.
     for flag in ("model_name_or_path_baseline", "model_name_or_path_finetune"):
         name = getattr(args, flag)
+        actor = step3_part(name, "actor")
+        if actor is not None:  # a step-3 output root: its actor/, as inference/chatbot.py takes it
+            print(f"(using the step-3 actor in {actor} for --{flag})", flush=True)
+            name = str(actor)
+            setattr(args, flag, name)
         if is_reward_model_folder(resolve_model_path(name)):
             raise UserError(f"--{flag} {name} is a step-2 reward model, not a causal LM; pass a base model or a "
                             "step-1 or step-3 actor folder")

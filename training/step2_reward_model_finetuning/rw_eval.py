@@ -184,9 +184,11 @@ def check_max_seq_len(model_name_or_path: str, max_seq_len: int) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> list[PairScore]:
+    from dschat.eval.scoring import check_not_step3_root
     from dschat.training.run_setup import quiet_transformers
 
     args = parse_args(argv)
+    check_not_step3_root(args.model_name_or_path, "--model_name_or_path")
     check_max_seq_len(args.model_name_or_path, args.max_seq_len)
     quiet_transformers()
     return run_pair_comparison(args)

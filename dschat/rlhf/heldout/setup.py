@@ -17,8 +17,8 @@ from dschat.data.adapters.local import builtin_folders
 from dschat.data.prompt_columns import PromptColumns
 from dschat.data.token_dataset import PromptItem
 from dschat.errors import UserError
+from dschat.eval.scoring import check_reward_folder
 from dschat.models.registry import resolve_model_path
-from dschat.models.reward_model import check_critic_folder, is_reward_model_folder, not_a_critic_message
 from dschat.paths import BEST_DIR
 from dschat.rewards import RewardFunction, load_reward_function
 from dschat.runtime.dist import print_rank_0
@@ -61,10 +61,9 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str], timeout: floa
             if spec == PROXY:  # the judge's scores would be read as the proxy's, and the reverse
                 raise UserError(f"--eval_judge {spec}: {PROXY!r} names the step's own reward (the proxy) in the "
                                 f"evaluation's records; spell the folder ./{spec}")
-            folder = Path(resolve_model_path(str(Path(spec).expanduser())))
-            if not is_reward_model_folder(folder):
-                raise UserError(not_a_critic_message(spec, "--eval_judge"))
-            check_critic_folder(folder, spec, "--eval_judge")  # a classifier of more than one label
+            # the check the evaluation's load_reward makes: a step-2 output, its lora_adapter/, a classifier
+            folder = check_reward_folder(Path(spec).expanduser(), "--eval_judge")
+            resolve_model_path(str(folder))  # what the model flags check of a local folder
             judges.append(Judge(str(spec), folder=folder))
         elif ":" in spec:
             try:
