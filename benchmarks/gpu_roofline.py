@@ -8,8 +8,10 @@ training far under peak FLOP/s. This script separates the causes on the bare mod
 
 1. **decode, eager**: dschat's sampling loop (``dschat.rlhf.rollout.sample_loop.sample_loop``, greedy, every
    answer ``--answer_len`` tokens) -- wall ms per decode step, and from ``torch.profiler`` the GPU
-   kernel time per step. Wall minus kernel time is the host side (Python, module calls, kernel
-   launches) during which the GPU idles.
+   kernel time per step (the CUDA events only). Wall minus kernel time is the host side (Python,
+   module calls, kernel launches) during which the GPU idles. The roofline a step is compared with:
+   the weights and the KV cache of the mean step's context (prompt + half the answer) read once, at
+   the data sheet's HBM bandwidth.
 2. **decode, CUDA graphs**: Hugging Face ``generate`` with a static KV cache and
    ``torch.compile(mode="reduce-overhead")`` (``--skip_compile`` to leave out; compiling takes
    minutes): how far replaying captured graphs closes the gap.
@@ -31,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from step3 import OPT_SHAPES, datasheet_peaks, opt_config  # noqa: E402
+from step3 import OPT_SHAPES, datasheet_peaks, kv_bytes_per_position, opt_config  # noqa: E402
 
 from dschat.errors import UserError, cli_main  # noqa: E402
 
@@ -89,10 +91,21 @@ def decode_eager(model, prompts, mask, answer_len: int, device: torch.device) ->
         run(1)
         sync(device)
 
-    def kernel_ms(p) -> float:
-        return sum(e.self_device_time_total for e in p.key_averages()) / 1e3
+    return per_step, (kernel_ms(prof.key_averages()) - kernel_ms(prof_prefill.key_averages())) / max(steps - 1, 1)
 
-    return per_step, (kernel_ms(prof) - kernel_ms(prof_prefill)) / max(steps - 1, 1)
+
+def kernel_ms(averages) -> float:
+    """GPU kernel milliseconds in a profile's ``key_averages()``: the self device time of the events on
+    the CUDA device only (a CPU operator's entry carries its kernels' time as well; user annotations
+    span them), as ``step3.summarise_profile`` counts them."""
+    return sum(e.self_device_time_total for e in averages
+               if str(e.device_type).endswith("CUDA") and not e.is_user_annotation) / 1e3
+
+
+def decode_step_bytes(param_bytes: int, kv_bytes_per_position: int, rows: int, context: int) -> int:
+    """Bytes one decode step reads at least: every weight once, and the KV cache of ``rows`` sequences
+    over ``context`` positions (``step3.kv_bytes_per_position`` bytes each)."""
+    return param_bytes + rows * context * kv_bytes_per_position
 
 
 def decode_graphs(model, prompts, mask, answer_len: int, device: torch.device) -> float:
@@ -165,13 +178,17 @@ def main(argv=None) -> None:
     model = build(args.model, device, dtype)
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    peak_flops, peak_bw = datasheet_peaks(name) or (float("nan"), float("nan"))
-    roofline_ms = param_bytes / peak_bw * 1e3
+    peak_flops, peak_bw, _ = datasheet_peaks(name, dtype) or (float("nan"), float("nan"), "")
+    # The mean decode step attends over the prompt and half the answer.
+    step_bytes = decode_step_bytes(param_bytes, kv_bytes_per_position(model.config, dtype.itemsize), args.batch,
+                                   args.prompt_len + args.answer_len // 2)
+    roofline_ms = step_bytes / peak_bw * 1e3
     prompts = torch.randint(3, min(50000, model.config.vocab_size), (args.batch, args.prompt_len), device=device)
     mask = torch.ones_like(prompts)
     print(f"{args.model} ({param_bytes / 2**30:.2f} GiB of weights, {str(dtype)[6:]}) on {name}; "
-          f"{args.batch} x ({args.prompt_len} + {args.answer_len}); weights-read roofline {roofline_ms:.2f} ms "
-          f"per decode step at {peak_bw / 1e12:.2f} TB/s", flush=True)
+          f"{args.batch} x ({args.prompt_len} + {args.answer_len}); roofline (weights + mean KV-cache read, "
+          f"{step_bytes / 2**30:.2f} GiB) {roofline_ms:.2f} ms per decode step at {peak_bw / 1e12:.2f} TB/s",
+          flush=True)
 
     wall, kernels = decode_eager(model, prompts, mask, args.answer_len, device)
     line = f"decode, eager (dschat loop): {wall:.2f} ms/step = {share(roofline_ms / wall)} of the roofline"

@@ -7,7 +7,8 @@ Each configuration runs the real step script (``training/step1_supervised_finetu
 ``training/step2_reward_model_finetuning/main.py``) in this process for ``--warmup + --steps``
 optimizer steps on the embedded data and reports the measured steps: samples/s (sequences for
 step 1, pairs for step 2) and achieved TFLOP/s from upstream's FLOP formula over the (rows, columns)
-each step really fed the model (padding columns are dropped before the forward pass). The first
+each step really fed the model (padding columns are dropped before the forward pass; for step 2's reward
+model, which ends in a one-output value head, without the formula's LM-head term). The first
 configuration is the baseline of the ratio column. Results are appended to ``benchmarks/results.md``.
 """
 from __future__ import annotations
@@ -68,17 +69,28 @@ def load_step(name: str) -> Any:
     return module
 
 
-def step_flops(shapes: Sequence[tuple[int, int]], config: Any, factor: float) -> list[float]:
-    """Upstream's training FLOPs of each step, over the rows and columns it fed the model."""
-    from dschat.runtime.perf import calculate_flops
+def step_flops(shapes: Sequence[tuple[int, int]], config: Any, factor: float, lm_head: bool = True) -> list[float]:
+    """Upstream's training FLOPs of each step, over the rows and columns it fed the model; without
+    ``lm_head``, less the formula's LM-head term (``V / 16 l h``): step 2's reward model ends in a value
+    head of one output, not a vocabulary-wide LM head."""
+    from dschat.runtime.perf import calculate_flops, get_hf_configs
 
-    return [calculate_flops(factor, rows, cols, config) for rows, cols in shapes]
+    layers, hidden, vocab = get_hf_configs(config)
+    out = []
+    for rows, cols in shapes:
+        flops = calculate_flops(factor, rows, cols, config)
+        if not lm_head:
+            whole = 1.0 + cols / (6.0 * hidden) + vocab / (16.0 * layers * hidden)
+            flops *= (whole - vocab / (16.0 * layers * hidden)) / whole
+        out.append(flops)
+    return out
 
 
 def summarise(times: Sequence[float], shapes: Sequence[tuple[int, int]], config: Any, factor: float,
-              samples_per_row: float) -> dict[str, float]:
-    """Median step time, samples/s and TFLOP/s over the measured steps (pure arithmetic)."""
-    flops = step_flops(shapes, config, factor)
+              samples_per_row: float, lm_head: bool = True) -> dict[str, float]:
+    """Median step time, samples/s and TFLOP/s over the measured steps (pure arithmetic); ``lm_head``
+    as in :func:`step_flops`."""
+    flops = step_flops(shapes, config, factor, lm_head)
     total = sum(times)
     return {
         "median_s": statistics.median(times),
@@ -125,8 +137,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                 times = result.step_times[args.warmup:]
                 shapes = result.step_shapes[args.warmup:]
                 factor = checkpoint_activations_factor(False, args.lora_dim if lora else 0, config.hidden_size)
-                # Step 2 rows are 2 per pair (chosen and rejected): a sample is a pair.
-                stats = summarise(times, shapes, config, factor, 0.5 if step == "step2" else 1.0)
+                # Step 2 rows are 2 per pair (chosen and rejected): a sample is a pair; its reward model
+                # has a value head, no LM head.
+                stats = summarise(times, shapes, config, factor, 0.5 if step == "step2" else 1.0,
+                                  lm_head=step != "step2")
                 rows_out.append((step, f"ZeRO-{zero}" + (f" + LoRA {args.lora_dim}" if lora else ""), stats))
 
     base = {step: next(s for st, _, s in rows_out if st == step) for step in args.steps_to_run}
@@ -138,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
         "",
         f"- device: {device}; {versions()}",
         f"- command: `{command}`",
-        f"- {args.steps} measured optimizer steps after {args.warmup} warm-up; step-2 samples are pairs",
+        f"- {args.steps} measured optimizer steps after {args.warmup} warm-up; step-2 samples are pairs; "
+        "step 2's TFLOP/s leave out the formula's LM-head term (a reward model has a value head)",
         "",
         "| step | configuration | median s/step | samples/s | TFLOP/s | columns/step | samples/s vs first |",
         "|---|---|---|---|---|---|---|",

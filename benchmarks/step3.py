@@ -77,12 +77,21 @@ OPT_SHAPES: dict[str, dict[str, Any]] = {
     "opt-350m-thin": dict(hidden_size=64, num_hidden_layers=24, ffn_dim=256, num_attention_heads=4,
                           word_embed_proj_dim=32, do_layer_norm_before=False, vocab_size=1024),
 }
-# Data-sheet peaks (dense bf16 tensor-core FLOP/s, HBM bytes/s) for the GPUs this project is lent.
-GPU_PEAKS: dict[str, tuple[float, float]] = {
-    "H100": (989e12, 3.35e12),  # H100 SXM5 80GB
-    "H200": (989e12, 4.8e12),
-    "A100": (312e12, 2.0e12),  # A100 SXM4 80GB
-}
+# Data-sheet peaks of NVIDIA's H100, H200 and A100 variants: (words that must all be in the device
+# name, lower case; the variant; dense bf16/fp16 tensor-core FLOP/s; fp32 FLOP/s without tensor cores
+# (what an fp32 matmul gets with TF32 off, PyTorch's default); HBM bytes/s). Most specific first: the
+# first entry whose words are all in the name is the device's.
+GPU_PEAKS: tuple[tuple[tuple[str, ...], str, float, float, float], ...] = (
+    (("h100", "nvl"), "H100 NVL", 835e12, 60e12, 3.9e12),
+    (("h100", "pcie"), "H100 PCIe", 756e12, 51e12, 2.0e12),
+    (("h100",), "H100 SXM", 989e12, 67e12, 3.35e12),
+    (("h200", "nvl"), "H200 NVL", 835e12, 60e12, 4.8e12),
+    (("h200",), "H200 SXM", 989e12, 67e12, 4.8e12),
+    (("a100", "pcie", "40gb"), "A100 PCIe 40GB", 312e12, 19.5e12, 1.555e12),
+    (("a100", "40gb"), "A100 SXM 40GB", 312e12, 19.5e12, 1.555e12),
+    (("a100", "pcie"), "A100 PCIe 80GB", 312e12, 19.5e12, 1.935e12),
+    (("a100",), "A100 SXM 80GB", 312e12, 19.5e12, 2.039e12),
+)
 
 
 # A Llama-3.2-1B-shaped actor (meta-llama/Llama-3.2-1B config.json), random weights, tiny-llama's tokenizer.
@@ -317,19 +326,27 @@ class Peaks:
     source: str
 
 
-def datasheet_peaks(device_name: str) -> tuple[float, float] | None:
-    """(dense bf16 FLOP/s, HBM bytes/s) of a GPU in :data:`GPU_PEAKS` by its name, else None."""
-    return next((peaks for key, peaks in GPU_PEAKS.items() if key in device_name), None)
+def datasheet_peaks(device_name: str, dtype: torch.dtype = torch.bfloat16) -> tuple[float, float, str] | None:
+    """(FLOP/s in ``dtype``, HBM bytes/s, what they are) of a GPU in :data:`GPU_PEAKS` by its name, else
+    None: the dense bf16/fp16 tensor-core peak, or for fp32 the data sheet's fp32 figure."""
+    name = device_name.lower()
+    for words, variant, half, single, bandwidth in GPU_PEAKS:
+        if all(word in name for word in words):
+            fp32 = dtype == torch.float32
+            flops = single if fp32 else half
+            kind = "fp32 (no tensor cores)" if fp32 else "dense bf16/fp16"
+            what = f"{variant} data sheet, {kind} {flops / 1e12:g} TFLOP/s, HBM {bandwidth / 1e12:g} TB/s"
+            return flops, bandwidth, what
+    return None
 
 
 def device_peaks(device: torch.device, dtype: torch.dtype) -> Peaks:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        known = datasheet_peaks(name)
+        known = datasheet_peaks(name, dtype)
         if known is not None:
-            flops, bw = known
-            return Peaks(flops, bw, f"{name}: data sheet, dense bf16 {flops / 1e12:.0f} TFLOP/s, "
-                                    f"HBM {bw / 1e12:.2f} TB/s")
+            flops, bw, what = known
+            return Peaks(flops, bw, f"{name}: {what}")
     # Measured: best of a few large copies (read + write) and large matmuls in the training dtype.
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     src = torch.empty(64 * 2**20, dtype=torch.float32, device=device)  # 256 MiB
@@ -508,6 +525,11 @@ class ModeResult:
     device_mallocs: int = -1  # CUDA: the caching allocator's device allocations in the measured steps (-1: not CUDA)
     alloc_retries: int = -1  # CUDA: allocations that freed the cache and retried (memory pressure)
     profile: list[PhaseProfile] = field(default_factory=list)  # --profile: the extra step's phases
+    # Per measured step, model name -> (rows, columns) its pass computed: packed rows where it packed,
+    # else the padded batch (:func:`pass_shapes`); the scoring passes' (experience), and every training
+    # pass's. Empty: the padded batch, ``batch x (prompt width + answer_len)``, everywhere.
+    exp_shapes: list[dict[str, tuple[int, int]]] = field(default_factory=list)
+    train_shapes: list[dict[str, list[tuple[int, int]]]] = field(default_factory=list)
 
     @property
     def total_s(self) -> float:
@@ -647,6 +669,25 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         actor_shaped["n"] += 1
         return token_log_probs(name, *args, **kwargs)
 
+    # The rows and columns each pass computed, from the packings the passes ask for: the experience
+    # maker's first (one packing for every scoring pass; ReMax's greedy baseline asks again), and each
+    # training micro-step's.
+    pack = passes.packed
+    shapes: dict[str, Any] = {"phase": "", "exp": {}, "train": {}, "exp_layout": ""}
+
+    def recorded(seq: torch.Tensor, attention_mask: torch.Tensor, *names: str) -> Any:
+        layout = pack(seq, attention_mask, *names)
+        rows = tuple(layout.input_ids.shape) if layout is not None else None
+        got = pass_shapes(trainer.packing, tuple(seq.shape), rows, names)
+        if shapes["phase"] == "exp" and not shapes["exp"]:
+            shapes["exp"] = got
+            kind, (r, w) = ("packed", rows) if rows is not None else ("padded", tuple(seq.shape))
+            shapes["exp_layout"] = f"{kind} {r} x {w}"
+        elif shapes["phase"] == "train":
+            for name, shape in got.items():
+                shapes["train"].setdefault(name, []).append(shape)
+        return layout
+
     def one_step(i: int, profiler: PhaseProfiler | None = None) -> None:
         """PPO step ``i`` on ``batches[i]``, added to ``result`` if measured. With ``profiler``, the scoring passes
         (from the rollout's end) and the training are profiled as two phases."""
@@ -676,32 +717,43 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         sync()
         actor_shaped["n"] = 0
         passes.token_log_probs = counted
-        exp = trainer.generate_experience(prompts, mask, i)
-        del passes.token_log_probs
+        passes.packed = recorded
+        shapes.update(phase="exp", exp={}, train={}, exp_layout="")
+        try:
+            exp = trainer.generate_experience(prompts, mask, i)
+        finally:
+            del passes.token_log_probs
         result.scoring_passes = (actor_shaped["n"], reward_passes + critic_passes)
         if profiler is not None:
             profiler.stop("scoring")
             profiler.start()
         sync()
+        shapes["phase"] = "train"
         t = time.perf_counter()
-        with annotated(trainer) if profiler is not None else nullcontext():
-            trainer.prepare_rollout([exp])
-            trainer.train()
-            for _, micro, _ in trainer.schedule([exp], None):
-                trainer.train_rlhf(micro)
-            sync()
+        try:
+            with annotated(trainer) if profiler is not None else nullcontext():
+                trainer.prepare_rollout([exp])
+                trainer.train()
+                for _, micro, _ in trainer.schedule([exp], None):
+                    trainer.train_rlhf(micro)
+                sync()
+        finally:
+            del passes.packed
         train_s = time.perf_counter() - t
         if profiler is not None:
             profiler.stop("training", trace=trace)
         label = " (warm-up)" if i < warmup else " (profiled)" if profiler is not None else ""
         print(f"[{mode}] step {i}{label}: generation {trainer.generate_time:.2f} s, experience "
-              f"{trainer.experience_time:.2f} s, training {train_s:.2f} s, prompt width {prompts.shape[1]}", flush=True)
+              f"{trainer.experience_time:.2f} s, training {train_s:.2f} s, scoring rows "
+              f"{shapes['exp_layout'] or 'n/a'}, prompt width {prompts.shape[1]}", flush=True)
         if warmup <= i < warmup + steps:
             result.gen_s += trainer.generate_time
             result.exp_s += trainer.experience_time
             result.train_s += train_s
             result.steps += 1
             result.prompt_width.append(int(prompts.shape[1]))
+            result.exp_shapes.append(dict(shapes["exp"]))
+            result.train_shapes.append({name: list(v) for name, v in shapes["train"].items()})
 
     try:
         if profile_only:
@@ -733,6 +785,16 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
         for engine in engines:
             del engine.step  # DeepSpeed's method again
         generator.__dict__.pop("rollout", None)  # the class's rollout again
+        passes.__dict__.pop("packed", None)  # the class's methods again, after an error too
+        passes.__dict__.pop("token_log_probs", None)
+
+
+def pass_shapes(packing: dict[str, bool], padded: tuple[int, int], packed: tuple[int, int] | None,
+                names: Sequence[str] = ()) -> dict[str, tuple[int, int]]:
+    """Model name (``names``, default every model in ``packing``) -> (rows, columns) its pass over one
+    batch computes: the packed rows ``packed`` where the model packs and the batch was packed (every
+    slot, filler included, is computed), else the padded batch ``padded``."""
+    return {name: packed if packed is not None and packing.get(name) else padded for name in names or packing}
 
 
 def allocator_counts(device: torch.device) -> tuple[int, int] | None:
@@ -756,38 +818,79 @@ class Metrics:
     train_flops: float  # FLOP/s
     exp_flops: float  # FLOP/s of the scoring passes (forward only)
     samples_per_s: float
-    seq_len: float  # mean columns processed per sequence
+    seq_len: float  # mean columns per sequence of the padded batch (prompt width + answer_len)
+    slots: float = 0.0  # mean slots the actor's training passes computed per sequence (packed rows: fewer)
+
+
+def kv_bytes_per_position(config: Any, element_size: int) -> int:
+    """Bytes of KV cache one sequence position holds over all layers: keys and values, ``layers x
+    kv_heads x head_dim`` elements each (grouped-query attention's fewer KV heads; ``head_dim`` from the
+    config, else hidden / heads)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * element_size
+
+
+def decode_kv_positions(rows: int, prompt_width: int, answer_len: int) -> int:
+    """KV-cache positions the decode steps of one rollout read, over all rows: the prefill (token 0)
+    reads none, the step that feeds answer token ``j`` (1 to ``answer_len - 1``) attends over the
+    ``prompt_width + j`` positions then cached (its own included)."""
+    return rows * sum(prompt_width + j for j in range(1, answer_len))
 
 
 def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: int, actor_config: Any,
-            critic_config: Any, actor_factor: float, critic_factor: float, reward_config: Any = None) -> Metrics:
+            critic_config: Any, actor_factor: float, critic_factor: float, reward_config: Any = None,
+            kv_bytes_per_position: int = 0) -> Metrics:
     """Turn one mode's times into rates. Pure arithmetic (tests/e2e/test_benchmarks.py checks it by hand).
     ``reward_config``: the reward model's shape where there is no critic (the critic's is the reward
-    model's in this benchmark)."""
+    model's in this benchmark). Tokens and FLOPs count the slots each pass computed
+    (:attr:`ModeResult.exp_shapes`, :attr:`ModeResult.train_shapes`: packed rows where it packed, filler
+    included, attention over a packed row's whole width); the experience tokens are the reference's,
+    the training tokens the actor's. Generation bytes: the weights once per decode step plus the KV
+    cache each step reads (``kv_bytes_per_position``, :func:`kv_bytes_per_position`; 0 leaves it out)."""
     from dschat.runtime.perf import calculate_flops
 
     n = max(r.steps, 1)
     seq_len = sum(w + answer_len for w in r.prompt_width) / n
     gen_tokens = batch * answer_len * n
-    seq_tokens = batch * seq_len * n
-    flops = sum(calculate_flops(actor_factor, batch, w + answer_len, actor_config)
-                + (calculate_flops(critic_factor, batch, w + answer_len, critic_config) if critic_config is not None
-                   else 0.0) for w in r.prompt_width)
-    # Scoring: forward passes only (factor 1) over the same columns, reward_config shaping the reward model.
+    padded = [(batch, w + answer_len) for w in r.prompt_width]
+    exp_shapes = r.exp_shapes or [{} for _ in padded]
+    train_shapes = r.train_shapes or [{} for _ in padded]
+
+    def slots(shapes: Sequence[tuple[int, int]]) -> int:
+        return sum(rows * cols for rows, cols in shapes)
+
+    def fwd_bwd(factor: float, shapes: Sequence[tuple[int, int]], config: Any) -> float:
+        return sum(calculate_flops(factor, rows, cols, config) for rows, cols in shapes)
+
+    exp_actor = [s.get("reference", p) for s, p in zip(exp_shapes, padded)]
+    exp_critic = [s.get("reward", s.get("critic", p)) for s, p in zip(exp_shapes, padded)]
+    train_actor = [s.get("actor", [p]) for s, p in zip(train_shapes, padded)]
+    train_critic = [s.get("critic", [p]) for s, p in zip(train_shapes, padded)]
+    exp_tokens = slots(exp_actor)
+    train_tokens = sum(slots(shapes) for shapes in train_actor)
+    flops = sum(fwd_bwd(actor_factor, a, actor_config)
+                + (fwd_bwd(critic_factor, c, critic_config) if critic_config is not None else 0.0)
+                for a, c in zip(train_actor, train_critic))
+    # Scoring: forward passes only (factor 1), reward_config shaping the reward model.
     actor_passes, critic_shaped = r.scoring_passes
-    exp_flops = sum(actor_passes * calculate_flops(1.0, batch, w + answer_len, actor_config)
-                    + critic_shaped * calculate_flops(1.0, batch, w + answer_len, reward_config or critic_config)
-                    for w in r.prompt_width) if (reward_config or critic_config) is not None else 0.0
+    exp_flops = sum(actor_passes * fwd_bwd(1.0, [a], actor_config)
+                    + critic_shaped * fwd_bwd(1.0, [c], reward_config or critic_config)
+                    for a, c in zip(exp_actor, exp_critic)) if (reward_config or critic_config) is not None else 0.0
+    gen_bytes = (actor_param_bytes * answer_len * n
+                 + kv_bytes_per_position * sum(decode_kv_positions(batch, w, answer_len) for w in r.prompt_width))
     return Metrics(
         gen_tokens_per_s=gen_tokens / r.gen_s,
         gen_ms_per_token=1000 * r.gen_s / (answer_len * n),
-        gen_bandwidth=actor_param_bytes * answer_len * n / r.gen_s,
-        exp_tokens_per_s=seq_tokens / r.exp_s if r.exp_s > 0 else float("inf"),
-        train_tokens_per_s=seq_tokens / r.train_s,
+        gen_bandwidth=gen_bytes / r.gen_s,
+        exp_tokens_per_s=exp_tokens / r.exp_s if r.exp_s > 0 else float("inf"),
+        train_tokens_per_s=train_tokens / r.train_s,
         train_flops=flops / r.train_s,
         exp_flops=exp_flops / r.exp_s if r.exp_s > 0 else 0.0,
         samples_per_s=batch * n / r.total_s,
         seq_len=seq_len,
+        slots=train_tokens / (batch * n),
     )
 
 
@@ -815,14 +918,16 @@ def table(results: list[ModeResult], metrics: list[Metrics], peaks: Peaks) -> li
     row("end to end s/step", [r.total_s / r.steps for r in results], ".2f", "time")
     row("end to end samples/s", [m.samples_per_s for m in metrics], ".3f", "rate")
     row("columns per sequence", [m.seq_len for m in metrics], ".1f", None)
+    row("slots computed per sequence (training; packed rows: fewer)", [m.slots for m in metrics], ".1f", None)
     row("generation tokens/s", [m.gen_tokens_per_s for m in metrics], ".1f", "rate")
-    row("generation ms/token (per decode step)", [m.gen_ms_per_token for m in metrics], ".1f", None)
-    row("generation GB/s (params x steps / time)", [m.gen_bandwidth / 1e9 for m in metrics], ".2f", None)
+    row("generation ms per answer token, whole rollout", [m.gen_ms_per_token for m in metrics], ".1f", None)
+    row("generation GB/s ((weights + KV cache read) x steps / time)", [m.gen_bandwidth / 1e9 for m in metrics],
+        ".2f", None)
     row("  of peak bandwidth", [100 * m.gen_bandwidth / peaks.bandwidth for m in metrics], ".1f", None)
-    row("experience tokens/s (columns processed)", [m.exp_tokens_per_s for m in metrics], ".1f", None)
+    row("experience tokens/s (slots computed)", [m.exp_tokens_per_s for m in metrics], ".1f", None)
     row("experience TFLOP/s (forward passes)", [m.exp_flops / 1e12 for m in metrics], ".4f", None)
     row("  of peak FLOP/s", [100 * m.exp_flops / peaks.flops for m in metrics], ".1f", None)
-    row("training tokens/s (columns processed)", [m.train_tokens_per_s for m in metrics], ".1f", None)
+    row("training tokens/s (slots computed)", [m.train_tokens_per_s for m in metrics], ".1f", None)
     row("training TFLOP/s", [m.train_flops / 1e12 for m in metrics], ".4f", None)
     row("  of peak FLOP/s", [100 * m.train_flops / peaks.flops for m in metrics], ".1f", None)
     row("peak memory GiB", [r.peak_memory_bytes / 2**30 for r in results], ".2f", None)
@@ -889,7 +994,10 @@ def main(argv: Sequence[str] | None = None) -> list[str]:
                            actor_param_bytes=count_parameters(actor_module) * bytes_per_parameter(actor_module),
                            actor_config=actor_module.config, critic_config=critic_config,
                            actor_factor=actor_factor, critic_factor=critic_factor,
-                           reward_config=reward_module.config if reward_module is not None else None) for r in results]
+                           reward_config=reward_module.config if reward_module is not None else None,
+                           kv_bytes_per_position=kv_bytes_per_position(actor_module.config,
+                                                                       bytes_per_parameter(actor_module)))
+                   for r in results]
 
     device_name = torch.cuda.get_device_name(device) if on_gpu else f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} threads)"
     given = [a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--local_rank")]

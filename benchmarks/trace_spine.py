@@ -7,10 +7,13 @@ iteration) and, while step 3's PPO loop function runs, records every call from a
 a project file (``dschat/`` and ``training/``; the step script counts as the caller of the loop)
 with ``sys.setprofile``. Prints:
 
-* ``files``: the project files entered (the step script included);
+* ``files``: the project files entered. The step script calls the loop and is not counted for that;
+  it counts only where the loop calls back into it (a closure of the script);
 * ``back-calls``: calls into a file that is already on the stack below the caller's file (a call
   back up, e.g. a loop calling a closure of the script that called the loop), as distinct
-  ``caller file -> callee file:function`` edges, and how many such calls happened;
+  ``caller file -> callee file:function`` edges, and how many such calls happened (``sys.setprofile``
+  reports each resumption of a generator as a call, so the counts of edges into generators are high;
+  the sets of files and edges are not affected);
 * ``two-way pairs``: file pairs that call each other in both directions.
 
 ``--loop module:function`` names the loop function to trace (several may be given; the first that

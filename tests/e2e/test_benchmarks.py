@@ -50,6 +50,82 @@ def test_step3_accounting_by_hand():
     assert m.exp_flops == pytest.approx(sum(2 * flops(s) / 3 + flops_wide(s) for s in (14, 10)) / 1.0)
 
 
+def test_step3_accounting_counts_the_packed_slots_each_pass_computed():
+    bench = _load("step3")
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=32)
+
+    def flops(factor, rows, cols):
+        return 24 * factor * rows * cols * 2 * 64 * (1 + cols / 48 + 32 / 256)
+    # One step of 4 sequences, padded 4 x 14: the reference and the actor pack into 2 x 20, the reward
+    # model and the critic run padded (they do not pack).
+    assert bench.pass_shapes({"actor": True, "reference": True, "reward": False}, (4, 14), (2, 20)) == {
+        "actor": (2, 20), "reference": (2, 20), "reward": (4, 14)}
+    assert bench.pass_shapes({"actor": True, "critic": False}, (4, 14), None, ("actor",)) == {"actor": (4, 14)}
+    r = bench.ModeResult("ours", gen_s=1.0, exp_s=1.0, train_s=2.0, steps=1, prompt_width=[10],
+                         scoring_passes=(1, 2),
+                         exp_shapes=[{"reference": (2, 20), "reward": (4, 14), "critic": (4, 14)}],
+                         train_shapes=[{"actor": [(2, 20)], "critic": [(4, 14)]}])
+    m = bench.account(r, batch=4, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=config,
+                      actor_factor=3.0, critic_factor=3.0)
+    assert m.seq_len == 14 and m.slots == pytest.approx(40 / 4)
+    assert m.exp_tokens_per_s == pytest.approx(40 / 1.0) and m.train_tokens_per_s == pytest.approx(40 / 2.0)
+    assert m.train_flops == pytest.approx((flops(3.0, 2, 20) + flops(3.0, 4, 14)) / 2.0)
+    assert m.exp_flops == pytest.approx(flops(1.0, 2, 20) + 2 * flops(1.0, 4, 14))
+
+
+def test_step3_generation_bandwidth_counts_the_kv_cache_reads():
+    bench = _load("step3")
+    roofline = _load("gpu_roofline")
+    # Grouped-query attention: 2 layers x 2 KV heads x head_dim 4, keys and values, 2 bytes each.
+    gqa = SimpleNamespace(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=4,
+                          hidden_size=64)
+    assert bench.kv_bytes_per_position(gqa, 2) == 2 * 2 * 2 * 4 * 2
+    mha = SimpleNamespace(num_hidden_layers=3, num_attention_heads=4, hidden_size=32)  # OPT: no KV heads given
+    assert bench.kv_bytes_per_position(mha, 4) == 2 * 3 * 4 * 8 * 4
+    # Prompt 10, 4 answer tokens: the prefill reads no cache, then 11, 12 and 13 positions, per row.
+    assert bench.decode_kv_positions(2, 10, 4) == 2 * (11 + 12 + 13)
+    r = bench.ModeResult("ours", gen_s=2.0, exp_s=1.0, train_s=4.0, steps=2, prompt_width=[10, 6])
+    config = SimpleNamespace(num_hidden_layers=2, hidden_size=8, vocab_size=32)
+    m = bench.account(r, batch=2, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=None,
+                      actor_factor=3.0, critic_factor=3.0, kv_bytes_per_position=16)
+    kv = 16 * 2 * ((11 + 12 + 13) + (7 + 8 + 9))
+    assert m.gen_bandwidth == pytest.approx((1000 * 8 + kv) / 2.0)
+    assert roofline.decode_step_bytes(1000, 16, rows=2, context=12) == 1000 + 2 * 12 * 16
+
+
+def test_step3_datasheet_peaks_pick_the_variant_and_the_dtype():
+    import torch
+
+    bench = _load("step3")
+
+    def peaks(name, dtype=torch.bfloat16):
+        flops, bandwidth, _ = bench.datasheet_peaks(name, dtype)
+        return flops / 1e12, bandwidth / 1e12
+    assert peaks("NVIDIA H100 80GB HBM3") == (989, 3.35)
+    assert peaks("NVIDIA H100 PCIe") == (756, 2.0)
+    assert peaks("NVIDIA H100 NVL") == (835, 3.9)
+    assert peaks("NVIDIA H200") == (989, 4.8) and peaks("NVIDIA H200 NVL") == (835, 4.8)
+    assert peaks("NVIDIA A100-SXM4-80GB") == (312, 2.039)
+    assert peaks("NVIDIA A100-SXM4-40GB") == (312, 1.555)
+    assert peaks("NVIDIA A100-PCIE-40GB") == (312, 1.555)
+    assert peaks("NVIDIA A100 80GB PCIe") == (312, 1.935)
+    assert peaks("NVIDIA H100 80GB HBM3", torch.float32) == (67, 3.35)
+    assert peaks("NVIDIA A100-SXM4-80GB", torch.float32) == (19.5, 2.039)
+    assert "fp32" in bench.datasheet_peaks("NVIDIA H200", torch.float32)[2]
+    assert bench.datasheet_peaks("NVIDIA GeForce RTX 4090") is None
+
+
+def test_gpu_roofline_kernel_time_counts_only_the_cuda_events():
+    roofline = _load("gpu_roofline")
+
+    def event(device, us, annotation=False):
+        return SimpleNamespace(device_type=f"DeviceType.{device}", self_device_time_total=us,
+                               is_user_annotation=annotation)
+    # aten::mm on the host carries its kernel's 300 us as well; an annotation spans both kernels.
+    averages = [event("CUDA", 300.0), event("CUDA", 200.0), event("CPU", 300.0), event("CUDA", 500.0, True)]
+    assert roofline.kernel_ms(averages) == pytest.approx(0.5)
+
+
 def test_step3_ratio_column_compares_baseline_with_ours():
     bench = _load("step3")
     base = bench.ModeResult("baseline", gen_s=4.0, exp_s=2.0, train_s=6.0, steps=2, prompt_width=[8, 8])
@@ -301,6 +377,13 @@ def test_step3_benchmark_with_answer_spread_runs_ours_packed_and_unpacked(tmp_pa
                         "--results", ""])
     assert "answers cut to 25%-100 % of 8 tokens" in lines[0]
     assert "- sequence packing in ours: actor, reference, critic, reward" in lines
+    # Ours' scoring passes ran on packed rows, ours-no-pack's on the padded batch, and ours computed fewer slots.
+    out = capsys.readouterr().out
+    assert "scoring rows packed " in out.split("[ours] step 0: ")[1].splitlines()[0]
+    assert "scoring rows padded 3 x 24, " in out.split("[ours-no-pack] step 0: ")[1].splitlines()[0]
+    slots = next(line for line in lines if line.startswith("| slots computed per sequence")).split(" | ")
+    assert float(slots[2]) < float(slots[1])
+    assert any(line.startswith("| generation ms per answer token, whole rollout | ") for line in lines)
     assert lines[lines.index("| | ours-no-pack | ours | ours / ours-no-pack |") + 1].count("|---") == 4
 
 
@@ -341,6 +424,12 @@ def test_step12_accounting_by_hand():
     def flops(rows, cols):  # 24 f B s l h^2 (1 + s / 6h + V / 16 l h)
         return 24 * 3.0 * rows * cols * 1 * 64 * (1 + cols / 48 + 16 / 128)
     assert stats["tflops"] == pytest.approx((flops(4, 10) + flops(2, 6)) / 4.0 / 1e12)
+    # Step 2's reward model: a value head, so no LM-head term (V / 16 l h).
+    reward = bench.summarise([1.0, 3.0], [(4, 10), (2, 6)], config, 3.0, samples_per_row=0.5, lm_head=False)
+
+    def flops_no_head(rows, cols):
+        return 24 * 3.0 * rows * cols * 1 * 64 * (1 + cols / 48)
+    assert reward["tflops"] == pytest.approx((flops_no_head(4, 10) + flops_no_head(2, 6)) / 4.0 / 1e12)
 
 
 def test_step12_benchmark_runs_on_a_tiny_model(tmp_path):
