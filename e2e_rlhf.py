@@ -847,9 +847,9 @@ def pick_deployment(args: argparse.Namespace, config: E2EConfig) -> Deployment:
         if has_gpu or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
             return config.deployment(config.default_deployment)
         dep = config.deployment("cpu")
-        print(f"No GPU found: running the CPU demo (--deployment-type cpu) with the embedded "
-              f"{args.actor_model or dep.default_actor} and the dschat/builtin data; pass --deployment-type to choose.",
-              flush=True)
+        actor = f"--actor-model {args.actor_model}" if args.actor_model else f"the embedded {dep.default_actor}"
+        print(f"No GPU found: running the CPU demo (--deployment-type cpu) with {actor} and the dschat/builtin "
+              "data; pass --deployment-type to choose.", flush=True)
         return dep
     dep = config.deployment(args.deployment_type)
     if dep.name != "cpu" and not has_gpu and os.environ.get("DS_ACCELERATOR", "cpu") == "cpu" and not args.dry_run:
