@@ -275,8 +275,9 @@ def weights_fingerprint(name_or_path: str, _depth: int = 0) -> str | None:
     (:data:`WEIGHT_FILE`), a file over 16 MiB sampled in 256 pieces of 64 KiB spread evenly from
     its first byte (its header); a LoRA adapter folder's and, down the chain, its base's. Copies of one
     model in other folders or on other machines give one digest; two trainings differ almost
-    everywhere, so here too. None for a hub id not in the local cache. Reads at most 16 MiB per file;
-    the folder's other files are not read."""
+    everywhere, so here too. None for a hub id not in the local cache and for a folder with a weight
+    file this account cannot read. Reads at most 16 MiB per file; the folder's other files are not
+    read."""
     try:
         path = resolve_model_path(name_or_path)
     except UserError:
@@ -293,23 +294,29 @@ def weights_fingerprint(name_or_path: str, _depth: int = 0) -> str | None:
             return None if _depth == 0 else hashlib.sha256(f"hub:{path}".encode()).hexdigest()
         folder = Path(cached).parent  # its snapshot folder
     digest = hashlib.sha256()
-    for file in sorted(f for f in folder.iterdir() if WEIGHT_FILE.search(f.name) and f.is_file()):
-        size = file.stat().st_size
-        digest.update(f"{file.name}:{size}".encode())
-        with open(file, "rb") as handle:
-            if size <= _PIECE * _PIECES:
-                digest.update(handle.read())
-                continue
-            for i in range(_PIECES):
-                handle.seek((size - _PIECE) * i // (_PIECES - 1))
-                digest.update(handle.read(_PIECE))
+    try:
+        for file in sorted(f for f in folder.iterdir() if WEIGHT_FILE.search(f.name) and f.is_file()):
+            size = file.stat().st_size
+            digest.update(f"{file.name}:{size}".encode())
+            with open(file, "rb") as handle:
+                if size <= _PIECE * _PIECES:
+                    digest.update(handle.read())
+                    continue
+                for i in range(_PIECES):
+                    handle.seek((size - _PIECE) * i // (_PIECES - 1))
+                    digest.update(handle.read(_PIECE))
+    except OSError:  # a file this account cannot read (one the loader may not need): nothing to compare
+        return None
     if is_adapter_folder(folder) and _depth < 8:  # its base, down the chain (a loop stops at 8)
         try:
             base = json.loads((folder / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))["base_model_name_or_path"]
         except (OSError, ValueError, KeyError, TypeError):
             base = None
         if isinstance(base, str):
-            digest.update(str(weights_fingerprint(base.strip(), _depth + 1)).encode())
+            inner = weights_fingerprint(base.strip(), _depth + 1)
+            if inner is None:  # its base cannot be read: nothing to compare
+                return None
+            digest.update(inner.encode())
     return digest.hexdigest()
 
 

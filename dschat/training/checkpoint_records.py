@@ -18,7 +18,7 @@ import torch
 
 from dschat.errors import UserError
 from dschat.models.registry import weights_fingerprint
-from dschat.runtime.dist import gather_ints
+from dschat.runtime.dist import gather_json
 from dschat.training.rotation import MARKER
 
 FORMAT_VERSION = 1
@@ -222,7 +222,6 @@ def check_models(folder: Path, record: Mapping[str, Any], now: Mapping[str, Any]
     models, silently. A role only one of the two runs has, a hub id not in the local cache, and
     checkpoints written before the record existed are not checked (a flag given or left out is
     checked by the engines the checkpoint holds)."""
-    problem = _models_problem(folder, record, now) if rank == 0 else None
-    if any(flag for (flag,) in gather_ints([0 if problem is None else 1])):
-        raise UserError(problem or f"rank 0 refuses {folder}: its run started from other models (rank 0's line "
-                                   "says which)")
+    problem = gather_json(_models_problem(folder, record, now) if rank == 0 else None)[0]
+    if problem is not None:  # rank 0's line, on every rank
+        raise UserError(str(problem))

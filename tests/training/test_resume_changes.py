@@ -198,6 +198,14 @@ def test_weights_fingerprint_follows_the_weights_not_the_folder(tmp_path):
         (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": str(base)}))
         digests.append(weights_fingerprint(str(adapter), 1))  # as a chain's link: the stand-in is not checked
     assert digests[0] == digests[1] != digests[2]
+    import dschat.models.registry as registry
+
+    def unreadable(*args, **kwargs):
+        raise PermissionError("denied")
+
+    with pytest.MonkeyPatch.context() as patch:  # a weight file this account cannot read: nothing to compare
+        patch.setattr(registry, "open", unreadable, raising=False)
+        assert weights_fingerprint(str(same)) is None and weights_fingerprint(str(adapter), 1) is None
 
 
 def test_a_hub_id_is_fingerprinted_by_its_cached_snapshot_and_other_files_are_not_read(tmp_path, monkeypatch):
