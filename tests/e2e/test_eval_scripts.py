@@ -109,6 +109,18 @@ def test_prompt_eval_refuses_what_it_cannot_compare(tmp_path):
         run(critic, "tiny-llama")
     with pytest.raises(UserError, match="the baseline's tokenizer, used for both models, is not the fine-tuned.*vocab"):
         run("tiny-opt", "tiny-llama")
+    # A step-1 model trained with --add_eot_token against its own base: the flag is the fix, not another baseline.
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.build import create_hf_model
+    from dschat.models.save import save_hf_model
+    from dschat.training.step_data import load_tokenizer
+
+    tok = load_tokenizer("tiny-llama", True)
+    sft = save_hf_model(create_hf_model(AutoModelForCausalLM, "tiny-llama", tok), tok, tmp_path / "sft")
+    with pytest.raises(UserError, match="trained with --add_eot_token: pass --add_eot_token$"):
+        run("tiny-llama", sft)
+    run("tiny-llama", sft, "--add_eot_token")
 
 
 def test_a_step3_output_folder_is_its_actor_for_prompt_eval_and_refused_by_rw_eval(tmp_path, capsys):

@@ -165,8 +165,12 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     # The baseline's tokenizer encodes the prompts and decodes the answers of both models.
     differences = tokenizer_differences(tokenizer, load_tokenizer(args.model_name_or_path_finetune, args.add_eot_token))
     if differences:
+        fix = "pass a baseline of the fine-tuned model's family"
+        if not args.add_eot_token and not tokenizer_differences(load_tokenizer(args.model_name_or_path_baseline, True),
+                                                                load_tokenizer(args.model_name_or_path_finetune, True)):
+            fix = "the fine-tuned model was trained with --add_eot_token: pass --add_eot_token"
         raise UserError(f"the baseline's tokenizer, used for both models, is not the fine-tuned model's "
-                        f"({'; '.join(differences)}); pass a baseline of the fine-tuned model's family")
+                        f"({'; '.join(differences)}); {fix}")
     model_baseline = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_baseline, tokenizer, None)
     model_finetuned = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_finetune, tokenizer, None)
     model_baseline.to(device).eval()
