@@ -170,6 +170,13 @@ def _family(model: str) -> tuple[Any, Any]:
         return None, None
 
 
+def _read_here(model: str) -> bool:
+    """Whether ``model``'s config is read without the hub: a local folder or a short name."""
+    from dschat.models.registry import SHORT_NAMES  # lazy, as _family's: e2e's --help does not import it
+
+    return Path(model).expanduser().is_dir() or model in SHORT_NAMES
+
+
 #: Step 3's --num_padding_at_beginning when its recipe does not set it (upstream's, OPT's).
 STEP3_NUM_PADDING_DEFAULT = "1"
 
@@ -255,9 +262,11 @@ def build_steps(args: argparse.Namespace, dep: Deployment) -> list[StepRun]:
             params = {"actor_model": str(dirs[1]), "critic_model": str(dirs[2]),
                       "actor_zero_stage": args.actor_zero_stage, "critic_zero_stage": args.reward_zero_stage,
                       "output_dir": str(dirs[3])}
-            # the recipe's LoRA scopes and leading pads, where the models' families differ from them
-            extra += _lora_adjustments(recipe, model_id(args.actor_model), "actor_")
-            extra += _lora_adjustments(recipe, model_id(args.reward_model), "critic_")
+            # the recipe's LoRA scopes and leading pads, where the models' families differ from them (a
+            # listed recipe's hub ids are the recipe's own: no config is fetched for them)
+            for prefix, given in (("actor_", model_id(args.actor_model)), ("critic_", model_id(args.reward_model))):
+                if substitute or _read_here(given):
+                    extra += _lora_adjustments(recipe, given, prefix)
             if substitute:
                 note = f"no {dep.name} recipe names {args.actor_model!r}: using recipe {rid}"
             extra += step3_algorithm_flags(args) + step3_environment_flags(args)

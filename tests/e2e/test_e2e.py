@@ -141,6 +141,18 @@ def test_a_listed_actor_recipe_adapts_step_3_to_another_reward_model_family(conf
     assert step3.extra == ["--num_padding_at_beginning", "0"]
 
 
+def test_a_listed_recipe_fetches_no_config_for_its_own_hub_ids(config, tmp_path, monkeypatch):
+    """Upstream's 1.3b + 350m: the hub ids are the recipe's own models; no config is read for them (with
+    the hub online that is a download, offline and uncached a wait)."""
+    def no_lookup(model):
+        raise AssertionError(f"looked up {model}")
+
+    monkeypatch.setattr(E, "_family", no_lookup)
+    args = _args(config, "--actor-model", "1.3b", "--reward-model", "350m", "--output-dir", str(tmp_path))
+    step3 = E.build_steps(args, config.deployment("single_gpu"))[2]
+    assert step3.recipe.id == "opt/single_gpu/1.3b" and step3.extra == []
+
+
 def test_dry_run_without_gpu_picks_the_cpu_demo_and_says_so(tmp_path):
     proc = _e2e("--dry-run", "--output-dir", str(tmp_path), env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode == 0, proc.stderr
