@@ -66,3 +66,12 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     model, loaded as one)."""
     folder = Path(path)
     return (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / "config.json").is_file()
+
+
+def step3_part(path: str | os.PathLike, part: str) -> Path | None:
+    """``path/part`` (``actor`` or ``critic``) when ``path`` is a step-3 output root: a folder with no
+    ``config.json`` of its own whose ``part/`` holds one. Else None."""
+    folder = Path(path).expanduser()
+    if folder.is_dir() and not (folder / "config.json").exists() and (folder / part / "config.json").is_file():
+        return folder / part
+    return None

@@ -30,6 +30,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
 
 from dschat.errors import UserError, cli_main  # noqa: E402
 from dschat.eval.report import check_sampling  # noqa: E402  (torch-free: bad options fail in a blink)
+from dschat.paths import step3_part  # noqa: E402
 
 # bitsandbytes (imported by transformers) warns on AVX-512 CPUs without the optional `kernels`
 # package; that line is noise in an interactive tool.
@@ -50,10 +51,10 @@ def resolve_chat_folder(path: str) -> str:
     from dschat.models.registry import resolve_model_path
     from dschat.models.reward_model import is_reward_model_folder
 
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").exists() and (folder / "actor" / "config.json").exists():
-        print(f"(using the step-3 actor in {folder / 'actor'})", flush=True)
-        return str(folder / "actor")
+    actor = step3_part(path, "actor")
+    if actor is not None:
+        print(f"(using the step-3 actor in {actor})", flush=True)
+        return str(actor)
     resolved = resolve_model_path(path)
     if Path(resolved).is_dir() and is_reward_model_folder(resolved):
         raise UserError(

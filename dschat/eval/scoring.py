@@ -24,6 +24,7 @@ from dschat.models.reward_inputs import encode_for_reward, reward_max_length
 from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
                                         not_a_critic_message)
 from dschat.models.tokenizer import end_token_ids, generate_eos, load_hf_tokenizer, tokenizer_differences
+from dschat.paths import step3_part
 from dschat.rl_math.logprobs import gather_log_probs
 from dschat.runtime.zero3 import zero3_pass
 
@@ -50,15 +51,6 @@ def pick_device(name: str = "auto", flag: str = "--device") -> Any:
             raise UserError(f"{flag} {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
                             f"give one of those, {flag} cpu or {flag} auto")
     return device
-
-
-def step3_part(path: str | Path, part: str) -> Path | None:
-    """``path/part`` (``actor`` or ``critic``) when ``path`` is a step-3 output root: a folder with no
-    ``config.json`` of its own whose ``part/`` holds one. Else None."""
-    folder = Path(path).expanduser()
-    if folder.is_dir() and not (folder / "config.json").exists() and (folder / part / "config.json").is_file():
-        return folder / part
-    return None
 
 
 def check_not_step3_root(path: str | Path, flag: str) -> None:

@@ -47,6 +47,7 @@ from dschat.models.build import create_hf_model
 from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer
+from dschat.paths import step3_part
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
@@ -65,9 +66,10 @@ DECODING_ENGINES = ("auto", "dschat", "loop")  # --decoding_engine
 def resolve_actor(model: str) -> str:
     """The folder (or hub id) of the causal LM ``model`` names; one :class:`UserError` line otherwise."""
     folder = Path(model).expanduser()
+    actor = step3_part(folder, "actor")
+    if actor is not None:  # a step-3 output root
+        return str(actor)
     if folder.is_dir() and not (folder / "config.json").is_file():
-        if (folder / "actor" / "config.json").is_file():  # a step-3 output root
-            return str(folder / "actor")
         if not (folder / "adapter_config.json").is_file():
             raise UserError(f"{folder} is not a model folder (no config.json); pass a step-1 or step-3 actor "
                             "folder, a step-2 reward model, a PEFT adapter folder or a registry name (tiny-opt)")

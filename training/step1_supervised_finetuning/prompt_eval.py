@@ -139,11 +139,11 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     from transformers import AutoModelForCausalLM
 
     from dschat.errors import UserError
-    from dschat.eval.scoring import step3_part
     from dschat.models.build import create_hf_model
     from dschat.models.reward_model import is_reward_model_folder
     from dschat.models.tokenizer import tokenizer_differences
     from dschat.models.registry import resolve_model_path
+    from dschat.paths import step3_part
     from dschat.training.run_setup import quiet_transformers
     from dschat.training.step_data import load_tokenizer
 
