@@ -516,7 +516,7 @@ class ModeResult:
     train_s: float = 0.0
     optimizer_s: float = 0.0  # of train_s: inside the actor's and the critic's engine.step()
     steps: int = 0
-    scoring_passes: tuple[int, int] = (1, 2)  # per step: actor-shaped (reference; actor), critic-shaped passes
+    scoring_passes: tuple[int, int, int] = (1, 1, 1)  # per step: actor-shaped (reference; actor), reward, critic
     trace_invalidations: int = -1  # ZeRO-3 prefetch-trace invalidations in the measured steps (-1: not ZeRO-3)
     prompt_width: list[int] = field(default_factory=list)  # prompt columns fed per step
     peak_memory_bytes: int = 0
@@ -723,7 +723,7 @@ def run_mode(trainer: Any, batches: list, mode: str, steps: int, warmup: int, de
             exp = trainer.generate_experience(prompts, mask, i)
         finally:
             del passes.token_log_probs
-        result.scoring_passes = (actor_shaped["n"], reward_passes + critic_passes)
+        result.scoring_passes = (actor_shaped["n"], reward_passes, critic_passes)
         if profiler is not None:
             profiler.stop("scoring")
             profiler.start()
@@ -865,7 +865,8 @@ def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: in
         return sum(calculate_flops(factor, rows, cols, config) for rows, cols in shapes)
 
     exp_actor = [s.get("reference", p) for s, p in zip(exp_shapes, padded)]
-    exp_critic = [s.get("reward", s.get("critic", p)) for s, p in zip(exp_shapes, padded)]
+    exp_reward = [s.get("reward", p) for s, p in zip(exp_shapes, padded)]
+    exp_critic = [s.get("critic", p) for s, p in zip(exp_shapes, padded)]
     train_actor = [s.get("actor", [p]) for s, p in zip(train_shapes, padded)]
     train_critic = [s.get("critic", [p]) for s, p in zip(train_shapes, padded)]
     exp_tokens = slots(exp_actor)
@@ -873,11 +874,13 @@ def account(r: ModeResult, *, batch: int, answer_len: int, actor_param_bytes: in
     flops = sum(fwd_bwd(actor_factor, a, actor_config)
                 + (fwd_bwd(critic_factor, c, critic_config) if critic_config is not None else 0.0)
                 for a, c in zip(train_actor, train_critic))
-    # Scoring: forward passes only (factor 1), reward_config shaping the reward model.
-    actor_passes, critic_shaped = r.scoring_passes
-    exp_flops = sum(actor_passes * fwd_bwd(1.0, [a], actor_config)
-                    + critic_shaped * fwd_bwd(1.0, [c], reward_config or critic_config)
-                    for a, c in zip(exp_actor, exp_critic)) if (reward_config or critic_config) is not None else 0.0
+    # Scoring: forward passes only (factor 1), each model's pass at its own rows (the reward model's and
+    # the critic's differ where only one of them packs), reward_config shaping the reward model.
+    actor_passes, reward_passes, critic_passes = r.scoring_passes
+    shaped = reward_config or critic_config
+    exp_flops = sum(actor_passes * fwd_bwd(1.0, [a], actor_config) + reward_passes * fwd_bwd(1.0, [w], shaped)
+                    + critic_passes * fwd_bwd(1.0, [c], shaped)
+                    for a, w, c in zip(exp_actor, exp_reward, exp_critic)) if shaped is not None else 0.0
     gen_bytes = (actor_param_bytes * answer_len * n
                  + kv_bytes_per_position * sum(decode_kv_positions(batch, w, answer_len) for w in r.prompt_width))
     return Metrics(

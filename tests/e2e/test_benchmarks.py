@@ -40,7 +40,7 @@ def test_step3_accounting_by_hand():
     # Scoring: forward passes only (a third of a training pass each): by default the reference and
     # two critic-shaped passes (reward model, critic); the baseline adds the actor's.
     assert m.exp_flops == pytest.approx(3 * (flops(14) + flops(10)) / 3 / 1.0)
-    r.scoring_passes = (2, 1)
+    r.scoring_passes = (2, 1, 0)
     wide = SimpleNamespace(num_hidden_layers=2, hidden_size=16, vocab_size=32)
     m = bench.account(r, batch=2, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=None,
                       actor_factor=3.0, critic_factor=3.0, reward_config=wide)
@@ -62,7 +62,7 @@ def test_step3_accounting_counts_the_packed_slots_each_pass_computed():
         "actor": (2, 20), "reference": (2, 20), "reward": (4, 14)}
     assert bench.pass_shapes({"actor": True, "critic": False}, (4, 14), None, ("actor",)) == {"actor": (4, 14)}
     r = bench.ModeResult("ours", gen_s=1.0, exp_s=1.0, train_s=2.0, steps=1, prompt_width=[10],
-                         scoring_passes=(1, 2),
+                         scoring_passes=(1, 1, 1),
                          exp_shapes=[{"reference": (2, 20), "reward": (4, 14), "critic": (4, 14)}],
                          train_shapes=[{"actor": [(2, 20)], "critic": [(4, 14)]}])
     m = bench.account(r, batch=4, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=config,
@@ -71,6 +71,11 @@ def test_step3_accounting_counts_the_packed_slots_each_pass_computed():
     assert m.exp_tokens_per_s == pytest.approx(40 / 1.0) and m.train_tokens_per_s == pytest.approx(40 / 2.0)
     assert m.train_flops == pytest.approx((flops(3.0, 2, 20) + flops(3.0, 4, 14)) / 2.0)
     assert m.exp_flops == pytest.approx(flops(1.0, 2, 20) + 2 * flops(1.0, 4, 14))
+    # The reward model packs and the critic does not: each scoring pass at its own rows.
+    r.exp_shapes = [{"reference": (2, 20), "reward": (2, 20), "critic": (4, 14)}]
+    m = bench.account(r, batch=4, answer_len=4, actor_param_bytes=1000, actor_config=config, critic_config=config,
+                      actor_factor=3.0, critic_factor=3.0)
+    assert m.exp_flops == pytest.approx(2 * flops(1.0, 2, 20) + flops(1.0, 4, 14))
 
 
 def test_step3_generation_bandwidth_counts_the_kv_cache_reads():
