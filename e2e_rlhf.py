@@ -563,14 +563,12 @@ def flags_difference(before: Sequence[str], now: Sequence[str]) -> str | None:
 
 def earlier_checkpoints(run_: StepRun) -> Path | None:
     """``run_``'s ``checkpoints/`` folder when it holds checkpoints of an earlier run, which the step
-    refuses to start afresh beside (:func:`~dschat.training.checkpoint.prepare_checkpoint_root`: a
-    complete one, or a ``step_<N>`` that dschat did not begin); else None. Nothing is changed."""
-    from dschat.training.rotation import TMP_PREFIX, begun_by_dschat, complete_checkpoints, incomplete_checkpoints
+    refuses to start afresh beside (the step's own rule,
+    :func:`~dschat.training.rotation.earlier_run_checkpoints`); else None. Nothing is changed."""
+    from dschat.training.rotation import earlier_run_checkpoints
 
     root = run_.output_dir / "checkpoints"
-    found = complete_checkpoints(root) or [p for p in incomplete_checkpoints(root)
-                                           if not p.name.startswith(TMP_PREFIX) and not begun_by_dschat(p)]
-    return root if found else None
+    return root if earlier_run_checkpoints(root) else None
 
 
 def _delete_first(runs: Sequence[StepRun], always: Path | None = None) -> str:
@@ -635,14 +633,14 @@ def check_earlier_checkpoints(args: argparse.Namespace, fresh: Sequence[StepRun]
     """The steps of ``fresh`` (to be trained from the start) find no checkpoints of an earlier run in
     their output folders, which each would refuse when it starts; else one :class:`UserError` line,
     before step 1, naming every such folder and what to do."""
-    found = [str(root) for root in map(earlier_checkpoints, fresh) if root is not None]
-    if not found:
+    roots = {r.number: root for r in fresh if (root := earlier_checkpoints(r)) is not None}
+    if not roots:
         return
-    numbers = [str(r.number) for r in fresh if earlier_checkpoints(r) is not None]
+    found, numbers = [str(root) for root in roots.values()], [str(number) for number in roots]
     steps = (f"step {numbers[0]} refuses" if len(numbers) == 1
              else f"steps {', '.join(numbers[:-1])} and {numbers[-1]} refuse")
     resume = "" if args.resume else "pass --resume to continue that run, or "
-    if args.resume and any(r.number == 3 for r in fresh if earlier_checkpoints(r) is not None):
+    if args.resume and 3 in roots:
         resume = "step 3 trains afresh on the models of the step 1 or 2 that runs again; "
     raise UserError(f"found checkpoints of an earlier run in {' and '.join(found)}, which {steps} to train afresh "
                     f"beside; {resume}delete {'them' if len(found) > 1 else 'it'} to start over, or pass another "

@@ -66,8 +66,8 @@ from dschat.runtime.fs import (_disk_full_is_a_user_error, atomic_file, foreign_
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG,
-                                      checkpoint_name, complete_checkpoints, foreign_checkpoints,
-                                      incomplete_checkpoints, is_foreign, latest_checkpoint, next_sequence,
+                                      checkpoint_name, complete_checkpoints, earlier_run_checkpoints,
+                                      foreign_checkpoints, is_foreign, latest_checkpoint, next_sequence,
                                       prune_leftovers, prune_rotated, protected_problem, put_back,
                                       replaces_protected, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.rotation import steps_of as _steps_of
@@ -204,8 +204,7 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
     elsewhere = bool(source) and not _is_parent(root, Path(source))
     fresh = not getattr(args, "resume", False) and (not source or elsewhere)
     # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
-    earlier = fresh and bool(complete_checkpoints(root) or [
-        p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX)])
+    earlier = fresh and bool(earlier_run_checkpoints(root))
     refuse_unless_all(not earlier, f"found checkpoints of an earlier run in {root}" + (
         f", and --resume_from {source} is not one of them" if elsewhere else ""),
         ("pass another --output_dir, --resume_from one of those" if elsewhere else "pass --resume to continue that run")

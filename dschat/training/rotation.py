@@ -162,6 +162,19 @@ def foreign_checkpoints(root: Path) -> list[Path]:
     return [p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX) and is_foreign(p)]
 
 
+def earlier_run_checkpoints(root: Path) -> list[Path]:
+    """The checkpoints of an earlier run under ``root`` that a fresh run refuses to start beside, as
+    start-up leaves them (:func:`restore_replaced`, :func:`retire_incomplete`): the complete ones, a
+    complete ``step_<N>.replaced-*`` copy (kept as ``step_<N>`` when it is the complete one), and each
+    ``step_<N>`` that dschat did not begin (one it began and never completed is retired). Reads only,
+    so it gives the same answer before start-up (e2e, before a step runs) as after it (the step)."""
+    if not root.is_dir():
+        return []
+    asides = [p for p in sorted(root.glob(f"{PREFIX}*{REPLACED_TAG}*")) if (p / MARKER).is_file()]
+    return complete_checkpoints(root) + asides + [
+        p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX) and not begun_by_dschat(p)]
+
+
 def retire_incomplete(root: Path) -> list[str]:
     """Rename each ``step_<N>`` that dschat began and never marked complete (a run stopped after
     renaming it in, before marking it) to a ``.tmp-*`` leftover, which :func:`prune_leftovers` then

@@ -742,6 +742,24 @@ def test_checkpoints_of_an_earlier_run_stop_e2e_before_step_1(tmp_path, capsys):
     assert "Running Step" not in captured.out
 
 
+def test_a_checkpoint_set_aside_while_it_was_replaced_stops_e2e_before_step_1(tmp_path, capsys):
+    """A kill while a save replaced step_<N> leaves the complete copy as step_<N>.replaced-*, which the
+    step restores at start-up and then refuses to train afresh beside: e2e sees it before step 1."""
+    from dschat.training.rotation import MARKER, REPLACED_TAG, checkpoint_name
+
+    models = [*_CPU_TINY, "--output-dir", str(tmp_path), "--step", "2"]
+    args = E.parse_args(models, E.load_e2e_config())
+    step2 = E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))[1]
+    aside = step2.output_dir / "checkpoints" / f"{checkpoint_name(2)}{REPLACED_TAG}1a2b3c4d"
+    aside.mkdir(parents=True)
+    (aside / MARKER).write_text("{}")
+    assert E._entry(["--dry-run", *models]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: found checkpoints of an earlier run in {aside.parent}, which step 2 "
+                                   "refuses"), captured.err
+    assert "Running Step" not in captured.out and aside.is_dir()
+
+
 def test_a_folder_where_e2e_keeps_its_records_is_refused_before_any_step(tmp_path, capsys):
     (tmp_path / E.STEPS_FILE).mkdir()
     assert E._entry([*_CPU_TINY, "--step", "1", "--output-dir", str(tmp_path)]) == 2
