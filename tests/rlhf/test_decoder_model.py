@@ -37,6 +37,9 @@ def tiny_config(name: str) -> T.PretrainedConfig:
         "gemma": lambda: T.GemmaConfig(**_COMMON, intermediate_size=128, num_key_value_heads=1, head_dim=16),
         "opt": lambda: T.OPTConfig(**_COMMON, ffn_dim=128, word_embed_proj_dim=64),
         "opt-350m-quirks": lambda: T.OPTConfig(**_COMMON, ffn_dim=128, word_embed_proj_dim=32, do_layer_norm_before=False),
+        # LayerNorms without weight or bias: the final one is applied all the same
+        "opt-no-affine": lambda: T.OPTConfig(**_COMMON, ffn_dim=128, word_embed_proj_dim=64,
+                                             layer_norm_elementwise_affine=False),
         "gpt_neox": lambda: T.GPTNeoXConfig(**_COMMON, intermediate_size=128, rotary_pct=0.25),
         "gpt_neox-serial": lambda: T.GPTNeoXConfig(**_COMMON, intermediate_size=128, use_parallel_residual=False),
     }
@@ -46,7 +49,7 @@ def tiny_config(name: str) -> T.PretrainedConfig:
 
 
 FAMILIES = ["llama", "llama-yarn", "llama-tied", "mistral", "qwen2", "qwen3", "phi3", "gemma", "opt",
-            "opt-350m-quirks", "gpt_neox", "gpt_neox-serial"]
+            "opt-350m-quirks", "opt-no-affine", "gpt_neox", "gpt_neox-serial"]
 
 
 def _model(name: str, seed: int = 0):

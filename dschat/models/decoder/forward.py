@@ -85,7 +85,7 @@ class DecodeModel:
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """(B, E) last hidden states -> (B, V) logits in the weights' dtype."""
         w = self.weights
-        if w.final_norm_w is not None or w.final_norm_b is not None:
+        if self.spec.final_norm:  # a LayerNorm without elementwise affine has neither weight nor bias
             x = self._norm(x, w.final_norm_w, w.final_norm_b)
         if w.project_out is not None:
             x = F.linear(x, w.project_out)
