@@ -764,6 +764,31 @@ def test_a_checkpoints_generation_config_does_not_shape_the_rollouts():
     assert seen[0].eos_token_id == theirs.eos_token_id and model.generation_config is theirs
 
 
+def test_dschat_engine_asked_for_a_family_it_does_not_cover_falls_back_in_one_line(capsys):
+    """``use_dschat_engine`` set on the generator (benchmarks/step3.py's engine modes do) for a family
+    outside the decode model's table: the module path decodes, after one line saying why."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from dschat.models.decoder.layouts import unsupported_reason
+    from dschat.models.tokenizer import load_hf_tokenizer
+    from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME
+
+    torch.manual_seed(0)
+    tok = load_hf_tokenizer("tiny-llama")
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=len(tok),
+                                                        n_positions=128, bos_token_id=tok.bos_token_id,
+                                                        eos_token_id=tok.eos_token_id)).eval()
+    gen = RolloutGenerator(_PlainEngine(model), tok, decision=HybridEngineDecision(False, False),
+                           decoding=DecodingSettings("greedy"), max_answer_seq_len=4, zero_stage=0)
+    plain = gen.rollout(PROMPTS, PROMPT_MASK).sequences
+    gen.use_dschat_engine = True
+    assert torch.equal(gen.rollout(PROMPTS, PROMPT_MASK).sequences, plain) and gen.last_loop == "dschat"
+    assert gen.engine is None and gen.fallback is not None and gen.fallback.path == "dschat-he"
+    assert gen.fallback.reason == (f"{ENGINE_NAME}: not used ({unsupported_reason(model.config)}); "
+                                   "decoding with the training module")
+    assert capsys.readouterr().out.count(gen.fallback.reason) == 1
+
+
 def test_decoding_settings_generation_config_holds_only_the_rollout_settings():
     from transformers import GenerationConfig
 

@@ -337,6 +337,9 @@ class DschatEnginePath(DecodingPath):
     def _why_not(self, request: RolloutRequest) -> str | None:
         """None when dschat's Hybrid Engine can decode this rollout, else why not (one line)."""
         gen = self.gen
+        family = unsupported_reason(gen.actor.module.config)  # use_dschat_engine may be set by hand
+        if family is not None:
+            return family
         if set(gen.extra_generate_kwargs) - {"min_new_tokens"}:
             return f"{sorted(gen.extra_generate_kwargs)} need Hugging Face generate()"
         if gen.zero_stage == 3 and not request.tensor_parallel and not should_gather(gen):
