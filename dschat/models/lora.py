@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from dschat.errors import UserError, first_line
 from dschat.models.families import family_of
@@ -375,6 +376,11 @@ def convert_linear_layer_to_lora(model: nn.Module,
     names = [name for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and any(p in name for p in patterns)]
     if not names:
+        conv = [n for n, m in model.named_modules() if isinstance(m, Conv1D) and any(p in n for p in patterns)]
+        if conv:  # GPT-2: upstream's LoRA matched nothing there and trained no LoRA
+            raise UserError(f"--lora_module_name {patterns} matches only transformers Conv1D layers (GPT-2's, like "
+                            f"{conv[0]}), which dschat's LoRA, upstream's LinearLayer_LoRA, does not wrap; train this "
+                            "model without LoRA (its LoRA dim 0)")
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         raise UserError(f"--lora_module_name {patterns} matches no nn.Linear layer; "
                         f"Linear layers are named like {linears[:3]}")

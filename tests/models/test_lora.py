@@ -209,6 +209,22 @@ def test_convert_with_no_match_is_a_user_error():
         convert_linear_layer_to_lora(tiny_opt(), "transformer.h.", lora_dim=2)
 
 
+def test_convert_on_gpt2s_conv1d_layers_says_they_are_not_wrapped():
+    """GPT-2's block projections are transformers Conv1D, not nn.Linear: one line saying so (it named
+    lm_head, tied to the embeddings, as the layer to match), nothing converted."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from dschat.models.lora import lora_target_modules_for
+
+    model = AutoModelForCausalLM.from_config(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64))
+    with pytest.raises(UserError) as err:
+        convert_linear_layer_to_lora(model, lora_target_modules_for(model), lora_dim=2)
+    assert str(err.value) == ("--lora_module_name ['h.'] matches only transformers Conv1D layers (GPT-2's, like "
+                              "transformer.h.0.attn.c_attn), which dschat's LoRA, upstream's LinearLayer_LoRA, does "
+                              "not wrap; train this model without LoRA (its LoRA dim 0)")
+    assert lora_names(model) == []
+
+
 def test_convert_refuses_a_tied_lm_head_before_changing_anything():
     """OPT's lm_head shares the input embeddings' weight: a LoRA layer on it would freeze the embeddings
     (even without --only_optimize_lora) and its fuse would change them, so rollouts decoded a model that
