@@ -42,6 +42,7 @@ from torch import nn
 from dschat.errors import UserError, cli_main
 from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_lora_adapter
 from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
+from dschat.models.tokenizer import save_tokenizer
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.runtime.dist import barrier, gather_ints
 from dschat.runtime.inplace import STAGING_PREFIX, mark_set, recover_in_place, save_in_place, unmark_set
@@ -243,7 +244,7 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
                 _write(module, state, tmp)
             if save_format != "safetensors":
                 _write_upstream_bin(module, state, tmp)
-            tokenizer.save_pretrained(tmp)
+            save_tokenizer(tokenizer, tmp)
             if adapter is not None:
                 write_lora_adapter(adapter, tmp / ADAPTER_DIR, tokenizer)
     barrier()

@@ -146,6 +146,27 @@ def test_saved_causal_lm_reloads_with_identical_logits(tmp_path):
     assert isinstance(gen("Owls", max_new_tokens=3, do_sample=False)[0]["generated_text"], str)
 
 
+def test_saved_tokenizer_json_keeps_no_truncation_from_tokenizing_the_data(tmp_path):
+    """Building the data cache calls the tokenizer with ``max_length`` and ``truncation=True``, which
+    stays set on the fast tokenizer's backend: the saved tokenizer.json (the model's and its LoRA
+    adapter's) must not carry it, or a ``tokenizers`` reader cuts every text at that length."""
+    from tokenizers import Tokenizer
+
+    from dschat.models.lora import convert_linear_layer_to_lora
+
+    tok = load_hf_tokenizer("tiny-opt")
+    model = convert_linear_layer_to_lora(create_hf_model(AutoModelForCausalLM, "tiny-opt", tok), "decoder.layers.", 2)
+    tok(["owls " * 50], max_length=8, truncation=True, padding="max_length")
+    assert tok.backend_tokenizer.truncation is not None  # what the data cache's tokenisation leaves
+    out = save_hf_model(model, tok, tmp_path / "actor")
+    text = "owls " * 50
+    for folder in (out, out / "lora_adapter"):
+        saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        assert saved.truncation is None and saved.padding is None
+        assert saved.encode(text).ids == tok(text).input_ids
+    assert tok(text, max_length=8, truncation=True).input_ids == tok(text).input_ids[:8]  # still truncates on call
+
+
 def test_lora_is_fused_into_the_saved_weights(tmp_path):
     from dschat.models.lora import convert_linear_layer_to_lora
 
