@@ -588,15 +588,23 @@ def test_resume_reproduces_the_evaluation_records_and_the_best_checkpoint(ppo_ru
     uninterrupted run's."""
     root, argv, evaluated = ppo_runs["root"], ppo_runs["argv"], ppo_runs["evaluated"]
     main = step3_main().main
+    tb = ("--enable_tensorboard", "--tensorboard_path", str(root / "resumed-tb"))
     crash_after_checkpoint(monkeypatch, optimizer_steps=2)
     with pytest.raises(Interrupted):
-        main(argv(root / "resumed", *evaluated))
+        main(argv(root / "resumed", *evaluated, *tb))
     monkeypatch.undo()
     full = ppo_runs["with"].evaluations
     first = [x for x in _eval_lines(root / "resumed") if x.get("kind") == "eval"]
     assert _untimed(first) == _untimed(full[:2])  # same seed, same records (determinism)
-    resumed = main(argv(root / "resumed", *evaluated, "--resume"))
+    resumed = main(argv(root / "resumed", *evaluated, *tb, "--resume"))
     assert _untimed(resumed.evaluations) == _untimed(full[2:])
+    # TensorBoard: the resume purges step 2 on, the checkpoint's evaluation at step 2 included, and
+    # logs that evaluation again: every evaluation shows once.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(root / "resumed-tb" / "step3_tensorboard_logs")).Reload()
+    assert [(e.step, e.value) for e in events.Scalars("eval/proxy")] == [
+        (r["global_step"], pytest.approx(r["proxy"])) for r in full]
     lines, want = _eval_lines(root / "resumed"), _eval_lines(root / "with")
     assert [(x.get("kind"), x["global_step"]) for x in lines] == [(x.get("kind"), x["global_step"]) for x in want]
     assert _untimed(x for x in lines if x.get("kind")) == _untimed(x for x in want if x.get("kind"))

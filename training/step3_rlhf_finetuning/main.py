@@ -330,7 +330,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         resume_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step, checkpointer.resumed)
     if resumed is not None:  # TensorBoard hides what the killed attempt logged after the checkpoint
         tb.resume_at(counters.global_step)
-    evaluation.restore(resumed)  # the evaluation series, best checkpoint and alarm go on
+    evaluation.restore(resumed, at_step=counters.global_step)  # its series, best checkpoint and alarm go on
 
     # ---------------------------------------------------------------- PPO loop
     run = run_ppo(args, ctx, trainer, prompt_loader, unsup_loader, checkpointer=checkpointer, counters=counters,

@@ -176,6 +176,7 @@ class StepThreeEvaluation:
         self.run_id: str | None = None  # set by restore: a fresh run's, or the checkpoint's; in best.json
         self.alarms: list[dict[str, object]] = []
         self.records: list[dict[str, object]] = []  # the evaluations made by this process
+        self.logged: list | None = None  # [step, tracker scalars] of the last evaluation (a resume logs it again)
         self.should_stop = False
         self.eval_seconds = 0.0
         self.save_seconds = 0.0
@@ -206,7 +207,7 @@ class StepThreeEvaluation:
         return {"history": [{"step": p.step, "proxy": list(p.proxy), "judges": {k: list(v) for k, v in p.judges.items()}}
                             for p in self.history],
                 "best": self.best, "alarms": self.alarms, "next_step": self.next_step, "run": self.run_id,
-                "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started]}
+                "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started], "logged": self.logged}
 
     def attach(self, position: TrainingPosition) -> TrainingPosition:
         """``position`` (a :class:`~dschat.training.checkpoint.TrainingPosition`) carrying this state."""
@@ -214,10 +215,11 @@ class StepThreeEvaluation:
             position.extra["evaluation"] = self.state()
         return position
 
-    def restore(self, position: TrainingPosition | None) -> None:
+    def restore(self, position: TrainingPosition | None, at_step: int | None = None) -> None:
         """Continue the series, best evaluation and alarms of the checkpoint a run resumes from
         (``position``; None: nothing to resume), and its run id (a fresh run draws one; ``best.json``
-        records it). Best models already in ``best/`` that score higher (by the same series and run)
+        records it). Its evaluation at ``at_step`` (the resumed run's first step) is logged to the
+        trackers again: TensorBoard's purge at that step hides the earlier attempt's. Best models already in ``best/`` that score higher (by the same series and run)
         stay the best so far: after a roll back to an earlier checkpoint, or a kill between their save
         and the next checkpoint, only a better evaluation replaces them. A run with no evaluation to
         continue, or whose ``best/`` another run saved, sets that ``best/`` aside first (rank 0).
@@ -227,6 +229,8 @@ class StepThreeEvaluation:
         state = position.extra.get("evaluation") if position is not None else None
         if state:
             self._restore_state(state)
+            if self.tb is not None and self.logged is not None and self.logged[0] == at_step:
+                self.tb.scalars(at_step, **self.logged[1])
         best_dir = self.output_dir / BEST_DIR if self.output_dir is not None else None
         # rank 0's fresh id and reading of best/: every rank takes them
         drawn, on_disk, present = gather_json(
@@ -275,6 +279,7 @@ class StepThreeEvaluation:
         self.should_stop = bool(self.alarms) and self.config.stop_on_overoptimization
         self.eval_seconds, self.save_seconds, wall = state["seconds"]
         self.next_step = state.get("next_step")  # auto: the evaluation the interrupted run scheduled
+        self.logged = state.get("logged")  # None in a checkpoint of a dschat that kept none
         self.started = time.time() - wall
 
     # ------------------------------------------------------------------ the evaluation
@@ -544,9 +549,10 @@ class StepThreeEvaluation:
             print_rank_0(f"[eval] step {record['global_step']}: the mean of {', '.join(bad)} is not finite (a score "
                          "was NaN or inf): this evaluation counts neither for the best checkpoint nor for the "
                          "over-optimization alarm", self.rank)
+        scalars = {f"eval/{k}": record[k] for k in ("proxy", "kl_to_ref", "response_length", "eos_rate", "entropy")}
+        scalars.update({f"eval/judge/{name}": value for name, value in record["judges"].items()})
+        self.logged = [record["global_step"], scalars]
         if self.tb is not None:
-            scalars = {f"eval/{k}": record[k] for k in ("proxy", "kl_to_ref", "response_length", "eos_rate", "entropy")}
-            scalars.update({f"eval/judge/{name}": value for name, value in record["judges"].items()})
             self.tb.scalars(record["global_step"], **scalars)
         if self.output_dir is not None and self.rank == 0:
             path = self.output_dir / METRICS_FILE
