@@ -58,7 +58,6 @@ from transformers.pytorch_utils import Conv1D
 from dschat.errors import UserError, first_line
 from dschat.models.lora import FIX_ADAPTER_CONFIG, check_lora_settings, untie_weights
 from dschat.models.reward_model import VALUE_HEAD_KEY
-from dschat.models.tokenizer import save_tokenizer
 from dschat.paths import ADAPTER_CONFIG_FILE, VALUE_HEAD_FILE, is_adapter_folder
 from dschat.runtime.zero3 import full_shape, gathered, release_zero3_prefetch
 
@@ -313,7 +312,7 @@ def write_lora_adapter(export: AdapterExport, folder: str | Path, tokenizer: Any
     if export.value_head is not None:
         save_file({VALUE_HEAD_KEY: export.value_head}, str(folder / VALUE_HEAD_FILE))
     if tokenizer is not None:
-        save_tokenizer(tokenizer, folder)
+        tokenizer.save_pretrained(str(folder))
     (folder / "README.md").write_text(_card(export), encoding="utf-8")
     return folder
 

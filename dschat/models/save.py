@@ -42,7 +42,6 @@ from torch import nn
 from dschat.errors import UserError, cli_main
 from dschat.models.peft_adapter import ADAPTER_DIR, gather_lora_adapter, write_lora_adapter
 from dschat.models.reward_model import VALUE_HEAD_FILE, VALUE_HEAD_KEY, RewardModel
-from dschat.models.tokenizer import save_tokenizer
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE
 from dschat.runtime.dist import barrier, gather_ints
 from dschat.runtime.inplace import STAGING_PREFIX, mark_set, recover_in_place, save_in_place, unmark_set
@@ -244,11 +243,23 @@ def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_forma
                 _write(module, state, tmp)
             if save_format != "safetensors":
                 _write_upstream_bin(module, state, tmp)
-            save_tokenizer(tokenizer, tmp)
+            clear_call_state(tokenizer)  # before the model's tokenizer files and the adapter's
+            tokenizer.save_pretrained(tmp)
             if adapter is not None:
                 write_lora_adapter(adapter, tmp / ADAPTER_DIR, tokenizer)
     barrier()
     return output_dir if state is not None else None
+
+
+def clear_call_state(tokenizer: Any) -> None:
+    """Clear the truncation and padding a call such as ``tokenizer(texts, max_length=N,
+    truncation=True)`` leaves set on a fast tokenizer's backend, before the tokenizer is saved: in
+    ``tokenizer.json`` they would cut every text a ``tokenizers`` reader encodes at N. Both are
+    call-time state (transformers sets or clears them on every call): the tokenizer works as before."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        backend.no_truncation()
+        backend.no_padding()
 
 
 @contextlib.contextmanager

@@ -192,17 +192,5 @@ def generate_eos(end_ids: Sequence[int]) -> int | list[int] | None:
     return end_ids[0] if len(end_ids) == 1 else list(end_ids)
 
 
-def save_tokenizer(tokenizer: Any, folder: str | Path) -> None:
-    """``tokenizer.save_pretrained(folder)`` without the truncation and padding a call such as
-    ``tokenizer(texts, max_length=N, truncation=True)`` leaves set on a fast tokenizer's backend: saved,
-    ``tokenizer.json`` would cut every text a ``tokenizers`` reader encodes at N. Both are call-time
-    state (transformers sets or clears them on every call), so the tokenizer in use is unchanged."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is not None:
-        backend.no_truncation()
-        backend.no_padding()
-    tokenizer.save_pretrained(str(folder))
-
-
 # Upstream's older name.
 get_tokenizer = load_hf_tokenizer
