@@ -17,6 +17,7 @@ from dschat.data.cache import check_data_output_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
+from dschat.models.reward_model import is_reward_model_folder
 from dschat.models.save import is_model_artifact
 from dschat.paths import METRICS_FILE, STARTED_FILE_VAR
 from dschat.remote_reward import worst_case_seconds
@@ -116,13 +117,18 @@ def model_outputs(args: argparse.Namespace) -> ModelOutputs:
 
 
 def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_name_or_path",),
-                outputs: ModelOutputs | None = None) -> None:
+                outputs: ModelOutputs | None = None, causal_lm: bool = True) -> None:
     """Bad model and dataset paths fail here: before distributed start-up, before anything is loaded
-    or written (the rows themselves are checked when the data is read, still before any model). No
+    or written (the rows themselves are checked when the data is read, still before any model). With
+    ``causal_lm`` (a step that trains a language model from them), a reward model (a step-2 output or
+    a sequence classifier: no language-model head, so one would be drawn at random) is refused. No
     model is saved over an input model (:func:`refuse_saving_over_inputs`; ``outputs`` default:
     :func:`model_outputs`)."""
     for flag in model_flags:
-        resolve_model_path(getattr(args, flag))
+        name = getattr(args, flag)
+        if causal_lm and is_reward_model_folder(resolve_model_path(name)):
+            raise UserError(f"--{flag} {name} is a reward model (a step-2 output or a sequence classifier), which "
+                            "has no language-model head; pass a causal LM: a base model or a step-1 output")
     for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
         resolve_dataset(name)
     refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags},

@@ -213,3 +213,25 @@ def test_a_linked_critic_folder_stays_with_a_notice(tmp_path):
     assert set_unsaved_models_aside(tmp_path / "out", ["critic"], []) == [
         f"{tmp_path / 'out' / 'critic'} is a link, left as it is: the model it leads to is not this run's"]
     assert (tmp_path / "out" / "critic").is_symlink() and (tmp_path / "elsewhere" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("step", ["step1", "dpo", "step3"])
+def test_a_reward_model_as_the_causal_lm_is_refused_before_anything_loads(step, tmp_path, critic_dirs, data_cache,
+                                                                          capsys):
+    """A step-2 output has no language-model head: as step 1's or DPO's model or step 3's actor, one was
+    drawn at random (separately for DPO's policy and reference) and the run trained on it."""
+    reward = critic_dirs["tiny-llama"]
+    out = tmp_path / "out"
+    if step == "step3":
+        argv = step3_argv("tiny-llama", reward, data_cache, "--output_dir", str(out))
+        argv[argv.index("--actor_model_name_or_path") + 1] = str(reward)
+        line, flag = refused_in_process(argv, capsys), "--actor_model_name_or_path"
+    else:
+        code = cli_main(load_script(step).main, base_argv(str(reward), tmp_path / "data", "--output_dir", str(out)))
+        err = capsys.readouterr().err
+        assert code == EXIT_USAGE and "Traceback" not in err
+        [line] = [line for line in err.splitlines() if line.startswith("error: ")]
+        flag = "--model_name_or_path"
+    assert line == (f"error: {flag} {reward} is a reward model (a step-2 output or a sequence classifier), which has "
+                    "no language-model head; pass a causal LM: a base model or a step-1 output")
+    assert not out.exists()

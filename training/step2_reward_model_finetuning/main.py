@@ -71,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     from dschat.training.loop import finish_run, train_epochs
 
     args = parse_args(argv)
-    check_paths(args)  # before distributed start-up: bad paths fail in seconds
+    check_paths(args, causal_lm=False)  # before distributed start-up: bad paths fail in seconds
     check_seq_len_fits_positions(args.model_name_or_path, args.max_seq_len)  # from the config, before any weight
     ctx = setup_run(args)
     tb = Trackers.from_args(args, "step2_model_dschat", run_name="step2")  # before any model (a missing extra: exit 2)
