@@ -39,7 +39,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
     if args.num_warmup_steps < 0:
         raise UserError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
     check_learning_rates(args, ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
-                                "critic_lora_learning_rate"))
+                                "critic_lora_learning_rate", "actor_weight_decay", "critic_weight_decay"))
     check_dropouts(args, ("actor_dropout", "critic_dropout"))
     check_ppo_numbers(args)
     if args.enable_test_mode and args.test_stop_step < 0:

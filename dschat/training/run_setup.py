@@ -30,9 +30,10 @@ from dschat.training.loaders import set_random_seed
 
 
 def check_learning_rates(args: object, names: Iterable[str]) -> None:
-    """One line for the first flag of ``names`` (attributes of ``args``; a missing one is skipped)
-    that is not a finite number >= 0 (torch's optimizers refuse a negative rate only once the model
-    is built, and a negative LoRA rate trains without an error)."""
+    """One line for the first flag of ``names`` (learning rates and weight decays: attributes of
+    ``args``; a missing one is skipped) that is not a finite number >= 0 (torch's optimizers refuse a
+    negative rate only once the model is built, and a negative LoRA rate or weight decay, or a NaN
+    one, trains without an error until the loss is NaN)."""
     for name in names:
         value = getattr(args, name, None)
         if value is not None and not (math.isfinite(value) and value >= 0):
@@ -70,7 +71,7 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")
-    check_learning_rates(args, ("learning_rate", "lora_learning_rate"))
+    check_learning_rates(args, ("learning_rate", "lora_learning_rate", "weight_decay"))
     check_dropouts(args, ("dropout",))
     if getattr(args, "offload", False):
         check_optimizer_offload(args.zero_stage, "--zero_stage")

@@ -24,7 +24,8 @@ def _step1_args(*argv: str) -> argparse.Namespace:
 
 
 @pytest.mark.parametrize("flag, value", [("--learning_rate", "-1"), ("--learning_rate", "nan"),
-                                         ("--learning_rate", "inf"), ("--lora_learning_rate", "-0.5")])
+                                         ("--learning_rate", "inf"), ("--lora_learning_rate", "-0.5"),
+                                         ("--weight_decay", "nan"), ("--weight_decay", "-1")])
 def test_step_learning_rates_are_finite_and_not_negative(flag, value):
     from dschat.training.run_setup import check_common_args
 
@@ -46,6 +47,8 @@ def test_step_dropout_is_a_probability_below_1(value):
     ("--actor_lora_learning_rate", "-1", "--actor_lora_learning_rate must be a finite number >= 0"),
     ("--critic_lora_learning_rate", "nan", "--critic_lora_learning_rate must be a finite number >= 0"),
     ("--actor_learning_rate", "inf", "--actor_learning_rate must be a finite number >= 0"),
+    ("--actor_weight_decay", "-0.1", "--actor_weight_decay must be a finite number >= 0"),
+    ("--critic_weight_decay", "nan", "--critic_weight_decay must be a finite number >= 0"),
     ("--critic_dropout", "1", r"--critic_dropout must be in \[0, 1\)"),
 ])
 def test_step3_learning_rates_and_dropouts(flag, value, message):
