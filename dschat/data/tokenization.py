@@ -66,6 +66,21 @@ def comparable_pairs(chosen: TokenRows, rejected: TokenRows) -> torch.Tensor:
     return ((c_first >= 0) & (c_first == r_first) & (longest >= 2)).nonzero().flatten()
 
 
+def identical_pairs(chosen: TokenRows, rejected: TokenRows) -> int:
+    """How many pairs have the same tokens on both sides (a duplicate, or two answers the length cut
+    made equal)."""
+    lengths = chosen.lengths()
+    same = (lengths == rejected.lengths()).nonzero().flatten()
+    if same.numel() == 0:
+        return 0
+    n = lengths[same]
+    pair = torch.repeat_interleave(torch.arange(same.numel()), n)  # each compared token's pair
+    within = torch.arange(int(n.sum())) - torch.repeat_interleave(n.cumsum(0) - n, n)
+    differ = (chosen.ids[chosen.offsets[same][pair] + within].long()
+              != rejected.ids[rejected.offsets[same][pair] + within].long())
+    return int((torch.zeros(same.numel(), dtype=torch.long).index_add_(0, pair, differ.long()) == 0).sum())
+
+
 def _check_pad(tokenizer: Any) -> int:
     if tokenizer.pad_token_id is None:
         raise UserError(
@@ -119,6 +134,12 @@ def create_dataset_split(
                   "chosen and rejected tokens differ at the first position (or are one token each), so the "
                   "pairwise loss has no shared prompt to compare them after; give every pair a prompt, or use "
                   "a tokenizer that starts every text with a BOS token")
+        same = identical_pairs(chosen, rejected)
+        if same:
+            print(f"Note: {same} of {len(result)} pairs of {raw_dataset.dataset_name} have the same tokens chosen "
+                  f"and rejected (duplicates, or cut equal at --max_seq_len {max_seq_len}): kept, as upstream, they "
+                  "add a constant to the loss and count as wrong in the accuracy; a longer --max_seq_len keeps "
+                  "answers that differ late apart")
     elif train_phase == 3:
         found = [(at, p) for at, p in enumerate(map(raw_dataset.get_prompt, current_dataset)) if p is not None]
         rows = _tokenize(tokenizer, [p for _, p in found], None) if found else TokenRows.empty()

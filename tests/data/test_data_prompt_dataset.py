@@ -165,6 +165,24 @@ def test_phase2_drops_and_counts_pairs_without_a_shared_first_token(capsys):
     assert torch.isfinite(RewardModel(transformers.LlamaModel(config), tok)(**batch)["loss"])
 
 
+def test_phase2_counts_pairs_whose_two_sides_are_the_same_tokens(capsys):
+    """A duplicate answer, or two answers that differ only after --max_seq_len: kept (as upstream) and
+    counted in one note, which says why the accuracy cannot reach 1."""
+    tok = make_tokenizer()
+    rows = [{"prompt": " Human: q? Assistant:", "chosen": " yes", "rejected": " yes"},  # a duplicate
+            {"prompt": " Human: q? Assistant:", "chosen": " yes" + " cat" * 40 + " a",
+             "rejected": " yes" + " cat" * 40 + " b"},  # cut equal at 32 tokens
+            {"prompt": " Human: q? Assistant:", "chosen": " yes", "rejected": " no"}]
+    ds = create_dataset_split(rows, adapter_for(rows), 2, tok, EOT, 32)
+    same = [torch.equal(ds[i].chosen_ids, ds[i].rejected_ids) for i in range(3)]
+    assert same == [True, True, False]
+    out = capsys.readouterr().out
+    assert "Note: 2 of 3 pairs of mem have the same tokens chosen and rejected (duplicates, or cut equal at " \
+           "--max_seq_len 32)" in out
+    create_dataset_split(rows[2:], adapter_for(rows[2:]), 2, tok, EOT, 32)
+    assert "Note:" not in capsys.readouterr().out
+
+
 def test_phase2_one_token_pairs_are_dropped():
     """A pair of one token on each side has no position after its shared token."""
     tok = no_bos_tokenizer()
