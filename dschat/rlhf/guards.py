@@ -9,6 +9,7 @@ import math
 from typing import Any
 
 from dschat.errors import UserError
+from dschat.rl_math.critic_free import CRITIC_FREE
 from dschat.rlhf.config import positive_flag
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
 from dschat.training.run_setup import check_dropouts, check_learning_rates
@@ -80,9 +81,11 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
     # DeepSpeed's offload rules (dschat.runtime.ds_config): --offload moves the actor's and the critic's
     # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
     # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
+    critic = getattr(args, "algorithm", "ppo") not in CRITIC_FREE  # a critic-free run builds no critic
     if args.offload:
         check_optimizer_offload(args.actor_zero_stage, "--actor_zero_stage")
-        check_optimizer_offload(args.critic_zero_stage, "--critic_zero_stage")
+        if critic:
+            check_optimizer_offload(args.critic_zero_stage, "--critic_zero_stage")
     if args.offload_reference_model:
         check_param_offload("--offload_reference_model", args.actor_zero_stage, "--actor_zero_stage")
     if args.offload_reward_model:
@@ -98,6 +101,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
                 f"--enable_mixed_precision_lora needs DeepSpeed's CUDA quantisation kernels; the "
                 f"accelerator here is {accelerator!r}. Drop the flag on this machine"
             )
+    if args.only_optimize_lora and args.actor_lora_dim <= 0 and not critic:
+        raise UserError(f"--only_optimize_lora needs --actor_lora_dim > 0: --algorithm {args.algorithm} trains no "
+                        "critic, so --critic_lora_dim adds no LoRA layer (the whole actor would train)")
     if args.only_optimize_lora and args.actor_lora_dim <= 0 and args.critic_lora_dim <= 0:
         raise UserError("--only_optimize_lora needs --actor_lora_dim and/or --critic_lora_dim > 0")
     if args.align_overflow and dtype != "fp16":

@@ -134,3 +134,38 @@ def test_wordgame_refuses_more_games_than_numbers(tmp_path, capsys):
     assert cli_main(wordgame.main, argv) == EXIT_USAGE
     assert "--train_rows + --eval_rows must be at most 9000" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def _step3_args(*argv: str) -> argparse.Namespace:
+    from dschat.cli.step3 import add_step3_args
+
+    return add_step3_args(argparse.ArgumentParser()).parse_args(
+        ["--actor_model_name_or_path", "tiny-opt", "--data_path", "dschat/builtin", *argv])
+
+
+def test_step3_flags_of_a_critic_apply_only_where_there_is_one():
+    """A critic-free algorithm builds no critic: --offload needs no ZeRO stage of it, and
+    --only_optimize_lora needs the actor's LoRA (the critic's adds no layer; the whole actor trained)."""
+    from dschat.rlhf.guards import validate_step3_args
+
+    grpo = ("--algorithm", "grpo", "--num_generations", "2", "--reward_fn", "dschat.rewards:gold")
+    validate_step3_args(_step3_args(*grpo, "--offload", "--actor_zero_stage", "2"), accelerator="cpu", dtype="fp32")
+    with pytest.raises(UserError, match=r"^--offload needs ZeRO"):
+        validate_step3_args(_step3_args("--offload", "--actor_zero_stage", "2"), accelerator="cpu", dtype="fp32")
+    with pytest.raises(UserError, match=r"^--only_optimize_lora needs --actor_lora_dim > 0: --algorithm grpo trains "
+                                        r"no critic"):
+        validate_step3_args(_step3_args(*grpo, "--critic_lora_dim", "4", "--only_optimize_lora"), accelerator="cpu",
+                            dtype="fp32")
+    validate_step3_args(_step3_args("--critic_lora_dim", "4", "--only_optimize_lora"), accelerator="cpu", dtype="fp32")
+
+
+def test_step3_offload_reward_model_without_a_reward_model_is_refused(tmp_path, capsys):
+    from helpers.step3 import refused_in_process
+
+    argv = ["--actor_model_name_or_path", "tiny-opt", "--data_path", "dschat/builtin", "--algorithm", "grpo",
+            "--num_generations", "2", "--reward_fn", "dschat.rewards:gold", "--offload_reward_model",
+            "--output_dir", str(tmp_path / "out")]
+    assert refused_in_process(argv, capsys) == (
+        "error: --offload_reward_model: this run loads no reward model (its reward comes from --reward_fn, "
+        "--reward_url or --env); drop the flag")
+    assert not (tmp_path / "out").exists()
