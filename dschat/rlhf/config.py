@@ -291,11 +291,14 @@ class BatchPlan:
     def optimizer_steps_per_rollout(self) -> float:
         return self.micro_steps_per_rollout / self.gradient_accumulation_steps
 
-    def describe(self) -> str:
-        """One line for the start-up log."""
+    def describe(self, answers_per_prompt: int = 1) -> str:
+        """One line for the start-up log (``answers_per_prompt``: ``--num_generations``)."""
         policy = "on-policy" if self.on_policy else "OFF-POLICY"
+        k = answers_per_prompt
+        batch = (f"{self.generation_batch_size} prompts" if k == 1
+                 else f"{self.generation_batch_size // k} prompts x {k} answers")
         return (
-            f"PPO batch plan (per rank): rollout = {self.generation_batch_size} prompts x "
+            f"PPO batch plan (per rank): rollout = {batch} x "
             f"{self.generation_batches} generation batches = {self.rollout_size} rows -> "
             f"{self.micro_batches_per_rollout} micro-batches of {self.training_batch_size} x "
             f"{self.ppo_epochs} ppo epochs = {self.micro_steps_per_rollout} micro-steps; "
@@ -332,7 +335,7 @@ def plan_batches(args: argparse.Namespace, world_size: int, *, ptx: bool = False
         # RolloutBuffer (upstream's MiniDataset) splits each generation batch on its own (as upstream), so a generation batch
         # that does not split would leave a short micro-batch in every one of them.
         raise UserError(
-            f"a generation batch of per_device_generation_batch_size {gen_bs} prompts does not split into "
+            f"a generation batch of per_device_generation_batch_size {gen_bs} rows does not split into "
             f"micro-batches of per_device_training_batch_size {train_bs}; make the training batch size "
             f"divide {gen_bs} (recommended: equal to the generation batch size)"
         )

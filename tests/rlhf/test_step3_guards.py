@@ -59,6 +59,16 @@ def test_plan_on_policy_rule(gen_bs, gen_batches, train_bs, epochs, ga, micro, o
     assert ("on-policy" if on_policy else "OFF-POLICY") in plan.describe()
 
 
+def test_plan_line_counts_prompts_and_answers():
+    """With --num_generations K a generation batch of N rows holds N / K prompts."""
+    args = SimpleNamespace(per_device_generation_batch_size=4, generation_batches=2,
+                           per_device_training_batch_size=4, ppo_epochs=1, gradient_accumulation_steps=2)
+    plan = plan_batches(args, world_size=1)
+    assert plan.describe().startswith("PPO batch plan (per rank): rollout = 4 prompts x 2 generation batches = 8 rows")
+    assert plan.describe(2).startswith(
+        "PPO batch plan (per rank): rollout = 2 prompts x 2 answers x 2 generation batches = 8 rows")
+
+
 def test_plan_refuses_a_rollout_that_does_not_split():
     args = SimpleNamespace(per_device_generation_batch_size=6, generation_batches=1,
                            per_device_training_batch_size=4, ppo_epochs=1, gradient_accumulation_steps=1)
