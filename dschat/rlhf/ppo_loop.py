@@ -239,7 +239,8 @@ def log_iteration(trainer: DeepSpeedPPOTrainer, args: argparse.Namespace, counte
                  f"Actor Loss: {iteration.actor_loss} | Critic Loss: {iteration.critic_loss} | "
                  f"Unsupervised Loss: {iteration.unsup_loss}", rank)
     print_throughput_step3(engine.actor.module, engine.critic, args, gen_time + exp_time + iteration.training_time,
-                           gen_time, iteration.training_time, rank)
+                           gen_time, iteration.training_time, rank,
+                           generated_batches=sampling.rounds if sampling is not None else None)
     # Mean over kept answers of all ranks; the EMA is fed that mean (docs/upstream.md#step-3-ppo).
     ema_reward = counters.ema_reward.update(iteration.rollout.reward)
     print_rank_0(f"Average reward score: {iteration.rollout.reward} | EMA reward score: {ema_reward}", rank)

@@ -206,9 +206,12 @@ def throughput_stats_step3(
     max_prompt_seq_len: int, max_answer_seq_len: int, ptx: bool,
     actor_gradient_checkpointing: bool = False, critic_gradient_checkpointing: bool = False,
     actor_lora_dim: int = 0, critic_lora_dim: int = 0,
-    e2e_time: float, gen_exp_time: float, train_time: float,
+    e2e_time: float, gen_exp_time: float, train_time: float, generated_batches: int | None = None,
 ) -> Step3ThroughputStats:
-    """The step-3 numbers. ``gen_exp_time`` is summed over the ``generation_batches`` rollouts."""
+    """The step-3 numbers. ``gen_exp_time`` is summed over the generation batches generated:
+    ``generated_batches``, default ``generation_batches`` (``--dynamic_sampling`` draws more than it
+    trains on)."""
+    drawn = generation_batches if generated_batches is None else max(generated_batches, 1)
     seq_length = max_answer_seq_len + max_prompt_seq_len
     rl_samples = per_device_generation_batch_size * generation_batches * ppo_epochs * world_size
     actor_samples = rl_samples * (2 if ptx else 1)  # PPO-ptx trains the actor on as many ptx rows
@@ -225,10 +228,10 @@ def throughput_stats_step3(
     # Generation: one forward pass over the full sequence per generated batch (upstream's estimate,
     # i.e. the training formula with factor 1), for every rank's batch.
     gen_flops_per_batch = calculate_flops(1, per_device_generation_batch_size * world_size, seq_length, actor_config)
-    gen_flops = gen_flops_per_batch * generation_batches
+    gen_flops = gen_flops_per_batch * drawn
     gen_tflops = gen_flops / (gen_exp_time * world_size * 1e12)
     # Each decoding step reads every actor weight once.
-    pertok_lat = gen_exp_time / (max_answer_seq_len * generation_batches)
+    pertok_lat = gen_exp_time / (max_answer_seq_len * drawn)
     gen_bw = actor_params * actor_bytes_per_param / pertok_lat / 1e9
 
     total_tflops = (train_flops + gen_flops) / (e2e_time * world_size * 1e12)
@@ -259,7 +262,7 @@ def format_throughput_step3(stats: Step3ThroughputStats) -> list[str]:
 
 def print_throughput_step3(
     actor_model: Any, critic_model: Any, args: Any, e2e_time: float, gen_exp_time: float, train_time: float,
-    rank: int = 0,
+    rank: int = 0, generated_batches: int | None = None,
 ) -> Step3ThroughputStats | None:
     """Print upstream's four step-3 lines on rank <= 0 (upstream's signature).
 
@@ -267,7 +270,8 @@ def print_throughput_step3(
     is None for a critic-free algorithm. ``args``
     needs step 3's batch, length, gradient-checkpointing and LoRA flags and
     ``unsupervised_dataset_name``. ``gen_exp_time`` must be the generation time summed over the
-    iteration's ``generation_batches`` rollouts.
+    iteration's generation batches: ``generation_batches``, or ``generated_batches`` where more were
+    drawn (``--dynamic_sampling``).
     """
     if rank > 0:
         return None
@@ -286,7 +290,7 @@ def print_throughput_step3(
         critic_gradient_checkpointing=bool(getattr(args, "critic_gradient_checkpointing", False)),
         actor_lora_dim=int(getattr(args, "actor_lora_dim", 0) or 0),
         critic_lora_dim=int(getattr(args, "critic_lora_dim", 0) or 0),
-        e2e_time=e2e_time, gen_exp_time=gen_exp_time, train_time=train_time,
+        e2e_time=e2e_time, gen_exp_time=gen_exp_time, train_time=train_time, generated_batches=generated_batches,
     )
     for line in format_throughput_step3(stats):
         print(line)

@@ -102,6 +102,19 @@ def test_step3_throughput_by_hand():
     assert no_ptx.train_tflops == pytest.approx((145152 + 101376) / 2 / 1e12)
 
 
+def test_step3_generation_rates_count_the_batches_drawn():
+    """--dynamic_sampling drew 6 generation batches for the 2 trained: the generation time covers 6,
+    so the per-token latency and generation TFLOPs are per batch drawn; the training is unchanged."""
+    s, drawn = step3_stats(ptx=False), perf.throughput_stats_step3(
+        cfg(2, 4, 8), cfg(1, 4, 8), actor_params=1000, critic_params=500, actor_bytes_per_param=2, world_size=2,
+        per_device_generation_batch_size=2, generation_batches=2, ppo_epochs=1, max_prompt_seq_len=2,
+        max_answer_seq_len=4, ptx=False, critic_gradient_checkpointing=True,
+        e2e_time=2.0, gen_exp_time=0.5, train_time=1.0, generated_batches=6)
+    assert drawn.per_token_latency_ms == pytest.approx(0.5 / (4 * 6) * 1000)
+    assert drawn.gen_tflops == pytest.approx(3 * s.gen_tflops)
+    assert (drawn.train_tflops, drawn.batch_size) == (s.train_tflops, s.batch_size)
+
+
 def test_step3_lines_match_upstream_format():
     s = perf.Step3ThroughputStats(
         e2e_latency=12.3456, e2e_tflops=1.234, samples_per_sec=5.19, time_per_seq=0.193, batch_size=64,
