@@ -146,7 +146,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
     group = parser.add_argument_group("checkpoints and resume (dschat)")
     group.add_argument("--save_interval", type=int, default=0,
                        help="(dschat) Save a resumable checkpoint to <output_dir>/checkpoints every N optimizer "
-                            "steps (0: none; upstream saved nothing resumable).")
+                            "steps (step 3: PPO iterations; 0: none; upstream saved nothing resumable).")
     group.add_argument("--keep_checkpoints", type=int, default=2, help="(dschat) Keep the K last written checkpoints, delete older ones.")
     group.add_argument("--resume", action="store_true",
                        help="(dschat) Continue from the last written complete checkpoint in <output_dir>/checkpoints "
