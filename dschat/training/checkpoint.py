@@ -438,14 +438,15 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int, weights
                     loaders: Sequence[Any] = (), models: Mapping[str, Any] | None = None) -> TrainingPosition:
     """Restore ``engines``, ``weights_only`` and this rank's random states from ``folder``; return the
     position (on another shape: :func:`dschat.training.consolidated.resume_on_new_shape`). A damaged or
-    edited marker or random-state file is one line (exit 2), and so is a run that started from other
-    ``models`` (:func:`~dschat.training.checkpoint_records.check_models`)."""
+    edited marker or random-state file is one line (exit 2), and so are other models than it holds
+    (a critic, an EMA actor) and a run that started from other ``models`` (:func:`check_models`)."""
     record = read_record(folder)
     position = TrainingPosition(**record["position"])
-    missing = sorted(set(engines) - set(record.get("engines", [])))
-    missing += sorted(set(weights_only or {}) - set(record.get("weights_only", [])))
-    if missing:
-        raise UserError(f"{folder} holds no state for {', '.join(missing)}; it was written by another step")
+    held = sorted({*record.get("engines", []), *record.get("weights_only", [])})
+    if held != (wanted := sorted({*engines, *(weights_only or {})})):
+        raise UserError(f"{folder} holds {', '.join(held) or 'no model'} and this run trains {', '.join(wanted)}: "
+                        "it was written by another step, or with other flags (a critic, --enable_ema); resume with "
+                        "the flags that wrote it")
     check_trainable(folder, record, engines)
     check_models(folder, record, models or {}, rank)
     rng_file = folder / f"rng_rank{rank}.json"

@@ -185,3 +185,27 @@ def test_a_resume_scored_by_another_reward_model_is_refused_a_copy_of_it_is_not(
                                      f"({critic}) than --reward_model_name_or_path {other};")
     same = shutil.copytree(critic, tmp_path / "same_rm")
     assert main(argv("--resume", "--reward_model_name_or_path", str(same))).history == []
+
+
+def test_a_resume_with_other_models_to_train_is_refused_both_ways(tmp_path, critic_dirs, data_cache):
+    """A checkpoint holds the models its run trained. A resume that would train one more (--enable_ema on
+    a run without it) or one fewer (a critic-free algorithm on a PPO checkpoint, which dropped the
+    critic's state without a word) is one line naming both sets."""
+    from dschat.errors import UserError
+
+    main = step3_main().main
+
+    def argv(out, *more):
+        return base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--save_interval", "1", "--output_dir",
+                         str(tmp_path / out), *more, steps=1)
+
+    main(argv("ppo"))
+    folder = ckpt.checkpoint_root(tmp_path / "ppo") / ckpt.checkpoint_name(1)
+    grpo = ("--algorithm", "grpo", "--num_generations", "2", "--reward_fn", "dschat.rewards:gold")
+    for more, wanted in ((("--enable_ema",), "actor, actor_ema, critic"), (grpo, "actor")):
+        with pytest.raises(UserError) as err:
+            main(argv("ppo", "--resume", *more))
+        assert str(err.value) == (f"{folder} holds actor, critic and this run trains {wanted}: it was written by "
+                                  "another step, or with other flags (a critic, --enable_ema); resume with the flags "
+                                  "that wrote it")
+    assert main(argv("ppo", "--resume")).history == []
