@@ -4,7 +4,8 @@ Steps 1 and 2 build their engine, then call :func:`train_epochs` with a ``loss_f
 micro-batch -> loss) and an ``evaluate`` callback, then :func:`finish_run`. The loop owns what the
 three have in common: per-epoch sampler order, resume (skipping the micro-batches a checkpoint
 already trained), the non-finite guard, the optimizer-step counter and ``--max_train_steps``,
-checkpoints, the loss / throughput lines and TensorBoard's ``train/loss``.
+checkpoints, the loss / throughput lines and the trackers' ``train/loss`` (each optimizer step's mean
+micro-batch loss over every rank: one all-reduce per optimizer step).
 Step 3's loop is :func:`dschat.rlhf.ppo_loop.run_ppo`.
 """
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from dschat.data.collators import set_epoch_if_distributed
 from dschat.models.save import save_hf_model
-from dschat.runtime.dist import print_rank_0
+from dschat.runtime.dist import get_all_reduce_mean, print_rank_0
 from dschat.runtime.perf import print_throughput as throughput_line
 from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.training.checkpoint import Checkpointer, TrainingPosition
@@ -82,6 +83,7 @@ def train_epochs(
         skip = checkpointer.batches_done(epoch)
         loss_sum = float(resumed.extra.get("epoch_loss_sum", 0.0)) if skip and resumed else 0.0
         trained = int(resumed.extra.get("epoch_trained", skip)) if skip and resumed else 0
+        window: list[float] = []  # the losses since the last optimizer step: its train/loss, meaned over ranks
         for step, batch in enumerate(train_loader):
             if step < skip:  # trained before the checkpoint: the order depends on (seed, epoch, rank) only
                 continue
@@ -98,12 +100,15 @@ def train_epochs(
                 continue
             loss_sum += loss.item()
             trained += 1
+            window.append(loss.item())
             result.train_losses.append(loss.item())
             result.step_times.append(timer.elapsed())
             if print_throughput and ctx.rank == 0:
                 throughput_line(engine.module, args, result.step_times[-1], ctx.rank)
             if counter.micro_step():
-                tb.scalars(counter.optimizer_steps, **{"train/loss": loss.item()})
+                step_loss = get_all_reduce_mean(torch.tensor(sum(window) / len(window), dtype=torch.float64))
+                tb.scalars(counter.optimizer_steps, **{"train/loss": step_loss.item()})
+                window = []
                 if on_optimizer_step is not None:
                     on_optimizer_step(counter.optimizer_steps)
                     engine.train()

@@ -443,3 +443,20 @@ def test_a_resumed_step1_run_shows_each_optimizer_step_once_in_tensorboard(tmp_p
     assert [e.step for e in shown] == [1, 2, 3, 4]
     expected = first.train_losses[:2] + resumed.train_losses
     assert all(_same(e.value, loss) for e, loss in zip(shown, expected)), (shown, expected)
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_steps_1_2_train_loss_is_the_optimizer_steps_mean_micro_batch_loss(tmp_path):
+    """With --gradient_accumulation_steps 2, each optimizer step's train/loss is the mean of its two
+    micro-batch losses (the last one alone was logged)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    result = load_script("step1").main(base_argv(
+        "tiny-llama", tmp_path / "data", "--gradient_accumulation_steps", "2", "--enable_tensorboard",
+        "--tensorboard_path", str(tb), max_train_steps=2, batch_size=2))
+    losses = result.train_losses
+    assert len(losses) == 4 and losses[0] != losses[1]
+    shown = EventAccumulator(str(tb / "step1_model_dschat")).Reload().Scalars("train/loss")
+    assert [e.step for e in shown] == [1, 2]
+    assert all(_same(e.value, (losses[2 * i] + losses[2 * i + 1]) / 2) for i, e in enumerate(shown)), (shown, losses)
