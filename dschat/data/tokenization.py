@@ -66,9 +66,10 @@ def comparable_pairs(chosen: TokenRows, rejected: TokenRows) -> torch.Tensor:
     return ((c_first >= 0) & (c_first == r_first) & (longest >= 2)).nonzero().flatten()
 
 
-def identical_pairs(chosen: TokenRows, rejected: TokenRows) -> int:
+def count_identical_pairs(chosen: TokenRows, rejected: TokenRows) -> int:
     """How many pairs have the same tokens on both sides (a duplicate, or two answers the length cut
-    made equal)."""
+    made equal). Of stored rows; :func:`dschat.rl_math.preference.identical_pairs` is the mask of a
+    padded batch's."""
     lengths = chosen.lengths()
     same = (lengths == rejected.lengths()).nonzero().flatten()
     if same.numel() == 0:
@@ -134,7 +135,7 @@ def create_dataset_split(
                   "chosen and rejected tokens differ at the first position (or are one token each), so the "
                   "pairwise loss has no shared prompt to compare them after; give every pair a prompt, or use "
                   "a tokenizer that starts every text with a BOS token")
-        same = identical_pairs(chosen, rejected)
+        same = count_identical_pairs(chosen, rejected)
         if same:
             print(f"Note: {same} of {len(result)} pairs of {raw_dataset.dataset_name} have the same tokens chosen "
                   f"and rejected (duplicates, or cut equal at --max_seq_len {max_seq_len}): kept, as upstream, they "

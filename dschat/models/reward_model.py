@@ -236,13 +236,17 @@ def split_upstream_state(
     return body, state[VALUE_HEAD_KEY]
 
 
-def is_reward_model_folder(folder: str | Path) -> bool:
+def is_reward_model_folder(folder: str | Path, mapped_only: bool = False) -> bool:
     """Whether ``folder`` is a reward model: a step-2 output, dschat's or upstream's, or a sequence
     classifier (of any number of labels: :func:`check_classifier` refuses more than one). An upstream
-    step-1 folder has a ``pytorch_model.bin`` too: its keys (memory-mapped) tell the two apart."""
+    step-1 folder has a ``pytorch_model.bin`` too: its keys (memory-mapped) tell the two apart.
+    ``mapped_only``: a ``pytorch_model.bin`` in torch's pre-1.6 format, which loads whole, is not read
+    (the answer is then False)."""
     fmt = critic_format(folder)
     if fmt != "upstream":
         return fmt in ("dschat", "classifier")
+    if mapped_only and not zipfile.is_zipfile(Path(folder) / UPSTREAM_WEIGHTS_FILE):
+        return False
     try:
         return VALUE_HEAD_KEY in load_upstream_state(folder)
     except UserError:

@@ -25,6 +25,7 @@ __all__ = [
     "ALGORITHMS",
     "CRITIC_FREE",
     "GROUP_ALGORITHMS",
+    "has_critic",
     "LOSS_AGGREGATIONS",
     "Algorithm",
     "LossAggregation",
@@ -55,6 +56,11 @@ GROUP_ALGORITHMS: frozenset[str] = frozenset({"grpo", "rloo"})
 LOSS_AGGREGATIONS: tuple[str, ...] = ("token", "sequence", "token_sum")
 #: ``--importance_sampling_level``: one ratio per token (PPO, GRPO) or one per answer (GSPO).
 IMPORTANCE_SAMPLING_LEVELS: tuple[str, ...] = ("token", "sequence")
+
+
+def has_critic(algorithm: str) -> bool:
+    """Whether ``--algorithm`` builds, trains, checkpoints and saves a critic (value model)."""
+    return algorithm not in CRITIC_FREE
 
 
 def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -33,7 +33,7 @@ from dschat.cli.step3 import complete_step3_args
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
 from dschat.rewards import RewardMix
-from dschat.rl_math.critic_free import ALGORITHMS, CRITIC_FREE, GROUP_ALGORITHMS, IMPORTANCE_SAMPLING_LEVELS
+from dschat.rl_math.critic_free import ALGORITHMS, GROUP_ALGORITHMS, IMPORTANCE_SAMPLING_LEVELS, has_critic
 from dschat.rlhf.rollout.sampling import DecodingSettings
 
 __all__ = [
@@ -70,7 +70,7 @@ class AlgorithmSettings:
     @property
     def critic(self) -> bool:
         """Whether a critic (value model) is built, trained, checkpointed and saved."""
-        return self.algorithm not in CRITIC_FREE
+        return has_critic(self.algorithm)
 
     @property
     def upstream_ppo_loss(self) -> bool:

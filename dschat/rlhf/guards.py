@@ -9,15 +9,16 @@ import math
 from typing import Any
 
 from dschat.errors import UserError
-from dschat.rl_math.critic_free import CRITIC_FREE
+from dschat.rewards import reward_model_weight
+from dschat.rl_math.critic_free import has_critic
 from dschat.rlhf.config import positive_flag
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
-from dschat.training.run_setup import check_dropouts, check_learning_rates
+from dschat.training.run_setup import check_dropouts, check_rates_and_decays
 
 __all__ = ["validate_step3_args"]
 
 
-def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]:
+def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_reward_fn: bool = False) -> list[str]:
     """Refuse contradictory step-3 flags with one :class:`UserError`; return warnings to print.
 
     ``accelerator`` is DeepSpeed's device name (``"cuda"``, ``"cpu"``, ...) and ``dtype`` the dtype
@@ -27,6 +28,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
     combination, DeepSpeed's offload rules (``--offload`` needs ZeRO >= 1 for actor and critic; the
     reference / reward offload needs the actor / critic at ZeRO-3), mixed-precision LoRA,
     ``--align_overflow`` outside fp16 (upstream asserted or failed later: docs/upstream.md#step-3-ppo).
+    The flags of a model the run does not build (a critic-free algorithm's critic; the reward model of
+    a run rewarded by ``--reward_fn`` / ``--reward_url`` / ``--env`` or ``main``'s Python function,
+    ``python_reward_fn``) are checked as such.
     """
     warnings: list[str] = []
     for name in ("actor_zero_stage", "critic_zero_stage"):
@@ -39,7 +43,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
                         f"got {args.max_prompt_seq_len}")
     if args.num_warmup_steps < 0:
         raise UserError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
-    check_learning_rates(args, ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
+    check_rates_and_decays(args, ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
                                 "critic_lora_learning_rate", "actor_weight_decay", "critic_weight_decay"))
     check_dropouts(args, ("actor_dropout", "critic_dropout"))
     check_ppo_numbers(args)
@@ -81,7 +85,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
     # DeepSpeed's offload rules (dschat.runtime.ds_config): --offload moves the actor's and the critic's
     # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
     # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
-    critic = getattr(args, "algorithm", "ppo") not in CRITIC_FREE  # a critic-free run builds no critic
+    critic = has_critic(getattr(args, "algorithm", "ppo"))
     if args.offload:
         check_optimizer_offload(args.actor_zero_stage, "--actor_zero_stage")
         if critic:
@@ -89,6 +93,10 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
     if args.offload_reference_model:
         check_param_offload("--offload_reference_model", args.actor_zero_stage, "--actor_zero_stage")
     if args.offload_reward_model:
+        other_terms = bool(args.reward_fn or args.reward_url or getattr(args, "env", None) or python_reward_fn)
+        if reward_model_weight(args.reward_model_weight, other_terms=other_terms) == 0:
+            raise UserError("--offload_reward_model: this run loads no reward model (its reward comes from "
+                            "--reward_fn, --reward_url or --env); drop the flag")
         check_param_offload("--offload_reward_model", args.critic_zero_stage, "--critic_zero_stage")
     if args.enable_mixed_precision_lora:
         if args.actor_lora_dim <= 0 or args.actor_zero_stage != 3:
@@ -102,8 +110,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str) -> list[str]
                 f"accelerator here is {accelerator!r}. Drop the flag on this machine"
             )
     if args.only_optimize_lora and args.actor_lora_dim <= 0 and not critic:
+        ignored = ", so --critic_lora_dim adds no LoRA layer" if args.critic_lora_dim > 0 else ""
         raise UserError(f"--only_optimize_lora needs --actor_lora_dim > 0: --algorithm {args.algorithm} trains no "
-                        "critic, so --critic_lora_dim adds no LoRA layer (the whole actor would train)")
+                        f"critic{ignored} (the whole actor would train)")
     if args.only_optimize_lora and args.actor_lora_dim <= 0 and args.critic_lora_dim <= 0:
         raise UserError("--only_optimize_lora needs --actor_lora_dim and/or --critic_lora_dim > 0")
     if args.align_overflow and dtype != "fp16":

@@ -29,7 +29,7 @@ from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint
 from dschat.training.loaders import set_random_seed
 
 
-def check_learning_rates(args: object, names: Iterable[str]) -> None:
+def check_rates_and_decays(args: object, names: Iterable[str]) -> None:
     """One line for the first flag of ``names`` (learning rates and weight decays: attributes of
     ``args``; a missing one is skipped) that is not a finite number >= 0 (torch's optimizers refuse a
     negative rate only once the model is built, and a negative LoRA rate or weight decay, or a NaN
@@ -71,7 +71,7 @@ def check_common_args(args: argparse.Namespace) -> None:
         value = getattr(args, name, 0)
         if value < 0:
             raise UserError(f"--{name} must be >= 0, got {value}")
-    check_learning_rates(args, ("learning_rate", "lora_learning_rate", "weight_decay"))
+    check_rates_and_decays(args, ("learning_rate", "lora_learning_rate", "weight_decay"))
     check_dropouts(args, ("dropout",))
     if getattr(args, "offload", False):
         check_optimizer_offload(args.zero_stage, "--zero_stage")
@@ -127,7 +127,8 @@ def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_n
     :func:`model_outputs`)."""
     for flag in model_flags:
         name = getattr(args, flag)
-        if causal_lm and is_reward_model_folder(resolve_model_path(name)):
+        path = resolve_model_path(name)
+        if causal_lm and is_reward_model_folder(path, mapped_only=True):
             raise UserError(f"--{flag} {name} is a reward model (a step-2 output or a sequence classifier), which "
                             "has no language-model head; pass a causal LM: a base model or a step-1 output")
     for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:

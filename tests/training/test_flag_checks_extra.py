@@ -157,6 +157,10 @@ def test_step3_flags_of_a_critic_apply_only_where_there_is_one():
         validate_step3_args(_step3_args(*grpo, "--critic_lora_dim", "4", "--only_optimize_lora"), accelerator="cpu",
                             dtype="fp32")
     validate_step3_args(_step3_args("--critic_lora_dim", "4", "--only_optimize_lora"), accelerator="cpu", dtype="fp32")
+    with pytest.raises(UserError) as err:
+        validate_step3_args(_step3_args(*grpo, "--only_optimize_lora"), accelerator="cpu", dtype="fp32")
+    assert str(err.value) == ("--only_optimize_lora needs --actor_lora_dim > 0: --algorithm grpo trains no critic "
+                              "(the whole actor would train)")
 
 
 def test_step3_offload_reward_model_without_a_reward_model_is_refused(tmp_path, capsys):
@@ -169,3 +173,15 @@ def test_step3_offload_reward_model_without_a_reward_model_is_refused(tmp_path, 
         "error: --offload_reward_model: this run loads no reward model (its reward comes from --reward_fn, "
         "--reward_url or --env); drop the flag")
     assert not (tmp_path / "out").exists()
+    # The same check for the planner and e2e (validate_step3_args), before the flag's ZeRO-3 rule; a
+    # reward model weighted in beside the function is offloaded, and so is main's Python reward_fn counted.
+    from dschat.rlhf.guards import validate_step3_args
+
+    stage3 = ("--actor_zero_stage", "3", "--critic_zero_stage", "3")
+    with pytest.raises(UserError, match="^--offload_reward_model: this run loads no reward model"):
+        validate_step3_args(_step3_args(*argv[4:11]), accelerator="cpu", dtype="fp32")
+    validate_step3_args(_step3_args(*argv[4:11], *stage3, "--reward_model_weight", "0.5"), accelerator="cpu",
+                        dtype="fp32")
+    with pytest.raises(UserError, match="^--offload_reward_model: this run loads no reward model"):
+        validate_step3_args(_step3_args("--offload_reward_model", *stage3), accelerator="cpu", dtype="fp32",
+                            python_reward_fn=True)

@@ -252,13 +252,11 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
 
     # ---------------------------------------------------------------- parse and check
     args = parse_args(argv)
-    mix = reward_mix(args, reward_fn)
-    if args.offload_reward_model and not mix.uses_model:  # before the flag's ZeRO-3 check
-        raise UserError("--offload_reward_model: this run loads no reward model (its reward comes from "
-                        "--reward_fn, --reward_url or --env); drop the flag")
-    warnings = validate_step3_args(args, accelerator=get_accelerator().device_name(), dtype=resolve_dtype(args.dtype))
+    warnings = validate_step3_args(args, accelerator=get_accelerator().device_name(), dtype=resolve_dtype(args.dtype),
+                                   python_reward_fn=reward_fn is not None)
     check_checkpoint_args(args)
     settings = resolve_algorithm(args)
+    mix = reward_mix(args, reward_fn)
     if args.env:
         load_environment(args.env, args.env_timeout)  # a bad spec is one line now, before anything loads
     judges = check_eval_args(args)  # resolves --eval_interval and --save_best_by, which check_paths reads

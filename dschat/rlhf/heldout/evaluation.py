@@ -219,11 +219,11 @@ class StepThreeEvaluation:
         """Continue the series, best evaluation and alarms of the checkpoint a run resumes from
         (``position``; None: nothing to resume), and its run id (a fresh run draws one; ``best.json``
         records it). Its evaluation at ``at_step`` (the resumed run's first step) is logged to the
-        trackers again: TensorBoard's purge at that step hides the earlier attempt's. Best models already in ``best/`` that score higher (by the same series and run)
-        stay the best so far: after a roll back to an earlier checkpoint, or a kill between their save
-        and the next checkpoint, only a better evaluation replaces them. A run with no evaluation to
-        continue, or whose ``best/`` another run saved, sets that ``best/`` aside first (rank 0).
-        Collective."""
+        trackers again: TensorBoard's purge at that step hides the earlier attempt's. Best models
+        already in ``best/`` that score higher (by the same series and run) stay the best so far:
+        after a roll back to an earlier checkpoint, or a kill between their save and the next
+        checkpoint, only a better evaluation replaces them. A run with no evaluation to continue, or
+        whose ``best/`` another run saved, sets that ``best/`` aside first (rank 0). Collective."""
         if not self.enabled:
             return
         state = position.extra.get("evaluation") if position is not None else None
