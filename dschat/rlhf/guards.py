@@ -5,9 +5,11 @@ is part of step 3's config (:mod:`dschat.rlhf.config`).
 """
 from __future__ import annotations
 
+import argparse
 import math
 from typing import Any
 
+from dschat.cli.step3 import complete_step3_args
 from dschat.errors import UserError
 from dschat.rewards import reward_model_weight
 from dschat.rl_math.critic_free import has_critic
@@ -85,6 +87,12 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     # DeepSpeed's offload rules (dschat.runtime.ds_config): --offload moves the actor's and the critic's
     # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
     # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
+    if not getattr(args, "env", None):  # as e2e's --max-turns / --env-timeout: nothing to apply them to
+        defaults = complete_step3_args(argparse.Namespace())
+        for name in ("max_turns", "env_timeout"):
+            if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name):
+                raise UserError(f"--{name} applies to multi-turn episodes only; add --env MODULE:FACTORY "
+                                f"(docs/environments.md) or drop --{name}")
     critic = has_critic(getattr(args, "algorithm", "ppo"))
     if args.offload:
         check_optimizer_offload(args.actor_zero_stage, "--actor_zero_stage")

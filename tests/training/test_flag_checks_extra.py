@@ -185,3 +185,16 @@ def test_step3_offload_reward_model_without_a_reward_model_is_refused(tmp_path, 
     with pytest.raises(UserError, match="^--offload_reward_model: this run loads no reward model"):
         validate_step3_args(_step3_args("--offload_reward_model", *stage3), accelerator="cpu", dtype="fp32",
                             python_reward_fn=True)
+
+
+@pytest.mark.parametrize("flag, value", [("--max_turns", "3"), ("--env_timeout", "60")])
+def test_step3_episode_flags_need_env(flag, value):
+    """As e2e's --max-turns / --env-timeout: without --env they did nothing, silently."""
+    from dschat.rlhf.guards import validate_step3_args
+
+    with pytest.raises(UserError) as err:
+        validate_step3_args(_step3_args(flag, value), accelerator="cpu", dtype="fp32")
+    assert str(err.value) == (f"{flag} applies to multi-turn episodes only; add --env MODULE:FACTORY "
+                              f"(docs/environments.md) or drop {flag}")
+    validate_step3_args(_step3_args(flag, value, "--env", "dschat.envs_examples:calculator"), accelerator="cpu",
+                        dtype="fp32")
