@@ -32,7 +32,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     ``--align_overflow`` outside fp16 (upstream asserted or failed later: docs/upstream.md#step-3-ppo).
     The flags of a model the run does not build (a critic-free algorithm's critic; the reward model of
     a run rewarded by ``--reward_fn`` / ``--reward_url`` / ``--env`` or ``main``'s Python function,
-    ``python_reward_fn``) are checked as such.
+    ``python_reward_fn``) are checked as such, and ``--max_turns`` / ``--env_timeout`` need ``--env``.
     """
     warnings: list[str] = []
     for name in ("actor_zero_stage", "critic_zero_stage"):
@@ -46,7 +46,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     if args.num_warmup_steps < 0:
         raise UserError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
     check_rates_and_decays(args, ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",
-                                "critic_lora_learning_rate", "actor_weight_decay", "critic_weight_decay"))
+                                  "critic_lora_learning_rate", "actor_weight_decay", "critic_weight_decay"))
     check_dropouts(args, ("actor_dropout", "critic_dropout"))
     check_ppo_numbers(args)
     if args.enable_test_mode and args.test_stop_step < 0:
@@ -84,15 +84,15 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
             "without actor LoRA is unsupported due to training instability (as upstream); drop one of "
             "them or add --actor_lora_dim"
         )
-    # DeepSpeed's offload rules (dschat.runtime.ds_config): --offload moves the actor's and the critic's
-    # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
-    # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
     if not getattr(args, "env", None):  # as e2e's --max-turns / --env-timeout: nothing to apply them to
         defaults = complete_step3_args(argparse.Namespace())
         for name in ("max_turns", "env_timeout"):
             if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name):
                 raise UserError(f"--{name} applies to multi-turn episodes only; add --env MODULE:FACTORY "
                                 f"(docs/environments.md) or drop --{name}")
+    # DeepSpeed's offload rules (dschat.runtime.ds_config): --offload moves the actor's and the critic's
+    # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
+    # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
     critic = has_critic(getattr(args, "algorithm", "ppo"))
     if args.offload:
         check_optimizer_offload(args.actor_zero_stage, "--actor_zero_stage")
