@@ -56,6 +56,7 @@ __all__ = [
     "RewardMix",
     "load_reward_function",
     "load_reward_functions",
+    "reward_model_used",
     "gold",
     "math_exact_match",
     "final_number",
@@ -354,6 +355,16 @@ def reward_model_weight(given: float | None, *, other_terms: bool) -> float:
     if given is not None:
         return float(given)
     return 0.0 if other_terms else 1.0
+
+
+def reward_model_used(args: Any, python_reward_fn: bool = False) -> bool:
+    """Whether step 3 loads a reward model for ``args``' flags (:func:`reward_model_weight`):
+    ``--reward_model_weight`` when given (0: not loaded), else 1 without ``--reward_fn``,
+    ``--reward_url``, ``--env`` and a Python ``reward_fn`` handed to step 3's ``main``
+    (``python_reward_fn``), 0 with any of them."""
+    others = (getattr(args, "reward_fn", None) or getattr(args, "reward_url", None) or getattr(args, "env", None)
+              or python_reward_fn)
+    return reward_model_weight(getattr(args, "reward_model_weight", None), other_terms=bool(others)) != 0.0
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,7 @@ def plan(args: argparse.Namespace, *, gpu_bytes: int | None = None, reward_model
          critic_from_actor: bool | None = None) -> dict:
     """The plan of ``args`` as a JSON-ready dict (``fits``, ``peak_bytes_per_gpu``, ``phases``, ...);
     ``gpu_bytes`` replaces ``--gpu_memory`` (a GPU's measured size); ``reward_model``: whether step 3
-    loads its reward model (None: as its flags say, :func:`~dschat.plan.roles.reward_model_used`);
+    loads its reward model (None: as its flags say, :func:`~dschat.rewards.reward_model_used`);
     ``critic_from_actor``: whether step 3 builds its critic from the actor with a fresh value head
     (None: decided as step 3 decides it, from the actor's and the critic folder's tokenizers,
     :func:`~dschat.plan.roles.critic_source`, whose lines are the result's ``notes``; step 3 passes

@@ -10,7 +10,7 @@ offloads it), frozen (no optimizer), resident in every phase.
 
 Only the engines the run builds are planned (:func:`planned_roles`): no critic for a critic-free
 ``--algorithm`` (:func:`~dschat.rlhf.config.resolve_algorithm`), no reward model when the reward
-mix gives it no weight (:func:`reward_model_used`).
+mix gives it no weight (:func:`~dschat.rewards.reward_model_used`).
 
 The critic is planned from the model the run builds it from
 (:func:`~dschat.rlhf.rlhf_engine.resolve_model_sources`): ``--critic_model_name_or_path``'s when
@@ -29,7 +29,7 @@ from dschat.errors import UserError
 from dschat.models.registry import resolve_model_path
 from dschat.plan.inventory import Inventory, inventory, read_config, with_lora
 from dschat.plan.model_state import EngineSpec, ModelState, model_state
-from dschat.rewards import reward_model_weight
+from dschat.rewards import reward_model_used
 from dschat.rlhf.config import resolve_algorithm, zero_config
 from dschat.rlhf.rlhf_engine import ds_config_for, resolve_model_sources
 from dschat.training.step_data import load_tokenizer
@@ -48,15 +48,6 @@ class RolePlan:
     inventory: Inventory
     spec: EngineSpec
     state: ModelState
-
-
-def reward_model_used(args: argparse.Namespace) -> bool:
-    """Whether step 3 loads a reward model for ``args``' flags (:func:`~dschat.rewards.reward_model_weight`):
-    ``--reward_model_weight`` when given (0: not loaded), else 1 without ``--reward_fn``,
-    ``--reward_url`` and ``--env``, 0 with any of them. (A Python ``reward_fn`` handed to step 3's
-    ``main`` is not a flag: the caller passes what its mix decided.)"""
-    others = getattr(args, "reward_fn", None) or getattr(args, "reward_url", None) or getattr(args, "env", None)
-    return reward_model_weight(getattr(args, "reward_model_weight", None), other_terms=bool(others)) != 0.0
 
 
 def planned_roles(args: argparse.Namespace, reward_model: bool | None = None) -> tuple[str, ...]:

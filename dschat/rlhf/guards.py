@@ -11,7 +11,7 @@ from typing import Any
 
 from dschat.cli.step3 import complete_step3_args
 from dschat.errors import UserError
-from dschat.rewards import reward_model_weight
+from dschat.rewards import reward_model_used
 from dschat.rl_math.critic_free import has_critic
 from dschat.rlhf.config import positive_flag
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
@@ -101,8 +101,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     if args.offload_reference_model:
         check_param_offload("--offload_reference_model", args.actor_zero_stage, "--actor_zero_stage")
     if args.offload_reward_model:
-        other_terms = bool(args.reward_fn or args.reward_url or getattr(args, "env", None) or python_reward_fn)
-        if reward_model_weight(args.reward_model_weight, other_terms=other_terms) == 0:
+        if not reward_model_used(args, python_reward_fn):
             raise UserError("--offload_reward_model: this run loads no reward model (its reward comes from "
                             "--reward_fn, --reward_url or --env); drop the flag")
         check_param_offload("--offload_reward_model", args.critic_zero_stage, "--critic_zero_stage")
