@@ -49,18 +49,14 @@ def resolve_chat_folder(path: str) -> str:
     Raises :class:`UserError` for a step-2 reward model and for anything that is not a causal LM.
     """
     from dschat.models.registry import resolve_model_path
-    from dschat.models.reward_model import is_reward_model_folder
+    from dschat.models.reward_model import refuse_reward_model
 
     actor = step3_part(path, "actor")
     if actor is not None:
         print(f"(using the step-3 actor in {actor})", flush=True)
         return str(actor)
     resolved = resolve_model_path(path)
-    if Path(resolved).is_dir() and is_reward_model_folder(resolved):
-        raise UserError(
-            f"{path} is a step-2 reward model (it scores answers, it cannot write them); chat with a "
-            "step-1 output or a step-3 actor folder (<step-3 output>/actor) instead"
-        )
+    refuse_reward_model(resolved, path, "chat with a step-1 output or a step-3 actor folder (<step-3 output>/actor)")
     return resolved
 
 

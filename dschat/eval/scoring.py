@@ -22,7 +22,7 @@ from dschat.models.build import create_critic_model
 from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.models.reward_inputs import encode_for_reward, reward_max_length
 from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
-                                        not_a_critic_message)
+                                        not_a_critic_message, refuse_reward_model)
 from dschat.models.tokenizer import end_token_ids, generate_eos, load_hf_tokenizer, tokenizer_differences
 from dschat.paths import step3_part
 from dschat.rl_math.logprobs import gather_log_probs
@@ -75,8 +75,7 @@ def check_actor_folder(path: str | Path) -> Path:
     """``path`` as a model folder that is an actor (step 1 or 3), not a step-2 reward model; returned as
     the folder to load. A step-3 output root means its ``actor/`` (as inference/chatbot.py takes it)."""
     folder = step3_part(path, "actor") or _check_folder(path, "actor folder")
-    if is_reward_model_folder(folder):
-        raise UserError(f"{folder} is a step-2 reward model, not an actor; pass a step-1 or step-3 actor folder")
+    refuse_reward_model(folder, str(folder), "pass a step-1 or step-3 actor folder")
     return folder
 
 

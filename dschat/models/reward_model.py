@@ -45,6 +45,7 @@ __all__ = [
     "load_upstream_state",
     "split_upstream_state",
     "is_reward_model_folder",
+    "refuse_reward_model",
     "check_upstream_critic",
     "CLASSIFIER_HEAD_KEY",
     "classifier_labels",
@@ -251,6 +252,16 @@ def is_reward_model_folder(folder: str | Path, mapped_only: bool = False) -> boo
         return VALUE_HEAD_KEY in load_upstream_state(folder)
     except UserError:
         return False
+
+
+def refuse_reward_model(folder: str | Path, what: str, instead: str, mapped_only: bool = False) -> None:
+    """One :class:`UserError` line when ``folder`` (a resolved path; not a folder: nothing to check)
+    is a reward model where a causal LM is wanted: it has no language-model head, and transformers
+    would draw one at random. ``what`` names the input (``--flag value`` or the path), ``instead``
+    says what to pass; ``mapped_only`` as in :func:`is_reward_model_folder`."""
+    if Path(folder).is_dir() and is_reward_model_folder(folder, mapped_only):
+        raise UserError(f"{what} is a reward model (a step-2 output or a sequence classifier), which has no "
+                        f"language-model head; {instead}")
 
 
 def check_upstream_critic(folder: str | Path) -> None:

@@ -17,7 +17,7 @@ from dschat.data.cache import check_data_output_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
-from dschat.models.reward_model import is_reward_model_folder
+from dschat.models.reward_model import refuse_reward_model
 from dschat.models.save import is_model_artifact
 from dschat.paths import METRICS_FILE, STARTED_FILE_VAR
 from dschat.remote_reward import worst_case_seconds
@@ -128,9 +128,9 @@ def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_n
     for flag in model_flags:
         name = getattr(args, flag)
         path = resolve_model_path(name)
-        if causal_lm and is_reward_model_folder(path, mapped_only=True):
-            raise UserError(f"--{flag} {name} is a reward model (a step-2 output or a sequence classifier), which "
-                            "has no language-model head; pass a causal LM: a base model or a step-1 output")
+        if causal_lm:
+            refuse_reward_model(path, f"--{flag} {name}", "pass a causal LM: a base model or a step-1 output",
+                                mapped_only=True)
     for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
         resolve_dataset(name)
     refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags},

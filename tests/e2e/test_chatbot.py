@@ -86,7 +86,7 @@ def test_reward_model_folder_is_refused_in_one_line(tmp_path):
     proc = _chat("chat.py", ["--path", str(tmp_path / "rm")], "hi\n")
     assert proc.returncode == 2
     err = proc.stderr.strip()
-    assert err.count("\n") == 0 and "is a step-2 reward model" in err
+    assert err.count("\n") == 0 and "is a reward model (a step-2 output or a sequence classifier)" in err
 
 
 def test_an_adapter_on_an_adapter_loads_merged_as_training_saved_it(tmp_path):

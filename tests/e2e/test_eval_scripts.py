@@ -103,9 +103,9 @@ def test_prompt_eval_refuses_what_it_cannot_compare(tmp_path):
     with pytest.raises(UserError, match="decodes greedily.*pass --num_return_sequences 1"):
         run("tiny-llama", "tiny-llama", "--num_return_sequences", "2")
     critic = make_critic_folder("tiny-llama", tmp_path / "rm")
-    with pytest.raises(UserError, match="--model_name_or_path_finetune .* is a step-2 reward model, not a causal LM"):
+    with pytest.raises(UserError, match="--model_name_or_path_finetune .* is a reward model .*no language-model head; pass a base model"):
         run("tiny-llama", critic)
-    with pytest.raises(UserError, match="--model_name_or_path_baseline .* is a step-2 reward model"):
+    with pytest.raises(UserError, match="--model_name_or_path_baseline .* is a reward model"):
         run(critic, "tiny-llama")
     with pytest.raises(UserError, match="the baseline's tokenizer, used for both models, is not the fine-tuned.*vocab"):
         run("tiny-opt", "tiny-llama")

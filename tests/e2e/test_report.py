@@ -368,7 +368,7 @@ def test_every_label_of_the_ppo_plot_lies_inside_the_figure(case, font_size):
 
 
 def test_report_refuses_wrong_folders(folders, tmp_path):
-    with pytest.raises(UserError, match="is a step-2 reward model, not an actor"):
+    with pytest.raises(UserError, match="is a reward model .*; pass a step-1 or step-3 actor folder"):
         scoring.load_actor(folders["reward"], torch.device("cpu"))
     with pytest.raises(UserError, match="no config.json"):
         scoring.load_actor(tmp_path, torch.device("cpu"))

@@ -551,8 +551,8 @@ def test_reward_and_actor_folders_are_told_apart_in_both_formats(tmp_path):
     assert scoring.check_actor_folder(actor) == Path(actor)
     with pytest.raises(UserError, match="is not a step-2 reward model output"):
         scoring.check_reward_folder(actor)
-    with pytest.raises(UserError, match="is a step-2 reward model"):
+    with pytest.raises(UserError, match="is a reward model .*no language-model head"):
         scoring.check_actor_folder(critic)
-    with pytest.raises(UserError, match="is a step-2 reward model"):
+    with pytest.raises(UserError, match="is a reward model .*; chat with a step-1 output"):
         chatbot.resolve_chat_folder(str(critic))
     assert chatbot.resolve_chat_folder(str(actor)) == str(actor)

@@ -140,7 +140,7 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
 
     from dschat.errors import UserError
     from dschat.models.build import create_hf_model
-    from dschat.models.reward_model import is_reward_model_folder
+    from dschat.models.reward_model import refuse_reward_model
     from dschat.models.tokenizer import tokenizer_differences
     from dschat.models.registry import resolve_model_path
     from dschat.paths import step3_part
@@ -156,9 +156,8 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
             print(f"(using the step-3 actor in {actor} for --{flag})", flush=True)
             name = str(actor)
             setattr(args, flag, name)
-        if is_reward_model_folder(resolve_model_path(name)):
-            raise UserError(f"--{flag} {name} is a step-2 reward model, not a causal LM; pass a base model or a "
-                            "step-1 or step-3 actor folder")
+        refuse_reward_model(resolve_model_path(name), f"--{flag} {name}",
+                            "pass a base model or a step-1 or step-3 actor folder")
     quiet_transformers()
     device = default_device()
     tokenizer = load_tokenizer(args.model_name_or_path_baseline, args.add_eot_token)
