@@ -474,6 +474,10 @@ def _train_only_file(folder: Path) -> Path:
     (("--eval_interval", "0", "--eval_judge", "gold"), "--eval_judge need(s) the held-out evaluation"),
     (("--eval_interval", "2", "--save_best_by", "judge"), "--save_best_by judge needs a judge"),
     (("--eval_interval", "2", "--stop_on_overoptimization"), "give --eval_judge"),
+    (("--eval_alarm_sigmas", "3"), "--eval_alarm_sigmas need(s) the held-out evaluation"),
+    (("--eval_prompts", "4"), "--eval_prompts need(s) the held-out evaluation"),
+    (("--eval_interval", "2", "--eval_alarm_sigmas", "3"), "--eval_alarm_sigmas: the alarm compares the proxy with a "
+                                                           "judge; give --eval_judge"),
     (("--eval_interval", "-1",), "--eval_interval must be >= 0"),
     ("train-only", "has no held-out prompts"),
     ("gold-elsewhere", "the gold judge scores the embedded data only"),
