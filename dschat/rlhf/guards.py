@@ -32,7 +32,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     ``--align_overflow`` outside fp16 (upstream asserted or failed later: docs/upstream.md#step-3-ppo).
     The flags of a model the run does not build (a critic-free algorithm's critic; the reward model of
     a run rewarded by ``--reward_fn`` / ``--reward_url`` / ``--env`` or ``main``'s Python function,
-    ``python_reward_fn``) are checked as such, and ``--max_turns`` / ``--env_timeout`` need ``--env``.
+    ``python_reward_fn``) are checked as such; ``--max_turns`` / ``--env_timeout`` need ``--env``, and
+    ``--lam`` / ``--cliprange_value`` (``--gamma``) given to an algorithm without a critic (without
+    per-token rewards) are refused.
     """
     warnings: list[str] = []
     for name in ("actor_zero_stage", "critic_zero_stage"):
@@ -84,16 +86,25 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
             "without actor LoRA is unsupported due to training instability (as upstream); drop one of "
             "them or add --actor_lora_dim"
         )
-    if not getattr(args, "env", None):  # as e2e's --max-turns / --env-timeout: nothing to apply them to
-        defaults = complete_step3_args(argparse.Namespace())
-        for name in ("max_turns", "env_timeout"):
-            if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name):
-                raise UserError(f"--{name} applies to multi-turn episodes only; add --env MODULE:FACTORY "
-                                f"(docs/environments.md) or drop --{name}")
+    defaults = complete_step3_args(argparse.Namespace())
+    given = {name for name in ("max_turns", "env_timeout", "lam", "cliprange_value", "gamma")
+             if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name)}  # at other than the default
+    for name in sorted(given & {"max_turns", "env_timeout"}):
+        if not getattr(args, "env", None):  # as e2e's --max-turns / --env-timeout: nothing to apply them to
+            raise UserError(f"--{name} applies to multi-turn episodes only; add --env MODULE:FACTORY "
+                            f"(docs/environments.md) or drop --{name}")
+    algorithm = getattr(args, "algorithm", "ppo")
+    critic = has_critic(algorithm)
+    for name, what, applies in (("lam", "is GAE's lambda, over the critic's values", critic),
+                                ("cliprange_value", "clips the critic's values", critic),
+                                ("gamma", "discounts per-token rewards (PPO's GAE, REINFORCE++'s returns)",
+                                 critic or algorithm == "reinforce_pp")):
+        if name in given and not applies:
+            scores = "has no critic" if name != "gamma" else "gives each answer one advantage"
+            raise UserError(f"--{name} {what}; --algorithm {algorithm} {scores}: drop --{name}")
     # DeepSpeed's offload rules (dschat.runtime.ds_config): --offload moves the actor's and the critic's
     # optimizer state, which needs ZeRO >= 1 for both; the reference/EMA and reward models are ZeRO-3
     # only when the actor / critic is, and parameter offload exists only under ZeRO-3.
-    critic = has_critic(getattr(args, "algorithm", "ppo"))
     if args.offload:
         check_optimizer_offload(args.actor_zero_stage, "--actor_zero_stage")
         if critic:

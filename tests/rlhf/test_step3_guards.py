@@ -123,6 +123,9 @@ def test_num_total_iters_upstream_formula():
         ({"top_p": 0.0}, "cpu", "--top_p"),
         ({"max_prompt_seq_len": 1}, "cpu", "--max_prompt_seq_len must be >= 2"),
         ({"deepspeed_config": "ds.json"}, "cpu", "--deepspeed_config is not used"),
+        ({"algorithm": "grpo", "lam": 0.9}, "cpu", "^--lam is GAE's lambda.*; --algorithm grpo has no critic: drop"),
+        ({"algorithm": "rloo", "cliprange_value": 0.5}, "cpu", "^--cliprange_value clips .*rloo has no critic"),
+        ({"algorithm": "remax", "gamma": 0.99}, "cpu", "^--gamma discounts .*remax gives each answer one advantage"),
     ],
 )
 def test_contradictory_flags_are_refused(overrides, accelerator, message):
@@ -147,6 +150,11 @@ def test_contradictory_flags_are_refused(overrides, accelerator, message):
 def test_ppo_numbers_out_of_range_are_one_line(flag, value, rule):
     with pytest.raises(UserError, match=f"^--{flag} must be {rule}.*, got {value}$"):
         validate_step3_args(_args(**{flag: value}), accelerator="cpu", dtype="fp32")
+
+
+def test_gamma_applies_to_reinforce_pp_and_gae_flags_to_ppo():
+    assert validate_step3_args(_args(algorithm="reinforce_pp", gamma=0.99), accelerator="cpu", dtype="fp32") == []
+    assert validate_step3_args(_args(lam=0.9, gamma=0.99, cliprange_value=0.5), accelerator="cpu", dtype="fp32") == []
 
 
 def test_ppo_numbers_at_their_edges_pass():
