@@ -272,8 +272,9 @@ def plan(
         argv = [sys.executable, str(main_py), *flags]
     else:
         raise UserError(f"unknown launcher kind {kind!r}; use deepspeed or python")
-    out = flag_value(flags, "output_dir")
-    return LaunchPlan(recipe, argv, env, Path(out) if out else None, main_py, env_set, hosts, needed, withheld)
+    out = flag_value(flags, "output_dir")  # "~" expanded as the step expands it (the log goes beside the model)
+    return LaunchPlan(recipe, argv, env, Path(user_path(out)) if out else None, main_py, env_set, hosts, needed,
+                      withheld)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -19,7 +19,9 @@ class LogTee:
 
     A step may replace its output folder atomically when it saves (dschat's ``atomic_dir``), which
     would take an open ``training.log`` with the old folder. The handle keeps the data readable, and
-    :meth:`close` puts the complete log back at ``path`` when the file there is not ours any more.
+    :meth:`close` puts the complete log back at ``path`` when the folder was replaced (or the log
+    removed). A log there that is not ours, in the folder we opened ours in, is a later launcher's on
+    the same folder: it moved ours aside and keeps it as ``training.log.1``; ours is not written over it.
 
     A step that refused its input (exit code 2 before it started up) did nothing: ``close(discard=True)``
     puts the previous run's log (moved aside meanwhile) back and removes the folders made for the log.
@@ -58,22 +60,24 @@ class LogTee:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = open_own(path, "w+b")  # closed in close()
         self.stat = os.fstat(self.handle.fileno())
+        self.folder = os.stat(path.parent)  # a save that replaces the folder changes it
 
     def write(self, data: bytes) -> None:
         self.handle.write(data)
         self.handle.flush()
 
     def close(self, discard: bool = False) -> None:
+        ours = elsewhere = False  # elsewhere: a log at the path that is not ours, in the folder ours was opened in
         try:
-            current = os.stat(self.path)
-            ours = os.path.samestat(current, self.stat)
+            ours = os.path.samestat(os.stat(self.path), self.stat)
+            elsewhere = not ours and os.path.samestat(os.stat(self.path.parent), self.folder)
         except FileNotFoundError:
-            ours = False
+            pass
         if discard:
             self.handle.close()
             if ours:
                 self.path.unlink()
-            if self.previous is not None and self.previous.exists():
+            if self.previous is not None and self.previous.exists() and not elsewhere:
                 os.replace(self.previous, self.path)
             folder = self.path.parent
             while self.created is not None and folder.is_relative_to(self.created):
@@ -84,7 +88,7 @@ class LogTee:
                 folder = folder.parent
             return
         try:
-            if not ours:
+            if not ours and not elsewhere:  # the folder was replaced by a save, or the log removed: put it back
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 self.handle.seek(0)
                 with open_own(self.path, "wb") as fresh:

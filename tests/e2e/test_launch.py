@@ -251,6 +251,31 @@ def test_leftovers_named_with_this_launchers_own_pid_are_an_earlier_launchers(fa
     assert (out / "training.log.1").read_text() == "the run before it\n"
 
 
+def test_a_later_launch_on_the_same_folder_and_the_earlier_one_keep_both_logs_whole(tmp_path):
+    """A second launcher on a folder whose launcher still runs moves the live log aside (kept as
+    training.log.1); the first, ending first, must not write its log over the second's."""
+    from dschat.launch_log import LogTee
+
+    path = tmp_path / "out" / "training.log"
+    first = LogTee(path)
+    first.write(b"A1\n")
+    second = LogTee(path)
+    second.write(b"B1\n")
+    first.write(b"A2\n")
+    first.close()
+    second.write(b"B2\n")
+    second.close()
+    assert path.read_bytes() == b"B1\nB2\n"
+    assert (path.parent / "training.log.1").read_bytes() == b"A1\nA2\n"
+
+
+def test_a_tilde_output_dir_flag_puts_the_log_beside_the_model(fake_root, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {}, ["--output_dir=~/out"], kind="python", repo_root=fake_root)
+    assert plan.log_path == tmp_path / "out" / "training.log"
+
+
 def test_output_dir_under_a_file_is_refused_before_the_log_is_opened(fake_root, tmp_path, capsys):
     (tmp_path / "file.txt").write_text("x")
     code = L._entry(["--repo-root", str(fake_root), "--launcher", "python", "step1", "cpu/tiny",
