@@ -79,7 +79,13 @@ class Hosts:
 
 def read_hostfile(path: str | os.PathLike) -> list[str]:
     """Host names of a DeepSpeed hostfile (``<host> slots=<n>`` lines; ``#`` comments, blank lines)."""
-    hosts: list[str] = []
+    return list(hostfile_slots(path))
+
+
+def hostfile_slots(path: str | os.PathLike) -> dict[str, int]:
+    """Each host of a DeepSpeed hostfile and its slots, in the file's order (a host listed twice, or
+    a bad line, is one :class:`UserError` line)."""
+    hosts: dict[str, int] = {}
     try:
         text = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as err:
@@ -93,7 +99,10 @@ def read_hostfile(path: str | os.PathLike) -> list[str]:
         if not match:
             raise UserError(f"hostfile {path} has a bad line {line!r}; write one line per host: '<host> slots=<gpus>'")
         check_host_name(match.group(1), f"hostfile {path}")
-        hosts.append(match.group(1))
+        if match.group(1) in hosts:  # DeepSpeed's runner raises on it, after the log was opened
+            raise UserError(f"hostfile {path} lists host {match.group(1)} twice; give each host one line "
+                            "'<host> slots=<gpus>' with all its GPUs")
+        hosts[match.group(1)] = int(match.group(2))
     if not hosts:
         raise UserError(f"hostfile {path} lists no host; write one line per host: '<host> slots=<gpus>'")
     return hosts
@@ -112,15 +121,24 @@ def check_host_name(host: str, where: str) -> None:
                         "write the host's name or address")
 
 
-def _filter_hosts(hosts: list[str], include: str | None, exclude: str | None) -> list[str]:
-    """DeepSpeed's ``--include``/``--exclude`` (``host1@host2:0,1``), at host granularity."""
+def _filter_hosts(slots: dict[str, int], include: str | None, exclude: str | None) -> list[str]:
+    """The hosts DeepSpeed's ``--include``/``--exclude`` (``host1@host2:0,1``) leave of ``slots``
+    (host -> its slots): a host named without slots is dropped whole, and so is one whose every slot
+    is excluded (``host:0`` of a one-slot host); "host:0" keeps a host's other slots."""
+    hosts = list(slots)
     if include:
         wanted = {spec.split(":", 1)[0] for spec in include.split("@") if spec}
         hosts = [h for h in hosts if h in wanted]
     if exclude:
-        # Only a host named without slots is dropped whole; "host:0" keeps the host's other slots.
-        dropped = {spec for spec in exclude.split("@") if spec and ":" not in spec}
-        hosts = [h for h in hosts if h not in dropped]
+        excluded: dict[str, set[str] | None] = {}  # host -> its excluded slots (None: all)
+        for spec in filter(None, exclude.split("@")):
+            host, _, ids = spec.partition(":")
+            if not ids:
+                excluded[host] = None
+            elif excluded.get(host, set()) is not None:
+                excluded[host] = {*(excluded.get(host) or set()), *ids.split(",")}
+        hosts = [h for h in hosts if h not in excluded or (excluded[h] is not None
+                                                             and not {str(i) for i in range(slots[h])} <= excluded[h])]
     return hosts
 
 
@@ -138,7 +156,7 @@ def launch_hosts(hostfile: str | None, num_nodes: int | None = None, include: st
         if hostfile:
             raise UserError(f"--hostfile {hostfile} does not exist; write one line per host: '<host> slots=<gpus>'")
         return Hosts(("localhost",), None)
-    hosts = _filter_hosts(read_hostfile(path), include, exclude)
+    hosts = _filter_hosts(hostfile_slots(path), include, exclude)
     if num_nodes is not None and num_nodes > 0:
         if num_nodes > len(hosts):
             raise UserError(f"--num_nodes {num_nodes} but hostfile {path} lists {len(hosts)} usable host(s)")

@@ -493,6 +493,10 @@ def test_hosts_are_read_as_the_deepspeed_launcher_reads_them(tmp_path):
     assert M.launch_hosts(hostfile, num_nodes=1).multi_node is False
     assert M.launch_hosts(hostfile, include="b:0,1@c").names == ("b", "c")
     assert M.launch_hosts(hostfile, exclude="a@b:1").names == ("b", "c")
+    assert M.launch_hosts(hostfile, exclude="b:0@c:1").names == ("a", "c")  # b's one slot excluded: b is gone
+    (tmp_path / "twice").write_text("a slots=1\nb slots=1\na slots=2\n")
+    with pytest.raises(UserError, match="lists host a twice"):
+        M.launch_hosts(str(tmp_path / "twice"))
     assert M.launch_hosts(None).names == ("localhost",)  # no /job/hostfile: this machine
     with pytest.raises(UserError, match="--num_nodes 2 needs a hostfile"):
         M.launch_hosts(None, num_nodes=2)
