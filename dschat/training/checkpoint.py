@@ -471,8 +471,8 @@ def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int, weights
     for tag, engine in (weights_only or {}).items():
         load_weights(engine, folder / f"{tag}.safetensors", rank)
     set_rng_state(rng)
-    print_rank_0(f"[checkpoint] resumed from {folder} (epoch {position.epoch}, "
-                 f"{position.optimizer_steps} optimizer steps done)", rank)
+    print_rank_0(f"[checkpoint] resumed from {folder} (epoch {position.epoch}, {position.optimizer_steps} "
+                 f"{'PPO' if 'actor' in engines else 'optimizer'} steps done)", rank)  # step 3: PPO iterations
     return position
 
 

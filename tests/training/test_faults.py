@@ -321,7 +321,7 @@ def test_step3_killed_then_resumed_matches_the_uninterrupted_run(how, step3_setu
 
     resumed = run_step3(data, critic, out, "--resume")
     assert_finished(resumed)
-    start = int(re.search(r"\[checkpoint\] resumed from \S+ \(epoch 0, (\d+) optimizer steps done\)",
+    start = int(re.search(r"\[checkpoint\] resumed from \S+ \(epoch 0, (\d+) PPO steps done\)",
                           resumed.text).group(1))
     assert 1 <= start <= done
     assert ppo_steps(resumed) == list(range(start, PPO_ITERATIONS))
