@@ -22,7 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
@@ -186,7 +186,11 @@ def resolve_launcher(recipe: Recipe, overrides: Mapping[str, object] | None) -> 
         if isinstance(value, int) and value < 1:  # deepspeed would run on none (or every) GPU of the node
             raise UserError(f"--{name} must be >= 1, got {value}")
     launcher = recipe.launcher.with_overrides(**overrides)
+    if (launcher.include or launcher.exclude) and (launcher.num_gpus is not None or launcher.num_nodes is not None):
+        raise UserError(f"{recipe.label}'s launcher has include/exclude and num_gpus/num_nodes, which DeepSpeed's "
+                        "launcher refuses together; keep one of them")
     hosts = launch_hosts(launcher.hostfile, launcher.num_nodes, launcher.include, launcher.exclude)
+    launcher = visible_gpus(launcher, hosts, os.environ.get("DS_ACCELERATOR", recipe.env.get("DS_ACCELERATOR")))
     given = overrides.get("master_port")
     if given is None and not hosts.multi_node:
         return launcher.with_overrides(master_port=free_port()), hosts
@@ -199,6 +203,23 @@ def resolve_launcher(recipe: Recipe, overrides: Mapping[str, object] | None) -> 
     port = launcher.master_port if launcher.master_port is not None else DEFAULT_MASTER_PORT
     check_master_port(port, hosts, source)
     return launcher, hosts
+
+
+def visible_gpus(launcher: Launcher, hosts: Hosts, accelerator: str | None) -> Launcher:
+    """``--num_gpus N`` on this machine alone under ``CUDA_VISIBLE_DEVICES`` (GPU ids): ``--include
+    localhost:<the first N of them>`` instead. DeepSpeed's launcher ignores ``CUDA_VISIBLE_DEVICES``
+    when ``--num_gpus`` is given and uses GPUs 0 to N-1, whichever the user chose (upstream's
+    scripts do the same); fewer ids than N is one :class:`UserError` line. Left as it is on the CPU
+    accelerator, with a hostfile, or with ids that are not numbers (GPU UUIDs)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+    ids = [part.strip() for part in visible.split(",") if part.strip()]
+    if (launcher.num_gpus is None or hosts.hostfile is not None or accelerator == "cpu" or not ids
+            or not all(part.isdigit() for part in ids)):
+        return launcher
+    if len(ids) < launcher.num_gpus:
+        raise UserError(f"--num_gpus {launcher.num_gpus} but CUDA_VISIBLE_DEVICES={visible} shows {len(ids)} GPU(s); "
+                        "show more, or lower --num_gpus")
+    return replace(launcher, num_gpus=None, include=f"localhost:{','.join(ids[:launcher.num_gpus])}")
 
 
 def check_multi_node_sources(environ: Mapping[str, str], cwd: str) -> None:

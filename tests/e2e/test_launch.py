@@ -111,6 +111,34 @@ def test_plan_builds_the_deepspeed_argument_list(fake_root, tmp_path, monkeypatc
     assert plan.env["PYTHONUNBUFFERED"] == "1"
 
 
+def test_num_gpus_on_one_node_takes_the_gpus_cuda_visible_devices_shows(fake_root, monkeypatch):
+    """DeepSpeed's launcher drops CUDA_VISIBLE_DEVICES under --num_gpus (GPU 0 whatever the user chose)."""
+    import dataclasses
+
+    from dschat.recipes.recipe import Launcher
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    recipe = recipe_loading.get_recipe("step1", "opt/single_gpu/1.3b", fake_root)
+
+    def launcher_argv(**overrides):
+        argv = L.plan(recipe, {"output_dir": "/o"}, launcher_overrides=overrides, repo_root=fake_root).argv
+        return argv[:argv.index(str(fake_root / recipe.step.main_py))]
+
+    argv = launcher_argv()
+    assert argv[argv.index("--include") + 1] == "localhost:2" and "--num_gpus" not in argv
+    argv = launcher_argv(num_gpus=2)
+    assert argv[argv.index("--include") + 1] == "localhost:2,3"
+    with pytest.raises(UserError, match="--num_gpus 3 but CUDA_VISIBLE_DEVICES=2,3 shows 2 GPU"):
+        launcher_argv(num_gpus=3)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # no GPUs to choose: as given
+    argv = launcher_argv()
+    assert argv[argv.index("--num_gpus") + 1] == "1" and "--include" not in argv
+    both = dataclasses.replace(recipe, launcher=Launcher(num_gpus=1, include="localhost:1"))
+    with pytest.raises(UserError, match="include/exclude and num_gpus/num_nodes, which DeepSpeed's launcher refuses"):
+        L.plan(both, {"output_dir": "/o"}, repo_root=fake_root)
+
+
 def test_plan_without_main_py_is_a_clear_error(tmp_path):
     root = tmp_path / "repo"
     shutil.copytree(REPO / "configs", root / "configs")
