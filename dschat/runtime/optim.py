@@ -26,7 +26,6 @@ loop (``fused`` off) resumes with it, and so keeps that run's numbers.
 from __future__ import annotations
 
 import math
-from functools import partial
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
@@ -43,7 +42,11 @@ __all__ = [
     "get_optimizer_grouped_parameters",
     "create_optimizer",
     "create_scheduler",
+    "Multiplier",
+    "kept_schedule_line",
     "num_update_steps",
+    "relay_schedule",
+    "schedule_settings",
 ]
 
 # Upstream's defaults, matched as lower-cased substrings of parameter names.
@@ -126,21 +129,79 @@ def create_scheduler(name: str, optimizer: torch.optim.Optimizer, num_warmup_ste
                         f"{num_warmup_steps} and {num_training_steps}; check --num_warmup_steps and the data size")
     LambdaLR = torch.optim.lr_scheduler.LambdaLR
     if name == "constant":
-        return LambdaLR(optimizer, _constant)
+        return LambdaLR(optimizer, Multiplier(name))
     if name == "constant_with_warmup":
-        return LambdaLR(optimizer, partial(_constant_with_warmup, num_warmup_steps=num_warmup_steps))
+        return LambdaLR(optimizer, Multiplier(name, num_warmup_steps=num_warmup_steps))
     steps = {"num_warmup_steps": num_warmup_steps, "num_training_steps": num_training_steps}
-    if name == "linear":
-        return LambdaLR(optimizer, partial(_linear, **steps))
-    if name == "cosine":
-        return LambdaLR(optimizer, partial(_cosine, **steps, num_cycles=0.5))
+    if name in ("linear", "cosine"):
+        return LambdaLR(optimizer, Multiplier(name, **steps, **({"num_cycles": 0.5} if name == "cosine" else {})))
     if name == "cosine_with_restarts":
-        return LambdaLR(optimizer, partial(_cosine_with_hard_restarts, **steps, num_cycles=1))
+        return LambdaLR(optimizer, Multiplier(name, **steps, num_cycles=1))
     lr_init, lr_end = optimizer.defaults["lr"], 1e-7
     if not lr_init > lr_end:
         raise UserError(f"--lr_scheduler_type polynomial decays to {lr_end}, so the learning rate must be "
                         f"larger than that, got {lr_init}; raise it or pick another --lr_scheduler_type")
-    return LambdaLR(optimizer, partial(_polynomial, **steps, lr_end=lr_end, power=1.0, lr_init=lr_init))
+    return LambdaLR(optimizer, Multiplier(name, **steps, lr_end=lr_end, power=1.0, lr_init=lr_init))
+
+
+class Multiplier:
+    """A schedule's LR multiplier at a step (``LambdaLR``'s lambda): ``kind`` (a
+    ``--lr_scheduler_type``) and its keywords, kept as attributes so that ``LambdaLR.state_dict``
+    saves them and a checkpoint restores the plan the run was laid out on (:func:`relay_schedule`)."""
+
+    def __init__(self, kind: str, **keywords: int | float) -> None:
+        self.kind = kind
+        self.__dict__.update(keywords)
+
+    def __call__(self, step: int) -> float:
+        function, names = _MULTIPLIERS[self.kind]
+        return function(step, **{name: getattr(self, name) for name in names})
+
+
+def schedule_settings(scheduler: Any) -> list[tuple[float, str | None, int | None]]:
+    """Per parameter group: its base learning rate, schedule kind and warmup steps (compare them
+    before and after a resume with :func:`kept_schedule_line`)."""
+    return [(float(base), getattr(fn, "kind", None), getattr(fn, "num_warmup_steps", None))
+            for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+
+
+def kept_schedule_line(wanted: list[tuple[float, str | None, int | None]], restored: Any) -> str | None:
+    """A line when the learning rates, schedule kind or warmup a resumed ``restored`` scheduler goes on
+    with (the checkpoint's) differ from ``wanted`` (:func:`schedule_settings` of this run's flags, before
+    the resume); None when they agree."""
+    kept = schedule_settings(restored)
+    if kept == wanted:
+        return None
+
+    def say(settings: list[tuple[float, str | None, int | None]]) -> str:
+        return "; ".join(f"lr {lr:g}, {kind}" + (f", {warmup} warmup steps" if warmup is not None else "")
+                         for lr, kind, warmup in dict.fromkeys(settings))
+
+    return (f"the checkpoint's learning rates and LR schedule go on ({say(kept)}); this run's flags ask for "
+            f"{say(wanted)}, which applies to a fresh run only")
+
+
+def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> str | None:
+    """After a resume: lay ``scheduler``'s restored schedule over the optimizer steps done plus
+    ``remaining_steps`` (what this run will take) when the checkpoint's run laid it over another
+    number than this run plans (``planned_steps``: another gradient accumulation, number of ranks,
+    epoch count or data size); the step's learning rates become the new schedule's. Returns a line
+    saying so, or None (the same plan: the restored schedule goes on exactly as it was)."""
+    lambdas = [fn for fn in getattr(scheduler, "lr_lambdas", ()) if isinstance(fn, Multiplier)]
+    saved = {getattr(fn, "num_training_steps", planned_steps) for fn in lambdas}
+    if saved <= {planned_steps}:
+        return None
+    done = int(scheduler.last_epoch)
+    total = max(1, done + remaining_steps)
+    for fn in lambdas:
+        if hasattr(fn, "num_training_steps"):
+            fn.num_training_steps = total
+    scheduler._last_lr = [base * fn(done) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+        group["lr"] = lr
+    was = ", ".join(str(n) for n in sorted(saved))
+    return (f"the LR schedule was laid over {was} optimizer steps by the run that wrote the checkpoint and this "
+            f"run plans {planned_steps}: it is laid over {total} now ({done} done, {remaining_steps} to go)")
 
 
 # The LR multipliers of transformers.optimization, term for term (the same float arithmetic).
@@ -188,6 +249,15 @@ def _polynomial(current_step: int, *, num_warmup_steps: int, num_training_steps:
         return lr_end / lr_init
     pct_remaining = 1 - (current_step - num_warmup_steps) / decay_steps
     return ((lr_init - lr_end) * pct_remaining**power + lr_end) / lr_init
+
+
+_STEPS = ("num_warmup_steps", "num_training_steps")
+_MULTIPLIERS = {  # kind -> (multiplier, its keywords)
+    "constant": (_constant, ()), "constant_with_warmup": (_constant_with_warmup, ("num_warmup_steps",)),
+    "linear": (_linear, _STEPS), "cosine": (_cosine, (*_STEPS, "num_cycles")),
+    "cosine_with_restarts": (_cosine_with_hard_restarts, (*_STEPS, "num_cycles")),
+    "polynomial": (_polynomial, (*_STEPS, "lr_end", "power", "lr_init")),
+}
 
 
 def num_update_steps(num_batches: int, epochs: int, grad_accum: int) -> int:

@@ -11,6 +11,7 @@ Step 3's loop is :func:`dschat.rlhf.ppo_loop.run_ppo`.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,9 +21,11 @@ from torch.utils.data import DataLoader
 from dschat.data.collators import set_epoch_if_distributed
 from dschat.models.save import save_hf_model
 from dschat.runtime.dist import get_all_reduce_mean, print_rank_0
+from dschat.runtime.optim import kept_schedule_line, num_update_steps, relay_schedule, schedule_settings
 from dschat.runtime.perf import print_throughput as throughput_line
 from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.training.checkpoint import Checkpointer, TrainingPosition
+from dschat.training.engine_setup import plan_optimizer_steps
 from dschat.training.loaders import prepare_batch
 from dschat.training.progress import (
     OptimizerStepCounter,
@@ -36,6 +39,20 @@ from dschat.training.weight_digest import write_weight_digest
 from dschat.training.nonfinite import NonFiniteGuard
 
 __all__ = ["train_epochs", "finish_run"]
+
+
+def steps_planned_and_left(args: argparse.Namespace, num_batches: int, checkpointer: Checkpointer,
+                           done: int) -> tuple[int, int]:
+    """The optimizer steps this run's LR schedule is planned over (:func:`plan_optimizer_steps`) and
+    those left after a resume at ``done`` steps (the rest of the resumed epoch and the later ones, on
+    this run's accumulation; within ``--max_train_steps``)."""
+    epoch, accumulation = checkpointer.first_epoch(), args.gradient_accumulation_steps
+    left = (math.ceil((num_batches - checkpointer.batches_done(epoch)) / accumulation)
+            + num_update_steps(num_batches, max(0, args.num_train_epochs - epoch - 1), accumulation))
+    if args.max_train_steps > 0:
+        left = min(left, max(0, args.max_train_steps - done))
+    planned = plan_optimizer_steps(num_batches, args.num_train_epochs, accumulation, args.max_train_steps)
+    return planned, left
 
 
 def train_epochs(
@@ -65,9 +82,15 @@ def train_epochs(
     """
     checkpointer = Checkpointer(args, {"model": engine}, ctx.rank, loaders=[train_loader],
                                 models={"model": ("--model_name_or_path", getattr(args, "model_name_or_path", None))})
+    wanted = schedule_settings(engine.lr_scheduler)  # this run's flags; a checkpoint's schedule goes on
     resumed = checkpointer.resume(counter)
     if resumed is not None:  # TensorBoard hides what a killed attempt logged after the checkpoint's step
         tb.resume_at(counter.optimizer_steps + 1)
+        for line in (kept_schedule_line(wanted, engine.lr_scheduler),
+                     relay_schedule(engine.lr_scheduler, *steps_planned_and_left(args, len(train_loader), checkpointer,
+                                                                                 counter.optimizer_steps))):
+            if line is not None:
+                print_rank_0(f"[checkpoint] {line}", ctx.rank)
     guard = NonFiniteGuard(args.max_nonfinite_steps, ctx.rank, ctx.device, last_checkpoint=checkpointer.latest)
     print_rank_0("***** Running training *****", ctx.rank)
     if resumed is None:

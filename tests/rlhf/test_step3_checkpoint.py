@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -209,3 +210,27 @@ def test_a_resume_with_other_models_to_train_is_refused_both_ways(tmp_path, crit
                                   "another step, or with other flags (a critic, --enable_ema); resume with the flags "
                                   "that wrote it")
     assert main(argv("ppo", "--resume")).history == []
+
+
+def test_a_resume_on_another_plan_lays_both_lr_schedules_over_the_steps_this_run_takes(tmp_path, critic_dirs,
+                                                                                        data_cache, capsys):
+    """A cosine run checkpointed after one PPO step and resumed with twice the gradient accumulation:
+    the actor's and the critic's restored schedules are laid over the step done plus the steps this
+    run takes (this run's own plan counts from step 0 at the new accumulation)."""
+    main = step3_main().main
+
+    def argv(*more):
+        return base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--lr_scheduler_type", "cosine",
+                         "--save_interval", "1", "--output_dir", str(tmp_path / "o"), *more, steps=1)
+
+    main(argv())
+    capsys.readouterr()
+    main(argv("--resume", "--gradient_accumulation_steps", "2"))
+    printed = capsys.readouterr().out
+    for name in ("actor", "critic"):
+        found = re.search(rf"\[checkpoint\] {name}: the LR schedule was laid over (\d+) optimizer steps by the run "
+                          r"that wrote the checkpoint and this run plans (\d+): it is laid over (\d+) now \(1 done, "
+                          r"(\d+) to go\)", printed)
+        assert found, printed
+        saved, planned, total, left = map(int, found.groups())
+        assert total == 1 + left == 1 + math.ceil((saved - 1) / 2) and planned == math.ceil(saved / 2)
