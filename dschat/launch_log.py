@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 from dschat.errors import UserError
@@ -40,6 +41,10 @@ class LogTee:
         line = foreign_link_line(path)
         if line is not None:
             raise UserError(line)
+        for log in (path, *(path.with_name(f"{path.name}.{n}") for n in range(1, KEPT_LOGS + 1))):
+            if os.path.lexists(log) and not log.is_file():  # a folder (or a socket) where a log goes
+                raise UserError(f"{log} is not a file, and the launcher keeps its logs there; move it out of the "
+                                "output folder or pass another --output_dir")
         self.path = path
         self.started = path.with_name(f".{path.name}.started-{os.getpid()}")
         if path.parent.is_dir():  # what a killed launcher left: its set-aside log is kept, its stamp goes
@@ -56,7 +61,11 @@ class LogTee:
             self.created = None
         self.previous = path.with_name(f".{path.name}.previous-{os.getpid()}") if path.is_file() else None
         if self.previous is not None:
-            os.replace(path, self.previous)
+            try:
+                os.replace(path, self.previous)
+            except PermissionError as err:  # a sticky shared folder: another account's log
+                raise UserError(f"cannot move the previous {path} aside ({err.strerror}): it is another account's "
+                                "log in a folder others can write to; pass an --output_dir of your own") from None
         path.parent.mkdir(parents=True, exist_ok=True)
         self.handle = open_own(path, "w+b")  # closed in close()
         self.stat = os.fstat(self.handle.fileno())
@@ -96,7 +105,11 @@ class LogTee:
         finally:
             self.handle.close()
         if self.previous is not None and self.previous.exists():
-            self._keep(self.previous)
+            try:
+                self._keep(self.previous)
+            except OSError as err:  # the step's exit code stands; the earlier log stays set aside
+                print(f"[dschat.launch] could not keep the previous log as {self.path.name}.1 "
+                      f"({type(err).__name__}: {err.strerror}); it is {self.previous}", file=sys.stderr, flush=True)
 
     def _keep(self, log: Path) -> None:
         """``log`` becomes ``<path>.1``, each older one moves up (``.{KEPT_LOGS}`` is replaced)."""

@@ -297,6 +297,45 @@ def test_a_later_launch_on_the_same_folder_and_the_earlier_one_keep_both_logs_wh
     assert (path.parent / "training.log.1").read_bytes() == b"A1\nA2\n"
 
 
+@pytest.mark.parametrize("name", ["training.log", "training.log.2"])
+def test_a_folder_where_a_log_goes_is_refused_before_the_step_runs(name, fake_root, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    (out / name).mkdir(parents=True)
+    (out / "training.log.1").write_text("older\n")
+    if name != "training.log":
+        (out / "training.log").write_text("old\n")
+    before = sorted(p.name for p in out.iterdir())
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+    sink = Sink()
+    with pytest.raises(UserError, match=f"{out / name} is not a file, and the launcher keeps its logs there"):
+        L.run(L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root), sink=sink)
+    assert b"ARGV" not in sink.data and sorted(p.name for p in out.iterdir()) == before
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None,
+                    reason="a second account's launch needs root and setpriv")
+def test_another_accounts_log_in_a_sticky_shared_folder_is_one_line():
+    """A launcher that cannot move the log another account left in a sticky folder (as /tmp) aside."""
+    import tempfile
+
+    shared = Path(tempfile.mkdtemp(prefix="dschat-sticky-", dir="/tmp"))
+    try:
+        os.chmod(shared, 0o1777)
+        (shared / "training.log").write_text("root's run\n")
+        script = ("import sys; from pathlib import Path; from dschat.errors import UserError; "
+                  "from dschat.launch_log import LogTee\ntry:\n    LogTee(Path(sys.argv[1]))\n"
+                  "except UserError as err:\n    print(err)")
+        done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c",
+                               script, str(shared / "training.log")], capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.stdout.strip() == (f"cannot move the previous {shared / 'training.log'} aside (Operation not "
+                                       "permitted): it is another account's log in a folder others can write to; "
+                                       "pass an --output_dir of your own"), done.stderr
+        assert (shared / "training.log").read_text() == "root's run\n"
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
 def test_a_tilde_output_dir_flag_puts_the_log_beside_the_model(fake_root, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
