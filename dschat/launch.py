@@ -532,6 +532,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for name, value in recipe.params_from_positionals(positionals).items():
             if value:
                 params[name] = value
+    ignored = [f"--{name}" for name, value in launcher.items() if value is not None]
+    if args.launcher == "python" and ignored:
+        raise UserError(f"--launcher python runs main.py as one process here; {', '.join(ignored)} are the deepspeed "
+                        "launcher's options: drop them or use --launcher deepspeed")
     launch = plan(recipe, params, extra, unset=args.unset, launcher_overrides=launcher, kind=args.launcher,
                   repo_root=args.repo_root, require_main=not args.dry_run)
     if args.dry_run:

@@ -139,6 +139,14 @@ def test_num_gpus_on_one_node_takes_the_gpus_cuda_visible_devices_shows(fake_roo
         L.plan(both, {"output_dir": "/o"}, repo_root=fake_root)
 
 
+def test_launcher_options_with_the_python_launcher_are_one_line(fake_root, capsys):
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "--launcher", "python", "step1", "cpu/tiny",
+                     "--num_gpus", "2"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "--launcher python runs main.py as one process here; --num_gpus are the deepspeed launcher's" in err
+
+
 def test_plan_without_main_py_is_a_clear_error(tmp_path):
     root = tmp_path / "repo"
     shutil.copytree(REPO / "configs", root / "configs")
