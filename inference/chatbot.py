@@ -107,8 +107,10 @@ def load(path: str, device: str = "auto", fmt: str = "auto",
         from dschat.models.build import create_hf_model
 
         model = create_hf_model(AutoModelForCausalLM, folder, tokenizer).to(dev, dtype).eval()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, trust_remote_code=False).to(dev).eval()
+    else:  # missing or damaged weights are one line (dschat.models.build.load_pretrained)
+        from dschat.models.build import load_pretrained
+
+        model = load_pretrained(AutoModelForCausalLM, folder, dtype=dtype).to(dev).eval()
     if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:
         model.resize_token_embeddings(8 * -(-len(tokenizer) // 8))  # a multiple of 8, as in training
     return model, tokenizer, dev
@@ -134,6 +136,13 @@ class Conversation:
         self.messages: list[dict[str, str]] = []
         self.text = ""
 
+    def snapshot(self) -> tuple[list[dict[str, str]], str]:
+        """The history as it is now, for :meth:`restore` (a turn interrupted before its answer)."""
+        return list(self.messages), self.text
+
+    def restore(self, saved: tuple[list[dict[str, str]], str]) -> None:
+        self.messages, self.text = list(saved[0]), saved[1]
+
     def prompt_ids(self, user_text: str) -> list[int]:
         """Token ids of the whole conversation so far plus the new user turn, ready for the reply."""
         if self.use_template:
@@ -148,8 +157,7 @@ class Conversation:
     def add_reply(self, reply: str) -> None:
         if self.use_template:
             self.messages.append({"role": "assistant", "content": reply})
-        else:
-            # As the answer follows the prompt in training texts: one space (the reply was stripped).
+        elif reply:  # as the answer follows the prompt in training texts: one space (the reply was stripped)
             self.text += " " + reply
 
 
@@ -242,8 +250,8 @@ def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, u
             **kwargs,
         )
     streamer.feed("", end=True)
-    print(flush=True)
     answer = streamer.printed.strip()
+    print("" if answer else "(no answer: the model ended its turn at once)", flush=True)
     conversation.add_reply(answer)
     return answer
 
@@ -287,6 +295,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         except EOFError:  # end of piped input or Ctrl-D
             print()
             break
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: the end of the chat, as the shell's
+            print()
+            raise SystemExit(130) from None
+        except UnicodeDecodeError:  # a strict UTF-8 locale: the line is lost, the conversation is not
+            print("(that line is not UTF-8 text; type it again)", flush=True)
+            continue
+        # Bytes that are not UTF-8 (read with surrogateescape) become U+FFFD: a tokenizer refuses lone surrogates.
+        user_text = user_text.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
         if not user_text.strip():  # a blank line asks nothing: no turn, no history, the prompt again
             continue
         if user_text.strip() == "quit":
@@ -298,7 +314,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             continue
         num_rounds += 1
         print("-" * 30 + f" Round {num_rounds} " + "-" * 30, flush=True)
-        reply(model, tokenizer, device, conversation, user_text, args)
+        before = conversation.snapshot()
+        try:
+            reply(model, tokenizer, device, conversation, user_text, args)
+        except KeyboardInterrupt:  # Ctrl-C while the answer is written: the turn is dropped, the chat goes on
+            conversation.restore(before)
+            num_rounds -= 1
+            print("\n(interrupted: that turn is forgotten; type 'quit' to leave)", flush=True)
 
 
 if __name__ == "__main__":

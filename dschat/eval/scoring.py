@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from dschat.errors import UserError
 from dschat.eval.heldout import EvalSettings
 from dschat.gold_judge import gold_score
-from dschat.models.build import create_critic_model
+from dschat.models.build import create_critic_model, load_pretrained
 from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.models.reward_inputs import encode_for_reward, reward_max_length
 from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
@@ -50,6 +50,8 @@ def pick_device(name: str = "auto", flag: str = "--device") -> Any:
         if device.index is not None and device.index >= count:
             raise UserError(f"{flag} {name}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}; "
                             f"give one of those, {flag} cpu or {flag} auto")
+    elif device.type != "cpu":
+        raise UserError(f"{flag} {name!r}: dschat runs models on cpu or cuda; give cpu, cuda, cuda:N or auto")
     return device
 
 
@@ -95,8 +97,7 @@ def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:
     folder = check_actor_folder(path)
     config = load_config(str(folder))  # refuses a model that needs its own code
     tokenizer = load_hf_tokenizer(str(folder))
-    model = AutoModelForCausalLM.from_pretrained(str(folder), config=config, dtype=torch.float32,
-                                                 trust_remote_code=False).to(device).eval()
+    model = load_pretrained(AutoModelForCausalLM, str(folder), config=config, dtype=torch.float32).to(device).eval()
     return model, tokenizer
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "padded_vocab_size",
     "aligned_vocab_rows",
     "create_hf_model",
+    "load_pretrained",
     "create_critic_model",
     "key_problems",
     "LoadReport",
@@ -137,7 +138,7 @@ def create_hf_model(
     if rlhf_training:
         model = model_class.from_config(model_config)
     else:
-        model = _from_pretrained(model_class, path, config=model_config, dtype=torch.float32)
+        model = load_pretrained(model_class, path, config=model_config, dtype=torch.float32)
 
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
@@ -159,7 +160,7 @@ _NO_WEIGHTS = re.compile(r"no file named|does not appear to have a file named")
 _LOADED = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")  # the safetensors files from_pretrained reads
 
 
-def _from_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
+def load_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
     """``model_class.from_pretrained(path, trust_remote_code=False, **kwargs)``; weights that are missing,
     damaged or truncated are one :class:`UserError` line naming the folder or file (other errors pass
     through)."""
@@ -353,7 +354,7 @@ def _load_base_strict(
     if _is_zero3(ds_config):
         dschf = HfDeepSpeedConfig(ds_config)  # noqa: F841 - must stay alive during the load
     if state_dict is None:
-        model, info = _from_pretrained(
+        model, info = load_pretrained(
             model_class, path, config=model_config, dtype=torch.float32, output_loading_info=True
         )
     else:

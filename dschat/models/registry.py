@@ -111,7 +111,7 @@ def _check_local_folder(name: str, folder: Path) -> None:
         return  # a tokenizer-only folder is fine for --tokenizer-like uses
     raise UserError(
         f"{name} is not a Hugging Face model folder (no config.json) nor a PEFT adapter folder (no "
-        f"{ADAPTER_CONFIG_FILE}); pass a folder written by save_pretrained (or a dschat checkpoint), a hub id, "
+        f"{ADAPTER_CONFIG_FILE}); pass a folder written by save_pretrained (a step's --output_dir), a hub id, "
         f"or one of: {_short_names_list()}"
     )
 
@@ -182,6 +182,9 @@ def load_config(path: str) -> Any:
     except PermissionError as err:
         raise cannot_read(err.filename or Path(path) / "config.json", err) from None
     except OSError as err:
+        if "couldn't connect to" in str(err).lower() or "offline mode" in str(err).lower():
+            raise UserError(f"{path} is not a local folder and not in the Hugging Face cache, and the hub cannot be "
+                            "reached; download it where there is a network, or pass a local folder") from None
         if "is not a valid JSON file" not in str(err):
             raise
         raise UserError(f"{path}: config.json is not valid JSON; the folder is damaged: copy or save the model "

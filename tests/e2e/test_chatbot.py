@@ -210,3 +210,77 @@ def test_smollm2_answers_through_stdin():
     assert proc.returncode == 0, proc.stderr
     answer = proc.stdout.split(" Round 1 " + "-" * 30, 1)[1].split(C.PROMPT)[0]
     assert len(answer.strip()) > 0
+
+
+@pytest.mark.parametrize("damage", ["no weights", "truncated"])
+def test_missing_or_damaged_weights_are_one_line_and_exit_2(damage, tmp_path):
+    import shutil
+
+    from dschat.models.registry import resolve_model_path
+
+    source, folder = Path(resolve_model_path("tiny-opt")), tmp_path / "model"
+    shutil.copytree(source, folder)
+    weights = next(folder.glob("*.safetensors"))
+    if damage == "no weights":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:1000])
+    proc = _chat("inference/chatbot.py", ["--path", str(folder), "--device", "cpu"], "hi\n")
+    err = proc.stderr.strip()
+    assert proc.returncode == 2 and err.count("\n") == 0 and "Traceback" not in err, err
+    assert ("has no model weights" if damage == "no weights" else f"cannot read the weights in {weights}") in err
+
+
+def test_a_line_that_is_not_utf8_is_asked_not_a_crash():
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="", PYTHONIOENCODING="utf-8:surrogateescape")
+    proc = subprocess.run([sys.executable, str(REPO / "inference/chatbot.py"), "--path", "tiny-llama",
+                           "--max_new_tokens", "3"], input=b"h\xffi\nquit\n", env=env, capture_output=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    assert "-" * 30 + " Round 1 " + "-" * 30 in proc.stdout.decode(errors="replace")
+
+
+def test_an_empty_answer_adds_nothing_to_the_history():
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    conversation = C.Conversation(load_hf_tokenizer("tiny-llama"), "human_assistant")
+    conversation.prompt_ids("hi")
+    before = conversation.text
+    conversation.add_reply("")
+    assert conversation.text == before == " Human: hi Assistant:"
+
+
+def test_ctrl_c_drops_the_turn_being_answered_and_ends_the_chat_at_the_prompt(monkeypatch, capsys):
+    seen = []
+
+    def interrupted_once(model, tokenizer, device, conversation, user_text, args):
+        seen.append(conversation.text)
+        conversation.prompt_ids(user_text)
+        if len(seen) == 1:
+            raise KeyboardInterrupt
+        conversation.add_reply("an answer")
+
+    monkeypatch.setattr(C, "reply", interrupted_once)
+    lines = iter(["first question", "second question"])
+
+    def typed(prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise KeyboardInterrupt from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    with pytest.raises(SystemExit) as stop:
+        C.main(["--path", "tiny-llama", "--format", "human_assistant", "--device", "cpu"])
+    assert stop.value.code == 130
+    out = capsys.readouterr().out
+    assert "(interrupted: that turn is forgotten" in out
+    assert seen == ["", ""]  # the interrupted turn left nothing in the history
+    assert out.count("-" * 30 + " Round 1 " + "-" * 30) == 2
+
+
+def test_a_device_dschat_does_not_run_on_is_one_line():
+    from dschat.eval.scoring import pick_device
+
+    with pytest.raises(UserError, match="'meta': dschat runs models on cpu or cuda"):
+        pick_device("meta")

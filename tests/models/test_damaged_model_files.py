@@ -108,7 +108,7 @@ def test_other_load_errors_pass_through():
             raise OSError("[Errno 122] Disk quota exceeded")
 
     with pytest.raises(OSError, match="Disk quota exceeded"):
-        build._from_pretrained(Failing, "somewhere")
+        build.load_pretrained(Failing, "somewhere")
 
 
 @pytest.mark.parametrize("damage", ["cut", "garbage"])
@@ -168,3 +168,18 @@ def test_other_damage_torch_load_reports_is_one_line_too(tmp_path, tokenizer, da
         weights.write_bytes(b"\0" * 4096 if damage == "zeros" else b"")
     with pytest.raises(UserError, match=rf"^cannot read the weights in {weights} \("):
         create_hf_model(AutoModelForCausalLM, str(folder), tokenizer)
+
+
+def test_a_hub_id_neither_cached_nor_reachable_is_one_line(monkeypatch):
+    from transformers import AutoConfig
+
+    from dschat.models.registry import load_config
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co' to load the files, and couldn't find them "
+                      "in the cached files.")
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", offline)
+    with pytest.raises(UserError, match="^org/model is not a local folder and not in the Hugging Face cache, and the "
+                                        "hub cannot be reached"):
+        load_config("org/model")
