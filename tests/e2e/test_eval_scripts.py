@@ -102,6 +102,9 @@ def test_prompt_eval_refuses_what_it_cannot_compare(tmp_path):
 
     with pytest.raises(UserError, match="decodes greedily.*pass --num_return_sequences 1"):
         run("tiny-llama", "tiny-llama", "--num_return_sequences", "2")
+    with pytest.raises(UserError, match=r"--max_new_tokens 600 after the longest prompt's \d+ tokens passes "
+                                        "--model_name_or_path_baseline's 512 positions"):
+        run("tiny-opt", "tiny-opt", "--max_new_tokens", "600")
     critic = make_critic_folder("tiny-llama", tmp_path / "rm")
     with pytest.raises(UserError, match="--model_name_or_path_finetune .* is a reward model .*no language-model head; pass a base model"):
         run("tiny-llama", critic)

@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
     from dschat.models.build import create_hf_model
     from dschat.models.reward_model import refuse_reward_model
     from dschat.models.tokenizer import tokenizer_differences
-    from dschat.models.registry import resolve_model_path
+    from dschat.models.registry import load_config, resolve_model_path
     from dschat.paths import step3_part
     from dschat.training.run_setup import quiet_transformers
     from dschat.training.step_data import load_tokenizer
@@ -170,6 +170,13 @@ def main(argv: Sequence[str] | None = None) -> list[PromptResult]:
             fix = "the fine-tuned model was trained with --add_eot_token: pass --add_eot_token"
         raise UserError(f"the baseline's tokenizer, used for both models, is not the fine-tuned model's "
                         f"({'; '.join(differences)}); {fix}")
+    longest = max(len(tokenizer(prompt)["input_ids"]) for prompt in PROMPTS[args.language])
+    for flag in ("model_name_or_path_baseline", "model_name_or_path_finetune"):  # before any weights load
+        limit = getattr(load_config(resolve_model_path(getattr(args, flag))), "max_position_embeddings", None)
+        if limit and longest + args.max_new_tokens > limit:
+            raise UserError(f"--max_new_tokens {args.max_new_tokens} after the longest prompt's {longest} tokens "
+                            f"passes --{flag}'s {limit} positions (max_position_embeddings); give --max_new_tokens "
+                            f"{limit - longest} or less")
     model_baseline = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_baseline, tokenizer, None)
     model_finetuned = create_hf_model(AutoModelForCausalLM, args.model_name_or_path_finetune, tokenizer, None)
     model_baseline.to(device).eval()
