@@ -45,6 +45,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     if args.max_prompt_seq_len < 2:
         raise UserError(f"--max_prompt_seq_len must be >= 2 (the reward model reads the prompt length), "
                         f"got {args.max_prompt_seq_len}")
+    if args.max_answer_seq_len < 2:  # upstream drops answers of at most one token: none would be trained on
+        raise UserError(f"--max_answer_seq_len must be >= 2 (an answer of one token is dropped as too short, so "
+                        f"the run would never train), got {args.max_answer_seq_len}")
     if args.num_warmup_steps < 0:
         raise UserError(f"--num_warmup_steps must be >= 0, got {args.num_warmup_steps}")
     check_rates_and_decays(args, ("actor_learning_rate", "critic_learning_rate", "actor_lora_learning_rate",

@@ -59,7 +59,7 @@ def test_rows_past_the_position_table_are_the_planners_error(tiny, capsys):
     line = _error_line(["--step", "1", "--model_name_or_path", str(tiny), "--max_seq_len", str(limit + 1),
                         "--gpus_per_node", "1"], capsys)
     assert f"--max_seq_len {limit + 1} is longer than {tiny} can read" in line
-    line = _error_line(_argv(tiny, "--max_prompt_seq_len", str(limit), "--max_answer_seq_len", "1"), capsys)
+    line = _error_line(_argv(tiny, "--max_prompt_seq_len", str(limit - 1), "--max_answer_seq_len", "2"), capsys)
     assert f"--max_prompt_seq_len + --max_answer_seq_len {limit + 1} is longer than {tiny} can read" in line
     line = _error_line(["--step", "2", "--model_name_or_path", str(tiny), "--max_seq_len", "1", "--gpus_per_node", "1"],
                        capsys)

@@ -186,10 +186,17 @@ def test_all_short_answers_on_every_rank_skip_the_step(monkeypatch, critic_dirs,
 
 
 @pytest.mark.slow
-def test_first_batch_all_short_does_not_crash_the_run(tmp_path, critic_dirs, data_cache, capsys):
-    # One-token answers everywhere: every step is skipped, the run still finishes and saves.
-    argv = base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--max_answer_seq_len", "1",
-                     "--output_dir", str(tmp_path / "out"))
+def test_first_batch_all_short_does_not_crash_the_run(monkeypatch, tmp_path, critic_dirs, data_cache, capsys):
+    # One-token answers everywhere (each answer is its end token): every step is skipped, the run still
+    # finishes and saves.
+    from dschat.rlhf.rollout.generator import RolloutGenerator
+    from dschat.rlhf.rollout.sampling import Rollout
+
+    def one_token(self, prompts, mask, conversation=None):
+        return Rollout(torch.cat([prompts, torch.full((prompts.shape[0], 1), self.end_ids[0])], dim=1), None)
+
+    monkeypatch.setattr(RolloutGenerator, "_rollout", one_token)
+    argv = base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(tmp_path / "out"))
     result = step3_main().main(argv)
     assert result.skipped_steps == [0, 1] and result.history == []
     assert "too short on every rank at step=0" in capsys.readouterr().out

@@ -123,6 +123,7 @@ def test_num_total_iters_upstream_formula():
         ({"top_p": 0.0}, "cpu", "--top_p"),
         ({"max_prompt_seq_len": 1}, "cpu", "--max_prompt_seq_len must be >= 2"),
         ({"deepspeed_config": "ds.json"}, "cpu", "--deepspeed_config is not used"),
+        ({"max_answer_seq_len": 1}, "cpu", "^--max_answer_seq_len must be >= 2 .*would never train"),
         ({"algorithm": "grpo", "lam": 0.9}, "cpu", "^--lam is GAE's lambda.*; --algorithm grpo has no critic: drop"),
         ({"algorithm": "rloo", "cliprange_value": 0.5}, "cpu", "^--cliprange_value clips .*rloo has no critic"),
         ({"algorithm": "remax", "gamma": 0.99}, "cpu", "^--gamma discounts .*remax gives each answer one advantage"),
