@@ -331,6 +331,13 @@ def check_pair_seq_len(max_seq_len: int) -> None:
                         f"one to compare them at), got {max_seq_len}; pass --max_seq_len 2 or more")
 
 
+def check_sft_seq_len(max_seq_len: int) -> None:
+    """Step 1: a row needs 2 positions, a token and the next one it is trained to predict."""
+    if max_seq_len < 2:
+        raise UserError(f"--max_seq_len must be at least 2 for step 1 (a row of one token has no next token to "
+                        f"train on), got {max_seq_len}; pass --max_seq_len 2 or more")
+
+
 def check_seq_len_fits_positions(model_name_or_path: str, max_seq_len: int, flag: str = "--max_seq_len", *,
                                  tokenizer_only: bool = False) -> None:
     """Refuse a row length (``flag``: what sets it, ``--max_seq_len`` in steps 1 and 2) longer than

@@ -57,6 +57,7 @@ from dschat.rlhf.config import resolve_algorithm
 from dschat.rlhf.guards import validate_step3_args
 from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
 from dschat.training.run_setup import check_common_args
+from dschat.models.registry import check_sft_seq_len
 from dschat.training.step_data import check_pair_seq_len, check_seq_len_fits_positions
 
 __all__ = ["add_plan_args", "build_parser", "check_flag_values", "check_tp_within_node", "format_gb", "parse_size",
@@ -135,7 +136,8 @@ def check_flag_values(args: argparse.Namespace) -> None:
     step refuses its flags): step 3's :func:`validate_step3_args` on a CUDA GPU in ``--dtype`` and
     :func:`resolve_algorithm`; steps 1-2's :func:`check_common_args` on a copy without the output,
     data-cache, TensorBoard and resume paths, whose checks look at (and may tidy) folders on this
-    machine; step 2's :func:`check_pair_seq_len` (a pair's 2 positions)."""
+    machine; step 2's :func:`check_pair_seq_len` (a pair's 2 positions), step 1's
+    :func:`check_sft_seq_len`."""
     if args.step == 3:
         validate_step3_args(args, accelerator="cuda", dtype=args.dtype)
         resolve_algorithm(args)
@@ -146,8 +148,7 @@ def check_flag_values(args: argparse.Namespace) -> None:
                         ("save_interval", min(0, getattr(args, "save_interval", 0)))):
         setattr(flags_only, name, value)
     check_common_args(flags_only)
-    if args.step == 2:
-        check_pair_seq_len(args.max_seq_len)
+    (check_pair_seq_len if args.step == 2 else check_sft_seq_len)(args.max_seq_len)
 
 
 def check_step_flags(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from dschat.rewards import reward_model_used
 from dschat.rl_math.critic_free import has_critic
 from dschat.rlhf.config import positive_flag
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
-from dschat.training.run_setup import check_dropouts, check_rates_and_decays
+from dschat.training.run_setup import check_dropouts, check_rates_and_decays, check_seed
 
 __all__ = ["validate_step3_args"]
 
@@ -37,6 +37,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     per-token rewards) are refused.
     """
     warnings: list[str] = []
+    check_seed(getattr(args, "seed", 0))
     for name in ("actor_zero_stage", "critic_zero_stage"):
         if getattr(args, name) not in (0, 1, 2, 3):
             raise UserError(f"--{name} must be 0, 1, 2 or 3, got {getattr(args, name)}")

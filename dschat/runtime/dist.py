@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import gc
+import math
 import json
 import os
 import socket
@@ -76,6 +77,7 @@ _MPI_ENV = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 # --dist_timeout). Rank 0 reaches the rendezvous as early as its peers, give or take start-up noise.
 RANK0_WAIT_VAR = "DSCHAT_RANK0_WAIT"
 DEFAULT_RANK0_WAIT_SECONDS = 45.0
+MAX_DIST_TIMEOUT_MINUTES = 525_600  # a year: torch holds the timeout in a C int of seconds (68 years)
 _READY_KEY = "dschat/rank0-ready/"
 _RANK0_STORES: list[object] = []  # rank 0's own store until torch's rendezvous shares its server
 
@@ -276,8 +278,9 @@ def init_distributed(dist_backend: Optional[str] = None, timeout_minutes: float 
     import deepspeed  # lazy: see _collective_timeout
     from deepspeed.accelerator import get_accelerator
 
-    if timeout_minutes <= 0:
-        raise UserError(f"--dist_timeout must be > 0 minutes, got {timeout_minutes:g}")
+    if not (math.isfinite(timeout_minutes) and 0 < timeout_minutes <= MAX_DIST_TIMEOUT_MINUTES):
+        raise UserError(f"--dist_timeout must be > 0 and at most {MAX_DIST_TIMEOUT_MINUTES} minutes (a year), got "
+                        f"{timeout_minutes:g}")
     rendezvous, least = datetime.timedelta(minutes=timeout_minutes), datetime.timedelta(minutes=collective_minutes)
     _ensure_single_process_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

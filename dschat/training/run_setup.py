@@ -49,6 +49,12 @@ def check_dropouts(args: object, names: Iterable[str]) -> None:
             raise UserError(f"--{name} must be in [0, 1) (a probability; omit it to keep the model's), got {value}")
 
 
+def check_seed(seed: int) -> None:
+    """``--seed`` must be one NumPy (and so every generator) takes: 0 to 2**32 - 1."""
+    if not 0 <= seed < 2**32:
+        raise UserError(f"--seed must be from 0 to 4294967295 (2**32 - 1), got {seed}")
+
+
 def check_common_args(args: argparse.Namespace) -> None:
     """Reject contradictory or impossible flags before anything is loaded or written."""
     if getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None):
@@ -56,6 +62,7 @@ def check_common_args(args: argparse.Namespace) -> None:
             "--deepspeed_config is not used: dschat builds the DeepSpeed config from the flags "
             "(--zero_stage, --dtype, --offload, --per_device_train_batch_size, ...); drop it"
         )
+    check_seed(getattr(args, "seed", 0))
     if getattr(args, "lora_dim", 0) < 0:
         raise UserError(f"--lora_dim must be >= 0, got {args.lora_dim}")
     if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 0) <= 0:

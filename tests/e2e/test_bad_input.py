@@ -119,6 +119,9 @@ CASES = [
     Case("step1/negative-lora-learning-rate", "step1", ("--lora_dim", "4", "--lora_learning_rate", "-1"),
          "--lora_learning_rate must be a finite number >= 0, got -1.0"),
     Case("step1/dropout-out-of-range", "step1", ("--dropout", "2"), "--dropout must be in [0, 1)"),
+    Case("step1/negative-seed", "step1", ("--seed", "-1"), "--seed must be from 0 to 4294967295 (2**32 - 1), got -1"),
+    Case("step1/one-token-rows", "step1", ("--max_seq_len", "1"), "--max_seq_len must be at least 2 for step 1"),
+    Case("step1/nan-dist-timeout", "step1", ("--dist_timeout", "nan"), "--dist_timeout must be > 0 and at most"),
     # ---- step 2 (reward model)
     Case("step2/offload-without-zero", "step2", ("--offload", "--zero_stage", "0"), "--offload needs ZeRO",
          subprocess=True, good_output=True),
@@ -138,6 +141,7 @@ CASES = [
          good_output=True),
     Case("dpo/lora-only-without-lora", "dpo", ("--only_optimize_lora",), "also pass --lora_dim"),
     Case("dpo/negative-learning-rate", "dpo", ("--learning_rate", "-1"), "--learning_rate must be a finite number"),
+    Case("dpo/seed-past-numpy", "dpo", ("--seed", "4294967296"), "--seed must be from 0 to 4294967295"),
     # ---- step 3 (PPO)
     Case("step3/reference-offload-without-actor-zero3", "step3", ("--offload_reference_model",),
          "--offload_reference_model needs --actor_zero_stage 3", subprocess=True, good_output=True),
@@ -148,6 +152,8 @@ CASES = [
     Case("step3/mixed-precision-lora-without-lora", "step3", ("--enable_mixed_precision_lora", "--actor_zero_stage", "3"),
          "needs actor LoRA and ZeRO-3"),
     Case("step3/negative-lora-dim", "step3", ("--actor_lora_dim", "-1"), "--actor_lora_dim must be >= 0"),
+    Case("step3/negative-seed", "step3", ("--seed", "-5"), "--seed must be from 0 to 4294967295"),
+    Case("step3/infinite-dist-timeout", "step3", ("--dist_timeout", "inf"), "--dist_timeout must be > 0 and at most"),
     Case("step3/rollout-past-the-positions", "step3", ("--max_prompt_seq_len", "400", "--max_answer_seq_len", "200"),
          "--max_prompt_seq_len + --max_answer_seq_len 600 is longer than tiny-opt can read: its opt position "
          "embeddings have 512 positions"),

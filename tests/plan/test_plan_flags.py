@@ -64,6 +64,9 @@ def test_rows_past_the_position_table_are_the_planners_error(tiny, capsys):
     line = _error_line(["--step", "2", "--model_name_or_path", str(tiny), "--max_seq_len", "1", "--gpus_per_node", "1"],
                        capsys)
     assert "--max_seq_len must be at least 2 for chosen/rejected pairs" in line
+    line = _error_line(["--step", "1", "--model_name_or_path", str(tiny), "--max_seq_len", "1", "--gpus_per_node", "1"],
+                       capsys)
+    assert "--max_seq_len must be at least 2 for step 1" in line
 
 
 def test_the_search_proposes_no_flag_set_step3_refuses(tiny):

@@ -25,6 +25,7 @@ from dschat.training.engine_setup import (
 from dschat.training.eval_loops import evaluate_perplexity
 from dschat.training.progress import OptimizerStepCounter, RunResult, Trackers
 from dschat.training.run_setup import check_common_args, check_paths, setup_run
+from dschat.models.registry import check_sft_seq_len
 from dschat.training.step_data import build_step_data, check_seq_len_fits_positions
 from dschat.runtime.dist import print_rank_0
 
@@ -34,6 +35,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = add_step1_args(argparse.ArgumentParser(description=description))
     args = parser.parse_args(argv)
     check_common_args(args)
+    check_sft_seq_len(args.max_seq_len)
     return args
 
 
