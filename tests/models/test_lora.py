@@ -552,3 +552,28 @@ def test_qlora_on_cuda():
     assert torch.isfinite(loss)
     loss.backward()
     assert all((p.grad is not None) == ("lora" in n) for n, p in model.named_parameters())
+
+
+def test_a_model_fused_before_its_save_is_saved_once_fused(tmp_path):
+    """Upstream's scripts fuse (convert_lora_to_linear_layer) and then save: the saved weights carry the
+    LoRA delta once, so the reloaded plain model gives the LoRA model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from dschat.models.lora import convert_linear_layer_to_lora, convert_lora_to_linear_layer
+    from dschat.models.registry import resolve_model_path
+    from dschat.models.save import save_hf_model
+    from dschat.models.tokenizer import load_hf_tokenizer
+
+    path = resolve_model_path("tiny-opt")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    convert_linear_layer_to_lora(model, "decoder.layers.", lora_dim=4)
+    torch.manual_seed(0)
+    for name, param in model.named_parameters():
+        if "lora_left_weight" in name:  # zero at init: give the adapter a delta
+            param.data.normal_(0, 0.5)
+    ids = torch.tensor([[2, 100, 200, 300, 400]])
+    want = model.eval()(ids).logits
+    convert_lora_to_linear_layer(model)
+    save_hf_model(model, load_hf_tokenizer(path), tmp_path / "out")
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    torch.testing.assert_close(back(ids).logits, want, atol=1e-4, rtol=1e-4)

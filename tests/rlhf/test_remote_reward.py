@@ -727,3 +727,16 @@ def test_a_limit_whose_timer_cannot_start_leaves_the_thread_without_one(monkeypa
         assert getattr(remote_reward._running, "deadline", None) is None
     finally:
         remote_reward._running.deadline = None
+
+
+def test_each_chunk_carries_the_labels_of_its_own_answers():
+    def zeros(handler, payload):
+        handler.reply(200, {"rewards": [0.0] * len(payload["query"])})
+
+    labels = [f"label-{i}" for i in range(len(PROMPTS))]
+    with RewardServer([zeros] * 3) as server:
+        _client(server.url, chunk_size=2)(PROMPTS, ANSWERS, answer=labels)
+    assert len(server.requests) == 3
+    by_prompt = dict(zip(PROMPTS, labels))
+    for request in server.requests:
+        assert request["labels"] == [by_prompt[p] for p in request["prompts"]]

@@ -296,3 +296,10 @@ class TestUntrustedResults:
         args = main.parse_args([*argv, "--reward_fn_timeout", "-1"])
         with pytest.raises(UserError, match="--reward_fn_timeout must be"):
             main.reward_mix(args)
+
+
+def test_the_final_number_is_the_last_one_and_a_reference_without_one_scores_nothing():
+    assert final_number("3 + 4 = 7") == "7"
+    assert final_number("#### 3 then #### 7") == "7"
+    assert math_exact_match(["q"], ["3 + 4 = 7"], answer=["7"]) == [1.0]
+    assert math_exact_match(["q"], ["no idea"], answer=["n/a"]) == [0.0]
