@@ -275,14 +275,22 @@ def write_answers(path: Path, sft: Samples, rlhf: Samples, sft_gold: Sequence[fl
     return path
 
 
-def read_timings(path: str | Path | None) -> dict[str, float]:
-    """``{"1": seconds, ...}`` from e2e's timings file (missing or unreadable: empty)."""
+def read_timings(path: str | Path | None, given: bool = False) -> dict[str, float]:
+    """``{"1": seconds, ...}`` from e2e's timings file (missing or unreadable: empty; a file the user
+    named, ``given``, that is missing or is not a JSON object is one :class:`UserError` line)."""
     if not path or not Path(path).is_file():
+        if given:
+            raise UserError(f"--timings {path} does not exist; pass e2e_rlhf.py's {TIMINGS_FILE} or leave it out")
         return {}
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
+    except (OSError, json.JSONDecodeError) as err:
+        if given:
+            raise UserError(f"--timings {path} cannot be read as JSON ({type(err).__name__}); pass e2e_rlhf.py's "
+                            f"{TIMINGS_FILE} or leave it out") from None
         return {}
+    if given and not isinstance(data, dict):
+        raise UserError(f"--timings {path} is not a JSON object of step -> seconds; pass e2e_rlhf.py's {TIMINGS_FILE}")
     return {str(k): float(v) for k, v in data.items() if finite_number(v) is not None} if isinstance(data, dict) else {}
 
 
@@ -570,6 +578,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     missing = [f"--{name}" for name in ("sft", "rlhf", "reward") if not getattr(args, name)]
     if missing:
         raise UserError(f"{', '.join(missing)} required (or --curves_only with --metrics)")
+    timings = read_timings(args.timings or Path(args.out) / TIMINGS_FILE, given=args.timings is not None)
     for name in ("max_prompts", "max_pairs", "batch_size", "generation_batch_size", "max_new_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -583,7 +592,6 @@ def main(argv: Sequence[str] | None = None) -> None:
         do_sample=not args.greedy, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         device=args.device,
     )
-    timings = read_timings(args.timings or Path(args.out) / TIMINGS_FILE)
     report = build_report(args.sft, args.rlhf, args.reward, args.out, settings, metrics=args.metrics,
                           step_seconds=timings)
     print(summary_text(report))

@@ -63,6 +63,9 @@ def check_common_args(args: argparse.Namespace) -> None:
             "(--zero_stage, --dtype, --offload, --per_device_train_batch_size, ...); drop it"
         )
     check_seed(getattr(args, "seed", 0))
+    if getattr(args, "add_eot_token", False) and not getattr(args, "eot_token", "x").strip():
+        raise UserError("--add_eot_token adds --eot_token as a special token, which is empty here; give a token "
+                        "such as --eot_token '<|endoftext|>' (its default)")
     if getattr(args, "lora_dim", 0) < 0:
         raise UserError(f"--lora_dim must be >= 0, got {args.lora_dim}")
     if getattr(args, "only_optimize_lora", False) and getattr(args, "lora_dim", 0) <= 0:

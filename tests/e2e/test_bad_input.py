@@ -120,6 +120,7 @@ CASES = [
          "--lora_learning_rate must be a finite number >= 0, got -1.0"),
     Case("step1/dropout-out-of-range", "step1", ("--dropout", "2"), "--dropout must be in [0, 1)"),
     Case("step1/negative-seed", "step1", ("--seed", "-1"), "--seed must be from 0 to 4294967295 (2**32 - 1), got -1"),
+    Case("step1/empty-eot-token", "step1", ("--add_eot_token", "--eot_token", ""), "--add_eot_token adds --eot_token"),
     Case("step1/one-token-rows", "step1", ("--max_seq_len", "1"), "--max_seq_len must be at least 2 for step 1"),
     Case("step1/nan-dist-timeout", "step1", ("--dist_timeout", "nan"), "--dist_timeout must be > 0 and at most"),
     # ---- step 2 (reward model)

@@ -376,6 +376,18 @@ def test_report_refuses_wrong_folders(folders, tmp_path):
         scoring.load_reward(folders["sft"], torch.device("cpu"))
 
 
+def test_a_named_timings_file_that_is_not_one_is_refused_the_default_is_optional(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UserError, match=f"--timings {bad} cannot be read as JSON"):
+        rep.read_timings(bad, given=True)
+    with pytest.raises(UserError, match="does not exist"):
+        rep.read_timings(tmp_path / "missing.json", given=True)
+    assert rep.read_timings(bad) == {} and rep.read_timings(tmp_path / "missing.json") == {}
+    (tmp_path / "ok.json").write_text('{"1": 12.5, "3": "x"}')
+    assert rep.read_timings(tmp_path / "ok.json", given=True) == {"1": 12.5}
+
+
 def test_json_never_holds_nan(tmp_path):
     clean = rep._finite({"a": float("nan"), "b": [1.0, float("inf")], "c": {"d": 2.0}})
     assert clean == {"a": None, "b": [1.0, None], "c": {"d": 2.0}}
