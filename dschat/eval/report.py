@@ -285,12 +285,10 @@ def read_timings(path: str | Path | None, given: bool = False) -> dict[str, floa
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
-        if given:
-            raise UserError(f"--timings {path} cannot be read as JSON ({type(err).__name__}); pass e2e_rlhf.py's "
-                            f"{TIMINGS_FILE} or leave it out") from None
-        return {}
+        data = err
     if given and not isinstance(data, dict):
-        raise UserError(f"--timings {path} is not a JSON object of step -> seconds; pass e2e_rlhf.py's {TIMINGS_FILE}")
+        raise UserError(f"--timings {path} cannot be read as a JSON object of step -> seconds ({type(data).__name__}); "
+                        f"pass e2e_rlhf.py's {TIMINGS_FILE} or leave it out")
     return {str(k): float(v) for k, v in data.items() if finite_number(v) is not None} if isinstance(data, dict) else {}
 
 

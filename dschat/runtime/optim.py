@@ -34,6 +34,7 @@ from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 from torch import nn
 
 from dschat.errors import UserError
+from dschat.runtime.dist import print_rank_0
 
 __all__ = [
     "NO_DECAY_NAME_LIST",
@@ -127,6 +128,9 @@ def create_scheduler(name: str, optimizer: torch.optim.Optimizer, num_warmup_ste
     if num_warmup_steps < 0 or num_training_steps < 1:
         raise UserError(f"need num_warmup_steps >= 0 and num_training_steps >= 1, got "
                         f"{num_warmup_steps} and {num_training_steps}; check --num_warmup_steps and the data size")
+    if name != "constant" and num_warmup_steps >= num_training_steps:
+        print_rank_0(f"WARNING: --num_warmup_steps {num_warmup_steps} is at least the {num_training_steps} optimizer "
+                     "steps the LR schedule is laid over: the learning rate never reaches its peak")
     LambdaLR = torch.optim.lr_scheduler.LambdaLR
     if name == "constant":
         return LambdaLR(optimizer, Multiplier(name))

@@ -379,7 +379,7 @@ def test_report_refuses_wrong_folders(folders, tmp_path):
 def test_a_named_timings_file_that_is_not_one_is_refused_the_default_is_optional(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(UserError, match=f"--timings {bad} cannot be read as JSON"):
+    with pytest.raises(UserError, match=f"--timings {bad} cannot be read as a JSON object .* \\(JSONDecodeError\\)"):
         rep.read_timings(bad, given=True)
     with pytest.raises(UserError, match="does not exist"):
         rep.read_timings(tmp_path / "missing.json", given=True)

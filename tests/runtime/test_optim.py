@@ -277,3 +277,11 @@ def test_num_update_steps():
     assert num_update_steps(num_batches=0, epochs=1, grad_accum=1) == 0
     with pytest.raises(UserError, match="gradient_accumulation_steps"):
         num_update_steps(num_batches=8, epochs=1, grad_accum=0)
+
+
+def test_warmup_past_the_schedule_is_a_warning(capsys):
+    create_scheduler("linear", torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 10, 10)
+    assert "WARNING: --num_warmup_steps 10 is at least the 10 optimizer steps" in capsys.readouterr().out
+    create_scheduler("linear", torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 9, 10)
+    create_scheduler("constant", torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 20, 10)
+    assert "WARNING" not in capsys.readouterr().out
