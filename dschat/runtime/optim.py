@@ -26,6 +26,7 @@ loop (``fused`` off) resumes with it, and so keeps that run's numbers.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Sequence, Tuple
 
 import torch
@@ -44,7 +45,8 @@ __all__ = [
     "create_optimizer",
     "create_scheduler",
     "Multiplier",
-    "kept_schedule_line",
+    "FlagSchedule",
+    "follow_flags",
     "num_update_steps",
     "relay_schedule",
     "schedule_settings",
@@ -163,26 +165,61 @@ class Multiplier:
 
 
 def schedule_settings(scheduler: Any) -> list[tuple[float, str | None, int | None]]:
-    """Per parameter group: its base learning rate, schedule kind and warmup steps (compare them
-    before and after a resume with :func:`kept_schedule_line`)."""
+    """Per parameter group: its base learning rate, schedule kind and warmup steps."""
     return [(float(base), getattr(fn, "kind", None), getattr(fn, "num_warmup_steps", None))
             for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
 
 
-def kept_schedule_line(wanted: list[tuple[float, str | None, int | None]], restored: Any) -> str | None:
-    """A line when the learning rates, schedule kind or warmup a resumed ``restored`` scheduler goes on
-    with (the checkpoint's) differ from ``wanted`` (:func:`schedule_settings` of this run's flags, before
-    the resume); None when they agree."""
-    kept = schedule_settings(restored)
-    if kept == wanted:
+@dataclass(frozen=True)
+class FlagSchedule:
+    """What this run's flags made of a scheduler before a resume loads the checkpoint's into it:
+    each group's base learning rate and each :class:`Multiplier`'s settings (None: another lambda)."""
+
+    base_lrs: tuple[float, ...]
+    multipliers: tuple[dict[str, Any] | None, ...]
+
+    @classmethod
+    def of(cls, scheduler: Any) -> "FlagSchedule":
+        return cls(tuple(float(b) for b in scheduler.base_lrs),
+                   tuple(dict(fn.__dict__) if isinstance(fn, Multiplier) else None for fn in scheduler.lr_lambdas))
+
+
+def follow_flags(wanted: FlagSchedule, scheduler: Any) -> str | None:
+    """After a resume: where this run's learning rates, schedule kind or warmup (``wanted``, taken
+    before the resume) differ from the checkpoint's, this run's apply from the step resumed at (a
+    lower ``--learning_rate`` after a divergence); the number of steps the checkpoint's schedule was
+    laid over stays for :func:`relay_schedule`. Returns a line naming both, or None (they agree)."""
+    kept = schedule_settings(scheduler)
+    asked = [(lr, (m or {}).get("kind"), (m or {}).get("num_warmup_steps"))
+             for lr, m in zip(wanted.base_lrs, wanted.multipliers)]
+    if kept == asked:
         return None
+    for fn, settings in zip(scheduler.lr_lambdas, wanted.multipliers):
+        if isinstance(fn, Multiplier) and settings is not None:
+            total = getattr(fn, "num_training_steps", None)
+            fn.__dict__.clear()
+            fn.__dict__.update(settings)
+            if total is not None and "num_training_steps" in settings:
+                fn.num_training_steps = total
+    scheduler.base_lrs = list(wanted.base_lrs)
+    for group, lr in zip(scheduler.optimizer.param_groups, wanted.base_lrs):
+        group["initial_lr"] = lr
+    _apply_current(scheduler)
 
     def say(settings: list[tuple[float, str | None, int | None]]) -> str:
         return "; ".join(f"lr {lr:g}, {kind}" + (f", {warmup} warmup steps" if warmup is not None else "")
                          for lr, kind, warmup in dict.fromkeys(settings))
 
-    return (f"the checkpoint's learning rates and LR schedule go on ({say(kept)}); this run's flags ask for "
-            f"{say(wanted)}, which applies to a fresh run only")
+    return (f"this run's learning rates and LR schedule ({say(asked)}) apply from the step it resumes at; the "
+            f"checkpoint's were {say(kept)}")
+
+
+def _apply_current(scheduler: Any) -> None:
+    """Each group's learning rate at the scheduler's step, from its base rate and multiplier."""
+    scheduler._last_lr = [base * fn(int(scheduler.last_epoch)) for base, fn in zip(scheduler.base_lrs,
+                                                                                   scheduler.lr_lambdas)]
+    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
+        group["lr"] = lr
 
 
 def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> str | None:
@@ -200,9 +237,7 @@ def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> 
     for fn in lambdas:
         if hasattr(fn, "num_training_steps"):
             fn.num_training_steps = total
-    scheduler._last_lr = [base * fn(done) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-    for group, lr in zip(scheduler.optimizer.param_groups, scheduler._last_lr):
-        group["lr"] = lr
+    _apply_current(scheduler)
     was = ", ".join(str(n) for n in sorted(saved))
     return (f"the LR schedule was laid over {was} optimizer steps by the run that wrote the checkpoint and this "
             f"run plans {planned_steps}: it is laid over {total} now ({done} done, {remaining_steps} to go)")

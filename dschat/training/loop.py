@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from dschat.data.collators import set_epoch_if_distributed
 from dschat.models.save import save_hf_model
 from dschat.runtime.dist import get_all_reduce_mean, print_rank_0
-from dschat.runtime.optim import kept_schedule_line, num_update_steps, relay_schedule, schedule_settings
+from dschat.runtime.optim import FlagSchedule, follow_flags, num_update_steps, relay_schedule
 from dschat.runtime.perf import print_throughput as throughput_line
 from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.training.checkpoint import Checkpointer, TrainingPosition
@@ -82,11 +82,11 @@ def train_epochs(
     """
     checkpointer = Checkpointer(args, {"model": engine}, ctx.rank, loaders=[train_loader],
                                 models={"model": ("--model_name_or_path", getattr(args, "model_name_or_path", None))})
-    wanted = schedule_settings(engine.lr_scheduler)  # this run's flags; a checkpoint's schedule goes on
+    wanted = FlagSchedule.of(engine.lr_scheduler)  # this run's flags, before a checkpoint's schedule loads
     resumed = checkpointer.resume(counter)
     if resumed is not None:  # TensorBoard hides what a killed attempt logged after the checkpoint's step
         tb.resume_at(counter.optimizer_steps + 1)
-        for line in (kept_schedule_line(wanted, engine.lr_scheduler),
+        for line in (follow_flags(wanted, engine.lr_scheduler),
                      relay_schedule(engine.lr_scheduler, *steps_planned_and_left(args, len(train_loader), checkpointer,
                                                                                  counter.optimizer_steps))):
             if line is not None:

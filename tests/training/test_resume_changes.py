@@ -68,8 +68,8 @@ def test_another_gradient_accumulation_keeps_the_optimizer_steps_done(data_dir, 
 def test_a_resume_on_another_plan_lays_the_lr_schedule_over_the_steps_this_run_takes(data_dir, tmp_path, capsys):
     """A cosine schedule saved at its step 8 of 8 (--max_train_steps 8) and resumed without the cap
     and with twice the accumulation: the checkpoint's schedule is laid over the 8 steps done plus the
-    epoch's rest at the new accumulation; its learning rate goes on, and a --learning_rate given
-    here is named as not used. (This run's schedule, planned from step 0 over the epoch at
+    epoch's rest at the new accumulation; a --learning_rate given here applies from the step resumed
+    at (the way out of a divergence), with one line. (This run's schedule, planned from step 0 over the epoch at
     the new accumulation, ran past its end and rose again.) A fresh run's plan rounds up the same way,
     so the schedule ends at (or a step before) its 0."""
     main = load_script("step1").main
@@ -84,8 +84,8 @@ def test_a_resume_on_another_plan_lays_the_lr_schedule_over_the_steps_this_run_t
     again = main(argv(2, 0, "--resume_from", str(ckpt.checkpoint_root(tmp_path / "a") / ckpt.checkpoint_name(8)),
                       "--output_dir", str(tmp_path / "b"), "--learning_rate", "5e-4"))
     printed = capsys.readouterr().out
-    assert ("[checkpoint] the checkpoint's learning rates and LR schedule go on (lr 0.001, cosine, 0 warmup steps); "
-            "this run's flags ask for lr 0.0005, cosine, 0 warmup steps, which applies to a fresh run only") in printed
+    assert ("[checkpoint] this run's learning rates and LR schedule (lr 0.0005, cosine, 0 warmup steps) apply from "
+            "the step it resumes at; the checkpoint's were lr 0.001, cosine, 0 warmup steps") in printed
     taken = again.optimizer_steps
     found = re.search(r"\[checkpoint\] the LR schedule was laid over 8 optimizer steps .* and this run plans (\d+): "
                       r"it is laid over (\d+) now \(8 done, (\d+) to go\)", printed)
@@ -95,7 +95,7 @@ def test_a_resume_on_another_plan_lays_the_lr_schedule_over_the_steps_this_run_t
     assert total == 8 + left and taken in (total, total - 1) and planned < taken
     scheduler = again.engine.lr_scheduler
     assert scheduler.last_epoch == taken
-    assert scheduler.get_last_lr()[0] == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * taken / total)))
+    assert scheduler.get_last_lr()[0] == pytest.approx(5e-4 * 0.5 * (1 + math.cos(math.pi * taken / total)))
 
 
 def test_another_dtype_loads_the_consolidated_state(data_dir, tmp_path, capsys):

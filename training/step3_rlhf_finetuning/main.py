@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
     from dschat.runtime.ds_config import resolve_dtype
-    from dschat.runtime.optim import kept_schedule_line, relay_schedule, schedule_settings
+    from dschat.runtime.optim import FlagSchedule, follow_flags, relay_schedule
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.progress import Trackers
     from dschat.training.run_setup import quiet_transformers, set_unsaved_models_aside, setup_run
@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
                                 models=starting_models(args, sources, critic=settings.critic,
                                                        reward_model=mix.uses_model))
     trainer.nonfinite.last_checkpoint = checkpointer.latest
-    wanted = {name: schedule_settings(engine.lr_scheduler) for name, engine in trainable.items() if engine is not None}
+    wanted = {name: FlagSchedule.of(engine.lr_scheduler) for name, engine in trainable.items() if engine is not None}
     resumed = checkpointer.resume()
     if resumed is not None:  # the checkpoint's LR schedules go on, laid anew over another plan (batches, ranks, epochs)
         epoch = checkpointer.first_epoch()
@@ -334,7 +334,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
                            args.num_train_epochs, epoch=epoch, batches_done=checkpointer.batches_done(epoch))
         for name, settings in wanted.items():
             scheduler = trainable[name].lr_scheduler
-            for line in (kept_schedule_line(settings, scheduler), relay_schedule(scheduler, num_total_iters, left)):
+            for line in (follow_flags(settings, scheduler), relay_schedule(scheduler, num_total_iters, left)):
                 if line is not None:
                     print_rank_0(f"[checkpoint] {name}: {line}", ctx.rank)
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
