@@ -343,11 +343,20 @@ def append_metrics(path: Path, record: dict, *, fresh: bool = False) -> None:
         f.write(line + "\n")
 
 
-def resume_metrics(path: Path, iterations: int, checkpoint: Path) -> None:
+def resume_metrics(path: Path, iterations: int, checkpoint: Path | None) -> None:
     """On resume from ``checkpoint`` (of ``iterations`` PPO iterations): this run's ``metrics.jsonl``
     (``path``) cut back to it (:func:`truncate_metrics`), or, when the checkpoint is another folder's
     (``--resume_from``; its run's file is ``<that folder>/metrics.jsonl``), started from that run's
-    lines (:func:`adopt_metrics`, one notice)."""
+    lines (:func:`adopt_metrics`, one notice). A fresh run (``checkpoint`` None) sets an earlier run's
+    file aside as ``metrics.jsonl.N`` (one notice), so that it never stands beside this run's models,
+    even when this run logs no iteration."""
+    if checkpoint is None:
+        if os.path.lexists(path):
+            aside = next(path.with_name(f"{path.name}.{n}") for n in itertools.count(1)
+                         if not os.path.lexists(path.with_name(f"{path.name}.{n}")))
+            os.rename(path, aside)
+            print(f"[metrics] a fresh run: the earlier run's {path.name} is kept as {aside.name}", flush=True)
+        return
     source = checkpoint.resolve()  # a link or a relative path names the run whose folder holds it
     if source.parent == checkpoint_root(path.parent).resolve():
         truncate_metrics(path, iterations)

@@ -112,6 +112,20 @@ def test_metrics_file_on_resume_keeps_the_checkpointed_iterations_only(tmp_path)
 
 
 
+def test_a_fresh_run_sets_an_earlier_runs_metrics_aside_at_start_up(tmp_path, capsys):
+    """Even a run that logs no iteration (every rollout skipped) leaves no earlier run's curves beside
+    its models; the earlier lines are kept."""
+    path = tmp_path / "metrics.jsonl"
+    append_metrics(path, _record(0), fresh=True)
+    earlier = path.read_text(encoding="utf-8")
+    (tmp_path / "metrics.jsonl.1").write_text("older\n")
+    resume_metrics(path, 0, None)
+    assert not path.exists() and (tmp_path / "metrics.jsonl.2").read_text(encoding="utf-8") == earlier
+    assert "[metrics] a fresh run: the earlier run's metrics.jsonl is kept as metrics.jsonl.2" in capsys.readouterr().out
+    resume_metrics(path, 0, None)  # nothing to set aside
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl.1", "metrics.jsonl.2"]
+
+
 def test_resuming_from_another_folders_checkpoint_starts_the_metrics_from_that_run(tmp_path):
     """--resume_from A/checkpoints/step_3 with --output_dir B, where B holds another run's
     metrics.jsonl: B's file starts with A's lines up to the checkpoint (not B's lines 0-1 spliced with

@@ -338,8 +338,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
                 if line is not None:
                     print_rank_0(f"[checkpoint] {name}: {line}", ctx.rank)
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
-    if resumed is not None and args.output_dir is not None and ctx.rank == 0:
-        resume_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step, checkpointer.resumed)
+    if args.output_dir is not None and ctx.rank == 0:  # a fresh run sets an earlier run's file aside
+        resume_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step,
+                       checkpointer.resumed if resumed is not None else None)
     if resumed is not None:  # TensorBoard hides what the killed attempt logged after the checkpoint
         tb.resume_at(counters.global_step)
     evaluation.restore(resumed, at_step=counters.global_step)  # its series, best checkpoint and alarm go on
