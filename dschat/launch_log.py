@@ -42,7 +42,7 @@ class LogTee:
         if line is not None:
             raise UserError(line)
         for log in (path, *(path.with_name(f"{path.name}.{n}") for n in range(1, KEPT_LOGS + 1))):
-            if os.path.lexists(log) and not log.is_file():  # a folder (or a socket) where a log goes
+            if os.path.lexists(log) and not log.is_symlink() and not log.is_file():  # a folder where a log goes
                 raise UserError(f"{log} is not a file, and the launcher keeps its logs there; move it out of the "
                                 "output folder or pass another --output_dir")
         self.path = path
@@ -79,7 +79,8 @@ class LogTee:
         ours = elsewhere = False  # elsewhere: a log at the path that is not ours, in the folder ours was opened in
         try:
             ours = os.path.samestat(os.stat(self.path), self.stat)
-            elsewhere = not ours and os.path.samestat(os.stat(self.path.parent), self.folder)
+            elsewhere = (not ours and not self.path.is_symlink()  # a link planted there is refused below
+                         and os.path.samestat(os.stat(self.path.parent), self.folder))
         except FileNotFoundError:
             pass
         if discard:
