@@ -768,10 +768,15 @@ def parse_args(argv: Sequence[str] | None, config: E2EConfig) -> argparse.Namesp
 
 
 def _launch_world(launch_argv: Sequence[str]) -> int:
-    """Ranks a step's launch runs on one node: its ``--num_gpus``, else every visible GPU, else 1."""
+    """Ranks a step's launch runs on one node: its ``--num_gpus``, else the GPUs its ``--include
+    localhost:<ids>`` names (what ``--num_gpus`` under ``CUDA_VISIBLE_DEVICES`` becomes), else every
+    visible GPU, else 1."""
     num_gpus = flag_value(launch_argv, "num_gpus")
     if num_gpus is not None:
         return int(num_gpus)
+    include = flag_value(launch_argv, "include")
+    if include and include.startswith("localhost:") and "@" not in include:
+        return len(include.split(":", 1)[1].split(","))
     import torch  # lazy: only when the steps are planned
 
     return max(1, torch.cuda.device_count()) if torch.cuda.is_available() else 1

@@ -219,7 +219,8 @@ def visible_gpus(launcher: Launcher, hosts: Hosts, accelerator: str | None) -> L
     if len(ids) < launcher.num_gpus:
         raise UserError(f"--num_gpus {launcher.num_gpus} but CUDA_VISIBLE_DEVICES={visible} shows {len(ids)} GPU(s); "
                         "show more, or lower --num_gpus")
-    return replace(launcher, num_gpus=None, include=f"localhost:{','.join(ids[:launcher.num_gpus])}")
+    # One node: --num_nodes (1) goes too, which DeepSpeed's launcher refuses beside --include.
+    return replace(launcher, num_gpus=None, num_nodes=None, include=f"localhost:{','.join(ids[:launcher.num_gpus])}")
 
 
 def check_multi_node_sources(environ: Mapping[str, str], cwd: str) -> None:

@@ -49,11 +49,16 @@ class LogTee:
         self.started = path.with_name(f".{path.name}.started-{os.getpid()}")
         if path.parent.is_dir():  # what a killed launcher left: its set-aside log is kept, its stamp goes
             leftovers = [p for p in path.parent.glob(f".{path.name}.previous-*") if not _launcher_alive(p)]
-            for left in sorted(leftovers, key=lambda p: p.stat().st_mtime):
-                self._keep(left)
-            for left in path.parent.glob(f".{path.name}.started-*"):
-                if not _launcher_alive(left):
-                    left.unlink(missing_ok=True)
+            try:
+                for left in sorted(leftovers, key=lambda p: p.stat().st_mtime):
+                    self._keep(left)
+                for left in path.parent.glob(f".{path.name}.started-*"):
+                    if not _launcher_alive(left):
+                        left.unlink(missing_ok=True)
+            except PermissionError as err:  # a sticky shared folder: another account's leftovers
+                raise UserError(f"cannot tidy {err.filename} ({err.strerror}): another account's launch left it "
+                                f"in {path.parent}, a folder others can write to; pass an --output_dir of your "
+                                "own") from None
         self.created = path.parent  # the outermost folder this tee creates (None: none)
         while not self.created.parent.exists() and self.created.parent != self.created:
             self.created = self.created.parent

@@ -155,9 +155,11 @@ class Conversation:
         return self.tokenizer(self.text)["input_ids"]
 
     def add_reply(self, reply: str) -> None:
+        if not reply:  # an answer the model ended at once leaves no turn of its own
+            return
         if self.use_template:
             self.messages.append({"role": "assistant", "content": reply})
-        elif reply:  # as the answer follows the prompt in training texts: one space (the reply was stripped)
+        else:  # as the answer follows the prompt in training texts: one space (the reply was stripped)
             self.text += " " + reply
 
 

@@ -166,8 +166,15 @@ class Multiplier:
 
 def schedule_settings(scheduler: Any) -> list[tuple[float, str | None, int | None]]:
     """Per parameter group: its base learning rate, schedule kind and warmup steps."""
-    return [(float(base), getattr(fn, "kind", None), getattr(fn, "num_warmup_steps", None))
+    return [(float(base), getattr(fn, "kind", None), _warmup(getattr(fn, "kind", None), fn.__dict__))
             for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+
+
+def _warmup(kind: str | None, settings: dict[str, Any]) -> int | None:
+    """The warmup steps of a multiplier of ``kind`` (None for a kind without warmup: a restored
+    multiplier may keep this run's keywords beside the checkpoint's kind)."""
+    return settings.get("num_warmup_steps") if kind in _MULTIPLIERS and "num_warmup_steps" in _MULTIPLIERS[kind][1] \
+        else None
 
 
 @dataclass(frozen=True)
@@ -190,7 +197,7 @@ def follow_flags(wanted: FlagSchedule, scheduler: Any) -> str | None:
     lower ``--learning_rate`` after a divergence); the number of steps the checkpoint's schedule was
     laid over stays for :func:`relay_schedule`. Returns a line naming both, or None (they agree)."""
     kept = schedule_settings(scheduler)
-    asked = [(lr, (m or {}).get("kind"), (m or {}).get("num_warmup_steps"))
+    asked = [(lr, (m or {}).get("kind"), _warmup((m or {}).get("kind"), m or {}))
              for lr, m in zip(wanted.base_lrs, wanted.multipliers)]
     if kept == asked:
         return None

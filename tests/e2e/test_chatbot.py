@@ -248,6 +248,10 @@ def test_an_empty_answer_adds_nothing_to_the_history():
     before = conversation.text
     conversation.add_reply("")
     assert conversation.text == before == " Human: hi Assistant:"
+    templated = C.Conversation(load_hf_tokenizer("smollm2-135m"))
+    templated.prompt_ids("hi")
+    templated.add_reply("")
+    assert templated.messages == [{"role": "user", "content": "hi"}]  # no empty assistant turn
 
 
 def test_ctrl_c_drops_the_turn_being_answered_and_ends_the_chat_at_the_prompt(monkeypatch, capsys):

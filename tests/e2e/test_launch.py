@@ -129,6 +129,13 @@ def test_num_gpus_on_one_node_takes_the_gpus_cuda_visible_devices_shows(fake_roo
     assert argv[argv.index("--include") + 1] == "localhost:2" and "--num_gpus" not in argv
     argv = launcher_argv(num_gpus=2)
     assert argv[argv.index("--include") + 1] == "localhost:2,3"
+    argv = launcher_argv(num_gpus=2, num_nodes=1)  # DeepSpeed refuses --num_nodes beside --include
+    assert "--num_nodes" not in argv and argv[argv.index("--include") + 1] == "localhost:2,3"
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import e2e_rlhf
+
+    assert e2e_rlhf._launch_world(argv) == 2  # the memory plan's ranks: the GPUs included
     with pytest.raises(UserError, match="--num_gpus 3 but CUDA_VISIBLE_DEVICES=2,3 shows 2 GPU"):
         launcher_argv(num_gpus=3)
     monkeypatch.setenv("DS_ACCELERATOR", "cpu")  # no GPUs to choose: as given
@@ -285,6 +292,24 @@ def test_leftovers_named_with_this_launchers_own_pid_are_an_earlier_launchers(fa
     assert sorted(p.name for p in out.iterdir()) == ["training.log", "training.log.1"]
     assert (out / "training.log").read_text() == "the killed run\n"  # the refused run's log discarded
     assert (out / "training.log.1").read_text() == "the run before it\n"
+
+
+def test_another_accounts_leftovers_in_a_sticky_folder_are_one_line(tmp_path, monkeypatch):
+    from dschat.launch_log import LogTee
+
+    (tmp_path / ".training.log.started-999999999").write_text("")  # a launcher gone, another account's
+    real_unlink = Path.unlink
+
+    def sticky(self, *args, **kwargs):
+        if self.name.startswith(".training.log.started-"):
+            raise PermissionError(1, "Operation not permitted", str(self))
+        return real_unlink(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "unlink", sticky)
+    with pytest.raises(UserError, match=r"^cannot tidy .*\.training\.log\.started-999999999 \(Operation not "
+                                        r"permitted\): another account's launch left it"):
+        LogTee(tmp_path / "training.log")
+    assert not (tmp_path / "training.log").exists()
 
 
 def test_a_later_launch_on_the_same_folder_and_the_earlier_one_keep_both_logs_whole(tmp_path):

@@ -285,3 +285,24 @@ def test_warmup_past_the_schedule_is_a_warning(capsys):
     create_scheduler("linear", torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 9, 10)
     create_scheduler("constant", torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 20, 10)
     assert "WARNING" not in capsys.readouterr().out
+
+
+def test_a_changed_schedule_on_resume_names_each_side_as_it_is():
+    """A checkpoint's constant schedule loaded into this run's linear one with warmup: the line names
+    the checkpoint's kind without the warmup it never had, and this run's settings apply from its step."""
+    from dschat.runtime.optim import FlagSchedule, follow_flags
+
+    saved_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    saved = create_scheduler("constant", saved_opt, 0, 10)
+    for _ in range(4):
+        saved_opt.step(), saved.step()
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.2)
+    ours = create_scheduler("linear", opt, 2, 10)
+    wanted = FlagSchedule.of(ours)
+    ours.load_state_dict(saved.state_dict())
+    line = follow_flags(wanted, ours)
+    assert line == ("this run's learning rates and LR schedule (lr 0.2, linear, 2 warmup steps) apply from the step "
+                    "it resumes at; the checkpoint's were lr 0.1, constant")
+    assert ours.get_last_lr() == [pytest.approx(0.2 * (10 - 4) / (10 - 2))]
+    assert opt.param_groups[0]["lr"] == ours.get_last_lr()[0]
+    assert follow_flags(FlagSchedule.of(ours), ours) is None

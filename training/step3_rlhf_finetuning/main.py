@@ -332,9 +332,9 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
         epoch = checkpointer.first_epoch()
         left = count_iters(plan, len(prompt_loader), None if unsup_loader is None else len(unsup_loader),
                            args.num_train_epochs, epoch=epoch, batches_done=checkpointer.batches_done(epoch))
-        for name, settings in wanted.items():
+        for name, flag_schedule in wanted.items():
             scheduler = trainable[name].lr_scheduler
-            for line in (follow_flags(settings, scheduler), relay_schedule(scheduler, num_total_iters, left)):
+            for line in (follow_flags(flag_schedule, scheduler), relay_schedule(scheduler, num_total_iters, left)):
                 if line is not None:
                     print_rank_0(f"[checkpoint] {name}: {line}", ctx.rank)
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
