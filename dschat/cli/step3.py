@@ -1,11 +1,13 @@
 """Step 3's flag groups (PPO and the critic-free algorithms): actor and critic, PPO training and
 hyperparameters, algorithm and rewards, environments, held-out evaluation, LoRA, DeepSpeed, logging, PPO-ptx data;
 and :func:`add_step3_args`, step 3's whole parser in its order (the groups steps share are in
-:mod:`dschat.cli.shared`); :func:`complete_step3_args` fills an upstream-style Namespace in at its defaults."""
+:mod:`dschat.cli.shared`); :func:`complete_step3_args` fills an upstream-style Namespace in at its defaults and
+:func:`flags_off_default` names the flags given at other than them."""
 from __future__ import annotations
 
 import argparse
 import functools
+from typing import Iterable
 
 from dschat.cli.shared import (DTYPE_CHOICES, SCHEDULER_TYPES, add_checkpoint_args, add_data_args, add_deepspeed_args,
                                add_eot_args, add_runtime_args, add_sequence_packing_arg, add_tracker_args,
@@ -428,6 +430,13 @@ def _step3_defaults() -> dict[str, object]:
     """Every step-3 flag's default, from step 3's parser (:func:`add_step3_args`)."""
     parser = add_step3_args(argparse.ArgumentParser(add_help=False))
     return {action.dest: action.default for action in parser._actions if action.dest != "help"}
+
+
+def flags_off_default(args: object, names: Iterable[str]) -> set[str]:
+    """Those of the step-3 flags ``names`` that ``args`` holds at other than the step-3 parser's default
+    (a flag ``args`` lacks is at its default): what a guard refuses when nothing would apply it."""
+    defaults = _step3_defaults()
+    return {name for name in names if getattr(args, name, defaults[name]) != defaults[name]}
 
 
 def complete_step3_args(args: object) -> argparse.Namespace:

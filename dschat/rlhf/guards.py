@@ -5,11 +5,10 @@ is part of step 3's config (:mod:`dschat.rlhf.config`).
 """
 from __future__ import annotations
 
-import argparse
 import math
 from typing import Any
 
-from dschat.cli.step3 import complete_step3_args
+from dschat.cli.step3 import flags_off_default
 from dschat.errors import UserError
 from dschat.rewards import reward_model_used
 from dschat.rl_math.critic_free import has_critic
@@ -90,9 +89,7 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
             "without actor LoRA is unsupported due to training instability (as upstream); drop one of "
             "them or add --actor_lora_dim"
         )
-    defaults = complete_step3_args(argparse.Namespace())
-    given = {name for name in ("max_turns", "env_timeout", "lam", "cliprange_value", "gamma")
-             if getattr(args, name, getattr(defaults, name)) != getattr(defaults, name)}  # at other than the default
+    given = flags_off_default(args, ("max_turns", "env_timeout", "lam", "cliprange_value", "gamma"))
     for name in sorted(given & {"max_turns", "env_timeout"}):
         if not getattr(args, "env", None):  # as e2e's --max-turns / --env-timeout: nothing to apply them to
             raise UserError(f"--{name} applies to multi-turn episodes only; add --env MODULE:FACTORY "

@@ -351,10 +351,8 @@ def resume_metrics(path: Path, iterations: int, checkpoint: Path | None) -> None
     file aside as ``metrics.jsonl.N`` (one notice), so that it never stands beside this run's models,
     even when this run logs no iteration."""
     if checkpoint is None:
-        if os.path.lexists(path):
-            aside = next(path.with_name(f"{path.name}.{n}") for n in itertools.count(1)
-                         if not os.path.lexists(path.with_name(f"{path.name}.{n}")))
-            os.rename(path, aside)
+        aside = _set_aside(path)
+        if aside is not None:
             print(f"[metrics] a fresh run: the earlier run's {path.name} is kept as {aside.name}", flush=True)
         return
     source = checkpoint.resolve()  # a link or a relative path names the run whose folder holds it
@@ -380,17 +378,23 @@ def adopt_metrics(path: Path, iterations: int, source: Path) -> str:
     lines of the checkpoint's own run up to it (``source``: that run's ``metrics.jsonl``, as
     :func:`truncate_metrics` keeps them; none when it is missing) start this folder's file. Returns
     the notice saying so."""
-    aside = None
-    if os.path.lexists(path):
-        aside = next(path.with_name(f"{path.name}.{n}") for n in itertools.count(1)
-                     if not os.path.lexists(path.with_name(f"{path.name}.{n}")))
-        os.rename(path, aside)
+    aside = _set_aside(path)
     lines = _lines_up_to(source, iterations) if source.is_file() else []
     with atomic_file(path) as tmp:
         tmp.write_text("".join(lines), encoding="utf-8")
     kept = f"; {aside.name} keeps its earlier lines (another run's)" if aside is not None else ""
     return (f"[metrics] resumed from another folder's checkpoint: {path} starts with the {len(lines)} line(s) of "
             f"{source} up to iteration {iterations}{kept}")
+
+
+def _set_aside(path: Path) -> Path | None:
+    """``path`` renamed to ``<name>.N``, the first free N (the new name); None when there is none."""
+    if not os.path.lexists(path):
+        return None
+    aside = next(path.with_name(f"{path.name}.{n}") for n in itertools.count(1)
+                 if not os.path.lexists(path.with_name(f"{path.name}.{n}")))
+    os.rename(path, aside)
+    return aside
 
 
 def _lines_up_to(path: Path, iterations: int) -> list[str]:

@@ -26,10 +26,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import torch
-
 from dschat.errors import UserError, cli_main
-from dschat.eval.scoring import check_reward_folder
+from dschat.eval.scoring import check_reward_folder, pick_device
 from dschat.models.registry import check_seq_len_fits_positions, load_config, resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, value_head_file
 from dschat.paths import is_adapter_folder
@@ -103,21 +101,9 @@ def is_reward_model(folder: Path) -> bool:
 
 
 def check_device(spec: str) -> None:
-    """One :class:`UserError` line for a ``--device`` that is not a torch device this machine has."""
-    if spec == "auto":
-        return
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, ValueError):
-        raise UserError(f"--device {spec!r} is not a torch device; give cpu, cuda, cuda:N or auto") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UserError(f"--device {spec}: this machine has no CUDA device; give cpu or auto")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise UserError(f"--device {spec}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                            f"numbered from 0")
-    elif device.type != "cpu":
-        raise UserError(f"--device {spec!r}: dschat.serve runs on cpu or cuda; give cpu, cuda, cuda:N or auto")
+    """One :class:`UserError` line for a ``--device`` that is not a torch device this machine has (the
+    check the report and the chat CLI share: :func:`~dschat.eval.scoring.pick_device`)."""
+    pick_device(spec)
 
 
 def bind(host: str, port: int) -> socket.socket:

@@ -290,8 +290,8 @@ def test_another_host_than_loopback_warns(reward_folder, capsys):
 
 @pytest.mark.parametrize("device, message", [
     ("gpu", "--device 'gpu' is not a torch device; give cpu, cuda, cuda:N or auto"),
-    ("meta", "--device 'meta': dschat.serve runs on cpu or cuda"),
-    ("cuda:99", "this machine has no CUDA device" if not torch.cuda.is_available() else "CUDA device(s), numbered"),
+    ("meta", "--device 'meta': dschat runs models on cpu or cuda"),
+    ("cuda:99", "this machine has no CUDA device" if not torch.cuda.is_available() else "CUDA device(s), cuda:0 to"),
 ])
 def test_a_device_this_machine_lacks_is_one_line(reward_folder, capsys, device, message):
     assert message in _refused([str(reward_folder), "--device", device, "--port", "0"], capsys)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 from transformers import PreTrainedTokenizerBase
 
-from dschat.cli.step3 import EVAL_INTERVAL_AUTO, complete_step3_args
+from dschat.cli.step3 import EVAL_INTERVAL_AUTO, flags_off_default
 from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.adapters.local import builtin_folders
 from dschat.data.prompt_columns import PromptColumns
@@ -93,15 +93,13 @@ def check_eval_args(args: argparse.Namespace) -> list[Judge]:
     judges_given = list(args.eval_judge or [])
     if interval < 0:
         raise UserError(f"--eval_interval must be >= 0 (0: no evaluation), got {interval}")
-    defaults = complete_step3_args(argparse.Namespace())
-    tuned = {flag: getattr(args, flag, getattr(defaults, flag)) != getattr(defaults, flag)
-             for flag in ("eval_prompts", "eval_alarm_sigmas")}  # given at other than their defaults
+    tuned = flags_off_default(args, ("eval_prompts", "eval_alarm_sigmas"))
     if interval == 0:
         extras = [flag for flag, on in (("--eval_judge", bool(judges_given)),
                                         ("--stop_on_overoptimization", args.stop_on_overoptimization),
                                         ("--save_best_by", args.save_best_by not in (None, "none")),
-                                        ("--eval_prompts", tuned["eval_prompts"]),
-                                        ("--eval_alarm_sigmas", tuned["eval_alarm_sigmas"])) if on]
+                                        ("--eval_prompts", "eval_prompts" in tuned),
+                                        ("--eval_alarm_sigmas", "eval_alarm_sigmas" in tuned)) if on]
         if extras:
             raise UserError(f"{', '.join(extras)} need(s) the held-out evaluation: give --eval_interval N (> 0) "
                             "or auto")
@@ -113,7 +111,7 @@ def check_eval_args(args: argparse.Namespace) -> list[Judge]:
         raise UserError(f"--eval_alarm_sigmas must be > 0, got {args.eval_alarm_sigmas}")
     judges = resolve_judges(judges_given, args.data_path, getattr(args, "reward_fn_timeout", 0.0))
     for flag, on in (("--stop_on_overoptimization", args.stop_on_overoptimization),
-                     ("--eval_alarm_sigmas", tuned["eval_alarm_sigmas"])):
+                     ("--eval_alarm_sigmas", "eval_alarm_sigmas" in tuned)):
         if on and not judges:
             raise UserError(f"{flag}: the alarm compares the proxy with a judge; give --eval_judge")
     if args.save_best_by is None:
