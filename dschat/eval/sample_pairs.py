@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import random
 from collections import defaultdict
 from pathlib import Path
@@ -120,19 +121,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     for name in ("draws", "max_new_tokens", "pairs_per_prompt", "eval_prompts"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name} must be at least 1")
-    if not args.temperature > 0:
-        raise UserError(f"--temperature must be above 0 (got {args.temperature}): the answers are sampled")
+    if not 0 < args.temperature < math.inf:
+        raise UserError(f"--temperature must be above 0 and finite (got {args.temperature}): the answers are sampled")
+    prompts = train_prompts()
+    if args.eval_prompts >= len(prompts):
+        raise UserError(f"--eval_prompts {args.eval_prompts} holds out every one of the {len(prompts)} train prompts, "
+                        f"leaving no train pairs; give at most {len(prompts) - 1}")
     check_writable_dir(args.out, "--out")
     scoring.check_actor_folder(args.actor)
-    answers = sample_answers(args.actor, train_prompts(), draws=args.draws, seed=args.seed,
+    answers = sample_answers(args.actor, prompts, draws=args.draws, seed=args.seed,
                              temperature=args.temperature, max_new_tokens=args.max_new_tokens, device=args.device)
     rows = split_by_prompt(make_pairs(answers, per_prompt=args.pairs_per_prompt), args.eval_prompts)
     empty = [split for split, split_rows in rows.items() if not split_rows]
     if empty:
         raise UserError(
             f"no {' or '.join(empty)} pairs: the judge separated too few of the {len(answers)} answers by "
-            f"{MIN_MARGIN}, or --eval_prompts {args.eval_prompts} holds out every prompt; nothing written. "
-            "Sample more (--draws) or hold out fewer prompts"
+            f"{MIN_MARGIN}; nothing written. Sample more (--draws) or hold out fewer prompts (--eval_prompts)"
         )
     write(args.out, rows)
     for split, split_rows in rows.items():

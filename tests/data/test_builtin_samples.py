@@ -128,6 +128,8 @@ def test_step3_helpers_know_both_embedded_names():
     (["--actor", "x", "--draws", "0"], "--draws must be at least 1"),
     (["--actor", "x", "--eval_prompts", "0"], "--eval_prompts must be at least 1"),
     (["--actor", "x", "--temperature", "0"], "--temperature must be above 0"),
+    (["--actor", "x", "--temperature", "inf"], "--temperature must be above 0 and finite"),
+    (["--actor", "x", "--eval_prompts", "100000"], "--eval_prompts 100000 holds out every one of the"),
 ])
 def test_the_script_refuses_bad_input_in_one_line(argv, message, tmp_path, capsys):
     assert sample_pairs.cli_main(sample_pairs.main, argv + ["--out", str(tmp_path / "o")]) == 2
@@ -147,12 +149,22 @@ def test_an_out_that_is_a_file_is_refused_before_sampling(tmp_path, capsys, monk
 def test_no_pairs_for_a_split_writes_nothing(tmp_path, monkeypatch, capsys):
     prompts = sample_pairs.train_prompts()[:6]
     monkeypatch.setattr(sample_pairs, "train_prompts", lambda: prompts)
+    same = [{"prompt": p, "answer": " the same answer"} for p in prompts for _ in range(3)]  # nothing to separate
+    monkeypatch.setattr(sample_pairs, "sample_answers", lambda *a, **k: same)
     out = tmp_path / "samples"
     out.mkdir()
     (out / "train.jsonl").write_text("old\n")
-    argv = ["--actor", str(resolve_model_path("tiny-llama")), "--out", str(out), "--draws", "3",
-            "--max_new_tokens", "12", "--eval_prompts", "6", "--device", "cpu"]  # every prompt held out
+    argv = ["--actor", str(resolve_model_path("tiny-llama")), "--out", str(out), "--eval_prompts", "2"]
     assert sample_pairs.cli_main(sample_pairs.main, argv) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # after transformers' loading bar
-    assert err.startswith("error: no train pairs") and "nothing written" in err
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: no train or eval pairs") and "nothing written" in err
     assert sorted(p.name for p in out.iterdir()) == ["train.jsonl"] and (out / "train.jsonl").read_text() == "old\n"
+
+
+def test_holding_out_every_prompt_is_refused_before_sampling(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sample_pairs, "train_prompts", lambda: ["a", "b"])
+    monkeypatch.setattr(sample_pairs, "sample_answers", lambda *a, **k: pytest.fail("sampled before the check"))
+    argv = ["--actor", str(resolve_model_path("tiny-llama")), "--out", str(tmp_path / "o"), "--eval_prompts", "2"]
+    assert sample_pairs.cli_main(sample_pairs.main, argv) == 2
+    assert "--eval_prompts 2 holds out every one of the 2 train prompts" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
