@@ -416,7 +416,8 @@ def output_problem(run_: StepRun) -> str | None:
 
 def check_inputs(args: argparse.Namespace) -> None:
     """Bad paths fail before any step starts or any folder is created: the output folder, and the
-    local model folders the selected steps start from (hub ids and short names are the steps' job)."""
+    local model folders the selected steps start from, their tokenizer files included (hub ids and short
+    names are the steps' job)."""
     from dschat.models.registry import check_local_model_path
 
     check_writable_dir(args.output_dir, "--output-dir")
@@ -430,6 +431,10 @@ def check_inputs(args: argparse.Namespace) -> None:
         if step in args.step:
             try:
                 check_local_model_path(model_id(model))
+                if Path(model).expanduser().is_dir():  # found by step 2 after step 1 trained, else
+                    from dschat.models.tokenizer import check_tokenizer_files  # lazy: torch
+
+                    check_tokenizer_files(str(Path(model).expanduser()))
             except UserError as err:
                 raise UserError(f"{flag}: {err}") from None
 

@@ -104,6 +104,13 @@ def _tokenizer_source(resolved: str) -> str:
     return path
 
 
+def check_tokenizer_files(model_name_or_path: str) -> None:
+    """Refuse, in one :class:`UserError` line, a local model folder whose tokenizer would not load
+    (no tokenizer files, nor a ``_name_or_path`` that leads to them): what :func:`load_hf_tokenizer`
+    refuses, checked without loading (e2e checks every step's model before step 1 trains)."""
+    _tokenizer_source(resolve_model_path(model_name_or_path))
+
+
 def load_hf_tokenizer(
     model_name_or_path: str,
     fast_tokenizer: bool = True,

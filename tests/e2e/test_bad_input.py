@@ -197,6 +197,9 @@ CASES = [
          "--actor-model: model path './no/such/model' does not exist", subprocess=True),
     Case("e2e/reward-model-is-a-file", "e2e", ("--step", "2", "--reward-model", "{file}"), "is a file, not a folder",
          good_output=True),
+    # Found before step 1 trains (it was found by step 2, after step 1's hours).
+    Case("e2e/reward-model-without-tokenizer", "e2e", ("--reward-model", "{inputs}/config_only"),
+         "--reward-model: {inputs}/config_only has no tokenizer files"),
     Case("e2e/output-under-a-file", "e2e", ("--output-dir", "{file}/out", "--dry-run"), "cannot be created"),
     Case("e2e/zero-gpus", "e2e", ("--step", "1", "--num-gpus", "0"), "--num-gpus must be >= 1, got 0"),
     Case("e2e/zero-nodes", "e2e", ("--step", "1", "--num-nodes", "0"), "--num-nodes must be >= 1, got 0"),
@@ -265,6 +268,8 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "rejected_list.jsonl").write_text(_rows(20, rejected=["a", "b"]))
     (folder / "one_row.jsonl").write_text(_rows(1))
     _save_to_disk_copies(folder)
+    (folder / "config_only").mkdir()  # a model folder whose tokenizer files were not copied
+    (folder / "config_only" / "config.json").write_text(json.dumps({"model_type": "llama"}))
     # PEFT adapter folders: one not LoRA, one whose base is not in the (offline) hub cache.
     for name, kind, base in (("ia3_adapter", "IA3", "tiny-llama"),
                              ("offline_adapter", "LORA", "nobody-dschat/no-such-model")):
