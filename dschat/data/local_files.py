@@ -355,13 +355,20 @@ def sha256_file(path: Path) -> str:
 
 
 def files_under(folder: Path) -> list[Path]:
-    """Every regular file below ``folder`` (recursive), sorted; hidden names skipped."""
+    """Every regular file below ``folder`` (recursive, through linked folders as ``load_from_disk``
+    reads them; a folder reached twice, as by a link cycle, is walked once), sorted; hidden names
+    skipped."""
     def refuse(err: OSError) -> None:  # ``folder`` itself; a subfolder it may not list is skipped, as before
         if isinstance(err, PermissionError) and os.path.samefile(err.filename or folder, folder):
             raise cannot_read(folder, err) from None
 
-    out = []
-    for root, dirs, files in os.walk(folder, onerror=refuse):
+    out, seen = [], set()
+    for root, dirs, files in os.walk(folder, onerror=refuse, followlinks=True):
+        st = os.stat(root)
+        if (st.st_dev, st.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         out.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
     return sorted(out)

@@ -116,7 +116,7 @@ def test_a_data_folder_it_cannot_list_is_one_line_and_an_unreadable_subfolder_is
     denied = [str(tmp_path / "lost+found")]
     real = os.walk
 
-    def walk(top, onerror=None):
+    def walk(top, onerror=None, followlinks=False):
         for name in denied:
             onerror(PermissionError(13, "Permission denied", name))
         yield from real(top) if str(tmp_path) not in denied else ()
@@ -221,3 +221,20 @@ def test_recover_given_a_file_says_it_is_a_file(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__]))
+
+
+def test_a_linked_split_folder_is_in_the_fingerprint_and_a_link_cycle_ends(tmp_path):
+    """A save_to_disk copy whose split folders are links: load_from_disk reads through them, so the
+    cache key must hash what they hold (it saw dataset_dict.json only and served stale rows)."""
+    real = tmp_path / "real" / "train"
+    real.mkdir(parents=True)
+    (real / "data.arrow").write_bytes(b"first")
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "dataset_dict.json").write_text("{}")
+    (copy / "train").symlink_to(real, target_is_directory=True)
+    (copy / "loop").symlink_to(copy, target_is_directory=True)  # walked once, not forever
+    assert [p.relative_to(copy).as_posix() for p in lf.files_under(copy)] == ["dataset_dict.json", "train/data.arrow"]
+    before = lf.fingerprint_files(lf.files_under(copy), copy)
+    (real / "data.arrow").write_bytes(b"second")
+    assert lf.fingerprint_files(lf.files_under(copy), copy) != before
