@@ -167,6 +167,16 @@ def _check_no_null_texts(train: Any, column: str, name: str) -> None:
         )
 
 
+def _reads_user_files(dataset: Any) -> bool:
+    """Whether ``dataset`` reads Arrow files outside the ``datasets`` cache (a ``save_to_disk`` folder of
+    the user's): then its maps keep their results in memory, since ``datasets`` would write its map
+    cache files into that folder (and fail where the user may not write, as in a shared data folder)."""
+    from datasets import config  # lazy: datasets costs 1.0 s at import (see _train_only)
+
+    cache = Path(config.HF_DATASETS_CACHE).resolve()
+    return any(not Path(f["filename"]).resolve().is_relative_to(cache) for f in dataset.cache_files)
+
+
 def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     """Tokenised, grouped PPO-ptx blocks (upstream); a ``datasets.Dataset`` of
     ``input_ids`` / ``attention_mask`` / ``labels`` lists, all exactly ``block_size`` tokens long.
@@ -204,18 +214,21 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     def tokenize_function(examples: dict) -> Any:
         return tokenizer(examples[text_column_name])
 
+    in_memory = _reads_user_files(raw["train"])
     tokenized_datasets = raw.map(
         tokenize_function,
         batched=True,
         num_proc=num_proc,
         remove_columns=column_names,
-        load_from_cache_file=True,
+        load_from_cache_file=not in_memory,
+        keep_in_memory=in_memory,
         desc="Running tokenizer on dataset",
     )
     block_size = args.max_prompt_seq_len + args.max_answer_seq_len
 
     def group(keep_short: bool, desc: str, **map_kwargs: Any) -> Any:
-        return tokenized_datasets.map(_group_texts, batched=True, load_from_cache_file=True, desc=desc,
+        return tokenized_datasets.map(_group_texts, batched=True, load_from_cache_file=not in_memory,
+                                      keep_in_memory=in_memory, desc=desc,
                                       fn_kwargs={"block_size": block_size, "keep_short": keep_short}, **map_kwargs)
 
     lm_datasets = group(False, f"Grouping texts in chunks of {block_size}", num_proc=num_proc)

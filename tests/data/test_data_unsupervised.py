@@ -63,8 +63,11 @@ def test_save_to_disk_and_builtin(tmp_path):
     tok = make_tokenizer()
     texts = ["the cat is happy", "why is the sky blue and the sun red"]
     DatasetDict({"train": Dataset.from_dict({"text": texts})}).save_to_disk(str(tmp_path / "disk"))
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "disk").rglob("*"))
     ds = get_unsupervised_data(ptx_args(tmp_path / "disk"), tok)
     assert ds["input_ids"] == expected_blocks(tok, texts, 5)
+    # The maps wrote no cache file into the user's folder (they would fail in a read-only one).
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "disk").rglob("*")) == before
 
     from dschat.data import builtin
 
