@@ -20,7 +20,7 @@ are identical to upstream's one-call-per-sample ``padding="max_length"`` tokenis
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -28,7 +28,7 @@ from dschat.data.adapters.base import PromptRawDataset
 from dschat.data.dispatch import get_raw_dataset
 from dschat.data.phases import PhaseRows, empty_phase, select_phase_rows
 from dschat.data.token_dataset import PromptDataset, TokenRows
-from dschat.errors import UserError
+from dschat.errors import UserError, first_line
 
 #: Texts per tokenizer call.
 TOKENIZE_BATCH = 1024
@@ -91,6 +91,23 @@ def _check_pad(tokenizer: Any) -> int:
     return int(tokenizer.pad_token_id)
 
 
+#: What an adapter's getter raises on a row whose fields have another shape than the hub dataset's.
+_ROW_SHAPE_ERRORS = (KeyError, IndexError, TypeError, ValueError, AttributeError)
+
+
+def _read_row(read: Callable[[Any], str | None], sample: Any, raw_dataset: PromptRawDataset) -> str | None:
+    """``read(sample)``, an adapter's getter; a row whose fields do not have the shape the adapter reads
+    (a local copy of a hub dataset with a structured field flattened, an empty list, a missing key) is
+    one :class:`UserError` line showing the row."""
+    try:
+        return read(sample)
+    except _ROW_SHAPE_ERRORS as err:
+        shown = repr(sample)
+        shown = shown if len(shown) <= 200 else shown[:200] + "..."
+        raise UserError(f"dataset {raw_dataset.dataset_name}: a row does not have the fields its adapter reads "
+                        f"({type(err).__name__}: {first_line(err)}): {shown}; fix or drop that row") from None
+
+
 def create_dataset_split(
     current_dataset: Iterable[Any],
     raw_dataset: PromptRawDataset,
@@ -108,15 +125,17 @@ def create_dataset_split(
     padding_side = getattr(tokenizer, "padding_side", "right")
     filtered = 0
     if train_phase == 1:
-        texts = [t + end_of_conversation_token for t in map(raw_dataset.get_prompt_and_chosen, current_dataset) if t is not None]
+        texts = [t + end_of_conversation_token for t in
+                 (_read_row(raw_dataset.get_prompt_and_chosen, s, raw_dataset) for s in current_dataset)
+                 if t is not None]
         chosen = _tokenize(tokenizer, texts, max_seq_len) if texts else TokenRows.empty()
         result = PromptDataset(None, chosen, None, _check_pad(tokenizer), 1, max_seq_len=max_seq_len, padding_side=padding_side)
         print(f"Creating dataset {raw_dataset.dataset_name_clean} for train_phase={train_phase} size={len(result)}")
     elif train_phase == 2:
         chosen_texts, rejected_texts = [], []
         for sample in current_dataset:
-            chosen_sentence = raw_dataset.get_prompt_and_chosen(sample)
-            reject_sentence = raw_dataset.get_prompt_and_rejected(sample)
+            chosen_sentence = _read_row(raw_dataset.get_prompt_and_chosen, sample, raw_dataset)
+            reject_sentence = _read_row(raw_dataset.get_prompt_and_rejected, sample, raw_dataset)
             if chosen_sentence is not None and reject_sentence is not None:
                 chosen_texts.append(chosen_sentence + end_of_conversation_token)
                 rejected_texts.append(reject_sentence + end_of_conversation_token)
@@ -142,7 +161,8 @@ def create_dataset_split(
                   "add a constant to the loss and count as wrong in the accuracy; a longer --max_seq_len keeps "
                   "answers that differ late apart")
     elif train_phase == 3:
-        found = [(at, p) for at, p in enumerate(map(raw_dataset.get_prompt, current_dataset)) if p is not None]
+        found = [(at, p) for at, p in enumerate(_read_row(raw_dataset.get_prompt, s, raw_dataset)
+                                                for s in current_dataset) if p is not None]
         rows = _tokenize(tokenizer, [p for _, p in found], None) if found else TokenRows.empty()
         keep = (rows.lengths() <= max_seq_len).nonzero().flatten()
         filtered = len(rows) - keep.numel()
@@ -192,7 +212,7 @@ def tokenize_selection(
                                   None if dataset_index is None else (dataset_index, part))
         if len(ds) == 0 and len(rows) > 0:
             if train_phase == 3:
-                why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens or empty"
+                why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens"
                 fix = "raise --max_prompt_seq_len or use shorter prompts"
             elif ds.filtered:
                 why = (f"all {ds.filtered} pairs of its {len(rows)} rows differ at their first token (or are one "

@@ -604,3 +604,25 @@ def test_other_fields_that_cannot_form_a_table_are_left_out_with_a_note(tmp_path
     assert sorted(adapter.get_train_data().column_names) == ["chosen", "prompt"]
     out = capsys.readouterr().out
     assert "train.jsonl: the fields ['id'] are left out (" in out and out.count("note:") >= 1
+
+
+@pytest.mark.parametrize("folder, rows, phase, message", [
+    # A flattened export: the question is a string, not {"full_text": ...} (TypeError in the adapter).
+    ("openai/webgpt_comparisons", [{"question": "Why?", "answer_0": "A", "answer_1": "B", "score_0": 1.0,
+                                    "score_1": -1.0}] * 10, 2, "TypeError"),
+    # An empty question list (IndexError in the adapter).
+    ("lmqg/qag_jaquad", [{"questions": [], "paragraph": "段落。"}] * 10, 3, "IndexError"),
+])
+def test_a_local_copy_row_of_another_shape_is_one_line_showing_the_row(tmp_path, folder, rows, phase, message):
+    """Fields the text checks do not cover (structured ones) reach the adapter's getters: a row of
+    another shape than the hub dataset's is one line naming the dataset and showing the row, not a
+    traceback mid-tokenisation."""
+    from dschat.data.tokenization import create_dataset
+
+    from helpers.data import make_tokenizer
+
+    write_jsonl(tmp_path / folder / "train.jsonl", rows)
+    write_jsonl(tmp_path / folder / "validation.jsonl", rows)  # qag_jaquad's eval split
+    with pytest.raises(UserError, match=rf"a row does not have the fields its adapter reads \({message}: .*\): \{{"):
+        create_dataset(-1, str(tmp_path / folder), "1,1,1", str(tmp_path / "cache"), phase, 1, make_tokenizer(),
+                       "<|endoftext|>", 64)
