@@ -336,6 +336,10 @@ def records_to_dataset(records: list[dict], columns: Sequence[str] | None = None
     except (TypeError, ValueError, pa.ArrowException) as err:
         if source is None:
             raise
+        if isinstance(err, UnicodeEncodeError):  # JSON's "\ud800" escapes decode to unpaired surrogates
+            raise UserError(f"{source} holds text that is not valid Unicode (an unpaired surrogate such as a "
+                            f"JSON \\ud800 escape without its pair: {err.object[err.start:err.end]!r}); fix or drop "
+                            "that escape") from None
         first = first_line(err) or type(err).__name__
         raise UserError(
             f"cannot combine the rows of {source} into one table ({first}); give every row the same "

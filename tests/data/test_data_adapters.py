@@ -467,6 +467,15 @@ def test_malformed_json_names_file_and_line(tmp_path):
         dispatch.get_raw_dataset(str(path), "/unused", 1, -1)
 
 
+def test_an_unpaired_surrogate_escape_is_named_as_such(tmp_path):
+    path = tmp_path / "surrogate.jsonl"
+    rows = pref_rows(20)
+    path.write_text("\n".join(json.dumps(r) for r in rows).replace(" Human:", " Human: \\ud800", 1) + "\n",
+                    encoding="utf-8")
+    with pytest.raises(UserError, match=r"surrogate.jsonl holds text that is not valid Unicode \(an unpaired surrogate"):
+        dispatch.get_raw_dataset(str(path), "/unused", 1, -1)
+
+
 def test_missing_field_names_file_row_and_column(tmp_path):
     rows = pref_rows(3)
     del rows[1]["chosen"]
