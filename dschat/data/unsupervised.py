@@ -167,16 +167,6 @@ def _check_no_null_texts(train: Any, column: str, name: str) -> None:
         )
 
 
-def _reads_user_files(dataset: Any) -> bool:
-    """Whether ``dataset`` reads Arrow files outside the ``datasets`` cache (a ``save_to_disk`` folder of
-    the user's): then its maps keep their results in memory, since ``datasets`` would write its map
-    cache files into that folder (and fail where the user may not write, as in a shared data folder)."""
-    from datasets import config  # lazy: datasets costs 1.0 s at import (see _train_only)
-
-    cache = Path(config.HF_DATASETS_CACHE).resolve()
-    return any(not Path(f["filename"]).resolve().is_relative_to(cache) for f in dataset.cache_files)
-
-
 def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     """Tokenised, grouped PPO-ptx blocks (upstream); a ``datasets.Dataset`` of
     ``input_ids`` / ``attention_mask`` / ``labels`` lists, all exactly ``block_size`` tokens long.
@@ -214,7 +204,9 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     def tokenize_function(examples: dict) -> Any:
         return tokenizer(examples[text_column_name])
 
-    in_memory = _reads_user_files(raw["train"])
+    # Local data's maps keep their results in memory: on a save_to_disk folder datasets writes its map
+    # cache files into that folder, the user's (a traceback where they may not write). Hub data's cache as upstream.
+    in_memory = lf.expand(name).exists()
     tokenized_datasets = raw.map(
         tokenize_function,
         batched=True,
