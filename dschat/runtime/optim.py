@@ -171,10 +171,15 @@ def schedule_settings(scheduler: Any) -> list[tuple[float, str | None, int | Non
 
 
 def _warmup(kind: str | None, settings: dict[str, Any]) -> int | None:
-    """The warmup steps of a multiplier of ``kind`` (None for a kind without warmup: a restored
-    multiplier may keep this run's keywords beside the checkpoint's kind)."""
-    return settings.get("num_warmup_steps") if kind in _MULTIPLIERS and "num_warmup_steps" in _MULTIPLIERS[kind][1] \
-        else None
+    """The warmup steps of a multiplier of ``kind`` (None for a kind without warmup)."""
+    return _setting(kind, settings, "num_warmup_steps")
+
+
+def _setting(kind: str | None, settings: dict[str, Any], name: str) -> Any:
+    """The keyword ``name`` of a multiplier of ``kind``; None for a kind that has no such keyword (a
+    restored multiplier keeps this run's keywords beside the checkpoint's kind: ``load_state_dict``
+    updates its attributes)."""
+    return settings.get(name) if kind in _MULTIPLIERS and name in _MULTIPLIERS[kind][1] else None
 
 
 @dataclass(frozen=True)
@@ -195,7 +200,9 @@ def follow_flags(wanted: FlagSchedule, scheduler: Any) -> str | None:
     """After a resume: where this run's learning rates, schedule kind or warmup (``wanted``, taken
     before the resume) differ from the checkpoint's, this run's apply from the step resumed at (a
     lower ``--learning_rate`` after a divergence); the number of steps the checkpoint's schedule was
-    laid over stays for :func:`relay_schedule`. Returns a line naming both, or None (they agree)."""
+    laid over stays for :func:`relay_schedule`, and a schedule that needs one where the checkpoint's had
+    none (constant, resumed as cosine) gets None, which :func:`relay_schedule` (called next) lays over the
+    steps done and to go. Returns a line naming both, or None (they agree)."""
     kept = schedule_settings(scheduler)
     asked = [(lr, (m or {}).get("kind"), _warmup((m or {}).get("kind"), m or {}))
              for lr, m in zip(wanted.base_lrs, wanted.multipliers)]
@@ -203,15 +210,16 @@ def follow_flags(wanted: FlagSchedule, scheduler: Any) -> str | None:
         return None
     for fn, settings in zip(scheduler.lr_lambdas, wanted.multipliers):
         if isinstance(fn, Multiplier) and settings is not None:
-            total = getattr(fn, "num_training_steps", None)
+            total = _setting(getattr(fn, "kind", None), fn.__dict__, "num_training_steps")
             fn.__dict__.clear()
             fn.__dict__.update(settings)
-            if total is not None and "num_training_steps" in settings:
+            if "num_training_steps" in settings:
                 fn.num_training_steps = total
     scheduler.base_lrs = list(wanted.base_lrs)
     for group, lr in zip(scheduler.optimizer.param_groups, wanted.base_lrs):
         group["initial_lr"] = lr
-    _apply_current(scheduler)
+    if all(getattr(fn, "num_training_steps", 0) is not None for fn in scheduler.lr_lambdas):
+        _apply_current(scheduler)  # else relay_schedule's
 
     def say(settings: list[tuple[float, str | None, int | None]]) -> str:
         return "; ".join(f"lr {lr:g}, {kind}" + (f", {warmup} warmup steps" if warmup is not None else "")
@@ -233,7 +241,8 @@ def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> 
     """After a resume: lay ``scheduler``'s restored schedule over the optimizer steps done plus
     ``remaining_steps`` (what this run will take) when the checkpoint's run laid it over another
     number than this run plans (``planned_steps``: another gradient accumulation, number of ranks,
-    epoch count or data size); the step's learning rates become the new schedule's. Returns a line
+    epoch count or data size), or over no number (None: :func:`follow_flags` gave it a kind the
+    checkpoint's did not lay out); the step's learning rates become the new schedule's. Returns a line
     saying so, or None (the same plan: the restored schedule goes on exactly as it was)."""
     lambdas = [fn for fn in getattr(scheduler, "lr_lambdas", ()) if isinstance(fn, Multiplier)]
     saved = {getattr(fn, "num_training_steps", planned_steps) for fn in lambdas}
@@ -245,6 +254,9 @@ def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> 
         if hasattr(fn, "num_training_steps"):
             fn.num_training_steps = total
     _apply_current(scheduler)
+    if None in saved:
+        return (f"the checkpoint's LR schedule was laid over no number of optimizer steps (constant): this run's "
+                f"is laid over {total} ({done} done, {remaining_steps} to go)")
     was = ", ".join(str(n) for n in sorted(saved))
     return (f"the LR schedule was laid over {was} optimizer steps by the run that wrote the checkpoint and this "
             f"run plans {planned_steps}: it is laid over {total} now ({done} done, {remaining_steps} to go)")

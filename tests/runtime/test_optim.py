@@ -13,6 +13,7 @@ from dschat.runtime.optim import (
     create_optimizer,
     SCHEDULER_TYPES,
     create_scheduler,
+    relay_schedule,
     get_optimizer_grouped_parameters,
     num_update_steps,
 )
@@ -303,6 +304,32 @@ def test_a_changed_schedule_on_resume_names_each_side_as_it_is():
     line = follow_flags(wanted, ours)
     assert line == ("this run's learning rates and LR schedule (lr 0.2, linear, 2 warmup steps) apply from the step "
                     "it resumes at; the checkpoint's were lr 0.1, constant")
+    # The constant schedule had no length: the linear one is laid over the steps done and to go.
+    assert relay_schedule(ours, 10, 6) == ("the checkpoint's LR schedule was laid over no number of optimizer steps "
+                                           "(constant): this run's is laid over 10 (4 done, 6 to go)")
     assert ours.get_last_lr() == [pytest.approx(0.2 * (10 - 4) / (10 - 2))]
     assert opt.param_groups[0]["lr"] == ours.get_last_lr()[0]
     assert follow_flags(FlagSchedule.of(ours), ours) is None
+
+
+def test_a_constant_schedule_resumed_as_cosine_on_another_plan_ends_where_the_run_ends():
+    """200 constant steps done; the resumed run asks for cosine and plans 64 steps from scratch (another
+    accumulation) but takes 14 more: the cosine is laid over 214 and falls to 0 there (it was laid over
+    the 64 of a fresh plan and rose again past them)."""
+    from dschat.runtime.optim import FlagSchedule, follow_flags
+
+    saved_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    saved = create_scheduler("constant", saved_opt, 0, 254)
+    for _ in range(200):
+        saved_opt.step(), saved.step()
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    ours = create_scheduler("cosine", opt, 0, 64)
+    wanted = FlagSchedule.of(ours)
+    ours.load_state_dict(saved.state_dict())
+    assert follow_flags(wanted, ours) is not None
+    assert "laid over 214 (200 done, 14 to go)" in relay_schedule(ours, 64, 14)
+    rates = []
+    for _ in range(14):
+        opt.step(), ours.step()
+        rates.append(ours.get_last_lr()[0])
+    assert all(a > b for a, b in zip(rates, rates[1:])) and rates[-1] == pytest.approx(0.0, abs=1e-12)
