@@ -16,8 +16,9 @@ Two upstream differences (docs/upstream.md#step-3-ppo, docs/upstream.md#half-pre
   The weights are the shadow rounded after every update. Cost: 4 bytes per EMA parameter (divided
   by the world size under ZeRO-3), with ``--enable_ema`` only. The shadow is rebuilt from the
   weights whenever they do not match it (a copy with ``beta=0``, a
-  checkpoint loaded into the EMA), so it never overrides them; a resumed run restarts it from the
-  saved half-precision weights.
+  checkpoint loaded into the EMA), so it never overrides them. A checkpoint holds the shadow where it
+  is whole (not under ZeRO-3), so a resumed run goes on exactly (:mod:`dschat.training.weights_file`);
+  a ZeRO-3 shard's is restarted from the saved half-precision weights.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 
 from dschat.runtime.zero3 import is_available, is_partitioned
+from dschat.training.weights_file import FP32_SHADOW
 
 __all__ = ["EMA_BETA", "moving_average"]
 
@@ -38,7 +40,7 @@ def _module(model: Any) -> nn.Module:
     return getattr(model, "module", model)
 
 
-_SHADOW = "_dschat_ema_fp32"  # attribute of the EMA parameter holding the fp32 shadow of ``target``
+_SHADOW = FP32_SHADOW  # attribute of the EMA parameter holding the fp32 shadow of ``target``
 
 
 def _lerp_(target: torch.Tensor, source: torch.Tensor, beta: float, holder: Any) -> None:

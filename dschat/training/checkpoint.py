@@ -6,7 +6,8 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step_<N>`` (N = optimizer st
 * one DeepSpeed checkpoint per trainable engine (``engine.save_checkpoint``: module, optimizer,
   LR scheduler, loss scaler, under the tag ``<name>``);
 * ``<name>.safetensors`` per engine kept as weights only (step 3's EMA actor: no optimizer, and
-  DeepSpeed cannot checkpoint an optimizer-less ZeRO-3 engine), gathered under ZeRO-3;
+  DeepSpeed cannot checkpoint an optimizer-less ZeRO-3 engine), gathered under ZeRO-3; a
+  half-precision EMA's fp32 copy in its weights' place (:mod:`dschat.training.weights_file`);
 * ``rng_rank<r>.json``: every rank's Python, NumPy, torch (and CUDA) random states, as JSON;
 * ``dschat_checkpoint.json``, written last: the data position (epoch, micro-steps done in that
   epoch), the step counters and any caller state. A folder without it is incomplete.
@@ -50,26 +51,23 @@ from pathlib import Path
 from pickle import UnpicklingError  # the error type only: nothing here unpickles
 from typing import Any, Mapping, Protocol, Sequence
 
-import deepspeed
 import torch
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
-from dschat.errors import UserError, first_line
+from dschat.errors import UserError
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, get_world_size, print_rank_0
 from dschat.runtime.fs import (_disk_full_is_a_user_error, atomic_file, foreign_link_line, fsync_path, fsync_tree,
                                missing_ancestors)
-from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG,
                                       checkpoint_name, complete_checkpoints, earlier_run_checkpoints,
                                       foreign_checkpoints, is_foreign, latest_checkpoint, next_sequence,
                                       prune_leftovers, prune_rotated, protected_problem, put_back,
                                       replaces_protected, restore_replaced, retire_incomplete, set_aside)
+from dschat.training.weights_file import load_weights, save_weights
 from dschat.training.rotation import steps_of as _steps_of
 from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, model_record,
                                                 read_record, read_rng_file, rng_state, set_rng_state,
@@ -287,37 +285,6 @@ class WeightsOnlyCheckpointEngine:
                                     "from checkpoints dschat wrote") from None
                 raise UserError(f"cannot read {path} ({type(err).__name__}: {detail}); the checkpoint is "
                                 "damaged or was not written by dschat: pass --resume_from with another one") from None
-
-
-def save_weights(engine: Any, path: Path, rank: int) -> None:
-    """Every parameter of ``engine`` (ZeRO-3: gathered) to one safetensors file, written by rank 0
-    (collective)."""
-    tensors = {}
-    for name, param in gathered_parameters(engine):
-        if rank == 0:
-            tensors[name] = param.to("cpu").clone().contiguous()
-    if rank == 0:
-        save_file(tensors, str(path))
-
-
-def load_weights(engine: Any, path: Path, rank: int) -> None:
-    """The inverse of :func:`save_weights` (collective; ZeRO-3: rank 0 writes, DeepSpeed re-partitions)."""
-    try:
-        state = load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as err:  # a cut, foreign or missing file
-        raise UserError(f"cannot read {path} ({type(err).__name__}: {first_line(err)}); the checkpoint is "
-                        "damaged: pass --resume_from with another one") from None
-    release_zero3_prefetch(engine)
-    module = getattr(engine, "module", engine)
-    names = [name for name, _ in module.named_parameters()]
-    if sorted(names) != sorted(state):
-        raise UserError(f"{path} does not match this model's parameters; resume with the flags that wrote it")
-    for name, param in module.named_parameters():
-        zero3 = is_zero3_param(param)
-        with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=zero3):
-            if rank == 0 or not zero3:
-                with torch.no_grad():
-                    param.copy_(state[name].to(param.device, param.dtype))
 
 
 class RecordingCheckpointEngine:

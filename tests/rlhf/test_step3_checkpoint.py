@@ -23,6 +23,8 @@ COMPARED = ("actor_loss", "critic_loss", "reward", "kl_to_ref", "ema_reward", "r
 CASES = {
     # sampling, dropout in the actor and critic (random states matter), EMA
     "z0-ema": ("tiny-opt", ["--enable_ema", "--actor_dropout", "0.1", "--critic_dropout", "0.1"]),
+    # bf16: the EMA averages into an fp32 copy of its weights, which the checkpoint must hold
+    "z0-bf16-ema": ("tiny-opt", ["--enable_ema", "--dtype", "bf16"]),
     # ZeRO-2 actor and critic, two PPO epochs over two generation batches (Python's shuffle state)
     "z2-multi": ("tiny-llama", ["--actor_zero_stage", "2", "--critic_zero_stage", "2", "--generation_batches", "2",
                                 "--ppo_epochs", "2", "--per_device_training_batch_size", "2"]),

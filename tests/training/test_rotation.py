@@ -223,7 +223,7 @@ def test_old_markers_without_a_sequence_sort_by_their_write_time(tmp_path):
 def test_a_damaged_weights_file_or_missing_random_state_is_one_line(tmp_path):
     """The EMA actor's safetensors file cut short, and rank 0's random states gone when another shape
     derives a rank's states from them: one line each, naming the file."""
-    from dschat.training.checkpoint import load_weights
+    from dschat.training.weights_file import load_weights
     from dschat.training.consolidated import derived_rng_state
 
     cut = tmp_path / "actor_ema.safetensors"
