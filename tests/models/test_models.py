@@ -99,6 +99,12 @@ def test_reward_end_scores_use_last_real_token_even_when_eos_is_pad():
     with torch.no_grad():
         fv = rm.forward_value(ids, attention_mask=mask, prompt_length=2)
     assert torch.equal(fv["chosen_end_scores"], values[[0, 1, 2, 3], [4, 3, 3, 5]])
+    # Without a mask, upstream's rule: the token before the first pad after the prompt (the EOS is
+    # that pad), so indices 3, 2, 2, 4.
+    with torch.no_grad():
+        unmasked = rm.forward_value(ids, return_value_only=True)
+        fv = rm.forward_value(ids, prompt_length=2)
+    assert torch.equal(fv["chosen_end_scores"], unmasked[[0, 1, 2, 3], [3, 2, 2, 4]])
 
 
 def test_value_head_takes_the_body_dtype():
