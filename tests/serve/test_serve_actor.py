@@ -252,6 +252,42 @@ def test_a_stop_string_cuts_the_text_before_it(engine_client, chat_folder):
             assert (text, finish) == (cut, "stop"), (streamed, stops)
 
 
+def test_two_stop_strings_cut_at_the_earlier_one(client, chat_folder):
+    kwargs = dict(model=str(chat_folder), prompt=PROMPTS[1], max_tokens=16, temperature=0)
+    full = client.completions.create(**kwargs).choices[0].text
+    # Both end at the same character, so they appear at the same token: the one that starts first cuts.
+    at = next(i for i in range(len(full) - 2)
+              if full[i + 1:i + 3].strip() and (full.find(full[i:i + 3]), full.find(full[i + 1:i + 3])) == (i, i + 1))
+    reply = client.completions.create(**kwargs, stop=[full[at + 1:at + 3], full[at:at + 3]])
+    assert (reply.choices[0].text, reply.choices[0].finish_reason) == (full[:at], "stop")
+
+
+def test_chat_max_completion_tokens_and_the_completions_default_of_16(client, server, chat_folder):
+    messages = [{"role": "user", "content": "hi"}]
+    capped = client.chat.completions.create(model=str(chat_folder), messages=messages, max_completion_tokens=3,
+                                            temperature=0)
+    with_max_tokens = client.chat.completions.create(model=str(chat_folder), messages=messages, max_tokens=3,
+                                                     temperature=0)
+    assert capped.usage.completion_tokens <= 3
+    assert (capped.choices[0].message.content, capped.usage.completion_tokens) == (
+        with_max_tokens.choices[0].message.content, with_max_tokens.usage.completion_tokens)
+    # Without max_tokens a completion gets OpenAI's 16 tokens, not the model's whole context.
+    body = {"model": str(chat_folder), "prompt": PROMPTS[0], "temperature": 0}
+    reply = requests.post(server.api_url + "/completions", json=body, timeout=60).json()
+    sixteen = client.completions.create(model=str(chat_folder), prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    assert reply["choices"][0]["text"] == sixteen.choices[0].text and reply["usage"]["completion_tokens"] <= 16
+
+
+def test_the_sampling_settings_reach_the_decoder():
+    from dschat.serve.openai_api import ChatRequest, CompletionRequest, _settings
+
+    request = CompletionRequest(model="m", prompt="a", temperature=0.3, top_p=0.5, top_k=7)
+    assert _settings(request) == DecodingSettings(decoding="sample", temperature=0.3, top_k=7, top_p=0.5)
+    chat = ChatRequest(model="m", messages=[{"role": "user", "content": "a"}], temperature=1.5, top_k=-1)
+    assert _settings(chat) == DecodingSettings(decoding="sample", temperature=1.5, top_k=0, top_p=1.0)
+    assert _settings(CompletionRequest(model="m", prompt="a", temperature=0.0, top_p=0.5)) == GREEDY
+
+
 def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
     kwargs = dict(model=str(chat_folder), prompt=PROMPTS[0], max_tokens=16, temperature=1.0, top_p=0.9,
                   extra_body={"top_k": 50})
@@ -260,6 +296,11 @@ def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
     assert first[0] != first[1]
     for seed in (2**64 - 1, -2**63):  # the ends of what torch.manual_seed takes
         assert client.completions.create(**kwargs, seed=seed).usage.completion_tokens == 16
+    # A seeded list of prompts: each answer is the one its prompt gets alone (decoded alone, never
+    # sharing a random stream with what else was waiting).
+    together = client.completions.create(**{**kwargs, "prompt": PROMPTS[:3]}, seed=3)
+    alone = [client.completions.create(**{**kwargs, "prompt": p}, seed=3).choices[0].text for p in PROMPTS[:3]]
+    assert [c.text for c in sorted(together.choices, key=lambda c: c.index)] == alone
 
 
 @pytest.mark.parametrize("route, body, status, param", [
