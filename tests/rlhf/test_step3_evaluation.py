@@ -114,6 +114,48 @@ def test_best_index_and_token_entropy():
     assert float(token_entropy(torch.tensor([0.0, -1e9]))) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_one_batchs_measurements_by_hand():
+    """``_score_batch`` on hand-set tensors (a stub trainer): KL to the reference is actor minus reference
+    log-probs over the actor's tokens only (not padding, not an episode's observations), the entropy is
+    of the logits at the sampling temperature, and each row keeps its own ended flag and proxy + the
+    environment's reward."""
+    from types import SimpleNamespace
+
+    torch.manual_seed(0)
+    B, P, L, V, T = 2, 2, 6, 7, 2.0
+    seq = torch.randint(0, V, (B, L))
+    att = torch.ones(B, L, dtype=torch.long)
+    att[1, -1] = 0  # row 1: its last answer position is padding
+    observation = torch.zeros(B, L - 1)
+    observation[0, P] = 1  # row 0: its second answer token is an environment's
+    actor_logits, ref_logits = torch.randn(B, L, V), torch.randn(B, L, V)
+
+    def log_probs(logits, tokens):
+        return torch.log_softmax(logits[:, :-1] / T, -1).gather(-1, tokens[:, 1:, None]).squeeze(-1)
+
+    generated = SimpleNamespace(seq=seq, masks=SimpleNamespace(attention_mask=att, position_ids=None),
+                                env_reward=torch.tensor([0.5, -1.0]), observation_mask=observation,
+                                ended=torch.tensor([True, False]))
+    trainer = SimpleNamespace(
+        experience=SimpleNamespace(generate_answers=lambda *a, **k: generated),
+        generator=SimpleNamespace(scoring_mode=lambda: None), logit_temperature=T, _log_probs=log_probs,
+        actor_model=lambda *a, **k: SimpleNamespace(logits=actor_logits),
+        ref_model=lambda *a, **k: SimpleNamespace(logits=ref_logits),
+        _reward_scores=lambda *a, **k: torch.tensor([1.0, 2.0]),
+        _decode_for_hook=lambda *a: (["p", "p"], ["a", "b"]))
+    owner = SimpleNamespace(trainer=trainer, _judge=lambda *a: {"gold": [3.0, 4.0]})
+    rows = ev._Rows(judges={"gold": []})
+    ev.StepThreeEvaluation._score_batch(owner, seq[:, :P], att[:, :P], [7, 8], rows)
+
+    mask = att[:, P:].float() * (1 - observation[:, P - 1:])
+    kl = ((log_probs(actor_logits, seq) - log_probs(ref_logits, seq))[:, P - 1:] * mask).sum(-1)
+    entropy = (token_entropy(actor_logits[:, P - 1:-1] / T) * mask).sum(-1)
+    assert mask.sum(-1).tolist() == [3.0, 3.0]
+    assert rows.index == [7, 8] and rows.proxy == [1.5, 1.0] and rows.judges == {"gold": [3.0, 4.0]}
+    assert rows.kl == pytest.approx(kl.tolist(), abs=1e-6) and rows.entropy == pytest.approx(entropy.tolist(), abs=1e-6)
+    assert rows.tokens == [3, 3] and rows.ended == [True, False]
+
+
 def test_a_non_finite_evaluation_is_never_best_nor_an_alarm_and_pins_nothing():
     nan = [x if i else math.nan for i, x in enumerate(BASE)]  # one NaN score: a NaN mean
     falls = [x - 1 for x in BASE]
