@@ -773,3 +773,27 @@ def test_a_step2_lora_adapter_judge_loads_and_a_step3_output_folder_is_refused(t
     with pytest.raises(UserError, match=rf"^--eval_judge {tmp_path}/out is a step-3 output folder, not a reward "
                                         rf"model; pass the step-2 --output_dir, or {tmp_path}/out/critic for "):
         resolve_judges([str(tmp_path / "out")], ["dschat/builtin"])
+
+
+def test_held_out_prompts_are_distinct_in_the_datasets_order(tmp_path):
+    """Several pairs per prompt (as in SHP): each prompt is evaluated once, and --eval_prompts counts
+    distinct prompts."""
+    import argparse
+
+    from dschat.rlhf.heldout.setup import heldout_prompt_items
+
+    from helpers.data import make_tokenizer, write_jsonl
+
+    texts = [" Human: a? Assistant:", " Human: a? Assistant:", " Human: b? Assistant:", " Human: a? Assistant:",
+             " Human: c? Assistant:", " Human: d? Assistant:"]
+    write_jsonl(tmp_path / "d" / "train.jsonl", [{"prompt": t, "chosen": " x", "rejected": " y"} for t in texts])
+    write_jsonl(tmp_path / "d" / "eval.jsonl", [{"prompt": t, "chosen": f" {i}", "rejected": " y"}
+                                                for i, t in enumerate(texts)])
+    tokenizer = make_tokenizer()
+    args = argparse.Namespace(data_path=[str(tmp_path / "d")], data_split="0,0,1", data_output_path=str(tmp_path / "c"),
+                              seed=1234, max_prompt_seq_len=32, end_of_conversation_token=None, eval_prompts=10,
+                              eval_interval=1, env=None)
+    items = heldout_prompt_items(args, tokenizer, -1)  # 6 rows, 4 distinct prompts
+    assert len({tuple(item[0][item[1].bool()].tolist()) for item in items}) == len(items) == 4
+    args.eval_prompts = 2
+    assert len(heldout_prompt_items(args, tokenizer, -1)) == 2
