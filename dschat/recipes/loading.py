@@ -14,7 +14,7 @@ import yaml
 from dschat.errors import UserError
 from dschat.recipes.recipe import TEMPLATE_RE, FlagValue, Launcher, Recipe
 from dschat.recipes.steps import STEPS, ZERO_STAGE_PARAMS, StepSpec, step_spec
-from dschat.runtime.trust import untrusted_reason
+from dschat.runtime.trust import untrusted_inside, untrusted_reason
 
 _ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 _FLAG_RE = re.compile(r"^[a-z][a-z0-9_]*$")
@@ -37,6 +37,10 @@ def _checked_root(label: str, path: Path) -> Path:
     # The checkout's configs/ and training/.../main.py decide what runs: it must be the user's (or
     # root's, for a system-wide install) and writable by nobody else.
     reason = untrusted_reason(path, root_may_own=True)
+    for part in ("configs", "training", "dschat"):  # the recipes, the step scripts, the package they import
+        if not reason and (path / part).is_dir():
+            reason = untrusted_reason(path / part, root_may_own=True) or untrusted_inside(path / part,
+                                                                                           root_may_own=True)
     if reason:
         raise UserError(f"{label} {path} is not safe to run: {reason}; a checkout that others can change could run their code: "
                         f"use your own clone, or chmod go-w {path}")

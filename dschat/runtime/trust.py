@@ -4,8 +4,9 @@ and nobody else can write to it or to a folder above it.
 :func:`untrusted_reason` says why a path is not (the owner, a group or others that can write to it,
 or, :func:`untrusted_ancestor`, a folder above it, or holding a symlink on its way, that another
 account could swap, as OpenSSH's StrictModes checks; group write counts unless the group is the
-user's private one and no POSIX ACL entry lets another user or group write); :func:`is_trusted` and :func:`check_trusted` (one line, exit code 2) build on
-it. A cache, lock or leftover folder that another account could have planted, edited or swapped is
+user's private one and no POSIX ACL entry lets another user or group write); :func:`is_trusted` and
+:func:`check_trusted` (one line, exit code 2) build on it, and :func:`untrusted_inside` checks a whole
+tree below a trusted folder. A cache, lock or leftover folder that another account could have planted, edited or swapped is
 never read. :func:`make_private_dir` creates folders only their owner can enter (0700);
 :func:`make_trusted_dir` also refuses one that exists and is not the user's own;
 :func:`owned_privately` is the test for leftovers a crash-safe write may adopt; :func:`foreign_link`
@@ -38,6 +39,7 @@ __all__ = [
     "foreign_link_on_the_way",
     "untrusted_reason",
     "untrusted_ancestor",
+    "untrusted_inside",
     "is_trusted",
     "check_trusted",
     "make_private_dir",
@@ -246,6 +248,32 @@ def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> 
     if who is not None:
         return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
     return untrusted_ancestor(path)
+
+
+def untrusted_inside(folder: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
+    """Why an entry below the trusted ``folder`` (every file and folder, recursively) must not be
+    trusted, naming it, or ``None``: each must be this user's (or root's, with ``root_may_own``) and
+    writable by nobody else; a symbolic link is judged as :func:`untrusted_reason` judges a path (its
+    target and every folder on its way). For a tree whose files run as code (a checkout)."""
+    me = os.geteuid()
+    for parent, dirs, files in os.walk(folder):
+        for name in (*dirs, *files):
+            entry = os.path.join(parent, name)
+            try:
+                if os.path.islink(entry):
+                    reason = untrusted_reason(entry, root_may_own=root_may_own)
+                else:
+                    info = os.lstat(entry)
+                    if info.st_uid != me and not (root_may_own and info.st_uid == 0):
+                        reason = f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
+                    else:
+                        who = _writers(info, me, entry)
+                        reason = who and f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
+            except FileNotFoundError:  # removed meanwhile, or a dangling link: nothing to run
+                continue
+            if reason:
+                return f"{entry}: {reason}"
+    return None
 
 
 def is_trusted(path: str | os.PathLike) -> bool:

@@ -397,6 +397,35 @@ def test_a_checkout_others_can_write_is_refused_in_one_line(tmp_path, monkeypatc
     assert recipe_loading.find_repo_root(checkout) == checkout.resolve()
 
 
+def test_a_checkout_whose_step_scripts_or_recipes_others_can_change_is_refused(tmp_path):
+    """The checkout's own folder is not enough: what runs is training/<step>/main.py, configs/ and the
+    dschat package put on PYTHONPATH; another account that can change any of them runs its code."""
+    import os
+
+    checkout = _fake_checkout(tmp_path / "repo").resolve()
+    assert recipe_loading.find_repo_root(checkout) == checkout
+    step = checkout / "training" / "step1_supervised_finetuning"
+    step.mkdir()
+    (step / "main.py").write_text("print('the step')\n")
+    assert recipe_loading.find_repo_root(checkout) == checkout
+    step.chmod(0o777)
+    with pytest.raises(UserError, match=rf"--repo-root {checkout} is not safe to run: {step}: its group and others "
+                                        r"can write to it \(mode 0777\)"):
+        recipe_loading.find_repo_root(checkout)
+    step.chmod(0o755)
+    recipe = checkout / "configs" / "step1.yaml"
+    recipe.chmod(0o646)
+    with pytest.raises(UserError, match=rf"{recipe}: other users can write to it"):
+        recipe_loading.find_repo_root(checkout)
+    recipe.chmod(0o644)
+    if os.geteuid() == 0:  # a file another account owns, as it would have planted it
+        os.chown(recipe, 65533, 65533)
+        with pytest.raises(UserError, match=rf"{recipe}: it belongs to uid 65533, not to you"):
+            recipe_loading.find_repo_root(checkout)
+        os.chown(recipe, 0, 0)
+    assert recipe_loading.find_repo_root(checkout) == checkout
+
+
 def test_a_checkout_owned_by_another_user_is_refused(tmp_path, monkeypatch):
     import os
 
