@@ -25,6 +25,7 @@ from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_js
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
 from dschat.runtime.fs import check_writable_dir, open_own, refuse_foreign_link_on_the_way, refuse_foreign_links
 from dschat.runtime.run_lock import LOCK_NAME, run_lock
+from dschat.runtime.trust import check_trusted
 from dschat.training.checkpoint import check_checkpoint_args, prepare_checkpoint_root
 from dschat.training.loaders import set_random_seed
 
@@ -103,7 +104,8 @@ def check_output_paths(args: argparse.Namespace) -> None:
     ``--output_dir``'s :data:`OUTPUT_ENTRIES` (:func:`~dschat.runtime.fs.refuse_foreign_links`), or on
     the way to ``--tensorboard_path`` when a tracker writes there (TensorBoard; W&B and MLflow without
     ``--output_dir``): planted in a folder others can write to, it would lead the run's writes into
-    another place."""
+    another place; an existing ``--tensorboard_path`` must be the user's own (:func:`check_trusted`): the
+    writers below it (TensorBoard's, DeepSpeed's monitor) open what they find there."""
     for name in ("output_dir", "data_output_path"):
         if getattr(args, name, None):
             check_writable_dir(getattr(args, name), f"--{name}")
@@ -115,6 +117,10 @@ def check_output_paths(args: argparse.Namespace) -> None:
                                                       and not getattr(args, "output_dir", None)):
         check_writable_dir(args.tensorboard_path, "--tensorboard_path")
         refuse_foreign_link_on_the_way(args.tensorboard_path, "--tensorboard_path")
+        if os.path.lexists(os.path.expanduser(args.tensorboard_path)):  # else created by this run, the user's
+            check_trusted(os.path.expanduser(args.tensorboard_path), "--tensorboard_path",
+                          "pass a --tensorboard_path folder of your own that only you can write to (another "
+                          "account could plant links there that lead the event files elsewhere, and read them)")
 
 
 # What a run saves -> (the folder, ``owns``: the entry names the save replaces there; None: it

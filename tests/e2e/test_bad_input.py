@@ -110,6 +110,8 @@ CASES = [
          "--tensorboard_path {file}/tb cannot be created"),
     Case("step1/data-cache-under-a-file", "step1", ("--data_output_path", "{file}/cache"),
          "--data_output_path {file}/cache cannot be created"),
+    Case("step1/tensorboard-others-can-write", "step1", ("--enable_tensorboard", "--tensorboard_path", "{shared}"),
+         "--tensorboard_path {shared} is not safe to read on a shared machine: its group and others can write"),
     Case("step1/data-cache-others-can-write", "step1", ("--data_output_path", "{shared}"),
          "--data_output_path {shared} is not safe to read on a shared machine: its group and others can write"),
     # With TensorBoard on: refused before its folder (and an events file) is made.
