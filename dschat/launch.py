@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 from dschat.cli.shared import user_path
 from dschat.errors import EXIT_USAGE, UserError, cli_main
-from dschat.launch_log import LogTee
+from dschat.launch_log import LogTee, Redactor, shown_argv
 from dschat.paths import STARTED_FILE_VAR
 from dschat.multinode import (DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
                               check_remote_safe, flag_values, forwarded_secrets, free_port, launch_hosts, rank_env,
@@ -154,7 +154,10 @@ class LaunchPlan:
         return self.output_dir / "training.log" if self.output_dir is not None else None
 
     def command_line(self) -> str:
-        return shlex.join(self.argv)
+        """The command as lines and ``training.log`` show it: a URL flag's user, password and query hidden
+        (:func:`~dschat.launch_log.shown_argv`; the command runs with them)."""
+        return shlex.join(shown_argv(self.argv))
+
 
 
 def flag_value(argv: Sequence[str], name: str) -> str | None:
@@ -364,6 +367,7 @@ def run(
     if tee:
         tee.write(header)
     tail = bytearray()
+    redact = Redactor(launch.argv)  # DeepSpeed's launcher echoes the command, a URL's password too
     start = time.monotonic()
     proc = subprocess.Popen(launch.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, bufsize=0)
     assert proc.stdout is not None
@@ -374,7 +378,13 @@ def run(
             try:
                 chunk = os.read(fd, 65536)
                 if not chunk:
+                    chunk = redact.flush()
+                    sink(chunk)
+                    if tee:
+                        tee.write(chunk)
+                    tail += chunk
                     break
+                chunk = redact.feed(chunk)
                 sink(chunk)
                 if tee:
                     tee.write(chunk)

@@ -1,16 +1,23 @@
 """The launcher's log: a step's output written to ``<output_dir>/training.log`` through one handle,
-the previous runs' logs kept as ``training.log.1`` ... ``.{KEPT_LOGS}`` (:class:`LogTee`)."""
+the previous runs' logs kept as ``training.log.1`` ... ``.{KEPT_LOGS}`` (:class:`LogTee`); a URL flag's
+password and query never shown, in the command line (:func:`shown_argv`) nor in the output
+(:class:`Redactor`)."""
 from __future__ import annotations
 
 import os
 import shutil
 import sys
 from pathlib import Path
+from typing import Sequence
 
 from dschat.errors import UserError
 from dschat.runtime.fs import foreign_link_line, open_own
+from dschat.runtime.trust import shown_url
 
-__all__ = ["KEPT_LOGS", "LogTee"]
+__all__ = ["KEPT_LOGS", "LogTee", "Redactor", "URL_FLAGS", "shown_argv"]
+
+#: Flags whose value is a URL that may carry a password, or a key in its query.
+URL_FLAGS = ("--reward_url",)
 
 KEPT_LOGS = 5  # earlier runs' logs kept beside training.log (training.log.1: the latest)
 
@@ -139,3 +146,50 @@ def _launcher_alive(leftover: Path) -> bool:
         return True
     return True
 
+
+
+def _url_values(argv: Sequence[str]) -> list[str]:
+    """The values of :data:`URL_FLAGS` in ``argv`` (``--flag value`` and ``--flag=value``)."""
+    values = []
+    for before, arg in zip(("", *argv), argv):
+        flag, eq, value = arg.partition("=")
+        if before in URL_FLAGS:
+            values.append(arg)
+        elif eq and flag in URL_FLAGS:
+            values.append(value)
+    return values
+
+
+def shown_argv(argv: Sequence[str]) -> list[str]:
+    """``argv`` with each :data:`URL_FLAGS` value as :func:`~dschat.runtime.trust.shown_url` shows it."""
+    shown = []
+    for before, arg in zip(("", *argv), argv):
+        flag, eq, value = arg.partition("=")
+        shown.append(shown_url(arg) if before in URL_FLAGS else f"{flag}={shown_url(value)}"
+                     if eq and flag in URL_FLAGS else arg)
+    return shown
+
+
+class Redactor:
+    """A byte stream (the step's output) with each secret-bearing :data:`URL_FLAGS` value of ``argv``
+    replaced by its shown form, also where it straddles two chunks: :meth:`feed` holds back the end of
+    a chunk that may begin one, :meth:`flush` gives what is held at the end."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.pairs = [(url.encode(), shown_url(url).encode()) for url in _url_values(argv) if shown_url(url) != url]
+        self.held = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.pairs:
+            return chunk
+        data = self.held + chunk
+        for secret, shown in self.pairs:
+            data = data.replace(secret, shown)
+        keep = next((k for k in range(min(len(data), max(len(s) for s, _ in self.pairs) - 1), 0, -1)
+                     if any(s.startswith(data[-k:]) for s, _ in self.pairs)), 0)
+        self.held = data[len(data) - keep:] if keep else b""
+        return data[:len(data) - keep]
+
+    def flush(self) -> bytes:
+        held, self.held = self.held, b""
+        return held

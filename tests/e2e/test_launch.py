@@ -184,6 +184,34 @@ def test_run_streams_to_terminal_and_log_and_returns_the_exit_code(fake_root, tm
     assert argv == recipe.render({"output_dir": str(out)})
 
 
+def test_a_reward_urls_password_and_query_never_reach_the_terminal_or_the_log(fake_root, tmp_path, monkeypatch):
+    """The step gets the URL as given; the header, DeepSpeed's echo of the command (here the fake step's
+    own, in pieces) and training.log show it without its user, password and query."""
+    out = tmp_path / "out"
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+    url = "http://user:SECRETPW@127.0.0.1:9/get_reward?key=QSECRET"
+    plan = L.plan(recipe, {"output_dir": str(out)}, kind="python", repo_root=fake_root)
+    plan.argv = [sys.executable, "-c", "import sys; [print(c, end='', flush=True) for a in sys.argv[1:] for c in a]",
+                 "--reward_url", url, "x", f"--reward_url={url}"]
+    sink = Sink()
+    assert L.run(plan, sink=sink).returncode == 0
+    log = (out / "training.log").read_bytes()
+    assert log == sink.data and b"SECRET" not in log
+    assert log.count(b"http://***@127.0.0.1:9/get_reward?***") == 4  # the header twice, the echo twice
+    assert "SECRET" not in plan.command_line() and url in plan.argv
+
+
+def test_the_redactor_hides_a_secret_split_across_any_two_chunks():
+    from dschat.launch_log import Redactor
+
+    url = "https://h/r?k=SECRET"
+    text = f"cmd = ['--reward_url', '{url}'] and again --reward_url={url}.".encode()
+    for cut in range(1, len(text)):
+        redact = Redactor(["--reward_url", url])
+        shown = redact.feed(text[:cut]) + redact.feed(text[cut:]) + redact.flush()
+        assert shown == text.replace(url.encode(), b"https://h/r?***"), cut
+
+
 def test_recipe_env_is_a_default_not_an_override(fake_root, tmp_path, monkeypatch):
     recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
     plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, kind="python", repo_root=fake_root)
