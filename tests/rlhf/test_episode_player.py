@@ -99,6 +99,36 @@ def test_an_observation_with_no_room_after_it_is_left_out(tokenizer):
     assert played.sequences[0, 2:].tolist() == [7, 7, EOS]
 
 
+def test_an_observation_that_fills_the_room_exactly_is_left_out_too(tokenizer):
+    """It would leave the actor no token: the episode ends with the actor's turn, no empty turn after."""
+    obs = len(tokenizer("Say it again, shorter.", add_special_tokens=False)["input_ids"])
+    decoder = ScriptedDecoder({100: [EOS, 7, EOS]}, 1 + obs)
+    env_fixtures.RECORDED.clear()
+    player = _player(tokenizer, decoder, "env_fixtures:ask_twice_recorded", max_turns=2, max_answer=1 + obs,
+                     max_context=2 + 1 + obs)
+    played = player.play(*_prompts([[100, 101]]), [{"prompt": "a"}])
+    assert played.turns.tolist() == [1] and played.cut.tolist() == [True]
+    assert not played.observation_mask.any() and decoder.calls == [1 + obs]
+
+
+def test_a_turns_budget_is_the_smallest_headroom_of_any_rank(tokenizer, monkeypatch):
+    """Another rank whose conversation is longer has 3 tokens of context left: this rank's turn decodes
+    at most 3 at a time too (the ranks decode together), then goes on."""
+    calls = []
+
+    def gather_ints(values):
+        calls.append(list(values))
+        other = [1, 10, 3] if len(calls) == 1 and len(values) == 3 else [0] * len(values)
+        return [list(values), other]
+
+    monkeypatch.setattr(episodes, "gather_ints", gather_ints)
+    decoder = ScriptedDecoder({100: [7, 7, 7, 7, EOS]}, 12)
+    player = _player(tokenizer, decoder, "env_fixtures:one_turn_length", max_turns=1, max_answer=12, max_context=40)
+    played = player.play(*_prompts([[100, 101]]), [{"prompt": "a"}])
+    assert decoder.calls[0] == 3 and played.ended.tolist() == [True]
+    assert played.sequences[0, 2:7].tolist() == [7, 7, 7, 7, EOS]
+
+
 def test_a_last_turn_without_eos_cuts_its_episode_even_when_the_environment_ends_it(tokenizer):
     """A one-turn environment says done after every turn; row 0's turn runs into --max_answer_seq_len
     without EOS (cut), row 1's ends with EOS (not cut)."""
