@@ -222,5 +222,11 @@ def tokenize_selection(
                 why = f"none of its {len(rows)} rows has the texts phase {train_phase} needs"
                 fix = "check the prompt/chosen/rejected fields"
             empty_phase(sel.raw, split, train_phase, why, fix)
+        if (train_phase == 2 and split == "train" and len(ds)
+                and count_identical_pairs(ds.chosen_dataset, ds.reject_dataset) == len(ds)):
+            raise UserError(f"dataset {sel.raw.dataset_name!r}: every one of its {len(ds)} phase-2 train pairs has the "
+                            f"same tokens chosen and rejected (duplicates, or cut equal at --max_seq_len {max_seq_len}), "
+                            "so there is nothing to learn from it; give pairs whose answers differ within the first "
+                            "--max_seq_len tokens, or raise --max_seq_len")
         out.append(ds)
     return out[0], out[1]

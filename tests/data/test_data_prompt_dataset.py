@@ -183,6 +183,19 @@ def test_phase2_counts_pairs_whose_two_sides_are_the_same_tokens(capsys):
     assert "Note:" not in capsys.readouterr().out
 
 
+def test_a_dataset_whose_every_train_pair_is_the_same_tokens_is_refused(tmp_path):
+    """Nothing to learn from (the pairwise loss is a constant): one line, which names the likely cause."""
+    rows = [{"prompt": f" Human: q{i}? Assistant:", "chosen": " yes" + " cat" * 40 + " a",
+             "rejected": " yes" + " cat" * 40 + " b"} for i in range(20)]  # differ after 32 tokens only
+    write_jsonl(tmp_path / "same.jsonl", rows)
+    with pytest.raises(UserError, match=r"every one of its \d+ phase-2 train pairs has the same tokens chosen and "
+                                        r"rejected \(duplicates, or cut equal at --max_seq_len 32\)"):
+        create_dataset(-1, str(tmp_path / "same.jsonl"), "1,1,1", str(tmp_path / "c"), 2, 1, make_tokenizer(), EOT, 32)
+    train, _ = create_dataset(-1, str(tmp_path / "same.jsonl"), "1,1,1", str(tmp_path / "c"), 2, 1, make_tokenizer(),
+                              EOT, 64)  # long enough to tell them apart
+    assert len(train) > 0
+
+
 def test_phase2_one_token_pairs_are_dropped():
     """A pair of one token on each side has no position after its shared token."""
     tok = no_bos_tokenizer()
