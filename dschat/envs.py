@@ -152,6 +152,8 @@ def _check_step(env_name: str, where: str, raw: Any) -> StepResult:
         if not finite:
             raise wrong(f"step returned the reward {_shown(reward)}", "rewards must be finite in float32 (|x| < 3.4e38)")
         reward = float(reward)
+    if type(done).__module__ == "numpy" and type(done).__name__ in ("bool", "bool_"):  # a comparison's, in numpy
+        done = bool(done)
     if not isinstance(done, bool):
         raise wrong(f"step returned done = {type(done).__name__} {_shown(done)}", "done is True or False")
     return StepResult(observation, reward, done)

@@ -78,6 +78,15 @@ class TestContract:
             StepResult("text", 1.0, False), StepResult({"role": "tool", "content": "42"}, None, True),
             StepResult(None, 0.5, True)]
 
+    def test_numpy_rewards_and_done_flags_are_taken_as_python_numbers(self):
+        import numpy as np
+
+        from dschat.envs import _check_step
+
+        result = _check_step("e", "row 0", ("x", np.float32(0.5), np.bool_(True)))
+        assert (result.reward, result.done) == (0.5, True) and type(result.done) is bool
+        assert _check_step("e", "row 0", (None, None, np.array(1) > 2)).done is False
+
     @pytest.mark.parametrize("result, words", [
         (["text", 1.0, True], "step returned list"),
         (("text", 1.0), "step returned a tuple of 2"),
