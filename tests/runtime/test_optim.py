@@ -288,19 +288,28 @@ def test_warmup_past_the_schedule_is_a_warning(capsys):
     assert "WARNING" not in capsys.readouterr().out
 
 
+def _constant_resumed_as(kind: str, done: int, lr: float, warmup: int, planned: int):
+    """A constant schedule (lr 0.1) stepped ``done`` times, loaded into this run's ``kind`` one (lr,
+    warmup, planned steps): (this run's optimizer, its scheduler, this run's settings before the load)."""
+    from dschat.runtime.optim import FlagSchedule
+
+    saved_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
+    saved = create_scheduler("constant", saved_opt, 0, done + 54)
+    for _ in range(done):
+        saved_opt.step(), saved.step()
+    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr)
+    ours = create_scheduler(kind, opt, warmup, planned)
+    wanted = FlagSchedule.of(ours)
+    ours.load_state_dict(saved.state_dict())
+    return opt, ours, wanted
+
+
 def test_a_changed_schedule_on_resume_names_each_side_as_it_is():
     """A checkpoint's constant schedule loaded into this run's linear one with warmup: the line names
     the checkpoint's kind without the warmup it never had, and this run's settings apply from its step."""
     from dschat.runtime.optim import FlagSchedule, follow_flags
 
-    saved_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    saved = create_scheduler("constant", saved_opt, 0, 10)
-    for _ in range(4):
-        saved_opt.step(), saved.step()
-    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.2)
-    ours = create_scheduler("linear", opt, 2, 10)
-    wanted = FlagSchedule.of(ours)
-    ours.load_state_dict(saved.state_dict())
+    opt, ours, wanted = _constant_resumed_as("linear", 4, 0.2, 2, 10)
     line = follow_flags(wanted, ours)
     assert line == ("this run's learning rates and LR schedule (lr 0.2, linear, 2 warmup steps) apply from the step "
                     "it resumes at; the checkpoint's were lr 0.1, constant")
@@ -316,16 +325,9 @@ def test_a_constant_schedule_resumed_as_cosine_on_another_plan_ends_where_the_ru
     """200 constant steps done; the resumed run asks for cosine and plans 64 steps from scratch (another
     accumulation) but takes 14 more: the cosine is laid over 214 and falls to 0 there (it was laid over
     the 64 of a fresh plan and rose again past them)."""
-    from dschat.runtime.optim import FlagSchedule, follow_flags
+    from dschat.runtime.optim import follow_flags
 
-    saved_opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    saved = create_scheduler("constant", saved_opt, 0, 254)
-    for _ in range(200):
-        saved_opt.step(), saved.step()
-    opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1)
-    ours = create_scheduler("cosine", opt, 0, 64)
-    wanted = FlagSchedule.of(ours)
-    ours.load_state_dict(saved.state_dict())
+    opt, ours, wanted = _constant_resumed_as("cosine", 200, 0.1, 0, 64)
     assert follow_flags(wanted, ours) is not None
     assert "laid over 214 (200 done, 14 to go)" in relay_schedule(ours, 64, 14)
     rates = []
