@@ -21,6 +21,7 @@ from typing import Any
 
 from dschat.data import local_files as lf
 from dschat.data.adapters.local import builtin_files, builtin_folders
+from dschat.data.cache import cache_key, private_folder, tokenizer_fingerprint
 from dschat.errors import UserError, first_line
 
 TEXT_SUFFIXES: tuple[str, ...] = lf.DATA_SUFFIXES + (".txt",)
@@ -167,6 +168,22 @@ def _check_no_null_texts(train: Any, column: str, name: str) -> None:
         )
 
 
+def _ptx_cache_folder(args: Any, dataset: Any, source: Path, tokenizer: Any, block_size: int) -> Path | None:
+    """The folder of ``--data_output_path`` (0700, trusted) where the maps of a ``save_to_disk`` corpus
+    (``dataset``, read from ``source``) keep their results, memory-mapped as datasets keeps a hub
+    dataset's: ``ptx_<key>``, keyed by the folder's file contents, the tokenizer's behaviour and the
+    block size. None for data held in memory (no Arrow files of its own) or without the flag."""
+    output = getattr(args, "data_output_path", None)
+    if not dataset.cache_files or not output:
+        return None
+    private_folder(output)
+    key = cache_key({"ptx_text": lf.fingerprint_files(lf.files_under(source), source),
+                     "tokenizer": tokenizer_fingerprint(tokenizer), "block_size": block_size})
+    folder = lf.expand(output) / f"ptx_{key[:32]}"
+    private_folder(folder)
+    return folder
+
+
 def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     """Tokenised, grouped PPO-ptx blocks (upstream); a ``datasets.Dataset`` of
     ``input_ids`` / ``attention_mask`` / ``labels`` lists, all exactly ``block_size`` tokens long.
@@ -178,7 +195,9 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     stacks), a longer one gives full blocks.
 
     Reads ``args.unsupervised_dataset_name``, ``args.unsupervised_dataset_config_name`` (optional),
-    ``args.preprocessing_num_workers``, ``args.max_prompt_seq_len``, ``args.max_answer_seq_len``.
+    ``args.preprocessing_num_workers``, ``args.max_prompt_seq_len``, ``args.max_answer_seq_len``,
+    ``args.data_output_path`` (optional: where a ``save_to_disk`` corpus's blocks are cached,
+    :func:`_ptx_cache_folder`).
     """
     name = args.unsupervised_dataset_name
     raw = load_unsupervised_raw(name, getattr(args, "unsupervised_dataset_config_name", None))
@@ -204,9 +223,17 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     def tokenize_function(examples: dict) -> Any:
         return tokenizer(examples[text_column_name])
 
-    # Local data's maps keep their results in memory: on a save_to_disk folder datasets writes its map
-    # cache files into that folder, the user's (a traceback where they may not write). Hub data's cache as upstream.
-    in_memory = lf.expand(name).exists()
+    block_size = args.max_prompt_seq_len + args.max_answer_seq_len
+    # Where the maps keep their results: datasets' own cache for hub data (as upstream); for a local
+    # save_to_disk folder a folder of dschat's cache (datasets would write into the user's data folder,
+    # a traceback where they may not write); in memory for text already read into memory.
+    local = lf.expand(name).exists()
+    folder = _ptx_cache_folder(args, raw["train"], lf.expand(name), tokenizer, block_size) if local else None
+    in_memory = local and folder is None
+
+    def where(file: str) -> dict[str, Any]:
+        return {"cache_file_names": {"train": str(folder / file)}} if folder is not None else {}
+
     tokenized_datasets = raw.map(
         tokenize_function,
         batched=True,
@@ -215,13 +242,14 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
         load_from_cache_file=not in_memory,
         keep_in_memory=in_memory,
         desc="Running tokenizer on dataset",
+        **where("tokens.arrow"),
     )
-    block_size = args.max_prompt_seq_len + args.max_answer_seq_len
 
     def group(keep_short: bool, desc: str, **map_kwargs: Any) -> Any:
         return tokenized_datasets.map(_group_texts, batched=True, load_from_cache_file=not in_memory,
                                       keep_in_memory=in_memory, desc=desc,
-                                      fn_kwargs={"block_size": block_size, "keep_short": keep_short}, **map_kwargs)
+                                      fn_kwargs={"block_size": block_size, "keep_short": keep_short},
+                                      **where("blocks_whole.arrow" if keep_short else "blocks.arrow"), **map_kwargs)
 
     lm_datasets = group(False, f"Grouping texts in chunks of {block_size}", num_proc=num_proc)
     if len(lm_datasets["train"]) == 0:

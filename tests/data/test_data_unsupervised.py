@@ -66,7 +66,16 @@ def test_save_to_disk_and_builtin(tmp_path):
     before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "disk").rglob("*"))
     ds = get_unsupervised_data(ptx_args(tmp_path / "disk"), tok)
     assert ds["input_ids"] == expected_blocks(tok, texts, 5)
-    # The maps wrote no cache file into the user's folder (they would fail in a read-only one).
+    # With --data_output_path the maps' results are memory-mapped files of dschat's cache folder (0700);
+    # none are written into the user's folder (they would fail in a read-only one).
+    args = ptx_args(tmp_path / "disk")
+    args.data_output_path = str(tmp_path / "cache")
+    for _ in range(2):  # built, then read back
+        ds = get_unsupervised_data(args, tok)
+        assert ds["input_ids"] == expected_blocks(tok, texts, 5) and ds.cache_files
+    (folder,) = (tmp_path / "cache").glob("ptx_*")
+    assert (folder / "tokens.arrow").is_file() and oct(folder.stat().st_mode & 0o777) == "0o700"
+    assert all(str(folder) in f["filename"] for f in ds.cache_files)
     assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "disk").rglob("*")) == before
 
     from dschat.data import builtin
