@@ -176,7 +176,8 @@ class Redactor:
     a chunk that may begin one, :meth:`flush` gives what is held at the end."""
 
     def __init__(self, argv: Sequence[str]) -> None:
-        self.pairs = [(url.encode(), shown_url(url).encode()) for url in _url_values(argv) if shown_url(url) != url]
+        pairs = {url.encode(): shown_url(url).encode() for url in _url_values(argv) if shown_url(url) != url}
+        self.pairs = sorted(pairs.items(), key=lambda pair: -len(pair[0]))  # a secret that begins another: after it
         self.held = b""
 
     def feed(self, chunk: bytes) -> bytes:

@@ -227,6 +227,6 @@ def tokenize_selection(
             raise UserError(f"dataset {sel.raw.dataset_name!r}: every one of its {len(ds)} phase-2 train pairs has the "
                             f"same tokens chosen and rejected (duplicates, or cut equal at --max_seq_len {max_seq_len}), "
                             "so there is nothing to learn from it; give pairs whose answers differ within the first "
-                            "--max_seq_len tokens, or raise --max_seq_len")
+                            "--max_seq_len tokens, raise --max_seq_len, or drop it from --data_path")
         out.append(ds)
     return out[0], out[1]

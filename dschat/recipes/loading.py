@@ -36,14 +36,16 @@ def _is_repo_root(path: Path) -> bool:
 def _checked_root(label: str, path: Path) -> Path:
     # The checkout's configs/ and training/.../main.py decide what runs: it must be the user's (or
     # root's, for a system-wide install) and writable by nobody else.
-    reason = untrusted_reason(path, root_may_own=True)
+    reason, where = untrusted_reason(path, root_may_own=True), str(path)
     for part in ("configs", "training", "dschat"):  # the recipes, the step scripts, the package they import
         if not reason and (path / part).is_dir():
             reason = untrusted_reason(path / part, root_may_own=True) or untrusted_inside(path / part,
                                                                                            root_may_own=True)
+            where = f"-R {path / part}"
     if reason:
-        raise UserError(f"{label} {path} is not safe to run: {reason}; a checkout that others can change could run their code: "
-                        f"use your own clone, or chmod go-w {path}")
+        fix = "use your own clone" if "belongs to" in reason else f"use your own clone, or chmod go-w {where}"
+        raise UserError(f"{label} {path} is not safe to run: {reason}; a checkout that others can change could "
+                        f"run their code: {fix}")
     return path
 
 

@@ -255,8 +255,8 @@ def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> 
             fn.num_training_steps = total
     _apply_current(scheduler)
     if None in saved:
-        return (f"the checkpoint's LR schedule was laid over no number of optimizer steps (constant): this run's "
-                f"is laid over {total} ({done} done, {remaining_steps} to go)")
+        return (f"the checkpoint's LR schedule was laid over no number of optimizer steps (a constant one): this "
+                f"run's is laid over {total} ({done} done, {remaining_steps} to go)")
     was = ", ".join(str(n) for n in sorted(saved))
     return (f"the LR schedule was laid over {was} optimizer steps by the run that wrote the checkpoint and this "
             f"run plans {planned_steps}: it is laid over {total} now ({done} done, {remaining_steps} to go)")

@@ -251,12 +251,15 @@ def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> 
 
 
 def untrusted_inside(folder: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
-    """Why an entry below the trusted ``folder`` (every file and folder, recursively) must not be
-    trusted, naming it, or ``None``: each must be this user's (or root's, with ``root_may_own``) and
-    writable by nobody else; a symbolic link is judged as :func:`untrusted_reason` judges a path (its
-    target and every folder on its way). For a tree whose files run as code (a checkout)."""
+    """Why an entry below the trusted ``folder`` (every file and folder, recursively, through linked
+    folders, each reached once) must not be trusted, naming it, or ``None``: each must be this user's
+    (or root's, with ``root_may_own``) and writable by nobody else; a symbolic link is judged as
+    :func:`untrusted_reason` judges a path (its target and every folder on its way). An entry that
+    cannot be examined (a link loop, no permission) is a reason too. For a tree whose files run as
+    code (a checkout)."""
     me = os.geteuid()
-    for parent, dirs, files in os.walk(folder):
+    seen = {(st.st_dev, st.st_ino) for st in (os.stat(folder),)}
+    for parent, dirs, files in os.walk(folder, followlinks=True):
         for name in (*dirs, *files):
             entry = os.path.join(parent, name)
             try:
@@ -271,8 +274,20 @@ def untrusted_inside(folder: str | os.PathLike, *, root_may_own: bool = False) -
                         reason = who and f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
             except FileNotFoundError:  # removed meanwhile, or a dangling link: nothing to run
                 continue
+            except OSError as err:
+                reason = f"it cannot be examined ({err.strerror or err})"
             if reason:
                 return f"{entry}: {reason}"
+        kept = []
+        for name in dirs:  # a folder reached twice (two links, a link back up) is walked once
+            try:
+                info = os.stat(os.path.join(parent, name))
+            except OSError:  # gone meanwhile: nothing to walk
+                continue
+            if (info.st_dev, info.st_ino) not in seen:
+                seen.add((info.st_dev, info.st_ino))
+                kept.append(name)
+        dirs[:] = kept
     return None
 
 

@@ -210,6 +210,10 @@ def test_the_redactor_hides_a_secret_split_across_any_two_chunks():
         redact = Redactor(["--reward_url", url])
         shown = redact.feed(text[:cut]) + redact.feed(text[cut:]) + redact.flush()
         assert shown == text.replace(url.encode(), b"https://h/r?***"), cut
+    # One secret that begins another: the longer one is hidden whole.
+    redact = Redactor(["--reward_url", "http://h/r?k=AB", "--reward_url", "http://h/r?k=ABCDEF"])
+    assert redact.feed(b"x http://h/r?k=ABCDEF y http://h/r?k=AB z") + redact.flush() == (
+        b"x http://h/r?*** y http://h/r?*** z")
 
 
 def test_recipe_env_is_a_default_not_an_override(fake_root, tmp_path, monkeypatch):

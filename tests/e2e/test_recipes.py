@@ -410,9 +410,18 @@ def test_a_checkout_whose_step_scripts_or_recipes_others_can_change_is_refused(t
     assert recipe_loading.find_repo_root(checkout) == checkout
     step.chmod(0o777)
     with pytest.raises(UserError, match=rf"--repo-root {checkout} is not safe to run: {step}: its group and others "
-                                        r"can write to it \(mode 0777\)"):
+                                        rf"can write to it \(mode 0777\).*chmod go-w -R {checkout / 'training'}$"):
         recipe_loading.find_repo_root(checkout)
     step.chmod(0o755)
+    # A step folder that is a link: what it leads to is checked too.
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(step, elsewhere / "step2_reward_model_finetuning")
+    (elsewhere / "step2_reward_model_finetuning" / "main.py").chmod(0o666)
+    (checkout / "training" / "step2_reward_model_finetuning").symlink_to(elsewhere / "step2_reward_model_finetuning")
+    with pytest.raises(UserError, match=r"step2_reward_model_finetuning/main.py: its group and others can write"):
+        recipe_loading.find_repo_root(checkout)
+    (elsewhere / "step2_reward_model_finetuning" / "main.py").chmod(0o644)
+    assert recipe_loading.find_repo_root(checkout) == checkout
     recipe = checkout / "configs" / "step1.yaml"
     recipe.chmod(0o646)
     with pytest.raises(UserError, match=rf"{recipe}: other users can write to it"):
@@ -420,7 +429,7 @@ def test_a_checkout_whose_step_scripts_or_recipes_others_can_change_is_refused(t
     recipe.chmod(0o644)
     if os.geteuid() == 0:  # a file another account owns, as it would have planted it
         os.chown(recipe, 65533, 65533)
-        with pytest.raises(UserError, match=rf"{recipe}: it belongs to uid 65533, not to you"):
+        with pytest.raises(UserError, match=rf"{recipe}: it belongs to uid 65533, not to you.*: use your own clone$"):
             recipe_loading.find_repo_root(checkout)
         os.chown(recipe, 0, 0)
     assert recipe_loading.find_repo_root(checkout) == checkout

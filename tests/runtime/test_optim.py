@@ -315,7 +315,7 @@ def test_a_changed_schedule_on_resume_names_each_side_as_it_is():
                     "it resumes at; the checkpoint's were lr 0.1, constant")
     # The constant schedule had no length: the linear one is laid over the steps done and to go.
     assert relay_schedule(ours, 10, 6) == ("the checkpoint's LR schedule was laid over no number of optimizer steps "
-                                           "(constant): this run's is laid over 10 (4 done, 6 to go)")
+                                           "(a constant one): this run's is laid over 10 (4 done, 6 to go)")
     assert ours.get_last_lr() == [pytest.approx(0.2 * (10 - 4) / (10 - 2))]
     assert opt.param_groups[0]["lr"] == ours.get_last_lr()[0]
     assert follow_flags(FlagSchedule.of(ours), ours) is None
