@@ -291,3 +291,44 @@ def test_a_resume_from_other_starting_weights_is_refused_a_copy_is_not(data_dir,
         "--output_dir")
     moved = _model_copy(src, tmp_path / "moved")
     assert main(argv(moved, "--resume")).optimizer_steps == 1
+
+
+def test_a_resume_past_this_runs_end_is_refused_and_keeps_the_final_model(data_dir, tmp_path, capsys):
+    """A run of 4 steps resumed with --max_train_steps 2 (a roll-back meant): it would train nothing and
+    save the 4-step model as the 2-step one; refused in one line, the final model left as it was. At
+    the end exactly (4 again: a run killed in its final save) only the final save is left."""
+    main = load_script("step1").main
+    out = tmp_path / "o"
+
+    def argv(steps: int, *more: str) -> list[str]:
+        return base_argv("tiny-llama", data_dir, "--save_interval", "2", "--output_dir", str(out), *more,
+                         max_train_steps=steps, batch_size=2)
+
+    main(argv(4))
+    final = (out / "model.safetensors").read_bytes()
+    with pytest.raises(UserError, match=r"^the checkpoint resumed from has 4 optimizer steps done, past "
+                                        r"--max_train_steps 2: .*--resume_from an earlier"):
+        main(argv(2, "--resume"))
+    assert (out / "model.safetensors").read_bytes() == final
+    assert main(argv(4, "--resume")).train_losses == []
+
+
+@pytest.mark.parametrize("epoch, batches, epochs, refused", [
+    (2, 0, 2, False),  # a 2-epoch run's end: only the final save left
+    (1, 10, 2, False),
+    (2, 0, 1, True),  # 2 epochs done, resumed with --num_train_epochs 1
+    (1, 5, 1, True),
+    (0, 5, 1, False),
+])
+def test_epochs_past_the_end(epoch, batches, epochs, refused):
+    from types import SimpleNamespace
+
+    from dschat.training.loop import refuse_past_the_end
+
+    checkpointer = SimpleNamespace(first_epoch=lambda: epoch, batches_done=lambda e: batches if e == epoch else 0)
+    args = Namespace(max_train_steps=0, num_train_epochs=epochs)
+    if refused:
+        with pytest.raises(UserError, match=rf"epochs done, past --num_train_epochs {epochs}"):
+            refuse_past_the_end(args, 99, checkpointer, 10)
+    else:
+        refuse_past_the_end(args, 99, checkpointer, 10)
