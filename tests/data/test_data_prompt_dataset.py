@@ -394,6 +394,28 @@ def test_cache_invalidation(tmp_path, monkeypatch):
     assert counter.calls == 6 and new.cache_key != base.cache_key
 
 
+def test_the_cache_key_follows_seed_split_phase_sft_data_eot_and_padding_side(tmp_path):
+    """Every input that changes the rows changes the key: a rerun with another --seed, --data_split,
+    --sft_only_data_path, phase, a phase-2 --end_of_conversation_token or tokenizer sides must not
+    read another run's cache."""
+    from dschat.data.cache import cache_key, key_fields
+    from dschat.data.dispatch import resolve_dataset
+
+    tok = make_tokenizer()
+    data = [resolve_dataset(str(write_jsonl(tmp_path / "p.jsonl", pref_rows(30))))]
+    sft = [resolve_dataset(str(write_jsonl(tmp_path / "s.jsonl", pref_rows(30, tag="s"))))]
+
+    def key(sft_sources=(), split=(2, 4, 4), phase=2, seed=1234, tokenizer=tok, eot=EOT):
+        return cache_key(key_fields(data, list(sft_sources), split, phase, seed, tokenizer, 32, eot))
+
+    left = make_tokenizer()
+    left.padding_side = "left"
+    keys = [key(), key(seed=1235), key(split=(3, 4, 3)), key(phase=1), key(phase=1, sft_sources=sft),
+            key(eot="</s>"), key(tokenizer=left)]
+    assert len(set(keys)) == len(keys)
+    assert key(phase=3) == key(phase=3, eot="</s>")  # prompts only: the eot token is not in them
+
+
 def test_cache_key_ignores_the_path_the_tokenizer_was_loaded_from(tmp_path, monkeypatch):
     """One tokenizer folder named three ways (relative, absolute, absolute with a trailing slash) is
     one cache: built once, hit twice."""

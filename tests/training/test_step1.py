@@ -64,9 +64,16 @@ def test_sft_trains_saves_and_reloads(step1, data_dir, tmp_path, case):
         assert not (out / "lora_adapter").exists()
 
 
-def test_sft_log_lines_tensorboard_and_epochs(step1, data_dir, tmp_path, capsys):
+def test_sft_log_lines_tensorboard_and_epochs(step1, data_dir, tmp_path, capsys, monkeypatch):
     """Upstream's log lines; a global TensorBoard step that keeps counting across epochs;
-    gradient checkpointing, fp32 loss, gradient accumulation and --print_loss on the way."""
+    gradient checkpointing, fp32 loss, gradient accumulation and --print_loss on the way. Each epoch
+    gets its own data order (the sampler's epoch is set: upstream never set it)."""
+    from dschat.training import loop
+
+    epochs_set: list[int] = []
+    real_set_epoch = loop.set_epoch_if_distributed
+    monkeypatch.setattr(loop, "set_epoch_if_distributed",
+                        lambda loader, epoch: (epochs_set.append(epoch), real_set_epoch(loader, epoch))[1])
     tb = tmp_path / "tb"
     # 600 phase-1 rows / batch 64 = 10 micro-batches per epoch; GA 2 -> 5 optimizer steps per epoch.
     argv = base_argv("tiny-llama", data_dir, "--num_train_epochs", "2", "--gradient_accumulation_steps", "2",
@@ -87,6 +94,7 @@ def test_sft_log_lines_tensorboard_and_epochs(step1, data_dir, tmp_path, capsys)
     assert "Batch Size: 64, Sequence Length: 64" in out
     assert [e["epoch"] for e in result.evals] == [0, 1, 2]
     assert result.evals[-1]["loss"] < result.evals[0]["loss"]
+    assert epochs_set == [0, 1]
 
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
