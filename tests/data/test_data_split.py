@@ -87,3 +87,21 @@ def test_parse_data_split_accepts_floats_and_spaces():
     assert parse_data_split("2, 4, 4") == [2.0, 4.0, 4.0]
     assert parse_data_split("0.5,0.25,0.25") == [0.5, 0.25, 0.25]
     assert parse_data_split("9,1", parts=None) == [9.0, 1.0]
+
+
+def test_a_phases_rows_follow_the_seed(tmp_path):
+    """select_phase_rows takes chunk phase-1 of the split's shuffle by --seed: another seed, other rows."""
+    from dschat.data.dispatch import get_raw_dataset
+    from dschat.data.phases import select_phase_rows
+
+    from helpers.data import pref_rows, write_jsonl
+
+    raw = get_raw_dataset(str(write_jsonl(tmp_path / "p.jsonl", pref_rows(60))), str(tmp_path), 1234, -1)
+    rows = {}
+    for seed in (1234, 7):
+        sel = select_phase_rows(raw, "2,4,4", 1, seed, str(tmp_path), -1)
+        expected = get_raw_dataset_split_index(-1, str(tmp_path), raw.dataset_name_clean, seed, "train", "2,4,4", 0,
+                                               len(raw.get_train_data()))
+        rows[seed] = [r["prompt"] for r in sel.train]
+        assert rows[seed] == [raw.get_train_data()[int(i)]["prompt"] for i in expected]
+    assert rows[1234] != rows[7]
