@@ -284,12 +284,27 @@ def test_empty_phase_is_a_user_error_and_writes_nothing(tmp_path):
     assert files_in(out) == []
 
 
-def test_empty_eval_overall_is_an_error(tmp_path):
-    # 20 rows -> 9:1 -> 2 eval rows; "2,4,4" gives phase 1 none of them, and no other dataset has any.
+@pytest.mark.parametrize("phase, split", [(1, "2,4,4"), (2, "4,2,4")])
+def test_empty_eval_overall_is_an_error(tmp_path, phase, split):
+    # 20 rows -> 9:1 -> 2 eval rows; the split gives the phase none of them, and no other dataset has any.
     path = write_jsonl(tmp_path / "p.jsonl", pref_rows(20))
-    with pytest.raises(UserError, match="phase 1 eval split is empty"):
-        create_prompt_dataset(-1, [str(path)], "2,4,4", str(tmp_path / "c"), 1, 1234, make_tokenizer(), 32)
+    with pytest.raises(UserError, match=f"phase {phase} eval split is empty"):
+        create_prompt_dataset(-1, [str(path)], split, str(tmp_path / "c"), phase, 1234, make_tokenizer(), 32)
     assert files_in(tmp_path / "c") == []
+
+
+def test_a_blended_eval_set_is_shuffled_as_upstream(tmp_path):
+    """Two datasets' eval rows are concatenated, then shuffled by the seed (as the train rows): a step-2
+    evaluation capped by --eval_iters sees both, not the first dataset's rows only."""
+    tok = make_tokenizer()
+    paths = [write_jsonl(tmp_path / f"{t}.jsonl", pref_rows(100, tag=t)) for t in "ab"]
+    out = str(tmp_path / "cache")
+    evals = [create_dataset(-1, str(p), "10,0,0", out, 1, 1234, tok, EOT, 32)[1] for p in paths]
+    _, held_out = create_prompt_dataset(-1, [str(p) for p in paths], "10,0,0", out, 1, 1234, tok, 32, EOT)
+    concat = ids_of(evals[0]) + ids_of(evals[1])
+    order = get_shuffle_idx(1234, len(concat))
+    assert list(order) != list(range(len(concat)))
+    assert ids_of(held_out) == [concat[i] for i in order]
 
 
 def test_phase2_needs_rejected(tmp_path):
