@@ -33,8 +33,10 @@ def tok():
 
 def guessing_data(folder: Path) -> Path:
     """Ten rows of one guessing-game prompt with their own secrets (two more in eval), a prompt asked
-    twice with the same fields, and ten ordinary prompts."""
-    rows = ([{"prompt": GUESS, "chosen": "5", "secret": i} for i in range(10)]
+    twice with the same fields, and ten ordinary prompts; first, a row without a prompt (skipped: every
+    later row's source must still be its own position)."""
+    rows = ([{"prompt": None, "chosen": "x", "secret": -1}]
+            + [{"prompt": GUESS, "chosen": "5", "secret": i} for i in range(10)]
             + [{"prompt": "Say hi.", "chosen": "hi", "secret": 0}] * 2
             + [{"prompt": f"Q{i}?", "chosen": f"A{i}.", "secret": i} for i in range(10)])
     write_jsonl(folder / "train.jsonl", rows)
