@@ -694,3 +694,12 @@ def test_local_jsonfile_and_parquet_through_the_cache(tmp_path, monkeypatch):
     pq.write_table(pa.Table.from_pylist(pref_rows(40)), tmp_path / "p.parquet")
     train, held_out = create_prompt_dataset(-1, [str(tmp_path / "p.parquet")], "2,4,4", out, 2, 1234, tok, 48)
     assert isinstance(train[0], PairItem) and len(train) == 14 and len(held_out) == 2
+
+
+def test_blending_and_shuffling_keep_the_filtered_counts():
+    """The prompts each dataset left out (too long) add up over a blend and survive its shuffle: what
+    the prepare tool and the cache's meta report."""
+    rows = token_dataset.TokenRows.from_lists([[5, 6], [7]], [[1, 1], [1]])
+    parts = [token_dataset.PromptDataset(rows, None, None, 0, 3, filtered=n) for n in (1, 2)]
+    blended = token_dataset.PromptDataset.concat(parts)
+    assert blended.filtered == 3 and blended.take([3, 0]).filtered == 3
