@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from dschat.errors import UserError, cannot_read, first_line
+from dschat.runtime.trust import walk_through_links
 
 #: Suffixes of preference-data files (prompt / chosen / rejected columns).
 DATA_SUFFIXES: tuple[str, ...] = (".json", ".jsonl", ".parquet")
@@ -366,13 +367,8 @@ def files_under(folder: Path) -> list[Path]:
         if isinstance(err, PermissionError) and os.path.samefile(err.filename or folder, folder):
             raise cannot_read(folder, err) from None
 
-    out, seen = [], set()
-    for root, dirs, files in os.walk(folder, onerror=refuse, followlinks=True):
-        st = os.stat(root)
-        if (st.st_dev, st.st_ino) in seen:
-            dirs[:] = []
-            continue
-        seen.add((st.st_dev, st.st_ino))
+    out = []
+    for root, dirs, files in walk_through_links(folder, onerror=refuse):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         out.extend(Path(root) / f for f in sorted(files) if not f.startswith("."))
     return sorted(out)

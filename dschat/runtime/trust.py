@@ -28,7 +28,7 @@ import stat
 import struct
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Iterator, Sequence
 from urllib.parse import urlsplit, urlunsplit
 
 from dschat.errors import UserError
@@ -40,6 +40,7 @@ __all__ = [
     "untrusted_reason",
     "untrusted_ancestor",
     "untrusted_inside",
+    "walk_through_links",
     "is_trusted",
     "check_trusted",
     "make_private_dir",
@@ -240,54 +241,56 @@ def untrusted_reason(path: str | os.PathLike, *, root_may_own: bool = False) -> 
     account planted. A symlink is judged by its target (``os.stat`` follows it), which is what a
     reader opens, and by the folders it sits in (:func:`untrusted_ancestor`). Raises ``FileNotFoundError`` when ``path`` does not exist.
     """
-    info = os.stat(path)
+    return _owner_reason(os.stat(path), path, root_may_own) or untrusted_ancestor(path)
+
+
+def _owner_reason(info: os.stat_result, path: str | os.PathLike, root_may_own: bool) -> str | None:
+    """Why ``path`` (``info``: its status) is not this user's own (or root's, with ``root_may_own``)
+    or another can write to it, or ``None``; the folders above it are not looked at."""
     me = os.geteuid()
     if info.st_uid != me and not (root_may_own and info.st_uid == 0):
         return f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
     who = _writers(info, me, path)
-    if who is not None:
-        return f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
-    return untrusted_ancestor(path)
+    return None if who is None else f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
+
+
+def walk_through_links(folder: str | os.PathLike, onerror: Callable[[OSError], None] | None = None
+                       ) -> Iterator[tuple[str, list[str], list[str]]]:
+    """``os.walk(folder)`` through linked folders, as a reader that opens paths below ``folder`` sees
+    them, each folder once (one reached again, by a second link or a link cycle, is not walked)."""
+    seen: set[tuple[int, int]] = set()
+    for root, dirs, files in os.walk(folder, onerror=onerror, followlinks=True):
+        try:
+            info = os.stat(root)
+        except OSError:  # gone meanwhile: nothing to walk
+            dirs[:] = []
+            continue
+        if (info.st_dev, info.st_ino) in seen:
+            dirs[:] = []
+            continue
+        seen.add((info.st_dev, info.st_ino))
+        yield root, dirs, files
 
 
 def untrusted_inside(folder: str | os.PathLike, *, root_may_own: bool = False) -> str | None:
     """Why an entry below the trusted ``folder`` (every file and folder, recursively, through linked
-    folders, each reached once) must not be trusted, naming it, or ``None``: each must be this user's
-    (or root's, with ``root_may_own``) and writable by nobody else; a symbolic link is judged as
-    :func:`untrusted_reason` judges a path (its target and every folder on its way). An entry that
-    cannot be examined (a link loop, no permission) is a reason too. For a tree whose files run as
-    code (a checkout)."""
-    me = os.geteuid()
-    seen = {(st.st_dev, st.st_ino) for st in (os.stat(folder),)}
-    for parent, dirs, files in os.walk(folder, followlinks=True):
+    folders: :func:`walk_through_links`) must not be trusted, naming it, or ``None``: each must be this
+    user's (or root's, with ``root_may_own``) and writable by nobody else (:func:`_owner_reason`); a
+    symbolic link is judged as :func:`untrusted_reason` judges a path (its target and every folder on
+    its way). An entry that cannot be examined (a link loop, no permission) is a reason too. For a
+    tree whose files run as code (a checkout)."""
+    for parent, dirs, files in walk_through_links(folder):
         for name in (*dirs, *files):
             entry = os.path.join(parent, name)
             try:
-                if os.path.islink(entry):
-                    reason = untrusted_reason(entry, root_may_own=root_may_own)
-                else:
-                    info = os.lstat(entry)
-                    if info.st_uid != me and not (root_may_own and info.st_uid == 0):
-                        reason = f"it belongs to {_user_name(info.st_uid)}, not to you (uid {me})"
-                    else:
-                        who = _writers(info, me, entry)
-                        reason = who and f"{who} can write to it (mode {stat.S_IMODE(info.st_mode):04o})"
+                reason = (untrusted_reason(entry, root_may_own=root_may_own) if os.path.islink(entry)
+                          else _owner_reason(os.lstat(entry), entry, root_may_own))
             except FileNotFoundError:  # removed meanwhile, or a dangling link: nothing to run
                 continue
             except OSError as err:
                 reason = f"it cannot be examined ({err.strerror or err})"
             if reason:
                 return f"{entry}: {reason}"
-        kept = []
-        for name in dirs:  # a folder reached twice (two links, a link back up) is walked once
-            try:
-                info = os.stat(os.path.join(parent, name))
-            except OSError:  # gone meanwhile: nothing to walk
-                continue
-            if (info.st_dev, info.st_ino) not in seen:
-                seen.add((info.st_dev, info.st_ino))
-                kept.append(name)
-        dirs[:] = kept
     return None
 
 
