@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dschat.runtime.zero3 import is_available, is_partitioned
-from dschat.training.weights_file import FP32_SHADOW
+from dschat.training.weights_file import FP32_SHADOW, current_shadow
 
 __all__ = ["EMA_BETA", "moving_average"]
 
@@ -52,8 +52,8 @@ def _lerp_(target: torch.Tensor, source: torch.Tensor, beta: float, holder: Any)
         if hasattr(holder, _SHADOW):
             delattr(holder, _SHADOW)  # a copy: the weights are exact, a shadow would be stale
         return
-    shadow = getattr(holder, _SHADOW, None)
-    if shadow is None or shadow.shape != target.shape or not torch.equal(shadow.to(target.dtype), target):
+    shadow = current_shadow(holder, target)
+    if shadow is None:
         shadow = target.float()  # first update, or the weights were changed outside this function
     shadow = torch.lerp(source32, shadow, beta)
     setattr(holder, _SHADOW, shadow)

@@ -22,19 +22,27 @@ from safetensors.torch import load_file, save_file
 from dschat.errors import UserError, first_line
 from dschat.runtime.zero3 import gathered_parameters, is_zero3_param, release_zero3_prefetch
 
-__all__ = ["FP32_SHADOW", "load_weights", "save_weights"]
+__all__ = ["FP32_SHADOW", "current_shadow", "load_weights", "save_weights"]
 
 #: The attribute of a half-precision parameter holding the fp32 copy that is averaged into.
 FP32_SHADOW = "_dschat_ema_fp32"
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _current_shadow(param: torch.Tensor) -> torch.Tensor | None:
-    """``param``'s fp32 copy when it is whole and current (rounded, it is ``param``), else None."""
-    shadow = getattr(param, FP32_SHADOW, None)
-    if shadow is None or is_zero3_param(param) or param.dtype not in _HALF or shadow.shape != param.shape:
+def current_shadow(holder: Any, target: torch.Tensor) -> torch.Tensor | None:
+    """The fp32 copy ``holder`` keeps of ``target`` when it is current (rounded, it is ``target``: the
+    weights were not changed since), else None."""
+    shadow = getattr(holder, FP32_SHADOW, None)
+    if shadow is None or shadow.shape != target.shape or not torch.equal(shadow.to(target.dtype), target):
         return None
-    return shadow if torch.equal(shadow.to(param.dtype), param.detach()) else None
+    return shadow
+
+
+def _current_shadow(param: torch.Tensor) -> torch.Tensor | None:
+    """``param``'s fp32 copy when it is whole (not a ZeRO-3 shard's) and current, else None."""
+    if is_zero3_param(param) or param.dtype not in _HALF:
+        return None
+    return current_shadow(param, param.detach())
 
 
 def save_weights(engine: Any, path: Path, rank: int) -> None:
