@@ -159,7 +159,6 @@ class LaunchPlan:
         return shlex.join(shown_argv(self.argv))
 
 
-
 def flag_value(argv: Sequence[str], name: str) -> str | None:
     """The value of the last ``--name value`` / ``--name=value`` in ``argv``."""
     value = None
@@ -376,21 +375,16 @@ def run(
         fd = proc.stdout.fileno()
         while True:
             try:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    chunk = redact.flush()
-                    sink(chunk)
-                    if tee:
-                        tee.write(chunk)
-                    tail += chunk
-                    break
-                chunk = redact.feed(chunk)
+                read = os.read(fd, 65536)
+                chunk = redact.feed(read) if read else redact.flush()  # at the end: what it held back
                 sink(chunk)
                 if tee:
                     tee.write(chunk)
                 tail += chunk
                 if len(tail) > tail_bytes:
                     del tail[: len(tail) - tail_bytes]
+                if not read:
+                    break
             except KeyboardInterrupt:
                 # The child got the same Ctrl-C (same process group) and shuts down; keep draining
                 # its last words. A second Ctrl-C terminates it, a third kills it.

@@ -147,26 +147,24 @@ def _launcher_alive(leftover: Path) -> bool:
     return True
 
 
-
-def _url_values(argv: Sequence[str]) -> list[str]:
-    """The values of :data:`URL_FLAGS` in ``argv`` (``--flag value`` and ``--flag=value``)."""
-    values = []
-    for before, arg in zip(("", *argv), argv):
+def _url_args(argv: Sequence[str]) -> dict[int, tuple[str, str]]:
+    """Where ``argv`` holds a :data:`URL_FLAGS` value: its index -> (what precedes the URL in that
+    argument, the URL): ``("", url)`` after ``--flag``, ``("--flag=", url)`` in ``--flag=url``."""
+    found = {}
+    for at, (before, arg) in enumerate(zip(("", *argv), argv)):
         flag, eq, value = arg.partition("=")
         if before in URL_FLAGS:
-            values.append(arg)
+            found[at] = ("", arg)
         elif eq and flag in URL_FLAGS:
-            values.append(value)
-    return values
+            found[at] = (flag + eq, value)
+    return found
 
 
 def shown_argv(argv: Sequence[str]) -> list[str]:
     """``argv`` with each :data:`URL_FLAGS` value as :func:`~dschat.runtime.trust.shown_url` shows it."""
-    shown = []
-    for before, arg in zip(("", *argv), argv):
-        flag, eq, value = arg.partition("=")
-        shown.append(shown_url(arg) if before in URL_FLAGS else f"{flag}={shown_url(value)}"
-                     if eq and flag in URL_FLAGS else arg)
+    shown = list(argv)
+    for at, (prefix, url) in _url_args(argv).items():
+        shown[at] = prefix + shown_url(url)
     return shown
 
 
@@ -176,7 +174,7 @@ class Redactor:
     a chunk that may begin one, :meth:`flush` gives what is held at the end."""
 
     def __init__(self, argv: Sequence[str]) -> None:
-        pairs = {url.encode(): shown_url(url).encode() for url in _url_values(argv) if shown_url(url) != url}
+        pairs = {url.encode(): shown_url(url).encode() for _, url in _url_args(argv).values() if shown_url(url) != url}
         self.pairs = sorted(pairs.items(), key=lambda pair: -len(pair[0]))  # a secret that begins another: after it
         self.held = b""
 
