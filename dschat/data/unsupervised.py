@@ -227,8 +227,9 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     # Where the maps keep their results: datasets' own cache for hub data (as upstream); for a local
     # save_to_disk folder a folder of dschat's cache (datasets would write into the user's data folder,
     # a traceback where they may not write); in memory for text already read into memory.
-    local = lf.expand(name).exists()
-    folder = _ptx_cache_folder(args, raw["train"], lf.expand(name), tokenizer, block_size) if local else None
+    source = lf.expand(name)
+    local = source.exists()
+    folder = _ptx_cache_folder(args, raw["train"], source, tokenizer, block_size) if local else None
     in_memory = local and folder is None
 
     def where(file: str) -> dict[str, Any]:

@@ -49,6 +49,7 @@ __all__ = [
     "follow_flags",
     "num_update_steps",
     "relay_schedule",
+    "resume_schedule",
     "schedule_settings",
 ]
 
@@ -201,8 +202,8 @@ def follow_flags(wanted: FlagSchedule, scheduler: Any) -> str | None:
     before the resume) differ from the checkpoint's, this run's apply from the step resumed at (a
     lower ``--learning_rate`` after a divergence); the number of steps the checkpoint's schedule was
     laid over stays for :func:`relay_schedule`, and a schedule that needs one where the checkpoint's had
-    none (constant, resumed as cosine) gets None, which :func:`relay_schedule` (called next) lays over the
-    steps done and to go. Returns a line naming both, or None (they agree)."""
+    none (constant, resumed as cosine) gets None, which :func:`relay_schedule` (called next, by
+    :func:`resume_schedule`) lays over the steps done and to go. Returns a line naming both, or None (they agree)."""
     kept = schedule_settings(scheduler)
     asked = [(lr, (m or {}).get("kind"), _warmup((m or {}).get("kind"), m or {}))
              for lr, m in zip(wanted.base_lrs, wanted.multipliers)]
@@ -260,6 +261,14 @@ def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> 
     was = ", ".join(str(n) for n in sorted(saved))
     return (f"the LR schedule was laid over {was} optimizer steps by the run that wrote the checkpoint and this "
             f"run plans {planned_steps}: it is laid over {total} now ({done} done, {remaining_steps} to go)")
+
+
+def resume_schedule(wanted: FlagSchedule, scheduler: Any, planned_steps: int, remaining_steps: int) -> list[str]:
+    """After a resume: this run's flags over the checkpoint's schedule (:func:`follow_flags`), then the
+    schedule laid over the steps this run takes where its plan changed (:func:`relay_schedule`; the
+    first may leave a length for the second to lay). Returns their lines (none: nothing changed)."""
+    lines = (follow_flags(wanted, scheduler), relay_schedule(scheduler, planned_steps, remaining_steps))
+    return [line for line in lines if line is not None]
 
 
 # The LR multipliers of transformers.optimization, term for term (the same float arithmetic).

@@ -22,7 +22,7 @@ from dschat.data.collators import set_epoch_if_distributed
 from dschat.errors import UserError
 from dschat.models.save import save_hf_model
 from dschat.runtime.dist import get_all_reduce_mean, print_rank_0
-from dschat.runtime.optim import FlagSchedule, follow_flags, num_update_steps, relay_schedule
+from dschat.runtime.optim import FlagSchedule, num_update_steps, resume_schedule
 from dschat.runtime.perf import print_throughput as throughput_line
 from dschat.runtime.zero3 import release_zero3_prefetch
 from dschat.training.checkpoint import Checkpointer, TrainingPosition
@@ -106,11 +106,9 @@ def train_epochs(
     if resumed is not None:  # TensorBoard hides what a killed attempt logged after the checkpoint's step
         refuse_past_the_end(args, counter.optimizer_steps, checkpointer, len(train_loader))
         tb.resume_at(counter.optimizer_steps + 1)
-        for line in (follow_flags(wanted, engine.lr_scheduler),
-                     relay_schedule(engine.lr_scheduler, *steps_planned_and_left(args, len(train_loader), checkpointer,
-                                                                                 counter.optimizer_steps))):
-            if line is not None:
-                print_rank_0(f"[checkpoint] {line}", ctx.rank)
+        for line in resume_schedule(wanted, engine.lr_scheduler, *steps_planned_and_left(
+                args, len(train_loader), checkpointer, counter.optimizer_steps)):
+            print_rank_0(f"[checkpoint] {line}", ctx.rank)
     guard = NonFiniteGuard(args.max_nonfinite_steps, ctx.rank, ctx.device, last_checkpoint=checkpointer.latest)
     print_rank_0("***** Running training *****", ctx.rank)
     if resumed is None:

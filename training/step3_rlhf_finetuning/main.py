@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
     from dschat.runtime.ds_config import resolve_dtype
-    from dschat.runtime.optim import FlagSchedule, follow_flags, relay_schedule
+    from dschat.runtime.optim import FlagSchedule, resume_schedule
     from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
     from dschat.training.progress import Trackers
     from dschat.training.run_setup import quiet_transformers, set_unsaved_models_aside, setup_run
@@ -334,9 +334,8 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
                            args.num_train_epochs, epoch=epoch, batches_done=checkpointer.batches_done(epoch))
         for name, flag_schedule in wanted.items():
             scheduler = trainable[name].lr_scheduler
-            for line in (follow_flags(flag_schedule, scheduler), relay_schedule(scheduler, num_total_iters, left)):
-                if line is not None:
-                    print_rank_0(f"[checkpoint] {name}: {line}", ctx.rank)
+            for line in resume_schedule(flag_schedule, scheduler, num_total_iters, left):
+                print_rank_0(f"[checkpoint] {name}: {line}", ctx.rank)
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
     if args.output_dir is not None and ctx.rank == 0:  # a fresh run sets an earlier run's file aside
         resume_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step,
