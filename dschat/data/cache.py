@@ -40,7 +40,8 @@ from safetensors import SafetensorError
 from dschat.data.dispatch import DatasetSource
 from dschat.data.local_files import expand
 from dschat.data.token_dataset import PromptDataset, TokenRows
-from dschat.runtime.fs import atomic_files, pending_files, recover_files
+from dschat.errors import UserError
+from dschat.runtime.fs import atomic_files, missing_ancestors, pending_files, recover_files
 from dschat.runtime.file_lock import trusted_lock
 from dschat.runtime.trust import check_trusted, make_trusted_dir
 
@@ -221,6 +222,30 @@ def load_cache(files: CacheFiles, key: str) -> tuple[PromptDataset, PromptDatase
         print(f"Warning: ignoring unreadable data cache {files.meta.parent} ({type(err).__name__}: {err}); rebuilding")
         return None
     return out[0], out[1]
+
+
+@contextlib.contextmanager
+def building(files: CacheFiles) -> Iterator[None]:
+    """Create the cache's folder (:func:`private_folder`) and hold its lock (:func:`locked`) for a build.
+
+    Bad data the build refuses (a :class:`~dschat.errors.UserError`: every pair the same tokens, a row
+    of the wrong shape) leaves nothing behind: the lock file is removed, and so are the folders this
+    call created, when nothing else was put in them meanwhile (another run's lock, say)."""
+    created = missing_ancestors(files.lock.parent)  # innermost first
+    private_folder(files.lock.parent)
+    try:
+        with locked(files.lock):
+            yield
+    except UserError:
+        if created:
+            with contextlib.suppress(FileNotFoundError):
+                files.lock.unlink()
+            for folder in created:
+                try:
+                    folder.rmdir()
+                except OSError:  # not empty: someone else's files
+                    break
+        raise
 
 
 @contextlib.contextmanager

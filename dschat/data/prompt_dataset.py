@@ -16,13 +16,12 @@ from typing import Any, Sequence
 import torch
 
 from dschat.data.cache import (
+    building,
     cache_files,
     cache_key,
     check_data_output_path,
     key_fields,
     load_cache,
-    locked,
-    private_folder,
     write_cache,
 )
 from dschat.data.dispatch import resolve_dataset
@@ -163,8 +162,7 @@ def create_prompt_dataset(
         result, failure = None, None
         if local_rank <= 0:
             try:
-                private_folder(output_path)
-                with locked(files.lock):
+                with building(files):
                     result = build(plan)
             except Exception as err:  # re-raised below, on every rank
                 if not _distributed():
@@ -180,8 +178,7 @@ def create_prompt_dataset(
         return keyed(cached)
     # Validate and load the raw data before creating anything on disk: bad input leaves no files.
     plan = plan_phase_data(data_path, sft_paths, data_split, train_phase, seed, output_path, local_rank)
-    private_folder(output_path)
-    with locked(files.lock):
+    with building(files):
         cached = load_cache(files, key)  # another process may have built it while we waited
         if cached is not None:
             return keyed(cached)

@@ -1,6 +1,7 @@
 """Per-phase tokenisation (vs upstream's per-sample calls), blending, and the on-disk cache."""
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -194,6 +195,37 @@ def test_a_dataset_whose_every_train_pair_is_the_same_tokens_is_refused(tmp_path
     train, _ = create_dataset(-1, str(tmp_path / "same.jsonl"), "1,1,1", str(tmp_path / "c"), 2, 1, make_tokenizer(),
                               EOT, 64)  # long enough to tell them apart
     assert len(train) > 0
+
+
+@pytest.mark.parametrize("reload", [False, True])
+def test_a_build_refused_midway_removes_only_the_folders_it_made(tmp_path, reload):
+    """The refusal comes once the lock is held (tokenisation): the folders the call created go again,
+    with its lock file, unless something else was put there meanwhile; a folder the user had stays."""
+    rows = [{"prompt": f" Human: q{i}? Assistant:", "chosen": " yes", "rejected": " yes"} for i in range(20)]
+    write_jsonl(tmp_path / "same.jsonl", rows)
+
+    def refused(out):
+        with pytest.raises(UserError, match="every one of its"):
+            create_prompt_dataset(-1, [str(tmp_path / "same.jsonl")], "1,1,1", str(out), 2, 1, make_tokenizer(), 32,
+                                  EOT, reload=reload)
+
+    refused(tmp_path / "new" / "deeper")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "mine").mkdir()
+    refused(tmp_path / "mine" / "c")
+    assert (tmp_path / "mine").is_dir() and not (tmp_path / "mine" / "c").exists()
+    real_building = pd.building
+
+    @contextlib.contextmanager
+    def another_run_meanwhile(files):
+        with real_building(files):
+            (files.lock.parent / ".lock_another").touch()
+            yield
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pd, "building", another_run_meanwhile)
+        refused(tmp_path / "shared" / "c")
+    assert sorted(files_in(tmp_path / "shared" / "c")) == [".lock_another"]
 
 
 def test_phase2_one_token_pairs_are_dropped():
