@@ -539,6 +539,27 @@ class Checkpointer:
                                    resumed_from=self.resumed, meta={"models": self.models()})
 
 
+def refuse_past_the_end(checkpointer: Checkpointer, num_batches: int, num_train_epochs: int,
+                        counted: tuple[int, int, str] = (0, 0, "")) -> None:
+    """One :class:`UserError` line when the checkpoint ``checkpointer`` resumed from is past this run's end:
+    more epochs done (its epoch plus its batches of ``num_batches``) than ``num_train_epochs``, or a count
+    ``counted`` = (done, limit, what) past its limit when that is set (> 0), e.g. optimizer steps past
+    ``--max_train_steps``: resuming would train nothing and save that longer-trained model as this run's.
+    At the end exactly (a run killed in its final save) is fine: only the final save is left."""
+    done, limit, what = counted
+    epoch = checkpointer.first_epoch()
+    epochs = epoch + checkpointer.batches_done(epoch) / max(1, num_batches)
+    if limit > 0 and done > limit:
+        past = f"{done} {what} {limit}"
+    elif epochs > num_train_epochs:
+        past = f"{epochs:.3g} epochs done, past --num_train_epochs {num_train_epochs}"
+    else:
+        return
+    raise UserError(f"the checkpoint resumed from has {past}: this run would train nothing and save that "
+                    "longer-trained model as its own; --resume_from an earlier <output_dir>/checkpoints/step_<N>, "
+                    "or raise the limit")
+
+
 def check_checkpoint_args(args: Any) -> None:
     """Flag contradictions, before anything loads."""
     if getattr(args, "save_interval", 0) < 0:

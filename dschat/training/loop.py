@@ -19,13 +19,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from dschat.data.collators import set_epoch_if_distributed
-from dschat.errors import UserError
 from dschat.models.save import save_hf_model
 from dschat.runtime.dist import get_all_reduce_mean, print_rank_0
 from dschat.runtime.optim import FlagSchedule, num_update_steps, resume_schedule
 from dschat.runtime.perf import print_throughput as throughput_line
 from dschat.runtime.zero3 import release_zero3_prefetch
-from dschat.training.checkpoint import Checkpointer, TrainingPosition
+from dschat.training.checkpoint import Checkpointer, TrainingPosition, refuse_past_the_end
 from dschat.training.engine_setup import plan_optimizer_steps
 from dschat.training.loaders import prepare_batch
 from dschat.training.progress import (
@@ -54,24 +53,6 @@ def steps_planned_and_left(args: argparse.Namespace, num_batches: int, checkpoin
         left = min(left, max(0, args.max_train_steps - done))
     planned = plan_optimizer_steps(num_batches, args.num_train_epochs, accumulation, args.max_train_steps)
     return planned, left
-
-
-def refuse_past_the_end(args: argparse.Namespace, done: int, checkpointer: Checkpointer, num_batches: int) -> None:
-    """One :class:`UserError` line when the checkpoint resumed from (``done`` optimizer steps) is past
-    this run's end (a lower ``--max_train_steps`` or ``--num_train_epochs`` than it was trained with):
-    resuming would train nothing and save its longer-trained model as this run's. At the end exactly
-    (a run killed in its final save) is fine: only the final save is left."""
-    epoch = checkpointer.first_epoch()
-    epochs = epoch + checkpointer.batches_done(epoch) / max(1, num_batches)
-    if args.max_train_steps > 0 and done > args.max_train_steps:
-        what = f"{done} optimizer steps done, past --max_train_steps {args.max_train_steps}"
-    elif epochs > args.num_train_epochs:
-        what = f"{epochs:.3g} epochs done, past --num_train_epochs {args.num_train_epochs}"
-    else:
-        return
-    raise UserError(f"the checkpoint resumed from has {what}: this run would train nothing and save that "
-                    "longer-trained model as its own; --resume_from an earlier <output_dir>/checkpoints/step_<N>, "
-                    "or raise the limit")
 
 
 def train_epochs(
@@ -104,7 +85,8 @@ def train_epochs(
     wanted = FlagSchedule.of(engine.lr_scheduler)  # this run's flags, before a checkpoint's schedule loads
     resumed = checkpointer.resume(counter)
     if resumed is not None:  # TensorBoard hides what a killed attempt logged after the checkpoint's step
-        refuse_past_the_end(args, counter.optimizer_steps, checkpointer, len(train_loader))
+        refuse_past_the_end(checkpointer, len(train_loader), args.num_train_epochs,
+                            (counter.optimizer_steps, args.max_train_steps, "optimizer steps done, past --max_train_steps"))
         tb.resume_at(counter.optimizer_steps + 1)
         for line in resume_schedule(wanted, engine.lr_scheduler, *steps_planned_and_left(
                 args, len(train_loader), checkpointer, counter.optimizer_steps)):

@@ -236,3 +236,25 @@ def test_a_resume_on_another_plan_lays_both_lr_schedules_over_the_steps_this_run
         assert found, printed
         saved, planned, total, left = map(int, found.groups())
         assert total == 1 + left == 1 + math.ceil((saved - 1) / 2) and planned == math.ceil(saved / 2)
+
+
+def test_a_resume_past_this_runs_end_is_refused_and_keeps_the_final_models(tmp_path, critic_dirs, data_cache):
+    """A run of 2 generation batches resumed with --test_stop_step 1 (a roll-back meant) would train nothing
+    and save its 2-batch models as the 1-batch run's: one line, the final models left as they were. At the
+    end exactly (2 again: a run killed in its final save) only the final save is left."""
+    from dschat.errors import UserError
+
+    main = step3_main().main
+    out = tmp_path / "o"
+
+    def argv(steps, *more):
+        return base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--save_interval", "1", "--output_dir",
+                         str(out), *more, steps=steps)
+
+    main(argv(2))
+    final = {name: (out / name / "model.safetensors").read_bytes() for name in ("actor", "critic")}
+    with pytest.raises(UserError, match=r"^the checkpoint resumed from has 2 generation batches done, past "
+                                        r"--test_stop_step 1: .*--resume_from an earlier"):
+        main(argv(1, "--resume"))
+    assert {name: (out / name / "model.safetensors").read_bytes() for name in final} == final
+    assert main(argv(2, "--resume")).history == []

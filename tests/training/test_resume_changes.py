@@ -323,12 +323,11 @@ def test_a_resume_past_this_runs_end_is_refused_and_keeps_the_final_model(data_d
 def test_epochs_past_the_end(epoch, batches, epochs, refused):
     from types import SimpleNamespace
 
-    from dschat.training.loop import refuse_past_the_end
+    from dschat.training.checkpoint import refuse_past_the_end
 
     checkpointer = SimpleNamespace(first_epoch=lambda: epoch, batches_done=lambda e: batches if e == epoch else 0)
-    args = Namespace(max_train_steps=0, num_train_epochs=epochs)
     if refused:
         with pytest.raises(UserError, match=rf"epochs done, past --num_train_epochs {epochs}"):
-            refuse_past_the_end(args, 99, checkpointer, 10)
+            refuse_past_the_end(checkpointer, 10, epochs, (99, 0, "steps"))
     else:
-        refuse_past_the_end(args, 99, checkpointer, 10)
+        refuse_past_the_end(checkpointer, 10, epochs, (99, 0, "steps"))

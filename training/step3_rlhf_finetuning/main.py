@@ -245,7 +245,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
     from dschat.runtime.ds_config import resolve_dtype
     from dschat.runtime.optim import FlagSchedule, resume_schedule
-    from dschat.training.checkpoint import Checkpointer, check_checkpoint_args
+    from dschat.training.checkpoint import Checkpointer, check_checkpoint_args, refuse_past_the_end
     from dschat.training.progress import Trackers
     from dschat.training.run_setup import quiet_transformers, set_unsaved_models_aside, setup_run
     from dschat.training.step_data import load_tokenizer
@@ -328,7 +328,12 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     wanted = {name: FlagSchedule.of(engine.lr_scheduler) for name, engine in trainable.items() if engine is not None}
     resumed = checkpointer.resume()
+    counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
     if resumed is not None:  # the checkpoint's LR schedules go on, laid anew over another plan (batches, ranks, epochs)
+        batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
+        refuse_past_the_end(checkpointer, batches, args.num_train_epochs,
+                            (counters.non_overflow_step_count, args.test_stop_step if args.enable_test_mode else 0,
+                             "generation batches done, past --test_stop_step"))
         epoch = checkpointer.first_epoch()
         left = count_iters(plan, len(prompt_loader), None if unsup_loader is None else len(unsup_loader),
                            args.num_train_epochs, epoch=epoch, batches_done=checkpointer.batches_done(epoch))
@@ -336,7 +341,6 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
             scheduler = trainable[name].lr_scheduler
             for line in resume_schedule(flag_schedule, scheduler, num_total_iters, left):
                 print_rank_0(f"[checkpoint] {name}: {line}", ctx.rank)
-    counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
     if args.output_dir is not None and ctx.rank == 0:  # a fresh run sets an earlier run's file aside
         resume_metrics(Path(args.output_dir) / METRICS_FILE, counters.global_step,
                        checkpointer.resumed if resumed is not None else None)
