@@ -17,10 +17,9 @@ the environments of :mod:`dschat.envs`. Each turn:
 3. **observe**: an episode that goes on gets its observation appended
    (:func:`~dschat.envs.render_observation`: through the chat template as a user or tool message
    where the tokenizer has one, else as text). A turn ends at any of the generator's ``end_ids``
-   ("EOS" below). When the actor's turn ended with the tokenizer's EOS and the rendered observation
-   begins with that same token (the template's end of the assistant turn), the observation's copy
-   is left out, so the conversation is exactly what the template makes of it and
-   the EOS stays the actor's action.
+   ("EOS" below). When the rendered observation begins with the end id the actor's turn ended with
+   (the template's end of the assistant turn), the observation's copy is left out, so the
+   conversation is exactly what the template makes of it and the EOS stays the actor's action.
 
 An episode ends when its environment says done, after ``max_turns`` turns, or when it reaches
 ``max_answer_seq_len`` tokens after the prompt (actor and observation tokens together); the last two
@@ -126,16 +125,17 @@ class EpisodePlayer:
         self.max_turns = max_turns
         self.max_answer_seq_len = max_answer_seq_len
         self.max_context = max_context
-        self.eos = tokenizer.eos_token_id
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.reuse_kv = True  # continue the conversation's KV cache where the decoding path can
         # The texts the tokenizer reads as special tokens (not to be forged by an observation's content).
         self._specials = [token.content for token in getattr(tokenizer, "added_tokens_decoder", {}).values()
                           if token.special and token.content]
 
-    def observation_ids(self, observation: Any, actor_ended: bool) -> list[int]:
-        """The token ids appended for ``observation`` after an actor turn (``actor_ended``: the turn's
-        last token is the tokenizer's EOS, and a leading EOS of the rendered observation is then left out).
+    def observation_ids(self, observation: Any, ended_on: int | None) -> list[int]:
+        """The token ids appended for ``observation`` after an actor turn (``ended_on``: the end id the
+        turn's last token is, such as an ``<|eot_id|>`` of the generation config; None: the turn was cut).
+        The rendered observation begins with the template's close of the answer; where that is the
+        token the turn ended on, it is left out, so the end of turn is not repeated.
 
         The rendered text (:func:`~dschat.envs.observation_parts`) is tokenised whole, as the chat
         template would be; but where the observation's content holds the text of a special token (a
@@ -150,7 +150,7 @@ class EpisodePlayer:
                    self.tokenizer(piece, add_special_tokens=False, split_special_tokens=plain)["input_ids"]]
         else:
             ids = list(self.tokenizer(before + content + after, add_special_tokens=False)["input_ids"])
-        if actor_ended and ids and ids[0] == self.eos:
+        if ended_on is not None and ids and ids[0] == ended_on:
             ids = ids[1:]
         return ids
 
@@ -172,8 +172,8 @@ class EpisodePlayer:
             if state.done:
                 continue
             try:
-                # The rendered observation may repeat the tokenizer's EOS the turn ended with.
-                observed[i] = self.observation_ids(results[i].observation, ended[i] and tokens[i][-1] == self.eos)
+                # The rendered observation may repeat the end-of-turn token the turn ended with.
+                observed[i] = self.observation_ids(results[i].observation, tokens[i][-1] if ended[i] else None)
             except Exception as err:  # noqa: BLE001 -- the environment's text; every rank is to stop together
                 first = (str(err).strip().splitlines() or [""])[0][:200]
                 raise UserError(f"environment {self.factory.name} {state.where(state.turns)}: the "
