@@ -135,6 +135,7 @@ class Conversation:
     def clear(self) -> None:
         self.messages: list[dict[str, str]] = []
         self.text = ""
+        self._asked = self.snapshot()  # the history before the question being answered
 
     def snapshot(self) -> tuple[list[dict[str, str]], str]:
         """The history as it is now, for :meth:`restore` (a turn interrupted before its answer)."""
@@ -145,6 +146,7 @@ class Conversation:
 
     def prompt_ids(self, user_text: str) -> list[int]:
         """Token ids of the whole conversation so far plus the new user turn, ready for the reply."""
+        self._asked = self.snapshot()
         if self.use_template:
             self.messages.append({"role": "user", "content": user_text})
             ids = self.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
@@ -155,7 +157,11 @@ class Conversation:
         return self.tokenizer(self.text)["input_ids"]
 
     def add_reply(self, reply: str) -> None:
-        if not reply:  # an answer the model ended at once leaves no turn of its own
+        """The answer to the question :meth:`prompt_ids` added. An empty one (the model ended its turn at
+        once) takes the question back out: the turn is forgotten, as a chat template that wants user and
+        assistant turns in alternation would refuse two questions in a row."""
+        if not reply:
+            self.restore(self._asked)
             return
         if self.use_template:
             self.messages.append({"role": "assistant", "content": reply})
@@ -221,10 +227,12 @@ def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, u
           args: argparse.Namespace) -> str:
     """Generate (streaming) the answer to ``user_text``; returns the answer text. It ends at any id of
     :func:`dschat.models.tokenizer.end_token_ids` (the tokenizer's EOS and the generation config's), as
-    step 3's rollouts and the server do."""
+    step 3's rollouts and the server do, and, through a chat template, at the token the template closes
+    an answer with (:func:`dschat.models.tokenizer.template_turn_end_id`); in the Human/Assistant text,
+    before a next ``Human:`` turn."""
     import torch
 
-    from dschat.models.tokenizer import end_token_ids, generate_eos
+    from dschat.models.tokenizer import end_token_ids, generate_eos, template_turn_end_id
 
     ids = conversation.prompt_ids(user_text)
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -234,6 +242,10 @@ def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, u
               "type 'clear' to start over)", flush=True)
         ids = ids[-keep:]
     streamer = StopAwareStreamer(tokenizer, None if conversation.use_template else STOP_TEXT)
+    ends = end_token_ids(model, tokenizer)
+    turn_end = template_turn_end_id(tokenizer) if conversation.use_template else None
+    if turn_end is not None and turn_end not in ends:  # a base model's tokenizer with a ChatML template
+        ends += (turn_end,)
     kwargs: dict[str, Any] = {"do_sample": args.sample}
     if args.sample:
         kwargs.update(temperature=args.temperature, top_p=args.top_p)
@@ -246,7 +258,7 @@ def reply(model: Any, tokenizer: Any, device: Any, conversation: Conversation, u
             attention_mask=torch.ones_like(input_ids),
             max_new_tokens=args.max_new_tokens,
             pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=generate_eos(end_token_ids(model, tokenizer)),
+            eos_token_id=generate_eos(ends),
             streamer=streamer.streamer,
             stopping_criteria=_stopping_criteria(streamer),
             **kwargs,
@@ -323,6 +335,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             conversation.restore(before)
             num_rounds -= 1
             print("\n(interrupted: that turn is forgotten; type 'quit' to leave)", flush=True)
+        except Exception as err:  # the chat template's own refusal (jinja's raise_exception) of the conversation
+            if not type(err).__module__.startswith("jinja2"):
+                raise
+            conversation.restore(before)
+            num_rounds -= 1
+            print(f"(the chat template refused the conversation: {err}; that turn is forgotten; type 'clear' to "
+                  "start over)", flush=True)
 
 
 if __name__ == "__main__":

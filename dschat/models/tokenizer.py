@@ -192,6 +192,28 @@ def end_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*end_id_tuple(tokenizer.eos_token_id), *end_id_tuple(configured)]))
 
 
+def template_turn_end_id(tokenizer: Any) -> int | None:
+    """The special token the tokenizer's chat template closes an assistant turn with (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``): a model chatting through the template ends its answer there,
+    also where that token is neither the tokenizer's EOS nor in the generation config (a base model's
+    tokenizer with a ChatML template). None without a template, where the turn is closed by plain text,
+    or where the template refuses a one-question conversation."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    sentinel = "\x00dschat-turn\x00"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "?"},
+                                              {"role": "assistant", "content": sentinel}], tokenize=False)
+    except Exception:  # noqa: BLE001 -- a template's own refusal (jinja's raise_exception and the like)
+        return None
+    if not isinstance(text, str) or sentinel not in text:
+        return None
+    after = text.rsplit(sentinel, 1)[1].lstrip()
+    ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
+    special = {i for i, token in getattr(tokenizer, "added_tokens_decoder", {}).items() if token.special}
+    return ids[0] if ids and ids[0] in special | set(tokenizer.all_special_ids) else None
+
+
 def generate_eos(end_ids: Sequence[int]) -> int | list[int] | None:
     """``generate``'s ``eos_token_id`` for ``end_ids``: the one id, a list of several, or None."""
     if not end_ids:

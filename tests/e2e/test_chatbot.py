@@ -240,18 +240,19 @@ def test_a_line_that_is_not_utf8_is_asked_not_a_crash():
     assert "-" * 30 + " Round 1 " + "-" * 30 in proc.stdout.decode(errors="replace")
 
 
-def test_an_empty_answer_adds_nothing_to_the_history():
+def test_an_empty_answer_takes_its_question_back_out_of_the_history():
     from dschat.models.tokenizer import load_hf_tokenizer
 
     conversation = C.Conversation(load_hf_tokenizer("tiny-llama"), "human_assistant")
     conversation.prompt_ids("hi")
-    before = conversation.text
+    conversation.add_reply("hello")
+    conversation.prompt_ids("again")
     conversation.add_reply("")
-    assert conversation.text == before == " Human: hi Assistant:"
+    assert conversation.text == " Human: hi Assistant: hello"
     templated = C.Conversation(load_hf_tokenizer("smollm2-135m"))
     templated.prompt_ids("hi")
     templated.add_reply("")
-    assert templated.messages == [{"role": "user", "content": "hi"}]  # no empty assistant turn
+    assert templated.messages == []  # neither an empty assistant turn nor an unanswered question
 
 
 def test_ctrl_c_drops_the_turn_being_answered_and_ends_the_chat_at_the_prompt(monkeypatch, capsys):
