@@ -15,7 +15,7 @@ through step 3's own decoding loops.
   left-padded prompts with the settings of its jobs and follow it row by row through the loop's
   ``on_step`` callback, :class:`RowFollower`: a row ends at an EOS (``stop``; the EOS is counted, not
   shown; any id of :attr:`ActorEngine.eos_ids`: the tokenizer's and the model's generation config's,
-  where ``generate`` stops), at the first stop string in its text (``stop``; the text is cut before
+  where ``generate`` stops; a chat answer's also at :attr:`ActorEngine.turn_end`), at the first stop string in its text (``stop``; the text is cut before
   it), after its own ``max_tokens`` (``length``) or at the next token after its job was cancelled (its
   client went away; ``length``), and the loop pads it from there as a row that wrote EOS; decoding
   stops when every row has ended. A row's text is emitted as it grows; text that could still be the start of a stop
@@ -46,7 +46,7 @@ from dschat.eval.scoring import pick_device
 from dschat.models.build import create_hf_model
 from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.registry import load_config, resolve_model_path
-from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer
+from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer, template_turn_end_id
 from dschat.paths import step3_part
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
@@ -86,7 +86,9 @@ class ActorEngine:
     """A loaded actor: ``model`` (eval mode), ``tokenizer``, ``max_positions`` (prompt + answer tokens
     the model takes), ``name`` (the model id the server answers to) and ``eos_ids``: the token ids
     that end an answer, the tokenizer's EOS and every id of the model's ``generation_config``
-    ``eos_token_id`` (an int or a list: e.g. an end-of-turn id), as ``generate`` stops on them. The
+    ``eos_token_id`` (an int or a list: e.g. an end-of-turn id), as ``generate`` stops on them;
+    ``turn_end``: the token the chat template closes an answer with, which also ends a chat answer
+    (:func:`~dschat.models.tokenizer.template_turn_end_id`; a base model's ChatML ``<|im_end|>``). The
     tokenizer is used under a lock: requests are encoded on the server's event loop while the worker
     decodes answers."""
 
@@ -96,6 +98,7 @@ class ActorEngine:
     tokenizer: Any = field(repr=False)
     max_positions: int
     eos_ids: frozenset[int]
+    turn_end: int | None = None
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -129,7 +132,8 @@ def load_actor_engine(model: str, *, device: str = "auto") -> ActorEngine:
     tokenizer = load_hf_tokenizer(folder)
     net = create_hf_model(AutoModelForCausalLM, folder, tokenizer).to(pick_device(device)).eval()
     limit = getattr(net.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    return ActorEngine(model, folder, net, tokenizer, int(limit), end_ids(net, tokenizer))
+    return ActorEngine(model, folder, net, tokenizer, int(limit), end_ids(net, tokenizer),
+                       template_turn_end_id(tokenizer))
 
 
 def end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -173,6 +177,7 @@ class Job:
     seed: int | None = None
     cancelled: bool = False  # set by the client's side: the worker ends the row at its next token
     fill: bool = False
+    turn_end: int | None = None  # a chat answer's: ActorEngine.turn_end, an end id for this job too
 
     @property
     def key(self) -> tuple[DecodingSettings, int | None]:
@@ -208,7 +213,7 @@ def _step(row: _Row, token: int, eos: frozenset[int], engine: ActorEngine) -> No
     ids that end it, counted and not shown)."""
     job = row.job
     row.count += 1
-    if token in eos:
+    if token in eos or token == job.turn_end:
         finish = "stop"
         text = engine.decode(row.tokens)
     else:

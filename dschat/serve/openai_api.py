@@ -139,7 +139,7 @@ class _Answer:
     """The jobs of one request, whose worker reports arrive on one asyncio queue as ``(index, event)``."""
 
     def __init__(self, engine: ActorEngine, batcher: Batcher, request: _Common, prompts: list[list[int]],
-                 max_tokens: int | None) -> None:
+                 max_tokens: int | None, chat: bool) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Delta | Done | Failed]] = asyncio.Queue()
         stops, settings = _stops(request), _settings(request)
@@ -155,7 +155,7 @@ class _Answer:
                                     "lower max_tokens", "max_tokens", "context_length_exceeded")
             # No max_tokens: as many as fit, which its batch may cap (dschat.serve.actor.select_batch).
             self.jobs.append(Job(ids, wanted, stops, settings, self._emitter(index), request.seed,
-                                 fill=max_tokens is None))
+                                 fill=max_tokens is None, turn_end=engine.turn_end if chat else None))
         for job in self.jobs:
             batcher.submit(job)
 
@@ -290,7 +290,7 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
 
     async def respond(request: _Common, prompts: list[list[int]], max_tokens: int | None, chat: bool,
                       client: Request) -> Any:
-        answer = _Answer(engine, batcher, request, prompts, max_tokens)
+        answer = _Answer(engine, batcher, request, prompts, max_tokens, chat)
         kind = "chat.completion" if chat else "text_completion"
         head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
                 "model": engine.name}

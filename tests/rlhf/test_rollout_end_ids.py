@@ -29,6 +29,28 @@ def test_the_end_ids_are_the_tokenizers_eos_then_the_generation_configs_without_
     assert end_token_ids(object(), SimpleNamespace(eos_token_id=None)) == ()
 
 
+def test_a_chat_templates_close_of_turn_is_found_when_it_is_a_special_token():
+    """The chat CLI and the server's chat answers also end there (not step 3's rollouts: its data is not
+    rendered through the template)."""
+    from transformers import AutoTokenizer
+
+    from dschat.models.embedded import materialize_smollm2
+    from dschat.models.tokenizer import load_hf_tokenizer, template_turn_end_id
+
+    folder = str(materialize_smollm2())
+    assert template_turn_end_id(AutoTokenizer.from_pretrained(folder)) == 2  # <|im_end|>, also its EOS
+    base = AutoTokenizer.from_pretrained(folder, eos_token="<|endoftext|>")
+    assert (base.eos_token_id, template_turn_end_id(base)) == (0, 2)
+    llama = load_hf_tokenizer("tiny-llama")
+    assert template_turn_end_id(llama) is None  # no template
+    llama.chat_template = "{% for m in messages %}{{ m['content'] }}\n\n{% endfor %}"
+    assert template_turn_end_id(llama) is None  # turns closed by plain text
+    llama.chat_template = "{% for m in messages %}{{ m['content'] }} </s>{% endfor %}"
+    assert template_turn_end_id(llama) == llama.eos_token_id  # after the blank, as Llama 2's ' </s>'
+    llama.chat_template = "{{ raise_exception('no') }}"
+    assert template_turn_end_id(llama) is None
+
+
 def test_every_end_id_is_masked_before_min_new_tokens_and_ends_a_row():
     logits = torch.zeros(2, 10)
     scores = next_token_scores(logits, DecodingSettings("greedy"), (2, 7), suppress_eos=True)

@@ -559,3 +559,36 @@ def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine, dec
     expected = _reference(engine.model, engine.tokenizer, engine.encode(PROMPTS[1]), 12)
     text, finished = _text(other)
     assert (text, finished.completion_tokens, finished.finish_reason) == expected
+
+
+def test_a_chat_answer_ends_at_the_special_token_its_template_closes_turns_with(engine, tmp_path):
+    """A template whose assistant turns end with a special token that is neither the tokenizer's EOS nor in
+    the generation config (a base model's tokenizer with ChatML's <|im_end|>): a chat answer ends there
+    (``stop``, the token counted, not shown), as the chat CLI's does; a completion goes on past it."""
+    messages = [{"role": "user", "content": "The capital of France is"}]
+    template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}CLOSE"
+                "{% endif %}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("tiny-llama"))
+    tokenizer.chat_template = template
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    with torch.no_grad():
+        out = engine.model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=8, pad_token_id=tokenizer.pad_token_id)
+    answer = out[0, len(ids):].tolist()
+    close = answer[2]  # the third token greedy decoding writes becomes the template's close of turn
+    assert close not in answer[:2] and tokenizer.eos_token_id not in answer[:3]
+    folder = tmp_path / "turn-llama"
+    shutil.copytree(resolve_model_path("tiny-llama"), folder)
+    piece = tokenizer.convert_ids_to_tokens(close)
+    tokenizer.add_special_tokens({"additional_special_tokens": [piece]})
+    assert tokenizer.convert_tokens_to_ids(piece) == close and len(tokenizer) == engine.model.config.vocab_size
+    tokenizer.chat_template = template.replace("CLOSE", piece)
+    tokenizer.save_pretrained(folder)
+    with served_model(folder, "--device", "cpu") as served:
+        client = openai.OpenAI(base_url=served.api_url, api_key="unused", max_retries=0, timeout=120)
+        chat = client.chat.completions.create(model=str(folder), messages=messages, max_tokens=8, temperature=0)
+        text = client.completions.create(model=str(folder), prompt=tokenizer.decode(ids), max_tokens=8,
+                                         temperature=0)
+    assert (chat.choices[0].finish_reason, chat.usage.completion_tokens) == ("stop", 3)
+    assert chat.choices[0].message.content == tokenizer.decode(answer[:2], skip_special_tokens=True)
+    assert text.usage.completion_tokens > 3 or text.choices[0].finish_reason == "length"
