@@ -21,7 +21,7 @@ from dschat.data.phases import plan_phase_data
 from dschat.data.split import parse_data_split
 from dschat.errors import UserError, cli_main
 from dschat.models.registry import check_local_model_path, check_seq_len_fits_positions
-from dschat.models.tokenizer import load_hf_tokenizer
+from dschat.models.tokenizer import end_of_conversation_text, load_hf_tokenizer
 from dschat.runtime.fs import check_writable_dir
 
 
@@ -84,8 +84,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.model_name_or_path, fast_tokenizer=True,
         add_special_tokens=args.eot_token if args.add_eot_token else None,
     )
-    # The step scripts' default: the tokenizer's EOS in every phase (see add_eot_args).
-    eot = args.end_of_conversation_token or tokenizer.eos_token
+    # The step scripts' default: the tokenizer's EOS in every phase (see add_eot_args); phases 1-2 need one.
+    eot = (end_of_conversation_text(tokenizer, args.end_of_conversation_token, args.model_name_or_path)
+           if args.train_phase < 3 else args.end_of_conversation_token or tokenizer.eos_token)
     train, held_out = prompt_dataset.create_prompt_dataset(
         -1, args.data_path, args.data_split, args.data_output_path, args.train_phase, args.seed,
         tokenizer, args.max_seq_len, end_of_conversation_token=eot,

@@ -192,6 +192,17 @@ def end_token_ids(model: Any, tokenizer: Any) -> tuple[int, ...]:
     return tuple(dict.fromkeys([*end_id_tuple(tokenizer.eos_token_id), *end_id_tuple(configured)]))
 
 
+def end_of_conversation_text(tokenizer: Any, given: str | None, model_path: str) -> str:
+    """The end-of-conversation text appended to every phase-1/2 training text: ``given``
+    (``--end_of_conversation_token``) if set, else the tokenizer's EOS; one line naming the fix when the
+    tokenizer has none."""
+    eot = given or tokenizer.eos_token
+    if not eot:
+        raise UserError(f"the tokenizer of {model_path} has no EOS token; pass --end_of_conversation_token "
+                        "(e.g. '<|endoftext|>')")
+    return eot
+
+
 def template_turn_end_id(tokenizer: Any) -> int | None:
     """The special token the tokenizer's chat template closes an assistant turn with (``<|im_end|>``,
     ``<|eot_id|>``, ``<end_of_turn>``): a model chatting through the template ends its answer there,

@@ -12,10 +12,9 @@ from torch.utils.data import DataLoader
 
 from dschat.data.prompt_dataset import create_prompt_dataset
 from dschat.data.token_dataset import PromptDataset
-from dschat.errors import UserError
 from dschat.models.families import POSITION_TABLE_MODEL_TYPES
 from dschat.models.registry import check_pair_seq_len, check_seq_len_fits_positions
-from dschat.models.tokenizer import EOT_SPECIAL_TOKEN, load_hf_tokenizer
+from dschat.models.tokenizer import EOT_SPECIAL_TOKEN, end_of_conversation_text, load_hf_tokenizer
 from dschat.training.loaders import make_eval_loader, make_train_loader
 
 __all__ = ["POSITION_TABLE_MODEL_TYPES", "StepData", "build_step_data", "check_pair_seq_len",
@@ -75,10 +74,4 @@ def load_step_tokenizer(args: argparse.Namespace, eot_special_token: str = EOT_S
     PPO actor ends with (docs/upstream.md#flags-and-defaults).
     """
     tokenizer = load_tokenizer(args.model_name_or_path, args.add_eot_token, eot_special_token)
-    eot = args.end_of_conversation_token or tokenizer.eos_token
-    if not eot:
-        raise UserError(
-            f"the tokenizer of {args.model_name_or_path} has no EOS token; pass "
-            "--end_of_conversation_token (e.g. '<|endoftext|>')"
-        )
-    return tokenizer, eot
+    return tokenizer, end_of_conversation_text(tokenizer, args.end_of_conversation_token, args.model_name_or_path)

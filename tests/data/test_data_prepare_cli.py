@@ -126,6 +126,23 @@ def test_empty_phase(tok_dir, tmp_path):
     assert_one_line_error(result, "phase 2, train split is empty", "rows.jsonl", out=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("phase", [1, 2])
+def test_a_tokenizer_without_eos_is_one_line_naming_the_flag(tmp_path, phase):
+    """Phases 1-2 end every text with --end_of_conversation_token, by default the tokenizer's EOS, as the
+    steps do (a tokenizer without one was a TypeError traceback); phase 3 appends nothing."""
+    folder = save_tokenizer(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("eos_token")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    path = write_jsonl(tmp_path / "rows.jsonl", pref_rows(30))
+    result = run_prepare(args_for(folder, tmp_path / "cache", str(path), phase=phase))
+    assert_one_line_error(result, "has no EOS token; pass --end_of_conversation_token")
+    assert not (tmp_path / "cache").exists()
+    fixed = run_prepare(args_for(folder, tmp_path / "cache", str(path), phase=phase,
+                                 extra=("--end_of_conversation_token", "</s>")))
+    assert fixed.returncode == 0, fixed.stderr
+
+
 def test_bad_data_split(tok_dir, tmp_path):
     result = run_prepare(args_for(tok_dir, tmp_path / "cache", "dschat/builtin", split="1,2"))
     assert_one_line_error(result, "--data_split '1,2'", out=tmp_path / "cache")
