@@ -46,7 +46,7 @@ from dschat.runtime.file_lock import trusted_lock
 from dschat.runtime.trust import check_trusted, make_trusted_dir
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 #: Tokenised with the tokenizer for the cache key, so BOS/EOS post-processing changes count.
 PROBE_TEXT = " Human: Hello, world! 0123 caf\u00e9 \u4f60\u597d\n\nAssistant: Fine.<|endoftext|>"
 

@@ -164,8 +164,14 @@ def create_dataset_split(
         found = [(at, p) for at, p in enumerate(_read_row(raw_dataset.get_prompt, s, raw_dataset)
                                                 for s in current_dataset) if p is not None]
         rows = _tokenize(tokenizer, [p for _, p in found], None) if found else TokenRows.empty()
-        keep = (rows.lengths() <= max_seq_len).nonzero().flatten()
+        lengths = rows.lengths()
+        empty = int((lengths == 0).sum())  # empty text and no BOS: nothing for the actor to answer
+        keep = ((lengths > 0) & (lengths <= max_seq_len)).nonzero().flatten()
         filtered = len(rows) - keep.numel()
+        if empty:
+            print(f"Warning: {empty} of {len(rows)} prompts of {raw_dataset.dataset_name} have no tokens (an empty "
+                  "text, and the tokenizer adds no BOS): left out, as the actor would answer a context of padding "
+                  "only (upstream kept them); counted in filtered")
         sources = None
         if source is not None:  # each kept prompt's PromptSource: its position in this split
             positions = torch.tensor([at for at, _ in found], dtype=torch.long)[keep]
@@ -212,8 +218,8 @@ def tokenize_selection(
                                   None if dataset_index is None else (dataset_index, part))
         if len(ds) == 0 and len(rows) > 0:
             if train_phase == 3:
-                why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens"
-                fix = "raise --max_prompt_seq_len or use shorter prompts"
+                why = f"all {len(rows)} prompts are longer than max_seq_len={max_seq_len} tokens or have none"
+                fix = "raise --max_prompt_seq_len or use shorter prompts, not empty ones"
             elif ds.filtered:
                 why = (f"all {ds.filtered} pairs of its {len(rows)} rows differ at their first token (or are one "
                        "token each)")

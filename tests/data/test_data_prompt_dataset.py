@@ -256,6 +256,24 @@ def test_phase3_filtering_count():
     assert ds[0].input_ids_flipped.tolist() == tok(kept[0]["prompt"])["input_ids"][::-1]
 
 
+def test_phase3_leaves_out_prompts_of_no_tokens(capsys, tmp_path):
+    """An empty prompt with a tokenizer that adds no BOS is a row of padding only: left out and counted,
+    with a warning; a split of nothing else is one line."""
+    tok = no_bos_tokenizer()
+    empty = {"prompt": "", "chosen": " a", "rejected": " b"}
+    rows = [empty, *pref_rows(3), empty]
+    ds = create_dataset_split(rows, adapter_for(rows), 3, tok, EOT, 64)
+    assert (len(ds), ds.filtered) == (3, 2)
+    assert all(len(ds[i].input_ids_flipped) > 0 for i in range(3))
+    assert "Warning: 2 of 5 prompts of mem have no tokens (an empty text, and the tokenizer adds no BOS)" \
+        in capsys.readouterr().out
+    with_bos = create_dataset_split(rows, adapter_for(rows), 3, make_tokenizer(), EOT, 64)
+    assert (len(with_bos), with_bos.filtered) == (5, 0)  # the BOS is a context
+    path = write_jsonl(tmp_path / "empty.jsonl", [empty] * 20)
+    with pytest.raises(UserError, match=r"all \d+ prompts are longer than max_seq_len=64 tokens or have none"):
+        create_prompt_dataset(-1, [str(path)], "0,0,1", str(tmp_path / "c"), 3, 1234, tok, 64, EOT)
+
+
 # --- create_prompt_dataset: blending, sft-only, empty phases -------------------------------------
 
 
