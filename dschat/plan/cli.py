@@ -11,8 +11,8 @@ exact (tests/plan/test_exactness.py); the phases' activations, logits and caches
 ``suggestions``, ``host_bytes_at_load``, ``notes`` and (step 3) ``critic_from_actor``. Sizes take a
 unit (``80GB``; a bare number is refused).
 
-The planned step's own flag checks run first (step 3's :func:`~dschat.rlhf.guards.validate_step3_args`
-and :func:`~dschat.rlhf.config.resolve_algorithm`, steps 1-2's
+The planned step's own flag checks run first (step 3's :func:`~dschat.rlhf.guards.validate_step3_args`,
+:func:`~dschat.rlhf.config.resolve_algorithm` and :func:`~dschat.rlhf.config.plan_batches`, steps 1-2's
 :func:`~dschat.training.run_setup.check_common_args` without its path checks): flags the step refuses
 are the planner's :class:`UserError` too, and the search skips them, and so is a tensor-parallel
 group step 3 refuses at start-up (:func:`check_tp_within_node`). Step 3 plans the engines the
@@ -41,6 +41,7 @@ import argparse
 import copy
 import itertools
 import json
+import math
 import re
 import sys
 from typing import Sequence
@@ -53,7 +54,7 @@ from dschat.plan.model_state import DTYPE_BYTES
 from dschat.plan.phases import host_bytes_at_load, phases
 from dschat.plan.roles import critic_source, model_config, plan_roles, planned_roles
 from dschat.plan.training_steps import plan_step_engine, step_phases
-from dschat.rlhf.config import resolve_algorithm
+from dschat.rlhf.config import plan_batches, resolve_algorithm
 from dschat.rlhf.guards import validate_step3_args
 from dschat.rlhf.rollout.tensor_parallel import check_inference_tp
 from dschat.training.run_setup import check_common_args
@@ -77,7 +78,10 @@ def parse_size(text: str, flag: str) -> int:
         raise UserError(f"{flag} {text!r} has no unit: give a unit, like {match.group(1)}GB or {match.group(1)}GiB")
     if not match or match.group(2).upper() not in _UNITS | {"": 1}:
         raise UserError(f"{flag} {text!r} is not a memory size; write it like 80GB, 40GiB or 512MB")
-    size = int(float(match.group(1)) * _UNITS.get(match.group(2).upper(), 1))
+    size = float(match.group(1)) * _UNITS.get(match.group(2).upper(), 1)
+    if not math.isfinite(size):
+        raise UserError(f"{flag} {text!r} is too large to be a memory size; write it like 80GB, 40GiB or 512MB")
+    size = int(size)
     if size <= 0:
         raise UserError(f"{flag} must be more than 0 bytes, got {text!r}; write the memory like 80GB, 40GiB or 512MB")
     return size
@@ -137,10 +141,12 @@ def check_flag_values(args: argparse.Namespace) -> None:
     :func:`resolve_algorithm`; steps 1-2's :func:`check_common_args` on a copy without the output,
     data-cache, TensorBoard and resume paths, whose checks look at (and may tidy) folders on this
     machine; step 2's :func:`check_pair_seq_len` (a pair's 2 positions), step 1's
-    :func:`check_sft_seq_len`."""
+    :func:`check_sft_seq_len`; step 3's batch plan (:func:`plan_batches`: a generation batch that splits
+    into training micro-batches)."""
     if args.step == 3:
         validate_step3_args(args, accelerator="cuda", dtype=args.dtype)
         resolve_algorithm(args)
+        plan_batches(args, 1)
         return
     flags_only = copy.copy(args)
     for name, value in (("output_dir", None), ("data_output_path", None), ("enable_tensorboard", False),
@@ -257,14 +263,15 @@ def _with(argv: Sequence[str], extra: Sequence[str]) -> list[str]:
     return [*argv, *extra]
 
 
-def _stages(flags: Sequence[str], args: argparse.Namespace) -> list[int]:
-    """The ZeRO stage of every trained engine with ``flags`` added to ``args``'."""
+def _stages(flags: Sequence[str], args: argparse.Namespace, critic: bool = True) -> list[int]:
+    """The ZeRO stage of every trained engine with ``flags`` added to ``args``' (step 3: the actor's,
+    then the critic's where one is trained, ``critic``)."""
     def stage(flag: str, now: int) -> int:
         return int(flags[flags.index(flag) + 1]) if flag in flags else now
 
     if args.step == 3:
         return [stage("--actor_zero_stage", args.actor_zero_stage),
-                stage("--critic_zero_stage", args.critic_zero_stage)]
+                *([stage("--critic_zero_stage", args.critic_zero_stage)] if critic else [])]
     return [stage("--zero_stage", args.zero_stage)]
 
 
@@ -302,16 +309,16 @@ def _effective(args: argparse.Namespace) -> tuple:
 
 
 def _without_critic_flags(flags: Sequence[str]) -> list[str]:
-    """``flags`` without the critic's (``--critic_zero_stage N``, ``--critic_gradient_checkpointing``),
-    but for ``--critic_zero_stage`` beside ``--offload``, which step 3 requires then."""
+    """``flags`` without the critic's (``--critic_zero_stage N``, ``--critic_gradient_checkpointing``): a
+    run without critic and reward model (step 3 checks ``--offload``'s stage on the engines it trains)."""
     kept: list[str] = []
     skip = False
     for flag in flags:
         if skip:
             skip = False
-        elif flag == "--critic_zero_stage" and "--offload" not in flags:
+        elif flag == "--critic_zero_stage":
             skip = True
-        elif flag == "--critic_zero_stage" or not flag.startswith("--critic_"):
+        elif not flag.startswith("--critic_"):
             kept.append(flag)
     return kept
 
@@ -346,15 +353,20 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
         halved = [(f"--{flag}", str(max(1, getattr(args, flag) >> halvings))) for flag in _batch_flags(args.step)]
         batches.append(((tuple(x for pair in halved for x in pair) if halvings else ()), halvings))
     generation = [c for c in changes.get("generation", [((), 0)]) if _applies(c[0], args)]
-    # A run that builds neither critic nor reward model: the critic's flags change nothing.
-    no_critic = args.step == 3 and not {"critic", "reward"} & set(planned_roles(args, reward_model))
+    # A run that builds neither critic nor reward model: the critic's flags change nothing; one without a
+    # critic to train (a critic-free algorithm): its checkpointing and its offload's stage change nothing.
+    roles = set(planned_roles(args, reward_model)) if args.step == 3 else set()
+    no_critic = args.step == 3 and not {"critic", "reward"} & roles
+    trains_critic = args.step != 3 or "critic" in roles
     for choice in itertools.product(changes["zero"], changes["offload"], changes["lora"], changes["ckpt"], batches,
                                     generation):
         flags = [f for part, _ in choice for f in part]
         cost = sum(c for _, c in choice)
         if no_critic:
             flags = _without_critic_flags(flags)
-        if not flags or ("--offload" in flags and 0 in _stages(flags, args)):
+        elif not trains_critic:
+            flags = [f for f in flags if f != "--critic_gradient_checkpointing"]
+        if not flags or ("--offload" in flags and 0 in _stages(flags, args, trains_critic)):
             continue  # DeepSpeed offloads an optimizer only under ZeRO 1-3 (the steps refuse it at 0)
         if "--zero3_gather_for_generation" in flags and _stages(flags, args)[0] != 3:
             continue  # the gather applies to a ZeRO-3 actor only

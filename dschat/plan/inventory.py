@@ -121,7 +121,8 @@ def inventory(config: Any, *, critic: bool, tokenizer_len: int = 0) -> tuple[Inv
     try:
         with torch.device("meta"):
             model = model_class.from_config(config)
-    except (ValueError, TypeError, ArithmeticError) as err:  # a config value the model's code rejects
+    except (ValueError, TypeError, ArithmeticError, AssertionError, RuntimeError) as err:  # a config value the
+        # model's code rejects (a vocab_size of 0 fails an assert, a negative width a tensor's shape)
         where = getattr(config, "name_or_path", "") or "its config"
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
         raise UserError(f"cannot build a {config.model_type} model from {where} ({reason}); "

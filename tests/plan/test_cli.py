@@ -72,6 +72,8 @@ def test_sizes():
     assert parse_size("512B", "--host_memory") == 512 and parse_size(" 1.5 TB ", "--host_memory") == 15 * 10**11
     with pytest.raises(UserError):
         parse_size("lots", "--gpu_memory")
+    with pytest.raises(UserError, match="is too large to be a memory size"):  # was an OverflowError traceback
+        parse_size("1" + "0" * 320 + "GB", "--gpu_memory")
 
 
 @pytest.mark.parametrize("flag", ["--gpu_memory", "--host_memory"])

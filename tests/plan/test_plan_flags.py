@@ -85,11 +85,19 @@ def test_a_critic_free_algorithm_plans_no_critic(tiny):
     assert set(result["model_states"]) == {"actor", "ref", "reward"}
     assert [p["name"] for p in result["phases"]] == ["generation", "scoring", "actor training", "optimizer step"]
     assert not [k for p in result["phases"] for k in p["consumers"] if k.startswith("critic")]
+    # Its suggestions offload the actor's optimizer without asking the critic's stage, and set no critic
+    # checkpointing: neither is trained (step 3 checks --offload's stage on the engines it trains)
+    argv = _argv(tiny, "--algorithm", "grpo", "--num_generations", "3")
+    parser = build_parser()
+    found = [s["flags"] for s in suggestions(argv, parser.parse_args(argv), parser, limit=1000, gpu_bytes=80 * 10**9)]
+    assert ["--actor_zero_stage", "3", "--offload"] in found
+    assert not [f for f in found if "--critic_gradient_checkpointing" in f]
 
 
 def test_a_run_scored_by_functions_alone_plans_neither_critic_nor_reward_model(tiny):
     argv = ["--actor_model_name_or_path", str(tiny), "--algorithm", "grpo", "--num_generations", "3",
             "--reward_fn", "dschat.rewards:gold", "--gpus_per_node", "1", "--per_device_generation_batch_size", "3",
+            "--per_device_training_batch_size", "3",
             "--max_prompt_seq_len", "32", "--max_answer_seq_len", "32"]  # within the config's 64 positions
     parser = build_parser()
     result = plan(parser.parse_args(argv))  # no critic folder is needed
@@ -98,11 +106,12 @@ def test_a_run_scored_by_functions_alone_plans_neither_critic_nor_reward_model(t
     found = suggestions(argv, parser.parse_args(argv), parser, limit=1000, gpu_bytes=2 * result["peak_bytes_per_gpu"])
     assert found and not [s for s in found if any(f.startswith("--critic_") for f in s["flags"])]
     assert any("--actor_gradient_checkpointing" in s["flags"] for s in found)
-    # ... but for --critic_zero_stage beside --offload, which step 3 requires then
+    # ... also beside --offload: step 3 checks its stage on the engines it trains only
     from dschat.plan.cli import _without_critic_flags
     assert _without_critic_flags(["--actor_zero_stage", "3", "--critic_zero_stage", "3", "--offload",
-                                  "--critic_gradient_checkpointing"]) == [
-        "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--offload"]
+                                  "--critic_gradient_checkpointing"]) == ["--actor_zero_stage", "3", "--offload"]
+    roomy = suggestions(argv, parser.parse_args(argv), parser, limit=1000, gpu_bytes=80 * 10**9)
+    assert ["--actor_zero_stage", "3", "--offload"] in [s["flags"] for s in roomy]  # the critic's stage is not asked
     assert _without_critic_flags(["--critic_zero_stage", "3", "--actor_lora_dim", "128"]) == ["--actor_lora_dim", "128"]
     # PPO with --reward_fn keeps its critic, without the reward model
     ppo = plan(build_parser().parse_args(_argv(tiny, "--reward_fn", "dschat.rewards:gold")))
@@ -116,6 +125,28 @@ def test_a_malformed_config_is_one_line_naming_the_file(tiny, tmp_path, text, ca
     (tmp_path / "config.json").write_text(text)
     line = _error_line(["--actor_model_name_or_path", str(tmp_path), "--critic_model_name_or_path", str(tiny)], capsys)
     assert str(tmp_path / "config.json") in line
+
+
+@pytest.mark.parametrize("change", [{"vocab_size": 0}, {"hidden_size": -64}])
+def test_a_config_value_the_models_code_rejects_is_one_line(tiny, tmp_path, change, capsys):
+    """Rejected by an assert (an embedding's padding index past no rows) or by a tensor's shape: both were
+    tracebacks."""
+    (tmp_path / "config.json").write_text(json.dumps({**TINY_OPT, **change}))
+    line = _error_line(_argv(tmp_path, "--critic_model_name_or_path", str(tiny)), capsys)
+    assert line.startswith(f"error: cannot build a opt model from {tmp_path} (") and "pass a decoder-only" in line
+
+
+def test_a_batch_pair_step3_refuses_is_the_planners_error_and_never_a_suggestion(tiny, capsys):
+    """A generation batch that does not split into training micro-batches: step 3 refuses it before its
+    preflight, so the planner does too; halving both batches (20/10 -> 5/2) is such a pair, never offered."""
+    line = _error_line(_argv(tiny, "--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "3"),
+                       capsys)
+    assert "per_device_generation_batch_size 8 rows does not split into micro-batches" in line
+    argv = _argv(tiny, "--per_device_generation_batch_size", "20", "--per_device_training_batch_size", "10")
+    parser = build_parser()
+    for found in suggestions(argv, parser.parse_args(argv), parser, limit=1000, gpu_bytes=80 * 10**9):
+        trial = parser.parse_args([*argv, *found["flags"]])
+        assert trial.per_device_generation_batch_size % trial.per_device_training_batch_size == 0, found
 
 
 def test_each_suggestion_changes_the_configuration_once(tmp_path):
