@@ -997,7 +997,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       repo_root=ROOT, require_main=not args.dry_run)
         print(f"Step {run_.number} of {selected[-1].number}: {run_.recipe.step.title}, recipe {run_.recipe.id} "
               f"({run_.recipe.source}); output {run_.output_dir}", flush=True)
-        eta = eta_line(selected, index, spent / estimated if estimated else 1.0, report_eta)
+        speed = spent / estimated if estimated else 1.0  # this run's pace against the recipes' so far
+        eta = eta_line(selected, index, speed, report_eta)
         if eta:
             print(eta, flush=True)
         if args.dry_run:
@@ -1019,7 +1020,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         timings[str(run_.number)] = seconds
         save_timings(out, timings)
         save_step_record(out, run_, finished=True)
-        estimate = f" (estimate {hms(run_.recipe.eta_seconds)})" if run_.recipe.eta_seconds else ""
+        # the estimate printed before the step (the recipe's, scaled by the pace of the steps before it)
+        estimate = f" (estimated {hms(speed * run_.recipe.eta_seconds)})" if run_.recipe.eta_seconds else ""
         print(f"---=== Finished Step {run_.number} in {hms(seconds)} ===---{estimate}", flush=True)
 
     if len(args.step) > 1 and not args.dry_run:

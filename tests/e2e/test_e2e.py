@@ -321,6 +321,11 @@ def test_e2e_runs_all_three_steps_on_tiny_models(tiny_run):
         assert f"---=== Running Step {n} ===---" in lines
         assert any(line.startswith(f"---=== Finished Step {n} in 0:") for line in lines)
     assert any(line.startswith("---=== Finished Steps [1, 2, 3] in ") for line in lines)
+    # A finished step is set beside the estimate printed before it (scaled by the steps before), not the recipe's
+    told = [line.split()[1] for line in lines if line.startswith("estimated ") and " for this step" in line]
+    compared = [line.rsplit("(estimated ", 1)[1].rstrip(")") for line in lines if line.startswith("---=== Finished Step ")
+                and "(estimated " in line]
+    assert len(told) == 3 and compared == told, (told, compared)
     for folder in ("actor-models/tiny-llama", "reward-models/tiny-llama", "step3-models/tiny-llama/actor",
                    "step3-models/tiny-llama/critic", "step3-models/tiny-llama/actor_ema"):
         assert (out / folder / "config.json").is_file(), folder
