@@ -11,15 +11,16 @@ The model states (:mod:`dschat.plan.model_state`) are exact; what a phase adds i
   (prompt + answer) x kv_heads x head_dim`` in the weights' dtype (``head_dim``: the config's, else
   ``hidden / heads``, as the Hybrid Engine's), and the last position's fp32 logits;
 * **scoring**: one forward of each model over ``batch x (prompt + answer)``: the actor's and the
-  reference's logits (weights' dtype, plus an fp32 log-softmax); per ZeRO-3 model, the whole model
+  reference's logits (weights' dtype) and their log-probs' fp32 working set (:func:`logits_bytes`); per
+  ZeRO-3 model, the whole model
   where ``--zero3_gather_for_scoring`` gathers it (``auto``: the full model fits in half the memory the
   resident states and a kept Hybrid Engine copy leave free, and its parameters are not offloaded),
   else its largest layer; the
   largest of the models (the passes run one after the other);
 * **actor / critic training**: activations per layer ``b s h (34 + 5 a s / h)`` bytes at 2 bytes
   per element (Korthikanti et al., 2022), scaled by the dtype; with gradient checkpointing one
-  ``b s h`` per layer plus one layer's full activations; the actor's logits three times (logits,
-  fp32 log-probs, their gradient); ZeRO-3: the whole model where ``--zero3_gather_for_training``
+  ``b s h`` per layer plus one layer's full activations; the actor's logits twice (logits, their
+  gradient) and their log-probs' fp32 working set (:func:`logits_bytes`); ZeRO-3: the whole model where ``--zero3_gather_for_training``
   gathers it (``auto``: one data-parallel rank, parameters neither offloaded nor quantized, where the
   gather costs nothing), else one layer at a time (``stage3_max_live_parameters`` bounds it); a
   ZeRO-1/2 engine's reduction buckets (:attr:`~dschat.plan.model_state.ModelState.buckets`: allocated
@@ -70,7 +71,7 @@ from dschat.plan.roles import RolePlan, model_config
 
 __all__ = ["Phase", "phases", "PHASES", "resident_bytes", "activation_bytes", "layer_gather_bytes",
            "host_bytes_at_load", "InferenceCopy", "hybrid_engine_used", "inference_copy", "inference_weight_numel",
-           "kv_cache_bytes", "head_dim", "step_working_set", "LOAD_ORDER"]
+           "kv_cache_bytes", "head_dim", "logits_bytes", "step_working_set", "LOAD_ORDER"]
 
 PHASES = ("generation", "scoring", "actor training", "critic training", "optimizer step")
 
@@ -184,6 +185,15 @@ def kv_cache_bytes(config: Any, batch: int, length: int, el: int, n: int = 1) ->
     return 2 * spec.num_layers * rows * kv * capacity * spec.head_dim * el + rows * capacity
 
 
+def logits_bytes(batch: int, seq: int, vocab: int, el: int, copies: int) -> int:
+    """``copies`` ``(batch, seq, vocab)`` tensors in the logits' dtype (``el`` bytes: the logits, and in
+    training their gradient) plus the float32 working set of their log-probs
+    (:func:`dschat.rl_math.logprobs.gather_log_probs`): for fp32 logits, ``logsumexp``'s whole
+    ``(batch, seq, vocab)`` temporary; for fp16/bf16 ones, computed one batch row at a time, a row's
+    float32 copy and its exponentials, ``2 x (seq, vocab)``."""
+    return copies * batch * seq * vocab * el + (batch if el >= 4 else 2) * seq * vocab * 4
+
+
 def head_dim(config: Any) -> int:
     """The attention head width: the config's ``head_dim`` (Qwen3's differs from ``hidden / heads``),
     else ``hidden / heads`` (the Hybrid Engine's ``decoder_spec`` rule, for any family)."""
@@ -292,7 +302,7 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
     out = [generation]
     free = None if gpu_bytes is None else gpu_bytes - sum(resident.values()) - sum(kept.values())
     scoring = Phase("scoring", {**resident, **kept})
-    scoring.consumers["logits"] = gen_b * seq * inv.vocab_rows * (el + 4)
+    scoring.consumers["logits"] = logits_bytes(gen_b, seq, inv.vocab_rows, el, copies=1)
     scoring.consumers["hidden states"] = gen_b * seq * max(p.inventory.hidden for p in plans.values()) * el * 4
     scored = {role: p for role, p in plans.items() if role != "ema"}  # the EMA copy runs no pass
     working = {role: (_gathered(p, el), f"{role} gathered whole") if _scoring_gathers(p, args, el, free)
@@ -302,7 +312,7 @@ def phases(plans: dict[str, RolePlan], args: argparse.Namespace, dtype: str,
     out.append(scoring)
     actor_train = Phase("actor training", {**resident, **kept})
     actor_train.consumers["actor activations"] = activation_bytes(actor, train_b, seq, el, args.actor_gradient_checkpointing)
-    actor_train.consumers["logits"] = train_b * seq * inv.vocab_rows * (2 * el + 4)
+    actor_train.consumers["logits"] = logits_bytes(train_b, seq, inv.vocab_rows, el, copies=2)
     actor_train.consumers.update(_training_working_set(actor, args, el))
     if critic is not None and dtype == "fp16" and getattr(args, "align_overflow", False):
         # --align_overflow: the critic's forward and backward run while the actor's graph is alive

@@ -70,6 +70,36 @@ def test_the_hybrid_engine_copy_and_cache_of_tiny_opt(tiny):
         assert _phase(result, name)["HE KV cache (kept)"] == 24768
 
 
+# One layer's full activations, tiny OPT at batch 3 x 50 tokens in fp16: 3 x 50 x 16 x (34 + 5 x 4 x 50 / 16)
+ONE_LAYER = 3 * 50 * 16 * (34 * 16 + 5 * 4 * 50) // 16  # 231600 (2 bytes per element: the formula's own)
+
+
+def test_the_scoring_and_training_terms_of_tiny_opt_by_hand(tiny):
+    """Logits in the weights' dtype (training: also their gradient) plus their log-probs' fp32 working set:
+    two (seq, vocab) rows for fp16 logits (computed a batch row at a time), a whole (batch, seq, vocab)
+    temporary for fp32 ones; scoring's hidden states; the module's generation logits; activations."""
+    fp16 = _plan(tiny)
+    assert _phase(fp16, "generation")["logits"] == 3 * 56 * 4  # the last position's, fp32
+    scoring, training = _phase(fp16, "scoring"), _phase(fp16, "actor training")
+    assert scoring["logits"] == 3 * 50 * 56 * 2 + 2 * 50 * 56 * 4 == 39200
+    assert scoring["hidden states"] == 3 * 50 * 16 * 2 * 4 == 19200
+    assert training["logits"] == 2 * 3 * 50 * 56 * 2 + 2 * 50 * 56 * 4 == 56000
+    assert training["actor activations"] == 2 * ONE_LAYER == 463200
+    fp32 = _plan(tiny, "--dtype", "fp32")
+    assert _phase(fp32, "scoring")["logits"] == 2 * 3 * 50 * 56 * 4 == 67200
+    assert _phase(fp32, "actor training")["logits"] == 3 * 3 * 50 * 56 * 4 == 100800
+
+
+def test_each_models_gradient_checkpointing_shrinks_its_own_activations(tiny):
+    """Checkpointed: one (batch, seq, hidden) per layer plus one layer's full activations."""
+    checkpointed = 2 * 3 * 50 * 16 * 2 + ONE_LAYER
+    critic, actor = _plan(tiny, "--critic_gradient_checkpointing"), _plan(tiny, "--actor_gradient_checkpointing")
+    assert _phase(critic, "critic training")["critic activations"] == checkpointed == 241200
+    assert _phase(critic, "actor training")["actor activations"] == 2 * ONE_LAYER
+    assert _phase(actor, "actor training")["actor activations"] == checkpointed
+    assert _phase(actor, "critic training")["critic activations"] == 2 * ONE_LAYER
+
+
 def test_release_inference_cache_keeps_the_copy_out_of_the_other_phases(tiny):
     kept, released = _plan(tiny, "--enable_hybrid_engine"), _plan(tiny, "--enable_hybrid_engine",
                                                                   "--release_inference_cache")

@@ -85,7 +85,7 @@ def test_the_largest_opt_actor_that_fits_each_gpu(configs, gpu, paper, kept, rel
         assert refused["peak_phase"] == "generation" and refused["margin_bytes"] < 0
 
 
-@pytest.mark.parametrize("size,kept,released", [("2.7b", 27.2, 24.4), ("6.7b", 52.6, 49.3), ("13b", 91.7, 87.5)])
+@pytest.mark.parametrize("size,kept,released", [("2.7b", 26.9, 24.4), ("6.7b", 52.1, 49.3), ("13b", 91.1, 87.5)])
 def test_the_planned_peaks(configs, size, kept, released):
     assert round(_plan(configs, size, "80GiB")["peak_bytes_per_gpu"] / GIB, 1) == kept
     assert round(_plan(configs, size, "80GiB", "--release_inference_cache")["peak_bytes_per_gpu"] / GIB, 1) == released

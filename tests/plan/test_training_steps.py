@@ -79,6 +79,26 @@ def test_step2_plans_chosen_and_rejected_rows(tmp_path):
     assert act[2]["reward activations"] == 2 * act[1]["actor activations"]  # same body, twice the rows
 
 
+def test_gradient_checkpointing_and_the_gpus_per_node_change_what_they_should(tmp_path):
+    """--gradient_checkpointing keeps one (batch, seq, hidden) per layer plus one layer's activations; the
+    host memory at load is every rank's (each reads the model whole in fp32), the GPU's peak one rank's."""
+    def planned(*extra):
+        return plan(build_parser(1).parse_args(base_argv("tiny-opt", tmp_path, "--gpu_memory", "1GB", *extra)))
+
+    def activations(result):
+        return result["phases"][0]["consumers"]["actor activations"]
+
+    full, checkpointed = planned(), planned("--gradient_checkpointing")
+    layers = 2
+    one_layer = activations(full) // layers
+    hidden_rows = activations(checkpointed) - one_layer
+    assert activations(full) == layers * one_layer and hidden_rows > 0 and hidden_rows % layers == 0
+    assert activations(checkpointed) < activations(full)
+    one_gpu = planned("--gpus_per_node", "1")
+    two_gpus = planned("--gpus_per_node", "2")
+    assert two_gpus["host_bytes_at_load"] == 2 * one_gpu["host_bytes_at_load"] > 0
+
+
 def test_the_command_plans_step_1_and_suggests_what_fits(tmp_path, capsys):
     argv = ["--step", "1", *base_argv("tiny-opt", tmp_path, "--max_seq_len", "512", "--per_device_train_batch_size",
                                       "32"), "--gpu_memory", "1GB", "--json"]
