@@ -81,6 +81,25 @@ def test_rw_eval_scores_the_trained_model_deterministically(reward_run, capsys):
     engine.train()
 
 
+def test_rw_eval_on_a_tokenizer_without_eos_is_one_line_naming_the_flag(reward_run, tmp_path):
+    """A reward model trained with --end_of_conversation_token because its tokenizer has no EOS: its saved
+    tokenizer has none either (a TypeError traceback); the flag, as in training, scores it."""
+    import json
+    import shutil
+
+    folder = shutil.copytree(reward_run.output_dir, tmp_path / "rm")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["eos_token"] = None
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    argv = [PYTHON, "rw_eval.py", "--model_name_or_path", str(folder), "--max_seq_len", "64"]
+    proc = run_cli(argv, cwd=STEP_DIRS["step2"])
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "has no EOS token; pass --end_of_conversation_token" in errors[0]
+    fixed = run_cli([*argv, "--end_of_conversation_token", "</s>"], cwd=STEP_DIRS["step2"])
+    assert fixed.returncode == 0, fixed.stderr[-2000:]
+
+
 def test_rw_eval_refuses_a_folder_that_is_not_a_reward_model(sft_folder):
     proc = run_cli([PYTHON, "rw_eval.py", "--model_name_or_path", str(sft_folder)], cwd=STEP_DIRS["step2"])
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import torch
 
 from dschat.errors import UserError, cli_main
-from dschat.models.tokenizer import EOT_SPECIAL_TOKEN
+from dschat.models.tokenizer import EOT_SPECIAL_TOKEN, end_of_conversation_text
 
 # Upstream's pairs. Its prompts end with "Assistant: " (a trailing space), unlike the training
 # data's "Assistant:" + " answer"; kept as upstream.
@@ -123,7 +123,7 @@ def run_pair_comparison(args: argparse.Namespace) -> list[PairScore]:
     rm_model, tokenizer = load_stuff(args.model_name_or_path, args.num_padding_at_beginning,
                                      EOT_SPECIAL_TOKEN if args.add_eot_token else None)
     rm_model.to(device).eval()
-    eot = args.end_of_conversation_token or tokenizer.eos_token
+    eot = end_of_conversation_text(tokenizer, args.end_of_conversation_token, args.model_name_or_path)
     scores = []
     for prompt, good_ans, bad_ans in zip(PROMPTS, GOOD_ANSWERS, BAD_ANSWERS):
         batch = to_device(prepare_datapair(prompt, good_ans, bad_ans, tokenizer, args.max_seq_len, eot), device)
@@ -150,7 +150,7 @@ def run_single_sample(args: argparse.Namespace) -> float:
     rm_model, tokenizer = load_stuff(args.model_name_or_path, args.num_padding_at_beginning,
                                      EOT_SPECIAL_TOKEN if args.add_eot_token else None)
     rm_model.to(device).eval()
-    eot = args.end_of_conversation_token or tokenizer.eos_token
+    eot = end_of_conversation_text(tokenizer, args.end_of_conversation_token, args.model_name_or_path)
     prompt = "Human: Explain the moon landing to a 6 year old in a few sentences."
     my_ans = "Assistant: " + GOOD_ANSWERS[1]
     batch = to_device(prepare_singlesample(prompt, my_ans, tokenizer, args.max_seq_len, eot), device)
