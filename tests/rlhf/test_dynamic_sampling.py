@@ -162,9 +162,10 @@ def test_rewards_equal_after_the_clamp_or_no_answer_that_trains_drop_a_group():
     f = _filter(groups_per_batch=3, max_rounds=1)
     short_answers = _batch([0, 1, 11.1, 12.3, 0, 2], 1)  # clamped to +-10: 11.1 and 12.3 are both 10
     short_answers.valid[4:] = False  # group 2 differs, but none of its answers trains
+    short_answers.valid[1] = False  # group 0 differs and one of its answers trains: kept
     f.add(short_answers)
     out = f.batch()
-    assert out.valid.tolist() == [True, True, False, False, False, False]
+    assert out.valid.tolist() == [True, False, False, False, False, False]
     assert f.pop_stats().dropped_groups == 2
 
 
