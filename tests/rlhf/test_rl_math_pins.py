@@ -36,11 +36,11 @@ def test_grpo_divides_by_the_std_plus_one_millionth():
 
 
 def test_the_logged_approximate_kl_and_the_sequence_clip_fraction_by_hand():
-    """approx_kl is mean((r - 1) - log r): for log-ratios [ln2, -ln2], ((1 - ln2) + (-0.5 + ln2)) / 2 = 0.25.
+    """approx_kl is mean((r - 1) - log r): for log-ratios [ln2, 0], ((1 - ln2) + 0) / 2 (never below 0).
     GSPO's clip fraction tests exp(mean log-ratio over the answer's own tokens): 2 tokens of 0.3 in 4
     columns give e^0.3 = 1.35 > 1.2, every token clipped (over the 4 columns e^0.15 = 1.16 would not be)."""
-    stats = ppo_policy_stats(torch.tensor([[LN2, -LN2]]), torch.zeros(1, 2), torch.ones(1, 2))
-    assert stats.approx_kl.item() == pytest.approx(0.25)
+    stats = ppo_policy_stats(torch.tensor([[LN2, 0.0]]), torch.zeros(1, 2), torch.ones(1, 2))
+    assert stats.approx_kl.item() == pytest.approx((1 - LN2) / 2)
     log_ratio = torch.tensor([[0.3, 0.3, 0.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     gspo = ppo_policy_stats(log_ratio, torch.zeros(1, 4), mask, level="sequence")
