@@ -86,6 +86,33 @@ def test_truncated_importance_weights_scale_the_loss_and_pass_no_gradient():
     torch.testing.assert_close(train.grad, again.grad)
 
 
+def test_off_policy_the_truncated_importance_weights_are_not_applied_again():
+    """After the actor has stepped (a later PPO epoch, or a later micro-step) the ratio is taken against the
+    rollout's log-probs already: the loss is the one without --tis_cap."""
+    capped = _formulas("--algorithm", "grpo", "--num_generations", "2", "--kl_ctl", "0", "--tis_cap", "1.5")
+    plain = _formulas("--algorithm", "grpo", "--num_generations", "2", "--kl_ctl", "0")
+    exp = _experience()
+    advantages = torch.tensor([[1.0], [2.0], [0.5], [1.5]]).expand(4, 3)
+    train = exp.logprobs[:, exp.start:] + torch.tensor([0.3, -0.2, 0.6])
+    old = exp.logprobs[:, exp.start:]
+    off = capped._actor_loss(train, old, advantages, exp, None, on_policy=False)
+    torch.testing.assert_close(off, plain._actor_loss(train, old, advantages, exp, None, on_policy=False))
+    assert not torch.allclose(capped._actor_loss(train, train, advantages, exp, None, on_policy=True),
+                              plain._actor_loss(train, train, advantages, exp, None, on_policy=True))
+
+
+def test_reinforce_pp_with_the_kl_as_a_loss_term_keeps_it_out_of_the_rewards():
+    """--kl_in_reward off: the per-token rewards hold the clipped score at the reward slot alone (the KL is
+    the loss's), so the advantages do not depend on the reference's log-probs."""
+    f = _formulas("--algorithm", "reinforce_pp", "--kl_in_reward", "off", "--kl_ctl", "0.5")
+    exp = _experience()
+    score = torch.tensor([1.0, 3.0, 10.0, -2.0])
+    rewards = f.compute_rewards(exp.prompts, exp.logprobs, exp.ref_logprobs, score, exp.action_mask)
+    again = f.compute_rewards(exp.prompts, exp.logprobs, exp.ref_logprobs - 1.0, score, exp.action_mask)
+    torch.testing.assert_close(rewards, again)
+    assert rewards.sum(dim=1).tolist() == [1.0, 3.0, 5.0, -2.0]  # the score, clipped to 5, and nothing else
+
+
 def test_truncated_importance_weights_are_detached():
     train = torch.tensor([[-0.5, -1.0]], requires_grad=True)
     assert not tis_weights(train, torch.tensor([[-1.0, -1.0]]), 2.0).requires_grad
