@@ -8,7 +8,7 @@ model at ``--inference_tp_size 1``) with its own KV cache, kept between rollouts
 ``--release_inference_cache``; the copy is what moves the rows. Pinned below with their numbers:
 
 * the recipe as written (copy kept, so resident in every phase): V100-32G OPT-2.7B (reproduced,
-  27.2 GiB), A6000-48G OPT-2.7B, A100-80G OPT-6.7B;
+  26.9 GiB, in the optimizer step), A6000-48G OPT-2.7B, A100-80G OPT-6.7B;
 * with ``--release_inference_cache`` (the copy in the generation phase only): V100-32G OPT-2.7B
   (reproduced, 24.4 GiB), A6000-48G OPT-2.7B (OPT-6.7B's generation plans at 49.3 GiB), A100-80G
   OPT-6.7B (OPT-13B's generation at 87.5 GiB);
