@@ -23,8 +23,8 @@ def test_the_sequence_kl_is_of_the_policy_to_the_reference_not_the_other_way():
     assert sequence_kl(logprobs, ref, torch.tensor([[0.0, 1.0]])).item() == 0.0  # only the answer's tokens
 
 
-def test_rewards_a_hundredth_apart_are_an_informative_group_by_default():
-    assert informative_groups(torch.tensor([0.0, 0.005, 0.0, 5e-5]), 2).tolist() == [True, False]
+def test_rewards_more_than_a_ten_thousandth_apart_are_an_informative_group_by_default():
+    assert informative_groups(torch.tensor([0.0, 5e-4, 0.0, 5e-5]), 2).tolist() == [True, False]
 
 
 def test_grpo_divides_by_the_std_plus_one_millionth():
