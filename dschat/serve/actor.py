@@ -15,12 +15,13 @@ through step 3's own decoding loops.
   left-padded prompts with the settings of its jobs and follow it row by row through the loop's
   ``on_step`` callback, :class:`RowFollower`: a row ends at an EOS (``stop``; the EOS is counted, not
   shown; any id of :attr:`ActorEngine.eos_ids`: the tokenizer's and the model's generation config's,
-  where ``generate`` stops; a chat answer's also at :attr:`ActorEngine.turn_end`), at the first stop string in its text (``stop``; the text is cut before
-  it), after its own ``max_tokens`` (``length``) or at the next token after its job was cancelled (its
-  client went away; ``length``), and the loop pads it from there as a row that wrote EOS; decoding
-  stops when every row has ended. A row's text is emitted as it grows; text that could still be the start of a stop
-  string, or ends in an incomplete character, is held back until it cannot, so the pieces emitted for
-  a row join to its final text.
+  where ``generate`` stops; a chat answer's also at :attr:`ActorEngine.turn_end`), at the first stop
+  string in its text (``stop``; the text is cut before it), after its own ``max_tokens`` (``length``)
+  or at the next token after its job was cancelled (its client went away; ``length``), and the loop
+  pads it from there as a row that wrote EOS; decoding stops when every row has ended. A row's text
+  is emitted as it grows; text that could still be the start of a stop string, or ends in an
+  incomplete character, is held back until it cannot, so the pieces emitted for a row join to its
+  final text.
 * :class:`Batcher`: a background thread. It takes the oldest waiting job, waits up to
   ``max_wait_s`` for more, and decodes together up to ``max_batch_size`` waiting jobs that share its
   decoding settings (greedy, or temperature / top-k / top-p) and fit with it in the model's positions
