@@ -496,7 +496,7 @@ class RemoteReward:
             raise wrong(f"with more than {MAX_REPLY_BYTES / 2**20:g} MiB")
         try:
             reply = json.loads(body)  # UTF-8, or UTF-16/32 told by their zero bytes
-        except ValueError:  # a UnicodeDecodeError is one
+        except (ValueError, RecursionError):  # a UnicodeDecodeError is one; RecursionError: nested too deep
             raise wrong(f"with something that is not JSON ({_short(_text(body))!r})") from None
         if not isinstance(reply, dict) or "rewards" not in reply:
             raise wrong(f"JSON without a \"rewards\" key ({_short(json.dumps(reply))})")

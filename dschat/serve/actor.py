@@ -33,6 +33,8 @@ through step 3's own decoding loops.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -90,8 +92,8 @@ class ActorEngine:
     ``eos_token_id`` (an int or a list: e.g. an end-of-turn id), as ``generate`` stops on them;
     ``turn_end``: the token the chat template closes an answer with, which also ends a chat answer
     (:func:`~dschat.models.tokenizer.template_turn_end_id`; a base model's ChatML ``<|im_end|>``). The
-    tokenizer is used under a lock: requests are encoded on the server's event loop while the worker
-    decodes answers."""
+    tokenizer is used under a lock: requests are encoded in the server's worker threads while the
+    decoding worker decodes answers."""
 
     name: str
     folder: str
@@ -101,6 +103,15 @@ class ActorEngine:
     eos_ids: frozenset[int]
     turn_end: int | None = None
     _tokenizer_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """The most characters text of at most ``max_positions`` tokens can have: that many times the
+        longest token's string (a vocabulary entry's raw string is never shorter than the text it
+        decodes to: ``Ġ`` for a space, ``<0x0A>`` for a byte). A longer prompt cannot fit, and is
+        refused before it is tokenised."""
+        longest = max((len(token) for token in self.tokenizer.get_vocab()), default=1)
+        return self.max_positions * max(longest, 1)
 
     @property
     def has_chat_template(self) -> bool:
@@ -133,8 +144,10 @@ def load_actor_engine(model: str, *, device: str = "auto") -> ActorEngine:
     tokenizer = load_hf_tokenizer(folder)
     net = create_hf_model(AutoModelForCausalLM, folder, tokenizer).to(pick_device(device)).eval()
     limit = getattr(net.config, "max_position_embeddings", None) or tokenizer.model_max_length
-    return ActorEngine(model, folder, net, tokenizer, int(limit), end_ids(net, tokenizer),
-                       template_turn_end_id(tokenizer))
+    engine = ActorEngine(model, folder, net, tokenizer, int(limit), end_ids(net, tokenizer),
+                         template_turn_end_id(tokenizer))
+    engine.max_prompt_chars  # noqa: B018 -- read the vocabulary now, before any request or the decoding worker
+    return engine
 
 
 def end_ids(model: Any, tokenizer: Any) -> frozenset[int]:
@@ -160,6 +173,11 @@ class Done:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    status: int = 500  # the HTTP status the request is answered with (503: the server is shutting down)
+
+
+#: What a request still open when the server begins to shut down is answered (HTTP 503).
+SHUTTING_DOWN = "the server is shutting down; send the request again to a running server"
 
 
 @dataclass(eq=False)
@@ -392,7 +410,8 @@ def _fits(rows: Sequence[Job], max_positions: int) -> bool:
     """Whether ``rows`` decode together within ``max_positions``: every row steps until the longest
     answer ends, so the widest prompt plus the largest asked ``max_tokens`` must fit; a
     :attr:`Job.fill` row asks for one token and takes the room left, which must be at least half of
-    its own room (``max_tokens`` as submitted): another request's long prompt never cuts it short."""
+    its own room (``max_tokens`` as submitted): another request's long prompt may cut its answer, to
+    no less than half of that room."""
     room = max_positions - max(len(job.prompt_ids) for job in rows)
     asked = max((job.max_tokens for job in rows if not job.fill), default=1)
     return asked <= room and all(2 * room >= job.max_tokens for job in rows if job.fill)
@@ -417,7 +436,8 @@ class Batcher:
     """Decodes submitted jobs on one background thread with ``decoder``, batching those that wait (see
     the module docstring). The thread first warms the decoder up (:attr:`warm_up_error`: what it
     raised, else None; the constructor returns after it). :meth:`submit` never blocks; a batch that
-    raises reports :class:`Failed` to each of its jobs still running and the worker goes on."""
+    raises reports :class:`Failed` to each of its jobs still running and the worker goes on;
+    :meth:`shut_down` answers every open job 503."""
 
     def __init__(self, decoder: Decoder, max_batch_size: int, max_wait_s: float) -> None:
         self.decoder, self.max_batch_size, self.max_wait_s = decoder, max_batch_size, max_wait_s
@@ -426,14 +446,39 @@ class Batcher:
         self._ready = threading.Condition()
         self.batch_sizes: list[int] = []  # every batch decoded, in order (for tests and benchmarks)
         self.warm_up_error: Exception | None = None
+        self._running: list[Job] = []  # the batch being decoded
+        self._closing = False
         warmed = threading.Event()
         threading.Thread(target=self._run, args=(warmed,), name="dschat-serve-decode", daemon=True).start()
         warmed.wait()
 
     def submit(self, job: Job) -> None:
         with self._ready:
+            if self._closing:
+                job.emit(Failed(SHUTTING_DOWN, 503))
+                return
             self._waiting.append(job)
             self._ready.notify()
+
+    def load(self) -> dict[str, int]:
+        """``{"waiting": jobs waiting, "decoding": jobs in the batch being decoded}`` (what an actor's
+        ``GET /health`` reports)."""
+        with self._ready:
+            return {"waiting": len(self._waiting), "decoding": len(self._running)}
+
+    def shut_down(self) -> None:
+        """The server begins to stop: every job waiting or decoding is answered 503 at once (its rows
+        stop at their next token) and later ones are refused, rather than cut by the server's grace
+        limit without an OpenAI error body."""
+        with self._ready:
+            if self._closing:  # a second signal: they were answered
+                return
+            self._closing = True
+            jobs, self._waiting = [*self._waiting, *self._running], []
+        for job in jobs:
+            job.cancelled = True
+            with contextlib.suppress(Exception):  # a request gone (its loop closed)
+                job.emit(Failed(SHUTTING_DOWN, 503))
 
     def _take(self) -> list[Job]:
         """The next batch: the oldest job and, after waiting up to ``max_wait_s`` for the batch to fill,
@@ -448,6 +493,7 @@ class Batcher:
                 self._ready.wait(left)
             batch = select_batch(self._waiting, limit, self.max_positions)
             self._waiting = [job for job in self._waiting if job not in batch]
+            self._running = batch
             return batch
 
     def _run(self, warmed: threading.Event) -> None:
@@ -468,6 +514,8 @@ class Batcher:
                         job.emit(Failed(f"decoding failed: {type(err).__name__}: {err}"))
                     except Exception:  # noqa: BLE001 - a request gone (its loop closed): the worker goes on
                         pass
+            with self._ready:
+                self._running = []
 
 
 def start_batcher(engine: ActorEngine, choice: str, max_batch_size: int, max_wait_s: float) -> tuple[Batcher, str]:

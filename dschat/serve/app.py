@@ -3,7 +3,8 @@
 Routes:
 
 - ``GET /health``: ``{"status": "ok", "model": folder, "kind": "reward"}`` (an actor:
-  ``{"status": "ok", "model": name, "kind": "actor"}``).
+  ``{"status": "ok", "model": name, "kind": "actor", "waiting": n, "decoding": n}``, its jobs waiting
+  and being decoded now).
 - ``POST /get_reward``: OpenRLHF's remote reward protocol. Body ``{"query": [str, ...], "prompts":
   [str, ...], "labels": [str, ...]}`` (``prompts`` and ``labels`` optional, unused by a reward model);
   reply ``{"rewards": [float, ...]}``, one per query, in order. A body that is not JSON, has a field of
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import sys
 from typing import Any, Callable
 
 from fastapi import FastAPI, Request
@@ -34,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from dschat.serve.actor import ActorEngine, Batcher
 from dschat.serve.openai_api import add_actor_routes, error_body
-from dschat.serve.reward_scorer import BadQuery, RewardScorer
+from dschat.serve.reward_scorer import BadQuery, NonFiniteScore, RewardScorer
 
 __all__ = ["ApiKeyGate", "RewardRequest", "RewardReply", "build_actor_app", "build_app", "add_reward_routes"]
 
@@ -80,7 +82,8 @@ def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
     is not scored (a client that timed out and retried does not make the queue longer), and the
     scoring runs in a worker thread. A query of no tokens or one the tokenizer cannot encode
     (:class:`~dschat.serve.reward_scorer.BadQuery`) gets a 422 naming its index, and none of the
-    request's queries is scored."""
+    request's queries is scored; a query the model scores NaN or infinite
+    (:class:`~dschat.serve.reward_scorer.NonFiniteScore`) a 500 naming it."""
     turn = asyncio.Lock()
 
     @app.post("/get_reward", response_model=RewardReply)
@@ -92,6 +95,9 @@ def add_reward_routes(app: FastAPI, scorer: RewardScorer) -> None:
                 return RewardReply(rewards=await run_in_threadpool(scorer.score, request.query))
             except BadQuery as err:
                 return JSONResponse({"detail": str(err)}, status_code=422)
+            except NonFiniteScore as err:  # the model's fault: said on the server too
+                print(f"[serve] {err}", file=sys.stderr, flush=True)
+                return JSONResponse({"detail": str(err)}, status_code=500)
 
 
 def build_app(reward: RewardScorer, api_key: str | None = None) -> FastAPI:
@@ -116,7 +122,7 @@ def build_actor_app(engine: ActorEngine, batcher: Batcher, api_key: str | None =
 
     @app.get("/health")
     def get_health() -> dict[str, Any]:
-        return health
+        return {**health, **batcher.load()}
 
     add_actor_routes(app, engine, batcher)
     if api_key:

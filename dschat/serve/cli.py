@@ -7,8 +7,9 @@ adapter folder; else one line) -> bind the port (a busy one is one line naming `
 the model (an actor: its decoder picked by ``--decoding_engine`` and warmed up) -> print the line
 ``serving <kind> <folder> on http://HOST:PORT (...)`` (the bound port, also for ``--port 0``; an
 actor's line ends with ``; decoding with <engine>: <why>``) -> serve until stopped (Ctrl-C or SIGTERM:
-uvicorn's graceful shutdown, bounded: requests still open after :data:`GRACEFUL_SHUTDOWN_SECONDS`, a
-client's half-sent body too, are cancelled and the process exits). A reward model's ``--max_seq_len``
+an actor's open requests are answered 503 at once; then uvicorn's graceful shutdown, bounded: requests
+still open after :data:`GRACEFUL_SHUTDOWN_SECONDS`, a client's half-sent body too, are cancelled and
+the process exits). A reward model's ``--max_seq_len``
 longer than its position table (OPT, GPT-2, ...: :func:`check_seq_len_fits_positions`, from the config)
 is refused before the port is bound. Every refusal is one ``error:`` line, exit code 2. With
 ``DSCHAT_SERVE_API_KEY`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``
@@ -24,7 +25,8 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Sequence
+from types import FrameType
+from typing import Callable, Sequence
 
 from dschat.errors import UserError, cli_main
 from dschat.eval.scoring import check_reward_folder, pick_device
@@ -132,6 +134,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(_main, argv)
 
 
+def _answering_first(handle_exit: Callable[[int, FrameType | None], None],
+                     shut_down: Callable[[], None]) -> Callable[[int, FrameType | None], None]:
+    """uvicorn's signal handler ``handle_exit``, calling ``shut_down`` (the batcher's: every open request
+    answered 503 with OpenAI's error body) first, so that its graceful shutdown finds them answered
+    rather than cancelling them at its limit without one."""
+    def handle(sig: int, frame: FrameType | None) -> None:
+        shut_down()
+        handle_exit(sig, frame)
+    return handle
+
+
 def _main(argv: Sequence[str] | None) -> None:
     args = build_parser().parse_args(argv)
     if _MISSING is not None:
@@ -187,6 +200,9 @@ def _main(argv: Sequence[str] | None) -> None:
                   f"POST /v1/chat/completions, GET /health); decoding with {decoding}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=75,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS)
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+        if not reward:  # open requests are answered 503 as the server begins to stop
+            server.handle_exit = _answering_first(server.handle_exit, batcher.shut_down)
+        server.run(sockets=[sock])
     finally:
         sock.close()

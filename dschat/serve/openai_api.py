@@ -4,13 +4,15 @@
 Bodies are checked by pydantic, strictly (a number is not taken for a string, nor a string for a
 number); fields OpenAI defines that are not listed in :class:`_Common` and the two request models are
 ignored. Every refusal is an OpenAI error body ``{"error": {"message", "type", "param", "code"}}``:
-400 for a bad body (not JSON, a wrong type, a value out of range, ``n`` other than 1, a prompt or a
-message the tokenizer cannot encode -- a lone surrogate, such as JSON's ``"\\ud800"`` --, a prompt that
-leaves no room for ``max_tokens`` within the model's positions, chat on a tokenizer without a chat
-template, an unsupported option such as ``logprobs``), 404 for an unknown model name or route, 405 for
-a wrong method, 500 when decoding fails. A streamed answer is server-sent events, one
+400 for a bad body (not JSON, a wrong type, a value out of range, ``n`` other than 1, more than
+:data:`MAX_STOPS` stop strings, a prompt or a message the tokenizer cannot encode -- a lone surrogate,
+such as JSON's ``"\\ud800"`` --, a prompt that leaves no room for ``max_tokens`` within the model's
+positions, or has more characters than those positions can hold (checked before tokenising), chat on
+a tokenizer without a chat template, an unsupported option such as ``logprobs``), 404 for an unknown
+model name or route, 405 for a wrong method, 500 when decoding fails. A streamed answer is server-sent events, one
 ``data: {chunk}`` per piece of text in OpenAI's chunk format (the last chunk of a choice carries its
-``finish_reason``), then ``data: [DONE]``.
+``finish_reason``), then ``data: [DONE]``. A field sent as ``null`` takes its default; a temperature
+below :data:`GREEDY_BELOW` decodes greedily. Prompts are tokenised in a worker thread.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from typing import Any, AsyncIterator, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from fastapi.concurrency import run_in_threadpool
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dschat.rlhf.rollout.sampling import DecodingSettings
@@ -48,6 +51,10 @@ def error_body(message: str, status: int, param: str | None = None, code: str | 
 
 #: The seeds ``torch.manual_seed`` takes (a signed or an unsigned 64-bit integer); others are a 400.
 SEED_MIN, SEED_MAX = -2**63, 2**64 - 1
+#: The most stop strings a request may give (OpenAI's limit): each is looked for at every token.
+MAX_STOPS = 4
+#: A temperature below this decodes greedily (as vLLM): dividing the logits by it would overflow.
+GREEDY_BELOW = 1e-5
 
 
 class _StreamOptions(BaseModel):
@@ -74,6 +81,13 @@ class _Common(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """A field given as ``null`` takes its default, as OpenAI's API (the ``openai`` client sends
+        ``null`` for an argument passed as ``None``)."""
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
 
 
 class CompletionRequest(_Common):
@@ -106,7 +120,7 @@ class ChatRequest(_Common):
 
 
 def _settings(request: _Common) -> DecodingSettings:
-    if request.temperature == 0.0:
+    if request.temperature < GREEDY_BELOW:
         return DecodingSettings(decoding="greedy")
     return DecodingSettings(decoding="sample", temperature=request.temperature, top_k=max(request.top_k, 0),
                             top_p=request.top_p)
@@ -132,6 +146,8 @@ def _stops(request: _Common) -> tuple[str, ...]:
     stops = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
     if any(not stop for stop in stops):
         raise ApiError(400, "stop strings must not be empty", "stop")
+    if len(stops) > MAX_STOPS:
+        raise ApiError(400, f"{len(stops)} stop strings: at most {MAX_STOPS} (as OpenAI's API)", "stop")
     return tuple(stops)
 
 
@@ -204,7 +220,7 @@ async def _collect(answer: _Answer, client: Request) -> tuple[list[str], list[Do
     try:
         async for index, event in answer.events():
             if isinstance(event, Failed):
-                raise ApiError(500, event.message)
+                raise ApiError(event.status, event.message)
             if isinstance(event, Delta):
                 texts[index] += event.text
             else:
@@ -242,7 +258,7 @@ async def _stream(answer: _Answer, head: dict[str, Any], chat: bool, include_usa
                 yield chunk(index, None, event.finish_reason)
             else:
                 answer.cancel()
-                yield _sse(error_body(event.message, 500))
+                yield _sse(error_body(event.message, event.status))
                 break
         else:
             if include_usage:
@@ -307,9 +323,17 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
                        for i, (text, d) in enumerate(zip(texts, done))]
         return {**head, "object": kind, "choices": choices, "usage": _usage(done)}
 
+    def check_length(characters: int, name: str, param: str) -> None:
+        """A 400 for text too long to fit in the model's positions whatever its tokens, before the
+        tokenizer (which the decoding worker shares) spends seconds on it."""
+        if characters > engine.max_prompt_chars:
+            raise ApiError(400, f"{name} has {characters} characters, more than the model's {engine.max_positions} "
+                                "positions can hold; shorten it", param, "context_length_exceeded")
+
     def encode_prompt(prompt: str, name: str) -> list[int]:
         """``prompt``'s ids; a 400 (param ``prompt``) whose message starts with ``name`` (``prompt``, or
-        ``prompt[i]`` of a list) when the tokenizer cannot encode it."""
+        ``prompt[i]`` of a list) when it is too long or the tokenizer cannot encode it."""
+        check_length(len(prompt), name, "prompt")
         try:
             return engine.encode(prompt)
         except UnencodableText as why:
@@ -323,8 +347,8 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
             raise ApiError(400, "prompt is an empty list; give at least one prompt", "prompt")
         max_tokens = request.max_tokens if request.max_tokens is not None else 16  # OpenAI's default
         names = ["prompt"] if isinstance(request.prompt, str) else [f"prompt[{i}]" for i in range(len(prompts))]
-        return await respond(request, [encode_prompt(p, name) for p, name in zip(prompts, names)], max_tokens,
-                             chat=False, client=client)
+        ids = await run_in_threadpool(lambda: [encode_prompt(p, name) for p, name in zip(prompts, names)])
+        return await respond(request, ids, max_tokens, chat=False, client=client)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: ChatRequest, client: Request) -> Any:
@@ -339,8 +363,9 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
                 check_unicode(message["content"])
             except UnencodableText as why:
                 raise ApiError(400, f"messages[{index}].content {why}", "messages") from None
+        check_length(sum(len(m["content"]) for m in messages), "messages", "messages")
         try:
-            ids = engine.encode_chat(messages)
+            ids = await run_in_threadpool(engine.encode_chat, messages)
         except Exception as err:  # noqa: BLE001 - a template's own refusal (roles out of order, ...)
             raise ApiError(400, f"the chat template refused these messages: {err}", "messages") from None
         max_tokens = request.max_completion_tokens or request.max_tokens

@@ -19,6 +19,7 @@ loaded, as step 3 loads such a critic (:func:`dschat.models.build.create_critic_
 """
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,8 @@ from dschat.models.registry import check_seq_len_fits_positions
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.paths import is_adapter_folder
 
-__all__ = ["BadQuery", "EmptyQuery", "RewardScorer", "UnencodableQuery", "UnencodableText", "check_unicode",
-           "encode_text", "load_reward_scorer"]
+__all__ = ["BadQuery", "EmptyQuery", "NonFiniteScore", "RewardScorer", "UnencodableQuery", "UnencodableText",
+           "check_unicode", "encode_text", "load_reward_scorer"]
 
 
 class UnencodableText(ValueError):
@@ -81,6 +82,17 @@ class EmptyQuery(BadQuery):
                                 "so it has no last token to score; send a non-empty text")
 
 
+class NonFiniteScore(RuntimeError):
+    """The model scored query ``index`` as NaN or infinite: the model's fault, not the query's (weights
+    gone non-finite in training, an overflow in its dtype). The server answers 500 naming it, rather
+    than a ``null`` where a float is promised."""
+
+    def __init__(self, index: int, score: float) -> None:
+        super().__init__(f"the reward model scored query[{index}] as {score} (non-finite weights, or an overflow "
+                         "in its dtype); no query of the request is answered: check the model")
+        self.index = index
+
+
 class UnencodableQuery(BadQuery):
     """Query ``index`` of a request is text the tokenizer cannot encode (:func:`encode_text`)."""
 
@@ -101,8 +113,9 @@ class RewardScorer:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def score(self, texts: Sequence[str]) -> list[float]:
-        """One score per text, in order; nothing is scored when a text is bad: :class:`UnencodableQuery`
-        for the first text the tokenizer cannot encode, else :class:`EmptyQuery` for the first of no tokens."""
+        """One finite score per text, in order; nothing is scored when a text is bad: :class:`UnencodableQuery`
+        for the first text the tokenizer cannot encode, else :class:`EmptyQuery` for the first of no tokens.
+        :class:`NonFiniteScore` for the first text the model scores NaN or infinite."""
         # The end score is read at the last token: a text too long keeps its end (as step 3's scoring does).
         rows: list[list[int]] = []
         for index, text in enumerate(texts):
@@ -114,7 +127,11 @@ class RewardScorer:
         if empty is not None:
             raise EmptyQuery(empty)
         with self._lock:
-            return score_sequences(self.model, rows, self.tokenizer.pad_token_id, self.batch_size)
+            scores = score_sequences(self.model, rows, self.tokenizer.pad_token_id, self.batch_size)
+        bad = next((i for i, score in enumerate(scores) if not math.isfinite(score)), None)
+        if bad is not None:
+            raise NonFiniteScore(bad, scores[bad])
+        return scores
 
 
 def load_reward_scorer(folder: str | Path, *, device: str = "auto", max_len: int | None = None,

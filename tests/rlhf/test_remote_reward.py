@@ -195,6 +195,7 @@ def test_a_request_past_its_timeout_is_retried_then_named():
 
 @pytest.mark.parametrize("reply, what", [
     (raw(b"<html>oops</html>"), "with something that is not JSON"),
+    (raw(b"[" * 100_000 + b"]" * 100_000), "with something that is not JSON"),  # nested past the parser's depth
     ({"scores": [1.0]}, 'JSON without a "rewards" key'),
     ({"rewards": "1.0"}, '"rewards" of type str, not a list'),
     ({"rewards": [1.0, 2.0, 3.0]}, "3 rewards for 2 queries"),
@@ -740,3 +741,14 @@ def test_each_chunk_carries_the_labels_of_its_own_answers():
     by_prompt = dict(zip(PROMPTS, labels))
     for request in server.requests:
         assert request["labels"] == [by_prompt[p] for p in request["prompts"]]
+
+
+def test_a_missing_label_is_sent_as_an_empty_string(monkeypatch):
+    """A row whose reference answer is None sends the label "" (not the text "None", which a verifier
+    would score against)."""
+    sent = []
+    client = RemoteReward("http://127.0.0.1:9/get_reward")
+    monkeypatch.setattr(client, "check_owner", lambda: None)
+    monkeypatch.setattr(client, "_post", lambda payload, stop=None: sent.append(payload) or [0.0])
+    client(["p"], ["a"], answer=[None])
+    assert sent[0]["labels"] == [""]

@@ -173,6 +173,27 @@ def test_a_query_of_no_tokens_is_a_422_naming_its_index(no_bos_reward_folder):
     assert ok.status_code == 200 and len(ok.json()["rewards"]) == 2
 
 
+def test_a_query_the_model_scores_nan_is_a_500_naming_it_and_step3s_client_says_so(reward_folder, tmp_path, capsys):
+    """A reward model whose value head went NaN: a 500 naming the query and the model, said on the
+    server too, not ``{"rewards": [null]}`` (a float was promised); step 3's client quotes that line."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "rm_nan"
+    shutil.copytree(reward_folder, folder)
+    head = folder / "v_head.safetensors"
+    save_file({name: torch.full_like(value, float("nan")) for name, value in load_file(head).items()}, head)
+    scorer = load_reward_scorer(folder, device="cpu", batch_size=4)
+    with serving_in_process(build_app(scorer)) as url:
+        reply = requests.post(url + "/get_reward", json={"query": TEXTS[:2]}, timeout=60)
+        with pytest.raises(UserError) as refused:
+            RemoteReward(url + "/get_reward", retries=0)(["", ""], TEXTS[:2])
+    assert reply.status_code == 500, reply.text
+    detail = reply.json()["detail"]
+    assert detail.startswith("the reward model scored query[0] as nan") and "\n" not in detail
+    assert "the reward model scored query[0] as nan" in str(refused.value)
+    assert "[serve] the reward model scored query[0] as nan" in capsys.readouterr().err
+
+
 def test_a_text_longer_than_max_seq_len_is_cut(reward_folder):
     long_text = TEXTS[1] * 8
     with served_reward_model(reward_folder, "--max_seq_len", "12", "--device", "cpu") as served:

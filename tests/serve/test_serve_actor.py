@@ -286,6 +286,44 @@ def test_the_sampling_settings_reach_the_decoder():
     chat = ChatRequest(model="m", messages=[{"role": "user", "content": "a"}], temperature=1.5, top_k=-1)
     assert _settings(chat) == DecodingSettings(decoding="sample", temperature=1.5, top_k=0, top_p=1.0)
     assert _settings(CompletionRequest(model="m", prompt="a", temperature=0.0, top_p=0.5)) == GREEDY
+    # Below 1e-5 the logits divided by it overflow: greedy, as vLLM (a 500 blaming the model before).
+    assert _settings(CompletionRequest(model="m", prompt="a", temperature=1e-40)) == GREEDY
+    assert _settings(CompletionRequest(model="m", prompt="a", temperature=2e-5)).decoding == "sample"
+
+
+def test_a_field_sent_as_null_takes_its_default(client, chat_folder):
+    """OpenAI's API takes ``null`` for its optional fields, and the ``openai`` client sends it for an
+    argument passed as None: a 400 before."""
+    kwargs = dict(model=str(chat_folder), max_tokens=4, temperature=None, top_p=None, n=None, stream=None,
+                  presence_penalty=None, frequency_penalty=None, stop=None, seed=None)
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], **kwargs)
+    assert chat.choices[0].message.content is not None and chat.usage.completion_tokens <= 4
+    done = client.completions.create(prompt=PROMPTS[0], echo=None, best_of=None, **kwargs)
+    assert done.usage.completion_tokens <= 4
+
+
+def test_a_prompt_too_long_to_fit_whatever_its_tokens_is_refused_before_tokenising(server, chat_folder):
+    """More characters than the positions times the longest token's string cannot fit: a 400 at once,
+    without tokenising it (which holds the tokenizer the decoding worker shares, for seconds)."""
+    from transformers import AutoTokenizer
+
+    from dschat.serve.actor import ActorEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(chat_folder)
+    engine = ActorEngine("m", str(chat_folder), None, tokenizer, max_positions=512, eos_ids=frozenset())
+    longest = max(len(token) for token in tokenizer.get_vocab())
+    assert engine.max_prompt_chars == 512 * longest
+    too_long = "a" * (engine.max_prompt_chars + 1)
+    for route, body, param in (("/completions", {"prompt": too_long}, "prompt"),
+                               ("/completions", {"prompt": ["a", too_long]}, "prompt"),
+                               ("/chat/completions", {"messages": [{"role": "user", "content": too_long[:-2]},
+                                                                  {"role": "user", "content": "ab"}]}, "messages")):
+        reply = requests.post(server.api_url + route, json={"model": str(chat_folder), **body}, timeout=60)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["param"], error["code"]) == (param, "context_length_exceeded")
+        assert "characters, more than the model's 512 positions can hold" in error["message"]
+    assert server.proc.poll() is None
 
 
 def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
@@ -314,6 +352,7 @@ def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
     ("/completions", {"model": "M", "prompt": "a", "n": 2}, 400, "n"),
     ("/completions", {"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
     ("/completions", {"model": "M", "prompt": "a", "stop": [""]}, 400, "stop"),
+    ("/completions", {"model": "M", "prompt": "a", "stop": ["x", "y", "z", "w", "v"]}, 400, "stop"),
     ("/completions", {"model": "M", "prompt": "a", "seed": 2**64}, 400, "seed"),
     ("/completions", {"model": "M", "prompt": "a", "seed": -2**63 - 1}, 400, "seed"),
     ("/completions", {"model": "M", "prompt": "word " * 300, "max_tokens": 300}, 400, "max_tokens"),
@@ -358,6 +397,60 @@ def test_text_the_tokenizer_cannot_encode_is_a_400_naming_it(server, chat_folder
         assert error["message"].startswith(start) and "\n" not in error["message"], error
         assert error["type"] == "invalid_request_error"
     assert server.proc.poll() is None and not any("Traceback" in line for line in server.output)
+
+
+def _wait_for_load(url: str, load: dict[str, int], limit_s: float = 60.0) -> dict:
+    """The actor server's ``GET /health`` once it reports ``load`` (polled; an AssertionError after ``limit_s``)."""
+    deadline = time.monotonic() + limit_s
+    while (health := requests.get(url + "/health", timeout=10).json()) | load != health:
+        assert time.monotonic() < deadline, f"the server never reported {load}: {health}"
+        time.sleep(0.01)
+    return health
+
+
+def test_health_reports_the_jobs_waiting_and_decoding(chat_folder):
+    """An actor's ``GET /health`` counts the prompts waiting for a batch and those being decoded (two
+    in a batch: the first alone, or with the second, then two more; or two, then two)."""
+    with served_model(chat_folder, "--device", "cpu", "--max_batch_size", "2", "--max_wait_ms", "0") as served:
+        assert requests.get(served.url + "/health", timeout=10).json() == {
+            "status": "ok", "model": str(chat_folder), "kind": "actor", "waiting": 0, "decoding": 0}
+        body = {"model": str(chat_folder), "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0}
+        with ThreadPoolExecutor(4) as pool:
+            replies = [pool.submit(requests.post, served.api_url + "/completions", json={**body, "prompt": p},
+                                   timeout=300) for p in PROMPTS]
+            _wait_for_load(served.url, {"decoding": 2})
+            assert all(reply.result().status_code == 200 for reply in replies)
+        assert _wait_for_load(served.url, {"waiting": 0, "decoding": 0})["kind"] == "actor"
+
+
+def test_requests_open_when_the_server_stops_get_a_503_with_openai_error_body(chat_folder):
+    """SIGTERM while one answer streams and two more wait: each is answered at once with 503 and
+    OpenAI's error body (the stream: an error chunk, then [DONE]), not cancelled at the grace limit
+    with a plain-text 500 and a traceback in the log."""
+    import signal
+
+    with served_model(chat_folder, "--device", "cpu", "--max_batch_size", "1", "--max_wait_ms", "0") as served:
+        body = {"model": str(chat_folder), "prompt": PROMPTS[0], "max_tokens": 480, "temperature": 0}
+        stream = requests.post(served.api_url + "/completions", json={**body, "stream": True}, stream=True,
+                               timeout=120)
+        lines = stream.iter_lines()
+        assert next(line for line in lines if line).startswith(b"data: {")  # decoding has begun
+        with ThreadPoolExecutor(2) as pool:
+            waiting = [pool.submit(requests.post, served.api_url + "/completions", json={**body, "prompt": p},
+                                   timeout=120) for p in PROMPTS[1:3]]
+            # Both wait behind the stream (one prompt per batch), which still decodes: a fixed sleep let
+            # the stream end first on a quiet machine.
+            _wait_for_load(served.url, {"waiting": 2, "decoding": 1})
+            served.proc.send_signal(signal.SIGTERM)
+            replies = [future.result() for future in waiting]
+        rest = [line for line in lines if line]
+        served.proc.wait(timeout=120)
+    for reply in replies:
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["message"].startswith("the server is shutting down")
+    errors = [json.loads(line[6:]) for line in rest if line.startswith(b"data: {") and b'"error"' in line]
+    assert errors and errors[0]["error"]["message"].startswith("the server is shutting down") and rest[-1] == b"data: [DONE]"
+    assert not any("Traceback" in line or "CancelledError" in line for line in served.output)
 
 
 def test_a_wrong_method_gets_an_openai_error(server):
