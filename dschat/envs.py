@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
 
-from dschat.errors import UserError
+from dschat.errors import UserError, exit_code, raised
 from dschat.rewards import CallTimedOut, PendingCall, as_float32, load_callable
 
 __all__ = ["Observation", "StepResult", "EpisodeState", "EnvironmentFactory", "EpisodeBatch",
@@ -168,11 +168,9 @@ def _raise_failure(env_name: str, what: str, where: str, err: BaseException) -> 
         raise UserError(f"environment {env_name}: {what} did not return within --env_timeout {err.seconds:g} s "
                         f"{where}; make it faster or raise --env_timeout (0: no limit)") from None
     if isinstance(err, SystemExit):
-        raise UserError(f"environment {env_name}: {what} called sys.exit({err.code!r}) {where}; raise an "
+        raise UserError(f"environment {env_name}: {what} called sys.exit({exit_code(err)}) {where}; raise an "
                         "exception or return (observation, reward, done) instead") from None
-    first = (str(err).strip().splitlines() or [""])[0]
-    raise UserError(f"environment {env_name}: {what} raised {type(err).__name__}: {first} {where}; "
-                    "fix the environment") from err
+    raise UserError(f"environment {env_name}: {what} raised {raised(err)} {where}; fix the environment") from err
 
 
 class EpisodeBatch:

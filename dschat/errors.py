@@ -7,6 +7,7 @@ is on the command line (or ``DSCHAT_DEBUG=1`` is set).
 """
 from __future__ import annotations
 
+import errno
 import os
 import shlex
 import sys
@@ -29,6 +30,31 @@ def first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else ""
 
 
+def raised(err: BaseException, limit: int = 200) -> str:
+    """``Type: first line of its message`` for a line quoting what user code (an environment, a reward
+    function, a module imported) raised: the text cut to ``limit`` characters, ``Type (no message)``
+    without one, and ``Type (its str() raised)`` when turning it into text is what fails."""
+    name = type(err).__name__
+    try:
+        text = str(err).strip()
+    except Exception:  # noqa: BLE001 -- the exception's own __str__ is user code
+        return f"{name} (its str() raised)"
+    text = text.splitlines()[0] if text else ""
+    if not text:
+        return f"{name} (no message)"
+    return f"{name}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def exit_code(err: SystemExit, limit: int = 60) -> str:
+    """``repr`` of what user code passed to ``sys.exit``, cut to ``limit`` characters (its own
+    ``__repr__`` raising: a placeholder), for the line that says it exited."""
+    try:
+        text = repr(err.code)
+    except Exception:  # noqa: BLE001 -- the object's own __repr__ is user code
+        return f"<a {type(err.code).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def cannot_read(path: str | os.PathLike, err: OSError) -> UserError:
     """The one line for a file or folder this account may not read: ``cannot read X (Permission denied): fix``."""
     where = os.fspath(path)
@@ -49,8 +75,9 @@ def debug_requested(argv: Sequence[str] | None = None) -> bool:
 def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> int:
     """Run ``main(argv)``; map :class:`UserError` to one stderr line and exit code 2.
 
-    Returns the process exit code (0 on success). Other exceptions propagate unchanged: they are
-    bugs, and their traceback is what a bug report needs.
+    So is an ``OSError`` ENAMETOOLONG (a path flag too long for the file system, :func:`name_too_long`:
+    Python's ``Path.exists`` raises it rather than answer False), whichever check meets it first. Returns the process exit code (0 on success). Other exceptions propagate unchanged:
+    they are bugs, and their traceback is what a bug report needs.
     """
     try:
         main(argv)
@@ -59,4 +86,20 @@ def cli_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
             raise
         print(f"error: {err}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except OSError as err:
+        if err.errno != errno.ENAMETOOLONG or debug_requested(argv):
+            raise
+        print(f"error: {name_too_long(err)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
     return 0
+
+
+def name_too_long(err: OSError) -> UserError:
+    """The one line for an ``OSError`` ENAMETOOLONG: the path (its middle cut past 160 characters), and
+    to pass a shorter one."""
+    where = os.fspath(err.filename) if err.filename is not None else "a path given"
+    if len(where) > 160:
+        where = f"{where[:100]}...{where[-57:]}"
+    return UserError(f"{where} has a name longer than the file system allows ({err.strerror or 'ENAMETOOLONG'}: a "
+                     "file or folder name of more than 255 bytes in it, or more than 4096 bytes in all); pass a "
+                     "shorter path")

@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, NoReturn, Sequence
 
 import torch
 
-from dschat.errors import UserError
+from dschat.errors import UserError, exit_code, raised
 from dschat.gold_judge import gold_score
 
 __all__ = [
@@ -194,10 +194,10 @@ class RewardFunction:
                             f"s on a batch of {len(answers)} rows (row 0 prompt {_excerpt(prompts[0]) if prompts else ''}); "
                             "make it faster or raise --reward_fn_timeout (0: no limit)") from None
         if isinstance(err, SystemExit):
-            raise UserError(f"reward function {self.name} called sys.exit({err.code!r}) on a batch of {len(answers)} "
+            raise UserError(f"reward function {self.name} called sys.exit({exit_code(err)}) on a batch of {len(answers)} "
                             f"rows (row 0 prompt {_excerpt(prompts[0]) if prompts else ''}); raise an exception or "
                             "return scores instead") from None
-        raise UserError(f"reward function {self.name} raised {type(err).__name__}: {err} "
+        raise UserError(f"reward function {self.name} raised {raised(err)} "
                         f"{self._failing_row(prompts, answers, kwargs)}; fix the function") from err
 
     def _failing_row(self, prompts: list[str], answers: list[str], kwargs: dict[str, list[Any]]) -> str:
@@ -306,11 +306,10 @@ def load_callable(spec: str, flag: str, example: str) -> Any:
     try:
         module = importlib.import_module(module_name)
     except Exception as err:  # noqa: BLE001 -- an import runs user code; any failure is the user's
-        raise UserError(f"{flag} {spec}: cannot import module {module_name!r} ({type(err).__name__}: "
-                        f"{err}); check the module path and PYTHONPATH") from None
+        raise UserError(f"{flag} {spec}: cannot import module {module_name!r} ({raised(err)}); check the module "
+                        "path and PYTHONPATH") from None
     except SystemExit as err:  # top-level code of the module (argparse's parse_args, say) exited
-        code = repr(err.code) if len(repr(err.code)) <= 60 else repr(err.code)[:57] + "..."
-        raise UserError(f"{flag} {spec}: importing module {module_name!r} called sys.exit({code}); "
+        raise UserError(f"{flag} {spec}: importing module {module_name!r} called sys.exit({exit_code(err)}); "
                         "move the module's script code under if __name__ == '__main__':") from None
     fn: Any = module
     for part in attr.split("."):

@@ -17,9 +17,10 @@ the environments of :mod:`dschat.envs`. Each turn:
 3. **observe**: an episode that goes on gets its observation appended
    (:func:`~dschat.envs.render_observation`: through the chat template as a user or tool message
    where the tokenizer has one, else as text). A turn ends at any of the generator's ``end_ids``
-   ("EOS" below). When the rendered observation begins with the end id the actor's turn ended with
-   (the template's end of the assistant turn), the observation's copy is left out, so the
-   conversation is exactly what the template makes of it and the EOS stays the actor's action.
+   ("EOS" below; for episodes they include the template's end of turn). When the rendered
+   observation begins with the end id the actor's turn ended with (the template's end of the
+   assistant turn), the observation's copy is left out, so the conversation is exactly what the
+   template makes of it and the EOS stays the actor's action.
 
 An episode ends when its environment says done, after ``max_turns`` turns, or when it reaches
 ``max_answer_seq_len`` tokens after the prompt (actor and observation tokens together); the last two
@@ -47,7 +48,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from dschat.envs import EnvironmentFactory, EpisodeBatch, observation_parts
-from dschat.errors import UserError
+from dschat.errors import UserError, raised
 from dschat.rlhf.experience import raise_together
 from dschat.rlhf.rollout.generator import RolloutGenerator
 from dschat.rlhf.rollout.conversation import Conversation
@@ -175,9 +176,8 @@ class EpisodePlayer:
                 # The rendered observation may repeat the end-of-turn token the turn ended with.
                 observed[i] = self.observation_ids(results[i].observation, tokens[i][-1] if ended[i] else None)
             except Exception as err:  # noqa: BLE001 -- the environment's text; every rank is to stop together
-                first = (str(err).strip().splitlines() or [""])[0][:200]
                 raise UserError(f"environment {self.factory.name} {state.where(state.turns)}: the "
-                                f"tokenizer failed on its observation ({type(err).__name__}: {first}); return "
+                                f"tokenizer failed on its observation ({raised(err)}); return "
                                 "plain text the tokenizer takes") from err
         return observed
 

@@ -146,6 +146,24 @@ class TestFailures:
                                      "on row 0 (prompt 'Human: Question number 23 about things. Assistant:', turn 1); "
                                      "fix the environment")
 
+    def test_what_was_raised_is_quoted_in_one_short_clear_line(self, capsys):
+        """No message: "ValueError (no message)", not "ValueError: on row 0" (the place read as the
+        message); a message of 100 000 characters: its first 200; an exception whose own ``__str__``
+        raises: still the one line, exit 2 (a traceback, exit 1, before)."""
+        class BadStr(Exception):
+            def __str__(self) -> str:
+                raise RuntimeError("no str")
+
+        for error, quoted in ((ValueError(), "ValueError (no message)"),
+                              (RuntimeError("x" * 100_000), "RuntimeError: " + "x" * 200 + "..."),
+                              (BadStr(), "BadStr (its str() raised)")):
+            episodes = batch([{"result": OK, "raises": (0, error)}])
+            with pytest.raises(UserError) as caught:
+                episodes.step(["a"])
+            assert str(caught.value) == f"environment env_fixtures:scripted: step raised {quoted} on row 0 (turn 1); " \
+                                        "fix the environment"
+        one_line_exit_2(lambda: batch([{"result": OK, "raises": (0, BadStr())}]).step(["a"]), capsys)
+
     def test_a_user_error_of_the_environment_passes_as_it_is(self):
         episodes = batch([{"result": OK, "raises": (0, UserError("the sandbox needs --foo"))}])
         with pytest.raises(UserError, match="^the sandbox needs --foo$"):
@@ -371,3 +389,22 @@ class TestWordGame:
     def test_a_row_without_one_word(self, row, capsys):
         err = one_line_exit_2(lambda: batch([row], spec="dschat.envs_examples:word_game"), capsys)
         assert "reads the dataset column 'word'" in err and "dschat/wordgame" in err
+
+
+def test_the_calculator_pays_nothing_when_the_reference_has_no_number():
+    """No number in the row's answer: no final answer matches it (None == None paid 1.0)."""
+    assert calculator({"answer": "no number here"}).step("I do not know")[1] == 0.0
+
+
+def test_an_environment_factory_gets_a_copy_of_its_row():
+    """A factory may edit its row; the dataset's row (later episodes, reward-function columns) stays."""
+    from dschat.envs import EnvironmentFactory
+
+    row = {"prompt": "p", "answer": "1"}
+
+    def factory(r):
+        r["answer"] = "changed"
+        return calculator(r)
+
+    EpisodeBatch(EnvironmentFactory("t:f", factory), [row], max_turns=1)
+    assert row["answer"] == "1"

@@ -87,6 +87,12 @@ class TestCalling:
         assert "on row 1 (prompt 'Human: q1 Assistant:', answer 'fine boom here')" in msg
         assert "\n" not in msg
 
+    def test_an_exception_that_cannot_be_printed_is_still_one_line(self):
+        """Its own ``__str__`` raising was a traceback out of the error line's f-string."""
+        with pytest.raises(UserError, match=r"^reward function reward_fixtures:raises_unprintable raised Unprintable "
+                                            r"\(its str\(\) raised\) on row 0 "):
+            load_reward_function("reward_fixtures:raises_unprintable")(PROMPTS, ANSWERS)
+
     def test_wrong_length(self):
         with pytest.raises(UserError, match="reward_fixtures:one_short returned 2 scores for 3 answers"):
             load_reward_function("reward_fixtures:one_short")(PROMPTS, ANSWERS)
@@ -228,6 +234,21 @@ class TestUntrustedResults:
             load_reward_function("reward_fixtures:exits", timeout=30)(PROMPTS, ANSWERS)
         assert reward_fixtures.exits.calls == 1
 
+    def test_a_sys_exit_value_is_shown_short_and_never_breaks_the_line(self):
+        """``sys.exit`` with 5000 characters: 60 of them; with an object whose ``__repr__`` raises: its type
+        (a traceback out of the error line before)."""
+        import sys
+
+        class Unshowable:
+            def __repr__(self) -> str:
+                raise RuntimeError("no repr")
+
+        for code, shown in (("x" * 5000, "'" + "x" * 56 + "..."), (Unshowable(), "<a Unshowable>")):
+            with pytest.raises(UserError) as err:
+                RewardFunction("t:exits", lambda p, a, code=code: sys.exit(code))(PROMPTS, ANSWERS)
+            assert str(err.value).startswith(f"reward function t:exits called sys.exit({shown}) on a batch of 3 rows")
+            assert len(str(err.value)) < 300
+
     def test_a_call_past_the_timeout_stops_with_a_line_naming_the_function(self):
         release, calls = threading.Event(), []
 
@@ -303,3 +324,18 @@ def test_the_final_number_is_the_last_one_and_a_reference_without_one_scores_not
     assert final_number("#### 3 then #### 7") == "7"
     assert math_exact_match(["q"], ["3 + 4 = 7"], answer=["7"]) == [1.0]
     assert math_exact_match(["q"], ["no idea"], answer=["n/a"]) == [0.0]
+
+
+def test_the_reward_model_weight_rules_that_decide_loading_it():
+    """An --env run without --reward_model_weight loads no reward model (the planner and the guards
+    ask reward_model_used); a negative weight is a weight: the model loads and its score counts."""
+    from argparse import Namespace
+
+    from dschat.rewards import reward_model_used
+
+    flags = dict(reward_fn=None, reward_url=None, env=None, reward_model_weight=None)
+    assert reward_model_used(Namespace(**flags))
+    assert not reward_model_used(Namespace(**{**flags, "env": "dschat.envs_examples:calculator"}))
+    assert reward_model_used(Namespace(**{**flags, "env": "x:y", "reward_model_weight": -0.5}))
+    mix = RewardMix(model_weight=-0.5)
+    assert mix.uses_model and mix.score(["p"], ["a"], None, torch.tensor([2.0])).tolist() == [-1.0]
