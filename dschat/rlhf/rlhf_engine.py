@@ -249,6 +249,7 @@ class DeepSpeedRLHFEngine:
             cpu_decode_linear=rollout.cpu_decode_linear,
             release_inference_cache=zero.release_inference_cache,
             inference_tp_size=zero.inference_tp_size, tp_gather_partition_size=zero.tp_gather_partition_size,
+            chat_turn_end=rollout.env is not None,  # episodes continue through the chat template
         )
         # A reward model of another tokenizer reads each answer re-tokenised, at most its own length,
         # as ended where the rollout ended it.

@@ -30,8 +30,8 @@ def test_the_end_ids_are_the_tokenizers_eos_then_the_generation_configs_without_
 
 
 def test_a_chat_templates_close_of_turn_is_found_when_it_is_a_special_token():
-    """The chat CLI and the server's chat answers also end there (not step 3's rollouts: its data is not
-    rendered through the template)."""
+    """The chat CLI, the server's chat answers and step 3's multi-turn episodes also end there (not
+    step 3's single answers: its data is not rendered through the template)."""
     from transformers import AutoTokenizer
 
     from dschat.models.embedded import materialize_smollm2
@@ -118,6 +118,27 @@ def test_a_rollout_stops_at_the_generation_configs_end_id_on_every_path(two_end_
     masks = sequence_masks(PROMPT_MASK, seq, gen.end_ids)
     assert int(masks.answer_lengths[0]) == at + 1  # the answer mask stops at the end id, inclusive
     assert bool(is_end(seq[:, P:], gen.end_ids).any(-1)[0])  # the row counts as ended (EOS rate, penalty)
+
+
+def test_multi_turn_rollouts_also_end_at_the_chat_templates_end_of_turn():
+    """A base model's tokenizer (EOS <|endoftext|>) with ChatML's template: episodes continue the
+    conversation through the template, so their turns also end at <|im_end|>; single answers do not."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dschat.models.embedded import materialize_smollm2
+    from dschat.models.registry import resolve_model_path
+
+    base = AutoTokenizer.from_pretrained(str(materialize_smollm2()), eos_token="<|endoftext|>")
+    im_end = base.convert_tokens_to_ids("<|im_end|>")
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama"))
+    model.generation_config.eos_token_id = None
+    assert _generator(model, base).end_ids == (base.eos_token_id,)
+    assert _generator(model, base, chat_turn_end=True).end_ids == (base.eos_token_id, im_end)
+    instruct = AutoTokenizer.from_pretrained(str(materialize_smollm2()))  # EOS <|im_end|>: not repeated
+    assert _generator(model, instruct, chat_turn_end=True).end_ids == (im_end,)
+    plain = copy.deepcopy(base)
+    plain.chat_template = None  # no template: nothing added
+    assert _generator(model, plain, chat_turn_end=True).end_ids == (base.eos_token_id,)
 
 
 def test_an_episode_turn_ends_at_any_end_id():

@@ -103,6 +103,8 @@ def test_a_one_turn_environment_is_the_single_answer_run(algorithm, tmp_path, cr
                         "--output_dir", str(tmp_path / "env")))
     keys = ("reward", "actor_loss", "critic_loss", "kl_to_ref", "response_length", "approx_kl")
     assert len(by_fn.history) == len(by_env.history) == 2
+    # Episodes also end a turn at the chat template's end of turn (tests/rlhf/test_rollout_end_ids.py).
+    assert by_env.trainer.generator.chat_turn_end and not by_fn.trainer.generator.chat_turn_end
     assert all(_same(a[k], b[k]) for a, b in zip(by_fn.history, by_env.history) for k in keys)
     assert all(r["turns"] == 1.0 and r["observation_tokens"] == 0.0 for r in by_env.history)
     assert len(fn_exps) == len(experiences) == 2

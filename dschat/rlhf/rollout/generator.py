@@ -32,7 +32,10 @@ dschat's Hybrid Engine does the same gather and fusion while it copies the weigh
 
 **Where an answer ends.** Every path stops a row at any id of :attr:`RolloutGenerator.end_ids`: the
 tokenizer's EOS and each id of the model's generation config ``eos_token_id``
-(:func:`dschat.models.tokenizer.end_token_ids`), what upstream's ``generate`` stopped on.
+(:func:`dschat.models.tokenizer.end_token_ids`), what upstream's ``generate`` stopped on. Multi-turn
+episodes (``chat_turn_end``, ``--env``) also end a turn at the special token the chat template closes
+an assistant turn with (:func:`dschat.models.tokenizer.template_turn_end_id`; a base model's tokenizer
+with ChatML's ``<|im_end|>``), since their observations continue the conversation through the template.
 
 **Fallbacks.** A path a flag asked for that cannot serve, or one that fails at run time for a reason
 other than out of memory or bad input, says why in one line, once, and is off for the rest of the
@@ -66,7 +69,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from dschat.errors import UserError
-from dschat.models.tokenizer import end_token_ids
+from dschat.models.tokenizer import end_token_ids, template_turn_end_id
 from dschat.rlhf.rollout.conversation import Conversation
 from dschat.rlhf.rollout.deepspeed_engine import NO_CONTAINER, DeepSpeedHybridEnginePath, HybridEngineDecision
 from dschat.rlhf.rollout.dschat_engine import DschatEnginePath, DschatHybridEngine
@@ -112,7 +115,8 @@ class RolloutGenerator:
     """Generates answers for a batch of left-padded prompts with the actor engine (see the module docstring).
 
     ``zero3_gather`` is ``"auto"`` (gather when the estimate says it fits), ``"on"`` or ``"off"``;
-    it matters only for an actor under ZeRO-3 without DeepSpeed's Hybrid Engine.
+    it matters only for an actor under ZeRO-3 without DeepSpeed's Hybrid Engine. ``chat_turn_end``:
+    answers also end at the chat template's end of turn (multi-turn episodes).
     """
 
     def __init__(
@@ -130,12 +134,17 @@ class RolloutGenerator:
         release_inference_cache: bool = False,
         inference_tp_size: int = 1,
         tp_gather_partition_size: int = 8,
+        chat_turn_end: bool = False,
     ) -> None:
         self.actor = actor
         self.tokenizer = tokenizer
         # What a rollout stops on: the tokenizer's EOS and the model's generation-config EOS ids
-        # (upstream's generate stops on the latter).
+        # (upstream's generate stops on the latter); with chat_turn_end, the template's end of turn too.
         self.end_ids: tuple[int, ...] = end_token_ids(actor.module, tokenizer)
+        self.chat_turn_end = chat_turn_end
+        turn_end = template_turn_end_id(tokenizer) if chat_turn_end else None
+        if turn_end is not None and turn_end not in self.end_ids:
+            self.end_ids += (turn_end,)
         self.decision = decision
         self.decoding = decoding
         self.max_answer_seq_len = max_answer_seq_len
