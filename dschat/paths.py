@@ -2,6 +2,7 @@
 files that one part writes and another reads."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -66,6 +67,19 @@ def is_adapter_folder(path: str | os.PathLike) -> bool:
     model, loaded as one)."""
     folder = Path(path)
     return (folder / ADAPTER_CONFIG_FILE).is_file() and not (folder / "config.json").is_file()
+
+
+def adapter_base(path: str | os.PathLike) -> str | None:
+    """The base model an adapter folder (:func:`is_adapter_folder`) names: its config's
+    ``base_model_name_or_path``, stripped. None for another folder and for a config that cannot be read
+    or names no base as a string (the adapter's loader says why, when it is loaded)."""
+    if not is_adapter_folder(path):
+        return None
+    try:
+        base = json.loads((Path(path) / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))["base_model_name_or_path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return base.strip() if isinstance(base, str) else None
 
 
 def step3_part(path: str | os.PathLike, part: str) -> Path | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from dschat.errors import UserError
 from dschat.multinode import DEFAULT_DIST_TIMEOUT_MINUTES
 from dschat.paths import SAVE_FORMATS, data_cache_dir
 from dschat.runtime.fs import resolve_output_dir
@@ -18,6 +19,12 @@ from dschat.runtime.fs import resolve_output_dir
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 DTYPE_CHOICES = ("fp16", "bf16", "fp32")
+
+
+def check_seed(seed: int) -> None:
+    """``--seed`` must be one NumPy (and so every generator) takes: 0 to 2**32 - 1."""
+    if not 0 <= seed < 2**32:
+        raise UserError(f"--seed must be from 0 to 4294967295 (2**32 - 1), got {seed}")
 
 
 def user_path(value: str) -> str:

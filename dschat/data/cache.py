@@ -41,7 +41,7 @@ from dschat.data.dispatch import DatasetSource
 from dschat.data.local_files import expand
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.errors import UserError
-from dschat.runtime.fs import atomic_files, missing_ancestors, pending_files, recover_files
+from dschat.runtime.fs import atomic_files, missing_ancestors, pending_files, recover_files, remove_made_folders
 from dschat.runtime.file_lock import trusted_lock
 from dschat.runtime.trust import check_trusted, make_trusted_dir
 
@@ -240,11 +240,7 @@ def building(files: CacheFiles) -> Iterator[None]:
         if created:
             with contextlib.suppress(FileNotFoundError):
                 files.lock.unlink()
-            for folder in created:
-                try:
-                    folder.rmdir()
-                except OSError:  # not empty: someone else's files
-                    break
+            remove_made_folders(created)  # not those holding someone else's files
         raise
 
 

@@ -84,6 +84,12 @@ class PhasePlan:
     sft_selections: list[PhaseRows]
 
 
+def check_data_path(data_path: Sequence[str]) -> None:
+    """``--data_path`` must name at least one dataset."""
+    if not data_path:
+        raise UserError("--data_path is empty; name at least one dataset")
+
+
 def plan_phase_data(
     data_path: Sequence[str],
     sft_only_data_path: Sequence[str],
@@ -98,6 +104,8 @@ def plan_phase_data(
     ``sft_only_data_path`` datasets use split ``"10,0,0"`` (callers pass them in phase 1 only).
     Needs no torch: ``python -m dschat.data.prepare`` validates data with it before loading a model.
     """
+    check_data_path(data_path)
+
     def select(name: str, split: str) -> PhaseRows:
         raw = get_raw_dataset(name, output_path, seed, local_rank)
         if train_phase == 2 and not raw.has_rejected:

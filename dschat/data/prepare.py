@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 from typing import Sequence
 
-from dschat.cli.shared import add_data_args, user_path
+from dschat.cli.shared import add_data_args, check_seed, user_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.data.phases import plan_phase_data
 from dschat.data.split import parse_data_split
@@ -64,6 +64,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Input checks first, without torch/transformers and without writing anything: names, paths,
     # the split, then the data itself (parse errors, columns, empty phases).
     parse_data_split(args.data_split)
+    check_seed(args.seed)
     if args.max_seq_len < 1:
         raise UserError(f"--max_seq_len must be positive, got {args.max_seq_len}")
     sft_paths = list(args.sft_only_data_path) if args.train_phase == 1 else []

@@ -25,7 +25,7 @@ from dschat.data.cache import (
     write_cache,
 )
 from dschat.data.dispatch import resolve_dataset
-from dschat.data.phases import PhasePlan, PhaseRows, plan_phase_data, require_eval
+from dschat.data.phases import PhasePlan, PhaseRows, check_data_path, plan_phase_data, require_eval
 from dschat.data.split import get_shuffle_idx, parse_data_split
 from dschat.data.token_dataset import PromptDataset
 from dschat.data.tokenization import tokenize_selection
@@ -125,8 +125,7 @@ def create_prompt_dataset(
     the rows steps 1 and 2 trained on (docs/upstream.md#flags-and-defaults).
     """
     data_path = [data_path] if isinstance(data_path, str) else list(data_path)
-    if not data_path:
-        raise UserError("--data_path is empty; name at least one dataset")
+    check_data_path(data_path)
     if train_phase not in (1, 2, 3):
         raise UserError(f"train_phase must be 1, 2 or 3, got {train_phase}")
     if int(max_seq_len) < 1:

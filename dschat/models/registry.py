@@ -18,7 +18,6 @@ level: the builders (transformers, tokenizers) load only when a short name is as
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 from pathlib import Path
@@ -28,7 +27,7 @@ from dschat.errors import UserError, cannot_read
 from dschat.models.embedded import materialize_smollm2
 from dschat.models.families import POSITION_TABLE_MODEL_TYPES
 from dschat.models.tiny import build_tiny_model
-from dschat.paths import ADAPTER_CONFIG_FILE, is_adapter_folder
+from dschat.paths import ADAPTER_CONFIG_FILE, adapter_base, is_adapter_folder
 from dschat.runtime.inplace import unfinished_save, unfinished_set
 
 EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
@@ -310,16 +309,11 @@ def weights_fingerprint(name_or_path: str, _depth: int = 0) -> str | None:
                     digest.update(handle.read(_PIECE))
     except OSError:  # a file this account cannot read (one the loader may not need): nothing to compare
         return None
-    if is_adapter_folder(folder) and _depth < 8:  # its base, down the chain (a loop stops at 8)
-        try:
-            base = json.loads((folder / ADAPTER_CONFIG_FILE).read_text(encoding="utf-8"))["base_model_name_or_path"]
-        except (OSError, ValueError, KeyError, TypeError):
-            base = None
-        if isinstance(base, str):
-            inner = weights_fingerprint(base.strip(), _depth + 1)
-            if inner is None:  # its base cannot be read: nothing to compare
-                return None
-            digest.update(inner.encode())
+    if _depth < 8 and (base := adapter_base(folder)) is not None:  # its base, down the chain (a loop stops at 8)
+        inner = weights_fingerprint(base, _depth + 1)
+        if inner is None:  # its base cannot be read: nothing to compare
+            return None
+        digest.update(inner.encode())
     return digest.hexdigest()
 
 

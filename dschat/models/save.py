@@ -219,7 +219,8 @@ def _write_upstream_bin(module: nn.Module, state: dict[str, torch.Tensor], folde
     hf_model.config.save_pretrained(folder)
     if hf_model.can_generate():
         hf_model.generation_config.save_pretrained(folder)
-    torch.save({k: v.contiguous() for k, v in state.items()}, folder / UPSTREAM_WEIGHTS_FILE)
+    with open(folder / UPSTREAM_WEIGHTS_FILE, "wb") as handle:  # a full disk keeps its errno (ENOSPC)
+        torch.save({k: v.contiguous() for k, v in state.items()}, handle)
 
 
 def save_hf_model(model: Any, tokenizer: Any, output_dir: str | Path, save_format: str = "safetensors") -> Path | None:

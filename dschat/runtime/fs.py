@@ -53,6 +53,7 @@ __all__ = [
     "refuse_foreign_link_on_the_way",
     "open_own",
     "missing_ancestors",
+    "remove_made_folders",
     "fsync_path",
     "fsync_tree",
     "atomic_file",
@@ -103,6 +104,18 @@ def missing_ancestors(path: Path) -> list[Path]:
         missing.append(path)
         path = path.parent
     return missing
+
+
+def remove_made_folders(made: Sequence[Path]) -> None:
+    """Remove the empty folders a call made (``made``: :func:`missing_ancestors` before it), innermost
+    first; one already gone is passed over, and one holding someone else's files ends the walk."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:

@@ -186,15 +186,35 @@ def _setting(kind: str | None, settings: dict[str, Any], name: str) -> Any:
 @dataclass(frozen=True)
 class FlagSchedule:
     """What this run's flags made of a scheduler before a resume loads the checkpoint's into it:
-    each group's base learning rate and each :class:`Multiplier`'s settings (None: another lambda)."""
+    each group's base learning rate, each :class:`Multiplier`'s settings (None: another lambda) and
+    each optimizer group's weight decay."""
 
     base_lrs: tuple[float, ...]
     multipliers: tuple[dict[str, Any] | None, ...]
+    weight_decays: tuple[float, ...] = ()
 
     @classmethod
     def of(cls, scheduler: Any) -> "FlagSchedule":
         return cls(tuple(float(b) for b in scheduler.base_lrs),
-                   tuple(dict(fn.__dict__) if isinstance(fn, Multiplier) else None for fn in scheduler.lr_lambdas))
+                   tuple(dict(fn.__dict__) if isinstance(fn, Multiplier) else None for fn in scheduler.lr_lambdas),
+                   tuple(float(g.get("weight_decay", 0.0)) for g in scheduler.optimizer.param_groups))
+
+
+def follow_weight_decay(wanted: FlagSchedule, scheduler: Any) -> str | None:
+    """After a resume: this run's weight decay (``wanted``, taken before the resume) for each optimizer
+    group, where the checkpoint's differs (the optimizer's load restored its groups' settings); a line
+    naming both, or None (they agree)."""
+    groups = scheduler.optimizer.param_groups
+    kept = tuple(float(g.get("weight_decay", 0.0)) for g in groups)
+    if not wanted.weight_decays or kept == wanted.weight_decays or len(kept) != len(wanted.weight_decays):
+        return None
+    for group, decay in zip(groups, wanted.weight_decays):
+        group["weight_decay"] = decay
+
+    def say(decays: tuple[float, ...]) -> str:
+        return ", ".join(f"{d:g}" for d in dict.fromkeys(decays))
+    return (f"this run's weight decay ({say(wanted.weight_decays)}) applies from the step it resumes at; the "
+            f"checkpoint's was {say(kept)}")
 
 
 def follow_flags(wanted: FlagSchedule, scheduler: Any) -> str | None:
@@ -264,10 +284,12 @@ def relay_schedule(scheduler: Any, planned_steps: int, remaining_steps: int) -> 
 
 
 def resume_schedule(wanted: FlagSchedule, scheduler: Any, planned_steps: int, remaining_steps: int) -> list[str]:
-    """After a resume: this run's flags over the checkpoint's schedule (:func:`follow_flags`), then the
-    schedule laid over the steps this run takes where its plan changed (:func:`relay_schedule`; the
-    first may leave a length for the second to lay). Returns their lines (none: nothing changed)."""
-    lines = (follow_flags(wanted, scheduler), relay_schedule(scheduler, planned_steps, remaining_steps))
+    """After a resume: this run's flags over the checkpoint's schedule (:func:`follow_flags`) and weight
+    decay (:func:`follow_weight_decay`), then the schedule laid over the steps this run takes where its
+    plan changed (:func:`relay_schedule`; the first may leave a length for the second to lay). Returns
+    their lines (none: nothing changed)."""
+    lines = (follow_flags(wanted, scheduler), follow_weight_decay(wanted, scheduler),
+             relay_schedule(scheduler, planned_steps, remaining_steps))
     return [line for line in lines if line is not None]
 
 

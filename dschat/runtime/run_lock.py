@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Callable, Iterator, ParamSpec, TypeVar
 
 from dschat.errors import UserError
-from dschat.runtime.fs import check_writable_dir, missing_ancestors
+from dschat.runtime.fs import check_writable_dir, missing_ancestors, remove_made_folders
 from dschat.runtime.trust import owned_privately
 
 __all__ = ["LOCK_NAME", "hold_run_lock", "release_run_lock", "releasing_run_locks", "run_lock", "lock_holder"]
@@ -175,8 +175,7 @@ def _take(folder: str | os.PathLike, flag: str, fix: str) -> tuple[int, int] | N
                 if created:  # an unlocked file protects nothing: not left behind, nor the folders made for it
                     with contextlib.suppress(OSError):
                         os.unlink(path)
-                        for made_folder in made:
-                            made_folder.rmdir()
+                    remove_made_folders(made)
                 return None
             if not _still_at(path, os.fstat(fd)):  # removed (or replaced) by the previous holder after we opened it: look again
                 os.close(fd)
@@ -206,9 +205,7 @@ def _release(key: tuple[int, int] | None, tidy: bool = False) -> None:
                 if _still_at(held.folder / LOCK_NAME, os.fstat(held.fd)):  # not another run's, after a rename
                     os.unlink(held.folder / LOCK_NAME)
             if held.created and (tidy or _entries(held.folder) == held.entries):
-                with contextlib.suppress(OSError):
-                    for folder in held.made:
-                        folder.rmdir()
+                remove_made_folders(held.made)
         finally:
             os.close(held.fd)
 

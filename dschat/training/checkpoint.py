@@ -39,7 +39,6 @@ anything else, or a damaged file, is refused with one line naming the file (exit
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -52,6 +51,7 @@ from pickle import UnpicklingError  # the error type only: nothing here unpickle
 from typing import Any, Mapping, Protocol, Sequence
 
 import torch
+from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
 from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.utils.tensor_fragment import fragment_address
@@ -60,7 +60,7 @@ from dschat.errors import UserError
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, get_world_size, print_rank_0
 from dschat.runtime.fs import (_disk_full_is_a_user_error, atomic_file, foreign_link_line, fsync_path, fsync_tree,
-                               missing_ancestors)
+                               missing_ancestors, remove_made_folders)
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG,
                                       checkpoint_name, complete_checkpoints, earlier_run_checkpoints,
@@ -69,7 +69,8 @@ from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_P
                                       replaces_protected, restore_replaced, retire_incomplete, set_aside)
 from dschat.training.weights_file import load_weights, save_weights
 from dschat.training.rotation import steps_of as _steps_of
-from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, model_record,
+from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, check_written_like,
+                                                model_record,
                                                 read_record, read_rng_file, rng_state, set_rng_state,
                                                 trainable_parameters)
 
@@ -218,9 +219,7 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
         try:
             refuse_unless_shared(root, rank, "the checkpoint folder")
         finally:
-            for folder in made:  # a run stopped later by bad input leaves no empty folders behind
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
+            remove_made_folders(made)  # a run stopped later by bad input leaves no empty folders behind
 
 
 def _is_parent(root: Path, folder: Path) -> bool:
@@ -289,7 +288,8 @@ class WeightsOnlyCheckpointEngine:
 
 class RecordingCheckpointEngine:
     """DeepSpeed's checkpoint engine, noting the path of every file this rank saves (so that the rank
-    can look for them after the commit)."""
+    can look for them after the commit). Its torch engine's files are written through a Python file:
+    ``torch.save`` to a path loses the errno of a full disk (a RuntimeError from its C++ writer)."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
@@ -300,7 +300,10 @@ class RecordingCheckpointEngine:
 
     def save(self, state_dict: Any, path: str) -> Any:
         self.saved.append(str(path))
-        return self._inner.save(state_dict, path)
+        if not isinstance(self._inner, TorchCheckpointEngine):
+            return self._inner.save(state_dict, path)
+        with open(path, "wb") as handle:
+            return torch.save(state_dict, handle, _use_new_zipfile_serialization=self._inner.zipfile_serialization)
 
 
 def _save_engine(engine: Any, folder: Path, tag: str) -> list[Path]:
@@ -402,12 +405,15 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
 
 
 def load_checkpoint(folder: Path, engines: Mapping[str, Any], rank: int, weights_only: Mapping[str, Any] | None = None,
-                    loaders: Sequence[Any] = (), models: Mapping[str, Any] | None = None) -> TrainingPosition:
+                    loaders: Sequence[Any] = (), models: Mapping[str, Any] | None = None,
+                    step: str | None = None) -> TrainingPosition:
     """Restore ``engines``, ``weights_only`` and this rank's random states from ``folder``; return the
     position (on another shape: :func:`dschat.training.consolidated.resume_on_new_shape`). A damaged or
-    edited marker or random-state file is one line (exit 2), and so are other models than it holds
+    edited marker or random-state file is one line (exit 2), and so are a checkpoint another ``step``
+    wrote or with another optimizer offload (:func:`check_written_like`), other models than it holds
     (a critic, an EMA actor) and a run that started from other ``models`` (:func:`check_models`)."""
     record = read_record(folder)
+    check_written_like(folder, record, engines, step)
     position = TrainingPosition(**record["position"])
     held = sorted({*record.get("engines", []), *record.get("weights_only", [])})
     if held != (wanted := sorted({*engines, *(weights_only or {})})):
@@ -462,8 +468,9 @@ class Checkpointer:
 
     def __init__(self, args: CheckpointSettings, engines: Mapping[str, Any], rank: int,
                  weights_only: Mapping[str, Any] | None = None, loaders: Sequence[Any] = (),
-                 models: Mapping[str, tuple[str, str | None]] | None = None) -> None:
+                 models: Mapping[str, tuple[str, str | None]] | None = None, step: str | None = None) -> None:
         self.args = args
+        self.step = step  # the step writing and resuming (STEP_NAMES): recorded, and checked on resume
         self.engines = dict(engines)
         self.weights_only, self.loaders = dict(weights_only or {}), list(loaders)  # loaders: the data order to record
         self.rank = rank
@@ -506,7 +513,8 @@ class Checkpointer:
                          "the beginning", self.rank)
             return None
         self.source = folder if source else None  # --resume's source rotates out as usual, by write order
-        position = load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders, self.models())
+        position = load_checkpoint(folder, self.engines, self.rank, self.weights_only, self.loaders, self.models(),
+                                   self.step)
         self.resumed = folder
         return position
 
@@ -536,7 +544,10 @@ class Checkpointer:
             return save_checkpoint(self.root, self.engines, position, keep=self.keep, rank=self.rank,
                                    weights_only=self.weights_only, loaders=self.loaders,
                                    protect=(self.source,) if self.source is not None else (),
-                                   resumed_from=self.resumed, meta={"models": self.models()})
+                                   resumed_from=self.resumed,
+                                   meta={"models": self.models(), **({"step": self.step} if self.step else {}),
+                                         "offload": {tag: bool(engine.zero_use_cpu_optimizer())
+                                                     for tag, engine in self.engines.items()}})
 
 
 def refuse_past_the_end(checkpointer: Checkpointer, num_batches: int, num_train_epochs: int,

@@ -22,6 +22,8 @@ from dschat.runtime.dist import gather_json
 from dschat.training.rotation import MARKER
 
 FORMAT_VERSION = 1
+#: What a checkpoint's ``meta.step`` (the step that wrote it) says in a line.
+STEP_NAMES = {"step1": "step 1 (fine-tuning)", "step2": "step 2 (reward model)", "dpo": "DPO", "step3": "step 3"}
 
 
 def rng_state() -> dict[str, Any]:
@@ -110,8 +112,14 @@ def _record_problem(data: Any) -> str | None:
     for key in ("engines", "weights_only"):
         if not (isinstance(data.get(key, []), list) and all(isinstance(t, str) for t in data.get(key, []))):
             return f"{key} is not a list of names"
-    if not isinstance(data.get("meta", {}), dict):
+    meta = data.get("meta", {})
+    if not isinstance(meta, dict):
         return "meta is not an object"
+    if not isinstance(meta.get("step", ""), str):
+        return "meta.step is not a name"
+    offload = meta.get("offload", {})
+    if not (isinstance(offload, dict) and all(isinstance(v, bool) for v in offload.values())):
+        return "meta.offload is not an object of true/false"
     trainable = data.get("trainable", {})
     if not (isinstance(trainable, dict) and all(isinstance(v, list) and all(isinstance(n, str) for n in v)
                                                 for v in trainable.values())):
@@ -225,3 +233,22 @@ def check_models(folder: Path, record: Mapping[str, Any], now: Mapping[str, Any]
     problem = gather_json(_models_problem(folder, record, now) if rank == 0 else None)[0]
     if problem is not None:  # rank 0's line, on every rank
         raise UserError(str(problem))
+
+
+def check_written_like(folder: Path, record: Mapping[str, Any], engines: Mapping[str, Any], step: str | None) -> None:
+    """One line when the checkpoint ``folder`` (its marker ``record``) cannot go on here: another step
+    wrote it (``meta.step``; DPO and step 1 both train the engine ``model`` on the same parameters, so
+    nothing else tells them apart), or an engine's optimizer was offloaded there and not here, or the
+    reverse (``meta.offload``: DeepSpeedCPUAdam's state does not load into another optimizer). A
+    checkpoint written before these records existed is not checked."""
+    meta = record.get("meta", {})
+    written_by = meta.get("step")
+    if step is not None and written_by is not None and written_by != step:
+        raise UserError(f"{folder} was written by {STEP_NAMES.get(written_by, repr(written_by))}, and this is "
+                        f"{STEP_NAMES.get(step, step)}: it would go on with another step's weights, optimizer "
+                        "state and position; pass another --output_dir (or --resume_from a checkpoint of this step)")
+    for tag, offload in meta.get("offload", {}).items():
+        if tag in engines and offload != bool(engines[tag].zero_use_cpu_optimizer()):
+            raise UserError(f"{folder} was written {'with' if offload else 'without'} optimizer offload (--offload) "
+                            f"for '{tag}', and this run {'does not offload' if offload else 'offloads'} it: the "
+                            "optimizer state would not load; resume with the --offload setting that wrote it")

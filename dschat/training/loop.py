@@ -70,6 +70,7 @@ def train_epochs(
     on_epoch_end: Callable[[int, float], None] | None = None,
     print_loss: bool = False,
     print_throughput: bool = True,
+    step: str | None = None,
 ) -> None:
     """Train ``engine`` for ``--num_train_epochs`` (or ``--max_train_steps``), first resuming from
     the checkpoint ``--resume`` / ``--resume_from`` name, if any (the engine is saved under the tag
@@ -78,10 +79,12 @@ def train_epochs(
     ``evaluate(epoch)`` runs before training (epoch 0, not on resume) and after each epoch;
     ``on_optimizer_step(optimizer_steps)`` after every optimizer step (step 2's ``--eval_interval``);
     ``on_epoch_end(epoch, mean_loss)`` before the epoch's evaluation, with the mean micro-step loss
-    of the epoch (kept across a resume).
+    of the epoch (kept across a resume). ``step`` (``step1``, ``step2``, ``dpo``) is recorded in each
+    checkpoint, and a checkpoint another step wrote is refused on resume.
     """
     checkpointer = Checkpointer(args, {"model": engine}, ctx.rank, loaders=[train_loader],
-                                models={"model": ("--model_name_or_path", getattr(args, "model_name_or_path", None))})
+                                models={"model": ("--model_name_or_path", getattr(args, "model_name_or_path", None))},
+                                step=step)
     wanted = FlagSchedule.of(engine.lr_scheduler)  # this run's flags, before a checkpoint's schedule loads
     resumed = checkpointer.resume(counter)
     if resumed is not None:  # TensorBoard hides what a killed attempt logged after the checkpoint's step

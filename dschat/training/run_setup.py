@@ -19,7 +19,8 @@ from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
 from dschat.models.reward_model import refuse_reward_model
 from dschat.models.save import is_model_artifact
-from dschat.paths import METRICS_FILE, STARTED_FILE_VAR
+from dschat.cli.shared import check_seed
+from dschat.paths import METRICS_FILE, STARTED_FILE_VAR, adapter_base
 from dschat.remote_reward import worst_case_seconds
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_json, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
@@ -48,12 +49,6 @@ def check_dropouts(args: object, names: Iterable[str]) -> None:
         value = getattr(args, name, None)
         if value is not None and not 0 <= value < 1:
             raise UserError(f"--{name} must be in [0, 1) (a probability; omit it to keep the model's), got {value}")
-
-
-def check_seed(seed: int) -> None:
-    """``--seed`` must be one NumPy (and so every generator) takes: 0 to 2**32 - 1."""
-    if not 0 <= seed < 2**32:
-        raise UserError(f"--seed must be from 0 to 4294967295 (2**32 - 1), got {seed}")
 
 
 def check_common_args(args: argparse.Namespace) -> None:
@@ -190,23 +185,35 @@ def _local_folder(name: str | None) -> Path | None:
     return local.resolve() if local is not None and local.is_dir() else None
 
 
+def _input_folders(name: str | None) -> list[tuple[Path, str | None]]:
+    """The local folders a model flag's value loads: its folder (with None) and, for a LoRA adapter
+    folder, its base model's down the chain (8 deep at most; each with the base as the adapter names it)."""
+    found: list[tuple[Path, str | None]] = []
+    src, base = _local_folder(name), None
+    while src is not None and len(found) < 8 and all(src != seen for seen, _ in found):
+        found.append((src, base))
+        base = adapter_base(src)
+        src = None if base is None else _local_folder(base)
+    return found
+
+
 def refuse_saving_over_inputs(inputs: Mapping[str, str | None], outputs: ModelOutputs) -> None:
     """One line when a folder the run saves a model into would replace one of its input models (the
     run would read the input, then destroy it). ``inputs``: flag -> model name or path (hub ids and
-    short names, which are not the user's folders, are skipped); ``outputs``: what is saved -> (folder, ``owns``, the
+    short names, which are not the user's folders, are skipped; a LoRA adapter folder's base model, down
+    the chain, counts as an input too); ``outputs``: what is saved -> (folder, ``owns``, the
     entry names the save replaces there; None: it replaces the whole folder). Refused: an input that
     is an output folder, or lies inside an entry of one that the save replaces."""
     for flag, name in inputs.items():
-        src = _local_folder(name)
-        if src is None:
-            continue
-        for what, (folder, owns) in outputs.items():
-            out = Path(folder).expanduser().resolve()
-            inside = out in src.parents and (owns is None or owns(src.relative_to(out).parts[0]))
-            if src == out or inside:
-                where = "is the folder" if src == out else "is inside the folder"
-                raise UserError(f"{flag} {name} {where} this run saves {what} into ({folder}), so the save would "
-                                "replace the model it trains from; give another --output_dir")
+        for src, base in _input_folders(name):
+            for what, (folder, owns) in outputs.items():
+                out = Path(folder).expanduser().resolve()
+                inside = out in src.parents and (owns is None or owns(src.relative_to(out).parts[0]))
+                if src == out or inside:
+                    where = "is the folder" if src == out else "is inside the folder"
+                    input_is = f"{name}" if base is None else f"{name} is a LoRA adapter whose base model {base}"
+                    raise UserError(f"{flag} {input_is} {where} this run saves {what} into ({folder}), so the save "
+                                    "would replace the model it trains from; give another --output_dir")
 
 
 def set_unsaved_models_aside(output_dir: str | Path, folders: Iterable[str], inputs: Iterable[str | None]) -> list[str]:

@@ -44,11 +44,11 @@ from dschat.errors import UserError, first_line
 from dschat.runtime.fs import check_writable_dir
 from dschat.runtime.trust import shown_url
 
-__all__ = ["EXTRAS", "Trackers", "TensorBoardLogger", "trackers_of", "run_config"]
+__all__ = ["EXTRAS", "Trackers", "TensorBoardLogger", "trackers_of", "run_config", "mlflow_name"]
 
 #: tracker -> (module imported, setup.py extra that installs it)
 EXTRAS: dict[str, tuple[str, str]] = {"wandb": ("wandb", "wandb"), "mlflow": ("mlflow", "mlflow")}
-#: What MLflow accepts in a metric or parameter name; anything else becomes "_".
+#: What MLflow accepts in a metric or parameter name; anything else becomes "_" (:func:`mlflow_name`).
 _MLFLOW_NAME = re.compile(r"[^\w./\- :]")
 _MLFLOW_BATCH = 100  # MLflow's most parameters or metrics in one log_batch call
 _MLFLOW_PARAM_CHARS = 6000  # MLflow's longest parameter value
@@ -156,6 +156,14 @@ class _WandbSink:
         _close_quietly(self)
 
 
+def mlflow_name(key: str) -> str:
+    """``key`` as a metric or parameter name MLflow accepts: characters it refuses become ``_``, and the
+    name is a plain relative path (no empty, ``.`` or ``..`` parts), since MLflow refuses one that
+    normalises to another (``eval/judge/<--eval_judge>`` with an absolute or ``./`` folder)."""
+    parts = [{".": "_", "..": "__"}.get(part, part) for part in _MLFLOW_NAME.sub("_", key).split("/") if part]
+    return "/".join(parts) or "_"
+
+
 class _MlflowSink:
     label = "MLflow"
 
@@ -181,7 +189,7 @@ class _MlflowSink:
         experiment = self.client.get_experiment_by_name(name)
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(name)
         self.run_id = self.client.create_run(experiment_id, run_name=run_name).info.run_id
-        params = [self.param(_MLFLOW_NAME.sub("_", key), str(value)[:_MLFLOW_PARAM_CHARS])
+        params = [self.param(mlflow_name(key), str(value)[:_MLFLOW_PARAM_CHARS])
                   for key, value in config.items()]
         for i in range(0, len(params), _MLFLOW_BATCH):
             self.client.log_batch(self.run_id, params=params[i:i + _MLFLOW_BATCH])
@@ -196,7 +204,7 @@ class _MlflowSink:
 
     def log(self, step: int, values: Mapping[str, float]) -> None:
         now = int(time.time() * 1000)
-        metrics = [self.metric(_MLFLOW_NAME.sub("_", key), value, now, step) for key, value in values.items()]
+        metrics = [self.metric(mlflow_name(key), value, now, step) for key, value in values.items()]
         for i in range(0, len(metrics), _MLFLOW_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_BATCH])
 

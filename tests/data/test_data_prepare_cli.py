@@ -148,6 +148,19 @@ def test_bad_data_split(tok_dir, tmp_path):
     assert_one_line_error(result, "--data_split '1,2'", out=tmp_path / "cache")
 
 
+@pytest.mark.parametrize("seed", ["-1", "4294967296"])
+def test_a_seed_numpy_cannot_take_is_the_steps_line(tok_dir, tmp_path, seed):
+    """As the step scripts (a NumPy traceback before)."""
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", "dschat/builtin", extra=("--seed", seed)))
+    assert_one_line_error(result, f"--seed must be from 0 to 4294967295 (2**32 - 1), got {seed}", out=tmp_path / "cache")
+
+
+def test_an_empty_data_path_names_itself(tok_dir, tmp_path):
+    """Not "phase 1 eval split is empty for --data_path", which sent the user to the split."""
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache"))
+    assert_one_line_error(result, "--data_path is empty; name at least one dataset", out=tmp_path / "cache")
+
+
 def test_missing_model_path(tmp_path):
     result = run_prepare(args_for(tmp_path / "no-model", tmp_path / "cache", "dschat/builtin"))
     assert_one_line_error(result, "no-model", "does not exist", out=tmp_path / "cache")

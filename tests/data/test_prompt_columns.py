@@ -191,3 +191,17 @@ def test_step3_gives_each_answer_its_own_rows_secret(algorithm, tmp_path, capsys
         assert {s for s in seen if s >= 8} == {8, 9}  # with --env the evaluation takes distinct rows
     assert set(reward_fixtures.SECRETS["judge"]) == {8, 9}
     assert "note: --shared_prompt_fields is no longer needed and is ignored" in capsys.readouterr().out
+
+
+def test_rows_are_copies_and_columns_are_those_every_row_has():
+    """rows_for_batch's rows are copies (an environment may edit its row), and for_batch passes only
+    the columns every row of the batch has (two blended --data_path files with other columns)."""
+    from dschat.data.prompt_columns import PromptRecord
+
+    fields = {"prompt": "hi", "answer": "3"}
+    cols = PromptColumns({(0, 0, 0): PromptRecord((5, 6), "hi", fields)})
+    cols.rows_for_batch(torch.tensor([[5, 6]]), torch.ones(1, 2), ["hi"])[0]["answer"] = "changed"
+    assert fields["answer"] == "3"
+    mixed = PromptColumns({(0, 0, 0): PromptRecord((5, 6), "hi", {"prompt": "hi", "answer": "3"}),
+                           (1, 0, 0): PromptRecord((7, 8), "yo", {"prompt": "yo", "word": "cat"})})
+    assert mixed.for_batch(torch.tensor([[5, 6], [7, 8]]), torch.ones(2, 2), ["hi", "yo"]) == {}

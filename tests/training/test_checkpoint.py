@@ -187,6 +187,54 @@ def test_resuming_with_other_trainable_parameters_is_one_line_exit_2(data_dir, t
     assert again.optimizer_steps == 2 and len(again.train_losses) == 1
 
 
+def test_a_checkpoint_another_step_wrote_is_refused_on_resume(data_dir, tmp_path, capsys):
+    """DPO --resume in step 1's --output_dir: both name their engine ``model`` and train the same
+    parameters from the same base, so DPO took SFT's weights, optimizer state and position as its own
+    and saved the result as its model. The checkpoint records its step; another step is one line."""
+    out = tmp_path / "o"
+    argv = base_argv("tiny-llama", data_dir, "--save_interval", "1", "--output_dir", str(out), max_train_steps=1,
+                     batch_size=2)
+    load_script("step1").main(argv)
+    first = out / "checkpoints" / "step_00000001"
+    assert json.loads((first / ckpt.MARKER).read_text())["meta"]["step"] == "step1"
+    argv[argv.index("--max_train_steps") + 1] = "2"
+    for flag in (["--resume"], ["--resume_from", str(first)]):
+        code = cli_main(load_script("dpo").main, [*argv, *flag])
+        errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        assert code == EXIT_USAGE and errors == [
+            f"error: {first} was written by step 1 (fine-tuning), and this is DPO: it would go on with another "
+            "step's weights, optimizer state and position; pass another --output_dir (or --resume_from a "
+            "checkpoint of this step)"], errors
+    assert load_script("step1").main([*argv, "--resume"]).optimizer_steps == 2  # its own step resumes
+
+
+def test_resuming_with_another_optimizer_offload_is_one_line(data_dir, tmp_path, capsys):
+    """--offload added on a same-shape resume: AdamW's state went into DeepSpeedCPUAdam, which raised
+    KeyError 'bias_correction' after the 'resumed' line (a traceback, exit 1). Dropped: the reverse."""
+    out = tmp_path / "o"
+    argv = base_argv("tiny-llama", data_dir, "--zero_stage", "2", "--save_interval", "1", "--output_dir", str(out),
+                     max_train_steps=1, batch_size=2)
+    load_script("step1").main(argv)
+    first = out / "checkpoints" / "step_00000001"
+    assert json.loads((first / ckpt.MARKER).read_text())["meta"]["offload"] == {"model": False}
+    argv[argv.index("--max_train_steps") + 1] = "2"
+    code = cli_main(load_script("step1").main, [*argv, "--resume", "--offload"])
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert code == EXIT_USAGE and errors == [
+        f"error: {first} was written without optimizer offload (--offload) for 'model', and this run offloads "
+        "it: the optimizer state would not load; resume with the --offload setting that wrote it"], errors
+    record = json.loads((first / ckpt.MARKER).read_text())
+    record["meta"]["offload"] = {"model": True}  # as a run with --offload writes it, resumed without
+    (first / ckpt.MARKER).write_text(json.dumps(record))
+    with pytest.raises(UserError, match=r"written with optimizer offload \(--offload\) for 'model', and this run "
+                                        r"does not offload it"):
+        load_script("step1").main([*argv, "--resume"])
+    record["meta"]["offload"] = {"model": "yes"}  # edited: one line naming the file
+    (first / ckpt.MARKER).write_text(json.dumps(record))
+    with pytest.raises(UserError, match=r"meta.offload is not an object of true/false"):
+        load_script("step1").main([*argv, "--resume"])
+
+
 def test_resuming_with_another_lora_rank_is_one_line_exit_2(data_dir, tmp_path):
     """Same parameter names, other shapes (--lora_dim 4 written, 8 asked): refused by the shapes."""
     out = tmp_path / "o"

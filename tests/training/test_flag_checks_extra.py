@@ -198,3 +198,43 @@ def test_step3_episode_flags_need_env(flag, value):
                               f"(docs/environments.md) or drop {flag}")
     validate_step3_args(_step3_args(flag, value, "--env", "dschat.envs_examples:calculator"), accelerator="cpu",
                         dtype="fp32")
+
+
+@pytest.mark.parametrize("flag, value", [("--reward_url_weight", "2"), ("--reward_url_timeout", "5"),
+                                         ("--reward_url_retries", "0")])
+def test_step3_reward_url_flags_need_reward_url(flag, value):
+    """They were accepted without --reward_url and did nothing, silently."""
+    from dschat.rlhf.guards import validate_step3_args
+
+    with pytest.raises(UserError) as err:
+        validate_step3_args(_step3_args(flag, value), accelerator="cpu", dtype="fp32")
+    assert str(err.value) == f"{flag} applies to a reward server only; add --reward_url URL or drop {flag}"
+    validate_step3_args(_step3_args(flag, value, "--reward_url", "http://127.0.0.1:1/get_reward"), accelerator="cpu",
+                        dtype="fp32")
+
+
+def test_step3_a_reward_model_folder_the_run_would_not_load_is_refused():
+    """With --reward_fn (--reward_url, --env, main's Python function) the reward model's weight defaults
+    to 0 and it is not loaded: a --reward_model_name_or_path given beside it went unused, silently. Given
+    the weight, it is used; for PPO without a critic folder it is how the critic starts from the actor."""
+    from dschat.rlhf.guards import validate_step3_args
+
+    def check(*argv, python_reward_fn=False):
+        validate_step3_args(_step3_args(*argv), accelerator="cpu", dtype="fp32", python_reward_fn=python_reward_fn)
+
+    rm, fn = ("--reward_model_name_or_path", "rm"), ("--reward_fn", "dschat.rewards:gold")
+    grpo = ("--algorithm", "grpo", "--num_generations", "2")
+    defaulted = "its --reward_model_weight defaults to 0 beside --reward_fn, --reward_url, --env or main's reward_fn"
+    for argv, python, why in (((*grpo, *rm, *fn), False, defaulted),
+                              ((*rm, *fn, "--critic_model_name_or_path", "c"), False, defaulted),
+                              ((*grpo, *rm, "--reward_url", "http://127.0.0.1:1/get_reward"), False, defaulted),
+                              ((*grpo, *rm), True, defaulted),
+                              ((*grpo, *rm, *fn, "--reward_model_weight", "0"), False, "--reward_model_weight 0")):
+        with pytest.raises(UserError) as err:
+            check(*argv, python_reward_fn=python)
+        assert str(err.value) == (
+            f"--reward_model_name_or_path rm: this run loads no reward model ({why}); give a non-zero "
+            "--reward_model_weight W to add its score, or drop --reward_model_name_or_path")
+    check(*grpo, *rm, *fn, "--reward_model_weight", "0.5")
+    check(*rm, *fn)  # PPO without --critic_model_name_or_path: the critic starts from the actor
+    check(*grpo, *rm)

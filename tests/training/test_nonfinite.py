@@ -63,6 +63,21 @@ def test_all_finite_by_hand():
         assert not all_finite(torch.tensor([bad], dtype=torch.bfloat16), big)
 
 
+@pytest.mark.parametrize("other_rank_finite", [True, False])
+def test_a_loss_counts_only_when_every_rank_has_a_finite_one(other_rank_finite, monkeypatch):
+    """The guard's ranks agree by AND: a rank whose own loss is finite skips with the rank whose loss
+    is NaN (else that rank's NaN gradients are all-reduced into everyone's). The all-reduce mean of
+    a second rank's flag is stood in for here; the real collective runs in the two-rank step tests."""
+    import dschat.training.nonfinite as nonfinite
+
+    other = 1.0 if other_rank_finite else 0.0
+    monkeypatch.setattr(nonfinite, "get_all_reduce_mean", lambda flag: (flag + other) / 2)
+    guard = nonfinite.NonFiniteGuard(limit=5, rank=0, device="cpu")
+    assert guard.loss_ok(torch.tensor(1.0)) is other_rank_finite
+    assert guard.loss_ok(torch.tensor(float("nan"))) is False
+    assert guard.skipped == (1 if other_rank_finite else 2)
+
+
 def _weights_finite(engine) -> bool:
     return all(bool(torch.isfinite(p.detach()).all()) for p in engine.module.parameters())
 

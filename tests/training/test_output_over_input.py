@@ -45,6 +45,50 @@ def test_the_rule(tmp_path):
         refuse_saving_over_inputs({"--m": str(out / "mine" / ".." / "lora_adapter")}, saves)
 
 
+def test_a_lora_adapters_base_model_is_an_input_too(tmp_path):
+    """--model_name_or_path an adapter elsewhere whose base is --output_dir: the save replaced the base,
+    the adapter then sat on other weights and the earlier model was gone. Down the chain too."""
+    import json
+
+    out = tmp_path / "out"
+    out.mkdir()
+    saves = {"the model": (out, is_model_artifact)}
+    adapter, outer = tmp_path / "adapter", tmp_path / "outer"
+    for folder, base in ((adapter, f" {out} "), (outer, str(adapter))):  # the loaders strip the name
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": base}))
+    for given in (adapter, outer):
+        with pytest.raises(UserError) as err:
+            refuse_saving_over_inputs({"--m": str(given)}, saves)
+        assert str(err.value).startswith(f"--m {given} is a LoRA adapter whose base model {out} is the folder this run "
+                                         f"saves the model into ({out}), so the save would replace")
+    # A base elsewhere, a hub id, and a chain that leads back to itself are no output folder.
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": "org/m"}))
+    refuse_saving_over_inputs({"--m": str(outer)}, saves)
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": str(outer)}))
+    refuse_saving_over_inputs({"--m": str(outer)}, saves)
+
+
+def test_adapter_base_reads_the_base_an_adapter_folder_names(tmp_path):
+    """dschat.paths.adapter_base, which the input check and the weights' fingerprint both follow: the
+    stripped name; None for a model folder (config.json beside) and for a config naming no base."""
+    import json
+
+    from dschat.paths import adapter_base
+
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    assert adapter_base(folder) is None  # no adapter_config.json
+    for base, expected in ((" org/m \n", "org/m"), (None, None), (3, None), ("", "")):
+        (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": base}))
+        assert adapter_base(folder) == expected, base
+    (folder / "adapter_config.json").write_text("{not json")
+    assert adapter_base(folder) is None
+    (folder / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "org/m"}))
+    (folder / "config.json").write_text("{}")  # a model folder that also holds an adapter config
+    assert adapter_base(folder) is None
+
+
 def test_a_short_name_is_not_the_same_named_folder(tmp_path, monkeypatch):
     """A short name (tiny-opt) wins over a same-named folder in the working directory, so saving into
     that folder replaces no input."""

@@ -98,6 +98,22 @@ def test_a_resume_on_another_plan_lays_the_lr_schedule_over_the_steps_this_run_t
     assert scheduler.get_last_lr()[0] == pytest.approx(5e-4 * 0.5 * (1 + math.cos(math.pi * taken / total)))
 
 
+def test_a_weight_decay_given_on_resume_applies_from_there_with_one_line(data_dir, tmp_path, capsys):
+    """The optimizer's load restored the checkpoint's weight decay over the flag's, silently, on the
+    same shape (another shape took the flag's): like a learning rate, the flag applies from the step
+    resumed at, with one line."""
+    main = load_script("step1").main
+    argv = base_argv("tiny-llama", data_dir, "--weight_decay", "0", "--save_interval", "1", "--output_dir",
+                     str(tmp_path / "a"), max_train_steps=1, batch_size=8)
+    main(argv)
+    capsys.readouterr()
+    argv[argv.index("--max_train_steps") + 1] = "2"
+    again = main([*argv, "--resume", "--weight_decay", "0.5"])
+    assert ("[checkpoint] this run's weight decay (0.5, 0) applies from the step it resumes at; the checkpoint's "
+            "was 0") in capsys.readouterr().out
+    assert [g["weight_decay"] for g in again.engine.optimizer.param_groups] == [0.5, 0.0]  # decayed, no-decay
+
+
 def test_another_dtype_loads_the_consolidated_state(data_dir, tmp_path, capsys):
     """An fp32 checkpoint resumed with --dtype bf16 (ZeRO-2): DeepSpeed's own files name the dtype
     (a KeyError or a missing bf16_* file before); the consolidated state loads the fp32 masters, both

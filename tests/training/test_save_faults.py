@@ -407,6 +407,27 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_the_earlier_ones_stay(e
     assert [p.name for p in ckpt.complete_checkpoints(checkpointer.root)] == [first.name]
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_full_disk_inside_torch_save_keeps_its_errno(tiny, tmp_path, monkeypatch):
+    """torch.save to a path raised a RuntimeError from its C++ writer on a full disk (no errno), so
+    the disk-full line never came: a 50-line traceback, exit 1. The checkpoint engine and
+    --save_format bin write through a Python file, whose OSError says ENOSPC (/dev/full: every write
+    fails with it)."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from dschat.models import save as save_module
+
+    state = {"w": torch.zeros(4096)}
+    with pytest.raises(OSError) as err:
+        ckpt.RecordingCheckpointEngine(TorchCheckpointEngine()).save(state, "/dev/full")
+    assert err.value.errno == errno.ENOSPC
+    model, _, _ = tiny
+    monkeypatch.setattr(save_module, "UPSTREAM_WEIGHTS_FILE", "/dev/full")  # folder / "/dev/full" is /dev/full
+    with pytest.raises(OSError) as err:
+        save_module._write_upstream_bin(model, model.state_dict(), tmp_path)
+    assert err.value.errno == errno.ENOSPC
+
+
 def _dataset(seed: int) -> PromptDataset:
     gen = torch.Generator().manual_seed(seed)
     rows = [torch.randint(0, 100, (int(n),), generator=gen).tolist() for n in torch.randint(3, 9, (5,), generator=gen)]

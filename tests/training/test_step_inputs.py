@@ -102,3 +102,22 @@ def test_step3_checks_every_model_that_reads_the_actors_ids(tmp_path):
     check_readers(args, ModelSources(short, short), critic=False, reward_model=False)  # neither is loaded
     check_readers(args, ModelSources("tiny-llama", short, critic_from_actor=True, reward_tokenizer=object()),
                   critic=True, reward_model=True)
+
+
+@pytest.mark.parametrize("flag", ["--output_dir", "--data_output_path", "--model_name_or_path", "--data_path"])
+@pytest.mark.parametrize("too_long", ["one name", "in all"])
+def test_a_path_with_a_name_too_long_for_the_file_system_is_one_line(flag, too_long, tmp_path, monkeypatch, capsys):
+    """A folder name of 300 bytes in a path flag, or 20 names of 250 bytes (5000 in all): Python's
+    ``Path.exists`` raises ENAMETOOLONG rather than answer False, which was a traceback (exit 1) from
+    whichever check met it first. The line shows the path's ends, not all 5000 bytes."""
+    long = tmp_path / ("c" * 300) if too_long == "one name" else tmp_path.joinpath(*["d" * 250] * 20)
+    script = load_script("step1")
+    started_nothing(monkeypatch, script)
+    argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(tmp_path / "out"))
+    argv[argv.index(flag) + 1] = str(long / "x.jsonl") if flag == "--data_path" else str(long)
+    assert cli_main(script.main, argv) == EXIT_USAGE
+    lines = error_lines(capsys)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {str(long)[:100]}...") and lines[0].endswith(
+        "has a name longer than the file system allows (File name too long: a file or folder name of more than "
+        "255 bytes in it, or more than 4096 bytes in all); pass a shorter path") and len(lines[0]) < 400, lines
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing made

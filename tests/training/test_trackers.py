@@ -195,6 +195,24 @@ def test_an_mlflow_server_that_fails_a_log_is_not_asked_again(monkeypatch, tmp_p
     assert not any(path.endswith("runs/update") for path in paths), paths  # set_terminated was not asked
 
 
+def test_mlflow_gets_a_judge_named_by_any_folder_path(tmp_path, monkeypatch):
+    """``eval/judge/<--eval_judge>`` of an absolute, ``./``, ``../`` or trailing-slash folder is a name
+    MLflow refuses as it stands (it normalises to another path), which dropped the whole MLflow sink at
+    the first evaluation. Each is logged under a plain relative path, beside the other scalars."""
+    trackers = Trackers(["mlflow"], str(tmp_path / "tb"), "run", run_name="judges", root=str(tmp_path))
+    trackers.scalars(0, loss=1.0, **{"eval/judge//data/rm": 0.5, "eval/judge/./rm": 0.25,
+                                    "eval/judge/../rm/": 0.125})
+    assert [type(sink).__name__ for sink in trackers.sinks] == ["_MlflowSink"]
+    trackers.close()
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the run set it for itself
+    client, run = mlflow_run(tmp_path / "mlruns", "judges")
+    assert run.info.status == "FINISHED"
+    assert {name: mlflow_series(client, run, name) for name in
+            ("loss", "eval/judge/data/rm", "eval/judge/_/rm", "eval/judge/__/rm")} == {
+        "loss": [(0, 1.0)], "eval/judge/data/rm": [(0, 0.5)], "eval/judge/_/rm": [(0, 0.25)],
+        "eval/judge/__/rm": [(0, 0.125)]}
+
+
 def test_a_tracker_that_cannot_start_is_one_line_naming_its_store(monkeypatch, tmp_path):
     """The line names the store that failed: MLFLOW_TRACKING_URI when set (without its password), not
     --output_dir."""
@@ -460,3 +478,8 @@ def test_steps_1_2_train_loss_is_the_optimizer_steps_mean_micro_batch_loss(tmp_p
     shown = EventAccumulator(str(tb / "step1_model_dschat")).Reload().Scalars("train/loss")
     assert [e.step for e in shown] == [1, 2]
     assert all(_same(e.value, (losses[2 * i] + losses[2 * i + 1]) / 2) for i, e in enumerate(shown)), (shown, losses)
+
+
+def test_enable_tensorboard_with_report_to_tensorboard_is_one_sink():
+    """Both flags name the same tracker: one TensorBoard writer, not two writing every scalar twice."""
+    assert trackers_of(argparse.Namespace(report_to=["tensorboard"], enable_tensorboard=True)) == ("tensorboard",)

@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
 
     train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
                  loss_fn=lambda batch: engine(**batch, use_cache=False).loss, evaluate=evaluate,
-                 print_loss=args.print_loss)
+                 print_loss=args.print_loss, step="step1")
     return finish_run(args, ctx, engine, tokenizer, result, "step1")
 
 

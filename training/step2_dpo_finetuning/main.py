@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     # The reference model is frozen: only the policy is checkpointed.
     train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
                  loss_fn=lambda batch: dpo_batch(engine, ref_engine, batch, **loss_options).loss, evaluate=evaluate,
-                 print_loss=args.print_loss)
+                 print_loss=args.print_loss, step="dpo")
     release_zero3_prefetch(ref_engine)  # never saved: nothing of its last forward left in flight at exit
     return finish_run(args, ctx, engine, tokenizer, result, "dpo")
 

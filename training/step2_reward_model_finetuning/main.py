@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> RunResult:
     train_epochs(args, ctx, engine, train_loader, result=result, tb=tb, counter=counter,
                  loss_fn=lambda batch: engine(**batch, use_cache=False, sequence_packing=packing)["loss"],
                  evaluate=evaluate_epoch,
-                 on_optimizer_step=evaluate_every, on_epoch_end=epoch_loss, print_throughput=False)
+                 on_optimizer_step=evaluate_every, on_epoch_end=epoch_loss, print_throughput=False, step="step2")
     # The body as an HF folder + v_head.safetensors.
     return finish_run(args, ctx, engine, tokenizer, result, "step2")
 
