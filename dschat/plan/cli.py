@@ -324,7 +324,7 @@ def _without_critic_flags(flags: Sequence[str]) -> list[str]:
 
 
 def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.ArgumentParser,
-                limit: int = 5, *, gpu_bytes: int | None = None, reward_model: bool | None = None,
+                limit: int | None = 5, *, gpu_bytes: int | None = None, reward_model: bool | None = None,
                 critic_from_actor: bool | None = None) -> list[dict]:
     """Configurations that fit, fastest first: each ``{"flags": [...], "peak_bytes_per_gpu": n, "cost": c}``;
     none that comes to the configuration of ``args`` or of one listed before it (:func:`_effective`),
@@ -401,6 +401,26 @@ def suggestions(argv: Sequence[str], args: argparse.Namespace, parser: argparse.
     return found[:limit]
 
 
+#: What :func:`render` says when no configuration :func:`suggestions` tried fits the GPU.
+NOTHING_FITS = ("nothing tried fits (ZeRO-3, offload, LoRA, gradient checkpointing and smaller batches together; "
+                "up to 16 times the nodes with your flags): use GPUs with more memory")
+
+
+def more_room_only(found: Sequence[dict]) -> list[dict]:
+    """Of :func:`suggestions` (fastest first), each with a lower peak than every one before it that
+    trains as much (LoRA or the whole model: LoRA changes what is trained, so a whole-model one with a
+    higher peak stays): a slower configuration with no more room than a faster one (a ZeRO-3 critic
+    on one GPU, a smaller batch where the optimizer step sets the peak) is no reason to take it."""
+    kept: list[dict] = []
+    lowest: dict[bool, int] = {}
+    for s in found:
+        lora = "--only_optimize_lora" in s["flags"]
+        if lora not in lowest or s["peak_bytes_per_gpu"] < lowest[lora]:
+            kept.append(s)
+            lowest[lora] = s["peak_bytes_per_gpu"]
+    return kept
+
+
 def format_gb(n: int) -> str:
     """``n`` bytes as decimal gigabytes, two decimals (the table's and the preflight's unit)."""
     return f"{n / 1e9:.2f} GB"
@@ -429,6 +449,8 @@ def render(result: dict) -> str:
     lines.append("model states are exact; activations, logits and caches are estimates")
     for s in result.get("suggestions", []):
         lines.append(f"fits with: {' '.join(s['flags'])}  (peak {format_gb(s['peak_bytes_per_gpu'])})")
+    if not result["fits"] and result["gpu_fits"] is False and not result.get("suggestions"):
+        lines.append(NOTHING_FITS)
     return "\n".join(lines)
 
 
@@ -441,8 +463,8 @@ def run(argv: Sequence[str] | None = None) -> dict:
     if args.dtype not in DTYPE_BYTES:
         raise UserError(f"unknown --dtype {args.dtype!r}; use one of {', '.join(DTYPE_BYTES)}")
     result = plan(args)
-    result["suggestions"] = [] if result["fits"] else suggestions(
-        argv, args, parser, critic_from_actor=result.get("critic_from_actor", False))
+    result["suggestions"] = [] if result["fits"] else more_room_only(suggestions(
+        argv, args, parser, limit=None, critic_from_actor=result.get("critic_from_actor", False)))[:5]
     print(json.dumps(result, indent=1) if args.json else render(result), flush=True)
     return result
 

@@ -49,6 +49,31 @@ def test_a_run_that_does_not_fit_names_configurations_that_do(config_only, capsy
     costs = [s["cost"] for s in result["suggestions"]]
     assert costs == sorted(costs)
     assert all(s["peak_bytes_per_gpu"] <= 24e9 * 0.9 for s in result["suggestions"])
+    # A slower configuration is listed only for more room: one with a peak no lower than a faster
+    # one's (a ZeRO-3 critic on one GPU, a smaller batch where the optimizer step sets the peak) is not.
+    for lora in (True, False):  # LoRA changes what is trained: each kind keeps its own fastest fits
+        peaks = [s["peak_bytes_per_gpu"] for s in result["suggestions"] if ("--only_optimize_lora" in s["flags"]) == lora]
+        assert peaks and peaks == sorted(peaks, reverse=True) and len(set(peaks)) == len(peaks), peaks
+
+
+def test_whole_model_fits_are_listed_beside_cheaper_lora_ones(config_only, capsys):
+    """OPT-1.3B on a 72 GB GPU: gradient checkpointing alone (the whole model trained, 57.89 GB) is
+    listed though LoRA with it peaks lower at the same speed, not only offload's slower fits."""
+    assert main(_argv(config_only, "--gpu_memory", "72GB", "--json")) == 0
+    flags = [s["flags"] for s in json.loads(capsys.readouterr().out)["suggestions"]]
+    assert ["--actor_gradient_checkpointing", "--critic_gradient_checkpointing"] in flags, flags
+
+
+def test_a_run_nothing_fits_says_so_and_what_to_do(config_only, capsys):
+    """Even ZeRO-3, offload, LoRA, checkpointing and batch 1 on 16 times the nodes need more than 2 GB:
+    the table ends with one line saying nothing tried fits and to use GPUs with more memory."""
+    from dschat.plan.cli import NOTHING_FITS
+
+    assert main(_argv(config_only, "--gpu_memory", "2GB")) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert any("does NOT fit" in line for line in out) and out[-1] == NOTHING_FITS and not any("fits with" in line for line in out)
+    assert main(_argv(config_only, "--gpu_memory", "24GB")) == 0
+    assert NOTHING_FITS not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("problem", ["size", "no-config", "architecture"])
