@@ -342,12 +342,11 @@ def plan_batches(args: argparse.Namespace, world_size: int, *, ptx: bool = False
     return BatchPlan(gen_bs, gen_batches, train_bs, epochs, ga, ga * 2 if ptx else ga, world_size, ptx)
 
 
-def num_total_iters(plan: BatchPlan, num_prompt_batches: int, num_unsup_batches: int | None, epochs: int, *,
-                    epoch: int = 0, batches_done: int = 0) -> int:
-    """Optimizer steps of the whole run, for the LR schedule (upstream's formula, rounded up, at least 1):
-    ``epochs x min(prompt batches, ptx batches) x (gen_bs / train_bs) x ppo_epochs / GA``. After a
-    resume in ``epoch`` with ``batches_done`` prompt batches of it trained: the steps left."""
-    batches = num_prompt_batches if num_unsup_batches is None else min(num_prompt_batches, num_unsup_batches)
+def num_total_iters(plan: BatchPlan, batches: int, epochs: int, *, epoch: int = 0, batches_done: int = 0) -> int:
+    """Optimizer steps of the run for the LR schedule (upstream's formula, rounded up, at least 1):
+    ``epochs x batches x (gen_bs / train_bs) x ppo_epochs / GA``, with ``batches`` per epoch
+    (:func:`dschat.rlhf.ppo_loop.batches_per_epoch`). After a resume in ``epoch`` with ``batches_done``
+    batches of it trained: the steps left."""
     left = max(0, (epochs - epoch) * batches - batches_done)
     steps = math.ceil(left * (plan.generation_batch_size / plan.training_batch_size) * plan.ppo_epochs
                       / plan.gradient_accumulation_steps)

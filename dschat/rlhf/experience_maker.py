@@ -322,18 +322,23 @@ class ExperienceMaker:
                 values = torch.zeros_like(logprobs)
         _wait_for_device(seq)
         self.experience_time = time.time() - generate_end
-        action_mask = attention_mask[:, 1:] * valid[:, None].to(attention_mask.dtype)
+        answer_mask = attention_mask[:, 1:]  # every row's answer tokens, dropped rows' too
         if generated.observation_mask is not None:  # the environment's tokens are no actions
-            action_mask = action_mask * (1 - generated.observation_mask.to(action_mask.dtype))
+            answer_mask = answer_mask * (1 - generated.observation_mask.to(answer_mask.dtype))
+        action_mask = answer_mask * valid[:, None].to(answer_mask.dtype)
         kept = action_mask.bool()
-        # Every row's reward, dropped ones too (a group's statistics and a masked-by-multiplying loss
-        # would carry their nan), and ReMax's greedy baseline.
+        # Every row's reward, dropped ones too (a group's statistics and a masked-by-multiplying loss would
+        # carry their nan), ReMax's greedy baseline, and the dropped answers' log-probs where their KL
+        # enters their group's rewards.
         baseline = () if greedy_scores is None else (greedy_scores,)
-        if not self.nonfinite.check(logprobs[kept], ref_logprobs[kept], values[kept], reward_score, *baseline,
+        read = (answer_mask if self.formulas.kl_in_group_baseline else action_mask).bool()
+        if not self.nonfinite.check(logprobs[read], ref_logprobs[read], values[kept], reward_score, *baseline,
                                     message=f"non-finite log-probs, values or reward in the rollout of step {step}; "
                                             "rollout skipped"):
             return None  # every rank agrees (the check is collective): no experience, no update
-        sequence_advantages = self.formulas.sequence_advantages(reward_score, logprobs, ref_logprobs, action_mask,
+        # A dropped answer (too short, or cut under --mask_truncated_answers) trains on nothing, but its
+        # KL-penalised reward is still one of its group's (answer_mask, not action_mask).
+        sequence_advantages = self.formulas.sequence_advantages(reward_score, logprobs, ref_logprobs, answer_mask,
                                                                 prompts.shape[1] - 1, greedy_scores)
         return Experience(prompts=prompts, seq=seq, attention_mask=attention_mask, position_ids=position_ids,
                           action_mask=action_mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values,

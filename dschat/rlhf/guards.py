@@ -14,7 +14,8 @@ from dschat.rewards import reward_model_used
 from dschat.rl_math.critic_free import has_critic
 from dschat.rlhf.config import positive_flag
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload
-from dschat.training.run_setup import check_dropouts, check_rates_and_decays, check_seed
+from dschat.cli.shared import check_seed
+from dschat.training.run_setup import check_dropouts, check_rates_and_decays
 
 __all__ = ["validate_step3_args"]
 
@@ -31,7 +32,9 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     ``--align_overflow`` outside fp16 (upstream asserted or failed later: docs/upstream.md#step-3-ppo).
     The flags of a model the run does not build (a critic-free algorithm's critic; the reward model of
     a run rewarded by ``--reward_fn`` / ``--reward_url`` / ``--env`` or ``main``'s Python function,
-    ``python_reward_fn``) are checked as such; ``--max_turns`` / ``--env_timeout`` need ``--env``, and
+    ``python_reward_fn``) are checked as such, and such a run's ``--reward_model_name_or_path`` is refused
+    (except as PPO's way of starting the critic from the actor); ``--max_turns`` / ``--env_timeout`` need
+    ``--env``, ``--reward_url_*`` need ``--reward_url``, and
     ``--lam`` / ``--cliprange_value`` (``--gamma``) given to an algorithm without a critic (without
     per-token rewards) are refused.
     """
@@ -89,13 +92,26 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
             "without actor LoRA is unsupported due to training instability (as upstream); drop one of "
             "them or add --actor_lora_dim"
         )
-    given = flags_off_default(args, ("max_turns", "env_timeout", "lam", "cliprange_value", "gamma"))
+    given = flags_off_default(args, ("max_turns", "env_timeout", "lam", "cliprange_value", "gamma",
+                                     "reward_url_weight", "reward_url_timeout", "reward_url_retries"))
     for name in sorted(given & {"max_turns", "env_timeout"}):
         if not getattr(args, "env", None):  # as e2e's --max-turns / --env-timeout: nothing to apply them to
             raise UserError(f"--{name} applies to multi-turn episodes only; add --env MODULE:FACTORY "
                             f"(docs/environments.md) or drop --{name}")
+    for name in sorted(given & {"reward_url_weight", "reward_url_timeout", "reward_url_retries"}):
+        if not getattr(args, "reward_url", None):
+            raise UserError(f"--{name} applies to a reward server only; add --reward_url URL or drop --{name}")
     algorithm = getattr(args, "algorithm", "ppo")
     critic = has_critic(algorithm)
+    reward_path = getattr(args, "reward_model_name_or_path", None)
+    # Unused: no reward model is loaded. (Without a critic folder, PPO's critic starts from the actor
+    # when a reward-model folder is given: the flag is then the run's way of asking for that.)
+    unused = not reward_model_used(args, python_reward_fn) and (args.critic_model_name_or_path or not critic)
+    if reward_path and unused:
+        why = ("--reward_model_weight 0" if getattr(args, "reward_model_weight", None) is not None else
+               "its --reward_model_weight defaults to 0 beside --reward_fn, --reward_url, --env or main's reward_fn")
+        raise UserError(f"--reward_model_name_or_path {reward_path}: this run loads no reward model ({why}); give a "
+                        "non-zero --reward_model_weight W to add its score, or drop --reward_model_name_or_path")
     for name, what, applies in (("lam", "is GAE's lambda, over the critic's values", critic),
                                 ("cliprange_value", "clips the critic's values", critic),
                                 ("gamma", "discounts per-token rewards (PPO's GAE, REINFORCE++'s returns)",

@@ -98,18 +98,26 @@ class PPOFormulas:
             return returns_to_go(rewards, exp.start, gamma=self.gamma, skip=skip) * mask
         return token_advantages(exp.sequence_advantages, mask)
 
+    @property
+    def kl_in_group_baseline(self) -> bool:
+        """Whether :meth:`sequence_advantages` sums each answer's KL into its group's rewards (GRPO, RLOO,
+        ReMax with the KL in the reward): it then reads the log-probs of answers dropped from the loss too."""
+        return self.settings.algorithm in ("grpo", "rloo", "remax") and self.settings.kl_in_reward and bool(self.kl_ctl)
+
     def sequence_advantages(self, reward_score: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                            action_mask: torch.Tensor, start: int,
+                            answer_mask: torch.Tensor, start: int,
                             greedy_scores: torch.Tensor | None) -> torch.Tensor | None:
         """(B,) advantages of GRPO / RLOO / ReMax from a whole generation batch (whole groups), or
-        None for the algorithms whose advantages are per token (PPO, REINFORCE++)."""
+        None for the algorithms whose advantages are per token (PPO, REINFORCE++). ``answer_mask``
+        (B, T - 1) marks each answer's tokens, those of answers dropped from the loss included: with
+        the KL in the reward, every answer's KL-penalised reward enters its group's statistics."""
         settings = self.settings
         if settings.algorithm not in ("grpo", "rloo", "remax"):
             return None
         scores = torch.clamp(reward_score.float(), -self.clip_reward_value, self.clip_reward_value)
-        if settings.kl_in_reward and self.kl_ctl:
+        if self.kl_in_group_baseline:
             scores = scores - self.kl_ctl * sequence_kl(
-                logprobs[:, start:], ref_logprobs[:, start:], action_mask[:, start:], estimator=self.kl_estimator)
+                logprobs[:, start:], ref_logprobs[:, start:], answer_mask[:, start:], estimator=self.kl_estimator)
         if settings.algorithm == "grpo":
             return grpo_advantages(scores, settings.num_generations, scale_by_std=settings.scale_by_std)
         if settings.algorithm == "rloo":

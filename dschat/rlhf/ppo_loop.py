@@ -23,7 +23,7 @@ import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sized
 
 import torch
 from torch.utils.data import DataLoader
@@ -46,8 +46,8 @@ from dschat.training.progress import TensorBoardLogger
 from dschat.training.run_setup import RunContext
 from dschat.training.ppo_counters import CheckpointTiming, PPOCounters, finished_before_resume, reached_test_stop
 
-__all__ = ["METRICS_FILE", "PPORun", "IterationResult", "RolloutTimes", "run_ppo", "generate_batch", "group_filter",
-           "fill_groups", "train_rollout", "log_iteration",
+__all__ = ["METRICS_FILE", "PPORun", "IterationResult", "RolloutTimes", "run_ppo", "batches_per_epoch",
+           "generate_batch", "group_filter", "fill_groups", "train_rollout", "log_iteration",
            "iteration_record", "tensorboard_scalars", "append_metrics", "truncate_metrics", "adopt_metrics",
            "resume_metrics"]
 
@@ -128,6 +128,9 @@ def run_ppo(args: argparse.Namespace, ctx: RunContext, trainer: DeepSpeedPPOTrai
             if reached_test_stop(args, counters) or evaluation.should_stop:
                 stop = True
                 break
+    if not evaluation.should_stop:  # auto: the run's last step, also when it came before the planned one
+        last_epoch = run.history[-1]["epoch"] if run.history else 0  # (batches used up by dynamic sampling)
+        evaluation.maybe_evaluate(counters.global_step, last_epoch, at_end=True)
     return run
 
 
@@ -185,12 +188,17 @@ def fill_groups(trainer: DeepSpeedPPOTrainer, ctx: RunContext, groups: GroupFilt
     return groups.batch(), step
 
 
+def batches_per_epoch(prompt_loader: Sized, unsup_loader: Sized | None) -> int:
+    """Generation batches per epoch: the prompt loader's, or the PPO-ptx loader's where that is
+    shorter (the loop zips the two, as upstream's)."""
+    return len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
+
+
 def begin_epoch(args: argparse.Namespace, ctx: RunContext, epoch: int, prompt_loader: DataLoader,
                 unsup_loader: DataLoader | None) -> None:
     """The epoch's line and the samplers' new order (docs/upstream.md#data-cache)."""
-    num_batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
     print_rank_0(f"Beginning of Epoch {epoch + 1}/{args.num_train_epochs}, Total Generation Batches "
-                 f"{num_batches}", ctx.rank)
+                 f"{batches_per_epoch(prompt_loader, unsup_loader)}", ctx.rank)
     set_epoch_if_distributed(prompt_loader, epoch)
     if unsup_loader is not None:
         set_epoch_if_distributed(unsup_loader, epoch)

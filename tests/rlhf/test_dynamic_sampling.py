@@ -299,3 +299,11 @@ def test_two_ranks_draw_the_same_batches(tmp_path, data_cache):
     assert [[r[k] for k in keys] for r in histories[0]] == [[r[k] for k in keys] for r in histories[1]]
     assert len(histories[0]) == 3 and sum(r["dropped_groups"] for r in histories[0]) > 0
     assert (out / "actor" / "config.json").exists()
+
+
+def test_a_full_batch_in_the_first_round_draws_no_more():
+    """Once G informative groups are in, no further batch is drawn: each would use up prompts only
+    to throw their groups away as surplus (the tests above stopped only when the rounds ran out)."""
+    f = _filter(groups_per_batch=2, max_rounds=8)
+    f.add(_batch([0, 1, 2, 3], 1))  # both groups informative
+    assert not f.wants_more()

@@ -341,14 +341,10 @@ def test_clip_options_reach_the_loss(algorithm, extra, expected, critic_dirs, da
     assert f"algorithm {algorithm}:" in capsys.readouterr().out
 
 
-@pytest.mark.slow
-def test_overlong_penalty_and_truncated_answers_masked_in_a_grpo_run(data_cache, monkeypatch):
-    """GRPO with DAPO's soft overlong punishment and overlong filtering. Rows 0 and 2 of each batch are
-    made to end after 4 tokens (EOS included); the others run to the 16-token limit. The cut rows get
-    the full penalty -0.5 and leave the loss (zero action mask), yet their rewards enter the group
-    statistics."""
+def _even_rows_end_after_four_tokens(monkeypatch) -> int:
+    """Rollouts (tiny-opt) whose rows 0, 2, ... end with EOS as their 4th token, padded after it; the
+    others run on to the answer limit. Returns the EOS id."""
     from dschat.models.tokenizer import load_hf_tokenizer
-    from dschat.rl_math.critic_free import grpo_advantages, overlong_penalty
     from dschat.rlhf.rollout.generator import RolloutGenerator
     from dschat.rlhf.rollout.sampling import Rollout
 
@@ -365,6 +361,18 @@ def test_overlong_penalty_and_truncated_answers_masked_in_a_grpo_run(data_cache,
         return Rollout(seq, None)  # the actor's pass scores the edited rows
 
     monkeypatch.setattr(RolloutGenerator, "rollout", ending)
+    return eos
+
+
+@pytest.mark.slow
+def test_overlong_penalty_and_truncated_answers_masked_in_a_grpo_run(data_cache, monkeypatch):
+    """GRPO with DAPO's soft overlong punishment and overlong filtering. Rows 0 and 2 of each batch are
+    made to end after 4 tokens (EOS included); the others run to the 16-token limit. The cut rows get
+    the full penalty -0.5 and leave the loss (zero action mask), yet their rewards enter the group
+    statistics."""
+    from dschat.rl_math.critic_free import grpo_advantages, overlong_penalty
+
+    eos = _even_rows_end_after_four_tokens(monkeypatch)
     raw, trained = _spy_scores(monkeypatch)
     result = step3_main().main(_argv("tiny-opt", None, data_cache, "--algorithm", "grpo", "--num_generations", "2",
                                      "--reward_fn", "reward_fixtures:length", "--kl_ctl", "0",
@@ -386,6 +394,29 @@ def test_overlong_penalty_and_truncated_answers_masked_in_a_grpo_run(data_cache,
     actions = exp.action_mask[:, exp.start:]
     assert actions[~ended].eq(0).all() and (actions[ended].sum(1) == 4).all()
     torch.testing.assert_close(exp.sequence_advantages, grpo_advantages(exp.reward_score, 2))
+
+
+@pytest.mark.slow
+def test_a_cut_answers_kl_penalty_stays_in_its_groups_baseline(data_cache, monkeypatch):
+    """RLOO (the KL in the reward) with overlong filtering: a cut answer leaves the loss, but its reward
+    enters its group's baseline KL-penalised, its KL summed over its own tokens (before, over its zeroed
+    action mask: no penalty at all, which moved every sibling's advantage by kl_ctl x its KL)."""
+    from dschat.rl_math.critic_free import rloo_advantages, sequence_kl
+
+    eos = _even_rows_end_after_four_tokens(monkeypatch)
+    _, trained = _spy_scores(monkeypatch)
+    kl_ctl = 0.5
+    result = step3_main().main(_argv("tiny-opt", None, data_cache, "--algorithm", "rloo", "--num_generations", "2",
+                                     "--reward_fn", "reward_fixtures:length", "--kl_ctl", str(kl_ctl),
+                                     "--mask_truncated_answers", "--actor_learning_rate", "1e-2", steps=2))
+    assert len(result.history) == 2
+    exp = trained[-1]  # the second rollout: the actor has moved away from the reference
+    P = exp.prompts.shape[1]
+    ended = (exp.seq[:, P:] == eos).any(1)
+    assert exp.valid.tolist() == ended.tolist() and not ended.all()  # the premise: some rows are cut
+    kl = sequence_kl(exp.logprobs[:, exp.start:], exp.ref_logprobs[:, exp.start:], exp.attention_mask[:, P:])
+    assert kl[~ended].abs().min() > 1e-3  # the cut answers' KL is no zero
+    torch.testing.assert_close(exp.sequence_advantages, rloo_advantages(exp.reward_score - kl_ctl * kl, 2))
 
 
 @pytest.mark.slow

@@ -207,6 +207,42 @@ def test_the_run_reports_a_non_finite_mean_and_later_finite_evaluations_compete(
     assert evaluation.maybe_evaluate(5)["new_best"] and saved == [1, 4, 5]
 
 
+def test_loading_a_reward_model_judge_draws_nothing_from_trainings_random_numbers(critic_dirs):
+    """A folder judge loads (its value head is built) after the engines and before the first rollout:
+    it drew from the global torch generator, so every sampled rollout of the run changed with it."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="none", output_dir=None,
+                           stop_on_overoptimization=False)
+    trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None, device=torch.device("cpu"),
+                              rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("rm", folder=critic_dirs["tiny-opt"])])
+    assert set(evaluation._judge_models) == {"rm"}
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_a_resume_on_other_held_out_prompts_is_one_line():
+    """The series is paired prompt by prompt: a checkpoint measured on 6 prompts resumed with
+    --eval_prompts 8 ended in a traceback at the first alarm check, after a PPO step; other prompts of
+    the same count (another split or prompt length) silently compared other prompts."""
+    from dschat.rlhf.heldout.setup import check_same_prompts, prompts_digest
+
+    six = [(torch.tensor([i, i + 1]),) for i in range(6)]
+    state = {"history": [{"step": 0, "proxy": [0.0] * 6, "judges": {}}], "prompts": prompts_digest(six)}
+    check_same_prompts(state, prompts_digest(six), 6)
+    check_same_prompts({"history": []}, prompts_digest(six), 8)  # nothing measured yet
+    check_same_prompts({"history": state["history"]}, "any", 6)  # a checkpoint without the digest: the count
+    with pytest.raises(UserError) as err:
+        check_same_prompts(state, prompts_digest(six + six[:2]), 8)
+    assert str(err.value).startswith("the checkpoint's evaluations were made on 6 held-out prompts, and this run's "
+                                     "are 8 prompts: its series, best score and alarm cannot go on here")
+    other = [(torch.tensor([i, i + 2]),) for i in range(6)]
+    with pytest.raises(UserError, match="made on 6 held-out prompts, and this run's are 6 other prompts"):
+        check_same_prompts(state, prompts_digest(other), 6)
+
+
 def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypatch, capsys):
     """After a roll back to an earlier checkpoint (or a kill between a best save and the next
     checkpoint), best/ may hold models that score higher than the checkpoint's best: only a higher
@@ -300,6 +336,15 @@ def test_a_resume_that_would_keep_the_best_by_another_series_stops_and_leaves_be
     (tmp_path / "best" / "best.json").write_text(f'{{"step": 6, "by": "{tmp_path}/rm/", "score": -0.2, "run": "mine"}}')
     assert resume("judge", f"{tmp_path}/rm/", judge=f"{tmp_path}/./rm").best == {
         "step": 6, "by": f"{tmp_path}/rm/", "score": -0.2}
+
+
+def test_one_judge_folder_given_twice_by_two_spellings_is_refused(critic_dirs):
+    """It loaded the same model twice and kept two identical series."""
+    from dschat.rlhf.heldout.setup import resolve_judges
+
+    folder = critic_dirs["tiny-opt"]
+    with pytest.raises(UserError, match=r"^--eval_judge given twice: .* name the same folder; give it once$"):
+        resolve_judges([str(folder), str(folder) + "/"], ["dschat/builtin"])
 
 
 def test_a_judge_folder_named_proxy_is_refused_and_never_the_proxys_series(tmp_path, monkeypatch):
@@ -444,7 +489,7 @@ def test_auto_interval_by_hand():
     assert eval_share(40.0, 30.0, 100, 13, since=50, spent=200.0) == pytest.approx(320 / 3320)
 
 
-def _auto_run(monkeypatch, step_seconds, planned=20):
+def _auto_run(monkeypatch, step_seconds, planned=20, steps=None):
     """``--eval_interval auto`` on a fake clock: evaluations take 1 s, PPO step i ``step_seconds[i]``;
     returns the evaluated steps, the measured share and the evaluation."""
     from types import SimpleNamespace
@@ -462,9 +507,9 @@ def _auto_run(monkeypatch, step_seconds, planned=20):
     trainer = SimpleNamespace(prompt_columns=None, plan=plan, rlhf_engine=SimpleNamespace(num_total_iters=planned))
     args = SimpleNamespace(eval_interval="auto", eval_alarm_sigmas=2.0, save_best_by="none", output_dir=None,
                            enable_test_mode=False, stop_on_overoptimization=False)
-    evaluation = ev.StepThreeEvaluation(args, trainer, ["a", "b"], [])
+    evaluation = ev.StepThreeEvaluation(args, trainer, [(torch.tensor([1]),), (torch.tensor([2]),)], [])
     made = []
-    for step in range(planned + 1):
+    for step in range((planned if steps is None else steps) + 1):
         if step:
             now[0] += step_seconds[step - 1]  # a PPO step
         if evaluation.maybe_evaluate(step) is not None:
@@ -482,6 +527,13 @@ def test_auto_interval_schedules_evaluations_within_a_tenth_of_the_wall_time(mon
     # step 17 one more (the last step's) is over 10 % by the estimate, and is made: a run ends evaluated.
     made, share, _ = _auto_run(monkeypatch, [20.0] + [2.0] * 19)
     assert made == [0, 6, 11, 16, 20] and share <= 0.10
+    # One PPO step (never timed: warm-up), or a resume one step before the end: the last step is still
+    # evaluated (the trained actor was never judged, and best/ kept the starting models).
+    assert _auto_run(monkeypatch, [5.0], planned=1)[0] == [0, 1]
+    # A run past its plan (resumed with more ranks or larger batches: fewer planned steps than done)
+    # goes on by the measured costs (every 2 steps here), not every step.
+    made = _auto_run(monkeypatch, [5.0] * 20, planned=5, steps=20)[0]
+    assert made == [0, 3, 5, 7, 9, 11, 13, 15, 17, 19], made
     # Steps that slow down (2 s, then 10 s after step 6): the next evaluations move apart.
     made, share, _ = _auto_run(monkeypatch, [2.0] * 6 + [10.0] * 14)
     gaps = [b - a for a, b in zip(made, made[1:])]
@@ -521,6 +573,8 @@ def _train_only_file(folder: Path) -> Path:
     (("--eval_interval", "2", "--eval_alarm_sigmas", "3"), "--eval_alarm_sigmas: the alarm compares the proxy with a "
                                                            "judge; give --eval_judge"),
     (("--eval_interval", "-1",), "--eval_interval must be >= 0"),
+    (("--eval_interval", "2", "--eval_judge", "gold", "--eval_alarm_sigmas", "inf"),
+     "--eval_alarm_sigmas must be a finite number > 0, got inf"),
     ("train-only", "has no held-out prompts"),
     ("gold-elsewhere", "the gold judge scores the embedded data only"),
 ])
@@ -662,6 +716,16 @@ def test_resume_reproduces_the_evaluation_records_and_the_best_checkpoint(ppo_ru
 
 
 @pytest.mark.slow
+def test_a_resume_with_another_eval_prompts_stops_before_training(ppo_runs, tmp_path, capsys):
+    root, argv, evaluated = ppo_runs["root"], ppo_runs["argv"], ppo_runs["evaluated"]
+    shutil.copytree(root / "with", tmp_path / "again")
+    more = [x if x != "6" else "4" for x in evaluated]  # --eval_prompts 4
+    line = refused_in_process(argv(tmp_path / "again", *more, "--resume", "--test_stop_step", "6"), capsys)
+    assert line.startswith("error: the checkpoint's evaluations were made on 6 held-out prompts, and this run's "
+                           "are 4 prompts"), line
+
+
+@pytest.mark.slow
 def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dirs, data_cache, monkeypatch,
                                                             capsys):
     """GRPO scored by a reward function, judged by a column-reading function and a reward-model
@@ -676,9 +740,10 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dir
 
     monkeypatch.setattr(ev, "overoptimization_alarm", fires_at_two)
     out = tmp_path / "out"
-    result = step3_main().main(_argv(data_cache, "--output_dir", str(out), "--eval_interval", "1", "--eval_prompts",
-                                     "5", "--eval_judge", "reward_fixtures:chosen_overlap", "--save_best_by", "proxy",
-                                     "--eval_judge", str(critic_dirs["tiny-opt"]), "--stop_on_overoptimization"))
+    flags = _argv(data_cache, "--output_dir", str(out), "--eval_interval", "1", "--eval_prompts", "5", "--eval_judge",
+                  "reward_fixtures:chosen_overlap", "--save_best_by", "proxy", "--eval_judge", str(critic_dirs["tiny-opt"]),
+                  "--stop_on_overoptimization", "--save_interval", "1")
+    result = step3_main().main(flags)
     logs = capsys.readouterr().out
     assert len(result.history) == 2 and [r["global_step"] for r in result.evaluations] == [0, 1, 2]
     assert "[eval] OVER-OPTIMIZATION at step 2" in logs and "--stop_on_overoptimization: ending the run at step 2" in logs
@@ -692,6 +757,25 @@ def test_critic_free_run_with_evaluation_stops_on_the_alarm(tmp_path, critic_dir
     assert sorted(p.name for p in (out / "best").iterdir()) == sorted(["actor", "best.json", fs.SAVED_MARKER])  # no critic, no EMA
     assert (out / "actor").is_dir()  # the final save still happened
     assert "evaluations took" in logs and "of step-3 wall time" in logs
+    # Resumed with the flag, the series' alarm ends the run again, and a line says why (it trained
+    # nothing and said nothing before).
+    again = step3_main().main([*flags, "--resume"])
+    assert again.history == [] and ("[eval] --stop_on_overoptimization: the resumed evaluation series raised the "
+                                    "over-optimization alarm at step 2, so the run ends without training") in \
+        capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_auto_evaluates_a_run_that_ends_before_its_planned_last_step(tmp_path, data_cache, monkeypatch):
+    """A run that ends before the step ``auto`` planned to end at (``--dynamic_sampling`` uses prompt
+    batches up; stood in for by a plan of 50 steps for a 2-step run) is still evaluated at its end: the
+    trained actor was judged last at the step before the first one otherwise (the next evaluation,
+    scheduled 10 steps on, never came)."""
+    monkeypatch.setattr(ev, "planned_ppo_steps", lambda config, trainer: 50)
+    monkeypatch.setattr(ev, "auto_interval", lambda *args, **kwargs: 10)
+    result = step3_main().main(_argv(data_cache, "--eval_prompts", "2", "--eval_judge", "reward_fixtures:length",
+                                     steps=2))
+    assert len(result.history) == 2 and [r["global_step"] for r in result.evaluations] == [0, 2]
 
 
 @pytest.mark.slow

@@ -15,6 +15,7 @@ import torch
 
 from dschat.errors import UserError
 from dschat.rlhf.config import BatchPlan, num_total_iters, plan_batches
+from dschat.rlhf.ppo_loop import batches_per_epoch
 from dschat.rlhf.guards import validate_step3_args
 
 from helpers import REPO
@@ -100,9 +101,10 @@ def test_plan_ptx_doubles_actor_accumulation_and_step_normalisation_rule():
 def test_num_total_iters_upstream_formula():
     plan = BatchPlan(16, 1, 8, 2, 4, 4, 1, False)
     # 100 batches x (16/8) x 2 epochs / GA 4 = 100 optimizer steps, per train epoch
-    assert num_total_iters(plan, 100, None, 1) == 100
-    assert num_total_iters(plan, 100, 50, 2) == 100  # ptx loader shorter: min(100, 50) x 2 epochs
-    assert num_total_iters(BatchPlan(4, 1, 4, 1, 8, 8, 1, False), 3, None, 1) == 1  # rounded up, >= 1
+    assert num_total_iters(plan, 100, 1) == 100
+    assert num_total_iters(plan, batches_per_epoch(range(100), range(50)), 2) == 100  # ptx shorter: min x 2 epochs
+    assert batches_per_epoch(range(30), range(50)) == 30 and batches_per_epoch(range(30), None) == 30
+    assert num_total_iters(BatchPlan(4, 1, 4, 1, 8, 8, 1, False), 3, 1) == 1  # rounded up, >= 1
 
 
 # ------------------------------------------------------------------------------------ flags

@@ -187,6 +187,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
     from dschat.data.collators import DataCollatorRLHF
     from dschat.data.unsupervised import get_unsupervised_data, unsupervised_training_enabled
     from dschat.rlhf.config import num_total_iters
+    from dschat.rlhf.ppo_loop import batches_per_epoch
     from dschat.training.loaders import make_train_loader
     from dschat.training.step_data import prompt_datasets
 
@@ -220,8 +221,7 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
                 f"it splits into several micro-batches of {args.per_device_training_batch_size}; use more "
                 "data or smaller batch sizes"
             )
-    total_iters = num_total_iters(plan, len(prompt_loader), None if unsup_loader is None else len(unsup_loader),
-                                  args.num_train_epochs)
+    total_iters = num_total_iters(plan, batches_per_epoch(prompt_loader, unsup_loader), args.num_train_epochs)
     return prompt_loader, unsup_loader, total_iters
 
 
@@ -240,7 +240,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     from dschat.rlhf.heldout.setup import check_eval_args, heldout_prompt_items
     from dschat.rlhf.config import num_total_iters as count_iters, resolve_algorithm, step3_config
     from dschat.rlhf.guards import validate_step3_args
-    from dschat.rlhf.ppo_loop import METRICS_FILE, resume_metrics, run_ppo
+    from dschat.rlhf.ppo_loop import METRICS_FILE, batches_per_epoch, resume_metrics, run_ppo
     from dschat.rlhf.ppo_trainer import DeepSpeedPPOTrainer, DeepSpeedPPOTrainerUnsupervised
     from dschat.rlhf.rlhf_engine import DeepSpeedRLHFEngine, resolve_model_sources
     from dschat.runtime.ds_config import resolve_dtype
@@ -324,19 +324,19 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
                                 weights_only={} if rlhf_engine.actor_ema is None else {"actor_ema": rlhf_engine.actor_ema},
                                 loaders=[loader for loader in (prompt_loader, unsup_loader) if loader is not None],
                                 models=starting_models(args, sources, critic=settings.critic,
-                                                       reward_model=mix.uses_model))
+                                                       reward_model=mix.uses_model), step="step3")
     trainer.nonfinite.last_checkpoint = checkpointer.latest
     wanted = {name: FlagSchedule.of(engine.lr_scheduler) for name, engine in trainable.items() if engine is not None}
     resumed = checkpointer.resume()
     counters = PPOCounters() if resumed is None else PPOCounters.restore(resumed, trainer.nonfinite)
     if resumed is not None:  # the checkpoint's LR schedules go on, laid anew over another plan (batches, ranks, epochs)
-        batches = len(prompt_loader) if unsup_loader is None else min(len(prompt_loader), len(unsup_loader))
+        batches = batches_per_epoch(prompt_loader, unsup_loader)
         refuse_past_the_end(checkpointer, batches, args.num_train_epochs,
                             (counters.non_overflow_step_count, args.test_stop_step if args.enable_test_mode else 0,
                              "generation batches done, past --test_stop_step"))
         epoch = checkpointer.first_epoch()
-        left = count_iters(plan, len(prompt_loader), None if unsup_loader is None else len(unsup_loader),
-                           args.num_train_epochs, epoch=epoch, batches_done=checkpointer.batches_done(epoch))
+        left = count_iters(plan, batches, args.num_train_epochs, epoch=epoch,
+                           batches_done=checkpointer.batches_done(epoch))
         for name, flag_schedule in wanted.items():
             scheduler = trainable[name].lr_scheduler
             for line in resume_schedule(flag_schedule, scheduler, num_total_iters, left):
@@ -347,6 +347,10 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     if resumed is not None:  # TensorBoard hides what the killed attempt logged after the checkpoint
         tb.resume_at(counters.global_step)
     evaluation.restore(resumed, at_step=counters.global_step)  # its series, best checkpoint and alarm go on
+    if evaluation.should_stop:  # the resumed series' alarm fired (also in an attempt without the flag)
+        print_rank_0(f"[eval] --stop_on_overoptimization: the resumed evaluation series raised the over-optimization "
+                     f"alarm at step {evaluation.alarms[-1]['step']}, so the run ends without training; resume "
+                     "without the flag to train on", ctx.rank)
 
     # ---------------------------------------------------------------- PPO loop
     run = run_ppo(args, ctx, trainer, prompt_loader, unsup_loader, checkpointer=checkpointer, counters=counters,

@@ -70,7 +70,7 @@ from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.heldout.best import other_series_line, read_best, same_series, save_best, set_earlier_best_aside
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
 from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
-from dschat.rlhf.heldout.setup import Judge
+from dschat.rlhf.heldout.setup import Judge, check_same_prompts, prompts_digest
 from dschat.runtime.dist import all_reduce_sum, gather_json, print_rank_0
 from dschat.runtime.fs import open_own, recover_dir
 from dschat.runtime.devices import to_device
@@ -165,6 +165,7 @@ class StepThreeEvaluation:
         self._step_seconds, self._steps_timed, self._warmed_up = 0.0, 0, False
         self.trainer = trainer
         self.items = list(prompt_items)
+        self.prompts_digest = prompts_digest(self.items)  # a resume must evaluate the same prompts
         self.judges = list(judges)
         self.tb = tb
         self.rank, self.world_size = rank, world_size
@@ -189,9 +190,8 @@ class StepThreeEvaluation:
         if self._columns is None and any(j.fn is not None for j in self.judges):
             self._columns = load_prompt_columns(config.data_path, config.data_split, config.seed,
                                                 config.data_output_path, config.local_rank, trainer.tokenizer)
-        for judge in self.judges:
-            if judge.folder is not None:
-                self._judge_models[judge.name] = load_reward(judge.folder, trainer.device)
+        with self._forked_random():  # building a value head draws random numbers: training must not see it
+            self._judge_models = {j.name: load_reward(j.folder, trainer.device) for j in self.judges if j.folder}
         if self.save_best_by != "none" and self.output_dir is not None and rank == 0:
             for notice in recover_dir(self.output_dir / BEST_DIR):
                 print(f"[eval] {notice}", flush=True)
@@ -206,8 +206,8 @@ class StepThreeEvaluation:
         """JSON state for a checkpoint: the series, the best evaluation, the alarms, the timings."""
         return {"history": [{"step": p.step, "proxy": list(p.proxy), "judges": {k: list(v) for k, v in p.judges.items()}}
                             for p in self.history],
-                "best": self.best, "alarms": self.alarms, "next_step": self.next_step, "run": self.run_id,
-                "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started], "logged": self.logged}
+                "best": self.best, "alarms": self.alarms, "next_step": self.next_step, "run": self.run_id, "logged": self.logged,
+                "prompts": self.prompts_digest, "seconds": [self.eval_seconds, self.save_seconds, time.time() - self.started]}
 
     def attach(self, position: TrainingPosition) -> TrainingPosition:
         """``position`` (a :class:`~dschat.training.checkpoint.TrainingPosition`) carrying this state."""
@@ -273,6 +273,7 @@ class StepThreeEvaluation:
             self.best = None
 
     def _restore_state(self, state: dict[str, Any]) -> None:
+        check_same_prompts(state, self.prompts_digest, len(self.items))
         self.history = [EvalPoint(p["step"], tuple(p["proxy"]), {k: tuple(v) for k, v in p["judges"].items()})
                         for p in state["history"]]
         self.best, self.alarms = state["best"], list(state["alarms"])
@@ -283,17 +284,18 @@ class StepThreeEvaluation:
         self.started = time.time() - wall
 
     # ------------------------------------------------------------------ the evaluation
-    def maybe_evaluate(self, global_step: int, epoch: int = 0) -> dict[str, object] | None:
-        """Evaluate when ``global_step`` (PPO steps trained) is 0 or a multiple of ``--eval_interval``
-        (``auto``: the first call, then the step :meth:`_schedule` chose) and was not evaluated yet (a
-        resumed run). Collective. Returns the record, else None."""
+    def maybe_evaluate(self, global_step: int, epoch: int = 0, at_end: bool = False) -> dict[str, object] | None:
+        """Evaluate when ``global_step`` (PPO steps trained) is 0 or a multiple of ``--eval_interval`` (``auto``:
+        the first call, then the step :meth:`_schedule` chose, and the planned last step or the run's end,
+        ``at_end``) and was not evaluated yet (a resumed run). Collective. Returns the record, else None."""
         if not self.enabled:
             return None
         if self.auto:
             self._time_steps(global_step)
             if self.history and self.next_step is None:
                 self.next_step = self._schedule(global_step)
-            if self.history and (self.next_step is None or global_step < self.next_step):
+            at_end = at_end or global_step == planned_ppo_steps(self.config, self.trainer)  # evaluated, timed or not
+            if self.history and (self.next_step is None or global_step < self.next_step) and not at_end:
                 return None
         elif global_step % self.interval != 0:
             return None
@@ -321,8 +323,7 @@ class StepThreeEvaluation:
         return record
 
     def _time_steps(self, global_step: int) -> None:
-        """``--eval_interval auto``: add the PPO steps since the last call (or evaluation) to the timing;
-        the first PPO step of the process is left out (warm-up: first allocations, the first optimizer step)."""
+        """``--eval_interval auto``: time the PPO steps since the last call, but a process's first (warm-up)."""
         now = time.time()
         if self._mark is not None and global_step > self._mark[1]:
             if self._warmed_up:

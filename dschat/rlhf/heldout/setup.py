@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -23,7 +25,8 @@ from dschat.paths import BEST_DIR
 from dschat.rewards import RewardFunction, load_reward_function
 from dschat.runtime.dist import print_rank_0
 
-__all__ = ["GOLD", "GOLD_SPEC", "Judge", "check_eval_args", "heldout_prompt_items", "resolve_judges"]
+__all__ = ["GOLD", "GOLD_SPEC", "Judge", "check_eval_args", "check_same_prompts", "heldout_prompt_items",
+           "prompts_digest", "resolve_judges"]
 
 #: ``--eval_judge gold``: the built-in gold judge (dschat.rewards:gold).
 GOLD = "gold"
@@ -77,6 +80,10 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str], timeout: floa
     names = [j.name for j in judges]
     if len(set(names)) != len(names):
         raise UserError(f"--eval_judge given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    folders = [str(j.folder.resolve()) for j in judges if j.folder is not None]  # one model, two spellings
+    if len(set(folders)) != len(folders):
+        twice = sorted({j.name for j in judges if j.folder is not None and folders.count(str(j.folder.resolve())) > 1})
+        raise UserError(f"--eval_judge given twice: {', '.join(twice)} name the same folder; give it once")
     return judges
 
 
@@ -107,8 +114,8 @@ def check_eval_args(args: argparse.Namespace) -> list[Judge]:
         return []
     if prompts < 1:
         raise UserError(f"--eval_prompts must be >= 1, got {prompts}")
-    if not args.eval_alarm_sigmas > 0:
-        raise UserError(f"--eval_alarm_sigmas must be > 0, got {args.eval_alarm_sigmas}")
+    if not 0 < args.eval_alarm_sigmas < math.inf:  # inf: the alarm (and --stop_on_overoptimization) never fires
+        raise UserError(f"--eval_alarm_sigmas must be a finite number > 0, got {args.eval_alarm_sigmas}")
     judges = resolve_judges(judges_given, args.data_path, getattr(args, "reward_fn_timeout", 0.0))
     for flag, on in (("--stop_on_overoptimization", args.stop_on_overoptimization),
                      ("--eval_alarm_sigmas", "eval_alarm_sigmas" in tuned)):
@@ -157,3 +164,22 @@ def heldout_prompt_items(args: argparse.Namespace, tokenizer: PreTrainedTokenize
         print_rank_0(f"[eval] only {len(items)} distinct held-out prompts (--eval_prompts {args.eval_prompts}); "
                      "evaluating on those")
     return items
+
+
+def prompts_digest(items: Sequence[PromptItem]) -> str:
+    """SHA-256 of the held-out prompts' token ids, in order: what an evaluation series is measured on."""
+    return hashlib.sha256(json.dumps([item[0].tolist() for item in items]).encode()).hexdigest()
+
+
+def check_same_prompts(state: dict, digest: str, k: int) -> None:
+    """One line when a checkpoint's evaluation ``state`` was measured on other prompts than this run's
+    ``k`` (:func:`prompts_digest` ``digest``; a checkpoint without one: its count): its paired
+    changes, best score and alarm would compare other prompts (before, a traceback after a PPO step)."""
+    saved_k = len(state["history"][0]["proxy"]) if state.get("history") else None
+    if state.get("prompts", digest) == digest and saved_k in (None, k):
+        return
+    measured = f"{saved_k} held-out prompts" if saved_k is not None else "other held-out prompts"
+    raise UserError(f"the checkpoint's evaluations were made on {measured}, and this run's are {k} "
+                    f"{'other ' if saved_k == k else ''}prompts: its series, best score and alarm cannot go on "
+                    "here; resume with the flags that wrote it (--eval_prompts, --data_split, --max_prompt_seq_len), "
+                    "or pass another --output_dir")
