@@ -71,7 +71,9 @@ _fresh_output: dict[str, str] = {}  # module path -> the fresh run's output
 def _run_fresh(item: pytest.Item) -> None:
     module = str(item.path)
     nodes = [i.nodeid for i in item.session.items if str(i.path) == module and "forks" in i.keywords]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", *nodes],
+    # --durations-min: pytest.ini's slowest-tests list would push the child's traceback out of what is kept.
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "--durations-min",
+                           "1e9", *nodes],
                           cwd=item.config.rootpath, env={**os.environ, FRESH_PROCESS_ENV: "1"},
                           capture_output=True, text=True, timeout=3600)
     _fresh_output[module] = proc.stdout[-6000:] + proc.stderr[-2000:]
