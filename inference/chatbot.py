@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run from a checkout without installing: use its dschat
     sys.path.insert(0, str(ROOT))
 
+from dschat.cli.shared import check_seed  # noqa: E402
 from dschat.errors import UserError, cli_main  # noqa: E402
 from dschat.eval.report import check_sampling  # noqa: E402  (torch-free: bad options fail in a blink)
 from dschat.paths import step3_part  # noqa: E402
@@ -293,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1:
         raise UserError("--max_new_tokens must be at least 1")
+    check_seed(args.seed)
     if args.sample:
         check_sampling(args.temperature, args.top_p, greedy="drop --sample")
     model, tokenizer, device = load(args.path, args.device, args.format, args.max_new_tokens)

@@ -57,6 +57,36 @@ def test_chat_py_wraps_the_chatbot_and_ends_on_eof():
     assert "-" * 30 + " Round 1 " + "-" * 30 in proc.stdout
 
 
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads a process's command line from /proc")
+def test_chat_py_becomes_the_chatbot_so_ctrl_c_reaches_it_alone():
+    """A terminal's Ctrl-C goes to every process of the foreground group: a wrapper waiting on the
+    chatbot took it too and killed the chatbot, ending the chat where the chatbot drops the turn and
+    goes on. The wrapper's process is the chatbot's."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen([sys.executable, str(REPO / "chat.py"), "--path", "tiny-opt", "--max_new_tokens", "4"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        seen = b""
+        while not seen.endswith(C.PROMPT.encode()):  # the model is loaded and the chat waits for a question
+            byte = proc.stdout.read(1)
+            assert byte, proc.stderr.read().decode()
+            seen += byte
+        command = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert str(REPO / "inference" / "chatbot.py").encode() in command, command
+        out, err = proc.communicate(b"hello\n", timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    assert "-" * 30 + " Round 1 " + "-" * 30 in out.decode()
+
+
+@pytest.mark.parametrize("seed", ["-1", "99999999999999999999"])
+def test_a_seed_out_of_range_is_one_line_before_the_model_loads(seed, tmp_path):
+    """As the steps' --seed: torch.manual_seed raised an overflow after the model loaded (or took -1)."""
+    with pytest.raises(UserError, match=r"^--seed must be from 0 to 4294967295 \(2\*\*32 - 1\), got "):
+        C.main(["--path", str(tmp_path / "not loaded"), "--seed", seed])
+
+
 def test_bad_path_is_one_line_and_exit_2(tmp_path):
     proc = _chat("inference/chatbot.py", ["--path", str(tmp_path / "nothing")], "")
     assert proc.returncode == 2
