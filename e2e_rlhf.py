@@ -392,9 +392,13 @@ def reproduce_command(args: argparse.Namespace, dep: Deployment, step: int,
     return shlex.join(cmd)
 
 
-def check_inputs_of_step3(args: argparse.Namespace, dep: Deployment, runs: Sequence[StepRun]) -> None:
-    """Step 3 starts only if the step-1 actor and the step-2 reward model are there."""
+def check_inputs_of_step3(args: argparse.Namespace, dep: Deployment, runs: Sequence[StepRun],
+                          steps: Sequence[int] = (1, 2)) -> None:
+    """Step 3 starts only if the step-1 actor and the step-2 reward model are there (``steps``: of those
+    two, the ones to look at)."""
     for number, kind, what in ((1, "actor", "the step-1 actor"), (2, "reward", "the step-2 reward model")):
+        if number not in steps:
+            continue
         folder = runs[number - 1].output_dir
         problem = folder_problem(folder, kind)
         if problem:
@@ -458,10 +462,12 @@ def hms(seconds: float) -> str:
 
 
 def load_timings(out: Path) -> dict[str, float]:
+    """The seconds each step took, from ``out``'s timings file; ``{}`` for a file missing or damaged (it
+    only feeds the estimates and the report, and is written again as steps finish)."""
     try:
         data = json.loads((out / TIMINGS_FILE).read_text(encoding="utf-8"))
         return {str(k): float(v) for k, v in data.items()}
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError):
         return {}
 
 
@@ -504,7 +510,7 @@ def load_step_records(out: Path) -> dict[str, dict[str, Any]]:
     there is no readable file. An entry that is not such a record counts as none."""
     try:
         data = json.loads((out / STEPS_FILE).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: nested too deep
         return {}
     records = {}
     for key, record in (data.items() if isinstance(data, dict) else ()):
@@ -583,6 +589,21 @@ def _delete_first(runs: Sequence[StepRun], always: Path | None = None) -> str:
     return f"delete {' and '.join(map(str, found))} and " if found else ""
 
 
+def _refuse_unfinished_with_other_flags(run_: StepRun, out: Path, record: dict[str, Any],
+                                        selected: Sequence[StepRun]) -> None:
+    """--resume: one line when ``run_`` has no finished model and its ``record`` holds other flags than
+    this run's (its checkpoints were trained with those: resuming would finish a model trained partly
+    with each set, recorded as this run's)."""
+    difference = flags_difference(record["flags"], step_flags(run_, out))
+    if difference:
+        again = " ".join(str(r.number) for r in selected if r.number >= run_.number)  # trains it again
+        later = [r for r in selected if r.number >= run_.number]
+        raise UserError(
+            f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and did not "
+            f"finish; to start it again with these, {_delete_first(later, run_.output_dir / 'checkpoints')}"
+            f"run without --resume and with --step {again}, or give the old flags")
+
+
 def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], selected: Sequence[StepRun]) -> bool:
     """--resume: whether ``run_`` is finished (its folder holds a usable model) with this run's flags
     (``selected``: the steps this run was asked for, named in the fix with the checkpoints of an
@@ -592,9 +613,13 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
     with other flags is refused in one line (nothing is replaced); one whose flags are not on record
     (a step run by hand, or by an e2e that kept no record) counts as finished, with a note.
     """
-    if output_problem(run_) is not None:
-        return False
+    from dschat.training.rotation import complete_checkpoints
+
     record = records.get(step_key(run_, out))
+    if output_problem(run_) is not None:  # no model (yet): the step resumes from its checkpoints, if any
+        if record is not None and complete_checkpoints(run_.output_dir / "checkpoints"):
+            _refuse_unfinished_with_other_flags(run_, out, record, selected)
+        return False
     if record is None:
         print(f"note: step {run_.number}'s flags are not on record in {out / STEPS_FILE} (run by hand or by an "
               f"older e2e); taking the model in {run_.output_dir} as this run's", flush=True)
@@ -603,11 +628,7 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
     later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
     again = " ".join(str(r.number) for r in later)  # the --step list that trains it again
     if not record["finished"]:
-        if difference:  # its checkpoints were trained with those flags
-            raise UserError(
-                f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and did not "
-                f"finish; to start it again with these, {_delete_first(later, run_.output_dir / 'checkpoints')}"
-                f"run without --resume and with --step {again}, or give the old flags")
+        _refuse_unfinished_with_other_flags(run_, out, record, selected)
         print(f"note: step {run_.number} started in {run_.output_dir} and did not finish; resuming it", flush=True)
         return False
     if difference:
@@ -976,6 +997,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     records = load_step_records(out)
     actions = step_actions(args, selected, out, records)
     check_earlier_checkpoints(args, [r for r in selected if actions[r.number] == "fresh"])
+    if actions.get(3, "skip") != "skip" and not args.dry_run:  # what it needs of steps this run does not train
+        check_inputs_of_step3(args, dep, runs, [n for n in (1, 2) if actions.get(n, "skip") == "skip"])
     report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
     spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
 

@@ -38,6 +38,18 @@ def _e2e(*argv: str, env: dict | None = None, timeout: int = 600) -> subprocess.
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.fixture
+def e2e_here(capsys):
+    """``_e2e`` in this process, for a dry run or a run refused before any step starts (nothing is
+    launched): the same exit code and output, without a fresh interpreter's seconds of imports."""
+    def run(*argv: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = E._entry(list(argv))
+        out = capsys.readouterr()
+        return subprocess.CompletedProcess(["e2e_rlhf.py", *argv], code, out.out, out.err)
+    return run
+
+
 def test_deployment_types_and_aliases(config):
     assert config.deployment("single_gpu").name == "single_gpu"
     assert config.deployment("singlenode").name == "single_node"
@@ -178,8 +190,8 @@ def test_gpu_deployment_without_gpu_is_refused(tmp_path):
     assert proc.stderr.strip().startswith("error: --deployment-type single_gpu needs a CUDA GPU")
 
 
-def test_missing_step_outputs_name_the_folder_and_the_command(tmp_path):
-    proc = _e2e("--step", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+def test_missing_step_outputs_name_the_folder_and_the_command(tmp_path, e2e_here):
+    proc = e2e_here("--step", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
                 "tiny-llama", "--output-dir", str(tmp_path))
     assert proc.returncode == 2
     err = proc.stderr.strip()
@@ -192,11 +204,21 @@ def test_missing_step_outputs_name_the_folder_and_the_command(tmp_path):
     actor.mkdir(parents=True)
     (actor / "config.json").write_text("{}")
     (actor / "model.safetensors").write_bytes(b"x")
-    proc = _e2e("--step", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+    proc = e2e_here("--step", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
                 "tiny-llama", "--output-dir", str(tmp_path))
     assert proc.returncode == 2
     assert f"the step-2 reward model in {tmp_path}/reward-models/tiny-llama" in proc.stderr
     assert "python e2e_rlhf.py --step 2 --reward-model tiny-llama" in proc.stderr
+
+
+def test_a_missing_input_of_step_3_stops_e2e_before_the_steps_it_runs_first(tmp_path, e2e_here):
+    """--step 2 3 without step 1's actor: refused before step 2 trains, not after."""
+    proc = e2e_here("--step", "2", "3", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+                "tiny-llama", "--output-dir", str(tmp_path))
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: step 3 needs the step-1 actor in {tmp_path}/actor-models/tiny-llama, but the folder does not exist")
+    assert "Running Step" not in proc.stdout and not (tmp_path / "reward-models").exists()
 
 
 def test_folder_problem_checks_weights_and_value_head(tmp_path):
@@ -370,13 +392,13 @@ def test_step3_writes_metrics_for_the_ppo_plot(tiny_run):
     assert all({"step", "reward", "kl_to_ref", "response_length"} <= set(r) for r in records)
 
 
-def test_resume_skips_finished_steps_and_resumes_the_first_unfinished_one(tmp_path):
+def test_resume_skips_finished_steps_and_resumes_the_first_unfinished_one(tmp_path, e2e_here):
     for folder in ("actor-models/tiny-llama", "reward-models/tiny-llama"):
         (tmp_path / folder).mkdir(parents=True)
         (tmp_path / folder / "config.json").write_text("{}")
         (tmp_path / folder / "model.safetensors").write_bytes(b"x")
     (tmp_path / "reward-models/tiny-llama/v_head.safetensors").write_bytes(b"x")
-    proc = _e2e("--dry-run", "--resume", "--save-interval", "5", "--deployment-type", "cpu", "--actor-model",
+    proc = e2e_here("--dry-run", "--resume", "--save-interval", "5", "--deployment-type", "cpu", "--actor-model",
                 "tiny-llama", "--reward-model", "tiny-llama", "--output-dir", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     assert f"---=== Step 1 is complete in {tmp_path}/actor-models/tiny-llama; skipping it (--resume) ===---" in proc.stdout
@@ -385,13 +407,13 @@ def test_resume_skips_finished_steps_and_resumes_the_first_unfinished_one(tmp_pa
     assert "step3_rlhf_finetuning" in command and command.endswith("--save_interval 5 --resume")
     # Without step 2's value head, step 2 is the one resumed and step 3 runs afresh after it.
     (tmp_path / "reward-models/tiny-llama/v_head.safetensors").unlink()
-    proc = _e2e("--dry-run", "--resume", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
+    proc = e2e_here("--dry-run", "--resume", "--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model",
                 "tiny-llama", "--output-dir", str(tmp_path))
     commands = [line for line in proc.stdout.splitlines() if "main.py" in line]
     assert len(commands) == 2 and commands[0].endswith("--resume") and not commands[1].endswith("--resume")
 
 
-def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
+def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path, e2e_here):
     models = ("--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
               "--output-dir", str(tmp_path))
     folder = tmp_path / "actor-models/tiny-llama"
@@ -402,12 +424,12 @@ def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
     step1 = E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))[0]
     E.save_step_record(tmp_path, step1, finished=True)
     assert list(E.load_step_records(tmp_path)) == ["actor-models/tiny-llama"]  # one record per model folder
-    proc = _e2e("--dry-run", "--resume", *models)
+    proc = e2e_here("--dry-run", "--resume", *models)
     assert proc.returncode == 0, proc.stderr
     assert "Step 1 is complete" in proc.stdout and "not on record" not in proc.stdout
-    proc = _e2e("--dry-run", "--resume", "--save-format", "both", *models)  # the same weights, saved otherwise
+    proc = e2e_here("--dry-run", "--resume", "--save-format", "both", *models)  # the same weights, saved otherwise
     assert proc.returncode == 0 and "Step 1 is complete" in proc.stdout, proc.stderr
-    proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)
+    proc = e2e_here("--dry-run", "--resume", "--seed", "7", *models)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].endswith(
         f"--resume: step 1's model in {folder} was trained with other flags (--seed: then 1234, now 7); to "
@@ -417,19 +439,53 @@ def test_resume_refuses_a_finished_step_trained_with_other_flags(tmp_path):
     # The output folder moved: the recorded paths under it still match.
     moved = tmp_path.with_name(tmp_path.name + "-moved")
     tmp_path.rename(moved)
-    proc = _e2e("--dry-run", "--resume", *models[:-1], str(moved))
+    proc = e2e_here("--dry-run", "--resume", *models[:-1], str(moved))
     assert proc.returncode == 0 and "Step 1 is complete" in proc.stdout, proc.stderr
     moved.rename(tmp_path)
     # A step that started again and did not finish (its earlier model still in place) resumes.
     E.save_step_record(tmp_path, step1, finished=False)
-    proc = _e2e("--dry-run", "--resume", *models)
+    proc = e2e_here("--dry-run", "--resume", *models)
     assert proc.returncode == 0 and "step 1 started in" in proc.stdout and "Running Step 1" in proc.stdout
-    proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)  # its checkpoints hold other flags' training
+    proc = e2e_here("--dry-run", "--resume", "--seed", "7", *models)  # its checkpoints hold other flags' training
     assert proc.returncode == 2 and (f"--resume: step 1 in {folder} started with other flags (--seed: then 1234, now "
                                      "7) and did not finish; to start it again with these, delete") in proc.stderr
     (tmp_path / E.STEPS_FILE).unlink()  # no record (a step run by hand): finished, with a note
-    proc = _e2e("--dry-run", "--resume", "--seed", "7", *models)
+    proc = e2e_here("--dry-run", "--resume", "--seed", "7", *models)
     assert proc.returncode == 0 and "step 1's flags are not on record" in proc.stdout
+
+
+def test_resume_refuses_an_interrupted_step_with_checkpoints_of_other_flags(tmp_path, e2e_here):
+    """A step killed after a checkpoint and before its model was written has no model folder: --resume
+    with other flags would finish it, trained partly with each set, and record it as this run's."""
+    from dschat.training.rotation import MARKER, checkpoint_name
+
+    models = ("--deployment-type", "cpu", "--actor-model", "tiny-llama", "--reward-model", "tiny-llama",
+              "--output-dir", str(tmp_path))
+    args = E.parse_args([*models, "--seed", "7"], E.load_e2e_config())
+    step1 = E.build_steps(args, E.pick_deployment(args, E.load_e2e_config()))[0]
+    E.save_step_record(tmp_path, step1, finished=False)  # started with --seed 7, killed
+    checkpoint = step1.output_dir / "checkpoints" / checkpoint_name(1)
+    checkpoint.mkdir(parents=True)
+    (checkpoint / MARKER).write_text("{}")
+    proc = e2e_here("--dry-run", "--resume", *models)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stderr.strip().splitlines()[-1].startswith(
+        f"error: --resume: step 1 in {step1.output_dir} started with other flags (--seed: then 7, now 1234) and did "
+        "not finish; to start it again with these, delete")
+    assert (checkpoint / MARKER).is_file()
+    proc = e2e_here("--dry-run", "--resume", *models, "--seed", "7")  # its own flags: it resumes
+    assert proc.returncode == 0 and "Running Step 1" in proc.stdout, proc.stderr
+    (checkpoint / MARKER).unlink()  # no checkpoint to go on from: it starts again with these flags
+    proc = e2e_here("--dry-run", "--resume", *models)
+    assert proc.returncode == 0 and "Running Step 1" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("text", ['{"1": null}', '{"1": [1]}', "[1]", "{", "[" * 100000])
+def test_damaged_timings_and_step_records_are_read_as_none(tmp_path, text):
+    (tmp_path / E.TIMINGS_FILE).write_text(text)
+    assert E.load_timings(tmp_path) == {}
+    (tmp_path / E.STEPS_FILE).write_text(text)
+    assert E.load_step_records(tmp_path) == {}
 
 
 def test_a_repeated_flag_differs_by_any_of_its_values():
