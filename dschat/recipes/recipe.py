@@ -135,10 +135,18 @@ class Recipe:
         """The ``main.py`` argv: the recipe's flags with parameters filled in, then ``extra``.
 
         A flag given in ``extra`` replaces the recipe's occurrence (so the command line has it once);
-        ``unset`` drops recipe flags (e.g. ``enable_hybrid_engine``).
+        one the recipe fills from a parameter alone (``--output_dir "{output_dir}"``) sets that
+        parameter, so the recipe's other flags made from it (``--tensorboard_path "{output_dir}"``)
+        follow it; ``unset`` drops recipe flags (e.g. ``enable_hybrid_engine``).
         """
         resolved = self.resolve_params(params)
         extra_groups = split_flag_groups(extra)
+        for name, tokens in extra_groups:  # the last one given wins, as in main.py's parser
+            value = tokens[0].split("=", 1)[1] if "=" in tokens[0] else tokens[1] if len(tokens) == 2 else None
+            template = next((v for n, v in self.flags if n == name and isinstance(v, str)), None)
+            match = TEMPLATE_RE.fullmatch(template) if template is not None else None
+            if value and match is not None and match.group(1) in resolved:
+                resolved[match.group(1)] = value
         overridden = {name for name, _ in extra_groups}
         unset = {u.lstrip("-") for u in unset}
         missing = sorted(unset - {name for name, _ in self.flags})

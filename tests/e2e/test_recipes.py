@@ -87,6 +87,17 @@ def test_step1_single_gpu_upstream_argv_and_positionals():
     assert recipe.render()[-2:] == ["--output_dir", "./output"]
 
 
+@pytest.mark.parametrize("given", [["--output_dir", "/elsewhere"], ["--output_dir=/elsewhere"],
+                                   ["--output_dir", "/first", "--output_dir", "/elsewhere"]])
+def test_an_output_dir_given_as_a_flag_is_the_one_tensorboard_writes_in(given):
+    """A flag after the positionals replaces the recipe's: the recipe's TensorBoard folder, made from
+    the same {output_dir}, follows it (it stayed ./output, written in the working directory)."""
+    recipe = recipe_loading.get_recipe("step1", "opt/single_gpu/1.3b", REPO)
+    argv = recipe.render(recipe.params_from_positionals(["out1", ""]), given)
+    assert argv[argv.index("--tensorboard_path") + 1] == "/elsewhere" and argv[-len(given):] == given
+    assert "out1" not in argv
+
+
 def test_step2_single_gpu_upstream_argv():
     recipe = recipe_loading.get_recipe("step2", "opt/single_gpu/350m", REPO)
     assert recipe.launcher.argv() == ["--num_gpus", "1"]
