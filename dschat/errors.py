@@ -3,7 +3,9 @@
 Every bad input (wrong path, malformed rows, contradictory flags) raises :class:`UserError` with a
 message that names the problem *and* the fix. Entry points run through :func:`cli_main`, which prints
 ``error: <message>`` on stderr and exits with :data:`EXIT_USAGE` -- no traceback unless ``--debug``
-is on the command line (or ``DSCHAT_DEBUG=1`` is set).
+is on the command line (or ``DSCHAT_DEBUG=1`` is set). What such a line may show of user values: the
+first line of what user code raised (:func:`raised`), a URL without its password or query
+(:func:`shown_url`).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import os
 import shlex
 import sys
 from typing import Callable, Sequence
+from urllib.parse import urlsplit, urlunsplit
 
 EXIT_USAGE = 2
 
@@ -103,3 +106,15 @@ def name_too_long(err: OSError) -> UserError:
     return UserError(f"{where} has a name longer than the file system allows ({err.strerror or 'ENAMETOOLONG'}: a "
                      "file or folder name of more than 255 bytes in it, or more than 4096 bytes in all); pass a "
                      "shorter path")
+
+
+def shown_url(url: str) -> str:
+    """``url`` for lines, logs and names: its user and password (a token may be either) become
+    ``***``, a query ``?***``. A URL with none of them is shown as given (``sqlite:////abs/path``
+    keeps its empty host, which a rebuilt URL would drop)."""
+    parts = urlsplit(url)
+    if "@" not in parts.netloc and not parts.query and not parts.fragment:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    netloc = f"***@{host}" if "@" in parts.netloc else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))

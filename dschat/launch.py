@@ -30,9 +30,10 @@ from dschat.cli.shared import user_path
 from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.launch_log import LogTee, Redactor, shown_argv
 from dschat.paths import STARTED_FILE_VAR
-from dschat.multinode import (DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
+from dschat.multinode import (DEEPSPEED_FORWARDS, DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
                               check_remote_safe, flag_values, forwarded_secrets, free_port, launch_hosts, rank_env,
-                              rank_env_additions, secret_env_lines, user_env_files, write_rank_env_file)
+                              rank_env_additions, secret_env_lines, secret_rank_values, user_env_files,
+                              write_rank_env_file)
 from dschat.recipes.loading import find_repo_root, get_recipe
 from dschat.recipes.recipe import Launcher, Recipe, split_flag_groups
 from dschat.recipes.steps import StepSpec, step_spec
@@ -285,12 +286,19 @@ def plan(
             check_multi_node_sources(os.environ, cwd)
             # PDSH's remote command: "export K=V; ...; cd <cwd>; <python> -u -m deepspeed.launcher.launch
             # ... <main.py> <flags>", one shell string.
+            withheld = sorted({*forwarded_secrets(os.environ), *secret_env_lines(os.environ, cwd),
+                               *secret_rank_values(os.environ)})
+            # The variables DeepSpeed's runner forwards by itself go into that string too, as export K=V
+            # (double-quoted only when they hold a space): $(...) in one would run on every node.
+            forwarded = [(f"environment variable {k} (DeepSpeed's runner forwards it to the ranks on other hosts)", v)
+                         for k, v in sorted(os.environ.items()) if k.startswith(DEEPSPEED_FORWARDS) and k not in withheld
+                         and k != "PYTHONPATH"]  # PYTHONPATH: the launch's own, checked as such
             check_remote_safe([("the working directory", cwd), ("the step script", str(main_py)),
                                ("PYTHONPATH", env_set["PYTHONPATH"]), *flag_values(flags),
-                               *((("--master_addr", launcher.master_addr),) if launcher.master_addr else ())])
+                               *((("--master_addr", launcher.master_addr),) if launcher.master_addr else ()),
+                               *forwarded])
             needed = rank_env_additions({**rank_env(os.environ, env), RENDEZVOUS_ID_VAR: env_set[RENDEZVOUS_ID_VAR]},
                                         os.environ, cwd)
-            withheld = sorted({*forwarded_secrets(os.environ), *secret_env_lines(os.environ, cwd)})
     elif kind == "python":
         # Plain `python main.py` (one process, no launcher): what upstream could not do.
         argv = [sys.executable, str(main_py), *flags]
@@ -360,8 +368,8 @@ def run(
         header += (f"{PREFIX} the ranks on other hosts get {', '.join(launch.rank_env)} through "
                    f"{env_file} ({ENV_FILE_VAR})\n").encode()
     if launch.withheld:
-        header += (f"{PREFIX} not forwarded to the ranks (secret-looking names; DeepSpeed would put them on the "
-                   f"ssh command line): {', '.join(launch.withheld)}\n").encode()
+        header += (f"{PREFIX} not forwarded to the ranks (secret-looking names, or URLs with a password or query; "
+                   f"DeepSpeed would put them on the ssh command line): {', '.join(launch.withheld)}\n").encode()
     sink(header)
     if tee:
         tee.write(header)
@@ -465,7 +473,8 @@ def _split_script_args(recipe: Recipe, tokens: Sequence[str]) -> tuple[list[str]
 
 
 def _launcher_values(found: Mapping[str, str]) -> dict[str, object]:
-    """Launcher flags given as text (a shell script's arguments) with their types."""
+    """Launcher flags given as text (a shell script's arguments) with their types; ``--hostfile=~/h``
+    expanded as the parser's ``--hostfile`` (bash leaves a ``~`` after ``=`` as it is)."""
     out: dict[str, object] = {}
     for name, value in found.items():
         if name in ("master_port", "num_nodes", "num_gpus"):
@@ -474,7 +483,7 @@ def _launcher_values(found: Mapping[str, str]) -> dict[str, object]:
             except ValueError:
                 raise UserError(f"--{name} must be an integer, got {value!r}") from None
         else:
-            out[name] = value
+            out[name] = user_path(value) if name == "hostfile" else value
     return out
 
 

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from dschat.errors import UserError
+from dschat.errors import UserError, shown_url
 from dschat.runtime.fs import foreign_link_line, open_own
-from dschat.runtime.trust import shown_url
 
 __all__ = ["KEPT_LOGS", "LogTee", "Redactor", "URL_FLAGS", "shown_argv"]
 
@@ -161,7 +160,7 @@ def _url_args(argv: Sequence[str]) -> dict[int, tuple[str, str]]:
 
 
 def shown_argv(argv: Sequence[str]) -> list[str]:
-    """``argv`` with each :data:`URL_FLAGS` value as :func:`~dschat.runtime.trust.shown_url` shows it."""
+    """``argv`` with each :data:`URL_FLAGS` value as :func:`~dschat.errors.shown_url` shows it."""
     shown = list(argv)
     for at, (prefix, url) in _url_args(argv).items():
         shown[at] = prefix + shown_url(url)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping, Sequence
 
-from dschat.errors import UserError
+from dschat.errors import UserError, shown_url
 
 DEFAULT_HOSTFILE = "/job/hostfile"  # where the deepspeed launcher looks without --hostfile
 DEFAULT_MASTER_PORT = 29500  # the deepspeed launcher's (torch's) default
@@ -248,9 +248,9 @@ def check_remote_safe(items: Iterable[tuple[str, str]]) -> None:
     """
     for what, value in items:
         bad = unsafe_chars(value)
-        if bad:
+        if bad:  # a URL's user, password and query shown as ***
             raise UserError(
-                f"{what} {value!r} holds {bad!r}, which the remote shell of a multi-node launch would "
+                f"{what} {shown_url(value)!r} holds {bad!r}, which the remote shell of a multi-node launch would "
                 "interpret (DeepSpeed's PDSH runner does not quote it); use a value of letters, digits, "
                 "spaces and _,./:=@+- (rename the path, or set the value in a file the step reads)"
             )
@@ -282,12 +282,26 @@ def is_secret_name(name: str) -> bool:
     return name not in RANK_ENV_NAMES and bool(_SECRET_NAME.search(name))
 
 
+def is_secret_value(value: str) -> bool:
+    """Whether a variable's value is a URL holding a user, a password (a token may be either) or a
+    query: what :func:`~dschat.errors.shown_url` masks (``MLFLOW_TRACKING_URI=https://u:p@host``)."""
+    return "://" in value and shown_url(value) != value
+
+
 def forwarded_secrets(environ: Mapping[str, str]) -> list[str]:
     """Names of ``environ`` that DeepSpeed's multi-node runner would forward by itself (their prefix
     is in :data:`DEEPSPEED_EXPORT_PREFIXES`) and that look like secrets (``MLFLOW_TRACKING_PASSWORD``,
     ``MLFLOW_TRACKING_TOKEN``): the runner writes forwarded variables into the remote command line,
     which every user of a host can read. The launcher removes them from the runner's environment."""
-    return sorted(k for k in environ if k.startswith(DEEPSPEED_EXPORT_PREFIXES) and is_secret_name(k))
+    return sorted(k for k, v in environ.items() if k.startswith(DEEPSPEED_EXPORT_PREFIXES)
+                  and (is_secret_name(k) or is_secret_value(v)))
+
+
+def secret_rank_values(environ: Mapping[str, str]) -> list[str]:
+    """Names of ``environ`` that :func:`rank_env` would forward but for a value holding a URL's
+    credentials (:func:`is_secret_value`, ``HF_ENDPOINT=https://u:p@mirror``): left out, and named."""
+    return sorted(k for k, v in environ.items() if (k in RANK_ENV_NAMES or k.startswith(RANK_ENV_PREFIXES))
+                  and k not in LOCAL_ONLY_ENV and not is_secret_name(k) and is_secret_value(v))
 
 
 def rank_env(environ: Mapping[str, str], recipe_env: Mapping[str, str]) -> dict[str, str]:
@@ -295,7 +309,7 @@ def rank_env(environ: Mapping[str, str], recipe_env: Mapping[str, str]) -> dict[
     host) and the user's among :data:`RANK_ENV_NAMES` / :data:`RANK_ENV_PREFIXES`, secrets left out."""
     out = {k: v for k, v in environ.items()
            if (k in RANK_ENV_NAMES or k.startswith(RANK_ENV_PREFIXES)) and k not in LOCAL_ONLY_ENV
-           and not is_secret_name(k)}
+           and not is_secret_name(k) and not is_secret_value(v)}
     for key, value in recipe_env.items():
         if not key.startswith(DEEPSPEED_FORWARDS):
             out.setdefault(key, environ.get(key, value))
@@ -337,7 +351,7 @@ def _user_env_values(environ: Mapping[str, str], cwd: str | os.PathLike) -> dict
 def secret_env_lines(environ: Mapping[str, str], cwd: str | os.PathLike) -> list[str]:
     """Names set by the user's ``.deepspeed_env`` files that look like secrets (:func:`is_secret_name`):
     :func:`write_rank_env_file` leaves them out of the launch's copy."""
-    return sorted(k for k in _user_env_values(environ, cwd) if is_secret_name(k))
+    return sorted(k for k, v in _user_env_values(environ, cwd).items() if is_secret_name(k) or is_secret_value(v))
 
 
 def rank_env_additions(needed: Mapping[str, str], environ: Mapping[str, str],
@@ -356,12 +370,12 @@ def write_rank_env_file(added: Mapping[str, str], environ: Mapping[str, str], cw
     """Write the launch's ``.deepspeed_env`` into a new private folder and return it.
 
     It holds the user's own files' variables as DeepSpeed reads them (unchecked: what they chose to
-    expand remotely is theirs), less the secret-named ones (:func:`secret_env_lines`: DeepSpeed would
+    expand remotely is theirs), less the secret-looking ones (:func:`secret_env_lines`: DeepSpeed would
     put them on the remote command line), then ``added``. Point ``DS_ENV_FILE`` at it (an absolute
     path) and the launcher reads it instead of ``~/.deepspeed_env`` and ``./.deepspeed_env``, which
     stay untouched. The caller removes the folder after the launch.
     """
-    own = {k: v for k, v in _user_env_values(environ, cwd).items() if not is_secret_name(k)}
+    own = {k: v for k, v in _user_env_values(environ, cwd).items() if not is_secret_name(k) and not is_secret_value(v)}
     merged = {**own, **added}
     folder = Path(tempfile.mkdtemp(prefix="dschat-launch-"))  # 0700, ours
     path = folder / ENV_FILE_NAME

@@ -41,7 +41,7 @@ Before each call to a loopback URL the owners of the sockets listening on its po
 address or at every address) are read from ``/proc/net/tcp`` and ``tcp6`` (Linux): a server of
 another account on this machine is refused with one line, before any prompt or key is sent to it.
 Lines and names show the URL without its user, password and query
-(:func:`~dschat.runtime.trust.shown_url`).
+(:func:`~dschat.errors.shown_url`).
 
 Nothing here talks to the network until the object is called.
 """
@@ -62,9 +62,9 @@ from urllib.parse import urlsplit
 import requests
 from requests.adapters import HTTPAdapter
 
-from dschat.errors import UserError
+from dschat.errors import UserError, shown_url
 from dschat.rewards import MATH_REFERENCE_COLUMN, RewardFunction, as_float32
-from dschat.runtime.trust import is_loopback_host, listener_owners, shown_url
+from dschat.runtime.trust import is_loopback_host, listener_owners
 
 __all__ = [
     "RemoteReward",

@@ -14,8 +14,8 @@ tells a symlink another account made (in a folder others can write to) that a wr
 
 Beyond files: :func:`is_loopback_host` tells a host name or address that only this machine reaches,
 :func:`listener_owners` reads which accounts' sockets listen on a local TCP port (a server on the
-loopback address that another account started), and :func:`shown_url` is a URL as lines and logs
-may show it (no password, no query).
+loopback address that another account started). A URL as lines and logs may show it (no password, no
+query) is :func:`dschat.errors.shown_url`.
 """
 from __future__ import annotations
 
@@ -29,7 +29,6 @@ import struct
 import sys
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
-from urllib.parse import urlsplit, urlunsplit
 
 from dschat.errors import UserError
 
@@ -47,7 +46,6 @@ __all__ = [
     "make_trusted_dir",
     "is_loopback_host",
     "listener_owners",
-    "shown_url",
 ]
 
 _LISTEN = "0A"  # a TCP socket's state in /proc/net/tcp: listening
@@ -353,18 +351,6 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def shown_url(url: str) -> str:
-    """``url`` for lines, logs and names: its user and password (a token may be either) become
-    ``***``, a query ``?***``. A URL with none of them is shown as given (``sqlite:////abs/path``
-    keeps its empty host, which a rebuilt URL would drop)."""
-    parts = urlsplit(url)
-    if "@" not in parts.netloc and not parts.query and not parts.fragment:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    netloc = f"***@{host}" if "@" in parts.netloc else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
 
 
 def listener_owners(port: int, tables: Sequence[str] = ("/proc/net/tcp", "/proc/net/tcp6")) -> set[int]:

@@ -40,9 +40,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from dschat.errors import UserError, first_line
+from dschat.errors import UserError, first_line, shown_url
 from dschat.runtime.fs import check_writable_dir
-from dschat.runtime.trust import shown_url
 
 __all__ = ["EXTRAS", "Trackers", "TensorBoardLogger", "trackers_of", "run_config", "mlflow_name"]
 

@@ -653,6 +653,13 @@ def test_multi_node_script_takes_launcher_flags_and_passes_the_rest_to_main_py(f
                     "--master_port", "29777", main, *recipe.render({"output_dir": "out"}, ["--learning_rate", "1e-5"])]
 
 
+def test_a_scripts_hostfile_after_an_equals_sign_has_its_tilde_expanded(monkeypatch, tmp_path):
+    """bash leaves ``--hostfile=~/h`` as it is; ``python -m dschat.launch --hostfile=~/h`` expands it."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    found, rest = L._take_launcher_flags(["out", "--hostfile=~/hosts", "--learning_rate", "1e-5"])
+    assert L._launcher_values(found) == {"hostfile": str(tmp_path / "hosts")} and rest[0] == "out"
+
+
 def test_launch_cli_takes_master_addr(fake_root, tmp_path, capsys):
     hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
     assert L._entry(["--repo-root", str(fake_root), "--dry-run", "step2", "opt/multi_node/350m", "--hostfile",
@@ -805,6 +812,48 @@ def test_secret_named_variables_never_reach_the_multi_node_runner(fake_root, tmp
     # One node: no ssh, nothing on a command line; the ranks inherit the environment as it is.
     single = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, repo_root=fake_root)
     assert single.withheld == [] and single.rank_env == {}
+
+
+def test_urls_with_credentials_in_forwarded_values_never_reach_the_multi_node_runner(fake_root, tmp_path,
+                                                                                   monkeypatch, two_hosts):
+    """A password inside a value (not a secret-looking name) went onto the ssh command line and into
+    the log: DeepSpeed's own families, dschat's HF_* and the user's .deepspeed_env lines."""
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:hunter2@mlflow.invalid")
+    monkeypatch.setenv("HF_ENDPOINT", "https://bob:s3cret@mirror.invalid")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    (Path.home() / ".deepspeed_env").write_text("PIP_INDEX_URL=https://carol:pw9@pypi.invalid/simple\n")
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+    plan = L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
+                  repo_root=fake_root)
+    assert plan.withheld == ["HF_ENDPOINT", "MLFLOW_TRACKING_URI", "PIP_INDEX_URL"]
+    assert "HF_ENDPOINT" not in plan.rank_env and plan.rank_env["HF_HUB_OFFLINE"] == "1"
+    sink = Sink()
+    assert L.run(plan, sink=sink, log=False).returncode == 0
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    everything = " ".join(seen["values"]) + seen["env_file"] + sink.data.decode()
+    assert not any(secret in everything for secret in ("hunter2", "s3cret", "pw9")), everything
+
+
+@pytest.mark.parametrize("name", ["MLFLOW_EXPERIMENT_NAME", "PYTHONSTARTUP", "NCCL_SOCKET_IFNAME"])
+def test_a_variable_deepspeed_forwards_by_itself_with_shell_syntax_is_refused(fake_root, tmp_path, monkeypatch,
+                                                                               two_hosts, name):
+    """DeepSpeed's runner writes `export NAME="x $(id)"` into the remote command: it would run there."""
+    monkeypatch.setenv(name, "x $(id)")
+    recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
+    with pytest.raises(UserError, match=rf"^environment variable {name} \(DeepSpeed's runner forwards it to the "
+                                        r"ranks on other hosts\) 'x \$\(id\)' holds "):
+        L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
+               repo_root=fake_root)
+
+
+def test_a_refused_url_flag_is_shown_without_its_password_or_query(fake_root, tmp_path, capsys):
+    hostfile = _hostfile(tmp_path, "node1.invalid", "node2.invalid")
+    code = L._entry(["--repo-root", str(fake_root), "--dry-run", "--hostfile", hostfile, "step1",
+                     "opt/multi_node/66b", "--output_dir", str(tmp_path / "o"), "--",
+                     "--reward_url", "https://alice:hunter2@rm.invalid/score?api_key=SEKRET"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("error: --reward_url 'https://***@rm.invalid/score?***' holds '?'"), err
+    assert "hunter2" not in err and "SEKRET" not in err
 
 
 def test_multi_node_launch_refuses_a_working_directory_others_can_write_to(fake_root, tmp_path, monkeypatch,

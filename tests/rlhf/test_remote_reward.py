@@ -22,10 +22,10 @@ from typing import Any, Callable
 import pytest
 
 from dschat import remote_reward
-from dschat.errors import UserError
+from dschat.errors import UserError, shown_url
 from dschat.remote_reward import (API_KEY_ENV, RemoteReward, check_reward_url, plain_http_warning,
                                   remote_reward_function, worst_case_seconds)
-from dschat.runtime.trust import listener_owners, shown_url
+from dschat.runtime.trust import listener_owners
 from dschat.rewards import RewardMix
 
 from helpers.step3 import step3_main
