@@ -149,12 +149,13 @@ def launch_hosts(hostfile: str | None, num_nodes: int | None = None, include: st
     first ``--num_nodes``; no hostfile means this machine only."""
     path = hostfile or DEFAULT_HOSTFILE
     if not os.path.isfile(path):
+        missing = "is not a file" if os.path.exists(path) else "does not exist"  # a folder, say
         if num_nodes is not None and num_nodes > 1:
-            where = f"--hostfile {hostfile} does not exist" if hostfile else f"no --hostfile and no {DEFAULT_HOSTFILE}"
+            where = f"--hostfile {hostfile} {missing}" if hostfile else f"no --hostfile and no {DEFAULT_HOSTFILE}"
             raise UserError(f"--num_nodes {num_nodes} needs a hostfile listing the nodes, but {where}; write "
                             "one line per host: '<host> slots=<gpus>'")
         if hostfile:
-            raise UserError(f"--hostfile {hostfile} does not exist; write one line per host: '<host> slots=<gpus>'")
+            raise UserError(f"--hostfile {hostfile} {missing}; write one line per host: '<host> slots=<gpus>'")
         return Hosts(("localhost",), None)
     hosts = _filter_hosts(hostfile_slots(path), include, exclude)
     if num_nodes is not None and num_nodes > 0:

@@ -932,3 +932,12 @@ def test_dschats_own_rank_settings_are_forwarded_though_their_names_hold_a_secre
     env = M.rank_env({"TOKENIZERS_PARALLELISM": "false", "HF_TOKEN": "s3cret", "OMP_NUM_THREADS": "1"}, {})
     assert env == {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     assert M.is_secret_name("HF_TOKEN") and not M.is_secret_name("TOKENIZERS_PARALLELISM")
+
+
+@pytest.mark.parametrize("num_nodes", [None, 2])
+def test_a_hostfile_that_is_a_folder_is_named_as_one(tmp_path, num_nodes):
+    """It was said not to exist."""
+    with pytest.raises(UserError, match=rf"--hostfile {tmp_path} is not a file; write one line per host"):
+        M.launch_hosts(str(tmp_path), num_nodes=num_nodes)
+    with pytest.raises(UserError, match=rf"--hostfile {tmp_path / 'no'} does not exist; write one line per host"):
+        M.launch_hosts(str(tmp_path / "no"), num_nodes=num_nodes)
