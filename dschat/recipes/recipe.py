@@ -135,18 +135,17 @@ class Recipe:
         """The ``main.py`` argv: the recipe's flags with parameters filled in, then ``extra``.
 
         A flag given in ``extra`` replaces the recipe's occurrence (so the command line has it once);
-        one the recipe fills from a parameter alone (``--output_dir "{output_dir}"``) sets that
-        parameter, so the recipe's other flags made from it (``--tensorboard_path "{output_dir}"``)
-        follow it; ``unset`` drops recipe flags (e.g. ``enable_hybrid_engine``).
+        the flag that stands for a parameter (:func:`param_flag`: ``--output_dir`` for ``{output_dir}``)
+        sets that parameter, so the recipe's other flags made from it (``--tensorboard_path
+        "{output_dir}"``) follow it; ``unset`` drops recipe flags (e.g. ``enable_hybrid_engine``).
         """
         resolved = self.resolve_params(params)
         extra_groups = split_flag_groups(extra)
         for name, tokens in extra_groups:  # the last one given wins, as in main.py's parser
             value = tokens[0].split("=", 1)[1] if "=" in tokens[0] else tokens[1] if len(tokens) == 2 else None
-            template = next((v for n, v in self.flags if n == name and isinstance(v, str)), None)
-            match = TEMPLATE_RE.fullmatch(template) if template is not None else None
-            if value and match is not None and match.group(1) in resolved:
-                resolved[match.group(1)] = value
+            param = next((p for p in resolved if param_flag(p) == name), None)
+            if value and param is not None and ("{" + param + "}") in [v for n, v in self.flags if n == name]:
+                resolved[param] = value  # the recipe fills this flag from that parameter alone
         overridden = {name for name, _ in extra_groups}
         unset = {u.lstrip("-") for u in unset}
         missing = sorted(unset - {name for name, _ in self.flags})
@@ -169,6 +168,13 @@ class Recipe:
 
 def _fill(text: str, params: Mapping[str, str]) -> str:
     return TEMPLATE_RE.sub(lambda m: params[m.group(1)], text)
+
+
+def param_flag(param: str) -> str:
+    """The ``main.py`` flag that stands for a recipe parameter: ``output_dir`` and the ZeRO stages are
+    their own; step 3's ``actor_model`` / ``critic_model`` are ``--actor_model_name_or_path`` /
+    ``--critic_model_name_or_path``."""
+    return f"{param}_name_or_path" if param.endswith("_model") else param
 
 
 def _render_flag(name: str, value: FlagValue, params: Mapping[str, str]) -> list[str]:

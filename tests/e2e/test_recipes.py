@@ -98,6 +98,15 @@ def test_an_output_dir_given_as_a_flag_is_the_one_tensorboard_writes_in(given):
     assert "out1" not in argv
 
 
+def test_a_tensorboard_path_given_as_a_flag_moves_only_tensorboard():
+    recipe = recipe_loading.get_recipe("step1", "opt/single_gpu/1.3b", REPO)
+    argv = recipe.render(recipe.params_from_positionals(["out1", ""]), ["--tensorboard_path", "/tb"])
+    assert argv[argv.index("--tensorboard_path") + 1] == "/tb" and argv[argv.index("--output_dir") + 1] == "out1"
+    step3 = recipe_loading.get_recipe("step3", "cpu/tiny", REPO)  # step 3's model flags stand for its positionals
+    argv = step3.render({"actor_model": "a", "critic_model": "c"}, ["--actor_model_name_or_path", "b"])
+    assert argv.count("--actor_model_name_or_path") == 1 and argv[argv.index("--actor_model_name_or_path") + 1] == "b"
+
+
 def test_step2_single_gpu_upstream_argv():
     recipe = recipe_loading.get_recipe("step2", "opt/single_gpu/350m", REPO)
     assert recipe.launcher.argv() == ["--num_gpus", "1"]
