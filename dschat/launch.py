@@ -30,10 +30,10 @@ from dschat.cli.shared import user_path
 from dschat.errors import EXIT_USAGE, UserError, cli_main
 from dschat.launch_log import LogTee, Redactor, shown_argv
 from dschat.paths import STARTED_FILE_VAR
-from dschat.multinode import (DEEPSPEED_FORWARDS, DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts, check_master_port,
-                              check_remote_safe, flag_values, forwarded_secrets, free_port, launch_hosts, rank_env,
-                              rank_env_additions, secret_env_lines, secret_rank_values, user_env_files,
-                              write_rank_env_file)
+from dschat.multinode import (DEEPSPEED_FORWARDS, DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts,
+                              check_forwarded_env, check_master_port, check_remote_safe, flag_values,
+                              forwarded_secrets, free_port, launch_hosts, rank_env, rank_env_additions,
+                              secret_env_lines, secret_rank_values, user_env_files, write_rank_env_file)
 from dschat.recipes.loading import find_repo_root, get_recipe
 from dschat.recipes.recipe import Launcher, Recipe, split_flag_groups
 from dschat.recipes.steps import StepSpec, step_spec
@@ -288,15 +288,13 @@ def plan(
             # ... <main.py> <flags>", one shell string.
             withheld = sorted({*forwarded_secrets(os.environ), *secret_env_lines(os.environ, cwd),
                                *secret_rank_values(os.environ)})
-            # The variables DeepSpeed's runner forwards by itself go into that string too, as export K=V
-            # (double-quoted only when they hold a space): $(...) in one would run on every node.
-            forwarded = [(f"environment variable {k} (DeepSpeed's runner forwards it to the ranks on other hosts)", v)
-                         for k, v in sorted(os.environ.items()) if k.startswith(DEEPSPEED_FORWARDS) and k not in withheld
-                         and k != "PYTHONPATH"]  # PYTHONPATH: the launch's own, checked as such
             check_remote_safe([("the working directory", cwd), ("the step script", str(main_py)),
                                ("PYTHONPATH", env_set["PYTHONPATH"]), *flag_values(flags),
-                               *((("--master_addr", launcher.master_addr),) if launcher.master_addr else ()),
-                               *forwarded])
+                               *((("--master_addr", launcher.master_addr),) if launcher.master_addr else ())])
+            # The variables DeepSpeed's runner forwards by itself go into that string too, as export K=V
+            # (double-quoted only when they hold a space): $(...) in one would run on every node.
+            check_forwarded_env((k, v) for k, v in sorted(os.environ.items()) if k.startswith(DEEPSPEED_FORWARDS)
+                                and k not in withheld and k != "PYTHONPATH")  # PYTHONPATH: the launch's own
             needed = rank_env_additions({**rank_env(os.environ, env), RENDEZVOUS_ID_VAR: env_set[RENDEZVOUS_ID_VAR]},
                                         os.environ, cwd)
     elif kind == "python":
@@ -368,7 +366,7 @@ def run(
         header += (f"{PREFIX} the ranks on other hosts get {', '.join(launch.rank_env)} through "
                    f"{env_file} ({ENV_FILE_VAR})\n").encode()
     if launch.withheld:
-        header += (f"{PREFIX} not forwarded to the ranks (secret-looking names, or URLs with a password or query; "
+        header += (f"{PREFIX} not forwarded to the ranks (secret-looking names, or URLs with a user, password or query; "
                    f"DeepSpeed would put them on the ssh command line): {', '.join(launch.withheld)}\n").encode()
     sink(header)
     if tee:

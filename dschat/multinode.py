@@ -63,6 +63,10 @@ _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|_KEY$|^KEY",
 # A value the remote shell reads as one literal word: letters, digits, space (DeepSpeed double-quotes
 # values with spaces) and punctuation that no shell expands. '%' is left out: pdsh substitutes %h/%n.
 _SAFE_CHARS = re.compile(r"[\w ,./:=@+^-]*")
+# What makes a shell run a command inside a value, double-quoted or not.
+_COMMAND_CHARS = re.compile(r"[$`;|&<>\"'\\\n]")
+# A URL's user or password (``scheme://user:pw@host``) or its query, anywhere in a value.
+_URL_SECRET = re.compile(r"://[^\s/?#]*@|://[^\s?#]*\?")
 
 
 @dataclass(frozen=True)
@@ -249,12 +253,28 @@ def check_remote_safe(items: Iterable[tuple[str, str]]) -> None:
     """
     for what, value in items:
         bad = unsafe_chars(value)
-        if bad:  # a URL's user, password and query shown as ***
+        if bad:
+            shown = shown_url(value) if "://" in value else value  # a URL's user, password and query as ***
             raise UserError(
-                f"{what} {shown_url(value)!r} holds {bad!r}, which the remote shell of a multi-node launch would "
+                f"{what} {shown!r} holds {bad!r}, which the remote shell of a multi-node launch would "
                 "interpret (DeepSpeed's PDSH runner does not quote it); use a value of letters, digits, "
                 "spaces and _,./:=@+- (rename the path, or set the value in a file the step reads)"
             )
+
+
+def check_forwarded_env(items: Iterable[tuple[str, str]]) -> None:
+    """Refuse the variables DeepSpeed's runner forwards by itself (``items``: name, value) whose value
+    would run a command in the remote shell (``$``, a backquote, ``;``, ``|``, ``&``, ``<``, ``>``, a
+    quote, a backslash, a newline): it writes each as ``export K=V``, double-quoted only when it holds
+    a space. Their other characters (``%``, ``~``, ``*``) are the user's to mean (NCCL's own
+    ``NCCL_DEBUG_FILE=/tmp/nccl.%h.%p``)."""
+    for name, value in items:
+        bad = "".join(sorted(set(_COMMAND_CHARS.findall(value))))
+        if bad:
+            raise UserError(
+                f"environment variable {name} holds {bad!r}, which the remote shell of a multi-node launch would "
+                f"run as a command (DeepSpeed's runner forwards it to the ranks on other hosts as export "
+                f"{name}=...); unset it or change its value for the launch")
 
 
 def flag_values(argv: Sequence[str]) -> list[tuple[str, str]]:
@@ -284,9 +304,10 @@ def is_secret_name(name: str) -> bool:
 
 
 def is_secret_value(value: str) -> bool:
-    """Whether a variable's value is a URL holding a user, a password (a token may be either) or a
-    query: what :func:`~dschat.errors.shown_url` masks (``MLFLOW_TRACKING_URI=https://u:p@host``)."""
-    return "://" in value and shown_url(value) != value
+    """Whether a variable's value holds a URL with a user or password (a token may be either) or a
+    query, anywhere in it (``MLFLOW_TRACKING_URI=https://u:p@host``; pip's space-separated
+    ``PIP_EXTRA_INDEX_URL``)."""
+    return bool(_URL_SECRET.search(value))
 
 
 def forwarded_secrets(environ: Mapping[str, str]) -> list[str]:

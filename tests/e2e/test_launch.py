@@ -837,13 +837,29 @@ def test_urls_with_credentials_in_forwarded_values_never_reach_the_multi_node_ru
 @pytest.mark.parametrize("name", ["MLFLOW_EXPERIMENT_NAME", "PYTHONSTARTUP", "NCCL_SOCKET_IFNAME"])
 def test_a_variable_deepspeed_forwards_by_itself_with_shell_syntax_is_refused(fake_root, tmp_path, monkeypatch,
                                                                                two_hosts, name):
-    """DeepSpeed's runner writes `export NAME="x $(id)"` into the remote command: it would run there."""
-    monkeypatch.setenv(name, "x $(id)")
+    """DeepSpeed's runner writes `export NAME="x $(id)"` into the remote command: it would run there.
+    NCCL's own patterns (%h, %p) are left to mean what the user means."""
     recipe = recipe_loading.get_recipe("step1", "cpu/tiny", fake_root)
-    with pytest.raises(UserError, match=rf"^environment variable {name} \(DeepSpeed's runner forwards it to the "
-                                        r"ranks on other hosts\) 'x \$\(id\)' holds "):
+    monkeypatch.setenv("NCCL_DEBUG_FILE", "/tmp/nccl.%h.%p")
+    L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts}, repo_root=fake_root)
+    monkeypatch.setenv(name, "x $(id)")
+    with pytest.raises(UserError, match=rf"^environment variable {name} holds '\$', which the remote shell of a "
+                                        "multi-node launch would run as a command"):
         L.plan(recipe, {"output_dir": str(tmp_path / "o")}, launcher_overrides={"hostfile": two_hosts},
                repo_root=fake_root)
+
+
+@pytest.mark.parametrize("value, secret", [("https://a https://u:p@b", True), ("-Dx=https://u:p@h", True),
+                                           ("postgresql://user@db/x", True), ("https://h/x?k=1", True),
+                                           ("https://h/p#frag", False), ("http://mlflow.invalid:5000", False),
+                                           ("file:///tmp/mlruns", False), ("a@b", False)])
+def test_a_secret_value_is_a_url_with_a_user_password_or_query_anywhere_in_it(value, secret):
+    assert M.is_secret_value(value) is secret
+
+
+def test_a_refused_path_is_shown_as_given():
+    with pytest.raises(UserError, match=r"^--output_dir '/data/run#3/out' holds '#'"):
+        M.check_remote_safe([("--output_dir", "/data/run#3/out")])
 
 
 def test_a_refused_url_flag_is_shown_without_its_password_or_query(fake_root, tmp_path, capsys):
