@@ -589,19 +589,18 @@ def _delete_first(runs: Sequence[StepRun], always: Path | None = None) -> str:
     return f"delete {' and '.join(map(str, found))} and " if found else ""
 
 
-def _refuse_unfinished_with_other_flags(run_: StepRun, out: Path, record: dict[str, Any],
-                                        selected: Sequence[StepRun]) -> None:
-    """--resume: one line when ``run_`` has no finished model and its ``record`` holds other flags than
-    this run's (its checkpoints were trained with those: resuming would finish a model trained partly
-    with each set, recorded as this run's)."""
+def _refuse_other_flags_unfinished(run_: StepRun, out: Path, record: dict[str, Any], selected: Sequence[StepRun],
+                                   finished: str = "did not finish") -> None:
+    """--resume: one line when ``run_`` would resume from checkpoints trained with other flags than
+    this run's (``record``'s): it would finish a model trained partly with each set, recorded as this
+    run's. ``finished`` says what became of that run."""
     difference = flags_difference(record["flags"], step_flags(run_, out))
     if difference:
-        again = " ".join(str(r.number) for r in selected if r.number >= run_.number)  # trains it again
-        later = [r for r in selected if r.number >= run_.number]
+        later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
         raise UserError(
-            f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and did not "
-            f"finish; to start it again with these, {_delete_first(later, run_.output_dir / 'checkpoints')}"
-            f"run without --resume and with --step {again}, or give the old flags")
+            f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and "
+            f"{finished}; to start it again with these, {_delete_first(later, run_.output_dir / 'checkpoints')}"
+            f"run without --resume and with --step {' '.join(str(r.number) for r in later)}, or give the old flags")
 
 
 def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], selected: Sequence[StepRun]) -> bool:
@@ -610,32 +609,31 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
     earlier run that a fresh run of them would refuse).
 
     A step that e2e started and that did not finish is not (it resumes). A step started or finished
-    with other flags is refused in one line (nothing is replaced); one whose flags are not on record
-    (a step run by hand, or by an e2e that kept no record) counts as finished, with a note.
+    with other flags is refused in one line (nothing is replaced), and so is one without a model whose
+    checkpoints were trained with other flags; one whose flags are not on record (a step run by hand,
+    or by an e2e that kept no record) counts as finished, with a note.
     """
-    from dschat.training.rotation import complete_checkpoints
-
     record = records.get(step_key(run_, out))
     if output_problem(run_) is not None:  # no model (yet): the step resumes from its checkpoints, if any
-        if record is not None and complete_checkpoints(run_.output_dir / "checkpoints"):
-            _refuse_unfinished_with_other_flags(run_, out, record, selected)
+        if record is not None and earlier_checkpoints(run_) is not None:
+            _refuse_other_flags_unfinished(run_, out, record, selected,
+                                           "its model is gone" if record["finished"] else "did not finish")
         return False
     if record is None:
         print(f"note: step {run_.number}'s flags are not on record in {out / STEPS_FILE} (run by hand or by an "
               f"older e2e); taking the model in {run_.output_dir} as this run's", flush=True)
         return True
-    difference = flags_difference(record["flags"], step_flags(run_, out))
-    later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
-    again = " ".join(str(r.number) for r in later)  # the --step list that trains it again
     if not record["finished"]:
-        _refuse_unfinished_with_other_flags(run_, out, record, selected)
+        _refuse_other_flags_unfinished(run_, out, record, selected)
         print(f"note: step {run_.number} started in {run_.output_dir} and did not finish; resuming it", flush=True)
         return False
+    difference = flags_difference(record["flags"], step_flags(run_, out))
     if difference:
+        later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
         raise UserError(
             f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "
-            f"to train it again with these, {_delete_first(later)}run without --resume and with --step {again} (it "
-            "replaces that model), or pass another --output-dir")
+            f"to train it again with these, {_delete_first(later)}run without --resume and with --step "
+            f"{' '.join(str(r.number) for r in later)} (it replaces that model), or pass another --output-dir")
     return True
 
 
