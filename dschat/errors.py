@@ -14,7 +14,7 @@ import os
 import shlex
 import sys
 from typing import Callable, Sequence
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 EXIT_USAGE = 2
 
@@ -115,6 +115,7 @@ def shown_url(url: str) -> str:
     parts = urlsplit(url)
     if "@" not in parts.netloc and not parts.query and not parts.fragment:
         return url
-    host = parts.netloc.rpartition("@")[2]
-    netloc = f"***@{host}" if "@" in parts.netloc else host
-    return urlunsplit((parts.scheme, netloc, parts.path, "***" if parts.query else "", ""))
+    shown = url.split("#", 1)[0].split("?", 1)[0]  # as written: an empty host keeps its //
+    if "@" in parts.netloc:
+        shown = shown.replace(parts.netloc, "***@" + parts.netloc.rpartition("@")[2], 1)
+    return shown + ("?***" if parts.query else "")

@@ -118,19 +118,20 @@ def evaluation_lines(summary: dict[str, Any] | None) -> list[str]:
     if not summary:
         return []
 
+    def score(value: Any) -> str:  # NaN reaches the report as null (its JSON has no NaN)
+        return f"{value:.3f}" if isinstance(value, (int, float)) else "nan"
+
     def scores(part: dict[str, Any]) -> str:
-        judges = ", ".join(f"{k} {v:.3f}" for k, v in (part.get("judges") or {}).items())
-        return f"proxy {part['proxy']:.3f}" + (f", {judges}" if judges else "")
+        judges = ", ".join(f"{k} {score(v)}" for k, v in (part.get("judges") or {}).items())
+        return f"proxy {score(part.get('proxy'))}" + (f", {judges}" if judges else "")
 
     first, last = summary["first"], summary["last"]
     lines = [f"held-out evaluation ({summary['n']} evaluations, steps {summary['steps'][0]}-{summary['steps'][-1]}): "
              f"step {first['global_step']} {scores(first)} -> step {last['global_step']} {scores(last)}"]
-    best = summary.get("best")
-    if best:
-        detail = f" by {best['by']} ({best['score']:.3f})" if "by" in best else ""
+    if best := summary.get("best"):
+        detail = f" by {best['by']} ({score(best.get('score'))})" if "by" in best else ""
         lines.append(f"best evaluation: step {best['step']}{detail}; its models are in <step-3 output>/best")
-    alarm = summary.get("alarm")
-    if alarm:
+    if alarm := summary.get("alarm"):
         lines.append(f"OVER-OPTIMIZATION alarm at step {alarm['step']}: proxy {alarm['proxy_change']:+.3f} while judge "
                      f"{alarm['judge']} {alarm['judge_change']:+.3f} (SE {alarm['judge_se']:.3f}) since step {alarm['since']}")
     else:

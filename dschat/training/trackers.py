@@ -117,7 +117,7 @@ class _TensorBoardSink:
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
     def abandon(self) -> None:
@@ -147,8 +147,8 @@ class _WandbSink:
     def log(self, step: int, values: Mapping[str, float]) -> None:
         self.run.log({"global_step": step, **values})
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
 
     def abandon(self) -> None:
         """After a failed ``log``: finish the run as far as W&B can (one warning if that fails too)."""
@@ -207,9 +207,9 @@ class _MlflowSink:
         for i in range(0, len(metrics), _MLFLOW_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[i:i + _MLFLOW_BATCH])
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._forget_exit_hooks()
-        self._end("FINISHED")
+        self._end("FAILED" if failed else "FINISHED")
 
     def abandon(self) -> None:
         """After a failed ``log``: stop, without asking the server that just failed to end the run (it
@@ -282,7 +282,7 @@ class Trackers:
             try:
                 self.sinks.append(sink_class(modules[tracker], folder, run_name, config))
             except Exception as err:  # a tracker's own failure, whatever its type: one line, before training
-                self.close()
+                self.close(failed=True)  # the runs already started end failed: nothing was trained
                 detail, uri = first_line(err), os.environ.get("MLFLOW_TRACKING_URI")
                 if tracker == "mlflow" and uri:  # MLflow's message quotes the URI, a password in it too
                     detail = detail.replace(uri, shown_url(uri))
@@ -329,16 +329,17 @@ class Trackers:
               f"{first_line(err)}); the run goes on without {sink.label}", file=sys.stderr, flush=True)
         sink.abandon()
 
-    def close(self) -> None:
-        """Finish every sink's run (files flushed); a sink that fails to close is named in one warning."""
+    def close(self, failed: bool = False) -> None:
+        """Finish every sink's run (files flushed; ``failed``: marked failed, as W&B and MLflow can); a
+        sink that fails to close is named in one warning."""
         sinks, self.sinks = self.sinks, []
         for sink in sinks:
-            _close_quietly(sink)
+            _close_quietly(sink, failed)
 
 
-def _close_quietly(sink: Any) -> None:
+def _close_quietly(sink: Any, failed: bool = False) -> None:
     try:
-        sink.close()
+        sink.close(failed)
     except Exception as err:  # closing a broken tracker must not end the run either
         print(f"WARNING: {sink.label} could not close its run ({type(err).__name__}: {first_line(err)})",
               file=sys.stderr, flush=True)

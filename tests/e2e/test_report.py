@@ -482,3 +482,23 @@ def test_a_step2_lora_adapter_folder_is_a_reward_model(tmp_path):
     merged, _ = scoring.load_reward(critic, torch.device("cpu"))
     adapter, _ = scoring.load_reward(critic / "lora_adapter", torch.device("cpu"))
     assert max_abs_diff(merged.state_dict(), adapter.state_dict()) < 1e-5
+
+
+def test_non_finite_evaluation_scores_are_said_as_nan_in_the_summary(tmp_path):
+    """Step 3 writes a NaN score as NaN; the report's JSON holds it as null, and the summary printed
+    after report.json crashed on it (formatting None)."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"kind": "eval", "global_step": 0, "proxy": 0.5, "judges": {"gold": 1.0}}\n'
+                       '{"kind": "eval", "global_step": 2, "proxy": NaN, "judges": {"gold": NaN}}\n')
+    summary = rep._finite(rep.evaluation_summary(rep.read_eval_records(metrics)))
+    assert summary["last"]["proxy"] is None
+    lines = rep.evaluation_lines(summary)
+    assert lines[0].endswith("step 0 proxy 0.500, gold 1.000 -> step 2 proxy nan, gold nan"), lines
+
+
+@pytest.mark.parametrize("step", ["null", '"2"', "true", "1e999", "[1]"])
+def test_an_evaluation_record_with_a_damaged_step_is_skipped(tmp_path, step):
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"kind": "eval", "global_step": 0, "proxy": 0.5, "judges": {}}\n'
+                       f'{{"kind": "eval", "global_step": {step}, "proxy": 0.7, "judges": {{}}}}\n')
+    assert [r["proxy"] for r in rep.read_eval_records(metrics)] == [0.5]

@@ -320,6 +320,7 @@ def test_the_url_is_shown_without_its_password_or_query():
     assert shown_url(url) == "https://***@rm.example.org:8443/get_reward?***"
     assert shown_url("https://t0ken@rm.example.org/x") == "https://***@rm.example.org/x"
     assert shown_url("http://127.0.0.1:5000/get_reward") == "http://127.0.0.1:5000/get_reward"
+    assert shown_url("sqlite:////tmp/a/b.db?x=1") == "sqlite:////tmp/a/b.db?***"  # an empty host keeps its //
     assert "t0ken" not in repr(RemoteReward(url)) and "t0ken" not in remote_reward_function(url).name
     assert "t0ken" not in plain_http_warning(url.replace("https", "http"))
     from dschat.training.trackers import run_config

@@ -231,6 +231,16 @@ def test_a_tracker_that_cannot_start_is_one_line_naming_its_store(monkeypatch, t
     assert "secret" not in str(caught.value)
 
 
+def test_a_run_started_before_another_tracker_failed_to_start_ends_failed(monkeypatch, tmp_path):
+    """MLflow's run had started when W&B could not: nothing was trained, so it must not read FINISHED."""
+    monkeypatch.setenv("WANDB_MODE", "bogus")  # W&B refuses it when its run starts
+    with pytest.raises(UserError, match=r"^--report_to wandb: W&B could not start a run"):
+        Trackers(["mlflow", "wandb"], str(tmp_path / "tb"), "run", run_name="first", root=str(tmp_path))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # as the run set it for itself
+    _, run = mlflow_run(tmp_path / "mlruns", "first")
+    assert run.info.status == "FAILED"
+
+
 def test_an_unwritable_wandb_dir_is_one_line_before_any_model(monkeypatch, tmp_path, capsys):
     """WANDB_DIR under a regular file: W&B alone would fall back to a temporary folder and the run
     would go on; step 1 stops with one line naming WANDB_DIR, exit 2, before it reads data."""
