@@ -371,8 +371,8 @@ def _user_env_values(environ: Mapping[str, str], cwd: str | os.PathLike) -> dict
 
 
 def secret_env_lines(environ: Mapping[str, str], cwd: str | os.PathLike) -> list[str]:
-    """Names set by the user's ``.deepspeed_env`` files that look like secrets (:func:`is_secret_name`):
-    :func:`write_rank_env_file` leaves them out of the launch's copy."""
+    """Names set by the user's ``.deepspeed_env`` files that look like secrets (:func:`is_secret_name`,
+    :func:`is_secret_value`): :func:`write_rank_env_file` leaves them out of the launch's copy."""
     return sorted(k for k, v in _user_env_values(environ, cwd).items() if is_secret_name(k) or is_secret_value(v))
 
 
