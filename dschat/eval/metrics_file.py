@@ -50,9 +50,9 @@ def read_eval_records(path: str | Path, keep: Callable[[dict], bool] | None = No
             record = json.loads(line)
         except json.JSONDecodeError:
             continue
-        step = record.get("global_step", 0) if isinstance(record, dict) else None
-        if (record.get("kind") == EVAL_KIND and isinstance(step, (int, float)) and not isinstance(step, bool)
-                and math.isfinite(step) and (keep is None or keep(record))):  # a damaged step: skipped
+        step = record.get("global_step", 0) if isinstance(record, dict) else None  # a damaged step: skipped
+        good = (isinstance(step, int) and not isinstance(step, bool)) or (isinstance(step, float) and math.isfinite(step))
+        if good and record.get("kind") == EVAL_KIND and (keep is None or keep(record)):
             by_step[int(step)] = record
     return [by_step[k] for k in sorted(by_step)]
 

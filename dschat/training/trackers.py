@@ -148,7 +148,7 @@ class _WandbSink:
         self.run.log({"global_step": step, **values})
 
     def close(self, failed: bool = False) -> None:
-        self.run.finish(exit_code=1 if failed else 0)
+        self.run.finish(**({"exit_code": 1} if failed else {}))
 
     def abandon(self) -> None:
         """After a failed ``log``: finish the run as far as W&B can (one warning if that fails too)."""

@@ -499,6 +499,6 @@ def test_non_finite_evaluation_scores_are_said_as_nan_in_the_summary(tmp_path):
 @pytest.mark.parametrize("step", ["null", '"2"', "true", "1e999", "[1]"])
 def test_an_evaluation_record_with_a_damaged_step_is_skipped(tmp_path, step):
     metrics = tmp_path / "metrics.jsonl"
-    metrics.write_text('{"kind": "eval", "global_step": 0, "proxy": 0.5, "judges": {}}\n'
+    metrics.write_text('{"kind": "eval", "global_step": 0, "proxy": 0.5, "judges": {}}\n[1]\n"text"\n'
                        f'{{"kind": "eval", "global_step": {step}, "proxy": 0.7, "judges": {{}}}}\n')
     assert [r["proxy"] for r in rep.read_eval_records(metrics)] == [0.5]
