@@ -589,18 +589,26 @@ def _delete_first(runs: Sequence[StepRun], always: Path | None = None) -> str:
     return f"delete {' and '.join(map(str, found))} and " if found else ""
 
 
-def _refuse_other_flags_unfinished(run_: StepRun, out: Path, record: dict[str, Any], selected: Sequence[StepRun],
-                                   finished: str = "did not finish") -> None:
-    """--resume: one line when ``run_`` would resume from checkpoints trained with other flags than
-    this run's (``record``'s): it would finish a model trained partly with each set, recorded as this
-    run's. ``finished`` says what became of that run."""
+def _refuse_other_flags(run_: StepRun, out: Path, record: dict[str, Any], selected: Sequence[StepRun],
+                        state: str) -> None:
+    """--resume: one line when ``run_`` was started (``record``) with other flags than this run's, naming
+    the difference; nothing is changed. ``state`` says what became of that run: ``"finished"`` (its
+    model would be taken as this run's), or ``"did not finish"`` / ``"its model is gone"`` (its
+    checkpoints would finish a model trained partly with each set, recorded as this run's)."""
     difference = flags_difference(record["flags"], step_flags(run_, out))
-    if difference:
-        later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
+    if not difference:
+        return
+    later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
+    steps = " ".join(str(r.number) for r in later)
+    if state == "finished":
         raise UserError(
-            f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and "
-            f"{finished}; to start it again with these, {_delete_first(later, run_.output_dir / 'checkpoints')}"
-            f"run without --resume and with --step {' '.join(str(r.number) for r in later)}, or give the old flags")
+            f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "
+            f"to train it again with these, {_delete_first(later)}run without --resume and with --step {steps} "
+            "(it replaces that model), or pass another --output-dir")
+    raise UserError(
+        f"--resume: step {run_.number} in {run_.output_dir} started with other flags ({difference}) and {state}; "
+        f"to start it again with these, {_delete_first(later, run_.output_dir / 'checkpoints')}run without "
+        f"--resume and with --step {steps}, or give the old flags")
 
 
 def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], selected: Sequence[StepRun]) -> bool:
@@ -616,24 +624,18 @@ def finished_step(run_: StepRun, out: Path, records: dict[str, dict[str, Any]], 
     record = records.get(step_key(run_, out))
     if output_problem(run_) is not None:  # no model (yet): the step resumes from its checkpoints, if any
         if record is not None and earlier_checkpoints(run_) is not None:
-            _refuse_other_flags_unfinished(run_, out, record, selected,
-                                           "its model is gone" if record["finished"] else "did not finish")
+            _refuse_other_flags(run_, out, record, selected,
+                                "its model is gone" if record["finished"] else "did not finish")
         return False
     if record is None:
         print(f"note: step {run_.number}'s flags are not on record in {out / STEPS_FILE} (run by hand or by an "
               f"older e2e); taking the model in {run_.output_dir} as this run's", flush=True)
         return True
     if not record["finished"]:
-        _refuse_other_flags_unfinished(run_, out, record, selected)
+        _refuse_other_flags(run_, out, record, selected, "did not finish")
         print(f"note: step {run_.number} started in {run_.output_dir} and did not finish; resuming it", flush=True)
         return False
-    difference = flags_difference(record["flags"], step_flags(run_, out))
-    if difference:
-        later = [r for r in selected if r.number >= run_.number]  # the steps a fresh run trains again
-        raise UserError(
-            f"--resume: step {run_.number}'s model in {run_.output_dir} was trained with other flags ({difference}); "
-            f"to train it again with these, {_delete_first(later)}run without --resume and with --step "
-            f"{' '.join(str(r.number) for r in later)} (it replaces that model), or pass another --output-dir")
+    _refuse_other_flags(run_, out, record, selected, "finished")
     return True
 
 
