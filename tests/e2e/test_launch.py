@@ -39,6 +39,8 @@ FAKE_MAIN = textwrap.dedent(
         shutil.rmtree(out + ".old")
     if os.environ.get("FAKE_STARTED"):  # as dschat.training.run_setup.setup_run does
         open(os.environ["DSCHAT_STARTED_FILE"], "w").close()
+    for i in range(int(os.environ.get("FAKE_LINES", "0"))):
+        print(f"filler {i}", flush=True)
     print(os.environ.get("FAKE_MESSAGE", "done"), flush=True)
     sys.exit(int(os.environ.get("FAKE_RC", "0")))
     """
@@ -488,6 +490,24 @@ def test_script_args_split_positionals_from_flags(fake_root, capsys):
 # ------------------------------------------------------------------------------------------------
 # The generated shell scripts, end to end with a fake deepspeed launcher
 # ------------------------------------------------------------------------------------------------
+def test_a_terminal_whose_reader_goes_away_leaves_the_step_running_and_its_log_whole(fake_root, tmp_path):
+    """``python -m dschat.launch ... | head``: once head exits, the step runs to its end (not killed
+    by the launcher's BrokenPipeError), its log gets every line, and the step's exit code is kept."""
+    out = tmp_path / "out"
+    env = dict(os.environ, FAKE_LINES="20000", FAKE_RC="3", FAKE_MESSAGE="last words")
+    proc = subprocess.Popen([sys.executable, "-m", "dschat.launch", "step1", "cpu/tiny", "--launcher", "python",
+                             "--output_dir", str(out), "--repo-root", str(fake_root)],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"[dschat.launch] ")
+    proc.stdout.close()  # as head does after its lines
+    stderr = proc.communicate(timeout=120)[1].decode()
+    assert proc.returncode == 3, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr
+    assert "step1 exited with status 3" in stderr
+    log = (out / "training.log").read_text()
+    assert "filler 19999" in log and "last words" in log
+
+
 def _copy_script(fake_root: Path, step: str, rid: str) -> Path:
     recipe = recipe_loading.get_recipe(step, rid, REPO)
     src = recipe_scripts.script_path(recipe, REPO)
