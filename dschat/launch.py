@@ -122,7 +122,11 @@ def deepspeed_executable() -> list[str]:
     beside this Python, the one on ``PATH``, or ``python -m deepspeed.launcher.runner``."""
     override = os.environ.get(LAUNCHER_ENV)
     if override:
-        return shlex.split(override)
+        try:
+            return shlex.split(override)
+        except ValueError as err:  # an unclosed quote
+            raise UserError(f"${LAUNCHER_ENV} ({override}) does not split into a command ({err}); "
+                            "fix its quoting or unset it") from None
     beside = Path(sys.executable).with_name("deepspeed")
     if beside.is_file() and os.access(beside, os.X_OK):
         return [str(beside)]
@@ -407,7 +411,16 @@ def run(
     tail = bytearray()
     redact = Redactor(launch.argv)  # DeepSpeed's launcher echoes the command, a URL's password too
     start = time.monotonic()
-    proc = subprocess.Popen(launch.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, bufsize=0)
+    try:
+        proc = subprocess.Popen(launch.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, bufsize=0)
+    except OSError as err:  # nothing ran: the folder is left as it was
+        if tee:
+            tee.close(discard=True)
+        if env_file is not None:
+            shutil.rmtree(env_file.parent, ignore_errors=True)
+        where = (f" (${LAUNCHER_ENV}; unset it or name an executable there)" if os.environ.get(LAUNCHER_ENV)
+                 else "")
+        raise UserError(f"cannot run {launch.argv[0]}: {err.strerror or err}{where}") from None
     assert proc.stdout is not None
     interrupts = 0
     try:

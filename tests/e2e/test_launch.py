@@ -508,6 +508,24 @@ def test_a_terminal_whose_reader_goes_away_leaves_the_step_running_and_its_log_w
     assert "filler 19999" in log and "last words" in log
 
 
+@pytest.mark.parametrize("launcher", ["missing", "not-executable"])
+def test_a_launcher_that_cannot_run_is_one_line_and_the_folder_is_as_it_was(launcher, fake_root, tmp_path,
+                                                                            monkeypatch, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "training.log").write_text("the earlier run's log\n")
+    target = tmp_path / "deepspeed"
+    if launcher == "not-executable":
+        target.write_text("#!/bin/sh\n")
+    monkeypatch.setenv(L.LAUNCHER_ENV, str(target))
+    assert L._entry(["step1", "cpu/tiny", "--output_dir", str(out), "--repo-root", str(fake_root)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: cannot run {target}: "), err
+    assert L.LAUNCHER_ENV in err[0]
+    assert sorted(p.name for p in out.iterdir()) == ["training.log"]
+    assert (out / "training.log").read_text() == "the earlier run's log\n"
+
+
 def _copy_script(fake_root: Path, step: str, rid: str) -> Path:
     recipe = recipe_loading.get_recipe(step, rid, REPO)
     src = recipe_scripts.script_path(recipe, REPO)
