@@ -24,10 +24,11 @@ import torch
 import transformers
 from transformers import PretrainedConfig
 
+from dschat.errors import raised
 from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.families import family_of
 from dschat.rlhf.rollout.hf_generate import decoding_only_generation_config, generate_kwargs
-from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, not_a_fallback, one_line
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, not_a_fallback
 from dschat.rlhf.rollout.sampling import Rollout
 
 __all__ = ["HybridEngineDecision", "decide_hybrid_engine", "cache_object_decoder_layer", "DeepSpeedHybridEnginePath",
@@ -142,4 +143,4 @@ class DeepSpeedHybridEnginePath(DecodingPath):
         gen.actor.train(True)
         gen.actor.module.eval()
         return (f"--enable_hybrid_engine: DeepSpeed's Hybrid Engine failed to generate "
-                f"({one_line(err)}); generating with the actor module's own generate() from now on")
+                f"({raised(err)}); generating with the actor module's own generate() from now on")

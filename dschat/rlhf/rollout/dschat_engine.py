@@ -38,11 +38,12 @@ import torch
 from torch import nn
 from torch._dynamo.utils import counters
 
+from dschat.errors import raised
 from dschat.models.decoder.forward import DecodeModel
 from dschat.models.decoder.kv_cache import StaticKVCache
 from dschat.models.decoder.layouts import layout_name, unsupported_reason
 from dschat.rlhf.rollout.conversation import Conversation, compact_columns, why_not_kept
-from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback
 from dschat.rlhf.rollout.sampling import (DecodingSettings, EndIds, Rollout, StepCallback, draw, end_rows, loop_rollout,
                                           next_token_scores)
 from dschat.rlhf.rollout.weights import lora_layers, materialised, should_gather
@@ -394,4 +395,4 @@ class DschatEnginePath(DecodingPath):
             return None
         gen.use_dschat_engine = False
         gen.auto_engine_devices = ()
-        return f"{ENGINE_NAME} failed ({one_line(err, 200)}); decoding with the training module from now on"
+        return f"{ENGINE_NAME} failed ({raised(err)}); decoding with the training module from now on"

@@ -29,9 +29,10 @@ import torch
 from transformers import CompileConfig, LogitsProcessor, LogitsProcessorList, StaticCache
 from transformers.cache_utils import StaticLayer
 
+from dschat.errors import raised
 from dschat.rlhf.rollout.conversation import Conversation, compact_columns, why_not_kept
 from dschat.rlhf.rollout.hf_generate import hf_generate
-from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback, one_line
+from dschat.rlhf.rollout.path import DecodingPath, RolloutRequest, fall_back, not_a_fallback
 from dschat.rlhf.rollout.sampling import Rollout
 from dschat.runtime.compile_cache import use_private_compile_cache
 
@@ -168,7 +169,7 @@ class GraphsPath(DecodingPath):
             return None
         flag = self.gen.generation_loop
         self.gen.generation_loop = "dschat"
-        return f"--generation_loop {flag}: CUDA graphs failed ({one_line(err, 200)}); decoding with dschat's loop from now on"
+        return f"--generation_loop {flag}: CUDA graphs failed ({raised(err)}); decoding with dschat's loop from now on"
 
 
 class _EndRows(LogitsProcessor):

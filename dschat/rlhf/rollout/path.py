@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from dschat.errors import UserError, first_line
+from dschat.errors import UserError
 from dschat.rlhf.rollout.sampling import Rollout
 from dschat.runtime.dist import print_rank_0
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from dschat.rlhf.rollout.generator import RolloutGenerator
     from dschat.rlhf.rollout.conversation import Conversation
 
-__all__ = ["DecodingPath", "Fallback", "RolloutRequest", "fall_back", "not_a_fallback", "one_line", "say_once"]
+__all__ = ["DecodingPath", "Fallback", "RolloutRequest", "fall_back", "not_a_fallback", "say_once"]
 
 
 @dataclass(frozen=True)
@@ -114,8 +114,3 @@ def not_a_fallback(err: BaseException) -> bool:
     compile cache folder that is not the user's own): both are re-raised."""
     return (isinstance(err, (torch.OutOfMemoryError, UserError))
             or "out of memory" in str(err).lower())
-
-
-def one_line(err: BaseException, limit: int | None = None) -> str:
-    """``Type: first line of the message`` (cut to ``limit`` characters), for a fallback notice."""
-    return f"{type(err).__name__}: {first_line(err)[:limit]}"
