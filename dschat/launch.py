@@ -28,7 +28,7 @@ from typing import Callable, Mapping, Sequence
 
 from dschat.cli.shared import user_path
 from dschat.errors import EXIT_USAGE, UserError, cli_main
-from dschat.launch_log import LogTee, Redactor, shown_argv
+from dschat.launch_log import LogTee, Redactor, TerminalSink, shown_argv, terminal_writer
 from dschat.paths import STARTED_FILE_VAR
 from dschat.multinode import (DEEPSPEED_FORWARDS, DEFAULT_MASTER_PORT, ENV_FILE_VAR, RENDEZVOUS_ID_VAR, Hosts,
                               check_forwarded_env, check_master_port, check_remote_safe, flag_values,
@@ -314,50 +314,6 @@ def plan(
 # -------------------------------------------------------------------------------------------------
 # Running: tee to the terminal and to training.log
 # -------------------------------------------------------------------------------------------------
-def _terminal_writer() -> Callable[[bytes], None]:
-    buffer = getattr(sys.stdout, "buffer", None)
-    if buffer is not None:
-        def write(data: bytes) -> None:
-            buffer.write(data)
-            buffer.flush()
-    else:  # a text-only stdout (some test harnesses)
-        def write(data: bytes) -> None:
-            sys.stdout.write(data.decode("utf-8", errors="replace"))
-            sys.stdout.flush()
-    return write
-
-
-class TerminalSink:
-    """Writes to the terminal until its reader goes away (``... | head`` exits): from then on the
-    step runs on, its output still reaching ``training.log``, and this process's stdout (and stderr,
-    when it is the same pipe) point at the null device, so later prints neither fail nor stop it."""
-
-    def __init__(self, write: Callable[[bytes], None]) -> None:
-        self._write: Callable[[bytes], None] | None = write
-
-    def __call__(self, data: bytes) -> None:
-        if self._write is None:
-            return
-        try:
-            self._write(data)
-        except BrokenPipeError:
-            self._write = None
-            _stdout_to_null()
-
-
-def _stdout_to_null() -> None:
-    """Point file descriptor 1 (and 2, when it is the same pipe) at the null device."""
-    try:
-        same = os.path.sameopenfile(1, 2)
-        null = os.open(os.devnull, os.O_WRONLY)
-    except OSError:
-        return
-    os.dup2(null, 1)
-    if same:
-        os.dup2(null, 2)
-    os.close(null)
-
-
 @dataclass
 class LaunchResult:
     returncode: int
@@ -377,13 +333,13 @@ def run(
 ) -> LaunchResult:
     """Run the plan; stream its merged stdout/stderr to ``sink`` (the terminal) and the log. A terminal
     whose reader goes away (``| head``) stops being written; the step and its log go on
-    (:class:`TerminalSink`).
+    (:class:`~dschat.launch_log.TerminalSink`).
 
     Returns the exit code (``128 + signal`` when the process died of a signal, as a shell reports
     it), the wall time, and an out-of-memory diagnosis when the run failed like one. A step that refused
     its input (exit 2 before it started up) leaves no log: the output folder is as it was.
     """
-    sink = TerminalSink(sink or _terminal_writer())
+    sink = TerminalSink(sink or terminal_writer())
     env = dict(os.environ)
     for key, value in launch.env.items():
         env.setdefault(key, value)  # a value the user set wins over the recipe's

@@ -1,19 +1,19 @@
 """The launcher's log: a step's output written to ``<output_dir>/training.log`` through one handle,
 the previous runs' logs kept as ``training.log.1`` ... ``.{KEPT_LOGS}`` (:class:`LogTee`); a URL flag's
 password and query never shown, in the command line (:func:`shown_argv`) nor in the output
-(:class:`Redactor`)."""
+(:class:`Redactor`); the terminal written until its reader goes away (:class:`TerminalSink`)."""
 from __future__ import annotations
 
 import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from dschat.errors import UserError, shown_url
 from dschat.runtime.fs import foreign_link_line, open_own
 
-__all__ = ["KEPT_LOGS", "LogTee", "Redactor", "URL_FLAGS", "shown_argv"]
+__all__ = ["KEPT_LOGS", "LogTee", "Redactor", "TerminalSink", "URL_FLAGS", "shown_argv", "terminal_writer"]
 
 #: Flags whose value is a URL that may carry a password, or a key in its query.
 URL_FLAGS = ("--reward_url",)
@@ -191,3 +191,48 @@ class Redactor:
     def flush(self) -> bytes:
         held, self.held = self.held, b""
         return held
+
+
+def terminal_writer() -> Callable[[bytes], None]:
+    """Writes bytes to this process's stdout as they come (its text layer when it has no buffer)."""
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is not None:
+        def write(data: bytes) -> None:
+            buffer.write(data)
+            buffer.flush()
+    else:  # a text-only stdout (some test harnesses)
+        def write(data: bytes) -> None:
+            sys.stdout.write(data.decode("utf-8", errors="replace"))
+            sys.stdout.flush()
+    return write
+
+
+class TerminalSink:
+    """Writes to the terminal until its reader goes away (``... | head`` exits): from then on the
+    step runs on, its output still reaching ``training.log``, and this process's stdout (and stderr,
+    when it is the same pipe) point at the null device, so later prints neither fail nor stop it."""
+
+    def __init__(self, write: Callable[[bytes], None]) -> None:
+        self._write: Callable[[bytes], None] | None = write
+
+    def __call__(self, data: bytes) -> None:
+        if self._write is None:
+            return
+        try:
+            self._write(data)
+        except BrokenPipeError:
+            self._write = None
+            _stdout_to_null()
+
+
+def _stdout_to_null() -> None:
+    """Point file descriptor 1 (and 2, when it is the same pipe) at the null device."""
+    try:
+        same = os.path.sameopenfile(1, 2)
+        null = os.open(os.devnull, os.O_WRONLY)
+    except OSError:
+        return
+    os.dup2(null, 1)
+    if same:
+        os.dup2(null, 2)
+    os.close(null)
