@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence, Union
 
 from dschat.errors import UserError, exit_code, raised
-from dschat.rewards import CallTimedOut, PendingCall, as_float32, load_callable
+from dschat.rewards import CallTimedOut, PendingCall, as_float32, check_timeout, load_callable
 
 __all__ = ["Observation", "StepResult", "EpisodeState", "EnvironmentFactory", "EpisodeBatch",
            "load_environment", "render_observation", "observation_parts", "OBSERVATION_ROLES"]
@@ -100,9 +100,8 @@ class EnvironmentFactory:
 def load_environment(spec: str, timeout: float = 0.0) -> EnvironmentFactory:
     """``"module.path:factory"`` -> :class:`EnvironmentFactory`; a bad spec or timeout is one
     :class:`UserError` line."""
-    if not (isinstance(timeout, numbers.Real) and math.isfinite(timeout) and timeout >= 0):
-        raise UserError(f"--env_timeout must be a number of seconds >= 0 (0: no limit), got {timeout}")
-    return EnvironmentFactory(spec, load_callable(spec, "--env", "dschat.envs_examples:calculator"), float(timeout))
+    timeout = check_timeout(timeout, "--env_timeout")
+    return EnvironmentFactory(spec, load_callable(spec, "--env", "dschat.envs_examples:calculator"), timeout)
 
 
 def _shown(value: Any, limit: int = 60) -> str:

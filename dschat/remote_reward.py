@@ -63,7 +63,7 @@ import requests
 from requests.adapters import HTTPAdapter
 
 from dschat.errors import UserError, shown_url
-from dschat.rewards import MATH_REFERENCE_COLUMN, RewardFunction, as_float32
+from dschat.rewards import MATH_REFERENCE_COLUMN, RewardFunction, as_float32, check_timeout, check_weight
 from dschat.runtime.trust import is_loopback_host, listener_owners
 
 __all__ = [
@@ -316,8 +316,7 @@ class RemoteReward:
     def __init__(self, url: str, *, timeout: float = 60.0, retries: int = 3, chunk_size: int = QUERIES_PER_REQUEST,
                  backoff: float = BACKOFF_SECONDS) -> None:
         self.url = check_reward_url(url)
-        if not (math.isfinite(timeout) and timeout > 0):
-            raise UserError(f"--reward_url_timeout must be a number of seconds > 0, got {timeout}")
+        timeout = check_timeout(timeout, "--reward_url_timeout", zero_is_no_limit=False)
         if retries < 0:
             raise UserError(f"--reward_url_retries must be >= 0, got {retries}")
         if chunk_size < 1:
@@ -529,7 +528,6 @@ def _short(value: Any, limit: int = 120) -> str:
 def remote_reward_function(url: str, weight: float = 1.0, timeout: float = 60.0, retries: int = 3) -> RewardFunction:
     """The ``--reward_url`` term of step 3's reward mix, weighted (``--reward_url_weight``). Its own
     timeout per request replaces the mix's per-call one."""
-    if not math.isfinite(weight):
-        raise UserError(f"--reward_url_weight must be a finite number, got {weight}")
+    weight = check_weight(weight, "--reward_url_weight")
     reward = RemoteReward(url, timeout=timeout, retries=retries)
-    return RewardFunction(reward.shown, reward, float(weight))
+    return RewardFunction(reward.shown, reward, weight)

@@ -41,10 +41,11 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import numbers
 import re
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NoReturn, Sequence
+from typing import Any, Callable, Iterator, Mapping, NoReturn, Sequence
 
 import torch
 
@@ -176,13 +177,17 @@ class RewardFunction:
               kwargs: dict[str, list[Any]]) -> tuple[Any, BaseException | None]:
         """One call of the function: ``(result, None)``, or ``(None, what it raised)`` -- a
         :class:`CallTimedOut` when it outlasted ``timeout``. ``KeyboardInterrupt`` is not caught."""
+        def call() -> Any:
+            raw = self.fn(prompts, answers, **kwargs)
+            # A generator (or map) does its work as it is read: read here, timed and reported as the call.
+            return list(raw) if isinstance(raw, Iterator) else raw
+
         if not self.timeout:
             try:
-                return self.fn(prompts, answers, **kwargs), None
+                return call(), None
             except (Exception, SystemExit) as err:  # noqa: BLE001 -- any failure of user code is reported
                 return None, err
-        pending = PendingCall(lambda: self.fn(prompts, answers, **kwargs), f"reward function {self.name}")
-        return pending.wait(self.timeout)
+        return PendingCall(call, f"reward function {self.name}").wait(self.timeout)
 
     def _fail(self, err: BaseException, prompts: list[str], answers: list[str],
               kwargs: dict[str, list[Any]]) -> NoReturn:
@@ -261,6 +266,22 @@ def as_float32(value: float) -> float:
     return float(torch.tensor(value, dtype=torch.float64).to(torch.float32))
 
 
+#: The longest wait a timeout flag takes (about 31 years): Python's waits (a thread's join, a timer,
+#: a socket) overflow above about 9.2e9 seconds.
+MAX_TIMEOUT_S = 1e9
+
+
+def check_timeout(value: float, flag: str, *, zero_is_no_limit: bool = True) -> float:
+    """``value`` as seconds for ``flag``: a real number from 0 (or above 0 without ``zero_is_no_limit``)
+    to :data:`MAX_TIMEOUT_S`; anything else is one :class:`UserError` line."""
+    low_ok = value >= 0 if zero_is_no_limit else value > 0
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value) and low_ok
+                                       and value <= MAX_TIMEOUT_S):
+        bounds = "from 0 to 1e9 (0: no limit)" if zero_is_no_limit else "above 0 and at most 1e9"
+        raise UserError(f"{flag} must be a number of seconds {bounds}, got {value}")
+    return float(value)
+
+
 class PendingCall:
     """One call of user code, started at once in a daemon worker thread that carries the caller's CUDA device
     and grad mode (both are per thread); :meth:`wait` gives its outcome. Python cannot stop a thread,
@@ -321,15 +342,21 @@ def load_callable(spec: str, flag: str, example: str) -> Any:
     return fn
 
 
+def check_weight(value: float, flag: str) -> float:
+    """``value`` as a reward term's weight for ``flag``: a number finite in float32, as the reward tensor
+    holds it (a larger one makes every reward inf, and every rollout is skipped as non-finite);
+    anything else is one :class:`UserError` line."""
+    if not math.isfinite(as_float32(value)):
+        raise UserError(f"{flag} must be a finite number (within float32's range, |w| < 3.4e38), got {value}")
+    return float(value)
+
+
 def load_reward_function(spec: str, weight: float = 1.0, timeout: float = 0.0) -> RewardFunction:
     """``"module.path:function"`` -> :class:`RewardFunction` (``timeout``: seconds per call, 0 for no
     limit); a bad spec is one :class:`UserError` line."""
-    if not (math.isfinite(timeout) and timeout >= 0):
-        raise UserError(f"--reward_fn_timeout must be a number of seconds >= 0 (0: no limit), got {timeout}")
+    timeout = check_timeout(timeout, "--reward_fn_timeout")
     fn = load_callable(spec, "--reward_fn", "dschat.rewards:gold")
-    if not math.isfinite(weight):
-        raise UserError(f"--reward_fn_weight for {spec} must be a finite number, got {weight}")
-    return RewardFunction(spec, fn, float(weight), timeout=float(timeout))
+    return RewardFunction(spec, fn, check_weight(weight, f"--reward_fn_weight for {spec}"), timeout=timeout)
 
 
 def load_reward_functions(specs: Sequence[str], weights: Sequence[float] | None = None,

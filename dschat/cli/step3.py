@@ -209,7 +209,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                        help="(dschat) Weight of each --reward_fn, in order (default 1.0 each).")
     group.add_argument("--reward_fn_timeout", type=float, default=600.0, metavar="SECONDS",
                        help="(dschat) Longest one call of a --reward_fn or --eval_judge function may take before the "
-                            "run stops with an error naming it (default 600; 0: no limit). Collectives then wait "
+                            "run stops with an error naming it (default 600; 0: no limit; at most 1e9). Collectives then wait "
                             "this (for each function of a batch's reward, plus --reward_url's worst case) plus 5 "
                             "minutes when that is longer, so the other ranks outwait a stuck call and its line stops "
                             "the run.")
@@ -231,7 +231,7 @@ def add_algorithm_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
                             "address the host name resolves to, each read of a TLS handshake; the name lookup has no "
                             "limit) and between bytes of the reply; once connected, the attempt (sending, the whole "
                             "reply) also ends twice that after it began. An attempt past a limit counts as failed "
-                            "(default 60).")
+                            "(default 60; at most 1e9).")
     group.add_argument("--reward_url_retries", type=int, default=3,
                        help="(dschat) Retries of a --reward_url request after a connection error, a timeout or an "
                             "HTTP 408/429/5xx, with exponential backoff (0.5 s, 1 s, 2 s, ...); then the run stops "
@@ -255,7 +255,7 @@ def add_environment_args(parser: argparse.ArgumentParser) -> argparse._ArgumentG
                             "reaches it, or --max_answer_seq_len tokens after the prompt, is cut.")
     group.add_argument("--env_timeout", type=float, default=600.0, metavar="SECONDS",
                        help="(dschat) With --env: longest one factory or step call may take before the run stops with "
-                            "an error naming the environment and the row (default 600; 0: no limit). The calls of a "
+                            "an error naming the environment and the row (default 600; 0: no limit; at most 1e9). The calls of a "
                             "batch run concurrently. Collectives wait this plus 5 minutes when that is longer (start-up "
                             "keeps --dist_timeout), so the other ranks outwait a stuck call and its line stops the run.")
     return group

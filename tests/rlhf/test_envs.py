@@ -48,9 +48,9 @@ class TestLoading:
             load_environment(spec)
         assert one_line_exit_2(lambda: load_environment(spec), capsys).startswith("error: --env ")
 
-    @pytest.mark.parametrize("timeout", [-1, math.inf, math.nan])
+    @pytest.mark.parametrize("timeout", [-1, math.inf, math.nan, 1e10])
     def test_bad_timeout(self, timeout):
-        with pytest.raises(UserError, match="--env_timeout must be a number of seconds >= 0"):
+        with pytest.raises(UserError, match="--env_timeout must be a number of seconds from 0 to 1e9"):
             load_environment(SCRIPTED, timeout)
 
     @pytest.mark.parametrize("max_turns", [0, -2, 1.5, True])

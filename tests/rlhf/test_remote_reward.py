@@ -261,9 +261,19 @@ def test_step3_flags_defaults_and_the_reward_model_weight():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (("--reward_url_timeout", "0"), "--reward_url_timeout must be a number of seconds > 0"),
+    (("--reward_url_timeout", "0"), "--reward_url_timeout must be a number of seconds above 0 and at most 1e9"),
+    (("--reward_url_timeout", "1e10"), "--reward_url_timeout must be a number of seconds above 0 and at most 1e9"),
     (("--reward_url_retries", "-1"), "--reward_url_retries must be >= 0"),
     (("--reward_url_weight", "nan"), "--reward_url_weight must be a finite number"),
+    # Finite in float64, not in the float32 reward: every reward inf, every rollout skipped.
+    (("--reward_url_weight", "1e39"), r"--reward_url_weight must be a finite number \(within float32's range"),
+    (("--reward_model_weight=-1e39",), r"--reward_model_weight must be a finite number \(within float32's range"),
+    (("--reward_fn", "dschat.rewards:gold", "--reward_fn_weight", "1e39"),
+     r"--reward_fn_weight for dschat.rewards:gold must be a finite number \(within float32's range"),
+    # Every term weighted 0: every reward 0 (the server still called each step).
+    (("--reward_url_weight", "0"), r"every reward term has weight 0 \(http://127.0.0.1:1/x 0, the reward model 0\)"),
+    (("--reward_fn", "dschat.rewards:gold", "--reward_fn_weight", "0", "--reward_url_weight", "0"),
+     r"every reward term has weight 0 \(dschat.rewards:gold 0, http://127.0.0.1:1/x 0, the reward model 0\)"),
 ])
 def test_bad_reward_url_flags_are_one_line(flags, message):
     module = step3_main()

@@ -219,6 +219,28 @@ class TestUntrustedResults:
         assert RewardFunction("t:max", lambda p, a: [3.4e38] * 3)(PROMPTS, ANSWERS) == [3.4e38] * 3
         assert RewardFunction("t:hook", lambda p, a: [1e39] * 3, require_finite=False)(PROMPTS, ANSWERS) == [1e39] * 3
 
+    def test_a_generator_function_is_read_inside_its_call_so_its_failures_and_time_are_the_calls(self):
+        """A function written as a generator (or returning ``map(...)``) runs as its result is read: that
+        reading is part of the call, named and bisected when it raises, and timed by the timeout."""
+        def scores(prompts, answers):
+            for answer in answers:
+                yield 1.0 / (len(answer) - 1)  # "x" (row 2): ZeroDivisionError
+
+        with pytest.raises(UserError, match=r"reward function t:gen raised ZeroDivisionError: .* on row 2 \(prompt"):
+            RewardFunction("t:gen", scores)(PROMPTS, ANSWERS)
+        assert RewardFunction("t:map", lambda p, a: map(len, a))(PROMPTS, ANSWERS) == [7.0, 14.0, 1.0]
+        release = threading.Event()
+
+        def slow(prompts, answers):
+            release.wait(60)
+            yield from [0.0] * len(answers)
+
+        try:
+            with pytest.raises(UserError, match=r"t:slow did not return within --reward_fn_timeout 0.2 s"):
+                RewardFunction("t:slow", slow, timeout=0.2)(PROMPTS, ANSWERS)
+        finally:
+            release.set()
+
     def test_sys_exit_is_a_failure_naming_the_function_and_is_not_called_again(self, capsys):
         reward_fixtures.exits.calls = 0
         fn = load_reward_function("reward_fixtures:exits")
@@ -275,8 +297,9 @@ class TestUntrustedResults:
         with torch.no_grad():
             assert quick(PROMPTS, ANSWERS) == [1.0, 1.0, 1.0]
         assert modes == [False]
-        with pytest.raises(UserError, match="--reward_fn_timeout must be a number of seconds >= 0"):
-            load_reward_function("dschat.rewards:gold", timeout=-1)
+        for bad in (-1, 1e10):  # 1e10: beyond what Python's waits take (an OverflowError at the first call)
+            with pytest.raises(UserError, match="--reward_fn_timeout must be a number of seconds from 0 to 1e9"):
+                load_reward_function("dschat.rewards:gold", timeout=bad)
 
     def test_the_failing_row_is_found_in_a_bounded_number_of_calls(self):
         calls = []

@@ -256,7 +256,7 @@ def test_held_out_evaluation_plays_episodes(tmp_path, data_cache, turns_end):
 
 @pytest.mark.parametrize("extra, message", [
     (("--env", "no_such_module_here:factory"), "--env"),
-    (("--env", "env_fixtures:ask_twice", "--env_timeout", "-1"), "--env_timeout must be a number of seconds >= 0"),
+    (("--env", "env_fixtures:ask_twice", "--env_timeout", "-1"), "--env_timeout must be a number of seconds from 0 to 1e9"),
     (("--env", "env_fixtures:ask_twice", "--max_turns", "0"), "--max_turns must be a positive integer"),
 ])
 def test_bad_environment_flags_are_one_line(extra, message, data_cache, capsys):

@@ -13,7 +13,6 @@ default and docs/algorithms.md#the-on-policy-rule for the on-policy rule.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +22,7 @@ from dschat.cli.step3 import add_step3_args
 from dschat.errors import UserError, cli_main
 from dschat.runtime.run_lock import hold_run_lock, releasing_run_locks
 from dschat.remote_reward import plain_http_warning, remote_reward_function
-from dschat.rewards import RewardFunction, RewardMix, load_reward_functions, reward_model_weight
+from dschat.rewards import RewardFunction, RewardMix, check_weight, load_reward_functions, reward_model_weight
 from dschat.runtime.dist import get_rank, print_rank_0
 from dschat.runtime.import_guards import freeze_imported
 
@@ -71,13 +70,16 @@ def reward_mix(args: argparse.Namespace, reward_fn: RewardFn | None = None) -> R
     if reward_fn is not None:
         functions.append(RewardFunction("reward_fn", reward_fn, require_finite=False, timeout=args.reward_fn_timeout))
     env = getattr(args, "env", None) or None
-    weight = reward_model_weight(args.reward_model_weight, other_terms=bool(functions or env))
-    if not math.isfinite(weight):
-        raise UserError(f"--reward_model_weight must be a finite number, got {weight}")
+    weight = check_weight(reward_model_weight(args.reward_model_weight, other_terms=bool(functions or env)),
+                          "--reward_model_weight")
     if not functions and weight == 0.0 and env is None:
         raise UserError("--reward_model_weight 0 without --reward_fn leaves nothing to score the answers; give a "
                         "--reward_fn, a --reward_url or a non-zero --reward_model_weight")
-    return RewardMix(tuple(functions), float(weight), env)
+    if weight == 0.0 and env is None and all(f.weight == 0.0 for f in functions):
+        raise UserError(f"every reward term has weight 0 ({', '.join(f'{f.name} 0' for f in functions)}, the reward "
+                        "model 0): every reward would be 0; give one of --reward_fn_weight, --reward_url_weight or "
+                        "--reward_model_weight a non-zero value")
+    return RewardMix(tuple(functions), weight, env)
 
 
 def check_paths(args: argparse.Namespace, settings: AlgorithmSettings | None = None,
