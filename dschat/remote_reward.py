@@ -458,6 +458,9 @@ class RemoteReward:
         if isinstance(failure, requests.Timeout):
             raise _Retryable(f"no reply within --reward_url_timeout {self.timeout:g} s "
                              f"({type(failure).__name__})")
+        if isinstance(failure, requests.TooManyRedirects):  # a loop of redirects: no retry mends it
+            raise UserError(f"--reward_url {self.shown} keeps redirecting ({_reason(failure)}); pass the URL the "
+                            "server answers at")
         if isinstance(failure, ValueError):  # InvalidURL, InvalidSchema, InvalidHeader, ...: no retry mends it
             raise UserError(f"--reward_url {self.shown}: the request cannot be made ({_reason(failure)}); check "
                             f"the URL (and {API_KEY_ENV})")
@@ -477,6 +480,11 @@ class RemoteReward:
         ``_ERROR_TEXT_BYTES`` of another status's (for its line)."""
         with self.session().post(self.url, json=payload, timeout=self.timeout, stream=True,
                                  proxies=_NO_PROXY if self.loopback else None) as reply:
+            moved = next((r for r in reply.history if r.status_code in (301, 302, 303)), None)
+            if moved is not None:  # requests followed it with a GET, without the queries
+                raise UserError(f"--reward_url {self.shown} answered HTTP {moved.status_code} (moved to "
+                                f"{shown_url(moved.headers.get('Location', '?'))}), which turns the POST into a GET; "
+                                "pass the URL it moved to")
             limit = MAX_REPLY_BYTES if reply.status_code == 200 else _ERROR_TEXT_BYTES
             parts, size = [], 0
             for part in reply.iter_content(_READ_BYTES):

@@ -103,9 +103,9 @@ def drop(handler: Any, payload: Any) -> None:
     handler.close_connection = True  # no reply at all: the client sees the connection close
 
 
-def redirect(path: str) -> Callable:
+def redirect(path: str, code: int = 307) -> Callable:
     def act(handler: Any, payload: Any) -> None:
-        handler.send_response(307)
+        handler.send_response(code)
         handler.send_header("Location", path)
         handler.send_header("Content-Length", "0")
         handler.end_headers()
@@ -323,6 +323,19 @@ def test_a_loopback_url_never_goes_through_a_proxy_of_the_environment_another_ho
         assert proxy.requests == [] and server.authorization == ["Bearer k3y", "Bearer k3y"]
         assert _client("http://rm.example.invalid/get_reward")(PROMPTS[:1], ANSWERS[:1]) == [-7.0]
     assert len(proxy.requests) == 1 and proxy.authorization == [None]
+
+
+def test_a_redirect_that_turns_the_post_into_a_get_or_loops_is_one_line_and_not_retried():
+    """A 302 made requests send a GET without the queries (then a confusing 405 or wrong count); a
+    redirect loop was retried and blamed on the network."""
+    with RewardServer([redirect("/moved?key=s3cret", 302)]) as server:
+        with pytest.raises(UserError, match=r"answered HTTP 302 \(moved to /moved\?\*\*\*\), which turns the POST "
+                                            r"into a GET; pass the URL it moved to"):
+            _client(server.url)(PROMPTS[:1], ANSWERS[:1])
+    with RewardServer([redirect("/get_reward")] * 100) as server:
+        with pytest.raises(UserError, match=r"keeps redirecting \(TooManyRedirects\); pass the URL the server answers at"):
+            _client(server.url, retries=3)(PROMPTS[:1], ANSWERS[:1])
+        assert len(server.requests) == 31  # the request and requests' 30 redirects, once: not retried
 
 
 def test_the_url_is_shown_without_its_password_or_query():
