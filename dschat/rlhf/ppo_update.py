@@ -30,7 +30,7 @@ from deepspeed import DeepSpeedEngine
 
 from dschat.rl_math.logprobs import causal_lm_loss
 from dschat.rl_math.ppo import PolicyStats, ppo_policy_stats
-from dschat.rl_math.stats import masked_mean
+from dschat.rl_math.stats import masked_mean, masked_whiten
 from dschat.errors import UserError
 from dschat.models.packing import PackedRows
 from dschat.rlhf.config import BatchPlan
@@ -170,11 +170,11 @@ class PPOUpdate:
             old_values = formulas._old_values(exp)  # the value loss clips around them
             if exp.advantages is not None:  # stored by prepare_rollout (the step-3 loop always calls it)
                 advantages, returns = exp.advantages, exp.returns
-            elif self.critic_model is None:  # an upstream-style caller: per micro-batch, as upstream
-                advantages = returns = formulas._critic_free_advantages(exp, formulas._old_rewards(exp))
-            else:
-                advantages, returns = formulas.get_advantages_and_returns(old_values, formulas._old_rewards(exp),
-                                                                          start)
+            else:  # an upstream-style caller (no prepare_rollout): per micro-batch, as upstream
+                advantages, returns = formulas.advantages_and_returns(exp, old_values, formulas._old_rewards(exp),
+                                                                      critic=self.critic_model is not None)
+                if formulas.whiten_advantages and int(mask.sum()) > 1:  # REINFORCE++, --whiten_advantages:
+                    advantages = masked_whiten(advantages, mask.bool())  # over this micro-batch only
         normalizer = exp.loss_normalizer
         if normalizer is None and float(mask.sum()) == 0:
             normalizer = 1.0  # a micro-batch of dropped rows only: zero loss, not 0/0

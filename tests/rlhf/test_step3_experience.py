@@ -235,3 +235,29 @@ def test_train_rlhf_uses_the_stored_advantages_without_recomputing_rewards(monke
     # An upstream-style caller (no prepare_rollout) still gets them per micro-batch.
     trainer.train_rlhf(trainer.generate_experience(prompts, prompt_mask, step=1))
     assert len(calls) == 2
+
+
+@pytest.mark.parametrize("whiten", [False, True])
+def test_an_upstream_style_caller_gets_advantages_whitened_as_the_run_would(whiten, monkeypatch, critic_dirs,
+                                                                            data_cache):
+    """Without prepare_rollout (generate_experience -> train_rlhf, upstream's order) the micro-step
+    computes the advantages itself: whitened (over the micro-batch) when the run whitens them
+    (--whiten_advantages; REINFORCE++ always), as they were not before."""
+    from dschat.rl_math.stats import masked_mean
+
+    trainer, tok = _build("tiny-opt", critic_dirs, data_cache, *(["--whiten_advantages"] if whiten else []))
+    eos = tok.eos_token_id
+    prompts = torch.tensor([[1, 2, 40, 41], [2, 42, 43, 44]])
+    prompt_mask = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    _fixed_generation(monkeypatch, trainer, torch.cat([prompts, torch.tensor([[50, 51, eos], [55, 56, 57]])], dim=1))
+    exp = trainer.generate_experience(prompts, prompt_mask, step=0)
+    exp.reward_score = torch.tensor([4.0, 9.0])  # far from whitened: a mean of 0 is no accident
+    seen = []
+    policy_loss = trainer.policy_loss
+    monkeypatch.setattr(trainer, "policy_loss", lambda lp, old, adv, *a: seen.append(adv) or policy_loss(lp, old, adv, *a))
+    trainer.train_rlhf(exp)
+    mask = exp.action_mask[:, exp.start:].bool()
+    mean = float(masked_mean(seen[0], mask))
+    assert (abs(mean) < 1e-5) == whiten, mean
+    if whiten:
+        assert float(seen[0][mask].std()) == pytest.approx(1.0, abs=1e-3)
