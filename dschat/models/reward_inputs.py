@@ -6,9 +6,12 @@ text for the reward model (:func:`reward_text`), tokenised with its tokenizer an
 length keeping the end (:func:`encode_for_reward`): the score is read at the last token.
 
 * A Hugging Face sequence classifier (``template``: ``RewardModel.reads_chat_template``) whose
-  tokenizer has a chat template (``tokenizer.chat_template``): a user turn (the prompt; upstream's
-  ``Human: ... Assistant:`` markers of a one-turn prompt stripped) and an assistant turn (the answer),
-  rendered by the template, which closes the turn itself.
+  tokenizer has a chat template (``tokenizer.chat_template``): the conversation rendered by that
+  template, which closes the turn itself. A prompt (and answer: an episode's turns) in a chat markup
+  the actor's template wrote (ChatML, Llama 3's headers, Gemma's turns; :func:`chat_messages`) is
+  read back as its messages, system and observation turns included; any other prompt is one user turn
+  (upstream's ``Human: ... Assistant:`` markers of a one-turn prompt stripped) and the answer the
+  assistant's.
 * Otherwise (a step-2 model, whatever its tokenizer: step 2 trains on ``prompt + answer + EOS``, never
   through a template): the dataset's text, ``prompt + answer``, as they are, and the reward
   tokenizer's EOS when the answer ended with the actor's EOS; its own special tokens (a BOS) added as
@@ -21,7 +24,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["UNBOUNDED_LENGTH", "user_turn", "reward_text", "reward_max_length", "encode_for_reward",
+__all__ = ["UNBOUNDED_LENGTH", "CHAT_MARKUPS", "chat_messages", "user_turn", "reward_text", "reward_max_length", "encode_for_reward",
            "CrossTokenizerInputs", "right_padded"]
 
 #: transformers' ``model_max_length`` of a tokenizer that sets none (``VERY_LARGE_INTEGER``) is above this.
@@ -38,15 +41,68 @@ def user_turn(prompt: str) -> str:
     return prompt.strip()
 
 
-def reward_text(tokenizer: Any, prompt: str, answer: str, ended: bool, *, template: bool = True) -> tuple[str, bool]:
+#: Chat markups a template writes turns in: (a turn's start, the end of its role, a turn's end).
+CHAT_MARKUPS = (
+    ("<|im_start|>", "\n", "<|im_end|>"),  # ChatML: SmolLM2, Qwen
+    ("<|start_header_id|>", "<|end_header_id|>\n\n", "<|eot_id|>"),  # Llama 3
+    ("<start_of_turn>", "\n", "<end_of_turn>"),  # Gemma ("model" is the assistant)
+)
+_ROLE = re.compile(r"^[A-Za-z_]+$")
+
+
+def chat_messages(text: str) -> list[dict[str, str]] | None:
+    """The messages of a conversation written in one of :data:`CHAT_MARKUPS` (special tokens kept),
+    ending with the assistant's (unfinished) turn: the prompt's generation prompt and the answer, or an
+    episode's last turn; None when ``text`` is in none of them. What comes before the first turn (a
+    BOS) is dropped."""
+    for start, role_end, end in CHAT_MARKUPS:
+        if start not in text:
+            continue
+        messages = []
+        for turn in text.split(start)[1:]:
+            role, found, rest = turn.partition(role_end)
+            if not found or not _ROLE.match(role):
+                return None
+            messages.append({"role": "assistant" if role == "model" else role, "content": rest.split(end, 1)[0]})
+        return messages if messages[-1]["role"] == "assistant" else None
+    return None
+
+
+def reward_text(tokenizer: Any, prompt: str, answer: str, ended: bool, *, template: bool = True,
+                marked: str | None = None) -> tuple[str, bool]:
     """The text the reward model reads, and whether its chat template rendered it (then it holds its
     special tokens already). ``ended``: the answer ended with the actor's EOS; ``template``: the model
-    reads its tokenizer's chat template, where there is one (a sequence classifier's)."""
+    reads its tokenizer's chat template, where there is one (a sequence classifier's); ``marked``: the
+    prompt and answer with their special tokens (default ``prompt + answer``), read for a chat markup
+    (:func:`chat_messages`). A template that refuses a system turn gets it in the first user turn."""
     if template and getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "user", "content": user_turn(prompt)}, {"role": "assistant", "content": answer}]
-        return tokenizer.apply_chat_template(messages, tokenize=False), True
+        messages = chat_messages(prompt + answer if marked is None else marked)
+        if messages is None:
+            messages = [{"role": "user", "content": user_turn(prompt)}, {"role": "assistant", "content": answer}]
+        try:
+            return tokenizer.apply_chat_template(messages, tokenize=False), True
+        except Exception:  # noqa: BLE001 -- a template's refusal (Gemma's of a system turn): folded in once
+            folded = _system_folded(messages)
+            if folded == messages:
+                raise
+            return tokenizer.apply_chat_template(folded, tokenize=False), True
     suffix = tokenizer.eos_token if ended and tokenizer.eos_token else ""
     return prompt + answer + suffix, False
+
+
+def _system_folded(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``messages`` with each system turn's words put at the start of the next user turn."""
+    folded: list[dict[str, str]] = []
+    system: list[str] = []
+    for message in messages:
+        if message["role"] == "system":
+            system.append(message["content"])
+        elif system and message["role"] == "user":
+            folded.append({"role": "user", "content": "\n\n".join([*system, message["content"]])})
+            system = []
+        else:
+            folded.append(message)
+    return folded
 
 
 def reward_max_length(tokenizer: Any, config: Any) -> int | None:
@@ -58,10 +114,11 @@ def reward_max_length(tokenizer: Any, config: Any) -> int | None:
 
 
 def encode_for_reward(tokenizer: Any, prompt: str, answer: str, ended: bool, max_length: int | None, *,
-                      template: bool = True) -> list[int]:
-    """The reward model's token ids of (prompt, answer): :func:`reward_text` (``template``: see there)
-    tokenised by ``tokenizer``, the last ``max_length`` ids kept (the end score is read at the last one)."""
-    text, templated = reward_text(tokenizer, prompt, answer, ended, template=template)
+                      template: bool = True, marked: str | None = None) -> list[int]:
+    """The reward model's token ids of (prompt, answer): :func:`reward_text` (``template``, ``marked``:
+    see there) tokenised by ``tokenizer``, the last ``max_length`` ids kept (the end score is read at
+    the last one)."""
+    text, templated = reward_text(tokenizer, prompt, answer, ended, template=template, marked=marked)
     ids = tokenizer(text, add_special_tokens=not templated)["input_ids"]
     return ids[-max_length:] if max_length else ids
 
@@ -97,7 +154,7 @@ class CrossTokenizerInputs:
             rows.append(encode_for_reward(
                 self.reward_tokenizer, self.actor_tokenizer.decode(prompt, skip_special_tokens=True),
                 self.actor_tokenizer.decode(answer, skip_special_tokens=True), ended, self.max_length,
-                template=self.template))
+                template=self.template, marked=self.actor_tokenizer.decode(prompt + answer)))
         return rows
 
     def __call__(self, seq: torch.Tensor, attention_mask: torch.Tensor,

@@ -12,8 +12,8 @@ from dschat.errors import UserError
 from dschat.eval.scoring import Samples, load_reward, reward_scores
 from dschat.models.build import create_critic_model
 from dschat.models.registry import resolve_model_path
-from dschat.models.reward_inputs import (CrossTokenizerInputs, encode_for_reward, reward_max_length, reward_text,
-                                         user_turn)
+from dschat.models.reward_inputs import (CrossTokenizerInputs, chat_messages, encode_for_reward, reward_max_length,
+                                         reward_text, user_turn)
 from dschat.models.reward_model import check_critic_folder, critic_format
 from dschat.models.tokenizer import load_hf_tokenizer
 from dschat.rlhf.heldout.setup import resolve_judges
@@ -141,3 +141,48 @@ def test_a_step2_reward_model_reads_the_datasets_text_even_when_its_tokenizer_ha
     inputs = CrossTokenizerInputs(actor, judge_tokenizer, None, template=judge.reads_chat_template)
     P = len(actor(prompt)["input_ids"])
     assert inputs.rows(torch.tensor(ids), torch.ones(1, len(ids[0])), P) == rows[:1]
+
+
+def test_a_prompt_in_the_actors_chat_markup_reaches_the_reward_models_template_as_its_messages():
+    """A chat-formatted prompt (ChatML, as the word-game data's) decoded without its special tokens
+    gave the reward model "system\\nYou are...\\nuser\\n..." as the user's words; it now reads the
+    system and user turns, and an episode's observation turns, as messages of its own template."""
+    actor, reward = load_hf_tokenizer("smollm2-135m"), load_hf_tokenizer("tiny-opt")
+    reward.chat_template = TEMPLATE
+    prompt = actor.apply_chat_template([{"role": "system", "content": "Be brief."},
+                                        {"role": "user", "content": "Guess the word."}],
+                                       add_generation_prompt=True, tokenize=False)
+    p = actor(prompt, add_special_tokens=False)["input_ids"]
+    turns = "cookie<|im_end|>\n<|im_start|>user\nwarmer<|im_end|>\n<|im_start|>assistant\ncake"
+    expected = {"cookie": "<|system|>Be brief.</s><|user|>Guess the word.</s><|assistant|>cookie</s>",
+                turns: ("<|system|>Be brief.</s><|user|>Guess the word.</s><|assistant|>cookie</s><|user|>warmer</s>"
+                        "<|assistant|>cake</s>")}
+    for answer, text in expected.items():
+        a = actor(answer, add_special_tokens=False)["input_ids"] + [actor.eos_token_id]
+        seq = torch.tensor([[actor.pad_token_id] * 2 + p + a])
+        mask = torch.tensor([[0, 0] + [1] * (len(p) + len(a))])
+        (row,) = CrossTokenizerInputs(actor, reward, None).rows(seq, mask, len(p) + 2)
+        assert row == reward(text, add_special_tokens=False)["input_ids"]
+    # The evaluation report's path: the prompt's text as the dataset has it.
+    assert reward_text(reward, prompt, "cookie", True) == (expected["cookie"], True)
+
+
+@pytest.mark.parametrize("text, messages", [
+    ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|><|start_header_id|>user<|end_header_id|>"
+     "\n\nU<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nA",
+     [("system", "S"), ("user", "U"), ("assistant", "A")]),
+    ("<bos><start_of_turn>user\nU<end_of_turn>\n<start_of_turn>model\nA", [("user", "U"), ("assistant", "A")]),
+    ("Human: hi Assistant: ok", None),
+    ("<|im_start|>user\nU<|im_end|>\n", None),  # no assistant turn at the end: not a prompt and answer
+])
+def test_chat_markups_are_read_back_as_messages(text, messages):
+    got = chat_messages(text)
+    assert (None if got is None else [(m["role"], m["content"]) for m in got]) == messages
+
+
+def test_a_template_that_refuses_a_system_turn_gets_it_in_the_first_user_turn():
+    reward = load_hf_tokenizer("tiny-opt")
+    reward.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                            "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}")
+    prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGuess.<|im_end|>\n<|im_start|>assistant\n"
+    assert reward_text(reward, prompt, "cookie", True) == ("<|user|>Be brief.\n\nGuess.</s><|assistant|>cookie</s>", True)
