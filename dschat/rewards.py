@@ -154,6 +154,9 @@ class RewardFunction:
     require_finite: bool = True
     #: Seconds one call may take (--reward_fn_timeout); 0: no limit, the call runs in the caller's thread.
     timeout: float = 0.0
+    # True for an --eval_judge function: a NaN or inf number passes (the evaluation says its mean is not
+    # finite and does not compare on it; a judge only observes), anything but a number is still refused.
+    nonfinite_numbers: bool = False
 
     def __call__(self, prompts: Sequence[str], answers: Sequence[str],
                  columns: Mapping[str, Sequence[Any]] | None = None) -> list[float]:
@@ -240,12 +243,15 @@ class RewardFunction:
                             "per answer")
         scores = []
         for i, value in enumerate(values):
-            try:  # a string is no score, even one float() would read ("12", b"3")
-                score = math.nan if isinstance(value, (str, bytes, bytearray)) else float(value)
-            except (TypeError, ValueError, OverflowError):
-                score = math.nan
+            number = not isinstance(value, (str, bytes, bytearray))  # a string is no score, even "12"
+            try:
+                score = float(value) if number else math.nan
+            except OverflowError:  # an int past float's range
+                score = math.inf
+            except (TypeError, ValueError):
+                score, number = math.nan, False
             # The scores are used in float32 (RewardMix): 1e39 is finite here and inf there.
-            if self.require_finite and not math.isfinite(as_float32(score)):
+            if self.require_finite and not math.isfinite(as_float32(score)) and not (number and self.nonfinite_numbers):
                 raise UserError(f"reward function {self.name} returned {value!r} for row {i} (prompt "
                                 f"{_excerpt(prompts[i])}, answer {_excerpt(answers[i])}); scores must be numbers, "
                                 "finite in float32 (|x| < 3.4e38)")
@@ -351,12 +357,14 @@ def check_weight(value: float, flag: str) -> float:
     return float(value)
 
 
-def load_reward_function(spec: str, weight: float = 1.0, timeout: float = 0.0) -> RewardFunction:
+def load_reward_function(spec: str, weight: float = 1.0, timeout: float = 0.0, *,
+                         nonfinite_numbers: bool = False) -> RewardFunction:
     """``"module.path:function"`` -> :class:`RewardFunction` (``timeout``: seconds per call, 0 for no
-    limit); a bad spec is one :class:`UserError` line."""
+    limit; ``nonfinite_numbers``: see there); a bad spec is one :class:`UserError` line."""
     timeout = check_timeout(timeout, "--reward_fn_timeout")
     fn = load_callable(spec, "--reward_fn", "dschat.rewards:gold")
-    return RewardFunction(spec, fn, check_weight(weight, f"--reward_fn_weight for {spec}"), timeout=timeout)
+    return RewardFunction(spec, fn, check_weight(weight, f"--reward_fn_weight for {spec}"), timeout=timeout,
+                          nonfinite_numbers=nonfinite_numbers)
 
 
 def load_reward_functions(specs: Sequence[str], weights: Sequence[float] | None = None,

@@ -172,6 +172,41 @@ def test_a_non_finite_evaluation_is_never_best_nor_an_alarm_and_pins_nothing():
     assert best_index(_series([[math.nan]], [[0.0]]), "proxy") is None
 
 
+def test_the_non_finite_line_names_only_what_the_evaluation_does_not_count_for():
+    """The best checkpoint only for the --save_best_by series; the alarm for the proxy, else that judge's."""
+    nan, inf = math.nan, math.inf
+    line = ev.not_finite_line
+    assert line(3, {"proxy": 1.0, "gold": 2.0}, "gold") is None
+    assert line(3, {"proxy": nan, "gold": 2.0, "rm": 1.0}, "gold") == (
+        "[eval] step 3: the mean of proxy nan is not finite (a score was NaN or inf): this evaluation does not count "
+        "for the over-optimization alarm")
+    assert line(3, {"proxy": nan, "gold": 2.0}, "proxy").endswith(
+        "counts neither for the best checkpoint nor for the over-optimization alarm")
+    assert line(3, {"proxy": 1.0, "gold": 2.0, "rm": inf}, "gold").endswith(
+        "the mean of judge rm inf is not finite (a score was NaN or inf): this evaluation does not count for the "
+        "over-optimization alarm of judge rm")
+    assert line(3, {"proxy": 1.0, "gold": nan, "rm": inf}, "gold").endswith(
+        "counts neither for the best checkpoint nor for the over-optimization alarm of judge gold, rm")
+    # No judge (no alarm) and no best checkpoint: nothing is compared on it.
+    assert line(3, {"proxy": nan}, None) == "[eval] step 3: the mean of proxy nan is not finite (a score was NaN or inf)"
+
+
+def test_a_function_judges_nan_reaches_the_evaluation_and_a_non_number_is_still_refused():
+    """A judge only observes: its NaN or inf makes the evaluation's mean not finite (the line above)
+    instead of stopping the run; a string is no score there either."""
+    from dschat.rewards import RewardFunction
+    from dschat.rlhf.heldout.setup import resolve_judges
+
+    (judge,) = resolve_judges(["dschat.rewards:math_exact_match"], ["dschat/builtin"])
+    assert judge.fn.nonfinite_numbers and judge.fn.require_finite
+    scores = RewardFunction("j:nan", lambda p, a: [math.nan, 1e39], nonfinite_numbers=True)(["p", "q"], ["a", "b"])
+    assert math.isnan(scores[0]) and scores[1] == 1e39
+    with pytest.raises(UserError, match=r"reward function j:str returned '0.5' for row 0"):
+        RewardFunction("j:str", lambda p, a: ["0.5", 1.0], nonfinite_numbers=True)(["p", "q"], ["a", "b"])
+    with pytest.raises(UserError, match=r"reward function f:nan returned nan for row 0"):  # a reward's is refused
+        RewardFunction("f:nan", lambda p, a: [math.nan, 1.0])(["p", "q"], ["a", "b"])
+
+
 def test_the_run_reports_a_non_finite_mean_and_later_finite_evaluations_compete(tmp_path, monkeypatch, capsys):
     from types import SimpleNamespace
 
@@ -197,7 +232,7 @@ def test_the_run_reports_a_non_finite_mean_and_later_finite_evaluations_compete(
     assert not evaluation.alarms and not evaluation.should_stop
     out = capsys.readouterr().out
     assert "[eval] step 0: the mean of judge j nan is not finite (a score was NaN or inf): this evaluation counts " \
-           "neither for the best checkpoint nor for the over-optimization alarm" in out
+           "neither for the best checkpoint nor for the over-optimization alarm of judge j" in out
     assert "[eval] step 2: the mean of judge j -inf is not finite" in out
     assert "step 1: the mean" not in out and "step 4: the mean" not in out
     # A best score that is not finite (restored from a checkpoint) is beaten by the next finite evaluation.
@@ -297,6 +332,27 @@ def test_best_models_on_disk_that_score_higher_stay_the_best(tmp_path, monkeypat
     evaluation = evaluation_after_resume('{"step": 6, "by": "j", "score": 2.0, "run": "saved"}', None)
     assert evaluation.best == {"step": 6, "by": "j", "score": 2.0} and evaluation.run_id == "saved"
     assert '"run": "older"' in (tmp_path / "best.earlier" / "best.json").read_text()
+
+
+def test_a_resume_with_save_best_by_none_keeps_no_best_from_the_checkpoint(tmp_path, monkeypatch):
+    """The checkpoint's best (by a judge) would otherwise stand for good: every later record's best_step
+    pointing at it, and the closing line and report naming it, whatever later evaluations score."""
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(eval_interval=1, eval_alarm_sigmas=2.0, save_best_by="none", output_dir=str(tmp_path),
+                           stop_on_overoptimization=False)
+    trainer = SimpleNamespace(prompt_columns=object(), tokenizer=None,
+                              rlhf_engine=SimpleNamespace(actor=object(), critic=None, actor_ema=None))
+    evaluation = ev.StepThreeEvaluation(args, trainer, [], [Judge("j", fn=object())])
+    state = {"history": [], "best": {"step": 1, "by": "j", "score": 1.0}, "alarms": [], "seconds": [0.0, 0.0, 0.0],
+             "run": "mine"}
+    evaluation.restore(SimpleNamespace(extra={"evaluation": state}))
+    assert evaluation.best is None
+    rows = ev._Rows([0], [0.0], {"j": [5.0]}, [0.0], [0.0], [1], [True])
+    monkeypatch.setattr(evaluation, "_evaluate_shard", lambda: rows)
+    record = evaluation.maybe_evaluate(2)
+    assert (record["best_step"], record["new_best"]) == (None, False)
+    assert "best evaluation" not in evaluation.finish()
 
 
 def test_a_resume_that_would_keep_the_best_by_another_series_stops_and_leaves_best_as_it_is(tmp_path, monkeypatch):

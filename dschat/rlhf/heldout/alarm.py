@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from dschat.eval.paired import paired_change
 
-__all__ = ["Alarm", "EvalPoint", "best_index", "overoptimization_alarm", "paired_change"]
+__all__ = ["Alarm", "EvalPoint", "best_index", "not_finite_line", "overoptimization_alarm", "paired_change"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +105,26 @@ def best_index(series: Sequence[EvalPoint], by: str) -> int | None:
         if best is None or point.mean(by) > series[best].mean(by):
             best = i
     return best
+
+
+def not_finite_line(step: int, means: Mapping[str, float], best_by: str | None) -> str | None:
+    """The line for an evaluation at ``step`` where a series' mean (``means``: ``"proxy"`` and each
+    judge's name) is not finite, naming what it does not count for: the best checkpoint when it is the
+    ``best_by`` series (``--save_best_by``; None: none); the alarm when it is the proxy, else that
+    judge's alarm (:func:`overoptimization_alarm`). None when every mean is finite."""
+    bad = [name for name, value in means.items() if not math.isfinite(value)]
+    if not bad:
+        return None
+    uncounted = []
+    if best_by in bad:
+        uncounted.append("the best checkpoint")
+    judges = [name for name in means if name != "proxy"]
+    bad_judges = [name for name in bad if name != "proxy"]
+    if judges and "proxy" in bad:
+        uncounted.append("the over-optimization alarm")
+    elif bad_judges:
+        uncounted.append(f"the over-optimization alarm of judge {', '.join(bad_judges)}")
+    shown = ", ".join(f"{name if name == 'proxy' else 'judge ' + name} {means[name]}" for name in bad)
+    counts = (f": this evaluation counts neither for {uncounted[0]} nor for {uncounted[1]}" if len(uncounted) == 2
+              else f": this evaluation does not count for {uncounted[0]}" if uncounted else "")
+    return f"[eval] step {step}: the mean of {shown} is not finite (a score was NaN or inf){counts}"

@@ -69,7 +69,7 @@ from dschat.rlhf.experience import raise_together
 from dschat.rlhf.config import EvalConfig, eval_config
 from dschat.rlhf.heldout.best import other_series_line, read_best, same_series, save_best, set_earlier_best_aside
 from dschat.rlhf.heldout.cost import MAX_EVAL_SHARE, auto_interval, eval_share, planned_ppo_steps
-from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, overoptimization_alarm
+from dschat.rlhf.heldout.alarm import Alarm, EvalPoint, not_finite_line, overoptimization_alarm
 from dschat.rlhf.heldout.setup import Judge, check_same_prompts, prompts_digest
 from dschat.runtime.dist import all_reduce_sum, gather_json, print_rank_0
 from dschat.runtime.fs import open_own, recover_dir
@@ -240,6 +240,8 @@ class StepThreeEvaluation:
         # A checkpoint of a dschat that kept no run id: best/ counts as its run's, as it did then.
         self.run_id = ours or (on_disk["run"] if state and on_disk is not None else None) or drawn
         if self._best_series() is None or best_dir is None:
+            if self._best_series() is None:  # --save_best_by none now: a checkpoint's best is no one's
+                self.best = None
             return
         other_run = ours is not None and on_disk is not None and on_disk["run"] not in (None, ours)
         if not state or other_run:
@@ -544,12 +546,10 @@ class StepThreeEvaluation:
                        f"evaluation {record['eval_share']:.1%} of the wall time so far{best}", self.rank)
         if alarm is not None:
             print_rank_0(alarm.line(self._best_where() if self.best is not None else None), self.rank)
-        means = {"proxy": record["proxy"], **{f"judge {k}": v for k, v in record["judges"].items()}}
-        bad = [f"{name} {value}" for name, value in means.items() if not _finite(value)]
-        if bad:
-            print_rank_0(f"[eval] step {record['global_step']}: the mean of {', '.join(bad)} is not finite (a score "
-                         "was NaN or inf): this evaluation counts neither for the best checkpoint nor for the "
-                         "over-optimization alarm", self.rank)
+        line = not_finite_line(record["global_step"], {"proxy": record["proxy"], **record["judges"]},
+                               self._best_series())
+        if line is not None:
+            print_rank_0(line, self.rank)
         scalars = {f"eval/{k}": record[k] for k in ("proxy", "kl_to_ref", "response_length", "eos_rate", "entropy")}
         scalars.update({f"eval/judge/{name}": value for name, value in record["judges"].items()})
         self.logged = [record["global_step"], scalars]

@@ -70,7 +70,7 @@ def resolve_judges(specs: Sequence[str], data_path: Sequence[str], timeout: floa
             judges.append(Judge(str(spec), folder=folder))
         elif ":" in spec:
             try:
-                fn = load_reward_function(spec, timeout=timeout)
+                fn = load_reward_function(spec, timeout=timeout, nonfinite_numbers=True)  # only observes
             except UserError as err:  # the loader's lines name --reward_fn, its usual flag
                 raise UserError(str(err).replace("--reward_fn", "--eval_judge")) from None
             judges.append(Judge(spec, fn=fn))
