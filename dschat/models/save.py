@@ -162,14 +162,23 @@ def _fused_copy(module: nn.Module, local: dict[str, torch.Tensor]) -> dict[str, 
 def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
     """The full state dict on rank 0 (``None`` on other ranks), on CPU, LoRA fused and dropped.
 
+    A parameter shared by two modules (a tied ``lm_head``) is gathered and copied once: both keys
+    hold the same tensor, so ``save_pretrained`` writes it once (a second full copy of the
+    embeddings otherwise) and ``torch.save`` keeps both keys on one storage, as upstream's file has.
     Collective under ZeRO-3: every rank must call it.
     """
     release_zero3_prefetch(model)
     module = unwrap(model)
     rank = _rank()
     state: dict[str, torch.Tensor] = {}
+    copied: dict[int, str] = {}  # id of a parameter copied already -> its key
     for prefix, sub in module.named_modules():
+        key = f"{prefix}.{{}}" if prefix else "{}"
         params = dict(sub.named_parameters(recurse=False))
+        shared = {} if is_lora_layer(sub) else {name: copied[id(p)] for name, p in params.items() if id(p) in copied}
+        params = {name: p for name, p in params.items() if name not in shared}
+        if not is_lora_layer(sub):  # (a LoRA layer's copy is its fused weight, not the parameter's)
+            copied.update({id(p): key.format(name) for name, p in params.items()})  # on every rank: same gathers
         # A no-op for parameters that are not ZeRO-3 partitioned.
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
             if rank != 0:
@@ -177,12 +186,13 @@ def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
             local = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
         if is_lora_layer(sub):
             local = _fused_copy(sub, local)
+        local.update({name: state[first] for name, first in shared.items()})
         non_persistent = getattr(sub, "_non_persistent_buffers_set", set())
         for name, buf in sub.named_buffers(recurse=False):
             if name not in non_persistent and buf is not None:
                 local[name] = buf.detach().to("cpu", copy=True)
         for name, tensor in local.items():
-            state[f"{prefix}.{name}" if prefix else name] = tensor
+            state[key.format(name)] = tensor
     return state if rank == 0 else None
 
 
@@ -201,7 +211,8 @@ def _write(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> N
         save_file({VALUE_HEAD_KEY: state[VALUE_HEAD_KEY].contiguous()}, str(folder / VALUE_HEAD_FILE))
     else:
         _set_saved_dtype(module.config, state)
-        module.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        # a copy: save_pretrained drops a tied key from the dict it is given (upstream's bin keeps it)
+        module.save_pretrained(folder, state_dict=dict(state), safe_serialization=True)
 
 
 def _write_upstream_bin(module: nn.Module, state: dict[str, torch.Tensor], folder: Path) -> None:

@@ -314,7 +314,7 @@ class DeepSpeedRLHFEngine:
         spec = self.models.actor
         ds_config = self._config("ema")
         model = create_hf_model(AutoModelForCausalLM, actor_model_name_or_path, self.tokenizer, ds_config,
-                                vocab_rows=self.vocab_rows)
+                                dropout=spec.dropout, vocab_rows=self.vocab_rows)  # saved config as the actor's
         # Same LoRA structure as the actor, so the two parameter lists zip one to one. The EMA has no
         # optimizer: requires_grad mirrors the actor's only to mark what the averaging moves (what its
         # saved PEFT adapter must hold); lerp(x, x) == x leaves the actor's frozen weights exact.

@@ -123,8 +123,8 @@ def load_state(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest element difference over the tensors both dicts share (a saved copy may add the tied
-    ``lm_head.weight`` that the original folder left out)."""
+    """Largest element difference over the tensors both dicts share (upstream's ``pytorch_model.bin``
+    layout holds a tied ``lm_head.weight`` that a safetensors folder leaves out)."""
     shared = set(a) & set(b)
     assert len(shared) >= 0.9 * max(len(a), len(b)), sorted(set(a) ^ set(b))
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in shared)

@@ -152,6 +152,27 @@ def test_saved_causal_lm_reloads_with_identical_logits(tmp_path):
     assert isinstance(gen("Owls", max_new_tokens=3, do_sample=False)[0]["generated_text"], str)
 
 
+def test_a_tied_lm_head_is_written_once_and_upstreams_bin_keeps_both_keys(tmp_path):
+    """A tied lm_head (OPT, SmolLM2, Qwen, Gemma) was copied apart from the embeddings and written as a
+    second full matrix (+21% on SmolLM2-135M); the folder still reloads with the same logits."""
+    from safetensors import safe_open
+
+    tok = load_hf_tokenizer("tiny-opt")
+    model = create_hf_model(AutoModelForCausalLM, "tiny-opt", tok).eval()
+    assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
+    state = gathered_state_dict(model)
+    assert state["lm_head.weight"] is state["model.decoder.embed_tokens.weight"]  # one copy, both keys
+    out = save_hf_model(model, tok, tmp_path / "actor", save_format="both")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys() and "model.decoder.embed_tokens.weight" in f.keys()
+    upstream = torch.load(out / "pytorch_model.bin", weights_only=True)
+    assert torch.equal(upstream["lm_head.weight"], upstream["model.decoder.embed_tokens.weight"])
+    reloaded = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = tok(" Human: Tell me about owls. Assistant:", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+
+
 def test_saved_tokenizer_json_keeps_no_truncation_from_tokenizing_the_data(tmp_path):
     """Building the data cache calls the tokenizer with ``max_length`` and ``truncation=True``, which
     stays set on the fast tokenizer's backend: the saved tokenizer.json (the model's and its LoRA

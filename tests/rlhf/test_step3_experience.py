@@ -237,6 +237,13 @@ def test_train_rlhf_uses_the_stored_advantages_without_recomputing_rewards(monke
     assert len(calls) == 2
 
 
+def test_the_ema_actors_config_has_the_actors_dropout(critic_dirs, data_cache):
+    """actor_ema/config.json kept the starting model's dropout (tiny-opt's 0.1) beside actor/'s 0.0."""
+    trainer, _ = _build("tiny-opt", critic_dirs, data_cache, "--enable_ema", "--actor_dropout", "0.0")
+    engine = trainer.rlhf_engine
+    assert engine.actor.module.config.dropout == engine.actor_ema.module.config.dropout == 0.0
+
+
 @pytest.mark.parametrize("whiten", [False, True])
 def test_an_upstream_style_caller_gets_advantages_whitened_as_the_run_would(whiten, monkeypatch, critic_dirs,
                                                                             data_cache):
