@@ -109,10 +109,21 @@ def left_by_dschat(leftover: Path) -> bool:
 
 
 def latest_checkpoint(root: Path, rank: int = 0) -> Path | None:
-    """The last written complete checkpoint; each incomplete one is named in a one-line notice."""
+    """The last written complete checkpoint; each incomplete one is named in a one-line notice. A
+    complete one whose marker is not a JSON object (damaged or edited: where it stands in the write
+    order, the newest or not, is unknown) is one :class:`UserError` line naming it."""
     for bad in incomplete_checkpoints(root):
         print_rank_0(f"[checkpoint] ignoring incomplete checkpoint {bad} (a run stopped while writing it)", rank)
     done = complete_checkpoints(root)
+    for folder in done:
+        try:
+            if isinstance(json.loads((folder / MARKER).read_text(encoding="utf-8")), dict):
+                continue
+            problem = "it is not a JSON object"
+        except (OSError, ValueError) as err:
+            problem = f"it is not readable JSON ({type(err).__name__})"
+        raise UserError(f"{folder / MARKER}: {problem}; the checkpoint is damaged or was edited, so the newest "
+                        "cannot be told: pass --resume_from with another checkpoint, or move that one away")
     return done[-1] if done else None
 
 

@@ -179,6 +179,20 @@ def test_a_truncated_marker_is_one_line_exit_2(content, tmp_path, capsys):
     assert len(err) == 1 and "damaged or was edited" in err[0], err
 
 
+@pytest.mark.parametrize("content", ['{"format": 1, "posi', "[1, 2]"])
+def test_resume_refuses_a_damaged_marker_beside_good_checkpoints_instead_of_passing_over_it(content, tmp_path):
+    """Its place in the write order is unknown (it may be the newest): --resume took the older good one
+    without a word, and rotation would delete the damaged one first."""
+    root = tmp_path / "checkpoints"
+    _checkpoint(root, 2, 0)
+    damaged = _checkpoint(root, 3, 1)
+    assert ckpt.latest_checkpoint(root) == damaged
+    (damaged / ckpt.MARKER).write_text(content)
+    with pytest.raises(UserError, match=rf"^{damaged / ckpt.MARKER}: it is not .*; the checkpoint is damaged or was "
+                                        r"edited, so the newest cannot be told: pass --resume_from"):
+        ckpt.latest_checkpoint(root)
+
+
 def _rng_edits():
     state = json.loads(json.dumps(ckpt.rng_state()))
     yield "not-json", None
