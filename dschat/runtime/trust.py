@@ -318,28 +318,46 @@ def make_private_dir(path: str | os.PathLike) -> Path:
     another process creating the same folder at the same time is fine.
     """
     target = Path(os.path.expanduser(os.fspath(path)))
+    _make_private_dirs(target)
+    return target
+
+
+def _make_private_dirs(target: Path) -> list[Path]:
+    """:func:`make_private_dir` of ``target``; returns the folders it made, innermost first."""
     missing = []
     folder = target
     while not folder.is_dir() and folder != folder.parent:
         missing.append(folder)
         folder = folder.parent
+    made = []
     for folder in reversed(missing):
         try:
             folder.mkdir(mode=0o700)
         except FileExistsError:
             continue  # made by another rank meanwhile, or a file: the caller's checks name it
         os.chmod(folder, 0o700)  # mkdir's mode is filtered by the umask; this is exact
-    return target
+        made.insert(0, folder)
+    return made
 
 
 def make_trusted_dir(path: str | os.PathLike, what: str, fix: str, not_a_folder_fix: str | None = None) -> Path:
     """:func:`make_private_dir`, then refuse ``path`` in one line unless it is a folder this user may
     trust (:func:`check_trusted`, with ``what`` and ``fix``); a path that is not a folder is told
-    ``not_a_folder_fix`` (default ``fix``). Returns the folder."""
-    target = make_private_dir(path)
-    if not target.is_dir():
-        raise UserError(f"{what} {path} is not a folder; {not_a_folder_fix or fix}")
-    check_trusted(target, what, fix)
+    ``not_a_folder_fix`` (default ``fix``). A refused path leaves no folder this call made. Returns the
+    folder."""
+    target = Path(os.path.expanduser(os.fspath(path)))
+    made = _make_private_dirs(target)  # removed again when refused
+    try:
+        if not target.is_dir():
+            raise UserError(f"{what} {path} is not a folder; {not_a_folder_fix or fix}")
+        check_trusted(target, what, fix)
+    except UserError:
+        for folder in made:  # empty, unless another process wrote there meanwhile: then it stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
     return target
 
 

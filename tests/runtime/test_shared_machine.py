@@ -335,6 +335,19 @@ def test_a_cache_folder_others_can_write_to_is_refused(victim, tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == before  # nothing read, nothing written
 
 
+def test_a_refused_new_folder_under_a_folder_others_can_write_to_leaves_no_folder_made(tmp_path):
+    """The folders were made first and checked after: refused, yet me/newcache/deeper stayed behind."""
+    shared = tmp_path / "team"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UserError, match=f"--data_output_path {shared}/me/newcache/deeper is not safe to read .* "
+                                        f"the folder {shared} above it"):
+        trust.make_trusted_dir(shared / "me" / "newcache" / "deeper", "--data_output_path", "pass a folder of your own")
+    assert list(shared.iterdir()) == []
+    made = trust.make_trusted_dir(tmp_path / "mine" / "cache", "--data_output_path", "pass a folder of your own")
+    assert made.is_dir() and mode_of(made) == mode_of(made.parent) == 0o700
+
+
 def test_a_cache_file_of_another_owner_is_refused(victim, tmp_path, monkeypatch):
     folder = tmp_path / "data_files"
     shutil.copytree(victim["plant"], folder)
