@@ -103,6 +103,7 @@ def test_metrics_are_never_written_through_another_accounts_link(tmp_path, victi
         assert str(err.value) == refusal(metrics)
     evaluation = object.__new__(StepThreeEvaluation)  # only what its metrics record reads
     evaluation.rank, evaluation.best, evaluation.tb, evaluation.output_dir = 0, None, None, out
+    evaluation.save_best_by = "none"
     record = {"global_step": 0, "proxy": 0.5, "proxy_se": 0.1, "judges": {}, "judges_se": {}, "kl_to_ref": 0.0,
               "response_length": 4.0, "eos_rate": 1.0, "entropy": 1.0, "seconds": 1.0, "eval_share": 0.1,
               "new_best": False}
