@@ -327,10 +327,10 @@ def build_report(
     device = scoring.pick_device(settings.device)
     check_pair_seq_len(settings.max_seq_len)  # --max_seq_len holds a pair and fits the reward model's positions
     check_seq_len_fits_positions(str(reward), settings.max_seq_len)
-    check_writable_dir(out, "--out")
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
     prompts = heldout_prompts(settings.max_prompts)
+    scoring.check_answer_room(folders, prompts, settings.max_new_tokens)
+    check_writable_dir(out, "--out")
+    (out := Path(out)).mkdir(parents=True, exist_ok=True)
     pairs = heldout_pairs(settings.max_pairs)
     decoding = "greedy" if not settings.do_sample else (
         f"sampling (temperature {settings.temperature}, top_k {settings.top_k}, top_p {settings.top_p}, seed {settings.seed})")

@@ -19,6 +19,7 @@ from dschat.errors import UserError
 from dschat.eval.heldout import EvalSettings
 from dschat.gold_judge import gold_score
 from dschat.models.build import create_critic_model, load_pretrained
+from dschat.models.families import POSITION_TABLE_MODEL_TYPES
 from dschat.models.registry import is_adapter_folder, load_config, resolve_model_path
 from dschat.models.reward_inputs import encode_for_reward, reward_max_length
 from dschat.models.reward_model import (check_critic_folder, is_reward_model_folder, last_token_index,
@@ -90,6 +91,26 @@ def check_reward_folder(path: str | Path, flag: str = "--reward") -> Path:
         raise UserError(not_a_critic_message(str(folder), flag))
     check_critic_folder(folder, str(folder), flag)  # a classifier of more than one label
     return folder
+
+
+def check_answer_room(folders: Sequence[Path], prompts: Sequence[str], max_new_tokens: int) -> None:
+    """Refuse (one line, before any model loads) a ``--max_new_tokens`` that, after the longest of
+    ``prompts``, runs past the position table of an actor in ``folders`` (a family that computes its
+    positions is not refused): generation would index past it (an ``IndexError`` mid-report)."""
+    for folder in folders:
+        try:
+            config = load_config(resolve_model_path(str(folder)))
+        except UserError:  # an adapter folder's model is its base's: loading it says what is wrong
+            continue
+        limit = getattr(config, "max_position_embeddings", None)
+        if getattr(config, "model_type", "") not in POSITION_TABLE_MODEL_TYPES or not isinstance(limit, int):
+            continue
+        tokenizer = load_hf_tokenizer(str(folder))
+        longest = max((len(tokenizer(p)["input_ids"]) for p in prompts), default=0)
+        if longest + max_new_tokens > limit:
+            raise UserError(f"--max_new_tokens {max_new_tokens} after the longest held-out prompt's {longest} tokens "
+                            f"runs past the {limit} positions of {folder} (max_position_embeddings); give "
+                            f"--max_new_tokens {max(limit - longest, 1)} or less")
 
 
 def load_actor(path: str | Path, device: Any) -> tuple[Any, Any]:

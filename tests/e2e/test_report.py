@@ -445,6 +445,19 @@ def test_report_refuses_a_max_seq_len_too_short_for_a_pair(folders, tmp_path, va
     assert not (tmp_path / "out").exists()
 
 
+def test_report_refuses_answers_that_run_past_an_actors_positions(folders, tmp_path):
+    """OPT's position table (tiny-opt: 512): --max_new_tokens 600 was an IndexError mid-report, with an
+    empty --out folder left behind."""
+    from dschat.models.registry import resolve_model_path
+
+    opt = resolve_model_path("tiny-opt")
+    with pytest.raises(UserError, match=r"--max_new_tokens 600 after the longest held-out prompt's \d+ tokens runs "
+                                        r"past the 512 positions of .*; give --max_new_tokens \d+ or less"):
+        rep.main(["--sft", opt, "--rlhf", opt, "--reward", str(folders["reward"]), "--out", str(tmp_path / "out"),
+                  "--max_prompts", "2", "--max_pairs", "4", "--max_new_tokens", "600", "--device", "cpu"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_metrics_file_is_found_for_the_best_actor_and_a_step3_output_folder(tmp_path):
     """step 3 writes metrics.jsonl in its --output_dir: found from <out>/actor, <out>/best/actor and <out>."""
     (tmp_path / "best" / "actor").mkdir(parents=True)
