@@ -62,13 +62,13 @@ from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, ge
 from dschat.runtime.fs import (_disk_full_is_a_user_error, atomic_file, foreign_link_line, fsync_path, fsync_tree,
                                missing_ancestors, remove_made_folders)
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
-from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG,
-                                      checkpoint_name, complete_checkpoints, earlier_run_checkpoints,
-                                      foreign_checkpoints, is_foreign, latest_checkpoint, next_sequence,
-                                      prune_leftovers, prune_rotated, protected_problem, put_back,
-                                      replaces_protected, restore_replaced, retire_incomplete, set_aside)
+from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
+                                      complete_checkpoints, earlier_run_checkpoints, foreign_checkpoints, is_foreign,
+                                      latest_checkpoint, next_sequence, prune_leftovers, prune_rotated,
+                                      protected_problem, put_back, replaces_protected, restore_replaced,
+                                      retire_incomplete, set_aside, steps_of as _steps_of)
+from dschat.training.nonfinite import check_weights_finite
 from dschat.training.weights_file import load_weights, save_weights
-from dschat.training.rotation import steps_of as _steps_of
 from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, check_written_like,
                                                 model_record,
                                                 read_record, read_rng_file, rng_state, set_rng_state,
@@ -538,6 +538,7 @@ class Checkpointer:
     def save(self, position: TrainingPosition) -> Path:
         """The checkpoint at ``position``, due or not (step 3's postponed one). Collective. A full disk
         is one line (the earlier checkpoints are as they were)."""
+        check_weights_finite(self.engines, position.optimizer_steps, self.latest())  # else good ones rotate out
         kept = (f"the earlier checkpoints in {self.root} are unchanged, and a save needs room for one more than "
                 "--keep_checkpoints: the oldest goes once the new one is complete")
         with _disk_full_is_a_user_error(self.root / checkpoint_name(position.optimizer_steps), kept=kept):

@@ -21,7 +21,7 @@ complete checkpoint; exit code 2).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -58,6 +58,22 @@ def all_finite(*tensors: torch.Tensor) -> bool:
 def _checks_own_gradients(engine: Any) -> bool:
     """True where DeepSpeed applies NaN/inf gradients instead of skipping (fp32 at ZeRO 0)."""
     return engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
+
+
+def check_weights_finite(engines: Mapping[str, Any], optimizer_steps: int, last: Path | None) -> None:
+    """Refuse to save weights that hold NaN or inf (:class:`TrainingDiverged`, naming ``last``, the
+    newest complete checkpoint): an optimizer step with a finite loss and finite gradients can still
+    make them so (a learning rate far too high), and a checkpoint of them would rotate good ones out.
+    Each rank checks what it holds (ZeRO-3: its partitions); collective: one all-reduce."""
+    engine = next(iter(engines.values()))
+    held = [getattr(p, "ds_tensor", p) for e in engines.values() for p in e.module.parameters()]
+    if _all_ranks_true(all_finite(*held), engine.device):
+        return
+    where = (f"the last good checkpoint is {last}: resume with --resume_from {last}" if last is not None
+             else "no good checkpoint was saved")
+    raise TrainingDiverged(f"training stopped: the weights hold NaN/inf after {optimizer_steps} optimizer steps (their "
+                           f"loss and gradients were finite), and are not saved; {where}, with a lower "
+                           "--learning_rate")
 
 
 class NonFiniteGuard:

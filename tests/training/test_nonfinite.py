@@ -115,3 +115,16 @@ def test_too_many_in_a_row_stop_the_run_naming_the_last_checkpoint(data_dir, tmp
     assert "3 steps in a row had NaN/inf loss or gradients" in message
     assert f"--resume_from {out / 'checkpoints' / 'step_00000003'}" in message
     assert not (out / "model.safetensors").exists()  # no final model from a diverged run
+
+
+def test_weights_made_non_finite_by_a_step_with_finite_gradients_are_never_checkpointed(data_dir, tmp_path):
+    """A learning rate far too high: loss and gradients finite, the weights NaN after the step. The
+    checkpoint of them was named the last good one (and rotated good ones out); now none is written."""
+    step1 = load_script("step1")
+    out = tmp_path / "out"
+    with pytest.raises(TrainingDiverged) as err:
+        step1.main(base_argv("tiny-llama", data_dir, "--save_interval", "1", "--learning_rate", "1e38",
+                             "--output_dir", str(out), max_train_steps=4, batch_size=2))
+    assert str(err.value).startswith("training stopped: the weights hold NaN/inf after 1 optimizer steps (their loss "
+                                     "and gradients were finite), and are not saved; no good checkpoint was saved")
+    assert not list((out / "checkpoints").glob("step_*")) and not (out / "model.safetensors").exists()
