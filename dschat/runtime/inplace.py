@@ -106,6 +106,11 @@ class _Moves:
         """Step 3 for the staged ``names`` and the entries of ``path`` the save ``removes``; repeating it
         after a kill finishes what the killed process began."""
         path, stage, aside = self.path, self.stage, self.aside
+        lost = [name for name in names if not os.path.lexists(stage / name) and not os.path.lexists(path / name)]
+        if lost:  # neither staged nor moved in: finishing would remove the old entries for nothing
+            raise UserError(f"the interrupted save {stage} lacks {', '.join(lost)}, which {path} does not hold "
+                            f"either, so it cannot be finished; move {stage} out of the folder and check what "
+                            f"{path} holds")
         if not aside.is_dir():
             aside.mkdir(mode=0o700)
             os.chmod(aside, 0o700)  # only its owner's, as the staging folder: recover_in_place trusts nothing else
@@ -133,6 +138,20 @@ class _Moves:
         except OSError:
             return False
         return True
+
+
+def _drop_stage(stage: Path) -> None:
+    """Delete a staging folder whose save failed and left ``path`` as it was: its journal first, so
+    that a kill midway leaves a staging folder without one (deleted at the next start), never a
+    journal beside a part of the staged entries, which recovery would take for a save to finish. A
+    journal that cannot be deleted keeps the whole folder (recovery then finishes the save)."""
+    try:
+        (stage / JOURNAL).unlink(missing_ok=True)
+    except OSError:
+        return
+    with contextlib.suppress(OSError):  # for a power cut; a kill sees the unlink at once
+        fsync_path(stage)
+    shutil.rmtree(stage, ignore_errors=True)
 
 
 def _finish(stage: Path, aside: Path) -> None:
@@ -178,14 +197,14 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
             fsync_path(stage / JOURNAL)
             fsync_path(stage)
         except BaseException:
-            shutil.rmtree(stage, ignore_errors=True)
+            _drop_stage(stage)
             raise
         moves = _Moves(path, stage, aside)
         try:
             moves.forward(names, removes)
         except BaseException:
             if moves.undo():
-                shutil.rmtree(stage, ignore_errors=True)
+                _drop_stage(stage)
             raise
         _finish(stage, aside)
 

@@ -33,6 +33,7 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from dschat.data.cache import cache_files, load_cache, locked, write_cache
+from dschat.errors import UserError
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.models.build import create_critic_model
 from dschat.models.registry import resolve_model_path
@@ -647,6 +648,65 @@ def test_a_killed_weights_only_save_is_finished_by_its_journal_not_by_the_recove
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert (folder / "model.safetensors").read_bytes() == b"new weights"
     assert (folder / "config.json").read_text() == '{"kept": 1}'
+
+
+def test_a_save_undone_then_killed_while_its_staging_folder_goes_leaves_the_old_model(tmp_path):
+    """A Ctrl-C in the swap is undone (the old model back), then the staging folder is deleted: a kill
+    during that delete could leave the journal beside a part of the staged files, and the next start
+    "finished" the save from them (the old weights removed, the new ones gone). The journal now goes
+    first: the next start removes the rest of the staging folder and the old model stands."""
+    from dschat.models.save import is_model_artifact
+    from dschat.runtime.inplace import JOURNAL, STAGING_PREFIX, save_in_place
+
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"old": 1}')
+    (folder / "pytorch_model.bin").write_bytes(b"old weights")  # a bin save, now a safetensors one
+    child = os.fork()
+    if child == 0:
+        real_replace, real_unlink, interrupted = os.replace, os.unlink, []
+
+        def replace(src, dst):
+            if STAGING_PREFIX in os.fspath(src) and not interrupted:  # the first staged entry moved in
+                interrupted.append(src)
+                raise KeyboardInterrupt
+            real_replace(src, dst)
+
+        def unlink(name, *args, **kwargs):
+            real_unlink(name, *args, **kwargs)
+            if interrupted and not os.fspath(name).endswith(JOURNAL):
+                os.kill(os.getpid(), signal.SIGKILL)  # right after the first staged file went
+
+        os.replace, os.unlink = replace, unlink
+        try:
+            with save_in_place(folder, is_model_artifact) as stage:
+                (stage / "config.json").write_text('{"new": 1}')
+                (stage / "model.safetensors").write_bytes(b"new weights")
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(child, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert [p for p in folder.iterdir() if p.name.startswith(STAGING_PREFIX)]  # killed midway through
+    recover_output_dir(folder)
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "pytorch_model.bin"]
+    assert (folder / "pytorch_model.bin").read_bytes() == b"old weights"
+    assert (folder / "config.json").read_text() == '{"old": 1}'
+
+
+def test_an_interrupted_save_whose_staged_entries_are_gone_is_not_finished(tmp_path):
+    """A journal naming entries that neither the staging folder nor the output folder holds (a
+    staging folder deleted in part) is one line: finishing it would remove the old model for nothing."""
+    from dschat.runtime.inplace import JOURNAL, STAGING_PREFIX
+
+    folder = tmp_path / "out"
+    stage = folder / f"{STAGING_PREFIX}0123abcd"
+    stage.mkdir(parents=True, mode=0o700)
+    (folder / "pytorch_model.bin").write_bytes(b"old weights")
+    (stage / JOURNAL).write_text(json.dumps({"entries": ["model.safetensors"], "removes": ["pytorch_model.bin"]}))
+    with pytest.raises(UserError, match=rf"the interrupted save {stage} lacks model.safetensors, which {folder} does "
+                                        r"not hold either, so it cannot be finished; move .* out of the folder"):
+        recover_output_dir(folder)
+    assert (folder / "pytorch_model.bin").read_bytes() == b"old weights"
 
 
 def test_a_killed_save_is_finished_in_a_folder_under_a_parent_others_can_write_to(tmp_path):
