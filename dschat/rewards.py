@@ -280,9 +280,8 @@ MAX_TIMEOUT_S = 1e9
 def check_timeout(value: float, flag: str, *, zero_is_no_limit: bool = True) -> float:
     """``value`` as seconds for ``flag``: a real number from 0 (or above 0 without ``zero_is_no_limit``)
     to :data:`MAX_TIMEOUT_S`; anything else is one :class:`UserError` line."""
-    low_ok = value >= 0 if zero_is_no_limit else value > 0
-    if isinstance(value, bool) or not (isinstance(value, numbers.Real) and math.isfinite(value) and low_ok
-                                       and value <= MAX_TIMEOUT_S):
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not (number and (value >= 0 if zero_is_no_limit else value > 0) and value <= MAX_TIMEOUT_S):
         bounds = "from 0 to 1e9 (0: no limit)" if zero_is_no_limit else "above 0 and at most 1e9"
         raise UserError(f"{flag} must be a number of seconds {bounds}, got {value}")
     return float(value)

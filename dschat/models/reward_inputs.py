@@ -74,35 +74,42 @@ def reward_text(tokenizer: Any, prompt: str, answer: str, ended: bool, *, templa
     special tokens already). ``ended``: the answer ended with the actor's EOS; ``template``: the model
     reads its tokenizer's chat template, where there is one (a sequence classifier's); ``marked``: the
     prompt and answer with their special tokens (default ``prompt + answer``), read for a chat markup
-    (:func:`chat_messages`). A template that refuses a system turn gets it in the first user turn."""
+    (:func:`chat_messages`). A template that refuses those turns gets them as alternating user and
+    assistant turns, and one that refuses those the user turn and the answer."""
     if template and getattr(tokenizer, "chat_template", None):
-        messages = chat_messages(prompt + answer if marked is None else marked)
-        if messages is None:
-            messages = [{"role": "user", "content": user_turn(prompt)}, {"role": "assistant", "content": answer}]
-        try:
-            return tokenizer.apply_chat_template(messages, tokenize=False), True
-        except Exception:  # noqa: BLE001 -- a template's refusal (Gemma's of a system turn): folded in once
-            folded = _system_folded(messages)
-            if folded == messages:
-                raise
-            return tokenizer.apply_chat_template(folded, tokenize=False), True
+        pair = [{"role": "user", "content": user_turn(prompt)}, {"role": "assistant", "content": answer}]
+        messages = chat_messages(prompt + answer if marked is None else marked) or pair
+        # A template's refusal (Gemma's of a system turn, or of roles that do not alternate): the
+        # conversation in user and assistant turns, then the one pair every template takes.
+        for tried in (messages, _alternating(messages)):
+            try:
+                return tokenizer.apply_chat_template(tried, tokenize=False), True
+            except Exception:  # noqa: BLE001 -- the template's own check (jinja's raise_exception)
+                continue
+        return tokenizer.apply_chat_template(pair, tokenize=False), True
     suffix = tokenizer.eos_token if ended and tokenizer.eos_token else ""
     return prompt + answer + suffix, False
 
 
-def _system_folded(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """``messages`` with each system turn's words put at the start of the next user turn."""
-    folded: list[dict[str, str]] = []
+def _alternating(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """``messages`` as user and assistant turns that alternate: a system turn's words at the start of
+    the next user turn, any other role's (an episode's ``tool`` observation) a user turn, and turns of
+    one role in a row joined."""
+    turns: list[dict[str, str]] = []
     system: list[str] = []
     for message in messages:
-        if message["role"] == "system":
-            system.append(message["content"])
-        elif system and message["role"] == "user":
-            folded.append({"role": "user", "content": "\n\n".join([*system, message["content"]])})
-            system = []
+        role, content = message["role"], message["content"]
+        if role == "system":
+            system.append(content)
+            continue
+        role = "assistant" if role == "assistant" else "user"
+        if role == "user" and system:
+            content, system = "\n\n".join([*system, content]), []
+        if turns and turns[-1]["role"] == role:
+            turns[-1] = {"role": role, "content": f"{turns[-1]['content']}\n\n{content}"}
         else:
-            folded.append(message)
-    return folded
+            turns.append({"role": role, "content": content})
+    return turns
 
 
 def reward_max_length(tokenizer: Any, config: Any) -> int | None:

@@ -504,7 +504,7 @@ class Checkpointer:
         if source:
             folder: Path | None = Path(source)
         elif getattr(self.args, "resume", False):
-            folder = latest_checkpoint(self.root, self.rank) if self.root else None
+            folder = latest_checkpoint(self.root, self.rank, strict=True) if self.root else None
         else:
             return None
         agree_on_resume(folder)
@@ -538,7 +538,7 @@ class Checkpointer:
     def save(self, position: TrainingPosition) -> Path:
         """The checkpoint at ``position``, due or not (step 3's postponed one). Collective. A full disk
         is one line (the earlier checkpoints are as they were)."""
-        check_weights_finite(self.engines, position.optimizer_steps, self.latest())  # else good ones rotate out
+        check_weights_finite(self.engines, position.optimizer_steps, self.latest)  # else good ones rotate out
         kept = (f"the earlier checkpoints in {self.root} are unchanged, and a save needs room for one more than "
                 "--keep_checkpoints: the oldest goes once the new one is complete")
         with _disk_full_is_a_user_error(self.root / checkpoint_name(position.optimizer_steps), kept=kept):

@@ -60,8 +60,8 @@ def _checks_own_gradients(engine: Any) -> bool:
     return engine.zero_optimization_stage() == 0 and not engine.fp16_enabled() and not engine.bfloat16_enabled()
 
 
-def check_weights_finite(engines: Mapping[str, Any], optimizer_steps: int, last: Path | None) -> None:
-    """Refuse to save weights that hold NaN or inf (:class:`TrainingDiverged`, naming ``last``, the
+def check_weights_finite(engines: Mapping[str, Any], optimizer_steps: int, last: Callable[[], Path | None]) -> None:
+    """Refuse to save weights that hold NaN or inf (:class:`TrainingDiverged`, naming ``last()``, the
     newest complete checkpoint): an optimizer step with a finite loss and finite gradients can still
     make them so (a learning rate far too high), and a checkpoint of them would rotate good ones out.
     Each rank checks what it holds (ZeRO-3: its partitions); collective: one all-reduce."""
@@ -69,7 +69,8 @@ def check_weights_finite(engines: Mapping[str, Any], optimizer_steps: int, last:
     held = [getattr(p, "ds_tensor", p) for e in engines.values() for p in e.module.parameters()]
     if _all_ranks_true(all_finite(*held), engine.device):
         return
-    where = (f"the last good checkpoint is {last}: resume with --resume_from {last}" if last is not None
+    newest = last()
+    where = (f"the last good checkpoint is {newest}: resume with --resume_from {newest}" if newest is not None
              else "no good checkpoint was saved")
     raise TrainingDiverged(f"training stopped: the weights hold NaN/inf after {optimizer_steps} optimizer steps (their "
                            f"loss and gradients were finite), and are not saved; {where}, with a lower "

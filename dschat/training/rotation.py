@@ -108,14 +108,15 @@ def left_by_dschat(leftover: Path) -> bool:
         return False
 
 
-def latest_checkpoint(root: Path, rank: int = 0) -> Path | None:
-    """The last written complete checkpoint; each incomplete one is named in a one-line notice. A
-    complete one whose marker is not a JSON object (damaged or edited: where it stands in the write
-    order, the newest or not, is unknown) is one :class:`UserError` line naming it."""
+def latest_checkpoint(root: Path, rank: int = 0, *, strict: bool = False) -> Path | None:
+    """The last written complete checkpoint; each incomplete one is named in a one-line notice. With
+    ``strict`` (what ``--resume`` continues from), a complete one whose marker is not a JSON object
+    (damaged or edited: where it stands in the write order, the newest or not, is unknown) is one
+    :class:`UserError` line naming it."""
     for bad in incomplete_checkpoints(root):
         print_rank_0(f"[checkpoint] ignoring incomplete checkpoint {bad} (a run stopped while writing it)", rank)
     done = complete_checkpoints(root)
-    for folder in done:
+    for folder in done if strict else ():
         try:
             if isinstance(json.loads((folder / MARKER).read_text(encoding="utf-8")), dict):
                 continue

@@ -186,3 +186,23 @@ def test_a_template_that_refuses_a_system_turn_gets_it_in_the_first_user_turn():
                             "{% endif %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}")
     prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGuess.<|im_end|>\n<|im_start|>assistant\n"
     assert reward_text(reward, prompt, "cookie", True) == ("<|user|>Be brief.\n\nGuess.</s><|assistant|>cookie</s>", True)
+
+
+def test_a_template_that_wants_alternating_turns_gets_an_episodes_tool_turns_as_user_turns():
+    """Gemma's (and Mistral's) templates raise on roles that do not alternate user/assistant: an
+    episode's ``tool`` observation was a jinja traceback mid-rollout."""
+    reward = load_hf_tokenizer("tiny-opt")
+    reward.chat_template = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}")
+    prompt = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nGuess.<|im_end|>\n<|im_start|>assistant\n"
+    answer = "cookie<|im_end|>\n<|im_start|>tool\nwarmer<|im_end|>\n<|im_start|>user\nagain<|im_end|>\n" \
+             "<|im_start|>assistant\ncake"
+    assert reward_text(reward, prompt, answer, True) == (
+        "<|user|>Be brief.\n\nGuess.</s><|assistant|>cookie</s><|user|>warmer\n\nagain</s><|assistant|>cake</s>", True)
+    # A template that takes one exchange only gets the user turn and the answer, as before.
+    reward.chat_template = ("{% if messages|length != 2 %}{{ raise_exception('one exchange') }}{% endif %}"
+                            "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}")
+    assert reward_text(reward, "Human: hi Assistant:", " ok", True, marked=prompt + answer) == (
+        "<|user|>hi</s><|assistant|> ok</s>", True)

@@ -48,7 +48,7 @@ class TestLoading:
             load_environment(spec)
         assert one_line_exit_2(lambda: load_environment(spec), capsys).startswith("error: --env ")
 
-    @pytest.mark.parametrize("timeout", [-1, math.inf, math.nan, 1e10])
+    @pytest.mark.parametrize("timeout", [-1, math.inf, math.nan, 1e10, "5", None, True])
     def test_bad_timeout(self, timeout):
         with pytest.raises(UserError, match="--env_timeout must be a number of seconds from 0 to 1e9"):
             load_environment(SCRIPTED, timeout)

@@ -128,3 +128,19 @@ def test_weights_made_non_finite_by_a_step_with_finite_gradients_are_never_check
     assert str(err.value).startswith("training stopped: the weights hold NaN/inf after 1 optimizer steps (their loss "
                                      "and gradients were finite), and are not saved; no good checkpoint was saved")
     assert not list((out / "checkpoints").glob("step_*")) and not (out / "model.safetensors").exists()
+
+
+def test_a_damaged_older_checkpoint_does_not_stop_a_run_that_resumes_from_a_good_one(data_dir, tmp_path):
+    """The weights check before a save names the last good checkpoint only when it refuses: a damaged
+    marker among the older checkpoints stopped every later save (--resume_from given or not)."""
+    from dschat.training.rotation import MARKER
+
+    step1 = load_script("step1")
+    out = tmp_path / "out"
+    step1.main(base_argv("tiny-llama", data_dir, "--save_interval", "1", "--output_dir", str(out),
+                         max_train_steps=2, batch_size=2))
+    first, second = sorted((out / "checkpoints").glob("step_*"))
+    (first / MARKER).write_text('{"trunc')
+    step1.main(base_argv("tiny-llama", data_dir, "--save_interval", "1", "--output_dir", str(out),
+                         "--resume_from", str(second), max_train_steps=4, batch_size=2))
+    assert (out / "checkpoints" / "step_00000004").is_dir() and (out / "model.safetensors").is_file()

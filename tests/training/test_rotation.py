@@ -190,7 +190,9 @@ def test_resume_refuses_a_damaged_marker_beside_good_checkpoints_instead_of_pass
     (damaged / ckpt.MARKER).write_text(content)
     with pytest.raises(UserError, match=rf"^{damaged / ckpt.MARKER}: it is not .*; the checkpoint is damaged or was "
                                         r"edited, so the newest cannot be told: pass --resume_from"):
-        ckpt.latest_checkpoint(root)
+        ckpt.latest_checkpoint(root, strict=True)  # what --resume continues from
+    # Elsewhere (a run's saves, the line naming the last good checkpoint) it is passed over, as before.
+    assert ckpt.latest_checkpoint(root) == root / ckpt.checkpoint_name(2)
 
 
 def _rng_edits():
