@@ -165,7 +165,8 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGr
                        help="(dschat) A micro-step whose loss is NaN/inf on any rank, or an optimizer step with "
                             "NaN/inf gradients, is skipped and logged; stop with an error naming the last good "
                             "checkpoint after this many in a row (0: never stop). fp16 loss-scale overflows "
-                            "stay DeepSpeed's and do not count.")
+                            "stay DeepSpeed's and do not count. Weights that an update turned NaN/inf stop the "
+                            "run at the next checkpoint whatever this is: they are never checkpointed.")
     return group
 
 

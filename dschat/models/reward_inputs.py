@@ -92,9 +92,9 @@ def reward_text(tokenizer: Any, prompt: str, answer: str, ended: bool, *, templa
 
 
 def _alternating(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """``messages`` as user and assistant turns that alternate: a system turn's words at the start of
-    the next user turn, any other role's (an episode's ``tool`` observation) a user turn, and turns of
-    one role in a row joined."""
+    """``messages`` as user and assistant turns that alternate, a user's first: a system turn's words at
+    the start of the next user turn (a user turn of their own before an assistant's), any other role's
+    (an episode's ``tool`` observation) a user turn, and turns of one role in a row joined."""
     turns: list[dict[str, str]] = []
     system: list[str] = []
     for message in messages:
@@ -103,6 +103,9 @@ def _alternating(messages: list[dict[str, str]]) -> list[dict[str, str]]:
             system.append(content)
             continue
         role = "assistant" if role == "assistant" else "user"
+        if role == "assistant" and (system or not turns):  # the turns open with a user's
+            turns.append({"role": "user", "content": "\n\n".join(system)})
+            system = []
         if role == "user" and system:
             content, system = "\n\n".join([*system, content]), []
         if turns and turns[-1]["role"] == role:

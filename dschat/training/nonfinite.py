@@ -66,7 +66,7 @@ def check_weights_finite(engines: Mapping[str, Any], optimizer_steps: int, last:
     make them so (a learning rate far too high), and a checkpoint of them would rotate good ones out.
     Each rank checks what it holds (ZeRO-3: its partitions); collective: one all-reduce."""
     engine = next(iter(engines.values()))
-    held = [getattr(p, "ds_tensor", p) for e in engines.values() for p in e.module.parameters()]
+    held = [_held(p) for e in engines.values() for p in e.module.parameters()]
     if _all_ranks_true(all_finite(*held), engine.device):
         return
     newest = last()
@@ -75,6 +75,24 @@ def check_weights_finite(engines: Mapping[str, Any], optimizer_steps: int, last:
     raise TrainingDiverged(f"training stopped: the weights hold NaN/inf after {optimizer_steps} optimizer steps (their "
                            f"loss and gradients were finite), and are not saved; {where}, with a lower "
                            "--learning_rate")
+
+
+def _held(param: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of ``param``: all of it, or under ZeRO-3 the real elements of its
+    partition (a partition is padded to the same size on every rank, and the padding at the end of
+    the last ranks' is uninitialised memory, NaN bit patterns included)."""
+    part = getattr(param, "ds_tensor", None)
+    if part is None:
+        return param
+    start = part.ds_numel * _partition_rank(param)
+    return part.narrow(0, 0, max(0, min(part.ds_numel, param.ds_numel - start)))
+
+
+def _partition_rank(param: torch.Tensor) -> int:
+    """This rank's place in ``param``'s ZeRO-3 partition group."""
+    import deepspeed.comm
+
+    return deepspeed.comm.get_rank(group=param.ds_process_group)
 
 
 class NonFiniteGuard:

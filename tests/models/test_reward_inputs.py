@@ -201,6 +201,9 @@ def test_a_template_that_wants_alternating_turns_gets_an_episodes_tool_turns_as_
              "<|im_start|>assistant\ncake"
     assert reward_text(reward, prompt, answer, True) == (
         "<|user|>Be brief.\n\nGuess.</s><|assistant|>cookie</s><|user|>warmer\n\nagain</s><|assistant|>cake</s>", True)
+    # Turns that open with the assistant's (or system words before it) get a user turn first.
+    assert reward_text(reward, "x", "", True, marked="<|im_start|>system\nS<|im_end|>\n<|im_start|>assistant\nA") == (
+        "<|user|>S</s><|assistant|>A</s>", True)
     # A template that takes one exchange only gets the user turn and the answer, as before.
     reward.chat_template = ("{% if messages|length != 2 %}{{ raise_exception('one exchange') }}{% endif %}"
                             "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}")

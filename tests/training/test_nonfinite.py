@@ -144,3 +144,25 @@ def test_a_damaged_older_checkpoint_does_not_stop_a_run_that_resumes_from_a_good
     step1.main(base_argv("tiny-llama", data_dir, "--save_interval", "1", "--output_dir", str(out),
                          "--resume_from", str(second), max_train_steps=4, batch_size=2))
     assert (out / "checkpoints" / "step_00000004").is_dir() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("rank, finite", [(0, False), (1, True)])
+def test_the_weights_check_reads_only_the_real_elements_of_a_zero3_partition(rank, finite, monkeypatch):
+    """ZeRO-3 pads every partition of a parameter to one size: 3 elements on 2 ranks are [a, b] and
+    [c, padding], and the padding is uninitialised memory. A NaN bit pattern there stopped a healthy run."""
+    from types import SimpleNamespace
+
+    from dschat.training import nonfinite
+
+    param = torch.nn.Parameter(torch.empty(0))
+    param.ds_numel, param.ds_process_group = 3, None
+    param.ds_tensor = torch.tensor([1.0, math.nan])  # rank 0: [a, NaN]; rank 1: [c, padding NaN]
+    param.ds_tensor.ds_numel = 2
+    monkeypatch.setattr(nonfinite, "_partition_rank", lambda p: rank)
+    engine = SimpleNamespace(module=torch.nn.Module(), device="cpu")
+    engine.module.parameters = lambda: iter([param])
+    if finite:
+        nonfinite.check_weights_finite({"model": engine}, 5, lambda: None)
+    else:
+        with pytest.raises(TrainingDiverged, match="the weights hold NaN/inf after 5 optimizer steps"):
+            nonfinite.check_weights_finite({"model": engine}, 5, lambda: None)
