@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+import deepspeed.comm
 import torch
 
 from dschat.errors import UserError
@@ -90,8 +91,6 @@ def _held(param: torch.Tensor) -> torch.Tensor:
 
 def _partition_rank(param: torch.Tensor) -> int:
     """This rank's place in ``param``'s ZeRO-3 partition group."""
-    import deepspeed.comm
-
     return deepspeed.comm.get_rank(group=param.ds_process_group)
 
 
