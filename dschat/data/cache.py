@@ -41,9 +41,9 @@ from dschat.data.dispatch import DatasetSource
 from dschat.data.local_files import expand
 from dschat.data.token_dataset import PromptDataset, TokenRows
 from dschat.errors import UserError
-from dschat.runtime.fs import atomic_files, missing_ancestors, pending_files, recover_files, remove_made_folders
+from dschat.runtime.fs import atomic_files, pending_files, recover_files
 from dschat.runtime.file_lock import trusted_lock
-from dschat.runtime.trust import check_trusted, make_trusted_dir
+from dschat.runtime.trust import check_trusted, make_trusted_dir, missing_ancestors, remove_made_folders
 
 #: Bump when the cache layout or tokenisation changes: old caches then miss instead of misleading.
 FORMAT_VERSION = 4

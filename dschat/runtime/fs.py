@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import IO, Callable, Iterator, Sequence
 
 from dschat.errors import UserError
-from dschat.runtime.trust import foreign_link, foreign_link_on_the_way, owned_privately
+from dschat.runtime.trust import foreign_link, foreign_link_on_the_way, missing_ancestors, owned_privately
 
 __all__ = [
     "SAVED_MARKER",
@@ -52,8 +52,6 @@ __all__ = [
     "refuse_foreign_links",
     "refuse_foreign_link_on_the_way",
     "open_own",
-    "missing_ancestors",
-    "remove_made_folders",
     "fsync_path",
     "fsync_tree",
     "atomic_file",
@@ -94,28 +92,6 @@ def resolve_output_dir(value: str) -> str:
 def _through_link(path: Path) -> Path:
     """``path``, or the folder it points to when it is a symlink (the link must stay a link)."""
     return Path(os.path.realpath(path)) if path.is_symlink() else path
-
-
-def missing_ancestors(path: Path) -> list[Path]:
-    """``path`` and its ancestors that do not exist yet, innermost first (the folders a
-    ``mkdir(parents=True)`` of ``path`` would create)."""
-    missing = []
-    while not path.exists() and path != path.parent:
-        missing.append(path)
-        path = path.parent
-    return missing
-
-
-def remove_made_folders(made: Sequence[Path]) -> None:
-    """Remove the empty folders a call made (``made``: :func:`missing_ancestors` before it), innermost
-    first; one already gone is passed over, and one holding someone else's files ends the walk."""
-    for folder in made:
-        try:
-            folder.rmdir()
-        except FileNotFoundError:
-            continue
-        except OSError:
-            return
 
 
 def check_writable_dir(path: str | os.PathLike, flag: str) -> None:

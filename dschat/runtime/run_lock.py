@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Callable, Iterator, ParamSpec, TypeVar
 
 from dschat.errors import UserError
-from dschat.runtime.fs import check_writable_dir, missing_ancestors, remove_made_folders
-from dschat.runtime.trust import owned_privately
+from dschat.runtime.fs import check_writable_dir
+from dschat.runtime.trust import missing_ancestors, owned_privately, remove_made_folders
 
 __all__ = ["LOCK_NAME", "hold_run_lock", "release_run_lock", "releasing_run_locks", "run_lock", "lock_holder"]
 

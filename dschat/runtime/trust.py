@@ -8,7 +8,8 @@ user's private one and no POSIX ACL entry lets another user or group write); :fu
 :func:`check_trusted` (one line, exit code 2) build on it, and :func:`untrusted_inside` checks a whole
 tree below a trusted folder. A cache, lock or leftover folder that another account could have planted, edited or swapped is
 never read. :func:`make_private_dir` creates folders only their owner can enter (0700);
-:func:`make_trusted_dir` also refuses one that exists and is not the user's own;
+:func:`make_trusted_dir` also refuses one that exists and is not the user's own (and removes what it
+made: :func:`missing_ancestors`, :func:`remove_made_folders`);
 :func:`owned_privately` is the test for leftovers a crash-safe write may adopt; :func:`foreign_link`
 tells a symlink another account made (in a folder others can write to) that a write would follow.
 
@@ -33,6 +34,8 @@ from typing import Callable, Iterator, Sequence
 from dschat.errors import UserError
 
 __all__ = [
+    "missing_ancestors",
+    "remove_made_folders",
     "owned_privately",
     "foreign_link",
     "foreign_link_on_the_way",
@@ -311,6 +314,28 @@ def check_trusted(path: str | os.PathLike, what: str, fix: str) -> None:
         raise UserError(f"{what} {path} is not safe to read on a shared machine: {reason}; {fix}")
 
 
+def missing_ancestors(path: Path) -> list[Path]:
+    """``path`` and its ancestors that do not exist yet, innermost first (the folders a
+    ``mkdir(parents=True)`` of ``path`` would create)."""
+    missing = []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_made_folders(made: Sequence[Path]) -> None:
+    """Remove the empty folders a call made (``made``: :func:`missing_ancestors` before it), innermost
+    first; one already gone is passed over, and one holding someone else's files ends the walk."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return
+
+
 def make_private_dir(path: str | os.PathLike) -> Path:
     """Create ``path`` and its missing parents as folders only their owner can enter (0700).
 
@@ -324,13 +349,8 @@ def make_private_dir(path: str | os.PathLike) -> Path:
 
 def _make_private_dirs(target: Path) -> list[Path]:
     """:func:`make_private_dir` of ``target``; returns the folders it made, innermost first."""
-    missing = []
-    folder = target
-    while not folder.is_dir() and folder != folder.parent:
-        missing.append(folder)
-        folder = folder.parent
     made = []
-    for folder in reversed(missing):
+    for folder in reversed(missing_ancestors(target)):
         try:
             folder.mkdir(mode=0o700)
         except FileExistsError:
@@ -352,11 +372,7 @@ def make_trusted_dir(path: str | os.PathLike, what: str, fix: str, not_a_folder_
             raise UserError(f"{what} {path} is not a folder; {not_a_folder_fix or fix}")
         check_trusted(target, what, fix)
     except UserError:
-        for folder in made:  # empty, unless another process wrote there meanwhile: then it stays
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_made_folders(made)  # empty, unless another process wrote there meanwhile: then it stays
         raise
     return target
 

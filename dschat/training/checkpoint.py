@@ -59,8 +59,8 @@ from deepspeed.utils.tensor_fragment import fragment_address
 from dschat.errors import UserError
 from dschat.models.save import recover_output_dir
 from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, get_world_size, print_rank_0
-from dschat.runtime.fs import (_disk_full_is_a_user_error, atomic_file, foreign_link_line, fsync_path, fsync_tree,
-                               missing_ancestors, remove_made_folders)
+from dschat.runtime.fs import _disk_full_is_a_user_error, atomic_file, foreign_link_line, fsync_path, fsync_tree
+from dschat.runtime.trust import missing_ancestors, remove_made_folders
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
                                       complete_checkpoints, earlier_run_checkpoints, foreign_checkpoints, is_foreign,

@@ -347,13 +347,13 @@ def test_the_folders_a_call_made_go_innermost_first_and_stop_at_anothers_files(t
     """remove_made_folders: empty made folders go; one already gone is passed over; a folder holding
     someone else's file stays, and so does every folder around it."""
     inner = tmp_path / "a" / "b" / "c"
-    made = fs.missing_ancestors(inner)
+    made = trust.missing_ancestors(inner)
     assert made == [inner, inner.parent, inner.parent.parent]
     inner.mkdir(parents=True)
     inner.rmdir()  # already gone (removed by its own cleanup, say)
-    fs.remove_made_folders(made)
+    trust.remove_made_folders(made)
     assert not (tmp_path / "a").exists()
     inner.mkdir(parents=True)
     (inner.parent / "theirs.txt").write_text("x")  # another run's file in b
-    fs.remove_made_folders(made)
+    trust.remove_made_folders(made)
     assert not inner.exists() and (inner.parent / "theirs.txt").exists() and (tmp_path / "a").is_dir()
