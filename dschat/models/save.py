@@ -175,16 +175,17 @@ def gathered_state_dict(model: Any) -> dict[str, torch.Tensor] | None:
     for prefix, sub in module.named_modules():
         key = f"{prefix}.{{}}" if prefix else "{}"
         params = dict(sub.named_parameters(recurse=False))
-        shared = {} if is_lora_layer(sub) else {name: copied[id(p)] for name, p in params.items() if id(p) in copied}
+        lora = is_lora_layer(sub)  # a LoRA layer's copy is its fused weight, not the parameter's: never shared
+        shared = {} if lora else {name: copied[id(p)] for name, p in params.items() if id(p) in copied}
         params = {name: p for name, p in params.items() if name not in shared}
-        if not is_lora_layer(sub):  # (a LoRA layer's copy is its fused weight, not the parameter's)
+        if not lora:
             copied.update({id(p): key.format(name) for name, p in params.items()})  # on every rank: same gathers
         # A no-op for parameters that are not ZeRO-3 partitioned.
         with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=None):
             if rank != 0:
                 continue
             local = {name: p.detach().to("cpu", copy=True) for name, p in params.items()}
-        if is_lora_layer(sub):
+        if lora:
             local = _fused_copy(sub, local)
         local.update({name: state[first] for name, first in shared.items()})
         non_persistent = getattr(sub, "_non_persistent_buffers_set", set())
