@@ -144,6 +144,8 @@ class CrossTokenizerInputs:
     def __init__(self, actor_tokenizer: Any, reward_tokenizer: Any, max_length: int | None,
                  end_ids: Sequence[int] | None = None, *, template: bool = True) -> None:
         self.template = template
+        # Only a template reads the rows' text with special tokens (for a chat markup): decoded only then.
+        self.reads_template = template and bool(getattr(reward_tokenizer, "chat_template", None))
         self.actor_tokenizer = actor_tokenizer
         self.reward_tokenizer = reward_tokenizer
         self.max_length = max_length
@@ -161,10 +163,11 @@ class CrossTokenizerInputs:
             ended = bool(answer) and answer[-1] in self.end_ids
             if ended:
                 answer = answer[:-1]
+            marked = self.actor_tokenizer.decode(prompt + answer) if self.reads_template else None
             rows.append(encode_for_reward(
                 self.reward_tokenizer, self.actor_tokenizer.decode(prompt, skip_special_tokens=True),
                 self.actor_tokenizer.decode(answer, skip_special_tokens=True), ended, self.max_length,
-                template=self.template, marked=self.actor_tokenizer.decode(prompt + answer)))
+                template=self.template, marked=marked))
         return rows
 
     def __call__(self, seq: torch.Tensor, attention_mask: torch.Tensor,
