@@ -14,7 +14,8 @@ What goes wrong is the user's to fix, so it stops the run with one line (:class:
 code 2) that names the function and the row: an unimportable spec, a function that raises or calls
 ``sys.exit``, returns a string or bytes (``"12"`` is not two scores), the wrong number of scores, a
 score that is not a number or is not finite once cast to float32 (``1e39`` is inf there), or a call
-that outlasts ``timeout`` seconds (``--reward_fn_timeout``).
+that outlasts ``timeout`` seconds (``--reward_fn_timeout``). So does a finite score whose weighted
+term, or a sum of finite terms, is beyond float32's range (:meth:`RewardMix.score`).
 
 After a call raises, the failing row is looked for by bisection: halves of the batch are called
 again, at most ``2 * ceil(log2(batch))`` calls, stopping at the first probe that raises nothing on
@@ -430,10 +431,30 @@ class RewardMix:
         if self.uses_model and model_scores is None:
             raise ValueError("RewardMix.score: the mix uses the reward model but no model scores were given")
         device = model_scores.device if model_scores is not None else torch.device("cpu")
-        total = torch.zeros(len(answers), dtype=torch.float32, device=device)
+        terms: list[torch.Tensor] = []
         if self.uses_model:
-            total = total + self.model_weight * model_scores.float()
+            terms.append(_weighted(self.model_weight, model_scores.float(), "reward model"))
         for fn in self.functions:
-            total = total + fn.weight * torch.tensor(fn(prompts, answers, columns), dtype=torch.float32,
-                                                     device=device)
+            scores = torch.tensor(fn(prompts, answers, columns), dtype=torch.float32, device=device)
+            terms.append(_weighted(fn.weight, scores, fn.name))
+        total = torch.zeros(len(answers), dtype=torch.float32, device=device)
+        for term in terms:
+            total = total + term
+        overflow = ~torch.isfinite(total) & torch.stack([torch.isfinite(t) for t in terms] or [total]).all(0)
+        if overflow.any():
+            raise UserError(f"the reward terms of an answer are each finite but their sum ({self.describe()}) is "
+                            "beyond float32's range (|x| < 3.4e38); lower the weights")
         return total
+
+
+def _weighted(weight: float, scores: torch.Tensor, name: str) -> torch.Tensor:
+    """``weight * scores`` (float32), refused in one line where a finite score times the weight is not
+    finite in float32 (every such reward would be inf and its rollout skipped as non-finite); a score
+    that is already not finite is left to the non-finite guard."""
+    weighted = weight * scores
+    overflow = torch.isfinite(scores) & ~torch.isfinite(weighted)
+    if overflow.any():
+        score = scores[overflow][0].item()
+        raise UserError(f"reward term {weight:g} x {name}: a score of {score:g} times its weight is beyond "
+                        "float32's range (|x| < 3.4e38); lower the weight or scale the scores down")
+    return weighted

@@ -149,6 +149,23 @@ class TestMix:
         with pytest.raises(ValueError, match="no model scores"):
             RewardMix(model_weight=1.0).score(PROMPTS, ANSWERS, None)
 
+    def test_a_weight_times_a_finite_score_beyond_float32_is_one_line_naming_the_term(self):
+        # length scores [0.2, 0.3, 0.1] x 2e38 = [4e37, 6e37, 2e37]: finite; x 3e38 -> 6e37 .. 9e37,
+        # still finite; the model term 3e38 x [1, 0, -1]... is finite too, but the sum of 3e38 and
+        # 6e37 is not. A weight of 3e38 on scores of 2 overflows in the term itself.
+        big = RewardMix((load_reward_function("reward_fixtures:length", 3e38),), model_weight=3e38)
+        with pytest.raises(UserError, match=r"each finite but their sum \(reward = 3e\+38 x reward model "
+                                            r"\+ 3e\+38 x reward_fixtures:length\) is beyond"):
+            big.score(PROMPTS, ANSWERS, None, torch.tensor([1.0, 0.0, -1.0]))
+        with pytest.raises(UserError, match=r"reward term 3e\+38 x reward model: a score of 2 times its weight"):
+            RewardMix(model_weight=3e38).score(PROMPTS, ANSWERS, None, torch.tensor([0.5, 2.0, 1.0]))
+        fn = RewardMix((load_reward_function("reward_fixtures:length", 3e38),), model_weight=0.0)
+        torch.testing.assert_close(fn.score(PROMPTS, ANSWERS, None), torch.tensor([6e37, 9e37, 3e37]))
+        # A score that is already not finite (step 3's in-process reward_fn hook, a diverged reward
+        # model) is the non-finite guard's to count: passed on, not refused here.
+        got = RewardMix(model_weight=2.0).score(PROMPTS, ANSWERS, None, torch.tensor([float("inf"), 0.0, 1.0]))
+        assert got[0].isinf() and got[1:].tolist() == [0.0, 2.0]
+
     def test_the_model_weight_default_is_decided_once_for_step_3_and_the_planner(self):
         from argparse import Namespace
 
