@@ -231,7 +231,7 @@ OFF_POLICY_WARNING = (
     "WARNING: this configuration is off-policy: an optimizer step happens before every micro-batch "
     "of a rollout has been trained (gradient_accumulation_steps={ga} is not a multiple of "
     "{micro} micro-batches per rollout x {epochs} ppo_epochs). The PPO ratio is computed against the "
-    "rollout's stored log-probs and clipped at 1 +- {clip}; upstream found such runs diverge "
+    "rollout's stored log-probs and clipped to [{low:g}, {high:g}]; upstream found such runs diverge "
     "(DeepSpeed-Chat README 'Instability', TRL PR #3493). Watch ratio_max / approx_kl / clip_frac in "
     "the logs, or use per_device_generation_batch_size == per_device_training_batch_size and "
     "ppo_epochs == generation_batches == 1."
@@ -307,11 +307,11 @@ class BatchPlan:
             f"{self.optimizer_steps_per_rollout:g} optimizer steps per rollout; {policy}"
         )
 
-    def off_policy_warning(self, cliprange: float) -> str:
-        return OFF_POLICY_WARNING.format(
-            ga=self.gradient_accumulation_steps, micro=self.micro_batches_per_rollout,
-            epochs=self.ppo_epochs, clip=cliprange,
-        )
+    def off_policy_warning(self, cliprange: float, cliprange_high: float | None = None) -> str:
+        """The warning, with the ratio's clip range ``[1 - cliprange, 1 + (cliprange_high or cliprange)]``."""
+        high = 1 + (cliprange if cliprange_high is None else cliprange_high)
+        return OFF_POLICY_WARNING.format(ga=self.gradient_accumulation_steps, micro=self.micro_batches_per_rollout,
+                                         epochs=self.ppo_epochs, low=1 - cliprange, high=high)
 
 
 def positive_flag(name: str, value: object) -> int:

@@ -60,6 +60,16 @@ def test_plan_on_policy_rule(gen_bs, gen_batches, train_bs, epochs, ga, micro, o
     assert ("on-policy" if on_policy else "OFF-POLICY") in plan.describe()
 
 
+def test_the_off_policy_warning_names_the_ratios_clip_range_with_clip_higher():
+    args = SimpleNamespace(per_device_generation_batch_size=4, generation_batches=1,
+                           per_device_training_batch_size=2, ppo_epochs=1, gradient_accumulation_steps=1)
+    plan = plan_batches(args, world_size=1)
+    assert "gradient_accumulation_steps=1 is not a multiple of 2 micro-batches" in plan.off_policy_warning(0.2)
+    assert "clipped to [0.8, 1.2];" in plan.off_policy_warning(0.2)
+    assert "clipped to [0.8, 1.28];" in plan.off_policy_warning(0.2, 0.28)  # --cliprange_high 0.28 (DAPO)
+    assert "clipped to [0.9997, 1.0004];" in plan.off_policy_warning(3e-4, 4e-4)  # GSPO's, per answer
+
+
 def test_plan_line_counts_prompts_and_answers():
     """With --num_generations K a generation batch of N rows holds N / K prompts."""
     args = SimpleNamespace(per_device_generation_batch_size=4, generation_batches=2,

@@ -315,7 +315,7 @@ def main(argv: Sequence[str] | None = None, *, reward_fn: RewardFn | None = None
     print_rank_0(f"***** Running training (total_iters={num_total_iters}) *****", ctx.rank)
     print_rank_0(plan.describe(settings.num_generations), ctx.rank)
     if not plan.on_policy:
-        print_rank_0(plan.off_policy_warning(config.ppo.cliprange), ctx.rank)
+        print_rank_0(plan.off_policy_warning(config.ppo.cliprange, settings.cliprange_high), ctx.rank)
 
     # ---------------------------------------------------------------- resume
     # A checkpoint is written after a trained PPO iteration (--save_interval counts iterations), when
