@@ -73,10 +73,12 @@ def _groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
 def informative_groups(rewards: torch.Tensor, group_size: int, *, atol: float = 1e-4) -> torch.Tensor:
     """DAPO's dynamic-sampling filter: which groups hold answers of different rewards.
 
-    A group whose ``K`` rewards are all equal (``max - min <= atol``) has a zero reward advantage
-    under a group baseline (GRPO, RLOO), so it carries no policy gradient from its reward. ``atol``
-    is well above GRPO's ``eps`` (1e-6), so float noise between equal scores is not made an advantage. Shape: rewards (B,) with
-    ``B = G x K``; returns (G,) bool, True where the group's rewards differ.
+    A group whose ``K`` rewards are all equal has a zero reward advantage under a group baseline
+    (GRPO, RLOO), so it carries no policy gradient from its reward. Equal means ``max - min <= atol``:
+    ``atol`` is well above GRPO's ``eps`` (1e-6), so float noise between equal scores is not made an
+    advantage (GRPO's std division would scale a spread of 1e-4 up to about +-0.7); real differences
+    that small are dropped with it. Shape: rewards (B,) with ``B = G x K``; returns (G,) bool, True
+    where the group's rewards differ.
     """
     groups = _groups(rewards, group_size)
     return (groups.max(dim=1).values - groups.min(dim=1).values) > atol
