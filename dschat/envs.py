@@ -32,6 +32,7 @@ Pure Python (torch only through :mod:`dschat.rewards`): no DeepSpeed, no models.
 """
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import time
@@ -193,8 +194,9 @@ class EpisodeBatch:
                        for i, p in zip(row_ids, prompts)]
         self.last_seconds = 0.0  # wall time of the latest batch of calls
         self.total_seconds = 0.0  # summed over every batch of calls so far
-        # A copy of each row: the factory may keep or change it.
-        copies = [dict(row) for row in rows]
+        # A deep copy of each row: the factory may keep or change it, lists and dicts in it too (the
+        # episodes of one prompt's group, and the dataset's record, must not see another's change).
+        copies = [copy.deepcopy(dict(row)) for row in rows]
         made = self._run([(lambda r=row: factory.factory(r)) for row in copies], "the factory",
                          [s.where() for s in self.states])
         for env, state in zip(made, self.states):

@@ -18,6 +18,7 @@ silent choice of one of its rows.
 """
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -97,13 +98,14 @@ class PromptColumns:
         names = set(found[0]) - {PROMPT_FIELD} if found else set()
         for row in found[1:]:
             names &= set(row)
-        return {name: [row[name] for row in found] for name in sorted(names)}
+        return {name: [copy.deepcopy(row[name]) for row in found] for name in sorted(names)}
 
     def rows_for_batch(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_texts: Sequence[str],
                        sources: torch.Tensor | None = None) -> list[dict[str, Any]]:
         """The dataset row of each prompt of a left-padded ``(B, P)`` batch, every field (the prompt's
-        own included), a copy each: an environment may keep it. ``sources`` as in :meth:`for_batch`."""
-        return [dict(row) for row in self._found(prompts, prompt_mask, prompt_texts, sources)]
+        own included), a deep copy each: an environment may keep or change it. ``sources`` as in
+        :meth:`for_batch`."""
+        return [copy.deepcopy(dict(row)) for row in self._found(prompts, prompt_mask, prompt_texts, sources)]
 
     def _found(self, prompts: torch.Tensor, prompt_mask: torch.Tensor, prompt_texts: Sequence[str],
                sources: torch.Tensor | None) -> list[dict[str, Any]]:

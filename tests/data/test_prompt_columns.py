@@ -202,6 +202,16 @@ def test_rows_are_copies_and_columns_are_those_every_row_has():
     cols = PromptColumns({(0, 0, 0): PromptRecord((5, 6), "hi", fields)})
     cols.rows_for_batch(torch.tensor([[5, 6]]), torch.ones(1, 2), ["hi"])[0]["answer"] = "changed"
     assert fields["answer"] == "3"
+    # Deep copies: a list in the row (a hint game popping its hints) is the episode's own, and one
+    # prompt's K rows (a GRPO group) do not share it; nor do a reward function's columns.
+    hints = {"prompt": "hi", "hints": ["red", "round"]}
+    cols = PromptColumns({(0, 0, 0): PromptRecord((5, 6), "hi", hints)})
+    group = cols.rows_for_batch(torch.tensor([[5, 6]] * 2), torch.ones(2, 2), ["hi"] * 2,
+                                torch.zeros(2, 3, dtype=torch.long))
+    group[0]["hints"].pop(0)
+    assert group[1]["hints"] == ["red", "round"] and hints["hints"] == ["red", "round"]
+    cols.for_batch(torch.tensor([[5, 6]] * 2), torch.ones(2, 2), ["hi"] * 2)["hints"][0].clear()
+    assert hints["hints"] == ["red", "round"]
     mixed = PromptColumns({(0, 0, 0): PromptRecord((5, 6), "hi", {"prompt": "hi", "answer": "3"}),
                            (1, 0, 0): PromptRecord((7, 8), "yo", {"prompt": "yo", "word": "cat"})})
     assert mixed.for_batch(torch.tensor([[5, 6], [7, 8]]), torch.ones(2, 2), ["hi", "yo"]) == {}

@@ -408,3 +408,12 @@ def test_an_environment_factory_gets_a_copy_of_its_row():
 
     EpisodeBatch(EnvironmentFactory("t:f", factory), [row], max_turns=1)
     assert row["answer"] == "1"
+    # ... a deep copy: lists in it too (a hint game popping the hints of its row's list).
+    row = {"prompt": "p", "answer": "1", "hints": ["red", "round"]}
+
+    def hint_game(r):
+        r["hints"].pop(0)
+        return calculator(r)
+
+    EpisodeBatch(EnvironmentFactory("t:f", hint_game), [row, row], max_turns=1)
+    assert row["hints"] == ["red", "round"]
