@@ -32,7 +32,6 @@ Pure Python (torch only through :mod:`dschat.rewards`): no DeepSpeed, no models.
 """
 from __future__ import annotations
 
-import copy
 import math
 import numbers
 import time
@@ -196,11 +195,17 @@ class EpisodeBatch:
         self.total_seconds = 0.0  # summed over every batch of calls so far
         # A deep copy of each row: the factory may keep or change it, lists and dicts in it too (the
         # episodes of one prompt's group, and the dataset's record, must not see another's change).
-        copies = [copy.deepcopy(dict(row)) for row in rows]
+        copies = [_copy_containers(dict(row)) for row in rows]
         made = self._run([(lambda r=row: factory.factory(r)) for row in copies], "the factory",
                          [s.where() for s in self.states])
         for env, state in zip(made, self.states):
-            if not callable(getattr(env, "step", None)):
+            try:
+                step = getattr(env, "step", None)
+            except Exception as err:  # noqa: BLE001 -- a __getattr__ or a property of user code
+                raise UserError(f"environment {factory.name}: looking up step on the {type(env).__name__} the "
+                                f"factory returned {state.where()} raised {raised(err)}; return an object with "
+                                "step(answer) -> (observation, reward, done)") from err
+            if not callable(step):
                 raise UserError(f"environment {factory.name}: the factory returned {type(env).__name__} "
                                 f"{state.where()}, which has no step(answer) method; return an object with "
                                 "step(answer) -> (observation, reward, done)")
@@ -312,3 +317,14 @@ def _after_answer(message: dict[str, str], tokenizer: Any) -> str | None:
     if not isinstance(text, str) or _SENTINEL not in text:
         return None
     return text.rsplit(_SENTINEL, 1)[1]
+
+
+def _copy_containers(value: Any) -> Any:
+    """``value`` with every dict, list, tuple and set in it copied, recursively (a dataset row's JSON
+    values become the episode's own); other objects are shared as they are (a row handed to
+    :class:`EpisodeBatch` from Python may hold objects that cannot be copied)."""
+    if isinstance(value, dict):
+        return {key: _copy_containers(item) for key, item in value.items()}
+    if type(value) in (list, tuple, set):  # not a named tuple, whose constructor takes fields
+        return type(value)(_copy_containers(item) for item in value)
+    return value

@@ -63,6 +63,12 @@ class TestLoading:
         assert "environment env_fixtures:no_step: the factory returned object on row 7" in err
         assert "step(answer) -> (observation, reward, done)" in err
 
+    def test_a_step_lookup_that_raises_is_one_line(self, capsys):
+        """A wrapper whose ``__getattr__`` raises KeyError (not AttributeError) for ``step``."""
+        err = one_line_exit_2(lambda: batch([{}], spec="env_fixtures:step_lookup_raises"), capsys)
+        assert ("environment env_fixtures:step_lookup_raises: looking up step on the Proxy the factory returned "
+                "on row 0 raised KeyError: 'step'") in err
+
     def test_the_factory_gets_every_column(self):
         episodes = batch([{"result": OK, "answer": "42", "extra": [1, 2]}])
         assert episodes.envs[0].results == [OK]
