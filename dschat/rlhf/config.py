@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from dschat.cli.step3 import complete_step3_args
 from dschat.data.unsupervised import unsupervised_training_enabled
 from dschat.errors import UserError
-from dschat.rewards import RewardMix
+from dschat.rewards import RewardMix, check_timeout
 from dschat.rl_math.critic_free import ALGORITHMS, GROUP_ALGORITHMS, IMPORTANCE_SAMPLING_LEVELS, has_critic
 from dschat.rlhf.rollout.sampling import DecodingSettings
 
@@ -535,13 +535,7 @@ def rollout_config(args: object) -> RolloutConfig:
         zero3_gather=str(args.zero3_gather_for_generation), generation_loop=str(args.generation_loop),
         cpu_decode_linear=str(args.cpu_decode_linear), print_answers=bool(args.print_answers),
         print_answers_interval=int(args.print_answers_interval), env=args.env or None,
-        max_turns=positive_flag("max_turns", args.max_turns), env_timeout=_env_timeout(args.env_timeout))
-
-
-def _env_timeout(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise UserError(f"--env_timeout must be a number of seconds >= 0 (0: no limit), got {value}")
-    return float(value)
+        max_turns=positive_flag("max_turns", args.max_turns), env_timeout=check_timeout(args.env_timeout, "--env_timeout"))
 
 
 def ppo_config(args: object) -> PPOConfig:

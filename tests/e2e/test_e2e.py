@@ -625,15 +625,16 @@ def test_environment_options_pass_through_to_step3_only(config, tmp_path, capsys
     (("--max-turns", "0", "--env", "dschat.envs_examples:calculator"),
      "--max-turns must be a whole number >= 1, got 0"),
     (("--env-timeout", "-1", "--env", "dschat.envs_examples:calculator"),
-     "--env-timeout must be a number of seconds >= 0 (0: no limit), got -1"),
+     "--env-timeout must be a number of seconds from 0 to 1e9 (0: no limit), got -1.0"),
     (("--env-timeout", "nan", "--env", "dschat.envs_examples:calculator"), "got nan"),
+    (("--env-timeout", "2e9", "--env", "dschat.envs_examples:calculator"), "from 0 to 1e9 (0: no limit), got 2000000000.0"),
     (("--max-turns", "2"), "--max-turns applies to multi-turn episodes only; add --env MODULE:FACTORY"),
     (("--env-timeout", "5"), "--env-timeout applies to multi-turn episodes only"),
     (("--env", "no_such_module_e2e7:make"),
      "--env no_such_module_e2e7:make: cannot import module 'no_such_module_e2e7'"),
     (("--env", "dschat.envs_examples"), "--env 'dschat.envs_examples' is not of the form module.path:function"),
     (("--env", "dschat.envs_examples:no_such_factory"), "has no attribute 'no_such_factory'"),
-], ids=["max-turns-0", "timeout-negative", "timeout-nan", "max-turns-without-env", "timeout-without-env",
+], ids=["max-turns-0", "timeout-negative", "timeout-nan", "timeout-above-1e9", "max-turns-without-env", "timeout-without-env",
         "env-unimportable", "env-no-colon", "env-no-attribute"])
 def test_bad_environment_options_stop_e2e_before_any_step(argv, message, tmp_path, capsys):
     out = tmp_path / "out"
