@@ -20,7 +20,8 @@ from dschat.data.dispatch import resolve_dataset
 from dschat.data.phases import plan_phase_data
 from dschat.data.split import parse_data_split
 from dschat.errors import UserError, cli_main
-from dschat.models.registry import check_local_model_path, check_seq_len_fits_positions
+from dschat.models.registry import (check_local_model_path, check_pair_seq_len, check_seq_len_fits_positions,
+                                    check_sft_seq_len)
 from dschat.models.tokenizer import end_of_conversation_text, load_hf_tokenizer
 from dschat.runtime.fs import check_writable_dir
 
@@ -67,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     check_seed(args.seed)
     if args.max_seq_len < 1:
         raise UserError(f"--max_seq_len must be positive, got {args.max_seq_len}")
+    if args.train_phase in (1, 2):  # as steps 1 and 2 check it: a row, a pair needs 2 positions
+        (check_sft_seq_len if args.train_phase == 1 else check_pair_seq_len)(args.max_seq_len)
     sft_paths = list(args.sft_only_data_path) if args.train_phase == 1 else []
     for name in list(args.data_path) + sft_paths:
         resolve_dataset(name)

@@ -177,6 +177,16 @@ def test_a_length_the_model_cannot_read_is_refused_before_any_cache_is_built(tmp
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.parametrize("phase, rule", [(1, "at least 2 for step 1"), (2, "at least 2 for chosen/rejected pairs")])
+def test_a_length_of_one_is_refused_as_the_step_refuses_it(phase, rule, tok_dir, tmp_path):
+    """--max_seq_len 1 cannot hold a step-1 row or a step-2 pair: refused as the steps refuse it
+    (phase 2 named the data and the tokenizer, after dropping every pair; phase 1 wrote a cache step
+    1 would refuse). Phase 3's prompts may be one token."""
+    result = run_prepare(args_for(tok_dir, tmp_path / "cache", "dschat/builtin", phase=phase,
+                                  extra=["--max_seq_len", "1"]))
+    assert_one_line_error(result, f"--max_seq_len must be {rule}", out=tmp_path / "cache")
+
+
 # --- flags -----------------------------------------------------------------------------------
 
 
