@@ -230,17 +230,19 @@ def building(files: CacheFiles) -> Iterator[None]:
 
     Bad data the build refuses (a :class:`~dschat.errors.UserError`: every pair the same tokens, a row
     of the wrong shape) leaves nothing behind: the lock file is removed, and so are the folders this
-    call created, when nothing else was put in them meanwhile (another run's lock, say)."""
+    call created, when nothing else was put in them meanwhile (another run's lock, say). A lock file
+    that was there before the call is kept."""
     created = missing_ancestors(files.lock.parent)  # innermost first
+    lock_was_there = files.lock.exists()
     private_folder(files.lock.parent)
     try:
         with locked(files.lock):
             yield
     except UserError:
-        if created:
+        if not lock_was_there:
             with contextlib.suppress(FileNotFoundError):
                 files.lock.unlink()
-            remove_made_folders(created)  # not those holding someone else's files
+        remove_made_folders(created)  # not those holding someone else's files
         raise
 
 

@@ -226,6 +226,25 @@ def test_a_build_refused_midway_removes_only_the_folders_it_made(tmp_path, reloa
         patch.setattr(pd, "building", another_run_meanwhile)
         refused(tmp_path / "shared" / "c")
     assert sorted(files_in(tmp_path / "shared" / "c")) == [".lock_another"]
+    # A folder the user had: the lock file this call made goes too; a lock file that was there stays
+    # (another run may wait on it).
+    mine = tmp_path / "mine" / "had"
+    mine.mkdir(mode=0o700)
+    locks = []
+
+    @contextlib.contextmanager
+    def noting_the_lock(files):
+        locks.append(files.lock)
+        with real_building(files):
+            yield
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(pd, "building", noting_the_lock)
+        refused(mine)
+        assert files_in(mine) == []
+        locks[0].touch(mode=0o600)
+        refused(mine)
+    assert files_in(mine) == [locks[0].name]
 
 
 def test_phase2_one_token_pairs_are_dropped():
