@@ -109,10 +109,10 @@ def plan_phase_data(
     def select(name: str, split: str) -> PhaseRows:
         raw = get_raw_dataset(name, output_path, seed, local_rank)
         if train_phase == 2 and not raw.has_rejected:
-            raise UserError(
-                f"dataset {name!r} has no rejected responses, so it cannot train the reward model "
-                "(phase 2); drop it from --data_path for step 2 or use it in step 1 via --sft_only_data_path"
-            )
+            use = ("use it in step 1 via --sft_only_data_path" if raw.has_chosen else
+                   "it holds prompts only (no chosen answers either), for step 3's --data_path")
+            raise UserError(f"dataset {name!r} has no rejected responses, so it cannot train the reward model "
+                            f"(phase 2); drop it from --data_path for step 2 ({use})")
         return select_phase_rows(raw, split, train_phase, seed, output_path, local_rank)
 
     plan = PhasePlan(

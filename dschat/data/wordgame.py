@@ -98,6 +98,7 @@ class WordGameDataset(PromptRawDataset):
     eval_split = "eval"
     required_columns = COLUMNS
     has_rejected = False
+    has_chosen = False
 
     def __init__(self, output_path: str, seed: int | None, local_rank: int, dataset_name: str = NAME,
                  raw_datasets: Any = None) -> None:

@@ -378,9 +378,13 @@ def test_a_blended_eval_set_is_shuffled_as_upstream(tmp_path):
 
 def test_phase2_needs_rejected(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", pref_rows(20, rejected=False))
-    with pytest.raises(UserError, match="no rejected responses"):
+    with pytest.raises(UserError, match="no rejected responses.*use it in step 1 via --sft_only_data_path"):
         create_prompt_dataset(-1, [str(path)], "2,4,4", str(tmp_path / "c"), 2, 1234, make_tokenizer(), 32)
     assert files_in(tmp_path / "c") == []
+    # Prompts only (the word game's, a step-3 set): step 1 would find no answers to train on either.
+    with pytest.raises(UserError, match=r"no rejected responses.*\(it holds prompts only \(no chosen answers "
+                                        r"either\), for step 3's --data_path\)$"):
+        create_prompt_dataset(-1, ["dschat/wordgame"], "2,4,4", str(tmp_path / "c"), 2, 1234, make_tokenizer(), 32)
 
 
 def test_phase3_all_prompts_too_long(tmp_path):

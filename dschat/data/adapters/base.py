@@ -136,6 +136,8 @@ class PromptRawDataset:
     skips_null_rows: ClassVar[bool] = False
     #: False for single-answer datasets (no rejected response: unusable for phase 2).
     has_rejected: bool = True
+    #: False for prompt-only datasets (no chosen answer either: for step 3 only).
+    has_chosen: bool = True
     #: Name passed to ``load_dataset`` when it differs from the ``--data_path`` entry (mkqa).
     hub_name: ClassVar[str | None] = None
 
