@@ -94,7 +94,7 @@ CONFIGS: dict[str, Config] = {
 }
 DEFAULT_CONFIGS = ("opt-z3-he", "opt-z0-lora", "opt-z3-lora", "opt-z0-he", "llama-z3-lora-he", "llama-z0")
 TOLERANCE = 0.10  # the goal: each phase's prediction within 10 % of the measured peak
-STATE_KEYS = ("params", "master", "moments", "grads", "buckets")
+STATE_KEYS = ("params", "master", "moments", "grads", "offload_buffers", "buckets")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -145,13 +145,13 @@ def step3_args(config: Config, args: argparse.Namespace, dtype: str) -> argparse
 # ------------------------------------------------------------------------------------------------
 def predict(argv: Sequence[str], gpu_bytes: int, cpu: bool) -> dict:
     """The planner on step 3's flags ``argv`` on one GPU of ``gpu_bytes``: :func:`dschat.plan.cli.plan`'s
-    result, plus ``"states"`` (role -> the five :data:`STATE_KEYS`, the device's resident buckets) from
+    result, plus ``"states"`` (role -> the six :data:`STATE_KEYS`, the device's resident buckets) from
     ``plan_roles`` (with ``cpu_accelerator`` on the CPU, as the exactness test plans) and
     ``"hybrid_engine"`` (whether the plan decodes with dschat's Hybrid Engine)."""
     args = plan_parser(3).parse_args([*argv, "--gpus_per_node", "1", "--num_nodes", "1"])
     result = plan(args, gpu_bytes=gpu_bytes)
     roles = plan_roles(args, 1, dtype=args.dtype, cpu_accelerator=cpu, hybrid_engine=args.enable_hybrid_engine)
-    result["states"] = {role: {**{k: p.state.counted()[k] for k in STATE_KEYS[:4]}, "buckets": p.state.device["buckets"]}
+    result["states"] = {role: {**{k: p.state.counted()[k] for k in STATE_KEYS[:-1]}, "buckets": p.state.device["buckets"]}
                         for role, p in roles.items()}
     generation = result["phases"][0]["consumers"]
     result["hybrid_engine"] = any(k.startswith("HE ") for k in generation)

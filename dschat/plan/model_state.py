@@ -36,6 +36,10 @@ Categories (each a storage of its own; a tensor that shares another's storage is
   optimizer sub-group in turn (a group's partitions, split at DeepSpeed's ``sub_group_size``, 1e9
   elements, which dschat does not change), the largest times ``el + 4`` (4 in fp32). ZeRO 0 in
   fp32: none.
+* ``offload_buffers``: ZeRO-1/2 with optimizer offload, trained: the buffers DeepSpeed moves
+  gradients and weights between the device and the host with, in the weights' dtype and kept for
+  the engine's life: on the device one gradient buffer the size of the largest trainable parameter;
+  on the host another, and one copy of the rank's weight partitions (the padded groups / world).
 * ``accumulation``: ZeRO-1 with ``gradient_accumulation_steps > 1`` reduces only at the
   accumulation boundary, so between boundaries every rank holds every trained parameter's whole
   ``.grad`` (trainable x ``el``) besides the gradient partition buffer: a training phase's working
@@ -110,6 +114,7 @@ class ModelState:
     moments: int = 0
     grads: int = 0
     buckets: int = 0
+    offload_buffers: int = 0
     step_working: int = 0
     accumulation: int = 0
     device: dict[str, int] = field(default_factory=dict)
@@ -117,7 +122,8 @@ class ModelState:
 
     def counted(self) -> dict[str, int]:
         """The categories the exactness test compares with a live engine."""
-        return {"params": self.params, "master": self.master, "moments": self.moments, "grads": self.grads}
+        return {"params": self.params, "master": self.master, "moments": self.moments, "grads": self.grads,
+                "offload_buffers": self.offload_buffers}
 
 
 def _aligned(numel: int, world: int) -> int:
@@ -187,6 +193,7 @@ def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:
     trained_ids = {id(p) for p in trainable}
     frozen = [p for p in inv.params if id(p) not in trained_ids]
     state = ModelState()
+    offload_device = offload_host = 0  # ZeRO-1/2 with optimizer offload (ModelState.offload_buffers)
     if spec.stage == 3:
         part = [int(math.ceil(p.numel / world)) for p in inv.params]
         state.params = sum(part) * el
@@ -203,6 +210,9 @@ def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:
         state.moments = 2 * state.master
         if spec.offload_optimizer:
             state.grads = state.master  # reduced straight into the fp32 partitions' host gradients
+            offload_device = max((p.numel for p in trainable), default=0) * el  # DeepSpeed's temp_grad_buffer_for_gpu_offload
+            offload_host = offload_device + flat // world * el  # ..._for_cpu_offload, the 16-bit partition copies
+            state.offload_buffers = offload_device + offload_host
         elif world > 1:
             per_rank = [sum(x) for x in zip(*[_zero2_grads(g, world) for g in groups])] or [0]
             state.grads = max(per_rank) * el
@@ -229,9 +239,11 @@ def model_state(inv: Inventory, spec: EngineSpec) -> ModelState:
                     "master": 0 if optimizer_on_host else state.master,
                     "moments": 0 if optimizer_on_host else state.moments,
                     "grads": 0 if optimizer_on_host else state.grads,
-                    "buckets": state.buckets if spec.stage == 3 else 0}
+                    "buckets": state.buckets if spec.stage == 3 else 0,
+                    "offload buffers": offload_device}
     state.host = {"params": state.params if spec.offload_param else 0,
                   "master": state.master if optimizer_on_host else 0,
                   "moments": state.moments if optimizer_on_host else 0,
-                  "grads": state.grads if optimizer_on_host else 0}
+                  "grads": state.grads if optimizer_on_host else 0,
+                  "offload buffers": offload_host}
     return state

@@ -10,7 +10,9 @@ A case is ``(model, critic folder, extra step-3 flags)``. Each engine of the cas
 * ``moments``: Adam's ``exp_avg`` and ``exp_avg_sq``;
 * ``grads``: after one backward, before the step: every gradient storage (``param.grad``, ZeRO-2's
   partition buffer, ZeRO-3's flat partition buffer, the fp32 partitions' ``.grad``), minus ZeRO's
-  reduction buckets (``buckets``).
+  reduction buckets (``buckets``);
+* ``offload_buffers``: ZeRO-1/2's buffers for optimizer offload (``temp_grad_buffer_for_gpu_offload``,
+  ``temp_grad_buffer_for_cpu_offload``, ``param_buffer_of_bit16_for_cpu_offload_groups``).
 
 A storage is counted once, in the first category that holds it; every counted storage is kept
 alive until the engine is counted, so addresses are not reused across categories.
@@ -90,6 +92,12 @@ def _grad_tensors(engine: Any) -> list[Any]:
     return out
 
 
+def _offload_buffer_tensors(engine: Any) -> list[Any]:
+    opt = engine.optimizer
+    return [getattr(opt, "temp_grad_buffer_for_gpu_offload", None), getattr(opt, "temp_grad_buffer_for_cpu_offload", None),
+            *(getattr(opt, "param_buffer_of_bit16_for_cpu_offload_groups", None) or [])]
+
+
 def count(engine: Any, trained: bool, step: Any) -> dict[str, int]:
     """The engine's bytes per category after one pass (``step(engine)``: forward, and backward for a
     trained one), the optimizer's moments after its first step."""
@@ -97,10 +105,11 @@ def count(engine: Any, trained: bool, step: Any) -> dict[str, int]:
     step(engine)  # ZeRO-3 keeps its persistent parameters whole from the first pass on
     result = {"params": _storages(_param_tensors(engine), seen)}
     if not trained:
-        return {**result, "master": 0, "moments": 0, "grads": 0, "buckets": 0}
+        return {**result, "master": 0, "moments": 0, "grads": 0, "buckets": 0, "offload_buffers": 0}
     result["master"] = _storages(_master_tensors(engine), seen)
     result["buckets"] = _storages(_bucket_tensors(engine), seen)
     result["grads"] = _storages(_grad_tensors(engine), seen)
+    result["offload_buffers"] = _storages(_offload_buffer_tensors(engine), seen)
     engine.step()
     result["moments"] = _storages(_moment_tensors(engine), seen)
     return result

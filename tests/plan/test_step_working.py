@@ -102,6 +102,12 @@ def test_host_memory_at_load_is_one_model_read_at_a_time_plus_the_offloaded_stat
     # No offload: the largest model's fp32 read (the critic's and the reward model's 6448 parameters).
     assert _plan(tiny)["host_bytes_at_load"] == CRITIC_NUMEL * 4
     # ZeRO-2 --offload: the actor's and critic's fp32 master, moments and gradients (16 bytes an element)
-    # stay on the host; the peak is the last model's read on top of both.
+    # stay on the host, and DeepSpeed's offload buffers in fp16: a gradient buffer of the largest
+    # parameter (the 1056-element position embedding) and a copy of the weight partition; the peak
+    # is the last model's read on top of both.
     offload = _plan(tiny, "--actor_zero_stage", "2", "--critic_zero_stage", "2", "--offload")
-    assert offload["host_bytes_at_load"] == ACTOR_NUMEL * 16 + CRITIC_NUMEL * 16 + CRITIC_NUMEL * 4
+    buffers = (1056 + ACTOR_NUMEL) * 2 + (1056 + CRITIC_NUMEL) * 2
+    assert offload["host_bytes_at_load"] == ACTOR_NUMEL * 16 + CRITIC_NUMEL * 16 + buffers + CRITIC_NUMEL * 4
+    # ... and each trained engine's device gradient buffer (the largest parameter) is resident.
+    resident = _phase(offload, "generation")
+    assert resident["actor offload buffers"] == resident["critic offload buffers"] == 1056 * 2
