@@ -384,13 +384,7 @@ def convert_linear_layer_to_lora(model: nn.Module,
         linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
         raise UserError(f"--lora_module_name {patterns} matches no nn.Linear layer; "
                         f"Linear layers are named like {linears[:3]}")
-    holders = parameter_holders(model)
-    for name in names:
-        others = [n for n in holders.get(id(model.get_submodule(name).weight), []) if n != name]
-        if others:  # a tied lm_head: freezing and fusing its weight would freeze and change the embeddings too
-            raise UserError(f"--lora_module_name {patterns} matches {name}, whose weight is tied to {others[0]} "
-                            "(tie_word_embeddings): LoRA on it would freeze and change both; leave it out of "
-                            f"--lora_module_name (the default for this model: {lora_target_modules_for(model)!r})")
+    refuse_tied_targets(model, names, patterns)
     for name in names:
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -403,6 +397,19 @@ def convert_linear_layer_to_lora(model: nn.Module,
         lora.tag_weight_for_hybrid_engine()
         setattr(parent, child_name, lora)
     return model
+
+
+def refuse_tied_targets(model: nn.Module, names: Sequence[str], patterns: Sequence[str]) -> None:
+    """One :class:`UserError` line where a Linear of ``model`` named in ``names`` (what the LoRA filter
+    ``patterns`` matched) has a weight another module shares: a tied ``lm_head``, whose LoRA layer
+    would freeze the embeddings and whose fuse would change them. The memory planner asks it too."""
+    holders = parameter_holders(model)
+    for name in names:
+        others = [n for n in holders.get(id(model.get_submodule(name).weight), []) if n != name]
+        if others:
+            raise UserError(f"--lora_module_name {list(patterns)} matches {name}, whose weight is tied to {others[0]} "
+                            "(tie_word_embeddings): LoRA on it would freeze and change both; leave it out of "
+                            f"--lora_module_name (the default for this model: {lora_target_modules_for(model)!r})")
 
 
 def parameter_holders(model: nn.Module) -> Dict[int, List[str]]:

@@ -28,6 +28,7 @@ from transformers import CONFIG_MAPPING, AutoModel, AutoModelForCausalLM
 from dschat.errors import UserError
 from dschat.models.build import padded_vocab_size
 from dschat.models.families import FAMILIES, value_head_dim
+from dschat.models.lora import refuse_tied_targets
 from dschat.models.registry import load_config
 from dschat.models.reward_model import VALUE_HEAD_KEY
 from dschat.runtime.optim import get_optimizer_grouped_parameters
@@ -149,11 +150,13 @@ def with_lora(inv: Inventory, model: nn.Module, lora_dim: int, module_name: str,
     if lora_dim <= 0:
         return inv
     prefix = "rwtransformer." if inv.params[0].name == VALUE_HEAD_KEY else ""
-    shapes = {prefix + name: (m.in_features, m.out_features) for name, m in model.named_modules()
-              if isinstance(m, nn.Linear) and module_name in prefix + name}
-    if not shapes:
+    matched = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and module_name in prefix + name]
+    if not matched:
         raise UserError(f"the LoRA module filter {module_name!r} matches no Linear layer of this {inv.model_type}; "
                         "pass the --*_lora_module_name of its decoder blocks")
+    refuse_tied_targets(model, matched, [module_name])  # as the step refuses it (a tied lm_head)
+    shapes = {prefix + name: (model.get_submodule(name).in_features, model.get_submodule(name).out_features)
+              for name in matched}
     out: list[Param] = []
     for index, p in enumerate(inv.params):
         owner, _, leaf = p.name.rpartition(".")

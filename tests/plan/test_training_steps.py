@@ -70,6 +70,17 @@ def test_freezing_and_lora_only_leave_their_parameters_untrained(tmp_path):
     assert all("lora_" in name or name == "v_head.weight" for name in trained)
 
 
+def test_a_lora_filter_matching_a_tied_lm_head_is_refused_as_the_step_refuses_it(tmp_path):
+    """Tiny OPT ties its lm_head to the embeddings: steps 1 and 3 refuse LoRA on it, and so does the
+    plan (it planned an actor with nothing to train and said it fits)."""
+    from dschat.errors import UserError
+
+    args = build_parser(1).parse_args(base_argv("tiny-opt", tmp_path, "--lora_dim", "4", "--lora_module_name",
+                                                "lm_head", "--only_optimize_lora"))
+    with pytest.raises(UserError, match=r"matches lm_head, whose weight is tied to model.decoder.embed_tokens"):
+        plan(args)
+
+
 def test_step2_plans_chosen_and_rejected_rows(tmp_path):
     """Step 2's activations are those of twice the batch (each pair's two rows); step 1 has logits."""
     one = plan(build_parser(1).parse_args(base_argv("tiny-opt", tmp_path, "--gpu_memory", "1GB")))
