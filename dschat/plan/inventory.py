@@ -105,8 +105,14 @@ def read_config(folder: str) -> Any:
 
 
 def _first(config: Any, *names: str, default: int = 0) -> int:
+    """The first of ``names`` that ``config`` sets to a positive whole number; a negative one is a
+    :class:`UserError` line (it would plan negative bytes)."""
     for name in names:
         value = getattr(config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 0:
+            where = getattr(config, "name_or_path", "") or "the model's config"
+            raise UserError(f"{where}: {name} is {value}; a count of layers, heads or widths must be positive "
+                            "(fix the config.json)")
         if isinstance(value, int) and value:
             return value
     return default
@@ -116,16 +122,22 @@ def inventory(config: Any, *, critic: bool, tokenizer_len: int = 0) -> tuple[Inv
     """The parameters of the actor/reference (``critic=False``: ``AutoModelForCausalLM``) or of the
     critic/reward model (``critic=True``: ``AutoModel`` + ``v_head``) built from ``config``."""
     config = type(config).from_dict(config.to_dict())
+    if not isinstance(getattr(config, "vocab_size", None), int):  # a multimodal config nests it (text_config)
+        where = getattr(config, "name_or_path", "") or "its config"
+        raise UserError(f"{where} sets no top-level vocab_size (a {config.model_type} config); pass a decoder-only "
+                        "causal LM config")
     rows = padded_vocab_size(config.vocab_size, tokenizer_len)
     config.vocab_size = rows
     model_class = AutoModel if critic else AutoModelForCausalLM
     try:
         with torch.device("meta"):
             model = model_class.from_config(config)
-    except (ValueError, TypeError, ArithmeticError, AssertionError, RuntimeError) as err:  # a config value the
-        # model's code rejects (a vocab_size of 0 fails an assert, a negative width a tensor's shape)
+    except (ValueError, TypeError, ArithmeticError, AssertionError, RuntimeError, KeyError, AttributeError) as err:
+        # a config value the model's code rejects (a vocab_size of 0 fails an assert, a negative width a
+        # tensor's shape, an unknown rope_scaling type a lookup, a missing field an attribute)
         where = getattr(config, "name_or_path", "") or "its config"
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0][:120]
+        reason = f"KeyError: {reason}" if isinstance(err, KeyError) else reason  # a bare 'key' says little
         raise UserError(f"cannot build a {config.model_type} model from {where} ({reason}); "
                         "pass a decoder-only causal LM config") from None
     prefix = "rwtransformer." if critic else ""

@@ -136,6 +136,20 @@ def test_a_config_value_the_models_code_rejects_is_one_line(tiny, tmp_path, chan
     assert line.startswith(f"error: cannot build a opt model from {tmp_path} (") and "pass a decoder-only" in line
 
 
+@pytest.mark.parametrize("config, expected", [
+    ({**TINY_OPT, "num_hidden_layers": -1}, "num_hidden_layers is -1; a count of layers, heads or widths must be "
+                                            "positive"),  # it planned negative activations and KV cache
+    ({"model_type": "clip"}, "sets no top-level vocab_size (a clip config)"),  # an AttributeError traceback
+    ({"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+      "intermediate_size": 128, "vocab_size": 100, "rope_scaling": {"rope_type": "nonsense", "factor": 2.0}},
+     "(KeyError: 'nonsense')"),  # a KeyError traceback
+])
+def test_config_values_that_gave_a_traceback_or_a_negative_plan_are_one_line(tiny, tmp_path, config, expected, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    line = _error_line(_argv(tmp_path, "--critic_model_name_or_path", str(tiny)), capsys)
+    assert str(tmp_path) in line and expected in line, line
+
+
 def test_a_batch_pair_step3_refuses_is_the_planners_error_and_never_a_suggestion(tiny, capsys):
     """A generation batch that does not split into training micro-batches: step 3 refuses it before its
     preflight, so the planner does too; halving both batches (20/10 -> 5/2) is such a pair, never offered."""
