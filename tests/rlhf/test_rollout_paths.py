@@ -73,7 +73,8 @@ def test_a_refusing_path_hands_the_rollout_to_the_next_and_the_summary_says_why(
 def test_an_asked_path_that_cannot_serve_is_one_fallback_record_said_once(model_and_tokenizer, capsys):
     expected = _generate_expected(model_and_tokenizer)
     gen = _generator(model_and_tokenizer, generation_loop="graphs")
-    said = "--generation_loop graphs: not used (CUDA graphs need a CUDA device, the actor is on 'cpu'); decoding with dschat's loop"
+    said = ("--generation_loop graphs: not used (CUDA graphs need a CUDA device, the actor is on 'cpu'); decoding with "
+            "dschat's loop, or Hugging Face generate() where that loop cannot serve")  # (ZeRO-3 fetched layer by layer)
     for _ in range(2):
         assert torch.equal(gen.generate(PROMPTS, PROMPT_MASK), expected)
         assert gen.fallback == Fallback("graphs", said) and gen.fallback_reason == said
@@ -103,7 +104,7 @@ def test_a_failing_path_falls_back_to_the_next_unless_out_of_memory(model_and_to
     monkeypatch.setattr(graphs, "generate", compiler_failure)
     assert torch.equal(gen.generate(PROMPTS, PROMPT_MASK), expected) and gen.last_loop == "dschat"
     said = ("--generation_loop auto: CUDA graphs failed (RuntimeError: inductor could not lower this); "
-            "decoding with dschat's loop from now on")
+            "decoding with dschat's loop (or Hugging Face generate() where that loop cannot serve) from now on")
     assert gen.fallback == Fallback("graphs", said)
     assert "graphs: failed (RuntimeError), off for the rest of the run]" in gen.summary_line()
     assert torch.equal(gen.generate(PROMPTS, PROMPT_MASK), expected)  # graphs is not asked again

@@ -74,7 +74,8 @@ class GraphsPath(DecodingPath):
         elif getattr(module.config, "is_encoder_decoder", False):
             why_not = "encoder-decoder models are not supported"
         if why_not is not None and gen.generation_loop == "graphs":
-            fall_back(gen, self.name, f"--generation_loop graphs: not used ({why_not}); decoding with dschat's loop")
+            fall_back(gen, self.name, f"--generation_loop graphs: not used ({why_not}); decoding with dschat's loop, or "
+                                       "Hugging Face generate() where that loop cannot serve")
             gen.generation_loop = "dschat"
         return why_not
 
@@ -169,7 +170,8 @@ class GraphsPath(DecodingPath):
             return None
         flag = self.gen.generation_loop
         self.gen.generation_loop = "dschat"
-        return f"--generation_loop {flag}: CUDA graphs failed ({raised(err)}); decoding with dschat's loop from now on"
+        return (f"--generation_loop {flag}: CUDA graphs failed ({raised(err)}); decoding with dschat's loop (or Hugging "
+                "Face generate() where that loop cannot serve) from now on")
 
 
 class _EndRows(LogitsProcessor):
