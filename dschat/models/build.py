@@ -145,14 +145,25 @@ def create_hf_model(
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.pad_token_id = tokenizer.pad_token_id
-    new_size = vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer))
-    if new_size != model.get_input_embeddings().weight.shape[0] or _is_zero3(ds_config):
-        # Under ZeRO-3 the local weight shape is partitioned; resize always (a no-op when equal).
-        # dschf must still be alive here: transformers gathers the partitioned embeddings for the
-        # resize only while it sees ZeRO-3 enabled (else: "not enough values to unpack").
-        model.resize_token_embeddings(new_size)
+    # dschf must still be alive here: transformers gathers the partitioned embeddings for the
+    # resize only while it sees ZeRO-3 enabled (else: "not enough values to unpack").
+    resize_vocab(model, vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer)))
     del dschf
     return model
+
+
+def resize_vocab(model: nn.Module, rows: int) -> None:
+    """Resize ``model``'s input embeddings (and a tied head) to ``rows`` where their full row count
+    differs (ZeRO-3: the partitioned weight's ``ds_shape``), leaving torch's random state as it was.
+
+    transformers initialises a fresh embedding for a resize (under ZeRO-3 even for the same size),
+    which draws from the global generator: a run's dropout masks and LoRA initialisations then
+    depended on the ZeRO stage for the same ``--seed``."""
+    if full_shape(model.get_input_embeddings().weight)[0] == rows:
+        return
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        model.resize_token_embeddings(rows)
 
 
 # transformers' OSError for a folder without weights (a missing model.safetensors / pytorch_model.bin).
@@ -371,9 +382,7 @@ def _load_base_strict(
         )
     model.config.end_token_id = tokenizer.eos_token_id
     model.config.pad_token_id = tokenizer.pad_token_id
-    new_size = vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer))
-    if new_size != model.config.vocab_size:
-        model.resize_token_embeddings(new_size)
+    resize_vocab(model, vocab_rows or padded_vocab_size(model.config.vocab_size, len(tokenizer)))
     del dschf  # kept alive through the resize: transformers gathers ZeRO-3 embeddings only then
     return model
 

@@ -12,6 +12,7 @@ from dschat.models.build import (
     create_critic_model,
     create_hf_model,
     padded_vocab_size,
+    resize_vocab,
 )
 from dschat.models.reward_model import RewardModel, last_token_index, positions_from_mask
 
@@ -53,6 +54,23 @@ def test_create_hf_model_pad_and_vocab(name):
     assert model.config.pad_token_id == tok.pad_token_id
     assert model.config.end_token_id == tok.eos_token_id
     assert tok.padding_side == "right"
+
+
+def test_a_resize_leaves_the_random_state_and_a_zero3_weight_of_the_same_rows_is_not_resized(monkeypatch):
+    """transformers draws a fresh embedding's init for a resize (under ZeRO-3 even for the same size):
+    the dropout masks and LoRA factors of one --seed then differed between ZeRO 0 and ZeRO 3."""
+    model = create_hf_model(AutoModelForCausalLM, "tiny-opt", load_hf_tokenizer("tiny-opt"))
+    weight = model.get_input_embeddings().weight
+    rows, hidden = weight.shape
+    state = torch.get_rng_state()
+    resize_vocab(model, rows + 8)
+    assert model.get_input_embeddings().weight.shape[0] == rows + 8
+    assert torch.equal(torch.get_rng_state(), state)
+    # A ZeRO-3 weight: partitioned away (local shape 0), its full shape in ds_shape.
+    weight = model.get_input_embeddings().weight
+    weight.data, weight.ds_shape = torch.empty(0), torch.Size([rows + 8, hidden])
+    monkeypatch.setattr(model, "resize_token_embeddings", lambda n: pytest.fail(f"resized to {n}"))
+    resize_vocab(model, rows + 8)
 
 
 def _reward_model(name, seed=0):
