@@ -34,7 +34,8 @@ def add_unsupervised_data_args(parser: argparse.ArgumentParser) -> argparse._Arg
     group.add_argument("--unsupervised_dataset_config_name", type=str, default=None,
                        help="The configuration name of the dataset to use (via the datasets library).")
     group.add_argument("--preprocessing_num_workers", type=int, default=None,
-                       help="The number of processes to use for the preprocessing.")
+                       help="The number of processes to use for the preprocessing. (dschat) A positive "
+                            "number, at most this machine's CPUs (more are lowered to them, with a notice); unset: one.")
     return group
 
 

@@ -15,6 +15,7 @@ config name is optional (upstream required both: docs/upstream.md#ppo-ptx-text).
 """
 from __future__ import annotations
 
+import os
 from itertools import chain
 from pathlib import Path
 from typing import Any
@@ -218,7 +219,7 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
             f"holds {feature}, not strings; name the column 'text'"
         )
     _check_no_null_texts(raw["train"], text_column_name, name)
-    num_proc = getattr(args, "preprocessing_num_workers", None)
+    num_proc = _worker_processes(getattr(args, "preprocessing_num_workers", None))
 
     def tokenize_function(examples: dict) -> Any:
         return tokenizer(examples[text_column_name])
@@ -260,3 +261,14 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
     if len(lm_datasets["train"]) == 0:
         raise UserError(f"unsupervised dataset {name!r} gives no tokens; give it some text")
     return lm_datasets["train"]
+
+
+def _worker_processes(asked: int | None) -> int | None:
+    """``--preprocessing_num_workers``, at most this machine's CPUs (one notice when lowered): datasets
+    starts one process per worker up to a process per row, so ``100000`` forked a process per row."""
+    cpus = os.cpu_count() or 1
+    if asked is None or asked <= cpus:
+        return asked
+    print(f"--preprocessing_num_workers {asked}: tokenising the PPO-ptx data with {cpus} processes, the CPUs of "
+          "this machine", flush=True)
+    return cpus

@@ -45,6 +45,8 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
             raise UserError(f"--{name} must be 0, 1, 2 or 3, got {getattr(args, name)}")
     for name in ("max_prompt_seq_len", "max_answer_seq_len", "num_train_epochs", "print_answers_interval"):
         positive_flag(name, getattr(args, name))
+    if getattr(args, "preprocessing_num_workers", None) is not None:  # unset: one process (datasets' default)
+        positive_flag("preprocessing_num_workers", args.preprocessing_num_workers)
     if args.max_prompt_seq_len < 2:
         raise UserError(f"--max_prompt_seq_len must be >= 2 (the reward model reads the prompt length), "
                         f"got {args.max_prompt_seq_len}")

@@ -44,6 +44,32 @@ def test_txt_file_blocks_and_labels(tmp_path):
     assert ds["attention_mask"] == [[1] * 5 for _ in blocks]
 
 
+def test_more_workers_than_cpus_are_this_machines_cpus(tmp_path, monkeypatch, capsys):
+    """datasets starts a process per worker, up to one per row: --preprocessing_num_workers 100000
+    forked a process per row of the corpus (the machine ran out of memory)."""
+    import dschat.data.unsupervised as unsupervised
+
+    monkeypatch.setattr(unsupervised.os, "cpu_count", lambda: 2)
+    path = tmp_path / "corpus.txt"
+    path.write_text("\n".join(f"text number {i} here" for i in range(40)) + "\n", encoding="utf-8")
+    args = ptx_args(path)
+    args.preprocessing_num_workers = 100000
+    started = []
+    real_map = DatasetDict.map
+
+    def counting_map(self, *a, **k):
+        started.append(k.get("num_proc"))
+        return real_map(self, *a, **k)
+
+    monkeypatch.setattr(DatasetDict, "map", counting_map)
+    tok = make_tokenizer()
+    assert get_unsupervised_data(args, tok)["input_ids"] == expected_blocks(tok, [f"text number {i} here"
+                                                                                  for i in range(40)], 5)
+    assert started and set(started) == {2}
+    assert ("--preprocessing_num_workers 100000: tokenising the PPO-ptx data with 2 processes, the CPUs of this "
+            "machine") in capsys.readouterr().out
+
+
 def test_short_corpus_keeps_one_short_block(tmp_path):
     # total_length < block_size: upstream keeps everything as one shorter block.
     tok = make_tokenizer()

@@ -165,6 +165,13 @@ def test_ppo_numbers_out_of_range_are_one_line(flag, value, rule):
         validate_step3_args(_args(**{flag: value}), accelerator="cpu", dtype="fp32")
 
 
+@pytest.mark.parametrize("value", [0, -1])
+def test_preprocessing_workers_are_a_positive_count_or_unset(value):
+    with pytest.raises(UserError, match=f"^--preprocessing_num_workers must be a positive integer, got {value}$"):
+        validate_step3_args(_args(preprocessing_num_workers=value), accelerator="cpu", dtype="fp32")
+    assert validate_step3_args(_args(preprocessing_num_workers=4), accelerator="cpu", dtype="fp32") == []
+
+
 def test_gamma_applies_to_reinforce_pp_and_gae_flags_to_ppo():
     assert validate_step3_args(_args(algorithm="reinforce_pp", gamma=0.99), accelerator="cpu", dtype="fp32") == []
     assert validate_step3_args(_args(lam=0.9, gamma=0.99, cliprange_value=0.5), accelerator="cpu", dtype="fp32") == []
