@@ -32,6 +32,7 @@ Pure Python (torch only through :mod:`dschat.rewards`): no DeepSpeed, no models.
 """
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 import time
@@ -324,7 +325,10 @@ def _copy_containers(value: Any) -> Any:
     values become the episode's own); other objects are shared as they are (a row handed to
     :class:`EpisodeBatch` from Python may hold objects that cannot be copied)."""
     if isinstance(value, dict):
-        return {key: _copy_containers(item) for key, item in value.items()}
+        copied = copy.copy(value)  # its own type: a defaultdict keeps its default
+        for key, item in value.items():
+            copied[key] = _copy_containers(item)
+        return copied
     if type(value) in (list, tuple, set):  # not a named tuple, whose constructor takes fields
         return type(value)(_copy_containers(item) for item in value)
     return value

@@ -237,11 +237,14 @@ def building(files: CacheFiles) -> Iterator[None]:
     private_folder(files.lock.parent)
     try:
         with locked(files.lock):
-            yield
+            try:
+                yield
+            except UserError:
+                if not lock_was_there:  # removed while still held
+                    with contextlib.suppress(FileNotFoundError):
+                        files.lock.unlink()
+                raise
     except UserError:
-        if not lock_was_there:
-            with contextlib.suppress(FileNotFoundError):
-                files.lock.unlink()
         remove_made_folders(created)  # not those holding someone else's files
         raise
 

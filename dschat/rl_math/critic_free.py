@@ -76,7 +76,7 @@ def informative_groups(rewards: torch.Tensor, group_size: int, *, atol: float = 
     A group whose ``K`` rewards are all equal has a zero reward advantage under a group baseline
     (GRPO, RLOO), so it carries no policy gradient from its reward. Equal means ``max - min <= atol``:
     ``atol`` is well above GRPO's ``eps`` (1e-6), so float noise between equal scores is not made an
-    advantage (GRPO's std division would scale a spread of 1e-4 up to about +-0.7); real differences
+    advantage (GRPO's std division would scale a spread of 1e-4 up to order 1: +-0.7 for K = 2); real differences
     that small are dropped with it. Shape: rewards (B,) with ``B = G x K``; returns (G,) bool, True
     where the group's rewards differ.
     """

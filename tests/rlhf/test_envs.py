@@ -423,3 +423,13 @@ def test_an_environment_factory_gets_a_copy_of_its_row():
 
     EpisodeBatch(EnvironmentFactory("t:f", hint_game), [row, row], max_turns=1)
     assert row["hints"] == ["red", "round"]
+    # A row from Python may hold a dict of another type: it keeps its type (a defaultdict its default).
+    from collections import defaultdict
+
+    from dschat.envs import _copy_containers
+
+    counts = defaultdict(list, {"a": [1]})
+    copied = _copy_containers({"counts": counts})["counts"]
+    copied["a"].append(2)
+    copied["new"].append(3)
+    assert type(copied) is defaultdict and counts == {"a": [1]}
