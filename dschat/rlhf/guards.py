@@ -19,6 +19,8 @@ from dschat.training.run_setup import check_dropouts, check_rates_and_decays
 
 __all__ = ["validate_step3_args"]
 
+MIN_TEMPERATURE = 1e-6  # --decoding sample's lowest --temperature (logits / t stay finite in float32)
+
 
 def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_reward_fn: bool = False) -> list[str]:
     """Refuse contradictory step-3 flags with one :class:`UserError`; return warnings to print.
@@ -67,8 +69,10 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
             "are built from the flags (--actor_zero_stage, --critic_zero_stage, --offload, --dtype, ...); drop it"
         )
     if args.decoding == "sample":
-        if not args.temperature > 0:
-            raise UserError(f"--temperature must be > 0 for --decoding sample, got {args.temperature}")
+        if not (math.isfinite(args.temperature) and args.temperature >= MIN_TEMPERATURE):
+            # logits / 1e-300 overflow to inf and the sampler's probabilities are nan (a traceback mid-run)
+            raise UserError(f"--temperature must be > 0 for --decoding sample: a finite number of at least "
+                            f"{MIN_TEMPERATURE:g} (below: --decoding greedy), got {args.temperature}")
         if not 0 < args.top_p <= 1:
             raise UserError(f"--top_p must be in (0, 1], got {args.top_p}")
         if args.top_k < 0:
@@ -76,6 +80,15 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
     for name in ("actor_lora_dim", "critic_lora_dim"):
         if getattr(args, name) < 0:
             raise UserError(f"--{name} must be >= 0 (0: no LoRA), got {getattr(args, name)}")
+    sampling = flags_off_default(args, ("temperature", "top_p", "top_k"))
+    if args.decoding == "greedy" and sampling:
+        warnings.append(f"--decoding greedy takes each most likely token: {', '.join(f'--{n}' for n in sorted(sampling))} "
+                        "not used")
+    ptx_only = flags_off_default(args, ("unsup_coef", "unsupervised_dataset_config_name", "preprocessing_num_workers"))
+    if ptx_only and not getattr(args, "unsupervised_dataset_name", None):
+        warnings.append(f"{', '.join(f'--{n}' for n in sorted(ptx_only))} not used: PPO-ptx needs "
+                        "--unsupervised_dataset_name")
+    positive_flag("tp_gather_partition_size", args.tp_gather_partition_size)
     if args.inference_tp_size < 1:
         raise UserError(f"--inference_tp_size must be >= 1, got {args.inference_tp_size}")
     if args.inference_tp_size > 1 and args.actor_zero_stage != 3:

@@ -169,7 +169,31 @@ def test_ppo_numbers_out_of_range_are_one_line(flag, value, rule):
 def test_preprocessing_workers_are_a_positive_count_or_unset(value):
     with pytest.raises(UserError, match=f"^--preprocessing_num_workers must be a positive integer, got {value}$"):
         validate_step3_args(_args(preprocessing_num_workers=value), accelerator="cpu", dtype="fp32")
-    assert validate_step3_args(_args(preprocessing_num_workers=4), accelerator="cpu", dtype="fp32") == []
+    ptx = _args(preprocessing_num_workers=4, unsupervised_dataset_name="dschat/builtin")
+    assert validate_step3_args(ptx, accelerator="cpu", dtype="fp32") == []
+
+
+@pytest.mark.parametrize("value", [1e-300, 1e-7, float("inf")])
+def test_a_temperature_that_overflows_the_logits_or_is_infinite_is_one_line(value):
+    """logits / 1e-300 are inf and the sampler's probabilities nan: a traceback at the first rollout."""
+    with pytest.raises(UserError, match=rf"^--temperature must be > 0 for --decoding sample: a finite number of at "
+                                        rf"least 1e-06 \(below: --decoding greedy\), got {value}$"):
+        validate_step3_args(_args(temperature=value), accelerator="cpu", dtype="fp32")
+    assert validate_step3_args(_args(temperature=1e-6), accelerator="cpu", dtype="fp32") == []
+
+
+def test_flags_that_do_nothing_in_this_run_are_said_and_a_bad_gather_partition_is_refused():
+    said = validate_step3_args(_args(decoding="greedy", temperature=0.5, top_k=7), accelerator="cpu", dtype="fp32")
+    assert said == ["--decoding greedy takes each most likely token: --temperature, --top_k not used"]
+    said = validate_step3_args(_args(unsup_coef=5.0, unsupervised_dataset_config_name="wikitext-2-raw-v1"),
+                               accelerator="cpu", dtype="fp32")
+    assert said == ["--unsup_coef, --unsupervised_dataset_config_name not used: PPO-ptx needs "
+                    "--unsupervised_dataset_name"]
+    assert validate_step3_args(_args(unsupervised_dataset_name="dschat/builtin", unsup_coef=5.0),
+                               accelerator="cpu", dtype="fp32") == []
+    for value in (0, -3):
+        with pytest.raises(UserError, match=f"^--tp_gather_partition_size must be a positive integer, got {value}$"):
+            validate_step3_args(_args(tp_gather_partition_size=value), accelerator="cpu", dtype="fp32")
 
 
 def test_gamma_applies_to_reinforce_pp_and_gae_flags_to_ppo():
@@ -179,7 +203,7 @@ def test_gamma_applies_to_reinforce_pp_and_gae_flags_to_ppo():
 
 def test_ppo_numbers_at_their_edges_pass():
     edges = {"kl_ctl": 0.0, "gamma": 0.0, "lam": 1.0, "missing_eos_penalty": 0.0, "unsup_coef": 0.0,
-             "clip_reward_value": float("inf"), "cliprange": 1.0}
+             "clip_reward_value": float("inf"), "cliprange": 1.0, "unsupervised_dataset_name": "dschat/builtin"}
     assert validate_step3_args(_args(**edges), accelerator="cpu", dtype="fp32") == []
 
 
@@ -271,6 +295,16 @@ def test_a_model_folder_the_run_cannot_write_is_refused(tmp_path, critic_dirs, d
     line = refused_in_process(base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(out)),
                               capsys)
     assert f"the folder for the critic {out / 'critic'} cannot be written" in line
+
+
+def test_a_rollout_of_more_generation_batches_than_the_run_has_is_refused(tmp_path, critic_dirs, data_cache, capsys):
+    """It never completed a rollout: no PPO step, exit 0, and the untouched models saved as trained."""
+    argv = base_argv("tiny-opt", critic_dirs["tiny-opt"], data_cache, "--output_dir", str(tmp_path / "out"),
+                     "--generation_batches", "1000")
+    line = refused_in_process(argv, capsys)
+    assert ("--generation_batches 1000 makes a rollout of more generation batches than the run has (" in line
+            and "x --num_train_epochs 1), so it would never train" in line), line
+    assert not (tmp_path / "out" / "actor").exists()
 
 
 # ------------------------------------------------------------------------------------ DeepSpeed configs
