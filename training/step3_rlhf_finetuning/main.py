@@ -223,7 +223,12 @@ def create_datasets(args: argparse.Namespace, tokenizer: PreTrainedTokenizerBase
                 f"it splits into several micro-batches of {args.per_device_training_batch_size}; use more "
                 "data or smaller batch sizes"
             )
-    total_iters = num_total_iters(plan, batches_per_epoch(prompt_loader, unsup_loader), args.num_train_epochs)
+    batches = batches_per_epoch(prompt_loader, unsup_loader)
+    if batches * args.num_train_epochs < args.generation_batches:  # a rollout is never complete: nothing trains
+        raise UserError(f"--generation_batches {args.generation_batches} makes a rollout of more generation batches "
+                        f"than the run has ({batches} per epoch x --num_train_epochs {args.num_train_epochs}), so it "
+                        "would never train; lower --generation_batches or the batch sizes, or use more data")
+    total_iters = num_total_iters(plan, batches, args.num_train_epochs)
     return prompt_loader, unsup_loader, total_iters
 
 
