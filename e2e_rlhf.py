@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import datetime
 import json
-import math
 import os
 import re
 import shlex
