@@ -137,7 +137,7 @@ def add_ppo_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="(dschat) Rollout decoding. 'sample' (default) draws answers from the "
                             "policy, which is what the PPO ratio assumes; 'greedy' reproduces "
                             "upstream's default for OPT and its saved checkpoints.")
-    group.add_argument("--temperature", type=float, default=1.0, help="(dschat) Sampling temperature: a finite number >= 1e-6 "
+    group.add_argument("--temperature", type=float, default=1.0, help="(dschat) Sampling temperature: a finite number >= 1e-6 (fp16: 1e-2) "
                        "(--decoding greedy for lower; greedy decoding uses no --temperature, --top_k, --top_p).")
     group.add_argument("--top_k", type=int, default=0, help="(dschat) Top-k sampling (0: off).")
     group.add_argument("--top_p", type=float, default=1.0, help="(dschat) Nucleus sampling (1.0: off).")

@@ -264,9 +264,9 @@ def get_unsupervised_data(args: Any, tokenizer: Any) -> Any:
 
 
 def _worker_processes(asked: int | None) -> int | None:
-    """``--preprocessing_num_workers``, at most this machine's CPUs (one notice when lowered): datasets
+    """``--preprocessing_num_workers``, at most the CPUs this process may use (one notice when lowered): datasets
     starts one process per worker up to a process per row, so ``100000`` forked a process per row."""
-    cpus = os.cpu_count() or 1
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if asked is None or asked <= cpus:
         return asked
     print(f"--preprocessing_num_workers {asked}: tokenising the PPO-ptx data with {cpus} processes, the CPUs of "

@@ -19,7 +19,10 @@ from dschat.training.run_setup import check_dropouts, check_rates_and_decays
 
 __all__ = ["validate_step3_args"]
 
-MIN_TEMPERATURE = 1e-6  # --decoding sample's lowest --temperature (logits / t stay finite in float32)
+# --decoding sample's lowest --temperature: logits / t stay finite (in fp16, whose largest number is
+# 65504, the scoring passes divide the model's half-precision logits: logits up to 655 at 1e-2).
+MIN_TEMPERATURE = {"fp16": 1e-2}
+MIN_TEMPERATURE_DEFAULT = 1e-6
 
 
 def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_reward_fn: bool = False) -> list[str]:
@@ -69,10 +72,12 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
             "are built from the flags (--actor_zero_stage, --critic_zero_stage, --offload, --dtype, ...); drop it"
         )
     if args.decoding == "sample":
-        if not (math.isfinite(args.temperature) and args.temperature >= MIN_TEMPERATURE):
+        lowest = MIN_TEMPERATURE.get(dtype, MIN_TEMPERATURE_DEFAULT)
+        if not (math.isfinite(args.temperature) and args.temperature >= lowest):
             # logits / 1e-300 overflow to inf and the sampler's probabilities are nan (a traceback mid-run)
             raise UserError(f"--temperature must be > 0 for --decoding sample: a finite number of at least "
-                            f"{MIN_TEMPERATURE:g} (below: --decoding greedy), got {args.temperature}")
+                            f"{lowest:g}{' in fp16' if dtype == 'fp16' else ''} (below: --decoding greedy), "
+                            f"got {args.temperature}")
         if not 0 < args.top_p <= 1:
             raise UserError(f"--top_p must be in (0, 1], got {args.top_p}")
         if args.top_k < 0:

@@ -49,7 +49,7 @@ def test_more_workers_than_cpus_are_this_machines_cpus(tmp_path, monkeypatch, ca
     forked a process per row of the corpus (the machine ran out of memory)."""
     import dschat.data.unsupervised as unsupervised
 
-    monkeypatch.setattr(unsupervised.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(unsupervised.os, "sched_getaffinity", lambda pid: {0, 1})
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join(f"text number {i} here" for i in range(40)) + "\n", encoding="utf-8")
     args = ptx_args(path)

@@ -180,6 +180,10 @@ def test_a_temperature_that_overflows_the_logits_or_is_infinite_is_one_line(valu
                                         rf"least 1e-06 \(below: --decoding greedy\), got {value}$"):
         validate_step3_args(_args(temperature=value), accelerator="cpu", dtype="fp32")
     assert validate_step3_args(_args(temperature=1e-6), accelerator="cpu", dtype="fp32") == []
+    # fp16 (the scoring passes divide half-precision logits; its largest number is 65504): 1e-2 at least.
+    with pytest.raises(UserError, match=r"at least 0.01 in fp16 \(below: --decoding greedy\), got 0.001$"):
+        validate_step3_args(_args(temperature=1e-3), accelerator="cuda", dtype="fp16")
+    assert validate_step3_args(_args(temperature=1e-2), accelerator="cuda", dtype="fp16") == []
 
 
 def test_flags_that_do_nothing_in_this_run_are_said_and_a_bad_gather_partition_is_refused():
