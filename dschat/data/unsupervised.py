@@ -269,6 +269,6 @@ def _worker_processes(asked: int | None) -> int | None:
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if asked is None or asked <= cpus:
         return asked
-    print(f"--preprocessing_num_workers {asked}: tokenising the PPO-ptx data with {cpus} processes, the CPUs of "
-          "this machine", flush=True)
+    print(f"--preprocessing_num_workers {asked}: tokenising the PPO-ptx data with {cpus} processes, the CPUs "
+          "this process may use", flush=True)
     return cpus

@@ -44,9 +44,11 @@ def test_txt_file_blocks_and_labels(tmp_path):
     assert ds["attention_mask"] == [[1] * 5 for _ in blocks]
 
 
-def test_more_workers_than_cpus_are_this_machines_cpus(tmp_path, monkeypatch, capsys):
+def test_more_workers_than_cpus_are_the_cpus_this_process_may_use(tmp_path, monkeypatch, capsys):
     """datasets starts a process per worker, up to one per row: --preprocessing_num_workers 100000
-    forked a process per row of the corpus (the machine ran out of memory)."""
+    forked a process per row of the corpus (the machine ran out of memory). The map is asked for the
+    CPUs' count and then run in this process: forking a test worker is itself refused (ENOMEM) on a
+    loaded machine."""
     import dschat.data.unsupervised as unsupervised
 
     monkeypatch.setattr(unsupervised.os, "sched_getaffinity", lambda pid: {0, 1})
@@ -59,15 +61,15 @@ def test_more_workers_than_cpus_are_this_machines_cpus(tmp_path, monkeypatch, ca
 
     def counting_map(self, *a, **k):
         started.append(k.get("num_proc"))
-        return real_map(self, *a, **k)
+        return real_map(self, *a, **{**k, "num_proc": None})
 
     monkeypatch.setattr(DatasetDict, "map", counting_map)
     tok = make_tokenizer()
     assert get_unsupervised_data(args, tok)["input_ids"] == expected_blocks(tok, [f"text number {i} here"
                                                                                   for i in range(40)], 5)
     assert started and set(started) == {2}
-    assert ("--preprocessing_num_workers 100000: tokenising the PPO-ptx data with 2 processes, the CPUs of this "
-            "machine") in capsys.readouterr().out
+    assert ("--preprocessing_num_workers 100000: tokenising the PPO-ptx data with 2 processes, the CPUs this "
+            "process may use") in capsys.readouterr().out
 
 
 def test_short_corpus_keeps_one_short_block(tmp_path):
