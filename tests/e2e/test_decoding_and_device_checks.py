@@ -20,6 +20,9 @@ from dschat.eval.heldout import EvalSettings
 @pytest.mark.parametrize("flags, message", [
     (["--temperature", "0"], "--temperature must be > 0 when sampling, got 0.0; or pass --greedy"),
     (["--temperature", "nan"], "--temperature must be > 0"),
+    (["--temperature", "1e-300"], "--temperature must be a finite number of at least 1e-06 when sampling, got "
+                                  "1e-300; or pass --greedy (greedy decoding)"),
+    (["--temperature", "inf"], "--temperature must be a finite number of at least 1e-06"),
     (["--top_p", "0"], "--top_p must be in (0, 1] when sampling (1: off), got 0.0"),
     (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
     (["--top_k", "-1"], "--top_k must be >= 0 when sampling (0: off), got -1"),
