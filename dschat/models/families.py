@@ -68,8 +68,9 @@ def value_head_dim(config: Any) -> int:
 
 #: ``model_type`` of the families whose position embedding is a table of ``max_position_embeddings``
 #: rows that transformers' modeling code indexes by position (learned: OPT, GPT-2, GPT-Neo,
-#: GPTBigCode, BioGPT, GPT-1; CTRL's fixed sinusoid table): a longer sequence is an ``IndexError``.
-#: Rotary (Llama, Qwen, GPT-NeoX, GPT-J, ...) and ALiBi (BLOOM) families compute their positions and
-#: run longer sequences, so they are not refused.
+#: GPTBigCode, BioGPT, GPT-1; CTRL's fixed sinusoid table; GPT-J's and CodeGen's rotary sin/cos
+#: table): a longer sequence is an ``IndexError``. Rotary families that compute their sin/cos from
+#: the positions (Llama, Qwen, GPT-NeoX, ...) and ALiBi (BLOOM) run longer sequences, so they are
+#: not refused.
 POSITION_TABLE_MODEL_TYPES: frozenset[str] = frozenset(
-    {"opt", "gpt2", "gpt_neo", "gpt_bigcode", "biogpt", "openai-gpt", "ctrl"})
+    {"opt", "gpt2", "gpt_neo", "gpt_bigcode", "biogpt", "openai-gpt", "ctrl", "gptj", "codegen"})

@@ -73,6 +73,12 @@ def test_position_limits_by_family(tmp_path):
     neo = save_config(tmp_path / "neo", transformers.GPTNeoConfig(max_position_embeddings=128))
     with pytest.raises(UserError, match="its gpt_neo position embeddings have 128 positions"):
         check_seq_len_fits_positions(neo, 129)
+    for family, config in (("gptj", transformers.GPTJConfig(n_positions=32)),  # a table of rotary sin/cos
+                           ("codegen", transformers.CodeGenConfig(n_positions=32))):
+        folder = save_config(tmp_path / family, config)
+        check_seq_len_fits_positions(folder, 32)
+        with pytest.raises(UserError, match=f"its {family} position embeddings have 32 positions"):
+            check_seq_len_fits_positions(folder, 33)
     check_seq_len_fits_positions("tiny-llama", 4096)  # 512 rotary positions in its config
     bloom = save_config(tmp_path / "bloom", transformers.BloomConfig())
     check_seq_len_fits_positions(bloom, 100_000)
