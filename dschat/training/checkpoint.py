@@ -64,8 +64,8 @@ from dschat.runtime.trust import missing_ancestors, remove_made_folders
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
 from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
                                       complete_checkpoints, earlier_run_checkpoints, foreign_checkpoints, is_foreign,
-                                      latest_checkpoint, next_sequence, prune_leftovers, prune_rotated,
-                                      protected_problem, put_back, replaces_protected, restore_replaced,
+                                      is_in, latest_checkpoint, left_by_dschat, next_sequence, protected_problem,
+                                      prune_leftovers, prune_rotated, put_back, replaces_protected, restore_replaced,
                                       retire_incomplete, set_aside, steps_of as _steps_of)
 from dschat.training.nonfinite import check_weights_finite
 from dschat.training.weights_file import load_weights, save_weights
@@ -193,14 +193,17 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
         for notice in restore_replaced(root) + retire_incomplete(root):
             print(f"[checkpoint] {notice}", flush=True)
     barrier()
+    if wants_checkpoints(args):  # found now, not by the first save after hours of training
+        refuse_unless_all(root.is_dir() or not os.path.lexists(root), f"sees {root}, which is not a folder: "
+                          "the checkpoints go there", f"move it out of {args.output_dir}, or pass another --output_dir")
     foreign = foreign_checkpoints(root)
     for folder in foreign:
         print(f"[checkpoint] {folder} is not a checkpoint dschat wrote (no {MARKER}, no {WRITING_TAG}, no "
               "consolidated/ and rng_rank*.json); left as it is", flush=True)
-    refuse_unless_all(not foreign, f"sees a step_<N> folder in {root} that dschat did not write (named above)",
-                      f"move it out of {root} (on every node), then rerun")
+    refuse_unless_all(not foreign, f"sees a step_<N> (or .tmp-step_<N>) entry in {root} that dschat did not write "
+                      "(named above)", f"move it out of {root} (on every node), then rerun")
     source = getattr(args, "resume_from", None)
-    elsewhere = bool(source) and not _is_parent(root, Path(source))
+    elsewhere = bool(source) and not is_in(root, Path(source))
     fresh = not getattr(args, "resume", False) and (not source or elsewhere)
     # A fresh run would mix its checkpoints with the old ones, and a later --resume could pick an old one.
     earlier = fresh and bool(earlier_run_checkpoints(root))
@@ -220,14 +223,6 @@ def prepare_checkpoint_root(args: CheckpointSettings, rank: int) -> None:
             refuse_unless_shared(root, rank, "the checkpoint folder")
         finally:
             remove_made_folders(made)  # a run stopped later by bad input leaves no empty folders behind
-
-
-def _is_parent(root: Path, folder: Path) -> bool:
-    """Whether ``folder`` is directly in ``root`` (the same folder by any path: links, ``..``)."""
-    try:
-        return os.path.samefile(folder.parent, root)
-    except OSError:  # either is missing: there is nothing of an earlier run in root to mix with
-        return folder.absolute().parent == root.absolute()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -344,8 +339,10 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     refuse_foreign_root(root)  # planted since start-up
     refuse_unless_all(not (rank == 0 and replaces_protected(final, never_replaced)), protected_problem(final),
                       PROTECTED_FIX)
+    refuse_unless_all(not (rank == 0 and os.path.lexists(tmp) and not left_by_dschat(tmp)), f"would replace {tmp}, "
+                      "which dschat did not write", f"move it out of {root}, then continue with --resume")
     if rank == 0:
-        if tmp.exists():
+        if os.path.lexists(tmp):  # a save of this step stopped midway (left_by_dschat)
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
         (tmp / WRITING_TAG).write_text("a checkpoint dschat is writing; complete once it holds "
@@ -366,8 +363,8 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     written.append(rng_file)
     for path in written:  # each rank its own files, before rank 0 renames the folder
         fsync_path(path)
-    refuse_unless_all(not (rank == 0 and is_foreign(final)), f"would replace {final}, a folder that dschat did not write (no {MARKER}, no "
-                                   f"{WRITING_TAG})", f"move it out of {root}, then continue with --resume")
+    refuse_unless_all(not (rank == 0 and is_foreign(final)), f"would replace {final}, which dschat did not write "
+                      f"(no {MARKER}, no {WRITING_TAG})", f"move it out of {root}, then continue with --resume")
     aside = None
     if rank == 0:
         try:

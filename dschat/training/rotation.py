@@ -155,6 +155,14 @@ def prune_rotated(root: Path, keep: int, protect: list[Path]) -> list[Path]:
     return pruned
 
 
+def is_in(root: Path, folder: Path) -> bool:
+    """Whether ``folder`` is directly in ``root`` (the same folder by any path: links, ``..``)."""
+    try:
+        return os.path.samefile(folder.parent, root)
+    except OSError:  # either is missing: there is nothing of an earlier run in root to mix with
+        return folder.absolute().parent == root.absolute()
+
+
 def begun_by_dschat(folder: Path) -> bool:
     """Whether dschat began writing the checkpoint ``folder``: it holds the in-progress tag, or
     (renamed in by a dschat from before the tag, which renames a folder only once every file is in)
@@ -170,8 +178,19 @@ def is_foreign(folder: Path) -> bool:
 
 
 def foreign_checkpoints(root: Path) -> list[Path]:
-    """The ``step_<N>`` folders under ``root`` that dschat did not write (:func:`is_foreign`)."""
-    return [p for p in incomplete_checkpoints(root) if not p.name.startswith(TMP_PREFIX) and is_foreign(p)]
+    """The entries under ``root`` in a save's way that dschat did not write: each ``step_<N>`` (a
+    folder, a file or a link) that :func:`is_foreign` names, and each ``.tmp-step_<N>`` of the user's
+    (not :func:`left_by_dschat`), where the save of step N begins."""
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if (steps_of(p) is not None and is_foreign(p))
+                  or (_save_folder_name(p.name) and not left_by_dschat(p)))
+
+
+def _save_folder_name(name: str) -> bool:
+    """Whether ``name`` is that of the folder a save begins in, ``.tmp-step_<N>`` (as :func:`checkpoint_name`)."""
+    steps = steps_of(Path(name.removeprefix(TMP_PREFIX)))
+    return steps is not None and name == f"{TMP_PREFIX}{checkpoint_name(steps)}"
 
 
 def earlier_run_checkpoints(root: Path) -> list[Path]:

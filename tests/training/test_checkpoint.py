@@ -67,7 +67,7 @@ def test_start_up_leaves_a_step_folder_dschat_did_not_write(tmp_path, capsys):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_text("x")
     args = Namespace(output_dir=str(tmp_path), save_interval=1, resume=True, resume_from=None)
-    with pytest.raises(UserError, match="sees a step_<N> folder in .* that dschat did not write"):
+    with pytest.raises(UserError, match=r"sees a step_<N> \(or .tmp-step_<N>\) entry in .* that dschat did not write"):
         ckpt.prepare_checkpoint_root(args, rank=0)
     out = capsys.readouterr().out
     assert [line.split()[1] for line in out.splitlines() if "not a checkpoint dschat wrote" in line] == [str(other)]
@@ -75,13 +75,48 @@ def test_start_up_leaves_a_step_folder_dschat_did_not_write(tmp_path, capsys):
     assert (other / "weights.bin").read_text() == "x"
     assert not own.exists() and not older.exists()  # dschat's own unfinished saves go
     # A save never replaces it either: one line, and the folder stays.
-    with pytest.raises(UserError, match=f"would replace {other}, a folder that dschat did not write"):
+    with pytest.raises(UserError, match=f"would replace {other}, which dschat did not write"):
         ckpt.save_checkpoint(root, {}, ckpt.TrainingPosition(0, 3, 3, 3), keep=2, rank=0)
     assert (other / "weights.bin").read_text() == "x" and ckpt.complete_checkpoints(root) == []
     (other / "weights.bin").unlink()
     other.rmdir()
     ckpt.prepare_checkpoint_root(args, rank=0)  # the user moved it out: start-up goes on and prunes
     assert list(root.iterdir()) == []
+
+
+def test_what_a_save_would_meet_is_refused_at_start_up_and_never_deleted(tmp_path, capsys):
+    """A file where checkpoints/ goes, a file named step_<N>, and a .tmp-step_<N> of the user's (where
+    the save of step N begins, which deleted it) are refused at start-up in one line, not at the first
+    save after training; a save that meets the user's .tmp-step_<N> refuses and leaves it as it is."""
+    from argparse import Namespace
+
+    from dschat.errors import UserError
+
+    root = ckpt.checkpoint_root(tmp_path)
+    args = Namespace(output_dir=str(tmp_path), save_interval=2, resume=False, resume_from=None)
+    root.write_text("my notes")
+    with pytest.raises(UserError, match=f"sees {root}, which is not a folder: the checkpoints go there; move it out "
+                                        f"of {tmp_path}, or pass another --output_dir$"):
+        ckpt.prepare_checkpoint_root(args, rank=0)
+    ckpt.prepare_checkpoint_root(Namespace(output_dir=str(tmp_path), save_interval=0, resume=False, resume_from=None),
+                                 rank=0)  # no checkpoints wanted: the file is not in the way
+    assert root.read_text() == "my notes"
+    root.unlink()
+    root.mkdir()
+    mine = root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(2)}"
+    (mine / "mine.txt").parent.mkdir()
+    (mine / "mine.txt").write_text("precious")
+    (root / ckpt.checkpoint_name(4)).write_text("notes")
+    (root / f"{ckpt.TMP_PREFIX}step_2").mkdir()  # another name: no save begins there, and it is not empty
+    (root / f"{ckpt.TMP_PREFIX}step_2" / "x").write_text("x")
+    with pytest.raises(UserError, match=r"entry in .* that dschat did not write \(named above\)"):
+        ckpt.prepare_checkpoint_root(args, rank=0)
+    named = [line.split()[1] for line in capsys.readouterr().out.splitlines() if "not a checkpoint dschat wrote" in line]
+    assert named == [str(mine), str(root / ckpt.checkpoint_name(4))]
+    with pytest.raises(UserError, match=f"would replace {mine}, which dschat did not write; move it out of {root}"):
+        ckpt.save_checkpoint(root, {}, ckpt.TrainingPosition(0, 2, 2, 2), keep=2, rank=0)
+    assert (mine / "mine.txt").read_text() == "precious" and ckpt.complete_checkpoints(root) == []
+    assert (root / ckpt.checkpoint_name(4)).read_text() == "notes"
 
 
 def _interrupt_after(monkeypatch, optimizer_steps: int) -> None:
