@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing: use its
 
 from dschat.cli.shared import check_seed  # noqa: E402
 from dschat.errors import UserError, cli_main  # noqa: E402
-from dschat.eval.report import check_sampling  # noqa: E402  (torch-free: bad options fail in a blink)
+from dschat.eval.heldout import check_sampling  # noqa: E402  (torch-free: bad options fail in a blink)
 from dschat.paths import step3_part  # noqa: E402
 
 # bitsandbytes (imported by transformers) warns on AVX-512 CPUs without the optional `kernels`

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from dschat.errors import UserError, cannot_read, cli_main
-from dschat.eval.heldout import EvalSettings, heldout_pairs, heldout_prompts
+from dschat.eval.heldout import EvalSettings, check_sampling, heldout_pairs, heldout_prompts
 from dschat.eval.metrics_file import (
     EVAL_KIND,
     METRIC_ALIASES,
@@ -520,27 +520,6 @@ def curves_only(metrics: str | Path, out: str | Path) -> list[str]:
 # -------------------------------------------------------------------------------------------------
 # CLI
 # -------------------------------------------------------------------------------------------------
-# The lowest sampling temperature: logits / t stay finite in float32.
-MIN_TEMPERATURE = 1e-6
-
-
-def check_sampling(temperature: float, top_p: float, top_k: int | None = None, *, greedy: str = "pass --greedy") -> None:
-    """Sampling settings ``generate`` accepts: a finite ``--temperature`` of at least ``MIN_TEMPERATURE``
-    (generate divides float32 logits by it: 1e-300 overflows them to inf and sampling fails on NaN
-    probabilities), 0 < ``--top_p`` <= 1 and, when given, ``--top_k`` >= 0 (0: off); else one
-    :class:`UserError` line naming the option, ending with ``greedy`` (how this tool decodes greedily
-    instead). Shared with inference/chatbot.py."""
-    if not temperature > 0:  # NaN fails too
-        raise UserError(f"--temperature must be > 0 when sampling, got {temperature}; or {greedy} (greedy decoding)")
-    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
-        raise UserError(f"--temperature must be a finite number of at least {MIN_TEMPERATURE:g} when sampling, "
-                        f"got {temperature}; or {greedy} (greedy decoding)")
-    if not 0 < top_p <= 1:
-        raise UserError(f"--top_p must be in (0, 1] when sampling (1: off), got {top_p}; or {greedy} (greedy decoding)")
-    if top_k is not None and top_k < 0:
-        raise UserError(f"--top_k must be >= 0 when sampling (0: off), got {top_k}; or {greedy} (greedy decoding)")
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = EvalSettings()
     parser = argparse.ArgumentParser(

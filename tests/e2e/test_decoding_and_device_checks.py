@@ -1,5 +1,5 @@
 """The report's and the chatbot's decoding and --device options: a bad one is one line (exit 2)
-before any model loads or --out is made (dschat.eval.report.check_sampling and
+before any model loads or --out is made (dschat.eval.heldout.check_sampling and
 dschat.eval.scoring.pick_device, shared by both tools)."""
 from __future__ import annotations
 
