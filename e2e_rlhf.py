@@ -36,7 +36,7 @@ import shlex
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -49,6 +49,7 @@ from dschat.errors import EXIT_USAGE, UserError, cli_main, first_line  # noqa: E
 from dschat.launch import LaunchResult, flag_value, oom_advice, plan, run  # noqa: E402
 from dschat.multinode import DEFAULT_HOSTFILE  # noqa: E402
 from dschat.paths import SAVE_FORMATS, UPSTREAM_WEIGHTS_FILE, VALUE_HEAD_FILE  # noqa: E402
+from dschat.recipes.e2e_config import Deployment, E2EConfig, load_e2e_config as _load_e2e_config  # noqa: E402
 from dschat.recipes.loading import get_recipe  # noqa: E402
 from dschat.recipes.recipe import Recipe, split_flag_groups  # noqa: E402
 from dschat.runtime.fs import check_writable_dir, refuse_foreign_link_on_the_way  # noqa: E402
@@ -68,65 +69,9 @@ REWARD_FILES = (VALUE_HEAD_FILE, UPSTREAM_WEIGHTS_FILE)  # dschat's / upstream's
 # -------------------------------------------------------------------------------------------------
 # configs/e2e.yaml
 # -------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Deployment:
-    """One --deployment-type: which recipe serves which model."""
-
-    name: str
-    aliases: tuple[str, ...]
-    description: str
-    actor: dict[str, str]
-    reward: dict[str, str]
-    other_actor: str
-    other_reward: str
-    unavailable: dict[str, str]
-    default_actor: str | None = None
-    default_reward: str | None = None
-
-
-@dataclass(frozen=True)
-class E2EConfig:
-    deployments: dict[str, Deployment]
-    default_deployment: str
-    default_actor: str
-    default_reward: str
-    report: dict[str, str] = field(default_factory=dict)
-
-    def deployment(self, name: str) -> Deployment:
-        """Resolve a name or alias (``singlenode``, ``multinode``)."""
-        key = name.strip().lower().replace("-", "_")
-        for dep in self.deployments.values():
-            if key == dep.name or key in dep.aliases:
-                return dep
-        raise UserError(f"unknown deployment type {name!r}; use one of: {', '.join(self.choices())}")
-
-    def choices(self) -> list[str]:
-        return [n for dep in self.deployments.values() for n in (dep.name, *dep.aliases)]
-
-
 def load_e2e_config(root: Path = ROOT) -> E2EConfig:
-    """Read and check ``configs/e2e.yaml`` (every recipe it names must exist)."""
-    import yaml
-
-    path = root / "configs" / "e2e.yaml"
-    data = yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
-    deployments = {}
-    for name, raw in data["deployment_types"].items():
-        dep = Deployment(
-            name=name, aliases=tuple(raw.get("aliases", [])), description=raw.get("description", ""),
-            actor=dict(raw.get("actor", {})), reward=dict(raw.get("reward", {})),
-            other_actor=raw["other_actor"], other_reward=raw["other_reward"],
-            unavailable=dict(raw.get("unavailable", {}) or {}),
-            default_actor=raw.get("default_actor"), default_reward=raw.get("default_reward"),
-        )
-        for rid in {*dep.actor.values(), dep.other_actor}:
-            get_recipe("step1", rid, root)
-            get_recipe("step3", rid, root)
-        for rid in {*dep.reward.values(), dep.other_reward}:
-            get_recipe("step2", rid, root)
-        deployments[name] = dep
-    return E2EConfig(deployments, data["default_deployment"], data["default_actor"], data["default_reward"],
-                     dict(data.get("report", {})))
+    """``configs/e2e.yaml`` of this checkout, checked (:mod:`dschat.recipes.e2e_config`)."""
+    return _load_e2e_config(root)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -941,14 +886,12 @@ def run_report(args: argparse.Namespace, runs: Sequence[StepRun], config: E2ECon
         return value if isinstance(value, str) else default
 
     settings = EvalSettings(
-        max_prompts=int(rep["max_prompts"]) if rep.get("max_prompts") else None,
-        max_pairs=int(rep["max_pairs"]) if rep.get("max_pairs") else None,
-        batch_size=int(rep.get("batch_size", 16)),
-        generation_batch_size=int(rep["generation_batch_size"]) if rep.get("generation_batch_size") else None,
+        max_prompts=rep.max_prompts, max_pairs=rep.max_pairs, batch_size=rep.batch_size,
+        generation_batch_size=rep.generation_batch_size,
         # The same answer budget and decoding the PPO rollouts used.
         max_new_tokens=int(flag("max_answer_seq_len", "256")),
         max_seq_len=int(runs[1].recipe.flag("max_seq_len") or 512),
-        seed=args.seed if args.seed is not None else int(rep.get("seed", 1234)),
+        seed=args.seed if args.seed is not None else rep.seed,
         do_sample=flag("decoding", "sample") == "sample",
         temperature=float(flag("temperature", "1.0")),
         top_k=int(flag("top_k", "0")),
@@ -1000,7 +943,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_earlier_checkpoints(args, [r for r in selected if actions[r.number] == "fresh"])
     if actions.get(3, "skip") != "skip" and not args.dry_run:  # what it needs of steps this run does not train
         check_inputs_of_step3(args, dep, runs, [n for n in (1, 2) if actions.get(n, "skip") == "skip"])
-    report_eta = float(config.report.get("eta_seconds", 0)) if should_report(args, runs) else 0.0
+    report_eta = config.report.eta_seconds if should_report(args, runs) else 0.0
     spent = estimated = 0.0  # this run's finished steps: actual and estimated seconds
 
     preflight_steps(args, dep, checked, launcher)

@@ -21,7 +21,8 @@ _FLAG_RE = re.compile(r"^[a-z][a-z0-9_]*$")
 _RECIPE_KEYS = frozenset(
     {"upstream", "description", "notes", "launcher", "env", "defaults", "flags", "script", "eta_seconds"}
 )
-_LAUNCHER_INT_KEYS = ("num_gpus", "num_nodes", "master_port")
+_LAUNCHER_INT_KEYS = {"num_gpus": (1, None), "num_nodes": (1, None), "master_port": (1, 65535)}  # lowest, highest
+_ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _LAUNCHER_STR_KEYS = ("hostfile", "master_addr", "include", "exclude")
 _TRUE = "true"
 
@@ -80,20 +81,55 @@ def find_repo_root(explicit: str | os.PathLike | None = None) -> Path:
 # -------------------------------------------------------------------------------------------------
 # Loading and validation
 # -------------------------------------------------------------------------------------------------
-def _yaml_load(path: Path) -> object:
+class _RepeatedKey(yaml.YAMLError):
+    pass
+
+
+class _TextLoader(yaml.BaseLoader):
+    """YAML's BaseLoader (every scalar the text written: 9.65e-6 stays "9.65e-6", as in a shell
+    script; typed fields are converted explicitly), refusing a key given twice in one mapping (the
+    loader would keep the last silently: a recipe's second ``learning_rate``, or a second recipe of
+    the same id)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set[object] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str) and key in seen:
+                raise _RepeatedKey(f"line {key_node.start_mark.line + 1}: the key {key!r} is given twice in one "
+                                   "mapping (YAML would keep only the last); keep one")
+            seen.add(key if isinstance(key, str) else id(key_node))
+        return super().construct_mapping(node, deep)
+
+
+def yaml_text_load(path: Path) -> object:
+    """``path``'s YAML, every scalar as text (:class:`_TextLoader`); bad YAML or a repeated key is one
+    :class:`UserError` line."""
     try:
-        # BaseLoader keeps every scalar as the text written (9.65e-6 stays "9.65e-6", as in a shell
-        # script); typed fields are converted explicitly below.
-        return yaml.load(path.read_text(encoding="utf-8"), Loader=yaml.BaseLoader)
+        return yaml.load(path.read_text(encoding="utf-8"), Loader=_TextLoader)
+    except _RepeatedKey as err:
+        raise UserError(f"{path}, {err}") from err
     except yaml.YAMLError as err:
         raise UserError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from err
 
 
-def _as_int(value: object, where: str) -> int:
+
+def _as_int(value: object, where: str, low: int | None = None, high: int | None = None) -> int:
     try:
-        return int(str(value))
-    except ValueError as err:
-        raise UserError(f"{where}: expected an integer, got {value!r}") from err
+        number = int(str(value)) if isinstance(value, str) else None
+    except ValueError:
+        number = None
+    if number is None or (low is not None and number < low) or (high is not None and number > high):
+        span = f" from {low}" if low is not None else ""
+        span += f" to {high}" if high is not None else ""
+        raise UserError(f"{where}: expected a whole number{span}, got {value!r}")
+    return number
+
+
+def _as_text(value: object, where: str, *, one_line: bool = False) -> str:
+    if not isinstance(value, str) or (one_line and ("\n" in value or "\r" in value)):
+        raise UserError(f"{where}: expected {'one line of ' if one_line else ''}text, got {value!r}")
+    return value
 
 
 def _as_str_list(value: object, where: str) -> tuple[str, ...]:
@@ -112,8 +148,10 @@ def _parse_flag_value(value: object, where: str) -> FlagValue:
     if isinstance(value, str):
         if value == _TRUE:
             return True
-        if value in ("", "false", "null", "~"):
+        if value.lower() in ("", "false", "null", "~"):
             raise UserError(f"{where}: {value!r} is not a value; delete the line to leave the flag out")
+        if value.lower() == _TRUE:
+            raise UserError(f"{where}: write {value!r} as true (a switch: --{where.rsplit(' ', 1)[-1]} alone)")
         return value
     raise UserError(f"{where}: flag values are text, true, or a list of text")
 
@@ -143,7 +181,8 @@ def _parse_recipe(step: StepSpec, rid: str, raw: object, source: str) -> Recipe:
     defaults_raw = raw["defaults"]
     if not isinstance(defaults_raw, dict) or set(defaults_raw) != set(step.params):
         raise UserError(f"{where}: defaults must give exactly {', '.join(step.params)} (null when required)")
-    defaults = {k: (None if v in ("null", "~", "") else v) for k, v in defaults_raw.items()}
+    defaults = {k: (None if v in ("null", "~", "") else _as_text(v, f"{where}: default {k}", one_line=True))
+                for k, v in defaults_raw.items()}
     for name in ZERO_STAGE_PARAMS & set(defaults):
         if defaults[name] is None or defaults[name] not in ("0", "1", "2", "3"):
             raise UserError(f"{where}: default {name} must be 0, 1, 2 or 3")
@@ -157,26 +196,31 @@ def _parse_recipe(step: StepSpec, rid: str, raw: object, source: str) -> Recipe:
     if unknown:
         raise UserError(f"{where}: unknown launcher options {', '.join(sorted(unknown))}")
     launcher = Launcher(
-        **{k: _as_int(v, f"{where}: launcher {k}") for k, v in launcher_raw.items() if k in _LAUNCHER_INT_KEYS},
-        **{k: str(v) for k, v in launcher_raw.items() if k in _LAUNCHER_STR_KEYS},
+        **{k: _as_int(v, f"{where}: launcher {k}", *_LAUNCHER_INT_KEYS[k])
+           for k, v in launcher_raw.items() if k in _LAUNCHER_INT_KEYS},
+        **{k: _as_text(v, f"{where}: launcher {k}", one_line=True)
+           for k, v in launcher_raw.items() if k in _LAUNCHER_STR_KEYS},
     )
 
     env_raw = raw.get("env", {})
     if not isinstance(env_raw, dict) or not all(isinstance(v, str) for v in env_raw.values()):
         raise UserError(f"{where}: env must map names to text")
+    for name in env_raw:
+        if not _ENV_RE.match(name):
+            raise UserError(f"{where}: env name {name!r} is not a variable name (letters, digits and _)")
 
     recipe = Recipe(
         step=step,
         id=rid,
-        description=str(raw["description"]),
+        description=_as_text(raw["description"], f"{where}: description"),
         flags=tuple(flags),
         defaults=defaults,
         launcher=launcher,
         env=dict(env_raw),
         notes=_as_str_list(raw.get("notes", []), f"{where}: notes") if raw.get("notes") else (),
-        upstream=raw.get("upstream"),
-        script=str(raw.get("script") or _default_script(rid)),
-        eta_seconds=_as_int(raw["eta_seconds"], f"{where}: eta_seconds") if "eta_seconds" in raw else None,
+        upstream=_as_text(raw["upstream"], f"{where}: upstream", one_line=True) if raw.get("upstream") else None,
+        script=_as_text(raw.get("script") or _default_script(rid), f"{where}: script", one_line=True),
+        eta_seconds=_as_int(raw["eta_seconds"], f"{where}: eta_seconds", 0) if "eta_seconds" in raw else None,
         source=source,
     )
     _check_templates(recipe, where)
@@ -219,7 +263,7 @@ def load_step_recipes(step: str | StepSpec, root: str | os.PathLike | None = Non
     key = (str(path), path.stat().st_mtime)
     if key in _CACHE:
         return _CACHE[key]
-    data = _yaml_load(path)
+    data = yaml_text_load(path)
     if not isinstance(data, dict) or not isinstance(data.get("recipes"), dict):
         raise UserError(f"{path}: expected a mapping with a 'recipes' mapping")
     if data.get("step") != spec.key:

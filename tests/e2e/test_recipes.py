@@ -255,6 +255,38 @@ def test_validation_catches_bad_launcher_and_defaults(tmp_path):
         recipe_loading.load_step_recipes("step2", root)
 
 
+_HEAD = "step: step2\nrecipes:\n  x/y:\n    description: d\n"
+_FLAGS = "    flags: {zero_stage: \"{zero_stage}\", output_dir: \"{output_dir}\"}\n"
+_DEFAULTS = "    defaults: {output_dir: ./o, zero_stage: 0}\n"
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    # YAML keeps the last of a repeated key: the first value was dropped without a word.
+    (_FLAGS.replace("{zero", "{learning_rate: 1e-3, learning_rate: 5e-5, zero") + "    launcher: {}\n" + _DEFAULTS,
+     r"step2.yaml, line 5: the key 'learning_rate' is given twice in one mapping \(YAML would keep only the last\); "
+     "keep one$"),
+    (_FLAGS + "    launcher: {}\n" + _DEFAULTS + "  x/y:\n    description: e\n", "the key 'x/y' is given twice"),
+    (_FLAGS + "    launcher: {}\n" + _DEFAULTS + "    upstream: [a, b]\n",
+     r"recipe x/y: upstream: expected one line of text, got \['a', 'b'\]"),
+    (_FLAGS + "    launcher: {}\n" + _DEFAULTS + "    upstream: \"x.sh\\necho INJECTED\"\n",
+     "upstream: expected one line of text"),  # it was written into the generated script as a command
+    (_FLAGS + "    launcher: {}\n    defaults: {output_dir: [a, b], zero_stage: 0}\n",
+     "default output_dir: expected one line of text"),
+    (_FLAGS + "    launcher: {hostfile: [a, b]}\n" + _DEFAULTS, "launcher hostfile: expected one line of text"),
+    (_FLAGS + "    launcher: {num_gpus: -3}\n" + _DEFAULTS,
+     "launcher num_gpus: expected a whole number from 1, got '-3'"),
+    (_FLAGS + "    launcher: {master_port: 99999}\n" + _DEFAULTS, "master_port: expected a whole number from 1 to 65535"),
+    (_FLAGS + "    launcher: {}\n" + _DEFAULTS + "    eta_seconds: -5\n", "eta_seconds: expected a whole number from 0"),
+    (_FLAGS + "    launcher: {}\n" + _DEFAULTS + "    env: {\"A B\": x}\n", "env name 'A B' is not a variable name"),
+    (_FLAGS.replace("{zero", "{gradient_checkpointing: True, zero") + "    launcher: {}\n" + _DEFAULTS,
+     "flag gradient_checkpointing: write 'True' as true"),
+])
+def test_a_recipe_of_the_wrong_shape_is_one_line(tmp_path, body, message):
+    root = _write_config(tmp_path, _HEAD + body)
+    with pytest.raises(UserError, match=message):
+        recipe_loading.load_step_recipes("step2", root)
+
+
 def test_recipe_values_are_kept_as_written():
     # YAML would read 9.65e-6 as a float and print it back as 9.65e-06; recipes keep the text.
     recipe = recipe_loading.get_recipe("step1", "opt/single_node/6.7b", REPO)
