@@ -74,7 +74,8 @@ def is_model_artifact(name: str) -> bool:
     return bool(_MODEL_ARTIFACTS.match(name)) or name == ADAPTER_DIR
 
 
-def _is_weights(name: str) -> bool:
+def is_weights_file(name: str) -> bool:
+    """Whether ``name`` is a model's weights file (a shard, an index, the value head)."""
     return bool(_WEIGHTS.match(name))
 
 
@@ -91,7 +92,7 @@ def earlier_model_files(folder: str | Path) -> Callable[[str], bool]:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
         return _no_entry
-    return is_model_artifact if any(n in ("config.json", ADAPTER_DIR) or _is_weights(n) for n in names) else _no_entry
+    return is_model_artifact if any(n in ("config.json", ADAPTER_DIR) or is_weights_file(n) for n in names) else _no_entry
 
 
 def recover_output_dir(output_dir: str | Path, run: object | None = None) -> list[str]:
@@ -317,7 +318,7 @@ def save_zero_three_model(model: Any, global_rank: int, save_dir: str | Path, ze
     state = gathered_state_dict(model)
     if state is not None:
         # Keep everything already there (tokenizer files, logs) except stale weight files.
-        with save_in_place(save_dir, _is_weights) as tmp:
+        with save_in_place(save_dir, is_weights_file) as tmp:
             _write(module, state, tmp)
     barrier()
 

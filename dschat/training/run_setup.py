@@ -17,8 +17,8 @@ from dschat.data.cache import check_data_output_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
 from dschat.models.registry import SHORT_NAMES, resolve_model_path
-from dschat.models.reward_model import refuse_reward_model
-from dschat.models.save import is_model_artifact
+from dschat.models.reward_model import is_reward_model_folder, refuse_reward_model
+from dschat.models.save import is_model_artifact, is_weights_file
 from dschat.cli.shared import check_seed
 from dschat.paths import METRICS_FILE, STARTED_FILE_VAR, adapter_base
 from dschat.remote_reward import worst_case_seconds
@@ -144,8 +144,33 @@ def check_paths(args: argparse.Namespace, model_flags: Iterable[str] = ("model_n
                                 mapped_only=True)
     for name in [*args.data_path, *getattr(args, "sft_only_data_path", [])]:
         resolve_dataset(name)
-    refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags},
-                              model_outputs(args) if outputs is None else outputs)
+    outputs = model_outputs(args) if outputs is None else outputs
+    refuse_saving_over_inputs({f"--{flag}": getattr(args, flag) for flag in model_flags}, outputs)
+    refuse_replacing_another_kind(outputs, reward=not causal_lm)
+
+
+def refuse_replacing_another_kind(outputs: ModelOutputs, *, reward: bool) -> None:
+    """One :class:`UserError` line when a folder this run saves its model into holds a finished model
+    (``config.json`` and weights) of the other kind: a reward model where this run saves a language
+    model (``reward`` False: steps 1 and DPO), or a language model where it saves a reward model
+    (step 2). The save would replace it, and another step's output is lost without a word (an
+    earlier model of the same kind is this step's own, replaced as upstream does). Outputs replaced
+    as a whole (``owns`` None) are not looked at."""
+    for _what, (folder, owns) in outputs.items():
+        local = Path(folder).expanduser()
+        try:
+            names = os.listdir(local)
+        except OSError:  # none yet (or unreadable: the writability check names it)
+            continue
+        if owns is None or "config.json" not in names or not any(is_weights_file(n) for n in names):
+            continue
+        holds_reward = is_reward_model_folder(local, mapped_only=True)
+        if holds_reward != reward:
+            held = ("a reward model (a step-2 output)" if holds_reward
+                    else "a language model (a step-1 or DPO output, or a base model)")
+            raise UserError(f"--output_dir {folder} holds {held}, and this run would save its "
+                            f"{'reward' if reward else 'language'} model over it, losing it; pass another "
+                            "--output_dir, or move that model out first")
 
 
 def foreign_config_problem(outputs: ModelOutputs) -> str | None:

@@ -279,3 +279,37 @@ def test_a_reward_model_as_the_causal_lm_is_refused_before_anything_loads(step, 
     assert line == (f"error: {flag} {reward} is a reward model (a step-2 output or a sequence classifier), which has "
                     "no language-model head; pass a causal LM: a base model or a step-1 output")
     assert not out.exists()
+
+
+@pytest.mark.parametrize("step", ["step1", "dpo", "step2"])
+def test_a_finished_model_of_another_step_in_output_dir_is_never_replaced(step, tmp_path, critic_dirs, capsys):
+    """Step 2 into step 1's --output_dir replaced the fine-tuned model with the reward model (exit 0, no
+    word), and step 1 or DPO into step 2's replaced the reward model: one line before anything loads,
+    the model untouched. A model of the step's own kind there is its own earlier output, replaced."""
+    out = tmp_path / "out"
+    if step == "step2":
+        model_copy(out)  # a language model, as step 1 leaves it
+        held = "a language model (a step-1 or DPO output, or a base model)"
+    else:
+        shutil.copytree(critic_dirs["tiny-opt"], out)
+        held = "a reward model (a step-2 output)"
+    before = listing(out)
+    code = cli_main(load_script(step).main, base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(out)))
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("error: ")] == [
+        f"error: --output_dir {out} holds {held}, and this run would save its "
+        f"{'reward' if step == 'step2' else 'language'} model over it, losing it; pass another --output_dir, or move "
+        "that model out first"]
+    assert listing(out) == before
+
+
+def test_a_model_of_the_same_kind_or_no_model_in_output_dir_is_not_refused(tmp_path, critic_dirs):
+    from dschat.training.run_setup import refuse_replacing_another_kind
+
+    lm, reward, notes = model_copy(tmp_path / "lm"), critic_dirs["tiny-opt"], tmp_path / "notes"
+    notes.mkdir()
+    (notes / "config.json").write_text('{"model_type": "opt"}')  # a config without weights: no model
+    for folder, saves_reward in ((lm, False), (reward, True), (notes, True), (notes, False), (tmp_path / "none", True)):
+        refuse_replacing_another_kind({"the model": (folder, is_model_artifact)}, reward=saves_reward)
+    refuse_replacing_another_kind({"the best models": (lm, None)}, reward=True)  # replaced whole: dschat's own

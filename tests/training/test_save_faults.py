@@ -634,7 +634,7 @@ def test_a_killed_weights_only_save_is_finished_by_its_journal_not_by_the_recove
     """Upstream's save_zero_three_model replaces the weights only; the recovery at the next start
     (recover_output_dir) claims every model file. The journal says what the save removes: the
     tokenizer files stay."""
-    from dschat.models.save import _is_weights
+    from dschat.models.save import is_weights_file
 
     folder = tmp_path / "out"
     folder.mkdir()
@@ -643,7 +643,7 @@ def test_a_killed_weights_only_save_is_finished_by_its_journal_not_by_the_recove
     (folder / "model.safetensors").write_bytes(b"old weights")
     (folder / "model-00002-of-00002.safetensors").write_bytes(b"old shard")  # the new save has no such shard
     # Killed at the third rename: the old shard and the old weights moved aside, the new ones not yet in.
-    _save_killed_at_rename(folder, _is_weights, {"model.safetensors": b"new weights"}, 3)
+    _save_killed_at_rename(folder, is_weights_file, {"model.safetensors": b"new weights"}, 3)
     assert recover_output_dir(folder) == [f"finished an interrupted save into {folder}"]
     assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
     assert (folder / "model.safetensors").read_bytes() == b"new weights"
