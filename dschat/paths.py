@@ -22,6 +22,12 @@ SAVE_FORMATS = ("safetensors", "bin", "both")
 # holds this file and no config.json; dschat.models.registry resolves it, dschat.models.peft_adapter
 # reads and writes it.
 ADAPTER_CONFIG_FILE = "adapter_config.json"
+# Short model names (dschat.models.registry resolves them): the embedded SmolLM2 and the tiny models
+# (the same names as dschat.models.tiny.TINY_NAMES, literal here so that nothing imports the builder).
+# A short name wins over a same-named folder in the working directory (./tiny-opt is the folder).
+EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
+TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-opt", "tiny-opt-quirk")
+SHORT_NAMES: tuple[str, ...] = EMBEDDED_NAMES + TINY_MODEL_NAMES
 # Step 3's --save_best_by: the best models so far in <output_dir>/BEST_DIR, described by BEST_FILE
 # (dschat.rlhf.heldout.evaluation writes them, the report reads them).
 BEST_DIR = "best"
@@ -84,7 +90,11 @@ def adapter_base(path: str | os.PathLike) -> str | None:
 
 def step3_part(path: str | os.PathLike, part: str) -> Path | None:
     """``path/part`` (``actor`` or ``critic``) when ``path`` is a step-3 output root: a folder with no
-    ``config.json`` of its own whose ``part/`` holds one. Else None."""
+    ``config.json`` of its own whose ``part/`` holds one. Else None; always for a short model name
+    given as text (:data:`SHORT_NAMES`), which wins over a same-named folder in the working directory
+    (a :class:`~pathlib.Path` is a path: ``Path("./tiny-opt")`` prints as ``tiny-opt``)."""
+    if isinstance(path, str) and path.strip() in SHORT_NAMES:
+        return None
     folder = Path(path).expanduser()
     if folder.is_dir() and not (folder / "config.json").exists() and (folder / part / "config.json").is_file():
         return folder / part

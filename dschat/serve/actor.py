@@ -33,6 +33,7 @@ through step 3's own decoding loops.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import threading
@@ -50,7 +51,7 @@ from dschat.models.build import create_hf_model
 from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer, template_turn_end_id
-from dschat.paths import step3_part
+from dschat.paths import SHORT_NAMES, step3_part
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
@@ -69,10 +70,10 @@ DECODING_ENGINES = ("auto", "dschat", "loop")  # --decoding_engine
 def resolve_actor(model: str) -> str:
     """The folder (or hub id) of the causal LM ``model`` names; one :class:`UserError` line otherwise."""
     folder = Path(model).expanduser()
-    actor = step3_part(folder, "actor")
+    actor = step3_part(model, "actor")
     if actor is not None:  # a step-3 output root
         return str(actor)
-    if folder.is_dir() and not (folder / "config.json").is_file():
+    if model.strip() not in SHORT_NAMES and folder.is_dir() and not (folder / "config.json").is_file():
         if not (folder / "adapter_config.json").is_file():
             raise UserError(f"{folder} is not a model folder (no config.json); pass a step-1 or step-3 actor "
                             "folder, a step-2 reward model, a PEFT adapter folder or a registry name (tiny-opt)")
@@ -444,7 +445,8 @@ class Batcher:
         self.max_positions = decoder.engine.max_positions
         self._waiting: list[Job] = []
         self._ready = threading.Condition()
-        self.batch_sizes: list[int] = []  # every batch decoded, in order (for tests and benchmarks)
+        # The sizes of the last batches decoded, in order (for tests and benchmarks).
+        self.batch_sizes: collections.deque[int] = collections.deque(maxlen=4096)
         self.warm_up_error: Exception | None = None
         self._running: list[Job] = []  # the batch being decoded
         self._closing = False
@@ -504,18 +506,29 @@ class Batcher:
         finally:
             warmed.set()
         while True:
-            batch = self._take()
+            try:
+                batch = self._take()
+            except Exception as err:  # noqa: BLE001 - choosing a batch failed: those waiting are answered
+                with self._ready:
+                    batch, self._waiting = self._waiting, []
+                self._fail(batch, f"batching failed: {type(err).__name__}: {err}")
+                continue
             self.batch_sizes.append(len(batch))
             try:
                 self.decoder.decode(batch)
             except Exception as err:  # noqa: BLE001 - reported to the requests; the server goes on
-                for job in batch:
-                    try:
-                        job.emit(Failed(f"decoding failed: {type(err).__name__}: {err}"))
-                    except Exception:  # noqa: BLE001 - a request gone (its loop closed): the worker goes on
-                        pass
+                self._fail(batch, f"decoding failed: {type(err).__name__}: {err}")
             with self._ready:
                 self._running = []
+
+    @staticmethod
+    def _fail(jobs: list[Job], message: str) -> None:
+        """Answer each of ``jobs`` :class:`Failed` (500); a request already gone is passed over."""
+        for job in jobs:
+            try:
+                job.emit(Failed(message))
+            except Exception:  # noqa: BLE001 - a request gone (its loop closed): the worker goes on
+                pass
 
 
 def start_batcher(engine: ActorEngine, choice: str, max_batch_size: int, max_wait_s: float) -> tuple[Batcher, str]:

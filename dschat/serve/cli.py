@@ -32,7 +32,7 @@ from dschat.errors import UserError, cli_main
 from dschat.eval.scoring import check_reward_folder, pick_device
 from dschat.models.registry import check_seq_len_fits_positions, load_config, resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, value_head_file
-from dschat.paths import is_adapter_folder
+from dschat.paths import SHORT_NAMES, is_adapter_folder
 from dschat.remote_reward import API_KEY_ENV, check_api_key
 from dschat.runtime.trust import is_loopback_host
 
@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Actor: requests (prompts) decoded together in one batch at most (default 8).")
     parser.add_argument("--max_wait_ms", type=float, default=5.0,
                         help="Actor: how long the first waiting request waits for others to join its batch "
-                             "(default 5 ms).")
+                             "(default 5 ms; 0 to 60000).")
     parser.add_argument("--decoding_engine", default="auto", choices=("auto", "dschat", "loop"),
                         help="Actor: what decodes the batches, both step 3's own code. 'dschat': step 3's dschat "
                              "Hybrid Engine (its decode model: fused weights, a static KV cache; CUDA graphs on "
@@ -130,6 +130,11 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+#: --max_wait_ms's highest value: the batch's wait goes to threading's wait, which takes no more
+#: than threading.TIMEOUT_MAX (inf raised in the decoding thread; every request then hung).
+MAX_WAIT_MS = 60_000
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     return cli_main(_main, argv)
 
@@ -151,7 +156,7 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"python -m dschat.serve needs the serve extra ({_MISSING}); in the dschat checkout: "
                         "pip install -c constraints.txt '.[serve]'")
     folder = Path(args.model).expanduser()
-    reward = is_reward_model(folder)
+    reward = args.model.strip() not in SHORT_NAMES and is_reward_model(folder)  # a short name is the registry's
     if reward and is_adapter_folder(folder):
         resolve_model_path(str(folder))  # the adapter and the base it names: one line for a bad one
     elif reward:
@@ -164,8 +169,8 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"--batch_size must be >= 1, got {args.batch_size}")
     if args.max_batch_size < 1:
         raise UserError(f"--max_batch_size must be >= 1, got {args.max_batch_size}")
-    if args.max_wait_ms < 0:
-        raise UserError(f"--max_wait_ms must be >= 0, got {args.max_wait_ms}")
+    if not 0 <= args.max_wait_ms <= MAX_WAIT_MS:  # NaN fails too; inf stopped the decoding thread
+        raise UserError(f"--max_wait_ms must be a number from 0 to {MAX_WAIT_MS} (a minute), got {args.max_wait_ms}")
     if args.max_seq_len is not None and args.max_seq_len < 1:
         raise UserError(f"--max_seq_len must be >= 1, got {args.max_seq_len}")
     if reward and args.max_seq_len is not None:

@@ -318,5 +318,13 @@ def test_a_device_this_machine_lacks_is_one_line(reward_folder, capsys, device, 
     assert message in _refused([str(reward_folder), "--device", device, "--port", "0"], capsys)
 
 
+@pytest.mark.parametrize("wait", ["inf", "nan", "1e13", "-1", "60001"])
+def test_a_max_wait_past_a_minute_or_not_a_number_is_one_line(reward_folder, capsys, wait):
+    """inf started the server, then stopped its decoding thread at the first request (threading's wait
+    takes no more than TIMEOUT_MAX): every request hung while /health said ok."""
+    assert _refused([str(reward_folder), "--max_wait_ms", wait, "--port", "0"], capsys) == (
+        f"error: --max_wait_ms must be a number from 0 to 60000 (a minute), got {float(wait)}")
+
+
 def test_a_folder_that_is_no_model_is_one_line(tmp_path, capsys):
     assert "is not a model folder" in _refused([str(tmp_path), "--port", "0"], capsys)

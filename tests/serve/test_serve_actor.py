@@ -15,6 +15,7 @@ import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import openai
 import pytest
@@ -28,7 +29,7 @@ from dschat.models.registry import resolve_model_path
 from dschat.rlhf.rollout.sampling import DecodingSettings
 from dschat.rlhf.rollout.dschat_engine import DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
-from dschat.serve.actor import (Batcher, Delta, Done, HybridEngineDecoder, Job, LoopDecoder, load_actor_engine,
+from dschat.serve.actor import (Batcher, Delta, Done, Failed, HybridEngineDecoder, Job, LoopDecoder, load_actor_engine,
                                 resolve_actor)
 
 from helpers.serve import served_model
@@ -622,9 +623,46 @@ def test_waiting_jobs_with_equal_settings_share_a_batch_others_wait(engine, deco
         assert time.monotonic() < deadline
         time.sleep(0.05)
     # the first greedy job waits and fills its batch of 3 with greedy ones; then the sampled one; then the rest
-    assert batcher.batch_sizes == [3, 1, 1]
+    assert list(batcher.batch_sizes) == [3, 1, 1]
     greedy = {_text(outs[i])[0] for i in (0, 2, 3, 4)}
     assert len(greedy) == 1
+
+
+def test_a_batch_that_cannot_be_chosen_answers_its_requests_and_the_worker_goes_on(engine, decoder, monkeypatch):
+    """An exception while choosing a batch ended the only decoding thread: every later request hung
+    while /health said ok. The waiting requests are answered 500, and the next ones decode."""
+    import dschat.serve.actor as actor
+
+    batcher = Batcher(decoder, max_batch_size=2, max_wait_s=0.0)
+    real, calls = actor.select_batch, []
+
+    def failing_once(*a, **k):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OverflowError("timestamp out of range for platform time_t")
+        return real(*a, **k)
+
+    monkeypatch.setattr(actor, "select_batch", failing_once)
+    first, second = [], []
+    batcher.submit(_job(engine, "Hello", 3, first))
+    deadline = time.monotonic() + 60
+    while not first:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert first == [Failed("batching failed: OverflowError: timestamp out of range for platform time_t")]
+    batcher.submit(_job(engine, "Hello", 3, second))
+    while not (second and isinstance(second[-1], Done)):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_a_short_name_wins_over_a_same_named_folder_in_the_working_directory(tmp_path, chat_folder, monkeypatch):
+    """As every other tool takes them: ./tiny-opt is the folder, tiny-opt the registry's model (a
+    folder of that name in a directory others can write served their weights under the name)."""
+    shutil.copytree(chat_folder, tmp_path / "tiny-opt" / "actor")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_actor("tiny-opt") == resolve_model_path("tiny-opt")
+    assert Path(resolve_actor("./tiny-opt")).resolve() == tmp_path / "tiny-opt" / "actor"
 
 
 def test_a_cancelled_job_ends_at_its_next_token_and_the_others_go_on(engine, decoder):

@@ -141,7 +141,7 @@ def test_a_long_prompt_and_a_long_answer_are_not_batched_past_the_models_positio
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert [type(out[-1]) for out in outs] == [Done, Done], [out[-1] for out in outs]
-    assert [out[-1].completion_tokens for out in outs] == [8, 300] and batcher.batch_sizes == [1, 1]
+    assert [out[-1].completion_tokens for out in outs] == [8, 300] and list(batcher.batch_sizes) == [1, 1]
 
 
 class _Recorder:
@@ -187,7 +187,7 @@ def test_chat_requests_without_max_tokens_share_a_batch_each_capped_to_the_room_
             thread.start()
         for thread in threads:
             thread.join(120)
-    assert batcher.batch_sizes == [4]
+    assert list(batcher.batch_sizes) == [4]
     assert sorted(tokens for _, tokens in recorder.batches[0]) == [512 - widest] * 4
     assert [replies[i].json()["usage"]["completion_tokens"] for i in range(4)] == [512 - widest] * 4
 
@@ -302,7 +302,7 @@ def test_a_client_that_disconnects_mid_stream_ends_its_rows_decoding_and_the_ser
                 received += chunk
         assert len(jobs) == 1
         _ended_early_and_the_server_goes_on(url, ends, auth)
-    assert batcher.batch_sizes == [1, 1]
+    assert list(batcher.batch_sizes) == [1, 1]
     assert sum(follower is steps[0] for follower in steps) < 300  # the first batch stopped decoding, too
 
 
@@ -339,7 +339,7 @@ def test_an_api_key_guards_every_actor_route_but_health(llama):
         assert requests.get(url + "/health", timeout=30).json()["kind"] == "actor"
         good = requests.post(url + "/v1/completions", json=ask, headers={"Authorization": "Bearer k3y"}, timeout=60)
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 3
-    assert batcher.batch_sizes == [1]
+    assert list(batcher.batch_sizes) == [1]
 
 
 def test_a_hybrid_engine_that_fails_its_warm_up_leaves_auto_on_the_loop_and_refuses_dschat(llama, monkeypatch):
