@@ -6,12 +6,17 @@ in a sticky ``/scratch`` (EPERM). It also holds what the user keeps there (``che
 ``training.log``, TensorBoard runs, their own notes). So a model save never renames the folder and
 never moves any entry it does not own; every file and rename stays inside the folder:
 
-1. The new entries are written into a staging folder inside it, ``<path>/.dschat-staging-<id>``.
+1. The new entries are written into a staging folder inside it, ``<path>/.dschat-staging-<id>``,
+   made (after the replaced-entries folder of step 3) and opened before anything is written; the
+   save then works through the open folders (Linux's ``/proc/self/fd``), so that in a folder others
+   can write to, a link planted under either name, or the folder renamed away, cannot send a file
+   elsewhere (a staging folder found replaced is one line, and nothing in ``path`` changes).
 2. Every file and folder in it is fsync'd; then the journal ``.dschat-staged.json`` (the names
    staged, and the entries of ``path`` the save removes) is written and fsync'd into it: from here on
    the save is complete and will be finished, by the journal alone.
 3. Each entry the save owns (``owns(name)``) that the new save does not write, and each entry the
-   new save replaces, is renamed into ``<path>/.dschat-replaced-<id>``; each staged entry is renamed
+   new save replaces, is renamed into ``<path>/.dschat-replaced-<id>`` (one recovery finds to be a
+   link, or not this user's own, is one line, and nothing is moved); each staged entry is renamed
    into ``path``; ``path`` is fsync'd.
 4. The replaced entries are deleted, then the staging folder. An error here is raised (the new
    save is in place; the leftovers go at the next recovery).
@@ -92,10 +97,12 @@ def _names(names: object) -> bool:
 
 
 class _Moves:
-    """The renames of step 3, recorded so that :meth:`undo` reverses them."""
+    """The renames of step 3, recorded so that :meth:`undo` reverses them. ``drop_aside`` removes the
+    (empty) replaced-entries folder after an undo; by default by its path."""
 
-    def __init__(self, path: Path, stage: Path, aside: Path) -> None:
+    def __init__(self, path: Path, stage: Path, aside: Path, drop_aside: Callable[[], None] | None = None) -> None:
         self.path, self.stage, self.aside = path, stage, aside
+        self.drop_aside = drop_aside or (lambda: aside.rmdir() if _private_dir(aside) else None)
         self.done: list[tuple[Path, Path]] = []
 
     def move(self, src: Path, dst: Path) -> None:
@@ -111,7 +118,7 @@ class _Moves:
             raise UserError(f"the interrupted save {stage} lacks {', '.join(lost)}, which {path} does not hold "
                             f"either, so it cannot be finished; move {stage} out of the folder and check what "
                             f"{path} holds")
-        if not aside.is_dir():
+        if not os.path.lexists(aside):
             aside.mkdir(mode=0o700)
             os.chmod(aside, 0o700)  # only its owner's, as the staging folder: recover_in_place trusts nothing else
         for name in removes:
@@ -133,8 +140,7 @@ class _Moves:
                 src, dst = self.done[-1]
                 os.replace(dst, src)
                 self.done.pop()
-            if self.aside.is_dir():
-                self.aside.rmdir()
+            self.drop_aside()
         except OSError:
             return False
         return True
@@ -158,9 +164,46 @@ def _finish(stage: Path, aside: Path) -> None:
     """Step 4: the replaced entries first, the staging folder (and its journal) last, so that a
     kill or an error in between leaves the journal for :func:`recover_in_place` to finish from.
     An error is raised: the new save is in place, but hidden leftovers remain until then."""
-    if aside.is_dir():
+    if _private_dir(aside):
         shutil.rmtree(aside)
     shutil.rmtree(stage)
+
+
+def _private_dir(path: Path) -> bool:
+    """Whether ``path`` is a folder (not a link to one) that only this user owns and can write to."""
+    return not os.path.islink(path) and os.path.isdir(path) and owned_privately(path)
+
+
+def _open_dir(name: str, parent_fd: int) -> int:
+    """``name`` in the folder open as ``parent_fd``, opened as a folder without following a link."""
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+
+
+def _through(fd: int, fallback: Path) -> Path:
+    """A path to the folder open as ``fd`` that no rename of it, and no link planted under its name,
+    can redirect (Linux's ``/proc/self/fd/<fd>``); ``fallback`` (its name) where there is none."""
+    held = Path(f"/proc/self/fd/{fd}")
+    return held if os.path.isdir(held) else fallback
+
+
+def _is_still(name: str, parent_fd: int, fd: int) -> bool:
+    """Whether ``name`` in the folder open as ``parent_fd`` is still the folder open as ``fd``."""
+    try:
+        entry = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (entry.st_dev, entry.st_ino) == (held.st_dev, held.st_ino)
+
+
+def _remove_own(name: str, parent_fd: int, fd: int) -> None:
+    """Delete the folder ``name`` (in the folder open as ``parent_fd``) if it is still the one open
+    as ``fd``: a folder another account put in its place is left alone."""
+    if _is_still(name, parent_fd, fd):
+        try:
+            shutil.rmtree(name, dir_fd=parent_fd)
+        except TypeError:  # Python 3.10's rmtree takes no dir_fd
+            shutil.rmtree(_through(parent_fd, Path(".")) / name)
 
 
 @contextlib.contextmanager
@@ -179,34 +222,65 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
     line = foreign_link_line(path)
     if line is not None:
         raise UserError(line)
-    with _disk_full_is_a_user_error(path, kept=f"the previous files in {path.name}, if any, are unchanged"):
+    with _disk_full_is_a_user_error(path, kept=f"the previous files in {path.name}, if any, are unchanged"), \
+            contextlib.ExitStack() as held:
         path.mkdir(parents=True, exist_ok=True)
         recover_in_place(path, owns)
         token = uuid.uuid4().hex[:8]
         stage, aside = path / f"{STAGING_PREFIX}{token}", path / f"{REPLACED_PREFIX}{token}"
-        stage.mkdir(mode=0o700)
-        os.chmod(stage, 0o700)  # only its owner's: recover_in_place trusts nothing else
+        # Both folders are made, and opened without following a link, before anything is written: in a
+        # folder others can write to, a name they could see would otherwise be theirs to plant a link
+        # at (or to rename away). Everything below goes through the open folders (_through).
+        path_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        held.callback(os.close, path_fd)
+        fds: dict[str, int] = {}
         try:
-            yield stage
-            _normalise_modes(stage)
-            names = sorted(os.listdir(stage))
-            removes = _removed(path, names, owns)
-            fsync_tree(stage)
-            (stage / JOURNAL).write_text(json.dumps({"entries": names, "removes": removes}), encoding="utf-8")
-            os.chmod(stage / JOURNAL, 0o600)
-            fsync_path(stage / JOURNAL)
-            fsync_path(stage)
+            for name in (aside.name, stage.name):  # mkdir never follows a link; one planted first: EEXIST
+                os.mkdir(name, 0o700, dir_fd=path_fd)
+                fds[name] = _open_dir(name, path_fd)
+                held.callback(os.close, fds[name])
+                os.fchmod(fds[name], 0o700)  # only its owner's: recover_in_place trusts nothing else
+        except FileExistsError as err:
+            for name, fd in fds.items():
+                _remove_own(name, path_fd, fd)
+            raise UserError(f"{path / err.filename} appeared before dschat made it: another account can write to "
+                            f"{path}, so a save there is not safe; save into a folder only you can write to") from err
+        aside_fd, stage_fd = fds[aside.name], fds[stage.name]
+        here, work, away = _through(path_fd, path), _through(stage_fd, stage), _through(aside_fd, aside)
+
+        def drop() -> None:  # the save failed and left path as it was: the journal first (see _drop_stage)
+            with contextlib.suppress(OSError):
+                (work / JOURNAL).unlink(missing_ok=True)
+                fsync_path(work)
+                _remove_own(stage.name, path_fd, stage_fd)
+                _remove_own(aside.name, path_fd, aside_fd)
+
+        try:
+            yield work
+            if not (_is_still(stage.name, path_fd, stage_fd) and _is_still(aside.name, path_fd, aside_fd)):
+                raise UserError(f"{stage} was renamed or replaced while the model was written into it: another "
+                                f"account can write to {path}; nothing in {path} was changed; save into a folder "
+                                "only you can write to")
+            _normalise_modes(work)
+            names = sorted(os.listdir(work))
+            removes = _removed(here, names, owns)
+            fsync_tree(work)
+            (work / JOURNAL).write_text(json.dumps({"entries": names, "removes": removes}), encoding="utf-8")
+            os.chmod(work / JOURNAL, 0o600)
+            fsync_path(work / JOURNAL)
+            fsync_path(work)
         except BaseException:
-            _drop_stage(stage)
+            drop()
             raise
-        moves = _Moves(path, stage, aside)
+        moves = _Moves(here, work, away, drop_aside=lambda: _remove_own(aside.name, path_fd, aside_fd))
         try:
             moves.forward(names, removes)
         except BaseException:
             if moves.undo():
-                _drop_stage(stage)
+                drop()
             raise
-        _finish(stage, aside)
+        _remove_own(aside.name, path_fd, aside_fd)  # step 4: the replaced entries, then the staging folder
+        _remove_own(stage.name, path_fd, stage_fd)
 
 
 def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> list[str]:
@@ -237,6 +311,10 @@ def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> li
             notices.append(f"removed the unfinished save {stage.name} in {path}")
             continue
         names, removes = journal
+        if os.path.lexists(aside) and not _private_dir(aside):  # planted: entries would move where it leads
+            raise UserError(f"{aside} is not a folder that only you own and can write to, so the interrupted save "
+                            f"{stage} cannot put what it replaces there; move both out of {path} and check what "
+                            f"{path} holds")
         _Moves(path, stage, aside).forward(names, _removed(path, names, owns) if removes is None else removes)
         _finish(stage, aside)
         notices.append(f"finished an interrupted save into {path}")
