@@ -57,6 +57,7 @@ from transformers.pytorch_utils import Conv1D
 
 from dschat.errors import UserError, first_line
 from dschat.models.lora import FIX_ADAPTER_CONFIG, check_lora_settings, untie_weights
+from dschat.models.adapter_card import adapter_card
 from dschat.models.reward_model import VALUE_HEAD_KEY
 from dschat.paths import ADAPTER_CONFIG_FILE, VALUE_HEAD_FILE, is_adapter_folder
 from dschat.runtime.zero3 import full_shape, gathered, release_zero3_prefetch
@@ -108,6 +109,7 @@ class AdapterExport:
     settings: dict[str, Any]
     tensors: dict[str, torch.Tensor]
     value_head: torch.Tensor | None
+    vocab_rows: int | None = None  # the trained model's embedding rows (more than the base's: --add_eot_token)
 
 
 def _is_lora_layer(module: nn.Module) -> bool:
@@ -245,58 +247,8 @@ def gather_lora_adapter(model: Any) -> AdapterExport | None:
             value_head = _cpu(module.v_head.weight) if rank0 else None
     if not rank0:
         return None
-    return AdapterExport(_settings(body, layers, extra, lora_biases, reward), tensors, value_head)
-
-
-_CARD = """# LoRA adapter ({task})
-
-Written by dschat beside the merged model in `..` (same weights as base + this adapter).
-
-- base model: `{base}`{base_note}
-- rank {r}, lora_alpha {alpha} (scaling {scaling}), target modules: {targets}
-- also saved: {extra}
-
-```python
-{code}
-```
-"""
-
-_CAUSAL_CODE = """from peft import PeftModel
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-base = AutoModelForCausalLM.from_pretrained("{base}")
-model = PeftModel.from_pretrained(base, "{folder}")  # .merge_and_unload() for a plain model
-tokenizer = AutoTokenizer.from_pretrained("{folder}")"""
-
-_REWARD_CODE = """from peft import PeftModel
-from safetensors.torch import load_file
-from transformers import AutoModel
-
-body = PeftModel.from_pretrained(AutoModel.from_pretrained("{base}"), "{folder}")
-v_head = load_file("{folder}/v_head.safetensors")["v_head.weight"]  # (1, hidden)
-# score of a sequence: the value at its last token
-values = body(input_ids=ids, attention_mask=mask).last_hidden_state @ v_head.T  # (batch, len, 1)
-# or, with dschat: create_critic_model("{folder}", tokenizer, None, rlhf_training=True)"""
-
-
-def _card(export: AdapterExport) -> str:
-    """The adapter folder's README.md: what it holds and how to load it."""
-    s = export.settings
-    extra = ", ".join(filter(None, [
-        f"modules {s['modules_to_save']}" if s["modules_to_save"] else "",
-        "the LoRA layers' biases" if s["bias"] == "lora_only" else "",
-        "the value head (v_head.safetensors)" if export.value_head is not None else "",
-    ])) or "nothing else (LoRA factors only: the form LoRA servers such as vLLM load)"
-    # A LoRA trained on a merged adapter: that adapter is the base, to merge into its own base first.
-    base_note = (" (itself a LoRA adapter: load it merged, PeftModel.from_pretrained(its base, it)"
-                 ".merge_and_unload(), as its README shows)"
-                 if s["base_model_name_or_path"] and is_adapter_folder(s["base_model_name_or_path"]) else "")
-    code = (_REWARD_CODE if export.value_head is not None else _CAUSAL_CODE).format(
-        base=s["base_model_name_or_path"], folder="path/to/lora_adapter")
-    return _CARD.format(task="reward model body" if export.value_head is not None else "causal LM",
-                        base=s["base_model_name_or_path"], base_note=base_note, r=s["r"], alpha=s["lora_alpha"],
-                        scaling=s["lora_alpha"] / s["r"], targets=", ".join(s["target_modules"]),
-                        extra=extra, code=code)
+    return AdapterExport(_settings(body, layers, extra, lora_biases, reward), tensors, value_head,
+                         full_shape(body.get_input_embeddings().weight)[0])
 
 
 def write_lora_adapter(export: AdapterExport, folder: str | Path, tokenizer: Any = None) -> Path:
@@ -313,7 +265,7 @@ def write_lora_adapter(export: AdapterExport, folder: str | Path, tokenizer: Any
         save_file({VALUE_HEAD_KEY: export.value_head}, str(folder / VALUE_HEAD_FILE))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(folder))
-    (folder / "README.md").write_text(_card(export), encoding="utf-8")
+    (folder / "README.md").write_text(adapter_card(export), encoding="utf-8")
     return folder
 
 

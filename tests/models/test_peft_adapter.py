@@ -447,3 +447,59 @@ def test_a_tied_weight_under_zero3_is_refused_before_anything_changes(tmp_path, 
         peft_adapter.merge_lora_adapter(model, peft_adapter.read_adapter(tmp_path / "adapter"))
     assert model.lm_head.weight is model.get_input_embeddings().weight and model.config.tie_word_embeddings
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def _readme_code(folder: Path) -> str:
+    """The python block of the README.md written into the adapter ``folder``, pointing at it."""
+    text = (folder / "README.md").read_text(encoding="utf-8")
+    return text.split("```python\n", 1)[1].split("```", 1)[0].replace("path/to/lora_adapter", str(folder))
+
+
+@pytest.mark.parametrize("only_lora", [False, True])
+def test_the_readme_loads_an_adapter_of_a_run_that_grew_the_vocabulary(tmp_path, only_lora):
+    """--add_eot_token grows the embeddings (1000 -> 1008 rows): the README's base + PeftModel failed on
+    the saved embeddings' size. It now resizes the base first, and gives the merged model's logits; an
+    adapter without the embeddings (--only_optimize_lora) lacks the new rows, and its README says so."""
+    tok = load_hf_tokenizer("tiny-llama", add_special_tokens="<|endoftext|>")
+    torch.manual_seed(0)
+    model = convert_linear_layer_to_lora(create_hf_model(AutoModelForCausalLM, "tiny-llama", tok),
+                                         LORA_MODULES["tiny-llama"], 4)
+    if only_lora:
+        only_optimize_lora_parameters(model, [])
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    out = save_hf_model(model.eval(), tok, tmp_path / "sft")
+    folder = out / "lora_adapter"
+    rows = model.get_input_embeddings().weight.shape[0]
+    assert rows > AutoModelForCausalLM.from_pretrained(resolve_model_path("tiny-llama")).config.vocab_size
+    code = _readme_code(folder)
+    assert f"base.resize_token_embeddings({rows})" in code
+    scope: dict = {}
+    exec(compile(code, str(folder / "README.md"), "exec"), scope)  # noqa: S102 -- the README's own code
+    expected = _logits(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval(), tok)
+    got = _logits(scope["model"].float().eval(), tok)
+    if only_lora:
+        assert "base + adapter is not the trained model; load the merged model in `..`" in code
+        torch.testing.assert_close(got[..., :1000], expected[..., :1000], rtol=0, atol=1e-5)  # the base's rows
+    else:
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_the_readme_of_a_critic_over_an_upstream_step2_folder_loads_it_with_dschat(tmp_path):
+    """A base in upstream's step-2 layout (pytorch_model.bin, rwtransformer.* keys) is not read by
+    AutoModel, which drew the body at random under the README's code: it points at dschat's loader."""
+    from dschat.models.adapter_card import adapter_card
+
+    base = tmp_path / "upstream_step2"
+    base.mkdir()
+    torch.save({"rwtransformer.embed_tokens.weight": torch.zeros(4, 2), "v_head.weight": torch.zeros(1, 2)},
+               base / "pytorch_model.bin")
+    settings = {"modules_to_save": None, "bias": "none", "base_model_name_or_path": str(base), "r": 4,
+                "lora_alpha": 1, "target_modules": ["q_proj"]}
+    card = adapter_card(peft_adapter.AdapterExport(settings, {}, torch.zeros(1, 2)))
+    assert "AutoModel.from_pretrained" not in card
+    assert 'critic = create_critic_model("path/to/lora_adapter", tokenizer, None, rlhf_training=True)' in card
+    (base / "model.safetensors").write_bytes(b"")  # dschat's --save_format both: AutoModel reads this one
+    assert "AutoModel.from_pretrained" in adapter_card(peft_adapter.AdapterExport(settings, {}, torch.zeros(1, 2)))
