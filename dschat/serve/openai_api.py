@@ -129,7 +129,10 @@ def _settings(request: _Common) -> DecodingSettings:
 def _refuse_unsupported(request: _Common) -> None:
     if request.n != 1:
         raise ApiError(400, f"n={request.n} is not supported: this server returns one choice per prompt (n=1)", "n")
-    unsupported = {"logprobs": request.logprobs not in (None, False, 0), "logit_bias": bool(request.logit_bias),
+    # logprobs: 0 asks the completions route for each token's log-probability (no alternatives), which
+    # is not returned either: only null / false pass (0 == False in Python, so compare by identity).
+    unsupported = {"logprobs": not (request.logprobs is None or request.logprobs is False),
+                   "logit_bias": bool(request.logit_bias),
                    "presence_penalty": request.presence_penalty != 0.0,
                    "frequency_penalty": request.frequency_penalty != 0.0}
     if isinstance(request, CompletionRequest):
@@ -293,10 +296,18 @@ def add_actor_routes(app: FastAPI, engine: ActorEngine, batcher: Batcher) -> Non
 
     created = int(time.time())
 
+    served = {"id": engine.name, "object": "model", "created": created, "owned_by": "dschat"}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": created,
-                                            "owned_by": "dschat"}]}
+        return {"object": "list", "data": [served]}
+
+    @app.get("/v1/models/{model_id:path}")  # the id is a folder: slashes in it
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != engine.name:
+            raise ApiError(404, f"model {model_id!r} is not served here; this server serves {engine.name!r}",
+                           "model", "model_not_found")
+        return served
 
     def check_model(request: _Common) -> None:
         if request.model != engine.name:

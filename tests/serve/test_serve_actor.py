@@ -106,6 +106,9 @@ def own(chat_folder):
 
 def test_models_lists_the_served_name(client, chat_folder):
     assert [m.id for m in client.models.list().data] == [str(chat_folder)]
+    assert client.models.retrieve(str(chat_folder)).id == str(chat_folder)  # a folder's slashes in the path
+    with pytest.raises(openai.NotFoundError, match="is not served here"):
+        client.models.retrieve("gpt-4o")
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:2])
@@ -352,6 +355,7 @@ def test_a_seed_repeats_a_sampled_answer(client, chat_folder):
     ("/completions", {"model": "M", "prompt": []}, 400, "prompt"),
     ("/completions", {"model": "M", "prompt": "a", "n": 2}, 400, "n"),
     ("/completions", {"model": "M", "prompt": "a", "logprobs": 3}, 400, "logprobs"),
+    ("/completions", {"model": "M", "prompt": "a", "logprobs": 0}, 400, "logprobs"),  # each token's: not returned
     ("/completions", {"model": "M", "prompt": "a", "stop": [""]}, 400, "stop"),
     ("/completions", {"model": "M", "prompt": "a", "stop": ["x", "y", "z", "w", "v"]}, 400, "stop"),
     ("/completions", {"model": "M", "prompt": "a", "seed": 2**64}, 400, "seed"),
