@@ -51,7 +51,16 @@ def optim_settings(args: argparse.Namespace, num_training_steps: int) -> OptimSe
 def plan_optimizer_steps(num_batches: int, epochs: int, gradient_accumulation_steps: int,
                          max_train_steps: int = 0) -> int:
     """Optimizer steps the LR schedule is laid out over: upstream's
-    ``epochs * ceil(batches / GA)``, capped by ``--max_train_steps`` when that is > 0."""
+    ``epochs * ceil(batches / GA)``, capped by ``--max_train_steps`` when that is > 0. A run whose
+    micro-batches (``num_batches`` per epoch, every epoch) are fewer than ``gradient_accumulation_steps``
+    is one :class:`UserError` line: DeepSpeed would take no optimizer step, and the step would save
+    the model untrained (exit 0)."""
+    total = num_batches * epochs
+    if 0 < total < gradient_accumulation_steps:
+        raise UserError(f"--gradient_accumulation_steps {gradient_accumulation_steps} is more than the run's "
+                        f"{total} micro-batches ({num_batches} per epoch x {epochs} epoch(s)): no optimizer step "
+                        f"would be taken, and the untrained model saved; give at most {total}, or more epochs "
+                        "or data")
     steps = num_update_steps(num_batches, epochs, gradient_accumulation_steps)
     return min(steps, max_train_steps) if max_train_steps > 0 else steps
 

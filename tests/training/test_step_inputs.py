@@ -127,3 +127,29 @@ def test_a_path_with_a_name_too_long_for_the_file_system_is_one_line(flag, too_l
         "has a name longer than the file system allows (File name too long: a file or folder name of more than "
         "255 bytes in it, or more than 4096 bytes in all); pass a shorter path") and len(lines[0]) < 400, lines
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing made
+
+
+@pytest.mark.parametrize("step", ["step1", "step2", "dpo"])
+def test_more_accumulation_than_the_runs_micro_batches_is_one_line(step, tmp_path, capsys):
+    """DeepSpeed steps the optimizer every --gradient_accumulation_steps micro-batches: with more than
+    the run has, no step was taken, and the step saved the untrained model with exit code 0."""
+    out = tmp_path / "out"
+    argv = base_argv("tiny-opt", tmp_path / "data", "--output_dir", str(out), "--gradient_accumulation_steps",
+                     "10000", max_train_steps=0)
+    code = cli_main(load_script(step).main, argv)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert code == EXIT_USAGE and "Traceback" not in err and len(lines) == 1, err[-2000:]
+    assert lines[0].startswith("error: --gradient_accumulation_steps 10000 is more than the run's ")
+    assert "epoch(s)): no optimizer step would be taken, and the untrained model saved; give at most" in lines[0]
+    assert not (out / "config.json").exists()
+
+
+def test_accumulation_up_to_the_runs_micro_batches_is_planned():
+    from dschat.training.engine_setup import plan_optimizer_steps
+
+    assert plan_optimizer_steps(38, 1, 38) == 1 and plan_optimizer_steps(19, 2, 38) == 2  # accumulates across epochs
+    with pytest.raises(UserError, match=r"^--gradient_accumulation_steps 39 is more than the run's 38 micro-batches "
+                                        r"\(19 per epoch x 2 epoch\(s\)\)"):
+        plan_optimizer_steps(19, 2, 39)
+    assert plan_optimizer_steps(0, 1, 4) == 0  # no data: said elsewhere
