@@ -91,7 +91,7 @@ def oom_advice(step: StepSpec | str, *, cpu: bool = False, e2e: bool = False) ->
             "  - LoRA: --actor_lora_dim 128 --critic_lora_dim 128 --only_optimize_lora",
             "  - offload: --offload (needs ZeRO 1-3), --offload_reference_model / --offload_reward_model "
             "(need the actor / critic at ZeRO-3)",
-            "  - with the Hybrid Engine: --release_inference_cache, --unpin_actor_parameters",
+            "  - with the Hybrid Engine: --release_inference_cache",
             "  - under ZeRO-3: --zero3_gather_for_generation off, --zero3_gather_for_scoring off (and "
             "--zero3_gather_for_training off where you set it on): fetch module by module, no model held whole",
             "  - rule of thumb (upstream): actor + critic fit in about (GPU memory in GB / 6) billion parameters",

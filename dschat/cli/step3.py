@@ -327,7 +327,9 @@ def add_step3_deepspeed_args(parser: argparse.ArgumentParser) -> argparse._Argum
                             "Phi-3, Gemma, OPT, GPT-NeoX; other models fall back to the module, saying why once).")
     group.add_argument("--unpin_actor_parameters", action="store_true",
                        help="Unpin actor's parameters during generation. This makes generation slower "
-                            "but requires less memory.")
+                            "but requires less memory. (dschat: read only by DeepSpeed's Hybrid Engine, which is "
+                            "not built under transformers 5, so not used (step 3 says so); --release_inference_cache "
+                            "frees dschat's Hybrid Engine's gathered weights and KV cache.)")
     group.add_argument("--release_inference_cache", action="store_true",
                        help="Release the memory cache used for inference. This makes generation "
                             "preparation slower but might increase e2e throughput by using larger batch size.")

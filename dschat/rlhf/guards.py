@@ -94,6 +94,13 @@ def validate_step3_args(args: Any, *, accelerator: str, dtype: str, python_rewar
         warnings.append(f"{', '.join(f'--{n}' for n in sorted(ptx_only))} not used: PPO-ptx needs "
                         "--unsupervised_dataset_name")
     positive_flag("tp_gather_partition_size", args.tp_gather_partition_size)
+    if getattr(args, "unpin_actor_parameters", False):
+        warnings.append("--unpin_actor_parameters not used: only DeepSpeed's Hybrid Engine reads it, and it is not "
+                        "built under transformers 5 (Cache objects); --release_inference_cache frees dschat's Hybrid "
+                        "Engine's gathered weights and KV cache after each rollout")
+    if flags_off_default(args, ("tp_gather_partition_size",)) and args.inference_tp_size == 1:
+        warnings.append("--tp_gather_partition_size not used: it sizes the tensor-parallel Hybrid Engine's gathers "
+                        "(--inference_tp_size > 1)")
     if args.inference_tp_size < 1:
         raise UserError(f"--inference_tp_size must be >= 1, got {args.inference_tp_size}")
     if args.inference_tp_size > 1 and args.actor_zero_stage != 3:

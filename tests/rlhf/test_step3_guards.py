@@ -198,6 +198,14 @@ def test_flags_that_do_nothing_in_this_run_are_said_and_a_bad_gather_partition_i
     for value in (0, -3):
         with pytest.raises(UserError, match=f"^--tp_gather_partition_size must be a positive integer, got {value}$"):
             validate_step3_args(_args(tp_gather_partition_size=value), accelerator="cpu", dtype="fp32")
+    # Read only by DeepSpeed's Hybrid Engine (never built under transformers 5): it did nothing, silently.
+    [said] = validate_step3_args(_args(unpin_actor_parameters=True), accelerator="cpu", dtype="fp32")
+    assert said.startswith("--unpin_actor_parameters not used: only DeepSpeed's Hybrid Engine reads it")
+    assert validate_step3_args(_args(tp_gather_partition_size=4), accelerator="cpu", dtype="fp32") == [
+        "--tp_gather_partition_size not used: it sizes the tensor-parallel Hybrid Engine's gathers "
+        "(--inference_tp_size > 1)"]
+    assert validate_step3_args(_args(tp_gather_partition_size=4, inference_tp_size=2, actor_zero_stage=3,
+                                     enable_hybrid_engine=True), accelerator="cpu", dtype="fp32") == []
 
 
 def test_gamma_applies_to_reinforce_pp_and_gae_flags_to_ppo():
