@@ -125,6 +125,7 @@ def main() -> None:
                                               "--eval_interval", str(last), *CONFIGS[name]],
                        root / f"{name}.log", unset=("critic_model_name_or_path",))
             table[name][seed] = summarise(out / "metrics.jsonl")
+    cli.out.mkdir(parents=True, exist_ok=True)  # --summary_only on a folder no run has made yet
     (cli.out / "table.json").write_text(json.dumps(table, indent=1))
     print("| configuration | " + " | ".join(f"seed {s}" for s in cli.seeds)
           + " | pooled | s/step | dropped groups (rounds/step) |")

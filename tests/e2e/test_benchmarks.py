@@ -621,3 +621,56 @@ def test_startup_benchmark_times_both_modes_and_sees_deepspeed_import_mlflow(tmp
     assert rows == {"| guarded": "no |", "| unguarded": "yes |"}
     assert any(line.startswith("unguarded / guarded: ") for line in lines)
     assert "command: `python benchmarks/startup.py --module deepspeed" in results.read_text()
+
+
+def test_spine_trace_counts_files_back_calls_and_two_way_pairs_by_hand():
+    bench = _load("trace_spine")
+
+    def frame(file: str, name: str, back=None):
+        return SimpleNamespace(f_code=SimpleNamespace(co_filename=str(REPO / file), co_name=name), f_back=back)
+
+    trace = bench.SpineTrace()
+    loop = frame("dschat/rlhf/loop.py", "run")
+    a = frame("dschat/rlhf/a.py", "make", loop)
+    b = frame("dschat/rlhf/b.py", "score", a)
+    outside = frame("/usr/lib/python3/x.py", "helper", b)  # not a project file: passed over on the stack
+    calls = [a, b, frame("dschat/rlhf/a.py", "again", outside), frame("dschat/rlhf/loop.py", "closure", b),
+             frame("dschat/rlhf/b.py", "score2", a)]
+    for f in calls:
+        trace(f, "call", None)
+    trace(frame("dschat/rlhf/c.py", "ignored", a), "return", None)  # only calls count
+    assert trace.files == {"dschat/rlhf/a.py", "dschat/rlhf/b.py", "dschat/rlhf/loop.py"}
+    assert trace.edges == {("dschat/rlhf/loop.py", "dschat/rlhf/a.py"): 1, ("dschat/rlhf/a.py", "dschat/rlhf/b.py"): 2,
+                           ("dschat/rlhf/b.py", "dschat/rlhf/a.py"): 1, ("dschat/rlhf/b.py", "dschat/rlhf/loop.py"): 1}
+    assert trace.back_calls == {("dschat/rlhf/b.py", "dschat/rlhf/a.py:again"): 1,
+                                ("dschat/rlhf/b.py", "dschat/rlhf/loop.py:closure"): 1}
+    assert trace.two_way_pairs() == [("dschat/rlhf/a.py", "dschat/rlhf/b.py")]  # b -> loop is one way
+    assert trace.report(verbose=False).splitlines() == ["files: 3", "back-calls: 2 edges, 2 calls", "two-way pairs: 1"]
+
+
+def test_spine_trace_runs_one_ppo_iteration_and_the_loop_calls_nothing_back():
+    """The step-3 loop (run_ppo) calls out and never back into a file below it on the stack."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "trace_spine.py")], capture_output=True,
+                          text=True, timeout=600, env=env, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert "traced: dschat.rlhf.ppo_loop:run_ppo" in lines
+    assert "back-calls: 0 edges, 0 calls" in lines and "two-way pairs: 0" in lines
+    assert any(line.startswith("files: ") and int(line.split()[1]) > 10 for line in lines)
+
+
+def test_rlvr_options_summary_of_a_folder_no_run_made_says_not_run(tmp_path):
+    """--summary_only runs nothing; on a folder that does not exist yet it wrote table.json into it
+    before making it (a FileNotFoundError)."""
+    import subprocess
+
+    out = tmp_path / "rlvr"
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "rlvr_options.py"), "--out", str(out),
+                           "--summary_only", "--seeds", "1", "--configs", "grpo"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "| grpo | not run |" in proc.stdout and (out / "table.json").is_file()
