@@ -196,14 +196,22 @@ def _is_still(name: str, parent_fd: int, fd: int) -> bool:
     return (entry.st_dev, entry.st_ino) == (held.st_dev, held.st_ino)
 
 
-def _remove_own(name: str, parent_fd: int, fd: int) -> None:
-    """Delete the folder ``name`` (in the folder open as ``parent_fd``) if it is still the one open
-    as ``fd``: a folder another account put in its place is left alone."""
+def _remove_own(parent: Path, name: str, parent_fd: int, fd: int) -> None:
+    """Delete the folder ``name`` of ``parent`` (open as ``parent_fd``) if it is still the one open as
+    ``fd``: a folder another account put in its place is left alone."""
     if _is_still(name, parent_fd, fd):
         try:
             shutil.rmtree(name, dir_fd=parent_fd)
         except TypeError:  # Python 3.10's rmtree takes no dir_fd
-            shutil.rmtree(_through(parent_fd, Path(".")) / name)
+            shutil.rmtree(_through(parent_fd, parent) / name)
+
+
+def _remove_empty(name: str, parent_fd: int, fd: int) -> None:
+    """Remove the folder ``name`` (in the folder open as ``parent_fd``) if it is still the one open as
+    ``fd``; an OSError when it is not empty: an entry moved there and not recorded (a signal between a
+    rename and its record) is never deleted."""
+    if _is_still(name, parent_fd, fd):
+        os.rmdir(name, dir_fd=parent_fd)
 
 
 @contextlib.contextmanager
@@ -242,7 +250,7 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
                 os.fchmod(fds[name], 0o700)  # only its owner's: recover_in_place trusts nothing else
         except FileExistsError as err:
             for name, fd in fds.items():
-                _remove_own(name, path_fd, fd)
+                _remove_own(path, name, path_fd, fd)
             raise UserError(f"{path / err.filename} appeared before dschat made it: another account can write to "
                             f"{path}, so a save there is not safe; save into a folder only you can write to") from err
         aside_fd, stage_fd = fds[aside.name], fds[stage.name]
@@ -252,8 +260,8 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
             with contextlib.suppress(OSError):
                 (work / JOURNAL).unlink(missing_ok=True)
                 fsync_path(work)
-                _remove_own(stage.name, path_fd, stage_fd)
-                _remove_own(aside.name, path_fd, aside_fd)
+                _remove_own(path, stage.name, path_fd, stage_fd)
+                _remove_empty(aside.name, path_fd, aside_fd)  # empty here: nothing moved, or all moved back
 
         try:
             yield work
@@ -272,15 +280,15 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
         except BaseException:
             drop()
             raise
-        moves = _Moves(here, work, away, drop_aside=lambda: _remove_own(aside.name, path_fd, aside_fd))
+        moves = _Moves(here, work, away, drop_aside=lambda: _remove_empty(aside.name, path_fd, aside_fd))
         try:
             moves.forward(names, removes)
         except BaseException:
             if moves.undo():
                 drop()
             raise
-        _remove_own(aside.name, path_fd, aside_fd)  # step 4: the replaced entries, then the staging folder
-        _remove_own(stage.name, path_fd, stage_fd)
+        _remove_own(path, aside.name, path_fd, aside_fd)  # step 4: the replaced entries, then the staging folder
+        _remove_own(path, stage.name, path_fd, stage_fd)
 
 
 def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> list[str]:
@@ -324,12 +332,15 @@ def recover_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> li
         if not owned_privately(aside):
             notices.append(f"left {aside} alone: it is not a folder that only you own and can write to")
             continue
+        put_back = 0
         for entry in sorted(aside.iterdir()):
             if not os.path.lexists(path / entry.name):
                 os.replace(entry, path / entry.name)
+                put_back += 1
         with contextlib.suppress(OSError):
             shutil.rmtree(aside)
-        notices.append(f"put back the entries of an interrupted save into {path}")
+        if put_back:  # an empty one: a save stopped before its swap (the folder is made first)
+            notices.append(f"put back the entries of an interrupted save into {path}")
     return notices
 
 

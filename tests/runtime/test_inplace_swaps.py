@@ -97,3 +97,60 @@ def test_a_save_leaves_no_folder_of_its_own_behind(scene):
         (stage / "model.safetensors").write_bytes(b"new weights")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert (out / "model.safetensors").read_bytes() == b"new weights"
+
+
+def test_a_signal_between_a_rename_and_its_record_loses_nothing(scene, monkeypatch):
+    """A Ctrl-C right after a rename, before the save recorded it: the undo cannot put that entry back,
+    so the folder it went to is not deleted (it was, with the earlier config.json and the new one);
+    the journal stays, and recovery finishes the save."""
+    out, _ = scene
+    real = inplace._Moves.move
+
+    def move(self, src, dst):
+        real(self, src, dst)
+        self.done.pop()  # as if the signal came before the record
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inplace._Moves, "move", move)
+    with pytest.raises(KeyboardInterrupt):
+        with save_in_place(out, is_model_artifact) as stage:
+            (stage / "config.json").write_text('{"new": 1}')
+            (stage / "model.safetensors").write_bytes(b"new weights")
+    monkeypatch.undo()
+    assert recover_in_place(out, is_model_artifact) == [f"finished an interrupted save into {out}"]
+    assert (out / "config.json").read_text() == '{"new": 1}' and (out / "model.safetensors").read_bytes() == b"new weights"
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_save_killed_while_writing_is_removed_with_one_true_notice(scene):
+    """The replaced-entries folder is made before the write: a kill then leaves it empty beside a
+    staging folder without its journal. Recovery said it put entries back; it put none."""
+    out, _ = scene
+    (out / f"{STAGING_PREFIX}0123abcd").mkdir(mode=0o700)
+    (out / f"{STAGING_PREFIX}0123abcd" / "config.json").write_text("half")
+    (out / f"{REPLACED_PREFIX}0123abcd").mkdir(mode=0o700)
+    assert recover_in_place(out, is_model_artifact) == [f"removed the unfinished save {STAGING_PREFIX}0123abcd in {out}"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_without_proc_and_rmtree_dir_fd_the_save_goes_by_its_names(scene, monkeypatch):
+    """Where /proc/self/fd is missing (and Python 3.10's rmtree takes no dir_fd) the save's folders
+    are removed by their names under the output folder, not the working directory."""
+    import shutil
+
+    out, _ = scene
+    real_rmtree = shutil.rmtree
+
+    def rmtree(path, *args, dir_fd=None, **kwargs):
+        if dir_fd is not None:
+            raise TypeError("rmtree() got an unexpected keyword argument 'dir_fd'")
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(inplace, "_through", lambda fd, fallback: fallback)
+    monkeypatch.setattr(inplace.shutil, "rmtree", rmtree)
+    with save_in_place(out, is_model_artifact) as stage:
+        assert stage.parent == out
+        (stage / "config.json").write_text('{"new": 1}')
+        (stage / "model.safetensors").write_bytes(b"new weights")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == '{"new": 1}'
