@@ -503,3 +503,19 @@ def test_the_readme_of_a_critic_over_an_upstream_step2_folder_loads_it_with_dsch
     assert 'critic = create_critic_model("path/to/lora_adapter", tokenizer, None, rlhf_training=True)' in card
     (base / "model.safetensors").write_bytes(b"")  # dschat's --save_format both: AutoModel reads this one
     assert "AutoModel.from_pretrained" in adapter_card(peft_adapter.AdapterExport(settings, {}, torch.zeros(1, 2)))
+
+
+@pytest.mark.parametrize("saved", [True, False])
+def test_the_readme_of_a_hub_base_resizes_it_when_it_loads_with_fewer_rows(saved):
+    """A hub id's config is not read at save time: the README's code checks the base it loaded."""
+    from dschat.models.adapter_card import adapter_card
+
+    settings = {"modules_to_save": ["embed_tokens", "lm_head"] if saved else None, "bias": "none",
+                "base_model_name_or_path": "org/some-model", "r": 4, "lora_alpha": 1, "target_modules": ["q_proj"]}
+    tensors = {"base_model.model.model.embed_tokens.modules_to_save.default.weight": torch.zeros(2, 2)} if saved else {}
+    card = adapter_card(peft_adapter.AdapterExport(settings, tensors, None, 32008))
+    code = card.split("```python\n", 1)[1].split("```", 1)[0]
+    assert ("if base.get_input_embeddings().weight.shape[0] != 32008:  # the run grew the embeddings (--add_eot_token)\n"
+            "    base.resize_token_embeddings(32008)\n") in code
+    assert ("this adapter lacks the new rows" in code) is (not saved)
+    compile(code, "README.md", "exec")  # valid Python
