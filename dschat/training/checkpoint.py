@@ -62,11 +62,12 @@ from dschat.runtime.dist import barrier, gather_hosts, gather_ints, get_rank, ge
 from dschat.runtime.fs import _disk_full_is_a_user_error, atomic_file, foreign_link_line, fsync_path, fsync_tree
 from dschat.runtime.trust import missing_ancestors, remove_made_folders
 from dschat.training.consolidated import derived_rng_state, resume_on_new_shape, save_consolidated
-from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, TMP_PREFIX, WRITING_TAG, checkpoint_name,
-                                      complete_checkpoints, earlier_run_checkpoints, foreign_checkpoints, is_foreign,
-                                      is_in, latest_checkpoint, left_by_dschat, next_sequence, protected_problem,
-                                      prune_leftovers, prune_rotated, put_back, replaces_protected, restore_replaced,
-                                      retire_incomplete, set_aside, steps_of as _steps_of)
+from dschat.training.rotation import (MARKER, PROBE_PREFIX, PROTECTED_FIX, PRUNED_PREFIX, TMP_PREFIX, WRITING_TAG,
+                                      checkpoint_name, complete_checkpoints, earlier_run_checkpoints,
+                                      foreign_checkpoints, is_foreign, is_in, latest_checkpoint, left_by_dschat,
+                                      next_sequence, protected_problem, prune_leftovers, prune_rotated, put_back,
+                                      replaces_protected, restore_replaced, retire_incomplete, set_aside,
+                                      steps_of as _steps_of)
 from dschat.training.nonfinite import check_weights_finite
 from dschat.training.weights_file import load_weights, save_weights
 from dschat.training.checkpoint_records import (FORMAT_VERSION, check_models, check_trainable, check_written_like,
@@ -342,8 +343,10 @@ def save_checkpoint(root: Path, engines: Mapping[str, Any], position: TrainingPo
     refuse_unless_all(not (rank == 0 and os.path.lexists(tmp) and not left_by_dschat(tmp)), f"would replace {tmp}, "
                       "which dschat did not write", f"move it out of {root}, then continue with --resume")
     if rank == 0:
-        if os.path.lexists(tmp):  # a save of this step stopped midway (left_by_dschat)
-            shutil.rmtree(tmp)
+        if os.path.lexists(tmp):  # a stopped save of this step (left_by_dschat): renamed to a name start-up
+            doomed = root / f"{PRUNED_PREFIX}{tmp.name}-{secrets.token_hex(4)}"  # prunes, then deleted
+            os.replace(tmp, doomed)  # a kill while deleting leaves dschat's own leftover, never a tagless .tmp-step
+            shutil.rmtree(doomed)
         tmp.mkdir(parents=True)
         (tmp / WRITING_TAG).write_text("a checkpoint dschat is writing; complete once it holds "
                                        f"{MARKER}\n", encoding="utf-8")

@@ -8,6 +8,7 @@ import os
 import random
 import re
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,6 +118,31 @@ def test_what_a_save_would_meet_is_refused_at_start_up_and_never_deleted(tmp_pat
         ckpt.save_checkpoint(root, {}, ckpt.TrainingPosition(0, 2, 2, 2), keep=2, rank=0)
     assert (mine / "mine.txt").read_text() == "precious" and ckpt.complete_checkpoints(root) == []
     assert (root / ckpt.checkpoint_name(4)).read_text() == "notes"
+
+
+def test_a_kill_while_a_save_deletes_a_stopped_save_of_its_step_leaves_dschats_own_leftover(tmp_path, monkeypatch):
+    """A save of step N first deletes the .tmp-step_<N> a stopped save left. Deleted in place, a kill
+    midway could leave it without its tag and not empty: the next start refused it as the user's.
+    It is renamed to a .tmp-pruned-* name first, which start-up prunes."""
+    from argparse import Namespace
+
+    root = ckpt.checkpoint_root(tmp_path)
+    stopped = root / f"{ckpt.TMP_PREFIX}{ckpt.checkpoint_name(2)}"
+    (stopped / "consolidated").mkdir(parents=True)
+    (stopped / ckpt.WRITING_TAG).write_text("x")
+    (stopped / "consolidated" / "state.json").write_text("{}")
+
+    def killed(path, *args, **kwargs):
+        (Path(path) / ckpt.WRITING_TAG).unlink()  # rmtree's first removals, then the kill
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ckpt.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.save_checkpoint(root, {}, ckpt.TrainingPosition(0, 2, 2, 2), keep=2, rank=0)
+    monkeypatch.undo()
+    args = Namespace(output_dir=str(tmp_path), save_interval=2, resume=True, resume_from=None)
+    ckpt.prepare_checkpoint_root(args, rank=0)  # not refused as a folder of the user's: pruned
+    assert list(root.iterdir()) == []
 
 
 def _interrupt_after(monkeypatch, optimizer_steps: int) -> None:
