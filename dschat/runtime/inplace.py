@@ -104,6 +104,7 @@ class _Moves:
         self.path, self.stage, self.aside = path, stage, aside
         self.drop_aside = drop_aside or (lambda: aside.rmdir() if _private_dir(aside) else None)
         self.done: list[tuple[Path, Path]] = []
+        self.names: list[str] = []  # the staged names (forward's)
 
     def move(self, src: Path, dst: Path) -> None:
         os.replace(src, dst)
@@ -113,6 +114,7 @@ class _Moves:
         """Step 3 for the staged ``names`` and the entries of ``path`` the save ``removes``; repeating it
         after a kill finishes what the killed process began."""
         path, stage, aside = self.path, self.stage, self.aside
+        self.names = names
         lost = [name for name in names if not os.path.lexists(stage / name) and not os.path.lexists(path / name)]
         if lost:  # neither staged nor moved in: finishing would remove the old entries for nothing
             raise UserError(f"the interrupted save {stage} lacks {', '.join(lost)}, which {path} does not hold "
@@ -133,13 +135,17 @@ class _Moves:
         fsync_path(path)
 
     def undo(self) -> bool:
-        """Reverse the renames done; False when one of them fails (the journal then stays, and
-        :func:`recover_in_place` finishes the save instead)."""
+        """Reverse the renames done; False when one of them fails, or when a rename was done and not
+        recorded (a signal between the two): a staged entry not back in the staging folder, or an
+        entry left in the replaced-entries folder. The journal then stays, and
+        :func:`recover_in_place` finishes the save instead."""
         try:
             while self.done:
                 src, dst = self.done[-1]
                 os.replace(dst, src)
                 self.done.pop()
+            if not all(os.path.lexists(self.stage / name) for name in self.names):
+                return False
             self.drop_aside()
         except OSError:
             return False

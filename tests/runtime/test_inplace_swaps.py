@@ -154,3 +154,29 @@ def test_without_proc_and_rmtree_dir_fd_the_save_goes_by_its_names(scene, monkey
         (stage / "model.safetensors").write_bytes(b"new weights")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert (out / "config.json").read_text() == '{"new": 1}'
+
+
+def test_a_signal_after_a_staged_entry_moved_in_unrecorded_loses_nothing(scene, monkeypatch):
+    """The other direction: a new entry (a name the earlier save did not have) moved in, the signal
+    before its record. The undo put the rest back and dropped the journal: the folder kept the old
+    config beside the new weights, and nothing said so. The journal now stays; recovery finishes."""
+    out, _ = scene
+    (out / "model.safetensors").rename(out / "pytorch_model.bin")  # the earlier save wrote a .bin
+    real = inplace._Moves.move
+
+    def move(self, src, dst):
+        real(self, src, dst)
+        if os.path.basename(dst) == "model.safetensors":
+            self.done.pop()  # as if the signal came before the record
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(inplace._Moves, "move", move)
+    with pytest.raises(KeyboardInterrupt):
+        with save_in_place(out, is_model_artifact) as stage:
+            (stage / "config.json").write_text('{"new": 1}')
+            (stage / "model.safetensors").write_bytes(b"new weights")
+    monkeypatch.undo()
+    assert inplace.unfinished_save(out) is not None
+    assert recover_in_place(out, is_model_artifact) == [f"finished an interrupted save into {out}"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert (out / "config.json").read_text() == '{"new": 1}'
