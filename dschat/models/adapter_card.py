@@ -70,11 +70,11 @@ def _base_rows(base: str | None) -> int | None:
 
 
 def _resize_line(export: AdapterExport, base_rows: int | None) -> str:
-    """The README's lines growing the base's embeddings to the trained model's rows when the run grew
-    them (``--add_eot_token``, or rounded up to a multiple of 8): PEFT refuses saved embeddings of
-    another size, and an adapter without them (``--only_optimize_lora``) lacks the new rows, which only
-    the merged model has. ``base_rows`` None (a hub id: its config is not read here): the code checks
-    the base it loaded."""
+    """The README's lines resizing the base's embeddings to the trained model's rows when the run
+    resized them (grown by ``--add_eot_token`` or rounded up to a multiple of 8; step 3 may also cut a
+    larger table to its tokenizer's length): PEFT refuses saved embeddings of another size, and an
+    adapter without them (``--only_optimize_lora``) lacks grown rows, which only the merged model has.
+    ``base_rows`` None (a hub id: its config is not read here): the code checks the base it loaded."""
     rows = export.vocab_rows
     if rows is None or rows == base_rows:
         return ""
@@ -83,14 +83,14 @@ def _resize_line(export: AdapterExport, base_rows: int | None) -> str:
     if base_rows is None:
         note = (f"\n# If the run grew them, this adapter lacks the new rows (--only_optimize_lora): {lacks}."
                 if lacks else "")
-        return (f"{note}\nif base.get_input_embeddings().weight.shape[0] != {rows}:  # the run grew the embeddings "
-                f"(--add_eot_token)\n    base.resize_token_embeddings({rows})")
-    if lacks:
+        return (f"{note}\nif base.get_input_embeddings().weight.shape[0] != {rows}:  # the run resized the "
+                f"embeddings\n    base.resize_token_embeddings({rows})")
+    if lacks and rows > base_rows:
         return (f"\n# The run grew the embeddings ({base_rows} -> {rows} rows: --add_eot_token, or rounded up to a "
                 f"multiple of 8),\n# and this adapter does not hold them (--only_optimize_lora): {lacks}."
                 f"\nbase.resize_token_embeddings({rows})")
-    return (f"\nbase.resize_token_embeddings({rows})  # the run grew the embeddings: {base_rows} -> {rows} rows, as "
-            "this adapter's")
+    return (f"\nbase.resize_token_embeddings({rows})  # the run resized the embeddings: {base_rows} -> {rows} "
+            "rows")
 
 
 def _upstream_layout(base: str) -> bool:

@@ -515,7 +515,22 @@ def test_the_readme_of_a_hub_base_resizes_it_when_it_loads_with_fewer_rows(saved
     tensors = {"base_model.model.model.embed_tokens.modules_to_save.default.weight": torch.zeros(2, 2)} if saved else {}
     card = adapter_card(peft_adapter.AdapterExport(settings, tensors, None, 32008))
     code = card.split("```python\n", 1)[1].split("```", 1)[0]
-    assert ("if base.get_input_embeddings().weight.shape[0] != 32008:  # the run grew the embeddings (--add_eot_token)\n"
+    assert ("if base.get_input_embeddings().weight.shape[0] != 32008:  # the run resized the embeddings\n"
             "    base.resize_token_embeddings(32008)\n") in code
     assert ("this adapter lacks the new rows" in code) is (not saved)
     compile(code, "README.md", "exec")  # valid Python
+
+
+def test_the_readme_of_a_table_cut_to_the_tokenizer_resizes_without_saying_rows_are_missing(tmp_path):
+    """Step 3 may cut a larger table to its tokenizer's length (rounded up to 8): base + adapter, cut
+    alike, is the trained model, so an adapter without embeddings lacks nothing."""
+    from dschat.models.adapter_card import adapter_card
+
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "config.json").write_text(json.dumps({"model_type": "qwen2", "vocab_size": 151936}))
+    settings = {"modules_to_save": None, "bias": "none", "base_model_name_or_path": str(base), "r": 4,
+                "lora_alpha": 1, "target_modules": ["q_proj"]}
+    card = adapter_card(peft_adapter.AdapterExport(settings, {}, None, 151672))
+    assert "base.resize_token_embeddings(151672)  # the run resized the embeddings: 151936 -> 151672 rows" in card
+    assert "not the trained model" not in card and "grew" not in card
