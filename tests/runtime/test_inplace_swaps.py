@@ -99,17 +99,22 @@ def test_a_save_leaves_no_folder_of_its_own_behind(scene):
     assert (out / "model.safetensors").read_bytes() == b"new weights"
 
 
-def test_a_signal_between_a_rename_and_its_record_loses_nothing(scene, monkeypatch):
-    """A Ctrl-C right after a rename, before the save recorded it: the undo cannot put that entry back,
-    so the folder it went to is not deleted (it was, with the earlier config.json and the new one);
-    the journal stays, and recovery finishes the save."""
+@pytest.mark.parametrize("unrecorded", ["config.json", "model.safetensors"])
+def test_a_signal_between_a_rename_and_its_record_loses_nothing(scene, monkeypatch, unrecorded):
+    """A Ctrl-C right after a rename, before the save recorded it, so the undo cannot reverse it.
+    config.json: the earlier one moved aside; the folder it went to was deleted with it (and the new
+    one). model.safetensors: a new entry (the earlier save wrote a .bin) moved in; the undo put the
+    rest back and dropped the journal, leaving the old config beside the new weights and nothing to
+    say so. Either way the journal now stays, and recovery finishes the save."""
     out, _ = scene
+    (out / "model.safetensors").rename(out / "pytorch_model.bin")
     real = inplace._Moves.move
 
     def move(self, src, dst):
         real(self, src, dst)
-        self.done.pop()  # as if the signal came before the record
-        raise KeyboardInterrupt
+        if os.path.basename(src) == unrecorded:
+            self.done.pop()  # as if the signal came before the record
+            raise KeyboardInterrupt
 
     monkeypatch.setattr(inplace._Moves, "move", move)
     with pytest.raises(KeyboardInterrupt):
@@ -117,6 +122,7 @@ def test_a_signal_between_a_rename_and_its_record_loses_nothing(scene, monkeypat
             (stage / "config.json").write_text('{"new": 1}')
             (stage / "model.safetensors").write_bytes(b"new weights")
     monkeypatch.undo()
+    assert inplace.unfinished_save(out) is not None
     assert recover_in_place(out, is_model_artifact) == [f"finished an interrupted save into {out}"]
     assert (out / "config.json").read_text() == '{"new": 1}' and (out / "model.safetensors").read_bytes() == b"new weights"
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
@@ -152,31 +158,5 @@ def test_without_proc_and_rmtree_dir_fd_the_save_goes_by_its_names(scene, monkey
         assert stage.parent == out
         (stage / "config.json").write_text('{"new": 1}')
         (stage / "model.safetensors").write_bytes(b"new weights")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
-    assert (out / "config.json").read_text() == '{"new": 1}'
-
-
-def test_a_signal_after_a_staged_entry_moved_in_unrecorded_loses_nothing(scene, monkeypatch):
-    """The other direction: a new entry (a name the earlier save did not have) moved in, the signal
-    before its record. The undo put the rest back and dropped the journal: the folder kept the old
-    config beside the new weights, and nothing said so. The journal now stays; recovery finishes."""
-    out, _ = scene
-    (out / "model.safetensors").rename(out / "pytorch_model.bin")  # the earlier save wrote a .bin
-    real = inplace._Moves.move
-
-    def move(self, src, dst):
-        real(self, src, dst)
-        if os.path.basename(dst) == "model.safetensors":
-            self.done.pop()  # as if the signal came before the record
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(inplace._Moves, "move", move)
-    with pytest.raises(KeyboardInterrupt):
-        with save_in_place(out, is_model_artifact) as stage:
-            (stage / "config.json").write_text('{"new": 1}')
-            (stage / "model.safetensors").write_bytes(b"new weights")
-    monkeypatch.undo()
-    assert inplace.unfinished_save(out) is not None
-    assert recover_in_place(out, is_model_artifact) == [f"finished an interrupted save into {out}"]
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
     assert (out / "config.json").read_text() == '{"new": 1}'
