@@ -152,20 +152,6 @@ class _Moves:
         return True
 
 
-def _drop_stage(stage: Path) -> None:
-    """Delete a staging folder whose save failed and left ``path`` as it was: its journal first, so
-    that a kill midway leaves a staging folder without one (deleted at the next start), never a
-    journal beside a part of the staged entries, which recovery would take for a save to finish. A
-    journal that cannot be deleted keeps the whole folder (recovery then finishes the save)."""
-    try:
-        (stage / JOURNAL).unlink(missing_ok=True)
-    except OSError:
-        return
-    with contextlib.suppress(OSError):  # for a power cut; a kill sees the unlink at once
-        fsync_path(stage)
-    shutil.rmtree(stage, ignore_errors=True)
-
-
 def _finish(stage: Path, aside: Path) -> None:
     """Step 4: the replaced entries first, the staging folder (and its journal) last, so that a
     kill or an error in between leaves the journal for :func:`recover_in_place` to finish from.
@@ -262,7 +248,10 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
         aside_fd, stage_fd = fds[aside.name], fds[stage.name]
         here, work, away = _through(path_fd, path), _through(stage_fd, stage), _through(aside_fd, aside)
 
-        def drop() -> None:  # the save failed and left path as it was: the journal first (see _drop_stage)
+        def drop() -> None:
+            """The save failed and left ``path`` as it was: its journal goes first, so that a kill
+            midway leaves a staging folder without one (deleted at the next start), never a journal
+            beside a part of the staged entries, which recovery would take for a save to finish."""
             with contextlib.suppress(OSError):
                 (work / JOURNAL).unlink(missing_ok=True)
                 fsync_path(work)
