@@ -97,12 +97,10 @@ def _names(names: object) -> bool:
 
 
 class _Moves:
-    """The renames of step 3, recorded so that :meth:`undo` reverses them. ``drop_aside`` removes the
-    (empty) replaced-entries folder after an undo; by default by its path."""
+    """The renames of step 3, recorded so that :meth:`undo` reverses them."""
 
-    def __init__(self, path: Path, stage: Path, aside: Path, drop_aside: Callable[[], None] | None = None) -> None:
+    def __init__(self, path: Path, stage: Path, aside: Path) -> None:
         self.path, self.stage, self.aside = path, stage, aside
-        self.drop_aside = drop_aside or (lambda: aside.rmdir() if _private_dir(aside) else None)
         self.done: list[tuple[Path, Path]] = []
         self.names: list[str] = []  # the staged names (forward's)
 
@@ -138,15 +136,15 @@ class _Moves:
         """Reverse the renames done; False when one of them fails, or when a rename was done and not
         recorded (a signal between the two): a staged entry not back in the staging folder, or an
         entry left in the replaced-entries folder. The journal then stays, and
-        :func:`recover_in_place` finishes the save instead."""
+        :func:`recover_in_place` finishes the save instead. The caller removes the (empty)
+        replaced-entries folder."""
         try:
             while self.done:
                 src, dst = self.done[-1]
                 os.replace(dst, src)
                 self.done.pop()
-            if not all(os.path.lexists(self.stage / name) for name in self.names):
+            if not all(os.path.lexists(self.stage / name) for name in self.names) or os.listdir(self.aside):
                 return False
-            self.drop_aside()
         except OSError:
             return False
         return True
@@ -275,7 +273,7 @@ def save_in_place(path: str | os.PathLike, owns: Callable[[str], bool]) -> Itera
         except BaseException:
             drop()
             raise
-        moves = _Moves(here, work, away, drop_aside=lambda: _remove_empty(aside.name, path_fd, aside_fd))
+        moves = _Moves(here, work, away)
         try:
             moves.forward(names, removes)
         except BaseException:
