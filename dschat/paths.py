@@ -28,6 +28,12 @@ ADAPTER_CONFIG_FILE = "adapter_config.json"
 EMBEDDED_NAMES: tuple[str, ...] = ("smollm2-135m",)
 TINY_MODEL_NAMES: tuple[str, ...] = ("tiny-llama", "tiny-opt", "tiny-opt-quirk")
 SHORT_NAMES: tuple[str, ...] = EMBEDDED_NAMES + TINY_MODEL_NAMES
+
+
+def is_short_name(name: object) -> bool:
+    """Whether ``name`` is a short model name given as text (a :class:`~pathlib.Path` is a path:
+    ``Path("./tiny-opt")`` prints as ``tiny-opt``): it names the registry's model, not a folder."""
+    return isinstance(name, str) and name.strip() in SHORT_NAMES
 # Step 3's --save_best_by: the best models so far in <output_dir>/BEST_DIR, described by BEST_FILE
 # (dschat.rlhf.heldout.evaluation writes them, the report reads them).
 BEST_DIR = "best"
@@ -91,9 +97,8 @@ def adapter_base(path: str | os.PathLike) -> str | None:
 def step3_part(path: str | os.PathLike, part: str) -> Path | None:
     """``path/part`` (``actor`` or ``critic``) when ``path`` is a step-3 output root: a folder with no
     ``config.json`` of its own whose ``part/`` holds one. Else None; always for a short model name
-    given as text (:data:`SHORT_NAMES`), which wins over a same-named folder in the working directory
-    (a :class:`~pathlib.Path` is a path: ``Path("./tiny-opt")`` prints as ``tiny-opt``)."""
-    if isinstance(path, str) and path.strip() in SHORT_NAMES:
+    given as text (:func:`is_short_name`), which wins over a same-named folder in the working directory."""
+    if is_short_name(path):
         return None
     folder = Path(path).expanduser()
     if folder.is_dir() and not (folder / "config.json").exists() and (folder / part / "config.json").is_file():

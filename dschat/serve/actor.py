@@ -51,7 +51,7 @@ from dschat.models.build import create_hf_model
 from dschat.models.decoder.layouts import unsupported_reason
 from dschat.models.registry import load_config, resolve_model_path
 from dschat.models.tokenizer import end_token_ids, load_hf_tokenizer, template_turn_end_id
-from dschat.paths import SHORT_NAMES, step3_part
+from dschat.paths import is_short_name, step3_part
 from dschat.rlhf.rollout.dschat_engine import ENGINE_NAME, DschatHybridEngine
 from dschat.rlhf.rollout.sample_loop import sample_loop
 from dschat.rlhf.rollout.sampling import DecodingSettings
@@ -73,7 +73,7 @@ def resolve_actor(model: str) -> str:
     actor = step3_part(model, "actor")
     if actor is not None:  # a step-3 output root
         return str(actor)
-    if model.strip() not in SHORT_NAMES and folder.is_dir() and not (folder / "config.json").is_file():
+    if not is_short_name(model) and folder.is_dir() and not (folder / "config.json").is_file():
         if not (folder / "adapter_config.json").is_file():
             raise UserError(f"{folder} is not a model folder (no config.json); pass a step-1 or step-3 actor "
                             "folder, a step-2 reward model, a PEFT adapter folder or a registry name (tiny-opt)")

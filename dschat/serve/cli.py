@@ -32,7 +32,7 @@ from dschat.errors import UserError, cli_main
 from dschat.eval.scoring import check_reward_folder, pick_device
 from dschat.models.registry import check_seq_len_fits_positions, load_config, resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, value_head_file
-from dschat.paths import SHORT_NAMES, is_adapter_folder
+from dschat.paths import is_adapter_folder, is_short_name
 from dschat.remote_reward import API_KEY_ENV, check_api_key
 from dschat.runtime.trust import is_loopback_host
 
@@ -156,7 +156,7 @@ def _main(argv: Sequence[str] | None) -> None:
         raise UserError(f"python -m dschat.serve needs the serve extra ({_MISSING}); in the dschat checkout: "
                         "pip install -c constraints.txt '.[serve]'")
     folder = Path(args.model).expanduser()
-    reward = args.model.strip() not in SHORT_NAMES and is_reward_model(folder)  # a short name is the registry's
+    reward = not is_short_name(args.model) and is_reward_model(folder)  # a short name is the registry's
     if reward and is_adapter_folder(folder):
         resolve_model_path(str(folder))  # the adapter and the base it names: one line for a bad one
     elif reward:

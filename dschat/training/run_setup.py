@@ -16,11 +16,11 @@ import torch
 from dschat.data.cache import check_data_output_path
 from dschat.data.dispatch import resolve_dataset
 from dschat.errors import UserError
-from dschat.models.registry import SHORT_NAMES, resolve_model_path
+from dschat.models.registry import resolve_model_path
 from dschat.models.reward_model import is_reward_model_folder, refuse_reward_model
 from dschat.models.save import is_model_artifact, is_weights_file
 from dschat.cli.shared import check_seed
-from dschat.paths import METRICS_FILE, STARTED_FILE_VAR, adapter_base
+from dschat.paths import METRICS_FILE, STARTED_FILE_VAR, adapter_base, is_short_name
 from dschat.remote_reward import worst_case_seconds
 from dschat.runtime.dist import DEFAULT_DIST_TIMEOUT_MINUTES, barrier, gather_json, get_rank, init_distributed
 from dschat.runtime.ds_config import check_optimizer_offload, check_param_offload, resolve_dtype
@@ -206,7 +206,7 @@ def refuse_replacing_foreign_config(outputs: ModelOutputs) -> None:
 def _local_folder(name: str | None) -> Path | None:
     """The resolved folder a model flag's value names, or None for none, a hub id or a short name (a
     short name wins over a same-named folder, as in ``resolve_model_path``)."""
-    local = Path(str(name)).expanduser() if name and str(name).strip() not in SHORT_NAMES else None
+    local = Path(str(name)).expanduser() if name and not is_short_name(str(name)) else None
     return local.resolve() if local is not None and local.is_dir() else None
 
 
