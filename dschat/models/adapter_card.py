@@ -109,17 +109,16 @@ def adapter_card(export: AdapterExport) -> str:
         "the LoRA layers' biases" if s["bias"] == "lora_only" else "",
         "the value head (v_head.safetensors)" if export.value_head is not None else "",
     ])) or "nothing else (LoRA factors only: the form LoRA servers such as vLLM load)"
+    base = s["base_model_name_or_path"]
     # A LoRA trained on a merged adapter: that adapter is the base, to merge into its own base first.
     base_note = (" (itself a LoRA adapter: load it merged, PeftModel.from_pretrained(its base, it)"
-                 ".merge_and_unload(), as its README shows)"
-                 if s["base_model_name_or_path"] and is_adapter_folder(s["base_model_name_or_path"]) else "")
-    base = s["base_model_name_or_path"]
+                 ".merge_and_unload(), as its README shows)" if base and is_adapter_folder(base) else "")
     template = _REWARD_CODE if export.value_head is not None else _CAUSAL_CODE
     if export.value_head is not None and base and _upstream_layout(base):
         template = _UPSTREAM_REWARD_CODE
     code = template.format(base=base, folder="path/to/lora_adapter",
                            resize=_resize_line(export, _base_rows(base)))
     return _CARD.format(task="reward model body" if export.value_head is not None else "causal LM",
-                        base=s["base_model_name_or_path"], base_note=base_note, r=s["r"], alpha=s["lora_alpha"],
+                        base=base, base_note=base_note, r=s["r"], alpha=s["lora_alpha"],
                         scaling=s["lora_alpha"] / s["r"], targets=", ".join(s["target_modules"]),
                         extra=extra, code=code)

@@ -59,7 +59,7 @@ class E2EConfig:
 
     def deployment(self, name: str) -> Deployment:
         """Resolve a name or alias (``singlenode``, ``multinode``)."""
-        key = name.strip().lower().replace("-", "_")
+        key = _deployment_key(name)
         for dep in self.deployments.values():
             if key == dep.name or key in dep.aliases:
                 return dep
@@ -67,6 +67,12 @@ class E2EConfig:
 
     def choices(self) -> list[str]:
         return [n for dep in self.deployments.values() for n in (dep.name, *dep.aliases)]
+
+
+def _deployment_key(name: str) -> str:
+    """How a --deployment-type value, a deployment's name and its aliases are compared
+    (``Single-Node`` is ``single_node``)."""
+    return name.strip().lower().replace("-", "_")
 
 
 class _Reader:
@@ -175,10 +181,10 @@ def _check_names(read: _Reader, config: E2EConfig, deployments: Mapping[str, Dep
     seen: dict[str, str] = {}
     for dep in deployments.values():
         for name in (dep.name, *dep.aliases):
-            key = name.strip().lower().replace("-", "_")
+            key = _deployment_key(name)
             if key in seen:
                 read.fail(f"{name!r} names both deployment_types.{seen[key]} and deployment_types.{dep.name}")
             seen[key] = dep.name
-    if config.default_deployment.strip().lower().replace("-", "_") not in seen:
+    if _deployment_key(config.default_deployment) not in seen:
         read.fail(f"default_deployment {config.default_deployment!r} is not one of deployment_types "
                   f"({', '.join(deployments)})")
